@@ -1,0 +1,1 @@
+"""Command-line front ends: ``handoff`` (users and agents) and ``handoffd`` (the daemon)."""

@@ -1,0 +1,217 @@
+"""``handoff``: create, list, inspect, wait on, retry, cancel and validate handoffs."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from .. import dialects
+from ..documents import book, new_native_request
+from ..errors import InvalidDocument, NotFound, UsageError
+from ..fsio import parse_document, read_bytes_safely
+from ..queries import list_handoffs, validate_document
+from ..states import State
+from ..sweeper import requeue_failed
+from ..validation import builtin_schema_names
+from ..waiting import wait_terminal
+from .common import RootOption, engine, guarded, workspace
+from .render import console, handoff_table, print_json, timeline
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="Create and follow handoffs in a handoffd workspace.")
+PROG = "handoff"
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _exit_for(state: State) -> int:
+    return 0 if state is State.COMPLETED else 1
+
+
+@app.command()
+@guarded(PROG)
+def create(
+    to: Annotated[Optional[str], typer.Option("--to", help="Target agent id, e.g. @react-specialist.")] = None,
+    source: Annotated[str, typer.Option("--from", help="Requesting agent id.")] = "@cli",
+    data: Annotated[Optional[str], typer.Option("--data", help="Input data as JSON (becomes input.data).")] = None,
+    input_file: Annotated[Optional[str], typer.Option("--input", help="Read input data JSON from FILE or - (stdin).")] = None,
+    file: Annotated[Optional[Path], typer.Option("--file", help="Submit a whole document (any supported format).")] = None,
+    handoff_id: Annotated[Optional[str], typer.Option("--id", help="Use this handoff id.")] = None,
+    timeout_seconds: Annotated[Optional[float], typer.Option("--timeout-seconds", help="Handler time limit.")] = None,
+    priority: Annotated[Optional[str], typer.Option("--priority", help="critical|high|normal|low or 0-4.")] = None,
+    depends_on: Annotated[Optional[list[str]], typer.Option("--depends-on", help="Run only after this handoff completed (repeatable).")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Block until the handoff is terminal; exit 1 if it failed.")] = False,
+    wait_timeout: Annotated[Optional[float], typer.Option("--wait-timeout", help="With --wait: give up after S seconds (exit 124).")] = None,
+    root: RootOption = None,
+) -> None:
+    """Create a handoff and print its id alone on stdout."""
+    eng = engine(root, create=True)
+    if file is not None:
+        if any(v is not None for v in (to, data, input_file, handoff_id)):
+            raise UsageError("--file submits a whole document; do not combine it with --to/--data/--input/--id")
+        raw, _ = read_bytes_safely(file, eng.settings.max_document_bytes)
+        doc = parse_document(raw, str(file))
+        dialect = dialects.detect(doc)
+        validate_document(eng, doc, dialect)
+        new_id = dialect.envelope(doc).handoff_id
+    else:
+        if not to:
+            raise UsageError("--to is required (or submit a whole document with --file)")
+        if data is not None and input_file is not None:
+            raise UsageError("give input with --data or --input, not both")
+        payload: Any = None
+        if data is not None:
+            payload = _json_arg(data, "--data")
+        elif input_file is not None:
+            text = sys.stdin.read() if input_file == "-" else Path(input_file).read_text(encoding="utf-8")
+            payload = _json_arg(text, f"--input {input_file}")
+        prio: Any = int(priority) if priority is not None and priority.isdigit() else priority
+        doc = new_native_request(source=source, target=to, data=payload, now=eng.clock(),
+                                 handoff_id=handoff_id, timeout_seconds=timeout_seconds,
+                                 priority=prio, depends_on=depends_on)
+        new_id = doc["handoff_id"]
+    eng.store.create(doc, new_id, now=eng.clock())
+    print(new_id)
+    sys.stdout.flush()
+    if wait:
+        state, _ = wait_terminal(eng.store, new_id, wait_timeout)
+        raise typer.Exit(_exit_for(state))
+
+
+@app.command("ls")
+@guarded(PROG)
+def list_command(
+    state: Annotated[Optional[str], typer.Option("--state", help="pending|in-progress|completed|failed|quarantined")] = None,
+    to: Annotated[Optional[str], typer.Option("--to", help="Only handoffs to this agent.")] = None,
+    source: Annotated[Optional[str], typer.Option("--from", help="Only handoffs from this agent.")] = None,
+    limit: Annotated[int, typer.Option("--limit", help="Newest N rows.")] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    root: RootOption = None,
+) -> None:
+    """List handoffs, newest first."""
+    eng = engine(root)
+    valid = [s.value for s in State] + ["quarantined"]
+    if state is not None and state not in valid:
+        raise UsageError(f"--state must be one of {', '.join(valid)}")
+    rows = list_handoffs(eng, state=state, to=to, source=source, limit=limit)
+    if as_json:
+        print_json(rows)
+    else:
+        console().print(handoff_table(rows))
+
+
+@app.command()
+@guarded(PROG)
+def show(
+    handoff_id: Annotated[str, typer.Argument(help="The handoff id.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    root: RootOption = None,
+) -> None:
+    """Show a handoff's document and its history."""
+    eng = engine(root)
+    state, doc = eng.store.get(handoff_id)
+    if as_json:
+        print_json({"id": handoff_id, "state": state.value, "document": doc})
+        return
+    out = console()
+    out.print(f"[bold]{handoff_id}[/bold]  state: [bold]{state.value}[/bold]  "
+              f"file: {eng.store.path(state, handoff_id)}")
+    out.print(timeline(book(doc).get("history", [])))
+    out.print_json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
+
+
+@app.command()
+@guarded(PROG)
+def wait(
+    handoff_id: Annotated[str, typer.Argument(help="The handoff id.")],
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Give up after S seconds (exit 124).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the terminal document as JSON.")] = False,
+    root: RootOption = None,
+) -> None:
+    """Block until the handoff is completed (exit 0) or failed (exit 1)."""
+    eng = engine(root)
+    state, doc = wait_terminal(eng.store, handoff_id, timeout)
+    if as_json:
+        print_json(doc)
+    else:
+        print(f"{handoff_id} {state.value}")
+    raise typer.Exit(_exit_for(state))
+
+
+@app.command()
+@guarded(PROG)
+def retry(
+    handoff_ids: Annotated[Optional[list[str]], typer.Argument(help="Failed handoff ids.")] = None,
+    all_failed: Annotated[bool, typer.Option("--all-failed", help="Retry every failed handoff.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Also retry permanent (non-retryable) failures.")] = False,
+    root: RootOption = None,
+) -> None:
+    """Move failed handoffs back to pending (retry_count + 1, history kept)."""
+    eng = engine(root)
+    ids = list(handoff_ids or [])
+    if all_failed:
+        ids += eng.store.ids(State.FAILED)
+    if not ids:
+        raise UsageError("name handoff ids to retry, or pass --all-failed")
+    problems = 0
+    for handoff_id in ids:
+        try:
+            requeue_failed(eng, handoff_id, force=force)
+            print(handoff_id)
+        except (NotFound, InvalidDocument) as exc:
+            raise exc
+        except Exception as exc:  # report each, go on with the rest
+            if all_failed and not force and "permanent" in str(exc):
+                print(f"{PROG}: skipped: {exc}", file=sys.stderr)
+                continue
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            problems += 1
+    if problems:
+        raise typer.Exit(1)
+
+
+@app.command()
+@guarded(PROG)
+def validate(
+    files: Annotated[list[Path], typer.Argument(help="Documents to check.")],
+    dialect: Annotated[Optional[str], typer.Option("--dialect", help="Force a format instead of detecting it.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    root: RootOption = None,
+) -> None:
+    """Detect each document's format, validate it, print every error with its JSON path."""
+    eng = engine(root, create=False) if (root or os.environ.get("HANDOFFD_ROOT")) else None
+    from ..queries import validate_files
+    results = validate_files(files, eng, forced=dialect)
+    if as_json:
+        print_json(results)
+    else:
+        for item in results:
+            if item["valid"]:
+                print(f"{item['file']}: valid ({item['dialect']})")
+                continue
+            print(f"{item['file']}: invalid ({item.get('dialect') or 'unknown format'}): {item['headline']}")
+            for err in item["errors"]:
+                print(f"  {err['field']}: {err['error']}  [{err['schema_path']}]")
+    raise typer.Exit(0 if all(i["valid"] for i in results) else 1)
+
+
+@app.command()
+@guarded(PROG)
+def schemas(root: RootOption = None) -> None:
+    """List the JSON Schemas shipped with handoffd."""
+    for name in builtin_schema_names():
+        print(name)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name=PROG)

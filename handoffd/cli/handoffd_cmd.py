@@ -1,0 +1,68 @@
+"""``handoffd``: serve a workspace, run one batch, or sweep."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from ..daemon import Daemon
+from ..sweeper import sweep as sweep_once
+from .common import RootOption, engine, guarded
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="The handoffd daemon: claims handoffs and runs their specialists.")
+PROG = "handoffd"
+
+Workers = Annotated[Optional[int], typer.Option("--workers", help="Worker threads (default: [daemon] workers).")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log every transition.")]
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
+                        format="handoffd: %(levelname)s: %(message)s")
+    logging.getLogger("watchdog").setLevel(logging.WARNING)
+
+
+@app.command()
+@guarded(PROG)
+def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = False) -> None:
+    """Run in the foreground until SIGTERM/SIGINT; then finish or hand back work and exit 0."""
+    _logging(verbose)
+    eng = engine(root, create=True)
+    daemon = Daemon(eng, workers=workers)
+    daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info("%s -> %s", hid, st.value))
+    code = daemon.serve(ready=lambda: print(f"{PROG}: serving {eng.ws.root} "
+                                            f"({daemon.workers} workers)", file=sys.stderr, flush=True))
+    print(f"{PROG}: stopped: {daemon.report.line()}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+@app.command()
+@guarded(PROG)
+def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = False) -> None:
+    """One batch for cron: recover, process everything due, wait for it, exit.
+
+    Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/.
+    """
+    _logging(verbose)
+    eng = engine(root, create=True)
+    report = Daemon(eng, workers=workers, watch=False).run_batch()
+    print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
+    raise typer.Exit(1 if report.failed else 0)
+
+
+@app.command()
+@guarded(PROG)
+def sweep(root: RootOption = None, verbose: Verbose = False) -> None:
+    """Recover stale claims, repair interrupted moves, clean temp files, then exit."""
+    _logging(verbose)
+    eng = engine(root, create=True)
+    report = sweep_once(eng)
+    print(f"{PROG}: sweep: {report.summary()}", file=sys.stderr)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name=PROG)

@@ -1,0 +1,54 @@
+"""Human output for the ``handoff`` command (rich tables and timelines); JSON output bypasses it."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+STATE_STYLE = {"pending": "yellow", "in-progress": "cyan", "completed": "green",
+               "failed": "red", "quarantined": "magenta"}
+
+
+def console() -> Console:
+    """A stdout console; rich drops colour by itself when stdout is not a terminal."""
+    return Console(soft_wrap=False, highlight=False)
+
+
+def print_json(data: Any) -> None:
+    """Plain JSON on stdout: no colour, no wrapping."""
+    print(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def handoff_table(rows: list[dict[str, Any]]) -> Table:
+    """The ``handoff ls`` table."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("ID", "STATE", "FROM", "TO", "ATTEMPT", "UPDATED", "NOTE"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        state = row["state"]
+        table.add_row(row["id"], Text(state, style=STATE_STYLE.get(state, "")), row.get("from") or "-",
+                      row.get("to") or "-", str(row.get("attempt") or 0), row.get("updated") or "-",
+                      row.get("note") or "")
+    return table
+
+
+def timeline(history: list[dict[str, Any]]) -> Table:
+    """The ``handoff show`` history as a table, oldest first."""
+    table = Table(box=None, pad_edge=False, header_style="bold", title="history", title_justify="left")
+    for column in ("AT", "EVENT", "BY", "DETAIL"):
+        table.add_column(column, overflow="fold")
+    for item in history:
+        who = item.get("actor") or {}
+        detail = item.get("detail") or {}
+        text = ", ".join(f"{k}={_short(v)}" for k, v in detail.items())
+        table.add_row(str(item.get("at", "")), str(item.get("event", "")),
+                      f"{who.get('host', '?')}:{who.get('pid', '?')}", text)
+    return table
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,51 @@
+"""The interface every dialect implements."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+from ..documents import Envelope, Outcome
+
+
+@dataclass(frozen=True)
+class FiledState:
+    """Retry facts a dialect may print in a failure answer."""
+
+    retry_count: int
+    max_retries: int
+    retry_available: bool
+
+
+class Dialect(Protocol):
+    """A document format. Implementations are stateless singletons."""
+
+    name: str
+
+    def matches(self, doc: dict[str, Any]) -> bool:
+        """True when ``doc`` looks like this format (by ``$schema``/version fields or shape)."""
+        ...
+
+    def id_of(self, doc: dict[str, Any]) -> Any:
+        """The handoff id the document carries (unchecked; may be missing or unsafe)."""
+        ...
+
+    def schema_names(self, doc: dict[str, Any]) -> list[str]:
+        """Built-in schema file names an incoming document must satisfy."""
+        ...
+
+    def envelope(self, doc: dict[str, Any]) -> Envelope:
+        """Routing view; raise InvalidDocument when it cannot be routed."""
+        ...
+
+    def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
+        """Update format fields when a daemon claims the document."""
+        ...
+
+    def mark_pending(self, doc: dict[str, Any]) -> None:
+        """Update format fields when the document goes back to pending/ (retry, hand-back)."""
+        ...
+
+    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState) -> dict[str, Any]:
+        """The answer document filed in completed/ or failed/, in this format."""
+        ...

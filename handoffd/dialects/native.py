@@ -1,0 +1,41 @@
+"""Seed 001 (AgenticCoder file handoff): the native format."""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from ..documents import Envelope, Outcome, apply_native_outcome, native_envelope
+from ..timeutil import iso
+from .base import FiledState
+
+
+class NativeDialect:
+    """Request / response / failure documents exactly as seed 001 names their fields."""
+
+    name = "native"
+
+    def matches(self, doc: dict[str, Any]) -> bool:
+        return "handoff_id" in doc and isinstance(doc.get("target"), dict)
+
+    def id_of(self, doc: dict[str, Any]) -> Any:
+        return doc.get("handoff_id")
+
+    def schema_names(self, doc: dict[str, Any]) -> list[str]:
+        return ["native.request.schema.json"]
+
+    def envelope(self, doc: dict[str, Any]) -> Envelope:
+        return native_envelope(doc)
+
+    def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
+        doc["status"] = "in_progress"
+        doc["started_at"] = iso(now)
+
+    def mark_pending(self, doc: dict[str, Any]) -> None:
+        doc["status"] = "pending"
+        doc.pop("started_at", None)
+
+    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState) -> dict[str, Any]:
+        answer = dict(doc)
+        apply_native_outcome(answer, outcome, retry_count=filed.retry_count,
+                             max_retries=filed.max_retries, retry_available=filed.retry_available)
+        return answer

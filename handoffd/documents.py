@@ -1,0 +1,257 @@
+"""Handoff documents: ids, the daemon's bookkeeping block, history, and the native (seed 001) format.
+
+Every document keeps its own format; the daemon adds one block, ``handoffd``, holding what it needs
+(revision, attempts, lease, next attempt time, history). :class:`Envelope` is the format-neutral view
+the daemon routes by and :class:`Outcome` the format-neutral result it files; dialects translate.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from .errors import InvalidDocument
+from .timeutil import iso, parse_iso
+
+SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}$")
+BOOK = "handoffd"
+PRIORITIES = {"critical": 0, "high": 1, "normal": 2, "medium": 2, "low": 3, "backlog": 4}
+TERMINAL_OK = ("completed", "partial")
+MAX_HISTORY = 200
+
+
+def check_id(handoff_id: object) -> str:
+    """Return ``handoff_id`` if it is a safe file name, else raise InvalidDocument(UNSAFE_ID)."""
+    if not isinstance(handoff_id, str) or not SAFE_ID.match(handoff_id) or ".." in handoff_id \
+            or handoff_id.endswith(".tmp"):
+        shown = repr(handoff_id)[:80]
+        raise InvalidDocument(
+            f"handoff id {shown} is not a safe file name: use 1-128 letters, digits and . _ - @ : +, "
+            "starting with a letter or digit", code="UNSAFE_ID")
+    return handoff_id
+
+
+def new_id(now: datetime) -> str:
+    """A fresh id in seed 001's ``hoff-...`` style, unique across hosts and processes."""
+    return f"hoff-{now.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:12]}"
+
+
+def actor() -> dict[str, Any]:
+    """Who is acting: this host and process (recorded in history and leases)."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def book(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document's ``handoffd`` bookkeeping block, created empty if absent or malformed."""
+    block = doc.get(BOOK)
+    if not isinstance(block, dict):
+        block = {}
+        doc[BOOK] = block
+    return block
+
+
+def revision(doc: dict[str, Any]) -> int:
+    """The document's transition counter (0 for a document no handoffd process has written)."""
+    value = doc.get(BOOK, {}).get("revision", 0) if isinstance(doc.get(BOOK), dict) else 0
+    return value if isinstance(value, int) else 0
+
+
+def record(doc: dict[str, Any], event: str, now: datetime, **detail: Any) -> None:
+    """Append a history event and bump the revision: call once per state transition."""
+    block = book(doc)
+    block["revision"] = revision(doc) + 1
+    history = block.setdefault("history", [])
+    entry: dict[str, Any] = {"at": iso(now), "event": event, "actor": actor()}
+    if detail:
+        entry["detail"] = detail
+    history.append(entry)
+    if len(history) > MAX_HISTORY:  # keep the first event and the most recent ones
+        del history[1:len(history) - MAX_HISTORY + 1]
+
+
+def next_attempt_at(doc: dict[str, Any]) -> datetime | None:
+    """When a scheduled retry becomes due, or None when the handoff is due now."""
+    value = book(doc).get("next_attempt_at") if isinstance(doc.get(BOOK), dict) else None
+    if not isinstance(value, str):
+        return None
+    try:
+        return parse_iso(value)
+    except ValueError:
+        return None
+
+
+def priority_rank(value: object) -> int:
+    """Map a priority (0-4 or a name such as ``high``) to 0 (most urgent) .. 4; default 2."""
+    if isinstance(value, bool):
+        return 2
+    if isinstance(value, int):
+        return min(max(value, 0), 4)
+    if isinstance(value, str):
+        return PRIORITIES.get(value.lower(), 2)
+    return 2
+
+
+@dataclass
+class Envelope:
+    """What the daemon needs to route and run a handoff, whatever its format."""
+
+    handoff_id: str
+    dialect: str
+    target: str
+    source: str | None = None
+    data: Any = None
+    timeout_seconds: float | None = None
+    priority: int = 2
+    retry_policy: dict[str, Any] | None = None
+    input_schema: str | None = None
+    expected_output_schema: dict[str, Any] | None = None
+    correlation_id: str | None = None
+    conversation_id: str | None = None
+    depends_on: list[str] = field(default_factory=list)
+    contract: dict[str, Any] | None = None
+
+
+@dataclass
+class Outcome:
+    """A handler's result as the daemon files it (see DESIGN.md's command protocol).
+
+    ``status`` is one of completed, partial, failed, blocked, needs_clarification, timeout,
+    cancelled; ``error`` holds ``code``, ``message`` and optionally ``retryable``, ``errors``.
+    """
+
+    status: str
+    started_at: datetime
+    finished_at: datetime
+    output: Any = None
+    artifacts: list[Any] = field(default_factory=list)
+    validation: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    next_steps: list[Any] = field(default_factory=list)
+    warnings: list[Any] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    executed_by: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def succeeded(self) -> bool:
+        """Completed and partial outcomes are filed in completed/; the rest in failed/."""
+        return self.status in TERMINAL_OK
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of the attempt."""
+        return round((self.finished_at - self.started_at).total_seconds(), 3)
+
+
+def native_envelope(doc: dict[str, Any]) -> Envelope:
+    """Read a seed-001 request into an Envelope; raise InvalidDocument if it cannot be routed."""
+    handoff_id = check_id(doc.get("handoff_id"))
+    target = doc.get("target")
+    agent = target.get("agent_id") if isinstance(target, dict) else None
+    if not isinstance(agent, str) or not agent:
+        raise InvalidDocument(f"handoff {handoff_id} has no target.agent_id: name the specialist "
+                              "that should run it", handoff_id=handoff_id,
+                              code="SCHEMA_VALIDATION_FAILED")
+    source = doc.get("source")
+    inp = doc.get("input") if isinstance(doc.get("input"), dict) else {}
+    timeout = doc.get("timeout_seconds")
+    depends = doc.get("depends_on") or []
+    return Envelope(
+        handoff_id=handoff_id, dialect="native", target=agent,
+        source=source.get("agent_id") if isinstance(source, dict) else None,
+        data=inp.get("data"),
+        timeout_seconds=float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None,
+        priority=priority_rank(doc.get("priority")),
+        retry_policy=doc.get("retry_policy") if isinstance(doc.get("retry_policy"), dict) else None,
+        input_schema=inp.get("schema") if isinstance(inp.get("schema"), str) else None,
+        correlation_id=doc.get("correlation_id") if isinstance(doc.get("correlation_id"), str) else None,
+        conversation_id=doc.get("conversation_id") if isinstance(doc.get("conversation_id"), str) else None,
+        depends_on=[d for d in depends if isinstance(d, str)] if isinstance(depends, list) else [],
+        contract=doc.get("contract") if isinstance(doc.get("contract"), dict) else None,
+    )
+
+
+def new_native_request(
+    *, source: str, target: str, data: Any, now: datetime, handoff_id: str | None = None,
+    timeout_seconds: float | None = None, priority: str | int | None = None,
+    depends_on: list[str] | None = None,
+) -> dict[str, Any]:
+    """Build a seed-001 handoff request (the document ``handoff create`` writes)."""
+    doc: dict[str, Any] = {
+        "handoff_id": check_id(handoff_id or new_id(now)),
+        "timestamp": iso(now),
+        "status": "pending",
+        "source": {"agent_id": source},
+        "target": {"agent_id": target},
+        "input": {"data": data},
+    }
+    if timeout_seconds is not None:
+        doc["timeout_seconds"] = timeout_seconds
+    if priority is not None:
+        doc["priority"] = priority
+    if depends_on:
+        doc["depends_on"] = list(depends_on)
+    return doc
+
+
+def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: int,
+                         max_retries: int, retry_available: bool) -> None:
+    """Turn an in-progress seed-001 document into its response (completed) or failure form."""
+    doc["execution_time_seconds"] = outcome.seconds
+    for key in ("validation", "metadata"):
+        if getattr(outcome, key) is not None:
+            doc[key] = getattr(outcome, key)
+    if outcome.output is not None:
+        doc["output"] = outcome.output
+    if outcome.artifacts:
+        doc["artifacts"] = outcome.artifacts
+    doc["next_steps"] = list(outcome.next_steps)
+    doc["warnings"] = list(outcome.warnings)
+    doc.update(outcome.extra)
+    when = iso(outcome.finished_at)
+    if outcome.succeeded:
+        doc["status"] = "completed" if outcome.status == "completed" else "partial"
+        doc["completed_at"] = doc["timestamp_completed"] = when
+        doc["errors"] = []
+        for key in ("error", "failed_at", "timestamp_failed", "recovery_actions"):
+            doc.pop(key, None)
+        return
+    error = dict(outcome.error or {"code": "PROCESSING_ERROR", "message": "handler failed"})
+    code = error.get("code", "PROCESSING_ERROR")
+    doc["status"] = "cancelled" if outcome.status == "cancelled" else "failed"
+    doc["failed_at"] = doc["timestamp_failed"] = when
+    doc["error"] = {"code": code, "message": str(error.get("message", code)),
+                    "severity": error.get("severity", "error"), "timestamp": when}
+    if error.get("retryable") is not None:
+        doc["error"]["retryable"] = bool(error["retryable"])
+    if error.get("errors"):
+        doc["validation"] = {"status": "failed", "errors": error["errors"]}
+    doc["errors"] = [doc["error"]]
+    doc["retry_available"] = retry_available
+    doc["retry_count"] = retry_count
+    doc["max_retries"] = max_retries
+    doc["recovery_actions"] = recovery_actions(code)
+    for key in ("completed_at", "timestamp_completed"):
+        doc.pop(key, None)
+
+
+RECOVERY = {
+    "SCHEMA_VALIDATION_FAILED": ["Fix the input so it matches the specialist's input schema",
+                                 "Retry the handoff with corrected input"],
+    "PROCESSING_ERROR": ["Check the specialist's stderr tail in error.message", "Retry the handoff"],
+    "TIMEOUT": ["Increase timeout_seconds or make the specialist faster", "Retry the handoff"],
+    "DEPENDENCY_MISSING": ["Complete the dependency first", "Retry the handoff"],
+    "VALIDATION_FAILED": ["Fix the specialist so its output passes validation"],
+    "NO_SPECIALIST": ["Register a specialist for the target agent in handoffd.toml"],
+    "CANCELLED": ["Create a new handoff if the work is still wanted"],
+    "CONTRACT_VIOLATION": ["Keep the worker inside files_owned", "Split the task differently"],
+}
+
+
+def recovery_actions(code: str) -> list[str]:
+    """Seed 001's ``recovery_actions`` for an error code."""
+    return list(RECOVERY.get(code, ["Inspect the error and retry the handoff"]))

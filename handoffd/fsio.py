@@ -1,0 +1,194 @@
+"""Crash-safe file primitives: every document becomes visible whole or not at all.
+
+Writes go to a temp file in the same filesystem (``handoffs/.tmp``), are flushed and fsynced, then
+``link``-ed (never overwrites: EEXIST instead) or ``rename``-d (replace) into place, and the directory
+is fsynced so the new name itself survives power loss. ``durable=False`` skips the fsyncs (the
+``fast`` durability mode) but keeps atomicity.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .errors import DuplicateHandoff, InvalidDocument
+
+TMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename/link/unlink inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dump_json(doc: dict[str, Any]) -> bytes:
+    """Serialise a document the way every handoffd file is written (indented, UTF-8, newline)."""
+    return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path:
+    """Write ``data`` to a fresh temp file under ``tmp_dir`` and return its path."""
+    path = tmp_dir / f"{uuid.uuid4().hex}{TMP_SUFFIX}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise
+    os.close(fd)
+    return path
+
+
+def create_exclusive(target: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> None:
+    """Publish ``data`` at ``target`` atomically; raise DuplicateHandoff if the name is taken."""
+    tmp = write_temp(tmp_dir, data, durable=durable)
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise DuplicateHandoff(f"{target.name} already exists in {target.parent.name}/") from None
+    finally:
+        _unlink_quietly(tmp)
+    if durable:
+        fsync_dir(target.parent)
+
+
+def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> None:
+    """Atomically replace (or create) ``target`` with ``data``."""
+    tmp = write_temp(tmp_dir, data, durable=durable)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    if durable:
+        fsync_dir(target.parent)
+
+
+def unlink(path: Path, *, durable: bool) -> bool:
+    """Remove ``path``; return False if it was already gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    if durable:
+        fsync_dir(path.parent)
+    return True
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result]:
+    """Read a regular file without following symlinks, refusing anything over ``max_bytes``.
+
+    Raises FileNotFoundError if it vanished (another process claimed it) and InvalidDocument for
+    symlinks, non-regular files and oversized or empty files.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InvalidDocument(f"{path.name} is a symlink; documents must be regular files",
+                                  code="NOT_A_REGULAR_FILE") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidDocument(f"{path.name} is not a regular file", code="NOT_A_REGULAR_FILE")
+        if info.st_size > max_bytes:
+            raise InvalidDocument(
+                f"{path.name} is {info.st_size} bytes, over the {max_bytes}-byte limit "
+                "(raise daemon.max_document_bytes in handoffd.toml if this is intended)",
+                code="DOCUMENT_TOO_LARGE")
+        chunks = []
+        remaining = max_bytes + 1
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise InvalidDocument(f"{path.name} grew over the {max_bytes}-byte limit",
+                              code="DOCUMENT_TOO_LARGE")
+    return data, info
+
+
+def parse_document(data: bytes, name: str) -> dict[str, Any]:
+    """Decode UTF-8 JSON that must be an object; raise InvalidDocument saying what is wrong."""
+    if not data.strip():
+        raise InvalidDocument(f"{name} is empty", code="EMPTY_DOCUMENT")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidDocument(f"{name} is not UTF-8 (byte {exc.start})", code="NOT_UTF8") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidDocument(f"{name} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno}", code="MALFORMED_JSON") from None
+    except RecursionError:
+        raise InvalidDocument(f"{name} nests too deeply", code="MALFORMED_JSON") from None
+    if not isinstance(doc, dict):
+        raise InvalidDocument(f"{name} holds a JSON {type(doc).__name__}, not an object",
+                              code="NOT_AN_OBJECT")
+    return doc
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_renameat2: Any = None
+
+
+def _load_renameat2() -> Any:
+    global _renameat2
+    if _renameat2 is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            func = libc.renameat2
+            func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            _renameat2 = func
+        except (OSError, AttributeError):
+            _renameat2 = False
+    return _renameat2
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Atomically move ``src`` to ``dst`` unless ``dst`` exists (FileExistsError) or ``src`` is gone
+    (FileNotFoundError). Uses renameat2(RENAME_NOREPLACE); where the kernel or filesystem lacks it,
+    falls back to link + unlink, whose crash window leaves two copies that recovery resolves."""
+    import ctypes
+
+    func = _load_renameat2()
+    if func:
+        if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), str(src))
+    os.link(src, dst)
+    os.unlink(src)

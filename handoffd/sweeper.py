@@ -1,0 +1,236 @@
+"""Recovery: repair every half-finished state a crash can leave.
+
+* an in-progress handoff whose claim lock is free (its owner died) or whose lease expired
+  (its owner stalled) is retried or failed per its retry policy;
+* a handoff present in two folders keeps the copy the state machine picks (``states.winner``);
+* orphaned temp files and lock files of finished claims are removed;
+* the seen-ids record is compacted to its TTL.
+
+Sweeping is idempotent and safe to run from several processes at once.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from . import dialects
+from .documents import book, record, revision
+from .errors import DuplicateHandoff, InvalidDocument
+from .lifecycle import Engine
+from .states import State, winner
+from .store import Claim, NullLock, lease_expired, release_lock, try_lock
+
+TMP_MAX_AGE_SECONDS = 300.0
+
+
+@dataclass
+class SweepReport:
+    """What one sweep did (counts plus the ids concerned)."""
+
+    recovered: list[str] = field(default_factory=list)
+    duplicates_resolved: list[str] = field(default_factory=list)
+    temp_files_removed: int = 0
+    locks_removed: int = 0
+
+    def summary(self) -> str:
+        return (f"recovered {len(self.recovered)} abandoned claim(s), resolved "
+                f"{len(self.duplicates_resolved)} duplicate copies, removed "
+                f"{self.temp_files_removed} temp file(s) and {self.locks_removed} stale lock(s)")
+
+
+def sweep(engine: Engine, *, skip: set[str] | None = None) -> SweepReport:
+    """Run every repair once. ``skip``: ids this process is working on right now."""
+    report = SweepReport()
+    skip = skip or set()
+    now = engine.clock()
+    resolve_duplicates(engine, report)
+    for handoff_id in engine.store.ids(State.IN_PROGRESS):
+        if handoff_id not in skip:
+            recover_one(engine, handoff_id, now, report)
+    remove_orphans(engine, report)
+    try:
+        engine.store.seen.compact(now)
+    except OSError:
+        pass
+    return report
+
+
+def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepReport) -> None:
+    """Recover one in-progress handoff if its owner is gone or its lease has expired."""
+    store = engine.store
+    path = store.path(State.IN_PROGRESS, handoff_id)
+    try:
+        doc = store.read(State.IN_PROGRESS, handoff_id)
+        ctime = path.stat().st_ctime
+    except FileNotFoundError:
+        return
+    except InvalidDocument:
+        return  # unreadable in-progress files are never claims of ours; the daemon sets them aside
+    held = book(doc).get("lease")
+    if not isinstance(held, dict) or not isinstance(held.get("token"), str):
+        # moved in by a claimer that died before writing its lease (or is writing it now)
+        if time.time() - ctime < engine.settings.claim_grace_seconds:
+            return
+        lock = None
+        reason = "claimer died before recording its lease"
+    else:
+        lock = try_lock(store.ws.locks / f"{handoff_id}.{held['token']}.lock")
+        if lock is None and not lease_expired(doc, now):
+            return  # owner alive and renewing
+        reason = ("owner process is gone (its claim lock is free)" if lock is not None else
+                  f"lease expired at {held.get('expires_at')} (owner {held.get('owner')} stalled)")
+    # confirm nothing moved while we looked
+    try:
+        current = store.read(State.IN_PROGRESS, handoff_id)
+    except (FileNotFoundError, InvalidDocument):
+        if lock is not None:
+            release_lock(lock)
+        return
+    if book(current).get("lease") != held:
+        if lock is not None:
+            release_lock(lock)
+        return
+    token = held["token"] if isinstance(held, dict) else None
+    orphan = Claim(handoff_id, current, token, lock or NullLock(), int(book(current).get("attempt", 1)))
+    dialect = dialects.detect(current)
+    try:
+        env = dialect.envelope(current)
+        spec = engine.registry.get(env.target)
+    except InvalidDocument:
+        spec = None
+    record(current, "recovered", now, reason=reason)
+    outcome = engine.failure(now, "PROCESSING_ERROR",
+                             f"handoff {handoff_id}: attempt {orphan.attempt} was interrupted: {reason}",
+                             retryable=True)
+    engine.file(orphan, dialect, spec, outcome)
+    report.recovered.append(handoff_id)
+
+
+def resolve_duplicates(engine: Engine, report: SweepReport) -> None:
+    """Where one id has files in several folders, keep the winner and remove the others.
+    A raw (never-handled) duplicate in pending/ is quarantined rather than deleted."""
+    store = engine.store
+    where: dict[str, list[State]] = {}
+    for state in State:
+        for handoff_id in store.ids(state):
+            where.setdefault(handoff_id, []).append(state)
+    for handoff_id, states in where.items():
+        if len(states) < 2:
+            continue
+        copies: list[tuple[State, dict[str, Any]]] = []
+        for state in states:
+            try:
+                copies.append((state, store.read(state, handoff_id)))
+            except FileNotFoundError:
+                continue
+            except InvalidDocument:
+                copies.append((state, {}))
+        if len(copies) < 2:
+            continue
+        if any(s is State.IN_PROGRESS for s, _ in copies):
+            inprog = next(d for s, d in copies if s is State.IN_PROGRESS)
+            if isinstance(book(inprog).get("lease"), dict) and not lease_expired(inprog, engine.clock()):
+                # a live claim: only its owner may settle this id; raw pending duplicates wait
+                continue
+        best = winner([(s, revision(d)) for s, d in copies])
+        for index, (state, doc) in enumerate(copies):
+            if index == best:
+                continue
+            path = store.path(state, handoff_id)
+            try:
+                if state is State.PENDING and revision(doc) == 0:
+                    store.quarantine(path, "DUPLICATE_HANDOFF_ID",
+                                     f"handoff {handoff_id} already exists in "
+                                     f"{copies[best][0].value}/; a second document is never run")
+                else:
+                    path.unlink()
+            except FileNotFoundError:
+                continue
+        report.duplicates_resolved.append(handoff_id)
+
+
+def remove_orphans(engine: Engine, report: SweepReport) -> None:
+    """Delete temp files older than a few minutes and lock files no claim uses."""
+    ws = engine.ws
+    cutoff = time.time() - TMP_MAX_AGE_SECONDS
+    for entry in _scan(ws.tmp):
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                os.unlink(entry.path)
+                report.temp_files_removed += 1
+        except FileNotFoundError:
+            continue
+    active = set(engine.store.ids(State.IN_PROGRESS))
+    for entry in _scan(ws.locks):
+        handoff_id = entry.name.rsplit(".", 2)[0] if entry.name.endswith(".lock") else None
+        if handoff_id is None or handoff_id in active:
+            continue
+        lock = try_lock(ws.locks / entry.name)
+        if lock is not None:
+            release_lock(lock)
+            report.locks_removed += 1
+
+
+def _scan(path: Any) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as entries:
+            return list(entries)
+    except FileNotFoundError:
+        return []
+
+
+def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
+                   reason: str = "manual retry") -> None:
+    """``handoff retry``: move a failed handoff back to pending/ with retry_count + 1."""
+    from .errors import InvalidTransition, NotFound
+
+    store = engine.store
+    state, doc = store.get(handoff_id)
+    if state is not State.FAILED:
+        raise InvalidTransition(f"handoff {handoff_id} is {state.value}, not failed; only failed "
+                                "handoffs can be retried", handoff_id=handoff_id)
+    error = doc.get("error") if isinstance(doc.get("error"), dict) else (book(doc).get("last_error") or {})
+    if doc.get("retry_available") is False and not force:
+        raise InvalidTransition(
+            f"handoff {handoff_id} failed with a permanent error ({error.get('code', 'unknown')}); "
+            "fix the cause, then retry with --force", handoff_id=handoff_id)
+    block = book(doc)
+    block["retries"] = int(block.get("retries", 0) or 0) + 1
+    block["last_error"] = error or None
+    block.pop("next_attempt_at", None)
+    block.pop("lease", None)
+    if "retry_count" in doc:
+        doc["retry_count"] = block["retries"]
+    record(doc, "retried", engine.clock(), reason=reason, forced=force, previous_error=error or None)
+    dialect = dialects.detect(doc)
+    restore_request(doc)
+    dialect.mark_pending(doc)
+    try:
+        store.move(handoff_id, State.FAILED, State.PENDING, doc)
+    except DuplicateHandoff:
+        raise InvalidTransition(f"handoff {handoff_id} is already pending again",
+                                handoff_id=handoff_id) from None
+    except FileNotFoundError:
+        raise NotFound(f"handoff {handoff_id} moved while retrying; look again with `handoff show`",
+                       handoff_id=handoff_id) from None
+
+
+ANSWER_KEYS = ("error", "errors", "failed_at", "timestamp_failed", "retry_available",
+               "recovery_actions", "execution_time_seconds", "completed_at", "timestamp_completed",
+               "started_at")
+
+
+def restore_request(doc: dict[str, Any]) -> None:
+    """Strip native answer fields so a requeued document reads as a request again."""
+    for key in ANSWER_KEYS:
+        doc.pop(key, None)
+    block = book(doc)
+    if isinstance(block.get("request_snapshot"), dict):
+        snapshot = block["request_snapshot"]
+        for key in list(doc):
+            if key != "handoffd":
+                del doc[key]
+        doc.update(snapshot)

@@ -1,0 +1,91 @@
+"""A workspace: the directory tree of DESIGN.md and where each thing lives in it."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Config, load_config
+from .states import State
+
+CONFIG_NAME = "handoffd.toml"
+
+
+def resolve_root(option: str | Path | None = None) -> Path:
+    """``--root``, else ``$HANDOFFD_ROOT``, else the current directory (absolute, symlinks resolved)."""
+    chosen = option or os.environ.get("HANDOFFD_ROOT") or os.getcwd()
+    return Path(chosen).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Paths of one workspace. Bookkeeping lives in dot-folders of ``handoffs/``."""
+
+    root: Path
+
+    @property
+    def handoffs(self) -> Path:
+        return self.root / "handoffs"
+
+    def state_dir(self, state: State) -> Path:
+        """The folder holding documents in ``state``."""
+        return self.handoffs / state.value
+
+    def doc_path(self, state: State, handoff_id: str) -> Path:
+        """Where the document of ``handoff_id`` lives when it is in ``state``."""
+        return self.handoffs / state.value / f"{handoff_id}.json"
+
+    @property
+    def tmp(self) -> Path:
+        return self.handoffs / ".tmp"
+
+    @property
+    def locks(self) -> Path:
+        return self.handoffs / ".locks"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.handoffs / ".quarantine"
+
+    @property
+    def meta(self) -> Path:
+        return self.handoffs / ".meta"
+
+    @property
+    def artifacts(self) -> Path:
+        return self.root / "artifacts"
+
+    @property
+    def context(self) -> Path:
+        return self.root / "context"
+
+    @property
+    def schemas(self) -> Path:
+        return self.root / "schemas"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / CONFIG_NAME
+
+    def ensure(self) -> None:
+        """Create every folder the workspace needs (idempotent)."""
+        for state in State:
+            self.state_dir(state).mkdir(parents=True, exist_ok=True)
+        for path in (self.tmp, self.locks, self.quarantine, self.meta, self.artifacts,
+                     self.context, self.schemas):
+            path.mkdir(parents=True, exist_ok=True)
+
+    def exists(self) -> bool:
+        """True when the state folders are present."""
+        return all(self.state_dir(s).is_dir() for s in State)
+
+    def load_config(self) -> Config:
+        """Parse this workspace's handoffd.toml (defaults when absent)."""
+        return load_config(self.config_path)
+
+    def inside(self, path: str | Path) -> Path | None:
+        """Resolve ``path`` (relative to the root) and return it only if it stays inside the root."""
+        candidate = (self.root / path).resolve()
+        if candidate == self.root or self.root in candidate.parents:
+            return candidate
+        return None
