@@ -23,6 +23,17 @@ from .timeutil import iso, parse_iso, utc_now
 from .workspace import Workspace
 
 
+_CRASH_AT = os.environ.get("HANDOFFD_CRASH_AT", "")
+
+
+def crash_point(name: str) -> None:
+    """Fault injection for recovery tests: die on the spot (like kill -9) when
+    ``$HANDOFFD_CRASH_AT`` names this step. Points: after-claim-rename, after-claim-lease,
+    after-move-write, after-move-unlink."""
+    if _CRASH_AT == name:
+        os._exit(99)
+
+
 @dataclass
 class Claim:
     """A handoff this process owns: its in-progress document, lease token and held lock."""
@@ -147,6 +158,7 @@ class Store:
         except FileExistsError:
             raise DuplicateHandoff(f"handoff {handoff_id} is already in progress",
                                    handoff_id=handoff_id) from None
+        crash_point("after-claim-rename")
         try:
             data, info = fsio.read_bytes_safely(dst, self.max_bytes)
             doc = fsio.parse_document(data, f"pending/{handoff_id}.json")
@@ -171,6 +183,7 @@ class Store:
         except BaseException:
             release_lock(lock)
             raise
+        crash_point("after-claim-lease")
         return Claim(handoff_id, doc, token, lock, block["attempt"])
 
     def _young(self, path: Path, now: datetime) -> bool:
@@ -213,7 +226,9 @@ class Store:
                                     handoff_id=handoff_id)
         fsio.create_exclusive(self.path(dst, handoff_id), fsio.dump_json(doc), self.ws.tmp,
                               durable=self.durable)
+        crash_point("after-move-write")
         fsio.unlink(self.path(src, handoff_id), durable=self.durable)
+        crash_point("after-move-unlink")
 
     def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
         """File a claimed handoff in ``dst``. False (nothing written) if the claim was lost."""

@@ -93,6 +93,14 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
         if lock is not None:
             release_lock(lock)
         return
+    newer = [s for s in (State.COMPLETED, State.FAILED, State.PENDING)
+             if _revision_at(store, s, handoff_id) > revision(current)]
+    if newer:  # the owner died after writing its next copy: the in-progress one is a leftover
+        store.path(State.IN_PROGRESS, handoff_id).unlink(missing_ok=True)
+        if lock is not None:
+            release_lock(lock)
+        report.duplicates_resolved.append(handoff_id)
+        return
     token = held["token"] if isinstance(held, dict) else None
     orphan = Claim(handoff_id, current, token, lock or NullLock(), int(book(current).get("attempt", 1)))
     dialect = dialects.detect(current)
@@ -107,6 +115,13 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
                              retryable=True)
     engine.file(orphan, dialect, spec, outcome)
     report.recovered.append(handoff_id)
+
+
+def _revision_at(store: Any, state: State, handoff_id: str) -> int:
+    try:
+        return revision(store.read(state, handoff_id))
+    except (FileNotFoundError, InvalidDocument):
+        return -1
 
 
 def resolve_duplicates(engine: Engine, report: SweepReport) -> None:
@@ -131,10 +146,7 @@ def resolve_duplicates(engine: Engine, report: SweepReport) -> None:
         if len(copies) < 2:
             continue
         if any(s is State.IN_PROGRESS for s, _ in copies):
-            inprog = next(d for s, d in copies if s is State.IN_PROGRESS)
-            if isinstance(book(inprog).get("lease"), dict) and not lease_expired(inprog, engine.clock()):
-                # a live claim: only its owner may settle this id; raw pending duplicates wait
-                continue
+            continue  # settled by recover_one, which first makes sure the owner is gone
         best = winner([(s, revision(d)) for s, d in copies])
         for index, (state, doc) in enumerate(copies):
             if index == best:

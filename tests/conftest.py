@@ -1,0 +1,145 @@
+"""Shared fixtures: temporary workspaces, the installed CLIs as subprocesses, daemons to kill."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SPECIALISTS = REPO / "specialists"
+BIN = Path(sys.executable).parent
+
+
+def exe(name: str) -> str:
+    """The installed console script next to the running interpreter (fallback: PATH)."""
+    candidate = BIN / name
+    return str(candidate) if candidate.exists() else (shutil.which(name) or name)
+
+
+FLAKY_TOML = f"""
+[daemon]
+settle_seconds = 0.2
+claim_grace_seconds = 1.0
+sweep_seconds = 0.5
+rescan_seconds = 1.0
+lease_seconds = 30.0
+grace_seconds = 5.0
+
+[retry]
+max_retries = 2
+retry_delay_seconds = 0.2
+backoff_multiplier = 1.0
+
+[specialists."@flaky"]
+command = ["{sys.executable}", "{SPECIALISTS / 'flaky.py'}"]
+timeout_seconds = 20
+concurrency = 4
+"""
+
+
+class Workspace:
+    """A temporary handoffd workspace with helpers to drive it through the real commands."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.daemons: list[subprocess.Popen[str]] = []
+
+    def write_config(self, text: str) -> None:
+        (self.root / "handoffd.toml").write_text(text)
+
+    def handoff(self, *args: str, input: str | None = None, timeout: float = 60,
+                check: bool = False) -> subprocess.CompletedProcess[str]:
+        """Run ``handoff ARGS --root WS``."""
+        proc = subprocess.run([exe("handoff"), *args, "--root", str(self.root)], input=input,
+                              capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"handoff {args} exited {proc.returncode}: {proc.stderr}")
+        return proc
+
+    def handoffd(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run ``handoffd ARGS --root WS`` to completion (run, sweep)."""
+        return subprocess.run([exe("handoffd"), *args, "--root", str(self.root)],
+                              capture_output=True, text=True, timeout=timeout)
+
+    def serve(self, *extra: str) -> subprocess.Popen[str]:
+        """Start ``handoffd serve`` and wait until it says it is serving."""
+        proc = subprocess.Popen([exe("handoffd"), "serve", "--root", str(self.root), *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.daemons.append(proc)
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert "serving" in line, line
+        return proc
+
+    def stop(self, proc: subprocess.Popen[str], sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        proc.send_signal(sig)
+        return proc.wait(timeout=timeout)
+
+    def create(self, *args: str) -> str:
+        proc = self.handoff("create", *args, check=True)
+        return proc.stdout.strip()
+
+    def drop(self, name: str, doc: Any | bytes | str) -> Path:
+        """Write a file straight into pending/ as a foreign producer would (atomically)."""
+        pending = self.root / "handoffs" / "pending"
+        pending.mkdir(parents=True, exist_ok=True)
+        data = doc if isinstance(doc, (bytes, str)) else json.dumps(doc)
+        tmp = self.root / f".{name}.part"
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, pending / name)
+        return pending / name
+
+    def state_of(self, handoff_id: str) -> list[str]:
+        return [s for s in ("pending", "in-progress", "completed", "failed")
+                if (self.root / "handoffs" / s / f"{handoff_id}.json").exists()]
+
+    def doc(self, handoff_id: str) -> dict[str, Any]:
+        (state,) = self.state_of(handoff_id)
+        return json.loads((self.root / "handoffs" / state / f"{handoff_id}.json").read_text())
+
+    def wait_state(self, handoff_id: str, states: tuple[str, ...] = ("completed", "failed"),
+                   timeout: float = 30) -> str:
+        """Wait (bounded) until the handoff is in one of ``states``; returns it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [s for s in self.state_of(handoff_id) if s in states]
+            if found:
+                return found[0]
+            time.sleep(0.02)
+        raise AssertionError(f"{handoff_id} not in {states} after {timeout}s: {self.state_of(handoff_id)}")
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Executions recorded by the flaky specialist."""
+        path = self.root / "artifacts" / "flaky-runs.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def cleanup(self) -> None:
+        for proc in self.daemons:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Iterator[Workspace]:
+    """A workspace whose handoffd.toml registers the flaky test specialist as @flaky."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    workspace = Workspace(root)
+    workspace.write_config(FLAKY_TOML)
+    subprocess.run([exe("handoffd"), "sweep", "--root", str(root)], capture_output=True, timeout=60)
+    yield workspace
+    workspace.cleanup()

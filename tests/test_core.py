@@ -1,0 +1,304 @@
+"""Unit tests of the core: store, state machine, retry policy (injected clock), recovery."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from handoffd import Engine, Registry, Workspace
+from handoffd.config import Config, RetryPolicy, load_config
+from handoffd.documents import book, check_id, new_native_request
+from handoffd.errors import ConfigError, DuplicateHandoff, InvalidDocument
+from handoffd.fsio import rename_noreplace
+from handoffd.states import State, allowed, winner
+from handoffd.sweeper import requeue_failed, sweep
+from handoffd.timeutil import parse_iso
+
+
+class FakeClock:
+    """A clock tests move by hand."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 13, 10, 0, 0, tzinfo=timezone.utc)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def make_engine(tmp_path: Path, handler: Any, clock: FakeClock | None = None,
+                retry: dict[str, Any] | None = None, **spec: Any) -> Engine:
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    config = Config()
+    registry = Registry()
+    registry.add_function("@py", handler, config=config, retry=retry, **spec) if retry else \
+        registry.add_function("@py", handler, config=config, **spec)
+    return Engine(ws, config, registry, clock=clock or FakeClock())
+
+
+def submit(engine: Engine, data: Any = None, retry_policy: dict | None = None, **kw: Any) -> str:
+    doc = new_native_request(source="@test", target="@py", data=data, now=engine.clock(), **kw)
+    if retry_policy is not None:
+        doc["retry_policy"] = retry_policy
+    return engine.store.create(doc, doc["handoff_id"], now=engine.clock())
+
+
+def process(engine: Engine, handoff_id: str) -> State:
+    job = engine.take(handoff_id)
+    assert job is not None
+    return engine.process(job)
+
+
+def test_safe_ids() -> None:
+    for good in ("hoff-001-1705147200000", "msg-001", "bd-123.2", "3f2b8c1e-1d2c-4b4a-9f00-aa11bb22cc33"):
+        assert check_id(good) == good
+    for bad in ("../x", "/abs", "a/b", "x\x00y", "", ".hidden", "a" * 200, "a..b", 5, None, "x.tmp"):
+        with pytest.raises(InvalidDocument) as err:
+            check_id(bad)
+        assert err.value.code == "UNSAFE_ID"
+
+
+def test_state_machine_and_winner() -> None:
+    assert allowed(State.PENDING, State.IN_PROGRESS)
+    assert not allowed(State.COMPLETED, State.PENDING)
+    assert allowed(State.FAILED, State.PENDING)
+    # higher revision wins; on a tie the state further along wins
+    assert winner([(State.PENDING, 5), (State.FAILED, 4)]) == 0
+    assert winner([(State.IN_PROGRESS, 3), (State.COMPLETED, 3)]) == 1
+
+
+def test_rename_noreplace_never_overwrites(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("new")
+    b.write_text("old")
+    with pytest.raises(FileExistsError):
+        rename_noreplace(a, b)
+    assert b.read_text() == "old" and a.exists()
+    with pytest.raises(FileNotFoundError):
+        rename_noreplace(tmp_path / "missing", tmp_path / "c")
+
+
+def test_create_refuses_taken_id_and_never_overwrites(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
+    hid = submit(engine, {"n": 1}, handoff_id="same")
+    with pytest.raises(DuplicateHandoff, match="already exists in pending"):
+        submit(engine, {"n": 2}, handoff_id="same")
+    assert engine.store.read(State.PENDING, hid)["input"]["data"] == {"n": 1}
+
+
+def test_exactly_one_claimer_wins(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
+    ids = [submit(engine) for _ in range(30)]
+    wins: list[str] = []
+    lock = threading.Lock()
+
+    def grab() -> None:
+        for hid in ids:
+            claim = engine.store.claim(hid, lease_seconds=30)
+            if claim is not None:
+                with lock:
+                    wins.append(hid)
+
+    threads = [threading.Thread(target=grab) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins) == sorted(ids)  # each exactly once
+
+
+def test_completed_document_and_history(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed", "output": {"sum": sum(c.data)},
+                                                 "next_steps": ["ship it"]})
+    hid = submit(engine, [1, 2, 3])
+    assert process(engine, hid) is State.COMPLETED
+    doc = engine.store.read(State.COMPLETED, hid)
+    assert doc["status"] == "completed" and doc["output"] == {"sum": 6}
+    assert doc["started_at"] and doc["completed_at"] and doc["execution_time_seconds"] >= 0
+    assert [e["event"] for e in book(doc)["history"]] == ["created", "claimed", "completed"]
+    assert book(doc)["revision"] == 3 and "lease" not in book(doc)
+
+
+def test_retry_delays_follow_seed_table(tmp_path: Path) -> None:
+    """Seed 001: attempt 2 after 30 s, attempt 3 after 60 s, attempt 4 after 120 s, then failed."""
+    clock = FakeClock()
+
+    def failing(handoff: dict, ctx: Any) -> dict:
+        return {"status": "failed", "error": {"code": "PROCESSING_ERROR", "message": "boom"}}
+
+    engine = make_engine(tmp_path, failing, clock)
+    hid = submit(engine, retry_policy={"max_retries": 3, "retry_delay_seconds": 30,
+                                       "backoff_multiplier": 2.0})
+    delays = []
+    for expected in (30, 60, 120):
+        assert process(engine, hid) is State.PENDING
+        doc = engine.store.read(State.PENDING, hid)
+        due = parse_iso(book(doc)["next_attempt_at"])
+        delays.append((due - clock.now).total_seconds())
+        assert engine.peek(hid).due_at == due  # the scheduler will not run it early
+        clock.advance(expected)
+    assert delays == [30, 60, 120]
+    assert process(engine, hid) is State.FAILED
+    doc = engine.store.read(State.FAILED, hid)
+    assert doc["retry_count"] == 3 and doc["max_retries"] == 3 and doc["retry_available"] is True
+    assert doc["error"]["code"] == "PROCESSING_ERROR" and doc["recovery_actions"]
+    assert book(doc)["attempt"] == 4
+
+
+def test_policy_precedence(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"},
+                         retry={"max_retries": 7, "retry_delay_seconds": 1})
+    spec = engine.registry.get("@py")
+    assert engine.policy({}, spec).max_retries == 7
+    assert engine.policy({"retry_policy": {"max_retries": 1}}, spec) == RetryPolicy(1, 1.0, 2.0)
+    assert engine.policy({}, None) == engine.config.retry
+    assert RetryPolicy(3, 30, 2).delay(3) == 120
+
+
+def test_permanent_errors_are_not_retried(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, lambda h, c: {"status": "failed", "error": {
+        "code": "PROCESSING_ERROR", "message": "auth refused", "retryable": False}})
+    hid = submit(engine)
+    assert process(engine, hid) is State.FAILED
+    doc = engine.store.read(State.FAILED, hid)
+    assert doc["retry_available"] is False and doc["retry_count"] == 0
+    with pytest.raises(Exception, match="--force"):
+        requeue_failed(engine, hid)
+    requeue_failed(engine, hid, force=True)
+    doc = engine.store.read(State.PENDING, hid)
+    assert doc["status"] == "pending" and "error" not in doc
+    assert [e["event"] for e in book(doc)["history"]][-1] == "retried"
+
+
+def test_python_handler_timeout_and_exception(tmp_path: Path) -> None:
+    gate = threading.Event()
+
+    def handler(handoff: dict, ctx: Any) -> dict:
+        if ctx.data == "hang":
+            gate.wait(5)
+            return {"status": "completed"}
+        raise ValueError("bad thing")
+
+    engine = make_engine(tmp_path, handler, timeout_seconds=0.2)
+    hang = submit(engine, "hang", retry_policy={"max_retries": 0})
+    boom = submit(engine, "boom", retry_policy={"max_retries": 0})
+    assert process(engine, hang) is State.FAILED
+    gate.set()
+    assert engine.store.read(State.FAILED, hang)["error"]["code"] == "TIMEOUT"
+    assert process(engine, boom) is State.FAILED
+    assert "ValueError: bad thing" in engine.store.read(State.FAILED, boom)["error"]["message"]
+
+
+def test_input_schema_errors_carry_field_paths(tmp_path: Path) -> None:
+    calls = []
+    engine = make_engine(tmp_path, lambda h, c: calls.append(1) or {"status": "completed"},
+                         input_schema="items.schema.json")
+    (engine.ws.schemas / "items.schema.json").write_text(json.dumps({
+        "type": "object", "required": ["component_requirements"],
+        "properties": {"component_requirements": {"type": "array", "items": {
+            "type": "object", "properties": {"props": {"type": "object", "additionalProperties": {
+                "type": "object", "required": ["type"]}}}}}}}))
+    hid = submit(engine, {"component_requirements": [{"props": {"userId": {"required": True}}}]})
+    assert process(engine, hid) is State.FAILED
+    doc = engine.store.read(State.FAILED, hid)
+    assert calls == []  # invalid input never reaches the handler
+    assert doc["error"]["code"] == "SCHEMA_VALIDATION_FAILED" and doc["retry_available"] is False
+    (entry,) = doc["validation"]["errors"]
+    assert entry["field"] == "component_requirements[0].props.userId"
+    assert entry["error"] == "Missing required field 'type'"
+    assert entry["schema_path"].startswith("#/properties/component_requirements/items")
+
+
+def test_recover_claim_whose_owner_is_gone(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
+    hid = submit(engine)
+    claim = engine.store.claim(hid, lease_seconds=30)
+    assert claim is not None
+    assert sweep(engine).recovered == []  # lock held: the owner is alive
+    claim.lock.release(force=True)  # what the kernel does when the owner dies
+    report = sweep(engine)
+    assert report.recovered == [hid]
+    doc = engine.store.read(State.PENDING, hid)
+    assert [e["event"] for e in book(doc)["history"]][-2:] == ["recovered", "retry_scheduled"]
+
+
+def test_recover_claim_whose_lease_expired(tmp_path: Path) -> None:
+    clock = FakeClock()
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"}, clock)
+    hid = submit(engine)
+    claim = engine.store.claim(hid, lease_seconds=30, now=clock.now)
+    assert claim is not None and sweep(engine).recovered == []
+    clock.advance(31)  # owner alive but stalled: lease not renewed
+    assert sweep(engine).recovered == [hid]
+    assert engine.store.locate(hid) == [State.PENDING]
+    # the stalled owner wakes up: its result is discarded, not filed twice
+    assert engine.store.finish(claim, State.COMPLETED, claim.doc) is False
+    assert engine.store.locate(hid) == [State.PENDING]
+
+
+def test_interrupted_finish_keeps_the_finished_copy(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
+    hid = submit(engine)
+    job = engine.take(hid)
+    assert job is not None
+    stale = json.dumps(job.claim.doc)
+    engine.process(job)
+    # simulate a crash between writing completed/ and removing in-progress/
+    engine.store.path(State.IN_PROGRESS, hid).write_text(stale)
+    sweep(engine)
+    assert engine.store.locate(hid) == [State.COMPLETED]
+
+
+def test_interrupted_manual_retry_keeps_the_pending_copy(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, lambda h, c: {"status": "failed", "error": {"code": "X", "message": "x"}},
+                         retry={"max_retries": 0})
+    hid = submit(engine)
+    assert process(engine, hid) is State.FAILED
+    failed_copy = engine.store.path(State.FAILED, hid).read_text()
+    requeue_failed(engine, hid)
+    engine.store.path(State.FAILED, hid).write_text(failed_copy)  # crash before the unlink
+    sweep(engine)
+    assert engine.store.locate(hid) == [State.PENDING]
+
+
+def test_orphan_temp_files_and_locks_are_removed(tmp_path: Path) -> None:
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
+    tmp = engine.ws.tmp / "deadbeef.tmp"
+    tmp.write_text("{")
+    os.utime(tmp, (0, 0))
+    (engine.ws.locks / "gone.abc.lock").write_text("")
+    report = sweep(engine)
+    assert report.temp_files_removed == 1 and report.locks_removed == 1
+    assert not tmp.exists()
+
+
+def test_seen_ids_survive_restart_and_expire(tmp_path: Path) -> None:
+    clock = FakeClock()
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"}, clock)
+    hid = submit(engine, handoff_id="once")
+    assert process(engine, hid) is State.COMPLETED
+    engine.store.path(State.COMPLETED, hid).unlink()  # archived away
+    again = make_engine(tmp_path, lambda h, c: {"status": "completed"}, clock)  # a restart
+    with pytest.raises(DuplicateHandoff, match="used within"):
+        submit(again, handoff_id="once")
+    clock.advance(3601)
+    again.store.seen.compact(clock.now)
+    assert submit(again, handoff_id="once") == "once"
+
+
+def test_config_errors_are_clear(tmp_path: Path) -> None:
+    path = tmp_path / "handoffd.toml"
+    path.write_text('[specialists."@x"]\ncommand = "rm -rf /"\n')
+    with pytest.raises(ConfigError, match="never run through a shell"):
+        load_config(path)
+    path.write_text("[daemon]\nworkerz = 3\n")
+    with pytest.raises(ConfigError, match="unknown"):
+        load_config(path)
