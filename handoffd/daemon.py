@@ -36,6 +36,7 @@ class BatchReport:
     retrying: int = 0
     handed_back: int = 0
     unroutable: set[str] = field(default_factory=set)
+    waiting: dict[str, str] = field(default_factory=dict)
     sweep: SweepReport | None = None
 
     def line(self) -> str:
@@ -45,6 +46,8 @@ class BatchReport:
             text += f", handed back {self.handed_back}"
         if self.unroutable:
             text += f", left pending with no specialist {len(self.unroutable)}"
+        if self.waiting:
+            text += f", waiting {len(self.waiting)}"
         return text
 
 
@@ -68,6 +71,7 @@ class Daemon:
         self.stopping = False
         self.hard_stop = False
         self.report = BatchReport()
+        self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
         self.rescan_requested = True
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="handoffd-worker")
         self.watcher: PendingWatcher | None = None
@@ -91,12 +95,15 @@ class Daemon:
             self.rescan_requested = True
             self.cv.notify()
 
-    def scan(self) -> int:
-        """List pending/ once and queue everything not already known; returns the count found."""
+    def scan(self, *, recheck_waiting: bool = True) -> int:
+        """List pending/ once and queue everything not already known; returns the count found.
+        Waiting handoffs are re-checked too unless ``recheck_waiting`` is False (batch mode
+        re-checks them only when something is filed)."""
         ids = self.engine.store.ids(State.PENDING)
         for handoff_id in ids:
             if handoff_id in self.active or handoff_id in self.queued \
-                    or handoff_id in self.parked_ids or handoff_id in self.report.unroutable:
+                    or handoff_id in self.parked_ids or handoff_id in self.report.unroutable \
+                    or (not recheck_waiting and handoff_id in self.waiting):
                 continue
             self.notify(handoff_id)
         return len(ids)
@@ -128,6 +135,16 @@ class Daemon:
                 self.report.unroutable.add(handoff_id)
                 return
             self.report.unroutable.discard(handoff_id)
+            verdict = self.engine.gate(peek)
+            if verdict is not None and verdict.action == "wait":
+                self.waiting[handoff_id] = verdict.reason
+                return
+            self.waiting.pop(handoff_id, None)
+            if verdict is not None:  # a gate said fail: file it without running the handler
+                self.busy[spec.agent] = self.busy.get(spec.agent, 0) + 1
+                self.running += 1
+                self.pool.submit(self._reject, handoff_id, spec.agent, verdict.code, verdict.reason)
+                return
             if self.busy.get(spec.agent, 0) >= spec.config.concurrency:
                 self.parked.setdefault(spec.agent, []).append(handoff_id)
                 self.parked_ids.add(handoff_id)
@@ -180,6 +197,19 @@ class Daemon:
                     self.notify(released)
                 self.cv.notify_all()
 
+    def _reject(self, handoff_id: str, agent: str, code: str, message: str) -> None:
+        try:
+            where = self.engine.reject(handoff_id, code, message)
+            if where is not None:
+                self._count(handoff_id, where)
+        except Exception:  # never lose the loop to one handoff; it stays pending
+            log.exception("handoff %s: could not file gate failure", handoff_id)
+        finally:
+            with self.cv:
+                self.busy[agent] -= 1
+                self.running -= 1
+                self.cv.notify_all()
+
     def _count(self, handoff_id: str, where: State) -> None:
         with self.cv:
             if where is State.COMPLETED:
@@ -189,6 +219,10 @@ class Daemon:
             elif where is State.PENDING:
                 self.report.retrying += 1
                 self.notify(handoff_id)  # _dispatch reads its next_attempt_at
+            if where.terminal:
+                for waiter in list(self.waiting):  # a dependency may have been met
+                    self.waiting.pop(waiter, None)
+                    self.notify(waiter)
         if self.on_filed:
             self.on_filed(handoff_id, where)
 
@@ -273,7 +307,7 @@ class Daemon:
                     self._dispatch(handoff_id)
                     continue
                 if batch and self.running == 0 and not self._due_soon():
-                    if self.scan() == 0 or not self._due_soon():
+                    if self.scan(recheck_waiting=False) == 0 or not self._due_soon():
                         return
                     continue
                 timers = [next_renew, next_rescan if not batch else next_renew]

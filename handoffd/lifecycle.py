@@ -9,12 +9,13 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import dialects
 from .config import Config, RetryPolicy
 from .dialects import Dialect, FiledState
 from .documents import Envelope, Outcome, book, check_id, next_attempt_at, record, revision
+from .gates import Gate, Verdict, dependencies_gate
 from .errors import (ConfigError, DocumentNotReady, DuplicateHandoff, HandlerError,
                      InvalidDocument)
 from .runner import run_command, run_python
@@ -57,6 +58,8 @@ class Peek:
     priority: int = 2
     due_at: datetime | None = None
     readable: bool = True
+    envelope: Envelope | None = None
+    doc: dict[str, Any] | None = None
 
 
 class Engine:
@@ -74,6 +77,28 @@ class Engine:
                            settle_seconds=self.settings.settle_seconds,
                            seen_ttl_seconds=self.settings.seen_ttl_seconds)
         self.schemas = SchemaCache(workspace.schemas)
+        # extension points (see gates.py): checked before a claim, around each handler run
+        self.gates: list[Gate] = [dependencies_gate]
+        self.before_run: list[Callable[[Job], None]] = []
+        self.after_run: list[Callable[[Job, Outcome], Outcome]] = []
+
+    def gate(self, peek: Peek) -> Verdict | None:
+        """The first gate verdict that stops ``peek`` from being claimed now (None: go)."""
+        if peek.envelope is None or peek.doc is None:
+            return None
+        for gate in self.gates:
+            verdict = gate(self, peek.envelope, peek.doc)
+            if verdict is not None:
+                return verdict
+        return None
+
+    def reject(self, handoff_id: str, code: str, message: str) -> State | None:
+        """Claim a pending handoff and file it as failed without running it (a gate said fail)."""
+        job = self.take(handoff_id)
+        if job is None:
+            return None
+        outcome = self.failure(self.clock(), code, message, retryable=False)
+        return self.file(job.claim, job.dialect, job.specialist, outcome)
 
     # ------------------------------------------------------------ scheduling aids
     def peek(self, handoff_id: str) -> Peek | None:
@@ -88,7 +113,7 @@ class Engine:
             env = dialects.detect(doc).envelope(doc)
         except InvalidDocument:
             return Peek(handoff_id, readable=False)
-        return Peek(handoff_id, env.target, env.priority, next_attempt_at(doc))
+        return Peek(handoff_id, env.target, env.priority, next_attempt_at(doc), True, env, doc)
 
     # ------------------------------------------------------------ admission
     def take(self, handoff_id: str) -> Job | None:
@@ -234,6 +259,8 @@ class Engine:
         started = self.clock()
         try:
             self._check_input(job)
+            for hook in self.before_run:
+                hook(job)
             if job.specialist.is_command:
                 result = run_command(job.specialist, _without_book(job.claim.doc), job.context,
                                      self.timeout_for(job),
@@ -251,6 +278,8 @@ class Engine:
                                    retryable=False)
         outcome.started_at = started
         outcome.executed_by = job.specialist.agent
+        for check in self.after_run:
+            outcome = check(job, outcome)
         return outcome
 
     def _check_input(self, job: Job) -> None:

@@ -34,6 +34,11 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mti
             note = f"retry {block.get('retries', 0)} at {iso(due)}"
         elif target and engine.registry.get(target) is None:
             note = f"waiting: no specialist registered for {target}"
+        else:
+            peek = engine.peek(handoff_id)
+            verdict = engine.gate(peek) if peek is not None else None
+            if verdict is not None:
+                note = verdict.reason if verdict.action == "wait" else f"will fail: {verdict.reason}"
     elif state is State.FAILED:
         error = doc.get("error") if isinstance(doc.get("error"), dict) else {}
         if not error and isinstance(doc.get("payload"), dict):

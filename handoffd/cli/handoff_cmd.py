@@ -13,6 +13,7 @@ from .. import dialects
 from ..documents import book, new_native_request
 from ..errors import InvalidDocument, NotFound, UsageError
 from ..fsio import parse_document, read_bytes_safely
+from ..gates import check_new_dependencies
 from ..queries import list_handoffs, validate_document
 from ..states import State
 from ..sweeper import requeue_failed
@@ -79,6 +80,9 @@ def create(
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=prio, depends_on=depends_on)
         new_id = doc["handoff_id"]
+    deps = dialects.detect(doc).envelope(doc).depends_on
+    if deps:
+        check_new_dependencies(eng, new_id, deps)
     eng.store.create(doc, new_id, now=eng.clock())
     print(new_id)
     sys.stdout.flush()

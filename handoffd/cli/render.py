@@ -14,7 +14,10 @@ STATE_STYLE = {"pending": "yellow", "in-progress": "cyan", "completed": "green",
 
 def console() -> Console:
     """A stdout console; rich drops colour by itself when stdout is not a terminal."""
-    return Console(soft_wrap=False, highlight=False)
+    out = Console(soft_wrap=False, highlight=False)
+    if not out.is_terminal:  # piped: do not fold ids at 80 columns
+        out = Console(soft_wrap=False, highlight=False, width=200)
+    return out
 
 
 def print_json(data: Any) -> None:

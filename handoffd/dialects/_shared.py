@@ -1,0 +1,124 @@
+"""Helpers the non-native dialects share: request snapshots, error facts, small coercions."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from ..documents import BOOK, Outcome
+from ..fsio import replace
+from ..workspace import Workspace
+
+# Outcome.status (and error codes the engine turns into "failed") → a neutral status name.
+CODE_STATUS = {"BLOCKED": "blocked", "NEEDS_CLARIFICATION": "needs_clarification",
+               "TIMEOUT": "timeout", "CANCELLED": "cancelled"}
+INLINE_LIMIT = 1024  # seed 000: content under 1 KB (UTF-8 bytes) goes inline
+
+
+def snapshot(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The request the engine kept when it filed this document's answer (``handoffd.request_snapshot``)."""
+    block = doc.get(BOOK)
+    if isinstance(block, dict) and isinstance(block.get("request_snapshot"), dict):
+        return block["request_snapshot"]
+    return None
+
+
+def without_book(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document minus handoffd's bookkeeping block."""
+    return {k: v for k, v in doc.items() if k != BOOK}
+
+
+def copy_book(doc: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of the bookkeeping block (an answer carries it on)."""
+    block = doc.get(BOOK)
+    return copy.deepcopy(block) if isinstance(block, dict) else {}
+
+
+def effective_status(outcome: Outcome) -> str:
+    """completed, partial, failed, blocked, needs_clarification, timeout or cancelled."""
+    if outcome.status in ("completed", "partial", "timeout", "cancelled", "blocked",
+                          "needs_clarification"):
+        return outcome.status
+    return CODE_STATUS.get(error_code(outcome) or "", "failed")
+
+
+def error_code(outcome: Outcome) -> str | None:
+    """The outcome's error code, if any."""
+    error = outcome.error if isinstance(outcome.error, dict) else {}
+    code = error.get("code")
+    return str(code) if code else None
+
+
+def error_message(outcome: Outcome) -> str | None:
+    """The outcome's error message, if any."""
+    error = outcome.error if isinstance(outcome.error, dict) else {}
+    message = error.get("message")
+    return str(message) if message else None
+
+
+def error_list(outcome: Outcome, key: str) -> list[Any]:
+    """A list carried by the error (``violations``, ``errors``), also looked up under ``details``."""
+    error = outcome.error if isinstance(outcome.error, dict) else {}
+    for holder in (error, error.get("details") if isinstance(error.get("details"), dict) else {}):
+        value = holder.get(key)
+        if isinstance(value, list):
+            return list(value)
+    return []
+
+
+def output_field(outcome: Outcome, key: str) -> Any:
+    """``outcome.output[key]`` when the output is an object, else None."""
+    return outcome.output.get(key) if isinstance(outcome.output, dict) else None
+
+
+def metadata_field(outcome: Outcome, key: str) -> Any:
+    """``outcome.metadata[key]`` when there is metadata, else None."""
+    return outcome.metadata.get(key) if isinstance(outcome.metadata, dict) else None
+
+
+def summary_of(outcome: Outcome, agent: str | None) -> str:
+    """The handler's own summary (output.summary, metadata.summary), else a generated line."""
+    for value in (output_field(outcome, "summary"), metadata_field(outcome, "summary")):
+        if isinstance(value, str) and value.strip():
+            return value
+    who = agent or outcome.executed_by or "the specialist"
+    status = effective_status(outcome)
+    if status == "completed":
+        return f"Completed by {who}."
+    if status == "partial":
+        return f"Partially completed by {who}."
+    message = error_message(outcome)
+    code = error_code(outcome)
+    return f"{status} ({code}): {message}" if code and message else f"{status}: {message or who}"
+
+
+def strings(value: Any) -> list[str]:
+    """``value`` as a list of strings (non-strings dropped; a non-list gives [])."""
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def as_text(value: Any) -> str:
+    """Artifact content as text: strings as they are, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
+
+
+def milliseconds(outcome: Outcome) -> int:
+    """Wall time of the attempt in whole milliseconds."""
+    return max(int(round(outcome.seconds * 1000)), 0)
+
+
+def store_artifact(root: Path | None, handoff_id: str, index: int, text: str) -> str | None:
+    """Write ``text`` to ``artifacts/<handoff_id>/<index>.txt`` atomically; the relative path, or
+    None when there is no workspace to write into (the caller then inlines the content)."""
+    if root is None:
+        return None
+    ws = Workspace(Path(root))
+    relative = f"artifacts/{handoff_id}/{index}.txt"
+    target = ws.inside(relative)
+    if target is None:  # artifacts/ is a symlink pointing out of the workspace: refuse
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    ws.tmp.mkdir(parents=True, exist_ok=True)
+    replace(target, text.encode("utf-8"), ws.tmp, durable=True)
+    return relative

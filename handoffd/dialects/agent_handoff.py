@@ -1,0 +1,244 @@
+"""Seed 002 (Universal AgentHandoff): one JSON shape for every hop of an agent chain.
+
+A handoff is routed to ``to_agent``. The answer is a new AgentHandoff from ``to_agent`` back to
+``from_agent`` in the same ``conversation_id`` (``chain_position.step`` + 1), with status success /
+partial / blocked / error, results, and blockers on anything but success. Artifact paths a handler
+reports are verified: one that does not exist in the workspace turns the answer into an error with a
+``validation_failed`` blocker (the seed's "unverified artifacts" anti-pattern) and files it in failed/.
+"""
+from __future__ import annotations
+
+import copy
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..documents import Envelope, Outcome, check_id, priority_rank
+from ..errors import InvalidDocument
+from ..timeutil import iso
+from ..workspace import Workspace
+from . import _shared as sh
+from .base import FiledState
+
+SCHEMA = "agent_handoff.schema.json"
+STATUSES = ("success", "partial", "blocked", "error")
+ARTIFACT_TYPES = ("code", "document", "config", "data", "report")
+DATA_KEYS = ("context", "results", "action_required", "blockers")
+STATUS = {"completed": "success", "partial": "partial", "blocked": "blocked",
+          "needs_clarification": "blocked", "failed": "error", "timeout": "error",
+          "cancelled": "error"}
+BLOCKER_TYPES = {"DEPENDENCY_MISSING": "dependency_failed", "VALIDATION_FAILED": "validation_failed",
+                 "SCHEMA_VALIDATION_FAILED": "validation_failed", "CONTRACT_VIOLATION": "validation_failed",
+                 "NEEDS_CLARIFICATION": "missing_input", "BLOCKED": "unknown",
+                 "NO_SPECIALIST": "resource_unavailable", "TIMEOUT": "resource_unavailable"}
+RESOLUTIONS = {
+    "validation_failed": ["Fix the specialist so its results pass validation", "Retry the handoff"],
+    "dependency_failed": ["Complete the dependency first", "Retry the handoff"],
+    "missing_input": ["Answer the open questions and send the handoff again"],
+    "resource_unavailable": ["Retry when the resource is available", "Increase the time limit"],
+    "unknown": ["Inspect the error and retry the handoff", "Escalate to the orchestrator"],
+}
+
+
+def artifact_paths(outcome: Outcome) -> list[str]:
+    """Every artifact path a handler reported (result artifacts, output.artifacts, artifact_path)."""
+    paths: list[str] = []
+    items = list(outcome.artifacts)
+    output = outcome.output if isinstance(outcome.output, dict) else {}
+    if isinstance(output.get("artifacts"), list):
+        items.extend(output["artifacts"])
+    if isinstance(output.get("artifact_path"), str):
+        paths.append(output["artifact_path"])
+    for item in items:
+        if isinstance(item, dict):
+            for key in ("path", "artifact_path"):
+                if isinstance(item.get(key), str):
+                    paths.append(item[key])
+    return paths
+
+
+class AgentHandoffDialect:
+    """Seed 002's AgentHandoff, validated with the seed's schema plus its status rules."""
+
+    name = "agent_handoff"
+
+    # ------------------------------------------------------------ recognising
+    def matches(self, doc: dict[str, Any]) -> bool:
+        declared = doc.get("$schema")
+        if isinstance(declared, str) and "agent_handoff" in declared.lower().replace("-", "_"):
+            return True
+        return "from_agent" in doc and "to_agent" in doc and doc.get("status") in STATUSES
+
+    def is_answer(self, doc: dict[str, Any]) -> bool:
+        """True for an answer handoffd filed (a new handoff id; the request is kept)."""
+        request = sh.snapshot(doc)
+        return request is not None and doc.get("handoff_id") != request.get("handoff_id")
+
+    def _request(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return sh.snapshot(doc) if self.is_answer(doc) else doc  # type: ignore[return-value]
+
+    def id_of(self, doc: dict[str, Any]) -> Any:
+        return self._request(doc).get("handoff_id")
+
+    def schema_names(self, doc: dict[str, Any]) -> list[str]:
+        return [SCHEMA]
+
+    # ------------------------------------------------------------ routing
+    def envelope(self, doc: dict[str, Any]) -> Envelope:
+        request = self._request(doc)
+        handoff_id = check_id(request.get("handoff_id"))
+        target = request.get("to_agent")
+        if not isinstance(target, str) or not target:
+            raise InvalidDocument(f"handoff {handoff_id} has no to_agent: name the agent that should "
+                                  "receive it", handoff_id=handoff_id, code="SCHEMA_VALIDATION_FAILED")
+        action = request.get("action_required") if isinstance(request.get("action_required"), dict) else {}
+        source = request.get("from_agent")
+        conversation = request.get("conversation_id")
+        return Envelope(
+            handoff_id=handoff_id, dialect=self.name, target=target,
+            source=source if isinstance(source, str) else None,
+            data={key: request[key] for key in DATA_KEYS if key in request},
+            priority=priority_rank(action.get("priority")),
+            conversation_id=conversation if isinstance(conversation, str) else None,
+        )
+
+    def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
+        """The status field describes the sender's task, not the queue: left alone."""
+
+    def mark_pending(self, doc: dict[str, Any]) -> None:
+        """Nothing to undo (see mark_claimed)."""
+
+    # ------------------------------------------------------------ checking and answering
+    def review(self, doc: dict[str, Any], outcome: Outcome, root: Path | None) -> Outcome:
+        """Seed 002's "verify artifacts exist": a reported path missing from the workspace fails the
+        handoff with VALIDATION_FAILED (permanent) before it may complete."""
+        if not outcome.succeeded or root is None:
+            return outcome
+        ws = Workspace(Path(root))
+        missing = []
+        for path in artifact_paths(outcome):
+            resolved = ws.inside(path)
+            if resolved is None or not resolved.exists():
+                missing.append(path)
+        if not missing:
+            return outcome
+        shown = ", ".join(repr(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        message = (f"unverified artifacts: {shown} "
+                   f"{'does' if len(missing) == 1 else 'do'} not exist in the workspace "
+                   f"{ws.root}; a handoff may only report artifacts that exist")
+        return Outcome(
+            status="failed", started_at=outcome.started_at, finished_at=outcome.finished_at,
+            output=outcome.output, artifacts=outcome.artifacts, validation=outcome.validation,
+            metadata=outcome.metadata, next_steps=outcome.next_steps, warnings=outcome.warnings,
+            error={"code": "VALIDATION_FAILED", "message": message, "retryable": False,
+                   "details": {"missing_artifacts": missing}},
+            executed_by=outcome.executed_by, extra=outcome.extra)
+
+    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
+               root: Path | None = None) -> dict[str, Any]:
+        request = sh.without_book(self._request(doc))
+        status = STATUS[sh.effective_status(outcome)]
+        me = request.get("to_agent") if isinstance(request.get("to_agent"), str) else (outcome.executed_by or "handoffd")
+        back = request.get("from_agent") if isinstance(request.get("from_agent"), str) else "unknown"
+        answer: dict[str, Any] = {"handoff_id": str(uuid.uuid4())}
+        if isinstance(request.get("conversation_id"), str):
+            answer["conversation_id"] = request["conversation_id"]
+        answer.update({"from_agent": me, "to_agent": back, "status": status,
+                       "timestamp": iso(outcome.finished_at)})
+        if isinstance(request.get("context"), dict):
+            answer["context"] = copy.deepcopy(request["context"])
+        answer["results"] = self.results(outcome, me)
+        if status != "success":
+            answer["blockers"] = self.blockers(outcome, status)
+        answer["metadata"] = self.metadata(request, outcome, filed)
+        answer["in_reply_to"] = request.get("handoff_id")
+        answer["handoffd"] = sh.copy_book(doc)
+        return answer
+
+    def results(self, outcome: Outcome, agent: str) -> dict[str, Any]:
+        """The results object: summary, artifacts, metrics, verification and the raw output."""
+        results: dict[str, Any] = {"summary": sh.summary_of(outcome, agent)}
+        items = list(outcome.artifacts)
+        out = outcome.output if isinstance(outcome.output, dict) else {}
+        if isinstance(out.get("artifacts"), list):
+            items.extend(out["artifacts"])
+        artifacts = []
+        for item in items:
+            if isinstance(item, str):
+                item = {"path": item}
+            if not isinstance(item, dict):
+                continue
+            path = item.get("path") or item.get("artifact_path") or item.get("content_ref")
+            if not isinstance(path, str) or not path:
+                continue
+            kind = item.get("type") if item.get("type") in ARTIFACT_TYPES else "data"
+            entry = {"name": str(item.get("name") or path.rstrip("/").rsplit("/", 1)[-1]),
+                     "path": path, "type": kind}
+            if isinstance(item.get("description"), str):
+                entry["description"] = item["description"]
+            artifacts.append(entry)
+        results["artifacts"] = artifacts
+        for key in ("metrics", "verification"):
+            if isinstance(out.get(key), dict):
+                results[key] = out[key]
+        if outcome.validation and "verification" not in results:
+            results["verification"] = {"verification_method": "handoffd result validation",
+                                       **{k: v for k, v in outcome.validation.items()
+                                          if k in ("tests_passed", "coverage", "execution_verified")}}
+        if outcome.output is not None:
+            results["output"] = outcome.output
+        return results
+
+    def blockers(self, outcome: Outcome, status: str) -> list[dict[str, Any]]:
+        """Blockers the handler reported (normalised), else one built from the error."""
+        reported = output_blockers(outcome)
+        if reported:
+            if status == "blocked" and not any(b.get("resolution_options") for b in reported):
+                reported[0]["resolution_options"] = list(RESOLUTIONS[reported[0]["type"]])
+            return reported
+        code = sh.error_code(outcome) or status.upper()
+        kind = BLOCKER_TYPES.get(code, "unknown")
+        blocker: dict[str, Any] = {
+            "blocker_id": f"blk-{code.lower().replace('_', '-')}",
+            "type": kind,
+            "description": f"{code}: {sh.error_message(outcome) or 'the task ended ' + status}",
+            "resolution_options": list(RESOLUTIONS[kind]),
+        }
+        missing = sh.error_list(outcome, "missing_artifacts")
+        if missing:
+            blocker["blocking_tasks"] = [str(p) for p in missing]
+        return [blocker]
+
+    def metadata(self, request: dict[str, Any], outcome: Outcome, filed: FiledState) -> dict[str, Any]:
+        """execution_time_ms, retry_count and the next chain position."""
+        meta: dict[str, Any] = {"execution_time_ms": sh.milliseconds(outcome),
+                                "retry_count": filed.retry_count}
+        for key in ("tokens_used", "tool_calls"):
+            value = sh.metadata_field(outcome, key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                meta[key] = value
+        old = request.get("metadata") if isinstance(request.get("metadata"), dict) else {}
+        position = old.get("chain_position")
+        if isinstance(position, dict) and isinstance(position.get("step"), int):
+            meta["chain_position"] = {**position, "step": position["step"] + 1}
+        return meta
+
+
+def output_blockers(outcome: Outcome) -> list[dict[str, Any]]:
+    """Blockers a handler put in its output (``output.blockers``), made schema-conformant."""
+    raw = sh.output_field(outcome, "blockers")
+    if not isinstance(raw, list):
+        return []
+    blockers = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("description"), str):
+            continue
+        entry = {k: v for k, v in item.items()
+                 if k in ("blocker_id", "description", "resolution_options", "blocking_tasks")}
+        entry["type"] = item.get("type") if item.get("type") in RESOLUTIONS else "unknown"
+        for key in ("resolution_options", "blocking_tasks"):
+            if key in entry:
+                entry[key] = sh.strings(entry[key])
+        blockers.append(entry)
+    return blockers

@@ -1,0 +1,228 @@
+"""Seed 000 (hi_moe): versioned Message envelopes between tiers.
+
+A Message is routed to ``payload.specialist_hint`` when set, else to its ``target_tier`` by name
+(``ROUTING_DISPATCHER``...). Its answer is a new Message going back up: source and target tiers
+swapped, ``correlation_id`` = the request's ``id``, and an OutcomePayload whose artifacts follow the
+1 KB rule (inline under 1 KB, else written to ``artifacts/<id>/<n>.txt`` and referenced).
+Unknown MAJOR versions are rejected (``UNKNOWN_VERSION``); unknown fields of a known major version
+are accepted, and unknown envelope fields are carried into the answer.
+"""
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..documents import Envelope, Outcome, check_id, priority_rank
+from ..errors import InvalidDocument
+from ..timeutil import iso
+from . import _shared as sh
+from .base import FiledState
+
+SCHEMA = "hi_moe.message.schema.json"
+SUPPORTED_MAJORS = (1,)
+CURRENT_VERSION = "1.0.0"
+TIERS = {4: "PROGRESS_MONITOR", 3: "ABSTRACT_ARCHITECT", 2: "ROUTING_DISPATCHER",
+         1: "SPECIALIZED_FLEET"}
+ENVELOPE_KEYS = ("version", "id", "timestamp", "source_tier", "target_tier", "correlation_id",
+                 "payload")
+STATUS = {"completed": "success", "partial": "partial", "failed": "failed", "timeout": "timeout",
+          "cancelled": "cancelled", "blocked": "blocked",
+          "needs_clarification": "needs_clarification"}
+
+
+def major_of(version: Any) -> int | None:
+    """The MAJOR number of a ``MAJOR.MINOR.PATCH`` string, or None when it is not one."""
+    if not isinstance(version, str):
+        return None
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def check_version(doc: dict[str, Any]) -> None:
+    """Raise InvalidDocument(UNKNOWN_VERSION) for a MAJOR version this receiver does not speak."""
+    major = major_of(doc.get("version"))
+    if major is not None and major not in SUPPORTED_MAJORS:
+        message = (f"UNKNOWN_VERSION: message version {doc.get('version')} has major version "
+                   f"{major}; handoffd speaks hi_moe {', '.join(f'{m}.x.y' for m in SUPPORTED_MAJORS)} "
+                   "and must reject unknown major versions (seed 000)")
+        raise InvalidDocument(message, handoff_id=doc.get("id") if isinstance(doc.get("id"), str) else None,
+                              code="UNKNOWN_VERSION",
+                              errors=[{"field": "version", "error": message,
+                                       "schema_path": "#/properties/version"}])
+
+
+def tier_name(value: Any) -> str | None:
+    """A TierLevel as its name (ints 1-4 are mapped)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return TIERS.get(value)
+    if isinstance(value, str) and value:
+        return value
+    return None
+
+
+class HiMoeDialect:
+    """The hi_moe Message envelope with Delegation / Outcome / Cancellation payloads."""
+
+    name = "hi_moe"
+
+    # ------------------------------------------------------------ recognising
+    def matches(self, doc: dict[str, Any]) -> bool:
+        declared = doc.get("$schema")
+        if isinstance(declared, str) and "hi_moe" in declared:
+            return True
+        return "version" in doc and "payload" in doc and "source_tier" in doc
+
+    def is_answer(self, doc: dict[str, Any]) -> bool:
+        """True for an answer handoffd filed (its id differs from the request it keeps)."""
+        request = sh.snapshot(doc)
+        return request is not None and doc.get("id") != request.get("id")
+
+    def _request(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return sh.snapshot(doc) if self.is_answer(doc) else doc  # type: ignore[return-value]
+
+    def id_of(self, doc: dict[str, Any]) -> Any:
+        return self._request(doc).get("id")
+
+    def schema_names(self, doc: dict[str, Any]) -> list[str]:
+        check_version(doc)
+        return [SCHEMA]
+
+    # ------------------------------------------------------------ routing
+    def envelope(self, doc: dict[str, Any]) -> Envelope:
+        request = self._request(doc)
+        check_version(request)
+        handoff_id = check_id(request.get("id"))
+        payload = request.get("payload") if isinstance(request.get("payload"), dict) else {}
+        hint = payload.get("specialist_hint")
+        target = hint if isinstance(hint, str) and hint else tier_name(request.get("target_tier"))
+        if not target:
+            raise InvalidDocument(f"message {handoff_id} has no usable target_tier: use a TierLevel "
+                                  f"name ({', '.join(TIERS.values())}) or 1-4",
+                                  handoff_id=handoff_id, code="SCHEMA_VALIDATION_FAILED")
+        timeout_ms = payload.get("timeout_ms")
+        timeout = (timeout_ms / 1000.0 if isinstance(timeout_ms, (int, float))
+                   and not isinstance(timeout_ms, bool) and timeout_ms > 0 else None)
+        correlation = request.get("correlation_id")
+        return Envelope(
+            handoff_id=handoff_id, dialect=self.name, target=target,
+            source=tier_name(request.get("source_tier")), data=payload, timeout_seconds=timeout,
+            priority=priority_rank(payload.get("priority")),
+            correlation_id=correlation if isinstance(correlation, str) else None,
+        )
+
+    def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
+        """A Message has no status field: claiming leaves it as written."""
+
+    def mark_pending(self, doc: dict[str, Any]) -> None:
+        """Nothing to undo (see mark_claimed)."""
+
+    # ------------------------------------------------------------ answering
+    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
+               root: Path | None = None) -> dict[str, Any]:
+        request = sh.without_book(self._request(doc))
+        request_id = str(request.get("id"))
+        version = request.get("version")
+        if major_of(version) not in SUPPORTED_MAJORS:
+            version = CURRENT_VERSION
+        answer: dict[str, Any] = {
+            "version": version,
+            "id": str(uuid.uuid4()),
+            "timestamp": iso(outcome.finished_at),
+            "source_tier": request.get("target_tier"),
+            "target_tier": request.get("source_tier"),
+            "correlation_id": request_id,
+            "payload": self.outcome_payload(request_id, outcome, filed, root),
+        }
+        for key, value in request.items():  # unknown envelope fields of a known major survive
+            if key not in ENVELOPE_KEYS and key not in answer:
+                answer[key] = value
+        answer["handoffd"] = sh.copy_book(doc)
+        return answer
+
+    def outcome_payload(self, request_id: str, outcome: Outcome, filed: FiledState,
+                        root: Path | None) -> dict[str, Any]:
+        """Seed 000's OutcomePayload for ``outcome``."""
+        status = STATUS[sh.effective_status(outcome)]
+        artifacts = self.artifacts(request_id, outcome, root)
+        refs = sh.strings(sh.output_field(outcome, "result_refs"))
+        if not refs:
+            refs = [a["content_ref"] for a in artifacts if a.get("content_ref")]
+        confidence = sh.metadata_field(outcome, "confidence")
+        if not (isinstance(confidence, (int, float)) and not isinstance(confidence, bool)
+                and 0 <= confidence <= 1):
+            confidence = 1.0 if status == "success" else 0.5 if status == "partial" else 0.0
+        resources = sh.metadata_field(outcome, "resources_used")
+        resources = dict(resources) if isinstance(resources, dict) else {}
+        if outcome.executed_by:
+            resources.setdefault("specialist", outcome.executed_by)
+        surprise = sh.metadata_field(outcome, "surprise_flag")
+        reason = sh.metadata_field(outcome, "surprise_reason")
+        payload: dict[str, Any] = {
+            "status": status,
+            "summary": sh.summary_of(outcome, outcome.executed_by),
+            "result_refs": refs,
+            "confidence": float(confidence),
+            "execution_time_ms": sh.milliseconds(outcome),
+            "resources_used": resources,
+            "surprise_flag": bool(surprise) if isinstance(surprise, bool) else False,
+            "surprise_reason": reason if isinstance(reason, str) else None,
+            "error_type": None,
+            "error_detail": None,
+            "recoverable": None,
+            "artifacts": artifacts,
+        }
+        if status not in ("success", "partial") or outcome.error:
+            code = sh.error_code(outcome) or status.upper()
+            payload["error_type"] = code.lower()
+            payload["error_detail"] = sh.error_message(outcome) or payload["summary"]
+            payload["recoverable"] = bool(filed.retry_available) if status != "success" else None
+        return payload
+
+    def artifacts(self, request_id: str, outcome: Outcome, root: Path | None) -> list[dict[str, Any]]:
+        """The handler's output and artifacts as seed 000 Artifacts, applying the 1 KB rule."""
+        items: list[Any] = []
+        if outcome.output is not None:
+            items.append({"artifact_type": "output", "content": outcome.output,
+                          "metadata": {"media_type": "application/json"
+                                       if not isinstance(outcome.output, str) else "text/plain"}})
+        items.extend(outcome.artifacts)
+        out: list[dict[str, Any]] = []
+        for item in items:
+            index = len(out) + 1
+            if isinstance(item, str):
+                out.append({"artifact_type": "file", "content_ref": item, "inline_content": None,
+                            "metadata": {}})
+                continue
+            if not isinstance(item, dict):
+                item = {"content": item}
+            kind = item.get("artifact_type") or item.get("type") or "data"
+            metadata = dict(item["metadata"]) if isinstance(item.get("metadata"), dict) else {}
+            for key in ("name", "description"):
+                if isinstance(item.get(key), str):
+                    metadata.setdefault(key, item[key])
+            ref = item.get("content_ref") or item.get("path") or item.get("artifact_path")
+            if "inline_content" in item and item["inline_content"] is not None:
+                content: Any = item["inline_content"]
+            elif "content" in item:
+                content = item["content"]
+            else:
+                content = None
+            if content is None and isinstance(ref, str) and ref:
+                out.append({"artifact_type": str(kind), "content_ref": ref, "inline_content": None,
+                            "metadata": metadata})
+                continue
+            text = sh.as_text(content)
+            size = len(text.encode("utf-8"))
+            stored = sh.store_artifact(root, request_id, index, text) if size >= sh.INLINE_LIMIT else None
+            if stored is not None:
+                metadata.setdefault("bytes", size)
+                out.append({"artifact_type": str(kind), "content_ref": stored,
+                            "inline_content": None, "metadata": metadata})
+            else:
+                out.append({"artifact_type": str(kind), "content_ref": None,
+                            "inline_content": text, "metadata": metadata})
+        return out

@@ -1,0 +1,108 @@
+"""Gates: conditions checked before a pending handoff may be claimed.
+
+A gate looks at a pending document and answers go (None), wait (with a reason shown by
+``handoff ls``), or fail (with an error code). The daemon re-checks waiting handoffs whenever
+another handoff is filed and at every rescan. Dependencies (``--depends-on``, seed 004's
+``dependencies_completed``) are the built-in gate; orchestration and contracts add their own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from .documents import Envelope
+from .errors import InvalidDocument, NotFound
+from .states import State
+
+if TYPE_CHECKING:
+    from .lifecycle import Engine
+
+MAX_DEPENDENCY_WALK = 1000
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A gate's answer: ``wait`` (with reason) or ``fail`` (with code and message)."""
+
+    action: str
+    reason: str
+    code: str = ""
+
+    @classmethod
+    def wait(cls, reason: str) -> "Verdict":
+        return cls("wait", reason)
+
+    @classmethod
+    def fail(cls, code: str, reason: str) -> "Verdict":
+        return cls("fail", reason, code)
+
+
+Gate = Callable[["Engine", Envelope, dict[str, Any]], "Verdict | None"]
+
+
+def dependencies_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
+    """Wait until every dependency completed; fail with DEPENDENCY_MISSING when one failed, was
+    cancelled, does not exist, or the dependencies form a cycle."""
+    if not env.depends_on:
+        return None
+    cycle = find_cycle(engine, env.handoff_id, env.depends_on)
+    if cycle:
+        return Verdict.fail("DEPENDENCY_MISSING", f"handoff {env.handoff_id} depends on itself "
+                            f"through {' -> '.join(cycle)}; break the cycle")
+    waiting = []
+    for dep in env.depends_on:
+        try:
+            state, dep_doc = engine.store.get(dep)
+        except (NotFound, InvalidDocument):
+            return Verdict.fail("DEPENDENCY_MISSING", f"handoff {env.handoff_id} depends on {dep}, "
+                                "which does not exist; create it first")
+        if state is State.FAILED:
+            status = dep_doc.get("status", "failed")
+            return Verdict.fail("DEPENDENCY_MISSING", f"handoff {env.handoff_id} depends on {dep}, "
+                                f"which {status if status != 'failed' else 'failed'}; retry {dep} first")
+        if state is not State.COMPLETED:
+            waiting.append(f"{dep} ({state.value})")
+    if waiting:
+        return Verdict.wait("waiting for dependency " + ", ".join(waiting))
+    return None
+
+
+def dependencies_of(engine: "Engine", handoff_id: str) -> list[str]:
+    """The depends_on list of an existing handoff ([] when unknown or unreadable)."""
+    from . import dialects
+
+    try:
+        _, doc = engine.store.get(handoff_id)
+        return dialects.detect(doc).envelope(doc).depends_on
+    except Exception:  # any unreadable document simply has no known dependencies
+        return []
+
+
+def find_cycle(engine: "Engine", start: str, deps: list[str]) -> list[str] | None:
+    """A dependency path leading back to ``start``, or None (bounded walk)."""
+    stack = [(dep, [start, dep]) for dep in deps]
+    seen: set[str] = set()
+    while stack and len(seen) < MAX_DEPENDENCY_WALK:
+        node, path = stack.pop()
+        if node == start:
+            return path
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend((nxt, path + [nxt]) for nxt in dependencies_of(engine, node))
+    return None
+
+
+def check_new_dependencies(engine: "Engine", handoff_id: str, deps: list[str]) -> None:
+    """At creation: every dependency must exist and none may lead back here (InvalidDocument)."""
+    for dep in deps:
+        if dep == handoff_id:
+            raise InvalidDocument(f"handoff {handoff_id} cannot depend on itself",
+                                  handoff_id=handoff_id, code="DEPENDENCY_MISSING")
+        if not engine.store.locate(dep):
+            raise InvalidDocument(f"handoff {handoff_id} depends on {dep}, which does not exist; "
+                                  "create it first", handoff_id=handoff_id, code="DEPENDENCY_MISSING")
+    cycle = find_cycle(engine, handoff_id, deps)
+    if cycle:
+        raise InvalidDocument(f"dependency cycle: {' -> '.join(cycle)}", handoff_id=handoff_id,
+                              code="DEPENDENCY_MISSING")
