@@ -1,0 +1,119 @@
+"""The `handoff` command line: output, exit codes, one-line errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import Workspace
+
+
+def test_create_prints_the_id_alone_and_ls_show_json(ws: Workspace) -> None:
+    proc = ws.handoff("create", "--to", "@flaky", "--data", '{"mode": "ok"}', "--id", "hoff-cli-1")
+    assert proc.returncode == 0 and proc.stdout == "hoff-cli-1\n" and proc.stderr == ""
+    rows = json.loads(ws.handoff("ls", "--json").stdout)
+    assert [(r["id"], r["state"], r["to"], r["from"]) for r in rows] == [
+        ("hoff-cli-1", "pending", "@flaky", "@cli")]
+    shown = json.loads(ws.handoff("show", "hoff-cli-1", "--json").stdout)
+    assert shown["state"] == "pending" and shown["document"]["input"]["data"] == {"mode": "ok"}
+    assert shown["document"]["handoffd"]["history"][0]["event"] == "created"
+    human = ws.handoff("show", "hoff-cli-1").stdout
+    assert "history" in human and "created" in human
+
+
+def test_input_from_stdin_and_file(ws: Workspace, tmp_path: Path) -> None:
+    hid = ws.handoff("create", "--to", "@flaky", "--input", "-", input='{"mode": "ok", "k": 1}').stdout.strip()
+    assert ws.doc(hid)["input"]["data"]["k"] == 1
+    data = tmp_path / "in.json"
+    data.write_text('{"mode": "ok", "k": 2}')
+    hid2 = ws.create("--to", "@flaky", "--input", str(data), "--priority", "high", "--timeout-seconds", "9")
+    doc = ws.doc(hid2)
+    assert doc["input"]["data"]["k"] == 2 and doc["priority"] == "high" and doc["timeout_seconds"] == 9
+
+
+def test_duplicate_id_names_the_existing_one(ws: Workspace) -> None:
+    ws.create("--to", "@flaky", "--id", "taken")
+    proc = ws.handoff("create", "--to", "@flaky", "--id", "taken")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == ("handoff: error: handoff taken already exists in pending/; "
+                                   "choose another id or `handoff retry` the existing one")
+
+
+def test_usage_errors_exit_2_without_traceback(ws: Workspace) -> None:
+    for args in (["create", "--to", "@x", "--data", "{nope"], ["create"], ["ls", "--state", "weird"],
+                 ["create", "--to", "@x", "--id", "../escape"]):
+        proc = ws.handoff(*args)
+        assert proc.returncode in (1, 2), (args, proc.returncode)
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not list(ws.root.parent.glob("escape*"))
+
+
+def test_not_found_exits_3(ws: Workspace) -> None:
+    for args in (["show", "nope"], ["wait", "nope", "--timeout", "1"], ["retry", "nope"]):
+        proc = ws.handoff(*args)
+        assert proc.returncode == 3, (args, proc.stderr)
+        assert "no handoff nope" in proc.stderr
+
+
+def test_wait_times_out_with_124_then_succeeds(ws: Workspace) -> None:
+    hid = ws.create("--to", "@flaky", "--data", '{"mode": "ok"}')
+    proc = ws.handoff("wait", hid, "--timeout", "0.5")
+    assert proc.returncode == 124 and "still not finished" in proc.stderr
+    daemon = ws.serve()
+    proc = ws.handoff("wait", hid, "--timeout", "30")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"{hid} completed"
+    ws.stop(daemon)
+
+
+def test_create_wait_exit_codes(ws: Workspace) -> None:
+    daemon = ws.serve()
+    ok = ws.handoff("create", "--to", "@flaky", "--data", '{"mode": "ok"}', "--wait", "--wait-timeout", "30")
+    assert ok.returncode == 0 and ok.stdout.startswith("hoff-")
+    bad = ws.handoff("create", "--to", "@flaky", "--data", '{"mode": "permanent"}', "--wait")
+    assert bad.returncode == 1
+    ws.stop(daemon)
+
+
+def test_retry_requeues_and_keeps_history(ws: Workspace) -> None:
+    perm = ws.create("--to", "@flaky", "--data", '{"mode": "permanent"}')
+    assert ws.handoffd("run").returncode == 1
+    refused = ws.handoff("retry", perm)
+    assert refused.returncode == 1 and "--force" in refused.stderr
+    forced = ws.handoff("retry", perm, "--force")
+    assert forced.returncode == 0 and forced.stdout.strip() == perm
+    doc = ws.doc(perm)
+    assert doc["status"] == "pending" and doc["retry_count"] == 1
+    events = [e["event"] for e in doc["handoffd"]["history"]]
+    assert events[:3] == ["created", "claimed", "failed"] and events[-1] == "retried"
+    again = ws.handoff("retry", perm)
+    assert again.returncode == 1 and "not failed" in again.stderr
+
+
+def test_retry_all_failed(ws: Workspace) -> None:
+    ids = [ws.create("--to", "@flaky", "--data", '{"mode": "fail"}') for _ in range(2)]
+    ws.write_config(ws.root.joinpath("handoffd.toml").read_text().replace("max_retries = 2", "max_retries = 0"))
+    ws.handoffd("run")
+    assert all(ws.state_of(i) == ["failed"] for i in ids)
+    proc = ws.handoff("retry", "--all-failed")
+    assert proc.returncode == 0 and sorted(proc.stdout.split()) == sorted(ids)
+    assert all(ws.state_of(i) == ["pending"] for i in ids)
+
+
+def test_validate_reports_every_error_with_its_path(ws: Workspace, tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"handoff_id": "h1", "target": {"agent_id": "@x"}, "timestamp": "2026-01-13T10:00:00Z"}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"handoff_id": "h 1", "target": {}, "timestamp": "yesterday", "priority": "urgent"}))
+    proc = ws.handoff("validate", str(good), str(bad))
+    assert proc.returncode == 1
+    assert f"{good}: valid (native)" in proc.stdout
+    out = proc.stdout
+    for path in ("handoff_id", "target", "timestamp", "priority"):
+        assert f"\n  {path}: " in out, out
+    js = json.loads(ws.handoff("validate", str(bad), "--json").stdout)
+    assert js[0]["valid"] is False and len(js[0]["errors"]) >= 4
+    assert ws.handoff("validate", str(good)).returncode == 0
+
+
+def test_schemas_lists_builtins(ws: Workspace) -> None:
+    names = ws.handoff("schemas").stdout.split()
+    assert {"native.request.schema.json", "native.response.schema.json", "native.failure.schema.json"} <= set(names)
