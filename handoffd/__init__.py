@@ -16,6 +16,11 @@ from .documents import Envelope, Outcome, new_native_request
 from .errors import (ConfigError, DuplicateHandoff, HandlerError, HandoffdError, InvalidDocument,
                      NotFound, UsageError, WaitTimeout)
 from .lifecycle import Engine
+from .models import (AgentHandoff, AggregatedOutcome, Artifact, CancellationPayload,
+                     ChildOutcomeSummary, CollaborationHandoff, CollaborationResult,
+                     CompletionReport, DelegationPayload, HandoffPayload, Message, NativeRequest,
+                     OutcomePayload, ParallelDelegation, WorkerContext, WorkerContract,
+                     WorkerEscalation, WorkerHandoff)
 from .specialists import HandlerContext, Registry, specialist
 from .states import State
 from .store import Store
@@ -28,4 +33,9 @@ __all__ = [
     "HandlerError", "HandoffdError", "InvalidDocument", "NotFound", "Outcome", "Registry",
     "RetryPolicy", "State", "Store", "UsageError", "WaitTimeout", "Workspace", "new_native_request",
     "specialist",
+    # typed documents of every format (handoffd.models)
+    "AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload", "ChildOutcomeSummary",
+    "CollaborationHandoff", "CollaborationResult", "CompletionReport", "DelegationPayload",
+    "HandoffPayload", "Message", "NativeRequest", "OutcomePayload", "ParallelDelegation",
+    "WorkerContext", "WorkerContract", "WorkerEscalation", "WorkerHandoff",
 ]

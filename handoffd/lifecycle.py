@@ -80,7 +80,7 @@ class Engine:
         # extension points (see gates.py): checked before a claim, around each handler run
         self.gates: list[Gate] = [dependencies_gate]
         self.before_run: list[Callable[[Job], None]] = []
-        self.after_run: list[Callable[[Job, Outcome], Outcome]] = []
+        self.after_run: list[Callable[[Job, Outcome], Outcome]] = [dialects.review_outcome]
 
     def gate(self, peek: Peek) -> Verdict | None:
         """The first gate verdict that stops ``peek`` from being claimed now (None: go)."""
@@ -408,7 +408,7 @@ class Engine:
                            (outcome.error or {}).get("code") == "TIMEOUT")
         if dialect.name != "native":  # its answer replaces the request: keep it for retries
             block.setdefault("request_snapshot", _without_book(doc))
-        answer = dialect.render(doc, outcome, filed)
+        answer = dialect.render(doc, outcome, filed, root=self.ws.root)
         if self.store.finish(claim, dst, answer):
             return dst
         return State.IN_PROGRESS
@@ -416,7 +416,8 @@ class Engine:
     def handback(self, claim: Claim, dialect: Dialect, *, reason: str) -> None:
         """Return a claimed handoff to pending/ without counting an attempt (graceful stop)."""
         block = book(claim.doc)
-        block["attempt"] = max(int(block.get("attempt", 1)) - 1, 0)
+        if claim.token is not None:  # an attempt was counted when the lease was written
+            block["attempt"] = max(int(block.get("attempt", 1)) - 1, 0)
         block.pop("lease", None)
         record(claim.doc, "handed_back", self.clock(), reason=reason)
         dialect.mark_pending(claim.doc)

@@ -101,7 +101,8 @@ def validate_document(engine: Engine | None, doc: dict[str, Any], dialect: Diale
         raise InvalidDocument(f"not a valid {dialect.name} document: {errors[0]['field']}: "
                               f"{errors[0]['error']}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
                               code="SCHEMA_VALIDATION_FAILED", errors=errors)
-    dialect.envelope(doc)
+    if not getattr(dialect, "is_answer", lambda _doc: False)(doc):  # answers are not routed
+        dialect.envelope(doc)
 
 
 def validate_files(files: list[Path], engine: Engine | None, *, forced: str | None = None) -> list[dict[str, Any]]:

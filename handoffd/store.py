@@ -176,9 +176,9 @@ class Store:
         block["lease"] = lease(token, now, lease_seconds)
         block.pop("next_attempt_at", None)
         record(doc, "claimed", now, attempt=block["attempt"])
-        if on_claim is not None:
-            on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
         try:
+            if on_claim is not None:
+                on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
             fsio.replace(dst, fsio.dump_json(doc), self.ws.tmp, durable=self.durable)
         except BaseException:
             release_lock(lock)

@@ -103,12 +103,19 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
         return
     token = held["token"] if isinstance(held, dict) else None
     orphan = Claim(handoff_id, current, token, lock or NullLock(), int(book(current).get("attempt", 1)))
-    dialect = dialects.detect(current)
+    try:
+        dialect = dialects.detect(current)
+    except InvalidDocument:  # an unrecognised format: fail it in the native shape
+        dialect = dialects.by_name("native")
     try:
         env = dialect.envelope(current)
         spec = engine.registry.get(env.target)
     except InvalidDocument:
         spec = None
+    if token is None:  # the handler never started: hand it back without spending a retry
+        engine.handback(orphan, dialect, reason=reason)
+        report.recovered.append(handoff_id)
+        return
     record(current, "recovered", now, reason=reason)
     outcome = engine.failure(now, "PROCESSING_ERROR",
                              f"handoff {handoff_id}: attempt {orphan.attempt} was interrupted: {reason}",

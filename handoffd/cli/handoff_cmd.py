@@ -210,10 +210,29 @@ def validate(
 
 @app.command()
 @guarded(PROG)
-def schemas(root: RootOption = None) -> None:
-    """List the JSON Schemas shipped with handoffd."""
+def schemas(
+    copy: Annotated[bool, typer.Option("--copy", help="Copy every built-in schema into the workspace's schemas/ (existing files are kept) and print each copied path.")] = False,
+    root: RootOption = None,
+) -> None:
+    """List the JSON Schemas shipped with handoffd (--copy: copy them into schemas/ to extend)."""
+    if not copy:
+        for name in builtin_schema_names():
+            print(name)
+        return
+    from importlib import resources
+
+    from ..errors import DuplicateHandoff
+    from ..fsio import create_exclusive
+    ws = workspace(root, create=True)
     for name in builtin_schema_names():
-        print(name)
+        target = ws.schemas / name
+        data = (resources.files("handoffd") / "schemas" / name).read_bytes()
+        try:
+            create_exclusive(target, data, ws.tmp, durable=True)
+        except DuplicateHandoff:
+            print(f"{PROG}: kept existing {target}", file=sys.stderr)
+            continue
+        print(target)
 
 
 def main() -> None:

@@ -3,13 +3,39 @@
 A dialect knows how to find a document's id, turn it into an :class:`~handoffd.documents.Envelope`
 (routing, timeout, priority...), mark it claimed or pending again, and render the final answer in
 its own format from an :class:`~handoffd.documents.Outcome`. The daemon runs one lifecycle for all.
+
+Built in: ``hi_moe`` (seed 000 Message), ``haios`` (seed 003 CollaborationHandoff / Result),
+``agent_handoff`` (seed 002 AgentHandoff), ``swarm`` (seed 004 WorkerHandoff) and ``native``
+(seed 001, what ``handoff create --to`` builds). A document matching none of them is rejected with
+``UNKNOWN_FORMAT`` naming the formats tried.
 """
 from __future__ import annotations
 
-from .base import Dialect, FiledState
-from .native import NativeDialect
+from typing import TYPE_CHECKING, Any
 
-DIALECTS: list[Dialect] = [NativeDialect()]
+from ..errors import InvalidDocument
+from .agent_handoff import AgentHandoffDialect
+from .base import Dialect, FiledState
+from .haios import HaiosDialect
+from .hi_moe import HiMoeDialect
+from .native import NativeDialect
+from .swarm import SwarmDialect
+
+if TYPE_CHECKING:
+    from ..documents import Outcome
+    from ..lifecycle import Job
+
+# Tried in this order; native stays last (register() inserts before it).
+DIALECTS: list[Dialect] = [HiMoeDialect(), HaiosDialect(), AgentHandoffDialect(), SwarmDialect(),
+                           NativeDialect()]
+
+SHAPES = {
+    "hi_moe": "version + payload + source_tier",
+    "haios": "from_agent + to_agent + payload.directive, or a CollaborationResult",
+    "agent_handoff": "from_agent + to_agent + status success/partial/blocked/error",
+    "swarm": "contract.task_id, or a completion report",
+    "native": "handoff_id + target.agent_id",
+}
 
 
 def register(dialect: Dialect) -> None:
@@ -28,7 +54,8 @@ def by_name(name: str) -> Dialect:
 def detect(doc: dict, forced: str | None = None) -> Dialect:
     """The dialect a document is written in (``forced`` overrides detection).
 
-    A document the daemon has handled records its dialect in ``handoffd.dialect``.
+    A document the daemon has handled records its dialect in ``handoffd.dialect``. A document that
+    matches no dialect raises InvalidDocument(code="UNKNOWN_FORMAT") naming the formats tried.
     """
     if forced:
         return by_name(forced)
@@ -41,7 +68,23 @@ def detect(doc: dict, forced: str | None = None) -> Dialect:
     for dialect in DIALECTS:
         if dialect.matches(doc):
             return dialect
-    return DIALECTS[-1]
+    tried = "; ".join(f"{d.name} ({SHAPES[d.name]})" if d.name in SHAPES else d.name
+                      for d in DIALECTS)
+    keys = ", ".join(sorted(str(k) for k in doc)[:12]) or "none"
+    handoff_id = doc.get("handoff_id") if isinstance(doc.get("handoff_id"), str) else None
+    raise InvalidDocument(
+        f"unrecognised handoff format (top-level keys: {keys}): the document matches none of the "
+        f"formats tried: {tried}; use --dialect NAME to validate it as one of them",
+        handoff_id=handoff_id, code="UNKNOWN_FORMAT")
 
 
-__all__ = ["DIALECTS", "Dialect", "FiledState", "by_name", "detect", "register"]
+def review_outcome(job: "Job", outcome: "Outcome") -> "Outcome":
+    """Engine ``after_run`` hook: let the job's dialect check a result before it may complete
+    (seed 002 verifies that reported artifacts exist)."""
+    review: Any = getattr(job.dialect, "review", None)
+    if review is None:
+        return outcome
+    return review(job.claim.doc, outcome, job.context.root)
+
+
+__all__ = ["DIALECTS", "Dialect", "FiledState", "by_name", "detect", "register", "review_outcome"]

@@ -68,7 +68,11 @@ class AgentHandoffDialect:
         declared = doc.get("$schema")
         if isinstance(declared, str) and "agent_handoff" in declared.lower().replace("-", "_"):
             return True
-        return "from_agent" in doc and "to_agent" in doc and doc.get("status") in STATUSES
+        if "from_agent" not in doc or "to_agent" not in doc:
+            return False
+        # a wrong status must still be reported as an AgentHandoff error, not an unknown format;
+        # a payload object makes it a HAIOS CollaborationHandoff instead
+        return doc.get("status") in STATUSES or not isinstance(doc.get("payload"), dict)
 
     def is_answer(self, doc: dict[str, Any]) -> bool:
         """True for an answer handoffd filed (a new handoff id; the request is kept)."""

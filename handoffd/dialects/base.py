@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 from ..documents import Envelope, Outcome
@@ -46,6 +47,13 @@ class Dialect(Protocol):
         """Update format fields when the document goes back to pending/ (retry, hand-back)."""
         ...
 
-    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState) -> dict[str, Any]:
-        """The answer document filed in completed/ or failed/, in this format."""
+    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
+               root: Path | None = None) -> dict[str, Any]:
+        """The answer document filed in completed/ or failed/, in this format. ``root`` is the
+        workspace (a dialect may write artifacts under it, e.g. seed 000's 1 KB rule).
+
+        Optional extras a dialect may define: ``is_answer(doc) -> bool`` (the document is an answer
+        this dialect renders, validated against its answer schema and not routable by itself) and
+        ``review(doc, outcome, root) -> Outcome`` (check a result before it may complete; called
+        by the engine's ``after_run`` hook :func:`handoffd.dialects.review_outcome`)."""
         ...

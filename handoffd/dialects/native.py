@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from ..documents import Envelope, Outcome, apply_native_outcome, native_envelope
@@ -34,7 +35,8 @@ class NativeDialect:
         doc["status"] = "pending"
         doc.pop("started_at", None)
 
-    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState) -> dict[str, Any]:
+    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
+               root: Path | None = None) -> dict[str, Any]:
         answer = dict(doc)
         apply_native_outcome(answer, outcome, retry_count=filed.retry_count,
                              max_retries=filed.max_retries, retry_available=filed.retry_available)

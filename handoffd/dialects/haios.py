@@ -1,0 +1,142 @@
+"""Seed 003 (HAIOS): CollaborationHandoff in, CollaborationResult out.
+
+A handoff is routed to ``to_agent`` with ``timeout_ms``; the handler sees ``payload`` (directive,
+context, original_input) as its data. ``expected_output_schema`` becomes the Envelope's, so the engine
+validates the handler's output against it before the handoff may complete (``VALIDATION_FAILED``
+otherwise). Claiming sets ``status`` to ``accepted``; going back to pending/ sets ``pending``.
+The answer is a CollaborationResult: ``executed_by``, ``executed_at``, status success / partial /
+error, ``result`` (the handler's output) and, on error, ``error.message`` with ``error_type``
+retryable / permanent and handoffd's error ``code``.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from ..documents import Envelope, Outcome, check_id, priority_rank
+from ..errors import InvalidDocument
+from ..timeutil import iso
+from . import _shared as sh
+from .base import FiledState
+
+HANDOFF_SCHEMA = "haios.collaboration_handoff.schema.json"
+RESULT_SCHEMA = "haios.collaboration_result.schema.json"
+_CHECKED_SCHEMAS: dict[str, str | None] = {}  # expected_output_schema text → problem (None: fine)
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why an inline expected_output_schema is not a usable JSON Schema (None when it is)."""
+    key = json.dumps(schema, sort_keys=True)
+    if key not in _CHECKED_SCHEMAS:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        try:
+            cls.check_schema(schema)
+            problem = None
+        except jsonschema.SchemaError as exc:
+            problem = exc.message
+        if len(_CHECKED_SCHEMAS) > 256:
+            _CHECKED_SCHEMAS.clear()
+        _CHECKED_SCHEMAS[key] = problem
+    return _CHECKED_SCHEMAS[key]
+
+
+class HaiosDialect:
+    """HAIOS collaboration handoffs and their results."""
+
+    name = "haios"
+
+    # ------------------------------------------------------------ recognising
+    def matches(self, doc: dict[str, Any]) -> bool:
+        declared = doc.get("$schema")
+        if isinstance(declared, str) and "haios" in declared.lower():
+            return True
+        if "from_agent" in doc and "to_agent" in doc and isinstance(doc.get("payload"), dict):
+            return True  # a payload object (its directive is checked by the schema)
+        return self.is_answer(doc)
+
+    def is_answer(self, doc: dict[str, Any]) -> bool:
+        """True for a CollaborationResult (it carries executed_by and no payload)."""
+        return "executed_by" in doc and "handoff_id" in doc and "payload" not in doc
+
+    def _request(self, doc: dict[str, Any]) -> dict[str, Any]:
+        request = sh.snapshot(doc) if self.is_answer(doc) else None
+        return request if request is not None else doc
+
+    def id_of(self, doc: dict[str, Any]) -> Any:
+        return self._request(doc).get("handoff_id")
+
+    def schema_names(self, doc: dict[str, Any]) -> list[str]:
+        return [RESULT_SCHEMA if self.is_answer(doc) else HANDOFF_SCHEMA]
+
+    # ------------------------------------------------------------ routing
+    def envelope(self, doc: dict[str, Any]) -> Envelope:
+        request = self._request(doc)
+        handoff_id = check_id(request.get("handoff_id"))
+        if self.is_answer(request):
+            raise InvalidDocument(
+                f"{handoff_id} is a CollaborationResult (an answer), not a request: submit the "
+                "CollaborationHandoff instead", handoff_id=handoff_id, code="NOT_A_REQUEST")
+        target = request.get("to_agent")
+        if not isinstance(target, str) or not target:
+            raise InvalidDocument(f"handoff {handoff_id} has no to_agent", handoff_id=handoff_id,
+                                  code="SCHEMA_VALIDATION_FAILED")
+        expected = request.get("expected_output_schema")
+        if isinstance(expected, dict):
+            problem = schema_problem(expected)
+            if problem:
+                message = f"expected_output_schema is not a valid JSON Schema: {problem}"
+                raise InvalidDocument(f"handoff {handoff_id}: {message}", handoff_id=handoff_id,
+                                      code="SCHEMA_VALIDATION_FAILED",
+                                      errors=[{"field": "expected_output_schema", "error": message,
+                                               "schema_path": ""}])
+        timeout_ms = request.get("timeout_ms")
+        source = request.get("from_agent")
+        return Envelope(
+            handoff_id=handoff_id, dialect=self.name, target=target,
+            source=source if isinstance(source, str) else None,
+            data=request.get("payload"),
+            timeout_seconds=(timeout_ms / 1000.0 if isinstance(timeout_ms, (int, float))
+                             and not isinstance(timeout_ms, bool) and timeout_ms > 0 else None),
+            priority=priority_rank(request.get("priority")),
+            expected_output_schema=expected if isinstance(expected, dict) else None,
+        )
+
+    def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
+        doc["status"] = "accepted"
+
+    def mark_pending(self, doc: dict[str, Any]) -> None:
+        doc["status"] = "pending"
+
+    # ------------------------------------------------------------ answering
+    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
+               root: Path | None = None) -> dict[str, Any]:
+        request = self._request(doc)
+        status = sh.effective_status(outcome)
+        output = outcome.output
+        result = output if isinstance(output, dict) else ({} if output is None else {"value": output})
+        to_agent = request.get("to_agent")
+        answer: dict[str, Any] = {
+            "handoff_id": request.get("handoff_id"),
+            "executed_by": outcome.executed_by or (to_agent if isinstance(to_agent, str) else "handoffd"),
+            "executed_at": iso(outcome.finished_at),
+            "status": {"completed": "success", "partial": "partial"}.get(status, "error"),
+            "result": result,
+            "error": None,
+        }
+        if answer["status"] == "error":
+            code = sh.error_code(outcome) or status.upper()
+            retryable = filed.retry_available or code == "TIMEOUT"
+            answer["error"] = {"message": sh.error_message(outcome) or sh.summary_of(outcome, None),
+                               "error_type": "retryable" if retryable else "permanent",
+                               "code": code}
+            errors = sh.error_list(outcome, "errors")
+            if errors:
+                answer["error"]["errors"] = errors
+        if outcome.warnings:
+            answer["warnings"] = list(outcome.warnings)
+        answer["handoffd"] = sh.copy_book(doc)
+        return answer

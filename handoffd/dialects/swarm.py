@@ -1,0 +1,156 @@
+"""Seed 004 (Swarm, ADR-008): WorkerHandoff in, completion report out.
+
+The handoff id is ``contract.task_id``; the worker is the document's ``to_agent`` / ``worker`` (or
+``contract.worker``), else ``@swarm-worker``. The handler gets the whole handoff as data; the
+Envelope carries the contract (for contract enforcement) and ``dependencies_completed`` as
+``depends_on``. The answer is the swarm_complete report: task id, status, files touched, summary,
+success criteria results and violations.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..documents import Envelope, Outcome, check_id, priority_rank
+from ..errors import InvalidDocument
+from ..timeutil import iso
+from . import _shared as sh
+from .base import FiledState
+
+HANDOFF_SCHEMA = "swarm.worker_handoff.schema.json"
+REPORT_SCHEMA = "swarm.completion_report.schema.json"
+DEFAULT_WORKER = "@swarm-worker"
+CRITERION_STATES = ("passed", "failed", "unchecked")
+
+
+class SwarmDialect:
+    """Seed 004's WorkerHandoff envelope (contract / context / escalation)."""
+
+    name = "swarm"
+
+    # ------------------------------------------------------------ recognising
+    def matches(self, doc: dict[str, Any]) -> bool:
+        declared = doc.get("$schema")
+        if isinstance(declared, str) and "swarm" in declared.lower():
+            return True
+        contract = doc.get("contract")
+        return (isinstance(contract, dict) and "task_id" in contract) or self.is_answer(doc)
+
+    def is_answer(self, doc: dict[str, Any]) -> bool:
+        """True for a completion report (task_id and files_touched, no contract)."""
+        return "contract" not in doc and "task_id" in doc and "files_touched" in doc
+
+    def _request(self, doc: dict[str, Any]) -> dict[str, Any]:
+        request = sh.snapshot(doc) if self.is_answer(doc) else None
+        return request if request is not None else doc
+
+    def id_of(self, doc: dict[str, Any]) -> Any:
+        request = self._request(doc)
+        contract = request.get("contract")
+        if isinstance(contract, dict):
+            return contract.get("task_id")
+        return request.get("task_id")
+
+    def schema_names(self, doc: dict[str, Any]) -> list[str]:
+        return [REPORT_SCHEMA if self.is_answer(doc) else HANDOFF_SCHEMA]
+
+    @staticmethod
+    def worker(request: dict[str, Any]) -> str:
+        """Who runs the task: to_agent / worker at the top or in the contract, else @swarm-worker."""
+        contract = request.get("contract") if isinstance(request.get("contract"), dict) else {}
+        for holder in (request, contract):
+            for key in ("to_agent", "worker"):
+                if isinstance(holder.get(key), str) and holder[key]:
+                    return holder[key]
+        return DEFAULT_WORKER
+
+    # ------------------------------------------------------------ routing
+    def envelope(self, doc: dict[str, Any]) -> Envelope:
+        request = self._request(doc)
+        if self.is_answer(request):
+            raise InvalidDocument(
+                f"{request.get('task_id')} is a completion report (an answer), not a WorkerHandoff: "
+                "submit the handoff instead", code="NOT_A_REQUEST")
+        contract = request.get("contract")
+        if not isinstance(contract, dict):
+            raise InvalidDocument("a WorkerHandoff needs a contract block with a task_id",
+                                  code="SCHEMA_VALIDATION_FAILED")
+        handoff_id = check_id(contract.get("task_id"))
+        timeout = request.get("timeout_seconds")
+        source = request.get("from_agent")
+        return Envelope(
+            handoff_id=handoff_id, dialect=self.name, target=self.worker(request),
+            source=source if isinstance(source, str) else None,
+            data=sh.without_book(request),
+            timeout_seconds=(float(timeout) if isinstance(timeout, (int, float))
+                             and not isinstance(timeout, bool) and timeout > 0 else None),
+            priority=priority_rank(request.get("priority")),
+            depends_on=sh.strings(contract.get("dependencies_completed")),
+            contract=contract,
+        )
+
+    def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
+        """A WorkerHandoff has no status field: claiming leaves it as written."""
+
+    def mark_pending(self, doc: dict[str, Any]) -> None:
+        """Nothing to undo (see mark_claimed)."""
+
+    # ------------------------------------------------------------ answering
+    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
+               root: Path | None = None) -> dict[str, Any]:
+        request = self._request(doc)
+        contract = request.get("contract") if isinstance(request.get("contract"), dict) else {}
+        status = sh.effective_status(outcome)
+        violations = sh.error_list(outcome, "violations")
+        reported = sh.output_field(outcome, "violations")
+        if isinstance(reported, list):
+            violations.extend(v for v in reported if v not in violations)
+        answer: dict[str, Any] = {
+            "task_id": contract.get("task_id", request.get("task_id")),
+            "status": status,
+            "agent": outcome.executed_by or self.worker(request),
+            "files_touched": sh.strings(sh.output_field(outcome, "files_touched")),
+            "summary": sh.summary_of(outcome, outcome.executed_by),
+            "success_criteria": self.criteria(contract, outcome),
+            "valid": not violations,
+            "violations": violations,
+            "completed_at": iso(outcome.finished_at),
+            "execution_time_ms": sh.milliseconds(outcome),
+        }
+        if outcome.output is not None:
+            answer["output"] = outcome.output
+        if not outcome.succeeded:
+            code = sh.error_code(outcome) or status.upper()
+            answer["error"] = {"code": code,
+                               "message": sh.error_message(outcome) or answer["summary"],
+                               "retryable": bool(filed.retry_available)}
+        answer["handoffd"] = sh.copy_book(doc)
+        return answer
+
+    @staticmethod
+    def criteria(contract: dict[str, Any], outcome: Outcome) -> list[dict[str, Any]]:
+        """Each contract criterion with its result: what the handler (or a checker) reported,
+        else ``unchecked`` — never assumed passed."""
+        reported: dict[str, dict[str, Any]] = {}
+        for source in (sh.output_field(outcome, "success_criteria"),
+                       sh.metadata_field(outcome, "success_criteria")):
+            if isinstance(source, list):
+                for item in source:
+                    if isinstance(item, dict) and isinstance(item.get("criterion"), str):
+                        reported[item["criterion"]] = item
+        out = []
+        for criterion in sh.strings(contract.get("success_criteria")):
+            item = dict(reported.pop(criterion, {}))
+            item["criterion"] = criterion
+            if item.get("status") not in CRITERION_STATES:
+                passed = item.get("passed")
+                item["status"] = ("passed" if passed is True else "failed" if passed is False
+                                  else "unchecked")
+            out.append(item)
+        for criterion, item in reported.items():  # extra criteria a checker added
+            item = dict(item)
+            if item.get("status") not in CRITERION_STATES:
+                item["status"] = "unchecked"
+            out.append(item)
+        return out
