@@ -66,16 +66,21 @@ def create_exclusive(target: Path, data: bytes, tmp_dir: Path, *, durable: bool)
         fsync_dir(target.parent)
 
 
-def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> None:
-    """Atomically replace (or create) ``target`` with ``data``."""
+def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool, sync_dir: bool = True) -> int:
+    """Atomically replace (or create) ``target`` with ``data``; returns the new inode number.
+
+    ``sync_dir=False`` keeps the data fsync (a renamed-in file must never surface empty after a
+    crash) but skips making the rename itself durable, for writes whose loss recovery handles."""
     tmp = write_temp(tmp_dir, data, durable=durable)
+    inode = os.stat(tmp).st_ino
     try:
         os.replace(tmp, target)
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    if durable:
+    if durable and sync_dir:
         fsync_dir(target.parent)
+    return inode
 
 
 def unlink(path: Path, *, durable: bool) -> bool:

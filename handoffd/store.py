@@ -6,8 +6,9 @@ what to do with a failure is decided by :mod:`handoffd.lifecycle`.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -43,6 +44,10 @@ class Claim:
     token: str | None
     lock: "FileLock | NullLock"
     attempt: int
+    inode: int | None = None  # of the in-progress file as this claim last wrote it
+    finished: bool = False
+    # serialises lease renewal (heartbeat thread) with finishing (worker thread)
+    mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def lock_path(self) -> Path:
@@ -179,12 +184,15 @@ class Store:
         try:
             if on_claim is not None:
                 on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
-            fsio.replace(dst, fsio.dump_json(doc), self.ws.tmp, durable=self.durable)
+            # the rename into in-progress/ need not be durable: if a crash undoes it, the handoff
+            # is simply pending again, or in-progress without a lease, which recovery hands back
+            inode = fsio.replace(dst, fsio.dump_json(doc), self.ws.tmp, durable=self.durable,
+                                 sync_dir=False)
         except BaseException:
             release_lock(lock)
             raise
         crash_point("after-claim-lease")
-        return Claim(handoff_id, doc, token, lock, block["attempt"])
+        return Claim(handoff_id, doc, token, lock, block["attempt"], inode)
 
     def _young(self, path: Path, now: datetime) -> bool:
         try:
@@ -200,7 +208,15 @@ class Store:
             pass  # a newer pending copy appeared; recovery resolves the pair
 
     def owns(self, claim: Claim) -> bool:
-        """True while the in-progress document still carries this claim's lease token."""
+        """True while the in-progress document still carries this claim's lease token.
+
+        Every write of the in-progress file makes a new inode, so an unchanged inode proves
+        nobody (a sweeper) replaced or moved it since this claim wrote it; no read needed."""
+        if claim.inode is not None:
+            try:
+                return os.stat(self.path(State.IN_PROGRESS, claim.handoff_id)).st_ino == claim.inode
+            except FileNotFoundError:
+                return False
         try:
             doc = self.read(State.IN_PROGRESS, claim.handoff_id)
         except (FileNotFoundError, InvalidDocument):
@@ -212,12 +228,16 @@ class Store:
 
     def renew(self, claim: Claim, *, lease_seconds: float, now: datetime | None = None) -> bool:
         """Extend the lease; False if the claim was lost (recovered by a sweeper)."""
-        if not self.owns(claim):
-            return False
-        book(claim.doc)["lease"] = lease(claim.token, now or utc_now(), lease_seconds)
-        fsio.replace(self.path(State.IN_PROGRESS, claim.handoff_id), fsio.dump_json(claim.doc),
-                     self.ws.tmp, durable=self.durable)
-        return True
+        with claim.mutex:
+            if claim.finished:
+                return True
+            if not self.owns(claim):
+                return False
+            book(claim.doc)["lease"] = lease(claim.token, now or utc_now(), lease_seconds)
+            claim.inode = fsio.replace(self.path(State.IN_PROGRESS, claim.handoff_id),
+                                       fsio.dump_json(claim.doc), self.ws.tmp,
+                                       durable=self.durable, sync_dir=False)
+            return True
 
     def move(self, handoff_id: str, src: State, dst: State, doc: dict[str, Any]) -> None:
         """Write ``doc`` into ``dst`` (never overwriting), then remove the ``src`` copy."""
@@ -227,19 +247,23 @@ class Store:
         fsio.create_exclusive(self.path(dst, handoff_id), fsio.dump_json(doc), self.ws.tmp,
                               durable=self.durable)
         crash_point("after-move-write")
-        fsio.unlink(self.path(src, handoff_id), durable=self.durable)
+        # no directory fsync: if a crash undoes this unlink, the two copies are told apart by
+        # revision (states.winner) and recovery removes the older one
+        fsio.unlink(self.path(src, handoff_id), durable=False)
         crash_point("after-move-unlink")
 
     def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
         """File a claimed handoff in ``dst``. False (nothing written) if the claim was lost."""
-        try:
-            if not self.owns(claim):
-                return False
-            book(doc).pop("lease", None)
-            self.move(claim.handoff_id, State.IN_PROGRESS, dst, doc)
-            return True
-        finally:
-            release_lock(claim.lock)
+        with claim.mutex:
+            try:
+                if claim.finished or not self.owns(claim):
+                    return False
+                book(doc).pop("lease", None)
+                self.move(claim.handoff_id, State.IN_PROGRESS, dst, doc)
+                return True
+            finally:
+                claim.finished = True
+                release_lock(claim.lock)
 
     def quarantine(self, path: Path, code: str, message: str, *, now: datetime | None = None) -> Path:
         """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
