@@ -1,0 +1,243 @@
+"""The daemon in-process: registration sources, concurrency, leases, health, faults, durability."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from handoffd import Daemon, Engine, Registry, State, Workspace, new_native_request, specialist
+from handoffd import fsio
+from handoffd.config import Config, DaemonSettings
+from handoffd.documents import book
+from handoffd.timeutil import parse_iso
+from handoffd.watcher import OVERFLOW_LOGGER
+
+from conftest import exe
+
+
+def engine_with(tmp_path: Path, handler: Any, **settings: Any) -> Engine:
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    config = Config(daemon=DaemonSettings(**{"sweep_seconds": 0.2, "rescan_seconds": 0.2, **settings}))
+    registry = Registry()
+    registry.add_function("@t", handler, config=config, concurrency=settings.get("workers", 4))
+    return Engine(ws, config, registry)
+
+
+def submit(engine: Engine, data: Any = None, **extra: Any) -> str:
+    doc = new_native_request(source="@test", target="@t", data=data, now=engine.clock())
+    doc.update(extra)
+    return engine.store.create(doc, doc["handoff_id"])
+
+
+class Serving:
+    """Run Daemon.serve in a thread for the duration of a with-block."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.daemon = Daemon(engine)
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.daemon.serve,
+                                       kwargs={"install_signals": False, "ready": self.ready.set})
+
+    def __enter__(self) -> Daemon:
+        self.thread.start()
+        assert self.ready.wait(10)
+        return self.daemon
+
+    def __exit__(self, *exc: object) -> None:
+        self.daemon.stop()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+
+
+def wait_for(predicate: Any, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def test_decorator_registers_a_specialist(tmp_path: Path) -> None:
+    @specialist("@decorated", concurrency=3, timeout_seconds=7)
+    def handler(handoff: dict, ctx: Any) -> dict:
+        return {"status": "completed", "output": {"via": "decorator"}}
+
+    registry = Registry.load(Config(), use_entry_points=False)
+    spec = registry.get("@decorated")
+    assert spec is not None and spec.func is handler
+    assert spec.config.concurrency == 3 and spec.config.timeout_seconds == 7
+
+
+def test_entry_point_specialist_is_found(tmp_path: Path) -> None:
+    """A package exposing `handoffd.specialists` entry points is picked up by the real daemon."""
+    site = tmp_path / "site"
+    (site / "epdemo").mkdir(parents=True)
+    (site / "epdemo" / "__init__.py").write_text(
+        "def handle(handoff, ctx):\n    return {'status': 'completed', 'output': {'via': 'entry point'}}\n")
+    dist = site / "epdemo-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: epdemo\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[handoffd.specialists]\n@ep = epdemo:handle\n")
+    root = tmp_path / "ws"
+    root.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    created = subprocess.run([exe("handoff"), "create", "--to", "@ep", "--root", str(root)],
+                             capture_output=True, text=True, env=env, timeout=60)
+    hid = created.stdout.strip()
+    run = subprocess.run([exe("handoffd"), "run", "--root", str(root)], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads((root / "handoffs" / "completed" / f"{hid}.json").read_text())
+    assert doc["output"] == {"via": "entry point"}
+
+
+def test_concurrency_limit_is_respected(tmp_path: Path) -> None:
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def handler(handoff: dict, ctx: Any) -> dict:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return {"status": "completed"}
+
+    engine = engine_with(tmp_path, handler, workers=4)
+    engine.registry.get("@t").config.concurrency = 2
+    ids = [submit(engine) for _ in range(8)]
+    report = Daemon(engine).run_batch()
+    assert report.completed == 8 and peak[0] == 2
+    assert all(engine.store.locate(i) == [State.COMPLETED] for i in ids)
+
+
+def test_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None:
+    gate = threading.Event()
+    engine = engine_with(tmp_path, lambda h, c: gate.wait(10) and {"status": "completed"},
+                         lease_seconds=1.5)
+    hid = submit(engine)
+    with Serving(engine):
+        wait_for(lambda: engine.store.locate(hid) == [State.IN_PROGRESS])
+        first = book(engine.store.read(State.IN_PROGRESS, hid))["lease"]["expires_at"]
+        wait_for(lambda: book(engine.store.read(State.IN_PROGRESS, hid))["lease"]["expires_at"] != first)
+        later = book(engine.store.read(State.IN_PROGRESS, hid))["lease"]["expires_at"]
+        assert parse_iso(later) > parse_iso(first)
+        gate.set()
+        wait_for(lambda: engine.store.locate(hid) == [State.COMPLETED])
+
+
+def test_scheduled_retry_survives_a_restart(tmp_path: Path) -> None:
+    calls = []
+
+    def handler(handoff: dict, ctx: Any) -> dict:
+        calls.append(ctx.attempt)
+        if ctx.attempt == 1:
+            return {"status": "failed", "error": {"code": "PROCESSING_ERROR", "message": "try later"}}
+        return {"status": "completed"}
+
+    from datetime import datetime, timedelta, timezone
+
+    now = [datetime(2026, 1, 13, 10, 0, tzinfo=timezone.utc)]
+    engine = engine_with(tmp_path, handler)
+    engine.clock = lambda: now[0]
+    hid = submit(engine, retry_policy={"max_retries": 1, "retry_delay_seconds": 30})
+    first = Daemon(engine).run_batch()  # attempt 1 fails; the retry is due in 30 s
+    assert first.retrying == 1 and engine.store.locate(hid) == [State.PENDING]
+    assert parse_iso(book(engine.store.read(State.PENDING, hid))["next_attempt_at"]) == now[0] + timedelta(seconds=30)
+    assert Daemon(Engine(engine.ws, engine.config, engine.registry, clock=lambda: now[0])).run_batch().completed == 0
+    now[0] += timedelta(seconds=31)
+    restarted = Engine(engine.ws, engine.config, engine.registry, clock=lambda: now[0])  # a new process
+    assert Daemon(restarted).run_batch().completed == 1
+    assert calls == [1, 2]
+
+
+def test_grace_period_running_out_hands_work_back(tmp_path: Path) -> None:
+    started = threading.Event()
+
+    def handler(handoff: dict, ctx: Any) -> dict:
+        started.set()
+        while not ctx.cancelled.is_set():
+            time.sleep(0.01)
+        ctx.check_cancelled()
+        return {"status": "completed"}
+
+    engine = engine_with(tmp_path, handler, grace_seconds=0.3)
+    hid = submit(engine)
+    serving = Serving(engine)
+    with serving:
+        assert started.wait(10)
+    assert engine.store.locate(hid) == [State.PENDING]
+    doc = engine.store.read(State.PENDING, hid)
+    assert book(doc)["history"][-1]["event"] == "handed_back" and book(doc)["attempt"] == 0
+    assert serving.daemon.report.handed_back == 1
+
+
+def test_dead_observer_is_restarted_and_overflow_triggers_rescan(tmp_path: Path) -> None:
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"})
+    with Serving(engine) as daemon:
+        assert daemon.watcher is not None and daemon.watcher.healthy()
+        old = daemon.watcher.observer
+        old.stop()
+        old.join(5)
+        hid = submit(engine)
+        wait_for(lambda: engine.store.locate(hid) == [State.COMPLETED])
+        wait_for(lambda: daemon.watcher.observer is not old and daemon.watcher.healthy())
+        second = submit(engine)
+        wait_for(lambda: engine.store.locate(second) == [State.COMPLETED])
+
+
+def test_overflow_log_line_requests_a_rescan(tmp_path: Path) -> None:
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"})
+    daemon = Daemon(engine)
+    from handoffd.watcher import PendingWatcher
+    watcher = PendingWatcher(engine.ws.state_dir(State.PENDING), daemon.notify, daemon.request_rescan)
+    watcher.start()
+    try:
+        daemon.rescan_requested = False
+        logging.getLogger(OVERFLOW_LOGGER).warning("Inotify queue overflowed; filesystem events were lost")
+        assert daemon.rescan_requested is True
+    finally:
+        watcher.stop()
+        daemon.pool.shutdown()
+
+
+def test_disk_full_while_filing_is_retried_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"}, claim_grace_seconds=0.0)
+    real = fsio.create_exclusive
+    failures = [0]
+
+    def flaky_create(target: Path, *args: Any, **kwargs: Any) -> None:
+        if target.parent.name == "completed" and failures[0] < 1:
+            failures[0] += 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(fsio, "create_exclusive", flaky_create)
+    hid = submit(engine, retry_policy={"max_retries": 3, "retry_delay_seconds": 0.1})
+    with Serving(engine):
+        wait_for(lambda: engine.store.locate(hid) == [State.COMPLETED], timeout=20)
+    doc = engine.store.read(State.COMPLETED, hid)
+    assert failures[0] == 1 and "recovered" in [e["event"] for e in book(doc)["history"]]
+
+
+def test_fast_durability_skips_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [0]
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.__setitem__(0, calls[0] + 1), real(fd))[1])
+    fast = engine_with(tmp_path / "a", lambda h, c: {"status": "completed"}, durability="fast")
+    submit(fast)
+    assert Daemon(fast).run_batch().completed == 1 and calls[0] == 0
+    durable = engine_with(tmp_path / "b", lambda h, c: {"status": "completed"})
+    submit(durable)
+    assert Daemon(durable).run_batch().completed == 1 and calls[0] >= 4
