@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable
 
+from . import cancellation, orchestration
 from .errors import DocumentNotReady, HandoffdError
 from .lifecycle import Engine, Job
 from .runner import cancel
@@ -99,6 +100,7 @@ class Daemon:
         """List pending/ once and queue everything not already known; returns the count found.
         Waiting handoffs are re-checked too unless ``recheck_waiting`` is False (batch mode
         re-checks them only when something is filed)."""
+        cancellation.poll(self)  # cancel requests (.meta/cancel/): stop our handlers, queue pending
         ids = self.engine.store.ids(State.PENDING)
         for handoff_id in ids:
             if handoff_id in self.active or handoff_id in self.queued \
@@ -122,6 +124,11 @@ class Daemon:
         if peek is None:
             return
         if peek.readable:
+            if cancellation.is_cancel_message(peek.doc):  # seed 000 CancellationPayload
+                self.busy[""] = self.busy.get("", 0) + 1
+                self.running += 1
+                self.pool.submit(self._aside, handoff_id, "", cancellation.handle_message)
+                return
             if peek.due_at is not None:
                 wait = (peek.due_at - self.engine.clock()).total_seconds()
                 if wait > 0:
@@ -210,14 +217,31 @@ class Daemon:
                 self.running -= 1
                 self.cv.notify_all()
 
+    def _aside(self, handoff_id: str, agent: str, func: Callable[[Engine, str], State | None]) -> None:
+        """File ``handoff_id`` with ``func`` instead of a specialist (cancellation messages)."""
+        try:
+            where = func(self.engine, handoff_id)
+            if where is not None:
+                self._count(handoff_id, where)
+        except Exception:  # never lose the loop to one handoff; it stays where it is
+            log.exception("handoff %s: could not be handled", handoff_id)
+        finally:
+            with self.cv:
+                self.busy[agent] -= 1
+                self.running -= 1
+                self.cv.notify_all()
+
     def _count(self, handoff_id: str, where: State) -> None:
+        if where.terminal:
+            cancellation.clear_request(self.engine.ws, handoff_id)
         with self.cv:
             if where is State.COMPLETED:
                 self.report.completed += 1
             elif where is State.FAILED:
                 self.report.failed += 1
             elif where is State.PENDING:
-                self.report.retrying += 1
+                if not orchestration.is_parked(self.engine, handoff_id):  # not delegating/asking
+                    self.report.retrying += 1
                 self.notify(handoff_id)  # _dispatch reads its next_attempt_at
             if where.terminal:
                 for waiter in list(self.waiting):  # a dependency may have been met
@@ -264,6 +288,7 @@ class Daemon:
             self.watcher = PendingWatcher(self.engine.ws.state_dir(State.PENDING), self.notify,
                                           self.request_rescan)
             self.watcher.start()
+        cancellation.watch(self)
         if ready:
             ready()
         try:
@@ -276,6 +301,7 @@ class Daemon:
         """One batch for cron: sweep, process everything due now, wait for it, return counts."""
         self.engine.ws.ensure()
         self.report.sweep = self.sweep()
+        cancellation.watch(self)
         self._loop(batch=True)
         self._shutdown()
         return self.report
@@ -343,6 +369,7 @@ class Daemon:
     def _shutdown(self) -> None:
         if self.watcher:
             self.watcher.stop()
+        cancellation.unwatch(self)
         deadline = time.monotonic() + self.settings.grace_seconds
         with self.cv:
             while self.running and time.monotonic() < deadline and not self.hard_stop:

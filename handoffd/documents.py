@@ -170,9 +170,19 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
         input_schema=inp.get("schema") if isinstance(inp.get("schema"), str) else None,
         correlation_id=doc.get("correlation_id") if isinstance(doc.get("correlation_id"), str) else None,
         conversation_id=doc.get("conversation_id") if isinstance(doc.get("conversation_id"), str) else None,
-        depends_on=[d for d in depends if isinstance(d, str)] if isinstance(depends, list) else [],
+        depends_on=_with_contract_dependencies(doc, depends),
         contract=doc.get("contract") if isinstance(doc.get("contract"), dict) else None,
     )
+
+
+def _with_contract_dependencies(doc: dict[str, Any], depends: Any) -> list[str]:
+    """``depends_on`` plus a ``contract.dependencies_completed`` list (seed 004), deduplicated."""
+    out = [d for d in depends if isinstance(d, str)] if isinstance(depends, list) else []
+    contract = doc.get("contract")
+    extra = contract.get("dependencies_completed") if isinstance(contract, dict) else None
+    if isinstance(extra, list):
+        out += [d for d in extra if isinstance(d, str) and d not in out]
+    return out
 
 
 def new_native_request(

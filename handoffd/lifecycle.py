@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from . import dialects
+from . import contracts, dialects, orchestration
 from .config import Config, RetryPolicy
 from .dialects import Dialect, FiledState
 from .documents import Envelope, Outcome, book, check_id, next_attempt_at, record, revision
@@ -81,6 +81,8 @@ class Engine:
         self.gates: list[Gate] = [dependencies_gate]
         self.before_run: list[Callable[[Job], None]] = []
         self.after_run: list[Callable[[Job, Outcome], Outcome]] = [dialects.review_outcome]
+        contracts.install(self)  # seed 004: contract gate, scope/criteria hooks (contracts.py)
+        orchestration.install(self)  # delegation, clarification, cancellation, artifacts
 
     def gate(self, peek: Peek) -> Verdict | None:
         """The first gate verdict that stops ``peek`` from being claimed now (None: go)."""
@@ -258,6 +260,9 @@ class Engine:
         """Validate input, run the handler, validate its output; never raises for handler faults."""
         started = self.clock()
         try:
+            resumed = orchestration.resume(self, job, started)  # a parent whose children are done
+            if resumed is not None:
+                return resumed
             self._check_input(job)
             for hook in self.before_run:
                 hook(job)
@@ -301,11 +306,8 @@ class Engine:
         """Turn a protocol result into an Outcome, validating output and artifact paths."""
         now = self.clock()
         status = result["status"]
-        if status in ("blocked", "needs_clarification", "delegated"):
-            code = status.upper()
-            return self.failure(started, code, f"handoff {job.handoff_id}: specialist answered "
-                                f"{status}: {result.get('error', {}).get('message', '') or result}",
-                                retryable=False, result=result)
+        if status in orchestration.PARK_STATUSES:  # filed back to pending/ by file()
+            return orchestration.parked_outcome(self, job, result, started)
         if status == "failed":
             error = result.get("error") if isinstance(result.get("error"), dict) else {}
             return self.failure(started, str(error.get("code") or "PROCESSING_ERROR"),
@@ -378,6 +380,8 @@ class Engine:
 
     def file(self, claim: Claim, dialect: Dialect, spec: Specialist | None, outcome: Outcome) -> State:
         """Retry or file ``outcome`` for a claimed handoff; returns where it went."""
+        if outcome.status in orchestration.PARK_STATUSES:
+            return orchestration.park(self, claim, dialect, spec, outcome)
         doc = claim.doc
         block = book(doc)
         retries = int(block.get("retries", 0) or 0)

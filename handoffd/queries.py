@@ -11,6 +11,7 @@ from .documents import book, next_attempt_at
 from .errors import InvalidDocument
 from .fsio import parse_document, read_bytes_safely
 from .lifecycle import Engine
+from .lineage import conversation_of, parent_of
 from .states import State
 from .validation import SchemaCache
 from .timeutil import iso
@@ -50,11 +51,13 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mti
         note = f"owner {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
     return {"id": handoff_id, "state": state.value, "from": source, "to": target,
             "attempt": block.get("attempt", 0), "dialect": block.get("dialect"),
-            "updated": iso(datetime.fromtimestamp(mtime, timezone.utc)), "note": note}
+            "updated": iso(datetime.fromtimestamp(mtime, timezone.utc)), "note": note,
+            "parent": parent_of(doc), "conversation": conversation_of(doc)}
 
 
 def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = None,
-                  source: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+                  source: str | None = None, limit: int = 50,
+                  conversation: str | None = None) -> list[dict[str, Any]]:
     """Newest-first rows describing handoffs (and quarantined files), filtered."""
     stamped: list[tuple[float, State, str]] = []
     states = [s for s in State if state in (None, s.value)]
@@ -76,14 +79,17 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
         except FileNotFoundError:
             continue
         except InvalidDocument as exc:
+            if conversation:
+                continue
             rows.append({"id": handoff_id, "state": st.value, "from": None, "to": None, "attempt": 0,
                          "dialect": None, "updated": None, "note": f"{exc.code}: unreadable"})
             continue
         row = _row(engine, st, handoff_id, doc, mtime)
-        if (to and row["to"] != to) or (source and row["from"] != source):
+        if (to and row["to"] != to) or (source and row["from"] != source) \
+                or (conversation and row["conversation"] != conversation):
             continue
         rows.append(row)
-    if state in (None, "quarantined") and not to and not source:
+    if state in (None, "quarantined") and not to and not source and not conversation:
         for item in engine.store.quarantined()[-limit:]:
             rows.append({"id": item.get("stored_as"), "state": "quarantined", "from": None, "to": None,
                          "attempt": 0, "dialect": None, "updated": item.get("at"),

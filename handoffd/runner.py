@@ -69,6 +69,8 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
 def _wait(done: threading.Event, ctx: HandlerContext, timeout: float) -> None:
     """Wait for ``done``; raise TIMEOUT / CANCELLED. Cancellation sets ``done`` too (no polling)."""
     ctx.extra.setdefault("wake", []).append(done)
+    if ctx.cancelled.is_set() and ctx.extra.get("cancel_reason"):
+        done.set()  # cancelled before we started waiting: do not sleep until the timeout
     deadline = time.monotonic() + timeout
     while not done.wait(max(deadline - time.monotonic(), 0)):
         if time.monotonic() >= deadline:
@@ -98,6 +100,7 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     env.update(spec.config.env)
     env.update(HANDOFF_ID=ctx.handoff_id, HANDOFFD_ROOT=str(ctx.root),
                HANDOFF_ATTEMPT=str(ctx.attempt), HANDOFF_TARGET=ctx.target)
+    env.update(ctx.extra.get("env") or {})  # set by engine hooks, e.g. HANDOFF_ARTIFACT_PATH
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
@@ -120,8 +123,11 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
             raise HandlerError(f"handoff {ctx.handoff_id}: handler wrote more than "
                                f"{max_output_bytes} bytes to stdout; it was stopped",
                                handoff_id=ctx.handoff_id, retryable=False)
-    except HandlerError:
+    except HandlerError as exc:
         _stop(proc)
+        if exc.code == "CANCELLED":  # keep what a handler printed on SIGTERM (partial results)
+            out.thread.join(timeout=KILL_GRACE_SECONDS)
+            exc.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))
         raise
     finally:
         if proc.poll() is None:

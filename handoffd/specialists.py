@@ -53,6 +53,26 @@ class HandlerContext:
     cancelled: threading.Event = field(default_factory=threading.Event)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def context(self) -> Any:
+        """Shared context (``context/``) as this handler's agent: ``get(key)``, ``set(key, value)``,
+        ``keys(prefix)``; writes outside the agent's namespaces raise (see context_store.py)."""
+        view = self.extra.get("context_view")
+        if view is None:
+            from .context_store import view_for
+            view = self.extra["context_view"] = view_for(self.root, self.target, self.handoff_id)
+        return view
+
+    @property
+    def artifact_path(self) -> Path | None:
+        """Where this handoff's ``expected_output.destination`` resolved to (None: no destination)."""
+        path = self.extra.get("artifact_path")
+        return Path(path) if path else None
+
+    def report_partial(self, output: Any) -> None:
+        """Record partial results; if the handoff is cancelled they are filed with it."""
+        self.extra["partial"] = output
+
     def check_cancelled(self) -> None:
         """Raise :class:`HandlerCancelled` if the handoff was cancelled or timed out; long handlers
         should call this between steps (Python threads cannot be killed from outside)."""

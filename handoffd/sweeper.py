@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from . import dialects
+from . import contracts, dialects
 from .documents import book, record, revision
 from .errors import DuplicateHandoff, InvalidDocument
 from .lifecycle import Engine
@@ -50,6 +50,7 @@ def sweep(engine: Engine, *, skip: set[str] | None = None) -> SweepReport:
     for handoff_id in engine.store.ids(State.IN_PROGRESS):
         if handoff_id not in skip:
             recover_one(engine, handoff_id, now, report)
+    contracts.prune(engine)  # file reservations of handoffs no longer running (contracts.py)
     remove_orphans(engine, report)
     try:
         engine.store.seen.compact(now)

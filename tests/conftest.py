@@ -102,8 +102,15 @@ class Workspace:
                 if (self.root / "handoffs" / s / f"{handoff_id}.json").exists()]
 
     def doc(self, handoff_id: str) -> dict[str, Any]:
-        (state,) = self.state_of(handoff_id)
-        return json.loads((self.root / "handoffs" / state / f"{handoff_id}.json").read_text())
+        """The current document. Mid-move a handoff is briefly in two folders (the new copy is
+        written before the old one is removed): the copy further along the lifecycle is current."""
+        for state in ("completed", "failed", "in-progress", "pending"):
+            path = self.root / "handoffs" / state / f"{handoff_id}.json"
+            try:
+                return json.loads(path.read_text())
+            except FileNotFoundError:
+                continue
+        raise AssertionError(f"no document for {handoff_id}")
 
     def wait_state(self, handoff_id: str, states: tuple[str, ...] = ("completed", "failed"),
                    timeout: float = 30) -> str:

@@ -19,6 +19,7 @@ from ..states import State
 from ..sweeper import requeue_failed
 from ..validation import builtin_schema_names
 from ..waiting import wait_terminal
+from . import orchestration_cmd
 from .common import RootOption, engine, guarded, workspace
 from .render import console, handoff_table, print_json, timeline
 
@@ -45,7 +46,7 @@ def create(
     source: Annotated[str, typer.Option("--from", help="Requesting agent id.")] = "@cli",
     data: Annotated[Optional[str], typer.Option("--data", help="Input data as JSON (becomes input.data).")] = None,
     input_file: Annotated[Optional[str], typer.Option("--input", help="Read input data JSON from FILE or - (stdin).")] = None,
-    file: Annotated[Optional[Path], typer.Option("--file", help="Submit a whole document (any supported format).")] = None,
+    file: Annotated[Optional[Path], typer.Option("--file", help="Submit a whole document (any supported format); - reads stdin.")] = None,
     handoff_id: Annotated[Optional[str], typer.Option("--id", help="Use this handoff id.")] = None,
     timeout_seconds: Annotated[Optional[float], typer.Option("--timeout-seconds", help="Handler time limit.")] = None,
     priority: Annotated[Optional[str], typer.Option("--priority", help="critical|high|normal|low or 0-4.")] = None,
@@ -59,7 +60,12 @@ def create(
     if file is not None:
         if any(v is not None for v in (to, data, input_file, handoff_id)):
             raise UsageError("--file submits a whole document; do not combine it with --to/--data/--input/--id")
-        raw, _ = read_bytes_safely(file, eng.settings.max_document_bytes)
+        if str(file) == "-":
+            raw = sys.stdin.buffer.read(eng.settings.max_document_bytes + 1)
+            if len(raw) > eng.settings.max_document_bytes:
+                raise UsageError(f"the document on stdin is over {eng.settings.max_document_bytes} bytes")
+        else:
+            raw, _ = read_bytes_safely(file, eng.settings.max_document_bytes)
         doc = parse_document(raw, str(file))
         dialect = dialects.detect(doc)
         validate_document(eng, doc, dialect)
@@ -98,6 +104,7 @@ def list_command(
     to: Annotated[Optional[str], typer.Option("--to", help="Only handoffs to this agent.")] = None,
     source: Annotated[Optional[str], typer.Option("--from", help="Only handoffs from this agent.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="Newest N rows.")] = 50,
+    conversation: Annotated[Optional[str], typer.Option("--conversation", help="Only handoffs of this conversation_id.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
     root: RootOption = None,
 ) -> None:
@@ -106,7 +113,8 @@ def list_command(
     valid = [s.value for s in State] + ["quarantined"]
     if state is not None and state not in valid:
         raise UsageError(f"--state must be one of {', '.join(valid)}")
-    rows = list_handoffs(eng, state=state, to=to, source=source, limit=limit)
+    rows = list_handoffs(eng, state=state, to=to, source=source, limit=limit,
+                         conversation=conversation)
     if as_json:
         print_json(rows)
     else:
@@ -124,11 +132,13 @@ def show(
     eng = engine(root)
     state, doc = eng.store.get(handoff_id)
     if as_json:
-        print_json({"id": handoff_id, "state": state.value, "document": doc})
+        print_json({"id": handoff_id, "state": state.value, "document": doc,
+                    "family": orchestration_cmd.family(eng, handoff_id, doc)})
         return
     out = console()
     out.print(f"[bold]{handoff_id}[/bold]  state: [bold]{state.value}[/bold]  "
               f"file: {eng.store.path(state, handoff_id)}")
+    orchestration_cmd.print_family(out, eng, handoff_id, doc)  # parent, children, waiting
     out.print(timeline(book(doc).get("history", [])))
     out.print_json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
 
@@ -233,6 +243,52 @@ def schemas(
             print(f"{PROG}: kept existing {target}", file=sys.stderr)
             continue
         print(target)
+
+
+@app.command()
+@guarded(PROG)
+def violations(
+    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    since: Annotated[Optional[str], typer.Option("--since", help="Only violations at or after this ISO time/date.")] = None,
+    agent: Annotated[Optional[str], typer.Option("--agent", help="Only this worker agent.")] = None,
+    root: RootOption = None,
+) -> None:
+    """Summarise contract violations (seed 004 learning signals) per agent, kind and day."""
+    from .. import violations as vlog
+    from ..timeutil import parse_iso
+    from .contract_views import violations_view
+
+    eng = engine(root)
+    try:
+        start = parse_iso(since) if since else None
+    except ValueError:
+        raise UsageError(f"--since {since!r} is not an ISO 8601 time or date") from None
+    summary = vlog.summarise(vlog.read(eng.ws, since=start, agent=agent))
+    if as_json:
+        print_json(summary)
+    else:
+        console().print(violations_view(summary))
+
+
+@app.command("render")
+@guarded(PROG)
+def render_command(
+    handoff_id: Annotated[str, typer.Argument(help="The handoff id.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Only the JSON envelope.")] = False,
+    root: RootOption = None,
+) -> None:
+    """Print a handoff's contract, context and escalation compactly, for a worker's prompt."""
+    from ..contracts import worker_envelope
+    from .contract_views import render_envelope
+
+    envelope = worker_envelope(engine(root), handoff_id)
+    if as_json:
+        print_json({k: envelope[k] for k in ("contract", "context", "escalation")})
+    else:
+        print(render_envelope(envelope))
+
+
+orchestration_cmd.register(app)  # cancel, answer, context, trace
 
 
 def main() -> None:

@@ -28,11 +28,12 @@ def print_json(data: Any) -> None:
 def handoff_table(rows: list[dict[str, Any]]) -> Table:
     """The ``handoff ls`` table."""
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("ID", "STATE", "FROM", "TO", "ATTEMPT", "UPDATED", "NOTE"):
+    for column in ("ID", "PARENT", "STATE", "FROM", "TO", "ATTEMPT", "UPDATED", "NOTE"):
         table.add_column(column, overflow="fold")
     for row in rows:
         state = row["state"]
-        table.add_row(row["id"], Text(state, style=STATE_STYLE.get(state, "")), row.get("from") or "-",
+        table.add_row(row["id"], row.get("parent") or "-", Text(state, style=STATE_STYLE.get(state, "")),
+                      row.get("from") or "-",
                       row.get("to") or "-", str(row.get("attempt") or 0), row.get("updated") or "-",
                       row.get("note") or "")
     return table

@@ -30,7 +30,7 @@ DIALECTS: list[Dialect] = [HiMoeDialect(), HaiosDialect(), AgentHandoffDialect()
                            NativeDialect()]
 
 SHAPES = {
-    "hi_moe": "version + payload + source_tier",
+    "hi_moe": "version + source_tier/target_tier + payload",
     "haios": "from_agent + to_agent + payload.directive, or a CollaborationResult",
     "agent_handoff": "from_agent + to_agent + status success/partial/blocked/error",
     "swarm": "contract.task_id, or a completion report",
@@ -70,7 +70,7 @@ def detect(doc: dict, forced: str | None = None) -> Dialect:
             return dialect
     tried = "; ".join(f"{d.name} ({SHAPES[d.name]})" if d.name in SHAPES else d.name
                       for d in DIALECTS)
-    keys = ", ".join(sorted(str(k) for k in doc)[:12]) or "none"
+    keys = ", ".join(sorted(str(k) for k in doc if k != "handoffd")[:12]) or "none"
     handoff_id = doc.get("handoff_id") if isinstance(doc.get("handoff_id"), str) else None
     raise InvalidDocument(
         f"unrecognised handoff format (top-level keys: {keys}): the document matches none of the "

@@ -41,6 +41,11 @@ RESOLUTIONS = {
 }
 
 
+def native_shape(doc: dict[str, Any]) -> bool:
+    """A seed-001 request (handoff_id + target object) is never claimed by another dialect."""
+    return "handoff_id" in doc and isinstance(doc.get("target"), dict)
+
+
 def artifact_paths(outcome: Outcome) -> list[str]:
     """Every artifact path a handler reported (result artifacts, output.artifacts, artifact_path)."""
     paths: list[str] = []
@@ -55,7 +60,8 @@ def artifact_paths(outcome: Outcome) -> list[str]:
             for key in ("path", "artifact_path"):
                 if isinstance(item.get(key), str):
                     paths.append(item[key])
-    return paths
+    # keys of other stores (seed 000's beads:..., URLs) are references, not workspace files
+    return list(dict.fromkeys(p for p in paths if not p.startswith("beads:") and "://" not in p))
 
 
 class AgentHandoffDialect:
@@ -68,11 +74,12 @@ class AgentHandoffDialect:
         declared = doc.get("$schema")
         if isinstance(declared, str) and "agent_handoff" in declared.lower().replace("-", "_"):
             return True
-        if "from_agent" not in doc or "to_agent" not in doc:
-            return False
-        # a wrong status must still be reported as an AgentHandoff error, not an unknown format;
-        # a payload object makes it a HAIOS CollaborationHandoff instead
-        return doc.get("status") in STATUSES or not isinstance(doc.get("payload"), dict)
+        if native_shape(doc) or isinstance(doc.get("payload"), dict):
+            return False  # a seed-001 request / a HAIOS CollaborationHandoff
+        agents = ("from_agent" in doc) + ("to_agent" in doc)
+        # one agent field missing or a wrong status must still be reported as AgentHandoff
+        # errors (with their paths), not as an unknown format
+        return (agents >= 1 and doc.get("status") in STATUSES) or agents == 2
 
     def is_answer(self, doc: dict[str, Any]) -> bool:
         """True for an answer handoffd filed (a new handoff id; the request is kept)."""
@@ -157,6 +164,8 @@ class AgentHandoffDialect:
             answer["blockers"] = self.blockers(outcome, status)
         answer["metadata"] = self.metadata(request, outcome, filed)
         answer["in_reply_to"] = request.get("handoff_id")
+        if "context" in answer and sh.schema_errors(SCHEMA, answer):
+            del answer["context"]  # a rejected request's malformed context is not repeated
         answer["handoffd"] = sh.copy_book(doc)
         return answer
 
@@ -176,7 +185,8 @@ class AgentHandoffDialect:
             path = item.get("path") or item.get("artifact_path") or item.get("content_ref")
             if not isinstance(path, str) or not path:
                 continue
-            kind = item.get("type") if item.get("type") in ARTIFACT_TYPES else "data"
+            kind = next((k for k in (item.get("type"), item.get("artifact_type"))
+                         if k in ARTIFACT_TYPES), "data")
             entry = {"name": str(item.get("name") or path.rstrip("/").rsplit("/", 1)[-1]),
                      "path": path, "type": kind}
             if isinstance(item.get("description"), str):

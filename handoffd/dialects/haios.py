@@ -54,8 +54,11 @@ class HaiosDialect:
         declared = doc.get("$schema")
         if isinstance(declared, str) and "haios" in declared.lower():
             return True
-        if "from_agent" in doc and "to_agent" in doc and isinstance(doc.get("payload"), dict):
-            return True  # a payload object (its directive is checked by the schema)
+        payload = doc.get("payload")
+        if isinstance(payload, dict) and ("directive" in payload or "from_agent" in doc
+                                          or "to_agent" in doc) \
+                and "source_tier" not in doc and "target_tier" not in doc:
+            return True  # agents and a payload object (the schema checks the rest)
         return self.is_answer(doc)
 
     def is_answer(self, doc: dict[str, Any]) -> bool:

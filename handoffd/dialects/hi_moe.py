@@ -53,6 +53,27 @@ def check_version(doc: dict[str, Any]) -> None:
                                        "schema_path": "#/properties/version"}])
 
 
+def valid_tier(value: Any) -> bool:
+    """A TierLevel name or number 1-4."""
+    if isinstance(value, bool):
+        return False
+    return value in TIERS or value in TIERS.values()
+
+
+def answer_tiers(request: dict[str, Any]) -> tuple[Any, Any]:
+    """(source_tier, target_tier) of the answer: the request's, swapped. A request rejected for
+    a bad tier still gets a valid answer: its receiver defaults to ROUTING_DISPATCHER and its
+    sender to the tier above the receiver."""
+    receiver, sender = request.get("target_tier"), request.get("source_tier")
+    if not valid_tier(receiver):
+        receiver = "ROUTING_DISPATCHER"
+    if not valid_tier(sender):
+        level = receiver if isinstance(receiver, int) else next(
+            number for number, name in TIERS.items() if name == receiver)
+        sender = TIERS[min(level + 1, 4)]
+    return receiver, sender
+
+
 def tier_name(value: Any) -> str | None:
     """A TierLevel as its name (ints 1-4 are mapped)."""
     if isinstance(value, bool):
@@ -74,7 +95,11 @@ class HiMoeDialect:
         declared = doc.get("$schema")
         if isinstance(declared, str) and "hi_moe" in declared:
             return True
-        return "version" in doc and "payload" in doc and "source_tier" in doc
+        if "payload" not in doc:
+            return False
+        # any two of the envelope's distinctive fields, so that one missing field is reported
+        # as a hi_moe error rather than an unknown format
+        return ("version" in doc) + ("source_tier" in doc) + ("target_tier" in doc) >= 2
 
     def is_answer(self, doc: dict[str, Any]) -> bool:
         """True for an answer handoffd filed (its id differs from the request it keeps)."""
@@ -128,12 +153,13 @@ class HiMoeDialect:
         version = request.get("version")
         if major_of(version) not in SUPPORTED_MAJORS:
             version = CURRENT_VERSION
+        receiver, sender = answer_tiers(request)
         answer: dict[str, Any] = {
             "version": version,
             "id": str(uuid.uuid4()),
             "timestamp": iso(outcome.finished_at),
-            "source_tier": request.get("target_tier"),
-            "target_tier": request.get("source_tier"),
+            "source_tier": receiver,
+            "target_tier": sender,
             "correlation_id": request_id,
             "payload": self.outcome_payload(request_id, outcome, filed, root),
         }
@@ -179,7 +205,9 @@ class HiMoeDialect:
             code = sh.error_code(outcome) or status.upper()
             payload["error_type"] = code.lower()
             payload["error_detail"] = sh.error_message(outcome) or payload["summary"]
-            payload["recoverable"] = bool(filed.retry_available) if status != "success" else None
+            # blocked / needs_clarification flow up to be resolved: recoverable by the sender
+            payload["recoverable"] = (True if status in ("blocked", "needs_clarification")
+                                      else bool(filed.retry_available))
         return payload
 
     def artifacts(self, request_id: str, outcome: Outcome, root: Path | None) -> list[dict[str, Any]]:

@@ -22,6 +22,12 @@ class NativeDialect:
         return doc.get("handoff_id")
 
     def schema_names(self, doc: dict[str, Any]) -> list[str]:
+        """Request, response or failure schema, by the document's ``status``."""
+        status = doc.get("status")
+        if status in ("completed", "partial"):
+            return ["native.response.schema.json"]
+        if status in ("failed", "cancelled"):
+            return ["native.failure.schema.json"]
         return ["native.request.schema.json"]
 
     def envelope(self, doc: dict[str, Any]) -> Envelope:

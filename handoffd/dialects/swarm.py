@@ -34,8 +34,12 @@ class SwarmDialect:
         declared = doc.get("$schema")
         if isinstance(declared, str) and "swarm" in declared.lower():
             return True
+        if "handoff_id" in doc and isinstance(doc.get("target"), dict):
+            return False  # a seed-001 request that carries a contract block stays native
         contract = doc.get("contract")
-        return (isinstance(contract, dict) and "task_id" in contract) or self.is_answer(doc)
+        if isinstance(contract, dict) and ("task_id" in contract or "escalation" in doc):
+            return True
+        return self.is_answer(doc)
 
     def is_answer(self, doc: dict[str, Any]) -> bool:
         """True for a completion report (task_id and files_touched, no contract)."""

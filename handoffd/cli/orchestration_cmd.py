@@ -1,0 +1,289 @@
+"""``handoff cancel | answer | context | trace``: the orchestration commands of the ``handoff`` CLI.
+
+Registered on the ``handoff`` Typer app by :func:`register` (called from handoff_cmd.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from ..errors import NotFound, UsageError, WaitTimeout
+from ..states import State
+from .common import RootOption, engine, guarded
+from .render import STATE_STYLE, console, print_json
+
+PROG = "handoff"
+DEFAULT_AGENT = "@cli"
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _data(data: str | None, input_file: str | None) -> Any:
+    if (data is None) == (input_file is None):
+        raise UsageError("give the value with --data JSON or --input FILE|-")
+    if data is not None:
+        return _json_arg(data, "--data")
+    text = sys.stdin.read() if input_file == "-" else Path(str(input_file)).read_text(encoding="utf-8")
+    return _json_arg(text, f"--input {input_file}")
+
+
+def _agent(as_agent: str | None) -> str:
+    """``--as``, else the specialist a command handler runs as ($HANDOFF_TARGET), else @cli."""
+    return as_agent or os.environ.get("HANDOFF_TARGET") or DEFAULT_AGENT
+
+
+def register(app: typer.Typer) -> None:
+    """Add the orchestration commands to ``app``."""
+    app.command("cancel")(guarded(PROG)(cancel))
+    app.command("answer")(guarded(PROG)(answer))
+    app.command("trace")(guarded(PROG)(trace))
+    ctx_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                          help="Read and write shared context (context/) with namespace permissions.")
+    ctx_app.command("get")(guarded(PROG)(context_get))
+    ctx_app.command("set")(guarded(PROG)(context_set))
+    ctx_app.command("ls")(guarded(PROG)(context_ls))
+    ctx_app.command("history")(guarded(PROG)(context_history))
+    app.add_typer(ctx_app, name="context")
+
+
+# ---------------------------------------------------------------- cancel
+def cancel(
+    handoff_id: Annotated[str, typer.Argument(help="The handoff id.")],
+    cascade: Annotated[bool, typer.Option("--cascade", help="Also cancel every descendant (children by parent_id).")] = False,
+    reason: Annotated[str, typer.Option("--reason", help="Why (recorded in the filed document).")] = "cancelled by request",
+    timeout: Annotated[float, typer.Option("--timeout", help="Wait up to S seconds for running handoffs to stop (0: do not wait).")] = 15.0,
+    as_agent: Annotated[Optional[str], typer.Option("--as", help="Who cancels (default $HANDOFF_TARGET or @cli).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    root: RootOption = None,
+) -> None:
+    """Cancel a pending or running handoff (pending: filed at once; running: its daemon stops it)."""
+    from ..cancellation import cancel as do_cancel
+    from ..waiting import wait_terminal
+
+    eng = engine(root)
+    results = do_cancel(eng, handoff_id, reason=reason, cascade=cascade, by=_agent(as_agent))
+    started = time.monotonic()
+    finals: dict[str, str] = {}
+    for result in results:
+        if result.action != "requested" or timeout <= 0:
+            continue
+        left = max(timeout - (time.monotonic() - started), 0.1)
+        try:
+            state, doc = wait_terminal(eng.store, result.handoff_id, left)
+            finals[result.handoff_id] = (f"{state.value} (status {doc.get('status')}) after "
+                                         f"{time.monotonic() - started:.2f}s")
+            result.state = state.value
+        except WaitTimeout:
+            finals[result.handoff_id] = f"still running after {timeout:g}s; the request stays for its owner"
+    if as_json:
+        print_json([dict(r.as_dict(), final=finals.get(r.handoff_id)) for r in results])
+        return
+    own = results[0]
+    if own.action == "finished":
+        print(f"{handoff_id}: {own.detail}")
+    for result in results:
+        if result.handoff_id == handoff_id and own.action == "finished":
+            continue
+        line = {"cancelled": f"cancelled ({result.detail})",
+                "requested": f"cancel requested ({result.detail})",
+                "finished": result.detail}[result.action]
+        if result.handoff_id in finals:
+            line += f" -> {finals[result.handoff_id]}"
+        print(f"{result.handoff_id}: {line}")
+
+
+# ---------------------------------------------------------------- answer
+def answer(
+    handoff_id: Annotated[str, typer.Argument(help="A handoff waiting on its requester.")],
+    data: Annotated[Optional[str], typer.Option("--data", help="The answer as JSON.")] = None,
+    input_file: Annotated[Optional[str], typer.Option("--input", help="Read the answer JSON from FILE or -.")] = None,
+    as_agent: Annotated[Optional[str], typer.Option("--as", help="Who answers (default $HANDOFF_TARGET or @cli).")] = None,
+    root: RootOption = None,
+) -> None:
+    """Answer a handoff that asked for clarification or is blocked; it goes back to pending."""
+    from ..orchestration import answer as do_answer
+
+    eng = engine(root)
+    do_answer(eng, handoff_id, _data(data, input_file), by=_agent(as_agent))
+    print(f"{handoff_id}: answered; back in pending/")
+
+
+# ---------------------------------------------------------------- context
+def _store(root: Path | None) -> Any:
+    from ..context_store import ContextStore
+
+    eng = engine(root)
+    return ContextStore(eng.ws, durable=eng.settings.durable)
+
+
+def context_get(
+    key: Annotated[str, typer.Argument(help="e.g. task/current-objective or project-context")],
+    root: RootOption = None,
+) -> None:
+    """Print a context value as JSON (exit 3 if the key is not set)."""
+    store = _store(root)
+    try:
+        value = store.get(key)
+    except KeyError:
+        raise NotFound(f"context key {key!r} is not set; `handoff context ls` lists the keys") from None
+    print_json(value)
+
+
+def context_set(
+    key: Annotated[str, typer.Argument(help="e.g. execution/outputs/hoff-1")],
+    data: Annotated[Optional[str], typer.Option("--data", help="The value as JSON.")] = None,
+    input_file: Annotated[Optional[str], typer.Option("--input", help="Read the value JSON from FILE or -.")] = None,
+    as_agent: Annotated[Optional[str], typer.Option("--as", help="Write as this agent or tier (default $HANDOFF_TARGET or @cli).")] = None,
+    root: RootOption = None,
+) -> None:
+    """Write a context value atomically, if the agent may write that namespace."""
+    store = _store(root)
+    entry = store.set(key, _data(data, input_file), agent=_agent(as_agent),
+                      handoff_id=os.environ.get("HANDOFF_ID"))
+    print(f"{entry['key']}: written by {entry['by']} ({entry['bytes']} bytes, sha256 {entry['sha256'][:12]})")
+
+
+def context_ls(
+    prefix: Annotated[str, typer.Argument(help="Only keys starting with this.")] = "",
+    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    root: RootOption = None,
+) -> None:
+    """List context keys with size, last writer and time."""
+    rows = _store(root).listing(prefix)
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("KEY", "NAMESPACE", "BYTES", "WRITTEN BY", "AT"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["key"], row["namespace"] or "-", str(row["bytes"]),
+                      row["written_by"] or "-", row["written_at"] or "-")
+    console().print(table)
+
+
+def context_history(
+    key: Annotated[Optional[str], typer.Argument(help="Only writes of this key.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    root: RootOption = None,
+) -> None:
+    """Every recorded context write (who, when, size, sha256), oldest first."""
+    items = _store(root).history(key)
+    if as_json:
+        print_json(items)
+        return
+    for item in items:
+        print(f"{item.get('at')}  {item.get('key')}  by {item.get('by')}  {item.get('bytes')} bytes"
+              + (f"  (handoff {item['handoff_id']})" if item.get("handoff_id") else ""))
+
+
+# ---------------------------------------------------------------- trace
+def trace(
+    handoff_id: Annotated[str, typer.Argument(help="Any handoff of the chain.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    root: RootOption = None,
+) -> None:
+    """Show the chain a handoff belongs to: parent, children, what it triggered, its conversation."""
+    from ..trace import build
+
+    data = build(engine(root), handoff_id)
+    if as_json:
+        print_json(data)
+        return
+    title = f"trace of [bold]{handoff_id}[/bold]"
+    if data["conversation"]:
+        title += f"  conversation {data['conversation']}"
+    tree = Tree(title)
+    for node in data["trees"]:
+        _grow(tree, node, handoff_id)
+    console().print(tree)
+
+
+def _label(node: dict[str, Any], focus: str) -> Text:
+    text = Text()
+    marker = {"child": "", "triggered": "→ ", "upstream": "", "conversation": "~ ", "root": ""}
+    text.append(marker.get(node["relation"], ""))
+    text.append(node["id"], style="bold underline" if node["id"] == focus else "bold")
+    text.append(f"  {node.get('to') or '-'}  ")
+    text.append(node["state"], style=STATE_STYLE.get(node["state"], ""))
+    if node.get("status") and node["status"] not in (node["state"], node["state"].replace("-", "_")):
+        text.append(f" ({node['status']})")
+    if node.get("seconds") is not None:
+        text.append(f"  {node['seconds']:.2f}s")
+    if node.get("started_at"):
+        text.append(f"  started {node['started_at']}", style="dim")
+    if node.get("finished_at"):
+        text.append(f"  finished {node['finished_at']}", style="dim")
+    if node.get("relation") == "triggered" and node.get("depends_on"):
+        text.append("  (depends on it)", style="dim")
+    if node.get("note"):
+        text.append(f"  {node['note']}", style="italic")
+    return text
+
+
+def _grow(parent: Tree, node: dict[str, Any], focus: str) -> None:
+    branch = parent.add(_label(node, focus))
+    for child in node["children"]:
+        _grow(branch, child, focus)
+
+
+# ---------------------------------------------------------------- show helpers
+def family(eng: Any, handoff_id: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """Parent, conversation and children (with their states) of a handoff, for ``handoff show``."""
+    from ..lineage import children_of, conversation_of, parent_of
+
+    kids = []
+    for kid in children_of(doc):
+        try:
+            state, kid_doc = eng.store.get(kid)
+            status = kid_doc.get("status")
+            target = kid_doc.get("target", {}).get("agent_id") if isinstance(kid_doc.get("target"), dict) else None
+        except NotFound:
+            state, status, target = None, None, None
+        kids.append({"id": kid, "state": state.value if isinstance(state, State) else "missing",
+                     "status": status, "to": target})
+    block = doc.get("handoffd") if isinstance(doc.get("handoffd"), dict) else {}
+    return {"parent_id": parent_of(doc), "conversation_id": conversation_of(doc), "children": kids,
+            "waiting_children": block.get("waiting_children"), "awaiting": block.get("awaiting"),
+            "aggregated_outcome": block.get("aggregated_outcome")}
+
+
+def print_family(out: Any, eng: Any, handoff_id: str, doc: dict[str, Any]) -> None:
+    """The family lines of ``handoff show`` (nothing for a handoff with no relations)."""
+    fam = family(eng, handoff_id, doc)
+    if fam["parent_id"] or fam["conversation_id"]:
+        out.print(f"parent: {fam['parent_id'] or '-'}  conversation: {fam['conversation_id'] or '-'}")
+    if fam["awaiting"]:
+        aw = fam["awaiting"]
+        items = aw.get("questions") or [b.get("description") for b in aw.get("blockers", [])
+                                        if isinstance(b, dict)]
+        out.print(f"waiting on the requester ({aw.get('kind')}): " + "; ".join(map(str, items)))
+    if not fam["children"]:
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold", title="children", title_justify="left")
+    for column in ("ID", "TO", "STATE", "STATUS"):
+        table.add_column(column, overflow="fold")
+    for kid in fam["children"]:
+        table.add_row(kid["id"], kid["to"] or "-", Text(kid["state"], style=STATE_STYLE.get(kid["state"], "")),
+                      str(kid["status"] or "-"))
+    out.print(table)
+    agg = fam["aggregated_outcome"]
+    if isinstance(agg, dict):
+        out.print(f"aggregated ({agg.get('strategy_used')}): {agg.get('aggregated_status')}, "
+                  f"confidence {agg.get('aggregated_confidence')}")
+    elif isinstance(fam["waiting_children"], dict):
+        out.print(f"waiting for children ({fam['waiting_children'].get('aggregation')})")
