@@ -73,6 +73,7 @@ class Daemon:
         self.hard_stop = False
         self.report = BatchReport()
         self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
+        engine.on_filed.append(self._count)
         self.rescan_requested = True
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="handoffd-worker")
         self.watcher: PendingWatcher | None = None
@@ -180,8 +181,7 @@ class Daemon:
                 self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
                 self.report.handed_back += 1
                 return
-            where = self.engine.file(job.claim, job.dialect, job.specialist, outcome)
-            self._count(handoff_id, where)
+            self.engine.file(job.claim, job.dialect, job.specialist, outcome)  # counted by _count
         except DocumentNotReady:
             self.notify(handoff_id, self.settings.settle_seconds)
         except HandoffdError as exc:
@@ -206,9 +206,7 @@ class Daemon:
 
     def _reject(self, handoff_id: str, agent: str, code: str, message: str) -> None:
         try:
-            where = self.engine.reject(handoff_id, code, message)
-            if where is not None:
-                self._count(handoff_id, where)
+            self.engine.reject(handoff_id, code, message)  # counted by _count
         except Exception:  # never lose the loop to one handoff; it stays pending
             log.exception("handoff %s: could not file gate failure", handoff_id)
         finally:
@@ -220,9 +218,7 @@ class Daemon:
     def _aside(self, handoff_id: str, agent: str, func: Callable[[Engine, str], State | None]) -> None:
         """File ``handoff_id`` with ``func`` instead of a specialist (cancellation messages)."""
         try:
-            where = func(self.engine, handoff_id)
-            if where is not None:
-                self._count(handoff_id, where)
+            func(self.engine, handoff_id)  # counted by _count
         except Exception:  # never lose the loop to one handoff; it stays where it is
             log.exception("handoff %s: could not be handled", handoff_id)
         finally:
@@ -232,6 +228,8 @@ class Daemon:
                 self.cv.notify_all()
 
     def _count(self, handoff_id: str, where: State) -> None:
+        """Engine listener: count every filing (including rejections at admission) and wake
+        whatever it may unblock."""
         if where.terminal:
             cancellation.clear_request(self.engine.ws, handoff_id)
         with self.cv:
@@ -268,6 +266,9 @@ class Daemon:
             report = sweep(self.engine, skip=set(self.active))
         except OSError as exc:
             log.error("sweep failed: %s; will try again", exc)
+            return SweepReport()
+        except Exception:  # a repair bug must not stop the daemon; the next sweep tries again
+            log.exception("sweep failed; will try again")
             return SweepReport()
         if report.recovered:
             log.warning("recovered %d abandoned handoff(s): %s", len(report.recovered),
@@ -377,3 +378,5 @@ class Daemon:
         if self.running:
             self._hand_back_all()
         self.pool.shutdown(wait=True)
+        if self._count in self.engine.on_filed:
+            self.engine.on_filed.remove(self._count)

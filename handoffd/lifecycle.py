@@ -79,6 +79,7 @@ class Engine:
         self.schemas = SchemaCache(workspace.schemas)
         # extension points (see gates.py): checked before a claim, around each handler run
         self.gates: list[Gate] = [dependencies_gate]
+        self.on_filed: list[Callable[[str, State], None]] = []  # told of every filing
         self.before_run: list[Callable[[Job], None]] = []
         self.after_run: list[Callable[[Job, Outcome], Outcome]] = [dialects.review_outcome]
         contracts.install(self)  # seed 004: contract gate, scope/criteria hooks (contracts.py)
@@ -248,7 +249,8 @@ class Engine:
         try:
             self.store.write_new(State.FAILED, answer)
         except DuplicateHandoff:
-            pass
+            return
+        self._announce(name_id, State.FAILED)
 
     # ------------------------------------------------------------ execution
     def timeout_for(self, job: Job) -> float:
@@ -379,7 +381,18 @@ class Engine:
         return error.get("code") not in PERMANENT_CODES and error.get("retryable") is not False
 
     def file(self, claim: Claim, dialect: Dialect, spec: Specialist | None, outcome: Outcome) -> State:
-        """Retry or file ``outcome`` for a claimed handoff; returns where it went."""
+        """Retry or file ``outcome`` for a claimed handoff; returns where it went (IN_PROGRESS:
+        nothing was written because the claim was lost). Listeners in ``on_filed`` hear of it."""
+        where = self._file(claim, dialect, spec, outcome)
+        if where is not State.IN_PROGRESS:
+            self._announce(claim.handoff_id, where)
+        return where
+
+    def _announce(self, handoff_id: str, where: State) -> None:
+        for listener in self.on_filed:
+            listener(handoff_id, where)
+
+    def _file(self, claim: Claim, dialect: Dialect, spec: Specialist | None, outcome: Outcome) -> State:
         if outcome.status in orchestration.PARK_STATUSES:
             return orchestration.park(self, claim, dialect, spec, outcome)
         doc = claim.doc
@@ -410,6 +423,13 @@ class Engine:
         block.pop("next_attempt_at", None)
         filed = FiledState(retries, policy.max_retries, self.retryable(outcome) or
                            (outcome.error or {}).get("code") == "TIMEOUT")
+        # format-neutral facts `handoff retry` and `handoff ls` read, whatever the answer's format
+        block["retry_available"] = filed.retry_available
+        if outcome.error:
+            block["final_error"] = {"code": outcome.error.get("code"),
+                                    "message": str(outcome.error.get("message"))[:500]}
+        else:
+            block.pop("final_error", None)
         if dialect.name != "native":  # its answer replaces the request: keep it for retries
             block.setdefault("request_snapshot", _without_book(doc))
         answer = dialect.render(doc, outcome, filed, root=self.ws.root)

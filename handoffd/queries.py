@@ -41,9 +41,7 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mti
             if verdict is not None:
                 note = verdict.reason if verdict.action == "wait" else f"will fail: {verdict.reason}"
     elif state is State.FAILED:
-        error = doc.get("error") if isinstance(doc.get("error"), dict) else {}
-        if not error and isinstance(doc.get("payload"), dict):
-            error = {"code": doc["payload"].get("error_type"), "message": doc["payload"].get("error_detail")}
+        error = block.get("final_error") or (doc.get("error") if isinstance(doc.get("error"), dict) else {})
         note = f"{error.get('code', '')}: {str(error.get('message', ''))[:80]}".strip(": ")
     elif state is State.IN_PROGRESS:
         lease = block.get("lease") if isinstance(block.get("lease"), dict) else {}

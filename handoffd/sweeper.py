@@ -10,6 +10,7 @@ Sweeping is idempotent and safe to run from several processes at once.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from .states import State, winner
 from .store import Claim, NullLock, lease_expired, release_lock, try_lock
 
 TMP_MAX_AGE_SECONDS = 300.0
+log = logging.getLogger("handoffd")
 
 
 @dataclass
@@ -48,8 +50,19 @@ def sweep(engine: Engine, *, skip: set[str] | None = None) -> SweepReport:
     now = engine.clock()
     resolve_duplicates(engine, report)
     for handoff_id in engine.store.ids(State.IN_PROGRESS):
-        if handoff_id not in skip:
+        if handoff_id in skip:
+            continue
+        # one sweeper at a time per handoff: several daemons sweep the same workspace, and a
+        # claim without a lock to take (no lease yet, or a stalled owner) has no other guard
+        guard = try_lock(engine.ws.locks / f"{handoff_id}.recover.lock")
+        if guard is None:
+            continue
+        try:
             recover_one(engine, handoff_id, now, report)
+        except DuplicateHandoff as exc:  # a copy appeared in the target folder meanwhile
+            log.warning("recovering %s: %s; the next sweep resolves the copies", handoff_id, exc)
+        finally:
+            release_lock(guard)
     contracts.prune(engine)  # file reservations of handoffs no longer running (contracts.py)
     remove_orphans(engine, report)
     try:
@@ -212,14 +225,17 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
     if state is not State.FAILED:
         raise InvalidTransition(f"handoff {handoff_id} is {state.value}, not failed; only failed "
                                 "handoffs can be retried", handoff_id=handoff_id)
-    error = doc.get("error") if isinstance(doc.get("error"), dict) else (book(doc).get("last_error") or {})
-    if doc.get("retry_available") is False and not force:
+    block = book(doc)
+    error = (block.get("final_error") or (doc.get("error") if isinstance(doc.get("error"), dict) else None)
+             or block.get("last_error") or {})
+    if block.get("retry_available", doc.get("retry_available")) is False and not force:
         raise InvalidTransition(
             f"handoff {handoff_id} failed with a permanent error ({error.get('code', 'unknown')}); "
             "fix the cause, then retry with --force", handoff_id=handoff_id)
-    block = book(doc)
     block["retries"] = int(block.get("retries", 0) or 0) + 1
     block["last_error"] = error or None
+    block.pop("final_error", None)
+    block.pop("retry_available", None)
     block.pop("next_attempt_at", None)
     block.pop("lease", None)
     if "retry_count" in doc:
@@ -238,7 +254,8 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
                        handoff_id=handoff_id) from None
 
 
-ANSWER_KEYS = ("error", "errors", "failed_at", "timestamp_failed", "retry_available",
+ANSWER_KEYS = ("aggregated_outcome", "children", "error", "errors", "failed_at", "timestamp_failed",
+               "retry_available",
                "recovery_actions", "execution_time_seconds", "completed_at", "timestamp_completed",
                "started_at")
 

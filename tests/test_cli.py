@@ -117,3 +117,11 @@ def test_validate_reports_every_error_with_its_path(ws: Workspace, tmp_path: Pat
 def test_schemas_lists_builtins(ws: Workspace) -> None:
     names = ws.handoff("schemas").stdout.split()
     assert {"native.request.schema.json", "native.response.schema.json", "native.failure.schema.json"} <= set(names)
+
+
+def test_run_exit_code_counts_documents_rejected_at_admission(ws: Workspace) -> None:
+    ws.drop("rejected.json", {"handoff_id": "rejected", "target": {"agent_id": "@flaky"},
+                              "priority": "whenever"})
+    proc = ws.handoffd("run")
+    assert ws.state_of("rejected") == ["failed"]
+    assert proc.returncode == 1 and "failed 1" in proc.stderr
