@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import dialects, fsio
+from . import fsio
 from .documents import Envelope, Outcome, actor, book, check_id, revision
-from .errors import (DocumentNotReady, DuplicateHandoff, HandlerError, InvalidDocument,
+from .errors import (DocumentNotReady, HandlerError, InvalidDocument,
                      NotFound)
 from .gates import Verdict
 from .lineage import descendants
@@ -203,30 +203,16 @@ def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: 
     return CancelResult(handoff_id, "requested", "in-progress", "cancel request left for its owner")
 
 
-def _detect(doc: dict[str, Any]) -> Any:
-    try:
-        return dialects.detect(doc)
-    except InvalidDocument:
-        return dialects.by_name("native")
-
-
 def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) -> State | None:
     """Claim a pending handoff (so nobody starts it) and file it cancelled. None: it moved."""
     now = engine.clock()
-    box: list[Any] = []
-
-    def on_claim(doc: dict[str, Any]) -> None:
-        dialect = _detect(doc)
-        box.append(dialect)
-        book(doc)["dialect"] = dialect.name
-
     try:
-        claim = engine.store.claim(handoff_id, lease_seconds=engine.settings.lease_seconds,
-                                   now=now, on_claim=on_claim)
-    except (DuplicateHandoff, DocumentNotReady):
+        claimed = engine.claim(handoff_id)
+    except DocumentNotReady:
         return None
-    if claim is None:
+    if claimed is None:
         return None
+    claim, dialect = claimed
     block = book(claim.doc)
     history = block.get("history")
     if isinstance(history, list) and history and history[-1].get("event") == "claimed":
@@ -234,7 +220,6 @@ def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) 
     block["attempt"] = max(int(block.get("attempt", 1) or 1) - 1, 0)
     block.pop("waiting_children", None)  # a cancelled parent aggregates nothing
     block.pop("awaiting", None)
-    dialect = box[0] if box else _detect(claim.doc)
     try:
         spec = engine.registry.get(dialect.envelope(claim.doc).target)
     except InvalidDocument:
@@ -314,29 +299,11 @@ def is_cancel_message(doc: dict[str, Any] | None) -> bool:
 def handle_message(engine: "Engine", handoff_id: str) -> State | None:
     """Claim a cancellation message, carry it out, and file it (completed, with a summary)."""
     now = engine.clock()
-    box: list[Any] = []
-
-    def on_claim(doc: dict[str, Any]) -> None:
-        dialect = _detect(doc)
-        box.append(dialect)
-        book(doc)["dialect"] = dialect.name
-        dialect.mark_claimed(doc, now)
-
-    try:
-        claim = engine.store.claim(handoff_id, lease_seconds=engine.settings.lease_seconds,
-                                   now=now, on_claim=on_claim)
-    except DuplicateHandoff as exc:
-        engine._set_aside(engine.store.path(State.PENDING, handoff_id), "DUPLICATE_HANDOFF_ID",
-                          str(exc), handoff_id, stub=False)
+    claimed = engine.claim(handoff_id)
+    if claimed is None:
         return None
-    except InvalidDocument as exc:
-        engine._set_aside(engine.store.path(State.IN_PROGRESS, handoff_id), exc.code, str(exc),
-                          handoff_id)
-        return None
-    if claim is None:
-        return None
+    claim, dialect = claimed
     doc = claim.doc
-    dialect = box[0] if box else _detect(doc)
     if revision(doc) - 1 == 0:
         if engine.store.seen.contains(handoff_id, now):
             engine._set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",

@@ -5,7 +5,6 @@ This is where policy lives (retry or fail, what is permanent, which copy of a du
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -16,7 +15,7 @@ from .config import Config, RetryPolicy
 from .dialects import Dialect, FiledState
 from .documents import Envelope, Outcome, book, check_id, next_attempt_at, record, revision
 from .gates import Gate, Verdict, dependencies_gate
-from .errors import (ConfigError, DocumentNotReady, DuplicateHandoff, HandlerError,
+from .errors import (ConfigError, DuplicateHandoff, HandlerError,
                      InvalidDocument)
 from .runner import run_command, run_python
 from .specialists import HandlerContext, Registry, Specialist
@@ -119,19 +118,19 @@ class Engine:
         return Peek(handoff_id, env.target, env.priority, next_attempt_at(doc), True, env, doc)
 
     # ------------------------------------------------------------ admission
-    def take(self, handoff_id: str) -> Job | None:
-        """Claim ``handoff_id`` and admit it. None when there is nothing to run (another process
-        won, or the document was filed as failed / set aside). Raises DocumentNotReady."""
+    def claim(self, handoff_id: str) -> tuple[Claim, Dialect] | None:
+        """Claim a pending handoff and detect its format. None when there is nothing to claim:
+        another process won, or the file was unusable and has been set aside (quarantined, with
+        a failure filed under its name when that is a safe id). Raises DocumentNotReady."""
         now = self.clock()
-        dialect_box: list[Dialect] = []
+        found: list[Dialect] = []
 
         def on_claim(doc: dict[str, Any]) -> None:
             dialect = dialects.detect(doc)
-            dialect_box.append(dialect)
+            found.append(dialect)
             book(doc)["dialect"] = dialect.name
             dialect.mark_claimed(doc, now)
 
-        path = self.store.path(State.IN_PROGRESS, handoff_id)
         try:
             claim = self.store.claim(handoff_id, lease_seconds=self.settings.lease_seconds,
                                      now=now, on_claim=on_claim)
@@ -140,12 +139,20 @@ class Engine:
                             str(exc), handoff_id, stub=False)
             return None
         except InvalidDocument as exc:
-            self._set_aside(path, exc.code, str(exc), handoff_id)
+            self._set_aside(self.store.path(State.IN_PROGRESS, handoff_id), exc.code, str(exc),
+                            handoff_id)
             return None
-        if claim is None:
+        return None if claim is None else (claim, found[0])
+
+    def take(self, handoff_id: str) -> Job | None:
+        """Claim ``handoff_id`` and admit it. None when there is nothing to run (another process
+        won, or the document was filed as failed / set aside). Raises DocumentNotReady."""
+        claimed = self.claim(handoff_id)
+        if claimed is None:
             return None
+        claim, dialect = claimed
         try:
-            return self._admit(claim, dialect_box[0], now)
+            return self._admit(claim, dialect, self.clock())
         except BaseException:
             release_lock(claim.lock)
             raise

@@ -1,7 +1,6 @@
 """Read-only questions about a workspace (listing, validating) for the CLI and the library API."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path

@@ -10,7 +10,6 @@ import json
 import subprocess
 import uuid
 from datetime import datetime, timedelta, timezone
-from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
