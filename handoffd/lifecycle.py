@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from . import contracts, dialects, orchestration
+from . import aggregation, contracts, dialects, orchestration
 from .config import Config, RetryPolicy
 from .dialects import Dialect, FiledState
 from .documents import Envelope, Outcome, book, check_id, next_attempt_at, record, revision
@@ -269,7 +269,7 @@ class Engine:
         """Validate input, run the handler, validate its output; never raises for handler faults."""
         started = self.clock()
         try:
-            resumed = orchestration.resume(self, job, started)  # a parent whose children are done
+            resumed = aggregation.resume(self, job, started)  # a parent whose children are done
             if resumed is not None:
                 return resumed
             self._check_input(job)
