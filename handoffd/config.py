@@ -9,6 +9,13 @@ from typing import Any
 from .errors import ConfigError
 
 
+SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers"})
+SPECIALIST_KEYS = frozenset({"command", "handler", "input_schema", "output_schema", "timeout_seconds",
+                             "concurrency", "retry", "env", "cwd"})
+POSITIVE_SETTINGS = ("rescan_seconds", "sweep_seconds", "lease_seconds", "max_document_bytes",
+                     "max_output_bytes", "default_timeout_seconds", "seen_ttl_seconds")
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Seed 001's retry_policy. Retry n (1-based) waits ``delay * multiplier ** (n - 1)`` seconds."""
@@ -95,6 +102,10 @@ def load_config(path: Path) -> Config:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    unknown = sorted(set(raw) - SECTIONS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section [{unknown[0]}]; known: "
+                          f"{', '.join(sorted(SECTIONS))}")
     config = Config()
     config.daemon = _daemon_settings(raw.get("daemon", {}), path)
     config.retry = RetryPolicy.from_dict(raw.get("retry", {}))
@@ -119,6 +130,12 @@ def _daemon_settings(table: dict[str, Any], path: Path) -> DaemonSettings:
         raise ConfigError(f"{path}: [daemon] durability must be \"fsync\" or \"fast\"")
     if settings.workers < 1:
         raise ConfigError(f"{path}: [daemon] workers must be at least 1")
+    for name in POSITIVE_SETTINGS:
+        if getattr(settings, name) <= 0:
+            raise ConfigError(f"{path}: [daemon] {name} must be greater than 0")
+    for name in ("settle_seconds", "claim_grace_seconds", "grace_seconds"):
+        if getattr(settings, name) < 0:
+            raise ConfigError(f"{path}: [daemon] {name} must not be negative")
     return settings
 
 
@@ -127,6 +144,10 @@ def specialist_from_table(agent: str, table: dict[str, Any], default_retry: Retr
     """Validate one specialist table; exactly one of ``command`` / ``handler`` is required."""
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [specialists.\"{agent}\"] must be a table")
+    unknown = sorted(set(table) - SPECIALIST_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: specialist {agent}: unknown key {unknown[0]!r}; known: "
+                          f"{', '.join(sorted(SPECIALIST_KEYS))}")
     command, handler = table.get("command"), table.get("handler")
     if (command is None) == (handler is None):
         raise ConfigError(f"{path}: specialist {agent} needs exactly one of command = [...] or "

@@ -18,13 +18,14 @@ from typing import Any, Callable
 
 from . import cancellation, orchestration
 from .errors import DocumentNotReady, HandoffdError
-from .lifecycle import Engine, Job
+from .lifecycle import Engine, Job, Peek
 from .runner import cancel
 from .states import State
 from .sweeper import SweepReport, sweep
 from .watcher import PendingWatcher
 
 log = logging.getLogger("handoffd")
+READY_WINDOW = 64  # due handoffs read ahead to order by priority
 
 
 @dataclass
@@ -60,7 +61,9 @@ class Daemon:
         self.workers = workers or self.settings.workers
         self.watch = watch
         self.cv = threading.Condition()
-        self.heap: list[tuple[float, int, int, str]] = []
+        self.heap: list[tuple[float, int, int, str]] = []  # (due, _, seq, id): when to look
+        self.ready: list[tuple[int, float, int, str, Peek]] = []  # (priority, due, seq, id, peek)
+        self.readied: set[str] = set()
         self.queued: dict[str, float] = {}
         self.seq = itertools.count()
         self.parked: dict[str, list[str]] = {}
@@ -83,6 +86,8 @@ class Daemon:
         """Hint that ``handoff_id`` may be due in ``delay`` seconds (watchdog, scans, retries)."""
         due = time.monotonic() + delay
         with self.cv:
+            if handoff_id in self.readied and delay == 0:
+                return  # already read and waiting its turn in the ready window
             current = self.queued.get(handoff_id)
             if current is not None and current <= due:
                 return
@@ -103,24 +108,36 @@ class Daemon:
         cancellation.poll(self)  # cancel requests (.meta/cancel/): stop our handlers, queue pending
         ids = self.engine.store.ids(State.PENDING)
         for handoff_id in ids:
-            if handoff_id in self.active or handoff_id in self.queued \
+            if handoff_id in self.active or handoff_id in self.queued or handoff_id in self.readied \
                     or handoff_id in self.parked_ids or handoff_id in self.report.unroutable \
                     or (not recheck_waiting and handoff_id in self.waiting):
                 continue
             self.notify(handoff_id)
         return len(ids)
 
-    def _pop_due(self, now: float) -> str | None:
-        while self.heap and self.heap[0][0] <= now:
+    def _next_ready(self, now: float) -> tuple[str, Peek | None] | None:
+        """The most urgent due handoff. Due ids move from the time heap into a bounded ready
+        window (read once each to learn their priority); the window hands out the lowest
+        (priority, due time) first, so a critical handoff overtakes a backlog of low ones."""
+        while self.heap and self.heap[0][0] <= now and len(self.ready) < READY_WINDOW:
             due, _, _, handoff_id = heapq.heappop(self.heap)
-            if self.queued.get(handoff_id) == due:
-                del self.queued[handoff_id]
-                return handoff_id
-        return None
+            if self.queued.get(handoff_id) != due:
+                continue  # superseded by an earlier notification
+            del self.queued[handoff_id]
+            peek = self.engine.peek(handoff_id)
+            if peek is None:
+                continue  # gone: claimed elsewhere, or filed
+            rank = peek.priority if peek.readable else -1  # set unreadable files aside first
+            heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek))
+            self.readied.add(handoff_id)
+        if not self.ready:
+            return None
+        _, _, _, handoff_id, peek = heapq.heappop(self.ready)
+        self.readied.discard(handoff_id)
+        return handoff_id, peek
 
     # ------------------------------------------------------------ dispatch
-    def _dispatch(self, handoff_id: str) -> None:
-        peek = self.engine.peek(handoff_id)
+    def _dispatch(self, handoff_id: str, peek: Peek | None) -> None:
         if peek is None:
             return
         if peek.readable:
@@ -328,9 +345,9 @@ class Daemon:
             with self.cv:
                 if self.stopping:
                     return
-                handoff_id = self._pop_due(time.monotonic()) if self.running < self.workers else None
-                if handoff_id is not None:
-                    self._dispatch(handoff_id)
+                ready = self._next_ready(time.monotonic()) if self.running < self.workers else None
+                if ready is not None:
+                    self._dispatch(*ready)
                     continue
                 if batch and self.running == 0 and not self._due_soon():
                     if self.scan(recheck_waiting=False) == 0 or not self._due_soon():
@@ -346,7 +363,7 @@ class Daemon:
     def _due_soon(self) -> bool:
         """Batch mode: something queued that is due now (or within a settle window)."""
         limit = time.monotonic() + self.settings.settle_seconds + 0.05
-        return any(due <= limit for due in self.queued.values())
+        return bool(self.ready) or any(due <= limit for due in self.queued.values())
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.stop(hard=self.stopping)

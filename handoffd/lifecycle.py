@@ -159,6 +159,11 @@ class Engine:
 
     def _admit(self, claim: Claim, dialect: Dialect, now: datetime) -> Job | None:
         doc, handoff_id = claim.doc, claim.handoff_id
+        try:
+            check_id(handoff_id)  # the file name itself; `handoff show` could not reach it otherwise
+        except InvalidDocument as exc:
+            self._set_aside_claim(claim, "UNSAFE_ID", f"file pending/{handoff_id}.json: {exc}")
+            return None
         previous_revision = revision(doc) - 1
         if not self._resolve_copies(claim, previous_revision):
             return None

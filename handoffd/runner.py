@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from .errors import HandlerError
+from .errors import ConfigError, HandlerError
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 
 RESULT_STATUSES = {"completed", "failed", "partial", "blocked", "needs_clarification", "delegated"}
@@ -58,6 +58,9 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
         exc = box["error"]
         if isinstance(exc, HandlerError):
             raise exc
+        if isinstance(exc, ConfigError):  # e.g. the handler module cannot be imported
+            raise HandlerError(f"handoff {ctx.handoff_id}: {exc}", handoff_id=ctx.handoff_id,
+                               retryable=False)
         if isinstance(exc, HandlerCancelled):
             raise HandlerError(str(exc), handoff_id=ctx.handoff_id, code="CANCELLED", retryable=False)
         raise HandlerError(f"handoff {ctx.handoff_id}: handler raised {type(exc).__name__}: {exc}",
@@ -94,7 +97,11 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     """Run a command specialist: document on stdin, one JSON object expected on stdout."""
     assert spec.config.command is not None
     argv = list(spec.config.command)
-    cwd = ctx.root / spec.config.cwd if spec.config.cwd else ctx.root
+    cwd = (ctx.root / spec.config.cwd).resolve() if spec.config.cwd else ctx.root
+    if cwd != ctx.root and ctx.root not in cwd.parents:
+        raise HandlerError(f"handoff {ctx.handoff_id}: specialist {spec.agent} has cwd "
+                           f"{spec.config.cwd!r}, which is outside the workspace; fix handoffd.toml",
+                           handoff_id=ctx.handoff_id, retryable=False)
     env = dict(os.environ)
     env.update(spec.config.env)
     env.update(HANDOFF_ID=ctx.handoff_id, HANDOFFD_ROOT=str(ctx.root),

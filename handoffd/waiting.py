@@ -8,7 +8,7 @@ from typing import Any
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from .errors import NotFound, WaitTimeout
+from .errors import InvalidDocument, NotFound, WaitTimeout
 from .states import State
 from .store import Store
 
@@ -51,6 +51,8 @@ def wait_terminal(store: Store, handoff_id: str, timeout: float | None = None,
             except NotFound:
                 if time.monotonic() - start >= grace_not_found:
                     raise
+            except InvalidDocument:
+                pass  # a producer is still writing it into pending/: keep waiting
             remaining = SAFETY_RECHECK_SECONDS if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeout(f"handoff {handoff_id} is still not finished after {timeout:g}s; "

@@ -23,6 +23,10 @@ class Workspace:
 
     root: Path
 
+    def __post_init__(self) -> None:
+        # accept a str as well; paths inside are built from an absolute root
+        object.__setattr__(self, "root", Path(self.root).expanduser().resolve())
+
     @property
     def handoffs(self) -> Path:
         return self.root / "handoffs"

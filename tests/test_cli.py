@@ -125,3 +125,53 @@ def test_run_exit_code_counts_documents_rejected_at_admission(ws: Workspace) -> 
     proc = ws.handoffd("run")
     assert ws.state_of("rejected") == ["failed"]
     assert proc.returncode == 1 and "failed 1" in proc.stderr
+
+
+def test_bad_values_and_usage_errors_are_one_line(ws: Workspace, tmp_path: Path) -> None:
+    cases = [
+        (["create", "--to", "@flaky", "--timeout-seconds", "abc"], 2, "Invalid value for '--timeout-seconds'"),
+        (["create", "--to", "@flaky", "--priority", "urgent"], 1, "priority"),
+        (["create", "--to", "@flaky", "--timeout-seconds", "-5"], 1, "timeout_seconds"),
+        (["validate", "--dialect", "bogus", str(tmp_path)], 2, "unknown dialect 'bogus'"),
+        (["validate"], 2, "Missing argument"),
+    ]
+    for args, code, needle in cases:
+        proc = ws.handoff(*args)
+        assert proc.returncode == code, (args, proc.returncode, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+    assert json.loads(ws.handoff("ls", "--json").stdout) == []  # nothing invalid was submitted
+    import subprocess
+    from conftest import exe
+    missing = subprocess.run([exe("handoff"), "create", "--to", "@flaky", "--root", str(tmp_path / "typo")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 3 and "does not exist" in missing.stderr
+    assert not (tmp_path / "typo").exists()
+    workers = ws.handoffd("run", "--workers", "0")
+    assert workers.returncode == 2 and len(workers.stderr.strip().splitlines()) == 1
+
+
+def test_broken_pipe_is_quiet(ws: Workspace) -> None:
+    import subprocess
+    from conftest import exe
+    for _ in range(30):
+        ws.create("--to", "@flaky")
+    proc = subprocess.run(f"'{exe('handoff')}' ls --json --root '{ws.root}' | head -1",
+                          shell=True, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[" and "error" not in proc.stderr
+
+
+def test_unsafe_file_name_is_set_aside(ws: Workspace) -> None:
+    ws.drop("-dash.json", {"handoff_id": "-dash", "target": {"agent_id": "@flaky"}})
+    ws.handoffd("run")
+    notes = [r["note"] for r in json.loads(ws.handoff("ls", "--state", "quarantined", "--json").stdout)]
+    assert any(n.startswith("UNSAFE_ID") for n in notes)
+    assert not list((ws.root / "handoffs" / "failed").glob("*.json"))
+
+
+def test_specialist_cwd_outside_the_workspace_is_refused(ws: Workspace) -> None:
+    ws.write_config(ws.root.joinpath("handoffd.toml").read_text() +
+                    '\n[specialists."@escape"]\ncommand = ["pwd"]\ncwd = "../.."\n')
+    hid = ws.create("--to", "@escape")
+    assert ws.handoffd("run").returncode == 1
+    doc = ws.doc(hid)
+    assert "outside the workspace" in doc["error"]["message"] and doc["retry_available"] is False

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -302,3 +303,21 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
     path.write_text("[daemon]\nworkerz = 3\n")
     with pytest.raises(ConfigError, match="unknown"):
         load_config(path)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[bogus]\nx = 1\n", "unknown section [bogus]"),
+    ('[specialists."@x"]\ncommand = ["true"]\ntimout_seconds = 3\n', "unknown key 'timout_seconds'"),
+    ("[daemon]\nsweep_seconds = -1\n", "sweep_seconds must be greater than 0"),
+    ("[daemon]\nlease_seconds = 0\n", "lease_seconds must be greater than 0"),
+])
+def test_config_mistakes_are_refused(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "handoffd.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(path)
+
+
+def test_workspace_accepts_a_string(tmp_path: Path) -> None:
+    ws = Workspace(str(tmp_path))
+    assert ws.handoffs == tmp_path.resolve() / "handoffs"

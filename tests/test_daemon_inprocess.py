@@ -240,3 +240,15 @@ def test_fast_durability_skips_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyP
     durable = engine_with(tmp_path / "b", lambda h, c: {"status": "completed"})
     submit(durable)
     assert Daemon(durable).run_batch().completed == 1 and calls[0] >= 4
+
+
+def test_priority_orders_due_handoffs(tmp_path: Path) -> None:
+    order: list[str] = []
+    engine = engine_with(tmp_path, lambda h, c: order.append(c.data) or {"status": "completed"},
+                         workers=1)
+    for name, priority in [("low-1", "low"), ("normal-1", "normal"), ("critical-1", "critical"),
+                           ("backlog-1", 4), ("high-1", "high"), ("low-2", "low"), ("high-2", 1)]:
+        submit(engine, name, priority=priority)
+    assert Daemon(engine).run_batch().completed == 7
+    ranks = [name.split("-")[0] for name in order]  # equal priorities: no order promised
+    assert ranks == ["critical", "high", "high", "normal", "low", "low", "backlog"]

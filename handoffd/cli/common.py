@@ -9,7 +9,7 @@ from typing import Annotated, Any, Callable, TypeVar
 
 import typer
 
-from ..errors import HandoffdError
+from ..errors import HandoffdError, NotFound
 from ..lifecycle import Engine
 from ..workspace import Workspace, resolve_root
 
@@ -41,6 +41,9 @@ def guarded(program: str) -> Callable[[F], F]:
                 fail(program, str(exc), exc.exit_code)
             except KeyboardInterrupt:
                 fail(program, "interrupted", 130)
+            except BrokenPipeError:  # e.g. `handoff trace X --json | head`: the reader left
+                quiet_stdout()
+                raise typer.Exit(0)
             except OSError as exc:
                 fail(program, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), 1)
             except Exception as exc:  # a bug: still one line (HANDOFFD_DEBUG=1 shows the traceback)
@@ -52,9 +55,39 @@ def guarded(program: str) -> Callable[[F], F]:
     return decorate
 
 
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def run_app(app: typer.Typer, program: str) -> None:
+    """Run a Typer app so that usage errors are one line on stderr (exit 2), like every error."""
+    try:
+        code = app(prog_name=program, standalone_mode=False)
+    except typer.Abort:
+        print(f"{program}: error: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        quiet_stdout()
+        sys.exit(0)
+    except Exception as exc:
+        # click's UsageError (typer vendors click, so match it by shape rather than by a
+        # private import): bad option values, missing arguments, unknown options
+        if getattr(exc, "exit_code", None) == 2 and hasattr(exc, "format_message"):
+            message = " ".join(str(exc.format_message()).split())
+            if message:  # empty when the help was shown because no command was given
+                print(f"{program}: error: {message} (see {program} --help)", file=sys.stderr)
+            sys.exit(2)
+        raise
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 def workspace(root: Path | None, *, create: bool = False) -> Workspace:
     """The workspace chosen by --root / $HANDOFFD_ROOT / cwd; it must exist unless ``create``."""
     ws = Workspace(resolve_root(root))
+    if not ws.root.is_dir():  # a mistyped --root must not silently start a new workspace
+        raise NotFound(f"workspace directory {ws.root} does not exist; create it or fix --root")
     if create:
         ws.ensure()
     elif not ws.exists():

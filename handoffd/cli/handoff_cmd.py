@@ -20,7 +20,7 @@ from ..sweeper import requeue_failed
 from ..validation import builtin_schema_names
 from ..waiting import wait_terminal
 from . import orchestration_cmd
-from .common import RootOption, engine, guarded, workspace
+from .common import RootOption, run_app, engine, guarded, workspace
 from .render import console, handoff_table, print_json, timeline
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -86,6 +86,7 @@ def create(
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=prio, depends_on=depends_on)
         new_id = doc["handoff_id"]
+        validate_document(eng, doc, dialects.by_name("native"))  # e.g. --priority urgent
     deps = dialects.detect(doc).envelope(doc).depends_on
     if deps:
         check_new_dependencies(eng, new_id, deps)
@@ -202,6 +203,11 @@ def validate(
     root: RootOption = None,
 ) -> None:
     """Detect each document's format, validate it, print every error with its JSON path."""
+    if dialect is not None:
+        try:
+            dialects.by_name(dialect)
+        except KeyError as exc:
+            raise UsageError(str(exc.args[0])) from None
     eng = engine(root, create=False) if (root or os.environ.get("HANDOFFD_ROOT")) else None
     from ..queries import validate_files
     results = validate_files(files, eng, forced=dialect)
@@ -293,4 +299,4 @@ orchestration_cmd.register(app)  # cancel, answer, context, trace
 
 def main() -> None:
     """Console-script entry point."""
-    app(prog_name=PROG)
+    run_app(app, PROG)

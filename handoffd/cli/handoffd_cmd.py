@@ -9,13 +9,13 @@ import typer
 
 from ..daemon import Daemon
 from ..sweeper import sweep as sweep_once
-from .common import RootOption, engine, guarded
+from .common import RootOption, run_app, engine, guarded
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="The handoffd daemon: claims handoffs and runs their specialists.")
 PROG = "handoffd"
 
-Workers = Annotated[Optional[int], typer.Option("--workers", help="Worker threads (default: [daemon] workers).")]
+Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Worker threads (default: [daemon] workers).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log every transition.")]
 
 
@@ -65,4 +65,4 @@ def sweep(root: RootOption = None, verbose: Verbose = False) -> None:
 
 def main() -> None:
     """Console-script entry point."""
-    app(prog_name=PROG)
+    run_app(app, PROG)
