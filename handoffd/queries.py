@@ -41,7 +41,7 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mti
                 note = verdict.reason if verdict.action == "wait" else f"will fail: {verdict.reason}"
     elif state is State.FAILED:
         error = block.get("final_error") or (doc.get("error") if isinstance(doc.get("error"), dict) else {})
-        note = f"{error.get('code', '')}: {str(error.get('message', ''))[:80]}".strip(": ")
+        note = f"{error.get('code', '')}: {str(error.get('message', ''))}".strip(": ")
     elif state is State.IN_PROGRESS:
         lease = block.get("lease") if isinstance(block.get("lease"), dict) else {}
         owner = lease.get("owner") or {}
@@ -90,7 +90,7 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
         for item in engine.store.quarantined()[-limit:]:
             rows.append({"id": item.get("stored_as"), "state": "quarantined", "from": None, "to": None,
                          "attempt": 0, "dialect": None, "updated": item.get("at"),
-                         "note": f"{item.get('code')}: {str(item.get('message', ''))[:100]}"})
+                         "note": f"{item.get('code')}: {str(item.get('message', ''))}"})
     return rows[:limit] if state != "quarantined" else rows
 
 

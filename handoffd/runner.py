@@ -1,6 +1,6 @@
 """Running one handler attempt: command specialists as child processes, Python ones in a thread.
 
-Both return the raw result object of DESIGN.md's specialist protocol or raise HandlerError
+Both return the raw result object of the README's specialist protocol or raise HandlerError
 (``PROCESSING_ERROR``, ``TIMEOUT``, ``CANCELLED``). A child runs in its own process group with an
 argument list (never a shell); on timeout or cancellation the group gets SIGTERM, then SIGKILL.
 """

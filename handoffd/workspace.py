@@ -1,4 +1,4 @@
-"""A workspace: the directory tree of DESIGN.md and where each thing lives in it."""
+"""A workspace: the directory tree the README describes and where each thing lives in it."""
 from __future__ import annotations
 
 import os

@@ -35,7 +35,7 @@ def handoff_table(rows: list[dict[str, Any]]) -> Table:
         table.add_row(row["id"], row.get("parent") or "-", Text(state, style=STATE_STYLE.get(state, "")),
                       row.get("from") or "-",
                       row.get("to") or "-", str(row.get("attempt") or 0), row.get("updated") or "-",
-                      row.get("note") or "")
+                      _short(row.get("note") or ""))  # the full note is in --json
     return table
 
 
