@@ -125,7 +125,7 @@ def _daemon_settings(table: dict[str, Any], path: Path) -> DaemonSettings:
         try:
             setattr(settings, key, type(default)(value))
         except (TypeError, ValueError):
-            raise ConfigError(f"{path}: [daemon] {key} = {value!r} is not a {type(default).__name__}") from None
+            raise ConfigError(f"{path}: [daemon] {key} = {value!r} is not of type {type(default).__name__}") from None
     if settings.durability not in ("fsync", "fast"):
         raise ConfigError(f"{path}: [daemon] durability must be \"fsync\" or \"fast\"")
     if settings.workers < 1:

@@ -151,8 +151,8 @@ def parse_document(data: bytes, name: str) -> dict[str, Any]:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidDocument(f"{name} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                              f"column {exc.colno}", code="MALFORMED_JSON") from None
+        raise InvalidDocument(f"{name} is not valid JSON: {exc.msg} (line {exc.lineno}, "
+                              f"column {exc.colno})", code="MALFORMED_JSON") from None
     except RecursionError:
         raise InvalidDocument(f"{name} nests too deeply", code="MALFORMED_JSON") from None
     if not isinstance(doc, dict):

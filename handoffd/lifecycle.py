@@ -5,6 +5,8 @@ This is where policy lives (retry or fail, what is permanent, which copy of a du
 """
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -25,6 +27,7 @@ from .timeutil import Clock, iso, utc_now
 from .validation import SchemaCache, errors_of
 from .workspace import Workspace
 
+log = logging.getLogger("handoffd")
 PERMANENT_CODES = frozenset({
     "SCHEMA_VALIDATION_FAILED", "VALIDATION_FAILED", "CONTRACT_VIOLATION", "CANCELLED",
     "DEPENDENCY_MISSING", "INVALID_DOCUMENT", "UNSAFE_ID", "UNKNOWN_VERSION", "NEEDS_CLARIFICATION",
@@ -244,6 +247,7 @@ class Engine:
             self.store.quarantine(path, code, message, now=self.clock())
         except FileNotFoundError:
             return
+        log.warning("set aside %s: %s: %s", path.name, code, message)
         if not stub:
             return
         try:

@@ -113,4 +113,8 @@ class SchemaCache:
 def errors_of(validator: Validator, instance: Any) -> list[dict[str, str]]:
     """Every error of ``instance`` under ``validator`` as seed-001 entries, sorted by path."""
     found = sorted(validator.iter_errors(instance), key=lambda e: [str(p) for p in e.absolute_path])
-    return [describe(e) for e in found]
+    entries: list[dict[str, str]] = []
+    for entry in map(describe, found):  # several branches can report the same missing field
+        if not any(e["field"] == entry["field"] and e["error"] == entry["error"] for e in entries):
+            entries.append(entry)
+    return entries

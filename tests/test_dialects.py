@@ -138,8 +138,8 @@ def test_forced_dialect(tmp_path: Path) -> None:
     assert {"$"} <= {e["field"] for e in item["errors"]}
     assert any("version" in e["error"] for e in item["errors"])
     unknown = cli_validate(str(paths["agent"]), "--dialect", "klingon")
-    assert unknown.returncode == 1
-    assert "klingon" in unknown.stdout and "hi_moe" in unknown.stdout
+    assert unknown.returncode == 2  # a bad flag value is a usage error
+    assert "klingon" in unknown.stderr and "hi_moe" in unknown.stderr
 
 
 def test_unknown_format_names_the_formats_tried(tmp_path: Path) -> None:
@@ -660,6 +660,7 @@ def test_models_built_in_code_are_valid_documents(tmp_path: Path) -> None:
         validate_document(None, doc, dialects.detect(doc))
     # and the CLI agrees, including `handoff create --file` of each request format
     root = tmp_path / "ws"
+    root.mkdir()
     for model in built:
         if isinstance(model, models.CollaborationResult):
             continue
@@ -673,6 +674,7 @@ def test_models_built_in_code_are_valid_documents(tmp_path: Path) -> None:
 
 def test_create_file_rejects_answers_and_unknown_formats(tmp_path: Path) -> None:
     root = tmp_path / "ws"
+    root.mkdir()
     for doc, text in ((HAIOS_RESULT, "not a request"), ({"what": 1}, "formats tried")):
         path = tmp_path / "doc.json"
         path.write_text(json.dumps(doc))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -20,7 +20,8 @@ from ..sweeper import requeue_failed
 from ..validation import builtin_schema_names
 from ..waiting import wait_terminal
 from . import orchestration_cmd
-from .common import RootOption, run_app, engine, guarded, workspace
+from ..workspace import Workspace, resolve_root
+from .common import RootOption, engine, guarded, run_app, workspace
 from .render import console, handoff_table, print_json, timeline
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -148,7 +149,7 @@ def show(
 @guarded(PROG)
 def wait(
     handoff_id: Annotated[str, typer.Argument(help="The handoff id.")],
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Give up after S seconds (exit 124).")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0, help="Give up after S seconds (exit 124).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the terminal document as JSON.")] = False,
     root: RootOption = None,
 ) -> None:
@@ -208,7 +209,8 @@ def validate(
             dialects.by_name(dialect)
         except KeyError as exc:
             raise UsageError(str(exc.args[0])) from None
-    eng = engine(root, create=False) if (root or os.environ.get("HANDOFFD_ROOT")) else None
+    # inside a workspace, its schemas/ (e.g. edited copies from `schemas --copy`) take precedence
+    eng = engine(root) if Workspace(resolve_root(root)).exists() else None
     from ..queries import validate_files
     results = validate_files(files, eng, forced=dialect)
     if as_json:
@@ -299,4 +301,6 @@ orchestration_cmd.register(app)  # cancel, answer, context, trace
 
 def main() -> None:
     """Console-script entry point."""
+    # watchdog (used by wait/cancel) warns about harmless shutdown races; keep stderr to our lines
+    logging.getLogger("watchdog").setLevel(logging.ERROR)
     run_app(app, PROG)
