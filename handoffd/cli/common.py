@@ -15,6 +15,8 @@ from ..workspace import Workspace, resolve_root
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+JsonOption = Annotated[bool, typer.Option("--json", help="Plain JSON output.")]
+
 RootOption = Annotated[
     Path | None,
     typer.Option("--root", help="Workspace directory (default: $HANDOFFD_ROOT, else the current directory).",

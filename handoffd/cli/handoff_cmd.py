@@ -21,7 +21,7 @@ from ..validation import builtin_schema_names
 from ..waiting import wait_terminal
 from . import orchestration_cmd
 from ..workspace import Workspace, resolve_root
-from .common import RootOption, engine, guarded, run_app, workspace
+from .common import JsonOption, RootOption, engine, guarded, run_app, workspace
 from .render import console, handoff_table, print_json, timeline
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -107,7 +107,7 @@ def list_command(
     source: Annotated[Optional[str], typer.Option("--from", help="Only handoffs from this agent.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="Newest N rows.")] = 50,
     conversation: Annotated[Optional[str], typer.Option("--conversation", help="Only handoffs of this conversation_id.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
     """List handoffs, newest first."""
@@ -127,7 +127,7 @@ def list_command(
 @guarded(PROG)
 def show(
     handoff_id: Annotated[str, typer.Argument(help="The handoff id.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
     """Show a handoff's document and its history."""
@@ -200,7 +200,7 @@ def retry(
 def validate(
     files: Annotated[list[Path], typer.Argument(help="Documents to check.")],
     dialect: Annotated[Optional[str], typer.Option("--dialect", help="Force a format instead of detecting it.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
     """Detect each document's format, validate it, print every error with its JSON path."""
@@ -256,7 +256,7 @@ def schemas(
 @app.command()
 @guarded(PROG)
 def violations(
-    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    as_json: JsonOption = False,
     since: Annotated[Optional[str], typer.Option("--since", help="Only violations at or after this ISO time/date.")] = None,
     agent: Annotated[Optional[str], typer.Option("--agent", help="Only this worker agent.")] = None,
     root: RootOption = None,

@@ -18,7 +18,7 @@ from rich.tree import Tree
 
 from ..errors import NotFound, UsageError, WaitTimeout
 from ..states import State
-from .common import RootOption, engine, guarded
+from .common import JsonOption, RootOption, engine, guarded
 from .render import STATE_STYLE, console, print_json
 
 PROG = "handoff"
@@ -67,7 +67,7 @@ def cancel(
     reason: Annotated[str, typer.Option("--reason", help="Why (recorded in the filed document).")] = "cancelled by request",
     timeout: Annotated[float, typer.Option("--timeout", help="Wait up to S seconds for running handoffs to stop (0: do not wait).")] = 15.0,
     as_agent: Annotated[Optional[str], typer.Option("--as", help="Who cancels (default $HANDOFF_TARGET or @cli).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
     """Cancel a pending or running handoff (pending: filed at once; running: its daemon stops it)."""
@@ -159,7 +159,7 @@ def context_set(
 
 def context_ls(
     prefix: Annotated[str, typer.Argument(help="Only keys starting with this.")] = "",
-    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
     """List context keys with size, last writer and time."""
@@ -178,7 +178,7 @@ def context_ls(
 
 def context_history(
     key: Annotated[Optional[str], typer.Argument(help="Only writes of this key.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
     """Every recorded context write (who, when, size, sha256), oldest first."""
@@ -194,7 +194,7 @@ def context_history(
 # ---------------------------------------------------------------- trace
 def trace(
     handoff_id: Annotated[str, typer.Argument(help="Any handoff of the chain.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Plain JSON output.")] = False,
+    as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
     """Show the chain a handoff belongs to: parent, children, what it triggered, its conversation."""
