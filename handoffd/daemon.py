@@ -188,6 +188,8 @@ class Daemon:
                 return
             with self.cv:
                 self.active[handoff_id] = job
+            log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
+                     job.specialist.agent)
             if self.stopping:
                 self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
                 self.report.handed_back += 1

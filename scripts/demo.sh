@@ -11,6 +11,7 @@ say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 # Submit a whole example document under a fresh id (the examples carry fixed ids).
 TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
 submit_example() {  # FILE NEW_ID
   python3 - "$1" "$2" > "$TMP/$2.json" <<'PY'
 import json, sys
@@ -20,12 +21,6 @@ print(json.dumps(doc))
 PY
   handoff create --file "$TMP/$2.json"
 }
-
-say "starting: handoffd serve --root $ROOT"
-handoffd serve --verbose 2> >(sed -u "s/^/  [daemon] /" >&2) &
-DAEMON=$!
-trap 'kill -TERM $DAEMON 2>/dev/null || true; rm -rf "$TMP"' EXIT
-sleep 1
 
 say "submitting handoffs"
 react=$(submit_example examples/requests/react-userprofile.json "demo-react-$stamp")
@@ -39,8 +34,15 @@ echo "  @code-runner       $wrong   (a wrong implementation: its tests fail)"
 later=$(handoff create --to @code-runner --depends-on "$code" --data '{"language": "python", "entrypoint": "inc", "source": "def inc(x):\n    return x + 1\n", "test_cases": [{"args": [1], "expected": 2}]}')
 echo "  @code-runner       $later   (runs only after $code completed)"
 
-say "handoff ls (right after submitting)"
+say "handoff ls (submitted; no daemon is running yet, so all are pending)"
 handoff ls --limit 5
+
+say "starting: handoffd serve --root $ROOT"
+handoffd serve --verbose 2> >(sed -u "s/^/  [daemon] /" >&2) &
+DAEMON=$!
+trap 'kill -TERM ${DAEMON:-0} 2>/dev/null || true; rm -rf "$TMP"' EXIT
+sleep 1
+
 
 for id in "$react" "$code" "$bad" "$wrong" "$later"; do
   handoff wait "$id" --timeout 60 || true
