@@ -47,7 +47,6 @@ from .errors import HandlerError, HandoffdError, InvalidDocument
 from .gates import Verdict
 from .reservations import Reservations
 from .snapshots import MODES, Change, Snapshot, Snapshotter
-from .states import State
 
 if TYPE_CHECKING:
     from .lifecycle import Engine, Job
@@ -257,6 +256,19 @@ class Enforcer:
         return skip
 
     # ------------------------------------------------------------ after the handler
+    def rejected(self, job: "Job", code: str, message: str) -> None:
+        """Engine listener: log ``dependency_missing`` when the dependencies gate fails a
+        handoff that carries a contract."""
+        if code != "DEPENDENCY_MISSING" or job.envelope.contract is None:
+            return
+        try:
+            contract = parse(job.envelope)
+        except InvalidDocument:
+            contract = None
+        self.record(job.envelope, "dependency_missing",
+                    {"message": message, "dependencies": job.envelope.depends_on},
+                    task_id=contract.task_id if contract else None, attempt=job.claim.attempt)
+
     def after(self, job: "Job", outcome: Outcome) -> Outcome:
         """Review the attempt against its contract; always releases the reservation."""
         run = job.context.extra.pop(STATE_KEY, None)
@@ -482,35 +494,13 @@ def _criterion_failure(item: dict[str, Any]) -> str:
     return f"{item['criterion']!r} exited {item['exit_code']}"
 
 
-def _wrap_reject(engine: "Engine", enforcer: Enforcer) -> None:
-    """Log ``dependency_missing`` when the dependencies gate fails a contract handoff."""
-    original = engine.reject
-
-    def reject(handoff_id: str, code: str, message: str) -> State | None:
-        peek = engine.peek(handoff_id) if code == "DEPENDENCY_MISSING" else None
-        where = original(handoff_id, code, message)
-        env = peek.envelope if peek is not None else None
-        if where is State.FAILED and env is not None and env.contract is not None:
-            try:
-                contract = parse(env)
-            except InvalidDocument:
-                contract = None
-            enforcer.record(env, "dependency_missing",
-                            {"message": message, "dependencies": env.depends_on},
-                            task_id=contract.task_id if contract else None,
-                            attempt=int(book(peek.doc or {}).get("attempt", 0) or 0) + 1)
-        return where
-
-    setattr(engine, "reject", reject)
-
-
 def install(engine: "Engine") -> Enforcer:
     """Enforce contracts on ``engine``: its gate, before/after hooks and rejection logging."""
     enforcer = Enforcer(engine)
     engine.gates.append(enforcer.gate)
     engine.before_run.append(enforcer.before)
     engine.after_run.append(enforcer.after)
-    _wrap_reject(engine, enforcer)
+    engine.on_rejected.append(enforcer.rejected)
     return enforcer
 
 

@@ -82,6 +82,7 @@ class Engine:
         # extension points (see gates.py): checked before a claim, around each handler run
         self.gates: list[Gate] = [dependencies_gate]
         self.on_filed: list[Callable[[str, State], None]] = []  # told of every filing
+        self.on_rejected: list[Callable[[Job, str, str], None]] = []  # a gate failed a handoff
         self.before_run: list[Callable[[Job], None]] = []
         self.after_run: list[Callable[[Job, Outcome], Outcome]] = [dialects.review_outcome]
         contracts.install(self)  # seed 004: contract gate, scope/criteria hooks (contracts.py)
@@ -103,7 +104,11 @@ class Engine:
         if job is None:
             return None
         outcome = self.failure(self.clock(), code, message, retryable=False)
-        return self.file(job.claim, job.dialect, job.specialist, outcome)
+        where = self.file(job.claim, job.dialect, job.specialist, outcome)
+        if where is State.FAILED:
+            for listener in self.on_rejected:
+                listener(job, code, message)
+        return where
 
     # ------------------------------------------------------------ scheduling aids
     def peek(self, handoff_id: str) -> Peek | None:
