@@ -70,12 +70,15 @@ def test_half_written_foreign_file_is_not_read_early(ws: Workspace) -> None:
 
 
 def test_pickup_is_event_driven(ws: Workspace) -> None:
-    daemon = ws.serve()
+    """With rescans an hour apart, only a filesystem event can get a new handoff picked up."""
+    ws.write_config(ws.root.joinpath("handoffd.toml").read_text()
+                    .replace("rescan_seconds = 1.0", "rescan_seconds = 3600.0")
+                    .replace("sweep_seconds = 0.5", "sweep_seconds = 3600.0"))
+    daemon = ws.serve()  # its start-up scan is over before anything exists
     started = time.monotonic()
     hid = ws.create("--to", "@flaky", "--data", '{"mode": "ok"}')
-    ws.wait_state(hid)
-    # informative only: the rescan interval is 1 s here, so a sub-second pickup came from an event
-    print(f"pickup+run+file took {time.monotonic() - started:.3f}s")
+    assert ws.wait_state(hid) == "completed"
+    print(f"create -> pickup -> run -> file: {time.monotonic() - started:.3f}s")
     ws.stop(daemon)
 
 
