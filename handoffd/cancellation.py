@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import fsio
-from .documents import Envelope, Outcome, actor, book, check_id, revision
+from .documents import Envelope, Outcome, actor, book, book_int, check_id
 from .errors import (DocumentNotReady, HandlerError, InvalidDocument,
                      NotFound)
 from .gates import Verdict
@@ -217,7 +217,7 @@ def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) 
     history = block.get("history")
     if isinstance(history, list) and history and history[-1].get("event") == "claimed":
         history.pop()  # the canceller claimed it only to file it; it never ran
-    block["attempt"] = max(int(block.get("attempt", 1) or 1) - 1, 0)
+    block["attempt"] = max(book_int(claim.doc, "attempt", 1) - 1, 0)
     block.pop("waiting_children", None)  # a cancelled parent aggregates nothing
     block.pop("awaiting", None)
     try:
@@ -304,7 +304,7 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
         return None
     claim, dialect = claimed
     doc = claim.doc
-    if revision(doc) - 1 == 0:
+    if claim.prior_revision == 0:  # raw: never handled by handoffd
         if engine.store.seen.contains(handoff_id, now):
             engine._set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
                                     f"message id {handoff_id} was already used recently")

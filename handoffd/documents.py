@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from .errors import InvalidDocument
+from .config import RetryPolicy
+from .errors import ConfigError, InvalidDocument
 from .timeutil import iso, parse_iso
 
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}$")
@@ -22,6 +23,9 @@ BOOK = "handoffd"
 PRIORITIES = {"critical": 0, "high": 1, "normal": 2, "medium": 2, "low": 3, "backlog": 4}
 TERMINAL_OK = ("completed", "partial")
 MAX_HISTORY = 200
+# Bounds on what a document may ask for; anything outside is refused at admission (see Envelope).
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
+MAX_DEPENDENCIES = 1000
 
 
 def check_id(handoff_id: object) -> str:
@@ -55,16 +59,28 @@ def book(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def revision(doc: dict[str, Any]) -> int:
-    """The document's transition counter (0 for a document no handoffd process has written)."""
-    value = doc.get(BOOK, {}).get("revision", 0) if isinstance(doc.get(BOOK), dict) else 0
-    return value if isinstance(value, int) else 0
+    """The document's transition counter as written (0 for a document no handoffd process has
+    written). Only a sealed document's revision is trusted: see ``Store.trusted_revision``."""
+    return book_int(doc, "revision", 0)
+
+
+def book_int(doc: dict[str, Any], key: str, default: int) -> int:
+    """An integer counter of the ``handoffd`` block, ``default`` when absent or not a sane int
+    (a document's bookkeeping is read defensively: one bad value must not stop a sweep)."""
+    block = doc.get(BOOK)
+    value = block.get(key, default) if isinstance(block, dict) else default
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
+        return default
+    return value
 
 
 def record(doc: dict[str, Any], event: str, now: datetime, **detail: Any) -> None:
     """Append a history event and bump the revision: call once per state transition."""
     block = book(doc)
     block["revision"] = revision(doc) + 1
-    history = block.setdefault("history", [])
+    history = block.get("history")
+    if not isinstance(history, list):
+        history = block["history"] = []
     entry: dict[str, Any] = {"at": iso(now), "event": event, "actor": actor()}
     if detail:
         entry["detail"] = detail
@@ -113,6 +129,31 @@ class Envelope:
     conversation_id: str | None = None
     depends_on: list[str] = field(default_factory=list)
     contract: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        """The one place where what a document asks for is bounded, whatever its format: every
+        dialect builds an Envelope, so a value no dialect should accept is refused here with
+        SCHEMA_VALIDATION_FAILED (and the document is filed as failed, never raised into a loop)."""
+        problems: list[tuple[str, str]] = []
+        timeout = self.timeout_seconds
+        if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout
+                                        <= MAX_TIMEOUT_SECONDS):
+            problems.append(("timeout_seconds", f"timeout {timeout!r}s is outside 0 < t <= "
+                             f"{MAX_TIMEOUT_SECONDS:g}s (one week)"))
+        if len(self.depends_on) > MAX_DEPENDENCIES:
+            problems.append(("depends_on", f"{len(self.depends_on)} dependencies; at most "
+                             f"{MAX_DEPENDENCIES}"))
+        if self.retry_policy is not None:
+            try:
+                RetryPolicy.from_dict(self.retry_policy)
+            except ConfigError as exc:
+                problems.append(("retry_policy", str(exc)))
+        if problems:
+            field_name, message = problems[0]
+            raise InvalidDocument(
+                f"handoff {self.handoff_id}: {field_name}: {message}", handoff_id=self.handoff_id,
+                code="SCHEMA_VALIDATION_FAILED",
+                errors=[{"field": f, "error": m, "schema_path": ""} for f, m in problems])
 
 
 @dataclass

@@ -30,8 +30,12 @@ def fsync_dir(path: Path) -> None:
 
 
 def dump_json(doc: dict[str, Any]) -> bytes:
-    """Serialise a document the way every handoffd file is written (indented, UTF-8, newline)."""
-    return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    """Serialise a document the way every handoffd file is written (indented, UTF-8, newline).
+
+    ``allow_nan=False``: a float that is not finite raises ValueError rather than being written as
+    the bare ``Infinity``/``NaN`` tokens, which are not JSON (parse_document refuses them on input,
+    so they can only come from a bug; failing loudly beats filing a document nobody can read)."""
+    return (json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
 
 
 def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path:
@@ -149,7 +153,11 @@ def parse_document(data: bytes, name: str) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise InvalidDocument(f"{name} is not UTF-8 (byte {exc.start})", code="NOT_UTF8") from None
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NotFinite as exc:
+        raise InvalidDocument(f"{name} holds the number {exc.args[0]}, which is not finite JSON "
+                              "(NaN, Infinity and overflowing numbers are refused)",
+                              code="MALFORMED_JSON") from None
     except json.JSONDecodeError as exc:
         raise InvalidDocument(f"{name} is not valid JSON: {exc.msg} (line {exc.lineno}, "
                               f"column {exc.colno})", code="MALFORMED_JSON") from None
@@ -158,7 +166,50 @@ def parse_document(data: bytes, name: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise InvalidDocument(f"{name} holds a JSON {type(doc).__name__}, not an object",
                               code="NOT_AN_OBJECT")
+    if nesting_depth(doc, MAX_DEPTH) > MAX_DEPTH:
+        raise InvalidDocument(f"{name} nests more than {MAX_DEPTH} levels deep; flatten it",
+                              code="DOCUMENT_TOO_DEEP")
     return doc
+
+
+# Deep enough for any real handoff, shallow enough that every recursive reader (jsonschema,
+# copy.deepcopy, json.dumps) stays far from Python's recursion limit.
+MAX_DEPTH = 64
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _refuse_constant(token: str) -> Any:
+    raise _NotFinite(token)
+
+
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise _NotFinite(token[:40])
+    return value
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """Depth of nested objects/arrays in ``value`` (iterative; stops counting past ``limit``)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return deepest
 
 
 _RENAME_NOREPLACE = 1
@@ -195,5 +246,25 @@ def rename_noreplace(src: Path, dst: Path) -> None:
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
             raise OSError(err, os.strerror(err), str(src))
-    os.link(src, dst)
-    os.unlink(src)
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        # another mover linked this very file and has not unlinked ``src`` yet: it won the race,
+        # exactly as a rename loser would see ENOENT (src gone) — not a second copy of the id
+        if _same_file(src, dst):
+            raise FileNotFoundError(errno.ENOENT, "moved by another process", str(src)) from None
+        raise
+    try:
+        os.unlink(src)
+    except FileNotFoundError:
+        pass  # the winner of a concurrent fallback move already removed it
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """True when ``a`` is gone or is the same file as ``b`` (both cases: ``a`` was moved)."""
+    try:
+        return os.path.samefile(a, b)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False

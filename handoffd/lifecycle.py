@@ -6,6 +6,7 @@ This is where policy lives (retry or fail, what is permanent, which copy of a du
 from __future__ import annotations
 
 import logging
+import time
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -15,7 +16,7 @@ from typing import Any, Callable
 from . import aggregation, contracts, dialects, orchestration
 from .config import Config, RetryPolicy
 from .dialects import Dialect, FiledState
-from .documents import Envelope, Outcome, book, check_id, next_attempt_at, record, revision
+from .documents import Envelope, Outcome, book, book_int, check_id, next_attempt_at, record
 from .gates import Gate, Verdict, dependencies_gate
 from .errors import (ConfigError, DuplicateHandoff, HandlerError,
                      InvalidDocument)
@@ -28,6 +29,7 @@ from .validation import SchemaCache, errors_of
 from .workspace import Workspace
 
 log = logging.getLogger("handoffd")
+MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0
 PERMANENT_CODES = frozenset({
     "SCHEMA_VALIDATION_FAILED", "VALIDATION_FAILED", "CONTRACT_VIOLATION", "CANCELLED",
     "DEPENDENCY_MISSING", "INVALID_DOCUMENT", "UNSAFE_ID", "UNKNOWN_VERSION", "NEEDS_CLARIFICATION",
@@ -68,12 +70,16 @@ class Engine:
     """One workspace's lifecycle. Thread-safe for concurrent jobs on different handoffs."""
 
     def __init__(self, workspace: Workspace, config: Config | None = None,
-                 registry: Registry | None = None, *, clock: Clock = utc_now) -> None:
+                 registry: Registry | None = None, *, clock: Clock = utc_now,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.ws = workspace
         self.config = config or workspace.load_config()
         self.settings = self.config.daemon
         self.registry = registry or Registry.load(self.config)
         self.clock = clock
+        self.monotonic = monotonic  # a clock that never steps: judges how long a lease went unrenewed
+        # what this process's sweeps have seen of others' leases: id -> (lease mark, first seen)
+        self.lease_watch: dict[str, tuple[str, float]] = {}
         self.store = Store(workspace, durable=self.settings.durable,
                            max_document_bytes=self.settings.max_document_bytes,
                            settle_seconds=self.settings.settle_seconds,
@@ -112,18 +118,22 @@ class Engine:
 
     # ------------------------------------------------------------ scheduling aids
     def peek(self, handoff_id: str) -> Peek | None:
-        """Read a pending document to route it; None if it is gone. Unreadable → readable=False."""
+        """Read a pending document to route it; None if it is gone. Never raises: whatever stops
+        the file from being read or routed (an invalid document, an OS error such as ENXIO on a
+        socket or EACCES, a RecursionError inside a reader) gives ``readable=False``, and the
+        daemon sets the file aside (``queries.pending_problem`` says why)."""
         try:
             doc = self.store.read(State.PENDING, handoff_id)
         except FileNotFoundError:
             return None
-        except InvalidDocument:
+        except Exception:  # one bad file must never stop the scheduler or `handoff ls`
             return Peek(handoff_id, readable=False)
         try:
             env = dialects.detect(doc).envelope(doc)
-        except InvalidDocument:
+            due_at = next_attempt_at(doc)
+        except Exception:  # e.g. InvalidDocument, or RecursionError on an absurd inline schema
             return Peek(handoff_id, readable=False)
-        return Peek(handoff_id, env.target, env.priority, next_attempt_at(doc), True, env, doc)
+        return Peek(handoff_id, env.target, env.priority, due_at, True, env, doc)
 
     # ------------------------------------------------------------ admission
     def claim(self, handoff_id: str) -> tuple[Claim, Dialect] | None:
@@ -172,10 +182,9 @@ class Engine:
         except InvalidDocument as exc:
             self._set_aside_claim(claim, "UNSAFE_ID", f"file pending/{handoff_id}.json: {exc}")
             return None
-        previous_revision = revision(doc) - 1
-        if not self._resolve_copies(claim, previous_revision):
+        if not self._resolve_copies(claim):
             return None
-        if previous_revision == 0:  # a raw document from a foreign producer
+        if claim.prior_revision == 0:  # a raw document from a foreign producer
             if self.store.seen.contains(handoff_id, now):
                 self._set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
                                       f"handoff id {handoff_id} was already used recently; "
@@ -196,6 +205,15 @@ class Engine:
             else:
                 self.file(claim, dialect, None, self.failure(now, exc.code, str(exc), errors=exc.errors))
             return None
+        except (RecursionError, MemoryError, ValueError, TypeError, ArithmeticError) as exc:
+            # a document that defeats a reader (absurd nesting or sizes in an inline schema...)
+            # is a bad document, filed with a code; it must never stay claimed for recovery
+            log.warning("handoff %s: unreadable document: %s: %s", handoff_id,
+                        type(exc).__name__, str(exc)[:200])
+            self.file(claim, dialect, None, self.failure(
+                now, "INVALID_DOCUMENT", f"handoff {handoff_id} cannot be read as a "
+                f"{dialect.name} document: {type(exc).__name__}: {str(exc)[:200]}", retryable=False))
+            return None
         spec = self.registry.get(envelope.target)
         if spec is None:
             self.handback(claim, dialect, reason=f"no specialist registered for {envelope.target}")
@@ -215,8 +233,10 @@ class Engine:
                 + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
                 handoff_id=handoff_id, code="SCHEMA_VALIDATION_FAILED", errors=errors)
 
-    def _resolve_copies(self, claim: Claim, previous_revision: int) -> bool:
-        """Another copy of this id elsewhere? The higher revision wins. True: ours runs."""
+    def _resolve_copies(self, claim: Claim) -> bool:
+        """Another copy of this id elsewhere? The higher trusted revision wins, and a completed
+        copy always does (nothing leaves completed/). True: ours runs."""
+        previous_revision = claim.prior_revision
         for state in (State.COMPLETED, State.FAILED, State.PENDING):
             try:
                 other = self.store.read(state, claim.handoff_id)
@@ -224,14 +244,15 @@ class Engine:
                 continue
             except InvalidDocument:
                 other = {}
-            if state is State.PENDING and revision(other) == 0:
+            theirs = self.store.trusted_revision(other, state, claim.handoff_id)
+            if state is State.PENDING and theirs == 0:
                 continue  # a raw duplicate: its own claim will set it aside
             if previous_revision == 0 and state is not State.PENDING:
                 self._set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
                                       f"handoff {claim.handoff_id} already exists in {state.value}/; "
                                       "a second document with the same id is never run")
                 return False
-            if revision(other) > previous_revision:  # ours is a leftover of an interrupted move
+            if state is State.COMPLETED or theirs > previous_revision:  # ours is a leftover
                 self.store.path(State.IN_PROGRESS, claim.handoff_id).unlink(missing_ok=True)
                 release_lock(claim.lock)
                 return False
@@ -418,11 +439,11 @@ class Engine:
             return orchestration.park(self, claim, dialect, spec, outcome)
         doc = claim.doc
         block = book(doc)
-        retries = int(block.get("retries", 0) or 0)
+        retries = book_int(doc, "retries", 0)
         policy = self.policy(doc, spec)
         now = self.clock()
         if not outcome.succeeded and self.retryable(outcome) and retries < policy.max_retries:
-            delay = policy.delay(retries + 1)
+            delay = min(policy.delay(retries + 1), MAX_RETRY_DELAY_SECONDS)  # never overflows
             block["retries"] = retries + 1
             block["next_attempt_at"] = iso(now + timedelta(seconds=delay))
             block["last_error"] = outcome.error
@@ -462,7 +483,7 @@ class Engine:
         """Return a claimed handoff to pending/ without counting an attempt (graceful stop)."""
         block = book(claim.doc)
         if claim.token is not None:  # an attempt was counted when the lease was written
-            block["attempt"] = max(int(block.get("attempt", 1)) - 1, 0)
+            block["attempt"] = max(book_int(claim.doc, "attempt", 1) - 1, 0)
         block.pop("lease", None)
         record(claim.doc, "handed_back", self.clock(), reason=reason)
         dialect.mark_pending(claim.doc)

@@ -47,7 +47,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from . import artifacts, cancellation, dialects
-from .documents import Envelope, Outcome, book, check_id, new_native_request, record
+from .documents import Envelope, Outcome, book, book_int, check_id, new_native_request, record
 from .errors import (DocumentNotReady, DuplicateHandoff, HandoffdError, InvalidDocument,
                      InvalidTransition, NotFound)
 from .aggregation import child_info, ready
@@ -294,10 +294,10 @@ def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist
             "summary": info.get("summary"),
         }
         record(doc, "delegated", now, children=children, aggregation=info["aggregation"])
-        block["attempt"] = max(int(block.get("attempt", 1) or 1) - 1, 0)
+        block["attempt"] = max(book_int(doc, "attempt", 1) - 1, 0)
     elif kind == "rewait":
         record(doc, "still_waiting", now)
-        block["attempt"] = max(int(block.get("attempt", 1) or 1) - 1, 0)
+        block["attempt"] = max(book_int(doc, "attempt", 1) - 1, 0)
     else:
         awaiting = {k: v for k, v in info.items() if k in ("kind", "questions", "blockers",
                                                            "asked_by", "requester", "summary")}
@@ -359,7 +359,7 @@ def child_id(parent: str, round_no: int, index: int) -> str:
 def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: "Dialect",
                      info: dict[str, Any], now: datetime) -> list[str]:
     block = book(doc)
-    round_no = int(block.get("delegation_round", 0) or 0) + 1
+    round_no = book_int(doc, "delegation_round", 0) + 1
     block["delegation_round"] = round_no
     conv = ensure_conversation(doc, dialect, parent)
     env = dialect.envelope(doc)
@@ -473,7 +473,7 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
     history = block.get("history")
     if isinstance(history, list) and history and history[-1].get("event") == "claimed":
         history.pop()
-    block["attempt"] = max(int(block.get("attempt", 1) or 1) - 1, 0)
+    block["attempt"] = max(book_int(doc, "attempt", 1) - 1, 0)
     awaiting = block.pop("awaiting", None) or {}
     entry = {"at": iso(now), "by": by, "kind": awaiting.get("kind"), "answer": data}
     for key in ("questions", "blockers"):

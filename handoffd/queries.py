@@ -1,6 +1,10 @@
 """Read-only questions about a workspace (listing, validating) for the CLI and the library API."""
 from __future__ import annotations
 
+import errno
+import os
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,63 @@ from .timeutil import iso
 from datetime import datetime, timezone
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+# errors that say "not now" rather than "never": a file hit by them is looked at again later,
+# never set aside
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR,
+                              errno.ENOBUFS, errno.ESTALE, errno.EBUSY})
+
+
+@dataclass
+class ReadProblem:
+    """Why a pending file cannot be read or routed.
+
+    ``claimable``: an InvalidDocument, which claiming the file sets aside with ``code`` itself (it
+    knows about half-written files). Otherwise ``transient`` says whether to look again later, and
+    a problem that is neither (an OS refusal such as ENXIO or EACCES, or a reader crashing on the
+    content) means the file must be set aside without being claimed."""
+
+    code: str
+    message: str
+    claimable: bool = False
+    transient: bool = False
+
+
+def read_error(path: Path, exc: BaseException) -> ReadProblem:
+    """Describe an unexpected error met while reading or routing the document at ``path``."""
+    where = f"{path.parent.name}/{path.name}"
+    if isinstance(exc, InvalidDocument):
+        return ReadProblem(exc.code, str(exc), claimable=True)
+    if isinstance(exc, OSError):
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):  # a socket or device: open() fails (ENXIO) before fstat sees it
+            kind = "socket" if stat.S_ISSOCK(mode) else "special file"
+            return ReadProblem("NOT_A_REGULAR_FILE",
+                               f"{where} is a {kind}; documents must be regular files")
+        name = errno.errorcode.get(exc.errno or 0, "error")
+        return ReadProblem("UNREADABLE_FILE", f"{where} cannot be read: {exc.strerror or exc} "
+                           f"({name})", transient=exc.errno in TRANSIENT_ERRNOS)
+    hint = " (it nests too deeply)" if isinstance(exc, RecursionError) else ""
+    return ReadProblem("UNPROCESSABLE_DOCUMENT", f"{where} could not be processed{hint}: "
+                       f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+def pending_problem(engine: Engine, handoff_id: str) -> ReadProblem | None:
+    """Why ``pending/<handoff_id>.json`` cannot be read and routed; None when it can (or is gone).
+    Never raises: it is what the daemon and ``handoff ls`` ask when :meth:`Engine.peek` says
+    ``readable=False``."""
+    path = engine.store.path(State.PENDING, handoff_id)
+    try:
+        doc = engine.store.read(State.PENDING, handoff_id)
+        dialects.detect(doc).envelope(doc)
+        next_attempt_at(doc)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # whatever it is, it is described, never raised
+        return read_error(path, exc)
+    return None
 
 
 def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mtime: float) -> dict[str, Any]:
@@ -24,21 +85,12 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mti
         dialect = dialects.detect(doc)
         env = dialect.envelope(doc)
         target, source = env.target, env.source
-    except (InvalidDocument, KeyError):
+    except Exception:  # an answer, or a document a reader chokes on: listed without routing
         target = source = None
     block = book(doc)
     note = ""
     if state is State.PENDING:
-        due = next_attempt_at(doc)
-        if due is not None and due > engine.clock():
-            note = f"retry {block.get('retries', 0)} at {iso(due)}"
-        elif target and engine.registry.get(target) is None:
-            note = f"waiting: no specialist registered for {target}"
-        else:
-            peek = engine.peek(handoff_id)
-            verdict = engine.gate(peek) if peek is not None else None
-            if verdict is not None:
-                note = verdict.reason if verdict.action == "wait" else f"will fail: {verdict.reason}"
+        note = _pending_note(engine, handoff_id, doc, target)
     elif state is State.FAILED:
         error = block.get("final_error") or (doc.get("error") if isinstance(doc.get("error"), dict) else {})
         note = f"{error.get('code', '')}: {str(error.get('message', ''))}".strip(": ")
@@ -50,6 +102,31 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mti
             "attempt": block.get("attempt", 0), "dialect": block.get("dialect"),
             "updated": iso(datetime.fromtimestamp(mtime, timezone.utc)), "note": note,
             "parent": parent_of(doc), "conversation": conversation_of(doc)}
+
+
+def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: str | None) -> str:
+    """Why a pending handoff is not running yet (empty when it is simply due)."""
+    due = next_attempt_at(doc)
+    if due is not None and due > engine.clock():
+        return f"retry {book(doc).get('retries', 0)} at {iso(due)}"
+    if target and engine.registry.get(target) is None:
+        return f"waiting: no specialist registered for {target}"
+    peek = engine.peek(handoff_id)
+    if peek is not None and not peek.readable:
+        problem = pending_problem(engine, handoff_id)
+        return f"{problem.code}: {problem.message}" if problem else ""
+    try:
+        verdict = engine.gate(peek) if peek is not None else None
+    except Exception as exc:  # a gate reading a broken dependency must not break the listing
+        return f"cannot check its gates: {type(exc).__name__}: {str(exc)[:200]}"
+    if verdict is None:
+        return ""
+    return verdict.reason if verdict.action == "wait" else f"will fail: {verdict.reason}"
+
+
+def _unreadable_row(state: State, handoff_id: str, note: str) -> dict[str, Any]:
+    return {"id": handoff_id, "state": state.value, "from": None, "to": None, "attempt": 0,
+            "dialect": None, "updated": None, "note": note}
 
 
 def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = None,
@@ -64,7 +141,7 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
                 continue
             try:
                 stamped.append((entry.stat(follow_symlinks=False).st_mtime, st, entry.name[:-5]))
-            except FileNotFoundError:
+            except OSError:  # gone since the listing (or unstattable): nothing to show
                 continue
     stamped.sort(reverse=True)
     rows: list[dict[str, Any]] = []
@@ -76,10 +153,13 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
         except FileNotFoundError:
             continue
         except InvalidDocument as exc:
-            if conversation:
-                continue
-            rows.append({"id": handoff_id, "state": st.value, "from": None, "to": None, "attempt": 0,
-                         "dialect": None, "updated": None, "note": f"{exc.code}: unreadable"})
+            if not conversation:
+                rows.append(_unreadable_row(st, handoff_id, f"{exc.code}: unreadable"))
+            continue
+        except Exception as exc:  # a socket, a file we may not read...: a row, never a failure
+            if not conversation:
+                problem = read_error(engine.store.path(st, handoff_id), exc)
+                rows.append(_unreadable_row(st, handoff_id, f"{problem.code}: {problem.message}"))
             continue
         row = _row(engine, st, handoff_id, doc, mtime)
         if (to and row["to"] != to) or (source and row["from"] != source) \

@@ -2,8 +2,8 @@
 
 The folder a document is in is the truth about its state. A crash between the two steps of a move
 (write the new copy, remove the old) can leave a handoff in two folders; :func:`winner` decides which
-copy is real: the higher ``handoffd.revision`` (every transition increments it), and on equal
-revisions the state further along the lifecycle.
+copy is real: a completed copy, else the higher trusted ``handoffd.revision`` (every transition
+increments it; see :mod:`handoffd.seals`), and on equal revisions the state further along.
 """
 from __future__ import annotations
 
@@ -45,5 +45,9 @@ def allowed(src: State, dst: State) -> bool:
 
 
 def winner(copies: list[tuple[State, int]]) -> int:
-    """Index of the copy that is real among ``(state, revision)`` pairs of one handoff."""
-    return max(range(len(copies)), key=lambda i: (copies[i][1], ORDER[copies[i][0]]))
+    """Index of the copy that is real among ``(state, revision)`` pairs of one handoff.
+
+    A completed copy always wins: nothing leaves completed/, so any other copy beside it is a
+    leftover or an intruder, whatever revision it claims."""
+    return max(range(len(copies)), key=lambda i: (copies[i][0] is State.COMPLETED, copies[i][1],
+                                                  ORDER[copies[i][0]]))

@@ -15,12 +15,12 @@ from typing import Any, Callable, Iterator
 
 from filelock import FileLock, Timeout
 
-from . import fsio
-from .documents import actor, book, check_id, record, revision
+from . import fsio, seals
+from .documents import BOOK, actor, book, book_int, check_id, record, revision
 from .errors import DocumentNotReady, DuplicateHandoff, InvalidDocument, InvalidTransition, NotFound
 from .seen import SeenIds
 from .states import State, allowed, winner
-from .timeutil import iso, parse_iso, utc_now
+from .timeutil import iso, utc_now
 from .workspace import Workspace
 
 
@@ -45,6 +45,7 @@ class Claim:
     lock: "FileLock | NullLock"
     attempt: int
     inode: int | None = None  # of the in-progress file as this claim last wrote it
+    prior_revision: int = 0  # trusted (sealed) revision it had in pending/; 0: a raw document
     finished: bool = False
     # serialises lease renewal (heartbeat thread) with finishing (worker thread)
     mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -65,6 +66,35 @@ class Store:
         self.max_bytes = max_document_bytes
         self.settle_seconds = settle_seconds
         self.seen = SeenIds(workspace.meta / "seen-ids.jsonl", seen_ttl_seconds)
+        self._key: bytes | None = None
+        self._key_loaded = False
+
+    # ---------------------------------------------------------------- seals
+    @property
+    def key(self) -> bytes | None:
+        """The workspace's seal key (see :mod:`handoffd.seals`), loaded or created once."""
+        if not self._key_loaded:
+            self._key = seals.load_or_create_key(self.ws.meta, self.ws.tmp)
+            self._key_loaded = self._key is not None
+        return self._key
+
+    def encode(self, doc: dict[str, Any], state: State, handoff_id: str) -> bytes:
+        """Seal ``doc`` for ``state`` and serialise it: every document this store writes."""
+        block = book(doc)
+        key = self.key
+        if key is None:
+            block.pop("seal", None)
+        else:
+            block["seal"] = seals.seal_for(key, handoff_id, revision(doc), state.value)
+        return fsio.dump_json(doc)
+
+    def trusted_revision(self, doc: dict[str, Any], state: State, handoff_id: str,
+                         *also: State) -> int:
+        """The document's revision if handoffd wrote it (its seal matches ``state`` or one of
+        ``also``), else 0: bookkeeping that arrived from outside never outranks ours."""
+        rev = revision(doc)
+        folders = tuple(s.value for s in (state, *also))
+        return rev if rev and seals.sealed(self.key, doc, handoff_id, rev, folders) else 0
 
     # ---------------------------------------------------------------- reading
     def path(self, state: State, handoff_id: str) -> Path:
@@ -92,7 +122,7 @@ class Store:
                 except FileNotFoundError:
                     continue
             if copies:
-                best = winner([(s, revision(d)) for s, d in copies])
+                best = winner([(s, self.trusted_revision(d, s, handoff_id)) for s, d in copies])
                 return copies[best]
             if not self.locate(handoff_id):
                 break
@@ -119,8 +149,8 @@ class Store:
     def write_new(self, state: State, doc: dict[str, Any]) -> None:
         """Publish ``doc`` in ``state`` atomically; DuplicateHandoff if that name is taken."""
         handoff_id = check_id(_doc_id(doc))
-        fsio.create_exclusive(self.path(state, handoff_id), fsio.dump_json(doc), self.ws.tmp,
-                              durable=self.durable)
+        fsio.create_exclusive(self.path(state, handoff_id), self.encode(doc, state, handoff_id),
+                              self.ws.tmp, durable=self.durable)
 
     def create(self, doc: dict[str, Any], handoff_id: str, *, now: datetime | None = None) -> str:
         """Submit a new document to pending/; DuplicateHandoff naming the existing copy if taken."""
@@ -135,10 +165,11 @@ class Store:
             raise DuplicateHandoff(f"handoff id {handoff_id} was used within the last "
                                    f"{int(self.seen.ttl.total_seconds())}s; choose another id",
                                    handoff_id=handoff_id)
-        book(doc)["id"] = handoff_id
+        doc[BOOK] = {"id": handoff_id}  # bookkeeping a submitted document carries is not ours
         record(doc, "created", now)
         try:
-            fsio.create_exclusive(self.path(State.PENDING, handoff_id), fsio.dump_json(doc),
+            fsio.create_exclusive(self.path(State.PENDING, handoff_id),
+                                  self.encode(doc, State.PENDING, handoff_id),
                                   self.ws.tmp, durable=self.durable)
         except DuplicateHandoff:
             raise DuplicateHandoff(f"handoff {handoff_id} already exists in pending/",
@@ -173,11 +204,14 @@ class Store:
                 raise DocumentNotReady(f"{handoff_id} is still being written",
                                        handoff_id=handoff_id) from None
             raise
+        prior = self.trusted_revision(doc, State.PENDING, handoff_id)
+        if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
+            doc[BOOK] = {}
         token = uuid.uuid4().hex
         lock = FileLock(str(self.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
         lock.acquire()
         block = book(doc)
-        block["attempt"] = int(block.get("attempt", 0) or 0) + 1
+        block["attempt"] = book_int(doc, "attempt", 0) + 1
         block["lease"] = lease(token, now, lease_seconds)
         block.pop("next_attempt_at", None)
         record(doc, "claimed", now, attempt=block["attempt"])
@@ -186,13 +220,13 @@ class Store:
                 on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
             # the rename into in-progress/ need not be durable: if a crash undoes it, the handoff
             # is simply pending again, or in-progress without a lease, which recovery hands back
-            inode = fsio.replace(dst, fsio.dump_json(doc), self.ws.tmp, durable=self.durable,
-                                 sync_dir=False)
+            inode = fsio.replace(dst, self.encode(doc, State.IN_PROGRESS, handoff_id), self.ws.tmp,
+                                 durable=self.durable, sync_dir=False)
         except BaseException:
             release_lock(lock)
             raise
         crash_point("after-claim-lease")
-        return Claim(handoff_id, doc, token, lock, block["attempt"], inode)
+        return Claim(handoff_id, doc, token, lock, block["attempt"], inode, prior)
 
     def _young(self, path: Path, now: datetime) -> bool:
         try:
@@ -235,7 +269,8 @@ class Store:
                 return False
             book(claim.doc)["lease"] = lease(claim.token, now or utc_now(), lease_seconds)
             claim.inode = fsio.replace(self.path(State.IN_PROGRESS, claim.handoff_id),
-                                       fsio.dump_json(claim.doc), self.ws.tmp,
+                                       self.encode(claim.doc, State.IN_PROGRESS, claim.handoff_id),
+                                       self.ws.tmp,
                                        durable=self.durable, sync_dir=False)
             return True
 
@@ -244,8 +279,8 @@ class Store:
         if not allowed(src, dst):
             raise InvalidTransition(f"handoff {handoff_id} cannot go from {src.value} to {dst.value}",
                                     handoff_id=handoff_id)
-        fsio.create_exclusive(self.path(dst, handoff_id), fsio.dump_json(doc), self.ws.tmp,
-                              durable=self.durable)
+        fsio.create_exclusive(self.path(dst, handoff_id), self.encode(doc, dst, handoff_id),
+                              self.ws.tmp, durable=self.durable)
         crash_point("after-move-write")
         # no directory fsync: if a crash undoes this unlink, the two copies are told apart by
         # revision (states.winner) and recovery removes the older one
@@ -303,17 +338,6 @@ def lease(token: str, now: datetime, seconds: float) -> dict[str, Any]:
     """A lease block: who holds the claim and until when."""
     return {"token": token, "owner": actor(), "acquired_at": iso(now),
             "expires_at": iso(now + timedelta(seconds=seconds))}
-
-
-def lease_expired(doc: dict[str, Any], now: datetime) -> bool:
-    """True when the document's lease has run out (or is unreadable)."""
-    held = book(doc).get("lease")
-    if not isinstance(held, dict):
-        return True
-    try:
-        return parse_iso(str(held.get("expires_at"))) <= now
-    except ValueError:
-        return True
 
 
 class NullLock:

@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from . import contracts, dialects
-from .documents import book, record, revision
+from filelock import FileLock
+
+from . import contracts, dialects, fsio
+from .documents import book, book_int, record
 from .errors import DuplicateHandoff, InvalidDocument
 from .lifecycle import Engine
 from .states import State, winner
-from .store import Claim, NullLock, lease_expired, release_lock, try_lock
+from .store import Claim, NullLock, release_lock, try_lock
+from .timeutil import parse_iso
 
 TMP_MAX_AGE_SECONDS = 300.0
+# How far another host's clock may run behind ours before its live lease looks expired to us.
+CLOCK_TOLERANCE_SECONDS = 30.0
 log = logging.getLogger("handoffd")
 
 
@@ -44,32 +50,51 @@ class SweepReport:
 
 
 def sweep(engine: Engine, *, skip: set[str] | None = None) -> SweepReport:
-    """Run every repair once. ``skip``: ids this process is working on right now."""
+    """Run every repair once. ``skip``: ids this process is working on right now.
+
+    Each step, and each handoff within a step, is isolated: a document that defeats one repair
+    is logged and left for the next sweep, and never stops the repairs of the others."""
     report = SweepReport()
     skip = skip or set()
     now = engine.clock()
-    resolve_duplicates(engine, report)
-    for handoff_id in engine.store.ids(State.IN_PROGRESS):
+    _step("resolving duplicate copies", resolve_duplicates, engine, report)
+    try:
+        in_progress = engine.store.ids(State.IN_PROGRESS)
+    except OSError as exc:
+        log.error("sweep: cannot list in-progress/: %s", exc)
+        in_progress = []
+    for handoff_id in in_progress:
         if handoff_id in skip:
             continue
-        # one sweeper at a time per handoff: several daemons sweep the same workspace, and a
-        # claim without a lock to take (no lease yet, or a stalled owner) has no other guard
-        guard = try_lock(engine.ws.locks / f"{handoff_id}.recover.lock")
-        if guard is None:
-            continue
-        try:
-            recover_one(engine, handoff_id, now, report)
-        except DuplicateHandoff as exc:  # a copy appeared in the target folder meanwhile
-            log.warning("recovering %s: %s; the next sweep resolves the copies", handoff_id, exc)
-        finally:
-            release_lock(guard)
-    contracts.prune(engine)  # file reservations of handoffs no longer running (contracts.py)
-    remove_orphans(engine, report)
-    try:
-        engine.store.seen.compact(now)
-    except OSError:
-        pass
+        _step(f"recovering {handoff_id}", _recover_guarded, engine, handoff_id, now, report)
+    _step("pruning file reservations", lambda: contracts.prune(engine))
+    _step("removing orphaned files", remove_orphans, engine, report)
+    _step("compacting the seen-ids record", lambda: engine.store.seen.compact(now))
     return report
+
+
+def _step(what: str, func: Any, *args: Any) -> None:
+    """Run one repair; a failure is one log line (with the traceback for bugs), never the sweep."""
+    try:
+        func(*args)
+    except OSError as exc:
+        log.error("sweep: %s failed: %s; the next sweep tries again", what, exc)
+    except Exception:  # a repair bug must not stop the other repairs
+        log.exception("sweep: %s failed; the next sweep tries again", what)
+
+
+def _recover_guarded(engine: Engine, handoff_id: str, now: datetime, report: SweepReport) -> None:
+    # one sweeper at a time per handoff: several daemons sweep the same workspace, and a
+    # claim without a lock to take (no lease yet, or a stalled owner) has no other guard
+    guard = try_lock(engine.ws.locks / f"{handoff_id}.recover.lock")
+    if guard is None:
+        return
+    try:
+        recover_one(engine, handoff_id, now, report)
+    except DuplicateHandoff as exc:  # a copy appeared in the target folder meanwhile
+        log.warning("recovering %s: %s; the next sweep resolves the copies", handoff_id, exc)
+    finally:
+        release_lock(guard)
 
 
 def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepReport) -> None:
@@ -83,19 +108,24 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
         return
     except InvalidDocument:
         return  # unreadable in-progress files are never claims of ours; the daemon sets them aside
-    held = book(doc).get("lease")
+    # a claim's own rewrite seals it for in-progress/; a claimer that died right after its rename
+    # leaves the pending seal (or none, for a raw document)
+    ours = store.trusted_revision(doc, State.IN_PROGRESS, handoff_id) > 0
+    held = book(doc).get("lease") if ours else None
     if not isinstance(held, dict) or not isinstance(held.get("token"), str):
-        # moved in by a claimer that died before writing its lease (or is writing it now)
+        # moved in by a claimer that died before recording its lease (or is recording it now)
         if time.time() - ctime < engine.settings.claim_grace_seconds:
+            return
+        if store.trusted_revision(doc, State.PENDING, handoff_id, State.IN_PROGRESS) == 0:
+            _undo_claim(engine, handoff_id, report)  # raw: put it back exactly as it came
             return
         lock = None
         reason = "claimer died before recording its lease"
     else:
-        lock = try_lock(store.ws.locks / f"{handoff_id}.{held['token']}.lock")
-        if lock is None and not lease_expired(doc, now):
-            return  # owner alive and renewing
-        reason = ("owner process is gone (its claim lock is free)" if lock is not None else
-                  f"lease expired at {held.get('expires_at')} (owner {held.get('owner')} stalled)")
+        verdict = judge_lease(engine, handoff_id, held, now)
+        if verdict is None:
+            return  # owner alive (and renewing)
+        lock, reason = verdict
     # confirm nothing moved while we looked
     try:
         current = store.read(State.IN_PROGRESS, handoff_id)
@@ -107,8 +137,11 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
         if lock is not None:
             release_lock(lock)
         return
+    engine.lease_watch.pop(handoff_id, None)
+    mine = store.trusted_revision(current, State.IN_PROGRESS, handoff_id, State.PENDING)
     newer = [s for s in (State.COMPLETED, State.FAILED, State.PENDING)
-             if _revision_at(store, s, handoff_id) > revision(current)]
+             if _revision_at(store, s, handoff_id) > mine
+             or (s is State.COMPLETED and _revision_at(store, s, handoff_id) >= 0)]
     if newer:  # the owner died after writing its next copy: the in-progress one is a leftover
         store.path(State.IN_PROGRESS, handoff_id).unlink(missing_ok=True)
         if lock is not None:
@@ -116,7 +149,8 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
         report.duplicates_resolved.append(handoff_id)
         return
     token = held["token"] if isinstance(held, dict) else None
-    orphan = Claim(handoff_id, current, token, lock or NullLock(), int(book(current).get("attempt", 1)))
+    orphan = Claim(handoff_id, current, token, lock or NullLock(), book_int(current, "attempt", 1),
+                   prior_revision=mine)
     try:
         dialect = dialects.detect(current)
     except InvalidDocument:  # an unrecognised format: fail it in the native shape
@@ -138,11 +172,74 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
     report.recovered.append(handoff_id)
 
 
-def _revision_at(store: Any, state: State, handoff_id: str) -> int:
+def judge_lease(engine: Engine, handoff_id: str, held: dict[str, Any],
+                now: datetime) -> tuple[FileLock | None, str] | None:
+    """Is the owner of a lease gone? None: it is alive. Else (its claim lock, if we took it; why).
+
+    * Owner on this host: its claim lock says it all. Free: the owner died (recover now, holding
+      the lock). Held: the owner is alive; it counts as stalled only when the lease has expired
+      *and* this process has itself watched the lease go unrenewed for a whole lease period on a
+      clock that never steps (``engine.monotonic``), so a wall clock that is ahead or jumps can
+      never make a live claim look abandoned.
+    * Owner on another host (a shared filesystem, where flock is local or emulated): the lock
+      proves nothing; only an expiry older than ``CLOCK_TOLERANCE_SECONDS`` that this process has
+      watched for a whole lease period counts.
+    """
+    owner = held.get("owner") if isinstance(held.get("owner"), dict) else {}
+    same_host = owner.get("host") == socket.gethostname()
+    if same_host:
+        lock = try_lock(engine.store.ws.locks / f"{handoff_id}.{held['token']}.lock")
+        if lock is not None:
+            return lock, "owner process is gone (its claim lock is free)"
+    tolerance = 0.0 if same_host else CLOCK_TOLERANCE_SECONDS
+    if not _unrenewed_for_a_lease(engine, handoff_id, held, now, tolerance):
+        return None
+    who = f"{owner.get('host')}:{owner.get('pid')}"
+    return None, f"lease expired at {held.get('expires_at')} (owner {who} stalled)"
+
+
+def _unrenewed_for_a_lease(engine: Engine, handoff_id: str, held: dict[str, Any], now: datetime,
+                           tolerance: float) -> bool:
+    """True when the lease expired (by ``now`` minus ``tolerance``) and this process has seen the
+    same lease, unrenewed, for at least one lease period of its monotonic clock."""
     try:
-        return revision(store.read(state, handoff_id))
-    except (FileNotFoundError, InvalidDocument):
+        acquired = parse_iso(str(held.get("expires_at")))
+        period = max((acquired - parse_iso(str(held.get("acquired_at")))).total_seconds(), 0.0)
+    except ValueError:
+        acquired, period = now, 0.0  # unreadable times: only the watch below can tell
+    seen_as, since = engine.lease_watch.get(handoff_id, (None, 0.0))
+    mark = f"{held.get('token')}/{held.get('expires_at')}"
+    tick = engine.monotonic()
+    if seen_as != mark:
+        engine.lease_watch[handoff_id] = (mark, tick)
+        since = tick
+    expired = (now - acquired).total_seconds() >= tolerance
+    return expired and tick - since >= period
+
+
+def _undo_claim(engine: Engine, handoff_id: str, report: SweepReport) -> None:
+    """A raw document whose claimer died before admitting it goes back to pending/ untouched
+    (its bookkeeping is not ours to rewrite; admission will treat it as new)."""
+    store = engine.store
+    try:
+        fsio.rename_noreplace(store.path(State.IN_PROGRESS, handoff_id),
+                              store.path(State.PENDING, handoff_id))
+    except FileNotFoundError:
+        return
+    except FileExistsError:  # a pending copy appeared meanwhile: keep one, quarantine the other
+        store.quarantine(store.path(State.IN_PROGRESS, handoff_id), "DUPLICATE_HANDOFF_ID",
+                         f"handoff {handoff_id} was pending twice; a second document is never run")
+    report.recovered.append(handoff_id)
+
+
+def _revision_at(store: Any, state: State, handoff_id: str) -> int:
+    """Trusted revision of the copy in ``state``: -1 absent, 0 unsealed or unreadable."""
+    try:
+        return store.trusted_revision(store.read(state, handoff_id), state, handoff_id)
+    except FileNotFoundError:
         return -1
+    except InvalidDocument:
+        return 0
 
 
 def resolve_duplicates(engine: Engine, report: SweepReport) -> None:
@@ -168,13 +265,13 @@ def resolve_duplicates(engine: Engine, report: SweepReport) -> None:
             continue
         if any(s is State.IN_PROGRESS for s, _ in copies):
             continue  # settled by recover_one, which first makes sure the owner is gone
-        best = winner([(s, revision(d)) for s, d in copies])
+        best = winner([(s, store.trusted_revision(d, s, handoff_id)) for s, d in copies])
         for index, (state, doc) in enumerate(copies):
             if index == best:
                 continue
             path = store.path(state, handoff_id)
             try:
-                if state is State.PENDING and revision(doc) == 0:
+                if state is State.PENDING and store.trusted_revision(doc, state, handoff_id) == 0:
                     store.quarantine(path, "DUPLICATE_HANDOFF_ID",
                                      f"handoff {handoff_id} already exists in "
                                      f"{copies[best][0].value}/; a second document is never run")
@@ -232,7 +329,7 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
         raise InvalidTransition(
             f"handoff {handoff_id} failed with a permanent error ({error.get('code', 'unknown')}); "
             "fix the cause, then retry with --force", handoff_id=handoff_id)
-    block["retries"] = int(block.get("retries", 0) or 0) + 1
+    block["retries"] = book_int(doc, "retries", 0) + 1
     block["last_error"] = error or None
     block.pop("final_error", None)
     block.pop("retry_available", None)

@@ -9,6 +9,12 @@ from .config import Config, load_config
 from .states import State
 
 CONFIG_NAME = "handoffd.toml"
+# Filesystems where flock is local-only or emulated, inotify misses other hosts' writes and
+# renameat2(RENAME_NOREPLACE) is refused: handoffd still works there (leases, link fallback),
+# but only lease expiry can tell that another host's daemon died.
+NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs",
+                        "fuse.glusterfs", "fuse.sshfs", "lustre", "gpfs", "afs", "fuse.s3fs",
+                        "fuse.rclone", "beegfs", "ocfs2", "gfs2"})
 
 
 def resolve_root(option: str | Path | None = None) -> Path:
@@ -93,3 +99,22 @@ class Workspace:
         if candidate == self.root or self.root in candidate.parents:
             return candidate
         return None
+
+
+def network_filesystem(path: Path, mounts: Path = Path("/proc/mounts")) -> str | None:
+    """The type of the network filesystem ``path`` lives on, or None (local, or unknown)."""
+    try:
+        lines = mounts.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    best, best_type = "", None
+    target = str(path)
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, best_type = point, parts[2]
+    return best_type if best_type in NETWORK_FS else None

@@ -33,6 +33,10 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         self.now += timedelta(seconds=seconds)
 
+    def monotonic(self) -> float:
+        """The same clock as seconds that never step (what the sweeper times leases with)."""
+        return self.now.timestamp()
+
 
 def make_engine(tmp_path: Path, handler: Any, clock: FakeClock | None = None,
                 retry: dict[str, Any] | None = None, **spec: Any) -> Engine:
@@ -42,7 +46,8 @@ def make_engine(tmp_path: Path, handler: Any, clock: FakeClock | None = None,
     registry = Registry()
     registry.add_function("@py", handler, config=config, retry=retry, **spec) if retry else \
         registry.add_function("@py", handler, config=config, **spec)
-    return Engine(ws, config, registry, clock=clock or FakeClock())
+    clock = clock or FakeClock()
+    return Engine(ws, config, registry, clock=clock, monotonic=clock.monotonic)
 
 
 def submit(engine: Engine, data: Any = None, retry_policy: dict | None = None, **kw: Any) -> str:

@@ -233,8 +233,9 @@ def test_disk_full_while_filing_is_retried_not_lost(tmp_path: Path, monkeypatch:
 def test_fast_durability_skips_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = [0]
     real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (calls.__setitem__(0, calls[0] + 1), real(fd))[1])
     fast = engine_with(tmp_path / "a", lambda h, c: {"status": "completed"}, durability="fast")
+    assert fast.store.key  # the workspace's seal key is made (and synced) once, not per handoff
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.__setitem__(0, calls[0] + 1), real(fd))[1])
     submit(fast)
     assert Daemon(fast).run_batch().completed == 1 and calls[0] == 0
     durable = engine_with(tmp_path / "b", lambda h, c: {"status": "completed"})

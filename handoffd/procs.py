@@ -1,0 +1,359 @@
+"""The processes of command-specialist attempts: tag them, record them, and kill what is left.
+
+A command specialist may leave processes behind: a background child that keeps running after the
+handler exits, a grandchild that called ``setsid`` and so left the process group, or the whole tree
+when its daemon is killed with ``kill -9``. Left alone, those keep working on a handoff that has
+meanwhile been retried, so two runs of one handoff overlap. To prevent that, every attempt
+
+* runs in its own process group and carries a unique run token in its environment
+  (``HANDOFFD_RUN_TOKEN=<token>``), which every descendant inherits, even one that calls setsid;
+* gets ``PR_SET_PDEATHSIG(SIGKILL)``, so the direct child dies with its daemon;
+* is recorded in ``handoffs/.meta/procs/<handoff_id>.json`` (host, boot id, pid namespace, process
+  group, token, attempt) while it runs.
+
+:func:`kill_run` kills an attempt's leftovers (its process group and every process whose
+``/proc/<pid>/environ`` carries the token) and waits until they are gone. The runner calls it when
+each attempt ends and, through :func:`kill_leftovers`, before an attempt starts, so a retry never
+starts on a host where the previous attempt's processes still live. Whoever recovers an abandoned
+claim should call :func:`kill_leftovers` too, before handing the handoff back.
+
+Limits: only processes on this host (same boot, same pid namespace) can be found; a descendant that
+clears its environment *and* leaves the process group cannot be recognised.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger("handoffd")
+
+TOKEN_ENV = "HANDOFFD_RUN_TOKEN"
+KILL_WAIT_SECONDS = 5.0  # how long kill_run waits for the killed processes to be gone
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class RunRecord:
+    """One attempt's processes, as written to ``handoffs/.meta/procs/<handoff_id>.json``."""
+
+    handoff_id: str
+    token: str
+    attempt: int
+    host: str
+    boot_id: str
+    pid_namespace: str
+    daemon_pid: int
+    pgid: int | None = None  # the child's pid (it leads its own group); None until it started
+    leader_start: int | None = None  # the child's start time (clock ticks after boot)
+    started_at: float = 0.0
+
+    @classmethod
+    def new(cls, handoff_id: str, token: str, attempt: int) -> "RunRecord":
+        """A record for an attempt about to start on this host."""
+        return cls(handoff_id=handoff_id, token=token, attempt=attempt, host=socket.gethostname(),
+                   boot_id=boot_id(), pid_namespace=pid_namespace(), daemon_pid=os.getpid(),
+                   started_at=time.time())
+
+    def local(self) -> bool:
+        """True when the record's pids mean the same processes here (same host, boot, namespace)."""
+        return (self.host == socket.gethostname() and self.boot_id == boot_id()
+                and self.pid_namespace == pid_namespace())
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """What /proc says about one live (non-zombie) process."""
+
+    pid: int
+    pgid: int
+    start: int
+    marked: bool  # carries the run token in its environment
+
+
+# ---------------------------------------------------------------- identity of this machine
+
+def boot_id() -> str:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``): pids from another boot mean nothing."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:[4026531836]``): pids from another one mean nothing."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def new_token() -> str:
+    """A fresh run token (unguessable, so no unrelated process carries it)."""
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------- the child side
+
+def _load_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: no parent-death signal, the records still work
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def child_setup(parent_pid: int) -> Callable[[], None]:
+    """A ``preexec_fn`` making the child die with its daemon (PR_SET_PDEATHSIG = SIGKILL).
+
+    The signal fires when the thread that forked exits; the runner forks from the worker thread
+    that waits for the child, so that thread outlives the child unless the daemon dies. If the
+    daemon died between fork and prctl, the child exits at once instead of running orphaned."""
+    prctl = _PRCTL
+
+    def setup() -> None:  # runs in the child between fork and exec: no locks, no imports
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(70)
+
+    return setup
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of ``pid`` (clock ticks after boot), or None if it is gone."""
+    info = _stat(pid)
+    return info[2] if info else None
+
+
+# ---------------------------------------------------------------- records
+
+def record_dir(root: Path) -> Path:
+    """``handoffs/.meta/procs`` of the workspace at ``root``."""
+    return Path(root) / "handoffs" / ".meta" / "procs"
+
+
+def record_path(root: Path, handoff_id: str) -> Path:
+    """Where the record of ``handoff_id``'s running attempt lives."""
+    return record_dir(root) / f"{handoff_id}.json"
+
+
+def write_record(root: Path, record: RunRecord) -> None:
+    """Write (or replace) the record atomically. Not fsynced: it only means something until the
+    next reboot, and a lost record costs at most a leftover that the parent-death signal or the
+    token scan of the next attempt still catches."""
+    folder = record_dir(root)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{record.handoff_id}.{record.token}.tmp"
+    tmp.write_text(json.dumps(asdict(record)))
+    os.replace(tmp, record_path(root, record.handoff_id))
+
+
+def read_record(root: Path, handoff_id: str) -> RunRecord | None:
+    """The record of ``handoff_id``, or None if there is none (or it is unreadable)."""
+    try:
+        data = json.loads(record_path(root, handoff_id).read_text())
+        return RunRecord(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def remove_record(root: Path, handoff_id: str, token: str | None = None) -> None:
+    """Remove the record; with ``token``, only if it is still that attempt's (a newer attempt
+    may have replaced it)."""
+    path = record_path(root, handoff_id)
+    if token is not None:
+        current = read_record(root, handoff_id)
+        if current is not None and current.token != token:
+            return
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+# ---------------------------------------------------------------- finding and killing
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, pgid, start time) of ``pid`` from /proc/<pid>/stat; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return None
+    # the command name may hold spaces and parentheses: the fields start after the last ')'
+    fields = raw[raw.rfind(b")") + 2:].split()
+    try:
+        return fields[0].decode(), int(fields[2]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _carries(pid: int, marker: bytes) -> bool:
+    """True if ``pid``'s initial environment holds exactly the entry ``marker``."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            environ = handle.read()
+    except OSError:  # gone, or another user's process (never ours to kill)
+        return False
+    return marker in environ.split(b"\0")
+
+
+def _pids() -> Iterator[int]:
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return
+    me = os.getpid()
+    for name in names:
+        if name.isdigit() and int(name) != me:
+            yield int(name)
+
+
+def scan(token: str, pgid: int | None = None) -> list[ProcInfo]:
+    """Live processes that carry ``token`` or belong to process group ``pgid``."""
+    marker = f"{TOKEN_ENV}={token}".encode()
+    found = []
+    for pid in _pids():
+        info = _stat(pid)
+        if info is None or info[0] in ("Z", "X"):  # a zombie has finished: nothing left to kill
+            continue
+        marked = _carries(pid, marker)
+        if marked or (pgid is not None and info[1] == pgid):
+            found.append(ProcInfo(pid, info[1], info[2], marked))
+    return found
+
+
+def _group_is_ours(procs: list[ProcInfo], pgid: int, leader_start: int | None) -> bool:
+    """Process-group ids are reused once a group is empty: the group is this attempt's only if a
+    member carries the token or its leader is the very process the attempt started."""
+    return any(p.pgid == pgid and (p.marked or (p.pid == pgid and p.start == leader_start))
+               for p in procs)
+
+
+def kill_run(token: str, pgid: int | None = None, *, leader_start: int | None = None,
+             group_known: bool = False, wait_seconds: float = KILL_WAIT_SECONDS) -> tuple[int, int]:
+    """SIGKILL every process of one attempt and wait (bounded) until they are gone.
+
+    Targets are the processes carrying ``token`` and, when the group is provably this attempt's
+    (``group_known``: the caller still holds the unreaped leader; otherwise see _group_is_ours),
+    every member of process group ``pgid``. Repeats until none is left, so children forked while
+    it runs are caught too. Returns (processes killed, processes still alive at the deadline)."""
+    killed: set[int] = set()
+    ours = group_known
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        procs = scan(token, pgid)
+        if pgid is not None and not ours:
+            ours = _group_is_ours(procs, pgid, leader_start)
+        targets = [p for p in procs if p.marked or (ours and p.pgid == pgid)]
+        if not targets:
+            return len(killed), 0
+        if time.monotonic() >= deadline:
+            log.warning("run %s: %d process(es) survived SIGKILL: %s", token,
+                        len(targets), ", ".join(str(p.pid) for p in targets[:10]))
+            return len(killed), len(targets)
+        if ours and pgid is not None:
+            _signal_group(pgid)
+        for proc in targets:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+                killed.add(proc.pid)
+            except (ProcessLookupError, PermissionError):
+                continue
+        time.sleep(0.01)  # let the kernel finish them before looking again
+
+
+def _signal_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_leftovers(workspace: Any, handoff_id: str, *, attempt: int | None = None,
+                   wait_seconds: float = KILL_WAIT_SECONDS) -> int:
+    """Kill what a previous attempt of ``handoff_id`` left running on this host; returns how many
+    processes were killed.
+
+    ``workspace`` is a Workspace or its root path. Uses the attempt's record: on another host it
+    does nothing (those pids are not ours to judge); from an earlier boot it only removes the
+    record; with ``attempt``, a record of a newer attempt is left alone. On this host it SIGKILLs
+    the attempt's process group (when provably still its own) and every process carrying its
+    token, waits until they are gone (at most ``wait_seconds``) and removes the record.
+
+    Call it when an attempt is known to be over (a recovered claim) and before its handoff is
+    handed back to pending/: a new attempt on this host kills its predecessor's leftovers too."""
+    root = Path(getattr(workspace, "root", workspace))
+    record = read_record(root, handoff_id)
+    if record is None:
+        return 0
+    if attempt is not None and record.attempt > attempt:
+        return 0
+    if record.host != socket.gethostname():
+        return 0
+    if not record.local():  # another boot (or pid namespace) on this host: nothing to kill here
+        if record.boot_id != boot_id():
+            remove_record(root, handoff_id, record.token)
+        return 0
+    killed, survivors = kill_run(record.token, record.pgid, leader_start=record.leader_start,
+                                 wait_seconds=wait_seconds)
+    if killed:
+        log.warning("handoff %s: killed %d process(es) left over by attempt %d (daemon pid %d)",
+                    handoff_id, killed, record.attempt, record.daemon_pid)
+    if not survivors:
+        remove_record(root, handoff_id, record.token)
+    return killed
+
+
+def prune_records(workspace: Any) -> int:
+    """Remove records on this host whose attempt has no process left (a daemon died and the
+    handoff was not retried here, e.g. it failed for good); returns how many were removed. Kills
+    nothing: a record whose processes live belongs to a running attempt or to kill_leftovers."""
+    root = Path(getattr(workspace, "root", workspace))
+    removed = 0
+    try:
+        entries = list(os.scandir(record_dir(root)))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        if entry.name.startswith("."):
+            _remove_stale_temp(entry)
+            continue
+        if not entry.name.endswith(".json"):
+            continue
+        record = read_record(root, entry.name[:-5])
+        if record is None or record.host != socket.gethostname():
+            continue
+        if record.local() and (_alive(record.daemon_pid) or scan(record.token, None)):
+            continue
+        if not record.local() and record.boot_id == boot_id():
+            continue  # another pid namespace on this boot: its own daemons judge it
+        remove_record(root, record.handoff_id, record.token)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    info = _stat(pid)
+    return info is not None and info[0] not in ("Z", "X")
+
+
+def _remove_stale_temp(entry: os.DirEntry[str]) -> None:
+    """A temp file of a writer that died mid-write (older than a minute)."""
+    try:
+        if time.time() - entry.stat().st_mtime > 60:
+            os.unlink(entry.path)
+    except OSError:
+        pass

@@ -1,0 +1,74 @@
+"""Seals: how handoffd tells its own bookkeeping from bookkeeping that arrived from outside.
+
+Every document handoffd writes carries ``handoffd.seal``, an HMAC over (id, revision, state folder)
+keyed by a secret of the workspace (``handoffs/.meta/seal.key``, created on first use, mode 0600).
+A revision is trusted only when the seal matches the folder the document was read from, so:
+
+* a document dropped into ``pending/`` with a forged ``handoffd.revision: 99`` is an ordinary new
+  (raw) document: its ``handoffd`` block is discarded and, if the id exists, it is a duplicate;
+* a copy of a finished document moved back into ``pending/`` by hand does not outrank the result.
+
+The seal defends against documents, not against a process that reads the workspace's key: anyone
+who can read ``handoffs/.meta/`` can forge seals, as they could edit ``completed/`` directly.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+KEY_NAME = "seal.key"
+
+
+def load_or_create_key(meta: Path, tmp: Path) -> bytes | None:
+    """The workspace's seal key, creating it atomically if absent; None if it cannot be read or
+    made (a read-only workspace: every revision is then untrusted, which only matters for the
+    tie-breaks between two copies of one id)."""
+    path = meta / KEY_NAME
+    for _ in range(2):
+        try:
+            data = path.read_bytes().strip()
+            if len(data) >= 32:
+                return data
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return None
+        try:
+            meta.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir(parents=True, exist_ok=True)
+            staged = tmp / f"seal-{secrets.token_hex(8)}.tmp"
+            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, secrets.token_hex(32).encode() + b"\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(staged, path)  # first creator wins; a loser reads the winner's key
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(staged)
+        except OSError:
+            return None
+    return None
+
+
+def seal_for(key: bytes, handoff_id: str, revision: int, folder: str) -> str:
+    """The seal of a document with this id and revision written into ``folder``."""
+    message = f"{handoff_id}\0{revision}\0{folder}".encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()[:32]
+
+
+def sealed(key: bytes | None, doc: dict[str, Any], handoff_id: str, revision: int,
+           folders: tuple[str, ...]) -> bool:
+    """True when ``doc`` carries a valid seal for one of ``folders``."""
+    block = doc.get("handoffd")
+    seal = block.get("seal") if isinstance(block, dict) else None
+    if key is None or not isinstance(seal, str):
+        return False
+    return any(hmac.compare_digest(seal, seal_for(key, handoff_id, revision, f)) for f in folders)
