@@ -2,24 +2,34 @@
 
 Both return the raw result object of the README's specialist protocol or raise HandlerError
 (``PROCESSING_ERROR``, ``TIMEOUT``, ``CANCELLED``). A child runs in its own process group with an
-argument list (never a shell); on timeout or cancellation the group gets SIGTERM, then SIGKILL.
+argument list (never a shell) and a run token in its environment (see procs.py); on timeout or
+cancellation the group and every token carrier get SIGTERM, then SIGKILL. When an attempt ends,
+however it ends, nothing it started is left running: see :func:`run_command`.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import select
 import signal
 import subprocess
 import threading
 import time
 from typing import Any
 
+from . import procs
 from .errors import ConfigError, HandlerError
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 
 RESULT_STATUSES = {"completed", "failed", "partial", "blocked", "needs_clarification", "delegated"}
 KILL_GRACE_SECONDS = 2.0
 STDERR_TAIL = 4096
+# After the attempt's processes are killed, how long a pipe may stay open (a writer the kill could
+# not find) before its reader stops waiting for EOF.
+PIPE_DRAIN_SECONDS = 1.0
+POLL_MS = 100  # how often an I/O thread of an attempt looks whether it should stop
+log = logging.getLogger("handoffd")
 
 
 def validate_result(result: Any, handoff_id: str) -> dict[str, Any]:
@@ -94,7 +104,14 @@ def cancel(ctx: HandlerContext, reason: str) -> None:
 
 def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, timeout: float,
                 *, max_output_bytes: int, python: str | None = None) -> dict[str, Any]:
-    """Run a command specialist: document on stdin, one JSON object expected on stdout."""
+    """Run a command specialist: document on stdin, one JSON object expected on stdout.
+
+    The attempt's processes are tracked (see procs.py): the previous attempt's leftovers on this
+    host are killed before the child starts; the child leads its own process group, carries a
+    run token in its environment, dies with its daemon (parent-death signal) and is recorded in
+    ``handoffs/.meta/procs/``; when it exits (or times out, or is cancelled) everything still
+    carrying the token or in its group is killed, the pipes are closed and the reader threads
+    joined, so nothing of the attempt outlives it, whatever its children do with stdout."""
     assert spec.config.command is not None
     argv = list(spec.config.command)
     cwd = (ctx.root / spec.config.cwd).resolve() if spec.config.cwd else ctx.root
@@ -102,27 +119,41 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
         raise HandlerError(f"handoff {ctx.handoff_id}: specialist {spec.agent} has cwd "
                            f"{spec.config.cwd!r}, which is outside the workspace; fix handoffd.toml",
                            handoff_id=ctx.handoff_id, retryable=False)
+    token = procs.new_token()
     env = dict(os.environ)
     env.update(spec.config.env)
     env.update(HANDOFF_ID=ctx.handoff_id, HANDOFFD_ROOT=str(ctx.root),
                HANDOFF_ATTEMPT=str(ctx.attempt), HANDOFF_TARGET=ctx.target)
     env.update(ctx.extra.get("env") or {})  # set by engine hooks, e.g. HANDOFF_ARTIFACT_PATH
+    env[procs.TOKEN_ENV] = token  # last: nothing may override it
+    _clear_previous_attempt(ctx)
+    record = procs.RunRecord.new(ctx.handoff_id, token, ctx.attempt)
+    _write_record(ctx, record)  # before the fork: a crash right after it still leaves the token
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
+                                stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
+                                preexec_fn=procs.child_setup(os.getpid()))
     except OSError as exc:
+        procs.remove_record(ctx.root, ctx.handoff_id, token)
         raise HandlerError(f"handoff {ctx.handoff_id}: cannot start {argv[0]!r}: {exc.strerror}; "
                            f"check command in handoffd.toml for {spec.agent}",
                            handoff_id=ctx.handoff_id, retryable=False) from None
+    record.pgid = proc.pid
+    record.leader_start = procs.start_time(proc.pid)
+    _write_record(ctx, record)
     payload = json.dumps(doc).encode()
     out = _Collector(proc.stdout, max_output_bytes, keep_tail=False)
     err = _Collector(proc.stderr, STDERR_TAIL, keep_tail=True)
-    feeder = threading.Thread(target=_feed, args=(proc, payload), daemon=True)
-    done = threading.Event()
-    waiter = threading.Thread(target=lambda: (proc.wait(), done.set()), daemon=True)
+    done = threading.Event()  # the child exited, its output overflowed, or the attempt was cancelled
+    exited = threading.Event()  # the child exited (it is not reaped yet: its group stays ours)
+    feeder = threading.Thread(target=_feed, args=(proc, payload, exited), daemon=True,
+                              name=f"feed-{ctx.handoff_id}")
+    waiter = threading.Thread(target=_await_exit, args=(proc, exited, done), daemon=True,
+                              name=f"wait-{ctx.handoff_id}")
     out.on_overflow = done.set
     for thread in (feeder, out.thread, err.thread, waiter):
         thread.start()
+    error: HandlerError | None = None
     try:
         _wait(done, ctx, timeout)
         if out.overflow:
@@ -130,17 +161,97 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
                                f"{max_output_bytes} bytes to stdout; it was stopped",
                                handoff_id=ctx.handoff_id, retryable=False)
     except HandlerError as exc:
-        _stop(proc)
-        if exc.code == "CANCELLED":  # keep what a handler printed on SIGTERM (partial results)
-            out.thread.join(timeout=KILL_GRACE_SECONDS)
-            exc.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))
-        raise
+        error = exc
     finally:
-        if proc.poll() is None:
-            _stop(proc)
-        for thread in (out.thread, err.thread):
-            thread.join(timeout=KILL_GRACE_SECONDS)
+        _end_attempt(ctx, proc, token, exited, (out, err), (feeder, waiter))
+    if error is not None:
+        if error.code == "CANCELLED":  # keep what a handler printed on SIGTERM (partial results)
+            error.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))
+        raise error
     return _parse_output(proc.returncode, out.data(), err.data(), ctx.handoff_id)
+
+
+def _clear_previous_attempt(ctx: HandlerContext) -> None:
+    """Kill what an earlier attempt of this handoff left running on this host; refuse to start
+    (a retryable error) while any of it survives, so two runs of one handoff never overlap."""
+    try:
+        procs.kill_leftovers(ctx.root, ctx.handoff_id, attempt=ctx.attempt)
+    except OSError as exc:
+        log.warning("handoff %s: cannot check for leftover processes: %s", ctx.handoff_id, exc)
+        return
+    left = procs.read_record(ctx.root, ctx.handoff_id)
+    if left is None or not left.local() or left.attempt > ctx.attempt:
+        return
+    alive = procs.scan(left.token, None)
+    if alive:
+        raise HandlerError(f"handoff {ctx.handoff_id}: {len(alive)} process(es) of attempt "
+                           f"{left.attempt} survive SIGKILL (pids "
+                           f"{', '.join(str(p.pid) for p in alive[:10])}); not starting another run "
+                           "beside them", handoff_id=ctx.handoff_id, retryable=True)
+
+
+def _write_record(ctx: HandlerContext, record: procs.RunRecord) -> None:
+    try:
+        procs.write_record(ctx.root, record)
+    except OSError as exc:  # the attempt still runs; only a later cleanup loses its handle
+        log.warning("handoff %s: cannot record the attempt's processes: %s", ctx.handoff_id, exc)
+
+
+def _await_exit(proc: subprocess.Popen[bytes], exited: threading.Event,
+                done: threading.Event) -> None:
+    """Wait for the child's exit without reaping it: while it is an unreaped zombie its pid, and
+    so its process-group id, cannot be reused, and _end_attempt may kill the group safely."""
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # already reaped by _end_attempt
+        pass
+    exited.set()
+    done.set()
+
+
+def _end_attempt(ctx: HandlerContext, proc: subprocess.Popen[bytes], token: str,
+                 exited: threading.Event, collectors: tuple["_Collector", "_Collector"],
+                 helpers: tuple[threading.Thread, ...]) -> None:
+    """Stop everything the attempt started, in bounded time: SIGTERM the child (if it still runs)
+    with a grace period, then SIGKILL its process group and every process carrying the run token
+    (a grandchild that called setsid, a background child holding stdout), reap the child, close
+    the pipes and join every thread of the attempt."""
+    if not exited.is_set():  # timeout, cancellation, overflow: ask politely first
+        _signal_all(proc.pid, token, signal.SIGTERM)
+        exited.wait(KILL_GRACE_SECONDS)
+    # the child is alive or an unreaped zombie, so the group is provably this attempt's
+    survivors = 0
+    try:
+        _, survivors = procs.kill_run(token, proc.pid, group_known=proc.returncode is None)
+    except Exception:  # never leave the pipes and threads behind because of a scan failure
+        log.exception("handoff %s: killing the attempt's processes failed", ctx.handoff_id)
+        survivors = -1
+    try:
+        proc.wait(timeout=procs.KILL_WAIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        log.error("handoff %s: handler pid %d does not die", ctx.handoff_id, proc.pid)
+    exited.set()
+    # every writer is dead: the readers see EOF once the buffered output is read; a writer the
+    # kill could not find (one that cleared its environment and left the group) is cut off
+    for collector in collectors:
+        collector.finish(PIPE_DRAIN_SECONDS)
+    for thread in helpers:
+        thread.join(timeout=PIPE_DRAIN_SECONDS)
+    if survivors == 0:
+        procs.remove_record(ctx.root, ctx.handoff_id, token)
+
+
+def _signal_all(pgid: int, token: str, sig: int) -> None:
+    """Send ``sig`` to the attempt's process group and to every process carrying its token."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for info in procs.scan(token, None):
+        try:
+            os.kill(info.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
 
 
 def _parse_output(code: int, stdout: bytes, stderr: bytes, handoff_id: str) -> dict[str, Any]:
@@ -162,31 +273,37 @@ def _parse_output(code: int, stdout: bytes, stderr: bytes, handoff_id: str) -> d
     return validate_result(result, handoff_id)
 
 
-def _feed(proc: subprocess.Popen[bytes], payload: bytes) -> None:
+def _feed(proc: subprocess.Popen[bytes], payload: bytes, stop: threading.Event) -> None:
+    """Write the document to the child's stdin; give up when the child has exited (a background
+    child that inherited stdin and never reads it must not keep this thread forever)."""
+    assert proc.stdin is not None
+    fd = proc.stdin.fileno()
+    view = memoryview(payload)
     try:
-        assert proc.stdin is not None
-        proc.stdin.write(payload)
-        proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass  # the handler need not read its input
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the handler's process group, then SIGKILL if it lingers."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_SECONDS), (signal.SIGKILL, KILL_GRACE_SECONDS)):
+        os.set_blocking(fd, False)
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        while view and not stop.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            try:
+                view = view[os.write(fd, view[:65536]):]
+            except BlockingIOError:
+                continue
+    except OSError:
+        pass  # the handler need not read its input (EPIPE)
+    finally:
         try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            proc.stdin.close()
+        except OSError:
+            pass
 
 
 class _Collector:
-    """Drains a pipe in a thread, keeping at most ``limit`` bytes (the head, or the tail)."""
+    """Drains a pipe in a thread, keeping at most ``limit`` bytes (the head, or the tail).
+
+    The thread polls, so :meth:`finish` can end it even while some process the attempt's kill
+    could not find still holds the pipe's write end open (no EOF would ever come)."""
 
     def __init__(self, pipe: Any, limit: int, *, keep_tail: bool) -> None:
         self.pipe, self.limit, self.keep_tail = pipe, limit, keep_tail
@@ -194,25 +311,50 @@ class _Collector:
         self.size = 0
         self.overflow = False
         self.on_overflow: Any = None
-        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True, name="handler-output")
 
     def _drain(self) -> None:
-        while True:
-            chunk = self.pipe.read1(65536) if hasattr(self.pipe, "read1") else self.pipe.read(65536)
-            if not chunk:
-                break
-            self.chunks.append(chunk)
-            self.size += len(chunk)
-            if self.size > self.limit:
-                if self.keep_tail:
-                    joined = b"".join(self.chunks)[-self.limit:]
-                    self.chunks, self.size = [joined], len(joined)
-                else:
-                    self.overflow = True
-                    if self.on_overflow:
-                        self.on_overflow()
+        try:
+            fd = self.pipe.fileno()
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            while True:
+                stopping = self.stop.is_set()
+                if not poller.poll(0 if stopping else POLL_MS):
+                    if stopping:
+                        break
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
                     break
-        self.pipe.close()
+                self.chunks.append(chunk)
+                self.size += len(chunk)
+                if self.size > self.limit:
+                    if self.keep_tail:
+                        joined = b"".join(self.chunks)[-self.limit:]
+                        self.chunks, self.size = [joined], len(joined)
+                    else:
+                        self.overflow = True
+                        if self.on_overflow:
+                            self.on_overflow()
+                        break
+                if stopping:
+                    break
+        except OSError:
+            pass
+        finally:
+            try:
+                self.pipe.close()
+            except OSError:
+                pass
+
+    def finish(self, wait: float) -> None:
+        """Join the thread: up to ``wait`` seconds for EOF, then cut the pipe off."""
+        self.thread.join(timeout=wait)
+        if self.thread.is_alive():
+            self.stop.set()
+            self.thread.join(timeout=wait + POLL_MS / 1000)
 
     def data(self) -> bytes:
         return b"".join(self.chunks)

@@ -20,7 +20,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from . import contracts, dialects, fsio
+from . import contracts, dialects, fsio, procs
 from .documents import book, book_int, record
 from .errors import DuplicateHandoff, InvalidDocument
 from .lifecycle import Engine
@@ -138,6 +138,7 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
             release_lock(lock)
         return
     engine.lease_watch.pop(handoff_id, None)
+    _kill_leftovers(engine, handoff_id, book_int(current, "attempt", 1))
     mine = store.trusted_revision(current, State.IN_PROGRESS, handoff_id, State.PENDING)
     newer = [s for s in (State.COMPLETED, State.FAILED, State.PENDING)
              if _revision_at(store, s, handoff_id) > mine
@@ -170,6 +171,15 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
                              retryable=True)
     engine.file(orphan, dialect, spec, outcome)
     report.recovered.append(handoff_id)
+
+
+def _kill_leftovers(engine: Engine, handoff_id: str, attempt: int) -> None:
+    """Before an abandoned claim is handed back, kill what its attempt left running on this host
+    (a background child, a grandchild that called setsid), so that the retry never overlaps it."""
+    try:
+        procs.kill_leftovers(engine.ws, handoff_id, attempt=attempt)
+    except OSError as exc:
+        log.warning("recovering %s: cannot check for leftover processes: %s", handoff_id, exc)
 
 
 def judge_lease(engine: Engine, handoff_id: str, held: dict[str, Any],

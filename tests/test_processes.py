@@ -1,0 +1,280 @@
+"""Processes of command specialists never outlive their attempt: background children holding
+stdout, grandchildren that call setsid, and the whole tree of a daemon killed with kill -9.
+
+Every test uses real processes and stops only processes it started (by pid)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from handoffd import Daemon, Engine, Registry, State, Workspace as HandoffdWorkspace
+from handoffd import new_native_request, procs
+from handoffd.config import load_config
+
+from conftest import Workspace
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+# One script, several behaviours (``input.data.mode``). Every pid it starts is noted in
+# artifacts/<id>.pids so that the test can check (and, if the fix fails, clean up) each one.
+SPEC = r'''
+import json, os, subprocess, sys, time
+
+def alive(pid):
+    """A live (non-zombie) process running this script or its sleeper, not a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX" and (b"spec.py" in cmdline or b"sleep(" in cmdline)
+
+def note(art, hid, name, text):
+    with open(os.path.join(art, f"{hid}.{name}"), "a") as f:
+        f.write(text + "\n")
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+if sys.argv[1:2] == ["worker"]:  # the long-running part of "work", in a session of its own
+    _, _, art, hid, attempt, direct = sys.argv
+    for line in open(os.path.join(art, f"{hid}.runs")).read().splitlines() \
+            if os.path.exists(os.path.join(art, f"{hid}.runs")) else []:
+        before = line.split()
+        for pid in before[1:]:
+            if alive(int(pid)):
+                note(art, hid, "overlaps", f"attempt {attempt} started while pid {pid} of attempt "
+                     f"{before[0]} was alive")
+    note(art, hid, "runs", f"{attempt} {os.getpid()} {direct}")
+    note(art, hid, "pids", str(os.getpid()))
+    time.sleep(30 if attempt == "1" else 0.1)
+    note(art, hid, "ends", f"{attempt} {os.getpid()}")
+    sys.exit(0)
+
+doc = json.load(sys.stdin)
+mode = doc["input"]["data"]["mode"]
+hid, attempt = os.environ["HANDOFF_ID"], os.environ["HANDOFF_ATTEMPT"]
+art = os.path.join(os.environ["HANDOFFD_ROOT"], "artifacts")
+os.makedirs(art, exist_ok=True)
+note(art, hid, "pids", str(os.getpid()))
+if mode == "bg":  # a background child that inherits stdout and stderr and keeps them open
+    child = subprocess.Popen(SLEEPER)
+    note(art, hid, "pids", str(child.pid))
+    print(json.dumps({"status": "completed", "output": {"bg": child.pid}}), flush=True)
+elif mode == "setsid":  # a grandchild leaves the process group, then the handler overruns
+    child = subprocess.Popen(SLEEPER, start_new_session=True)
+    note(art, hid, "pids", str(child.pid))
+    time.sleep(60)
+elif mode == "work":
+    worker = subprocess.Popen([sys.executable, __file__, "worker", art, hid, attempt,
+                               str(os.getpid())], start_new_session=True)
+    worker.wait()
+    print(json.dumps({"status": "completed", "output": {"attempt": attempt}}), flush=True)
+'''
+
+
+def config(spec: Path) -> str:
+    return f"""
+[daemon]
+settle_seconds = 0.2
+claim_grace_seconds = 1.0
+sweep_seconds = 0.5
+rescan_seconds = 1.0
+lease_seconds = 30.0
+grace_seconds = 5.0
+workers = 2
+
+[retry]
+max_retries = 2
+retry_delay_seconds = 0.2
+backoff_multiplier = 1.0
+
+[specialists."@procs"]
+command = ["{sys.executable}", "{spec}"]
+timeout_seconds = 20
+concurrency = 2
+
+[specialists."@short"]
+command = ["{sys.executable}", "{spec}"]
+timeout_seconds = 1
+retry = {{ max_retries = 0 }}
+"""
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` is a live process (a zombie has finished)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+def wait_until(predicate: Any, timeout: float = 15, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{what}: not met within {timeout}s")
+
+
+class Procs:
+    """The pids a workspace's specialist noted; whatever is still alive at teardown is killed
+    (only these pids: processes this test started)."""
+
+    def __init__(self, root: Path) -> None:
+        self.art = root / "artifacts"
+
+    def noted(self, handoff_id: str, name: str = "pids") -> list[str]:
+        path = self.art / f"{handoff_id}.{name}"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def pids(self, handoff_id: str) -> list[int]:
+        return [int(line) for line in self.noted(handoff_id)]
+
+    def all_pids(self) -> list[int]:
+        if not self.art.exists():
+            return []
+        return [int(line) for path in self.art.glob("*.pids") for line in path.read_text().split()]
+
+    def cleanup(self) -> None:
+        for pid in self.all_pids():
+            if alive(pid) and b"spec.py" in _cmdline(pid) or alive(pid) and b"sleep(" in _cmdline(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.fixture
+def pws(ws: Workspace, tmp_path: Path) -> Iterator[tuple[Workspace, Procs]]:
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC)
+    ws.write_config(config(spec))
+    tracker = Procs(ws.root)
+    try:
+        yield ws, tracker
+    finally:
+        ws.cleanup()  # the daemons first, so that nothing starts new specialists meanwhile
+        tracker.cleanup()
+
+
+def create(ws: Workspace, to: str, mode: str) -> str:
+    return ws.create("--from", "@test", "--to", to, "--data", json.dumps({"mode": mode}))
+
+
+def test_background_child_holding_stdout_is_killed_and_costs_nothing(pws: Any) -> None:
+    ws, tracker = pws
+    ids = [create(ws, "@procs", "bg") for _ in range(3)]
+    batch = ws.handoffd("run", timeout=60)
+    assert batch.returncode == 0, batch.stderr
+    for handoff_id in ids:
+        assert ws.state_of(handoff_id) == ["completed"]
+        doc = ws.doc(handoff_id)
+        pids = tracker.pids(handoff_id)
+        assert len(pids) == 2 and doc["output"]["bg"] == pids[1]
+        assert not [p for p in pids if alive(p)], "the background child outlived its attempt"
+        assert procs.read_record(ws.root, handoff_id) is None  # the record goes with the attempt
+
+
+def test_setsid_grandchild_is_killed_at_timeout(pws: Any) -> None:
+    ws, tracker = pws
+    handoff_id = create(ws, "@short", "setsid")
+    batch = ws.handoffd("run", timeout=60)
+    assert batch.returncode == 1, batch.stderr
+    assert ws.state_of(handoff_id) == ["failed"]
+    assert ws.doc(handoff_id)["error"]["code"] == "TIMEOUT"
+    pids = tracker.pids(handoff_id)
+    assert len(pids) == 2
+    # the grandchild left the process group; the run token in its environment gave it away
+    assert not [p for p in pids if alive(p)], "a process of the timed-out attempt survived"
+    assert procs.read_record(ws.root, handoff_id) is None
+
+
+def test_kill_9_daemon_leftovers_die_before_the_retry_starts(pws: Any) -> None:
+    """The daemon dies mid-run: its direct child dies with it (parent-death signal); the worker,
+    in a session of its own, is killed when the claim is recovered, before attempt 2 starts."""
+    ws, tracker = pws
+    first = ws.serve()
+    handoff_id = create(ws, "@procs", "work")
+    wait_until(lambda: tracker.noted(handoff_id, "runs"), what="attempt 1 started its worker")
+    attempt, worker, direct = (int(x) for x in tracker.noted(handoff_id, "runs")[0].split())
+    assert attempt == 1 and alive(worker) and alive(direct)
+    record = procs.read_record(ws.root, handoff_id)
+    assert record is not None and record.attempt == 1 and record.pgid == direct
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    wait_until(lambda: not alive(direct), timeout=10, what="the direct child died with its daemon")
+    assert alive(worker)  # nothing has recovered the claim yet: this is what must not overlap
+
+    second = ws.serve()
+    assert ws.wait_state(handoff_id, timeout=30) == "completed"
+    runs = tracker.noted(handoff_id, "runs")
+    assert [line.split()[0] for line in runs] == ["1", "2"]
+    assert tracker.noted(handoff_id, "overlaps") == []  # attempt 2 saw no live predecessor
+    assert tracker.noted(handoff_id, "ends") == [f"2 {runs[1].split()[1]}"]  # 1 never finished
+    assert not alive(worker)
+    wait_until(lambda: procs.read_record(ws.root, handoff_id) is None, timeout=10,
+               what="the attempt's record is removed")
+    assert ws.stop(second) == 0
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_in_process_daemon_fds_threads_and_processes_stay_flat(pws: Any) -> None:
+    ws, tracker = pws
+    root = ws.root
+    cfg = load_config(root / "handoffd.toml")
+    engine = Engine(HandoffdWorkspace(root), cfg, Registry.load(cfg, use_entry_points=False))
+    daemon = Daemon(engine, workers=2)
+    ready = threading.Event()
+    server = threading.Thread(target=daemon.serve, kwargs={"install_signals": False,
+                                                           "ready": ready.set})
+    server.start()
+
+    def submit_and_wait(count: int) -> list[str]:
+        ids = []
+        for _ in range(count):
+            doc = new_native_request(source="@test", target="@procs", data={"mode": "bg"},
+                                     now=engine.clock())
+            ids.append(engine.store.create(doc, doc["handoff_id"]))
+        for handoff_id in ids:
+            assert ws.wait_state(handoff_id, timeout=30) == "completed"
+        return ids
+
+    try:
+        assert ready.wait(10)
+        submit_and_wait(4)  # warm-up: the pool's worker threads exist from here on
+        time.sleep(0.3)
+        fds, threads = _fds(), threading.active_count()
+        ids = submit_and_wait(20)
+        wait_until(lambda: daemon.running == 0, what="the workers are idle")
+        time.sleep(0.3)
+        assert _fds() <= fds + 2, f"fds {fds} -> {_fds()}"
+        assert threading.active_count() <= threads + 1, f"threads {threads} -> {threading.active_count()}"
+        leftover = [p for handoff_id in ids for p in tracker.pids(handoff_id) if alive(p)]
+        assert leftover == [], "background children outlived their attempts"
+    finally:
+        daemon.stop()
+        server.join(timeout=30)
+    assert not server.is_alive()
+    assert engine.store.ids(State.IN_PROGRESS) == []
