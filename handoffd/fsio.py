@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 import uuid
 from pathlib import Path
@@ -117,6 +118,9 @@ def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result
         if exc.errno == errno.ELOOP:
             raise InvalidDocument(f"{path.name} is a symlink; documents must be regular files",
                                   code="NOT_A_REGULAR_FILE") from None
+        if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket, a device...
+            raise InvalidDocument(f"{path.name} is not a regular file ({os.strerror(exc.errno)})",
+                                  code="NOT_A_REGULAR_FILE") from None
         raise
     try:
         info = os.fstat(fd)
@@ -163,6 +167,12 @@ def parse_document(data: bytes, name: str) -> dict[str, Any]:
                               f"column {exc.colno})", code="MALFORMED_JSON") from None
     except RecursionError:
         raise InvalidDocument(f"{name} nests too deeply", code="MALFORMED_JSON") from None
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+        raise InvalidDocument(f"{name} is not usable JSON: {str(exc)[:120]}",
+                              code="MALFORMED_JSON") from None
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(doc):
+        raise InvalidDocument(f"{name} holds a \\u escape of a lone UTF-16 surrogate, which is not "
+                              "Unicode and cannot be written back as UTF-8", code="NOT_UTF8")
     if not isinstance(doc, dict):
         raise InvalidDocument(f"{name} holds a JSON {type(doc).__name__}, not an object",
                               code="NOT_AN_OBJECT")
@@ -190,6 +200,27 @@ def _finite_float(token: str) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise _NotFinite(token[:40])
     return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a surrogate gets into decoded text
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """True if a string (key or value) anywhere in ``value`` holds a surrogate code point: json
+    decodes ``"\\ud800"`` to one, and no UTF-8 encoder will write it back (iterative)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def nesting_depth(value: Any, limit: int) -> int:
