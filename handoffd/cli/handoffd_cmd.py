@@ -28,7 +28,11 @@ def _logging(verbose: bool) -> None:
 @app.command()
 @guarded(PROG)
 def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = False) -> None:
-    """Run in the foreground until SIGTERM/SIGINT; then finish or hand back work and exit 0."""
+    """Run in the foreground until SIGTERM/SIGINT; then finish or hand back work and exit 0.
+
+    Exits 1 if the main loop dies of an unexpected error (after logging it with a traceback
+    and handing in-flight work back), so that a supervisor restarts it.
+    """
     _logging(verbose)
     eng = engine(root, create=True)
     daemon = Daemon(eng, workers=workers)
@@ -36,7 +40,10 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
     code = daemon.serve(ready=lambda: print(f"{PROG}: serving {eng.ws.root} "
                                             f"({daemon.workers} workers)", file=sys.stderr, flush=True))
     print(f"{PROG}: stopped: {daemon.report.line()}", file=sys.stderr)
-    raise typer.Exit(code)
+    if daemon.report.error:
+        print(f"{PROG}: error: the main loop died ({daemon.report.error}); restart the daemon",
+              file=sys.stderr)
+    raise typer.Exit(code or (1 if daemon.report.error else 0))
 
 
 @app.command()
@@ -44,13 +51,16 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
 def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = False) -> None:
     """One batch for cron: recover, process everything due, wait for it, exit.
 
-    Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/.
+    Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/
+    or the main loop died of an unexpected error (logged with a traceback; work handed back).
     """
     _logging(verbose)
     eng = engine(root, create=True)
     report = Daemon(eng, workers=workers, watch=False).run_batch()
     print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
-    raise typer.Exit(1 if report.failed else 0)
+    if report.error:
+        print(f"{PROG}: error: the main loop died ({report.error})", file=sys.stderr)
+    raise typer.Exit(1 if report.failed or report.error else 0)
 
 
 @app.command()
