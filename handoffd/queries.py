@@ -154,14 +154,21 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
             continue
         except InvalidDocument as exc:
             if not conversation:
-                rows.append(_unreadable_row(st, handoff_id, f"{exc.code}: unreadable"))
+                rows.append(_unreadable_row(st, handoff_id, f"{exc.code}: unreadable: "
+                                            f"{str(exc)[:200]}"))
             continue
         except Exception as exc:  # a socket, a file we may not read...: a row, never a failure
             if not conversation:
                 problem = read_error(engine.store.path(st, handoff_id), exc)
                 rows.append(_unreadable_row(st, handoff_id, f"{problem.code}: {problem.message}"))
             continue
-        row = _row(engine, st, handoff_id, doc, mtime)
+        try:
+            row = _row(engine, st, handoff_id, doc, mtime)
+        except Exception as exc:  # one document a reader chokes on is a row, never a failure
+            if not conversation:
+                problem = read_error(engine.store.path(st, handoff_id), exc)
+                rows.append(_unreadable_row(st, handoff_id, f"{problem.code}: {problem.message}"))
+            continue
         if (to and row["to"] != to) or (source and row["from"] != source) \
                 or (conversation and row["conversation"] != conversation):
             continue
