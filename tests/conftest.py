@@ -13,6 +13,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from handoffd.workspace import Workspace as HandoffdWorkspace
+
 REPO = Path(__file__).resolve().parent.parent
 SPECIALISTS = REPO / "specialists"
 BIN = Path(sys.executable).parent
@@ -75,8 +77,13 @@ class Workspace:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.daemons.append(proc)
         assert proc.stderr is not None
-        line = proc.stderr.readline()
-        assert "serving" in line, line
+        seen = []
+        for _ in range(50):  # the start-up sweep may log before the "serving" line
+            line = proc.stderr.readline()
+            seen.append(line)
+            if "serving" in line or not line:
+                break
+        assert "serving" in seen[-1], "".join(seen)
         return proc
 
     def stop(self, proc: subprocess.Popen[str], sig: int = signal.SIGTERM, timeout: float = 30) -> int:
@@ -123,6 +130,16 @@ class Workspace:
             time.sleep(0.02)
         raise AssertionError(f"{handoff_id} not in {states} after {timeout}s: {self.state_of(handoff_id)}")
 
+    def wait_started(self, handoff_id: str, timeout: float = 30) -> None:
+        """Wait (bounded) until the flaky specialist has started on ``handoff_id``: in-progress/
+        alone is not enough, the claim rename comes before admission and the handler's start."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(r["id"] == handoff_id for r in self.runs()):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"the specialist never started on {handoff_id}")
+
     def runs(self) -> list[dict[str, Any]]:
         """Executions recorded by the flaky specialist."""
         path = self.root / "artifacts" / "flaky-runs.jsonl"
@@ -147,6 +164,6 @@ def ws(tmp_path: Path) -> Iterator[Workspace]:
     root.mkdir()
     workspace = Workspace(root)
     workspace.write_config(FLAKY_TOML)
-    subprocess.run([exe("handoffd"), "sweep", "--root", str(root)], capture_output=True, timeout=60)
+    HandoffdWorkspace(root).ensure()  # the folders, made in-process (a sweep process costs ~0.4 s)
     yield workspace
     workspace.cleanup()

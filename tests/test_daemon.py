@@ -176,7 +176,7 @@ def test_run_batch_processes_everything_due(ws: Workspace) -> None:
 def test_sigterm_lets_inflight_work_finish(ws: Workspace) -> None:
     daemon = ws.serve()
     hid = ws.create("--to", "@flaky", "--data", '{"mode": "sleep", "seconds": 1}')
-    ws.wait_state(hid, ("in-progress",))
+    ws.wait_started(hid)
     assert ws.stop(daemon) == 0
     assert ws.state_of(hid) == ["completed"]
 
@@ -184,8 +184,7 @@ def test_sigterm_lets_inflight_work_finish(ws: Workspace) -> None:
 def test_second_sigterm_hands_work_back(ws: Workspace) -> None:
     daemon = ws.serve()
     hid = ws.create("--to", "@flaky", "--data", '{"mode": "sleep", "seconds": 60}')
-    ws.wait_state(hid, ("in-progress",))
-    time.sleep(0.2)  # let the handler start
+    ws.wait_started(hid)
     daemon.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     started = time.monotonic()
