@@ -18,6 +18,16 @@
   its ``metadata``), computed from the bytes on disk (referenced) or the inline text.
 
 No artifact is ever written or recorded outside the workspace: paths are resolved and checked.
+
+**References** a handler reports (``path`` / ``artifact_path`` / ``content_ref``) are confined by
+:func:`confine_reference`: a plain path must resolve inside the workspace; ``beads:KEY`` must be a
+safe context key (no ``..``, no leading ``/``, no empty segments: see context_store) and resolve
+inside ``context/``; any other scheme-qualified reference (``file:``, ``artifact:``, ...) is a
+workspace-relative path: no ``..`` segment, nothing absolute (``/``, ``\\``, ``~``, a drive
+letter), also after %-decoding, and it must resolve inside the workspace (symlinks included). Only
+a URL with a host (``https://host/...``, not ``file://``) is an external reference; it is recorded,
+never read, and may not contain ``..`` segments either. Anything else fails the attempt with
+``VALIDATION_FAILED``.
 """
 from __future__ import annotations
 
@@ -25,6 +35,8 @@ import hashlib
 import json
 import re
 import time
+import unicodedata
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +52,81 @@ INLINE_LIMIT = 1024
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 SAFE_PART = re.compile(r"[^A-Za-z0-9._-]+")
 KNOWN = ("timestamp", "handoff_id", "id", "attempt", "agent", "date")
+
+
+SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)
+URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/\\?#\s]+)(.*)", re.DOTALL)
+DRIVE = re.compile(r"[A-Za-z]:")
+
+
+def _traverses(text: str) -> bool:
+    """True when ``text`` (or its %-decoding, or its NFKC form) has a ``..`` segment, is
+    absolute, or holds a control character."""
+    forms = {text}
+    decoded = text
+    for _ in range(3):  # %252e%252e -> %2e%2e -> ..
+        decoded = urllib.parse.unquote(decoded)
+        forms.add(decoded)
+    forms |= {unicodedata.normalize("NFKC", f) for f in list(forms)}
+    for form in forms:
+        if any(ord(c) < 32 or ord(c) == 127 for c in form):
+            return True
+        stripped = form.strip()
+        if stripped.startswith(("/", "\\", "~")) or DRIVE.match(stripped):
+            return True
+        if any(part.strip() == ".." for part in re.split(r"[/\\]", form)):
+            return True
+    return False
+
+
+def confine_reference(ws: Workspace, ref: str, *, handoff_id: str | None = None) -> Path | None:
+    """The workspace file an artifact reference names (None for an external URL, which is never
+    read); InvalidDocument (VALIDATION_FAILED) when the reference could reach outside the
+    workspace. See the module docstring for the rules."""
+    def refuse(why: str) -> InvalidDocument:
+        prefix = f"handoff {handoff_id}: " if handoff_id else ""
+        return InvalidDocument(f"{prefix}artifact reference {ref!r} {why}", handoff_id=handoff_id,
+                               code="VALIDATION_FAILED")
+
+    if not isinstance(ref, str) or not ref.strip():
+        raise refuse("is empty")
+    if "\x00" in ref:
+        raise refuse("contains a NUL byte")
+    url = URL.fullmatch(ref)
+    if url and url.group(1).lower() != "file":
+        if _traverses(url.group(3).lstrip("/")):
+            raise refuse("has a '..' segment or a control character")
+        return None
+    scheme = SCHEME.fullmatch(ref)
+    if scheme and len(scheme.group(1)) > 1:  # one letter: a Windows drive, refused below
+        name, rest = scheme.group(1).lower(), scheme.group(2)
+        if name == "beads":
+            from .context_store import normalise_key  # context_store imports nothing from here
+
+            if _traverses(rest):
+                raise refuse("escapes context/ (no '..', no absolute path)")
+            try:
+                key = normalise_key(ref)
+            except InvalidDocument:
+                raise refuse("is not a safe context key (segments of letters, digits and ._@+=- "
+                              "separated by '/')") from None
+            target = ws.inside(f"context/{key}.json")
+            context_root = ws.context.resolve()
+            if target is None or context_root not in target.parents:
+                raise refuse("resolves outside context/ of the workspace")
+            return target
+        if _traverses(rest):
+            raise refuse("escapes the workspace (no '..', no absolute path)")
+        target = ws.inside(urllib.parse.unquote(rest))
+        if target is None:
+            raise refuse("resolves outside the workspace")
+        return target
+    if DRIVE.match(ref) or "\x00" in ref:
+        raise refuse("is an absolute path outside the workspace")
+    target = ws.inside(ref)
+    if target is None:
+        raise refuse("points outside the workspace")
+    return target
 
 
 def _safe(text: str) -> str:
@@ -129,11 +216,12 @@ def _write(ws: Workspace, rel: str, data: bytes) -> None:
 
 
 def _file_facts(ws: Workspace, ref: str) -> dict[str, Any] | None:
-    """size/sha256 of a workspace file named by ``ref`` (a path or a ``beads:`` context key)."""
-    rel = ref
-    if ref.startswith("beads:"):
-        rel = f"context/{ref[len('beads:'):].removesuffix('.json')}.json"
-    target = ws.inside(rel)
+    """size/sha256 of a workspace file named by ``ref`` (a path or a scheme-qualified reference
+    such as a ``beads:`` context key); None when it names no file or is not confined."""
+    try:
+        target = confine_reference(ws, ref)
+    except InvalidDocument:
+        return None
     if target is None or not target.is_file():
         return None
     h = hashlib.sha256()
@@ -229,6 +317,7 @@ def _collect(job: "Job", outcome: Outcome) -> Outcome:
     if isinstance(outcome.output, dict) and isinstance(outcome.output.get("artifact_path"), str) \
             and outcome.output["artifact_path"] not in used_names:
         ref = outcome.output["artifact_path"]
+        confine_reference(ws, ref, handoff_id=handoff_id)
         facts = _file_facts(ws, ref)
         if facts:
             records.insert(0, _record(str(outcome.output.get("artifact_type") or kind_default),
@@ -269,9 +358,7 @@ def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str]) 
                        metadata=metadata, extra=extra)
     ref = item.get("path") or item.get("artifact_path") or item.get("content_ref")
     if isinstance(ref, str) and ref:
-        if not ref.startswith("beads:") and ws.inside(ref) is None:
-            raise InvalidDocument(f"handoff {handoff_id}: artifact path {ref!r} points outside the "
-                                  "workspace", handoff_id=handoff_id, code="VALIDATION_FAILED")
+        confine_reference(ws, ref, handoff_id=handoff_id)
         used.add(ref)
         return _record(kind, name=name or Path(ref).name, ref=ref, inline=None,
                        facts=_file_facts(ws, ref), metadata=metadata, extra=extra)

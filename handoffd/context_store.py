@@ -27,8 +27,25 @@ A writer entry matches an agent id, the agent's tier (from ``[tiers]``, or the a
 when it is a tier name, as hi_moe routes by tier), or ``*``. Keys outside every configured
 namespace are open to all writers unless ``[namespaces."*"] writers = [...]`` sets a default.
 
+Namespaces are compared case-insensitively (``TASK/x`` is in ``task/``), and a key is only ever
+a plain relative name: ``/task/x``, ``./task/x``, ``task//x``, `` task/x`` with inner whitespace,
+non-ASCII look-alikes and line breaks are refused, and a write that would go through a symlink
+(``context/alias -> task``) is refused, so no spelling reaches a protected namespace's files.
+``[namespaces]`` / ``[tiers]`` come from :func:`handoffd.config.load_config` (validated once, at
+daemon start; a bad table is a ConfigError, exit 2).
+
 Writes are atomic (temp file + rename in the same folder) and serialised per key with a file lock;
-every write is appended to ``context/.history.jsonl`` with who, when, the key, its size and sha256.
+every write is appended to ``context/.history.jsonl`` with who, when, the key, its size, sha256 and
+the new revision.
+
+**Revisions.** The value file stays the plain JSON value (seed 001 tools read and write it
+directly). Each key's revision is kept beside it in ``context/.meta/rev-<hash>.json`` as
+``{"key", "revision", "sha256"}``: 0 while the key is unset, 1 for a value written before
+revisions existed (or by a foreign tool, with no record), and +1 for every write. The record
+describes the bytes it was written with, so a value changed behind handoffd's back (its sha256
+differs) counts as one revision more than the record. Compare-and-set: ``set(...,
+if_revision=N)`` writes only if the key is still at revision N (``ContextConflict`` otherwise; N = 0
+means "only if unset"); ``update(key, func)`` is an atomic read-modify-write under the key's lock.
 """
 from __future__ import annotations
 
@@ -36,10 +53,9 @@ import hashlib
 import json
 import os
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from filelock import FileLock
 
@@ -57,11 +73,28 @@ DEFAULT_NAMESPACES: dict[str, list[str]] = {
     "system": ["PROGRESS_MONITOR"],
     "history": ["PROGRESS_MONITOR"],
 }
-SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]{0,127}$")
+SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+=-]{0,127}", re.ASCII)  # used with fullmatch
 MAX_KEY = 512
 MAX_VALUE_BYTES = 4 * 1024 * 1024
 HISTORY = ".history.jsonl"
 LOCK_TIMEOUT_SECONDS = 30.0
+#: internal: "the key is unset" while a write computes its value
+MISSING: Any = object()
+
+
+class ContextConflict(HandoffdError):
+    """A compare-and-set write found the key at another revision than the caller expected."""
+
+    exit_code = 1
+
+    def __init__(self, key: str, expected: int, actual: int) -> None:
+        super().__init__(
+            f"conflict: context key {key!r} is at revision {actual}, not {expected}; nothing was "
+            "written (read it again with `handoff context get --with-revision` and retry)")
+        self.code = "CONTEXT_CONFLICT"
+        self.key = key
+        self.expected = expected
+        self.actual = actual
 
 
 class ContextPermissionError(HandlerError):
@@ -85,7 +118,8 @@ def normalise_key(key: object) -> str:
         text = text[:-5]
     parts = text.split("/")
     if (not text or len(text) > MAX_KEY or text.startswith("/") or "\\" in text
-            or any(p in ("", ".", "..") or not SEGMENT.match(p) or p.endswith(".tmp") for p in parts)):
+            or any(p in ("", ".", "..") or not SEGMENT.fullmatch(p) or p.endswith(".tmp")
+                   for p in parts)):
         raise InvalidDocument(
             f"context key {key!r} is not a safe relative name: use segments of letters, digits and "
             "._@+=- separated by '/', e.g. task/current-objective (no '..', no leading '/')",
@@ -103,34 +137,30 @@ class Permissions:
 
     @classmethod
     def load(cls, ws: Workspace) -> "Permissions":
-        """Defaults overlaid with ``[namespaces]`` and ``[tiers]`` of the workspace's handoffd.toml."""
-        try:
-            table = tomllib.loads(ws.config_path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            table = {}
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise HandoffdError(f"{ws.config_path}: {exc}") from None
-        raw_namespaces = table.get("namespaces") or {}
-        raw_tiers = table.get("tiers") or {}
+        """Defaults overlaid with ``[namespaces]`` and ``[tiers]`` of the workspace's handoffd.toml,
+        as validated by :func:`handoffd.config.load_config` (ConfigError, exit 2, when bad)."""
+        return cls.from_config(ws.load_config())
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Permissions":
+        """From a parsed :class:`handoffd.config.Config` (its names are already lower case)."""
         namespaces = {k: list(v) for k, v in DEFAULT_NAMESPACES.items()}
         default: list[str] | None = None
-        for name, spec in (raw_namespaces or {}).items():
-            writers = spec.get("writers") if isinstance(spec, dict) else spec
-            if not isinstance(writers, list) or not all(isinstance(w, str) for w in writers):
-                raise HandoffdError(f"handoffd.toml: [namespaces.\"{name}\"] writers must be a list "
-                                    "of agent ids or tier names")
+        for name, writers in (config.namespaces or {}).items():
             if name == "*":
                 default = list(writers)
             else:
-                namespaces[str(name).strip("/")] = list(writers)
-        tiers = {str(k): str(v) for k, v in (raw_tiers or {}).items() if isinstance(v, (str, int))}
-        return cls(namespaces, tiers, default)
+                namespaces[_fold(name)] = list(writers)
+        return cls(namespaces, dict(config.tiers or {}), default)
 
     def namespace_of(self, key: str) -> str | None:
-        """The configured namespace a key falls in (longest matching prefix), or None."""
+        """The configured namespace a key falls in (longest matching prefix, compared
+        case-insensitively: ``TASK/x`` is in ``task/``), or None."""
         best = None
+        key = _fold(key)
         for name in self.namespaces:
-            if key == name or key.startswith(name + "/"):
+            folded = _fold(name)
+            if key == folded or key.startswith(folded + "/"):
                 if best is None or len(name) > len(best):
                     best = name
         return best
@@ -157,6 +187,8 @@ class Permissions:
         writers = self.writers_for(key)
         if writers is None or "*" in writers:
             return True
+        if not isinstance(agent, str) or not agent.strip():
+            return False
         tier = self.tier_of(agent)
         return agent in writers or (tier is not None and tier in writers)
 
@@ -197,6 +229,19 @@ class ContextStore:
                                   code="INVALID_CONTEXT_KEY")
         return path
 
+    def _write_path(self, key: str) -> Path:
+        """``path(key)`` for a write: also refused when a symlink inside ``context/`` would send
+        it to another key's file (``context/alias -> task`` must not let ``alias/x`` write
+        ``task/x`` past the namespace check)."""
+        path = self.path(key)
+        base = self.root.resolve()
+        resolved = path.resolve()
+        rel = resolved.relative_to(base).as_posix()
+        if rel.casefold() != f"{key}.json".casefold():
+            raise InvalidDocument(f"context key {key!r} resolves to context/{rel} through a symlink; "
+                                  "refused", code="INVALID_CONTEXT_KEY")
+        return path
+
     def _meta(self, name: str) -> Path:
         folder = self.root / ".meta"
         folder.mkdir(parents=True, exist_ok=True)
@@ -210,11 +255,55 @@ class ContextStore:
             data, _ = fsio.read_bytes_safely(path, MAX_VALUE_BYTES)
         except FileNotFoundError:
             raise KeyError(normalise_key(key)) from None
+        return self._decode(normalise_key(key), data)
+
+    def _rev_record(self, key: str) -> dict[str, Any] | None:
+        try:
+            data = (self.root / ".meta" / _rev_name(key)).read_bytes()
+            record = json.loads(data.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        if (isinstance(record, dict) and record.get("key") == key
+                and isinstance(record.get("revision"), int) and not isinstance(record["revision"], bool)
+                and record["revision"] >= 0 and isinstance(record.get("sha256"), str)):
+            return record
+        return None
+
+    def _read_current(self, key: str) -> tuple[bytes | None, int]:
+        """(the value's bytes or None when unset, its revision). The revision record is read
+        first: if a write lands in between, the bytes no longer match it and the result is one
+        more than the record, which is never older than the bytes (a stale pair can only cause a
+        spurious conflict, never a lost update)."""
+        record = self._rev_record(key)
+        try:
+            data, _ = fsio.read_bytes_safely(self.path(key), MAX_VALUE_BYTES)
+        except FileNotFoundError:
+            return None, 0
+        if record is None:
+            return data, 1  # written before revisions existed, or by a foreign tool
+        if hashlib.sha256(data).hexdigest() == record["sha256"]:
+            return data, max(int(record["revision"]), 1)
+        return data, int(record["revision"]) + 1  # changed behind the record's back
+
+    def _decode(self, key: str, data: bytes) -> Any:
         try:
             return json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
-            raise InvalidDocument(f"context/{normalise_key(key)}.json is not valid JSON",
+            raise InvalidDocument(f"context/{key}.json is not valid JSON",
                                   code="MALFORMED_JSON") from None
+
+    def get_with_revision(self, key: str) -> tuple[Any, int]:
+        """(value, revision) of ``key``, read consistently; KeyError if it is not set. Pass the
+        revision to ``set(..., if_revision=)`` for a compare-and-set."""
+        key = normalise_key(key)
+        data, revision = self._read_current(key)
+        if data is None:
+            raise KeyError(key)
+        return self._decode(key, data), revision
+
+    def revision(self, key: str) -> int:
+        """The revision of ``key`` (0 when it is not set)."""
+        return self._read_current(normalise_key(key))[1]
 
     def keys(self, prefix: str = "") -> list[str]:
         """Every key (sorted), optionally only those starting with ``prefix``."""
@@ -266,41 +355,75 @@ class ContextStore:
             info = last.get(key, {})
             rows.append({"key": key, "bytes": size, "namespace": self.permissions.namespace_of(key),
                          "written_by": info.get("by"), "written_at": info.get("at"),
-                         "sha256": info.get("sha256")})
+                         "sha256": info.get("sha256"), "revision": self.revision(key)})
         return rows
 
     # ------------------------------------------------------------ writing
-    def set(self, key: str, value: Any, *, agent: str, handoff_id: str | None = None) -> dict[str, Any]:
-        """Write ``value`` (any JSON value) as ``agent``; returns the history record.
+    def set(self, key: str, value: Any, *, agent: str, handoff_id: str | None = None,
+            if_revision: int | None = None) -> dict[str, Any]:
+        """Write ``value`` (any JSON value) as ``agent``; returns the history record (with the new
+        ``revision``).
 
-        ContextPermissionError when ``agent`` may not write that namespace."""
+        ``if_revision=N``: write only if the key is still at revision N (0: only if unset), else
+        raise ContextConflict and write nothing. ContextPermissionError when ``agent`` may not
+        write that namespace."""
+        if if_revision is not None and (not isinstance(if_revision, int) or isinstance(if_revision, bool)
+                                        or if_revision < 0):
+            raise InvalidDocument(f"if_revision must be a revision number >= 0, not {if_revision!r}",
+                                  code="INVALID_CONTEXT_REVISION")
+
+        def check(_current: Any, revision: int) -> Any:
+            if if_revision is not None and revision != if_revision:
+                raise ContextConflict(key, if_revision, revision)
+            return value
+
         key = normalise_key(key)
+        return self._write(key, check, agent=agent, handoff_id=handoff_id, decode=False)
+
+    def update(self, key: str, func: Callable[[Any], Any], *, agent: str,
+               handoff_id: str | None = None, default: Any = None) -> dict[str, Any]:
+        """Atomic read-modify-write: under the key's lock, write ``func(current value)`` and bump
+        the revision; returns the history record (``value`` holds the new value). ``func`` gets
+        ``default`` when the key is unset (None unless given) and must be quick:
+        it runs while every other writer of that key waits. An exception from ``func`` writes
+        nothing and propagates."""
+        key = normalise_key(key)
+        entry = self._write(key, lambda current, _rev: func(default if current is MISSING else current),
+                            agent=agent, handoff_id=handoff_id, decode=True)
+        return entry
+
+    def _write(self, key: str, compute: Callable[[Any, int], Any], *, agent: str,
+               handoff_id: str | None, decode: bool) -> dict[str, Any]:
+        """The one write path: permission check, then under the key's lock read the current
+        value and revision, ``compute(current, revision)`` the new value, write it and its
+        revision record, append to the history."""
         self.permissions.check(agent, key)
-        try:
-            data = (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-        except (TypeError, ValueError) as exc:
-            raise InvalidDocument(f"context value for {key!r} is not JSON-serialisable: {exc}",
-                                  code="INVALID_CONTEXT_VALUE") from None
-        if len(data) > MAX_VALUE_BYTES:
-            raise InvalidDocument(f"context value for {key!r} is {len(data)} bytes, over the "
-                                  f"{MAX_VALUE_BYTES}-byte limit", code="INVALID_CONTEXT_VALUE")
-        path = self.path(key)
+        path = self._write_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.root / ".tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256(data).hexdigest()
-        now = utc_now()
-        entry: dict[str, Any] = {"at": iso(now), "key": key, "by": agent, "bytes": len(data),
-                                 "sha256": digest, "actor": actor()}
-        if handoff_id:
-            entry["handoff_id"] = handoff_id
         with FileLock(str(self._meta(_lock_name(key))), timeout=LOCK_TIMEOUT_SECONDS):
-            try:
-                entry["previous_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
-            except FileNotFoundError:
-                entry["previous_sha256"] = None
+            old, revision = self._read_current(key)
+            current: Any = MISSING
+            if decode and old is not None:
+                current = self._decode(key, old)
+            value = compute(current, revision)
+            data = _encode(key, value)
+            digest = hashlib.sha256(data).hexdigest()
+            entry: dict[str, Any] = {"at": iso(utc_now()), "key": key, "by": agent,
+                                     "bytes": len(data), "sha256": digest, "actor": actor(),
+                                     "revision": revision + 1,
+                                     "previous_sha256": hashlib.sha256(old).hexdigest() if old is not None else None}
+            if handoff_id:
+                entry["handoff_id"] = handoff_id
+            record = (json.dumps({"key": key, "revision": revision + 1, "sha256": digest}) + "\n").encode()
+            # the value first, then its record: a crash in between leaves bytes that do not match
+            # the record, which reads as record + 1, the revision this write was giving them
             fsio.replace(path, data, tmp, durable=self.durable)
+            fsio.replace(self._meta(_rev_name(key)), record, tmp, durable=self.durable)
             self._append_history(entry)
+        if decode:
+            entry = dict(entry, value=value)
         return entry
 
     def _append_history(self, entry: dict[str, Any]) -> None:
@@ -323,6 +446,28 @@ def _lock_name(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".lock"
 
 
+def _encode(key: str, value: Any) -> bytes:
+    try:
+        data = (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidDocument(f"context value for {key!r} is not JSON-serialisable: {exc}",
+                              code="INVALID_CONTEXT_VALUE") from None
+    if len(data) > MAX_VALUE_BYTES:
+        raise InvalidDocument(f"context value for {key!r} is {len(data)} bytes, over the "
+                              f"{MAX_VALUE_BYTES}-byte limit", code="INVALID_CONTEXT_VALUE")
+    return data
+
+
+def _rev_name(key: str) -> str:
+    return "rev-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".json"
+
+
+def _fold(name: str) -> str:
+    """A namespace or key as namespaces compare it: no outer whitespace or slashes, case-folded."""
+    return str(name).strip().strip("/").casefold()
+
+
+
 class ContextView:
     """Shared context bound to one agent: reads anything, writes only where it may.
 
@@ -339,8 +484,65 @@ class ContextView:
         except KeyError:
             return default
 
-    def set(self, key: str, value: Any) -> dict[str, Any]:
-        return self.store.set(key, value, agent=self.agent, handoff_id=self.handoff_id)
+    def set(self, key: str, value: Any, *, if_revision: int | None = None) -> dict[str, Any]:
+        return self.store.set(key, value, agent=self.agent, handoff_id=self.handoff_id,
+                              if_revision=if_revision)
+
+    def update(self, key: str, func: Callable[[Any], Any], *, default: Any = None) -> dict[str, Any]:
+        """Atomic read-modify-write (see ContextStore.update)."""
+        return self.store.update(key, func, agent=self.agent, handoff_id=self.handoff_id,
+                                 default=default)
+
+    def get_with_revision(self, key: str) -> tuple[Any, int]:
+        return self.store.get_with_revision(key)
+
+    def _rev_record(self, key: str) -> dict[str, Any] | None:
+        try:
+            data = (self.root / ".meta" / _rev_name(key)).read_bytes()
+            record = json.loads(data.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        if (isinstance(record, dict) and record.get("key") == key
+                and isinstance(record.get("revision"), int) and not isinstance(record["revision"], bool)
+                and record["revision"] >= 0 and isinstance(record.get("sha256"), str)):
+            return record
+        return None
+
+    def _read_current(self, key: str) -> tuple[bytes | None, int]:
+        """(the value's bytes or None when unset, its revision). The revision record is read
+        first: if a write lands in between, the bytes no longer match it and the result is one
+        more than the record, which is never older than the bytes (a stale pair can only cause a
+        spurious conflict, never a lost update)."""
+        record = self._rev_record(key)
+        try:
+            data, _ = fsio.read_bytes_safely(self.path(key), MAX_VALUE_BYTES)
+        except FileNotFoundError:
+            return None, 0
+        if record is None:
+            return data, 1  # written before revisions existed, or by a foreign tool
+        if hashlib.sha256(data).hexdigest() == record["sha256"]:
+            return data, max(int(record["revision"]), 1)
+        return data, int(record["revision"]) + 1  # changed behind the record's back
+
+    def _decode(self, key: str, data: bytes) -> Any:
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise InvalidDocument(f"context/{key}.json is not valid JSON",
+                                  code="MALFORMED_JSON") from None
+
+    def get_with_revision(self, key: str) -> tuple[Any, int]:
+        """(value, revision) of ``key``, read consistently; KeyError if it is not set. Pass the
+        revision to ``set(..., if_revision=)`` for a compare-and-set."""
+        key = normalise_key(key)
+        data, revision = self._read_current(key)
+        if data is None:
+            raise KeyError(key)
+        return self._decode(key, data), revision
+
+    def revision(self, key: str) -> int:
+        """The revision of ``key`` (0 when it is not set)."""
+        return self._read_current(normalise_key(key))[1]
 
     def keys(self, prefix: str = "") -> list[str]:
         return self.store.keys(prefix)

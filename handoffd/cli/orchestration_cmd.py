@@ -124,37 +124,55 @@ def answer(
 
 # ---------------------------------------------------------------- context
 def _store(root: Path | None) -> Any:
-    from ..context_store import ContextStore
+    from ..context_store import ContextStore, Permissions
 
-    eng = engine(root)
-    return ContextStore(eng.ws, durable=eng.settings.durable)
+    eng = engine(root)  # its config is validated once (a bad [namespaces] table: exit 2)
+    return ContextStore(eng.ws, Permissions.from_config(eng.config), durable=eng.settings.durable)
 
 
 def context_get(
     key: Annotated[str, typer.Argument(help="e.g. task/current-objective or project-context")],
+    with_revision: Annotated[bool, typer.Option("--with-revision", help="Print {\"key\", \"revision\", \"value\"} instead of the bare value (for `set --if-revision`).")] = False,
     root: RootOption = None,
 ) -> None:
     """Print a context value as JSON (exit 3 if the key is not set)."""
     store = _store(root)
     try:
-        value = store.get(key)
+        value, revision = store.get_with_revision(key)
     except KeyError:
         raise NotFound(f"context key {key!r} is not set; `handoff context ls` lists the keys") from None
+    if with_revision:
+        from ..context_store import normalise_key
+
+        print_json({"key": normalise_key(key), "revision": revision, "value": value})
+        return
     print_json(value)
 
 
 def context_set(
     key: Annotated[str, typer.Argument(help="e.g. execution/outputs/hoff-1")],
+    value: Annotated[Optional[str], typer.Argument(help="The value as JSON (or use --data / --input).", show_default=False)] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="The value as JSON.")] = None,
     input_file: Annotated[Optional[str], typer.Option("--input", help="Read the value JSON from FILE or -.")] = None,
+    if_revision: Annotated[Optional[int], typer.Option("--if-revision", min=0, help="Compare-and-set: write only if the key is still at revision N (0: only if it is unset); otherwise print a 'conflict:' line and exit 1 without writing.")] = None,
     as_agent: Annotated[Optional[str], typer.Option("--as", help="Write as this agent or tier (default $HANDOFF_TARGET or @cli).")] = None,
     root: RootOption = None,
 ) -> None:
-    """Write a context value atomically, if the agent may write that namespace."""
+    """Write a context value atomically, if the agent may write that namespace.
+
+    Every key has a revision: 0 while unset, +1 per write (`handoff context get KEY --with-revision` shows it). With --if-revision N the value is written only if the key is still at revision N (compare-and-set; N = 0: only if unset).
+
+    Exit codes: 0 written; 1 conflict (nothing written; stderr reads "handoff: error: conflict: ...": read the key again and retry) or permission denied; 2 usage error.
+    """
+    if value is not None:
+        if data is not None or input_file is not None:
+            raise UsageError("give the value once: as the VALUE argument, --data or --input")
+        data = value
     store = _store(root)
     entry = store.set(key, _data(data, input_file), agent=_agent(as_agent),
-                      handoff_id=os.environ.get("HANDOFF_ID"))
-    print(f"{entry['key']}: written by {entry['by']} ({entry['bytes']} bytes, sha256 {entry['sha256'][:12]})")
+                      handoff_id=os.environ.get("HANDOFF_ID"), if_revision=if_revision)
+    print(f"{entry['key']}: written by {entry['by']} (revision {entry['revision']}, "
+          f"{entry['bytes']} bytes, sha256 {entry['sha256'][:12]})")
 
 
 def context_ls(
