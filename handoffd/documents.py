@@ -158,7 +158,7 @@ class Envelope:
 
 @dataclass
 class Outcome:
-    """A handler's result as the daemon files it (see the README's command protocol).
+    """A handler's result as the daemon files it (see docs/specialists.md, the command protocol).
 
     ``status`` is one of completed, partial, failed, blocked, needs_clarification, timeout,
     cancelled; ``error`` holds ``code``, ``message`` and optionally ``retryable``, ``errors``.

@@ -1,6 +1,6 @@
 """Running one handler attempt: command specialists as child processes, Python ones in a thread.
 
-Both return the raw result object of the README's specialist protocol or raise HandlerError
+Both return the raw result object of the specialist protocol (docs/specialists.md) or raise HandlerError
 (``PROCESSING_ERROR``, ``TIMEOUT``, ``CANCELLED``). A child runs in its own process group with an
 argument list (never a shell) and a run token in its environment (see procs.py); on timeout or
 cancellation the group and every token carrier get SIGTERM, then SIGKILL. When an attempt ends,

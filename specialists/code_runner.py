@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """@code-runner: run a Python function against test cases and report per-case results.
 
-A handoffd command specialist (README, "Specialists"). It reads the handoff document as JSON on
+A handoffd command specialist (docs/specialists.md). It reads the handoff document as JSON on
 stdin and prints one result object on stdout. ``input.data`` looks like::
 
     {"language": "python", "source": "def binary_search(nums, target): ...",

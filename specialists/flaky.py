@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """@flaky: a test specialist that misbehaves on request.
 
-A handoffd command specialist (README, "Specialists") whose behaviour is chosen by the handoff's
+A handoffd command specialist (docs/specialists.md) whose behaviour is chosen by the handoff's
 ``input.data``: ``{"mode": ..., "seconds": N, "message": "..."}``.
 
 =============  ====================================================================================

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """@react-specialist: generate React components from seed 001's ``component_requirements``.
 
-A handoffd command specialist (README, "Specialists"): the handoff document arrives as JSON on
+A handoffd command specialist (docs/specialists.md): the handoff document arrives as JSON on
 stdin, the result object leaves as one JSON line on stdout. For each requirement it writes the source
 of a React component (TypeScript when ``code_quality.typescript_enabled``): a typed props interface,
 one ``useState`` per ``state_needs`` entry and an axios call per ``api_integration`` entry. All
