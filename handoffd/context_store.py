@@ -308,7 +308,7 @@ class ContextStore:
     def keys(self, prefix: str = "") -> list[str]:
         """Every key (sorted), optionally only those starting with ``prefix``."""
         prefix = prefix.strip().removeprefix("beads:")
-        out = []
+        out: list[str] = []
         if not self.root.is_dir():
             return out
         for dirpath, dirnames, filenames in os.walk(self.root):
@@ -471,7 +471,8 @@ def _fold(name: str) -> str:
 class ContextView:
     """Shared context bound to one agent: reads anything, writes only where it may.
 
-    ``get(key, default=None)``, ``set(key, value)``, ``keys(prefix="")``, ``may_write(key)``."""
+    ``get(key, default=None)``, ``get_with_revision(key)``, ``set(key, value, if_revision=None)``,
+    ``update(key, func, default=None)``, ``keys(prefix="")``, ``may_write(key)``."""
 
     def __init__(self, store: ContextStore, agent: str, handoff_id: str | None = None) -> None:
         self.store = store
@@ -495,54 +496,6 @@ class ContextView:
 
     def get_with_revision(self, key: str) -> tuple[Any, int]:
         return self.store.get_with_revision(key)
-
-    def _rev_record(self, key: str) -> dict[str, Any] | None:
-        try:
-            data = (self.root / ".meta" / _rev_name(key)).read_bytes()
-            record = json.loads(data.decode("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            return None
-        if (isinstance(record, dict) and record.get("key") == key
-                and isinstance(record.get("revision"), int) and not isinstance(record["revision"], bool)
-                and record["revision"] >= 0 and isinstance(record.get("sha256"), str)):
-            return record
-        return None
-
-    def _read_current(self, key: str) -> tuple[bytes | None, int]:
-        """(the value's bytes or None when unset, its revision). The revision record is read
-        first: if a write lands in between, the bytes no longer match it and the result is one
-        more than the record, which is never older than the bytes (a stale pair can only cause a
-        spurious conflict, never a lost update)."""
-        record = self._rev_record(key)
-        try:
-            data, _ = fsio.read_bytes_safely(self.path(key), MAX_VALUE_BYTES)
-        except FileNotFoundError:
-            return None, 0
-        if record is None:
-            return data, 1  # written before revisions existed, or by a foreign tool
-        if hashlib.sha256(data).hexdigest() == record["sha256"]:
-            return data, max(int(record["revision"]), 1)
-        return data, int(record["revision"]) + 1  # changed behind the record's back
-
-    def _decode(self, key: str, data: bytes) -> Any:
-        try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise InvalidDocument(f"context/{key}.json is not valid JSON",
-                                  code="MALFORMED_JSON") from None
-
-    def get_with_revision(self, key: str) -> tuple[Any, int]:
-        """(value, revision) of ``key``, read consistently; KeyError if it is not set. Pass the
-        revision to ``set(..., if_revision=)`` for a compare-and-set."""
-        key = normalise_key(key)
-        data, revision = self._read_current(key)
-        if data is None:
-            raise KeyError(key)
-        return self._decode(key, data), revision
-
-    def revision(self, key: str) -> int:
-        """The revision of ``key`` (0 when it is not set)."""
-        return self._read_current(normalise_key(key))[1]
 
     def keys(self, prefix: str = "") -> list[str]:
         return self.store.keys(prefix)

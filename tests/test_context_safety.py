@@ -190,6 +190,18 @@ def test_revisions_are_backward_compatible_and_notice_foreign_writes(tmp_path: P
         store.update("task/x", lambda v: 1, agent="@a")
 
 
+def test_handler_view_offers_the_same_revision_api(tmp_path: Path) -> None:
+    view = _store(tmp_path).view("@worker", "h1")
+    assert view.update("stats/n", lambda v: v + 1, default=0)["revision"] == 1
+    assert view.get_with_revision("stats/n") == (1, 1)
+    with pytest.raises(ContextConflict):
+        view.set("stats/n", 5, if_revision=0)
+    assert view.set("stats/n", 5, if_revision=1)["handoff_id"] == "h1"
+    assert view.get_with_revision("stats/n") == (5, 2)
+    with pytest.raises(ContextPermissionError):
+        view.update("TASK/x", lambda v: 1)
+
+
 # ---------------------------------------------------------------- 2. namespace protection
 BYPASSES = ["TASK/x", "Task/x", "tAsK/current-objective", "TASK", "task", "task.json",
             "beads:TASK/x", " task/x ", "\ttask/x\n", "task/x.json", "TASK/sub/deep"]
