@@ -306,3 +306,16 @@ def test_network_filesystems_are_recognised(tmp_path: Path) -> None:
     assert network_filesystem(Path("/mnt/smb"), mounts) == "cifs"
     assert network_filesystem(Path("/home/ws"), mounts) is None
     assert network_filesystem(Path("/x"), tmp_path / "absent") is None
+
+
+def test_daemon_warns_when_the_workspace_is_on_a_network_filesystem(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from handoffd.cli import handoffd_cmd
+    monkeypatch.setattr(handoffd_cmd, "network_filesystem", lambda path: "nfs4")
+    with caplog.at_level("WARNING", logger="handoffd"):
+        handoffd_cmd._warn_if_shared(tmp_path)
+    assert "network filesystem (nfs4)" in caplog.text and "lease" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(handoffd_cmd, "network_filesystem", lambda path: None)
+    handoffd_cmd._warn_if_shared(tmp_path)
+    assert caplog.text == ""

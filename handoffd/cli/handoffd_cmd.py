@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ..daemon import Daemon
-from ..sweeper import sweep as sweep_once
+from ..sweeper import CLOCK_TOLERANCE_SECONDS, sweep as sweep_once
+from ..workspace import network_filesystem
 from .common import RootOption, run_app, engine, guarded
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -25,6 +27,18 @@ def _logging(verbose: bool) -> None:
     logging.getLogger("watchdog").setLevel(logging.WARNING)
 
 
+def _warn_if_shared(root: Path) -> None:
+    """Say so when the workspace is on a network filesystem: file locks there are local or
+    emulated and inotify misses other hosts' writes, so another host's claim is judged by its
+    lease alone (docs/guarantees.md)."""
+    fs = network_filesystem(root)
+    if fs:
+        logging.getLogger("handoffd").warning(
+            "the workspace is on a network filesystem (%s): claims of other hosts are recovered "
+            "only after their lease expires (+%gs clock tolerance), new files are found by "
+            "rescans; keep host clocks in sync", fs, CLOCK_TOLERANCE_SECONDS)
+
+
 @app.command()
 @guarded(PROG)
 def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = False) -> None:
@@ -35,6 +49,7 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
     """
     _logging(verbose)
     eng = engine(root, create=True)
+    _warn_if_shared(eng.ws.root)
     daemon = Daemon(eng, workers=workers)
     daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info("%s -> %s", hid, st.value))
     code = daemon.serve(ready=lambda: print(f"{PROG}: serving {eng.ws.root} "
@@ -56,6 +71,7 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     """
     _logging(verbose)
     eng = engine(root, create=True)
+    _warn_if_shared(eng.ws.root)
     report = Daemon(eng, workers=workers, watch=False).run_batch()
     print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
     if report.error:
