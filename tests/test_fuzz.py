@@ -74,6 +74,7 @@ _COMMON = dict(deadline=None, database=None, print_blob=True,
                                       HealthCheck.filter_too_much, HealthCheck.large_base_example])
 IN_PROCESS = settings(max_examples=1500 if LONG else 24, derandomize=not LONG, **_COMMON)
 SUBPROCESS_DOCS = 200 if LONG else 16
+pytestmark = pytest.mark.timeout(3600 if LONG else 120)  # the long run outlasts pytest's 120 s
 SUBPROCESS = settings(max_examples=SUBPROCESS_DOCS, derandomize=not LONG, **_COMMON)
 
 AGENTS = ("@t", "@swarm-worker", "ABSTRACT_ARCHITECT", "ROUTING_DISPATCHER", "SPECIALIZED_FLEET",
