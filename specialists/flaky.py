@@ -16,6 +16,9 @@ crash          writes ``message`` to stderr and exits 3 without printing anythin
 empty          exits 0 without printing anything
 huge           writes ``seconds`` MiB (default 64) of ``x`` to stdout  (``seconds`` is the size here)
 fail_then_ok   fails (retryable) while ``$HANDOFF_ATTEMPT`` < 2, completes from attempt 2 on
+exclusive      like sleep, but first checks that no earlier run of the same handoff is still alive
+               (``artifacts/live/<id>.pid``); a live one is appended to
+               ``artifacts/flaky-overlaps.jsonl`` (two runs of one handoff at the same time)
 =============  ====================================================================================
 
 Before acting, every run appends one JSON line ``{"id", "attempt", "pid", "mode"}`` to
@@ -31,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-MODES = ("ok", "fail", "permanent", "garbage", "sleep", "crash", "empty", "huge", "fail_then_ok")
+MODES = ("ok", "fail", "permanent", "garbage", "sleep", "crash", "empty", "huge", "fail_then_ok",
+         "exclusive")
 MIB = 1024 * 1024
 RUN_LOG = Path("artifacts") / "flaky-runs.jsonl"
 
@@ -55,6 +59,44 @@ def log_run(root: Path, handoff_id: str | None, attempt: int, mode: str) -> None
         os.write(fd, line.encode("utf-8"))
     finally:
         os.close(fd)
+
+
+def exclusive_run(root: Path, handoff_id: str, seconds: float) -> None:
+    """Sleep ``seconds`` as the only live run of ``handoff_id``; record any overlap seen."""
+    live = root / "artifacts" / "live"
+    live.mkdir(parents=True, exist_ok=True)
+    marker = live / f"{handoff_id}.pid"
+    try:
+        other = int(marker.read_text())
+    except (OSError, ValueError):
+        other = 0
+    if other and other != os.getpid() and _is_flaky(other):
+        line = json.dumps({"id": handoff_id, "pid": os.getpid(), "alive": other}) + "\n"
+        fd = os.open(root / "artifacts" / "flaky-overlaps.jsonl",
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    staged = live / f".{handoff_id}.{os.getpid()}"
+    staged.write_text(str(os.getpid()))
+    os.replace(staged, marker)
+    time.sleep(seconds)
+    try:
+        if marker.read_text() == str(os.getpid()):
+            marker.unlink()
+    except OSError:
+        pass
+
+
+def _is_flaky(pid: int) -> bool:
+    """True when ``pid`` is a live (not zombie) run of this script."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and b"flaky.py" in cmdline
 
 
 def emit(result: dict[str, Any]) -> int:
@@ -145,6 +187,9 @@ def main() -> int:
         return 0
     if mode == "sleep":
         time.sleep(number(data, "seconds", 1.0))
+        return emit(completed(data, attempt))
+    if mode == "exclusive":
+        exclusive_run(root, str(handoff_id), number(data, "seconds", 0.05))
         return emit(completed(data, attempt))
     if mode == "crash":
         crash(message)

@@ -51,7 +51,8 @@ def test_crash_at_each_step_is_repaired(ws: Workspace, point: str, mode: str) ->
 
 def test_three_daemons_kill_9_lose_nothing(ws: Workspace) -> None:
     """A few hundred handoffs, three daemons, two kill -9s: every handoff ends completed exactly
-    once in one folder; only work in flight at a kill ran twice."""
+    once in one folder; only work in flight at a kill ran twice, and never two runs of one
+    handoff at the same time (the killed daemon's specialists die before the retry starts)."""
     ws.write_config(ws.root.joinpath("handoffd.toml").read_text()
                     .replace("max_retries = 2", "max_retries = 6")
                     .replace("retry_delay_seconds = 0.2", "retry_delay_seconds = 0.05"))
@@ -59,7 +60,8 @@ def test_three_daemons_kill_9_lose_nothing(ws: Workspace) -> None:
     pending = ws.root / "handoffs" / "pending"
     for i in range(total):  # written like a foreign producer: temp file + rename
         doc = {"handoff_id": f"t-{i:04d}", "target": {"agent_id": "@flaky"},
-               "input": {"data": {"mode": "sleep", "seconds": random.choice([0.0, 0.02, 0.05])}}}
+               "input": {"data": {"mode": "exclusive",
+                                  "seconds": random.choice([0.0, 0.02, 0.05, 1.0])}}}
         tmp = ws.root / f".t-{i}.part"
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, pending / f"t-{i:04d}.json")
@@ -95,4 +97,8 @@ def test_three_daemons_kill_9_lose_nothing(ws: Workspace) -> None:
         events = [e["event"] for e in json.loads(
             (ws.root / "handoffs" / "completed" / f"{hid}.json").read_text())["handoffd"]["history"]]
         assert "recovered" in events
+    # no retry started while a killed daemon's specialist still ran (issue 9): the specialist
+    # checks for a live earlier run of its handoff and records any it finds
+    overlaps = ws.root / "artifacts" / "flaky-overlaps.jsonl"
+    assert not overlaps.exists() or not overlaps.read_text().strip(), overlaps.read_text()
     print(f"{total} handoffs, 2 kills, {len(twice)} re-executed: {sorted(twice)}")
