@@ -37,6 +37,12 @@ def validate_result(result: Any, handoff_id: str) -> dict[str, Any]:
     if not isinstance(result, dict):
         raise HandlerError(f"handoff {handoff_id}: handler returned {type(result).__name__}, "
                            "not a JSON object", handoff_id=handoff_id)
+    try:  # what cannot be filed as strict UTF-8 JSON must fail the attempt, not the filing
+        json.dumps(result, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except (ValueError, TypeError, UnicodeEncodeError, RecursionError) as exc:
+        raise HandlerError(f"handoff {handoff_id}: handler result cannot be filed as JSON "
+                           f"({type(exc).__name__}: {str(exc)[:120]})", handoff_id=handoff_id,
+                           retryable=False) from None
     if result.get("status") not in RESULT_STATUSES:
         raise HandlerError(f"handoff {handoff_id}: handler result status {result.get('status')!r} "
                            f"is not one of {', '.join(sorted(RESULT_STATUSES))}", handoff_id=handoff_id)

@@ -6,6 +6,9 @@ import ctypes
 import errno
 import json
 import os
+import shutil
+import subprocess
+import sys
 import socket
 import threading
 import time
@@ -319,3 +322,74 @@ def test_daemon_warns_when_the_workspace_is_on_a_network_filesystem(
     monkeypatch.setattr(handoffd_cmd, "network_filesystem", lambda path: None)
     handoffd_cmd._warn_if_shared(tmp_path)
     assert caplog.text == ""
+
+
+def _nobody_can_run_handoffd() -> bool:
+    if os.geteuid() != 0 or not shutil.which("runuser"):
+        return False
+    probe = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c", "import handoffd"],
+                           capture_output=True, timeout=60)
+    return probe.returncode == 0
+
+
+def test_a_file_the_daemon_cannot_read_is_set_aside(tmp_path: Path) -> None:
+    """Mode 000 in pending/ with a daemon that lacks CAP_DAC_OVERRIDE (run as nobody): the file
+    is set aside as UNREADABLE_FILE, the other handoff completes, `handoff ls` still works."""
+    if not _nobody_can_run_handoffd():
+        pytest.skip("needs root, runuser and a handoffd the nobody user can import")
+    from conftest import FLAKY_TOML, exe
+    base = Path("/tmp") / f"handoffd-nobody-{os.getpid()}-{tmp_path.name}"
+    base.mkdir(mode=0o777)
+    try:
+        os.chmod(base, 0o777)
+        (base / "handoffd.toml").write_text(FLAKY_TOML)
+        for sub in ("pending", "in-progress", "completed", "failed"):
+            (base / "handoffs" / sub).mkdir(parents=True)
+        (base / "handoffs" / "pending" / "fine.json").write_text(json.dumps(native("fine")))
+        locked = base / "handoffs" / "pending" / "locked.json"
+        locked.write_text(json.dumps(native("locked")))
+        for path in [base, *base.rglob("*")]:
+            os.chmod(path, 0o777 if path.is_dir() else 0o666)
+        os.chmod(locked, 0)
+        as_nobody = ["runuser", "-u", "nobody", "--"]
+        run = subprocess.run([*as_nobody, exe("handoffd"), "run", "--root", str(base)],
+                             capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in run.stderr and run.returncode in (0, 1), run.stderr
+        assert (base / "handoffs" / "completed" / "fine.json").exists()
+        assert "UNREADABLE_FILE" in reason_codes(base).values()
+        listing = subprocess.run([*as_nobody, exe("handoff"), "ls", "--root", str(base)],
+                                 capture_output=True, text=True, timeout=60)
+        assert listing.returncode == 0 and "fine" in listing.stdout, listing.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("output", [float("nan"), float("inf"), "lone \ud800 surrogate",
+                                    {"set": {1, 2}}], ids=["nan", "inf", "surrogate", "set"])
+def test_a_result_that_is_not_strict_json_fails_the_attempt(tmp_path: Path, output: Any) -> None:
+    """A handler result that cannot be written as UTF-8 JSON fails that handoff with
+    PROCESSING_ERROR; it must never leave the claim stuck in in-progress/."""
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed", "output": {"x": output}})
+    hid = submit(engine)
+    job = engine.take(hid)
+    assert job is not None and engine.process(job) is State.FAILED
+    doc = engine.store.read(State.FAILED, hid)
+    assert doc["error"]["code"] == "PROCESSING_ERROR" and "cannot be filed" in doc["error"]["message"]
+
+
+def test_a_command_printing_nan_or_a_lone_surrogate_fails_cleanly(ws: Workspace, tmp_path: Path) -> None:
+    script = tmp_path / "bad.py"
+    script.write_text("import sys\n"
+                      "sys.stdout.write('{\"status\": \"completed\", \"output\": {\"a\": NaN}}' "
+                      "if sys.argv[1] == 'nan' else "
+                      "'{\"status\": \"completed\", \"output\": {\"a\": \"\\\\ud800\"}}')\n")
+    ws.write_config(ws.root.joinpath("handoffd.toml").read_text() +
+                    f'\n[specialists."@nan"]\ncommand = ["{sys.executable}", "{script}", "nan"]\n'
+                    f'\n[specialists."@sur"]\ncommand = ["{sys.executable}", "{script}", "sur"]\n')
+    a = ws.create("--to", "@nan")
+    b = ws.create("--to", "@sur")
+    proc = ws.handoffd("run")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for hid in (a, b):
+        assert ws.state_of(hid) == ["failed"]
+        assert ws.doc(hid)["error"]["code"] == "PROCESSING_ERROR"
