@@ -139,6 +139,7 @@ def test_watchdog_recovers_from_corrupted_bookkeeping(tmp_path: Path, caplog: py
                          rescan_seconds=3600.0, sweep_seconds=3600.0)
     serving = Serving(engine)
     serving.daemon.stall_seconds = 0.3
+    serving.daemon.next_progress_check = 0.0  # computed at construction from the default
     caplog.set_level(logging.ERROR, logger="handoffd")
     with serving as daemon:
         first = submit(engine)
