@@ -20,7 +20,8 @@ SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers"})
 SPECIALIST_KEYS = frozenset({"command", "handler", "input_schema", "output_schema", "timeout_seconds",
                              "concurrency", "retry", "env", "cwd"})
 POSITIVE_SETTINGS = ("rescan_seconds", "sweep_seconds", "lease_seconds", "max_document_bytes",
-                     "max_output_bytes", "default_timeout_seconds", "seen_ttl_seconds")
+                     "max_output_bytes", "default_timeout_seconds", "seen_ttl_seconds",
+                     "stall_seconds")
 # Upper bounds: far above any real setting, far below what overflows datetime/timedelta arithmetic.
 MAX_SECONDS = 10 * 365.25 * 24 * 3600          # any [daemon] / specialist time: 10 years
 MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0      # one retry delay (also the cap of RetryPolicy.delay)
@@ -112,6 +113,7 @@ class DaemonSettings:
     max_output_bytes: int = 16 * 1024 * 1024
     default_timeout_seconds: float = 300.0
     seen_ttl_seconds: float = 3600.0
+    stall_seconds: float = 30.0  # progress watchdog: due work, free slots, nothing dispatched
 
     @property
     def durable(self) -> bool:

@@ -27,9 +27,8 @@ from .watcher import PendingWatcher
 
 log = logging.getLogger("handoffd")
 READY_WINDOW = 64  # due handoffs read ahead to order by priority
-# the progress watchdog: due work, a free slot, and nothing dispatched for this long means the
-# scheduler's bookkeeping is wrong; it is logged loudly, reset and rebuilt from a rescan
-STALL_SECONDS = 30.0
+# the progress watchdog ([daemon] stall_seconds): due work, a free slot, and nothing dispatched
+# for that long means the bookkeeping is wrong; it is logged loudly, reset and rebuilt
 STALL_SAMPLE = 64  # pending documents the watchdog reads to decide whether work is due
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
 
@@ -88,7 +87,7 @@ class Daemon:
         self.workers = workers or self.settings.workers
         self.watch = watch
         self.stall_seconds = float(stall_seconds if stall_seconds is not None
-                                   else getattr(self.settings, "stall_seconds", STALL_SECONDS))
+                                   else self.settings.stall_seconds)
         self.cv = threading.Condition()
         self.heap: list[tuple[float, int, int, str]] = []  # (due, _, seq, id): when to look
         self.ready: list[tuple[int, float, int, str, Peek]] = []  # (priority, due, seq, id, peek)
