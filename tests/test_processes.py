@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -221,8 +222,9 @@ def test_kill_9_daemon_leftovers_die_before_the_retry_starts(pws: Any) -> None:
     assert record is not None and record.attempt == 1 and record.pgid == direct
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=10)
-    wait_until(lambda: not alive(direct), timeout=10, what="the direct child died with its daemon")
     assert alive(worker)  # nothing has recovered the claim yet: this is what must not overlap
+    # the direct child normally dies at once (parent-death signal); whether or not it did, the
+    # recovery below must kill it, and attempt 2's worker checks both pids
 
     second = ws.serve()
     assert ws.wait_state(handoff_id, timeout=30) == "completed"
@@ -230,14 +232,39 @@ def test_kill_9_daemon_leftovers_die_before_the_retry_starts(pws: Any) -> None:
     assert [line.split()[0] for line in runs] == ["1", "2"]
     assert tracker.noted(handoff_id, "overlaps") == []  # attempt 2 saw no live predecessor
     assert tracker.noted(handoff_id, "ends") == [f"2 {runs[1].split()[1]}"]  # 1 never finished
-    assert not alive(worker)
+    assert not alive(worker) and not alive(direct)
     wait_until(lambda: procs.read_record(ws.root, handoff_id) is None, timeout=10,
                what="the attempt's record is removed")
     assert ws.stop(second) == 0
 
 
+def test_children_get_the_parent_death_signal() -> None:
+    """child_setup (the runner's preexec_fn) sets PR_SET_PDEATHSIG = SIGKILL in the child."""
+    probe = ("import ctypes; s = ctypes.c_int(0); "
+             "ctypes.CDLL(None).prctl(2, ctypes.byref(s), 0, 0, 0); print(s.value)")  # GET_PDEATHSIG
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=30,
+                          start_new_session=True, preexec_fn=procs.child_setup(os.getpid()))
+    assert proc.stdout.strip() == str(int(signal.SIGKILL)).encode(), proc.stderr
+
+
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def _zombie_children() -> list[int]:
+    """Pids of this process's children that finished and were never reaped."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            found.append(int(name))
+    return found
 
 
 def test_in_process_daemon_fds_threads_and_processes_stay_flat(pws: Any) -> None:
@@ -273,6 +300,7 @@ def test_in_process_daemon_fds_threads_and_processes_stay_flat(pws: Any) -> None
         assert threading.active_count() <= threads + 1, f"threads {threads} -> {threading.active_count()}"
         leftover = [p for handoff_id in ids for p in tracker.pids(handoff_id) if alive(p)]
         assert leftover == [], "background children outlived their attempts"
+        assert _zombie_children() == [], "finished specialists were not reaped"
     finally:
         daemon.stop()
         server.join(timeout=30)
