@@ -70,6 +70,7 @@ def sweep(engine: Engine, *, skip: set[str] | None = None) -> SweepReport:
     _step("pruning file reservations", lambda: contracts.prune(engine))
     _step("removing orphaned files", remove_orphans, engine, report)
     _step("compacting the seen-ids record", lambda: engine.store.seen.compact(now))
+    _step("pruning process records of finished attempts", procs.prune_records, engine.ws)
     return report
 
 
