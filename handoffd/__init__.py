@@ -10,21 +10,56 @@ The library API::
 """
 from __future__ import annotations
 
-from .config import Config, RetryPolicy
-from .daemon import Daemon
-from .documents import Envelope, Outcome, new_native_request
-from .errors import (ConfigError, DuplicateHandoff, HandlerError, HandoffdError, InvalidDocument,
-                     NotFound, UsageError, WaitTimeout)
-from .lifecycle import Engine
-from .models import (AgentHandoff, AggregatedOutcome, Artifact, CancellationPayload,
-                     ChildOutcomeSummary, CollaborationHandoff, CollaborationResult,
-                     CompletionReport, DelegationPayload, HandoffPayload, Message, NativeRequest,
-                     OutcomePayload, ParallelDelegation, WorkerContext, WorkerContract,
-                     WorkerEscalation, WorkerHandoff)
-from .specialists import HandlerContext, Registry, specialist
-from .states import State
-from .store import Store
-from .workspace import Workspace
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below are loaded on first use (a CLI start must not pay for all)
+    from .config import Config, RetryPolicy
+    from .daemon import Daemon
+    from .documents import Envelope, Outcome, new_native_request
+    from .errors import (ConfigError, DuplicateHandoff, HandlerError, HandoffdError,
+                         InvalidDocument, NotFound, UsageError, WaitTimeout)
+    from .lifecycle import Engine
+    from .models import (AgentHandoff, AggregatedOutcome, Artifact, CancellationPayload,
+                         ChildOutcomeSummary, CollaborationHandoff, CollaborationResult,
+                         CompletionReport, DelegationPayload, HandoffPayload, Message,
+                         NativeRequest, OutcomePayload, ParallelDelegation, WorkerContext,
+                         WorkerContract, WorkerEscalation, WorkerHandoff)
+    from .specialists import HandlerContext, Registry, specialist
+    from .states import State
+    from .store import Store
+    from .workspace import Workspace
+
+_MODELS = ("AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload",
+           "ChildOutcomeSummary", "CollaborationHandoff", "CollaborationResult", "CompletionReport",
+           "DelegationPayload", "HandoffPayload", "Message", "NativeRequest", "OutcomePayload",
+           "ParallelDelegation", "WorkerContext", "WorkerContract", "WorkerEscalation",
+           "WorkerHandoff")
+# public name -> the module that defines it
+_HOME: dict[str, str] = {
+    "Config": "config", "RetryPolicy": "config", "Daemon": "daemon", "Envelope": "documents",
+    "Outcome": "documents", "new_native_request": "documents", "ConfigError": "errors",
+    "DuplicateHandoff": "errors", "HandlerError": "errors", "HandoffdError": "errors",
+    "InvalidDocument": "errors", "NotFound": "errors", "UsageError": "errors",
+    "WaitTimeout": "errors", "Engine": "lifecycle", "HandlerContext": "specialists",
+    "Registry": "specialists", "specialist": "specialists", "State": "states", "Store": "store",
+    "Workspace": "workspace", **{name: "models" for name in _MODELS},
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name from its module on first use (PEP 562)."""
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'handoffd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])
+
 
 __version__ = "0.1.0"
 
