@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# parallel test processes: most tests wait on real daemons and CLI processes, not on the CPU
+TEST_JOBS ?= 3
 
 .PHONY: demo test bench install clean
 
@@ -18,7 +20,7 @@ demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
 test: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_JOBS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
