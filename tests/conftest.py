@@ -47,6 +47,15 @@ concurrency = 4
 """
 
 
+def reason_codes(root: Path) -> dict[str, str]:
+    """Quarantined file name -> recorded code."""
+    out = {}
+    for path in (root / "handoffs" / ".quarantine").glob("*.reason.json"):
+        item = json.loads(path.read_text())
+        out[item["file"]] = item["code"]
+    return out
+
+
 class Workspace:
     """A temporary handoffd workspace with helpers to drive it through the real commands."""
 

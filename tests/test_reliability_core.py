@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Workspace
+from conftest import Workspace, reason_codes
 from handoffd import fsio
 from handoffd.documents import book, new_native_request
 from handoffd.errors import InvalidDocument
@@ -37,15 +37,6 @@ def native(hid: str, **extra: Any) -> dict[str, Any]:
                            "input": {"data": {"mode": "ok"}}}
     doc.update(extra)
     return doc
-
-
-def reason_codes(root: Path) -> dict[str, str]:
-    """Quarantined file name -> recorded code."""
-    out = {}
-    for path in (root / "handoffs" / ".quarantine").glob("*.reason.json"):
-        item = json.loads(path.read_text())
-        out[item["file"]] = item["code"]
-    return out
 
 
 # ------------------------------------------------------------------ forged bookkeeping (item 4)

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import FLAKY_TOML, Workspace, exe
+from conftest import FLAKY_TOML, Workspace, exe, reason_codes
 
 import subprocess
 
@@ -74,15 +74,6 @@ class Batch:
     victim_bytes: bytes
     secret: Path
     reasons: dict[str, str] = field(default_factory=dict)
-
-
-def reason_codes(root: Path) -> dict[str, str]:
-    """Quarantined file name -> recorded code."""
-    out = {}
-    for path in (root / "handoffs" / ".quarantine").glob("*.reason.json"):
-        item = json.loads(path.read_text())
-        out[item["file"]] = item["code"]
-    return out
 
 
 def make_special(pending: Path, name: str, secret: Path, keep: list[Any]) -> None:
