@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import fsio
 from .documents import Outcome
-from .errors import InvalidDocument
+from .errors import ErrorCode, InvalidDocument
 from .workspace import Workspace
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def confine_reference(ws: Workspace, ref: str, *, handoff_id: str | None = None)
     def refuse(why: str) -> InvalidDocument:
         prefix = f"handoff {handoff_id}: " if handoff_id else ""
         return InvalidDocument(f"{prefix}artifact reference {ref!r} {why}", handoff_id=handoff_id,
-                               code="VALIDATION_FAILED")
+                               code=ErrorCode.VALIDATION_FAILED)
 
     if not isinstance(ref, str) or not ref.strip():
         raise refuse("is empty")
@@ -166,7 +166,7 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
             raise InvalidDocument(
                 f"handoff {handoff_id}: expected_output.destination {template!r} uses unknown "
                 f"placeholder {{{name}}}; known: {', '.join('{' + k + '}' for k in KNOWN)}",
-                handoff_id=handoff_id, code="SCHEMA_VALIDATION_FAILED")
+                handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
         return values[name]
 
     text = PLACEHOLDER.sub(sub, template).replace("\\", "/")
@@ -179,7 +179,7 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
     if target is None or artifacts_root not in target.parents:
         raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
                               "points outside artifacts/ of the workspace",
-                              handoff_id=handoff_id, code="SCHEMA_VALIDATION_FAILED")
+                              handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     return text, target
 
 
@@ -209,7 +209,7 @@ def _write(ws: Workspace, rel: str, data: bytes) -> None:
     target = ws.inside(rel)
     if target is None:
         raise InvalidDocument(f"artifact path {rel!r} points outside the workspace",
-                              code="VALIDATION_FAILED")
+                              code=ErrorCode.VALIDATION_FAILED)
     target.parent.mkdir(parents=True, exist_ok=True)
     ws.tmp.mkdir(parents=True, exist_ok=True)
     fsio.replace(target, data, ws.tmp, durable=True)
@@ -264,7 +264,7 @@ def collect(job: "Job", outcome: Outcome) -> Outcome:
     except InvalidDocument as exc:
         code, message, retryable = exc.code, str(exc), False
     except OSError as exc:
-        code, message, retryable = "PROCESSING_ERROR", f"handoff {job.handoff_id}: cannot store " \
+        code, message, retryable = ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: cannot store " \
             f"artifacts: {exc.strerror or exc}", True
     return Outcome(status="failed", started_at=outcome.started_at, finished_at=outcome.finished_at,
                    output=outcome.output, metadata=outcome.metadata, warnings=outcome.warnings,

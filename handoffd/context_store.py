@@ -61,7 +61,7 @@ from filelock import FileLock
 
 from . import fsio
 from .documents import actor
-from .errors import HandlerError, HandoffdError, InvalidDocument
+from .errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
 from .timeutil import iso, utc_now
 from .workspace import Workspace
 
@@ -91,7 +91,7 @@ class ContextConflict(HandoffdError):
         super().__init__(
             f"conflict: context key {key!r} is at revision {actual}, not {expected}; nothing was "
             "written (read it again with `handoff context get --with-revision` and retry)")
-        self.code = "CONTEXT_CONFLICT"
+        self.code = ErrorCode.CONTEXT_CONFLICT
         self.key = key
         self.expected = expected
         self.actual = actual
@@ -103,14 +103,14 @@ class ContextPermissionError(HandlerError):
     exit_code = 1
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, code="CONTEXT_PERMISSION_DENIED", retryable=False)
+        super().__init__(message, code=ErrorCode.CONTEXT_PERMISSION_DENIED, retryable=False)
 
 
 def normalise_key(key: object) -> str:
     """``key`` as a safe relative name (``beads:`` and ``.json`` dropped); InvalidDocument if it is
     empty, absolute, has ``..`` or unsafe characters, or would otherwise leave ``context/``."""
     if not isinstance(key, str):
-        raise InvalidDocument(f"context key {key!r} must be a string", code="INVALID_CONTEXT_KEY")
+        raise InvalidDocument(f"context key {key!r} must be a string", code=ErrorCode.INVALID_CONTEXT_KEY)
     text = key.strip()
     if text.startswith("beads:"):
         text = text[len("beads:"):]
@@ -123,7 +123,7 @@ def normalise_key(key: object) -> str:
         raise InvalidDocument(
             f"context key {key!r} is not a safe relative name: use segments of letters, digits and "
             "._@+=- separated by '/', e.g. task/current-objective (no '..', no leading '/')",
-            code="INVALID_CONTEXT_KEY")
+            code=ErrorCode.INVALID_CONTEXT_KEY)
     return text
 
 
@@ -226,7 +226,7 @@ class ContextStore:
         resolved = path.resolve()
         if base not in resolved.parents:
             raise InvalidDocument(f"context key {key!r} resolves outside {self.root} (a symlink?)",
-                                  code="INVALID_CONTEXT_KEY")
+                                  code=ErrorCode.INVALID_CONTEXT_KEY)
         return path
 
     def _write_path(self, key: str) -> Path:
@@ -239,7 +239,7 @@ class ContextStore:
         rel = resolved.relative_to(base).as_posix()
         if rel.casefold() != f"{key}.json".casefold():
             raise InvalidDocument(f"context key {key!r} resolves to context/{rel} through a symlink; "
-                                  "refused", code="INVALID_CONTEXT_KEY")
+                                  "refused", code=ErrorCode.INVALID_CONTEXT_KEY)
         return path
 
     def _meta(self, name: str) -> Path:
@@ -290,7 +290,7 @@ class ContextStore:
             return json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
             raise InvalidDocument(f"context/{key}.json is not valid JSON",
-                                  code="MALFORMED_JSON") from None
+                                  code=ErrorCode.MALFORMED_JSON) from None
 
     def get_with_revision(self, key: str) -> tuple[Any, int]:
         """(value, revision) of ``key``, read consistently; KeyError if it is not set. Pass the
@@ -370,7 +370,7 @@ class ContextStore:
         if if_revision is not None and (not isinstance(if_revision, int) or isinstance(if_revision, bool)
                                         or if_revision < 0):
             raise InvalidDocument(f"if_revision must be a revision number >= 0, not {if_revision!r}",
-                                  code="INVALID_CONTEXT_REVISION")
+                                  code=ErrorCode.INVALID_CONTEXT_REVISION)
 
         def check(_current: Any, revision: int) -> Any:
             if if_revision is not None and revision != if_revision:
@@ -451,10 +451,10 @@ def _encode(key: str, value: Any) -> bytes:
         data = (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidDocument(f"context value for {key!r} is not JSON-serialisable: {exc}",
-                              code="INVALID_CONTEXT_VALUE") from None
+                              code=ErrorCode.INVALID_CONTEXT_VALUE) from None
     if len(data) > MAX_VALUE_BYTES:
         raise InvalidDocument(f"context value for {key!r} is {len(data)} bytes, over the "
-                              f"{MAX_VALUE_BYTES}-byte limit", code="INVALID_CONTEXT_VALUE")
+                              f"{MAX_VALUE_BYTES}-byte limit", code=ErrorCode.INVALID_CONTEXT_VALUE)
     return data
 
 

@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from .config import RetryPolicy
-from .errors import ConfigError, InvalidDocument
+from .errors import ConfigError, ErrorCode, InvalidDocument
 from .timeutil import iso, parse_iso
 
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}$")
@@ -35,7 +35,7 @@ def check_id(handoff_id: object) -> str:
         shown = repr(handoff_id)[:80]
         raise InvalidDocument(
             f"handoff id {shown} is not a safe file name: use 1-128 letters, digits and . _ - @ : +, "
-            "starting with a letter or digit", code="UNSAFE_ID")
+            "starting with a letter or digit", code=ErrorCode.UNSAFE_ID)
     return handoff_id
 
 
@@ -152,7 +152,7 @@ class Envelope:
             field_name, message = problems[0]
             raise InvalidDocument(
                 f"handoff {self.handoff_id}: {field_name}: {message}", handoff_id=self.handoff_id,
-                code="SCHEMA_VALIDATION_FAILED",
+                code=ErrorCode.SCHEMA_VALIDATION_FAILED,
                 errors=[{"field": f, "error": m, "schema_path": ""} for f, m in problems])
 
 
@@ -196,7 +196,7 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
     if not isinstance(agent, str) or not agent:
         raise InvalidDocument(f"handoff {handoff_id} has no target.agent_id: name the specialist "
                               "that should run it", handoff_id=handoff_id,
-                              code="SCHEMA_VALIDATION_FAILED")
+                              code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     source = doc.get("source")
     inp = doc.get("input") if isinstance(doc.get("input"), dict) else {}
     timeout = doc.get("timeout_seconds")
@@ -271,8 +271,8 @@ def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: 
         for key in ("error", "failed_at", "timestamp_failed", "recovery_actions"):
             doc.pop(key, None)
         return
-    error = dict(outcome.error or {"code": "PROCESSING_ERROR", "message": "handler failed"})
-    code = error.get("code", "PROCESSING_ERROR")
+    error = dict(outcome.error or {"code": ErrorCode.PROCESSING_ERROR, "message": "handler failed"})
+    code = error.get("code", ErrorCode.PROCESSING_ERROR)
     doc["status"] = "cancelled" if outcome.status == "cancelled" else "failed"
     doc["failed_at"] = doc["timestamp_failed"] = when
     doc["error"] = {"code": code, "message": str(error.get("message", code)),
@@ -291,15 +291,15 @@ def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: 
 
 
 RECOVERY = {
-    "SCHEMA_VALIDATION_FAILED": ["Fix the input so it matches the specialist's input schema",
-                                 "Retry the handoff with corrected input"],
-    "PROCESSING_ERROR": ["Check the specialist's stderr tail in error.message", "Retry the handoff"],
-    "TIMEOUT": ["Increase timeout_seconds or make the specialist faster", "Retry the handoff"],
-    "DEPENDENCY_MISSING": ["Complete the dependency first", "Retry the handoff"],
-    "VALIDATION_FAILED": ["Fix the specialist so its output passes validation"],
-    "NO_SPECIALIST": ["Register a specialist for the target agent in handoffd.toml"],
-    "CANCELLED": ["Create a new handoff if the work is still wanted"],
-    "CONTRACT_VIOLATION": ["Keep the worker inside files_owned", "Split the task differently"],
+    ErrorCode.SCHEMA_VALIDATION_FAILED: ["Fix the input so it matches the specialist's input schema",
+                                         "Retry the handoff with corrected input"],
+    ErrorCode.PROCESSING_ERROR: ["Check the specialist's stderr tail in error.message",
+                                 "Retry the handoff"],
+    ErrorCode.TIMEOUT: ["Increase timeout_seconds or make the specialist faster", "Retry the handoff"],
+    ErrorCode.DEPENDENCY_MISSING: ["Complete the dependency first", "Retry the handoff"],
+    ErrorCode.VALIDATION_FAILED: ["Fix the specialist so its output passes validation"],
+    ErrorCode.CANCELLED: ["Create a new handoff if the work is still wanted"],
+    ErrorCode.CONTRACT_VIOLATION: ["Keep the worker inside files_owned", "Split the task differently"],
 }
 
 

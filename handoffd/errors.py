@@ -5,6 +5,56 @@ Every error a user can meet derives from :class:`HandoffdError`. Messages name t
 """
 from __future__ import annotations
 
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """Every error code handoffd itself records (``error.code``, quarantine and violation reasons).
+
+    Members are ``str``, so documents, JSON output and comparisons with plain strings are unchanged.
+    A specialist may report codes of its own, so fields holding a code stay typed ``str``.
+    """
+
+    # reading a document (fsio, queries)
+    MALFORMED_JSON = "MALFORMED_JSON"
+    EMPTY_DOCUMENT = "EMPTY_DOCUMENT"
+    NOT_UTF8 = "NOT_UTF8"
+    NOT_AN_OBJECT = "NOT_AN_OBJECT"
+    DOCUMENT_TOO_LARGE = "DOCUMENT_TOO_LARGE"
+    DOCUMENT_TOO_DEEP = "DOCUMENT_TOO_DEEP"
+    NOT_A_REGULAR_FILE = "NOT_A_REGULAR_FILE"
+    UNREADABLE_FILE = "UNREADABLE_FILE"
+    UNPROCESSABLE_DOCUMENT = "UNPROCESSABLE_DOCUMENT"
+    # admitting a document
+    INVALID_DOCUMENT = "INVALID_DOCUMENT"
+    SCHEMA_VALIDATION_FAILED = "SCHEMA_VALIDATION_FAILED"
+    UNSAFE_ID = "UNSAFE_ID"
+    ID_MISMATCH = "ID_MISMATCH"
+    DUPLICATE_HANDOFF_ID = "DUPLICATE_HANDOFF_ID"
+    UNKNOWN_VERSION = "UNKNOWN_VERSION"
+    UNKNOWN_FORMAT = "UNKNOWN_FORMAT"
+    NOT_A_REQUEST = "NOT_A_REQUEST"
+    DEPENDENCY_MISSING = "DEPENDENCY_MISSING"
+    # running it
+    PROCESSING_ERROR = "PROCESSING_ERROR"
+    TIMEOUT = "TIMEOUT"
+    CANCELLED = "CANCELLED"
+    VALIDATION_FAILED = "VALIDATION_FAILED"
+    BLOCKED = "BLOCKED"
+    NEEDS_CLARIFICATION = "NEEDS_CLARIFICATION"
+    # contracts and orchestration
+    CONTRACT_VIOLATION = "CONTRACT_VIOLATION"
+    OWNERSHIP_CONFLICT = "OWNERSHIP_CONFLICT"
+    CHILDREN_FAILED = "CHILDREN_FAILED"
+    PARTIAL_COMPLETION = "PARTIAL_COMPLETION"
+    TARGET_NOT_FOUND = "TARGET_NOT_FOUND"
+    # the shared context store
+    INVALID_CONTEXT_KEY = "INVALID_CONTEXT_KEY"
+    INVALID_CONTEXT_VALUE = "INVALID_CONTEXT_VALUE"
+    INVALID_CONTEXT_REVISION = "INVALID_CONTEXT_REVISION"
+    CONTEXT_PERMISSION_DENIED = "CONTEXT_PERMISSION_DENIED"
+    CONTEXT_CONFLICT = "CONTEXT_CONFLICT"
+
 
 class HandoffdError(Exception):
     """Base class of every handoffd error; ``exit_code`` is what the CLI exits with."""
@@ -46,7 +96,7 @@ class InvalidDocument(HandoffdError):
         message: str,
         *,
         handoff_id: str | None = None,
-        code: str = "INVALID_DOCUMENT",
+        code: str = ErrorCode.INVALID_DOCUMENT,
         errors: list[dict[str, str]] | None = None,
     ) -> None:
         super().__init__(message, handoff_id=handoff_id)
@@ -74,7 +124,7 @@ class HandlerError(HandoffdError):
         message: str,
         *,
         handoff_id: str | None = None,
-        code: str = "PROCESSING_ERROR",
+        code: str = ErrorCode.PROCESSING_ERROR,
         retryable: bool | None = None,
         details: dict | None = None,
     ) -> None:

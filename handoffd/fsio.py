@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .errors import DuplicateHandoff, InvalidDocument
+from .errors import DuplicateHandoff, ErrorCode, InvalidDocument
 
 TMP_SUFFIX = ".tmp"
 
@@ -117,20 +117,20 @@ def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise InvalidDocument(f"{path.name} is a symlink; documents must be regular files",
-                                  code="NOT_A_REGULAR_FILE") from None
+                                  code=ErrorCode.NOT_A_REGULAR_FILE) from None
         if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket, a device...
             raise InvalidDocument(f"{path.name} is not a regular file ({os.strerror(exc.errno)})",
-                                  code="NOT_A_REGULAR_FILE") from None
+                                  code=ErrorCode.NOT_A_REGULAR_FILE) from None
         raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise InvalidDocument(f"{path.name} is not a regular file", code="NOT_A_REGULAR_FILE")
+            raise InvalidDocument(f"{path.name} is not a regular file", code=ErrorCode.NOT_A_REGULAR_FILE)
         if info.st_size > max_bytes:
             raise InvalidDocument(
                 f"{path.name} is {info.st_size} bytes, over the {max_bytes}-byte limit "
                 "(raise daemon.max_document_bytes in handoffd.toml if this is intended)",
-                code="DOCUMENT_TOO_LARGE")
+                code=ErrorCode.DOCUMENT_TOO_LARGE)
         chunks = []
         remaining = max_bytes + 1
         while remaining > 0:
@@ -144,41 +144,41 @@ def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result
         os.close(fd)
     if len(data) > max_bytes:
         raise InvalidDocument(f"{path.name} grew over the {max_bytes}-byte limit",
-                              code="DOCUMENT_TOO_LARGE")
+                              code=ErrorCode.DOCUMENT_TOO_LARGE)
     return data, info
 
 
 def parse_document(data: bytes, name: str) -> dict[str, Any]:
     """Decode UTF-8 JSON that must be an object; raise InvalidDocument saying what is wrong."""
     if not data.strip():
-        raise InvalidDocument(f"{name} is empty", code="EMPTY_DOCUMENT")
+        raise InvalidDocument(f"{name} is empty", code=ErrorCode.EMPTY_DOCUMENT)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidDocument(f"{name} is not UTF-8 (byte {exc.start})", code="NOT_UTF8") from None
+        raise InvalidDocument(f"{name} is not UTF-8 (byte {exc.start})", code=ErrorCode.NOT_UTF8) from None
     try:
         doc = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except _NotFinite as exc:
         raise InvalidDocument(f"{name} holds the number {exc.args[0]}, which is not finite JSON "
                               "(NaN, Infinity and overflowing numbers are refused)",
-                              code="MALFORMED_JSON") from None
+                              code=ErrorCode.MALFORMED_JSON) from None
     except json.JSONDecodeError as exc:
         raise InvalidDocument(f"{name} is not valid JSON: {exc.msg} (line {exc.lineno}, "
-                              f"column {exc.colno})", code="MALFORMED_JSON") from None
+                              f"column {exc.colno})", code=ErrorCode.MALFORMED_JSON) from None
     except RecursionError:
-        raise InvalidDocument(f"{name} nests too deeply", code="MALFORMED_JSON") from None
+        raise InvalidDocument(f"{name} nests too deeply", code=ErrorCode.MALFORMED_JSON) from None
     except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
         raise InvalidDocument(f"{name} is not usable JSON: {str(exc)[:120]}",
-                              code="MALFORMED_JSON") from None
+                              code=ErrorCode.MALFORMED_JSON) from None
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(doc):
         raise InvalidDocument(f"{name} holds a \\u escape of a lone UTF-16 surrogate, which is not "
-                              "Unicode and cannot be written back as UTF-8", code="NOT_UTF8")
+                              "Unicode and cannot be written back as UTF-8", code=ErrorCode.NOT_UTF8)
     if not isinstance(doc, dict):
         raise InvalidDocument(f"{name} holds a JSON {type(doc).__name__}, not an object",
-                              code="NOT_AN_OBJECT")
+                              code=ErrorCode.NOT_AN_OBJECT)
     if nesting_depth(doc, MAX_DEPTH) > MAX_DEPTH:
         raise InvalidDocument(f"{name} nests more than {MAX_DEPTH} levels deep; flatten it",
-                              code="DOCUMENT_TOO_DEEP")
+                              code=ErrorCode.DOCUMENT_TOO_DEEP)
     return doc
 
 

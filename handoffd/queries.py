@@ -11,7 +11,7 @@ from typing import Any
 from . import dialects
 from .dialects import Dialect
 from .documents import book, next_attempt_at
-from .errors import InvalidDocument
+from .errors import ErrorCode, InvalidDocument
 from .fsio import parse_document, read_bytes_safely
 from .lifecycle import Engine
 from .lineage import conversation_of, parent_of
@@ -54,13 +54,13 @@ def read_error(path: Path, exc: BaseException) -> ReadProblem:
             mode = stat.S_IFREG
         if not stat.S_ISREG(mode):  # a socket or device: open() fails (ENXIO) before fstat sees it
             kind = "socket" if stat.S_ISSOCK(mode) else "special file"
-            return ReadProblem("NOT_A_REGULAR_FILE",
+            return ReadProblem(ErrorCode.NOT_A_REGULAR_FILE,
                                f"{where} is a {kind}; documents must be regular files")
         name = errno.errorcode.get(exc.errno or 0, "error")
-        return ReadProblem("UNREADABLE_FILE", f"{where} cannot be read: {exc.strerror or exc} "
+        return ReadProblem(ErrorCode.UNREADABLE_FILE, f"{where} cannot be read: {exc.strerror or exc} "
                            f"({name})", transient=exc.errno in TRANSIENT_ERRNOS)
     hint = " (it nests too deeply)" if isinstance(exc, RecursionError) else ""
-    return ReadProblem("UNPROCESSABLE_DOCUMENT", f"{where} could not be processed{hint}: "
+    return ReadProblem(ErrorCode.UNPROCESSABLE_DOCUMENT, f"{where} could not be processed{hint}: "
                        f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
@@ -190,7 +190,7 @@ def validate_document(engine: Engine | None, doc: dict[str, Any], dialect: Diale
     if errors:
         raise InvalidDocument(f"not a valid {dialect.name} document: {errors[0]['field']}: "
                               f"{errors[0]['error']}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
-                              code="SCHEMA_VALIDATION_FAILED", errors=errors)
+                              code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
     if not getattr(dialect, "is_answer", lambda _doc: False)(doc):  # answers are not routed
         dialect.envelope(doc)
 

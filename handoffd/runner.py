@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from . import procs
-from .errors import ConfigError, HandlerError
+from .errors import ConfigError, ErrorCode, HandlerError
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 
 RESULT_STATUSES = {"completed", "failed", "partial", "blocked", "needs_clarification", "delegated"}
@@ -78,7 +78,8 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
             raise HandlerError(f"handoff {ctx.handoff_id}: {exc}", handoff_id=ctx.handoff_id,
                                retryable=False)
         if isinstance(exc, HandlerCancelled):
-            raise HandlerError(str(exc), handoff_id=ctx.handoff_id, code="CANCELLED", retryable=False)
+            raise HandlerError(str(exc), handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED,
+                               retryable=False)
         raise HandlerError(f"handoff {ctx.handoff_id}: handler raised {type(exc).__name__}: {exc}",
                            handoff_id=ctx.handoff_id)
     return validate_result(box.get("result"), ctx.handoff_id)
@@ -94,10 +95,11 @@ def _wait(done: threading.Event, ctx: HandlerContext, timeout: float) -> None:
         if time.monotonic() >= deadline:
             ctx.cancelled.set()
             raise HandlerError(f"handoff {ctx.handoff_id}: handler did not finish within "
-                               f"{timeout:g}s", handoff_id=ctx.handoff_id, code="TIMEOUT", retryable=True)
+                               f"{timeout:g}s", handoff_id=ctx.handoff_id, code=ErrorCode.TIMEOUT,
+                               retryable=True)
     if ctx.cancelled.is_set() and ctx.extra.get("cancel_reason"):
         raise HandlerError(f"handoff {ctx.handoff_id} cancelled: {ctx.extra['cancel_reason']}",
-                           handoff_id=ctx.handoff_id, code="CANCELLED", retryable=False)
+                           handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
 
 
 def cancel(ctx: HandlerContext, reason: str) -> None:
@@ -171,7 +173,7 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     finally:
         _end_attempt(ctx, proc, token, exited, (out, err), (feeder, waiter))
     if error is not None:
-        if error.code == "CANCELLED":  # keep what a handler printed on SIGTERM (partial results)
+        if error.code == ErrorCode.CANCELLED:  # keep what a handler printed on SIGTERM (partial results)
             error.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))
         raise error
     return _parse_output(proc.returncode, out.data(), err.data(), ctx.handoff_id)

@@ -17,7 +17,8 @@ from filelock import FileLock, Timeout
 
 from . import fsio, seals
 from .documents import BOOK, actor, book, book_int, check_id, record, revision
-from .errors import DocumentNotReady, DuplicateHandoff, InvalidDocument, InvalidTransition, NotFound
+from .errors import (DocumentNotReady, DuplicateHandoff, ErrorCode, InvalidDocument, InvalidTransition,
+                     NotFound)
 from .seen import SeenIds
 from .states import State, allowed, winner
 from .timeutil import iso, utc_now
@@ -199,7 +200,8 @@ class Store:
             data, info = fsio.read_bytes_safely(dst, self.max_bytes)
             doc = fsio.parse_document(data, f"pending/{handoff_id}.json")
         except InvalidDocument as exc:
-            if exc.code in ("MALFORMED_JSON", "EMPTY_DOCUMENT", "NOT_UTF8") and self._young(dst, now):
+            if exc.code in (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8) \
+                    and self._young(dst, now):
                 self._put_back(dst, src)
                 raise DocumentNotReady(f"{handoff_id} is still being written",
                                        handoff_id=handoff_id) from None

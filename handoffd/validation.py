@@ -32,7 +32,7 @@ from jsonschema._legacy_keywords import lookup_recursive_ref
 from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 
-from .errors import ConfigError, InvalidDocument
+from .errors import ConfigError, ErrorCode, InvalidDocument
 
 INLINE_CACHE_SIZE = 256  # inline schemas kept compiled (LRU): repeats are common, the set is not bounded
 PATTERN_CACHE_SIZE = 1024
@@ -304,10 +304,10 @@ def check_inline(schema: dict[str, Any]) -> None:
     except jsonschema.SchemaError as exc:
         reason = str(exc.cause) if isinstance(exc.cause, PatternError) else exc.message
         raise InvalidDocument(f"the inline schema is not a valid JSON Schema: {reason}",
-                              code="SCHEMA_VALIDATION_FAILED") from None
+                              code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
     except RecursionError:
         raise InvalidDocument("the inline schema nests too deeply to be checked",
-                              code="SCHEMA_VALIDATION_FAILED") from None
+                              code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
 
 
 def schema_digest(schema: Any) -> str:
@@ -316,10 +316,10 @@ def schema_digest(schema: Any) -> str:
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except RecursionError:
         raise InvalidDocument("the inline schema nests too deeply to be used",
-                              code="SCHEMA_VALIDATION_FAILED") from None
+                              code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
     except (ValueError, TypeError) as exc:  # not JSON data (only possible from library callers)
         raise InvalidDocument(f"the inline schema is not JSON data: {exc}",
-                              code="SCHEMA_VALIDATION_FAILED") from None
+                              code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 

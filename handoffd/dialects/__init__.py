@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidDocument
+from ..errors import ErrorCode, InvalidDocument
 from .agent_handoff import AgentHandoffDialect
 from .base import Dialect, FiledState
 from .haios import HaiosDialect
@@ -75,7 +75,7 @@ def detect(doc: dict, forced: str | None = None) -> Dialect:
     raise InvalidDocument(
         f"unrecognised handoff format (top-level keys: {keys}): the document matches none of the "
         f"formats tried: {tried}; use --dialect NAME to validate it as one of them",
-        handoff_id=handoff_id, code="UNKNOWN_FORMAT")
+        handoff_id=handoff_id, code=ErrorCode.UNKNOWN_FORMAT)
 
 
 def review_outcome(job: "Job", outcome: "Outcome") -> "Outcome":

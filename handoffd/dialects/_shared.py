@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from ..documents import BOOK, Outcome
+from ..errors import ErrorCode
 from ..fsio import replace
 from ..workspace import Workspace
 
 # Outcome.status (and error codes the engine turns into "failed") → a neutral status name.
-CODE_STATUS = {"BLOCKED": "blocked", "NEEDS_CLARIFICATION": "needs_clarification",
-               "TIMEOUT": "timeout", "CANCELLED": "cancelled"}
+CODE_STATUS = {ErrorCode.BLOCKED: "blocked", ErrorCode.NEEDS_CLARIFICATION: "needs_clarification",
+               ErrorCode.TIMEOUT: "timeout", ErrorCode.CANCELLED: "cancelled"}
 INLINE_LIMIT = 1024  # seed 000: content under 1 KB (UTF-8 bytes) goes inline
 _SCHEMAS: list[Any] = []
 

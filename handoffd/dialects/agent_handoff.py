@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..documents import Envelope, Outcome, check_id, priority_rank
-from ..errors import InvalidDocument
+from ..errors import ErrorCode, InvalidDocument
 from ..timeutil import iso
 from ..workspace import Workspace
 from . import _shared as sh
@@ -28,10 +28,12 @@ DATA_KEYS = ("context", "results", "action_required", "blockers")
 STATUS = {"completed": "success", "partial": "partial", "blocked": "blocked",
           "needs_clarification": "blocked", "failed": "error", "timeout": "error",
           "cancelled": "error"}
-BLOCKER_TYPES = {"DEPENDENCY_MISSING": "dependency_failed", "VALIDATION_FAILED": "validation_failed",
-                 "SCHEMA_VALIDATION_FAILED": "validation_failed", "CONTRACT_VIOLATION": "validation_failed",
-                 "NEEDS_CLARIFICATION": "missing_input", "BLOCKED": "unknown",
-                 "NO_SPECIALIST": "resource_unavailable", "TIMEOUT": "resource_unavailable"}
+BLOCKER_TYPES = {ErrorCode.DEPENDENCY_MISSING: "dependency_failed",
+                 ErrorCode.VALIDATION_FAILED: "validation_failed",
+                 ErrorCode.SCHEMA_VALIDATION_FAILED: "validation_failed",
+                 ErrorCode.CONTRACT_VIOLATION: "validation_failed",
+                 ErrorCode.NEEDS_CLARIFICATION: "missing_input", ErrorCode.BLOCKED: "unknown",
+                 ErrorCode.TIMEOUT: "resource_unavailable"}
 RESOLUTIONS = {
     "validation_failed": ["Fix the specialist so its results pass validation", "Retry the handoff"],
     "dependency_failed": ["Complete the dependency first", "Retry the handoff"],
@@ -102,7 +104,8 @@ class AgentHandoffDialect:
         target = request.get("to_agent")
         if not isinstance(target, str) or not target:
             raise InvalidDocument(f"handoff {handoff_id} has no to_agent: name the agent that should "
-                                  "receive it", handoff_id=handoff_id, code="SCHEMA_VALIDATION_FAILED")
+                                  "receive it", handoff_id=handoff_id,
+                                  code=ErrorCode.SCHEMA_VALIDATION_FAILED)
         action = request.get("action_required") if isinstance(request.get("action_required"), dict) else {}
         source = request.get("from_agent")
         conversation = request.get("conversation_id")
@@ -142,7 +145,7 @@ class AgentHandoffDialect:
             status="failed", started_at=outcome.started_at, finished_at=outcome.finished_at,
             output=outcome.output, artifacts=outcome.artifacts, validation=outcome.validation,
             metadata=outcome.metadata, next_steps=outcome.next_steps, warnings=outcome.warnings,
-            error={"code": "VALIDATION_FAILED", "message": message, "retryable": False,
+            error={"code": ErrorCode.VALIDATION_FAILED, "message": message, "retryable": False,
                    "details": {"missing_artifacts": missing}},
             executed_by=outcome.executed_by, extra=outcome.extra)
 

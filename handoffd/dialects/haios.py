@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 
 from ..documents import Envelope, Outcome, check_id, priority_rank
-from ..errors import InvalidDocument
+from ..errors import ErrorCode, InvalidDocument
 from ..timeutil import iso
 from . import _shared as sh
 from .base import FiledState
@@ -82,18 +82,18 @@ class HaiosDialect:
         if self.is_answer(request):
             raise InvalidDocument(
                 f"{handoff_id} is a CollaborationResult (an answer), not a request: submit the "
-                "CollaborationHandoff instead", handoff_id=handoff_id, code="NOT_A_REQUEST")
+                "CollaborationHandoff instead", handoff_id=handoff_id, code=ErrorCode.NOT_A_REQUEST)
         target = request.get("to_agent")
         if not isinstance(target, str) or not target:
             raise InvalidDocument(f"handoff {handoff_id} has no to_agent", handoff_id=handoff_id,
-                                  code="SCHEMA_VALIDATION_FAILED")
+                                  code=ErrorCode.SCHEMA_VALIDATION_FAILED)
         expected = request.get("expected_output_schema")
         if isinstance(expected, dict):
             problem = schema_problem(expected)
             if problem:
                 message = f"expected_output_schema is not a valid JSON Schema: {problem}"
                 raise InvalidDocument(f"handoff {handoff_id}: {message}", handoff_id=handoff_id,
-                                      code="SCHEMA_VALIDATION_FAILED",
+                                      code=ErrorCode.SCHEMA_VALIDATION_FAILED,
                                       errors=[{"field": "expected_output_schema", "error": message,
                                                "schema_path": ""}])
         timeout_ms = request.get("timeout_ms")
@@ -132,7 +132,7 @@ class HaiosDialect:
         }
         if answer["status"] == "error":
             code = sh.error_code(outcome) or status.upper()
-            retryable = filed.retry_available or code == "TIMEOUT"
+            retryable = filed.retry_available or code == ErrorCode.TIMEOUT
             answer["error"] = {"message": sh.error_message(outcome) or sh.summary_of(outcome, None),
                                "error_type": "retryable" if retryable else "permanent",
                                "code": code}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..documents import Envelope, Outcome, check_id, priority_rank
-from ..errors import InvalidDocument
+from ..errors import ErrorCode, InvalidDocument
 from ..timeutil import iso
 from . import _shared as sh
 from .base import FiledState
@@ -48,7 +48,7 @@ def check_version(doc: dict[str, Any]) -> None:
                    f"{major}; handoffd speaks hi_moe {', '.join(f'{m}.x.y' for m in SUPPORTED_MAJORS)} "
                    "and must reject unknown major versions (seed 000)")
         raise InvalidDocument(message, handoff_id=doc.get("id") if isinstance(doc.get("id"), str) else None,
-                              code="UNKNOWN_VERSION",
+                              code=ErrorCode.UNKNOWN_VERSION,
                               errors=[{"field": "version", "error": message,
                                        "schema_path": "#/properties/version"}])
 
@@ -127,7 +127,7 @@ class HiMoeDialect:
         if not target:
             raise InvalidDocument(f"message {handoff_id} has no usable target_tier: use a TierLevel "
                                   f"name ({', '.join(TIERS.values())}) or 1-4",
-                                  handoff_id=handoff_id, code="SCHEMA_VALIDATION_FAILED")
+                                  handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
         timeout_ms = payload.get("timeout_ms")
         timeout = (timeout_ms / 1000.0 if isinstance(timeout_ms, (int, float))
                    and not isinstance(timeout_ms, bool) and timeout_ms > 0 else None)

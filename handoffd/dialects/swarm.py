@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..documents import Envelope, Outcome, check_id, priority_rank
-from ..errors import InvalidDocument
+from ..errors import ErrorCode, InvalidDocument
 from ..timeutil import iso
 from . import _shared as sh
 from .base import FiledState
@@ -75,11 +75,11 @@ class SwarmDialect:
         if self.is_answer(request):
             raise InvalidDocument(
                 f"{request.get('task_id')} is a completion report (an answer), not a WorkerHandoff: "
-                "submit the handoff instead", code="NOT_A_REQUEST")
+                "submit the handoff instead", code=ErrorCode.NOT_A_REQUEST)
         contract = request.get("contract")
         if not isinstance(contract, dict):
             raise InvalidDocument("a WorkerHandoff needs a contract block with a task_id",
-                                  code="SCHEMA_VALIDATION_FAILED")
+                                  code=ErrorCode.SCHEMA_VALIDATION_FAILED)
         handoff_id = check_id(contract.get("task_id"))
         timeout = request.get("timeout_seconds")
         source = request.get("from_agent")
