@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from handoffd import Daemon, Engine, Registry, State, Workspace, new_native_request
+from handoffd import Daemon, Engine, build_engine, Registry, State, Workspace, new_native_request
 from handoffd.config import Config, DaemonSettings
 
 
@@ -31,7 +31,7 @@ def make_engine(root: Path, durability: str, workers: int) -> Engine:
     config = Config(daemon=DaemonSettings(durability=durability, workers=workers))
     registry = Registry()
     registry.add_function("@noop", noop, config=config, concurrency=workers)
-    return Engine(ws, config, registry)
+    return build_engine(ws, config, registry)
 
 
 def submit(engine: Engine, count: int, prefix: str) -> None:

@@ -2,7 +2,7 @@
 
 The library API::
 
-    from handoffd import Engine, Workspace, specialist, Daemon
+    from handoffd import build_engine, Workspace, specialist, Daemon
 
     @specialist("@echo")
     def echo(handoff, ctx):
@@ -14,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below are loaded on first use (a CLI start must not pay for all)
+    from .build import build_engine
     from .config import Config, RetryPolicy
     from .daemon import Daemon
     from .documents import Envelope, Outcome, new_native_request
@@ -37,6 +38,7 @@ _MODELS = ("AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload
            "WorkerHandoff")
 # public name -> the module that defines it
 _HOME: dict[str, str] = {
+    "build_engine": "build",
     "Config": "config", "RetryPolicy": "config", "Daemon": "daemon", "Envelope": "documents",
     "Outcome": "documents", "new_native_request": "documents", "ConfigError": "errors",
     "DuplicateHandoff": "errors", "HandlerError": "errors", "HandoffdError": "errors",
@@ -67,7 +69,7 @@ __all__ = [
     "Config", "ConfigError", "Daemon", "DuplicateHandoff", "Engine", "Envelope", "HandlerContext",
     "HandlerError", "HandoffdError", "InvalidDocument", "NotFound", "Outcome", "Registry",
     "RetryPolicy", "State", "Store", "UsageError", "WaitTimeout", "Workspace", "new_native_request",
-    "specialist",
+    "specialist", "build_engine",
     # typed documents of every format (handoffd.models)
     "AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload", "ChildOutcomeSummary",
     "CollaborationHandoff", "CollaborationResult", "CompletionReport", "DelegationPayload",

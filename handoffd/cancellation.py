@@ -22,24 +22,59 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from . import fsio
 from .documents import Envelope, Outcome, actor, book, book_int, check_id
 from .errors import (DocumentNotReady, HandlerError, InvalidDocument,
                      NotFound)
-from .gates import Verdict
+from .lifecycle import Verdict
 from .lineage import descendants
+from .runner import cancel as stop_handler
 from .states import State
 from .timeutil import iso
 from .workspace import Workspace
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
     from .lifecycle import Engine, Job
 
 log = logging.getLogger("handoffd")
 CLAIM_TRIES = 5
+
+
+class DaemonPlugins(Protocol):
+    """What cancellation uses of a daemon (its public plugin API; see handoffd.daemon)."""
+
+    engine: "Engine"
+
+    def running_job(self, handoff_id: str) -> "Job | None": ...
+    def queue(self, handoff_id: str) -> None: ...
+    def request_rescan(self) -> None: ...
+    def add_scan_hook(self, hook: Callable[[], None]) -> None: ...
+    def add_message_handler(self, predicate: Callable[[dict[str, Any] | None], bool],
+                            handler: Callable[["Engine", str], State | None]) -> None: ...
+    def add_filed_hook(self, hook: Callable[[str, State], None]) -> None: ...
+    def watch_folder(self, folder: Path) -> None: ...
+
+
+def install(engine: "Engine") -> None:
+    """Add cancellation to an Engine (orchestration installs it): the cancel gate, a check just
+    before the handler starts, partial results of a stopped handler, and the daemon side."""
+    engine.gates.insert(0, cancel_gate)
+    engine.before_run.insert(0, check_before_run)
+    engine.after_run.insert(0, partial_results)
+    engine.daemon_plugins.append(attach)
+
+
+def attach(daemon: DaemonPlugins) -> None:
+    """The daemon side: watch the request folder, act on requests at every scan, carry out
+    cancellation messages, and drop the request of a handoff once it is filed for good."""
+    ws = daemon.engine.ws
+    daemon.add_scan_hook(lambda: poll(daemon))
+    daemon.add_message_handler(is_cancel_message, handle_message)
+    daemon.add_filed_hook(lambda handoff_id, where: clear_request(ws, handoff_id)
+                          if where.terminal else None)
+    daemon.watch_folder(requests_dir(ws))
 
 
 # ---------------------------------------------------------------- request files
@@ -230,7 +265,7 @@ def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) 
 
 
 # ---------------------------------------------------------------- daemon side
-def poll(daemon: "Daemon") -> None:
+def poll(daemon: DaemonPlugins) -> None:
     """Act on cancel requests: stop our running handlers, queue pending ones for the cancel gate,
     and drop requests for handoffs that are finished or gone. Never raises (the daemon loop
     calls it at every rescan)."""
@@ -240,17 +275,15 @@ def poll(daemon: "Daemon") -> None:
         log.exception("cannot read cancel requests in %s", requests_dir(daemon.engine.ws))
 
 
-def _poll(daemon: "Daemon") -> None:
+def _poll(daemon: DaemonPlugins) -> None:
     ws = daemon.engine.ws
     for handoff_id in requested_ids(ws):
         try:
             check_id(handoff_id)
         except InvalidDocument:
             continue
-        job = daemon.active.get(handoff_id)
+        job = daemon.running_job(handoff_id)
         if job is not None:
-            from .runner import cancel as stop_handler
-
             if not job.context.extra.get("cancel_logged"):
                 job.context.extra["cancel_logged"] = True
                 log.info("handoff %s: cancel requested; stopping its handler", handoff_id)
@@ -258,33 +291,9 @@ def _poll(daemon: "Daemon") -> None:
             continue
         states = daemon.engine.store.locate(handoff_id)
         if State.PENDING in states:
-            daemon.waiting.pop(handoff_id, None)
-            daemon.notify(handoff_id)
+            daemon.queue(handoff_id)  # its cancel gate files it
         elif State.IN_PROGRESS not in states:
             clear_request(ws, handoff_id)  # finished before the request arrived, or unknown
-
-
-def watch(daemon: "Daemon") -> None:
-    """Start a watchdog observer on the request folder; any event makes the daemon rescan."""
-    from .watcher import PendingWatcher
-
-    folder = requests_dir(daemon.engine.ws)
-    folder.mkdir(parents=True, exist_ok=True)
-    watcher = PendingWatcher(folder, lambda _id, _delay: daemon.request_rescan(),
-                             daemon.request_rescan)
-    try:
-        watcher.start()
-    except OSError as exc:  # no inotify left: rescans still see requests
-        log.warning("cannot watch %s (%s); cancel requests are seen at rescans", folder, exc)
-        return
-    daemon.cancel_watcher = watcher  # type: ignore[attr-defined]
-
-
-def unwatch(daemon: "Daemon") -> None:
-    watcher = getattr(daemon, "cancel_watcher", None)
-    if watcher is not None:
-        watcher.stop()
-        daemon.cancel_watcher = None  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- cancellation messages
@@ -306,8 +315,8 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
     doc = claim.doc
     if claim.prior_revision == 0:  # raw: never handled by handoffd
         if engine.store.seen.contains(handoff_id, now):
-            engine._set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
-                                    f"message id {handoff_id} was already used recently")
+            engine.set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
+                                   f"message id {handoff_id} was already used recently")
             return None
         engine.store.seen.add(handoff_id, now)
     errors: list[dict[str, str]] = []

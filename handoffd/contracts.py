@@ -501,6 +501,7 @@ def install(engine: "Engine") -> Enforcer:
     engine.before_run.append(enforcer.before)
     engine.after_run.append(enforcer.after)
     engine.on_rejected.append(enforcer.rejected)
+    engine.on_sweep.append(prune)  # drop reservations of handoffs no longer running
     return enforcer
 
 

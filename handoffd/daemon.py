@@ -15,9 +15,10 @@ import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
-from . import cancellation, orchestration, queries
+from . import queries
 from .errors import DocumentNotReady, HandoffdError, InvalidDocument
 from .lifecycle import Engine, Job, Peek
 from .runner import cancel
@@ -113,6 +114,72 @@ class Daemon:
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="handoffd-worker")
         self.watcher: PendingWatcher | None = None
         self.on_filed: Callable[[str, State], None] | None = None
+        # the plugin API's registrations (features add to them through the add_* methods)
+        self.scan_hooks: list[Callable[[], None]] = []
+        self.message_handlers: list[tuple[Callable[[dict[str, Any] | None], bool],
+                                          Callable[[Engine, str], State | None]]] = []
+        self.filed_hooks: list[Callable[[str, State], None]] = []
+        self.parked_checks: list[Callable[[str], bool]] = []
+        self.watched_folders: list[Path] = []
+        self.folder_watchers: list[PendingWatcher] = []
+        for plugin in engine.daemon_plugins:  # features register through the methods below
+            plugin(self)
+
+    # ------------------------------------------------------------ plugin API
+    def add_scan_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` at every scan of pending/ (it must not raise; it is logged if it does)."""
+        self.scan_hooks.append(hook)
+
+    def add_message_handler(self, predicate: Callable[[dict[str, Any] | None], bool],
+                            handler: Callable[[Engine, str], State | None]) -> None:
+        """A pending document for which ``predicate(doc)`` is true is not routed to a specialist:
+        ``handler(engine, id)`` claims and files it (e.g. a cancellation message)."""
+        self.message_handlers.append((predicate, handler))
+
+    def add_filed_hook(self, hook: Callable[[str, State], None]) -> None:
+        """Call ``hook(id, where)`` whenever this daemon's engine files a handoff."""
+        self.filed_hooks.append(hook)
+
+    def add_parked_check(self, check: Callable[[str], bool]) -> None:
+        """``check(id)`` true: a handoff filed back to pending/ waits by design (not a retry)."""
+        self.parked_checks.append(check)
+
+    def watch_folder(self, folder: Path) -> None:
+        """Rescan whenever something changes in ``folder`` (watched while serving; created if
+        absent). Without inotify the rescans still come, only later."""
+        self.watched_folders.append(folder)
+
+    def running_job(self, handoff_id: str) -> Job | None:
+        """The job this daemon is running for ``handoff_id``, if any."""
+        return self.active.get(handoff_id)
+
+    def queue(self, handoff_id: str) -> None:
+        """Look at a pending handoff again now, even if a gate held it back."""
+        with self.cv:
+            self.waiting.pop(handoff_id, None)
+            self.notify(handoff_id)
+
+    def _message_handler(self, doc: dict[str, Any] | None) -> Callable[[Engine, str], State | None] | None:
+        for predicate, handler in self.message_handlers:
+            if predicate(doc):
+                return handler
+        return None
+
+    def _start_folder_watchers(self) -> None:
+        for folder in self.watched_folders:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                watcher = PendingWatcher(folder, lambda _id, _delay: self.request_rescan(),
+                                         self.request_rescan)
+                watcher.start()
+            except OSError as exc:  # e.g. no inotify left: rescans still see changes
+                log.warning("cannot watch %s (%s); changes there are seen at rescans", folder, exc)
+                continue
+            self.folder_watchers.append(watcher)
+
+    def _stop_folder_watchers(self) -> None:
+        while self.folder_watchers:
+            self.folder_watchers.pop().stop()
 
     # ------------------------------------------------------------ queue
     def notify(self, handoff_id: str, delay: float = 0.0) -> None:
@@ -139,7 +206,11 @@ class Daemon:
         Waiting handoffs are re-checked too unless ``recheck_waiting`` is False (batch mode
         re-checks them only when something is filed). Parked ids that are no longer pending
         (filed or removed by someone else) are dropped from parking."""
-        cancellation.poll(self)  # cancel requests (.meta/cancel/): stop our handlers, queue pending
+        for hook in self.scan_hooks:  # e.g. cancel requests: stop our handlers, queue pending
+            try:
+                hook()
+            except Exception:  # a feature's hook must not stop the scan
+                log.exception("scan hook %r failed", hook)
         try:
             ids = self.engine.store.ids(State.PENDING)
         except OSError as exc:  # e.g. EIO, ENOMEM: the next rescan tries again
@@ -279,8 +350,9 @@ class Daemon:
         if not peek.readable:
             self._dispatch_unreadable(handoff_id)
             return
-        if cancellation.is_cancel_message(peek.doc):  # seed 000 CancellationPayload
-            self._submit("", self._aside, handoff_id, cancellation.handle_message)
+        handler = self._message_handler(peek.doc)
+        if handler is not None:  # e.g. a seed 000 CancellationPayload message
+            self._submit("", self._aside, handoff_id, handler)
             return
         if peek.due_at is not None:
             wait = (peek.due_at - self.engine.clock()).total_seconds()
@@ -441,7 +513,7 @@ class Daemon:
                 if problem is not None and not problem.transient:
                     return handoff_id  # due to be set aside
                 continue
-            if cancellation.is_cancel_message(peek.doc):
+            if self._message_handler(peek.doc) is not None:
                 return handoff_id
             if peek.due_at is not None and peek.due_at > self.engine.clock():
                 continue
@@ -482,15 +554,18 @@ class Daemon:
     def _count(self, handoff_id: str, where: State) -> None:
         """Engine listener: count every filing (including rejections at admission) and wake
         whatever it may unblock."""
-        if where.terminal:
-            cancellation.clear_request(self.engine.ws, handoff_id)
+        for hook in self.filed_hooks:  # e.g. drop a finished handoff's cancel request
+            try:
+                hook(handoff_id, where)
+            except Exception:  # a feature's hook must not lose the count
+                log.exception("handoff %s: filed hook %r failed", handoff_id, hook)
         with self.cv:
             if where is State.COMPLETED:
                 self.report.completed += 1
             elif where is State.FAILED:
                 self.report.failed += 1
             elif where is State.PENDING:
-                if not orchestration.is_parked(self.engine, handoff_id):  # not delegating/asking
+                if not any(parked(handoff_id) for parked in self.parked_checks):  # a retry
                     self.report.retrying += 1
                 self.notify(handoff_id)  # _dispatch reads its next_attempt_at
             if where.terminal:
@@ -543,7 +618,7 @@ class Daemon:
             self.watcher = PendingWatcher(self.engine.ws.state_dir(State.PENDING), self.notify,
                                           self.request_rescan)
             self.watcher.start()
-        cancellation.watch(self)
+        self._start_folder_watchers()
         if ready:
             ready()
         self._guarded_loop(batch=False)
@@ -554,7 +629,7 @@ class Daemon:
         (``report.error`` is set when the main loop died)."""
         self.engine.ws.ensure()
         self.report.sweep = self.sweep()
-        cancellation.watch(self)
+        self._start_folder_watchers()
         self._guarded_loop(batch=True)
         return self.report
 
@@ -641,7 +716,7 @@ class Daemon:
     def _shutdown(self) -> None:
         if self.watcher:
             self.watcher.stop()
-        cancellation.unwatch(self)
+        self._stop_folder_watchers()
         deadline = time.monotonic() + self.settings.grace_seconds
         with self.cv:
             while self.running and time.monotonic() < deadline and not self.hard_stop:

@@ -3,41 +3,26 @@
 A gate looks at a pending document and answers go (None), wait (with a reason shown by
 ``handoff ls``), or fail (with an error code). The daemon re-checks waiting handoffs whenever
 another handoff is filed and at every rescan. Dependencies (``--depends-on``, seed 004's
-``dependencies_completed``) are the built-in gate; orchestration and contracts add their own.
+``dependencies_completed``) are this module's gate (:func:`install`, one of the features
+:func:`handoffd.build.build_engine` installs); orchestration and contracts add their own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
+from . import dialects
 from .documents import Envelope
 from .errors import InvalidDocument, NotFound
+from .lifecycle import Engine, Gate, Verdict  # Gate and Verdict are the core's; re-exported
 from .states import State
 
-if TYPE_CHECKING:
-    from .lifecycle import Engine
-
 MAX_DEPENDENCY_WALK = 1000
+__all__ = ["Gate", "Verdict", "dependencies_gate", "install", "check_new_dependencies"]
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """A gate's answer: ``wait`` (with reason) or ``fail`` (with code and message)."""
-
-    action: str
-    reason: str
-    code: str = ""
-
-    @classmethod
-    def wait(cls, reason: str) -> "Verdict":
-        return cls("wait", reason)
-
-    @classmethod
-    def fail(cls, code: str, reason: str) -> "Verdict":
-        return cls("fail", reason, code)
-
-
-Gate = Callable[["Engine", Envelope, dict[str, Any]], "Verdict | None"]
+def install(engine: "Engine") -> None:
+    """The dependencies feature: hold a handoff back until what it depends on has completed."""
+    engine.gates.append(dependencies_gate)
 
 
 def dependencies_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
@@ -69,8 +54,6 @@ def dependencies_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> V
 
 def dependencies_of(engine: "Engine", handoff_id: str) -> list[str]:
     """The depends_on list of an existing handoff ([] when unknown or unreadable)."""
-    from . import dialects
-
     try:
         _, doc = engine.store.get(handoff_id)
         return dialects.detect(doc).envelope(doc).depends_on

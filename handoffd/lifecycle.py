@@ -2,6 +2,11 @@
 
 This is where policy lives (retry or fail, what is permanent, which copy of a duplicate wins);
 :mod:`handoffd.store` does the file mechanics and :mod:`handoffd.daemon` the scheduling.
+
+The engine imports no feature: dependencies, contracts, orchestration (delegation, aggregation,
+cancellation, artifacts) install themselves through the hook lists below, and
+:func:`handoffd.build.build_engine` assembles an engine with them. A bare ``Engine(...)`` runs
+plain handoffs only.
 """
 from __future__ import annotations
 
@@ -13,11 +18,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from . import aggregation, contracts, dialects, orchestration
+from . import dialects
 from .config import Config, RetryPolicy
 from .dialects import Dialect, FiledState
 from .documents import Envelope, Outcome, book, book_int, check_id, next_attempt_at, record
-from .gates import Gate, Verdict, dependencies_gate
 from .errors import (ConfigError, DuplicateHandoff, HandlerError,
                      InvalidDocument)
 from .runner import run_command, run_python
@@ -35,6 +39,26 @@ PERMANENT_CODES = frozenset({
     "DEPENDENCY_MISSING", "INVALID_DOCUMENT", "UNSAFE_ID", "UNKNOWN_VERSION", "NEEDS_CLARIFICATION",
     "BLOCKED", "NO_SPECIALIST",
 })
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A gate's answer: ``wait`` (with reason) or ``fail`` (with code and message)."""
+
+    action: str
+    reason: str
+    code: str = ""
+
+    @classmethod
+    def wait(cls, reason: str) -> "Verdict":
+        return cls("wait", reason)
+
+    @classmethod
+    def fail(cls, code: str, reason: str) -> "Verdict":
+        return cls("fail", reason, code)
+
+
+Gate = Callable[["Engine", Envelope, dict[str, Any]], "Verdict | None"]
 
 
 @dataclass
@@ -85,14 +109,24 @@ class Engine:
                            settle_seconds=self.settings.settle_seconds,
                            seen_ttl_seconds=self.settings.seen_ttl_seconds)
         self.schemas = SchemaCache(workspace.schemas)
-        # extension points (see gates.py): checked before a claim, around each handler run
-        self.gates: list[Gate] = [dependencies_gate]
+        # extension points; features add to them (handoffd.build.build_engine installs them)
+        self.gates: list[Gate] = []  # checked before a claim (see gates.py)
         self.on_filed: list[Callable[[str, State], None]] = []  # told of every filing
         self.on_rejected: list[Callable[[Job, str, str], None]] = []  # a gate failed a handoff
+        # before the handler: the first resumer that returns an Outcome replaces the run
+        # (aggregation: a parent whose children are done)
+        self.resumers: list[Callable[[Job, datetime], Outcome | None]] = []
         self.before_run: list[Callable[[Job], None]] = []
         self.after_run: list[Callable[[Job, Outcome], Outcome]] = [dialects.review_outcome]
-        contracts.install(self)  # seed 004: contract gate, scope/criteria hooks (contracts.py)
-        orchestration.install(self)  # delegation, clarification, cancellation, artifacts
+        # a handler result whose status is a key here is turned into an Outcome by the feature
+        # that owns the status (orchestration: delegated, needs_clarification, blocked)
+        self.result_interpreters: dict[str, Callable[[Job, dict[str, Any], datetime], Outcome]] = {}
+        # an Outcome whose status is a key here is filed by that feature (orchestration parks it)
+        self.filers: dict[str, Callable[[Claim, Dialect, Specialist | None, Outcome], State]] = {}
+        self.on_sweep: list[Callable[[Engine], object]] = []  # extra repairs run by each sweep
+        # called with each daemon built on this engine: features register scan hooks, message
+        # handlers and the like through the daemon's plugin API (the core knows no daemon)
+        self.daemon_plugins: list[Callable[[Any], None]] = []
 
     def gate(self, peek: Peek) -> Verdict | None:
         """The first gate verdict that stops ``peek`` from being claimed now (None: go)."""
@@ -180,15 +214,15 @@ class Engine:
         try:
             check_id(handoff_id)  # the file name itself; `handoff show` could not reach it otherwise
         except InvalidDocument as exc:
-            self._set_aside_claim(claim, "UNSAFE_ID", f"file pending/{handoff_id}.json: {exc}")
+            self.set_aside_claim(claim, "UNSAFE_ID", f"file pending/{handoff_id}.json: {exc}")
             return None
         if not self._resolve_copies(claim):
             return None
         if claim.prior_revision == 0:  # a raw document from a foreign producer
             if self.store.seen.contains(handoff_id, now):
-                self._set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
-                                      f"handoff id {handoff_id} was already used recently; "
-                                      "a second document never re-runs the first")
+                self.set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
+                                     f"handoff id {handoff_id} was already used recently; "
+                                     "a second document never re-runs the first")
                 return None
             self.store.seen.add(handoff_id, now)
         try:
@@ -201,7 +235,7 @@ class Engine:
             envelope = dialect.envelope(doc)
         except InvalidDocument as exc:
             if exc.code in ("ID_MISMATCH", "UNSAFE_ID"):
-                self._set_aside_claim(claim, exc.code, str(exc))
+                self.set_aside_claim(claim, exc.code, str(exc))
             else:
                 self.file(claim, dialect, None, self.failure(now, exc.code, str(exc), errors=exc.errors))
             return None
@@ -248,9 +282,9 @@ class Engine:
             if state is State.PENDING and theirs == 0:
                 continue  # a raw duplicate: its own claim will set it aside
             if previous_revision == 0 and state is not State.PENDING:
-                self._set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
-                                      f"handoff {claim.handoff_id} already exists in {state.value}/; "
-                                      "a second document with the same id is never run")
+                self.set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
+                                     f"handoff {claim.handoff_id} already exists in {state.value}/; "
+                                     "a second document with the same id is never run")
                 return False
             if state is State.COMPLETED or theirs > previous_revision:  # ours is a leftover
                 self.store.path(State.IN_PROGRESS, claim.handoff_id).unlink(missing_ok=True)
@@ -259,7 +293,8 @@ class Engine:
             self.store.path(state, claim.handoff_id).unlink(missing_ok=True)
         return True
 
-    def _set_aside_claim(self, claim: Claim, code: str, message: str) -> None:
+    def set_aside_claim(self, claim: Claim, code: str, message: str) -> None:
+        """Quarantine a claimed document that must never run (and release the claim)."""
         try:
             self._set_aside(self.store.path(State.IN_PROGRESS, claim.handoff_id), code, message,
                             claim.handoff_id, stub=code != "DUPLICATE_HANDOFF_ID")
@@ -304,9 +339,10 @@ class Engine:
         """Validate input, run the handler, validate its output; never raises for handler faults."""
         started = self.clock()
         try:
-            resumed = aggregation.resume(self, job, started)  # a parent whose children are done
-            if resumed is not None:
-                return resumed
+            for resumer in self.resumers:  # e.g. a parent whose children are done
+                resumed = resumer(job, started)
+                if resumed is not None:
+                    return resumed  # as it stands: no after_run checks
             self._check_input(job)
             for hook in self.before_run:
                 hook(job)
@@ -350,8 +386,9 @@ class Engine:
         """Turn a protocol result into an Outcome, validating output and artifact paths."""
         now = self.clock()
         status = result["status"]
-        if status in orchestration.PARK_STATUSES:  # filed back to pending/ by file()
-            return orchestration.parked_outcome(self, job, result, started)
+        interpret = self.result_interpreters.get(status)
+        if interpret is not None:  # a status a feature owns (e.g. delegated: parked by its filer)
+            return interpret(job, result, started)
         if status == "failed":
             error = result.get("error") if isinstance(result.get("error"), dict) else {}
             return self.failure(started, str(error.get("code") or "PROCESSING_ERROR"),
@@ -435,8 +472,9 @@ class Engine:
             listener(handoff_id, where)
 
     def _file(self, claim: Claim, dialect: Dialect, spec: Specialist | None, outcome: Outcome) -> State:
-        if outcome.status in orchestration.PARK_STATUSES:
-            return orchestration.park(self, claim, dialect, spec, outcome)
+        filer = self.filers.get(outcome.status)
+        if filer is not None:  # e.g. a parked handoff goes back to pending/ (orchestration)
+            return filer(claim, dialect, spec, outcome)
         doc = claim.doc
         block = book(doc)
         retries = book_int(doc, "retries", 0)

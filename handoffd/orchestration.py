@@ -42,11 +42,12 @@ the history) and releases it: the handler runs again and sees the answer.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from . import artifacts, cancellation, dialects
+from . import aggregation, artifacts, cancellation, dialects
 from .documents import Envelope, Outcome, book, book_int, check_id, new_native_request, record
 from .errors import (DocumentNotReady, DuplicateHandoff, HandoffdError, InvalidDocument,
                      InvalidTransition, NotFound)
@@ -70,13 +71,20 @@ MAX_DEPTH = 16
 
 # ---------------------------------------------------------------- installation
 def install(engine: "Engine") -> None:
-    """Add orchestration's gates and run hooks to an Engine (called by Engine.__init__)."""
-    engine.gates[0:0] = [cancellation.cancel_gate, requester_gate, children_gate]
-    engine.before_run.insert(0, cancellation.check_before_run)
+    """Add orchestration to an Engine (one of :func:`handoffd.build.build_engine`'s features):
+    cancellation, the requester and children gates, aggregation of a parent whose children are
+    done, the park statuses (delegated, needs_clarification, blocked) and artifacts."""
+    engine.gates[0:0] = [requester_gate, children_gate]
+    cancellation.install(engine)  # first: its gate, before_run and after_run hooks lead
+    engine.resumers.append(functools.partial(aggregation.resume, engine))
+    for status in PARK_STATUSES:  # filed back to pending/ where a gate holds them
+        engine.result_interpreters[status] = functools.partial(parked_outcome, engine)
+        engine.filers[status] = functools.partial(park, engine)
     engine.before_run.append(artifacts.prepare)
     engine.before_run.append(_expose_clarifications)
-    engine.after_run.insert(0, cancellation.partial_results)
     engine.after_run.append(artifacts.collect)  # last: checks (contracts) see only handler writes
+    engine.daemon_plugins.append(
+        lambda daemon: daemon.add_parked_check(functools.partial(is_parked, engine)))
 
 
 def _expose_clarifications(job: "Job") -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from . import contracts, dialects, fsio, procs
+from . import dialects, fsio, procs
 from .documents import book, book_int, record
 from .errors import DuplicateHandoff, InvalidDocument
 from .lifecycle import Engine
@@ -67,11 +67,19 @@ def sweep(engine: Engine, *, skip: set[str] | None = None) -> SweepReport:
         if handoff_id in skip:
             continue
         _step(f"recovering {handoff_id}", _recover_guarded, engine, handoff_id, now, report)
-    _step("pruning file reservations", lambda: contracts.prune(engine))
+    for repair in engine.on_sweep:  # features' own repairs (contracts: file reservations)
+        _step(_describe(repair), repair, engine)
     _step("removing orphaned files", remove_orphans, engine, report)
     _step("compacting the seen-ids record", lambda: engine.store.seen.compact(now))
     _step("pruning process records of finished attempts", procs.prune_records, engine.ws)
     return report
+
+
+def _describe(repair: Any) -> str:
+    """A feature repair's name for the log (e.g. ``running handoffd.contracts.prune``)."""
+    name = getattr(repair, "__qualname__", None) or repr(repair)
+    module = getattr(repair, "__module__", None)
+    return f"running {module}.{name}" if module else f"running {name}"
 
 
 def _step(what: str, func: Any, *args: Any) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from handoffd import Engine, Registry, Workspace
+from handoffd import Engine, build_engine, Registry, Workspace
 from handoffd.config import Config, RetryPolicy, load_config
 from handoffd.documents import book, check_id, new_native_request
 from handoffd.errors import ConfigError, DuplicateHandoff, InvalidDocument
@@ -47,7 +47,7 @@ def make_engine(tmp_path: Path, handler: Any, clock: FakeClock | None = None,
     registry.add_function("@py", handler, config=config, retry=retry, **spec) if retry else \
         registry.add_function("@py", handler, config=config, **spec)
     clock = clock or FakeClock()
-    return Engine(ws, config, registry, clock=clock, monotonic=clock.monotonic)
+    return build_engine(ws, config, registry, clock=clock, monotonic=clock.monotonic)
 
 
 def submit(engine: Engine, data: Any = None, retry_policy: dict | None = None, **kw: Any) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from handoffd import Daemon, Engine, Registry, State, Workspace, new_native_request, specialist
+from handoffd import Daemon, Engine, build_engine, Registry, State, Workspace, new_native_request, specialist
 from handoffd import fsio
 from handoffd.config import Config, DaemonSettings
 from handoffd.documents import book
@@ -29,7 +29,7 @@ def engine_with(tmp_path: Path, handler: Any, **settings: Any) -> Engine:
     config = Config(daemon=DaemonSettings(**{"sweep_seconds": 0.2, "rescan_seconds": 0.2, **settings}))
     registry = Registry()
     registry.add_function("@t", handler, config=config, concurrency=settings.get("workers", 4))
-    return Engine(ws, config, registry)
+    return build_engine(ws, config, registry)
 
 
 def submit(engine: Engine, data: Any = None, **extra: Any) -> str:
@@ -162,9 +162,9 @@ def test_scheduled_retry_survives_a_restart(tmp_path: Path) -> None:
     first = Daemon(engine).run_batch()  # attempt 1 fails; the retry is due in 30 s
     assert first.retrying == 1 and engine.store.locate(hid) == [State.PENDING]
     assert parse_iso(book(engine.store.read(State.PENDING, hid))["next_attempt_at"]) == now[0] + timedelta(seconds=30)
-    assert Daemon(Engine(engine.ws, engine.config, engine.registry, clock=lambda: now[0])).run_batch().completed == 0
+    assert Daemon(build_engine(engine.ws, engine.config, engine.registry, clock=lambda: now[0])).run_batch().completed == 0
     now[0] += timedelta(seconds=31)
-    restarted = Engine(engine.ws, engine.config, engine.registry, clock=lambda: now[0])  # a new process
+    restarted = build_engine(engine.ws, engine.config, engine.registry, clock=lambda: now[0])  # a new process
     assert Daemon(restarted).run_batch().completed == 1
     assert calls == [1, 2]
 

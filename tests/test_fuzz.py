@@ -36,7 +36,7 @@ import hypothesis_jsonschema._from_schema as _hjs
 from hypothesis_jsonschema import from_schema
 
 from conftest import FLAKY_TOML, Workspace, exe
-from handoffd import Daemon, Engine, Registry
+from handoffd import Daemon, Engine, Registry, build_engine
 from handoffd import Workspace as HWorkspace
 from handoffd.config import Config, DaemonSettings
 from handoffd.validation import load_builtin
@@ -281,7 +281,7 @@ def engine_in(root: Path) -> Engine:
     registry = Registry()
     for agent in AGENTS:
         registry.add_function(agent, handler, config=config, concurrency=4)
-    return Engine(ws, config, registry)
+    return build_engine(ws, config, registry)
 
 
 @IN_PROCESS

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from handoffd import Daemon, Engine, Registry, State, Workspace as HandoffdWorkspace
+from handoffd import Daemon, build_engine, Registry, State, Workspace as HandoffdWorkspace
 from handoffd import new_native_request, procs
 from handoffd.config import load_config
 
@@ -271,7 +271,7 @@ def test_in_process_daemon_fds_threads_and_processes_stay_flat(pws: Any) -> None
     ws, tracker = pws
     root = ws.root
     cfg = load_config(root / "handoffd.toml")
-    engine = Engine(HandoffdWorkspace(root), cfg, Registry.load(cfg, use_entry_points=False))
+    engine = build_engine(HandoffdWorkspace(root), cfg, Registry.load(cfg, use_entry_points=False))
     daemon = Daemon(engine, workers=2)
     ready = threading.Event()
     server = threading.Thread(target=daemon.serve, kwargs={"install_signals": False,

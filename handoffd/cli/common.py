@@ -10,6 +10,7 @@ from typing import Annotated, Any, Callable, TypeVar
 import typer
 
 from ..errors import HandoffdError, NotFound
+from ..build import build_engine
 from ..lifecycle import Engine
 from ..workspace import Workspace, resolve_root
 
@@ -99,5 +100,5 @@ def workspace(root: Path | None, *, create: bool = False) -> Workspace:
 
 
 def engine(root: Path | None, *, create: bool = False) -> Engine:
-    """An Engine over the chosen workspace."""
-    return Engine(workspace(root, create=create))
+    """An Engine over the chosen workspace, with every feature installed."""
+    return build_engine(workspace(root, create=create))

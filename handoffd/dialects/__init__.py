@@ -23,7 +23,6 @@ from .swarm import SwarmDialect
 
 if TYPE_CHECKING:
     from ..documents import Outcome
-    from ..lifecycle import Job
 
 # Tried in this order; native stays last (register() inserts before it).
 DIALECTS: list[Dialect] = [HiMoeDialect(), HaiosDialect(), AgentHandoffDialect(), SwarmDialect(),
@@ -78,9 +77,10 @@ def detect(doc: dict, forced: str | None = None) -> Dialect:
         handoff_id=handoff_id, code=ErrorCode.UNKNOWN_FORMAT)
 
 
-def review_outcome(job: "Job", outcome: "Outcome") -> "Outcome":
+def review_outcome(job: Any, outcome: "Outcome") -> "Outcome":
     """Engine ``after_run`` hook: let the job's dialect check a result before it may complete
-    (seed 002 verifies that reported artifacts exist)."""
+    (seed 002 verifies that reported artifacts exist). ``job`` is a ``lifecycle.Job``, not
+    imported: dialects sit below the engine."""
     review: Any = getattr(job.dialect, "review", None)
     if review is None:
         return outcome

@@ -1,0 +1,46 @@
+"""Assemble an Engine with its features: the one place that knows which features exist.
+
+The core (:class:`handoffd.lifecycle.Engine`) imports no feature; each feature module offers an
+``install(engine)`` that adds its gates, run hooks, result interpreters, filers, sweep repairs and
+daemon plugins to the engine's hook lists. ``build_engine`` makes an Engine and installs the
+features in order; ``features=()`` gives a bare engine that runs plain handoffs only.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from . import contracts, gates, orchestration
+from .config import Config
+from .lifecycle import Engine
+from .specialists import Registry
+from .timeutil import Clock, utc_now
+from .workspace import Workspace
+
+Feature = Callable[[Engine], object]
+
+# by name, in installation order (the order of each hook list follows from it)
+FEATURES: dict[str, Feature] = {
+    "dependencies": gates.install,  # depends_on: wait for, or fail on, other handoffs
+    "contracts": contracts.install,  # seed 004: contract gate, file reservations, scope, criteria
+    # delegation, clarification, aggregation, cancellation and artifacts (installed last: its
+    # gates, before_run and after_run hooks go first, and artifacts.collect runs last)
+    "orchestration": orchestration.install,
+}
+DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
+
+
+def build_engine(workspace: Workspace, config: Config | None = None,
+                 registry: Registry | None = None, *, clock: Clock = utc_now,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 features: Iterable[Feature | str] = DEFAULT_FEATURES) -> Engine:
+    """An Engine for ``workspace`` with ``features`` installed (callables, or names from
+    :data:`FEATURES`). Arguments other than ``features`` are the Engine's."""
+    engine = Engine(workspace, config, registry, clock=clock, monotonic=monotonic)
+    for feature in features:
+        install = FEATURES[feature] if isinstance(feature, str) else feature
+        install(engine)
+    return engine
+
+
+__all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine"]
