@@ -198,7 +198,7 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
                               "that should run it", handoff_id=handoff_id,
                               code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     source = doc.get("source")
-    inp = doc.get("input") if isinstance(doc.get("input"), dict) else {}
+    inp = given_input if isinstance(given_input := doc.get("input"), dict) else {}
     timeout = doc.get("timeout_seconds")
     depends = doc.get("depends_on") or []
     return Envelope(
@@ -290,7 +290,7 @@ def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: 
         doc.pop(key, None)
 
 
-RECOVERY = {
+RECOVERY: dict[str, list[str]] = {
     ErrorCode.SCHEMA_VALIDATION_FAILED: ["Fix the input so it matches the specialist's input schema",
                                          "Retry the handoff with corrected input"],
     ErrorCode.PROCESSING_ERROR: ["Check the specialist's stderr tail in error.message",

@@ -81,6 +81,8 @@ def pending_problem(engine: Engine, handoff_id: str) -> ReadProblem | None:
 
 
 def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mtime: float) -> dict[str, Any]:
+    target: str | None
+    source: str | None
     try:
         dialect = dialects.detect(doc)
         env = dialect.envelope(doc)
@@ -92,10 +94,10 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mti
     if state is State.PENDING:
         note = _pending_note(engine, handoff_id, doc, target)
     elif state is State.FAILED:
-        error = block.get("final_error") or (doc.get("error") if isinstance(doc.get("error"), dict) else {})
+        error = block.get("final_error") or (given if isinstance(given := doc.get("error"), dict) else {})
         note = f"{error.get('code', '')}: {str(error.get('message', ''))}".strip(": ")
     elif state is State.IN_PROGRESS:
-        lease = block.get("lease") if isinstance(block.get("lease"), dict) else {}
+        lease = given if isinstance(given := block.get("lease"), dict) else {}
         owner = lease.get("owner") or {}
         note = f"owner {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
     return {"id": handoff_id, "state": state.value, "from": source, "to": target,

@@ -112,7 +112,8 @@ class Snapshotter:
             entry = _entry(info)
             cached = cache.get(rel)
             digest = None
-            if isinstance(cached, list) and len(cached) == 3 and list(cached[0]) == list(entry.key) \
+            if isinstance(cached, list) and len(cached) == 3 and isinstance(cached[0], list) \
+                    and cached[0] == list(entry.key) \
                     and isinstance(cached[2], int) and not entry.racy(cached[2]):
                 digest = str(cached[1])
             if digest is None:

@@ -51,10 +51,6 @@ class Claim:
     # serialises lease renewal (heartbeat thread) with finishing (worker thread)
     mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    @property
-    def lock_path(self) -> Path:
-        return Path(self.lock.lock_file)
-
 
 class Store:
     """Documents of one workspace. ``durable=False`` is the ``fast`` durability mode (no fsync)."""
@@ -336,8 +332,9 @@ def _doc_id(doc: dict[str, Any]) -> str:
     return str(doc.get("handoff_id"))
 
 
-def lease(token: str, now: datetime, seconds: float) -> dict[str, Any]:
-    """A lease block: who holds the claim and until when."""
+def lease(token: str | None, now: datetime, seconds: float) -> dict[str, Any]:
+    """A lease block: who holds the claim and until when (``token`` is None only when renewing a
+    recovered claim whose owner never wrote a lease)."""
     return {"token": token, "owner": actor(), "acquired_at": iso(now),
             "expires_at": iso(now + timedelta(seconds=seconds))}
 

@@ -39,7 +39,7 @@ def append(ws: Workspace, entry: dict[str, Any]) -> None:
     entry.setdefault("time", iso(utc_now()))
     line = json.dumps(entry, ensure_ascii=False, sort_keys=True)
     if len(line.encode("utf-8")) > MAX_LINE_BYTES:  # keep lines small: drop the bulky details
-        details = entry.get("details") if isinstance(entry.get("details"), dict) else {}
+        details = given if isinstance(given := entry.get("details"), dict) else {}
         entry["details"] = {"truncated": True, "count": details.get("count"),
                             "message": str(details.get("message", ""))[:1000]}
         line = json.dumps(entry, ensure_ascii=False, sort_keys=True)

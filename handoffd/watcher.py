@@ -12,6 +12,7 @@ from typing import Callable
 from watchdog.events import (FileClosedEvent, FileCreatedEvent, FileMovedEvent,
                              FileSystemEvent, FileSystemEventHandler)
 from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
 
 Notify = Callable[[str, float], None]
 OVERFLOW_LOGGER = "watchdog.observers.inotify_c"
@@ -55,7 +56,7 @@ class PendingWatcher:
         self.notify = notify
         self.on_lost_events = on_lost_events
         self.created_delay = created_delay
-        self.observer: Observer | None = None
+        self.observer: BaseObserver | None = None
         self.hook = _OverflowHook(on_lost_events)
 
     def start(self) -> None:

@@ -274,7 +274,7 @@ def family(eng: Any, handoff_id: str, doc: dict[str, Any]) -> dict[str, Any]:
             state, status, target = None, None, None
         kids.append({"id": kid, "state": state.value if isinstance(state, State) else "missing",
                      "status": status, "to": target})
-    block = doc.get("handoffd") if isinstance(doc.get("handoffd"), dict) else {}
+    block = given if isinstance(given := doc.get("handoffd"), dict) else {}
     return {"parent_id": parent_of(doc), "conversation_id": conversation_of(doc), "children": kids,
             "waiting_children": block.get("waiting_children"), "awaiting": block.get("awaiting"),
             "aggregated_outcome": block.get("aggregated_outcome")}

@@ -12,8 +12,9 @@ from ..fsio import replace
 from ..workspace import Workspace
 
 # Outcome.status (and error codes the engine turns into "failed") → a neutral status name.
-CODE_STATUS = {ErrorCode.BLOCKED: "blocked", ErrorCode.NEEDS_CLARIFICATION: "needs_clarification",
-               ErrorCode.TIMEOUT: "timeout", ErrorCode.CANCELLED: "cancelled"}
+CODE_STATUS: dict[str, str] = {ErrorCode.BLOCKED: "blocked",
+                               ErrorCode.NEEDS_CLARIFICATION: "needs_clarification",
+                               ErrorCode.TIMEOUT: "timeout", ErrorCode.CANCELLED: "cancelled"}
 INLINE_LIMIT = 1024  # seed 000: content under 1 KB (UTF-8 bytes) goes inline
 _SCHEMAS: list[Any] = []
 
@@ -70,7 +71,7 @@ def error_message(outcome: Outcome) -> str | None:
 def error_list(outcome: Outcome, key: str) -> list[Any]:
     """A list carried by the error (``violations``, ``errors``), also looked up under ``details``."""
     error = outcome.error if isinstance(outcome.error, dict) else {}
-    for holder in (error, error.get("details") if isinstance(error.get("details"), dict) else {}):
+    for holder in (error, details if isinstance(details := error.get("details"), dict) else {}):
         value = holder.get(key)
         if isinstance(value, list):
             return list(value)

@@ -28,12 +28,12 @@ DATA_KEYS = ("context", "results", "action_required", "blockers")
 STATUS = {"completed": "success", "partial": "partial", "blocked": "blocked",
           "needs_clarification": "blocked", "failed": "error", "timeout": "error",
           "cancelled": "error"}
-BLOCKER_TYPES = {ErrorCode.DEPENDENCY_MISSING: "dependency_failed",
-                 ErrorCode.VALIDATION_FAILED: "validation_failed",
-                 ErrorCode.SCHEMA_VALIDATION_FAILED: "validation_failed",
-                 ErrorCode.CONTRACT_VIOLATION: "validation_failed",
-                 ErrorCode.NEEDS_CLARIFICATION: "missing_input", ErrorCode.BLOCKED: "unknown",
-                 ErrorCode.TIMEOUT: "resource_unavailable"}
+BLOCKER_TYPES: dict[str, str] = {ErrorCode.DEPENDENCY_MISSING: "dependency_failed",
+                                 ErrorCode.VALIDATION_FAILED: "validation_failed",
+                                 ErrorCode.SCHEMA_VALIDATION_FAILED: "validation_failed",
+                                 ErrorCode.CONTRACT_VIOLATION: "validation_failed",
+                                 ErrorCode.NEEDS_CLARIFICATION: "missing_input",
+                                 ErrorCode.BLOCKED: "unknown", ErrorCode.TIMEOUT: "resource_unavailable"}
 RESOLUTIONS = {
     "validation_failed": ["Fix the specialist so its results pass validation", "Retry the handoff"],
     "dependency_failed": ["Complete the dependency first", "Retry the handoff"],
@@ -106,7 +106,7 @@ class AgentHandoffDialect:
             raise InvalidDocument(f"handoff {handoff_id} has no to_agent: name the agent that should "
                                   "receive it", handoff_id=handoff_id,
                                   code=ErrorCode.SCHEMA_VALIDATION_FAILED)
-        action = request.get("action_required") if isinstance(request.get("action_required"), dict) else {}
+        action = given if isinstance(given := request.get("action_required"), dict) else {}
         source = request.get("from_agent")
         conversation = request.get("conversation_id")
         return Envelope(
@@ -153,7 +153,8 @@ class AgentHandoffDialect:
                root: Path | None = None) -> dict[str, Any]:
         request = sh.without_book(self._request(doc))
         status = STATUS[sh.effective_status(outcome)]
-        me = request.get("to_agent") if isinstance(request.get("to_agent"), str) else (outcome.executed_by or "handoffd")
+        me = (given if isinstance(given := request.get("to_agent"), str)
+              else outcome.executed_by or "handoffd")
         back = request.get("from_agent") if isinstance(request.get("from_agent"), str) else "unknown"
         answer: dict[str, Any] = {"handoff_id": str(uuid.uuid4())}
         if isinstance(request.get("conversation_id"), str):
@@ -235,7 +236,7 @@ class AgentHandoffDialect:
             value = sh.metadata_field(outcome, key)
             if isinstance(value, int) and not isinstance(value, bool):
                 meta[key] = value
-        old = request.get("metadata") if isinstance(request.get("metadata"), dict) else {}
+        old = given if isinstance(given := request.get("metadata"), dict) else {}
         position = old.get("chain_position")
         if isinstance(position, dict) and isinstance(position.get("step"), int):
             meta["chain_position"] = {**position, "step": position["step"] + 1}

@@ -121,7 +121,7 @@ class HiMoeDialect:
         request = self._request(doc)
         check_version(request)
         handoff_id = check_id(request.get("id"))
-        payload = request.get("payload") if isinstance(request.get("payload"), dict) else {}
+        payload = given if isinstance(given := request.get("payload"), dict) else {}
         hint = payload.get("specialist_hint")
         target = hint if isinstance(hint, str) and hint else tier_name(request.get("target_tier"))
         if not target:

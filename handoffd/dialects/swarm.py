@@ -62,7 +62,7 @@ class SwarmDialect:
     @staticmethod
     def worker(request: dict[str, Any]) -> str:
         """Who runs the task: to_agent / worker at the top or in the contract, else @swarm-worker."""
-        contract = request.get("contract") if isinstance(request.get("contract"), dict) else {}
+        contract = given if isinstance(given := request.get("contract"), dict) else {}
         for holder in (request, contract):
             for key in ("to_agent", "worker"):
                 if isinstance(holder.get(key), str) and holder[key]:
@@ -104,7 +104,7 @@ class SwarmDialect:
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
                root: Path | None = None) -> dict[str, Any]:
         request = self._request(doc)
-        contract = request.get("contract") if isinstance(request.get("contract"), dict) else {}
+        contract = given if isinstance(given := request.get("contract"), dict) else {}
         status = sh.effective_status(outcome)
         violations = sh.error_list(outcome, "violations")
         reported = sh.output_field(outcome, "violations")
