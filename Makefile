@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # parallel test processes: most tests wait on real daemons and CLI processes, not on the CPU
 TEST_JOBS ?= 3
 
-.PHONY: demo test bench install clean
+.PHONY: demo test typecheck bench install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_JOBS)
+
+# mypy at its default level over the whole package; `test` will depend on it once the engine and
+# feature modules (lifecycle, orchestration, aggregation, cancellation, contracts, ...) are clean too
+typecheck: $(STAMP)
+	$(BIN)/mypy handoffd
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
