@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from . import contracts, gates, orchestration
+from . import artifacts, cancellation, contracts, gates, orchestration
 from .config import Config
 from .lifecycle import Engine
 from .specialists import Registry
@@ -19,13 +19,22 @@ from .workspace import Workspace
 
 Feature = Callable[[Engine], object]
 
+
+def install_artifacts(engine: Engine) -> None:
+    """Artifacts (seed 002 expected_output): resolve the destination before the handler runs and
+    write or check what it produced after. Installed after contracts: their checks see only what
+    the handler itself wrote."""
+    engine.before_run.append(artifacts.prepare)
+    engine.after_run.append(artifacts.collect)
+
+
 # by name, in installation order (the order of each hook list follows from it)
 FEATURES: dict[str, Feature] = {
     "dependencies": gates.install,  # depends_on: wait for, or fail on, other handoffs
     "contracts": contracts.install,  # seed 004: contract gate, file reservations, scope, criteria
-    # delegation, clarification, aggregation, cancellation and artifacts (installed last: its
-    # gates, before_run and after_run hooks go first, and artifacts.collect runs last)
-    "orchestration": orchestration.install,
+    "orchestration": orchestration.install,  # delegation, clarification, aggregation
+    "cancellation": cancellation.install,  # its gate and hooks put themselves first
+    "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 
@@ -43,4 +52,4 @@ def build_engine(workspace: Workspace, config: Config | None = None,
     return engine
 
 
-__all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine"]
+__all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts"]

@@ -47,7 +47,7 @@ import hashlib
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from . import aggregation, artifacts, cancellation, dialects
+from . import aggregation, dialects
 from .documents import Envelope, Outcome, book, book_int, check_id, new_native_request, record
 from .errors import (DocumentNotReady, DuplicateHandoff, HandoffdError, InvalidDocument,
                      InvalidTransition, NotFound)
@@ -72,17 +72,15 @@ MAX_DEPTH = 16
 # ---------------------------------------------------------------- installation
 def install(engine: "Engine") -> None:
     """Add orchestration to an Engine (one of :func:`handoffd.build.build_engine`'s features):
-    cancellation, the requester and children gates, aggregation of a parent whose children are
-    done, the park statuses (delegated, needs_clarification, blocked) and artifacts."""
+    the requester and children gates, aggregation of a parent whose children are done, and the
+    park statuses (delegated, needs_clarification, blocked). Cancellation and artifacts are
+    features of their own."""
     engine.gates[0:0] = [requester_gate, children_gate]
-    cancellation.install(engine)  # first: its gate, before_run and after_run hooks lead
     engine.resumers.append(functools.partial(aggregation.resume, engine))
     for status in PARK_STATUSES:  # filed back to pending/ where a gate holds them
         engine.result_interpreters[status] = functools.partial(parked_outcome, engine)
         engine.filers[status] = functools.partial(park, engine)
-    engine.before_run.append(artifacts.prepare)
     engine.before_run.append(_expose_clarifications)
-    engine.after_run.append(artifacts.collect)  # last: checks (contracts) see only handler writes
     engine.daemon_plugins.append(
         lambda daemon: daemon.add_parked_check(functools.partial(is_parked, engine)))
 
