@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from . import artifacts, cancellation, contracts, gates, orchestration
+from . import artifacts, cancellation, context_store, contracts, gates, orchestration
 from .config import Config
-from .lifecycle import Engine
+from .lifecycle import Engine, Job
 from .specialists import Registry
 from .timeutil import Clock, utc_now
 from .workspace import Workspace
@@ -28,12 +28,21 @@ def install_artifacts(engine: Engine) -> None:
     engine.after_run.append(artifacts.collect)
 
 
+def install_context(engine: Engine) -> None:
+    """Shared context (``context/``): a Python handler's ``ctx.context`` is its agent's view."""
+    def give_view(job: Job) -> None:
+        job.context.context_factory = context_store.view_for
+
+    engine.before_run.append(give_view)
+
+
 # by name, in installation order (the order of each hook list follows from it)
 FEATURES: dict[str, Feature] = {
     "dependencies": gates.install,  # depends_on: wait for, or fail on, other handoffs
     "contracts": contracts.install,  # seed 004: contract gate, file reservations, scope, criteria
     "orchestration": orchestration.install,  # delegation, clarification, aggregation
     "cancellation": cancellation.install,  # its gate and hooks put themselves first
+    "context": install_context,  # ctx.context for Python handlers
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
@@ -52,4 +61,5 @@ def build_engine(workspace: Workspace, config: Config | None = None,
     return engine
 
 
-__all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts"]
+__all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts",
+           "install_context"]

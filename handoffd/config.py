@@ -244,9 +244,8 @@ def parse_namespaces(table: Any, path: Path | str = "handoffd.toml") -> dict[str
 
 def _namespace_name(raw: Any, where: str, path: Path | str) -> str:
     """A ``[namespaces]`` entry's name as it is compared: ``*`` or a lower-case safe key."""
-    # imported here: context_store imports workspace, which imports this module
-    from .context_store import normalise_key
     from .errors import InvalidDocument
+    from .keys import normalise_key
 
     text = str(raw).strip()
     if text == "*":

@@ -52,7 +52,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -62,6 +61,7 @@ from filelock import FileLock
 from . import fsio
 from .documents import actor
 from .errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
+from .keys import normalise_key  # the key rule is the core's (config checks [namespaces] with it)
 from .timeutil import iso, utc_now
 from .workspace import Workspace
 
@@ -73,8 +73,6 @@ DEFAULT_NAMESPACES: dict[str, list[str]] = {
     "system": ["PROGRESS_MONITOR"],
     "history": ["PROGRESS_MONITOR"],
 }
-SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+=-]{0,127}", re.ASCII)  # used with fullmatch
-MAX_KEY = 512
 MAX_VALUE_BYTES = 4 * 1024 * 1024
 HISTORY = ".history.jsonl"
 LOCK_TIMEOUT_SECONDS = 30.0
@@ -104,27 +102,6 @@ class ContextPermissionError(HandlerError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code=ErrorCode.CONTEXT_PERMISSION_DENIED, retryable=False)
-
-
-def normalise_key(key: object) -> str:
-    """``key`` as a safe relative name (``beads:`` and ``.json`` dropped); InvalidDocument if it is
-    empty, absolute, has ``..`` or unsafe characters, or would otherwise leave ``context/``."""
-    if not isinstance(key, str):
-        raise InvalidDocument(f"context key {key!r} must be a string", code=ErrorCode.INVALID_CONTEXT_KEY)
-    text = key.strip()
-    if text.startswith("beads:"):
-        text = text[len("beads:"):]
-    if text.endswith(".json"):
-        text = text[:-5]
-    parts = text.split("/")
-    if (not text or len(text) > MAX_KEY or text.startswith("/") or "\\" in text
-            or any(p in ("", ".", "..") or not SEGMENT.fullmatch(p) or p.endswith(".tmp")
-                   for p in parts)):
-        raise InvalidDocument(
-            f"context key {key!r} is not a safe relative name: use segments of letters, digits and "
-            "._@+=- separated by '/', e.g. task/current-objective (no '..', no leading '/')",
-            code=ErrorCode.INVALID_CONTEXT_KEY)
-    return text
 
 
 @dataclass

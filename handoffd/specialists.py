@@ -52,6 +52,8 @@ class HandlerContext:
     deadline_monotonic: float | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     extra: dict[str, Any] = field(default_factory=dict)
+    # set by the context feature (handoffd.build): (root, agent, handoff id) -> the handler's view
+    context_factory: Callable[[Path, str, str], Any] | None = None
 
     @property
     def context(self) -> Any:
@@ -59,8 +61,11 @@ class HandlerContext:
         ``keys(prefix)``; writes outside the agent's namespaces raise (see context_store.py)."""
         view = self.extra.get("context_view")
         if view is None:
-            from .context_store import view_for
-            view = self.extra["context_view"] = view_for(self.root, self.target, self.handoff_id)
+            if self.context_factory is None:
+                raise ConfigError("shared context is not installed on this engine (the "
+                                  "'context' feature of handoffd.build.build_engine)")
+            view = self.extra["context_view"] = self.context_factory(self.root, self.target,
+                                                                     self.handoff_id)
         return view
 
     @property

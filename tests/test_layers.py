@@ -15,21 +15,16 @@ from handoffd.config import Config
 PACKAGE = Path(__file__).resolve().parent.parent / "handoffd"
 
 CORE = {"states", "errors", "config", "documents", "timeutil", "fsio", "seals", "seen", "store",
-        "workspace", "validation", "specialists", "runner", "procs", "lifecycle", "dialects"}
+        "workspace", "validation", "specialists", "runner", "procs", "lifecycle", "dialects",
+        "keys"}
 FEATURE_MODULES = {"orchestration", "aggregation", "cancellation", "contracts", "reservations",
                    "artifacts", "lineage", "trace", "context_store", "criteria", "snapshots",
                    "violations", "patterns", "gates", "build"}
 SERVICE = {"daemon", "sweeper", "watcher", "waiting", "queries", "cli"}
 
-# Edges the layers forbid that are still there, each with why. Keep this list short.
-ALLOWED = {
-    # Config parses [namespaces] with the context store's key rule (function-level import); the
-    # rule belongs in the core (config or documents) with context_store importing it from there.
-    ("handoffd.config", "handoffd.context_store"),
-    # HandlerContext.context builds the shared-context view lazily (function-level import); the
-    # context feature should hand the handler its view through a before_run hook instead.
-    ("handoffd.specialists", "handoffd.context_store"),
-}
+# Edges the layers forbid that are still there, each as (importer, imported) with a comment
+# saying why. Keep it empty.
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:
