@@ -1,0 +1,206 @@
+"""The in-memory backend: dicts behind one lock, for fast engine tests (nothing survives the
+process). It keeps the same promises as the others, so the conformance suite runs on it too;
+documents are deep-copied in and out, as if they had been written somewhere."""
+from __future__ import annotations
+
+import copy
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Callable, Collection
+
+from ..documents import book, book_int
+from ..errors import DuplicateHandoff, InvalidTransition
+from ..states import State
+from .base import (Backend, Claim, Claims, Describe, Doc, Order, Row, Rows, Subscribers,
+                   WakeupCallback, describe_native, due_of, lease_block, lease_expiry, safe_describe, select,
+                   stamp_claimed, stamp_created, stamp_requeued, updated_of, wait_via_feed)
+
+
+@dataclass
+class _Entry:
+    """One handoff: its state, document and the token of the claim that holds it."""
+
+    state: State
+    doc: Doc
+    created_at: datetime
+    token: str | None = None
+
+    def row(self, handoff_id: str, describe: Describe) -> Row:
+        return Row(handoff_id, self.state, copy.deepcopy(self.doc),
+                   safe_describe(describe, self.doc), due_of(self.doc, self.created_at),
+                   updated_of(self.doc, self.created_at))
+
+
+class MemoryBackend(Backend):
+    """Every handoff in a dict; thread-safe; ``seen_ttl_seconds`` as the file store's."""
+
+    def __init__(self, *, describe: Describe = describe_native,
+                 seen_ttl_seconds: float = 3600.0) -> None:
+        self.describe = describe
+        self.seen_ttl = timedelta(seconds=seen_ttl_seconds)
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._seen: dict[str, datetime] = {}
+        self._cancels: dict[str, Doc] = {}
+        self._subscribers = Subscribers()
+
+    # ------------------------------------------------------------ creating and reading
+    def create(self, doc: Doc, handoff_id: str, now: datetime) -> None:
+        stored = copy.deepcopy(doc)
+        stamp_created(stored, handoff_id, now)
+        with self._lock:
+            if handoff_id in self._entries:
+                where = self._entries[handoff_id].state.value
+                raise DuplicateHandoff(f"handoff {handoff_id} already exists in {where}/; choose "
+                                       "another id or `handoff retry` the existing one",
+                                       handoff_id=handoff_id)
+            if self._seen_recently(handoff_id, now):
+                raise DuplicateHandoff(f"handoff id {handoff_id} was used within the last "
+                                       f"{int(self.seen_ttl.total_seconds())}s; choose another id",
+                                       handoff_id=handoff_id)
+            self._entries[handoff_id] = _Entry(State.PENDING, stored, now)
+            self._seen[handoff_id] = now
+        self._subscribers.fire(handoff_id, State.PENDING.value)
+
+    def get(self, handoff_id: str) -> tuple[State, Doc] | None:
+        with self._lock:
+            entry = self._entries.get(handoff_id)
+            return None if entry is None else (entry.state, copy.deepcopy(entry.doc))
+
+    def list(self, *, state: State | None = None, target: str | None = None,
+             conversation: str | None = None, parent: str | None = None,
+             since: datetime | None = None, limit: int | None = None,
+             order: Order = "newest") -> Rows:
+        with self._lock:
+            rows = [e.row(i, self.describe) for i, e in self._entries.items()
+                    if state is None or e.state is state]
+        return select(rows, state=state, target=target, conversation=conversation, parent=parent,
+                      since=since, limit=limit, order=order)
+
+    # ------------------------------------------------------------ claims
+    def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float, *,
+                   exclude: Collection[str] = (),
+                   prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        wanted = set(targets)
+        with self._lock:
+            due = [r for i, e in self._entries.items() if e.state is State.PENDING
+                   and i not in exclude and (r := e.row(i, self.describe)).meta.target in wanted
+                   and r.due_at <= now]
+            due.sort(key=lambda r: (r.meta.priority, r.due_at, r.id))
+            return self._claim_locked(due[0].id, now, lease_seconds, prepare) if due else None
+
+    def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
+              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        with self._lock:
+            return self._claim_locked(handoff_id, now, lease_seconds, prepare)
+
+    def _claim_locked(self, handoff_id: str, now: datetime, lease_seconds: float,
+                      prepare: Callable[[Doc], None] | None) -> Claim | None:
+        entry = self._entries.get(handoff_id)
+        if entry is None or entry.state is not State.PENDING:
+            return None
+        doc = copy.deepcopy(entry.doc)
+        token = uuid.uuid4().hex
+        attempt = stamp_claimed(doc, token, now, lease_seconds)
+        if prepare is not None:
+            prepare(doc)  # raising leaves the handoff pending, untouched
+        entry.state, entry.doc, entry.token = State.IN_PROGRESS, copy.deepcopy(doc), token
+        return Claim(handoff_id, doc, token, attempt)
+
+    def _holds(self, claim: Claim) -> _Entry | None:
+        entry = self._entries.get(claim.id)
+        if entry is None or entry.state is not State.IN_PROGRESS or entry.token != claim.token:
+            return None
+        return entry
+
+    def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
+        with self._lock:
+            entry = self._holds(claim)
+            if entry is None:
+                return False
+            stamp = lease_block(claim.token, now, lease_seconds)
+            for doc in (entry.doc, claim.doc):
+                book(doc)["lease"] = dict(stamp)
+            return True
+
+    def finish(self, claim: Claim, state: State, doc: Doc) -> bool:
+        if not state.terminal:
+            raise InvalidTransition(f"handoff {claim.id}: finish files completed or failed, not "
+                                    f"{state.value}; use requeue", handoff_id=claim.id)
+        return self._release(claim, state, doc)
+
+    def requeue(self, claim: Claim, doc: Doc, due_at: datetime | None, *,
+                count_attempt: bool) -> bool:
+        stored = copy.deepcopy(doc)
+        stamp_requeued(stored, due_at, count_attempt)
+        return self._release(claim, State.PENDING, stored, copied=True)
+
+    def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
+        stored = doc if copied else copy.deepcopy(doc)
+        book(stored).pop("lease", None)
+        with self._lock:
+            entry = self._holds(claim)
+            if entry is None:
+                return False
+            entry.state, entry.doc, entry.token = state, stored, None
+        self._subscribers.fire(claim.id, state.value)
+        return True
+
+    def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
+        taken: Claims = []
+        with self._lock:
+            for handoff_id, entry in self._entries.items():
+                expiry = lease_expiry(entry.doc)
+                if entry.state is not State.IN_PROGRESS or (expiry is not None and expiry > now):
+                    continue
+                token = uuid.uuid4().hex
+                entry.token = token
+                book(entry.doc)["lease"] = lease_block(token, now, lease_seconds)
+                reason = f"lease expired at {expiry.isoformat() if expiry else 'unknown'}"
+                attempt = book_int(entry.doc, "attempt", 1)
+                taken.append(Claim(handoff_id, copy.deepcopy(entry.doc), token, attempt,
+                                   recovered=reason))
+        return taken
+
+    # ------------------------------------------------------------ cancel requests
+    def request_cancel(self, handoff_id: str, request: Doc) -> None:
+        with self._lock:
+            self._cancels[handoff_id] = copy.deepcopy(request)
+        self._subscribers.fire(handoff_id, "cancel")
+
+    def cancel_request(self, handoff_id: str) -> Doc | None:
+        with self._lock:
+            found = self._cancels.get(handoff_id)
+            return None if found is None else copy.deepcopy(found)
+
+    def cancel_requests(self) -> dict[str, Doc]:
+        with self._lock:
+            return copy.deepcopy(self._cancels)
+
+    def clear_cancel(self, handoff_id: str) -> None:
+        with self._lock:
+            self._cancels.pop(handoff_id, None)
+
+    # ------------------------------------------------------------ dedup, waiting, wake-ups
+    def seen_add(self, handoff_id: str, now: datetime) -> None:
+        with self._lock:
+            self._seen[handoff_id] = now
+
+    def seen_contains(self, handoff_id: str, now: datetime) -> bool:
+        with self._lock:
+            return self._seen_recently(handoff_id, now)
+
+    def _seen_recently(self, handoff_id: str, now: datetime) -> bool:
+        seen = self._seen.get(handoff_id)
+        return seen is not None and now - seen < self.seen_ttl
+
+    def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
+        return wait_via_feed(self, handoff_id, timeout)
+
+    def subscribe(self, callback: WakeupCallback) -> Callable[[], None]:
+        return self._subscribers.add(callback)
+
+    def close(self) -> None:
+        """Nothing to release."""

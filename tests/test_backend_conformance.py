@@ -1,0 +1,451 @@
+"""One behaviour suite for every storage backend (as huey's StorageTests): each test runs on
+every backend of the ``backend`` fixture. Time is injected (``now`` arguments), never slept on.
+
+A PostgreSQL backend joins by adding its name to BACKENDS and a branch to ``make_backend``."""
+from __future__ import annotations
+
+import itertools
+import threading
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from handoffd.backends import Backend, Claim, Wakeup
+from handoffd.backends.files import FilesBackend
+from handoffd.backends.memory import MemoryBackend
+from handoffd.documents import book, new_native_request, record
+from handoffd.errors import DuplicateHandoff, InvalidTransition, NotFound, WaitTimeout
+from handoffd.states import State
+from handoffd.timeutil import iso
+from handoffd.workspace import Workspace
+
+BACKENDS = ["memory", "files"]
+T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
+LEASE = 30.0
+TARGETS = ("@a", "@b")
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def make_backend(name: str, tmp_path: Path) -> Backend:
+    if name == "memory":
+        return MemoryBackend()
+    if name == "files":
+        # a monotonic clock that leaps on every reading: leases are judged by the injected
+        # ``now`` alone (the files backend's guard against wall-clock steps is tested elsewhere)
+        ticks = itertools.count(step=10**6)
+        return FilesBackend.open(Workspace(tmp_path), monotonic=lambda: float(next(ticks)),
+                                 durable=False)
+    raise ValueError(name)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    made = make_backend(request.param, tmp_path)
+    yield made
+    made.close()
+
+
+def request_doc(handoff_id: str, target: str = "@a", *, priority: str | None = None,
+                conversation: str | None = None, parent: str | None = None) -> dict[str, Any]:
+    doc = new_native_request(source="@test", target=target, data={"id": handoff_id}, now=T0,
+                             handoff_id=handoff_id, priority=priority)
+    if conversation:
+        doc["conversation_id"] = conversation
+    if parent:
+        doc["parent_id"] = parent
+    return doc
+
+
+def add(backend: Backend, handoff_id: str, when: float = 0.0, target: str = "@a",
+        **fields: Any) -> None:
+    backend.create(request_doc(handoff_id, target, **fields), handoff_id, at(when))
+
+
+def claim(backend: Backend, handoff_id: str, when: float = 0.0) -> Claim:
+    got = backend.claim(handoff_id, at(when), LEASE)
+    assert got is not None, f"{handoff_id} could not be claimed"
+    return got
+
+
+def done(backend: Backend, held: Claim, when: float = 1.0, state: State = State.COMPLETED) -> bool:
+    """File a claim the way the engine does: record the transition, then finish."""
+    record(held.doc, "completed" if state is State.COMPLETED else "failed", at(when))
+    held.doc["status"] = state.status
+    return backend.finish(held, state, held.doc)
+
+
+def drain(backend: Backend, when: float = 0.0, targets: tuple[str, ...] = TARGETS) -> list[str]:
+    out = []
+    while (got := backend.claim_next(targets, at(when), LEASE)) is not None:
+        out.append(got.id)
+    return out
+
+
+def state_of(backend: Backend, handoff_id: str) -> State | None:
+    found = backend.get(handoff_id)
+    return None if found is None else found[0]
+
+
+# ---------------------------------------------------------------- create, get, list
+def test_implements_the_interface(backend: Backend) -> None:
+    assert isinstance(backend, Backend)
+
+
+def test_create_stores_a_pending_copy_with_bookkeeping(backend: Backend) -> None:
+    doc = request_doc("h1")
+    backend.create(doc, "h1", T0)
+    assert "handoffd" not in doc  # the caller's dict is left alone
+    state, stored = backend.get("h1")  # type: ignore[misc]
+    assert state is State.PENDING
+    assert stored["input"] == {"data": {"id": "h1"}}
+    assert book(stored)["id"] == "h1"
+    assert [e["event"] for e in book(stored)["history"]] == ["created"]
+    assert book(stored)["history"][0]["at"] == iso(T0)
+
+
+def test_create_never_overwrites_an_existing_id(backend: Backend) -> None:
+    add(backend, "h1")
+    with pytest.raises(DuplicateHandoff):
+        backend.create(request_doc("h1", "@b"), "h1", at(1))
+    assert done(backend, claim(backend, "h1"))
+    with pytest.raises(DuplicateHandoff):
+        add(backend, "h1", 2)
+    state, stored = backend.get("h1")  # type: ignore[misc]
+    assert state is State.COMPLETED and stored["target"] == {"agent_id": "@a"}
+
+
+def test_create_refuses_an_id_seen_within_the_ttl(backend: Backend) -> None:
+    backend.seen_add("used", T0)
+    with pytest.raises(DuplicateHandoff):
+        add(backend, "used", 60)
+    assert backend.get("used") is None
+    add(backend, "used", 2 * 3600)  # the TTL (one hour by default) has passed
+
+
+def test_get_unknown_is_none(backend: Backend) -> None:
+    assert backend.get("nope") is None
+
+
+def _populate(backend: Backend) -> None:
+    add(backend, "p1", 1, "@a", conversation="c1")
+    add(backend, "p2", 2, "@b", conversation="c1", parent="p1")
+    add(backend, "p3", 3, "@a", parent="p1", priority="critical")
+    add(backend, "p4", 4, "@b")
+    assert done(backend, claim(backend, "p4", 5), 6)
+
+
+def test_list_filters(backend: Backend) -> None:
+    _populate(backend)
+    ids = lambda **kw: sorted(r.id for r in backend.list(**kw))  # noqa: E731
+    assert ids() == ["p1", "p2", "p3", "p4"]
+    assert ids(state=State.PENDING) == ["p1", "p2", "p3"]
+    assert ids(state=State.COMPLETED) == ["p4"]
+    assert ids(state=State.FAILED) == []
+    assert ids(target="@b") == ["p2", "p4"]
+    assert ids(conversation="c1") == ["p1", "p2"]
+    assert ids(parent="p1") == ["p2", "p3"]
+    assert ids(parent="p1", target="@a") == ["p3"]
+    assert ids(since=at(3)) == ["p3", "p4"]  # p4 was updated at 6
+    row = next(r for r in backend.list() if r.id == "p3")
+    assert (row.state, row.meta.target, row.meta.priority, row.due_at) == (State.PENDING, "@a", 0,
+                                                                           at(3))
+
+
+def test_list_orders_and_limits(backend: Backend) -> None:
+    _populate(backend)
+    assert [r.id for r in backend.list(order="newest")] == ["p4", "p3", "p2", "p1"]
+    assert [r.id for r in backend.list(order="oldest")] == ["p1", "p2", "p3", "p4"]
+    assert [r.id for r in backend.list(order="newest", limit=2)] == ["p4", "p3"]
+    assert [r.id for r in backend.list(state=State.PENDING, order="due")] == ["p3", "p1", "p2"]
+    assert backend.list(limit=0) == []
+
+
+# ---------------------------------------------------------------- claiming
+def test_claim_next_by_priority_then_due_time(backend: Backend) -> None:
+    add(backend, "low", 0, priority="low")
+    add(backend, "normal-late", 2)
+    add(backend, "critical", 3, priority="critical")
+    add(backend, "normal-early", 1, "@b")
+    assert drain(backend, 10) == ["critical", "normal-early", "normal-late", "low"]
+
+
+def test_claim_next_serves_only_the_given_targets(backend: Backend) -> None:
+    add(backend, "for-a", 0, "@a")
+    add(backend, "for-b", 1, "@b")
+    assert backend.claim_next(["@c"], at(5), LEASE) is None
+    assert drain(backend, 5, ("@b",)) == ["for-b"]
+    assert drain(backend, 5, ("@a", "@c")) == ["for-a"]
+
+
+def test_claim_next_skips_not_yet_due_and_excluded(backend: Backend) -> None:
+    add(backend, "h1")
+    add(backend, "h2", 1)
+    first = claim(backend, "h1")
+    assert backend.requeue(first, first.doc, at(60), count_attempt=True)
+    assert backend.claim_next(TARGETS, at(10), LEASE, exclude={"h2"}) is None
+    assert drain(backend, 10) == ["h2"]
+    assert backend.claim_next(TARGETS, at(59), LEASE) is None
+    again = backend.claim_next(TARGETS, at(60), LEASE)
+    assert again is not None and (again.id, again.attempt) == ("h1", 2)
+    assert "next_attempt_at" not in book(again.doc)
+
+
+def test_claim_by_id_holds_a_lease(backend: Backend) -> None:
+    add(backend, "h1")
+    held = claim(backend, "h1", 5)
+    assert (held.id, held.attempt) == ("h1", 1)
+    state, stored = backend.get("h1")  # type: ignore[misc]
+    assert state is State.IN_PROGRESS
+    lease = book(stored)["lease"]
+    assert lease["token"] == held.token and lease["expires_at"] == iso(at(5 + LEASE))
+    assert [e["event"] for e in book(stored)["history"]] == ["created", "claimed"]
+    assert backend.claim("h1", at(6), LEASE) is None
+    assert backend.claim("nope", at(6), LEASE) is None
+    assert backend.claim_next(TARGETS, at(6), LEASE) is None
+
+
+def test_claim_by_id_ignores_the_due_time(backend: Backend) -> None:
+    add(backend, "h1")
+    held = claim(backend, "h1")
+    assert backend.requeue(held, held.doc, at(3600), count_attempt=True)
+    assert claim(backend, "h1", 1).attempt == 2
+
+
+def test_prepare_marks_the_claimed_document(backend: Backend) -> None:
+    add(backend, "h1")
+
+    def mark(doc: dict[str, Any]) -> None:
+        doc["status"] = "in_progress"
+
+    held = backend.claim_next(TARGETS, at(1), LEASE, prepare=mark)
+    assert held is not None and held.doc["status"] == "in_progress"
+    assert backend.get("h1")[1]["status"] == "in_progress"  # type: ignore[index]
+
+
+def test_concurrent_claim_next_never_hands_out_an_id_twice(backend: Backend) -> None:
+    for n in range(40):
+        add(backend, f"c{n:02d}", n % 5, TARGETS[n % 2])
+    start = threading.Barrier(8)
+    got: list[list[str]] = [[] for _ in range(8)]
+
+    def worker(mine: list[str]) -> None:
+        start.wait()
+        mine.extend(drain(backend, 10))
+
+    threads = [threading.Thread(target=worker, args=(got[i],)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    claimed = [i for mine in got for i in mine]
+    assert len(claimed) == 40 and len(set(claimed)) == 40
+    assert all(state_of(backend, f"c{n:02d}") is State.IN_PROGRESS for n in range(40))
+
+
+# ---------------------------------------------------------------- leases and fencing
+def test_renew_extends_the_lease(backend: Backend) -> None:
+    add(backend, "h1")
+    held = claim(backend, "h1")
+    assert backend.renew(held, at(20), LEASE)
+    assert book(backend.get("h1")[1])["lease"]["expires_at"] == iso(at(50))  # type: ignore[index]
+    assert backend.expired_claims(at(40), LEASE) == []
+    assert [c.id for c in backend.expired_claims(at(51), LEASE)] == ["h1"]
+
+
+def test_finish_files_once(backend: Backend) -> None:
+    add(backend, "h1")
+    held = claim(backend, "h1")
+    assert done(backend, held, 2)
+    state, stored = backend.get("h1")  # type: ignore[misc]
+    assert state is State.COMPLETED and stored["status"] == "completed"
+    assert "lease" not in book(stored)
+    assert not done(backend, held, 3, State.FAILED)  # a claim finishes at most once
+    assert not backend.renew(held, at(3), LEASE)
+    assert state_of(backend, "h1") is State.COMPLETED
+
+
+def test_finish_only_files_terminal_states(backend: Backend) -> None:
+    add(backend, "h1")
+    held = claim(backend, "h1")
+    with pytest.raises(InvalidTransition):
+        backend.finish(held, State.PENDING, held.doc)
+    assert state_of(backend, "h1") is State.IN_PROGRESS
+
+
+def test_a_claim_lost_to_a_requeue_files_nothing(backend: Backend) -> None:
+    add(backend, "h1")
+    stale = claim(backend, "h1")
+    assert backend.requeue(stale, stale.doc, None, count_attempt=False)
+    assert not done(backend, stale, 2)
+    assert not backend.requeue(stale, stale.doc, None, count_attempt=True)
+    assert state_of(backend, "h1") is State.PENDING
+    fresh = claim(backend, "h1", 3)
+    assert not done(backend, stale, 4)
+    assert not backend.renew(stale, at(4), LEASE)
+    assert state_of(backend, "h1") is State.IN_PROGRESS
+    assert done(backend, fresh, 5, State.FAILED)
+    assert state_of(backend, "h1") is State.FAILED
+
+
+def test_a_claim_lost_to_recovery_files_nothing(backend: Backend) -> None:
+    add(backend, "h1")
+    stale = claim(backend, "h1")
+    assert backend.expired_claims(at(LEASE - 1), LEASE) == []
+    taken = backend.expired_claims(at(LEASE + 1), LEASE)
+    assert len(taken) == 1
+    recovered = taken[0]
+    assert recovered.id == "h1" and recovered.token != stale.token
+    assert recovered.attempt == stale.attempt == 1 and recovered.recovered
+    assert backend.expired_claims(at(LEASE + 2), LEASE) == []  # held by the new lease now
+    assert not backend.renew(stale, at(LEASE + 2), LEASE)
+    assert not done(backend, stale, LEASE + 2)
+    assert state_of(backend, "h1") is State.IN_PROGRESS
+    record(recovered.doc, "retry_scheduled", at(LEASE + 3))
+    assert backend.requeue(recovered, recovered.doc, at(LEASE + 10), count_attempt=True)
+    assert not done(backend, stale, LEASE + 4)
+    assert claim(backend, "h1", LEASE + 11).attempt == 2
+
+
+def test_requeue_counts_the_attempt_or_gives_it_back(backend: Backend) -> None:
+    add(backend, "h1")
+    held = claim(backend, "h1")
+    assert backend.requeue(held, held.doc, None, count_attempt=False)  # a graceful hand-back
+    stored = backend.get("h1")[1]  # type: ignore[index]
+    assert book(stored)["attempt"] == 0 and "lease" not in book(stored)
+    assert "next_attempt_at" not in book(stored)
+    held = claim(backend, "h1", 1)
+    assert held.attempt == 1
+    assert backend.requeue(held, held.doc, at(5), count_attempt=True)
+    assert book(backend.get("h1")[1])["next_attempt_at"] == iso(at(5))  # type: ignore[index]
+    assert claim(backend, "h1", 6).attempt == 2
+
+
+def test_a_requeue_without_due_time_keeps_its_place_in_line(backend: Backend) -> None:
+    add(backend, "first", 0)
+    add(backend, "second", 1)
+    held = backend.claim_next(TARGETS, at(2), LEASE)
+    assert held is not None and held.id == "first"
+    assert backend.requeue(held, held.doc, None, count_attempt=False)
+    assert drain(backend, 3) == ["first", "second"]
+
+
+def test_expired_claims_leaves_live_leases_alone(backend: Backend) -> None:
+    add(backend, "h1")
+    add(backend, "h2")
+    claim(backend, "h1", 0)
+    late = claim(backend, "h2", 20)
+    taken = backend.expired_claims(at(LEASE + 5), LEASE)
+    assert [c.id for c in taken] == ["h1"]
+    assert backend.renew(late, at(LEASE + 5), LEASE)
+
+
+# ---------------------------------------------------------------- side records
+def test_cancel_requests(backend: Backend) -> None:
+    assert backend.cancel_requests() == {} and backend.cancel_request("h1") is None
+    backend.request_cancel("h1", {"reason": "not needed", "cascade": False})
+    backend.request_cancel("h2", {"reason": "first"})
+    backend.request_cancel("h2", {"reason": "second"})
+    assert backend.cancel_request("h1") == {"reason": "not needed", "cascade": False}
+    assert backend.cancel_requests() == {"h1": {"reason": "not needed", "cascade": False},
+                                         "h2": {"reason": "second"}}
+    backend.clear_cancel("h1")
+    backend.clear_cancel("h1")
+    assert backend.cancel_request("h1") is None and list(backend.cancel_requests()) == ["h2"]
+
+
+def test_seen_ids_expire_after_the_ttl(backend: Backend) -> None:
+    assert not backend.seen_contains("x", T0)
+    backend.seen_add("x", T0)
+    assert backend.seen_contains("x", at(10))
+    assert not backend.seen_contains("x", at(2 * 3600))
+    add(backend, "y", 5)  # creating records the id too
+    assert backend.seen_contains("y", at(6))
+
+
+# ---------------------------------------------------------------- waiting and wake-ups
+def test_wait_terminal(backend: Backend) -> None:
+    with pytest.raises(NotFound):
+        backend.wait_terminal("nope", 0.01)
+    add(backend, "h1")
+    with pytest.raises(WaitTimeout):
+        backend.wait_terminal("h1", 0.05)
+    held = claim(backend, "h1")
+    result: list[tuple[State, dict[str, Any]]] = []
+    waiter = threading.Thread(target=lambda: result.append(backend.wait_terminal("h1", 10)))
+    waiter.start()
+    assert done(backend, held, 2, State.FAILED)
+    waiter.join(timeout=10)
+    assert result and result[0][0] is State.FAILED
+    assert backend.wait_terminal("h1", 0)[0] is State.FAILED
+
+
+def test_wakeups_fire_on_create_finish_requeue_and_cancel(backend: Backend) -> None:
+    seen: list[Wakeup] = []
+    lock = threading.Lock()
+
+    def hear(wakeup: Wakeup) -> None:
+        with lock:
+            seen.append(wakeup)
+
+    stop = backend.subscribe(hear)
+    add(backend, "h1")
+    held = claim(backend, "h1")
+    assert backend.requeue(held, held.doc, None, count_attempt=False)
+    assert done(backend, claim(backend, "h1", 1), 2)
+    backend.request_cancel("h2", {"reason": "x"})
+    with lock:
+        kinds = {(w.handoff_id, w.kind) for w in seen}
+    assert {("h1", "pending"), ("h1", "completed"), ("h2", "cancel")} <= kinds
+    stop()
+    with lock:
+        before = len(seen)
+    add(backend, "h3")
+    with lock:
+        assert not any(w.handoff_id == "h3" for w in seen[before:])
+
+
+# ---------------------------------------------------------------- files only
+def test_files_wakeups_include_other_processes_writes(tmp_path: Path) -> None:
+    mine = FilesBackend.open(Workspace(tmp_path), durable=False)
+    other = FilesBackend.open(Workspace(tmp_path), durable=False, watch=False)
+    heard = threading.Event()
+    stop = mine.subscribe(lambda w: heard.set() if (w.handoff_id, w.kind) == ("x1", "pending")
+                          else None)
+    try:
+        add(other, "x1")
+        assert heard.wait(5), "no wake-up for a document another writer created"
+    finally:
+        stop()
+        mine.close()
+
+
+def test_files_a_dead_owners_claim_is_taken_over_at_once(tmp_path: Path) -> None:
+    """On this host a free claim lock proves the owner died: no need to wait for the lease."""
+    backend = FilesBackend.open(Workspace(tmp_path), durable=False, watch=False)
+    add(backend, "h1")
+    held = claim(backend, "h1")
+    held.handle.lock.release(force=True)  # as the kernel does when the owner dies
+    taken = backend.expired_claims(at(1), LEASE)
+    assert [c.id for c in taken] == ["h1"] and "gone" in (taken[0].recovered or "")
+    assert not done(backend, held, 2)
+    assert done(backend, taken[0], 3, State.FAILED)
+
+
+def test_files_another_owners_expired_lease_needs_a_watched_lease_period(tmp_path: Path) -> None:
+    """A lease this process did not write counts as expired only after it watched it unrenewed
+    for a whole lease period on its monotonic clock (a stepped wall clock cannot end it)."""
+    ticks = itertools.chain([0.0, 10.0], itertools.repeat(LEASE + 1))
+    owner = FilesBackend.open(Workspace(tmp_path), durable=False, watch=False)
+    sweeper = FilesBackend.open(Workspace(tmp_path), durable=False, watch=False,
+                                monotonic=lambda: next(ticks))
+    add(owner, "h1")
+    held = claim(owner, "h1")  # kept: its claim lock says the owner is alive
+    assert sweeper.expired_claims(at(3600), LEASE) == []  # first sight: starts the watch
+    assert sweeper.expired_claims(at(3600), LEASE) == []  # 10 s watched: not yet
+    assert [c.id for c in sweeper.expired_claims(at(3600), LEASE)] == ["h1"]
+    assert not owner.renew(held, at(3600), LEASE)
