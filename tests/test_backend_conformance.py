@@ -5,6 +5,7 @@ A PostgreSQL backend joins by adding its name to BACKENDS and a branch to ``make
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -449,3 +450,19 @@ def test_files_another_owners_expired_lease_needs_a_watched_lease_period(tmp_pat
     assert sweeper.expired_claims(at(3600), LEASE) == []  # 10 s watched: not yet
     assert [c.id for c in sweeper.expired_claims(at(3600), LEASE)] == ["h1"]
     assert not owner.renew(held, at(3600), LEASE)
+
+
+def test_files_claim_next_takes_raw_documents_and_skips_unreadable_ones(tmp_path: Path) -> None:
+    """Agents that only write files drop raw documents into pending/ (no bookkeeping, any
+    time); a file that is not a document never stops the others from being claimed."""
+    ws = Workspace(tmp_path)
+    backend = FilesBackend.open(ws, durable=False, watch=False)
+    (ws.state_dir(State.PENDING) / "junk.json").write_text("{not json")
+    (ws.state_dir(State.PENDING) / "notes.txt").write_text("hello")
+    raw = request_doc("raw-1", priority="high")
+    (ws.state_dir(State.PENDING) / "raw-1.json").write_text(json.dumps(raw))
+    add(backend, "made-1", 0)
+    now = datetime.now(timezone.utc) + timedelta(seconds=5)  # a raw file is due from its mtime
+    assert drain(backend, (now - T0).total_seconds()) == ["raw-1", "made-1"]
+    assert state_of(backend, "raw-1") is State.IN_PROGRESS
+    assert (ws.state_dir(State.PENDING) / "junk.json").exists()

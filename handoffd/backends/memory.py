@@ -85,11 +85,11 @@ class MemoryBackend(Backend):
                    prepare: Callable[[Doc], None] | None = None) -> Claim | None:
         wanted = set(targets)
         with self._lock:
-            due = [r for i, e in self._entries.items() if e.state is State.PENDING
-                   and i not in exclude and (r := e.row(i, self.describe)).meta.target in wanted
-                   and r.due_at <= now]
-            due.sort(key=lambda r: (r.meta.priority, r.due_at, r.id))
-            return self._claim_locked(due[0].id, now, lease_seconds, prepare) if due else None
+            due = [(meta.priority, when, i) for i, e in self._entries.items()
+                   if e.state is State.PENDING and i not in exclude
+                   and (meta := safe_describe(self.describe, e.doc)).target in wanted
+                   and (when := due_of(e.doc, e.created_at)) <= now]
+            return self._claim_locked(min(due)[2], now, lease_seconds, prepare) if due else None
 
     def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
               prepare: Callable[[Doc], None] | None = None) -> Claim | None:
