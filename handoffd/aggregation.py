@@ -65,11 +65,11 @@ def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
                          error={"code": "DEPENDENCY_MISSING", "message": "child handoff is missing"})
     except OSError:  # unreadable for now (permissions, disk): keep waiting
         return ChildInfo(handoff_id, "unreadable", None)
-    target = doc.get("target") if isinstance(doc.get("target"), dict) else {}
+    target = given if isinstance(given := doc.get("target"), dict) else {}
     info = ChildInfo(handoff_id, state.value, None, specialist=target.get("agent_id"))
     if not state.terminal:
         return info
-    error = doc.get("error") if isinstance(doc.get("error"), dict) else None
+    error = given if isinstance(given := doc.get("error"), dict) else None
     if state is State.COMPLETED:
         info.status = "partial" if doc.get("status") == "partial" else "success"
         info.finished_at = doc.get("completed_at")
@@ -79,7 +79,7 @@ def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
                        else "timeout" if code == "TIMEOUT" else "failed")
         info.finished_at = doc.get("failed_at")
     info.output = doc.get("output")
-    info.artifacts = doc.get("artifacts") if isinstance(doc.get("artifacts"), list) else []
+    info.artifacts = given if isinstance(given := doc.get("artifacts"), list) else []
     info.error = error
     info.confidence = _confidence(doc, info.status)
     return info
@@ -125,7 +125,7 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
         return Outcome(status="delegated", started_at=started, finished_at=engine.clock(),
                        extra={"park": {"kind": "rewait"}})
     strategy = str(wait.get("aggregation", "all_success"))
-    weights = wait.get("weights") if isinstance(wait.get("weights"), dict) else {}
+    weights = given if isinstance(given := wait.get("weights"), dict) else {}
     stopped: set[str] = set()
     open_ = [i for i in infos if i.status is None]
     if open_:
@@ -151,7 +151,7 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     confidence = (sum(float(weights.get(i.handoff_id, 1.0)) * i.confidence for i in counted)
                   / total_weight) if total_weight > 0 else 0.0
     confidence = round(confidence, 4)
-    aggregated = {
+    aggregated: dict[str, Any] = {
         "strategy_used": strategy,
         "child_outcomes": [{"message_id": i.handoff_id, "status": i.status or "failed",
                             "confidence": round(i.confidence, 4), "specialist": i.specialist or ""}

@@ -158,7 +158,7 @@ def partial_results(job: "Job", outcome: Outcome) -> Outcome:
     error = outcome.error if isinstance(outcome.error, dict) else None
     if outcome.status != "cancelled" or error is None:
         return outcome
-    details = error.get("details") if isinstance(error.get("details"), dict) else {}
+    details = given if isinstance(given := error.get("details"), dict) else {}
     partial: Any = job.context.extra.get("partial")
     text = details.pop("partial_stdout", None)
     if not details:
@@ -224,14 +224,14 @@ def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: 
         if state is State.IN_PROGRESS:
             write_request(engine.ws, handoff_id, reason=reason, cascade=cascade, by=by, via=via,
                           now=engine.clock())
-            lease = book(doc).get("lease") if isinstance(book(doc).get("lease"), dict) else {}
-            owner = lease.get("owner") if isinstance(lease.get("owner"), dict) else {}
+            lease = given if isinstance(given := book(doc).get("lease"), dict) else {}
+            owner = given if isinstance(given := lease.get("owner"), dict) else {}
             where = f" on {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
             return CancelResult(handoff_id, "requested", state.value,
                                 f"running{where}; its daemon stops the handler", owner)
-        where = _cancel_pending(engine, handoff_id, reason=reason, by=by)
-        if where is not None:
-            return CancelResult(handoff_id, "cancelled", where.value, "was pending")
+        filed = _cancel_pending(engine, handoff_id, reason=reason, by=by)
+        if filed is not None:
+            return CancelResult(handoff_id, "cancelled", filed.value, "was pending")
     # it keeps moving: leave a request so whoever holds it cancels it
     write_request(engine.ws, handoff_id, reason=reason, cascade=cascade, by=by, via=via,
                   now=engine.clock())

@@ -513,7 +513,7 @@ def worker_envelope(engine: "Engine", handoff_id: str) -> dict[str, Any]:
 
     state, doc = engine.store.get(handoff_id)
     block = book(doc)
-    request = block.get("request_snapshot") if isinstance(block.get("request_snapshot"), dict) else doc
+    request = given if isinstance(given := block.get("request_snapshot"), dict) else doc
     try:
         env = dialects.detect(doc).envelope(doc)
     except (InvalidDocument, KeyError) as exc:
@@ -525,8 +525,8 @@ def worker_envelope(engine: "Engine", handoff_id: str) -> dict[str, Any]:
                             handoff_id=handoff_id)
     contract = {"task_id": env.contract.get("task_id") or handoff_id}
     contract.update({k: v for k, v in env.contract.items() if k != "task_id"})
-    context = request.get("context") if isinstance(request.get("context"), dict) else {}
-    escalation = request.get("escalation") if isinstance(request.get("escalation"), dict) else {}
+    context = given if isinstance(given := request.get("context"), dict) else {}
+    escalation = given if isinstance(given := request.get("escalation"), dict) else {}
     return {"handoff_id": handoff_id, "state": state.value, "worker": env.target,
             "from": env.source, "contract": contract, "context": context, "escalation": escalation}
 

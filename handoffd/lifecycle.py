@@ -390,7 +390,7 @@ class Engine:
         if interpret is not None:  # a status a feature owns (e.g. delegated: parked by its filer)
             return interpret(job, result, started)
         if status == "failed":
-            error = result.get("error") if isinstance(result.get("error"), dict) else {}
+            error = given if isinstance(given := result.get("error"), dict) else {}
             return self.failure(started, str(error.get("code") or "PROCESSING_ERROR"),
                                 str(error.get("message") or "specialist reported failure"),
                                 retryable=error.get("retryable"), result=result)

@@ -241,8 +241,8 @@ def creation_order(entries: list[dict[str, Any]]) -> list[int] | None:
 
 def _clarification(job: "Job", result: dict[str, Any]) -> dict[str, Any]:
     questions: list[Any] = []
-    output = result.get("output") if isinstance(result.get("output"), dict) else {}
-    error = result.get("error") if isinstance(result.get("error"), dict) else {}
+    output = given if isinstance(given := result.get("output"), dict) else {}
+    error = given if isinstance(given := result.get("error"), dict) else {}
     for source in (result.get("questions"), output.get("questions")):
         if isinstance(source, list):
             questions.extend(q for q in source if isinstance(q, (str, dict)))
@@ -332,7 +332,7 @@ def is_parked(engine: "Engine", handoff_id: str) -> bool:
 
 def chain_step(doc: dict[str, Any]) -> int:
     """Seed 002's ``chain_position.step`` of a document (1 when absent)."""
-    for holder in (doc, doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}):
+    for holder in (doc, given if isinstance(given := doc.get("metadata"), dict) else {}):
         pos = holder.get("chain_position")
         if isinstance(pos, dict) and isinstance(pos.get("step"), int) and pos["step"] > 0:
             return pos["step"]
@@ -372,7 +372,7 @@ def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect
     step = chain_step(doc)
     deadline = parse_iso(info["deadline"])
     remaining = max((deadline - now).total_seconds(), 1.0)
-    base_context = doc.get("context") if isinstance(doc.get("context"), dict) else {}
+    base_context = given if isinstance(given := doc.get("context"), dict) else {}
     entries = info["delegate"]
     ids = [e["id"] if isinstance(e.get("id"), str) else child_id(parent, round_no, i)
            for i, e in enumerate(entries, start=1)]
@@ -487,7 +487,7 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
             entry[key] = awaiting[key]
     dialect = box[0]
     if dialect.name == "native":
-        inp = doc.get("input") if isinstance(doc.get("input"), dict) else {}
+        inp = given if isinstance(given := doc.get("input"), dict) else {}
         doc["input"] = inp
         inp.setdefault("clarifications", []).append(entry)
     else:

@@ -168,13 +168,13 @@ class Reservations:
         except FileNotFoundError:
             names = []
         for name in names:
-            record = self._read(self.released_dir / name)
-            if record is None or record["handoff_id"] == handoff_id:
+            found = self._read(self.released_dir / name)
+            if found is None or found["handoff_id"] == handoff_id:
                 continue
-            released = record.get("released_at")
+            released = found.get("released_at")
             if isinstance(released, (int, float)) and released < since:
                 continue
-            out.append(record)
+            out.append(found)
         return out
 
     # ------------------------------------------------------------ internals

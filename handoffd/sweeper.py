@@ -204,7 +204,7 @@ def judge_lease(engine: Engine, handoff_id: str, held: dict[str, Any],
       proves nothing; only an expiry older than ``CLOCK_TOLERANCE_SECONDS`` that this process has
       watched for a whole lease period counts.
     """
-    owner = held.get("owner") if isinstance(held.get("owner"), dict) else {}
+    owner = given if isinstance(given := held.get("owner"), dict) else {}
     same_host = owner.get("host") == socket.gethostname()
     if same_host:
         lock = try_lock(engine.store.ws.locks / f"{handoff_id}.{held['token']}.lock")
@@ -342,7 +342,7 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
         raise InvalidTransition(f"handoff {handoff_id} is {state.value}, not failed; only failed "
                                 "handoffs can be retried", handoff_id=handoff_id)
     block = book(doc)
-    error = (block.get("final_error") or (doc.get("error") if isinstance(doc.get("error"), dict) else None)
+    error = (block.get("final_error") or (given if isinstance(given := doc.get("error"), dict) else None)
              or block.get("last_error") or {})
     if block.get("retry_available", doc.get("retry_available")) is False and not force:
         raise InvalidTransition(

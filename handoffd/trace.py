@@ -76,8 +76,8 @@ def describe(entry: Entry) -> Node:
     from . import dialects
 
     doc = entry.doc
-    block = doc.get("handoffd") if isinstance(doc.get("handoffd"), dict) else {}
-    history = block.get("history") if isinstance(block.get("history"), list) else []
+    block = given if isinstance(given := doc.get("handoffd"), dict) else {}
+    history = given if isinstance(given := block.get("history"), list) else []
     target = source = None
     try:
         env = dialects.detect(doc).envelope(doc)
@@ -104,7 +104,7 @@ def describe(entry: Entry) -> Node:
         note = (f"{agg.get('strategy_used')}: {agg.get('aggregated_status')}, confidence "
                 f"{agg.get('aggregated_confidence')}")
     elif entry.state.value == "failed":
-        error = doc.get("error") if isinstance(doc.get("error"), dict) else {}
+        error = given if isinstance(given := doc.get("error"), dict) else {}
         if error:
             note = f"{error.get('code')}: {str(error.get('message', ''))[:80]}"
     return Node(entry.handoff_id, entry.state.value, status, target, source, parent_of(doc),
