@@ -175,3 +175,64 @@ def test_each_feature_can_be_left_out(tmp_path: Path) -> None:
         rest = tuple(f for key, f in FEATURES.items() if key != name)
         answer = _plain_run(tmp_path / name, rest)
         assert answer["output"] == {"echo": {"n": 1}}, name
+
+
+def test_a_feature_can_plug_into_the_daemon(tmp_path: Path) -> None:
+    """The daemon's plugin API, used by a feature the package does not know: a scan hook, a
+    message handler that files a document itself, and a filed hook."""
+    ws = Workspace(tmp_path)
+    ws.ensure()
+    config = Config()
+    registry = Registry()
+    registry.add_function("@echo", _echo, config=config)
+    scans: list[int] = []
+    filed: list[tuple[str, State]] = []
+
+    def is_ping(doc: dict[str, Any] | None) -> bool:
+        return isinstance(doc, dict) and doc.get("input") == {"data": {"ping": True}}
+
+    def answer_ping(engine: Any, handoff_id: str) -> State | None:
+        claimed = engine.claim(handoff_id)
+        if claimed is None:
+            return None
+        claim, dialect = claimed
+        outcome = engine.failure(engine.clock(), "CANCELLED", "pings are never run",
+                                 retryable=False)
+        return engine.file(claim, dialect, None, outcome)
+
+    def plugin(daemon: Any) -> None:
+        daemon.add_scan_hook(lambda: scans.append(1))
+        daemon.add_message_handler(is_ping, answer_ping)
+        daemon.add_filed_hook(lambda handoff_id, where: filed.append((handoff_id, where)))
+
+    def feature(engine: Any) -> None:
+        engine.daemon_plugins.append(plugin)
+
+    engine = build_engine(ws, config, registry, features=(feature,))
+    for handoff_id, data in (("ping-1", {"ping": True}), ("plain-2", {"n": 2})):
+        doc = new_native_request(source="@test", target="@echo", data=data, now=engine.clock(),
+                                 handoff_id=handoff_id)
+        engine.store.create(doc, handoff_id, now=engine.clock())
+    report = Daemon(engine, workers=1, watch=False).run_batch()
+    assert (report.completed, report.failed) == (1, 1), report.line()
+    assert scans
+    assert sorted(filed) == [("ping-1", State.FAILED), ("plain-2", State.COMPLETED)]
+    assert engine.store.get("ping-1")[1]["error"]["code"] == "CANCELLED"
+
+
+def test_without_the_context_feature_ctx_context_says_so(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    ws.ensure()
+    config = Config()
+    registry = Registry()
+    registry.add_function("@ctx", lambda handoff, ctx: {"status": "completed",
+                                                         "output": {"v": ctx.context.get("a/b")}},
+                          config=config)
+    engine = build_engine(ws, config, registry, features=())
+    doc = new_native_request(source="@test", target="@ctx", data={}, now=engine.clock(),
+                             handoff_id="ctx-1")
+    engine.store.create(doc, "ctx-1", now=engine.clock())
+    Daemon(engine, workers=1, watch=False).run_batch()
+    state, answer = engine.store.get("ctx-1")
+    assert state is State.FAILED
+    assert "context" in answer["error"]["message"]
