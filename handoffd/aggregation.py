@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import artifacts, cancellation
 from .documents import Outcome, book, record
-from .errors import HandoffdError, InvalidDocument, NotFound
+from .errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
 from .states import State
 from .timeutil import parse_iso
 
@@ -62,7 +62,7 @@ def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
         state, doc = engine.store.get(handoff_id)
     except (NotFound, InvalidDocument):
         return ChildInfo(handoff_id, "missing", "failed",
-                         error={"code": "DEPENDENCY_MISSING", "message": "child handoff is missing"})
+                         error={"code": ErrorCode.DEPENDENCY_MISSING, "message": "child handoff is missing"})
     except OSError:  # unreadable for now (permissions, disk): keep waiting
         return ChildInfo(handoff_id, "unreadable", None)
     target = given if isinstance(given := doc.get("target"), dict) else {}
@@ -75,8 +75,8 @@ def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
         info.finished_at = doc.get("completed_at")
     else:
         code = (error or {}).get("code")
-        info.status = ("cancelled" if doc.get("status") == "cancelled" or code == "CANCELLED"
-                       else "timeout" if code == "TIMEOUT" else "failed")
+        info.status = ("cancelled" if doc.get("status") == "cancelled" or code == ErrorCode.CANCELLED
+                       else "timeout" if code == ErrorCode.TIMEOUT else "failed")
         info.finished_at = doc.get("failed_at")
     info.output = doc.get("output")
     info.artifacts = given if isinstance(given := doc.get("artifacts"), list) else []
@@ -206,7 +206,7 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     warnings = [_child_error(i) for i in failed_children]
     now = engine.clock()
     if status == "failed":
-        outcome = engine.failure(first_start, "CHILDREN_FAILED",
+        outcome = engine.failure(first_start, ErrorCode.CHILDREN_FAILED,
                                  f"handoff {job.handoff_id}: {summary}" + (f": {details}" if details else ""),
                                  retryable=False)
         outcome.output, outcome.metadata, outcome.warnings = output, metadata, warnings
@@ -216,7 +216,7 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
                           started_at=first_start, finished_at=now, output=output,
                           artifacts=records, metadata=metadata, warnings=warnings)
         if status == "partial":
-            outcome.error = {"code": "PARTIAL_COMPLETION", "message": details or summary,
+            outcome.error = {"code": ErrorCode.PARTIAL_COMPLETION, "message": details or summary,
                              "retryable": True}
     outcome.extra = extra
     outcome.executed_by = job.specialist.agent

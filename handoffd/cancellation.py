@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from . import fsio
 from .documents import Envelope, Outcome, actor, book, book_int, check_id
-from .errors import (DocumentNotReady, HandlerError, InvalidDocument,
+from .errors import (DocumentNotReady, ErrorCode, HandlerError, InvalidDocument,
                      NotFound)
 from .lifecycle import Verdict
 from .lineage import descendants
@@ -141,7 +141,7 @@ def cancel_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict
     body = read_request(engine.ws, env.handoff_id)
     if body is None:
         return None
-    return Verdict.fail("CANCELLED", f"handoff {env.handoff_id} cancelled: {_reason(body)}")
+    return Verdict.fail(ErrorCode.CANCELLED, f"handoff {env.handoff_id} cancelled: {_reason(body)}")
 
 
 def check_before_run(job: "Job") -> None:
@@ -150,7 +150,7 @@ def check_before_run(job: "Job") -> None:
     if os.path.exists(requests_dir(ws) / f"{job.handoff_id}.json"):
         body = read_request(ws, job.handoff_id)
         raise HandlerError(f"handoff {job.handoff_id} cancelled: {_reason(body)}",
-                           handoff_id=job.handoff_id, code="CANCELLED", retryable=False)
+                           handoff_id=job.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
 
 
 def partial_results(job: "Job", outcome: Outcome) -> Outcome:
@@ -259,7 +259,7 @@ def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) 
         spec = engine.registry.get(dialect.envelope(claim.doc).target)
     except InvalidDocument:
         spec = None
-    outcome = engine.failure(now, "CANCELLED", f"handoff {handoff_id} cancelled by {by}: {reason}",
+    outcome = engine.failure(now, ErrorCode.CANCELLED, f"handoff {handoff_id} cancelled by {by}: {reason}",
                              retryable=False)
     return engine.file(claim, dialect, spec, outcome)
 
@@ -315,7 +315,7 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
     doc = claim.doc
     if claim.prior_revision == 0:  # raw: never handled by handoffd
         if engine.store.seen.contains(handoff_id, now):
-            engine.set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
+            engine.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
                                    f"message id {handoff_id} was already used recently")
             return None
         engine.store.seen.add(handoff_id, now)
@@ -329,7 +329,7 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
     if errors:
         first = errors[0]
         return engine.file(claim, dialect, None, engine.failure(
-            now, "SCHEMA_VALIDATION_FAILED", f"cancellation message {handoff_id} is invalid: "
+            now, ErrorCode.SCHEMA_VALIDATION_FAILED, f"cancellation message {handoff_id} is invalid: "
             f"{first['field']}: {first['error']}", errors=errors))
     payload = doc["payload"]
     target = payload["target_message_id"]
@@ -340,7 +340,7 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
         results = cancel(engine, target, reason=reason, cascade=cascade, by=str(source),
                          via=f"message:{handoff_id}")
     except NotFound:
-        outcome = engine.failure(now, "TARGET_NOT_FOUND", f"cancellation {handoff_id}: no handoff "
+        outcome = engine.failure(now, ErrorCode.TARGET_NOT_FOUND, f"cancellation {handoff_id}: no handoff "
                                  f"{target} in this workspace", retryable=False)
         return engine.file(claim, dialect, None, outcome)
     except InvalidDocument as exc:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import criteria as criteria_mod
 from . import patterns, violations
 from .documents import Envelope, Outcome, book
-from .errors import HandlerError, HandoffdError, InvalidDocument
+from .errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
 from .gates import Verdict
 from .reservations import Reservations
 from .snapshots import MODES, Change, Snapshot, Snapshotter
@@ -102,7 +102,7 @@ class Contract:
 
 def _invalid(handoff_id: str, message: str) -> InvalidDocument:
     return InvalidDocument(f"handoff {handoff_id}: {message}", handoff_id=handoff_id,
-                           code="SCHEMA_VALIDATION_FAILED")
+                           code=ErrorCode.SCHEMA_VALIDATION_FAILED)
 
 
 def parse(env: Envelope) -> Contract | None:
@@ -227,7 +227,7 @@ class Enforcer:
                 log.info("handoff %s: %s; handed back to pending/", job.handoff_id, conflict.reason())
                 raise HandlerError(f"handoff {job.handoff_id}: {conflict.reason()}; handed back to "
                                    "pending/ (no attempt counted)", handoff_id=job.handoff_id,
-                                   code="OWNERSHIP_CONFLICT", retryable=True)
+                                   code=ErrorCode.OWNERSHIP_CONFLICT, retryable=True)
             run.reserved = True
         job.context.extra[STATE_KEY] = run  # from here on, the after hook releases
         if contract.checks_scope:
@@ -259,7 +259,7 @@ class Enforcer:
     def rejected(self, job: "Job", code: str, message: str) -> None:
         """Engine listener: log ``dependency_missing`` when the dependencies gate fails a
         handoff that carries a contract."""
-        if code != "DEPENDENCY_MISSING" or job.envelope.contract is None:
+        if code != ErrorCode.DEPENDENCY_MISSING or job.envelope.contract is None:
             return
         try:
             contract = parse(job.envelope)
@@ -281,7 +281,7 @@ class Enforcer:
         except Exception as exc:  # a checking fault must not let unchecked work complete
             log.exception("handoff %s: contract check failed", job.handoff_id)
             return dataclasses.replace(outcome, status="failed", finished_at=self.engine.clock(),
-                                       error={"code": "PROCESSING_ERROR", "retryable": True,
+                                       error={"code": ErrorCode.PROCESSING_ERROR, "retryable": True,
                                               "message": f"handoff {job.handoff_id}: the contract "
                                                          f"check failed: {type(exc).__name__}: {exc}"})
         finally:
@@ -418,12 +418,12 @@ class Enforcer:
         if fatal:
             listed = "; ".join(v["message"] for v in fatal[:MESSAGE_FILES])
             more = f" (and {len(fatal) - MESSAGE_FILES} more)" if len(fatal) > MESSAGE_FILES else ""
-            return self._fail(new, "CONTRACT_VIOLATION",
+            return self._fail(new, ErrorCode.CONTRACT_VIOLATION,
                               f"handoff {job.handoff_id} broke its contract: {listed}{more}",
                               found.violations)
         if failed_criteria:
             listed = "; ".join(v["message"] for v in failed_criteria)
-            return self._fail(new, "VALIDATION_FAILED",
+            return self._fail(new, ErrorCode.VALIDATION_FAILED,
                               f"handoff {job.handoff_id}: success criteria failed: {listed}",
                               found.violations)
         return new

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import dialects
 from .documents import Envelope
-from .errors import InvalidDocument, NotFound
+from .errors import ErrorCode, InvalidDocument, NotFound
 from .lifecycle import Engine, Gate, Verdict  # Gate and Verdict are the core's; re-exported
 from .states import State
 
@@ -32,18 +32,18 @@ def dependencies_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> V
         return None
     cycle = find_cycle(engine, env.handoff_id, env.depends_on)
     if cycle:
-        return Verdict.fail("DEPENDENCY_MISSING", f"handoff {env.handoff_id} depends on itself "
+        return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on itself "
                             f"through {' -> '.join(cycle)}; break the cycle")
     waiting = []
     for dep in env.depends_on:
         try:
             state, dep_doc = engine.store.get(dep)
         except (NotFound, InvalidDocument):
-            return Verdict.fail("DEPENDENCY_MISSING", f"handoff {env.handoff_id} depends on {dep}, "
+            return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on {dep}, "
                                 "which does not exist; create it first")
         if state is State.FAILED:
             status = dep_doc.get("status", "failed")
-            return Verdict.fail("DEPENDENCY_MISSING", f"handoff {env.handoff_id} depends on {dep}, "
+            return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on {dep}, "
                                 f"which {status if status != 'failed' else 'failed'}; retry {dep} first")
         if state is not State.COMPLETED:
             waiting.append(f"{dep} ({state.value})")
@@ -81,11 +81,11 @@ def check_new_dependencies(engine: "Engine", handoff_id: str, deps: list[str]) -
     for dep in deps:
         if dep == handoff_id:
             raise InvalidDocument(f"handoff {handoff_id} cannot depend on itself",
-                                  handoff_id=handoff_id, code="DEPENDENCY_MISSING")
+                                  handoff_id=handoff_id, code=ErrorCode.DEPENDENCY_MISSING)
         if not engine.store.locate(dep):
             raise InvalidDocument(f"handoff {handoff_id} depends on {dep}, which does not exist; "
-                                  "create it first", handoff_id=handoff_id, code="DEPENDENCY_MISSING")
+                                  "create it first", handoff_id=handoff_id, code=ErrorCode.DEPENDENCY_MISSING)
     cycle = find_cycle(engine, handoff_id, deps)
     if cycle:
         raise InvalidDocument(f"dependency cycle: {' -> '.join(cycle)}", handoff_id=handoff_id,
-                              code="DEPENDENCY_MISSING")
+                              code=ErrorCode.DEPENDENCY_MISSING)

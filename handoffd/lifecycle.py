@@ -22,7 +22,7 @@ from . import dialects
 from .config import Config, RetryPolicy
 from .dialects import Dialect, FiledState
 from .documents import Envelope, Outcome, book, book_int, check_id, next_attempt_at, record
-from .errors import (ConfigError, DuplicateHandoff, HandlerError,
+from .errors import (ConfigError, DuplicateHandoff, ErrorCode, HandlerError,
                      InvalidDocument)
 from .runner import run_command, run_python
 from .specialists import HandlerContext, Registry, Specialist
@@ -35,9 +35,9 @@ from .workspace import Workspace
 log = logging.getLogger("handoffd")
 MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0
 PERMANENT_CODES = frozenset({
-    "SCHEMA_VALIDATION_FAILED", "VALIDATION_FAILED", "CONTRACT_VIOLATION", "CANCELLED",
-    "DEPENDENCY_MISSING", "INVALID_DOCUMENT", "UNSAFE_ID", "UNKNOWN_VERSION", "NEEDS_CLARIFICATION",
-    "BLOCKED", "NO_SPECIALIST",
+    ErrorCode.SCHEMA_VALIDATION_FAILED, ErrorCode.VALIDATION_FAILED, ErrorCode.CONTRACT_VIOLATION,
+    ErrorCode.CANCELLED, ErrorCode.DEPENDENCY_MISSING, ErrorCode.INVALID_DOCUMENT, ErrorCode.UNSAFE_ID,
+    ErrorCode.UNKNOWN_VERSION, ErrorCode.NEEDS_CLARIFICATION, ErrorCode.BLOCKED,
 })
 
 
@@ -187,7 +187,7 @@ class Engine:
             claim = self.store.claim(handoff_id, lease_seconds=self.settings.lease_seconds,
                                      now=now, on_claim=on_claim)
         except DuplicateHandoff as exc:
-            self._set_aside(self.store.path(State.PENDING, handoff_id), "DUPLICATE_HANDOFF_ID",
+            self._set_aside(self.store.path(State.PENDING, handoff_id), ErrorCode.DUPLICATE_HANDOFF_ID,
                             str(exc), handoff_id, stub=False)
             return None
         except InvalidDocument as exc:
@@ -214,13 +214,13 @@ class Engine:
         try:
             check_id(handoff_id)  # the file name itself; `handoff show` could not reach it otherwise
         except InvalidDocument as exc:
-            self.set_aside_claim(claim, "UNSAFE_ID", f"file pending/{handoff_id}.json: {exc}")
+            self.set_aside_claim(claim, ErrorCode.UNSAFE_ID, f"file pending/{handoff_id}.json: {exc}")
             return None
         if not self._resolve_copies(claim):
             return None
         if claim.prior_revision == 0:  # a raw document from a foreign producer
             if self.store.seen.contains(handoff_id, now):
-                self.set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
+                self.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
                                      f"handoff id {handoff_id} was already used recently; "
                                      "a second document never re-runs the first")
                 return None
@@ -230,11 +230,11 @@ class Engine:
             if doc_id != handoff_id:
                 raise InvalidDocument(
                     f"file pending/{handoff_id}.json carries handoff id {str(doc_id)[:80]!r}; the "
-                    "file name must be the id", handoff_id=handoff_id, code="ID_MISMATCH")
+                    "file name must be the id", handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
             self._validate_document(dialect, doc, handoff_id)
             envelope = dialect.envelope(doc)
         except InvalidDocument as exc:
-            if exc.code in ("ID_MISMATCH", "UNSAFE_ID"):
+            if exc.code in (ErrorCode.ID_MISMATCH, ErrorCode.UNSAFE_ID):
                 self.set_aside_claim(claim, exc.code, str(exc))
             else:
                 self.file(claim, dialect, None, self.failure(now, exc.code, str(exc), errors=exc.errors))
@@ -245,7 +245,7 @@ class Engine:
             log.warning("handoff %s: unreadable document: %s: %s", handoff_id,
                         type(exc).__name__, str(exc)[:200])
             self.file(claim, dialect, None, self.failure(
-                now, "INVALID_DOCUMENT", f"handoff {handoff_id} cannot be read as a "
+                now, ErrorCode.INVALID_DOCUMENT, f"handoff {handoff_id} cannot be read as a "
                 f"{dialect.name} document: {type(exc).__name__}: {str(exc)[:200]}", retryable=False))
             return None
         spec = self.registry.get(envelope.target)
@@ -265,7 +265,7 @@ class Engine:
                 f"handoff {handoff_id} is not a valid {dialect.name} document: "
                 f"{errors[0]['field']}: {errors[0]['error']}"
                 + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
-                handoff_id=handoff_id, code="SCHEMA_VALIDATION_FAILED", errors=errors)
+                handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
 
     def _resolve_copies(self, claim: Claim) -> bool:
         """Another copy of this id elsewhere? The higher trusted revision wins, and a completed
@@ -282,7 +282,7 @@ class Engine:
             if state is State.PENDING and theirs == 0:
                 continue  # a raw duplicate: its own claim will set it aside
             if previous_revision == 0 and state is not State.PENDING:
-                self.set_aside_claim(claim, "DUPLICATE_HANDOFF_ID",
+                self.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
                                      f"handoff {claim.handoff_id} already exists in {state.value}/; "
                                      "a second document with the same id is never run")
                 return False
@@ -297,7 +297,7 @@ class Engine:
         """Quarantine a claimed document that must never run (and release the claim)."""
         try:
             self._set_aside(self.store.path(State.IN_PROGRESS, claim.handoff_id), code, message,
-                            claim.handoff_id, stub=code != "DUPLICATE_HANDOFF_ID")
+                            claim.handoff_id, stub=code != ErrorCode.DUPLICATE_HANDOFF_ID)
         finally:
             release_lock(claim.lock)
 
@@ -359,7 +359,7 @@ class Engine:
         except InvalidDocument as exc:
             outcome = self.failure(started, exc.code, str(exc), errors=exc.errors)
         except ConfigError as exc:
-            outcome = self.failure(started, "PROCESSING_ERROR", f"handoff {job.handoff_id}: {exc}",
+            outcome = self.failure(started, ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: {exc}",
                                    retryable=False)
         outcome.started_at = started
         outcome.executed_by = job.specialist.agent
@@ -380,7 +380,7 @@ class Engine:
             raise InvalidDocument(
                 f"Input validation failed: {first['field']}: {first['error']}"
                 + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
-                handoff_id=job.handoff_id, code="SCHEMA_VALIDATION_FAILED", errors=errors)
+                handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
 
     def outcome_from_result(self, job: Job, result: dict[str, Any], started: datetime) -> Outcome:
         """Turn a protocol result into an Outcome, validating output and artifact paths."""
@@ -391,7 +391,7 @@ class Engine:
             return interpret(job, result, started)
         if status == "failed":
             error = given if isinstance(given := result.get("error"), dict) else {}
-            return self.failure(started, str(error.get("code") or "PROCESSING_ERROR"),
+            return self.failure(started, str(error.get("code") or ErrorCode.PROCESSING_ERROR),
                                 str(error.get("message") or "specialist reported failure"),
                                 retryable=error.get("retryable"), result=result)
         self._check_output(job, result)
@@ -416,12 +416,13 @@ class Engine:
             if errors:
                 raise InvalidDocument(f"handoff {job.handoff_id}: output fails {label}: "
                                       f"{errors[0]['field']}: {errors[0]['error']}",
-                                      handoff_id=job.handoff_id, code="VALIDATION_FAILED", errors=errors)
+                                      handoff_id=job.handoff_id, code=ErrorCode.VALIDATION_FAILED,
+                                      errors=errors)
         for path in _artifact_paths(result):
             if self.ws.inside(path) is None:
                 raise InvalidDocument(f"handoff {job.handoff_id}: artifact path {path!r} points "
                                       "outside the workspace", handoff_id=job.handoff_id,
-                                      code="VALIDATION_FAILED")
+                                      code=ErrorCode.VALIDATION_FAILED)
 
     def failure(self, started: datetime, code: str, message: str, *, retryable: bool | None = None,
                 errors: list[dict[str, str]] | None = None, details: dict[str, Any] | None = None,
@@ -434,7 +435,8 @@ class Engine:
             error["errors"] = errors
         if details:
             error["details"] = details
-        status = {"TIMEOUT": "timeout", "CANCELLED": "cancelled"}.get(code, "failed")
+        statuses: dict[str, str] = {ErrorCode.TIMEOUT: "timeout", ErrorCode.CANCELLED: "cancelled"}
+        status = statuses.get(code, "failed")
         outcome = Outcome(status=status, started_at=started, finished_at=self.clock(), error=error)
         if result:
             outcome.output = result.get("output")
@@ -502,7 +504,7 @@ class Engine:
         record(doc, event, now, **detail)
         block.pop("next_attempt_at", None)
         filed = FiledState(retries, policy.max_retries, self.retryable(outcome) or
-                           (outcome.error or {}).get("code") == "TIMEOUT")
+                           (outcome.error or {}).get("code") == ErrorCode.TIMEOUT)
         # format-neutral facts `handoff retry` and `handoff ls` read, whatever the answer's format
         block["retry_available"] = filed.retry_available
         if outcome.error:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import aggregation, dialects
 from .documents import Envelope, Outcome, book, book_int, check_id, new_native_request, record
-from .errors import (DocumentNotReady, DuplicateHandoff, HandoffdError, InvalidDocument,
+from .errors import (DocumentNotReady, DuplicateHandoff, ErrorCode, HandoffdError, InvalidDocument,
                      InvalidTransition, NotFound)
 from .aggregation import child_info, ready
 from .gates import Verdict
@@ -115,7 +115,7 @@ def parked_outcome(engine: "Engine", job: "Job", result: dict[str, Any], started
         else:
             info = _clarification(job, result)
     except _Malformed as exc:
-        return engine.failure(started, "VALIDATION_FAILED", f"handoff {job.handoff_id}: specialist "
+        return engine.failure(started, ErrorCode.VALIDATION_FAILED, f"handoff {job.handoff_id}: specialist "
                               f"answered {status}, but {exc}", retryable=False, result=result)
     info["kind"] = status
     info["asked_by"] = job.specialist.agent
@@ -288,7 +288,7 @@ def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist
         try:
             children = _create_children(engine, doc, claim.handoff_id, dialect, info, now)
         except (HandoffdError, OSError) as exc:
-            failure = engine.failure(now, "PROCESSING_ERROR", f"handoff {claim.handoff_id}: could "
+            failure = engine.failure(now, ErrorCode.PROCESSING_ERROR, f"handoff {claim.handoff_id}: could "
                                      f"not create its child handoffs: {exc}", retryable=True)
             return engine.file(claim, dialect, spec, failure)
         known = block.setdefault("children", [])

@@ -22,7 +22,7 @@ from filelock import FileLock
 
 from . import dialects, fsio, procs
 from .documents import book, book_int, record
-from .errors import DuplicateHandoff, InvalidDocument
+from .errors import DuplicateHandoff, ErrorCode, InvalidDocument
 from .lifecycle import Engine
 from .states import State, winner
 from .store import Claim, NullLock, release_lock, try_lock
@@ -175,7 +175,7 @@ def recover_one(engine: Engine, handoff_id: str, now: datetime, report: SweepRep
         report.recovered.append(handoff_id)
         return
     record(current, "recovered", now, reason=reason)
-    outcome = engine.failure(now, "PROCESSING_ERROR",
+    outcome = engine.failure(now, ErrorCode.PROCESSING_ERROR,
                              f"handoff {handoff_id}: attempt {orphan.attempt} was interrupted: {reason}",
                              retryable=True)
     engine.file(orphan, dialect, spec, outcome)
@@ -246,7 +246,7 @@ def _undo_claim(engine: Engine, handoff_id: str, report: SweepReport) -> None:
     except FileNotFoundError:
         return
     except FileExistsError:  # a pending copy appeared meanwhile: keep one, quarantine the other
-        store.quarantine(store.path(State.IN_PROGRESS, handoff_id), "DUPLICATE_HANDOFF_ID",
+        store.quarantine(store.path(State.IN_PROGRESS, handoff_id), ErrorCode.DUPLICATE_HANDOFF_ID,
                          f"handoff {handoff_id} was pending twice; a second document is never run")
     report.recovered.append(handoff_id)
 
@@ -291,7 +291,7 @@ def resolve_duplicates(engine: Engine, report: SweepReport) -> None:
             path = store.path(state, handoff_id)
             try:
                 if state is State.PENDING and store.trusted_revision(doc, state, handoff_id) == 0:
-                    store.quarantine(path, "DUPLICATE_HANDOFF_ID",
+                    store.quarantine(path, ErrorCode.DUPLICATE_HANDOFF_ID,
                                      f"handoff {handoff_id} already exists in "
                                      f"{copies[best][0].value}/; a second document is never run")
                 else:
