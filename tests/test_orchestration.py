@@ -91,12 +91,14 @@ print(json.dumps({"status": "completed", "output": {"note": "wrote it"}}))
 '''
 
 PARTIAL_ON_TERM = '''
-import json, signal, sys, time
-sys.stdin.read()
+import json, os, signal, sys, time
 def stop(signum, frame):
     print(json.dumps({"status": "partial", "output": {"done_steps": 3, "of": 10}}), flush=True)
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
+sys.stdin.read()
+# tell the test the handler is in place: a SIGTERM before it would just kill the process
+open(os.path.join(os.environ["HANDOFFD_ROOT"], "artifacts", "partial-ready"), "w").close()
 time.sleep(60)
 print(json.dumps({"status": "completed", "output": {"done_steps": 10}}))
 '''
@@ -369,7 +371,11 @@ def test_cancel_cascade_stops_running_children_promptly(ows: Workspace) -> None:
                                        {"to": "@partial", "data": {}}])
     kids = ["pc.c1", "pc.c2", "pc.c3"]
     wait_running(ows, kids)
-    time.sleep(0.3)  # let the handlers get going
+    ready = ows.root / "artifacts" / "partial-ready"
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:  # @partial's SIGTERM handler is set
+        time.sleep(0.02)
+    time.sleep(0.3)  # let the other handlers get going
     started = time.monotonic()
     proc = ows.handoff("cancel", "pc", "--cascade", "--reason", "strategy revision", timeout=60)
     assert proc.returncode == 0, proc.stderr
