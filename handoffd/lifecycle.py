@@ -529,11 +529,6 @@ class Engine:
         dialect.mark_pending(claim.doc)
         self.store.finish(claim, State.PENDING, claim.doc)
 
-    def process(self, job: Job) -> State:
-        """Run and file one job (the whole attempt), returning where it went."""
-        outcome = self.run(job)
-        return self.file(job.claim, job.dialect, job.specialist, outcome)
-
 
 def _without_book(doc: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in doc.items() if k != "handoffd"}

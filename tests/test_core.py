@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from handoffd import Engine, build_engine, Registry, Workspace
+from handoffd.lifecycle import Job
 from handoffd.config import Config, RetryPolicy, load_config
 from handoffd.documents import book, check_id, new_native_request
 from handoffd.errors import ConfigError, DuplicateHandoff, InvalidDocument
@@ -57,10 +58,15 @@ def submit(engine: Engine, data: Any = None, retry_policy: dict | None = None, *
     return engine.store.create(doc, doc["handoff_id"], now=engine.clock())
 
 
+def run_job(engine: Engine, job: Job) -> State:
+    """Run and file one claimed job (the whole attempt), as a daemon worker does."""
+    return engine.file(job.claim, job.dialect, job.specialist, engine.run(job))
+
+
 def process(engine: Engine, handoff_id: str) -> State:
     job = engine.take(handoff_id)
     assert job is not None
-    return engine.process(job)
+    return run_job(engine, job)
 
 
 def test_safe_ids() -> None:
@@ -256,7 +262,7 @@ def test_interrupted_finish_keeps_the_finished_copy(tmp_path: Path) -> None:
     job = engine.take(hid)
     assert job is not None
     stale = json.dumps(job.claim.doc)
-    engine.process(job)
+    run_job(engine, job)
     # simulate a crash between writing completed/ and removing in-progress/
     engine.store.path(State.IN_PROGRESS, hid).write_text(stale)
     sweep(engine)

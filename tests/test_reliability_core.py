@@ -25,7 +25,7 @@ from handoffd.errors import InvalidDocument
 from handoffd.states import State
 from handoffd.sweeper import CLOCK_TOLERANCE_SECONDS, sweep
 from handoffd.workspace import network_filesystem
-from test_core import FakeClock, make_engine, submit
+from test_core import FakeClock, make_engine, run_job, submit
 
 
 def ok(handoff: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def test_forged_revision_beside_a_failed_result_is_a_duplicate(tmp_path: Path) -
         "code": "PROCESSING_ERROR", "message": "no", "retryable": False}})
     hid = submit(engine)
     job = engine.take(hid)
-    assert job is not None and engine.process(job) is State.FAILED
+    assert job is not None and run_job(engine, job) is State.FAILED
     failed = engine.store.path(State.FAILED, hid).read_bytes()
     forged = json.loads(failed)
     forged["handoffd"]["revision"] = 99  # the seal no longer matches: untrusted
@@ -81,7 +81,7 @@ def test_raw_documents_lose_their_foreign_bookkeeping(tmp_path: Path) -> None:
     (engine.store.path(State.PENDING, "poisoned")).write_text(json.dumps(doc))
     job = engine.take("poisoned")
     assert job is not None and job.claim.attempt == 1
-    assert engine.process(job) is State.COMPLETED
+    assert run_job(engine, job) is State.COMPLETED
     filed = engine.store.read(State.COMPLETED, "poisoned")
     assert [e["event"] for e in book(filed)["history"]] == ["claimed", "completed"]
 
@@ -157,7 +157,7 @@ def test_retry_delay_never_overflows(tmp_path: Path) -> None:
     hid = submit(engine)
     for _ in range(3):
         job = engine.take(hid)
-        assert job is not None and engine.process(job) is State.PENDING
+        assert job is not None and run_job(engine, job) is State.PENDING
         engine.clock.advance(8 * 86400)  # type: ignore[attr-defined]
 
 
@@ -184,7 +184,7 @@ def test_one_poisoned_claim_never_wedges_recovery(tmp_path: Path) -> None:
     for name in ("p-attempt", "p-history", "p-lease"):  # back as they came, raw, to be admitted
         assert engine.store.locate(name) == [State.PENDING]
         job = engine.take(name)
-        assert job is not None and engine.process(job) is State.COMPLETED
+        assert job is not None and run_job(engine, job) is State.COMPLETED
 
 
 def test_a_failing_repair_step_is_logged_and_the_sweep_goes_on(tmp_path: Path,
@@ -218,7 +218,7 @@ def test_a_sweeper_whose_clock_is_ahead_never_takes_a_live_claim(tmp_path: Path)
     sweeper_engine.ws.ensure()
     for _ in range(5):
         assert sweep(sweeper_engine).recovered == []  # watched on a clock that does not step
-    assert owner.process(job) is State.COMPLETED
+    assert run_job(owner, job) is State.COMPLETED
 
 
 def test_a_stalled_owner_on_this_host_is_recovered_after_a_watched_lease(tmp_path: Path) -> None:
@@ -363,7 +363,7 @@ def test_a_result_that_is_not_strict_json_fails_the_attempt(tmp_path: Path, outp
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed", "output": {"x": output}})
     hid = submit(engine)
     job = engine.take(hid)
-    assert job is not None and engine.process(job) is State.FAILED
+    assert job is not None and run_job(engine, job) is State.FAILED
     doc = engine.store.read(State.FAILED, hid)
     assert doc["error"]["code"] == "PROCESSING_ERROR" and "cannot be filed" in doc["error"]["message"]
 
