@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the names below are loaded on first use (a CLI start must n
     from .config import Config, RetryPolicy
     from .daemon import Daemon
     from .documents import Envelope, Outcome, new_native_request
-    from .errors import (ConfigError, DuplicateHandoff, HandlerError, HandoffdError,
+    from .errors import (ConfigError, DuplicateHandoff, ErrorCode, HandlerError, HandoffdError,
                          InvalidDocument, NotFound, UsageError, WaitTimeout)
     from .lifecycle import Engine
     from .models import (AgentHandoff, AggregatedOutcome, Artifact, CancellationPayload,
@@ -43,7 +43,8 @@ _HOME: dict[str, str] = {
     "Outcome": "documents", "new_native_request": "documents", "ConfigError": "errors",
     "DuplicateHandoff": "errors", "HandlerError": "errors", "HandoffdError": "errors",
     "InvalidDocument": "errors", "NotFound": "errors", "UsageError": "errors",
-    "WaitTimeout": "errors", "Engine": "lifecycle", "HandlerContext": "specialists",
+    "WaitTimeout": "errors", "ErrorCode": "errors", "Engine": "lifecycle",
+    "HandlerContext": "specialists",
     "Registry": "specialists", "specialist": "specialists", "State": "states", "Store": "store",
     "Workspace": "workspace", **{name: "models" for name in _MODELS},
 }
@@ -65,14 +66,11 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
+# The front door: what a user needs to embed handoffd. Every other name that used to be exported
+# here (the other exceptions, Envelope, RetryPolicy, Store, the typed models of each format) still
+# loads from ``handoffd`` for compatibility, but lives in its module (``handoffd.errors``,
+# ``handoffd.models``, ...).
 __all__ = [
-    "Config", "ConfigError", "Daemon", "DuplicateHandoff", "Engine", "Envelope", "HandlerContext",
-    "HandlerError", "HandoffdError", "InvalidDocument", "NotFound", "Outcome", "Registry",
-    "RetryPolicy", "State", "Store", "UsageError", "WaitTimeout", "Workspace", "new_native_request",
-    "specialist", "build_engine",
-    # typed documents of every format (handoffd.models)
-    "AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload", "ChildOutcomeSummary",
-    "CollaborationHandoff", "CollaborationResult", "CompletionReport", "DelegationPayload",
-    "HandoffPayload", "Message", "NativeRequest", "OutcomePayload", "ParallelDelegation",
-    "WorkerContext", "WorkerContract", "WorkerEscalation", "WorkerHandoff",
+    "Config", "Daemon", "Engine", "ErrorCode", "HandlerContext", "HandoffdError", "Outcome",
+    "Registry", "State", "Workspace", "build_engine", "new_native_request", "specialist",
 ]

@@ -236,3 +236,20 @@ def test_without_the_context_feature_ctx_context_says_so(tmp_path: Path) -> None
     state, answer = engine.store.get("ctx-1")
     assert state is State.FAILED
     assert "context" in answer["error"]["message"]
+
+
+def test_the_front_door_is_small_and_lazy() -> None:
+    """`import handoffd` exports about a dozen names and loads none of the engine (a CLI start or
+    a library user pays only for what it uses); every exported and legacy name still resolves."""
+    import subprocess
+    import sys
+
+    import handoffd
+    assert len(handoffd.__all__) <= 14
+    for name in [*handoffd.__all__, *handoffd._HOME]:
+        assert getattr(handoffd, name) is not None, name
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, handoffd; print(sorted(m for m in sys.modules "
+         "if m.startswith(('handoffd.', 'jsonschema', 'watchdog', 'typer', 'rich'))))"],
+        capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr
