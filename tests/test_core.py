@@ -332,3 +332,13 @@ def test_config_mistakes_are_refused(tmp_path: Path, text: str, needle: str) -> 
 def test_workspace_accepts_a_string(tmp_path: Path) -> None:
     ws = Workspace(str(tmp_path))
     assert ws.handoffs == tmp_path.resolve() / "handoffs"
+
+
+def test_crash_points_are_a_test_seam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection without an environment variable: a hook sees every crash point passed."""
+    from handoffd import store as store_module
+    seen: list[str] = []
+    monkeypatch.setattr(store_module, "crash_hook", seen.append)
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
+    assert process(engine, submit(engine)) is State.COMPLETED
+    assert seen == list(store_module.CRASH_POINTS)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -9,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..daemon import Daemon
+from ..store import inject_crash_at
 from ..sweeper import CLOCK_TOLERANCE_SECONDS, sweep as sweep_once
 from ..workspace import network_filesystem
 from .common import RootOption, run_app, engine, guarded
@@ -90,5 +92,9 @@ def sweep(root: RootOption = None, verbose: Verbose = False) -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. ``$HANDOFFD_CRASH_AT`` (a step of claim or finish, for
+    recovery tests) makes the daemon die there as if killed."""
+    point = os.environ.get("HANDOFFD_CRASH_AT", "")
+    if point:
+        inject_crash_at(point)
     run_app(app, PROG)
