@@ -17,6 +17,7 @@ no ``lease``; on :meth:`Backend.finish` no ``lease``. Any other transition event
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Collection, Literal, Protocol, runtime_checkable
 
 from ..documents import BOOK, actor, book, book_int, next_attempt_at, priority_rank, record
-from ..errors import InvalidDocument, NotFound, WaitTimeout
+from ..errors import InvalidDocument, InvalidTransition, NotFound, WaitTimeout
 from ..states import State
 from ..timeutil import iso, parse_iso
 
@@ -201,6 +202,28 @@ class Backend(Protocol):
 
 
 # ---------------------------------------------------------------- helpers shared by backends
+class FencedFiling:
+    """``finish`` and ``requeue`` as every backend implements them: both end a claim through the
+    backend's ``_release``, which is fenced by the claim's token (a lost claim files nothing)."""
+
+    def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
+        raise NotImplementedError  # the backend's own fenced write; ``copied``: doc is ours
+
+    def finish(self, claim: Claim, state: State, doc: Doc) -> bool:
+        """File a claimed handoff in a terminal state (see Backend.finish)."""
+        if not state.terminal:
+            raise InvalidTransition(f"handoff {claim.id}: finish files completed or failed, not "
+                                    f"{state.value}; use requeue", handoff_id=claim.id)
+        return self._release(claim, state, doc)
+
+    def requeue(self, claim: Claim, doc: Doc, due_at: datetime | None, *,
+                count_attempt: bool) -> bool:
+        """Put a claimed handoff back in pending (see Backend.requeue)."""
+        stored = copy.deepcopy(doc)
+        stamp_requeued(stored, due_at, count_attempt)
+        return self._release(claim, State.PENDING, stored, copied=True)
+
+
 def describe_native(doc: Doc) -> Meta:
     """The default ``describe``: seed-001 fields (``target.agent_id``, ``priority``,
     ``conversation_id``, ``parent_id``, also read from ``handoffd.request_snapshot``)."""

@@ -29,15 +29,15 @@ from filelock import FileLock
 
 from .. import fsio
 from ..documents import book, book_int
-from ..errors import DocumentNotReady, InvalidDocument, InvalidTransition, NotFound
+from ..errors import DocumentNotReady, InvalidDocument, NotFound
 from ..states import State
 from ..store import Claim as StoreClaim
 from ..store import Store, release_lock, try_lock
 from ..timeutil import parse_iso
 from ..workspace import Workspace
-from .base import (Backend, Claim, Claims, Describe, Doc, Meta, Order, Row, Rows, Subscribers,
+from .base import (Backend, Claim, FencedFiling, Claims, Describe, Doc, Meta, Order, Row, Rows, Subscribers,
                    WakeupCallback, describe_native, due_of, lease_block, safe_describe, select,
-                   stamp_requeued, updated_of, wait_via_feed)
+                   updated_of, wait_via_feed)
 from .watch import FolderWatch
 
 # How far another host's clock may run behind ours before its live lease looks expired to us.
@@ -53,7 +53,7 @@ class _Pending:
     due_at: datetime
 
 
-class FilesBackend(Backend):
+class FilesBackend(FencedFiling, Backend):
     """One workspace's handoffs/ folders. ``monotonic`` judges how long this process has watched
     another owner's lease go unrenewed (a clock that never steps); ``watch`` enables watchdog
     hints of other processes' writes for subscribers."""
@@ -193,19 +193,7 @@ class FilesBackend(Backend):
         self._watched(claim.id, handle.doc)
         return True
 
-    def finish(self, claim: Claim, state: State, doc: Doc) -> bool:
-        if not state.terminal:
-            raise InvalidTransition(f"handoff {claim.id}: finish files completed or failed, not "
-                                    f"{state.value}; use requeue", handoff_id=claim.id)
-        return self._release(claim, state, doc)
-
-    def requeue(self, claim: Claim, doc: Doc, due_at: datetime | None, *,
-                count_attempt: bool) -> bool:
-        stored = copy.deepcopy(doc)
-        stamp_requeued(stored, due_at, count_attempt)
-        return self._release(claim, State.PENDING, stored)
-
-    def _release(self, claim: Claim, state: State, doc: Doc) -> bool:
+    def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
         if not self.store.finish(claim.handle, state, doc):
             return False
         with self._mutex:

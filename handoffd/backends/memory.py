@@ -11,11 +11,11 @@ from datetime import datetime, timedelta
 from typing import Callable, Collection
 
 from ..documents import book, book_int
-from ..errors import DuplicateHandoff, InvalidTransition
+from ..errors import DuplicateHandoff
 from ..states import State
-from .base import (Backend, Claim, Claims, Describe, Doc, Order, Row, Rows, Subscribers,
+from .base import (Backend, Claim, FencedFiling, Claims, Describe, Doc, Order, Row, Rows, Subscribers,
                    WakeupCallback, describe_native, due_of, lease_block, lease_expiry, safe_describe, select,
-                   stamp_claimed, stamp_created, stamp_requeued, updated_of, wait_via_feed)
+                   stamp_claimed, stamp_created, updated_of, wait_via_feed)
 
 
 @dataclass
@@ -33,7 +33,7 @@ class _Entry:
                    updated_of(self.doc, self.created_at))
 
 
-class MemoryBackend(Backend):
+class MemoryBackend(FencedFiling, Backend):
     """Every handoff in a dict; thread-safe; ``seen_ttl_seconds`` as the file store's."""
 
     def __init__(self, *, describe: Describe = describe_native,
@@ -124,18 +124,6 @@ class MemoryBackend(Backend):
             for doc in (entry.doc, claim.doc):
                 book(doc)["lease"] = dict(stamp)
             return True
-
-    def finish(self, claim: Claim, state: State, doc: Doc) -> bool:
-        if not state.terminal:
-            raise InvalidTransition(f"handoff {claim.id}: finish files completed or failed, not "
-                                    f"{state.value}; use requeue", handoff_id=claim.id)
-        return self._release(claim, state, doc)
-
-    def requeue(self, claim: Claim, doc: Doc, due_at: datetime | None, *,
-                count_attempt: bool) -> bool:
-        stored = copy.deepcopy(doc)
-        stamp_requeued(stored, due_at, count_attempt)
-        return self._release(claim, State.PENDING, stored, copied=True)
 
     def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
         stored = doc if copied else copy.deepcopy(doc)
