@@ -16,8 +16,16 @@ import threading
 import time
 from pathlib import Path
 
-from handoffd import Daemon, Engine, build_engine, Registry, State, Workspace, new_native_request
-from handoffd.config import Config, DaemonSettings
+from handoffd import (
+    Daemon,
+    Engine,
+    Registry,
+    State,
+    Workspace,
+    build_engine,
+    new_native_request,
+)
+from handoffd.core.config import Config, DaemonSettings
 
 
 def noop(handoff: dict, ctx: object) -> dict:

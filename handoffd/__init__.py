@@ -14,22 +14,46 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below are loaded on first use (a CLI start must not pay for all)
-    from .build import build_engine
-    from .config import Config, RetryPolicy
-    from .daemon import Daemon
-    from .documents import Envelope, Outcome, new_native_request
-    from .errors import (ConfigError, DuplicateHandoff, ErrorCode, HandlerError, HandoffdError,
-                         InvalidDocument, NotFound, UsageError, WaitTimeout)
-    from .lifecycle import Engine
-    from .models import (AgentHandoff, AggregatedOutcome, Artifact, CancellationPayload,
-                         ChildOutcomeSummary, CollaborationHandoff, CollaborationResult,
-                         CompletionReport, DelegationPayload, HandoffPayload, Message,
-                         NativeRequest, OutcomePayload, ParallelDelegation, WorkerContext,
-                         WorkerContract, WorkerEscalation, WorkerHandoff)
-    from .specialists import HandlerContext, Registry, specialist
-    from .states import State
-    from .store import Store
-    from .workspace import Workspace
+    from .backends.files.store import Store
+    from .core.config import Config, RetryPolicy
+    from .core.documents import Envelope, Outcome, new_native_request
+    from .core.engine import Engine
+    from .core.errors import (
+        ConfigError,
+        DuplicateHandoff,
+        ErrorCode,
+        HandlerError,
+        HandoffdError,
+        InvalidDocument,
+        NotFound,
+        UsageError,
+        WaitTimeout,
+    )
+    from .core.specialists import HandlerContext, Registry, specialist
+    from .core.states import State
+    from .core.workspace import Workspace
+    from .dialects.models import (
+        AgentHandoff,
+        AggregatedOutcome,
+        Artifact,
+        CancellationPayload,
+        ChildOutcomeSummary,
+        CollaborationHandoff,
+        CollaborationResult,
+        CompletionReport,
+        DelegationPayload,
+        HandoffPayload,
+        Message,
+        NativeRequest,
+        OutcomePayload,
+        ParallelDelegation,
+        WorkerContext,
+        WorkerContract,
+        WorkerEscalation,
+        WorkerHandoff,
+    )
+    from .features.build import build_engine
+    from .service.daemon import Daemon
 
 _MODELS = ("AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload",
            "ChildOutcomeSummary", "CollaborationHandoff", "CollaborationResult", "CompletionReport",
@@ -38,15 +62,15 @@ _MODELS = ("AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload
            "WorkerHandoff")
 # public name -> the module that defines it
 _HOME: dict[str, str] = {
-    "build_engine": "build",
-    "Config": "config", "RetryPolicy": "config", "Daemon": "daemon", "Envelope": "documents",
-    "Outcome": "documents", "new_native_request": "documents", "ConfigError": "errors",
-    "DuplicateHandoff": "errors", "HandlerError": "errors", "HandoffdError": "errors",
-    "InvalidDocument": "errors", "NotFound": "errors", "UsageError": "errors",
-    "WaitTimeout": "errors", "ErrorCode": "errors", "Engine": "lifecycle",
-    "HandlerContext": "specialists",
-    "Registry": "specialists", "specialist": "specialists", "State": "states", "Store": "store",
-    "Workspace": "workspace", **{name: "models" for name in _MODELS},
+    "build_engine": "features.build",
+    "Config": "core.config", "RetryPolicy": "core.config", "Daemon": "service.daemon", "Envelope": "core.documents",
+    "Outcome": "core.documents", "new_native_request": "core.documents", "ConfigError": "core.errors",
+    "DuplicateHandoff": "core.errors", "HandlerError": "core.errors", "HandoffdError": "core.errors",
+    "InvalidDocument": "core.errors", "NotFound": "core.errors", "UsageError": "core.errors",
+    "WaitTimeout": "core.errors", "ErrorCode": "core.errors", "Engine": "core.engine",
+    "HandlerContext": "core.specialists",
+    "Registry": "core.specialists", "specialist": "core.specialists", "State": "core.states", "Store": "backends.files.store",
+    "Workspace": "core.workspace", **{name: "dialects.models" for name in _MODELS},
 }
 
 
@@ -68,8 +92,8 @@ __version__ = "0.1.0"
 
 # The front door: what a user needs to embed handoffd. Every other name that used to be exported
 # here (the other exceptions, Envelope, RetryPolicy, Store, the typed models of each format) still
-# loads from ``handoffd`` for compatibility, but lives in its module (``handoffd.errors``,
-# ``handoffd.models``, ...).
+# loads from ``handoffd`` for compatibility, but lives in its module (``handoffd.core.errors``,
+# ``handoffd.dialects.models``, ...).
 __all__ = [
     "Config", "Daemon", "Engine", "ErrorCode", "HandlerContext", "HandoffdError", "Outcome",
     "Registry", "State", "Workspace", "build_engine", "new_native_request", "specialist",

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from handoffd.workspace import Workspace as HandoffdWorkspace
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
 
 REPO = Path(__file__).resolve().parent.parent
 SPECIALISTS = REPO / "specialists"

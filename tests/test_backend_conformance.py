@@ -14,13 +14,18 @@ from typing import Any, Iterator
 import pytest
 
 from handoffd.backends import Backend, Claim, Wakeup
-from handoffd.backends.files import FilesBackend
+from handoffd.backends.files.backend import FilesBackend
 from handoffd.backends.memory import MemoryBackend
-from handoffd.documents import book, new_native_request, record
-from handoffd.errors import DuplicateHandoff, InvalidTransition, NotFound, WaitTimeout
-from handoffd.states import State
-from handoffd.timeutil import iso
-from handoffd.workspace import Workspace
+from handoffd.core.documents import book, new_native_request, record
+from handoffd.core.errors import (
+    DuplicateHandoff,
+    InvalidTransition,
+    NotFound,
+    WaitTimeout,
+)
+from handoffd.core.states import State
+from handoffd.core.timeutil import iso
+from handoffd.core.workspace import Workspace
 
 BACKENDS = ["memory", "files"]
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)

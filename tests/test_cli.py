@@ -141,6 +141,7 @@ def test_bad_values_and_usage_errors_are_one_line(ws: Workspace, tmp_path: Path)
         assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
     assert json.loads(ws.handoff("ls", "--json").stdout) == []  # nothing invalid was submitted
     import subprocess
+
     from conftest import exe
     missing = subprocess.run([exe("handoff"), "create", "--to", "@flaky", "--root", str(tmp_path / "typo")],
                              capture_output=True, text=True, timeout=60)
@@ -152,6 +153,7 @@ def test_bad_values_and_usage_errors_are_one_line(ws: Workspace, tmp_path: Path)
 
 def test_broken_pipe_is_quiet(ws: Workspace) -> None:
     import subprocess
+
     from conftest import exe
     for i in range(30):  # dropped as a foreign producer would: 30 CLI starts would cost ~15 s
         ws.drop(f"pipe-{i}.json", {"handoff_id": f"pipe-{i}", "target": {"agent_id": "@flaky"},

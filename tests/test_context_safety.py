@@ -12,15 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
-
-from handoffd.artifacts import _one, confine_reference
-from handoffd.config import load_config
-from handoffd.context_store import (ContextConflict, ContextPermissionError, ContextStore,
-                                    Permissions, normalise_key)
-from handoffd.errors import InvalidDocument
-from handoffd.workspace import Workspace as HandoffdWorkspace
-
 from conftest import Workspace
+
+from handoffd.core.config import load_config
+from handoffd.core.errors import InvalidDocument
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
+from handoffd.features.artifacts import _one, confine_reference
+from handoffd.features.context import (
+    ContextConflict,
+    ContextPermissionError,
+    ContextStore,
+    Permissions,
+    normalise_key,
+)
 
 PROCESSES = 8
 INCREMENTS = 25
@@ -122,8 +126,8 @@ def test_api_update_from_8_processes_counts_exactly_200(tmp_path: Path) -> None:
     root.mkdir()
     _store(root)
     script = WAIT_FOR_GO + f"""
-    from handoffd.context_store import ContextStore
-    from handoffd.workspace import Workspace
+    from handoffd.features.context import ContextStore
+    from handoffd.core.workspace import Workspace
     store = ContextStore(Workspace(Path(ROOT)), durable=False)
     for _ in range({INCREMENTS}):
         store.update("stats/counter", lambda v: v + 1, agent="@worker", default=0)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 from conftest import Workspace, exe
-from handoffd import patterns
+
+from handoffd.features.contracts import patterns
 
 WORKER = r'''
 import json, os, sys, time

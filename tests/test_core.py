@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from handoffd import Engine, build_engine, Registry, Workspace
-from handoffd.lifecycle import Job
-from handoffd.config import Config, RetryPolicy, load_config
-from handoffd.documents import book, check_id, new_native_request
-from handoffd.errors import ConfigError, DuplicateHandoff, InvalidDocument
-from handoffd.fsio import rename_noreplace
-from handoffd.states import State, allowed, winner
-from handoffd.sweeper import requeue_failed, sweep
-from handoffd.timeutil import parse_iso
+from handoffd import Engine, Registry, Workspace, build_engine
+from handoffd.backends.files.fsio import rename_noreplace
+from handoffd.core.config import Config, RetryPolicy, load_config
+from handoffd.core.documents import book, check_id, new_native_request
+from handoffd.core.engine import Job
+from handoffd.core.errors import ConfigError, DuplicateHandoff, InvalidDocument
+from handoffd.core.states import State, allowed, winner
+from handoffd.core.timeutil import parse_iso
+from handoffd.service.sweeper import requeue_failed, sweep
 
 
 class FakeClock:
@@ -336,7 +336,7 @@ def test_workspace_accepts_a_string(tmp_path: Path) -> None:
 
 def test_crash_points_are_a_test_seam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection without an environment variable: a hook sees every crash point passed."""
-    from handoffd import store as store_module
+    from handoffd.backends.files import store as store_module
     seen: list[str] = []
     monkeypatch.setattr(store_module, "crash_hook", seen.append)
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})

@@ -10,10 +10,9 @@ from typing import Any
 
 import jsonschema
 import pytest
-
-from handoffd.validation import load_builtin
-
 from conftest import Workspace
+
+from handoffd.core.validation import load_builtin
 
 FORMAT = jsonschema.FormatChecker()
 

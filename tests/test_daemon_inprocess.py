@@ -12,15 +12,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from handoffd import Daemon, Engine, build_engine, Registry, State, Workspace, new_native_request, specialist
-from handoffd import fsio
-from handoffd.config import Config, DaemonSettings
-from handoffd.documents import book
-from handoffd.timeutil import parse_iso
-from handoffd.watcher import OVERFLOW_LOGGER
-
 from conftest import exe
+
+from handoffd import (
+    Daemon,
+    Engine,
+    Registry,
+    State,
+    Workspace,
+    build_engine,
+    new_native_request,
+    specialist,
+)
+from handoffd.backends.files import fsio
+from handoffd.core.config import Config, DaemonSettings
+from handoffd.core.documents import book
+from handoffd.core.timeutil import parse_iso
+from handoffd.service.watcher import OVERFLOW_LOGGER
 
 
 def engine_with(tmp_path: Path, handler: Any, **settings: Any) -> Engine:
@@ -79,7 +87,7 @@ def test_decorator_registers_a_specialist(tmp_path: Path) -> None:
 
 
 def test_entry_point_specialist_is_found(tmp_path: Path) -> None:
-    """A package exposing `handoffd.specialists` entry points is picked up by the real daemon."""
+    """A package exposing `handoffd.core.specialists` entry points is picked up by the real daemon."""
     site = tmp_path / "site"
     (site / "epdemo").mkdir(parents=True)
     (site / "epdemo" / "__init__.py").write_text(
@@ -87,7 +95,7 @@ def test_entry_point_specialist_is_found(tmp_path: Path) -> None:
     dist = site / "epdemo-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: epdemo\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[handoffd.specialists]\n@ep = epdemo:handle\n")
+    (dist / "entry_points.txt").write_text("[handoffd.core.specialists]\n@ep = epdemo:handle\n")
     root = tmp_path / "ws"
     root.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}
@@ -207,7 +215,7 @@ def test_dead_observer_is_restarted_and_overflow_triggers_rescan(tmp_path: Path)
 def test_overflow_log_line_requests_a_rescan(tmp_path: Path) -> None:
     engine = engine_with(tmp_path, lambda h, c: {"status": "completed"})
     daemon = Daemon(engine)
-    from handoffd.watcher import PendingWatcher
+    from handoffd.service.watcher import PendingWatcher
     watcher = PendingWatcher(engine.ws.state_dir(State.PENDING), daemon.notify, daemon.request_rescan)
     watcher.start()
     try:

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from handoffd import Daemon, State, daemon as daemon_module, fsio, queries
-from handoffd.lifecycle import Engine
-
 from conftest import Workspace, exe
 from test_daemon_inprocess import Serving, engine_with, submit, wait_for
+
+from handoffd import Daemon, State
+from handoffd.backends.files import fsio
+from handoffd.core.engine import Engine
+from handoffd.service import daemon as daemon_module
+from handoffd.service import queries
 
 
 def fast_engine(tmp_path: Path, handler: Any, *, workers: int, concurrency: int, **settings: Any) -> Engine:
@@ -213,7 +215,7 @@ def test_serve_returns_non_zero_when_the_loop_dies(tmp_path: Path, monkeypatch: 
 
 
 INJECT = ("import sys\n"
-          "from handoffd import daemon\n"
+          "from handoffd.service import daemon\n"
           "def boom(self, *a, **k):\n"
           "    raise RuntimeError('injected scheduler bug')\n"
           "daemon.Daemon._release_parked = boom\n"

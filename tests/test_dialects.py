@@ -15,19 +15,30 @@ from typing import Any, Callable
 
 import jsonschema
 import pytest
-
 from conftest import exe
-from dialect_examples import (AGENT_BLOCKED, AGENT_PARTIAL, AGENT_SUCCESS, ALL, HAIOS_HANDOFF,
-                              HAIOS_RESULT, HI_MOE_AGGREGATED, HI_MOE_ARCHITECT_TO_DISPATCHER,
-                              HI_MOE_CANCELLATION, HI_MOE_CLARIFICATION_PAYLOAD,
-                              HI_MOE_DISPATCHER_TO_FLEET, HI_MOE_FLEET_TO_DISPATCHER, SWARM_HANDOFF,
-                              fresh)
-from handoffd import dialects, models
-from handoffd.dialects import FiledState
-from handoffd.documents import Outcome
-from handoffd.errors import InvalidDocument
-from handoffd.queries import validate_document, validate_files
-from handoffd.validation import SchemaCache, builtin_schema_names, load_builtin
+from dialect_examples import (
+    AGENT_BLOCKED,
+    AGENT_PARTIAL,
+    AGENT_SUCCESS,
+    ALL,
+    HAIOS_HANDOFF,
+    HAIOS_RESULT,
+    HI_MOE_AGGREGATED,
+    HI_MOE_ARCHITECT_TO_DISPATCHER,
+    HI_MOE_CANCELLATION,
+    HI_MOE_CLARIFICATION_PAYLOAD,
+    HI_MOE_DISPATCHER_TO_FLEET,
+    HI_MOE_FLEET_TO_DISPATCHER,
+    SWARM_HANDOFF,
+    fresh,
+)
+
+from handoffd import dialects
+from handoffd.core.documents import Outcome
+from handoffd.core.errors import InvalidDocument
+from handoffd.core.validation import SchemaCache, builtin_schema_names, load_builtin
+from handoffd.dialects import FiledState, models
+from handoffd.service.queries import validate_document, validate_files
 
 DIALECT_SCHEMAS = ("hi_moe.message.schema.json", "agent_handoff.schema.json",
                    "haios.collaboration_handoff.schema.json",

@@ -16,11 +16,18 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 from conftest import exe
-from dialect_examples import (AGENT, AGENT_SUCCESS, HAIOS_HANDOFF, HI_MOE, SWARM_HANDOFF, fresh)
+from dialect_examples import (
+    AGENT,
+    AGENT_SUCCESS,
+    HAIOS_HANDOFF,
+    HI_MOE,
+    SWARM_HANDOFF,
+    fresh,
+)
+
 from handoffd import dialects
-from handoffd.validation import SchemaCache
+from handoffd.core.validation import SchemaCache
 
 SCHEMAS = SchemaCache(None)
 

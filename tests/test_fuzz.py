@@ -28,18 +28,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 import hypothesis.internal.conjecture.utils as _cu
 import hypothesis_jsonschema._from_schema as _hjs
+import pytest
+from conftest import FLAKY_TOML, Workspace, exe
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from conftest import FLAKY_TOML, Workspace, exe
 from handoffd import Daemon, Engine, Registry, build_engine
 from handoffd import Workspace as HWorkspace
-from handoffd.config import Config, DaemonSettings
-from handoffd.validation import load_builtin
+from handoffd.core.config import Config, DaemonSettings
+from handoffd.core.validation import load_builtin
 
 
 # ------------------------------------------------------------------ hypothesis-jsonschema shim

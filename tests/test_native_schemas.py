@@ -330,7 +330,7 @@ def test_request_is_not_a_response() -> None:
 
 def test_documents_written_by_handoffd_validate() -> None:
     """What the daemon files for a completed and a failed seed-001 handoff matches the schemas."""
-    documents = pytest.importorskip("handoffd.documents")
+    documents = pytest.importorskip("handoffd.core.documents")
     start = datetime(2026, 1, 13, 10, 0, 0, tzinfo=timezone.utc)
     request = documents.new_native_request(source="@frontend-specialist", target="@react-specialist",
                                            data={"component_requirements": []}, now=start,

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 from conftest import SPECIALISTS, Workspace
 
 HANDLERS = '''

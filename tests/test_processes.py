@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
-from handoffd import Daemon, build_engine, Registry, State, Workspace as HandoffdWorkspace
-from handoffd import new_native_request, procs
-from handoffd.config import load_config
-
 from conftest import Workspace
+
+from handoffd import Daemon, Registry, State, build_engine, new_native_request
+from handoffd import Workspace as HandoffdWorkspace
+from handoffd.core import procs
+from handoffd.core.config import load_config
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 

@@ -10,7 +10,6 @@ import time
 from collections import Counter
 
 import pytest
-
 from conftest import Workspace, exe
 
 POINTS = ["after-claim-rename", "after-claim-lease", "after-move-write", "after-move-unlink"]

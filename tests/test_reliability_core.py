@@ -7,9 +7,9 @@ import errno
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import Workspace, reason_codes
-from handoffd import fsio
-from handoffd.documents import book, new_native_request
-from handoffd.errors import InvalidDocument
-from handoffd.states import State
-from handoffd.sweeper import CLOCK_TOLERANCE_SECONDS, sweep
-from handoffd.workspace import network_filesystem
 from test_core import FakeClock, make_engine, run_job, submit
+
+from handoffd.backends.files import fsio
+from handoffd.core.documents import book, new_native_request
+from handoffd.core.errors import InvalidDocument
+from handoffd.core.states import State
+from handoffd.core.workspace import network_filesystem
+from handoffd.service.sweeper import CLOCK_TOLERANCE_SECONDS, sweep
 
 
 def ok(handoff: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -195,7 +195,7 @@ def test_a_failing_repair_step_is_logged_and_the_sweep_goes_on(tmp_path: Path,
     claim = engine.store.claim(hid, lease_seconds=30, now=engine.clock())
     assert claim is not None
     claim.lock.release(force=True)
-    from handoffd import sweeper
+    from handoffd.service import sweeper
 
     def broken(*args: Any) -> None:
         raise RuntimeError("injected")
@@ -387,7 +387,7 @@ def test_a_command_printing_nan_or_a_lone_surrogate_fails_cleanly(ws: Workspace,
 
 
 def test_sweep_prunes_process_records_of_dead_attempts(tmp_path: Path) -> None:
-    from handoffd import procs
+    from handoffd.core import procs
     engine = make_engine(tmp_path, ok)
     dead = procs.RunRecord.new("gone", procs.new_token(), 1)
     dead.daemon_pid = 2**22 + 7  # no such process: its daemon died

@@ -13,7 +13,7 @@ the block is reset to ``{"id": ...}`` plus a ``created`` history event; on a cla
 :meth:`Backend.requeue` ``next_attempt_at``, ``attempt`` (-1 when the attempt does not count) and
 no ``lease``; on :meth:`Backend.finish` no ``lease``. Any other transition event (``completed``,
 ``retry_scheduled``, ``recovered``...) is recorded by the caller with
-:func:`handoffd.documents.record` before it calls finish or requeue.
+:func:`handoffd.core.documents.record` before it calls finish or requeue.
 """
 from __future__ import annotations
 
@@ -24,10 +24,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Collection, Literal, Protocol, runtime_checkable
 
-from ..documents import BOOK, actor, book, book_int, next_attempt_at, priority_rank, record
-from ..errors import InvalidDocument, InvalidTransition, NotFound, WaitTimeout
-from ..states import State
-from ..timeutil import iso, parse_iso
+from ..core.documents import (
+    BOOK,
+    actor,
+    book,
+    book_int,
+    next_attempt_at,
+    priority_rank,
+    record,
+)
+from ..core.errors import InvalidDocument, InvalidTransition, NotFound, WaitTimeout
+from ..core.states import State
+from ..core.timeutil import iso, parse_iso
 
 Doc = dict[str, Any]
 Order = Literal["newest", "oldest", "due"]

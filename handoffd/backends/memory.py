@@ -10,12 +10,32 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Callable, Collection
 
-from ..documents import book, book_int
-from ..errors import DuplicateHandoff
-from ..states import State
-from .base import (Backend, Claim, FencedFiling, Claims, Describe, Doc, Order, Row, Rows, Subscribers,
-                   WakeupCallback, describe_native, due_of, lease_block, lease_expiry, safe_describe, select,
-                   stamp_claimed, stamp_created, updated_of, wait_via_feed)
+from ..core.documents import book, book_int
+from ..core.errors import DuplicateHandoff
+from ..core.states import State
+from .base import (
+    Backend,
+    Claim,
+    Claims,
+    Describe,
+    Doc,
+    FencedFiling,
+    Order,
+    Row,
+    Rows,
+    Subscribers,
+    WakeupCallback,
+    describe_native,
+    due_of,
+    lease_block,
+    lease_expiry,
+    safe_describe,
+    select,
+    stamp_claimed,
+    stamp_created,
+    updated_of,
+    wait_via_feed,
+)
 
 
 @dataclass

@@ -9,10 +9,10 @@ from typing import Annotated, Any, Callable, TypeVar
 
 import typer
 
-from ..errors import HandoffdError, NotFound
-from ..build import build_engine
-from ..lifecycle import Engine
-from ..workspace import Workspace, resolve_root
+from ..core.engine import Engine
+from ..core.errors import HandoffdError, NotFound
+from ..core.workspace import Workspace, resolve_root
+from ..features.build import build_engine
 
 F = TypeVar("F", bound=Callable[..., Any])
 

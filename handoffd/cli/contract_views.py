@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from ..violations import KINDS
+from ..features.contracts.violations import KINDS
 
 MAX_RENDER_LINES = 49
 SHORT = {"scope_creep": "SCOPE", "readonly_modified": "READONLY", "criteria_failed": "CRITERIA",

@@ -10,17 +10,17 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import dialects
-from ..documents import book, new_native_request
-from ..errors import InvalidDocument, NotFound, UsageError
-from ..fsio import parse_document, read_bytes_safely
-from ..gates import check_new_dependencies
-from ..queries import list_handoffs, validate_document
-from ..states import State
-from ..sweeper import requeue_failed
-from ..validation import builtin_schema_names
-from ..waiting import wait_terminal
+from ..backends.files.fsio import parse_document, read_bytes_safely
+from ..core.documents import book, new_native_request
+from ..core.errors import InvalidDocument, NotFound, UsageError
+from ..core.states import State
+from ..core.validation import builtin_schema_names
+from ..core.workspace import Workspace, resolve_root
+from ..features.dependencies import check_new_dependencies
+from ..service.queries import list_handoffs, validate_document
+from ..service.sweeper import requeue_failed
+from ..service.waiting import wait_terminal
 from . import orchestration_cmd
-from ..workspace import Workspace, resolve_root
 from .common import JsonOption, RootOption, engine, guarded, run_app, workspace
 from .render import console, handoff_table, print_json, timeline
 
@@ -211,7 +211,7 @@ def validate(
             raise UsageError(str(exc.args[0])) from None
     # inside a workspace, its schemas/ (e.g. edited copies from `schemas --copy`) take precedence
     eng = engine(root) if Workspace(resolve_root(root)).exists() else None
-    from ..queries import validate_files
+    from ..service.queries import validate_files
     results = validate_files(files, eng, forced=dialect)
     if as_json:
         print_json(results)
@@ -239,8 +239,8 @@ def schemas(
         return
     from importlib import resources
 
-    from ..errors import DuplicateHandoff
-    from ..fsio import create_exclusive
+    from ..backends.files.fsio import create_exclusive
+    from ..core.errors import DuplicateHandoff
     ws = workspace(root, create=True)
     for name in builtin_schema_names():
         target = ws.schemas / name
@@ -262,8 +262,8 @@ def violations(
     root: RootOption = None,
 ) -> None:
     """Summarise contract violations (seed 004 learning signals) per agent, kind and day."""
-    from .. import violations as vlog
-    from ..timeutil import parse_iso
+    from ..core.timeutil import parse_iso
+    from ..features.contracts import violations as vlog
     from .contract_views import violations_view
 
     eng = engine(root)
@@ -286,7 +286,7 @@ def render_command(
     root: RootOption = None,
 ) -> None:
     """Print a handoff's contract, context and escalation compactly, for a worker's prompt."""
-    from ..contracts import worker_envelope
+    from ..features.contracts.feature import worker_envelope
     from .contract_views import render_envelope
 
     envelope = worker_envelope(engine(root), handoff_id)

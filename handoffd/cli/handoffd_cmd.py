@@ -9,11 +9,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..daemon import Daemon
-from ..store import inject_crash_at
-from ..sweeper import CLOCK_TOLERANCE_SECONDS, sweep as sweep_once
-from ..workspace import network_filesystem
-from .common import RootOption, run_app, engine, guarded
+from ..backends.files.store import inject_crash_at
+from ..core.workspace import network_filesystem
+from ..service.daemon import Daemon
+from ..service.sweeper import CLOCK_TOLERANCE_SECONDS
+from ..service.sweeper import sweep as sweep_once
+from .common import RootOption, engine, guarded, run_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="The handoffd daemon: claims handoffs and runs their specialists.")

@@ -16,8 +16,8 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from ..errors import NotFound, UsageError, WaitTimeout
-from ..states import State
+from ..core.errors import NotFound, UsageError, WaitTimeout
+from ..core.states import State
 from .common import JsonOption, RootOption, engine, guarded
 from .render import STATE_STYLE, console, print_json
 
@@ -71,8 +71,8 @@ def cancel(
     root: RootOption = None,
 ) -> None:
     """Cancel a pending or running handoff (pending: filed at once; running: its daemon stops it)."""
-    from ..cancellation import cancel as do_cancel
-    from ..waiting import wait_terminal
+    from ..features.cancellation import cancel as do_cancel
+    from ..service.waiting import wait_terminal
 
     eng = engine(root)
     results = do_cancel(eng, handoff_id, reason=reason, cascade=cascade, by=_agent(as_agent))
@@ -115,7 +115,7 @@ def answer(
     root: RootOption = None,
 ) -> None:
     """Answer a handoff that asked for clarification or is blocked; it goes back to pending."""
-    from ..orchestration import answer as do_answer
+    from ..features.orchestration import answer as do_answer
 
     eng = engine(root)
     do_answer(eng, handoff_id, _data(data, input_file), by=_agent(as_agent))
@@ -124,7 +124,7 @@ def answer(
 
 # ---------------------------------------------------------------- context
 def _store(root: Path | None) -> Any:
-    from ..context_store import ContextStore, Permissions
+    from ..features.context import ContextStore, Permissions
 
     eng = engine(root)  # its config is validated once (a bad [namespaces] table: exit 2)
     return ContextStore(eng.ws, Permissions.from_config(eng.config), durable=eng.settings.durable)
@@ -142,7 +142,7 @@ def context_get(
     except KeyError:
         raise NotFound(f"context key {key!r} is not set; `handoff context ls` lists the keys") from None
     if with_revision:
-        from ..context_store import normalise_key
+        from ..features.context import normalise_key
 
         print_json({"key": normalise_key(key), "revision": revision, "value": value})
         return
@@ -216,7 +216,7 @@ def trace(
     root: RootOption = None,
 ) -> None:
     """Show the chain a handoff belongs to: parent, children, what it triggered, its conversation."""
-    from ..trace import build
+    from ..features.trace import build
 
     data = build(engine(root), handoff_id)
     if as_json:
@@ -262,7 +262,7 @@ def _grow(parent: Tree, node: dict[str, Any], focus: str) -> None:
 # ---------------------------------------------------------------- show helpers
 def family(eng: Any, handoff_id: str, doc: dict[str, Any]) -> dict[str, Any]:
     """Parent, conversation and children (with their states) of a handoff, for ``handoff show``."""
-    from ..lineage import children_of, conversation_of, parent_of
+    from ..features.lineage import children_of, conversation_of, parent_of
 
     kids = []
     for kid in children_of(doc):

@@ -1,8 +1,8 @@
 """Dialects: the document formats handoffd speaks, detected per document.
 
-A dialect knows how to find a document's id, turn it into an :class:`~handoffd.documents.Envelope`
+A dialect knows how to find a document's id, turn it into an :class:`~handoffd.core.documents.Envelope`
 (routing, timeout, priority...), mark it claimed or pending again, and render the final answer in
-its own format from an :class:`~handoffd.documents.Outcome`. The daemon runs one lifecycle for all.
+its own format from an :class:`~handoffd.core.documents.Outcome`. The daemon runs one lifecycle for all.
 
 Built in: ``hi_moe`` (seed 000 Message), ``haios`` (seed 003 CollaborationHandoff / Result),
 ``agent_handoff`` (seed 002 AgentHandoff), ``swarm`` (seed 004 WorkerHandoff) and ``native``
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ErrorCode, InvalidDocument
+from ..core.errors import ErrorCode, InvalidDocument
 from .agent_handoff import AgentHandoffDialect
 from .base import Dialect, FiledState
 from .haios import HaiosDialect
@@ -22,7 +22,7 @@ from .native import NativeDialect
 from .swarm import SwarmDialect
 
 if TYPE_CHECKING:
-    from ..documents import Outcome
+    from ..core.documents import Outcome
 
 # Tried in this order; native stays last (register() inserts before it).
 DIALECTS: list[Dialect] = [HiMoeDialect(), HaiosDialect(), AgentHandoffDialect(), SwarmDialect(),

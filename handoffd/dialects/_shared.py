@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..documents import BOOK, Outcome
-from ..errors import ErrorCode
-from ..fsio import replace
-from ..workspace import Workspace
+from ..backends.files.fsio import replace
+from ..core.documents import BOOK, Outcome
+from ..core.errors import ErrorCode
+from ..core.workspace import Workspace
 
 # Outcome.status (and error codes the engine turns into "failed") → a neutral status name.
 CODE_STATUS: dict[str, str] = {ErrorCode.BLOCKED: "blocked",
@@ -22,7 +22,7 @@ _SCHEMAS: list[Any] = []
 def schema_errors(name: str, doc: dict[str, Any]) -> list[dict[str, str]]:
     """Errors of ``doc`` (minus the bookkeeping block) against built-in schema ``name``."""
     if not _SCHEMAS:
-        from ..validation import SchemaCache
+        from ..core.validation import SchemaCache
         _SCHEMAS.append(SchemaCache(None))
     return _SCHEMAS[0].errors(name, without_book(doc))
 

@@ -6,7 +6,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..documents import Envelope, Outcome
+from ..core.documents import Envelope, Outcome
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..documents import Envelope, Outcome, apply_native_outcome, native_envelope
-from ..timeutil import iso
+from ..core.documents import Envelope, Outcome, apply_native_outcome, native_envelope
+from ..core.timeutil import iso
 from .base import FiledState
 
 

@@ -12,9 +12,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..documents import Envelope, Outcome, check_id, priority_rank
-from ..errors import ErrorCode, InvalidDocument
-from ..timeutil import iso
+from ..core.documents import Envelope, Outcome, check_id, priority_rank
+from ..core.errors import ErrorCode, InvalidDocument
+from ..core.timeutil import iso
 from . import _shared as sh
 from .base import FiledState
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 from conftest import FLAKY_TOML, Workspace, exe, reason_codes
-
-import subprocess
 
 CORPUS = Path(__file__).resolve().parent
 CONTROL = "poison-control"

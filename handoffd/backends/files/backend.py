@@ -1,0 +1,366 @@
+"""The files backend: the :class:`Backend` interface over the file store (handoffs/ state folders).
+
+Every mechanism of the file protocol stays inside :class:`handoffd.backends.files.store.Store` and this module:
+atomic non-overwriting writes, claims by ``rename(RENAME_NOREPLACE)``, a flock per claim, leases
+fenced by the in-progress file's inode, seals, the settle window for half-written files and the
+seen-ids record. What the engine gets back is neutral: a :class:`Claim` whose ``handle`` is the
+store's claim (with its lock).
+
+Claim-next lists pending/ and reads only documents it has not read before (a cache keyed by
+inode, mtime and size: every handoffd write makes a new inode), so a claim costs one directory
+listing plus the reads of new arrivals.
+"""
+from __future__ import annotations
+
+import builtins
+import copy
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Collection
+
+from filelock import FileLock
+
+from ...core.documents import book, book_int
+from ...core.errors import DocumentNotReady, InvalidDocument, NotFound
+from ...core.states import State
+from ...core.timeutil import parse_iso
+from ...core.workspace import Workspace
+from ..base import (
+    Backend,
+    Claim,
+    Claims,
+    Describe,
+    Doc,
+    FencedFiling,
+    Meta,
+    Order,
+    Row,
+    Rows,
+    Subscribers,
+    WakeupCallback,
+    describe_native,
+    due_of,
+    lease_block,
+    safe_describe,
+    select,
+    updated_of,
+    wait_via_feed,
+)
+from . import fsio
+from .store import Claim as StoreClaim
+from .store import Store, release_lock, try_lock
+from .watch import FolderWatch
+
+# How far another host's clock may run behind ours before its live lease looks expired to us.
+CLOCK_TOLERANCE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """What claim-next needs of one pending file, cached by ``key`` (inode, mtime, size)."""
+
+    key: tuple[int, int, int]
+    meta: Meta
+    due_at: datetime
+
+
+class FilesBackend(FencedFiling, Backend):
+    """One workspace's handoffs/ folders. ``monotonic`` judges how long this process has watched
+    another owner's lease go unrenewed (a clock that never steps); ``watch`` enables watchdog
+    hints of other processes' writes for subscribers."""
+
+    def __init__(self, store: Store, *, describe: Describe = describe_native,
+                 monotonic: Callable[[], float] = time.monotonic, watch: bool = True) -> None:
+        self.store = store
+        self.ws = store.ws
+        self.describe = describe
+        self.monotonic = monotonic
+        self._mutex = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._lease_watch: dict[str, tuple[str, float]] = {}  # id -> (lease mark, first seen)
+        self._subscribers = Subscribers()
+        self._watch = FolderWatch(self._folders(), self._subscribers.fire) if watch else None
+
+    @classmethod
+    def open(cls, workspace: Workspace, *, describe: Describe = describe_native,
+             monotonic: Callable[[], float] = time.monotonic, watch: bool = True,
+             **store_options: Any) -> "FilesBackend":
+        """A backend on ``workspace`` (its folders are created); ``store_options`` go to Store."""
+        workspace.ensure()
+        return cls(Store(workspace, **store_options), describe=describe, monotonic=monotonic,
+                   watch=watch)
+
+    def _folders(self) -> dict[Path, str]:
+        return {self.ws.state_dir(State.PENDING): State.PENDING.value,
+                self.ws.state_dir(State.COMPLETED): State.COMPLETED.value,
+                self.ws.state_dir(State.FAILED): State.FAILED.value,
+                self._cancel_dir(): "cancel"}
+
+    # ------------------------------------------------------------ creating and reading
+    def create(self, doc: Doc, handoff_id: str, now: datetime) -> None:
+        self.store.create(copy.deepcopy(doc), handoff_id, now=now)
+        self._subscribers.fire(handoff_id, State.PENDING.value)
+
+    def get(self, handoff_id: str) -> tuple[State, Doc] | None:
+        try:
+            return self.store.get(handoff_id)
+        except NotFound:
+            return None
+
+    def list(self, *, state: State | None = None, target: str | None = None,
+             conversation: str | None = None, parent: str | None = None,
+             since: datetime | None = None, limit: int | None = None,
+             order: Order = "newest") -> Rows:
+        where: dict[str, builtins.list[State]] = {}
+        for st in State:
+            for handoff_id in self.store.ids(st):
+                where.setdefault(handoff_id, []).append(st)
+        rows = [row for handoff_id, states in where.items()
+                if (row := self._row(handoff_id, states)) is not None]
+        return select(rows, state=state, target=target, conversation=conversation, parent=parent,
+                      since=since, limit=limit, order=order)
+
+    def _row(self, handoff_id: str, states: builtins.list[State]) -> Row | None:
+        try:
+            if len(states) == 1:  # the common case: one read, no winner to pick
+                st, doc = states[0], self.store.read(states[0], handoff_id)
+            else:
+                st, doc = self.store.get(handoff_id)
+            mtime = os.stat(self.store.path(st, handoff_id)).st_mtime
+        except (OSError, InvalidDocument, NotFound):
+            return None  # gone since the listing, or unreadable: not listed
+        stamp = datetime.fromtimestamp(mtime, timezone.utc)
+        return Row(handoff_id, st, doc, safe_describe(self.describe, doc), due_of(doc, stamp),
+                   updated_of(doc, stamp))
+
+    # ------------------------------------------------------------ claims
+    def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float, *,
+                   exclude: Collection[str] = (),
+                   prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        for handoff_id in self._due(set(targets), now, exclude):
+            try:
+                claim = self.claim(handoff_id, now, lease_seconds, prepare=prepare)
+            except DocumentNotReady:
+                continue
+            if claim is not None:
+                return claim
+        return None
+
+    def _due(self, targets: set[str], now: datetime, exclude: Collection[str]) -> builtins.list[str]:
+        """Ids of due pending documents for ``targets``, most urgent first."""
+        found: builtins.list[tuple[int, datetime, str]] = []
+        listed: set[str] = set()
+        for entry in self.store.entries(State.PENDING):
+            if not entry.name.endswith(".json") or (handoff_id := entry.name[:-5]) in exclude:
+                continue
+            listed.add(handoff_id)
+            info = self._pending_info(handoff_id, entry)
+            if info is not None and info.meta.target in targets and info.due_at <= now:
+                found.append((info.meta.priority, info.due_at, handoff_id))
+        with self._mutex:  # forget what left pending/
+            for gone in set(self._pending) - listed - set(exclude):
+                del self._pending[gone]
+        return [handoff_id for _, _, handoff_id in sorted(found)]
+
+    def _pending_info(self, handoff_id: str, entry: os.DirEntry[str]) -> _Pending | None:
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            return None
+        key = (info.st_ino, info.st_mtime_ns, info.st_size)
+        with self._mutex:
+            cached = self._pending.get(handoff_id)
+        if cached is not None and cached.key == key:
+            return cached
+        try:
+            doc = self.store.read(State.PENDING, handoff_id)
+        except Exception:  # unreadable, half-written or gone: not a candidate (admission says why)
+            return None
+        fresh = _Pending(key, safe_describe(self.describe, doc),
+                         due_of(doc, datetime.fromtimestamp(info.st_mtime, timezone.utc)))
+        with self._mutex:
+            self._pending[handoff_id] = fresh
+        return fresh
+
+    def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
+              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        """As :meth:`Backend.claim`. Files may also raise what :meth:`Store.claim` raises:
+        DocumentNotReady (still being written; put back), DuplicateHandoff (an in-progress copy
+        exists) and InvalidDocument (unreadable; left in in-progress/ for the caller to set
+        aside)."""
+        handle = self.store.claim(handoff_id, lease_seconds=lease_seconds, now=now,
+                                  on_claim=prepare)
+        if handle is None or handle.token is None:
+            return None
+        self._watched(handoff_id, handle.doc)
+        return Claim(handoff_id, handle.doc, handle.token, handle.attempt, handle)
+
+    def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
+        handle: StoreClaim = claim.handle
+        if handle.finished:
+            return False
+        if not self.store.renew(handle, lease_seconds=lease_seconds, now=now):
+            return False
+        self._watched(claim.id, handle.doc)
+        return True
+
+    def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
+        if not self.store.finish(claim.handle, state, doc):
+            return False
+        with self._mutex:
+            self._lease_watch.pop(claim.id, None)
+        self._subscribers.fire(claim.id, state.value)
+        return True
+
+    # ------------------------------------------------------------ recovery
+    def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
+        taken: Claims = []
+        for handoff_id in self.store.ids(State.IN_PROGRESS):
+            # one recoverer at a time per handoff (the sweeper takes the same guard)
+            guard = try_lock(self.ws.locks / f"{handoff_id}.recover.lock")
+            if guard is None:
+                continue
+            try:
+                claim = self._take_over(handoff_id, now, lease_seconds)
+            finally:
+                release_lock(guard)
+            if claim is not None:
+                taken.append(claim)
+        return taken
+
+    def _take_over(self, handoff_id: str, now: datetime, lease_seconds: float) -> Claim | None:
+        """A new claim on ``handoff_id`` if its owner is gone: the in-progress file is rewritten
+        with a fresh token (and inode), which fences the old owner out."""
+        try:
+            doc = self.store.read(State.IN_PROGRESS, handoff_id)
+        except (OSError, InvalidDocument):
+            return None
+        held = book(doc).get("lease")
+        if self.store.trusted_revision(doc, State.IN_PROGRESS, handoff_id) == 0 \
+                or not isinstance(held, dict) or not isinstance(held.get("token"), str):
+            return None  # no lease written by handoffd (yet): the sweeper's claim grace applies
+        verdict = self._judge(handoff_id, held, now)
+        if verdict is None:
+            return None
+        old_lock, reason = verdict
+        token = uuid.uuid4().hex
+        lock = FileLock(str(self.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
+        lock.acquire()
+        book(doc)["lease"] = lease_block(token, now, lease_seconds)
+        try:
+            inode = fsio.replace(self.store.path(State.IN_PROGRESS, handoff_id),
+                                 self.store.encode(doc, State.IN_PROGRESS, handoff_id),
+                                 self.ws.tmp, durable=self.store.durable, sync_dir=False)
+        except BaseException:
+            release_lock(lock)
+            raise
+        finally:
+            if old_lock is not None:
+                release_lock(old_lock)
+        self._watched(handoff_id, doc)
+        attempt = book_int(doc, "attempt", 1)
+        handle = StoreClaim(handoff_id, doc, token, lock, attempt, inode,
+                            self.store.trusted_revision(doc, State.IN_PROGRESS, handoff_id))
+        return Claim(handoff_id, doc, token, attempt, handle, recovered=reason)
+
+    def _judge(self, handoff_id: str, held: Doc, now: datetime) -> tuple[FileLock | None, str] | None:
+        """Is the lease's owner gone? None: alive. Else (its claim lock if we took it, why).
+        On this host a free claim lock proves the owner died; otherwise only an expiry (beyond
+        the clock tolerance for another host) that this process itself watched for a whole lease
+        period on its monotonic clock counts, so a stepped wall clock never ends a live claim."""
+        owner: Doc = given if isinstance(given := held.get("owner"), dict) else {}
+        same_host = owner.get("host") == socket.gethostname()
+        if same_host:
+            lock = try_lock(self.ws.locks / f"{handoff_id}.{held['token']}.lock")
+            if lock is not None:
+                return lock, "owner process is gone (its claim lock is free)"
+        tolerance = 0.0 if same_host else CLOCK_TOLERANCE_SECONDS
+        if not self._unrenewed(handoff_id, held, now, tolerance):
+            return None
+        who = f"{owner.get('host')}:{owner.get('pid')}"
+        return None, f"lease expired at {held.get('expires_at')} (owner {who} stalled)"
+
+    def _unrenewed(self, handoff_id: str, held: Doc, now: datetime, tolerance: float) -> bool:
+        try:
+            expires = parse_iso(str(held.get("expires_at")))
+            period = max((expires - parse_iso(str(held.get("acquired_at")))).total_seconds(), 0.0)
+        except ValueError:
+            expires, period = now, 0.0  # unreadable times: only the watch can tell
+        mark = f"{held.get('token')}/{held.get('expires_at')}"
+        tick = self.monotonic()
+        with self._mutex:
+            seen_as, since = self._lease_watch.get(handoff_id, (None, tick))
+            if seen_as != mark:
+                self._lease_watch[handoff_id] = (mark, tick)
+                since = tick
+        return (now - expires).total_seconds() >= tolerance and tick - since >= period
+
+    def _watched(self, handoff_id: str, doc: Doc) -> None:
+        """This process wrote the lease now: it has watched it since."""
+        held = book(doc).get("lease")
+        if isinstance(held, dict):
+            with self._mutex:
+                self._lease_watch[handoff_id] = (f"{held.get('token')}/{held.get('expires_at')}",
+                                                 self.monotonic())
+
+    # ------------------------------------------------------------ cancel requests
+    def _cancel_dir(self) -> Path:
+        return self.ws.meta / "cancel"  # where handoffd.features.cancellation keeps them too
+
+    def request_cancel(self, handoff_id: str, request: Doc) -> None:
+        folder = self._cancel_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        fsio.replace(folder / f"{handoff_id}.json", fsio.dump_json(request), self.ws.tmp,
+                     durable=self.store.durable)
+        self._subscribers.fire(handoff_id, "cancel")
+
+    def cancel_request(self, handoff_id: str) -> Doc | None:
+        try:
+            data = (self._cancel_dir() / f"{handoff_id}.json").read_bytes()
+        except OSError:
+            return None
+        try:
+            body = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            body = None
+        return body if isinstance(body, dict) else {"reason": "cancellation requested"}
+
+    def cancel_requests(self) -> dict[str, Doc]:
+        try:
+            names = [n[:-5] for n in os.listdir(self._cancel_dir()) if n.endswith(".json")]
+        except FileNotFoundError:
+            return {}
+        return {n: body for n in names if (body := self.cancel_request(n)) is not None}
+
+    def clear_cancel(self, handoff_id: str) -> None:
+        try:
+            (self._cancel_dir() / f"{handoff_id}.json").unlink()
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------ dedup, waiting, wake-ups
+    def seen_add(self, handoff_id: str, now: datetime) -> None:
+        self.store.seen.add(handoff_id, now)
+
+    def seen_contains(self, handoff_id: str, now: datetime) -> bool:
+        return self.store.seen.contains(handoff_id, now)
+
+    def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
+        return wait_via_feed(self, handoff_id, timeout)
+
+    def subscribe(self, callback: WakeupCallback) -> Callable[[], None]:
+        remove = self._subscribers.add(callback)
+        if self._watch is not None:
+            self._watch.start()
+        return remove
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()

@@ -1,0 +1,301 @@
+"""Crash-safe file primitives: every document becomes visible whole or not at all.
+
+Writes go to a temp file in the same filesystem (``handoffs/.tmp``), are flushed and fsynced, then
+``link``-ed (never overwrites: EEXIST instead) or ``rename``-d (replace) into place, and the directory
+is fsynced so the new name itself survives power loss. ``durable=False`` skips the fsyncs (the
+``fast`` durability mode) but keeps atomicity.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import stat
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+
+TMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename/link/unlink inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dump_json(doc: dict[str, Any]) -> bytes:
+    """Serialise a document the way every handoffd file is written (indented, UTF-8, newline).
+
+    ``allow_nan=False``: a float that is not finite raises ValueError rather than being written as
+    the bare ``Infinity``/``NaN`` tokens, which are not JSON (parse_document refuses them on input,
+    so they can only come from a bug; failing loudly beats filing a document nobody can read)."""
+    return (json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+
+
+def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path:
+    """Write ``data`` to a fresh temp file under ``tmp_dir`` and return its path."""
+    path = tmp_dir / f"{uuid.uuid4().hex}{TMP_SUFFIX}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise
+    os.close(fd)
+    return path
+
+
+def create_exclusive(target: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> None:
+    """Publish ``data`` at ``target`` atomically; raise DuplicateHandoff if the name is taken."""
+    tmp = write_temp(tmp_dir, data, durable=durable)
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise DuplicateHandoff(f"{target.name} already exists in {target.parent.name}/") from None
+    finally:
+        _unlink_quietly(tmp)
+    if durable:
+        fsync_dir(target.parent)
+
+
+def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool, sync_dir: bool = True) -> int:
+    """Atomically replace (or create) ``target`` with ``data``; returns the new inode number.
+
+    ``sync_dir=False`` keeps the data fsync (a renamed-in file must never surface empty after a
+    crash) but skips making the rename itself durable, for writes whose loss recovery handles."""
+    tmp = write_temp(tmp_dir, data, durable=durable)
+    inode = os.stat(tmp).st_ino
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    if durable and sync_dir:
+        fsync_dir(target.parent)
+    return inode
+
+
+def unlink(path: Path, *, durable: bool) -> bool:
+    """Remove ``path``; return False if it was already gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    if durable:
+        fsync_dir(path.parent)
+    return True
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result]:
+    """Read a regular file without following symlinks, refusing anything over ``max_bytes``.
+
+    Raises FileNotFoundError if it vanished (another process claimed it) and InvalidDocument for
+    symlinks, non-regular files and oversized or empty files.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InvalidDocument(f"{path.name} is a symlink; documents must be regular files",
+                                  code=ErrorCode.NOT_A_REGULAR_FILE) from None
+        if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket, a device...
+            raise InvalidDocument(f"{path.name} is not a regular file ({os.strerror(exc.errno)})",
+                                  code=ErrorCode.NOT_A_REGULAR_FILE) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidDocument(f"{path.name} is not a regular file", code=ErrorCode.NOT_A_REGULAR_FILE)
+        if info.st_size > max_bytes:
+            raise InvalidDocument(
+                f"{path.name} is {info.st_size} bytes, over the {max_bytes}-byte limit "
+                "(raise daemon.max_document_bytes in handoffd.toml if this is intended)",
+                code=ErrorCode.DOCUMENT_TOO_LARGE)
+        chunks = []
+        remaining = max_bytes + 1
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise InvalidDocument(f"{path.name} grew over the {max_bytes}-byte limit",
+                              code=ErrorCode.DOCUMENT_TOO_LARGE)
+    return data, info
+
+
+def parse_document(data: bytes, name: str) -> dict[str, Any]:
+    """Decode UTF-8 JSON that must be an object; raise InvalidDocument saying what is wrong."""
+    if not data.strip():
+        raise InvalidDocument(f"{name} is empty", code=ErrorCode.EMPTY_DOCUMENT)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidDocument(f"{name} is not UTF-8 (byte {exc.start})", code=ErrorCode.NOT_UTF8) from None
+    try:
+        doc = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NotFinite as exc:
+        raise InvalidDocument(f"{name} holds the number {exc.args[0]}, which is not finite JSON "
+                              "(NaN, Infinity and overflowing numbers are refused)",
+                              code=ErrorCode.MALFORMED_JSON) from None
+    except json.JSONDecodeError as exc:
+        raise InvalidDocument(f"{name} is not valid JSON: {exc.msg} (line {exc.lineno}, "
+                              f"column {exc.colno})", code=ErrorCode.MALFORMED_JSON) from None
+    except RecursionError:
+        raise InvalidDocument(f"{name} nests too deeply", code=ErrorCode.MALFORMED_JSON) from None
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+        raise InvalidDocument(f"{name} is not usable JSON: {str(exc)[:120]}",
+                              code=ErrorCode.MALFORMED_JSON) from None
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(doc):
+        raise InvalidDocument(f"{name} holds a \\u escape of a lone UTF-16 surrogate, which is not "
+                              "Unicode and cannot be written back as UTF-8", code=ErrorCode.NOT_UTF8)
+    if not isinstance(doc, dict):
+        raise InvalidDocument(f"{name} holds a JSON {type(doc).__name__}, not an object",
+                              code=ErrorCode.NOT_AN_OBJECT)
+    if nesting_depth(doc, MAX_DEPTH) > MAX_DEPTH:
+        raise InvalidDocument(f"{name} nests more than {MAX_DEPTH} levels deep; flatten it",
+                              code=ErrorCode.DOCUMENT_TOO_DEEP)
+    return doc
+
+
+# Deep enough for any real handoff, shallow enough that every recursive reader (jsonschema,
+# copy.deepcopy, json.dumps) stays far from Python's recursion limit.
+MAX_DEPTH = 64
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _refuse_constant(token: str) -> Any:
+    raise _NotFinite(token)
+
+
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise _NotFinite(token[:40])
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a surrogate gets into decoded text
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """True if a string (key or value) anywhere in ``value`` holds a surrogate code point: json
+    decodes ``"\\ud800"`` to one, and no UTF-8 encoder will write it back (iterative)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """Depth of nested objects/arrays in ``value`` (iterative; stops counting past ``limit``)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return deepest
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_renameat2: Any = None
+
+
+def _load_renameat2() -> Any:
+    global _renameat2
+    if _renameat2 is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            func = libc.renameat2
+            func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            _renameat2 = func
+        except (OSError, AttributeError):
+            _renameat2 = False
+    return _renameat2
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Atomically move ``src`` to ``dst`` unless ``dst`` exists (FileExistsError) or ``src`` is gone
+    (FileNotFoundError). Uses renameat2(RENAME_NOREPLACE); where the kernel or filesystem lacks it,
+    falls back to link + unlink, whose crash window leaves two copies that recovery resolves."""
+    import ctypes
+
+    func = _load_renameat2()
+    if func:
+        if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), str(src))
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        # another mover linked this very file and has not unlinked ``src`` yet: it won the race,
+        # exactly as a rename loser would see ENOENT (src gone) — not a second copy of the id
+        if _same_file(src, dst):
+            raise FileNotFoundError(errno.ENOENT, "moved by another process", str(src)) from None
+        raise
+    try:
+        os.unlink(src)
+    except FileNotFoundError:
+        pass  # the winner of a concurrent fallback move already removed it
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """True when ``a`` is gone or is the same file as ``b`` (both cases: ``a`` was moved)."""
+    try:
+        return os.path.samefile(a, b)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False

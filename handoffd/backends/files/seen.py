@@ -1,0 +1,90 @@
+"""The seen-ids record (seed 000's dedup): ids accepted recently, kept for a TTL, across restarts.
+
+Documents stay in their state folders, which are the first line of dedup; this record also
+catches an id reused after its terminal document was purged or archived. It is an append-only
+JSON Lines file, read incrementally (only the appended tail), and compacted under a lock when
+older entries pass the TTL.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from filelock import FileLock
+
+from ...core.timeutil import iso, parse_iso
+
+
+class SeenIds:
+    """Bounded record of handoff ids seen within ``ttl_seconds``."""
+
+    def __init__(self, path: Path, ttl_seconds: float) -> None:
+        self.path = path
+        self.ttl = timedelta(seconds=ttl_seconds)
+        self._lock = FileLock(str(path) + ".lock")
+        self._cache: dict[str, datetime] = {}
+        self._offset = 0
+        self._inode = -1
+
+    def add(self, handoff_id: str, now: datetime) -> None:
+        """Record ``handoff_id`` as seen at ``now`` (one small O_APPEND write)."""
+        line = json.dumps({"id": handoff_id, "at": iso(now)}) + "\n"
+        with self._lock:  # so a compaction in another process cannot drop this line
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        self._cache[handoff_id] = now
+
+    def contains(self, handoff_id: str, now: datetime) -> bool:
+        """True if ``handoff_id`` was recorded within the TTL."""
+        self._refresh()
+        seen = self._cache.get(handoff_id)
+        return seen is not None and now - seen < self.ttl
+
+    def _refresh(self) -> None:
+        """Read only what was appended since the last look (the whole file after a compaction)."""
+        try:
+            info = self.path.stat()
+        except FileNotFoundError:
+            return
+        if (info.st_ino, info.st_size) == (self._inode, self._offset):
+            return
+        if info.st_ino != self._inode or info.st_size < self._offset:
+            self._cache, self._offset, self._inode = {}, 0, info.st_ino
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            tail = fh.read()
+        complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended waits
+        self._offset += len(complete)
+        self._cache.update(_parse(complete))
+
+    def compact(self, now: datetime) -> int:
+        """Drop entries older than the TTL; return how many remain."""
+        with self._lock:
+            try:
+                entries = _parse(self.path.read_bytes())
+            except FileNotFoundError:
+                entries = {}
+            keep = {k: v for k, v in entries.items() if now - v < self.ttl}
+            if len(keep) == len(entries) and self.path.exists():
+                return len(keep)  # nothing expired: no rewrite
+            tmp = self.path.with_suffix(".compact")
+            tmp.write_text("".join(json.dumps({"id": k, "at": iso(v)}) + "\n" for k, v in keep.items()))
+            os.replace(tmp, self.path)
+            self._cache, self._offset, self._inode = {}, 0, -1
+        return len(keep)
+
+
+def _parse(data: bytes) -> dict[str, datetime]:
+    entries: dict[str, datetime] = {}
+    for line in data.decode("utf-8", "replace").splitlines():
+        try:
+            item = json.loads(line)
+            entries[str(item["id"])] = parse_iso(item["at"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn line after a crash is skipped, not fatal
+    return entries

@@ -1,0 +1,388 @@
+"""The file store: documents in state folders, moved only by atomic, non-overwriting operations.
+
+The store knows the mechanics (create, claim, move, quarantine, lock, lease) and nothing of policy:
+what to do with a failure is decided by :mod:`handoffd.core.engine`.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from filelock import FileLock, Timeout
+
+from ...core.documents import BOOK, actor, book, book_int, check_id, record, revision
+from ...core.errors import (
+    DocumentNotReady,
+    DuplicateHandoff,
+    ErrorCode,
+    InvalidDocument,
+    InvalidTransition,
+    NotFound,
+)
+from ...core.states import State, allowed, winner
+from ...core.timeutil import iso, utc_now
+from ...core.workspace import Workspace
+from . import fsio, seals
+from .seen import SeenIds
+
+CRASH_POINTS = ("after-claim-rename", "after-claim-lease", "after-move-write", "after-move-unlink")
+# A test seam for fault injection: called with the name of each crash point as it is passed. None
+# (the default) costs one comparison; recovery tests install a hook with inject_crash_at().
+crash_hook: Callable[[str], None] | None = None
+
+
+def crash_point(name: str) -> None:
+    """Mark a step of claim or finish where a crash must be repairable (see CRASH_POINTS)."""
+    if crash_hook is not None:
+        crash_hook(name)
+
+
+def inject_crash_at(point: str) -> None:
+    """Make this process die on the spot (exit 99, no cleanup, like kill -9) when it reaches
+    ``point``; an empty ``point`` removes the injection. The ``handoffd`` command calls this for
+    ``$HANDOFFD_CRASH_AT`` so that tests can crash a real daemon at each step."""
+    global crash_hook
+
+    def die_there(name: str) -> None:
+        if name == point:
+            os._exit(99)
+
+    crash_hook = die_there if point else None
+
+
+@dataclass
+class Claim:
+    """A handoff this process owns: its in-progress document, lease token and held lock."""
+
+    handoff_id: str
+    doc: dict[str, Any]
+    token: str | None
+    lock: "FileLock | NullLock"
+    attempt: int
+    inode: int | None = None  # of the in-progress file as this claim last wrote it
+    prior_revision: int = 0  # trusted (sealed) revision it had in pending/; 0: a raw document
+    finished: bool = False
+    # serialises lease renewal (heartbeat thread) with finishing (worker thread)
+    mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class Store:
+    """Documents of one workspace. ``durable=False`` is the ``fast`` durability mode (no fsync)."""
+
+    def __init__(self, workspace: Workspace, *, durable: bool = True,
+                 max_document_bytes: int = 4 * 1024 * 1024, settle_seconds: float = 0.5,
+                 seen_ttl_seconds: float = 3600.0) -> None:
+        self.ws = workspace
+        self.durable = durable
+        self.max_bytes = max_document_bytes
+        self.settle_seconds = settle_seconds
+        self.seen = SeenIds(workspace.meta / "seen-ids.jsonl", seen_ttl_seconds)
+        self._key: bytes | None = None
+        self._key_loaded = False
+
+    # ---------------------------------------------------------------- seals
+    @property
+    def key(self) -> bytes | None:
+        """The workspace's seal key (see :mod:`handoffd.backends.files.seals`), loaded or created once."""
+        if not self._key_loaded:
+            self._key = seals.load_or_create_key(self.ws.meta, self.ws.tmp)
+            self._key_loaded = self._key is not None
+        return self._key
+
+    def encode(self, doc: dict[str, Any], state: State, handoff_id: str) -> bytes:
+        """Seal ``doc`` for ``state`` and serialise it: every document this store writes."""
+        block = book(doc)
+        key = self.key
+        if key is None:
+            block.pop("seal", None)
+        else:
+            block["seal"] = seals.seal_for(key, handoff_id, revision(doc), state.value)
+        return fsio.dump_json(doc)
+
+    def trusted_revision(self, doc: dict[str, Any], state: State, handoff_id: str,
+                         *also: State) -> int:
+        """The document's revision if handoffd wrote it (its seal matches ``state`` or one of
+        ``also``), else 0: bookkeeping that arrived from outside never outranks ours."""
+        rev = revision(doc)
+        folders = tuple(s.value for s in (state, *also))
+        return rev if rev and seals.sealed(self.key, doc, handoff_id, rev, folders) else 0
+
+    # ---------------------------------------------------------------- reading
+    def path(self, state: State, handoff_id: str) -> Path:
+        """Path of ``handoff_id``'s document in ``state``."""
+        return self.ws.doc_path(state, handoff_id)
+
+    def locate(self, handoff_id: str) -> list[State]:
+        """Every state folder holding a file for ``handoff_id`` (normally exactly one)."""
+        return [s for s in State if os.path.lexists(self.path(s, handoff_id))]
+
+    def read(self, state: State, handoff_id: str) -> dict[str, Any]:
+        """Read and parse one document; FileNotFoundError if absent, InvalidDocument if bad."""
+        path = self.path(state, handoff_id)
+        data, _ = fsio.read_bytes_safely(path, self.max_bytes)
+        return fsio.parse_document(data, f"{state.value}/{path.name}")
+
+    def get(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
+        """The current state and document of ``handoff_id``; NotFound if it exists nowhere."""
+        check_id(handoff_id)
+        for _ in range(5):  # a move between our listing and our read is retried
+            copies: list[tuple[State, dict[str, Any]]] = []
+            for state in self.locate(handoff_id):
+                try:
+                    copies.append((state, self.read(state, handoff_id)))
+                except FileNotFoundError:
+                    continue
+            if copies:
+                best = winner([(s, self.trusted_revision(d, s, handoff_id)) for s, d in copies])
+                return copies[best]
+            if not self.locate(handoff_id):
+                break
+        raise NotFound(f"no handoff {handoff_id} in {self.ws.handoffs}; `handoff ls` lists them",
+                       handoff_id=handoff_id)
+
+    def ids(self, state: State) -> list[str]:
+        """Ids of the documents in one state folder (one directory listing)."""
+        try:
+            with os.scandir(self.ws.state_dir(state)) as entries:
+                return [e.name[:-5] for e in entries if e.name.endswith(".json")]
+        except FileNotFoundError:
+            return []
+
+    def entries(self, state: State) -> Iterator[os.DirEntry[str]]:
+        """Raw directory entries of a state folder, including files that are not documents."""
+        try:
+            with os.scandir(self.ws.state_dir(state)) as entries:
+                yield from list(entries)
+        except FileNotFoundError:
+            return
+
+    # ---------------------------------------------------------------- writing
+    def write_new(self, state: State, doc: dict[str, Any]) -> None:
+        """Publish ``doc`` in ``state`` atomically; DuplicateHandoff if that name is taken."""
+        handoff_id = check_id(_doc_id(doc))
+        fsio.create_exclusive(self.path(state, handoff_id), self.encode(doc, state, handoff_id),
+                              self.ws.tmp, durable=self.durable)
+
+    def create(self, doc: dict[str, Any], handoff_id: str, *, now: datetime | None = None) -> str:
+        """Submit a new document to pending/; DuplicateHandoff naming the existing copy if taken."""
+        now = now or utc_now()
+        check_id(handoff_id)
+        existing = self.locate(handoff_id)
+        if existing:
+            raise DuplicateHandoff(
+                f"handoff {handoff_id} already exists in {existing[0].value}/; choose another id "
+                "or `handoff retry` the existing one", handoff_id=handoff_id)
+        if self.seen.contains(handoff_id, now):
+            raise DuplicateHandoff(f"handoff id {handoff_id} was used within the last "
+                                   f"{int(self.seen.ttl.total_seconds())}s; choose another id",
+                                   handoff_id=handoff_id)
+        doc[BOOK] = {"id": handoff_id}  # bookkeeping a submitted document carries is not ours
+        record(doc, "created", now)
+        try:
+            fsio.create_exclusive(self.path(State.PENDING, handoff_id),
+                                  self.encode(doc, State.PENDING, handoff_id),
+                                  self.ws.tmp, durable=self.durable)
+        except DuplicateHandoff:
+            raise DuplicateHandoff(f"handoff {handoff_id} already exists in pending/",
+                                   handoff_id=handoff_id) from None
+        self.seen.add(handoff_id, now)
+        return handoff_id
+
+    def claim(self, handoff_id: str, *, lease_seconds: float, now: datetime | None = None,
+              on_claim: Callable[[dict[str, Any]], None] | None = None) -> Claim | None:
+        """Take ``handoff_id`` from pending/ into in-progress/ and lock it.
+
+        Returns None when another process won the race. Raises DuplicateHandoff if an in-progress
+        copy already exists, DocumentNotReady if the file is still being written (it is put back),
+        and InvalidDocument if it is unreadable (it stays in in-progress/ for the caller to file).
+        """
+        now = now or utc_now()
+        src, dst = self.path(State.PENDING, handoff_id), self.path(State.IN_PROGRESS, handoff_id)
+        try:
+            fsio.rename_noreplace(src, dst)
+        except FileNotFoundError:
+            return None
+        except FileExistsError:
+            raise DuplicateHandoff(f"handoff {handoff_id} is already in progress",
+                                   handoff_id=handoff_id) from None
+        crash_point("after-claim-rename")
+        try:
+            data, info = fsio.read_bytes_safely(dst, self.max_bytes)
+            doc = fsio.parse_document(data, f"pending/{handoff_id}.json")
+        except InvalidDocument as exc:
+            if exc.code in (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8) \
+                    and self._young(dst, now):
+                self._put_back(dst, src)
+                raise DocumentNotReady(f"{handoff_id} is still being written",
+                                       handoff_id=handoff_id) from None
+            raise
+        prior = self.trusted_revision(doc, State.PENDING, handoff_id)
+        if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
+            doc[BOOK] = {}
+        token = uuid.uuid4().hex
+        lock = FileLock(str(self.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
+        lock.acquire()
+        block = book(doc)
+        block["attempt"] = book_int(doc, "attempt", 0) + 1
+        block["lease"] = lease(token, now, lease_seconds)
+        block.pop("next_attempt_at", None)
+        record(doc, "claimed", now, attempt=block["attempt"])
+        try:
+            if on_claim is not None:
+                on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
+            # the rename into in-progress/ need not be durable: if a crash undoes it, the handoff
+            # is simply pending again, or in-progress without a lease, which recovery hands back
+            inode = fsio.replace(dst, self.encode(doc, State.IN_PROGRESS, handoff_id), self.ws.tmp,
+                                 durable=self.durable, sync_dir=False)
+        except BaseException:
+            release_lock(lock)
+            raise
+        crash_point("after-claim-lease")
+        return Claim(handoff_id, doc, token, lock, block["attempt"], inode, prior)
+
+    def _young(self, path: Path, now: datetime) -> bool:
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return now.timestamp() - mtime < self.settle_seconds
+
+    def _put_back(self, dst: Path, src: Path) -> None:
+        try:
+            fsio.rename_noreplace(dst, src)
+        except FileExistsError:
+            pass  # a newer pending copy appeared; recovery resolves the pair
+
+    def owns(self, claim: Claim) -> bool:
+        """True while the in-progress document still carries this claim's lease token.
+
+        Every write of the in-progress file makes a new inode, so an unchanged inode proves
+        nobody (a sweeper) replaced or moved it since this claim wrote it; no read needed."""
+        if claim.inode is not None:
+            try:
+                return os.stat(self.path(State.IN_PROGRESS, claim.handoff_id)).st_ino == claim.inode
+            except FileNotFoundError:
+                return False
+        try:
+            doc = self.read(State.IN_PROGRESS, claim.handoff_id)
+        except (FileNotFoundError, InvalidDocument):
+            return False
+        held = book(doc).get("lease")
+        if claim.token is None:  # recovering a claim whose owner never wrote a lease
+            return not isinstance(held, dict)
+        return isinstance(held, dict) and held.get("token") == claim.token
+
+    def renew(self, claim: Claim, *, lease_seconds: float, now: datetime | None = None) -> bool:
+        """Extend the lease; False if the claim was lost (recovered by a sweeper)."""
+        with claim.mutex:
+            if claim.finished:
+                return True
+            if not self.owns(claim):
+                return False
+            book(claim.doc)["lease"] = lease(claim.token, now or utc_now(), lease_seconds)
+            claim.inode = fsio.replace(self.path(State.IN_PROGRESS, claim.handoff_id),
+                                       self.encode(claim.doc, State.IN_PROGRESS, claim.handoff_id),
+                                       self.ws.tmp,
+                                       durable=self.durable, sync_dir=False)
+            return True
+
+    def move(self, handoff_id: str, src: State, dst: State, doc: dict[str, Any]) -> None:
+        """Write ``doc`` into ``dst`` (never overwriting), then remove the ``src`` copy."""
+        if not allowed(src, dst):
+            raise InvalidTransition(f"handoff {handoff_id} cannot go from {src.value} to {dst.value}",
+                                    handoff_id=handoff_id)
+        fsio.create_exclusive(self.path(dst, handoff_id), self.encode(doc, dst, handoff_id),
+                              self.ws.tmp, durable=self.durable)
+        crash_point("after-move-write")
+        # no directory fsync: if a crash undoes this unlink, the two copies are told apart by
+        # revision (states.winner) and recovery removes the older one
+        fsio.unlink(self.path(src, handoff_id), durable=False)
+        crash_point("after-move-unlink")
+
+    def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
+        """File a claimed handoff in ``dst``. False (nothing written) if the claim was lost."""
+        with claim.mutex:
+            try:
+                if claim.finished or not self.owns(claim):
+                    return False
+                book(doc).pop("lease", None)
+                self.move(claim.handoff_id, State.IN_PROGRESS, dst, doc)
+                return True
+            finally:
+                claim.finished = True
+                release_lock(claim.lock)
+
+    def quarantine(self, path: Path, code: str, message: str, *, now: datetime | None = None) -> Path:
+        """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
+        now = now or utc_now()
+        self.ws.quarantine.mkdir(parents=True, exist_ok=True)
+        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.name)[:100] or "file"
+        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}-{safe}"
+        target = self.ws.quarantine / name
+        os.rename(path, target)  # works for symlinks and fifos too: the entry moves, not its target
+        reason = {"file": path.name, "from": path.parent.name, "code": code, "message": message,
+                  "at": iso(now), "actor": actor()}
+        fsio.replace(self.ws.quarantine / f"{name}.reason.json", fsio.dump_json(reason),
+                     self.ws.tmp, durable=self.durable)
+        return target
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """The reasons recorded for quarantined files, oldest first."""
+        out = []
+        for entry in sorted(self.ws.quarantine.glob("*.reason.json")):
+            try:
+                item = fsio.parse_document(entry.read_bytes(), entry.name)
+            except (OSError, InvalidDocument):
+                continue
+            item["stored_as"] = entry.name[: -len(".reason.json")]
+            out.append(item)
+        return out
+
+
+def _doc_id(doc: dict[str, Any]) -> str:
+    block = doc.get("handoffd")
+    if isinstance(block, dict) and isinstance(block.get("id"), str):
+        return block["id"]
+    return str(doc.get("handoff_id"))
+
+
+def lease(token: str | None, now: datetime, seconds: float) -> dict[str, Any]:
+    """A lease block: who holds the claim and until when (``token`` is None only when renewing a
+    recovered claim whose owner never wrote a lease)."""
+    return {"token": token, "owner": actor(), "acquired_at": iso(now),
+            "expires_at": iso(now + timedelta(seconds=seconds))}
+
+
+class NullLock:
+    """Stands in for a claim lock that cannot be taken (a stalled owner holds it, or none exists)."""
+
+    def release(self, force: bool = False) -> None:
+        """Nothing to release."""
+
+
+def release_lock(lock: "FileLock | NullLock") -> None:
+    """Release a claim lock and remove its file (its name is unique to the claim)."""
+    if isinstance(lock, NullLock):
+        return
+    try:
+        lock.release(force=True)
+    finally:
+        try:
+            os.unlink(lock.lock_file)
+        except FileNotFoundError:
+            pass
+
+
+def try_lock(path: Path) -> FileLock | None:
+    """Acquire ``path`` without waiting; None if another process (or claim) holds it."""
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return None
+    return lock

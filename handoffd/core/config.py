@@ -1,0 +1,317 @@
+"""Settings from ``handoffd.toml``: daemon tuning, default retry policy, the specialists, and the
+shared-context ``[namespaces]`` / ``[tiers]`` tables.
+
+Everything is validated when the file is loaded, so ``handoffd serve`` / ``run`` refuse a bad file at
+start (ConfigError, exit 2) instead of failing later. Numbers must be finite and within sane bounds:
+an ``inf`` or ``1e300`` second interval is a typo, and it would overflow date arithmetic later.
+"""
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers"})
+SPECIALIST_KEYS = frozenset({"command", "handler", "input_schema", "output_schema", "timeout_seconds",
+                             "concurrency", "retry", "env", "cwd"})
+POSITIVE_SETTINGS = ("rescan_seconds", "sweep_seconds", "lease_seconds", "max_document_bytes",
+                     "max_output_bytes", "default_timeout_seconds", "seen_ttl_seconds",
+                     "stall_seconds")
+# Upper bounds: far above any real setting, far below what overflows datetime/timedelta arithmetic.
+MAX_SECONDS = 10 * 365.25 * 24 * 3600          # any [daemon] / specialist time: 10 years
+MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0      # one retry delay (also the cap of RetryPolicy.delay)
+MAX_BACKOFF_MULTIPLIER = 100.0
+MAX_RETRIES = 1000
+NAMESPACE_KEYS = frozenset({"writers"})
+
+
+def _finite_number(value: Any) -> bool:
+    """True for an int or float (not a bool) that is neither inf nor nan."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Seed 001's retry_policy. Retry n (1-based) waits ``delay * multiplier ** (n - 1)`` seconds,
+    never more than MAX_RETRY_DELAY_SECONDS (seven days)."""
+
+    max_retries: int = 3
+    retry_delay_seconds: float = 30.0
+    backoff_multiplier: float = 2.0
+
+    def delay(self, retry_number: int) -> float:
+        """Seconds to wait before retry ``retry_number`` (1 for the first retry), capped at
+        MAX_RETRY_DELAY_SECONDS. Never raises: a policy built directly (not via from_dict) may hold
+        huge values, and this runs inside the sweeper, where an OverflowError would stop it."""
+        base = self.retry_delay_seconds
+        if not base > 0:  # also catches nan
+            return 0.0
+        try:
+            value = base * self.backoff_multiplier ** max(retry_number - 1, 0)
+        except OverflowError:
+            return MAX_RETRY_DELAY_SECONDS
+        return min(value, MAX_RETRY_DELAY_SECONDS) if value == value else MAX_RETRY_DELAY_SECONDS
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], base: "RetryPolicy | None" = None) -> "RetryPolicy":
+        """Overlay the keys present in ``data`` on ``base``; raise ConfigError (one line naming the
+        key) on a bad value. Also used for policies that come from documents, so every value is
+        checked: finite, ``0 <= max_retries <= 1000`` (an integer), ``0 <= retry_delay_seconds <=
+        604800`` (7 days), ``1 <= backoff_multiplier <= 100``."""
+        base = base or cls()
+        if not isinstance(data, dict):
+            raise ConfigError(f"bad retry policy {data!r}: must be a table/object")
+        max_retries = _retry_value(data, "max_retries", base.max_retries, 0, MAX_RETRIES, integer=True)
+        delay = _retry_value(data, "retry_delay_seconds", base.retry_delay_seconds, 0,
+                             MAX_RETRY_DELAY_SECONDS)
+        multiplier = _retry_value(data, "backoff_multiplier", base.backoff_multiplier, 1,
+                                  MAX_BACKOFF_MULTIPLIER)
+        return cls(max_retries=int(max_retries), retry_delay_seconds=float(delay),
+                   backoff_multiplier=float(multiplier))
+
+
+def _retry_value(data: dict[str, Any], key: str, default: float, low: float, high: float, *,
+                 integer: bool = False) -> float:
+    """``data[key]`` (or ``default``) as a number within ``[low, high]``; ConfigError otherwise."""
+    if key not in data:
+        return default
+    raw = data[key]
+    value: Any = raw
+    if isinstance(raw, str):  # "3" from a hand-written document: accepted as before
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            value = None
+    if not _finite_number(value):
+        raise ConfigError(f"bad retry policy: {key} = {raw!r} is not a finite number")
+    if integer and value != int(value):
+        raise ConfigError(f"bad retry policy: {key} = {raw!r} is not a whole number")
+    if not low <= value <= high:
+        raise ConfigError(f"bad retry policy: {key} = {raw!r} is outside {low:g}..{high:g}")
+    return value
+
+
+@dataclass
+class DaemonSettings:
+    """``[daemon]`` in handoffd.toml. Times are seconds."""
+
+    workers: int = 4
+    rescan_seconds: float = 5.0
+    sweep_seconds: float = 10.0
+    lease_seconds: float = 60.0
+    settle_seconds: float = 0.5
+    claim_grace_seconds: float = 10.0
+    grace_seconds: float = 10.0
+    durability: str = "fsync"
+    max_document_bytes: int = 4 * 1024 * 1024
+    max_output_bytes: int = 16 * 1024 * 1024
+    default_timeout_seconds: float = 300.0
+    seen_ttl_seconds: float = 3600.0
+    stall_seconds: float = 30.0  # progress watchdog: due work, free slots, nothing dispatched
+
+    @property
+    def durable(self) -> bool:
+        """True unless ``durability = "fast"``."""
+        return self.durability != "fast"
+
+
+@dataclass
+class SpecialistConfig:
+    """One ``[specialists."@agent"]`` table."""
+
+    agent: str
+    command: list[str] | None = None
+    handler: str | None = None
+    input_schema: str | None = None
+    output_schema: str | None = None
+    timeout_seconds: float | None = None
+    concurrency: int = 1
+    retry: RetryPolicy | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+
+@dataclass
+class Config:
+    """Everything handoffd.toml says (defaults when the file is absent)."""
+
+    daemon: DaemonSettings = field(default_factory=DaemonSettings)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    specialists: dict[str, SpecialistConfig] = field(default_factory=dict)
+    #: ``[namespaces]``, parsed: namespace (lower-case, no slashes; ``"*"`` for the default) ->
+    #: writers. Only what the file says; the built-in seed-000 table is added by context_store.
+    namespaces: dict[str, list[str]] = field(default_factory=dict)
+    #: ``[tiers]``: agent id -> tier name (a number 1-4 is kept as its digit).
+    tiers: dict[str, str] = field(default_factory=dict)
+
+
+def load_config(path: Path) -> Config:
+    """Read handoffd.toml at ``path`` (missing file: defaults); raise ConfigError on any problem."""
+    if not path.exists():
+        return Config()
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    unknown = sorted(set(raw) - SECTIONS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section [{unknown[0]}]; known: "
+                          f"{', '.join(sorted(SECTIONS))}")
+    config = Config()
+    config.daemon = _daemon_settings(raw.get("daemon", {}), path)
+    try:
+        config.retry = RetryPolicy.from_dict(raw.get("retry", {}))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: [retry] {exc}") from None
+    config.namespaces = parse_namespaces(raw.get("namespaces", {}), path)
+    config.tiers = parse_tiers(raw.get("tiers", {}), path)
+    for agent, table in (raw.get("specialists") or {}).items():
+        config.specialists[agent] = specialist_from_table(agent, table, config.retry, path)
+    return config
+
+
+def _daemon_settings(table: dict[str, Any], path: Path) -> DaemonSettings:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [daemon] must be a table")
+    known = {f.name: f.type for f in fields(DaemonSettings)}
+    settings = DaemonSettings()
+    for key, value in table.items():
+        if key not in known:
+            raise ConfigError(f"{path}: unknown [daemon] setting {key!r}; known: {', '.join(known)}")
+        default = getattr(settings, key)
+        if isinstance(value, bool) and not isinstance(default, bool):
+            raise ConfigError(f"{path}: [daemon] {key} = {value!r} is not of type {type(default).__name__}")
+        try:
+            setattr(settings, key, type(default)(value))
+        except (TypeError, ValueError, OverflowError):  # int(inf) raises OverflowError
+            raise ConfigError(f"{path}: [daemon] {key} = {value!r} is not of type {type(default).__name__}") from None
+    if settings.durability not in ("fsync", "fast"):
+        raise ConfigError(f"{path}: [daemon] durability must be \"fsync\" or \"fast\"")
+    if settings.workers < 1:
+        raise ConfigError(f"{path}: [daemon] workers must be at least 1")
+    for name in known:
+        value = getattr(settings, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{path}: [daemon] {name} = {value!r} must be a finite number")
+        if name.endswith("_seconds") and value > MAX_SECONDS:
+            raise ConfigError(f"{path}: [daemon] {name} = {value!r} is too large (at most "
+                              f"{MAX_SECONDS:.0f} seconds, 10 years)")
+    for name in POSITIVE_SETTINGS:
+        if getattr(settings, name) <= 0:
+            raise ConfigError(f"{path}: [daemon] {name} must be greater than 0")
+    for name in ("settle_seconds", "claim_grace_seconds", "grace_seconds"):
+        if getattr(settings, name) < 0:
+            raise ConfigError(f"{path}: [daemon] {name} must not be negative")
+    return settings
+
+
+def parse_namespaces(table: Any, path: Path | str = "handoffd.toml") -> dict[str, list[str]]:
+    """Validate ``[namespaces]``: each entry is ``"name" = { writers = [...] }`` (or a bare list),
+    ``name`` a safe context-key prefix or ``"*"``, writers non-empty strings. Names are
+    normalised the way keys are compared (lower case, no leading/trailing ``/``), so
+    ``"Task/"`` and ``"task"`` are one namespace (two entries for it are an error)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [namespaces] must be a table of "
+                          "[namespaces.\"name\"] writers = [...] entries")
+    out: dict[str, list[str]] = {}
+    for raw_name, spec in table.items():
+        where = f"[namespaces.\"{raw_name}\"]"
+        name = _namespace_name(raw_name, where, path)
+        if isinstance(spec, dict):
+            unknown = sorted(set(spec) - NAMESPACE_KEYS)
+            if unknown:
+                raise ConfigError(f"{path}: {where}: unknown key {unknown[0]!r}; known: writers")
+            if "writers" not in spec:
+                raise ConfigError(f"{path}: {where} needs writers = [...] (agent ids, tier names or \"*\")")
+            writers = spec["writers"]
+        else:
+            writers = spec
+        if not isinstance(writers, list) or not all(isinstance(w, str) and w.strip() for w in writers):
+            raise ConfigError(f"{path}: {where} writers must be a list of agent ids, tier names "
+                              f"or \"*\" (got {writers!r})")
+        if name in out:
+            raise ConfigError(f"{path}: {where}: namespace {name!r} is configured twice "
+                              "(names are compared case-insensitively)")
+        out[name] = [w.strip() for w in writers]
+    return out
+
+
+def _namespace_name(raw: Any, where: str, path: Path | str) -> str:
+    """A ``[namespaces]`` entry's name as it is compared: ``*`` or a lower-case safe key."""
+    from .errors import InvalidDocument
+    from .keys import normalise_key
+
+    text = str(raw).strip()
+    if text == "*":
+        return "*"
+    try:
+        return normalise_key(text.strip("/")).casefold()
+    except InvalidDocument:
+        raise ConfigError(f"{path}: {where}: {text!r} is not a valid namespace: use \"*\" or "
+                          "segments of letters, digits and ._@+=- separated by '/' "
+                          "(no '..', no empty segments)") from None
+
+
+def parse_tiers(table: Any, path: Path | str = "handoffd.toml") -> dict[str, str]:
+    """Validate ``[tiers]``: ``"agent" = "TIER_NAME"`` or a tier number 1-4."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [tiers] must be a table of \"@agent\" = \"TIER\" entries")
+    out: dict[str, str] = {}
+    for agent, tier in table.items():
+        if isinstance(tier, int) and not isinstance(tier, bool) and 1 <= tier <= 4:
+            out[str(agent)] = str(tier)
+        elif isinstance(tier, str) and tier.strip():
+            out[str(agent)] = tier.strip()
+        else:
+            raise ConfigError(f"{path}: [tiers] \"{agent}\" = {tier!r}: a tier is a name such as "
+                              "\"SPECIALIZED_FLEET\" or a number 1-4")
+    return out
+
+
+def specialist_from_table(agent: str, table: dict[str, Any], default_retry: RetryPolicy,
+                          path: Path | str = "handoffd.toml") -> SpecialistConfig:
+    """Validate one specialist table; exactly one of ``command`` / ``handler`` is required."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [specialists.\"{agent}\"] must be a table")
+    unknown = sorted(set(table) - SPECIALIST_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: specialist {agent}: unknown key {unknown[0]!r}; known: "
+                          f"{', '.join(sorted(SPECIALIST_KEYS))}")
+    command, handler = table.get("command"), table.get("handler")
+    if (command is None) == (handler is None):
+        raise ConfigError(f"{path}: specialist {agent} needs exactly one of command = [...] or "
+                          "handler = \"module:function\"")
+    if command is not None and (not isinstance(command, list) or not command
+                                or not all(isinstance(c, str) for c in command)):
+        raise ConfigError(f"{path}: specialist {agent}: command must be a non-empty list of strings "
+                          "(it is never run through a shell)")
+    if handler is not None and (not isinstance(handler, str) or ":" not in handler):
+        raise ConfigError(f"{path}: specialist {agent}: handler must look like \"package.module:function\"")
+    concurrency = table.get("concurrency", 1)
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigError(f"{path}: specialist {agent}: concurrency must be a positive integer")
+    timeout = table.get("timeout_seconds")
+    if timeout is not None and (not _finite_number(timeout) or not 0 < timeout <= MAX_SECONDS):
+        raise ConfigError(f"{path}: specialist {agent}: timeout_seconds = {timeout!r} must be a "
+                          f"positive finite number of seconds (at most {MAX_SECONDS:.0f}, 10 years)")
+    retry = table.get("retry")
+    if retry is not None and not isinstance(retry, dict):
+        raise ConfigError(f"{path}: specialist {agent}: retry must be a table")
+    try:
+        policy = RetryPolicy.from_dict(retry, default_retry) if retry is not None else None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: specialist {agent}: retry: {exc}") from None
+    return SpecialistConfig(
+        agent=agent, command=command, handler=handler,
+        input_schema=table.get("input_schema"), output_schema=table.get("output_schema"),
+        timeout_seconds=float(timeout) if timeout is not None else None,
+        concurrency=concurrency,
+        retry=policy,
+        env={str(k): str(v) for k, v in (table.get("env") or {}).items()},
+        cwd=table.get("cwd"),
+    )

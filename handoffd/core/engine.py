@@ -1,0 +1,567 @@
+"""The lifecycle engine: admit a claimed handoff, run its specialist, file the outcome.
+
+This is where policy lives (retry or fail, what is permanent, which copy of a duplicate wins);
+:mod:`handoffd.backends.files.store` does the file mechanics and :mod:`handoffd.service.daemon` the scheduling.
+
+The engine imports no feature: dependencies, contracts, orchestration (delegation, aggregation,
+cancellation, artifacts) install themselves through the hook lists below, and
+:func:`handoffd.features.build.build_engine` assembles an engine with them. A bare ``Engine(...)`` runs
+plain handoffs only.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import dialects
+from ..backends.files.store import Claim, Store, release_lock
+from ..dialects import Dialect, FiledState
+from .config import Config, RetryPolicy
+from .documents import (
+    Envelope,
+    Outcome,
+    book,
+    book_int,
+    check_id,
+    next_attempt_at,
+    record,
+)
+from .errors import (
+    ConfigError,
+    DuplicateHandoff,
+    ErrorCode,
+    HandlerError,
+    InvalidDocument,
+)
+from .runner import run_command, run_python
+from .specialists import HandlerContext, Registry, Specialist
+from .states import State
+from .timeutil import Clock, iso, utc_now
+from .validation import SchemaCache, errors_of
+from .workspace import Workspace
+
+log = logging.getLogger("handoffd")
+MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0
+PERMANENT_CODES = frozenset({
+    ErrorCode.SCHEMA_VALIDATION_FAILED, ErrorCode.VALIDATION_FAILED, ErrorCode.CONTRACT_VIOLATION,
+    ErrorCode.CANCELLED, ErrorCode.DEPENDENCY_MISSING, ErrorCode.INVALID_DOCUMENT, ErrorCode.UNSAFE_ID,
+    ErrorCode.UNKNOWN_VERSION, ErrorCode.NEEDS_CLARIFICATION, ErrorCode.BLOCKED,
+})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A gate's answer: ``wait`` (with reason) or ``fail`` (with code and message)."""
+
+    action: str
+    reason: str
+    code: str = ""
+
+    @classmethod
+    def wait(cls, reason: str) -> "Verdict":
+        return cls("wait", reason)
+
+    @classmethod
+    def fail(cls, code: str, reason: str) -> "Verdict":
+        return cls("fail", reason, code)
+
+
+Gate = Callable[["Engine", Envelope, dict[str, Any]], "Verdict | None"]
+
+
+@dataclass
+class Job:
+    """A claimed, admitted handoff ready to run."""
+
+    claim: Claim
+    dialect: Dialect
+    envelope: Envelope
+    specialist: Specialist
+    context: HandlerContext
+    started_at: datetime = field(default_factory=utc_now)
+
+    @property
+    def handoff_id(self) -> str:
+        return self.claim.handoff_id
+
+
+@dataclass
+class Peek:
+    """What the scheduler learns from a pending document without claiming it."""
+
+    handoff_id: str
+    target: str | None = None
+    priority: int = 2
+    due_at: datetime | None = None
+    readable: bool = True
+    envelope: Envelope | None = None
+    doc: dict[str, Any] | None = None
+
+
+class Engine:
+    """One workspace's lifecycle. Thread-safe for concurrent jobs on different handoffs."""
+
+    def __init__(self, workspace: Workspace, config: Config | None = None,
+                 registry: Registry | None = None, *, clock: Clock = utc_now,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.ws = workspace
+        self.config = config or workspace.load_config()
+        self.settings = self.config.daemon
+        self.registry = registry or Registry.load(self.config)
+        self.clock = clock
+        self.monotonic = monotonic  # a clock that never steps: judges how long a lease went unrenewed
+        # what this process's sweeps have seen of others' leases: id -> (lease mark, first seen)
+        self.lease_watch: dict[str, tuple[str, float]] = {}
+        self.store = Store(workspace, durable=self.settings.durable,
+                           max_document_bytes=self.settings.max_document_bytes,
+                           settle_seconds=self.settings.settle_seconds,
+                           seen_ttl_seconds=self.settings.seen_ttl_seconds)
+        self.schemas = SchemaCache(workspace.schemas)
+        # extension points; features add to them (handoffd.features.build.build_engine installs them)
+        self.gates: list[Gate] = []  # checked before a claim (see gates.py)
+        self.on_filed: list[Callable[[str, State], None]] = []  # told of every filing
+        self.on_rejected: list[Callable[[Job, str, str], None]] = []  # a gate failed a handoff
+        # before the handler: the first resumer that returns an Outcome replaces the run
+        # (aggregation: a parent whose children are done)
+        self.resumers: list[Callable[[Job, datetime], Outcome | None]] = []
+        self.before_run: list[Callable[[Job], None]] = []
+        self.after_run: list[Callable[[Job, Outcome], Outcome]] = [dialects.review_outcome]
+        # a handler result whose status is a key here is turned into an Outcome by the feature
+        # that owns the status (orchestration: delegated, needs_clarification, blocked)
+        self.result_interpreters: dict[str, Callable[[Job, dict[str, Any], datetime], Outcome]] = {}
+        # an Outcome whose status is a key here is filed by that feature (orchestration parks it)
+        self.filers: dict[str, Callable[[Claim, Dialect, Specialist | None, Outcome], State]] = {}
+        self.on_sweep: list[Callable[[Engine], object]] = []  # extra repairs run by each sweep
+        # called with each daemon built on this engine: features register scan hooks, message
+        # handlers and the like through the daemon's plugin API (the core knows no daemon)
+        self.daemon_plugins: list[Callable[[Any], None]] = []
+
+    def gate(self, peek: Peek) -> Verdict | None:
+        """The first gate verdict that stops ``peek`` from being claimed now (None: go)."""
+        if peek.envelope is None or peek.doc is None:
+            return None
+        for gate in self.gates:
+            verdict = gate(self, peek.envelope, peek.doc)
+            if verdict is not None:
+                return verdict
+        return None
+
+    def reject(self, handoff_id: str, code: str, message: str) -> State | None:
+        """Claim a pending handoff and file it as failed without running it (a gate said fail)."""
+        job = self.take(handoff_id)
+        if job is None:
+            return None
+        outcome = self.failure(self.clock(), code, message, retryable=False)
+        where = self.file(job.claim, job.dialect, job.specialist, outcome)
+        if where is State.FAILED:
+            for listener in self.on_rejected:
+                listener(job, code, message)
+        return where
+
+    # ------------------------------------------------------------ scheduling aids
+    def peek(self, handoff_id: str) -> Peek | None:
+        """Read a pending document to route it; None if it is gone. Never raises: whatever stops
+        the file from being read or routed (an invalid document, an OS error such as ENXIO on a
+        socket or EACCES, a RecursionError inside a reader) gives ``readable=False``, and the
+        daemon sets the file aside (``queries.pending_problem`` says why)."""
+        try:
+            doc = self.store.read(State.PENDING, handoff_id)
+        except FileNotFoundError:
+            return None
+        except Exception:  # one bad file must never stop the scheduler or `handoff ls`
+            return Peek(handoff_id, readable=False)
+        try:
+            env = dialects.detect(doc).envelope(doc)
+            due_at = next_attempt_at(doc)
+        except Exception:  # e.g. InvalidDocument, or RecursionError on an absurd inline schema
+            return Peek(handoff_id, readable=False)
+        return Peek(handoff_id, env.target, env.priority, due_at, True, env, doc)
+
+    # ------------------------------------------------------------ admission
+    def claim(self, handoff_id: str) -> tuple[Claim, Dialect] | None:
+        """Claim a pending handoff and detect its format. None when there is nothing to claim:
+        another process won, or the file was unusable and has been set aside (quarantined, with
+        a failure filed under its name when that is a safe id). Raises DocumentNotReady."""
+        now = self.clock()
+        found: list[Dialect] = []
+
+        def on_claim(doc: dict[str, Any]) -> None:
+            dialect = dialects.detect(doc)
+            found.append(dialect)
+            book(doc)["dialect"] = dialect.name
+            dialect.mark_claimed(doc, now)
+
+        try:
+            claim = self.store.claim(handoff_id, lease_seconds=self.settings.lease_seconds,
+                                     now=now, on_claim=on_claim)
+        except DuplicateHandoff as exc:
+            self._set_aside(self.store.path(State.PENDING, handoff_id), ErrorCode.DUPLICATE_HANDOFF_ID,
+                            str(exc), handoff_id, stub=False)
+            return None
+        except InvalidDocument as exc:
+            self._set_aside(self.store.path(State.IN_PROGRESS, handoff_id), exc.code, str(exc),
+                            handoff_id)
+            return None
+        return None if claim is None else (claim, found[0])
+
+    def take(self, handoff_id: str) -> Job | None:
+        """Claim ``handoff_id`` and admit it. None when there is nothing to run (another process
+        won, or the document was filed as failed / set aside). Raises DocumentNotReady."""
+        claimed = self.claim(handoff_id)
+        if claimed is None:
+            return None
+        claim, dialect = claimed
+        try:
+            return self._admit(claim, dialect, self.clock())
+        except BaseException:
+            release_lock(claim.lock)
+            raise
+
+    def _admit(self, claim: Claim, dialect: Dialect, now: datetime) -> Job | None:
+        doc, handoff_id = claim.doc, claim.handoff_id
+        try:
+            check_id(handoff_id)  # the file name itself; `handoff show` could not reach it otherwise
+        except InvalidDocument as exc:
+            self.set_aside_claim(claim, ErrorCode.UNSAFE_ID, f"file pending/{handoff_id}.json: {exc}")
+            return None
+        if not self._resolve_copies(claim):
+            return None
+        if claim.prior_revision == 0:  # a raw document from a foreign producer
+            if self.store.seen.contains(handoff_id, now):
+                self.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
+                                     f"handoff id {handoff_id} was already used recently; "
+                                     "a second document never re-runs the first")
+                return None
+            self.store.seen.add(handoff_id, now)
+        try:
+            doc_id = dialect.id_of(doc)
+            if doc_id != handoff_id:
+                raise InvalidDocument(
+                    f"file pending/{handoff_id}.json carries handoff id {str(doc_id)[:80]!r}; the "
+                    "file name must be the id", handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
+            self._validate_document(dialect, doc, handoff_id)
+            envelope = dialect.envelope(doc)
+        except InvalidDocument as exc:
+            if exc.code in (ErrorCode.ID_MISMATCH, ErrorCode.UNSAFE_ID):
+                self.set_aside_claim(claim, exc.code, str(exc))
+            else:
+                self.file(claim, dialect, None, self.failure(now, exc.code, str(exc), errors=exc.errors))
+            return None
+        except (RecursionError, MemoryError, ValueError, TypeError, ArithmeticError) as exc:
+            # a document that defeats a reader (absurd nesting or sizes in an inline schema...)
+            # is a bad document, filed with a code; it must never stay claimed for recovery
+            log.warning("handoff %s: unreadable document: %s: %s", handoff_id,
+                        type(exc).__name__, str(exc)[:200])
+            self.file(claim, dialect, None, self.failure(
+                now, ErrorCode.INVALID_DOCUMENT, f"handoff {handoff_id} cannot be read as a "
+                f"{dialect.name} document: {type(exc).__name__}: {str(exc)[:200]}", retryable=False))
+            return None
+        spec = self.registry.get(envelope.target)
+        if spec is None:
+            self.handback(claim, dialect, reason=f"no specialist registered for {envelope.target}")
+            return None
+        ctx = HandlerContext(handoff_id=handoff_id, attempt=claim.attempt, root=self.ws.root,
+                             data=envelope.data, target=envelope.target)
+        return Job(claim, dialect, envelope, spec, ctx, started_at=now)
+
+    def _validate_document(self, dialect: Dialect, doc: dict[str, Any], handoff_id: str) -> None:
+        errors: list[dict[str, str]] = []
+        for name in dialect.schema_names(doc):
+            errors.extend(self.schemas.errors(name, _without_book(doc)))
+        if errors:
+            raise InvalidDocument(
+                f"handoff {handoff_id} is not a valid {dialect.name} document: "
+                f"{errors[0]['field']}: {errors[0]['error']}"
+                + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
+                handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
+
+    def _resolve_copies(self, claim: Claim) -> bool:
+        """Another copy of this id elsewhere? The higher trusted revision wins, and a completed
+        copy always does (nothing leaves completed/). True: ours runs."""
+        previous_revision = claim.prior_revision
+        for state in (State.COMPLETED, State.FAILED, State.PENDING):
+            try:
+                other = self.store.read(state, claim.handoff_id)
+            except FileNotFoundError:
+                continue
+            except InvalidDocument:
+                other = {}
+            theirs = self.store.trusted_revision(other, state, claim.handoff_id)
+            if state is State.PENDING and theirs == 0:
+                continue  # a raw duplicate: its own claim will set it aside
+            if previous_revision == 0 and state is not State.PENDING:
+                self.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
+                                     f"handoff {claim.handoff_id} already exists in {state.value}/; "
+                                     "a second document with the same id is never run")
+                return False
+            if state is State.COMPLETED or theirs > previous_revision:  # ours is a leftover
+                self.store.path(State.IN_PROGRESS, claim.handoff_id).unlink(missing_ok=True)
+                release_lock(claim.lock)
+                return False
+            self.store.path(state, claim.handoff_id).unlink(missing_ok=True)
+        return True
+
+    def set_aside_claim(self, claim: Claim, code: str, message: str) -> None:
+        """Quarantine a claimed document that must never run (and release the claim)."""
+        try:
+            self._set_aside(self.store.path(State.IN_PROGRESS, claim.handoff_id), code, message,
+                            claim.handoff_id, stub=code != ErrorCode.DUPLICATE_HANDOFF_ID)
+        finally:
+            release_lock(claim.lock)
+
+    def _set_aside(self, path: Path, code: str, message: str, name_id: str, *, stub: bool = True) -> None:
+        """Quarantine an unusable file; if its name is a free, safe id, file a failure stub under
+        that id too so that `handoff wait` on it ends."""
+        try:
+            self.store.quarantine(path, code, message, now=self.clock())
+        except FileNotFoundError:
+            return
+        log.warning("set aside %s: %s: %s", path.name, code, message)
+        if not stub:
+            return
+        try:
+            check_id(name_id)
+        except InvalidDocument:
+            return
+        if self.store.locate(name_id):
+            return
+        now = self.clock()
+        doc: dict[str, Any] = {"handoff_id": name_id}
+        record(doc, "rejected", now, code=code)
+        book(doc)["dialect"] = "native"
+        answer = dialects.by_name("native").render(
+            doc, self.failure(now, code, message), FiledState(0, 0, False))
+        try:
+            self.store.write_new(State.FAILED, answer)
+        except DuplicateHandoff:
+            return
+        self._announce(name_id, State.FAILED)
+
+    # ------------------------------------------------------------ execution
+    def timeout_for(self, job: Job) -> float:
+        """Document timeout, else the specialist's, else the daemon default."""
+        return (job.envelope.timeout_seconds or job.specialist.config.timeout_seconds
+                or self.settings.default_timeout_seconds)
+
+    def run(self, job: Job) -> Outcome:
+        """Validate input, run the handler, validate its output; never raises for handler faults."""
+        started = self.clock()
+        try:
+            for resumer in self.resumers:  # e.g. a parent whose children are done
+                resumed = resumer(job, started)
+                if resumed is not None:
+                    return resumed  # as it stands: no after_run checks
+            self._check_input(job)
+            for hook in self.before_run:
+                hook(job)
+            if job.specialist.is_command:
+                result = run_command(job.specialist, _without_book(job.claim.doc), job.context,
+                                     self.timeout_for(job),
+                                     max_output_bytes=self.settings.max_output_bytes)
+            else:
+                result = run_python(job.specialist, job.claim.doc, job.context, self.timeout_for(job))
+            outcome = self.outcome_from_result(job, result, started)
+        except HandlerError as exc:
+            outcome = self.failure(started, exc.code, str(exc), retryable=exc.retryable,
+                                   details=exc.details)
+        except InvalidDocument as exc:
+            outcome = self.failure(started, exc.code, str(exc), errors=exc.errors)
+        except ConfigError as exc:
+            outcome = self.failure(started, ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: {exc}",
+                                   retryable=False)
+        outcome.started_at = started
+        outcome.executed_by = job.specialist.agent
+        for check in self.after_run:
+            outcome = check(job, outcome)
+        return outcome
+
+    def _check_input(self, job: Job) -> None:
+        name = job.specialist.config.input_schema or job.envelope.input_schema
+        if not name:
+            return
+        if name == job.envelope.input_schema and not job.specialist.config.input_schema \
+                and not (self.ws.schemas / name).is_file():
+            return  # a schema the document names but nobody installed is advisory
+        errors = self.schemas.errors(name, job.envelope.data)
+        if errors:
+            first = errors[0]
+            raise InvalidDocument(
+                f"Input validation failed: {first['field']}: {first['error']}"
+                + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
+                handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
+
+    def outcome_from_result(self, job: Job, result: dict[str, Any], started: datetime) -> Outcome:
+        """Turn a protocol result into an Outcome, validating output and artifact paths."""
+        now = self.clock()
+        status = result["status"]
+        interpret = self.result_interpreters.get(status)
+        if interpret is not None:  # a status a feature owns (e.g. delegated: parked by its filer)
+            return interpret(job, result, started)
+        if status == "failed":
+            error = given if isinstance(given := result.get("error"), dict) else {}
+            return self.failure(started, str(error.get("code") or ErrorCode.PROCESSING_ERROR),
+                                str(error.get("message") or "specialist reported failure"),
+                                retryable=error.get("retryable"), result=result)
+        self._check_output(job, result)
+        return Outcome(status=status, started_at=started, finished_at=now,
+                       output=result.get("output"), artifacts=_list(result.get("artifacts")),
+                       validation=_dict(result.get("validation")),
+                       metadata=_dict(result.get("metadata")),
+                       next_steps=_list(result.get("next_steps")), warnings=_list(result.get("warnings")))
+
+    def _check_output(self, job: Job, result: dict[str, Any]) -> None:
+        output = result.get("output")
+        checks: list[tuple[str, Any]] = []
+        if job.specialist.config.output_schema:
+            checks.append(("output schema " + job.specialist.config.output_schema,
+                           self.schemas.validator(job.specialist.config.output_schema)))
+        if job.envelope.expected_output_schema:
+            key = "inline:" + job.handoff_id
+            checks.append(("expected_output_schema",
+                           self.schemas.for_schema(key, job.envelope.expected_output_schema)))
+        for label, validator in checks:
+            errors = errors_of(validator, output)
+            if errors:
+                raise InvalidDocument(f"handoff {job.handoff_id}: output fails {label}: "
+                                      f"{errors[0]['field']}: {errors[0]['error']}",
+                                      handoff_id=job.handoff_id, code=ErrorCode.VALIDATION_FAILED,
+                                      errors=errors)
+        for path in _artifact_paths(result):
+            if self.ws.inside(path) is None:
+                raise InvalidDocument(f"handoff {job.handoff_id}: artifact path {path!r} points "
+                                      "outside the workspace", handoff_id=job.handoff_id,
+                                      code=ErrorCode.VALIDATION_FAILED)
+
+    def failure(self, started: datetime, code: str, message: str, *, retryable: bool | None = None,
+                errors: list[dict[str, str]] | None = None, details: dict[str, Any] | None = None,
+                result: dict[str, Any] | None = None) -> Outcome:
+        """A failed Outcome with a seed-001 error block."""
+        error: dict[str, Any] = {"code": code, "message": message}
+        if retryable is not None:
+            error["retryable"] = bool(retryable)
+        if errors:
+            error["errors"] = errors
+        if details:
+            error["details"] = details
+        statuses: dict[str, str] = {ErrorCode.TIMEOUT: "timeout", ErrorCode.CANCELLED: "cancelled"}
+        status = statuses.get(code, "failed")
+        outcome = Outcome(status=status, started_at=started, finished_at=self.clock(), error=error)
+        if result:
+            outcome.output = result.get("output")
+            outcome.warnings = _list(result.get("warnings"))
+            outcome.metadata = _dict(result.get("metadata"))
+        return outcome
+
+    # ------------------------------------------------------------ filing
+    def policy(self, doc: dict[str, Any], spec: Specialist | None) -> RetryPolicy:
+        """Retry policy: the document's, else the specialist's, else the configured default."""
+        base = (spec.config.retry if spec and spec.config.retry else None) or self.config.retry
+        raw = doc.get("retry_policy")
+        if isinstance(raw, dict):
+            try:
+                return RetryPolicy.from_dict(raw, base)
+            except ConfigError:
+                return base
+        return base
+
+    def retryable(self, outcome: Outcome) -> bool:
+        """Seed 003's error_type: permanent codes and retryable=false are never retried."""
+        error = outcome.error or {}
+        return error.get("code") not in PERMANENT_CODES and error.get("retryable") is not False
+
+    def file(self, claim: Claim, dialect: Dialect, spec: Specialist | None, outcome: Outcome) -> State:
+        """Retry or file ``outcome`` for a claimed handoff; returns where it went (IN_PROGRESS:
+        nothing was written because the claim was lost). Listeners in ``on_filed`` hear of it."""
+        where = self._file(claim, dialect, spec, outcome)
+        if where is not State.IN_PROGRESS:
+            self._announce(claim.handoff_id, where)
+        return where
+
+    def _announce(self, handoff_id: str, where: State) -> None:
+        for listener in self.on_filed:
+            listener(handoff_id, where)
+
+    def _file(self, claim: Claim, dialect: Dialect, spec: Specialist | None, outcome: Outcome) -> State:
+        filer = self.filers.get(outcome.status)
+        if filer is not None:  # e.g. a parked handoff goes back to pending/ (orchestration)
+            return filer(claim, dialect, spec, outcome)
+        doc = claim.doc
+        block = book(doc)
+        retries = book_int(doc, "retries", 0)
+        policy = self.policy(doc, spec)
+        now = self.clock()
+        if not outcome.succeeded and self.retryable(outcome) and retries < policy.max_retries:
+            delay = min(policy.delay(retries + 1), MAX_RETRY_DELAY_SECONDS)  # never overflows
+            block["retries"] = retries + 1
+            block["next_attempt_at"] = iso(now + timedelta(seconds=delay))
+            block["last_error"] = outcome.error
+            block.pop("lease", None)
+            record(doc, "retry_scheduled", now, retry=retries + 1, delay_seconds=delay,
+                   error=outcome.error)
+            dialect.mark_pending(doc)
+            if self.store.finish(claim, State.PENDING, doc):
+                return State.PENDING
+            return State.IN_PROGRESS
+        dst = State.COMPLETED if outcome.succeeded else State.FAILED
+        event = "completed" if outcome.succeeded else ("cancelled" if outcome.status == "cancelled"
+                                                       else "failed")
+        detail: dict[str, Any] = {"seconds": outcome.seconds}
+        if outcome.error:
+            detail["code"] = outcome.error.get("code")
+            detail["message"] = str(outcome.error.get("message"))[:500]
+        record(doc, event, now, **detail)
+        block.pop("next_attempt_at", None)
+        filed = FiledState(retries, policy.max_retries, self.retryable(outcome) or
+                           (outcome.error or {}).get("code") == ErrorCode.TIMEOUT)
+        # format-neutral facts `handoff retry` and `handoff ls` read, whatever the answer's format
+        block["retry_available"] = filed.retry_available
+        if outcome.error:
+            block["final_error"] = {"code": outcome.error.get("code"),
+                                    "message": str(outcome.error.get("message"))[:500]}
+        else:
+            block.pop("final_error", None)
+        if dialect.name != "native":  # its answer replaces the request: keep it for retries
+            block.setdefault("request_snapshot", _without_book(doc))
+        answer = dialect.render(doc, outcome, filed, root=self.ws.root)
+        if self.store.finish(claim, dst, answer):
+            return dst
+        return State.IN_PROGRESS
+
+    def handback(self, claim: Claim, dialect: Dialect, *, reason: str) -> None:
+        """Return a claimed handoff to pending/ without counting an attempt (graceful stop)."""
+        block = book(claim.doc)
+        if claim.token is not None:  # an attempt was counted when the lease was written
+            block["attempt"] = max(book_int(claim.doc, "attempt", 1) - 1, 0)
+        block.pop("lease", None)
+        record(claim.doc, "handed_back", self.clock(), reason=reason)
+        dialect.mark_pending(claim.doc)
+        self.store.finish(claim, State.PENDING, claim.doc)
+
+
+def _without_book(doc: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in doc.items() if k != "handoffd"}
+
+
+def _list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None
+
+
+def _artifact_paths(result: dict[str, Any]) -> list[str]:
+    paths: list[str] = []
+    output = result.get("output")
+    if isinstance(output, dict) and isinstance(output.get("artifact_path"), str):
+        paths.append(output["artifact_path"])
+    for item in _list(result.get("artifacts")):
+        if isinstance(item, dict):
+            for key in ("path", "artifact_path"):
+                if isinstance(item.get(key), str):
+                    paths.append(item[key])
+    return paths

@@ -1,0 +1,169 @@
+"""The specialist registry: who runs a handoff addressed to a given agent id.
+
+Specialists come from three places, later ones overriding earlier: the ``handoffd.core.specialists``
+entry-point group (name = agent id, value = ``module:function``), functions decorated with
+:func:`specialist`, and the ``[specialists]`` tables of ``handoffd.toml``.
+"""
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass, field, replace
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable
+
+from .config import Config, SpecialistConfig, specialist_from_table
+from .errors import ConfigError
+
+Handler = Callable[[dict[str, Any], "HandlerContext"], dict[str, Any]]
+ENTRY_POINT_GROUP = "handoffd.core.specialists"
+
+_DECORATED: dict[str, tuple[Handler, dict[str, Any]]] = {}
+
+
+def specialist(agent: str, **options: Any) -> Callable[[Handler], Handler]:
+    """Register a Python function as the specialist for ``agent``.
+
+    ``options`` are the keys of a ``[specialists."@agent"]`` table (``timeout_seconds``,
+    ``concurrency``, ``input_schema``, ``output_schema``, ``retry``)::
+
+        @specialist("@echo", concurrency=4)
+        def echo(handoff, ctx):
+            return {"status": "completed", "output": {"echo": ctx.data}}
+    """
+    def register(func: Handler) -> Handler:
+        _DECORATED[agent] = (func, options)
+        func.handoffd_agent = agent  # type: ignore[attr-defined]
+        func.handoffd_options = options  # type: ignore[attr-defined]
+        return func
+    return register
+
+
+@dataclass
+class HandlerContext:
+    """What a Python handler gets besides the document: ids, paths and a cancellation flag."""
+
+    handoff_id: str
+    attempt: int
+    root: Path
+    data: Any
+    target: str
+    deadline_monotonic: float | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    extra: dict[str, Any] = field(default_factory=dict)
+    # set by the context feature (handoffd.features.build): (root, agent, handoff id) -> the handler's view
+    context_factory: Callable[[Path, str, str], Any] | None = None
+
+    @property
+    def context(self) -> Any:
+        """Shared context (``context/``) as this handler's agent: ``get(key)``, ``set(key, value)``,
+        ``keys(prefix)``; writes outside the agent's namespaces raise (see context_store.py)."""
+        view = self.extra.get("context_view")
+        if view is None:
+            if self.context_factory is None:
+                raise ConfigError("shared context is not installed on this engine (the "
+                                  "'context' feature of handoffd.features.build.build_engine)")
+            view = self.extra["context_view"] = self.context_factory(self.root, self.target,
+                                                                     self.handoff_id)
+        return view
+
+    @property
+    def artifact_path(self) -> Path | None:
+        """Where this handoff's ``expected_output.destination`` resolved to (None: no destination)."""
+        path = self.extra.get("artifact_path")
+        return Path(path) if path else None
+
+    def report_partial(self, output: Any) -> None:
+        """Record partial results; if the handoff is cancelled they are filed with it."""
+        self.extra["partial"] = output
+
+    def check_cancelled(self) -> None:
+        """Raise :class:`HandlerCancelled` if the handoff was cancelled or timed out; long handlers
+        should call this between steps (Python threads cannot be killed from outside)."""
+        if self.cancelled.is_set():
+            raise HandlerCancelled(f"handoff {self.handoff_id} was cancelled")
+
+
+class HandlerCancelled(Exception):
+    """Raised inside a Python handler by :meth:`HandlerContext.check_cancelled`."""
+
+
+@dataclass
+class Specialist:
+    """A registered specialist: its settings and, for Python ones, the callable."""
+
+    config: SpecialistConfig
+    func: Handler | None = None
+
+    @property
+    def agent(self) -> str:
+        return self.config.agent
+
+    @property
+    def is_command(self) -> bool:
+        return self.config.command is not None
+
+    def callable(self) -> Handler:
+        """The Python handler, importing ``module:function`` on first use."""
+        if self.func is None:
+            self.func = import_handler(self.config.handler or "", self.agent)
+        return self.func
+
+
+def import_handler(ref: str, agent: str) -> Handler:
+    """Import ``package.module:function``; ConfigError saying what failed."""
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        func = getattr(module, attr)
+    except Exception as exc:  # any import-time failure is a configuration problem
+        raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
+    if not callable(func):
+        raise ConfigError(f"specialist {agent}: {ref!r} is not callable")
+    return func
+
+
+class Registry:
+    """Agent id → :class:`Specialist`."""
+
+    def __init__(self, specialists: dict[str, Specialist] | None = None) -> None:
+        self.specialists: dict[str, Specialist] = dict(specialists or {})
+
+    @classmethod
+    def load(cls, config: Config, *, use_entry_points: bool = True) -> "Registry":
+        """Entry points, then decorated functions, then handoffd.toml tables."""
+        registry = cls()
+        if use_entry_points:
+            for ep in entry_points(group=ENTRY_POINT_GROUP):
+                table = {"handler": ep.value}
+                registry.add(Specialist(specialist_from_table(ep.name, table, config.retry,
+                                                              "entry point")))
+        for agent, (func, options) in _DECORATED.items():
+            registry.add_function(agent, func, config=config, **options)
+        for spec in config.specialists.values():
+            registry.add(Specialist(spec))
+        return registry
+
+    def add(self, spec: Specialist) -> None:
+        """Register (or replace) a specialist."""
+        self.specialists[spec.agent] = spec
+
+    def add_function(self, agent: str, func: Handler, *, config: Config | None = None,
+                     **options: Any) -> Specialist:
+        """Register a Python callable for ``agent`` with table-style ``options``."""
+        table = {k: v for k, v in options.items()}
+        table["handler"] = f"{func.__module__}:{func.__qualname__}"
+        retry_default = config.retry if config else Config().retry
+        spec = Specialist(specialist_from_table(agent, table, retry_default, "decorator"), func)
+        self.add(spec)
+        return spec
+
+    def get(self, agent: str) -> Specialist | None:
+        """The specialist for ``agent``, or None."""
+        return self.specialists.get(agent)
+
+    def with_overrides(self, agent: str, **changes: Any) -> None:
+        """Change settings of a registered specialist (used by tests and benchmarks)."""
+        spec = self.specialists[agent]
+        spec.config = replace(spec.config, **changes)

@@ -1,0 +1,368 @@
+"""Handler outputs under ``artifacts/``: destinations, the 1 KB rule, size and sha256 records.
+
+* **Destination** (seed 001): a request's ``expected_output.destination`` such as
+  ``artifacts/phase-13-react/artifact-react-comp-{timestamp}.json`` is resolved before the handler
+  runs. Placeholders: ``{timestamp}`` (Unix milliseconds), ``{handoff_id}`` / ``{id}``,
+  ``{attempt}``, ``{agent}`` (the specialist, without ``@``), ``{date}`` (YYYYMMDD). The path must
+  stay under ``artifacts/`` (a destination not starting with ``artifacts/`` is placed under it).
+  Command handlers get the absolute path in ``$HANDOFF_ARTIFACT_PATH``, Python ones as
+  ``ctx.artifact_path``. The handler either writes that file itself or returns
+  ``output.content``, which the daemon writes there (then ``output`` carries seed 001's
+  ``artifact_id`` / ``artifact_path`` / ``artifact_type`` instead of the content).
+* **1 KB rule** (seed 000): content under 1024 UTF-8 bytes is answered inline
+  (``inline_content``, ``content_ref`` null); content of 1 KB or more is written to
+  ``artifacts/<handoff_id>/<name>`` and answered by reference (``content_ref`` and ``path``,
+  ``inline_content`` null). Exactly one of the two is set. ``output.content`` of 1 KB or more is
+  moved out the same way even without a destination.
+* **Records**: every artifact in the filed document carries ``size_bytes`` and ``sha256`` (also in
+  its ``metadata``), computed from the bytes on disk (referenced) or the inline text.
+
+No artifact is ever written or recorded outside the workspace: paths are resolved and checked.
+
+**References** a handler reports (``path`` / ``artifact_path`` / ``content_ref``) are confined by
+:func:`confine_reference`: a plain path must resolve inside the workspace; ``beads:KEY`` must be a
+safe context key (no ``..``, no leading ``/``, no empty segments: see context_store) and resolve
+inside ``context/``; any other scheme-qualified reference (``file:``, ``artifact:``, ...) is a
+workspace-relative path: no ``..`` segment, nothing absolute (``/``, ``\\``, ``~``, a drive
+letter), also after %-decoding, and it must resolve inside the workspace (symlinks included). Only
+a URL with a host (``https://host/...``, not ``file://``) is an external reference; it is recorded,
+never read, and may not contain ``..`` segments either. Anything else fails the attempt with
+``VALIDATION_FAILED``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+import unicodedata
+import urllib.parse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..backends.files import fsio
+from ..core.documents import Outcome
+from ..core.errors import ErrorCode, InvalidDocument
+from ..core.workspace import Workspace
+
+if TYPE_CHECKING:
+    from ..core.engine import Job
+
+INLINE_LIMIT = 1024
+PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+SAFE_PART = re.compile(r"[^A-Za-z0-9._-]+")
+KNOWN = ("timestamp", "handoff_id", "id", "attempt", "agent", "date")
+
+
+SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)
+URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/\\?#\s]+)(.*)", re.DOTALL)
+DRIVE = re.compile(r"[A-Za-z]:")
+
+
+def _traverses(text: str) -> bool:
+    """True when ``text`` (or its %-decoding, or its NFKC form) has a ``..`` segment, is
+    absolute, or holds a control character."""
+    forms = {text}
+    decoded = text
+    for _ in range(3):  # %252e%252e -> %2e%2e -> ..
+        decoded = urllib.parse.unquote(decoded)
+        forms.add(decoded)
+    forms |= {unicodedata.normalize("NFKC", f) for f in list(forms)}
+    for form in forms:
+        if any(ord(c) < 32 or ord(c) == 127 for c in form):
+            return True
+        stripped = form.strip()
+        if stripped.startswith(("/", "\\", "~")) or DRIVE.match(stripped):
+            return True
+        if any(part.strip() == ".." for part in re.split(r"[/\\]", form)):
+            return True
+    return False
+
+
+def confine_reference(ws: Workspace, ref: str, *, handoff_id: str | None = None) -> Path | None:
+    """The workspace file an artifact reference names (None for an external URL, which is never
+    read); InvalidDocument (VALIDATION_FAILED) when the reference could reach outside the
+    workspace. See the module docstring for the rules."""
+    def refuse(why: str) -> InvalidDocument:
+        prefix = f"handoff {handoff_id}: " if handoff_id else ""
+        return InvalidDocument(f"{prefix}artifact reference {ref!r} {why}", handoff_id=handoff_id,
+                               code=ErrorCode.VALIDATION_FAILED)
+
+    if not isinstance(ref, str) or not ref.strip():
+        raise refuse("is empty")
+    if "\x00" in ref:
+        raise refuse("contains a NUL byte")
+    url = URL.fullmatch(ref)
+    if url and url.group(1).lower() != "file":
+        if _traverses(url.group(3).lstrip("/")):
+            raise refuse("has a '..' segment or a control character")
+        return None
+    scheme = SCHEME.fullmatch(ref)
+    if scheme and len(scheme.group(1)) > 1:  # one letter: a Windows drive, refused below
+        name, rest = scheme.group(1).lower(), scheme.group(2)
+        if name == "beads":
+            from .context import (
+                normalise_key,  # context_store imports nothing from here
+            )
+
+            if _traverses(rest):
+                raise refuse("escapes context/ (no '..', no absolute path)")
+            try:
+                key = normalise_key(ref)
+            except InvalidDocument:
+                raise refuse("is not a safe context key (segments of letters, digits and ._@+=- "
+                              "separated by '/')") from None
+            target = ws.inside(f"context/{key}.json")
+            context_root = ws.context.resolve()
+            if target is None or context_root not in target.parents:
+                raise refuse("resolves outside context/ of the workspace")
+            return target
+        if _traverses(rest):
+            raise refuse("escapes the workspace (no '..', no absolute path)")
+        target = ws.inside(urllib.parse.unquote(rest))
+        if target is None:
+            raise refuse("resolves outside the workspace")
+        return target
+    if DRIVE.match(ref) or "\x00" in ref:
+        raise refuse("is an absolute path outside the workspace")
+    target = ws.inside(ref)
+    if target is None:
+        raise refuse("points outside the workspace")
+    return target
+
+
+def _safe(text: str) -> str:
+    return SAFE_PART.sub("_", text).strip("._") or "x"
+
+
+def destination_template(doc: dict[str, Any]) -> str | None:
+    """``expected_output.destination`` of a request (also looked up in a kept request snapshot)."""
+    for src in (doc, (doc.get("handoffd") or {}).get("request_snapshot") if isinstance(doc.get("handoffd"), dict) else None):
+        if isinstance(src, dict):
+            expected = src.get("expected_output")
+            if isinstance(expected, dict) and isinstance(expected.get("destination"), str) \
+                    and expected["destination"].strip():
+                return expected["destination"].strip()
+    return None
+
+
+def expected_type(doc: dict[str, Any]) -> str | None:
+    expected = doc.get("expected_output")
+    if isinstance(expected, dict) and isinstance(expected.get("artifact_type"), str):
+        return expected["artifact_type"]
+    return None
+
+
+def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attempt: int, agent: str,
+                        now_ms: int | None = None) -> tuple[str, Path]:
+    """(relative path, absolute path) of a destination template; InvalidDocument when it uses an
+    unknown placeholder or leaves ``artifacts/``."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    values = {"timestamp": str(now_ms), "handoff_id": _safe(handoff_id), "id": _safe(handoff_id),
+              "attempt": str(attempt), "agent": _safe(agent.lstrip("@")),
+              "date": time.strftime("%Y%m%d", time.gmtime(now_ms / 1000))}
+
+    def sub(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in values:
+            raise InvalidDocument(
+                f"handoff {handoff_id}: expected_output.destination {template!r} uses unknown "
+                f"placeholder {{{name}}}; known: {', '.join('{' + k + '}' for k in KNOWN)}",
+                handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
+        return values[name]
+
+    text = PLACEHOLDER.sub(sub, template).replace("\\", "/")
+    if text.startswith("./"):
+        text = text[2:]
+    if not text.startswith("artifacts/"):
+        text = "artifacts/" + text.lstrip("/")
+    target = ws.inside(text)
+    artifacts_root = ws.artifacts.resolve() if ws.artifacts.exists() else (ws.root / "artifacts")
+    if target is None or artifacts_root not in target.parents:
+        raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
+                              "points outside artifacts/ of the workspace",
+                              handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
+    return text, target
+
+
+def prepare(job: "Job") -> None:
+    """Engine ``before_run`` hook: resolve the destination and hand it to the handler."""
+    template = destination_template(job.claim.doc)
+    if not template:
+        return
+    ws = Workspace(Path(job.context.root))
+    rel, target = resolve_destination(ws, template, handoff_id=job.handoff_id,
+                                      attempt=job.context.attempt, agent=job.specialist.agent)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    job.context.extra["artifact_path"] = str(target)
+    job.context.extra["artifact_rel"] = rel
+    job.context.extra.setdefault("env", {})["HANDOFF_ARTIFACT_PATH"] = str(target)
+
+
+def digest(data: bytes) -> dict[str, Any]:
+    return {"size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def _write(ws: Workspace, rel: str, data: bytes) -> None:
+    target = ws.inside(rel)
+    if target is None:
+        raise InvalidDocument(f"artifact path {rel!r} points outside the workspace",
+                              code=ErrorCode.VALIDATION_FAILED)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    ws.tmp.mkdir(parents=True, exist_ok=True)
+    fsio.replace(target, data, ws.tmp, durable=True)
+
+
+def _file_facts(ws: Workspace, ref: str) -> dict[str, Any] | None:
+    """size/sha256 of a workspace file named by ``ref`` (a path or a scheme-qualified reference
+    such as a ``beads:`` context key); None when it names no file or is not confined."""
+    try:
+        target = confine_reference(ws, ref)
+    except InvalidDocument:
+        return None
+    if target is None or not target.is_file():
+        return None
+    h = hashlib.sha256()
+    size = 0
+    with open(target, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size_bytes": size, "sha256": h.hexdigest()}
+
+
+def _record(kind: str, *, name: str | None, ref: str | None, inline: str | None,
+            facts: dict[str, Any] | None, metadata: dict[str, Any] | None,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    meta = dict(metadata or {})
+    rec: dict[str, Any] = {"artifact_type": kind}
+    if name:
+        rec["name"] = name
+    if ref is not None:
+        rec["path"] = ref
+    rec["content_ref"] = ref
+    rec["inline_content"] = inline if ref is None else None
+    if facts:
+        rec.update(facts)
+        meta.update(facts)
+    for key, value in (extra or {}).items():
+        rec.setdefault(key, value)
+    rec["metadata"] = meta
+    return rec
+
+
+def collect(job: "Job", outcome: Outcome) -> Outcome:
+    """Engine ``after_run`` hook: write contents to their destination or by the 1 KB rule and
+    record every artifact with size and sha256. Only successful outcomes are touched; a problem
+    (a path outside the workspace, a disk error) fails the attempt instead of raising."""
+    if not outcome.succeeded:
+        return outcome
+    try:
+        return _collect(job, outcome)
+    except InvalidDocument as exc:
+        code, message, retryable = exc.code, str(exc), False
+    except OSError as exc:
+        code, message, retryable = ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: cannot store " \
+            f"artifacts: {exc.strerror or exc}", True
+    return Outcome(status="failed", started_at=outcome.started_at, finished_at=outcome.finished_at,
+                   output=outcome.output, metadata=outcome.metadata, warnings=outcome.warnings,
+                   error={"code": code, "message": message, "retryable": retryable},
+                   executed_by=outcome.executed_by)
+
+
+def _collect(job: "Job", outcome: Outcome) -> Outcome:
+    ws = Workspace(Path(job.context.root))
+    handoff_id = job.handoff_id
+    records: list[dict[str, Any]] = []
+    used_names: set[str] = set()
+    dest_rel = job.context.extra.get("artifact_rel")
+    kind_default = expected_type(job.claim.doc) or "output"
+
+    output = outcome.output
+    if isinstance(output, dict) and "content" in output:
+        text = _text(output["content"])
+        data = text.encode("utf-8")
+        rel = None
+        if isinstance(dest_rel, str):
+            rel = dest_rel
+        elif len(data) >= INLINE_LIMIT:
+            rel = f"artifacts/{_safe(handoff_id)}/output{'.txt' if isinstance(output['content'], str) else '.json'}"
+        if rel is not None:
+            _write(ws, rel, data)
+            used_names.add(rel)
+            moved = {k: v for k, v in output.items() if k != "content"}
+            moved.setdefault("artifact_id", Path(rel).stem)
+            moved["artifact_path"] = rel
+            moved.setdefault("artifact_type", kind_default)
+            outcome.output = moved
+            records.append(_record(str(moved["artifact_type"]), name=Path(rel).name, ref=rel,
+                                   inline=None, facts=digest(data), metadata=None))
+    elif isinstance(dest_rel, str) and (ws.root / dest_rel).is_file():
+        # the handler wrote the destination itself: point the output at it
+        facts = _file_facts(ws, dest_rel)
+        if isinstance(output, dict) or output is None:
+            moved = dict(output or {})
+            moved.setdefault("artifact_id", Path(dest_rel).stem)
+            moved.setdefault("artifact_path", dest_rel)
+            moved.setdefault("artifact_type", kind_default)
+            outcome.output = moved
+        records.append(_record(kind_default, name=Path(dest_rel).name, ref=dest_rel, inline=None,
+                               facts=facts, metadata=None))
+        used_names.add(dest_rel)
+
+    for index, item in enumerate(outcome.artifacts, start=1):
+        records.append(_one(ws, handoff_id, index, item, used_names))
+    if isinstance(outcome.output, dict) and isinstance(outcome.output.get("artifact_path"), str) \
+            and outcome.output["artifact_path"] not in used_names:
+        ref = outcome.output["artifact_path"]
+        confine_reference(ws, ref, handoff_id=handoff_id)
+        facts = _file_facts(ws, ref)
+        if facts:
+            records.insert(0, _record(str(outcome.output.get("artifact_type") or kind_default),
+                                      name=Path(ref).name, ref=ref, inline=None, facts=facts,
+                                      metadata=None))
+    outcome.artifacts = records
+    return outcome
+
+
+def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str]) -> dict[str, Any]:
+    if isinstance(item, str):
+        item = {"path": item}
+    if not isinstance(item, dict):
+        item = {"content": item}
+    kind = str(item.get("artifact_type") or item.get("type") or "data")
+    name = item.get("name") if isinstance(item.get("name"), str) else None
+    metadata = item.get("metadata") if isinstance(item.get("metadata"), dict) else None
+    extra = {k: v for k, v in item.items() if k in ("description", "artifact_id")}
+    content: Any = None
+    has_content = False
+    if item.get("inline_content") is not None:
+        content, has_content = item["inline_content"], True
+    elif "content" in item:
+        content, has_content = item["content"], True
+    if has_content:
+        text = _text(content)
+        data = text.encode("utf-8")
+        if len(data) < INLINE_LIMIT:
+            return _record(kind, name=name, ref=None, inline=text, facts=digest(data),
+                           metadata=metadata, extra=extra)
+        filename = _safe(name) if name else f"artifact-{index}{'.txt' if isinstance(content, str) else '.json'}"
+        rel = f"artifacts/{_safe(handoff_id)}/{filename}"
+        if rel in used:
+            rel = f"artifacts/{_safe(handoff_id)}/{index}-{filename}"
+        _write(ws, rel, data)
+        used.add(rel)
+        return _record(kind, name=name or filename, ref=rel, inline=None, facts=digest(data),
+                       metadata=metadata, extra=extra)
+    ref = item.get("path") or item.get("artifact_path") or item.get("content_ref")
+    if isinstance(ref, str) and ref:
+        confine_reference(ws, ref, handoff_id=handoff_id)
+        used.add(ref)
+        return _record(kind, name=name or Path(ref).name, ref=ref, inline=None,
+                       facts=_file_facts(ws, ref), metadata=metadata, extra=extra)
+    return _record(kind, name=name, ref=None, inline="", facts=digest(b""), metadata=metadata,
+                   extra=extra)

@@ -1,0 +1,68 @@
+"""Assemble an Engine with its features: the one place that knows which features exist.
+
+The core (:class:`handoffd.core.engine.Engine`) imports no feature; each feature module offers an
+``install(engine)`` that adds its gates, run hooks, result interpreters, filers, sweep repairs and
+daemon plugins to the engine's hook lists. ``build_engine`` makes an Engine and installs the
+features in order; ``features=()`` gives a bare engine that runs plain handoffs only.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from ..core.config import Config
+from ..core.engine import Engine, Job
+from ..core.specialists import Registry
+from ..core.timeutil import Clock, utc_now
+from ..core.workspace import Workspace
+from . import artifacts, cancellation, orchestration
+from . import context as context_store
+from . import dependencies as gates
+from .contracts import feature as contracts
+
+Feature = Callable[[Engine], object]
+
+
+def install_artifacts(engine: Engine) -> None:
+    """Artifacts (seed 002 expected_output): resolve the destination before the handler runs and
+    write or check what it produced after. Installed after contracts: their checks see only what
+    the handler itself wrote."""
+    engine.before_run.append(artifacts.prepare)
+    engine.after_run.append(artifacts.collect)
+
+
+def install_context(engine: Engine) -> None:
+    """Shared context (``context/``): a Python handler's ``ctx.context`` is its agent's view."""
+    def give_view(job: Job) -> None:
+        job.context.context_factory = context_store.view_for
+
+    engine.before_run.append(give_view)
+
+
+# by name, in installation order (the order of each hook list follows from it)
+FEATURES: dict[str, Feature] = {
+    "dependencies": gates.install,  # depends_on: wait for, or fail on, other handoffs
+    "contracts": contracts.install,  # seed 004: contract gate, file reservations, scope, criteria
+    "orchestration": orchestration.install,  # delegation, clarification, aggregation
+    "cancellation": cancellation.install,  # its gate and hooks put themselves first
+    "context": install_context,  # ctx.context for Python handlers
+    "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
+}
+DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
+
+
+def build_engine(workspace: Workspace, config: Config | None = None,
+                 registry: Registry | None = None, *, clock: Clock = utc_now,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 features: Iterable[Feature | str] = DEFAULT_FEATURES) -> Engine:
+    """An Engine for ``workspace`` with ``features`` installed (callables, or names from
+    :data:`FEATURES`). Arguments other than ``features`` are the Engine's."""
+    engine = Engine(workspace, config, registry, clock=clock, monotonic=monotonic)
+    for feature in features:
+        install = FEATURES[feature] if isinstance(feature, str) else feature
+        install(engine)
+    return engine
+
+
+__all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts",
+           "install_context"]

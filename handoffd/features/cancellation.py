@@ -1,0 +1,362 @@
+"""Cancellation (seed 000's CancellationPayload): stop pending or running work, optionally cascading.
+
+* A **pending** handoff is claimed by the canceller (so no daemon can start it meanwhile) and filed
+  straight into failed/ with status ``cancelled`` and error code ``CANCELLED``.
+* A **running** handoff may belong to another process: the canceller writes a request file
+  ``handoffs/.meta/cancel/<id>.json`` (atomically). Every daemon watches that folder (watchdog,
+  plus a look at every rescan) and the one running the handoff stops its handler at once (command
+  handlers' process groups get SIGTERM, then SIGKILL; Python handlers see ``ctx.cancelled``). The
+  handoff is filed ``cancelled`` with whatever partial result the handler left: a JSON result a
+  command handler prints on SIGTERM, or what a Python handler passed to ``ctx.report_partial()``.
+  A request also cancels the handoff if it comes back to pending/ (recovered from a dead owner).
+* ``cascade`` cancels every descendant too (children by ``parent_id``, recursively).
+* A seed 000 Message whose payload has ``target_message_id`` is a cancellation request: the daemon
+  carries it out and files the message itself as completed with a short summary.
+* A finished handoff is left alone (the result says so); work may finish before the request
+  arrives (seed 000: cancellation is best-effort).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from ..backends.files import fsio
+from ..core.documents import Envelope, Outcome, actor, book, book_int, check_id
+from ..core.engine import Verdict
+from ..core.errors import (
+    DocumentNotReady,
+    ErrorCode,
+    HandlerError,
+    InvalidDocument,
+    NotFound,
+)
+from ..core.runner import cancel as stop_handler
+from ..core.states import State
+from ..core.timeutil import iso
+from ..core.workspace import Workspace
+from .lineage import descendants
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine, Job
+
+log = logging.getLogger("handoffd")
+CLAIM_TRIES = 5
+
+
+class DaemonPlugins(Protocol):
+    """What cancellation uses of a daemon (its public plugin API; see handoffd.service.daemon)."""
+
+    engine: "Engine"
+
+    def running_job(self, handoff_id: str) -> "Job | None": ...
+    def queue(self, handoff_id: str) -> None: ...
+    def request_rescan(self) -> None: ...
+    def add_scan_hook(self, hook: Callable[[], None]) -> None: ...
+    def add_message_handler(self, predicate: Callable[[dict[str, Any] | None], bool],
+                            handler: Callable[["Engine", str], State | None]) -> None: ...
+    def add_filed_hook(self, hook: Callable[[str, State], None]) -> None: ...
+    def watch_folder(self, folder: Path) -> None: ...
+
+
+def install(engine: "Engine") -> None:
+    """Add cancellation to an Engine (orchestration installs it): the cancel gate, a check just
+    before the handler starts, partial results of a stopped handler, and the daemon side."""
+    engine.gates.insert(0, cancel_gate)
+    engine.before_run.insert(0, check_before_run)
+    engine.after_run.insert(0, partial_results)
+    engine.daemon_plugins.append(attach)
+
+
+def attach(daemon: DaemonPlugins) -> None:
+    """The daemon side: watch the request folder, act on requests at every scan, carry out
+    cancellation messages, and drop the request of a handoff once it is filed for good."""
+    ws = daemon.engine.ws
+    daemon.add_scan_hook(lambda: poll(daemon))
+    daemon.add_message_handler(is_cancel_message, handle_message)
+    daemon.add_filed_hook(lambda handoff_id, where: clear_request(ws, handoff_id)
+                          if where.terminal else None)
+    daemon.watch_folder(requests_dir(ws))
+
+
+# ---------------------------------------------------------------- request files
+def requests_dir(ws: Workspace) -> Path:
+    return ws.meta / "cancel"
+
+
+def request_path(ws: Workspace, handoff_id: str) -> Path:
+    return requests_dir(ws) / f"{check_id(handoff_id)}.json"
+
+
+def write_request(ws: Workspace, handoff_id: str, *, reason: str, cascade: bool, by: str,
+                  via: str, now: Any) -> Path:
+    """Ask whoever runs ``handoff_id`` to stop it (atomic replace of the request file)."""
+    folder = requests_dir(ws)
+    folder.mkdir(parents=True, exist_ok=True)
+    ws.tmp.mkdir(parents=True, exist_ok=True)
+    path = request_path(ws, handoff_id)
+    body = {"handoff_id": handoff_id, "reason": reason, "cascade": cascade, "requested_by": by,
+            "via": via, "requested_at": iso(now), "actor": actor()}
+    fsio.replace(path, fsio.dump_json(body), ws.tmp, durable=True)
+    return path
+
+
+def read_request(ws: Workspace, handoff_id: str) -> dict[str, Any] | None:
+    try:
+        data = request_path(ws, handoff_id).read_bytes()
+    except (FileNotFoundError, InvalidDocument):
+        return None
+    except OSError:
+        return None
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {"reason": "cancellation requested"}
+    return body if isinstance(body, dict) else {"reason": "cancellation requested"}
+
+
+def clear_request(ws: Workspace, handoff_id: str) -> None:
+    try:
+        request_path(ws, handoff_id).unlink()
+    except (OSError, InvalidDocument):
+        pass  # gone already (or unremovable: a stale request only ever cancels a pending copy)
+
+
+def requested_ids(ws: Workspace) -> list[str]:
+    try:
+        with os.scandir(requests_dir(ws)) as entries:
+            return [e.name[:-5] for e in entries if e.name.endswith(".json")]
+    except FileNotFoundError:
+        return []
+
+
+def _reason(body: dict[str, Any] | None) -> str:
+    reason = (body or {}).get("reason")
+    who = (body or {}).get("requested_by")
+    text = reason if isinstance(reason, str) and reason else "cancellation requested"
+    return f"{text} (by {who})" if isinstance(who, str) and who else text
+
+
+# ---------------------------------------------------------------- engine hooks
+def cancel_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
+    """A pending handoff with a cancel request is filed cancelled instead of being run."""
+    body = read_request(engine.ws, env.handoff_id)
+    if body is None:
+        return None
+    return Verdict.fail(ErrorCode.CANCELLED, f"handoff {env.handoff_id} cancelled: {_reason(body)}")
+
+
+def check_before_run(job: "Job") -> None:
+    """Engine ``before_run`` hook: a request that arrived while the handoff was being claimed."""
+    ws = Workspace(Path(job.context.root))
+    if os.path.exists(requests_dir(ws) / f"{job.handoff_id}.json"):
+        body = read_request(ws, job.handoff_id)
+        raise HandlerError(f"handoff {job.handoff_id} cancelled: {_reason(body)}",
+                           handoff_id=job.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
+
+
+def partial_results(job: "Job", outcome: Outcome) -> Outcome:
+    """Engine ``after_run`` hook: keep a cancelled handler's partial result in the filed document."""
+    error = outcome.error if isinstance(outcome.error, dict) else None
+    if outcome.status != "cancelled" or error is None:
+        return outcome
+    details = given if isinstance(given := error.get("details"), dict) else {}
+    partial: Any = job.context.extra.get("partial")
+    text = details.pop("partial_stdout", None)
+    if not details:
+        error.pop("details", None)
+    if partial is None and isinstance(text, str) and text.strip():
+        try:
+            parsed = json.loads(text.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            parsed = None
+        if isinstance(parsed, dict):
+            partial = parsed.get("output", parsed)
+            for key in ("warnings",):
+                if isinstance(parsed.get(key), list):
+                    outcome.warnings = list(parsed[key])
+    if partial is not None:
+        outcome.output = partial
+        outcome.metadata = dict(outcome.metadata or {})
+        outcome.metadata["partial"] = True
+    return outcome
+
+
+# ---------------------------------------------------------------- cancelling
+@dataclass
+class CancelResult:
+    """What happened to one handoff: ``cancelled`` (was pending), ``requested`` (running: its owner
+    stops it), ``finished`` (already terminal: nothing done)."""
+
+    handoff_id: str
+    action: str
+    state: str
+    detail: str = ""
+    owner: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.handoff_id, "action": self.action, "state": self.state,
+                "detail": self.detail}
+
+
+def cancel(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool = False,
+           by: str = "@cli", via: str = "cli") -> list[CancelResult]:
+    """Cancel ``handoff_id`` (NotFound if it does not exist) and, with ``cascade``, every
+    descendant. The first result is the handoff's own."""
+    results = [cancel_one(engine, handoff_id, reason=reason, by=by, via=via, cascade=cascade)]
+    if cascade:
+        for child in descendants(engine.store, handoff_id):
+            try:
+                results.append(cancel_one(engine, child, reason=f"{reason} (cascaded from "
+                                          f"{handoff_id})", by=by, via=via, cascade=True))
+            except NotFound:
+                continue
+    return results
+
+
+def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: str,
+               cascade: bool = False) -> CancelResult:
+    """Cancel one handoff (see :func:`cancel`)."""
+    for _ in range(CLAIM_TRIES):
+        state, doc = engine.store.get(handoff_id)
+        if state.terminal:
+            status = doc.get("status") if isinstance(doc.get("status"), str) else state.value
+            return CancelResult(handoff_id, "finished", state.value,
+                                f"already {state.value} (status {status}); nothing to cancel")
+        if state is State.IN_PROGRESS:
+            write_request(engine.ws, handoff_id, reason=reason, cascade=cascade, by=by, via=via,
+                          now=engine.clock())
+            lease = given if isinstance(given := book(doc).get("lease"), dict) else {}
+            owner = given if isinstance(given := lease.get("owner"), dict) else {}
+            where = f" on {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
+            return CancelResult(handoff_id, "requested", state.value,
+                                f"running{where}; its daemon stops the handler", owner)
+        filed = _cancel_pending(engine, handoff_id, reason=reason, by=by)
+        if filed is not None:
+            return CancelResult(handoff_id, "cancelled", filed.value, "was pending")
+    # it keeps moving: leave a request so whoever holds it cancels it
+    write_request(engine.ws, handoff_id, reason=reason, cascade=cascade, by=by, via=via,
+                  now=engine.clock())
+    return CancelResult(handoff_id, "requested", "in-progress", "cancel request left for its owner")
+
+
+def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) -> State | None:
+    """Claim a pending handoff (so nobody starts it) and file it cancelled. None: it moved."""
+    now = engine.clock()
+    try:
+        claimed = engine.claim(handoff_id)
+    except DocumentNotReady:
+        return None
+    if claimed is None:
+        return None
+    claim, dialect = claimed
+    block = book(claim.doc)
+    history = block.get("history")
+    if isinstance(history, list) and history and history[-1].get("event") == "claimed":
+        history.pop()  # the canceller claimed it only to file it; it never ran
+    block["attempt"] = max(book_int(claim.doc, "attempt", 1) - 1, 0)
+    block.pop("waiting_children", None)  # a cancelled parent aggregates nothing
+    block.pop("awaiting", None)
+    try:
+        spec = engine.registry.get(dialect.envelope(claim.doc).target)
+    except InvalidDocument:
+        spec = None
+    outcome = engine.failure(now, ErrorCode.CANCELLED, f"handoff {handoff_id} cancelled by {by}: {reason}",
+                             retryable=False)
+    return engine.file(claim, dialect, spec, outcome)
+
+
+# ---------------------------------------------------------------- daemon side
+def poll(daemon: DaemonPlugins) -> None:
+    """Act on cancel requests: stop our running handlers, queue pending ones for the cancel gate,
+    and drop requests for handoffs that are finished or gone. Never raises (the daemon loop
+    calls it at every rescan)."""
+    try:
+        _poll(daemon)
+    except Exception:  # a broken request folder must not stop the daemon
+        log.exception("cannot read cancel requests in %s", requests_dir(daemon.engine.ws))
+
+
+def _poll(daemon: DaemonPlugins) -> None:
+    ws = daemon.engine.ws
+    for handoff_id in requested_ids(ws):
+        try:
+            check_id(handoff_id)
+        except InvalidDocument:
+            continue
+        job = daemon.running_job(handoff_id)
+        if job is not None:
+            if not job.context.extra.get("cancel_logged"):
+                job.context.extra["cancel_logged"] = True
+                log.info("handoff %s: cancel requested; stopping its handler", handoff_id)
+            stop_handler(job.context, _reason(read_request(ws, handoff_id)))
+            continue
+        states = daemon.engine.store.locate(handoff_id)
+        if State.PENDING in states:
+            daemon.queue(handoff_id)  # its cancel gate files it
+        elif State.IN_PROGRESS not in states:
+            clear_request(ws, handoff_id)  # finished before the request arrived, or unknown
+
+
+# ---------------------------------------------------------------- cancellation messages
+def is_cancel_message(doc: dict[str, Any] | None) -> bool:
+    """True for a document shaped like a seed 000 CancellationPayload message."""
+    if not isinstance(doc, dict):
+        return False
+    payload = doc.get("payload")
+    return isinstance(payload, dict) and isinstance(payload.get("target_message_id"), str)
+
+
+def handle_message(engine: "Engine", handoff_id: str) -> State | None:
+    """Claim a cancellation message, carry it out, and file it (completed, with a summary)."""
+    now = engine.clock()
+    claimed = engine.claim(handoff_id)
+    if claimed is None:
+        return None
+    claim, dialect = claimed
+    doc = claim.doc
+    if claim.prior_revision == 0:  # raw: never handled by handoffd
+        if engine.store.seen.contains(handoff_id, now):
+            engine.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
+                                   f"message id {handoff_id} was already used recently")
+            return None
+        engine.store.seen.add(handoff_id, now)
+    errors: list[dict[str, str]] = []
+    try:
+        for name in dialect.schema_names(doc):
+            errors.extend(engine.schemas.errors(name, {k: v for k, v in doc.items() if k != "handoffd"}))
+    except InvalidDocument as exc:
+        return engine.file(claim, dialect, None, engine.failure(now, exc.code, str(exc),
+                                                                errors=exc.errors))
+    if errors:
+        first = errors[0]
+        return engine.file(claim, dialect, None, engine.failure(
+            now, ErrorCode.SCHEMA_VALIDATION_FAILED, f"cancellation message {handoff_id} is invalid: "
+            f"{first['field']}: {first['error']}", errors=errors))
+    payload = doc["payload"]
+    target = payload["target_message_id"]
+    reason = payload.get("reason") if isinstance(payload.get("reason"), str) else "cancelled"
+    cascade = payload.get("cascade") is True
+    source = doc.get("source_tier") if isinstance(doc.get("source_tier"), str) else "message"
+    try:
+        results = cancel(engine, target, reason=reason, cascade=cascade, by=str(source),
+                         via=f"message:{handoff_id}")
+    except NotFound:
+        outcome = engine.failure(now, ErrorCode.TARGET_NOT_FOUND, f"cancellation {handoff_id}: no handoff "
+                                 f"{target} in this workspace", retryable=False)
+        return engine.file(claim, dialect, None, outcome)
+    except InvalidDocument as exc:
+        outcome = engine.failure(now, exc.code, f"cancellation {handoff_id}: {exc}", retryable=False)
+        return engine.file(claim, dialect, None, outcome)
+    own = results[0]
+    cascaded = [r for r in results[1:] if r.action != "finished"]
+    summary = (f"cancellation of {target}: {own.action} ({own.detail})"
+               + (f"; {len(cascaded)} descendant(s) cancelled" if cascade else ""))
+    outcome = Outcome(status="completed", started_at=now, finished_at=engine.clock(),
+                      output={"summary": summary, "target_message_id": target, "cascade": cascade,
+                              "results": [r.as_dict() for r in results]},
+                      metadata={"confidence": 1.0}, executed_by="handoffd")
+    return engine.file(claim, dialect, None, outcome)

@@ -1,0 +1,323 @@
+"""Snapshots of a directory tree, to see what a handler really changed.
+
+A snapshot records, for every file under a directory, its ``lstat`` facts (type, size, mtime,
+ctime, inode, mode) and a SHA-256 of its content (of the link target for a symlink). Comparing the
+snapshot taken before a handler with one taken after gives the files created, modified and deleted.
+
+Cheap for big trees, and still correct:
+
+* A persistent cache (``handoffs/.meta/contracts/``) keeps each file's hash with the stat facts it
+  was computed for, so a file is hashed again only when its stat facts changed (the git index
+  trick). ``ctime`` is in the key and cannot be set from user space, so no write goes unnoticed.
+* After the handler, a file whose stat facts are unchanged is unchanged — unless it was "racy"
+  (modified within :data:`RACY_NS` of the first snapshot, where a coarse filesystem clock could hide
+  a second write); racy and changed files are hashed and compared by content, so ``touch`` alone,
+  or rewriting identical bytes, is not a modification. A change of the executable bit is.
+
+Which files are watched: in ``hash`` mode, everything under the directory except the folders named
+in :data:`SKIP_DIR_NAMES` and the paths the caller skips (handoffd's own ``handoffs/``, a contract's
+``scope_ignore``). In ``git`` mode (the directory is in a git work tree), the files
+``git ls-files --cached --others --exclude-standard`` lists (so git-ignored files are not watched),
+compared the same way. ``auto`` picks ``git`` when git answers, else ``hash``. Directories are not
+tracked themselves (an empty new directory is not a change), nor is anything a symlink points to.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ...backends.files.fsio import replace
+
+SKIP_DIR_NAMES = frozenset({".git", ".venv", "__pycache__"})
+RACY_NS = 2_000_000_000
+CHUNK = 1024 * 1024
+GIT_TIMEOUT_SECONDS = 120.0
+CACHE_VERSION = 1
+MODES = ("auto", "hash", "git")
+
+Skip = Callable[[str], bool]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file as seen by a snapshot."""
+
+    kind: str  # file | link | other
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+    mode: int
+    digest: str | None = None
+
+    @property
+    def key(self) -> tuple[str, int, int, int, int, int]:
+        return (self.kind, self.size, self.mtime_ns, self.ctime_ns, self.ino, self.mode)
+
+    def racy(self, moment_ns: int) -> bool:
+        """Changed so close to ``moment_ns`` that an unchanged stat may hide a later write."""
+        return max(self.mtime_ns, self.ctime_ns) >= moment_ns - RACY_NS
+
+
+@dataclass(frozen=True)
+class Change:
+    """A file that differs between two snapshots: ``created``, ``modified`` or ``deleted``."""
+
+    path: str
+    change: str
+
+
+@dataclass
+class Snapshot:
+    """The state of a tree at one moment."""
+
+    root: Path
+    mode: str
+    taken_ns: int
+    entries: dict[str, Entry] = field(default_factory=dict)
+    note: str = ""
+
+
+class Snapshotter:
+    """Takes and compares snapshots of ``root``; ``cache_dir`` holds the hash cache (optional)."""
+
+    def __init__(self, root: Path, *, mode: str = "auto", skip: Skip | None = None,
+                 skip_dir: Skip | None = None, cache_dir: Path | None = None,
+                 tmp_dir: Path | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"scope_check must be one of {', '.join(MODES)}, not {mode!r}")
+        self.root = root
+        self.requested = mode
+        self.skip = skip or (lambda _path: False)
+        self.skip_dir = skip_dir or self.skip
+        self.cache_dir = cache_dir
+        self.tmp_dir = tmp_dir
+        self._cache: dict[str, list[object]] | None = None
+
+    # ------------------------------------------------------------ public
+    def take(self) -> Snapshot:
+        """The state of the tree now, every file hashed (from the cache where it is still valid)."""
+        taken = time.time_ns()
+        mode, note, paths = self._listing(None)
+        snap = Snapshot(self.root, mode, taken, note=note)
+        cache = self._load_cache()
+        for rel, info in self._stat_all(paths).items():
+            entry = _entry(info)
+            cached = cache.get(rel)
+            digest = None
+            if isinstance(cached, list) and len(cached) == 3 and isinstance(cached[0], list) \
+                    and cached[0] == list(entry.key) \
+                    and isinstance(cached[2], int) and not entry.racy(cached[2]):
+                digest = str(cached[1])
+            if digest is None:
+                digest = self._digest(rel, entry)
+                if digest is not None:
+                    cache[rel] = [list(entry.key), digest, time.time_ns()]
+            snap.entries[rel] = _with_digest(entry, digest)
+        self._save_cache(cache, snap.entries)
+        return snap
+
+    def changes(self, before: Snapshot) -> tuple[list[Change], Snapshot]:
+        """What changed since ``before`` (sorted by path), and the snapshot taken now."""
+        after = Snapshot(self.root, before.mode, time.time_ns(), note=before.note)
+        _, _, paths = self._listing(before)
+        found = self._stat_all(paths | set(before.entries))
+        changed: list[Change] = []
+        cache = self._load_cache()
+        for rel in sorted(set(found) | set(before.entries)):
+            old = before.entries.get(rel)
+            info = found.get(rel)
+            if info is None:
+                if old is not None:
+                    changed.append(Change(rel, "deleted"))
+                continue
+            entry = _entry(info)
+            if old is None:
+                after.entries[rel] = entry
+                changed.append(Change(rel, "created"))
+                continue
+            if entry.key == old.key and not old.racy(before.taken_ns):
+                after.entries[rel] = _with_digest(entry, old.digest)
+                continue
+            digest = self._digest(rel, entry)
+            if digest is not None:
+                cache[rel] = [list(entry.key), digest, time.time_ns()]
+            entry = _with_digest(entry, digest)
+            after.entries[rel] = entry
+            if _differs(old, entry):
+                changed.append(Change(rel, "modified"))
+        self._save_cache(cache, after.entries)
+        return changed, after
+
+    # ------------------------------------------------------------ listing
+    def _listing(self, before: Snapshot | None) -> tuple[str, str, set[str]]:
+        """(mode used, note, relative paths to look at)."""
+        mode = before.mode if before is not None else self.requested
+        if mode in ("auto", "git"):
+            listed, problem = self._git_files()
+            if listed is not None:
+                return "git", "", {p for p in listed if not self._skipped(p)}
+            mode_note = "" if mode == "auto" else (
+                f"git listing unavailable ({problem}); every file is watched instead")
+            return "hash", mode_note, self._walk()
+        return "hash", "", self._walk()
+
+    def _skipped(self, rel: str) -> bool:
+        parts = rel.split("/")
+        if any(part in SKIP_DIR_NAMES for part in parts[:-1]):
+            return True
+        for i in range(1, len(parts)):
+            if self.skip_dir("/".join(parts[:i])):
+                return True
+        return self.skip(rel)
+
+    def _walk(self) -> set[str]:
+        found: set[str] = set()
+        stack = [""]
+        while stack:
+            rel_dir = stack.pop()
+            try:
+                with os.scandir(self.root / rel_dir if rel_dir else self.root) as entries:
+                    items = list(entries)
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                continue
+            for item in items:
+                rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
+                try:
+                    is_dir = item.is_dir(follow_symlinks=False)
+                except OSError:
+                    is_dir = False
+                if is_dir:
+                    if item.name not in SKIP_DIR_NAMES and not self.skip_dir(rel):
+                        stack.append(rel)
+                elif not self.skip(rel):
+                    found.add(rel)
+        return found
+
+    def _git_files(self) -> tuple[list[str] | None, str]:
+        env = dict(os.environ, GIT_OPTIONAL_LOCKS="0", LC_ALL="C")
+        try:
+            inside = subprocess.run(["git", "-C", str(self.root), "rev-parse", "--is-inside-work-tree"],
+                                    capture_output=True, timeout=GIT_TIMEOUT_SECONDS, env=env,
+                                    stdin=subprocess.DEVNULL)
+            if inside.returncode != 0 or inside.stdout.strip() != b"true":
+                return None, "not a git work tree"
+            listed = subprocess.run(["git", "-C", str(self.root), "ls-files", "-z", "--cached",
+                                     "--others", "--exclude-standard"],
+                                    capture_output=True, timeout=GIT_TIMEOUT_SECONDS, env=env,
+                                    stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            return None, "git is not installed"
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"git failed: {exc}"
+        if listed.returncode != 0:
+            return None, "git ls-files failed: " + listed.stderr.decode("utf-8", "replace").strip()[:200]
+        names = [os.fsdecode(raw) for raw in listed.stdout.split(b"\0") if raw]
+        return sorted(set(names)), ""
+
+    # ------------------------------------------------------------ stat and hash
+    def _stat_all(self, paths: set[str]) -> dict[str, os.stat_result]:
+        found: dict[str, os.stat_result] = {}
+        for rel in paths:
+            try:
+                info = os.lstat(self.root / rel)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError:
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                continue  # a submodule or a directory git lists: not a file
+            found[rel] = info
+        return found
+
+    def _digest(self, rel: str, entry: Entry) -> str | None:
+        path = self.root / rel
+        try:
+            if entry.kind == "link":
+                return "link:" + hashlib.sha256(os.fsencode(os.readlink(path))).hexdigest()
+            if entry.kind != "file":
+                return None
+            digest = hashlib.sha256()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+            try:
+                while True:
+                    chunk = os.read(fd, CHUNK)
+                    if not chunk:
+                        break
+                    digest.update(chunk)
+            finally:
+                os.close(fd)
+            return digest.hexdigest()
+        except OSError:
+            return None  # unreadable: compared by stat facts only
+
+    # ------------------------------------------------------------ cache
+    def _cache_path(self) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        name = hashlib.sha256(os.fsencode(str(self.root))).hexdigest()[:16]
+        return self.cache_dir / f"hashes-{name}.json"
+
+    def _load_cache(self) -> dict[str, list[object]]:
+        if self._cache is not None:
+            return self._cache
+        path = self._cache_path()
+        self._cache = {}
+        if path is None:
+            return self._cache
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("version") == CACHE_VERSION and data.get("root") == str(self.root) \
+                    and isinstance(data.get("entries"), dict):
+                self._cache = data["entries"]
+        except (OSError, ValueError, AttributeError):
+            pass
+        return self._cache
+
+    def _save_cache(self, cache: dict[str, list[object]], present: dict[str, Entry]) -> None:
+        path = self._cache_path()
+        if path is None:
+            return
+        kept = {rel: value for rel, value in cache.items() if rel in present}
+        self._cache = kept
+        data = json.dumps({"version": CACHE_VERSION, "root": str(self.root), "entries": kept},
+                          separators=(",", ":")).encode("utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.tmp_dir or path.parent
+            tmp.mkdir(parents=True, exist_ok=True)
+            replace(path, data, tmp, durable=False, sync_dir=False)
+        except OSError:
+            pass  # the cache only saves time
+
+
+def _entry(info: os.stat_result) -> Entry:
+    if stat.S_ISREG(info.st_mode):
+        kind = "file"
+    elif stat.S_ISLNK(info.st_mode):
+        kind = "link"
+    else:
+        kind = "other"
+    return Entry(kind, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino,
+                 stat.S_IMODE(info.st_mode))
+
+
+def _with_digest(entry: Entry, digest: str | None) -> Entry:
+    return Entry(entry.kind, entry.size, entry.mtime_ns, entry.ctime_ns, entry.ino, entry.mode, digest)
+
+
+def _differs(old: Entry, new: Entry) -> bool:
+    if old.kind != new.kind:
+        return True
+    if (old.mode & 0o111) != (new.mode & 0o111):
+        return True
+    if old.digest is not None and new.digest is not None:
+        return old.digest != new.digest
+    return old.key != new.key  # unreadable or special: stat facts decide

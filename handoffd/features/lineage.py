@@ -1,0 +1,141 @@
+"""Who is related to whom: parents, children, conversations and correlations of handoff documents.
+
+Read-only helpers shared by delegation (:mod:`handoffd.features.orchestration`), cancellation
+(:mod:`handoffd.features.cancellation`), tracing (:mod:`handoffd.features.trace`) and ``handoff ls``. A relation may
+be written in the document itself (seed 001/002 fields such as ``parent_id``, ``conversation_id``,
+``correlation_id``) or, for formats without such fields, in the ``handoffd`` bookkeeping block.
+Answers filed by non-native dialects keep the request in ``handoffd.request_snapshot``; it is
+consulted too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ..core.documents import BOOK
+from ..core.errors import InvalidDocument
+from ..core.states import State
+
+if TYPE_CHECKING:
+    from ..backends.files.store import Store
+
+MAX_WALK = 10_000
+
+
+def _block(doc: dict[str, Any]) -> dict[str, Any]:
+    block = doc.get(BOOK)
+    return block if isinstance(block, dict) else {}
+
+
+def _sources(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Where relation fields may be found: the document, its request snapshot, the book."""
+    out = [doc]
+    block = _block(doc)
+    snap = block.get("request_snapshot")
+    if isinstance(snap, dict):
+        out.append(snap)
+    out.append(block)
+    return out
+
+
+def _first_str(doc: dict[str, Any], key: str) -> str | None:
+    for src in _sources(doc):
+        value = src.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def parent_of(doc: dict[str, Any]) -> str | None:
+    """The id of the handoff that delegated this one (``parent_id``), or None."""
+    return _first_str(doc, "parent_id")
+
+
+def conversation_of(doc: dict[str, Any]) -> str | None:
+    """The conversation (seed 002 ``conversation_id``) the handoff belongs to, or None."""
+    return _first_str(doc, "conversation_id")
+
+
+def correlation_of(doc: dict[str, Any]) -> str | None:
+    """``correlation_id``: the request this document answers or descends from (seed 000)."""
+    for src in _sources(doc):
+        value = src.get("correlation_id")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def children_of(doc: dict[str, Any]) -> list[str]:
+    """Ids of the children this handoff delegated to (every round), in creation order."""
+    kids = _block(doc).get("children")
+    return [k for k in kids if isinstance(k, str)] if isinstance(kids, list) else []
+
+
+def depends_of(doc: dict[str, Any]) -> list[str]:
+    """The ``depends_on`` list as written in the document (any dialect via its envelope)."""
+    from .. import dialects
+
+    try:
+        return list(dialects.detect(doc).envelope(doc).depends_on)
+    except Exception:  # an answer or an unreadable document: look at the raw field
+        deps = doc.get("depends_on")
+        return [d for d in deps if isinstance(d, str)] if isinstance(deps, list) else []
+
+
+@dataclass
+class Entry:
+    """One handoff as the lineage walkers see it."""
+
+    handoff_id: str
+    state: State
+    doc: dict[str, Any] = field(repr=False)
+
+    @property
+    def parent(self) -> str | None:
+        return parent_of(self.doc)
+
+    @property
+    def conversation(self) -> str | None:
+        return conversation_of(self.doc)
+
+
+def documents(store: "Store", states: tuple[State, ...] = tuple(State)) -> Iterator[Entry]:
+    """Every readable handoff document in ``states`` (one listing per folder)."""
+    for state in states:
+        for handoff_id in store.ids(state):
+            try:
+                doc = store.read(state, handoff_id)
+            except (FileNotFoundError, InvalidDocument):
+                continue
+            yield Entry(handoff_id, state, doc)
+
+
+def descendants(store: "Store", handoff_id: str) -> list[str]:
+    """Every handoff below ``handoff_id`` (children, grandchildren...), parents before children.
+
+    Uses the children lists the daemon keeps, plus one scan of unfinished handoffs for documents
+    naming a parent in the tree (children created by other producers)."""
+    order: list[str] = []
+    seen = {handoff_id}
+    queue = [handoff_id]
+    while queue and len(seen) < MAX_WALK:
+        current = queue.pop(0)
+        try:
+            _, doc = store.get(current)
+        except Exception:  # gone or unreadable: it has no known children
+            continue
+        for kid in children_of(doc):
+            if kid not in seen:
+                seen.add(kid)
+                order.append(kid)
+                queue.append(kid)
+    changed = True
+    live = list(documents(store, (State.PENDING, State.IN_PROGRESS)))
+    while changed:
+        changed = False
+        for entry in live:
+            if entry.handoff_id not in seen and entry.parent in seen:
+                seen.add(entry.handoff_id)
+                order.append(entry.handoff_id)
+                changed = True
+    return order

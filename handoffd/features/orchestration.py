@@ -1,0 +1,526 @@
+"""Orchestration on top of the lifecycle: delegation with aggregation, clarification, blocking.
+
+**Delegation** (seed 000 fan-out). A handler may answer::
+
+    {"status": "delegated", "aggregation": "all_success",
+     "delegate": [{"to": "@agent", "data": {...}, "objective": "...", "constraints": [...],
+                   "timeout_seconds": 30, "weight": 1.0, "id": "optional-id",
+                   "depends_on": ["c1"], "expected_output": {...}}, ...]}
+
+The daemon creates one native (seed 001) child handoff per entry, with ids derived from the
+parent (``<parent>.c1``, ``<parent>.c2``...; ``<parent>.r2.c1`` in a later round), each carrying
+``parent_id`` and ``correlation_id`` = the parent id, the parent's ``conversation_id`` (one is
+created for the parent when it has none), ``chain_position`` one step below the parent, and a
+``timeout_seconds`` of at most the parent's remaining deadline. The parent goes back to pending/
+with a ``handoffd.waiting_children`` block and holds no worker: a gate keeps it there until its
+children are finished (for ``first_success``: until one succeeded). Then, instead of running its
+handler again, the daemon writes the aggregated outcome exactly as seed 000 defines it
+(``strategy_used``, ``child_outcomes`` with ``message_id`` / ``status`` / ``confidence`` /
+``specialist``, ``aggregated_status``, ``aggregated_confidence`` = weighted average).
+
+==============  ==========================================================================
+strategy        aggregated status
+==============  ==========================================================================
+all_success     success if every child succeeded; failed if none succeeded (nor partially);
+                partial otherwise
+any_success     success if any child succeeded; else partial if any was partial; else failed
+majority        success if more than half succeeded; else failed
+first_success   success as soon as one child succeeded (the others are cancelled, cascading);
+                else like any_success once all are finished
+==============  ==========================================================================
+
+Success → the parent is filed in completed/ with status ``completed``, partial → completed/ with
+status ``partial``, failed → failed/ (``CHILDREN_FAILED``, not retried automatically).
+
+**Clarification and blocking** (seed 000 NEEDS_CLARIFICATION, seed 002 blocked). A handler
+answering ``{"status": "needs_clarification", "questions": [...]}`` or ``{"status": "blocked",
+"blockers": [{"type": ..., "description": ..., "resolution_options": [...]}]}`` (every blocker
+needs resolution options) parks its handoff in pending/ with a ``handoffd.awaiting`` block; a gate
+holds it "waiting on the requester" until ``handoff answer ID --data JSON`` attaches the answer
+(to ``input.clarifications`` of a native document, ``handoffd.clarifications`` otherwise, and to
+the history) and releases it: the handler runs again and sees the answer.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from .. import dialects
+from ..core.documents import (
+    Envelope,
+    Outcome,
+    book,
+    book_int,
+    check_id,
+    new_native_request,
+    record,
+)
+from ..core.errors import (
+    DocumentNotReady,
+    DuplicateHandoff,
+    ErrorCode,
+    HandoffdError,
+    InvalidDocument,
+    InvalidTransition,
+    NotFound,
+)
+from ..core.states import State
+from ..core.timeutil import iso, parse_iso
+from . import aggregation
+from .aggregation import child_info, ready
+from .dependencies import Verdict
+from .lineage import conversation_of
+
+if TYPE_CHECKING:
+    from ..backends.files.store import Claim
+    from ..core.engine import Engine, Job
+    from ..core.specialists import Specialist
+    from ..dialects import Dialect
+
+STRATEGIES = ("all_success", "any_success", "majority", "first_success")
+PARK_STATUSES = ("delegated", "needs_clarification", "blocked")
+MAX_CHILDREN = 100
+MAX_DEPTH = 16
+
+
+# ---------------------------------------------------------------- installation
+def install(engine: "Engine") -> None:
+    """Add orchestration to an Engine (one of :func:`handoffd.features.build.build_engine`'s features):
+    the requester and children gates, aggregation of a parent whose children are done, and the
+    park statuses (delegated, needs_clarification, blocked). Cancellation and artifacts are
+    features of their own."""
+    engine.gates[0:0] = [requester_gate, children_gate]
+    engine.resumers.append(functools.partial(aggregation.resume, engine))
+    for status in PARK_STATUSES:  # filed back to pending/ where a gate holds them
+        engine.result_interpreters[status] = functools.partial(parked_outcome, engine)
+        engine.filers[status] = functools.partial(park, engine)
+    engine.before_run.append(_expose_clarifications)
+    engine.daemon_plugins.append(
+        lambda daemon: daemon.add_parked_check(functools.partial(is_parked, engine)))
+
+
+def _expose_clarifications(job: "Job") -> None:
+    found = clarifications_of(job.claim.doc)
+    if found:
+        job.context.extra["clarifications"] = found
+
+
+def clarifications_of(doc: dict[str, Any]) -> list[Any]:
+    """Answers given so far with ``handoff answer`` (native: ``input.clarifications``)."""
+    inp = doc.get("input")
+    if isinstance(inp, dict) and isinstance(inp.get("clarifications"), list):
+        return list(inp["clarifications"])
+    block = doc.get("handoffd")
+    if isinstance(block, dict) and isinstance(block.get("clarifications"), list):
+        return list(block["clarifications"])
+    return []
+
+
+# ---------------------------------------------------------------- reading a park result
+def parked_outcome(engine: "Engine", job: "Job", result: dict[str, Any], started: datetime) -> Outcome:
+    """Turn a ``delegated`` / ``needs_clarification`` / ``blocked`` result into an Outcome that
+    :func:`park` files back to pending/ (or a VALIDATION_FAILED failure when it is malformed)."""
+    status = result["status"]
+    try:
+        if status == "delegated":
+            info = _delegation(engine, job, result)
+        elif status == "blocked":
+            info = _blocked(job, result)
+        else:
+            info = _clarification(job, result)
+    except _Malformed as exc:
+        return engine.failure(started, ErrorCode.VALIDATION_FAILED, f"handoff {job.handoff_id}: specialist "
+                              f"answered {status}, but {exc}", retryable=False, result=result)
+    info["kind"] = status
+    info["asked_by"] = job.specialist.agent
+    info["requester"] = job.envelope.source
+    summary = result.get("summary")
+    if not isinstance(summary, str) and isinstance(result.get("output"), dict):
+        summary = result["output"].get("summary")
+    if isinstance(summary, str):
+        info["summary"] = summary
+    return Outcome(status=status, started_at=started, finished_at=engine.clock(),
+                   output=result.get("output"), metadata=_dict(result.get("metadata")),
+                   warnings=_list(result.get("warnings")), executed_by=job.specialist.agent,
+                   extra={"park": info})
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _delegation(engine: "Engine", job: "Job", result: dict[str, Any]) -> dict[str, Any]:
+    entries = result.get("delegate")
+    if not isinstance(entries, list) or not entries:
+        raise _Malformed('"delegate" must be a non-empty list of {"to": "@agent", "data": ...}')
+    if len(entries) > MAX_CHILDREN:
+        raise _Malformed(f"it delegates {len(entries)} children; at most {MAX_CHILDREN} are allowed")
+    strategy = result.get("aggregation", "all_success")
+    if strategy not in STRATEGIES:
+        raise _Malformed(f'"aggregation" {strategy!r} is not one of {", ".join(STRATEGIES)}')
+    step = chain_step(job.claim.doc)
+    if step >= MAX_DEPTH:
+        raise _Malformed(f"the delegation chain is already {step} steps deep (limit {MAX_DEPTH})")
+    clean = []
+    ids: set[str] = set()
+    for index, entry in enumerate(entries, start=1):
+        where = f"delegate[{index - 1}]"
+        if not isinstance(entry, dict):
+            raise _Malformed(f"{where} is not an object")
+        to = entry.get("to") or entry.get("agent") or entry.get("target")
+        if not isinstance(to, str) or not to:
+            raise _Malformed(f'{where} has no "to" agent id')
+        if engine.registry.get(to) is None:
+            raise _Malformed(f"{where}.to {to!r} has no registered specialist")
+        timeout = entry.get("timeout_seconds")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout <= 0):
+            raise _Malformed(f"{where}.timeout_seconds must be a positive number")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+            raise _Malformed(f"{where}.weight must be a non-negative number")
+        if entry.get("id") is not None:
+            try:
+                check_id(entry["id"])
+            except InvalidDocument as exc:
+                raise _Malformed(f"{where}.id: {exc}") from None
+            if entry["id"] in ids:
+                raise _Malformed(f"{where}.id {entry['id']!r} is used twice")
+            ids.add(entry["id"])
+        item = dict(entry)
+        item["to"] = to
+        item["weight"] = float(weight)
+        clean.append(item)
+    _sibling_order(clean)
+    timeout = engine.timeout_for(job)
+    return {"delegate": clean, "aggregation": strategy,
+            "started": iso(job.started_at),
+            "deadline": iso(job.started_at + timedelta(seconds=timeout))}
+
+
+def _sibling_order(entries: list[dict[str, Any]]) -> None:
+    """Resolve ``depends_on`` references to siblings (``c2``, 2, or a sibling's explicit id) into
+    ``sibling_deps`` (0-based) and check they form no cycle; other strings stay handoff ids."""
+    names = {f"c{i}": i - 1 for i in range(1, len(entries) + 1)}
+    names.update({e["id"]: i for i, e in enumerate(entries) if isinstance(e.get("id"), str)})
+    for index, entry in enumerate(entries):
+        deps = entry.get("depends_on") or []
+        if not isinstance(deps, list):
+            raise _Malformed(f"delegate[{index}].depends_on must be a list")
+        siblings, others = [], []
+        for dep in deps:
+            if isinstance(dep, int) and not isinstance(dep, bool):
+                if not 1 <= dep <= len(entries):
+                    raise _Malformed(f"delegate[{index}].depends_on names sibling {dep}, but there "
+                                     f"are {len(entries)}")
+                siblings.append(dep - 1)
+            elif isinstance(dep, str) and dep in names:
+                siblings.append(names[dep])
+            elif isinstance(dep, str):
+                others.append(dep)
+            else:
+                raise _Malformed(f"delegate[{index}].depends_on has {dep!r}; use ids or c1, c2...")
+        if index in siblings:
+            raise _Malformed(f"delegate[{index}] depends on itself")
+        entry["sibling_deps"] = siblings
+        entry["external_deps"] = others
+    order = creation_order(entries)
+    if order is None:
+        raise _Malformed("the children's depends_on form a cycle")
+
+
+def creation_order(entries: list[dict[str, Any]]) -> list[int] | None:
+    """Sibling indices with every dependency before its dependents (None: a cycle)."""
+    order: list[int] = []
+    state: dict[int, int] = {}
+
+    def visit(node: int) -> bool:
+        if state.get(node) == 2:
+            return True
+        if state.get(node) == 1:
+            return False
+        state[node] = 1
+        for dep in entries[node].get("sibling_deps", []):
+            if not visit(dep):
+                return False
+        state[node] = 2
+        order.append(node)
+        return True
+
+    for index in range(len(entries)):
+        if not visit(index):
+            return None
+    return order
+
+
+def _clarification(job: "Job", result: dict[str, Any]) -> dict[str, Any]:
+    questions: list[Any] = []
+    output = given if isinstance(given := result.get("output"), dict) else {}
+    error = given if isinstance(given := result.get("error"), dict) else {}
+    for source in (result.get("questions"), output.get("questions")):
+        if isinstance(source, list):
+            questions.extend(q for q in source if isinstance(q, (str, dict)))
+        elif isinstance(source, str) and source.strip():
+            questions.append(source)
+    for text in (result.get("error_detail"), error.get("message")):
+        if not questions and isinstance(text, str) and text.strip():
+            questions.append(text)
+    if not questions:
+        raise _Malformed('it names no questions (give "questions": ["..."], as seed 000 asks for '
+                         "specific questions)")
+    return {"questions": questions}
+
+
+def _blocked(job: "Job", result: dict[str, Any]) -> dict[str, Any]:
+    blockers = result.get("blockers")
+    if blockers is None and isinstance(result.get("output"), dict):
+        blockers = result["output"].get("blockers")
+    if not isinstance(blockers, list) or not blockers:
+        raise _Malformed('it lists no "blockers" (seed 002: a blocked handoff has blockers with '
+                         "resolution options)")
+    for index, blocker in enumerate(blockers):
+        if not isinstance(blocker, dict) or not isinstance(blocker.get("description"), str):
+            raise _Malformed(f"blockers[{index}] needs a description")
+        options = blocker.get("resolution_options")
+        if not isinstance(options, list) or not options:
+            raise _Malformed(f"blockers[{index}] has no resolution_options (seed 002 requires at "
+                             "least one)")
+    return {"blockers": blockers}
+
+
+# ---------------------------------------------------------------- filing a park result
+def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist | None",
+         outcome: Outcome) -> State:
+    """File a parked outcome: create children (delegation) or record the questions, and put the
+    handoff back in pending/ where a gate holds it."""
+    info = outcome.extra.pop("park", None) or {"kind": "rewait"}
+    doc = claim.doc
+    block = book(doc)
+    now = engine.clock()
+    kind = info["kind"]
+    if kind == "delegated":
+        try:
+            children = _create_children(engine, doc, claim.handoff_id, dialect, info, now)
+        except (HandoffdError, OSError) as exc:
+            failure = engine.failure(now, ErrorCode.PROCESSING_ERROR, f"handoff {claim.handoff_id}: could "
+                                     f"not create its child handoffs: {exc}", retryable=True)
+            return engine.file(claim, dialect, spec, failure)
+        known = block.setdefault("children", [])
+        known.extend(c for c in children if c not in known)
+        block["waiting_children"] = {
+            "round": block["delegation_round"], "aggregation": info["aggregation"],
+            "children": children, "weights": {c: e["weight"] for c, e in zip(children, info["delegate"])},
+            "since": iso(now), "started": info["started"], "deadline": info["deadline"],
+            "summary": info.get("summary"),
+        }
+        record(doc, "delegated", now, children=children, aggregation=info["aggregation"])
+        block["attempt"] = max(book_int(doc, "attempt", 1) - 1, 0)
+    elif kind == "rewait":
+        record(doc, "still_waiting", now)
+        block["attempt"] = max(book_int(doc, "attempt", 1) - 1, 0)
+    else:
+        awaiting = {k: v for k, v in info.items() if k in ("kind", "questions", "blockers",
+                                                           "asked_by", "requester", "summary")}
+        awaiting["since"] = iso(now)
+        if outcome.output is not None:
+            awaiting["partial_output"] = outcome.output
+        block["awaiting"] = awaiting
+        detail = ({"questions": info.get("questions")} if kind == "needs_clarification"
+                  else {"blockers": [b.get("description") for b in info.get("blockers", [])]})
+        record(doc, kind, now, **detail)
+    block.pop("lease", None)
+    dialect.mark_pending(doc)
+    if engine.store.finish(claim, State.PENDING, doc):
+        return State.PENDING
+    return State.IN_PROGRESS
+
+
+def is_parked(engine: "Engine", handoff_id: str) -> bool:
+    """True when the pending handoff waits for its children or its requester (not a retry)."""
+    try:
+        block = book(engine.store.read(State.PENDING, handoff_id))
+    except (OSError, InvalidDocument):
+        return False
+    return isinstance(block.get("waiting_children"), dict) or isinstance(block.get("awaiting"), dict)
+
+
+def chain_step(doc: dict[str, Any]) -> int:
+    """Seed 002's ``chain_position.step`` of a document (1 when absent)."""
+    for holder in (doc, given if isinstance(given := doc.get("metadata"), dict) else {}):
+        pos = holder.get("chain_position")
+        if isinstance(pos, dict) and isinstance(pos.get("step"), int) and pos["step"] > 0:
+            return pos["step"]
+    return 1
+
+
+def ensure_conversation(doc: dict[str, Any], dialect: "Dialect", handoff_id: str) -> str:
+    """The handoff's conversation id, creating ``conv-<id>`` when it has none."""
+    found = conversation_of(doc)
+    if found:
+        return found
+    conv = f"conv-{handoff_id}"
+    if dialect.name == "native":
+        doc["conversation_id"] = conv
+    else:
+        book(doc)["conversation_id"] = conv
+    return conv
+
+
+def child_id(parent: str, round_no: int, index: int) -> str:
+    suffix = f".c{index}" if round_no <= 1 else f".r{round_no}.c{index}"
+    candidate = parent + suffix
+    try:
+        return check_id(candidate)
+    except InvalidDocument:
+        short = hashlib.sha1(parent.encode()).hexdigest()[:10]
+        return check_id(f"{parent[:96]}-{short}{suffix}")
+
+
+def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: "Dialect",
+                     info: dict[str, Any], now: datetime) -> list[str]:
+    block = book(doc)
+    round_no = book_int(doc, "delegation_round", 0) + 1
+    block["delegation_round"] = round_no
+    conv = ensure_conversation(doc, dialect, parent)
+    env = dialect.envelope(doc)
+    step = chain_step(doc)
+    deadline = parse_iso(info["deadline"])
+    remaining = max((deadline - now).total_seconds(), 1.0)
+    base_context = given if isinstance(given := doc.get("context"), dict) else {}
+    entries = info["delegate"]
+    ids = [e["id"] if isinstance(e.get("id"), str) else child_id(parent, round_no, i)
+           for i, e in enumerate(entries, start=1)]
+    # dependencies first, so a daemon never sees a child whose sibling dependency is missing
+    for position in creation_order(entries) or range(len(entries)):
+        index, entry, cid = position + 1, entries[position], ids[position]
+        spec = engine.registry.get(entry["to"])
+        wanted = entry.get("timeout_seconds") or (spec.config.timeout_seconds if spec else None) \
+            or engine.settings.default_timeout_seconds
+        deps = [ids[i] for i in entry.get("sibling_deps", [])] + list(entry.get("external_deps", []))
+        child = new_native_request(source=env.target, target=entry["to"], data=entry.get("data"),
+                                   now=now, handoff_id=cid,
+                                   timeout_seconds=round(min(float(wanted), remaining), 3),
+                                   priority=entry.get("priority", env.priority), depends_on=deps)
+        context = dict(base_context)
+        for key in ("objective", "constraints", "context_refs", "scope"):
+            if entry.get(key) is not None:
+                context[key] = entry[key]
+        if context:
+            child["context"] = context
+        for key in ("expected_output", "retry_policy"):
+            if isinstance(entry.get(key), dict):
+                child[key] = entry[key]
+        if isinstance(entry.get("input_schema"), str):
+            child["input"]["schema"] = entry["input_schema"]
+        child["parent_id"] = parent
+        child["correlation_id"] = parent
+        child["conversation_id"] = conv
+        child["chain_position"] = {"step": step + 1, "index": index, "of": len(entries)}
+        try:
+            engine.store.create(child, cid, now=now)
+        except DuplicateHandoff:
+            # a replay after a crash between creating the children and parking the parent
+            try:
+                _, existing = engine.store.get(cid)
+            except NotFound:
+                raise
+            if existing.get("parent_id") != parent:
+                raise
+    return ids
+
+
+# ---------------------------------------------------------------- gates
+def requester_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
+    """Hold a handoff parked by needs_clarification / blocked until it is answered."""
+    awaiting = book(doc).get("awaiting") if isinstance(doc.get("handoffd"), dict) else None
+    if not isinstance(awaiting, dict):
+        return None
+    kind = str(awaiting.get("kind", "needs_clarification")).replace("_", " ")
+    items = awaiting.get("questions") or awaiting.get("blockers") or []
+    first = items[0] if items else ""
+    if isinstance(first, dict):
+        first = first.get("description") or first.get("question") or first.get("text") or ""
+    more = f" (+{len(items) - 1} more)" if len(items) > 1 else ""
+    who = awaiting.get("requester") or "the requester"
+    return Verdict.wait(f"waiting on the requester ({who}): {kind}: {str(first)[:100]}{more}; "
+                        f"answer with `handoff answer {env.handoff_id} --data JSON`")
+
+
+def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
+    """Hold a delegating parent until its children are done (see :func:`ready`)."""
+    wait = book(doc).get("waiting_children") if isinstance(doc.get("handoffd"), dict) else None
+    if not isinstance(wait, dict):
+        return None
+    infos = [child_info(engine, cid) for cid in wait.get("children", [])]
+    if ready(engine, wait, infos):
+        return None
+    open_ = [i for i in infos if i.status is None]
+    shown = ", ".join(f"{i.handoff_id} ({i.state})" for i in open_[:4])
+    more = f" and {len(open_) - 4} more" if len(open_) > 4 else ""
+    return Verdict.wait(f"waiting for {len(open_)} of {len(infos)} children "
+                        f"({wait.get('aggregation')}): {shown}{more}")
+
+
+# ---------------------------------------------------------------- answering
+def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") -> dict[str, Any]:
+    """Attach an answer to a handoff waiting on its requester and release it to pending/."""
+    state, doc = engine.store.get(handoff_id)
+    awaiting = book(doc).get("awaiting")
+    if state is not State.PENDING or not isinstance(awaiting, dict):
+        raise InvalidTransition(f"handoff {handoff_id} is {state.value} and not waiting for an "
+                                "answer (only handoffs that asked for clarification or were "
+                                "blocked can be answered)", handoff_id=handoff_id)
+    now = engine.clock()
+    box: list[Any] = []
+
+    def on_claim(claimed: dict[str, Any]) -> None:
+        try:
+            dialect = dialects.detect(claimed)
+        except InvalidDocument:
+            dialect = dialects.by_name("native")
+        box.append(dialect)
+
+    try:
+        claim = engine.store.claim(handoff_id, lease_seconds=engine.settings.lease_seconds,
+                                   now=now, on_claim=on_claim)
+    except (DuplicateHandoff, DocumentNotReady):
+        claim = None
+    if claim is None:
+        raise InvalidTransition(f"handoff {handoff_id} moved while answering; look at it with "
+                                "`handoff show` and try again", handoff_id=handoff_id)
+    doc = claim.doc
+    block = book(doc)
+    history = block.get("history")
+    if isinstance(history, list) and history and history[-1].get("event") == "claimed":
+        history.pop()
+    block["attempt"] = max(book_int(doc, "attempt", 1) - 1, 0)
+    awaiting = block.pop("awaiting", None) or {}
+    entry = {"at": iso(now), "by": by, "kind": awaiting.get("kind"), "answer": data}
+    for key in ("questions", "blockers"):
+        if awaiting.get(key):
+            entry[key] = awaiting[key]
+    dialect = box[0]
+    if dialect.name == "native":
+        inp = given if isinstance(given := doc.get("input"), dict) else {}
+        doc["input"] = inp
+        inp.setdefault("clarifications", []).append(entry)
+    else:
+        block.setdefault("clarifications", []).append(entry)
+    shown = data if isinstance(data, (str, int, float, bool)) or data is None else str(data)[:300]
+    record(doc, "answered", now, by=by, answer=shown)
+    dialect.mark_pending(doc)
+    block.pop("lease", None)
+    if not engine.store.finish(claim, State.PENDING, doc):
+        raise InvalidTransition(f"handoff {handoff_id} was taken over while answering",
+                                handoff_id=handoff_id)
+    return entry
+
+
+def _list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None

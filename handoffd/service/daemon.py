@@ -1,0 +1,728 @@
+"""The daemon: schedule due handoffs, run them on a worker pool, keep leases alive, sweep.
+
+One dispatcher loop (level-triggered: "while something is due, claim it") fed by watchdog hints,
+a start-up scan, periodic rescans, and its own wake-ups. Workers are threads; command handlers
+are child processes. The loop never dies of a handoff's fault: every error is filed or logged.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import signal
+import threading
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..core.engine import Engine, Job, Peek
+from ..core.errors import DocumentNotReady, HandoffdError, InvalidDocument
+from ..core.runner import cancel
+from ..core.states import State
+from . import queries
+from .sweeper import SweepReport, sweep
+from .watcher import PendingWatcher
+
+log = logging.getLogger("handoffd")
+READY_WINDOW = 64  # due handoffs read ahead to order by priority
+# the progress watchdog ([daemon] stall_seconds): due work, a free slot, and nothing dispatched
+# for that long means the bookkeeping is wrong; it is logged loudly, reset and rebuilt
+STALL_SAMPLE = 64  # pending documents the watchdog reads to decide whether work is due
+RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
+
+
+@dataclass
+class BatchReport:
+    """Counts of what a run (batch or serve) filed, for the summary line and exit code."""
+
+    completed: int = 0
+    failed: int = 0
+    retrying: int = 0
+    handed_back: int = 0
+    unroutable: set[str] = field(default_factory=set)
+    waiting: dict[str, str] = field(default_factory=dict)
+    sweep: SweepReport | None = None
+    error: str | None = None  # set when the main loop died (the exit code is then non-zero)
+    stalls: int = 0  # times the progress watchdog had to reset the scheduler
+
+    def line(self) -> str:
+        text = (f"completed {self.completed}, failed {self.failed}, retry scheduled "
+                f"{self.retrying}")
+        if self.handed_back:
+            text += f", handed back {self.handed_back}"
+        if self.unroutable:
+            text += f", left pending with no specialist {len(self.unroutable)}"
+        if self.waiting:
+            text += f", waiting {len(self.waiting)}"
+        if self.error:
+            text += f"; main loop died: {self.error}"
+        return text
+
+
+class Daemon:
+    """Serves one workspace. ``serve()`` until stopped, or ``run_batch()`` once.
+
+    Scheduling bookkeeping, all guarded by ``cv``:
+
+    * ``heap``/``queued``: when to look at an id next; ``ready``/``readied``: ids read and waiting
+      for a worker, most urgent first.
+    * ``parked[agent]``: an ordered, de-duplicated set of due ids waiting for one of the agent's
+      concurrency slots (``parked_ids`` maps each back to its agent). On every loop iteration
+      :meth:`_release_parked` lets out as many as the agent has free slots, minus releases still
+      in flight (``released``/``releasing``); a released id leaves that set when it is dispatched
+      again or turns out gone, so a release is never lost on a dead entry.
+    * ``inflight``: one entry per task submitted to the pool (its agent); ``busy`` and ``running``
+      are counts of it, kept in step by :meth:`_submit` and :meth:`_finished` only.
+
+    A watchdog (:meth:`_check_progress`) guards the whole: due work, a free slot and nothing
+    dispatched for ``stall_seconds`` is logged as an error and the bookkeeping is rebuilt.
+    """
+
+    def __init__(self, engine: Engine, *, workers: int | None = None, watch: bool = True,
+                 stall_seconds: float | None = None) -> None:
+        self.engine = engine
+        self.settings = engine.settings
+        self.workers = workers or self.settings.workers
+        self.watch = watch
+        self.stall_seconds = float(stall_seconds if stall_seconds is not None
+                                   else self.settings.stall_seconds)
+        self.cv = threading.Condition()
+        self.heap: list[tuple[float, int, int, str]] = []  # (due, _, seq, id): when to look
+        self.ready: list[tuple[int, float, int, str, Peek]] = []  # (priority, due, seq, id, peek)
+        self.readied: set[str] = set()
+        self.queued: dict[str, float] = {}
+        self.seq = itertools.count()
+        self.parked: dict[str, OrderedDict[str, None]] = {}  # agent -> ids waiting for a slot
+        self.parked_ids: dict[str, str] = {}  # id -> agent, for every parked id
+        self.released: dict[str, str] = {}  # id -> agent: let out of parking, not yet re-dispatched
+        self.releasing: Counter[str] = Counter()  # agent -> len of its entries in released
+        self.inflight: dict[int, str] = {}  # pool task token -> agent ("" for set-aside work)
+        self.busy: Counter[str] = Counter()  # agent -> tasks in flight (a count of inflight)
+        self.active: dict[str, Job] = {}
+        self.running = 0  # len(inflight)
+        self.stopping = False
+        self.hard_stop = False
+        self.report = BatchReport()
+        self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
+        engine.on_filed.append(self._count)
+        self.rescan_requested = True
+        self.last_dispatch = time.monotonic()
+        self.next_progress_check = self.last_dispatch + self.stall_seconds
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="handoffd-worker")
+        self.watcher: PendingWatcher | None = None
+        self.on_filed: Callable[[str, State], None] | None = None
+        # the plugin API's registrations (features add to them through the add_* methods)
+        self.scan_hooks: list[Callable[[], None]] = []
+        self.message_handlers: list[tuple[Callable[[dict[str, Any] | None], bool],
+                                          Callable[[Engine, str], State | None]]] = []
+        self.filed_hooks: list[Callable[[str, State], None]] = []
+        self.parked_checks: list[Callable[[str], bool]] = []
+        self.watched_folders: list[Path] = []
+        self.folder_watchers: list[PendingWatcher] = []
+        for plugin in engine.daemon_plugins:  # features register through the methods below
+            plugin(self)
+
+    # ------------------------------------------------------------ plugin API
+    def add_scan_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` at every scan of pending/ (it must not raise; it is logged if it does)."""
+        self.scan_hooks.append(hook)
+
+    def add_message_handler(self, predicate: Callable[[dict[str, Any] | None], bool],
+                            handler: Callable[[Engine, str], State | None]) -> None:
+        """A pending document for which ``predicate(doc)`` is true is not routed to a specialist:
+        ``handler(engine, id)`` claims and files it (e.g. a cancellation message)."""
+        self.message_handlers.append((predicate, handler))
+
+    def add_filed_hook(self, hook: Callable[[str, State], None]) -> None:
+        """Call ``hook(id, where)`` whenever this daemon's engine files a handoff."""
+        self.filed_hooks.append(hook)
+
+    def add_parked_check(self, check: Callable[[str], bool]) -> None:
+        """``check(id)`` true: a handoff filed back to pending/ waits by design (not a retry)."""
+        self.parked_checks.append(check)
+
+    def watch_folder(self, folder: Path) -> None:
+        """Rescan whenever something changes in ``folder`` (watched while serving; created if
+        absent). Without inotify the rescans still come, only later."""
+        self.watched_folders.append(folder)
+
+    def running_job(self, handoff_id: str) -> Job | None:
+        """The job this daemon is running for ``handoff_id``, if any."""
+        return self.active.get(handoff_id)
+
+    def queue(self, handoff_id: str) -> None:
+        """Look at a pending handoff again now, even if a gate held it back."""
+        with self.cv:
+            self.waiting.pop(handoff_id, None)
+            self.notify(handoff_id)
+
+    def _message_handler(self, doc: dict[str, Any] | None) -> Callable[[Engine, str], State | None] | None:
+        for predicate, handler in self.message_handlers:
+            if predicate(doc):
+                return handler
+        return None
+
+    def _start_folder_watchers(self) -> None:
+        for folder in self.watched_folders:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                watcher = PendingWatcher(folder, lambda _id, _delay: self.request_rescan(),
+                                         self.request_rescan)
+                watcher.start()
+            except OSError as exc:  # e.g. no inotify left: rescans still see changes
+                log.warning("cannot watch %s (%s); changes there are seen at rescans", folder, exc)
+                continue
+            self.folder_watchers.append(watcher)
+
+    def _stop_folder_watchers(self) -> None:
+        while self.folder_watchers:
+            self.folder_watchers.pop().stop()
+
+    # ------------------------------------------------------------ queue
+    def notify(self, handoff_id: str, delay: float = 0.0) -> None:
+        """Hint that ``handoff_id`` may be due in ``delay`` seconds (watchdog, scans, retries)."""
+        due = time.monotonic() + delay
+        with self.cv:
+            if handoff_id in self.readied and delay == 0:
+                return  # already read and waiting its turn in the ready window
+            current = self.queued.get(handoff_id)
+            if current is not None and current <= due:
+                return
+            self.queued[handoff_id] = due
+            heapq.heappush(self.heap, (due, 2, next(self.seq), handoff_id))
+            self.cv.notify()
+
+    def request_rescan(self) -> None:
+        """Ask the loop to list pending/ again (events may have been lost)."""
+        with self.cv:
+            self.rescan_requested = True
+            self.cv.notify()
+
+    def scan(self, *, recheck_waiting: bool = True) -> int:
+        """List pending/ once and queue everything not already known; returns the count found.
+        Waiting handoffs are re-checked too unless ``recheck_waiting`` is False (batch mode
+        re-checks them only when something is filed). Parked ids that are no longer pending
+        (filed or removed by someone else) are dropped from parking."""
+        for hook in self.scan_hooks:  # e.g. cancel requests: stop our handlers, queue pending
+            try:
+                hook()
+            except Exception:  # a feature's hook must not stop the scan
+                log.exception("scan hook %r failed", hook)
+        try:
+            ids = self.engine.store.ids(State.PENDING)
+        except OSError as exc:  # e.g. EIO, ENOMEM: the next rescan tries again
+            log.error("cannot list %s: %s; will rescan", self.engine.ws.state_dir(State.PENDING), exc)
+            return 0
+        with self.cv:
+            if self.parked_ids:
+                present = set(ids)
+                for gone in [hid for hid in self.parked_ids if hid not in present]:
+                    self._unpark(gone)
+            for handoff_id in ids:
+                if handoff_id in self.active or handoff_id in self.queued or handoff_id in self.readied \
+                        or handoff_id in self.parked_ids or handoff_id in self.released \
+                        or handoff_id in self.report.unroutable \
+                        or (not recheck_waiting and handoff_id in self.waiting):
+                    continue
+                self.notify(handoff_id)
+        return len(ids)
+
+    def _park(self, agent: str, handoff_id: str, *, front: bool = False) -> None:
+        """Hold a due ``handoff_id`` until ``agent`` has a free slot (idempotent). ``front``:
+        it was already let out once and lost its slot to a newcomer, so it goes first."""
+        self._unpark(handoff_id)
+        waiting = self.parked.setdefault(agent, OrderedDict())
+        waiting[handoff_id] = None
+        if front:
+            waiting.move_to_end(handoff_id, last=False)
+        self.parked_ids[handoff_id] = agent
+
+    def _unpark(self, handoff_id: str) -> None:
+        """Forget ``handoff_id`` in parking, and free its release if one is in flight."""
+        agent = self.parked_ids.pop(handoff_id, None)
+        if agent is not None:
+            waiting = self.parked.get(agent)
+            if waiting is not None:
+                waiting.pop(handoff_id, None)
+                if not waiting:
+                    del self.parked[agent]
+        agent = self.released.pop(handoff_id, None)
+        if agent is not None:
+            self.releasing[agent] -= 1
+            if self.releasing[agent] <= 0:
+                del self.releasing[agent]
+
+    def _release_parked(self) -> None:
+        """Let out as many parked ids as each agent has free slots (level-triggered: runs on
+        every loop iteration, so a free slot never waits for an event)."""
+        for agent in list(self.parked):
+            waiting = self.parked[agent]
+            spec = self.engine.registry.get(agent)
+            limit = spec.config.concurrency if spec is not None else len(waiting)
+            free = limit - self.busy.get(agent, 0) - self.releasing.get(agent, 0)
+            while free > 0 and waiting:
+                handoff_id, _ = waiting.popitem(last=False)
+                del self.parked_ids[handoff_id]
+                self.released[handoff_id] = agent
+                self.releasing[agent] += 1
+                self.notify(handoff_id)
+                free -= 1
+            if not waiting:
+                del self.parked[agent]
+
+    def _next_ready(self, now: float) -> tuple[str, Peek | None] | None:
+        """The most urgent due handoff. Due ids move from the time heap into a bounded ready
+        window (read once each to learn their priority); the window hands out the lowest
+        (priority, due time) first, so a critical handoff overtakes a backlog of low ones."""
+        while self.heap and self.heap[0][0] <= now and len(self.ready) < READY_WINDOW:
+            due, _, _, handoff_id = heapq.heappop(self.heap)
+            if self.queued.get(handoff_id) != due:
+                continue  # superseded by an earlier notification
+            del self.queued[handoff_id]
+            try:
+                peek = self.engine.peek(handoff_id)
+            except Exception:  # peek never raises; if it ever does, the file is set aside
+                log.exception("handoff %s: cannot be read", handoff_id)
+                peek = Peek(handoff_id, readable=False)
+            if peek is None:
+                self._unpark(handoff_id)  # gone: claimed elsewhere, or filed
+                continue
+            rank = peek.priority if peek.readable else -1  # set unreadable files aside first
+            heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek))
+            self.readied.add(handoff_id)
+        if not self.ready:
+            return None
+        _, _, _, handoff_id, peek = heapq.heappop(self.ready)
+        self.readied.discard(handoff_id)
+        return handoff_id, peek
+
+    # ------------------------------------------------------------ dispatch
+    def _submit(self, agent: str, func: Callable[..., Any], handoff_id: str, *args: Any) -> None:
+        """Run ``func(handoff_id, *args)`` on the pool, counted against ``agent``'s slots."""
+        token = next(self.seq)
+        self.inflight[token] = agent
+        self.busy[agent] += 1
+        self.running += 1
+        self.last_dispatch = time.monotonic()
+        try:
+            self.pool.submit(self._run_task, token, func, handoff_id, *args)
+        except BaseException:  # e.g. the pool is shut down: the slot is not taken
+            self._finished(token)
+            raise
+
+    def _run_task(self, token: int, func: Callable[..., Any], handoff_id: str, *args: Any) -> None:
+        try:
+            func(handoff_id, *args)
+        except Exception:  # the task functions catch their own; this is the last resort
+            log.exception("handoff %s: unexpected error in a worker", handoff_id)
+        finally:
+            with self.cv:
+                self._finished(token)
+                self.cv.notify_all()
+
+    def _finished(self, token: int) -> None:
+        agent = self.inflight.pop(token, None)
+        if agent is None:
+            return
+        self.busy[agent] -= 1
+        if self.busy[agent] <= 0:
+            del self.busy[agent]
+        self.running = max(self.running - 1, 0)
+
+    def _dispatch_safely(self, handoff_id: str, peek: Peek | None) -> None:
+        """Per-item isolation: a handoff the scheduler chokes on is logged and looked at again
+        later; it never takes the loop down."""
+        try:
+            self._dispatch(handoff_id, peek)
+        except Exception:
+            log.exception("handoff %s: could not be scheduled; will look again in %ss",
+                          handoff_id, RETRY_LOOK_SECONDS)
+            self.notify(handoff_id, RETRY_LOOK_SECONDS)
+
+    def _dispatch(self, handoff_id: str, peek: Peek | None) -> None:
+        was_released = handoff_id in self.released
+        self._unpark(handoff_id)  # whatever happens next, an old parking spot or release ends
+        if peek is None:
+            return
+        if not peek.readable:
+            self._dispatch_unreadable(handoff_id)
+            return
+        handler = self._message_handler(peek.doc)
+        if handler is not None:  # e.g. a seed 000 CancellationPayload message
+            self._submit("", self._aside, handoff_id, handler)
+            return
+        if peek.due_at is not None:
+            wait = (peek.due_at - self.engine.clock()).total_seconds()
+            if wait > 0:
+                self.notify(handoff_id, wait)
+                return
+        spec = self.engine.registry.get(peek.target or "")
+        if spec is None:
+            if handoff_id not in self.report.unroutable:
+                log.warning("handoff %s waits in pending/: no specialist registered for %s",
+                            handoff_id, peek.target)
+            self.report.unroutable.add(handoff_id)
+            return
+        self.report.unroutable.discard(handoff_id)
+        verdict = self.engine.gate(peek)
+        if verdict is not None and verdict.action == "wait":
+            self.waiting[handoff_id] = verdict.reason
+            return
+        self.waiting.pop(handoff_id, None)
+        if verdict is not None:  # a gate said fail: file it without running the handler
+            self._submit(spec.agent, self._reject, handoff_id, verdict.code, verdict.reason)
+            return
+        if self.busy.get(spec.agent, 0) >= spec.config.concurrency:
+            self._park(spec.agent, handoff_id, front=was_released)
+            return
+        self._submit(spec.agent, self._work, handoff_id)
+
+    def _dispatch_unreadable(self, handoff_id: str) -> None:
+        """A pending file that cannot be read or routed: claim it when claiming sets it aside
+        (an invalid document), look again later when the error is transient, else set it aside
+        straight from pending/ (a socket, a file we may not read, a reader crashing on it)."""
+        problem = queries.pending_problem(self.engine, handoff_id)
+        if problem is None:  # gone, or readable by now (rewritten): look again shortly
+            if self.engine.store.locate(handoff_id):
+                self.notify(handoff_id, self.settings.settle_seconds)
+            return
+        if problem.transient:
+            log.warning("handoff %s: %s; will look again in %ss", handoff_id, problem.message,
+                        RETRY_LOOK_SECONDS)
+            self.notify(handoff_id, RETRY_LOOK_SECONDS)
+            return
+        if problem.claimable:
+            self._submit("", self._work, handoff_id)  # take() sets it aside with its code
+            return
+        self._submit("", self._set_aside, handoff_id, State.PENDING, problem.code, problem.message)
+
+    def _set_aside(self, handoff_id: str, state: State, code: str, message: str) -> None:
+        """Quarantine ``state/<handoff_id>.json`` with ``code`` (the engine logs one line and
+        files a failure under the id when it is a safe, free one)."""
+        try:
+            self.engine._set_aside(self.engine.store.path(state, handoff_id), code, message,
+                                   handoff_id)
+        except OSError as exc:
+            log.error("handoff %s: cannot set aside %s/%s.json (%s: %s): %s; will try again in %ss",
+                      handoff_id, state.value, handoff_id, code, message, exc, RETRY_LOOK_SECONDS)
+            if state is State.PENDING:
+                self.notify(handoff_id, RETRY_LOOK_SECONDS)
+
+    def _unreadable_claim(self, handoff_id: str) -> queries.ReadProblem | None:
+        """After take() failed with an OSError: if it is our just-renamed in-progress copy that
+        cannot be read (a socket, EACCES), why; None when the error lies elsewhere."""
+        path = self.engine.store.path(State.IN_PROGRESS, handoff_id)
+        try:
+            self.engine.store.read(State.IN_PROGRESS, handoff_id)
+        except (FileNotFoundError, InvalidDocument):
+            return None
+        except Exception as exc:
+            problem = queries.read_error(path, exc)
+            return None if problem.transient or problem.claimable else problem
+        return None
+
+    def _work(self, handoff_id: str) -> None:
+        job: Job | None = None
+        try:
+            job = self.engine.take(handoff_id)
+            if job is None:
+                return
+            with self.cv:
+                self.active[handoff_id] = job
+            log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
+                     job.specialist.agent)
+            if self.stopping:
+                self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
+                self.report.handed_back += 1
+                return
+            outcome = self.engine.run(job)
+            if job.context.extra.get("handback"):
+                self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
+                self.report.handed_back += 1
+                return
+            self.engine.file(job.claim, job.dialect, job.specialist, outcome)  # counted by _count
+        except DocumentNotReady:
+            self.notify(handoff_id, self.settings.settle_seconds)
+        except HandoffdError as exc:
+            log.error("%s", exc)
+            self.notify(handoff_id, 1.0)
+        except OSError as exc:  # disk full, permissions: report, and try again later
+            problem = self._unreadable_claim(handoff_id) if job is None else None
+            if problem is not None:  # the file itself cannot be read: never retried forever
+                self._set_aside(handoff_id, State.IN_PROGRESS, problem.code, problem.message)
+                return
+            log.error("handoff %s: %s; will retry in %ss", handoff_id, exc, RETRY_LOOK_SECONDS)
+            self.notify(handoff_id, RETRY_LOOK_SECONDS)
+        except Exception:  # a bug must not kill the worker or lose the handoff
+            log.exception("handoff %s: unexpected error; it stays where it is for recovery", handoff_id)
+        finally:
+            with self.cv:
+                self.active.pop(handoff_id, None)
+
+    def _reject(self, handoff_id: str, code: str, message: str) -> None:
+        try:
+            self.engine.reject(handoff_id, code, message)  # counted by _count
+        except Exception:  # never lose the loop to one handoff; it stays pending
+            log.exception("handoff %s: could not file gate failure", handoff_id)
+
+    def _aside(self, handoff_id: str, func: Callable[[Engine, str], State | None]) -> None:
+        """File ``handoff_id`` with ``func`` instead of a specialist (cancellation messages)."""
+        try:
+            func(self.engine, handoff_id)  # counted by _count
+        except Exception:  # never lose the loop to one handoff; it stays where it is
+            log.exception("handoff %s: could not be handled", handoff_id)
+
+    # ------------------------------------------------------------ progress watchdog
+    def _check_progress(self, now: float) -> None:
+        """Due work, a free slot, and nothing dispatched for ``stall_seconds``: the bookkeeping
+        is wrong somewhere. Say so loudly, rebuild it from the truth and rescan."""
+        if now < self.next_progress_check or now - self.last_dispatch < self.stall_seconds:
+            return
+        self.next_progress_check = now + max(self.stall_seconds / 2, 0.05)
+        try:
+            stuck = self._due_with_free_slot()
+        except Exception:  # the watchdog itself must not take the loop down
+            log.exception("progress check failed; will check again")
+            return
+        if stuck is None:
+            self.next_progress_check = now + self.stall_seconds
+            return
+        self.reset_scheduler(f"handoff {stuck} is due and a slot is free, but nothing was "
+                             f"dispatched for {now - self.last_dispatch:.1f}s")
+
+    def _due_with_free_slot(self) -> str | None:
+        """A pending id that could be dispatched right now, judged from the files and the tasks
+        actually in flight (not from the scheduling bookkeeping); None when there is none."""
+        with self.cv:
+            real = Counter(self.inflight.values())
+            mine = set(self.active)
+            doubtful = set(self.waiting) | set(self.report.unroutable)
+        if len(self.inflight) >= self.workers:
+            return None
+        ids = [hid for hid in self.engine.store.ids(State.PENDING) if hid not in mine]
+        ids.sort(key=lambda hid: hid in doubtful)  # likely candidates first; bounded sample
+        for handoff_id in ids[:STALL_SAMPLE]:
+            peek = self.engine.peek(handoff_id)
+            if peek is None:
+                continue
+            if not peek.readable:
+                problem = queries.pending_problem(self.engine, handoff_id)
+                if problem is not None and not problem.transient:
+                    return handoff_id  # due to be set aside
+                continue
+            if self._message_handler(peek.doc) is not None:
+                return handoff_id
+            if peek.due_at is not None and peek.due_at > self.engine.clock():
+                continue
+            spec = self.engine.registry.get(peek.target or "")
+            if spec is None or real[spec.agent] >= spec.config.concurrency:
+                continue
+            try:
+                verdict = self.engine.gate(peek)
+            except Exception:
+                continue
+            if verdict is not None and verdict.action == "wait":
+                continue
+            return handoff_id
+        return None
+
+    def reset_scheduler(self, reason: str) -> None:
+        """Throw away the scheduling bookkeeping, rebuild the slot counts from the tasks in
+        flight and rescan pending/ (what the progress watchdog does on a stall)."""
+        log.error("scheduler stalled: %s; resetting its bookkeeping and rescanning", reason)
+        with self.cv:
+            self.report.stalls += 1
+            self.heap.clear()
+            self.ready.clear()
+            self.readied.clear()
+            self.queued.clear()
+            self.parked.clear()
+            self.parked_ids.clear()
+            self.released.clear()
+            self.releasing.clear()
+            self.busy = Counter(self.inflight.values())
+            self.running = len(self.inflight)
+            self.waiting.clear()
+            self.report.unroutable.clear()
+            self.rescan_requested = True
+            self.last_dispatch = time.monotonic()
+            self.cv.notify_all()
+
+    def _count(self, handoff_id: str, where: State) -> None:
+        """Engine listener: count every filing (including rejections at admission) and wake
+        whatever it may unblock."""
+        for hook in self.filed_hooks:  # e.g. drop a finished handoff's cancel request
+            try:
+                hook(handoff_id, where)
+            except Exception:  # a feature's hook must not lose the count
+                log.exception("handoff %s: filed hook %r failed", handoff_id, hook)
+        with self.cv:
+            if where is State.COMPLETED:
+                self.report.completed += 1
+            elif where is State.FAILED:
+                self.report.failed += 1
+            elif where is State.PENDING:
+                if not any(parked(handoff_id) for parked in self.parked_checks):  # a retry
+                    self.report.retrying += 1
+                self.notify(handoff_id)  # _dispatch reads its next_attempt_at
+            if where.terminal:
+                for waiter in list(self.waiting):  # a dependency may have been met
+                    self.waiting.pop(waiter, None)
+                    self.notify(waiter)
+        if self.on_filed:
+            self.on_filed(handoff_id, where)
+
+    # ------------------------------------------------------------ housekeeping
+    def renew_leases(self) -> None:
+        """Extend the lease of every job this process is running."""
+        for job in list(self.active.values()):
+            try:
+                if not self.engine.store.renew(job.claim, lease_seconds=self.settings.lease_seconds,
+                                               now=self.engine.clock()):
+                    log.warning("handoff %s: claim was recovered by another process; its "
+                                "result will be discarded", job.handoff_id)
+            except OSError as exc:
+                log.error("handoff %s: cannot renew lease: %s", job.handoff_id, exc)
+
+    def sweep(self) -> SweepReport:
+        """Recover abandoned claims (skipping our own) and queue what came back."""
+        try:
+            report = sweep(self.engine, skip=set(self.active))
+        except OSError as exc:
+            log.error("sweep failed: %s; will try again", exc)
+            return SweepReport()
+        except Exception:  # a repair bug must not stop the daemon; the next sweep tries again
+            log.exception("sweep failed; will try again")
+            return SweepReport()
+        if report.recovered:
+            log.warning("recovered %d abandoned handoff(s): %s", len(report.recovered),
+                        ", ".join(report.recovered[:10]))
+            for handoff_id in report.recovered:
+                self.notify(handoff_id)
+        return report
+
+    # ------------------------------------------------------------ running
+    def serve(self, *, install_signals: bool = True, ready: Callable[[], None] | None = None) -> int:
+        """Run until SIGTERM/SIGINT (or :meth:`stop`); returns the exit code: 0, or 1 when the
+        main loop died of an unexpected error (logged with its traceback; in-flight work is
+        handed back) so that a supervisor restarts the daemon."""
+        self.engine.ws.ensure()
+        if install_signals:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        self.report.sweep = self.sweep()
+        if self.watch:
+            self.watcher = PendingWatcher(self.engine.ws.state_dir(State.PENDING), self.notify,
+                                          self.request_rescan)
+            self.watcher.start()
+        self._start_folder_watchers()
+        if ready:
+            ready()
+        self._guarded_loop(batch=False)
+        return 1 if self.report.error else 0
+
+    def run_batch(self) -> BatchReport:
+        """One batch for cron: sweep, process everything due now, wait for it, return counts
+        (``report.error`` is set when the main loop died)."""
+        self.engine.ws.ensure()
+        self.report.sweep = self.sweep()
+        self._start_folder_watchers()
+        self._guarded_loop(batch=True)
+        return self.report
+
+    def _guarded_loop(self, *, batch: bool) -> None:
+        try:
+            self._loop(batch=batch)
+        except Exception as exc:  # a scheduler bug: log it, hand work back, exit non-zero
+            self.report.error = f"{type(exc).__name__}: {exc}"
+            log.critical("main loop died: %s; handing back in-flight work and exiting",
+                         self.report.error, exc_info=True)
+            self.stop(hard=True)
+        finally:
+            self._shutdown()
+
+    def _loop(self, *, batch: bool) -> None:
+        next_rescan = next_sweep = next_renew = time.monotonic()
+        renew_every = max(self.settings.lease_seconds / 3, 0.5)
+        while True:
+            now = time.monotonic()
+            if not batch and now >= next_sweep and not self.stopping:
+                self.sweep()
+                next_sweep = now + self.settings.sweep_seconds
+            if now >= next_renew:
+                self.renew_leases()
+                next_renew = now + renew_every
+            if self.watcher and not self.watcher.healthy() and not self.stopping:
+                log.warning("file watcher died; restarting it and rescanning")
+                try:
+                    self.watcher.start()
+                except OSError as exc:  # e.g. no inotify watches left: rescans still see files
+                    log.error("cannot restart the file watcher: %s; relying on rescans", exc)
+                self.rescan_requested = True
+            if not self.stopping:
+                self._check_progress(now)
+            if (self.rescan_requested or (not batch and now >= next_rescan)) and not self.stopping:
+                self.rescan_requested = False
+                self.scan()
+                next_rescan = now + self.settings.rescan_seconds
+            with self.cv:
+                if self.stopping:
+                    return
+                self._release_parked()
+                ready = self._next_ready(time.monotonic()) if self.running < self.workers else None
+                if ready is not None:
+                    self._dispatch_safely(*ready)
+                    continue
+                if batch and self.running == 0 and not self._due_soon():
+                    if self.scan(recheck_waiting=False) == 0 or not self._due_soon():
+                        return
+                    continue
+                timers = [next_renew, next_rescan if not batch else next_renew]
+                if not batch:
+                    timers.append(next_sweep)
+                    if self.running < self.workers:
+                        timers.append(max(self.next_progress_check,
+                                          self.last_dispatch + self.stall_seconds))
+                if self.heap and self.running < self.workers:
+                    timers.append(self.heap[0][0])
+                self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
+
+    def _due_soon(self) -> bool:
+        """Batch mode: something queued that is due now (or within a settle window)."""
+        limit = time.monotonic() + self.settings.settle_seconds + 0.05
+        return bool(self.ready) or any(due <= limit for due in self.queued.values())
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop(hard=self.stopping)
+
+    def stop(self, *, hard: bool = False) -> None:
+        """First call: stop claiming, let work finish for ``grace_seconds``. Second (or
+        ``hard``): hand running work back to pending/ now."""
+        with self.cv:
+            self.hard_stop = self.hard_stop or hard
+            self.stopping = True
+            self.cv.notify_all()
+        if hard:
+            self._hand_back_all()
+
+    def _hand_back_all(self) -> None:
+        for job in list(self.active.values()):
+            job.context.extra["handback"] = True
+            cancel(job.context, "daemon stopping")
+
+    def _shutdown(self) -> None:
+        if self.watcher:
+            self.watcher.stop()
+        self._stop_folder_watchers()
+        deadline = time.monotonic() + self.settings.grace_seconds
+        with self.cv:
+            while self.running and time.monotonic() < deadline and not self.hard_stop:
+                self.cv.wait(max(deadline - time.monotonic(), 0.0))
+        if self.running:
+            self._hand_back_all()
+        self.pool.shutdown(wait=True)
+        if self._count in self.engine.on_filed:
+            self.engine.on_filed.remove(self._count)
