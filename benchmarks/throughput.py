@@ -46,11 +46,11 @@ def submit(engine: Engine, count: int, prefix: str) -> None:
     for i in range(count):
         doc = new_native_request(source="@bench", target="@noop", data={"i": i}, now=engine.clock(),
                                  handoff_id=f"{prefix}-{i:06d}")
-        engine.store.create(doc, doc["handoff_id"])
+        engine.backend.store.create(doc, doc["handoff_id"])
 
 
 def completed(engine: Engine) -> int:
-    return len(engine.store.ids(State.COMPLETED))
+    return len(engine.backend.store.ids(State.COMPLETED))
 
 
 def run_daemon(engine: Engine, count: int, producer: threading.Thread | None = None) -> float:

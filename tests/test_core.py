@@ -55,7 +55,7 @@ def submit(engine: Engine, data: Any = None, retry_policy: dict | None = None, *
     doc = new_native_request(source="@test", target="@py", data=data, now=engine.clock(), **kw)
     if retry_policy is not None:
         doc["retry_policy"] = retry_policy
-    return engine.store.create(doc, doc["handoff_id"], now=engine.clock())
+    return engine.backend.store.create(doc, doc["handoff_id"], now=engine.clock())
 
 
 def run_job(engine: Engine, job: Job) -> State:
@@ -103,7 +103,7 @@ def test_create_refuses_taken_id_and_never_overwrites(tmp_path: Path) -> None:
     hid = submit(engine, {"n": 1}, handoff_id="same")
     with pytest.raises(DuplicateHandoff, match="already exists in pending"):
         submit(engine, {"n": 2}, handoff_id="same")
-    assert engine.store.read(State.PENDING, hid)["input"]["data"] == {"n": 1}
+    assert engine.backend.store.read(State.PENDING, hid)["input"]["data"] == {"n": 1}
 
 
 def test_exactly_one_claimer_wins(tmp_path: Path) -> None:
@@ -114,7 +114,7 @@ def test_exactly_one_claimer_wins(tmp_path: Path) -> None:
 
     def grab() -> None:
         for hid in ids:
-            claim = engine.store.claim(hid, lease_seconds=30)
+            claim = engine.backend.store.claim(hid, lease_seconds=30)
             if claim is not None:
                 with lock:
                     wins.append(hid)
@@ -132,7 +132,7 @@ def test_completed_document_and_history(tmp_path: Path) -> None:
                                                  "next_steps": ["ship it"]})
     hid = submit(engine, [1, 2, 3])
     assert process(engine, hid) is State.COMPLETED
-    doc = engine.store.read(State.COMPLETED, hid)
+    doc = engine.backend.store.read(State.COMPLETED, hid)
     assert doc["status"] == "completed" and doc["output"] == {"sum": 6}
     assert doc["started_at"] and doc["completed_at"] and doc["execution_time_seconds"] >= 0
     assert [e["event"] for e in book(doc)["history"]] == ["created", "claimed", "completed"]
@@ -152,14 +152,14 @@ def test_retry_delays_follow_seed_table(tmp_path: Path) -> None:
     delays = []
     for expected in (30, 60, 120):
         assert process(engine, hid) is State.PENDING
-        doc = engine.store.read(State.PENDING, hid)
+        doc = engine.backend.store.read(State.PENDING, hid)
         due = parse_iso(book(doc)["next_attempt_at"])
         delays.append((due - clock.now).total_seconds())
         assert engine.peek(hid).due_at == due  # the scheduler will not run it early
         clock.advance(expected)
     assert delays == [30, 60, 120]
     assert process(engine, hid) is State.FAILED
-    doc = engine.store.read(State.FAILED, hid)
+    doc = engine.backend.store.read(State.FAILED, hid)
     assert doc["retry_count"] == 3 and doc["max_retries"] == 3 and doc["retry_available"] is True
     assert doc["error"]["code"] == "PROCESSING_ERROR" and doc["recovery_actions"]
     assert book(doc)["attempt"] == 4
@@ -180,12 +180,12 @@ def test_permanent_errors_are_not_retried(tmp_path: Path) -> None:
         "code": "PROCESSING_ERROR", "message": "auth refused", "retryable": False}})
     hid = submit(engine)
     assert process(engine, hid) is State.FAILED
-    doc = engine.store.read(State.FAILED, hid)
+    doc = engine.backend.store.read(State.FAILED, hid)
     assert doc["retry_available"] is False and doc["retry_count"] == 0
     with pytest.raises(Exception, match="--force"):
         requeue_failed(engine, hid)
     requeue_failed(engine, hid, force=True)
-    doc = engine.store.read(State.PENDING, hid)
+    doc = engine.backend.store.read(State.PENDING, hid)
     assert doc["status"] == "pending" and "error" not in doc
     assert [e["event"] for e in book(doc)["history"]][-1] == "retried"
 
@@ -204,9 +204,9 @@ def test_python_handler_timeout_and_exception(tmp_path: Path) -> None:
     boom = submit(engine, "boom", retry_policy={"max_retries": 0})
     assert process(engine, hang) is State.FAILED
     gate.set()
-    assert engine.store.read(State.FAILED, hang)["error"]["code"] == "TIMEOUT"
+    assert engine.backend.store.read(State.FAILED, hang)["error"]["code"] == "TIMEOUT"
     assert process(engine, boom) is State.FAILED
-    assert "ValueError: bad thing" in engine.store.read(State.FAILED, boom)["error"]["message"]
+    assert "ValueError: bad thing" in engine.backend.store.read(State.FAILED, boom)["error"]["message"]
 
 
 def test_input_schema_errors_carry_field_paths(tmp_path: Path) -> None:
@@ -220,7 +220,7 @@ def test_input_schema_errors_carry_field_paths(tmp_path: Path) -> None:
                 "type": "object", "required": ["type"]}}}}}}}))
     hid = submit(engine, {"component_requirements": [{"props": {"userId": {"required": True}}}]})
     assert process(engine, hid) is State.FAILED
-    doc = engine.store.read(State.FAILED, hid)
+    doc = engine.backend.store.read(State.FAILED, hid)
     assert calls == []  # invalid input never reaches the handler
     assert doc["error"]["code"] == "SCHEMA_VALIDATION_FAILED" and doc["retry_available"] is False
     (entry,) = doc["validation"]["errors"]
@@ -232,13 +232,13 @@ def test_input_schema_errors_carry_field_paths(tmp_path: Path) -> None:
 def test_recover_claim_whose_owner_is_gone(tmp_path: Path) -> None:
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
     hid = submit(engine)
-    claim = engine.store.claim(hid, lease_seconds=30)
+    claim = engine.backend.store.claim(hid, lease_seconds=30)
     assert claim is not None
     assert sweep(engine).recovered == []  # lock held: the owner is alive
     claim.lock.release(force=True)  # what the kernel does when the owner dies
     report = sweep(engine)
     assert report.recovered == [hid]
-    doc = engine.store.read(State.PENDING, hid)
+    doc = engine.backend.store.read(State.PENDING, hid)
     assert [e["event"] for e in book(doc)["history"]][-2:] == ["recovered", "retry_scheduled"]
 
 
@@ -246,14 +246,14 @@ def test_recover_claim_whose_lease_expired(tmp_path: Path) -> None:
     clock = FakeClock()
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed"}, clock)
     hid = submit(engine)
-    claim = engine.store.claim(hid, lease_seconds=30, now=clock.now)
+    claim = engine.backend.store.claim(hid, lease_seconds=30, now=clock.now)
     assert claim is not None and sweep(engine).recovered == []
     clock.advance(31)  # owner alive but stalled: lease not renewed
     assert sweep(engine).recovered == [hid]
-    assert engine.store.locate(hid) == [State.PENDING]
+    assert engine.backend.store.locate(hid) == [State.PENDING]
     # the stalled owner wakes up: its result is discarded, not filed twice
-    assert engine.store.finish(claim, State.COMPLETED, claim.doc) is False
-    assert engine.store.locate(hid) == [State.PENDING]
+    assert engine.backend.store.finish(claim, State.COMPLETED, claim.doc) is False
+    assert engine.backend.store.locate(hid) == [State.PENDING]
 
 
 def test_interrupted_finish_keeps_the_finished_copy(tmp_path: Path) -> None:
@@ -264,9 +264,9 @@ def test_interrupted_finish_keeps_the_finished_copy(tmp_path: Path) -> None:
     stale = json.dumps(job.claim.doc)
     run_job(engine, job)
     # simulate a crash between writing completed/ and removing in-progress/
-    engine.store.path(State.IN_PROGRESS, hid).write_text(stale)
+    engine.backend.store.path(State.IN_PROGRESS, hid).write_text(stale)
     sweep(engine)
-    assert engine.store.locate(hid) == [State.COMPLETED]
+    assert engine.backend.store.locate(hid) == [State.COMPLETED]
 
 
 def test_interrupted_manual_retry_keeps_the_pending_copy(tmp_path: Path) -> None:
@@ -274,11 +274,11 @@ def test_interrupted_manual_retry_keeps_the_pending_copy(tmp_path: Path) -> None
                          retry={"max_retries": 0})
     hid = submit(engine)
     assert process(engine, hid) is State.FAILED
-    failed_copy = engine.store.path(State.FAILED, hid).read_text()
+    failed_copy = engine.backend.store.path(State.FAILED, hid).read_text()
     requeue_failed(engine, hid)
-    engine.store.path(State.FAILED, hid).write_text(failed_copy)  # crash before the unlink
+    engine.backend.store.path(State.FAILED, hid).write_text(failed_copy)  # crash before the unlink
     sweep(engine)
-    assert engine.store.locate(hid) == [State.PENDING]
+    assert engine.backend.store.locate(hid) == [State.PENDING]
 
 
 def test_orphan_temp_files_and_locks_are_removed(tmp_path: Path) -> None:
@@ -297,12 +297,12 @@ def test_seen_ids_survive_restart_and_expire(tmp_path: Path) -> None:
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed"}, clock)
     hid = submit(engine, handoff_id="once")
     assert process(engine, hid) is State.COMPLETED
-    engine.store.path(State.COMPLETED, hid).unlink()  # archived away
+    engine.backend.store.path(State.COMPLETED, hid).unlink()  # archived away
     again = make_engine(tmp_path, lambda h, c: {"status": "completed"}, clock)  # a restart
     with pytest.raises(DuplicateHandoff, match="used within"):
         submit(again, handoff_id="once")
     clock.advance(3601)
-    again.store.seen.compact(clock.now)
+    again.backend.store.seen.compact(clock.now)
     assert submit(again, handoff_id="once") == "once"
 
 

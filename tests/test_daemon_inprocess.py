@@ -43,7 +43,7 @@ def engine_with(tmp_path: Path, handler: Any, **settings: Any) -> Engine:
 def submit(engine: Engine, data: Any = None, **extra: Any) -> str:
     doc = new_native_request(source="@test", target="@t", data=data, now=engine.clock())
     doc.update(extra)
-    return engine.store.create(doc, doc["handoff_id"])
+    return engine.backend.store.create(doc, doc["handoff_id"])
 
 
 class Serving:
@@ -126,7 +126,7 @@ def test_concurrency_limit_is_respected(tmp_path: Path) -> None:
     ids = [submit(engine) for _ in range(8)]
     report = Daemon(engine).run_batch()
     assert report.completed == 8 and peak[0] == 2
-    assert all(engine.store.locate(i) == [State.COMPLETED] for i in ids)
+    assert all(engine.backend.store.locate(i) == [State.COMPLETED] for i in ids)
 
 
 def test_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None:
@@ -137,7 +137,7 @@ def test_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None:
     with Serving(engine):
         def expiry() -> str | None:  # the claim rename comes before the lease is written
             try:
-                lease = book(engine.store.read(State.IN_PROGRESS, hid)).get("lease")
+                lease = book(engine.backend.store.read(State.IN_PROGRESS, hid)).get("lease")
             except FileNotFoundError:
                 return None
             return lease.get("expires_at") if isinstance(lease, dict) else None
@@ -149,7 +149,7 @@ def test_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None:
         assert first is not None and later is not None
         assert parse_iso(later) > parse_iso(first)
         gate.set()
-        wait_for(lambda: engine.store.locate(hid) == [State.COMPLETED])
+        wait_for(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
 
 
 def test_scheduled_retry_survives_a_restart(tmp_path: Path) -> None:
@@ -168,8 +168,8 @@ def test_scheduled_retry_survives_a_restart(tmp_path: Path) -> None:
     engine.clock = lambda: now[0]
     hid = submit(engine, retry_policy={"max_retries": 1, "retry_delay_seconds": 30})
     first = Daemon(engine).run_batch()  # attempt 1 fails; the retry is due in 30 s
-    assert first.retrying == 1 and engine.store.locate(hid) == [State.PENDING]
-    assert parse_iso(book(engine.store.read(State.PENDING, hid))["next_attempt_at"]) == now[0] + timedelta(seconds=30)
+    assert first.retrying == 1 and engine.backend.store.locate(hid) == [State.PENDING]
+    assert parse_iso(book(engine.backend.store.read(State.PENDING, hid))["next_attempt_at"]) == now[0] + timedelta(seconds=30)
     assert Daemon(build_engine(engine.ws, engine.config, engine.registry, clock=lambda: now[0])).run_batch().completed == 0
     now[0] += timedelta(seconds=31)
     restarted = build_engine(engine.ws, engine.config, engine.registry, clock=lambda: now[0])  # a new process
@@ -192,8 +192,8 @@ def test_grace_period_running_out_hands_work_back(tmp_path: Path) -> None:
     serving = Serving(engine)
     with serving:
         assert started.wait(10)
-    assert engine.store.locate(hid) == [State.PENDING]
-    doc = engine.store.read(State.PENDING, hid)
+    assert engine.backend.store.locate(hid) == [State.PENDING]
+    doc = engine.backend.store.read(State.PENDING, hid)
     assert book(doc)["history"][-1]["event"] == "handed_back" and book(doc)["attempt"] == 0
     assert serving.daemon.report.handed_back == 1
 
@@ -206,10 +206,10 @@ def test_dead_observer_is_restarted_and_overflow_triggers_rescan(tmp_path: Path)
         old.stop()
         old.join(5)
         hid = submit(engine)
-        wait_for(lambda: engine.store.locate(hid) == [State.COMPLETED])
+        wait_for(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
         wait_for(lambda: daemon.watcher.observer is not old and daemon.watcher.healthy())
         second = submit(engine)
-        wait_for(lambda: engine.store.locate(second) == [State.COMPLETED])
+        wait_for(lambda: engine.backend.store.locate(second) == [State.COMPLETED])
 
 
 def test_overflow_log_line_requests_a_rescan(tmp_path: Path) -> None:
@@ -241,8 +241,8 @@ def test_disk_full_while_filing_is_retried_not_lost(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(fsio, "create_exclusive", flaky_create)
     hid = submit(engine, retry_policy={"max_retries": 3, "retry_delay_seconds": 0.1})
     with Serving(engine):
-        wait_for(lambda: engine.store.locate(hid) == [State.COMPLETED], timeout=20)
-    doc = engine.store.read(State.COMPLETED, hid)
+        wait_for(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], timeout=20)
+    doc = engine.backend.store.read(State.COMPLETED, hid)
     assert failures[0] == 1 and "recovered" in [e["event"] for e in book(doc)["history"]]
 
 
@@ -250,7 +250,7 @@ def test_fast_durability_skips_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyP
     calls = [0]
     real = os.fsync
     fast = engine_with(tmp_path / "a", lambda h, c: {"status": "completed"}, durability="fast")
-    assert fast.store.key  # the workspace's seal key is made (and synced) once, not per handoff
+    assert fast.backend.store.key  # the workspace's seal key is made (and synced) once, not per handoff
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.__setitem__(0, calls[0] + 1), real(fd))[1])
     submit(fast)
     assert Daemon(fast).run_batch().completed == 1 and calls[0] == 0

@@ -32,7 +32,7 @@ def fast_engine(tmp_path: Path, handler: Any, *, workers: int, concurrency: int,
 
 
 def completed(engine: Engine) -> int:
-    return len(engine.store.ids(State.COMPLETED))
+    return len(engine.backend.store.ids(State.COMPLETED))
 
 
 def wait_all_done(engine: Engine, count: int, timeout: float = 60) -> None:
@@ -43,7 +43,7 @@ def wait_all_done(engine: Engine, count: int, timeout: float = 60) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"only {completed(engine)}/{count} completed; "
-                         f"{len(engine.store.ids(State.PENDING))} left pending")
+                         f"{len(engine.backend.store.ids(State.PENDING))} left pending")
 
 
 # ---------------------------------------------------------------- 1. parking never loses work
@@ -83,17 +83,17 @@ def test_duplicate_notifications_and_handoffs_removed_while_parked(tmp_path: Pat
         # someone else takes ten parked handoffs away: five removed, five filed elsewhere
         parked = list(daemon.parked_ids)
         for hid in parked[:5]:
-            engine.store.path(State.PENDING, hid).unlink()
+            engine.backend.store.path(State.PENDING, hid).unlink()
         for hid in parked[5:10]:
-            os.rename(engine.store.path(State.PENDING, hid), engine.store.path(State.FAILED, hid))
+            os.rename(engine.backend.store.path(State.PENDING, hid), engine.backend.store.path(State.FAILED, hid))
         gate.set()
         wait_all_done(engine, 30)
         wait_for(lambda: daemon.running == 0 and not daemon.parked_ids and not daemon.released)
-        assert completed(engine) == 30 and not engine.store.ids(State.PENDING)
+        assert completed(engine) == 30 and not engine.backend.store.ids(State.PENDING)
         # the agent still gets its full concurrency afterwards
         more = [submit(engine) for _ in range(10)]
         wait_all_done(engine, 40)
-        assert all(engine.store.locate(h) == [State.COMPLETED] for h in more)
+        assert all(engine.backend.store.locate(h) == [State.COMPLETED] for h in more)
 
 
 def test_release_of_a_gone_id_frees_its_slot(tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_release_of_a_gone_id_frees_its_slot(tmp_path: Path) -> None:
             assert daemon.released == {a: "@t"} and daemon.releasing["@t"] == 1
             daemon._release_parked()  # the release in flight counts against the free slot
             assert list(daemon.parked["@t"]) == [b]
-        engine.store.path(State.PENDING, a).unlink()  # filed by someone else meanwhile
+        engine.backend.store.path(State.PENDING, a).unlink()  # filed by someone else meanwhile
         with daemon.cv:
             assert daemon._next_ready(time.monotonic() + 1) is None
             assert not daemon.released and not daemon.releasing
@@ -145,7 +145,7 @@ def test_watchdog_recovers_from_corrupted_bookkeeping(tmp_path: Path, caplog: py
     caplog.set_level(logging.ERROR, logger="handoffd")
     with serving as daemon:
         first = submit(engine)
-        wait_for(lambda: engine.store.locate(first) == [State.COMPLETED])
+        wait_for(lambda: engine.backend.store.locate(first) == [State.COMPLETED])
         with daemon.cv:  # corrupt it on purpose: phantom busy slots, a release that never comes
             daemon.busy["@t"] = 99
             daemon.running = daemon.workers - 1
@@ -153,7 +153,7 @@ def test_watchdog_recovers_from_corrupted_bookkeeping(tmp_path: Path, caplog: py
             daemon.releasing["@t"] += 5
         ids = [submit(engine) for _ in range(10)]
         wait_all_done(engine, 11, timeout=30)
-        assert all(engine.store.locate(h) == [State.COMPLETED] for h in ids)
+        assert all(engine.backend.store.locate(h) == [State.COMPLETED] for h in ids)
         assert daemon.report.stalls >= 1
     assert any("scheduler stalled" in r.getMessage() and r.levelno == logging.ERROR
                for r in caplog.records)
@@ -164,10 +164,10 @@ def test_watchdog_stays_quiet_when_nothing_is_due(tmp_path: Path, caplog: pytest
     daemon = Daemon(engine, watch=False, stall_seconds=0.0)
     try:
         hid = submit(engine, retry_policy={"max_retries": 1})
-        doc = engine.store.read(State.PENDING, hid)
+        doc = engine.backend.store.read(State.PENDING, hid)
         assert daemon._due_with_free_slot() == hid  # due, slot free
         doc["target"] = {"agent_id": "@nobody"}
-        engine.store.path(State.PENDING, hid).write_bytes(fsio.dump_json(doc))
+        engine.backend.store.path(State.PENDING, hid).write_bytes(fsio.dump_json(doc))
         assert daemon._due_with_free_slot() is None  # no specialist: not the scheduler's fault
     finally:
         daemon.pool.shutdown()
@@ -208,7 +208,7 @@ def test_serve_returns_non_zero_when_the_loop_dies(tmp_path: Path, monkeypatch: 
             daemon.stop(hard=True)
             thread.join(timeout=30)
     assert result == [1]
-    assert engine.store.locate(hid) == [State.PENDING]  # handed back at once, not after the grace
+    assert engine.backend.store.locate(hid) == [State.PENDING]  # handed back at once, not after the grace
     assert daemon.report.handed_back == 1 and "injected scheduler bug" in (daemon.report.error or "")
     died = [r for r in caplog.records if "main loop died" in r.getMessage()]
     assert died and died[0].exc_info is not None  # with its traceback
@@ -330,9 +330,9 @@ def test_unreadable_file_in_pending_in_process(tmp_path: Path, monkeypatch: pyte
     caplog.set_level(logging.WARNING, logger="handoffd")
     report = Daemon(engine, watch=False).run_batch()
     assert report.completed == 3 and report.error is None
-    assert all(engine.store.locate(g) == [State.COMPLETED] for g in good)
-    assert engine.store.locate(locked) == [State.FAILED]
-    assert [q["code"] for q in engine.store.quarantined()] == ["UNREADABLE_FILE"]
+    assert all(engine.backend.store.locate(g) == [State.COMPLETED] for g in good)
+    assert engine.backend.store.locate(locked) == [State.FAILED]
+    assert [q["code"] for q in engine.backend.store.quarantined()] == ["UNREADABLE_FILE"]
     assert len([r for r in caplog.records if locked in r.getMessage()]) == 1  # one clear line
 
 
@@ -350,8 +350,8 @@ def test_unreadable_after_claim_is_set_aside_not_retried(tmp_path: Path, monkeyp
     monkeypatch.setattr(fsio, "read_bytes_safely", read)
     report = Daemon(engine, watch=False).run_batch()
     assert report.error is None
-    assert not engine.store.ids(State.IN_PROGRESS)
-    assert [q["code"] for q in engine.store.quarantined()] == ["UNREADABLE_FILE"]
+    assert not engine.backend.store.ids(State.IN_PROGRESS)
+    assert [q["code"] for q in engine.backend.store.quarantined()] == ["UNREADABLE_FILE"]
 
 
 def test_reader_crash_and_scheduler_error_are_isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -385,9 +385,9 @@ def test_reader_crash_and_scheduler_error_are_isolated(tmp_path: Path, monkeypat
     rows = {r["id"]: r for r in queries.list_handoffs(engine)}
     assert rows[crashing]["note"].startswith("UNPROCESSABLE_DOCUMENT")
     with Serving(engine) as daemon:
-        wait_for(lambda: all(engine.store.locate(g) == [State.COMPLETED] for g in good))
-        wait_for(lambda: [q["code"] for q in engine.store.quarantined()] == ["UNPROCESSABLE_DOCUMENT"])
-        assert engine.store.locate(gated) == [State.PENDING]
+        wait_for(lambda: all(engine.backend.store.locate(g) == [State.COMPLETED] for g in good))
+        wait_for(lambda: [q["code"] for q in engine.backend.store.quarantined()] == ["UNPROCESSABLE_DOCUMENT"])
+        assert engine.backend.store.locate(gated) == [State.PENDING]
         engine.gates.remove(bad_gate)  # the bug is fixed: the delayed one runs
-        wait_for(lambda: engine.store.locate(gated) == [State.COMPLETED])
+        wait_for(lambda: engine.backend.store.locate(gated) == [State.COMPLETED])
         assert daemon.report.error is None

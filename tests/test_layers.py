@@ -29,10 +29,6 @@ FILE_SYSTEM = "handoffd.backends.files"
 # Edges the layers forbid that are still there, each as (importer, imported) with a comment
 # saying why. Keep it empty.
 ALLOWED: set[tuple[str, str]] = {
-    # the engine still builds the file store itself and detects formats by name: going, as the
-    # engine moves onto the Backend interface and takes its formats from build_engine
-    ("handoffd.core.engine", "handoffd.backends.files.store"),
-    ("handoffd.core.engine", "handoffd.dialects"),
     # seed 000's large artifacts are written by the dialect: going, to an injected artifact sink
     ("handoffd.dialects._shared", "handoffd.backends.files.fsio"),
 }
@@ -177,10 +173,10 @@ def _plain_run(root: Path, features: tuple) -> dict:
     engine = build_engine(ws, config, registry, features=features)
     doc = new_native_request(source="@test", target="@echo", data={"n": 1}, now=engine.clock(),
                              handoff_id="plain-1")
-    engine.store.create(doc, "plain-1", now=engine.clock())
+    engine.backend.store.create(doc, "plain-1", now=engine.clock())
     report = Daemon(engine, workers=1, watch=False).run_batch()
     assert report.completed == 1, report.line()
-    state, answer = engine.store.get("plain-1")
+    state, answer = engine.backend.store.get("plain-1")
     assert state is State.COMPLETED
     return answer
 
@@ -235,12 +231,12 @@ def test_a_feature_can_plug_into_the_daemon(tmp_path: Path) -> None:
     for handoff_id, data in (("ping-1", {"ping": True}), ("plain-2", {"n": 2})):
         doc = new_native_request(source="@test", target="@echo", data=data, now=engine.clock(),
                                  handoff_id=handoff_id)
-        engine.store.create(doc, handoff_id, now=engine.clock())
+        engine.backend.store.create(doc, handoff_id, now=engine.clock())
     report = Daemon(engine, workers=1, watch=False).run_batch()
     assert (report.completed, report.failed) == (1, 1), report.line()
     assert scans
     assert sorted(filed) == [("ping-1", State.FAILED), ("plain-2", State.COMPLETED)]
-    assert engine.store.get("ping-1")[1]["error"]["code"] == "CANCELLED"
+    assert engine.backend.store.get("ping-1")[1]["error"]["code"] == "CANCELLED"
 
 
 def test_without_the_context_feature_ctx_context_says_so(tmp_path: Path) -> None:
@@ -254,9 +250,9 @@ def test_without_the_context_feature_ctx_context_says_so(tmp_path: Path) -> None
     engine = build_engine(ws, config, registry, features=())
     doc = new_native_request(source="@test", target="@ctx", data={}, now=engine.clock(),
                              handoff_id="ctx-1")
-    engine.store.create(doc, "ctx-1", now=engine.clock())
+    engine.backend.store.create(doc, "ctx-1", now=engine.clock())
     Daemon(engine, workers=1, watch=False).run_batch()
-    state, answer = engine.store.get("ctx-1")
+    state, answer = engine.backend.store.get("ctx-1")
     assert state is State.FAILED
     assert "context" in answer["error"]["message"]
 

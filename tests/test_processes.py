@@ -283,7 +283,7 @@ def test_in_process_daemon_fds_threads_and_processes_stay_flat(pws: Any) -> None
         for _ in range(count):
             doc = new_native_request(source="@test", target="@procs", data={"mode": "bg"},
                                      now=engine.clock())
-            ids.append(engine.store.create(doc, doc["handoff_id"]))
+            ids.append(engine.backend.store.create(doc, doc["handoff_id"]))
         for handoff_id in ids:
             assert ws.wait_state(handoff_id, timeout=30) == "completed"
         return ids
@@ -305,4 +305,4 @@ def test_in_process_daemon_fds_threads_and_processes_stay_flat(pws: Any) -> None
         daemon.stop()
         server.join(timeout=30)
     assert not server.is_alive()
-    assert engine.store.ids(State.IN_PROGRESS) == []
+    assert engine.backend.store.ids(State.IN_PROGRESS) == []

@@ -25,7 +25,8 @@ from handoffd.core.documents import book, new_native_request
 from handoffd.core.errors import InvalidDocument
 from handoffd.core.states import State
 from handoffd.core.workspace import network_filesystem
-from handoffd.service.sweeper import CLOCK_TOLERANCE_SECONDS, sweep
+from handoffd.backends.files.backend import CLOCK_TOLERANCE_SECONDS
+from handoffd.service.sweeper import sweep
 
 
 def ok(handoff: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -61,15 +62,15 @@ def test_forged_revision_beside_a_failed_result_is_a_duplicate(tmp_path: Path) -
     hid = submit(engine)
     job = engine.take(hid)
     assert job is not None and run_job(engine, job) is State.FAILED
-    failed = engine.store.path(State.FAILED, hid).read_bytes()
+    failed = engine.backend.store.path(State.FAILED, hid).read_bytes()
     forged = json.loads(failed)
     forged["handoffd"]["revision"] = 99  # the seal no longer matches: untrusted
     forged["status"] = "pending"
-    (engine.store.path(State.PENDING, hid)).write_text(json.dumps(forged))
-    assert engine.store.get(hid)[0] is State.FAILED
+    (engine.backend.store.path(State.PENDING, hid)).write_text(json.dumps(forged))
+    assert engine.backend.store.get(hid)[0] is State.FAILED
     assert engine.take(hid) is None
-    assert engine.store.locate(hid) == [State.FAILED]
-    assert engine.store.path(State.FAILED, hid).read_bytes() == failed
+    assert engine.backend.store.locate(hid) == [State.FAILED]
+    assert engine.backend.store.path(State.FAILED, hid).read_bytes() == failed
 
 
 def test_raw_documents_lose_their_foreign_bookkeeping(tmp_path: Path) -> None:
@@ -78,11 +79,11 @@ def test_raw_documents_lose_their_foreign_bookkeeping(tmp_path: Path) -> None:
                              handoff_id="poisoned")
     doc["handoffd"] = {"attempt": "abc", "history": "x", "revision": "7", "retries": 1e30,
                        "lease": {"token": 5}, "next_attempt_at": "never"}
-    (engine.store.path(State.PENDING, "poisoned")).write_text(json.dumps(doc))
+    (engine.backend.store.path(State.PENDING, "poisoned")).write_text(json.dumps(doc))
     job = engine.take("poisoned")
     assert job is not None and job.claim.attempt == 1
     assert run_job(engine, job) is State.COMPLETED
-    filed = engine.store.read(State.COMPLETED, "poisoned")
+    filed = engine.backend.store.read(State.COMPLETED, "poisoned")
     assert [e["event"] for e in book(filed)["history"]] == ["claimed", "completed"]
 
 
@@ -165,9 +166,9 @@ def test_retry_delay_never_overflows(tmp_path: Path) -> None:
 def test_one_poisoned_claim_never_wedges_recovery(tmp_path: Path) -> None:
     clock = FakeClock()
     engine = make_engine(tmp_path, ok, clock)
-    engine.settings.claim_grace_seconds = 0.0
+    engine.backend.claim_grace_seconds = 0.0
     abandoned = [submit(engine) for _ in range(4)]
-    claims = [engine.store.claim(h, lease_seconds=30, now=clock.now) for h in abandoned]
+    claims = [engine.backend.store.claim(h, lease_seconds=30, now=clock.now) for h in abandoned]
     for claim in claims:  # their owner died: the kernel freed the locks
         assert claim is not None
         claim.lock.release(force=True)
@@ -176,13 +177,13 @@ def test_one_poisoned_claim_never_wedges_recovery(tmp_path: Path) -> None:
         doc = new_native_request(source="@t", target="@py", data=None, now=clock.now,
                                  handoff_id=name, timeout_seconds=10)
         doc["handoffd"] = block
-        engine.store.path(State.IN_PROGRESS, name).write_text(json.dumps(doc))
+        engine.backend.store.path(State.IN_PROGRESS, name).write_text(json.dumps(doc))
     report = sweep(engine)
     assert sorted(report.recovered) == sorted(abandoned + ["p-attempt", "p-history", "p-lease"])
     for hid in abandoned:
-        assert engine.store.locate(hid) == [State.PENDING]
+        assert engine.backend.store.locate(hid) == [State.PENDING]
     for name in ("p-attempt", "p-history", "p-lease"):  # back as they came, raw, to be admitted
-        assert engine.store.locate(name) == [State.PENDING]
+        assert engine.backend.store.locate(name) == [State.PENDING]
         job = engine.take(name)
         assert job is not None and run_job(engine, job) is State.COMPLETED
 
@@ -192,15 +193,15 @@ def test_a_failing_repair_step_is_logged_and_the_sweep_goes_on(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine(tmp_path, ok)
     hid = submit(engine)
-    claim = engine.store.claim(hid, lease_seconds=30, now=engine.clock())
+    claim = engine.backend.store.claim(hid, lease_seconds=30, now=engine.clock())
     assert claim is not None
     claim.lock.release(force=True)
-    from handoffd.service import sweeper
+    from handoffd.backends.files import repair
 
     def broken(*args: Any) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(sweeper, "resolve_duplicates", broken)
+    monkeypatch.setattr(repair, "resolve_duplicates", broken)
     report = sweep(engine)
     assert report.recovered == [hid]
     assert "resolving duplicate copies failed" in caplog.text
@@ -225,28 +226,28 @@ def test_a_stalled_owner_on_this_host_is_recovered_after_a_watched_lease(tmp_pat
     clock = FakeClock()
     engine = make_engine(tmp_path, ok, clock)
     hid = submit(engine)
-    claim = engine.store.claim(hid, lease_seconds=30, now=clock.now)
+    claim = engine.backend.store.claim(hid, lease_seconds=30, now=clock.now)
     assert claim is not None
     clock.advance(40)
     assert sweep(engine).recovered == []  # expired, but not yet watched for a lease period
     clock.advance(31)
     assert sweep(engine).recovered == [hid]
-    assert engine.store.finish(claim, State.COMPLETED, claim.doc) is False
+    assert engine.backend.store.finish(claim, State.COMPLETED, claim.doc) is False
 
 
 def _foreign_lease(engine: Any, hid: str, clock: FakeClock) -> None:
     """Make the in-progress claim of ``hid`` look owned by another host (no lock here)."""
-    path = engine.store.path(State.IN_PROGRESS, hid)
+    path = engine.backend.store.path(State.IN_PROGRESS, hid)
     doc = json.loads(path.read_text())
     doc["handoffd"]["lease"]["owner"] = {"host": "other-host.example", "pid": 1}
-    path.write_bytes(engine.store.encode(doc, State.IN_PROGRESS, hid))
+    path.write_bytes(engine.backend.store.encode(doc, State.IN_PROGRESS, hid))
 
 
 def test_claims_of_another_host_count_only_by_lease_expiry(tmp_path: Path) -> None:
     clock = FakeClock()
     engine = make_engine(tmp_path, ok, clock)
     hid = submit(engine)
-    claim = engine.store.claim(hid, lease_seconds=30, now=clock.now)
+    claim = engine.backend.store.claim(hid, lease_seconds=30, now=clock.now)
     assert claim is not None
     claim.lock.release(force=True)  # a free lock here proves nothing about another host
     _foreign_lease(engine, hid, clock)
@@ -273,7 +274,7 @@ def test_rename_noreplace_fallback_when_the_filesystem_says_einval(tmp_path: Pat
 
     def claimer() -> None:
         for hid in ids:
-            claim = engine.store.claim(hid, lease_seconds=30)
+            claim = engine.backend.store.claim(hid, lease_seconds=30)
             if claim is not None:
                 won.append(hid)
 
@@ -364,7 +365,7 @@ def test_a_result_that_is_not_strict_json_fails_the_attempt(tmp_path: Path, outp
     hid = submit(engine)
     job = engine.take(hid)
     assert job is not None and run_job(engine, job) is State.FAILED
-    doc = engine.store.read(State.FAILED, hid)
+    doc = engine.backend.store.read(State.FAILED, hid)
     assert doc["error"]["code"] == "PROCESSING_ERROR" and "cannot be filed" in doc["error"]["message"]
 
 

@@ -3,6 +3,7 @@ process). It keeps the same promises as the others, so the conformance suite run
 documents are deep-copied in and out, as if they had been written somewhere."""
 from __future__ import annotations
 
+import builtins
 import copy
 import threading
 import uuid
@@ -13,6 +14,7 @@ from typing import Callable, Collection
 from ..core.documents import book, book_int
 from ..core.errors import DuplicateHandoff
 from ..core.states import State
+from ..core.timeutil import iso, utc_now
 from .base import (
     Backend,
     Claim,
@@ -25,6 +27,7 @@ from .base import (
     Rows,
     Subscribers,
     WakeupCallback,
+    Where,
     describe_native,
     due_of,
     lease_block,
@@ -64,6 +67,7 @@ class MemoryBackend(FencedFiling, Backend):
         self._entries: dict[str, _Entry] = {}
         self._seen: dict[str, datetime] = {}
         self._cancels: dict[str, Doc] = {}
+        self._quarantine: builtins.list[Doc] = []
         self._subscribers = Subscribers()
 
     # ------------------------------------------------------------ creating and reading
@@ -92,12 +96,13 @@ class MemoryBackend(FencedFiling, Backend):
     def list(self, *, state: State | None = None, target: str | None = None,
              conversation: str | None = None, parent: str | None = None,
              since: datetime | None = None, limit: int | None = None,
-             order: Order = "newest") -> Rows:
+             order: Order = "newest", where: Where | None = None,
+             unreadable: bool = False) -> Rows:
         with self._lock:
             rows = [e.row(i, self.describe) for i, e in self._entries.items()
                     if state is None or e.state is state]
         return select(rows, state=state, target=target, conversation=conversation, parent=parent,
-                      since=since, limit=limit, order=order)
+                      since=since, limit=limit, order=order, where=where)
 
     # ------------------------------------------------------------ claims
     def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float, *,
@@ -171,6 +176,62 @@ class MemoryBackend(FencedFiling, Backend):
                 taken.append(Claim(handoff_id, copy.deepcopy(entry.doc), token, attempt,
                                    recovered=reason))
         return taken
+
+    # ------------------------------------------------------------ what the engine and sweeper add
+    def ids(self, state: State) -> builtins.list[str]:
+        with self._lock:
+            return [i for i, e in self._entries.items() if e.state is state]
+
+    def peek(self, handoff_id: str) -> Doc | None:
+        with self._lock:
+            entry = self._entries.get(handoff_id)
+            if entry is None or entry.state is not State.PENDING:
+                return None
+            return copy.deepcopy(entry.doc)
+
+    def abandon(self, claim: Claim) -> None:
+        """Nothing is held beyond the lease, which recovery takes over when it expires."""
+
+    def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
+                  claim: Claim | None = None) -> bool:
+        with self._lock:
+            entry = self._entries.get(handoff_id)
+            if entry is None or entry.state is not state \
+                    or (claim is not None and entry.token != claim.token):
+                return False
+            del self._entries[handoff_id]
+            self._quarantine.append({"file": handoff_id, "from": state.value, "code": code,
+                                     "message": message, "at": iso(utc_now()),
+                                     "stored_as": handoff_id, "document": entry.doc})
+            return True
+
+    def quarantined(self) -> builtins.list[Doc]:
+        with self._lock:
+            return copy.deepcopy(self._quarantine)
+
+    def create_failed(self, handoff_id: str, doc: Doc) -> bool:
+        with self._lock:
+            if handoff_id in self._entries:
+                return False
+            self._entries[handoff_id] = _Entry(State.FAILED, copy.deepcopy(doc), utc_now())
+        self._subscribers.fire(handoff_id, State.FAILED.value)
+        return True
+
+    def reopen(self, handoff_id: str, doc: Doc) -> bool:
+        with self._lock:
+            entry = self._entries.get(handoff_id)
+            if entry is None or entry.state is not State.FAILED:
+                return False
+            entry.state, entry.doc, entry.token = State.PENDING, copy.deepcopy(doc), None
+        self._subscribers.fire(handoff_id, State.PENDING.value)
+        return True
+
+    def maintain(self, now: datetime, *,
+                 skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:
+        with self._lock:  # the TTL is the only thing that needs tidying
+            for handoff_id in [i for i, at in self._seen.items() if now - at >= self.seen_ttl]:
+                del self._seen[handoff_id]
+        return {}
 
     # ------------------------------------------------------------ cancel requests
     def request_cancel(self, handoff_id: str, request: Doc) -> None:

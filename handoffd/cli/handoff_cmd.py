@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import dialects
+from ..backends.files import FilesBackend
 from ..backends.files.fsio import parse_document, read_bytes_safely
 from ..core.documents import book, new_native_request
 from ..core.errors import InvalidDocument, NotFound, UsageError
@@ -91,11 +92,11 @@ def create(
     deps = dialects.detect(doc).envelope(doc).depends_on
     if deps:
         check_new_dependencies(eng, new_id, deps)
-    eng.store.create(doc, new_id, now=eng.clock())
+    eng.backend.create(doc, new_id, eng.clock())
     print(new_id)
     sys.stdout.flush()
     if wait:
-        state, _ = wait_terminal(eng.store, new_id, wait_timeout)
+        state, _ = wait_terminal(eng.backend, new_id, wait_timeout)
         raise typer.Exit(_exit_for(state))
 
 
@@ -132,14 +133,15 @@ def show(
 ) -> None:
     """Show a handoff's document and its history."""
     eng = engine(root)
-    state, doc = eng.store.get(handoff_id)
+    state, doc = eng.get(handoff_id)
     if as_json:
         print_json({"id": handoff_id, "state": state.value, "document": doc,
                     "family": orchestration_cmd.family(eng, handoff_id, doc)})
         return
     out = console()
     out.print(f"[bold]{handoff_id}[/bold]  state: [bold]{state.value}[/bold]  "
-              f"file: {eng.store.path(state, handoff_id)}")
+              + (f"file: {eng.backend.store.path(state, handoff_id)}"
+                 if isinstance(eng.backend, FilesBackend) else ""))
     orchestration_cmd.print_family(out, eng, handoff_id, doc)  # parent, children, waiting
     out.print(timeline(book(doc).get("history", [])))
     out.print_json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
@@ -155,7 +157,7 @@ def wait(
 ) -> None:
     """Block until the handoff is completed (exit 0) or failed (exit 1)."""
     eng = engine(root)
-    state, doc = wait_terminal(eng.store, handoff_id, timeout)
+    state, doc = wait_terminal(eng.backend, handoff_id, timeout)
     if as_json:
         print_json(doc)
     else:
@@ -175,7 +177,7 @@ def retry(
     eng = engine(root)
     ids = list(handoff_ids or [])
     if all_failed:
-        ids += eng.store.ids(State.FAILED)
+        ids += eng.backend.ids(State.FAILED)
     if not ids:
         raise UsageError("name handoff ids to retry, or pass --all-failed")
     problems = 0

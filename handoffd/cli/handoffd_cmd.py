@@ -9,10 +9,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..backends.files.backend import CLOCK_TOLERANCE_SECONDS
 from ..backends.files.store import inject_crash_at
 from ..core.workspace import network_filesystem
 from ..service.daemon import Daemon
-from ..service.sweeper import CLOCK_TOLERANCE_SECONDS
 from ..service.sweeper import sweep as sweep_once
 from .common import RootOption, engine, guarded, run_app
 

@@ -83,7 +83,7 @@ def cancel(
             continue
         left = max(timeout - (time.monotonic() - started), 0.1)
         try:
-            state, doc = wait_terminal(eng.store, result.handoff_id, left)
+            state, doc = wait_terminal(eng.backend, result.handoff_id, left)
             finals[result.handoff_id] = (f"{state.value} (status {doc.get('status')}) after "
                                          f"{time.monotonic() - started:.2f}s")
             result.state = state.value
@@ -267,7 +267,7 @@ def family(eng: Any, handoff_id: str, doc: dict[str, Any]) -> dict[str, Any]:
     kids = []
     for kid in children_of(doc):
         try:
-            state, kid_doc = eng.store.get(kid)
+            state, kid_doc = eng.get(kid)
             status = kid_doc.get("status")
             target = kid_doc.get("target", {}).get("agent_id") if isinstance(kid_doc.get("target"), dict) else None
         except NotFound:

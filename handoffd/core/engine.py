@@ -1,7 +1,9 @@
 """The lifecycle engine: admit a claimed handoff, run its specialist, file the outcome.
 
-This is where policy lives (retry or fail, what is permanent, which copy of a duplicate wins);
-:mod:`handoffd.backends.files.store` does the file mechanics and :mod:`handoffd.service.daemon` the scheduling.
+This is where policy lives (retry or fail, what is permanent, what is set aside); storage comes
+in through the :class:`~handoffd.core.storage.Backend` interface (files, memory, PostgreSQL) and
+the document formats through :class:`~handoffd.core.formats.Formats`, both given by
+:func:`handoffd.features.build.build_engine`; :mod:`handoffd.service.daemon` does the scheduling.
 
 The engine imports no feature: dependencies, contracts, orchestration (delegation, aggregation,
 cancellation, artifacts) install themselves through the hook lists below, and
@@ -11,15 +13,10 @@ plain handoffs only.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any, Callable
 
-from .. import dialects
-from ..backends.files.store import Claim, Store, release_lock
-from ..dialects import Dialect, FiledState
 from .config import Config, RetryPolicy
 from .documents import (
     Envelope,
@@ -36,11 +33,15 @@ from .errors import (
     ErrorCode,
     HandlerError,
     InvalidDocument,
+    NotFound,
+    UnreadableDocument,
 )
+from .formats import Dialect, FiledState, Formats
 from .runner import run_command, run_python
 from .specialists import HandlerContext, Registry, Specialist
 from .states import State
-from .timeutil import Clock, iso, utc_now
+from .storage import Backend, Claim, Doc
+from .timeutil import Clock, utc_now
 from .validation import SchemaCache, errors_of
 from .workspace import Workspace
 
@@ -86,7 +87,7 @@ class Job:
 
     @property
     def handoff_id(self) -> str:
-        return self.claim.handoff_id
+        return self.claim.id
 
 
 @dataclass
@@ -100,26 +101,21 @@ class Peek:
     readable: bool = True
     envelope: Envelope | None = None
     doc: dict[str, Any] | None = None
+    problem: UnreadableDocument | None = None  # why it is not readable
 
 
 class Engine:
     """One workspace's lifecycle. Thread-safe for concurrent jobs on different handoffs."""
 
-    def __init__(self, workspace: Workspace, config: Config | None = None,
-                 registry: Registry | None = None, *, clock: Clock = utc_now,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, workspace: Workspace, config: Config | None, registry: Registry | None, *,
+                 backend: Backend, formats: Formats, clock: Clock = utc_now) -> None:
         self.ws = workspace
         self.config = config or workspace.load_config()
         self.settings = self.config.daemon
         self.registry = registry or Registry.load(self.config)
         self.clock = clock
-        self.monotonic = monotonic  # a clock that never steps: judges how long a lease went unrenewed
-        # what this process's sweeps have seen of others' leases: id -> (lease mark, first seen)
-        self.lease_watch: dict[str, tuple[str, float]] = {}
-        self.store = Store(workspace, durable=self.settings.durable,
-                           max_document_bytes=self.settings.max_document_bytes,
-                           settle_seconds=self.settings.settle_seconds,
-                           seen_ttl_seconds=self.settings.seen_ttl_seconds)
+        self.backend = backend
+        self.formats = formats
         self.schemas = SchemaCache(workspace.schemas)
         # extension points; features add to them (handoffd.features.build.build_engine installs them)
         self.gates: list[Gate] = []  # checked before a claim (see gates.py)
@@ -129,7 +125,7 @@ class Engine:
         # (aggregation: a parent whose children are done)
         self.resumers: list[Callable[[Job, datetime], Outcome | None]] = []
         self.before_run: list[Callable[[Job], None]] = []
-        self.after_run: list[Callable[[Job, Outcome], Outcome]] = [dialects.review_outcome]
+        self.after_run: list[Callable[[Job, Outcome], Outcome]] = []
         # a handler result whose status is a key here is turned into an Outcome by the feature
         # that owns the status (orchestration: delegated, needs_clarification, blocked)
         self.result_interpreters: dict[str, Callable[[Job, dict[str, Any], datetime], Outcome]] = {}
@@ -163,48 +159,59 @@ class Engine:
         return where
 
     # ------------------------------------------------------------ scheduling aids
+    def get(self, handoff_id: str) -> tuple[State, Doc]:
+        """The current state and a copy of the document of ``handoff_id``; NotFound if none."""
+        check_id(handoff_id)
+        found = self.backend.get(handoff_id)
+        if found is None:
+            raise NotFound(f"no handoff {handoff_id}; `handoff ls` lists them",
+                           handoff_id=handoff_id)
+        return found
+
     def peek(self, handoff_id: str) -> Peek | None:
         """Read a pending document to route it; None if it is gone. Never raises: whatever stops
-        the file from being read or routed (an invalid document, an OS error such as ENXIO on a
-        socket or EACCES, a RecursionError inside a reader) gives ``readable=False``, and the
-        daemon sets the file aside (``queries.pending_problem`` says why)."""
+        the document from being read or routed (an invalid document, an OS error such as ENXIO on
+        a socket or EACCES, a RecursionError inside a reader) gives ``readable=False`` with the
+        ``problem``, and the daemon sets it aside (or claims it, when claiming sets it aside)."""
         try:
-            doc = self.store.read(State.PENDING, handoff_id)
-        except FileNotFoundError:
+            doc = self.backend.peek(handoff_id)
+        except UnreadableDocument as exc:
+            return Peek(handoff_id, readable=False, problem=exc)
+        except Exception as exc:  # one bad document must never stop the scheduler or `handoff ls`
+            return Peek(handoff_id, readable=False, problem=_problem(handoff_id, exc))
+        if doc is None:
             return None
-        except Exception:  # one bad file must never stop the scheduler or `handoff ls`
-            return Peek(handoff_id, readable=False)
         try:
-            env = dialects.detect(doc).envelope(doc)
+            env = self.formats.detect(doc).envelope(doc)
             due_at = next_attempt_at(doc)
-        except Exception:  # e.g. InvalidDocument, or RecursionError on an absurd inline schema
-            return Peek(handoff_id, readable=False)
+        except Exception as exc:  # e.g. InvalidDocument, or RecursionError on an absurd schema
+            return Peek(handoff_id, readable=False, problem=_problem(handoff_id, exc))
         return Peek(handoff_id, env.target, env.priority, due_at, True, env, doc)
 
     # ------------------------------------------------------------ admission
     def claim(self, handoff_id: str) -> tuple[Claim, Dialect] | None:
         """Claim a pending handoff and detect its format. None when there is nothing to claim:
-        another process won, or the file was unusable and has been set aside (quarantined, with
-        a failure filed under its name when that is a safe id). Raises DocumentNotReady."""
+        another process won, or the document was unusable and has been set aside (with a failure
+        filed under its name when that is a safe id). Raises DocumentNotReady."""
         now = self.clock()
         found: list[Dialect] = []
 
         def on_claim(doc: dict[str, Any]) -> None:
-            dialect = dialects.detect(doc)
+            dialect = self.formats.detect(doc)
             found.append(dialect)
             book(doc)["dialect"] = dialect.name
             dialect.mark_claimed(doc, now)
 
         try:
-            claim = self.store.claim(handoff_id, lease_seconds=self.settings.lease_seconds,
-                                     now=now, on_claim=on_claim)
-        except DuplicateHandoff as exc:
-            self._set_aside(self.store.path(State.PENDING, handoff_id), ErrorCode.DUPLICATE_HANDOFF_ID,
-                            str(exc), handoff_id, stub=False)
+            claim = self.backend.claim(handoff_id, now, self.settings.lease_seconds,
+                                       prepare=on_claim)
+        except DuplicateHandoff as exc:  # an in-progress copy exists: never run a second one
+            self.set_aside(handoff_id, State.PENDING, ErrorCode.DUPLICATE_HANDOFF_ID, str(exc),
+                           stub=False)
             return None
-        except InvalidDocument as exc:
-            self._set_aside(self.store.path(State.IN_PROGRESS, handoff_id), exc.code, str(exc),
-                            handoff_id)
+        except (InvalidDocument, UnreadableDocument) as exc:  # claimed, then unreadable
+            if not self.set_aside(handoff_id, State.IN_PROGRESS, exc.code, str(exc)):
+                self.set_aside(handoff_id, State.PENDING, exc.code, str(exc))
             return None
         return None if claim is None else (claim, found[0])
 
@@ -218,25 +225,23 @@ class Engine:
         try:
             return self._admit(claim, dialect, self.clock())
         except BaseException:
-            release_lock(claim.lock)
+            self.backend.abandon(claim)
             raise
 
     def _admit(self, claim: Claim, dialect: Dialect, now: datetime) -> Job | None:
-        doc, handoff_id = claim.doc, claim.handoff_id
+        doc, handoff_id = claim.doc, claim.id
         try:
-            check_id(handoff_id)  # the file name itself; `handoff show` could not reach it otherwise
+            check_id(handoff_id)  # the stored name itself; `handoff show` could not reach it otherwise
         except InvalidDocument as exc:
             self.set_aside_claim(claim, ErrorCode.UNSAFE_ID, f"file pending/{handoff_id}.json: {exc}")
             return None
-        if not self._resolve_copies(claim):
-            return None
-        if claim.prior_revision == 0:  # a raw document from a foreign producer
-            if self.store.seen.contains(handoff_id, now):
+        if claim.raw:  # a document from a foreign producer
+            if self.backend.seen_contains(handoff_id, now):
                 self.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
                                      f"handoff id {handoff_id} was already used recently; "
                                      "a second document never re-runs the first")
                 return None
-            self.store.seen.add(handoff_id, now)
+            self.backend.seen_add(handoff_id, now)
         try:
             doc_id = dialect.id_of(doc)
             if doc_id != handoff_id:
@@ -271,7 +276,7 @@ class Engine:
     def _validate_document(self, dialect: Dialect, doc: dict[str, Any], handoff_id: str) -> None:
         errors: list[dict[str, str]] = []
         for name in dialect.schema_names(doc):
-            errors.extend(self.schemas.errors(name, _without_book(doc)))
+            errors.extend(self.schemas.errors(name, without_book(doc)))
         if errors:
             raise InvalidDocument(
                 f"handoff {handoff_id} is not a valid {dialect.name} document: "
@@ -279,67 +284,33 @@ class Engine:
                 + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
                 handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
 
-    def _resolve_copies(self, claim: Claim) -> bool:
-        """Another copy of this id elsewhere? The higher trusted revision wins, and a completed
-        copy always does (nothing leaves completed/). True: ours runs."""
-        previous_revision = claim.prior_revision
-        for state in (State.COMPLETED, State.FAILED, State.PENDING):
-            try:
-                other = self.store.read(state, claim.handoff_id)
-            except FileNotFoundError:
-                continue
-            except InvalidDocument:
-                other = {}
-            theirs = self.store.trusted_revision(other, state, claim.handoff_id)
-            if state is State.PENDING and theirs == 0:
-                continue  # a raw duplicate: its own claim will set it aside
-            if previous_revision == 0 and state is not State.PENDING:
-                self.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
-                                     f"handoff {claim.handoff_id} already exists in {state.value}/; "
-                                     "a second document with the same id is never run")
-                return False
-            if state is State.COMPLETED or theirs > previous_revision:  # ours is a leftover
-                self.store.path(State.IN_PROGRESS, claim.handoff_id).unlink(missing_ok=True)
-                release_lock(claim.lock)
-                return False
-            self.store.path(state, claim.handoff_id).unlink(missing_ok=True)
-        return True
-
     def set_aside_claim(self, claim: Claim, code: str, message: str) -> None:
-        """Quarantine a claimed document that must never run (and release the claim)."""
-        try:
-            self._set_aside(self.store.path(State.IN_PROGRESS, claim.handoff_id), code, message,
-                            claim.handoff_id, stub=code != ErrorCode.DUPLICATE_HANDOFF_ID)
-        finally:
-            release_lock(claim.lock)
+        """Set aside a claimed document that must never run (the claim ends with it)."""
+        self.set_aside(claim.id, State.IN_PROGRESS, code, message, claim=claim,
+                       stub=code != ErrorCode.DUPLICATE_HANDOFF_ID)
 
-    def _set_aside(self, path: Path, code: str, message: str, name_id: str, *, stub: bool = True) -> None:
-        """Quarantine an unusable file; if its name is a free, safe id, file a failure stub under
-        that id too so that `handoff wait` on it ends."""
-        try:
-            self.store.quarantine(path, code, message, now=self.clock())
-        except FileNotFoundError:
-            return
-        log.warning("set aside %s: %s: %s", path.name, code, message)
+    def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
+                  claim: Claim | None = None, stub: bool = True) -> bool:
+        """Set aside an unusable document; if its name is a free, safe id, file a failure stub
+        under that id too so that `handoff wait` on it ends. False when it was already gone."""
+        if not self.backend.set_aside(handoff_id, state, code, message, claim=claim):
+            return False
+        log.warning("set aside %s/%s.json: %s: %s", state.value, handoff_id, code, message)
         if not stub:
-            return
+            return True
         try:
-            check_id(name_id)
+            check_id(handoff_id)
         except InvalidDocument:
-            return
-        if self.store.locate(name_id):
-            return
+            return True
         now = self.clock()
-        doc: dict[str, Any] = {"handoff_id": name_id}
+        doc: dict[str, Any] = {"handoff_id": handoff_id}
         record(doc, "rejected", now, code=code)
         book(doc)["dialect"] = "native"
-        answer = dialects.by_name("native").render(
+        answer = self.formats.by_name("native").render(
             doc, self.failure(now, code, message), FiledState(0, 0, False))
-        try:
-            self.store.write_new(State.FAILED, answer)
-        except DuplicateHandoff:
-            return
-        self._announce(name_id, State.FAILED)
+        if self.backend.create_failed(handoff_id, answer):
+            self._announce(handoff_id, State.FAILED)
+        return True
 
     # ------------------------------------------------------------ execution
     def timeout_for(self, job: Job) -> float:
@@ -359,7 +330,7 @@ class Engine:
             for hook in self.before_run:
                 hook(job)
             if job.specialist.is_command:
-                result = run_command(job.specialist, _without_book(job.claim.doc), job.context,
+                result = run_command(job.specialist, without_book(job.claim.doc), job.context,
                                      self.timeout_for(job),
                                      max_output_bytes=self.settings.max_output_bytes)
             else:
@@ -478,7 +449,7 @@ class Engine:
         nothing was written because the claim was lost). Listeners in ``on_filed`` hear of it."""
         where = self._file(claim, dialect, spec, outcome)
         if where is not State.IN_PROGRESS:
-            self._announce(claim.handoff_id, where)
+            self._announce(claim.id, where)
         return where
 
     def _announce(self, handoff_id: str, where: State) -> None:
@@ -487,7 +458,7 @@ class Engine:
 
     def _file(self, claim: Claim, dialect: Dialect, spec: Specialist | None, outcome: Outcome) -> State:
         filer = self.filers.get(outcome.status)
-        if filer is not None:  # e.g. a parked handoff goes back to pending/ (orchestration)
+        if filer is not None:  # e.g. a parked handoff goes back to pending (orchestration)
             return filer(claim, dialect, spec, outcome)
         doc = claim.doc
         block = book(doc)
@@ -497,15 +468,10 @@ class Engine:
         if not outcome.succeeded and self.retryable(outcome) and retries < policy.max_retries:
             delay = min(policy.delay(retries + 1), MAX_RETRY_DELAY_SECONDS)  # never overflows
             block["retries"] = retries + 1
-            block["next_attempt_at"] = iso(now + timedelta(seconds=delay))
             block["last_error"] = outcome.error
-            block.pop("lease", None)
-            record(doc, "retry_scheduled", now, retry=retries + 1, delay_seconds=delay,
-                   error=outcome.error)
-            dialect.mark_pending(doc)
-            if self.store.finish(claim, State.PENDING, doc):
-                return State.PENDING
-            return State.IN_PROGRESS
+            return self.requeue(claim, dialect, "retry_scheduled",
+                                due_at=now + timedelta(seconds=delay), count_attempt=True,
+                                retry=retries + 1, delay_seconds=delay, error=outcome.error)
         dst = State.COMPLETED if outcome.succeeded else State.FAILED
         event = "completed" if outcome.succeeded else ("cancelled" if outcome.status == "cancelled"
                                                        else "failed")
@@ -525,24 +491,34 @@ class Engine:
         else:
             block.pop("final_error", None)
         if dialect.name != "native":  # its answer replaces the request: keep it for retries
-            block.setdefault("request_snapshot", _without_book(doc))
+            block.setdefault("request_snapshot", without_book(doc))
         answer = dialect.render(doc, outcome, filed, root=self.ws.root)
-        if self.store.finish(claim, dst, answer):
+        if self.backend.finish(claim, dst, answer):
             return dst
         return State.IN_PROGRESS
 
-    def handback(self, claim: Claim, dialect: Dialect, *, reason: str) -> None:
-        """Return a claimed handoff to pending/ without counting an attempt (graceful stop)."""
-        block = book(claim.doc)
-        if claim.token is not None:  # an attempt was counted when the lease was written
-            block["attempt"] = max(book_int(claim.doc, "attempt", 1) - 1, 0)
-        block.pop("lease", None)
-        record(claim.doc, "handed_back", self.clock(), reason=reason)
+    # ------------------------------------------------------------ transitions back to pending
+    def requeue(self, claim: Claim, dialect: Dialect, event: str, *, due_at: datetime | None = None,
+                count_attempt: bool = False, **detail: Any) -> State:
+        """Put a claimed handoff back in pending: the one way back, for retries, hand-backs,
+        parked handoffs and answers. Records ``event`` with ``detail``, lets the format mark the
+        document pending again and requeues it due at ``due_at`` (None: now, in its place in
+        line); ``count_attempt`` False gives the claim's attempt back. Returns PENDING, or
+        IN_PROGRESS when the claim was lost (nothing written). Filing (:meth:`file`) tells the
+        ``on_filed`` listeners; a bare requeue does not."""
+        record(claim.doc, event, self.clock(), **detail)
         dialect.mark_pending(claim.doc)
-        self.store.finish(claim, State.PENDING, claim.doc)
+        if self.backend.requeue(claim, claim.doc, due_at, count_attempt=count_attempt):
+            return State.PENDING
+        return State.IN_PROGRESS
+
+    def handback(self, claim: Claim, dialect: Dialect, *, reason: str) -> None:
+        """Return a claimed handoff to pending without counting an attempt (graceful stop)."""
+        self.requeue(claim, dialect, "handed_back", reason=reason)
 
 
-def _without_book(doc: dict[str, Any]) -> dict[str, Any]:
+def without_book(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document without its ``handoffd`` bookkeeping block (what formats and handlers see)."""
     return {k: v for k, v in doc.items() if k != "handoffd"}
 
 
@@ -565,3 +541,14 @@ def _artifact_paths(result: dict[str, Any]) -> list[str]:
                 if isinstance(item.get(key), str):
                     paths.append(item[key])
     return paths
+
+
+def _problem(handoff_id: str, exc: BaseException) -> UnreadableDocument:
+    """A routing failure as the daemon acts on it: an invalid document is set aside by claiming
+    it; anything else a reader chokes on is set aside where it lies."""
+    if isinstance(exc, InvalidDocument):
+        return UnreadableDocument(str(exc), handoff_id=handoff_id, code=exc.code, claimable=True)
+    hint = " (it nests too deeply)" if isinstance(exc, RecursionError) else ""
+    return UnreadableDocument(f"pending/{handoff_id}.json could not be processed{hint}: "
+                              f"{type(exc).__name__}: {str(exc)[:200]}", handoff_id=handoff_id,
+                              code=ErrorCode.UNPROCESSABLE_DOCUMENT)

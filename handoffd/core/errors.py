@@ -104,6 +104,21 @@ class InvalidDocument(HandoffdError):
         self.errors = errors or []
 
 
+class UnreadableDocument(HandoffdError):
+    """A stored document that cannot be read or routed (a backend's answer to ``peek``).
+
+    ``code`` says why. ``claimable``: claiming it sets it aside with that code (an invalid
+    document, which the claim re-reads with knowledge of half-written files); ``transient``: look
+    again later (an error that says "not now"). Neither: set it aside where it lies, unclaimed."""
+
+    def __init__(self, message: str, *, handoff_id: str | None = None, code: str,
+                 claimable: bool = False, transient: bool = False) -> None:
+        super().__init__(message, handoff_id=handoff_id)
+        self.code = code
+        self.claimable = claimable
+        self.transient = transient
+
+
 class DocumentNotReady(HandoffdError):
     """A file in pending/ is still being written by a foreign producer; look again later."""
 

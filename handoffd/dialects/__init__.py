@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ErrorCode, InvalidDocument
+from ..core.storage import Meta, describe_native
 from .agent_handoff import AgentHandoffDialect
 from .base import Dialect, FiledState
 from .haios import HaiosDialect
@@ -77,6 +78,19 @@ def detect(doc: dict, forced: str | None = None) -> Dialect:
         handoff_id=handoff_id, code=ErrorCode.UNKNOWN_FORMAT)
 
 
+def describe(doc: dict[str, Any]) -> Meta:
+    """Routing facts of a document in any format, for a backend's scheduling columns: target and
+    priority from its envelope; conversation and parent as the native reader finds them. A
+    document no dialect can route gets no target (it is never handed out by claim-next)."""
+    native = describe_native(doc)
+    try:
+        env = detect(doc).envelope(doc)
+    except Exception:  # an answer, or a document a reader chokes on: not routable
+        return Meta(None, native.priority, native.conversation, native.parent)
+    return Meta(env.target, env.priority, env.conversation_id or native.conversation,
+                native.parent)
+
+
 def review_outcome(job: Any, outcome: "Outcome") -> "Outcome":
     """Engine ``after_run`` hook: let the job's dialect check a result before it may complete
     (seed 002 verifies that reported artifacts exist). ``job`` is a ``lifecycle.Job``, not
@@ -87,4 +101,4 @@ def review_outcome(job: Any, outcome: "Outcome") -> "Outcome":
     return review(job.claim.doc, outcome, job.context.root)
 
 
-__all__ = ["DIALECTS", "Dialect", "FiledState", "by_name", "detect", "register", "review_outcome"]
+__all__ = ["DIALECTS", "Dialect", "FiledState", "by_name", "describe", "detect", "register", "review_outcome"]

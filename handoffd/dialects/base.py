@@ -1,59 +1,6 @@
-"""The interface every dialect implements."""
+"""The interface every dialect implements (defined in the core, which is written against it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime
-from pathlib import Path
-from typing import Any, Protocol
+from ..core.formats import Dialect, FiledState
 
-from ..core.documents import Envelope, Outcome
-
-
-@dataclass(frozen=True)
-class FiledState:
-    """Retry facts a dialect may print in a failure answer."""
-
-    retry_count: int
-    max_retries: int
-    retry_available: bool
-
-
-class Dialect(Protocol):
-    """A document format. Implementations are stateless singletons."""
-
-    name: str
-
-    def matches(self, doc: dict[str, Any]) -> bool:
-        """True when ``doc`` looks like this format (by ``$schema``/version fields or shape)."""
-        ...
-
-    def id_of(self, doc: dict[str, Any]) -> Any:
-        """The handoff id the document carries (unchecked; may be missing or unsafe)."""
-        ...
-
-    def schema_names(self, doc: dict[str, Any]) -> list[str]:
-        """Built-in schema file names an incoming document must satisfy."""
-        ...
-
-    def envelope(self, doc: dict[str, Any]) -> Envelope:
-        """Routing view; raise InvalidDocument when it cannot be routed."""
-        ...
-
-    def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
-        """Update format fields when a daemon claims the document."""
-        ...
-
-    def mark_pending(self, doc: dict[str, Any]) -> None:
-        """Update format fields when the document goes back to pending/ (retry, hand-back)."""
-        ...
-
-    def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
-               root: Path | None = None) -> dict[str, Any]:
-        """The answer document filed in completed/ or failed/, in this format. ``root`` is the
-        workspace (a dialect may write artifacts under it, e.g. seed 000's 1 KB rule).
-
-        Optional extras a dialect may define: ``is_answer(doc) -> bool`` (the document is an answer
-        this dialect renders, validated against its answer schema and not routable by itself) and
-        ``review(doc, outcome, root) -> Outcome`` (check a result before it may complete; called
-        by the engine's ``after_run`` hook :func:`handoffd.dialects.review_outcome`)."""
-        ...
+__all__ = ["Dialect", "FiledState"]

@@ -59,7 +59,7 @@ class ChildInfo:
 
 def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
     try:
-        state, doc = engine.store.get(handoff_id)
+        state, doc = engine.get(handoff_id)
     except (NotFound, InvalidDocument):
         return ChildInfo(handoff_id, "missing", "failed",
                          error={"code": ErrorCode.DEPENDENCY_MISSING, "message": "child handoff is missing"})

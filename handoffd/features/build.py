@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
+from .. import dialects
+from ..backends.files import FilesBackend
 from ..core.config import Config
 from ..core.engine import Engine, Job
 from ..core.specialists import Registry
+from ..core.storage import Backend
 from ..core.timeutil import Clock, utc_now
 from ..core.workspace import Workspace
 from . import artifacts, cancellation, orchestration
@@ -51,13 +54,33 @@ FEATURES: dict[str, Feature] = {
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 
 
+def open_backend(workspace: Workspace, config: Config, *,
+                 monotonic: Callable[[], float] = time.monotonic) -> Backend:
+    """The store ``config`` names for ``workspace``: today the files backend (its handoffs/
+    folders), which routes documents of every format (``dialects.describe``)."""
+    settings = config.daemon
+    return FilesBackend.open(workspace, describe=dialects.describe, monotonic=monotonic,
+                             ensure=False, claim_grace_seconds=settings.claim_grace_seconds,
+                             durable=settings.durable,
+                             max_document_bytes=settings.max_document_bytes,
+                             settle_seconds=settings.settle_seconds,
+                             seen_ttl_seconds=settings.seen_ttl_seconds)
+
+
 def build_engine(workspace: Workspace, config: Config | None = None,
                  registry: Registry | None = None, *, clock: Clock = utc_now,
                  monotonic: Callable[[], float] = time.monotonic,
+                 backend: Backend | None = None,
                  features: Iterable[Feature | str] = DEFAULT_FEATURES) -> Engine:
     """An Engine for ``workspace`` with ``features`` installed (callables, or names from
-    :data:`FEATURES`). Arguments other than ``features`` are the Engine's."""
-    engine = Engine(workspace, config, registry, clock=clock, monotonic=monotonic)
+    :data:`FEATURES`). ``backend``: the store (default: :func:`open_backend`); ``monotonic``
+    judges how long another process's lease went unrenewed (a clock that never steps)."""
+    config = config or workspace.load_config()
+    if backend is None:
+        backend = open_backend(workspace, config, monotonic=monotonic)
+    engine = Engine(workspace, config, registry, backend=backend, formats=dialects, clock=clock)
+    # formats review results before any feature's checks (seed 002: reported artifacts exist)
+    engine.after_run.append(dialects.review_outcome)
     for feature in features:
         install = FEATURES[feature] if isinstance(feature, str) else feature
         install(engine)
@@ -65,4 +88,4 @@ def build_engine(workspace: Workspace, config: Config | None = None,
 
 
 __all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts",
-           "install_context"]
+           "install_context", "open_backend"]

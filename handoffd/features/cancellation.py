@@ -2,9 +2,10 @@
 
 * A **pending** handoff is claimed by the canceller (so no daemon can start it meanwhile) and filed
   straight into failed/ with status ``cancelled`` and error code ``CANCELLED``.
-* A **running** handoff may belong to another process: the canceller writes a request file
-  ``handoffs/.meta/cancel/<id>.json`` (atomically). Every daemon watches that folder (watchdog,
-  plus a look at every rescan) and the one running the handoff stops its handler at once (command
+* A **running** handoff may belong to another process: the canceller records a cancel request in
+  the backend (files: ``handoffs/.meta/cancel/<id>.json``, written atomically). Every daemon is
+  woken by it (the backend's wake-up feed, plus a look at every rescan) and the one running the
+  handoff stops its handler at once (command
   handlers' process groups get SIGTERM, then SIGKILL; Python handlers see ``ctx.cancelled``). The
   handoff is filed ``cancelled`` with whatever partial result the handler left: a JSON result a
   command handler prints on SIGTERM, or what a Python handler passed to ``ctx.report_partial()``.
@@ -19,12 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from ..backends.files import fsio
 from ..core.documents import Envelope, Outcome, actor, book, book_int, check_id
 from ..core.engine import Verdict
 from ..core.errors import (
@@ -36,8 +34,8 @@ from ..core.errors import (
 )
 from ..core.runner import cancel as stop_handler
 from ..core.states import State
+from ..core.storage import Wakeup
 from ..core.timeutil import iso
-from ..core.workspace import Workspace
 from .lineage import descendants
 
 if TYPE_CHECKING:
@@ -59,78 +57,37 @@ class DaemonPlugins(Protocol):
     def add_message_handler(self, predicate: Callable[[dict[str, Any] | None], bool],
                             handler: Callable[["Engine", str], State | None]) -> None: ...
     def add_filed_hook(self, hook: Callable[[str, State], None]) -> None: ...
-    def watch_folder(self, folder: Path) -> None: ...
+    def add_wakeup_hook(self, hook: Callable[[Wakeup], None]) -> None: ...
 
 
 def install(engine: "Engine") -> None:
     """Add cancellation to an Engine (orchestration installs it): the cancel gate, a check just
     before the handler starts, partial results of a stopped handler, and the daemon side."""
     engine.gates.insert(0, cancel_gate)
-    engine.before_run.insert(0, check_before_run)
+    engine.before_run.insert(0, lambda job: check_before_run(engine, job))
     engine.after_run.insert(0, partial_results)
     engine.daemon_plugins.append(attach)
 
 
 def attach(daemon: DaemonPlugins) -> None:
-    """The daemon side: watch the request folder, act on requests at every scan, carry out
+    """The daemon side: be woken by new cancel requests, act on requests at every scan, carry out
     cancellation messages, and drop the request of a handoff once it is filed for good."""
-    ws = daemon.engine.ws
+    backend = daemon.engine.backend
     daemon.add_scan_hook(lambda: poll(daemon))
     daemon.add_message_handler(is_cancel_message, handle_message)
-    daemon.add_filed_hook(lambda handoff_id, where: clear_request(ws, handoff_id)
+    daemon.add_filed_hook(lambda handoff_id, where: backend.clear_cancel(handoff_id)
                           if where.terminal else None)
-    daemon.watch_folder(requests_dir(ws))
+    daemon.add_wakeup_hook(lambda wakeup: daemon.request_rescan()
+                           if wakeup.kind == "cancel" else None)
 
 
-# ---------------------------------------------------------------- request files
-def requests_dir(ws: Workspace) -> Path:
-    return ws.meta / "cancel"
-
-
-def request_path(ws: Workspace, handoff_id: str) -> Path:
-    return requests_dir(ws) / f"{check_id(handoff_id)}.json"
-
-
-def write_request(ws: Workspace, handoff_id: str, *, reason: str, cascade: bool, by: str,
-                  via: str, now: Any) -> Path:
-    """Ask whoever runs ``handoff_id`` to stop it (atomic replace of the request file)."""
-    folder = requests_dir(ws)
-    folder.mkdir(parents=True, exist_ok=True)
-    ws.tmp.mkdir(parents=True, exist_ok=True)
-    path = request_path(ws, handoff_id)
-    body = {"handoff_id": handoff_id, "reason": reason, "cascade": cascade, "requested_by": by,
-            "via": via, "requested_at": iso(now), "actor": actor()}
-    fsio.replace(path, fsio.dump_json(body), ws.tmp, durable=True)
-    return path
-
-
-def read_request(ws: Workspace, handoff_id: str) -> dict[str, Any] | None:
-    try:
-        data = request_path(ws, handoff_id).read_bytes()
-    except (FileNotFoundError, InvalidDocument):
-        return None
-    except OSError:
-        return None
-    try:
-        body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return {"reason": "cancellation requested"}
-    return body if isinstance(body, dict) else {"reason": "cancellation requested"}
-
-
-def clear_request(ws: Workspace, handoff_id: str) -> None:
-    try:
-        request_path(ws, handoff_id).unlink()
-    except (OSError, InvalidDocument):
-        pass  # gone already (or unremovable: a stale request only ever cancels a pending copy)
-
-
-def requested_ids(ws: Workspace) -> list[str]:
-    try:
-        with os.scandir(requests_dir(ws)) as entries:
-            return [e.name[:-5] for e in entries if e.name.endswith(".json")]
-    except FileNotFoundError:
-        return []
+def request(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool, by: str,
+            via: str) -> None:
+    """Ask whoever runs ``handoff_id`` to stop it (a cancel request in the backend)."""
+    check_id(handoff_id)
+    engine.backend.request_cancel(handoff_id, {
+        "handoff_id": handoff_id, "reason": reason, "cascade": cascade, "requested_by": by,
+        "via": via, "requested_at": iso(engine.clock()), "actor": actor()})
 
 
 def _reason(body: dict[str, Any] | None) -> str:
@@ -143,17 +100,16 @@ def _reason(body: dict[str, Any] | None) -> str:
 # ---------------------------------------------------------------- engine hooks
 def cancel_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
     """A pending handoff with a cancel request is filed cancelled instead of being run."""
-    body = read_request(engine.ws, env.handoff_id)
+    body = engine.backend.cancel_request(env.handoff_id)
     if body is None:
         return None
     return Verdict.fail(ErrorCode.CANCELLED, f"handoff {env.handoff_id} cancelled: {_reason(body)}")
 
 
-def check_before_run(job: "Job") -> None:
+def check_before_run(engine: "Engine", job: "Job") -> None:
     """Engine ``before_run`` hook: a request that arrived while the handoff was being claimed."""
-    ws = Workspace(Path(job.context.root))
-    if os.path.exists(requests_dir(ws) / f"{job.handoff_id}.json"):
-        body = read_request(ws, job.handoff_id)
+    body = engine.backend.cancel_request(job.handoff_id)
+    if body is not None:
         raise HandlerError(f"handoff {job.handoff_id} cancelled: {_reason(body)}",
                            handoff_id=job.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
 
@@ -208,7 +164,7 @@ def cancel(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool = Fa
     descendant. The first result is the handoff's own."""
     results = [cancel_one(engine, handoff_id, reason=reason, by=by, via=via, cascade=cascade)]
     if cascade:
-        for child in descendants(engine.store, handoff_id):
+        for child in descendants(engine.backend, handoff_id):
             try:
                 results.append(cancel_one(engine, child, reason=f"{reason} (cascaded from "
                                           f"{handoff_id})", by=by, via=via, cascade=True))
@@ -221,14 +177,13 @@ def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: 
                cascade: bool = False) -> CancelResult:
     """Cancel one handoff (see :func:`cancel`)."""
     for _ in range(CLAIM_TRIES):
-        state, doc = engine.store.get(handoff_id)
+        state, doc = engine.get(handoff_id)
         if state.terminal:
             status = doc.get("status") if isinstance(doc.get("status"), str) else state.value
             return CancelResult(handoff_id, "finished", state.value,
                                 f"already {state.value} (status {status}); nothing to cancel")
         if state is State.IN_PROGRESS:
-            write_request(engine.ws, handoff_id, reason=reason, cascade=cascade, by=by, via=via,
-                          now=engine.clock())
+            request(engine, handoff_id, reason=reason, cascade=cascade, by=by, via=via)
             lease = given if isinstance(given := book(doc).get("lease"), dict) else {}
             owner = given if isinstance(given := lease.get("owner"), dict) else {}
             where = f" on {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
@@ -238,8 +193,7 @@ def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: 
         if filed is not None:
             return CancelResult(handoff_id, "cancelled", filed.value, "was pending")
     # it keeps moving: leave a request so whoever holds it cancels it
-    write_request(engine.ws, handoff_id, reason=reason, cascade=cascade, by=by, via=via,
-                  now=engine.clock())
+    request(engine, handoff_id, reason=reason, cascade=cascade, by=by, via=via)
     return CancelResult(handoff_id, "requested", "in-progress", "cancel request left for its owner")
 
 
@@ -277,12 +231,12 @@ def poll(daemon: DaemonPlugins) -> None:
     try:
         _poll(daemon)
     except Exception:  # a broken request folder must not stop the daemon
-        log.exception("cannot read cancel requests in %s", requests_dir(daemon.engine.ws))
+        log.exception("cannot read the cancel requests")
 
 
 def _poll(daemon: DaemonPlugins) -> None:
-    ws = daemon.engine.ws
-    for handoff_id in requested_ids(ws):
+    backend = daemon.engine.backend
+    for handoff_id, body in backend.cancel_requests().items():
         try:
             check_id(handoff_id)
         except InvalidDocument:
@@ -292,13 +246,16 @@ def _poll(daemon: DaemonPlugins) -> None:
             if not job.context.extra.get("cancel_logged"):
                 job.context.extra["cancel_logged"] = True
                 log.info("handoff %s: cancel requested; stopping its handler", handoff_id)
-            stop_handler(job.context, _reason(read_request(ws, handoff_id)))
+            stop_handler(job.context, _reason(body))
             continue
-        states = daemon.engine.store.locate(handoff_id)
-        if State.PENDING in states:
+        try:
+            found = backend.get(handoff_id)
+        except InvalidDocument:
+            continue  # unreadable right now: look again at the next scan
+        if found is not None and found[0] is State.PENDING:
             daemon.queue(handoff_id)  # its cancel gate files it
-        elif State.IN_PROGRESS not in states:
-            clear_request(ws, handoff_id)  # finished before the request arrived, or unknown
+        elif found is None or found[0].terminal:
+            backend.clear_cancel(handoff_id)  # finished before the request arrived, or unknown
 
 
 # ---------------------------------------------------------------- cancellation messages
@@ -318,12 +275,12 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
         return None
     claim, dialect = claimed
     doc = claim.doc
-    if claim.prior_revision == 0:  # raw: never handled by handoffd
-        if engine.store.seen.contains(handoff_id, now):
+    if claim.raw:  # never handled by handoffd
+        if engine.backend.seen_contains(handoff_id, now):
             engine.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
                                    f"message id {handoff_id} was already used recently")
             return None
-        engine.store.seen.add(handoff_id, now)
+        engine.backend.seen_add(handoff_id, now)
     errors: list[dict[str, str]] = []
     try:
         for name in dialect.schema_names(doc):

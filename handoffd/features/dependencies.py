@@ -41,7 +41,7 @@ def dependencies_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> V
     waiting = []
     for dep in env.depends_on:
         try:
-            state, dep_doc = engine.store.get(dep)
+            state, dep_doc = engine.get(dep)
         except (NotFound, InvalidDocument):
             return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on {dep}, "
                                 "which does not exist; create it first")
@@ -59,7 +59,7 @@ def dependencies_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> V
 def dependencies_of(engine: "Engine", handoff_id: str) -> list[str]:
     """The depends_on list of an existing handoff ([] when unknown or unreadable)."""
     try:
-        _, doc = engine.store.get(handoff_id)
+        _, doc = engine.get(handoff_id)
         return dialects.detect(doc).envelope(doc).depends_on
     except Exception:  # any unreadable document simply has no known dependencies
         return []
@@ -86,7 +86,7 @@ def check_new_dependencies(engine: "Engine", handoff_id: str, deps: list[str]) -
         if dep == handoff_id:
             raise InvalidDocument(f"handoff {handoff_id} cannot depend on itself",
                                   handoff_id=handoff_id, code=ErrorCode.DEPENDENCY_MISSING)
-        if not engine.store.locate(dep):
+        if engine.backend.get(dep) is None:
             raise InvalidDocument(f"handoff {handoff_id} depends on {dep}, which does not exist; "
                                   "create it first", handoff_id=handoff_id, code=ErrorCode.DEPENDENCY_MISSING)
     cycle = find_cycle(engine, handoff_id, deps)

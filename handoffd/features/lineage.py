@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..core.documents import BOOK
-from ..core.errors import InvalidDocument
 from ..core.states import State
 
 if TYPE_CHECKING:
-    from ..backends.files.store import Store
+    from ..core.storage import Backend
 
 MAX_WALK = 10_000
 
@@ -99,18 +98,14 @@ class Entry:
         return conversation_of(self.doc)
 
 
-def documents(store: "Store", states: tuple[State, ...] = tuple(State)) -> Iterator[Entry]:
-    """Every readable handoff document in ``states`` (one listing per folder)."""
+def documents(backend: "Backend", states: tuple[State, ...] = tuple(State)) -> Iterator[Entry]:
+    """Every readable handoff document in ``states``."""
     for state in states:
-        for handoff_id in store.ids(state):
-            try:
-                doc = store.read(state, handoff_id)
-            except (FileNotFoundError, InvalidDocument):
-                continue
-            yield Entry(handoff_id, state, doc)
+        for row in backend.list(state=state, order="oldest"):
+            yield Entry(row.id, state, row.doc)
 
 
-def descendants(store: "Store", handoff_id: str) -> list[str]:
+def descendants(backend: "Backend", handoff_id: str) -> list[str]:
     """Every handoff below ``handoff_id`` (children, grandchildren...), parents before children.
 
     Uses the children lists the daemon keeps, plus one scan of unfinished handoffs for documents
@@ -121,16 +116,19 @@ def descendants(store: "Store", handoff_id: str) -> list[str]:
     while queue and len(seen) < MAX_WALK:
         current = queue.pop(0)
         try:
-            _, doc = store.get(current)
-        except Exception:  # gone or unreadable: it has no known children
+            found = backend.get(current)
+        except Exception:  # unreadable: it has no known children
             continue
+        if found is None:
+            continue
+        doc = found[1]
         for kid in children_of(doc):
             if kid not in seen:
                 seen.add(kid)
                 order.append(kid)
                 queue.append(kid)
     changed = True
-    live = list(documents(store, (State.PENDING, State.IN_PROGRESS)))
+    live = list(documents(backend, (State.PENDING, State.IN_PROGRESS)))
     while changed:
         changed = False
         for entry in live:

@@ -47,7 +47,6 @@ import hashlib
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from .. import dialects
 from ..core.documents import (
     Envelope,
     Outcome,
@@ -55,7 +54,6 @@ from ..core.documents import (
     book_int,
     check_id,
     new_native_request,
-    record,
 )
 from ..core.errors import (
     DocumentNotReady,
@@ -65,6 +63,7 @@ from ..core.errors import (
     InvalidDocument,
     InvalidTransition,
     NotFound,
+    UnreadableDocument,
 )
 from ..core.states import State
 from ..core.timeutil import iso, parse_iso
@@ -74,9 +73,9 @@ from .dependencies import Verdict
 from .lineage import conversation_of
 
 if TYPE_CHECKING:
-    from ..backends.files.store import Claim
     from ..core.engine import Engine, Job
     from ..core.specialists import Specialist
+    from ..core.storage import Claim
     from ..dialects import Dialect
 
 STRATEGIES = ("all_success", "any_success", "majority", "first_success")
@@ -302,9 +301,9 @@ def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist
     kind = info["kind"]
     if kind == "delegated":
         try:
-            children = _create_children(engine, doc, claim.handoff_id, dialect, info, now)
+            children = _create_children(engine, doc, claim.id, dialect, info, now)
         except (HandoffdError, OSError) as exc:
-            failure = engine.failure(now, ErrorCode.PROCESSING_ERROR, f"handoff {claim.handoff_id}: could "
+            failure = engine.failure(now, ErrorCode.PROCESSING_ERROR, f"handoff {claim.id}: could "
                                      f"not create its child handoffs: {exc}", retryable=True)
             return engine.file(claim, dialect, spec, failure)
         known = block.setdefault("children", [])
@@ -315,11 +314,11 @@ def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist
             "since": iso(now), "started": info["started"], "deadline": info["deadline"],
             "summary": info.get("summary"),
         }
-        record(doc, "delegated", now, children=children, aggregation=info["aggregation"])
-        block["attempt"] = max(book_int(doc, "attempt", 1) - 1, 0)
-    elif kind == "rewait":
-        record(doc, "still_waiting", now)
-        block["attempt"] = max(book_int(doc, "attempt", 1) - 1, 0)
+        # waiting for children is not an attempt: the one that delegated is given back
+        return engine.requeue(claim, dialect, "delegated", children=children,
+                              aggregation=info["aggregation"])
+    if kind == "rewait":
+        return engine.requeue(claim, dialect, "still_waiting")
     else:
         awaiting = {k: v for k, v in info.items() if k in ("kind", "questions", "blockers",
                                                            "asked_by", "requester", "summary")}
@@ -329,20 +328,19 @@ def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist
         block["awaiting"] = awaiting
         detail = ({"questions": info.get("questions")} if kind == "needs_clarification"
                   else {"blockers": [b.get("description") for b in info.get("blockers", [])]})
-        record(doc, kind, now, **detail)
-    block.pop("lease", None)
-    dialect.mark_pending(doc)
-    if engine.store.finish(claim, State.PENDING, doc):
-        return State.PENDING
-    return State.IN_PROGRESS
+        # the attempt that asked counts (an answer gives the next one its due)
+        return engine.requeue(claim, dialect, kind, count_attempt=True, **detail)
 
 
 def is_parked(engine: "Engine", handoff_id: str) -> bool:
     """True when the pending handoff waits for its children or its requester (not a retry)."""
     try:
-        block = book(engine.store.read(State.PENDING, handoff_id))
-    except (OSError, InvalidDocument):
+        doc = engine.backend.peek(handoff_id)
+    except HandoffdError:
         return False
+    if doc is None:
+        return False
+    block = book(doc)
     return isinstance(block.get("waiting_children"), dict) or isinstance(block.get("awaiting"), dict)
 
 
@@ -419,11 +417,11 @@ def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect
         child["conversation_id"] = conv
         child["chain_position"] = {"step": step + 1, "index": index, "of": len(entries)}
         try:
-            engine.store.create(child, cid, now=now)
+            engine.backend.create(child, cid, now)
         except DuplicateHandoff:
             # a replay after a crash between creating the children and parking the parent
             try:
-                _, existing = engine.store.get(cid)
+                _, existing = engine.get(cid)
             except NotFound:
                 raise
             if existing.get("parent_id") != parent:
@@ -466,7 +464,7 @@ def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdi
 # ---------------------------------------------------------------- answering
 def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") -> dict[str, Any]:
     """Attach an answer to a handoff waiting on its requester and release it to pending/."""
-    state, doc = engine.store.get(handoff_id)
+    state, doc = engine.get(handoff_id)
     awaiting = book(doc).get("awaiting")
     if state is not State.PENDING or not isinstance(awaiting, dict):
         raise InvalidTransition(f"handoff {handoff_id} is {state.value} and not waiting for an "
@@ -477,15 +475,15 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
 
     def on_claim(claimed: dict[str, Any]) -> None:
         try:
-            dialect = dialects.detect(claimed)
+            dialect = engine.formats.detect(claimed)
         except InvalidDocument:
-            dialect = dialects.by_name("native")
+            dialect = engine.formats.by_name("native")
         box.append(dialect)
 
     try:
-        claim = engine.store.claim(handoff_id, lease_seconds=engine.settings.lease_seconds,
-                                   now=now, on_claim=on_claim)
-    except (DuplicateHandoff, DocumentNotReady):
+        claim = engine.backend.claim(handoff_id, now, engine.settings.lease_seconds,
+                                     prepare=on_claim)
+    except (DuplicateHandoff, DocumentNotReady, UnreadableDocument):
         claim = None
     if claim is None:
         raise InvalidTransition(f"handoff {handoff_id} moved while answering; look at it with "
@@ -494,8 +492,7 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
     block = book(doc)
     history = block.get("history")
     if isinstance(history, list) and history and history[-1].get("event") == "claimed":
-        history.pop()
-    block["attempt"] = max(book_int(doc, "attempt", 1) - 1, 0)
+        history.pop()  # claimed only to write the answer in; it did not run
     awaiting = block.pop("awaiting", None) or {}
     entry = {"at": iso(now), "by": by, "kind": awaiting.get("kind"), "answer": data}
     for key in ("questions", "blockers"):
@@ -509,10 +506,7 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
     else:
         block.setdefault("clarifications", []).append(entry)
     shown = data if isinstance(data, (str, int, float, bool)) or data is None else str(data)[:300]
-    record(doc, "answered", now, by=by, answer=shown)
-    dialect.mark_pending(doc)
-    block.pop("lease", None)
-    if not engine.store.finish(claim, State.PENDING, doc):
+    if engine.requeue(claim, dialect, "answered", by=by, answer=shown) is not State.PENDING:
         raise InvalidTransition(f"handoff {handoff_id} was taken over while answering",
                                 handoff_id=handoff_id)
     return entry

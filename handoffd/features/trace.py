@@ -121,9 +121,9 @@ def describe(entry: Entry) -> Node:
 
 def build(engine: "Engine", handoff_id: str) -> dict[str, Any]:
     """The trace of ``handoff_id``: ``{"focus", "root", "conversation", "tree", "others"}``."""
-    nodes = {e.handoff_id: describe(e) for e in documents(engine.store)}
+    nodes = {e.handoff_id: describe(e) for e in documents(engine.backend)}
     if handoff_id not in nodes:
-        engine.store.get(handoff_id)  # raises NotFound with the usual message
+        engine.get(handoff_id)  # raises NotFound with the usual message
         raise NotFound(f"handoff {handoff_id} cannot be read", handoff_id=handoff_id)
     kids: dict[str, list[str]] = {}
     triggered: dict[str, list[str]] = {}
@@ -183,4 +183,4 @@ def build(engine: "Engine", handoff_id: str) -> dict[str, Any]:
 
 def conversation_members(engine: "Engine", conversation: str) -> set[str]:
     """Ids of every handoff in ``conversation``."""
-    return {e.handoff_id for e in documents(engine.store) if e.conversation == conversation}
+    return {e.handoff_id for e in documents(engine.backend) if e.conversation == conversation}

@@ -15,14 +15,13 @@ import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from ..core.engine import Engine, Job, Peek
-from ..core.errors import DocumentNotReady, HandoffdError, InvalidDocument
+from ..core.errors import DocumentNotReady, HandoffdError
 from ..core.runner import cancel
 from ..core.states import State
-from . import queries
+from ..core.storage import Wakeup
 from .sweeper import SweepReport, sweep
 from .watcher import PendingWatcher
 
@@ -120,8 +119,8 @@ class Daemon:
                                           Callable[[Engine, str], State | None]]] = []
         self.filed_hooks: list[Callable[[str, State], None]] = []
         self.parked_checks: list[Callable[[str], bool]] = []
-        self.watched_folders: list[Path] = []
-        self.folder_watchers: list[PendingWatcher] = []
+        self.wakeup_hooks: list[Callable[[Wakeup], None]] = []
+        self._unsubscribe: Callable[[], None] | None = None
         for plugin in engine.daemon_plugins:  # features register through the methods below
             plugin(self)
 
@@ -144,10 +143,10 @@ class Daemon:
         """``check(id)`` true: a handoff filed back to pending/ waits by design (not a retry)."""
         self.parked_checks.append(check)
 
-    def watch_folder(self, folder: Path) -> None:
-        """Rescan whenever something changes in ``folder`` (watched while serving; created if
-        absent). Without inotify the rescans still come, only later."""
-        self.watched_folders.append(folder)
+    def add_wakeup_hook(self, hook: Callable[[Wakeup], None]) -> None:
+        """Call ``hook(wakeup)`` for every hint of the backend's wake-up feed while this daemon
+        runs (e.g. a new cancel request); on any thread, so it must be quick and not raise."""
+        self.wakeup_hooks.append(hook)
 
     def running_job(self, handoff_id: str) -> Job | None:
         """The job this daemon is running for ``handoff_id``, if any."""
@@ -165,21 +164,26 @@ class Daemon:
                 return handler
         return None
 
-    def _start_folder_watchers(self) -> None:
-        for folder in self.watched_folders:
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                watcher = PendingWatcher(folder, lambda _id, _delay: self.request_rescan(),
-                                         self.request_rescan)
-                watcher.start()
-            except OSError as exc:  # e.g. no inotify left: rescans still see changes
-                log.warning("cannot watch %s (%s); changes there are seen at rescans", folder, exc)
-                continue
-            self.folder_watchers.append(watcher)
+    def _subscribe(self) -> None:
+        """Listen to the backend's wake-up feed when a feature asked for it."""
+        if not self.wakeup_hooks or self._unsubscribe is not None:
+            return
+        try:
+            self._unsubscribe = self.engine.backend.subscribe(self._on_wakeup)
+        except OSError as exc:  # e.g. no inotify left: rescans still see what changed
+            log.warning("cannot subscribe to wake-ups (%s); changes are seen at rescans", exc)
 
-    def _stop_folder_watchers(self) -> None:
-        while self.folder_watchers:
-            self.folder_watchers.pop().stop()
+    def _on_wakeup(self, wakeup: Wakeup) -> None:
+        for hook in self.wakeup_hooks:
+            try:
+                hook(wakeup)
+            except Exception:  # a feature's hook must not break the feed
+                log.exception("wake-up hook %r failed", hook)
+
+    def _unsubscribe_all(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
 
     # ------------------------------------------------------------ queue
     def notify(self, handoff_id: str, delay: float = 0.0) -> None:
@@ -212,9 +216,9 @@ class Daemon:
             except Exception:  # a feature's hook must not stop the scan
                 log.exception("scan hook %r failed", hook)
         try:
-            ids = self.engine.store.ids(State.PENDING)
+            ids = self.engine.backend.ids(State.PENDING)
         except OSError as exc:  # e.g. EIO, ENOMEM: the next rescan tries again
-            log.error("cannot list %s: %s; will rescan", self.engine.ws.state_dir(State.PENDING), exc)
+            log.error("cannot list the pending handoffs: %s; will rescan", exc)
             return 0
         with self.cv:
             if self.parked_ids:
@@ -381,48 +385,35 @@ class Daemon:
         self._submit(spec.agent, self._work, handoff_id)
 
     def _dispatch_unreadable(self, handoff_id: str) -> None:
-        """A pending file that cannot be read or routed: claim it when claiming sets it aside
+        """A pending document that cannot be read or routed: claim it when claiming sets it aside
         (an invalid document), look again later when the error is transient, else set it aside
-        straight from pending/ (a socket, a file we may not read, a reader crashing on it)."""
-        problem = queries.pending_problem(self.engine, handoff_id)
-        if problem is None:  # gone, or readable by now (rewritten): look again shortly
-            if self.engine.store.locate(handoff_id):
-                self.notify(handoff_id, self.settings.settle_seconds)
+        where it lies (a socket, a file we may not read, a reader crashing on it)."""
+        peek = self.engine.peek(handoff_id)  # look again: it may have been rewritten meanwhile
+        if peek is None:
             return
+        if peek.readable or peek.problem is None:  # readable by now: look again shortly
+            self.notify(handoff_id, self.settings.settle_seconds)
+            return
+        problem = peek.problem
         if problem.transient:
-            log.warning("handoff %s: %s; will look again in %ss", handoff_id, problem.message,
+            log.warning("handoff %s: %s; will look again in %ss", handoff_id, problem,
                         RETRY_LOOK_SECONDS)
             self.notify(handoff_id, RETRY_LOOK_SECONDS)
             return
         if problem.claimable:
             self._submit("", self._work, handoff_id)  # take() sets it aside with its code
             return
-        self._submit("", self._set_aside, handoff_id, State.PENDING, problem.code, problem.message)
+        self._submit("", self._set_aside, handoff_id, problem.code, str(problem))
 
-    def _set_aside(self, handoff_id: str, state: State, code: str, message: str) -> None:
-        """Quarantine ``state/<handoff_id>.json`` with ``code`` (the engine logs one line and
-        files a failure under the id when it is a safe, free one)."""
+    def _set_aside(self, handoff_id: str, code: str, message: str) -> None:
+        """Set a pending document aside with ``code`` (the engine logs one line and files a
+        failure under the id when it is a safe, free one)."""
         try:
-            self.engine._set_aside(self.engine.store.path(state, handoff_id), code, message,
-                                   handoff_id)
+            self.engine.set_aside(handoff_id, State.PENDING, code, message)
         except OSError as exc:
-            log.error("handoff %s: cannot set aside %s/%s.json (%s: %s): %s; will try again in %ss",
-                      handoff_id, state.value, handoff_id, code, message, exc, RETRY_LOOK_SECONDS)
-            if state is State.PENDING:
-                self.notify(handoff_id, RETRY_LOOK_SECONDS)
-
-    def _unreadable_claim(self, handoff_id: str) -> queries.ReadProblem | None:
-        """After take() failed with an OSError: if it is our just-renamed in-progress copy that
-        cannot be read (a socket, EACCES), why; None when the error lies elsewhere."""
-        path = self.engine.store.path(State.IN_PROGRESS, handoff_id)
-        try:
-            self.engine.store.read(State.IN_PROGRESS, handoff_id)
-        except (FileNotFoundError, InvalidDocument):
-            return None
-        except Exception as exc:
-            problem = queries.read_error(path, exc)
-            return None if problem.transient or problem.claimable else problem
-        return None
+            log.error("handoff %s: cannot set it aside (%s: %s): %s; will try again in %ss",
+                      handoff_id, code, message, exc, RETRY_LOOK_SECONDS)
+            self.notify(handoff_id, RETRY_LOOK_SECONDS)
 
     def _work(self, handoff_id: str) -> None:
         job: Job | None = None
@@ -450,10 +441,6 @@ class Daemon:
             log.error("%s", exc)
             self.notify(handoff_id, 1.0)
         except OSError as exc:  # disk full, permissions: report, and try again later
-            problem = self._unreadable_claim(handoff_id) if job is None else None
-            if problem is not None:  # the file itself cannot be read: never retried forever
-                self._set_aside(handoff_id, State.IN_PROGRESS, problem.code, problem.message)
-                return
             log.error("handoff %s: %s; will retry in %ss", handoff_id, exc, RETRY_LOOK_SECONDS)
             self.notify(handoff_id, RETRY_LOOK_SECONDS)
         except Exception:  # a bug must not kill the worker or lose the handoff
@@ -502,14 +489,14 @@ class Daemon:
             doubtful = set(self.waiting) | set(self.report.unroutable)
         if len(self.inflight) >= self.workers:
             return None
-        ids = [hid for hid in self.engine.store.ids(State.PENDING) if hid not in mine]
+        ids = [hid for hid in self.engine.backend.ids(State.PENDING) if hid not in mine]
         ids.sort(key=lambda hid: hid in doubtful)  # likely candidates first; bounded sample
         for handoff_id in ids[:STALL_SAMPLE]:
             peek = self.engine.peek(handoff_id)
             if peek is None:
                 continue
             if not peek.readable:
-                problem = queries.pending_problem(self.engine, handoff_id)
+                problem = peek.problem
                 if problem is not None and not problem.transient:
                     return handoff_id  # due to be set aside
                 continue
@@ -580,8 +567,9 @@ class Daemon:
         """Extend the lease of every job this process is running."""
         for job in list(self.active.values()):
             try:
-                if not self.engine.store.renew(job.claim, lease_seconds=self.settings.lease_seconds,
-                                               now=self.engine.clock()):
+                if not self.engine.backend.renew(job.claim, self.engine.clock(),
+                                                 self.settings.lease_seconds) \
+                        and job.handoff_id in self.active:  # (not merely filed meanwhile)
                     log.warning("handoff %s: claim was recovered by another process; its "
                                 "result will be discarded", job.handoff_id)
             except OSError as exc:
@@ -618,7 +606,7 @@ class Daemon:
             self.watcher = PendingWatcher(self.engine.ws.state_dir(State.PENDING), self.notify,
                                           self.request_rescan)
             self.watcher.start()
-        self._start_folder_watchers()
+        self._subscribe()
         if ready:
             ready()
         self._guarded_loop(batch=False)
@@ -629,7 +617,7 @@ class Daemon:
         (``report.error`` is set when the main loop died)."""
         self.engine.ws.ensure()
         self.report.sweep = self.sweep()
-        self._start_folder_watchers()
+        self._subscribe()
         self._guarded_loop(batch=True)
         return self.report
 
@@ -716,7 +704,7 @@ class Daemon:
     def _shutdown(self) -> None:
         if self.watcher:
             self.watcher.stop()
-        self._stop_folder_watchers()
+        self._unsubscribe_all()
         deadline = time.monotonic() + self.settings.grace_seconds
         with self.cv:
             while self.running and time.monotonic() < deadline and not self.hard_stop:

@@ -1,11 +1,7 @@
 """Read-only questions about a workspace (listing, validating) for the CLI and the library API."""
 from __future__ import annotations
 
-import errno
-import os
-import stat
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,72 +11,17 @@ from ..core.documents import book, next_attempt_at
 from ..core.engine import Engine
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.states import State
+from ..core.storage import Row
 from ..core.timeutil import iso
 from ..core.validation import SchemaCache
 from ..dialects import Dialect
 from ..features.lineage import conversation_of, parent_of
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
-# errors that say "not now" rather than "never": a file hit by them is looked at again later,
-# never set aside
-TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR,
-                              errno.ENOBUFS, errno.ESTALE, errno.EBUSY})
 
 
-@dataclass
-class ReadProblem:
-    """Why a pending file cannot be read or routed.
-
-    ``claimable``: an InvalidDocument, which claiming the file sets aside with ``code`` itself (it
-    knows about half-written files). Otherwise ``transient`` says whether to look again later, and
-    a problem that is neither (an OS refusal such as ENXIO or EACCES, or a reader crashing on the
-    content) means the file must be set aside without being claimed."""
-
-    code: str
-    message: str
-    claimable: bool = False
-    transient: bool = False
-
-
-def read_error(path: Path, exc: BaseException) -> ReadProblem:
-    """Describe an unexpected error met while reading or routing the document at ``path``."""
-    where = f"{path.parent.name}/{path.name}"
-    if isinstance(exc, InvalidDocument):
-        return ReadProblem(exc.code, str(exc), claimable=True)
-    if isinstance(exc, OSError):
-        try:
-            mode = os.lstat(path).st_mode
-        except OSError:
-            mode = stat.S_IFREG
-        if not stat.S_ISREG(mode):  # a socket or device: open() fails (ENXIO) before fstat sees it
-            kind = "socket" if stat.S_ISSOCK(mode) else "special file"
-            return ReadProblem(ErrorCode.NOT_A_REGULAR_FILE,
-                               f"{where} is a {kind}; documents must be regular files")
-        name = errno.errorcode.get(exc.errno or 0, "error")
-        return ReadProblem(ErrorCode.UNREADABLE_FILE, f"{where} cannot be read: {exc.strerror or exc} "
-                           f"({name})", transient=exc.errno in TRANSIENT_ERRNOS)
-    hint = " (it nests too deeply)" if isinstance(exc, RecursionError) else ""
-    return ReadProblem(ErrorCode.UNPROCESSABLE_DOCUMENT, f"{where} could not be processed{hint}: "
-                       f"{type(exc).__name__}: {str(exc)[:200]}")
-
-
-def pending_problem(engine: Engine, handoff_id: str) -> ReadProblem | None:
-    """Why ``pending/<handoff_id>.json`` cannot be read and routed; None when it can (or is gone).
-    Never raises: it is what the daemon and ``handoff ls`` ask when :meth:`Engine.peek` says
-    ``readable=False``."""
-    path = engine.store.path(State.PENDING, handoff_id)
-    try:
-        doc = engine.store.read(State.PENDING, handoff_id)
-        dialects.detect(doc).envelope(doc)
-        next_attempt_at(doc)
-    except FileNotFoundError:
-        return None
-    except Exception as exc:  # whatever it is, it is described, never raised
-        return read_error(path, exc)
-    return None
-
-
-def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mtime: float) -> dict[str, Any]:
+def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any],
+         updated: datetime) -> dict[str, Any]:
     target: str | None
     source: str | None
     try:
@@ -102,7 +43,7 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any], mti
         note = f"owner {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
     return {"id": handoff_id, "state": state.value, "from": source, "to": target,
             "attempt": block.get("attempt", 0), "dialect": block.get("dialect"),
-            "updated": iso(datetime.fromtimestamp(mtime, timezone.utc)), "note": note,
+            "updated": iso(updated), "note": note,
             "parent": parent_of(doc), "conversation": conversation_of(doc)}
 
 
@@ -115,8 +56,7 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
         return f"waiting: no specialist registered for {target}"
     peek = engine.peek(handoff_id)
     if peek is not None and not peek.readable:
-        problem = pending_problem(engine, handoff_id)
-        return f"{problem.code}: {problem.message}" if problem else ""
+        return f"{peek.problem.code}: {peek.problem}" if peek.problem else ""
     try:
         verdict = engine.gate(peek) if peek is not None else None
     except Exception as exc:  # a gate reading a broken dependency must not break the listing
@@ -135,48 +75,36 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
                   source: str | None = None, limit: int = 50,
                   conversation: str | None = None) -> list[dict[str, Any]]:
     """Newest-first rows describing handoffs (and quarantined files), filtered."""
-    stamped: list[tuple[float, State, str]] = []
-    states = [s for s in State if state in (None, s.value)]
-    for st in states:
-        for entry in engine.store.entries(st):
-            if not entry.name.endswith(".json"):
-                continue
-            try:
-                stamped.append((entry.stat(follow_symlinks=False).st_mtime, st, entry.name[:-5]))
-            except OSError:  # gone since the listing (or unstattable): nothing to show
-                continue
-    stamped.sort(reverse=True)
-    rows: list[dict[str, Any]] = []
-    for mtime, st, handoff_id in stamped:
-        if len(rows) >= limit:
-            break
+    described: dict[tuple[str, State], dict[str, Any]] = {}
+
+    def wanted(row: Row) -> bool:
         try:
-            doc = engine.store.read(st, handoff_id)
-        except FileNotFoundError:
-            continue
-        except InvalidDocument as exc:
-            if not conversation:
-                rows.append(_unreadable_row(st, handoff_id, f"{exc.code}: unreadable: "
-                                            f"{str(exc)[:200]}"))
-            continue
-        except Exception as exc:  # a socket, a file we may not read...: a row, never a failure
-            if not conversation:
-                problem = read_error(engine.store.path(st, handoff_id), exc)
-                rows.append(_unreadable_row(st, handoff_id, f"{problem.code}: {problem.message}"))
-            continue
-        try:
-            row = _row(engine, st, handoff_id, doc, mtime)
+            shown = _row(engine, row.state, row.id, row.doc, row.updated_at)
         except Exception as exc:  # one document a reader chokes on is a row, never a failure
-            if not conversation:
-                problem = read_error(engine.store.path(st, handoff_id), exc)
-                rows.append(_unreadable_row(st, handoff_id, f"{problem.code}: {problem.message}"))
-            continue
-        if (to and row["to"] != to) or (source and row["from"] != source) \
-                or (conversation and row["conversation"] != conversation):
-            continue
-        rows.append(row)
+            shown = _unreadable_row(row.state, row.id, f"{ErrorCode.UNPROCESSABLE_DOCUMENT}: "
+                                    f"{row.state.value}/{row.id}.json could not be processed: "
+                                    f"{type(exc).__name__}: {str(exc)[:200]}")
+            described[(row.id, row.state)] = shown
+            return not conversation
+        described[(row.id, row.state)] = shown
+        return not ((to and shown["to"] != to) or (source and shown["from"] != source)
+                    or (conversation and shown["conversation"] != conversation))
+
+    wanted_state = next((s for s in State if s.value == state), None)
+    rows: list[dict[str, Any]] = []
+    if state is None or wanted_state is not None:
+        for row in engine.backend.list(state=wanted_state, limit=limit, where=wanted,
+                                       unreadable=not conversation):
+            if row.problem is not None:
+                problem = row.problem
+                code = getattr(problem, "code", ErrorCode.UNREADABLE_FILE)
+                note = (f"{code}: unreadable: {str(problem)[:200]}" if getattr(problem, "claimable", False)
+                        else f"{code}: {problem}")
+                rows.append(_unreadable_row(row.state, row.id, note))
+            else:
+                rows.append(described[(row.id, row.state)])
     if state in (None, "quarantined") and not to and not source and not conversation:
-        for item in engine.store.quarantined()[-limit:]:
+        for item in engine.backend.quarantined()[-limit:]:
             rows.append({"id": item.get("stored_as"), "state": "quarantined", "from": None, "to": None,
                          "attempt": 0, "dialect": None, "updated": item.get("at"),
                          "note": f"{item.get('code')}: {str(item.get('message', ''))}"})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import copy
 import json
+import logging
 import os
 import socket
 import threading
@@ -28,7 +29,14 @@ from typing import Any, Callable, Collection
 from filelock import FileLock
 
 from ...core.documents import book, book_int
-from ...core.errors import DocumentNotReady, InvalidDocument, NotFound
+from ...core.errors import (
+    DocumentNotReady,
+    DuplicateHandoff,
+    ErrorCode,
+    InvalidDocument,
+    NotFound,
+    UnreadableDocument,
+)
 from ...core.states import State
 from ...core.timeutil import parse_iso
 from ...core.workspace import Workspace
@@ -45,21 +53,25 @@ from ..base import (
     Rows,
     Subscribers,
     WakeupCallback,
+    Where,
     describe_native,
     due_of,
     lease_block,
+    matches,
     safe_describe,
     select,
     updated_of,
     wait_via_feed,
 )
-from . import fsio
+from . import fsio, repair
+from .problems import read_error
 from .store import Claim as StoreClaim
 from .store import Store, release_lock, try_lock
 from .watch import FolderWatch
 
 # How far another host's clock may run behind ours before its live lease looks expired to us.
 CLOCK_TOLERANCE_SECONDS = 30.0
+log = logging.getLogger("handoffd")
 
 
 @dataclass(frozen=True)
@@ -77,8 +89,10 @@ class FilesBackend(FencedFiling, Backend):
     hints of other processes' writes for subscribers."""
 
     def __init__(self, store: Store, *, describe: Describe = describe_native,
-                 monotonic: Callable[[], float] = time.monotonic, watch: bool = True) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, watch: bool = True,
+                 claim_grace_seconds: float = 10.0) -> None:
         self.store = store
+        self.claim_grace_seconds = claim_grace_seconds
         self.ws = store.ws
         self.describe = describe
         self.monotonic = monotonic
@@ -91,11 +105,14 @@ class FilesBackend(FencedFiling, Backend):
     @classmethod
     def open(cls, workspace: Workspace, *, describe: Describe = describe_native,
              monotonic: Callable[[], float] = time.monotonic, watch: bool = True,
+             claim_grace_seconds: float = 10.0, ensure: bool = True,
              **store_options: Any) -> "FilesBackend":
-        """A backend on ``workspace`` (its folders are created); ``store_options`` go to Store."""
-        workspace.ensure()
+        """A backend on ``workspace`` (its folders are created unless ``ensure`` is False);
+        ``store_options`` go to Store."""
+        if ensure:
+            workspace.ensure()
         return cls(Store(workspace, **store_options), describe=describe, monotonic=monotonic,
-                   watch=watch)
+                   watch=watch, claim_grace_seconds=claim_grace_seconds)
 
     def _folders(self) -> dict[Path, str]:
         return {self.ws.state_dir(State.PENDING): State.PENDING.value,
@@ -117,27 +134,55 @@ class FilesBackend(FencedFiling, Backend):
     def list(self, *, state: State | None = None, target: str | None = None,
              conversation: str | None = None, parent: str | None = None,
              since: datetime | None = None, limit: int | None = None,
-             order: Order = "newest") -> Rows:
-        where: dict[str, builtins.list[State]] = {}
-        for st in State:
-            for handoff_id in self.store.ids(st):
-                where.setdefault(handoff_id, []).append(st)
-        rows = [row for handoff_id, states in where.items()
-                if (row := self._row(handoff_id, states)) is not None]
-        return select(rows, state=state, target=target, conversation=conversation, parent=parent,
-                      since=since, limit=limit, order=order)
+             order: Order = "newest", where: Where | None = None,
+             unreadable: bool = False) -> Rows:
+        filters: dict[str, Any] = {"state": state, "target": target, "conversation": conversation,
+                                   "parent": parent, "since": since, "where": where}
+        if order == "due":  # by what the documents say: every one is read
+            every = [row for _, st, hid in self._stamped(state)
+                     if (row := self._row(hid, st, unreadable)) is not None]
+            return select([r for r in every if r.problem is None], limit=limit, order=order,
+                          **filters)
+        # newest/oldest: by modification time, so that only what is shown is read (a listing of
+        # a few rows stays cheap with 100,000 finished documents)
+        stamped = sorted(self._stamped(state), key=lambda s: (s[0], s[2]), reverse=order == "newest")
+        rows: Rows = []
+        for _, st, handoff_id in stamped:
+            if limit is not None and len(rows) >= limit:
+                break
+            row = self._row(handoff_id, st, unreadable)
+            if row is not None and (row.problem is not None or matches(row, **filters)):
+                rows.append(row)
+        return rows
 
-    def _row(self, handoff_id: str, states: builtins.list[State]) -> Row | None:
+    def _stamped(self, state: State | None) -> builtins.list[tuple[float, State, str]]:
+        """(mtime, state, id) of every document file in ``state`` (all states: None)."""
+        found = []
+        for st in ([state] if state is not None else State):
+            for entry in self.store.entries(st):
+                if not entry.name.endswith(".json"):
+                    continue
+                try:
+                    found.append((entry.stat(follow_symlinks=False).st_mtime, st, entry.name[:-5]))
+                except OSError:  # gone since the listing (or unstattable): nothing to show
+                    continue
+        return found
+
+    def _row(self, handoff_id: str, state: State, unreadable: bool) -> Row | None:
+        path = self.store.path(state, handoff_id)
         try:
-            if len(states) == 1:  # the common case: one read, no winner to pick
-                st, doc = states[0], self.store.read(states[0], handoff_id)
-            else:
-                st, doc = self.store.get(handoff_id)
-            mtime = os.stat(self.store.path(st, handoff_id)).st_mtime
-        except (OSError, InvalidDocument, NotFound):
-            return None  # gone since the listing, or unreadable: not listed
-        stamp = datetime.fromtimestamp(mtime, timezone.utc)
-        return Row(handoff_id, st, doc, safe_describe(self.describe, doc), due_of(doc, stamp),
+            stamp = datetime.fromtimestamp(os.stat(path, follow_symlinks=False).st_mtime,
+                                           timezone.utc)
+            doc = self.store.read(state, handoff_id)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # a socket, EACCES, invalid JSON...: a row only when asked
+            if not unreadable:
+                return None
+            now = datetime.now(timezone.utc)
+            return Row(handoff_id, state, {}, Meta(None), now, now,
+                       problem=read_error(path, exc, handoff_id))
+        return Row(handoff_id, state, doc, safe_describe(self.describe, doc), due_of(doc, stamp),
                    updated_of(doc, stamp))
 
     # ------------------------------------------------------------ claims
@@ -195,12 +240,65 @@ class FilesBackend(FencedFiling, Backend):
         DocumentNotReady (still being written; put back), DuplicateHandoff (an in-progress copy
         exists) and InvalidDocument (unreadable; left in in-progress/ for the caller to set
         aside)."""
-        handle = self.store.claim(handoff_id, lease_seconds=lease_seconds, now=now,
-                                  on_claim=prepare)
+        try:
+            handle = self.store.claim(handoff_id, lease_seconds=lease_seconds, now=now,
+                                      on_claim=prepare)
+        except OSError as exc:  # renamed, then unreadable (a socket, EACCES): say why, once
+            problem = self._in_progress_problem(handoff_id, exc)
+            if problem is None:
+                raise
+            raise problem from exc
         if handle is None or handle.token is None:
             return None
+        try:
+            runs = self._resolve_copies(handle)
+        except BaseException:
+            release_lock(handle.lock)
+            raise
+        if not runs:
+            return None
         self._watched(handoff_id, handle.doc)
-        return Claim(handoff_id, handle.doc, handle.token, handle.attempt, handle)
+        return Claim(handoff_id, handle.doc, handle.token, handle.attempt, handle,
+                     raw=handle.prior_revision == 0)
+
+    def _in_progress_problem(self, handoff_id: str, exc: OSError) -> UnreadableDocument | None:
+        """After a claim failed with an OSError: if it is the just-renamed in-progress copy that
+        cannot be read (a socket, EACCES), why; None when the error lies elsewhere."""
+        try:
+            self.store.read(State.IN_PROGRESS, handoff_id)
+        except (FileNotFoundError, InvalidDocument):
+            return None
+        except Exception as err:
+            problem = read_error(self.store.path(State.IN_PROGRESS, handoff_id), err, handoff_id)
+            return None if problem.transient or problem.claimable else problem
+        return None
+
+    def _resolve_copies(self, claim: StoreClaim) -> bool:
+        """Another copy of this id elsewhere? The higher trusted revision wins, and a completed
+        copy always does (nothing leaves completed/). True: ours runs."""
+        handoff_id, previous = claim.handoff_id, claim.prior_revision
+        for state in (State.COMPLETED, State.FAILED, State.PENDING):
+            try:
+                other = self.store.read(state, handoff_id)
+            except FileNotFoundError:
+                continue
+            except InvalidDocument:
+                other = {}
+            theirs = self.store.trusted_revision(other, state, handoff_id)
+            if state is State.PENDING and theirs == 0:
+                continue  # a raw duplicate: its own claim will set it aside
+            if previous == 0 and state is not State.PENDING:  # a raw document reusing an id
+                self._quarantine(State.IN_PROGRESS, handoff_id, ErrorCode.DUPLICATE_HANDOFF_ID,
+                                 f"handoff {handoff_id} already exists in {state.value}/; a "
+                                 "second document with the same id is never run")
+                release_lock(claim.lock)
+                return False
+            if state is State.COMPLETED or theirs > previous:  # ours is a leftover
+                self.store.path(State.IN_PROGRESS, handoff_id).unlink(missing_ok=True)
+                release_lock(claim.lock)
+                return False
+            self.store.path(state, handoff_id).unlink(missing_ok=True)
+        return True
 
     def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
         handle: StoreClaim = claim.handle
@@ -224,7 +322,7 @@ class FilesBackend(FencedFiling, Backend):
         taken: Claims = []
         for handoff_id in self.store.ids(State.IN_PROGRESS):
             # one recoverer at a time per handoff (the sweeper takes the same guard)
-            guard = try_lock(self.ws.locks / f"{handoff_id}.recover.lock")
+            guard = repair.recover_guard(self.store, handoff_id)
             if guard is None:
                 continue
             try:
@@ -250,6 +348,19 @@ class FilesBackend(FencedFiling, Backend):
         if verdict is None:
             return None
         old_lock, reason = verdict
+        try:
+            current = self.store.read(State.IN_PROGRESS, handoff_id)
+        except (OSError, InvalidDocument):
+            current = {}
+        mine = self.store.trusted_revision(current, State.IN_PROGRESS, handoff_id)
+        if book(current).get("lease") != held or repair.is_leftover(self.store, handoff_id, mine):
+            if current and book(current).get("lease") == held:  # the owner filed, then died
+                self.store.path(State.IN_PROGRESS, handoff_id).unlink(missing_ok=True)
+                log.warning("recovering %s: a newer copy exists; removed the in-progress one",
+                            handoff_id)
+            if old_lock is not None:
+                release_lock(old_lock)
+            return None
         token = uuid.uuid4().hex
         lock = FileLock(str(self.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
         lock.acquire()
@@ -310,6 +421,65 @@ class FilesBackend(FencedFiling, Backend):
                 self._lease_watch[handoff_id] = (f"{held.get('token')}/{held.get('expires_at')}",
                                                  self.monotonic())
 
+    # ------------------------------------------------------------ what the engine and sweeper add
+    def ids(self, state: State) -> builtins.list[str]:
+        return self.store.ids(state)
+
+    def peek(self, handoff_id: str) -> Doc | None:
+        try:
+            return self.store.read(State.PENDING, handoff_id)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # one bad file must never stop the scheduler or `handoff ls`
+            raise read_error(self.store.path(State.PENDING, handoff_id), exc, handoff_id) from exc
+
+    def abandon(self, claim: Claim) -> None:
+        release_lock(claim.handle.lock)
+
+    def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
+                  claim: Claim | None = None) -> bool:
+        try:
+            return self._quarantine(state, handoff_id, code, message)
+        finally:
+            if claim is not None:
+                claim.handle.finished = True
+                release_lock(claim.handle.lock)
+
+    def _quarantine(self, state: State, handoff_id: str, code: str, message: str) -> bool:
+        try:
+            self.store.quarantine(self.store.path(state, handoff_id), code, message)
+        except FileNotFoundError:
+            return False
+        with self._mutex:
+            self._pending.pop(handoff_id, None)
+        return True
+
+    def quarantined(self) -> builtins.list[Doc]:
+        return self.store.quarantined()
+
+    def create_failed(self, handoff_id: str, doc: Doc) -> bool:
+        if self.store.locate(handoff_id):
+            return False
+        try:
+            self.store.write_new(State.FAILED, doc)
+        except DuplicateHandoff:
+            return False
+        self._subscribers.fire(handoff_id, State.FAILED.value)
+        return True
+
+    def reopen(self, handoff_id: str, doc: Doc) -> bool:
+        try:
+            self.store.move(handoff_id, State.FAILED, State.PENDING, doc)
+        except FileNotFoundError:
+            return False
+        self._subscribers.fire(handoff_id, State.PENDING.value)
+        return True
+
+    def maintain(self, now: datetime, *,
+                 skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:
+        return repair.repair(self.store, now, claim_grace_seconds=self.claim_grace_seconds,
+                             skip=skip)
+
     # ------------------------------------------------------------ cancel requests
     def _cancel_dir(self) -> Path:
         return self.ws.meta / "cancel"  # where handoffd.features.cancellation keeps them too
@@ -359,7 +529,12 @@ class FilesBackend(FencedFiling, Backend):
         remove = self._subscribers.add(callback)
         if self._watch is not None:
             self._watch.start()
-        return remove
+
+        def unsubscribe() -> None:
+            remove()
+            if self._watch is not None and not len(self._subscribers):
+                self._watch.stop()  # nobody listens: no watch thread left behind
+        return unsubscribe
 
     def close(self) -> None:
         if self._watch is not None:

@@ -511,7 +511,7 @@ def worker_envelope(engine: "Engine", handoff_id: str) -> dict[str, Any]:
     Raises NotFound, or HandoffdError when the handoff carries no contract."""
     from ... import dialects
 
-    state, doc = engine.store.get(handoff_id)
+    state, doc = engine.get(handoff_id)
     block = book(doc)
     request = given if isinstance(given := block.get("request_snapshot"), dict) else doc
     try:

@@ -85,10 +85,12 @@ class Reservations:
     def alive(self, record: dict[str, Any]) -> bool:
         """True while the record's handoff is in progress under the same claim."""
         try:
-            doc = self.engine.store.read(State.IN_PROGRESS, record["handoff_id"])
-        except (FileNotFoundError, InvalidDocument):
+            found = self.engine.backend.get(record["handoff_id"])
+        except InvalidDocument:
             return False
-        held = book(doc).get("lease")
+        if found is None or found[0] is not State.IN_PROGRESS:
+            return False
+        held = book(found[1]).get("lease")
         return isinstance(held, dict) and held.get("token") == record.get("token")
 
     def live(self) -> list[dict[str, Any]]:

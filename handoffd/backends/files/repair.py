@@ -1,0 +1,210 @@
+"""The files backend's own repairs (:meth:`FilesBackend.maintain`), run by every sweep.
+
+* a handoff present in two folders keeps the copy the state machine picks (``states.winner``);
+* a claim whose claimer died after its rename into in-progress/ but before it recorded a lease
+  goes back to pending/ without spending an attempt (the handler never started);
+* orphaned temp files and lock files of finished claims are removed;
+* the seen-ids record is compacted to its TTL.
+
+Claims whose owner died *after* recording a lease are taken over by
+:meth:`FilesBackend.expired_claims`, and the engine files them by their retry policy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Collection
+
+from ...core.documents import book, record
+from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.states import State, winner
+from . import fsio
+from .store import Store, release_lock, try_lock
+
+TMP_MAX_AGE_SECONDS = 300.0
+log = logging.getLogger("handoffd")
+Repairs = dict[str, list[str]]
+
+
+def repair(store: Store, now: datetime, *, claim_grace_seconds: float,
+           skip: Collection[str] = ()) -> Repairs:
+    """Run every repair once, each isolated: one that fails is logged and the others go on."""
+    done: Repairs = {"recovered": [], "duplicates_resolved": [], "temp_files_removed": [],
+                     "locks_removed": []}
+    _step("resolving duplicate copies", resolve_duplicates, store, done)
+    try:
+        in_progress = store.ids(State.IN_PROGRESS)
+    except OSError as exc:
+        log.error("sweep: cannot list in-progress/: %s", exc)
+        in_progress = []
+    for handoff_id in in_progress:
+        if handoff_id not in skip:
+            _step(f"recovering {handoff_id}", _unleased_guarded, store, handoff_id,
+                  claim_grace_seconds, now, done)
+    _step("removing orphaned files", remove_orphans, store, done)
+    _step("compacting the seen-ids record", lambda: store.seen.compact(now))
+    return done
+
+
+def _step(what: str, func: Any, *args: Any) -> None:
+    """Run one repair; a failure is one log line (with the traceback for bugs), never the sweep."""
+    try:
+        func(*args)
+    except OSError as exc:
+        log.error("sweep: %s failed: %s; the next sweep tries again", what, exc)
+    except Exception:  # a repair bug must not stop the other repairs
+        log.exception("sweep: %s failed; the next sweep tries again", what)
+
+
+def recover_guard(store: Store, handoff_id: str) -> Any:
+    """The per-handoff recovery lock (None: another process is recovering it right now)."""
+    return try_lock(store.ws.locks / f"{handoff_id}.recover.lock")
+
+
+def _unleased_guarded(store: Store, handoff_id: str, grace: float, now: datetime,
+                      done: Repairs) -> None:
+    # one sweeper at a time per handoff: several daemons sweep the same workspace, and a claim
+    # without a lease has no claim lock to guard it
+    guard = recover_guard(store, handoff_id)
+    if guard is None:
+        return
+    try:
+        recover_unleased(store, handoff_id, grace, now, done)
+    except DuplicateHandoff as exc:  # a copy appeared in pending/ meanwhile
+        log.warning("recovering %s: %s; the next sweep resolves the copies", handoff_id, exc)
+    finally:
+        release_lock(guard)
+
+
+def recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime,
+                     done: Repairs) -> None:
+    """Hand back an in-progress handoff whose claimer died before recording its lease."""
+    path = store.path(State.IN_PROGRESS, handoff_id)
+    try:
+        doc = store.read(State.IN_PROGRESS, handoff_id)
+        ctime = path.stat().st_ctime
+    except (FileNotFoundError, InvalidDocument):
+        return  # gone, or unreadable: the daemon sets unreadable files aside
+    # a claim's own rewrite seals it for in-progress/ with a lease; a claimer that died right
+    # after its rename leaves the pending seal (or none, for a raw document)
+    if store.trusted_revision(doc, State.IN_PROGRESS, handoff_id) > 0 \
+            and isinstance(book(doc).get("lease"), dict):
+        return  # a leased claim: expired_claims judges its owner
+    if time.time() - ctime < grace:
+        return  # the claimer may be recording its lease right now
+    mine = store.trusted_revision(doc, State.PENDING, handoff_id, State.IN_PROGRESS)
+    if is_leftover(store, handoff_id, mine):
+        path.unlink(missing_ok=True)
+        done["duplicates_resolved"].append(handoff_id)
+        return
+    if mine == 0:
+        undo_claim(store, handoff_id)  # raw: put it back exactly as it came
+    else:  # ours: back to pending/ with the attempt it had (the lease write counts attempts)
+        book(doc).pop("lease", None)
+        record(doc, "handed_back", now,
+               reason="claimer died before recording its lease")
+        store.move(handoff_id, State.IN_PROGRESS, State.PENDING, doc)
+    done["recovered"].append(handoff_id)
+
+
+def is_leftover(store: Store, handoff_id: str, mine: int) -> bool:
+    """Did the owner die after writing the handoff's next copy (a newer one elsewhere, or any
+    completed one)? Then the in-progress copy of trusted revision ``mine`` is a leftover."""
+    for state in (State.COMPLETED, State.FAILED, State.PENDING):
+        theirs = revision_at(store, state, handoff_id)
+        if theirs > mine or (state is State.COMPLETED and theirs >= 0):
+            return True
+    return False
+
+
+def undo_claim(store: Store, handoff_id: str) -> None:
+    """A raw document whose claimer died before admitting it goes back to pending/ untouched
+    (its bookkeeping is not ours to rewrite; admission will treat it as new)."""
+    try:
+        fsio.rename_noreplace(store.path(State.IN_PROGRESS, handoff_id),
+                              store.path(State.PENDING, handoff_id))
+    except FileNotFoundError:
+        return
+    except FileExistsError:  # a pending copy appeared meanwhile: keep one, quarantine the other
+        store.quarantine(store.path(State.IN_PROGRESS, handoff_id), ErrorCode.DUPLICATE_HANDOFF_ID,
+                         f"handoff {handoff_id} was pending twice; a second document is never run")
+
+
+def revision_at(store: Store, state: State, handoff_id: str) -> int:
+    """Trusted revision of the copy in ``state``: -1 absent, 0 unsealed or unreadable."""
+    try:
+        return store.trusted_revision(store.read(state, handoff_id), state, handoff_id)
+    except FileNotFoundError:
+        return -1
+    except InvalidDocument:
+        return 0
+
+
+def resolve_duplicates(store: Store, done: Repairs) -> None:
+    """Where one id has files in several folders, keep the winner and remove the others.
+    A raw (never-handled) duplicate in pending/ is quarantined rather than deleted."""
+    where: dict[str, list[State]] = {}
+    for state in State:
+        for handoff_id in store.ids(state):
+            where.setdefault(handoff_id, []).append(state)
+    for handoff_id, states in where.items():
+        if len(states) < 2:
+            continue
+        copies: list[tuple[State, dict[str, Any]]] = []
+        for state in states:
+            try:
+                copies.append((state, store.read(state, handoff_id)))
+            except FileNotFoundError:
+                continue
+            except InvalidDocument:
+                copies.append((state, {}))
+        if len(copies) < 2 or any(s is State.IN_PROGRESS for s, _ in copies):
+            continue  # in-progress pairs are settled by recovery, once the owner is gone
+        best = winner([(s, store.trusted_revision(d, s, handoff_id)) for s, d in copies])
+        for index, (state, doc) in enumerate(copies):
+            if index == best:
+                continue
+            path = store.path(state, handoff_id)
+            try:
+                if state is State.PENDING and store.trusted_revision(doc, state, handoff_id) == 0:
+                    store.quarantine(path, ErrorCode.DUPLICATE_HANDOFF_ID,
+                                     f"handoff {handoff_id} already exists in "
+                                     f"{copies[best][0].value}/; a second document is never run")
+                else:
+                    path.unlink()
+            except FileNotFoundError:
+                continue
+        done["duplicates_resolved"].append(handoff_id)
+
+
+def remove_orphans(store: Store, done: Repairs) -> None:
+    """Delete temp files older than a few minutes and lock files no claim uses."""
+    ws = store.ws
+    cutoff = time.time() - TMP_MAX_AGE_SECONDS
+    for entry in _scan(ws.tmp):
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                os.unlink(entry.path)
+                done["temp_files_removed"].append(entry.name)
+        except FileNotFoundError:
+            continue
+    active = set(store.ids(State.IN_PROGRESS))
+    for entry in _scan(ws.locks):
+        handoff_id = entry.name.rsplit(".", 2)[0] if entry.name.endswith(".lock") else None
+        if handoff_id is None or handoff_id in active:
+            continue
+        lock = try_lock(ws.locks / entry.name)
+        if lock is not None:
+            release_lock(lock)
+            done["locks_removed"].append(entry.name)
+
+
+def _scan(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as entries:
+            return list(entries)
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,271 @@
+"""The storage interface every backend implements: files (the embedded default), memory (tests)
+and PostgreSQL. It lives in the core because the engine is written against it; the backends
+(``handoffd.backends``) implement it and share their helpers in ``backends/base.py``.
+
+It is stated in terms a database can implement. A backend keeps whole documents and, beside each,
+what scheduling needs: its state, routing facts (:class:`Meta`, computed by a ``describe``
+function the backend is given, so it never needs to know the document formats), a due time and
+the current claim's token. Policy (retry or fail, which event to record, gates) stays with the
+engine; a backend only makes each transition atomic and fenced.
+
+What a backend writes into the ``handoffd`` bookkeeping block itself: on :meth:`Backend.create`
+the block is reset to ``{"id": ...}`` plus a ``created`` history event; on a claim ``attempt``
+(+1), ``lease`` and a ``claimed`` event, and ``next_attempt_at`` is dropped; on
+:meth:`Backend.requeue` ``next_attempt_at``, ``attempt`` (-1 when the attempt does not count) and
+no ``lease``; on :meth:`Backend.finish` no ``lease``. Any other transition event (``completed``,
+``retry_scheduled``, ``recovered``...) is recorded by the caller with
+:func:`handoffd.core.documents.record` before it calls finish or requeue.
+
+Some stores hold documents written by others (the files backend: agents drop JSON into
+pending/). Such a document is *raw*: its bookkeeping is not ours (``Claim.raw``), it may be
+unreadable (:meth:`Backend.peek` raises UnreadableDocument) and may have to be set aside
+(:meth:`Backend.set_aside`). A database backend never meets those cases, but answers the same
+calls.
+"""
+from __future__ import annotations
+
+import builtins
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Callable, Collection, Literal, Protocol, runtime_checkable
+
+from .documents import BOOK, priority_rank
+from .states import State
+
+Doc = dict[str, Any]
+Order = Literal["newest", "oldest", "due"]
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What scheduling and listing need to know of a document, whatever its format.
+
+    ``target`` None: the document cannot be routed, so :meth:`Backend.claim_next` never hands it
+    out (it can still be claimed by id, to be set aside)."""
+
+    target: str | None
+    priority: int = 2
+    conversation: str | None = None
+    parent: str | None = None
+
+
+Describe = Callable[[Doc], Meta]
+
+
+@dataclass
+class Claim:
+    """A handoff one caller holds in progress.
+
+    ``doc`` is the caller's copy of the in-progress document (it may change it and pass it to
+    finish or requeue). ``token`` fences every later write: once the handoff was requeued,
+    finished or taken over (:meth:`Backend.expired_claims`), writes with this claim do nothing.
+    ``handle`` is private to the backend that made the claim (files: the store's claim with its
+    flock). ``recovered`` says why the claim was taken over from a previous owner, else None."""
+
+    id: str
+    doc: Doc
+    token: str
+    attempt: int
+    handle: Any = field(default=None, repr=False, compare=False)
+    recovered: str | None = None
+    raw: bool = False  # a document from outside: the bookkeeping it carried was not ours
+
+
+@dataclass(frozen=True)
+class Row:
+    """One handoff as :meth:`Backend.list` returns it."""
+
+    id: str
+    state: State
+    doc: Doc
+    meta: Meta
+    due_at: datetime
+    updated_at: datetime
+    problem: Exception | None = None  # a document that cannot be read (``list(unreadable=True)``)
+
+
+Where = Callable[[Row], bool]
+
+
+@dataclass(frozen=True)
+class Wakeup:
+    """A hint that something may be worth looking at: ``kind`` is the state a handoff entered
+    (a :class:`State` value) or ``"cancel"`` for a new cancel request."""
+
+    handoff_id: str
+    kind: str
+
+
+WakeupCallback = Callable[[Wakeup], None]
+Rows = list[Row]
+Claims = list[Claim]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Durable storage for handoff documents and their scheduling state (thread-safe)."""
+
+    def create(self, doc: Doc, handoff_id: str, now: datetime) -> None:
+        """Store a new document as pending, only if ``handoff_id`` is free: raise
+        DuplicateHandoff when a handoff with that id exists in any state, or the id was seen
+        within the dedup TTL. Stamps the bookkeeping block (see the module docstring), records
+        the id as seen and wakes subscribers. The caller's dict is not changed or kept."""
+        ...
+
+    def get(self, handoff_id: str) -> tuple[State, Doc] | None:
+        """The current state and a copy of the document, or None when the id is unknown."""
+        ...
+
+    def list(self, *, state: State | None = None, target: str | None = None,
+             conversation: str | None = None, parent: str | None = None,
+             since: datetime | None = None, limit: int | None = None,
+             order: Order = "newest", where: Where | None = None,
+             unreadable: bool = False) -> Rows:
+        """Handoffs matching every given filter (``since``: updated at or after it; ``where``: a
+        predicate of the caller's, applied before ``limit``). ``order``: ``newest``/``oldest`` by
+        last update, ``due`` as :meth:`claim_next` would hand them out. Documents that cannot be
+        read are left out, unless ``unreadable``: then each is a row with an empty ``doc``, no
+        routing facts and its ``problem`` (``where`` is not asked about it)."""
+        ...
+
+    def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float, *,
+                   exclude: Collection[str] = (),
+                   prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        """Claim the most urgent due pending handoff for one of ``targets``: lowest priority
+        rank first, then earliest due time (its retry time, else its creation time), then id.
+        Handoffs not yet due, for other targets, or in ``exclude`` are skipped. Concurrent
+        callers (threads, processes, hosts) never get the same handoff. ``prepare`` may mark
+        the document as claimed (its format's status) before it is written in progress.
+        None when nothing is due."""
+        ...
+
+    def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
+              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        """Claim one pending handoff by id, due or not (to cancel or reject it). None when it is
+        not pending (unknown, elsewhere, or another claimer won)."""
+        ...
+
+    def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
+        """Extend the claim's lease to ``now + lease_seconds``. False when the claim no longer
+        holds the handoff (finished, requeued or taken over): its work must be discarded."""
+        ...
+
+    def finish(self, claim: Claim, state: State, doc: Doc) -> bool:
+        """File ``doc`` in a terminal ``state`` (completed or failed) if ``claim`` still holds the
+        handoff. False, with nothing written, when it does not: a lost claim never files twice.
+        A claim finishes at most once."""
+        ...
+
+    def requeue(self, claim: Claim, doc: Doc, due_at: datetime | None, *,
+                count_attempt: bool) -> bool:
+        """Put a claimed handoff back in pending, due at ``due_at`` (None: due now, in its
+        original place in line). ``count_attempt=False`` (a graceful hand-back) gives the attempt
+        back. Fenced like :meth:`finish`."""
+        ...
+
+    def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
+        """Take over every in-progress handoff whose owner is gone: its lease expired by ``now``
+        (or, where the backend can tell, its owner died). Each comes back as a new claim with a
+        fresh token and lease, so the old owner's renew and finish fail from now on; the caller
+        finishes or requeues it by its retry policy."""
+        ...
+
+    def request_cancel(self, handoff_id: str, request: Doc) -> None:
+        """Record (or replace) a request to cancel ``handoff_id``, and wake subscribers."""
+        ...
+
+    def cancel_request(self, handoff_id: str) -> Doc | None:
+        """The cancel request recorded for ``handoff_id``, or None."""
+        ...
+
+    def cancel_requests(self) -> dict[str, Doc]:
+        """Every recorded cancel request, by handoff id."""
+        ...
+
+    def clear_cancel(self, handoff_id: str) -> None:
+        """Forget the cancel request of ``handoff_id`` (no error when there is none)."""
+        ...
+
+    def seen_add(self, handoff_id: str, now: datetime) -> None:
+        """Record ``handoff_id`` as used at ``now`` (dedup of documents arriving from outside)."""
+        ...
+
+    def seen_contains(self, handoff_id: str, now: datetime) -> bool:
+        """True when ``handoff_id`` was recorded within the dedup TTL before ``now``."""
+        ...
+
+    def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
+        """Block until ``handoff_id`` is completed or failed and return it. NotFound when it does
+        not exist; WaitTimeout after ``timeout`` seconds (None: no limit)."""
+        ...
+
+    def subscribe(self, callback: WakeupCallback) -> Callable[[], None]:
+        """Call ``callback`` (on any thread) with hints: a handoff entered pending or a terminal
+        state, or a cancel request arrived. Hints may repeat or come late; writes of other
+        processes count where the backend can see them. Returns the unsubscribe function."""
+        ...
+
+    # ------------------------------------------------------------ what the engine and sweeper add
+    def ids(self, state: State) -> builtins.list[str]:
+        """Ids of the handoffs in ``state`` (cheap: no document is read)."""
+        ...
+
+    def peek(self, handoff_id: str) -> Doc | None:
+        """A copy of the pending document ``handoff_id`` (None when it is not pending), to route
+        it before claiming. Raises UnreadableDocument when the stored document cannot be read."""
+        ...
+
+    def abandon(self, claim: Claim) -> None:
+        """Give up a claim without filing it (the caller failed midway): its lease stays until
+        recovery (:meth:`expired_claims`) takes it over."""
+        ...
+
+    def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
+                  claim: Claim | None = None) -> bool:
+        """Move the document ``handoff_id`` out of ``state`` into quarantine with ``code`` and
+        ``message`` (a document that must never run: unreadable, unsafe, a duplicate). With
+        ``claim`` (state in-progress) the claim ends too. False when nothing was there."""
+        ...
+
+    def quarantined(self) -> builtins.list[Doc]:
+        """The reasons recorded for documents set aside, oldest first."""
+        ...
+
+    def create_failed(self, handoff_id: str, doc: Doc) -> bool:
+        """Store ``doc`` as a failed handoff under an id nothing holds (the stub of a document set
+        aside, so that waiters on the id end). False when the id is taken."""
+        ...
+
+    def reopen(self, handoff_id: str, doc: Doc) -> bool:
+        """Put a failed handoff back in pending as ``doc`` (``handoff retry``). False when it is
+        no longer failed; DuplicateHandoff when a pending copy exists already."""
+        ...
+
+    def maintain(self, now: datetime, *, skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:
+        """The backend's own repairs, run by every sweep (files: duplicate copies, claims that
+        died before recording a lease, orphaned temp and lock files, the seen-ids record).
+        ``skip``: ids this process is working on. Returns what it did, by kind of repair."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds (watch threads, connections)."""
+        ...
+
+
+def describe_native(doc: Doc) -> Meta:
+    """The default ``describe``: seed-001 fields (``target.agent_id``, ``priority``,
+    ``conversation_id``, ``parent_id``, also read from ``handoffd.request_snapshot``)."""
+    sources = [doc]
+    block = doc.get(BOOK)
+    if isinstance(block, dict):
+        snap = block.get("request_snapshot")
+        sources += [snap] if isinstance(snap, dict) else []
+        sources.append(block)
+    target = next((t["agent_id"] for s in sources if isinstance(t := s.get("target"), dict)
+                   and isinstance(t.get("agent_id"), str)), None)
+    return Meta(target, priority_rank(doc.get("priority")), _first_str(sources, "conversation_id"),
+                _first_str(sources, "parent_id"))
+
+
+def _first_str(sources: list[Doc], key: str) -> str | None:
+    return next((v for s in sources if isinstance(v := s.get(key), str) and v), None)

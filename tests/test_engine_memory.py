@@ -1,0 +1,171 @@
+"""The engine and its features on the in-memory backend: no file in handoffs/, time moved by hand.
+
+The same lifecycle the file store runs (retries with backoff, permanent failures and `handoff
+retry`, dependencies, delegation with aggregation, cancellation, recovery of an expired lease),
+proving that the engine, the features and the daemon reach storage only through the Backend
+interface."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from handoffd import Daemon, Engine, Registry, State, Workspace, build_engine, new_native_request
+from handoffd.backends.memory import MemoryBackend
+from handoffd.core.config import Config, DaemonSettings, RetryPolicy
+from handoffd.core.documents import book
+from handoffd.features import cancellation
+from handoffd.service.sweeper import requeue_failed, sweep
+
+
+class Clock:
+    """A wall clock moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+CALLS: list[tuple[str, int]] = []
+
+
+def flaky(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Fails (retryably) on the first attempt when asked to, else echoes its data."""
+    CALLS.append((ctx.handoff_id, ctx.attempt))
+    data = ctx.data or {}
+    if data.get("fail") == "always":
+        return {"status": "failed", "error": {"code": "PROCESSING_ERROR", "message": "no",
+                                              "retryable": False}}
+    if data.get("fail") == "once" and ctx.attempt == 1:
+        return {"status": "failed", "error": {"code": "PROCESSING_ERROR", "message": "flaky"}}
+    return {"status": "completed", "output": {"echo": data}}
+
+
+def dispatch(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Delegates to two @echo children."""
+    return {"status": "delegated", "aggregation": "all_success", "summary": "fan-out",
+            "delegate": [{"to": "@echo", "data": {"n": 1}}, {"to": "@echo", "data": {"n": 2}}]}
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Engine, Clock, MemoryBackend]:
+    CALLS.clear()
+    clock = Clock()
+    ws = Workspace(tmp_path)
+    ws.ensure()
+    config = Config(daemon=DaemonSettings(lease_seconds=30),
+                    retry=RetryPolicy(max_retries=2, retry_delay_seconds=10))
+    registry = Registry()
+    for agent, func in (("@echo", flaky), ("@boss", dispatch)):
+        registry.add_function(agent, func, config=config, concurrency=2)
+    backend = MemoryBackend()
+    return build_engine(ws, config, registry, clock=clock, backend=backend), clock, backend
+
+
+def create(engine: Engine, handoff_id: str, target: str = "@echo", data: Any = None,
+           depends_on: list[str] | None = None) -> None:
+    doc = new_native_request(source="@test", target=target, data=data, now=engine.clock(),
+                             handoff_id=handoff_id, depends_on=depends_on)
+    engine.backend.create(doc, handoff_id, engine.clock())
+
+
+def batch(engine: Engine) -> None:
+    report = Daemon(engine, workers=2, watch=False).run_batch()
+    assert report.error is None
+
+
+def test_nothing_is_written_to_the_state_folders(setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    engine, _, _ = setup
+    create(engine, "m1", data={"x": 1})
+    batch(engine)
+    state, doc = engine.get("m1")
+    assert state is State.COMPLETED and doc["output"] == {"echo": {"x": 1}}
+    assert [e["event"] for e in book(doc)["history"]] == ["created", "claimed", "completed"]
+    for folder in ("pending", "in-progress", "completed", "failed"):
+        assert not list((engine.ws.handoffs / folder).glob("*.json")), folder
+
+
+def test_a_retry_waits_for_its_backoff_on_the_injected_clock(
+        setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    engine, clock, _ = setup
+    create(engine, "m2", data={"fail": "once"})
+    batch(engine)
+    state, doc = engine.get("m2")
+    assert state is State.PENDING and book(doc)["retries"] == 1
+    assert book(doc)["next_attempt_at"] == "2026-11-24T12:00:10.000Z"
+    batch(engine)  # not due yet: nothing runs
+    assert CALLS == [("m2", 1)]
+    clock.advance(11)
+    batch(engine)
+    state, doc = engine.get("m2")
+    assert state is State.COMPLETED and CALLS == [("m2", 1), ("m2", 2)]
+
+
+def test_a_permanent_failure_is_filed_and_can_be_retried_by_hand(
+        setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    engine, _, _ = setup
+    create(engine, "m3", data={"fail": "always"})
+    batch(engine)
+    state, doc = engine.get("m3")
+    assert state is State.FAILED and doc["error"]["code"] == "PROCESSING_ERROR"
+    requeue_failed(engine, "m3", force=True)
+    assert engine.get("m3")[0] is State.PENDING
+    assert engine.backend.ids(State.PENDING) == ["m3"]
+
+
+def test_a_dependency_holds_its_dependant_back(setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    engine, _, _ = setup
+    create(engine, "later", data={"n": 2}, depends_on=["first"])
+    create(engine, "first", data={"n": 1})
+    batch(engine)
+    assert engine.get("first")[0] is State.COMPLETED
+    assert engine.get("later")[0] is State.COMPLETED
+    assert [c[0] for c in CALLS] == ["first", "later"]
+
+
+def test_delegation_and_aggregation(setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    engine, _, backend = setup
+    create(engine, "parent", target="@boss")
+    for _ in range(3):  # park, run the children, aggregate
+        batch(engine)
+    state, doc = engine.get("parent")
+    assert state is State.COMPLETED, doc
+    children = [r.id for r in backend.list(parent="parent")]
+    assert len(children) == 2
+    assert all(engine.get(c)[0] is State.COMPLETED for c in children)
+    events = [e["event"] for e in book(doc)["history"]]
+    assert "delegated" in events and events[-1] == "completed"
+
+
+def test_cancelling_a_pending_handoff(setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    engine, _, _ = setup
+    create(engine, "m4")
+    [result] = cancellation.cancel(engine, "m4", reason="not needed")
+    assert result.action == "cancelled"
+    state, doc = engine.get("m4")
+    assert state is State.FAILED and doc["error"]["code"] == "CANCELLED"
+    assert CALLS == []
+
+
+def test_an_expired_lease_is_recovered_and_retried(setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    engine, clock, _ = setup
+    create(engine, "m5")
+    job = engine.take("m5")
+    assert job is not None  # claimed, and its owner "dies" here
+    assert sweep(engine).recovered == []  # the lease is still live
+    clock.advance(31)
+    assert sweep(engine).recovered == ["m5"]
+    state, doc = engine.get("m5")
+    assert state is State.PENDING
+    assert [e["event"] for e in book(doc)["history"]][-2:] == ["recovered", "retry_scheduled"]
+    assert not engine.backend.renew(job.claim, clock(), 30)  # the old owner is fenced out
+    clock.advance(11)
+    batch(engine)
+    assert engine.get("m5")[0] is State.COMPLETED and CALLS == [("m5", 2)]
