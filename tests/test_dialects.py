@@ -37,7 +37,9 @@ from handoffd import dialects
 from handoffd.core.documents import Outcome
 from handoffd.core.errors import InvalidDocument
 from handoffd.core.validation import SchemaCache, builtin_schema_names, load_builtin
+from handoffd.core.workspace import Workspace
 from handoffd.dialects import FiledState, models
+from handoffd.features.artifacts import text_sink
 from handoffd.service.queries import validate_document, validate_files
 
 DIALECT_SCHEMAS = ("hi_moe.message.schema.json", "agent_handoff.schema.json",
@@ -426,7 +428,7 @@ def test_every_answer_validates_against_its_schema(dialect_name: str, kind: str,
                            "request_snapshot": fresh(REQUESTS[dialect_name])}
     dialect = dialects.by_name(dialect_name)
     answer = dialect.render(request, OUTCOMES[kind](), FiledState(1, 3, kind == "failed"),
-                            root=tmp_path)
+                            artifacts=text_sink(Workspace(tmp_path)))
     assert answer["handoffd"]["revision"] == 3
     assert SCHEMAS.errors(ANSWER_SCHEMA[dialect_name], answer) == []
     # the filed answer is still recognised as this format, validated against its answer schema,
@@ -445,7 +447,7 @@ def test_rejected_requests_still_get_valid_answers(name: str, tmp_path: Path) ->
     dialect = dialects.detect(doc)
     rejected = outcome("failed", error={"code": "SCHEMA_VALIDATION_FAILED", "message": "bad input",
                                         "errors": [{"field": "x", "error": "y", "schema_path": ""}]})
-    answer = dialect.render(doc, rejected, FiledState(0, 0, False), root=tmp_path)
+    answer = dialect.render(doc, rejected, FiledState(0, 0, False), artifacts=text_sink(Workspace(tmp_path)))
     assert SCHEMAS.errors(ANSWER_SCHEMA[dialect.name], answer) == []
 
 
@@ -456,7 +458,7 @@ def test_hi_moe_answer_shape_and_status_mapping(tmp_path: Path) -> None:
                 "timeout": "timeout", "cancelled": "cancelled", "blocked": "blocked",
                 "clarify": "needs_clarification", "violation": "failed"}
     for kind, status in expected.items():
-        answer = dialect.render(request, OUTCOMES[kind](), FiledState(0, 3, True), root=tmp_path)
+        answer = dialect.render(request, OUTCOMES[kind](), FiledState(0, 3, True), artifacts=text_sink(Workspace(tmp_path)))
         payload = answer["payload"]
         assert payload["status"] == status, kind
         assert answer["correlation_id"] == "msg-002"
@@ -470,10 +472,10 @@ def test_hi_moe_answer_shape_and_status_mapping(tmp_path: Path) -> None:
         else:
             assert payload["error_type"] and payload["error_detail"]
             assert payload["recoverable"] is True
-    clarify = dialect.render(request, OUTCOMES["clarify"](), FiledState(0, 3, False), root=tmp_path)
+    clarify = dialect.render(request, OUTCOMES["clarify"](), FiledState(0, 3, False), artifacts=text_sink(Workspace(tmp_path)))
     assert clarify["payload"]["error_detail"] == "empty array: -1 or raise?"
     assert clarify["payload"]["recoverable"] is True  # the sender can clarify and resend
-    done = dialect.render(request, OUTCOMES["completed"](), FiledState(0, 3, False), root=tmp_path)
+    done = dialect.render(request, OUTCOMES["completed"](), FiledState(0, 3, False), artifacts=text_sink(Workspace(tmp_path)))
     assert done["payload"]["confidence"] == 0.8
     assert done["payload"]["summary"] == "all done"
     assert done["payload"]["resources_used"]["specialist"] == "@worker"
@@ -490,7 +492,7 @@ def test_hi_moe_one_kilobyte_rule(tmp_path: Path) -> None:
         {"name": "out.json", "path": "artifacts/out.json", "type": "data"},
     ])
     answer = dialect.render(fresh(HI_MOE_DISPATCHER_TO_FLEET), result, FiledState(0, 3, False),
-                            root=tmp_path)
+                            artifacts=text_sink(Workspace(tmp_path)))
     arts = answer["payload"]["artifacts"]
     assert [a["inline_content"] is not None for a in arts] == [True, False, False, False, False]
     for art in arts:
@@ -557,7 +559,7 @@ def test_agent_handoff_review_requires_existing_artifacts(tmp_path: Path) -> Non
     assert "src/maybe/here.py" in reviewed.error["message"]
     escape = outcome("completed", artifacts=[{"name": "p", "path": "../../etc/passwd", "type": "data"}])
     assert dialect.review(fresh(AGENT_SUCCESS), escape, tmp_path).error["code"] == "VALIDATION_FAILED"
-    answer = dialect.render(fresh(AGENT_SUCCESS), reviewed, FiledState(0, 3, False), root=tmp_path)
+    answer = dialect.render(fresh(AGENT_SUCCESS), reviewed, FiledState(0, 3, False), artifacts=text_sink(Workspace(tmp_path)))
     assert answer["status"] == "error"
     assert answer["blockers"][0]["type"] == "validation_failed"
     assert SCHEMAS.errors("agent_handoff.schema.json", answer) == []

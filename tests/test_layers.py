@@ -28,10 +28,7 @@ FILE_SYSTEM = "handoffd.backends.files"
 
 # Edges the layers forbid that are still there, each as (importer, imported) with a comment
 # saying why. Keep it empty.
-ALLOWED: set[tuple[str, str]] = {
-    # seed 000's large artifacts are written by the dialect: going, to an injected artifact sink
-    ("handoffd.dialects._shared", "handoffd.backends.files.fsio"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -36,7 +36,7 @@ from .errors import (
     NotFound,
     UnreadableDocument,
 )
-from .formats import Dialect, FiledState, Formats
+from .formats import ArtifactSink, Dialect, FiledState, Formats
 from .runner import run_command, run_python
 from .specialists import HandlerContext, Registry, Specialist
 from .states import State
@@ -116,6 +116,7 @@ class Engine:
         self.clock = clock
         self.backend = backend
         self.formats = formats
+        self.artifact_sink: ArtifactSink | None = None  # the artifacts feature installs one
         self.schemas = SchemaCache(workspace.schemas)
         # extension points; features add to them (handoffd.features.build.build_engine installs them)
         self.gates: list[Gate] = []  # checked before a claim (see gates.py)
@@ -492,7 +493,7 @@ class Engine:
             block.pop("final_error", None)
         if dialect.name != "native":  # its answer replaces the request: keep it for retries
             block.setdefault("request_snapshot", without_book(doc))
-        answer = dialect.render(doc, outcome, filed, root=self.ws.root)
+        answer = dialect.render(doc, outcome, filed, artifacts=self.artifact_sink)
         if self.backend.finish(claim, dst, answer):
             return dst
         return State.IN_PROGRESS

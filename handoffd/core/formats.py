@@ -6,9 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from .documents import Envelope, Outcome
+
+# Keeps the text of a large artifact (handoff id, index, text) where the workspace's agents can
+# read it; returns its reference (a workspace-relative path), or None: the content goes inline.
+# The artifacts feature installs one (``Engine.artifact_sink``); seed 000's 1 KB rule uses it.
+ArtifactSink = Callable[[str, int, str], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,9 @@ class Dialect(Protocol):
         ...
 
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
-               root: Path | None = None) -> dict[str, Any]:
-        """The answer document filed in completed/ or failed/, in this format. ``root`` is the
-        workspace (a dialect may write artifacts under it, e.g. seed 000's 1 KB rule).
+               artifacts: ArtifactSink | None = None) -> dict[str, Any]:
+        """The answer document filed in completed/ or failed/, in this format. ``artifacts``
+        keeps large artifact contents out of the answer (seed 000's 1 KB rule); None: inline.
 
         Optional extras a dialect may define: ``is_answer(doc) -> bool`` (the document is an answer
         this dialect renders, validated against its answer schema and not routable by itself) and

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..backends.files.fsio import replace
 from ..core.documents import BOOK, Outcome
 from ..core.errors import ErrorCode
 from ..core.workspace import Workspace
@@ -117,19 +116,3 @@ def as_text(value: Any) -> str:
 def milliseconds(outcome: Outcome) -> int:
     """Wall time of the attempt in whole milliseconds."""
     return max(int(round(outcome.seconds * 1000)), 0)
-
-
-def store_artifact(root: Path | None, handoff_id: str, index: int, text: str) -> str | None:
-    """Write ``text`` to ``artifacts/<handoff_id>/<index>.txt`` atomically; the relative path, or
-    None when there is no workspace to write into (the caller then inlines the content)."""
-    if root is None:
-        return None
-    ws = Workspace(Path(root))
-    relative = f"artifacts/{handoff_id}/{index}.txt"
-    target = ws.inside(relative)
-    if target is None:  # artifacts/ is a symlink pointing out of the workspace: refuse
-        return None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    ws.tmp.mkdir(parents=True, exist_ok=True)
-    replace(target, text.encode("utf-8"), ws.tmp, durable=True)
-    return relative

@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ..core.formats import ArtifactSink
 from ..core.documents import Envelope, Outcome, check_id, priority_rank
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.timeutil import iso
@@ -150,7 +151,7 @@ class AgentHandoffDialect:
             executed_by=outcome.executed_by, extra=outcome.extra)
 
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
-               root: Path | None = None) -> dict[str, Any]:
+               artifacts: ArtifactSink | None = None) -> dict[str, Any]:
         request = sh.without_book(self._request(doc))
         status = STATUS[sh.effective_status(outcome)]
         me = (given if isinstance(given := request.get("to_agent"), str)

@@ -17,6 +17,7 @@ from typing import Any
 
 import jsonschema
 
+from ..core.formats import ArtifactSink
 from ..core.documents import Envelope, Outcome, check_id, priority_rank
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.timeutil import iso
@@ -116,7 +117,7 @@ class HaiosDialect:
 
     # ------------------------------------------------------------ answering
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
-               root: Path | None = None) -> dict[str, Any]:
+               artifacts: ArtifactSink | None = None) -> dict[str, Any]:
         request = self._request(doc)
         status = sh.effective_status(outcome)
         output = outcome.output

@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ..core.formats import ArtifactSink
 from ..core.documents import Envelope, Outcome, check_id, priority_rank
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.timeutil import iso
@@ -147,7 +148,7 @@ class HiMoeDialect:
 
     # ------------------------------------------------------------ answering
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
-               root: Path | None = None) -> dict[str, Any]:
+               artifacts: ArtifactSink | None = None) -> dict[str, Any]:
         request = sh.without_book(self._request(doc))
         request_id = str(request.get("id"))
         version = request.get("version")
@@ -161,7 +162,7 @@ class HiMoeDialect:
             "source_tier": receiver,
             "target_tier": sender,
             "correlation_id": request_id,
-            "payload": self.outcome_payload(request_id, outcome, filed, root),
+            "payload": self.outcome_payload(request_id, outcome, filed, artifacts),
         }
         for key, value in request.items():  # unknown envelope fields of a known major survive
             if key not in ENVELOPE_KEYS and key not in answer:
@@ -170,10 +171,10 @@ class HiMoeDialect:
         return answer
 
     def outcome_payload(self, request_id: str, outcome: Outcome, filed: FiledState,
-                        root: Path | None) -> dict[str, Any]:
+                        sink: ArtifactSink | None) -> dict[str, Any]:
         """Seed 000's OutcomePayload for ``outcome``."""
         status = STATUS[sh.effective_status(outcome)]
-        artifacts = self.artifacts(request_id, outcome, root)
+        artifacts = self.artifacts(request_id, outcome, sink)
         refs = sh.strings(sh.output_field(outcome, "result_refs"))
         if not refs:
             refs = [a["content_ref"] for a in artifacts if a.get("content_ref")]
@@ -210,7 +211,8 @@ class HiMoeDialect:
                                       else bool(filed.retry_available))
         return payload
 
-    def artifacts(self, request_id: str, outcome: Outcome, root: Path | None) -> list[dict[str, Any]]:
+    def artifacts(self, request_id: str, outcome: Outcome,
+                  sink: ArtifactSink | None) -> list[dict[str, Any]]:
         """The handler's output and artifacts as seed 000 Artifacts, applying the 1 KB rule."""
         items: list[Any] = []
         if outcome.output is not None:
@@ -245,7 +247,7 @@ class HiMoeDialect:
                 continue
             text = sh.as_text(content)
             size = len(text.encode("utf-8"))
-            stored = sh.store_artifact(root, request_id, index, text) if size >= sh.INLINE_LIMIT else None
+            stored = sink(request_id, index, text) if sink and size >= sh.INLINE_LIMIT else None
             if stored is not None:
                 metadata.setdefault("bytes", size)
                 out.append({"artifact_type": str(kind), "content_ref": stored,

@@ -5,6 +5,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ..core.formats import ArtifactSink
 from ..core.documents import Envelope, Outcome, apply_native_outcome, native_envelope
 from ..core.timeutil import iso
 from .base import FiledState
@@ -42,7 +43,7 @@ class NativeDialect:
         doc.pop("started_at", None)
 
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
-               root: Path | None = None) -> dict[str, Any]:
+               artifacts: ArtifactSink | None = None) -> dict[str, Any]:
         answer = dict(doc)
         apply_native_outcome(answer, outcome, retry_count=filed.retry_count,
                              max_retries=filed.max_retries, retry_available=filed.retry_available)

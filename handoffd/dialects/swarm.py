@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ..core.formats import ArtifactSink
 from ..core.documents import Envelope, Outcome, check_id, priority_rank
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.timeutil import iso
@@ -102,7 +103,7 @@ class SwarmDialect:
 
     # ------------------------------------------------------------ answering
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
-               root: Path | None = None) -> dict[str, Any]:
+               artifacts: ArtifactSink | None = None) -> dict[str, Any]:
         request = self._request(doc)
         contract = given if isinstance(given := request.get("contract"), dict) else {}
         status = sh.effective_status(outcome)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends.files import fsio
 from ..core.documents import Outcome
 from ..core.errors import ErrorCode, InvalidDocument
+from ..core.formats import ArtifactSink
 from ..core.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -215,6 +216,20 @@ def _write(ws: Workspace, rel: str, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     ws.tmp.mkdir(parents=True, exist_ok=True)
     fsio.replace(target, data, ws.tmp, durable=True)
+
+
+def text_sink(ws: Workspace) -> ArtifactSink:
+    """The engine's artifact sink: a large artifact's text goes to
+    ``artifacts/<handoff_id>/<index>.txt`` (atomically) and the answer names that path; when
+    artifacts/ leads out of the workspace (a symlink) nothing is written and the text stays inline."""
+    def store(handoff_id: str, index: int, text: str) -> str | None:
+        relative = f"artifacts/{handoff_id}/{index}.txt"
+        try:
+            _write(ws, relative, text.encode("utf-8"))
+        except InvalidDocument:
+            return None
+        return relative
+    return store
 
 
 def _file_facts(ws: Workspace, ref: str) -> dict[str, Any] | None:

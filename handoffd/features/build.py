@@ -28,10 +28,12 @@ Feature = Callable[[Engine], object]
 
 def install_artifacts(engine: Engine) -> None:
     """Artifacts (seed 002 expected_output): resolve the destination before the handler runs and
-    write or check what it produced after. Installed after contracts: their checks see only what
+    write or check what it produced after; large artifact contents of an answer are kept as files
+    under artifacts/ (seed 000's 1 KB rule). Installed after contracts: their checks see only what
     the handler itself wrote."""
     engine.before_run.append(artifacts.prepare)
     engine.after_run.append(artifacts.collect)
+    engine.artifact_sink = artifacts.text_sink(engine.ws)  # seed 000: large contents by reference
 
 
 def install_context(engine: Engine) -> None:
