@@ -415,6 +415,94 @@ def test_wakeups_fire_on_create_finish_requeue_and_cancel(backend: Backend) -> N
         assert not any(w.handoff_id == "h3" for w in seen[before:])
 
 
+# ---------------------------------------------------------------- what the engine and sweeper use
+def test_ids_per_state(backend: Backend) -> None:
+    _populate(backend)
+    assert sorted(backend.ids(State.PENDING)) == ["p1", "p2", "p3"]
+    assert backend.ids(State.COMPLETED) == ["p4"]
+    assert backend.ids(State.IN_PROGRESS) == [] and backend.ids(State.FAILED) == []
+
+
+def test_peek_reads_only_pending_documents(backend: Backend) -> None:
+    _populate(backend)
+    doc = backend.peek("p1")
+    assert doc is not None and doc["handoff_id"] == "p1"
+    doc["input"] = "changed"  # a copy: the stored document is untouched
+    assert backend.peek("p1")["input"] != "changed"  # type: ignore[index]
+    assert backend.peek("p4") is None and backend.peek("nope") is None
+
+
+def test_set_aside_removes_a_document_and_records_why(backend: Backend) -> None:
+    add(backend, "h1")
+    add(backend, "h2")
+    assert backend.set_aside("h1", State.PENDING, "UNSAFE_ID", "bad name")
+    assert state_of(backend, "h1") is None and backend.ids(State.PENDING) == ["h2"]
+    assert not backend.set_aside("h1", State.PENDING, "UNSAFE_ID", "again")  # gone already
+    assert not backend.set_aside("h2", State.IN_PROGRESS, "X", "not there")  # wrong state
+    reasons = backend.quarantined()
+    assert [(r["code"], r["message"]) for r in reasons] == [("UNSAFE_ID", "bad name")]
+
+
+def test_set_aside_a_claim_ends_it(backend: Backend) -> None:
+    add(backend, "h1")
+    held = claim(backend, "h1")
+    assert backend.set_aside("h1", State.IN_PROGRESS, "ID_MISMATCH", "names differ", claim=held)
+    assert state_of(backend, "h1") is None
+    assert not done(backend, held)  # nothing left to file
+
+
+def test_create_failed_only_under_a_free_id(backend: Backend) -> None:
+    add(backend, "h1")
+    stub = {"handoff_id": "h2", "status": "failed", "handoffd": {"id": "h2"}}
+    assert backend.create_failed("h2", stub)
+    assert state_of(backend, "h2") is State.FAILED
+    assert not backend.create_failed("h1", {"handoff_id": "h1"})  # taken: pending
+    assert not backend.create_failed("h2", stub)  # taken: failed
+    assert state_of(backend, "h1") is State.PENDING
+
+
+def test_reopen_puts_a_failed_handoff_back(backend: Backend) -> None:
+    add(backend, "h1")
+    assert done(backend, claim(backend, "h1"), 1, State.FAILED)
+    state, doc = backend.get("h1")  # type: ignore[misc]
+    record(doc, "retried", at(2))
+    assert backend.reopen("h1", doc)
+    assert state_of(backend, "h1") is State.PENDING
+    assert not backend.reopen("h1", doc)  # no longer failed
+    assert drain(backend, 3) == ["h1"]
+
+
+def test_abandon_leaves_the_claim_to_recovery(backend: Backend) -> None:
+    add(backend, "h1")
+    held = claim(backend, "h1")
+    backend.abandon(held)
+    assert state_of(backend, "h1") is State.IN_PROGRESS
+    taken = backend.expired_claims(at(LEASE + 1), LEASE)
+    assert [c.id for c in taken] == ["h1"]
+    assert not done(backend, held, LEASE + 2) and done(backend, taken[0], LEASE + 3)
+
+
+def test_claims_of_documents_we_created_are_not_raw(backend: Backend) -> None:
+    add(backend, "h1")
+    assert claim(backend, "h1").raw is False
+
+
+def test_maintain_is_safe_to_run_any_time(backend: Backend) -> None:
+    _populate(backend)
+    held = claim(backend, "p1")
+    done_before = backend.maintain(at(10))
+    assert isinstance(done_before, dict)
+    assert state_of(backend, "p1") is State.IN_PROGRESS  # a live claim is never touched
+    assert done(backend, held, 11)
+    assert sorted(backend.ids(State.PENDING)) == ["p2", "p3"]
+
+
+def test_list_where_applies_before_the_limit(backend: Backend) -> None:
+    _populate(backend)
+    rows = backend.list(order="oldest", where=lambda r: r.meta.target == "@b", limit=1)
+    assert [r.id for r in rows] == ["p2"]
+
+
 # ---------------------------------------------------------------- files only
 def test_files_wakeups_include_other_processes_writes(tmp_path: Path) -> None:
     mine = FilesBackend.open(Workspace(tmp_path), durable=False)
@@ -455,6 +543,23 @@ def test_files_another_owners_expired_lease_needs_a_watched_lease_period(tmp_pat
     assert sweeper.expired_claims(at(3600), LEASE) == []  # 10 s watched: not yet
     assert [c.id for c in sweeper.expired_claims(at(3600), LEASE)] == ["h1"]
     assert not owner.renew(held, at(3600), LEASE)
+
+
+def test_files_raw_documents_are_claimed_raw_and_unreadable_ones_listed_on_request(
+        tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    backend = FilesBackend.open(ws, durable=False, watch=False)
+    (ws.state_dir(State.PENDING) / "junk.json").write_text("{not json")
+    (ws.state_dir(State.PENDING) / "raw-1.json").write_text(json.dumps(request_doc("raw-1")))
+    assert [r.id for r in backend.list()] == ["raw-1"]
+    rows = {r.id: r for r in backend.list(unreadable=True)}
+    assert rows["junk"].problem is not None and rows["junk"].doc == {}
+    assert getattr(rows["junk"].problem, "code") == "MALFORMED_JSON"
+    with pytest.raises(Exception) as caught:
+        backend.peek("junk")
+    assert getattr(caught.value, "code") == "MALFORMED_JSON"
+    got = backend.claim("raw-1", datetime.now(timezone.utc) + timedelta(seconds=5), LEASE)
+    assert got is not None and got.raw is True
 
 
 def test_files_claim_next_takes_raw_documents_and_skips_unreadable_ones(tmp_path: Path) -> None:

@@ -468,6 +468,8 @@ class FilesBackend(FencedFiling, Backend):
         return True
 
     def reopen(self, handoff_id: str, doc: Doc) -> bool:
+        if not os.path.lexists(self.store.path(State.FAILED, handoff_id)):
+            return False
         try:
             self.store.move(handoff_id, State.FAILED, State.PENDING, doc)
         except FileNotFoundError:
