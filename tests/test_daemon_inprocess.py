@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import os
+import struct
 import subprocess
 import threading
 import time
@@ -28,7 +29,8 @@ from handoffd.backends.files import fsio
 from handoffd.core.config import Config, DaemonSettings
 from handoffd.core.documents import book
 from handoffd.core.timeutil import parse_iso
-from handoffd.service.watcher import OVERFLOW_LOGGER
+from handoffd.backends.files import inotify
+from handoffd.core.storage import LOST, Wakeup
 
 
 def engine_with(tmp_path: Path, handler: Any, **settings: Any) -> Engine:
@@ -198,33 +200,31 @@ def test_grace_period_running_out_hands_work_back(tmp_path: Path) -> None:
     assert serving.daemon.report.handed_back == 1
 
 
-def test_dead_observer_is_restarted_and_overflow_triggers_rescan(tmp_path: Path) -> None:
+def test_dead_watch_is_restarted_by_the_sweep_and_overflow_triggers_rescan(tmp_path: Path) -> None:
     engine = engine_with(tmp_path, lambda h, c: {"status": "completed"})
-    with Serving(engine) as daemon:
-        assert daemon.watcher is not None and daemon.watcher.healthy()
-        old = daemon.watcher.observer
-        old.stop()
-        old.join(5)
-        hid = submit(engine)
+    backend = engine.backend
+    heard: list[Wakeup] = []
+    with Serving(engine):
+        unsubscribe = backend.subscribe(heard.append)
+        watch = backend._watch
+        assert watch is not None and watch.alive()
+        events = watch._source
+        events._thread = None  # the reader thread is gone as if it had died
+        hid = submit(engine)  # still served: create's own hint and the rescans
         wait_for(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
-        wait_for(lambda: daemon.watcher.observer is not old and daemon.watcher.healthy())
-        second = submit(engine)
-        wait_for(lambda: engine.backend.store.locate(second) == [State.COMPLETED])
-
-
-def test_overflow_log_line_requests_a_rescan(tmp_path: Path) -> None:
-    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"})
-    daemon = Daemon(engine)
-    from handoffd.service.watcher import PendingWatcher
-    watcher = PendingWatcher(engine.ws.state_dir(State.PENDING), daemon.notify, daemon.request_rescan)
-    watcher.start()
-    try:
-        daemon.rescan_requested = False
-        logging.getLogger(OVERFLOW_LOGGER).warning("Inotify queue overflowed; filesystem events were lost")
-        assert daemon.rescan_requested is True
-    finally:
-        watcher.stop()
-        daemon.pool.shutdown()
+        # the daemon's next sweep (backend.maintain) restarts it and asks for a rescan
+        wait_for(lambda: watch.alive() and watch._source is not events)
+        wait_for(lambda: any(w.kind == LOST for w in heard))
+        # a foreign producer's file, seen through the restarted watch
+        doc = new_native_request(source="@x", target="@t", data=None, now=engine.clock(),
+                                 handoff_id="foreign-1")
+        (engine.ws.state_dir(State.PENDING) / "foreign-1.json").write_text(json.dumps(doc))
+        wait_for(lambda: any(w.handoff_id == "foreign-1" and w.kind == "pending" for w in heard))
+        wait_for(lambda: engine.backend.store.locate("foreign-1") == [State.COMPLETED])
+        heard.clear()
+        watch._source._dispatch(struct.pack("iIII", -1, inotify.IN_Q_OVERFLOW, 0, 0))
+        assert [w.kind for w in heard] == [LOST]  # the kernel dropped events: look at everything
+        unsubscribe()
 
 
 def test_disk_full_while_filing_is_retried_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,7 +73,7 @@ def create(engine: Engine, handoff_id: str, target: str = "@echo", data: Any = N
            depends_on: list[str] | None = None) -> None:
     doc = new_native_request(source="@test", target=target, data=data, now=engine.clock(),
                              handoff_id=handoff_id, depends_on=depends_on)
-    engine.backend.create(doc, handoff_id, engine.clock())
+    assert engine.submit(doc) == handoff_id
 
 
 def batch(engine: Engine) -> None:
@@ -121,8 +121,12 @@ def test_a_permanent_failure_is_filed_and_can_be_retried_by_hand(
 
 
 def test_a_dependency_holds_its_dependant_back(setup: tuple[Engine, Clock, MemoryBackend]) -> None:
-    engine, _, _ = setup
-    create(engine, "later", data={"n": 2}, depends_on=["first"])
+    engine, _, backend = setup
+    # stored straight in the backend, as a foreign producer's file is: submit() would refuse a
+    # dependency that does not exist yet
+    later = new_native_request(source="@test", target="@echo", data={"n": 2}, now=engine.clock(),
+                               handoff_id="later", depends_on=["first"])
+    backend.create(later, "later", engine.clock())
     create(engine, "first", data={"n": 1})
     batch(engine)
     assert engine.get("first")[0] is State.COMPLETED
@@ -169,3 +173,41 @@ def test_an_expired_lease_is_recovered_and_retried(setup: tuple[Engine, Clock, M
     clock.advance(11)
     batch(engine)
     assert engine.get("m5")[0] is State.COMPLETED and CALLS == [("m5", 2)]
+
+
+def test_submit_checks_what_handoff_create_checks(setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    from handoffd.core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+    from handoffd.dialects import models
+
+    engine, _, backend = setup
+    bad = new_native_request(source="@test", target="@echo", data=None, now=engine.clock(),
+                             handoff_id="s-bad")
+    bad["priority"] = "urgent"
+    with pytest.raises(InvalidDocument) as caught:
+        engine.submit(bad)
+    assert caught.value.code == ErrorCode.SCHEMA_VALIDATION_FAILED and caught.value.errors
+    with pytest.raises(InvalidDocument) as caught:  # depends on something that does not exist
+        create(engine, "s-dep", depends_on=["nowhere"])
+    assert caught.value.code == ErrorCode.DEPENDENCY_MISSING
+    with pytest.raises(InvalidDocument) as caught:
+        engine.submit(["not", "an", "object"])
+    assert caught.value.code == ErrorCode.INVALID_DOCUMENT
+    assert backend.ids(State.PENDING) == []  # nothing stored
+    assert backend.get("s-bad") is None and backend.get("s-dep") is None
+    typed = models.NativeRequest.from_dict(new_native_request(
+        source="@test", target="@echo", data={"typed": True}, now=engine.clock(), handoff_id="s-1"))
+    assert engine.submit(typed) == "s-1"  # a typed model goes in as its document
+    with pytest.raises(DuplicateHandoff):
+        create(engine, "s-1")
+    create(engine, "s-2", depends_on=["s-1"])
+    batch(engine)
+    assert engine.get("s-2")[0] is State.COMPLETED
+
+
+def test_without_the_dependencies_feature_submit_does_not_check_them(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    ws.ensure()
+    engine = build_engine(ws, Config(), Registry(), backend=MemoryBackend(), features=())
+    doc = new_native_request(source="@test", target="@echo", data=None, now=engine.clock(),
+                             handoff_id="lone", depends_on=["nowhere"])
+    assert engine.submit(doc) == "lone" and engine.submit_checks == []

@@ -181,13 +181,14 @@ class Subscribers:
         with self._lock:
             return len(self._callbacks)
 
-    def fire(self, handoff_id: str, kind: str) -> None:
+    def fire(self, handoff_id: str, kind: str, settled: bool = True) -> None:
         """Tell every subscriber; exceptions they raise are swallowed (hints only)."""
         with self._lock:
             callbacks = list(self._callbacks)
+        wakeup = Wakeup(handoff_id, kind, settled)
         for callback in callbacks:
             try:
-                callback(Wakeup(handoff_id, kind))
+                callback(wakeup)
             except Exception:  # a subscriber's bug must not break the writer that woke it
                 pass
 

@@ -17,8 +17,7 @@ from ..core.errors import InvalidDocument, NotFound, UsageError
 from ..core.states import State
 from ..core.validation import builtin_schema_names
 from ..core.workspace import Workspace, resolve_root
-from ..features.dependencies import check_new_dependencies
-from ..service.queries import list_handoffs, validate_document
+from ..service.queries import list_handoffs
 from ..service.sweeper import requeue_failed
 from ..service.waiting import wait_terminal
 from . import orchestration_cmd
@@ -68,10 +67,7 @@ def create(
                 raise UsageError(f"the document on stdin is over {eng.settings.max_document_bytes} bytes")
         else:
             raw, _ = read_bytes_safely(file, eng.settings.max_document_bytes)
-        doc = parse_document(raw, str(file))
-        dialect = dialects.detect(doc)
-        validate_document(eng, doc, dialect)
-        new_id = dialect.envelope(doc).handoff_id
+        new_id = eng.submit(parse_document(raw, str(file)))
     else:
         if not to:
             raise UsageError("--to is required (or submit a whole document with --file)")
@@ -87,12 +83,7 @@ def create(
         doc = new_native_request(source=source, target=to, data=payload, now=eng.clock(),
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=prio, depends_on=depends_on)
-        new_id = doc["handoff_id"]
-        validate_document(eng, doc, dialects.by_name("native"))  # e.g. --priority urgent
-    deps = dialects.detect(doc).envelope(doc).depends_on
-    if deps:
-        check_new_dependencies(eng, new_id, deps)
-    eng.backend.create(doc, new_id, eng.clock())
+        new_id = eng.submit(doc, forced="native")  # validated: e.g. --priority urgent
     print(new_id)
     sys.stdout.flush()
     if wait:

@@ -175,7 +175,11 @@ class Outcome:
     warnings: list[Any] = field(default_factory=list)
     error: dict[str, Any] | None = None
     executed_by: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # more top-level fields of the filed answer (aggregation: aggregated_outcome, children)
+    fields: dict[str, Any] = field(default_factory=dict)
+    # a parked outcome's request to its filer (orchestration: children to create, questions to
+    # record, or "rewait"); never written into the document
+    park: dict[str, Any] | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -262,7 +266,7 @@ def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: 
         doc["artifacts"] = outcome.artifacts
     doc["next_steps"] = list(outcome.next_steps)
     doc["warnings"] = list(outcome.warnings)
-    doc.update(outcome.extra)
+    doc.update(outcome.fields)
     when = iso(outcome.finished_at)
     if outcome.succeeded:
         doc["status"] = "completed" if outcome.status == "completed" else "partial"

@@ -42,7 +42,7 @@ from .specialists import HandlerContext, Registry, Specialist
 from .states import State
 from .storage import Backend, Claim, Doc
 from .timeutil import Clock, utc_now
-from .validation import SchemaCache, errors_of
+from .validation import SchemaCache, check_document, errors_of
 from .workspace import Workspace
 
 log = logging.getLogger("handoffd")
@@ -119,7 +119,9 @@ class Engine:
         self.artifact_sink: ArtifactSink | None = None  # the artifacts feature installs one
         self.schemas = SchemaCache(workspace.schemas)
         # extension points; features add to them (handoffd.features.build.build_engine installs them)
-        self.gates: list[Gate] = []  # checked before a claim (see gates.py)
+        self.gates: list[Gate] = []  # checked before a claim (features.dependencies, contracts...)
+        # checked by submit() before a new handoff is stored (features.dependencies)
+        self.submit_checks: list[Callable[[Engine, Envelope], None]] = []
         self.on_filed: list[Callable[[str, State], None]] = []  # told of every filing
         self.on_rejected: list[Callable[[Job, str, str], None]] = []  # a gate failed a handoff
         # before the handler: the first resumer that returns an Outcome replaces the run
@@ -249,7 +251,8 @@ class Engine:
                 raise InvalidDocument(
                     f"file pending/{handoff_id}.json carries handoff id {str(doc_id)[:80]!r}; the "
                     "file name must be the id", handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
-            self._validate_document(dialect, doc, handoff_id)
+            self.validate(doc, dialect, handoff_id=handoff_id, subject=f"handoff {handoff_id} is not a "
+                          f"valid {dialect.name} document")
             envelope = dialect.envelope(doc)
         except InvalidDocument as exc:
             if exc.code in (ErrorCode.ID_MISMATCH, ErrorCode.UNSAFE_ID):
@@ -274,16 +277,32 @@ class Engine:
                              data=envelope.data, target=envelope.target)
         return Job(claim, dialect, envelope, spec, ctx, started_at=now)
 
-    def _validate_document(self, dialect: Dialect, doc: dict[str, Any], handoff_id: str) -> None:
-        errors: list[dict[str, str]] = []
-        for name in dialect.schema_names(doc):
-            errors.extend(self.schemas.errors(name, without_book(doc)))
-        if errors:
-            raise InvalidDocument(
-                f"handoff {handoff_id} is not a valid {dialect.name} document: "
-                f"{errors[0]['field']}: {errors[0]['error']}"
-                + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
-                handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
+    def validate(self, doc: dict[str, Any], dialect: Dialect, *, subject: str | None = None,
+                 handoff_id: str | None = None) -> None:
+        """Check ``doc`` against the schemas of its format (this workspace's schemas/ first):
+        InvalidDocument (SCHEMA_VALIDATION_FAILED, every error listed) when it fails."""
+        check_document(self.schemas, dialect, doc, subject=subject, handoff_id=handoff_id)
+
+    def submit(self, doc: dict[str, Any] | Any, *, forced: str | None = None) -> str:
+        """Create a new handoff from ``doc`` (a dict in any supported format, or a typed model
+        from :mod:`handoffd.dialects.models`, anything with ``to_dict()``) and return its id.
+
+        The same checks ``handoff create`` makes: the format is detected (or ``forced``), the
+        document validated and routed as admission will, then each of the features'
+        :attr:`submit_checks` runs (dependencies: every one exists, no cycle). Raises
+        InvalidDocument with its code, or DuplicateHandoff when the id is taken or was used
+        recently; nothing is stored unless every check passed."""
+        if not isinstance(doc, dict) and callable(getattr(doc, "to_dict", None)):
+            doc = doc.to_dict()
+        if not isinstance(doc, dict):
+            raise InvalidDocument(f"a handoff is a JSON object, not {type(doc).__name__}")
+        dialect = self.formats.detect(doc, forced)
+        self.validate(doc, dialect)
+        envelope = dialect.envelope(doc)
+        for check in self.submit_checks:
+            check(self, envelope)
+        self.backend.create(doc, envelope.handoff_id, self.clock())
+        return envelope.handoff_id
 
     def set_aside_claim(self, claim: Claim, code: str, message: str) -> None:
         """Set aside a claimed document that must never run (the claim ends with it)."""

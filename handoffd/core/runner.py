@@ -87,8 +87,8 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
 
 def _wait(done: threading.Event, ctx: HandlerContext, timeout: float) -> None:
     """Wait for ``done``; raise TIMEOUT / CANCELLED. Cancellation sets ``done`` too (no polling)."""
-    ctx.extra.setdefault("wake", []).append(done)
-    if ctx.cancelled.is_set() and ctx.extra.get("cancel_reason"):
+    ctx.wake_on_cancel(done)
+    if ctx.cancelled.is_set() and ctx.cancel_reason:
         done.set()  # cancelled before we started waiting: do not sleep until the timeout
     deadline = time.monotonic() + timeout
     while not done.wait(max(deadline - time.monotonic(), 0)):
@@ -97,17 +97,14 @@ def _wait(done: threading.Event, ctx: HandlerContext, timeout: float) -> None:
             raise HandlerError(f"handoff {ctx.handoff_id}: handler did not finish within "
                                f"{timeout:g}s", handoff_id=ctx.handoff_id, code=ErrorCode.TIMEOUT,
                                retryable=True)
-    if ctx.cancelled.is_set() and ctx.extra.get("cancel_reason"):
-        raise HandlerError(f"handoff {ctx.handoff_id} cancelled: {ctx.extra['cancel_reason']}",
+    if ctx.cancelled.is_set() and ctx.cancel_reason:
+        raise HandlerError(f"handoff {ctx.handoff_id} cancelled: {ctx.cancel_reason}",
                            handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
 
 
 def cancel(ctx: HandlerContext, reason: str) -> None:
     """Ask a running attempt to stop now: sets the flag and wakes whoever waits on it."""
-    ctx.extra["cancel_reason"] = reason
-    ctx.cancelled.set()
-    for event in ctx.extra.get("wake", []):
-        event.set()
+    ctx.stop(reason)
 
 
 def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, timeout: float,
@@ -132,7 +129,7 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     env.update(spec.config.env)
     env.update(HANDOFF_ID=ctx.handoff_id, HANDOFFD_ROOT=str(ctx.root),
                HANDOFF_ATTEMPT=str(ctx.attempt), HANDOFF_TARGET=ctx.target)
-    env.update(ctx.extra.get("env") or {})  # set by engine hooks, e.g. HANDOFF_ARTIFACT_PATH
+    env.update(ctx.env)  # set by engine hooks, e.g. HANDOFF_ARTIFACT_PATH
     env[procs.TOKEN_ENV] = token  # last: nothing may override it
     _clear_previous_attempt(ctx)
     record = procs.RunRecord.new(ctx.handoff_id, token, ctx.attempt)

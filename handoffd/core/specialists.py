@@ -42,7 +42,8 @@ def specialist(agent: str, **options: Any) -> Callable[[Handler], Handler]:
 
 @dataclass
 class HandlerContext:
-    """What a Python handler gets besides the document: ids, paths and a cancellation flag."""
+    """What a handler's attempt carries besides the document: ids, paths, a cancellation flag and
+    the typed side channels the engine and its features fill in before the handler runs."""
 
     handoff_id: str
     attempt: int
@@ -51,38 +52,54 @@ class HandlerContext:
     target: str
     deadline_monotonic: float | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # answers given so far with `handoff answer` (orchestration): {"at", "by", "kind", "answer", ...}
+    clarifications: list[Any] = field(default_factory=list)
+    # where expected_output.destination resolved to (artifacts): absolute, and workspace-relative
+    artifact_path: Path | None = None
+    artifact_rel: str | None = None
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for a command handler
+    partial: Any = None  # what the handler reported with report_partial()
+    handback: bool = False  # the attempt was handed back (shutdown): it does not count
+    cancel_reason: str | None = None  # set by stop_handler(): why the attempt is being stopped
+    cancel_logged: bool = False
+    # per-attempt state a feature keeps between its before_run and after_run hooks, by feature name
+    feature_state: dict[str, Any] = field(default_factory=dict)
     # set by the context feature (handoffd.features.build): (root, agent, handoff id) -> the handler's view
     context_factory: Callable[[Path, str, str], Any] | None = None
+    _wake: list[threading.Event] = field(default_factory=list, repr=False)
+    _context_view: Any = field(default=None, repr=False)
 
     @property
     def context(self) -> Any:
         """Shared context (``context/``) as this handler's agent: ``get(key)``, ``set(key, value)``,
-        ``keys(prefix)``; writes outside the agent's namespaces raise (see context_store.py)."""
-        view = self.extra.get("context_view")
-        if view is None:
+        ``keys(prefix)``; writes outside the agent's namespaces raise (see features/context.py)."""
+        if self._context_view is None:
             if self.context_factory is None:
                 raise ConfigError("shared context is not installed on this engine (the "
                                   "'context' feature of handoffd.features.build.build_engine)")
-            view = self.extra["context_view"] = self.context_factory(self.root, self.target,
-                                                                     self.handoff_id)
-        return view
-
-    @property
-    def artifact_path(self) -> Path | None:
-        """Where this handoff's ``expected_output.destination`` resolved to (None: no destination)."""
-        path = self.extra.get("artifact_path")
-        return Path(path) if path else None
+            self._context_view = self.context_factory(self.root, self.target, self.handoff_id)
+        return self._context_view
 
     def report_partial(self, output: Any) -> None:
         """Record partial results; if the handoff is cancelled they are filed with it."""
-        self.extra["partial"] = output
+        self.partial = output
 
     def check_cancelled(self) -> None:
         """Raise :class:`HandlerCancelled` if the handoff was cancelled or timed out; long handlers
         should call this between steps (Python threads cannot be killed from outside)."""
         if self.cancelled.is_set():
             raise HandlerCancelled(f"handoff {self.handoff_id} was cancelled")
+
+    def wake_on_cancel(self, event: threading.Event) -> None:
+        """Set ``event`` when the attempt is stopped (a waiting runner wakes without polling)."""
+        self._wake.append(event)
+
+    def stop(self, reason: str) -> None:
+        """Ask the attempt to stop now: sets the flag and wakes whoever waits on it."""
+        self.cancel_reason = reason
+        self.cancelled.set()
+        for event in self._wake:
+            event.set()
 
 
 class HandlerCancelled(Exception):

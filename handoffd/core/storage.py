@@ -90,10 +90,16 @@ Where = Callable[[Row], bool]
 @dataclass(frozen=True)
 class Wakeup:
     """A hint that something may be worth looking at: ``kind`` is the state a handoff entered
-    (a :class:`State` value) or ``"cancel"`` for a new cancel request."""
+    (a :class:`State` value), ``"cancel"`` for a new cancel request, or ``"lost"`` (with an empty
+    id) when hints were dropped and a reader should look at everything again. ``settled`` is
+    False when the document may still be being written (look again in a moment)."""
 
     handoff_id: str
     kind: str
+    settled: bool = True
+
+
+LOST = "lost"  # Wakeup.kind: some hints were lost; rescan
 
 
 WakeupCallback = Callable[[Wakeup], None]

@@ -421,3 +421,38 @@ def errors_of(validator: Validator, instance: Any) -> list[dict[str, str]]:
     if trouble is not None:
         entries.append(trouble)
     return entries
+
+
+class _Schemas(Protocol):
+    def errors(self, name: str, instance: Any) -> list[dict[str, str]]: ...
+
+
+class _Format(Protocol):
+    name: str
+
+    def schema_names(self, doc: dict[str, Any]) -> list[str]: ...
+
+
+@lru_cache(maxsize=1)
+def builtin_schemas() -> SchemaCache:
+    """One shared cache of the built-in schemas (for checks made outside any workspace)."""
+    return SchemaCache(None)
+
+
+def check_document(schemas: _Schemas, dialect: _Format, doc: dict[str, Any], *,
+                   subject: str | None = None, handoff_id: str | None = None) -> None:
+    """The one schema check of a document against its format: raise InvalidDocument
+    (SCHEMA_VALIDATION_FAILED, every error in ``errors``) unless ``doc`` minus handoffd's
+    bookkeeping block satisfies each schema ``dialect`` names. ``subject`` starts the message
+    (default: "not a valid <format> document"). An unusable workspace schema raises too."""
+    instance = {k: v for k, v in doc.items() if k != "handoffd"}
+    errors: list[dict[str, str]] = []
+    for name in dialect.schema_names(doc):
+        errors.extend(schemas.errors(name, instance))
+    if errors:
+        first = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise InvalidDocument(f"{subject or f'not a valid {dialect.name} document'}: "
+                              f"{first['field']}: {first['error']}{more}",
+                              handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
+                              errors=errors)

@@ -15,15 +15,12 @@ CODE_STATUS: dict[str, str] = {ErrorCode.BLOCKED: "blocked",
                                ErrorCode.NEEDS_CLARIFICATION: "needs_clarification",
                                ErrorCode.TIMEOUT: "timeout", ErrorCode.CANCELLED: "cancelled"}
 INLINE_LIMIT = 1024  # seed 000: content under 1 KB (UTF-8 bytes) goes inline
-_SCHEMAS: list[Any] = []
 
 
 def schema_errors(name: str, doc: dict[str, Any]) -> list[dict[str, str]]:
     """Errors of ``doc`` (minus the bookkeeping block) against built-in schema ``name``."""
-    if not _SCHEMAS:
-        from ..core.validation import SchemaCache
-        _SCHEMAS.append(SchemaCache(None))
-    return _SCHEMAS[0].errors(name, without_book(doc))
+    from ..core.validation import builtin_schemas  # jsonschema loads on first use only
+    return builtin_schemas().errors(name, without_book(doc))
 
 
 def snapshot(doc: dict[str, Any]) -> dict[str, Any] | None:

@@ -148,7 +148,7 @@ class AgentHandoffDialect:
             metadata=outcome.metadata, next_steps=outcome.next_steps, warnings=outcome.warnings,
             error={"code": ErrorCode.VALIDATION_FAILED, "message": message, "retryable": False,
                    "details": {"missing_artifacts": missing}},
-            executed_by=outcome.executed_by, extra=outcome.extra)
+            executed_by=outcome.executed_by, fields=outcome.fields, park=outcome.park)
 
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
                artifacts: ArtifactSink | None = None) -> dict[str, Any]:

@@ -163,17 +163,8 @@ class Model:
         """Schema errors of ``to_dict()`` against the built-in schema ({field, error, schema_path})."""
         if self.SCHEMA is None:
             return []
-        from ..core.validation import SchemaCache
-        return _schemas(SchemaCache).errors(self.SCHEMA, self.to_dict())
-
-
-_CACHE: list[Any] = []
-
-
-def _schemas(factory: Any) -> Any:
-    if not _CACHE:
-        _CACHE.append(factory(None))
-    return _CACHE[0]
+        from ..core.validation import builtin_schemas  # jsonschema loads on first use only
+        return builtin_schemas().errors(self.SCHEMA, self.to_dict())
 
 
 # =========================================================== seed 000: hi_moe

@@ -123,7 +123,7 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     infos = [child_info(engine, cid) for cid in wait.get("children", [])]
     if not ready(engine, wait, infos):
         return Outcome(status="delegated", started_at=started, finished_at=engine.clock(),
-                       extra={"park": {"kind": "rewait"}})
+                       park={"kind": "rewait"})
     strategy = str(wait.get("aggregation", "all_success"))
     weights = given if isinstance(given := wait.get("weights"), dict) else {}
     stopped: set[str] = set()
@@ -202,7 +202,7 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     block["aggregated_outcome"] = aggregated
     record_kw = {"strategy": strategy, "status": status, "confidence": confidence}
     record(doc, "aggregated", engine.clock(), **record_kw)
-    extra = {"aggregated_outcome": aggregated, "children": [i.handoff_id for i in infos]}
+    fields = {"aggregated_outcome": aggregated, "children": [i.handoff_id for i in infos]}
     warnings = [_child_error(i) for i in failed_children]
     now = engine.clock()
     if status == "failed":
@@ -218,7 +218,7 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
         if status == "partial":
             outcome.error = {"code": ErrorCode.PARTIAL_COMPLETION, "message": details or summary,
                              "retryable": True}
-    outcome.extra = extra
+    outcome.fields = fields
     outcome.executed_by = job.specialist.agent
     return outcome
 

@@ -195,9 +195,9 @@ def prepare(job: "Job") -> None:
     rel, target = resolve_destination(ws, template, handoff_id=job.handoff_id,
                                       attempt=job.context.attempt, agent=job.specialist.agent)
     target.parent.mkdir(parents=True, exist_ok=True)
-    job.context.extra["artifact_path"] = str(target)
-    job.context.extra["artifact_rel"] = rel
-    job.context.extra.setdefault("env", {})["HANDOFF_ARTIFACT_PATH"] = str(target)
+    job.context.artifact_path = target
+    job.context.artifact_rel = rel
+    job.context.env["HANDOFF_ARTIFACT_PATH"] = str(target)
 
 
 def digest(data: bytes) -> dict[str, Any]:
@@ -294,7 +294,7 @@ def _collect(job: "Job", outcome: Outcome) -> Outcome:
     handoff_id = job.handoff_id
     records: list[dict[str, Any]] = []
     used_names: set[str] = set()
-    dest_rel = job.context.extra.get("artifact_rel")
+    dest_rel = job.context.artifact_rel
     kind_default = expected_type(job.claim.doc) or "output"
 
     output = outcome.output

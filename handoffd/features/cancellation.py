@@ -120,7 +120,7 @@ def partial_results(job: "Job", outcome: Outcome) -> Outcome:
     if outcome.status != "cancelled" or error is None:
         return outcome
     details = given if isinstance(given := error.get("details"), dict) else {}
-    partial: Any = job.context.extra.get("partial")
+    partial: Any = job.context.partial
     text = details.pop("partial_stdout", None)
     if not details:
         error.pop("details", None)
@@ -243,8 +243,8 @@ def _poll(daemon: DaemonPlugins) -> None:
             continue
         job = daemon.running_job(handoff_id)
         if job is not None:
-            if not job.context.extra.get("cancel_logged"):
-                job.context.extra["cancel_logged"] = True
+            if not job.context.cancel_logged:
+                job.context.cancel_logged = True
                 log.info("handoff %s: cancel requested; stopping its handler", handoff_id)
             stop_handler(job.context, _reason(body))
             continue
@@ -281,18 +281,12 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
                                    f"message id {handoff_id} was already used recently")
             return None
         engine.backend.seen_add(handoff_id, now)
-    errors: list[dict[str, str]] = []
     try:
-        for name in dialect.schema_names(doc):
-            errors.extend(engine.schemas.errors(name, {k: v for k, v in doc.items() if k != "handoffd"}))
+        engine.validate(doc, dialect, handoff_id=handoff_id,
+                        subject=f"cancellation message {handoff_id} is invalid")
     except InvalidDocument as exc:
         return engine.file(claim, dialect, None, engine.failure(now, exc.code, str(exc),
                                                                 errors=exc.errors))
-    if errors:
-        first = errors[0]
-        return engine.file(claim, dialect, None, engine.failure(
-            now, ErrorCode.SCHEMA_VALIDATION_FAILED, f"cancellation message {handoff_id} is invalid: "
-            f"{first['field']}: {first['error']}", errors=errors))
     payload = doc["payload"]
     target = payload["target_message_id"]
     reason = payload.get("reason") if isinstance(payload.get("reason"), str) else "cancelled"

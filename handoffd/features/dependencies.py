@@ -27,6 +27,13 @@ __all__ = ["Gate", "Verdict", "dependencies_gate", "install", "check_new_depende
 def install(engine: "Engine") -> None:
     """The dependencies feature: hold a handoff back until what it depends on has completed."""
     engine.gates.append(dependencies_gate)
+    engine.submit_checks.append(check_submitted)
+
+
+def check_submitted(engine: "Engine", env: Envelope) -> None:
+    """Engine.submit's check: what a new handoff depends on exists and leads nowhere back."""
+    if env.depends_on:
+        check_new_dependencies(engine, env.handoff_id, env.depends_on)
 
 
 def dependencies_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:

@@ -103,7 +103,7 @@ def install(engine: "Engine") -> None:
 def _expose_clarifications(job: "Job") -> None:
     found = clarifications_of(job.claim.doc)
     if found:
-        job.context.extra["clarifications"] = found
+        job.context.clarifications = found
 
 
 def clarifications_of(doc: dict[str, Any]) -> list[Any]:
@@ -143,7 +143,7 @@ def parked_outcome(engine: "Engine", job: "Job", result: dict[str, Any], started
     return Outcome(status=status, started_at=started, finished_at=engine.clock(),
                    output=result.get("output"), metadata=_dict(result.get("metadata")),
                    warnings=_list(result.get("warnings")), executed_by=job.specialist.agent,
-                   extra={"park": info})
+                   park=info)
 
 
 class _Malformed(Exception):
@@ -294,7 +294,7 @@ def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist
          outcome: Outcome) -> State:
     """File a parked outcome: create children (delegation) or record the questions, and put the
     handoff back in pending/ where a gate holds it."""
-    info = outcome.extra.pop("park", None) or {"kind": "rewait"}
+    info = outcome.park or {"kind": "rewait"}
     doc = claim.doc
     block = book(doc)
     now = engine.clock()

@@ -1,6 +1,6 @@
 """The daemon: schedule due handoffs, run them on a worker pool, keep leases alive, sweep.
 
-One dispatcher loop (level-triggered: "while something is due, claim it") fed by watchdog hints,
+One dispatcher loop (level-triggered: "while something is due, claim it") fed by the backend's wake-up hints,
 a start-up scan, periodic rescans, and its own wake-ups. Workers are threads; command handlers
 are child processes. The loop never dies of a handoff's fault: every error is filed or logged.
 """
@@ -21,14 +21,14 @@ from ..core.engine import Engine, Job, Peek
 from ..core.errors import DocumentNotReady, HandoffdError
 from ..core.runner import cancel
 from ..core.states import State
-from ..core.storage import Wakeup
+from ..core.storage import LOST, Wakeup
 from .sweeper import SweepReport, sweep
-from .watcher import PendingWatcher
 
 log = logging.getLogger("handoffd")
 READY_WINDOW = 64  # due handoffs read ahead to order by priority
 # the progress watchdog ([daemon] stall_seconds): due work, a free slot, and nothing dispatched
 # for that long means the bookkeeping is wrong; it is logged loudly, reset and rebuilt
+CREATED_DELAY = 0.05  # seconds before a document that may still be written is read
 STALL_SAMPLE = 64  # pending documents the watchdog reads to decide whether work is due
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
 
@@ -111,7 +111,6 @@ class Daemon:
         self.last_dispatch = time.monotonic()
         self.next_progress_check = self.last_dispatch + self.stall_seconds
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="handoffd-worker")
-        self.watcher: PendingWatcher | None = None
         self.on_filed: Callable[[str, State], None] | None = None
         # the plugin API's registrations (features add to them through the add_* methods)
         self.scan_hooks: list[Callable[[], None]] = []
@@ -165,8 +164,9 @@ class Daemon:
         return None
 
     def _subscribe(self) -> None:
-        """Listen to the backend's wake-up feed when a feature asked for it."""
-        if not self.wakeup_hooks or self._unsubscribe is not None:
+        """Listen to the backend's wake-up feed: always when watching (arrivals in pending are
+        dispatched at once), in a batch only when a feature asked for it (cancel requests)."""
+        if not (self.watch or self.wakeup_hooks) or self._unsubscribe is not None:
             return
         try:
             self._unsubscribe = self.engine.backend.subscribe(self._on_wakeup)
@@ -174,6 +174,11 @@ class Daemon:
             log.warning("cannot subscribe to wake-ups (%s); changes are seen at rescans", exc)
 
     def _on_wakeup(self, wakeup: Wakeup) -> None:
+        if wakeup.kind == LOST:
+            self.request_rescan()
+        elif wakeup.kind == State.PENDING.value and self.watch and wakeup.handoff_id:
+            # a document still being written is looked at a moment later (it is re-read anyway)
+            self.notify(wakeup.handoff_id, 0.0 if wakeup.settled else CREATED_DELAY)
         for hook in self.wakeup_hooks:
             try:
                 hook(wakeup)
@@ -430,7 +435,7 @@ class Daemon:
                 self.report.handed_back += 1
                 return
             outcome = self.engine.run(job)
-            if job.context.extra.get("handback"):
+            if job.context.handback:
                 self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
                 self.report.handed_back += 1
                 return
@@ -602,10 +607,6 @@ class Daemon:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
         self.report.sweep = self.sweep()
-        if self.watch:
-            self.watcher = PendingWatcher(self.engine.ws.state_dir(State.PENDING), self.notify,
-                                          self.request_rescan)
-            self.watcher.start()
         self._subscribe()
         if ready:
             ready()
@@ -643,13 +644,6 @@ class Daemon:
             if now >= next_renew:
                 self.renew_leases()
                 next_renew = now + renew_every
-            if self.watcher and not self.watcher.healthy() and not self.stopping:
-                log.warning("file watcher died; restarting it and rescanning")
-                try:
-                    self.watcher.start()
-                except OSError as exc:  # e.g. no inotify watches left: rescans still see files
-                    log.error("cannot restart the file watcher: %s; relying on rescans", exc)
-                self.rescan_requested = True
             if not self.stopping:
                 self._check_progress(now)
             if (self.rescan_requested or (not batch and now >= next_rescan)) and not self.stopping:
@@ -698,12 +692,10 @@ class Daemon:
 
     def _hand_back_all(self) -> None:
         for job in list(self.active.values()):
-            job.context.extra["handback"] = True
+            job.context.handback = True
             cancel(job.context, "daemon stopping")
 
     def _shutdown(self) -> None:
-        if self.watcher:
-            self.watcher.stop()
         self._unsubscribe_all()
         deadline = time.monotonic() + self.settings.grace_seconds
         with self.cv:

@@ -13,7 +13,7 @@ from ..core.errors import ErrorCode, InvalidDocument
 from ..core.states import State
 from ..core.storage import Row
 from ..core.timeutil import iso
-from ..core.validation import SchemaCache
+from ..core.validation import builtin_schemas, check_document
 from ..dialects import Dialect
 from ..features.lineage import conversation_of, parent_of
 
@@ -113,14 +113,7 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
 
 def validate_document(engine: Engine | None, doc: dict[str, Any], dialect: Dialect) -> None:
     """Raise InvalidDocument (with every error) unless ``doc`` is valid in ``dialect``."""
-    schemas = engine.schemas if engine else SchemaCache(None)
-    errors: list[dict[str, str]] = []
-    for name in dialect.schema_names(doc):
-        errors.extend(schemas.errors(name, {k: v for k, v in doc.items() if k != "handoffd"}))
-    if errors:
-        raise InvalidDocument(f"not a valid {dialect.name} document: {errors[0]['field']}: "
-                              f"{errors[0]['error']}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
-                              code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
+    check_document(engine.schemas if engine else builtin_schemas(), dialect, doc)
     if not getattr(dialect, "is_answer", lambda _doc: False)(doc):  # answers are not routed
         dialect.envelope(doc)
 

@@ -38,6 +38,7 @@ from ...core.errors import (
     UnreadableDocument,
 )
 from ...core.states import State
+from ...core.storage import LOST
 from ...core.timeutil import parse_iso
 from ...core.workspace import Workspace
 from ..base import (
@@ -479,6 +480,14 @@ class FilesBackend(FencedFiling, Backend):
 
     def maintain(self, now: datetime, *,
                  skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:
+        if self._watch is not None and len(self._subscribers) and not self._watch.alive():
+            log.warning("the file watch died; restarting it (and rescanning)")
+            self._watch.stop()
+            try:
+                self._watch.start()
+            except OSError as exc:  # e.g. no inotify instances left: rescans still see files
+                log.error("cannot restart the file watch: %s; relying on rescans", exc)
+            self._subscribers.fire("", LOST)
         return repair.repair(self.store, now, claim_grace_seconds=self.claim_grace_seconds,
                              skip=skip)
 

@@ -1,31 +1,21 @@
-"""Watchdog hints for the files backend's wake-up feed: a document appearing in a watched folder
-(created, linked or renamed in, by any process) becomes ``fire(handoff_id, kind)``. Hints only:
-events can be lost, so readers keep looking now and then regardless."""
+"""The files backend's wake-up hints: a document appearing in, changing in or leaving a watched
+folder (written, linked or renamed by any process) becomes ``fire(handoff_id, kind, settled)``;
+lost events become ``fire("", "lost")``. Hints only: events can be lost, so readers keep looking
+now and then regardless.
+
+Linux reads inotify directly (:mod:`.inotify`: no delay between the kernel's event and the hint);
+other systems use a watchdog observer."""
 from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer
-from watchdog.observers.api import BaseObserver
+from ...core.storage import LOST
+from . import inotify
 
-Fire = Callable[[str, str], None]
-
-
-class _Handler(FileSystemEventHandler):
-    def __init__(self, kinds: dict[str, str], fire: Fire) -> None:
-        self.kinds, self.fire = kinds, fire
-
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        if event.is_directory or event.event_type in ("deleted", "opened", "closed_no_write"):
-            return
-        for raw in (event.src_path, getattr(event, "dest_path", "")):
-            path = Path(raw if isinstance(raw, str) else raw.decode(errors="replace"))
-            kind = self.kinds.get(str(path.parent))
-            if kind is not None and path.name.endswith(".json"):
-                self.fire(path.name[:-5], kind)
+Fire = Callable[[str, str, bool], None]
+RENAMED_OR_CLOSED = ("moved", "closed")  # watchdog event types after which a file is complete
 
 
 class FolderWatch:
@@ -35,29 +25,74 @@ class FolderWatch:
         self.folders = folders
         self.fire = fire
         self._lock = threading.Lock()
-        self._observer: BaseObserver | None = None
+        self._source: Any = None  # inotify.FolderEvents or a watchdog observer
 
     def start(self) -> None:
-        """Start watching (a daemon thread); a folder that cannot be watched is skipped."""
+        """Start watching (one daemon thread); a folder that cannot be watched is skipped."""
         with self._lock:
-            if self._observer is not None:
+            if self._source is not None:
                 return
-            observer = Observer()
-            handler = _Handler({str(p): k for p, k in self.folders.items()}, self.fire)
             for folder in self.folders:
                 try:
                     folder.mkdir(parents=True, exist_ok=True)
-                    observer.schedule(handler, str(folder), recursive=False)
                 except OSError:
                     continue  # the periodic rechecks still see its changes
-            observer.daemon = True
-            observer.start()
-            self._observer = observer
+            self._source = self._inotify() if inotify.available() else self._watchdog()
+
+    def alive(self) -> bool:
+        """False when the watch was started and its thread has died (restart it)."""
+        with self._lock:
+            source = self._source
+        if source is None:
+            return True
+        if isinstance(source, inotify.FolderEvents):
+            return source.alive()
+        return bool(source.is_alive() and all(e.is_alive() for e in source.emitters))
 
     def stop(self) -> None:
         """Stop watching and wait briefly for the thread."""
         with self._lock:
-            observer, self._observer = self._observer, None
-        if observer is not None:
-            observer.stop()
-            observer.join(timeout=2)
+            source, self._source = self._source, None
+        if isinstance(source, inotify.FolderEvents):
+            source.stop()
+        elif source is not None:
+            source.stop()
+            source.join(timeout=2)
+
+    def _on_event(self, kind: str, name: str, settled: bool) -> None:
+        if name.endswith(".json"):
+            self.fire(name[:-5], kind, settled)
+
+    def _inotify(self) -> inotify.FolderEvents:
+        events = inotify.FolderEvents(self.folders, self._on_event,
+                                      lambda: self.fire("", LOST, True))
+        events.start()
+        return events
+
+    def _watchdog(self) -> Any:
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        kinds = {str(p): k for p, k in self.folders.items()}
+        on_event = self._on_event
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.is_directory or event.event_type in ("deleted", "opened", "closed_no_write"):
+                    return
+                settled = event.event_type in RENAMED_OR_CLOSED
+                for raw in (event.src_path, getattr(event, "dest_path", "")):
+                    path = Path(raw if isinstance(raw, str) else raw.decode(errors="replace"))
+                    kind = kinds.get(str(path.parent))
+                    if kind is not None:
+                        on_event(kind, path.name, settled)
+
+        observer = Observer(timeout=0.05)
+        for folder in self.folders:
+            try:
+                observer.schedule(Handler(), str(folder), recursive=False)
+            except OSError:
+                continue
+        observer.daemon = True
+        observer.start()
+        return observer

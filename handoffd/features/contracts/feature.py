@@ -229,7 +229,7 @@ class Enforcer:
                                    "pending/ (no attempt counted)", handoff_id=job.handoff_id,
                                    code=ErrorCode.OWNERSHIP_CONFLICT, retryable=True)
             run.reserved = True
-        job.context.extra[STATE_KEY] = run  # from here on, the after hook releases
+        job.context.feature_state[STATE_KEY] = run  # from here on, the after hook releases
         if contract.checks_scope:
             run.snapshotter = Snapshotter(directory, mode=contract.scope_check,
                                           skip=self._skipper(contract, directory),
@@ -271,11 +271,11 @@ class Enforcer:
 
     def after(self, job: "Job", outcome: Outcome) -> Outcome:
         """Review the attempt against its contract; always releases the reservation."""
-        run = job.context.extra.pop(STATE_KEY, None)
+        run = job.context.feature_state.pop(STATE_KEY, None)
         if not isinstance(run, Run):
             return outcome
         try:
-            if job.context.extra.get("handback") or outcome.status == "cancelled":
+            if job.context.handback or outcome.status == "cancelled":
                 return outcome  # the attempt does not count / the coordinator stopped it
             return self.review(job, run, outcome)
         except Exception as exc:  # a checking fault must not let unchecked work complete
