@@ -16,6 +16,7 @@ more examples. Inputs that broke handoffd are kept as regression entries in test
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -179,7 +180,7 @@ def documents(draw: st.DrawFn, index: int) -> tuple[str, bytes]:
     """(file name, bytes) of one generated, possibly mutated, document."""
     schema = draw(st.sampled_from(sorted(SCHEMAS)))
     dialect = SCHEMAS[schema]
-    doc = draw(_STRATEGIES[schema])
+    doc = draw(schema_strategy(schema))
     uuid_ids = dialect in ("agent_handoff", "haios")
     name = str(uuid.UUID(int=draw(st.integers(0, 2**128 - 1)), version=4)) if uuid_ids \
         else f"fz-{index}-{draw(st.sampled_from(['a', 'b.c', 'd_e', 'F:1', 'g+h@i']))}"
@@ -215,7 +216,11 @@ def documents(draw: st.DrawFn, index: int) -> tuple[str, bytes]:
     return f"{name}.json", data
 
 
-_STRATEGIES = {name: from_schema(load_builtin(name)) for name in SCHEMAS}
+@functools.lru_cache(maxsize=None)
+def schema_strategy(name: str) -> st.SearchStrategy[Any]:
+    """A strategy for documents valid under built-in schema ``name`` (built on first use: building
+    all of them costs seconds, which every test worker would pay at collection)."""
+    return from_schema(load_builtin(name))
 
 
 def batches(min_size: int, max_size: int) -> st.SearchStrategy[list[tuple[str, bytes]]]:

@@ -16,12 +16,12 @@ from typing import Any
 
 from .config import RetryPolicy
 from .errors import ConfigError, ErrorCode, InvalidDocument
+from .states import SUCCEEDED
 from .timeutil import iso, parse_iso
 
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}$")
 BOOK = "handoffd"
 PRIORITIES = {"critical": 0, "high": 1, "normal": 2, "medium": 2, "low": 3, "backlog": 4}
-TERMINAL_OK = ("completed", "partial")
 MAX_HISTORY = 200
 # Bounds on what a document may ask for; anything outside is refused at admission (see Envelope).
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
@@ -184,7 +184,7 @@ class Outcome:
     @property
     def succeeded(self) -> bool:
         """Completed and partial outcomes are filed in completed/; the rest in failed/."""
-        return self.status in TERMINAL_OK
+        return self.status in SUCCEEDED
 
     @property
     def seconds(self) -> float:

@@ -21,8 +21,8 @@ from typing import Any
 from . import procs
 from .errors import ConfigError, ErrorCode, HandlerError
 from .specialists import HandlerCancelled, HandlerContext, Specialist
+from .states import RESULT_STATUSES
 
-RESULT_STATUSES = {"completed", "failed", "partial", "blocked", "needs_clarification", "delegated"}
 KILL_GRACE_SECONDS = 2.0
 STDERR_TAIL = 4096
 # After the attempt's processes are killed, how long a pipe may stay open (a writer the kill could

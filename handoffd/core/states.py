@@ -51,3 +51,34 @@ def winner(copies: list[tuple[State, int]]) -> int:
     leftover or an intruder, whatever revision it claims."""
     return max(range(len(copies)), key=lambda i: (copies[i][0] is State.COMPLETED, copies[i][1],
                                                   ORDER[copies[i][0]]))
+
+
+class Status(str, Enum):
+    """An outcome's ``status``: what a handler reports (the first six) and what the engine
+    files. Defined once; the sets below say which ones mean what."""
+
+    COMPLETED = "completed"
+    PARTIAL = "partial"
+    FAILED = "failed"
+    BLOCKED = "blocked"
+    NEEDS_CLARIFICATION = "needs_clarification"
+    DELEGATED = "delegated"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# filed in completed/ (the rest in failed/, or parked back in pending by orchestration)
+SUCCEEDED: frozenset[str] = frozenset({Status.COMPLETED, Status.PARTIAL})
+# what a handler's result may say (timeout and cancelled are the engine's verdicts)
+RESULT_STATUSES: frozenset[str] = frozenset({
+    Status.COMPLETED, Status.PARTIAL, Status.FAILED, Status.BLOCKED, Status.NEEDS_CLARIFICATION,
+    Status.DELEGATED})
+# results that park the handoff until someone answers or its children finish (orchestration)
+PARKED: tuple[Status, ...] = (Status.DELEGATED, Status.NEEDS_CLARIFICATION, Status.BLOCKED)
+# an outcome status a dialect can show as it is (every other failure is "failed" with a code)
+REPORTED: frozenset[str] = frozenset({
+    Status.COMPLETED, Status.PARTIAL, Status.TIMEOUT, Status.CANCELLED, Status.BLOCKED,
+    Status.NEEDS_CLARIFICATION})

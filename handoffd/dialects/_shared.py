@@ -8,6 +8,7 @@ from typing import Any
 
 from ..core.documents import BOOK, Outcome
 from ..core.errors import ErrorCode
+from ..core.states import REPORTED
 from ..core.workspace import Workspace
 
 # Outcome.status (and error codes the engine turns into "failed") → a neutral status name.
@@ -44,8 +45,7 @@ def copy_book(doc: dict[str, Any]) -> dict[str, Any]:
 
 def effective_status(outcome: Outcome) -> str:
     """completed, partial, failed, blocked, needs_clarification, timeout or cancelled."""
-    if outcome.status in ("completed", "partial", "timeout", "cancelled", "blocked",
-                          "needs_clarification"):
+    if outcome.status in REPORTED:
         return outcome.status
     return CODE_STATUS.get(error_code(outcome) or "", "failed")
 

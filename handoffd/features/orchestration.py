@@ -65,7 +65,7 @@ from ..core.errors import (
     NotFound,
     UnreadableDocument,
 )
-from ..core.states import State
+from ..core.states import PARKED, State
 from ..core.timeutil import iso, parse_iso
 from . import aggregation
 from .aggregation import child_info, ready
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from ..dialects import Dialect
 
 STRATEGIES = ("all_success", "any_success", "majority", "first_success")
-PARK_STATUSES = ("delegated", "needs_clarification", "blocked")
+PARK_STATUSES = PARKED
 MAX_CHILDREN = 100
 MAX_DEPTH = 16
 
