@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
 from conftest import Workspace, exe
 
 from handoffd.features.contracts import patterns
@@ -91,7 +93,7 @@ def make_workspace(tmp_path: Path, *, concurrency: int = 2) -> Workspace:
     ws = Workspace(root)
     ws.write_config(CONFIG.format(python=json.dumps(PY), script=json.dumps(str(script)),
                                   concurrency=concurrency))
-    subprocess.run([exe("handoffd"), "sweep", "--root", str(root)], capture_output=True, timeout=60)
+    HandoffdWorkspace(root).ensure()  # the folders, made in-process
     return ws
 
 

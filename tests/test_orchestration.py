@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
 from conftest import SPECIALISTS, Workspace
 
 HANDLERS = '''
@@ -175,7 +177,7 @@ def ows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Workspace]:
     root.mkdir()
     ws = Workspace(root)
     ws.write_config(config(tmp_path))
-    ws.handoffd("sweep")  # creates the folders
+    HandoffdWorkspace(root).ensure()  # the folders, made in-process
     yield ws
     ws.cleanup()
 

@@ -5,14 +5,15 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterable, TypeVar
 
 import typer
 
-from ..core.engine import Engine
 from ..core.errors import HandoffdError, NotFound
 from ..core.workspace import Workspace, resolve_root
-from ..features.build import build_engine
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,6 +100,14 @@ def workspace(root: Path | None, *, create: bool = False) -> Workspace:
     return ws
 
 
-def engine(root: Path | None, *, create: bool = False) -> Engine:
-    """An Engine over the chosen workspace, with every feature installed."""
-    return build_engine(workspace(root, create=create))
+def engine(root: Path | None, *, create: bool = False,
+           features: Iterable[str] | None = None) -> Engine:
+    """An Engine over the chosen workspace with ``features`` installed (by name; None: every
+    feature). A command that only reads, or only creates, names what it needs: importing and
+    installing every feature is a daemon's start-up cost, not a one-shot command's."""
+    from ..features.build import (  # loaded by commands that use it
+        DEFAULT_FEATURES,
+        build_engine,
+    )
+    return build_engine(workspace(root, create=create),
+                        features=DEFAULT_FEATURES if features is None else features)

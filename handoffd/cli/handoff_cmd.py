@@ -9,18 +9,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from .. import dialects
-from ..backends.files import FilesBackend
-from ..backends.files.fsio import parse_document, read_bytes_safely
-from ..core.documents import book, new_native_request
 from ..core.errors import InvalidDocument, NotFound, UsageError
 from ..core.states import State
-from ..core.validation import builtin_schema_names
 from ..core.workspace import Workspace, resolve_root
-from ..service.queries import list_handoffs
-from ..service.sweeper import requeue_failed
-from ..service.waiting import wait_terminal
 from . import orchestration_cmd
+
+# Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
+# body: a one-shot command pays only for itself.
 from .common import JsonOption, RootOption, engine, guarded, run_app, workspace
 from .render import console, handoff_table, print_json, timeline
 
@@ -57,7 +52,10 @@ def create(
     root: RootOption = None,
 ) -> None:
     """Create a handoff and print its id alone on stdout."""
-    eng = engine(root, create=True)
+    from ..backends.files.fsio import parse_document, read_bytes_safely
+    from ..core.documents import new_native_request
+    from ..service.waiting import wait_terminal
+    eng = engine(root, create=True, features=("dependencies",))  # submit's check
     if file is not None:
         if any(v is not None for v in (to, data, input_file, handoff_id)):
             raise UsageError("--file submits a whole document; do not combine it with --to/--data/--input/--id")
@@ -103,7 +101,8 @@ def list_command(
     root: RootOption = None,
 ) -> None:
     """List handoffs, newest first."""
-    eng = engine(root)
+    from ..service.queries import list_handoffs
+    eng = engine(root, features=())
     valid = [s.value for s in State] + ["quarantined"]
     if state is not None and state not in valid:
         raise UsageError(f"--state must be one of {', '.join(valid)}")
@@ -123,7 +122,9 @@ def show(
     root: RootOption = None,
 ) -> None:
     """Show a handoff's document and its history."""
-    eng = engine(root)
+    from ..backends.files import FilesBackend
+    from ..core.documents import book
+    eng = engine(root, features=())
     state, doc = eng.get(handoff_id)
     if as_json:
         print_json({"id": handoff_id, "state": state.value, "document": doc,
@@ -147,7 +148,8 @@ def wait(
     root: RootOption = None,
 ) -> None:
     """Block until the handoff is completed (exit 0) or failed (exit 1)."""
-    eng = engine(root)
+    from ..service.waiting import wait_terminal
+    eng = engine(root, features=())
     state, doc = wait_terminal(eng.backend, handoff_id, timeout)
     if as_json:
         print_json(doc)
@@ -165,6 +167,7 @@ def retry(
     root: RootOption = None,
 ) -> None:
     """Move failed handoffs back to pending (retry_count + 1, history kept)."""
+    from ..service.sweeper import requeue_failed
     eng = engine(root)
     ids = list(handoff_ids or [])
     if all_failed:
@@ -197,13 +200,14 @@ def validate(
     root: RootOption = None,
 ) -> None:
     """Detect each document's format, validate it, print every error with its JSON path."""
+    from .. import dialects
     if dialect is not None:
         try:
             dialects.by_name(dialect)
         except KeyError as exc:
             raise UsageError(str(exc.args[0])) from None
     # inside a workspace, its schemas/ (e.g. edited copies from `schemas --copy`) take precedence
-    eng = engine(root) if Workspace(resolve_root(root)).exists() else None
+    eng = engine(root, features=()) if Workspace(resolve_root(root)).exists() else None
     from ..service.queries import validate_files
     results = validate_files(files, eng, forced=dialect)
     if as_json:
@@ -226,6 +230,7 @@ def schemas(
     root: RootOption = None,
 ) -> None:
     """List the JSON Schemas shipped with handoffd (--copy: copy them into schemas/ to extend)."""
+    from ..core.validation import builtin_schema_names
     if not copy:
         for name in builtin_schema_names():
             print(name)
@@ -259,7 +264,7 @@ def violations(
     from ..features.contracts import violations as vlog
     from .contract_views import violations_view
 
-    eng = engine(root)
+    eng = engine(root, features=())
     try:
         start = parse_iso(since) if since else None
     except ValueError:

@@ -9,16 +9,17 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.table import Table
-from rich.text import Text
-from rich.tree import Tree
+
+if TYPE_CHECKING:  # rich loads when something is printed for a human, not at start-up
+    from rich.text import Text
+    from rich.tree import Tree
 
 from ..core.errors import NotFound, UsageError, WaitTimeout
 from ..core.states import State
-from .common import JsonOption, RootOption, engine, guarded
+from .common import JsonOption, RootOption, engine, guarded, workspace
 from .render import STATE_STYLE, console, print_json
 
 PROG = "handoff"
@@ -126,8 +127,9 @@ def answer(
 def _store(root: Path | None) -> Any:
     from ..features.context import ContextStore, Permissions
 
-    eng = engine(root)  # its config is validated once (a bad [namespaces] table: exit 2)
-    return ContextStore(eng.ws, Permissions.from_config(eng.config), durable=eng.settings.durable)
+    ws = workspace(root)
+    config = ws.load_config()  # validated once (a bad [namespaces] table: exit 2)
+    return ContextStore(ws, Permissions.from_config(config), durable=config.daemon.durable)
 
 
 def context_get(
@@ -185,6 +187,7 @@ def context_ls(
     if as_json:
         print_json(rows)
         return
+    from rich.table import Table
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("KEY", "NAMESPACE", "BYTES", "WRITTEN BY", "AT"):
         table.add_column(column, overflow="fold")
@@ -218,13 +221,14 @@ def trace(
     """Show the chain a handoff belongs to: parent, children, what it triggered, its conversation."""
     from ..features.trace import build
 
-    data = build(engine(root), handoff_id)
+    data = build(engine(root, features=()), handoff_id)
     if as_json:
         print_json(data)
         return
     title = f"trace of [bold]{handoff_id}[/bold]"
     if data["conversation"]:
         title += f"  conversation {data['conversation']}"
+    from rich.tree import Tree
     tree = Tree(title)
     for node in data["trees"]:
         _grow(tree, node, handoff_id)
@@ -232,6 +236,7 @@ def trace(
 
 
 def _label(node: dict[str, Any], focus: str) -> Text:
+    from rich.text import Text
     text = Text()
     marker = {"child": "", "triggered": "→ ", "upstream": "", "conversation": "~ ", "root": ""}
     text.append(marker.get(node["relation"], ""))
@@ -292,6 +297,8 @@ def print_family(out: Any, eng: Any, handoff_id: str, doc: dict[str, Any]) -> No
         out.print(f"waiting on the requester ({aw.get('kind')}): " + "; ".join(map(str, items)))
     if not fam["children"]:
         return
+    from rich.table import Table
+    from rich.text import Text
     table = Table(box=None, pad_edge=False, header_style="bold", title="children", title_justify="left")
     for column in ("ID", "TO", "STATE", "STATUS"):
         table.add_column(column, overflow="fold")

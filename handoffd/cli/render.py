@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:  # rich loads when something is printed for a human, not at start-up
+    from rich.console import Console
+    from rich.table import Table
 
 STATE_STYLE = {"pending": "yellow", "in-progress": "cyan", "completed": "green",
                "failed": "red", "quarantined": "magenta"}
@@ -14,6 +14,7 @@ STATE_STYLE = {"pending": "yellow", "in-progress": "cyan", "completed": "green",
 
 def console() -> Console:
     """A stdout console; rich drops colour by itself when stdout is not a terminal."""
+    from rich.console import Console
     out = Console(soft_wrap=False, highlight=False)
     if not out.is_terminal:  # piped: do not fold ids at 80 columns
         out = Console(soft_wrap=False, highlight=False, width=200)
@@ -27,6 +28,8 @@ def print_json(data: Any) -> None:
 
 def handoff_table(rows: list[dict[str, Any]]) -> Table:
     """The ``handoff ls`` table."""
+    from rich.table import Table
+    from rich.text import Text
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("ID", "PARENT", "STATE", "FROM", "TO", "ATTEMPT", "UPDATED", "NOTE"):
         table.add_column(column, overflow="fold")
@@ -41,6 +44,7 @@ def handoff_table(rows: list[dict[str, Any]]) -> Table:
 
 def timeline(history: list[dict[str, Any]]) -> Table:
     """The ``handoff show`` history as a table, oldest first."""
+    from rich.table import Table
     table = Table(box=None, pad_edge=False, header_style="bold", title="history", title_justify="left")
     for column in ("AT", "EVENT", "BY", "DETAIL"):
         table.add_column(column, overflow="fold")

@@ -13,6 +13,7 @@ plain handoffs only.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable
@@ -37,12 +38,11 @@ from .errors import (
     UnreadableDocument,
 )
 from .formats import ArtifactSink, Dialect, FiledState, Formats
-from .runner import run_command, run_python
 from .specialists import HandlerContext, Registry, Specialist
 from .states import State
 from .storage import Backend, Claim, Doc
 from .timeutil import Clock, utc_now
-from .validation import SchemaCache, check_document, errors_of
+from .validation import SchemaCache, check_document
 from .workspace import Workspace
 
 log = logging.getLogger("handoffd")
@@ -112,7 +112,10 @@ class Engine:
         self.ws = workspace
         self.config = config or workspace.load_config()
         self.settings = self.config.daemon
-        self.registry = registry or Registry.load(self.config)
+        # loaded on first use: scanning entry points and importing handler modules is for the
+        # daemon, not for a command that only reads or creates a handoff
+        self._registry = registry
+        self._registry_lock = threading.Lock()
         self.clock = clock
         self.backend = backend
         self.formats = formats
@@ -138,6 +141,19 @@ class Engine:
         # called with each daemon built on this engine: features register scan hooks, message
         # handlers and the like through the daemon's plugin API (the core knows no daemon)
         self.daemon_plugins: list[Callable[[Any], None]] = []
+
+    @property
+    def registry(self) -> Registry:
+        """The specialists this engine runs (from the config, entry points and decorators)."""
+        if self._registry is None:
+            with self._registry_lock:
+                if self._registry is None:
+                    self._registry = Registry.load(self.config)
+        return self._registry
+
+    @registry.setter
+    def registry(self, registry: Registry) -> None:
+        self._registry = registry
 
     def gate(self, peek: Peek) -> Verdict | None:
         """The first gate verdict that stops ``peek`` from being claimed now (None: go)."""
@@ -350,10 +366,12 @@ class Engine:
             for hook in self.before_run:
                 hook(job)
             if job.specialist.is_command:
+                from .runner import run_command  # loaded by whoever runs handlers
                 result = run_command(job.specialist, without_book(job.claim.doc), job.context,
                                      self.timeout_for(job),
                                      max_output_bytes=self.settings.max_output_bytes)
             else:
+                from .runner import run_python
                 result = run_python(job.specialist, job.claim.doc, job.context, self.timeout_for(job))
             outcome = self.outcome_from_result(job, result, started)
         except HandlerError as exc:
@@ -415,7 +433,7 @@ class Engine:
             checks.append(("expected_output_schema",
                            self.schemas.for_schema(key, job.envelope.expected_output_schema)))
         for label, validator in checks:
-            errors = errors_of(validator, output)
+            errors = self.schemas.errors_with(validator, output)
             if errors:
                 raise InvalidDocument(f"handoff {job.handoff_id}: output fails {label}: "
                                       f"{errors[0]['field']}: {errors[0]['error']}",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass, field, replace
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable
 
@@ -152,6 +151,7 @@ class Registry:
         """Entry points, then decorated functions, then handoffd.toml tables."""
         registry = cls()
         if use_entry_points:
+            from importlib.metadata import entry_points  # scanning them is for daemons
             for ep in entry_points(group=ENTRY_POINT_GROUP):
                 table = {"handler": ep.value}
                 registry.add(Specialist(specialist_from_table(ep.name, table, config.retry,

@@ -16,83 +16,30 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import threading
 from collections import OrderedDict
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
-
-import jsonschema
-import re2
-import referencing
-import referencing.exceptions
-
-# private helper, absent from the types-jsonschema stubs (they cover the module's keyword functions)
-from jsonschema._legacy_keywords import lookup_recursive_ref  # type: ignore[attr-defined]
-from jsonschema.exceptions import ValidationError
-from jsonschema.protocols import Validator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigError, ErrorCode, InvalidDocument
 
+if TYPE_CHECKING:
+    from jsonschema.protocols import Validator
+
 INLINE_CACHE_SIZE = 256  # inline schemas kept compiled (LRU): repeats are common, the set is not bounded
-PATTERN_CACHE_SIZE = 1024
-RE2_SYNTAX_HINT = "schemas from documents use RE2 syntax: no lookaround, no backreferences"
+# the machinery (jsonschema with RE2 keywords) lives in .jsonschema_re2, loaded on first validation
+_ENGINE_NAMES = ("PatternError", "compile_pattern", "validator_class", "check_inline", "describe",
+                 "field_path", "errors_of")
 
 
-class PatternError(ValueError):
-    """A regular expression that cannot be used (RE2 cannot compile it, and no fallback applies)."""
-
-
-class _Searcher(Protocol):
-    def search(self, string: str) -> Any: ...
-
-
-def _re2_options() -> Any:
-    options = re2.Options()
-    options.log_errors = False  # RE2 would otherwise print every bad pattern on our stderr
-    return options
-
-
-_RE2_OPTIONS = _re2_options()
-
-
-@lru_cache(maxsize=PATTERN_CACHE_SIZE)
-def _compile_re2(pattern: str) -> tuple[_Searcher | None, str]:
-    """RE2-compile ``pattern`` once; (compiled, "") or (None, why not). Failures are cached too."""
-    try:
-        return re2.compile(pattern, _RE2_OPTIONS), ""
-    except re2.error as exc:
-        reason = exc.args[0] if exc.args else "invalid"
-        return None, reason.decode("utf-8", "replace") if isinstance(reason, bytes) else str(reason)
-    except (TypeError, ValueError) as exc:  # e.g. a NUL byte or a surrogate the encoder refuses
-        return None, str(exc)
-
-
-def compile_pattern(pattern: str, *, trusted: bool = False) -> _Searcher:
-    """A compiled regex for ``pattern``: RE2 always; Python ``re`` only for ``trusted`` (operator)
-    schemas whose pattern RE2 cannot compile. PatternError saying why when neither applies."""
-    compiled, reason = _compile_re2(pattern)
-    if compiled is not None:
-        return compiled
-    if trusted:
-        try:
-            return re.compile(pattern)
-        except re.error as exc:
-            raise PatternError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
-    raise PatternError(f"pattern {pattern!r} is not supported: {reason} ({RE2_SYNTAX_HINT})")
-
-
-def _is_re2_regex(instance: Any) -> bool:
-    """The ``regex`` format: a string RE2 can compile (the value is data, so no fallback)."""
-    if isinstance(instance, str):
-        compile_pattern(instance, trusted=False)
-    return True
-
-
-_FORMAT_CHECKER = jsonschema.FormatChecker()
-_FORMAT_CHECKER.checks("regex", raises=PatternError)(_is_re2_regex)
+def __getattr__(name: str) -> Any:
+    """The machinery's names, loaded from :mod:`.jsonschema_re2` on first use (PEP 562)."""
+    if name in _ENGINE_NAMES:
+        from . import jsonschema_re2
+        return getattr(jsonschema_re2, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def builtin_schema_names() -> list[str]:
@@ -105,211 +52,6 @@ def load_builtin(name: str) -> dict[str, Any]:
     """A built-in schema by file name."""
     path = resources.files("handoffd") / "schemas" / name
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def field_path(parts: Any) -> str:
-    """Render a jsonschema path deque as ``a.b[0].c`` (empty string for the root)."""
-    out = ""
-    for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def describe(error: ValidationError) -> dict[str, str]:
-    """One seed-001 validation entry for a jsonschema error."""
-    message = error.message
-    if error.validator == "required" and isinstance(error.validator_value, list):
-        missing = [p for p in error.validator_value if isinstance(error.instance, dict)
-                   and p not in error.instance]
-        if missing:
-            message = f"Missing required field '{missing[0]}'"
-    schema_path = "#/" + "/".join(str(p) for p in error.absolute_schema_path)
-    return {"field": field_path(error.absolute_path) or "$", "error": message,
-            "schema_path": schema_path}
-
-
-# ---------------------------------------------------------------- RE2-backed keywords
-# jsonschema calls re.search in four keywords (pattern, patternProperties, and through helpers in
-# additionalProperties and unevaluatedProperties); each is replaced by a version that compiles
-# with compile_pattern. They mirror jsonschema 4's implementations otherwise.
-
-def _keywords(trusted: bool, legacy_2019: bool) -> dict[str, Callable[..., Iterator[ValidationError]]]:
-    """Keyword implementations for trusted (operator) or untrusted (document) schemas."""
-
-    def searcher(pattern: str) -> _Searcher | None:
-        try:
-            return compile_pattern(pattern, trusted=trusted)
-        except PatternError:
-            return None  # reported by the pattern / patternProperties keyword itself
-
-    def pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
-        if not validator.is_type(instance, "string"):
-            return
-        try:
-            compiled = compile_pattern(patrn, trusted=trusted)
-        except PatternError as exc:
-            yield ValidationError(str(exc))
-            return
-        if not compiled.search(instance):
-            yield ValidationError(f"{_short(instance)} does not match {patrn!r}")
-
-    def pattern_properties(validator: Any, patterns: dict[str, Any], instance: Any,
-                           schema: Any) -> Iterator[ValidationError]:
-        if not validator.is_type(instance, "object"):
-            return
-        for patrn, subschema in patterns.items():
-            try:
-                compiled = compile_pattern(patrn, trusted=trusted)
-            except PatternError as exc:
-                yield ValidationError(str(exc))
-                continue
-            for key, value in instance.items():
-                if compiled.search(key):
-                    yield from validator.descend(value, subschema, path=key, schema_path=patrn)
-
-    def matches_any(patterns: Any, key: str) -> bool:
-        return any(c is not None and c.search(key) for c in map(searcher, patterns or {}))
-
-    def additional_properties(validator: Any, ap: Any, instance: Any,
-                              schema: Any) -> Iterator[ValidationError]:
-        if not validator.is_type(instance, "object"):
-            return
-        properties = schema.get("properties", {})
-        patterns = schema.get("patternProperties", {})
-        extras = {k for k in instance if k not in properties and not matches_any(patterns, k)}
-        if validator.is_type(ap, "object"):
-            for extra in extras:
-                yield from validator.descend(instance[extra], ap, path=extra)
-        elif not ap and extras:
-            if "patternProperties" in schema:
-                verb = "does" if len(extras) == 1 else "do"
-                joined = ", ".join(_short(each) for each in sorted(extras))
-                listed = ", ".join(repr(each) for each in sorted(patterns))
-                yield ValidationError(f"{joined} {verb} not match any of the regexes: {listed}")
-            else:
-                names = ", ".join(_short(e) for e in sorted(extras, key=str))
-                verb = "was" if len(extras) == 1 else "were"
-                yield ValidationError(f"Additional properties are not allowed ({names} {verb} "
-                                      "unexpected)")
-
-    def evaluated_keys(validator: Any, instance: dict[str, Any], schema: Any) -> list[str]:
-        """The keys of ``instance`` some keyword of ``schema`` evaluated (jsonschema's
-        find_evaluated_property_keys_by_schema, drafts 2020-12 and 2019-09, with RE2)."""
-        if validator.is_type(schema, "boolean"):
-            return []
-        found: list[str] = []
-
-        def via(resolved: Any) -> list[str]:  # a $ref / $dynamicRef / $recursiveRef target
-            return evaluated_keys(validator.evolve(schema=resolved.contents,
-                                                   _resolver=resolved.resolver),
-                                  instance, resolved.contents)
-
-        if schema.get("$ref") is not None:
-            found += via(validator._resolver.lookup(schema["$ref"]))
-        if not legacy_2019 and schema.get("$dynamicRef") is not None:
-            found += via(validator._resolver.lookup(schema["$dynamicRef"]))
-        if legacy_2019 and "$recursiveRef" in schema:
-            found += via(lookup_recursive_ref(validator._resolver))
-        if legacy_2019:
-            for keyword in ("properties", "additionalProperties", "unevaluatedProperties"):
-                value = schema.get(keyword)
-                if value is True:
-                    found += instance.keys()
-                elif isinstance(value, dict):
-                    found += [p for p in value if p in instance]
-        else:
-            properties = schema.get("properties")
-            if validator.is_type(properties, "object"):
-                found += properties.keys() & instance.keys()
-            for keyword in ("additionalProperties", "unevaluatedProperties"):
-                if (sub := schema.get(keyword)) is not None:
-                    found += [k for k, v in instance.items() if _valid(validator.descend(v, sub))]
-        found += [k for k in instance if matches_any(schema.get("patternProperties"), k)]
-        for key, sub in (schema.get("dependentSchemas") or {}).items():
-            if key in instance:
-                found += evaluated_keys(validator, instance, sub)
-        for keyword in ("allOf", "oneOf", "anyOf"):
-            for sub in schema.get(keyword, []):
-                if _valid(validator.descend(instance, sub)):
-                    found += evaluated_keys(validator, instance, sub)
-        if "if" in schema:
-            if validator.evolve(schema=schema["if"]).is_valid(instance):
-                found += evaluated_keys(validator, instance, schema["if"])
-                if "then" in schema:
-                    found += evaluated_keys(validator, instance, schema["then"])
-            elif "else" in schema:
-                found += evaluated_keys(validator, instance, schema["else"])
-        return found
-
-    def unevaluated_properties(validator: Any, up: Any, instance: Any,
-                               schema: Any) -> Iterator[ValidationError]:
-        if not validator.is_type(instance, "object"):
-            return
-        seen = set(evaluated_keys(validator, instance, schema))
-        bad = [k for k in instance if k not in seen
-               and not _valid(validator.descend(instance[k], up, path=k, schema_path=k))]
-        if not bad:
-            return
-        verb = "was" if len(bad) == 1 else "were"
-        if up is False:
-            names = ", ".join(_short(e) for e in sorted(bad, key=str))
-            yield ValidationError(f"Unevaluated properties are not allowed ({names} {verb} unexpected)")
-        else:
-            names = ", ".join(_short(e) for e in bad)
-            yield ValidationError("Unevaluated properties are not valid under the given schema "
-                                  f"({names} {verb} unevaluated and invalid)")
-
-    return {"pattern": pattern, "patternProperties": pattern_properties,
-            "additionalProperties": additional_properties,
-            "unevaluatedProperties": unevaluated_properties}
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters: error entries must stay readable (and small)
-    when a document holds a megabyte-long string."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
-
-
-def _valid(errors: Iterator[ValidationError]) -> bool:
-    return next(errors, None) is None
-
-
-_CLASSES: dict[tuple[type, bool], type] = {}
-_CLASSES_LOCK = threading.Lock()
-
-
-def validator_class(schema: Any, *, trusted: bool) -> Any:
-    """The validator class for ``schema``'s draft (default 2020-12) with the RE2 keywords."""
-    base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    with _CLASSES_LOCK:
-        found = _CLASSES.get((base, trusted))
-        if found is None:
-            legacy = base is jsonschema.Draft201909Validator
-            keywords = {name: func for name, func in _keywords(trusted, legacy).items()
-                        if name in base.VALIDATORS}  # e.g. draft 7 has no unevaluatedProperties
-            found = _CLASSES[(base, trusted)] = jsonschema.validators.extend(base, keywords)
-        return found
-
-
-# Inline schemas resolve no references outside themselves: jsonschema's default registry would
-# fetch http(s) URLs with no timeout, so a document could stall a worker (or reach the network).
-_NO_RETRIEVAL = referencing.Registry()
-
-
-def check_inline(schema: dict[str, Any]) -> None:
-    """Raise InvalidDocument (SCHEMA_VALIDATION_FAILED) with one clear line unless ``schema`` is
-    a usable JSON Schema whose every pattern RE2 compiles."""
-    try:
-        cls = validator_class(schema, trusted=False)
-        cls.check_schema(schema, format_checker=_FORMAT_CHECKER)
-    except jsonschema.SchemaError as exc:
-        reason = str(exc.cause) if isinstance(exc.cause, PatternError) else exc.message
-        raise InvalidDocument(f"the inline schema is not a valid JSON Schema: {reason}",
-                              code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
-    except RecursionError:
-        raise InvalidDocument("the inline schema nests too deeply to be checked",
-                              code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
 
 
 def schema_digest(schema: Any) -> str:
@@ -360,9 +102,8 @@ class SchemaCache:
             if found is not None:
                 self._inline.move_to_end(digest)
                 return found
-        check_inline(schema)
-        found = validator_class(schema, trusted=False)(schema, format_checker=_FORMAT_CHECKER,
-                                                        registry=_NO_RETRIEVAL)
+        from .jsonschema_re2 import for_inline
+        found = for_inline(schema)
         with self._lock:
             self._inline[digest] = found
             while len(self._inline) > self._inline_size:
@@ -385,42 +126,20 @@ class SchemaCache:
 
     @staticmethod
     def _build(schema: dict[str, Any]) -> Validator:
-        """A validator for an operator's (named) schema: checked with Python's regex syntax, run
-        with RE2 wherever RE2 compiles the pattern."""
-        cls = validator_class(schema, trusted=True)
-        cls.check_schema(schema)
-        return cls(schema, format_checker=_FORMAT_CHECKER)
+        from .jsonschema_re2 import for_named
+        return for_named(schema)
 
     def errors(self, name: str, instance: Any) -> list[dict[str, str]]:
         """Every error of ``instance`` against schema ``name``, in document order."""
-        return errors_of(self.validator(name), instance)
+        return self.errors_with(self.validator(name), instance)
+
+    @staticmethod
+    def errors_with(validator: Validator, instance: Any) -> list[dict[str, str]]:
+        """Every error of ``instance`` under ``validator`` (seed-001 entries, sorted by path)."""
+        from .jsonschema_re2 import errors_of
+        return errors_of(validator, instance)
 
 
-def errors_of(validator: Validator, instance: Any) -> list[dict[str, str]]:
-    """Every error of ``instance`` under ``validator`` as seed-001 entries, sorted by path.
-
-    Never raises for a hostile schema or instance: running out of recursion (a schema or value
-    nested absurdly deep, a ``$ref`` cycle) or an unresolvable ``$ref`` becomes an entry."""
-    found: list[ValidationError] = []
-    trouble: dict[str, str] | None = None
-    try:
-        for error in validator.iter_errors(instance):
-            found.append(error)
-    except RecursionError:
-        trouble = {"field": "$", "schema_path": "#",
-                   "error": "validation gave up: the schema or the value nests too deeply "
-                            "(or a $ref refers to itself)"}
-    except referencing.exceptions.Unresolvable as exc:
-        trouble = {"field": "$", "schema_path": "#",
-                   "error": f"the schema refers to something it does not contain: {exc}"}
-    found.sort(key=lambda e: [str(p) for p in e.absolute_path])
-    entries: list[dict[str, str]] = []
-    for entry in map(describe, found):  # several branches can report the same missing field
-        if not any(e["field"] == entry["field"] and e["error"] == entry["error"] for e in entries):
-            entries.append(entry)
-    if trouble is not None:
-        entries.append(trouble)
-    return entries
 
 
 class _Schemas(Protocol):

@@ -10,12 +10,9 @@ retryable / permanent and handoffd's error ``code``.
 """
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-
-import jsonschema
 
 from ..core.formats import ArtifactSink
 from ..core.documents import Envelope, Outcome, check_id, priority_rank
@@ -26,23 +23,18 @@ from .base import FiledState
 
 HANDOFF_SCHEMA = "haios.collaboration_handoff.schema.json"
 RESULT_SCHEMA = "haios.collaboration_result.schema.json"
-_CHECKED_SCHEMAS: dict[str, str | None] = {}  # expected_output_schema text → problem (None: fine)
 
 
 def schema_problem(schema: dict[str, Any]) -> str | None:
-    """Why an inline expected_output_schema is not a usable JSON Schema (None when it is)."""
-    key = json.dumps(schema, sort_keys=True)
-    if key not in _CHECKED_SCHEMAS:
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        try:
-            cls.check_schema(schema)
-            problem = None
-        except jsonschema.SchemaError as exc:
-            problem = exc.message
-        if len(_CHECKED_SCHEMAS) > 256:
-            _CHECKED_SCHEMAS.clear()
-        _CHECKED_SCHEMAS[key] = problem
-    return _CHECKED_SCHEMAS[key]
+    """Why an inline expected_output_schema is not a usable JSON Schema (None when it is): the
+    same check (and the same bounded cache, keyed by content) the engine uses to run it."""
+    from ..core.validation import builtin_schemas  # jsonschema loads on first use only
+    try:
+        builtin_schemas().for_schema("expected_output_schema", schema)
+    except InvalidDocument as exc:
+        prefix = "the inline schema is not a valid JSON Schema: "
+        return str(exc)[len(prefix):] if str(exc).startswith(prefix) else str(exc)
+    return None
 
 
 class HaiosDialect:

@@ -7,6 +7,7 @@ features in order; ``features=()`` gives a bare engine that runs plain handoffs 
 """
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Callable, Iterable
 
@@ -18,12 +19,17 @@ from ..core.specialists import Registry
 from ..core.storage import Backend
 from ..core.timeutil import Clock, utc_now
 from ..core.workspace import Workspace
-from . import artifacts, cancellation, orchestration
-from . import context as context_store
-from . import dependencies as gates
-from .contracts import feature as contracts
 
 Feature = Callable[[Engine], object]
+
+
+def _installer(module: str, function: str = "install") -> Feature:
+    """``module.function`` as a Feature, imported when it is installed (an engine without a
+    feature, such as a one-shot command's, never loads its code)."""
+    def install(engine: Engine) -> object:
+        return getattr(importlib.import_module(module, __package__), function)(engine)
+    install.__name__ = install.__qualname__ = f"install_{module.rsplit('.', 1)[-1]}"
+    return install
 
 
 def install_artifacts(engine: Engine) -> None:
@@ -31,6 +37,7 @@ def install_artifacts(engine: Engine) -> None:
     write or check what it produced after; large artifact contents of an answer are kept as files
     under artifacts/ (seed 000's 1 KB rule). Installed after contracts: their checks see only what
     the handler itself wrote."""
+    from . import artifacts
     engine.before_run.append(artifacts.prepare)
     engine.after_run.append(artifacts.collect)
     engine.artifact_sink = artifacts.text_sink(engine.ws)  # seed 000: large contents by reference
@@ -38,6 +45,8 @@ def install_artifacts(engine: Engine) -> None:
 
 def install_context(engine: Engine) -> None:
     """Shared context (``context/``): a Python handler's ``ctx.context`` is its agent's view."""
+    from . import context as context_store
+
     def give_view(job: Job) -> None:
         job.context.context_factory = context_store.view_for
 
@@ -46,10 +55,10 @@ def install_context(engine: Engine) -> None:
 
 # by name, in installation order (the order of each hook list follows from it)
 FEATURES: dict[str, Feature] = {
-    "dependencies": gates.install,  # depends_on: wait for, or fail on, other handoffs
-    "contracts": contracts.install,  # seed 004: contract gate, file reservations, scope, criteria
-    "orchestration": orchestration.install,  # delegation, clarification, aggregation
-    "cancellation": cancellation.install,  # its gate and hooks put themselves first
+    "dependencies": _installer(".dependencies"),  # depends_on: wait for, or fail on, other handoffs
+    "contracts": _installer(".contracts.feature"),  # seed 004: contract gate, reservations, scope, criteria
+    "orchestration": _installer(".orchestration"),  # delegation, clarification, aggregation
+    "cancellation": _installer(".cancellation"),  # its gate and hooks put themselves first
     "context": install_context,  # ctx.context for Python handlers
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
 }

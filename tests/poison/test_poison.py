@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
 from conftest import FLAKY_TOML, Workspace, exe, reason_codes
 
 CORPUS = Path(__file__).resolve().parent
@@ -105,7 +107,7 @@ def batch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Batch]:
     root.mkdir()
     ws = Workspace(root)
     ws.write_config(FLAKY_TOML)
-    subprocess.run([exe("handoffd"), "sweep", "--root", str(root)], capture_output=True, timeout=60)
+    HandoffdWorkspace(root).ensure()  # the folders, made in-process
     # phase 1: a finished handoff for the forged duplicate to aim at
     ws.create("--to", "@flaky", "--id", VICTIM, "--data", '{"mode": "ok"}')
     assert ws.handoffd("run").returncode == 0
