@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 from ..core.documents import BOOK, Outcome
 from ..core.errors import ErrorCode
 from ..core.states import REPORTED
-from ..core.workspace import Workspace
 
 # Outcome.status (and error codes the engine turns into "failed") → a neutral status name.
 CODE_STATUS: dict[str, str] = {ErrorCode.BLOCKED: "blocked",

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from ..core.formats import ArtifactSink
 from ..core.documents import Envelope, Outcome, check_id, priority_rank
 from ..core.errors import ErrorCode, InvalidDocument
+from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
 from . import _shared as sh
 from .base import FiledState

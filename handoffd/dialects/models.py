@@ -163,7 +163,9 @@ class Model:
         """Schema errors of ``to_dict()`` against the built-in schema ({field, error, schema_path})."""
         if self.SCHEMA is None:
             return []
-        from ..core.validation import builtin_schemas  # jsonschema loads on first use only
+        from ..core.validation import (
+            builtin_schemas,  # jsonschema loads on first use only
+        )
         return builtin_schemas().errors(self.SCHEMA, self.to_dict())
 
 

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from ..core.formats import ArtifactSink
 from ..core.documents import Envelope, Outcome, apply_native_outcome, native_envelope
+from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
 from .base import FiledState
 
