@@ -102,7 +102,7 @@ def list_command(
 ) -> None:
     """List handoffs, newest first."""
     from ..service.queries import list_handoffs
-    eng = engine(root, features=())
+    eng = engine(root)  # every feature: their gates say why a pending handoff waits
     valid = [s.value for s in State] + ["quarantined"]
     if state is not None and state not in valid:
         raise UsageError(f"--state must be one of {', '.join(valid)}")
@@ -124,7 +124,7 @@ def show(
     """Show a handoff's document and its history."""
     from ..backends.files import FilesBackend
     from ..core.documents import book
-    eng = engine(root, features=())
+    eng = engine(root)  # every feature: their gates say why a pending handoff waits
     state, doc = eng.get(handoff_id)
     if as_json:
         print_json({"id": handoff_id, "state": state.value, "document": doc,
