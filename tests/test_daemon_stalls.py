@@ -153,7 +153,8 @@ def test_watchdog_recovers_from_corrupted_bookkeeping(tmp_path: Path, caplog: py
             daemon.releasing["@t"] += 5
         ids = [submit(engine) for _ in range(10)]
         wait_all_done(engine, 11, timeout=30)
-        assert all(engine.backend.store.locate(h) == [State.COMPLETED] for h in ids)
+        # filed = the completed copy written, then the in-progress one removed: wait for both
+        wait_for(lambda: all(engine.backend.store.locate(h) == [State.COMPLETED] for h in ids))
         assert daemon.report.stalls >= 1
     assert any("scheduler stalled" in r.getMessage() and r.levelno == logging.ERROR
                for r in caplog.records)
