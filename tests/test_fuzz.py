@@ -16,23 +16,23 @@ more examples. Inputs that broke handoffd are kept as regression entries in test
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 import types
 import uuid
 from pathlib import Path
 from typing import Any
 
 import hypothesis.internal.conjecture.utils as _cu
+import hypothesis_jsonschema._canonicalise as _hjs_canon
 import hypothesis_jsonschema._from_schema as _hjs
 import pytest
-from conftest import FLAKY_TOML, Workspace, exe
+from conftest import FLAKY_TOML, Workspace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
@@ -66,6 +66,33 @@ if not hasattr(_cu.many, "more"):
     _proxy.__dict__.update(vars(_cu))
     _proxy.many = _CompatMany  # type: ignore[attr-defined]
     _hjs.cu = _proxy  # only hypothesis-jsonschema sees it; Hypothesis itself is untouched
+
+
+def _memoised(function: Any) -> Any:
+    """``function`` (a pure schema -> schema transformation) with its results kept by value.
+
+    hypothesis-jsonschema canonicalises and merges the same sub-schemas again on every draw of an
+    object (our schemas have many); that was nine tenths of this module's time. Results are
+    copied out, as the callers edit what they get."""
+    cache: dict[str, Any] = {}
+
+    @functools.wraps(function)
+    def wrapper(*args: Any) -> Any:
+        try:
+            key = json.dumps(args, sort_keys=True)
+        except (TypeError, ValueError):  # not plain JSON (e.g. a compiled pattern): no caching
+            return function(*args)
+        if key not in cache:
+            cache[key] = function(*args)
+        return copy.deepcopy(cache[key])
+
+    return wrapper
+
+
+for _name in ("canonicalish", "merged"):  # both modules hold their own reference
+    _fast = _memoised(getattr(_hjs_canon, _name))
+    setattr(_hjs_canon, _name, _fast)
+    setattr(_hjs, _name, _fast)
 
 
 # ------------------------------------------------------------------ profiles
