@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
-from conftest import Workspace
+from conftest import Workspace, exe
 
 
 def test_create_prints_the_id_alone_and_ls_show_json(ws: Workspace) -> None:
@@ -178,3 +179,23 @@ def test_specialist_cwd_outside_the_workspace_is_refused(ws: Workspace) -> None:
     assert ws.handoffd("run").returncode == 1
     doc = ws.doc(hid)
     assert "outside the workspace" in doc["error"]["message"] and doc["retry_available"] is False
+
+
+def test_only_the_invoked_command_is_built_and_help_is_unchanged(ws: Workspace) -> None:
+    """A start builds the invoked command alone; the listing, a mistyped name and a sub-group's
+    help still see the whole app."""
+    from handoffd.cli.common import click_command
+    from handoffd.cli.handoff_cmd import app
+
+    everything = set(click_command(app, []).commands)
+    assert {"create", "ls", "show", "wait", "context", "cancel"} <= everything
+    assert set(click_command(app, ["--help"]).commands) == everything
+    assert set(click_command(app, ["lss"]).commands) == everything
+    assert set(click_command(app, ["ls", "--json"]).commands) == {"ls"}
+    assert set(click_command(app, ["context", "get"]).commands) == {"context"}
+    listing = subprocess.run([exe("handoff"), "--help"], capture_output=True, text=True,
+                             timeout=60).stdout
+    assert all(name in listing for name in ("create", "ls", "show", "wait", "context"))
+    wrong = ws.handoff("lss", check=False)
+    assert wrong.returncode == 2 and "No such command 'lss'" in wrong.stderr
+    assert "handoff context ls" in ws.handoff("context", "ls", "--help").stdout

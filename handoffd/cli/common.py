@@ -1,6 +1,7 @@
 """What both command-line programs share: --root, error reporting, exit codes."""
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
@@ -65,10 +66,31 @@ def quiet_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
+def click_command(app: typer.Typer, argv: list[str]) -> Any:
+    """The click command that runs ``argv`` for ``app``: a group holding only the command that
+    ``argv[0]`` names, when it names one.
+
+    Typer turns every registered command's signature into click parameters on each start, which
+    cost a one-shot command more than its own work; the invoked command alone behaves the same
+    (its help, its errors). Anything else (no command, ``--help``, a mistyped name) gets the
+    whole app, so the listing and click's "No such command" stay as they are."""
+    from typer.main import get_command, get_group
+
+    name = argv[0] if argv and not argv[0].startswith("-") else None
+    commands = [c for c in app.registered_commands
+                if (c.name or getattr(c.callback, "__name__", "")) == name]
+    groups = [g for g in app.registered_groups if g.name == name]
+    if not commands and not groups:
+        return get_command(app)
+    narrow = copy.copy(app)
+    narrow.registered_commands, narrow.registered_groups = commands, groups
+    return get_group(narrow)  # a group even for one command, as the whole app is
+
+
 def run_app(app: typer.Typer, program: str) -> None:
     """Run a Typer app so that usage errors are one line on stderr (exit 2), like every error."""
     try:
-        code = app(prog_name=program, standalone_mode=False)
+        code = click_command(app, sys.argv[1:])(prog_name=program, standalone_mode=False)
     except typer.Abort:
         print(f"{program}: error: interrupted", file=sys.stderr)
         sys.exit(130)
