@@ -93,6 +93,7 @@ class Workspace:
             if "serving" in line or not line:
                 break
         assert "serving" in seen[-1], "".join(seen)
+        proc.ready_line = seen[-1]  # type: ignore[attr-defined]  # what it said it serves
         return proc
 
     def stop(self, proc: subprocess.Popen[str], sig: int = signal.SIGTERM, timeout: float = 30) -> int:

@@ -63,6 +63,23 @@ def blocker(doc, ctx):
     return {"status": "blocked", "blockers": blockers}
 
 
+def barrier(doc, ctx):
+    """Completes only when every child of its parent has started: run one at a time, the first
+    would wait alone and fail."""
+    import pathlib
+    folder = pathlib.Path("artifacts") / "barrier" / doc["parent_id"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ctx.handoff_id).touch()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not ctx.cancelled.is_set():
+        seen = len(list(folder.iterdir()))
+        if seen >= ctx.data["of"]:
+            return {"status": "completed", "output": {"saw": seen}}
+        time.sleep(0.02)
+    return {"status": "failed", "error": {"code": "PROCESSING_ERROR", "retryable": False,
+                                          "message": "the other children never started"}}
+
+
 def writer(doc, ctx):
     data = ctx.data or {}
     ctx.context.set(f"execution/outputs/{ctx.handoff_id}", {"ok": True})
@@ -138,6 +155,9 @@ timeout_seconds = 60
 
 [specialists."@asker"]
 handler = "orch_handlers:asker"
+
+[specialists."@barrier"]
+handler = "orch_handlers:barrier"
 
 [specialists."@blocker"]
 handler = "orch_handlers:blocker"
@@ -254,6 +274,22 @@ def test_aggregation_strategies_with_mixed_outcomes(ows: Workspace, strategy: st
         assert "scorer told to fail" in parent["error"]["message"]
     elif status == "partial":
         assert parent["warnings"] and "failed" in parent["warnings"][0]
+
+
+def test_children_of_a_fan_out_run_side_by_side_by_default(ows: Workspace) -> None:
+    """Seed 000 fans out in parallel: with no `concurrency` set, a specialist runs as many
+    handoffs at once as the daemon has workers (each child waits until all three started)."""
+    fan_out(ows, "pp", "all_success", [{"to": "@barrier", "data": {"of": 3}}] * 3)
+    run(ows)
+    assert ows.state_of("pp") == ["completed"], ows.doc("pp").get("error")
+    assert [ows.doc(f"pp.c{i}")["output"] for i in (1, 2, 3)] == [{"saw": 3}] * 3
+
+
+def test_serve_prints_the_effective_limits(ows: Workspace) -> None:
+    daemon = ows.serve()
+    line = daemon.ready_line  # type: ignore[attr-defined]
+    assert ows.stop(daemon) == 0
+    assert "6 workers" in line and "@barrier 6" in line and "@flaky 6" in line, line
 
 
 def test_weighted_confidence(ows: Workspace) -> None:

@@ -55,8 +55,9 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
     _warn_if_shared(eng.ws.root)
     daemon = Daemon(eng, workers=workers)
     daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info("%s -> %s", hid, st.value))
-    code = daemon.serve(ready=lambda: print(f"{PROG}: serving {eng.ws.root} "
-                                            f"({daemon.workers} workers)", file=sys.stderr, flush=True))
+    code = daemon.serve(ready=lambda: print(
+        f"{PROG}: serving {eng.ws.root} ({daemon.workers} workers; at once per specialist: "
+        f"{daemon.limits() or 'no specialists'})", file=sys.stderr, flush=True))
     print(f"{PROG}: stopped: {daemon.report.line()}", file=sys.stderr)
     if daemon.report.error:
         print(f"{PROG}: error: the main loop died ({daemon.report.error}); restart the daemon",

@@ -130,7 +130,7 @@ class SpecialistConfig:
     input_schema: str | None = None
     output_schema: str | None = None
     timeout_seconds: float | None = None
-    concurrency: int = 1
+    concurrency: int | None = None  # None: as many at once as the daemon has workers
     retry: RetryPolicy | None = None
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
@@ -292,8 +292,9 @@ def specialist_from_table(agent: str, table: dict[str, Any], default_retry: Retr
                           "(it is never run through a shell)")
     if handler is not None and (not isinstance(handler, str) or ":" not in handler):
         raise ConfigError(f"{path}: specialist {agent}: handler must look like \"package.module:function\"")
-    concurrency = table.get("concurrency", 1)
-    if not isinstance(concurrency, int) or concurrency < 1:
+    concurrency = table.get("concurrency")
+    if concurrency is not None and (not isinstance(concurrency, int) or isinstance(concurrency, bool)
+                                    or concurrency < 1):
         raise ConfigError(f"{path}: specialist {agent}: concurrency must be a positive integer")
     timeout = table.get("timeout_seconds")
     if timeout is not None and (not _finite_number(timeout) or not 0 < timeout <= MAX_SECONDS):

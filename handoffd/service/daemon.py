@@ -20,6 +20,7 @@ from typing import Any, Callable
 from ..core.engine import Engine, Job, Peek
 from ..core.errors import DocumentNotReady, HandoffdError
 from ..core.runner import cancel
+from ..core.specialists import Specialist
 from ..core.states import State
 from ..core.storage import LOST, Wakeup
 from .sweeper import SweepReport, sweep
@@ -147,6 +148,16 @@ class Daemon:
         runs (e.g. a new cancel request); on any thread, so it must be quick and not raise."""
         self.wakeup_hooks.append(hook)
 
+    def limit(self, spec: Specialist) -> int:
+        """How many handoffs of ``spec`` this daemon runs at once: its ``concurrency``, else as
+        many as there are workers (children of one fan-out run side by side, as seed 000 has it)."""
+        return spec.config.concurrency or self.workers
+
+    def limits(self) -> str:
+        """The effective limits, for the start-up line: ``@a 2, @b 4``."""
+        return ", ".join(f"{spec.agent} {self.limit(spec)}"
+                         for _, spec in sorted(self.engine.registry.specialists.items()))
+
     def running_job(self, handoff_id: str) -> Job | None:
         """The job this daemon is running for ``handoff_id``, if any."""
         return self.active.get(handoff_id)
@@ -270,7 +281,7 @@ class Daemon:
         for agent in list(self.parked):
             waiting = self.parked[agent]
             spec = self.engine.registry.get(agent)
-            limit = spec.config.concurrency if spec is not None else len(waiting)
+            limit = self.limit(spec) if spec is not None else len(waiting)
             free = limit - self.busy.get(agent, 0) - self.releasing.get(agent, 0)
             while free > 0 and waiting:
                 handoff_id, _ = waiting.popitem(last=False)
@@ -384,7 +395,7 @@ class Daemon:
         if verdict is not None:  # a gate said fail: file it without running the handler
             self._submit(spec.agent, self._reject, handoff_id, verdict.code, verdict.reason)
             return
-        if self.busy.get(spec.agent, 0) >= spec.config.concurrency:
+        if self.busy.get(spec.agent, 0) >= self.limit(spec):
             self._park(spec.agent, handoff_id, front=was_released)
             return
         self._submit(spec.agent, self._work, handoff_id)
@@ -510,7 +521,7 @@ class Daemon:
             if peek.due_at is not None and peek.due_at > self.engine.clock():
                 continue
             spec = self.engine.registry.get(peek.target or "")
-            if spec is None or real[spec.agent] >= spec.config.concurrency:
+            if spec is None or real[spec.agent] >= self.limit(spec):
                 continue
             try:
                 verdict = self.engine.gate(peek)
