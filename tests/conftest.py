@@ -47,6 +47,15 @@ concurrency = 4
 """
 
 
+def alive(pid: int) -> bool:
+    """True while ``pid`` is a live process (a zombie has finished)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
 def reason_codes(root: Path) -> dict[str, str]:
     """Quarantined file name -> recorded code."""
     out = {}

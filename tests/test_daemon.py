@@ -155,7 +155,7 @@ def test_invalid_input_never_reaches_handler(ws: Workspace) -> None:
 
 def test_no_specialist_stays_visible(ws: Workspace) -> None:
     hid = ws.create("--to", "@nobody", "--data", "{}")
-    proc = ws.handoffd("run")
+    proc = ws.handoffd("run", "-v")  # a batch mentions it only when asked (cron mails output)
     assert proc.returncode == 0 and "no specialist" in proc.stderr
     assert ws.state_of(hid) == ["pending"]
     rows = json.loads(ws.handoff("ls", "--json").stdout)
@@ -169,7 +169,7 @@ def test_run_batch_processes_everything_due(ws: Workspace) -> None:
     assert proc.returncode == 1 and "completed 8, failed 1" in proc.stderr
     assert all(ws.state_of(i) == ["completed"] for i in ids) and ws.state_of(bad) == ["failed"]
     again = ws.handoffd("run")
-    assert again.returncode == 0 and "completed 0, failed 0" in again.stderr
+    assert (again.returncode, again.stderr) == (0, "")  # nothing to do, nothing said
 
 
 def test_sigterm_lets_inflight_work_finish(ws: Workspace) -> None:

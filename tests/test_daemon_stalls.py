@@ -271,7 +271,7 @@ def test_socket_in_pending(ws: Workspace) -> None:
         proc = ws.handoffd("run")
     finally:
         sock.close()
-    assert "batch done" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr
     assert ws.state_of("ok-1") == ["completed"]
     assert not path.exists() and not (ws.root / "handoffs" / "in-progress" / "s.json").exists()
     assert any(k.endswith("s.json") and v.startswith("NOT_A_REGULAR_FILE")
@@ -286,7 +286,7 @@ def test_deeply_nested_haios_schema_in_pending(ws: Workspace) -> None:
     ws.drop("ok-1.json", ok("ok-1"))
     assert_listing_survives(ws, "deep")
     proc = ws.handoffd("run")
-    assert "batch done" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr
     assert ws.state_of("ok-1") == ["completed"]
     assert ws.state_of("deep") == ["failed"]  # a failure under its id, so `handoff wait` ends
     assert any(k.endswith("deep.json") and v.startswith("DOCUMENT_TOO_DEEP")
@@ -302,7 +302,7 @@ def test_unreadable_file_in_pending(ws: Workspace) -> None:
     ws.drop("ok-1.json", ok("ok-1"))
     assert_listing_survives(ws, "locked")
     proc = ws.handoffd("run")
-    assert "batch done" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr
     assert ws.state_of("ok-1") == ["completed"]
     assert any(k.endswith("locked.json") and v.startswith("UNREADABLE_FILE")
                for k, v in quarantine_notes(ws).items())

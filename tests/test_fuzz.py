@@ -375,7 +375,7 @@ def test_subprocess_batch_never_crashes() -> None:
         for name, data in batch:
             ws.drop(name, data)
         ws.drop("fuzz-control.json", control_doc("fuzz-control", "@t"))
-        proc = ws.handoffd("run", timeout=120)
+        proc = ws.handoffd("run", "-v", timeout=120)  # -v: a batch names unroutable ones
         assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
         assert proc.returncode in (0, 1), (proc.returncode, proc.stderr[-2000:])
         unroutable = set(re.findall(r"handoff (\S+) waits in pending/: no specialist", proc.stderr))

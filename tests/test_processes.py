@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Workspace
+from conftest import Workspace, alive
 
 from handoffd import Daemon, Registry, State, build_engine, new_native_request
 from handoffd import Workspace as HandoffdWorkspace
@@ -109,15 +109,6 @@ command = ["{sys.executable}", "{spec}"]
 timeout_seconds = 1
 retry = {{ max_retries = 0 }}
 """
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` is a live process (a zombie has finished)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
 
 
 def wait_until(predicate: Any, timeout: float = 15, what: str = "condition") -> None:

@@ -24,8 +24,9 @@ Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Worker
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log every transition.")]
 
 
-def _logging(verbose: bool) -> None:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
+def _logging(verbose: bool, *, quiet: bool = False) -> None:
+    level = logging.INFO if verbose else logging.ERROR if quiet else logging.WARNING
+    logging.basicConfig(stream=sys.stderr, level=level,
                         format="handoffd: %(levelname)s: %(message)s")
     logging.getLogger("watchdog").setLevel(logging.WARNING)
 
@@ -67,19 +68,28 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
 
 @app.command()
 @guarded(PROG)
-def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = False) -> None:
+def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = False,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+        max_seconds: Annotated[Optional[float], typer.Option(
+            "--max-seconds", min=0.0, help="Stop after S seconds: hand back what still runs.")] = None,
+        ) -> None:
     """One batch for cron: recover, process everything due, wait for it, exit.
 
+    Says nothing when nothing needs a look (cron mails whatever a job prints) unless stderr is
+    a terminal or -v is given; a failure, a set-aside or handed-back handoff, or an error is
+    always summarised (-q silences that too). SIGTERM/SIGINT stop it as they stop `serve`.
     Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/
     or the main loop died of an unexpected error (logged with a traceback; work handed back).
     """
-    _logging(verbose)
+    _logging(verbose, quiet=quiet)
     eng = engine(root, create=True)
     _warn_if_shared(eng.ws.root)
-    report = Daemon(eng, workers=workers, watch=False).run_batch()
-    print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
+    report = Daemon(eng, workers=workers, watch=False).run_batch(install_signals=True,
+                                                                 max_seconds=max_seconds)
     if report.error:
         print(f"{PROG}: error: the main loop died ({report.error})", file=sys.stderr)
+    elif not quiet and (verbose or report.needs_a_look() or sys.stderr.isatty()):
+        print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
     raise typer.Exit(1 if report.failed or report.error else 0)
 
 

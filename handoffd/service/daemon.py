@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import signal
 import threading
 import time
@@ -48,7 +49,12 @@ class BatchReport:
     error: str | None = None  # set when the main loop died (the exit code is then non-zero)
     stalls: int = 0  # times the progress watchdog had to reset the scheduler
 
+    def needs_a_look(self) -> bool:
+        """Something an operator should hear of even from a quiet cron batch."""
+        return bool(self.failed or self.handed_back or self.error or self.stalls)
+
     def line(self) -> str:
+        """The one-line summary ``handoffd run`` and ``serve`` print."""
         text = (f"completed {self.completed}, failed {self.failed}, retry scheduled "
                 f"{self.retrying}")
         if self.handed_back:
@@ -105,6 +111,8 @@ class Daemon:
         self.running = 0  # len(inflight)
         self.stopping = False
         self.hard_stop = False
+        self.batch_deadline = math.inf  # run_batch(max_seconds=): hand back and stop then
+        self.batch = False  # run_batch: one pass for cron
         self.report = BatchReport()
         self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
         engine.on_filed.append(self._count)
@@ -382,8 +390,11 @@ class Daemon:
         spec = self.engine.registry.get(peek.target or "")
         if spec is None:
             if handoff_id not in self.report.unroutable:
-                log.warning("handoff %s waits in pending/: no specialist registered for %s",
-                            handoff_id, peek.target)
+                # a warning for a daemon; for a cron batch it would be mail on every run (it
+                # stays in the summary line and in `handoff ls`)
+                log.log(logging.INFO if self.batch else logging.WARNING,
+                        "handoff %s waits in pending/: no specialist registered for %s",
+                        handoff_id, peek.target)
             self.report.unroutable.add(handoff_id)
             return
         self.report.unroutable.discard(handoff_id)
@@ -624,10 +635,22 @@ class Daemon:
         self._guarded_loop(batch=False)
         return 1 if self.report.error else 0
 
-    def run_batch(self) -> BatchReport:
+    def run_batch(self, *, install_signals: bool = False,
+                  max_seconds: float | None = None) -> BatchReport:
         """One batch for cron: sweep, process everything due now, wait for it, return counts
-        (``report.error`` is set when the main loop died)."""
+        (``report.error`` is set when the main loop died).
+
+        With ``install_signals``, SIGTERM/SIGINT stop it as they stop :meth:`serve` (no new
+        claims, running work gets ``grace_seconds``, a second signal hands it back at once), so
+        cron's ``timeout`` never leaves a claim behind with its specialist still running. After
+        ``max_seconds`` it stops claiming and hands back what still runs, to end on time."""
         self.engine.ws.ensure()
+        self.batch = True
+        if install_signals:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        if max_seconds is not None:
+            self.batch_deadline = time.monotonic() + max_seconds
         self.report.sweep = self.sweep()
         self._subscribe()
         self._guarded_loop(batch=True)
@@ -655,6 +678,10 @@ class Daemon:
             if now >= next_renew:
                 self.renew_leases()
                 next_renew = now + renew_every
+            if now >= self.batch_deadline and not self.stopping:
+                log.warning("--max-seconds reached: handing back %d running handoff(s)",
+                            self.running)
+                self.stop(hard=True)
             if not self.stopping:
                 self._check_progress(now)
             if (self.rescan_requested or (not batch and now >= next_rescan)) and not self.stopping:
@@ -673,7 +700,8 @@ class Daemon:
                     if self.scan(recheck_waiting=False) == 0 or not self._due_soon():
                         return
                     continue
-                timers = [next_renew, next_rescan if not batch else next_renew]
+                timers = [next_renew, next_rescan if not batch else next_renew,
+                          self.batch_deadline]
                 if not batch:
                     timers.append(next_sweep)
                     if self.running < self.workers:

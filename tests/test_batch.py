@@ -1,0 +1,76 @@
+"""`handoffd run` as cron runs it: quiet unless something needs a look, SIGTERM handled like
+`serve` (nothing left claimed, no orphan specialist), --max-seconds ends a batch on time."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+from conftest import Workspace, alive, exe
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def start_batch(ws: Workspace, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([exe("handoffd"), "run", "--root", str(ws.root), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_batch_with_nothing_wrong_prints_nothing(ws: Workspace) -> None:
+    hid = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "ok"}))
+    ws.create("--to", "@nobody", "--data", "{}")  # no specialist here: not worth a mail
+    proc = ws.handoffd("run")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+    assert ws.state_of(hid) == ["completed"]
+
+
+def test_a_failure_is_summarised_unless_quiet(ws: Workspace) -> None:
+    ws.create("--to", "@flaky", "--data", json.dumps({"mode": "permanent"}))
+    proc = ws.handoffd("run")
+    assert proc.returncode == 1
+    assert "handoffd: batch done: completed 0, failed 1" in proc.stderr, proc.stderr
+    ws.create("--to", "@flaky", "--data", json.dumps({"mode": "permanent"}))
+    quiet = ws.handoffd("run", "-q")
+    assert (quiet.returncode, quiet.stderr) == (1, "")
+    verbose = ws.handoffd("run", "-v")
+    assert verbose.returncode == 0 and "batch done: completed 0, failed 0" in verbose.stderr
+
+
+def running_pid(ws: Workspace, hid: str) -> int:
+    wait_for(lambda: any(r["id"] == hid for r in ws.runs()))
+    return next(r["pid"] for r in ws.runs() if r["id"] == hid)
+
+
+def test_sigterm_hands_back_and_leaves_no_orphan(ws: Workspace) -> None:
+    """cron's `timeout` sends SIGTERM (then SIGKILL): the batch stops like `serve` does."""
+    hid = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "sleep", "seconds": 60}))
+    batch = start_batch(ws)
+    pid = running_pid(ws, hid)
+    batch.send_signal(signal.SIGTERM)
+    batch.send_signal(signal.SIGTERM)  # the second one: hand back at once, as `serve` does
+    assert batch.wait(timeout=30) == 0
+    stderr = batch.stderr.read() if batch.stderr else ""
+    assert "handed back 1" in stderr and "Traceback" not in stderr, stderr
+    wait_for(lambda: not alive(pid), timeout=10)
+    assert ws.state_of(hid) == ["pending"]
+    history = [e["event"] for e in ws.doc(hid)["handoffd"]["history"]]
+    assert history[-1] == "handed_back", history
+
+
+def test_max_seconds_ends_the_batch_on_time(ws: Workspace) -> None:
+    slow = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "sleep", "seconds": 60}))
+    quick = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "ok"}))
+    batch = start_batch(ws, "--max-seconds", "1")
+    pid = running_pid(ws, slow)
+    assert batch.wait(timeout=30) == 0
+    stderr = batch.stderr.read() if batch.stderr else ""
+    assert "--max-seconds reached" in stderr and "handed back 1" in stderr, stderr
+    wait_for(lambda: not alive(pid), timeout=10)
+    assert ws.state_of(slow) == ["pending"] and ws.state_of(quick) == ["completed"]
+    assert ws.handoffd("run", "--max-seconds", "x").returncode == 2
