@@ -89,6 +89,20 @@ def record(doc: dict[str, Any], event: str, now: datetime, **detail: Any) -> Non
         del history[1:len(history) - MAX_HISTORY + 1]
 
 
+def first_seen(doc: dict[str, Any]) -> datetime | None:
+    """When handoffd first recorded the handoff (its first history event: created, or the claim
+    of a foreign document), or None. Trust it only on a claimed document: claiming replaces
+    the bookkeeping a foreign document brought with it."""
+    history = book(doc).get("history") if isinstance(doc.get(BOOK), dict) else None
+    if not isinstance(history, list) or not history or not isinstance(history[0], dict):
+        return None
+    at = history[0].get("at")
+    try:
+        return parse_iso(at) if isinstance(at, str) else None
+    except ValueError:
+        return None
+
+
 def next_attempt_at(doc: dict[str, Any]) -> datetime | None:
     """When a scheduled retry becomes due, or None when the handoff is due now."""
     value = book(doc).get("next_attempt_at") if isinstance(doc.get(BOOK), dict) else None
@@ -129,6 +143,10 @@ class Envelope:
     conversation_id: str | None = None
     depends_on: list[str] = field(default_factory=list)
     contract: dict[str, Any] | None = None
+    # a hard timeout (seed 000): it counts from when handoffd first saw the handoff, not from
+    # its start; one not started in time is answered TIMEOUT unrun, and a TIMEOUT is final
+    hard_timeout: bool = False
+    default_timeout_seconds: float | None = None  # the format's own default (seed 000's tiers)
 
     def __post_init__(self) -> None:
         """The one place where what a document asks for is bounded, whatever its format: every

@@ -25,6 +25,7 @@ from .documents import (
     book,
     book_int,
     check_id,
+    first_seen,
     next_attempt_at,
     record,
 )
@@ -41,12 +42,13 @@ from .formats import ArtifactSink, Dialect, FiledState, Formats
 from .specialists import HandlerContext, Registry, Specialist
 from .states import State
 from .storage import Backend, Claim, Doc
-from .timeutil import Clock, utc_now
+from .timeutil import Clock, iso, utc_now
 from .validation import SchemaCache, check_document
 from .workspace import Workspace
 
 log = logging.getLogger("handoffd")
 MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0
+MIN_TIMEOUT_SECONDS = 0.01  # a job admitted just before its deadline still gets a last instant
 PERMANENT_CODES = frozenset({
     ErrorCode.SCHEMA_VALIDATION_FAILED, ErrorCode.VALIDATION_FAILED, ErrorCode.CONTRACT_VIOLATION,
     ErrorCode.CANCELLED, ErrorCode.DEPENDENCY_MISSING, ErrorCode.INVALID_DOCUMENT, ErrorCode.UNSAFE_ID,
@@ -84,6 +86,7 @@ class Job:
     specialist: Specialist
     context: HandlerContext
     started_at: datetime = field(default_factory=utc_now)
+    deadline: datetime | None = None  # when a hard timeout (Envelope.hard_timeout) runs out
 
     @property
     def handoff_id(self) -> str:
@@ -234,20 +237,23 @@ class Engine:
             return None
         return None if claim is None else (claim, found[0])
 
-    def take(self, handoff_id: str) -> Job | None:
+    def take(self, handoff_id: str, *, arrived: datetime | None = None) -> Job | None:
         """Claim ``handoff_id`` and admit it. None when there is nothing to run (another process
-        won, or the document was filed as failed / set aside). Raises DocumentNotReady."""
+        won, or the document was filed as failed / set aside). Raises DocumentNotReady.
+        ``arrived``: when the caller first saw it pending, if earlier than its history says (a
+        foreign document's history starts at its claim); hard timeouts count from then."""
         claimed = self.claim(handoff_id)
         if claimed is None:
             return None
         claim, dialect = claimed
         try:
-            return self._admit(claim, dialect, self.clock())
+            return self._admit(claim, dialect, self.clock(), arrived)
         except BaseException:
             self.backend.abandon(claim)
             raise
 
-    def _admit(self, claim: Claim, dialect: Dialect, now: datetime) -> Job | None:
+    def _admit(self, claim: Claim, dialect: Dialect, now: datetime,
+               arrived: datetime | None = None) -> Job | None:
         doc, handoff_id = claim.doc, claim.id
         try:
             check_id(handoff_id)  # the stored name itself; `handoff show` could not reach it otherwise
@@ -286,12 +292,27 @@ class Engine:
                 f"{dialect.name} document: {type(exc).__name__}: {str(exc)[:200]}", retryable=False))
             return None
         spec = self.registry.get(envelope.target)
+        deadline = self.deadline(envelope, spec, min(filter(None, (first_seen(doc), arrived)),
+                                                     default=now))
+        if deadline is not None and now >= deadline:
+            self.file(claim, dialect, spec, self.failure(
+                now, ErrorCode.TIMEOUT, f"handoff {handoff_id} was not started before its "
+                f"deadline {iso(deadline)} (a hard timeout counts from its arrival)",
+                retryable=False))
+            return None
         if spec is None:
             self.handback(claim, dialect, reason=f"no specialist registered for {envelope.target}")
             return None
         ctx = HandlerContext(handoff_id=handoff_id, attempt=claim.attempt, root=self.ws.root,
                              data=envelope.data, target=envelope.target)
-        return Job(claim, dialect, envelope, spec, ctx, started_at=now)
+        return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
+
+    def deadline(self, envelope: Envelope, spec: Specialist | None,
+                 arrived: datetime) -> datetime | None:
+        """When a handoff with a hard timeout must have its answer (None without one)."""
+        if not envelope.hard_timeout:
+            return None
+        return arrived + timedelta(seconds=self.time_limit(envelope, spec))
 
     def validate(self, doc: dict[str, Any], dialect: Dialect, *, subject: str | None = None,
                  handoff_id: str | None = None) -> None:
@@ -349,10 +370,19 @@ class Engine:
         return True
 
     # ------------------------------------------------------------ execution
+    def time_limit(self, envelope: Envelope, spec: Specialist | None) -> float:
+        """Document timeout, else the specialist's, else the format's default, else the daemon
+        default."""
+        return (envelope.timeout_seconds or (spec.config.timeout_seconds if spec else None)
+                or envelope.default_timeout_seconds or self.settings.default_timeout_seconds)
+
     def timeout_for(self, job: Job) -> float:
-        """Document timeout, else the specialist's, else the daemon default."""
-        return (job.envelope.timeout_seconds or job.specialist.config.timeout_seconds
-                or self.settings.default_timeout_seconds)
+        """The job's time limit (:meth:`time_limit`), never past its hard deadline."""
+        limit = self.time_limit(job.envelope, job.specialist)
+        if job.deadline is not None:
+            left = (job.deadline - self.clock()).total_seconds()
+            limit = min(limit, max(left, MIN_TIMEOUT_SECONDS))
+        return limit
 
     def run(self, job: Job) -> Outcome:
         """Validate input, run the handler, validate its output; never raises for handler faults."""
@@ -384,6 +414,9 @@ class Engine:
                                    retryable=False)
         outcome.started_at = started
         outcome.executed_by = job.specialist.agent
+        if job.envelope.hard_timeout and outcome.error \
+                and outcome.error.get("code") == ErrorCode.TIMEOUT:
+            outcome.error["retryable"] = False  # the answer the sender waits for (seed 000)
         for check in self.after_run:
             outcome = check(job, outcome)
         return outcome

@@ -25,6 +25,10 @@ SUPPORTED_MAJORS = (1,)
 CURRENT_VERSION = "1.0.0"
 TIERS = {4: "PROGRESS_MONITOR", 3: "ABSTRACT_ARCHITECT", 2: "ROUTING_DISPATCHER",
          1: "SPECIALIZED_FLEET"}
+# Seed 000's recommended timeouts by receiving tier, used when a message gives no timeout_ms
+# and its specialist sets none (the seed recommends none for the progress monitor)
+TIER_TIMEOUT_SECONDS = {"SPECIALIZED_FLEET": 30.0, "ROUTING_DISPATCHER": 60.0,
+                        "ABSTRACT_ARCHITECT": 120.0}
 ENVELOPE_KEYS = ("version", "id", "timestamp", "source_tier", "target_tier", "correlation_id",
                  "payload")
 STATUS = {"completed": "success", "partial": "partial", "failed": "failed", "timeout": "timeout",
@@ -132,11 +136,14 @@ class HiMoeDialect:
         timeout = (timeout_ms / 1000.0 if isinstance(timeout_ms, (int, float))
                    and not isinstance(timeout_ms, bool) and timeout_ms > 0 else None)
         correlation = request.get("correlation_id")
+        tier = tier_name(request.get("target_tier"))
         return Envelope(
             handoff_id=handoff_id, dialect=self.name, target=target,
             source=tier_name(request.get("source_tier")), data=payload, timeout_seconds=timeout,
             priority=priority_rank(payload.get("priority")),
             correlation_id=correlation if isinstance(correlation, str) else None,
+            hard_timeout=True,
+            default_timeout_seconds=TIER_TIMEOUT_SECONDS.get(tier or ""),
         )
 
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
@@ -255,3 +262,4 @@ class HiMoeDialect:
                 out.append({"artifact_type": str(kind), "content_ref": None,
                             "inline_content": text, "metadata": metadata})
         return out
+

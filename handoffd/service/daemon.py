@@ -16,6 +16,7 @@ import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Callable
 
 from ..core.engine import Engine, Job, Peek
@@ -113,6 +114,7 @@ class Daemon:
         self.hard_stop = False
         self.batch_deadline = math.inf  # run_batch(max_seconds=): hand back and stop then
         self.batch = False  # run_batch: one pass for cron
+        self.first_seen: dict[str, datetime] = {}  # hard-timeout handoffs seen pending, by id
         self.report = BatchReport()
         self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
         engine.on_filed.append(self._count)
@@ -245,10 +247,12 @@ class Daemon:
             log.error("cannot list the pending handoffs: %s; will rescan", exc)
             return 0
         with self.cv:
-            if self.parked_ids:
+            if self.parked_ids or self.first_seen:
                 present = set(ids)
                 for gone in [hid for hid in self.parked_ids if hid not in present]:
                     self._unpark(gone)
+                for gone in [hid for hid in self.first_seen if hid not in present]:
+                    del self.first_seen[gone]  # claimed or filed elsewhere
             for handoff_id in ids:
                 if handoff_id in self.active or handoff_id in self.queued or handoff_id in self.readied \
                         or handoff_id in self.parked_ids or handoff_id in self.released \
@@ -387,8 +391,13 @@ class Daemon:
             if wait > 0:
                 self.notify(handoff_id, wait)
                 return
+        deadline = self._deadline(handoff_id, peek)
+        if deadline is not None and deadline <= self.engine.clock():
+            self._submit("", self._work, handoff_id)  # admission answers it TIMEOUT, unrun
+            return
         spec = self.engine.registry.get(peek.target or "")
         if spec is None:
+            self._look_again_at(handoff_id, deadline)
             if handoff_id not in self.report.unroutable:
                 # a warning for a daemon; for a cron batch it would be mail on every run (it
                 # stays in the summary line and in `handoff ls`)
@@ -401,6 +410,7 @@ class Daemon:
         verdict = self.engine.gate(peek)
         if verdict is not None and verdict.action == "wait":
             self.waiting[handoff_id] = verdict.reason
+            self._look_again_at(handoff_id, deadline)
             return
         self.waiting.pop(handoff_id, None)
         if verdict is not None:  # a gate said fail: file it without running the handler
@@ -408,8 +418,24 @@ class Daemon:
             return
         if self.busy.get(spec.agent, 0) >= self.limit(spec):
             self._park(spec.agent, handoff_id, front=was_released)
+            self._look_again_at(handoff_id, deadline)
             return
         self._submit(spec.agent, self._work, handoff_id)
+
+    def _deadline(self, handoff_id: str, peek: Peek) -> datetime | None:
+        """A pending handoff's hard deadline, counted from when this daemon first saw it (a
+        document's own history is trusted only once it is claimed: admission uses that)."""
+        env = peek.envelope
+        if env is None or not env.hard_timeout:
+            return None
+        arrived = self.first_seen.setdefault(handoff_id, self.engine.clock())
+        return self.engine.deadline(env, self.engine.registry.get(env.target), arrived)
+
+    def _look_again_at(self, handoff_id: str, deadline: datetime | None) -> None:
+        """A handoff that cannot start now but has a hard deadline is looked at again then: if
+        it is still pending it is answered TIMEOUT (seed 000: the sender stops waiting)."""
+        if deadline is not None:
+            self.notify(handoff_id, (deadline - self.engine.clock()).total_seconds())
 
     def _dispatch_unreadable(self, handoff_id: str) -> None:
         """A pending document that cannot be read or routed: claim it when claiming sets it aside
@@ -445,7 +471,7 @@ class Daemon:
     def _work(self, handoff_id: str) -> None:
         job: Job | None = None
         try:
-            job = self.engine.take(handoff_id)
+            job = self.engine.take(handoff_id, arrived=self.first_seen.get(handoff_id))
             if job is None:
                 return
             with self.cv:
@@ -583,6 +609,7 @@ class Daemon:
                     self.report.retrying += 1
                 self.notify(handoff_id)  # _dispatch reads its next_attempt_at
             if where.terminal:
+                self.first_seen.pop(handoff_id, None)
                 for waiter in list(self.waiting):  # a dependency may have been met
                     self.waiting.pop(waiter, None)
                     self.notify(waiter)

@@ -1,0 +1,147 @@
+"""Seed 000's timeouts through a real daemon: `timeout_ms` is a hard deadline counted from the
+message's arrival, a TIMEOUT answer is final (never retried), a message nobody claims is answered
+TIMEOUT when its time is up, and the tiers' recommended timeouts apply when none is given."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from conftest import Workspace
+from dialect_examples import HI_MOE_DISPATCHER_TO_FLEET, fresh
+
+from handoffd.core.documents import Envelope
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
+from handoffd.dialects.hi_moe import TIER_TIMEOUT_SECONDS, HiMoeDialect
+
+HANDLERS = '''
+def sleeper(doc, ctx):
+    """Sleeps task_data.sleep seconds unless stopped (a cooperative Python specialist)."""
+    (ctx.root / "artifacts" / ("ran-" + ctx.handoff_id)).touch()  # for "never run" checks
+    seconds = (ctx.data.get("task_data") or {}).get("sleep", 0)
+    if ctx.cancelled.wait(seconds):
+        return {"status": "failed", "error": {"code": "CANCELLED", "message": "stopped"}}
+    return {"status": "completed", "output": {"slept": seconds}}
+'''
+
+CONFIG = """
+[daemon]
+settle_seconds = 0.05
+sweep_seconds = 0.5
+rescan_seconds = 0.5
+grace_seconds = 2.0
+durability = "fast"
+
+[retry]
+max_retries = 3
+retry_delay_seconds = 0.1
+
+[specialists."SPECIALIZED_FLEET"]
+handler = "moe_handlers:sleeper"
+"""
+
+
+@pytest.fixture
+def mws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Workspace]:
+    (tmp_path / "moe_handlers.py").write_text(HANDLERS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    root = tmp_path / "ws"
+    root.mkdir()
+    ws = Workspace(root)
+    ws.write_config(CONFIG)
+    HandoffdWorkspace(root).ensure()
+    yield ws
+    ws.cleanup()
+
+
+def message(msg_id: str, *, target: str = "SPECIALIZED_FLEET", timeout_ms: int | None,
+            sleep: float = 0) -> dict[str, Any]:
+    """The seed's own Dispatcher -> Fleet example, re-addressed (its timestamp is a year old:
+    the deadline counts from arrival, so it still runs)."""
+    doc = fresh(HI_MOE_DISPATCHER_TO_FLEET)
+    doc["id"], doc["target_tier"] = msg_id, target
+    payload = doc["payload"]
+    payload["specialist_hint"] = None
+    payload["timeout_ms"] = timeout_ms
+    payload["task_data"]["sleep"] = sleep
+    return doc
+
+
+def wait_filed(ws: Workspace, hid: str, timeout: float = 20) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for state in ("completed", "failed"):
+            if (ws.root / "handoffs" / state / f"{hid}.json").exists() \
+                    and not (ws.root / "handoffs" / "in-progress" / f"{hid}.json").exists():
+                return state
+        time.sleep(0.05)
+    raise AssertionError(f"{hid} was not filed in {timeout}s: {ws.state_of(hid)}")
+
+
+def events(ws: Workspace, hid: str) -> list[str]:
+    return [e["event"] for e in ws.doc(hid)["handoffd"]["history"]]
+
+
+def test_the_seed_example_runs_and_answers_success(mws: Workspace) -> None:
+    mws.drop("m-ok.json", message("m-ok", timeout_ms=30000))
+    proc = mws.handoffd("run")
+    assert proc.returncode == 0, proc.stderr
+    answer = mws.doc("m-ok")
+    assert answer["payload"]["status"] == "success" and answer["correlation_id"] == "m-ok"
+    assert (mws.root / "artifacts" / "ran-m-ok").exists()
+
+
+def test_a_timeout_answer_is_final(mws: Workspace) -> None:
+    mws.drop("m-slow.json", message("m-slow", timeout_ms=800, sleep=30))
+    started = time.monotonic()
+    proc = mws.handoffd("run")
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr
+    answer = mws.doc("m-slow")
+    assert mws.state_of("m-slow") == ["failed"] and answer["payload"]["status"] == "timeout"
+    assert events(mws, "m-slow").count("claimed") == 1  # max_retries = 3, yet not retried
+    assert "retry_scheduled" not in events(mws, "m-slow")
+    assert took < 25, took  # stopped at its deadline, not after the handler's 30 s
+
+
+def test_a_message_nobody_claims_is_answered_timeout(mws: Workspace) -> None:
+    daemon = mws.serve()
+    try:
+        mws.drop("m-lost.json", message("m-lost", target="ROUTING_DISPATCHER", timeout_ms=600))
+        assert wait_filed(mws, "m-lost") == "failed"
+    finally:
+        assert mws.stop(daemon) == 0
+    answer = mws.doc("m-lost")
+    assert answer["payload"]["status"] == "timeout"
+    assert "not started before its deadline" in json.dumps(answer["payload"])
+    assert "completed" not in events(mws, "m-lost")
+
+
+def test_a_message_past_its_deadline_is_not_run(mws: Workspace) -> None:
+    """Created through the CLI (its history starts at creation), claimed after the deadline:
+    answered TIMEOUT without running the specialist."""
+    doc = message("m-late", timeout_ms=300)
+    path = mws.root / "late.json"
+    path.write_text(json.dumps(doc))
+    assert mws.create("--file", str(path)) == "m-late"
+    time.sleep(0.5)  # the deadline passes while nothing serves the queue
+    proc = mws.handoffd("run")
+    assert proc.returncode == 1, proc.stderr
+    assert mws.doc("m-late")["payload"]["status"] == "timeout"
+    assert "claimed" in events(mws, "m-late")
+    assert not (mws.root / "artifacts" / "ran-m-late").exists()  # never run
+
+
+def test_tier_defaults_apply_without_timeout_ms() -> None:
+    base = message("m-tier", timeout_ms=None)
+    for tier, seconds in (("SPECIALIZED_FLEET", 30.0), ("ROUTING_DISPATCHER", 60.0),
+                          ("ABSTRACT_ARCHITECT", 120.0)):
+        doc = dict(base, target_tier=tier)
+        env: Envelope = HiMoeDialect().envelope(doc)
+        assert env.timeout_seconds is None and env.default_timeout_seconds == seconds
+        assert env.hard_timeout
+    assert TIER_TIMEOUT_SECONDS["SPECIALIZED_FLEET"] == 30.0
+    with_ms = HiMoeDialect().envelope(message("m-ms", timeout_ms=2000))
+    assert with_ms.timeout_seconds == 2.0
