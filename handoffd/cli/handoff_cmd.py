@@ -155,7 +155,18 @@ def wait(
         print_json(doc)
     else:
         print(f"{handoff_id} {state.value}")
+        if state is State.FAILED:  # why, on stderr (stdout keeps the one line scripts read)
+            print(f"{PROG}: {handoff_id}: {failure_line(doc)}", file=sys.stderr)
     raise typer.Exit(_exit_for(state))
+
+
+def failure_line(doc: dict[str, Any]) -> str:
+    """``CODE: message`` of a filed failure, whatever its format (the bookkeeping's copy)."""
+    book = doc.get("handoffd")
+    final = book.get("final_error") if isinstance(book, dict) else None
+    if not isinstance(final, dict):
+        return "no error recorded"
+    return f"{final.get('code') or 'ERROR'}: {str(final.get('message') or '')[:500]}"
 
 
 @app.command()

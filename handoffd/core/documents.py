@@ -138,6 +138,7 @@ class Envelope:
     priority: int = 2
     retry_policy: dict[str, Any] | None = None
     input_schema: str | None = None
+    output_schema: str | None = None  # a named schema the output must satisfy (seed 001)
     expected_output_schema: dict[str, Any] | None = None
     correlation_id: str | None = None
     conversation_id: str | None = None
@@ -221,6 +222,7 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
                               code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     source = doc.get("source")
     inp = given_input if isinstance(given_input := doc.get("input"), dict) else {}
+    out = given_output if isinstance(given_output := doc.get("expected_output"), dict) else {}
     timeout = doc.get("timeout_seconds")
     depends = doc.get("depends_on") or []
     return Envelope(
@@ -231,6 +233,7 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
         priority=priority_rank(doc.get("priority")),
         retry_policy=doc.get("retry_policy") if isinstance(doc.get("retry_policy"), dict) else None,
         input_schema=inp.get("schema") if isinstance(inp.get("schema"), str) else None,
+        output_schema=out.get("schema") if isinstance(out.get("schema"), str) else None,
         correlation_id=doc.get("correlation_id") if isinstance(doc.get("correlation_id"), str) else None,
         conversation_id=doc.get("conversation_id") if isinstance(doc.get("conversation_id"), str) else None,
         depends_on=_with_contract_dependencies(doc, depends),

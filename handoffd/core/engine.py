@@ -422,12 +422,17 @@ class Engine:
         return outcome
 
     def _check_input(self, job: Job) -> None:
+        for field_name, named in (("input.schema", job.envelope.input_schema),
+                                  ("expected_output.schema", job.envelope.output_schema)):
+            if named and not self.schemas.has(named):  # found out before the handler runs
+                raise InvalidDocument(
+                    f"handoff {job.handoff_id}: {field_name} names {named!r}, which is neither in "
+                    "schemas/ nor built in (`handoff schemas` lists them)",
+                    handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
+                    errors=[{"field": field_name, "error": f"no schema {named}"}])
         name = job.specialist.config.input_schema or job.envelope.input_schema
         if not name:
             return
-        if name == job.envelope.input_schema and not job.specialist.config.input_schema \
-                and not (self.ws.schemas / name).is_file():
-            return  # a schema the document names but nobody installed is advisory
         errors = self.schemas.errors(name, job.envelope.data)
         if errors:
             first = errors[0]
@@ -461,6 +466,9 @@ class Engine:
         if job.specialist.config.output_schema:
             checks.append(("output schema " + job.specialist.config.output_schema,
                            self.schemas.validator(job.specialist.config.output_schema)))
+        if job.envelope.output_schema and job.envelope.output_schema != job.specialist.config.output_schema:
+            checks.append(("expected_output.schema " + job.envelope.output_schema,
+                           self.schemas.validator(job.envelope.output_schema)))
         if job.envelope.expected_output_schema:
             key = "inline:" + job.handoff_id
             checks.append(("expected_output_schema",

@@ -54,6 +54,11 @@ def load_builtin(name: str) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def builtin_exists(name: str) -> bool:
+    """True when a built-in schema is called ``name``."""
+    return (resources.files("handoffd") / "schemas" / name).is_file()
+
+
 def schema_digest(schema: Any) -> str:
     """A stable key for a schema: SHA-256 of its canonical JSON."""
     try:
@@ -88,6 +93,16 @@ class SchemaCache:
             if name not in self._validators:
                 self._validators[name] = self._build(self._load(name))
             return self._validators[name]
+
+    def has(self, name: str) -> bool:
+        """True when schema ``name`` can be loaded (a plain name in schemas/ or built in)."""
+        if name in self._validators:
+            return True
+        if "/" in name or "\\" in name or name.startswith("."):
+            return False
+        if self.folder is not None and (self.folder / name).is_file():
+            return True
+        return builtin_exists(name)
 
     def for_schema(self, key: str, schema: dict[str, Any]) -> Validator:
         """A validator for an inline schema (e.g. seed 003's expected_output_schema).

@@ -331,15 +331,23 @@ def _collect(job: "Job", outcome: Outcome) -> Outcome:
 
     for index, item in enumerate(outcome.artifacts, start=1):
         records.append(_one(ws, handoff_id, index, item, used_names))
+    reported = False  # the output names an artifact file that exists (its own destination)
     if isinstance(outcome.output, dict) and isinstance(outcome.output.get("artifact_path"), str) \
             and outcome.output["artifact_path"] not in used_names:
         ref = outcome.output["artifact_path"]
         confine_reference(ws, ref, handoff_id=handoff_id)
         facts = _file_facts(ws, ref)
         if facts:
+            reported = True
             records.insert(0, _record(str(outcome.output.get("artifact_type") or kind_default),
                                       name=Path(ref).name, ref=ref, inline=None, facts=facts,
                                       metadata=None))
+    if isinstance(dest_rel, str) and dest_rel not in used_names and not reported:
+        raise InvalidDocument(  # seed 001: the request asked for an output artifact
+            f"handoff {handoff_id}: expected_output.destination asks for {dest_rel}, but the "
+            "specialist neither wrote it, nor returned output.content to put there, nor named "
+            "an existing output.artifact_path", handoff_id=handoff_id,
+            code=ErrorCode.VALIDATION_FAILED)
     outcome.artifacts = records
     return outcome
 

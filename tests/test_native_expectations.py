@@ -1,0 +1,74 @@
+"""Seed 001's expectations of a request, through a real daemon: `expected_output.schema` checks
+the output (VALIDATION_FAILED), a schema the request names must exist (SCHEMA_VALIDATION_FAILED,
+before anything runs), `expected_output.destination` must end with an output artifact, and
+`handoff wait` says why a handoff failed."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from conftest import Workspace
+
+from handoffd.core.documents import new_native_request
+from handoffd.core.timeutil import utc_now
+
+ECHO_SCHEMA = {"type": "object", "required": ["echo"]}
+STRICT_SCHEMA = {"type": "object", "required": ["summary"]}
+
+
+def submit(ws: Workspace, hid: str, **extra: Any) -> str:
+    doc = new_native_request(source="@tester", target="@flaky", data={"mode": "ok"},
+                             now=utc_now(), handoff_id=hid)
+    for key, value in extra.items():
+        if key == "input_schema":
+            doc["input"]["schema"] = value
+        else:
+            doc[key] = value
+    path = ws.root / f"{hid}.request.json"
+    path.write_text(json.dumps(doc))
+    return ws.create("--file", str(path))
+
+
+def error_of(ws: Workspace, hid: str) -> dict[str, Any]:
+    return ws.doc(hid)["error"]
+
+
+def test_expected_output_schema_checks_the_output(ws: Workspace) -> None:
+    (ws.root / "schemas" / "echo.schema.json").write_text(json.dumps(ECHO_SCHEMA))
+    (ws.root / "schemas" / "strict.schema.json").write_text(json.dumps(STRICT_SCHEMA))
+    submit(ws, "out-ok", expected_output={"schema": "echo.schema.json"})
+    submit(ws, "out-bad", expected_output={"schema": "strict.schema.json"})
+    ws.handoffd("run")
+    assert ws.state_of("out-ok") == ["completed"]
+    assert ws.state_of("out-bad") == ["failed"]
+    error = error_of(ws, "out-bad")
+    assert error["code"] == "VALIDATION_FAILED" and "summary" in json.dumps(error)
+    assert len([r for r in ws.runs() if r["id"] == "out-bad"]) == 1  # not retried
+
+
+def test_a_named_schema_that_does_not_exist_fails_before_running(ws: Workspace) -> None:
+    submit(ws, "in-missing", input_schema="nowhere.input.schema.json")
+    submit(ws, "out-missing", expected_output={"schema": "nowhere.output.schema.json"})
+    ws.handoffd("run")
+    for hid, field in (("in-missing", "input.schema"), ("out-missing", "expected_output.schema")):
+        error = error_of(ws, hid)
+        assert error["code"] == "SCHEMA_VALIDATION_FAILED", error
+        assert field in error["message"] and "nowhere" in error["message"]
+    assert ws.runs() == []  # the specialist never ran
+
+
+def test_a_destination_needs_an_output_artifact(ws: Workspace) -> None:
+    submit(ws, "no-artifact", expected_output={"destination": "artifacts/out/{handoff_id}.json"})
+    ws.handoffd("run")
+    error = error_of(ws, "no-artifact")
+    assert error["code"] == "VALIDATION_FAILED" and "destination" in error["message"]
+    assert not (ws.root / "artifacts" / "out" / "no-artifact.json").exists()
+
+
+def test_wait_says_why_it_failed(ws: Workspace) -> None:
+    hid = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "permanent",
+                                                             "message": "the disk is on fire"}))
+    ws.handoffd("run")
+    proc = ws.handoff("wait", hid)
+    assert proc.returncode == 1 and proc.stdout == f"{hid} failed\n"
+    assert proc.stderr.startswith(f"handoff: {hid}: PROCESSING_ERROR: ") and "fire" in proc.stderr
