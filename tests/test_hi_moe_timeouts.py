@@ -145,3 +145,43 @@ def test_tier_defaults_apply_without_timeout_ms() -> None:
     assert TIER_TIMEOUT_SECONDS["SPECIALIZED_FLEET"] == 30.0
     with_ms = HiMoeDialect().envelope(message("m-ms", timeout_ms=2000))
     assert with_ms.timeout_seconds == 2.0
+
+
+def test_a_specialist_hint_is_a_suggestion(mws: Workspace) -> None:
+    """Seed 000: `specialist_hint` names a LoRA if known; when no such specialist is registered
+    here, the target tier's fleet takes the message instead of it waiting forever."""
+    doc = message("m-hint", timeout_ms=30000)
+    doc["payload"]["specialist_hint"] = "rust-lora"
+    mws.drop("m-hint.json", doc)
+    proc = mws.handoffd("run")
+    assert proc.returncode == 0, proc.stderr
+    assert mws.doc("m-hint")["payload"]["status"] == "success"
+    assert (mws.root / "artifacts" / "ran-m-hint").exists()
+
+
+def test_throttled_is_requeued_without_using_up_retries(mws: Workspace) -> None:
+    mws.write_config(CONFIG.replace("max_retries = 3", "max_retries = 0") + '''
+[specialists."ROUTING_DISPATCHER"]
+handler = "moe_handlers:busy"
+''')
+    (mws.root.parent / "moe_handlers.py").write_text(HANDLERS + '''
+
+def busy(doc, ctx):
+    """Throttled the first two times, then done (a throttle is not an attempt: count runs)."""
+    runs = ctx.root / "artifacts" / "busy-runs"
+    seen = len(runs.read_text()) if runs.exists() else 0
+    runs.write_text("x" * (seen + 1))
+    if seen < 2:
+        return {"status": "throttled", "retry_after_seconds": 0.1}
+    return {"status": "completed", "output": {"attempt": ctx.attempt, "runs": seen + 1}}
+''')
+    mws.drop("m-busy.json", message("m-busy", target="ROUTING_DISPATCHER", timeout_ms=30000))
+    daemon = mws.serve()
+    try:
+        assert wait_filed(mws, "m-busy") == "completed"
+    finally:
+        assert mws.stop(daemon) == 0
+    assert events(mws, "m-busy").count("throttled") == 2
+    answer = mws.doc("m-busy")["payload"]
+    assert answer["status"] == "success", answer
+    assert "retry_scheduled" not in events(mws, "m-busy")

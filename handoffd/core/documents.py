@@ -147,6 +147,9 @@ class Envelope:
     # a hard timeout (seed 000): it counts from when handoffd first saw the handoff, not from
     # its start; one not started in time is answered TIMEOUT unrun, and a TIMEOUT is final
     hard_timeout: bool = False
+    # who may stand in when ``target`` has no specialist here, in order (seed 000: a
+    # specialist_hint is a suggestion; the target tier's fleet takes the work)
+    fallback_targets: tuple[str, ...] = ()
     default_timeout_seconds: float | None = None  # the format's own default (seed 000's tiers)
 
     def __post_init__(self) -> None:

@@ -40,7 +40,7 @@ from .errors import (
 )
 from .formats import ArtifactSink, Dialect, FiledState, Formats
 from .specialists import HandlerContext, Registry, Specialist
-from .states import State
+from .states import State, Status
 from .storage import Backend, Claim, Doc
 from .timeutil import Clock, iso, utc_now
 from .validation import SchemaCache, check_document
@@ -48,6 +48,7 @@ from .workspace import Workspace
 
 log = logging.getLogger("handoffd")
 MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0
+MAX_THROTTLE_SECONDS = 3600.0  # a throttled handoff is looked at again within the hour
 MIN_TIMEOUT_SECONDS = 0.01  # a job admitted just before its deadline still gets a last instant
 PERMANENT_CODES = frozenset({
     ErrorCode.SCHEMA_VALIDATION_FAILED, ErrorCode.VALIDATION_FAILED, ErrorCode.CONTRACT_VIOLATION,
@@ -208,7 +209,9 @@ class Engine:
             due_at = next_attempt_at(doc)
         except Exception as exc:  # e.g. InvalidDocument, or RecursionError on an absurd schema
             return Peek(handoff_id, readable=False, problem=_problem(handoff_id, exc))
-        return Peek(handoff_id, env.target, env.priority, due_at, True, env, doc)
+        spec = self.specialist_for(env)
+        return Peek(handoff_id, spec.agent if spec else env.target, env.priority, due_at, True, env,
+                    doc)
 
     # ------------------------------------------------------------ admission
     def claim(self, handoff_id: str) -> tuple[Claim, Dialect] | None:
@@ -291,7 +294,7 @@ class Engine:
                 now, ErrorCode.INVALID_DOCUMENT, f"handoff {handoff_id} cannot be read as a "
                 f"{dialect.name} document: {type(exc).__name__}: {str(exc)[:200]}", retryable=False))
             return None
-        spec = self.registry.get(envelope.target)
+        spec = self.specialist_for(envelope)
         deadline = self.deadline(envelope, spec, min(filter(None, (first_seen(doc), arrived)),
                                                      default=now))
         if deadline is not None and now >= deadline:
@@ -306,6 +309,15 @@ class Engine:
         ctx = HandlerContext(handoff_id=handoff_id, attempt=claim.attempt, root=self.ws.root,
                              data=envelope.data, target=envelope.target)
         return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
+
+    def specialist_for(self, envelope: Envelope) -> Specialist | None:
+        """The specialist that runs ``envelope``: its target's, else the first registered of its
+        ``fallback_targets``; None when nobody here can."""
+        for agent in (envelope.target, *envelope.fallback_targets):
+            spec = self.registry.get(agent)
+            if spec is not None:
+                return spec
+        return None
 
     def deadline(self, envelope: Envelope, spec: Specialist | None,
                  arrived: datetime) -> datetime | None:
@@ -448,6 +460,9 @@ class Engine:
         interpret = self.result_interpreters.get(status)
         if interpret is not None:  # a status a feature owns (e.g. delegated: parked by its filer)
             return interpret(job, result, started)
+        if status == Status.THROTTLED:  # nothing was done: no output to check
+            return Outcome(status=status, started_at=started, finished_at=now,
+                           park={"retry_after_seconds": result.get("retry_after_seconds")})
         if status == "failed":
             error = given if isinstance(given := result.get("error"), dict) else {}
             return self.failure(started, str(error.get("code") or ErrorCode.PROCESSING_ERROR),
@@ -539,6 +554,8 @@ class Engine:
         filer = self.filers.get(outcome.status)
         if filer is not None:  # e.g. a parked handoff goes back to pending (orchestration)
             return filer(claim, dialect, spec, outcome)
+        if outcome.status == Status.THROTTLED:
+            return self._throttled(claim, dialect, spec, outcome)
         doc = claim.doc
         block = book(doc)
         retries = book_int(doc, "retries", 0)
@@ -575,6 +592,21 @@ class Engine:
         if self.backend.finish(claim, dst, answer):
             return dst
         return State.IN_PROGRESS
+
+    def _throttled(self, claim: Claim, dialect: Dialect, spec: Specialist | None,
+                   outcome: Outcome) -> State:
+        """Seed 000's THROTTLED: the specialist was too busy to start. Back to pending, due after
+        its ``retry_after_seconds`` (bounded) or the retry policy's first delay; not an attempt
+        and not a failure, so it never uses up retries."""
+        asked = (outcome.park or {}).get("retry_after_seconds")
+        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked == asked:
+            delay = min(max(float(asked), 0.0), MAX_THROTTLE_SECONDS)
+        else:
+            delay = min(self.policy(claim.doc, spec).delay(1), MAX_THROTTLE_SECONDS)
+        log.info("handoff %s: %s is throttled; trying again in %gs", claim.id,
+                 spec.agent if spec else "its specialist", delay)
+        return self.requeue(claim, dialect, "throttled", due_at=self.clock() + timedelta(seconds=delay),
+                            delay_seconds=delay)
 
     # ------------------------------------------------------------ transitions back to pending
     def requeue(self, claim: Claim, dialect: Dialect, event: str, *, due_at: datetime | None = None,

@@ -65,6 +65,7 @@ class Status(str, Enum):
     DELEGATED = "delegated"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
+    THROTTLED = "throttled"  # seed 000: the receiver is overloaded, try later
 
     def __str__(self) -> str:
         return self.value
@@ -75,7 +76,7 @@ SUCCEEDED: frozenset[str] = frozenset({Status.COMPLETED, Status.PARTIAL})
 # what a handler's result may say (timeout and cancelled are the engine's verdicts)
 RESULT_STATUSES: frozenset[str] = frozenset({
     Status.COMPLETED, Status.PARTIAL, Status.FAILED, Status.BLOCKED, Status.NEEDS_CLARIFICATION,
-    Status.DELEGATED})
+    Status.DELEGATED, Status.THROTTLED})
 # results that park the handoff until someone answers or its children finish (orchestration)
 PARKED: tuple[Status, ...] = (Status.DELEGATED, Status.NEEDS_CLARIFICATION, Status.BLOCKED)
 # an outcome status a dialect can show as it is (every other failure is "failed" with a code)

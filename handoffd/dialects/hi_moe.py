@@ -127,7 +127,8 @@ class HiMoeDialect:
         handoff_id = check_id(request.get("id"))
         payload = given if isinstance(given := request.get("payload"), dict) else {}
         hint = payload.get("specialist_hint")
-        target = hint if isinstance(hint, str) and hint else tier_name(request.get("target_tier"))
+        tier = tier_name(request.get("target_tier"))
+        target = hint if isinstance(hint, str) and hint else tier
         if not target:
             raise InvalidDocument(f"message {handoff_id} has no usable target_tier: use a TierLevel "
                                   f"name ({', '.join(TIERS.values())}) or 1-4",
@@ -136,13 +137,13 @@ class HiMoeDialect:
         timeout = (timeout_ms / 1000.0 if isinstance(timeout_ms, (int, float))
                    and not isinstance(timeout_ms, bool) and timeout_ms > 0 else None)
         correlation = request.get("correlation_id")
-        tier = tier_name(request.get("target_tier"))
         return Envelope(
             handoff_id=handoff_id, dialect=self.name, target=target,
             source=tier_name(request.get("source_tier")), data=payload, timeout_seconds=timeout,
             priority=priority_rank(payload.get("priority")),
             correlation_id=correlation if isinstance(correlation, str) else None,
             hard_timeout=True,
+            fallback_targets=(tier,) if tier and tier != target else (),
             default_timeout_seconds=TIER_TIMEOUT_SECONDS.get(tier or ""),
         )
 

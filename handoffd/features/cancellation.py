@@ -215,7 +215,7 @@ def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) 
     block.pop("waiting_children", None)  # a cancelled parent aggregates nothing
     block.pop("awaiting", None)
     try:
-        spec = engine.registry.get(dialect.envelope(claim.doc).target)
+        spec = engine.specialist_for(dialect.envelope(claim.doc))
     except InvalidDocument:
         spec = None
     outcome = engine.failure(now, ErrorCode.CANCELLED, f"handoff {handoff_id} cancelled by {by}: {reason}",

@@ -429,7 +429,7 @@ class Daemon:
         if env is None or not env.hard_timeout:
             return None
         arrived = self.first_seen.setdefault(handoff_id, self.engine.clock())
-        return self.engine.deadline(env, self.engine.registry.get(env.target), arrived)
+        return self.engine.deadline(env, self.engine.specialist_for(env), arrived)
 
     def _look_again_at(self, handoff_id: str, deadline: datetime | None) -> None:
         """A handoff that cannot start now but has a hard deadline is looked at again then: if

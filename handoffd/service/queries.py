@@ -27,7 +27,8 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any],
     try:
         dialect = dialects.detect(doc)
         env = dialect.envelope(doc)
-        target, source = env.target, env.source
+        spec = engine.specialist_for(env)  # a stand-in (seed 000's tier fleet) is who runs it
+        target, source = spec.agent if spec else env.target, env.source
     except Exception:  # an answer, or a document a reader chokes on: listed without routing
         target = source = None
     block = book(doc)

@@ -106,7 +106,7 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
     except InvalidDocument:  # an unrecognised format: fail it in the native shape
         dialect = engine.formats.by_name("native")
     try:
-        spec = engine.registry.get(dialect.envelope(doc).target)
+        spec = engine.specialist_for(dialect.envelope(doc))
     except InvalidDocument:
         spec = None
     now = engine.clock()
