@@ -145,8 +145,9 @@ class Envelope:
     depends_on: list[str] = field(default_factory=list)
     contract: dict[str, Any] | None = None
     # a hard timeout (seed 000): it counts from when handoffd first saw the handoff, not from
-    # its start; one not started in time is answered TIMEOUT unrun, and a TIMEOUT is final
+    # its start; one not started in time is answered TIMEOUT unrun
     hard_timeout: bool = False
+    final_timeout: bool = False  # a TIMEOUT answer is never retried (seeds 000 and 003)
     # who may stand in when ``target`` has no specialist here, in order (seed 000: a
     # specialist_hint is a suggestion; the target tier's fleet takes the work)
     fallback_targets: tuple[str, ...] = ()

@@ -426,9 +426,11 @@ class Engine:
                                    retryable=False)
         outcome.started_at = started
         outcome.executed_by = job.specialist.agent
-        if job.envelope.hard_timeout and outcome.error \
-                and outcome.error.get("code") == ErrorCode.TIMEOUT:
-            outcome.error["retryable"] = False  # the answer the sender waits for (seed 000)
+        if outcome.status in (Status.CANCELLED, Status.TIMEOUT):
+            from .runner import keep_partial
+            outcome = keep_partial(job.context, outcome)
+        if job.envelope.final_timeout and outcome.status == Status.TIMEOUT and outcome.error:
+            outcome.error["retryable"] = False  # the answer the sender waits for (seeds 000, 003)
         for check in self.after_run:
             outcome = check(job, outcome)
         return outcome

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from . import procs
+from .documents import Outcome
 from .errors import ConfigError, ErrorCode, HandlerError
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 from .states import RESULT_STATUSES
@@ -170,7 +171,7 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     finally:
         _end_attempt(ctx, proc, token, exited, (out, err), (feeder, waiter))
     if error is not None:
-        if error.code == ErrorCode.CANCELLED:  # keep what a handler printed on SIGTERM (partial results)
+        if error.code in (ErrorCode.CANCELLED, ErrorCode.TIMEOUT):  # what it printed on SIGTERM
             error.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))
         raise error
     return _parse_output(proc.returncode, out.data(), err.data(), ctx.handoff_id)
@@ -363,3 +364,32 @@ class _Collector:
 
     def data(self) -> bytes:
         return b"".join(self.chunks)
+
+
+def keep_partial(ctx: HandlerContext, outcome: Outcome) -> Outcome:
+    """A cancelled or timed-out attempt keeps what the handler had: ``ctx.report_partial``'s
+    output, else the last JSON line a command printed on SIGTERM (its ``output``, or the whole
+    object). The filed output then carries ``metadata.partial = true``."""
+    error = outcome.error if isinstance(outcome.error, dict) else None
+    if error is None:
+        return outcome
+    given = error.get("details")
+    details: dict[str, Any] = given if isinstance(given, dict) else {}
+    partial: Any = ctx.partial
+    text = details.pop("partial_stdout", None)
+    if not details:
+        error.pop("details", None)
+    if partial is None and isinstance(text, str) and text.strip():
+        try:
+            parsed = json.loads(text.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            parsed = None
+        if isinstance(parsed, dict):
+            partial = parsed.get("output", parsed)
+            if isinstance(parsed.get("warnings"), list):
+                outcome.warnings = list(parsed["warnings"])
+    if partial is not None:
+        outcome.output = partial
+        outcome.metadata = dict(outcome.metadata or {})
+        outcome.metadata["partial"] = True
+    return outcome

@@ -22,6 +22,7 @@ from .base import FiledState
 
 HANDOFF_SCHEMA = "haios.collaboration_handoff.schema.json"
 RESULT_SCHEMA = "haios.collaboration_result.schema.json"
+DEFAULT_TIMEOUT_SECONDS = 30.0  # seed 003: timeout_ms defaults to 30000
 
 
 def schema_problem(schema: dict[str, Any]) -> str | None:
@@ -98,6 +99,7 @@ class HaiosDialect:
                              and not isinstance(timeout_ms, bool) and timeout_ms > 0 else None),
             priority=priority_rank(request.get("priority")),
             expected_output_schema=expected if isinstance(expected, dict) else None,
+            default_timeout_seconds=DEFAULT_TIMEOUT_SECONDS, final_timeout=True,
         )
 
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
@@ -113,6 +115,11 @@ class HaiosDialect:
         status = sh.effective_status(outcome)
         output = outcome.output
         result = output if isinstance(output, dict) else ({} if output is None else {"value": output})
+        warnings = list(outcome.warnings)
+        if status == "timeout" and output is not None:  # seed 003: the partial result, a warning
+            status = "partial"
+            warnings.insert(0, f"TIMEOUT: {sh.error_message(outcome) or 'time limit reached'}; "
+                               "the result is what the specialist had when it was stopped")
         to_agent = request.get("to_agent")
         answer: dict[str, Any] = {
             "handoff_id": request.get("handoff_id"),
@@ -131,7 +138,7 @@ class HaiosDialect:
             errors = sh.error_list(outcome, "errors")
             if errors:
                 answer["error"]["errors"] = errors
-        if outcome.warnings:
-            answer["warnings"] = list(outcome.warnings)
+        if warnings:
+            answer["warnings"] = warnings
         answer["handoffd"] = sh.copy_book(doc)
         return answer

@@ -143,6 +143,7 @@ class HiMoeDialect:
             priority=priority_rank(payload.get("priority")),
             correlation_id=correlation if isinstance(correlation, str) else None,
             hard_timeout=True,
+            final_timeout=True,
             fallback_targets=(tier,) if tier and tier != target else (),
             default_timeout_seconds=TIER_TIMEOUT_SECONDS.get(tier or ""),
         )

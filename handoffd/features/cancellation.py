@@ -18,7 +18,6 @@
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -65,7 +64,6 @@ def install(engine: "Engine") -> None:
     before the handler starts, partial results of a stopped handler, and the daemon side."""
     engine.gates.insert(0, cancel_gate)
     engine.before_run.insert(0, lambda job: check_before_run(engine, job))
-    engine.after_run.insert(0, partial_results)
     engine.daemon_plugins.append(attach)
 
 
@@ -112,33 +110,6 @@ def check_before_run(engine: "Engine", job: "Job") -> None:
     if body is not None:
         raise HandlerError(f"handoff {job.handoff_id} cancelled: {_reason(body)}",
                            handoff_id=job.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
-
-
-def partial_results(job: "Job", outcome: Outcome) -> Outcome:
-    """Engine ``after_run`` hook: keep a cancelled handler's partial result in the filed document."""
-    error = outcome.error if isinstance(outcome.error, dict) else None
-    if outcome.status != "cancelled" or error is None:
-        return outcome
-    details = given if isinstance(given := error.get("details"), dict) else {}
-    partial: Any = job.context.partial
-    text = details.pop("partial_stdout", None)
-    if not details:
-        error.pop("details", None)
-    if partial is None and isinstance(text, str) and text.strip():
-        try:
-            parsed = json.loads(text.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            parsed = None
-        if isinstance(parsed, dict):
-            partial = parsed.get("output", parsed)
-            for key in ("warnings",):
-                if isinstance(parsed.get(key), list):
-                    outcome.warnings = list(parsed[key])
-    if partial is not None:
-        outcome.output = partial
-        outcome.metadata = dict(outcome.metadata or {})
-        outcome.metadata["partial"] = True
-    return outcome
 
 
 # ---------------------------------------------------------------- cancelling
