@@ -506,6 +506,40 @@ def test_clarification_round_trip(ows: Workspace) -> None:
     assert done.returncode == 1 and "not waiting for an answer" in done.stderr
 
 
+def test_questions_are_reported_up_at_once(ows: Workspace) -> None:
+    """Seed 000: BLOCKED / NEEDS_CLARIFICATION go up immediately. `handoff wait` ends with exit 4
+    and the outcome in the document's own format; `handoff answer` still resumes the work."""
+    ows.write_config(ows.root.joinpath("handoffd.toml").read_text()
+                     + '\n[specialists."SPECIALIZED_FLEET"]\nhandler = "orch_handlers:asker"\n')
+    hid = ows.create("--to", "@asker", "--from", "@architect", "--id", "ask-up", "--data", "{}")
+    message = {"version": "1.0.0", "id": "msg-clar", "timestamp": "2025-01-15T10:30:05Z",
+               "source_tier": "ROUTING_DISPATCHER", "target_tier": "SPECIALIZED_FLEET",
+               "correlation_id": "msg-001",
+               "payload": {"task_type": "execute_code", "objective": "binary search",
+                           "constraints": [], "context_refs": [], "priority": 1,
+                           "timeout_ms": 60000, "task_data": {}}}
+    ows.drop("msg-clar.json", message)
+    run(ows)
+    wait = ows.handoff("wait", hid, "--timeout", "10")
+    assert wait.returncode == 4 and wait.stdout == "ask-up needs_clarification\n", wait
+    assert "Should an empty array return -1 or raise?" in wait.stderr
+    assert "handoff answer ask-up" in wait.stderr
+    native = json.loads(ows.handoff("wait", hid, "--json").stdout)
+    assert native["status"] == "needs_clarification" and "handoffd" not in native
+    moe = ows.handoff("wait", "msg-clar", "--json")
+    assert moe.returncode == 4
+    outcome = json.loads(moe.stdout)
+    assert outcome["correlation_id"] == "msg-clar" and outcome["target_tier"] == "ROUTING_DISPATCHER"
+    assert outcome["payload"]["status"] == "needs_clarification"
+    assert "Should an empty array" in json.dumps(outcome["payload"])
+    # file readers see it too, in the parked document
+    parked = json.loads((ows.root / "handoffs" / "pending" / "msg-clar.json").read_text())
+    assert parked["handoffd"]["awaiting"]["outcome"] == outcome
+    assert ows.handoff("answer", hid, "--data", '"return -1"', "--as", "@architect").returncode == 0
+    run(ows)
+    assert ows.handoff("wait", hid, "--timeout", "10").returncode == 0
+
+
 def test_blocked_waits_for_a_resolution(ows: Workspace) -> None:
     ows.create("--to", "@blocker", "--id", "blk-1", "--data", '{"mode": "good"}')
     ows.create("--to", "@blocker", "--id", "blk-2", "--data", '{"mode": "no-options"}')

@@ -7,7 +7,7 @@ import copy
 import threading
 import time
 from datetime import datetime, timedelta, timezone
-from typing import Callable
+from typing import Any, Callable
 
 from ..core.documents import BOOK, actor, book, book_int, next_attempt_at, record
 from ..core.errors import InvalidDocument, InvalidTransition, NotFound, WaitTimeout
@@ -194,10 +194,12 @@ class Subscribers:
 
 
 def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
-                  grace_not_found: float = 0.0) -> tuple[State, Doc]:
+                  grace_not_found: float = 0.0,
+                  until: Callable[[State, Doc], Any] | None = None) -> tuple[State, Doc]:
     """:meth:`Backend.wait_terminal` built on ``get`` and the wake-up feed (level-triggered:
     look, then sleep until a hint for this id or the safety recheck). NotFound once the id has
-    been unknown for ``grace_not_found`` seconds (a producer may be about to drop it)."""
+    been unknown for ``grace_not_found`` seconds (a producer may be about to drop it).
+    ``until``: also return once it is true of the handoff's state and document."""
     wake = threading.Event()
     unsubscribe = backend.subscribe(lambda w: wake.set() if w.handoff_id == handoff_id else None)
     start = time.monotonic()
@@ -212,7 +214,7 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
             if found is None and time.monotonic() - start >= grace_not_found:
                 raise NotFound(f"no handoff {handoff_id}; `handoff ls` lists them",
                                handoff_id=handoff_id)
-            if found is not None and found[0].terminal:
+            if found is not None and (found[0].terminal or (until and until(*found))):
                 return found
             remaining = SAFETY_RECHECK_SECONDS if deadline is None else deadline - time.monotonic()
             if remaining <= 0:

@@ -22,6 +22,7 @@ from .render import console, handoff_table, print_json, timeline
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Create and follow handoffs in a handoffd workspace.")
 PROG = "handoff"
+EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
 
 
 def _json_arg(text: str, what: str) -> Any:
@@ -85,7 +86,12 @@ def create(
     print(new_id)
     sys.stdout.flush()
     if wait:
-        state, _ = wait_terminal(eng.backend, new_id, wait_timeout)
+        from ..service.waiting import awaiting_answer
+        state, filed = wait_terminal(eng.backend, new_id, wait_timeout, or_awaiting=True)
+        awaiting = awaiting_answer(state, filed)
+        if awaiting is not None:  # stdout keeps the id alone
+            print(_asked_line(new_id, awaiting), file=sys.stderr)
+            raise typer.Exit(EXIT_AWAITING_ANSWER)
         raise typer.Exit(_exit_for(state))
 
 
@@ -147,17 +153,40 @@ def wait(
     as_json: Annotated[bool, typer.Option("--json", help="Print the terminal document as JSON.")] = False,
     root: RootOption = None,
 ) -> None:
-    """Block until the handoff is completed (exit 0) or failed (exit 1)."""
+    """Block until the handoff is completed (exit 0) or failed (exit 1), or waits for an answer
+    to its questions or blockers (exit 4: `handoff answer` resumes it)."""
     from ..service.waiting import wait_terminal
     eng = engine(root, features=())
-    state, doc = wait_terminal(eng.backend, handoff_id, timeout)
+    state, doc = wait_terminal(eng.backend, handoff_id, timeout, or_awaiting=True)
+    raise typer.Exit(_report_wait(handoff_id, state, doc, as_json=as_json))
+
+
+def _report_wait(handoff_id: str, state: State, doc: dict[str, Any], *, as_json: bool) -> int:
+    """Print what a wait ended on; return its exit code."""
+    from ..service.waiting import awaiting_answer
+    awaiting = awaiting_answer(state, doc)
+    if awaiting is not None:  # reported up at once (seed 000), in the document's own format
+        if as_json:
+            print_json(awaiting.get("outcome") or awaiting)
+        else:
+            print(f"{handoff_id} {awaiting.get('kind', 'awaiting')}")
+            print(_asked_line(handoff_id, awaiting), file=sys.stderr)
+        return EXIT_AWAITING_ANSWER
     if as_json:
         print_json(doc)
     else:
         print(f"{handoff_id} {state.value}")
         if state is State.FAILED:  # why, on stderr (stdout keeps the one line scripts read)
             print(f"{PROG}: {handoff_id}: {failure_line(doc)}", file=sys.stderr)
-    raise typer.Exit(_exit_for(state))
+    return _exit_for(state)
+
+
+def _asked_line(handoff_id: str, awaiting: dict[str, Any]) -> str:
+    """One stderr line: what a parked handoff asks, and how to answer."""
+    asked = awaiting.get("questions") or [b.get("description") for b in
+                                          awaiting.get("blockers") or [] if isinstance(b, dict)]
+    return (f"{PROG}: {handoff_id} waits for an answer: {'; '.join(map(str, asked))[:500]} "
+            f"(`handoff answer {handoff_id} --data JSON`)")
 
 
 def failure_line(doc: dict[str, Any]) -> str:

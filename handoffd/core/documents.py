@@ -293,6 +293,12 @@ def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: 
     doc["warnings"] = list(outcome.warnings)
     doc.update(outcome.fields)
     when = iso(outcome.finished_at)
+    if outcome.status in ("needs_clarification", "blocked"):  # reported up while it waits
+        doc["status"] = outcome.status
+        for key in ("questions", "blockers", "summary"):
+            if outcome.park and outcome.park.get(key):
+                doc[key] = outcome.park[key]
+        return
     if outcome.succeeded:
         doc["status"] = "completed" if outcome.status == "completed" else "partial"
         doc["completed_at"] = doc["timestamp_completed"] = when

@@ -42,8 +42,12 @@ the history) and releases it: the handler runs again and sees the answer.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import hashlib
+import json
+import logging
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -65,12 +69,16 @@ from ..core.errors import (
     NotFound,
     UnreadableDocument,
 )
+from ..core.formats import FiledState
 from ..core.states import PARKED, State
 from ..core.timeutil import iso, parse_iso
 from . import aggregation
 from .aggregation import child_info, ready
 from .dependencies import Verdict
 from .lineage import conversation_of
+
+log = logging.getLogger("handoffd")
+MAX_CLARIFICATIONS_ENV = 64 * 1024  # bytes of $HANDOFF_CLARIFICATIONS
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
@@ -101,9 +109,19 @@ def install(engine: "Engine") -> None:
 
 
 def _expose_clarifications(job: "Job") -> None:
+    """Answers reach every specialist in every format: Python ones as ``ctx.clarifications``,
+    commands as ``$HANDOFF_CLARIFICATIONS`` (a JSON list; their stdin is the document without
+    handoffd's block, where non-native formats keep the answers)."""
     found = clarifications_of(job.claim.doc)
     if found:
         job.context.clarifications = found
+        for answers in (found, found[-1:]):  # an environment has its limits (ARG_MAX)
+            text = json.dumps(answers, ensure_ascii=False)
+            if len(text) <= MAX_CLARIFICATIONS_ENV:
+                job.context.env["HANDOFF_CLARIFICATIONS"] = text
+                break
+            log.warning("handoff %s: %d answers are too long for $HANDOFF_CLARIFICATIONS (%d "
+                        "bytes)", job.handoff_id, len(answers), len(text))
 
 
 def clarifications_of(doc: dict[str, Any]) -> list[Any]:
@@ -325,11 +343,34 @@ def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist
         awaiting["since"] = iso(now)
         if outcome.output is not None:
             awaiting["partial_output"] = outcome.output
+        awaiting["outcome"] = reported_outcome(engine, doc, dialect, outcome)
         block["awaiting"] = awaiting
         detail = ({"questions": info.get("questions")} if kind == "needs_clarification"
                   else {"blockers": [b.get("description") for b in info.get("blockers", [])]})
         # the attempt that asked counts (an answer gives the next one its due)
         return engine.requeue(claim, dialect, kind, count_attempt=True, **detail)
+
+
+def reported_outcome(engine: "Engine", doc: dict[str, Any], dialect: "Dialect",
+                     outcome: Outcome) -> dict[str, Any] | None:
+    """The answer a needs_clarification / blocked outcome makes in the document's own format,
+    reported up at once (seed 000) while the handoff waits in pending/ for the answer: kept in
+    ``handoffd.awaiting.outcome``, where `handoff wait` and file readers find it."""
+    info = outcome.park or {}
+    asked = [str(q) for q in info.get("questions") or []] or [
+        str(b.get("description")) for b in info.get("blockers") or [] if isinstance(b, dict)]
+    report = dataclasses.replace(outcome, error=outcome.error or {
+        "code": str(outcome.status).upper(), "message": "; ".join(asked) or str(outcome.status),
+        "retryable": True})  # formats carry the questions where they carry an error's detail
+    try:
+        answer = dialect.render(copy.deepcopy(doc), report,
+                                FiledState(book_int(doc, "retries", 0), 0, False))
+    except Exception as exc:  # a format that cannot say it must not stop the park
+        log.warning("handoff %s: cannot render the %s outcome: %s", dialect.id_of(doc),
+                    outcome.status, exc)
+        return None
+    answer.pop("handoffd", None)  # the bookkeeping is the document's, not the report's
+    return answer
 
 
 def is_parked(engine: "Engine", handoff_id: str) -> bool:

@@ -9,10 +9,21 @@ from ..core.storage import Backend
 
 
 def wait_terminal(backend: Backend, handoff_id: str, timeout: float | None = None,
-                  *, grace_not_found: float = 0.0) -> tuple[State, dict[str, Any]]:
-    """Return ``(state, document)`` once ``handoff_id`` is completed or failed.
+                  *, grace_not_found: float = 0.0,
+                  or_awaiting: bool = False) -> tuple[State, dict[str, Any]]:
+    """Return ``(state, document)`` once ``handoff_id`` is completed or failed, or (with
+    ``or_awaiting``) once it waits in pending/ for its requester's answer (needs_clarification
+    or blocked: seed 000 reports those up at once).
 
     Raises WaitTimeout after ``timeout`` seconds, NotFound if the id does not exist (after
     ``grace_not_found`` seconds, for a document a producer is about to drop).
     """
-    return wait_via_feed(backend, handoff_id, timeout, grace_not_found=grace_not_found)
+    return wait_via_feed(backend, handoff_id, timeout, grace_not_found=grace_not_found,
+                         until=awaiting_answer if or_awaiting else None)
+
+
+def awaiting_answer(state: State, doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``handoffd.awaiting`` block of a handoff parked until its requester answers."""
+    block = doc.get("handoffd")
+    awaiting = block.get("awaiting") if isinstance(block, dict) else None
+    return awaiting if state is State.PENDING and isinstance(awaiting, dict) else None

@@ -1,9 +1,12 @@
-"""Seed 000's timeouts through a real daemon: `timeout_ms` is a hard deadline counted from the
-message's arrival, a TIMEOUT answer is final (never retried), a message nobody claims is answered
-TIMEOUT when its time is up, and the tiers' recommended timeouts apply when none is given."""
+"""Seed 000 (hi_moe) through a real daemon. Timeouts: `timeout_ms` is a hard deadline counted
+from the message's arrival, a TIMEOUT answer is final (never retried), a message nobody claims is
+answered TIMEOUT when its time is up, the tiers' recommended timeouts apply when none is given.
+Routing: a specialist_hint is a suggestion; THROTTLED is requeued. Clarification answers reach a
+command specialist."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -185,3 +188,32 @@ def busy(doc, ctx):
     answer = mws.doc("m-busy")["payload"]
     assert answer["status"] == "success", answer
     assert "retry_scheduled" not in events(mws, "m-busy")
+
+
+ASK_ONCE = r'''
+import json, os, sys
+json.load(sys.stdin)
+answers = json.loads(os.environ.get("HANDOFF_CLARIFICATIONS") or "[]")
+if not answers:
+    print(json.dumps({"status": "needs_clarification", "questions": ["Which language?"]}))
+else:
+    print(json.dumps({"status": "completed", "output": {"language": answers[-1]["answer"]}}))
+'''
+
+
+def test_a_command_specialist_sees_the_answer_in_any_format(mws: Workspace) -> None:
+    script = mws.root.parent / "ask_once.py"
+    script.write_text(ASK_ONCE)
+    mws.write_config(CONFIG + f'''
+[specialists."ROUTING_DISPATCHER"]
+command = ["{sys.executable}", "{script}"]
+''')
+    mws.drop("m-ask.json", message("m-ask", target="ROUTING_DISPATCHER", timeout_ms=60000))
+    mws.handoffd("run")
+    assert mws.handoff("wait", "m-ask", "--timeout", "5").returncode == 4
+    assert mws.handoff("answer", "m-ask", "--data", '"rust"').returncode == 0
+    mws.handoffd("run")
+    answer = mws.doc("m-ask")
+    assert answer["payload"]["status"] == "success", answer["payload"]
+    (output,) = [a for a in answer["payload"]["artifacts"] if a["artifact_type"] == "output"]
+    assert json.loads(output["inline_content"]) == {"language": "rust"}, output
