@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from conftest import SPECIALISTS, Workspace
 
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-from conftest import SPECIALISTS, Workspace
 
 HANDLERS = '''
 """Python specialists for the orchestration tests."""
