@@ -218,8 +218,20 @@ def test_handoff_ls_shows_the_swarm_worker(swarm: Run) -> None:
     assert (rows["bd-123.2"]["to"], rows["bd-123.2"]["dialect"]) == ("@swarm-worker", "swarm")
 
 
-@pytest.mark.parametrize("key", ["architect_to_dispatcher", "dispatcher_to_fleet",
-                                 "fleet_to_dispatcher", "aggregated"])
+@pytest.mark.parametrize("key", ["fleet_to_dispatcher", "aggregated"])
+def test_hi_moe_outcomes_going_up_are_refused_not_run(batch: Run, key: str) -> None:
+    """Seed 000's upward messages (an OutcomePayload) are answers: dropped into pending/ they are
+    refused with NOT_A_REQUEST, never run as work (an Outcome of an Outcome)."""
+    request = HI_MOE[key]
+    state, answer = batch.answer(request["id"])
+    assert state == "failed"
+    assert_valid_answer(answer, "hi_moe")
+    payload = answer["payload"]
+    assert payload["status"] == "failed" and payload["error_type"] == "not_a_request"
+    assert "is an Outcome" in payload["error_detail"] and payload["recoverable"] is False
+
+
+@pytest.mark.parametrize("key", ["architect_to_dispatcher", "dispatcher_to_fleet"])
 def test_hi_moe_messages_answered_as_messages(batch: Run, key: str) -> None:
     request = HI_MOE[key]
     state, answer = batch.answer(request["id"])
@@ -230,7 +242,7 @@ def test_hi_moe_messages_answered_as_messages(batch: Run, key: str) -> None:
     assert answer["source_tier"] == request["target_tier"]
     assert answer["target_tier"] == request["source_tier"]
     payload = answer["payload"]
-    assert payload["status"] == ("partial" if key == "aggregated" else "success")
+    assert payload["status"] == "success"
     assert isinstance(payload["execution_time_ms"], int)
     assert isinstance(payload["resources_used"], dict)
     assert answer["handoffd"]["request_snapshot"]["payload"] == request["payload"]

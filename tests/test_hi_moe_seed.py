@@ -217,3 +217,30 @@ command = ["{sys.executable}", "{script}"]
     assert answer["payload"]["status"] == "success", answer["payload"]
     (output,) = [a for a in answer["payload"]["artifacts"] if a["artifact_type"] == "output"]
     assert json.loads(output["inline_content"]) == {"language": "rust"}, output
+
+
+def test_error_fields_and_the_1kb_rule_are_checked_on_what_comes_in() -> None:
+    """Seed 000: error_type / error_detail / recoverable only on error statuses (a success
+    carries none), and inline_content is for content under 1 KB, coming in as going out."""
+    from dialect_examples import HI_MOE_FLEET_TO_DISPATCHER
+
+    from handoffd import dialects
+    from handoffd.core.errors import InvalidDocument
+    from handoffd.service.queries import validate_document
+
+    def problems(doc: dict[str, Any]) -> list[str]:
+        try:
+            validate_document(None, doc, dialects.detect(doc))
+        except InvalidDocument as exc:
+            return [e["field"] for e in exc.errors or []]
+        return []
+
+    good = fresh(HI_MOE_FLEET_TO_DISPATCHER)
+    assert problems(good) == []
+    success_with_error = fresh(good)
+    success_with_error["payload"]["error_type"] = "timeout"
+    assert "payload.error_type" in problems(success_with_error)
+    big_inline = fresh(good)
+    big_inline["payload"]["artifacts"] = [{"artifact_type": "code", "content_ref": None,
+                                           "inline_content": "x" * 2000, "metadata": {}}]
+    assert "payload.artifacts[0].inline_content" in problems(big_inline)

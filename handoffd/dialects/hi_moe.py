@@ -106,12 +106,17 @@ class HiMoeDialect:
         return ("version" in doc) + ("source_tier" in doc) + ("target_tier" in doc) >= 2
 
     def is_answer(self, doc: dict[str, Any]) -> bool:
-        """True for an answer handoffd filed (its id differs from the request it keeps)."""
+        """True for an answer: one handoffd filed (its id differs from the request it keeps), or
+        any message whose payload is an OutcomePayload (a report going up)."""
         request = sh.snapshot(doc)
-        return request is not None and doc.get("id") != request.get("id")
+        if request is not None and doc.get("id") != request.get("id"):
+            return True
+        payload = doc.get("payload")
+        return isinstance(payload, dict) and "status" in payload
 
     def _request(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return sh.snapshot(doc) if self.is_answer(doc) else doc  # type: ignore[return-value]
+        request = sh.snapshot(doc) if self.is_answer(doc) else None
+        return request if request is not None else doc
 
     def id_of(self, doc: dict[str, Any]) -> Any:
         return self._request(doc).get("id")
@@ -126,6 +131,12 @@ class HiMoeDialect:
         check_version(request)
         handoff_id = check_id(request.get("id"))
         payload = given if isinstance(given := request.get("payload"), dict) else {}
+        if "status" in payload:  # an OutcomePayload: a report going up, never work to run
+            raise InvalidDocument(
+                f"message {handoff_id} is an Outcome (payload.status {str(payload['status'])[:40]!r},"
+                f" answering {str(request.get('correlation_id'))[:80]!r}), not a delegation: an "
+                "answer goes up to its requester and is not run; send the DelegationPayload "
+                "instead", handoff_id=handoff_id, code=ErrorCode.NOT_A_REQUEST)
         hint = payload.get("specialist_hint")
         tier = tier_name(request.get("target_tier"))
         target = hint if isinstance(hint, str) and hint else tier
