@@ -3,6 +3,9 @@
 * a handoff present in two folders keeps the copy the state machine picks (``states.winner``);
 * a claim whose claimer died after its rename into in-progress/ but before it recorded a lease
   goes back to pending/ without spending an attempt (the handler never started);
+* a *foreign* claim (seed 001's own consumer: it renamed the request into in-progress/ and set
+  ``status: in_progress`` and ``started_at``) is honoured for its ``timeout_seconds`` (default
+  :data:`FOREIGN_LEASE_SECONDS`) from when it started, then handed back as a dead claimer's;
 * orphaned temp files and lock files of finished claims are removed;
 * the seen-ids record is compacted to its TTL.
 
@@ -21,10 +24,13 @@ from typing import Any, Collection
 from ...core.documents import book, record
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
 from ...core.states import State, winner
+from ...core.timeutil import parse_iso
 from . import fsio
 from .store import Store, release_lock, try_lock
 
 TMP_MAX_AGE_SECONDS = 300.0
+FOREIGN_LEASE_SECONDS = 300.0  # a foreign claim without timeout_seconds: the daemon default
+MAX_FOREIGN_LEASE_SECONDS = 7 * 24 * 3600.0
 log = logging.getLogger("handoffd")
 Repairs = dict[str, list[str]]
 
@@ -96,6 +102,8 @@ def recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime,
     if time.time() - ctime < grace:
         return  # the claimer may be recording its lease right now
     mine = store.trusted_revision(doc, State.PENDING, handoff_id, State.IN_PROGRESS)
+    if time.time() < foreign_lease_end(doc, ctime):  # our claims write a lease with the mark
+        return  # a foreign consumer's claim, still within its time
     if is_leftover(store, handoff_id, mine):
         path.unlink(missing_ok=True)
         done["duplicates_resolved"].append(handoff_id)
@@ -108,6 +116,24 @@ def recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime,
                reason="claimer died before recording its lease")
         store.move(handoff_id, State.IN_PROGRESS, State.PENDING, doc)
     done["recovered"].append(handoff_id)
+
+
+def foreign_lease_end(doc: dict[str, Any], claimed_at: float) -> float:
+    """When a foreign consumer's claim of ``doc`` ends (Unix time), or 0 when ``doc`` is not one.
+
+    Seed 001's consumer marks its claim ``status: in_progress`` with ``started_at``; it holds the
+    handoff for the request's ``timeout_seconds``. The start is never later than the rename we
+    saw (``claimed_at``, our clock): a document cannot stretch its own lease."""
+    if doc.get("status") != "in_progress" or not isinstance(doc.get("started_at"), str):
+        return 0.0
+    try:
+        started = min(parse_iso(doc["started_at"]).timestamp(), claimed_at)
+    except (ValueError, OverflowError):
+        return 0.0
+    limit = doc.get("timeout_seconds")
+    seconds = float(limit) if isinstance(limit, (int, float)) and not isinstance(limit, bool) \
+        and 0 < limit <= MAX_FOREIGN_LEASE_SECONDS else FOREIGN_LEASE_SECONDS
+    return started + seconds
 
 
 def is_leftover(store: Store, handoff_id: str, mine: int) -> bool:
