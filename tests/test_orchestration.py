@@ -292,6 +292,21 @@ def test_serve_prints_the_effective_limits(ows: Workspace) -> None:
     assert "6 workers" in line and "@barrier 6" in line and "@flaky 6" in line, line
 
 
+def test_majority_failed_is_partial_and_flagged_for_strategy_revision(ows: Workspace) -> None:
+    """Seed 000's partial success rules for all_success: majority failed -> PARTIAL, flagged for
+    strategy revision; majority succeeded -> PARTIAL without the flag."""
+    fan_out(ows, "prev", "all_success", [score(True), score(False), score(False)])
+    fan_out(ows, "pok", "all_success", [score(True), score(True), score(False)])
+    run(ows)
+    flagged, fine = ows.doc("prev"), ows.doc("pok")
+    assert flagged["status"] == fine["status"] == "partial"
+    assert flagged["output"]["strategy_revision"] is True
+    assert flagged["metadata"]["surprise_flag"] is True
+    assert "flag for strategy revision" in flagged["metadata"]["surprise_reason"]
+    assert "strategy_revision" not in fine["output"]
+    assert not fine["metadata"].get("surprise_flag")
+
+
 def test_weighted_confidence(ows: Workspace) -> None:
     fan_out(ows, "pw", "any_success", [score(True, 0.9, weight=3), score(False, 0.5, weight=1)])
     run(ows)
@@ -399,6 +414,23 @@ def wait_running(ws: Workspace, ids: list[str], timeout: float = 30) -> None:
             return
         time.sleep(0.05)
     raise AssertionError({i: ws.state_of(i) for i in ids})
+
+
+def test_a_cancelled_fan_out_keeps_what_its_children_produced(ows: Workspace) -> None:
+    daemon = ows.serve()
+    try:
+        fan_out(ows, "pa", "all_success", [{"to": "@artist", "data": {}},
+                                           {"to": "@flaky", "data": {"mode": "sleep", "seconds": 60}}])
+        ows.wait_state("pa.c1", ("completed",), timeout=20)
+        wait_running(ows, ["pa.c2"])
+        assert ows.handoff("cancel", "pa", "--cascade", timeout=60).returncode == 0
+        ows.wait_state("pa", ("failed",), timeout=20)
+    finally:
+        assert ows.stop(daemon) == 0
+    parent = ows.doc("pa")
+    assert parent["status"] == "cancelled"
+    kept = [a for a in parent["artifacts"] if a["metadata"].get("child_id") == "pa.c1"]
+    assert {a["name"] for a in kept} == {"small.txt", "big.tsx"}, parent["artifacts"]
 
 
 def test_cancel_cascade_stops_running_children_promptly(ows: Workspace) -> None:

@@ -193,6 +193,14 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     metadata = {"confidence": confidence, "aggregated_outcome": aggregated, "summary": summary,
                 "resources_used": {"parallel_tasks": len(infos),
                                    "specialists_used": sorted({i.specialist for i in infos if i.specialist})}}
+    if status == "partial" and len(failed_children) * 2 > len(infos):
+        # seed 000's partial success rules: "majority failed: PARTIAL, flag for strategy
+        # revision" (hi_moe carries it as surprise_flag / surprise_reason)
+        output["strategy_revision"] = True
+        metadata["strategy_revision"] = True
+        metadata["surprise_flag"] = True
+        metadata["surprise_reason"] = (f"{len(failed_children)} of {len(infos)} subtasks failed: "
+                                       "flag for strategy revision")
     try:
         first_start = parse_iso(str(wait.get("started")))
     except ValueError:

@@ -28,6 +28,7 @@ from ..core.errors import (
     DocumentNotReady,
     ErrorCode,
     HandlerError,
+    HandoffdError,
     InvalidDocument,
     NotFound,
 )
@@ -191,7 +192,27 @@ def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) 
         spec = None
     outcome = engine.failure(now, ErrorCode.CANCELLED, f"handoff {handoff_id} cancelled by {by}: {reason}",
                              retryable=False)
+    outcome.artifacts = children_artifacts(engine, claim.doc)
     return engine.file(claim, dialect, spec, outcome)
+
+
+def children_artifacts(engine: "Engine", doc: dict[str, Any]) -> list[Any]:
+    """What the completed children of a cancelled fan-out parent produced (each marked with its
+    ``metadata.child_id``): cancelling the parent keeps the work that was done."""
+    out: list[Any] = []
+    children = book(doc).get("children")
+    for child in children if isinstance(children, list) else []:
+        try:
+            state, child_doc = engine.get(str(child))
+        except (HandoffdError, OSError):
+            continue
+        items = child_doc.get("artifacts") if state is State.COMPLETED else None
+        for item in items if isinstance(items, list) else []:
+            if isinstance(item, dict):
+                given = item.get("metadata")
+                meta: dict[str, Any] = given if isinstance(given, dict) else {}
+                out.append({**item, "metadata": {**meta, "child_id": child}})
+    return out
 
 
 # ---------------------------------------------------------------- daemon side
