@@ -2,7 +2,9 @@
 and is not retried; without `timeout_ms` the seed's 30 000 ms default applies."""
 from __future__ import annotations
 
+import json
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,9 @@ command = ["{sys.executable}", "{tmp_path / 'ingester.py'}"]
 
 [specialists."mute-v1"]
 command = ["{sys.executable}", "{tmp_path / 'mute.py'}"]
+
+[specialists."quick-v1"]
+command = ["{sys.executable}", "-c", "import json,sys; json.load(sys.stdin); print(json.dumps({{'status': 'completed', 'output': {{'ok': True}}}}))"]
 """)
     HandoffdWorkspace(root).ensure()
     return ws
@@ -97,3 +102,24 @@ def test_the_default_timeout_is_30_seconds() -> None:
     assert DEFAULT_TIMEOUT_SECONDS == 30.0 and env.final_timeout
     given = HaiosDialect().envelope(handoff("6f1c2a9e-3b4d-4c5e-9f7a-000000000004", "x", 5000))
     assert given.timeout_seconds == 5.0
+
+
+def test_id_and_created_at_are_defaulted(hws: Workspace) -> None:
+    """Seed 003 gives handoff_id (a UUID) and created_at defaults: a document without them is
+    accepted, dropped (its file name is its id) or submitted (a new UUID)."""
+    dropped = "6f1c2a9e-3b4d-4c5e-9f7a-000000000005"
+    doc = handoff(dropped, "quick-v1", 5000)
+    del doc["handoff_id"], doc["created_at"]
+    hws.drop(f"{dropped}.json", doc)
+    path = hws.root / "new.json"
+    path.write_text(json.dumps(doc))
+    created = hws.create("--file", str(path))
+    assert uuid.UUID(created).version == 4 and created != dropped
+    submitted = json.loads((hws.root / "handoffs" / "pending" / f"{created}.json").read_text())
+    assert submitted["handoff_id"] == created and submitted["created_at"].endswith("Z")
+    assert hws.handoffd("run").returncode == 0
+    for hid in (dropped, created):
+        answer = hws.doc(hid)
+        assert answer["status"] == "success" and answer["handoff_id"] == hid, answer
+        request = answer["handoffd"]["request_snapshot"]
+        assert request["handoff_id"] == hid and request["created_at"]

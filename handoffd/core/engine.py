@@ -206,7 +206,9 @@ class Engine:
         if doc is None:
             return None
         try:
-            env = self.formats.detect(doc).envelope(doc)
+            dialect = self.formats.detect(doc)
+            dialect.complete(doc, handoff_id, self.clock())
+            env = dialect.envelope(doc)
             due_at = next_attempt_at(doc)
         except Exception as exc:  # e.g. InvalidDocument, or RecursionError on an absurd schema
             return Peek(handoff_id, readable=False, problem=_problem(handoff_id, exc))
@@ -226,6 +228,7 @@ class Engine:
             dialect = self.formats.detect(doc)
             found.append(dialect)
             book(doc)["dialect"] = dialect.name
+            dialect.complete(doc, handoff_id, now)
             dialect.mark_claimed(doc, now)
 
         try:
@@ -347,6 +350,7 @@ class Engine:
         if not isinstance(doc, dict):
             raise InvalidDocument(f"a handoff is a JSON object, not {type(doc).__name__}")
         dialect = self.formats.detect(doc, forced)
+        dialect.complete(doc, None, self.clock())
         self.validate(doc, dialect)
         envelope = dialect.envelope(doc)
         for check in self.submit_checks:

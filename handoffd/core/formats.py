@@ -45,6 +45,12 @@ class Dialect(Protocol):
         """Routing view; raise InvalidDocument when it cannot be routed."""
         ...
 
+    def complete(self, doc: dict[str, Any], handoff_id: str | None, now: datetime) -> None:
+        """Fill in what the format defaults and the document left out (seed 003: ``handoff_id``
+        and ``created_at``). ``handoff_id``: the id it is stored under (its file name), None
+        for a new submission."""
+        ...
+
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
         """Update format fields when a daemon claims the document."""
         ...

@@ -118,6 +118,9 @@ class AgentHandoffDialect:
             conversation_id=conversation if isinstance(conversation, str) else None,
         )
 
+    def complete(self, doc: dict[str, Any], handoff_id: str | None, now: datetime) -> None:
+        """Nothing to default: the format names its id and times itself."""
+
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
         """The status field describes the sender's task, not the queue: left alone."""
 

@@ -10,6 +10,7 @@ retryable / permanent and handoffd's error ``code``.
 """
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 from typing import Any
 
@@ -101,6 +102,16 @@ class HaiosDialect:
             expected_output_schema=expected if isinstance(expected, dict) else None,
             default_timeout_seconds=DEFAULT_TIMEOUT_SECONDS, final_timeout=True,
         )
+
+    def complete(self, doc: dict[str, Any], handoff_id: str | None, now: datetime) -> None:
+        """Seed 003 defaults ``handoff_id`` (a new UUID; a dropped file's own name) and
+        ``created_at`` (now). Answers are left as they are."""
+        if self.is_answer(doc):
+            return
+        if doc.get("handoff_id") is None:
+            doc["handoff_id"] = handoff_id or str(uuid.uuid4())
+        if doc.get("created_at") is None:
+            doc["created_at"] = iso(now)
 
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
         doc["status"] = "accepted"

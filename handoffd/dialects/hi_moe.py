@@ -159,6 +159,9 @@ class HiMoeDialect:
             default_timeout_seconds=TIER_TIMEOUT_SECONDS.get(tier or ""),
         )
 
+    def complete(self, doc: dict[str, Any], handoff_id: str | None, now: datetime) -> None:
+        """Nothing to default: the format names its id and times itself."""
+
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
         """A Message has no status field: claiming leaves it as written."""
 

@@ -33,6 +33,9 @@ class NativeDialect:
     def envelope(self, doc: dict[str, Any]) -> Envelope:
         return native_envelope(doc)
 
+    def complete(self, doc: dict[str, Any], handoff_id: str | None, now: datetime) -> None:
+        """Nothing to default: the format names its id and times itself."""
+
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
         doc["status"] = "in_progress"
         doc["started_at"] = iso(now)

@@ -94,6 +94,9 @@ class SwarmDialect:
             contract=contract,
         )
 
+    def complete(self, doc: dict[str, Any], handoff_id: str | None, now: datetime) -> None:
+        """Nothing to default: the format names its id and times itself."""
+
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
         """A WorkerHandoff has no status field: claiming leaves it as written."""
 
