@@ -30,6 +30,7 @@ from handoffd import dialects
 from handoffd.core.validation import SchemaCache
 
 SCHEMAS = SchemaCache(None)
+MISSING_ARTIFACTS = "0b6f8a1e-9c2d-4e5f-8a7b-6c5d4e3f2a10"
 
 SPECIALIST = r'''
 import json, os, sys
@@ -70,6 +71,9 @@ elif mode == "swarm":
     result = {"status": "completed",
               "output": {"files_touched": contract["files_owned"][:1],
                          "summary": "AuthService implemented for " + contract["task_id"]}}
+elif mode == "chain":
+    result = {"status": "completed", "output": {"summary": "reviewed; planning next",
+                                                "next_agent": "planner"}}
 elif mode == "fail":
     result = {"status": "failed", "error": {"code": "PROCESSING_ERROR", "message": "no luck",
                                             "retryable": False}}
@@ -82,7 +86,7 @@ TARGETS = {
     "code-quality-reviewer": "ok", "planner": "ok", "orchestrator": "ok",
     "artifact-writer": "write", "artifact-liar": "lie", "failing-agent": "fail",
     "ingester-v1": "ingest", "strict-ingester": "ingest-wrong",
-    "@swarm-worker": "swarm", "@native-echo": "ok",
+    "@swarm-worker": "swarm", "@native-echo": "ok", "chain-agent": "chain",
 }
 ANSWER_SCHEMA = {"hi_moe": "hi_moe.message.schema.json", "agent_handoff": "agent_handoff.schema.json",
                  "haios": "haios.collaboration_result.schema.json",
@@ -159,7 +163,12 @@ def batch(tmp_path_factory: pytest.TempPathFactory, script: Path) -> Iterator[Ru
     extra["payload"]["budget_tokens"] = 5000
     run.drop("msg-extra-fields", extra)
     for doc in AGENT.values():
+        produce_artifacts(run.root, doc)
         run.drop(doc["handoff_id"], doc)
+    missing = fresh(AGENT_SUCCESS)  # its artifacts were never produced
+    missing["handoff_id"] = MISSING_ARTIFACTS
+    missing["results"]["artifacts"][0]["path"] = "src/never/written.py"
+    run.drop(MISSING_ARTIFACTS, missing)
     for target in ("artifact-writer", "artifact-liar", "failing-agent"):
         doc = fresh(AGENT_SUCCESS)
         doc.update(handoff_id=str(uuid.uuid4()), to_agent=target)
@@ -174,6 +183,22 @@ def batch(tmp_path_factory: pytest.TempPathFactory, script: Path) -> Iterator[Ru
     run.proc = run.run()  # type: ignore[attr-defined]
     run.by_target = {"strict": strict["handoff_id"]}  # type: ignore[attr-defined]
     yield run
+
+
+def produce_artifacts(root: Path, doc: dict[str, Any]) -> None:
+    """Write the files an AgentHandoff says the agent before produced (seed 002: the receiver
+    verifies they exist)."""
+    for item in (doc.get("results") or {}).get("artifacts") or []:
+        path = root / item["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# produced by {doc['from_agent']}\n")
+
+
+def test_an_agent_handoff_whose_artifacts_are_missing_fails(batch: Run) -> None:
+    state, answer = batch.answer(MISSING_ARTIFACTS)
+    assert state == "failed" and answer["status"] == "error"
+    assert "src/never/written.py" in json.dumps(answer)
+    assert "dependency_missing" in json.dumps(answer).lower()
 
 
 @pytest.fixture(scope="module")
@@ -406,7 +431,7 @@ def test_every_document_the_daemon_wrote_validates(batch: Run, swarm: Run) -> No
     """All answers in completed/ and failed/ validate against their format's schema, through the
     library and through the installed `handoff validate`."""
     files = batch.filed() + swarm.filed()
-    assert len(files) == 15 + 3  # every document dropped in the two batches
+    assert len(files) == 16 + 3  # every document dropped in the two batches
     for path in files:
         doc = json.loads(path.read_text())
         name = doc["handoffd"]["dialect"]
@@ -477,6 +502,7 @@ def test_retry_restores_the_request_and_answers_again(tmp_path: Path, script: Pa
     run = Run(tmp_path / "ws", script)
     doc = fresh(AGENT_SUCCESS)
     doc["to_agent"] = "artifact-liar"
+    produce_artifacts(run.root, doc)
     run.drop(doc["handoff_id"], doc)
     run.run()
     assert run.answer(doc["handoff_id"])[1]["status"] == "error"
@@ -512,3 +538,22 @@ def test_create_file_accepts_every_format(tmp_path: Path, script: Path) -> None:
         state, answer = run.answer(handoff_id)
         assert state == "completed"
         assert_valid_answer(answer, name)
+
+
+def test_an_answer_naming_a_next_agent_is_handed_on(tmp_path: Path, script: Path) -> None:
+    """Seed 002: "create new handoff - pass results to next agent". A specialist that names
+    output.next_agent gets its answer addressed to that agent and submitted as a new handoff."""
+    run = Run(tmp_path / "ws", script)
+    doc = fresh(AGENT_SUCCESS)
+    doc["to_agent"] = "chain-agent"
+    produce_artifacts(run.root, doc)
+    run.drop(doc["handoff_id"], doc)
+    run.run()  # one batch: the handed-on handoff is due at once and runs too
+    state, answer = run.answer(doc["handoff_id"])
+    assert state == "completed" and answer["to_agent"] == "planner"
+    assert answer["from_agent"] == "chain-agent" and answer["in_reply_to"] == doc["handoff_id"]
+    onward_state, onward = run.answer(answer["handoff_id"])
+    assert onward_state == "completed", onward
+    assert onward["from_agent"] == "planner" and onward["to_agent"] == "chain-agent"
+    assert onward["in_reply_to"] == answer["handoff_id"]
+    assert onward["conversation_id"] == doc["conversation_id"]

@@ -148,6 +148,9 @@ class Envelope:
     # its start; one not started in time is answered TIMEOUT unrun
     hard_timeout: bool = False
     final_timeout: bool = False  # a TIMEOUT answer is never retried (seeds 000 and 003)
+    # files the request says an earlier agent produced (seed 002's results.artifacts paths):
+    # the receiver verifies they exist before it starts
+    input_artifacts: tuple[str, ...] = ()
     # who may stand in when ``target`` has no specialist here, in order (seed 000: a
     # specialist_hint is a suggestion; the target tier's fleet takes the work)
     fallback_targets: tuple[str, ...] = ()

@@ -116,6 +116,7 @@ class AgentHandoffDialect:
             data={key: request[key] for key in DATA_KEYS if key in request},
             priority=priority_rank(action.get("priority")),
             conversation_id=conversation if isinstance(conversation, str) else None,
+            input_artifacts=request_artifact_paths(request),
         )
 
     def complete(self, doc: dict[str, Any], handoff_id: str | None, now: datetime) -> None:
@@ -160,10 +161,11 @@ class AgentHandoffDialect:
         me = (given if isinstance(given := request.get("to_agent"), str)
               else outcome.executed_by or "handoffd")
         back = request.get("from_agent") if isinstance(request.get("from_agent"), str) else "unknown"
+        onward = next_agent(outcome) if status in ("success", "partial") else None
         answer: dict[str, Any] = {"handoff_id": str(uuid.uuid4())}
         if isinstance(request.get("conversation_id"), str):
             answer["conversation_id"] = request["conversation_id"]
-        answer.update({"from_agent": me, "to_agent": back, "status": status,
+        answer.update({"from_agent": me, "to_agent": onward or back, "status": status,
                        "timestamp": iso(outcome.finished_at)})
         if isinstance(request.get("context"), dict):
             answer["context"] = copy.deepcopy(request["context"])
@@ -264,3 +266,18 @@ def output_blockers(outcome: Outcome) -> list[dict[str, Any]]:
                 entry[key] = sh.strings(entry[key])
         blockers.append(entry)
     return blockers
+
+
+def request_artifact_paths(request: dict[str, Any]) -> tuple[str, ...]:
+    """The ``results.artifacts[].path`` values of an incoming AgentHandoff."""
+    results = request.get("results")
+    items = results.get("artifacts") if isinstance(results, dict) else None
+    return tuple(item["path"] for item in (items if isinstance(items, list) else [])
+                 if isinstance(item, dict) and isinstance(item.get("path"), str) and item["path"])
+
+
+def next_agent(outcome: Outcome) -> str | None:
+    """The agent a specialist hands its results on to (``output.next_agent``; seed 002: "create
+    new handoff - pass results to next agent"), or None to answer the sender."""
+    value = sh.output_field(outcome, "next_agent")
+    return value if isinstance(value, str) and value.strip() and len(value) <= 200 else None

@@ -186,6 +186,21 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
     return text, target
 
 
+def check_inputs(job: "Job") -> None:
+    """Engine ``before_run`` hook (seed 002: "review results - verify artifacts exist"): every
+    file the request says an earlier agent produced must be in the workspace before the
+    specialist starts, else DEPENDENCY_MISSING. An external URL is taken on trust (never read)."""
+    ws = Workspace(Path(job.context.root))
+    for index, ref in enumerate(job.envelope.input_artifacts):
+        path = confine_reference(ws, ref, handoff_id=job.handoff_id)
+        if path is not None and not path.exists():
+            raise InvalidDocument(
+                f"handoff {job.handoff_id}: results.artifacts[{index}].path {ref!r} does not "
+                "exist in the workspace; the agent before this one should have produced it",
+                handoff_id=job.handoff_id, code=ErrorCode.DEPENDENCY_MISSING,
+                errors=[{"field": f"results.artifacts[{index}].path", "error": "no such file"}])
+
+
 def prepare(job: "Job") -> None:
     """Engine ``before_run`` hook: resolve the destination and hand it to the handler."""
     template = destination_template(job.claim.doc)

@@ -38,6 +38,7 @@ def install_artifacts(engine: Engine) -> None:
     under artifacts/ (seed 000's 1 KB rule). Installed after contracts: their checks see only what
     the handler itself wrote."""
     from . import artifacts
+    engine.before_run.append(artifacts.check_inputs)
     engine.before_run.append(artifacts.prepare)
     engine.after_run.append(artifacts.collect)
     engine.artifact_sink = artifacts.text_sink(engine.ws)  # seed 000: large contents by reference

@@ -104,8 +104,33 @@ def install(engine: "Engine") -> None:
         engine.result_interpreters[status] = functools.partial(parked_outcome, engine)
         engine.filers[status] = functools.partial(park, engine)
     engine.before_run.append(_expose_clarifications)
+    engine.on_filed.append(functools.partial(hand_on, engine))
     engine.daemon_plugins.append(
         lambda daemon: daemon.add_parked_check(functools.partial(is_parked, engine)))
+
+
+def hand_on(engine: "Engine", handoff_id: str, where: State) -> None:
+    """Seed 002's chain: an AgentHandoff answer addressed to a next agent (the specialist named
+    ``output.next_agent``) is also submitted as a new pending handoff for that agent, under the
+    answer's own id. Never raises (an ``on_filed`` listener)."""
+    if where is not State.COMPLETED:
+        return
+    try:
+        _, doc = engine.get(handoff_id)
+    except (HandoffdError, OSError):
+        return
+    request = book(doc).get("request_snapshot")
+    if book(doc).get("dialect") != "agent_handoff" or not isinstance(request, dict) \
+            or doc.get("to_agent") in (None, request.get("from_agent")):
+        return
+    try:
+        new_id = engine.submit({k: v for k, v in doc.items() if k != "handoffd"},
+                               forced="agent_handoff")
+        log.info("handoff %s: handed on to %s as %s", handoff_id, doc["to_agent"], new_id)
+    except DuplicateHandoff:
+        pass  # handed on already (a repeated notice)
+    except (HandoffdError, OSError) as exc:
+        log.warning("handoff %s: cannot hand it on to %s: %s", handoff_id, doc["to_agent"], exc)
 
 
 def _expose_clarifications(job: "Job") -> None:
