@@ -285,6 +285,20 @@ def test_children_of_a_fan_out_run_side_by_side_by_default(ows: Workspace) -> No
     assert [ows.doc(f"pp.c{i}")["output"] for i in (1, 2, 3)] == [{"saw": 3}] * 3
 
 
+def test_one_batch_drains_fan_outs_through_a_single_slot(ows: Workspace) -> None:
+    """Issue 11, item 6: `handoffd run` must not exit with due children never started. Four
+    fan-outs whose children share a specialist of concurrency 1 (one child waiting on a
+    sibling) all finish in one batch."""
+    ows.write_config(ows.root.joinpath("handoffd.toml").read_text()
+                     + '\n[specialists."@one"]\nhandler = "orch_handlers:scorer"\nconcurrency = 1\n')
+    for n in range(4):
+        fan_out(ows, f"pd{n}", "all_success", [{"to": "@one", "data": {"ok": True}}] * 3
+                + [{"to": "@one", "data": {"ok": True}, "depends_on": [1]}])
+    proc = ows.handoffd("run")
+    assert proc.returncode == 0, proc.stderr
+    assert all(ows.state_of(f"pd{n}") == ["completed"] for n in range(4)), proc.stderr
+
+
 def test_serve_prints_the_effective_limits(ows: Workspace) -> None:
     daemon = ows.serve()
     line = daemon.ready_line  # type: ignore[attr-defined]
