@@ -244,3 +244,69 @@ def test_error_fields_and_the_1kb_rule_are_checked_on_what_comes_in() -> None:
     big_inline["payload"]["artifacts"] = [{"artifact_type": "code", "content_ref": None,
                                            "inline_content": "x" * 2000, "metadata": {}}]
     assert "payload.artifacts[0].inline_content" in problems(big_inline)
+
+
+FAN_HANDLERS = '''
+
+def moe_dispatch(doc, ctx):
+    """A dispatcher: fans its task_data.children out."""
+    return {"status": "delegated", "aggregation": "all_success",
+            "delegate": ctx.data["task_data"]["children"]}
+
+
+def leaf(doc, ctx):
+    data = ctx.data["task_data"]
+    if not data.get("ok", True):
+        return {"status": "failed", "error": {"code": "PROCESSING_ERROR", "message": "leaf failed",
+                                              "retryable": False}}
+    return {"status": "completed", "output": {"value": data["v"]}, "metadata": {"confidence": 0.8}}
+'''
+
+
+def test_children_of_a_message_are_messages(mws: Workspace) -> None:
+    """Seed 000: a dispatcher's fan-out goes one tier down as Messages (not seed 001 requests):
+    each child is a DelegationPayload Message correlated to its parent, and the parent's
+    aggregated answer reads the children's Outcome messages."""
+    (mws.root.parent / "moe_handlers.py").write_text(HANDLERS + FAN_HANDLERS)
+    mws.write_config(CONFIG + """
+[specialists."ROUTING_DISPATCHER"]
+handler = "moe_handlers:moe_dispatch"
+
+[specialists."@leaf"]
+handler = "moe_handlers:leaf"
+""")
+    doc = message("msg-fan", target="ROUTING_DISPATCHER", timeout_ms=60000)
+    doc["source_tier"] = "ABSTRACT_ARCHITECT"
+    doc["payload"]["task_data"] = {"children": [
+        {"to": "@leaf", "data": {"v": 1}, "objective": "first half"},
+        {"to": "@leaf", "data": {"v": 2}, "objective": "second half", "depends_on": [1]}]}
+    mws.drop("msg-fan.json", doc)
+    proc = mws.handoffd("run")
+    assert proc.returncode == 0, proc.stderr
+    for index, value in ((1, 1), (2, 2)):
+        answer = mws.doc(f"msg-fan.c{index}")
+        child = answer["handoffd"]["request_snapshot"]
+        assert child["version"] == "1.0.0" and child["correlation_id"] == "msg-fan"
+        assert (child["source_tier"], child["target_tier"]) == ("ROUTING_DISPATCHER",
+                                                                 "SPECIALIZED_FLEET")
+        assert child["payload"]["specialist_hint"] == "@leaf"
+        assert child["payload"]["task_data"] == {"v": value}
+        assert child["payload"]["objective"] == ("first half", "second half")[index - 1]
+        assert answer["payload"]["status"] == "success"
+    second = mws.doc("msg-fan.c2")["handoffd"]["request_snapshot"]
+    assert second["depends_on"] == ["msg-fan.c1"] and second["parent_id"] == "msg-fan"
+    parent = mws.doc("msg-fan")
+    assert parent["correlation_id"] == "msg-fan" and parent["payload"]["status"] == "success"
+    agg = parent["payload"]["aggregated_outcome"]
+    assert [c["status"] for c in agg["child_outcomes"]] == ["success", "success"]
+    from handoffd import dialects
+    from handoffd.service.queries import validate_document
+    validate_document(None, parent, dialects.detect(parent))  # a valid Outcome Message
+    first_done = [e["at"] for e in mws.doc("msg-fan.c1")["handoffd"]["history"]
+                  if e["event"] == "completed"][0]
+    second_claimed = [e["at"] for e in mws.doc("msg-fan.c2")["handoffd"]["history"]
+                      if e["event"] == "claimed"][0]
+    assert second_claimed >= first_done  # its sibling dependency held it back
+    assert agg["aggregated_confidence"] == pytest.approx(0.8)
+    trace = mws.handoff("trace", "msg-fan", "--json")
+    assert trace.returncode == 0 and "msg-fan.c2" in trace.stdout

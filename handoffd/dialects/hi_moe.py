@@ -9,6 +9,7 @@ are accepted, and unknown envelope fields are carried into the answer.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime
 from typing import Any
@@ -155,6 +156,7 @@ class HiMoeDialect:
             correlation_id=correlation if isinstance(correlation, str) else None,
             hard_timeout=True,
             final_timeout=True,
+            depends_on=dependencies(request),
             fallback_targets=(tier,) if tier and tier != target else (),
             default_timeout_seconds=TIER_TIMEOUT_SECONDS.get(tier or ""),
         )
@@ -224,6 +226,9 @@ class HiMoeDialect:
             "recoverable": None,
             "artifacts": artifacts,
         }
+        aggregated = outcome.fields.get("aggregated_outcome")
+        if isinstance(aggregated, dict):  # a dispatcher reporting up after parallel execution
+            payload["aggregated_outcome"] = aggregated
         if status not in ("success", "partial") or outcome.error:
             code = sh.error_code(outcome) or status.upper()
             payload["error_type"] = code.lower()
@@ -279,3 +284,64 @@ class HiMoeDialect:
                             "inline_content": text, "metadata": metadata})
         return out
 
+
+
+def delegation(parent: dict[str, Any], child_id: str, *, to: str, data: Any, now: datetime,
+               timeout_seconds: float, priority: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """A child of the hi_moe request ``parent``: a Message with a DelegationPayload one tier
+    down (seed 000: delegation goes down), addressed by ``specialist_hint`` to ``to``, its
+    ``task_data`` the child's data, ``correlation_id`` the parent. ``fields``: the entry's
+    objective, constraints, context_refs and task_type, when given."""
+    receiver, _ = answer_tiers(parent)
+    level = receiver if isinstance(receiver, int) else next(
+        (number for number, name in TIERS.items() if name == receiver), 2)
+    objective = fields.get("objective")
+    return {
+        "version": CURRENT_VERSION, "id": child_id, "timestamp": iso(now),
+        "source_tier": tier_name(receiver), "target_tier": TIERS[max(level - 1, 1)],
+        "correlation_id": parent.get("id"),
+        "payload": {
+            "task_type": str(fields.get("task_type") or "execute"),
+            "objective": objective if isinstance(objective, str) else "",
+            "constraints": [str(c) for c in fields.get("constraints") or []],
+            "context_refs": [str(c) for c in fields.get("context_refs") or []],
+            "priority": min(max(int(priority), 0), 4),
+            "timeout_ms": max(int(timeout_seconds * 1000), 1),
+            "deadline_hint": None, "specialist_hint": to, "task_data": data,
+        },
+    }
+
+
+def read_outcome(answer: dict[str, Any]) -> dict[str, Any] | None:
+    """The format-neutral facts of a filed hi_moe answer (for aggregation): ``status`` (seed
+    000's), ``confidence``, ``output`` (its ``output`` artifact, when inline), ``artifacts`` (the
+    others), ``error`` and ``specialist``; None when ``answer`` is not a hi_moe answer."""
+    payload = answer.get("payload")
+    if not isinstance(payload, dict) or "status" not in payload:
+        return None
+    output: Any = None
+    others = []
+    for item in payload.get("artifacts") or []:
+        if isinstance(item, dict) and item.get("artifact_type") == "output" and output is None \
+                and isinstance(item.get("inline_content"), str):
+            try:
+                output = json.loads(item["inline_content"])
+            except ValueError:
+                output = item["inline_content"]
+        elif isinstance(item, dict):
+            others.append(item)
+    used = payload.get("resources_used")
+    error = None
+    if payload.get("error_type"):
+        error = {"code": str(payload["error_type"]).upper(), "message": payload.get("error_detail")}
+    return {"status": payload.get("status"), "confidence": payload.get("confidence"),
+            "output": output, "artifacts": others, "error": error,
+            "finished_at": answer.get("timestamp"),
+            "specialist": used.get("specialist") if isinstance(used, dict) else None}
+
+
+def dependencies(request: dict[str, Any]) -> list[str]:
+    """``depends_on``: an extra envelope field (a Message has none of its own) with the
+    handoffs this one waits for, as handoffd writes it for a delegated child's siblings."""
+    deps = request.get("depends_on")
+    return [d for d in deps if isinstance(d, str)] if isinstance(deps, list) else []

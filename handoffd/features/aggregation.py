@@ -15,6 +15,7 @@ from ..core.documents import Outcome, book, record
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
 from ..core.states import State
 from ..core.timeutil import parse_iso
+from ..dialects import hi_moe
 from . import artifacts, cancellation
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
     info = ChildInfo(handoff_id, state.value, None, specialist=target.get("agent_id"))
     if not state.terminal:
         return info
+    reported = hi_moe.read_outcome(doc)  # a child that speaks seed 000 (a hi_moe parent's)
+    if reported is not None:
+        return _from_report(info, reported)
     error = given if isinstance(given := doc.get("error"), dict) else None
     if state is State.COMPLETED:
         info.status = "partial" if doc.get("status") == "partial" else "success"
@@ -111,6 +115,22 @@ def decide(strategy: str, statuses: list[str]) -> str:
     if wins:
         return "success"
     return "partial" if partial else "failed"
+
+
+def _from_report(info: ChildInfo, reported: dict[str, Any]) -> ChildInfo:
+    """A child's facts from its hi_moe answer (:func:`handoffd.dialects.hi_moe.read_outcome`)."""
+    status = reported.get("status")
+    info.status = status if status in ("success", "partial", "failed", "timeout", "cancelled") \
+        else "failed"
+    info.finished_at = reported.get("finished_at")
+    info.output = reported.get("output")
+    info.artifacts = list(reported.get("artifacts") or [])
+    info.error = reported.get("error")
+    info.specialist = reported.get("specialist") or info.specialist
+    confidence = reported.get("confidence")
+    info.confidence = float(confidence) if isinstance(confidence, (int, float)) \
+        and not isinstance(confidence, bool) and 0 <= confidence <= 1 else _confidence({}, info.status)
+    return info
 
 
 def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:

@@ -58,6 +58,7 @@ from ..core.documents import (
     book_int,
     check_id,
     new_native_request,
+    priority_rank,
 )
 from ..core.errors import (
     DocumentNotReady,
@@ -75,7 +76,8 @@ from ..core.timeutil import iso, parse_iso
 from . import aggregation
 from .aggregation import child_info, ready
 from .dependencies import Verdict
-from .lineage import conversation_of
+from ..dialects import hi_moe
+from .lineage import conversation_of, parent_of
 
 log = logging.getLogger("handoffd")
 MAX_CLARIFICATIONS_ENV = 64 * 1024  # bytes of $HANDOFF_CLARIFICATIONS
@@ -463,9 +465,15 @@ def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect
         wanted = entry.get("timeout_seconds") or (spec.config.timeout_seconds if spec else None) \
             or engine.settings.default_timeout_seconds
         deps = [ids[i] for i in entry.get("sibling_deps", [])] + list(entry.get("external_deps", []))
+        timeout = round(min(float(wanted), remaining), 3)
+        if dialect.name == "hi_moe":  # children speak the parent's format (seed 000)
+            given = entry.get("priority")
+            rank = priority_rank(given) if given is not None else env.priority
+            _create_message_child(engine, doc, parent, cid, entry, deps, timeout, rank, now, conv,
+                                  {"step": step + 1, "index": index, "of": len(entries)})
+            continue
         child = new_native_request(source=env.target, target=entry["to"], data=entry.get("data"),
-                                   now=now, handoff_id=cid,
-                                   timeout_seconds=round(min(float(wanted), remaining), 3),
+                                   now=now, handoff_id=cid, timeout_seconds=timeout,
                                    priority=entry.get("priority", env.priority), depends_on=deps)
         context = dict(base_context)
         for key in ("objective", "constraints", "context_refs", "scope"):
@@ -482,17 +490,33 @@ def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect
         child["correlation_id"] = parent
         child["conversation_id"] = conv
         child["chain_position"] = {"step": step + 1, "index": index, "of": len(entries)}
-        try:
-            engine.backend.create(child, cid, now)
-        except DuplicateHandoff:
-            # a replay after a crash between creating the children and parking the parent
-            try:
-                _, existing = engine.get(cid)
-            except NotFound:
-                raise
-            if existing.get("parent_id") != parent:
-                raise
+        _store_child(engine, child, cid, parent, now)
     return ids
+
+
+def _create_message_child(engine: "Engine", doc: dict[str, Any], parent: str, cid: str,
+                          entry: dict[str, Any], deps: list[str], timeout: float, priority: int,
+                          now: datetime, conv: str, position: dict[str, int]) -> None:
+    """A hi_moe parent's child: a Message one tier down. The relations a Message has no field
+    for (parent, conversation, dependencies, chain position) are extra envelope fields, which
+    seed 000 allows within a MAJOR version (and every reader of the file can see)."""
+    child = hi_moe.delegation(doc, cid, to=entry["to"], data=entry.get("data"), now=now,
+                              timeout_seconds=timeout, priority=priority, fields=entry)
+    child.update(parent_id=parent, conversation_id=conv, chain_position=position)
+    if deps:
+        child["depends_on"] = deps
+    _store_child(engine, child, cid, parent, now)
+
+
+def _store_child(engine: "Engine", child: dict[str, Any], cid: str, parent: str,
+                 now: datetime) -> None:
+    try:
+        engine.backend.create(child, cid, now)
+    except DuplicateHandoff:
+        # a replay after a crash between creating the children and parking the parent
+        _, existing = engine.get(cid)  # NotFound: the id is taken by something else
+        if parent_of(existing) != parent:
+            raise
 
 
 # ---------------------------------------------------------------- gates
