@@ -67,16 +67,15 @@ from ..core.errors import (
     HandoffdError,
     InvalidDocument,
     InvalidTransition,
-    NotFound,
     UnreadableDocument,
 )
 from ..core.formats import FiledState
 from ..core.states import PARKED, State
 from ..core.timeutil import iso, parse_iso
+from ..dialects import hi_moe
 from . import aggregation
 from .aggregation import child_info, ready
 from .dependencies import Verdict
-from ..dialects import hi_moe
 from .lineage import conversation_of, parent_of
 
 log = logging.getLogger("handoffd")
