@@ -5,20 +5,24 @@ before anything runs), `expected_output.destination` must end with an output art
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from conftest import Workspace
-
-from handoffd.core.documents import new_native_request
-from handoffd.core.timeutil import utc_now
 
 ECHO_SCHEMA = {"type": "object", "required": ["echo"]}
 STRICT_SCHEMA = {"type": "object", "required": ["summary"]}
 
 
+SEED_EXAMPLE = Path(__file__).parent.parent / "examples" / "requests" / "react-userprofile.json"
+
+
 def submit(ws: Workspace, hid: str, **extra: Any) -> str:
-    doc = new_native_request(source="@tester", target="@flaky", data={"mode": "ok"},
-                             now=utc_now(), handoff_id=hid)
+    """Seed 001's own example request, sent to the test specialist with only ``extra``'s
+    expectations (its input.schema / expected_output are replaced)."""
+    doc = json.loads(SEED_EXAMPLE.read_text())
+    doc.update(handoff_id=hid, target={"agent_id": "@flaky"}, input={"data": {"mode": "ok"}})
+    doc.pop("expected_output", None)
     for key, value in extra.items():
         if key == "input_schema":
             doc["input"]["schema"] = value
