@@ -56,8 +56,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from filelock import FileLock
-
 from ..backends.files import fsio
 from ..core.documents import actor
 from ..core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
@@ -381,6 +379,7 @@ class ContextStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.root / ".tmp"
         tmp.mkdir(parents=True, exist_ok=True)
+        from filelock import FileLock  # imported where a lock is taken
         with FileLock(str(self._meta(_lock_name(key))), timeout=LOCK_TIMEOUT_SECONDS):
             old, revision = self._read_current(key)
             current: Any = MISSING
@@ -407,6 +406,7 @@ class ContextStore:
 
     def _append_history(self, entry: dict[str, Any]) -> None:
         line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
+        from filelock import FileLock
         with FileLock(str(self._meta("history.lock")), timeout=LOCK_TIMEOUT_SECONDS):
             fd = os.open(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:

@@ -24,9 +24,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Collection
-
-from filelock import FileLock
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 from ...core.documents import book, book_int
 from ...core.errors import (
@@ -69,6 +67,9 @@ from .problems import read_error
 from .store import Claim as StoreClaim
 from .store import Store, release_lock, try_lock
 from .watch import FolderWatch
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 # How far another host's clock may run behind ours before its live lease looks expired to us.
 CLOCK_TOLERANCE_SECONDS = 30.0
@@ -363,6 +364,7 @@ class FilesBackend(FencedFiling, Backend):
                 release_lock(old_lock)
             return None
         token = uuid.uuid4().hex
+        from filelock import FileLock
         lock = FileLock(str(self.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
         lock.acquire()
         book(doc)["lease"] = lease_block(token, now, lease_seconds)

@@ -11,9 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
-
-from filelock import FileLock, Timeout
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ...core.documents import BOOK, actor, book, book_int, check_id, record, revision
 from ...core.errors import (
@@ -29,6 +27,9 @@ from ...core.timeutil import iso, utc_now
 from ...core.workspace import Workspace
 from . import fsio, seals
 from .seen import SeenIds
+
+if TYPE_CHECKING:  # filelock is imported where a lock is taken (one-shot commands skip it)
+    from filelock import FileLock
 
 CRASH_POINTS = ("after-claim-rename", "after-claim-lease", "after-move-write", "after-move-unlink")
 # A test seam for fault injection: called with the name of each crash point as it is passed. None
@@ -225,6 +226,7 @@ class Store:
         if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
             doc[BOOK] = {}
         token = uuid.uuid4().hex
+        from filelock import FileLock  # imported by the processes that claim
         lock = FileLock(str(self.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
         lock.acquire()
         block = book(doc)
@@ -380,6 +382,7 @@ def release_lock(lock: "FileLock | NullLock") -> None:
 
 def try_lock(path: Path) -> FileLock | None:
     """Acquire ``path`` without waiting; None if another process (or claim) holds it."""
+    from filelock import FileLock, Timeout
     lock = FileLock(str(path), timeout=0)
     try:
         lock.acquire()

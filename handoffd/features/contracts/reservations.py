@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from filelock import FileLock, Timeout
-
 from ...backends.files.fsio import replace
 from ...core.documents import actor, book
 from ...core.errors import HandoffdError, InvalidDocument
@@ -30,6 +28,8 @@ from ...core.timeutil import iso, utc_now
 from . import patterns
 
 if TYPE_CHECKING:
+    from filelock import FileLock
+
     from ...core.engine import Engine
 
 LOCK_TIMEOUT_SECONDS = 60.0
@@ -114,9 +114,12 @@ class Reservations:
         return self.conflict(handoff_id, owned, self.live())
 
     # ------------------------------------------------------------ taking and releasing
-    def _lock(self) -> FileLock:
+    def _lock(self, timeout: float = LOCK_TIMEOUT_SECONDS) -> "FileLock":
+        from filelock import (
+            FileLock,  # imported where a lock is taken (`handoff ls` takes none)
+        )
         self.engine.ws.meta.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.lock_path), timeout=LOCK_TIMEOUT_SECONDS)
+        return FileLock(str(self.lock_path), timeout=timeout)
 
     def take(self, handoff_id: str, token: str | None, owned: list[str], *,
              agent: str | None) -> Conflict | None:
@@ -131,7 +134,7 @@ class Reservations:
                           "owner": actor()}
                 self._write(self.dir / f"{handoff_id}.json", record)
                 return None
-        except Timeout:
+        except TimeoutError:  # filelock.Timeout is one
             raise HandoffdError(f"handoff {handoff_id}: the reservation lock {self.lock_path} was "
                                 f"busy for {LOCK_TIMEOUT_SECONDS:.0f}s", handoff_id=handoff_id) from None
 
@@ -149,13 +152,13 @@ class Reservations:
         """Sweeper: retire the reservations of handoffs no longer in progress under that claim."""
         dropped = 0
         try:
-            with FileLock(str(self.lock_path), timeout=5):
+            with self._lock(timeout=5):
                 for record in self.records():
                     if not self.alive(record):
                         self._retire(self.dir / f"{record['handoff_id']}.json", record, "owner gone")
                         dropped += 1
                 self._prune_released()
-        except (Timeout, FileNotFoundError):
+        except (TimeoutError, FileNotFoundError):  # filelock.Timeout is a TimeoutError
             return dropped
         return dropped
 
