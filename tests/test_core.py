@@ -342,3 +342,42 @@ def test_crash_points_are_a_test_seam(tmp_path: Path, monkeypatch: pytest.Monkey
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
     assert process(engine, submit(engine)) is State.COMPLETED
     assert seen == list(store_module.CRASH_POINTS)
+
+
+_AGENTS = ["@a", "", "x" * 3]
+_TIMEOUTS = [None, 1, 0.5, 0, -1, True, float("nan"), 3600]
+_PRIORITIES = [None, "high", "normal", "backlog", "urgent", "", 0, 4, 5, -1, True, 2.0]
+
+
+@pytest.mark.parametrize("timeout", _TIMEOUTS)
+@pytest.mark.parametrize("priority", _PRIORITIES)
+@pytest.mark.parametrize("source", _AGENTS)
+def test_new_native_request_refuses_exactly_what_the_schema_refuses(
+        source: str, priority: Any, timeout: Any) -> None:
+    """`handoff create --to` skips the schema check (Engine.submit(prechecked=True)): what
+    new_native_request builds must then be valid, and what it refuses must be invalid."""
+    from handoffd import dialects
+    from handoffd.core.validation import builtin_schemas, check_document
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    raw = {"handoff_id": "h-1", "timestamp": "2026-01-01T00:00:00.000Z", "status": "pending",
+           "source": {"agent_id": source}, "target": {"agent_id": "@t"}, "input": {"data": 1}}
+    if timeout is not None:
+        raw["timeout_seconds"] = timeout
+    if priority is not None:
+        raw["priority"] = priority
+    try:
+        check_document(builtin_schemas(), dialects.by_name("native"), raw)
+        # NaN passes a JSON Schema "exclusiveMinimum" (no comparison holds); admission refuses
+        # it (Envelope bounds), so the builder refuses it up front
+        schema_ok = timeout == timeout
+    except InvalidDocument:
+        schema_ok = False
+    try:
+        doc = new_native_request(source=source, target="@t", data=1, now=now, handoff_id="h-1",
+                                 timeout_seconds=timeout, priority=priority)
+    except InvalidDocument as exc:
+        assert not schema_ok, f"refused a valid request: {exc}"
+        return
+    assert schema_ok, "built a request the schema refuses"
+    check_document(builtin_schemas(), dialects.by_name("native"), doc)

@@ -82,7 +82,7 @@ def create(
         doc = new_native_request(source=source, target=to, data=payload, now=eng.clock(),
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=prio, depends_on=depends_on)
-        new_id = eng.submit(doc, forced="native")  # validated: e.g. --priority urgent
+        new_id = eng.submit(doc, forced="native", prechecked=True)  # e.g. --priority urgent: refused above
     print(new_id)
     sys.stdout.flush()
     if wait:

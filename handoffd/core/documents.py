@@ -258,12 +258,43 @@ def _with_contract_dependencies(doc: dict[str, Any], depends: Any) -> list[str]:
     return out
 
 
+def _request_field_problems(source: Any, target: Any, timeout: Any, priority: Any,
+                            depends_on: Any) -> list[tuple[str, str]]:
+    """(field, error) for each value the native request schema refuses."""
+    problems = []
+    for name, agent in (("source.agent_id", source), ("target.agent_id", target)):
+        if not isinstance(agent, str) or not agent:
+            problems.append((name, f"{agent!r} must be a non-empty string"))
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        problems.append(("timeout_seconds", f"{timeout!r} must be a number above 0"))
+    whole = isinstance(priority, int) or (isinstance(priority, float) and priority.is_integer())
+    if priority is not None and not (
+            (isinstance(priority, str) and priority in PRIORITIES)
+            or (whole and not isinstance(priority, bool) and 0 <= priority <= 4)):
+        problems.append(("priority", f"{priority!r} is not one of {', '.join(PRIORITIES)} or 0-4"))
+    if depends_on is not None and not all(isinstance(d, str) for d in depends_on):
+        problems.append(("depends_on", "every entry must be a handoff id (a string)"))
+    return problems
+
+
 def new_native_request(
     *, source: str, target: str, data: Any, now: datetime, handoff_id: str | None = None,
     timeout_seconds: float | None = None, priority: str | int | None = None,
     depends_on: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Build a seed-001 handoff request (the document ``handoff create`` writes)."""
+    """Build a seed-001 handoff request (the document ``handoff create`` writes).
+
+    Raises InvalidDocument (SCHEMA_VALIDATION_FAILED) for exactly what the native request schema
+    would refuse in the fields it fills in, so a document it returns is valid without loading a
+    schema validator (``tests/test_core.py`` holds the two to agreement)."""
+    problems = _request_field_problems(source, target, timeout_seconds, priority, depends_on)
+    if problems:
+        field_name, error = problems[0]
+        raise InvalidDocument(f"the new handoff is not a valid native document: {field_name}: "
+                              f"{error}", code=ErrorCode.SCHEMA_VALIDATION_FAILED,
+                              errors=[{"field": f, "error": e, "schema_path": ""}
+                                      for f, e in problems])
     doc: dict[str, Any] = {
         "handoff_id": check_id(handoff_id or new_id(now)),
         "timestamp": iso(now),
