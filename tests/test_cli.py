@@ -199,3 +199,29 @@ def test_only_the_invoked_command_is_built_and_help_is_unchanged(ws: Workspace) 
     wrong = ws.handoff("lss", check=False)
     assert wrong.returncode == 2 and "No such command 'lss'" in wrong.stderr
     assert "handoff context ls" in ws.handoff("context", "ls", "--help").stdout
+
+
+def test_create_if_absent_is_idempotent(ws: Workspace, tmp_path: Path) -> None:
+    """An orchestrator that restarts re-submits under a deterministic id: the same request gets
+    its id back (exit 0) whether it is pending, running or finished; a different one is a
+    conflict (exit 5), never an overwrite."""
+    args = ("--to", "@flaky", "--id", "job-7", "--data", '{"mode": "ok"}', "--if-absent")
+    assert ws.handoff("create", *args).stdout == "job-7\n"
+    again = ws.handoff("create", *args)
+    assert (again.returncode, again.stdout) == (0, "job-7\n"), again.stderr
+    ws.handoffd("run")
+    assert ws.state_of("job-7") == ["completed"]
+    after = ws.handoff("create", *args)
+    assert (after.returncode, after.stdout) == (0, "job-7\n"), after.stderr
+    other = ws.handoff("create", "--to", "@flaky", "--id", "job-7", "--data", '{"mode": "fail"}',
+                       "--if-absent")
+    assert other.returncode == 5 and "different request" in other.stderr and other.stdout == ""
+    plain = ws.handoff("create", "--to", "@flaky", "--id", "job-7", "--data", '{"mode": "ok"}')
+    assert plain.returncode == 1 and "already exists" in plain.stderr  # without the flag: as ever
+    doc = {"handoff_id": "file-1", "target": {"agent_id": "@flaky"}, "input": {"data": {}}}
+    path = tmp_path / "req.json"
+    path.write_text(json.dumps(doc))
+    for _ in range(2):
+        proc = ws.handoff("create", "--file", str(path), "--if-absent")
+        assert (proc.returncode, proc.stdout) == (0, "file-1\n"), proc.stderr
+    assert len([r for r in ws.runs() if r["id"] == "job-7"]) == 1  # it never ran twice

@@ -211,3 +211,27 @@ def test_without_the_dependencies_feature_submit_does_not_check_them(tmp_path: P
     doc = new_native_request(source="@test", target="@echo", data=None, now=engine.clock(),
                              handoff_id="lone", depends_on=["nowhere"])
     assert engine.submit(doc) == "lone" and engine.submit_checks == []
+
+
+def test_submit_if_absent_returns_the_same_request_and_refuses_a_different_one(
+        setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    """Idempotent create through the Python API, on the memory backend: a re-submission of the
+    same request (a new timestamp does not make it different) gets the id back, before and after
+    it ran; another request under that id is a Conflict."""
+    from handoffd.core.errors import Conflict
+
+    engine, clock, _ = setup
+
+    def request(data: Any) -> dict[str, Any]:
+        return new_native_request(source="@orch", target="@echo", data=data, now=engine.clock(),
+                                  handoff_id="idem-1")
+
+    assert engine.submit(request({"n": 1}), if_absent=True) == "idem-1"
+    clock.now += timedelta(seconds=5)
+    assert engine.submit(request({"n": 1}), if_absent=True) == "idem-1"
+    batch(engine)
+    assert engine.get("idem-1")[0] is State.COMPLETED
+    assert engine.submit(request({"n": 1}), if_absent=True) == "idem-1"
+    with pytest.raises(Conflict) as caught:
+        engine.submit(request({"n": 2}), if_absent=True)
+    assert caught.value.exit_code == 5 and "different request" in str(caught.value)

@@ -45,6 +45,7 @@ def create(
     input_file: Annotated[Optional[str], typer.Option("--input", help="Read input data JSON from FILE or - (stdin).")] = None,
     file: Annotated[Optional[Path], typer.Option("--file", help="Submit a whole document (any supported format); - reads stdin.")] = None,
     handoff_id: Annotated[Optional[str], typer.Option("--id", help="Use this handoff id.")] = None,
+    if_absent: Annotated[bool, typer.Option("--if-absent", help="If this request already holds the id, print the id (exit 0); a different one holding it exits 5.")] = False,
     timeout_seconds: Annotated[Optional[float], typer.Option("--timeout-seconds", help="Handler time limit.")] = None,
     priority: Annotated[Optional[str], typer.Option("--priority", help="critical|high|normal|low or 0-4.")] = None,
     depends_on: Annotated[Optional[list[str]], typer.Option("--depends-on", help="Run only after this handoff completed (repeatable).")] = None,
@@ -66,7 +67,7 @@ def create(
                 raise UsageError(f"the document on stdin is over {eng.settings.max_document_bytes} bytes")
         else:
             raw, _ = read_bytes_safely(file, eng.settings.max_document_bytes)
-        new_id = eng.submit(parse_document(raw, str(file)))
+        new_id = eng.submit(parse_document(raw, str(file)), if_absent=if_absent)
     else:
         if not to:
             raise UsageError("--to is required (or submit a whole document with --file)")
@@ -82,7 +83,8 @@ def create(
         doc = new_native_request(source=source, target=to, data=payload, now=eng.clock(),
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=prio, depends_on=depends_on)
-        new_id = eng.submit(doc, forced="native", prechecked=True)  # e.g. --priority urgent: refused above
+        new_id = eng.submit(doc, forced="native", prechecked=True,  # e.g. --priority urgent: refused above
+                            if_absent=if_absent)
     print(new_id)
     sys.stdout.flush()
     if wait:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from .config import Config, RetryPolicy
 from .documents import (
+    BOOK,
     Envelope,
     Outcome,
     book,
@@ -31,6 +32,7 @@ from .documents import (
 )
 from .errors import (
     ConfigError,
+    Conflict,
     DuplicateHandoff,
     ErrorCode,
     HandlerError,
@@ -337,7 +339,7 @@ class Engine:
         check_document(self.schemas, dialect, doc, subject=subject, handoff_id=handoff_id)
 
     def submit(self, doc: dict[str, Any] | Any, *, forced: str | None = None,
-               prechecked: bool = False) -> str:
+               prechecked: bool = False, if_absent: bool = False) -> str:
         """Create a new handoff from ``doc`` (a dict in any supported format, or a typed model
         from :mod:`handoffd.dialects.models`, anything with ``to_dict()``) and return its id.
 
@@ -345,7 +347,10 @@ class Engine:
         document validated and routed as admission will, then each of the features'
         :attr:`submit_checks` runs (dependencies: every one exists, no cycle). Raises
         InvalidDocument with its code, or DuplicateHandoff when the id is taken or was used
-        recently; nothing is stored unless every check passed. ``prechecked``: ``doc`` is what
+        recently; nothing is stored unless every check passed. ``if_absent``: when the id is
+        taken by the same request (pending, running or finished), return its id instead (an
+        orchestrator that restarts re-submits safely); Conflict when a different one holds it.
+        ``prechecked``: ``doc`` is what
         :func:`~handoffd.core.documents.new_native_request` built, whose own checks equal the
         schema's (so `handoff create --to` skips loading a schema validator, ~80 ms)."""
         if not isinstance(doc, dict) and callable(getattr(doc, "to_dict", None)):
@@ -357,10 +362,32 @@ class Engine:
         if not (prechecked and dialect.name == "native"):
             self.validate(doc, dialect)
         envelope = dialect.envelope(doc)
+        if if_absent and self._already_submitted(doc, dialect, envelope.handoff_id):
+            return envelope.handoff_id
         for check in self.submit_checks:
             check(self, envelope)
-        self.backend.create(doc, envelope.handoff_id, self.clock())
+        try:
+            self.backend.create(doc, envelope.handoff_id, self.clock())
+        except DuplicateHandoff:
+            if if_absent and self._already_submitted(doc, dialect, envelope.handoff_id):
+                return envelope.handoff_id  # the same request won a race with this one
+            if if_absent:
+                raise Conflict(f"handoff id {envelope.handoff_id} was used recently and its "
+                               "request is gone, so it cannot be compared; choose another id",
+                               handoff_id=envelope.handoff_id) from None
+            raise
         return envelope.handoff_id
+
+    def _already_submitted(self, doc: dict[str, Any], dialect: Dialect, handoff_id: str) -> bool:
+        """True when ``handoff_id`` holds the same request as ``doc``; Conflict when it holds a
+        different one; False when nothing holds it."""
+        found = self.backend.get(handoff_id)
+        if found is None:
+            return False
+        if same_request(found[1], doc, dialect.name):
+            return True
+        raise Conflict(f"handoff {handoff_id} already exists ({found[0].value}) with a different "
+                       "request; `handoff show` it, or choose another id", handoff_id=handoff_id)
 
     def set_aside_claim(self, claim: Claim, code: str, message: str) -> None:
         """Set aside a claimed document that must never run (the claim ends with it)."""
@@ -637,6 +664,31 @@ class Engine:
     def handback(self, claim: Claim, dialect: Dialect, *, reason: str) -> None:
         """Return a claimed handoff to pending without counting an attempt (graceful stop)."""
         self.requeue(claim, dialect, "handed_back", reason=reason)
+
+
+# when a request was sent, and the queue's marks on it: not part of what it asks
+SENT_KEYS = frozenset({BOOK, "status", "timestamp", "created_at", "started_at"})
+# what a seed 001 handoff gains in place on its way (its answer is the request document itself)
+NATIVE_LIFECYCLE_KEYS = SENT_KEYS | frozenset({
+    "completed_at", "failed_at", "timestamp_completed", "timestamp_failed",
+    "execution_time_seconds", "output", "artifacts", "validation", "metadata", "next_steps",
+    "warnings", "errors", "error", "retry_count", "retry_available", "max_retries",
+    "recovery_actions"})
+
+
+def same_request(stored: dict[str, Any], submitted: dict[str, Any], dialect: str) -> bool:
+    """Whether a stored handoff (pending, running or filed) was made from the ``submitted``
+    request: the request as first stored (a filed answer's ``request_snapshot`` when the format
+    answers with a new document), without what its lifecycle added. A ``conversation_id`` the
+    queue gave a delegating parent is ignored when the submission has none."""
+    block = stored.get(BOOK)
+    snapshot = block.get("request_snapshot") if isinstance(block, dict) else None
+    original = snapshot if isinstance(snapshot, dict) else stored
+    ignored = NATIVE_LIFECYCLE_KEYS if dialect == "native" else SENT_KEYS
+    if "conversation_id" not in submitted:
+        ignored = ignored | {"conversation_id"}
+    return ({k: v for k, v in original.items() if k not in ignored}
+            == {k: v for k, v in submitted.items() if k not in ignored})
 
 
 def without_book(doc: dict[str, Any]) -> dict[str, Any]:

@@ -127,6 +127,13 @@ class DuplicateHandoff(HandoffdError):
     """A handoff with this id already exists (or was seen recently); it is never overwritten."""
 
 
+class Conflict(DuplicateHandoff):
+    """``create --if-absent``: a *different* request already holds that id (or the id was used
+    recently and its request is gone, so it cannot be compared)."""
+
+    exit_code = 5
+
+
 class InvalidTransition(HandoffdError):
     """The state machine forbids this move (e.g. retrying a completed handoff)."""
 
