@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # the names below are loaded on first use (a CLI start must n
         WorkerHandoff,
     )
     from .features.build import build_engine
+    from .service.client import Client
     from .service.daemon import Daemon
 
 _MODELS = ("AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload",
@@ -62,7 +63,7 @@ _MODELS = ("AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload
            "WorkerHandoff")
 # public name -> the module that defines it
 _HOME: dict[str, str] = {
-    "build_engine": "features.build",
+    "build_engine": "features.build", "Client": "service.client",
     "Config": "core.config", "RetryPolicy": "core.config", "Daemon": "service.daemon", "Envelope": "core.documents",
     "Outcome": "core.documents", "new_native_request": "core.documents", "ConfigError": "core.errors",
     "DuplicateHandoff": "core.errors", "HandlerError": "core.errors", "HandoffdError": "core.errors",
@@ -95,6 +96,6 @@ __version__ = "0.1.0"
 # loads from ``handoffd`` for compatibility, but lives in its module (``handoffd.core.errors``,
 # ``handoffd.dialects.models``, ...).
 __all__ = [
-    "Config", "Daemon", "Engine", "ErrorCode", "HandlerContext", "HandoffdError", "Outcome",
+    "Client", "Config", "Daemon", "Engine", "ErrorCode", "HandlerContext", "HandoffdError", "Outcome",
     "Registry", "State", "Workspace", "build_engine", "new_native_request", "specialist",
 ]

@@ -1,0 +1,207 @@
+"""A small client for agents written in Python: create a handoff, wait for it, read the result.
+
+::
+
+    from handoffd import Client
+
+    client = Client("/srv/agents")                  # the workspace (default: $HANDOFFD_ROOT or .)
+    handle = client.create(to="@coder", data={"task": "binary search"})
+    result = handle.wait(timeout=60)                 # a Result; WaitTimeout after 60 s
+    if result.ok:
+        print(result.output)
+    else:
+        print(result.error.code, result.error.message)
+
+    handle = await client.create_async(to="@coder", data={...})       # asyncio
+    result = await handle.wait_async(timeout=60)
+
+The client works through the engine and its storage backend, not through file paths, so it keeps
+working on whatever store the workspace uses. Every call is the same operation the ``handoff``
+command makes (``create``, ``wait``, ``show``, ``ls``, ``cancel``, ``answer``, ``retry``).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..core.documents import new_native_request
+from ..core.states import State
+from ..core.workspace import Workspace, resolve_root
+from .waiting import awaiting_answer, wait_terminal
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+
+DEFAULT_SOURCE = "@client"
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """Why a handoff failed: its error code (an :class:`~handoffd.core.errors.ErrorCode` value)
+    and message, whatever the document's format."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """Where a handoff stands: its state, the document as stored (in its own format), and the
+    format-neutral facts: ``ok`` (completed), ``output`` (a seed 001 document's output),
+    ``error`` (for a failure) and ``asks`` (the questions or blockers it waits on)."""
+
+    id: str
+    state: State
+    document: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        """True when the handoff completed (completed/ holds it)."""
+        return self.state is State.COMPLETED
+
+    @property
+    def finished(self) -> bool:
+        """True when it is completed or failed."""
+        return self.state.terminal
+
+    @property
+    def status(self) -> str | None:
+        """The document's own ``status`` (its format's word), if it has one."""
+        status = self.document.get("status")
+        return status if isinstance(status, str) else None
+
+    @property
+    def output(self) -> Any:
+        """The result's ``output`` (seed 001 documents; other formats: see ``document``)."""
+        return self.document.get("output")
+
+    @property
+    def error(self) -> ErrorInfo | None:
+        """The recorded failure (code and message), for a failed handoff."""
+        if self.state is not State.FAILED:
+            return None
+        block = self.document.get("handoffd")
+        final = block.get("final_error") if isinstance(block, dict) else None
+        final = final if isinstance(final, dict) else {}
+        return ErrorInfo(str(final.get("code") or "ERROR"), str(final.get("message") or ""))
+
+    @property
+    def asks(self) -> dict[str, Any] | None:
+        """What a parked handoff asks its requester (``needs_clarification`` or ``blocked``,
+        with ``questions`` / ``blockers``); None otherwise. :meth:`Client.answer` resumes it."""
+        return awaiting_answer(self.state, self.document)
+
+
+class Handle:
+    """A created handoff: wait for it, read it, cancel it."""
+
+    def __init__(self, client: Client, handoff_id: str) -> None:
+        self.client = client
+        self.id = handoff_id
+
+    def __repr__(self) -> str:
+        return f"Handle({self.id!r})"
+
+    def wait(self, timeout: float | None = None, *, or_asks: bool = True) -> Result:
+        """Block until the handoff is finished (or, with ``or_asks``, until it asks its
+        requester something); WaitTimeout after ``timeout`` seconds."""
+        state, doc = wait_terminal(self.client.engine.backend, self.id, timeout,
+                                   or_awaiting=or_asks)
+        return Result(self.id, state, doc)
+
+    async def wait_async(self, timeout: float | None = None, *, or_asks: bool = True) -> Result:
+        """:meth:`wait` for asyncio (runs in a worker thread; the event loop stays free)."""
+        return await asyncio.to_thread(self.wait, timeout, or_asks=or_asks)
+
+    def result(self) -> Result:
+        """Where it stands now (no waiting)."""
+        return self.client.get(self.id)
+
+    def cancel(self, *, reason: str = "cancelled by the client", cascade: bool = False) -> str:
+        """Cancel it (and, with ``cascade``, its descendants); see :meth:`Client.cancel`."""
+        return self.client.cancel(self.id, reason=reason, cascade=cascade)
+
+
+class Client:
+    """One workspace, seen by an agent. ``root``: the workspace directory (default
+    ``$HANDOFFD_ROOT``, else the current directory); or pass a ready ``engine``."""
+
+    def __init__(self, root: str | Path | None = None, *, engine: Engine | None = None,
+                 agent: str = DEFAULT_SOURCE) -> None:
+        if engine is None:
+            from ..features.build import (
+                build_engine,  # every feature: cancel, answer, gates
+            )
+            ws = Workspace(resolve_root(Path(root) if root is not None else None))
+            ws.ensure()
+            engine = build_engine(ws)
+        self.engine = engine
+        self.agent = agent
+
+    # ------------------------------------------------------------ creating
+    def create(self, to: str | None = None, data: Any = None, *, document: dict[str, Any] | Any = None,
+               handoff_id: str | None = None, priority: str | int | None = None,
+               timeout_seconds: float | None = None, depends_on: list[str] | None = None,
+               if_absent: bool = False) -> Handle:
+        """Submit a handoff: a seed 001 request to ``to`` with ``data``, or a whole ``document``
+        in any supported format (a dict, or a typed model). ``if_absent``: idempotent under
+        ``handoff_id`` (the same request gets its id back; a different one raises Conflict).
+        InvalidDocument for a document the format refuses."""
+        if document is not None:
+            if to is not None or data is not None or handoff_id is not None:
+                raise ValueError("give a whole document, or to/data/handoff_id, not both")
+            return Handle(self, self.engine.submit(document, if_absent=if_absent))
+        if not to:
+            raise ValueError("name the target agent (to=...) or give a whole document")
+        doc = new_native_request(source=self.agent, target=to, data=data, now=self.engine.clock(),
+                                 handoff_id=handoff_id, timeout_seconds=timeout_seconds,
+                                 priority=priority, depends_on=depends_on)
+        return Handle(self, self.engine.submit(doc, forced="native", prechecked=True,
+                                               if_absent=if_absent))
+
+    async def create_async(self, to: str | None = None, data: Any = None, **options: Any) -> Handle:
+        """:meth:`create` for asyncio."""
+        return await asyncio.to_thread(lambda: self.create(to, data, **options))
+
+    def run(self, to: str, data: Any = None, *, timeout: float | None = None,
+            **options: Any) -> Result:
+        """Create and wait: seed 003's synchronous execute-and-wait in one call."""
+        return self.create(to, data, **options).wait(timeout)
+
+    # ------------------------------------------------------------ reading
+    def handle(self, handoff_id: str) -> Handle:
+        """A handle on an existing handoff (no check that it exists)."""
+        return Handle(self, handoff_id)
+
+    def get(self, handoff_id: str) -> Result:
+        """Where ``handoff_id`` stands now; NotFound if it does not exist."""
+        state, doc = self.engine.get(handoff_id)
+        return Result(handoff_id, state, doc)
+
+    def list(self, *, state: str | None = None, to: str | None = None, limit: int = 50,
+             conversation: str | None = None) -> list[dict[str, Any]]:
+        """Newest-first rows, as `handoff ls --json` prints them."""
+        from .queries import list_handoffs
+        return list_handoffs(self.engine, state=state, to=to, limit=limit,
+                             conversation=conversation)
+
+    # ------------------------------------------------------------ acting
+    def cancel(self, handoff_id: str, *, reason: str = "cancelled by the client",
+               cascade: bool = False) -> str:
+        """Cancel ``handoff_id``; returns what happened to it: ``cancelled`` (it was pending),
+        ``requested`` (running: its daemon stops it) or ``finished`` (nothing to do)."""
+        from ..features.cancellation import cancel
+        return cancel(self.engine, handoff_id, reason=reason, cascade=cascade,
+                      by=self.agent, via="client")[0].action
+
+    def answer(self, handoff_id: str, answer: Any) -> None:
+        """Answer what a parked handoff asks (``Result.asks``); it runs again with the answer."""
+        from ..features.orchestration import answer as give_answer
+        give_answer(self.engine, handoff_id, answer, by=self.agent)
+
+    def retry(self, handoff_id: str, *, force: bool = False) -> None:
+        """Move a failed handoff back to pending (``force``: also a permanent failure)."""
+        from .sweeper import requeue_failed
+        requeue_failed(self.engine, handoff_id, force=force)
