@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers"})
+SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers", "on_filed"})
 SPECIALIST_KEYS = frozenset({"command", "handler", "input_schema", "output_schema", "timeout_seconds",
                              "concurrency", "retry", "env", "cwd"})
 POSITIVE_SETTINGS = ("rescan_seconds", "sweep_seconds", "lease_seconds", "max_document_bytes",
@@ -148,6 +148,63 @@ class Config:
     namespaces: dict[str, list[str]] = field(default_factory=dict)
     #: ``[tiers]``: agent id -> tier name (a number 1-4 is kept as its digit).
     tiers: dict[str, str] = field(default_factory=dict)
+    #: ``[[on_filed]]``: who to tell when a handoff is filed (the notify feature).
+    on_filed: list[NotifyRule] = field(default_factory=list)
+
+
+NOTIFY_KEYS = frozenset({"command", "url", "secret", "secret_env", "states", "agents", "retries",
+                         "retry_delay_seconds", "timeout_seconds"})
+
+
+@dataclass
+class NotifyRule:
+    """One ``[[on_filed]]`` table: run ``command`` (argv, the filed document on stdin) and/or
+    POST it to ``url`` (signed with ``secret``), for handoffs filed in one of ``states`` whose
+    specialist is one of ``agents`` (empty: any)."""
+
+    command: list[str] | None = None
+    url: str | None = None
+    secret: str | None = None
+    secret_env: str | None = None  # or the name of an environment variable holding it
+    states: list[str] = field(default_factory=lambda: ["completed", "failed"])
+    agents: list[str] = field(default_factory=list)
+    retries: int = 3
+    retry_delay_seconds: float = 1.0
+    timeout_seconds: float = 10.0
+
+
+def parse_on_filed(tables: Any, path: Path) -> list[NotifyRule]:
+    """``[[on_filed]]`` tables as NotifyRules; ConfigError naming the first problem."""
+    if not isinstance(tables, list):
+        raise ConfigError(f"{path}: on_filed must be an array of tables: [[on_filed]]")
+    rules = []
+    for index, table in enumerate(tables):
+        where = f"{path}: [[on_filed]] #{index + 1}"
+        if not isinstance(table, dict) or set(table) - NOTIFY_KEYS:
+            raise ConfigError(f"{where}: known keys are {', '.join(sorted(NOTIFY_KEYS))}")
+        rule = NotifyRule(**table)
+        if rule.command is None and rule.url is None:
+            raise ConfigError(f"{where}: give a command = [...] or a url = \"http://...\"")
+        if rule.command is not None and (not isinstance(rule.command, list) or not rule.command
+                                         or not all(isinstance(c, str) for c in rule.command)):
+            raise ConfigError(f"{where}: command must be a non-empty list of strings (no shell)")
+        if rule.url is not None and (not isinstance(rule.url, str)
+                                     or not rule.url.startswith(("http://", "https://"))):
+            raise ConfigError(f"{where}: url must be an http:// or https:// address")
+        if not all(v is None or isinstance(v, str) for v in (rule.secret, rule.secret_env)):
+            raise ConfigError(f"{where}: secret and secret_env must be strings")
+        if not isinstance(rule.states, list) or not set(rule.states) <= {"completed", "failed"}:
+            raise ConfigError(f"{where}: states may list completed and failed")
+        if not isinstance(rule.agents, list) or not all(isinstance(a, str) for a in rule.agents):
+            raise ConfigError(f"{where}: agents must be a list of agent ids")
+        if not isinstance(rule.retries, int) or not 0 <= rule.retries <= 20:
+            raise ConfigError(f"{where}: retries must be a whole number 0-20")
+        for name in ("retry_delay_seconds", "timeout_seconds"):
+            value = getattr(rule, name)
+            if not _finite_number(value) or not 0 < value <= 3600:
+                raise ConfigError(f"{where}: {name} must be a number above 0, at most 3600")
+        rules.append(rule)
+    return rules
 
 
 def load_config(path: Path) -> Config:
@@ -170,6 +227,7 @@ def load_config(path: Path) -> Config:
         raise ConfigError(f"{path}: [retry] {exc}") from None
     config.namespaces = parse_namespaces(raw.get("namespaces", {}), path)
     config.tiers = parse_tiers(raw.get("tiers", {}), path)
+    config.on_filed = parse_on_filed(raw.get("on_filed", []), path)
     for agent, table in (raw.get("specialists") or {}).items():
         config.specialists[agent] = specialist_from_table(agent, table, config.retry, path)
     return config

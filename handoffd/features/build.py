@@ -54,6 +54,13 @@ def install_context(engine: Engine) -> None:
     engine.before_run.append(give_view)
 
 
+def install_notify(engine: Engine) -> None:
+    """Notifications when work is filed: loaded only for a workspace with ``[[on_filed]]``."""
+    if engine.config.on_filed:
+        from . import notify
+        notify.install(engine)
+
+
 # by name, in installation order (the order of each hook list follows from it)
 FEATURES: dict[str, Feature] = {
     "dependencies": _installer(".dependencies"),  # depends_on: wait for, or fail on, other handoffs
@@ -62,6 +69,7 @@ FEATURES: dict[str, Feature] = {
     "cancellation": _installer(".cancellation"),  # its gate and hooks put themselves first
     "context": install_context,  # ctx.context for Python handlers
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
+    "notify": install_notify,  # [[on_filed]]: command / webhook notices of filed handoffs
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 

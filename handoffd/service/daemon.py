@@ -130,6 +130,7 @@ class Daemon:
         self.filed_hooks: list[Callable[[str, State], None]] = []
         self.parked_checks: list[Callable[[str], bool]] = []
         self.wakeup_hooks: list[Callable[[Wakeup], None]] = []
+        self.stop_hooks: list[Callable[[], None]] = []
         self._unsubscribe: Callable[[], None] | None = None
         for plugin in engine.daemon_plugins:  # features register through the methods below
             plugin(self)
@@ -157,6 +158,11 @@ class Daemon:
         """Call ``hook(wakeup)`` for every hint of the backend's wake-up feed while this daemon
         runs (e.g. a new cancel request); on any thread, so it must be quick and not raise."""
         self.wakeup_hooks.append(hook)
+
+    def add_stop_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` once when this daemon stops (serve or batch), after its work is filed
+        or handed back: e.g. to deliver what is still queued. It must bound its own time."""
+        self.stop_hooks.append(hook)
 
     def limit(self, spec: Specialist) -> int:
         """How many handoffs of ``spec`` this daemon runs at once: its ``concurrency``, else as
@@ -772,3 +778,8 @@ class Daemon:
         self.pool.shutdown(wait=True)
         if self._count in self.engine.on_filed:
             self.engine.on_filed.remove(self._count)
+        for hook in self.stop_hooks:
+            try:
+                hook()
+            except Exception:  # a feature's stop must not turn a clean stop into a crash
+                log.exception("stop hook %r failed", hook)
