@@ -14,7 +14,7 @@ from ..backends.files.store import inject_crash_at
 from ..core.workspace import network_filesystem
 from ..service.daemon import Daemon
 from ..service.sweeper import sweep as sweep_once
-from .common import RootOption, engine, guarded, run_app
+from .common import RootOption, engine, guarded, run_app, workspace
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="The handoffd daemon: claims handoffs and runs their specialists.")
@@ -91,6 +91,35 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     elif not quiet and (verbose or report.needs_a_look() or sys.stderr.isatty()):
         print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
     raise typer.Exit(1 if report.failed or report.error else 0)
+
+
+@app.command()
+@guarded(PROG)
+def mcp(root: RootOption = None,
+        http: Annotated[Optional[str], typer.Option(
+            "--http", help="Serve streamable HTTP on HOST:PORT (default: stdio).")] = None,
+        as_agent: Annotated[str, typer.Option(
+            "--as", help="The agent identity it acts as (source, context permissions).")] = "@mcp",
+        ) -> None:
+    """Serve the workspace as an MCP server (tools: create/wait/get/list/cancel/answer/retry
+    handoffs, context, trace; resources: the formats' JSON Schemas). Needs handoffd[mcp]."""
+    from ..core.errors import UsageError
+    try:
+        from ..service.mcp_server import build_server
+    except ImportError as exc:
+        raise UsageError(f"handoffd mcp needs the MCP SDK ({exc.name} is missing): "
+                         "pip install 'handoffd[mcp]'") from None
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,  # stdout is the protocol's
+                        format="handoffd: %(levelname)s: %(message)s")
+    ws = workspace(root, create=True)
+    server = build_server(ws.root, agent=as_agent)
+    if http is None:
+        server.run("stdio")
+        return
+    host, _, port = http.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--http {http!r}: give HOST:PORT, e.g. 127.0.0.1:8765")
+    server.run("streamable-http", host=host or "127.0.0.1", port=int(port))
 
 
 @app.command()

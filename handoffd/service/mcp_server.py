@@ -1,0 +1,186 @@
+"""``handoffd mcp``: the workspace as a Model Context Protocol server, for agents that speak MCP.
+
+Built on the official ``mcp`` SDK (its ``MCPServer``). Tools: ``create_handoff``,
+``wait_handoff``, ``get_handoff``, ``list_handoffs``, ``cancel_handoff``, ``answer_handoff``,
+``retry_handoff``, ``get_context``, ``set_context`` and ``trace_handoff``; resources: the JSON
+Schema of every format (``handoffd://schemas/<file>``). Each tool is the same operation as the
+``handoff`` command of that name (through :class:`handoffd.service.client.Client`). A handoffd
+error comes back as an MCP tool error whose text starts with its error code
+(``NOT_FOUND: no handoff x``, ``SCHEMA_VALIDATION_FAILED: ...``). The server acts as one agent
+identity (``--as``, default ``@mcp``): the source of what it creates, and whose namespace
+permissions apply to context writes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+from ..core.errors import (
+    Conflict,
+    HandlerError,
+    HandoffdError,
+    InvalidDocument,
+    NotFound,
+    UsageError,
+    WaitTimeout,
+)
+from .client import Client, Result
+
+DEFAULT_AGENT = "@mcp"
+MAX_WAIT_SECONDS = 3600.0
+
+
+def error_code(exc: HandoffdError) -> str:
+    """The error code an MCP caller sees for ``exc``."""
+    if isinstance(exc, (InvalidDocument, HandlerError)):
+        return str(exc.code)
+    for kind, code in ((Conflict, "CONFLICT"), (NotFound, "NOT_FOUND"),
+                       (WaitTimeout, "WAIT_TIMEOUT"), (UsageError, "USAGE_ERROR")):
+        if isinstance(exc, kind):
+            return code
+    return getattr(exc, "code", None) or "HANDOFFD_ERROR"
+
+
+def _call(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a client call; a handoffd error becomes a tool error carrying its code."""
+    try:
+        return function(*args, **kwargs)
+    except HandoffdError as exc:
+        raise ToolError(f"{error_code(exc)}: {exc}") from None
+    except ValueError as exc:
+        raise ToolError(f"USAGE_ERROR: {exc}") from None
+
+
+def _view(result: Result) -> dict[str, Any]:
+    """What a tool returns about a handoff."""
+    view: dict[str, Any] = {"id": result.id, "state": result.state.value,
+                            "finished": result.finished, "ok": result.ok,
+                            "document": result.document}
+    if result.error is not None:
+        view["error"] = {"code": result.error.code, "message": result.error.message}
+    if result.asks is not None:
+        view["asks"] = {k: v for k, v in result.asks.items() if k != "outcome"}
+    return view
+
+
+def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
+    """An MCPServer over the workspace at ``root`` acting as ``agent``."""
+    client = Client(root, agent=agent)
+    server = MCPServer("handoffd", instructions=(
+        "A durable handoff queue: create_handoff hands work to a specialist agent, "
+        "wait_handoff waits for its result (or for its questions: answer them with "
+        "answer_handoff). Errors start with handoffd's error code."))
+
+    @server.tool()
+    def create_handoff(to: str | None = None, data: Any = None,
+                       document: dict[str, Any] | None = None, handoff_id: str | None = None,
+                       objective: str | None = None, priority: str | int | None = None,
+                       depends_on: list[str] | None = None,
+                       if_absent: bool = False) -> dict[str, Any]:
+        """Hand work to the specialist ``to`` (``data`` is its input; ``objective`` says why),
+        or submit a whole ``document`` in any supported format. ``if_absent`` with a
+        ``handoff_id`` makes it idempotent. Returns the handoff's id."""
+        if objective is not None and document is None:
+            data = {"objective": objective, **(data if isinstance(data, dict) else
+                                              {} if data is None else {"data": data})}
+        if document is not None:
+            handle = _call(client.create, document=document, if_absent=if_absent)
+        else:
+            handle = _call(client.create, to, data, handoff_id=handoff_id, priority=priority,
+                           depends_on=depends_on, if_absent=if_absent)
+        return {"id": handle.id}
+
+    @server.tool()
+    async def wait_handoff(handoff_id: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait up to ``timeout`` seconds for the handoff to finish (or to ask a question);
+        returns the filed document, or where it stands when the time is up."""
+        limit = min(max(float(timeout), 0.0), MAX_WAIT_SECONDS)
+        try:
+            result = await asyncio.to_thread(client.handle(handoff_id).wait, limit)
+        except WaitTimeout:
+            result = _call(client.get, handoff_id)
+        except HandoffdError as exc:
+            raise ToolError(f"{error_code(exc)}: {exc}") from None
+        return _view(result)
+
+    @server.tool()
+    def get_handoff(handoff_id: str) -> dict[str, Any]:
+        """Where a handoff stands now, with its document."""
+        return _view(_call(client.get, handoff_id))
+
+    @server.tool()
+    def list_handoffs(state: str | None = None, to: str | None = None, limit: int = 50,
+                      conversation: str | None = None) -> dict[str, Any]:
+        """Newest-first handoffs (``handoffs``: rows as `handoff ls --json` prints them),
+        filtered by state, target agent or conversation."""
+        return {"handoffs": list(_call(client.list, state=state, to=to,
+                                       limit=min(max(limit, 1), 1000), conversation=conversation))}
+
+    @server.tool()
+    def cancel_handoff(handoff_id: str, cascade: bool = False,
+                       reason: str = "cancelled by an MCP client") -> dict[str, Any]:
+        """Cancel a handoff (``cascade``: and everything it delegated)."""
+        return {"id": handoff_id, "action": _call(client.cancel, handoff_id, reason=reason,
+                                                  cascade=cascade)}
+
+    @server.tool()
+    def answer_handoff(handoff_id: str, answer: Any) -> dict[str, Any]:
+        """Answer what a handoff asks (needs_clarification or blocked); it runs again."""
+        _call(client.answer, handoff_id, answer)
+        return {"id": handoff_id, "answered": True}
+
+    @server.tool()
+    def retry_handoff(handoff_id: str, force: bool = False) -> dict[str, Any]:
+        """Put a failed handoff back in the queue (``force``: also a permanent failure)."""
+        _call(client.retry, handoff_id, force=force)
+        return {"id": handoff_id, "retried": True}
+
+    @server.tool()
+    def get_context(key: str) -> dict[str, Any]:
+        """A shared-context value (``context/<key>.json``) and its revision."""
+        value, revision = _call(_context(client).get_with_revision, key)
+        return {"key": key, "value": value, "revision": revision}
+
+    @server.tool()
+    def set_context(key: str, value: Any, if_revision: int | None = None) -> dict[str, Any]:
+        """Write a shared-context value as this server's agent (namespace permissions apply;
+        ``if_revision``: only if the key is still at that revision)."""
+        return dict(_call(_context(client).set, key, value, agent=client.agent,
+                          if_revision=if_revision))
+
+    @server.tool()
+    def trace_handoff(handoff_id: str) -> dict[str, Any]:
+        """The tree of a handoff: its conversation, children and their states."""
+        from ..features.trace import build
+        return dict(_call(build, client.engine, handoff_id))
+
+    for name in schema_names():
+        _add_schema(server, name)
+    return server
+
+
+def _context(client: Client) -> Any:
+    from ..features.context import ContextStore, Permissions
+    config = client.engine.config
+    return ContextStore(client.engine.ws, Permissions.from_config(config),
+                        durable=config.daemon.durable)
+
+
+def schema_names() -> list[str]:
+    """The built-in JSON Schemas (one per format and answer)."""
+    folder = resources.files("handoffd") / "schemas"
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".schema.json"))
+
+
+def _add_schema(server: MCPServer, name: str) -> None:
+    @server.resource(f"handoffd://schemas/{name}", name=name, mime_type="application/schema+json",
+                     description=f"The JSON Schema {name}")
+    def schema() -> str:
+        return json.dumps(json.loads((resources.files("handoffd") / "schemas" / name)
+                                     .read_text(encoding="utf-8")), indent=2)
