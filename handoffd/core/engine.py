@@ -687,8 +687,16 @@ def same_request(stored: dict[str, Any], submitted: dict[str, Any], dialect: str
     ignored = NATIVE_LIFECYCLE_KEYS if dialect == "native" else SENT_KEYS
     if "conversation_id" not in submitted:
         ignored = ignored | {"conversation_id"}
-    return ({k: v for k, v in original.items() if k not in ignored}
-            == {k: v for k, v in submitted.items() if k not in ignored})
+    return _asked(original, ignored) == _asked(submitted, ignored)
+
+
+def _asked(doc: dict[str, Any], ignored: frozenset[str]) -> dict[str, Any]:
+    """``doc`` without ``ignored`` keys, nor the answers ``handoff answer`` added to a seed 001
+    request's input (``input.clarifications``)."""
+    out = {k: v for k, v in doc.items() if k not in ignored}
+    if isinstance(out.get("input"), dict) and "clarifications" in out["input"]:
+        out["input"] = {k: v for k, v in out["input"].items() if k != "clarifications"}
+    return out
 
 
 def without_book(doc: dict[str, Any]) -> dict[str, Any]:
