@@ -225,3 +225,19 @@ def test_create_if_absent_is_idempotent(ws: Workspace, tmp_path: Path) -> None:
         proc = ws.handoff("create", "--file", str(path), "--if-absent")
         assert (proc.returncode, proc.stdout) == (0, "file-1\n"), proc.stderr
     assert len([r for r in ws.runs() if r["id"] == "job-7"]) == 1  # it never ran twice
+
+
+def test_version_and_shell_completion() -> None:
+    import os
+
+    import handoffd
+    for program in ("handoff", "handoffd"):
+        proc = subprocess.run([exe(program), "--version"], capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stdout) == (0, f"{program} {handoffd.__version__}\n")
+    env = {**os.environ, "_HANDOFF_COMPLETE": "complete_bash", "COMP_WORDS": "handoff cr",
+           "COMP_CWORD": "1"}
+    done = subprocess.run([exe("handoff")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["create"], done
+    script = subprocess.run([exe("handoff"), "--show-completion", "bash"], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "SHELL": "/bin/bash"})
+    assert "_handoff_completion" in script.stdout

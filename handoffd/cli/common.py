@@ -27,6 +27,28 @@ RootOption = Annotated[
 ]
 
 
+def _show_version(ctx: typer.Context, value: bool) -> None:
+    if value:
+        from .. import __version__
+        print(f"{ctx.find_root().info_name} {__version__}")
+        raise typer.Exit(0)
+
+
+VersionOption = Annotated[bool, typer.Option("--version", help="Print the version and exit.",
+                                             is_eager=True, callback=_show_version)]
+
+
+def new_app(help_text: str) -> typer.Typer:
+    """A command-line app with shell completion (``--install-completion``) and ``--version``."""
+    app = typer.Typer(pretty_exceptions_enable=False, no_args_is_help=True, help=help_text)
+
+    @app.callback()
+    def main(version: VersionOption = False) -> None:  # noqa: ARG001 (its callback acts)
+        """The program's own options."""
+
+    return app
+
+
 def fail(program: str, message: str, code: int) -> None:
     """Print one line on stderr and exit with ``code``."""
     print(f"{program}: error: {message}", file=sys.stderr)

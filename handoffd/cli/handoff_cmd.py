@@ -16,12 +16,11 @@ from . import orchestration_cmd
 
 # Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
 # body: a one-shot command pays only for itself.
-from .common import JsonOption, RootOption, engine, guarded, run_app, workspace
+from .common import JsonOption, RootOption, engine, guarded, new_app, run_app, workspace
 from .render import console, handoff_table, print_json, timeline
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
-                  help="Create and follow handoffs in a handoffd workspace.")
 PROG = "handoff"
+app = new_app("Create and follow handoffs in a handoffd workspace.")
 EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
 
 

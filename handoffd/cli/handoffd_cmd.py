@@ -14,11 +14,10 @@ from ..backends.files.store import inject_crash_at
 from ..core.workspace import network_filesystem
 from ..service.daemon import Daemon
 from ..service.sweeper import sweep as sweep_once
-from .common import RootOption, engine, guarded, run_app, workspace
+from .common import RootOption, engine, guarded, new_app, run_app, workspace
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
-                  help="The handoffd daemon: claims handoffs and runs their specialists.")
 PROG = "handoffd"
+app = new_app("The handoffd daemon: claims handoffs and runs their specialists.")
 
 Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Worker threads (default: [daemon] workers).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log every transition.")]
