@@ -12,7 +12,7 @@ import typer
 from ..core.errors import InvalidDocument, NotFound, UsageError
 from ..core.states import State
 from ..core.workspace import Workspace, resolve_root
-from . import orchestration_cmd
+from . import ops_cmd, orchestration_cmd
 
 # Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
 # body: a one-shot command pays only for itself.
@@ -336,6 +336,7 @@ def render_command(
 
 
 orchestration_cmd.register(app)  # cancel, answer, context, trace
+ops_cmd.register(app)  # pause, resume, paused
 
 
 def main() -> None:

@@ -63,6 +63,7 @@ def install_notify(engine: Engine) -> None:
 
 # by name, in installation order (the order of each hook list follows from it)
 FEATURES: dict[str, Feature] = {
+    "pause": _installer(".pause"),  # handoff pause / resume: its gate goes first
     "dependencies": _installer(".dependencies"),  # depends_on: wait for, or fail on, other handoffs
     "contracts": _installer(".contracts.feature"),  # seed 004: contract gate, reservations, scope, criteria
     "orchestration": _installer(".orchestration"),  # delegation, clarification, aggregation
