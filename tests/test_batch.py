@@ -74,3 +74,17 @@ def test_max_seconds_ends_the_batch_on_time(ws: Workspace) -> None:
     wait_for(lambda: not alive(pid), timeout=10)
     assert ws.state_of(slow) == ["pending"] and ws.state_of(quick) == ["completed"]
     assert ws.handoffd("run", "--max-seconds", "x").returncode == 2
+
+
+def test_json_logs_are_one_object_per_line(ws: Workspace) -> None:
+    ok = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "ok"}))
+    bad = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "permanent"}))
+    proc = ws.handoffd("run", "-v", "--log-format", "json")
+    assert proc.returncode == 1
+    records = [json.loads(line) for line in proc.stderr.splitlines()]  # every line is JSON
+    assert all({"time", "level", "message"} <= set(r) for r in records)
+    claimed = {r["handoff_id"]: r for r in records if r.get("event") == "claimed"}
+    assert set(claimed) == {ok, bad} and claimed[ok]["agent"] == "@flaky"
+    assert claimed[ok]["attempt"] == 1
+    assert any(r.get("event") == "batch_done" and "failed 1" in r["message"] for r in records)
+    assert ws.handoffd("run", "--log-format", "xml").returncode == 2

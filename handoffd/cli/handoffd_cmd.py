@@ -1,6 +1,7 @@
 """``handoffd``: serve a workspace, run one batch, or sweep."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -23,10 +24,38 @@ Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Worker
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log every transition.")]
 
 
-def _logging(verbose: bool, *, quiet: bool = False) -> None:
+LogFormat = Annotated[str, typer.Option("--log-format", help="text (default) or json: one object per line.")]
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per log record: time, level, event, message, and the handoff's facts a
+    record carries (handoff_id, agent, attempt, state, seconds, code), for log shippers."""
+
+    FIELDS = ("event", "handoff_id", "agent", "attempt", "state", "seconds", "code")
+
+    def format(self, record: logging.LogRecord) -> str:
+        from datetime import datetime, timezone
+        entry: dict[str, object] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname.lower(), "message": record.getMessage()}
+        for name in self.FIELDS:
+            if hasattr(record, name):
+                entry[name] = getattr(record, name)
+        if record.exc_info:
+            entry["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def _logging(verbose: bool, *, quiet: bool = False, log_format: str = "text") -> None:
     level = logging.INFO if verbose else logging.ERROR if quiet else logging.WARNING
-    logging.basicConfig(stream=sys.stderr, level=level,
-                        format="handoffd: %(levelname)s: %(message)s")
+    if log_format not in ("text", "json"):
+        from ..core.errors import UsageError
+        raise UsageError(f"--log-format {log_format!r}: text or json")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLines() if log_format == "json"
+                         else logging.Formatter("handoffd: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("watchdog").setLevel(logging.WARNING)
 
 
@@ -44,17 +73,19 @@ def _warn_if_shared(root: Path) -> None:
 
 @app.command()
 @guarded(PROG)
-def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = False) -> None:
+def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = False,
+          log_format: LogFormat = "text") -> None:
     """Run in the foreground until SIGTERM/SIGINT; then finish or hand back work and exit 0.
 
     Exits 1 if the main loop dies of an unexpected error (after logging it with a traceback
     and handing in-flight work back), so that a supervisor restarts it.
     """
-    _logging(verbose)
+    _logging(verbose, log_format=log_format)
     eng = engine(root, create=True)
     _warn_if_shared(eng.ws.root)
     daemon = Daemon(eng, workers=workers)
-    daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info("%s -> %s", hid, st.value))
+    daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
+        "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid, "state": st.value}))
     code = daemon.serve(ready=lambda: print(
         f"{PROG}: serving {eng.ws.root} ({daemon.workers} workers; at once per specialist: "
         f"{daemon.limits() or 'no specialists'})", file=sys.stderr, flush=True))
@@ -71,6 +102,7 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
         quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
         max_seconds: Annotated[Optional[float], typer.Option(
             "--max-seconds", min=0.0, help="Stop after S seconds: hand back what still runs.")] = None,
+        log_format: LogFormat = "text",
         ) -> None:
     """One batch for cron: recover, process everything due, wait for it, exit.
 
@@ -80,7 +112,7 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/
     or the main loop died of an unexpected error (logged with a traceback; work handed back).
     """
-    _logging(verbose, quiet=quiet)
+    _logging(verbose, quiet=quiet, log_format=log_format)
     eng = engine(root, create=True)
     _warn_if_shared(eng.ws.root)
     report = Daemon(eng, workers=workers, watch=False).run_batch(install_signals=True,
@@ -88,7 +120,11 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     if report.error:
         print(f"{PROG}: error: the main loop died ({report.error})", file=sys.stderr)
     elif not quiet and (verbose or report.needs_a_look() or sys.stderr.isatty()):
-        print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
+        if log_format == "json":  # the summary as one more record (at warning: always shown)
+            logging.getLogger("handoffd").warning("batch done: %s", report.line(),
+                                                  extra={"event": "batch_done"})
+        else:
+            print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
     raise typer.Exit(1 if report.failed or report.error else 0)
 
 

@@ -483,7 +483,9 @@ class Daemon:
             with self.cv:
                 self.active[handoff_id] = job
             log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
-                     job.specialist.agent)
+                     job.specialist.agent, extra={"event": "claimed", "handoff_id": handoff_id,
+                                                  "attempt": job.claim.attempt,
+                                                  "agent": job.specialist.agent})
             if self.stopping:
                 self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
                 self.report.handed_back += 1
