@@ -15,6 +15,7 @@ from ..backends.files.store import inject_crash_at
 from ..core.workspace import network_filesystem
 from ..service.daemon import Daemon
 from ..service.sweeper import sweep as sweep_once
+from ..service.systemd import SystemdNotifier
 from .common import RootOption, engine, guarded, new_app, run_app, workspace
 
 PROG = "handoffd"
@@ -86,9 +87,19 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
     daemon = Daemon(eng, workers=workers)
     daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
         "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid, "state": st.value}))
-    code = daemon.serve(ready=lambda: print(
-        f"{PROG}: serving {eng.ws.root} ({daemon.workers} workers; at once per specialist: "
-        f"{daemon.limits() or 'no specialists'})", file=sys.stderr, flush=True))
+    systemd = SystemdNotifier.from_env()  # Type=notify: READY, STOPPING, WATCHDOG
+    if systemd is not None:
+        daemon.add_scan_hook(systemd.watchdog)  # pinged from the main loop: a hang stops it
+        daemon.add_stop_hook(systemd.stopping)
+
+    def ready() -> None:
+        line = (f"serving {eng.ws.root} ({daemon.workers} workers; at once per specialist: "
+                f"{daemon.limits() or 'no specialists'})")
+        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+        if systemd is not None:
+            systemd.ready(line)
+
+    code = daemon.serve(ready=ready)
     print(f"{PROG}: stopped: {daemon.report.line()}", file=sys.stderr)
     if daemon.report.error:
         print(f"{PROG}: error: the main loop died ({daemon.report.error}); restart the daemon",
