@@ -76,3 +76,25 @@ def test_wait_says_why_it_failed(ws: Workspace) -> None:
     proc = ws.handoff("wait", hid)
     assert proc.returncode == 1 and proc.stdout == f"{hid} failed\n"
     assert proc.stderr.startswith(f"handoff: {hid}: PROCESSING_ERROR: ") and "fire" in proc.stderr
+
+
+def test_advisory_expectations_file_the_result_with_warnings(ws: Workspace) -> None:
+    """`[daemon] expectations = "advisory"`: the seed's own request, with its schemas absent and
+    no artifact produced, completes, and every unmet expectation is a warning of the result."""
+    ws.write_config(ws.root.joinpath("handoffd.toml").read_text()
+                    .replace("[daemon]", '[daemon]\nexpectations = "advisory"'))
+    doc = json.loads(SEED_EXAMPLE.read_text())  # input.schema, expected_output as the seed has
+    doc.update(handoff_id="advisory-1", target={"agent_id": "@flaky"})
+    doc["input"]["data"] = {"mode": "ok"}
+    path = ws.root / "advisory.json"
+    path.write_text(json.dumps(doc))
+    ws.create("--file", str(path))
+    ws.handoffd("run")
+    answer = ws.doc("advisory-1")
+    assert answer["status"] == "completed", answer.get("error")
+    warnings = "\n".join(answer["warnings"])
+    assert warnings.count("SCHEMA_VALIDATION_FAILED") == 2  # input.schema, expected_output.schema
+    assert "VALIDATION_FAILED: handoff advisory-1: expected_output.destination" in warnings
+    bad = ws.root / "handoffd.toml"
+    bad.write_text(bad.read_text().replace('"advisory"', '"sometimes"'))
+    assert ws.handoffd("run").returncode == 2

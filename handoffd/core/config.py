@@ -113,6 +113,10 @@ class DaemonSettings:
     default_timeout_seconds: float = 300.0
     seen_ttl_seconds: float = 3600.0
     stall_seconds: float = 30.0  # progress watchdog: due work, free slots, nothing dispatched
+    # what a request expects of its result (seed 001: named schemas, expected_output.schema, an
+    # output artifact at expected_output.destination): "enforce" fails a handoff that does not
+    # meet them; "advisory" files it with a warning instead
+    expectations: str = "enforce"
 
     @property
     def durable(self) -> bool:
@@ -250,6 +254,8 @@ def _daemon_settings(table: dict[str, Any], path: Path) -> DaemonSettings:
             raise ConfigError(f"{path}: [daemon] {key} = {value!r} is not of type {type(default).__name__}") from None
     if settings.durability not in ("fsync", "fast"):
         raise ConfigError(f"{path}: [daemon] durability must be \"fsync\" or \"fast\"")
+    if settings.expectations not in ("enforce", "advisory"):
+        raise ConfigError(f"{path}: [daemon] expectations must be \"enforce\" or \"advisory\"")
     if settings.workers < 1:
         raise ConfigError(f"{path}: [daemon] workers must be at least 1")
     for name in known:

@@ -91,6 +91,7 @@ class Job:
     context: HandlerContext
     started_at: datetime = field(default_factory=utc_now)
     deadline: datetime | None = None  # when a hard timeout (Envelope.hard_timeout) runs out
+    warnings: list[str] = field(default_factory=list)  # unmet expectations, when advisory
 
     @property
     def handoff_id(self) -> str:
@@ -462,6 +463,8 @@ class Engine:
                                    retryable=False)
         outcome.started_at = started
         outcome.executed_by = job.specialist.agent
+        if job.warnings:  # expectations that were advisory and not met
+            outcome.warnings = [*job.warnings, *outcome.warnings]
         if outcome.status in (Status.CANCELLED, Status.TIMEOUT):
             from .runner import keep_partial
             outcome = keep_partial(job.context, outcome)
@@ -471,17 +474,32 @@ class Engine:
             outcome = check(job, outcome)
         return outcome
 
-    def _check_input(self, job: Job) -> None:
+    def expectation_unmet(self, job: Job, problem: InvalidDocument) -> None:
+        """A request's expectation is not met: raise ``problem`` (``[daemon] expectations =
+        "enforce"``, the default), or note it as a warning of the filed result ("advisory")."""
+        if self.settings.expectations == "enforce":
+            raise problem
+        log.warning("%s (expectations are advisory: filed with a warning)", problem)
+        job.warnings.append(f"{problem.code}: {problem}")
+
+    def _missing_schemas(self, job: Job) -> set[str]:
+        """The schemas the request names that do not exist (each an unmet expectation)."""
+        missing = set()
         for field_name, named in (("input.schema", job.envelope.input_schema),
                                   ("expected_output.schema", job.envelope.output_schema)):
             if named and not self.schemas.has(named):  # found out before the handler runs
-                raise InvalidDocument(
+                missing.add(named)
+                self.expectation_unmet(job, InvalidDocument(
                     f"handoff {job.handoff_id}: {field_name} names {named!r}, which is neither in "
                     "schemas/ nor built in (`handoff schemas` lists them)",
                     handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
-                    errors=[{"field": field_name, "error": f"no schema {named}"}])
+                    errors=[{"field": field_name, "error": f"no schema {named}"}]))
+        return missing
+
+    def _check_input(self, job: Job) -> None:
+        missing = self._missing_schemas(job)
         name = job.specialist.config.input_schema or job.envelope.input_schema
-        if not name:
+        if not name or name in missing:
             return
         errors = self.schemas.errors(name, job.envelope.data)
         if errors:
@@ -515,24 +533,27 @@ class Engine:
 
     def _check_output(self, job: Job, result: dict[str, Any]) -> None:
         output = result.get("output")
-        checks: list[tuple[str, Any]] = []
+        checks: list[tuple[str, Any, bool]] = []  # (label, validator, the request's own)
         if job.specialist.config.output_schema:
             checks.append(("output schema " + job.specialist.config.output_schema,
-                           self.schemas.validator(job.specialist.config.output_schema)))
-        if job.envelope.output_schema and job.envelope.output_schema != job.specialist.config.output_schema:
-            checks.append(("expected_output.schema " + job.envelope.output_schema,
-                           self.schemas.validator(job.envelope.output_schema)))
+                           self.schemas.validator(job.specialist.config.output_schema), False))
+        named = job.envelope.output_schema
+        if named and named != job.specialist.config.output_schema and self.schemas.has(named):
+            checks.append(("expected_output.schema " + named, self.schemas.validator(named), True))
         if job.envelope.expected_output_schema:
             key = "inline:" + job.handoff_id
             checks.append(("expected_output_schema",
-                           self.schemas.for_schema(key, job.envelope.expected_output_schema)))
-        for label, validator in checks:
+                           self.schemas.for_schema(key, job.envelope.expected_output_schema), False))
+        for label, validator, requested in checks:
             errors = self.schemas.errors_with(validator, output)
             if errors:
-                raise InvalidDocument(f"handoff {job.handoff_id}: output fails {label}: "
-                                      f"{errors[0]['field']}: {errors[0]['error']}",
-                                      handoff_id=job.handoff_id, code=ErrorCode.VALIDATION_FAILED,
-                                      errors=errors)
+                problem = InvalidDocument(f"handoff {job.handoff_id}: output fails {label}: "
+                                          f"{errors[0]['field']}: {errors[0]['error']}",
+                                          handoff_id=job.handoff_id,
+                                          code=ErrorCode.VALIDATION_FAILED, errors=errors)
+                if not requested:
+                    raise problem  # the specialist's own schema, or HAIOS's: always enforced
+                self.expectation_unmet(job, problem)
         for path in _artifact_paths(result):
             if self.ws.inside(path) is None:
                 raise InvalidDocument(f"handoff {job.handoff_id}: artifact path {path!r} points "

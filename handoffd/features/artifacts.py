@@ -285,14 +285,16 @@ def _record(kind: str, *, name: str | None, ref: str | None, inline: str | None,
     return rec
 
 
-def collect(job: "Job", outcome: Outcome) -> Outcome:
+def collect(job: "Job", outcome: Outcome, *, enforce: bool = True) -> Outcome:
     """Engine ``after_run`` hook: write contents to their destination or by the 1 KB rule and
     record every artifact with size and sha256. Only successful outcomes are touched; a problem
-    (a path outside the workspace, a disk error) fails the attempt instead of raising."""
+    (a path outside the workspace, a disk error) fails the attempt instead of raising. A missing
+    output artifact at ``expected_output.destination`` fails it too, unless not ``enforce``
+    (``[daemon] expectations = "advisory"``): then it is a warning of the result."""
     if not outcome.succeeded:
         return outcome
     try:
-        return _collect(job, outcome)
+        return _collect(job, outcome, enforce)
     except InvalidDocument as exc:
         code, message, retryable = exc.code, str(exc), False
     except OSError as exc:
@@ -304,7 +306,7 @@ def collect(job: "Job", outcome: Outcome) -> Outcome:
                    executed_by=outcome.executed_by)
 
 
-def _collect(job: "Job", outcome: Outcome) -> Outcome:
+def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
     ws = Workspace(Path(job.context.root))
     handoff_id = job.handoff_id
     records: list[dict[str, Any]] = []
@@ -358,11 +360,14 @@ def _collect(job: "Job", outcome: Outcome) -> Outcome:
                                       name=Path(ref).name, ref=ref, inline=None, facts=facts,
                                       metadata=None))
     if isinstance(dest_rel, str) and dest_rel not in used_names and not reported:
-        raise InvalidDocument(  # seed 001: the request asked for an output artifact
+        problem = InvalidDocument(  # seed 001: the request asked for an output artifact
             f"handoff {handoff_id}: expected_output.destination asks for {dest_rel}, but the "
             "specialist neither wrote it, nor returned output.content to put there, nor named "
             "an existing output.artifact_path", handoff_id=handoff_id,
             code=ErrorCode.VALIDATION_FAILED)
+        if enforce:
+            raise problem
+        outcome.warnings = [f"{problem.code}: {problem}", *outcome.warnings]
     outcome.artifacts = records
     return outcome
 
