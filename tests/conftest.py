@@ -15,6 +15,8 @@ import pytest
 
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 
+import pgserver
+
 REPO = Path(__file__).resolve().parent.parent
 SPECIALISTS = REPO / "specialists"
 BIN = Path(sys.executable).parent
@@ -186,3 +188,20 @@ def ws(tmp_path: Path) -> Iterator[Workspace]:
     HandoffdWorkspace(root).ensure()  # the folders, made in-process (a sweep process costs ~0.4 s)
     yield workspace
     workspace.cleanup()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[pgserver.PgServer]:
+    """A throw-away PostgreSQL cluster for this test session (per xdist worker), started on
+    first use; tests that need it are skipped, with the reason, where none can be started."""
+    server = pgserver.start()
+    if isinstance(server, str):
+        pytest.skip(server)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server: pgserver.PgServer) -> str:
+    """The URL of a fresh, empty database on the session's cluster."""
+    return pg_server.new_database()

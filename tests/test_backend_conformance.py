@@ -27,7 +27,7 @@ from handoffd.core.states import State
 from handoffd.core.timeutil import iso
 from handoffd.core.workspace import Workspace
 
-BACKENDS = ["memory", "files"]
+BACKENDS = ["memory", "files", "postgres"]
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 LEASE = 30.0
 TARGETS = ("@a", "@b")
@@ -37,7 +37,10 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def make_backend(name: str, tmp_path: Path) -> Backend:
+def make_backend(name: str, tmp_path: Path, pg_url: str = "") -> Backend:
+    if name == "postgres":
+        from handoffd.backends.postgres import PostgresBackend
+        return PostgresBackend(pg_url, pool_size=10)
     if name == "memory":
         return MemoryBackend()
     if name == "files":
@@ -51,7 +54,9 @@ def make_backend(name: str, tmp_path: Path) -> Backend:
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    made = make_backend(request.param, tmp_path)
+    # PostgreSQL: a fresh database on the session's server (skipped, saying why, without one)
+    url = request.getfixturevalue("pg_url") if request.param == "postgres" else ""
+    made = make_backend(request.param, tmp_path, url)
     yield made
     made.close()
 

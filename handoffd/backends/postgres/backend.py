@@ -1,0 +1,555 @@
+"""The PostgreSQL backend: the :class:`Backend` interface over one database, shared by every host.
+
+Each handoff is one row of ``handoffd.handoffs``: the document as ``jsonb`` and, beside it, the
+columns scheduling needs (state, routing facts from ``describe``, due time, lease). Every
+transition is one transaction that also appends its ``handoffd.events`` row and sends a
+``NOTIFY`` (delivered at commit, so a woken reader always sees the new state).
+
+* claim-next is one statement, ``UPDATE ... WHERE id = (SELECT ... ORDER BY priority, due_at,
+  id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING ...``: concurrent claimers on any host skip each
+  other's rows instead of waiting. The claimed document (attempt, lease, the format's marks from
+  ``prepare``) is written in the same transaction, fenced by the new token.
+* renew, finish and requeue are ``... WHERE id = %s AND lease_token = %s``: once a claim was
+  requeued, finished or taken over by :meth:`expired_claims`, its writes change nothing.
+* wake-ups: the writer's own subscribers are told at once; other processes hear the NOTIFY on a
+  dedicated LISTEN connection (a hint only: daemons keep their periodic rescans).
+"""
+from __future__ import annotations
+
+import builtins
+import copy
+import json
+import logging
+import uuid
+from datetime import datetime, timedelta
+from typing import Any, Callable, Collection
+
+from ...core.documents import BOOK, book, book_int
+from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.states import State
+from ...core.storage import LOST
+from ...core.timeutil import iso, utc_now
+from ..base import (
+    Backend,
+    Claim,
+    Claims,
+    Describe,
+    Doc,
+    FencedFiling,
+    Meta,
+    Order,
+    Row,
+    Rows,
+    Subscribers,
+    WakeupCallback,
+    Where,
+    describe_native,
+    due_of,
+    lease_block,
+    safe_describe,
+    stamp_claimed,
+    stamp_created,
+    updated_of,
+    wait_via_feed,
+)
+from .connection import CHANNEL, Conn, Database, Listener
+from .schema import LATEST, current_version, migrate
+
+log = logging.getLogger("handoffd")
+T = "handoffd.handoffs"
+COLUMNS = "id, state, doc, target, priority, conversation, parent, due_at, updated_at"
+MAX_PAYLOAD = 7000  # NOTIFY payloads stop at 8000 bytes: a longer id is announced as "lost"
+
+
+def encode(doc: Doc, *, strict: bool) -> str:
+    """``doc`` as JSON text PostgreSQL's jsonb accepts. jsonb cannot hold NUL characters or lone
+    surrogates: ``strict`` refuses such a document (InvalidDocument), else they become U+FFFD."""
+    text = json.dumps(doc, ensure_ascii=False, allow_nan=False, default=str)
+    clean = text.encode("utf-8", "replace").decode("utf-8").replace("\\u0000", "\\ufffd")
+    if clean != text and strict:
+        raise InvalidDocument("the document contains NUL characters or unpaired surrogates, "
+                              "which the PostgreSQL store cannot hold",
+                              code=ErrorCode.UNPROCESSABLE_DOCUMENT)
+    return clean
+
+
+class PostgresBackend(FencedFiling, Backend):
+    """Handoffs in the PostgreSQL database at ``url`` (schema migrated on open).
+
+    ``origin`` names this workspace (host and path) for documents ingested from its files;
+    ``pool_size`` bounds the connections this process opens."""
+
+    def __init__(self, url: str, *, describe: Describe = describe_native,
+                 seen_ttl_seconds: float = 3600.0, pool_size: int = 8,
+                 reconnect_seconds: float = 60.0, origin: str | None = None) -> None:
+        self.url = url
+        self.describe = describe
+        self.seen_ttl = timedelta(seconds=seen_ttl_seconds)
+        self.origin = origin
+        self.db = Database(url, max_size=pool_size, reconnect_seconds=reconnect_seconds)
+        self.nonce = uuid.uuid4().hex[:12]  # our own notifications, told apart from others'
+        self._subscribers = Subscribers()
+        self._listener: Listener | None = None
+        try:
+            self.schema_version = self.db.run(lambda conn, _: _ensure_schema(conn))
+        except BaseException:
+            self.db.close()
+            raise
+
+    # ------------------------------------------------------------ helpers
+    def _columns(self, doc: Doc, created_at: datetime) -> dict[str, Any]:
+        meta = safe_describe(self.describe, doc)
+        return {"target": meta.target, "priority": meta.priority,
+                "conversation": meta.conversation, "parent": meta.parent,
+                "due_at": due_of(doc, created_at), "updated_at": updated_of(doc, created_at)}
+
+    def _notify(self, conn: Conn, handoff_id: str, kind: str) -> None:
+        """Tell other processes, at commit (a hint: the id may be cut short to 'lost')."""
+        payload = f"{self.nonce}\t{kind}\t{handoff_id}"
+        if len(payload.encode()) > MAX_PAYLOAD:
+            payload = f"{self.nonce}\t{LOST}\t"
+        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+
+    @staticmethod
+    def _event(conn: Conn, handoff_id: str, doc: Doc, state: State, fallback: str) -> None:
+        """The audit row of a transition: the document's last history event."""
+        history = book(doc).get("history") if isinstance(doc.get(BOOK), dict) else None
+        last = history[-1] if isinstance(history, list) and history else {}
+        event = last.get("event") if isinstance(last, dict) else None
+        conn.execute(f"INSERT INTO handoffd.events (handoff_id, at, event, state) "
+                     f"VALUES (%s, %s, %s, %s)",
+                     (handoff_id, updated_of(doc, utc_now()), str(event or fallback)[:200],
+                      state.value))
+
+    @staticmethod
+    def _row(record: tuple[Any, ...]) -> Row:
+        handoff_id, state, doc, target, priority, conversation, parent, due_at, updated_at = record
+        return Row(handoff_id, State(state), doc, Meta(target, priority, conversation, parent),
+                   due_at, updated_at)
+
+    # ------------------------------------------------------------ creating and reading
+    def create(self, doc: Doc, handoff_id: str, now: datetime) -> None:
+        stored = copy.deepcopy(doc)
+        stamp_created(stored, handoff_id, now)
+        text = encode(stored, strict=True)
+        columns = self._columns(stored, now)
+        write_id = uuid.uuid4().hex
+
+        def op(conn: Conn, retried: bool) -> None:
+            if retried and _wrote(conn, handoff_id, write_id):
+                return  # the first try committed before its connection died
+            found = conn.execute(f"SELECT state FROM {T} WHERE id = %s", (handoff_id,)).fetchone()
+            if found is not None:
+                raise DuplicateHandoff(f"handoff {handoff_id} already exists in {found[0]}/; "
+                                       "choose another id or `handoff retry` the existing one",
+                                       handoff_id=handoff_id)
+            if self._seen_recently(conn, handoff_id, now):
+                raise DuplicateHandoff(f"handoff id {handoff_id} was used within the last "
+                                       f"{int(self.seen_ttl.total_seconds())}s; choose another id",
+                                       handoff_id=handoff_id)
+            inserted = conn.execute(
+                f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
+                " updated_at, created_at, write_id) VALUES (%(id)s, 'pending', %(doc)s::jsonb,"
+                " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(due_at)s,"
+                " %(updated_at)s, %(now)s, %(write_id)s) ON CONFLICT (id) DO NOTHING RETURNING id",
+                {**columns, "id": handoff_id, "doc": text, "now": now, "write_id": write_id},
+            ).fetchone()
+            if inserted is None:  # a concurrent create won the race
+                raise DuplicateHandoff(f"handoff {handoff_id} already exists; choose another id",
+                                       handoff_id=handoff_id)
+            self._seen_upsert(conn, handoff_id, now)
+            self._event(conn, handoff_id, stored, State.PENDING, "created")
+            self._notify(conn, handoff_id, State.PENDING.value)
+
+        self.db.run(op)
+        self._subscribers.fire(handoff_id, State.PENDING.value)
+
+    def ingest(self, doc: Doc, handoff_id: str, now: datetime, origin: str) -> bool:
+        """Store a document dropped into a workspace's pending/ as a *raw* pending handoff
+        (claimed raw: admission validates it and checks the seen ids, as for a file), noting
+        the ``origin`` workspace that will want its terminal copy. False when the id exists in
+        the database already (ingesting again is a no-op)."""
+        text = encode(doc, strict=True)
+        columns = self._columns(doc, now)
+
+        def op(conn: Conn, _retried: bool) -> bool:
+            inserted = conn.execute(
+                f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
+                " updated_at, created_at, raw, origin) VALUES (%(id)s, 'pending', %(doc)s::jsonb,"
+                " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(now)s, %(now)s,"
+                " %(now)s, true, %(origin)s) ON CONFLICT (id) DO NOTHING RETURNING id",
+                {**columns, "id": handoff_id, "doc": text, "now": now, "origin": origin},
+            ).fetchone()
+            if inserted is None:
+                return False
+            conn.execute(f"INSERT INTO handoffd.events (handoff_id, at, event, state) "
+                         f"VALUES (%s, %s, 'ingested', 'pending')", (handoff_id, now))
+            self._notify(conn, handoff_id, State.PENDING.value)
+            return True
+
+        done = self.db.run(op)
+        if done:
+            self._subscribers.fire(handoff_id, State.PENDING.value)
+        return done
+
+    def unexported(self, origin: str, limit: int = 200) -> builtins.list[tuple[str, State, Doc]]:
+        """Finished handoffs ingested by ``origin`` whose terminal file it has not written."""
+        rows = self.db.run(lambda conn, _: conn.execute(
+            f"SELECT id, state, doc FROM {T} WHERE origin = %s AND NOT exported "
+            "AND state IN ('completed', 'failed') ORDER BY updated_at LIMIT %s",
+            (origin, limit)).fetchall())
+        return [(r[0], State(r[1]), r[2]) for r in rows]
+
+    def mark_exported(self, handoff_id: str, state: State) -> None:
+        """``origin`` wrote the terminal file of ``handoff_id`` (in ``state``)."""
+        self.db.run(lambda conn, _: conn.execute(
+            f"UPDATE {T} SET exported = true WHERE id = %s AND state = %s",
+            (handoff_id, state.value)))
+
+    def get(self, handoff_id: str) -> tuple[State, Doc] | None:
+        found = self.db.run(lambda conn, _: conn.execute(
+            f"SELECT state, doc FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
+        return None if found is None else (State(found[0]), found[1])
+
+    def list(self, *, state: State | None = None, target: str | None = None,
+             conversation: str | None = None, parent: str | None = None,
+             since: datetime | None = None, limit: int | None = None,
+             order: Order = "newest", where: Where | None = None,
+             unreadable: bool = False) -> Rows:
+        clauses: builtins.list[str] = []
+        params: builtins.list[Any] = []
+        for column, value in (("state", state.value if state else None), ("target", target),
+                              ("conversation", conversation), ("parent", parent)):
+            if value is not None:
+                clauses.append(f"{column} = %s")
+                params.append(value)
+        if since is not None:
+            clauses.append("updated_at >= %s")
+            params.append(since)
+        sort = {"due": "priority, due_at, id", "oldest": "updated_at, id"}.get(
+            order, "updated_at DESC, id DESC")
+        sql = f"SELECT {COLUMNS} FROM {T}" + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
+        sql += f" ORDER BY {sort}"
+        if limit is not None and where is None:  # ``where`` is ours to apply before the limit
+            sql += " LIMIT %s"
+            params.append(max(limit, 0))
+        if limit is not None and limit <= 0:
+            return []
+        records = self.db.run(lambda conn, _: conn.execute(sql, params).fetchall())  # type: ignore[arg-type]
+        rows = [self._row(r) for r in records]
+        if where is not None:
+            rows = [r for r in rows if where(r)]
+            rows = rows if limit is None else rows[:max(limit, 0)]
+        return rows
+
+    # ------------------------------------------------------------ claims
+    def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float, *,
+                   exclude: Collection[str] = (),
+                   prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        wanted = sorted(set(targets))
+        if not wanted:
+            return None
+        pick = (f"SELECT id FROM {T} WHERE state = 'pending' AND target = ANY(%(targets)s) "
+                "AND due_at <= %(now)s AND NOT (id = ANY(%(exclude)s)) "
+                "ORDER BY priority, due_at, id LIMIT 1 FOR UPDATE SKIP LOCKED")
+        return self._claim(pick, {"targets": wanted, "exclude": list(exclude)}, now,
+                           lease_seconds, prepare)
+
+    def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
+              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        pick = f"SELECT id FROM {T} WHERE id = %(id)s AND state = 'pending' FOR UPDATE SKIP LOCKED"
+        return self._claim(pick, {"id": handoff_id}, now, lease_seconds, prepare)
+
+    def _claim(self, pick: str, params: dict[str, Any], now: datetime, lease_seconds: float,
+               prepare: Callable[[Doc], None] | None) -> Claim | None:
+        """The claim statement (``pick`` chooses and locks the row), then the claimed document,
+        written in the same transaction: ``prepare`` raising leaves the handoff pending."""
+        token = uuid.uuid4().hex
+        expires = now + timedelta(seconds=lease_seconds)
+
+        def op(conn: Conn, retried: bool) -> Claim | None:
+            if retried:  # did the try that lost its connection commit our claim?
+                mine = conn.execute(f"SELECT id, doc FROM {T} WHERE state = 'in-progress' AND "
+                                    "lease_token = %s", (token,)).fetchone()
+                if mine is not None:
+                    return Claim(mine[0], mine[1], token, book_int(mine[1], "attempt", 1))
+            got = conn.execute(
+                f"UPDATE {T} SET state = 'in-progress', lease_token = %(token)s, "
+                f"lease_expires_at = %(expires)s WHERE id = ({pick}) "
+                "RETURNING id, doc, raw, created_at",
+                {**params, "token": token, "expires": expires, "now": now}).fetchone()
+            if got is None:
+                return None
+            handoff_id, doc, raw, created_at = got
+            if raw:  # a document from a file: whatever bookkeeping it carried is not ours
+                doc[BOOK] = {}
+            attempt = stamp_claimed(doc, token, now, lease_seconds)
+            if prepare is not None:
+                prepare(doc)  # raising rolls the transaction back: still pending, untouched
+            columns = self._columns(doc, created_at)
+            conn.execute(
+                f"UPDATE {T} SET doc = %(doc)s::jsonb, raw = false, target = %(target)s, "
+                "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
+                "updated_at = %(updated_at)s WHERE id = %(id)s AND lease_token = %(token)s",
+                {**columns, "doc": encode(doc, strict=False), "id": handoff_id, "token": token})
+            self._event(conn, handoff_id, doc, State.IN_PROGRESS, "claimed")
+            return Claim(handoff_id, doc, token, attempt, raw=bool(raw))
+
+        return self.db.run(op)
+
+    def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
+        stamp = lease_block(claim.token, now, lease_seconds)
+        renewed = self.db.run(lambda conn, _: conn.execute(
+            f"UPDATE {T} SET lease_expires_at = %s, "
+            "doc = jsonb_set(doc, '{handoffd,lease}', %s::jsonb) "
+            "WHERE id = %s AND state = 'in-progress' AND lease_token = %s",
+            (now + timedelta(seconds=lease_seconds), json.dumps(stamp), claim.id,
+             claim.token)).rowcount)
+        if renewed:
+            book(claim.doc)["lease"] = dict(stamp)
+        return bool(renewed)
+
+    def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
+        stored = dict(doc)  # the caller's dict is left as it is: only the block is rebuilt
+        stored[BOOK] = {k: v for k, v in book(doc).items() if k != "lease"} \
+            if isinstance(doc.get(BOOK), dict) else {}
+        text = encode(stored, strict=False)
+
+        def op(conn: Conn, retried: bool) -> bool:
+            if retried and conn.execute(f"SELECT 1 FROM {T} WHERE id = %s AND last_token = %s "
+                                        "AND state = %s", (claim.id, claim.token,
+                                                           state.value)).fetchone():
+                return True  # the try that lost its connection had committed
+            created = conn.execute(
+                f"SELECT created_at FROM {T} WHERE id = %s AND state = 'in-progress' "
+                "AND lease_token = %s FOR UPDATE", (claim.id, claim.token)).fetchone()
+            if created is None:
+                return False  # requeued, finished or taken over: this claim writes nothing
+            columns = self._columns(stored, created[0])
+            conn.execute(
+                f"UPDATE {T} SET state = %(state)s, doc = %(doc)s::jsonb, target = %(target)s, "
+                "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
+                "due_at = %(due_at)s, updated_at = %(updated_at)s, lease_token = NULL, "
+                "lease_expires_at = NULL, last_token = %(token)s WHERE id = %(id)s",
+                {**columns, "state": state.value, "doc": text, "token": claim.token,
+                 "id": claim.id})
+            self._event(conn, claim.id, stored, state, state.value)
+            self._notify(conn, claim.id, state.value)
+            return True
+
+        done = self.db.run(op)
+        if done:
+            self._subscribers.fire(claim.id, state.value)
+        return done
+
+    def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
+        def op(conn: Conn, _retried: bool) -> Claims:
+            rows = conn.execute(
+                f"SELECT id, doc, lease_expires_at FROM {T} WHERE state = 'in-progress' AND "
+                "(lease_expires_at IS NULL OR lease_expires_at <= %s) ORDER BY id "
+                "FOR UPDATE SKIP LOCKED", (now,)).fetchall()
+            taken: Claims = []
+            for handoff_id, doc, expiry in rows:
+                token = uuid.uuid4().hex
+                book(doc)["lease"] = lease_block(token, now, lease_seconds)
+                conn.execute(
+                    f"UPDATE {T} SET lease_token = %s, lease_expires_at = %s, "
+                    "doc = %s::jsonb WHERE id = %s",
+                    (token, now + timedelta(seconds=lease_seconds), encode(doc, strict=False),
+                     handoff_id))
+                reason = f"lease expired at {iso(expiry) if expiry else 'unknown'}"
+                taken.append(Claim(handoff_id, doc, token, book_int(doc, "attempt", 1),
+                                   recovered=reason))
+            return taken
+
+        # a retry after a lost connection may miss claims the first try took over: their new
+        # leases expire in turn and the next sweep takes them again (never two live holders)
+        return self.db.run(op)
+
+    # ------------------------------------------------------------ what the engine and sweeper add
+    def ids(self, state: State) -> builtins.list[str]:
+        sort = "priority, due_at, id" if state is State.PENDING else "id"
+        return [r[0] for r in self.db.run(lambda conn, _: conn.execute(
+            f"SELECT id FROM {T} WHERE state = %s ORDER BY {sort}", (state.value,)).fetchall())]
+
+    def peek(self, handoff_id: str) -> Doc | None:
+        found = self.db.run(lambda conn, _: conn.execute(
+            f"SELECT doc FROM {T} WHERE id = %s AND state = 'pending'", (handoff_id,)).fetchone())
+        return None if found is None else found[0]  # type: ignore[no-any-return]
+
+    def abandon(self, claim: Claim) -> None:
+        """Nothing is held beyond the lease, which recovery takes over when it expires."""
+
+    def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
+                  claim: Claim | None = None) -> bool:
+        def op(conn: Conn, _retried: bool) -> bool:
+            fence = " AND lease_token = %s" if claim is not None else ""
+            params: builtins.list[Any] = [handoff_id, state.value]
+            params += [claim.token] if claim is not None else []
+            gone = conn.execute(f"DELETE FROM {T} WHERE id = %s AND state = %s{fence} "
+                                "RETURNING doc", params).fetchone()
+            if gone is None:
+                return False
+            conn.execute("INSERT INTO handoffd.quarantine (id, from_state, code, message, at, "
+                         "document) VALUES (%s, %s, %s, %s, %s, %s::jsonb)",
+                         (handoff_id, state.value, str(code), message, utc_now(),
+                          json.dumps(gone[0])))
+            return True
+
+        return self.db.run(op)
+
+    def quarantined(self) -> builtins.list[Doc]:
+        rows = self.db.run(lambda conn, _: conn.execute(
+            "SELECT id, from_state, code, message, at, document FROM handoffd.quarantine "
+            "ORDER BY seq").fetchall())
+        return [{"file": r[0], "from": r[1], "code": r[2], "message": r[3], "at": iso(r[4]),
+                 "stored_as": r[0], "document": r[5]} for r in rows]
+
+    def create_failed(self, handoff_id: str, doc: Doc) -> bool:
+        now = utc_now()
+        text = encode(doc, strict=False)
+        columns = self._columns(doc, now)
+        write_id = uuid.uuid4().hex
+
+        def op(conn: Conn, retried: bool) -> bool:
+            if retried and _wrote(conn, handoff_id, write_id):
+                return True
+            inserted = conn.execute(
+                f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
+                " updated_at, created_at, write_id) VALUES (%(id)s, 'failed', %(doc)s::jsonb,"
+                " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(due_at)s,"
+                " %(updated_at)s, %(now)s, %(write_id)s) ON CONFLICT (id) DO NOTHING RETURNING id",
+                {**columns, "id": handoff_id, "doc": text, "now": now, "write_id": write_id},
+            ).fetchone()
+            if inserted is None:
+                return False
+            self._event(conn, handoff_id, doc, State.FAILED, "failed")
+            self._notify(conn, handoff_id, State.FAILED.value)
+            return True
+
+        done = self.db.run(op)
+        if done:
+            self._subscribers.fire(handoff_id, State.FAILED.value)
+        return done
+
+    def reopen(self, handoff_id: str, doc: Doc) -> bool:
+        text = encode(doc, strict=False)
+        write_id = uuid.uuid4().hex
+
+        def op(conn: Conn, retried: bool) -> bool:
+            if retried and _wrote(conn, handoff_id, write_id):
+                return True
+            found = conn.execute(f"SELECT created_at FROM {T} WHERE id = %s AND state = 'failed' "
+                                 "FOR UPDATE", (handoff_id,)).fetchone()
+            if found is None:
+                return False
+            columns = self._columns(doc, found[0])
+            conn.execute(
+                f"UPDATE {T} SET state = 'pending', doc = %(doc)s::jsonb, target = %(target)s, "
+                "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
+                "due_at = %(due_at)s, updated_at = %(updated_at)s, lease_token = NULL, "
+                "lease_expires_at = NULL, write_id = %(write_id)s, exported = false "
+                "WHERE id = %(id)s", {**columns, "doc": text, "id": handoff_id,
+                                      "write_id": write_id})
+            self._event(conn, handoff_id, doc, State.PENDING, "retried")
+            self._notify(conn, handoff_id, State.PENDING.value)
+            return True
+
+        done = self.db.run(op)
+        if done:
+            self._subscribers.fire(handoff_id, State.PENDING.value)
+        return done
+
+    def maintain(self, now: datetime, *,
+                 skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:
+        self.db.run(lambda conn, _: conn.execute("DELETE FROM handoffd.seen WHERE seen_at <= %s",
+                                                 (now - self.seen_ttl,)))
+        if self._listener is not None and len(self._subscribers) and not self._listener.alive():
+            log.warning("the wake-up listener died; restarting it (and rescanning)")
+            self._listener.start()
+            self._subscribers.fire("", LOST)
+        return {}
+
+    # ------------------------------------------------------------ cancel requests
+    def request_cancel(self, handoff_id: str, request: Doc) -> None:
+        text = encode(request, strict=False)
+
+        def op(conn: Conn, _retried: bool) -> None:
+            conn.execute("INSERT INTO handoffd.cancels (id, request) VALUES (%s, %s::jsonb) "
+                         "ON CONFLICT (id) DO UPDATE SET request = excluded.request, "
+                         "created_at = now()", (handoff_id, text))
+            self._notify(conn, handoff_id, "cancel")
+
+        self.db.run(op)
+        self._subscribers.fire(handoff_id, "cancel")
+
+    def cancel_request(self, handoff_id: str) -> Doc | None:
+        found = self.db.run(lambda conn, _: conn.execute(
+            "SELECT request FROM handoffd.cancels WHERE id = %s", (handoff_id,)).fetchone())
+        return None if found is None else found[0]  # type: ignore[no-any-return]
+
+    def cancel_requests(self) -> dict[str, Doc]:
+        rows = self.db.run(lambda conn, _: conn.execute(
+            "SELECT id, request FROM handoffd.cancels ORDER BY created_at, id").fetchall())
+        return {r[0]: r[1] for r in rows}
+
+    def clear_cancel(self, handoff_id: str) -> None:
+        self.db.run(lambda conn, _: conn.execute("DELETE FROM handoffd.cancels WHERE id = %s",
+                                                 (handoff_id,)))
+
+    # ------------------------------------------------------------ dedup, waiting, wake-ups
+    def seen_add(self, handoff_id: str, now: datetime) -> None:
+        self.db.run(lambda conn, _: self._seen_upsert(conn, handoff_id, now))
+
+    @staticmethod
+    def _seen_upsert(conn: Conn, handoff_id: str, now: datetime) -> None:
+        conn.execute("INSERT INTO handoffd.seen (id, seen_at) VALUES (%s, %s) ON CONFLICT (id) "
+                     "DO UPDATE SET seen_at = excluded.seen_at", (handoff_id, now))
+
+    def seen_contains(self, handoff_id: str, now: datetime) -> bool:
+        return self.db.run(lambda conn, _: self._seen_recently(conn, handoff_id, now))
+
+    def _seen_recently(self, conn: Conn, handoff_id: str, now: datetime) -> bool:
+        return conn.execute("SELECT 1 FROM handoffd.seen WHERE id = %s AND seen_at > %s",
+                            (handoff_id, now - self.seen_ttl)).fetchone() is not None
+
+    def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
+        return wait_via_feed(self, handoff_id, timeout)
+
+    def subscribe(self, callback: WakeupCallback) -> Callable[[], None]:
+        remove = self._subscribers.add(callback)
+        if self._listener is None:
+            self._listener = Listener(self.url, self._heard,
+                                      lambda: self._subscribers.fire("", LOST))
+        self._listener.start()
+
+        def unsubscribe() -> None:
+            remove()
+            if self._listener is not None and not len(self._subscribers):
+                self._listener.stop()  # nobody listens: no thread or connection left behind
+        return unsubscribe
+
+    def _heard(self, payload: str) -> None:
+        sender, _, rest = payload.partition("\t")
+        kind, _, handoff_id = rest.partition("\t")
+        if sender != self.nonce and kind:  # our own writes were announced when made
+            self._subscribers.fire(handoff_id, kind)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+        self.db.close()
+
+
+def _wrote(conn: Conn, handoff_id: str, write_id: str) -> bool:
+    return conn.execute(f"SELECT 1 FROM {T} WHERE id = %s AND write_id = %s",
+                        (handoff_id, write_id)).fetchone() is not None
+
+
+def _ensure_schema(conn: Conn) -> int:
+    """The schema version, migrating first when the database is behind (a cheap check)."""
+    version = current_version(conn)
+    conn.commit()
+    if version != LATEST:  # behind: migrate; ahead: migrate() refuses with SchemaTooNew
+        version, _ = migrate(conn)
+    return version

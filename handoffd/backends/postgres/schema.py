@@ -1,0 +1,125 @@
+"""The PostgreSQL schema and its versioned migrations.
+
+Everything lives in the ``handoffd`` schema of the database the store URL names. Migrations are
+numbered and applied in order, each in the transaction that records it in
+``handoffd.schema_version``; a transaction-scoped advisory lock makes concurrent openers (several
+daemons starting at once) apply each migration exactly once. Opening a store applies what is
+missing; ``handoffd db init`` does the same and prints the version.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...core.errors import HandoffdError
+
+if TYPE_CHECKING:
+    import psycopg
+
+SCHEMA = "handoffd"
+MIGRATE_LOCK = 0x68616E64  # "hand": the advisory lock key that serialises migrations
+
+# One entry per version; never edit a released entry, append a new one.
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (1, "handoffs, events, seen ids, cancel requests, quarantine", """
+CREATE TABLE handoffd.handoffs (
+    id               text COLLATE "C" PRIMARY KEY,
+    state            text NOT NULL
+                     CHECK (state IN ('pending', 'in-progress', 'completed', 'failed')),
+    doc              jsonb NOT NULL,
+    -- routing facts, computed from the document by the daemon's describe function
+    target           text,
+    priority         smallint NOT NULL DEFAULT 2,
+    conversation     text,
+    parent           text,
+    due_at           timestamptz NOT NULL,   -- retry time, else creation (arrival) time
+    updated_at       timestamptz NOT NULL,   -- the document's last history event
+    created_at       timestamptz NOT NULL,   -- when the row arrived (a raw document's due time)
+    lease_token      text,                   -- the claim that holds it (in-progress only)
+    lease_expires_at timestamptz,
+    last_token       text,      -- the claim that last ended here: a retried finish knows it won
+    write_id         text,      -- the last create/reopen: a retried one knows it committed
+    raw              boolean NOT NULL DEFAULT false,  -- ingested from a file, not yet claimed
+    origin           text,      -- the workspace (host:path) that ingested it from a file
+    exported         boolean NOT NULL DEFAULT false   -- origin wrote its terminal file
+);
+CREATE INDEX handoffs_due ON handoffd.handoffs (priority, due_at, id) WHERE state = 'pending';
+CREATE INDEX handoffs_updated ON handoffd.handoffs (updated_at, id);
+CREATE INDEX handoffs_state ON handoffd.handoffs (state, updated_at);
+CREATE INDEX handoffs_leases ON handoffd.handoffs (lease_expires_at) WHERE state = 'in-progress';
+CREATE INDEX handoffs_parent ON handoffd.handoffs (parent) WHERE parent IS NOT NULL;
+CREATE INDEX handoffs_conversation ON handoffd.handoffs (conversation)
+    WHERE conversation IS NOT NULL;
+CREATE INDEX handoffs_unexported ON handoffd.handoffs (origin)
+    WHERE origin IS NOT NULL AND NOT exported AND state IN ('completed', 'failed');
+
+-- one row per transition, written in the transaction that makes it (an audit trail to query)
+CREATE TABLE handoffd.events (
+    seq        bigserial PRIMARY KEY,
+    handoff_id text NOT NULL,
+    at         timestamptz NOT NULL,
+    event      text NOT NULL,
+    state      text NOT NULL
+);
+CREATE INDEX events_handoff ON handoffd.events (handoff_id, seq);
+
+CREATE TABLE handoffd.seen (
+    id      text PRIMARY KEY,
+    seen_at timestamptz NOT NULL
+);
+CREATE INDEX seen_at ON handoffd.seen (seen_at);
+
+CREATE TABLE handoffd.cancels (
+    id         text PRIMARY KEY,
+    request    jsonb NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE handoffd.quarantine (
+    seq        bigserial PRIMARY KEY,
+    id         text NOT NULL,
+    from_state text NOT NULL,
+    code       text NOT NULL,
+    message    text NOT NULL,
+    at         timestamptz NOT NULL,
+    document   jsonb
+);
+"""),
+]
+LATEST = MIGRATIONS[-1][0]
+
+
+class SchemaTooNew(HandoffdError):
+    """The database was migrated by a newer handoffd than this one."""
+
+
+def current_version(conn: "psycopg.Connection[tuple[object, ...]]") -> int:
+    """The schema version of the database (0: handoffd's tables are not there)."""
+    found = conn.execute("SELECT to_regclass('handoffd.schema_version')").fetchone()
+    if found is None or found[0] is None:
+        return 0
+    row = conn.execute("SELECT coalesce(max(version), 0) FROM handoffd.schema_version").fetchone()
+    return int(row[0]) if row else 0  # type: ignore[call-overload]
+
+
+def migrate(conn: "psycopg.Connection[tuple[object, ...]]") -> tuple[int, list[int]]:
+    """Apply every missing migration (idempotent, safe to run concurrently). Returns the version
+    now and the versions applied by this call. Commits."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK,))
+        conn.execute("CREATE SCHEMA IF NOT EXISTS handoffd")
+        conn.execute("CREATE TABLE IF NOT EXISTS handoffd.schema_version ("
+                     "version int PRIMARY KEY, description text NOT NULL, "
+                     "applied_at timestamptz NOT NULL DEFAULT now())")
+        version = current_version(conn)
+        if version > LATEST:
+            raise SchemaTooNew(f"the database schema is at version {version}, newer than this "
+                               f"handoffd knows ({LATEST}); upgrade handoffd")
+        applied = []
+        for number, description, sql in MIGRATIONS:
+            if number <= version:
+                continue
+            conn.execute(sql)  # type: ignore[arg-type]  # our own constant text
+            conn.execute("INSERT INTO handoffd.schema_version (version, description) "
+                         "VALUES (%s, %s)", (number, description))
+            applied.append(number)
+    return max([version, *applied]), applied
