@@ -6,7 +6,7 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterable, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterable, Optional, TypeVar
 
 import typer
 
@@ -144,8 +144,16 @@ def workspace(root: Path | None, *, create: bool = False) -> Workspace:
     return ws
 
 
+StoreOption = Annotated[
+    Optional[str],
+    typer.Option("--store", help="Store URL, e.g. postgresql://user@host/db (default: "
+                 "$HANDOFFD_STORE, else [store] url, else the workspace's files).",
+                 show_default=False),
+]
+
+
 def engine(root: Path | None, *, create: bool = False,
-           features: Iterable[str] | None = None) -> Engine:
+           features: Iterable[str] | None = None, store: str | None = None) -> Engine:
     """An Engine over the chosen workspace with ``features`` installed (by name; None: every
     feature). A command that only reads, or only creates, names what it needs: importing and
     installing every feature is a daemon's start-up cost, not a one-shot command's."""
@@ -153,5 +161,5 @@ def engine(root: Path | None, *, create: bool = False,
         DEFAULT_FEATURES,
         build_engine,
     )
-    return build_engine(workspace(root, create=create),
+    return build_engine(workspace(root, create=create), store=store,
                         features=DEFAULT_FEATURES if features is None else features)

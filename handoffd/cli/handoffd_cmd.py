@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -16,10 +16,15 @@ from ..core.workspace import network_filesystem
 from ..service.daemon import Daemon
 from ..service.sweeper import sweep as sweep_once
 from ..service.systemd import SystemdNotifier
-from .common import RootOption, engine, guarded, new_app, run_app, workspace
+from .common import RootOption, StoreOption, engine, guarded, new_app, run_app, workspace
+from .db_cmd import db_app
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
 
 PROG = "handoffd"
 app = new_app("The handoffd daemon: claims handoffs and runs their specialists.")
+app.add_typer(db_app, name="db")  # handoffd db init / import: the PostgreSQL store
 
 Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Worker threads (default: [daemon] workers).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log every transition.")]
@@ -58,13 +63,17 @@ def _logging(verbose: bool, *, quiet: bool = False, log_format: str = "text") ->
                          else logging.Formatter("handoffd: %(levelname)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("watchdog").setLevel(logging.WARNING)
+    # psycopg's pool logs every failed reconnection attempt: the backend says it in one line
+    logging.getLogger("psycopg").setLevel(logging.CRITICAL)
 
 
-def _warn_if_shared(root: Path) -> None:
-    """Say so when the workspace is on a network filesystem: file locks there are local or
+def _warn_if_shared(eng: Engine) -> None:
+    """Say so when a files workspace is on a network filesystem: file locks there are local or
     emulated and inotify misses other hosts' writes, so another host's claim is judged by its
-    lease alone (docs/guarantees.md)."""
-    fs = network_filesystem(root)
+    lease alone (docs/guarantees.md). A PostgreSQL store does not depend on the filesystem."""
+    if hasattr(eng.backend, "ingest"):
+        return
+    fs = network_filesystem(eng.ws.root)
     if fs:
         logging.getLogger("handoffd").warning(
             "the workspace is on a network filesystem (%s): claims of other hosts are recovered "
@@ -75,15 +84,15 @@ def _warn_if_shared(root: Path) -> None:
 @app.command()
 @guarded(PROG)
 def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = False,
-          log_format: LogFormat = "text") -> None:
+          log_format: LogFormat = "text", store: StoreOption = None) -> None:
     """Run in the foreground until SIGTERM/SIGINT; then finish or hand back work and exit 0.
 
     Exits 1 if the main loop dies of an unexpected error (after logging it with a traceback
     and handing in-flight work back), so that a supervisor restarts it.
     """
     _logging(verbose, log_format=log_format)
-    eng = engine(root, create=True)
-    _warn_if_shared(eng.ws.root)
+    eng = engine(root, create=True, store=store)
+    _warn_if_shared(eng)
     daemon = Daemon(eng, workers=workers)
     daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
         "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid, "state": st.value}))
@@ -113,7 +122,7 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
         quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
         max_seconds: Annotated[Optional[float], typer.Option(
             "--max-seconds", min=0.0, help="Stop after S seconds: hand back what still runs.")] = None,
-        log_format: LogFormat = "text",
+        log_format: LogFormat = "text", store: StoreOption = None,
         ) -> None:
     """One batch for cron: recover, process everything due, wait for it, exit.
 
@@ -124,8 +133,8 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     or the main loop died of an unexpected error (logged with a traceback; work handed back).
     """
     _logging(verbose, quiet=quiet, log_format=log_format)
-    eng = engine(root, create=True)
-    _warn_if_shared(eng.ws.root)
+    eng = engine(root, create=True, store=store)
+    _warn_if_shared(eng)
     report = Daemon(eng, workers=workers, watch=False).run_batch(install_signals=True,
                                                                  max_seconds=max_seconds)
     if report.error:
@@ -170,10 +179,10 @@ def mcp(root: RootOption = None,
 
 @app.command()
 @guarded(PROG)
-def sweep(root: RootOption = None, verbose: Verbose = False) -> None:
+def sweep(root: RootOption = None, verbose: Verbose = False, store: StoreOption = None) -> None:
     """Recover stale claims, repair interrupted moves, clean temp files, then exit."""
     _logging(verbose)
-    eng = engine(root, create=True)
+    eng = engine(root, create=True, store=store)
     report = sweep_once(eng)
     print(f"{PROG}: sweep: {report.summary()}", file=sys.stderr)
 

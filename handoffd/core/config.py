@@ -15,7 +15,10 @@ from typing import Any
 
 from .errors import ConfigError
 
-SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers", "on_filed"})
+SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers", "on_filed", "store"})
+STORE_KEYS = frozenset({"url", "pool_size", "reconnect_seconds"})
+STORE_SCHEMES = ("postgresql://", "postgres://")
+STORE_ENV = "HANDOFFD_STORE"  # the store URL from the environment (beats the file)
 SPECIALIST_KEYS = frozenset({"command", "handler", "input_schema", "output_schema", "timeout_seconds",
                              "concurrency", "retry", "env", "cwd"})
 POSITIVE_SETTINGS = ("rescan_seconds", "sweep_seconds", "lease_seconds", "max_document_bytes",
@@ -141,6 +144,43 @@ class SpecialistConfig:
 
 
 @dataclass
+class StoreSettings:
+    """``[store]`` in handoffd.toml: where the handoffs live. ``url`` None: this workspace's
+    handoffs/ folders (the files backend); ``postgresql://...``: that database."""
+
+    url: str | None = None
+    pool_size: int = 8  # connections one process may open (daemons: at least workers + 2)
+    reconnect_seconds: float = 60.0  # how long an operation retries a lost connection
+
+
+def check_store_url(url: str, where: str = "store url") -> str:
+    """``url`` if it names a PostgreSQL database; ConfigError otherwise."""
+    if not isinstance(url, str) or not url.startswith(STORE_SCHEMES) or any(
+            c in url for c in "\n\r\0"):
+        raise ConfigError(f"{where}: give a postgresql://user@host/dbname URL (no value: the "
+                          "workspace's files)")
+    return url
+
+
+def parse_store(table: Any, path: Path | str = "handoffd.toml") -> StoreSettings:
+    """The ``[store]`` table as StoreSettings; ConfigError naming the first problem."""
+    if not isinstance(table, dict) or set(table) - STORE_KEYS:
+        raise ConfigError(f"{path}: [store] is a table with keys {', '.join(sorted(STORE_KEYS))}")
+    settings = StoreSettings()
+    if "url" in table:
+        settings.url = check_store_url(table["url"], f"{path}: [store] url")
+    size = table.get("pool_size", settings.pool_size)
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= 1000:
+        raise ConfigError(f"{path}: [store] pool_size must be a whole number 1-1000")
+    settings.pool_size = size
+    wait = table.get("reconnect_seconds", settings.reconnect_seconds)
+    if not _finite_number(wait) or not 0 <= wait <= MAX_SECONDS:
+        raise ConfigError(f"{path}: [store] reconnect_seconds must be a number of seconds >= 0")
+    settings.reconnect_seconds = float(wait)
+    return settings
+
+
+@dataclass
 class Config:
     """Everything handoffd.toml says (defaults when the file is absent)."""
 
@@ -154,6 +194,20 @@ class Config:
     tiers: dict[str, str] = field(default_factory=dict)
     #: ``[[on_filed]]``: who to tell when a handoff is filed (the notify feature).
     on_filed: list[NotifyRule] = field(default_factory=list)
+    #: ``[store]``: the files backend (no url) or a PostgreSQL database.
+    store: StoreSettings = field(default_factory=StoreSettings)
+
+    def store_url(self, override: str | None = None) -> str | None:
+        """The store to use: ``override`` (``--store``), else ``$HANDOFFD_STORE``, else
+        ``[store] url``; None: the workspace's files. ConfigError for a URL that is not
+        PostgreSQL's."""
+        import os
+        if override:
+            return check_store_url(override, "--store")
+        env = os.environ.get(STORE_ENV)
+        if env:
+            return check_store_url(env, f"${STORE_ENV}")
+        return self.store.url
 
 
 NOTIFY_KEYS = frozenset({"command", "url", "secret", "secret_env", "states", "agents", "retries",
@@ -232,6 +286,7 @@ def load_config(path: Path) -> Config:
     config.namespaces = parse_namespaces(raw.get("namespaces", {}), path)
     config.tiers = parse_tiers(raw.get("tiers", {}), path)
     config.on_filed = parse_on_filed(raw.get("on_filed", []), path)
+    config.store = parse_store(raw.get("store", {}), path)
     for agent, table in (raw.get("specialists") or {}).items():
         config.specialists[agent] = specialist_from_table(agent, table, config.retry, path)
     return config

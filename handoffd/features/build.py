@@ -8,6 +8,7 @@ features in order; ``features=()`` gives a bare engine that runs plain handoffs 
 from __future__ import annotations
 
 import importlib
+import socket
 import time
 from typing import Callable, Iterable
 
@@ -73,15 +74,35 @@ FEATURES: dict[str, Feature] = {
     "context": install_context,  # ctx.context for Python handlers
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
     "notify": install_notify,  # [[on_filed]]: command / webhook notices of filed handoffs
+    # a PostgreSQL store: files dropped into this workspace's pending/ in, their results out
+    "filebridge": _installer(".filebridge"),
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 
 
+def origin_of(workspace: Workspace) -> str:
+    """How a shared store names this workspace (host and path): the files dropped into its
+    pending/ are ingested under it, and their terminal documents come back to it."""
+    return f"{socket.gethostname()}:{workspace.root}"
+
+
 def open_backend(workspace: Workspace, config: Config, *,
-                 monotonic: Callable[[], float] = time.monotonic) -> Backend:
-    """The store ``config`` names for ``workspace``: today the files backend (its handoffs/
-    folders), which routes documents of every format (``dialects.describe``)."""
+                 monotonic: Callable[[], float] = time.monotonic,
+                 store: str | None = None, workers: int | None = None) -> Backend:
+    """The store for ``workspace``: the PostgreSQL database that ``store`` (``--store``),
+    ``$HANDOFFD_STORE`` or ``[store] url`` names, else the files backend (its handoffs/
+    folders). Either routes documents of every format (``dialects.describe``). ``workers``:
+    the daemon's worker threads (the connection pool is sized for them)."""
     settings = config.daemon
+    url = config.store_url(store)
+    if url is not None:  # psycopg is imported only here: a files workspace never loads it
+        from ..backends.postgres import PostgresBackend
+        return PostgresBackend(url, describe=dialects.describe,
+                               seen_ttl_seconds=settings.seen_ttl_seconds,
+                               pool_size=max(config.store.pool_size,
+                                             (workers or settings.workers) + 2),
+                               reconnect_seconds=config.store.reconnect_seconds,
+                               origin=origin_of(workspace))
     return FilesBackend.open(workspace, describe=dialects.describe, monotonic=monotonic,
                              ensure=False, claim_grace_seconds=settings.claim_grace_seconds,
                              durable=settings.durable,
@@ -93,14 +114,15 @@ def open_backend(workspace: Workspace, config: Config, *,
 def build_engine(workspace: Workspace, config: Config | None = None,
                  registry: Registry | None = None, *, clock: Clock = utc_now,
                  monotonic: Callable[[], float] = time.monotonic,
-                 backend: Backend | None = None,
+                 backend: Backend | None = None, store: str | None = None,
                  features: Iterable[Feature | str] = DEFAULT_FEATURES) -> Engine:
     """An Engine for ``workspace`` with ``features`` installed (callables, or names from
     :data:`FEATURES`). ``backend``: the store (default: :func:`open_backend`); ``monotonic``
-    judges how long another process's lease went unrenewed (a clock that never steps)."""
+    judges how long another process's lease went unrenewed (a clock that never steps);
+    ``store``: a store URL that beats the configuration's (``--store``)."""
     config = config or workspace.load_config()
     if backend is None:
-        backend = open_backend(workspace, config, monotonic=monotonic)
+        backend = open_backend(workspace, config, monotonic=monotonic, store=store)
     engine = Engine(workspace, config, registry, backend=backend, formats=dialects, clock=clock)
     # formats review results before any feature's checks (seed 002: reported artifacts exist)
     engine.after_run.append(dialects.review_outcome)
@@ -111,4 +133,4 @@ def build_engine(workspace: Workspace, config: Config | None = None,
 
 
 __all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts",
-           "install_context", "open_backend"]
+           "install_context", "open_backend", "origin_of"]

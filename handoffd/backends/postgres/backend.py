@@ -192,13 +192,23 @@ class PostgresBackend(FencedFiling, Backend):
             self._subscribers.fire(handoff_id, State.PENDING.value)
         return done
 
-    def unexported(self, origin: str, limit: int = 200) -> builtins.list[tuple[str, State, Doc]]:
-        """Finished handoffs ingested by ``origin`` whose terminal file it has not written."""
+    def unexported(self, origin: str, *, ids: builtins.list[str] | None = None,
+                   limit: int = 500) -> builtins.list[tuple[str, State, Doc]]:
+        """Finished handoffs ingested by ``origin`` whose terminal file it has not written
+        (``ids``: only among those)."""
+        among = " AND id = ANY(%s)" if ids is not None else ""
+        params: builtins.list[Any] = [origin, *([ids] if ids is not None else []), limit]
         rows = self.db.run(lambda conn, _: conn.execute(
             f"SELECT id, state, doc FROM {T} WHERE origin = %s AND NOT exported "
-            "AND state IN ('completed', 'failed') ORDER BY updated_at LIMIT %s",
-            (origin, limit)).fetchall())
+            f"AND state IN ('completed', 'failed'){among} ORDER BY updated_at LIMIT %s",
+            params).fetchall())
         return [(r[0], State(r[1]), r[2]) for r in rows]
+
+    def origin_of(self, handoff_id: str) -> str | None:
+        """The workspace that ingested ``handoff_id`` from a file (None: none did, or unknown)."""
+        found = self.db.run(lambda conn, _: conn.execute(
+            f"SELECT origin FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
+        return None if found is None else found[0]  # type: ignore[no-any-return]
 
     def mark_exported(self, handoff_id: str, state: State) -> None:
         """``origin`` wrote the terminal file of ``handoff_id`` (in ``state``)."""
@@ -406,7 +416,12 @@ class PostgresBackend(FencedFiling, Backend):
                  "stored_as": r[0], "document": r[5]} for r in rows]
 
     def create_failed(self, handoff_id: str, doc: Doc) -> bool:
-        now = utc_now()
+        return self.import_finished(handoff_id, State.FAILED, doc, utc_now())
+
+    def import_finished(self, handoff_id: str, state: State, doc: Doc, now: datetime) -> bool:
+        """Store ``doc`` as a finished handoff (``state`` completed or failed) under an id
+        nothing holds: a failure stub, or a finished document moved in from a files workspace
+        (``handoffd db import``). False when the id is taken."""
         text = encode(doc, strict=False)
         columns = self._columns(doc, now)
         write_id = uuid.uuid4().hex
@@ -416,20 +431,21 @@ class PostgresBackend(FencedFiling, Backend):
                 return True
             inserted = conn.execute(
                 f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
-                " updated_at, created_at, write_id) VALUES (%(id)s, 'failed', %(doc)s::jsonb,"
+                " updated_at, created_at, write_id) VALUES (%(id)s, %(state)s, %(doc)s::jsonb,"
                 " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(due_at)s,"
                 " %(updated_at)s, %(now)s, %(write_id)s) ON CONFLICT (id) DO NOTHING RETURNING id",
-                {**columns, "id": handoff_id, "doc": text, "now": now, "write_id": write_id},
+                {**columns, "id": handoff_id, "state": state.value, "doc": text, "now": now,
+                 "write_id": write_id},
             ).fetchone()
             if inserted is None:
                 return False
-            self._event(conn, handoff_id, doc, State.FAILED, "failed")
-            self._notify(conn, handoff_id, State.FAILED.value)
+            self._event(conn, handoff_id, doc, state, state.value)
+            self._notify(conn, handoff_id, state.value)
             return True
 
         done = self.db.run(op)
         if done:
-            self._subscribers.fire(handoff_id, State.FAILED.value)
+            self._subscribers.fire(handoff_id, state.value)
         return done
 
     def reopen(self, handoff_id: str, doc: Doc) -> bool:
@@ -537,7 +553,7 @@ class PostgresBackend(FencedFiling, Backend):
 
     def close(self) -> None:
         if self._listener is not None:
-            self._listener.stop()
+            self._listener.close()
         self.db.close()
 
 

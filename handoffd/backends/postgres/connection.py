@@ -15,6 +15,7 @@ hears is a hint only: when the connection drops it reconnects with backoff and t
 from __future__ import annotations
 
 import logging
+import os
 import select
 import threading
 import time
@@ -145,6 +146,8 @@ class Listener:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # stop() interrupts the select at once
+        os.set_blocking(self._wake_w, False)
 
     def start(self) -> None:
         """Start listening (returns once the first LISTEN is in place, or after 5 s)."""
@@ -152,6 +155,7 @@ class Listener:
             return
         self._stop.clear()
         self._ready.clear()
+        self._drain_wake()
         self._thread = threading.Thread(target=self._loop, name="handoffd-listen", daemon=True)
         self._thread.start()
         self._ready.wait(5.0)
@@ -163,6 +167,10 @@ class Listener:
     def stop(self) -> None:
         """Stop the thread (it notices within a second)."""
         self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # the pipe is full: the thread is being woken already
+            pass
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         self._thread = None
@@ -197,11 +205,30 @@ class Listener:
 
     def _listen(self, conn: Conn) -> None:
         while not self._stop.is_set():
-            readable, _, _ = select.select([conn.fileno()], [], [], 1.0)
-            if readable:
+            readable, _, _ = select.select([conn.fileno(), self._wake_r], [], [], 5.0)
+            if self._stop.is_set():
+                return
+            if conn.fileno() in readable:
                 # notifications arrive with any result: a no-op round trip delivers them to the
                 # handler (and raises at once when the server has closed the connection)
                 conn.execute("SELECT 1")
+
+    def _drain_wake(self) -> None:
+        os.set_blocking(self._wake_r, False)
+        try:
+            while os.read(self._wake_r, 64):
+                pass
+        except OSError:  # empty
+            pass
+
+    def close(self) -> None:
+        """Stop the thread and release the wake-up pipe."""
+        self.stop()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _deliver(self, payload: str) -> None:
         try:

@@ -1,0 +1,139 @@
+"""Files keep working on every host: the bridge between one workspace's handoffs/ folders and the
+shared PostgreSQL store.
+
+Agents that only write files drop documents into their host's ``handoffs/pending/``. With a
+PostgreSQL store the host's daemon ingests each one into the database (a *raw* handoff: admission
+validates it, as it would a file) under its file name as id, then removes the file; ingesting
+again is a no-op (idempotent by id). When a handoff this workspace ingested reaches a terminal
+state, wherever it ran, the bridge writes the terminal document (in its own format) into this
+workspace's ``completed/`` or ``failed/``, so a file-only agent sees no difference.
+
+A file that can never be ingested (unreadable, not a JSON object, an unsafe name, an id another
+workspace's handoff holds) is quarantined locally with its reason, and a failure stub is filed
+in the local ``failed/`` when its name is a safe id, as the files backend does.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from datetime import datetime
+from typing import Any, Callable
+
+from ...core.documents import check_id
+from ...core.errors import ErrorCode, InvalidDocument
+from ...core.states import State
+from ...core.timeutil import utc_now
+from ..files import fsio
+from ..files.problems import read_error
+from ..files.store import Store
+from .backend import PostgresBackend
+
+log = logging.getLogger("handoffd")
+HALF_WRITTEN = (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8)
+Stub = Callable[[str, str, str], dict[str, Any]]  # (handoff id, code, message) -> a failure document
+
+
+class FileBridge:
+    """Moves ``store``'s pending files into ``backend`` and brings back the terminal documents
+    of what it moved (``origin`` names the workspace in the database)."""
+
+    def __init__(self, backend: PostgresBackend, store: Store, origin: str, *,
+                 stub: Stub | None = None, clock: Callable[[], datetime] = utc_now) -> None:
+        self.backend = backend
+        self.store = store
+        self.origin = origin
+        self.stub = stub
+        self.clock = clock
+
+    # ------------------------------------------------------------ files -> database
+    def ingest_all(self) -> int:
+        """Ingest every document in pending/; returns how many were new to the database."""
+        count = 0
+        for entry in list(self.store.entries(State.PENDING)):
+            if entry.name.endswith(".json") and not entry.name.startswith("."):
+                count += self.ingest(entry.name[:-5]) == "ingested"
+        return count
+
+    def ingest(self, handoff_id: str) -> str:
+        """Ingest pending/``handoff_id``.json. Returns what happened: ``ingested``, ``known``
+        (the database had it from us already: the file is removed), ``gone``, ``later`` (still
+        being written, or a transient error) or ``set aside``."""
+        path = self.store.path(State.PENDING, handoff_id)
+        try:
+            check_id(handoff_id)
+        except InvalidDocument as exc:
+            return self._set_aside(handoff_id, ErrorCode.UNSAFE_ID, str(exc), stub=False)
+        try:
+            doc = self.store.read(State.PENDING, handoff_id)
+        except FileNotFoundError:
+            return "gone"
+        except Exception as exc:  # an invalid document, a socket, EACCES...: say why, once
+            problem = read_error(path, exc, handoff_id)
+            if problem.transient or (problem.code in HALF_WRITTEN and self._young(path)):
+                return "later"
+            return self._set_aside(handoff_id, problem.code, str(problem))
+        try:
+            fresh = self.backend.ingest(doc, handoff_id, self.clock(), self.origin)
+        except InvalidDocument as exc:  # e.g. NUL characters, which jsonb cannot hold
+            return self._set_aside(handoff_id, exc.code, f"pending/{handoff_id}.json: {exc}")
+        if not fresh and self.backend.origin_of(handoff_id) != self.origin:
+            return self._set_aside(
+                handoff_id, ErrorCode.DUPLICATE_HANDOFF_ID,
+                f"handoff {handoff_id} already exists in the shared store; a second document "
+                "with the same id is never run", stub=False)
+        fsio.unlink(path, durable=False)  # in the database now (a crash before: re-ingested)
+        if fresh:
+            log.info("ingested pending/%s.json into the shared store", handoff_id,
+                     extra={"event": "ingested", "handoff_id": handoff_id})
+        return "ingested" if fresh else "known"
+
+    def _young(self, path: os.PathLike[str]) -> bool:
+        try:
+            return self.clock().timestamp() - os.stat(path).st_mtime < self.store.settle_seconds
+        except OSError:
+            return False
+
+    def _set_aside(self, handoff_id: str, code: str, message: str, *, stub: bool = True) -> str:
+        try:
+            self.store.quarantine(self.store.path(State.PENDING, handoff_id), code, message)
+        except FileNotFoundError:
+            return "gone"
+        log.warning("set aside pending/%s.json: %s: %s", handoff_id, code, message)
+        if stub and self.stub is not None and not self.store.locate(handoff_id):
+            answer = self.stub(handoff_id, code, message)
+            self.backend.create_failed(handoff_id, answer)  # `handoff wait` on it ends too
+            self._write(handoff_id, State.FAILED, answer)
+        return "set aside"
+
+    # ------------------------------------------------------------ database -> files
+    def export(self, ids: list[str] | None = None) -> int:
+        """Write the terminal documents of the handoffs this workspace ingested that finished
+        since (``ids``: only those); returns how many were written."""
+        written = 0
+        for handoff_id, state, doc in self.backend.unexported(self.origin, ids=ids):
+            try:
+                self._write(handoff_id, state, doc)
+            except OSError as exc:  # disk full, permissions: the next scan tries again
+                log.error("cannot write %s/%s.json: %s; will try again", state.value,
+                          handoff_id, exc)
+                continue
+            self.backend.mark_exported(handoff_id, state)
+            written += 1
+        return written
+
+    def _write(self, handoff_id: str, state: State, doc: dict[str, Any]) -> None:
+        other = State.FAILED if state is State.COMPLETED else State.COMPLETED
+        # a failed handoff retried by hand may end completed: one terminal file, the latest
+        fsio.unlink(self.store.path(other, handoff_id), durable=False)
+        self.store.path(state, handoff_id).parent.mkdir(parents=True, exist_ok=True)
+        fsio.replace(self.store.path(state, handoff_id),
+                     self.store.encode(dict(doc), state, handoff_id), self.store.ws.tmp,
+                     durable=self.store.durable)
+
+    def sync(self) -> None:
+        """One pass both ways (at every daemon scan)."""
+        self.ingest_all()
+        self.export()
+
+
+__all__ = ["FileBridge"]

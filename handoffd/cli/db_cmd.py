@@ -1,0 +1,82 @@
+"""``handoffd db``: set up the PostgreSQL store and move a files workspace into it."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ..core.errors import UsageError
+from .common import JsonOption, RootOption, StoreOption, guarded, workspace
+
+PROG = "handoffd"
+db_app = typer.Typer(help="The PostgreSQL store: create or upgrade its schema, import a "
+                          "workspace's files.", no_args_is_help=True)
+
+
+def _url(root: Path | None, store: str | None) -> tuple[Any, str]:
+    """The workspace and the PostgreSQL URL chosen by --store, $HANDOFFD_STORE or [store] url."""
+    ws = workspace(root, create=True)
+    url = ws.load_config().store_url(store)
+    if url is None:
+        raise UsageError("no PostgreSQL store: pass --store postgresql://..., set "
+                         "$HANDOFFD_STORE, or add [store] url = \"postgresql://...\" to "
+                         "handoffd.toml")
+    return ws, url
+
+
+@db_app.command("init")
+@guarded(PROG)
+def init(root: RootOption = None, store: StoreOption = None) -> None:
+    """Create or upgrade handoffd's tables (idempotent); prints the schema version."""
+    import psycopg
+
+    from ..backends.postgres.connection import StoreError, redact
+    from ..backends.postgres.schema import migrate
+    _, url = _url(root, store)
+    try:
+        with psycopg.connect(url, connect_timeout=10) as conn:
+            version, applied = migrate(conn)
+    except psycopg.OperationalError as exc:
+        raise StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: "
+                         f"{' '.join(str(exc).split())}") from None
+    print(f"schema version {version}")
+    print(f"{PROG}: db init: " + (f"applied migration(s) {', '.join(map(str, applied))}"
+                                  if applied else "already up to date"), file=sys.stderr)
+
+
+@db_app.command("import")
+@guarded(PROG)
+def import_(root: RootOption = None, store: StoreOption = None, as_json: JsonOption = False) -> None:
+    """Move this workspace's pending and finished handoff files into the PostgreSQL store
+    (idempotent by id: run it again after an interruption). Pending files are removed once
+    in the database, finished ones are copied and kept."""
+    from .. import dialects
+    from ..backends.files.backend import FilesBackend
+    from ..backends.postgres import PostgresBackend
+    from ..backends.postgres.transfer import import_workspace
+    from ..core.timeutil import utc_now
+    from ..features.build import build_engine, origin_of
+    from ..features.filebridge import bridge_for
+    ws, url = _url(root, store)
+    config = ws.load_config()
+    settings = config.daemon
+    backend = PostgresBackend(url, describe=dialects.describe,
+                              seen_ttl_seconds=settings.seen_ttl_seconds, origin=origin_of(ws))
+    files = FilesBackend.open(ws, describe=dialects.describe, watch=False, ensure=False,
+                              durable=settings.durable, max_document_bytes=settings.max_document_bytes,
+                              settle_seconds=settings.settle_seconds)
+    try:
+        engine = build_engine(ws, config, backend=backend, features=())
+        report = import_workspace(backend, files, bridge_for(engine), utc_now())
+    finally:
+        files.close()
+        backend.close()
+    if as_json:
+        print(json.dumps({"imported": report.imported, "already": report.already,
+                          "set_aside": report.set_aside, "unreadable": report.unreadable,
+                          "in_progress": report.in_progress}))
+    else:
+        print(report.line())
