@@ -1,0 +1,279 @@
+"""The PostgreSQL store beyond the conformance suite: claimers on several connections, fencing
+after a takeover, reconnection, choosing the store, ``handoffd db``, and real processes (a daemon
+with the CLI, the file bridge between two hosts' workspaces).
+
+Every test needing a server takes ``pg_url`` (a fresh database on the session's throw-away
+cluster, tests/pgserver.py); without a server they are skipped with the reason."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FLAKY_TOML, Workspace, exe
+
+from handoffd.core.config import Config, StoreSettings, load_config
+from handoffd.core.documents import new_native_request, record
+from handoffd.core.errors import ConfigError
+from handoffd.core.states import State
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
+
+T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
+LEASE = 30.0
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def request(handoff_id: str, target: str = "@a", data: Any = None) -> dict[str, Any]:
+    return new_native_request(source="@test", target=target, data=data or {"id": handoff_id},
+                              now=T0, handoff_id=handoff_id)
+
+
+def backend(url: str, **options: Any) -> Any:
+    from handoffd.backends.postgres import PostgresBackend
+    return PostgresBackend(url, **options)
+
+
+def sql(url: str, statement: str, *params: Any) -> list[tuple[Any, ...]]:
+    import psycopg
+    with psycopg.connect(url, autocommit=True) as conn:
+        cur = conn.execute(statement, params or None)  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description else []
+
+
+# ---------------------------------------------------------------- choosing the store (no server)
+def test_store_url_from_file_env_and_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HANDOFFD_STORE", raising=False)
+    (tmp_path / "handoffd.toml").write_text('[store]\nurl = "postgresql://u@h/file"\npool_size = 4\n')
+    config = load_config(tmp_path / "handoffd.toml")
+    assert config.store == StoreSettings("postgresql://u@h/file", 4, 60.0)
+    assert config.store_url() == "postgresql://u@h/file"
+    monkeypatch.setenv("HANDOFFD_STORE", "postgres://u@h/env")
+    assert config.store_url() == "postgres://u@h/env"  # the environment beats the file
+    assert config.store_url("postgresql://u@h/flag") == "postgresql://u@h/flag"  # the flag beats both
+    monkeypatch.delenv("HANDOFFD_STORE")
+    assert Config().store_url() is None  # no [store]: the workspace's files
+
+
+@pytest.mark.parametrize("table", ['url = "mysql://x/y"', "url = 3", 'host = "x"', "pool_size = 0",
+                                   "reconnect_seconds = -1", 'url = "postgresql://a\\nb"'])
+def test_bad_store_settings_are_config_errors(tmp_path: Path, table: str) -> None:
+    (tmp_path / "handoffd.toml").write_text(f"[store]\n{table}\n")
+    with pytest.raises(ConfigError):
+        load_config(tmp_path / "handoffd.toml")
+
+
+def test_a_files_workspace_never_imports_psycopg(ws: Workspace) -> None:
+    code = ("import sys; from handoffd.cli.handoff_cmd import main; sys.argv = ['handoff', "
+            f"'create', '--from', '@t', '--to', '@flaky', '--root', {str(ws.root)!r}]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('psycopg' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "HANDOFFD_STORE"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr
+
+
+def test_an_unreachable_store_is_one_clear_line(ws: Workspace) -> None:
+    done = subprocess.run(
+        [exe("handoffd"), "sweep", "--root", str(ws.root), "--store",
+         "postgresql://nobody@/nowhere?host=/nonexistent-dir&connect_timeout=2"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "cannot connect to the PostgreSQL store" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- the backend, several connections
+def test_concurrent_claimers_on_several_connections_never_share_a_handoff(pg_url: str) -> None:
+    writers = [backend(pg_url, pool_size=3) for _ in range(4)]
+    try:
+        for n in range(200):
+            writers[n % 4].create(request(f"c{n:03d}", ("@a", "@b")[n % 2]), f"c{n:03d}", at(n % 7))
+        start = threading.Barrier(8)
+        got: list[list[str]] = [[] for _ in range(8)]
+
+        def worker(index: int) -> None:
+            mine = writers[index % 4]
+            start.wait()
+            while (claim := mine.claim_next(("@a", "@b"), at(60), LEASE)) is not None:
+                got[index].append(claim.id)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        claimed = [i for mine in got for i in mine]
+        assert len(claimed) == 200 and len(set(claimed)) == 200
+        assert sum(1 for mine in got if mine) >= 2  # the work really was shared
+        assert sql(pg_url, "SELECT count(*) FROM handoffd.handoffs WHERE state = 'in-progress'") \
+            == [(200,)]
+    finally:
+        for one in writers:
+            one.close()
+
+
+def test_a_fenced_finish_after_takeover_writes_nothing(pg_url: str) -> None:
+    owner, sweeper = backend(pg_url), backend(pg_url)
+    try:
+        owner.create(request("h1"), "h1", T0)
+        stale = owner.claim("h1", at(1), LEASE)
+        assert stale is not None
+        taken = sweeper.expired_claims(at(LEASE + 2), LEASE)
+        assert [c.id for c in taken] == ["h1"]
+        before = sql(pg_url, "SELECT doc, lease_token FROM handoffd.handoffs WHERE id = 'h1'")
+        record(stale.doc, "completed", at(LEASE + 3))
+        stale.doc["status"] = "completed"
+        assert not owner.finish(stale, State.COMPLETED, stale.doc)
+        assert not owner.renew(stale, at(LEASE + 3), LEASE)
+        assert not owner.requeue(stale, stale.doc, None, count_attempt=False)
+        assert sql(pg_url, "SELECT doc, lease_token FROM handoffd.handoffs WHERE id = 'h1'") == before
+        record(taken[0].doc, "failed", at(LEASE + 4))
+        assert sweeper.finish(taken[0], State.FAILED, taken[0].doc)
+        events = sql(pg_url, "SELECT event, state FROM handoffd.events WHERE handoff_id = 'h1' "
+                             "ORDER BY seq")
+        assert events == [("created", "pending"), ("claimed", "in-progress"), ("failed", "failed")]
+    finally:
+        owner.close()
+        sweeper.close()
+
+
+def test_lost_connections_are_retried_and_said_once(pg_url: str,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    store = backend(pg_url, pool_size=2)
+    try:
+        store.create(request("h1"), "h1", T0)
+        held = store.claim("h1", at(1), LEASE)
+        with caplog.at_level(logging.WARNING, logger="handoffd"):
+            sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                        "datname = current_database() AND pid <> pg_backend_pid()")
+            assert store.renew(held, at(2), LEASE)  # a new connection, transparently
+            record(held.doc, "completed", at(3))
+            assert store.finish(held, State.COMPLETED, held.doc)
+        assert store.get("h1")[0] is State.COMPLETED
+    finally:
+        store.close()
+
+
+def test_wakeups_cross_processes_through_notify(pg_url: str) -> None:
+    listener, writer = backend(pg_url), backend(pg_url)
+    heard = threading.Event()
+    stop = listener.subscribe(lambda w: heard.set() if (w.handoff_id, w.kind) == ("x1", "pending")
+                              else None)
+    try:
+        writer.create(request("x1"), "x1", T0)
+        assert heard.wait(5), "no NOTIFY from another connection"
+    finally:
+        stop()
+        listener.close()
+        writer.close()
+
+
+def test_documents_jsonb_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None:
+    from handoffd.core.errors import InvalidDocument
+    store = backend(pg_url)
+    try:
+        bad = request("nul")
+        bad["input"]["data"] = {"text": "a\u0000b"}
+        with pytest.raises(InvalidDocument):
+            store.create(bad, "nul", T0)
+        assert store.get("nul") is None
+        store.create(request("ok"), "ok", T0)
+        held = store.claim("ok", at(1), LEASE)
+        held.doc["output"] = {"text": "x\u0000y\ud800"}  # a handler's output: kept, cleaned
+        record(held.doc, "completed", at(2))
+        assert store.finish(held, State.COMPLETED, held.doc)
+        assert store.get("ok")[1]["output"] == {"text": "x\ufffdy?"}
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- handoffd db
+def test_db_init_is_idempotent_and_prints_the_version(ws: Workspace, pg_url: str) -> None:
+    for applied in ("applied migration(s) 1", "already up to date"):
+        done = ws.handoffd("db", "init", "--store", pg_url)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "schema version 1" and applied in done.stderr
+    no_store = ws.handoffd("db", "init")
+    assert no_store.returncode == 2 and "no PostgreSQL store" in no_store.stderr
+
+
+def test_db_import_moves_a_files_workspace_in(ws: Workspace, pg_url: str) -> None:
+    done_id = ws.create("--from", "@t", "--to", "@flaky", "--data", '{"mode": "ok"}')
+    assert ws.handoffd("run").returncode == 0
+    waiting = ws.create("--from", "@t", "--to", "@flaky", "--id", "waits-1")
+    ws.drop("raw-1.json", request("raw-1", "@flaky"))
+    ws.drop("junk.json", "{not json")
+    first = ws.handoffd("db", "import", "--store", pg_url, "--json")
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)
+    assert report["imported"] == {"pending": 2, "completed": 1, "failed": 0}
+    assert report["set_aside"] == ["junk"]
+    assert ws.state_of(waiting) == [] and ws.state_of(done_id) == ["completed"]
+    again = json.loads(ws.handoffd("db", "import", "--store", pg_url, "--json").stdout)
+    assert again["imported"] == {"pending": 0, "completed": 0, "failed": 0} and again["already"] == 2  # + the stub of junk
+    states = dict(sql(pg_url, "SELECT id, state FROM handoffd.handoffs"))
+    assert states == {done_id: "completed", "waits-1": "pending", "raw-1": "pending",
+                      "junk": "failed"}
+
+
+# ---------------------------------------------------------------- real processes
+def pg_workspace(root: Path, url: str, specialists: bool = True) -> Workspace:
+    root.mkdir(parents=True, exist_ok=True)
+    space = Workspace(root)
+    text = FLAKY_TOML if specialists else FLAKY_TOML.split('[specialists."@flaky"]')[0]
+    space.write_config(text + f'\n[store]\nurl = "{url}"\n')
+    HandoffdWorkspace(root).ensure()
+    return space
+
+
+def test_daemon_and_cli_on_postgres(tmp_path: Path, pg_url: str) -> None:
+    space = pg_workspace(tmp_path / "ws", pg_url)
+    try:
+        space.serve()
+        ids = [space.create("--from", "@t", "--to", "@flaky", "--data", json.dumps({"mode": m}))
+               for m in ("ok", "permanent")]
+        assert space.handoff("wait", ids[0], "--timeout", "30").returncode == 0
+        assert space.handoff("wait", ids[1], "--timeout", "30").returncode == 1
+        listing = json.loads(space.handoff("ls", "--json", check=True).stdout)
+        assert {(r["id"], r["state"]) for r in listing} == {(ids[0], "completed"),
+                                                           (ids[1], "failed")}
+        shown = json.loads(space.handoff("show", ids[0], "--json", check=True).stdout)
+        assert shown["state"] == "completed"
+        assert shown["document"]["output"] == {"echo": {"mode": "ok"}}
+        # the database is the truth: nothing was filed in the workspace's folders
+        assert space.state_of(ids[0]) == [] and space.state_of(ids[1]) == []
+    finally:
+        space.cleanup()
+
+
+def test_a_file_dropped_on_host_b_runs_on_host_a_and_comes_back_to_b(tmp_path: Path,
+                                                                    pg_url: str) -> None:
+    host_a = pg_workspace(tmp_path / "a", pg_url)
+    host_b = pg_workspace(tmp_path / "b", pg_url, specialists=False)
+    try:
+        host_a.serve()
+        host_b.serve()
+        host_b.drop("from-b.json", request("from-b", "@flaky", {"mode": "ok"}))
+        assert host_b.wait_state("from-b", timeout=30) == "completed"
+        filed = host_b.doc("from-b")
+        assert filed["status"] == "completed" and filed["output"] == {"echo": {"mode": "ok"}}
+        assert host_b.state_of("from-b") == ["completed"]  # pending/ emptied, one result
+        assert host_a.state_of("from-b") == []  # A ran it; the file is B's
+        assert [r["id"] for r in host_a.runs()] == ["from-b"] and host_b.runs() == []
+        host_b.drop("bad.json", "{oops")  # never runnable: a failure stub in B's failed/
+        assert host_b.wait_state("bad", timeout=30) == "failed"
+    finally:
+        host_a.cleanup()
+        host_b.cleanup()
