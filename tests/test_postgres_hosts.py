@@ -1,0 +1,129 @@
+"""Several hosts, simulated (issue 13 item 6): three daemons with separate workspaces on one
+PostgreSQL database drain a few hundred handoffs while random daemons are killed with kill -9,
+their connections are terminated with pg_terminate_backend, and the server itself is restarted.
+Nothing may be lost or filed twice, and re-runs stay within the work in flight at the kills."""
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pgserver
+from conftest import FLAKY_TOML, Workspace
+
+from handoffd.core.documents import new_native_request
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
+
+HANDOFFS = 240
+WORKERS = 4
+TOML = FLAKY_TOML.replace("lease_seconds = 30.0", "lease_seconds = 2.0").replace(
+    "max_retries = 2", "max_retries = 20") + f"""
+[store]
+url = "{{url}}"
+"""
+
+
+def sql(url: str, statement: str) -> list[tuple[Any, ...]]:
+    import psycopg
+    with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+        cur = conn.execute(statement)  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description else []
+
+
+def settled(url: str) -> int:
+    """Handoffs filed (completed or failed); retries while the server restarts."""
+    for _ in range(50):
+        try:
+            return int(sql(url, "SELECT count(*) FROM handoffd.handoffs WHERE state IN "
+                                "('completed', 'failed')")[0][0])
+        except Exception:
+            time.sleep(0.2)
+    raise AssertionError("the database never came back")
+
+
+def test_three_hosts_survive_kills_terminations_and_a_restart(
+        tmp_path: Path, pg_server: pgserver.PgServer) -> None:
+    url = pg_server.new_database()
+    hosts = []
+    for name in "abc":
+        root = tmp_path / name
+        root.mkdir()
+        host = Workspace(root)
+        host.write_config(TOML.replace("{url}", url))
+        HandoffdWorkspace(root).ensure()
+        hosts.append(host)
+    from handoffd.backends.postgres import PostgresBackend
+    store = PostgresBackend(url)  # migrates the schema before the daemons start
+    daemons: list[subprocess.Popen[str]] = [h.serve("--workers", str(WORKERS)) for h in hosts]
+    rng = random.Random(13)
+    kills = terminations = restarts = 0
+    logs: list[str] = []
+    try:
+        now = datetime.now(timezone.utc)
+        for n in range(HANDOFFS):
+            hid = f"w{n:04d}"
+            store.create(new_native_request(source="@test", target="@flaky", handoff_id=hid,
+                                            data={"mode": "sleep", "seconds": 0.05}, now=now),
+                         hid, now)
+        store.close()
+        start = time.monotonic()
+        chaos = [(1.0, "kill"), (2.0, "terminate"), (3.0, "kill"), (4.5, "restart"),
+                 (5.5, "kill"), (6.5, "terminate"), (7.5, "kill")]
+        while chaos and time.monotonic() - start < 60:
+            moment, action = chaos[0]
+            if time.monotonic() - start < moment:
+                time.sleep(0.05)
+                continue
+            chaos.pop(0)
+            if action == "kill":
+                index = rng.randrange(len(hosts))
+                victim = daemons[index]
+                victim.send_signal(signal.SIGKILL)  # only a daemon this test started, by pid
+                victim.wait(timeout=10)
+                logs.append(victim.stderr.read() if victim.stderr is not None else "")
+                kills += 1
+                daemons[index] = hosts[index].serve("--workers", str(WORKERS))
+            elif action == "terminate":
+                sql(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                         "datname = current_database() AND pid <> pg_backend_pid()")
+                terminations += 1
+            else:
+                pg_server.restart()
+                restarts += 1
+        deadline = time.monotonic() + 90
+        while settled(url) < HANDOFFS and time.monotonic() < deadline:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - start
+        states = dict(sql(url, "SELECT state, count(*) FROM handoffd.handoffs GROUP BY state"))
+        filings = Counter(r[0] for r in sql(
+            url, "SELECT handoff_id FROM handoffd.events WHERE state IN ('completed', 'failed')"))
+        runs = Counter(r["id"] for h in hosts for r in h.runs())
+    finally:
+        for index, proc in enumerate(daemons):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+            if proc.stderr is not None:
+                logs.append(proc.stderr.read())
+        for host in hosts:
+            host.cleanup()
+    summary = json.dumps({"states": states, "kills": kills, "terminations": terminations,
+                          "restarts": restarts, "runs": sum(runs.values()),
+                          "seconds": round(elapsed, 1)})
+    print(summary)
+    assert states == {"completed": HANDOFFS}, summary  # 0 lost
+    assert set(filings.values()) == {1} and len(filings) == HANDOFFS, summary  # 0 filed twice
+    assert set(runs) == {f"w{n:04d}" for n in range(HANDOFFS)}
+    # re-runs: only work in flight at a kill (or whose lease ran out while the server was away)
+    assert sum(runs.values()) - HANDOFFS <= WORKERS * (kills + 3 * restarts), summary
+    assert any("reconnected to the database" in log for log in logs), logs[-1][-2000:]
