@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -18,9 +18,6 @@ from ..service.sweeper import sweep as sweep_once
 from ..service.systemd import SystemdNotifier
 from .common import RootOption, StoreOption, engine, guarded, new_app, run_app, workspace
 from .db_cmd import db_app
-
-if TYPE_CHECKING:
-    from ..core.engine import Engine
 
 PROG = "handoffd"
 app = new_app("The handoffd daemon: claims handoffs and runs their specialists.")
@@ -67,13 +64,11 @@ def _logging(verbose: bool, *, quiet: bool = False, log_format: str = "text") ->
     logging.getLogger("psycopg").setLevel(logging.CRITICAL)
 
 
-def _warn_if_shared(eng: Engine) -> None:
-    """Say so when a files workspace is on a network filesystem: file locks there are local or
+def _warn_if_shared(root: Path) -> None:
+    """Say so when the workspace is on a network filesystem: file locks there are local or
     emulated and inotify misses other hosts' writes, so another host's claim is judged by its
-    lease alone (docs/guarantees.md). A PostgreSQL store does not depend on the filesystem."""
-    if hasattr(eng.backend, "ingest"):
-        return
-    fs = network_filesystem(eng.ws.root)
+    lease alone (docs/guarantees.md)."""
+    fs = network_filesystem(root)
     if fs:
         logging.getLogger("handoffd").warning(
             "the workspace is on a network filesystem (%s): claims of other hosts are recovered "
@@ -92,7 +87,8 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
     """
     _logging(verbose, log_format=log_format)
     eng = engine(root, create=True, store=store)
-    _warn_if_shared(eng)
+    if not hasattr(eng.backend, "ingest"):  # a PostgreSQL store does not rely on the files
+        _warn_if_shared(eng.ws.root)
     daemon = Daemon(eng, workers=workers)
     daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
         "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid, "state": st.value}))
@@ -134,7 +130,8 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     """
     _logging(verbose, quiet=quiet, log_format=log_format)
     eng = engine(root, create=True, store=store)
-    _warn_if_shared(eng)
+    if not hasattr(eng.backend, "ingest"):  # a PostgreSQL store does not rely on the files
+        _warn_if_shared(eng.ws.root)
     report = Daemon(eng, workers=workers, watch=False).run_batch(install_signals=True,
                                                                  max_seconds=max_seconds)
     if report.error:
