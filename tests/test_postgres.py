@@ -277,3 +277,51 @@ def test_a_file_dropped_on_host_b_runs_on_host_a_and_comes_back_to_b(tmp_path: P
     finally:
         host_a.cleanup()
         host_b.cleanup()
+
+
+def test_the_file_bridge_meets_hostile_files(tmp_path: Path, pg_url: str) -> None:
+    """In-process: what a foreign producer may drop into pending/ never stops the bridge, never
+    reaches the database half-read, and always leaves a reason (and a stub when it can)."""
+    from handoffd.backends.files.store import Store
+    from handoffd.backends.postgres.bridge import FileBridge
+    store_db = backend(pg_url)
+    spaces = {}
+    for name in ("a", "b"):
+        HandoffdWorkspace(tmp_path / name).ensure()
+        spaces[name] = Workspace(tmp_path / name)
+    local = {n: Store(HandoffdWorkspace(tmp_path / n), durable=False, settle_seconds=0.2)
+             for n in spaces}
+
+    def stub(handoff_id: str, code: str, message: str) -> dict[str, Any]:
+        return {"handoff_id": handoff_id, "status": "failed",
+                "error": {"code": code, "message": message}}
+
+    bridges = {n: FileBridge(store_db, local[n], f"host:{n}", stub=stub) for n in spaces}
+    a = spaces["a"]
+    try:
+        nul = request("nul-1", "@flaky")
+        nul["input"]["data"] = {"text": "a\u0000b"}
+        a.drop("nul-1.json", nul)
+        (a.root / "handoffs" / "pending" / "link-1.json").symlink_to("/etc/passwd")
+        a.drop("bad name.json", request("x", "@flaky"))
+        a.drop("twice.json", request("twice", "@flaky"))
+        spaces["b"].drop("twice.json", request("twice", "@flaky"))
+        half = a.root / "handoffs" / "pending" / "half.json"
+        half.write_text('{"handoff_id": "ha')  # still being written (young)
+        assert bridges["a"].ingest("half") == "later" and half.exists()
+        assert bridges["a"].ingest_all() == 1  # only twice.json is a document
+        assert bridges["b"].ingest("twice") == "set aside"  # the id is host a's handoff
+        assert sorted(p.name for p in (a.root / "handoffs" / "pending").iterdir()) == ["half.json"]
+        from conftest import reason_codes
+        assert reason_codes(a.root) == {"nul-1.json": "UNPROCESSABLE_DOCUMENT",
+                                        "link-1.json": "NOT_A_REGULAR_FILE",
+                                        "bad name.json": "UNSAFE_ID"}
+        assert reason_codes(spaces["b"].root) == {"twice.json": "DUPLICATE_HANDOFF_ID"}
+        assert a.state_of("nul-1") == ["failed"] and a.state_of("link-1") == ["failed"]
+        assert store_db.get("nul-1")[0] is State.FAILED  # `handoff wait nul-1` ends too
+        # a crash between ingesting and removing the file: the next pass only removes it
+        a.drop("twice.json", request("twice", "@flaky"))
+        assert bridges["a"].ingest("twice") == "known" and a.state_of("twice") == []
+        assert store_db.origin_of("twice") == "host:a"
+    finally:
+        store_db.close()

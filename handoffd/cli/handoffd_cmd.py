@@ -87,7 +87,7 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
     """
     _logging(verbose, log_format=log_format)
     eng = engine(root, create=True, store=store)
-    if not hasattr(eng.backend, "ingest"):  # a PostgreSQL store does not rely on the files
+    if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         _warn_if_shared(eng.ws.root)
     daemon = Daemon(eng, workers=workers)
     daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
@@ -130,7 +130,7 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     """
     _logging(verbose, quiet=quiet, log_format=log_format)
     eng = engine(root, create=True, store=store)
-    if not hasattr(eng.backend, "ingest"):  # a PostgreSQL store does not rely on the files
+    if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         _warn_if_shared(eng.ws.root)
     report = Daemon(eng, workers=workers, watch=False).run_batch(install_signals=True,
                                                                  max_seconds=max_seconds)

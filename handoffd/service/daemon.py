@@ -253,12 +253,15 @@ class Daemon:
             log.error("cannot list the pending handoffs: %s; will rescan", exc)
             return 0
         with self.cv:
-            if self.parked_ids or self.first_seen:
+            if self.parked_ids or self.first_seen or self.report.unroutable:
                 present = set(ids)
                 for gone in [hid for hid in self.parked_ids if hid not in present]:
                     self._unpark(gone)
                 for gone in [hid for hid in self.first_seen if hid not in present]:
                     del self.first_seen[gone]  # claimed or filed elsewhere
+                # with a shared store, other hosts run what we have no specialist for: forget
+                # those once they leave pending (the set would otherwise grow for ever)
+                self.report.unroutable &= present
             for handoff_id in ids:
                 if handoff_id in self.active or handoff_id in self.queued or handoff_id in self.readied \
                         or handoff_id in self.parked_ids or handoff_id in self.released \
@@ -407,7 +410,9 @@ class Daemon:
             if handoff_id not in self.report.unroutable:
                 # a warning for a daemon; for a cron batch it would be mail on every run (it
                 # stays in the summary line and in `handoff ls`)
-                log.log(logging.INFO if self.batch else logging.WARNING,
+                # (with a store shared by several hosts it is usually another host's work)
+                log.log(logging.INFO if self.batch or getattr(self.engine.backend, "shared", False)
+                        else logging.WARNING,
                         "handoff %s waits in pending/: no specialist registered for %s",
                         handoff_id, peek.target)
             self.report.unroutable.add(handoff_id)

@@ -79,6 +79,10 @@ class PostgresBackend(FencedFiling, Backend):
     ``origin`` names this workspace (host and path) for documents ingested from its files;
     ``pool_size`` bounds the connections this process opens."""
 
+    #: daemons of other hosts work this store too: a handoff no specialist of ours serves is
+    #: usually theirs (the daemon says so at info level, not as a warning)
+    shared = True
+
     def __init__(self, url: str, *, describe: Describe = describe_native,
                  seen_ttl_seconds: float = 3600.0, pool_size: int = 8,
                  reconnect_seconds: float = 60.0, origin: str | None = None) -> None:
