@@ -149,6 +149,49 @@ def test_a_fenced_finish_after_takeover_writes_nothing(pg_url: str) -> None:
         sweeper.close()
 
 
+def test_a_dead_owners_claim_is_taken_over_before_its_lease_expires(pg_url: str) -> None:
+    """A claimer holds its presence lock on a session of its own, which ends when it dies: once
+    no session has held the key for the grace period (watched on the sweeper's monotonic clock)
+    its claim is recovered, long before a 10-minute lease expires. A live owner whose session
+    was merely cut takes its key again and keeps its claim."""
+    clock = [0.0]
+    owner, stale_owner = backend(pg_url), backend(pg_url)
+    sweeper = backend(pg_url, owner_grace_seconds=10.0, monotonic=lambda: clock[0])
+    presence_holders = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")
+    try:
+        for hid in ("live", "dead"):
+            owner.create(request(hid), hid, T0)
+        live = owner.claim("live", at(1), 600)
+        dead = stale_owner.claim("dead", at(1), 600)
+        assert live is not None and dead is not None
+        assert sweeper.expired_claims(at(2), 600) == []  # both owners hold their keys
+        # the live owner's presence session is cut: it takes its key again by itself
+        sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                    "query LIKE '%pg_advisory_lock%' AND pid <> pg_backend_pid()")
+        stale_owner.close()  # as kill -9 would: its session (and presence lock) ends
+        assert sweeper.expired_claims(at(3), 600) == []  # first seen gone (clock 0)
+        deadline = time.monotonic() + 10
+        while sql(pg_url, presence_holders)[0][0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the owner and the sweeper hold theirs again
+        clock[0] = 5.0
+        assert sweeper.expired_claims(at(4), 600) == []  # gone for 5 s only
+        clock[0] = 11.0
+        taken = sweeper.expired_claims(at(5), 600)
+        assert [c.id for c in taken] == ["dead"] and "session" in (taken[0].recovered or "")
+        assert owner.renew(live, at(6), 600)  # the live owner was never taken over
+        revived = backend(pg_url)  # the dead owner's claim, written through a new handle
+        try:
+            record(dead.doc, "completed", at(7))
+            assert not revived.finish(dead, State.COMPLETED, dead.doc)
+        finally:
+            revived.close()
+        record(taken[0].doc, "completed", at(8))
+        assert sweeper.finish(taken[0], State.COMPLETED, taken[0].doc)
+    finally:
+        owner.close()
+        sweeper.close()
+
+
 def test_lost_connections_are_retried_and_said_once(pg_url: str,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     store = backend(pg_url, pool_size=2)
@@ -201,10 +244,12 @@ def test_documents_jsonb_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None
 
 # ---------------------------------------------------------------- handoffd db
 def test_db_init_is_idempotent_and_prints_the_version(ws: Workspace, pg_url: str) -> None:
-    for applied in ("applied migration(s) 1", "already up to date"):
+    from handoffd.backends.postgres import SCHEMA_VERSION
+    assert SCHEMA_VERSION == 2
+    for applied in ("applied migration(s) 1, 2", "already up to date"):
         done = ws.handoffd("db", "init", "--store", pg_url)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "schema version 1" and applied in done.stderr
+        assert done.stdout.strip() == "schema version 2" and applied in done.stderr
     no_store = ws.handoffd("db", "init")
     assert no_store.returncode == 2 and "no PostgreSQL store" in no_store.stderr
 

@@ -127,3 +127,41 @@ def test_three_hosts_survive_kills_terminations_and_a_restart(
     # re-runs: only work in flight at a kill (or whose lease ran out while the server was away)
     assert sum(runs.values()) - HANDOFFS <= WORKERS * (kills + 3 * restarts), summary
     assert any("reconnected to the database" in log for log in logs), logs[-1][-2000:]
+
+
+def test_a_killed_hosts_claim_is_recovered_long_before_its_lease(
+        tmp_path: Path, pg_server: pgserver.PgServer) -> None:
+    """kill -9 ends the daemon's database sessions, and with them its presence lock: another
+    host takes its claim over after claim_grace_seconds, not after the 60-second lease."""
+    url = pg_server.new_database()
+    toml = FLAKY_TOML.replace("lease_seconds = 30.0", "lease_seconds = 60.0") + f"""
+[store]
+url = "{url}"
+"""
+    hosts = []
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        host = Workspace(tmp_path / name)
+        host.write_config(toml)
+        HandoffdWorkspace(tmp_path / name).ensure()
+        hosts.append(host)
+    try:
+        first = hosts[0].serve()
+        hid = hosts[0].create("--from", "@t", "--to", "@flaky", "--data",
+                              json.dumps({"mode": "sleep", "seconds": 2}))
+        hosts[0].wait_started(hid)
+        hosts[1].serve()
+        first.send_signal(signal.SIGKILL)  # only the daemon this test started, by pid
+        first.wait(timeout=10)
+        started = time.monotonic()
+        done = hosts[1].handoff("wait", hid, "--timeout", "40")
+        took = time.monotonic() - started
+        assert done.returncode == 0, done.stderr
+        assert took < 30, f"recovered after {took:.1f}s: the lease (60 s) was waited out"
+        assert [r["id"] for r in hosts[1].runs()] == [hid]  # re-run once, on host b
+        history = json.loads(hosts[1].handoff("show", hid, "--json").stdout)["document"]
+        assert any("session" in str(e.get("detail", "")) for e in history["handoffd"]["history"]
+                   if e["event"] == "recovered"), history["handoffd"]["history"]
+    finally:
+        for host in hosts:
+            host.cleanup()

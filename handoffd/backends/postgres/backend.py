@@ -13,6 +13,12 @@ transition is one transaction that also appends its ``handoffd.events`` row and 
   requeued, finished or taken over by :meth:`expired_claims`, its writes change nothing.
 * wake-ups: the writer's own subscribers are told at once; other processes hear the NOTIFY on a
   dedicated LISTEN connection (a hint only: daemons keep their periodic rescans).
+* recovery: :meth:`expired_claims` takes over claims whose lease expired, and also claims whose
+  owner died: a claimer holds a session-level advisory lock (its presence key, recorded with each
+  claim) on a connection of its own, which the server releases when the process dies. A key no
+  session has held for ``owner_grace_seconds`` (watched on this process's monotonic clock, so a
+  server restart or a terminated connection, after which live owners take their key again,
+  never ends a live claim) means its claims are recovered without waiting for their lease.
 """
 from __future__ import annotations
 
@@ -20,6 +26,9 @@ import builtins
 import copy
 import json
 import logging
+import secrets
+import threading
+import time
 import uuid
 from datetime import datetime, timedelta
 from typing import Any, Callable, Collection
@@ -52,13 +61,19 @@ from ..base import (
     updated_of,
     wait_via_feed,
 )
-from .connection import CHANNEL, Conn, Database, Listener
+from .connection import CHANNEL, Conn, Database, Listener, Presence
 from .schema import LATEST, current_version, migrate
 
 log = logging.getLogger("handoffd")
 T = "handoffd.handoffs"
 COLUMNS = "id, state, doc, target, priority, conversation, parent, due_at, updated_at"
 MAX_PAYLOAD = 7000  # NOTIFY payloads stop at 8000 bytes: a longer id is announced as "lost"
+# a claim of another process whose presence key no session of this database holds
+OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EXISTS ("
+              "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
+              "AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database "
+              "WHERE datname = current_database()) "
+              "AND ((l.classid::bigint << 32) | l.objid::bigint) = h.lease_owner))")
 
 
 def encode(doc: Doc, *, strict: bool) -> str:
@@ -85,11 +100,19 @@ class PostgresBackend(FencedFiling, Backend):
 
     def __init__(self, url: str, *, describe: Describe = describe_native,
                  seen_ttl_seconds: float = 3600.0, pool_size: int = 8,
-                 reconnect_seconds: float = 60.0, origin: str | None = None) -> None:
+                 reconnect_seconds: float = 60.0, origin: str | None = None,
+                 owner_grace_seconds: float = 10.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.url = url
         self.describe = describe
         self.seen_ttl = timedelta(seconds=seen_ttl_seconds)
         self.origin = origin
+        self.owner_grace = owner_grace_seconds
+        self.monotonic = monotonic
+        self.owner_key = secrets.randbits(62) + 1  # positive: it is split into two oids
+        self._presence: Presence | None = None
+        self._presence_lock = threading.Lock()
+        self._absent: dict[tuple[str, str], float] = {}  # (id, token) -> owner first seen gone
         self.db = Database(url, max_size=pool_size, reconnect_seconds=reconnect_seconds)
         self.nonce = uuid.uuid4().hex[:12]  # our own notifications, told apart from others'
         self._subscribers = Subscribers()
@@ -280,6 +303,7 @@ class PostgresBackend(FencedFiling, Backend):
         written in the same transaction: ``prepare`` raising leaves the handoff pending."""
         token = uuid.uuid4().hex
         expires = now + timedelta(seconds=lease_seconds)
+        self._present()
 
         def op(conn: Conn, retried: bool) -> Claim | None:
             if retried:  # did the try that lost its connection commit our claim?
@@ -289,9 +313,10 @@ class PostgresBackend(FencedFiling, Backend):
                     return Claim(mine[0], mine[1], token, book_int(mine[1], "attempt", 1))
             got = conn.execute(
                 f"UPDATE {T} SET state = 'in-progress', lease_token = %(token)s, "
-                f"lease_expires_at = %(expires)s WHERE id = ({pick}) "
+                f"lease_expires_at = %(expires)s, lease_owner = %(owner)s WHERE id = ({pick}) "
                 "RETURNING id, doc, raw, created_at",
-                {**params, "token": token, "expires": expires, "now": now}).fetchone()
+                {**params, "token": token, "expires": expires, "now": now,
+                 "owner": self.owner_key}).fetchone()
             if got is None:
                 return None
             handoff_id, doc, raw, created_at = got
@@ -357,28 +382,62 @@ class PostgresBackend(FencedFiling, Backend):
         return done
 
     def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
+        self._present()
+        tick = self.monotonic()
+
         def op(conn: Conn, _retried: bool) -> Claims:
+            # which claims look abandoned (no lock taken: most sweeps find nothing)
+            seen = conn.execute(
+                f"SELECT h.id, h.lease_token, h.lease_expires_at, "
+                f"coalesce(h.lease_expires_at <= %(now)s, true), {OWNER_GONE} FROM {T} h "
+                "WHERE h.state = 'in-progress' AND (h.lease_expires_at IS NULL OR "
+                f"h.lease_expires_at <= %(now)s OR {OWNER_GONE})",
+                {"now": now, "me": self.owner_key}).fetchall()
+            why: dict[str, str] = {}
+            gone_now = set()
+            for handoff_id, token, expiry, expired, gone in seen:
+                if expired:
+                    why[handoff_id] = f"lease expired at {iso(expiry) if expiry else 'unknown'}"
+                elif gone:  # its owner's session is gone: for long enough?
+                    gone_now.add((handoff_id, token))
+                    first = self._absent.setdefault((handoff_id, token), tick)
+                    if tick - first >= self.owner_grace:
+                        why[handoff_id] = ("owner process is gone (its database session ended "
+                                           f"{tick - first:.0f}s ago or more)")
+            for key in set(self._absent) - gone_now:
+                del self._absent[key]
+            if not why:
+                return []
             rows = conn.execute(
-                f"SELECT id, doc, lease_expires_at FROM {T} WHERE state = 'in-progress' AND "
-                "(lease_expires_at IS NULL OR lease_expires_at <= %s) ORDER BY id "
-                "FOR UPDATE SKIP LOCKED", (now,)).fetchall()
+                f"SELECT id, doc FROM {T} WHERE id = ANY(%s) AND state = 'in-progress' "
+                "AND lease_token = ANY(%s) ORDER BY id FOR UPDATE SKIP LOCKED",
+                (sorted(why), [t for _, t, *_ in seen])).fetchall()
             taken: Claims = []
-            for handoff_id, doc, expiry in rows:
+            for handoff_id, doc in rows:
                 token = uuid.uuid4().hex
                 book(doc)["lease"] = lease_block(token, now, lease_seconds)
                 conn.execute(
-                    f"UPDATE {T} SET lease_token = %s, lease_expires_at = %s, "
+                    f"UPDATE {T} SET lease_token = %s, lease_expires_at = %s, lease_owner = %s, "
                     "doc = %s::jsonb WHERE id = %s",
-                    (token, now + timedelta(seconds=lease_seconds), encode(doc, strict=False),
-                     handoff_id))
-                reason = f"lease expired at {iso(expiry) if expiry else 'unknown'}"
+                    (token, now + timedelta(seconds=lease_seconds), self.owner_key,
+                     encode(doc, strict=False), handoff_id))
                 taken.append(Claim(handoff_id, doc, token, book_int(doc, "attempt", 1),
-                                   recovered=reason))
+                                   recovered=why[handoff_id]))
             return taken
 
         # a retry after a lost connection may miss claims the first try took over: their new
         # leases expire in turn and the next sweep takes them again (never two live holders)
         return self.db.run(op)
+
+    def _present(self) -> None:
+        """Hold this process's presence key before it claims anything (see the module doc)."""
+        if self._presence is not None:
+            return
+        with self._presence_lock:
+            if self._presence is None:
+                presence = Presence(self.url, self.owner_key)
+                presence.start()
+                self._presence = presence
 
     # ------------------------------------------------------------ what the engine and sweeper add
     def ids(self, state: State) -> builtins.list[str]:
@@ -558,6 +617,8 @@ class PostgresBackend(FencedFiling, Backend):
     def close(self) -> None:
         if self._listener is not None:
             self._listener.close()
+        if self._presence is not None:
+            self._presence.close()
         self.db.close()
 
 

@@ -134,29 +134,35 @@ def _last_error(url: str) -> str | None:
     return None
 
 
-class Listener:
-    """A thread that LISTENs on :data:`CHANNEL` and calls ``on_payload(text)`` for each
-    notification, or ``on_lost()`` when notifications may have been missed."""
+class SessionThread:
+    """A thread holding one dedicated connection, set up by :meth:`_setup`, and re-established
+    with backoff when it is lost (one log line when lost, one when back)."""
 
-    def __init__(self, url: str, on_payload: Callable[[str], None],
-                 on_lost: Callable[[], None]) -> None:
+    what = "session"  # for the log lines
+    thread_name = "handoffd-session"
+
+    def __init__(self, url: str) -> None:
         self.url = url
-        self.on_payload = on_payload
-        self.on_lost = on_lost
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._wake_r, self._wake_w = os.pipe()  # stop() interrupts the select at once
         os.set_blocking(self._wake_w, False)
 
+    def _setup(self, conn: Conn) -> None:
+        """Prepare a new connection (LISTEN, take a lock...)."""
+
+    def _lost(self) -> None:
+        """Called when the connection is lost and again when it is back."""
+
     def start(self) -> None:
-        """Start listening (returns once the first LISTEN is in place, or after 5 s)."""
+        """Start the thread (returns once the first set-up is done, or after 5 s)."""
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
         self._ready.clear()
         self._drain_wake()
-        self._thread = threading.Thread(target=self._loop, name="handoffd-listen", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
         self._thread.start()
         self._ready.wait(5.0)
 
@@ -165,7 +171,7 @@ class Listener:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
-        """Stop the thread (it notices within a second)."""
+        """Stop the thread (at once: the pipe wakes its select) and close its connection."""
         self._stop.set()
         try:
             os.write(self._wake_w, b"x")
@@ -175,35 +181,43 @@ class Listener:
             self._thread.join(timeout=5.0)
         self._thread = None
 
+    def close(self) -> None:
+        """Stop the thread and release the wake-up pipe."""
+        self.stop()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def _loop(self) -> None:
         delay = BACKOFF_FIRST
         lost_at: float | None = None
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self.url, autocommit=True, connect_timeout=5) as conn:
-                    conn.add_notify_handler(lambda n: self._deliver(n.payload))
-                    conn.execute(f"LISTEN {CHANNEL}")
+                    self._setup(conn)
                     self._ready.set()
                     if lost_at is not None:
-                        log.warning("wake-up connection to the database is back after %.1fs",
-                                    time.monotonic() - lost_at)
+                        log.warning("%s connection to the database is back after %.1fs",
+                                    self.what, time.monotonic() - lost_at)
                         lost_at = None
-                        self.on_lost()  # what was sent while we were away is gone: rescan
+                        self._lost()
                     delay = BACKOFF_FIRST
-                    self._listen(conn)
+                    self._hold(conn)
             except Exception as exc:
                 if self._stop.is_set():
                     break
                 if lost_at is None:
                     lost_at = time.monotonic()
-                    log.warning("lost the wake-up connection to the database (%s); reconnecting "
-                                "with backoff", " ".join(str(exc).split())[:200])
-                    self.on_lost()
+                    log.warning("lost the %s connection to the database (%s); reconnecting "
+                                "with backoff", self.what, " ".join(str(exc).split())[:200])
+                    self._lost()
                 self._ready.set()  # nobody waits on a server that is down
                 self._stop.wait(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
 
-    def _listen(self, conn: Conn) -> None:
+    def _hold(self, conn: Conn) -> None:
         while not self._stop.is_set():
             readable, _, _ = select.select([conn.fileno(), self._wake_r], [], [], 5.0)
             if self._stop.is_set():
@@ -221,17 +235,45 @@ class Listener:
         except OSError:  # empty
             pass
 
-    def close(self) -> None:
-        """Stop the thread and release the wake-up pipe."""
-        self.stop()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+
+class Listener(SessionThread):
+    """LISTENs on :data:`CHANNEL` and calls ``on_payload(text)`` for each notification, or
+    ``on_lost()`` when notifications may have been missed (lost connection: rescan)."""
+
+    what = "wake-up"
+    thread_name = "handoffd-listen"
+
+    def __init__(self, url: str, on_payload: Callable[[str], None],
+                 on_lost: Callable[[], None]) -> None:
+        super().__init__(url)
+        self.on_payload = on_payload
+        self.on_lost = on_lost
+
+    def _setup(self, conn: Conn) -> None:
+        conn.add_notify_handler(lambda n: self._deliver(n.payload))
+        conn.execute(f"LISTEN {CHANNEL}")
+
+    def _lost(self) -> None:
+        self.on_lost()
 
     def _deliver(self, payload: str) -> None:
         try:
             self.on_payload(payload)
         except Exception:  # a reader's bug must not end the listening thread
             log.exception("wake-up handler failed")
+
+
+class Presence(SessionThread):
+    """Holds the session-level advisory lock ``key`` while this process lives: claims record
+    the key, and a claim whose key no session holds belongs to a process that died (the server
+    ends a dead client's session, and with it the lock)."""
+
+    what = "presence"
+    thread_name = "handoffd-presence"
+
+    def __init__(self, url: str, key: int) -> None:
+        super().__init__(url)
+        self.key = key
+
+    def _setup(self, conn: Conn) -> None:
+        conn.execute("SELECT pg_advisory_lock(%s)", (self.key,))

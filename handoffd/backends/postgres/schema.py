@@ -84,6 +84,11 @@ CREATE TABLE handoffd.quarantine (
     document   jsonb
 );
 """),
+    (2, "the claimer's presence key (a claim whose session died is recovered early)", """
+ALTER TABLE handoffd.handoffs ADD COLUMN lease_owner bigint;
+COMMENT ON COLUMN handoffd.handoffs.lease_owner IS
+    'the session-level advisory lock key its claimer holds while it lives';
+"""),
 ]
 LATEST = MIGRATIONS[-1][0]
 
