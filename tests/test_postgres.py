@@ -299,6 +299,19 @@ def test_daemon_and_cli_on_postgres(tmp_path: Path, pg_url: str) -> None:
         assert shown["document"]["output"] == {"echo": {"mode": "ok"}}
         # the database is the truth: nothing was filed in the workspace's folders
         assert space.state_of(ids[0]) == [] and space.state_of(ids[1]) == []
+        # retry and cancel go through the database too
+        assert space.handoff("retry", ids[1], "--force").returncode == 0
+        assert space.handoff("wait", ids[1], "--timeout", "30").returncode == 1
+        assert [r["id"] for r in space.runs()].count(ids[1]) == 2
+        parked = space.create("--from", "@t", "--to", "@nobody")
+        assert space.handoff("cancel", parked, "--reason", "not needed").returncode == 0
+        assert space.handoff("wait", parked, "--timeout", "30").returncode == 1
+        cancelled = json.loads(space.handoff("show", parked, "--json", check=True).stdout)
+        assert cancelled["document"]["error"]["code"] == "CANCELLED"
+        # the Python API follows the workspace's [store] as every command does
+        from handoffd.service.client import Client
+        result = Client(space.root).create("@flaky", {"mode": "ok"}).wait(timeout=30)
+        assert result.ok and result.output == {"echo": {"mode": "ok"}}
     finally:
         space.cleanup()
 
