@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any, Callable, Collection
 
 from ...core.documents import BOOK, book, book_int
-from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.errors import DuplicateHandoff
 from ...core.states import State
 from ...core.storage import LOST
 from ...core.timeutil import iso, utc_now
@@ -53,21 +53,17 @@ from ..base import (
     WakeupCallback,
     Where,
     describe_native,
-    due_of,
     lease_block,
-    safe_describe,
     stamp_claimed,
     stamp_created,
-    updated_of,
     wait_via_feed,
 )
-from .connection import CHANNEL, Conn, Database, Listener, Presence
+from .connection import Conn, Database, Listener, Presence
+from .records import T, FileOrigins, SideRecords, encode
 from .schema import LATEST, current_version, migrate
 
 log = logging.getLogger("handoffd")
-T = "handoffd.handoffs"
 COLUMNS = "id, state, doc, target, priority, conversation, parent, due_at, updated_at"
-MAX_PAYLOAD = 7000  # NOTIFY payloads stop at 8000 bytes: a longer id is announced as "lost"
 # a claim of another process whose presence key no session of this database holds
 OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EXISTS ("
               "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
@@ -76,19 +72,7 @@ OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EX
               "AND ((l.classid::bigint << 32) | l.objid::bigint) = h.lease_owner))")
 
 
-def encode(doc: Doc, *, strict: bool) -> str:
-    """``doc`` as JSON text PostgreSQL's jsonb accepts. jsonb cannot hold NUL characters or lone
-    surrogates: ``strict`` refuses such a document (InvalidDocument), else they become U+FFFD."""
-    text = json.dumps(doc, ensure_ascii=False, allow_nan=False, default=str)
-    clean = text.encode("utf-8", "replace").decode("utf-8").replace("\\u0000", "\\ufffd")
-    if clean != text and strict:
-        raise InvalidDocument("the document contains NUL characters or unpaired surrogates, "
-                              "which the PostgreSQL store cannot hold",
-                              code=ErrorCode.UNPROCESSABLE_DOCUMENT)
-    return clean
-
-
-class PostgresBackend(FencedFiling, Backend):
+class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
     """Handoffs in the PostgreSQL database at ``url`` (schema migrated on open).
 
     ``origin`` names this workspace (host and path) for documents ingested from its files;
@@ -122,31 +106,6 @@ class PostgresBackend(FencedFiling, Backend):
         except BaseException:
             self.db.close()
             raise
-
-    # ------------------------------------------------------------ helpers
-    def _columns(self, doc: Doc, created_at: datetime) -> dict[str, Any]:
-        meta = safe_describe(self.describe, doc)
-        return {"target": meta.target, "priority": meta.priority,
-                "conversation": meta.conversation, "parent": meta.parent,
-                "due_at": due_of(doc, created_at), "updated_at": updated_of(doc, created_at)}
-
-    def _notify(self, conn: Conn, handoff_id: str, kind: str) -> None:
-        """Tell other processes, at commit (a hint: the id may be cut short to 'lost')."""
-        payload = f"{self.nonce}\t{kind}\t{handoff_id}"
-        if len(payload.encode()) > MAX_PAYLOAD:
-            payload = f"{self.nonce}\t{LOST}\t"
-        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
-
-    @staticmethod
-    def _event(conn: Conn, handoff_id: str, doc: Doc, state: State, fallback: str) -> None:
-        """The audit row of a transition: the document's last history event."""
-        history = book(doc).get("history") if isinstance(doc.get(BOOK), dict) else None
-        last = history[-1] if isinstance(history, list) and history else {}
-        event = last.get("event") if isinstance(last, dict) else None
-        conn.execute(f"INSERT INTO handoffd.events (handoff_id, at, event, state) "
-                     f"VALUES (%s, %s, %s, %s)",
-                     (handoff_id, updated_of(doc, utc_now()), str(event or fallback)[:200],
-                      state.value))
 
     @staticmethod
     def _row(record: tuple[Any, ...]) -> Row:
@@ -190,58 +149,6 @@ class PostgresBackend(FencedFiling, Backend):
 
         self.db.run(op)
         self._subscribers.fire(handoff_id, State.PENDING.value)
-
-    def ingest(self, doc: Doc, handoff_id: str, now: datetime, origin: str) -> bool:
-        """Store a document dropped into a workspace's pending/ as a *raw* pending handoff
-        (claimed raw: admission validates it and checks the seen ids, as for a file), noting
-        the ``origin`` workspace that will want its terminal copy. False when the id exists in
-        the database already (ingesting again is a no-op)."""
-        text = encode(doc, strict=True)
-        columns = self._columns(doc, now)
-
-        def op(conn: Conn, _retried: bool) -> bool:
-            inserted = conn.execute(
-                f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
-                " updated_at, created_at, raw, origin) VALUES (%(id)s, 'pending', %(doc)s::jsonb,"
-                " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(now)s, %(now)s,"
-                " %(now)s, true, %(origin)s) ON CONFLICT (id) DO NOTHING RETURNING id",
-                {**columns, "id": handoff_id, "doc": text, "now": now, "origin": origin},
-            ).fetchone()
-            if inserted is None:
-                return False
-            conn.execute(f"INSERT INTO handoffd.events (handoff_id, at, event, state) "
-                         f"VALUES (%s, %s, 'ingested', 'pending')", (handoff_id, now))
-            self._notify(conn, handoff_id, State.PENDING.value)
-            return True
-
-        done = self.db.run(op)
-        if done:
-            self._subscribers.fire(handoff_id, State.PENDING.value)
-        return done
-
-    def unexported(self, origin: str, *, ids: builtins.list[str] | None = None,
-                   limit: int = 500) -> builtins.list[tuple[str, State, Doc]]:
-        """Finished handoffs ingested by ``origin`` whose terminal file it has not written
-        (``ids``: only among those)."""
-        among = " AND id = ANY(%s)" if ids is not None else ""
-        params: builtins.list[Any] = [origin, *([ids] if ids is not None else []), limit]
-        rows = self.db.run(lambda conn, _: conn.execute(
-            f"SELECT id, state, doc FROM {T} WHERE origin = %s AND NOT exported "
-            f"AND state IN ('completed', 'failed'){among} ORDER BY updated_at LIMIT %s",
-            params).fetchall())
-        return [(r[0], State(r[1]), r[2]) for r in rows]
-
-    def origin_of(self, handoff_id: str) -> str | None:
-        """The workspace that ingested ``handoff_id`` from a file (None: none did, or unknown)."""
-        found = self.db.run(lambda conn, _: conn.execute(
-            f"SELECT origin FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
-        return None if found is None else found[0]  # type: ignore[no-any-return]
-
-    def mark_exported(self, handoff_id: str, state: State) -> None:
-        """``origin`` wrote the terminal file of ``handoff_id`` (in ``state``)."""
-        self.db.run(lambda conn, _: conn.execute(
-            f"UPDATE {T} SET exported = true WHERE id = %s AND state = %s",
-            (handoff_id, state.value)))
 
     def get(self, handoff_id: str) -> tuple[State, Doc] | None:
         found = self.db.run(lambda conn, _: conn.execute(
@@ -471,13 +378,6 @@ class PostgresBackend(FencedFiling, Backend):
 
         return self.db.run(op)
 
-    def quarantined(self) -> builtins.list[Doc]:
-        rows = self.db.run(lambda conn, _: conn.execute(
-            "SELECT id, from_state, code, message, at, document FROM handoffd.quarantine "
-            "ORDER BY seq").fetchall())
-        return [{"file": r[0], "from": r[1], "code": r[2], "message": r[3], "at": iso(r[4]),
-                 "stored_as": r[0], "document": r[5]} for r in rows]
-
     def create_failed(self, handoff_id: str, doc: Doc) -> bool:
         return self.import_finished(handoff_id, State.FAILED, doc, utc_now())
 
@@ -548,49 +448,6 @@ class PostgresBackend(FencedFiling, Backend):
             self._listener.start()
             self._subscribers.fire("", LOST)
         return {}
-
-    # ------------------------------------------------------------ cancel requests
-    def request_cancel(self, handoff_id: str, request: Doc) -> None:
-        text = encode(request, strict=False)
-
-        def op(conn: Conn, _retried: bool) -> None:
-            conn.execute("INSERT INTO handoffd.cancels (id, request) VALUES (%s, %s::jsonb) "
-                         "ON CONFLICT (id) DO UPDATE SET request = excluded.request, "
-                         "created_at = now()", (handoff_id, text))
-            self._notify(conn, handoff_id, "cancel")
-
-        self.db.run(op)
-        self._subscribers.fire(handoff_id, "cancel")
-
-    def cancel_request(self, handoff_id: str) -> Doc | None:
-        found = self.db.run(lambda conn, _: conn.execute(
-            "SELECT request FROM handoffd.cancels WHERE id = %s", (handoff_id,)).fetchone())
-        return None if found is None else found[0]  # type: ignore[no-any-return]
-
-    def cancel_requests(self) -> dict[str, Doc]:
-        rows = self.db.run(lambda conn, _: conn.execute(
-            "SELECT id, request FROM handoffd.cancels ORDER BY created_at, id").fetchall())
-        return {r[0]: r[1] for r in rows}
-
-    def clear_cancel(self, handoff_id: str) -> None:
-        self.db.run(lambda conn, _: conn.execute("DELETE FROM handoffd.cancels WHERE id = %s",
-                                                 (handoff_id,)))
-
-    # ------------------------------------------------------------ dedup, waiting, wake-ups
-    def seen_add(self, handoff_id: str, now: datetime) -> None:
-        self.db.run(lambda conn, _: self._seen_upsert(conn, handoff_id, now))
-
-    @staticmethod
-    def _seen_upsert(conn: Conn, handoff_id: str, now: datetime) -> None:
-        conn.execute("INSERT INTO handoffd.seen (id, seen_at) VALUES (%s, %s) ON CONFLICT (id) "
-                     "DO UPDATE SET seen_at = excluded.seen_at", (handoff_id, now))
-
-    def seen_contains(self, handoff_id: str, now: datetime) -> bool:
-        return self.db.run(lambda conn, _: self._seen_recently(conn, handoff_id, now))
-
-    def _seen_recently(self, conn: Conn, handoff_id: str, now: datetime) -> bool:
-        return conn.execute("SELECT 1 FROM handoffd.seen WHERE id = %s AND seen_at > %s",
-                            (handoff_id, now - self.seen_ttl)).fetchone() is not None
 
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
         return wait_via_feed(self, handoff_id, timeout)
