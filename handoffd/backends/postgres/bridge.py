@@ -44,6 +44,9 @@ class FileBridge:
         self.origin = origin
         self.stub = stub
         self.clock = clock
+        # ids this process ingested and not yet exported: a wake-up for any other id (most of
+        # them, with several hosts) costs no query; a scan exports whatever else is owed
+        self._ours: set[str] = set()
 
     # ------------------------------------------------------------ files -> database
     def ingest_all(self) -> int:
@@ -81,6 +84,7 @@ class FileBridge:
                 handoff_id, ErrorCode.DUPLICATE_HANDOFF_ID,
                 f"handoff {handoff_id} already exists in the shared store; a second document "
                 "with the same id is never run", stub=False)
+        self._ours.add(handoff_id)
         fsio.unlink(path, durable=False)  # in the database now (a crash before: re-ingested)
         if fresh:
             log.info("ingested pending/%s.json into the shared store", handoff_id,
@@ -109,6 +113,10 @@ class FileBridge:
     def export(self, ids: list[str] | None = None) -> int:
         """Write the terminal documents of the handoffs this workspace ingested that finished
         since (``ids``: only those); returns how many were written."""
+        if ids is not None:
+            ids = [i for i in ids if i in self._ours]
+            if not ids:
+                return 0
         written = 0
         for handoff_id, state, doc in self.backend.unexported(self.origin, ids=ids):
             try:
@@ -118,6 +126,7 @@ class FileBridge:
                           handoff_id, exc)
                 continue
             self.backend.mark_exported(handoff_id, state)
+            self._ours.discard(handoff_id)
             written += 1
         return written
 

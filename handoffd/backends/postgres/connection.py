@@ -70,9 +70,9 @@ class Database:
         self._state_lock = threading.Lock()
         self.pool: ConnectionPool[Conn] = ConnectionPool(
             url, min_size=1, max_size=max(max_size, 1), open=False, name="handoffd",
-            timeout=connect_timeout, kwargs={"connect_timeout": max(int(connect_timeout), 1)},
-            # a connection killed while idle in the pool is noticed before it is handed out
-            check=ConnectionPool.check_connection)
+            timeout=connect_timeout, kwargs={"connect_timeout": max(int(connect_timeout), 1)})
+        # no check on checkout (a round trip per operation): a connection that died while idle
+        # fails its first statement, is discarded by the pool, and run() retries on a new one
         try:
             self.pool.open(wait=True, timeout=connect_timeout)
         except Exception as exc:
