@@ -383,3 +383,12 @@ def test_the_file_bridge_meets_hostile_files(tmp_path: Path, pg_url: str) -> Non
         assert store_db.origin_of("twice") == "host:a"
     finally:
         store_db.close()
+
+
+def test_a_cron_batch_on_postgres_ingests_and_files_back(tmp_path: Path, pg_url: str) -> None:
+    space = pg_workspace(tmp_path / "ws", pg_url)
+    space.drop("by-file.json", request("by-file", "@flaky", {"mode": "ok"}))
+    done = space.handoffd("run")
+    assert done.returncode == 0, done.stderr
+    assert space.state_of("by-file") == ["completed"]  # written back before the batch ended
+    assert space.doc("by-file")["output"] == {"echo": {"mode": "ok"}}

@@ -60,8 +60,6 @@ def _logging(verbose: bool, *, quiet: bool = False, log_format: str = "text") ->
                          else logging.Formatter("handoffd: %(levelname)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("watchdog").setLevel(logging.WARNING)
-    # psycopg's pool logs every failed reconnection attempt: the backend says it in one line
-    logging.getLogger("psycopg").setLevel(logging.CRITICAL)
 
 
 def _warn_if_shared(root: Path) -> None:

@@ -27,6 +27,9 @@ from psycopg_pool import ConnectionPool
 from ...core.errors import HandoffdError
 
 log = logging.getLogger("handoffd")
+# psycopg_pool logs every failed (re)connection attempt, several lines each; handoffd says it in
+# one line of its own (Database, SessionThread), so the pool's are kept out of every output
+logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
 T = TypeVar("T")
 Conn = psycopg.Connection[tuple[Any, ...]]
 CHANNEL = "handoffd"
