@@ -138,9 +138,10 @@ def show(
                     "family": orchestration_cmd.family(eng, handoff_id, doc)})
         return
     out = console()
+    store = getattr(eng.backend, "inner", eng.backend)  # under the event log's recorder
     out.print(f"[bold]{handoff_id}[/bold]  state: [bold]{state.value}[/bold]  "
-              + (f"file: {eng.backend.store.path(state, handoff_id)}"
-                 if isinstance(eng.backend, FilesBackend) else ""))
+              + (f"file: {store.store.path(state, handoff_id)}"
+                 if isinstance(store, FilesBackend) else ""))
     orchestration_cmd.print_family(out, eng, handoff_id, doc)  # parent, children, waiting
     out.print(timeline(book(doc).get("history", [])))
     out.print_json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
