@@ -12,7 +12,7 @@ import typer
 from ..core.errors import InvalidDocument, NotFound, UsageError
 from ..core.states import State
 from ..core.workspace import Workspace, resolve_root
-from . import ops_cmd, orchestration_cmd
+from . import observe_cmd, ops_cmd, orchestration_cmd
 
 # Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
 # body: a one-shot command pays only for itself.
@@ -104,21 +104,27 @@ def list_command(
     source: Annotated[Optional[str], typer.Option("--from", help="Only handoffs from this agent.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="Newest N rows.")] = 50,
     conversation: Annotated[Optional[str], typer.Option("--conversation", help="Only handoffs of this conversation_id.")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Then print each transition as it happens (Ctrl-C ends).")] = False,
     as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
-    """List handoffs, newest first."""
+    """List handoffs, newest first (--watch: then follow them live)."""
     from ..service.queries import list_handoffs
     eng = engine(root)  # every feature: their gates say why a pending handoff waits
     valid = [s.value for s in State] + ["quarantined"]
     if state is not None and state not in valid:
         raise UsageError(f"--state must be one of {', '.join(valid)}")
+    if watch and as_json:  # a stream of JSON lines, one per event (no table first)
+        observe_cmd.watch(eng, state=state, to=to, as_json=True)
+        return
     rows = list_handoffs(eng, state=state, to=to, source=source, limit=limit,
                          conversation=conversation)
     if as_json:
         print_json(rows)
     else:
         console().print(handoff_table(rows))
+    if watch:
+        observe_cmd.watch(eng, state=state, to=to, as_json=False)
 
 
 @app.command()
@@ -338,6 +344,7 @@ def render_command(
 
 orchestration_cmd.register(app)  # cancel, answer, context, trace
 ops_cmd.register(app)  # pause, resume, paused
+observe_cmd.register(app)  # stats, top
 
 
 def main() -> None:

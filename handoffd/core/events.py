@@ -27,6 +27,7 @@ Event = dict[str, Any]
 # the details of a history entry that are worth a line in the log (bounded: no document content)
 DETAIL_KEYS = ("code", "seconds", "retry", "delay_seconds", "reason", "forced")
 MAX_TEXT = 200
+START = "start"  # EventLog.tail: from the oldest event kept
 SET_ASIDE = "set-aside"  # the "state" of an event for a document moved into quarantine
 
 
@@ -42,8 +43,8 @@ class EventLog(Protocol):
         ...
 
     def tail(self, cursor: Any = None) -> tuple[list[Event], Any]:
-        """Events appended after ``cursor`` (None: from now on; nothing is returned for the
-        past) and the cursor to pass next time."""
+        """Events appended after ``cursor`` (None: from now on, nothing is returned for the
+        past; :data:`START`: every event kept) and the cursor to pass next time."""
         ...
 
 
@@ -68,7 +69,8 @@ class MemoryEventLog:
     def tail(self, cursor: Any = None) -> tuple[list[Event], Any]:
         """Events after ``cursor`` (an index into the list)."""
         with self._lock:
-            start = len(self.events) if cursor is None else int(cursor)
+            start = (len(self.events) if cursor is None else 0 if cursor == START
+                     else int(cursor))
             return list(self.events[start:]), len(self.events)
 
 
@@ -120,8 +122,17 @@ class RecordingBackend:
         self.clock = clock
         self._warned = False
 
+    OWN = frozenset({"inner", "events", "describe", "clock", "_warned"})
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a setting of the store (a test's claim_grace_seconds...) goes to the store itself
+        if name in self.OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
 
     # ------------------------------------------------------------ the transitions
     def create(self, doc: Doc, handoff_id: str, now: datetime, **kwargs: Any) -> None:

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
-from ...core.events import Event, after
+from ...core.events import START, Event, after
 from ...core.workspace import Workspace
 
 NAME = "events.jsonl"
@@ -95,6 +95,10 @@ class FileEventLog:
         ino, size = _stat(self.path)
         if cursor is None:
             return [], (ino, size)
+        if cursor == START:  # every rotated file, then the current one from its start
+            older = [e for p in self.files()[:-1] for e in self._read_from(p, 0)[0]]
+            more, offset = self._read_from(self.path, 0)
+            return older + more, (ino, offset)
         old_ino, offset = cursor
         events: list[Event] = []
         if old_ino != ino and old_ino:  # rotated: finish the file we were reading first
