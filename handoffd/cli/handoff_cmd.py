@@ -138,7 +138,25 @@ def show(
     from ..backends.files import FilesBackend
     from ..core.documents import book
     eng = engine(root)  # every feature: their gates say why a pending handoff waits
-    state, doc = eng.get(handoff_id)
+    try:
+        state, doc = eng.get(handoff_id)
+    except NotFound:
+        from ..features.retention import find_archived
+        entry = find_archived(eng.ws, handoff_id)
+        if entry is None:
+            raise
+        if as_json:
+            print_json({"id": handoff_id, "state": entry.get("state"), "archived": True,
+                        "archived_at": entry.get("archived_at"), "document": entry.get("document")})
+            return
+        out = console()
+        kept = entry.get("document")
+        doc = kept if isinstance(kept, dict) else {}
+        out.print(f"[bold]{handoff_id}[/bold]  state: [bold]{entry.get('state')}[/bold]  "
+                  f"archived at {entry.get('archived_at')}")
+        out.print(timeline(book(doc).get("history", [])))
+        out.print_json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
+        return
     if as_json:
         print_json({"id": handoff_id, "state": state.value, "document": doc,
                     "family": orchestration_cmd.family(eng, handoff_id, doc)})

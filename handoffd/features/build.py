@@ -74,6 +74,7 @@ FEATURES: dict[str, Feature] = {
     "context": install_context,  # ctx.context for Python handlers
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
     "notify": install_notify,  # [[on_filed]]: command / webhook notices of filed handoffs
+    "retention": _installer(".retention"),  # [retention]: purge / archive old finished work
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 
