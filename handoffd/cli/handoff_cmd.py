@@ -31,6 +31,31 @@ def _json_arg(text: str, what: str) -> Any:
         raise UsageError(f"{what} is not valid JSON: {exc}") from None
 
 
+def _timing(now: Any, at: str | None, delay: str | None,
+            expires_after: str | None) -> tuple[Any, str | None]:
+    """``--at`` / ``--delay`` as a due time, ``--expires-after`` as an ``expires_at`` string."""
+    from datetime import timedelta
+
+    from ..core.config import parse_duration
+    from ..core.errors import ConfigError
+    from ..core.timeutil import iso, parse_iso
+    if at is not None and delay is not None:
+        raise UsageError("give --at or --delay, not both")
+    due_at = None
+    try:
+        if at is not None:
+            due_at = parse_iso(at)
+        elif delay is not None:
+            due_at = now + timedelta(seconds=parse_duration(delay))
+        expires = (iso((due_at or now) + timedelta(seconds=parse_duration(expires_after)))
+                   if expires_after is not None else None)
+    except ValueError:
+        raise UsageError(f"--at {at!r} is not an ISO 8601 time such as 2026-12-01T09:00:00Z") from None
+    except ConfigError as exc:
+        raise UsageError(f"{'--delay' if delay else '--expires-after'}: {exc}") from None
+    return due_at, expires
+
+
 def _exit_for(state: State) -> int:
     return 0 if state is State.COMPLETED else 1
 
@@ -50,6 +75,9 @@ def create(
     depends_on: Annotated[Optional[list[str]], typer.Option("--depends-on", help="Run only after this handoff completed (repeatable).")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Block until the handoff is terminal; exit 1 if it failed.")] = False,
     wait_timeout: Annotated[Optional[float], typer.Option("--wait-timeout", help="With --wait: give up after S seconds (exit 124).")] = None,
+    at: Annotated[Optional[str], typer.Option("--at", help="Not before this time (ISO 8601, e.g. 2026-12-01T09:00:00Z; no zone: UTC).")] = None,
+    delay: Annotated[Optional[str], typer.Option("--delay", help="Not before this long from now: 45s, 10m, 2h...")] = None,
+    expires_after: Annotated[Optional[str], typer.Option("--expires-after", help="Fail with EXPIRED if not started within this long (native requests).")] = None,
     root: RootOption = None,
 ) -> None:
     """Create a handoff and print its id alone on stdout."""
@@ -57,6 +85,7 @@ def create(
     from ..core.documents import new_native_request
     from ..service.waiting import wait_terminal
     eng = engine(root, create=True, features=("dependencies",))  # submit's check
+    due_at, expires_at = _timing(eng.clock(), at, delay, expires_after)
     if file is not None:
         if any(v is not None for v in (to, data, input_file, handoff_id)):
             raise UsageError("--file submits a whole document; do not combine it with --to/--data/--input/--id")
@@ -66,7 +95,13 @@ def create(
                 raise UsageError(f"the document on stdin is over {eng.settings.max_document_bytes} bytes")
         else:
             raw, _ = read_bytes_safely(file, eng.settings.max_document_bytes)
-        new_id = eng.submit(parse_document(raw, str(file)), if_absent=if_absent)
+        submitted = parse_document(raw, str(file))
+        if expires_at is not None:
+            if not isinstance(submitted, dict) or "handoff_id" not in submitted:
+                raise UsageError("--expires-after applies to native (seed 001) requests; other "
+                                 "formats carry their own deadlines")
+            submitted["expires_at"] = expires_at
+        new_id = eng.submit(submitted, if_absent=if_absent, due_at=due_at)
     else:
         if not to:
             raise UsageError("--to is required (or submit a whole document with --file)")
@@ -82,8 +117,10 @@ def create(
         doc = new_native_request(source=source, target=to, data=payload, now=eng.clock(),
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=prio, depends_on=depends_on)
+        if expires_at is not None:
+            doc["expires_at"] = expires_at
         new_id = eng.submit(doc, forced="native", prechecked=True,  # e.g. --priority urgent: refused above
-                            if_absent=if_absent)
+                            if_absent=if_absent, due_at=due_at)
     print(new_id)
     sys.stdout.flush()
     if wait:

@@ -75,6 +75,7 @@ FEATURES: dict[str, Feature] = {
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
     "notify": install_notify,  # [[on_filed]]: command / webhook notices of filed handoffs
     "retention": _installer(".retention"),  # [retention]: purge / archive old finished work
+    "rates": _installer(".rates"),  # specialists' rate = "30/m": a shared token bucket each
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 
