@@ -35,7 +35,7 @@ class JsonLines(logging.Formatter):
     """One JSON object per log record: time, level, event, message, and the handoff's facts a
     record carries (handoff_id, agent, attempt, state, seconds, code), for log shippers."""
 
-    FIELDS = ("event", "handoff_id", "agent", "attempt", "state", "seconds", "code")
+    FIELDS = ("event", "handoff_id", "agent", "attempt", "state", "seconds", "duration", "code")
 
     def format(self, record: logging.LogRecord) -> str:
         from datetime import datetime, timezone
@@ -94,8 +94,10 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
     _warn_if_shared(eng.ws.root)
     daemon = Daemon(eng, workers=workers)
     exposed = _expose_metrics(eng, daemon, metrics, metrics_textfile)
-    daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
-        "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid, "state": st.value}))
+    if not _log_filings(eng):
+        daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
+            "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid,
+                                              "state": st.value}))
     systemd = SystemdNotifier.from_env()  # Type=notify: READY, STOPPING, WATCHDOG
     if systemd is not None:
         daemon.add_scan_hook(systemd.watchdog)  # pinged from the main loop: a hang stops it
@@ -114,6 +116,33 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
         print(f"{PROG}: error: the main loop died ({daemon.report.error}); restart the daemon",
               file=sys.stderr)
     raise typer.Exit(code or (1 if daemon.report.error else 0))
+
+
+FILINGS = frozenset({"completed", "failed", "cancelled", "retry_scheduled", "set_aside"})
+
+
+def _log_filings(eng: "Engine") -> bool:
+    """Log (at info: shown with -v) each filing, retry and set-aside with its agent, attempt,
+    duration and error code, from the event stream; False when the engine logs no events."""
+    from ..core.events import RecordingBackend
+    if not isinstance(eng.backend, RecordingBackend):
+        return False
+    logger = logging.getLogger("handoffd")
+
+    def filed(event: dict[str, object]) -> None:
+        if event.get("event") not in FILINGS:
+            return
+        code = f" {event['code']}" if event.get("code") else ""
+        took = f" in {event['seconds']}s" if event.get("seconds") is not None else ""
+        logger.info("%s -> %s (%s)%s%s", event.get("id"), event.get("state"), event.get("event"),
+                    code, took, extra={
+                        "event": event.get("event"), "handoff_id": event.get("id"),
+                        "agent": event.get("agent"), "attempt": event.get("attempt"),
+                        "state": event.get("state"), "duration": event.get("seconds"),
+                        "code": event.get("code")})
+
+    eng.backend.listeners.append(filed)
+    return True
 
 
 def _expose_metrics(eng: "Engine", daemon: Daemon, address: str | None,
@@ -176,6 +205,7 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     _logging(verbose, quiet=quiet, log_format=log_format)
     eng = engine(root, create=True)
     _warn_if_shared(eng.ws.root)
+    _log_filings(eng)
     report = Daemon(eng, workers=workers, watch=False).run_batch(install_signals=True,
                                                                  max_seconds=max_seconds)
     if report.error:

@@ -121,8 +121,10 @@ class RecordingBackend:
         self.describe = describe
         self.clock = clock
         self._warned = False
+        # told of each event after it is logged (handoffd serve -v logs filings with them)
+        self.listeners: list[Callable[[Event], None]] = []
 
-    OWN = frozenset({"inner", "events", "describe", "clock", "_warned"})
+    OWN = frozenset({"inner", "events", "describe", "clock", "_warned", "listeners"})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -245,4 +247,9 @@ class RecordingBackend:
             if not self._warned:
                 log.warning("cannot write the event log (%s); transitions go on unlogged", exc)
                 self._warned = True
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not fail the transition either
+                log.exception("event listener %r failed", listener)
 
