@@ -81,11 +81,12 @@ def test_daemon_applies_retention(ws: Workspace) -> None:
     ws.write_config(FLAKY_TOML + '\n[retention]\ncompleted = "1s"\nmode = "archive"\nevery = "1s"\n')
     daemon = ws.serve()
     try:
-        hid = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "ok"}))
         kept = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "permanent"}))
-        ws.wait_state(hid)
-        deadline = time.monotonic() + 20
-        while ws.state_of(hid) and time.monotonic() < deadline:
+        hid = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "ok"}))
+        ws.wait_state(kept, ("failed",))
+        deadline = time.monotonic() + 30  # completed, then archived a second later or so
+        while not (ws.root / "handoffs" / ".archive").exists() or ws.state_of(hid):
+            assert time.monotonic() < deadline, ws.state_of(hid)
             time.sleep(0.1)
         assert ws.state_of(hid) == []  # archived by the daemon's sweep
         assert ws.state_of(kept) == ["failed"]  # no failed = ...: failures are kept
