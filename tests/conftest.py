@@ -120,7 +120,9 @@ class Workspace:
         pending = self.root / "handoffs" / "pending"
         pending.mkdir(parents=True, exist_ok=True)
         data = doc if isinstance(doc, (bytes, str)) else json.dumps(doc)
-        tmp = self.root / f".{name}.part"
+        # the temp file sits under handoffs/ (not a state folder): a contract's snapshot of the
+        # workspace skips handoffd's own folder, so a drop never reads as a contracted run's edit
+        tmp = self.root / "handoffs" / f".{name}.part"
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, pending / name)
         return pending / name

@@ -581,3 +581,26 @@ def test_files_claim_next_takes_raw_documents_and_skips_unreadable_ones(tmp_path
     assert drain(backend, (now - T0).total_seconds()) == ["raw-1", "made-1"]
     assert state_of(backend, "raw-1") is State.IN_PROGRESS
     assert (ws.state_dir(State.PENDING) / "junk.json").exists()
+
+
+def test_create_with_a_later_due_time_waits_for_it(backend: Backend) -> None:
+    backend.create(request_doc("later"), "later", T0, due_at=at(60))
+    add(backend, "now", 1)
+    assert drain(backend, 10) == ["now"]
+    assert backend.claim_next(TARGETS, at(59), LEASE) is None
+    got = backend.claim_next(TARGETS, at(60), LEASE)
+    assert got is not None and got.id == "later"
+
+
+def test_purge_deletes_a_finished_handoff_and_remembers_its_id(backend: Backend) -> None:
+    add(backend, "h1")
+    add(backend, "h2")
+    assert done(backend, claim(backend, "h1"), 1)
+    with pytest.raises(InvalidTransition):
+        backend.purge("h2", State.PENDING, at(2))
+    assert not backend.purge("h1", State.FAILED, at(2))  # not there
+    assert backend.purge("h1", State.COMPLETED, at(2))
+    assert backend.get("h1") is None and backend.ids(State.COMPLETED) == []
+    assert not backend.purge("h1", State.COMPLETED, at(3))
+    with pytest.raises(DuplicateHandoff):  # the id was used: dedup still says so
+        add(backend, "h1", 4)

@@ -87,4 +87,7 @@ def test_json_logs_are_one_object_per_line(ws: Workspace) -> None:
     assert set(claimed) == {ok, bad} and claimed[ok]["agent"] == "@flaky"
     assert claimed[ok]["attempt"] == 1
     assert any(r.get("event") == "batch_done" and "failed 1" in r["message"] for r in records)
+    failed = next(r for r in records if r.get("event") == "failed")
+    assert (failed["handoff_id"], failed["agent"], failed["attempt"], failed["code"]) == \
+        (bad, "@flaky", 1, "PROCESSING_ERROR") and failed["duration"] > 0
     assert ws.handoffd("run", "--log-format", "xml").returncode == 2

@@ -73,10 +73,14 @@ def lease_block(token: str, now: datetime, seconds: float) -> Doc:
             "expires_at": iso(now + timedelta(seconds=seconds))}
 
 
-def stamp_created(doc: Doc, handoff_id: str, now: datetime) -> None:
-    """Bookkeeping of a newly created document: a fresh block and a ``created`` event."""
+def stamp_created(doc: Doc, handoff_id: str, now: datetime,
+                  due_at: datetime | None = None) -> None:
+    """Bookkeeping of a newly created document: a fresh block and a ``created`` event (with
+    ``next_attempt_at`` when it is not due before ``due_at``)."""
     doc[BOOK] = {"id": handoff_id}
-    record(doc, "created", now)
+    record(doc, "created", now, **({"due_at": iso(due_at)} if due_at else {}))
+    if due_at is not None and due_at > now:
+        doc[BOOK]["next_attempt_at"] = iso(due_at)
 
 
 def stamp_claimed(doc: Doc, token: str, now: datetime, lease_seconds: float) -> int:

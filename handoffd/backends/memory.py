@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Callable, Collection
 
 from ..core.documents import book, book_int
-from ..core.errors import DuplicateHandoff
+from ..core.errors import DuplicateHandoff, InvalidTransition
 from ..core.states import State
 from ..core.timeutil import iso, utc_now
 from .base import (
@@ -71,9 +71,10 @@ class MemoryBackend(FencedFiling, Backend):
         self._subscribers = Subscribers()
 
     # ------------------------------------------------------------ creating and reading
-    def create(self, doc: Doc, handoff_id: str, now: datetime) -> None:
+    def create(self, doc: Doc, handoff_id: str, now: datetime, *,
+               due_at: datetime | None = None) -> None:
         stored = copy.deepcopy(doc)
-        stamp_created(stored, handoff_id, now)
+        stamp_created(stored, handoff_id, now, due_at)
         with self._lock:
             if handoff_id in self._entries:
                 where = self._entries[handoff_id].state.value
@@ -224,6 +225,18 @@ class MemoryBackend(FencedFiling, Backend):
                 return False
             entry.state, entry.doc, entry.token = State.PENDING, copy.deepcopy(doc), None
         self._subscribers.fire(handoff_id, State.PENDING.value)
+        return True
+
+    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+        if not state.terminal:
+            raise InvalidTransition(f"handoff {handoff_id}: only finished handoffs are purged",
+                                    handoff_id=handoff_id)
+        with self._lock:
+            entry = self._entries.get(handoff_id)
+            if entry is None or entry.state is not state:
+                return False
+            del self._entries[handoff_id]
+            self._seen[handoff_id] = now
         return True
 
     def maintain(self, now: datetime, *,

@@ -12,7 +12,7 @@ import typer
 from ..core.errors import InvalidDocument, NotFound, UsageError
 from ..core.states import State
 from ..core.workspace import Workspace, resolve_root
-from . import ops_cmd, orchestration_cmd
+from . import observe_cmd, ops_cmd, orchestration_cmd
 
 # Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
 # body: a one-shot command pays only for itself.
@@ -29,6 +29,31 @@ def _json_arg(text: str, what: str) -> Any:
         return json.loads(text)
     except ValueError as exc:
         raise UsageError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _timing(now: Any, at: str | None, delay: str | None,
+            expires_after: str | None) -> tuple[Any, str | None]:
+    """``--at`` / ``--delay`` as a due time, ``--expires-after`` as an ``expires_at`` string."""
+    from datetime import timedelta
+
+    from ..core.config import parse_duration
+    from ..core.errors import ConfigError
+    from ..core.timeutil import iso, parse_iso
+    if at is not None and delay is not None:
+        raise UsageError("give --at or --delay, not both")
+    due_at = None
+    try:
+        if at is not None:
+            due_at = parse_iso(at)
+        elif delay is not None:
+            due_at = now + timedelta(seconds=parse_duration(delay))
+        expires = (iso((due_at or now) + timedelta(seconds=parse_duration(expires_after)))
+                   if expires_after is not None else None)
+    except ValueError:
+        raise UsageError(f"--at {at!r} is not an ISO 8601 time such as 2026-12-01T09:00:00Z") from None
+    except ConfigError as exc:
+        raise UsageError(f"{'--delay' if delay else '--expires-after'}: {exc}") from None
+    return due_at, expires
 
 
 def _exit_for(state: State) -> int:
@@ -50,6 +75,9 @@ def create(
     depends_on: Annotated[Optional[list[str]], typer.Option("--depends-on", help="Run only after this handoff completed (repeatable).")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Block until the handoff is terminal; exit 1 if it failed.")] = False,
     wait_timeout: Annotated[Optional[float], typer.Option("--wait-timeout", help="With --wait: give up after S seconds (exit 124).")] = None,
+    at: Annotated[Optional[str], typer.Option("--at", help="Not before this time (ISO 8601, e.g. 2026-12-01T09:00:00Z; no zone: UTC).")] = None,
+    delay: Annotated[Optional[str], typer.Option("--delay", help="Not before this long from now: 45s, 10m, 2h...")] = None,
+    expires_after: Annotated[Optional[str], typer.Option("--expires-after", help="Fail with EXPIRED if not started within this long (native requests).")] = None,
     root: RootOption = None,
 ) -> None:
     """Create a handoff and print its id alone on stdout."""
@@ -57,6 +85,7 @@ def create(
     from ..core.documents import new_native_request
     from ..service.waiting import wait_terminal
     eng = engine(root, create=True, features=("dependencies",))  # submit's check
+    due_at, expires_at = _timing(eng.clock(), at, delay, expires_after)
     if file is not None:
         if any(v is not None for v in (to, data, input_file, handoff_id)):
             raise UsageError("--file submits a whole document; do not combine it with --to/--data/--input/--id")
@@ -66,7 +95,13 @@ def create(
                 raise UsageError(f"the document on stdin is over {eng.settings.max_document_bytes} bytes")
         else:
             raw, _ = read_bytes_safely(file, eng.settings.max_document_bytes)
-        new_id = eng.submit(parse_document(raw, str(file)), if_absent=if_absent)
+        submitted = parse_document(raw, str(file))
+        if expires_at is not None:
+            if not isinstance(submitted, dict) or "handoff_id" not in submitted:
+                raise UsageError("--expires-after applies to native (seed 001) requests; other "
+                                 "formats carry their own deadlines")
+            submitted["expires_at"] = expires_at
+        new_id = eng.submit(submitted, if_absent=if_absent, due_at=due_at)
     else:
         if not to:
             raise UsageError("--to is required (or submit a whole document with --file)")
@@ -82,8 +117,10 @@ def create(
         doc = new_native_request(source=source, target=to, data=payload, now=eng.clock(),
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=prio, depends_on=depends_on)
+        if expires_at is not None:
+            doc["expires_at"] = expires_at
         new_id = eng.submit(doc, forced="native", prechecked=True,  # e.g. --priority urgent: refused above
-                            if_absent=if_absent)
+                            if_absent=if_absent, due_at=due_at)
     print(new_id)
     sys.stdout.flush()
     if wait:
@@ -104,21 +141,27 @@ def list_command(
     source: Annotated[Optional[str], typer.Option("--from", help="Only handoffs from this agent.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="Newest N rows.")] = 50,
     conversation: Annotated[Optional[str], typer.Option("--conversation", help="Only handoffs of this conversation_id.")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Then print each transition as it happens (Ctrl-C ends).")] = False,
     as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
-    """List handoffs, newest first."""
+    """List handoffs, newest first (--watch: then follow them live)."""
     from ..service.queries import list_handoffs
     eng = engine(root)  # every feature: their gates say why a pending handoff waits
     valid = [s.value for s in State] + ["quarantined"]
     if state is not None and state not in valid:
         raise UsageError(f"--state must be one of {', '.join(valid)}")
+    if watch and as_json:  # a stream of JSON lines, one per event (no table first)
+        observe_cmd.watch(eng, state=state, to=to, as_json=True)
+        return
     rows = list_handoffs(eng, state=state, to=to, source=source, limit=limit,
                          conversation=conversation)
     if as_json:
         print_json(rows)
     else:
         console().print(handoff_table(rows))
+    if watch:
+        observe_cmd.watch(eng, state=state, to=to, as_json=False)
 
 
 @app.command()
@@ -132,15 +175,34 @@ def show(
     from ..backends.files import FilesBackend
     from ..core.documents import book
     eng = engine(root)  # every feature: their gates say why a pending handoff waits
-    state, doc = eng.get(handoff_id)
+    try:
+        state, doc = eng.get(handoff_id)
+    except NotFound:
+        from ..features.retention import find_archived
+        entry = find_archived(eng.ws, handoff_id)
+        if entry is None:
+            raise
+        if as_json:
+            print_json({"id": handoff_id, "state": entry.get("state"), "archived": True,
+                        "archived_at": entry.get("archived_at"), "document": entry.get("document")})
+            return
+        out = console()
+        kept = entry.get("document")
+        doc = kept if isinstance(kept, dict) else {}
+        out.print(f"[bold]{handoff_id}[/bold]  state: [bold]{entry.get('state')}[/bold]  "
+                  f"archived at {entry.get('archived_at')}")
+        out.print(timeline(book(doc).get("history", [])))
+        out.print_json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
+        return
     if as_json:
         print_json({"id": handoff_id, "state": state.value, "document": doc,
                     "family": orchestration_cmd.family(eng, handoff_id, doc)})
         return
     out = console()
+    store = getattr(eng.backend, "inner", eng.backend)  # under the event log's recorder
     out.print(f"[bold]{handoff_id}[/bold]  state: [bold]{state.value}[/bold]  "
-              + (f"file: {eng.backend.store.path(state, handoff_id)}"
-                 if isinstance(eng.backend, FilesBackend) else ""))
+              + (f"file: {store.store.path(state, handoff_id)}"
+                 if isinstance(store, FilesBackend) else ""))
     orchestration_cmd.print_family(out, eng, handoff_id, doc)  # parent, children, waiting
     out.print(timeline(book(doc).get("history", [])))
     out.print_json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
@@ -337,6 +399,7 @@ def render_command(
 
 orchestration_cmd.register(app)  # cancel, answer, context, trace
 ops_cmd.register(app)  # pause, resume, paused
+observe_cmd.register(app)  # stats, top
 
 
 def main() -> None:

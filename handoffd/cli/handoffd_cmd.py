@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -18,6 +18,9 @@ from ..service.sweeper import sweep as sweep_once
 from ..service.systemd import SystemdNotifier
 from .common import RootOption, StoreOption, engine, guarded, new_app, run_app, workspace
 from .db_cmd import db_app
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
 
 PROG = "handoffd"
 app = new_app("The handoffd daemon: claims handoffs and runs their specialists.")
@@ -34,7 +37,7 @@ class JsonLines(logging.Formatter):
     """One JSON object per log record: time, level, event, message, and the handoff's facts a
     record carries (handoff_id, agent, attempt, state, seconds, code), for log shippers."""
 
-    FIELDS = ("event", "handoff_id", "agent", "attempt", "state", "seconds", "code")
+    FIELDS = ("event", "handoff_id", "agent", "attempt", "state", "seconds", "duration", "code")
 
     def format(self, record: logging.LogRecord) -> str:
         from datetime import datetime, timezone
@@ -77,7 +80,12 @@ def _warn_if_shared(root: Path) -> None:
 @app.command()
 @guarded(PROG)
 def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = False,
-          log_format: LogFormat = "text", store: StoreOption = None) -> None:
+          log_format: LogFormat = "text", store: StoreOption = None,
+          metrics: Annotated[Optional[str], typer.Option(
+              "--metrics", help="Serve Prometheus metrics over HTTP at [HOST:]PORT, e.g. :9464.")] = None,
+          metrics_textfile: Annotated[Optional[Path], typer.Option(
+              "--metrics-textfile", help="Rewrite the metrics into FILE every 15 s (node_exporter).")] = None,
+          ) -> None:
     """Run in the foreground until SIGTERM/SIGINT; then finish or hand back work and exit 0.
 
     Exits 1 if the main loop dies of an unexpected error (after logging it with a traceback
@@ -88,8 +96,11 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         _warn_if_shared(eng.ws.root)
     daemon = Daemon(eng, workers=workers)
-    daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
-        "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid, "state": st.value}))
+    exposed = _expose_metrics(eng, daemon, metrics, metrics_textfile)
+    if not _log_filings(eng):
+        daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
+            "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid,
+                                              "state": st.value}))
     systemd = SystemdNotifier.from_env()  # Type=notify: READY, STOPPING, WATCHDOG
     if systemd is not None:
         daemon.add_scan_hook(systemd.watchdog)  # pinged from the main loop: a hang stops it
@@ -97,7 +108,7 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
 
     def ready() -> None:
         line = (f"serving {eng.ws.root} ({daemon.workers} workers; at once per specialist: "
-                f"{daemon.limits() or 'no specialists'})")
+                f"{daemon.limits() or 'no specialists'}){exposed}")
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
         if systemd is not None:
             systemd.ready(line)
@@ -108,6 +119,74 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
         print(f"{PROG}: error: the main loop died ({daemon.report.error}); restart the daemon",
               file=sys.stderr)
     raise typer.Exit(code or (1 if daemon.report.error else 0))
+
+
+FILINGS = frozenset({"completed", "failed", "cancelled", "retry_scheduled", "set_aside"})
+
+
+def _log_filings(eng: "Engine") -> bool:
+    """Log (at info: shown with -v) each filing, retry and set-aside with its agent, attempt,
+    duration and error code, from the event stream; False when the engine logs no events."""
+    from ..core.events import RecordingBackend
+    if not isinstance(eng.backend, RecordingBackend):
+        return False
+    logger = logging.getLogger("handoffd")
+
+    def filed(event: dict[str, object]) -> None:
+        if event.get("event") not in FILINGS:
+            return
+        code = f" {event['code']}" if event.get("code") else ""
+        took = f" in {event['seconds']}s" if event.get("seconds") is not None else ""
+        logger.info("%s -> %s (%s)%s%s", event.get("id"), event.get("state"), event.get("event"),
+                    code, took, extra={
+                        "event": event.get("event"), "handoff_id": event.get("id"),
+                        "agent": event.get("agent"), "attempt": event.get("attempt"),
+                        "state": event.get("state"), "duration": event.get("seconds"),
+                        "code": event.get("code")})
+
+    eng.backend.listeners.append(filed)
+    return True
+
+
+def _expose_metrics(eng: "Engine", daemon: Daemon, address: str | None,
+                    textfile: Path | None) -> str:
+    """Start the metrics endpoint and/or textfile writer of ``serve``; what to add to its
+    start line."""
+    from ..core.errors import UsageError
+    said = ""
+    if address is not None:
+        from ..service.metrics import serve_http
+        try:
+            server, port = serve_http(eng, address)
+        except ValueError:
+            raise UsageError(f"--metrics {address!r}: give [HOST:]PORT, e.g. :9464") from None
+        except OSError as exc:
+            raise UsageError(f"--metrics {address}: cannot listen: {exc.strerror}") from None
+        daemon.add_stop_hook(server.shutdown)
+        said += f"; metrics on http://{address.rpartition(':')[0] or '0.0.0.0'}:{port}/metrics"
+    if textfile is not None:
+        from ..service.metrics import TextfileWriter
+        writer = TextfileWriter(eng, str(textfile))
+        writer.start()
+        daemon.add_stop_hook(writer.stop)
+        said += f"; metrics textfile {textfile}"
+    return said
+
+
+@app.command()
+@guarded(PROG)
+def metrics(root: RootOption = None,
+            textfile: Annotated[Optional[Path], typer.Option(
+                "--textfile", help="Write into FILE atomically (node_exporter) instead of stdout.")] = None,
+            ) -> None:
+    """Print the workspace's Prometheus metrics once (from the event log and the queue)."""
+    from ..service.metrics import registry_for, write_textfile
+    eng = engine(root, features=())
+    if textfile is not None:
+        write_textfile(eng, str(textfile))
+        return
+    from prometheus_client import generate_latest
+    sys.stdout.write(generate_latest(registry_for(eng)).decode())
 
 
 @app.command()
@@ -130,6 +209,7 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     eng = engine(root, create=True, store=store)
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         _warn_if_shared(eng.ws.root)
+    _log_filings(eng)
     report = Daemon(eng, workers=workers, watch=False).run_batch(install_signals=True,
                                                                  max_seconds=max_seconds)
     if report.error:

@@ -21,6 +21,8 @@ def register(app: typer.Typer) -> None:
     app.command("pause")(guarded(PROG)(pause))
     app.command("resume")(guarded(PROG)(resume))
     app.command("paused")(guarded(PROG)(paused))
+    app.command("purge")(guarded(PROG)(purge))
+    app.command("archive")(guarded(PROG)(archive))
 
 
 def _pauses(root: Path | None) -> Any:
@@ -68,3 +70,54 @@ def paused(as_json: JsonOption = False, root: RootOption = None) -> None:
         print_json(pauses)
     else:
         _show(pauses)
+
+
+OlderThan = Annotated[str, typer.Option("--older-than", help="Age: 45s, 10m, 12h, 7d, 2w (last update before then).")]
+StateOption = Annotated[Optional[str], typer.Option("--state", help="completed or failed (default: both).")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Only list what would go.")]
+
+
+def _expire(root: Path | None, older_than: str, state: str | None, dry_run: bool,
+            as_json: bool, *, archive: bool) -> None:
+    from ..core.config import parse_duration
+    from ..core.errors import ConfigError
+    from ..core.states import State
+    from ..features.retention import expire
+    from .common import engine
+    try:
+        seconds = parse_duration(older_than)
+    except ConfigError as exc:
+        raise UsageError(f"--older-than: {exc}") from None
+    if state not in (None, "completed", "failed"):
+        raise UsageError("--state must be completed or failed")
+    states = [State(state)] if state else [State.COMPLETED, State.FAILED]
+    eng = engine(root, features=())
+    result = expire(eng, older_than={s: seconds for s in states}, now=eng.clock(),
+                    archive=archive, dry_run=dry_run)
+    if as_json:
+        print_json({"removed": [{"id": i, "state": s} for i, s in result.removed],
+                    "kept": result.kept, "archive": str(result.archive) if result.archive else None,
+                    "dry_run": dry_run})
+        return
+    verb = ("would archive" if archive else "would purge") if dry_run else \
+        ("archived" if archive else "purged")
+    for hid, st in result.removed:
+        print(f"{verb} {st}/{hid}")
+    for hid, why in sorted(result.kept.items()):
+        print(f"kept {hid}: {why}")
+    where = f" into {result.archive}" if result.archive else ""
+    print(f"{verb} {len(result.removed)} handoff(s){where}; kept {len(result.kept)}")
+
+
+def purge(older_than: OlderThan, state: StateOption = None, dry_run: DryRun = False,
+          as_json: JsonOption = False, root: RootOption = None) -> None:
+    """Delete finished handoffs older than --older-than (never what live work depends on or
+    reports to); their ids stay known to dedup."""
+    _expire(root, older_than, state, dry_run, as_json, archive=False)
+
+
+def archive(older_than: OlderThan, state: StateOption = None, dry_run: DryRun = False,
+            as_json: JsonOption = False, root: RootOption = None) -> None:
+    """Move finished handoffs older than --older-than into handoffs/.archive/DATE.jsonl.gz
+    (`handoff show` still finds them)."""
+    _expire(root, older_than, state, dry_run, as_json, archive=True)

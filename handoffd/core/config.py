@@ -15,12 +15,14 @@ from typing import Any
 
 from .errors import ConfigError
 
-SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers", "on_filed", "store"})
+SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers", "on_filed",
+                      "retention", "store"})
 STORE_KEYS = frozenset({"url", "pool_size", "reconnect_seconds"})
 STORE_SCHEMES = ("postgresql://", "postgres://")
 STORE_ENV = "HANDOFFD_STORE"  # the store URL from the environment (beats the file)
 SPECIALIST_KEYS = frozenset({"command", "handler", "input_schema", "output_schema", "timeout_seconds",
-                             "concurrency", "retry", "env", "cwd"})
+                             "concurrency", "retry", "env", "cwd", "rate"})
+RETENTION_KEYS = frozenset({"completed", "failed", "mode", "every"})
 POSITIVE_SETTINGS = ("rescan_seconds", "sweep_seconds", "lease_seconds", "max_document_bytes",
                      "max_output_bytes", "default_timeout_seconds", "seen_ttl_seconds",
                      "stall_seconds")
@@ -120,6 +122,10 @@ class DaemonSettings:
     # output artifact at expected_output.destination): "enforce" fails a handoff that does not
     # meet them; "advisory" files it with a warning instead
     expectations: str = "enforce"
+    # the event log (handoffs/.meta/events.jsonl): stats, metrics, `handoff top` read it
+    events: bool = True
+    events_max_bytes: int = 16 * 1024 * 1024  # rotated past this size
+    events_keep: int = 4  # rotated files kept
 
     @property
     def durable(self) -> bool:
@@ -141,6 +147,72 @@ class SpecialistConfig:
     retry: RetryPolicy | None = None
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    rate: "Rate | None" = None  # at most rate.count starts per rate.seconds, workspace-wide
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A specialist's ``rate = "30/m"``: at most ``count`` starts per ``seconds`` (a token
+    bucket of ``count`` tokens refilled evenly over ``seconds``)."""
+
+    count: int
+    seconds: float
+
+    @classmethod
+    def parse(cls, text: Any) -> "Rate":
+        """``"30/m"``, ``"5/s"``, ``"100/h"``, ``"1000/d"`` or ``"10/90s"``; ConfigError else."""
+        if not isinstance(text, str) or text.count("/") != 1:
+            raise ConfigError(f"rate {text!r} must look like \"30/m\" (count/period)")
+        count_text, period = text.split("/")
+        try:
+            count = int(count_text.strip())
+        except ValueError:
+            raise ConfigError(f"rate {text!r}: {count_text!r} is not a whole number") from None
+        seconds = parse_duration(period.strip() if period.strip()[:1].isdigit()
+                                 else "1" + period.strip())
+        if not seconds > 0:
+            raise ConfigError(f"rate {text!r}: the period must be longer than 0")
+        if not 1 <= count <= 1_000_000:
+            raise ConfigError(f"rate {text!r}: the count must be between 1 and 1000000")
+        return cls(count, seconds)
+
+    def __str__(self) -> str:
+        return f"{self.count}/{self.seconds:g}s"
+
+
+@dataclass
+class Retention:
+    """``[retention]``: finished handoffs older than these are purged (or archived, with
+    ``mode = "archive"``) by the daemon, every ``every`` seconds. None: kept forever."""
+
+    completed: float | None = None
+    failed: float | None = None
+    mode: str = "purge"
+    every: float = 3600.0
+
+
+UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from ``"45s"``, ``"10m"``, ``"12h"``, ``"7d"``, ``"2w"`` or a number of seconds;
+    ConfigError for anything else, negative, or over ten years."""
+    if isinstance(value, bool):
+        raise ConfigError(f"duration {value!r} must be a number of seconds or like \"7d\"")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
+        text = value.strip().lower()
+        unit = UNITS.get(text[-1])
+        try:
+            seconds = float(text[:-1] if unit else text) * (unit or 1.0)
+        except ValueError:
+            raise ConfigError(f"duration {value!r} must look like 45s, 10m, 12h, 7d or 2w") from None
+    else:
+        raise ConfigError(f"duration {value!r} must look like 45s, 10m, 12h, 7d or 2w")
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_SECONDS:
+        raise ConfigError(f"duration {value!r} must be between 0 and 10 years")
+    return seconds
 
 
 @dataclass
@@ -194,6 +266,8 @@ class Config:
     tiers: dict[str, str] = field(default_factory=dict)
     #: ``[[on_filed]]``: who to tell when a handoff is filed (the notify feature).
     on_filed: list[NotifyRule] = field(default_factory=list)
+    #: ``[retention]``: how long finished handoffs are kept.
+    retention: Retention = field(default_factory=Retention)
     #: ``[store]``: the files backend (no url) or a PostgreSQL database.
     store: StoreSettings = field(default_factory=StoreSettings)
 
@@ -286,10 +360,34 @@ def load_config(path: Path) -> Config:
     config.namespaces = parse_namespaces(raw.get("namespaces", {}), path)
     config.tiers = parse_tiers(raw.get("tiers", {}), path)
     config.on_filed = parse_on_filed(raw.get("on_filed", []), path)
+    config.retention = parse_retention(raw.get("retention", {}), path)
     config.store = parse_store(raw.get("store", {}), path)
     for agent, table in (raw.get("specialists") or {}).items():
         config.specialists[agent] = specialist_from_table(agent, table, config.retry, path)
     return config
+
+
+def parse_retention(table: Any, path: Path | str = "handoffd.toml") -> Retention:
+    """``[retention]``: ``completed``/``failed`` durations, ``mode``, ``every``."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [retention] must be a table")
+    unknown = sorted(set(table) - RETENTION_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown [retention] setting {unknown[0]!r}; known: "
+                          f"{', '.join(sorted(RETENTION_KEYS))}")
+    try:
+        retention = Retention(
+            completed=parse_duration(table["completed"]) if "completed" in table else None,
+            failed=parse_duration(table["failed"]) if "failed" in table else None,
+            mode=str(table.get("mode", "purge")),
+            every=parse_duration(table.get("every", 3600)))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: [retention] {exc}") from None
+    if retention.mode not in ("purge", "archive"):
+        raise ConfigError(f"{path}: [retention] mode must be \"purge\" or \"archive\"")
+    if retention.every < 1:
+        raise ConfigError(f"{path}: [retention] every must be at least 1 second")
+    return retention
 
 
 def _daemon_settings(table: dict[str, Any], path: Path) -> DaemonSettings:
@@ -426,6 +524,10 @@ def specialist_from_table(agent: str, table: dict[str, Any], default_retry: Retr
         policy = RetryPolicy.from_dict(retry, default_retry) if retry is not None else None
     except ConfigError as exc:
         raise ConfigError(f"{path}: specialist {agent}: retry: {exc}") from None
+    try:
+        rate = Rate.parse(table["rate"]) if "rate" in table else None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: specialist {agent}: {exc}") from None
     return SpecialistConfig(
         agent=agent, command=command, handler=handler,
         input_schema=table.get("input_schema"), output_schema=table.get("output_schema"),
@@ -434,4 +536,5 @@ def specialist_from_table(agent: str, table: dict[str, Any], default_retry: Retr
         retry=policy,
         env={str(k): str(v) for k, v in (table.get("env") or {}).items()},
         cwd=table.get("cwd"),
+        rate=rate,
     )

@@ -155,6 +155,8 @@ class Envelope:
     # specialist_hint is a suggestion; the target tier's fleet takes the work)
     fallback_targets: tuple[str, ...] = ()
     default_timeout_seconds: float | None = None  # the format's own default (seed 000's tiers)
+    # never started (or restarted) after this: failed EXPIRED instead (native ``expires_at``)
+    expires_at: datetime | None = None
 
     def __post_init__(self) -> None:
         """The one place where what a document asks for is bounded, whatever its format: every
@@ -245,7 +247,23 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
         conversation_id=doc.get("conversation_id") if isinstance(doc.get("conversation_id"), str) else None,
         depends_on=_with_contract_dependencies(doc, depends),
         contract=doc.get("contract") if isinstance(doc.get("contract"), dict) else None,
+        expires_at=_expires_at(doc, handoff_id),
     )
+
+
+def _expires_at(doc: dict[str, Any], handoff_id: str) -> datetime | None:
+    """A native request's ``expires_at`` (an RFC 3339 time with its zone)."""
+    value = doc.get("expires_at")
+    if value is None:
+        return None
+    try:
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return parse_iso(value)
+    except ValueError:
+        raise InvalidDocument(f"handoff {handoff_id}: expires_at {str(value)[:60]!r} is not a "
+                              "date-time such as 2026-11-25T12:00:00Z", handoff_id=handoff_id,
+                              code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
 
 
 def _with_contract_dependencies(doc: dict[str, Any], depends: Any) -> list[str]:

@@ -56,7 +56,7 @@ PERMANENT_CODES = frozenset({
     ErrorCode.SCHEMA_VALIDATION_FAILED, ErrorCode.VALIDATION_FAILED, ErrorCode.CONTRACT_VIOLATION,
     ErrorCode.CANCELLED, ErrorCode.DEPENDENCY_MISSING, ErrorCode.INVALID_DOCUMENT, ErrorCode.UNSAFE_ID,
     ErrorCode.UNKNOWN_VERSION, ErrorCode.NEEDS_CLARIFICATION, ErrorCode.BLOCKED,
-    ErrorCode.NOT_A_REQUEST,
+    ErrorCode.NOT_A_REQUEST, ErrorCode.EXPIRED,
 })
 
 
@@ -146,6 +146,9 @@ class Engine:
         # an Outcome whose status is a key here is filed by that feature (orchestration parks it)
         self.filers: dict[str, Callable[[Claim, Dialect, Specialist | None, Outcome], State]] = {}
         self.on_sweep: list[Callable[[Engine], object]] = []  # extra repairs run by each sweep
+        # asked before a specialist starts a handoff: seconds to wait (0: go, and the start is
+        # counted). features.rates: the specialist's rate limit
+        self.start_limits: list[Callable[[Specialist, datetime], float]] = []
         # called with each daemon built on this engine: features register scan hooks, message
         # handlers and the like through the daemon's plugin API (the core knows no daemon)
         self.daemon_plugins: list[Callable[[Any], None]] = []
@@ -302,6 +305,11 @@ class Engine:
                 f"{dialect.name} document: {type(exc).__name__}: {str(exc)[:200]}", retryable=False))
             return None
         spec = self.specialist_for(envelope)
+        if envelope.expires_at is not None and now >= envelope.expires_at:
+            self.file(claim, dialect, spec, self.failure(
+                now, ErrorCode.EXPIRED, f"handoff {handoff_id} was not started before it expired "
+                f"at {iso(envelope.expires_at)}", retryable=False))
+            return None
         deadline = self.deadline(envelope, spec, min(filter(None, (first_seen(doc), arrived)),
                                                      default=now))
         if deadline is not None and now >= deadline:
@@ -316,6 +324,12 @@ class Engine:
         ctx = HandlerContext(handoff_id=handoff_id, attempt=claim.attempt, root=self.ws.root,
                              data=envelope.data, target=envelope.target)
         return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
+
+    def start_wait(self, spec: Specialist) -> float:
+        """Seconds until ``spec`` may start another handoff (0.0: now, and the start is
+        counted against its limits)."""
+        now = self.clock()
+        return max((limit(spec, now) for limit in self.start_limits), default=0.0)
 
     def specialist_for(self, envelope: Envelope) -> Specialist | None:
         """The specialist that runs ``envelope``: its target's, else the first registered of its
@@ -340,7 +354,8 @@ class Engine:
         check_document(self.schemas, dialect, doc, subject=subject, handoff_id=handoff_id)
 
     def submit(self, doc: dict[str, Any] | Any, *, forced: str | None = None,
-               prechecked: bool = False, if_absent: bool = False) -> str:
+               prechecked: bool = False, if_absent: bool = False,
+               due_at: datetime | None = None) -> str:
         """Create a new handoff from ``doc`` (a dict in any supported format, or a typed model
         from :mod:`handoffd.dialects.models`, anything with ``to_dict()``) and return its id.
 
@@ -353,7 +368,8 @@ class Engine:
         orchestrator that restarts re-submits safely); Conflict when a different one holds it.
         ``prechecked``: ``doc`` is what
         :func:`~handoffd.core.documents.new_native_request` built, whose own checks equal the
-        schema's (so `handoff create --to` skips loading a schema validator, ~80 ms)."""
+        schema's (so `handoff create --to` skips loading a schema validator, ~80 ms).
+        ``due_at``: not claimed before then (``handoff create --at/--delay``)."""
         if not isinstance(doc, dict) and callable(getattr(doc, "to_dict", None)):
             doc = doc.to_dict()
         if not isinstance(doc, dict):
@@ -368,7 +384,10 @@ class Engine:
         for check in self.submit_checks:
             check(self, envelope)
         try:
-            self.backend.create(doc, envelope.handoff_id, self.clock())
+            if due_at is None:
+                self.backend.create(doc, envelope.handoff_id, self.clock())
+            else:
+                self.backend.create(doc, envelope.handoff_id, self.clock(), due_at=due_at)
         except DuplicateHandoff:
             if if_absent and self._already_submitted(doc, dialect, envelope.handoff_id):
                 return envelope.handoff_id  # the same request won a race with this one

@@ -42,6 +42,7 @@ class ErrorCode(enum.StrEnum):
     VALIDATION_FAILED = "VALIDATION_FAILED"
     BLOCKED = "BLOCKED"
     NEEDS_CLARIFICATION = "NEEDS_CLARIFICATION"
+    EXPIRED = "EXPIRED"  # not started before its expires_at
     # contracts and orchestration
     CONTRACT_VIOLATION = "CONTRACT_VIOLATION"
     OWNERSHIP_CONFLICT = "OWNERSHIP_CONFLICT"

@@ -111,11 +111,13 @@ Claims = list[Claim]
 class Backend(Protocol):
     """Durable storage for handoff documents and their scheduling state (thread-safe)."""
 
-    def create(self, doc: Doc, handoff_id: str, now: datetime) -> None:
+    def create(self, doc: Doc, handoff_id: str, now: datetime, *,
+               due_at: datetime | None = None) -> None:
         """Store a new document as pending, only if ``handoff_id`` is free: raise
         DuplicateHandoff when a handoff with that id exists in any state, or the id was seen
         within the dedup TTL. Stamps the bookkeeping block (see the module docstring), records
-        the id as seen and wakes subscribers. The caller's dict is not changed or kept."""
+        the id as seen and wakes subscribers. The caller's dict is not changed or kept.
+        ``due_at``: not to be claimed before then (``handoff create --at/--delay``)."""
         ...
 
     def get(self, handoff_id: str) -> tuple[State, Doc] | None:
@@ -245,6 +247,12 @@ class Backend(Protocol):
     def reopen(self, handoff_id: str, doc: Doc) -> bool:
         """Put a failed handoff back in pending as ``doc`` (``handoff retry``). False when it is
         no longer failed; DuplicateHandoff when a pending copy exists already."""
+        ...
+
+    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+        """Delete the finished (completed or failed) handoff ``handoff_id`` from ``state``
+        (retention). Its id is recorded as seen at ``now``, so that dedup still answers "used
+        before" for the TTL. False when it is not in ``state``."""
         ...
 
     def maintain(self, now: datetime, *, skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:

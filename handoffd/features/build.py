@@ -10,12 +10,13 @@ from __future__ import annotations
 import importlib
 import socket
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, cast
 
 from .. import dialects
 from ..backends.files import FilesBackend
 from ..core.config import Config
 from ..core.engine import Engine, Job
+from ..core.events import EventLog, RecordingBackend
 from ..core.specialists import Registry
 from ..core.storage import Backend
 from ..core.timeutil import Clock, utc_now
@@ -74,6 +75,8 @@ FEATURES: dict[str, Feature] = {
     "context": install_context,  # ctx.context for Python handlers
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
     "notify": install_notify,  # [[on_filed]]: command / webhook notices of filed handoffs
+    "retention": _installer(".retention"),  # [retention]: purge / archive old finished work
+    "rates": _installer(".rates"),  # specialists' rate = "30/m": a shared token bucket each
     # a PostgreSQL store: files dropped into this workspace's pending/ in, their results out
     "filebridge": _installer(".filebridge"),
 }
@@ -113,18 +116,32 @@ def open_backend(workspace: Workspace, config: Config, *,
                              seen_ttl_seconds=settings.seen_ttl_seconds)
 
 
+def open_event_log(workspace: Workspace, config: Config) -> EventLog:
+    """The workspace's event log (``handoffs/.meta/events.jsonl``) as ``config`` sizes it."""
+    from ..backends.files.events import FileEventLog
+    return FileEventLog(workspace, max_bytes=config.daemon.events_max_bytes,
+                        keep=config.daemon.events_keep)
+
+
 def build_engine(workspace: Workspace, config: Config | None = None,
                  registry: Registry | None = None, *, clock: Clock = utc_now,
                  monotonic: Callable[[], float] = time.monotonic,
                  backend: Backend | None = None, store: str | None = None,
-                 features: Iterable[Feature | str] = DEFAULT_FEATURES) -> Engine:
+                 features: Iterable[Feature | str] = DEFAULT_FEATURES,
+                 events: EventLog | None = None) -> Engine:
     """An Engine for ``workspace`` with ``features`` installed (callables, or names from
     :data:`FEATURES`). ``backend``: the store (default: :func:`open_backend`); ``monotonic``
-    judges how long another process's lease went unrenewed (a clock that never steps);
-    ``store``: a store URL that beats the configuration's (``--store``)."""
+    judges how long another process's lease went unrenewed (a clock that never steps).
+    ``events``: where every transition is logged (default: the workspace's event log, unless
+    ``[daemon] events = false``); ``store``: a store URL that beats the configuration's
+    (``--store``)."""
     config = config or workspace.load_config()
     if backend is None:
         backend = open_backend(workspace, config, monotonic=monotonic, store=store)
+    if events is None and config.daemon.events:
+        events = open_event_log(workspace, config)
+    if events is not None:
+        backend = cast(Backend, RecordingBackend(backend, events, dialects.describe, clock))
     engine = Engine(workspace, config, registry, backend=backend, formats=dialects, clock=clock)
     # formats review results before any feature's checks (seed 002: reported artifacts exist)
     engine.after_run.append(dialects.review_outcome)
@@ -135,4 +152,4 @@ def build_engine(workspace: Workspace, config: Config | None = None,
 
 
 __all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts",
-           "install_context", "open_backend", "origin_of"]
+           "install_context", "open_backend", "open_event_log", "origin_of"]

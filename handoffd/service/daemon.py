@@ -115,6 +115,7 @@ class Daemon:
         self.batch_deadline = math.inf  # run_batch(max_seconds=): hand back and stop then
         self.batch = False  # run_batch: one pass for cron
         self.first_seen: dict[str, datetime] = {}  # hard-timeout handoffs seen pending, by id
+        self.rate_until: dict[str, float] = {}  # agent -> monotonic time its next start is due
         self.report = BatchReport()
         self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
         engine.on_filed.append(self._count)
@@ -431,16 +432,41 @@ class Daemon:
             self._park(spec.agent, handoff_id, front=was_released)
             self._look_again_at(handoff_id, deadline)
             return
+        if self._rate_limited(spec, handoff_id, deadline):
+            return
         self._submit(spec.agent, self._work, handoff_id)
 
+    def _rate_limited(self, spec: Specialist, handoff_id: str, deadline: datetime | None) -> bool:
+        """True when ``spec``'s rate limit holds ``handoff_id`` back: it is looked at again
+        when the next start is due (or at its deadline). The bucket is shared by every process
+        of the workspace; ``rate_until`` spares it while this process already knows the
+        answer."""
+        if not spec.config.rate:
+            return False
+        now = time.monotonic()
+        until = self.rate_until.get(spec.agent, 0.0)
+        wait = until - now if until > now else self.engine.start_wait(spec)
+        if wait <= 0:
+            return False
+        self.rate_until[spec.agent] = now + wait
+        self.notify(handoff_id, min(wait, self._seconds_to(deadline)))
+        return True
+
+    def _seconds_to(self, when: datetime | None) -> float:
+        return math.inf if when is None else max((when - self.engine.clock()).total_seconds(), 0.0)
+
     def _deadline(self, handoff_id: str, peek: Peek) -> datetime | None:
-        """A pending handoff's hard deadline, counted from when this daemon first saw it (a
-        document's own history is trusted only once it is claimed: admission uses that)."""
+        """When a pending handoff must be answered unrun: its ``expires_at``, or its hard
+        deadline counted from when this daemon first saw it (a document's own history is
+        trusted only once it is claimed: admission uses that). None without either."""
         env = peek.envelope
-        if env is None or not env.hard_timeout:
+        if env is None:
             return None
-        arrived = self.first_seen.setdefault(handoff_id, self.engine.clock())
-        return self.engine.deadline(env, self.engine.specialist_for(env), arrived)
+        hard = None
+        if env.hard_timeout:
+            arrived = self.first_seen.setdefault(handoff_id, self.engine.clock())
+            hard = self.engine.deadline(env, self.engine.specialist_for(env), arrived)
+        return min(filter(None, (hard, env.expires_at)), default=None)
 
     def _look_again_at(self, handoff_id: str, deadline: datetime | None) -> None:
         """A handoff that cannot start now but has a hard deadline is looked at again then: if

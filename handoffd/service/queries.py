@@ -52,7 +52,8 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
     """Why a pending handoff is not running yet (empty when it is simply due)."""
     due = next_attempt_at(doc)
     if due is not None and due > engine.clock():
-        return f"retry {book(doc).get('retries', 0)} at {iso(due)}"
+        retries = book(doc).get("retries", 0)
+        return f"retry {retries} at {iso(due)}" if retries else f"scheduled for {iso(due)}"
     if target and engine.registry.get(target) is None:
         return f"waiting: no specialist registered for {target}"
     peek = engine.peek(handoff_id)

@@ -32,6 +32,7 @@ from ...core.errors import (
     DuplicateHandoff,
     ErrorCode,
     InvalidDocument,
+    InvalidTransition,
     NotFound,
     UnreadableDocument,
 )
@@ -123,8 +124,9 @@ class FilesBackend(FencedFiling, Backend):
                 self._cancel_dir(): "cancel"}
 
     # ------------------------------------------------------------ creating and reading
-    def create(self, doc: Doc, handoff_id: str, now: datetime) -> None:
-        self.store.create(copy.deepcopy(doc), handoff_id, now=now)
+    def create(self, doc: Doc, handoff_id: str, now: datetime, *,
+               due_at: datetime | None = None) -> None:
+        self.store.create(copy.deepcopy(doc), handoff_id, now=now, due_at=due_at)
         self._subscribers.fire(handoff_id, State.PENDING.value)
 
     def get(self, handoff_id: str) -> tuple[State, Doc] | None:
@@ -478,6 +480,17 @@ class FilesBackend(FencedFiling, Backend):
         except FileNotFoundError:
             return False
         self._subscribers.fire(handoff_id, State.PENDING.value)
+        return True
+
+    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+        if not state.terminal:
+            raise InvalidTransition(f"handoff {handoff_id}: only finished handoffs are purged",
+                                    handoff_id=handoff_id)
+        self.store.seen.add(handoff_id, now)  # first: dedup must outlive the document
+        try:
+            os.unlink(self.store.path(state, handoff_id))
+        except FileNotFoundError:
+            return False
         return True
 
     def maintain(self, now: datetime, *,

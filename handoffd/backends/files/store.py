@@ -25,6 +25,7 @@ from ...core.errors import (
 from ...core.states import State, allowed, winner
 from ...core.timeutil import iso, utc_now
 from ...core.workspace import Workspace
+from ..base import stamp_created
 from . import fsio, seals
 from .seen import SeenIds
 
@@ -169,7 +170,8 @@ class Store:
         fsio.create_exclusive(self.path(state, handoff_id), self.encode(doc, state, handoff_id),
                               self.ws.tmp, durable=self.durable)
 
-    def create(self, doc: dict[str, Any], handoff_id: str, *, now: datetime | None = None) -> str:
+    def create(self, doc: dict[str, Any], handoff_id: str, *, now: datetime | None = None,
+               due_at: datetime | None = None) -> str:
         """Submit a new document to pending/; DuplicateHandoff naming the existing copy if taken."""
         now = now or utc_now()
         check_id(handoff_id)
@@ -182,8 +184,7 @@ class Store:
             raise DuplicateHandoff(f"handoff id {handoff_id} was used within the last "
                                    f"{int(self.seen.ttl.total_seconds())}s; choose another id",
                                    handoff_id=handoff_id)
-        doc[BOOK] = {"id": handoff_id}  # bookkeeping a submitted document carries is not ours
-        record(doc, "created", now)
+        stamp_created(doc, handoff_id, now, due_at)  # bookkeeping a document brings is not ours
         try:
             fsio.create_exclusive(self.path(State.PENDING, handoff_id),
                                   self.encode(doc, State.PENDING, handoff_id),

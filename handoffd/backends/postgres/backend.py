@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any, Callable, Collection
 
 from ...core.documents import BOOK, book, book_int
-from ...core.errors import DuplicateHandoff
+from ...core.errors import DuplicateHandoff, InvalidTransition
 from ...core.states import State
 from ...core.storage import LOST
 from ...core.timeutil import iso, utc_now
@@ -114,9 +114,10 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                    due_at, updated_at)
 
     # ------------------------------------------------------------ creating and reading
-    def create(self, doc: Doc, handoff_id: str, now: datetime) -> None:
+    def create(self, doc: Doc, handoff_id: str, now: datetime, *,
+               due_at: datetime | None = None) -> None:
         stored = copy.deepcopy(doc)
-        stamp_created(stored, handoff_id, now)
+        stamp_created(stored, handoff_id, now, due_at)  # a later due_at: its next_attempt_at
         text = encode(stored, strict=True)
         columns = self._columns(stored, now)
         write_id = uuid.uuid4().hex
@@ -438,6 +439,23 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
         if done:
             self._subscribers.fire(handoff_id, State.PENDING.value)
         return done
+
+    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+        if not state.terminal:
+            raise InvalidTransition(f"handoff {handoff_id}: only finished handoffs are purged",
+                                    handoff_id=handoff_id)
+
+        def op(conn: Conn, _retried: bool) -> bool:
+            gone = conn.execute(f"DELETE FROM {T} WHERE id = %s AND state = %s RETURNING id",
+                                (handoff_id, state.value)).fetchone()
+            if gone is None:
+                return False  # (a retry after a lost commit lands here too: it is gone)
+            self._seen_upsert(conn, handoff_id, now)  # dedup still says "used before"
+            conn.execute("INSERT INTO handoffd.events (handoff_id, at, event, state) "
+                         "VALUES (%s, %s, 'purged', %s)", (handoff_id, now, state.value))
+            return True
+
+        return self.db.run(op)
 
     def maintain(self, now: datetime, *,
                  skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:

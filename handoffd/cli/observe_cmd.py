@@ -1,0 +1,268 @@
+"""``handoff stats``, ``handoff top`` and ``handoff ls --watch``: views of the event log.
+
+Each reads ``handoffs/.meta/events.jsonl`` (every transition, one line each) and, for the queue
+as it is now, the store. ``top`` is a full-screen rich view that redraws when events arrive and
+quits on ``q`` or Ctrl-C; ``ls --watch`` prints one line per event as it happens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import sys
+import time
+from collections import deque
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional
+
+import typer
+
+from .common import JsonOption, RootOption, engine, guarded
+from .render import STATE_STYLE, console, print_json
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from ..core.engine import Engine
+    from ..core.events import Event
+
+PROG = "handoff"
+POLL_SECONDS = 0.25  # how often the log is looked at for new lines (a stat when nothing came)
+SPARK = "▁▂▃▄▅▆▇█"
+BUCKET_SECONDS = 10  # one sparkline character
+BUCKETS = 60  # ten minutes of history
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``stats`` and ``top`` to ``app`` (``ls --watch`` calls :func:`watch`)."""
+    app.command("stats")(guarded(PROG)(stats))
+    app.command("top")(guarded(PROG)(top))
+
+
+def _events(eng: Engine) -> Any:
+    from ..features.build import open_event_log
+    return open_event_log(eng.ws, eng.config)
+
+
+def _since(text: str | None, now: datetime) -> datetime | None:
+    from ..core.config import parse_duration
+    from ..core.errors import ConfigError, UsageError
+    if text is None:
+        return None
+    try:
+        return now - timedelta(seconds=parse_duration(text))
+    except ConfigError as exc:
+        raise UsageError(f"--since: {exc}") from None
+
+
+def stats(
+    since: Annotated[Optional[str], typer.Option("--since", help="Only the last 45s, 10m, 1h, 7d... (default: everything the log keeps).")] = None,
+    as_json: JsonOption = False,
+    root: RootOption = None,
+) -> None:
+    """Per specialist: queue depth, started, completed, failed, retries, error codes, throughput
+    and p50/p95 of queue wait and run time, from the event log."""
+    from ..service.stats import current_depth, report
+    eng = engine(root, features=())
+    now = eng.clock()
+    start = _since(since, now)
+    figures = report(_events(eng).read(start), current_depth(eng.backend), since=start, now=now)
+    if as_json:
+        print_json(figures)
+        return
+    from rich.table import Table
+    table = Table(box=None, pad_edge=False, header_style="bold",
+                  title=f"{figures['events']} events over {figures['minutes']:g} min",
+                  title_justify="left")
+    for column in ("AGENT", "PENDING", "RUNNING", "STARTED", "DONE", "FAILED", "RETRIES",
+                   "PER MIN", "WAIT p50/p95", "RUN p50/p95", "ERRORS"):
+        table.add_column(column)
+    for a in figures["agents"]:
+        errors = ", ".join(f"{code}×{n}" for code, n in list(a["errors"].items())[:3])
+        table.add_row(a["agent"], str(a["pending"]), str(a["running"]), str(a["started"]),
+                      str(a["completed"]), str(a["failed"]), str(a["retries"]),
+                      _num(a["per_minute"]), f"{_num(a['wait_p50'])}/{_num(a['wait_p95'])}s",
+                      f"{_num(a['run_p50'])}/{_num(a['run_p95'])}s", errors or "-")
+    console().print(table)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+# ---------------------------------------------------------------------------- ls --watch
+def follow(log: Any, stop: Callable[[], bool] = lambda: False) -> Iterator[Event]:
+    """Events as they are appended from now on, until ``stop()`` (or Ctrl-C)."""
+    _, cursor = log.tail(None)
+    while not stop():
+        events, cursor = log.tail(cursor)
+        yield from events
+        if not events:
+            time.sleep(POLL_SECONDS)
+
+
+def watch(eng: Engine, *, state: str | None, to: str | None, as_json: bool) -> None:
+    """``handoff ls --watch``: one line per transition as it happens, until Ctrl-C."""
+    out = console()
+    try:
+        for event in follow(_events(eng)):
+            if (state and event.get("state") != state) or (to and event.get("agent") != to):
+                continue
+            if as_json:
+                print(json.dumps(event, ensure_ascii=False), flush=True)
+                continue
+            extra = " ".join(f"{k}={event[k]}" for k in ("attempt", "code", "seconds", "wait")
+                             if event.get(k) is not None)
+            color = STATE_STYLE.get(str(event.get("state")), "")
+            out.print(f"{str(event.get('at', ''))[11:23]}  {event.get('id')}  "
+                      f"[{color}]{event.get('event')}[/{color}]  {event.get('agent') or '-'}  "
+                      f"{extra}".rstrip(), markup=True, highlight=False)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        pass
+
+
+# ---------------------------------------------------------------------------- top
+class TopModel:
+    """What ``handoff top`` shows, kept up to date from the event log."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng = eng
+        self.failures: deque[Event] = deque(maxlen=8)
+        self.buckets: dict[int, int] = {}  # bucket number -> handoffs finished in it
+        self.per_agent: dict[str, int] = {}  # finished in the last ten minutes, by agent
+        self.rows: list[Any] = []
+        self.depth: dict[tuple[str, str], int] = {}
+
+    def add(self, event: Event) -> None:
+        """Count one event."""
+        if event.get("state") not in ("completed", "failed") or event.get("event") == "purged":
+            return
+        try:
+            at = datetime.fromisoformat(str(event.get("at")).replace("Z", "+00:00"))
+        except ValueError:
+            return
+        bucket = int(at.timestamp() // BUCKET_SECONDS)
+        self.buckets[bucket] = self.buckets.get(bucket, 0) + 1
+        agent = str(event.get("agent") or "-")
+        self.per_agent[agent] = self.per_agent.get(agent, 0) + 1
+        if event.get("state") == "failed":
+            self.failures.appendleft(event)
+
+    def refresh(self) -> None:
+        """Re-read the queue from the store (pending and running handoffs)."""
+        from ..core.states import State
+        from ..service.stats import UNKNOWN
+        self.rows = self.eng.backend.list(state=State.IN_PROGRESS, order="oldest")
+        depth: dict[tuple[str, str], int] = {}
+        for row in self.eng.backend.list(state=State.PENDING):
+            key = ("pending", row.meta.target or UNKNOWN)
+            depth[key] = depth.get(key, 0) + 1
+        self.depth = depth
+
+    def sparkline(self, now: float) -> str:
+        """Handoffs finished per ten seconds over the last ten minutes."""
+        last = int(now // BUCKET_SECONDS)
+        counts = [self.buckets.get(b, 0) for b in range(last - BUCKETS + 1, last + 1)]
+        top = max(counts) or 1
+        return "".join(SPARK[min(int(c / top * (len(SPARK) - 1) + (c > 0)), len(SPARK) - 1)]
+                       if c else " " for c in counts)
+
+    def render(self, now: datetime) -> RenderableType:
+        """The whole screen."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+        agents = sorted({a for _, a in self.depth} | {r.meta.target or "-" for r in self.rows}
+                        | set(self.per_agent))
+        queue = Table(title="queue", title_justify="left", box=None, header_style="bold")
+        for column in ("AGENT", "PENDING", "RUNNING", "FINISHED (10 min)"):
+            queue.add_column(column)
+        for agent in agents:
+            running = sum(1 for r in self.rows if (r.meta.target or "-") == agent)
+            queue.add_row(agent, str(self.depth.get(("pending", agent), 0)), str(running),
+                          str(self.per_agent.get(agent, 0)))
+        running_table = Table(title="running", title_justify="left", box=None,
+                              header_style="bold")
+        for column in ("ID", "AGENT", "ATTEMPT", "AGE"):
+            running_table.add_column(column)
+        for row in self.rows[:15]:
+            block = row.doc.get("handoffd") if isinstance(row.doc.get("handoffd"), dict) else {}
+            age = max((now - row.updated_at).total_seconds(), 0.0)
+            running_table.add_row(row.id, row.meta.target or "-", str(block.get("attempt", "-")),
+                                  f"{age:.0f}s")
+        failures = Table(title="recent failures", title_justify="left", box=None,
+                         header_style="bold")
+        for column in ("AT", "ID", "AGENT", "CODE"):
+            failures.add_column(column)
+        for event in self.failures:
+            failures.add_row(str(event.get("at", ""))[11:19], str(event.get("id")),
+                             str(event.get("agent") or "-"),
+                             Text(str(event.get("code") or "-"), style="red"))
+        header = Text(f"handoffd top  {self.eng.ws.root}  {now:%H:%M:%S}  (q quits)", style="bold")
+        rate = Text(f"finished per 10 s, last 10 min  |{self.sparkline(now.timestamp())}|",
+                    style=STATE_STYLE["completed"])
+        return Group(header, rate, Text(""), queue, Text(""), running_table, Text(""), failures)
+
+
+def top(
+    refresh: Annotated[float, typer.Option("--refresh", help="Redraw at least every S seconds.")] = 2.0,
+    root: RootOption = None,
+) -> None:
+    """A live full-screen view: queue depth per specialist, running handoffs with their age and
+    attempt, recent failures with their code, a throughput sparkline. q or Ctrl-C quits."""
+    from rich.live import Live
+    eng = engine(root, features=())
+    log = _events(eng)
+    model = TopModel(eng)
+    now = eng.clock()
+    for event in log.read(now - timedelta(seconds=BUCKET_SECONDS * BUCKETS)):
+        model.add(event)
+    _, cursor = log.tail(None)
+    model.refresh()
+    keys = _Keys()
+    try:
+        with Live(model.render(eng.clock()), screen=True, auto_refresh=False,
+                  console=console()) as live:
+            last_draw = time.monotonic()
+            while True:
+                if keys.pressed(POLL_SECONDS) in ("q", "Q"):
+                    break
+                events, cursor = log.tail(cursor)
+                for event in events:
+                    model.add(event)
+                if events or time.monotonic() - last_draw >= refresh:
+                    model.refresh()
+                    live.update(model.render(eng.clock()), refresh=True)
+                    last_draw = time.monotonic()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        keys.close()
+
+
+class _Keys:
+    """Single key presses from a terminal (cbreak mode while ``top`` runs)."""
+
+    def __init__(self) -> None:
+        self.fd = sys.stdin.fileno() if sys.stdin and sys.stdin.isatty() else None
+        self.saved: Any = None
+        if self.fd is not None:
+            import termios
+            import tty
+            self.saved = termios.tcgetattr(self.fd)
+            tty.setcbreak(self.fd)
+
+    def pressed(self, timeout: float) -> str | None:
+        """The key pressed within ``timeout`` seconds, or None."""
+        if self.fd is None:
+            time.sleep(timeout)
+            return None
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        return os.read(self.fd, 1).decode(errors="replace") if ready else None
+
+    def close(self) -> None:
+        """Give the terminal its settings back."""
+        if self.fd is not None and self.saved is not None:
+            import termios
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)

@@ -1,0 +1,255 @@
+"""The event stream: every transition of every handoff, appended once to an event log.
+
+A backend makes each transition atomic; :class:`RecordingBackend` wraps any backend (files,
+memory, PostgreSQL) and, after each transition the backend confirmed, appends one event (a flat
+JSON object) to an :class:`EventLog`. The event's name and details come from the history entry
+the caller recorded in the document (``completed`` with its ``seconds`` and ``code``,
+``retry_scheduled``, ``recovered``...), so the log and each document's history never disagree.
+``handoff stats``, the Prometheus metrics, ``handoff top`` and ``handoff ls --watch`` read it.
+
+The log is a view, not the truth: it is written after the transition (a crash between the two
+loses one line, never a handoff) and a failing write is logged once, never raised.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime
+from typing import Any, Callable, Collection, Iterator, Protocol
+
+from .documents import BOOK
+from .states import State
+from .storage import Backend, Claim, Claims, Describe, Doc
+from .timeutil import iso, parse_iso
+
+log = logging.getLogger("handoffd")
+Event = dict[str, Any]
+# the details of a history entry that are worth a line in the log (bounded: no document content)
+DETAIL_KEYS = ("code", "seconds", "retry", "delay_seconds", "reason", "forced")
+MAX_TEXT = 200
+START = "start"  # EventLog.tail: from the oldest event kept
+SET_ASIDE = "set-aside"  # the "state" of an event for a document moved into quarantine
+
+
+class EventLog(Protocol):
+    """Where events go and how they are read back (files: ``handoffs/.meta/events.jsonl``)."""
+
+    def append(self, event: Event) -> None:
+        """Append one event (one write; never partially visible to readers)."""
+        ...
+
+    def read(self, since: datetime | None = None) -> Iterator[Event]:
+        """Every event kept (oldest first), those at or after ``since`` when given."""
+        ...
+
+    def tail(self, cursor: Any = None) -> tuple[list[Event], Any]:
+        """Events appended after ``cursor`` (None: from now on, nothing is returned for the
+        past; :data:`START`: every event kept) and the cursor to pass next time."""
+        ...
+
+
+class MemoryEventLog:
+    """Events in a list (tests, and an engine without a workspace on disk)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._lock = threading.Lock()
+
+    def append(self, event: Event) -> None:
+        """Keep ``event``."""
+        with self._lock:
+            self.events.append(dict(event))
+
+    def read(self, since: datetime | None = None) -> Iterator[Event]:
+        """The events kept, from ``since``."""
+        with self._lock:
+            events = list(self.events)
+        return iter([e for e in events if since is None or after(e, since)])
+
+    def tail(self, cursor: Any = None) -> tuple[list[Event], Any]:
+        """Events after ``cursor`` (an index into the list)."""
+        with self._lock:
+            start = (len(self.events) if cursor is None else 0 if cursor == START
+                     else int(cursor))
+            return list(self.events[start:]), len(self.events)
+
+
+def after(event: Event, since: datetime) -> bool:
+    """True when ``event`` happened at or after ``since`` (an unreadable time: False)."""
+    try:
+        return parse_iso(str(event.get("at"))) >= since
+    except ValueError:
+        return False
+
+
+def last_entry(doc: Doc) -> dict[str, Any]:
+    """The newest history entry of ``doc``'s bookkeeping block ({} when there is none)."""
+    block = doc.get(BOOK)
+    history = block.get("history") if isinstance(block, dict) else None
+    if isinstance(history, list) and history and isinstance(history[-1], dict):
+        return history[-1]
+    return {}
+
+
+def queue_wait(doc: Doc, claimed_at: datetime) -> float | None:
+    """How long a just-claimed handoff waited since it became due: since the event before its
+    claim (created, retry_scheduled + its delay, handed_back...), None when unknown."""
+    block = doc.get(BOOK)
+    history = block.get("history") if isinstance(block, dict) else None
+    if not isinstance(history, list) or len(history) < 2 or not isinstance(history[-2], dict):
+        return None
+    before = history[-2]
+    try:
+        due = parse_iso(str(before.get("at"))).timestamp()
+    except ValueError:
+        return None
+    detail = before.get("detail")
+    delay = detail.get("delay_seconds") if isinstance(detail, dict) else None
+    if isinstance(delay, (int, float)) and not isinstance(delay, bool) and 0 <= delay < 1e9:
+        due += delay
+    return round(max(claimed_at.timestamp() - due, 0.0), 6)
+
+
+class RecordingBackend:
+    """A backend that appends an event to ``events`` after each transition it confirms; every
+    other attribute is the wrapped backend's (``inner``)."""
+
+    def __init__(self, inner: Backend, events: EventLog, describe: Describe,
+                 clock: Callable[[], datetime]) -> None:
+        self.inner = inner
+        self.events = events
+        self.describe = describe
+        self.clock = clock
+        self._warned = False
+        # told of each event after it is logged (handoffd serve -v logs filings with them)
+        self.listeners: list[Callable[[Event], None]] = []
+
+    OWN = frozenset({"inner", "events", "describe", "clock", "_warned", "listeners"})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a setting of the store (a test's claim_grace_seconds...) goes to the store itself
+        if name in self.OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    # ------------------------------------------------------------ the transitions
+    def create(self, doc: Doc, handoff_id: str, now: datetime, **kwargs: Any) -> None:
+        """See Backend.create."""
+        self.inner.create(doc, handoff_id, now, **kwargs)
+        self.emit("created", handoff_id, State.PENDING, doc, at=now)
+
+    def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float,
+                   **kwargs: Any) -> Claim | None:
+        """See Backend.claim_next."""
+        return self._claimed(self.inner.claim_next(targets, now, lease_seconds, **kwargs), now)
+
+    def claim(self, handoff_id: str, now: datetime, lease_seconds: float,
+              **kwargs: Any) -> Claim | None:
+        """See Backend.claim."""
+        return self._claimed(self.inner.claim(handoff_id, now, lease_seconds, **kwargs), now)
+
+    def _claimed(self, claim: Claim | None, now: datetime) -> Claim | None:
+        if claim is not None:
+            self.emit("claimed", claim.id, State.IN_PROGRESS, claim.doc, at=now,
+                      attempt=claim.attempt, wait=queue_wait(claim.doc, now))
+        return claim
+
+    def finish(self, claim: Claim, state: State, doc: Doc) -> bool:
+        """See Backend.finish."""
+        done = self.inner.finish(claim, state, doc)
+        if done:
+            self.emit_entry(claim.id, state, doc, attempt=claim.attempt)
+        return done
+
+    def requeue(self, claim: Claim, doc: Doc, due_at: datetime | None, *,
+                count_attempt: bool) -> bool:
+        """See Backend.requeue."""
+        done = self.inner.requeue(claim, doc, due_at, count_attempt=count_attempt)
+        if done:
+            self.emit_entry(claim.id, State.PENDING, doc, attempt=claim.attempt)
+        return done
+
+    def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
+        """See Backend.expired_claims (each takeover is an event; its filing is another)."""
+        claims = self.inner.expired_claims(now, lease_seconds)
+        for claim in claims:
+            self.emit("taken_over", claim.id, State.IN_PROGRESS, claim.doc, at=now,
+                      attempt=claim.attempt, reason=claim.recovered)
+        return claims
+
+    def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
+                  claim: Claim | None = None) -> bool:
+        """See Backend.set_aside."""
+        done = self.inner.set_aside(handoff_id, state, code, message, claim=claim)
+        if done:
+            self.emit("set_aside", handoff_id, SET_ASIDE, None, code=code, reason=message,
+                      was=state.value)
+        return done
+
+    def create_failed(self, handoff_id: str, doc: Doc) -> bool:
+        """See Backend.create_failed."""
+        done = self.inner.create_failed(handoff_id, doc)
+        if done:
+            self.emit_entry(handoff_id, State.FAILED, doc)
+        return done
+
+    def reopen(self, handoff_id: str, doc: Doc) -> bool:
+        """See Backend.reopen."""
+        done = self.inner.reopen(handoff_id, doc)
+        if done:
+            self.emit_entry(handoff_id, State.PENDING, doc)
+        return done
+
+    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+        """See Backend.purge."""
+        done = self.inner.purge(handoff_id, state, now)
+        if done:
+            self.emit("purged", handoff_id, state, None, at=now)
+        return done
+
+    # ------------------------------------------------------------ writing events
+    def emit_entry(self, handoff_id: str, state: State, doc: Doc, **extra: Any) -> None:
+        """An event named after the newest history entry of ``doc`` (what the caller recorded)."""
+        entry = last_entry(doc)
+        detail = entry.get("detail")
+        fields = {k: detail[k] for k in DETAIL_KEYS if isinstance(detail, dict) and k in detail}
+        at = None
+        try:
+            at = parse_iso(str(entry["at"])) if "at" in entry else None
+        except ValueError:
+            pass
+        self.emit(str(entry.get("event") or state.value), handoff_id, state, doc, at=at,
+                  **extra, **fields)
+
+    def emit(self, name: str, handoff_id: str, state: State | str, doc: Doc | None, *,
+             at: datetime | None = None, **fields: Any) -> None:
+        """Append one event; a failing write is logged (once), never raised."""
+        event: Event = {"at": iso(at or self.clock()), "event": name, "id": handoff_id,
+                        "state": state.value if isinstance(state, State) else state}
+        if doc is not None:
+            try:
+                meta = self.describe(doc)
+                event["agent"] = meta.target
+                event["priority"] = meta.priority
+            except Exception:  # a document that defeats describe still gets its event
+                pass
+        for key, value in fields.items():
+            if value is None:
+                continue
+            event[key] = value[:MAX_TEXT] if isinstance(value, str) else value
+        try:
+            self.events.append(event)
+        except Exception as exc:  # the log is a view: never fail a transition over it
+            if not self._warned:
+                log.warning("cannot write the event log (%s); transitions go on unlogged", exc)
+                self._warned = True
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not fail the transition either
+                log.exception("event listener %r failed", listener)
+

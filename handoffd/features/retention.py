@@ -1,0 +1,178 @@
+"""Retention: purge or archive finished handoffs older than a given age.
+
+``handoff purge --older-than 7d`` deletes completed and failed handoffs last updated before
+then; ``handoff archive`` first appends each one to ``handoffs/.archive/YYYY-MM-DD.jsonl.gz``
+(one JSON object per line: ``id``, ``state``, ``archived_at``, ``document``; gzip members
+appended, so the file stays readable after a crash mid-write), flushed to disk before the
+documents are deleted. ``handoff show`` still finds an archived handoff. ``[retention]`` in
+handoffd.toml makes every serving daemon do the same on its own (``completed = "7d"``,
+``failed = "30d"``, ``mode = "purge"|"archive"``, ``every = "1h"``).
+
+Never removed: a handoff that a pending or running handoff depends on, and the parent of a
+pending or running handoff (its children still report to it). The store records each purged id
+as seen, so dedup still refuses the id for its TTL after the document is gone.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import threading
+import zlib
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ..core.states import State
+from ..core.storage import Row
+from ..core.timeutil import iso
+from ..core.workspace import Workspace
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+
+log = logging.getLogger("handoffd")
+ARCHIVE_DIR = ".archive"
+FINISHED = (State.COMPLETED, State.FAILED)
+
+
+@dataclass
+class Result:
+    """What one retention pass did (or would do, with ``dry_run``)."""
+
+    removed: list[tuple[str, str]] = field(default_factory=list)  # (id, state)
+    kept: dict[str, str] = field(default_factory=dict)  # id -> why it was kept
+    archive: Path | None = None
+
+
+def protected(engine: Engine) -> dict[str, str]:
+    """Ids that must stay, with why: what live handoffs depend on, and their parents."""
+    keep: dict[str, str] = {}
+    for state in (State.PENDING, State.IN_PROGRESS):
+        for row in engine.backend.list(state=state):
+            if row.meta.parent:
+                keep.setdefault(row.meta.parent, f"parent of {state.value} {row.id}")
+            try:
+                deps = engine.formats.detect(row.doc).envelope(row.doc).depends_on
+            except Exception:  # an unreadable live document protects nothing, stops nothing
+                continue
+            for dep in deps:
+                keep.setdefault(dep, f"{state.value} {row.id} depends on it")
+    return keep
+
+
+def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
+           archive: bool = False, dry_run: bool = False) -> Result:
+    """Purge (or archive, then purge) finished handoffs last updated more than
+    ``older_than[state]`` seconds before ``now``."""
+    result = Result()
+    keep = protected(engine)
+    doomed: list[tuple[State, str, dict[str, Any]]] = []
+    for state, seconds in older_than.items():
+        cutoff = now - timedelta(seconds=seconds)
+
+        def old_enough(row: Row, cutoff: datetime = cutoff) -> bool:
+            return row.updated_at < cutoff
+
+        for row in engine.backend.list(state=state, order="oldest", where=old_enough):
+            if row.id in keep:
+                result.kept[row.id] = keep[row.id]
+            else:
+                doomed.append((state, row.id, row.doc))
+    if dry_run or not doomed:
+        result.removed = [(hid, state.value) for state, hid, _ in doomed]
+        return result
+    if archive:
+        result.archive = append_archive(engine.ws, doomed, now)
+    for state, hid, _ in doomed:
+        if engine.backend.purge(hid, state, now):
+            result.removed.append((hid, state.value))
+    return result
+
+
+# ---------------------------------------------------------------------------- the archive
+def archive_dir(ws: Workspace) -> Path:
+    """``handoffs/.archive``."""
+    return ws.handoffs / ARCHIVE_DIR
+
+
+def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
+                   now: datetime) -> Path:
+    """Append ``docs`` to today's archive as one gzip member, on disk (fsync) before returning."""
+    folder = archive_dir(ws)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{now:%Y-%m-%d}.jsonl.gz"
+    lines = "".join(json.dumps({"id": hid, "state": state.value, "archived_at": iso(now),
+                                "document": doc}, ensure_ascii=False) + "\n"
+                    for state, hid, doc in docs)
+    with open(path, "ab") as fh:
+        fh.write(gzip.compress(lines.encode("utf-8")))
+        fh.flush()
+        os.fsync(fh.fileno())  # the documents are deleted next: their copy must be durable
+    return path
+
+
+def archived(ws: Workspace) -> Iterator[dict[str, Any]]:
+    """Every archived entry, newest archive first (a torn member at a file's end is skipped)."""
+    for path in sorted(archive_dir(ws).glob("*.jsonl.gz"), reverse=True):
+        yield from _entries(path)
+
+
+def _entries(path: Path) -> Iterator[dict[str, Any]]:
+    data = path.read_bytes()
+    text = b""
+    while data:  # member by member: a crash mid-append tears only the last one
+        decoder = zlib.decompressobj(zlib.MAX_WBITS | 16)
+        try:
+            member = decoder.decompress(data)
+        except zlib.error:
+            break
+        if not decoder.eof:
+            break  # torn: its trailer (the checksum) never made it to disk
+        text += member
+        data = decoder.unused_data
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            yield entry
+
+
+def find_archived(ws: Workspace, handoff_id: str) -> dict[str, Any] | None:
+    """The archived entry of ``handoff_id`` (the newest), or None."""
+    return next((e for e in archived(ws) if e.get("id") == handoff_id), None)
+
+
+# ---------------------------------------------------------------------------- the daemon's part
+def install(engine: Engine) -> None:
+    """Apply ``[retention]`` on the sweeps of a serving daemon, at most every ``every`` seconds."""
+    policy = engine.config.retention
+    older_than = {s: v for s, v in ((State.COMPLETED, policy.completed),
+                                    (State.FAILED, policy.failed)) if v is not None}
+    if not older_than:
+        return
+    lock = threading.Lock()
+    last: list[datetime] = []
+
+    def apply(engine: Engine) -> object:
+        now = engine.clock()
+        if not lock.acquire(blocking=False):
+            return None
+        try:
+            if last and (now - last[0]).total_seconds() < policy.every:
+                return None
+            last[:] = [now]
+            result = expire(engine, older_than=older_than, now=now,
+                            archive=policy.mode == "archive")
+            if result.removed:
+                log.info("retention: %s %d finished handoff(s)", "archived" if policy.mode ==
+                         "archive" else "purged", len(result.removed))
+            return result
+        finally:
+            lock.release()
+
+    engine.on_sweep.append(apply)

@@ -1,0 +1,199 @@
+"""Prometheus metrics from the event log, in the official ``prometheus-client``'s exposition.
+
+:class:`EventCollector` reads the workspace's event log (all of it on the first scrape, then what
+was appended since) and the store's current queue, so every daemon, CLI and batch run of the
+workspace counts, whichever process is scraped. ``handoffd serve --metrics [HOST:]PORT`` serves
+it over HTTP; ``handoffd metrics --textfile PATH`` (and ``serve --metrics-textfile``) writes the
+same text for node_exporter's textfile collector.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ..core.events import START
+from ..core.states import State
+from .stats import UNKNOWN, current_depth, number
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
+    from ..core.engine import Engine
+    from ..core.events import Event
+
+log = logging.getLogger("handoffd")
+BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+MAX_SERIES = 1000  # label values (agents, codes) beyond this are folded into "other"
+
+
+class _Histogram:
+    """Cumulative bucket counts and a sum, per label value."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def observe(self, label: str, value: float) -> None:
+        counts = self.counts.setdefault(label, [0] * (len(BUCKETS) + 1))
+        for i, bound in enumerate(BUCKETS):
+            if value <= bound:
+                counts[i] += 1
+        counts[-1] += 1
+        self.sums[label] = self.sums.get(label, 0.0) + value
+
+
+class EventCollector:
+    """A prometheus-client collector over the event log and the store (see module docstring)."""
+
+    def __init__(self, engine: Engine, events: Any) -> None:
+        self.engine = engine
+        self.events = events
+        self.cursor: Any = None
+        self.started = False
+        self.lock = threading.Lock()
+        self.transitions: Counter[tuple[str, str]] = Counter()
+        self.errors: Counter[tuple[str, str]] = Counter()
+        self.runs = _Histogram()
+        self.waits = _Histogram()
+        self.labels: set[str] = set()
+
+    def _label(self, value: Any) -> str:
+        text = str(value)[:64] if isinstance(value, str) and value else UNKNOWN
+        if text not in self.labels and len(self.labels) >= MAX_SERIES:
+            return "other"  # a flood of distinct agent ids must not blow up the scrape
+        self.labels.add(text)
+        return text
+
+    def _add(self, event: Event) -> None:
+        agent, name = self._label(event.get("agent")), self._label(event.get("event"))
+        self.transitions[(name, agent)] += 1
+        if name == "claimed" and (wait := number(event.get("wait"))) is not None:
+            self.waits.observe(agent, wait)
+        if event.get("state") in (State.COMPLETED.value, State.FAILED.value) \
+                and name not in ("purged", "archived"):
+            if (seconds := number(event.get("seconds"))) is not None:
+                self.runs.observe(agent, seconds)
+            if event.get("state") == State.FAILED.value and event.get("code"):
+                self.errors[(agent, self._label(event.get("code")))] += 1
+
+    def update(self) -> None:
+        """Take in the events appended since the last scrape."""
+        with self.lock:
+            # the first scrape counts everything the log keeps, later ones what came since
+            fresh, self.cursor = self.events.tail(self.cursor if self.started else START)
+            self.started = True
+            for event in fresh:
+                self._add(event)
+
+    def collect(self) -> Iterator[Any]:
+        """The metric families (called by prometheus-client on every scrape)."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+        self.update()
+        transitions = CounterMetricFamily(
+            "handoffd_transitions", "Handoff transitions by event (created, claimed, completed, "
+            "failed, retry_scheduled...) and specialist", labels=["event", "agent"])
+        errors = CounterMetricFamily("handoffd_failures", "Handoffs filed as failed, by error code",
+                                     labels=["agent", "code"])
+        with self.lock:
+            for (name, agent), count in sorted(self.transitions.items()):
+                transitions.add_metric([name, agent], count)
+            for (agent, code), count in sorted(self.errors.items()):
+                errors.add_metric([agent, code], count)
+            histograms = [self._histogram(HistogramMetricFamily, "handoffd_run_seconds",
+                                          "Run time of finished handoffs", self.runs),
+                          self._histogram(HistogramMetricFamily, "handoffd_queue_wait_seconds",
+                                          "Time from due to claimed", self.waits)]
+        yield transitions
+        yield errors
+        yield from histograms
+        yield from self._queue(GaugeMetricFamily)
+
+    @staticmethod
+    def _histogram(family: Any, name: str, doc: str, data: _Histogram) -> Any:
+        metric = family(name, doc, labels=["agent"])
+        for agent, counts in sorted(data.counts.items()):
+            buckets = [(str(b), counts[i]) for i, b in enumerate(BUCKETS)] + [("+Inf", counts[-1])]
+            metric.add_metric([agent], buckets, data.sums[agent])
+        return metric
+
+    def _queue(self, family: Any) -> Iterator[Any]:
+        states = family("handoffd_handoffs", "Handoffs in each state now", labels=["state"])
+        depth = family("handoffd_queue_depth", "Pending and in-progress handoffs now, by "
+                       "specialist", labels=["state", "agent"])
+        try:
+            for state in State:
+                states.add_metric([state.value], len(self.engine.backend.ids(state)))
+            for (state_name, agent), count in sorted(current_depth(self.engine.backend).items()):
+                depth.add_metric([state_name, self._label(agent)], count)
+        except OSError as exc:  # a scrape must answer even when the store is in trouble
+            log.warning("metrics: cannot read the queue: %s", exc)
+        yield states
+        yield depth
+
+
+def registry_for(engine: Engine) -> CollectorRegistry:
+    """A registry holding the workspace's collector (and nothing else)."""
+    from prometheus_client import CollectorRegistry
+
+    from ..features.build import open_event_log
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EventCollector(engine, open_event_log(engine.ws, engine.config)))
+    return registry
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``":9464"``, ``"9464"`` or ``"127.0.0.1:9464"`` as (host, port); ValueError else."""
+    host, _, port = text.rpartition(":")
+    number_ = int(port)
+    if not 0 <= number_ <= 65535:
+        raise ValueError(f"port {number_} is out of range")
+    return host or "0.0.0.0", number_
+
+
+def serve_http(engine: Engine, address: str) -> tuple[Any, int]:
+    """Serve the metrics over HTTP at ``address`` in a background thread; (server, port)."""
+    from prometheus_client import start_http_server
+    host, port = parse_address(address)
+    server, _ = start_http_server(port, addr=host, registry=registry_for(engine))
+    return server, server.server_address[1]
+
+
+def write_textfile(engine: Engine, path: str, registry: CollectorRegistry | None = None) -> None:
+    """Write the metrics for node_exporter's textfile collector (atomically: a temp file and a
+    rename, as node_exporter asks)."""
+    from prometheus_client import write_to_textfile
+    write_to_textfile(path, registry or registry_for(engine))
+
+
+class TextfileWriter:
+    """Rewrite the textfile every ``seconds`` in a background thread until stopped."""
+
+    def __init__(self, engine: Engine, path: str, seconds: float = 15.0) -> None:
+        self.engine, self.path, self.seconds = engine, path, seconds
+        self.registry = registry_for(engine)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="metrics-textfile", daemon=True)
+
+    def start(self) -> None:
+        """Start writing."""
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                write_textfile(self.engine, self.path, self.registry)
+            except OSError as exc:
+                log.warning("metrics: cannot write %s: %s", self.path, exc)
+            if self.stopped.wait(self.seconds):
+                return
+
+    def stop(self) -> None:
+        """Write once more and stop."""
+        self.stopped.set()
+        self.thread.join(timeout=5)

@@ -1,0 +1,128 @@
+"""``handoff stats``: what the event log says about each specialist, with the queue as it is now.
+
+Per specialist: handoffs created, started, completed and failed in the window, retries, take-overs
+of dead claims, error codes, throughput (finished per minute) and the 50th / 95th percentile of
+the queue wait (due -> claimed) and of the run time; beside them the current depth of pending and
+in-progress work (read from the store, the truth).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Iterable
+
+from ..core.events import Event
+from ..core.states import State
+from ..core.timeutil import parse_iso
+
+FINISHED = (State.COMPLETED.value, State.FAILED.value)
+UNKNOWN = "(unrouted)"
+
+
+@dataclass
+class AgentStats:
+    """The figures of one specialist."""
+
+    agent: str
+    created: int = 0
+    started: int = 0
+    completed: int = 0
+    failed: int = 0
+    retries: int = 0
+    taken_over: int = 0
+    pending: int = 0
+    running: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    waits: list[float] = field(default_factory=list)
+    runs: list[float] = field(default_factory=list)
+
+    def as_dict(self, minutes: float) -> dict[str, Any]:
+        """The figures as JSON (percentiles in seconds, None when there is no sample)."""
+        return {"agent": self.agent, "pending": self.pending, "running": self.running,
+                "created": self.created, "started": self.started, "completed": self.completed,
+                "failed": self.failed, "retries": self.retries, "taken_over": self.taken_over,
+                "per_minute": round((self.completed + self.failed) / minutes, 3) if minutes else None,
+                "errors": dict(self.errors.most_common()),
+                "wait_p50": percentile(self.waits, 50), "wait_p95": percentile(self.waits, 95),
+                "run_p50": percentile(self.runs, 50), "run_p95": percentile(self.runs, 95)}
+
+
+def percentile(values: list[float], pct: float) -> float | None:
+    """The ``pct``-th percentile (nearest rank) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(math.ceil(pct / 100 * len(ordered)) - 1, 0)
+    return round(ordered[rank], 4)
+
+
+def number(value: Any) -> float | None:
+    """A finite, non-negative number from an event field (events are read defensively)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def tally(events: Iterable[Event]) -> dict[str, AgentStats]:
+    """Per-specialist figures from ``events``."""
+    by_agent: dict[str, AgentStats] = {}
+    for event in events:
+        agent = event.get("agent") if isinstance(event.get("agent"), str) else UNKNOWN
+        stats = by_agent.setdefault(str(agent), AgentStats(str(agent)))
+        name, state = event.get("event"), event.get("state")
+        if name == "created":
+            stats.created += 1
+        elif name == "claimed":
+            stats.started += 1
+            if (wait := number(event.get("wait"))) is not None:
+                stats.waits.append(wait)
+        elif name == "retry_scheduled":
+            stats.retries += 1
+        elif name == "taken_over":
+            stats.taken_over += 1
+        if state in FINISHED and name not in ("purged", "archived"):
+            if state == State.COMPLETED.value:
+                stats.completed += 1
+            else:
+                stats.failed += 1
+            if (seconds := number(event.get("seconds"))) is not None:
+                stats.runs.append(seconds)
+        code = event.get("code")
+        if isinstance(code, str) and (state == State.FAILED.value or name == "retry_scheduled"):
+            stats.errors[code[:64]] += 1
+    return by_agent
+
+
+def report(events: Iterable[Event], depth: dict[tuple[str, str], int], *,
+           since: datetime | None, now: datetime) -> dict[str, Any]:
+    """``handoff stats --json``: the window, totals by state and one entry per specialist.
+    ``depth``: (state, agent) -> handoffs now in that state (pending and in-progress)."""
+    events = list(events)
+    by_agent = tally(events)
+    for (state, agent), count in depth.items():
+        stats = by_agent.setdefault(agent, AgentStats(agent))
+        if state == State.PENDING.value:
+            stats.pending += count
+        elif state == State.IN_PROGRESS.value:
+            stats.running += count
+    start = since
+    if start is None and events:
+        try:
+            start = parse_iso(str(events[0].get("at")))
+        except ValueError:
+            start = None
+    minutes = max((now - start).total_seconds() / 60, 1 / 60) if start else 0.0
+    agents = [by_agent[a].as_dict(minutes) for a in sorted(by_agent)]
+    return {"since": start.isoformat() if start else None, "until": now.isoformat(),
+            "minutes": round(minutes, 3), "events": len(events), "agents": agents}
+
+
+def current_depth(backend: Any) -> dict[tuple[str, str], int]:
+    """(state, agent) -> handoffs pending or in progress now, read from the store."""
+    depth: Counter[tuple[str, str]] = Counter()
+    for state in (State.PENDING, State.IN_PROGRESS):
+        for row in backend.list(state=state):
+            depth[(state.value, row.meta.target or UNKNOWN)] += 1
+    return dict(depth)

@@ -1,0 +1,99 @@
+"""Retention, driven as an operator would: `handoff purge` / `handoff archive` with their dry runs
+and filters, what is never removed (what live work depends on, parents of live children), dedup
+after a purge, `handoff show` reading the archive, and a serving daemon applying [retention]."""
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+
+from conftest import FLAKY_TOML, Workspace
+
+from handoffd.core.states import State
+from handoffd.core.timeutil import utc_now
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
+from handoffd.features.retention import append_archive, archived
+
+
+def finished(ws: Workspace, *modes: str) -> list[str]:
+    ids = [ws.create("--to", "@flaky", "--data", json.dumps({"mode": m})) for m in modes]
+    ws.handoffd("run")
+    return ids
+
+
+def test_purge_dry_run_filters_and_protection(ws: Workspace) -> None:
+    done, dep, parent, bad = finished(ws, "ok", "ok", "ok", "permanent")
+    waiting = ws.create("--to", "@nobody", "--depends-on", dep)  # live work depending on `dep`
+    ws.drop("child-1.json", {"handoff_id": "child-1", "source": {"agent_id": "@x"},
+                             "target": {"agent_id": "@nobody"}, "parent_id": parent,
+                             "input": {"data": None}})
+    time.sleep(3.1)  # the finished ones are now older than 3s
+    fresh = finished(ws, "ok")[0]  # (the run also takes in the dropped child; nobody runs it)
+    dry = json.loads(ws.handoff("purge", "--older-than", "3s", "--dry-run", "--json",
+                                check=True).stdout)
+    assert sorted(r["id"] for r in dry["removed"]) == sorted([done, bad])
+    assert dep in dry["kept"] and "depends on it" in dry["kept"][dep]
+    assert parent in dry["kept"] and "parent of pending child-1" == dry["kept"][parent]
+    assert ws.state_of(done) == ["completed"]  # a dry run removes nothing
+    only_failed = ws.handoff("purge", "--older-than", "3s", "--state", "failed", check=True)
+    assert f"purged failed/{bad}" in only_failed.stdout and ws.state_of(bad) == []
+    assert ws.state_of(done) == ["completed"]
+    everything = ws.handoff("purge", "--older-than", "3s", check=True).stdout
+    assert f"purged completed/{done}" in everything and "kept 2" in everything
+    assert ws.state_of(done) == [] and ws.state_of(fresh) == ["completed"]
+    assert ws.state_of(dep) == ["completed"] and ws.state_of(parent) == ["completed"]
+    assert ws.state_of(waiting) == ["pending"]
+    again = ws.handoff("create", "--to", "@flaky", "--id", done)  # dedup outlives the document
+    assert again.returncode != 0 and "was used within" in again.stderr
+    assert ws.handoff("show", done).returncode == 3  # purged: gone for good
+    bad_age = ws.handoff("purge", "--older-than", "soon")
+    assert bad_age.returncode == 2 and "--older-than" in bad_age.stderr
+
+
+def test_archive_then_show(ws: Workspace) -> None:
+    done, failed = finished(ws, "ok", "permanent")
+    time.sleep(1.1)
+    out = ws.handoff("archive", "--older-than", "1s", check=True).stdout
+    assert "archived 2 handoff(s) into" in out and ".archive" in out
+    assert ws.state_of(done) == [] and ws.state_of(failed) == []
+    shown = json.loads(ws.handoff("show", done, "--json", check=True).stdout)
+    assert shown["archived"] is True and shown["state"] == "completed"
+    assert shown["document"]["output"]["echo"] == {"mode": "ok"}
+    human = ws.handoff("show", failed, check=True).stdout
+    assert "state: failed" in human and "archived at" in human
+    files = list((ws.root / "handoffs" / ".archive").glob("*.jsonl.gz"))
+    assert len(files) == 1
+    lines = gzip.decompress(files[0].read_bytes()).decode().splitlines()
+    assert sorted(json.loads(x)["id"] for x in lines) == sorted([done, failed])
+
+
+def test_a_torn_archive_member_loses_only_itself(tmp_path: Path) -> None:
+    ws = HandoffdWorkspace(tmp_path)
+    now = utc_now()
+    path = append_archive(ws, [(State.COMPLETED, "a", {"x": 1})], now)
+    append_archive(ws, [(State.COMPLETED, "b", {"x": 2})], now)
+    path.write_bytes(path.read_bytes()[:-7])  # a crash in the middle of the second append
+    assert [e["id"] for e in archived(ws)] == ["a"]
+
+
+def test_daemon_applies_retention(ws: Workspace) -> None:
+    ws.write_config(FLAKY_TOML + '\n[retention]\ncompleted = "1s"\nmode = "archive"\nevery = "1s"\n')
+    daemon = ws.serve()
+    try:
+        kept = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "permanent"}))
+        hid = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "ok"}))
+        ws.wait_state(kept, ("failed",))
+        deadline = time.monotonic() + 30  # completed, then archived a second later or so
+        while not (ws.root / "handoffs" / ".archive").exists() or ws.state_of(hid):
+            assert time.monotonic() < deadline, ws.state_of(hid)
+            time.sleep(0.1)
+        assert ws.state_of(hid) == []  # archived by the daemon's sweep
+        assert ws.state_of(kept) == ["failed"]  # no failed = ...: failures are kept
+    finally:
+        assert ws.stop(daemon) == 0
+    shown = json.loads(ws.handoff("show", hid, "--json", check=True).stdout)
+    assert shown["archived"] is True
+    events = [json.loads(x) for x in
+              (ws.root / "handoffs" / ".meta" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e["id"] == hid][-1] == "purged"
