@@ -207,3 +207,16 @@ def pg_server() -> Iterator[pgserver.PgServer]:
 def pg_url(pg_server: pgserver.PgServer) -> str:
     """The URL of a fresh, empty database on the session's cluster."""
     return pg_server.new_database()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say once, at the end of every run, why the PostgreSQL tests were skipped (if they were):
+    a missing server must never pass silently."""
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if "PostgreSQL tests skipped" in reason:
+            count = sum(1 for r in terminalreporter.stats.get("skipped", [])
+                        if "PostgreSQL tests skipped" in str(r.longrepr))
+            terminalreporter.write_line(f"{reason.removeprefix('Skipped: ')} ({count} tests)",
+                                        yellow=True)
+            return
