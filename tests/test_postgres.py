@@ -392,3 +392,31 @@ def test_a_cron_batch_on_postgres_ingests_and_files_back(tmp_path: Path, pg_url:
     assert done.returncode == 0, done.stderr
     assert space.state_of("by-file") == ["completed"]  # written back before the batch ended
     assert space.doc("by-file")["output"] == {"echo": {"mode": "ok"}}
+
+
+def test_concurrent_openers_migrate_once(pg_url: str) -> None:
+    """Several daemons starting at once on an empty database: each migration applies once."""
+    opened: list[Any] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def open_one() -> None:
+        start.wait()
+        try:
+            opened.append(backend(pg_url, pool_size=1))
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    try:
+        assert errors == [] and len(opened) == 4
+        assert {b.schema_version for b in opened} == {2}
+        assert sql(pg_url, "SELECT version FROM handoffd.schema_version ORDER BY version") \
+            == [(1,), (2,)]
+    finally:
+        for one in opened:
+            one.close()
