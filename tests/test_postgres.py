@@ -144,6 +144,8 @@ def test_a_fenced_finish_after_takeover_writes_nothing(pg_url: str) -> None:
         events = sql(pg_url, "SELECT event, state FROM handoffd.events WHERE handoff_id = 'h1' "
                              "ORDER BY seq")
         assert events == [("created", "pending"), ("claimed", "in-progress"), ("failed", "failed")]
+        assert sweeper.purge("h1", State.FAILED, at(LEASE + 5))  # retention takes its trail too
+        assert sql(pg_url, "SELECT count(*) FROM handoffd.events WHERE handoff_id = 'h1'") == [(0,)]
     finally:
         owner.close()
         sweeper.close()

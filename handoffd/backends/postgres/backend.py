@@ -451,8 +451,8 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
             if gone is None:
                 return False  # (a retry after a lost commit lands here too: it is gone)
             self._seen_upsert(conn, handoff_id, now)  # dedup still says "used before"
-            conn.execute("INSERT INTO handoffd.events (handoff_id, at, event, state) "
-                         "VALUES (%s, %s, 'purged', %s)", (handoff_id, now, state.value))
+            # retention means the handoff's trail goes too (else the table only ever grows)
+            conn.execute("DELETE FROM handoffd.events WHERE handoff_id = %s", (handoff_id,))
             return True
 
         return self.db.run(op)
