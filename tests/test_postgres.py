@@ -207,6 +207,9 @@ def test_lost_connections_are_retried_and_said_once(pg_url: str,
             record(held.doc, "completed", at(3))
             assert store.finish(held, State.COMPLETED, held.doc)
         assert store.get("h1")[0] is State.COMPLETED
+        said = [r.getMessage() for r in caplog.records if "database" in r.getMessage()]
+        assert len([m for m in said if m.startswith("lost the database connection")]) == 1, said
+        assert len([m for m in said if m.startswith("reconnected to the database")]) == 1, said
     finally:
         store.close()
 
