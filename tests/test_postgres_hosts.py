@@ -5,6 +5,7 @@ Nothing may be lost or filed twice, and re-runs stay within the work in flight a
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -20,7 +21,9 @@ from conftest import FLAKY_TOML, Workspace
 from handoffd.core.documents import new_native_request
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 
-HANDOFFS = 240
+# the issue's full run is 1,000 (HANDOFFD_HOSTS_HANDOFFS=1000, about a minute on 2 cores); the
+# suite's default keeps the test near 30 s
+HANDOFFS = int(os.environ.get("HANDOFFD_HOSTS_HANDOFFS", "240"))
 WORKERS = 4
 TOML = FLAKY_TOML.replace("lease_seconds = 30.0", "lease_seconds = 2.0").replace(
     "max_retries = 2", "max_retries = 20") + f"""
@@ -96,7 +99,7 @@ def test_three_hosts_survive_kills_terminations_and_a_restart(
             else:
                 pg_server.restart()
                 restarts += 1
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 90 + HANDOFFS / 5
         while settled(url) < HANDOFFS and time.monotonic() < deadline:
             time.sleep(0.2)
         elapsed = time.monotonic() - start
