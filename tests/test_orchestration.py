@@ -467,7 +467,7 @@ def test_cancel_cascade_stops_running_children_promptly(ows: Workspace) -> None:
     took = time.monotonic() - started
     print(f"cascade cancel: 3 running children filed cancelled {took:.2f}s after `handoff cancel` "
           "(their timeout is 60 s)")
-    assert took < 10
+    assert took < 40  # stopped, not waited out: their timeout is 60 s (a loaded machine is slow)
     assert "pc: cancelled" in proc.stdout and "pc.c1: cancel requested" in proc.stdout
     parent = ows.doc("pc")
     assert parent["status"] == "cancelled" and parent["error"]["code"] == "CANCELLED"
