@@ -604,3 +604,31 @@ def test_purge_deletes_a_finished_handoff_and_remembers_its_id(backend: Backend)
     assert not backend.purge("h1", State.COMPLETED, at(3))
     with pytest.raises(DuplicateHandoff):  # the id was used: dedup still says so
         add(backend, "h1", 4)
+
+
+# ---------------------------------------------------------------- shared records
+def test_records_update_read_and_delete(backend: Backend) -> None:
+    records = backend.records()
+    assert records.read("paused") == {}
+    assert records.update("paused", "@a", lambda old: {"by": "@ops", "was": old}) == \
+        {"by": "@ops", "was": None}
+    assert records.update("paused", "@b", lambda old: {"n": 1}) == {"n": 1}
+    assert records.read("paused") == {"@a": {"by": "@ops", "was": None}, "@b": {"n": 1}}
+    assert records.read("rates") == {}  # kinds are separate
+    assert records.update("paused", "@a", lambda old: None) is None  # None deletes
+    assert records.read("paused") == {"@b": {"n": 1}}
+
+
+def test_concurrent_record_updates_are_serialised(backend: Backend) -> None:
+    records = backend.records()
+
+    def bump() -> None:
+        for _ in range(25):
+            records.update("counters", "n", lambda old: (old or 0) + 1)
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert records.read("counters") == {"n": 100}

@@ -425,3 +425,29 @@ def test_concurrent_openers_migrate_once(pg_url: str) -> None:
     finally:
         for one in opened:
             one.close()
+
+
+def test_pauses_rates_and_the_event_stream_span_hosts(tmp_path: Path, pg_url: str) -> None:
+    """With a PostgreSQL store, operations hold on every host: a pause said on host B holds host
+    A's daemon, and every host's `handoff stats` / metrics read one event stream."""
+    host_a = pg_workspace(tmp_path / "a", pg_url)
+    host_b = pg_workspace(tmp_path / "b", pg_url, specialists=False)
+    try:
+        assert host_b.handoff("pause", "@flaky", "--reason", "db upgrade").returncode == 0
+        host_a.serve()
+        held = host_b.create("--from", "@t", "--to", "@flaky")
+        time.sleep(1.5)
+        assert json.loads(host_a.handoff("show", held, "--json").stdout)["state"] == "pending"
+        note = next(r["note"] for r in json.loads(host_a.handoff("ls", "--json").stdout)
+                    if r["id"] == held)
+        assert "paused" in note and "db upgrade" in note  # host A sees B's pause
+        assert host_a.handoff("resume", "@flaky").returncode == 0
+        assert host_b.handoff("wait", held, "--timeout", "30").returncode == 0
+        stats = json.loads(host_b.handoff("stats", "--json").stdout)  # B ran nothing itself
+        flaky = next(a for a in stats["agents"] if a["agent"] == "@flaky")
+        assert (flaky["created"], flaky["started"], flaky["completed"]) == (1, 1, 1)
+        metrics = host_b.handoffd("metrics")
+        assert 'handoffd_transitions_total{agent="@flaky",event="completed"} 1.0' in metrics.stdout
+    finally:
+        host_a.cleanup()
+        host_b.cleanup()

@@ -14,6 +14,7 @@ from conftest import FLAKY_TOML, Workspace
 from handoffd.core.config import ConfigError, Rate
 from handoffd.core.timeutil import iso, parse_iso
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
+from handoffd.backends.files.records import FileRecords
 from handoffd.features.rates import Buckets
 
 T0 = datetime(2026, 3, 1, tzinfo=timezone.utc)
@@ -29,16 +30,18 @@ def at_of(ws: Workspace, hid: str, event: str) -> datetime:
 
 
 def test_bucket_bursts_then_spaces_starts(tmp_path: Path) -> None:
-    buckets, rate = Buckets(HandoffdWorkspace(tmp_path)), Rate(3, 6.0)  # 3 per 6 s
+    records = FileRecords(HandoffdWorkspace(tmp_path).meta)
+    buckets, rate = Buckets(records), Rate(3, 6.0)  # 3 per 6 s
     assert [buckets.take("@a", rate, T0) for _ in range(3)] == [0.0, 0.0, 0.0]  # a full bucket
     assert buckets.take("@a", rate, T0) == pytest.approx(2.0)  # one token every 2 s
     assert buckets.take("@a", rate, T0 + timedelta(seconds=1)) == pytest.approx(1.0)
     assert buckets.take("@a", rate, T0 + timedelta(seconds=2)) == 0.0
     assert buckets.take("@a", rate, T0 - timedelta(hours=1)) > 0  # a clock step back refills nothing
     assert buckets.take("@b", rate, T0) == 0.0  # one bucket per specialist
-    buckets.path("@a").write_text("{not json")
+    records.update("rates", "@a", lambda old: "not a bucket")
     assert buckets.take("@a", rate, T0) == 0.0  # unreadable: a full bucket, never a stuck queue
-    assert buckets.path("../../etc/x").parent == buckets.folder
+    records.path("rates").write_text("{not json")
+    assert buckets.take("@a", rate, T0) == 0.0
 
 
 def test_rate_parsing() -> None:

@@ -228,3 +228,27 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
                           grace_not_found if found is None else SAFETY_RECHECK_SECONDS))
     finally:
         unsubscribe()
+
+
+class MemoryRecords:
+    """:class:`~handoffd.core.storage.Records` in a dict (the memory backend's)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def read(self, kind: str) -> dict[str, Any]:
+        """Every record of ``kind`` (copies)."""
+        with self._lock:
+            return copy.deepcopy(self._data.get(kind, {}))
+
+    def update(self, kind: str, key: str, change: Callable[[Any], Any]) -> Any:
+        """Replace one record under the lock."""
+        with self._lock:
+            records = self._data.setdefault(kind, {})
+            new = change(copy.deepcopy(records.get(key)))
+            if new is None:
+                records.pop(key, None)
+            else:
+                records[key] = copy.deepcopy(new)
+            return new

@@ -22,6 +22,7 @@ from .base import (
     Describe,
     Doc,
     FencedFiling,
+    MemoryRecords,
     Order,
     Row,
     Rows,
@@ -69,6 +70,7 @@ class MemoryBackend(FencedFiling, Backend):
         self._cancels: dict[str, Doc] = {}
         self._quarantine: builtins.list[Doc] = []
         self._subscribers = Subscribers()
+        self._records = MemoryRecords()
 
     # ------------------------------------------------------------ creating and reading
     def create(self, doc: Doc, handoff_id: str, now: datetime, *,
@@ -238,6 +240,9 @@ class MemoryBackend(FencedFiling, Backend):
             del self._entries[handoff_id]
             self._seen[handoff_id] = now
         return True
+
+    def records(self) -> MemoryRecords:
+        return self._records
 
     def maintain(self, now: datetime, *,
                  skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:

@@ -40,8 +40,8 @@ def register(app: typer.Typer) -> None:
 
 
 def _events(eng: Engine) -> Any:
-    from ..features.build import open_event_log
-    return open_event_log(eng.ws, eng.config)
+    from ..features.build import event_log_of
+    return event_log_of(eng)
 
 
 def _since(text: str | None, now: datetime) -> datetime | None:

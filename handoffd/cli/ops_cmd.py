@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..core.errors import UsageError
-from .common import JsonOption, RootOption, guarded, workspace
+from .common import JsonOption, RootOption, guarded
 from .render import print_json
 
 PROG = "handoff"
@@ -27,7 +27,8 @@ def register(app: typer.Typer) -> None:
 
 def _pauses(root: Path | None) -> Any:
     from ..features.pause import pauses_of
-    return pauses_of(workspace(root).root)
+    from .common import engine
+    return pauses_of(engine(root, features=()))  # the store's records: files or PostgreSQL
 
 
 def _target(agent: str | None, everything: bool) -> str:

@@ -103,6 +103,24 @@ LOST = "lost"  # Wakeup.kind: some hints were lost; rescan
 
 
 WakeupCallback = Callable[[Wakeup], None]
+# Records.update: the new value from the current one (None: absent); returning None deletes it
+Change = Callable[[Any], Any]
+
+
+@runtime_checkable
+class Records(Protocol):
+    """Small shared records beside the handoffs, by kind and key (pauses, rate-limit buckets):
+    what every daemon of the store must see alike. Values are JSON."""
+
+    def read(self, kind: str) -> dict[str, Any]:
+        """Every record of ``kind``, by key (a snapshot; {} when there is none)."""
+        ...
+
+    def update(self, kind: str, key: str, change: Change) -> Any:
+        """Atomically replace the record ``kind``/``key`` with ``change(current)`` (current:
+        None when absent; a None result deletes it) and return the new value. Concurrent
+        updates of one record by any process are serialised."""
+        ...
 Rows = list[Row]
 Claims = list[Claim]
 
@@ -259,6 +277,10 @@ class Backend(Protocol):
         """The backend's own repairs, run by every sweep (files: duplicate copies, claims that
         died before recording a lease, orphaned temp and lock files, the seen-ids record).
         ``skip``: ids this process is working on. Returns what it did, by kind of repair."""
+        ...
+
+    def records(self) -> Records:
+        """The shared records of this store (see :class:`Records`)."""
         ...
 
     def close(self) -> None:

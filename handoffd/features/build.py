@@ -116,8 +116,13 @@ def open_backend(workspace: Workspace, config: Config, *,
                              seen_ttl_seconds=settings.seen_ttl_seconds)
 
 
-def open_event_log(workspace: Workspace, config: Config) -> EventLog:
-    """The workspace's event log (``handoffs/.meta/events.jsonl``) as ``config`` sizes it."""
+def open_event_log(workspace: Workspace, config: Config, backend: Backend | None = None) -> EventLog:
+    """The event log: the store's own when it has one that every host shares (PostgreSQL's
+    ``handoffd.event_log``), else the workspace's ``handoffs/.meta/events.jsonl`` as ``config``
+    sizes it."""
+    shared = getattr(backend, "event_log", None)
+    if callable(shared):
+        return cast(EventLog, shared())
     from ..backends.files.events import FileEventLog
     return FileEventLog(workspace, max_bytes=config.daemon.events_max_bytes,
                         keep=config.daemon.events_keep)
@@ -132,14 +137,14 @@ def build_engine(workspace: Workspace, config: Config | None = None,
     """An Engine for ``workspace`` with ``features`` installed (callables, or names from
     :data:`FEATURES`). ``backend``: the store (default: :func:`open_backend`); ``monotonic``
     judges how long another process's lease went unrenewed (a clock that never steps).
-    ``events``: where every transition is logged (default: the workspace's event log, unless
+    ``events``: where every transition is logged (default: :func:`open_event_log`, unless
     ``[daemon] events = false``); ``store``: a store URL that beats the configuration's
     (``--store``)."""
     config = config or workspace.load_config()
     if backend is None:
         backend = open_backend(workspace, config, monotonic=monotonic, store=store)
     if events is None and config.daemon.events:
-        events = open_event_log(workspace, config)
+        events = open_event_log(workspace, config, backend)
     if events is not None:
         backend = cast(Backend, RecordingBackend(backend, events, dialects.describe, clock))
     engine = Engine(workspace, config, registry, backend=backend, formats=dialects, clock=clock)
@@ -151,5 +156,12 @@ def build_engine(workspace: Workspace, config: Config | None = None,
     return engine
 
 
+def event_log_of(engine: Engine) -> EventLog:
+    """The event log ``engine`` writes to (readers: stats, metrics, top, ls --watch)."""
+    logged = getattr(engine.backend, "events", None)
+    return cast(EventLog, logged) if logged is not None else open_event_log(
+        engine.ws, engine.config, engine.backend)
+
+
 __all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts",
-           "install_context", "open_backend", "open_event_log", "origin_of"]
+           "install_context", "open_backend", "open_event_log", "event_log_of", "origin_of"]

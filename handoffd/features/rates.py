@@ -2,8 +2,9 @@
 
 A token bucket per specialist holds up to ``count`` tokens and gains ``count`` every ``seconds``
 (evenly); each start takes one, and a start that finds none waits until the next one is due.
-The bucket lives in the workspace (``handoffs/.meta/rates/<agent>.json``, read and written under
-an exclusive ``flock``), so every daemon and batch of the workspace draws from the same one. A
+The buckets are the store's shared records (files: ``handoffs/.meta/rates.json``, updated under
+an exclusive ``flock``; PostgreSQL: a row locked for the update), so every daemon and batch of
+the store draws from the same one. A
 full bucket lets a burst of ``count`` start at once; after that starts are spaced evenly.
 
 Rate limits decide when a handoff may *start*: a limited handoff stays pending (in its place by
@@ -12,65 +13,48 @@ priority) and is looked at again when the next token is due. Retries start under
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
-import os
 from datetime import datetime
-from pathlib import Path
-from typing import TYPE_CHECKING
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Any
 
 from ..core.config import Rate
-from ..core.workspace import Workspace
+from ..core.storage import Records
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.specialists import Specialist
 
-MAX_NAME = 120
+KIND = "rates"  # the records' kind (files: handoffs/.meta/rates.json)
 
 
 class Buckets:
-    """The workspace's token buckets (one file each)."""
+    """The store's token buckets, one record per specialist."""
 
-    def __init__(self, ws: Workspace) -> None:
-        self.folder = ws.meta / "rates"
-
-    def path(self, agent: str) -> Path:
-        """The bucket file of ``agent`` (a safe file name whatever the agent id)."""
-        name = quote(agent, safe="@-_.")
-        if len(name) > MAX_NAME or name.startswith("."):
-            name = "h-" + hashlib.sha256(agent.encode()).hexdigest()[:32]
-        return self.folder / f"{name}.json"
+    def __init__(self, records: Records) -> None:
+        self.records = records
 
     def take(self, agent: str, rate: Rate, now: datetime) -> float:
         """Take a token for one start of ``agent``: 0.0 when it may start now (the token is
         taken), else the seconds until the next token is due (nothing is taken)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path(agent), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a write: microseconds
-            tokens, at = _load(os.pread(fd, 4096, 0), rate)
+        waited: list[float] = []
+
+        def change(old: Any) -> dict[str, Any]:
+            tokens, at = _load(old, rate)
             stamp = now.timestamp()
             per_second = rate.count / rate.seconds
             # a clock that stepped back refills nothing (never more than the full bucket)
             tokens = min(float(rate.count), tokens + max(stamp - at, 0.0) * per_second)
             wait = 0.0 if tokens >= 1.0 else (1.0 - tokens) / per_second
-            if wait == 0.0:
-                tokens -= 1.0
-            data = json.dumps({"tokens": tokens, "at": stamp, "rate": str(rate)}).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data, 0)
-            return wait
-        finally:
-            os.close(fd)
+            waited.append(wait)
+            return {"tokens": tokens - 1.0 if wait == 0.0 else tokens, "at": max(stamp, at),
+                    "rate": str(rate)}
+
+        self.records.update(KIND, agent, change)  # one locked read-modify-write, any process
+        return waited[-1]
 
 
-def _load(raw: bytes, rate: Rate) -> tuple[float, float]:
-    """(tokens, when) from a bucket file; a new or unreadable one is full."""
+def _load(state: Any, rate: Rate) -> tuple[float, float]:
+    """(tokens, when) from a bucket record; a new or unreadable one is full."""
     try:
-        state = json.loads(raw)
         tokens, at = float(state["tokens"]), float(state["at"])
     except (ValueError, KeyError, TypeError):
         return float(rate.count), 0.0
@@ -81,7 +65,7 @@ def _load(raw: bytes, rate: Rate) -> tuple[float, float]:
 
 def install(engine: Engine) -> None:
     """The rates feature: a start limit for each specialist with a ``rate``."""
-    buckets = Buckets(engine.ws)
+    buckets = Buckets(engine.backend.records())
 
     def limit(spec: Specialist, now: datetime) -> float:
         rate = spec.config.rate

@@ -141,9 +141,9 @@ def registry_for(engine: Engine) -> CollectorRegistry:
     """A registry holding the workspace's collector (and nothing else)."""
     from prometheus_client import CollectorRegistry
 
-    from ..features.build import open_event_log
+    from ..features.build import event_log_of
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EventCollector(engine, open_event_log(engine.ws, engine.config)))
+    registry.register(EventCollector(engine, event_log_of(engine)))
     return registry
 
 

@@ -65,6 +65,7 @@ from ..base import (
 )
 from . import fsio, repair
 from .problems import read_error
+from .records import FileRecords
 from .store import Claim as StoreClaim
 from .store import Store, release_lock, try_lock
 from .watch import FolderWatch
@@ -104,6 +105,7 @@ class FilesBackend(FencedFiling, Backend):
         self._lease_watch: dict[str, tuple[str, float]] = {}  # id -> (lease mark, first seen)
         self._subscribers = Subscribers()
         self._watch = FolderWatch(self._folders(), self._subscribers.fire) if watch else None
+        self._records = FileRecords(self.ws.meta)  # pauses, rate buckets: .meta/<kind>.json
 
     @classmethod
     def open(cls, workspace: Workspace, *, describe: Describe = describe_native,
@@ -492,6 +494,9 @@ class FilesBackend(FencedFiling, Backend):
         except FileNotFoundError:
             return False
         return True
+
+    def records(self) -> FileRecords:
+        return self._records
 
     def maintain(self, now: datetime, *,
                  skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:

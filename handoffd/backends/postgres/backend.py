@@ -59,8 +59,9 @@ from ..base import (
     wait_via_feed,
 )
 from .connection import Conn, Database, Listener, Presence
-from .records import T, FileOrigins, SideRecords, encode
+from .records import FileOrigins, SideRecords, T, encode
 from .schema import LATEST, current_version, migrate
+from .shared import PostgresEventLog, PostgresRecords
 
 log = logging.getLogger("handoffd")
 COLUMNS = "id, state, doc, target, priority, conversation, parent, due_at, updated_at"
@@ -461,11 +462,20 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                  skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:
         self.db.run(lambda conn, _: conn.execute("DELETE FROM handoffd.seen WHERE seen_at <= %s",
                                                  (now - self.seen_ttl,)))
+        self.db.run(lambda conn, _: self.event_log().trim(conn))
         if self._listener is not None and len(self._subscribers) and not self._listener.alive():
             log.warning("the wake-up listener died; restarting it (and rescanning)")
             self._listener.start()
             self._subscribers.fire("", LOST)
         return {}
+
+    def records(self) -> PostgresRecords:
+        """Pauses and rate buckets, shared by every host (``handoffd.records``)."""
+        return PostgresRecords(self.db)
+
+    def event_log(self) -> PostgresEventLog:
+        """The event stream every host appends to and reads (``handoffd.event_log``)."""
+        return PostgresEventLog(self.db)
 
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
         return wait_via_feed(self, handoff_id, timeout)

@@ -89,6 +89,24 @@ ALTER TABLE handoffd.handoffs ADD COLUMN lease_owner bigint;
 COMMENT ON COLUMN handoffd.handoffs.lease_owner IS
     'the session-level advisory lock key its claimer holds while it lives';
 """),
+    (3, "the event stream every host reads, shared records (pauses, rate buckets)", """
+-- handoffd's event stream (stats, metrics, top, ls --watch), appended by every host after each
+-- transition: one JSON object per row, read in seq order
+CREATE TABLE handoffd.event_log (
+    seq   bigserial PRIMARY KEY,
+    at    timestamptz NOT NULL,
+    event jsonb NOT NULL
+);
+CREATE INDEX event_log_at ON handoffd.event_log (at);
+
+-- small shared records by kind and key (pauses, rate-limit buckets), updated row-locked
+CREATE TABLE handoffd.records (
+    kind  text NOT NULL,
+    key   text NOT NULL,
+    value jsonb NOT NULL,
+    PRIMARY KEY (kind, key)
+);
+"""),
 ]
 LATEST = MIGRATIONS[-1][0]
 

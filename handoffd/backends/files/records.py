@@ -1,0 +1,71 @@
+"""Shared records on disk: one JSON file per kind under ``handoffs/.meta/`` (``paused.json``,
+``rates.json``...), replaced atomically (a temp file and a rename) under an exclusive ``flock``
+of ``.<kind>.lock``, so updates of every process of the workspace are serialised and readers
+never see half a file. Reads are lock-free and cached by the file's mtime and size."""
+from __future__ import annotations
+
+import copy
+import fcntl
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+KIND = re.compile(r"^[a-z][a-z0-9_-]{0,40}$")
+
+
+class FileRecords:
+    """:class:`~handoffd.core.storage.Records` in ``folder`` (the workspace's ``.meta``)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._cache: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+
+    def path(self, kind: str) -> Path:
+        """The file of ``kind``."""
+        if not KIND.match(kind):
+            raise ValueError(f"record kind {kind!r}")
+        return self.folder / f"{kind}.json"
+
+    def read(self, kind: str) -> dict[str, Any]:
+        """Every record of ``kind`` (an unreadable file reads as empty: never a stuck queue)."""
+        path = self.path(kind)
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            return {}
+        stamp = (info.st_mtime_ns, info.st_size)
+        cached = self._cache.get(kind)
+        if cached is None or cached[0] != stamp:
+            try:
+                loaded = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                loaded = {}
+            cached = (stamp, loaded if isinstance(loaded, dict) else {})
+            self._cache[kind] = cached
+        return copy.deepcopy(cached[1])
+
+    def update(self, kind: str, key: str, change: Callable[[Any], Any]) -> Any:
+        """Replace one record under the kind's lock."""
+        path = self.path(kind)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        lock = os.open(self.folder / f".{kind}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                current = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                current = {}
+            records = current if isinstance(current, dict) else {}
+            new = change(copy.deepcopy(records.get(key)))
+            if new is None:
+                records.pop(key, None)
+            else:
+                records[key] = new
+            tmp = path.with_name(f".{kind}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            os.replace(tmp, path)  # readers see the old file or the new one, never half
+            return new
+        finally:
+            os.close(lock)
