@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import FLAKY_TOML, Workspace
 
+from handoffd.backends.files.records import FileRecords
 from handoffd.core.config import ConfigError, Rate
 from handoffd.core.timeutil import iso, parse_iso
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-from handoffd.backends.files.records import FileRecords
 from handoffd.features.rates import Buckets
 
 T0 = datetime(2026, 3, 1, tzinfo=timezone.utc)

@@ -64,8 +64,8 @@ class StoreBase:
         history = book(doc).get("history") if isinstance(doc.get(BOOK), dict) else None
         last = history[-1] if isinstance(history, list) and history else {}
         event = last.get("event") if isinstance(last, dict) else None
-        conn.execute(f"INSERT INTO handoffd.events (handoff_id, at, event, state) "
-                     f"VALUES (%s, %s, %s, %s)",
+        conn.execute("INSERT INTO handoffd.events (handoff_id, at, event, state) "
+                     "VALUES (%s, %s, %s, %s)",
                      (handoff_id, updated_of(doc, utc_now()), str(event or fallback)[:200],
                       state.value))
 
@@ -145,8 +145,8 @@ class FileOrigins(StoreBase):
             ).fetchone()
             if inserted is None:
                 return False
-            conn.execute(f"INSERT INTO handoffd.events (handoff_id, at, event, state) "
-                         f"VALUES (%s, %s, 'ingested', 'pending')", (handoff_id, now))
+            conn.execute("INSERT INTO handoffd.events (handoff_id, at, event, state) "
+                         "VALUES (%s, %s, 'ingested', 'pending')", (handoff_id, now))
             self._notify(conn, handoff_id, State.PENDING.value)
             return True
 
