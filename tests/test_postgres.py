@@ -371,6 +371,8 @@ def test_the_file_bridge_meets_hostile_files(tmp_path: Path, pg_url: str) -> Non
         spaces["b"].drop("twice.json", request("twice", "@flaky"))
         half = a.root / "handoffs" / "pending" / "half.json"
         half.write_text('{"handoff_id": "ha')  # still being written (young)
+        future = time.time() + 600  # young for the whole test, however slow the machine is
+        os.utime(half, (future, future))
         assert bridges["a"].ingest("half") == "later" and half.exists()
         assert bridges["a"].ingest_all() == 1  # only twice.json is a document
         assert bridges["b"].ingest("twice") == "set aside"  # the id is host a's handoff
