@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from conftest import Workspace
 
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-from conftest import Workspace, exe
-
 from handoffd.features.contracts import patterns
 
 WORKER = r'''
@@ -132,6 +131,14 @@ def submit_and_run(ws: Workspace, doc: dict[str, Any]) -> dict[str, Any]:
     return ws.doc(doc["handoff_id"])
 
 
+def live_reservations(ws: Workspace) -> dict[str, Any]:
+    """The live reservations, from the store's shared records (.meta/reservations.json)."""
+    path = ws.root / "handoffs" / ".meta" / "reservations.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("live") or {}
+
+
 def logged(ws: Workspace) -> list[dict[str, Any]]:
     path = ws.root / "handoffs" / ".meta" / "violations.jsonl"
     if not path.exists():
@@ -154,7 +161,7 @@ def test_staying_in_scope_completes_and_records_what_changed(cws: Workspace) -> 
                                 {"path": "src/auth/service.py", "change": "modified"}]
     assert doc["validation"]["violations"] == [] and doc["validation"]["status"] == "passed"
     assert logged(cws) == []
-    assert not list((cws.root / "handoffs" / ".meta" / "reservations").glob("*.json"))
+    assert live_reservations(cws) == {}
 
 
 def test_an_extra_file_fails_with_contract_violation_naming_it(cws: Workspace) -> None:
@@ -369,7 +376,7 @@ def test_overlapping_contracts_never_run_at_once(cws: Workspace, tmp_path: Path)
         assert not _overlapping(spans[x], spans[y]), (x, y, spans)
     # every attempt counted once: a lost reservation race hands the claim back uncounted
     assert all(cws.doc(h)["handoffd"]["attempt"] == 1 for h in owned)
-    assert not list((cws.root / "handoffs" / ".meta" / "reservations").glob("*.json"))
+    assert live_reservations(cws) == {}
 
 
 def test_two_daemons_share_the_rule_and_ls_shows_the_wait(tmp_path: Path) -> None:
@@ -380,9 +387,8 @@ def test_two_daemons_share_the_rule_and_ls_shows_the_wait(tmp_path: Path) -> Non
                                      {"sleep": 2.0, "log": str(log), "write": {"shared/a": "1"}}))
         one = ws.serve()
         ws.wait_state("first", ("in-progress",), timeout=20)
-        reservation = ws.root / "handoffs" / ".meta" / "reservations" / "first.json"
         deadline = time.monotonic() + 10
-        while not reservation.exists() and time.monotonic() < deadline:
+        while "first" not in live_reservations(ws) and time.monotonic() < deadline:
             time.sleep(0.02)
         ws.drop("second.json", native("second", {"files_owned": ["shared/a"]},
                                       {"sleep": 0.3, "log": str(log), "write": {"shared/a": "2"}}))
@@ -423,15 +429,16 @@ def test_disjoint_contracts_run_in_parallel_without_blaming_each_other(cws: Work
 
 
 def test_a_dead_owners_reservation_does_not_block_and_is_swept(cws: Workspace) -> None:
-    folder = cws.root / "handoffs" / ".meta" / "reservations"
-    folder.mkdir(parents=True, exist_ok=True)
-    stale = folder / "ghost.json"  # its handoff is not in progress: the owner is gone
-    stale.write_text(json.dumps({"handoff_id": "ghost", "token": "t0", "patterns": ["src/**"],
-                                 "taken_at": time.time() - 5}))
+    records = cws.root / "handoffs" / ".meta" / "reservations.json"
+    records.parent.mkdir(parents=True, exist_ok=True)
+    # its handoff is not in progress: the owner is gone
+    records.write_text(json.dumps({"live": {"ghost": {
+        "handoff_id": "ghost", "token": "t0", "patterns": ["src/**"],
+        "taken_at": time.time() - 5}}}))
     doc = submit_and_run(cws, native("after-ghost", {"files_owned": ["src/auth/**"]},
                                      {"write": {"src/auth/g.py": "g"}}))
     assert cws.state_of("after-ghost") == ["completed"], doc.get("error")
-    assert not stale.exists()  # the batch's sweep retired it
+    assert "ghost" not in live_reservations(cws)  # the batch's sweep retired it
 
 
 def test_scope_ignore_is_not_watched(cws: Workspace) -> None:

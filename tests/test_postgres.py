@@ -453,3 +453,33 @@ def test_pauses_rates_and_the_event_stream_span_hosts(tmp_path: Path, pg_url: st
     finally:
         host_a.cleanup()
         host_b.cleanup()
+
+
+def test_file_reservations_hold_across_hosts(tmp_path: Path, pg_url: str) -> None:
+    """Contract reservations are the store's shared records: a handoff running on host A owns
+    its files_owned for every host; host B's overlapping handoff waits until A's is done."""
+    from handoffd.features.build import build_engine
+    from handoffd.features.contracts.reservations import Reservations
+    engines = []
+    for name in ("a", "b"):
+        space = HandoffdWorkspace(tmp_path / name)
+        space.ensure()
+        engines.append(build_engine(space, backend=backend(pg_url), features=()))
+    host_a, host_b = (Reservations(e) for e in engines)
+    for hid in ("on-a", "on-b"):
+        engines[0].backend.create(request(hid, "@w"), hid, T0)
+    claim_a = engines[0].backend.claim("on-a", T0, LEASE)
+    claim_b = engines[1].backend.claim("on-b", T0, LEASE)
+    assert claim_a is not None and claim_b is not None
+    try:
+        assert host_a.take("on-a", claim_a.token, ["shared/**"], agent="@w") is None
+        conflict = host_b.take("on-b", claim_b.token, ["shared/a.txt"], agent="@w")
+        assert conflict is not None and conflict.holder == "on-a"
+        assert host_b.first_conflict("on-b", ["shared/x"]) is not None  # the gate sees it too
+        assert host_b.take("on-b", claim_b.token, ["other/**"], agent="@w") is None  # disjoint
+        host_a.release("on-a", claim_a.token)
+        assert host_b.first_conflict("on-b", ["shared/a.txt"]) is None
+        assert [r["handoff_id"] for r in host_b.neighbours("on-b", 0.0)] == ["on-a"]
+    finally:
+        for engine in engines:
+            engine.backend.close()

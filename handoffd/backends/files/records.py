@@ -58,7 +58,10 @@ class FileRecords:
             except (OSError, ValueError):
                 current = {}
             records = current if isinstance(current, dict) else {}
-            new = change(copy.deepcopy(records.get(key)))
+            old = records.get(key)
+            new = change(copy.deepcopy(old))
+            if new == old:
+                return new  # nothing changed: no write (a sweep asks every few seconds)
             if new is None:
                 records.pop(key, None)
             else:
