@@ -483,3 +483,23 @@ def test_file_reservations_hold_across_hosts(tmp_path: Path, pg_url: str) -> Non
     finally:
         for engine in engines:
             engine.backend.close()
+
+
+def test_a_file_artifact_names_the_host_that_holds_it(tmp_path: Path, pg_url: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a shared store, content of 1 KB or more is a file in the producing host's artifacts/;
+    its record names that host beside the content_ref (docs/scaling.md)."""
+    import socket
+    (tmp_path / "big_handlers.py").write_text(
+        "def big(doc, ctx):\n    return {'status': 'completed', 'output': {'content': 'x' * 2048}}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    space = pg_workspace(tmp_path / "ws", pg_url)
+    space.write_config((space.root / "handoffd.toml").read_text()
+                       + '\n[specialists."@big"]\nhandler = "big_handlers:big"\n')
+    hid = space.create("--from", "@t", "--to", "@big")
+    assert space.handoffd("run").returncode == 0
+    shown = json.loads(space.handoff("show", hid, "--json", check=True).stdout)["document"]
+    [artifact] = shown["artifacts"]
+    assert artifact["content_ref"] == f"artifacts/{hid}/output.txt"
+    assert artifact["host"] == socket.gethostname() == artifact["metadata"]["host"]
+    assert (space.root / artifact["content_ref"]).stat().st_size == 2048

@@ -285,16 +285,22 @@ def _record(kind: str, *, name: str | None, ref: str | None, inline: str | None,
     return rec
 
 
-def collect(job: "Job", outcome: Outcome, *, enforce: bool = True) -> Outcome:
+def collect(job: "Job", outcome: Outcome, *, enforce: bool = True,
+            host: str | None = None) -> Outcome:
     """Engine ``after_run`` hook: write contents to their destination or by the 1 KB rule and
     record every artifact with size and sha256. Only successful outcomes are touched; a problem
     (a path outside the workspace, a disk error) fails the attempt instead of raising. A missing
     output artifact at ``expected_output.destination`` fails it too, unless not ``enforce``
-    (``[daemon] expectations = "advisory"``): then it is a warning of the result."""
+    (``[daemon] expectations = "advisory"``): then it is a warning of the result. ``host``
+    (a store several hosts share): each artifact stored as a file here names this host beside
+    its ``content_ref``, since the file is in this host's workspace."""
     if not outcome.succeeded:
         return outcome
     try:
-        return _collect(job, outcome, enforce)
+        collected = _collect(job, outcome, enforce)
+        if host:
+            name_host(collected.artifacts, host)
+        return collected
     except InvalidDocument as exc:
         code, message, retryable = exc.code, str(exc), False
     except OSError as exc:
@@ -304,6 +310,17 @@ def collect(job: "Job", outcome: Outcome, *, enforce: bool = True) -> Outcome:
                    output=outcome.output, metadata=outcome.metadata, warnings=outcome.warnings,
                    error={"code": code, "message": message, "retryable": retryable},
                    executed_by=outcome.executed_by)
+
+
+def name_host(artifacts: list[Any], host: str) -> None:
+    """Add ``host`` to every artifact whose ``content_ref`` is a file of this workspace (a URL
+    names its own host)."""
+    for record in artifacts:
+        ref = record.get("content_ref") if isinstance(record, dict) else None
+        if isinstance(ref, str) and ref and "://" not in ref:
+            record.setdefault("host", host)
+            if isinstance(record.get("metadata"), dict):
+                record["metadata"].setdefault("host", host)
 
 
 def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import socket
+import socket
 import time
 from typing import Callable, Iterable, cast
 
@@ -43,8 +44,10 @@ def install_artifacts(engine: Engine) -> None:
     engine.before_run.append(artifacts.check_inputs)
     engine.before_run.append(artifacts.prepare)
     # a missing output artifact fails the handoff unless [daemon] expectations = "advisory"
+    # on a store several hosts share, a file artifact names the host whose workspace holds it
+    host = socket.gethostname() if getattr(engine.backend, "shared", False) else None
     engine.after_run.append(lambda job, outcome: artifacts.collect(
-        job, outcome, enforce=engine.settings.expectations == "enforce"))
+        job, outcome, enforce=engine.settings.expectations == "enforce", host=host))
     engine.artifact_sink = artifacts.text_sink(engine.ws)  # seed 000: large contents by reference
 
 
