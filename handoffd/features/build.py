@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import socket
-import socket
 import time
 from typing import Callable, Iterable, cast
 
