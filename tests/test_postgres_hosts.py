@@ -23,7 +23,7 @@ from handoffd.core.workspace import Workspace as HandoffdWorkspace
 
 # the issue's full run is 1,000 (HANDOFFD_HOSTS_HANDOFFS=1000, about a minute on 2 cores); the
 # suite's default keeps the test near 30 s
-HANDOFFS = int(os.environ.get("HANDOFFD_HOSTS_HANDOFFS", "240"))
+HANDOFFS = int(os.environ.get("HANDOFFD_HOSTS_HANDOFFS", "180"))
 WORKERS = 4
 TOML = FLAKY_TOML.replace("lease_seconds = 30.0", "lease_seconds = 2.0").replace(
     "max_retries = 2", "max_retries = 20") + f"""

@@ -28,21 +28,21 @@ def test_purge_dry_run_filters_and_protection(ws: Workspace) -> None:
     ws.drop("child-1.json", {"handoff_id": "child-1", "source": {"agent_id": "@x"},
                              "target": {"agent_id": "@nobody"}, "parent_id": parent,
                              "input": {"data": None}})
-    time.sleep(3.1)  # the finished ones are now older than 3s
+    time.sleep(2.1)  # the finished ones are now older than 2s
     fresh = finished(ws, "ok")[0]  # (the run also takes in the dropped child; nobody runs it)
-    dry = json.loads(ws.handoff("purge", "--older-than", "3s", "--dry-run", "--json",
+    dry = json.loads(ws.handoff("purge", "--older-than", "2s", "--dry-run", "--json",
                                 check=True).stdout)
-    # (`fresh` joins them only when the machine is slow enough for it to age 3 s meanwhile)
+    # (`fresh` joins them only when the machine is slow enough for it to age 2 s meanwhile)
     assert {done, bad} <= {r["id"] for r in dry["removed"]} <= {done, bad, fresh}
     assert dep in dry["kept"] and "depends on it" in dry["kept"][dep]
     assert parent in dry["kept"] and "parent of pending child-1" == dry["kept"][parent]
     assert ws.state_of(done) == ["completed"]  # a dry run removes nothing
-    only_failed = ws.handoff("purge", "--older-than", "3s", "--state", "failed", check=True)
+    only_failed = ws.handoff("purge", "--older-than", "2s", "--state", "failed", check=True)
     assert f"purged failed/{bad}" in only_failed.stdout and ws.state_of(bad) == []
     assert ws.state_of(done) == ["completed"]
     young = json.loads(ws.handoff("purge", "--older-than", "1h", "--json", check=True).stdout)
     assert young["removed"] == [] and ws.state_of(fresh) == ["completed"]  # none is an hour old
-    everything = ws.handoff("purge", "--older-than", "3s", check=True).stdout
+    everything = ws.handoff("purge", "--older-than", "2s", check=True).stdout
     assert f"purged completed/{done}" in everything and "kept 2" in everything
     assert ws.state_of(done) == []
     assert ws.state_of(dep) == ["completed"] and ws.state_of(parent) == ["completed"]

@@ -75,6 +75,11 @@ class Database:
         self.reconnect_seconds = reconnect_seconds
         self._lost_since: float | None = None
         self._state_lock = threading.Lock()
+        # one direct attempt first: a wrong URL, host or password fails at once with the
+        # server's own words (the pool would retry quietly until its timeout)
+        detail = _last_error(url, connect_timeout)
+        if detail is not None:
+            raise StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: {detail}")
         self.pool: ConnectionPool[Conn] = ConnectionPool(
             url, min_size=1, max_size=max(max_size, 1), open=False, name="handoffd",
             timeout=connect_timeout, kwargs={"connect_timeout": max(int(connect_timeout), 1)})
@@ -132,10 +137,11 @@ class Database:
         self.pool.close(timeout=2.0)
 
 
-def _last_error(url: str) -> str | None:
-    """Why a direct connection to ``url`` fails now (the pool's own error says only 'timeout')."""
+def _last_error(url: str, timeout: float = 5.0) -> str | None:
+    """Why a direct connection to ``url`` fails now (the pool's own error says only 'timeout');
+    None when it connects."""
     try:
-        psycopg.connect(url, connect_timeout=5).close()
+        psycopg.connect(url, connect_timeout=max(int(timeout), 1)).close()
     except Exception as exc:
         return " ".join(str(exc).split())[:300]
     return None
