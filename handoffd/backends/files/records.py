@@ -1,7 +1,7 @@
 """Shared records on disk: one JSON file per kind under ``handoffs/.meta/`` (``paused.json``,
 ``rates.json``...), replaced atomically (a temp file and a rename) under an exclusive ``flock``
 of ``.<kind>.lock``, so updates of every process of the workspace are serialised and readers
-never see half a file. Reads are lock-free and cached by the file's mtime and size."""
+never see half a file. Reads are lock-free and cached by the file's inode, mtime and size."""
 from __future__ import annotations
 
 import copy
@@ -20,7 +20,7 @@ class FileRecords:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._cache: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+        self._cache: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
 
     def path(self, kind: str) -> Path:
         """The file of ``kind``."""
@@ -35,7 +35,9 @@ class FileRecords:
             info = path.stat()
         except FileNotFoundError:
             return {}
-        stamp = (info.st_mtime_ns, info.st_size)
+        # every update is a new file (a rename), so its inode tells two writes apart even
+        # within one tick of the file system's clock
+        stamp = (info.st_ino, info.st_mtime_ns, info.st_size)
         cached = self._cache.get(kind)
         if cached is None or cached[0] != stamp:
             try:

@@ -122,33 +122,34 @@ class Reservations:
 
     def release(self, handoff_id: str, token: str | None) -> None:
         """Drop this claim's reservation (kept a while as released, for scope attribution)."""
-        dropped: list[dict[str, Any]] = []
-
-        def change(value: Any) -> Any:
-            live = _entries(value)
-            record = live.get(handoff_id)
-            if record is None or record.get("token") != token:
-                return value
-            dropped.append(live.pop(handoff_id))
-            return live or None
-
-        self.shared.update(KIND, LIVE, change)
-        self._retire(dropped, "released")
+        record = _entries(self.shared.read(KIND).get(LIVE)).get(handoff_id)
+        if record is None or record.get("token") != token:
+            return
+        self._drop([record], "released")
 
     def prune(self) -> int:
         """Sweeper: retire the reservations of handoffs no longer in progress under that claim."""
-        dropped: list[dict[str, Any]] = []
+        dead = [r for r in self.records() if not self.alive(r)]
+        self._drop(dead, "owner gone")
+        return len(dead)
+
+    def _drop(self, records: list[dict[str, Any]], why: str) -> None:
+        """End ``records``: recorded as released first, then removed from the live ones, so a
+        scope check reading both in between finds each in one or the other, never in neither
+        (a neighbour's write must never be blamed on the run being checked)."""
+        if not records:
+            return
+        self._retire(records, why)
+        ended = {(r["handoff_id"], r.get("token")) for r in records}
 
         def change(value: Any) -> Any:
             live = _entries(value)
             for hid, record in list(live.items()):
-                if not self.alive(record):
-                    dropped.append(live.pop(hid))
+                if (hid, record.get("token")) in ended:
+                    del live[hid]
             return live or None
 
         self.shared.update(KIND, LIVE, change)
-        self._retire(dropped, "owner gone")
-        return len(dropped)
 
     def neighbours(self, handoff_id: str, since: float) -> list[dict[str, Any]]:
         """Other reservations (live or released) that existed at some time since ``since``."""
@@ -165,8 +166,6 @@ class Reservations:
     # ------------------------------------------------------------ internals
     def _retire(self, records: list[dict[str, Any]], why: str) -> None:
         """Keep ``records`` as released, and forget released ones nobody running can need."""
-        if not records:
-            return
         starts = [r.get("taken_at") for r in self.records()]
         oldest = min([s for s in starts if isinstance(s, (int, float))], default=time.time())
         cutoff = min(oldest, time.time()) - RELEASED_KEEP_SECONDS
