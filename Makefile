@@ -26,11 +26,10 @@ demo: bytecode
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
 # mypy runs beside the suite (most tests wait on processes, not on the CPU); either failing
-# fails the target. worksteal: a worker that runs out takes queued tests from a busy one, so the
-# long multi-process tests do not leave the others idle at the end.
+# fails the target.
 test: bytecode
 	( $(BIN)/mypy handoffd > $(VENV)/mypy.log 2>&1; echo $$? > $(VENV)/mypy.rc ) & \
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal; \
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_JOBS); \
 	  rc=$$?; wait; echo "mypy handoffd:"; cat $(VENV)/mypy.log; \
 	  test "$$(cat $(VENV)/mypy.rc)" = 0 && exit $$rc || exit 1
 
