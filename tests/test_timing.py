@@ -67,6 +67,9 @@ def test_delay_and_at(ws: Workspace) -> None:
         ws.stop(daemon)
     waited = at_of(ws, later, "claimed") - at_of(ws, later, "created")
     assert waited >= timedelta(seconds=1.9) and ws.state_of(hour) == ["pending"]
+    claimed = next(e for e in events(ws) if e["id"] == later and e["event"] == "claimed")
+    # its queue wait counts from when it was due, not from its creation two seconds earlier
+    assert claimed["wait"] <= waited.total_seconds() - 1.9
     for args, word in ((("--at", "tomorrow"), "--at"), (("--delay", "1x"), "--delay"),
                        (("--at", "2026-01-01T00:00:00Z", "--delay", "1s"), "not both")):
         bad = ws.handoff("create", "--to", "@flaky", *args)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional
 
 import typer
 
+from ..core.timeutil import parse_iso
 from .common import JsonOption, RootOption, engine, guarded
 from .render import STATE_STYLE, console, print_json
 
@@ -139,7 +140,7 @@ class TopModel:
         if event.get("state") not in ("completed", "failed") or event.get("event") == "purged":
             return
         try:
-            at = datetime.fromisoformat(str(event.get("at")).replace("Z", "+00:00"))
+            at = parse_iso(str(event.get("at")))
         except ValueError:
             return
         bucket = int(at.timestamp() // BUCKET_SECONDS)

@@ -384,10 +384,7 @@ class Engine:
         for check in self.submit_checks:
             check(self, envelope)
         try:
-            if due_at is None:
-                self.backend.create(doc, envelope.handoff_id, self.clock())
-            else:
-                self.backend.create(doc, envelope.handoff_id, self.clock(), due_at=due_at)
+            self.backend.create(doc, envelope.handoff_id, self.clock(), due_at=due_at)
         except DuplicateHandoff:
             if if_absent and self._already_submitted(doc, dialect, envelope.handoff_id):
                 return envelope.handoff_id  # the same request won a race with this one

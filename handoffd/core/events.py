@@ -13,7 +13,6 @@ loses one line, never a handoff) and a failing write is logged once, never raise
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import datetime
 from typing import Any, Callable, Collection, Iterator, Protocol
 
@@ -48,32 +47,6 @@ class EventLog(Protocol):
         ...
 
 
-class MemoryEventLog:
-    """Events in a list (tests, and an engine without a workspace on disk)."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self._lock = threading.Lock()
-
-    def append(self, event: Event) -> None:
-        """Keep ``event``."""
-        with self._lock:
-            self.events.append(dict(event))
-
-    def read(self, since: datetime | None = None) -> Iterator[Event]:
-        """The events kept, from ``since``."""
-        with self._lock:
-            events = list(self.events)
-        return iter([e for e in events if since is None or after(e, since)])
-
-    def tail(self, cursor: Any = None) -> tuple[list[Event], Any]:
-        """Events after ``cursor`` (an index into the list)."""
-        with self._lock:
-            start = (len(self.events) if cursor is None else 0 if cursor == START
-                     else int(cursor))
-            return list(self.events[start:]), len(self.events)
-
-
 def after(event: Event, since: datetime) -> bool:
     """True when ``event`` happened at or after ``since`` (an unreadable time: False)."""
     try:
@@ -93,7 +66,8 @@ def last_entry(doc: Doc) -> dict[str, Any]:
 
 def queue_wait(doc: Doc, claimed_at: datetime) -> float | None:
     """How long a just-claimed handoff waited since it became due: since the event before its
-    claim (created, retry_scheduled + its delay, handed_back...), None when unknown."""
+    claim (created, or its ``due_at`` when scheduled; retry_scheduled + its delay;
+    handed_back...), None when unknown."""
     block = doc.get(BOOK)
     history = block.get("history") if isinstance(block, dict) else None
     if not isinstance(history, list) or len(history) < 2 or not isinstance(history[-2], dict):
@@ -103,10 +77,16 @@ def queue_wait(doc: Doc, claimed_at: datetime) -> float | None:
         due = parse_iso(str(before.get("at"))).timestamp()
     except ValueError:
         return None
-    detail = before.get("detail")
-    delay = detail.get("delay_seconds") if isinstance(detail, dict) else None
+    given = before.get("detail")
+    detail: dict[str, Any] = given if isinstance(given, dict) else {}
+    delay = detail.get("delay_seconds")
     if isinstance(delay, (int, float)) and not isinstance(delay, bool) and 0 <= delay < 1e9:
         due += delay
+    try:
+        if isinstance(detail.get("due_at"), str):  # created with --at / --delay
+            due = max(due, parse_iso(detail["due_at"]).timestamp())
+    except ValueError:
+        pass
     return round(max(claimed_at.timestamp() - due, 0.0), 6)
 
 

@@ -285,10 +285,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
             self._notify(conn, claim.id, state.value)
             return True
 
-        done = self.db.run(op)
-        if done:
-            self._subscribers.fire(claim.id, state.value)
-        return done
+        return self._run_then_wake(op, claim.id, state.value)
 
     def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
         self._present()
@@ -408,10 +405,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
             self._notify(conn, handoff_id, state.value)
             return True
 
-        done = self.db.run(op)
-        if done:
-            self._subscribers.fire(handoff_id, state.value)
-        return done
+        return self._run_then_wake(op, handoff_id, state.value)
 
     def reopen(self, handoff_id: str, doc: Doc) -> bool:
         text = encode(doc, strict=False)
@@ -436,10 +430,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
             self._notify(conn, handoff_id, State.PENDING.value)
             return True
 
-        done = self.db.run(op)
-        if done:
-            self._subscribers.fire(handoff_id, State.PENDING.value)
-        return done
+        return self._run_then_wake(op, handoff_id, State.PENDING.value)
 
     def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
         if not state.terminal:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import builtins
 import json
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Callable
 
-from ...core.documents import BOOK, book
 from ...core.errors import ErrorCode, InvalidDocument
+from ...core.events import last_entry
 from ...core.states import State
 from ...core.storage import LOST
 from ...core.timeutil import iso, utc_now
@@ -51,6 +51,14 @@ class StoreBase:
                 "conversation": meta.conversation, "parent": meta.parent,
                 "due_at": due_of(doc, created_at), "updated_at": updated_of(doc, created_at)}
 
+    def _run_then_wake(self, op: Callable[[Conn, bool], bool], handoff_id: str, kind: str) -> bool:
+        """Run ``op`` in one transaction; when it did something, wake this process's own
+        subscribers (other processes hear the NOTIFY the transaction sent)."""
+        done = self.db.run(op)
+        if done:
+            self._subscribers.fire(handoff_id, kind)
+        return done
+
     def _notify(self, conn: Conn, handoff_id: str, kind: str) -> None:
         """Tell other processes, at commit (a hint: the id may be cut short to 'lost')."""
         payload = f"{self.nonce}\t{kind}\t{handoff_id}"
@@ -61,9 +69,7 @@ class StoreBase:
     @staticmethod
     def _event(conn: Conn, handoff_id: str, doc: Doc, state: State, fallback: str) -> None:
         """The audit row of a transition: the document's last history event."""
-        history = book(doc).get("history") if isinstance(doc.get(BOOK), dict) else None
-        last = history[-1] if isinstance(history, list) and history else {}
-        event = last.get("event") if isinstance(last, dict) else None
+        event = last_entry(doc).get("event")
         conn.execute("INSERT INTO handoffd.events (handoff_id, at, event, state) "
                      "VALUES (%s, %s, %s, %s)",
                      (handoff_id, updated_of(doc, utc_now()), str(event or fallback)[:200],
@@ -150,10 +156,7 @@ class FileOrigins(StoreBase):
             self._notify(conn, handoff_id, State.PENDING.value)
             return True
 
-        done = self.db.run(op)
-        if done:
-            self._subscribers.fire(handoff_id, State.PENDING.value)
-        return done
+        return self._run_then_wake(op, handoff_id, State.PENDING.value)
 
     def unexported(self, origin: str, *, ids: builtins.list[str] | None = None,
                    limit: int = 500) -> builtins.list[tuple[str, State, Doc]]:
