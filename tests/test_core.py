@@ -235,7 +235,7 @@ def test_recover_claim_whose_owner_is_gone(tmp_path: Path) -> None:
     claim = engine.backend.store.claim(hid, lease_seconds=30)
     assert claim is not None
     assert sweep(engine).recovered == []  # lock held: the owner is alive
-    claim.lock.release(force=True)  # what the kernel does when the owner dies
+    engine.backend.store.close()  # the owner lock goes, as when the owner process dies
     report = sweep(engine)
     assert report.recovered == [hid]
     doc = engine.backend.store.read(State.PENDING, hid)
@@ -265,6 +265,7 @@ def test_interrupted_finish_keeps_the_finished_copy(tmp_path: Path) -> None:
     run_job(engine, job)
     # simulate a crash between writing completed/ and removing in-progress/
     engine.backend.store.path(State.IN_PROGRESS, hid).write_text(stale)
+    engine.backend.store.close()  # the crash: the owner lock goes with the process
     sweep(engine)
     assert engine.backend.store.locate(hid) == [State.COMPLETED]
 

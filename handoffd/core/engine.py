@@ -134,6 +134,7 @@ class Engine:
         # checked by submit() before a new handoff is stored (features.dependencies)
         self.submit_checks: list[Callable[[Engine, Envelope], None]] = []
         self.on_filed: list[Callable[[str, State], None]] = []  # told of every filing
+        self._just_filed = threading.local()  # (id, state, answer) while on_filed listeners run
         self.on_rejected: list[Callable[[Job, str, str], None]] = []  # a gate failed a handoff
         # before the handler: the first resumer that returns an Outcome replaces the run
         # (aggregation: a parent whose children are done)
@@ -622,8 +623,19 @@ class Engine:
         return where
 
     def _announce(self, handoff_id: str, where: State) -> None:
-        for listener in self.on_filed:
-            listener(handoff_id, where)
+        try:
+            for listener in self.on_filed:
+                listener(handoff_id, where)
+        finally:
+            self._just_filed.value = None
+
+    def filed_document(self, handoff_id: str) -> tuple[State, Doc]:
+        """For ``on_filed`` listeners: the answer this thread just filed for ``handoff_id`` (no
+        read), else the stored document as :meth:`get` returns it. Treat it as read-only."""
+        just = getattr(self._just_filed, "value", None)
+        if just is not None and just[0] == handoff_id:
+            return just[1], just[2]
+        return self.get(handoff_id)
 
     def _file(self, claim: Claim, dialect: Dialect, spec: Specialist | None, outcome: Outcome) -> State:
         filer = self.filers.get(outcome.status)
@@ -665,6 +677,7 @@ class Engine:
             block.setdefault("request_snapshot", without_book(doc))
         answer = dialect.render(doc, outcome, filed, artifacts=self.artifact_sink)
         if self.backend.finish(claim, dst, answer):
+            self._just_filed.value = (claim.id, dst, answer)
             return dst
         return State.IN_PROGRESS
 

@@ -14,8 +14,9 @@ def utc_now() -> datetime:
 
 def iso(moment: datetime) -> str:
     """Format an aware datetime as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (milliseconds kept)."""
-    moment = moment.astimezone(timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    m = moment.astimezone(timezone.utc)  # (formatting by hand: strftime is several times slower)
+    return (f"{m.year:04d}-{m.month:02d}-{m.day:02d}T{m.hour:02d}:{m.minute:02d}:{m.second:02d}"
+            f".{m.microsecond // 1000:03d}Z")
 
 
 def parse_iso(text: str) -> datetime:

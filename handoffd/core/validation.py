@@ -54,8 +54,10 @@ def load_builtin(name: str) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+@lru_cache(maxsize=256)
 def builtin_exists(name: str) -> bool:
-    """True when a built-in schema is called ``name``."""
+    """True when a built-in schema is called ``name`` (the package's schemas never change while
+    it runs; asked for every handoff that names an expected schema)."""
     return (resources.files("handoffd") / "schemas" / name).is_file()
 
 

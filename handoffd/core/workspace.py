@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from .config import Config, load_config
@@ -33,47 +34,53 @@ class Workspace:
         # accept a str as well; paths inside are built from an absolute root
         object.__setattr__(self, "root", Path(self.root).expanduser().resolve())
 
-    @property
+    # cached_property writes the instance's __dict__ directly, so it works on a frozen
+    # dataclass; paths are asked for a dozen times per handoff and pathlib joins are not free
+    @cached_property
     def handoffs(self) -> Path:
         return self.root / "handoffs"
 
+    @cached_property
+    def _state_dirs(self) -> dict[State, Path]:
+        return {state: self.handoffs / state.value for state in State}
+
     def state_dir(self, state: State) -> Path:
         """The folder holding documents in ``state``."""
-        return self.handoffs / state.value
+        return self._state_dirs[state]
 
     def doc_path(self, state: State, handoff_id: str) -> Path:
         """Where the document of ``handoff_id`` lives when it is in ``state``."""
-        return self.handoffs / state.value / f"{handoff_id}.json"
+        return self._state_dirs[state] / f"{handoff_id}.json"
 
-    @property
+    @cached_property
     def tmp(self) -> Path:
         return self.handoffs / ".tmp"
 
-    @property
+    @cached_property
     def locks(self) -> Path:
         return self.handoffs / ".locks"
 
-    @property
+    @cached_property
     def quarantine(self) -> Path:
         return self.handoffs / ".quarantine"
 
-    @property
+    @cached_property
     def meta(self) -> Path:
         return self.handoffs / ".meta"
 
-    @property
+    @cached_property
     def artifacts(self) -> Path:
         return self.root / "artifacts"
 
-    @property
+    @cached_property
     def context(self) -> Path:
         return self.root / "context"
 
-    @property
+    @cached_property
     def schemas(self) -> Path:
         return self.root / "schemas"
 
-    @property
+    @cached_property
     def config_path(self) -> Path:
         return self.root / CONFIG_NAME
 

@@ -117,7 +117,7 @@ def hand_on(engine: "Engine", handoff_id: str, where: State) -> None:
     if where is not State.COMPLETED:
         return
     try:
-        _, doc = engine.get(handoff_id)
+        _, doc = engine.filed_document(handoff_id)
     except (HandoffdError, OSError):
         return
     request = book(doc).get("request_snapshot")
@@ -125,8 +125,8 @@ def hand_on(engine: "Engine", handoff_id: str, where: State) -> None:
             or doc.get("to_agent") in (None, request.get("from_agent")):
         return
     try:
-        new_id = engine.submit({k: v for k, v in doc.items() if k != "handoffd"},
-                               forced="agent_handoff")
+        new_id = engine.submit(copy.deepcopy({k: v for k, v in doc.items() if k != "handoffd"}),
+                               forced="agent_handoff")  # (a copy: the filed answer is shared)
         log.info("handoff %s: handed on to %s as %s", handoff_id, doc["to_agent"], new_id)
     except DuplicateHandoff:
         pass  # handed on already (a repeated notice)

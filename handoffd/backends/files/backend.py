@@ -67,7 +67,7 @@ from . import fsio, repair
 from .problems import read_error
 from .records import FileRecords
 from .store import Claim as StoreClaim
-from .store import Store, release_lock, try_lock
+from .store import Store, lock_name, release_lock, try_lock
 from .watch import FolderWatch
 
 if TYPE_CHECKING:
@@ -260,6 +260,7 @@ class FilesBackend(FencedFiling, Backend):
             runs = self._resolve_copies(handle)
         except BaseException:
             release_lock(handle.lock)
+            self.store.give_up(handle.token)
             raise
         if not runs:
             return None
@@ -396,7 +397,9 @@ class FilesBackend(FencedFiling, Backend):
         owner: Doc = given if isinstance(given := held.get("owner"), dict) else {}
         same_host = owner.get("host") == socket.gethostname()
         if same_host:
-            lock = try_lock(self.ws.locks / f"{handoff_id}.{held['token']}.lock")
+            if self.store.gave_up(held["token"]):
+                return None, "given up by this process"
+            lock = try_lock(self.ws.locks / lock_name(handoff_id, held))
             if lock is not None:
                 return lock, "owner process is gone (its claim lock is free)"
         tolerance = 0.0 if same_host else CLOCK_TOLERANCE_SECONDS
@@ -442,6 +445,7 @@ class FilesBackend(FencedFiling, Backend):
 
     def abandon(self, claim: Claim) -> None:
         release_lock(claim.handle.lock)
+        self.store.give_up(claim.token)  # its lease names our owner lock, which stays held
 
     def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
                   claim: Claim | None = None) -> bool:
@@ -570,3 +574,4 @@ class FilesBackend(FencedFiling, Backend):
     def close(self) -> None:
         if self._watch is not None:
             self._watch.stop()
+        self.store.close()

@@ -11,12 +11,9 @@ import json
 import os
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from filelock import FileLock
 
 from ...core.timeutil import iso, parse_iso
+from .fsio import locked
 
 
 class SeenIds:
@@ -25,23 +22,15 @@ class SeenIds:
     def __init__(self, path: Path, ttl_seconds: float) -> None:
         self.path = path
         self.ttl = timedelta(seconds=ttl_seconds)
-        self._file_lock: FileLock | None = None
+        self.lock_path = Path(str(path) + ".lock")
         self._cache: dict[str, datetime] = {}
         self._offset = 0
         self._inode = -1
 
-    def _lock(self) -> "FileLock":
-        """The record's lock (filelock is imported on first use: one-shot commands that never
-        write the record do not pay for it)."""
-        if self._file_lock is None:
-            from filelock import FileLock
-            self._file_lock = FileLock(str(self.path) + ".lock")
-        return self._file_lock
-
     def add(self, handoff_id: str, now: datetime) -> None:
         """Record ``handoff_id`` as seen at ``now`` (one small O_APPEND write)."""
         line = json.dumps({"id": handoff_id, "at": iso(now)}) + "\n"
-        with self._lock():  # so a compaction in another process cannot drop this line
+        with locked(self.lock_path):  # so a compaction in another process cannot drop this line
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, line.encode())
@@ -74,7 +63,7 @@ class SeenIds:
 
     def compact(self, now: datetime) -> int:
         """Drop entries older than the TTL; return how many remain."""
-        with self._lock():
+        with locked(self.lock_path):
             try:
                 entries = _parse(self.path.read_bytes())
             except FileNotFoundError:

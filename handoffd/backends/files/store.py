@@ -5,7 +5,9 @@ what to do with a failure is decided by :mod:`handoffd.core.engine`.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +34,9 @@ from .seen import SeenIds
 if TYPE_CHECKING:  # filelock is imported where a lock is taken (one-shot commands skip it)
     from filelock import FileLock
 
+# the name of a store's owner lock (see Store.owner_lock); a lease naming anything else is judged
+# by its per-claim lock file
+OWNER_LOCK_NAME = re.compile(r"owner\.[0-9a-f]{32}\.lock")
 CRASH_POINTS = ("after-claim-rename", "after-claim-lease", "after-move-write", "after-move-unlink")
 # A test seam for fault injection: called with the name of each crash point as it is passed. None
 # (the default) costs one comparison; recovery tests install a hook with inject_crash_at().
@@ -86,6 +91,56 @@ class Store:
         self.seen = SeenIds(workspace.meta / "seen-ids.jsonl", seen_ttl_seconds)
         self._key: bytes | None = None
         self._key_loaded = False
+        self._owner: tuple[str, int, int] | None = None  # (lock file name, fd, pid holding it)
+        self._owner_mutex = threading.Lock()
+        self._given_up: set[str] = set()  # lease tokens of claims ended here without being filed
+
+    # ---------------------------------------------------------------- the owner lock
+    def owner_lock(self) -> str:
+        """The name of the lock file (in ``handoffs/.locks``) this store holds while it lives:
+        every claim's lease names it, so a recoverer on this host that can take it knows the
+        owner process died. One lock for all claims instead of one lock file per claim: creating
+        a file is the dearest step of a claim on a journaling filesystem."""
+        with self._owner_mutex:
+            if self._owner is not None and self._owner[2] == os.getpid():
+                return self._owner[0]
+            name = f"owner.{uuid.uuid4().hex}.lock"  # never reused: a stale file is never ours
+            path = self.ws.locks / name
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            try:
+                fd = os.open(path, flags, 0o644)
+            except FileNotFoundError:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, flags, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else holds it
+            self._owner = (name, fd, os.getpid())
+            return name
+
+    def give_up(self, token: str | None) -> None:
+        """Note that this process ended the claim with lease ``token`` without filing it (it
+        failed midway): its lease still names the owner lock, which stays held, so recovery in
+        this process asks :meth:`gave_up` instead of waiting for the lease to run out."""
+        if token is not None:
+            with self._owner_mutex:
+                self._given_up.add(token)
+
+    def gave_up(self, token: str | None) -> bool:
+        """True when this process gave up the claim with lease ``token`` (see :meth:`give_up`)."""
+        with self._owner_mutex:
+            return token in self._given_up
+
+    def close(self) -> None:
+        """Drop the owner lock (claims still open become recoverable, as if this process died)."""
+        with self._owner_mutex:
+            owner, self._owner = self._owner, None
+        if owner is None or owner[2] != os.getpid():
+            return
+        name, fd, _ = owner
+        try:
+            os.unlink(self.ws.locks / name)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
     # ---------------------------------------------------------------- seals
     @property
@@ -227,12 +282,10 @@ class Store:
         if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
             doc[BOOK] = {}
         token = uuid.uuid4().hex
-        from filelock import FileLock  # imported by the processes that claim
-        lock = FileLock(str(self.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
-        lock.acquire()
+        lock = NullLock()  # the claim rides on the store's owner lock, named in its lease
         block = book(doc)
         block["attempt"] = book_int(doc, "attempt", 0) + 1
-        block["lease"] = lease(token, now, lease_seconds)
+        block["lease"] = lease(token, now, lease_seconds, lock=self.owner_lock())
         block.pop("next_attempt_at", None)
         record(doc, "claimed", now, attempt=block["attempt"])
         try:
@@ -287,7 +340,10 @@ class Store:
                 return True
             if not self.owns(claim):
                 return False
-            book(claim.doc)["lease"] = lease(claim.token, now or utc_now(), lease_seconds)
+            held = book(claim.doc).get("lease")
+            named = held.get("lock") if isinstance(held, dict) else None
+            book(claim.doc)["lease"] = lease(claim.token, now or utc_now(), lease_seconds,
+                                             lock=named if isinstance(named, str) else None)
             claim.inode = fsio.replace(self.path(State.IN_PROGRESS, claim.handoff_id),
                                        self.encode(claim.doc, State.IN_PROGRESS, claim.handoff_id),
                                        self.ws.tmp,
@@ -310,13 +366,17 @@ class Store:
     def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
         """File a claimed handoff in ``dst``. False (nothing written) if the claim was lost."""
         with claim.mutex:
+            moved = False
             try:
                 if claim.finished or not self.owns(claim):
                     return False
                 book(doc).pop("lease", None)
                 self.move(claim.handoff_id, State.IN_PROGRESS, dst, doc)
+                moved = True
                 return True
             finally:
+                if not moved and not claim.finished:  # e.g. disk full: recovery takes it over
+                    self.give_up(claim.token)
                 claim.finished = True
                 release_lock(claim.lock)
 
@@ -354,15 +414,30 @@ def _doc_id(doc: dict[str, Any]) -> str:
     return str(doc.get("handoff_id"))
 
 
-def lease(token: str | None, now: datetime, seconds: float) -> dict[str, Any]:
+def lease(token: str | None, now: datetime, seconds: float, *,
+          lock: str | None = None) -> dict[str, Any]:
     """A lease block: who holds the claim and until when (``token`` is None only when renewing a
-    recovered claim whose owner never wrote a lease)."""
-    return {"token": token, "owner": actor(), "acquired_at": iso(now),
-            "expires_at": iso(now + timedelta(seconds=seconds))}
+    recovered claim whose owner never wrote a lease). ``lock``: the owner lock file it rides on
+    (None: the claim's own ``<id>.<token>.lock``)."""
+    block = {"token": token, "owner": actor(), "acquired_at": iso(now),
+             "expires_at": iso(now + timedelta(seconds=seconds))}
+    if lock is not None:
+        block["lock"] = lock
+    return block
+
+
+def lock_name(handoff_id: str, held: dict[str, Any]) -> str:
+    """The lock file whose holder owns the lease ``held``: the owner lock it names, else the
+    claim's own lock file."""
+    named = held.get("lock")
+    if isinstance(named, str) and OWNER_LOCK_NAME.fullmatch(named):
+        return named
+    return f"{handoff_id}.{held.get('token')}.lock"
 
 
 class NullLock:
-    """Stands in for a claim lock that cannot be taken (a stalled owner holds it, or none exists)."""
+    """Stands in for a claim lock that is not the claim's own to release: a stalled owner holds
+    it, none exists, or the claim rides on the store's owner lock."""
 
     def release(self, force: bool = False) -> None:
         """Nothing to release."""
