@@ -17,6 +17,7 @@ import referencing.exceptions
 
 # private helper, absent from the types-jsonschema stubs (they cover the module's keyword functions)
 from jsonschema._legacy_keywords import lookup_recursive_ref  # type: ignore[attr-defined]
+from jsonschema import _utils  # type: ignore[attr-defined]
 from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 
@@ -78,6 +79,16 @@ def _is_re2_regex(instance: Any) -> bool:
 
 _FORMAT_CHECKER = jsonschema.FormatChecker()
 _FORMAT_CHECKER.checks("regex", raises=PatternError)(_is_re2_regex)
+
+
+def conforms(instance: Any, format_name: str) -> bool:
+    """True when ``instance`` passes the ``format`` check every validator here makes."""
+    return bool(_FORMAT_CHECKER.conforms(instance, format_name))
+
+
+def equal(one: Any, two: Any) -> bool:
+    """JSON Schema equality, as ``enum`` and ``const`` compare (``1`` is ``1.0``, not ``true``)."""
+    return bool(_utils.equal(one, two))
 
 
 def field_path(parts: Any) -> str:

@@ -82,6 +82,7 @@ class SchemaCache:
                  inline_size: int = INLINE_CACHE_SIZE) -> None:
         self.folder = workspace_schemas
         self._validators: dict[str, Validator] = {}
+        self._quick: dict[str, Any] = {}  # name -> fastschema check, or None (jsonschema only)
         self._inline: OrderedDict[str, Validator] = OrderedDict()
         self._inline_size = inline_size
         self._lock = threading.Lock()
@@ -147,8 +148,27 @@ class SchemaCache:
         return for_named(schema)
 
     def errors(self, name: str, instance: Any) -> list[dict[str, str]]:
-        """Every error of ``instance`` against schema ``name``, in document order."""
+        """Every error of ``instance`` against schema ``name``, in document order. A compiled
+        quick check answers for valid documents (:mod:`handoffd.core.fastschema`); jsonschema
+        judges the rest."""
+        from .fastschema import is_valid
+        quick = self.quick(name)
+        if quick is not None and is_valid(quick, instance):
+            return []
         return self.errors_with(self.validator(name), instance)
+
+    def quick(self, name: str) -> Any:
+        """The compiled quick check of schema ``name``, or None when it has none."""
+        if name in self._quick:
+            return self._quick[name]
+        from .fastschema import compile_schema
+        validator = self.validator(name)  # loads and checks the schema (ConfigError if unusable)
+        schema = validator.schema
+        draft7 = isinstance(schema, dict) and "draft-07" in str(schema.get("$schema", ""))
+        found = compile_schema(schema, draft7=draft7) if isinstance(schema, (dict, bool)) else None
+        with self._lock:
+            self._quick[name] = found
+        return found
 
     @staticmethod
     def errors_with(validator: Validator, instance: Any) -> list[dict[str, str]]:
