@@ -7,12 +7,13 @@ import copy
 import threading
 import time
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from ..core.documents import BOOK, actor, book, book_int, next_attempt_at, record
 from ..core.errors import InvalidDocument, InvalidTransition, NotFound, WaitTimeout
 from ..core.states import State
 from ..core.storage import (
+    LOST,
     Backend,
     Claim,
     Claims,
@@ -161,6 +162,17 @@ def select(rows: Rows, *, state: State | None, target: str | None, conversation:
         kept.sort(key=lambda r: (r.updated_at, r.id), reverse=order == "newest")
     return kept if limit is None else kept[:max(limit, 0)]
 
+
+def only_kinds(callback: WakeupCallback, kinds: Collection[str] | None) -> WakeupCallback:
+    """``callback`` told only of ``kinds`` (and of lost hints); itself when ``kinds`` is None."""
+    if kinds is None:
+        return callback
+    wanted = frozenset(kinds) | {LOST}
+
+    def filtered(wakeup: Wakeup) -> None:
+        if wakeup.kind in wanted:
+            callback(wakeup)
+    return filtered
 
 
 class Subscribers:

@@ -39,6 +39,7 @@ from .base import (
     stamp_created,
     updated_of,
     wait_via_feed,
+    only_kinds,
 )
 
 
@@ -286,8 +287,9 @@ class MemoryBackend(FencedFiling, Backend):
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
         return wait_via_feed(self, handoff_id, timeout)
 
-    def subscribe(self, callback: WakeupCallback) -> Callable[[], None]:
-        return self._subscribers.add(callback)
+    def subscribe(self, callback: WakeupCallback, *,
+                  kinds: Collection[str] | None = None) -> Callable[[], None]:
+        return self._subscribers.add(only_kinds(callback, kinds))
 
     def close(self) -> None:
         """Nothing to release."""

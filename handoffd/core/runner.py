@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import select
 import signal
 import subprocess
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import procs
 from .documents import Outcome
@@ -50,6 +51,45 @@ def validate_result(result: Any, handoff_id: str) -> dict[str, Any]:
     return result
 
 
+class HandlerThreads:
+    """Threads for Python handlers, kept for the next call instead of started per call.
+
+    Each call gets a thread of its own (a handler that overruns its timeout keeps it, and the
+    attempt ends without it), but a thread that finished waits for the next call: starting one
+    per handoff cost more than a no-op handler runs. At most ``keep`` idle threads are kept."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self.keep = keep
+        self._idle: list[queue.SimpleQueue[Callable[[], None] | None]] = []
+        self._lock = threading.Lock()
+
+    def run(self, func: Callable[[], None], name: str) -> None:
+        """Start ``func()`` on an idle thread (renamed ``name``), or on a new one."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True).start()
+        def named() -> None:
+            threading.current_thread().name = name  # tracebacks and py-spy name the handoff
+            func()
+        inbox.put(named)
+
+    def _serve(self, inbox: "queue.SimpleQueue[Callable[[], None] | None]") -> None:
+        while True:
+            func = inbox.get()
+            if func is None:
+                return
+            func()  # (the functions given catch everything themselves)
+            with self._lock:
+                if len(self._idle) >= self.keep:
+                    return
+                self._idle.append(inbox)
+
+
+HANDLER_THREADS = HandlerThreads()
+
+
 def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
                timeout: float) -> dict[str, Any]:
     """Call a Python handler in its own thread and wait at most ``timeout`` seconds.
@@ -68,8 +108,7 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
         finally:
             done.set()
 
-    worker = threading.Thread(target=call, name=f"handler-{ctx.handoff_id}", daemon=True)
-    worker.start()
+    HANDLER_THREADS.run(call, f"handler-{ctx.handoff_id}")
     _wait(done, ctx, timeout)
     if "error" in box:
         exc = box["error"]

@@ -225,10 +225,13 @@ class Backend(Protocol):
         not exist; WaitTimeout after ``timeout`` seconds (None: no limit)."""
         ...
 
-    def subscribe(self, callback: WakeupCallback) -> Callable[[], None]:
+    def subscribe(self, callback: WakeupCallback, *,
+                  kinds: Collection[str] | None = None) -> Callable[[], None]:
         """Call ``callback`` (on any thread) with hints: a handoff entered pending or a terminal
         state, or a cancel request arrived. Hints may repeat or come late; writes of other
-        processes count where the backend can see them. Returns the unsubscribe function."""
+        processes count where the backend can see them. ``kinds``: only these (e.g.
+        ``{"cancel"}`` for a batch), which spares a backend watching what nobody asked for;
+        lost-event hints always come. Returns the unsubscribe function."""
         ...
 
     # ------------------------------------------------------------ what the engine and sweeper add

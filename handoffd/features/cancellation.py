@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Collection, Protocol
 
 from ..core.documents import Envelope, Outcome, actor, book, book_int, check_id
 from ..core.engine import Verdict
@@ -57,7 +57,8 @@ class DaemonPlugins(Protocol):
     def add_message_handler(self, predicate: Callable[[dict[str, Any] | None], bool],
                             handler: Callable[["Engine", str], State | None]) -> None: ...
     def add_filed_hook(self, hook: Callable[[str, State], None]) -> None: ...
-    def add_wakeup_hook(self, hook: Callable[[Wakeup], None]) -> None: ...
+    def add_wakeup_hook(self, hook: Callable[[Wakeup], None], *,
+                        kinds: Collection[str] | None = None) -> None: ...
 
 
 def install(engine: "Engine") -> None:
@@ -77,7 +78,7 @@ def attach(daemon: DaemonPlugins) -> None:
     daemon.add_filed_hook(lambda handoff_id, where: backend.clear_cancel(handoff_id)
                           if where.terminal else None)
     daemon.add_wakeup_hook(lambda wakeup: daemon.request_rescan()
-                           if wakeup.kind == "cancel" else None)
+                           if wakeup.kind == "cancel" else None, kinds={"cancel"})
 
 
 def request(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool, by: str,

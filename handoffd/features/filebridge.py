@@ -77,7 +77,7 @@ def attach(engine: Engine, daemon: Any) -> None:
     except OSError as exc:  # e.g. no inotify instances left: the rescans still ingest
         log.warning("file bridge: cannot watch pending/ (%s); new files are found by rescans", exc)
     daemon.add_scan_hook(lambda: guarded("syncing the workspace's files", bridge.sync))
-    daemon.add_wakeup_hook(on_wakeup)
+    daemon.add_wakeup_hook(on_wakeup, kinds={State.COMPLETED.value, State.FAILED.value})
 
     def stop() -> None:
         watch.stop()

@@ -17,7 +17,7 @@ from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from ..core.engine import Engine, Job, Peek
 from ..core.errors import DocumentNotReady, HandoffdError
@@ -131,6 +131,7 @@ class Daemon:
         self.filed_hooks: list[Callable[[str, State], None]] = []
         self.parked_checks: list[Callable[[str], bool]] = []
         self.wakeup_hooks: list[Callable[[Wakeup], None]] = []
+        self.wakeup_kinds: set[str] | None = set()  # what the hooks need (None: everything)
         self.stop_hooks: list[Callable[[], None]] = []
         self._unsubscribe: Callable[[], None] | None = None
         for plugin in engine.daemon_plugins:  # features register through the methods below
@@ -155,10 +156,14 @@ class Daemon:
         """``check(id)`` true: a handoff filed back to pending/ waits by design (not a retry)."""
         self.parked_checks.append(check)
 
-    def add_wakeup_hook(self, hook: Callable[[Wakeup], None]) -> None:
-        """Call ``hook(wakeup)`` for every hint of the backend's wake-up feed while this daemon
-        runs (e.g. a new cancel request); on any thread, so it must be quick and not raise."""
+    def add_wakeup_hook(self, hook: Callable[[Wakeup], None], *,
+                        kinds: Collection[str] | None = None) -> None:
+        """Call ``hook(wakeup)`` for hints of the backend's wake-up feed while this daemon runs
+        (e.g. a new cancel request); on any thread, so it must be quick and not raise.
+        ``kinds``: the hints it needs (None: every kind). A batch subscribes to just those."""
         self.wakeup_hooks.append(hook)
+        self.wakeup_kinds = None if kinds is None or self.wakeup_kinds is None \
+            else self.wakeup_kinds | set(kinds)
 
     def add_stop_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` once when this daemon stops (serve or batch), after its work is filed
@@ -196,8 +201,11 @@ class Daemon:
         dispatched at once), in a batch only when a feature asked for it (cancel requests)."""
         if not (self.watch or self.wakeup_hooks) or self._unsubscribe is not None:
             return
+        # a batch listens only for what its hooks need: watching every folder would wake it
+        # for each file it writes itself
+        kinds = None if self.watch else self.wakeup_kinds
         try:
-            self._unsubscribe = self.engine.backend.subscribe(self._on_wakeup)
+            self._unsubscribe = self.engine.backend.subscribe(self._on_wakeup, kinds=kinds)
         except OSError as exc:  # e.g. no inotify left: rescans still see what changed
             log.warning("cannot subscribe to wake-ups (%s); changes are seen at rescans", exc)
 

@@ -37,7 +37,7 @@ from ...core.errors import (
     UnreadableDocument,
 )
 from ...core.states import State
-from ...core.storage import LOST
+from ...core.storage import LOST, Wakeup
 from ...core.timeutil import parse_iso
 from ...core.workspace import Workspace
 from ..base import (
@@ -62,6 +62,7 @@ from ..base import (
     select,
     updated_of,
     wait_via_feed,
+    only_kinds,
 )
 from . import fsio, repair
 from .problems import read_error
@@ -560,7 +561,10 @@ class FilesBackend(FencedFiling, Backend):
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
         return wait_via_feed(self, handoff_id, timeout)
 
-    def subscribe(self, callback: WakeupCallback) -> Callable[[], None]:
+    def subscribe(self, callback: WakeupCallback, *,
+                  kinds: Collection[str] | None = None) -> Callable[[], None]:
+        if kinds is not None and self._watch is not None:
+            return self._subscribe_to(callback, set(kinds))
         remove = self._subscribers.add(callback)
         if self._watch is not None:
             self._watch.start()
@@ -570,6 +574,15 @@ class FilesBackend(FencedFiling, Backend):
             if self._watch is not None and not len(self._subscribers):
                 self._watch.stop()  # nobody listens: no watch thread left behind
         return unsubscribe
+
+    def _subscribe_to(self, callback: WakeupCallback, kinds: set[str]) -> Callable[[], None]:
+        """A watch of its own over only the folders of ``kinds``: a batch that listens for
+        cancel requests must not wake for every file the batch itself writes."""
+        folders = {path: kind for path, kind in self._folders().items() if kind in kinds}
+        watch = FolderWatch(folders, lambda handoff_id, kind, settled:
+                            callback(Wakeup(handoff_id, kind, settled)))
+        watch.start()
+        return watch.stop
 
     def close(self) -> None:
         if self._watch is not None:

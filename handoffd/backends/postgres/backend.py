@@ -57,6 +57,7 @@ from ..base import (
     stamp_claimed,
     stamp_created,
     wait_via_feed,
+    only_kinds,
 )
 from .connection import Conn, Database, Listener, Presence
 from .records import FileOrigins, SideRecords, T, encode
@@ -471,8 +472,9 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
         return wait_via_feed(self, handoff_id, timeout)
 
-    def subscribe(self, callback: WakeupCallback) -> Callable[[], None]:
-        remove = self._subscribers.add(callback)
+    def subscribe(self, callback: WakeupCallback, *,
+                  kinds: Collection[str] | None = None) -> Callable[[], None]:
+        remove = self._subscribers.add(only_kinds(callback, kinds))
         if self._listener is None:
             self._listener = Listener(self.url, self._heard,
                                       lambda: self._subscribers.fire("", LOST))
