@@ -59,6 +59,8 @@ from ..base import (
     wait_via_feed,
 )
 from .connection import Conn, Database, Listener, Presence
+from .context import KIND as CONTEXT
+from .context import PostgresContext, PostgresViolations
 from .records import FileOrigins, SideRecords, T, encode
 from .schema import LATEST, current_version, migrate
 from .shared import PostgresEventLog, PostgresRecords
@@ -467,6 +469,16 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
     def event_log(self) -> PostgresEventLog:
         """The event stream every host appends to and reads (``handoffd.event_log``)."""
         return PostgresEventLog(self.db)
+
+    def shared_context(self) -> PostgresContext:
+        """The shared context every host reads and writes (``handoffd.context``); a write wakes
+        every subscriber, here and on other hosts, with kind ``context`` and the key."""
+        return PostgresContext(self.db, lambda conn, key: self._notify(conn, key, CONTEXT),
+                               lambda key: self._subscribers.fire(key, CONTEXT))
+
+    def violation_log(self) -> PostgresViolations:
+        """The contract violations log of every host (``handoffd.violations``)."""
+        return PostgresViolations(self.db)
 
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
         return wait_via_feed(self, handoff_id, timeout)
