@@ -247,14 +247,42 @@ def test_documents_jsonb_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None
         store.close()
 
 
+def test_documents_keep_their_key_order(pg_url: str) -> None:
+    """Documents are kept as json text, not jsonb (which sorts keys, shorter first): what comes
+    back, through claim, renew, takeover and finish, lists its keys as they were written."""
+    store = backend(pg_url)
+    try:
+        doc = {"handoff_id": "order", "zeta": 1, "target": {"agent_id": "@a", "phase": 2},
+               "input": {"data": {"longest_key_first": 1, "b": 2, "a": 3}}, "c": None}
+        store.create(doc, "order", T0)
+        order = ["handoff_id", "zeta", "target", "input", "c"]
+        assert list(store.get("order")[1])[:5] == order
+        held = store.claim("order", at(1), LEASE)
+        assert store.renew(held, at(2), LEASE)
+        [taken] = store.expired_claims(at(2 + LEASE + 1), LEASE)
+        assert store.renew(taken, at(40), LEASE)
+        stored = store.get("order")[1]
+        assert list(stored)[:5] == order and stored["handoffd"]["lease"]["token"] == taken.token
+        assert list(stored["input"]["data"]) == ["longest_key_first", "b", "a"]
+        taken.doc["output"] = {"z": 1, "a": 2}
+        record(taken.doc, "completed", at(41))
+        assert store.finish(taken, State.COMPLETED, taken.doc)
+        state, final = store.get("order")
+        assert state is State.COMPLETED and list(final)[:5] == order
+        assert list(final["output"]) == ["z", "a"]
+        assert not store.renew(held, at(42), LEASE)  # a fenced renew changes nothing
+    finally:
+        store.close()
+
+
 # ---------------------------------------------------------------- handoffd db
 def test_db_init_is_idempotent_and_prints_the_version(ws: Workspace, pg_url: str) -> None:
     from handoffd.backends.postgres import SCHEMA_VERSION
-    assert SCHEMA_VERSION == 3
-    for applied in ("applied migration(s) 1, 2, 3", "already up to date"):
+    assert SCHEMA_VERSION == 5
+    for applied in ("applied migration(s) 1, 2, 3, 4, 5", "already up to date"):
         done = ws.handoffd("db", "init", "--store", pg_url)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "schema version 3" and applied in done.stderr
+        assert done.stdout.strip() == "schema version 5" and applied in done.stderr
     no_store = ws.handoffd("db", "init")
     assert no_store.returncode == 2 and "no PostgreSQL store" in no_store.stderr
 
@@ -421,9 +449,9 @@ def test_concurrent_openers_migrate_once(pg_url: str) -> None:
         thread.join(timeout=60)
     try:
         assert errors == [] and len(opened) == 4
-        assert {b.schema_version for b in opened} == {3}
+        assert {b.schema_version for b in opened} == {5}
         assert sql(pg_url, "SELECT version FROM handoffd.schema_version ORDER BY version") \
-            == [(1,), (2,), (3,)]
+            == [(1,), (2,), (3,), (4,), (5,)]
     finally:
         for one in opened:
             one.close()

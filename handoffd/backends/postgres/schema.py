@@ -132,6 +132,13 @@ CREATE TABLE handoffd.violations (
     entry json NOT NULL
 );
 """),
+    (5, "documents kept as json text: they read back with their keys in their own order", """
+-- jsonb stores keys sorted (shorter first): a result file or `handoff show` would list a
+-- document's keys in another order than it was submitted with. json keeps the text as written.
+ALTER TABLE handoffd.handoffs ALTER COLUMN doc TYPE json USING doc::json;
+ALTER TABLE handoffd.cancels ALTER COLUMN request TYPE json USING request::json;
+ALTER TABLE handoffd.quarantine ALTER COLUMN document TYPE json USING document::json;
+"""),
 ]
 LATEST = MIGRATIONS[-1][0]
 
