@@ -101,7 +101,9 @@ class ContextMirror:
         stale = [k for k, rev in remote.items() if (state.get(k) or [None])[0] != rev]
         # a key changed in the store and here: take the local edit in (or set it aside) first;
         # one still being written here waits for the next round
-        young = {k for k in stale if self._look_at(k, state, report) == "young"}
+        done = set(report["rejected"]) | set(report["ingested"])  # looked at in this round
+        young = {k for k in stale
+                 if k not in done and self._look_at(k, state, report) == "young"}
         remote = self.shared.revisions() if report["ingested"] else remote
         stale = [k for k, rev in remote.items() if (state.get(k) or [None])[0] != rev
                  and k not in young]
