@@ -293,14 +293,26 @@ def test_db_import_moves_a_files_workspace_in(ws: Workspace, pg_url: str) -> Non
     waiting = ws.create("--from", "@t", "--to", "@flaky", "--id", "waits-1")
     ws.drop("raw-1.json", request("raw-1", "@flaky"))
     ws.drop("junk.json", "{not json")
+    assert ws.handoff("context", "set", "task/goal", "--as", "ABSTRACT_ARCHITECT", "--data",
+                      '{"z": 1, "a": 2}').returncode == 0
+    (ws.root / "context" / "project-context.json").write_text('{"id":  "proj-001"}')
+    (ws.root / "context" / "broken.json").write_text("{")
+    (ws.root / "handoffs" / ".meta" / "violations.jsonl").write_text(
+        '{"kind": "scope_creep", "agent": "@w", "time": "2026-03-01T12:00:00Z"}\n')
     first = ws.handoffd("db", "import", "--store", pg_url, "--json")
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
     assert report["imported"] == {"pending": 2, "completed": 1, "failed": 0}
-    assert report["set_aside"] == ["junk"]
+    assert report["set_aside"] == ["junk"] and report["unreadable"] == ["context/broken.json"]
+    assert (report["context"], report["violations"]) == (2, 1)
+    values = dict(sql(pg_url, "SELECT key, value FROM handoffd.context"))
+    assert values["project-context"] == '{"id":  "proj-001"}'  # byte for byte
+    assert values["task/goal"] == (ws.root / "context" / "task" / "goal.json").read_text()
     assert ws.state_of(waiting) == [] and ws.state_of(done_id) == ["completed"]
     again = json.loads(ws.handoffd("db", "import", "--store", pg_url, "--json").stdout)
     assert again["imported"] == {"pending": 0, "completed": 0, "failed": 0} and again["already"] == 2  # + the stub of junk
+    assert (again["context"], again["context_already"], again["violations"]) == (0, 2, 0)
+    assert sql(pg_url, "SELECT entry->>'kind' FROM handoffd.violations") == [("scope_creep",)]
     states = dict(sql(pg_url, "SELECT id, state FROM handoffd.handoffs"))
     assert states == {done_id: "completed", "waits-1": "pending", "raw-1": "pending",
                       "junk": "failed"}
