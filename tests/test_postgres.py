@@ -228,7 +228,7 @@ def test_wakeups_cross_processes_through_notify(pg_url: str) -> None:
         writer.close()
 
 
-def test_documents_jsonb_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None:
+def test_documents_the_store_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None:
     from handoffd.core.errors import InvalidDocument
     store = backend(pg_url)
     try:

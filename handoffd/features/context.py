@@ -34,18 +34,21 @@ non-ASCII look-alikes and line breaks are refused, and a write that would go thr
 ``[namespaces]`` / ``[tiers]`` come from :func:`handoffd.core.config.load_config` (validated once, at
 daemon start; a bad table is a ConfigError, exit 2).
 
-Writes are atomic (temp file + rename in the same folder) and serialised per key with a file lock;
-every write is appended to ``context/.history.jsonl`` with who, when, the key, its size, sha256 and
-the new revision.
+Where the values live is a storage seam, :class:`~handoffd.core.storage.ContextBackend`: the
+workspace's ``context/`` folder (:mod:`handoffd.backends.files.context`: ``context/<key>.json``,
+revision records in ``context/.meta/``, ``context/.history.jsonl``), or on a PostgreSQL store the
+database every host shares (:mod:`handoffd.backends.postgres.context`), which each daemon then
+mirrors into its ``context/`` folder (:mod:`handoffd.features.context_mirror`).
+:func:`handoffd.features.stores.context_backend` picks one. Permissions and the key rule are
+checked here, above the seam, the same on every store. Every write is one atomic step of the
+store (serialised per key) that also appends its history entry: who, when, the key, its size,
+sha256 and the new revision.
 
-**Revisions.** The value file stays the plain JSON value (seed 001 tools read and write it
-directly). Each key's revision is kept beside it in ``context/.meta/rev-<hash>.json`` as
-``{"key", "revision", "sha256"}``: 0 while the key is unset, 1 for a value written before
-revisions existed (or by a foreign tool, with no record), and +1 for every write. The record
-describes the bytes it was written with, so a value changed behind handoffd's back (its sha256
-differs) counts as one revision more than the record. Compare-and-set: ``set(...,
-if_revision=N)`` writes only if the key is still at revision N (``ContextConflict`` otherwise; N = 0
-means "only if unset"); ``update(key, func)`` is an atomic read-modify-write under the key's lock.
+**Revisions.** Each key has one: 0 while the key is unset and +1 for every write (on files, a
+value written before revisions existed, or changed by a foreign tool, counts as one more, see
+the files module). Compare-and-set: ``set(..., if_revision=N)`` writes only if the key is still
+at revision N (``ContextConflict`` otherwise; N = 0 means "only if unset"); ``update(key,
+func)`` is an atomic read-modify-write under the key's lock.
 """
 from __future__ import annotations
 
