@@ -91,10 +91,12 @@ class ContextMirror:
         with self._lock, self._flock():
             state = self._load()
             before = json.dumps(state, sort_keys=True)
-            yield state, report
-            if json.dumps(state, sort_keys=True) != before:
-                fsio.replace(self.local.meta(STATE), json.dumps(state, sort_keys=True).encode(),
-                             self._tmp(), durable=self.durable)
+            try:
+                yield state, report
+            finally:  # what a round did before a failure (the database away) is remembered
+                if json.dumps(state, sort_keys=True) != before:
+                    fsio.replace(self.local.meta(STATE), json.dumps(state, sort_keys=True).encode(),
+                                 self._tmp(), durable=self.durable)
 
     def _pull(self, state: dict[str, list[Any]], report: dict[str, list[str]]) -> None:
         remote = self.shared.revisions()
