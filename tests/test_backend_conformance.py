@@ -632,3 +632,148 @@ def test_concurrent_record_updates_are_serialised(backend: Backend) -> None:
     for t in threads:
         t.join(timeout=60)
     assert records.read("counters") == {"n": 100}
+
+
+# ---------------------------------------------------------------- shared context and violations
+# the seams the features keep beside the handoffs (core.storage.ContextBackend, ViolationLog),
+# on every store: files (context/, .meta/violations.jsonl), memory, PostgreSQL (tables)
+@pytest.fixture(params=BACKENDS)
+def side(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """(a ContextBackend, a ViolationLog) of one store."""
+    if request.param == "postgres":
+        from handoffd.backends.postgres import PostgresBackend
+        made = PostgresBackend(request.getfixturevalue("pg_url"), pool_size=10)
+        yield made.shared_context(), made.violation_log()
+        made.close()
+    elif request.param == "memory":
+        from handoffd.backends.memory import MemoryContext, MemoryViolationLog
+        yield MemoryContext(), MemoryViolationLog()
+    else:
+        from handoffd.backends.files.context import FileContext
+        from handoffd.backends.files.violations import FileViolationLog
+        yield (FileContext(tmp_path / "context", durable=False),
+               FileViolationLog(tmp_path / "violations.jsonl"))
+
+
+def put(context: Any, key: str, data: bytes, by: str = "@a") -> dict[str, Any]:
+    """Write ``data`` whatever the current value; the entry says what it replaced."""
+    def change(old: bytes | None, revision: int) -> tuple[bytes, dict[str, Any]]:
+        return data, {"key": key, "by": by, "revision": revision + 1, "had": old is not None}
+    return context.write(key, change)  # type: ignore[no-any-return]
+
+
+def test_context_values_revisions_and_history(side: tuple[Any, Any]) -> None:
+    from handoffd.core.storage import ContextBackend
+    context, _ = side
+    assert isinstance(context, ContextBackend)
+    assert context.read("task/goal") == (None, 0) and context.keys() == []
+    text = b'{\n  "zeta": 1,\n  "a": [true, null]\n}\n'  # kept byte for byte, keys in order
+    assert put(context, "task/goal", text) == {"key": "task/goal", "by": "@a", "revision": 1,
+                                                "had": False}
+    assert context.read("task/goal") == (text, 1)
+    seen: list[tuple[bytes | None, int]] = []
+
+    def again(old: bytes | None, revision: int) -> tuple[bytes, dict[str, Any]]:
+        seen.append((old, revision))
+        return b"2\n", {"key": "task/goal", "revision": revision + 1}
+
+    context.write("task/goal", again)
+    assert seen == [(text, 1)] and context.read("task/goal") == (b"2\n", 2)
+    put(context, "task/other", b"3\n", by="@b")
+    put(context, "notes", b'"n"\n')
+    assert context.keys() == ["notes", "task/goal", "task/other"]
+    assert context.keys("task/") == ["task/goal", "task/other"]
+    assert [(h["key"], h["revision"]) for h in context.history()] == \
+        [("task/goal", 1), ("task/goal", 2), ("task/other", 1), ("notes", 1)]
+    assert [h["revision"] for h in context.history("task/goal")] == [1, 2]
+
+
+def test_a_context_change_that_raises_writes_nothing(side: tuple[Any, Any]) -> None:
+    context, _ = side
+    put(context, "k", b"1\n")
+
+    def refuse(old: bytes | None, revision: int) -> tuple[bytes, dict[str, Any]]:
+        raise ValueError("conflict")
+
+    with pytest.raises(ValueError):
+        context.write("k", refuse)
+    assert context.read("k") == (b"1\n", 1) and len(context.history("k")) == 1
+
+
+def test_concurrent_context_writes_are_serialised(side: tuple[Any, Any]) -> None:
+    context, _ = side
+
+    def bump(old: bytes | None, revision: int) -> tuple[bytes, dict[str, Any]]:
+        value = int(old or b"0") + 1
+        return f"{value}\n".encode(), {"key": "n", "revision": revision + 1}
+
+    def worker() -> None:
+        for _ in range(25):
+            context.write("n", bump)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert context.read("n") == (b"100\n", 100)
+    assert [h["revision"] for h in context.history("n")] == list(range(1, 101))
+
+
+def test_compare_and_set_holds_between_two_context_stores(side: tuple[Any, Any],
+                                                          tmp_path: Path) -> None:
+    """Two ContextStores on one store (two hosts of a shared one): a stale revision conflicts."""
+    from handoffd.features.context import ContextConflict, ContextStore, Permissions
+    context, _ = side
+    stores = []
+    for name in ("a", "b"):
+        ws = Workspace(tmp_path / name)
+        stores.append(ContextStore(ws, Permissions({}, {}), durable=False, backend=context))
+    host_a, host_b = stores
+    assert host_a.set("plan", {"step": 1}, agent="@x", if_revision=0)["revision"] == 1
+    assert host_b.get_with_revision("plan") == ({"step": 1}, 1)
+    host_b.set("plan", {"step": 2}, agent="@y", if_revision=1)
+    with pytest.raises(ContextConflict) as caught:
+        host_a.set("plan", {"step": 3}, agent="@x", if_revision=1)
+    assert (caught.value.expected, caught.value.actual) == (1, 2)
+    assert host_a.update("plan", lambda v: dict(v, step=v["step"] + 1), agent="@x")["revision"] == 3
+    assert [h["by"] for h in host_b.history("plan")] == ["@x", "@y", "@x"]
+    assert [r["key"] for r in host_a.listing()] == ["plan"]
+
+
+def test_a_shared_context_reports_revisions_and_reads_many(side: tuple[Any, Any]) -> None:
+    from handoffd.core.storage import SharedContext
+    context, _ = side
+    if not isinstance(context, SharedContext):
+        pytest.skip("the files store's context is the folder itself (nothing to mirror)")
+    put(context, "a", b"1\n")
+    put(context, "b", b"2\n")
+    put(context, "b", b"3\n")
+    assert context.revisions() == {"a": 1, "b": 2}
+    assert context.read_many(["b", "missing"]) == {"b": (b"3\n", 2)}
+    assert context.read_many([]) == {}
+
+
+def test_violation_log_appends_in_order(side: tuple[Any, Any]) -> None:
+    from handoffd.core.storage import ViolationLog
+    _, log = side
+    assert isinstance(log, ViolationLog) and log.read() == []
+    entries = [{"time": f"2026-03-01T12:00:0{i}Z", "kind": "scope_creep", "agent": "@w",
+                "details": {"zeta": i, "a": [i]}} for i in range(3)]
+    for entry in entries:
+        log.append(entry)
+    assert log.read() == entries
+
+    def worker(n: int) -> None:
+        for i in range(20):
+            log.append({"kind": "criteria_failed", "n": n, "i": i})
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    later = log.read()[3:]
+    assert len(later) == 80
+    for n in range(4):  # one writer's entries keep their order
+        assert [e["i"] for e in later if e["n"] == n] == list(range(20))

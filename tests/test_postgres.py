@@ -228,7 +228,7 @@ def test_wakeups_cross_processes_through_notify(pg_url: str) -> None:
         writer.close()
 
 
-def test_documents_jsonb_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None:
+def test_documents_the_store_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None:
     from handoffd.core.errors import InvalidDocument
     store = backend(pg_url)
     try:
@@ -247,14 +247,42 @@ def test_documents_jsonb_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None
         store.close()
 
 
+def test_documents_keep_their_key_order(pg_url: str) -> None:
+    """Documents are kept as json text, not jsonb (which sorts keys, shorter first): what comes
+    back, through claim, renew, takeover and finish, lists its keys as they were written."""
+    store = backend(pg_url)
+    try:
+        doc = {"handoff_id": "order", "zeta": 1, "target": {"agent_id": "@a", "phase": 2},
+               "input": {"data": {"longest_key_first": 1, "b": 2, "a": 3}}, "c": None}
+        store.create(doc, "order", T0)
+        order = ["handoff_id", "zeta", "target", "input", "c"]
+        assert list(store.get("order")[1])[:5] == order
+        held = store.claim("order", at(1), LEASE)
+        assert store.renew(held, at(2), LEASE)
+        [taken] = store.expired_claims(at(2 + LEASE + 1), LEASE)
+        assert store.renew(taken, at(40), LEASE)
+        stored = store.get("order")[1]
+        assert list(stored)[:5] == order and stored["handoffd"]["lease"]["token"] == taken.token
+        assert list(stored["input"]["data"]) == ["longest_key_first", "b", "a"]
+        taken.doc["output"] = {"z": 1, "a": 2}
+        record(taken.doc, "completed", at(41))
+        assert store.finish(taken, State.COMPLETED, taken.doc)
+        state, final = store.get("order")
+        assert state is State.COMPLETED and list(final)[:5] == order
+        assert list(final["output"]) == ["z", "a"]
+        assert not store.renew(held, at(42), LEASE)  # a fenced renew changes nothing
+    finally:
+        store.close()
+
+
 # ---------------------------------------------------------------- handoffd db
 def test_db_init_is_idempotent_and_prints_the_version(ws: Workspace, pg_url: str) -> None:
     from handoffd.backends.postgres import SCHEMA_VERSION
-    assert SCHEMA_VERSION == 3
-    for applied in ("applied migration(s) 1, 2, 3", "already up to date"):
+    assert SCHEMA_VERSION == 5
+    for applied in ("applied migration(s) 1, 2, 3, 4, 5", "already up to date"):
         done = ws.handoffd("db", "init", "--store", pg_url)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "schema version 3" and applied in done.stderr
+        assert done.stdout.strip() == "schema version 5" and applied in done.stderr
     no_store = ws.handoffd("db", "init")
     assert no_store.returncode == 2 and "no PostgreSQL store" in no_store.stderr
 
@@ -265,14 +293,26 @@ def test_db_import_moves_a_files_workspace_in(ws: Workspace, pg_url: str) -> Non
     waiting = ws.create("--from", "@t", "--to", "@flaky", "--id", "waits-1")
     ws.drop("raw-1.json", request("raw-1", "@flaky"))
     ws.drop("junk.json", "{not json")
+    assert ws.handoff("context", "set", "task/goal", "--as", "ABSTRACT_ARCHITECT", "--data",
+                      '{"z": 1, "a": 2}').returncode == 0
+    (ws.root / "context" / "project-context.json").write_text('{"id":  "proj-001"}')
+    (ws.root / "context" / "broken.json").write_text("{")
+    (ws.root / "handoffs" / ".meta" / "violations.jsonl").write_text(
+        '{"kind": "scope_creep", "agent": "@w", "time": "2026-03-01T12:00:00Z"}\n')
     first = ws.handoffd("db", "import", "--store", pg_url, "--json")
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
     assert report["imported"] == {"pending": 2, "completed": 1, "failed": 0}
-    assert report["set_aside"] == ["junk"]
+    assert report["set_aside"] == ["junk"] and report["unreadable"] == ["context/broken.json"]
+    assert (report["context"], report["violations"]) == (2, 1)
+    values = dict(sql(pg_url, "SELECT key, value FROM handoffd.context"))
+    assert values["project-context"] == '{"id":  "proj-001"}'  # byte for byte
+    assert values["task/goal"] == (ws.root / "context" / "task" / "goal.json").read_text()
     assert ws.state_of(waiting) == [] and ws.state_of(done_id) == ["completed"]
     again = json.loads(ws.handoffd("db", "import", "--store", pg_url, "--json").stdout)
     assert again["imported"] == {"pending": 0, "completed": 0, "failed": 0} and again["already"] == 2  # + the stub of junk
+    assert (again["context"], again["context_already"], again["violations"]) == (0, 2, 0)
+    assert sql(pg_url, "SELECT entry->>'kind' FROM handoffd.violations") == [("scope_creep",)]
     states = dict(sql(pg_url, "SELECT id, state FROM handoffd.handoffs"))
     assert states == {done_id: "completed", "waits-1": "pending", "raw-1": "pending",
                       "junk": "failed"}
@@ -421,9 +461,9 @@ def test_concurrent_openers_migrate_once(pg_url: str) -> None:
         thread.join(timeout=60)
     try:
         assert errors == [] and len(opened) == 4
-        assert {b.schema_version for b in opened} == {3}
+        assert {b.schema_version for b in opened} == {5}
         assert sql(pg_url, "SELECT version FROM handoffd.schema_version ORDER BY version") \
-            == [(1,), (2,), (3,)]
+            == [(1,), (2,), (3,), (4,), (5,)]
     finally:
         for one in opened:
             one.close()

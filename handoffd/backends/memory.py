@@ -9,11 +9,12 @@ import threading
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
 
 from ..core.documents import book, book_int
 from ..core.errors import DuplicateHandoff, InvalidTransition
 from ..core.states import State
+from ..core.storage import ContextChange
 from ..core.timeutil import iso, utc_now
 from .base import (
     Backend,
@@ -293,3 +294,58 @@ class MemoryBackend(FencedFiling, Backend):
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class MemoryContext:
+    """:class:`~handoffd.core.storage.SharedContext` in a dict (tests: the conformance suite,
+    the context mirror without a database). Thread-safe; writes are serialised by one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._values: dict[str, tuple[bytes, int]] = {}
+        self._history: builtins.list[dict[str, Any]] = []
+
+    def read(self, key: str) -> tuple[bytes | None, int]:
+        with self._lock:
+            found = self._values.get(key)
+        return (None, 0) if found is None else found
+
+    def write(self, key: str, change: ContextChange) -> dict[str, Any]:
+        with self._lock:
+            old, revision = self.read(key)
+            data, entry = change(old, revision)
+            self._values[key] = (bytes(data), revision + 1)
+            self._history.append(copy.deepcopy(entry))
+        return entry
+
+    def keys(self, prefix: str = "") -> builtins.list[str]:
+        with self._lock:
+            return sorted(k for k in self._values if k.startswith(prefix))
+
+    def history(self, key: str | None = None) -> builtins.list[dict[str, Any]]:
+        with self._lock:
+            return [copy.deepcopy(e) for e in self._history if key is None or e.get("key") == key]
+
+    def revisions(self) -> dict[str, int]:
+        with self._lock:
+            return {k: rev for k, (_, rev) in self._values.items()}
+
+    def read_many(self, keys: builtins.list[str]) -> dict[str, tuple[bytes, int]]:
+        with self._lock:
+            return {k: self._values[k] for k in keys if k in self._values}
+
+
+class MemoryViolationLog:
+    """:class:`~handoffd.core.storage.ViolationLog` in a list."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: builtins.list[dict[str, Any]] = []
+
+    def append(self, entry: dict[str, Any]) -> None:
+        with self._lock:
+            self._entries.append(copy.deepcopy(entry))
+
+    def read(self) -> builtins.list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(self._entries)

@@ -50,9 +50,10 @@ def init(root: RootOption = None, store: StoreOption = None) -> None:
 @db_app.command("import")
 @guarded(PROG)
 def import_(root: RootOption = None, store: StoreOption = None, as_json: JsonOption = False) -> None:
-    """Move this workspace's pending and finished handoff files into the PostgreSQL store
-    (idempotent by id: run it again after an interruption). Pending files are removed once
-    in the database, finished ones are copied and kept."""
+    """Move this workspace's pending and finished handoff files, its context values and its
+    violations log into the PostgreSQL store (idempotent: run it again after an interruption).
+    Pending files are removed once in the database; finished ones and context files are copied
+    and kept (the daemon keeps context/ as a mirror of the database's)."""
     from .. import dialects
     from ..backends.files.backend import FilesBackend
     from ..backends.postgres import PostgresBackend
@@ -77,6 +78,8 @@ def import_(root: RootOption = None, store: StoreOption = None, as_json: JsonOpt
     if as_json:
         print(json.dumps({"imported": report.imported, "already": report.already,
                           "set_aside": report.set_aside, "unreadable": report.unreadable,
-                          "in_progress": report.in_progress}))
+                          "in_progress": report.in_progress, "context": report.context,
+                          "context_already": report.context_already,
+                          "violations": report.violations}))
     else:
         print(report.line())

@@ -365,6 +365,7 @@ def violations(
     """Summarise contract violations (seed 004 learning signals) per agent, kind and day."""
     from ..core.timeutil import parse_iso
     from ..features.contracts import violations as vlog
+    from ..features.stores import violation_log
     from .contract_views import violations_view
 
     eng = engine(root, features=())
@@ -372,7 +373,8 @@ def violations(
         start = parse_iso(since) if since else None
     except ValueError:
         raise UsageError(f"--since {since!r} is not an ISO 8601 time or date") from None
-    summary = vlog.summarise(vlog.read(eng.ws, since=start, agent=agent))
+    summary = vlog.summarise(vlog.read(violation_log(eng.ws, eng.backend), since=start,
+                                       agent=agent))
     if as_json:
         print_json(summary)
     else:

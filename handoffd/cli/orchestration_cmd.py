@@ -125,11 +125,19 @@ def answer(
 
 # ---------------------------------------------------------------- context
 def _store(root: Path | None) -> Any:
+    """The workspace's context: its ``context/`` folder, or the shared store's (a
+    PostgreSQL store named by $HANDOFFD_STORE or [store] url)."""
     from ..features.context import ContextStore, Permissions
+    from ..features.stores import context_backend
 
     ws = workspace(root)
     config = ws.load_config()  # validated once (a bad [namespaces] table: exit 2)
-    return ContextStore(ws, Permissions.from_config(config), durable=config.daemon.durable)
+    backend = None
+    if config.store_url() is not None:  # psycopg loads only for a PostgreSQL store
+        from ..features.build import open_backend
+        backend = open_backend(ws, config, workers=1)  # closed when the command exits
+    return ContextStore(ws, Permissions.from_config(config), durable=config.daemon.durable,
+                        backend=context_backend(ws, backend, durable=config.daemon.durable))
 
 
 def context_get(
@@ -173,8 +181,18 @@ def context_set(
     store = _store(root)
     entry = store.set(key, _data(data, input_file), agent=_agent(as_agent),
                       handoff_id=os.environ.get("HANDOFF_ID"), if_revision=if_revision)
+    _refresh_mirror(store)
     print(f"{entry['key']}: written by {entry['by']} (revision {entry['revision']}, "
           f"{entry['bytes']} bytes, sha256 {entry['sha256'][:12]})")
+
+
+def _refresh_mirror(store: Any) -> None:
+    """On a shared store, bring this workspace's ``context/`` copy up to date at once (a
+    command handler that sets a key and then reads its file finds the new value)."""
+    from ..features.context_mirror import ContextMirror, guarded
+    from ..features.stores import is_shared
+    if is_shared(store.backend):
+        guarded("refreshing context/", ContextMirror(store, durable=store.durable).pull)
 
 
 def context_ls(

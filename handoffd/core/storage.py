@@ -90,7 +90,8 @@ Where = Callable[[Row], bool]
 @dataclass(frozen=True)
 class Wakeup:
     """A hint that something may be worth looking at: ``kind`` is the state a handoff entered
-    (a :class:`State` value), ``"cancel"`` for a new cancel request, or ``"lost"`` (with an empty
+    (a :class:`State` value), ``"cancel"`` for a new cancel request, ``"context"`` (with the key
+    as id) for a write of a shared context that several hosts share, or ``"lost"`` (with an empty
     id) when hints were dropped and a reader should look at everything again. ``settled`` is
     False when the document may still be being written (look again in a moment)."""
 
@@ -100,6 +101,7 @@ class Wakeup:
 
 
 LOST = "lost"  # Wakeup.kind: some hints were lost; rescan
+CONTEXT = "context"  # Wakeup.kind: a shared context key (the id) was written
 
 
 WakeupCallback = Callable[[Wakeup], None]
@@ -123,6 +125,66 @@ class Records(Protocol):
         ...
 Rows = list[Row]
 Claims = list[Claim]
+
+
+# ContextBackend.write: the new value's JSON bytes and its history entry, from the current
+# bytes (None: unset) and revision; raising writes nothing
+ContextChange = Callable[[bytes | None, int], tuple[bytes, dict[str, Any]]]
+
+
+@runtime_checkable
+class ContextBackend(Protocol):
+    """Where the shared context's values live (files: ``context/<key>.json``; PostgreSQL: a
+    table every host shares). A value is stored as the JSON bytes it was written with, with a
+    revision: 0 while the key is unset, +1 per write. Keys come normalised by the caller; who may
+    write what (namespaces) is the caller's business, above this seam."""
+
+    def read(self, key: str) -> tuple[bytes | None, int]:
+        """The value's bytes (None when unset) and its revision, read consistently."""
+        ...
+
+    def write(self, key: str, change: ContextChange) -> dict[str, Any]:
+        """Atomically replace ``key``'s value with the bytes ``change(current, revision)`` gives,
+        at revision + 1, and append the history entry it gives (the entry is returned). Writes
+        of one key by any process are serialised; an exception from ``change`` (a
+        compare-and-set that found another revision) writes nothing and propagates."""
+        ...
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every key that has a value (sorted), optionally only those starting with ``prefix``."""
+        ...
+
+    def history(self, key: str | None = None) -> list[dict[str, Any]]:
+        """The history entries, oldest first (only ``key``'s when given)."""
+        ...
+
+
+@runtime_checkable
+class SharedContext(ContextBackend, Protocol):
+    """A context store several workspaces share: each host's daemon mirrors it into its own
+    ``context/`` folder, fetching what changed since its last look."""
+
+    def revisions(self) -> dict[str, int]:
+        """Every key's current revision (cheap: no value is read)."""
+        ...
+
+    def read_many(self, keys: list[str]) -> dict[str, tuple[bytes, int]]:
+        """The bytes and revision of each of ``keys`` that is set."""
+        ...
+
+
+@runtime_checkable
+class ViolationLog(Protocol):
+    """The contract violations log (seed 004's learning signals): one JSON object per incident,
+    kept in the order appended, one log for every daemon of the store."""
+
+    def append(self, entry: dict[str, Any]) -> None:
+        """Add one entry (safe against concurrent appenders of any process or host)."""
+        ...
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every entry, oldest first (unreadable ones are skipped)."""
+        ...
 
 
 @runtime_checkable

@@ -51,13 +51,22 @@ def install_artifacts(engine: Engine) -> None:
 
 
 def install_context(engine: Engine) -> None:
-    """Shared context (``context/``): a Python handler's ``ctx.context`` is its agent's view."""
-    from . import context as context_store
+    """Shared context: a Python handler's ``ctx.context`` is its agent's view of the store's
+    context (``context/``, or the table every host of a PostgreSQL store shares, which each
+    daemon then mirrors into its ``context/``: :mod:`handoffd.features.context_mirror`)."""
+    from .context import ContextStore, Permissions
+    from .stores import context_backend, is_shared
+    shared = context_backend(engine.ws, engine.backend, durable=engine.settings.durable)
+    store = ContextStore(engine.ws, Permissions.from_config(engine.config),
+                         durable=engine.settings.durable, backend=shared)
 
     def give_view(job: Job) -> None:
-        job.context.context_factory = context_store.view_for
+        job.context.context_factory = lambda _root, agent, handoff_id: store.view(agent, handoff_id)
 
     engine.before_run.append(give_view)
+    if is_shared(shared):
+        from . import context_mirror
+        context_mirror.install(engine, store)
 
 
 def install_notify(engine: Engine) -> None:

@@ -34,34 +34,37 @@ non-ASCII look-alikes and line breaks are refused, and a write that would go thr
 ``[namespaces]`` / ``[tiers]`` come from :func:`handoffd.core.config.load_config` (validated once, at
 daemon start; a bad table is a ConfigError, exit 2).
 
-Writes are atomic (temp file + rename in the same folder) and serialised per key with a file lock;
-every write is appended to ``context/.history.jsonl`` with who, when, the key, its size, sha256 and
-the new revision.
+Where the values live is a storage seam, :class:`~handoffd.core.storage.ContextBackend`: the
+workspace's ``context/`` folder (:mod:`handoffd.backends.files.context`: ``context/<key>.json``,
+revision records in ``context/.meta/``, ``context/.history.jsonl``), or on a PostgreSQL store the
+database every host shares (:mod:`handoffd.backends.postgres.context`), which each daemon then
+mirrors into its ``context/`` folder (:mod:`handoffd.features.context_mirror`).
+:func:`handoffd.features.stores.context_backend` picks one. Permissions and the key rule are
+checked here, above the seam, the same on every store. Every write is one atomic step of the
+store (serialised per key) that also appends its history entry: who, when, the key, its size,
+sha256 and the new revision.
 
-**Revisions.** The value file stays the plain JSON value (seed 001 tools read and write it
-directly). Each key's revision is kept beside it in ``context/.meta/rev-<hash>.json`` as
-``{"key", "revision", "sha256"}``: 0 while the key is unset, 1 for a value written before
-revisions existed (or by a foreign tool, with no record), and +1 for every write. The record
-describes the bytes it was written with, so a value changed behind handoffd's back (its sha256
-differs) counts as one revision more than the record. Compare-and-set: ``set(...,
-if_revision=N)`` writes only if the key is still at revision N (``ContextConflict`` otherwise; N = 0
-means "only if unset"); ``update(key, func)`` is an atomic read-modify-write under the key's lock.
+**Revisions.** Each key has one: 0 while the key is unset and +1 for every write (on files, a
+value written before revisions existed, or changed by a foreign tool, counts as one more, see
+the files module). Compare-and-set: ``set(..., if_revision=N)`` writes only if the key is still
+at revision N (``ContextConflict`` otherwise; N = 0 means "only if unset"); ``update(key,
+func)`` is an atomic read-modify-write under the key's lock.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..backends.files import fsio
+from ..backends.files.context import MAX_VALUE_BYTES, FileContext
 from ..core.documents import actor
 from ..core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
 from ..core.keys import (
     normalise_key,  # the key rule is the core's (config checks [namespaces] with it)
 )
+from ..core.storage import ContextBackend
 from ..core.timeutil import iso, utc_now
 from ..core.workspace import Workspace
 
@@ -73,9 +76,6 @@ DEFAULT_NAMESPACES: dict[str, list[str]] = {
     "system": ["PROGRESS_MONITOR"],
     "history": ["PROGRESS_MONITOR"],
 }
-MAX_VALUE_BYTES = 4 * 1024 * 1024
-HISTORY = ".history.jsonl"
-LOCK_TIMEOUT_SECONDS = 30.0
 #: internal: "the key is unset" while a write computes its value
 MISSING: Any = object()
 
@@ -185,82 +185,28 @@ class Permissions:
 
 
 class ContextStore:
-    """The ``context/`` folder of one workspace."""
+    """The shared context of one workspace: its ``context/`` folder, or the store's shared
+    context (``backend``: any :class:`~handoffd.core.storage.ContextBackend`; see
+    :func:`handoffd.features.stores.context_backend`). Permissions are checked here, above the
+    seam, the same for every store."""
 
     def __init__(self, ws: Workspace, permissions: Permissions | None = None, *,
-                 durable: bool = True) -> None:
+                 durable: bool = True, backend: ContextBackend | None = None) -> None:
         self.ws = ws
         self.root = ws.context
         self.permissions = permissions or Permissions.load(ws)
         self.durable = durable
+        self.backend: ContextBackend = backend or FileContext(self.root, durable=durable)
 
-    # ------------------------------------------------------------ paths
     def path(self, key: str) -> Path:
-        """The file holding ``key`` (never outside ``context/``)."""
-        key = normalise_key(key)
-        path = self.root / f"{key}.json"
-        base = self.root.resolve()
-        resolved = path.resolve()
-        if base not in resolved.parents:
-            raise InvalidDocument(f"context key {key!r} resolves outside {self.root} (a symlink?)",
-                                  code=ErrorCode.INVALID_CONTEXT_KEY)
-        return path
-
-    def _write_path(self, key: str) -> Path:
-        """``path(key)`` for a write: also refused when a symlink inside ``context/`` would send
-        it to another key's file (``context/alias -> task`` must not let ``alias/x`` write
-        ``task/x`` past the namespace check)."""
-        path = self.path(key)
-        base = self.root.resolve()
-        resolved = path.resolve()
-        rel = resolved.relative_to(base).as_posix()
-        if rel.casefold() != f"{key}.json".casefold():
-            raise InvalidDocument(f"context key {key!r} resolves to context/{rel} through a symlink; "
-                                  "refused", code=ErrorCode.INVALID_CONTEXT_KEY)
-        return path
-
-    def _meta(self, name: str) -> Path:
-        folder = self.root / ".meta"
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder / name
+        """The file of ``key`` in this workspace's ``context/`` (a mirror's copy on a shared
+        store; never outside ``context/``)."""
+        return FileContext(self.root).path(normalise_key(key))
 
     # ------------------------------------------------------------ reading
     def get(self, key: str) -> Any:
         """The value of ``key``; KeyError if it is not set."""
-        path = self.path(key)
-        try:
-            data, _ = fsio.read_bytes_safely(path, MAX_VALUE_BYTES)
-        except FileNotFoundError:
-            raise KeyError(normalise_key(key)) from None
-        return self._decode(normalise_key(key), data)
-
-    def _rev_record(self, key: str) -> dict[str, Any] | None:
-        try:
-            data = (self.root / ".meta" / _rev_name(key)).read_bytes()
-            record = json.loads(data.decode("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            return None
-        if (isinstance(record, dict) and record.get("key") == key
-                and isinstance(record.get("revision"), int) and not isinstance(record["revision"], bool)
-                and record["revision"] >= 0 and isinstance(record.get("sha256"), str)):
-            return record
-        return None
-
-    def _read_current(self, key: str) -> tuple[bytes | None, int]:
-        """(the value's bytes or None when unset, its revision). The revision record is read
-        first: if a write lands in between, the bytes no longer match it and the result is one
-        more than the record, which is never older than the bytes (a stale pair can only cause a
-        spurious conflict, never a lost update)."""
-        record = self._rev_record(key)
-        try:
-            data, _ = fsio.read_bytes_safely(self.path(key), MAX_VALUE_BYTES)
-        except FileNotFoundError:
-            return None, 0
-        if record is None:
-            return data, 1  # written before revisions existed, or by a foreign tool
-        if hashlib.sha256(data).hexdigest() == record["sha256"]:
-            return data, max(int(record["revision"]), 1)
-        return data, int(record["revision"]) + 1  # changed behind the record's back
+        return self.get_with_revision(key)[0]
 
     def _decode(self, key: str, data: bytes) -> Any:
         try:
@@ -273,50 +219,22 @@ class ContextStore:
         """(value, revision) of ``key``, read consistently; KeyError if it is not set. Pass the
         revision to ``set(..., if_revision=)`` for a compare-and-set."""
         key = normalise_key(key)
-        data, revision = self._read_current(key)
+        data, revision = self.backend.read(key)
         if data is None:
             raise KeyError(key)
         return self._decode(key, data), revision
 
     def revision(self, key: str) -> int:
         """The revision of ``key`` (0 when it is not set)."""
-        return self._read_current(normalise_key(key))[1]
+        return self.backend.read(normalise_key(key))[1]
 
     def keys(self, prefix: str = "") -> list[str]:
         """Every key (sorted), optionally only those starting with ``prefix``."""
-        prefix = prefix.strip().removeprefix("beads:")
-        out: list[str] = []
-        if not self.root.is_dir():
-            return out
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            rel_dir = os.path.relpath(dirpath, self.root)
-            for name in filenames:
-                if name.startswith(".") or not name.endswith(".json"):
-                    continue
-                key = name[:-5] if rel_dir == "." else f"{rel_dir}/{name[:-5]}"
-                key = key.replace(os.sep, "/")
-                if key.startswith(prefix):
-                    out.append(key)
-        return sorted(out)
+        return self.backend.keys(prefix.strip().removeprefix("beads:"))
 
     def history(self, key: str | None = None) -> list[dict[str, Any]]:
         """Write records, oldest first (only those for ``key`` when given)."""
-        path = self.root / HISTORY
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            return []
-        wanted = normalise_key(key) if key is not None else None
-        out = []
-        for line in lines:
-            try:
-                item = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(item, dict) and (wanted is None or item.get("key") == wanted):
-                out.append(item)
-        return out
+        return self.backend.history(normalise_key(key) if key is not None else None)
 
     def listing(self, prefix: str = "") -> list[dict[str, Any]]:
         """``handoff context ls`` rows: key, size, sha256, last writer and time."""
@@ -326,13 +244,15 @@ class ContextStore:
         rows = []
         for key in self.keys(prefix):
             try:
-                size = self.path(key).stat().st_size
+                data, revision = self.backend.read(key)
             except (OSError, InvalidDocument):
                 continue
+            if data is None:
+                continue
             info = last.get(key, {})
-            rows.append({"key": key, "bytes": size, "namespace": self.permissions.namespace_of(key),
+            rows.append({"key": key, "bytes": len(data), "namespace": self.permissions.namespace_of(key),
                          "written_by": info.get("by"), "written_at": info.get("at"),
-                         "sha256": info.get("sha256"), "revision": self.revision(key)})
+                         "sha256": info.get("sha256"), "revision": revision})
         return rows
 
     # ------------------------------------------------------------ writing
@@ -371,58 +291,34 @@ class ContextStore:
 
     def _write(self, key: str, compute: Callable[[Any, int], Any], *, agent: str,
                handoff_id: str | None, decode: bool) -> dict[str, Any]:
-        """The one write path: permission check, then under the key's lock read the current
-        value and revision, ``compute(current, revision)`` the new value, write it and its
-        revision record, append to the history."""
+        """The one write path: the permission check, then the backend's atomic write, in which
+        ``compute(current, revision)`` gives the new value and its history record is made."""
         self.permissions.check(agent, key)
-        path = self._write_path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / ".tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        from filelock import FileLock  # imported where a lock is taken
-        with FileLock(str(self._meta(_lock_name(key))), timeout=LOCK_TIMEOUT_SECONDS):
-            old, revision = self._read_current(key)
+        written: list[Any] = []
+
+        def change(old: bytes | None, revision: int) -> tuple[bytes, dict[str, Any]]:
             current: Any = MISSING
             if decode and old is not None:
                 current = self._decode(key, old)
             value = compute(current, revision)
             data = _encode(key, value)
-            digest = hashlib.sha256(data).hexdigest()
             entry: dict[str, Any] = {"at": iso(utc_now()), "key": key, "by": agent,
-                                     "bytes": len(data), "sha256": digest, "actor": actor(),
-                                     "revision": revision + 1,
+                                     "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                                     "actor": actor(), "revision": revision + 1,
                                      "previous_sha256": hashlib.sha256(old).hexdigest() if old is not None else None}
             if handoff_id:
                 entry["handoff_id"] = handoff_id
-            record = (json.dumps({"key": key, "revision": revision + 1, "sha256": digest}) + "\n").encode()
-            # the value first, then its record: a crash in between leaves bytes that do not match
-            # the record, which reads as record + 1, the revision this write was giving them
-            fsio.replace(path, data, tmp, durable=self.durable)
-            fsio.replace(self._meta(_rev_name(key)), record, tmp, durable=self.durable)
-            self._append_history(entry)
-        if decode:
-            entry = dict(entry, value=value)
-        return entry
+            written[:] = [value]
+            return data, entry
 
-    def _append_history(self, entry: dict[str, Any]) -> None:
-        line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
-        from filelock import FileLock
-        with FileLock(str(self._meta("history.lock")), timeout=LOCK_TIMEOUT_SECONDS):
-            fd = os.open(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line)
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+        entry = self.backend.write(key, change)
+        if decode:
+            entry = dict(entry, value=written[0])
+        return entry
 
     def view(self, agent: str, handoff_id: str | None = None) -> "ContextView":
         """This store seen by one agent (what Python handlers get as ``ctx.context``)."""
         return ContextView(self, agent, handoff_id)
-
-
-def _lock_name(key: str) -> str:
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".lock"
 
 
 def _encode(key: str, value: Any) -> bytes:
@@ -435,10 +331,6 @@ def _encode(key: str, value: Any) -> bytes:
         raise InvalidDocument(f"context value for {key!r} is {len(data)} bytes, over the "
                               f"{MAX_VALUE_BYTES}-byte limit", code=ErrorCode.INVALID_CONTEXT_VALUE)
     return data
-
-
-def _rev_name(key: str) -> str:
-    return "rev-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".json"
 
 
 def _fold(name: str) -> str:
@@ -485,7 +377,3 @@ class ContextView:
     def __repr__(self) -> str:
         return f"ContextView(agent={self.agent!r}, root={str(self.store.root)!r})"
 
-
-def view_for(root: Path, agent: str, handoff_id: str | None = None) -> ContextView:
-    """A ContextView for a handler running in the workspace at ``root``."""
-    return ContextStore(Workspace(Path(root))).view(agent, handoff_id)

@@ -167,9 +167,11 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
 
 def _context(client: Client) -> Any:
     from ..features.context import ContextStore, Permissions
-    config = client.engine.config
-    return ContextStore(client.engine.ws, Permissions.from_config(config),
-                        durable=config.daemon.durable)
+    from ..features.stores import context_backend
+    engine = client.engine
+    durable = engine.config.daemon.durable
+    return ContextStore(engine.ws, Permissions.from_config(engine.config), durable=durable,
+                        backend=context_backend(engine.ws, engine.backend, durable=durable))
 
 
 def schema_names() -> list[str]:

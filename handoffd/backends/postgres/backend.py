@@ -1,6 +1,7 @@
 """The PostgreSQL backend: the :class:`Backend` interface over one database, shared by every host.
 
-Each handoff is one row of ``handoffd.handoffs``: the document as ``jsonb`` and, beside it, the
+Each handoff is one row of ``handoffd.handoffs``: the document as ``json`` (its text as written,
+so it reads back with its keys in their own order; jsonb would sort them) and, beside it, the
 columns scheduling needs (state, routing facts from ``describe``, due time, lease). Every
 transition is one transaction that also appends its ``handoffd.events`` row and sends a
 ``NOTIFY`` (delivered at commit, so a woken reader always sees the new state).
@@ -60,6 +61,8 @@ from ..base import (
     only_kinds,
 )
 from .connection import Conn, Database, Listener, Presence
+from .context import KIND as CONTEXT
+from .context import PostgresContext, PostgresViolations
 from .records import FileOrigins, SideRecords, T, encode
 from .schema import LATEST, current_version, migrate
 from .shared import PostgresEventLog, PostgresRecords
@@ -138,7 +141,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                                        handoff_id=handoff_id)
             inserted = conn.execute(
                 f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
-                " updated_at, created_at, write_id) VALUES (%(id)s, 'pending', %(doc)s::jsonb,"
+                " updated_at, created_at, write_id) VALUES (%(id)s, 'pending', %(doc)s::json,"
                 " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(due_at)s,"
                 " %(updated_at)s, %(now)s, %(write_id)s) ON CONFLICT (id) DO NOTHING RETURNING id",
                 {**columns, "id": handoff_id, "doc": text, "now": now, "write_id": write_id},
@@ -237,7 +240,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                 prepare(doc)  # raising rolls the transaction back: still pending, untouched
             columns = self._columns(doc, created_at)
             conn.execute(
-                f"UPDATE {T} SET doc = %(doc)s::jsonb, raw = false, target = %(target)s, "
+                f"UPDATE {T} SET doc = %(doc)s::json, raw = false, target = %(target)s, "
                 "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
                 "updated_at = %(updated_at)s WHERE id = %(id)s AND lease_token = %(token)s",
                 {**columns, "doc": encode(doc, strict=False), "id": handoff_id, "token": token})
@@ -248,12 +251,22 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
 
     def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
         stamp = lease_block(claim.token, now, lease_seconds)
-        renewed = self.db.run(lambda conn, _: conn.execute(
-            f"UPDATE {T} SET lease_expires_at = %s, "
-            "doc = jsonb_set(doc, '{handoffd,lease}', %s::jsonb) "
-            "WHERE id = %s AND state = 'in-progress' AND lease_token = %s",
-            (now + timedelta(seconds=lease_seconds), json.dumps(stamp), claim.id,
-             claim.token)).rowcount)
+
+        def op(conn: Conn, _retried: bool) -> bool:
+            # the stored text is rewritten whole (json keeps the document's own key order, and
+            # PostgreSQL offers no json_set): read under the row lock, change the lease, write
+            found = conn.execute(f"SELECT doc FROM {T} WHERE id = %s AND state = 'in-progress' "
+                                 "AND lease_token = %s FOR UPDATE", (claim.id, claim.token)).fetchone()
+            if found is None:
+                return False
+            doc = found[0]
+            book(doc)["lease"] = dict(stamp)
+            conn.execute(f"UPDATE {T} SET lease_expires_at = %s, doc = %s::json WHERE id = %s",
+                         (now + timedelta(seconds=lease_seconds), encode(doc, strict=False),
+                          claim.id))
+            return True
+
+        renewed = self.db.run(op)
         if renewed:
             book(claim.doc)["lease"] = dict(stamp)
         return bool(renewed)
@@ -276,7 +289,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                 return False  # requeued, finished or taken over: this claim writes nothing
             columns = self._columns(stored, created[0])
             conn.execute(
-                f"UPDATE {T} SET state = %(state)s, doc = %(doc)s::jsonb, target = %(target)s, "
+                f"UPDATE {T} SET state = %(state)s, doc = %(doc)s::json, target = %(target)s, "
                 "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
                 "due_at = %(due_at)s, updated_at = %(updated_at)s, lease_token = NULL, "
                 "lease_expires_at = NULL, last_token = %(token)s WHERE id = %(id)s",
@@ -325,7 +338,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                 book(doc)["lease"] = lease_block(token, now, lease_seconds)
                 conn.execute(
                     f"UPDATE {T} SET lease_token = %s, lease_expires_at = %s, lease_owner = %s, "
-                    "doc = %s::jsonb WHERE id = %s",
+                    "doc = %s::json WHERE id = %s",
                     (token, now + timedelta(seconds=lease_seconds), self.owner_key,
                      encode(doc, strict=False), handoff_id))
                 taken.append(Claim(handoff_id, doc, token, book_int(doc, "attempt", 1),
@@ -371,7 +384,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
             if gone is None:
                 return False
             conn.execute("INSERT INTO handoffd.quarantine (id, from_state, code, message, at, "
-                         "document) VALUES (%s, %s, %s, %s, %s, %s::jsonb)",
+                         "document) VALUES (%s, %s, %s, %s, %s, %s::json)",
                          (handoff_id, state.value, str(code), message, utc_now(),
                           json.dumps(gone[0])))
             return True
@@ -394,7 +407,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                 return True
             inserted = conn.execute(
                 f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
-                " updated_at, created_at, write_id) VALUES (%(id)s, %(state)s, %(doc)s::jsonb,"
+                " updated_at, created_at, write_id) VALUES (%(id)s, %(state)s, %(doc)s::json,"
                 " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(due_at)s,"
                 " %(updated_at)s, %(now)s, %(write_id)s) ON CONFLICT (id) DO NOTHING RETURNING id",
                 {**columns, "id": handoff_id, "state": state.value, "doc": text, "now": now,
@@ -421,7 +434,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                 return False
             columns = self._columns(doc, found[0])
             conn.execute(
-                f"UPDATE {T} SET state = 'pending', doc = %(doc)s::jsonb, target = %(target)s, "
+                f"UPDATE {T} SET state = 'pending', doc = %(doc)s::json, target = %(target)s, "
                 "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
                 "due_at = %(due_at)s, updated_at = %(updated_at)s, lease_token = NULL, "
                 "lease_expires_at = NULL, write_id = %(write_id)s, exported = false "
@@ -468,6 +481,16 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
     def event_log(self) -> PostgresEventLog:
         """The event stream every host appends to and reads (``handoffd.event_log``)."""
         return PostgresEventLog(self.db)
+
+    def shared_context(self) -> PostgresContext:
+        """The shared context every host reads and writes (``handoffd.context``); a write wakes
+        every subscriber, here and on other hosts, with kind ``context`` and the key."""
+        return PostgresContext(self.db, lambda conn, key: self._notify(conn, key, CONTEXT),
+                               lambda key: self._subscribers.fire(key, CONTEXT))
+
+    def violation_log(self) -> PostgresViolations:
+        """The contract violations log of every host (``handoffd.violations``)."""
+        return PostgresViolations(self.db)
 
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
         return wait_via_feed(self, handoff_id, timeout)

@@ -77,7 +77,7 @@ class FileBridge:
             return self._set_aside(handoff_id, problem.code, str(problem))
         try:
             fresh = self.backend.ingest(doc, handoff_id, self.clock(), self.origin)
-        except InvalidDocument as exc:  # e.g. NUL characters, which jsonb cannot hold
+        except InvalidDocument as exc:  # e.g. NUL characters, which the store refuses
             return self._set_aside(handoff_id, exc.code, f"pending/{handoff_id}.json: {exc}")
         if not fresh and self.backend.origin_of(handoff_id) != self.origin:
             return self._set_aside(

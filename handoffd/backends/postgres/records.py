@@ -25,8 +25,10 @@ MAX_PAYLOAD = 7000  # NOTIFY payloads stop at 8000 bytes: a longer id is announc
 
 
 def encode(doc: Doc, *, strict: bool) -> str:
-    """``doc`` as JSON text PostgreSQL's jsonb accepts. jsonb cannot hold NUL characters or lone
-    surrogates: ``strict`` refuses such a document (InvalidDocument), else they become U+FFFD."""
+    """``doc`` as JSON text that every PostgreSQL JSON type accepts (documents are kept as
+    ``json``, other records as ``jsonb``, which cannot hold NUL characters; no UTF-8 text holds
+    lone surrogates): ``strict`` refuses such a document (InvalidDocument), else they become
+    U+FFFD."""
     text = json.dumps(doc, ensure_ascii=False, allow_nan=False, default=str)
     clean = text.encode("utf-8", "replace").decode("utf-8").replace("\\u0000", "\\ufffd")
     if clean != text and strict:
@@ -84,7 +86,7 @@ class SideRecords(StoreBase):
         text = encode(request, strict=False)
 
         def op(conn: Conn, _retried: bool) -> None:
-            conn.execute("INSERT INTO handoffd.cancels (id, request) VALUES (%s, %s::jsonb) "
+            conn.execute("INSERT INTO handoffd.cancels (id, request) VALUES (%s, %s::json) "
                          "ON CONFLICT (id) DO UPDATE SET request = excluded.request, "
                          "created_at = now()", (handoff_id, text))
             self._notify(conn, handoff_id, "cancel")
@@ -144,7 +146,7 @@ class FileOrigins(StoreBase):
         def op(conn: Conn, _retried: bool) -> bool:
             inserted = conn.execute(
                 f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
-                " updated_at, created_at, raw, origin) VALUES (%(id)s, 'pending', %(doc)s::jsonb,"
+                " updated_at, created_at, raw, origin) VALUES (%(id)s, 'pending', %(doc)s::json,"
                 " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(now)s, %(now)s,"
                 " %(now)s, true, %(origin)s) ON CONFLICT (id) DO NOTHING RETURNING id",
                 {**columns, "id": handoff_id, "doc": text, "now": now, "origin": origin},

@@ -107,6 +107,38 @@ CREATE TABLE handoffd.records (
     PRIMARY KEY (kind, key)
 );
 """),
+    (4, "shared context (values, history) and the contract violations log", """
+-- shared context (seed 001's context/ folder): each key's value as the JSON text it was written
+-- with (what every host's context/<key>.json mirror holds, byte for byte) and its revision
+CREATE TABLE handoffd.context (
+    key        text COLLATE "C" PRIMARY KEY,
+    value      text NOT NULL,
+    revision   bigint NOT NULL CHECK (revision > 0),
+    updated_at timestamptz NOT NULL,
+    write_id   text NOT NULL     -- the last write: a retried one knows it committed
+);
+
+-- every context write (who, when, size, sha256, revision), read in seq order
+CREATE TABLE handoffd.context_history (
+    seq   bigserial PRIMARY KEY,
+    key   text COLLATE "C" NOT NULL,
+    entry json NOT NULL
+);
+CREATE INDEX context_history_key ON handoffd.context_history (key, seq);
+
+-- the contract violations log (seed 004's learning signals) of every host
+CREATE TABLE handoffd.violations (
+    seq   bigserial PRIMARY KEY,
+    entry json NOT NULL
+);
+"""),
+    (5, "documents kept as json text: they read back with their keys in their own order", """
+-- jsonb stores keys sorted (shorter first): a result file or `handoff show` would list a
+-- document's keys in another order than it was submitted with. json keeps the text as written.
+ALTER TABLE handoffd.handoffs ALTER COLUMN doc TYPE json USING doc::json;
+ALTER TABLE handoffd.cancels ALTER COLUMN request TYPE json USING request::json;
+ALTER TABLE handoffd.quarantine ALTER COLUMN document TYPE json USING document::json;
+"""),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -1,4 +1,5 @@
-"""``handoffd db import``: move a files workspace's handoffs into the PostgreSQL store.
+"""``handoffd db import``: move a files workspace's handoffs, shared context and violations log
+into the PostgreSQL store.
 
 Pending documents are ingested as the file bridge ingests new files (raw: admission validates
 them; their results come back to this workspace's completed/ or failed/) and removed from
@@ -6,14 +7,26 @@ pending/. Finished documents are copied in with their state and kept where they 
 still read them). Idempotent by id: what the database holds already is left alone, so the
 command can be run again after an interruption. In-progress documents are not moved: stop the
 files daemon (it hands them back to pending/) or let them finish, then import again.
+
+Context values (``context/<key>.json``) are copied in byte for byte as revision 1 of each key the
+database does not hold yet, by ``@import`` (an operator's move: namespace permissions are not
+asked; the local ``.history.jsonl`` stays in the folder), so the daemon's mirror finds the files
+already alike. Violations log entries are appended unless the database's log has them already.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
+from ...core.errors import InvalidDocument
 from ...core.states import State
+from ...core.timeutil import iso
 from ..files.backend import FilesBackend
+from ..files.context import FileContext
+from ..files.violations import LOG_NAME, FileViolationLog
 from .backend import PostgresBackend
 from .bridge import FileBridge
 
@@ -28,6 +41,9 @@ class ImportReport:
     set_aside: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
     in_progress: list[str] = field(default_factory=list)
+    context: int = 0  # context keys copied in
+    context_already: int = 0
+    violations: int = 0  # violations log entries copied in
 
     def line(self) -> str:
         """One summary line."""
@@ -40,6 +56,8 @@ class ImportReport:
         if self.in_progress:
             text += (f"; {len(self.in_progress)} in progress left in place (stop the files "
                      "daemon or let them finish, then import again)")
+        text += (f"; context: {self.context} keys ({self.context_already} already there); "
+                 f"violations: {self.violations} entries")
         return text
 
 
@@ -66,4 +84,48 @@ def import_workspace(backend: PostgresBackend, files: FilesBackend, bridge: File
             else:
                 report.already += 1
     report.in_progress = files.ids(State.IN_PROGRESS)
+    import_context(backend, FileContext(files.ws.context), now, report)
+    log = backend.violation_log()
+    have = {json.dumps(e, sort_keys=True) for e in log.read()}
+    for entry in FileViolationLog(files.ws.meta / LOG_NAME).read():
+        if json.dumps(entry, sort_keys=True) not in have:
+            log.append(entry)
+            report.violations += 1
     return report
+
+
+def import_context(backend: PostgresBackend, local: FileContext, now: datetime,
+                   report: ImportReport) -> None:
+    """Copy each context value the database lacks (see the module doc); a file that is not a
+    JSON value under a usable name is counted with the unreadable ones."""
+    shared = backend.shared_context()
+    for key in local.keys():
+        try:
+            data, revision = local.read(key)
+            if data is None:
+                continue
+            json.loads(data.decode("utf-8"))
+        except (InvalidDocument, OSError, UnicodeDecodeError, ValueError):
+            report.unreadable.append(f"context/{key}.json")
+            continue
+        if shared.read(key)[0] is not None:
+            report.context_already += 1
+            continue
+
+        def change(old: bytes | None, at: int, data: bytes = data, key: str = key,
+                   revision: int = revision) -> tuple[bytes, dict[str, Any]]:
+            if old is not None:  # written meanwhile: the database's value stands
+                raise _Taken()
+            return data, {"at": iso(now), "key": key, "by": "@import", "bytes": len(data),
+                          "sha256": hashlib.sha256(data).hexdigest(), "revision": at + 1,
+                          "imported_revision": revision}
+
+        try:
+            shared.write(key, change)
+            report.context += 1
+        except _Taken:
+            report.context_already += 1
+
+
+class _Taken(Exception):
+    """A key got a value in the database while it was being imported."""

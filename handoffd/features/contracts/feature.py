@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ...core.documents import Envelope, Outcome, book
 from ...core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
 from ..dependencies import Verdict
+from ..stores import violation_log
 from . import criteria as criteria_mod
 from . import patterns, violations
 from .reservations import Reservations
@@ -188,6 +189,8 @@ class Enforcer:
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
         self.reservations = Reservations(engine)
+        # the store's log (one for every host of a PostgreSQL store), else .meta/violations.jsonl
+        self.log = violation_log(engine.ws, engine.backend)
 
     # ------------------------------------------------------------ gate
     def gate(self, engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
@@ -456,11 +459,11 @@ class Enforcer:
                task_id: str | None = None, agent: str | None = None) -> None:
         """Append one learning signal; a failing log write is reported, never fatal."""
         try:
-            violations.append(self.engine.ws, {
+            violations.append(self.log, {
                 "kind": kind, "task_id": task_id or env.handoff_id, "handoff_id": env.handoff_id,
                 "agent": agent or env.target, "source": env.source, "dialect": env.dialect,
                 "attempt": attempt, "details": details})
-        except OSError as exc:
+        except Exception as exc:  # a full disk, the database away: the outcome stands
             log.error("handoff %s: cannot append to the violations log: %s", env.handoff_id, exc)
 
 

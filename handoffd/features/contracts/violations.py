@@ -1,40 +1,34 @@
 """The learning-signal log of contract violations (seed 004) and its summary.
 
-``handoffs/.meta/violations.jsonl`` gets one JSON object per line, each appended with a single
-``O_APPEND`` write (several daemons may append at once)::
+One JSON object per incident, in the store's :class:`~handoffd.core.storage.ViolationLog`
+(files: ``handoffs/.meta/violations.jsonl``, one ``O_APPEND`` line each; PostgreSQL: the table
+``handoffd.violations``, one log for every host; see :func:`handoffd.features.build.violation_log_of`)::
 
     {"time": "...Z", "kind": "scope_creep", "task_id": "bd-123.2", "handoff_id": "bd-123.2",
      "agent": "@worker", "source": "@coordinator", "attempt": 1, "details": {...}}
 
 Kinds: ``scope_creep``, ``readonly_modified``, ``criteria_failed``, ``dependency_missing``,
-``files_touched_mismatch``. One line is one incident: a kind of violation in one attempt of one
+``files_touched_mismatch``. One entry is one incident: a kind of violation in one attempt of one
 handoff (its ``details`` list the files or criteria concerned).
 """
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter, defaultdict
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
+from ...core.storage import ViolationLog
 from ...core.timeutil import iso, parse_iso, utc_now
-from ...core.workspace import Workspace
 
 KINDS = ("scope_creep", "readonly_modified", "criteria_failed", "dependency_missing",
          "files_touched_mismatch")
-LOG_NAME = "violations.jsonl"
 MAX_LINE_BYTES = 64 * 1024
 
 
-def log_path(ws: Workspace) -> Path:
-    """Where the violations log lives."""
-    return ws.meta / LOG_NAME
-
-
-def append(ws: Workspace, entry: dict[str, Any]) -> None:
-    """Append one violation with a single O_APPEND write (``time`` filled in when absent)."""
+def append(log: ViolationLog, entry: dict[str, Any]) -> None:
+    """Append one violation to ``log`` (``time`` filled in when absent; bulky details are cut
+    so that an entry stays under MAX_LINE_BYTES)."""
     entry = dict(entry)
     entry.setdefault("time", iso(utc_now()))
     line = json.dumps(entry, ensure_ascii=False, sort_keys=True)
@@ -42,30 +36,15 @@ def append(ws: Workspace, entry: dict[str, Any]) -> None:
         details = given if isinstance(given := entry.get("details"), dict) else {}
         entry["details"] = {"truncated": True, "count": details.get("count"),
                             "message": str(details.get("message", ""))[:1000]}
-        line = json.dumps(entry, ensure_ascii=False, sort_keys=True)
-    path = log_path(ws)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode("utf-8"))
-    finally:
-        os.close(fd)
+    log.append(entry)
 
 
-def read(ws: Workspace, *, since: datetime | None = None, agent: str | None = None) -> list[dict[str, Any]]:
-    """The logged violations, oldest first, filtered (unparseable lines are skipped)."""
-    try:
-        raw = log_path(ws).read_bytes()
-    except FileNotFoundError:
-        return []
+def read(log: ViolationLog, *, since: datetime | None = None,
+         agent: str | None = None) -> list[dict[str, Any]]:
+    """The logged violations, oldest first, filtered (an entry without a readable time is left
+    out when ``since`` is given)."""
     out = []
-    for line in raw.decode("utf-8", "replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(entry, dict):
-            continue
+    for entry in log.read():
         if agent is not None and entry.get("agent") != agent:
             continue
         if since is not None:

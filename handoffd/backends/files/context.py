@@ -1,0 +1,164 @@
+"""Shared context on disk (seed 001's ``context/`` folder): the files implementation of
+:class:`~handoffd.core.storage.ContextBackend`.
+
+A key's value is the plain JSON file ``context/<key>.json`` (seed 001 tools read and write it
+directly). Its revision is kept beside it in ``context/.meta/rev-<hash>.json`` as ``{"key",
+"revision", "sha256"}``: 0 while the key is unset, 1 for a value written before revisions
+existed (or by a foreign tool, with no record), +1 for every write. The record describes the bytes
+it was written with, so a value changed behind handoffd's back (its sha256 differs) counts as one
+revision more than the record. Writes are atomic (temp file + rename in the same folder) and
+serialised per key with a file lock; each appends its entry to ``context/.history.jsonl``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ...core.errors import ErrorCode, InvalidDocument
+from ...core.storage import ContextChange
+from . import fsio
+
+HISTORY = ".history.jsonl"
+LOCK_TIMEOUT_SECONDS = 30.0
+MAX_VALUE_BYTES = 4 * 1024 * 1024
+
+
+class FileContext:
+    """The ``context/`` folder at ``root`` (``durable``: fsync each write)."""
+
+    def __init__(self, root: Path, *, durable: bool = True) -> None:
+        self.root = root
+        self.durable = durable
+
+    # ------------------------------------------------------------ paths
+    def path(self, key: str) -> Path:
+        """The file holding ``key`` (a normalised key; never outside ``context/``)."""
+        path = self.root / f"{key}.json"
+        base = self.root.resolve()
+        if base not in path.resolve().parents:
+            raise InvalidDocument(f"context key {key!r} resolves outside {self.root} (a symlink?)",
+                                  code=ErrorCode.INVALID_CONTEXT_KEY)
+        return path
+
+    def write_path(self, key: str) -> Path:
+        """``path(key)`` for a write: also refused when a symlink inside ``context/`` would send
+        it to another key's file (``context/alias -> task`` must not let ``alias/x`` write
+        ``task/x`` past the namespace check)."""
+        path = self.path(key)
+        rel = path.resolve().relative_to(self.root.resolve()).as_posix()
+        if rel.casefold() != f"{key}.json".casefold():
+            raise InvalidDocument(f"context key {key!r} resolves to context/{rel} through a symlink; "
+                                  "refused", code=ErrorCode.INVALID_CONTEXT_KEY)
+        return path
+
+    def meta(self, name: str) -> Path:
+        """A bookkeeping file under ``context/.meta/`` (the folder is made)."""
+        folder = self.root / ".meta"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / name
+
+    # ------------------------------------------------------------ reading
+    def read(self, key: str) -> tuple[bytes | None, int]:
+        """(the value's bytes or None when unset, its revision). The revision record is read
+        first: if a write lands in between, the bytes no longer match it and the result is one
+        more than the record, which is never older than the bytes (a stale pair can only cause a
+        spurious conflict, never a lost update)."""
+        record = self._rev_record(key)
+        try:
+            data, _ = fsio.read_bytes_safely(self.path(key), MAX_VALUE_BYTES)
+        except FileNotFoundError:
+            return None, 0
+        if record is None:
+            return data, 1  # written before revisions existed, or by a foreign tool
+        if hashlib.sha256(data).hexdigest() == record["sha256"]:
+            return data, max(int(record["revision"]), 1)
+        return data, int(record["revision"]) + 1  # changed behind the record's back
+
+    def _rev_record(self, key: str) -> dict[str, Any] | None:
+        try:
+            data = (self.root / ".meta" / _rev_name(key)).read_bytes()
+            record = json.loads(data.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        if (isinstance(record, dict) and record.get("key") == key
+                and isinstance(record.get("revision"), int) and not isinstance(record["revision"], bool)
+                and record["revision"] >= 0 and isinstance(record.get("sha256"), str)):
+            return record
+        return None
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every ``*.json`` file's key under ``context/`` (dot files and folders are handoffd's)."""
+        out: list[str] = []
+        if not self.root.is_dir():
+            return out
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for name in filenames:
+                if name.startswith(".") or not name.endswith(".json"):
+                    continue
+                key = name[:-5] if rel_dir == "." else f"{rel_dir}/{name[:-5]}"
+                key = key.replace(os.sep, "/")
+                if key.startswith(prefix):
+                    out.append(key)
+        return sorted(out)
+
+    def history(self, key: str | None = None) -> list[dict[str, Any]]:
+        """The entries of ``context/.history.jsonl`` (unparseable lines are skipped)."""
+        try:
+            lines = (self.root / HISTORY).read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(item, dict) and (key is None or item.get("key") == key):
+                out.append(item)
+        return out
+
+    # ------------------------------------------------------------ writing
+    def write(self, key: str, change: ContextChange) -> dict[str, Any]:
+        """Under the key's lock: read, ``change``, write the value, then its revision record,
+        then append the history entry."""
+        path = self.write_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / ".tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        from filelock import FileLock  # imported where a lock is taken
+        with FileLock(str(self.meta(_lock_name(key))), timeout=LOCK_TIMEOUT_SECONDS):
+            old, revision = self.read(key)
+            data, entry = change(old, revision)
+            record = (json.dumps({"key": key, "revision": revision + 1,
+                                  "sha256": hashlib.sha256(data).hexdigest()}) + "\n").encode()
+            # the value first, then its record: a crash in between leaves bytes that do not match
+            # the record, which reads as record + 1, the revision this write was giving them
+            fsio.replace(path, data, tmp, durable=self.durable)
+            fsio.replace(self.meta(_rev_name(key)), record, tmp, durable=self.durable)
+            self._append_history(entry)
+        return entry
+
+    def _append_history(self, entry: dict[str, Any]) -> None:
+        line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
+        from filelock import FileLock
+        with FileLock(str(self.meta("history.lock")), timeout=LOCK_TIMEOUT_SECONDS):
+            fd = os.open(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _lock_name(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".lock"
+
+
+def _rev_name(key: str) -> str:
+    return "rev-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".json"
