@@ -262,7 +262,8 @@ def attach(mirror: ContextMirror, daemon: Any, every: float) -> None:
     guarded("refreshing context/ at start", mirror.sync)
     thread = threading.Thread(target=loop, name="handoffd-context-mirror", daemon=True)
     thread.start()
-    daemon.add_wakeup_hook(lambda w: wake.set() if w.kind in (CONTEXT, LOST) else None)
+    daemon.add_wakeup_hook(lambda w: wake.set() if w.kind in (CONTEXT, LOST) else None,
+                           kinds={CONTEXT})
 
     def halt() -> None:
         stop.set()
