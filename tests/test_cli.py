@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from conftest import Workspace, exe
 
@@ -243,3 +244,46 @@ def test_version_and_shell_completion() -> None:
     script = subprocess.run([exe("handoff")], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "_HANDOFF_COMPLETE": "source_bash"})
     assert "_handoff_completion" in script.stdout
+
+
+# ------------------------------------------------------------------ the quick create path
+def _full_create(ws: Workspace, *args: str) -> subprocess.CompletedProcess[str]:
+    """``handoff create ARGS`` through the full (typer) command line, never the quick path."""
+    code = "import sys; from handoffd.cli.handoff_cmd import main; sys.argv[0] = 'handoff'; main()"
+    return subprocess.run([exe("python"), "-c", code, "create", *args, "--root", str(ws.root)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_quick_create_matches_the_full_command_line(ws: Workspace) -> None:
+    """`handoff create`'s plain form skips typer (handoffd.cli.quick); it must store the same
+    document, print the same line and fail with the same line and exit code."""
+    from handoffd.cli.quick import parse
+    args = ("--to", "@flaky", "--from", "@me", "--data", '{"mode": "ok"}', "--priority", "high",
+            "--timeout-seconds", "30")
+    assert parse(["create", *args, "--id", "quick-1"]) is not None  # the quick path takes it
+    quick = ws.handoff("create", *args, "--id", "quick-1", check=True)
+    full = _full_create(ws, *args, "--id", "full-1")
+    assert (quick.stdout, full.stdout) == ("quick-1\n", "full-1\n") and full.returncode == 0
+
+    def stored(hid: str) -> dict[str, Any]:
+        doc = json.loads((ws.root / "handoffs" / "pending" / f"{hid}.json").read_text())
+        for key in ("handoff_id", "timestamp", "handoffd"):
+            doc.pop(key)
+        return doc
+    assert stored("quick-1") == stored("full-1")
+    for bad in (("--to", "@x", "--data", "{bad"), ("--to", "@x", "--priority", "urgent"),
+                ("--to", "@x", "--id", "quick-1"), ("--to", "@x", "--id", "../up")):
+        assert parse(["create", *bad]) is not None
+        q, f = ws.handoff("create", *bad), _full_create(ws, *bad)
+        assert (q.returncode, q.stderr, q.stdout) == (f.returncode, f.stderr, f.stdout), bad
+        assert q.returncode != 0 and q.stderr.count("\n") == 1
+
+
+def test_anything_else_goes_to_the_full_command_line() -> None:
+    from handoffd.cli.quick import parse
+    for argv in (["create"], ["create", "--help"], ["create", "--to"], ["ls"],
+                 ["create", "--to", "@x", "--wait"], ["create", "--to", "@x", "--to", "@y"],
+                 ["create", "--to", "@x", "--file", "d.json"], ["create", "--data", "{}"],
+                 ["create", "--to", "--data"], ["create", "--to", "@x", "--depends-on", "a"]):
+        assert parse(argv) is None, argv
+    assert parse(["create", "--to=@x", "--data={}"]) == {"to": "@x", "data": "{}"}

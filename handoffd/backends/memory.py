@@ -34,13 +34,13 @@ from .base import (
     due_of,
     lease_block,
     lease_expiry,
+    only_kinds,
     safe_describe,
     select,
     stamp_claimed,
     stamp_created,
     updated_of,
     wait_via_feed,
-    only_kinds,
 )
 
 

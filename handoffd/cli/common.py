@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterable, Optional, 
 
 import typer
 
-from ..core.errors import HandoffdError, NotFound
-from ..core.workspace import Workspace, resolve_root
+from ..core.errors import HandoffdError
+from ..core.workspace import Workspace
+from .quick import exit_code, open_workspace, quiet_stdout
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -49,7 +50,7 @@ def new_app(help_text: str) -> typer.Typer:
     return app
 
 
-def fail(program: str, message: str, code: int) -> None:
+def fail(program: str, message: str, code: int) -> None:  # (used by commands for their own checks)
     """Print one line on stderr and exit with ``code``."""
     print(f"{program}: error: {message}", file=sys.stderr)
     raise typer.Exit(code)
@@ -64,28 +65,17 @@ def guarded(program: str) -> Callable[[F], F]:
                 return func(*args, **kwargs)
             except (typer.Exit, typer.Abort, SystemExit):
                 raise
-            except HandoffdError as exc:
-                fail(program, str(exc), exc.exit_code)
-            except KeyboardInterrupt:
-                fail(program, "interrupted", 130)
             except BrokenPipeError:  # e.g. `handoff trace X --json | head`: the reader left
                 quiet_stdout()
                 raise typer.Exit(0)
-            except OSError as exc:
-                fail(program, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), 1)
+            except (HandoffdError, KeyboardInterrupt, OSError) as exc:
+                raise typer.Exit(exit_code(program, exc)) from None
             except Exception as exc:  # a bug: still one line (HANDOFFD_DEBUG=1 shows the traceback)
                 if os.environ.get("HANDOFFD_DEBUG"):
                     raise
-                fail(program, f"internal error: {type(exc).__name__}: {exc} "
-                              "(set HANDOFFD_DEBUG=1 for a traceback)", 1)
+                raise typer.Exit(exit_code(program, exc)) from None
         return wrapper  # type: ignore[return-value]
     return decorate
-
-
-def quiet_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
 
 
 def click_command(app: typer.Typer, argv: list[str]) -> Any:
@@ -133,15 +123,7 @@ def run_app(app: typer.Typer, program: str) -> None:
 
 def workspace(root: Path | None, *, create: bool = False) -> Workspace:
     """The workspace chosen by --root / $HANDOFFD_ROOT / cwd; it must exist unless ``create``."""
-    ws = Workspace(resolve_root(root))
-    if not ws.root.is_dir():  # a mistyped --root must not silently start a new workspace
-        raise NotFound(f"workspace directory {ws.root} does not exist; create it or fix --root")
-    if create:
-        ws.ensure()
-    elif not ws.exists():
-        raise HandoffdError(f"{ws.root} is not a handoffd workspace (no handoffs/ folders); pass "
-                            "--root, or run `handoffd serve` there once to create it")
-    return ws
+    return open_workspace(root, create=create)
 
 
 StoreOption = Annotated[

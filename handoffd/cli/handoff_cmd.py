@@ -15,20 +15,15 @@ from ..core.workspace import Workspace, resolve_root
 from . import observe_cmd, ops_cmd, orchestration_cmd
 
 # Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
-# body: a one-shot command pays only for itself.
+# body: a one-shot command pays only for itself. (`handoff create --to`'s plain form does not
+# even come here: see handoffd.cli.quick.)
 from .common import JsonOption, RootOption, engine, guarded, new_app, run_app, workspace
+from .quick import json_arg, submit_request
 from .render import console, handoff_table, print_json, timeline
 
 PROG = "handoff"
 app = new_app("Create and follow handoffs in a handoffd workspace.")
 EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
-
-
-def _json_arg(text: str, what: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise UsageError(f"{what} is not valid JSON: {exc}") from None
 
 
 def _timing(now: Any, at: str | None, delay: str | None,
@@ -82,7 +77,6 @@ def create(
 ) -> None:
     """Create a handoff and print its id alone on stdout."""
     from ..backends.files.fsio import parse_document, read_bytes_safely
-    from ..core.documents import new_native_request
     from ..service.waiting import wait_terminal
     eng = engine(root, create=True, features=("dependencies",))  # submit's check
     due_at, expires_at = _timing(eng.clock(), at, delay, expires_after)
@@ -109,18 +103,14 @@ def create(
             raise UsageError("give input with --data or --input, not both")
         payload: Any = None
         if data is not None:
-            payload = _json_arg(data, "--data")
+            payload = json_arg(data, "--data")
         elif input_file is not None:
             text = sys.stdin.read() if input_file == "-" else Path(input_file).read_text(encoding="utf-8")
-            payload = _json_arg(text, f"--input {input_file}")
-        prio: Any = int(priority) if priority is not None and priority.isdigit() else priority
-        doc = new_native_request(source=source, target=to, data=payload, now=eng.clock(),
-                                 handoff_id=handoff_id, timeout_seconds=timeout_seconds,
-                                 priority=prio, depends_on=depends_on)
-        if expires_at is not None:
-            doc["expires_at"] = expires_at
-        new_id = eng.submit(doc, forced="native", prechecked=True,  # e.g. --priority urgent: refused above
-                            if_absent=if_absent, due_at=due_at)
+            payload = json_arg(text, f"--input {input_file}")
+        new_id = submit_request(eng, to=to, source=source, payload=payload,
+                                handoff_id=handoff_id, timeout_seconds=timeout_seconds,
+                                priority=priority, depends_on=depends_on,
+                                expires_at=expires_at, if_absent=if_absent, due_at=due_at)
     print(new_id)
     sys.stdout.flush()
     if wait:

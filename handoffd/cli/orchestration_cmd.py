@@ -4,7 +4,6 @@ Registered on the ``handoff`` Typer app by :func:`register` (called from handoff
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -20,26 +19,20 @@ if TYPE_CHECKING:  # rich loads when something is printed for a human, not at st
 from ..core.errors import NotFound, UsageError, WaitTimeout
 from ..core.states import State
 from .common import JsonOption, RootOption, engine, guarded, workspace
+from .quick import json_arg
 from .render import STATE_STYLE, console, print_json
 
 PROG = "handoff"
 DEFAULT_AGENT = "@cli"
 
 
-def _json_arg(text: str, what: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise UsageError(f"{what} is not valid JSON: {exc}") from None
-
-
 def _data(data: str | None, input_file: str | None) -> Any:
     if (data is None) == (input_file is None):
         raise UsageError("give the value with --data JSON or --input FILE|-")
     if data is not None:
-        return _json_arg(data, "--data")
+        return json_arg(data, "--data")
     text = sys.stdin.read() if input_file == "-" else Path(str(input_file)).read_text(encoding="utf-8")
-    return _json_arg(text, f"--input {input_file}")
+    return json_arg(text, f"--input {input_file}")
 
 
 def _agent(as_agent: str | None) -> str:

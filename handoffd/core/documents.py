@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -44,9 +43,15 @@ def new_id(now: datetime) -> str:
     return f"hoff-{now.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:12]}"
 
 
+def hostname() -> str:
+    """This host's name, as ``socket.gethostname()`` gives it (both read uname; importing
+    socket is a noticeable part of a CLI start that needs nothing else from it)."""
+    return os.uname().nodename
+
+
 def actor() -> dict[str, Any]:
     """Who is acting: this host and process (recorded in history and leases)."""
-    return {"host": socket.gethostname(), "pid": os.getpid()}
+    return {"host": hostname(), "pid": os.getpid()}
 
 
 def book(doc: dict[str, Any]) -> dict[str, Any]:

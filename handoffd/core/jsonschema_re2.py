@@ -14,10 +14,10 @@ import jsonschema
 import re2
 import referencing
 import referencing.exceptions
+from jsonschema import _utils  # type: ignore[attr-defined]
 
 # private helper, absent from the types-jsonschema stubs (they cover the module's keyword functions)
 from jsonschema._legacy_keywords import lookup_recursive_ref  # type: ignore[attr-defined]
-from jsonschema import _utils  # type: ignore[attr-defined]
 from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 

@@ -8,13 +8,13 @@ features in order; ``features=()`` gives a bare engine that runs plain handoffs 
 from __future__ import annotations
 
 import importlib
-import socket
 import time
 from typing import Callable, Iterable, cast
 
 from .. import dialects
 from ..backends.files import FilesBackend
 from ..core.config import Config
+from ..core.documents import hostname
 from ..core.engine import Engine, Job
 from ..core.events import EventLog, RecordingBackend
 from ..core.specialists import Registry
@@ -44,7 +44,7 @@ def install_artifacts(engine: Engine) -> None:
     engine.before_run.append(artifacts.prepare)
     # a missing output artifact fails the handoff unless [daemon] expectations = "advisory"
     # on a store several hosts share, a file artifact names the host whose workspace holds it
-    host = socket.gethostname() if getattr(engine.backend, "shared", False) else None
+    host = hostname() if getattr(engine.backend, "shared", False) else None
     engine.after_run.append(lambda job, outcome: artifacts.collect(
         job, outcome, enforce=engine.settings.expectations == "enforce", host=host))
     engine.artifact_sink = artifacts.text_sink(engine.ws)  # seed 000: large contents by reference
@@ -97,7 +97,7 @@ DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 def origin_of(workspace: Workspace) -> str:
     """How a shared store names this workspace (host and path): the files dropped into its
     pending/ are ingested under it, and their terminal documents come back to it."""
-    return f"{socket.gethostname()}:{workspace.root}"
+    return f"{hostname()}:{workspace.root}"
 
 
 def open_backend(workspace: Workspace, config: Config, *,

@@ -17,7 +17,6 @@ import copy
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -26,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection
 
-from ...core.documents import book, book_int
+from ...core.documents import book, book_int, hostname
 from ...core.errors import (
     DocumentNotReady,
     DuplicateHandoff,
@@ -62,7 +61,6 @@ from ..base import (
     select,
     updated_of,
     wait_via_feed,
-    only_kinds,
 )
 from . import fsio, repair
 from .problems import read_error
@@ -396,7 +394,7 @@ class FilesBackend(FencedFiling, Backend):
         the clock tolerance for another host) that this process itself watched for a whole lease
         period on its monotonic clock counts, so a stepped wall clock never ends a live claim."""
         owner: Doc = given if isinstance(given := held.get("owner"), dict) else {}
-        same_host = owner.get("host") == socket.gethostname()
+        same_host = owner.get("host") == hostname()
         if same_host:
             if self.store.gave_up(held["token"]):
                 return None, "given up by this process"

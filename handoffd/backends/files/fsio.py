@@ -280,10 +280,9 @@ def _load_renameat2() -> Any:
     global _renameat2
     if _renameat2 is None:
         import ctypes
-        import ctypes.util
 
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        try:  # the process's own symbols hold libc's (find_library would run ldconfig)
+            libc = ctypes.CDLL(None, use_errno=True)
             func = libc.renameat2
             func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
             _renameat2 = func

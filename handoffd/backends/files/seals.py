@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ def load_or_create_key(meta: Path, tmp: Path) -> bytes | None:
         try:
             meta.mkdir(parents=True, exist_ok=True)
             tmp.mkdir(parents=True, exist_ok=True)
+            import secrets  # only the first process of a workspace makes the key
             staged = tmp / f"seal-{secrets.token_hex(8)}.tmp"
             fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:

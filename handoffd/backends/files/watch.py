@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...core.storage import LOST
-from . import inotify
+
+if TYPE_CHECKING:
+    from . import inotify
 
 Fire = Callable[[str, str, bool], None]
 RENAMED_OR_CLOSED = ("moved", "closed")  # watchdog event types after which a file is complete
@@ -37,6 +39,7 @@ class FolderWatch:
                     folder.mkdir(parents=True, exist_ok=True)
                 except OSError:
                     continue  # the periodic rechecks still see its changes
+            from . import inotify  # loaded by the processes that watch
             self._source = self._inotify() if inotify.available() else self._watchdog()
 
     def alive(self) -> bool:
@@ -45,15 +48,15 @@ class FolderWatch:
             source = self._source
         if source is None:
             return True
-        if isinstance(source, inotify.FolderEvents):
-            return source.alive()
+        if hasattr(source, "alive"):  # our inotify reader (a watchdog observer has is_alive)
+            return bool(source.alive())
         return bool(source.is_alive() and all(e.is_alive() for e in source.emitters))
 
     def stop(self) -> None:
         """Stop watching and wait briefly for the thread."""
         with self._lock:
             source, self._source = self._source, None
-        if isinstance(source, inotify.FolderEvents):
+        if hasattr(source, "alive"):
             source.stop()
         elif source is not None:
             source.stop()
@@ -63,7 +66,8 @@ class FolderWatch:
         if name.endswith(".json"):
             self.fire(name[:-5], kind, settled)
 
-    def _inotify(self) -> inotify.FolderEvents:
+    def _inotify(self) -> "inotify.FolderEvents":
+        from . import inotify
         events = inotify.FolderEvents(self.folders, self._on_event,
                                       lambda: self.fire("", LOST, True))
         events.start()

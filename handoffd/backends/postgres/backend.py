@@ -55,10 +55,10 @@ from ..base import (
     Where,
     describe_native,
     lease_block,
+    only_kinds,
     stamp_claimed,
     stamp_created,
     wait_via_feed,
-    only_kinds,
 )
 from .connection import Conn, Database, Listener, Presence
 from .context import KIND as CONTEXT
