@@ -140,13 +140,3 @@ def quiet_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
-
-
-def main() -> None:
-    """The ``handoff`` console script: the quick path when it serves ``argv``, else the full
-    command line (typer is imported only then)."""
-    code = try_create(sys.argv[1:])
-    if code is not None:
-        sys.exit(code)
-    from .handoff_cmd import main as full
-    full()
