@@ -145,20 +145,16 @@ class _Compiler:
         return lambda v: not isinstance(v, list) or any(check(item) for item in v)
 
     def k_minItems(self, value: Any, schema: Any) -> Check:
-        limit = self.count(value)
-        return lambda v: not isinstance(v, list) or len(v) >= limit
+        return self.length(list, value, at_least=True)
 
     def k_maxItems(self, value: Any, schema: Any) -> Check:
-        limit = self.count(value)
-        return lambda v: not isinstance(v, list) or len(v) <= limit
+        return self.length(list, value, at_least=False)
 
     def k_minLength(self, value: Any, schema: Any) -> Check:
-        limit = self.count(value)
-        return lambda v: not isinstance(v, str) or len(v) >= limit
+        return self.length(str, value, at_least=True)
 
     def k_maxLength(self, value: Any, schema: Any) -> Check:
-        limit = self.count(value)
-        return lambda v: not isinstance(v, str) or len(v) <= limit
+        return self.length(str, value, at_least=False)
 
     def k_pattern(self, value: Any, schema: Any) -> Check:
         if not isinstance(value, str):
@@ -228,10 +224,13 @@ class _Compiler:
         return [self.compile(sub) for sub in value]
 
     @staticmethod
-    def count(value: Any) -> int:
+    def length(kind: type[list[Any]] | type[str], value: Any, *, at_least: bool) -> Check:
+        """A bound on the length of ``kind`` values (other values pass)."""
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise _Unsupported("a length that is not a count")
-        return value
+        if at_least:
+            return lambda v: not isinstance(v, kind) or len(v) >= value
+        return lambda v: not isinstance(v, kind) or len(v) <= value
 
     def resolve(self, ref: str) -> Any:
         target = self.root

@@ -8,7 +8,6 @@ across rotations by its inode (:meth:`FileEventLog.tail`).
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from datetime import datetime
@@ -17,6 +16,7 @@ from typing import Any, Iterator
 
 from ...core.events import START, Event, after
 from ...core.workspace import Workspace
+from .fsio import locked
 
 NAME = "events.jsonl"
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -56,10 +56,7 @@ class FileEventLog:
             self._rotate()
 
     def _rotate(self) -> None:
-        lock = os.open(self.path.with_name(".events.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                       0o644)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(self.path.with_name(".events.lock")):
             try:
                 if self.path.stat().st_size <= self.max_bytes:
                     return  # another writer rotated it while we waited
@@ -69,8 +66,6 @@ class FileEventLog:
                 if self.rotated(n).exists():
                     os.replace(self.rotated(n), self.rotated(n + 1))
             os.replace(self.path, self.rotated(1))
-        finally:
-            os.close(lock)
 
     # ------------------------------------------------------------ reading
     def files(self) -> list[Path]:

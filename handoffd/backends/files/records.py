@@ -5,12 +5,13 @@ never see half a file. Reads are lock-free and cached by the file's inode, mtime
 from __future__ import annotations
 
 import copy
-import fcntl
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any, Callable
+
+from .fsio import locked
 
 KIND = re.compile(r"^[a-z][a-z0-9_-]{0,40}$")
 
@@ -52,9 +53,7 @@ class FileRecords:
         """Replace one record under the kind's lock."""
         path = self.path(kind)
         self.folder.mkdir(parents=True, exist_ok=True)
-        lock = os.open(self.folder / f".{kind}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(self.folder / f".{kind}.lock"):
             try:
                 current = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
@@ -72,5 +71,3 @@ class FileRecords:
             tmp.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n", encoding="utf-8")
             os.replace(tmp, path)  # readers see the old file or the new one, never half
             return new
-        finally:
-            os.close(lock)
