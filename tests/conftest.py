@@ -58,6 +58,16 @@ def alive(pid: int) -> bool:
     return stat[stat.rfind(")") + 2] not in "ZX"
 
 
+def wait_until(predicate: Any, timeout: float = 15, what: str = "condition") -> None:
+    """Poll ``predicate`` every 20 ms; fail the test if it is still false after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{what}: not met within {timeout}s")
+
+
 def reason_codes(root: Path) -> dict[str, str]:
     """Quarantined file name -> recorded code."""
     out = {}

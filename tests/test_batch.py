@@ -5,16 +5,8 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 
-from conftest import Workspace, alive, exe
-
-
-def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+from conftest import Workspace, alive, exe, wait_until
 
 
 def start_batch(ws: Workspace, *args: str) -> subprocess.Popen[str]:
@@ -43,7 +35,7 @@ def test_a_failure_is_summarised_unless_quiet(ws: Workspace) -> None:
 
 
 def running_pid(ws: Workspace, hid: str) -> int:
-    wait_for(lambda: any(r["id"] == hid for r in ws.runs()))
+    wait_until(lambda: any(r["id"] == hid for r in ws.runs()))
     return next(r["pid"] for r in ws.runs() if r["id"] == hid)
 
 
@@ -57,7 +49,7 @@ def test_sigterm_hands_back_and_leaves_no_orphan(ws: Workspace) -> None:
     assert batch.wait(timeout=30) == 0
     stderr = batch.stderr.read() if batch.stderr else ""
     assert "handed back 1" in stderr and "Traceback" not in stderr, stderr
-    wait_for(lambda: not alive(pid), timeout=10)
+    wait_until(lambda: not alive(pid), timeout=10)
     assert ws.state_of(hid) == ["pending"]
     history = [e["event"] for e in ws.doc(hid)["handoffd"]["history"]]
     assert history[-1] == "handed_back", history
@@ -71,7 +63,7 @@ def test_max_seconds_ends_the_batch_on_time(ws: Workspace) -> None:
     assert batch.wait(timeout=30) == 0
     stderr = batch.stderr.read() if batch.stderr else ""
     assert "--max-seconds reached" in stderr and "handed back 1" in stderr, stderr
-    wait_for(lambda: not alive(pid), timeout=10)
+    wait_until(lambda: not alive(pid), timeout=10)
     assert ws.state_of(slow) == ["pending"] and ws.state_of(quick) == ["completed"]
     assert ws.handoffd("run", "--max-seconds", "x").returncode == 2
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import struct
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import exe
+from conftest import exe, wait_until
 
 from handoffd import (
     Daemon,
@@ -66,15 +65,6 @@ class Serving:
         self.daemon.stop()
         self.thread.join(timeout=30)
         assert not self.thread.is_alive()
-
-
-def wait_for(predicate: Any, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 def test_decorator_registers_a_specialist(tmp_path: Path) -> None:
@@ -144,14 +134,14 @@ def test_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None:
                 return None
             return lease.get("expires_at") if isinstance(lease, dict) else None
 
-        wait_for(lambda: expiry() is not None)
+        wait_until(lambda: expiry() is not None)
         first = expiry()
-        wait_for(lambda: expiry() not in (None, first))
+        wait_until(lambda: expiry() not in (None, first))
         later = expiry()
         assert first is not None and later is not None
         assert parse_iso(later) > parse_iso(first)
         gate.set()
-        wait_for(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
+        wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
 
 
 def test_scheduled_retry_survives_a_restart(tmp_path: Path) -> None:
@@ -211,16 +201,16 @@ def test_dead_watch_is_restarted_by_the_sweep_and_overflow_triggers_rescan(tmp_p
         events = watch._source
         events._thread = None  # the reader thread is gone as if it had died
         hid = submit(engine)  # still served: create's own hint and the rescans
-        wait_for(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
+        wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
         # the daemon's next sweep (backend.maintain) restarts it and asks for a rescan
-        wait_for(lambda: watch.alive() and watch._source is not events)
-        wait_for(lambda: any(w.kind == LOST for w in heard))
+        wait_until(lambda: watch.alive() and watch._source is not events)
+        wait_until(lambda: any(w.kind == LOST for w in heard))
         # a foreign producer's file, seen through the restarted watch
         doc = new_native_request(source="@x", target="@t", data=None, now=engine.clock(),
                                  handoff_id="foreign-1")
         (engine.ws.state_dir(State.PENDING) / "foreign-1.json").write_text(json.dumps(doc))
-        wait_for(lambda: any(w.handoff_id == "foreign-1" and w.kind == "pending" for w in heard))
-        wait_for(lambda: engine.backend.store.locate("foreign-1") == [State.COMPLETED])
+        wait_until(lambda: any(w.handoff_id == "foreign-1" and w.kind == "pending" for w in heard))
+        wait_until(lambda: engine.backend.store.locate("foreign-1") == [State.COMPLETED])
         heard.clear()
         watch._source._dispatch(struct.pack("iIII", -1, inotify.IN_Q_OVERFLOW, 0, 0))
         assert [w.kind for w in heard] == [LOST]  # the kernel dropped events: look at everything
@@ -241,7 +231,7 @@ def test_disk_full_while_filing_is_retried_not_lost(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(fsio, "create_exclusive", flaky_create)
     hid = submit(engine, retry_policy={"max_retries": 3, "retry_delay_seconds": 0.1})
     with Serving(engine):
-        wait_for(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], timeout=20)
+        wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], timeout=20)
     doc = engine.backend.store.read(State.COMPLETED, hid)
     assert failures[0] == 1 and "recovered" in [e["event"] for e in book(doc)["history"]]
 
@@ -269,3 +259,36 @@ def test_priority_orders_due_handoffs(tmp_path: Path) -> None:
     assert Daemon(engine).run_batch().completed == 7
     ranks = [name.split("-")[0] for name in order]  # equal priorities: no order promised
     assert ranks == ["critical", "high", "high", "normal", "low", "low", "backlog"]
+
+
+def test_an_answer_waits_out_the_parking_moves_second_step(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parking writes the pending copy a moment before it removes the in-progress one; an
+    answer arriving in between (the requester saw the question at once) tries again rather
+    than telling the requester the handoff moved."""
+    from handoffd.backends.files import store as store_module
+    from handoffd.core.states import State
+    from handoffd.features import orchestration
+
+    engine = engine_with(tmp_path, lambda doc, ctx: {"ok": True})
+    hid = submit(engine, {"q": 1})
+    claimed = engine.claim(hid)
+    assert claimed is not None
+    claim, dialect = claimed
+    book(claim.doc)["awaiting"] = {"kind": "needs_clarification", "questions": ["which?"]}
+    late: list[threading.Thread] = []
+    real_unlink = store_module.fsio.unlink
+
+    def unlink_later(path: Path, durable: bool = True) -> None:
+        late.append(threading.Timer(0.3, real_unlink, (path,), {"durable": durable}))
+        late[-1].start()
+
+    monkeypatch.setattr(store_module.fsio, "unlink", unlink_later)
+    assert engine.requeue(claim, dialect, "needs_clarification") is State.PENDING
+    monkeypatch.setattr(store_module.fsio, "unlink", real_unlink)
+    assert engine.backend.store.locate(hid) == [State.PENDING, State.IN_PROGRESS]
+    orchestration.answer(engine, hid, "rust")  # raced the unlink: tried again, then answered
+    late[0].join()
+    state, doc = engine.get(hid)
+    assert state is State.PENDING and "awaiting" not in book(doc)
+    assert doc["input"]["clarifications"][0]["answer"] == "rust"

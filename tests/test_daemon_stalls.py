@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Workspace, exe
-from test_daemon_inprocess import Serving, engine_with, submit, wait_for
+from conftest import Workspace, wait_until
+from test_daemon_inprocess import Serving, engine_with, submit
 
 from handoffd import Daemon, State
 from handoffd.backends.files import fsio
@@ -55,7 +55,7 @@ def test_burst_with_more_workers_than_concurrency_completes(tmp_path: Path, repe
             submit(engine)
         wait_all_done(engine, 300)
         # and the bookkeeping drained with it
-        wait_for(lambda: not daemon.parked_ids and not daemon.released and daemon.running == 0)
+        wait_until(lambda: not daemon.parked_ids and not daemon.released and daemon.running == 0)
     assert daemon.report.completed == 300 and daemon.report.stalls == 0
 
 
@@ -76,7 +76,7 @@ def test_duplicate_notifications_and_handoffs_removed_while_parked(tmp_path: Pat
     with Serving(engine) as daemon:
         ids = [submit(engine) for _ in range(40)]
         # two run, the rest are parked
-        wait_for(lambda: len(daemon.parked_ids) == 38)
+        wait_until(lambda: len(daemon.parked_ids) == 38)
         for _ in range(3):  # duplicate hints for every id, parked or running
             for hid in ids:
                 daemon.notify(hid)
@@ -88,13 +88,13 @@ def test_duplicate_notifications_and_handoffs_removed_while_parked(tmp_path: Pat
             os.rename(engine.backend.store.path(State.PENDING, hid), engine.backend.store.path(State.FAILED, hid))
         gate.set()
         wait_all_done(engine, 30)
-        wait_for(lambda: daemon.running == 0 and not daemon.parked_ids and not daemon.released)
+        wait_until(lambda: daemon.running == 0 and not daemon.parked_ids and not daemon.released)
         assert completed(engine) == 30 and not engine.backend.store.ids(State.PENDING)
         # the agent still gets its full concurrency afterwards
         more = [submit(engine) for _ in range(10)]
         wait_all_done(engine, 40)
         # filed = the completed copy written *and* the in-progress one removed (a moment later)
-        wait_for(lambda: all(engine.backend.store.locate(h) == [State.COMPLETED] for h in more))
+        wait_until(lambda: all(engine.backend.store.locate(h) == [State.COMPLETED] for h in more))
 
 
 def test_release_of_a_gone_id_frees_its_slot(tmp_path: Path) -> None:
@@ -146,7 +146,7 @@ def test_watchdog_recovers_from_corrupted_bookkeeping(tmp_path: Path, caplog: py
     caplog.set_level(logging.ERROR, logger="handoffd")
     with serving as daemon:
         first = submit(engine)
-        wait_for(lambda: engine.backend.store.locate(first) == [State.COMPLETED])
+        wait_until(lambda: engine.backend.store.locate(first) == [State.COMPLETED])
         with daemon.cv:  # corrupt it on purpose: phantom busy slots, a release that never comes
             daemon.busy["@t"] = 99
             daemon.running = daemon.workers - 1
@@ -155,7 +155,7 @@ def test_watchdog_recovers_from_corrupted_bookkeeping(tmp_path: Path, caplog: py
         ids = [submit(engine) for _ in range(10)]
         wait_all_done(engine, 11, timeout=30)
         # filed = the completed copy written, then the in-progress one removed: wait for both
-        wait_for(lambda: all(engine.backend.store.locate(h) == [State.COMPLETED] for h in ids))
+        wait_until(lambda: all(engine.backend.store.locate(h) == [State.COMPLETED] for h in ids))
         assert daemon.report.stalls >= 1
     assert any("scheduler stalled" in r.getMessage() and r.levelno == logging.ERROR
                for r in caplog.records)
@@ -387,9 +387,9 @@ def test_reader_crash_and_scheduler_error_are_isolated(tmp_path: Path, monkeypat
     rows = {r["id"]: r for r in queries.list_handoffs(engine)}
     assert rows[crashing]["note"].startswith("UNPROCESSABLE_DOCUMENT")
     with Serving(engine) as daemon:
-        wait_for(lambda: all(engine.backend.store.locate(g) == [State.COMPLETED] for g in good))
-        wait_for(lambda: [q["code"] for q in engine.backend.store.quarantined()] == ["UNPROCESSABLE_DOCUMENT"])
+        wait_until(lambda: all(engine.backend.store.locate(g) == [State.COMPLETED] for g in good))
+        wait_until(lambda: [q["code"] for q in engine.backend.store.quarantined()] == ["UNPROCESSABLE_DOCUMENT"])
         assert engine.backend.store.locate(gated) == [State.PENDING]
         engine.gates.remove(bad_gate)  # the bug is fixed: the delayed one runs
-        wait_for(lambda: engine.backend.store.locate(gated) == [State.COMPLETED])
+        wait_until(lambda: engine.backend.store.locate(gated) == [State.COMPLETED])
         assert daemon.report.error is None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FLAKY_TOML, Workspace, exe
+from conftest import FLAKY_TOML, Workspace, exe, wait_until
 
 from handoffd.core.config import Config, StoreSettings, load_config
 from handoffd.core.documents import new_native_request, record
@@ -49,6 +49,15 @@ def sql(url: str, statement: str, *params: Any) -> list[tuple[Any, ...]]:
     with psycopg.connect(url, autocommit=True) as conn:
         cur = conn.execute(statement, params or None)  # type: ignore[arg-type]
         return cur.fetchall() if cur.description else []
+
+
+def key_held(url: str, key: int) -> bool:
+    """Whether a session of this test's database holds the presence key ``key``."""
+    rows = sql(url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND objsubid = 1 AND database = (SELECT oid FROM pg_database WHERE "
+                    "datname = current_database()) AND ((classid::bigint << 32) | "
+                    "objid::bigint) = %s", key)
+    return bool(rows[0][0])
 
 
 # ---------------------------------------------------------------- choosing the store (no server)
@@ -159,7 +168,6 @@ def test_a_dead_owners_claim_is_taken_over_before_its_lease_expires(pg_url: str)
     clock = [0.0]
     owner, stale_owner = backend(pg_url), backend(pg_url)
     sweeper = backend(pg_url, owner_grace_seconds=10.0, monotonic=lambda: clock[0])
-    presence_holders = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")
     try:
         for hid in ("live", "dead"):
             owner.create(request(hid), hid, T0)
@@ -167,14 +175,17 @@ def test_a_dead_owners_claim_is_taken_over_before_its_lease_expires(pg_url: str)
         dead = stale_owner.claim("dead", at(1), 600)
         assert live is not None and dead is not None
         assert sweeper.expired_claims(at(2), 600) == []  # both owners hold their keys
-        # the live owner's presence session is cut: it takes its key again by itself
-        sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
-                    "query LIKE '%pg_advisory_lock%' AND pid <> pg_backend_pid()")
+        # the live owner's presence session is cut (the call waits until the sessions have
+        # ended): it takes its key again by itself
+        sql(pg_url, "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE "
+                    "query LIKE '%pg_advisory_lock%' AND pid <> pg_backend_pid() "
+                    "AND datname = current_database()")
         stale_owner.close()  # as kill -9 would: its session (and presence lock) ends
+        # the server ends a closed session a moment later; other tests' keys (the cluster is
+        # shared) are not counted
+        wait_until(lambda: not key_held(pg_url, stale_owner.owner_key))
         assert sweeper.expired_claims(at(3), 600) == []  # first seen gone (clock 0)
-        deadline = time.monotonic() + 10
-        while sql(pg_url, presence_holders)[0][0] < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the owner and the sweeper hold theirs again
+        wait_until(lambda: key_held(pg_url, owner.owner_key))  # the owner holds its key again
         clock[0] = 5.0
         assert sweeper.expired_claims(at(4), 600) == []  # gone for 5 s only
         clock[0] = 11.0

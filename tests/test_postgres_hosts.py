@@ -26,9 +26,9 @@ from handoffd.core.workspace import Workspace as HandoffdWorkspace
 HANDOFFS = int(os.environ.get("HANDOFFD_HOSTS_HANDOFFS", "180"))
 WORKERS = 4
 TOML = FLAKY_TOML.replace("lease_seconds = 30.0", "lease_seconds = 2.0").replace(
-    "max_retries = 2", "max_retries = 20") + f"""
+    "max_retries = 2", "max_retries = 20") + """
 [store]
-url = "{{url}}"
+url = "{url}"
 """
 
 

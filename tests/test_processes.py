@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Workspace, alive
+from conftest import Workspace, alive, wait_until
 
 from handoffd import Daemon, Registry, State, build_engine, new_native_request
 from handoffd import Workspace as HandoffdWorkspace
@@ -109,15 +109,6 @@ command = ["{sys.executable}", "{spec}"]
 timeout_seconds = 1
 retry = {{ max_retries = 0 }}
 """
-
-
-def wait_until(predicate: Any, timeout: float = 15, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what}: not met within {timeout}s")
 
 
 class Procs:

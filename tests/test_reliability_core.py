@@ -7,11 +7,9 @@ import errno
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,6 @@ from test_core import FakeClock, make_engine, run_job, submit
 
 from handoffd.backends.files import fsio
 from handoffd.core.documents import book, new_native_request
-from handoffd.core.errors import InvalidDocument
 from handoffd.core.states import State
 from handoffd.core.workspace import network_filesystem
 from handoffd.backends.files.backend import CLOCK_TOLERANCE_SECONDS

@@ -48,6 +48,7 @@ import functools
 import hashlib
 import json
 import logging
+import time
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -551,15 +552,13 @@ def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdi
 
 
 # ---------------------------------------------------------------- answering
+# a handoff just parked is written to pending/ a moment before its in-progress copy goes: an
+# answer racing that moment (or a daemon's look at it) tries again for this long
+ANSWER_PATIENCE_SECONDS = 2.0
+
+
 def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") -> dict[str, Any]:
     """Attach an answer to a handoff waiting on its requester and release it to pending/."""
-    state, doc = engine.get(handoff_id)
-    awaiting = book(doc).get("awaiting")
-    if state is not State.PENDING or not isinstance(awaiting, dict):
-        raise InvalidTransition(f"handoff {handoff_id} is {state.value} and not waiting for an "
-                                "answer (only handoffs that asked for clarification or were "
-                                "blocked can be answered)", handoff_id=handoff_id)
-    now = engine.clock()
     box: list[Any] = []
 
     def on_claim(claimed: dict[str, Any]) -> None:
@@ -569,14 +568,25 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
             dialect = engine.formats.by_name("native")
         box.append(dialect)
 
-    try:
-        claim = engine.backend.claim(handoff_id, now, engine.settings.lease_seconds,
-                                     prepare=on_claim)
-    except (DuplicateHandoff, DocumentNotReady, UnreadableDocument):
-        claim = None
-    if claim is None:
-        raise InvalidTransition(f"handoff {handoff_id} moved while answering; look at it with "
-                                "`handoff show` and try again", handoff_id=handoff_id)
+    give_up_at = time.monotonic() + ANSWER_PATIENCE_SECONDS
+    while True:
+        state, doc = engine.get(handoff_id)
+        if state is not State.PENDING or not isinstance(book(doc).get("awaiting"), dict):
+            raise InvalidTransition(f"handoff {handoff_id} is {state.value} and not waiting for "
+                                    "an answer (only handoffs that asked for clarification or "
+                                    "were blocked can be answered)", handoff_id=handoff_id)
+        now = engine.clock()
+        try:
+            claim = engine.backend.claim(handoff_id, now, engine.settings.lease_seconds,
+                                         prepare=on_claim)
+        except (DuplicateHandoff, DocumentNotReady, UnreadableDocument):
+            claim = None
+        if claim is not None:
+            break
+        if time.monotonic() >= give_up_at:
+            raise InvalidTransition(f"handoff {handoff_id} moved while answering; look at it "
+                                    "with `handoff show` and try again", handoff_id=handoff_id)
+        time.sleep(0.02)
     doc = claim.doc
     block = book(doc)
     history = block.get("history")

@@ -1,7 +1,6 @@
 """Writes the poison corpus (tests/poison/NAME.doc + NAME.expect.json). Re-run after editing:
 ``python tests/poison/make_corpus.py``. New entries found by fuzzing may also be added by hand."""
 import json
-import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-from conftest import FLAKY_TOML, Workspace, exe, reason_codes
+from conftest import FLAKY_TOML, Workspace, reason_codes
 
 CORPUS = Path(__file__).resolve().parent
 CONTROL = "poison-control"
