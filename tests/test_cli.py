@@ -246,11 +246,11 @@ def test_version_and_shell_completion() -> None:
     assert "_handoff_completion" in script.stdout
 
 
-# ------------------------------------------------------------------ the quick create path
-def _full_create(ws: Workspace, *args: str) -> subprocess.CompletedProcess[str]:
-    """``handoff create ARGS`` through the full (typer) command line, never the quick path."""
+# ------------------------------------------------------------------ the quick path
+def _full(ws: Workspace, *args: str) -> subprocess.CompletedProcess[str]:
+    """``handoff ARGS`` through the full (typer) command line, never the quick path."""
     code = "import sys; from handoffd.cli.handoff_cmd import main; sys.argv[0] = 'handoff'; main()"
-    return subprocess.run([exe("python"), "-c", code, "create", *args, "--root", str(ws.root)],
+    return subprocess.run([exe("python"), "-c", code, *args, "--root", str(ws.root)],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -262,7 +262,7 @@ def test_quick_create_matches_the_full_command_line(ws: Workspace) -> None:
             "--timeout-seconds", "30")
     assert parse(["create", *args, "--id", "quick-1"]) is not None  # the quick path takes it
     quick = ws.handoff("create", *args, "--id", "quick-1", check=True)
-    full = _full_create(ws, *args, "--id", "full-1")
+    full = _full(ws, "create", *args, "--id", "full-1")
     assert (quick.stdout, full.stdout) == ("quick-1\n", "full-1\n") and full.returncode == 0
 
     def stored(hid: str) -> dict[str, Any]:
@@ -274,16 +274,75 @@ def test_quick_create_matches_the_full_command_line(ws: Workspace) -> None:
     for bad in (("--to", "@x", "--data", "{bad"), ("--to", "@x", "--priority", "urgent"),
                 ("--to", "@x", "--id", "quick-1"), ("--to", "@x", "--id", "../up")):
         assert parse(["create", *bad]) is not None
-        q, f = ws.handoff("create", *bad), _full_create(ws, *bad)
+        q, f = ws.handoff("create", *bad), _full(ws, "create", *bad)
         assert (q.returncode, q.stderr, q.stdout) == (f.returncode, f.stderr, f.stdout), bad
         assert q.returncode != 0 and q.stderr.count("\n") == 1
 
 
+def test_quick_show_ls_and_wait_match_the_full_command_line(ws: Workspace) -> None:
+    """`show`, `ls` and `wait` in their plain forms skip typer and, piped, rich: every output,
+    error line and exit code is the full command line's."""
+    from handoffd.cli.quick import parse
+    done = ws.handoff("create", "--to", "@flaky", "--data", '{"mode": "ok"}', "--id", "q-done",
+                      check=True)
+    assert done.returncode == 0
+    ws.handoff("create", "--to", "@nobody", "--data", '{"note": "line one\\nline two"}',
+               "--id", "q-waits", check=True)
+    ws.handoff("create", "--to", "@flaky", "--data", '{"mode": "fail"}', "--id", "q-failed",
+               check=True)
+    assert ws.handoffd("run").returncode in (0, 1)  # one failed on purpose
+    commands = [("show", "q-done"), ("show", "q-done", "--json"), ("show", "q-failed"),
+                ("show", "q-waits"), ("show", "nope"), ("show", "../x"),
+                ("ls",), ("ls", "--json"), ("ls", "--state", "pending"), ("ls", "--to", "@flaky"),
+                ("ls", "--limit", "1", "--from", "@cli"), ("ls", "--state", "bogus"),
+                ("ls", "--conversation", "none"), ("wait", "q-done"), ("wait", "q-failed"),
+                ("wait", "q-done", "--json"), ("wait", "q-waits", "--timeout", "0.2"),
+                ("wait", "nope", "--timeout", "0")]
+    for argv in commands:
+        assert parse(list(argv)) is not None, argv  # the quick path takes it
+        q, f = ws.handoff(*argv), _full(ws, *argv)
+        assert (q.returncode, q.stdout, q.stderr) == (f.returncode, f.stdout, f.stderr), argv
+    listing = ws.handoff("ls").stdout.splitlines()
+    assert len(listing) == 4 and listing[0].split() == ["ID", "PARENT", "STATE", "FROM", "TO",
+                                                        "ATTEMPT", "UPDATED", "NOTE"]
+
+
+def test_piped_tables_are_what_rich_prints_without_folding() -> None:
+    """The plain renderer gives rich's piped lines for tables that fit (so output did not change
+    when rich left the piped path), and one line per row for those that do not."""
+    import io
+
+    from rich.console import Console
+
+    from handoffd.cli.render import plain_table, rich_table
+    rows: list[list[Any]] = [["hoff-1", ("pending", "yellow"), "@a", ""],
+                             ["hoff-22", ("failed", "red"), "@bb", "HANDLER_ERROR: boom [x]"],
+                             ["h3", ("completed", "green"), "@été", "中文 wide"]]
+    for title in (None, "history"):
+        buffer = io.StringIO()
+        Console(file=buffer, soft_wrap=False, highlight=False, width=200).print(
+            rich_table(["ID", "STATE", "TO", "NOTE"], rows, title))
+        assert plain_table(["ID", "STATE", "TO", "NOTE"], rows, title) == \
+            buffer.getvalue().splitlines()
+    long = plain_table(["ID", "NOTE"], [["h", "x" * 500 + "\nsecond line"]])
+    assert len(long) == 2 and long[1].endswith("x\\nsecond line")
+
+
 def test_anything_else_goes_to_the_full_command_line() -> None:
     from handoffd.cli.quick import parse
-    for argv in (["create"], ["create", "--help"], ["create", "--to"], ["ls"],
+    for argv in (["create"], ["create", "--help"], ["create", "--to"], ["create", "--to="],
                  ["create", "--to", "@x", "--wait"], ["create", "--to", "@x", "--to", "@y"],
                  ["create", "--to", "@x", "--file", "d.json"], ["create", "--data", "{}"],
-                 ["create", "--to", "--data"], ["create", "--to", "@x", "--depends-on", "a"]):
+                 ["create", "--to", "--data"], ["create", "--to", "@x", "--depends-on", "a"],
+                 ["show"], ["show", "a", "b"], ["show", "--help"], ["ls", "--watch"],
+                 ["ls", "x"], ["wait", "a", "--json", "--json"], ["wait", "a", "-h"],
+                 ["retry", "a"], ["cancel", "a"], []):
         assert parse(argv) is None, argv
-    assert parse(["create", "--to=@x", "--data={}"]) == {"to": "@x", "data": "{}"}
+    assert parse(["create", "--to=@x", "--data={}"]) == ("create", [], {"to": "@x", "data": "{}"})
+    assert parse(["show", "a", "--json"]) == ("show", ["a"], {"as_json": True})
+    assert parse(["ls", "--limit=5", "--state", "failed"]) == \
+        ("ls", [], {"limit": "5", "state": "failed"})
+    from handoffd.cli.quick import try_quick
+    for argv in (["ls", "--limit", "x"], ["ls", "--limit", "2.5"], ["wait", "a", "--timeout", "nan"],
+                 ["create", "--to", "@x", "--timeout-seconds", "soon"]):
+        assert try_quick(argv) is None, argv  # values that do not convert: the full parser words it

@@ -6,16 +6,14 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterable, Optional, TypeVar
+from typing import Annotated, Any, Callable, Optional, TypeVar
 
 import typer
 
 from ..core.errors import HandoffdError
 from ..core.workspace import Workspace
-from .quick import exit_code, open_workspace, quiet_stdout
-
-if TYPE_CHECKING:
-    from ..core.engine import Engine
+from .basics import engine as engine  # the commands' one way to an Engine
+from .basics import exit_code, open_workspace, quiet_stdout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -132,16 +130,3 @@ StoreOption = Annotated[
                  "$HANDOFFD_STORE, else [store] url, else the workspace's files).",
                  show_default=False),
 ]
-
-
-def engine(root: Path | None, *, create: bool = False,
-           features: Iterable[str] | None = None, store: str | None = None) -> Engine:
-    """An Engine over the chosen workspace with ``features`` installed (by name; None: every
-    feature). A command that only reads, or only creates, names what it needs: importing and
-    installing every feature is a daemon's start-up cost, not a one-shot command's."""
-    from ..features.build import (  # loaded by commands that use it
-        DEFAULT_FEATURES,
-        build_engine,
-    )
-    return build_engine(workspace(root, create=create), store=store,
-                        features=DEFAULT_FEATURES if features is None else features)

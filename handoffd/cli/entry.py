@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from .quick import try_create
+from .quick import try_quick
 
 
 def handoff() -> None:
     """Entry point of ``handoff``."""
-    code = try_create(sys.argv[1:])
+    code = try_quick(sys.argv[1:])
     if code is not None:
         sys.exit(code)
     from .handoff_cmd import main

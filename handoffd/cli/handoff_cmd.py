@@ -1,7 +1,6 @@
 """``handoff``: create, list, inspect, wait on, retry, cancel and validate handoffs."""
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -12,18 +11,18 @@ import typer
 from ..core.errors import InvalidDocument, NotFound, UsageError
 from ..core.states import State
 from ..core.workspace import Workspace, resolve_root
-from . import observe_cmd, ops_cmd, orchestration_cmd
+from . import observe_cmd, ops_cmd, orchestration_cmd, reads
 
 # Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
 # body: a one-shot command pays only for itself. (`handoff create --to`'s plain form does not
 # even come here: see handoffd.cli.quick.)
 from .common import JsonOption, RootOption, engine, guarded, new_app, run_app, workspace
-from .quick import json_arg, submit_request
-from .render import console, handoff_table, print_json, timeline
+from .basics import json_arg
+from .quick import submit_request
+from .render import console, print_json
 
 PROG = "handoff"
 app = new_app("Create and follow handoffs in a handoffd workspace.")
-EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
 
 
 def _timing(now: Any, at: str | None, delay: str | None,
@@ -49,10 +48,6 @@ def _timing(now: Any, at: str | None, delay: str | None,
     except ConfigError as exc:
         raise UsageError(f"{'--delay' if delay else '--expires-after'}: {exc}") from None
     return due_at, expires
-
-
-def _exit_for(state: State) -> int:
-    return 0 if state is State.COMPLETED else 1
 
 
 @app.command()
@@ -118,9 +113,9 @@ def create(
         state, filed = wait_terminal(eng.backend, new_id, wait_timeout, or_awaiting=True)
         awaiting = awaiting_answer(state, filed)
         if awaiting is not None:  # stdout keeps the id alone
-            print(_asked_line(new_id, awaiting), file=sys.stderr)
-            raise typer.Exit(EXIT_AWAITING_ANSWER)
-        raise typer.Exit(_exit_for(state))
+            print(reads.asked_line(new_id, awaiting), file=sys.stderr)
+            raise typer.Exit(reads.EXIT_AWAITING_ANSWER)
+        raise typer.Exit(reads.exit_for(state))
 
 
 @app.command("ls")
@@ -136,20 +131,14 @@ def list_command(
     root: RootOption = None,
 ) -> None:
     """List handoffs, newest first (--watch: then follow them live)."""
-    from ..service.queries import list_handoffs
     eng = engine(root)  # every feature: their gates say why a pending handoff waits
-    valid = [s.value for s in State] + ["quarantined"]
-    if state is not None and state not in valid:
-        raise UsageError(f"--state must be one of {', '.join(valid)}")
+    reads.check_state(state)
     if watch and as_json:  # a stream of JSON lines, one per event (no table first)
         observe_cmd.watch(eng, state=state, to=to, as_json=True)
         return
-    rows = list_handoffs(eng, state=state, to=to, source=source, limit=limit,
-                         conversation=conversation)
-    if as_json:
-        print_json(rows)
-    else:
-        console().print(handoff_table(rows))
+    rows = reads.list_rows(eng, state=state, to=to, source=source, limit=limit,
+                           conversation=conversation)
+    reads.print_rows(rows, as_json=as_json)
     if watch:
         observe_cmd.watch(eng, state=state, to=to, as_json=False)
 
@@ -162,40 +151,7 @@ def show(
     root: RootOption = None,
 ) -> None:
     """Show a handoff's document and its history."""
-    from ..backends.files import FilesBackend
-    from ..core.documents import book
-    eng = engine(root)  # every feature: their gates say why a pending handoff waits
-    try:
-        state, doc = eng.get(handoff_id)
-    except NotFound:
-        from ..features.retention import find_archived
-        entry = find_archived(eng.ws, handoff_id)
-        if entry is None:
-            raise
-        if as_json:
-            print_json({"id": handoff_id, "state": entry.get("state"), "archived": True,
-                        "archived_at": entry.get("archived_at"), "document": entry.get("document")})
-            return
-        out = console()
-        kept = entry.get("document")
-        doc = kept if isinstance(kept, dict) else {}
-        out.print(f"[bold]{handoff_id}[/bold]  state: [bold]{entry.get('state')}[/bold]  "
-                  f"archived at {entry.get('archived_at')}")
-        out.print(timeline(book(doc).get("history", [])))
-        out.print_json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
-        return
-    if as_json:
-        print_json({"id": handoff_id, "state": state.value, "document": doc,
-                    "family": orchestration_cmd.family(eng, handoff_id, doc)})
-        return
-    out = console()
-    store = getattr(eng.backend, "inner", eng.backend)  # under the event log's recorder
-    out.print(f"[bold]{handoff_id}[/bold]  state: [bold]{state.value}[/bold]  "
-              + (f"file: {store.store.path(state, handoff_id)}"
-                 if isinstance(store, FilesBackend) else ""))
-    orchestration_cmd.print_family(out, eng, handoff_id, doc)  # parent, children, waiting
-    out.print(timeline(book(doc).get("history", [])))
-    out.print_json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
+    reads.show(root, handoff_id, as_json=as_json)
 
 
 @app.command()
@@ -208,47 +164,7 @@ def wait(
 ) -> None:
     """Block until the handoff is completed (exit 0) or failed (exit 1), or waits for an answer
     to its questions or blockers (exit 4: `handoff answer` resumes it)."""
-    from ..service.waiting import wait_terminal
-    eng = engine(root, features=())
-    state, doc = wait_terminal(eng.backend, handoff_id, timeout, or_awaiting=True)
-    raise typer.Exit(_report_wait(handoff_id, state, doc, as_json=as_json))
-
-
-def _report_wait(handoff_id: str, state: State, doc: dict[str, Any], *, as_json: bool) -> int:
-    """Print what a wait ended on; return its exit code."""
-    from ..service.waiting import awaiting_answer
-    awaiting = awaiting_answer(state, doc)
-    if awaiting is not None:  # reported up at once (seed 000), in the document's own format
-        if as_json:
-            print_json(awaiting.get("outcome") or awaiting)
-        else:
-            print(f"{handoff_id} {awaiting.get('kind', 'awaiting')}")
-            print(_asked_line(handoff_id, awaiting), file=sys.stderr)
-        return EXIT_AWAITING_ANSWER
-    if as_json:
-        print_json(doc)
-    else:
-        print(f"{handoff_id} {state.value}")
-        if state is State.FAILED:  # why, on stderr (stdout keeps the one line scripts read)
-            print(f"{PROG}: {handoff_id}: {failure_line(doc)}", file=sys.stderr)
-    return _exit_for(state)
-
-
-def _asked_line(handoff_id: str, awaiting: dict[str, Any]) -> str:
-    """One stderr line: what a parked handoff asks, and how to answer."""
-    asked = awaiting.get("questions") or [b.get("description") for b in
-                                          awaiting.get("blockers") or [] if isinstance(b, dict)]
-    return (f"{PROG}: {handoff_id} waits for an answer: {'; '.join(map(str, asked))[:500]} "
-            f"(`handoff answer {handoff_id} --data JSON`)")
-
-
-def failure_line(doc: dict[str, Any]) -> str:
-    """``CODE: message`` of a filed failure, whatever its format (the bookkeeping's copy)."""
-    book = doc.get("handoffd")
-    final = book.get("final_error") if isinstance(book, dict) else None
-    if not isinstance(final, dict):
-        return "no error recorded"
-    return f"{final.get('code') or 'ERROR'}: {str(final.get('message') or '')[:500]}"
+    raise typer.Exit(reads.wait(root, handoff_id, timeout, as_json=as_json))
 
 
 @app.command()

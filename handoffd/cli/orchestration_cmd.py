@@ -17,9 +17,8 @@ if TYPE_CHECKING:  # rich loads when something is printed for a human, not at st
     from rich.tree import Tree
 
 from ..core.errors import NotFound, UsageError, WaitTimeout
-from ..core.states import State
 from .common import JsonOption, RootOption, engine, guarded, workspace
-from .quick import json_arg
+from .basics import json_arg
 from .render import STATE_STYLE, console, print_json
 
 PROG = "handoff"
@@ -276,50 +275,3 @@ def _grow(parent: Tree, node: dict[str, Any], focus: str) -> None:
 
 
 # ---------------------------------------------------------------- show helpers
-def family(eng: Any, handoff_id: str, doc: dict[str, Any]) -> dict[str, Any]:
-    """Parent, conversation and children (with their states) of a handoff, for ``handoff show``."""
-    from ..features.lineage import children_of, conversation_of, parent_of
-
-    kids = []
-    for kid in children_of(doc):
-        try:
-            state, kid_doc = eng.get(kid)
-            status = kid_doc.get("status")
-            target = kid_doc.get("target", {}).get("agent_id") if isinstance(kid_doc.get("target"), dict) else None
-        except NotFound:
-            state, status, target = None, None, None
-        kids.append({"id": kid, "state": state.value if isinstance(state, State) else "missing",
-                     "status": status, "to": target})
-    block = given if isinstance(given := doc.get("handoffd"), dict) else {}
-    return {"parent_id": parent_of(doc), "conversation_id": conversation_of(doc), "children": kids,
-            "waiting_children": block.get("waiting_children"), "awaiting": block.get("awaiting"),
-            "aggregated_outcome": block.get("aggregated_outcome")}
-
-
-def print_family(out: Any, eng: Any, handoff_id: str, doc: dict[str, Any]) -> None:
-    """The family lines of ``handoff show`` (nothing for a handoff with no relations)."""
-    fam = family(eng, handoff_id, doc)
-    if fam["parent_id"] or fam["conversation_id"]:
-        out.print(f"parent: {fam['parent_id'] or '-'}  conversation: {fam['conversation_id'] or '-'}")
-    if fam["awaiting"]:
-        aw = fam["awaiting"]
-        items = aw.get("questions") or [b.get("description") for b in aw.get("blockers", [])
-                                        if isinstance(b, dict)]
-        out.print(f"waiting on the requester ({aw.get('kind')}): " + "; ".join(map(str, items)))
-    if not fam["children"]:
-        return
-    from rich.table import Table
-    from rich.text import Text
-    table = Table(box=None, pad_edge=False, header_style="bold", title="children", title_justify="left")
-    for column in ("ID", "TO", "STATE", "STATUS"):
-        table.add_column(column, overflow="fold")
-    for kid in fam["children"]:
-        table.add_row(kid["id"], kid["to"] or "-", Text(kid["state"], style=STATE_STYLE.get(kid["state"], "")),
-                      str(kid["status"] or "-"))
-    out.print(table)
-    agg = fam["aggregated_outcome"]
-    if isinstance(agg, dict):
-        out.print(f"aggregated ({agg.get('strategy_used')}): {agg.get('aggregated_status')}, "
-                  f"confidence {agg.get('aggregated_confidence')}")
-    elif isinstance(fam["waiting_children"], dict):
-        out.print(f"waiting for children ({fam['waiting_children'].get('aggregation')})")

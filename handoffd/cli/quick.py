@@ -1,51 +1,51 @@
-"""The quick path of ``handoff create --to``: no typer, no click, no rich.
+"""The quick path of ``handoff``: the plain forms of ``create``, ``show``, ``ls`` and ``wait``
+without typer, click or rich.
 
-Agents create handoffs in loops, so ``handoff create`` is the start-up users feel (the issue's
-goal: within 4x ``python -c pass``). Importing typer and click alone took longer than the whole
-create. :func:`try_create` serves the plain form (the options in :data:`OPTIONS`, each once)
-through the same engine calls as the full command (:func:`submit_request`), and answers None for
-anything else (``--help``, ``--file``, ``--wait``, ``--depends-on``, a store URL...), which the
-full command line then handles with its own parsing and messages.
+Agents create handoffs and poll them in loops, so these commands' start-up is what users feel
+(the issue's goal: within 4x ``python -c pass``); importing typer and click alone took longer
+than a whole create. :func:`try_quick` serves a command line made only of the options in
+:data:`COMMANDS` (each once, values that convert), through the same functions as the full
+command (:func:`submit_request`, :mod:`handoffd.cli.reads`), and answers None for anything else
+(``--help``, ``--file``, ``--wait``, ``--watch``, a bad value...), which the full command line
+then handles with its own parsing and messages.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..core.errors import HandoffdError, NotFound, UsageError
-from ..core.workspace import Workspace, resolve_root
+from ..core.errors import HandoffdError
+from .basics import PROG, engine, exit_code, json_arg, open_workspace, quiet_stdout
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
 
-PROG = "handoff"
-# option -> parameter of submit_request; values are strings as typed (converted there)
-OPTIONS = {"--to": "to", "--from": "source", "--data": "data", "--id": "handoff_id",
-           "--priority": "priority", "--timeout-seconds": "timeout_seconds", "--root": "root"}
+
+@dataclass(frozen=True)
+class Form:
+    """The plain form of one command: options taking a value (option -> parameter), flags
+    (option -> parameter), how many positional arguments, and which parameters are required."""
+
+    values: dict[str, str]
+    flags: dict[str, str]
+    positional: int = 0
+    required: tuple[str, ...] = ()
 
 
-def open_workspace(root: str | Path | None, *, create: bool = False) -> Workspace:
-    """The workspace chosen by --root / $HANDOFFD_ROOT / cwd; it must exist unless ``create``."""
-    ws = Workspace(resolve_root(root))
-    if not ws.root.is_dir():  # a mistyped --root must not silently start a new workspace
-        raise NotFound(f"workspace directory {ws.root} does not exist; create it or fix --root")
-    if create:
-        ws.ensure()
-    elif not ws.exists():
-        raise HandoffdError(f"{ws.root} is not a handoffd workspace (no handoffs/ folders); pass "
-                            "--root, or run `handoffd serve` there once to create it")
-    return ws
+COMMANDS = {
+    "create": Form({"--to": "to", "--from": "source", "--data": "data", "--id": "handoff_id",
+                    "--priority": "priority", "--timeout-seconds": "timeout_seconds",
+                    "--root": "root"}, {}, required=("to",)),
+    "show": Form({"--root": "root"}, {"--json": "as_json"}, positional=1),
+    "ls": Form({"--state": "state", "--to": "to", "--from": "source", "--limit": "limit",
+                "--conversation": "conversation", "--root": "root"}, {"--json": "as_json"}),
+    "wait": Form({"--timeout": "timeout", "--root": "root"}, {"--json": "as_json"},
+                 positional=1),
+}
 
 
-def json_arg(text: str, what: str) -> Any:
-    """``text`` parsed as JSON; UsageError naming ``what`` when it is not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise UsageError(f"{what} is not valid JSON: {exc}") from None
 
 
 def submit_request(eng: "Engine", *, to: str, source: str = "@cli", payload: Any = None,
@@ -65,67 +65,70 @@ def submit_request(eng: "Engine", *, to: str, source: str = "@cli", payload: Any
     return eng.submit(doc, forced="native", prechecked=True, if_absent=if_absent, due_at=due_at)
 
 
-def exit_code(program: str, exc: BaseException) -> int:
-    """One stderr line for ``exc`` and the exit code it stands for (never a traceback)."""
-    if isinstance(exc, HandoffdError):
-        message, code = str(exc), exc.exit_code
-    elif isinstance(exc, KeyboardInterrupt):
-        message, code = "interrupted", 130
-    elif isinstance(exc, OSError):
-        message, code = f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), 1
-    else:  # a bug: still one line (HANDOFFD_DEBUG=1 re-raises it for a traceback)
-        message, code = (f"internal error: {type(exc).__name__}: {exc} "
-                         "(set HANDOFFD_DEBUG=1 for a traceback)"), 1
-    print(f"{program}: error: {message}", file=sys.stderr)
-    return code
 
-
-def parse(argv: Sequence[str]) -> dict[str, str] | None:
-    """``handoff create``'s options as {parameter: text}, or None unless ``argv`` is the plain
-    form (``create``, then only :data:`OPTIONS`, each once, ``--to`` among them)."""
-    if not argv or argv[0] != "create":
+def parse(argv: Sequence[str]) -> tuple[str, list[str], dict[str, Any]] | None:
+    """``(command, positional arguments, {parameter: text or True})``, or None unless ``argv``
+    is the plain form of a command in :data:`COMMANDS`."""
+    if not argv or argv[0] not in COMMANDS:
         return None
-    found: dict[str, str] = {}
+    form = COMMANDS[argv[0]]
+    found: dict[str, Any] = {}
+    args: list[str] = []
     rest = list(argv[1:])
     while rest:
         name = rest.pop(0)
+        value: str | bool
+        if not name.startswith("-"):
+            args.append(name)
+            continue
         if name.startswith("--") and "=" in name:
             name, value = name.split("=", 1)
-        elif rest and not rest[0].startswith("--"):
+        elif name in form.flags:
+            value = True
+        elif rest and not rest[0].startswith("-"):
             value = rest.pop(0)
         else:
-            return None  # a flag, a missing value or a value that looks like an option
-        key = OPTIONS.get(name)
+            return None  # an unknown flag, a missing value or a value that looks like an option
+        key = form.flags.get(name) if value is True else form.values.get(name)
         if key is None or key in found:
             return None
         found[key] = value
-    return found if found.get("to") else None
+    if len(args) != form.positional or any(not found.get(key) for key in form.required):
+        return None
+    return argv[0], args, found
 
 
-def try_create(argv: Sequence[str]) -> int | None:
-    """Run ``handoff create`` quickly when ``argv`` is its plain form; its exit code, or None
-    when the full command line must handle ``argv``."""
-    opts = parse(argv)
-    if opts is None or os.environ.get("HANDOFFD_STORE"):
+def number(text: Any, kind: Callable[[str], Any]) -> Any:
+    """``text`` converted by ``kind`` (int, float) when given; ValueError when it does not
+    convert or is negative (the full command line words that error)."""
+    if text is None:
+        return None
+    value = kind(text)
+    if value < 0 or value != value:  # negative or NaN
+        raise ValueError(text)
+    return value
+
+
+def try_quick(argv: Sequence[str]) -> int | None:
+    """Run ``argv`` quickly when it is a plain form (see :data:`COMMANDS`); its exit code, or
+    None when the full command line must handle it."""
+    parsed = parse(argv)
+    if parsed is None:
+        return None
+    command, args, opts = parsed
+    try:
+        if command == "create":
+            if os.environ.get("HANDOFFD_STORE"):
+                return None  # a database store: the full path opens it
+            opts["timeout_seconds"] = number(opts.get("timeout_seconds"), float)
+        elif command == "ls":
+            opts["limit"] = number(opts.get("limit"), int)
+        elif command == "wait":
+            opts["timeout"] = number(opts.get("timeout"), float)
+    except ValueError:
         return None
     try:
-        timeout = float(opts["timeout_seconds"]) if "timeout_seconds" in opts else None
-    except ValueError:
-        return None  # the full command line words the error
-    try:
-        ws = open_workspace(opts.get("root"), create=True)
-        config = ws.load_config()
-        if config.store_url(None) is not None:
-            return None  # a database store: the full path opens it
-        from ..features.build import build_engine
-        eng = build_engine(ws, config, features=("dependencies",))  # what create installs
-        payload = json_arg(opts["data"], "--data") if "data" in opts else None
-        new_id = submit_request(eng, to=opts["to"], source=opts.get("source", "@cli"),
-                                payload=payload, handoff_id=opts.get("handoff_id"),
-                                timeout_seconds=timeout, priority=opts.get("priority"))
-        print(new_id)
-        sys.stdout.flush()
-        return 0
+        return run(command, args, opts)
     except BrokenPipeError:  # the reader of stdout left: nothing more to say
         quiet_stdout()
         return 0
@@ -136,7 +139,43 @@ def try_create(argv: Sequence[str]) -> int | None:
         return exit_code(PROG, exc)
 
 
-def quiet_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+def run(command: str, args: list[str], opts: dict[str, Any]) -> int | None:
+    """Run a parsed plain form; its exit code (None: the full command line must take it)."""
+    from . import reads
+    as_json = bool(opts.pop("as_json", False))
+    if command == "create":
+        return quick_create(opts)
+    if command == "show":
+        reads.show(opts.get("root"), args[0], as_json=as_json)
+    elif command == "ls":
+        if opts.get("limit") is None:
+            opts["limit"] = 50
+        eng = engine(opts.pop("root", None))  # every feature: their gates say why one waits
+        reads.print_rows(reads.list_rows(eng, **opts), as_json=as_json)
+    else:
+        code = reads.wait(opts.get("root"), args[0], opts.get("timeout"), as_json=as_json)
+        sys.stdout.flush()
+        return code
+    sys.stdout.flush()
+    return 0
+
+
+def quick_create(opts: dict[str, Any]) -> int | None:
+    """``handoff create --to ...`` in its plain form."""
+    ws = open_workspace(opts.get("root"), create=True)
+    config = ws.load_config()
+    if config.store_url(None) is not None:
+        return None  # a database store: the full path opens it
+    from ..features.build import build_engine
+    eng = build_engine(ws, config, features=("dependencies",))  # what create installs
+    payload = json_arg(opts["data"], "--data") if "data" in opts else None
+    new_id = submit_request(eng, to=opts["to"], source=opts.get("source", "@cli"),
+                            payload=payload, handoff_id=opts.get("handoff_id"),
+                            timeout_seconds=opts.get("timeout_seconds"),
+                            priority=opts.get("priority"))
+    print(new_id)
+    sys.stdout.flush()
+    return 0
+
+
+

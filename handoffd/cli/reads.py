@@ -1,0 +1,195 @@
+"""What ``handoff show``, ``ls`` and ``wait`` do and print, without typer: the quick path
+(:mod:`handoffd.cli.quick`) and the full command line (:mod:`handoffd.cli.handoff_cmd`) both
+call these, so the two cannot drift apart."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..core.errors import NotFound, UsageError
+from ..core.states import State
+from .basics import PROG, engine
+from .render import Out, handoff_rows, print_json, state_cell, timeline_rows
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+
+EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
+STATES = [s.value for s in State] + ["quarantined"]
+
+
+# ---------------------------------------------------------------- show
+def show(root: str | Path | None, handoff_id: str, *, as_json: bool) -> None:
+    """``handoff show``: a handoff's document, its history and its family (or its archive
+    entry once retention archived it)."""
+    from ..core.documents import book
+    eng = engine(root, features=())  # reading a document needs no feature
+    try:
+        state, doc = eng.get(handoff_id)
+    except NotFound:
+        if show_archived(eng, handoff_id, as_json=as_json):
+            return
+        raise
+    if as_json:
+        print_json({"id": handoff_id, "state": state.value, "document": doc,
+                    "family": family(eng, handoff_id, doc)})
+        return
+    out = Out()
+    path = document_path(eng, state, handoff_id)
+    out.line((handoff_id, "bold"), "  state: ", (state.value, "bold"),
+             f"  file: {path}" if path else "  ")
+    print_family(out, eng, handoff_id, doc)  # parent, children, waiting
+    out.table(*timeline_rows(book(doc).get("history", [])), title="history")
+    out.json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
+
+
+def show_archived(eng: "Engine", handoff_id: str, *, as_json: bool) -> bool:
+    """``handoff show`` of a handoff retention archived; False when there is no such entry."""
+    from ..core.documents import book
+    from ..features.retention import find_archived
+    entry = find_archived(eng.ws, handoff_id)
+    if entry is None:
+        return False
+    if as_json:
+        print_json({"id": handoff_id, "state": entry.get("state"), "archived": True,
+                    "archived_at": entry.get("archived_at"), "document": entry.get("document")})
+        return True
+    out = Out()
+    kept = entry.get("document")
+    doc = kept if isinstance(kept, dict) else {}
+    out.line((handoff_id, "bold"), "  state: ", (str(entry.get("state")), "bold"),
+             f"  archived at {entry.get('archived_at')}")
+    out.table(*timeline_rows(book(doc).get("history", [])), title="history")
+    out.json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
+    return True
+
+
+def document_path(eng: "Engine", state: State, handoff_id: str) -> Path | None:
+    """Where the file store keeps the document (None for another store)."""
+    from ..backends.files import FilesBackend
+    store = getattr(eng.backend, "inner", eng.backend)  # under the event log's recorder
+    return store.store.path(state, handoff_id) if isinstance(store, FilesBackend) else None
+
+
+def family(eng: "Engine", handoff_id: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """Parent, conversation and children (with their states) of a handoff, for ``handoff show``."""
+    from ..features.lineage import children_of, conversation_of, parent_of
+    kids = []
+    for kid in children_of(doc):
+        try:
+            state, kid_doc = eng.get(kid)
+            status = kid_doc.get("status")
+            target = kid_doc["target"].get("agent_id") if isinstance(kid_doc.get("target"), dict) else None
+        except NotFound:
+            state, status, target = None, None, None
+        kids.append({"id": kid, "state": state.value if isinstance(state, State) else "missing",
+                     "status": status, "to": target})
+    block = given if isinstance(given := doc.get("handoffd"), dict) else {}
+    return {"parent_id": parent_of(doc), "conversation_id": conversation_of(doc), "children": kids,
+            "waiting_children": block.get("waiting_children"), "awaiting": block.get("awaiting"),
+            "aggregated_outcome": block.get("aggregated_outcome")}
+
+
+def print_family(out: Out, eng: "Engine", handoff_id: str, doc: dict[str, Any]) -> None:
+    """The family lines of ``handoff show`` (nothing for a handoff with no relations)."""
+    fam = family(eng, handoff_id, doc)
+    if fam["parent_id"] or fam["conversation_id"]:
+        out.line(f"parent: {fam['parent_id'] or '-'}  conversation: {fam['conversation_id'] or '-'}")
+    aw = fam["awaiting"]
+    if isinstance(aw, dict):
+        out.line(f"waiting on the requester ({aw.get('kind')}): " + "; ".join(map(str, asked(aw))))
+    if not fam["children"]:
+        return
+    out.table(["ID", "TO", "STATE", "STATUS"],
+              [[kid["id"], kid["to"] or "-", state_cell(kid["state"]), str(kid["status"] or "-")]
+               for kid in fam["children"]], title="children")
+    agg = fam["aggregated_outcome"]
+    if isinstance(agg, dict):
+        out.line(f"aggregated ({agg.get('strategy_used')}): {agg.get('aggregated_status')}, "
+                 f"confidence {agg.get('aggregated_confidence')}")
+    elif isinstance(fam["waiting_children"], dict):
+        out.line(f"waiting for children ({fam['waiting_children'].get('aggregation')})")
+
+
+# ---------------------------------------------------------------- ls
+def check_state(state: str | None) -> None:
+    """UsageError unless ``state`` is a state ``handoff ls --state`` knows."""
+    if state is not None and state not in STATES:
+        raise UsageError(f"--state must be one of {', '.join(STATES)}")
+
+
+def list_rows(eng: "Engine", *, state: str | None = None, to: str | None = None,
+              source: str | None = None, limit: int = 50,
+              conversation: str | None = None) -> list[dict[str, Any]]:
+    """The rows of ``handoff ls``, newest first."""
+    from ..service.queries import list_handoffs
+    check_state(state)
+    return list_handoffs(eng, state=state, to=to, source=source, limit=limit,
+                         conversation=conversation)
+
+
+def print_rows(rows: list[dict[str, Any]], *, as_json: bool) -> None:
+    """``handoff ls``'s output: the table, or the rows as JSON."""
+    if as_json:
+        print_json(rows)
+    else:
+        Out().table(*handoff_rows(rows))
+
+
+# ---------------------------------------------------------------- wait
+def wait(root: str | Path | None, handoff_id: str, timeout: float | None, *,
+         as_json: bool) -> int:
+    """``handoff wait``: block until the handoff is finished or asks its requester; the exit
+    code (0 completed, 1 failed, 4 awaiting an answer; WaitTimeout after ``timeout``)."""
+    from ..service.waiting import wait_terminal
+    eng = engine(root, features=())
+    state, doc = wait_terminal(eng.backend, handoff_id, timeout, or_awaiting=True)
+    return report_wait(handoff_id, state, doc, as_json=as_json)
+
+
+def report_wait(handoff_id: str, state: State, doc: dict[str, Any], *, as_json: bool) -> int:
+    """Print what a wait ended on; return its exit code."""
+    from ..service.waiting import awaiting_answer
+    awaiting = awaiting_answer(state, doc)
+    if awaiting is not None:  # reported up at once (seed 000), in the document's own format
+        if as_json:
+            print_json(awaiting.get("outcome") or awaiting)
+        else:
+            print(f"{handoff_id} {awaiting.get('kind', 'awaiting')}")
+            print(asked_line(handoff_id, awaiting), file=sys.stderr)
+        return EXIT_AWAITING_ANSWER
+    if as_json:
+        print_json(doc)
+    else:
+        print(f"{handoff_id} {state.value}")
+        if state is State.FAILED:  # why, on stderr (stdout keeps the one line scripts read)
+            print(f"{PROG}: {handoff_id}: {failure_line(doc)}", file=sys.stderr)
+    return exit_for(state)
+
+
+def exit_for(state: State) -> int:
+    """The exit code of a wait that ended in ``state``."""
+    return 0 if state is State.COMPLETED else 1
+
+
+def asked(awaiting: dict[str, Any]) -> list[Any]:
+    """The questions, or the blockers' descriptions, a parked handoff asks."""
+    return awaiting.get("questions") or [b.get("description") for b in
+                                         awaiting.get("blockers") or [] if isinstance(b, dict)]
+
+
+def asked_line(handoff_id: str, awaiting: dict[str, Any]) -> str:
+    """One stderr line: what a parked handoff asks, and how to answer."""
+    return (f"{PROG}: {handoff_id} waits for an answer: {'; '.join(map(str, asked(awaiting)))[:500]} "
+            f"(`handoff answer {handoff_id} --data JSON`)")
+
+
+def failure_line(doc: dict[str, Any]) -> str:
+    """``CODE: message`` of a filed failure, whatever its format (the bookkeeping's copy)."""
+    book = doc.get("handoffd")
+    final = book.get("final_error") if isinstance(book, dict) else None
+    if not isinstance(final, dict):
+        return "no error recorded"
+    return f"{final.get('code') or 'ERROR'}: {str(final.get('message') or '')[:500]}"
