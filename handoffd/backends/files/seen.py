@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime, timedelta
+from datetime import datetime, timezone
 from pathlib import Path
 
 from ...core.timeutil import iso, parse_iso
@@ -21,28 +21,30 @@ class SeenIds:
 
     def __init__(self, path: Path, ttl_seconds: float) -> None:
         self.path = path
-        self.ttl = timedelta(seconds=ttl_seconds)
+        self.ttl = float(ttl_seconds)
         self.lock_path = Path(str(path) + ".lock")
-        self._cache: dict[str, datetime] = {}
+        # id -> when seen, as epoch seconds: a float is half a datetime's size, and a daemon
+        # holds one entry per handoff for the whole TTL
+        self._cache: dict[str, float] = {}
         self._offset = 0
         self._inode = -1
 
     def add(self, handoff_id: str, now: datetime) -> None:
         """Record ``handoff_id`` as seen at ``now`` (one small O_APPEND write)."""
-        line = json.dumps({"id": handoff_id, "at": iso(now)}) + "\n"
+        line = _line(handoff_id, now)
         with locked(self.lock_path):  # so a compaction in another process cannot drop this line
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, line.encode())
             finally:
                 os.close(fd)
-        self._cache[handoff_id] = now
+        self._cache[handoff_id] = now.timestamp()
 
     def contains(self, handoff_id: str, now: datetime) -> bool:
         """True if ``handoff_id`` was recorded within the TTL."""
         self._refresh()
         seen = self._cache.get(handoff_id)
-        return seen is not None and now - seen < self.ttl
+        return seen is not None and now.timestamp() - seen < self.ttl
 
     def _refresh(self) -> None:
         """Read only what was appended since the last look (the whole file after a compaction)."""
@@ -68,22 +70,27 @@ class SeenIds:
                 entries = _parse(self.path.read_bytes())
             except FileNotFoundError:
                 entries = {}
-            keep = {k: v for k, v in entries.items() if now - v < self.ttl}
+            keep = {k: v for k, v in entries.items() if now.timestamp() - v < self.ttl}
             if len(keep) == len(entries) and self.path.exists():
                 return len(keep)  # nothing expired: no rewrite
             tmp = self.path.with_suffix(".compact")
-            tmp.write_text("".join(json.dumps({"id": k, "at": iso(v)}) + "\n" for k, v in keep.items()))
+            tmp.write_text("".join(_line(k, datetime.fromtimestamp(v, timezone.utc))
+                                   for k, v in keep.items()))
             os.replace(tmp, self.path)
             self._cache, self._offset, self._inode = {}, 0, -1
         return len(keep)
 
 
-def _parse(data: bytes) -> dict[str, datetime]:
-    entries: dict[str, datetime] = {}
+def _line(handoff_id: str, at: datetime) -> str:
+    return json.dumps({"id": handoff_id, "at": iso(at)}) + "\n"
+
+
+def _parse(data: bytes) -> dict[str, float]:
+    entries: dict[str, float] = {}
     for line in data.decode("utf-8", "replace").splitlines():
         try:
             item = json.loads(line)
-            entries[str(item["id"])] = parse_iso(item["at"])
+            entries[str(item["id"])] = parse_iso(item["at"]).timestamp()
         except (ValueError, KeyError, TypeError):
             continue  # a torn line after a crash is skipped, not fatal
     return entries

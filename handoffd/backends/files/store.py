@@ -237,7 +237,7 @@ class Store:
                 "or `handoff retry` the existing one", handoff_id=handoff_id)
         if self.seen.contains(handoff_id, now):
             raise DuplicateHandoff(f"handoff id {handoff_id} was used within the last "
-                                   f"{int(self.seen.ttl.total_seconds())}s; choose another id",
+                                   f"{int(self.seen.ttl)}s; choose another id",
                                    handoff_id=handoff_id)
         stamp_created(doc, handoff_id, now, due_at)  # bookkeeping a document brings is not ours
         try:
