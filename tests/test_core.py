@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -17,6 +19,7 @@ from handoffd.core.config import Config, RetryPolicy, load_config
 from handoffd.core.documents import book, check_id, new_native_request
 from handoffd.core.engine import Job
 from handoffd.core.errors import ConfigError, DuplicateHandoff, InvalidDocument
+from handoffd.core.specialists import ENTRY_POINT_GROUP, may_declare_entry_points
 from handoffd.core.states import State, allowed, winner
 from handoffd.core.timeutil import parse_iso
 from handoffd.service.sweeper import requeue_failed, sweep
@@ -382,3 +385,80 @@ def test_new_native_request_refuses_exactly_what_the_schema_refuses(
         return
     assert schema_ok, "built a request the schema refuses"
     check_document(builtin_schemas(), dialects.by_name("native"), doc)
+
+
+def _fake_distribution(site: Path, entry_points: str | bytes, name: str = "x") -> Path:
+    dist = site / f"{name}-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    path = dist / "entry_points.txt"
+    if isinstance(entry_points, bytes):
+        path.write_bytes(entry_points)
+    else:
+        path.write_text(entry_points)
+    return dist
+
+
+def test_registry_sees_an_entry_point_found_by_the_precheck(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A distribution on sys.path declaring the group passes the cheap pre-check, and the real
+    scan (importlib.metadata) then registers its specialist."""
+    _fake_distribution(tmp_path, f"[{ENTRY_POINT_GROUP}]\n@x = xmod:handle\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    assert may_declare_entry_points(ENTRY_POINT_GROUP)
+    spec = Registry.load(Config()).get("@x")
+    assert spec is not None and spec.config.handler == "xmod:handle" and spec.func is None
+
+
+def test_entry_point_precheck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """may_declare_entry_points answers False only when no distribution can declare the group."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.setattr(sys, "path", [str(site), str(tmp_path / "missing")])
+    assert not may_declare_entry_points(ENTRY_POINT_GROUP)  # nothing installed
+    _fake_distribution(site, "[console_scripts]\nx = xmod:main\n")
+    (site / "y-1.0.egg-info").write_text("Metadata-Version: 1.0\n")  # a PKG-INFO file, no folder
+    (site / "z.dist-info").mkdir()  # no entry_points.txt
+    assert not may_declare_entry_points(ENTRY_POINT_GROUP)
+    assert may_declare_entry_points("console_scripts")
+    egg_info = site / "w-1.0.egg-info"
+    egg_info.mkdir()
+    (egg_info / "entry_points.txt").write_text(f"# comment\n\n  [ {ENTRY_POINT_GROUP} ]  \n@w = w:f\n")
+    assert may_declare_entry_points(ENTRY_POINT_GROUP)  # whitespace around the name allowed
+    # a .egg folder on sys.path keeps its metadata in EGG-INFO
+    egg = tmp_path / "v-1.0-py3.11.egg"
+    (egg / "EGG-INFO").mkdir(parents=True)
+    (egg / "EGG-INFO" / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n@v = v:f\n")
+    monkeypatch.setattr(sys, "path", [str(egg)])
+    assert may_declare_entry_points(ENTRY_POINT_GROUP)
+    # what it cannot look into cheaply is a "may": the real scan decides
+    undecodable = tmp_path / "undecodable"
+    _fake_distribution(undecodable, b"[other]\nx = \xff\n")
+    monkeypatch.setattr(sys, "path", [str(undecodable)])
+    assert may_declare_entry_points(ENTRY_POINT_GROUP)
+    archive = tmp_path / "lib.zip"
+    archive.write_bytes(b"PK\x05\x06" + b"\0" * 18)  # an empty zip archive
+    monkeypatch.setattr(sys, "path", [str(archive)])
+    assert may_declare_entry_points(ENTRY_POINT_GROUP)
+
+    class Finder:
+        @staticmethod
+        def find_distributions(context: object = None) -> list[object]:
+            return []
+
+    monkeypatch.setattr(sys, "path", [str(site / "missing")])
+    assert not may_declare_entry_points(ENTRY_POINT_GROUP)
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, Finder])
+    assert may_declare_entry_points(ENTRY_POINT_GROUP)
+
+
+def test_registry_load_without_entry_points_skips_importlib_metadata(tmp_path: Path) -> None:
+    """No distribution declares the group: Registry.load never imports importlib.metadata
+    (~45 ms of a one-shot command's start)."""
+    code = ("import sys; from handoffd.core.config import Config; "
+            "from handoffd.core.specialists import Registry; Registry.load(Config()); "
+            "print('importlib.metadata' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

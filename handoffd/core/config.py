@@ -8,7 +8,6 @@ an ``inf`` or ``1e300`` second interval is a typo, and it would overflow date ar
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -343,6 +342,7 @@ def load_config(path: Path) -> Config:
     """Read handoffd.toml at ``path`` (missing file: defaults); raise ConfigError on any problem."""
     if not path.exists():
         return Config()
+    import tomllib  # ~8 ms: a workspace without handoffd.toml never needs it
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -40,7 +39,7 @@ def check_id(handoff_id: object) -> str:
 
 def new_id(now: datetime) -> str:
     """A fresh id in seed 001's ``hoff-...`` style, unique across hosts and processes."""
-    return f"hoff-{now.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:12]}"
+    return f"hoff-{now.strftime('%Y%m%d%H%M%S')}-{os.urandom(6).hex()}"
 
 
 def hostname() -> str:

@@ -22,17 +22,17 @@ clears its environment *and* leaves the process group cannot be recognised.
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
 import logging
 import os
 import signal
-import socket
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from .documents import hostname
 
 log = logging.getLogger("handoffd")
 
@@ -59,13 +59,13 @@ class RunRecord:
     @classmethod
     def new(cls, handoff_id: str, token: str, attempt: int) -> "RunRecord":
         """A record for an attempt about to start on this host."""
-        return cls(handoff_id=handoff_id, token=token, attempt=attempt, host=socket.gethostname(),
+        return cls(handoff_id=handoff_id, token=token, attempt=attempt, host=hostname(),
                    boot_id=boot_id(), pid_namespace=pid_namespace(), daemon_pid=os.getpid(),
                    started_at=time.time())
 
     def local(self) -> bool:
         """True when the record's pids mean the same processes here (same host, boot, namespace)."""
-        return (self.host == socket.gethostname() and self.boot_id == boot_id()
+        return (self.host == hostname() and self.boot_id == boot_id()
                 and self.pid_namespace == pid_namespace())
 
 
@@ -99,19 +99,18 @@ def pid_namespace() -> str:
 
 def new_token() -> str:
     """A fresh run token (unguessable, so no unrelated process carries it)."""
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 # ---------------------------------------------------------------- the child side
 
+@functools.cache  # loaded on the first command run: a CLI process never needs ctypes
 def _load_prctl() -> Any:
+    import ctypes
     try:
         return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux: no parent-death signal, the records still work
         return None
-
-
-_PRCTL = _load_prctl()
 
 
 def child_setup(parent_pid: int) -> Callable[[], None]:
@@ -120,7 +119,7 @@ def child_setup(parent_pid: int) -> Callable[[], None]:
     The signal fires when the thread that forked exits; the runner forks from the worker thread
     that waits for the child, so that thread outlives the child unless the daemon dies. If the
     daemon died between fork and prctl, the child exits at once instead of running orphaned."""
-    prctl = _PRCTL
+    prctl = _load_prctl()  # here in the parent: the child may not import
 
     def setup() -> None:  # runs in the child between fork and exec: no locks, no imports
         if prctl is not None:
@@ -301,7 +300,7 @@ def kill_leftovers(workspace: Any, handoff_id: str, *, attempt: int | None = Non
         return 0
     if attempt is not None and record.attempt > attempt:
         return 0
-    if record.host != socket.gethostname():
+    if record.host != hostname():
         return 0
     if not record.local():  # another boot (or pid namespace) on this host: nothing to kill here
         if record.boot_id != boot_id():
@@ -334,7 +333,7 @@ def prune_records(workspace: Any) -> int:
         if not entry.name.endswith(".json"):
             continue
         record = read_record(root, entry.name[:-5])
-        if record is None or record.host != socket.gethostname():
+        if record is None or record.host != hostname():
             continue
         if record.local() and (_alive(record.daemon_pid) or scan(record.token, None)):
             continue

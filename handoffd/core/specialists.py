@@ -7,6 +7,8 @@ entry-point group (name = agent id, value = ``module:function``), functions deco
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -140,6 +142,65 @@ def import_handler(ref: str, agent: str) -> Handler:
     return func
 
 
+def may_declare_entry_points(group: str) -> bool:
+    """False when no distribution on ``sys.path`` declares entry points in ``group``; True when one
+    does, or may (something this cannot look into cheaply).
+
+    Looks where :mod:`importlib.metadata` looks by default: the ``*.dist-info`` and ``*.egg-info``
+    folders (and a ``.egg`` folder's ``EGG-INFO``) in each directory of ``sys.path``, for an
+    ``entry_points.txt`` with a ``[group]`` section. A zip archive on ``sys.path``, a
+    ``sys.meta_path`` finder other than the standard one that finds distributions, or a file that
+    is not UTF-8 counts as "may": the real scan then decides, and reports, as before.
+    """
+    # Importing importlib.metadata takes ~45 ms (email, zipfile, csv, ...): most of the start of a
+    # one-shot command that loads the registry, and almost no installation declares specialists
+    # as entry points. Listing sys.path's folders costs well under a millisecond. Only the
+    # question "is there any?" is answered here: parsing and precedence stay importlib.metadata's.
+    import importlib.machinery
+    for finder in sys.meta_path:
+        if finder is not importlib.machinery.PathFinder \
+                and getattr(finder, "find_distributions", None) is not None:
+            return True
+    for entry in sys.path:
+        if not isinstance(entry, str):
+            return True
+        root = entry or "."
+        try:
+            children = os.listdir(root)
+        except OSError:
+            if os.path.isfile(root):  # a zip archive: importlib.metadata reads those too
+                return True
+            continue  # missing, not a folder: nothing there for importlib.metadata either
+        is_egg = os.path.basename(root).lower().endswith(".egg")
+        for child in children:
+            low = child.lower()
+            if low.endswith((".dist-info", ".egg-info")) or (is_egg and low == "egg-info"):
+                if _declares(os.path.join(root, child, "entry_points.txt"), group):
+                    return True
+    return False
+
+
+def _declares(path: str, group: str) -> bool:
+    """True when the ``entry_points.txt`` at ``path`` has a ``[group]`` section (whitespace
+    allowed inside the brackets) or cannot be decoded; False when it is absent or has none."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError:  # no such file (most distributions), or not readable
+        return False
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    if group not in text:
+        return False
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]") and line.strip("[]").strip() == group:
+            return True
+    return False
+
+
 class Registry:
     """Agent id → :class:`Specialist`."""
 
@@ -150,7 +211,7 @@ class Registry:
     def load(cls, config: Config, *, use_entry_points: bool = True) -> "Registry":
         """Entry points, then decorated functions, then handoffd.toml tables."""
         registry = cls()
-        if use_entry_points:
+        if use_entry_points and may_declare_entry_points(ENTRY_POINT_GROUP):
             from importlib.metadata import entry_points  # scanning them is for daemons
             for ep in entry_points(group=ENTRY_POINT_GROUP):
                 table = {"handler": ep.value}

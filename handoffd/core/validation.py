@@ -19,13 +19,14 @@ import json
 import threading
 from collections import OrderedDict
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigError, ErrorCode, InvalidDocument
 
 if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
     from jsonschema.protocols import Validator
 
 INLINE_CACHE_SIZE = 256  # inline schemas kept compiled (LRU): repeats are common, the set is not bounded
@@ -42,15 +43,23 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _builtin_folder() -> Traversable:
+    """The package's ``schemas/`` folder."""
+    # importlib.resources pulls in tempfile, shutil, zlib and random (~9 ms): only a process that
+    # reads a built-in schema pays for it
+    from importlib import resources
+    return resources.files("handoffd") / "schemas"
+
+
 def builtin_schema_names() -> list[str]:
     """Names of the schemas shipped inside the package."""
-    folder = resources.files("handoffd") / "schemas"
+    folder = _builtin_folder()
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".json"))
 
 
 def load_builtin(name: str) -> dict[str, Any]:
     """A built-in schema by file name."""
-    path = resources.files("handoffd") / "schemas" / name
+    path = _builtin_folder() / name
     return json.loads(path.read_text(encoding="utf-8"))
 
 
@@ -58,7 +67,7 @@ def load_builtin(name: str) -> dict[str, Any]:
 def builtin_exists(name: str) -> bool:
     """True when a built-in schema is called ``name`` (the package's schemas never change while
     it runs; asked for every handoff that names an expected schema)."""
-    return (resources.files("handoffd") / "schemas" / name).is_file()
+    return (_builtin_folder() / name).is_file()
 
 
 def schema_digest(schema: Any) -> str:

@@ -9,7 +9,6 @@ reports are verified: one that does not exist in the workspace turns the answer 
 from __future__ import annotations
 
 import copy
-import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -162,6 +161,7 @@ class AgentHandoffDialect:
               else outcome.executed_by or "handoffd")
         back = request.get("from_agent") if isinstance(request.get("from_agent"), str) else "unknown"
         onward = next_agent(outcome) if status in ("success", "partial") else None
+        import uuid
         answer: dict[str, Any] = {"handoff_id": str(uuid.uuid4())}
         if isinstance(request.get("conversation_id"), str):
             answer["conversation_id"] = request["conversation_id"]

@@ -10,7 +10,6 @@ retryable / permanent and handoffd's error ``code``.
 """
 from __future__ import annotations
 
-import uuid
 from datetime import datetime
 from typing import Any
 
@@ -109,6 +108,7 @@ class HaiosDialect:
         if self.is_answer(doc):
             return
         if doc.get("handoff_id") is None:
+            import uuid
             doc["handoff_id"] = handoff_id or str(uuid.uuid4())
         if doc.get("created_at") is None:
             doc["created_at"] = iso(now)

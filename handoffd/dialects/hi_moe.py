@@ -10,7 +10,6 @@ are accepted, and unknown envelope fields are carried into the answer.
 from __future__ import annotations
 
 import json
-import uuid
 from datetime import datetime
 from typing import Any
 
@@ -179,6 +178,7 @@ class HiMoeDialect:
         if major_of(version) not in SUPPORTED_MAJORS:
             version = CURRENT_VERSION
         receiver, sender = answer_tiers(request)
+        import uuid
         answer: dict[str, Any] = {
             "version": version,
             "id": str(uuid.uuid4()),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum, IntEnum
@@ -68,7 +67,13 @@ def _now() -> str:
 
 
 def _uuid() -> str:
+    import uuid
     return str(uuid.uuid4())
+
+
+def _native_id() -> str:
+    import uuid
+    return f"hoff-{uuid.uuid4().hex}"
 
 
 def _encode(value: Any) -> Any:
@@ -487,7 +492,7 @@ class RetrySpec(Model):
 class NativeRequest(Model):
     """Seed 001's handoff request (what ``handoff create --to`` writes)."""
 
-    handoff_id: str = field(default_factory=lambda: f"hoff-{uuid.uuid4().hex}")
+    handoff_id: str = field(default_factory=_native_id)
     timestamp: str = field(default_factory=_now)
     status: str = "pending"
     source: AgentRef | None = None

@@ -32,7 +32,6 @@ from ..core.errors import (
     InvalidDocument,
     NotFound,
 )
-from ..core.runner import cancel as stop_handler
 from ..core.states import State
 from ..core.storage import Wakeup
 from ..core.timeutil import iso
@@ -239,6 +238,7 @@ def _poll(daemon: DaemonPlugins) -> None:
             if not job.context.cancel_logged:
                 job.context.cancel_logged = True
                 log.info("handoff %s: cancel requested; stopping its handler", handoff_id)
+            from ..core.runner import cancel as stop_handler  # loaded by the daemon already
             stop_handler(job.context, _reason(body))
             continue
         try:

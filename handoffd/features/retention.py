@@ -14,12 +14,10 @@ as seen, so dedup still refuses the id for its TTL after the document is gone.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
 import threading
-import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -107,6 +105,7 @@ def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
     lines = "".join(json.dumps({"id": hid, "state": state.value, "archived_at": iso(now),
                                 "document": doc}, ensure_ascii=False) + "\n"
                     for state, hid, doc in docs)
+    import gzip  # gzip and zlib: only when archiving or reading the archive
     with open(path, "ab") as fh:
         fh.write(gzip.compress(lines.encode("utf-8")))
         fh.flush()
@@ -121,6 +120,7 @@ def archived(ws: Workspace) -> Iterator[dict[str, Any]]:
 
 
 def _entries(path: Path) -> Iterator[dict[str, Any]]:
+    import zlib
     data = path.read_bytes()
     text = b""
     while data:  # member by member: a crash mid-append tears only the last one

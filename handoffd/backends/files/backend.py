@@ -19,7 +19,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -367,7 +366,7 @@ class FilesBackend(FencedFiling, Backend):
             if old_lock is not None:
                 release_lock(old_lock)
             return None
-        token = uuid.uuid4().hex
+        token = os.urandom(16).hex()
         from filelock import FileLock
         lock = FileLock(str(self.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
         lock.acquire()

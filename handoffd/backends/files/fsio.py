@@ -13,7 +13,6 @@ import json
 import os
 import re
 import stat
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -66,7 +65,7 @@ def dump_json(doc: dict[str, Any]) -> bytes:
 
 def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path:
     """Write ``data`` to a fresh temp file under ``tmp_dir`` and return its path."""
-    path = tmp_dir / f"{uuid.uuid4().hex}{TMP_SUFFIX}"
+    path = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         view = memoryview(data)

@@ -9,7 +9,6 @@ import fcntl
 import os
 import re
 import threading
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -104,7 +103,7 @@ class Store:
         with self._owner_mutex:
             if self._owner is not None and self._owner[2] == os.getpid():
                 return self._owner[0]
-            name = f"owner.{uuid.uuid4().hex}.lock"  # never reused: a stale file is never ours
+            name = f"owner.{os.urandom(16).hex()}.lock"  # never reused: a stale file is never ours
             path = self.ws.locks / name
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
             try:
@@ -281,7 +280,7 @@ class Store:
         prior = self.trusted_revision(doc, State.PENDING, handoff_id)
         if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
             doc[BOOK] = {}
-        token = uuid.uuid4().hex
+        token = os.urandom(16).hex()
         lock = NullLock()  # the claim rides on the store's owner lock, named in its lease
         block = book(doc)
         block["attempt"] = book_int(doc, "attempt", 0) + 1
@@ -385,7 +384,7 @@ class Store:
         now = now or utc_now()
         self.ws.quarantine.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.name)[:100] or "file"
-        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}-{safe}"
+        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{safe}"
         target = self.ws.quarantine / name
         os.rename(path, target)  # works for symlinks and fifos too: the entry moves, not its target
         reason = {"file": path.name, "from": path.parent.name, "code": code, "message": message,

@@ -14,13 +14,12 @@ outlives its time limit. It passes when it exits 0. Anything else is prose: reco
 from __future__ import annotations
 
 import os
-import shlex
-import signal
-import subprocess
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import subprocess
 
 FORMS = (("tests", "tests pass:"), ("type_check", "type check passes:"),
          ("command", "command succeeds:"))
@@ -46,6 +45,7 @@ def check(criterion: str, *, cwd: Path, timeout: float, env: dict[str, str]) -> 
                 "note": "free prose: not machine-checkable"}
     kind, text = parsed
     record: dict[str, Any] = {"criterion": criterion, "kind": kind, "command": text}
+    import shlex  # shlex, subprocess, tempfile, signal: only for contracts with checkable criteria
     try:
         argv = shlex.split(text)
     except ValueError as exc:
@@ -60,6 +60,8 @@ def check(criterion: str, *, cwd: Path, timeout: float, env: dict[str, str]) -> 
 
 def run(argv: list[str], *, cwd: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
     """Run ``argv`` (no shell) with a time limit; status, exit code, duration and output tail."""
+    import subprocess
+    import tempfile
     started = time.monotonic()
     with tempfile.TemporaryFile() as sink:
         try:
@@ -94,6 +96,7 @@ def run(argv: list[str], *, cwd: Path, timeout: float, env: dict[str, str]) -> d
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    import signal
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

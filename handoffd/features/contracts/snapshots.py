@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import stat
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +201,7 @@ class Snapshotter:
         return found
 
     def _git_files(self) -> tuple[list[str] | None, str]:
+        import subprocess  # only in git mode
         env = dict(os.environ, GIT_OPTIONAL_LOCKS="0", LC_ALL="C")
         try:
             inside = subprocess.run(["git", "-C", str(self.root), "rev-parse", "--is-inside-work-tree"],
