@@ -216,6 +216,9 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
     look, then sleep until a hint for this id or the safety recheck). NotFound once the id has
     been unknown for ``grace_not_found`` seconds (a producer may be about to drop it).
     ``until``: also return once it is true of the handoff's state and document."""
+    found = _look(backend, handoff_id)
+    if found is not None and (found[0].terminal or (until and until(*found))):
+        return found  # already there: no watch to set up (most waits of a finished handoff)
     wake = threading.Event()
     unsubscribe = backend.subscribe(lambda w: wake.set() if w.handoff_id == handoff_id else None)
     start = time.monotonic()
@@ -223,10 +226,7 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
     try:
         while True:
             wake.clear()
-            try:
-                found = backend.get(handoff_id)
-            except InvalidDocument:  # a producer is still writing it: keep waiting
-                found = (State.PENDING, {})
+            found = _look(backend, handoff_id)
             if found is None and time.monotonic() - start >= grace_not_found:
                 raise NotFound(f"no handoff {handoff_id}; `handoff ls` lists them",
                                handoff_id=handoff_id)
@@ -240,6 +240,13 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
                           grace_not_found if found is None else SAFETY_RECHECK_SECONDS))
     finally:
         unsubscribe()
+
+
+def _look(backend: Backend, handoff_id: str) -> tuple[State, Doc] | None:
+    try:
+        return backend.get(handoff_id)
+    except InvalidDocument:  # a producer is still writing it: keep waiting
+        return (State.PENDING, {})
 
 
 class MemoryRecords:

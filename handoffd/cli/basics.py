@@ -15,6 +15,7 @@ from ..core.workspace import Workspace, resolve_root
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from ..core.storage import Backend
 
 PROG = "handoff"
 
@@ -40,6 +41,14 @@ def engine(root: str | Path | None, *, create: bool = False,
     from ..features.build import DEFAULT_FEATURES, build_engine
     return build_engine(open_workspace(root, create=create), store=store,
                         features=DEFAULT_FEATURES if features is None else features)
+
+
+def backend(root: str | Path | None) -> Backend:
+    """The store of the chosen workspace alone, without an Engine: for commands that only read
+    documents (``handoff wait``)."""
+    from ..features.build import open_backend
+    ws = open_workspace(root)
+    return open_backend(ws, ws.load_config())
 
 
 def json_arg(text: str, what: str) -> Any:

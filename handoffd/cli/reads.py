@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import NotFound, UsageError
 from ..core.states import State
-from .basics import PROG, engine
+from .basics import PROG, backend, engine
 from .render import Out, handoff_rows, print_json, state_cell, timeline_rows
 
 if TYPE_CHECKING:
@@ -144,8 +144,7 @@ def wait(root: str | Path | None, handoff_id: str, timeout: float | None, *,
     """``handoff wait``: block until the handoff is finished or asks its requester; the exit
     code (0 completed, 1 failed, 4 awaiting an answer; WaitTimeout after ``timeout``)."""
     from ..service.waiting import wait_terminal
-    eng = engine(root, features=())
-    state, doc = wait_terminal(eng.backend, handoff_id, timeout, or_awaiting=True)
+    state, doc = wait_terminal(backend(root), handoff_id, timeout, or_awaiting=True)
     return report_wait(handoff_id, state, doc, as_json=as_json)
 
 

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Callable, Iterable, cast
+from typing import TYPE_CHECKING, Callable, Iterable, cast
 
 from .. import dialects
 from ..backends.files import FilesBackend
 from ..core.config import Config
 from ..core.documents import hostname
-from ..core.engine import Engine, Job
-from ..core.events import EventLog, RecordingBackend
-from ..core.specialists import Registry
 from ..core.storage import Backend
 from ..core.timeutil import Clock, utc_now
 from ..core.workspace import Workspace
 
-Feature = Callable[[Engine], object]
+if TYPE_CHECKING:  # loaded by build_engine: a command that only reads needs open_backend alone
+    from ..core.engine import Engine, Job
+    from ..core.events import EventLog
+    from ..core.specialists import Registry
+
+Feature = Callable[["Engine"], object]
 
 
 def _installer(module: str, function: str = "install") -> Feature:
@@ -133,7 +135,7 @@ def open_event_log(workspace: Workspace, config: Config, backend: Backend | None
     sizes it."""
     shared = getattr(backend, "event_log", None)
     if callable(shared):
-        return cast(EventLog, shared())
+        return cast("EventLog", shared())
     from ..backends.files.events import FileEventLog
     return FileEventLog(workspace, max_bytes=config.daemon.events_max_bytes,
                         keep=config.daemon.events_keep)
@@ -151,6 +153,8 @@ def build_engine(workspace: Workspace, config: Config | None = None,
     ``events``: where every transition is logged (default: :func:`open_event_log`, unless
     ``[daemon] events = false``); ``store``: a store URL that beats the configuration's
     (``--store``)."""
+    from ..core.engine import Engine
+    from ..core.events import RecordingBackend
     config = config or workspace.load_config()
     if backend is None:
         backend = open_backend(workspace, config, monotonic=monotonic, store=store)
@@ -170,7 +174,7 @@ def build_engine(workspace: Workspace, config: Config | None = None,
 def event_log_of(engine: Engine) -> EventLog:
     """The event log ``engine`` writes to (readers: stats, metrics, top, ls --watch)."""
     logged = getattr(engine.backend, "events", None)
-    return cast(EventLog, logged) if logged is not None else open_event_log(
+    return cast("EventLog", logged) if logged is not None else open_event_log(
         engine.ws, engine.config, engine.backend)
 
 
