@@ -14,7 +14,6 @@ pattern RE2 cannot compile falls back to Python's ``re`` there.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 from collections import OrderedDict
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigError, ErrorCode, InvalidDocument
+from .hashing import sha256_hex
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -80,7 +80,7 @@ def schema_digest(schema: Any) -> str:
     except (ValueError, TypeError) as exc:  # not JSON data (only possible from library callers)
         raise InvalidDocument(f"the inline schema is not JSON data: {exc}",
                               code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return sha256_hex(text.encode("utf-8", "surrogatepass"))
 
 
 class SchemaCache:

@@ -31,7 +31,6 @@ never read, and may not contain ``..`` segments either. Anything else fails the 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -44,6 +43,7 @@ from ..backends.files import fsio
 from ..core.documents import Outcome
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
+from ..core.hashing import sha256_hex
 from ..core.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ def prepare(job: "Job") -> None:
 
 
 def digest(data: bytes) -> dict[str, Any]:
-    return {"size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"size_bytes": len(data), "sha256": sha256_hex(data)}
 
 
 def _text(value: Any) -> str:
@@ -250,6 +250,7 @@ def text_sink(ws: Workspace) -> ArtifactSink:
 def _file_facts(ws: Workspace, ref: str) -> dict[str, Any] | None:
     """size/sha256 of a workspace file named by ``ref`` (a path or a scheme-qualified reference
     such as a ``beads:`` context key); None when it names no file or is not confined."""
+    import hashlib
     try:
         target = confine_reference(ws, ref)
     except InvalidDocument:

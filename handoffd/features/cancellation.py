@@ -238,7 +238,9 @@ def _poll(daemon: DaemonPlugins) -> None:
             if not job.context.cancel_logged:
                 job.context.cancel_logged = True
                 log.info("handoff %s: cancel requested; stopping its handler", handoff_id)
-            from ..core.runner import cancel as stop_handler  # loaded by the daemon already
+            from ..core.runner import (
+                cancel as stop_handler,  # loaded by the daemon already
+            )
             stop_handler(job.context, _reason(body))
             continue
         try:

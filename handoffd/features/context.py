@@ -52,7 +52,6 @@ func)`` is an atomic read-modify-write under the key's lock.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +60,7 @@ from typing import Any, Callable
 from ..backends.files.context import MAX_VALUE_BYTES, FileContext
 from ..core.documents import actor
 from ..core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
+from ..core.hashing import sha256_hex
 from ..core.keys import (
     normalise_key,  # the key rule is the core's (config checks [namespaces] with it)
 )
@@ -303,9 +303,9 @@ class ContextStore:
             value = compute(current, revision)
             data = _encode(key, value)
             entry: dict[str, Any] = {"at": iso(utc_now()), "key": key, "by": agent,
-                                     "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                                     "bytes": len(data), "sha256": sha256_hex(data),
                                      "actor": actor(), "revision": revision + 1,
-                                     "previous_sha256": hashlib.sha256(old).hexdigest() if old is not None else None}
+                                     "previous_sha256": sha256_hex(old) if old is not None else None}
             if handoff_id:
                 entry["handoff_id"] = handoff_id
             written[:] = [value]

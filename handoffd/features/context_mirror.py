@@ -25,7 +25,6 @@ workspace serialise their rounds with a flock on ``context/.meta/mirror.lock``.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from typing import Any, Iterator
 from ..backends.files import fsio
 from ..backends.files.context import MAX_VALUE_BYTES, FileContext
 from ..core.errors import HandoffdError, InvalidDocument
+from ..core.hashing import sha256_hex
 from ..core.keys import normalise_key
 from ..core.storage import SharedContext
 from ..core.timeutil import utc_now
@@ -228,7 +228,7 @@ class ContextMirror:
 
 
 def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return sha256_hex(data)
 
 
 def install(engine: Any, store: ContextStore) -> None:

@@ -13,7 +13,6 @@ delivers, and a stopping daemon gives it a bounded time to finish (:data:`DRAIN_
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -169,6 +168,7 @@ class Notifier:
         return None
 
     def _post(self, notice: Notice) -> str | None:
+        import hashlib
         assert notice.rule.url is not None
         headers = {"Content-Type": "application/json", "User-Agent": "handoffd",
                    "X-Handoffd-Id": notice.handoff_id, "X-Handoffd-State": notice.state.value}

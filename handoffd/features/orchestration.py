@@ -45,7 +45,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import time
@@ -435,6 +434,7 @@ def ensure_conversation(doc: dict[str, Any], dialect: "Dialect", handoff_id: str
 
 
 def child_id(parent: str, round_no: int, index: int) -> str:
+    import hashlib
     suffix = f".c{index}" if round_no <= 1 else f".r{round_no}.c{index}"
     candidate = parent + suffix
     try:

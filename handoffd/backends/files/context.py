@@ -11,13 +11,13 @@ serialised per key with a file lock; each appends its entry to ``context/.histor
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 from ...core.errors import ErrorCode, InvalidDocument
+from ...core.hashing import sha256_hex
 from ...core.storage import ContextChange
 from . import fsio
 
@@ -73,7 +73,7 @@ class FileContext:
             return None, 0
         if record is None:
             return data, 1  # written before revisions existed, or by a foreign tool
-        if hashlib.sha256(data).hexdigest() == record["sha256"]:
+        if sha256_hex(data) == record["sha256"]:
             return data, max(int(record["revision"]), 1)
         return data, int(record["revision"]) + 1  # changed behind the record's back
 
@@ -135,7 +135,7 @@ class FileContext:
             old, revision = self.read(key)
             data, entry = change(old, revision)
             record = (json.dumps({"key": key, "revision": revision + 1,
-                                  "sha256": hashlib.sha256(data).hexdigest()}) + "\n").encode()
+                                  "sha256": sha256_hex(data)}) + "\n").encode()
             # the value first, then its record: a crash in between leaves bytes that do not match
             # the record, which reads as record + 1, the revision this write was giving them
             fsio.replace(path, data, tmp, durable=self.durable)
@@ -157,8 +157,8 @@ class FileContext:
 
 
 def _lock_name(key: str) -> str:
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".lock"
+    return "key-" + sha256_hex(key.encode())[:24] + ".lock"
 
 
 def _rev_name(key: str) -> str:
-    return "rev-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".json"
+    return "rev-" + sha256_hex(key.encode())[:24] + ".json"

@@ -13,8 +13,6 @@ who can read ``handoffs/.meta/`` can forge seals, as they could edit ``completed
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 from pathlib import Path
 from typing import Any
@@ -60,6 +58,10 @@ def load_or_create_key(meta: Path, tmp: Path) -> bytes | None:
 
 def seal_for(key: bytes, handoff_id: str, revision: int, folder: str) -> str:
     """The seal of a document with this id and revision written into ``folder``."""
+    # imported here: loading OpenSSL's hashes costs a cold command ~20 ms, and commands that only
+    # read documents never seal (a repeated import of a loaded module is a dict lookup)
+    import hashlib
+    import hmac
     message = f"{handoff_id}\0{revision}\0{folder}".encode()
     return hmac.new(key, message, hashlib.sha256).hexdigest()[:32]
 
@@ -71,4 +73,5 @@ def sealed(key: bytes | None, doc: dict[str, Any], handoff_id: str, revision: in
     seal = block.get("seal") if isinstance(block, dict) else None
     if key is None or not isinstance(seal, str):
         return False
+    import hmac
     return any(hmac.compare_digest(seal, seal_for(key, handoff_id, revision, f)) for f in folders)

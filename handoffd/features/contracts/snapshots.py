@@ -23,7 +23,6 @@ tracked themselves (an empty new directory is not a change), nor is anything a s
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -238,6 +237,7 @@ class Snapshotter:
         return found
 
     def _digest(self, rel: str, entry: Entry) -> str | None:
+        import hashlib
         path = self.root / rel
         try:
             if entry.kind == "link":
@@ -260,6 +260,7 @@ class Snapshotter:
 
     # ------------------------------------------------------------ cache
     def _cache_path(self) -> Path | None:
+        import hashlib
         if self.cache_dir is None:
             return None
         name = hashlib.sha256(os.fsencode(str(self.root))).hexdigest()[:16]

@@ -1,0 +1,9 @@
+"""SHA-256 digests for names and checksums, loading OpenSSL's hashes on first use: that load
+costs a cold one-shot command about 20 ms, and commands that only read documents never hash."""
+from __future__ import annotations
+
+
+def sha256_hex(data: bytes) -> str:
+    """The SHA-256 of ``data`` in hex."""
+    import hashlib  # a dict lookup once loaded
+    return hashlib.sha256(data).hexdigest()
