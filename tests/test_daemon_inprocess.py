@@ -292,3 +292,43 @@ def test_an_answer_waits_out_the_parking_moves_second_step(tmp_path: Path,
     state, doc = engine.get(hid)
     assert state is State.PENDING and "awaiting" not in book(doc)
     assert doc["input"]["clarifications"][0]["answer"] == "rust"
+
+
+def test_a_claim_racing_a_move_back_to_pending_waits_and_loses_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon that sees the pending copy of a handoff being moved back (answered, retried,
+    handed back) before the in-progress copy is removed must not set it aside as a duplicate:
+    it is told to look again, and claims it once the move is done. A raw document dropped
+    beside a running one is still a duplicate."""
+    from handoffd.backends.files import store as store_module
+    from handoffd.core.errors import DocumentNotReady
+    from handoffd.core.states import State
+
+    engine = engine_with(tmp_path, lambda doc, ctx: {"ok": True})
+    hid = submit(engine, {"q": 1})
+    claimed = engine.claim(hid)
+    assert claimed is not None
+    late: list[threading.Thread] = []
+    real_unlink = store_module.fsio.unlink
+
+    def unlink_later(path: Path, durable: bool = True) -> None:
+        late.append(threading.Timer(0.3, real_unlink, (path,), {"durable": durable}))
+        late[-1].start()
+
+    monkeypatch.setattr(store_module.fsio, "unlink", unlink_later)
+    assert engine.requeue(claimed[0], claimed[1], "handed_back") is State.PENDING
+    monkeypatch.setattr(store_module.fsio, "unlink", real_unlink)
+    with pytest.raises(DocumentNotReady):
+        engine.claim(hid)  # the daemon's claim in the window
+    assert engine.backend.store.locate(hid) == [State.PENDING, State.IN_PROGRESS]
+    assert engine.backend.store.quarantined() == []
+    late[0].join()
+    again = engine.claim(hid)
+    assert again is not None and again[0].doc["handoff_id"] == hid
+    # a foreign document with a running handoff's id is a duplicate, set aside as before
+    raw = json.dumps({"handoff_id": hid, "source": {"agent_id": "@x"},
+                      "target": {"agent_id": "@t"}, "input": {"data": None}})
+    (engine.ws.handoffs / "pending" / f"{hid}.json").write_text(raw)
+    assert engine.claim(hid) is None
+    assert [q["code"] for q in engine.backend.store.quarantined()] == ["DUPLICATE_HANDOFF_ID"]
+    assert engine.backend.store.locate(hid) == [State.IN_PROGRESS]

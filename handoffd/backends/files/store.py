@@ -254,7 +254,8 @@ class Store:
         """Take ``handoff_id`` from pending/ into in-progress/ and lock it.
 
         Returns None when another process won the race. Raises DuplicateHandoff if an in-progress
-        copy already exists, DocumentNotReady if the file is still being written (it is put back),
+        copy already exists (DocumentNotReady when the pending copy is a newer one being moved
+        back), DocumentNotReady if the file is still being written (it is put back),
         and InvalidDocument if it is unreadable (it stays in in-progress/ for the caller to file).
         """
         now = now or utc_now()
@@ -264,6 +265,12 @@ class Store:
         except FileNotFoundError:
             return None
         except FileExistsError:
+            if self._moving_back(handoff_id):
+                # a move back to pending/ (a retry, an answer, a hand-back) writes the pending
+                # copy a moment before it removes the in-progress one: not a duplicate to set
+                # aside (that would lose the handoff), just not claimable for a moment
+                raise DocumentNotReady(f"{handoff_id} is being put back in pending/",
+                                       handoff_id=handoff_id) from None
             raise DuplicateHandoff(f"handoff {handoff_id} is already in progress",
                                    handoff_id=handoff_id) from None
         crash_point("after-claim-rename")
@@ -299,6 +306,22 @@ class Store:
             raise
         crash_point("after-claim-lease")
         return Claim(handoff_id, doc, token, lock, block["attempt"], inode, prior)
+
+    def _moving_back(self, handoff_id: str) -> bool:
+        """True when the pending copy is one handoffd wrote after the in-progress copy (a newer
+        sealed revision, or the in-progress copy is already gone): a move back in flight. A raw
+        pending document beside a running one is a duplicate."""
+        try:
+            back = self.trusted_revision(self.read(State.PENDING, handoff_id), State.PENDING,
+                                         handoff_id)
+            if back == 0:
+                return False
+            running = self.read(State.IN_PROGRESS, handoff_id)
+        except FileNotFoundError:  # one copy is gone: the move (or a claim) just finished
+            return True
+        except InvalidDocument:
+            return False
+        return back > self.trusted_revision(running, State.IN_PROGRESS, handoff_id)
 
     def _young(self, path: Path, now: datetime) -> bool:
         try:
