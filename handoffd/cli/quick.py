@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..core.errors import HandoffdError
-from .basics import PROG, engine, exit_code, json_arg, open_workspace, quiet_stdout
+from .basics import PROG, engine, exit_code, json_arg, quiet_stdout
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -118,8 +118,6 @@ def try_quick(argv: Sequence[str]) -> int | None:
     command, args, opts = parsed
     try:
         if command == "create":
-            if os.environ.get("HANDOFFD_STORE"):
-                return None  # a database store: the full path opens it
             opts["timeout_seconds"] = number(opts.get("timeout_seconds"), float)
         elif command == "ls":
             opts["limit"] = number(opts.get("limit"), int)
@@ -139,8 +137,8 @@ def try_quick(argv: Sequence[str]) -> int | None:
         return exit_code(PROG, exc)
 
 
-def run(command: str, args: list[str], opts: dict[str, Any]) -> int | None:
-    """Run a parsed plain form; its exit code (None: the full command line must take it)."""
+def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
+    """Run a parsed plain form; its exit code."""
     from . import reads
     as_json = bool(opts.pop("as_json", False))
     if command == "create":
@@ -160,14 +158,9 @@ def run(command: str, args: list[str], opts: dict[str, Any]) -> int | None:
     return 0
 
 
-def quick_create(opts: dict[str, Any]) -> int | None:
+def quick_create(opts: dict[str, Any]) -> int:
     """``handoff create --to ...`` in its plain form."""
-    ws = open_workspace(opts.get("root"), create=True)
-    config = ws.load_config()
-    if config.store_url(None) is not None:
-        return None  # a database store: the full path opens it
-    from ..features.build import build_engine
-    eng = build_engine(ws, config, features=("dependencies",))  # what create installs
+    eng = engine(opts.get("root"), create=True, features=("dependencies",))  # as the full path
     payload = json_arg(opts["data"], "--data") if "data" in opts else None
     new_id = submit_request(eng, to=opts["to"], source=opts.get("source", "@cli"),
                             payload=payload, handoff_id=opts.get("handoff_id"),
