@@ -288,3 +288,17 @@ def test_in_process_daemon_fds_threads_and_processes_stay_flat(pws: Any) -> None
         server.join(timeout=30)
     assert not server.is_alive()
     assert engine.backend.store.ids(State.IN_PROGRESS) == []
+
+
+def test_the_allocator_is_asked_to_keep_memory_flat() -> None:
+    """`handoffd serve` caps glibc's malloc arenas before its threads start and trims after each
+    sweep; on glibc both calls take effect, elsewhere they say they did nothing."""
+    import platform
+
+    from handoffd.service import allocator
+    glibc = platform.libc_ver()[0] == "glibc"
+    code = ("from handoffd.service import allocator; "
+            "print(allocator.limit_arenas(), allocator.trim())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ([str(glibc)] * 2), out
+    assert allocator.trim() is glibc

@@ -92,6 +92,8 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
     and handing in-flight work back), so that a supervisor restarts it.
     """
     _logging(verbose, log_format=log_format)
+    from ..service import allocator
+    allocator.limit_arenas()  # before any thread: a long-lived daemon's memory stays flat
     eng = engine(root, create=True, store=store)
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         _warn_if_shared(eng.ws.root)

@@ -25,6 +25,7 @@ from ..core.runner import cancel
 from ..core.specialists import Specialist
 from ..core.states import State
 from ..core.storage import LOST, Wakeup
+from . import allocator
 from .sweeper import SweepReport, sweep
 
 log = logging.getLogger("handoffd")
@@ -748,6 +749,7 @@ class Daemon:
             now = time.monotonic()
             if not batch and now >= next_sweep and not self.stopping:
                 self.sweep()
+                allocator.trim()  # what the handoffs since the last sweep freed goes back
                 next_sweep = now + self.settings.sweep_seconds
             if now >= next_renew:
                 self.renew_leases()
