@@ -261,22 +261,19 @@ def test_priority_orders_due_handoffs(tmp_path: Path) -> None:
     assert ranks == ["critical", "high", "high", "normal", "low", "low", "backlog"]
 
 
-def test_an_answer_waits_out_the_parking_moves_second_step(tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Parking writes the pending copy a moment before it removes the in-progress one; an
-    answer arriving in between (the requester saw the question at once) tries again rather
-    than telling the requester the handoff moved."""
+def requeue_holding_the_unlink(engine: Engine, hid: str, event: str,
+                               monkeypatch: pytest.MonkeyPatch,
+                               **book_entries: Any) -> threading.Timer:
+    """Claim ``hid`` and move it back to pending/ (``event``) with the removal of its
+    in-progress copy held back 0.3 s: the window in which both copies exist. The timer that
+    removes it is returned (join it)."""
     from handoffd.backends.files import store as store_module
     from handoffd.core.states import State
-    from handoffd.features import orchestration
 
-    engine = engine_with(tmp_path, lambda doc, ctx: {"ok": True})
-    hid = submit(engine, {"q": 1})
     claimed = engine.claim(hid)
     assert claimed is not None
-    claim, dialect = claimed
-    book(claim.doc)["awaiting"] = {"kind": "needs_clarification", "questions": ["which?"]}
-    late: list[threading.Thread] = []
+    book(claimed[0].doc).update(book_entries)
+    late: list[threading.Timer] = []
     real_unlink = store_module.fsio.unlink
 
     def unlink_later(path: Path, durable: bool = True) -> None:
@@ -284,11 +281,26 @@ def test_an_answer_waits_out_the_parking_moves_second_step(tmp_path: Path,
         late[-1].start()
 
     monkeypatch.setattr(store_module.fsio, "unlink", unlink_later)
-    assert engine.requeue(claim, dialect, "needs_clarification") is State.PENDING
+    assert engine.requeue(claimed[0], claimed[1], event) is State.PENDING
     monkeypatch.setattr(store_module.fsio, "unlink", real_unlink)
     assert engine.backend.store.locate(hid) == [State.PENDING, State.IN_PROGRESS]
+    return late[0]
+
+
+def test_an_answer_waits_out_the_parking_moves_second_step(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parking writes the pending copy a moment before it removes the in-progress one; an
+    answer arriving in between (the requester saw the question at once) tries again rather
+    than telling the requester the handoff moved."""
+    from handoffd.core.states import State
+    from handoffd.features import orchestration
+
+    engine = engine_with(tmp_path, lambda doc, ctx: {"ok": True})
+    hid = submit(engine, {"q": 1})
+    timer = requeue_holding_the_unlink(engine, hid, "needs_clarification", monkeypatch, awaiting={
+        "kind": "needs_clarification", "questions": ["which?"]})
     orchestration.answer(engine, hid, "rust")  # raced the unlink: tried again, then answered
-    late[0].join()
+    timer.join()
     state, doc = engine.get(hid)
     assert state is State.PENDING and "awaiting" not in book(doc)
     assert doc["input"]["clarifications"][0]["answer"] == "rust"
@@ -300,29 +312,17 @@ def test_a_claim_racing_a_move_back_to_pending_waits_and_loses_nothing(
     handed back) before the in-progress copy is removed must not set it aside as a duplicate:
     it is told to look again, and claims it once the move is done. A raw document dropped
     beside a running one is still a duplicate."""
-    from handoffd.backends.files import store as store_module
     from handoffd.core.errors import DocumentNotReady
     from handoffd.core.states import State
 
     engine = engine_with(tmp_path, lambda doc, ctx: {"ok": True})
     hid = submit(engine, {"q": 1})
-    claimed = engine.claim(hid)
-    assert claimed is not None
-    late: list[threading.Thread] = []
-    real_unlink = store_module.fsio.unlink
-
-    def unlink_later(path: Path, durable: bool = True) -> None:
-        late.append(threading.Timer(0.3, real_unlink, (path,), {"durable": durable}))
-        late[-1].start()
-
-    monkeypatch.setattr(store_module.fsio, "unlink", unlink_later)
-    assert engine.requeue(claimed[0], claimed[1], "handed_back") is State.PENDING
-    monkeypatch.setattr(store_module.fsio, "unlink", real_unlink)
+    timer = requeue_holding_the_unlink(engine, hid, "handed_back", monkeypatch)
     with pytest.raises(DocumentNotReady):
         engine.claim(hid)  # the daemon's claim in the window
     assert engine.backend.store.locate(hid) == [State.PENDING, State.IN_PROGRESS]
     assert engine.backend.store.quarantined() == []
-    late[0].join()
+    timer.join()
     again = engine.claim(hid)
     assert again is not None and again[0].doc["handoff_id"] == hid
     # a foreign document with a running handoff's id is a duplicate, set aside as before
