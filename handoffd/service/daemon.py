@@ -704,6 +704,7 @@ class Daemon:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
         self.report.sweep = self.sweep()
+        warm_up()
         self._subscribe()
         if ready:
             ready()
@@ -826,3 +827,13 @@ class Daemon:
                 hook()
             except Exception:  # a feature's stop must not turn a clean stop into a crash
                 log.exception("stop hook %r failed", hook)
+
+
+def warm_up() -> None:
+    """Load before serving what the first handoff would otherwise load: the schema checks
+    (jsonschema and RE2, ~120 ms) and the seals' hashes. One-shot commands keep these imports
+    lazy; a serving daemon pays them before it says it is serving, not on a handoff's clock."""
+    import hmac  # noqa: F401
+
+    from ..core import fastschema, jsonschema_re2  # noqa: F401
+
