@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from conftest import Workspace, exe
+from conftest import Workspace, exe, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from handoffd.backends.files.events import FileEventLog
@@ -131,9 +131,16 @@ def test_metrics_endpoint_and_textfile(ws: Workspace, tmp_path: Path) -> None:
         ok = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "ok"}))
         ws.wait_state(hid)
         ws.wait_state(ok)
-        with urllib.request.urlopen(url, timeout=10) as response:
-            scraped = samples(response.read().decode())
         labels = (("agent", "@flaky"), ("event", "completed"))
+        scraped: dict[tuple[str, tuple], float] = {}
+
+        def counted() -> bool:  # the file appears a moment before the filing is counted
+            with urllib.request.urlopen(url, timeout=10) as response:
+                scraped.update(samples(response.read().decode()))
+            return ("handoffd_run_seconds_count", (("agent", "@flaky"),)) in scraped and \
+                scraped[("handoffd_run_seconds_count", (("agent", "@flaky"),))] == 2 and \
+                ("handoffd_transitions_total", labels) in scraped
+        wait_until(counted, timeout=10, what="both filings counted")
         assert scraped[("handoffd_transitions_total", labels)] == 1
         assert scraped[("handoffd_failures_total", (("agent", "@flaky"),
                                                     ("code", "PROCESSING_ERROR")))] == 1
