@@ -74,6 +74,18 @@ def exit_code(program: str, exc: BaseException) -> int:
     return code
 
 
+def failure_code(program: str, exc: BaseException) -> int:
+    """What a command that raised ``exc`` exits with (one stderr line, never a traceback): 0
+    when stdout's reader left (a broken pipe); a bug is re-raised when HANDOFFD_DEBUG is set."""
+    if isinstance(exc, BrokenPipeError):  # e.g. `handoff trace X --json | head`
+        quiet_stdout()
+        return 0
+    if os.environ.get("HANDOFFD_DEBUG") and not isinstance(exc, (HandoffdError, OSError,
+                                                                  KeyboardInterrupt)):
+        raise exc
+    return exit_code(program, exc)
+
+
 def quiet_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
     devnull = os.open(os.devnull, os.O_WRONLY)

@@ -3,17 +3,15 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional, TypeVar
 
 import typer
 
-from ..core.errors import HandoffdError
 from ..core.workspace import Workspace
 from .basics import engine as engine  # the commands' one way to an Engine
-from .basics import exit_code, open_workspace, quiet_stdout
+from .basics import failure_code, open_workspace, quiet_stdout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,15 +61,8 @@ def guarded(program: str) -> Callable[[F], F]:
                 return func(*args, **kwargs)
             except (typer.Exit, typer.Abort, SystemExit):
                 raise
-            except BrokenPipeError:  # e.g. `handoff trace X --json | head`: the reader left
-                quiet_stdout()
-                raise typer.Exit(0)
-            except (HandoffdError, KeyboardInterrupt, OSError) as exc:
-                raise typer.Exit(exit_code(program, exc)) from None
-            except Exception as exc:  # a bug: still one line (HANDOFFD_DEBUG=1 shows the traceback)
-                if os.environ.get("HANDOFFD_DEBUG"):
-                    raise
-                raise typer.Exit(exit_code(program, exc)) from None
+            except (Exception, KeyboardInterrupt) as exc:
+                raise typer.Exit(failure_code(program, exc)) from None
         return wrapper  # type: ignore[return-value]
     return decorate
 

@@ -11,13 +11,11 @@ then handles with its own parsing and messages.
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..core.errors import HandoffdError
-from .basics import PROG, engine, exit_code, json_arg, quiet_stdout
+from .basics import PROG, engine, failure_code, json_arg
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -46,8 +44,6 @@ COMMANDS = {
 }
 
 
-
-
 def submit_request(eng: "Engine", *, to: str, source: str = "@cli", payload: Any = None,
                    handoff_id: str | None = None, timeout_seconds: float | None = None,
                    priority: str | None = None, depends_on: list[str] | None = None,
@@ -63,7 +59,6 @@ def submit_request(eng: "Engine", *, to: str, source: str = "@cli", payload: Any
         doc["expires_at"] = expires_at
     # new_native_request refuses what the schema would (e.g. --priority urgent): no validator
     return eng.submit(doc, forced="native", prechecked=True, if_absent=if_absent, due_at=due_at)
-
 
 
 def parse(argv: Sequence[str]) -> tuple[str, list[str], dict[str, Any]] | None:
@@ -127,14 +122,8 @@ def try_quick(argv: Sequence[str]) -> int | None:
         return None
     try:
         return run(command, args, opts)
-    except BrokenPipeError:  # the reader of stdout left: nothing more to say
-        quiet_stdout()
-        return 0
     except (Exception, KeyboardInterrupt) as exc:  # one line, as in the full command line
-        if os.environ.get("HANDOFFD_DEBUG") and not isinstance(exc, (HandoffdError, OSError,
-                                                                      KeyboardInterrupt)):
-            raise
-        return exit_code(PROG, exc)
+        return failure_code(PROG, exc)
 
 
 def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
@@ -169,6 +158,5 @@ def quick_create(opts: dict[str, Any]) -> int:
     print(new_id)
     sys.stdout.flush()
     return 0
-
 
 

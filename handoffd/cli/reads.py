@@ -3,7 +3,6 @@
 call these, so the two cannot drift apart."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,6 @@ STATES = [s.value for s in State] + ["quarantined"]
 def show(root: str | Path | None, handoff_id: str, *, as_json: bool) -> None:
     """``handoff show``: a handoff's document, its history and its family (or its archive
     entry once retention archived it)."""
-    from ..core.documents import book
     eng = engine(root, features=())  # reading a document needs no feature
     try:
         state, doc = eng.get(handoff_id)
@@ -41,13 +39,11 @@ def show(root: str | Path | None, handoff_id: str, *, as_json: bool) -> None:
     out.line((handoff_id, "bold"), "  state: ", (state.value, "bold"),
              f"  file: {path}" if path else "  ")
     print_family(out, eng, handoff_id, doc)  # parent, children, waiting
-    out.table(*timeline_rows(book(doc).get("history", [])), title="history")
-    out.json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
+    print_document(out, doc)
 
 
 def show_archived(eng: "Engine", handoff_id: str, *, as_json: bool) -> bool:
     """``handoff show`` of a handoff retention archived; False when there is no such entry."""
-    from ..core.documents import book
     from ..features.retention import find_archived
     entry = find_archived(eng.ws, handoff_id)
     if entry is None:
@@ -61,9 +57,15 @@ def show_archived(eng: "Engine", handoff_id: str, *, as_json: bool) -> bool:
     doc = kept if isinstance(kept, dict) else {}
     out.line((handoff_id, "bold"), "  state: ", (str(entry.get("state")), "bold"),
              f"  archived at {entry.get('archived_at')}")
-    out.table(*timeline_rows(book(doc).get("history", [])), title="history")
-    out.json(json.dumps({k: v for k, v in doc.items() if k != "handoffd"}))
+    print_document(out, doc)
     return True
+
+
+def print_document(out: Out, doc: dict[str, Any]) -> None:
+    """The history timeline, then the document without handoffd's bookkeeping."""
+    from ..core.documents import book
+    out.table(*timeline_rows(book(doc).get("history", [])), title="history")
+    out.json({k: v for k, v in doc.items() if k != "handoffd"})
 
 
 def document_path(eng: "Engine", state: State, handoff_id: str) -> Path | None:

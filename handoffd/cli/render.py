@@ -85,12 +85,12 @@ class Out:
             for text in plain_table(columns, rows, title):
                 print(text)
 
-    def json(self, text: str) -> None:
-        """A JSON document (``text``), indented (highlighted at a terminal)."""
+    def json(self, data: Any) -> None:
+        """``data`` as indented JSON (highlighted at a terminal)."""
         if self.terminal:
-            self.rich.print_json(text)
+            self.rich.print_json(data=data)
         else:
-            print(json.dumps(json.loads(text), indent=2, ensure_ascii=False))
+            print_json(data)
 
 
 def rich_table(columns: Sequence[str], rows: Sequence[Sequence[Piece]],

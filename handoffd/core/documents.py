@@ -42,6 +42,12 @@ def new_id(now: datetime) -> str:
     return f"hoff-{now.strftime('%Y%m%d%H%M%S')}-{os.urandom(6).hex()}"
 
 
+def random_uuid() -> str:
+    """A random (version 4) UUID as text, for the formats whose ids are UUIDs."""
+    import uuid  # it loads platform (~5 ms): only answers in those formats need it
+    return str(uuid.uuid4())
+
+
 def hostname() -> str:
     """This host's name, as ``socket.gethostname()`` gives it (both read uname; importing
     socket is a noticeable part of a CLI start that needs nothing else from it)."""

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..core.documents import Envelope, Outcome, check_id, priority_rank
+from ..core.documents import Envelope, Outcome, check_id, priority_rank, random_uuid
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
@@ -161,8 +161,7 @@ class AgentHandoffDialect:
               else outcome.executed_by or "handoffd")
         back = request.get("from_agent") if isinstance(request.get("from_agent"), str) else "unknown"
         onward = next_agent(outcome) if status in ("success", "partial") else None
-        import uuid
-        answer: dict[str, Any] = {"handoff_id": str(uuid.uuid4())}
+        answer: dict[str, Any] = {"handoff_id": random_uuid()}
         if isinstance(request.get("conversation_id"), str):
             answer["conversation_id"] = request["conversation_id"]
         answer.update({"from_agent": me, "to_agent": onward or back, "status": status,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from ..core.documents import Envelope, Outcome, check_id, priority_rank
+from ..core.documents import Envelope, Outcome, check_id, priority_rank, random_uuid
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
@@ -108,8 +108,7 @@ class HaiosDialect:
         if self.is_answer(doc):
             return
         if doc.get("handoff_id") is None:
-            import uuid
-            doc["handoff_id"] = handoff_id or str(uuid.uuid4())
+            doc["handoff_id"] = handoff_id or random_uuid()
         if doc.get("created_at") is None:
             doc["created_at"] = iso(now)
 

@@ -13,7 +13,7 @@ import json
 from datetime import datetime
 from typing import Any
 
-from ..core.documents import Envelope, Outcome, check_id, priority_rank
+from ..core.documents import Envelope, Outcome, check_id, priority_rank, random_uuid
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
@@ -178,10 +178,9 @@ class HiMoeDialect:
         if major_of(version) not in SUPPORTED_MAJORS:
             version = CURRENT_VERSION
         receiver, sender = answer_tiers(request)
-        import uuid
         answer: dict[str, Any] = {
             "version": version,
-            "id": str(uuid.uuid4()),
+            "id": random_uuid(),
             "timestamp": iso(outcome.finished_at),
             "source_tier": receiver,
             "target_tier": sender,

@@ -25,6 +25,7 @@ from datetime import datetime
 from enum import Enum, IntEnum
 from typing import Any, ClassVar, Mapping, TypeVar
 
+from ..core.documents import random_uuid
 from ..core.timeutil import iso, utc_now
 
 M = TypeVar("M", bound="Model")
@@ -66,14 +67,8 @@ def _now() -> str:
     return iso(utc_now())
 
 
-def _uuid() -> str:
-    import uuid
-    return str(uuid.uuid4())
-
-
 def _native_id() -> str:
-    import uuid
-    return f"hoff-{uuid.uuid4().hex}"
+    return f"hoff-{random_uuid().replace('-', '')}"
 
 
 def _encode(value: Any) -> Any:
@@ -320,7 +315,7 @@ class Message(Model):
         """A new message (uuid4 id, current time, version 1.0.0)."""
         def tier(value: Any) -> str | int:
             return value.name if isinstance(value, TierLevel) else value
-        return cls(version=cls.CURRENT_VERSION, id=id or _uuid(), timestamp=_now(),
+        return cls(version=cls.CURRENT_VERSION, id=id or random_uuid(), timestamp=_now(),
                    source_tier=tier(source_tier), target_tier=tier(target_tier),
                    correlation_id=correlation_id, payload=payload)
 
@@ -333,7 +328,7 @@ class AgentHandoff(Model):
     """Seed 002's Universal AgentHandoff. Nested objects (context, results, blockers...) are
     plain dicts shaped as the seed's schema says."""
 
-    handoff_id: str = field(default_factory=_uuid)
+    handoff_id: str = field(default_factory=random_uuid)
     conversation_id: str | None = None
     from_agent: str
     to_agent: str
@@ -362,7 +357,7 @@ class HandoffPayload(Model):
 class CollaborationHandoff(Model):
     """Seed 003's agent-to-agent handoff (defaults as the seed's dataclass)."""
 
-    handoff_id: str = field(default_factory=_uuid)
+    handoff_id: str = field(default_factory=random_uuid)
     from_agent: str
     to_agent: str
     created_at: str = field(default_factory=_now)
