@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .basics import PROG, engine, failure_code, json_arg
 
@@ -61,12 +61,14 @@ def submit_request(eng: "Engine", *, to: str, source: str = "@cli", payload: Any
     return eng.submit(doc, forced="native", prechecked=True, if_absent=if_absent, due_at=due_at)
 
 
-def parse(argv: Sequence[str]) -> tuple[str, list[str], dict[str, Any]] | None:
+def parse(argv: Sequence[str], commands: Mapping[str, Form] = COMMANDS,
+          ) -> tuple[str, list[str], dict[str, Any]] | None:
     """``(command, positional arguments, {parameter: text or True})``, or None unless ``argv``
-    is the plain form of a command in :data:`COMMANDS`."""
-    if not argv or argv[0] not in COMMANDS:
+    is the plain form of a command in ``commands`` (``handoff``'s: :data:`COMMANDS`; those of
+    ``handoffd``: :data:`handoffd.cli.handoffd_cmd.FORMS`)."""
+    if not argv or argv[0] not in commands:
         return None
-    form = COMMANDS[argv[0]]
+    form = commands[argv[0]]
     found: dict[str, Any] = {}
     args: list[str] = []
     rest = list(argv[1:])

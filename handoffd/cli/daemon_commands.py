@@ -1,0 +1,191 @@
+"""What ``handoffd serve`` and ``handoffd run`` do, without typer: :func:`serve` and
+:func:`run_batch` take the commands' options as plain values and return the exit code.
+
+Both command lines call them: the quick path of the console script
+(:func:`handoffd.cli.handoffd_cmd.main`, which parses the plain forms itself) and the full one
+(:mod:`handoffd.cli.handoffd_app`, typer). A daemon under a supervisor and a batch started by cron
+every minute pay their start-up each time; importing typer and click took longer than the
+batch's own work on an empty queue. Errors are raised (the caller turns them into one stderr line
+and an exit code with :func:`handoffd.cli.basics.failure_code`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from ..core.workspace import network_filesystem
+from .basics import engine
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+    from ..service.daemon import Daemon
+
+PROG = "handoffd"
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per log record: time, level, event, message, and the handoff's facts a
+    record carries (handoff_id, agent, attempt, state, seconds, code), for log shippers."""
+
+    FIELDS = ("event", "handoff_id", "agent", "attempt", "state", "seconds", "duration", "code")
+
+    def format(self, record: logging.LogRecord) -> str:
+        from datetime import datetime, timezone
+        entry: dict[str, object] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname.lower(), "message": record.getMessage()}
+        for name in self.FIELDS:
+            if hasattr(record, name):
+                entry[name] = getattr(record, name)
+        if record.exc_info:
+            entry["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure_logging(verbose: bool, *, quiet: bool = False, log_format: str = "text") -> None:
+    """Log to stderr: info with -v, errors only with -q, else warnings; ``log_format`` text or
+    json (:class:`JsonLines`)."""
+    level = logging.INFO if verbose else logging.ERROR if quiet else logging.WARNING
+    if log_format not in ("text", "json"):
+        from ..core.errors import UsageError
+        raise UsageError(f"--log-format {log_format!r}: text or json")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLines() if log_format == "json"
+                         else logging.Formatter("handoffd: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+    logging.getLogger("watchdog").setLevel(logging.WARNING)
+
+
+def warn_if_shared(root: Path, detect: Callable[[Path], str | None] = network_filesystem) -> None:
+    """Say so when the workspace is on a network filesystem (``detect`` names it): file locks
+    there are local or emulated and inotify misses other hosts' writes, so another host's claim
+    is judged by its lease alone (docs/guarantees.md)."""
+    fs = detect(root)
+    if fs:
+        from ..backends.files.backend import CLOCK_TOLERANCE_SECONDS
+        logging.getLogger("handoffd").warning(
+            "the workspace is on a network filesystem (%s): claims of other hosts are recovered "
+            "only after their lease expires (+%gs clock tolerance), new files are found by "
+            "rescans; keep host clocks in sync", fs, CLOCK_TOLERANCE_SECONDS)
+
+
+def serve(root: Path | None = None, workers: int | None = None, verbose: bool = False,
+          log_format: str = "text", store: str | None = None, metrics: str | None = None,
+          metrics_textfile: Path | None = None) -> int:
+    """``handoffd serve``: run in the foreground until SIGTERM/SIGINT; the exit code (1 when
+    the main loop died of an unexpected error)."""
+    configure_logging(verbose, log_format=log_format)
+    from ..service import allocator
+    allocator.limit_arenas()  # before any thread: a long-lived daemon's memory stays flat
+    from ..service.daemon import Daemon
+    eng = engine(root, create=True, store=store)
+    if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
+        warn_if_shared(eng.ws.root)
+    daemon = Daemon(eng, workers=workers)
+    exposed = expose_metrics(eng, daemon, metrics, metrics_textfile)
+    if not log_filings(eng):
+        daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
+            "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid,
+                                              "state": st.value}))
+    systemd = None
+    if os.environ.get("NOTIFY_SOCKET"):  # Type=notify: READY, STOPPING, WATCHDOG
+        from ..service.systemd import SystemdNotifier  # (and socket) only under systemd
+        systemd = SystemdNotifier.from_env()
+    if systemd is not None:
+        daemon.add_scan_hook(systemd.watchdog)  # pinged from the main loop: a hang stops it
+        daemon.add_stop_hook(systemd.stopping)
+
+    def ready() -> None:
+        line = (f"serving {eng.ws.root} ({daemon.workers} workers; at once per specialist: "
+                f"{daemon.limits() or 'no specialists'}){exposed}")
+        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+        if systemd is not None:
+            systemd.ready(line)
+
+    code = daemon.serve(ready=ready)
+    print(f"{PROG}: stopped: {daemon.report.line()}", file=sys.stderr)
+    if daemon.report.error:
+        print(f"{PROG}: error: the main loop died ({daemon.report.error}); restart the daemon",
+              file=sys.stderr)
+    return code or (1 if daemon.report.error else 0)
+
+
+def run_batch(root: Path | None = None, workers: int | None = None, verbose: bool = False,
+              quiet: bool = False, max_seconds: float | None = None, log_format: str = "text",
+              store: str | None = None) -> int:
+    """``handoffd run``: one batch for cron; the exit code (1 when a handoff it processed
+    failed or the main loop died)."""
+    configure_logging(verbose, quiet=quiet, log_format=log_format)
+    from ..service.daemon import Daemon
+    eng = engine(root, create=True, store=store)
+    if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
+        warn_if_shared(eng.ws.root)
+    log_filings(eng)
+    report = Daemon(eng, workers=workers, watch=False).run_batch(install_signals=True,
+                                                                 max_seconds=max_seconds)
+    if report.error:
+        print(f"{PROG}: error: the main loop died ({report.error})", file=sys.stderr)
+    elif not quiet and (verbose or report.needs_a_look() or sys.stderr.isatty()):
+        if log_format == "json":  # the summary as one more record (at warning: always shown)
+            logging.getLogger("handoffd").warning("batch done: %s", report.line(),
+                                                  extra={"event": "batch_done"})
+        else:
+            print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
+    return 1 if report.failed or report.error else 0
+
+
+FILINGS = frozenset({"completed", "failed", "cancelled", "retry_scheduled", "set_aside"})
+
+
+def log_filings(eng: Engine) -> bool:
+    """Log (at info: shown with -v) each filing, retry and set-aside with its agent, attempt,
+    duration and error code, from the event stream; False when the engine logs no events."""
+    from ..core.events import RecordingBackend
+    if not isinstance(eng.backend, RecordingBackend):
+        return False
+    logger = logging.getLogger("handoffd")
+
+    def filed(event: dict[str, object]) -> None:
+        if event.get("event") not in FILINGS:
+            return
+        code = f" {event['code']}" if event.get("code") else ""
+        took = f" in {event['seconds']}s" if event.get("seconds") is not None else ""
+        logger.info("%s -> %s (%s)%s%s", event.get("id"), event.get("state"), event.get("event"),
+                    code, took, extra={
+                        "event": event.get("event"), "handoff_id": event.get("id"),
+                        "agent": event.get("agent"), "attempt": event.get("attempt"),
+                        "state": event.get("state"), "duration": event.get("seconds"),
+                        "code": event.get("code")})
+
+    eng.backend.listeners.append(filed)
+    return True
+
+
+def expose_metrics(eng: Engine, daemon: Daemon, address: str | None,
+                   textfile: Path | None) -> str:
+    """Start the metrics endpoint and/or textfile writer of ``serve``; what to add to its
+    start line."""
+    from ..core.errors import UsageError
+    said = ""
+    if address is not None:
+        from ..service.metrics import serve_http
+        try:
+            server, port = serve_http(eng, address)
+        except ValueError:
+            raise UsageError(f"--metrics {address!r}: give [HOST:]PORT, e.g. :9464") from None
+        except OSError as exc:
+            raise UsageError(f"--metrics {address}: cannot listen: {exc.strerror}") from None
+        daemon.add_stop_hook(server.shutdown)
+        said += f"; metrics on http://{address.rpartition(':')[0] or '0.0.0.0'}:{port}/metrics"
+    if textfile is not None:
+        from ..service.metrics import TextfileWriter
+        writer = TextfileWriter(eng, str(textfile))
+        writer.start()
+        daemon.add_stop_hook(writer.stop)
+        said += f"; metrics textfile {textfile}"
+    return said

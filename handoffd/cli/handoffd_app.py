@@ -1,0 +1,125 @@
+"""``handoffd``'s full command line (typer): serve a workspace, run one batch, sweep, metrics,
+mcp, db. The console script (:func:`handoffd.cli.handoffd_cmd.main`) comes here for anything its
+quick path does not take; ``serve`` and ``run`` run :mod:`handoffd.cli.daemon_commands`, as the
+quick path does."""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import RootOption, StoreOption, engine, guarded, new_app, run_app, workspace
+from .daemon_commands import PROG, configure_logging, run_batch
+from .daemon_commands import serve as serve_workspace
+from .db_cmd import db_app
+
+app = new_app("The handoffd daemon: claims handoffs and runs their specialists.")
+app.add_typer(db_app, name="db")  # handoffd db init / import: the PostgreSQL store
+
+Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Worker threads (default: [daemon] workers).")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log every transition.")]
+
+
+LogFormat = Annotated[str, typer.Option("--log-format", help="text (default) or json: one object per line.")]
+
+
+@app.command()
+@guarded(PROG)
+def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = False,
+          log_format: LogFormat = "text", store: StoreOption = None,
+          metrics: Annotated[Optional[str], typer.Option(
+              "--metrics", help="Serve Prometheus metrics over HTTP at [HOST:]PORT, e.g. :9464.")] = None,
+          metrics_textfile: Annotated[Optional[Path], typer.Option(
+              "--metrics-textfile", help="Rewrite the metrics into FILE every 15 s (node_exporter).")] = None,
+          ) -> None:
+    """Run in the foreground until SIGTERM/SIGINT; then finish or hand back work and exit 0.
+
+    Exits 1 if the main loop dies of an unexpected error (after logging it with a traceback
+    and handing in-flight work back), so that a supervisor restarts it.
+    """
+    raise typer.Exit(serve_workspace(root, workers, verbose, log_format, store, metrics,
+                                     metrics_textfile))
+
+
+@app.command()
+@guarded(PROG)
+def metrics(root: RootOption = None,
+            textfile: Annotated[Optional[Path], typer.Option(
+                "--textfile", help="Write into FILE atomically (node_exporter) instead of stdout.")] = None,
+            ) -> None:
+    """Print the workspace's Prometheus metrics once (from the event log and the queue)."""
+    from ..service.metrics import registry_for, write_textfile
+    eng = engine(root, features=())
+    if textfile is not None:
+        write_textfile(eng, str(textfile))
+        return
+    from prometheus_client import generate_latest
+    sys.stdout.write(generate_latest(registry_for(eng)).decode())
+
+
+@app.command()
+@guarded(PROG)
+def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = False,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+        max_seconds: Annotated[Optional[float], typer.Option(
+            "--max-seconds", min=0.0, help="Stop after S seconds: hand back what still runs.")] = None,
+        log_format: LogFormat = "text", store: StoreOption = None,
+        ) -> None:
+    """One batch for cron: recover, process everything due, wait for it, exit.
+
+    Says nothing when nothing needs a look (cron mails whatever a job prints) unless stderr is
+    a terminal or -v is given; a failure, a set-aside or handed-back handoff, or an error is
+    always summarised (-q silences that too). SIGTERM/SIGINT stop it as they stop `serve`.
+    Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/
+    or the main loop died of an unexpected error (logged with a traceback; work handed back).
+    """
+    raise typer.Exit(run_batch(root, workers, verbose, quiet, max_seconds, log_format, store))
+
+
+@app.command()
+@guarded(PROG)
+def mcp(root: RootOption = None,
+        http: Annotated[Optional[str], typer.Option(
+            "--http", help="Serve streamable HTTP on HOST:PORT (default: stdio).")] = None,
+        as_agent: Annotated[str, typer.Option(
+            "--as", help="The agent identity it acts as (source, context permissions).")] = "@mcp",
+        ) -> None:
+    """Serve the workspace as an MCP server (tools: create/wait/get/list/cancel/answer/retry
+    handoffs, context, trace; resources: the formats' JSON Schemas). Needs handoffd[mcp]."""
+    from ..core.errors import UsageError
+    try:
+        from ..service.mcp_server import build_server
+    except ImportError as exc:
+        raise UsageError(f"handoffd mcp needs the MCP SDK ({exc.name} is missing): "
+                         "pip install 'handoffd[mcp]'") from None
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,  # stdout is the protocol's
+                        format="handoffd: %(levelname)s: %(message)s")
+    ws = workspace(root, create=True)
+    server = build_server(ws.root, agent=as_agent)
+    if http is None:
+        server.run("stdio")
+        return
+    host, _, port = http.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--http {http!r}: give HOST:PORT, e.g. 127.0.0.1:8765")
+    server.run("streamable-http", host=host or "127.0.0.1", port=int(port))
+
+
+@app.command()
+@guarded(PROG)
+def sweep(root: RootOption = None, verbose: Verbose = False, store: StoreOption = None) -> None:
+    """Recover stale claims, repair interrupted moves, clean temp files, then exit."""
+    from ..service.sweeper import sweep as sweep_once
+    configure_logging(verbose)
+    eng = engine(root, create=True, store=store)
+    report = sweep_once(eng)
+    print(f"{PROG}: sweep: {report.summary()}", file=sys.stderr)
+
+
+def main() -> None:
+    """The full command line alone (no quick path): what :func:`handoffd_cmd.main` falls
+    back to, and what tests compare the quick path with."""
+    run_app(app, PROG)

@@ -1,0 +1,233 @@
+"""``handoffd run`` and ``handoffd serve`` start without typer: the console script parses their
+plain forms itself (handoffd.cli.handoffd_cmd) and runs the same functions as the full command
+line (handoffd.cli.daemon_commands). Every command line here runs the installed ``handoffd``
+both ways (``$HANDOFFD_FULL_CLI`` forces the full one) and must give the same exit code, stdout
+and stderr (once workspace paths, clock times and durations are set aside)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FLAKY_TOML, exe
+
+from handoffd.core.workspace import Workspace
+
+FULL = {**os.environ, "HANDOFFD_FULL_CLI": "1"}
+QUICK = {k: v for k, v in os.environ.items() if k != "HANDOFFD_FULL_CLI"}
+DURATION = re.compile(r"\b\d+(\.\d+)?s\b")
+
+
+def workspace(root: Path, *, pending: bool = False) -> Path:
+    """A workspace registering @flaky; with ``pending``, one handoff that completes and one
+    that fails for good (a foreign producer's drops)."""
+    root.mkdir(parents=True)
+    (root / "handoffd.toml").write_text(FLAKY_TOML)
+    Workspace(root).ensure()
+    if pending:
+        for hid, mode in (("s-ok", "ok"), ("s-bad", "permanent")):
+            doc = {"handoff_id": hid, "target": {"agent_id": "@flaky"},
+                   "input": {"data": {"mode": mode}}}
+            (root / "handoffs" / "pending" / f"{hid}.json").write_text(json.dumps(doc))
+    return root
+
+
+def normal(text: str, root: Path) -> list[str]:
+    """``text``'s lines with the workspace path, log times and durations set aside, sorted
+    (with several workers, handoffs finish in either order)."""
+    lines = []
+    for line in text.replace(str(root), "<root>").splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            for key in ("time", "seconds", "duration"):
+                entry.pop(key, None)
+            line = json.dumps(entry, sort_keys=True)
+        lines.append(DURATION.sub("<s>", line))
+    return sorted(lines)
+
+
+def handoffd(root: Path, *args: str, full: bool) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([exe("handoffd"), *args, "--root", str(root)], capture_output=True,
+                          text=True, timeout=60, env=FULL if full else QUICK)
+
+
+def outcome(proc: subprocess.CompletedProcess[str], root: Path) -> tuple[Any, ...]:
+    return proc.returncode, normal(proc.stdout, root), normal(proc.stderr, root)
+
+
+def test_the_quick_path_takes_only_plain_forms() -> None:
+    from handoffd.cli.handoffd_cmd import FORMS, plain_form, try_quick
+    from handoffd.cli.quick import parse
+    assert parse(["run", "-q", "--workers", "2", "--max-seconds=5", "--log-format", "json",
+                  "--store", "x", "--root", "r"], FORMS) == ("run", [], {
+                      "quiet": True, "workers": "2", "max_seconds": "5", "log_format": "json",
+                      "store": "x", "root": "r"})
+    assert parse(["serve", "-v", "--metrics", ":9464", "--metrics-textfile", "m.prom"],
+                 FORMS) == ("serve", [], {"verbose": True, "metrics": ":9464",
+                                          "metrics_textfile": "m.prom"})
+    for argv in (["run", "--help"], ["run", "-h"], ["run", "-vq"], ["run", "-v", "--verbose"],
+                 ["run", "--root", "a", "--root", "b"], ["run", "extra"], ["run", "--bogus"],
+                 ["run", "--workers"], ["run", "--max-seconds", "-1"], ["serve", "-q"],
+                 ["serve", "--max-seconds", "3"], ["run", "--metrics", ":1"], ["sweep"],
+                 ["metrics"], ["db", "init"], ["--version"], []):
+        assert parse(argv, FORMS) is None, argv
+    for argv in (["run", "--workers", "0"], ["run", "--workers", "two"],
+                 ["run", "--max-seconds", "soon"], ["run", "--max-seconds", "nan"],
+                 ["run", "--root="], ["serve", "--workers=-1"], ["serve", "--metrics="]):
+        assert plain_form(argv) is None, argv  # values that do not convert: typer words it
+        assert try_quick(argv) is None, argv
+    assert plain_form(["run", "--workers=3", "--max-seconds", "1.5", "--root", "r"]) == (
+        "run", {"workers": 3, "max_seconds": 1.5, "root": Path("r")})
+    from handoffd.cli import handoffd_app, handoffd_cmd
+    assert handoffd_cmd.app is handoffd_app.app  # the typer app, loaded when asked for
+
+
+# the command lines the quick path runs (the others go to typer both ways)
+TAKEN = [(), ("-q",), ("-v",), ("-v", "--log-format", "json"), ("--workers", "2", "--verbose"),
+         ("--max-seconds", "30"), ("--max-seconds", "0", "-v"), ("--log-format", "xml"),
+         ("-q", "--store", "mysql://nowhere")]
+LEFT = [("--workers", "0"), ("--workers", "two"), ("--max-seconds", "-1"), ("--bogus",),
+        ("-q", "-q"), ("--help",)]
+
+
+@pytest.mark.parametrize("args", TAKEN + LEFT)
+def test_run_on_an_empty_workspace_says_the_same_both_ways(tmp_path: Path,
+                                                           args: tuple[str, ...]) -> None:
+    from handoffd.cli.handoffd_cmd import plain_form
+    assert (plain_form(["run", *args]) is not None) == (args in TAKEN)
+    root = workspace(tmp_path / "ws")
+    quick, full = handoffd(root, "run", *args, full=False), handoffd(root, "run", *args, full=True)
+    assert outcome(quick, root) == outcome(full, root), args
+
+
+@pytest.mark.parametrize("args", [
+    (), ("-q",), ("-v", "--workers", "1"), ("-v", "--log-format", "json"),
+    ("--max-seconds", "30", "--log-format", "json"),
+])
+def test_run_with_pending_handoffs_says_the_same_both_ways(tmp_path: Path,
+                                                           args: tuple[str, ...]) -> None:
+    """Two identical workspaces, one per path: one handoff completes, one fails (exit 1)."""
+    from handoffd.cli.handoffd_cmd import plain_form
+    assert plain_form(["run", *args]) is not None
+    results = []
+    for full in (False, True):
+        root = workspace(tmp_path / ("full" if full else "quick"), pending=True)
+        proc = handoffd(root, "run", *args, full=full)
+        assert sorted(p.name for p in (root / "handoffs" / "completed").iterdir()) == ["s-ok.json"]
+        assert sorted(p.name for p in (root / "handoffs" / "failed").iterdir()) == ["s-bad.json"]
+        results.append(outcome(proc, root))
+    assert results[0] == results[1], args
+    assert results[0][0] == 1
+
+
+def read_until(proc: subprocess.Popen[str], needle: str, timeout: float = 30) -> str:
+    """What ``proc`` wrote on stderr up to and including the first line holding ``needle``
+    (or up to its end); fails after ``timeout`` seconds."""
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+    os.set_blocking(fd, False)
+    seen = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while needle.encode() not in seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {needle!r} within {timeout}s: {seen.decode()!r}"
+            if sel.select(left):
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                seen += chunk
+    os.set_blocking(fd, True)
+    return seen.decode()
+
+
+def serve(root: Path, *args: str, full: bool, until: Path | None = None) -> tuple[Any, ...]:
+    """Start ``handoffd serve``, wait until it says it is serving (and, with ``until``, until
+    that file exists), stop it with SIGTERM; its exit code, stdout and stderr."""
+    proc = subprocess.Popen([exe("handoffd"), "serve", "--root", str(root), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=FULL if full else QUICK)
+    try:
+        said = read_until(proc, "serving")
+        deadline = time.monotonic() + 30
+        while until is not None and not until.exists():
+            assert time.monotonic() < deadline, f"{until} never appeared"
+            time.sleep(0.02)  # polling for the filed document, bounded by the deadline
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    return proc.returncode, normal(out.decode(), root), normal(said + err.decode(), root)
+
+
+@pytest.mark.parametrize("args", [(), ("-v", "--workers", "2"), ("-v", "--log-format", "json")])
+def test_serve_says_the_same_both_ways(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """Start, serve two handoffs (one fails), stop on SIGTERM: the same lines and exit 0."""
+    from handoffd.cli.handoffd_cmd import plain_form
+    assert plain_form(["serve", *args]) is not None
+    results = []
+    for full in (False, True):
+        root = workspace(tmp_path / ("full" if full else "quick"), pending=True)
+        results.append(serve(root, *args, full=full,
+                             until=root / "handoffs" / "failed" / "s-bad.json"))
+    assert results[0] == results[1], args
+    assert results[0][0] == 0 and any("serving <root>" in line for line in results[0][2])
+
+
+@pytest.mark.parametrize("args", [("--workers", "0"), ("--log-format", "xml"),
+                                  ("--metrics", "nowhere:port"), ("--quiet",)])
+def test_serve_refuses_the_same_both_ways(tmp_path: Path, args: tuple[str, ...]) -> None:
+    root = workspace(tmp_path / "ws")
+    quick, full = [subprocess.run([exe("handoffd"), "serve", "--root", str(root), *args],
+                                  capture_output=True, text=True, timeout=60,
+                                  env=FULL if full else QUICK) for full in (False, True)]
+    assert outcome(quick, root) == outcome(full, root), args
+    assert quick.returncode == 2 and quick.stderr.count("\n") == 1
+
+
+def test_the_quick_path_loads_neither_typer_nor_unconfigured_features(tmp_path: Path) -> None:
+    """What `handoffd run` on an empty workspace loads (the start-up a cron job pays each
+    minute), and what `handoffd serve` loads before it says it is serving."""
+    root = workspace(tmp_path / "ws")
+    code = ("import sys\n"
+            "from handoffd.cli.handoffd_cmd import main\n"
+            "sys.argv = ['handoffd', 'run', '-q', '--root', sys.argv[1]]\n"
+            "try:\n"
+            "    main()\n"
+            "finally:\n"
+            "    print(' '.join(sorted(sys.modules)))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(proc.stdout.split())
+    assert "handoffd.service.daemon" in loaded  # it did run the batch
+    unwanted = {name for name in loaded if name.split(".")[0] in ("typer", "click", "rich")}
+    unwanted |= loaded & {"importlib.metadata", "handoffd.cli.handoffd_app",
+                          "handoffd.cli.common", "handoffd.features.retention",
+                          "handoffd.features.filebridge"}
+    assert not unwanted
+
+    proc2 = subprocess.Popen([sys.executable, "-X", "importtime", exe("handoffd"), "serve",
+                              "--root", str(root)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, env=QUICK)
+    try:
+        said = read_until(proc2, "serving")
+    finally:
+        proc2.send_signal(signal.SIGTERM)
+        proc2.communicate(timeout=30)
+    modules = {line.rsplit("|", 1)[1].strip() for line in said.splitlines()
+               if line.startswith("import time:") and "|" in line}
+    assert "jsonschema" in modules  # warm_up: the schema checks load before it serves
+    assert not {name for name in modules if name.split(".")[0] in ("typer", "click", "rich")}
