@@ -58,7 +58,9 @@ def test_sigterm_hands_back_and_leaves_no_orphan(ws: Workspace) -> None:
 def test_max_seconds_ends_the_batch_on_time(ws: Workspace) -> None:
     slow = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "sleep", "seconds": 60}))
     quick = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "ok"}))
-    batch = start_batch(ws, "--max-seconds", "1")
+    # 3 s, not 1: under a loaded machine the batch's start-up can eat most of one second,
+    # and the test must see the slow handler running before it is handed back
+    batch = start_batch(ws, "--max-seconds", "3")
     pid = running_pid(ws, slow)
     assert batch.wait(timeout=30) == 0
     stderr = batch.stderr.read() if batch.stderr else ""

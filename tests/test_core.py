@@ -310,6 +310,41 @@ def test_seen_ids_survive_restart_and_expire(tmp_path: Path) -> None:
     assert submit(again, handoff_id="once") == "once"
 
 
+def test_seen_ids_kept_open_follow_a_compaction_elsewhere(tmp_path: Path) -> None:
+    """The record stays open between adds; a compaction by another process replaces the file,
+    and the next add must land in the new file (a line in the old one would be lost)."""
+    from handoffd.backends.files.seen import SeenIds
+    path = tmp_path / "seen-ids.jsonl"
+    now = datetime(2026, 11, 25, tzinfo=timezone.utc)
+    mine, theirs = SeenIds(path, 60), SeenIds(path, 60)
+    mine.add("old", now)
+    assert theirs.contains("old", now)
+    later = now + timedelta(seconds=120)
+    assert theirs.compact(later) == 0  # "old" expired: the file is replaced by an empty one
+    mine.add("new", later)
+    assert theirs.contains("new", later) and not theirs.contains("old", later)
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["new"]
+    threads = [threading.Thread(target=lambda n=n: [mine.add(f"t{n}-{i}", later) for i in range(50)])
+               for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    fresh = SeenIds(path, 60)
+    assert all(fresh.contains(f"t{n}-{i}", later) for n in range(4) for i in range(50))
+    assert all(mine.contains(f"t{n}-{i}", later) for n in range(4) for i in range(50))
+
+
+def test_a_schema_added_after_a_miss_is_found(tmp_path: Path) -> None:
+    from handoffd.core.validation import SchemaCache
+    folder = tmp_path / "schemas"
+    folder.mkdir()
+    cache = SchemaCache(folder)
+    assert not cache.has("late.schema.json") and not cache.has("late.schema.json")
+    (folder / "late.schema.json").write_text('{"type": "object"}')
+    assert cache.has("late.schema.json")
+
+
 def test_config_errors_are_clear(tmp_path: Path) -> None:
     path = tmp_path / "handoffd.toml"
     path.write_text('[specialists."@x"]\ncommand = "rm -rf /"\n')

@@ -50,8 +50,15 @@ def random_uuid() -> str:
 
 def hostname() -> str:
     """This host's name, as ``socket.gethostname()`` gives it (both read uname; importing
-    socket is a noticeable part of a CLI start that needs nothing else from it)."""
-    return os.uname().nodename
+    socket is a noticeable part of a CLI start that needs nothing else from it). Read once per
+    process: history and leases name it about three times per handoff."""
+    global _HOSTNAME
+    if _HOSTNAME is None:
+        _HOSTNAME = os.uname().nodename
+    return _HOSTNAME
+
+
+_HOSTNAME: str | None = None
 
 
 def actor() -> dict[str, Any]:

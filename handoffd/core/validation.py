@@ -15,6 +15,7 @@ pattern RE2 cannot compile falls back to Python's ``re`` there.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from functools import lru_cache
@@ -92,6 +93,7 @@ class SchemaCache:
         self.folder = workspace_schemas
         self._validators: dict[str, Validator] = {}
         self._quick: dict[str, Any] = {}  # name -> fastschema check, or None (jsonschema only)
+        self._missing: dict[str, int] = {}  # name -> schemas/ mtime when it was not there
         self._inline: OrderedDict[str, Validator] = OrderedDict()
         self._inline_size = inline_size
         self._lock = threading.Lock()
@@ -112,9 +114,27 @@ class SchemaCache:
             return True
         if "/" in name or "\\" in name or name.startswith("."):
             return False
-        if self.folder is not None and (self.folder / name).is_file():
+        if self.folder is not None and self._in_folder(name):
             return True
         return builtin_exists(name)
+
+    def _in_folder(self, name: str) -> bool:
+        """``schemas/<name>`` is a file. A name found missing is remembered with the folder's
+        mtime, which any file added or renamed in changes: a request naming a schema nobody
+        wrote (a warning each time, in advisory mode) costs one stat, not one per name."""
+        assert self.folder is not None
+        try:
+            stamp = os.stat(self.folder).st_mtime_ns
+        except OSError:
+            stamp = -1
+        if self._missing.get(name) == stamp:
+            return False
+        if (self.folder / name).is_file():
+            return True
+        if len(self._missing) >= INLINE_CACHE_SIZE:
+            self._missing.clear()
+        self._missing[name] = stamp
+        return False
 
     def for_schema(self, key: str, schema: dict[str, Any]) -> Validator:
         """A validator for an inline schema (e.g. seed 003's expected_output_schema).

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from .config import Config, load_config
 from .states import State
 
 CONFIG_NAME = "handoffd.toml"
+DOC_PATHS_KEPT = 4096
 # Filesystems where flock is local-only or emulated, inotify misses other hosts' writes and
 # renameat2(RENAME_NOREPLACE) is refused: handoffd still works there (leases, link fallback),
 # but only lease expiry can tell that another host's daemon died.
@@ -50,7 +51,19 @@ class Workspace:
 
     def doc_path(self, state: State, handoff_id: str) -> Path:
         """Where the document of ``handoff_id`` lives when it is in ``state``."""
-        return self._state_dirs[state] / f"{handoff_id}.json"
+        # asked about nine times per handoff; a pathlib join parses its parts each time, so the
+        # newest paths are kept (a bounded dict: cleared whole when full, refilled at once)
+        key = (state, handoff_id)
+        path = self._doc_paths.get(key)
+        if path is None:
+            if len(self._doc_paths) >= DOC_PATHS_KEPT:
+                self._doc_paths.clear()
+            path = self._doc_paths[key] = self._state_dirs[state] / f"{handoff_id}.json"
+        return path
+
+    @cached_property
+    def _doc_paths(self) -> dict[tuple[State, str], Path]:
+        return {}
 
     @cached_property
     def tmp(self) -> Path:
@@ -102,10 +115,23 @@ class Workspace:
 
     def inside(self, path: str | Path) -> Path | None:
         """Resolve ``path`` (relative to the root) and return it only if it stays inside the root."""
-        candidate = (self.root / path).resolve()
-        if candidate == self.root or self.root in candidate.parents:
-            return candidate
+        # os.path on strings: what Path.resolve does, without pathlib's parsing at each step
+        root = self._root_text
+        candidate = os.path.realpath(os.path.join(root, path))
+        if candidate == root or candidate.startswith(root.rstrip(os.sep) + os.sep):
+            return Path(candidate)
         return None
+
+    @cached_property
+    def _root_text(self) -> str:
+        return str(self.root)
+
+
+@lru_cache(maxsize=16)
+def workspace_at(root: str) -> Workspace:
+    """The :class:`Workspace` of ``root``, made once per root: making one resolves its root
+    (a system call per path component), and features ask for it on every handoff."""
+    return Workspace(Path(root))
 
 
 def network_filesystem(path: Path, mounts: Path = Path("/proc/mounts")) -> str | None:

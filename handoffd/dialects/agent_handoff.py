@@ -17,7 +17,7 @@ from ..core.documents import Envelope, Outcome, check_id, priority_rank, random_
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
-from ..core.workspace import Workspace
+from ..core.workspace import workspace_at
 from . import _shared as sh
 from .base import FiledState
 
@@ -133,7 +133,7 @@ class AgentHandoffDialect:
         handoff with VALIDATION_FAILED (permanent) before it may complete."""
         if not outcome.succeeded or root is None:
             return outcome
-        ws = Workspace(Path(root))
+        ws = workspace_at(str(root))
         missing = []
         for path in artifact_paths(outcome):
             resolved = ws.inside(path)

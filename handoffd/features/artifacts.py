@@ -32,6 +32,7 @@ never read, and may not contain ``..`` segments either. Anything else fails the 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import unicodedata
@@ -44,7 +45,7 @@ from ..core.documents import Outcome
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.hashing import sha256_hex
-from ..core.workspace import Workspace
+from ..core.workspace import Workspace, workspace_at
 
 if TYPE_CHECKING:
     from ..core.engine import Job
@@ -178,19 +179,28 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
     if not text.startswith("artifacts/"):
         text = "artifacts/" + text.lstrip("/")
     target = ws.inside(text)
-    artifacts_root = ws.artifacts.resolve() if ws.artifacts.exists() else (ws.root / "artifacts")
-    if target is None or artifacts_root not in target.parents:
+    if target is None or not _under_artifacts(ws, str(target)):
         raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
                               "points outside artifacts/ of the workspace",
                               handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     return text, target
 
 
+def _under_artifacts(ws: Workspace, resolved: str) -> bool:
+    """True when ``resolved`` (a path already resolved) lies under the workspace's artifacts/
+    folder, itself resolved: the plain folder needs no system call, a symlinked one is looked up."""
+    plain = os.path.join(str(ws.root), "artifacts") + os.sep
+    if resolved.startswith(plain):  # every component of it is resolved: artifacts/ is a folder
+        return True
+    real = os.path.realpath(ws.artifacts)  # itself when it does not exist yet
+    return resolved.startswith(real.rstrip(os.sep) + os.sep)
+
+
 def check_inputs(job: "Job") -> None:
     """Engine ``before_run`` hook (seed 002: "review results - verify artifacts exist"): every
     file the request says an earlier agent produced must be in the workspace before the
     specialist starts, else DEPENDENCY_MISSING. An external URL is taken on trust (never read)."""
-    ws = Workspace(Path(job.context.root))
+    ws = workspace_at(str(job.context.root))
     for index, ref in enumerate(job.envelope.input_artifacts):
         path = confine_reference(ws, ref, handoff_id=job.handoff_id)
         if path is not None and not path.exists():
@@ -206,10 +216,11 @@ def prepare(job: "Job") -> None:
     template = destination_template(job.claim.doc)
     if not template:
         return
-    ws = Workspace(Path(job.context.root))
+    ws = workspace_at(str(job.context.root))
     rel, target = resolve_destination(ws, template, handoff_id=job.handoff_id,
                                       attempt=job.context.attempt, agent=job.specialist.agent)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.parent.is_dir():  # (one stat when it exists, as it does after the first)
+        target.parent.mkdir(parents=True, exist_ok=True)
     job.context.artifact_path = target
     job.context.artifact_rel = rel
     job.context.env["HANDOFF_ARTIFACT_PATH"] = str(target)
@@ -325,7 +336,7 @@ def name_host(artifacts: list[Any], host: str) -> None:
 
 
 def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
-    ws = Workspace(Path(job.context.root))
+    ws = workspace_at(str(job.context.root))
     handoff_id = job.handoff_id
     records: list[dict[str, Any]] = []
     used_names: set[str] = set()

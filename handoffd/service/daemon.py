@@ -30,10 +30,13 @@ from .sweeper import SweepReport, sweep
 
 log = logging.getLogger("handoffd")
 READY_WINDOW = 64  # due handoffs read ahead to order by priority
+CHAIN_LOOKS = 4  # due handoffs a finishing worker looks at for its next task (_chain)
 # the progress watchdog ([daemon] stall_seconds): due work, a free slot, and nothing dispatched
 # for that long means the bookkeeping is wrong; it is logged loudly, reset and rebuilt
 CREATED_DELAY = 0.05  # seconds before a document that may still be written is read
 STALL_SAMPLE = 64  # pending documents the watchdog reads to decide whether work is due
+# a task a worker runs: (pool token, function, handoff id, more arguments)
+Task = tuple[int, Callable[..., Any], str, tuple[Any, ...]]
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
 
 
@@ -111,6 +114,7 @@ class Daemon:
         self.busy: Counter[str] = Counter()  # agent -> tasks in flight (a count of inflight)
         self.active: dict[str, Job] = {}
         self.running = 0  # len(inflight)
+        self.chained: list[Task] | None = None  # set while a worker picks its next task (_chain)
         self.stopping = False
         self.hard_stop = False
         self.batch_deadline = math.inf  # run_batch(max_seconds=): hand back and stop then
@@ -352,12 +356,16 @@ class Daemon:
 
     # ------------------------------------------------------------ dispatch
     def _submit(self, agent: str, func: Callable[..., Any], handoff_id: str, *args: Any) -> None:
-        """Run ``func(handoff_id, *args)`` on the pool, counted against ``agent``'s slots."""
+        """Run ``func(handoff_id, *args)`` on the pool, counted against ``agent``'s slots (or
+        next on the worker that asked for it: see :meth:`_chain`)."""
         token = next(self.seq)
         self.inflight[token] = agent
         self.busy[agent] += 1
         self.running += 1
         self.last_dispatch = time.monotonic()
+        if self.chained is not None:
+            self.chained.append((token, func, handoff_id, args))
+            return
         try:
             self.pool.submit(self._run_task, token, func, handoff_id, *args)
         except BaseException:  # e.g. the pool is shut down: the slot is not taken
@@ -365,14 +373,51 @@ class Daemon:
             raise
 
     def _run_task(self, token: int, func: Callable[..., Any], handoff_id: str, *args: Any) -> None:
+        task: Task | None = (token, func, handoff_id, args)
+        while task is not None:
+            token, func, handoff_id, args = task
+            try:
+                func(handoff_id, *args)
+            except Exception:  # the task functions catch their own; this is the last resort
+                log.exception("handoff %s: unexpected error in a worker", handoff_id)
+            finally:
+                with self.cv:
+                    self._finished(token)
+                    task = self._chain()
+                    if task is None:
+                        self.cv.notify_all()
+
+    def _chain(self) -> Task | None:
+        """A worker that just finished takes the most urgent due handoff itself (called under
+        ``cv``). Handing it to the scheduler thread, which hands it to the pool, moved each
+        handoff across three threads; the two wake-ups cost more than a no-op handler runs.
+        The dispatch rules are the scheduler's own (:meth:`_dispatch`); only a handoff they
+        send to a worker is taken, anything else (parked, waiting) is left as they leave it."""
+        if self.stopping or time.monotonic() >= self.batch_deadline:
+            return None
+        self.chained = []
         try:
-            func(handoff_id, *args)
-        except Exception:  # the task functions catch their own; this is the last resort
-            log.exception("handoff %s: unexpected error in a worker", handoff_id)
-        finally:
-            with self.cv:
+            for _ in range(CHAIN_LOOKS):
+                if self.running >= self.workers:
+                    break
+                self._release_parked()
+                ready = self._next_ready(time.monotonic())
+                if ready is None:
+                    break
+                self._dispatch_safely(*ready)
+                if self.chained:
+                    break
+            taken, self.chained = self.chained, None
+        except BaseException:
+            taken, self.chained = self.chained or [], None
+            for token, *_ in taken:
                 self._finished(token)
-                self.cv.notify_all()
+            raise
+        if not taken:
+            return None
+        for extra in taken[1:]:  # one dispatch submits one task; if ever more, the pool runs them
+            self.pool.submit(self._run_task, *extra[:3], *extra[3])
+        return taken[0]
 
     def _finished(self, token: int) -> None:
         agent = self.inflight.pop(token, None)

@@ -38,17 +38,23 @@ def locked(path: Path) -> Iterator[None]:
     Each call opens its own descriptor, so threads of one process exclude each other as
     processes do (flock locks belong to the open file, not the process). The file stays: removing
     a lock file while another process waits on it would let two holders in."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o644)
-    except FileNotFoundError:  # a workspace whose folder for it does not exist yet
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, flags, 0o644)
+    fd = open_creating(path, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing drops the lock
+
+
+def open_creating(path: Path, flags: int) -> int:
+    """``os.open(path, flags | O_CREAT | O_CLOEXEC)``, creating the folder when it is missing
+    (a workspace whose folder for it does not exist yet)."""
+    flags |= os.O_CREAT | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, flags, 0o644)
 
 
 def dump_json(doc: dict[str, Any]) -> bytes:

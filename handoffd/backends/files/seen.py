@@ -7,12 +7,15 @@ older entries pass the TTL.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ...core.timeutil import iso, parse_iso
+from . import fsio
 from .fsio import locked
 
 
@@ -28,17 +31,58 @@ class SeenIds:
         self._cache: dict[str, float] = {}
         self._offset = 0
         self._inode = -1
+        self._mutex = threading.Lock()
+        self._lock: int | None = None  # the lock file, kept open
+        self._append_fd = -1  # the record, kept open for appends
+        self._append_ino = -1
 
     def add(self, handoff_id: str, now: datetime) -> None:
-        """Record ``handoff_id`` as seen at ``now`` (one small O_APPEND write)."""
-        line = _line(handoff_id, now)
-        with locked(self.lock_path):  # so a compaction in another process cannot drop this line
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        """Record ``handoff_id`` as seen at ``now`` (one small O_APPEND write).
+
+        The lock file and the record stay open between calls (a claim adds an id: opening and
+        closing both was a dozen system calls per handoff). The lock keeps a compaction in
+        another process from dropping the line; under it the record is stat'ed, and reopened
+        when a compaction replaced it."""
+        line = _line(handoff_id, now).encode()
+        with self._mutex:  # one descriptor for the threads of this process: flock alone
+            lock_fd = self._lock_fd()  # would not keep them apart
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
             try:
-                os.write(fd, line.encode())
+                info = self._appending()
+                os.write(self._append_fd, line)
+                if (info.st_ino, info.st_size) == (self._inode, self._offset):
+                    self._offset += len(line)  # nothing new to read back but our own line
             finally:
-                os.close(fd)
-        self._cache[handoff_id] = now.timestamp()
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+            self._cache[handoff_id] = now.timestamp()
+
+    def __del__(self) -> None:  # a store dropped in a long-lived process gives both back
+        for fd in (getattr(self, "_lock", None), getattr(self, "_append_fd", -1)):
+            if fd is not None and fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _lock_fd(self) -> int:
+        if self._lock is None:
+            self._lock = fsio.open_creating(self.lock_path, os.O_RDWR)
+        return self._lock
+
+    def _appending(self) -> os.stat_result:
+        """The record's stat, with ``_append_fd`` open on that very file (called locked)."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            info = None
+        if info is None or self._append_fd < 0 or info.st_ino != self._append_ino:
+            if self._append_fd >= 0:
+                os.close(self._append_fd)
+                self._append_fd = -1
+            self._append_fd = fsio.open_creating(self.path, os.O_WRONLY | os.O_APPEND)
+            info = os.fstat(self._append_fd)
+            self._append_ino = info.st_ino
+        return info
 
     def contains(self, handoff_id: str, now: datetime) -> bool:
         """True if ``handoff_id`` was recorded within the TTL."""
@@ -49,23 +93,25 @@ class SeenIds:
     def _refresh(self) -> None:
         """Read only what was appended since the last look (the whole file after a compaction)."""
         try:
-            info = self.path.stat()
+            info = os.stat(self.path)
         except FileNotFoundError:
             return
-        if (info.st_ino, info.st_size) == (self._inode, self._offset):
-            return
-        if info.st_ino != self._inode or info.st_size < self._offset:
-            self._cache, self._offset, self._inode = {}, 0, info.st_ino
-        with open(self.path, "rb") as fh:
-            fh.seek(self._offset)
-            tail = fh.read()
-        complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended waits
-        self._offset += len(complete)
-        self._cache.update(_parse(complete))
+        with self._mutex:
+            if (info.st_ino, info.st_size) == (self._inode, self._offset):
+                return
+            if info.st_ino != self._inode or info.st_size < self._offset:
+                self._cache, self._offset, self._inode = {}, 0, info.st_ino
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                tail = fh.read()
+            complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended waits
+            self._offset += len(complete)
+            self._cache.update(_parse(complete))
 
     def compact(self, now: datetime) -> int:
         """Drop entries older than the TTL; return how many remain."""
-        with locked(self.lock_path):
+        # the mutex before the flock, in the order add() takes them
+        with self._mutex, locked(self.lock_path):
             try:
                 entries = _parse(self.path.read_bytes())
             except FileNotFoundError:
