@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from handoffd.core.fastschema import compile_schema, is_valid
+from handoffd.core.fastschema import _source, compile_schema, is_valid
 from handoffd.core.jsonschema_re2 import errors_of, for_named
 from handoffd.core.validation import builtin_schema_names, load_builtin
 
@@ -155,3 +155,186 @@ def test_each_keyword_against_jsonschema() -> None:
 ])
 def test_what_it_does_not_know_is_left_to_jsonschema(schema: dict[str, Any]) -> None:
     assert compile_schema(schema) is None
+
+
+# ---------------------------------------------------------------- the generated code
+HOSTILE_NAMES = ['"]); import os; ("', "']); import os; ('", "\\", "\n", "'''", '"""', "\\N{",
+                 "{v}", "%s", "v", "_c2", "x1", "return True", "#", "\x00", "\u2028", "é"]
+
+
+def hostile_schema(name: str) -> dict[str, Any]:
+    """Every place a schema string can go, filled with ``name``."""
+    return {"type": "object", "required": [name], "additionalProperties": False,
+            "properties": {name: {"$ref": "#/$defs/d", "format": name, "enum": [name, 1],
+                                  "const": name},
+                           "p": {"pattern": "^" + re2_escape(name) + "$"}},
+            "$defs": {"d": {"type": "string", "minLength": 1}, name: {"type": "integer"}}}
+
+
+def re2_escape(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ord(ch) > 127 else "\\x%02x" % ord(ch) for ch in text)
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_hostile_schema_strings_never_reach_the_source(name: str) -> None:
+    schema = hostile_schema(name)
+    source, namespace = _source(schema, False)
+    # no string literal at all: every schema value is passed in the namespace
+    assert "'" not in source and '"' not in source and "\\" not in source
+    assert all(line.isascii() and line.isprintable() for line in source.splitlines())
+    quick = compile_schema(schema)
+    assert quick is not None
+    judge = for_named(schema)
+    for doc in [{name: name}, {name: name, "p": name}, {name: name, "p": "x"}, {name: 1},
+                {}, {"p": name}, {name: name, "other": 1}, {name: ""}, name]:
+        assert is_valid(quick, doc) == (not errors_of(judge, doc)), doc
+
+
+def test_a_property_name_that_closes_the_code_runs_nothing(tmp_path: Any) -> None:
+    flag = tmp_path / "ran"
+    name = f'"]); open({str(flag)!r}, "w"); ("'
+    for schema in [{"properties": {name: {"type": "string"}}, "required": [name]},
+                   {"enum": [name]}, {"const": name}, {"pattern": name.replace("(", r"\(")
+                                                       .replace(")", r"\)")}]:
+        quick = compile_schema(schema)
+        assert quick is not None
+        assert is_valid(quick, {name: "s"}) and not is_valid(quick, {name: 1}) \
+            if "properties" in schema else is_valid(quick, name)
+    assert not flag.exists()
+
+
+@settings(max_examples=150, **QUICK)
+@given(names=st.lists(st.text(max_size=8), min_size=1, max_size=4), data=st.data())
+def test_any_property_names_and_values_stay_data(names: list[str], data: st.DataObject) -> None:
+    schema = {"type": "object", "required": names[:1], "additionalProperties": {"enum": names},
+              "properties": {n: {"const": n} for n in names[1:]}}
+    source, _ = _source(schema, False)
+    assert "'" not in source and '"' not in source
+    quick = compile_schema(schema)
+    assert quick is not None
+    doc = data.draw(st.dictionaries(st.sampled_from(names) | st.text(max_size=3),
+                                    st.sampled_from(names) | JSON, max_size=4))
+    assert is_valid(quick, doc) == (not errors_of(for_named(schema), doc)), doc
+
+
+SCHEMA_LEAVES = st.sampled_from([
+    True, False, {}, {"type": "string"}, {"type": "integer"}, {"type": "number"},
+    {"type": "boolean"}, {"type": "null"}, {"type": ["object", "null"]},
+    {"type": "array", "maxItems": 2}, {"minLength": 1, "maxLength": 3}, {"pattern": "^a"},
+    {"pattern": "(?=a)a"}, {"minimum": 0}, {"exclusiveMaximum": 1.5}, {"maximum": 10 ** 30},
+    {"enum": ["a", "b"]}, {"enum": [1, "a", None, [1], {"a": 1}]}, {"enum": []},
+    {"const": "a"}, {"const": True}, {"const": False}, {"const": None}, {"const": 1},
+    {"const": [1, True]}, {"format": "date-time"}, {"required": ["a"]},
+])
+SCHEMAS_DRAWN = st.recursive(SCHEMA_LEAVES, lambda inner: st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["object", "array", "string", "number", "integer"]),
+    "properties": st.dictionaries(st.sampled_from(["a", "b", ""]), inner, max_size=2),
+    "required": st.lists(st.sampled_from(["a", "b"]), max_size=2, unique=True),
+    "additionalProperties": inner, "items": inner, "contains": inner,
+    "minItems": st.integers(0, 2), "allOf": st.lists(inner, min_size=1, max_size=2),
+    "anyOf": st.lists(inner, min_size=1, max_size=2),
+    "oneOf": st.lists(inner, min_size=1, max_size=3), "not": inner, "if": inner,
+    "then": inner, "else": inner, "minimum": st.integers(-2, 2) | st.floats(-2, 2),
+}), max_leaves=8)
+INSTANCES = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from([0.0, 1.0, 1.5, -2.0, 10 ** 40])
+    | st.sampled_from(["", "a", "b", "ab", "2026-01-13T10:00:00Z", "nope"]),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.sampled_from(["a", "b", "c", ""]), inner, max_size=3), max_leaves=8)
+
+
+@settings(max_examples=400, **QUICK)
+@given(schema=SCHEMAS_DRAWN, instances=st.lists(INSTANCES, min_size=1, max_size=6))
+def test_drawn_schemas_get_the_same_verdict(schema: Any, instances: list[Any]) -> None:
+    """Every keyword, nested in any other, against jsonschema."""
+    quick = compile_schema(schema)
+    assert quick is not None, schema
+    judge = for_named(schema) if isinstance(schema, dict) else None
+    for instance in instances:
+        expected = schema is True if judge is None else not errors_of(judge, instance)
+        assert is_valid(quick, instance) == expected, (schema, instance)
+
+
+def test_types_as_json_schema_sees_them() -> None:
+    """bool is no number, 1.0 is an integer (draft 6 on), huge ints are ints, NaN fails."""
+    cases = {"integer": [(1, True), (1.0, True), (1.5, False), (True, False), (10 ** 400, True),
+                         (float("nan"), False), (float("inf"), False), ("1", False)],
+             "number": [(1, True), (1.5, True), (False, False), (10 ** 400, True), (None, False)],
+             "boolean": [(True, True), (0, False), (None, False)],
+             "null": [(None, True), (0, False), (False, False)],
+             "object": [({}, True), ([], False)], "array": [([], True), ({}, False)]}
+    for name, pairs in cases.items():
+        quick = compile_schema({"type": name})
+        assert quick is not None
+        for value, verdict in pairs:
+            assert is_valid(quick, value) is verdict, (name, value)
+    quick = compile_schema({"minimum": 1})
+    assert quick is not None
+    assert not is_valid(quick, float("nan")) and is_valid(quick, True) and is_valid(quick, "x")
+    assert is_valid(quick, 10 ** 400) and not is_valid(quick, -(10 ** 400))
+
+
+@pytest.mark.parametrize("pattern", [
+    load_builtin("native.request.schema.json")["$defs"]["date_time"]["pattern"],
+    load_builtin("native.request.schema.json")["$defs"]["handoff_id"]["pattern"],
+    "", "^$", "a", "^a", "a$", "(a|b)+c", "[^x]", "\\d{2,}", "é", "^.$", "(?i)ab", "\\bx\\b",
+    "(?=a)", "(a)\\1"])  # the last two: RE2 cannot compile them; an operator's schema uses re
+@settings(max_examples=60, **QUICK)
+@given(text=st.text(alphabet="ab cxé09-:TZ\n.+", max_size=24))
+def test_a_pattern_answers_as_search_does(pattern: str, text: str) -> None:
+    from handoffd.core.fastschema import _pattern_test
+    from handoffd.core.jsonschema_re2 import compile_pattern
+    expected = compile_pattern(pattern, trusted=True).search(text) is not None
+    assert bool(_pattern_test(pattern)(text)) is expected
+
+
+def test_a_string_re2_cannot_encode_is_left_to_jsonschema() -> None:
+    quick = compile_schema({"pattern": "a"})
+    assert quick is not None and is_valid(quick, "a") and not is_valid(quick, "\ud800")
+
+
+def nested(depth: int, leaf: Any, wrap: Any) -> Any:
+    value = leaf
+    for _ in range(depth):
+        value = wrap(value)
+    return value
+
+
+def test_a_document_nested_absurdly_deep_is_refused_not_crashed() -> None:
+    tree = {"$defs": {"node": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            "$ref": "#/$defs/node"}
+    quick = compile_schema(tree)
+    assert quick is not None
+    assert is_valid(quick, nested(50, [], lambda v: [v]))
+    assert not is_valid(quick, nested(100_000, [], lambda v: [v]))  # RecursionError: jsonschema's
+    assert not is_valid(quick, nested(100_000, [], lambda v: [v, 1]))
+    either = {"$defs": {"n": {"anyOf": [{"type": "string"}, {"items": {"$ref": "#/$defs/n"}}],
+                              "not": {"const": 1}}}, "$ref": "#/$defs/n"}
+    quick = compile_schema(either)
+    assert quick is not None
+    assert not is_valid(quick, nested(100_000, "s", lambda v: [v]))
+    request, _ = checks("native.request.schema.json")  # "context" is any object: not walked
+    assert is_valid(request, {"handoff_id": "h", "target": {"agent_id": "a"},
+                              "context": nested(100_000, {}, lambda v: {"a": v})})
+
+
+def test_a_schema_nested_deeper_than_the_code_nests_still_agrees() -> None:
+    """Past _MAX_INDENT levels a subschema becomes a function of its own (CPython allows 20
+    nested loops and 100 indentation levels in one function)."""
+    for wrap in (lambda s: {"type": "array", "items": s},
+                 lambda s: {"type": "object", "properties": {"a": s}, "required": ["a"]},
+                 lambda s: {"additionalProperties": s},
+                 lambda s: {"if": {"type": "array"}, "then": {"items": s}, "else": {"const": 1}}):
+        schema = nested(25, {"type": "integer"}, wrap)
+        quick = compile_schema(schema)
+        assert quick is not None
+        judge = for_named(schema)
+        for doc in (nested(25, 1, lambda v: [v]), nested(25, "x", lambda v: [v]),
+                    nested(25, 1, lambda v: {"a": v}), nested(24, 1, lambda v: {"a": v}), 1):
+            assert is_valid(quick, doc) == (not errors_of(judge, doc))
+
+
+def test_a_schema_nested_absurdly_deep_is_left_to_jsonschema() -> None:
+    assert compile_schema(nested(100_000, {}, lambda s: {"items": s})) is None
+    assert compile_schema(nested(100_000, True, lambda s: [s])) is None
+

@@ -1,16 +1,28 @@
-"""A quick yes for valid documents: named schemas compiled into plain Python checks.
+"""A quick yes for valid documents: named schemas compiled into straight-line Python.
 
 jsonschema walks a schema keyword by keyword and builds a validator object at each step down:
-about 0.6 ms for a seed-001 request, paid by every handoff. The schemas handoffd ships (and most
+about 0.4 ms for a seed-001 request, paid by every handoff. The schemas handoffd ships (and most
 an operator writes) use a small set of keywords, so each named schema is also compiled once into
-nested closures that only answer "valid" or "not valid". "Valid" is final; "not valid" sends the
-document to jsonschema, which says why and stays the judge (were the two ever to disagree, the
-document gets jsonschema's verdict). A schema with any keyword outside the set is not compiled:
-it always goes to jsonschema. ``tests/test_fastschema.py`` holds the two to agreement.
+Python source (as fastjsonschema does) that only answers "valid" or "not valid". "Valid" is final;
+"not valid" sends the document to jsonschema, which says why and stays the judge (were the two
+ever to disagree, the document gets jsonschema's verdict). A schema with any keyword outside the
+set is not compiled: it always goes to jsonschema. ``tests/test_fastschema.py`` holds the two to
+agreement.
+
+The generated code: one function per ``$ref`` target and per subschema whose verdict is needed as
+a value (``anyOf``, ``oneOf``, ``not``, ``if``, ``contains``); everything else is inlined as
+``if ...: return False`` statements, with explicit ``for`` loops (no generators, no ``all()``: a
+deeply nested document recurses on the Python stack only, up to a RecursionError). Schemas are
+hostile input (a workspace's ``schemas/`` folder, or a document): no value from a schema is ever
+written into the source. Property names, enum options, bounds and the like are passed to the
+generated code as ``_cN`` names in its namespace; the source holds only names made here.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
+
+import re2
 
 from .jsonschema_re2 import PatternError, compile_pattern, conforms, equal
 
@@ -20,10 +32,27 @@ Check = Callable[[Any], bool]
 ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "$defs", "definitions", "title",
                          "description", "examples", "default", "readOnly", "writeOnly",
                          "deprecated"})
-_NUMBER_BOUNDS: dict[str, Callable[[float, float], bool]] = {
-    "minimum": lambda x, bound: x >= bound, "maximum": lambda x, bound: x <= bound,
-    "exclusiveMinimum": lambda x, bound: x > bound,
-    "exclusiveMaximum": lambda x, bound: x < bound}
+_NUMBER_BOUNDS = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">",
+                  "exclusiveMaximum": "<"}
+# JSON Schema types as Python tests of the value named {v}; bool is not a number in JSON Schema,
+# and (draft 6 on) 1.0 is an integer
+_TYPE_TESTS = {
+    "object": "isinstance({v}, dict)",
+    "array": "isinstance({v}, list)",
+    "string": "isinstance({v}, str)",
+    "boolean": "({v} is True or {v} is False)",
+    "null": "{v} is None",
+    "number": "(isinstance({v}, (int, float)) and not isinstance({v}, bool))",
+    "integer": "((isinstance({v}, int) and not isinstance({v}, bool))"
+               " or (isinstance({v}, float) and {v}.is_integer()))",
+}
+# the test a keyword applies before asserting anything (other values pass), by the kind it needs
+_GUARDS = {"object": "isinstance({v}, dict)", "array": "isinstance({v}, list)",
+           "string": "isinstance({v}, str)",
+           "number": "(isinstance({v}, (int, float)) and not isinstance({v}, bool))"}
+_KIND_OF_TYPE = {"object": "object", "array": "array", "string": "string", "number": "number",
+                 "integer": "number"}  # a known type that makes a guard true
+_MAX_INDENT = 10  # deeper subschemas become functions of their own (CPython nests 20 blocks at most)
 
 
 class _Unsupported(Exception):
@@ -34,9 +63,12 @@ def compile_schema(schema: Any, *, draft7: bool = False) -> Check | None:
     """A check answering True only for instances ``schema`` accepts, or None when the schema
     uses something this module does not compile. ``draft7``: ``$ref`` ignores its siblings."""
     try:
-        return _Compiler(schema, draft7).compile(schema)
-    except (_Unsupported, PatternError, RecursionError):
+        source, namespace = _source(schema, draft7)
+        exec(compile(source, "<fastschema>", "exec"), namespace)  # the source holds no schema text
+    except (_Unsupported, PatternError, RecursionError, SyntaxError):
         return None
+    check: Check = namespace["_f0"]
+    return check
 
 
 def is_valid(check: Check, instance: Any) -> bool:
@@ -47,190 +79,132 @@ def is_valid(check: Check, instance: Any) -> bool:
         return False
 
 
-def _is_type(value: Any, name: str) -> bool:
-    if name == "object":
-        return isinstance(value, dict)
-    if name == "array":
-        return isinstance(value, list)
-    if name == "string":
-        return isinstance(value, str)
-    if name == "boolean":
-        return isinstance(value, bool)
-    if name == "null":
-        return value is None
-    if isinstance(value, bool):
-        return False
-    if name == "number":
-        return isinstance(value, (int, float))
-    if name == "integer":  # draft 6 on: 1.0 is an integer
-        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    raise _Unsupported(name)
+def _source(schema: Any, draft7: bool) -> tuple[str, dict[str, Any]]:
+    """The Python source of ``schema``'s check (function ``_f0``) and the namespace it runs in.
+    _Unsupported (or PatternError, RecursionError) when the schema cannot be compiled."""
+    gen = _Generator(schema, draft7)
+    gen.function(schema)
+    return "\n\n".join(gen.functions) + "\n", gen.namespace
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _pattern_test(pattern: str) -> Callable[[str], Any]:
+    """A callable truthy when ``pattern`` matches somewhere in a string. The engine is
+    compile_pattern's (RE2; Python ``re`` for an operator's pattern RE2 cannot compile); an RE2
+    pattern is asked through a one-pattern RE2 Set, which answers yes/no without building a
+    match object (~1 us against ~5-13 us for ``search`` on the seed's patterns)."""
+    searcher: Any = compile_pattern(pattern, trusted=True)  # as the named schema's validator does
+    if isinstance(searcher, re.Pattern):
+        return searcher.search
+    try:  # the same pattern, with the same options, on the same engine
+        found = re2.Set.SearchSet(searcher.options)
+        found.Add(searcher.pattern)
+        found.Compile()
+    except re2.error:
+        return searcher.search
+    return found.Match  # a list of the matching patterns' indexes, None when none matched
 
 
-class _Compiler:
+Lines = list[str]
+
+
+class _Generator:
+    """Writes one Python function per compiled subschema into ``functions``."""
+
     def __init__(self, root: Any, draft7: bool) -> None:
         self.root = root
         self.draft7 = draft7
-        self.refs: dict[str, list[Check]] = {}  # compiled $ref targets (a list: filled late)
+        self.functions: list[str] = []
+        self.namespace: dict[str, Any] = {"equal": equal, "conforms": conforms}
+        self.refs: dict[str, str] = {}  # $ref -> the name of its target's function
+        self.names = 0  # functions named so far
+        self.variables = 0
 
-    def compile(self, schema: Any) -> Check:
+    # ------------------------------------------------------------ names
+    def const(self, value: Any) -> str:
+        """A namespace name bound to ``value`` (schema values reach the code only this way)."""
+        name = f"_c{len(self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def variable(self, prefix: str = "x") -> str:
+        self.variables += 1
+        return f"{prefix}{self.variables}"
+
+    def function(self, schema: Any, name: str | None = None) -> str:
+        """The name of a new function ``name(v) -> bool`` for ``schema``."""
+        if name is None:
+            name = self.new_function_name()
+        body = self.block(schema, "v", 1, None)
+        self.functions.append("\n".join([f"def {name}(v):", *body, "    return True"]))
+        return name
+
+    def new_function_name(self) -> str:
+        name = f"_f{self.names}"
+        self.names += 1
+        return name
+
+    # ------------------------------------------------------------ statements
+    def block(self, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        """Statements (indented ``depth`` levels) returning False unless ``var`` satisfies
+        ``schema``. ``known``: the kind ``var`` is already known to be (or None)."""
+        pad = "    " * depth
         if schema is True:
-            return lambda value: True
+            return []
         if schema is False:
-            return lambda value: False
+            return [pad + "return False"]
         if not isinstance(schema, dict):
             raise _Unsupported("schema is not an object")
+        if depth > _MAX_INDENT:
+            return [pad + f"if not {self.function(schema)}({var}): return False"]
         if "$ref" in schema and self.draft7 and set(schema) - ANNOTATIONS - {"$ref"}:
             raise _Unsupported("draft 7 $ref with siblings")
-        made = [self.keyword(key, value, schema) for key, value in schema.items()
-                if key not in ANNOTATIONS]
-        checks = [c for c in made if c is not None]
-        if len(checks) == 1:
-            return checks[0]
-        return lambda value: all(check(value) for check in checks)
-
-    def keyword(self, key: str, value: Any, schema: dict[str, Any]) -> Check | None:
-        if key == "$ref":
-            return self.k_ref(value, schema)
-        maker = None if key.startswith("$") or key == "ref" else getattr(self, "k_" + key, None)
-        if maker is None:
+        out: Lines = []
+        for key, value in schema.items():
+            if key in ANNOTATIONS:
+                continue
             if key in _NUMBER_BOUNDS:
-                return self.bound(key, value)
-            raise _Unsupported(key)
-        return maker(value, schema)  # type: ignore[no-any-return]
+                out += self.bound(key, value, var, depth, known)
+                continue
+            emit = _KEYWORDS.get(key)
+            if emit is None:
+                raise _Unsupported(key)
+            out += emit(self, value, schema, var, depth, known)
+            if key == "type" and isinstance(value, str):
+                known = _KIND_OF_TYPE.get(value)
+        return out
 
-    # ------------------------------------------------------------ one method per keyword
-    def k_type(self, value: Any, schema: Any) -> Check:
-        names = [value] if isinstance(value, str) else value
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise _Unsupported("type")
-        for name in names:
-            _is_type(None, name)  # unknown type names raise here, once
-        return lambda v: any(_is_type(v, n) for n in names)
+    def guarded(self, kind: str, var: str, depth: int, known: str | None,
+                inner: Callable[[int], Lines]) -> Lines:
+        """``inner``'s statements, run only when ``var`` is of ``kind`` (a keyword about objects
+        says nothing of strings): behind an ``if`` unless ``known`` says so already."""
+        if known == kind:
+            return inner(depth)
+        body = inner(depth + 1)
+        if not body:
+            return []
+        return ["    " * depth + f"if {_GUARDS[kind].format(v=var)}:", *body]
 
-    def k_properties(self, value: Any, schema: Any) -> Check:
-        if not isinstance(value, dict):
-            raise _Unsupported("properties")
-        props = [(name, self.compile(sub)) for name, sub in value.items()]
-        return lambda v: not isinstance(v, dict) or all(
-            name not in v or check(v[name]) for name, check in props)
-
-    def k_required(self, value: Any, schema: Any) -> Check:
-        if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
-            raise _Unsupported("required")
-        return lambda v: not isinstance(v, dict) or all(n in v for n in value)
-
-    def k_additionalProperties(self, value: Any, schema: Any) -> Check:
-        if "patternProperties" in schema or "unevaluatedProperties" in schema:
-            raise _Unsupported("additionalProperties with patterns")
-        known = set(schema.get("properties") or {})
-        check = self.compile(value)
-        return lambda v: not isinstance(v, dict) or all(
-            k in known or check(item) for k, item in v.items())
-
-    def k_items(self, value: Any, schema: Any) -> Check:
-        if isinstance(value, list) or "prefixItems" in schema:
-            raise _Unsupported("tuple items")
-        check = self.compile(value)
-        return lambda v: not isinstance(v, list) or all(check(item) for item in v)
-
-    def k_contains(self, value: Any, schema: Any) -> Check:
-        if "minContains" in schema or "maxContains" in schema:
-            raise _Unsupported("minContains")
-        check = self.compile(value)
-        return lambda v: not isinstance(v, list) or any(check(item) for item in v)
-
-    def k_minItems(self, value: Any, schema: Any) -> Check:
-        return self.length(list, value, at_least=True)
-
-    def k_maxItems(self, value: Any, schema: Any) -> Check:
-        return self.length(list, value, at_least=False)
-
-    def k_minLength(self, value: Any, schema: Any) -> Check:
-        return self.length(str, value, at_least=True)
-
-    def k_maxLength(self, value: Any, schema: Any) -> Check:
-        return self.length(str, value, at_least=False)
-
-    def k_pattern(self, value: Any, schema: Any) -> Check:
-        if not isinstance(value, str):
-            raise _Unsupported("pattern")
-        searcher = compile_pattern(value, trusted=True)  # as the named schema's validator does
-        return lambda v: not isinstance(v, str) or bool(searcher.search(v))
-
-    def k_format(self, value: Any, schema: Any) -> Check:
-        if not isinstance(value, str):
-            raise _Unsupported("format")
-        return lambda v: conforms(v, value)
-
-    def k_enum(self, value: Any, schema: Any) -> Check:
-        if not isinstance(value, list):
-            raise _Unsupported("enum")
-        return lambda v: any(equal(v, option) for option in value)
-
-    def k_const(self, value: Any, schema: Any) -> Check:
-        return lambda v: bool(equal(v, value))
-
-    def k_allOf(self, value: Any, schema: Any) -> Check:
-        checks = self.each(value)
-        return lambda v: all(check(v) for check in checks)
-
-    def k_anyOf(self, value: Any, schema: Any) -> Check:
-        checks = self.each(value)
-        return lambda v: any(check(v) for check in checks)
-
-    def k_oneOf(self, value: Any, schema: Any) -> Check:
-        checks = self.each(value)
-        return lambda v: sum(1 for check in checks if check(v)) == 1
-
-    def k_not(self, value: Any, schema: Any) -> Check:
-        check = self.compile(value)
-        return lambda v: not check(v)
-
-    def k_if(self, value: Any, schema: Any) -> Check:
-        test = self.compile(value)
-        then = self.compile(schema.get("then", True))
-        otherwise = self.compile(schema.get("else", True))
-        return lambda v: then(v) if test(v) else otherwise(v)
-
-    def k_then(self, value: Any, schema: Any) -> None:
-        return None  # applied by "if" (alone, it asserts nothing)
-
-    k_else = k_then
-
-    def k_ref(self, value: Any, schema: Any) -> Check:
-        if not isinstance(value, str) or not (value == "#" or value.startswith("#/")):
-            raise _Unsupported("$ref outside the schema")
-        slot = self.refs.get(value)
-        if slot is None:  # compile once; a recursive reference finds the slot filled later
-            slot = self.refs[value] = []
-            slot.append(self.compile(self.resolve(value)))
-        return lambda v: slot[0](v)
-
-    # ------------------------------------------------------------ helpers
-    def bound(self, key: str, value: Any) -> Check:
-        if not _number(value):
+    def bound(self, key: str, value: Any, var: str, depth: int, known: str | None) -> Lines:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise _Unsupported(f"{key} that is not a number")  # e.g. draft 4's booleans
-        test = _NUMBER_BOUNDS[key]
-        return lambda v: not _number(v) or test(v, value)
+        c = self.const(value)
+        test = f"not ({var} {_NUMBER_BOUNDS[key]} {c})"
+        return self.guarded("number", var, depth, known,
+                            lambda d: ["    " * d + f"if {test}: return False"])
 
-    def each(self, value: Any) -> list[Check]:
-        if not isinstance(value, list) or not value:
-            raise _Unsupported("an empty or malformed list of schemas")
-        return [self.compile(sub) for sub in value]
-
-    @staticmethod
-    def length(kind: type[list[Any]] | type[str], value: Any, *, at_least: bool) -> Check:
+    def length(self, kind: str, value: Any, var: str, depth: int, known: str | None,
+               op: str) -> Lines:
         """A bound on the length of ``kind`` values (other values pass)."""
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise _Unsupported("a length that is not a count")
-        if at_least:
-            return lambda v: not isinstance(v, kind) or len(v) >= value
-        return lambda v: not isinstance(v, kind) or len(v) <= value
+        c = self.const(value)
+        return self.guarded(kind, var, depth, known,
+                            lambda d: ["    " * d + f"if len({var}) {op} {c}: return False"])
+
+    def each(self, value: Any) -> list[Any]:
+        if not isinstance(value, list) or not value:
+            raise _Unsupported("an empty or malformed list of schemas")
+        return value
 
     def resolve(self, ref: str) -> Any:
         target = self.root
@@ -241,3 +215,191 @@ class _Compiler:
             else:
                 raise _Unsupported(f"unresolvable $ref {ref}")
         return target
+
+    # ------------------------------------------------------------ one method per keyword
+    def k_type(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise _Unsupported("type")
+        if not all(n in _TYPE_TESTS for n in names):
+            raise _Unsupported("an unknown type")
+        pad = "    " * depth
+        if not names:
+            return [pad + "return False"]
+        tests = " or ".join(_TYPE_TESTS[n].format(v=var) for n in dict.fromkeys(names))
+        return [pad + f"if not ({tests}): return False"]
+
+    def k_properties(self, value: Any, schema: Any, var: str, depth: int,
+                     known: str | None) -> Lines:
+        if not isinstance(value, dict):
+            raise _Unsupported("properties")
+
+        def inner(d: int) -> Lines:
+            pad = "    " * d
+            out: Lines = []
+            for name, sub in value.items():
+                item = self.variable()
+                body = self.block(sub, item, d + 1, None)
+                if body:
+                    c = self.const(name)
+                    out += [pad + f"if {c} in {var}:", pad + f"    {item} = {var}[{c}]", *body]
+            return out
+        return self.guarded("object", var, depth, known, inner)
+
+    def k_required(self, value: Any, schema: Any, var: str, depth: int,
+                   known: str | None) -> Lines:
+        if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+            raise _Unsupported("required")
+
+        def inner(d: int) -> Lines:
+            names = [self.const(n) for n in dict.fromkeys(value)]
+            return ["    " * d + "if " + " or ".join(f"{c} not in {var}" for c in names[i:i + 8])
+                    + ": return False" for i in range(0, len(names), 8)]
+        return self.guarded("object", var, depth, known, inner)
+
+    def k_additionalProperties(self, value: Any, schema: Any, var: str, depth: int,
+                               known: str | None) -> Lines:
+        if "patternProperties" in schema or "unevaluatedProperties" in schema:
+            raise _Unsupported("additionalProperties with patterns")
+        props = schema.get("properties") or {}
+        if not isinstance(props, dict):
+            raise _Unsupported("properties")
+
+        def inner(d: int) -> Lines:
+            pad = "    " * d
+            key, item = self.variable("k"), self.variable()
+            body = self.block(value, item, d + 2, None)
+            if not body:
+                return []
+            c = self.const(frozenset(props))
+            return [pad + f"for {key}, {item} in {var}.items():",
+                    pad + f"    if {key} not in {c}:", *body]
+        return self.guarded("object", var, depth, known, inner)
+
+    def k_items(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        if isinstance(value, list) or "prefixItems" in schema:
+            raise _Unsupported("tuple items")
+
+        def inner(d: int) -> Lines:
+            item = self.variable()
+            body = self.block(value, item, d + 1, None)
+            return ["    " * d + f"for {item} in {var}:", *body] if body else []
+        return self.guarded("array", var, depth, known, inner)
+
+    def k_contains(self, value: Any, schema: Any, var: str, depth: int,
+                   known: str | None) -> Lines:
+        if "minContains" in schema or "maxContains" in schema:
+            raise _Unsupported("minContains")
+        test = self.function(value)
+
+        def inner(d: int) -> Lines:
+            pad, item = "    " * d, self.variable()
+            return [pad + f"for {item} in {var}:", pad + f"    if {test}({item}): break",
+                    pad + "else:", pad + "    return False"]
+        return self.guarded("array", var, depth, known, inner)
+
+    def k_minItems(self, value: Any, schema: Any, var: str, depth: int,
+                   known: str | None) -> Lines:
+        return self.length("array", value, var, depth, known, "<")
+
+    def k_maxItems(self, value: Any, schema: Any, var: str, depth: int,
+                   known: str | None) -> Lines:
+        return self.length("array", value, var, depth, known, ">")
+
+    def k_minLength(self, value: Any, schema: Any, var: str, depth: int,
+                    known: str | None) -> Lines:
+        return self.length("string", value, var, depth, known, "<")
+
+    def k_maxLength(self, value: Any, schema: Any, var: str, depth: int,
+                    known: str | None) -> Lines:
+        return self.length("string", value, var, depth, known, ">")
+
+    def k_pattern(self, value: Any, schema: Any, var: str, depth: int,
+                  known: str | None) -> Lines:
+        if not isinstance(value, str):
+            raise _Unsupported("pattern")
+        c = self.const(_pattern_test(value))
+        return self.guarded("string", var, depth, known,
+                            lambda d: ["    " * d + f"if not {c}({var}): return False"])
+
+    def k_format(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        if not isinstance(value, str):
+            raise _Unsupported("format")
+        return ["    " * depth + f"if not conforms({var}, {self.const(value)}): return False"]
+
+    def k_enum(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        if not isinstance(value, list):
+            raise _Unsupported("enum")
+        pad = "    " * depth
+        if all(isinstance(option, str) for option in value):
+            # equal(v, a string) is v == the string; ``in`` a tuple tests ``is``, then ``==``
+            return [pad + f"if {var} not in {self.const(tuple(value))}: return False"]
+        option = self.variable("o")
+        return [pad + f"for {option} in {self.const(list(value))}:",
+                pad + f"    if equal({var}, {option}): break",
+                pad + "else:", pad + "    return False"]
+
+    def k_const(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        pad, c = "    " * depth, self.const(value)
+        if value is None or value is True or value is False:  # equal(v, True) is v is True
+            return [pad + f"if {var} is not {c}: return False"]
+        if isinstance(value, str):
+            return [pad + f"if not ({var} == {c}): return False"]
+        return [pad + f"if not equal({var}, {c}): return False"]
+
+    def k_allOf(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        out: Lines = []
+        for sub in self.each(value):
+            out += self.block(sub, var, depth, known)
+        return out
+
+    def k_anyOf(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        tests = [f"{self.function(sub)}({var})" for sub in self.each(value)]
+        return ["    " * depth + f"if not ({' or '.join(tests)}): return False"]
+
+    def k_oneOf(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        pad, count = "    " * depth, self.variable("n")
+        tests = [self.function(sub) for sub in self.each(value)]  # all asked, as sum() did
+        return [pad + f"{count} = 0", *(pad + f"if {t}({var}): {count} += 1" for t in tests),
+                pad + f"if {count} != 1: return False"]
+
+    def k_not(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        return ["    " * depth + f"if {self.function(value)}({var}): return False"]
+
+    def k_if(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        pad, test = "    " * depth, self.function(value)
+        then = self.block(schema.get("then", True), var, depth + 1, known)
+        otherwise = self.block(schema.get("else", True), var, depth + 1, known)
+        if not then and not otherwise:
+            return [pad + f"{test}({var})"]  # asked all the same (it may raise)
+        return [pad + f"if {test}({var}):", *(then or [pad + "    pass"]),
+                pad + "else:", *(otherwise or [pad + "    pass"])]
+
+    def k_then(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        return []  # applied by "if" (alone, it asserts nothing)
+
+    k_else = k_then
+
+    def k_ref(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
+        if not isinstance(value, str) or not (value == "#" or value.startswith("#/")):
+            raise _Unsupported("$ref outside the schema")
+        name = self.refs.get(value)
+        if name is None:  # compile once; a recursive reference finds the name already given
+            name = self.refs[value] = self.new_function_name()
+            self.function(self.resolve(value), name)
+        return ["    " * depth + f"if not {name}({var}): return False"]
+
+
+# keyword -> its method (an explicit table: a schema's keys never pick a method by name)
+_KEYWORDS: dict[str, Callable[[_Generator, Any, Any, str, int, str | None], Lines]] = {
+    "$ref": _Generator.k_ref, "type": _Generator.k_type,
+    "properties": _Generator.k_properties, "required": _Generator.k_required,
+    "additionalProperties": _Generator.k_additionalProperties, "items": _Generator.k_items,
+    "contains": _Generator.k_contains, "minItems": _Generator.k_minItems,
+    "maxItems": _Generator.k_maxItems, "minLength": _Generator.k_minLength,
+    "maxLength": _Generator.k_maxLength, "pattern": _Generator.k_pattern,
+    "format": _Generator.k_format, "enum": _Generator.k_enum, "const": _Generator.k_const,
+    "allOf": _Generator.k_allOf, "anyOf": _Generator.k_anyOf, "oneOf": _Generator.k_oneOf,
+    "not": _Generator.k_not, "if": _Generator.k_if, "then": _Generator.k_then,
+    "else": _Generator.k_else,
+}
