@@ -338,3 +338,17 @@ def test_a_schema_nested_absurdly_deep_is_left_to_jsonschema() -> None:
     assert compile_schema(nested(100_000, {}, lambda s: {"items": s})) is None
     assert compile_schema(nested(100_000, True, lambda s: [s])) is None
 
+
+@pytest.mark.parametrize("schema, doc", [
+    ({"$defs": {"a": {"$id": "https://example.com/a", "properties": {"p": {"$ref": "#/$defs/b"}},
+                      "$defs": {"b": {"type": "string"}}}, "b": {"type": "integer"}},
+      "$ref": "#/$defs/a"}, {"p": 1}),  # a $ref below an $id resolves against that $id
+    ({"$defs": {"a b": {"type": "string"}, "a%20b": {"type": "integer"}},
+      "$ref": "#/$defs/a%20b"}, 1),  # a $ref is a URI: percent-decoded
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer"}, 1.0),
+])
+def test_where_jsonschema_reads_a_schema_otherwise_it_alone_decides(schema: dict[str, Any],
+                                                                     doc: Any) -> None:
+    """Schemas the quick check used to read differently from jsonschema (and said yes)."""
+    assert errors_of(for_named(schema), doc)
+    assert compile_schema(schema) is None

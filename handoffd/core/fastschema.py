@@ -32,6 +32,8 @@ Check = Callable[[Any], bool]
 ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "$defs", "definitions", "title",
                          "description", "examples", "default", "readOnly", "writeOnly",
                          "deprecated"})
+# the drafts whose "integer" excludes 1.0 (and whose bounds differ): jsonschema alone decides
+_OLD_DRAFTS = ("draft-03", "draft-04")
 _NUMBER_BOUNDS = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">",
                   "exclusiveMaximum": "<"}
 # JSON Schema types as Python tests of the value named {v}; bool is not a number in JSON Schema,
@@ -52,6 +54,8 @@ _GUARDS = {"object": "isinstance({v}, dict)", "array": "isinstance({v}, list)",
            "number": "(isinstance({v}, (int, float)) and not isinstance({v}, bool))"}
 _KIND_OF_TYPE = {"object": "object", "array": "array", "string": "string", "number": "number",
                  "integer": "number"}  # a known type that makes a guard true
+# a JSON pointer that reads the same as a URI fragment (jsonschema's reading) and as it stands
+_PLAIN_REF = re.compile(r"#(/[A-Za-z0-9_.~$@:+-]*)*")
 _MAX_INDENT = 10  # deeper subschemas become functions of their own (CPython nests 20 blocks at most)
 
 
@@ -82,6 +86,8 @@ def is_valid(check: Check, instance: Any) -> bool:
 def _source(schema: Any, draft7: bool) -> tuple[str, dict[str, Any]]:
     """The Python source of ``schema``'s check (function ``_f0``) and the namespace it runs in.
     _Unsupported (or PatternError, RecursionError) when the schema cannot be compiled."""
+    if isinstance(schema, dict) and any(d in str(schema.get("$schema", "")) for d in _OLD_DRAFTS):
+        raise _Unsupported("a draft older than 6")
     gen = _Generator(schema, draft7)
     gen.function(schema)
     return "\n\n".join(gen.functions) + "\n", gen.namespace
@@ -156,6 +162,8 @@ class _Generator:
             raise _Unsupported("schema is not an object")
         if depth > _MAX_INDENT:
             return [pad + f"if not {self.function(schema)}({var}): return False"]
+        if "$id" in schema and schema is not self.root:
+            raise _Unsupported("$id below the root")  # $refs inside resolve against it
         if "$ref" in schema and self.draft7 and set(schema) - ANNOTATIONS - {"$ref"}:
             raise _Unsupported("draft 7 $ref with siblings")
         out: Lines = []
@@ -383,6 +391,8 @@ class _Generator:
     def k_ref(self, value: Any, schema: Any, var: str, depth: int, known: str | None) -> Lines:
         if not isinstance(value, str) or not (value == "#" or value.startswith("#/")):
             raise _Unsupported("$ref outside the schema")
+        if not _PLAIN_REF.fullmatch(value):  # jsonschema reads a URI (percent-decoded, ...)
+            raise _Unsupported("a $ref that is not a plain JSON pointer")
         name = self.refs.get(value)
         if name is None:  # compile once; a recursive reference finds the name already given
             name = self.refs[value] = self.new_function_name()
