@@ -274,15 +274,21 @@ def requeue_holding_the_unlink(engine: Engine, hid: str, event: str,
     assert claimed is not None
     book(claimed[0].doc).update(book_entries)
     late: list[threading.Timer] = []
-    real_unlink = store_module.fsio.unlink
+    real_unlink, real_retire = store_module.fsio.unlink, store_module.spares.retire
 
     def unlink_later(path: Path, durable: bool = True) -> None:
         late.append(threading.Timer(0.3, real_unlink, (path,), {"durable": durable}))
         late[-1].start()
 
+    def retire_later(path: Path, tmp_dir: Path) -> None:  # the claim's own copy: kept as a spare
+        late.append(threading.Timer(0.3, real_retire, (path, tmp_dir)))
+        late[-1].start()
+
     monkeypatch.setattr(store_module.fsio, "unlink", unlink_later)
+    monkeypatch.setattr(store_module.spares, "retire", retire_later)
     assert engine.requeue(claimed[0], claimed[1], event) is State.PENDING
     monkeypatch.setattr(store_module.fsio, "unlink", real_unlink)
+    monkeypatch.setattr(store_module.spares, "retire", real_retire)
     assert engine.backend.store.locate(hid) == [State.PENDING, State.IN_PROGRESS]
     return late[0]
 

@@ -15,11 +15,12 @@ import re
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+from . import spares
 
-TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = spares.TMP_SUFFIX
 
 
 def fsync_dir(path: Path) -> None:
@@ -70,9 +71,20 @@ def dump_json(doc: dict[str, Any]) -> bytes:
 
 
 def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path:
-    """Write ``data`` to a fresh temp file under ``tmp_dir`` and return its path."""
-    path = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    """Write ``data`` to a temp file under ``tmp_dir`` (a spare, or a fresh one) and return its path."""
+    return _write_temp(tmp_dir, data, durable=durable)[0]
+
+
+def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
+                fresh: bool = False) -> tuple[Path, int]:
+    """(path, inode) of a temp file holding ``data``: a spare this process kept (see
+    :mod:`.spares`) unless ``fresh`` or there is none, else a new file."""
+    taken = None if fresh else spares.take(tmp_dir)
+    if taken is not None:
+        path, fd = taken
+    else:
+        path = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -80,25 +92,39 @@ def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path:
             view = view[written:]
         if durable:
             os.fsync(fd)
+        inode = os.fstat(fd).st_ino
     except BaseException:
         os.close(fd)
         _unlink_quietly(path)
         raise
     os.close(fd)
-    return path
+    return path, inode
+
+
+def _publish(tmp_dir: Path, data: bytes, durable: bool, put: Callable[[Path], None]) -> int:
+    """Write ``data`` to a temp file and ``put`` it into place; the new inode number. A spare
+    a sweeper removed between our write and the rename is written again as a fresh file."""
+    for fresh in (False, True):
+        tmp, inode = _write_temp(tmp_dir, data, durable=durable, fresh=fresh)
+        try:
+            put(tmp)
+            return inode
+        except FileNotFoundError:
+            if fresh or os.path.lexists(tmp):  # not a vanished temp: the target's folder
+                _unlink_quietly(tmp)
+                raise
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+    raise AssertionError("unreachable")
 
 
 def create_exclusive(target: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> None:
     """Publish ``data`` at ``target`` atomically; raise DuplicateHandoff if the name is taken."""
-    tmp = write_temp(tmp_dir, data, durable=durable)
     try:
-        rename_noreplace(tmp, target)  # one step where link + unlink took two
-    except FileExistsError:
-        _unlink_quietly(tmp)
+        _publish(tmp_dir, data, durable, lambda tmp: rename_noreplace(tmp, target))
+    except FileExistsError:  # one step where link + unlink took two
         raise DuplicateHandoff(f"{target.name} already exists in {target.parent.name}/") from None
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
     if durable:
         fsync_dir(target.parent)
 
@@ -108,13 +134,7 @@ def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool, sync_dir
 
     ``sync_dir=False`` keeps the data fsync (a renamed-in file must never surface empty after a
     crash) but skips making the rename itself durable, for writes whose loss recovery handles."""
-    tmp = write_temp(tmp_dir, data, durable=durable)
-    inode = os.stat(tmp).st_ino
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
+    inode = _publish(tmp_dir, data, durable, lambda tmp: os.replace(tmp, target))
     if durable and sync_dir:
         fsync_dir(target.parent)
     return inode

@@ -27,7 +27,7 @@ from ...core.states import State, allowed, winner
 from ...core.timeutil import iso, utc_now
 from ...core.workspace import Workspace
 from ..base import stamp_created
-from . import fsio, seals
+from . import fsio, seals, spares
 from .seen import SeenIds
 
 if TYPE_CHECKING:  # filelock is imported where a lock is taken (one-shot commands skip it)
@@ -372,8 +372,11 @@ class Store:
                                        durable=self.durable, sync_dir=False)
             return True
 
-    def move(self, handoff_id: str, src: State, dst: State, doc: dict[str, Any]) -> None:
-        """Write ``doc`` into ``dst`` (never overwriting), then remove the ``src`` copy."""
+    def move(self, handoff_id: str, src: State, dst: State, doc: dict[str, Any], *,
+             ours: bool = False) -> None:
+        """Write ``doc`` into ``dst`` (never overwriting), then remove the ``src`` copy.
+        ``ours``: the ``src`` file is one this process wrote (a claim's in-progress copy): its
+        inode is kept as a spare temp file rather than freed (see :mod:`.spares`)."""
         if not allowed(src, dst):
             raise InvalidTransition(f"handoff {handoff_id} cannot go from {src.value} to {dst.value}",
                                     handoff_id=handoff_id)
@@ -382,7 +385,10 @@ class Store:
         crash_point("after-move-write")
         # no directory fsync: if a crash undoes this unlink, the two copies are told apart by
         # revision (states.winner) and recovery removes the older one
-        fsio.unlink(self.path(src, handoff_id), durable=False)
+        if ours:
+            spares.retire(self.path(src, handoff_id), self.ws.tmp)
+        else:
+            fsio.unlink(self.path(src, handoff_id), durable=False)
         crash_point("after-move-unlink")
 
     def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
@@ -393,7 +399,8 @@ class Store:
                 if claim.finished or not self.owns(claim):
                     return False
                 book(doc).pop("lease", None)
-                self.move(claim.handoff_id, State.IN_PROGRESS, dst, doc)
+                self.move(claim.handoff_id, State.IN_PROGRESS, dst, doc,
+                          ours=claim.inode is not None)  # owns(): still the inode we wrote
                 moved = True
                 return True
             finally:

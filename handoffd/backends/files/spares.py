@@ -1,0 +1,94 @@
+"""Spare temp files: inodes handoffd made, kept for its next write instead of freed.
+
+A handoff costs the files store two new files (the in-progress copy with its lease, the filed
+answer) and removes one of them when it is filed. On ext4 creating a file is the dearest step of
+all: the inode allocator skips every inode freed within the last minute (``recently_deleted``),
+reading each one's block to check, so at a few hundred handoffs a second each creation scans
+thousands of them (0.3-1 ms here, more than the rest of a handoff's system calls together).
+
+So when a handoff is filed, its in-progress copy (a file this process wrote) is renamed into
+``handoffs/.tmp/`` instead of unlinked, and the next temp file is that inode, truncated and
+rewritten: no allocation and no free for it. Only inodes handoffd wrote itself are kept: a
+producer's file may still be open in the producer, and a late write through that descriptor must
+never land in a document filed later. A spare is an ordinary temp file (``*.tmp``): a process that
+dies leaves its spares for the sweeper, which removes temp files after a few minutes; a spare
+removed under a live process is simply not found, and a fresh file is made.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+TMP_SUFFIX = ".tmp"
+KEPT = 32  # spares kept per temp folder: a burst's worth; more are unlinked as before
+
+_lock = threading.Lock()
+_pools: dict[Path, list[Path]] = {}
+
+
+def take(tmp_dir: Path) -> tuple[Path, int] | None:
+    """A spare of ``tmp_dir`` opened for writing and emptied, or None when there is none.
+
+    A spare that is no longer a plain regular file with one name (removed, replaced, linked
+    elsewhere meanwhile) is dropped, never written through."""
+    while True:
+        with _lock:
+            pool = _pools.get(tmp_dir)
+            if not pool:
+                return None
+            path = pool.pop()
+        try:  # O_NONBLOCK: a FIFO put in its place must not hang the write
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC)
+        except OSError:
+            continue
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+            return path, fd
+        os.close(fd)
+        _unlink_quietly(path)
+
+
+def retire(path: Path, tmp_dir: Path) -> bool:
+    """Remove ``path`` (a file this process wrote) from where it is, keeping its inode as a
+    spare of ``tmp_dir``; False when it was already gone. Not durable, as an unlink is not."""
+    with _lock:
+        full = len(_pools.get(tmp_dir, ())) >= KEPT
+    if not full:
+        spare = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
+        try:
+            os.rename(path, spare)
+        except FileNotFoundError:
+            if os.path.lexists(path):  # the temp folder is missing: unlink as before
+                return _unlink(path)
+            return False
+        with _lock:
+            _pools.setdefault(tmp_dir, []).append(spare)
+        return True
+    return _unlink(path)
+
+
+def forget() -> None:
+    """Drop every pool (a forked child must not write the spares its parent uses)."""
+    with _lock:
+        _pools.clear()
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+os.register_at_fork(after_in_child=forget)
