@@ -497,3 +497,56 @@ def test_registry_load_without_entry_points_skips_importlib_metadata(tmp_path: P
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_folder_fsyncs_are_shared_but_never_early(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    """Group commit: callers arriving while a folder fsync runs share the next one; none
+    returns before an fsync that began after it asked has finished."""
+    import time as time_module
+
+    from handoffd.backends.files import dirsync
+    syncs: list[tuple[float, float]] = []
+
+    def slow_fsync(path: str) -> None:
+        began = time_module.monotonic()
+        time_module.sleep(0.02)
+        syncs.append((began, time_module.monotonic()))
+
+    monkeypatch.setattr(dirsync, "_fsync", slow_fsync)
+    calls: list[tuple[float, float]] = []
+    lock = threading.Lock()
+
+    def caller() -> None:
+        for _ in range(5):
+            asked = time_module.monotonic()
+            dirsync.fsync_dir(tmp_path)
+            with lock:
+                calls.append((asked, time_module.monotonic()))
+
+    threads = [threading.Thread(target=caller) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(calls) == 40
+    assert len(syncs) < 40  # shared
+    for asked, returned in calls:  # and never early
+        assert any(asked <= began and ended <= returned for began, ended in syncs)
+
+
+def test_a_failing_folder_fsync_raises_and_the_next_caller_tries_again(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from handoffd.backends.files import dirsync
+    outcomes = [OSError(5, "EIO"), None]
+
+    def flaky(path: str) -> None:
+        failure = outcomes.pop(0)
+        if failure is not None:
+            raise failure
+
+    monkeypatch.setattr(dirsync, "_fsync", flaky)
+    with pytest.raises(OSError):
+        dirsync.fsync_dir(tmp_path)
+    dirsync.fsync_dir(tmp_path)
+    assert outcomes == []

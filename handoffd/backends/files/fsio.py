@@ -18,18 +18,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
-from . import spares
+from . import dirsync, spares
 
 TMP_SUFFIX = spares.TMP_SUFFIX
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename/link/unlink inside it is durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync a directory so a rename/link/unlink inside it is durable (one fsync covers the
+    callers that arrive while another runs: :mod:`.dirsync`)."""
+    dirsync.fsync_dir(path)
 
 
 @contextmanager
