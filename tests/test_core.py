@@ -550,3 +550,16 @@ def test_a_failing_folder_fsync_raises_and_the_next_caller_tries_again(
         dirsync.fsync_dir(tmp_path)
     dirsync.fsync_dir(tmp_path)
     assert outcomes == []
+
+
+@pytest.mark.parametrize("limit", [None, 0, 1, 3, 50, 400])
+@pytest.mark.parametrize("newest", [True, False])
+def test_listing_order_with_a_heap_is_the_sorted_order(limit: int | None, newest: bool) -> None:
+    """handoff ls picks its first rows with a heap; read to the end it is the full sort."""
+    import random
+
+    from handoffd.backends.files.backend import _in_order
+    rng = random.Random(7)
+    stamped = [(float(rng.randrange(50)), rng.choice(list(State)), f"h{i:04d}") for i in range(300)]
+    expected = sorted(stamped, key=lambda s: (s[0], s[2]), reverse=newest)
+    assert list(_in_order(stamped, limit, newest=newest)) == expected

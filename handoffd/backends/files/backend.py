@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import heapq
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
 from ...core.documents import book, book_int, hostname
 from ...core.errors import (
@@ -83,6 +84,22 @@ class _Pending:
     key: tuple[int, int, int]
     meta: Meta
     due_at: datetime
+
+
+def _in_order(stamped: builtins.list[tuple[float, State, str]], limit: int | None, *,
+              newest: bool) -> Iterator[tuple[float, State, str]]:
+    """``stamped`` by (mtime, id), newest or oldest first. A listing usually shows its first
+    ``limit`` rows: those are picked with a heap first (sorting 100,000 entries to show 50 took
+    a sixth of ``handoff ls``), and the whole list is sorted only if filters skipped too many."""
+    def key(s: tuple[float, State, str]) -> tuple[float, str]:
+        return s[0], s[2]
+    first = 4 * limit + 16 if limit is not None else len(stamped)
+    if first >= len(stamped):
+        yield from sorted(stamped, key=key, reverse=newest)
+        return
+    pick = heapq.nlargest if newest else heapq.nsmallest
+    yield from pick(first, stamped, key=key)  # the same as the sorted list's head
+    yield from sorted(stamped, key=key, reverse=newest)[first:]
 
 
 class FilesBackend(FencedFiling, Backend):
@@ -149,9 +166,8 @@ class FilesBackend(FencedFiling, Backend):
                           **filters)
         # newest/oldest: by modification time, so that only what is shown is read (a listing of
         # a few rows stays cheap with 100,000 finished documents)
-        stamped = sorted(self._stamped(state), key=lambda s: (s[0], s[2]), reverse=order == "newest")
         rows: Rows = []
-        for _, st, handoff_id in stamped:
+        for _, st, handoff_id in _in_order(self._stamped(state), limit, newest=order == "newest"):
             if limit is not None and len(rows) >= limit:
                 break
             row = self._row(handoff_id, st, unreadable)
@@ -161,13 +177,15 @@ class FilesBackend(FencedFiling, Backend):
 
     def _stamped(self, state: State | None) -> builtins.list[tuple[float, State, str]]:
         """(mtime, state, id) of every document file in ``state`` (all states: None)."""
-        found = []
+        found: builtins.list[tuple[float, State, str]] = []
+        append = found.append  # (a loop run once per finished document: kept lean)
         for st in ([state] if state is not None else State):
             for entry in self.store.entries(st):
-                if not entry.name.endswith(".json"):
+                name = entry.name
+                if name[-5:] != ".json":
                     continue
                 try:
-                    found.append((entry.stat(follow_symlinks=False).st_mtime, st, entry.name[:-5]))
+                    append((entry.stat(follow_symlinks=False).st_mtime, st, name[:-5]))
                 except OSError:  # gone since the listing (or unstattable): nothing to show
                     continue
         return found
