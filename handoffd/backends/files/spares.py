@@ -40,12 +40,14 @@ def take(tmp_dir: Path) -> tuple[Path, int] | None:
                 return None
             path = pool.pop()
         try:  # O_NONBLOCK: a FIFO put in its place must not hang the write
-            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue
         info = os.fstat(fd)
+        # emptied only once it is known to be ours alone: not O_TRUNC, which would empty a file
+        # someone linked to it meanwhile (a backup's hard link of an in-progress copy)
         if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+            os.ftruncate(fd, 0)
             return path, fd
         os.close(fd)
         _unlink_quietly(path)
@@ -64,6 +66,8 @@ def retire(path: Path, tmp_dir: Path) -> bool:
             if os.path.lexists(path):  # the temp folder is missing: unlink as before
                 return _unlink(path)
             return False
+        except OSError:  # e.g. EXDEV: a .tmp/ on another filesystem; unlink as before
+            return _unlink(path)
         with _lock:
             _pools.setdefault(tmp_dir, []).append(spare)
         return True

@@ -1,0 +1,85 @@
+"""Spare temp files (backends/files/spares.py): a filed handoff's in-progress inode is reused for
+the next write, and never when it stopped being a plain file of ours."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from handoffd.backends.files import fsio, spares
+
+
+@pytest.fixture()
+def tmp_dir(tmp_path: Path) -> Iterator[Path]:
+    spares.forget()
+    folder = tmp_path / ".tmp"
+    folder.mkdir()
+    yield folder
+    spares.forget()
+
+
+def test_a_retired_file_is_the_next_temp_file(tmp_dir: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "in-progress.json"
+    doc.write_bytes(b'{"old": "content, longer than what comes next"}')
+    inode = doc.stat().st_ino
+    assert spares.retire(doc, tmp_dir) and not doc.exists()
+    target = tmp_path / "completed.json"
+    fsio.create_exclusive(target, b'{"new": 1}', tmp_dir, durable=True)
+    assert target.read_bytes() == b'{"new": 1}'  # emptied before it was written
+    assert target.stat().st_ino == inode  # the same inode: nothing allocated
+    assert list(tmp_dir.iterdir()) == []
+    assert spares.retire(tmp_path / "gone.json", tmp_dir) is False
+
+
+@pytest.mark.parametrize("spoil", ["removed", "symlink", "fifo", "hardlink"])
+def test_a_spare_that_changed_is_never_written_through(tmp_dir: Path, tmp_path: Path,
+                                                       spoil: str) -> None:
+    doc = tmp_path / "in-progress.json"
+    doc.write_bytes(b"ours")
+    assert spares.retire(doc, tmp_dir)
+    [spare] = list(tmp_dir.iterdir())
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not to be touched")
+    if spoil != "hardlink":
+        spare.unlink()
+    if spoil == "symlink":
+        spare.symlink_to(victim)
+    elif spoil == "fifo":
+        os.mkfifo(spare)
+    elif spoil == "hardlink":
+        spare.unlink()
+        os.link(victim, spare)
+    target = tmp_path / "answer.json"
+    fsio.replace(target, b'{"answer": true}', tmp_dir, durable=False)
+    assert target.read_bytes() == b'{"answer": true}'
+    assert victim.read_bytes() == b"not to be touched"
+    assert target.stat().st_ino != victim.stat().st_ino
+
+
+def test_spares_are_bounded(tmp_dir: Path, tmp_path: Path) -> None:
+    for n in range(spares.KEPT + 5):
+        doc = tmp_path / f"d{n}.json"
+        doc.write_bytes(b"x")
+        assert spares.retire(doc, tmp_dir)
+    assert len(list(tmp_dir.iterdir())) == spares.KEPT  # the rest were unlinked
+
+
+def test_a_spare_swept_away_before_its_rename_is_written_again_fresh(
+        tmp_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = tmp_path / "in-progress.json"
+    doc.write_bytes(b"ours")
+    assert spares.retire(doc, tmp_dir)
+    real_take = spares.take
+
+    def take_then_sweep(folder: Path) -> tuple[Path, int] | None:
+        taken = real_take(folder)
+        if taken is not None:
+            os.unlink(taken[0])  # a sweeper removes it between our open and our rename
+        return taken
+
+    monkeypatch.setattr(spares, "take", take_then_sweep)
+    target = tmp_path / "filed.json"
+    fsio.create_exclusive(target, b'{"filed": 1}', tmp_dir, durable=False)
+    assert target.read_bytes() == b'{"filed": 1}'
