@@ -92,11 +92,11 @@ class SeenIds:
 
     def _refresh(self) -> None:
         """Read only what was appended since the last look (the whole file after a compaction)."""
-        try:
-            info = os.stat(self.path)
-        except FileNotFoundError:
-            return
-        with self._mutex:
+        with self._mutex:  # the stat too: an add() between a stat and the mutex would advance
+            try:  # the offset past the size seen, and the whole file would be read again
+                info = os.stat(self.path)
+            except FileNotFoundError:
+                return
             if (info.st_ino, info.st_size) == (self._inode, self._offset):
                 return
             if info.st_ino != self._inode or info.st_size < self._offset:
