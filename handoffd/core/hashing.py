@@ -7,3 +7,11 @@ def sha256_hex(data: bytes) -> str:
     """The SHA-256 of ``data`` in hex."""
     import hashlib  # a dict lookup once loaded
     return hashlib.sha256(data).hexdigest()
+
+
+def load() -> None:
+    """Load OpenSSL's hashes and HMAC now: a command about to write a document (which the files
+    store seals) pays for them before it stamps the document's creation time, not between that
+    stamp and the moment the document appears."""
+    import hashlib  # noqa: F401
+    import hmac  # noqa: F401
