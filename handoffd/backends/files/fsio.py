@@ -139,20 +139,14 @@ def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool, sync_dir
 
 def unlink(path: Path, *, durable: bool) -> bool:
     """Remove ``path``; return False if it was already gone."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
+    if not spares.remove(path):
         return False
     if durable:
         fsync_dir(path.parent)
     return True
 
 
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+_unlink_quietly = spares.remove_quietly
 
 
 def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result]:

@@ -50,7 +50,7 @@ def take(tmp_dir: Path) -> tuple[Path, int] | None:
             os.ftruncate(fd, 0)
             return path, fd
         os.close(fd)
-        _unlink_quietly(path)
+        remove_quietly(path)
 
 
 def retire(path: Path, tmp_dir: Path) -> bool:
@@ -64,14 +64,14 @@ def retire(path: Path, tmp_dir: Path) -> bool:
             os.rename(path, spare)
         except FileNotFoundError:
             if os.path.lexists(path):  # the temp folder is missing: unlink as before
-                return _unlink(path)
+                return remove(path)
             return False
         except OSError:  # e.g. EXDEV: a .tmp/ on another filesystem; unlink as before
-            return _unlink(path)
+            return remove(path)
         with _lock:
             _pools.setdefault(tmp_dir, []).append(spare)
         return True
-    return _unlink(path)
+    return remove(path)
 
 
 def forget() -> None:
@@ -80,7 +80,8 @@ def forget() -> None:
         _pools.clear()
 
 
-def _unlink(path: Path) -> bool:
+def remove(path: Path) -> bool:
+    """Unlink ``path``; False when it was already gone (not durable). :mod:`.fsio` uses it too."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -88,7 +89,8 @@ def _unlink(path: Path) -> bool:
     return True
 
 
-def _unlink_quietly(path: Path) -> None:
+def remove_quietly(path: Path) -> None:
+    """Unlink ``path`` if it can be; a temp file left behind is the sweeper's."""
     try:
         os.unlink(path)
     except OSError:
