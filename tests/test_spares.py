@@ -83,3 +83,21 @@ def test_a_spare_swept_away_before_its_rename_is_written_again_fresh(
     target = tmp_path / "filed.json"
     fsio.create_exclusive(target, b'{"filed": 1}', tmp_dir, durable=False)
     assert target.read_bytes() == b'{"filed": 1}'
+
+
+def test_a_clean_exit_leaves_no_spares(tmp_path: Path) -> None:
+    """A `handoffd run` that filed handoffs leaves handoffs/.tmp/ empty when it ends."""
+    import json
+    import subprocess
+    import sys
+    code = ("import sys; from pathlib import Path\n"
+            "from handoffd.backends.files import spares\n"
+            "tmp = Path(sys.argv[1]) / '.tmp'; tmp.mkdir()\n"
+            "for n in range(3):\n"
+            "    doc = Path(sys.argv[1]) / f'd{n}'; doc.write_text('x'); spares.retire(doc, tmp)\n"
+            "print(len(list(tmp.iterdir())))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == 3  # kept while it ran
+    assert list((tmp_path / ".tmp").iterdir()) == []  # and gone when it ended

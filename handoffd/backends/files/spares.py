@@ -16,6 +16,7 @@ removed under a live process is simply not found, and a fresh file is made.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import stat
 import threading
@@ -80,6 +81,16 @@ def forget() -> None:
         _pools.clear()
 
 
+def release() -> None:
+    """Unlink every spare this process keeps: a process that ends cleanly leaves no temp files
+    (left ones are a crash's, which the sweeper counts and removes)."""
+    with _lock:
+        kept = [path for pool in _pools.values() for path in pool]
+        _pools.clear()
+    for path in kept:
+        remove_quietly(path)
+
+
 def remove(path: Path) -> bool:
     """Unlink ``path``; False when it was already gone (not durable). :mod:`.fsio` uses it too."""
     try:
@@ -98,3 +109,4 @@ def remove_quietly(path: Path) -> None:
 
 
 os.register_at_fork(after_in_child=forget)
+atexit.register(release)
