@@ -256,9 +256,16 @@ def test_priority_orders_due_handoffs(tmp_path: Path) -> None:
     for name, priority in [("low-1", "low"), ("normal-1", "normal"), ("critical-1", "critical"),
                            ("backlog-1", 4), ("high-1", "high"), ("low-2", "low"), ("high-2", 1)]:
         submit(engine, name, priority=priority)
-    assert Daemon(engine).run_batch().completed == 7
+    daemon = Daemon(engine)
+    handed_to_pool: list[str] = []
+    real_submit = daemon.pool.submit
+    daemon.pool.submit = lambda fn, *args: (handed_to_pool.append(args[2]),  # type: ignore[method-assign]
+                                            real_submit(fn, *args))[1]
+    assert daemon.run_batch().completed == 7
     ranks = [name.split("-")[0] for name in order]  # equal priorities: no order promised
     assert ranks == ["critical", "high", "high", "normal", "low", "low", "backlog"]
+    # the scheduler handed out the first; the worker took each next one itself, by the same rules
+    assert len(handed_to_pool) == 1
 
 
 def requeue_holding_the_unlink(engine: Engine, hid: str, event: str,

@@ -300,15 +300,13 @@ def test_network_filesystems_are_recognised(tmp_path: Path) -> None:
 
 
 def test_daemon_warns_when_the_workspace_is_on_a_network_filesystem(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from handoffd.cli import handoffd_cmd
-    monkeypatch.setattr(handoffd_cmd, "network_filesystem", lambda path: "nfs4")
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from handoffd.cli.daemon_commands import warn_if_shared
     with caplog.at_level("WARNING", logger="handoffd"):
-        handoffd_cmd._warn_if_shared(tmp_path)
+        warn_if_shared(tmp_path, lambda path: "nfs4")
     assert "network filesystem (nfs4)" in caplog.text and "lease" in caplog.text
     caplog.clear()
-    monkeypatch.setattr(handoffd_cmd, "network_filesystem", lambda path: None)
-    handoffd_cmd._warn_if_shared(tmp_path)
+    warn_if_shared(tmp_path, lambda path: None)
     assert caplog.text == ""
 
 

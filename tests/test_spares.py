@@ -2,7 +2,10 @@
 the next write, and never when it stopped being a plain file of ours."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -87,9 +90,6 @@ def test_a_spare_swept_away_before_its_rename_is_written_again_fresh(
 
 def test_a_clean_exit_leaves_no_spares(tmp_path: Path) -> None:
     """A `handoffd run` that filed handoffs leaves handoffs/.tmp/ empty when it ends."""
-    import json
-    import subprocess
-    import sys
     code = ("import sys; from pathlib import Path\n"
             "from handoffd.backends.files import spares\n"
             "tmp = Path(sys.argv[1]) / '.tmp'; tmp.mkdir()\n"

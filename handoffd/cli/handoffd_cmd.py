@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..core.workspace import network_filesystem
 from .basics import failure_code
-from .daemon_commands import PROG, run_batch, serve, warn_if_shared
+from .daemon_commands import PROG, run_batch, serve
 from .quick import Form, number, parse
 
 _COMMON = {"--root": "root", "--workers": "workers", "--log-format": "log_format",
@@ -72,12 +71,6 @@ def try_quick(argv: Sequence[str]) -> int | None:
         return failure_code(PROG, exc)
 
 
-def _warn_if_shared(root: Path) -> None:
-    """:func:`handoffd.cli.daemon_commands.warn_if_shared` judged by this module's
-    ``network_filesystem`` (which a test replaces)."""
-    warn_if_shared(root, network_filesystem)
-
-
 def main() -> None:
     """Console-script entry point. ``$HANDOFFD_CRASH_AT`` (a step of claim or finish, for
     recovery tests) makes the daemon die there as if killed."""
@@ -91,11 +84,3 @@ def main() -> None:
             sys.exit(code)
     from .handoffd_app import main as full
     full()
-
-
-def __getattr__(name: str) -> Any:
-    """``app``, the typer app, is loaded when asked for (it lives in handoffd_app)."""
-    if name == "app":
-        from .handoffd_app import app
-        return app
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

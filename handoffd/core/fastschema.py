@@ -36,6 +36,9 @@ ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "$defs", "definitions", "
 _OLD_DRAFTS = ("draft-03", "draft-04")
 _NUMBER_BOUNDS = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">",
                   "exclusiveMaximum": "<"}
+# bounds on a length: (the kind they apply to, the comparison that makes a value invalid)
+_LENGTH_BOUNDS = {"minItems": ("array", "<"), "maxItems": ("array", ">"),
+                  "minLength": ("string", "<"), "maxLength": ("string", ">")}
 # JSON Schema types as Python tests of the value named {v}; bool is not a number in JSON Schema,
 # and (draft 6 on) 1.0 is an integer
 _TYPE_TESTS = {
@@ -173,6 +176,9 @@ class _Generator:
             if key in _NUMBER_BOUNDS:
                 out += self.bound(key, value, var, depth, known)
                 continue
+            if key in _LENGTH_BOUNDS:
+                out += self.length(*_LENGTH_BOUNDS[key], value, var, depth, known)
+                continue
             emit = _KEYWORDS.get(key)
             if emit is None:
                 raise _Unsupported(key)
@@ -200,8 +206,8 @@ class _Generator:
         return self.guarded("number", var, depth, known,
                             lambda d: ["    " * d + f"if {test}: return False"])
 
-    def length(self, kind: str, value: Any, var: str, depth: int, known: str | None,
-               op: str) -> Lines:
+    def length(self, kind: str, op: str, value: Any, var: str, depth: int,
+               known: str | None) -> Lines:
         """A bound on the length of ``kind`` values (other values pass)."""
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise _Unsupported("a length that is not a count")
@@ -306,22 +312,6 @@ class _Generator:
                     pad + "else:", pad + "    return False"]
         return self.guarded("array", var, depth, known, inner)
 
-    def k_minItems(self, value: Any, schema: Any, var: str, depth: int,
-                   known: str | None) -> Lines:
-        return self.length("array", value, var, depth, known, "<")
-
-    def k_maxItems(self, value: Any, schema: Any, var: str, depth: int,
-                   known: str | None) -> Lines:
-        return self.length("array", value, var, depth, known, ">")
-
-    def k_minLength(self, value: Any, schema: Any, var: str, depth: int,
-                    known: str | None) -> Lines:
-        return self.length("string", value, var, depth, known, "<")
-
-    def k_maxLength(self, value: Any, schema: Any, var: str, depth: int,
-                    known: str | None) -> Lines:
-        return self.length("string", value, var, depth, known, ">")
-
     def k_pattern(self, value: Any, schema: Any, var: str, depth: int,
                   known: str | None) -> Lines:
         if not isinstance(value, str):
@@ -405,9 +395,7 @@ _KEYWORDS: dict[str, Callable[[_Generator, Any, Any, str, int, str | None], Line
     "$ref": _Generator.k_ref, "type": _Generator.k_type,
     "properties": _Generator.k_properties, "required": _Generator.k_required,
     "additionalProperties": _Generator.k_additionalProperties, "items": _Generator.k_items,
-    "contains": _Generator.k_contains, "minItems": _Generator.k_minItems,
-    "maxItems": _Generator.k_maxItems, "minLength": _Generator.k_minLength,
-    "maxLength": _Generator.k_maxLength, "pattern": _Generator.k_pattern,
+    "contains": _Generator.k_contains, "pattern": _Generator.k_pattern,
     "format": _Generator.k_format, "enum": _Generator.k_enum, "const": _Generator.k_const,
     "allOf": _Generator.k_allOf, "anyOf": _Generator.k_anyOf, "oneOf": _Generator.k_oneOf,
     "not": _Generator.k_not, "if": _Generator.k_if, "then": _Generator.k_then,

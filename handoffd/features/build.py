@@ -78,20 +78,6 @@ def install_notify(engine: Engine) -> None:
         notify.install(engine)
 
 
-def install_retention(engine: Engine) -> None:
-    """Retention: loaded only for a workspace whose ``[retention]`` limits how long finished
-    handoffs are kept (the feature does nothing without a limit)."""
-    policy = engine.config.retention
-    if policy.completed is not None or policy.failed is not None:
-        _installer(".retention")(engine)
-
-
-def install_filebridge(engine: Engine) -> None:
-    """The file bridge: loaded only on a PostgreSQL store (the one backend that ingests)."""
-    if hasattr(engine.backend, "ingest"):
-        _installer(".filebridge")(engine)
-
-
 # by name, in installation order (the order of each hook list follows from it)
 FEATURES: dict[str, Feature] = {
     "pause": _installer(".pause"),  # handoff pause / resume: its gate goes first
@@ -102,10 +88,10 @@ FEATURES: dict[str, Feature] = {
     "context": install_context,  # ctx.context for Python handlers
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
     "notify": install_notify,  # [[on_filed]]: command / webhook notices of filed handoffs
-    "retention": install_retention,  # [retention]: purge / archive old finished work
+    "retention": _installer(".retention"),  # [retention]: purge / archive old finished work
     "rates": _installer(".rates"),  # specialists' rate = "30/m": a shared token bucket each
     # a PostgreSQL store: files dropped into this workspace's pending/ in, their results out
-    "filebridge": install_filebridge,
+    "filebridge": _installer(".filebridge"),
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 
@@ -193,5 +179,4 @@ def event_log_of(engine: Engine) -> EventLog:
 
 
 __all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts",
-           "install_context", "install_filebridge", "install_retention", "open_backend",
-           "open_event_log", "event_log_of", "origin_of"]
+           "install_context", "open_backend", "open_event_log", "event_log_of", "origin_of"]

@@ -367,7 +367,7 @@ class Daemon:
         self.busy[agent] += 1
         self.running += 1
         self.last_dispatch = time.monotonic()
-        if self.chained is not None:
+        if self.chained == []:  # the first task a finishing worker's look finds: its own next
             self.chained.append((token, func, handoff_id, args))
             return
         try:
@@ -384,12 +384,16 @@ class Daemon:
                 func(handoff_id, *args)
             except Exception:  # the task functions catch their own; this is the last resort
                 log.exception("handoff %s: unexpected error in a worker", handoff_id)
-            finally:
+            except BaseException:  # leaving the worker: give the slot back, take nothing more
                 with self.cv:
                     self._finished(token)
-                    task = self._chain()
-                    if task is None:
-                        self.cv.notify_all()
+                    self.cv.notify_all()
+                raise
+            with self.cv:
+                self._finished(token)
+                task = self._chain()
+                if task is None:
+                    self.cv.notify_all()
 
     def _chain(self) -> Task | None:
         """A worker that just finished takes the most urgent due handoff itself (called under
@@ -399,29 +403,24 @@ class Daemon:
         send to a worker is taken, anything else (parked, waiting) is left as they leave it."""
         if self.stopping or time.monotonic() >= self.batch_deadline:
             return None
-        self.chained = []
+        taken: list[Task] = []
+        self.chained = taken  # _submit puts the first task dispatched here (any more: the pool)
         try:
             for _ in range(CHAIN_LOOKS):
-                if self.running >= self.workers:
+                if taken or self.running >= self.workers:
                     break
                 self._release_parked()
                 ready = self._next_ready(time.monotonic())
                 if ready is None:
                     break
                 self._dispatch_safely(*ready)
-                if self.chained:
-                    break
-            taken, self.chained = self.chained, None
         except BaseException:
-            taken, self.chained = self.chained or [], None
             for token, *_ in taken:
                 self._finished(token)
             raise
-        if not taken:
-            return None
-        for extra in taken[1:]:  # one dispatch submits one task; if ever more, the pool runs them
-            self.pool.submit(self._run_task, *extra[:3], *extra[3])
-        return taken[0]
+        finally:
+            self.chained = None
+        return taken[0] if taken else None
 
     def _finished(self, token: int) -> None:
         agent = self.inflight.pop(token, None)

@@ -35,8 +35,7 @@ class FileEventLog:
         self.max_bytes = max(int(max_bytes), 4096)
         self.keep = max(int(keep), 1)
         self._mutex = threading.Lock()  # the threads of a process share one descriptor
-        self._fd = -1  # the file, kept open for appends (see append)
-        self._ino = -1
+        self._out = fsio.Appender(self.path)  # kept open (see append)
 
     def rotated(self, n: int) -> Path:
         """The ``n``-th rotated file (1: the newest)."""
@@ -53,29 +52,10 @@ class FileEventLog:
         and its write always did (tail() finishes the rotated file first)."""
         line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode("utf-8")
         with self._mutex:
-            try:
-                info = os.stat(self.path)
-            except FileNotFoundError:
-                info = None
-            if info is None or info.st_ino != self._ino:
-                self._close()
-                self._fd = fsio.open_creating(self.path, os.O_WRONLY | os.O_APPEND)
-                info = os.fstat(self._fd)
-                self._ino = info.st_ino
-            os.write(self._fd, line)
+            info = self._out.ready()
+            os.write(self._out.fd, line)
         if info.st_size + len(line) > self.max_bytes:
             self._rotate()
-
-    def _close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-        self._fd, self._ino = -1, -1
-
-    def __del__(self) -> None:  # an engine dropped in a long-lived process gives its descriptor back
-        try:
-            self._close()
-        except (OSError, AttributeError):
-            pass
 
     def _rotate(self) -> None:
         with locked(self.path.with_name(".events.lock")):

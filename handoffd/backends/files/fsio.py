@@ -55,6 +55,43 @@ def open_creating(path: Path, flags: int) -> int:
         return os.open(path, flags, 0o644)
 
 
+class Appender:
+    """A file kept open for ``O_APPEND`` writes (the event log, the seen-ids record: opening and
+    closing it for each line doubled their system calls), reopened when its path names another
+    file: a rotation or compaction in another process replaced it. Callers hold their own lock
+    around :meth:`ready` and the write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+        self._ino = -1
+
+    def ready(self) -> os.stat_result:
+        """The stat of ``path`` (before the caller's write), with :attr:`fd` open on that file."""
+        try:
+            info: os.stat_result | None = os.stat(self.path)
+        except FileNotFoundError:
+            info = None
+        if info is None or info.st_ino != self._ino or self.fd < 0:
+            self.close()
+            self.fd = open_creating(self.path, os.O_WRONLY | os.O_APPEND)
+            info = os.fstat(self.fd)
+            self._ino = info.st_ino
+        return info
+
+    def close(self) -> None:
+        """Close the descriptor (the next :meth:`ready` opens it again)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self._ino = -1, -1
+
+    def __del__(self) -> None:  # an engine dropped in a long-lived process gives it back
+        try:
+            self.close()
+        except (OSError, AttributeError):
+            pass
+
+
 def dump_json(doc: dict[str, Any]) -> bytes:
     """Serialise a document the way every handoffd file is written: compact JSON on one line,
     UTF-8, ending in a newline. Compact because the C encoder only serves compact output: an

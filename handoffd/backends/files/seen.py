@@ -33,8 +33,7 @@ class SeenIds:
         self._inode = -1
         self._mutex = threading.Lock()
         self._lock: int | None = None  # the lock file, kept open
-        self._append_fd = -1  # the record, kept open for appends
-        self._append_ino = -1
+        self._out = fsio.Appender(path)  # the record, kept open for appends
 
     def add(self, handoff_id: str, now: datetime) -> None:
         """Record ``handoff_id`` as seen at ``now`` (one small O_APPEND write).
@@ -48,41 +47,26 @@ class SeenIds:
             lock_fd = self._lock_fd()  # would not keep them apart
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             try:
-                info = self._appending()
-                os.write(self._append_fd, line)
+                info = self._out.ready()
+                os.write(self._out.fd, line)
                 if (info.st_ino, info.st_size) == (self._inode, self._offset):
                     self._offset += len(line)  # nothing new to read back but our own line
             finally:
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
             self._cache[handoff_id] = now.timestamp()
 
-    def __del__(self) -> None:  # a store dropped in a long-lived process gives both back
-        for fd in (getattr(self, "_lock", None), getattr(self, "_append_fd", -1)):
-            if fd is not None and fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+    def __del__(self) -> None:  # a store dropped in a long-lived process gives it back
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            try:
+                os.close(lock)
+            except OSError:
+                pass
 
     def _lock_fd(self) -> int:
         if self._lock is None:
             self._lock = fsio.open_creating(self.lock_path, os.O_RDWR)
         return self._lock
-
-    def _appending(self) -> os.stat_result:
-        """The record's stat, with ``_append_fd`` open on that very file (called locked)."""
-        try:
-            info = os.stat(self.path)
-        except FileNotFoundError:
-            info = None
-        if info is None or self._append_fd < 0 or info.st_ino != self._append_ino:
-            if self._append_fd >= 0:
-                os.close(self._append_fd)
-                self._append_fd = -1
-            self._append_fd = fsio.open_creating(self.path, os.O_WRONLY | os.O_APPEND)
-            info = os.fstat(self._append_fd)
-            self._append_ino = info.st_ino
-        return info
 
     def contains(self, handoff_id: str, now: datetime) -> bool:
         """True if ``handoff_id`` was recorded within the TTL."""
