@@ -101,3 +101,40 @@ def test_a_clean_exit_leaves_no_spares(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == 3  # kept while it ran
     assert list((tmp_path / ".tmp").iterdir()) == []  # and gone when it ended
+
+
+@pytest.mark.parametrize("held", ["spares", "dirsync"])
+def test_a_fork_while_another_thread_holds_a_lock_does_not_hang_the_child(held: str) -> None:
+    """The at-fork hooks run in the child (subprocess's fork for a preexec_fn too): taking a
+    lock another thread of the parent held left the child waiting for ever, and the daemon's
+    worker waiting for the child's exec (a handoff stuck, a SIGTERM unanswered)."""
+    import signal
+    import threading
+    import time
+
+    from handoffd.backends.files import dirsync
+    lock = spares._lock if held == "spares" else dirsync._cv
+    taken, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            taken.set()
+            release.wait(20)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert taken.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: the hooks have run; leave at once
+            os._exit(0)
+        deadline = time.monotonic() + 10
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        release.set()
+        thread.join(timeout=20)

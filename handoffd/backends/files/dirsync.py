@@ -71,10 +71,11 @@ def _fsync(path: str) -> None:
 
 
 def forget() -> None:
-    """Drop the state (a forked child starts afresh: no fsync of its parent is its own)."""
-    global _cv
+    """Drop the state (a forked child starts afresh: no fsync of its parent is its own). Runs in
+    the child right after fork: fresh objects, never an acquire of what a parent thread held."""
+    global _cv, _folders
     _cv = threading.Condition()
-    _folders.clear()
+    _folders = {}
 
 
 os.register_at_fork(after_in_child=forget)

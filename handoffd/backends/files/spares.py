@@ -76,9 +76,12 @@ def retire(path: Path, tmp_dir: Path) -> bool:
 
 
 def forget() -> None:
-    """Drop every pool (a forked child must not write the spares its parent uses)."""
-    with _lock:
-        _pools.clear()
+    """Drop every pool: a forked child must not write (nor, at exit, unlink) the spares its
+    parent uses. Runs in the child right after fork, where another thread of the parent may
+    have held the lock: a fresh lock and dict, never an acquire (that waited for ever)."""
+    global _lock, _pools
+    _lock = threading.Lock()
+    _pools = {}
 
 
 def release() -> None:
