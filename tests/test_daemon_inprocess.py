@@ -144,6 +144,24 @@ def test_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None:
         wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
 
 
+def test_a_second_dispatch_of_a_running_handoff_leaves_it_tracked(tmp_path: Path) -> None:
+    """A late hint can dispatch an id a second time after a worker claimed it (its peek read the
+    pending file just before the claim). The second worker finds it taken; it must not drop the
+    first one's job from the daemon's books: that job then had no lease renewal, was recovered
+    as "stalled" by our own sweep, and never saw its cancel request (found in a full run)."""
+    gate = threading.Event()
+    engine = engine_with(tmp_path, lambda h, c: gate.wait(10) and {"status": "completed"})
+    hid = submit(engine)
+    with Serving(engine) as daemon:
+        wait_until(lambda: daemon.running_job(hid) is not None)
+        job = daemon.running_job(hid)
+        daemon._work(hid)  # the second dispatch: the claim is gone, nothing to run
+        assert daemon.running_job(hid) is job
+        gate.set()
+        wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
+    assert daemon.running_job(hid) is None
+
+
 def test_scheduled_retry_survives_a_restart(tmp_path: Path) -> None:
     calls = []
 

@@ -18,11 +18,11 @@ from handoffd.dialects.haios import DEFAULT_TIMEOUT_SECONDS, HaiosDialect
 # A command specialist: ingests slowly; on SIGTERM (its time is up) it prints what it has.
 INGESTER = r'''
 import json, signal, sys, time
-json.load(sys.stdin)
 def stop(signum, frame):
     print(json.dumps({"status": "partial", "output": {"entities_created": 1, "of": 3}}), flush=True)
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
+json.load(sys.stdin)
 time.sleep(60)
 print(json.dumps({"status": "completed", "output": {"entities_created": 3}}))
 '''
@@ -78,7 +78,7 @@ def claims(ws: Workspace, hid: str) -> int:
 
 def test_timeout_returns_the_partial_result_with_a_warning(hws: Workspace) -> None:
     hid = "6f1c2a9e-3b4d-4c5e-9f7a-000000000001"
-    hws.drop(f"{hid}.json", handoff(hid, "ingester-v1", 1000))
+    hws.drop(f"{hid}.json", handoff(hid, "ingester-v1", 3000))  # room for a loaded start
     hws.handoffd("run")
     answer = hws.doc(hid)
     assert answer["status"] == "partial", answer

@@ -473,7 +473,7 @@ def test_cancel_cascade_stops_running_children_promptly(ows: Workspace) -> None:
     assert parent["status"] == "cancelled" and parent["error"]["code"] == "CANCELLED"
     for kid in kids:
         doc = ows.doc(kid)
-        assert doc["status"] == "cancelled" and doc["error"]["code"] == "CANCELLED"
+        assert doc["status"] == "cancelled" and doc["error"]["code"] == "CANCELLED", json.dumps(doc)
         assert "strategy revision" in doc["error"]["message"]
     assert ows.doc("pc.c2")["output"] == {"progress": "started"}  # ctx.report_partial
     assert ows.doc("pc.c3")["output"] == {"done_steps": 3, "of": 10}  # printed on SIGTERM

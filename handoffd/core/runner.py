@@ -290,9 +290,14 @@ def _signal_all(pgid: int, token: str, sig: int) -> None:
     """Send ``sig`` to the attempt's process group and to every process carrying its token."""
     try:
         os.killpg(pgid, sig)
+        reached = pgid
     except (ProcessLookupError, PermissionError):
-        pass
+        reached = None
     for info in procs.scan(token, None):
+        if info.pgid == reached:
+            # signalled once already: a second SIGTERM a moment later re-enters a handler that
+            # prints its partial result, and the answer becomes two JSON lines (seen in a run)
+            continue
         try:
             os.kill(info.pid, sig)
         except (ProcessLookupError, PermissionError):

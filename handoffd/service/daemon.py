@@ -595,8 +595,13 @@ class Daemon:
         except Exception:  # a bug must not kill the worker or lose the handoff
             log.exception("handoff %s: unexpected error; it stays where it is for recovery", handoff_id)
         finally:
-            with self.cv:
-                self.active.pop(handoff_id, None)
+            # only our own entry: a second dispatch of the same id (a late hint read it before
+            # our claim) finds it taken and returns here; popping then would hide the running
+            # job from lease renewal, the sweep's skip list and cancel requests
+            if job is not None:
+                with self.cv:
+                    if self.active.get(handoff_id) is job:
+                        del self.active[handoff_id]
 
     def _reject(self, handoff_id: str, code: str, message: str) -> None:
         try:
