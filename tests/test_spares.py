@@ -30,10 +30,24 @@ def test_a_retired_file_is_the_next_temp_file(tmp_dir: Path, tmp_path: Path) -> 
     assert spares.retire(doc, tmp_dir) and not doc.exists()
     target = tmp_path / "completed.json"
     fsio.create_exclusive(target, b'{"new": 1}', tmp_dir, durable=True)
-    assert target.read_bytes() == b'{"new": 1}'  # emptied before it was written
+    assert target.read_bytes() == b'{"new": 1}'  # written over, the longer rest cut off
     assert target.stat().st_ino == inode  # the same inode: nothing allocated
     assert list(tmp_dir.iterdir()) == []
     assert spares.retire(tmp_path / "gone.json", tmp_dir) is False
+
+
+def test_a_spare_shorter_than_the_new_data_holds_it_all(tmp_dir: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "in-progress.json"
+    doc.write_bytes(b"{}")
+    assert spares.retire(doc, tmp_dir)
+    target = tmp_path / "completed.json"
+    data = json.dumps({"answer": "x" * 9000}).encode()  # over two blocks
+    fsio.replace(target, data, tmp_dir, durable=False)
+    assert target.read_bytes() == data
+    again = tmp_path / "again.json"
+    assert spares.retire(target, tmp_dir)
+    fsio.replace(again, b"{}", tmp_dir, durable=False)
+    assert again.read_bytes() == b"{}" and again.stat().st_size == 2
 
 
 @pytest.mark.parametrize("spoil", ["removed", "symlink", "fifo", "hardlink"])
@@ -76,7 +90,7 @@ def test_a_spare_swept_away_before_its_rename_is_written_again_fresh(
     assert spares.retire(doc, tmp_dir)
     real_take = spares.take
 
-    def take_then_sweep(folder: Path) -> tuple[Path, int] | None:
+    def take_then_sweep(folder: Path) -> tuple[Path, int, int] | None:
         taken = real_take(folder)
         if taken is not None:
             os.unlink(taken[0])  # a sweeper removes it between our open and our rename

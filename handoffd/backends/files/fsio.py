@@ -115,15 +115,17 @@ def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
     :mod:`.spares`) unless ``fresh`` or there is none, else a new file."""
     taken = None if fresh else spares.take(tmp_dir)
     if taken is not None:
-        path, fd = taken
+        path, fd, old_size = taken
     else:
         path = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        old_size = 0
     try:
         view = memoryview(data)
         while view:
             written = os.write(fd, view)
             view = view[written:]
+        spares.fit(fd, len(data), old_size)
         if durable:
             os.fsync(fd)
         inode = os.fstat(fd).st_ino
