@@ -162,6 +162,51 @@ def test_a_second_dispatch_of_a_running_handoff_leaves_it_tracked(tmp_path: Path
     assert daemon.running_job(hid) is None
 
 
+def test_fast_short_handoffs_chain_on_one_worker_and_slow_ones_spread(tmp_path: Path) -> None:
+    """Durability fast: while another worker's task is younger than SPIN_UP_SECONDS, a finishing
+    worker takes nothing more and the scheduler starts no one (that task's worker chains);
+    once every running task is older, both may. With fsync there is no delay."""
+    from handoffd.service.daemon import SPIN_UP_SECONDS
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"}, durability="fast")
+    daemon = Daemon(engine, workers=4, watch=False)
+    try:
+        submit(engine)
+        daemon.scan()
+        now = time.monotonic()
+        with daemon.cv:
+            daemon.started = {-1: now}  # another worker's task, just started
+            assert daemon._spin_up_at() == now + SPIN_UP_SECONDS
+            assert daemon._chain() is None and daemon.running == 0
+            daemon.started = {-1: now - 1.0}  # a slow one: this worker goes on
+            task = daemon._chain()
+            assert task is not None and daemon.running == 1
+            daemon._finished(task[0])
+    finally:
+        daemon.pool.shutdown()
+    durable = engine_with(tmp_path / "b", lambda h, c: {"status": "completed"}, durability="fsync")
+    assert Daemon(durable, workers=4, watch=False).spin_up == 0.0
+
+
+def test_fast_slow_handlers_still_run_side_by_side(tmp_path: Path) -> None:
+    """Three handlers that each wait until all three have started: they finish only if the
+    daemon spins up a worker per slow task despite the chaining delay."""
+    started: list[str] = []
+    lock, all_in = threading.Lock(), threading.Event()
+
+    def handler(doc: dict, ctx: Any) -> dict:
+        with lock:
+            started.append(ctx.handoff_id)
+            if len(started) == 3:
+                all_in.set()
+        return {"status": "completed" if all_in.wait(10) else "failed"}
+
+    engine = engine_with(tmp_path, handler, durability="fast", workers=3)
+    ids = [submit(engine) for _ in range(3)]
+    report = Daemon(engine, watch=False).run_batch()
+    assert report.completed == 3, report
+    assert all(engine.backend.store.locate(i) == [State.COMPLETED] for i in ids)
+
+
 def test_scheduled_retry_survives_a_restart(tmp_path: Path) -> None:
     calls = []
 

@@ -35,6 +35,12 @@ READY_WINDOW = 64  # due handoffs read ahead to order by priority
 WARM_SCHEMAS = ("native.request.schema.json", "native.response.schema.json",
                 "native.failure.schema.json")
 CHAIN_LOOKS = 4  # due handoffs a finishing worker looks at for its next task (_chain)
+# With durability "fast", another worker starts only once every running task is this old: a
+# task about to finish chains to the next due handoff itself (_chain), and short handoffs drain
+# fastest on one thread (2,000 no-op handoffs: 1 worker 550-590/s, 4 side by side 360-390/s,
+# lost to the GIL's hand-overs and the folders' locks). Slow handlers still run side by side,
+# this much later. With fsync, a handoff mostly waits for the disk, which overlaps: no delay.
+SPIN_UP_SECONDS = 0.005
 # the progress watchdog ([daemon] stall_seconds): due work, a free slot, and nothing dispatched
 # for that long means the bookkeeping is wrong; it is logged loudly, reset and rebuilt
 CREATED_DELAY = 0.05  # seconds before a document that may still be written is read
@@ -115,6 +121,8 @@ class Daemon:
         self.released: dict[str, str] = {}  # id -> agent: let out of parking, not yet re-dispatched
         self.releasing: Counter[str] = Counter()  # agent -> len of its entries in released
         self.inflight: dict[int, str] = {}  # pool task token -> agent ("" for set-aside work)
+        self.started: dict[int, float] = {}  # pool task token -> monotonic time it started
+        self.spin_up = 0.0 if self.settings.durable else SPIN_UP_SECONDS
         self.busy: Counter[str] = Counter()  # agent -> tasks in flight (a count of inflight)
         self.active: dict[str, Job] = {}
         self.running = 0  # len(inflight)
@@ -366,7 +374,7 @@ class Daemon:
         self.inflight[token] = agent
         self.busy[agent] += 1
         self.running += 1
-        self.last_dispatch = time.monotonic()
+        self.last_dispatch = self.started[token] = time.monotonic()
         if self.chained == []:  # the first task a finishing worker's look finds: its own next
             self.chained.append((token, func, handoff_id, args))
             return
@@ -401,8 +409,9 @@ class Daemon:
         handoff across three threads; the two wake-ups cost more than a no-op handler runs.
         The dispatch rules are the scheduler's own (:meth:`_dispatch`); only a handoff they
         send to a worker is taken, anything else (parked, waiting) is left as they leave it."""
-        if self.stopping or time.monotonic() >= self.batch_deadline:
-            return None
+        now = time.monotonic()
+        if self.stopping or now >= self.batch_deadline or now < self._spin_up_at():
+            return None  # (the last: another worker runs a short task and will chain itself)
         taken: list[Task] = []
         self.chained = taken  # _submit puts the first task dispatched here (any more: the pool)
         try:
@@ -424,12 +433,18 @@ class Daemon:
 
     def _finished(self, token: int) -> None:
         agent = self.inflight.pop(token, None)
+        self.started.pop(token, None)
         if agent is None:
             return
         self.busy[agent] -= 1
         if self.busy[agent] <= 0:
             del self.busy[agent]
         self.running = max(self.running - 1, 0)
+
+    def _spin_up_at(self) -> float:
+        """When the scheduler may start another worker: at once when none runs, else when the
+        youngest running task is ``spin_up`` seconds old (called under ``cv``)."""
+        return max(self.started.values(), default=-math.inf) + self.spin_up
 
     def _dispatch_safely(self, handoff_id: str, peek: Peek | None) -> None:
         """Per-item isolation: a handoff the scheduler chokes on is logged and looked at again
@@ -822,7 +837,9 @@ class Daemon:
                 if self.stopping:
                     return
                 self._release_parked()
-                ready = self._next_ready(time.monotonic()) if self.running < self.workers else None
+                now, spin_up_at = time.monotonic(), self._spin_up_at()
+                ready = self._next_ready(now) \
+                    if self.running < self.workers and now >= spin_up_at else None
                 if ready is not None:
                     self._dispatch_safely(*ready)
                     continue
@@ -837,8 +854,8 @@ class Daemon:
                     if self.running < self.workers:
                         timers.append(max(self.next_progress_check,
                                           self.last_dispatch + self.stall_seconds))
-                if self.heap and self.running < self.workers:
-                    timers.append(self.heap[0][0])
+                if (self.heap or self.ready) and self.running < self.workers:
+                    timers.append(max(self.heap[0][0] if self.heap else now, spin_up_at))
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
 
     def _due_soon(self) -> bool:
