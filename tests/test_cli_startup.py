@@ -228,3 +228,26 @@ def test_the_quick_path_loads_no_typer_click_or_rich(tmp_path: Path) -> None:
                if line.startswith("import time:") and "|" in line}
     assert "jsonschema" in modules  # warm_up: the schema checks load before it serves
     assert not {name for name in modules if name.split(".")[0] in ("typer", "click", "rich")}
+
+
+def test_create_loads_what_its_write_needs_before_the_created_stamp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The created stamp is where pick-up latency is counted from: what the write loads the
+    first time (the seals' hashes; renameat2 through ctypes, ~2 ms) is loaded before it."""
+    from handoffd.backends.files import fsio
+    from handoffd.cli.basics import engine
+    from handoffd.cli.quick import submit_request
+
+    monkeypatch.setattr(fsio, "_renameat2", None)
+    eng = engine(tmp_path, create=True)
+    loaded: list[bool] = []
+    clock = eng.clock
+
+    def stamp() -> Any:
+        loaded.append(fsio._renameat2 is not None and "hmac" in sys.modules)
+        return clock()
+
+    monkeypatch.setattr(eng, "clock", stamp)
+    handoff_id = submit_request(eng, to="@x")
+    assert loaded and loaded[0], loaded
+    assert eng.backend.get(handoff_id) is not None

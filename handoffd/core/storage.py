@@ -191,6 +191,11 @@ class ViolationLog(Protocol):
 class Backend(Protocol):
     """Durable storage for handoff documents and their scheduling state (thread-safe)."""
 
+    def prepare(self) -> None:
+        """Load what the first write needs, so that a caller about to stamp a time that should
+        be close to its write (``handoff create``) pays it before the stamp. Default: nothing."""
+        return None
+
     def create(self, doc: Doc, handoff_id: str, now: datetime, *,
                due_at: datetime | None = None) -> None:
         """Store a new document as pending, only if ``handoff_id`` is free: raise

@@ -141,6 +141,10 @@ class FilesBackend(FencedFiling, Backend):
                 self._cancel_dir(): "cancel"}
 
     # ------------------------------------------------------------ creating and reading
+    def prepare(self) -> None:
+        """See Backend.prepare: the rename that publishes a new document needs renameat2."""
+        fsio.prepare()
+
     def create(self, doc: Doc, handoff_id: str, now: datetime, *,
                due_at: datetime | None = None) -> None:
         self.store.create(copy.deepcopy(doc), handoff_id, now=now, due_at=due_at)
