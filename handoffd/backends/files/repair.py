@@ -173,9 +173,14 @@ def resolve_duplicates(store: Store, done: Repairs) -> None:
     """Where one id has files in several folders, keep the winner and remove the others.
     A raw (never-handled) duplicate in pending/ is quarantined rather than deleted."""
     where: dict[str, list[State]] = {}
-    for state in State:
+    for state in (State.PENDING, State.IN_PROGRESS, State.FAILED):
         for handoff_id in store.ids(state):
             where.setdefault(handoff_id, []).append(state)
+    # completed/ is the one that grows with every handoff: streamed against the others, not
+    # held (a sweep that kept every finished id raised a serving daemon's RSS with the folder)
+    for handoff_id in store.iter_ids(State.COMPLETED):
+        if handoff_id in where:
+            where[handoff_id].append(State.COMPLETED)
     for handoff_id, states in where.items():
         if len(states) < 2:
             continue

@@ -17,6 +17,7 @@ from pathlib import Path
 from ...core.timeutil import iso, parse_iso
 from . import fsio
 from .fsio import locked
+from .idindex import IdIndex
 
 
 class SeenIds:
@@ -26,9 +27,9 @@ class SeenIds:
         self.path = path
         self.ttl = float(ttl_seconds)
         self.lock_path = Path(str(path) + ".lock")
-        # id -> when seen, as epoch seconds: a float is half a datetime's size, and a daemon
-        # holds one entry per handoff for the whole TTL
-        self._cache: dict[str, float] = {}
+        # id -> when seen (epoch seconds), for the whole TTL: a daemon holds one entry per
+        # handoff, so a compact one (16 bytes a slot, no object per id)
+        self._cache = IdIndex()
         self._offset = 0
         self._inode = -1
         self._mutex = threading.Lock()
@@ -53,7 +54,7 @@ class SeenIds:
                     self._offset += len(line)  # nothing new to read back but our own line
             finally:
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
-            self._cache[handoff_id] = now.timestamp()
+            self._cache.put(handoff_id, now.timestamp())
 
     def __del__(self) -> None:  # a store dropped in a long-lived process gives it back
         lock = getattr(self, "_lock", None)
@@ -84,7 +85,7 @@ class SeenIds:
             if (info.st_ino, info.st_size) == (self._inode, self._offset):
                 return
             if info.st_ino != self._inode or info.st_size < self._offset:
-                self._cache, self._offset, self._inode = {}, 0, info.st_ino
+                self._cache, self._offset, self._inode = IdIndex(), 0, info.st_ino
             with open(self.path, "rb") as fh:
                 fh.seek(self._offset)
                 tail = fh.read()
@@ -107,7 +108,7 @@ class SeenIds:
             tmp.write_text("".join(_line(k, datetime.fromtimestamp(v, timezone.utc))
                                    for k, v in keep.items()))
             os.replace(tmp, self.path)
-            self._cache, self._offset, self._inode = {}, 0, -1
+            self._cache, self._offset, self._inode = IdIndex(), 0, -1
         return len(keep)
 
 
