@@ -599,3 +599,38 @@ def test_seen_ids_never_read_the_whole_record_again_under_threads(
     assert sum(parsed) <= lines  # each line read at most once
     assert all(record.contains(f"w{n}-{i}", now) for n in range(4) for i in range(150))
     assert all(record.contains(f"o{n}-{i}", now) for n in range(4) for i in range(0, 150, 10))
+
+
+def test_the_seen_record_is_compacted_only_once_a_quarter_has_expired(tmp_path: Path) -> None:
+    """The sweep asks every few seconds; the record is read whole and rewritten only once its
+    oldest entry is COMPACT_AFTER TTLs old. Expired entries in between are ignored, not kept."""
+    from handoffd.backends.files.seen import COMPACT_AFTER, SeenIds
+    path = tmp_path / "seen-ids.jsonl"
+    now = datetime(2026, 11, 25, tzinfo=timezone.utc)
+    seen = SeenIds(path, 100)
+    seen.add("old", now)
+    seen.add("new", now + timedelta(seconds=50))
+    inode = path.stat().st_ino
+    soon = now + timedelta(seconds=110)
+    assert seen.compact(soon) is None and path.stat().st_ino == inode  # not read, not rewritten
+    assert not seen.contains("old", soon) and seen.contains("new", soon)
+    due = now + timedelta(seconds=100 * COMPACT_AFTER)
+    assert seen.compact(due) == 1 and path.stat().st_ino != inode
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["new"]
+    assert seen.contains("new", due) and not seen.contains("old", due)
+
+
+def test_hostile_lines_in_the_seen_record_are_skipped(tmp_path: Path) -> None:
+    """The record sits in the workspace where anyone can write: a line that is not ours (a
+    number for a time, not an object, nested past the parser's depth, torn) is skipped by the
+    reader and dropped by compaction, never raised into a claim."""
+    from handoffd.backends.files.seen import SeenIds
+    path = tmp_path / "seen-ids.jsonl"
+    now = datetime(2026, 11, 25, tzinfo=timezone.utc)
+    path.write_bytes(b'{"id": "x", "at": 5}\n[1]\n' + b"[" * 100_000 + b"\n"
+                     b'{"id": "y", "at": "2026-11-25T00:00:00Z"}\n{"id": "z", "at": "2026-1')
+    seen = SeenIds(path, 60)
+    assert seen.contains("y", now) and not seen.contains("x", now) and not seen.contains("z", now)
+    seen.add("w", now)
+    assert seen.compact(now + timedelta(seconds=30)) == 2  # y and w; the rest dropped
+    assert SeenIds(path, 60).contains("w", now)

@@ -53,7 +53,7 @@ class FileEventLog:
         line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode("utf-8")
         with self._mutex:
             info = self._out.ready()
-            os.write(self._out.fd, line)
+            self._out.write_line(line, info)
         if info.st_size + len(line) > self.max_bytes:
             self._rotate()
 

@@ -11,13 +11,19 @@ import fcntl
 import json
 import os
 import threading
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
+from typing import BinaryIO
 
 from ...core.timeutil import iso, parse_iso
 from . import fsio
 from .fsio import locked
 from .idindex import IdIndex
+
+
+# the record is compacted once its oldest entry is this many TTLs old: a quarter of it then
+COMPACT_AFTER = 1.25
+MAX_LINE = 4096  # an id is at most 256 characters (check_id): a line is far shorter
 
 
 class SeenIds:
@@ -49,9 +55,9 @@ class SeenIds:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             try:
                 info = self._out.ready()
-                os.write(self._out.fd, line)
+                written = self._out.write_line(line, info)
                 if (info.st_ino, info.st_size) == (self._inode, self._offset):
-                    self._offset += len(line)  # nothing new to read back but our own line
+                    self._offset += written  # nothing new to read back but our own line
             finally:
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
             self._cache.put(handoff_id, now.timestamp())
@@ -93,23 +99,48 @@ class SeenIds:
             self._offset += len(complete)
             self._cache.update(_parse(complete))
 
-    def compact(self, now: datetime) -> int:
-        """Drop entries older than the TTL; return how many remain."""
+    def compact(self, now: datetime) -> int | None:
+        """Drop the entries older than the TTL, once the oldest is COMPACT_AFTER TTLs old; how
+        many remain, or None when nothing was due (only the first line was read).
+
+        Until then an expired entry is merely ignored (:meth:`contains` checks its time). The
+        sweep calls this every few seconds: reading and rewriting the whole record each time
+        made every sweep cost, in time and in a serving daemon's memory, one TTL's worth of
+        ids. The record is rewritten line by line, never held whole."""
         # the mutex before the flock, in the order add() takes them
         with self._mutex, locked(self.lock_path):
             try:
-                entries = _parse(self.path.read_bytes())
+                with open(self.path, "rb") as record:
+                    oldest = _time_of(record.readline(MAX_LINE))
+                    if oldest is not None and now.timestamp() - oldest < self.ttl * COMPACT_AFTER:
+                        return None
+                    record.seek(0)
+                    kept = self._rewrite(record, now.timestamp())
             except FileNotFoundError:
-                entries = {}
-            keep = {k: v for k, v in entries.items() if now.timestamp() - v < self.ttl}
-            if len(keep) == len(entries) and self.path.exists():
-                return len(keep)  # nothing expired: no rewrite
-            tmp = self.path.with_suffix(".compact")
-            tmp.write_text("".join(_line(k, datetime.fromtimestamp(v, timezone.utc))
-                                   for k, v in keep.items()))
-            os.replace(tmp, self.path)
+                return 0
             self._cache, self._offset, self._inode = IdIndex(), 0, -1
-        return len(keep)
+        return kept
+
+    def _rewrite(self, record: BinaryIO, now: float) -> int:
+        """Replace the record by its lines seen within the TTL (under the lock); how many."""
+        tmp = self.path.with_suffix(".compact")
+        kept = 0
+        with open(tmp, "wb") as out:
+            for line in record:
+                at = _time_of(line)
+                if at is not None and now - at < self.ttl and line.endswith(b"\n"):
+                    out.write(line)
+                    kept += 1
+        os.replace(tmp, self.path)
+        return kept
+
+
+def _time_of(line: bytes) -> float | None:
+    """The time of one record line (epoch seconds); None for a torn or foreign line."""
+    try:
+        return parse_iso(json.loads(line)["at"]).timestamp()
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None  # ("at" not a string: AttributeError; a line nested a million deep)
 
 
 def _line(handoff_id: str, at: datetime) -> str:
@@ -122,6 +153,6 @@ def _parse(data: bytes) -> dict[str, float]:
         try:
             item = json.loads(line)
             entries[str(item["id"])] = parse_iso(item["at"]).timestamp()
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             continue  # a torn line after a crash is skipped, not fatal
     return entries
