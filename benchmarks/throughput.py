@@ -195,7 +195,7 @@ def memory(count: int, wave: int = 1000) -> dict[str, float]:
         return rss / 1024, len(os.listdir(f"/proc/{daemon.pid}/fd"))
     try:
         done = 0
-        rss0 = fds0 = 0.0
+        rss0 = fds0 = rss_half = 0.0
         while done < count:
             for i in range(done, min(done + wave, count)):
                 drop(root, f"mem-{i:05d}", False)
@@ -203,11 +203,14 @@ def memory(count: int, wave: int = 1000) -> dict[str, float]:
             wait_completed(root, done, 300)
             if done == wave:  # warm: imports, caches, thread pools and one wave's peak
                 rss0, fds0 = sample()
+            if done == count // 2:
+                rss_half = sample()[0]
         rss1, fds1 = sample()
     finally:
         daemon.terminate()
         daemon.wait(30)
-    return {"rss_start": rss0, "rss_end": rss1, "fds_start": fds0, "fds_end": fds1}
+    return {"rss_start": rss0, "rss_half": rss_half, "rss_end": rss1, "fds_start": fds0,
+            "fds_end": fds1}
 
 
 # ------------------------------------------------------------------ command line
@@ -288,7 +291,7 @@ def main() -> None:
           f"show {big['show']:.0f} ms")
     print(f"memory          serving daemon, {args.memory} handoffs in waves of 1000: RSS after the "
           f"first wave {mem['rss_start']:.1f}"
-          f" -> {mem['rss_end']:.1f} MB, open descriptors {mem['fds_start']:.0f} -> "
+          f" -> {mem['rss_half']:.1f} halfway -> {mem['rss_end']:.1f} MB, open descriptors {mem['fds_start']:.0f} -> "
           f"{mem['fds_end']:.0f}")
 
 
