@@ -53,7 +53,10 @@ class FileEventLog:
         line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode("utf-8")
         with self._mutex:
             info = self._out.ready()
-            self._out.write_line(line, info)
+            # not write_line: without a lock across processes a stat can see another writer's
+            # line half-way (a size updated page by page), and a torn line would be "mended"
+            # with a blank one; the log is a view, and a crash's torn line costs one event
+            os.write(self._out.fd, line)
         if info.st_size + len(line) > self.max_bytes:
             self._rotate()
 

@@ -84,7 +84,9 @@ class Appender:
         """Append ``line`` (newline-terminated) in one write, given :meth:`ready`'s ``info``;
         the bytes written. A file that does not end with a newline (a line a crash cut short)
         gets one first: glued to the torn line, this one would be lost with it. Only a file
-        that someone else wrote last is looked at (one pread)."""
+        that someone else wrote last is looked at (one pread). Only for files whose every
+        writer holds one lock around its stat and write (the seen-ids record): otherwise the
+        stat may see another writer's line half-written and take it for a torn one."""
         if info.st_size not in (0, self._end) and os.pread(self.fd, 1, info.st_size - 1) != b"\n":
             line = b"\n" + line
         os.write(self.fd, line)
