@@ -251,3 +251,40 @@ def test_create_loads_what_its_write_needs_before_the_created_stamp(
     handoff_id = submit_request(eng, to="@x")
     assert loaded and loaded[0], loaded
     assert eng.backend.get(handoff_id) is not None
+
+
+def test_ls_loads_the_features_only_for_a_pending_row(tmp_path: Path) -> None:
+    """`handoff ls` over finished handoffs imports no feature (only a pending row's note asks
+    their gates); with a pending row it installs them and the note is theirs."""
+    root = workspace(tmp_path / "ws", pending=True)
+    assert subprocess.run([exe("handoffd"), "run", "-q", "--root", str(root)],
+                          capture_output=True, timeout=60).returncode in (0, 1)
+    code = ("import sys\n"
+            "from handoffd.cli.entry import handoff\n"
+            "sys.argv = ['handoff', 'ls', '--root', sys.argv[1]]\n"
+            "try:\n"
+            "    handoff()\n"
+            "finally:\n"
+            "    print('MODULES', ' '.join(sorted(sys.modules)))\n")
+
+    def features_loaded() -> tuple[set[str], str]:
+        proc = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
+                              text=True, timeout=60, env=QUICK)
+        listing, _, modules = proc.stdout.partition("MODULES")
+        return {m for m in modules.split() if m.startswith("handoffd.features.")  # (lineage:
+                and m not in ("handoffd.features.build", "handoffd.features.lineage")}, listing
+        # the PARENT and conversation columns' readers, not an installed feature)
+
+    loaded, listing = features_loaded()
+    assert not loaded and "completed" in listing and "pending" not in listing
+    for argv in (["--to", "@nobody", "--id", "first"],
+                 ["--to", "@flaky", "--id", "later", "--depends-on", "first"]):
+        made = subprocess.run([exe("handoff"), "create", "--root", str(root), *argv],
+                              capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+    loaded, listing = features_loaded()
+    assert "handoffd.features.dependencies" in loaded, loaded
+    full = subprocess.run([exe("handoff"), "ls", "--json", "--root", str(root)], capture_output=True,
+                          text=True, timeout=60, env=FULL)
+    note = {row["id"]: row["note"] for row in json.loads(full.stdout)}["later"]
+    assert "first" in note and note in listing, (note, listing)  # the gate's, as the full path says

@@ -142,8 +142,12 @@ def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
     elif command == "ls":
         if opts.get("limit") is None:
             opts["limit"] = 50
-        eng = engine(opts.pop("root", None))  # every feature: their gates say why one waits
-        reads.print_rows(reads.list_rows(eng, **opts), as_json=as_json)
+        # the features' gates say why a pending handoff waits: installed (and imported) only
+        # when a pending row is listed; finished ones need none
+        eng = engine(opts.pop("root", None), features=())
+        from ..features.build import install_features
+        rows = reads.list_rows(eng, before_pending=lambda: install_features(eng), **opts)
+        reads.print_rows(rows, as_json=as_json)
     else:
         code = reads.wait(opts.get("root"), args[0], opts.get("timeout"), as_json=as_json)
         sys.stdout.flush()

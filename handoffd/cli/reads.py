@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.errors import NotFound, UsageError
 from ..core.states import State
@@ -123,13 +123,13 @@ def check_state(state: str | None) -> None:
 
 
 def list_rows(eng: "Engine", *, state: str | None = None, to: str | None = None,
-              source: str | None = None, limit: int = 50,
-              conversation: str | None = None) -> list[dict[str, Any]]:
-    """The rows of ``handoff ls``, newest first."""
+              source: str | None = None, limit: int = 50, conversation: str | None = None,
+              before_pending: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """The rows of ``handoff ls``, newest first (``before_pending``: see list_handoffs)."""
     from ..service.queries import list_handoffs
     check_state(state)
     return list_handoffs(eng, state=state, to=to, source=source, limit=limit,
-                         conversation=conversation)
+                         conversation=conversation, before_pending=before_pending)
 
 
 def print_rows(rows: list[dict[str, Any]], *, as_json: bool) -> None:

@@ -165,10 +165,16 @@ def build_engine(workspace: Workspace, config: Config | None = None,
     engine = Engine(workspace, config, registry, backend=backend, formats=dialects, clock=clock)
     # formats review results before any feature's checks (seed 002: reported artifacts exist)
     engine.after_run.append(dialects.review_outcome)
+    install_features(engine, features)
+    return engine
+
+
+def install_features(engine: Engine, features: Iterable[Feature | str] = DEFAULT_FEATURES) -> None:
+    """Install ``features`` (callables, or names from :data:`FEATURES`) on ``engine``, in order:
+    also later, on an engine built with ``features=()`` that turns out to need them."""
     for feature in features:
         install = FEATURES[feature] if isinstance(feature, str) else feature
         install(engine)
-    return engine
 
 
 def event_log_of(engine: Engine) -> EventLog:
@@ -178,5 +184,6 @@ def event_log_of(engine: Engine) -> EventLog:
         engine.ws, engine.config, engine.backend)
 
 
-__all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_artifacts",
+__all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_features",
+           "install_artifacts",
            "install_context", "open_backend", "open_event_log", "event_log_of", "origin_of"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import dialects
 from ..backends.files.fsio import parse_document, read_bytes_safely
@@ -74,12 +74,17 @@ def _unreadable_row(state: State, handoff_id: str, note: str) -> dict[str, Any]:
 
 
 def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = None,
-                  source: str | None = None, limit: int = 50,
-                  conversation: str | None = None) -> list[dict[str, Any]]:
-    """Newest-first rows describing handoffs (and quarantined files), filtered."""
+                  source: str | None = None, limit: int = 50, conversation: str | None = None,
+                  before_pending: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Newest-first rows describing handoffs (and quarantined files), filtered.
+    ``before_pending``: called once before the first pending row is described (only a pending
+    row's note asks the features' gates: a caller may install them then, not before)."""
     described: dict[tuple[str, State], dict[str, Any]] = {}
+    hooks = [before_pending] if before_pending else []
 
     def wanted(row: Row) -> bool:
+        if row.state is State.PENDING and hooks:
+            hooks.pop()()
         try:
             shown = _row(engine, row.state, row.id, row.doc, row.updated_at)
         except Exception as exc:  # one document a reader chokes on is a row, never a failure
