@@ -77,27 +77,31 @@ class SeenIds:
 
     def contains(self, handoff_id: str, now: datetime) -> bool:
         """True if ``handoff_id`` was recorded within the TTL."""
-        self._refresh()
-        seen = self._cache.get(handoff_id)
+        # the lookup under the mutex too: an add() in another thread may be growing the index
+        # (a dict lookup was atomic on its own; two arrays swapped mid-lookup are not)
+        with self._mutex:
+            self._refresh()
+            seen = self._cache.get(handoff_id)
         return seen is not None and now.timestamp() - seen < self.ttl
 
     def _refresh(self) -> None:
-        """Read only what was appended since the last look (the whole file after a compaction)."""
-        with self._mutex:  # the stat too: an add() between a stat and the mutex would advance
-            try:  # the offset past the size seen, and the whole file would be read again
-                info = os.stat(self.path)
-            except FileNotFoundError:
-                return
-            if (info.st_ino, info.st_size) == (self._inode, self._offset):
-                return
-            if info.st_ino != self._inode or info.st_size < self._offset:
-                self._cache, self._offset, self._inode = IdIndex(), 0, info.st_ino
-            with open(self.path, "rb") as fh:
-                fh.seek(self._offset)
-                tail = fh.read()
-            complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended waits
-            self._offset += len(complete)
-            self._cache.update(_parse(complete))
+        """Read only what was appended since the last look (the whole file after a compaction);
+        under the mutex: the stat too, for an add() between a stat and the mutex would advance
+        the offset past the size seen, and the whole file would be read again."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            return
+        if (info.st_ino, info.st_size) == (self._inode, self._offset):
+            return
+        if info.st_ino != self._inode or info.st_size < self._offset:
+            self._cache, self._offset, self._inode = IdIndex(), 0, info.st_ino
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            tail = fh.read()
+        complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended waits
+        self._offset += len(complete)
+        self._cache.update(_parse(complete))
 
     def compact(self, now: datetime) -> int | None:
         """Drop the entries older than the TTL, once the oldest is COMPACT_AFTER TTLs old; how
