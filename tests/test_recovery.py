@@ -26,10 +26,19 @@ def run_until_terminal(ws: Workspace, hid: str, rounds: int = 20) -> str:
     raise AssertionError(f"{hid} never finished: {ws.state_of(hid)}")
 
 
+def with_durability(ws: Workspace, durability: str) -> str:
+    """The workspace's configuration with ``durability`` set (the default is fsync)."""
+    text = ws.root.joinpath("handoffd.toml").read_text()
+    assert "durability" not in text and "[daemon]\n" in text
+    return text.replace("[daemon]\n", f'[daemon]\ndurability = "{durability}"\n', 1)
+
+
+@pytest.mark.parametrize("durability", ["fsync", "fast"])
 @pytest.mark.parametrize("point", POINTS)
 @pytest.mark.parametrize("mode", ["ok", "fail_then_ok"])
-def test_crash_at_each_step_is_repaired(ws: Workspace, point: str, mode: str) -> None:
-    ws.write_config(ws.root.joinpath("handoffd.toml").read_text().replace(
+def test_crash_at_each_step_is_repaired(ws: Workspace, point: str, mode: str,
+                                        durability: str) -> None:
+    ws.write_config(with_durability(ws, durability).replace(
         "claim_grace_seconds = 1.0", "claim_grace_seconds = 0.0"))
     hid = ws.create("--to", "@flaky", "--data", json.dumps({"mode": mode}))
     crashed = subprocess.run([exe("handoffd"), "run", "--root", str(ws.root)],
@@ -48,11 +57,12 @@ def test_crash_at_each_step_is_repaired(ws: Workspace, point: str, mode: str) ->
     assert history[-1] == "completed"
 
 
-def test_three_daemons_kill_9_lose_nothing(ws: Workspace) -> None:
+@pytest.mark.parametrize("durability", ["fsync", "fast"])
+def test_three_daemons_kill_9_lose_nothing(ws: Workspace, durability: str) -> None:
     """A few hundred handoffs, three daemons, two kill -9s: every handoff ends completed exactly
     once in one folder; only work in flight at a kill ran twice, and never two runs of one
     handoff at the same time (the killed daemon's specialists die before the retry starts)."""
-    ws.write_config(ws.root.joinpath("handoffd.toml").read_text()
+    ws.write_config(with_durability(ws, durability)
                     .replace("max_retries = 2", "max_retries = 6")
                     .replace("retry_delay_seconds = 0.2", "retry_delay_seconds = 0.05"))
     total = 160  # two kills, each with work in flight; more handoffs only add process start-ups
