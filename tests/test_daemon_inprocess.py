@@ -174,13 +174,14 @@ def test_fast_short_handoffs_chain_on_one_worker_and_slow_ones_spread(tmp_path: 
         daemon.scan()
         now = time.monotonic()
         with daemon.cv:
-            daemon.started = {-1: now}  # another worker's task, just started
+            daemon.inflight[-1] = ("@t", now)  # another worker's task, just started
             assert daemon._spin_up_at() == now + SPIN_UP_SECONDS
             assert daemon._chain() is None and daemon.running == 0
-            daemon.started = {-1: now - 1.0}  # a slow one: this worker goes on
+            daemon.inflight[-1] = ("@t", now - 1.0)  # a slow one: this worker goes on
             task = daemon._chain()
             assert task is not None and daemon.running == 1
             daemon._finished(task[0])
+            del daemon.inflight[-1]
     finally:
         daemon.pool.shutdown()
     durable = engine_with(tmp_path / "b", lambda h, c: {"status": "completed"}, durability="fsync")

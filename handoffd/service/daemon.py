@@ -37,7 +37,7 @@ WARM_SCHEMAS = ("native.request.schema.json", "native.response.schema.json",
 CHAIN_LOOKS = 4  # due handoffs a finishing worker looks at for its next task (_chain)
 # With durability "fast", another worker starts only once every running task is this old: a
 # task about to finish chains to the next due handoff itself (_chain), and short handoffs drain
-# fastest on one thread (2,000 no-op handoffs: 1 worker 550-590/s, 4 side by side 360-390/s,
+# fastest on one thread (2,000 no-op handoffs: 1 worker 516-552/s, 4 side by side 380-395/s,
 # lost to the GIL's hand-overs and the folders' locks). Slow handlers still run side by side,
 # this much later. With fsync, a handoff mostly waits for the disk, which overlaps: no delay.
 SPIN_UP_SECONDS = 0.005
@@ -95,7 +95,8 @@ class Daemon:
       :meth:`_release_parked` lets out as many as the agent has free slots, minus releases still
       in flight (``released``/``releasing``); a released id leaves that set when it is dispatched
       again or turns out gone, so a release is never lost on a dead entry.
-    * ``inflight``: one entry per task submitted to the pool (its agent); ``busy`` and ``running``
+    * ``inflight``: one entry per task submitted to the pool (its agent, when it started: see
+      :meth:`_spin_up_at`); ``busy`` and ``running``
       are counts of it, kept in step by :meth:`_submit` and :meth:`_finished` only.
 
     A watchdog (:meth:`_check_progress`) guards the whole: due work, a free slot and nothing
@@ -120,8 +121,8 @@ class Daemon:
         self.parked_ids: dict[str, str] = {}  # id -> agent, for every parked id
         self.released: dict[str, str] = {}  # id -> agent: let out of parking, not yet re-dispatched
         self.releasing: Counter[str] = Counter()  # agent -> len of its entries in released
-        self.inflight: dict[int, str] = {}  # pool task token -> agent ("" for set-aside work)
-        self.started: dict[int, float] = {}  # pool task token -> monotonic time it started
+        # pool task token -> (agent ("" for set-aside work), monotonic time it started)
+        self.inflight: dict[int, tuple[str, float]] = {}
         self.spin_up = 0.0 if self.settings.durable else SPIN_UP_SECONDS
         self.busy: Counter[str] = Counter()  # agent -> tasks in flight (a count of inflight)
         self.active: dict[str, Job] = {}
@@ -371,10 +372,10 @@ class Daemon:
         """Run ``func(handoff_id, *args)`` on the pool, counted against ``agent``'s slots (or
         next on the worker that asked for it: see :meth:`_chain`)."""
         token = next(self.seq)
-        self.inflight[token] = agent
+        self.last_dispatch = time.monotonic()
+        self.inflight[token] = (agent, self.last_dispatch)
         self.busy[agent] += 1
         self.running += 1
-        self.last_dispatch = self.started[token] = time.monotonic()
         if self.chained == []:  # the first task a finishing worker's look finds: its own next
             self.chained.append((token, func, handoff_id, args))
             return
@@ -432,10 +433,10 @@ class Daemon:
         return taken[0] if taken else None
 
     def _finished(self, token: int) -> None:
-        agent = self.inflight.pop(token, None)
-        self.started.pop(token, None)
-        if agent is None:
+        task = self.inflight.pop(token, None)
+        if task is None:
             return
+        agent = task[0]
         self.busy[agent] -= 1
         if self.busy[agent] <= 0:
             del self.busy[agent]
@@ -444,7 +445,8 @@ class Daemon:
     def _spin_up_at(self) -> float:
         """When the scheduler may start another worker: at once when none runs, else when the
         youngest running task is ``spin_up`` seconds old (called under ``cv``)."""
-        return max(self.started.values(), default=-math.inf) + self.spin_up
+        return max((started for _, started in self.inflight.values()), default=-math.inf) \
+            + self.spin_up
 
     def _dispatch_safely(self, handoff_id: str, peek: Peek | None) -> None:
         """Per-item isolation: a handoff the scheduler chokes on is logged and looked at again
@@ -653,7 +655,7 @@ class Daemon:
         """A pending id that could be dispatched right now, judged from the files and the tasks
         actually in flight (not from the scheduling bookkeeping); None when there is none."""
         with self.cv:
-            real = Counter(self.inflight.values())
+            real = Counter(agent for agent, _ in self.inflight.values())
             mine = set(self.active)
             doubtful = set(self.waiting) | set(self.report.unroutable)
         if len(self.inflight) >= self.workers:
@@ -699,7 +701,7 @@ class Daemon:
             self.parked_ids.clear()
             self.released.clear()
             self.releasing.clear()
-            self.busy = Counter(self.inflight.values())
+            self.busy = Counter(agent for agent, _ in self.inflight.values())
             self.running = len(self.inflight)
             self.waiting.clear()
             self.report.unroutable.clear()

@@ -143,7 +143,7 @@ class FilesBackend(FencedFiling, Backend):
     # ------------------------------------------------------------ creating and reading
     def prepare(self) -> None:
         """See Backend.prepare: the rename that publishes a new document needs renameat2."""
-        fsio.prepare()
+        fsio.load_renameat2()
 
     def create(self, doc: Doc, handoff_id: str, now: datetime, *,
                due_at: datetime | None = None) -> None:

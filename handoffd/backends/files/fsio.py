@@ -139,7 +139,8 @@ def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
         while view:
             written = os.write(fd, view)
             view = view[written:]
-        spares.fit(fd, len(data), old_size)
+        if old_size > len(data):  # a spare's longer old content, beyond ours
+            os.ftruncate(fd, len(data))
         if durable:
             os.fsync(fd)
         inode = os.fstat(fd).st_ino
@@ -345,12 +346,8 @@ _AT_FDCWD = -100
 _renameat2: Any = None
 
 
-def prepare() -> None:
-    """Bind renameat2 now (ctypes: ~2 ms), not at the first rename."""
-    _load_renameat2()
-
-
-def _load_renameat2() -> Any:
+def load_renameat2() -> Any:
+    """libc's renameat2, bound through ctypes on first use (~2 ms; False where it is missing)."""
     global _renameat2
     if _renameat2 is None:
         import ctypes
@@ -371,7 +368,7 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     falls back to link + unlink, whose crash window leaves two copies that recovery resolves."""
     import ctypes
 
-    func = _load_renameat2()
+    func = load_renameat2()
     if func:
         if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
             return

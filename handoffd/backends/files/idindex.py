@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from array import array
+from typing import Iterable
 
 _KEY = os.urandom(16)
 MIN_SLOTS = 1024
@@ -68,9 +69,9 @@ class IdIndex:
         if 2 * self._count > len(self._keys):
             self._grow()
 
-    def update(self, entries: dict[str, float]) -> None:
-        """:meth:`put` every ``id: time`` of ``entries``."""
-        for handoff_id, at in entries.items():
+    def update(self, entries: Iterable[tuple[str, float]]) -> None:
+        """:meth:`put` every ``(id, time)`` of ``entries``."""
+        for handoff_id, at in entries:
             self.put(handoff_id, at)
 
     def _grow(self) -> None:

@@ -13,7 +13,7 @@ import os
 import threading
 from datetime import datetime
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 from ...core.timeutil import iso, parse_iso
 from . import fsio
@@ -139,24 +139,28 @@ class SeenIds:
         return kept
 
 
-def _time_of(line: bytes) -> float | None:
-    """The time of one record line (epoch seconds); None for a torn or foreign line."""
+def _entry(line: bytes | str) -> tuple[str, float] | None:
+    """(id, when seen in epoch seconds) of one record line; None for a torn or foreign one."""
     try:
-        return parse_iso(json.loads(line)["at"]).timestamp()
+        item = json.loads(line)
+        return str(item["id"]), parse_iso(item["at"]).timestamp()
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None  # ("at" not a string: AttributeError; a line nested a million deep)
+
+
+def _time_of(line: bytes) -> float | None:
+    """The time of one record line; None for a torn or foreign line."""
+    entry = _entry(line)
+    return entry[1] if entry else None
 
 
 def _line(handoff_id: str, at: datetime) -> str:
     return json.dumps({"id": handoff_id, "at": iso(at)}) + "\n"
 
 
-def _parse(data: bytes) -> dict[str, float]:
-    entries: dict[str, float] = {}
+def _parse(data: bytes) -> Iterator[tuple[str, float]]:
+    """The entries of record lines; a torn line after a crash, or a foreign one, is skipped."""
     for line in data.decode("utf-8", "replace").splitlines():
-        try:
-            item = json.loads(line)
-            entries[str(item["id"])] = parse_iso(item["at"]).timestamp()
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            continue  # a torn line after a crash is skipped, not fatal
-    return entries
+        entry = _entry(line)
+        if entry is not None:
+            yield entry
