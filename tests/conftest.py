@@ -22,6 +22,13 @@ SPECIALISTS = REPO / "specialists"
 BIN = Path(sys.executable).parent
 
 
+def run_python(code: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (``sys.argv[1:]`` = ``args``), text output captured,
+    bounded to a minute; ``kwargs`` go to subprocess.run (env, cwd)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=60, **kwargs)
+
+
 def exe(name: str) -> str:
     """The installed console script next to the running interpreter (fallback: PATH)."""
     candidate = BIN / name

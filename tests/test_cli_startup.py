@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FLAKY_TOML, exe
+from conftest import FLAKY_TOML, exe, run_python
 
 from handoffd.core.workspace import Workspace
 
@@ -206,8 +206,7 @@ def test_the_quick_path_loads_no_typer_click_or_rich(tmp_path: Path) -> None:
             "    main()\n"
             "finally:\n"
             "    print(' '.join(sorted(sys.modules)))\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
-                          text=True, timeout=60)
+    proc = run_python(code, str(root))
     assert proc.returncode == 0, proc.stderr
     loaded = set(proc.stdout.split())
     assert "handoffd.service.daemon" in loaded  # it did run the batch
@@ -268,8 +267,7 @@ def test_ls_loads_the_features_only_for_a_pending_row(tmp_path: Path) -> None:
             "    print('MODULES', ' '.join(sorted(sys.modules)))\n")
 
     def features_loaded() -> tuple[set[str], str]:
-        proc = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
-                              text=True, timeout=60, env=QUICK)
+        proc = run_python(code, str(root), env=QUICK)
         listing, _, modules = proc.stdout.partition("MODULES")
         return {m for m in modules.split() if m.startswith("handoffd.features.")  # (lineage:
                 and m not in ("handoffd.features.build", "handoffd.features.lineage")}, listing

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import threading
 from datetime import datetime, timedelta, timezone
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_python
 
 from handoffd import Engine, Registry, Workspace, build_engine
 from handoffd.backends.files.fsio import rename_noreplace
@@ -493,8 +493,7 @@ def test_registry_load_without_entry_points_skips_importlib_metadata(tmp_path: P
     code = ("import sys; from handoffd.core.config import Config; "
             "from handoffd.core.specialists import Registry; Registry.load(Config()); "
             "print('importlib.metadata' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=60)
+    out = run_python(code, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FLAKY_TOML, Workspace, exe, wait_until
+from conftest import FLAKY_TOML, Workspace, exe, run_python, wait_until
 
 from handoffd.core.config import Config, StoreSettings, load_config
 from handoffd.core.documents import new_native_request, record
@@ -88,8 +87,7 @@ def test_a_files_workspace_never_imports_psycopg(ws: Workspace) -> None:
             "try:\n    main()\nexcept SystemExit:\n    pass\n"
             "print('psycopg' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "HANDOFFD_STORE"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env=env)
+    done = run_python(code, env=env)
     assert done.stdout.strip().splitlines()[-1] == "False", done.stderr
 
 

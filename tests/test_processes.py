@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Workspace, alive, wait_until
+from conftest import Workspace, alive, run_python, wait_until
 
 from handoffd import Daemon, Registry, State, build_engine, new_native_request
 from handoffd import Workspace as HandoffdWorkspace
@@ -299,7 +299,7 @@ def test_the_allocator_is_asked_to_keep_memory_flat() -> None:
     glibc = platform.libc_ver()[0] == "glibc"
     code = ("from handoffd.service import allocator; "
             "print(allocator.limit_arenas(), allocator.trim())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_python(code)
     assert out.stdout.split() == ([str(glibc)] * 2), out
     assert allocator.trim() is glibc
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+from conftest import run_python
 
 from handoffd.backends.files import fsio, spares
 
@@ -110,8 +109,7 @@ def test_a_clean_exit_leaves_no_spares(tmp_path: Path) -> None:
             "for n in range(3):\n"
             "    doc = Path(sys.argv[1]) / f'd{n}'; doc.write_text('x'); spares.retire(doc, tmp)\n"
             "print(len(list(tmp.iterdir())))\n")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                          text=True, timeout=60)
+    done = run_python(code, str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == 3  # kept while it ran
     assert list((tmp_path / ".tmp").iterdir()) == []  # and gone when it ended
