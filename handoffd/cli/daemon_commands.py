@@ -117,17 +117,30 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
 
 def run_batch(root: Path | None = None, workers: int | None = None, verbose: bool = False,
               quiet: bool = False, max_seconds: float | None = None, log_format: str = "text",
-              store: str | None = None) -> int:
-    """``handoffd run``: one batch for cron; the exit code (1 when a handoff it processed
-    failed or the main loop died)."""
+              store: str | None = None, processes: int | None = None) -> int:
+    """``handoffd run``: one batch for cron, over ``processes`` (None: ``[daemon] processes``;
+    see :mod:`handoffd.service.spread`); the exit code (1 when a handoff it processed failed or
+    the main loop of one of its processes died)."""
     configure_logging(verbose, quiet=quiet, log_format=log_format)
-    from ..service.daemon import Daemon
+    from ..service.daemon import BatchReport, Daemon
+    from ..service.spread import processes_for, spread
     eng = engine(root, create=True, store=store)
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         warn_if_shared(eng.ws.root)
     log_filings(eng)
-    report = Daemon(eng, workers=workers, watch=False).run_batch(install_signals=True,
-                                                                 max_seconds=max_seconds)
+    count = processes_for(eng, processes)
+
+    def make() -> Daemon:
+        return Daemon(eng, workers=workers, watch=False)
+
+    def run(daemon: Daemon) -> BatchReport:
+        return daemon.run_batch(install_signals=count == 1, max_seconds=max_seconds)
+
+    if count > 1:
+        logging.getLogger("handoffd").info("the batch runs on %d processes", count)
+        report = spread(count, eng, make, run)
+    else:
+        report = run(make())
     if report.error:
         print(f"{PROG}: error: the main loop died ({report.error})", file=sys.stderr)
     elif not quiet and (verbose or report.needs_a_look() or sys.stderr.isatty()):

@@ -67,6 +67,9 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
         max_seconds: Annotated[Optional[float], typer.Option(
             "--max-seconds", min=0.0, help="Stop after S seconds: hand back what still runs.")] = None,
         log_format: LogFormat = "text", store: StoreOption = None,
+        processes: Annotated[Optional[str], typer.Option(
+            "--processes", metavar="N|auto",
+            help="Processes to run the batch on (default: [daemon] processes, auto).")] = None,
         ) -> None:
     """One batch for cron: recover, process everything due, wait for it, exit.
 
@@ -76,7 +79,25 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/
     or the main loop died of an unexpected error (logged with a traceback; work handed back).
     """
-    raise typer.Exit(run_batch(root, workers, verbose, quiet, max_seconds, log_format, store))
+    raise typer.Exit(run_batch(root, workers, verbose, quiet, max_seconds, log_format, store,
+                               processes_arg(processes)))
+
+
+def processes_arg(text: str | None) -> int | None:
+    """``--processes``: "auto" is 0, else 1..MAX_PROCESSES; None when not given."""
+    from ..core.config import MAX_PROCESSES
+    from ..core.errors import UsageError
+    if text is None:
+        return None
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= MAX_PROCESSES:
+        raise UsageError(f"--processes {text!r}: auto or 1..{MAX_PROCESSES}")
+    return value
 
 
 @app.command()

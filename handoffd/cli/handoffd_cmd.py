@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..core.config import MAX_PROCESSES
 from .basics import failure_code
 from .daemon_commands import PROG, run_batch, serve
 from .quick import Form, number, parse
@@ -25,7 +26,7 @@ _COMMON = {"--root": "root", "--workers": "workers", "--log-format": "log_format
 _VERBOSE = {"--verbose": "verbose", "-v": "verbose"}
 
 FORMS = {
-    "run": Form({**_COMMON, "--max-seconds": "max_seconds"},
+    "run": Form({**_COMMON, "--max-seconds": "max_seconds", "--processes": "processes"},
                 {**_VERBOSE, "--quiet": "quiet", "-q": "quiet"}),
     "serve": Form({**_COMMON, "--metrics": "metrics", "--metrics-textfile": "metrics_textfile"},
                   _VERBOSE),
@@ -47,6 +48,13 @@ def plain_form(argv: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
             opts["workers"] = int(opts["workers"])
             if opts["workers"] < 1:
                 return None
+        if "processes" in opts:
+            if opts["processes"] == "auto":
+                opts["processes"] = 0
+            else:
+                opts["processes"] = int(opts["processes"])
+                if not 1 <= opts["processes"] <= MAX_PROCESSES:
+                    return None
         if "max_seconds" in opts:
             opts["max_seconds"] = number(opts["max_seconds"], float)
     except ValueError:

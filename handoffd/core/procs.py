@@ -130,6 +130,14 @@ def child_setup(parent_pid: int) -> Callable[[], None]:
     return setup
 
 
+def parent_death_signal(signum: int) -> None:
+    """Have the kernel send ``signum`` to this process when the thread that forked it ends
+    (Linux; elsewhere nothing happens)."""
+    prctl = _load_prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+
 def start_time(pid: int) -> int | None:
     """The start time of ``pid`` (clock ticks after boot), or None if it is gone."""
     info = _stat(pid)

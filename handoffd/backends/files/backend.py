@@ -107,6 +107,10 @@ class FilesBackend(FencedFiling, Backend):
     another owner's lease go unrenewed (a clock that never steps); ``watch`` enables watchdog
     hints of other processes' writes for subscribers."""
 
+    # processes forked after it was opened may each use it (handoffd.service.spread): it opens
+    # its files when first used, and forgets inherited spares and folder handles after a fork
+    forkable = True
+
     def __init__(self, store: Store, *, describe: Describe = describe_native,
                  monotonic: Callable[[], float] = time.monotonic, watch: bool = True,
                  claim_grace_seconds: float = 10.0) -> None:
