@@ -16,6 +16,7 @@ from handoffd.cli.basics import engine
 from handoffd.core.config import load_config
 from handoffd.core import specialists
 from handoffd.core.errors import ConfigError
+from handoffd.core.states import State
 from handoffd.service import spread
 
 PLUG = '''
@@ -242,3 +243,17 @@ def test_a_bad_processes_option_is_one_line(ws: Workspace) -> None:
         assert proc.returncode == 2, proc.stderr
         assert "--processes" in proc.stderr and "Traceback" not in proc.stderr
     assert ws.handoffd("run", "--processes", "auto").returncode == 0
+
+
+def test_each_process_starts_on_its_own_stretch_of_the_backlog(ws: Workspace) -> None:
+    """Two processes that queue the pending list in one order race for every handoff (both read
+    it, one loses the claim); with stripes they start half a list apart."""
+    from handoffd.service.daemon import Daemon
+    setup(ws, 10)
+    eng = engine(ws.root)
+    listed = eng.backend.ids(State.PENDING)
+    for index, first in ((0, listed[0]), (1, listed[5])):
+        daemon = Daemon(eng, watch=False, stripe=(index, 2))
+        assert daemon.scan() == 10
+        order = [hid for _, _, _, hid in sorted(daemon.heap)]
+        assert order[0] == first and sorted(order) == sorted(listed)

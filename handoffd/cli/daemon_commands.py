@@ -130,8 +130,8 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
     log_filings(eng)
     count = processes_for(eng, processes)
 
-    def make() -> Daemon:
-        return Daemon(eng, workers=workers, watch=False)
+    def make(stripe: tuple[int, int] = (0, 1)) -> Daemon:
+        return Daemon(eng, workers=workers, watch=False, stripe=stripe)
 
     def run(daemon: Daemon) -> BatchReport:
         return daemon.run_batch(install_signals=count == 1, max_seconds=max_seconds)

@@ -104,8 +104,11 @@ class Daemon:
     """
 
     def __init__(self, engine: Engine, *, workers: int | None = None, watch: bool = True,
-                 stall_seconds: float | None = None) -> None:
+                 stall_seconds: float | None = None, stripe: tuple[int, int] = (0, 1)) -> None:
         self.engine = engine
+        # (index, count) when this is one of ``count`` processes of one batch (service.spread):
+        # each starts on its own stretch of the pending list instead of all racing for the head
+        self.stripe = stripe
         self.settings = engine.settings
         self.workers = workers or self.settings.workers
         self.watch = watch
@@ -279,6 +282,10 @@ class Daemon:
         except OSError as exc:  # e.g. EIO, ENOMEM: the next rescan tries again
             log.error("cannot list the pending handoffs: %s; will rescan", exc)
             return 0
+        index, count = self.stripe
+        if count > 1:  # queued in this order: start at this process's share of the list
+            cut = index * len(ids) // count
+            ids = ids[cut:] + ids[:cut]
         with self.cv:
             if self.parked_ids or self.first_seen or self.report.unroutable:
                 present = set(ids)

@@ -75,9 +75,10 @@ def processes_for(engine: Engine, requested: int | None) -> int:
     return cpus
 
 
-def spread(count: int, engine: Engine, make: Callable[[], Daemon],
+def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon],
            run: Callable[[Daemon], BatchReport]) -> BatchReport:
-    """Run ``run(make())`` in this process and ``count - 1`` forked ones; the sum of the reports.
+    """Run ``run(make((index, count)))`` in this process (index 0) and ``count - 1`` forked ones;
+    the sum of the reports. The index is the process's stripe (``Daemon(stripe=...)``).
 
     ``run`` must not install signal handlers: :func:`spread` installs them (the parent's also
     forward the signal to the children). A child that dies without a report makes the result an
@@ -90,17 +91,17 @@ def spread(count: int, engine: Engine, make: Callable[[], Daemon],
         count = 1
     parent = os.getpid()
     children: list[tuple[int, int]] = []  # (pid, read end of its report pipe)
-    for _ in range(count - 1):
+    for index in range(1, count):
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(read)
             for _, other in children:
                 os.close(other)
-            _child(parent, write, make, run)  # never returns
+            _child(parent, write, lambda: make((index, count)), run)  # never returns
         os.close(write)
         children.append((pid, read))
-    daemon = make()
+    daemon = make((0, count))
     _on_signals(daemon, [pid for pid, _ in children])
     report = run(daemon)
     for pid, read in children:
