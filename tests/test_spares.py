@@ -11,6 +11,7 @@ import pytest
 from conftest import run_python
 
 from handoffd.backends.files import fsio, spares
+from handoffd.core.errors import InvalidDocument
 
 
 @pytest.fixture()
@@ -150,3 +151,42 @@ def test_a_fork_while_another_thread_holds_a_lock_does_not_hang_the_child(held: 
     finally:
         release.set()
         thread.join(timeout=20)
+
+
+# ---------------------------------------------------------------- reading documents
+
+def test_a_document_is_read_in_one_read_of_its_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One read of the fstat size plus a byte (a short read is the end of a regular file), not
+    a fixed 1 MB buffer that glibc allocates whole for every document read."""
+    path = tmp_path / "doc.json"
+    path.write_bytes(b'{"a": 1}')
+    asked: list[int] = []
+    real_read = os.read
+
+    def read(fd: int, n: int) -> bytes:
+        asked.append(n)
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", read)
+    data, _ = fsio.read_bytes_safely(path, 4 << 20)
+    assert data == b'{"a": 1}' and asked == [9]
+
+
+@pytest.mark.parametrize("size", [0, 5, fsio.READ_STEP, 3 * fsio.READ_STEP + 7])
+def test_a_document_that_grew_after_fstat_is_read_whole(tmp_path: Path, size: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "doc.json"
+    path.write_bytes(b"x" * size + b"tail")
+    real_fstat = os.fstat
+
+    def stale(fd: int) -> os.stat_result:  # the size before the producer's last write
+        info = real_fstat(fd)
+        fields = list(info)
+        fields[6] = size
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "fstat", stale)
+    data, _ = fsio.read_bytes_safely(path, 4 << 20)
+    assert data == b"x" * size + b"tail"
+    with pytest.raises(InvalidDocument, match="grew over"):
+        fsio.read_bytes_safely(path, size + 2)
