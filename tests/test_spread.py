@@ -257,3 +257,36 @@ def test_each_process_starts_on_its_own_stretch_of_the_backlog(ws: Workspace) ->
         assert daemon.scan() == 10
         order = [hid for _, _, _, hid in sorted(daemon.heap)]
         assert order[0] == first and sorted(order) == sorted(listed)
+
+
+def test_dependency_chains_finish_in_one_batch_over_two_processes(ws: Workspace) -> None:
+    """A dependant waits in both processes; whichever files what it waits for runs it next, and
+    the summary names nothing as waiting once it ran."""
+    setup(ws, 20, spec=NO_DELAY, sleep=0.02)
+    for chain in range(6):
+        ids = [f"c{chain}-{k}" for k in range(4)]
+        for k, hid in enumerate(ids):
+            ws.drop(f"{hid}.json", {"handoff_id": hid, "target": {"agent_id": "@spread"},
+                                    "depends_on": ids[k - 1:k], "input": {"data": {"sleep": 0.05}}})
+    proc = subprocess.run([exe("handoffd"), "run", "--root", str(ws.root), "--processes", "2", "-v"],
+                          capture_output=True, text=True, env=env(ws), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "batch done: completed 44, failed 0, retry scheduled 0\n" in proc.stderr, proc.stderr
+    assert len(folders(ws)["completed"]) == 44 and not folders(ws)["pending"]
+    starts = {str(e["id"]): float(e["at"]) for e in runs(ws) if "at" in e}  # type: ignore[arg-type]
+    ends = {str(e["id"]): float(e["done"]) for e in runs(ws) if "done" in e}  # type: ignore[arg-type]
+    for chain in range(6):
+        for k in range(1, 4):
+            assert starts[f"c{chain}-{k}"] >= ends[f"c{chain}-{k - 1}"]
+
+
+def test_max_seconds_ends_every_process_on_time(ws: Workspace) -> None:
+    setup(ws, 40, sleep=60)
+    proc = subprocess.run([exe("handoffd"), "run", "--root", str(ws.root), "--processes", "2",
+                           "--workers", "2", "--max-seconds", "2"],
+                          capture_output=True, text=True, env=env(ws), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "handed back 4" in proc.stderr, proc.stderr  # two running in each process
+    assert len({e["pid"] for e in runs(ws)}) == 2
+    state = folders(ws)
+    assert not state["in-progress"] and len(state["pending"]) == 40
