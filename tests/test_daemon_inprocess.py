@@ -162,6 +162,28 @@ def test_a_second_dispatch_of_a_running_handoff_leaves_it_tracked(tmp_path: Path
     assert daemon.running_job(hid) is None
 
 
+def test_a_lease_renewal_that_meets_the_filing_is_not_a_takeover(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The main loop renews the leases of the jobs in ``active``; a job just filed is still
+    there until its worker returns. Its renewal then fails (the claim is finished), which was
+    logged as "claim was recovered by another process; its result will be discarded" for a
+    handoff that had completed (2 of 10,000 in a serving daemon)."""
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"})
+    hid = submit(engine)
+    daemon = Daemon(engine, watch=False)
+    real_file = engine.file
+
+    def file_then_renew(*args: Any, **kwargs: Any) -> Any:
+        filed = real_file(*args, **kwargs)
+        daemon.renew_leases()  # the main loop, in the window before the worker returns
+        return filed
+
+    engine.file = file_then_renew  # type: ignore[method-assign]
+    daemon._work(hid)
+    assert engine.backend.store.locate(hid) == [State.COMPLETED]
+    assert "recovered by another process" not in caplog.text
+
+
 def test_fast_short_handoffs_chain_on_one_worker_and_slow_ones_spread(tmp_path: Path) -> None:
     """Durability fast: while another worker's task is younger than SPIN_UP_SECONDS, a finishing
     worker takes nothing more and the scheduler starts no one (that task's worker chains);

@@ -92,6 +92,9 @@ class Job:
     started_at: datetime = field(default_factory=utc_now)
     deadline: datetime | None = None  # when a hard timeout (Envelope.hard_timeout) runs out
     warnings: list[str] = field(default_factory=list)  # unmet expectations, when advisory
+    # set when the attempt is being filed or handed back: a lease renewal that fails from then
+    # on met the filing (the claim is finished), not another process's takeover
+    ending: bool = False
 
     @property
     def handoff_id(self) -> str:

@@ -599,10 +599,12 @@ class Daemon:
                                                   "attempt": job.claim.attempt,
                                                   "agent": job.specialist.agent})
             if self.stopping:
+                job.ending = True
                 self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
                 self.report.handed_back += 1
                 return
             outcome = self.engine.run(job)
+            job.ending = True
             if job.context.handback:
                 self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
                 self.report.handed_back += 1
@@ -748,7 +750,7 @@ class Daemon:
             try:
                 if not self.engine.backend.renew(job.claim, self.engine.clock(),
                                                  self.settings.lease_seconds) \
-                        and job.handoff_id in self.active:  # (not merely filed meanwhile)
+                        and not job.ending:  # (not merely filed meanwhile)
                     log.warning("handoff %s: claim was recovered by another process; its "
                                 "result will be discarded", job.handoff_id)
             except OSError as exc:
