@@ -102,10 +102,11 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
         os.close(write)
         children.append((pid, read))
     daemon = make((0, count))
-    _on_signals(daemon, [pid for pid, _ in children])
+    unreaped = [pid for pid, _ in children]  # signals go to these (a reaped pid may be reused)
+    _on_signals(daemon, unreaped)
     report = run(daemon)
     for pid, read in children:
-        _merge(report, _collect(pid, read))
+        _merge(report, _collect(pid, read, unreaped))
     _forget_settled(engine, report)
     return report
 
@@ -165,11 +166,13 @@ def _write_all(fd: int, data: bytes) -> None:
     os.close(fd)
 
 
-def _collect(pid: int, read: int) -> dict[str, Any]:
-    """The report of child ``pid``: read to the end, then reaped; an error entry if it has none."""
+def _collect(pid: int, read: int, unreaped: list[int]) -> dict[str, Any]:
+    """The report of child ``pid``: read to the end, then reaped (and taken off ``unreaped``
+    first); an error entry if it has none."""
     chunks = []
     with os.fdopen(read, "rb") as pipe:
         chunks.append(pipe.read())
+    unreaped.remove(pid)
     _, status = os.waitpid(pid, 0)
     data = b"".join(chunks)
     try:
