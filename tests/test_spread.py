@@ -36,7 +36,7 @@ def work(handoff, ctx):
 
 CONFIG = '''
 [daemon]
-durability = "fast"
+durability = "{durability}"
 settle_seconds = 0.05
 grace_seconds = 20.0
 {extra}
@@ -46,11 +46,12 @@ handler = "spreadplug:work"
 '''
 
 
-def setup(ws: Workspace, count: int, *, extra: str = "", spec: str = "", **data: object) -> None:
+def setup(ws: Workspace, count: int, *, extra: str = "", spec: str = "", durability: str = "fast",
+          **data: object) -> None:
     plug = ws.root / "plug"
     plug.mkdir()
     (plug / "spreadplug.py").write_text(PLUG)
-    ws.write_config(CONFIG.format(extra=extra, spec=spec))
+    ws.write_config(CONFIG.format(extra=extra, spec=spec, durability=durability))
     for i in range(count):
         hid = f"sp-{i:04d}"
         item = {key: (value(i) if callable(value) else value) for key, value in data.items()}
@@ -181,8 +182,9 @@ def test_the_children_stop_when_the_batch_is_killed(ws: Workspace) -> None:
 # ---------------------------------------------------------------- how many processes
 
 def plan(ws: Workspace, pending: int, requested: int | None = None, *, extra: str = "",
-         spec: str = "", cpus: int = 4, monkeypatch: pytest.MonkeyPatch) -> int:
-    setup(ws, pending, extra=extra, spec=spec)
+         spec: str = "", cpus: int = 4, durability: str = "fast",
+         monkeypatch: pytest.MonkeyPatch) -> int:
+    setup(ws, pending, extra=extra, spec=spec, durability=durability)
     monkeypatch.setattr(spread, "usable_cpus", lambda: cpus)
     monkeypatch.setattr(specialists, "_DECORATED", {})  # other tests' @specialist functions
     return spread.processes_for(engine(ws.root), requested)
@@ -190,6 +192,19 @@ def plan(ws: Workspace, pending: int, requested: int | None = None, *, extra: st
 
 def test_auto_uses_every_cpu_for_a_large_backlog(ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
     assert plan(ws, spread.AUTO_MIN_PENDING, monkeypatch=monkeypatch) == 4
+
+
+def test_auto_adds_a_process_with_fsync(ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fsync each process also waits for the disk: one more than the CPUs keeps them busy."""
+    assert plan(ws, spread.AUTO_MIN_PENDING, durability="fsync", cpus=2,
+                monkeypatch=monkeypatch) == 3
+    assert plan_again(ws, cpus=spread.AUTO_MAX_PROCESSES, monkeypatch=monkeypatch) \
+        == spread.AUTO_MAX_PROCESSES
+
+
+def plan_again(ws: Workspace, *, cpus: int, monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(spread, "usable_cpus", lambda: cpus)
+    return spread.processes_for(engine(ws.root), None)
 
 
 def test_auto_runs_one_process_for_a_small_backlog(ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
