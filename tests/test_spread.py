@@ -252,12 +252,24 @@ def test_the_processes_setting(tmp_path: Path, value: str, ok: int | None) -> No
         assert load_config(tmp_path / "handoffd.toml").daemon.processes == ok
 
 
-def test_a_bad_processes_option_is_one_line(ws: Workspace) -> None:
-    for bad in ("0", "x", "65"):
-        proc = ws.handoffd("run", "--processes", bad)
+@pytest.mark.parametrize("full", [False, True])
+def test_the_processes_option_on_both_command_lines(ws: Workspace, full: bool) -> None:
+    """The quick path and the full (typer) command line take and refuse the same values."""
+    setup(ws, 6)
+    extra = {"HANDOFFD_FULL_CLI": "1"} if full else {}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([exe("handoffd"), "run", "--root", str(ws.root), *args],
+                              capture_output=True, text=True, env={**env(ws), **extra}, timeout=120)
+
+    for bad in ("0", "x", "65", "-1"):
+        proc = run("--processes", bad)
         assert proc.returncode == 2, proc.stderr
         assert "--processes" in proc.stderr and "Traceback" not in proc.stderr
-    assert ws.handoffd("run", "--processes", "auto").returncode == 0
+    assert run("--processes", "auto").returncode == 0
+    proc = run("--processes", "2", "-v")
+    assert proc.returncode == 0 and "the batch runs on 2 processes" in proc.stderr, proc.stderr
+    assert len(folders(ws)["completed"]) == 6
 
 
 def test_each_process_starts_on_its_own_stretch_of_the_backlog(ws: Workspace) -> None:
