@@ -7,9 +7,11 @@ know their owners), so :func:`spread` forks the batch: each process runs the sam
 own engine and the parent sums their reports into one summary line and one exit code.
 
 The fork happens after the imports and before anything opens a file or starts a thread (the
-stores open their files lazily and forget inherited ones after a fork). Each child leads its own
-process group, so a Ctrl-C reaches it once, through the parent, which forwards SIGTERM and
-SIGINT; a child gets SIGTERM when the parent dies (it then hands back as on a signal).
+stores open their files lazily and forget inherited ones after a fork). Each process starts on
+its own stretch of the pending list (``Daemon(stripe=...)``) rather than all racing for its
+head. Each child leads its own process group, so a Ctrl-C reaches it once, through the parent,
+which forwards SIGTERM and SIGINT; a child whose parent dies gets :data:`ORPHANED` and stops as
+on a first SIGTERM (claims nothing more, lets running work finish for ``grace_seconds``).
 """
 from __future__ import annotations
 
@@ -71,7 +73,12 @@ def processes_for(engine: Engine, requested: int | None) -> int:
     if any(s.is_command or s.config.concurrency for s in specs):
         return 1
     cpus = usable_cpus()
-    if cpus < 2 or len(engine.backend.ids(State.PENDING)) < AUTO_MIN_PENDING:
+    if cpus < 2:
+        return 1
+    try:
+        if len(engine.backend.ids(State.PENDING)) < AUTO_MIN_PENDING:
+            return 1
+    except OSError:  # the batch's own scan will say what is wrong with the folder
         return 1
     # with fsync each process also waits for the disk: one more keeps the CPUs busy (2 CPUs,
     # 2,000 no-op handoffs: 3 processes drain 13-18% faster than 2; without fsync, 3 are slower)
@@ -140,7 +147,9 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
         log.exception("batch process %d failed", os.getpid())
     finally:
         try:
-            atexit._run_exitfuncs()  # this process's spare files and logs, as at a normal exit
+            # what a normal exit runs (this process's spare files, the logs' flush); os._exit
+            # then, so that nothing of the parent's code runs on in the child
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
