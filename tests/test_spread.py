@@ -149,7 +149,8 @@ def test_a_killed_process_is_reported_and_its_claim_recovered(ws: Workspace) -> 
     os.kill(child, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1
-    assert f"batch process {child} ended without a report (killed by signal 9)" in stderr, stderr
+    assert f"error: process {child} ended without a report (killed by signal 9)" in stderr, stderr
+    assert "1 process(es) ended without a report" in stderr  # the summary is printed too
     killed = {str(e["id"]) for e in runs(ws) if e["pid"] == child and "at" in e} - \
         {str(e["id"]) for e in runs(ws) if e["pid"] == child and "done" in e}
     assert killed and killed <= folders(ws)["in-progress"]  # its claims, left behind

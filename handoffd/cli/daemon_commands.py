@@ -141,6 +141,8 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
         report = spread(count, eng, make, run)
     else:
         report = run(make())
+    for lost in report.lost:
+        print(f"{PROG}: error: {lost}; its claims are recovered by the next sweep", file=sys.stderr)
     if report.error:
         print(f"{PROG}: error: the main loop died ({report.error})", file=sys.stderr)
     elif not quiet and (verbose or report.needs_a_look() or sys.stderr.isatty()):
@@ -149,7 +151,7 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
                                                   extra={"event": "batch_done"})
         else:
             print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
-    return 1 if report.failed or report.error else 0
+    return 1 if report.failed or report.error or report.lost else 0
 
 
 FILINGS = frozenset({"completed", "failed", "cancelled", "retry_scheduled", "set_aside"})

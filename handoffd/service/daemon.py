@@ -63,10 +63,12 @@ class BatchReport:
     sweep: SweepReport | None = None
     error: str | None = None  # set when the main loop died (the exit code is then non-zero)
     stalls: int = 0  # times the progress watchdog had to reset the scheduler
+    # forked processes of this run (service.spread) that ended without a report, and how
+    lost: list[str] = field(default_factory=list)
 
     def needs_a_look(self) -> bool:
         """Something an operator should hear of even from a quiet cron batch."""
-        return bool(self.failed or self.handed_back or self.error or self.stalls)
+        return bool(self.failed or self.handed_back or self.error or self.stalls or self.lost)
 
     def line(self) -> str:
         """The one-line summary ``handoffd run`` and ``serve`` print."""
@@ -78,6 +80,8 @@ class BatchReport:
             text += f", left pending with no specialist {len(self.unroutable)}"
         if self.waiting:
             text += f", waiting {len(self.waiting)}"
+        if self.lost:
+            text += f"; {len(self.lost)} process(es) ended without a report"
         if self.error:
             text += f"; main loop died: {self.error}"
         return text

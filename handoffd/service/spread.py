@@ -1,4 +1,4 @@
-"""One ``handoffd run`` over several processes: a large backlog of short handoffs uses every CPU.
+"""``handoffd run`` (and ``serve``) over several processes: short handoffs use every CPU.
 
 A batch of in-process handlers is bound by one interpreter's lock: threads take turns at every
 system call, so four workers drain no faster than one (see docs/performance.md). Several
@@ -55,19 +55,10 @@ def processes_for(engine: Engine, requested: int | None) -> int:
     processes (``forkable`` unset: PostgreSQL's connections, the in-memory store) runs one.
     """
     wanted = engine.settings.processes if requested is None else requested
-    if wanted == 1:
-        return 1
-    if not getattr(engine.backend, "forkable", False):
-        if wanted > 1:
-            log.warning("processes = %d: this store is not shared by forked processes; running "
-                        "one (start more daemons instead)", wanted)
-        return 1
     if wanted > 1:
-        capped = [s.agent for s in engine.registry.specialists.values() if s.config.concurrency]
-        if capped:
-            log.warning("%d processes: the concurrency cap of %s holds in each process", wanted,
-                        ", ".join(sorted(capped)))
-        return wanted
+        return _as_asked(engine, wanted)
+    if wanted == 1 or not getattr(engine.backend, "forkable", False):
+        return 1
     from ..core.states import State
     specs = engine.registry.specialists.values()
     if any(s.is_command or s.config.concurrency for s in specs):
@@ -85,18 +76,42 @@ def processes_for(engine: Engine, requested: int | None) -> int:
     return min(cpus + 1 if engine.settings.durable else cpus, AUTO_MAX_PROCESSES)
 
 
+def serve_processes_for(engine: Engine, requested: int | None) -> int:
+    """How many processes ``handoffd serve`` runs on: ``requested`` (``--processes``) else
+    ``[daemon] processes``, as given; "auto" serves on one (a serving daemon's load is not known
+    when it starts: ask for a count to use more CPUs)."""
+    wanted = engine.settings.processes if requested is None else requested
+    return _as_asked(engine, wanted) if wanted > 1 else 1
+
+
+def _as_asked(engine: Engine, wanted: int) -> int:
+    """An explicit count: taken as given, unless the store cannot be shared by forked
+    processes (then one); a concurrency cap is said to hold per process."""
+    if not getattr(engine.backend, "forkable", False):
+        log.warning("processes = %d: this store is not shared by forked processes; running "
+                    "one (start more daemons instead)", wanted)
+        return 1
+    capped = [s.agent for s in engine.registry.specialists.values() if s.config.concurrency]
+    if capped:
+        log.warning("%d processes: the concurrency cap of %s holds in each process", wanted,
+                    ", ".join(sorted(capped)))
+    return wanted
+
+
 def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon],
-           run: Callable[[Daemon], BatchReport]) -> BatchReport:
+           run: Callable[[Daemon], BatchReport], *, serving: bool = False) -> BatchReport:
     """Run ``run(make((index, count)))`` in this process (index 0) and ``count - 1`` forked ones;
     the sum of the reports. The index is the process's stripe (``Daemon(stripe=...)``).
 
     ``run`` must not install signal handlers: :func:`spread` installs them (the parent's also
-    forward the signal to the children). A child that dies without a report makes the result an
-    error (the exit code is then non-zero); its claims are recovered by the next sweep."""
+    forward the signal to the children). A child that dies without a report is named in the
+    result's ``lost`` (the exit code is then non-zero); its claims are recovered by the next sweep.
+    ``serving`` (``handoffd serve``): a child that ends while the others serve stops them all, so
+    that the supervisor restarts the whole; the children stop when the parent does."""
     from .daemon import warm_up
     warm_up()  # the schema checks' imports, once, shared by the children
     if threading.active_count() > 1:  # a fork copies no thread but their locks: not safe now
-        log.warning("not forking the batch: a thread is running (%s)",
+        log.warning("not forking: a thread is running (%s)",
                     ", ".join(t.name for t in threading.enumerate()))
         count = 1
     parent = os.getpid()
@@ -112,13 +127,75 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
         os.close(write)
         children.append((pid, read))
     daemon = make((0, count))
-    unreaped = [pid for pid, _ in children]  # signals go to these (a reaped pid may be reused)
-    _on_signals(daemon, unreaped)
+    family = _Family(daemon, [pid for pid, _ in children])
+    family.install()
+    if serving:
+        daemon.add_scan_hook(family.check)
     report = run(daemon)
+    if serving:
+        family.stop_the_rest()
     for pid, read in children:
-        _merge(report, _collect(pid, read, unreaped))
+        _merge(report, _collect(pid, read, family.unreaped))
     _forget_settled(engine, report)
     return report
+
+
+class _Family:
+    """The parent's view of its children: signals forwarded to the ones not yet reaped (a
+    reaped pid may be reused); for ``serve``, a child that ended stops the parent."""
+
+    def __init__(self, daemon: Daemon, pids: list[int]) -> None:
+        self.daemon = daemon
+        self.unreaped = pids
+        self.signalled = False
+        self.ended: set[int] = set()
+
+    def install(self) -> None:
+        """SIGTERM/SIGINT stop the daemon as in ``run_batch`` (a second one hands back at once),
+        forwarded to the children first."""
+        def on_signal(signum: int, frame: Any) -> None:
+            self.signalled = True
+            self.send(signum)
+            self.daemon.stop(hard=self.daemon.stopping)
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def send(self, signum: int) -> None:
+        """``signum`` to every child not yet reaped."""
+        for pid in list(self.unreaped):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # already done
+                pass
+
+    def check(self) -> None:
+        """A scan hook of the serving parent: a child that ended (seen without reaping it)
+        stops the parent, which then stops the others."""
+        for pid in self.unreaped:
+            if pid in self.ended:
+                continue
+            try:
+                gone = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                gone = None
+            if gone is not None:
+                self.ended.add(pid)
+                log.error("serving process %d ended; stopping the others (the supervisor "
+                          "restarts handoffd)", pid)
+                self.daemon.stop()
+
+    def stop_the_rest(self) -> None:
+        """The parent stopped on its own (not on a signal it forwarded): stop the children."""
+        if not self.signalled:
+            self.send(signal.SIGTERM)
+
+
+def _report(write: int, report: BatchReport) -> None:
+    try:
+        _write_all(write, json.dumps(_as_json(report)).encode())
+    except BrokenPipeError:  # the parent is gone: nobody to report to (it said so, or died)
+        pass
 
 
 def _child(parent: int, write: int, make: Callable[[], Daemon],
@@ -133,16 +210,14 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
         if os.getppid() != parent:  # the parent died before that: nothing claimed yet
             return
         daemon = make()
-        _on_signals(daemon, [])
+        _Family(daemon, []).install()
         # the parent is gone: stop as on a first SIGTERM. Not SIGTERM itself: the kernel may
         # send it more than once (once per thread of the parent that the child is handed to),
         # and a second SIGTERM means "hand back now"
         signal.signal(ORPHANED, lambda signum, frame: daemon.stop())
         report = run(daemon)
         code = 0
-        _write_all(write, json.dumps(_as_json(report)).encode())
-    except BrokenPipeError:  # the parent is gone: nobody to report to (it said so, or died)
-        pass
+        _report(write, report)
     except BaseException:  # noqa: BLE001 - whatever happens, this process must end here
         log.exception("batch process %d failed", os.getpid())
     finally:
@@ -154,21 +229,6 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
             sys.stderr.flush()
         finally:
             os._exit(code)
-
-
-def _on_signals(daemon: Daemon, pids: list[int]) -> None:
-    """SIGTERM/SIGINT stop ``daemon`` as in ``run_batch`` (a second one hands back at once),
-    forwarded to ``pids`` first."""
-    def on_signal(signum: int, frame: Any) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:  # already done
-                pass
-        daemon.stop(hard=daemon.stopping)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -195,7 +255,7 @@ def _collect(pid: int, read: int, unreaped: list[int]) -> dict[str, Any]:
         return parsed
     code = os.waitstatus_to_exitcode(status)
     how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
-    return {"error": f"batch process {pid} ended without a report ({how})"}
+    return {"lost": f"process {pid} ended without a report ({how})"}
 
 
 def _as_json(report: BatchReport) -> dict[str, Any]:
@@ -213,6 +273,8 @@ def _merge(report: BatchReport, other: dict[str, Any]) -> None:
     report.waiting.update({str(k): str(v) for k, v in dict(other.get("waiting", {})).items()})
     if other.get("error") and not report.error:
         report.error = str(other["error"])
+    if other.get("lost"):
+        report.lost.append(str(other["lost"]))
 
 
 def _forget_settled(engine: Engine, report: BatchReport) -> None:
