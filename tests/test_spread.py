@@ -318,3 +318,76 @@ def test_max_seconds_ends_every_process_on_time(ws: Workspace) -> None:
     assert len({e["pid"] for e in runs(ws)}) == 2
     state = folders(ws)
     assert not state["in-progress"] and len(state["pending"]) == 40
+
+
+# ---------------------------------------------------------------- handoffd serve --processes
+
+def start_serving(ws: Workspace, *args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([exe("handoffd"), "serve", "--root", str(ws.root), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env(ws))
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    assert "serving" in line, line
+    return proc, line
+
+
+def drop_many(ws: Workspace, count: int, **data: object) -> None:
+    for i in range(count):
+        hid = f"sv-{i:04d}"
+        ws.drop(f"{hid}.json", {"handoff_id": hid, "target": {"agent_id": "@spread"},
+                                "input": {"data": data}})
+
+
+def test_serve_on_two_processes_runs_each_handoff_once_and_stops_whole(ws: Workspace) -> None:
+    setup(ws, 0)
+    proc, ready = start_serving(ws, "--processes", "2")
+    try:
+        assert "(2 processes of 4 workers;" in ready
+        drop_many(ws, 200, sleep=0.002)
+        wait_until(lambda: len(folders(ws)["completed"]) == 200, timeout=60, what="all filed")
+        pids = {int(e["pid"]) for e in runs(ws)}  # type: ignore[call-overload]
+        assert len(pids) == 2 and proc.pid in pids
+        assert sorted(str(e["id"]) for e in runs(ws) if "at" in e) == \
+            [f"sv-{i:04d}" for i in range(200)]  # each once
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        stderr = proc.stderr.read() if proc.stderr else ""
+        assert "stopped: completed 200, failed 0" in stderr, stderr  # both processes counted
+        wait_until(lambda: not any(alive(pid) for pid in pids), timeout=10, what="all gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_a_serving_process_that_dies_stops_the_others_for_the_supervisor(ws: Workspace) -> None:
+    setup(ws, 0, extra="rescan_seconds = 0.5", spec=NO_DELAY)
+    proc, _ = start_serving(ws, "--processes", "2")
+    try:
+        drop_many(ws, 100, sleep=0.002)
+        wait_until(lambda: len({e["pid"] for e in runs(ws)}) == 2, timeout=60, what="both at work")
+        child = next(int(e["pid"]) for e in runs(ws) if e["pid"] != proc.pid)  # type: ignore[call-overload]
+        os.kill(child, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1  # a supervisor restarts the whole
+        stderr = proc.stderr.read() if proc.stderr else ""
+        assert f"error: process {child} ended without a report (killed by signal 9)" in stderr
+        assert "Traceback" not in stderr
+        again = subprocess.run([exe("handoffd"), "run", "--root", str(ws.root)],
+                               capture_output=True, text=True, env=env(ws), timeout=120)
+        assert again.returncode == 0, again.stderr
+        assert len(folders(ws)["completed"]) == 100  # the dead process's claims recovered
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_serve_auto_is_one_process(ws: Workspace) -> None:
+    setup(ws, 0, extra='processes = "auto"')
+    proc, ready = start_serving(ws)
+    try:
+        assert "processes of" not in ready
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0

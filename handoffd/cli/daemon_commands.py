@@ -76,22 +76,55 @@ def warn_if_shared(root: Path, detect: Callable[[Path], str | None] = network_fi
 
 def serve(root: Path | None = None, workers: int | None = None, verbose: bool = False,
           log_format: str = "text", store: str | None = None, metrics: str | None = None,
-          metrics_textfile: Path | None = None) -> int:
-    """``handoffd serve``: run in the foreground until SIGTERM/SIGINT; the exit code (1 when
-    the main loop died of an unexpected error)."""
+          metrics_textfile: Path | None = None, processes: int | None = None) -> int:
+    """``handoffd serve``: run in the foreground until SIGTERM/SIGINT, on ``processes`` (None:
+    ``[daemon] processes``, where "auto" serves on one; see :mod:`handoffd.service.spread`);
+    the exit code (1 when the main loop of one of its processes died, or a process ended)."""
     configure_logging(verbose, log_format=log_format)
     from ..service import allocator
     allocator.limit_arenas()  # before any thread: a long-lived daemon's memory stays flat
-    from ..service.daemon import Daemon
+    from ..service.daemon import BatchReport, Daemon
+    from ..service.spread import serve_processes_for, spread
     eng = engine(root, create=True, store=store)
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         warn_if_shared(eng.ws.root)
-    daemon = Daemon(eng, workers=workers)
+    filings_logged = log_filings(eng)
+    count = serve_processes_for(eng, processes)
+
+    def make(stripe: tuple[int, int] = (0, 1)) -> Daemon:
+        daemon = Daemon(eng, workers=workers, stripe=stripe)
+        if not filings_logged:
+            daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
+                "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid,
+                                                  "state": st.value}))
+        return daemon
+
+    def run(daemon: Daemon) -> BatchReport:  # in a forked process: no metrics, no systemd
+        daemon.serve(install_signals=False)
+        return daemon.report
+
+    def run_parent(daemon: Daemon) -> BatchReport:
+        serve_as_parent(eng, daemon, count, metrics, metrics_textfile)
+        return daemon.report
+
+    if count > 1:
+        report = spread(count, eng, make, run_parent, serving=True, child_run=run)
+    else:
+        report = run_parent(make())
+    for lost in report.lost:
+        print(f"{PROG}: error: {lost}; its claims are recovered by the sweep", file=sys.stderr)
+    print(f"{PROG}: stopped: {report.line()}", file=sys.stderr)
+    if report.error:
+        print(f"{PROG}: error: the main loop died ({report.error}); restart the daemon",
+              file=sys.stderr)
+    return 1 if report.error or report.lost else 0
+
+
+def serve_as_parent(eng: Engine, daemon: Daemon, count: int, metrics: str | None,
+                    metrics_textfile: Path | None) -> None:
+    """The serving daemon of this process, with what only one process of a ``serve`` runs:
+    the metrics endpoint and textfile, systemd's notifications, the "serving" line."""
     exposed = expose_metrics(eng, daemon, metrics, metrics_textfile)
-    if not log_filings(eng):
-        daemon.on_filed = (lambda hid, st: logging.getLogger("handoffd").info(
-            "%s -> %s", hid, st.value, extra={"event": "filed", "handoff_id": hid,
-                                              "state": st.value}))
     systemd = None
     if os.environ.get("NOTIFY_SOCKET"):  # Type=notify: READY, STOPPING, WATCHDOG
         from ..service.systemd import SystemdNotifier  # (and socket) only under systemd
@@ -101,18 +134,14 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
         daemon.add_stop_hook(systemd.stopping)
 
     def ready() -> None:
-        line = (f"serving {eng.ws.root} ({daemon.workers} workers; at once per specialist: "
-                f"{daemon.limits() or 'no specialists'}){exposed}")
+        spread_over = f"{count} processes of " if count > 1 else ""
+        line = (f"serving {eng.ws.root} ({spread_over}{daemon.workers} workers; at once per "
+                f"specialist: {daemon.limits() or 'no specialists'}){exposed}")
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
         if systemd is not None:
             systemd.ready(line)
 
-    code = daemon.serve(ready=ready)
-    print(f"{PROG}: stopped: {daemon.report.line()}", file=sys.stderr)
-    if daemon.report.error:
-        print(f"{PROG}: error: the main loop died ({daemon.report.error}); restart the daemon",
-              file=sys.stderr)
-    return code or (1 if daemon.report.error else 0)
+    daemon.serve(install_signals=count == 1, ready=ready)
 
 
 def run_batch(root: Path | None = None, workers: int | None = None, verbose: bool = False,

@@ -19,11 +19,15 @@ from .db_cmd import db_app
 app = new_app("The handoffd daemon: claims handoffs and runs their specialists.")
 app.add_typer(db_app, name="db")  # handoffd db init / import: the PostgreSQL store
 
-Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Worker threads (default: [daemon] workers).")]
+Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Worker threads (default: \\[daemon] workers).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log every transition.")]
 
 
 LogFormat = Annotated[str, typer.Option("--log-format", help="text (default) or json: one object per line.")]
+Processes = Annotated[Optional[str], typer.Option(
+    "--processes", metavar="N|auto",
+    help="Processes to fork (default: \\[daemon] processes; auto: one per CPU for a large batch, "
+         "one for serve).")]
 
 
 @app.command()
@@ -34,14 +38,16 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
               "--metrics", help="Serve Prometheus metrics over HTTP at [HOST:]PORT, e.g. :9464.")] = None,
           metrics_textfile: Annotated[Optional[Path], typer.Option(
               "--metrics-textfile", help="Rewrite the metrics into FILE every 15 s (node_exporter).")] = None,
+          processes: Processes = None,
           ) -> None:
     """Run in the foreground until SIGTERM/SIGINT; then finish or hand back work and exit 0.
 
     Exits 1 if the main loop dies of an unexpected error (after logging it with a traceback
-    and handing in-flight work back), so that a supervisor restarts it.
+    and handing in-flight work back), or one of its --processes ends, so that a supervisor
+    restarts it.
     """
     raise typer.Exit(serve_workspace(root, workers, verbose, log_format, store, metrics,
-                                     metrics_textfile))
+                                     metrics_textfile, processes_arg(processes)))
 
 
 @app.command()
@@ -67,9 +73,7 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
         max_seconds: Annotated[Optional[float], typer.Option(
             "--max-seconds", min=0.0, help="Stop after S seconds: hand back what still runs.")] = None,
         log_format: LogFormat = "text", store: StoreOption = None,
-        processes: Annotated[Optional[str], typer.Option(
-            "--processes", metavar="N|auto",
-            help="Processes to run the batch on (default: [daemon] processes, auto).")] = None,
+        processes: Processes = None,
         ) -> None:
     """One batch for cron: recover, process everything due, wait for it, exit.
 

@@ -28,7 +28,8 @@ _VERBOSE = {"--verbose": "verbose", "-v": "verbose"}
 FORMS = {
     "run": Form({**_COMMON, "--max-seconds": "max_seconds", "--processes": "processes"},
                 {**_VERBOSE, "--quiet": "quiet", "-q": "quiet"}),
-    "serve": Form({**_COMMON, "--metrics": "metrics", "--metrics-textfile": "metrics_textfile"},
+    "serve": Form({**_COMMON, "--metrics": "metrics", "--metrics-textfile": "metrics_textfile",
+                   "--processes": "processes"},
                   _VERBOSE),
 }
 

@@ -99,9 +99,11 @@ def _as_asked(engine: Engine, wanted: int) -> int:
 
 
 def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon],
-           run: Callable[[Daemon], BatchReport], *, serving: bool = False) -> BatchReport:
-    """Run ``run(make((index, count)))`` in this process (index 0) and ``count - 1`` forked ones;
-    the sum of the reports. The index is the process's stripe (``Daemon(stripe=...)``).
+           run: Callable[[Daemon], BatchReport], *, serving: bool = False,
+           child_run: Callable[[Daemon], BatchReport] | None = None) -> BatchReport:
+    """Run ``run(make((index, count)))`` in this process (index 0) and ``count - 1`` forked ones
+    (``child_run`` there, if given); the sum of the reports. The index is the process's stripe
+    (``Daemon(stripe=...)``).
 
     ``run`` must not install signal handlers: :func:`spread` installs them (the parent's also
     forward the signal to the children). A child that dies without a report is named in the
@@ -123,7 +125,7 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
             os.close(read)
             for _, other in children:
                 os.close(other)
-            _child(parent, write, lambda: make((index, count)), run)  # never returns
+            _child(parent, write, lambda: make((index, count)), child_run or run)  # no return
         os.close(write)
         children.append((pid, read))
     daemon = make((0, count))
