@@ -254,8 +254,9 @@ def test_a_store_that_cannot_fork_runs_one(ws: Workspace, monkeypatch: pytest.Mo
     assert "not shared by forked processes" in caplog.text
 
 
-@pytest.mark.parametrize("value, ok", [('"auto"', 0), ("1", 1), ("64", 64), ("0", 0),
-                                       ("65", None), ("-1", None), ('"two"', None), ("true", None)])
+@pytest.mark.parametrize("value, ok", [('"auto"', 0), ("1", 1), ("64", 64), ('"3"', 3),
+                                       ("0", None), ("65", None), ("-1", None), ('"two"', None),
+                                       ("true", None), ("2.5", None)])
 def test_the_processes_setting(tmp_path: Path, value: str, ok: int | None) -> None:
     (tmp_path / "handoffd.toml").write_text(f"[daemon]\nprocesses = {value}\n")
     if ok is None:

@@ -88,20 +88,16 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
 
 
 def processes_arg(text: str | None) -> int | None:
-    """``--processes``: "auto" is 0, else 1..MAX_PROCESSES; None when not given."""
-    from ..core.config import MAX_PROCESSES
+    """``--processes`` as :func:`handoffd.core.config.processes_value` reads it; None when not
+    given; UsageError (exit 2) for anything else."""
+    from ..core.config import MAX_PROCESSES, processes_value
     from ..core.errors import UsageError
     if text is None:
         return None
-    if text == "auto":
-        return 0
     try:
-        value = int(text)
+        return processes_value(text)
     except ValueError:
-        value = -1
-    if not 1 <= value <= MAX_PROCESSES:
-        raise UsageError(f"--processes {text!r}: auto or 1..{MAX_PROCESSES}")
-    return value
+        raise UsageError(f"--processes {text!r}: auto or 1..{MAX_PROCESSES}") from None
 
 
 @app.command()

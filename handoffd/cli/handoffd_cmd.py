@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..core.config import MAX_PROCESSES
+from ..core.config import processes_value
 from .basics import failure_code
 from .daemon_commands import PROG, run_batch, serve
 from .quick import Form, number, parse
@@ -50,12 +50,7 @@ def plain_form(argv: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
             if opts["workers"] < 1:
                 return None
         if "processes" in opts:
-            if opts["processes"] == "auto":
-                opts["processes"] = 0
-            else:
-                opts["processes"] = int(opts["processes"])
-                if not 1 <= opts["processes"] <= MAX_PROCESSES:
-                    return None
+            opts["processes"] = processes_value(opts["processes"])
         if "max_seconds" in opts:
             opts["max_seconds"] = number(opts["max_seconds"], float)
     except ValueError:

@@ -27,7 +27,8 @@ POSITIVE_SETTINGS = ("rescan_seconds", "sweep_seconds", "lease_seconds", "max_do
                      "stall_seconds")
 # Upper bounds: far above any real setting, far below what overflows datetime/timedelta arithmetic.
 MAX_SECONDS = 10 * 365.25 * 24 * 3600          # any [daemon] / specialist time: 10 years
-MAX_PROCESSES = 64  # [daemon] processes / handoffd run --processes
+MAX_PROCESSES = 64  # [daemon] processes / handoffd run and serve --processes
+AUTO_PROCESSES = 0  # how "auto" is held in DaemonSettings.processes
 MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0      # one retry delay (also the cap of RetryPolicy.delay)
 MAX_BACKOFF_MULTIPLIER = 100.0
 MAX_RETRIES = 1000
@@ -101,14 +102,27 @@ def _retry_value(data: dict[str, Any], key: str, default: float, low: float, hig
     return value
 
 
+def processes_value(raw: object) -> int:
+    """``[daemon] processes`` / ``--processes``: "auto" (AUTO_PROCESSES) or a whole number
+    1..MAX_PROCESSES, given as a number or as text; ValueError otherwise."""
+    if raw == "auto":
+        return AUTO_PROCESSES
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise ValueError(raw)
+    value = int(raw)
+    if not 1 <= value <= MAX_PROCESSES:
+        raise ValueError(raw)
+    return value
+
+
 @dataclass
 class DaemonSettings:
     """``[daemon]`` in handoffd.toml. Times are seconds."""
 
     workers: int = 4
-    # processes one `handoffd run` forks over (handoffd.service.spread); 0 is "auto": one per
-    # CPU for a large backlog of in-process handlers, else one
-    processes: int = 0
+    # processes `handoffd run` and `serve` fork (handoffd.service.spread); AUTO_PROCESSES is
+    # "auto": for run, one per CPU for a large backlog of in-process handlers, else one
+    processes: int = AUTO_PROCESSES
     rescan_seconds: float = 5.0
     sweep_seconds: float = 10.0
     lease_seconds: float = 60.0
@@ -402,8 +416,12 @@ def _daemon_settings(table: dict[str, Any], path: Path) -> DaemonSettings:
     for key, value in table.items():
         if key not in known:
             raise ConfigError(f"{path}: unknown [daemon] setting {key!r}; known: {', '.join(known)}")
-        if key == "processes" and value == "auto":
-            value = 0
+        if key == "processes":
+            try:
+                value = processes_value(value)
+            except ValueError:
+                raise ConfigError(f"{path}: [daemon] processes must be \"auto\" or "
+                                  f"1..{MAX_PROCESSES}") from None
         default = getattr(settings, key)
         if isinstance(value, bool) and not isinstance(default, bool):
             raise ConfigError(f"{path}: [daemon] {key} = {value!r} is not of type {type(default).__name__}")
@@ -417,8 +435,6 @@ def _daemon_settings(table: dict[str, Any], path: Path) -> DaemonSettings:
         raise ConfigError(f"{path}: [daemon] expectations must be \"enforce\" or \"advisory\"")
     if settings.workers < 1:
         raise ConfigError(f"{path}: [daemon] workers must be at least 1")
-    if not 0 <= settings.processes <= MAX_PROCESSES:
-        raise ConfigError(f"{path}: [daemon] processes must be \"auto\" or 1..{MAX_PROCESSES}")
     for name in known:
         value = getattr(settings, name)
         if isinstance(value, float) and not math.isfinite(value):

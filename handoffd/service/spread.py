@@ -47,7 +47,7 @@ def usable_cpus() -> int:
 def processes_for(engine: Engine, requested: int | None) -> int:
     """How many processes one batch over ``engine``'s workspace runs on.
 
-    ``requested`` (``--processes``) else ``[daemon] processes``; 0 is "auto": one per usable
+    ``requested`` (``--processes``) else ``[daemon] processes``; AUTO_PROCESSES: one per usable
     CPU (one more with fsync durability) when there are two or more, at least
     :data:`AUTO_MIN_PENDING` handoffs are pending and every specialist runs
     in process without a ``concurrency`` cap (a command handler spends its time in its own
@@ -221,7 +221,7 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
         code = 0
         _report(write, report)
     except BaseException:  # noqa: BLE001 - whatever happens, this process must end here
-        log.exception("batch process %d failed", os.getpid())
+        log.exception("process %d failed", os.getpid())
     finally:
         try:
             # what a normal exit runs (this process's spare files, the logs' flush); os._exit
@@ -243,12 +243,10 @@ def _write_all(fd: int, data: bytes) -> None:
 def _collect(pid: int, read: int, unreaped: list[int]) -> dict[str, Any]:
     """The report of child ``pid``: read to the end, then reaped (and taken off ``unreaped``
     first); an error entry if it has none."""
-    chunks = []
     with os.fdopen(read, "rb") as pipe:
-        chunks.append(pipe.read())
+        data = pipe.read()
     unreaped.remove(pid)
     _, status = os.waitpid(pid, 0)
-    data = b"".join(chunks)
     try:
         parsed = json.loads(data) if data else None
     except ValueError:
