@@ -296,6 +296,31 @@ def test_orphan_temp_files_and_locks_are_removed(tmp_path: Path) -> None:
     assert not tmp.exists()
 
 
+def test_a_process_temp_folder_is_swept_and_made_again(tmp_path: Path) -> None:
+    """A forked daemon process writes temp files in a folder of its own: the sweeper removes
+    the old files in it, then the folder once it is empty and idle; a live process whose idle
+    folder was removed makes it again at its next write."""
+    engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
+    engine.backend.after_fork()
+    own = engine.backend.store.tmp
+    assert own.parent == engine.ws.tmp and own.name.startswith(f"p{os.getpid()}-")
+    old, young = own / "old.tmp", own / "young.tmp"
+    old.write_text("{")
+    young.write_text("{")
+    os.utime(old, (0, 0))
+    os.utime(own, (0, 0))
+    report = sweep(engine)
+    assert report.temp_files_removed == 1 and not old.exists()
+    assert young.exists()  # a folder with a young file in it stays
+    young.unlink()
+    os.utime(own, (0, 0))
+    sweep(engine)
+    assert not own.exists()
+    hid = submit(engine)
+    assert process(engine, hid) is State.COMPLETED  # its writes make the folder again
+    assert own.is_dir()
+
+
 def test_seen_ids_survive_restart_and_expire(tmp_path: Path) -> None:
     clock = FakeClock()
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed"}, clock)

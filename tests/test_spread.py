@@ -26,7 +26,8 @@ import json, os, time
 def work(handoff, ctx):
     data = handoff.get("input", {}).get("data", {})
     with open(os.environ["SPREAD_LOG"], "a") as log:
-        log.write(json.dumps({"id": ctx.handoff_id, "pid": os.getpid(), "at": time.time()}) + "\\n")
+        log.write(json.dumps({"id": ctx.handoff_id, "pid": os.getpid(), "at": time.time(),
+                              "tmp": sorted(os.listdir(os.environ["SPREAD_TMP"]))}) + "\\n")
     time.sleep(float(data.get("sleep", 0)))
     with open(os.environ["SPREAD_LOG"], "a") as log:
         log.write(json.dumps({"id": ctx.handoff_id, "pid": os.getpid(), "done": time.time()}) + "\\n")
@@ -62,7 +63,8 @@ def setup(ws: Workspace, count: int, *, extra: str = "", spec: str = "", durabil
 
 def env(ws: Workspace) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ws.root / "plug"),
-                SPREAD_LOG=str(ws.root / "runs.jsonl"))
+                SPREAD_LOG=str(ws.root / "runs.jsonl"),
+                SPREAD_TMP=str(ws.root / "handoffs" / ".tmp"))
 
 
 def runs(ws: Workspace) -> list[dict[str, object]]:
@@ -106,6 +108,12 @@ def test_a_backlog_runs_once_each_over_two_processes(ws: Workspace) -> None:
     assert len({e["pid"] for e in started}) == 2  # both processes ran some
     assert folders(ws)["completed"] == {f"sp-{i:04d}" for i in range(240)}
     assert not any(folders(ws)[s] for s in ("pending", "in-progress", "failed"))
+    # the forked process wrote its temp files in a folder of its own (no lock shared with the
+    # first at every file it creates), and removed it with its spares as it ended
+    child = next(e["pid"] for e in started if e["pid"] != proc.pid)
+    seen = {name for e in started for name in e["tmp"]}  # type: ignore[attr-defined]
+    assert any(name.startswith(f"p{child}-") for name in seen), seen
+    assert not any(name.startswith(f"p{proc.pid}-") for name in seen), seen
     assert not list((ws.root / "handoffs" / ".tmp").iterdir())  # each process cleaned its spares
 
 

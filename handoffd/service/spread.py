@@ -212,6 +212,9 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
         if os.getppid() != parent:  # the parent died before that: nothing claimed yet
             return
         daemon = make()
+        forked = getattr(daemon.engine.backend, "after_fork", None)
+        if forked is not None:  # files: a temp folder of its own (no lock shared at each create)
+            forked()
         _Family(daemon, []).install()
         # the parent is gone: stop as on a first SIGTERM. Not SIGTERM itself: the kernel may
         # send it more than once (once per thread of the parent that the child is handed to),

@@ -400,7 +400,7 @@ class FilesBackend(FencedFiling, Backend):
         try:
             inode = fsio.replace(self.store.path(State.IN_PROGRESS, handoff_id),
                                  self.store.encode(doc, State.IN_PROGRESS, handoff_id),
-                                 self.ws.tmp, durable=self.store.durable, sync_dir=False)
+                                 self.store.tmp, durable=self.store.durable, sync_dir=False)
         except BaseException:
             release_lock(lock)
             raise
@@ -546,7 +546,7 @@ class FilesBackend(FencedFiling, Backend):
     def request_cancel(self, handoff_id: str, request: Doc) -> None:
         folder = self._cancel_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        fsio.replace(folder / f"{handoff_id}.json", fsio.dump_json(request), self.ws.tmp,
+        fsio.replace(folder / f"{handoff_id}.json", fsio.dump_json(request), self.store.tmp,
                      durable=self.store.durable)
         self._subscribers.fire(handoff_id, "cancel")
 
@@ -606,6 +606,11 @@ class FilesBackend(FencedFiling, Backend):
                             callback(Wakeup(handoff_id, kind, settled)))
         watch.start()
         return watch.stop
+
+    def after_fork(self) -> None:
+        """In a process forked to share the work (``--processes``): temp files go to a folder
+        of this process's own (see :meth:`Store.use_own_tmp`)."""
+        self.store.use_own_tmp()
 
     def close(self) -> None:
         if self._watch is not None:

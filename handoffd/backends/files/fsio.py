@@ -132,7 +132,12 @@ def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
         path, fd, old_size = taken
     else:
         path = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:  # the folder is gone (a sweep removed an idle one): make it
+            tmp_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o644)
         old_size = 0
     try:
         view = memoryview(data)

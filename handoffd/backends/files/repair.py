@@ -215,13 +215,7 @@ def remove_orphans(store: Store, done: Repairs) -> None:
     """Delete temp files older than a few minutes and lock files no claim uses."""
     ws = store.ws
     cutoff = time.time() - TMP_MAX_AGE_SECONDS
-    for entry in _scan(ws.tmp):
-        try:
-            if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                os.unlink(entry.path)
-                done["temp_files_removed"].append(entry.name)
-        except FileNotFoundError:
-            continue
+    _remove_old_temps(ws.tmp, cutoff, done)
     active = set(store.ids(State.IN_PROGRESS))
     for entry in _scan(ws.locks):
         handoff_id = entry.name.rsplit(".", 2)[0] if entry.name.endswith(".lock") else None
@@ -231,6 +225,32 @@ def remove_orphans(store: Store, done: Repairs) -> None:
         if lock is not None:
             release_lock(lock)
             done["locks_removed"].append(entry.name)
+
+
+def _remove_old_temps(folder: Path, cutoff: float, done: Repairs, *, depth: int = 0) -> None:
+    """Delete the files in ``folder`` last changed before ``cutoff``; in its subfolders (a
+    process's own temp folder, see :func:`spares.own_folder`) too, and such a folder itself
+    once it is empty and was idle since ``cutoff`` (its process ended, or makes it again)."""
+    for entry in _scan(folder):
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                if depth == 0:  # one level: nothing handoffd makes goes deeper
+                    idle = entry.stat(follow_symlinks=False).st_mtime < cutoff
+                    _remove_old_temps(Path(entry.path), cutoff, done, depth=1)
+                    if idle:
+                        _rmdir_quietly(entry.path)
+            elif entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                os.unlink(entry.path)
+                done["temp_files_removed"].append(entry.name)
+        except FileNotFoundError:
+            continue
+
+
+def _rmdir_quietly(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:  # not empty (a young temp file in it), or gone
+        pass
 
 
 def _scan(path: Path) -> list[os.DirEntry[str]]:
