@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
@@ -309,6 +310,8 @@ class FilesBackend(FencedFiling, Backend):
         copy always does (nothing leaves completed/). True: ours runs."""
         handoff_id, previous = claim.handoff_id, claim.prior_revision
         for state in (State.COMPLETED, State.FAILED, State.PENDING):
+            if not os.path.lexists(self.store.path(state, handoff_id)):
+                continue  # the usual answer, in one lstat (a failed open raises: 5x dearer)
             try:
                 other = self.store.read(state, handoff_id)
             except FileNotFoundError:
@@ -543,6 +546,10 @@ class FilesBackend(FencedFiling, Backend):
     def _cancel_dir(self) -> Path:
         return self.ws.meta / "cancel"  # where handoffd.features.cancellation keeps them too
 
+    @cached_property
+    def _cancel_folder(self) -> str:
+        return str(self._cancel_dir())
+
     def request_cancel(self, handoff_id: str, request: Doc) -> None:
         folder = self._cancel_dir()
         folder.mkdir(parents=True, exist_ok=True)
@@ -551,8 +558,12 @@ class FilesBackend(FencedFiling, Backend):
         self._subscribers.fire(handoff_id, "cancel")
 
     def cancel_request(self, handoff_id: str) -> Doc | None:
+        path = os.path.join(self._cancel_folder, f"{handoff_id}.json")
+        if not os.path.lexists(path):  # the usual answer, asked twice per handoff: one lstat
+            return None
         try:
-            data = (self._cancel_dir() / f"{handoff_id}.json").read_bytes()
+            with open(path, "rb") as file:
+                data = file.read()
         except OSError:
             return None
         try:
@@ -570,7 +581,7 @@ class FilesBackend(FencedFiling, Backend):
 
     def clear_cancel(self, handoff_id: str) -> None:
         try:
-            (self._cancel_dir() / f"{handoff_id}.json").unlink()
+            os.unlink(os.path.join(self._cancel_folder, f"{handoff_id}.json"))
         except FileNotFoundError:
             pass
 
