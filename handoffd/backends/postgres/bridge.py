@@ -136,7 +136,7 @@ class FileBridge:
         fsio.unlink(self.store.path(other, handoff_id), durable=False)
         self.store.path(state, handoff_id).parent.mkdir(parents=True, exist_ok=True)
         fsio.replace(self.store.path(state, handoff_id),
-                     self.store.encode(dict(doc), state, handoff_id), self.store.ws.tmp,
+                     self.store.encode(dict(doc), state, handoff_id), self.store.tmp,
                      durable=self.store.durable)
 
     def sync(self) -> None:
