@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import re2
 
-from .jsonschema_re2 import PatternError, compile_pattern, conforms, equal
+from .schemachecks import PatternError, compile_pattern, conforms, equal
 
 Check = Callable[[Any], bool]
 

@@ -5,16 +5,12 @@ nothing must not pay for them). See :mod:`handoffd.core.validation` for the poli
 """
 from __future__ import annotations
 
-import re
 import threading
-from functools import lru_cache
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 import jsonschema
-import re2
 import referencing
 import referencing.exceptions
-from jsonschema import _utils  # type: ignore[attr-defined]
 
 # private helper, absent from the types-jsonschema stubs (they cover the module's keyword functions)
 from jsonschema._legacy_keywords import lookup_recursive_ref  # type: ignore[attr-defined]
@@ -22,73 +18,17 @@ from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 
 from .errors import ErrorCode, InvalidDocument
+from .schemachecks import (  # noqa: F401 - conforms and equal: also asked of this module
+    RE2_SYNTAX_HINT,
+    PatternError,
+    Searcher,
+    compile_pattern,
+    conforms,
+    equal,
+    format_checker,
+)
 
-PATTERN_CACHE_SIZE = 1024
-RE2_SYNTAX_HINT = "schemas from documents use RE2 syntax: no lookaround, no backreferences"
-
-
-class PatternError(ValueError):
-    """A regular expression that cannot be used (RE2 cannot compile it, and no fallback applies)."""
-
-
-class _Searcher(Protocol):
-    def search(self, string: str) -> Any: ...
-
-
-def _re2_options() -> Any:
-    options = re2.Options()
-    options.log_errors = False  # RE2 would otherwise print every bad pattern on our stderr
-    return options
-
-
-_RE2_OPTIONS = _re2_options()
-
-
-@lru_cache(maxsize=PATTERN_CACHE_SIZE)
-def _compile_re2(pattern: str) -> tuple[_Searcher | None, str]:
-    """RE2-compile ``pattern`` once; (compiled, "") or (None, why not). Failures are cached too."""
-    try:
-        return re2.compile(pattern, _RE2_OPTIONS), ""
-    except re2.error as exc:
-        reason = exc.args[0] if exc.args else "invalid"
-        return None, reason.decode("utf-8", "replace") if isinstance(reason, bytes) else str(reason)
-    except (TypeError, ValueError) as exc:  # e.g. a NUL byte or a surrogate the encoder refuses
-        return None, str(exc)
-
-
-def compile_pattern(pattern: str, *, trusted: bool = False) -> _Searcher:
-    """A compiled regex for ``pattern``: RE2 always; Python ``re`` only for ``trusted`` (operator)
-    schemas whose pattern RE2 cannot compile. PatternError saying why when neither applies."""
-    compiled, reason = _compile_re2(pattern)
-    if compiled is not None:
-        return compiled
-    if trusted:
-        try:
-            return re.compile(pattern)
-        except re.error as exc:
-            raise PatternError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
-    raise PatternError(f"pattern {pattern!r} is not supported: {reason} ({RE2_SYNTAX_HINT})")
-
-
-def _is_re2_regex(instance: Any) -> bool:
-    """The ``regex`` format: a string RE2 can compile (the value is data, so no fallback)."""
-    if isinstance(instance, str):
-        compile_pattern(instance, trusted=False)
-    return True
-
-
-_FORMAT_CHECKER = jsonschema.FormatChecker()
-_FORMAT_CHECKER.checks("regex", raises=PatternError)(_is_re2_regex)
-
-
-def conforms(instance: Any, format_name: str) -> bool:
-    """True when ``instance`` passes the ``format`` check every validator here makes."""
-    return bool(_FORMAT_CHECKER.conforms(instance, format_name))
-
-
-def equal(one: Any, two: Any) -> bool:
-    """JSON Schema equality, as ``enum`` and ``const`` compare (``1`` is ``1.0``, not ``true``)."""
-    return bool(_utils.equal(one, two))
+FORMAT_CHECKER = format_checker()  # jsonschema's, with handoffd's own checks for some formats
 
 
 def field_path(parts: Any) -> str:
@@ -120,7 +60,7 @@ def describe(error: ValidationError) -> dict[str, str]:
 def _keywords(trusted: bool, legacy_2019: bool) -> dict[str, Callable[..., Iterator[ValidationError]]]:
     """Keyword implementations for trusted (operator) or untrusted (document) schemas."""
 
-    def searcher(pattern: str) -> _Searcher | None:
+    def searcher(pattern: str) -> Searcher | None:
         try:
             return compile_pattern(pattern, trusted=trusted)
         except PatternError:
@@ -286,7 +226,7 @@ def check_inline(schema: dict[str, Any]) -> None:
     a usable JSON Schema whose every pattern RE2 compiles."""
     try:
         cls = validator_class(schema, trusted=False)
-        cls.check_schema(schema, format_checker=_FORMAT_CHECKER)
+        cls.check_schema(schema, format_checker=FORMAT_CHECKER)
     except jsonschema.SchemaError as exc:
         reason = str(exc.cause) if isinstance(exc.cause, PatternError) else exc.message
         raise InvalidDocument(f"the inline schema is not a valid JSON Schema: {reason}",
@@ -327,7 +267,7 @@ def for_inline(schema: dict[str, Any]) -> Validator:
     """A validator for a schema a document carries: checked first (InvalidDocument when unusable),
     RE2 only, and no reference may reach outside the schema."""
     check_inline(schema)
-    return validator_class(schema, trusted=False)(schema, format_checker=_FORMAT_CHECKER,
+    return validator_class(schema, trusted=False)(schema, format_checker=FORMAT_CHECKER,
                                                    registry=_NO_RETRIEVAL)
 
 
@@ -336,4 +276,4 @@ def for_named(schema: dict[str, Any]) -> Validator:
     with RE2 wherever RE2 compiles the pattern."""
     cls = validator_class(schema, trusted=True)
     cls.check_schema(schema)
-    return cls(schema, format_checker=_FORMAT_CHECKER)
+    return cls(schema, format_checker=FORMAT_CHECKER)

@@ -171,6 +171,14 @@ class SchemaCache:
             raise ConfigError(f"schema {name} not found in {self.folder} nor among the built-in "
                               "schemas (`handoff schemas` lists them)") from None
 
+    def _shipped(self, name: str) -> dict[str, Any] | None:
+        """The built-in schema ``name`` when no file in schemas/ overrides it, else None."""
+        if "/" in name or "\\" in name or name.startswith(".") or not builtin_exists(name):
+            return None
+        if self.folder is not None and (self.folder / name).is_file():
+            return None
+        return load_builtin(name)
+
     @staticmethod
     def _build(schema: dict[str, Any]) -> Validator:
         from .jsonschema_re2 import for_named
@@ -187,12 +195,16 @@ class SchemaCache:
         return self.errors_with(self.validator(name), instance)
 
     def quick(self, name: str) -> Any:
-        """The compiled quick check of schema ``name``, or None when it has none."""
+        """The compiled quick check of schema ``name``, or None when it has none. A built-in
+        schema is compiled as it stands: it ships with the package and its tests check it
+        against its metaschema, so the process does not load jsonschema to check it again (only
+        a document that fails the quick check does, to say why)."""
         if name in self._quick:
             return self._quick[name]
         from .fastschema import compile_schema
-        validator = self.validator(name)  # loads and checks the schema (ConfigError if unusable)
-        schema = validator.schema
+        schema: Any = self._shipped(name)
+        if schema is None:
+            schema = self.validator(name).schema  # loads and checks it (ConfigError if unusable)
         draft7 = isinstance(schema, dict) and "draft-07" in str(schema.get("$schema", ""))
         found = compile_schema(schema, draft7=draft7) if isinstance(schema, (dict, bool)) else None
         with self._lock:

@@ -918,17 +918,29 @@ def warm_up(schemas: SchemaCache | None = None) -> None:
     """Load before serving what the first handoff would otherwise load: the schema checks
     (jsonschema and RE2, ~120 ms) and the seals' hashes. One-shot commands keep these lazy; a
     serving daemon pays them before it says it is serving, not on a handoff's clock. The native
-    format's own schemas (20-50 ms each to check and compile) are built by a thread in the
-    background: a handoff that needs one first waits for that build rather than starting its own."""
+    format's own schemas (a few ms each to compile) are built by a thread in the background: a
+    handoff that needs one first waits for that build rather than starting its own."""
     import hmac  # noqa: F401
 
     from ..core import fastschema, jsonschema_re2  # noqa: F401
     if schemas is not None:
-        threading.Thread(target=_build_schemas, args=(schemas, WARM_SCHEMAS), daemon=True,
+        threading.Thread(target=build_schemas, args=(schemas, WARM_SCHEMAS), daemon=True,
                          name="handoffd-warm-up").start()
 
 
-def _build_schemas(schemas: SchemaCache, names: tuple[str, ...]) -> None:
+def warm_up_to_fork(schemas: SchemaCache) -> None:
+    """Before a batch forks (:mod:`.spread`): the quick checks' imports and the native format's
+    quick checks, built once and shared by every process. Not jsonschema (~50 ms): the quick
+    checks answer for valid documents, and a process imports it when one fails them."""
+    import hmac  # noqa: F401
+
+    from ..core import fastschema  # noqa: F401
+    build_schemas(schemas, WARM_SCHEMAS)
+
+
+def build_schemas(schemas: SchemaCache, names: tuple[str, ...]) -> None:
+    """Build the quick checks of schemas ``names`` now (a schema that cannot be built is left
+    to the handoff that needs it, which says why)."""
     for name in names:
         try:
             schemas.quick(name)

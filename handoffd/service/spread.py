@@ -110,8 +110,8 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
     result's ``lost`` (the exit code is then non-zero); its claims are recovered by the next sweep.
     ``serving`` (``handoffd serve``): a child that ends while the others serve stops them all, so
     that the supervisor restarts the whole; the children stop when the parent does."""
-    from .daemon import warm_up
-    warm_up()  # the schema checks' imports, once, shared by the children
+    from .daemon import warm_up_to_fork
+    warm_up_to_fork(engine.schemas)  # built once, shared by the children
     if threading.active_count() > 1:  # a fork copies no thread but their locks: not safe now
         log.warning("not forking: a thread is running (%s)",
                     ", ".join(t.name for t in threading.enumerate()))
