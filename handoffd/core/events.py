@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Iterator, Protocol
 
 from .documents import BOOK
 from .states import State
-from .storage import Backend, Claim, Claims, Describe, Doc
+from .storage import Backend, Claim, Claims, Describe, Doc, Meta
 from .timeutil import iso, parse_iso
 
 log = logging.getLogger("handoffd")
@@ -134,15 +134,16 @@ class RecordingBackend:
 
     def _claimed(self, claim: Claim | None, now: datetime) -> Claim | None:
         if claim is not None:
+            claim.meta = self._meta(claim.doc)
             self.emit("claimed", claim.id, State.IN_PROGRESS, claim.doc, at=now,
-                      attempt=claim.attempt, wait=queue_wait(claim.doc, now))
+                      attempt=claim.attempt, wait=queue_wait(claim.doc, now), meta=claim.meta)
         return claim
 
     def finish(self, claim: Claim, state: State, doc: Doc) -> bool:
         """See Backend.finish."""
         done = self.inner.finish(claim, state, doc)
         if done:
-            self.emit_entry(claim.id, state, doc, attempt=claim.attempt)
+            self.emit_entry(claim.id, state, doc, attempt=claim.attempt, meta=claim.meta)
         return done
 
     def requeue(self, claim: Claim, doc: Doc, due_at: datetime | None, *,
@@ -150,7 +151,7 @@ class RecordingBackend:
         """See Backend.requeue."""
         done = self.inner.requeue(claim, doc, due_at, count_attempt=count_attempt)
         if done:
-            self.emit_entry(claim.id, State.PENDING, doc, attempt=claim.attempt)
+            self.emit_entry(claim.id, State.PENDING, doc, attempt=claim.attempt, meta=claim.meta)
         return done
 
     def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
@@ -205,18 +206,24 @@ class RecordingBackend:
         self.emit(str(entry.get("event") or state.value), handoff_id, state, doc, at=at,
                   **extra, **fields)
 
+    def _meta(self, doc: Doc) -> Meta | None:
+        """``describe(doc)``; None for a document that defeats it (it still gets its events)."""
+        try:
+            return self.describe(doc)
+        except Exception:
+            return None
+
     def emit(self, name: str, handoff_id: str, state: State | str, doc: Doc | None, *,
-             at: datetime | None = None, **fields: Any) -> None:
-        """Append one event; a failing write is logged (once), never raised."""
+             at: datetime | None = None, meta: Meta | None = None, **fields: Any) -> None:
+        """Append one event; a failing write is logged (once), never raised. ``meta``: the
+        document's routing facts when the caller has them (its claim's), else read from ``doc``."""
         event: Event = {"at": iso(at or self.clock()), "event": name, "id": handoff_id,
                         "state": state.value if isinstance(state, State) else state}
-        if doc is not None:
-            try:
-                meta = self.describe(doc)
-                event["agent"] = meta.target
-                event["priority"] = meta.priority
-            except Exception:  # a document that defeats describe still gets its event
-                pass
+        if meta is None and doc is not None:
+            meta = self._meta(doc)
+        if meta is not None:
+            event["agent"] = meta.target
+            event["priority"] = meta.priority
         for key, value in fields.items():
             if value is None:
                 continue

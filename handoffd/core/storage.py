@@ -69,6 +69,9 @@ class Claim:
     handle: Any = field(default=None, repr=False, compare=False)
     recovered: str | None = None
     raw: bool = False  # a document from outside: the bookkeeping it carried was not ours
+    # the routing facts of the document as claimed (the event recorder reads them once; the
+    # events of the same attempt reuse them: its target and priority do not change while it runs)
+    meta: Meta | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
