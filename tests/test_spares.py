@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -190,3 +192,115 @@ def test_a_document_that_grew_after_fstat_is_read_whole(tmp_path: Path, size: in
     assert data == b"x" * size + b"tail"
     with pytest.raises(InvalidDocument, match="grew over"):
         fsio.read_bytes_safely(path, size + 2)
+
+
+# ---------------------------------------------------------------- a producer's inode, adopted
+def producer_file(folder: Path, name: str, mode: int = 0o644) -> Path:
+    path = folder / name
+    path.write_bytes(b'{"from": "a producer"}')
+    path.chmod(mode)
+    return path
+
+
+def test_a_closed_producer_file_of_ours_is_adopted_with_our_mode(tmp_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """What the claim does: a second name first, then the replace, then adopt."""
+    doc = producer_file(tmp_path, "in-progress.json", 0o666)
+    inode = doc.stat().st_ino
+    kept = spares.keep_link(doc, tmp_dir)
+    assert kept is not None
+    fsio.replace(doc, b'{"leased": 1}', tmp_dir, durable=False)  # the producer's name is ours now
+    assert spares.adopt(kept, tmp_dir)
+    target = tmp_path / "completed.json"
+    fsio.create_exclusive(target, b'{"answer": 1}', tmp_dir, durable=False)
+    assert target.stat().st_ino == inode  # the producer's inode holds the answer: none created
+    assert oct(target.stat().st_mode & 0o777) == oct(0o644)  # never writable by others
+    assert target.read_bytes() == b'{"answer": 1}'
+
+
+def test_a_producer_file_still_open_elsewhere_is_never_adopted(tmp_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """A producer that kept its descriptor could write through it later: the kernel refuses the
+    write lease while any other open file description refers to the file, and it is unlinked."""
+    doc = producer_file(tmp_path, "in-progress.json")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "f = open(sys.argv[1], 'r+b'); print('open', flush=True)\n"
+                               "time.sleep(30)\n", str(doc)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        kept = spares.keep_link(doc, tmp_dir)
+        assert kept is not None
+        doc.unlink()  # (the replace)
+        assert spares.adopt(kept, tmp_dir) is False
+        assert list(tmp_dir.iterdir()) == []  # unlinked, as before adoption existed
+    finally:
+        holder.kill()
+        holder.wait(10)
+    with open(producer_file(tmp_path, "again.json"), "rb"):  # our own other descriptor too
+        kept = spares.keep_link(tmp_path / "again.json", tmp_dir)
+        assert kept is not None
+        (tmp_path / "again.json").unlink()
+        assert spares.adopt(kept, tmp_dir) is False
+
+
+def test_a_producer_file_with_another_name_is_never_adopted(tmp_dir: Path, tmp_path: Path) -> None:
+    doc = producer_file(tmp_path, "in-progress.json")
+    os.link(doc, tmp_path / "the-producers-own-link")  # written through that name later
+    kept = spares.keep_link(doc, tmp_dir)
+    assert kept is not None
+    doc.unlink()
+    assert spares.adopt(kept, tmp_dir) is False
+    assert list(tmp_dir.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_another_users_producer_file_is_never_adopted(tmp_dir: Path, tmp_path: Path) -> None:
+    doc = producer_file(tmp_path, "in-progress.json")
+    os.chown(doc, 65534, 65534)
+    kept = spares.keep_link(doc, tmp_dir)
+    assert kept is not None
+    doc.unlink()
+    assert spares.adopt(kept, tmp_dir) is False
+
+
+def test_a_late_write_through_a_producers_descriptor_never_reaches_a_filed_document(
+        tmp_path: Path) -> None:
+    """End to end through `handoffd run`: a producer keeps its descriptor on a request it renamed
+    into pending/, then writes through it after the request was filed; every filed document,
+    of that handoff and of those filed after it (the writes that might reuse its inode), is
+    intact."""
+    from conftest import Workspace, exe
+
+    from handoffd.core.workspace import Workspace as Folders
+    Folders(tmp_path).ensure()
+    ws = Workspace(tmp_path)
+    ws.write_config('[specialists."@echo"]\nhandler = "echoplug:echo"\n')
+    (tmp_path / "plug").mkdir()
+    (tmp_path / "plug" / "echoplug.py").write_text(
+        "def echo(handoff, ctx):\n    return {'status': 'completed', 'output': {'ok': 1}}\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "plug"))
+    request = {"handoff_id": "held", "target": {"agent_id": "@echo"}, "input": {"data": {}}}
+    part = tmp_path / "handoffs" / ".held.part"
+    part.write_text(json.dumps(request))
+    held = open(part, "r+b")  # the producer keeps it open
+    try:
+        os.rename(part, tmp_path / "handoffs" / "pending" / "held.json")
+        done = subprocess.run([exe("handoffd"), "run", "--root", str(tmp_path), "-q"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        held.seek(0)
+        held.write(b"LATE" * 400)  # the late write
+        held.flush()
+    finally:
+        held.close()
+    for i in range(40):  # more handoffs, whose writes take the spares
+        ws.drop(f"after-{i:02d}.json", dict(request, handoff_id=f"after-{i:02d}"))
+    done = subprocess.run([exe("handoffd"), "run", "--root", str(tmp_path), "-q"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    filed = sorted((tmp_path / "handoffs" / "completed").glob("*.json"))
+    assert len(filed) == 41
+    for path in filed:
+        text = path.read_text()
+        assert "LATE" not in text
+        assert json.loads(text)["handoff_id"] == path.stem

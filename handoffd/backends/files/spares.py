@@ -1,22 +1,34 @@
-"""Spare temp files: inodes handoffd made, kept for its next write instead of freed.
+"""Spare temp files: inodes kept for the next write instead of freed.
 
-A handoff costs the files store two new files (the in-progress copy with its lease, the filed
-answer) and removes one of them when it is filed. On ext4 creating a file is the dearest step of
-all: the inode allocator skips every inode freed within the last minute (``recently_deleted``),
-reading each one's block to check, so at a few hundred handoffs a second each creation scans
-thousands of them (0.3-1 ms here, more than the rest of a handoff's system calls together).
+A handoff costs the files store two files (the in-progress copy with its lease, the filed answer)
+and frees one (the producer's, which the in-progress copy replaces). On ext4 creating a file is
+the dearest step of all: the inode allocator skips every inode freed within the last minutes
+(``recently_deleted``), reading each one's block to check, so at a few hundred handoffs a second
+each creation scans thousands of them (0.1-1 ms here, more than the rest of a handoff's system
+calls together), and every inode freed makes the next creations dearer.
 
-So when a handoff is filed, its in-progress copy (a file this process wrote) is renamed into
-``handoffs/.tmp/`` instead of unlinked, and the next temp file is that inode, truncated and
-rewritten: no allocation and no free for it. Only inodes handoffd wrote itself are kept: a
-producer's file may still be open in the producer, and a late write through that descriptor must
-never land in a document filed later. A spare is an ordinary temp file (``*.tmp``): a process that
-dies leaves its spares for the sweeper, which removes temp files after a few minutes; a spare
-removed under a live process is simply not found, and a fresh file is made.
+So no inode is created or freed per handoff once a process runs:
+
+- When a handoff is filed, its in-progress copy (a file this process wrote) is renamed into the
+  temp folder instead of unlinked (:func:`retire`).
+- When a claim replaces the producer's file with its leased copy, the producer's inode is kept
+  too (:func:`keep_link` before the replace, :func:`adopt` after it), but only when it can never
+  be written by anyone else: a regular file we own, whose only name is now ours, and that no
+  process has open. The kernel says the last: it grants a write lease (``F_SETLEASE``,
+  ``F_WRLCK``) only on a file no other open file description refers to, and from then on the
+  file has no name but ours, so a producer that kept its descriptor (a late write through it
+  must never land in a document filed later) keeps the file from being adopted, and it is
+  unlinked as before. An adopted inode gets mode 0644, as a file handoffd creates.
+
+The next temp file is then one of these inodes, rewritten. A spare is an ordinary temp file
+(``*.tmp``): a process that dies leaves its spares for the sweeper, which removes temp files
+after a few minutes; a spare removed under a live process is simply not found, and a fresh file
+is made.
 """
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import stat
 import threading
@@ -57,6 +69,50 @@ def take(tmp_dir: Path) -> tuple[Path, int, int] | None:
             return path, fd, info.st_size
         os.close(fd)
         remove_quietly(path)
+
+
+def keep_link(path: Path, tmp_dir: Path) -> Path | None:
+    """A second name for ``path`` in ``tmp_dir`` (a hard link), made before ``path`` is replaced
+    so that its inode outlives the replace; None when the pool is full or no link can be made.
+    Give it to :func:`adopt` once ``path`` is replaced (or :func:`remove_quietly` on failure)."""
+    with _lock:
+        if len(_pools.get(tmp_dir, ())) >= KEPT:
+            return None
+    spare = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
+    try:
+        os.link(path, spare)
+    except OSError:  # no hard links here (or protected_hardlinks refuses a file not ours)
+        return None
+    return spare
+
+
+def adopt(spare: Path, tmp_dir: Path) -> bool:
+    """Keep ``spare`` (from :func:`keep_link`, its old name since replaced) as a spare of
+    ``tmp_dir`` when nobody else can ever write it: a regular file we own, with no other name,
+    that no other open file description refers to (the kernel grants a write lease only then).
+    Else unlink it. True when kept."""
+    try:
+        fd = os.open(spare, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        remove_quietly(spare)
+        return False
+    try:
+        info = os.fstat(fd)
+        if not (stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+                and info.st_uid == os.geteuid()):
+            raise PermissionError("not ours alone")
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN: someone has it open
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        if stat.S_IMODE(info.st_mode) != 0o644:
+            os.fchmod(fd, 0o644)  # as a file we create: never writable by others
+    except OSError:  # (EINVAL, ENOLCK: a filesystem without leases, such as NFS)
+        os.close(fd)
+        remove_quietly(spare)
+        return False
+    os.close(fd)
+    with _lock:
+        _pools.setdefault(tmp_dir, []).append(spare)
+    return True
 
 
 def retire(path: Path, tmp_dir: Path) -> bool:

@@ -324,8 +324,18 @@ class Store:
                 on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
             # the rename into in-progress/ need not be durable: if a crash undoes it, the handoff
             # is simply pending again, or in-progress without a lease, which recovery hands back
-            inode = fsio.replace(dst, self.encode(doc, State.IN_PROGRESS, handoff_id), self.tmp,
-                                 durable=self.durable, sync_dir=False)
+            data = self.encode(doc, State.IN_PROGRESS, handoff_id)
+            # the producer's inode, which the leased copy replaces, becomes a spare if nobody
+            # else can ever write it (see spares.adopt): then no inode is freed, nor created
+            kept = spares.keep_link(dst, self.tmp)
+            try:
+                inode = fsio.replace(dst, data, self.tmp, durable=self.durable, sync_dir=False)
+            except BaseException:
+                if kept is not None:
+                    spares.remove_quietly(kept)
+                raise
+            if kept is not None:
+                spares.adopt(kept, self.tmp)
         except BaseException:
             release_lock(lock)
             raise
