@@ -304,3 +304,32 @@ def test_a_late_write_through_a_producers_descriptor_never_reaches_a_filed_docum
         text = path.read_text()
         assert "LATE" not in text
         assert json.loads(text)["handoff_id"] == path.stem
+
+
+def test_an_open_while_the_lease_is_held_does_not_end_the_process(tmp_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process opening the file in the instant adopt holds its lease makes the kernel
+    signal the lease holder: by default SIGIO, which would end the daemon. adopt asks for SIGURG
+    (ignored by default): the opener waits for the lease to be given up, and nothing dies."""
+    import fcntl
+    import time
+    doc = producer_file(tmp_path, "in-progress.json")
+    kept = spares.keep_link(doc, tmp_dir)
+    assert kept is not None
+    doc.unlink()
+    real = fcntl.fcntl
+    opener: list[subprocess.Popen[str]] = []
+
+    def slow(fd: int, cmd: int, arg: int = 0) -> int:
+        result = real(fd, cmd, arg)
+        if cmd == fcntl.F_SETLEASE and arg == fcntl.F_WRLCK:  # someone opens it now
+            opener.append(subprocess.Popen([sys.executable, "-c", "import sys\n"
+                                            "open(sys.argv[1]).close(); print('opened')\n",
+                                            str(kept)], stdout=subprocess.PIPE, text=True))
+            time.sleep(1.0)  # the open is waiting on the lease by now; the signal has been sent
+        return int(result)
+
+    monkeypatch.setattr(spares.fcntl, "fcntl", slow)
+    assert spares.adopt(kept, tmp_dir) is True  # it was nobody's when the lease was granted
+    out, _ = opener[0].communicate(timeout=30)
+    assert out.strip() == "opened"  # the opener went on once the lease was given up

@@ -18,7 +18,9 @@ So no inode is created or freed per handoff once a process runs:
   ``F_WRLCK``) only on a file no other open file description refers to, and from then on the
   file has no name but ours, so a producer that kept its descriptor (a late write through it
   must never land in a document filed later) keeps the file from being adopted, and it is
-  unlinked as before. An adopted inode gets mode 0644, as a file handoffd creates.
+  unlinked as before. An adopted inode gets mode 0644, as a file handoffd creates. (The lease
+  is held for two system calls; an open in that instant makes the kernel signal us, and the
+  signal asked for is SIGURG, ignored by default, not SIGIO, which would end the process.)
 
 The next temp file is then one of these inodes, rewritten. A spare is an ordinary temp file
 (``*.tmp``): a process that dies leaves its spares for the sweeper, which removes temp files
@@ -30,6 +32,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import os
+import signal
 import stat
 import threading
 from pathlib import Path
@@ -101,6 +104,9 @@ def adopt(spare: Path, tmp_dir: Path) -> bool:
         if not (stat.S_ISREG(info.st_mode) and info.st_nlink == 1
                 and info.st_uid == os.geteuid()):
             raise PermissionError("not ours alone")
+        # were anyone to open it while the lease is held, the kernel would signal this process
+        # (SIGIO by default, which ends it): ask for SIGURG instead, which is ignored by default
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN: someone has it open
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         if stat.S_IMODE(info.st_mode) != 0o644:
