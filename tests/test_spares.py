@@ -333,3 +333,10 @@ def test_an_open_while_the_lease_is_held_does_not_end_the_process(tmp_dir: Path,
     assert spares.adopt(kept, tmp_dir) is True  # it was nobody's when the lease was granted
     out, _ = opener[0].communicate(timeout=30)
     assert out.strip() == "opened"  # the opener went on once the lease was given up
+
+
+def test_without_leases_nothing_is_adopted(tmp_dir: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel cannot say that nobody has a file open, no producer's file is kept."""
+    monkeypatch.setattr(spares, "LEASES", False)
+    assert spares.keep_link(producer_file(tmp_path, "in-progress.json"), tmp_dir) is None

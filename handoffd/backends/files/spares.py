@@ -40,6 +40,8 @@ from pathlib import Path
 TMP_SUFFIX = ".tmp"
 KEPT = 32  # spares kept per temp folder: a burst's worth; more are unlinked as before
 
+# a producer's inode is adopted only where the kernel can say nobody has it open (Linux leases)
+LEASES = hasattr(fcntl, "F_SETLEASE") and hasattr(fcntl, "F_SETSIG")
 OWN_PREFIX = "p"  # a process's own temp folder: handoffs/.tmp/p<pid>-<random>/ (see own_folder)
 
 _lock = threading.Lock()
@@ -78,6 +80,8 @@ def keep_link(path: Path, tmp_dir: Path) -> Path | None:
     """A second name for ``path`` in ``tmp_dir`` (a hard link), made before ``path`` is replaced
     so that its inode outlives the replace; None when the pool is full or no link can be made.
     Give it to :func:`adopt` once ``path`` is replaced (or :func:`remove_quietly` on failure)."""
+    if not LEASES:
+        return None
     with _lock:
         if len(_pools.get(tmp_dir, ())) >= KEPT:
             return None
