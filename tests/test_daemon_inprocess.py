@@ -431,3 +431,31 @@ def test_a_claim_racing_a_move_back_to_pending_waits_and_loses_nothing(
     assert engine.claim(hid) is None
     assert [q["code"] for q in engine.backend.store.quarantined()] == ["DUPLICATE_HANDOFF_ID"]
     assert engine.backend.store.locate(hid) == [State.IN_PROGRESS]
+
+
+def test_an_idle_serving_daemon_trims_the_heap_after_a_burst(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a burst of handoffs freed goes back to the system once nothing runs (malloc_trim),
+    not only at the next sweep; never while handoffs are running, nor when nothing was done."""
+    from handoffd.service import allocator
+    from handoffd.service import daemon as daemon_module
+    gate = threading.Event()
+    trims: list[int] = []
+    engine = engine_with(tmp_path, lambda h, c: gate.wait(10) and {"status": "completed"},
+                         sweep_seconds=3600.0)  # no sweep trims during the test
+    monkeypatch.setattr(daemon_module, "IDLE_TRIM_SECONDS", 0.05)
+    with Serving(engine) as daemon:
+        monkeypatch.setattr(allocator, "trim", lambda: trims.append(daemon.running) or True)
+        time.sleep(0.3)
+        idle_before = len(trims)  # (at most the one idle trim after start)
+        hid = submit(engine)
+        wait_until(lambda: daemon.running == 1)
+        time.sleep(0.3)
+        assert len(trims) == idle_before  # a handoff runs: no trim
+        gate.set()
+        wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
+        wait_until(lambda: len(trims) > idle_before, what="a trim once idle")
+        assert all(running == 0 for running in trims)
+        settled = len(trims)
+        time.sleep(0.3)
+        assert len(trims) == settled  # idle with nothing done since: no more trims

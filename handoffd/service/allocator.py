@@ -4,7 +4,8 @@ do nothing and say so by returning False).
 Each thread that allocates gets a malloc arena of its own (up to eight per core) and memory freed
 there stays there: a daemon's worker and handler threads grew its RSS by about 5 MB over 10,000
 handoffs that way. :func:`limit_arenas` caps the arenas before the threads start, and
-:func:`trim` hands free pages back to the system (the daemon calls it after each sweep)."""
+:func:`trim` hands free pages back to the system (the daemon calls it after each sweep, and when
+it falls idle after a burst, at most once a second)."""
 from __future__ import annotations
 
 import ctypes

@@ -48,6 +48,9 @@ STALL_SAMPLE = 64  # pending documents the watchdog reads to decide whether work
 # a task a worker runs: (pool token, function, handoff id, more arguments)
 Task = tuple[int, Callable[..., Any], str, tuple[Any, ...]]
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
+# a serving daemon that falls idle gives the heap pages its handoffs freed back to the system
+# (malloc_trim: a few ms), at most this often
+IDLE_TRIM_SECONDS = 1.0
 
 
 @dataclass
@@ -829,12 +832,17 @@ class Daemon:
     def _loop(self, *, batch: bool) -> None:
         next_rescan = next_sweep = next_renew = time.monotonic()
         renew_every = max(self.settings.lease_seconds / 3, 0.5)
+        trimmed = -math.inf  # when the heap was last trimmed
         while True:
             now = time.monotonic()
             if not batch and now >= next_sweep and not self.stopping:
                 self.sweep()
                 allocator.trim()  # what the handoffs since the last sweep freed goes back
+                trimmed = time.monotonic()
                 next_sweep = now + self.settings.sweep_seconds
+            elif not batch and self._idle_after_work(trimmed, now):
+                allocator.trim()  # a burst is over: what it freed goes back, not at the sweep
+                trimmed = time.monotonic()
             if now >= next_renew:
                 self.renew_leases()
                 next_renew = now + renew_every
@@ -872,6 +880,12 @@ class Daemon:
                 if (self.heap or self.ready) and self.running < self.workers:
                     timers.append(max(self.heap[0][0] if self.heap else now, spin_up_at))
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
+
+    def _idle_after_work(self, trimmed: float, now: float) -> bool:
+        """Nothing runs or waits to run, something was dispatched since the heap was last
+        trimmed, and that was at least IDLE_TRIM_SECONDS ago."""
+        return (self.running == 0 and not self.ready and self.last_dispatch > trimmed
+                and now - trimmed >= IDLE_TRIM_SECONDS)
 
     def _due_soon(self) -> bool:
         """Batch mode: something queued that is due now (or within a settle window)."""
