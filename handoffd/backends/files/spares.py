@@ -104,15 +104,20 @@ def adopt(spare: Path, tmp_dir: Path) -> bool:
         remove_quietly(spare)
         return False
     try:
-        info = os.fstat(fd)
-        if not (stat.S_ISREG(info.st_mode) and info.st_nlink == 1
-                and info.st_uid == os.geteuid()):
-            raise PermissionError("not ours alone")
         # were anyone to open it while the lease is held, the kernel would signal this process
         # (SIGIO by default, which ends it): ask for SIGURG instead, which is ignored by default
         fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN: someone has it open
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        try:
+            # looked at under the lease: with no descriptor left anywhere, no new name can be
+            # made for it but through ours (a linkat of a descriptor closed just before the
+            # lease shows here)
+            info = os.fstat(fd)
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        if not (stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+                and info.st_uid == os.geteuid()):
+            raise PermissionError("not ours alone")
         if stat.S_IMODE(info.st_mode) != 0o644:
             os.fchmod(fd, 0o644)  # as a file we create: never writable by others
     except OSError:  # (EINVAL, ENOLCK: a filesystem without leases, such as NFS)
