@@ -74,7 +74,6 @@ def is_re2_regex(instance: Any) -> bool:
     return True
 
 
-
 def is_datetime(instance: Any) -> bool:
     """The ``date-time`` format: RFC 3339 (what jsonschema checks with rfc3339-validator, a
     dependency of ours for that reason). A value that is not a string passes, as in JSON Schema."""

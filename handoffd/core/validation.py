@@ -218,8 +218,6 @@ class SchemaCache:
         return errors_of(validator, instance)
 
 
-
-
 class _Schemas(Protocol):
     def errors(self, name: str, instance: Any) -> list[dict[str, str]]: ...
 
