@@ -18,15 +18,7 @@ from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 
 from .errors import ErrorCode, InvalidDocument
-from .schemachecks import (  # noqa: F401 - conforms and equal: also asked of this module
-    RE2_SYNTAX_HINT,
-    PatternError,
-    Searcher,
-    compile_pattern,
-    conforms,
-    equal,
-    format_checker,
-)
+from .schemachecks import PatternError, Searcher, compile_pattern, format_checker
 
 FORMAT_CHECKER = format_checker()  # jsonschema's, with handoffd's own checks for some formats
 

@@ -64,6 +64,12 @@ def load_builtin(name: str) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def plain_name(name: str) -> bool:
+    """True when ``name`` is a plain file name (no folder, not hidden): the only names a schema
+    may be looked up by, in schemas/ or among the built-ins."""
+    return not ("/" in name or "\\" in name or name.startswith("."))
+
+
 @lru_cache(maxsize=256)
 def builtin_exists(name: str) -> bool:
     """True when a built-in schema is called ``name`` (the package's schemas never change while
@@ -112,7 +118,7 @@ class SchemaCache:
         """True when schema ``name`` can be loaded (a plain name in schemas/ or built in)."""
         if name in self._validators:
             return True
-        if "/" in name or "\\" in name or name.startswith("."):
+        if not plain_name(name):
             return False
         if self.folder is not None and self._in_folder(name):
             return True
@@ -158,7 +164,7 @@ class SchemaCache:
         return found
 
     def _load(self, name: str) -> dict[str, Any]:
-        if "/" in name or "\\" in name or name.startswith("."):
+        if not plain_name(name):
             raise ConfigError(f"schema name {name!r} must be a plain file name inside schemas/")
         if self.folder is not None and (self.folder / name).is_file():
             try:
@@ -173,7 +179,7 @@ class SchemaCache:
 
     def _shipped(self, name: str) -> dict[str, Any] | None:
         """The built-in schema ``name`` when no file in schemas/ overrides it, else None."""
-        if "/" in name or "\\" in name or name.startswith(".") or not builtin_exists(name):
+        if not plain_name(name) or not builtin_exists(name):
             return None
         if self.folder is not None and (self.folder / name).is_file():
             return None

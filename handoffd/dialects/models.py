@@ -164,7 +164,7 @@ class Model:
         if self.SCHEMA is None:
             return []
         from ..core.validation import (
-            builtin_schemas,  # jsonschema loads on first use only
+            builtin_schemas,  # jsonschema loads only for a document the quick check fails
         )
         return builtin_schemas().errors(self.SCHEMA, self.to_dict())
 

@@ -934,9 +934,8 @@ def warm_up(schemas: SchemaCache | None = None) -> None:
     serving daemon pays them before it says it is serving, not on a handoff's clock. The native
     format's own schemas (a few ms each to compile) are built by a thread in the background: a
     handoff that needs one first waits for that build rather than starting its own."""
-    import hmac  # noqa: F401
-
-    from ..core import fastschema, jsonschema_re2  # noqa: F401
+    from ..core import jsonschema_re2  # noqa: F401
+    _import_quick_checks()
     if schemas is not None:
         threading.Thread(target=build_schemas, args=(schemas, WARM_SCHEMAS), daemon=True,
                          name="handoffd-warm-up").start()
@@ -946,10 +945,15 @@ def warm_up_to_fork(schemas: SchemaCache) -> None:
     """Before a batch forks (:mod:`.spread`): the quick checks' imports and the native format's
     quick checks, built once and shared by every process. Not jsonschema (~50 ms): the quick
     checks answer for valid documents, and a process imports it when one fails them."""
+    _import_quick_checks()
+    build_schemas(schemas, WARM_SCHEMAS)
+
+
+def _import_quick_checks() -> None:
+    """The seals' hashes and the compiled quick checks (RE2 with them)."""
     import hmac  # noqa: F401
 
     from ..core import fastschema  # noqa: F401
-    build_schemas(schemas, WARM_SCHEMAS)
 
 
 def build_schemas(schemas: SchemaCache, names: tuple[str, ...]) -> None:
