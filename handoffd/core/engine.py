@@ -95,6 +95,11 @@ class Job:
     # set when the attempt is being filed or handed back: a lease renewal that fails from then
     # on met the filing (the claim is finished), not another process's takeover
     ending: bool = False
+    # set by a daemon's worker: how an attempt whose Python handler overran (or was cancelled)
+    # is finished by another thread while the handler still runs (core.watchdog). It is given
+    # the rest of run() as a function returning the outcome to file. Unset, the handler runs in
+    # a thread of its own and run() waits for it
+    takeover: Callable[[Callable[[], Outcome]], None] | None = None
 
     @property
     def handoff_id(self) -> str:
@@ -454,7 +459,8 @@ class Engine:
         return limit
 
     def run(self, job: Job) -> Outcome:
-        """Validate input, run the handler, validate its output; never raises for handler faults."""
+        """Validate input, run the handler, validate its output; never raises for handler faults
+        (TakenOver: a daemon's worker whose attempt the watchdog ended, see :attr:`Job.takeover`)."""
         started = self.clock()
         try:
             for resumer in self.resumers:  # e.g. a parent whose children are done
@@ -471,16 +477,33 @@ class Engine:
                                      max_output_bytes=self.settings.max_output_bytes)
             else:
                 from .runner import run_python
-                result = run_python(job.specialist, job.claim.doc, job.context, self.timeout_for(job))
+                result = run_python(job.specialist, job.claim.doc, job.context,
+                                    self.timeout_for(job), self._takeover(job, started))
             outcome = self.outcome_from_result(job, result, started)
         except HandlerError as exc:
-            outcome = self.failure(started, exc.code, str(exc), retryable=exc.retryable,
-                                   details=exc.details)
+            outcome = self._failed(exc, started)
         except InvalidDocument as exc:
             outcome = self.failure(started, exc.code, str(exc), errors=exc.errors)
         except ConfigError as exc:
             outcome = self.failure(started, ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: {exc}",
                                    retryable=False)
+        return self._conclude(job, outcome, started)
+
+    def _failed(self, exc: HandlerError, started: datetime) -> Outcome:
+        return self.failure(started, exc.code, str(exc), retryable=exc.retryable,
+                            details=exc.details)
+
+    def _takeover(self, job: Job, started: datetime) -> Callable[[HandlerError], None] | None:
+        """What the watchdog calls, on its own thread, to end ``job``'s overrunning attempt: the
+        daemon's ``job.takeover``, given the rest of :meth:`run` with ``error``."""
+        finish = job.takeover
+        if finish is None:
+            return None
+        return lambda error: finish(lambda: self._conclude(job, self._failed(error, started),
+                                                           started))
+
+    def _conclude(self, job: Job, outcome: Outcome, started: datetime) -> Outcome:
+        """The end of an attempt's run: who ran it, warnings, partial results, after_run hooks."""
         outcome.started_at = started
         outcome.executed_by = job.specialist.agent
         if job.warnings:  # expectations that were advisory and not met

@@ -1,4 +1,5 @@
-"""Running one handler attempt: command specialists as child processes, Python ones in a thread.
+"""Running one handler attempt: command specialists as child processes, Python ones in a thread
+(a daemon's worker calls them itself, watched: :mod:`.watchdog`).
 
 Both return the raw result object of the specialist protocol (docs/specialists.md) or raise HandlerError
 (``PROCESSING_ERROR``, ``TIMEOUT``, ``CANCELLED``). A child runs in its own process group with an
@@ -24,6 +25,7 @@ from .documents import Outcome
 from .errors import ConfigError, ErrorCode, HandlerError
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 from .states import RESULT_STATUSES
+from .watchdog import WATCHDOG, TakenOver, Takeover
 
 KILL_GRACE_SECONDS = 2.0
 STDERR_TAIL = 4096
@@ -91,12 +93,19 @@ HANDLER_THREADS = HandlerThreads()
 
 
 def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
-               timeout: float) -> dict[str, Any]:
-    """Call a Python handler in its own thread and wait at most ``timeout`` seconds.
+               timeout: float, takeover: Takeover | None = None) -> dict[str, Any]:
+    """Call a Python handler and wait at most ``timeout`` seconds for its result.
 
-    A Python thread cannot be killed: past the timeout the handoff ends TIMEOUT, the context's
-    ``cancelled`` flag is set and the thread's eventual result is discarded.
+    With ``takeover`` (a daemon's worker) the handler runs on the calling thread, watched by
+    :data:`~handoffd.core.watchdog.WATCHDOG`: past the timeout, or once cancelled, the watchdog
+    calls ``takeover(error)`` on another thread to end the attempt on time, and this call,
+    when the handler returns at last, raises :class:`~handoffd.core.watchdog.TakenOver`.
+    Without it, the handler runs in a thread of its own and this call waits: past the timeout
+    the handoff ends TIMEOUT and the thread's eventual result is discarded. Either way a Python
+    thread cannot be killed: the context's ``cancelled`` flag is set for the handler to see.
     """
+    if takeover is not None:
+        return _run_inline(spec, doc, ctx, timeout, takeover)
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -110,6 +119,31 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
 
     HANDLER_THREADS.run(call, f"handler-{ctx.handoff_id}")
     _wait(done, ctx, timeout)
+    return _returned(box, ctx)
+
+
+def _run_inline(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, timeout: float,
+                takeover: Takeover) -> dict[str, Any]:
+    box: dict[str, Any] = {}
+    watch = WATCHDOG.watch(ctx, timeout, takeover)
+    thread = threading.current_thread()
+    name, thread.name = thread.name, f"handler-{ctx.handoff_id}"  # as py-spy and tracebacks show it
+    try:
+        box["result"] = spec.callable()(doc, ctx)
+    except BaseException as exc:  # handler bugs become recorded errors, never daemon crashes
+        box["error"] = exc
+    finally:
+        thread.name = name
+    if not WATCHDOG.done(watch):
+        raise TakenOver(f"handoff {ctx.handoff_id}: the attempt was ended while its handler ran")
+    if ctx.cancelled.is_set() and ctx.cancel_reason:  # cancelled as it returned: still cancelled
+        raise HandlerError(f"handoff {ctx.handoff_id} cancelled: {ctx.cancel_reason}",
+                           handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
+    return _returned(box, ctx)
+
+
+def _returned(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
+    """The handler's result (``box["result"]``) checked, or its exception as a HandlerError."""
     if "error" in box:
         exc = box["error"]
         if isinstance(exc, HandlerError):

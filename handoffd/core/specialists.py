@@ -12,7 +12,7 @@ import sys
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from .config import Config, SpecialistConfig, specialist_from_table
 from .errors import ConfigError
@@ -41,6 +41,12 @@ def specialist(agent: str, **options: Any) -> Callable[[Handler], Handler]:
     return register
 
 
+class Wakeable(Protocol):
+    """What a stopped attempt wakes: a threading.Event, or the watchdog's watch of the call."""
+
+    def set(self) -> None: ...
+
+
 @dataclass
 class HandlerContext:
     """What a handler's attempt carries besides the document: ids, paths, a cancellation flag and
@@ -67,7 +73,7 @@ class HandlerContext:
     feature_state: dict[str, Any] = field(default_factory=dict)
     # set by the context feature (handoffd.features.build): (root, agent, handoff id) -> the handler's view
     context_factory: Callable[[Path, str, str], Any] | None = None
-    _wake: list[threading.Event] = field(default_factory=list, repr=False)
+    _wake: list[Wakeable] = field(default_factory=list, repr=False)
     _context_view: Any = field(default=None, repr=False)
 
     @property
@@ -91,7 +97,7 @@ class HandlerContext:
         if self.cancelled.is_set():
             raise HandlerCancelled(f"handoff {self.handoff_id} was cancelled")
 
-    def wake_on_cancel(self, event: threading.Event) -> None:
+    def wake_on_cancel(self, event: Wakeable) -> None:
         """Set ``event`` when the attempt is stopped (a waiting runner wakes without polling)."""
         self._wake.append(event)
 

@@ -14,20 +14,22 @@ import signal
 import threading
 import time
 from collections import Counter, OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Collection
 
+from ..core.documents import Outcome
 from ..core.engine import Engine, Job, Peek
 from ..core.errors import DocumentNotReady, HandoffdError
 from ..core.runner import cancel
+from ..core.watchdog import TakenOver
 from ..core.specialists import Specialist
 from ..core.states import State
 from ..core.storage import LOST, Wakeup
 from ..core.validation import SchemaCache
 from . import allocator
 from .sweeper import SweepReport, sweep
+from .workers import WorkerPool
 
 log = logging.getLogger("handoffd")
 READY_WINDOW = 64  # due handoffs read ahead to order by priority
@@ -150,7 +152,8 @@ class Daemon:
         self.rescan_requested = True
         self.last_dispatch = time.monotonic()
         self.next_progress_check = self.last_dispatch + self.stall_seconds
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="handoffd-worker")
+        self.pool = WorkerPool(keep=self.workers)
+        self.slot = threading.local()  # a worker's current task token (``slot.token``)
         self.on_filed: Callable[[str, State], None] | None = None
         # the plugin API's registrations (features add to them through the add_* methods)
         self.scan_hooks: list[Callable[[], None]] = []
@@ -403,8 +406,11 @@ class Daemon:
         task: Task | None = (token, func, handoff_id, args)
         while task is not None:
             token, func, handoff_id, args = task
+            self.slot.token = token
             try:
                 func(handoff_id, *args)
+            except TakenOver:  # its attempt was ended and its slot given back by _taken_over
+                return  # a hung handler's thread takes no more work: it may be late for it
             except Exception:  # the task functions catch their own; this is the last resort
                 log.exception("handoff %s: unexpected error in a worker", handoff_id)
             except BaseException:  # leaving the worker: give the slot back, take nothing more
@@ -610,31 +616,63 @@ class Daemon:
                 self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
                 self.report.handed_back += 1
                 return
-            outcome = self.engine.run(job)
-            job.ending = True
-            if job.context.handback:
-                self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
-                self.report.handed_back += 1
-                return
-            self.engine.file(job.claim, job.dialect, job.specialist, outcome)  # counted by _count
-        except DocumentNotReady:
-            self.notify(handoff_id, self.settings.settle_seconds)
-        except HandoffdError as exc:
-            log.error("%s", exc)
-            self.notify(handoff_id, 1.0)
-        except OSError as exc:  # disk full, permissions: report, and try again later
-            log.error("handoff %s: %s; will retry in %ss", handoff_id, exc, RETRY_LOOK_SECONDS)
-            self.notify(handoff_id, RETRY_LOOK_SECONDS)
-        except Exception:  # a bug must not kill the worker or lose the handoff
-            log.exception("handoff %s: unexpected error; it stays where it is for recovery", handoff_id)
+            token = getattr(self.slot, "token", None)  # None: called outside a worker's task
+            if token is not None:  # its Python handler runs here, ended on time by the watchdog
+                taken = job
+                job.takeover = lambda rest: self._taken_over(token, taken, rest)
+            self._end_attempt(job, self.engine.run(job))
+        except TakenOver:
+            job = None  # _taken_over ended the attempt: the job and the slot are its to give back
+            raise
+        except Exception as exc:
+            self._work_failed(handoff_id, exc)
         finally:
             # only our own entry: a second dispatch of the same id (a late hint read it before
             # our claim) finds it taken and returns here; popping then would hide the running
             # job from lease renewal, the sweep's skip list and cancel requests
             if job is not None:
-                with self.cv:
-                    if self.active.get(handoff_id) is job:
-                        del self.active[handoff_id]
+                self._forget_job(job)
+
+    def _end_attempt(self, job: Job, outcome: Outcome) -> None:
+        """File a run's outcome, or hand the attempt back if the daemon stopped it."""
+        job.ending = True
+        if job.context.handback:
+            self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
+            self.report.handed_back += 1
+            return
+        self.engine.file(job.claim, job.dialect, job.specialist, outcome)  # counted by _count
+
+    def _taken_over(self, token: int, job: Job, rest: Callable[[], Outcome]) -> None:
+        """On the watchdog's thread: end ``job``'s attempt, whose handler overran or was
+        cancelled while it still runs on its worker, and give its slot back."""
+        try:
+            self._end_attempt(job, rest())
+        except Exception as exc:
+            self._work_failed(job.handoff_id, exc)
+        finally:
+            self._forget_job(job)
+            with self.cv:
+                self._finished(token)
+                self.cv.notify_all()
+
+    def _forget_job(self, job: Job) -> None:
+        with self.cv:
+            if self.active.get(job.handoff_id) is job:
+                del self.active[job.handoff_id]
+
+    def _work_failed(self, handoff_id: str, exc: Exception) -> None:
+        """What a worker does when handling ``handoff_id`` raised ``exc`` (in an except block)."""
+        if isinstance(exc, DocumentNotReady):
+            self.notify(handoff_id, self.settings.settle_seconds)
+        elif isinstance(exc, HandoffdError):
+            log.error("%s", exc)
+            self.notify(handoff_id, 1.0)
+        elif isinstance(exc, OSError):  # disk full, permissions: report, and try again later
+            log.error("handoff %s: %s; will retry in %ss", handoff_id, exc, RETRY_LOOK_SECONDS)
+            self.notify(handoff_id, RETRY_LOOK_SECONDS)
+        else:  # a bug must not kill the worker or lose the handoff
+            log.exception("handoff %s: unexpected error; it stays where it is for recovery",
+                          handoff_id)
 
     def _reject(self, handoff_id: str, code: str, message: str) -> None:
         try:
@@ -918,7 +956,10 @@ class Daemon:
                 self.cv.wait(max(deadline - time.monotonic(), 0.0))
         if self.running:
             self._hand_back_all()
-        self.pool.shutdown(wait=True)
+        with self.cv:  # every task ends: handed back, or ended by _taken_over if its handler hangs
+            while self.running:
+                self.cv.wait(1.0)
+        self.pool.shutdown()
         if self._count in self.engine.on_filed:
             self.engine.on_filed.remove(self._count)
         for hook in self.stop_hooks:

@@ -1,0 +1,261 @@
+"""Python handlers on the worker's own thread: the watchdog ends overrunning or cancelled attempts
+on time, exactly once, and the worker pool never runs short because a handler hangs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import exe, wait_until
+
+from handoffd import Daemon, Engine, Registry, State, Workspace, build_engine, new_native_request
+from handoffd.core.config import Config, DaemonSettings
+from handoffd.core.documents import book
+from handoffd.core.errors import ErrorCode, HandlerError
+from handoffd.core.specialists import HandlerContext
+from handoffd.core.timeutil import utc_now
+from handoffd.core.watchdog import Watchdog
+from handoffd.service.workers import WorkerPool
+
+
+def context(handoff_id: str = "h-1") -> HandlerContext:
+    return HandlerContext(handoff_id=handoff_id, attempt=1, root=Path("."), data=None, target="@t")
+
+
+class Taken:
+    """Collects what a watchdog's takeover is called with, and on which thread."""
+
+    def __init__(self) -> None:
+        self.errors: list[HandlerError] = []
+        self.threads: list[str] = []
+        self.called = threading.Event()
+
+    def __call__(self, error: HandlerError) -> None:
+        self.errors.append(error)
+        self.threads.append(threading.current_thread().name)
+        self.called.set()
+
+
+# ---------------------------------------------------------------- the watchdog
+def test_a_call_that_returns_in_time_stays_the_workers() -> None:
+    dog, taken = Watchdog(), Taken()
+    watch = dog.watch(context(), 5.0, taken)
+    assert dog.done(watch) is True
+    time.sleep(0.05)
+    assert taken.errors == []
+
+
+def test_an_overrun_is_taken_over_on_time_on_another_thread() -> None:
+    dog, taken, ctx = Watchdog(), Taken(), context()
+    start = time.monotonic()
+    watch = dog.watch(ctx, 0.2, taken)
+    assert taken.called.wait(5)
+    assert 0.15 <= time.monotonic() - start < 3
+    (error,) = taken.errors
+    assert error.code == ErrorCode.TIMEOUT and error.retryable
+    assert ctx.cancelled.is_set()  # the handler can see it and stop
+    assert taken.threads == ["takeover-h-1"]
+    assert dog.done(watch) is False  # the handler's late return files nothing
+
+
+def test_a_cancellation_is_taken_over_at_once() -> None:
+    dog, taken, ctx = Watchdog(), Taken(), context()
+    watch = dog.watch(ctx, 300.0, taken)
+    ctx.stop("cancel requested")
+    assert taken.called.wait(5)
+    (error,) = taken.errors
+    assert error.code == ErrorCode.CANCELLED and not error.retryable
+    assert dog.done(watch) is False
+
+
+def test_a_call_cancelled_before_it_began_is_taken_over() -> None:
+    dog, taken, ctx = Watchdog(), Taken(), context()
+    ctx.stop("daemon stopping")
+    dog.watch(ctx, 300.0, taken)
+    assert taken.called.wait(5)
+    assert taken.errors[0].code == ErrorCode.CANCELLED
+
+
+def test_a_shorter_deadline_behind_a_longer_one_is_kept() -> None:
+    dog, slow, quick = Watchdog(), Taken(), Taken()
+    dog.watch(context("slow"), 300.0, slow)
+    time.sleep(0.05)  # the watchdog now sleeps until the long deadline
+    dog.watch(context("quick"), 0.1, quick)
+    assert quick.called.wait(5)
+    assert slow.errors == []
+
+
+def test_the_return_and_the_takeover_never_both_end_an_attempt() -> None:
+    """Handlers that return right at their deadline: each attempt is ended exactly once."""
+    dog = Watchdog()
+    results = []
+    for i in range(200):
+        taken = Taken()
+        watch = dog.watch(context(f"h-{i}"), 0.002, taken)
+        time.sleep(0.002)
+        mine = dog.done(watch)
+        if not mine:
+            assert taken.called.wait(5)
+        time.sleep(0.001)
+        results.append((mine, len(taken.errors)))
+    assert all((mine and n == 0) or (not mine and n == 1) for mine, n in results)
+
+
+# ---------------------------------------------------------------- the worker pool
+def test_the_pool_starts_a_thread_when_none_is_idle_and_keeps_a_few() -> None:
+    pool = WorkerPool(keep=1, name="t-worker")
+    gate, ran = threading.Event(), []
+    pool.submit(gate.wait, 5)  # a hung task holds its thread
+    pool.submit(ran.append, 1)  # still runs, on a second thread
+    wait_until(lambda: ran == [1], 5)
+    gate.set()
+    wait_until(lambda: sum(t.name.startswith("t-worker") for t in threading.enumerate()) <= 1, 5,
+               "idle threads beyond keep end")
+    pool.shutdown()
+    wait_until(lambda: not any(t.name.startswith("t-worker") for t in threading.enumerate()), 5)
+    with pytest.raises(RuntimeError):
+        pool.submit(ran.append, 2)
+
+
+def test_a_failing_task_does_not_end_the_pool(caplog: pytest.LogCaptureFixture) -> None:
+    pool = WorkerPool(keep=1, name="f-worker")
+    ran: list[int] = []
+    pool.submit(lambda: 1 / 0)
+    wait_until(lambda: "a worker's task failed" in caplog.text, 5)
+    pool.submit(ran.append, 1)  # on the thread that ran the failing task (the one kept idle)
+    wait_until(lambda: ran == [1], 5)
+    pool.shutdown()
+
+
+# ---------------------------------------------------------------- in a daemon
+def engine_with(tmp_path: Path, handler: Any, workers: int = 1, **spec: Any) -> Engine:
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2, workers=workers))
+    registry = Registry()
+    registry.add_function("@t", handler, config=config, **spec)
+    return build_engine(ws, config, registry)
+
+
+def submit(engine: Engine, data: Any = None, **extra: Any) -> str:
+    doc = new_native_request(source="@test", target="@t", data=data, now=engine.clock())
+    doc.update(extra)
+    return engine.backend.store.create(doc, doc["handoff_id"])
+
+
+def test_handlers_run_on_the_workers_thread(tmp_path: Path) -> None:
+    """No thread of its own per call: the worker's thread, named for the handoff meanwhile."""
+    seen: list[tuple[threading.Thread, str]] = []
+
+    def handler(handoff: dict, ctx: Any) -> dict:
+        seen.append((threading.current_thread(), threading.current_thread().name))
+        return {"status": "completed"}
+
+    engine = engine_with(tmp_path, handler, workers=1)
+    ids = {submit(engine) for _ in range(5)}
+    assert Daemon(engine, watch=False).run_batch().completed == 5
+    assert {name for _, name in seen} == {f"handler-{hid}" for hid in ids}
+    assert all(thread.name.startswith("handoffd-worker") for thread, _ in seen)  # renamed back
+
+
+def test_a_hung_handler_is_filed_timeout_on_time_and_the_queue_goes_on(tmp_path: Path) -> None:
+    """One worker: its handler hangs past the timeout. The attempt is filed TIMEOUT while the
+    handler still runs, the next handoff runs on a new thread, and the late return is dropped."""
+    release, returned = threading.Event(), threading.Event()
+
+    def handler(handoff: dict, ctx: Any) -> dict:
+        if ctx.data == "hang":
+            release.wait(30)
+            returned.set()
+            return {"status": "completed", "output": {"late": True}}
+        return {"status": "completed"}
+
+    engine = engine_with(tmp_path, handler, workers=1, timeout_seconds=0.3)
+    hung = submit(engine, "hang", retry_policy={"max_retries": 0})
+    daemon = Daemon(engine, watch=False)
+    thread = threading.Thread(target=daemon.serve, kwargs={"install_signals": False})
+    thread.start()
+    try:
+        wait_until(lambda: engine.backend.store.locate(hung) == [State.FAILED], 10)
+        doc = engine.backend.store.read(State.FAILED, hung)
+        assert doc["error"]["code"] == "TIMEOUT"
+        assert not returned.is_set()  # filed while the handler was still inside
+        quick = submit(engine, "ok")
+        daemon.notify(quick)
+        wait_until(lambda: engine.backend.store.locate(quick) == [State.COMPLETED], 10)
+        release.set()
+        assert returned.wait(5)
+        time.sleep(0.2)  # the late return unwinds; nothing is filed for it
+        assert engine.backend.store.locate(hung) == [State.FAILED]
+        assert engine.backend.store.read(State.FAILED, hung)["error"]["code"] == "TIMEOUT"
+        events = [e["event"] for e in book(engine.backend.store.read(State.FAILED, hung))["history"]]
+        assert events.count("claimed") == 1
+        assert daemon.running == 0 and daemon.active == {}
+    finally:
+        release.set()
+        daemon.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_cancelling_a_running_handler_files_cancelled_at_once(tmp_path: Path) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def handler(handoff: dict, ctx: Any) -> dict:
+        started.set()
+        release.wait(30)
+        return {"status": "completed"}
+
+    engine = engine_with(tmp_path, handler, workers=1)
+    hid = submit(engine)
+    daemon = Daemon(engine, watch=False)
+    thread = threading.Thread(target=daemon.serve, kwargs={"install_signals": False})
+    thread.start()
+    try:
+        assert started.wait(10)
+        job = daemon.running_job(hid)
+        assert job is not None
+        job.context.stop("cancel requested")
+        wait_until(lambda: engine.backend.store.locate(hid) == [State.FAILED], 10)
+        assert engine.backend.store.read(State.FAILED, hid)["error"]["code"] == "CANCELLED"
+    finally:
+        release.set()
+        daemon.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+HANGING = textwrap.dedent("""
+    import threading
+    def hang(handoff, ctx=None):
+        threading.Event().wait()  # never returns, and ignores ctx.cancelled
+""")
+
+
+def test_a_batch_exits_although_a_handler_never_returns(tmp_path: Path) -> None:
+    """`handoffd run`: the attempt ends TIMEOUT on time and the process exits; the hung
+    handler's thread does not keep it alive."""
+    root = tmp_path / "ws"
+    for state in ("pending", "in-progress", "completed", "failed"):
+        (root / "handoffs" / state).mkdir(parents=True)
+    (root / "plug").mkdir()
+    (root / "plug" / "hangspec.py").write_text(HANGING)
+    (root / "handoffd.toml").write_text('[specialists."@hang"]\nhandler = "hangspec:hang"\n'
+                                        "timeout_seconds = 0.5\n")
+    doc = new_native_request(source="@test", target="@hang", data=None, now=utc_now())
+    doc["retry_policy"] = {"max_retries": 0}
+    (root / "handoffs" / "pending" / f"{doc['handoff_id']}.json").write_text(json.dumps(doc))
+    env = dict(os.environ, PYTHONPATH=str(root / "plug"))
+    start = time.monotonic()
+    proc = subprocess.run([exe("handoffd"), "run", "--root", str(root)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1, proc.stderr
+    failed = root / "handoffs" / "failed" / f"{doc['handoff_id']}.json"
+    assert '"TIMEOUT"' in failed.read_text()
