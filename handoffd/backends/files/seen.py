@@ -24,6 +24,7 @@ from .idindex import IdIndex
 # the record is compacted once its oldest entry is this many TTLs old: a quarter of it then
 COMPACT_AFTER = 1.25
 MAX_LINE = 4096  # an id is at most 256 characters (check_id): a line is far shorter
+SEARCH_BLOCK = 1 << 20  # bytes of the record read at a time by a one-shot search
 
 
 class SeenIds:
@@ -39,6 +40,7 @@ class SeenIds:
         self._offset = 0
         self._inode = -1
         self._mutex = threading.Lock()
+        self._searched = False  # the first contains() searched the record (see there)
         self._lock: int | None = None  # the lock file, kept open
         self._out = fsio.Appender(path)  # the record, kept open for appends
 
@@ -76,13 +78,42 @@ class SeenIds:
         return self._lock
 
     def contains(self, handoff_id: str, now: datetime) -> bool:
-        """True if ``handoff_id`` was recorded within the TTL."""
+        """True if ``handoff_id`` was recorded within the TTL.
+
+        The first question is answered by searching the record for the id, without loading
+        it: a one-shot command (``handoff create``) asks once, and loading an hour of a busy
+        queue's ids (100,000 lines, 6 MB) made each create take 0.6 s instead of 0.07 s. A
+        second question loads the record into the index, and later ones read only its tail."""
         # the lookup under the mutex too: an add() in another thread may be growing the index
         # (a dict lookup was atomic on its own; two arrays swapped mid-lookup are not)
         with self._mutex:
-            self._refresh()
-            seen = self._cache.get(handoff_id)
+            if not self._searched:
+                self._searched = True
+                seen = self._search(handoff_id)
+            else:
+                self._refresh()
+                seen = self._cache.get(handoff_id)
         return seen is not None and now.timestamp() - seen < self.ttl
+
+    def _search(self, handoff_id: str) -> float | None:
+        """When the record last saw ``handoff_id`` (None: never), found by a byte search for
+        the id as JSON writes it, a block at a time (not mapped: a file anyone can truncate
+        would fault the process); each hit is checked by parsing its whole line."""
+        needle = json.dumps(handoff_id).encode()
+        latest: float | None = None
+        try:
+            with open(self.path, "rb") as record:
+                rest = b""
+                while block := record.read(SEARCH_BLOCK):
+                    data = rest + block
+                    whole = data.rfind(b"\n") + 1  # complete lines only; the rest waits
+                    found = _last_seen(data[:whole], needle, handoff_id)
+                    if found is not None:
+                        latest = found if latest is None else max(latest, found)
+                    rest = data[whole:]
+        except FileNotFoundError:
+            return None
+        return latest
 
     def _refresh(self) -> None:
         """Read only what was appended since the last look (the whole file after a compaction);
@@ -146,6 +177,22 @@ def _entry(line: bytes | str) -> tuple[str, float] | None:
         return str(item["id"]), parse_iso(item["at"]).timestamp()
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None  # ("at" not a string: AttributeError; a line nested a million deep)
+
+
+def _last_seen(data: bytes, needle: bytes, handoff_id: str) -> float | None:
+    """The latest time of the record lines in ``data`` (complete ones) whose id is
+    ``handoff_id`` (``needle``: the id as JSON writes it, quotes included, so no longer id
+    contains it)."""
+    latest: float | None = None
+    end = len(data)
+    while (hit := data.rfind(needle, 0, end)) >= 0:
+        start = data.rfind(b"\n", 0, hit) + 1
+        stop = data.find(b"\n", hit)  # (there is one: data holds complete lines)
+        entry = _entry(data[start:stop])
+        if entry is not None and entry[0] == handoff_id:
+            latest = entry[1] if latest is None else max(latest, entry[1])
+        end = start
+    return latest
 
 
 def _time_of(line: bytes) -> float | None:
