@@ -133,10 +133,10 @@ def try_quick(argv: Sequence[str]) -> int | None:
 
 def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
     """Run a parsed plain form; its exit code."""
-    from . import reads
     as_json = bool(opts.pop("as_json", False))
     if command == "create":
         return quick_create(opts)
+    from . import reads  # (what create never needs: the readers and the table renderer)
     if command == "show":
         reads.show(opts.get("root"), args[0], as_json=as_json)
     elif command == "ls":
