@@ -286,3 +286,20 @@ def test_ls_loads_the_features_only_for_a_pending_row(tmp_path: Path) -> None:
                           text=True, timeout=60, env=FULL)
     note = {row["id"]: row["note"] for row in json.loads(full.stdout)}["later"]
     assert "first" in note and note in listing, (note, listing)  # the gate's, as the full path says
+
+
+def test_gate_features_are_exactly_the_features_with_gates(tmp_path: Path) -> None:
+    """`handoff ls` installs GATE_FEATURES for a pending row's note: every feature that adds a
+    gate must be among them (else the note would miss its verdict), and no other."""
+    from handoffd.features.build import FEATURES, GATE_FEATURES, build_engine, install_features
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    with_gates = []
+    for name in FEATURES:
+        eng = build_engine(ws, features=())
+        install_features(eng, [name])
+        if eng.gates:
+            with_gates.append(name)
+    assert tuple(with_gates) == GATE_FEATURES
+    everything, gated = build_engine(ws), build_engine(ws, features=GATE_FEATURES)
+    assert [g.__qualname__ for g in gated.gates] == [g.__qualname__ for g in everything.gates]

@@ -143,10 +143,11 @@ def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
         if opts.get("limit") is None:
             opts["limit"] = 50
         # the features' gates say why a pending handoff waits: installed (and imported) only
-        # when a pending row is listed; finished ones need none
+        # when a pending row is listed, and only the features that have gates
         eng = engine(opts.pop("root", None), features=())
-        from ..features.build import install_features
-        rows = reads.list_rows(eng, before_pending=lambda: install_features(eng), **opts)
+        from ..features.build import GATE_FEATURES, install_features
+        rows = reads.list_rows(eng, before_pending=lambda: install_features(eng, GATE_FEATURES),
+                               **opts)
         reads.print_rows(rows, as_json=as_json)
     else:
         code = reads.wait(opts.get("root"), args[0], opts.get("timeout"), as_json=as_json)

@@ -12,7 +12,6 @@ plain handoffs only.
 """
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -41,6 +40,7 @@ from .errors import (
     UnreadableDocument,
 )
 from .formats import ArtifactSink, Dialect, FiledState, Formats
+from .logs import log
 from .specialists import HandlerContext, Registry, Specialist
 from .states import State, Status
 from .storage import Backend, Claim, Doc
@@ -48,7 +48,6 @@ from .timeutil import Clock, iso, utc_now
 from .validation import SchemaCache, check_document
 from .workspace import Workspace
 
-log = logging.getLogger("handoffd")
 MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0
 MAX_THROTTLE_SECONDS = 3600.0  # a throttled handoff is looked at again within the hour
 MIN_TIMEOUT_SECONDS = 0.01  # a job admitted just before its deadline still gets a last instant

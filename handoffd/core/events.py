@@ -12,16 +12,15 @@ loses one line, never a handoff) and a failing write is logged once, never raise
 """
 from __future__ import annotations
 
-import logging
 from datetime import datetime
 from typing import Any, Callable, Collection, Iterator, Protocol
 
 from .documents import BOOK
+from .logs import log
 from .states import State
 from .storage import Backend, Claim, Claims, Describe, Doc, Meta
 from .timeutil import iso, parse_iso
 
-log = logging.getLogger("handoffd")
 Event = dict[str, Any]
 # the details of a history entry that are worth a line in the log (bounded: no document content)
 DETAIL_KEYS = ("code", "seconds", "retry", "delay_seconds", "reason", "forced")

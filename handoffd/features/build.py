@@ -94,6 +94,9 @@ FEATURES: dict[str, Feature] = {
     "filebridge": _installer(".filebridge"),
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
+# the features with gates (Engine.gate): what `handoff ls` installs to say why a pending
+# handoff waits, in FEATURES' order, without loading the rest
+GATE_FEATURES = ("pause", "dependencies", "contracts", "orchestration", "cancellation")
 
 
 def origin_of(workspace: Workspace) -> str:
@@ -184,6 +187,7 @@ def event_log_of(engine: Engine) -> EventLog:
         engine.ws, engine.config, engine.backend)
 
 
-__all__ = ["DEFAULT_FEATURES", "FEATURES", "Feature", "build_engine", "install_features",
+__all__ = ["DEFAULT_FEATURES", "FEATURES", "GATE_FEATURES", "Feature", "build_engine",
+           "install_features",
            "install_artifacts",
            "install_context", "open_backend", "open_event_log", "event_log_of", "origin_of"]

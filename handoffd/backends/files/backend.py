@@ -16,7 +16,6 @@ import builtins
 import copy
 import heapq
 import json
-import logging
 import os
 import threading
 import time
@@ -36,6 +35,7 @@ from ...core.errors import (
     NotFound,
     UnreadableDocument,
 )
+from ...core.logs import log
 from ...core.states import State
 from ...core.storage import LOST, Wakeup
 from ...core.timeutil import parse_iso
@@ -75,7 +75,6 @@ if TYPE_CHECKING:
 
 # How far another host's clock may run behind ours before its live lease looks expired to us.
 CLOCK_TOLERANCE_SECONDS = 30.0
-log = logging.getLogger("handoffd")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ Claims whose owner died *after* recording a lease are taken over by
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from datetime import datetime
@@ -23,6 +22,7 @@ from typing import Any, Collection
 
 from ...core.documents import book, record
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.logs import log
 from ...core.states import State, winner
 from ...core.timeutil import parse_iso
 from . import fsio
@@ -31,7 +31,6 @@ from .store import Store, release_lock, try_lock
 TMP_MAX_AGE_SECONDS = 300.0
 FOREIGN_LEASE_SECONDS = 300.0  # a foreign claim without timeout_seconds: the daemon default
 MAX_FOREIGN_LEASE_SECONDS = 7 * 24 * 3600.0
-log = logging.getLogger("handoffd")
 Repairs = dict[str, list[str]]
 
 
