@@ -1,9 +1,9 @@
-"""The ``handoffd`` logger, for modules that one-shot commands load.
+"""Loggers for modules that one-shot commands load, imported at the first message.
 
 ``logging`` brings ``traceback``, ``string`` and ``textwrap`` with it: about 3 ms of a command
 that starts in 70, and ``handoff create``, ``show``, ``ls`` and ``wait`` log nothing unless
-something goes wrong. :data:`log` imports it at the first message; the daemon, which logs from
-its start, imports ``logging`` itself."""
+something goes wrong. :data:`log` (the ``handoffd`` logger) and :func:`deferred` stand for a
+logger until first used; the daemon, which logs from its start, imports ``logging`` itself."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
@@ -13,13 +13,21 @@ if TYPE_CHECKING:
 
 
 class _Deferred:
-    """Stands for ``logging.getLogger("handoffd")``, imported when first used."""
+    """Stands for ``logging.getLogger(name)``, imported when first used."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
         import logging
-        value = getattr(logging.getLogger("handoffd"), name)
-        self.__dict__[name] = value  # found directly from now on (the logger never changes)
+        value = getattr(logging.getLogger(self._name), attribute)
+        self.__dict__[attribute] = value  # found directly from now on (the logger never changes)
         return value
 
 
-log = cast("Logger", _Deferred())
+def deferred(name: str) -> Logger:
+    """The logger ``name``, imported at its first use."""
+    return cast("Logger", _Deferred(name))
+
+
+log = deferred("handoffd")

@@ -18,7 +18,6 @@
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Collection, Protocol
 
@@ -32,6 +31,7 @@ from ..core.errors import (
     InvalidDocument,
     NotFound,
 )
+from ..core.logs import log
 from ..core.states import State
 from ..core.storage import Wakeup
 from ..core.timeutil import iso
@@ -40,7 +40,6 @@ from .lineage import descendants
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
 
-log = logging.getLogger("handoffd")
 CLAIM_TRIES = 5
 
 

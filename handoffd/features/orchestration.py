@@ -46,7 +46,6 @@ import copy
 import dataclasses
 import functools
 import json
-import logging
 import time
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -70,6 +69,7 @@ from ..core.errors import (
     UnreadableDocument,
 )
 from ..core.formats import FiledState
+from ..core.logs import log
 from ..core.states import PARKED, State
 from ..core.timeutil import iso, parse_iso
 from ..dialects import hi_moe
@@ -78,7 +78,6 @@ from .aggregation import child_info, ready
 from .dependencies import Verdict
 from .lineage import conversation_of, parent_of
 
-log = logging.getLogger("handoffd")
 MAX_CLARIFICATIONS_ENV = 64 * 1024  # bytes of $HANDOFF_CLARIFICATIONS
 
 if TYPE_CHECKING:

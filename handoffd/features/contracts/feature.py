@@ -33,7 +33,6 @@ Paths in a contract are relative to the contract directory (the workspace root u
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ...core.documents import Envelope, Outcome, book
 from ...core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
+from ...core.logs import deferred
 from ..dependencies import Verdict
 from ..stores import violation_log
 from . import criteria as criteria_mod
@@ -52,7 +52,7 @@ from .snapshots import MODES, Change, Snapshot, Snapshotter
 if TYPE_CHECKING:
     from ...core.engine import Engine, Job
 
-log = logging.getLogger("handoffd.contracts")
+log = deferred("handoffd.contracts")
 
 STATE_KEY = "handoffd.contract"
 DEFAULT_CRITERIA_TIMEOUT = 60.0
