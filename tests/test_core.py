@@ -178,6 +178,19 @@ def test_policy_precedence(tmp_path: Path) -> None:
     assert RetryPolicy(3, 30, 2).delay(3) == 120
 
 
+def test_a_remembered_retry_policy_is_still_checked_by_type_and_base() -> None:
+    """Document policies are remembered by value and type: a policy that equals a valid one
+    (True == 1) is still refused, and the same policy over another base gives its own result."""
+    assert RetryPolicy.from_dict({"max_retries": 1}) == RetryPolicy(1, 30.0, 2.0)
+    for bad in ({"max_retries": True}, {"max_retries": 1.5}, {"max_retries": 1, "x": [1]} | {
+            "max_retries": "lots"}):
+        for _ in range(2):  # an error is never remembered as a policy
+            with pytest.raises(ConfigError):
+                RetryPolicy.from_dict(bad)
+    assert RetryPolicy.from_dict({"max_retries": 1}, RetryPolicy(5, 2.0, 3.0)) == RetryPolicy(1, 2.0, 3.0)
+    assert RetryPolicy.from_dict({"max_retries": 1.0}) == RetryPolicy(1, 30.0, 2.0)
+
+
 def test_permanent_errors_are_not_retried(tmp_path: Path) -> None:
     engine = make_engine(tmp_path, lambda h, c: {"status": "failed", "error": {
         "code": "PROCESSING_ERROR", "message": "auth refused", "retryable": False}})

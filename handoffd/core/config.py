@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,13 @@ class RetryPolicy:
         base = base or cls()
         if not isinstance(data, dict):
             raise ConfigError(f"bad retry policy {data!r}: must be a table/object")
+        key = _policy_key(data)
+        if key is not None and cls is RetryPolicy:  # a document's is read 4 times a handoff
+            return _overlaid(key, base)
+        return cls._overlay(data, base)
+
+    @classmethod
+    def _overlay(cls, data: dict[str, Any], base: RetryPolicy) -> RetryPolicy:
         max_retries = _retry_value(data, "max_retries", base.max_retries, 0, MAX_RETRIES, integer=True)
         delay = _retry_value(data, "retry_delay_seconds", base.retry_delay_seconds, 0,
                              MAX_RETRY_DELAY_SECONDS)
@@ -79,6 +87,25 @@ class RetryPolicy:
                                   MAX_BACKOFF_MULTIPLIER)
         return cls(max_retries=int(max_retries), retry_delay_seconds=float(delay),
                    backoff_multiplier=float(multiplier))
+
+
+def _policy_key(data: dict[str, Any]) -> tuple[tuple[str, type, Any], ...] | None:
+    """A hashable form of a small policy of plain values, types included (True is not 1 to
+    the checks); None for anything else, which is checked afresh each time."""
+    if len(data) > 8:
+        return None
+    items = []
+    for name, value in data.items():
+        if not isinstance(name, str) or type(value) not in (int, float, str, bool, type(None)):
+            return None
+        items.append((name, type(value), value))
+    return tuple(sorted(items, key=lambda item: item[0]))
+
+
+@lru_cache(maxsize=64)
+def _overlaid(key: tuple[tuple[str, type, Any], ...], base: RetryPolicy) -> RetryPolicy:
+    """RetryPolicy._overlay, remembered (a bad policy raises each time: errors are not kept)."""
+    return RetryPolicy._overlay({name: value for name, _, value in key}, base)
 
 
 def _retry_value(data: dict[str, Any], key: str, default: float, low: float, high: float, *,
