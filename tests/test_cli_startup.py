@@ -291,7 +291,12 @@ def test_ls_loads_the_features_only_for_a_pending_row(tmp_path: Path) -> None:
 def test_gate_features_are_exactly_the_features_with_gates(tmp_path: Path) -> None:
     """`handoff ls` installs GATE_FEATURES for a pending row's note: every feature that adds a
     gate must be among them (else the note would miss its verdict), and no other."""
-    from handoffd.features.build import FEATURES, GATE_FEATURES, build_engine, install_features
+    from handoffd.features.build import (
+        FEATURES,
+        GATE_FEATURES,
+        build_engine,
+        install_features,
+    )
     ws = Workspace(tmp_path / "ws")
     ws.ensure()
     with_gates = []

@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 from conftest import exe, wait_until
 
-from handoffd import Daemon, Engine, Registry, State, Workspace, build_engine, new_native_request
+from handoffd import (
+    Daemon,
+    Engine,
+    Registry,
+    State,
+    Workspace,
+    build_engine,
+    new_native_request,
+)
 from handoffd.core.config import Config, DaemonSettings
 from handoffd.core.documents import book
 from handoffd.core.errors import ErrorCode, HandlerError

@@ -22,11 +22,11 @@ from ..core.documents import Outcome
 from ..core.engine import Engine, Job, Peek
 from ..core.errors import DocumentNotReady, HandoffdError
 from ..core.runner import cancel
-from ..core.watchdog import TakenOver
 from ..core.specialists import Specialist
 from ..core.states import State
 from ..core.storage import LOST, Wakeup
 from ..core.validation import SchemaCache
+from ..core.watchdog import TakenOver
 from . import allocator
 from .sweeper import SweepReport, sweep
 from .workers import WorkerPool
@@ -410,7 +410,7 @@ class Daemon:
             try:
                 func(handoff_id, *args)
             except TakenOver:  # its attempt was ended and its slot given back by _taken_over
-                return  # a hung handler's thread takes no more work: it may be late for it
+                return  # no chaining: the scheduler has handed the slot's next task out
             except Exception:  # the task functions catch their own; this is the last resort
                 log.exception("handoff %s: unexpected error in a worker", handoff_id)
             except BaseException:  # leaving the worker: give the slot back, take nothing more

@@ -20,7 +20,6 @@ from . import fsio
 from .fsio import locked
 from .idindex import IdIndex
 
-
 # the record is compacted once its oldest entry is this many TTLs old: a quarter of it then
 COMPACT_AFTER = 1.25
 MAX_LINE = 4096  # an id is at most 256 characters (check_id): a line is far shorter
