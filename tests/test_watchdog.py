@@ -14,21 +14,17 @@ from typing import Any
 import pytest
 from conftest import exe, wait_until
 
-from handoffd import (
-    Daemon,
-    Engine,
-    Registry,
-    State,
-    Workspace,
-    build_engine,
-    new_native_request,
-)
 from handoffd.core.config import Config, DaemonSettings
-from handoffd.core.documents import book
+from handoffd.core.documents import book, new_native_request
+from handoffd.core.engine import Engine
 from handoffd.core.errors import ErrorCode, HandlerError
-from handoffd.core.specialists import HandlerContext
+from handoffd.core.specialists import HandlerContext, Registry
+from handoffd.core.states import State
 from handoffd.core.timeutil import utc_now
 from handoffd.core.watchdog import Watchdog
+from handoffd.core.workspace import Workspace
+from handoffd.features.build import build_engine
+from handoffd.service.daemon import Daemon
 from handoffd.service.workers import WorkerPool
 
 
