@@ -46,11 +46,13 @@ from ..dependencies import Verdict
 from ..stores import violation_log
 from . import criteria as criteria_mod
 from . import patterns, violations
+from .patterns import SCOPE_MODES
 from .reservations import Reservations
-from .snapshots import MODES, Change, Snapshot, Snapshotter
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # snapshots: loaded by the first contract that checks its scope (a listing
+    # that asks the gates never does)
     from ...core.engine import Engine, Job
+    from .snapshots import Change, Snapshot, Snapshotter
 
 log = deferred("handoffd.contracts")
 
@@ -143,8 +145,8 @@ def parse(env: Envelope) -> Contract | None:
         raise _invalid(hid, "contract.criteria_timeout_seconds must be a number of seconds "
                        f"between 0 and {MAX_CRITERIA_TIMEOUT:.0f}")
     mode = raw.get("scope_check", "auto")
-    if mode not in MODES:
-        raise _invalid(hid, f"contract.scope_check must be one of {', '.join(MODES)}")
+    if mode not in SCOPE_MODES:
+        raise _invalid(hid, f"contract.scope_check must be one of {', '.join(SCOPE_MODES)}")
     task_id = raw.get("task_id", hid)
     return Contract(
         task_id=task_id if isinstance(task_id, str) and task_id else hid,
@@ -234,6 +236,7 @@ class Enforcer:
             run.reserved = True
         job.context.feature_state[STATE_KEY] = run  # from here on, the after hook releases
         if contract.checks_scope:
+            from .snapshots import Snapshotter
             run.snapshotter = Snapshotter(directory, mode=contract.scope_check,
                                           skip=self._skipper(contract, directory),
                                           cache_dir=self.engine.ws.meta / "contracts",

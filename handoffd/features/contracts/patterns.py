@@ -16,6 +16,7 @@ import functools
 import re
 
 MAGIC = re.compile(r"[*?\[]")
+SCOPE_MODES = ("auto", "hash", "git")  # contract.scope_check: how the tree is compared
 
 
 class PatternError(ValueError):

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Callable
 
 from ...backends.files.fsio import replace
+from .patterns import SCOPE_MODES
 
 SKIP_DIR_NAMES = frozenset({".git", ".venv", "__pycache__"})
 RACY_NS = 2_000_000_000
 CHUNK = 1024 * 1024
 GIT_TIMEOUT_SECONDS = 120.0
 CACHE_VERSION = 1
-MODES = ("auto", "hash", "git")
 
 Skip = Callable[[str], bool]
 
@@ -89,8 +89,8 @@ class Snapshotter:
     def __init__(self, root: Path, *, mode: str = "auto", skip: Skip | None = None,
                  skip_dir: Skip | None = None, cache_dir: Path | None = None,
                  tmp_dir: Path | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"scope_check must be one of {', '.join(MODES)}, not {mode!r}")
+        if mode not in SCOPE_MODES:
+            raise ValueError(f"scope_check must be one of {', '.join(SCOPE_MODES)}, not {mode!r}")
         self.root = root
         self.requested = mode
         self.skip = skip or (lambda _path: False)
