@@ -95,6 +95,23 @@ def test_a_shorter_deadline_behind_a_longer_one_is_kept() -> None:
     assert slow.errors == []
 
 
+def test_an_idle_watchdog_is_not_woken_by_a_call_with_a_usual_timeout() -> None:
+    """With nothing to watch it sleeps IDLE_LOOK_SECONDS at a time: a call of a minutes-long
+    timeout after a pause (every call, in a lightly loaded daemon) does not wake its thread,
+    and a call with a deadline before its next look does."""
+    dog = Watchdog()
+    dog.done(dog.watch(context("first"), 300.0, Taken()))
+    time.sleep(0.1)  # it woke for the first call and now sleeps on an empty set
+    notified: list[bool] = []
+    real = dog._cv.notify
+    dog._cv.notify = lambda n=1: (notified.append(True), real(n))[1]  # type: ignore[method-assign]
+    dog.done(dog.watch(context("later"), 300.0, Taken()))
+    assert notified == []
+    quick = Taken()
+    dog.watch(context("quick"), 0.05, quick)
+    assert notified == [True] and quick.called.wait(10)
+
+
 def test_the_return_and_the_takeover_never_both_end_an_attempt() -> None:
     """Handlers that return right at their deadline: each attempt is ended exactly once."""
     dog = Watchdog()

@@ -11,9 +11,11 @@ last, :meth:`Watchdog.done` says the attempt is no longer the worker's, and the 
 with :class:`TakenOver`, filing nothing. Exactly one of the two ends an attempt: the handler's
 return and the takeover both settle the watch under one lock.
 
-The watchdog sleeps until the earliest deadline it knows of. A new call with a later deadline
-(the usual case: one timeout for every handoff) does not wake it; one with an earlier deadline,
-a cancellation, or the first call after an idle spell does.
+The watchdog sleeps until the earliest deadline it knows of, and with none, for IDLE_LOOK_SECONDS.
+A new call with a later deadline (the usual case: one timeout for every handoff, of seconds or
+minutes) does not wake it; one with an earlier deadline, or a cancellation, does. (Sleeping
+without end when idle made every call after a pause, which in a lightly loaded daemon is every
+call, wake the watchdog's thread while the worker ran.)
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from .specialists import HandlerContext
 
 Takeover = Callable[[HandlerError], None]
 log = logging.getLogger("handoffd")
+IDLE_LOOK_SECONDS = 1.0  # how long the watchdog sleeps with nothing to watch
 
 
 class TakenOver(Exception):
@@ -103,8 +106,7 @@ class Watchdog:
             with self._cv:
                 due = self._due(time.monotonic())
                 if not due:
-                    wait = self._wake_at - time.monotonic()
-                    self._cv.wait(None if wait == math.inf else max(wait, 0.0))
+                    self._cv.wait(max(self._wake_at - time.monotonic(), 0.0))
                     continue
             for watch in due:
                 try:
@@ -117,7 +119,8 @@ class Watchdog:
         due = [w for w in self._open.values() if w.deadline <= now or w.stopped()]
         for watch in due:
             del self._open[id(watch)]
-        self._wake_at = min((w.deadline for w in self._open.values()), default=math.inf)
+        self._wake_at = min((w.deadline for w in self._open.values()),
+                            default=now + IDLE_LOOK_SECONDS)
         return due
 
     def forget(self) -> None:
