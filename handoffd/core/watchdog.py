@@ -149,5 +149,4 @@ def _take_over(watch: Watch) -> None:
 
 
 WATCHDOG = Watchdog()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=WATCHDOG.forget)
+os.register_at_fork(after_in_child=WATCHDOG.forget)
