@@ -2,6 +2,7 @@
 on time, exactly once, and the worker pool never runs short because a handler hangs."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from conftest import exe, wait_until
 
+from handoffd.backends.files import fsio
 from handoffd.core.config import Config, DaemonSettings
 from handoffd.core.documents import book, new_native_request
 from handoffd.core.engine import Engine
@@ -155,10 +157,12 @@ def test_a_failing_task_does_not_end_the_pool(caplog: pytest.LogCaptureFixture) 
 
 
 # ---------------------------------------------------------------- in a daemon
-def engine_with(tmp_path: Path, handler: Any, workers: int = 1, **spec: Any) -> Engine:
+def engine_with(tmp_path: Path, handler: Any, workers: int = 1,
+                settings: dict[str, Any] | None = None, **spec: Any) -> Engine:
     ws = Workspace(tmp_path / "ws")
     ws.ensure()
-    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2, workers=workers))
+    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2, workers=workers,
+                                          **(settings or {})))
     registry = Registry()
     registry.add_function("@t", handler, config=config, **spec)
     return build_engine(ws, config, registry)
@@ -245,6 +249,53 @@ def test_cancelling_a_running_handler_files_cancelled_at_once(tmp_path: Path) ->
         job.context.stop("cancel requested")
         wait_until(lambda: engine.backend.store.locate(hid) == [State.FAILED], 10)
         assert engine.backend.store.read(State.FAILED, hid)["error"]["code"] == "CANCELLED"
+    finally:
+        release.set()
+        daemon.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_takeover_whose_filing_fails_still_gives_its_slot_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread that ends an overrunning attempt meets a full disk: the error is logged, the
+    slot is free (the daemon does not stall), and the claim is given up and recovered, as after
+    a worker's own failed filing."""
+    release = threading.Event()
+
+    def handler(handoff: dict, ctx: Any) -> dict:
+        release.wait(30)
+        return {"status": "completed"}
+
+    engine = engine_with(tmp_path, handler, timeout_seconds=0.2,
+                         settings={"claim_grace_seconds": 0.0})
+    hid = submit(engine, retry_policy={"max_retries": 0})
+    real_create, failures = fsio.create_exclusive, []
+
+    def full_disk(target: Path, *args: Any, **kwargs: Any) -> None:
+        if target.parent.name == "failed" and not failures:  # the TIMEOUT answer's write
+            failures.append(threading.current_thread().name)
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        return real_create(target, *args, **kwargs)
+
+    monkeypatch.setattr(fsio, "create_exclusive", full_disk)
+    daemon = Daemon(engine, watch=False)
+    thread = threading.Thread(target=daemon.serve, kwargs={"install_signals": False})
+    thread.start()
+    try:
+        wait_until(lambda: failures, 10)
+        assert failures == [f"takeover-{hid}"]
+        wait_until(lambda: daemon.running == 0 and hid not in daemon.active, 10)
+        release.set()  # the first attempt's handler returns: its worker files nothing
+        wait_until(lambda: engine.backend.store.locate(hid) in ([State.COMPLETED],
+                                                                [State.FAILED]), 30)
+        (where,) = engine.backend.store.locate(hid)
+        doc = engine.backend.store.read(where, hid)
+        events = [e["event"] for e in book(doc)["history"]]
+        # as a worker's own failed filing: the claim is given up, recovered, and (no retries
+        # left) filed once, as interrupted
+        assert events == ["created", "claimed", "recovered", "failed"], events
+        assert where is State.FAILED and "interrupted" in doc["error"]["message"]
     finally:
         release.set()
         daemon.stop()
