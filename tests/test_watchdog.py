@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import subprocess
 import textwrap
@@ -67,7 +68,9 @@ def test_an_overrun_is_taken_over_on_time_on_another_thread() -> None:
     assert error.code == ErrorCode.TIMEOUT and error.retryable
     assert ctx.cancelled.is_set()  # the handler can see it and stop
     assert taken.threads == ["takeover-h-1"]
+    assert dog.running_late == 1
     assert dog.done(watch) is False  # the handler's late return files nothing
+    assert dog.running_late == 0
 
 
 def test_a_cancellation_is_taken_over_at_once() -> None:
@@ -189,9 +192,11 @@ def test_handlers_run_on_the_workers_thread(tmp_path: Path) -> None:
     assert all(thread.name.startswith("handoffd-worker") for thread, _ in seen)  # renamed back
 
 
-def test_a_hung_handler_is_filed_timeout_on_time_and_the_queue_goes_on(tmp_path: Path) -> None:
+def test_a_hung_handler_is_filed_timeout_on_time_and_the_queue_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """One worker: its handler hangs past the timeout. The attempt is filed TIMEOUT while the
     handler still runs, the next handoff runs on a new thread, and the late return is dropped."""
+    caplog.set_level(logging.INFO, logger="handoffd")
     release, returned = threading.Event(), threading.Event()
 
     def handler(handoff: dict, ctx: Any) -> dict:
@@ -211,12 +216,13 @@ def test_a_hung_handler_is_filed_timeout_on_time_and_the_queue_goes_on(tmp_path:
         doc = engine.backend.store.read(State.FAILED, hung)
         assert doc["error"]["code"] == "TIMEOUT"
         assert not returned.is_set()  # filed while the handler was still inside
+        assert f"handoff {hung}: its handler is still running past its 0.3s timeout" in caplog.text
         quick = submit(engine, "ok")
         daemon.notify(quick)
         wait_until(lambda: engine.backend.store.locate(quick) == [State.COMPLETED], 10)
         release.set()
         assert returned.wait(5)
-        time.sleep(0.2)  # the late return unwinds; nothing is filed for it
+        wait_until(lambda: f"handoff {hung}: its handler returned" in caplog.text, 10)
         assert engine.backend.store.locate(hung) == [State.FAILED]
         assert engine.backend.store.read(State.FAILED, hung)["error"]["code"] == "TIMEOUT"
         events = [e["event"] for e in book(engine.backend.store.read(State.FAILED, hung))["history"]]

@@ -70,6 +70,7 @@ class Watchdog:
         self._open: dict[int, Watch] = {}
         self._wake_at = math.inf
         self._thread: threading.Thread | None = None
+        self.running_late = 0  # handlers still running after the watchdog ended their attempt
 
     def watch(self, ctx: HandlerContext, timeout: float, takeover: Takeover) -> Watch:
         """Start watching a call of ``ctx``'s handler that may run ``timeout`` seconds; past
@@ -93,7 +94,13 @@ class Watchdog:
         """The handler returned: True when the worker still owns the attempt, False when the
         watchdog took it over (the worker must then file nothing)."""
         with self._cv:
-            return self._open.pop(id(watch), None) is not None
+            if self._open.pop(id(watch), None) is not None:
+                return True
+            self.running_late -= 1
+        late = time.monotonic() - watch.deadline
+        log.info("handoff %s: its handler returned %.1fs after the attempt was ended; its result "
+                 "is discarded", watch.ctx.handoff_id, max(late, 0.0))
+        return False
 
     def poke(self) -> None:
         """Look at every open watch now."""
@@ -109,6 +116,10 @@ class Watchdog:
                     self._cv.wait(max(self._wake_at - time.monotonic(), 0.0))
                     continue
             for watch in due:
+                if not watch.stopped():  # (a cancelled handler is expected to stop on its own)
+                    log.warning("handoff %s: its handler is still running past its %gs timeout; "
+                                "the attempt ends now and the handler's thread is left to finish "
+                                "(%d such)", watch.ctx.handoff_id, watch.timeout, self.running_late)
                 try:
                     _take_over(watch)
                 except Exception:  # e.g. no thread could be started: this thread must live on
@@ -119,6 +130,7 @@ class Watchdog:
         due = [w for w in self._open.values() if w.deadline <= now or w.stopped()]
         for watch in due:
             del self._open[id(watch)]
+        self.running_late += len(due)
         self._wake_at = min((w.deadline for w in self._open.values()),
                             default=now + IDLE_LOOK_SECONDS)
         return due
@@ -129,6 +141,7 @@ class Watchdog:
         self._open = {}
         self._wake_at = math.inf
         self._thread = None
+        self.running_late = 0
 
 
 def _take_over(watch: Watch) -> None:
