@@ -308,3 +308,26 @@ def test_gate_features_are_exactly_the_features_with_gates(tmp_path: Path) -> No
     assert tuple(with_gates) == GATE_FEATURES
     everything, gated = build_engine(ws), build_engine(ws, features=GATE_FEATURES)
     assert [g.__qualname__ for g in gated.gates] == [g.__qualname__ for g in everything.gates]
+
+
+def test_a_deferred_logger_is_the_logger_itself() -> None:
+    """core.logs: the stand-in logs through logging.getLogger(name) once used, and reads its
+    plain attributes afresh (a level set later is seen)."""
+    import logging
+
+    from handoffd.core.logs import deferred
+    log = deferred("handoffd.test-deferred")
+    real = logging.getLogger("handoffd.test-deferred")
+    real.setLevel(logging.WARNING)
+    assert log.level == logging.WARNING and not log.isEnabledFor(logging.INFO)
+    real.setLevel(logging.DEBUG)
+    assert log.level == logging.DEBUG and log.isEnabledFor(logging.INFO)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    real.addHandler(handler)
+    try:
+        log.warning("hello %s", "there")
+    finally:
+        real.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["hello there"]

@@ -21,7 +21,8 @@ class _Deferred:
     def __getattr__(self, attribute: str) -> Any:
         import logging
         value = getattr(logging.getLogger(self._name), attribute)
-        self.__dict__[attribute] = value  # found directly from now on (the logger never changes)
+        if callable(value):  # a method (the logger never changes) is found directly from now on;
+            self.__dict__[attribute] = value  # a plain attribute (level, handlers) is read anew
         return value
 
 
