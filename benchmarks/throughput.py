@@ -293,6 +293,24 @@ def main() -> None:
           f"first wave {mem['rss_start']:.1f}"
           f" -> {mem['rss_half']:.1f} halfway -> {mem['rss_end']:.1f} MB, open descriptors {mem['fds_start']:.0f} -> "
           f"{mem['fds_end']:.0f}")
+    print(goals(fast[0] / fast_floor, durable[0] / durable_floor, large / small, up, c, big, mem))
+
+
+def goals(fast: float, durable: float, backlog: float, up: dict[str, float],
+          cli: dict[str, float], big: dict[str, float], mem: dict[str, float]) -> str:
+    """One line: each goal of the performance issue that this benchmark measures, met or not
+    (2x Huey is the referee's: ../shared/bench/run). Memory is reported as its growth."""
+    def mark(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+    ratios = [cli[k] / cli["python"] for k in ("create", "show", "ls", "wait")]
+    growth = (mem["rss_end"] / mem["rss_start"] - 1) * 100 if mem["rss_start"] else 0.0
+    return ("goals           "
+            f"fast >= 0.5x floor {mark(fast >= 0.5)}; fsync >= 0.7x floor {mark(durable >= 0.7)}; "
+            f"backlog >= 0.8 {mark(backlog >= 0.8)}; pick-up p50 <= 5 / p95 <= 20 ms "
+            f"{mark(max(up['drop_p50'], up['create_p50']) <= 5 and max(up['drop_p95'], up['create_p95']) <= 20)}; "
+            f"cli <= 4x {mark(max(ratios) <= 4)}; ls / show <= 1 s {mark(max(big.values()) <= 1000)}; "
+            f"descriptors flat {mark(mem['fds_end'] <= mem['fds_start'])}; RSS {growth:+.1f}% "
+            "(goal: flat)")
 
 
 if __name__ == "__main__":
