@@ -25,7 +25,7 @@ from .documents import Outcome
 from .errors import ConfigError, ErrorCode, HandlerError
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 from .states import RESULT_STATUSES
-from .watchdog import WATCHDOG, TakenOver, Takeover
+from .watchdog import WATCHDOG, TakenOver, Takeover, cancelled, timed_out
 
 KILL_GRACE_SECONDS = 2.0
 STDERR_TAIL = 4096
@@ -136,9 +136,8 @@ def _run_inline(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
         thread.name = name
     if not WATCHDOG.done(watch):
         raise TakenOver(f"handoff {ctx.handoff_id}: the attempt was ended while its handler ran")
-    if ctx.cancelled.is_set() and ctx.cancel_reason:  # cancelled as it returned: still cancelled
-        raise HandlerError(f"handoff {ctx.handoff_id} cancelled: {ctx.cancel_reason}",
-                           handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
+    if ctx.stop_requested:  # cancelled as it returned: still cancelled
+        raise cancelled(ctx)
     return _returned(box, ctx)
 
 
@@ -162,18 +161,14 @@ def _returned(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
 def _wait(done: threading.Event, ctx: HandlerContext, timeout: float) -> None:
     """Wait for ``done``; raise TIMEOUT / CANCELLED. Cancellation sets ``done`` too (no polling)."""
     ctx.wake_on_cancel(done)
-    if ctx.cancelled.is_set() and ctx.cancel_reason:
+    if ctx.stop_requested:
         done.set()  # cancelled before we started waiting: do not sleep until the timeout
     deadline = time.monotonic() + timeout
     while not done.wait(max(deadline - time.monotonic(), 0)):
         if time.monotonic() >= deadline:
-            ctx.cancelled.set()
-            raise HandlerError(f"handoff {ctx.handoff_id}: handler did not finish within "
-                               f"{timeout:g}s", handoff_id=ctx.handoff_id, code=ErrorCode.TIMEOUT,
-                               retryable=True)
-    if ctx.cancelled.is_set() and ctx.cancel_reason:
-        raise HandlerError(f"handoff {ctx.handoff_id} cancelled: {ctx.cancel_reason}",
-                           handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
+            raise timed_out(ctx, timeout)
+    if ctx.stop_requested:
+        raise cancelled(ctx)
 
 
 def cancel(ctx: HandlerContext, reason: str) -> None:

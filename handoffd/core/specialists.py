@@ -97,6 +97,12 @@ class HandlerContext:
         if self.cancelled.is_set():
             raise HandlerCancelled(f"handoff {self.handoff_id} was cancelled")
 
+    @property
+    def stop_requested(self) -> bool:
+        """The attempt was stopped with a reason (:meth:`stop`: cancelled, or handed back), not
+        merely flagged as past its time."""
+        return self.cancelled.is_set() and bool(self.cancel_reason)
+
     def wake_on_cancel(self, event: Wakeable) -> None:
         """Set ``event`` when the attempt is stopped (a waiting runner wakes without polling)."""
         self._wake.append(event)

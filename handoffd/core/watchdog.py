@@ -56,9 +56,6 @@ class Watch:
         """Called by :meth:`HandlerContext.stop` (a cancellation): the watchdog looks now."""
         self._watchdog.poke()
 
-    def stopped(self) -> bool:
-        """The attempt was cancelled (stopped with a reason), not merely flagged."""
-        return self.ctx.cancelled.is_set() and bool(self.ctx.cancel_reason)
 
 
 class Watchdog:
@@ -86,7 +83,7 @@ class Watchdog:
                 self._wake_at = watch.deadline
                 self._cv.notify()
         ctx.wake_on_cancel(watch)
-        if watch.stopped():  # cancelled before the call began
+        if watch.ctx.stop_requested:  # cancelled before the call began
             self.poke()
         return watch
 
@@ -116,7 +113,7 @@ class Watchdog:
                     self._cv.wait(max(self._wake_at - time.monotonic(), 0.0))
                     continue
             for watch in due:
-                if not watch.stopped():  # (a cancelled handler is expected to stop on its own)
+                if not watch.ctx.stop_requested:  # (a cancelled handler is expected to stop on its own)
                     log.warning("handoff %s: its handler is still running past its %gs timeout; "
                                 "the attempt ends now and the handler's thread is left to finish "
                                 "(%d such)", watch.ctx.handoff_id, watch.timeout, self.running_late)
@@ -127,7 +124,7 @@ class Watchdog:
 
     def _due(self, now: float) -> list[Watch]:
         """Settle and return the watches past their deadline or cancelled (under the lock)."""
-        due = [w for w in self._open.values() if w.deadline <= now or w.stopped()]
+        due = [w for w in self._open.values() if w.deadline <= now or w.ctx.stop_requested]
         for watch in due:
             del self._open[id(watch)]
         self.running_late += len(due)
@@ -144,16 +141,23 @@ class Watchdog:
         self.running_late = 0
 
 
+def cancelled(ctx: HandlerContext) -> HandlerError:
+    """The error of an attempt stopped with a reason (CANCELLED, never retried)."""
+    return HandlerError(f"handoff {ctx.handoff_id} cancelled: {ctx.cancel_reason}",
+                        handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
+
+
+def timed_out(ctx: HandlerContext, timeout: float) -> HandlerError:
+    """The error of an attempt past its time (TIMEOUT, retryable); flags the context, so that a
+    handler that checks ``ctx.cancelled`` stops on its own."""
+    ctx.cancelled.set()
+    return HandlerError(f"handoff {ctx.handoff_id}: handler did not finish within {timeout:g}s",
+                        handoff_id=ctx.handoff_id, code=ErrorCode.TIMEOUT, retryable=True)
+
+
 def _take_over(watch: Watch) -> None:
     ctx = watch.ctx
-    if watch.stopped():
-        error = HandlerError(f"handoff {ctx.handoff_id} cancelled: {ctx.cancel_reason}",
-                             handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
-    else:
-        ctx.cancelled.set()  # a handler that checks the flag stops on its own
-        error = HandlerError(f"handoff {ctx.handoff_id}: handler did not finish within "
-                             f"{watch.timeout:g}s", handoff_id=ctx.handoff_id,
-                             code=ErrorCode.TIMEOUT, retryable=True)
+    error = cancelled(ctx) if ctx.stop_requested else timed_out(ctx, watch.timeout)
     try:
         threading.Thread(target=watch.takeover, args=(error,), name=f"takeover-{ctx.handoff_id}",
                          daemon=True).start()
