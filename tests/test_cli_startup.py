@@ -232,18 +232,20 @@ def test_the_quick_path_loads_no_typer_click_or_rich(tmp_path: Path) -> None:
 def test_create_loads_what_its_write_needs_before_the_created_stamp(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The created stamp is where pick-up latency is counted from: what the write loads the
-    first time (the seals' hashes; renameat2 through ctypes, ~2 ms) is loaded before it."""
+    first time (the seals' hash; renameat2 through ctypes, ~2 ms) is loaded before it."""
     from handoffd.backends.files import fsio
     from handoffd.cli.basics import engine
     from handoffd.cli.quick import submit_request
+    from handoffd.core import hashing
 
     monkeypatch.setattr(fsio, "_renameat2", None)
+    monkeypatch.setattr(hashing, "_sha256", None)
     eng = engine(tmp_path, create=True)
     loaded: list[bool] = []
     clock = eng.clock
 
     def stamp() -> Any:
-        loaded.append(fsio._renameat2 is not None and "hmac" in sys.modules)
+        loaded.append(fsio._renameat2 is not None and hashing._sha256 is not None)
         return clock()
 
     monkeypatch.setattr(eng, "clock", stamp)

@@ -991,10 +991,10 @@ def warm_up_to_fork(schemas: SchemaCache) -> None:
 
 
 def _import_quick_checks() -> None:
-    """The seals' hashes and the compiled quick checks (RE2 with them)."""
-    import hmac  # noqa: F401
+    """The seals' hash and the compiled quick checks (RE2 with them)."""
+    from ..core import fastschema, hashing  # noqa: F401
 
-    from ..core import fastschema  # noqa: F401
+    hashing.load()
 
 
 def build_schemas(schemas: SchemaCache, names: tuple[str, ...]) -> None:

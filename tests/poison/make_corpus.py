@@ -105,3 +105,7 @@ add("huge-priority", native("huge-priority", priority=10**30), "failed", "SCHEMA
     hid="huge-priority", why="priority 10**30")
 add("depends-on-self", native("depends-on-self", depends_on=["depends-on-self"]), "failed", "DEPENDENCY_MISSING",
     hid="depends-on-self", why="a handoff that depends on itself")
+add("seal-non-ascii", native("seal-non-ascii", handoffd={"revision": 3, "seal": "\u00e9" * 32}), "completed",
+    hid="seal-non-ascii",
+    why="a non-ASCII handoffd.seal made hmac.compare_digest raise TypeError: a traceback in the "
+        "claim, the handoff stuck in in-progress/, and `handoff show` an internal error")

@@ -23,7 +23,10 @@ MIN_SLOTS = 1024
 
 def id_hash(handoff_id: str) -> int:
     """The keyed 64-bit hash of ``handoff_id`` (never 0: 0 marks a free slot)."""
-    from hashlib import blake2b  # on first use: a command that only reads never loads OpenSSL
+    try:  # the interpreter's own BLAKE2 (what hashlib serves too), without loading OpenSSL
+        from _blake2 import blake2b
+    except ImportError:  # a build without it
+        from hashlib import blake2b
 
     digest = blake2b(handoff_id.encode("utf-8", "surrogatepass"), digest_size=8, key=_KEY).digest()
     return int.from_bytes(digest, "little") or 1

@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...core.hashing import hmac_sha256_hex, same_text
+
 KEY_NAME = "seal.key"
 
 
@@ -37,11 +39,11 @@ def load_or_create_key(meta: Path, tmp: Path) -> bytes | None:
         try:
             meta.mkdir(parents=True, exist_ok=True)
             tmp.mkdir(parents=True, exist_ok=True)
-            import secrets  # only the first process of a workspace makes the key
-            staged = tmp / f"seal-{secrets.token_hex(8)}.tmp"
+            # os.urandom is what secrets.token_hex reads (secrets would load OpenSSL via hmac)
+            staged = tmp / f"seal-{os.urandom(8).hex()}.tmp"
             fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.write(fd, secrets.token_hex(32).encode() + b"\n")
+                os.write(fd, os.urandom(32).hex().encode() + b"\n")
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -58,12 +60,8 @@ def load_or_create_key(meta: Path, tmp: Path) -> bytes | None:
 
 def seal_for(key: bytes, handoff_id: str, revision: int, folder: str) -> str:
     """The seal of a document with this id and revision written into ``folder``."""
-    # imported here: loading OpenSSL's hashes costs a cold command ~20 ms, and commands that only
-    # read documents never seal (a repeated import of a loaded module is a dict lookup)
-    import hashlib
-    import hmac
     message = f"{handoff_id}\0{revision}\0{folder}".encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()[:32]
+    return hmac_sha256_hex(key, message)[:32]
 
 
 def sealed(key: bytes | None, doc: dict[str, Any], handoff_id: str, revision: int,
@@ -73,5 +71,4 @@ def sealed(key: bytes | None, doc: dict[str, Any], handoff_id: str, revision: in
     seal = block.get("seal") if isinstance(block, dict) else None
     if key is None or not isinstance(seal, str):
         return False
-    import hmac
-    return any(hmac.compare_digest(seal, seal_for(key, handoff_id, revision, f)) for f in folders)
+    return any(same_text(seal, seal_for(key, handoff_id, revision, f)) for f in folders)
