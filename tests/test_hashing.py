@@ -11,11 +11,10 @@ from pathlib import Path
 from conftest import run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cli_startup import QUICK, workspace
 
 from handoffd.backends.files import seals
 from handoffd.core import hashing
-
-from test_cli_startup import QUICK, workspace
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)

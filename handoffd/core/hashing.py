@@ -66,8 +66,10 @@ def _pads_of(key: bytes) -> tuple[Any, Any]:
 
 def same_text(a: str, b: str) -> bool:
     """``a == b`` in time that does not depend on where they differ (for seals)."""
-    from _operator import _compare_digest  # what hmac.compare_digest is, without OpenSSL
-    return bool(_compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass")))
+    # what hmac.compare_digest is, without loading OpenSSL; on bytes, as it refuses non-ASCII str
+    from _operator import _compare_digest
+    return bool(_compare_digest(a.encode("utf-8", "surrogatepass"),
+                                b.encode("utf-8", "surrogatepass")))
 
 
 def load() -> None:
