@@ -106,6 +106,20 @@ def record(doc: dict[str, Any], event: str, now: datetime, **detail: Any) -> Non
         del history[1:len(history) - MAX_HISTORY + 1]
 
 
+def throttles_in_a_row(doc: dict[str, Any]) -> int:
+    """How many ``throttled`` events the history ends with (claims between them not counted)."""
+    history = book(doc).get("history")
+    count = 0
+    for entry in reversed(history if isinstance(history, list) else []):
+        event = entry.get("event") if isinstance(entry, dict) else None
+        if event == "claimed":
+            continue
+        if event != "throttled":
+            break
+        count += 1
+    return count
+
+
 def first_seen(doc: dict[str, Any]) -> datetime | None:
     """When handoffd first recorded the handoff (its first history event: created, or the claim
     of a foreign document), or None. Trust it only on a claimed document: claiming replaces

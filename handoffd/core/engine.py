@@ -28,6 +28,7 @@ from .documents import (
     first_seen,
     next_attempt_at,
     record,
+    throttles_in_a_row,
 )
 from .errors import (
     ConfigError,
@@ -50,6 +51,9 @@ from .workspace import Workspace
 
 MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0
 MAX_THROTTLE_SECONDS = 3600.0  # a throttled handoff is looked at again within the hour
+# ... and not sooner than this, doubled for each throttle in a row: a specialist answering
+# `throttled` with no delay (or a negative one) would otherwise be polled in a hot loop
+MIN_THROTTLE_SECONDS = 0.1
 MIN_TIMEOUT_SECONDS = 0.01  # a job admitted just before its deadline still gets a last instant
 PERMANENT_CODES = frozenset({
     ErrorCode.SCHEMA_VALIDATION_FAILED, ErrorCode.VALIDATION_FAILED, ErrorCode.CONTRACT_VIOLATION,
@@ -713,9 +717,11 @@ class Engine:
         and not a failure, so it never uses up retries."""
         asked = (outcome.park or {}).get("retry_after_seconds")
         if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked == asked:
-            delay = min(max(float(asked), 0.0), MAX_THROTTLE_SECONDS)
+            delay = float(asked)
         else:
-            delay = min(self.policy(claim.doc, spec).delay(1), MAX_THROTTLE_SECONDS)
+            delay = self.policy(claim.doc, spec).delay(1)
+        floor = MIN_THROTTLE_SECONDS * 2 ** min(throttles_in_a_row(claim.doc), 16)
+        delay = min(max(delay, floor), MAX_THROTTLE_SECONDS)
         log.info("handoff %s: %s is throttled; trying again in %gs", claim.id,
                  spec.agent if spec else "its specialist", delay)
         return self.requeue(claim, dialect, "throttled", due_at=self.clock() + timedelta(seconds=delay),

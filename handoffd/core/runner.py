@@ -47,8 +47,9 @@ def validate_result(result: Any, handoff_id: str) -> dict[str, Any]:
         raise HandlerError(f"handoff {handoff_id}: handler result cannot be filed as JSON "
                            f"({type(exc).__name__}: {str(exc)[:120]})", handoff_id=handoff_id,
                            retryable=False) from None
-    if result.get("status") not in RESULT_STATUSES:
-        raise HandlerError(f"handoff {handoff_id}: handler result status {result.get('status')!r} "
+    status = result.get("status")
+    if not isinstance(status, str) or status not in RESULT_STATUSES:  # a list is not hashable
+        raise HandlerError(f"handoff {handoff_id}: handler result status {str(status)[:60]!r} "
                            f"is not one of {', '.join(sorted(RESULT_STATUSES))}", handoff_id=handoff_id)
     return result
 

@@ -1,0 +1,93 @@
+"""Hostile answers and bookkeeping found by the eighth session's bug hunt: each was a traceback, a
+stuck handoff, a hot loop or a stalled daemon; each is now one line and a code, and the daemon
+goes on serving (a control handoff completes beside them)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Workspace
+
+PRINT = [sys.executable, "-c", "import sys; sys.stdin.read(); print(sys.argv[1])"]
+
+
+def printing(name: str, answer: dict[str, Any]) -> str:
+    """A command specialist that answers ``answer`` whatever it is asked."""
+    argv = json.dumps([*PRINT, json.dumps(answer)])
+    return f'[specialists."{name}"]\ncommand = {argv}\nretry = {{ max_retries = 0 }}\n'
+
+
+def native(handoff_id: str, target: str, **extra: Any) -> dict[str, Any]:
+    return {"handoff_id": handoff_id, "target": {"agent_id": target}, "input": {"data": {}},
+            **extra}
+
+
+def events(ws: Workspace, handoff_id: str) -> list[str]:
+    return [e["event"] for e in ws.doc(handoff_id)["handoffd"]["history"]]
+
+
+@pytest.fixture
+def hws(tmp_path: Path) -> Workspace:
+    root = tmp_path / "ws"
+    (root / "handoffs" / "pending").mkdir(parents=True)
+    ws = Workspace(root)
+    ws.write_config('[daemon]\nsweep_seconds = 0.5\nrescan_seconds = 1.0\n\n'
+                    + printing("@ok", {"status": "completed"})
+                    + printing("@liststatus", {"status": ["completed"]})
+                    + printing("@dictstatus", {"status": {"a": 1}})
+                    + printing("@throttleneg", {"status": "throttled", "retry_after_seconds": -5})
+                    + printing("@throttlezero", {"status": "throttled", "retry_after_seconds": 0}))
+    yield ws
+    ws.cleanup()
+
+
+def test_a_status_that_is_not_a_string_fails_the_attempt(hws: Workspace) -> None:
+    """`{"status": ["completed"]}` raised TypeError (unhashable) in the result check: a
+    traceback, and the handoff stayed in in-progress/ until the daemon restarted."""
+    for name in ("liststatus", "dictstatus"):
+        hws.drop(f"c-{name}.json", native(f"c-{name}", f"@{name}"))
+    hws.drop("c-ok.json", native("c-ok", "@ok"))
+    proc = hws.handoffd("run")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert hws.state_of("c-ok") == ["completed"]
+    for name in ("liststatus", "dictstatus"):
+        assert hws.state_of(f"c-{name}") == ["failed"], proc.stderr
+        error = hws.doc(f"c-{name}")["error"]
+        assert error["code"] == "PROCESSING_ERROR" and "status" in error["message"], error
+
+
+def test_throttled_with_no_or_a_negative_delay_backs_off(hws: Workspace) -> None:
+    """`retry_after_seconds: -5` (or 0) requeued at once, thousands of times a minute. Now the
+    delay is at least 0.1 s doubled for each throttle in a row: in 2 s, at most 5 throttles
+    (0.1 + 0.2 + 0.4 + 0.8 = 1.5 s, the sixth would come after 3.1 s), however fast the machine."""
+    hws.drop("t-neg.json", native("t-neg", "@throttleneg"))
+    hws.drop("t-zero.json", native("t-zero", "@throttlezero"))
+    daemon = hws.serve()
+    try:
+        hws.drop("t-ok.json", native("t-ok", "@ok"))
+        assert hws.wait_state("t-ok") == "completed"
+        time.sleep(2.0)
+    finally:
+        assert hws.stop(daemon) == 0
+        err = daemon.stderr.read() if daemon.stderr else ""
+    assert "Traceback" not in err, err
+    for handoff_id in ("t-neg", "t-zero"):
+        count = events(hws, handoff_id).count("throttled")
+        assert 1 <= count <= 6, (handoff_id, count)  # 6: a slack for the first one's timing
+        assert hws.state_of(handoff_id) == ["pending"]
+
+
+def test_throttles_in_a_row_counts_back_to_the_last_other_event() -> None:
+    from handoffd.core.documents import throttles_in_a_row
+    history = [{"event": e} for e in ("created", "claimed", "throttled", "claimed", "throttled",
+                                      "claimed")]
+    assert throttles_in_a_row({"handoffd": {"history": history}}) == 2
+    history += [{"event": "retry_scheduled"}, {"event": "claimed"}]
+    assert throttles_in_a_row({"handoffd": {"history": history}}) == 0
+    assert throttles_in_a_row({"handoffd": {"history": "x"}}) == 0
+    assert throttles_in_a_row({"handoffd": {"history": [5, None, {"event": "throttled"}]}}) == 1
+    assert throttles_in_a_row({}) == 0
