@@ -526,6 +526,7 @@ def requester_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verd
         return None
     kind = str(awaiting.get("kind", "needs_clarification")).replace("_", " ")
     items = awaiting.get("questions") or awaiting.get("blockers") or []
+    items = items if isinstance(items, list) else [items]  # (bookkeeping is ours, but typed)
     first = items[0] if items else ""
     if isinstance(first, dict):
         first = first.get("description") or first.get("question") or first.get("text") or ""
@@ -540,7 +541,9 @@ def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdi
     wait = book(doc).get("waiting_children") if isinstance(doc.get("handoffd"), dict) else None
     if not isinstance(wait, dict):
         return None
-    infos = [child_info(engine, cid) for cid in wait.get("children", [])]
+    children = wait.get("children")
+    infos = [child_info(engine, cid) for cid in (children if isinstance(children, list) else [])
+             if isinstance(cid, str)]
     if ready(engine, wait, infos):
         return None
     open_ = [i for i in infos if i.status is None]

@@ -109,3 +109,16 @@ add("seal-non-ascii", native("seal-non-ascii", handoffd={"revision": 3, "seal": 
     hid="seal-non-ascii",
     why="a non-ASCII handoffd.seal made hmac.compare_digest raise TypeError: a traceback in the "
         "claim, the handoff stuck in in-progress/, and `handoff show` an internal error")
+add("forged-next-attempt", native("forged-next-attempt", handoffd={
+    "next_attempt_at": "9999-12-31T23:59:59Z", "attempt": 50, "retries": 1e300}), "completed",
+    hid="forged-next-attempt",
+    why="an unsealed handoffd.next_attempt_at held a dropped document in pending/ until 9999: the "
+        "scheduler read foreign bookkeeping the claim would have discarded")
+add("forged-awaiting", native("forged-awaiting", handoffd={"awaiting": {"questions": ["forged"]}}),
+    "completed", hid="forged-awaiting",
+    why="an unsealed handoffd.awaiting parked a dropped document as waiting for an answer")
+add("forged-children-int", native("forged-children-int", handoffd={
+    "waiting_children": {"children": 5, "aggregation": "all"}, "awaiting": {"questions": 5}}),
+    "completed", hid="forged-children-int",
+    why="handoffd.waiting_children.children 5 and awaiting.questions 5 (ints): a TypeError in the "
+        "gates every 5 s, the document never filed")

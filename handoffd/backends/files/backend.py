@@ -25,7 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
-from ...core.documents import book, book_int, hostname
+from ...core.documents import BOOK, book, book_int, hostname
 from ...core.errors import (
     DocumentNotReady,
     DuplicateHandoff,
@@ -203,7 +203,8 @@ class FilesBackend(FencedFiling, Backend):
         try:
             stamp = datetime.fromtimestamp(os.stat(path, follow_symlinks=False).st_mtime,
                                            timezone.utc)
-            doc = self.store.read(state, handoff_id)
+            doc = self._read_pending(handoff_id) if state is State.PENDING \
+                else self.store.read(state, handoff_id)
         except FileNotFoundError:
             return None
         except Exception as exc:  # a socket, EACCES, invalid JSON...: a row only when asked
@@ -214,6 +215,18 @@ class FilesBackend(FencedFiling, Backend):
                        problem=read_error(path, exc, handoff_id))
         return Row(handoff_id, state, doc, safe_describe(self.describe, doc), due_of(doc, stamp),
                    updated_of(doc, stamp))
+
+    def _read_pending(self, handoff_id: str) -> Doc:
+        """A pending document as the scheduler and the listing see it: a ``handoffd`` block that
+        handoffd did not write there (no valid seal for pending/) is only a foreign document's
+        claim to bookkeeping, so it is left out, as the claim leaves it out; otherwise a forged
+        ``next_attempt_at``, ``awaiting`` or ``waiting_children`` would hold or park it. (Without
+        a seal key nothing can be told apart, and the block is kept.)"""
+        doc = self.store.read(State.PENDING, handoff_id)
+        if BOOK in doc and self.store.key is not None \
+                and self.store.trusted_revision(doc, State.PENDING, handoff_id) == 0:
+            doc[BOOK] = {}
+        return doc
 
     # ------------------------------------------------------------ claims
     def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float, *,
@@ -255,7 +268,7 @@ class FilesBackend(FencedFiling, Backend):
         if cached is not None and cached.key == key:
             return cached
         try:
-            doc = self.store.read(State.PENDING, handoff_id)
+            doc = self._read_pending(handoff_id)
         except Exception:  # unreadable, half-written or gone: not a candidate (admission says why)
             return None
         fresh = _Pending(key, safe_describe(self.describe, doc),
@@ -463,7 +476,7 @@ class FilesBackend(FencedFiling, Backend):
 
     def peek(self, handoff_id: str) -> Doc | None:
         try:
-            return self.store.read(State.PENDING, handoff_id)
+            return self._read_pending(handoff_id)
         except FileNotFoundError:
             return None
         except Exception as exc:  # one bad file must never stop the scheduler or `handoff ls`
