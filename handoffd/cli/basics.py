@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
@@ -51,12 +52,97 @@ def backend(root: str | Path | None) -> Backend:
     return open_backend(ws, ws.load_config())
 
 
-def json_arg(text: str, what: str) -> Any:
-    """``text`` parsed as JSON; UsageError naming ``what`` when it is not JSON."""
+class _NotFinite(ValueError):
+    pass
+
+
+def _refuse_constant(token: str) -> Any:
+    raise _NotFinite(token)
+
+
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if value in (float("inf"), float("-inf")):  # e.g. 1e400 (JSON numbers are never NaN)
+        raise _NotFinite(token[:40])
+    return value
+
+
+def json_arg(text: str, what: str, *, depth_below: int | None = None) -> Any:
+    """``text`` parsed as JSON that a document can hold; UsageError naming ``what`` when it is
+    not JSON, is not UTF-8 (argv's undecodable bytes, a ``\\u`` escape of a lone surrogate),
+    holds NaN, Infinity or a number too large for a float, or nests too deeply.
+    ``depth_below``: the value will sit that many levels inside a document (``input.data``: 2),
+    whose nesting the daemon limits to :data:`~handoffd.backends.files.fsio.MAX_DEPTH`."""
     try:
-        return json.loads(text)
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # an argument's bytes that were not UTF-8
+        raise UsageError(f"{what} is not UTF-8 text (character {exc.start + 1})") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NotFinite as exc:
+        raise UsageError(f"{what} holds the number {exc.args[0]}, which is not finite JSON "
+                         "(NaN, Infinity and overflowing numbers are refused)") from None
+    except RecursionError:
+        raise UsageError(f"{what} nests too deeply; flatten it") from None
     except ValueError as exc:
-        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+        raise UsageError(f"{what} is not valid JSON: {str(exc)[:200]}") from None
+    # only a \\u escape of a surrogate (D800-DFFF) can put one in: is it a lone one?
+    if "\\u" in text and re.search(r"\\u[dD][89a-fA-F]", text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError(f"{what} holds a \\u escape of a lone UTF-16 surrogate, which is "
+                             "not Unicode and cannot be written as UTF-8") from None
+        except RecursionError:
+            raise UsageError(f"{what} nests too deeply; flatten it") from None
+    if depth_below is not None:
+        from ..backends.files.fsio import MAX_DEPTH, nesting_depth
+        limit = MAX_DEPTH - depth_below
+        # (a value cannot nest deeper than it has brackets: most need no walk at all)
+        if text.count("[") + text.count("{") > limit and nesting_depth(value, limit) > limit:
+            raise UsageError(f"{what} nests more than {limit} levels deep; flatten it")
+    return value
+
+
+def read_limited(source: str, max_bytes: int, what: str) -> bytes:
+    """The bytes of the file ``source`` names, or of stdin for ``-`` (``what``: the option, for
+    messages). At most ``max_bytes`` (the workspace's ``daemon.max_document_bytes``) are
+    accepted, and no more than one byte beyond is ever read: an endless source (``/dev/zero``,
+    a pipe or FIFO whose writer never stops) is refused at once instead of filling memory.
+    UsageError when it is larger or cannot be read."""
+    name = "stdin" if source == "-" else source
+    chunks: list[bytes] = []
+    left = max_bytes + 1
+    try:
+        fd = 0 if source == "-" else os.open(source, os.O_RDONLY)  # (fd 0: stdin may be closed)
+        try:
+            while left > 0:
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+        finally:
+            if fd != 0:
+                os.close(fd)
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot read {name}: {exc.strerror or exc}") from None
+    if left <= 0:
+        raise UsageError(f"{what}: {name} is over the {max_bytes}-byte limit (raise "
+                         "daemon.max_document_bytes in handoffd.toml if this is intended)")
+    return b"".join(chunks)
+
+
+def read_json_arg(source: str, max_bytes: int, what: str, *,
+                  depth_below: int | None = None) -> Any:
+    """The JSON of ``--input FILE|-``: :func:`read_limited`, then :func:`json_arg`."""
+    raw = read_limited(source, max_bytes, what)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what}: {'stdin' if source == '-' else source} is not UTF-8 "
+                         f"(byte {exc.start})") from None
+    return json_arg(text, what, depth_below=depth_below)
 
 
 def exit_code(program: str, exc: BaseException) -> int:

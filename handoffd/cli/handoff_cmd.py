@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..core.errors import InvalidDocument, NotFound, UsageError
+from ..core.errors import ErrorCode, InvalidDocument, NotFound, UsageError
 from ..core.states import State
 from ..core.workspace import Workspace, resolve_root
 from . import observe_cmd, ops_cmd, orchestration_cmd, reads
@@ -17,8 +17,8 @@ from . import observe_cmd, ops_cmd, orchestration_cmd, reads
 # body: a one-shot command pays only for itself. (`handoff create --to`'s plain form does not
 # even come here: see handoffd.cli.quick.)
 from .common import JsonOption, RootOption, engine, guarded, new_app, run_app, workspace
-from .basics import json_arg
-from .quick import submit_request
+from .basics import json_arg, read_json_arg, read_limited
+from .quick import INPUT_DATA_DEPTH, submit_request
 from .render import console, print_json
 
 PROG = "handoff"
@@ -79,11 +79,16 @@ def create(
         if any(v is not None for v in (to, data, input_file, handoff_id)):
             raise UsageError("--file submits a whole document; do not combine it with --to/--data/--input/--id")
         if str(file) == "-":
-            raw = sys.stdin.buffer.read(eng.settings.max_document_bytes + 1)
-            if len(raw) > eng.settings.max_document_bytes:
-                raise UsageError(f"the document on stdin is over {eng.settings.max_document_bytes} bytes")
+            raw = read_limited("-", eng.settings.max_document_bytes, "--file")
         else:
-            raw, _ = read_bytes_safely(file, eng.settings.max_document_bytes)
+            try:
+                raw, _ = read_bytes_safely(file, eng.settings.max_document_bytes)
+            except InvalidDocument as exc:  # what FILE names, not what it holds: exit 2
+                if exc.code not in (ErrorCode.DOCUMENT_TOO_LARGE, ErrorCode.NOT_A_REGULAR_FILE):
+                    raise
+                raise UsageError(f"--file {file}: {exc}") from None
+            except OSError as exc:
+                raise UsageError(f"--file: cannot read {file}: {exc.strerror or exc}") from None
         submitted = parse_document(raw, str(file))
         if expires_at is not None:
             if not isinstance(submitted, dict) or "handoff_id" not in submitted:
@@ -98,10 +103,10 @@ def create(
             raise UsageError("give input with --data or --input, not both")
         payload: Any = None
         if data is not None:
-            payload = json_arg(data, "--data")
+            payload = json_arg(data, "--data", depth_below=INPUT_DATA_DEPTH)
         elif input_file is not None:
-            text = sys.stdin.read() if input_file == "-" else Path(input_file).read_text(encoding="utf-8")
-            payload = json_arg(text, f"--input {input_file}")
+            payload = read_json_arg(input_file, eng.settings.max_document_bytes, "--input",
+                                    depth_below=INPUT_DATA_DEPTH)
         new_id = submit_request(eng, to=to, source=source, payload=payload,
                                 handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                 priority=priority, depends_on=depends_on,

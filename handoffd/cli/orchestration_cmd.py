@@ -5,7 +5,6 @@ Registered on the ``handoff`` Typer app by :func:`register` (called from handoff
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
@@ -18,20 +17,27 @@ if TYPE_CHECKING:  # rich loads when something is printed for a human, not at st
 
 from ..core.errors import NotFound, UsageError, WaitTimeout
 from .common import JsonOption, RootOption, engine, guarded, workspace
-from .basics import json_arg
+from .basics import json_arg, read_json_arg
 from .render import STATE_STYLE, console, print_json
 
 PROG = "handoff"
 DEFAULT_AGENT = "@cli"
 
 
-def _data(data: str | None, input_file: str | None) -> Any:
+# how deep an answer sits in the document it is filed in: document, input (or the handoffd
+# block), clarifications, the entry, its answer
+ANSWER_DEPTH = 4
+
+
+def _data(data: str | None, input_file: str | None, max_bytes: int, *,
+          depth_below: int | None = None, what: str = "--data") -> Any:
+    """The value of --data JSON (``what``: how the command line gave it) or --input FILE|-
+    (at most ``max_bytes``, the workspace's ``daemon.max_document_bytes``)."""
     if (data is None) == (input_file is None):
         raise UsageError("give the value with --data JSON or --input FILE|-")
     if data is not None:
-        return json_arg(data, "--data")
-    text = sys.stdin.read() if input_file == "-" else Path(str(input_file)).read_text(encoding="utf-8")
-    return json_arg(text, f"--input {input_file}")
+        return json_arg(data, what, depth_below=depth_below)
+    return read_json_arg(str(input_file), max_bytes, "--input", depth_below=depth_below)
 
 
 def _agent(as_agent: str | None) -> str:
@@ -111,19 +117,22 @@ def answer(
     from ..features.orchestration import answer as do_answer
 
     eng = engine(root)
-    do_answer(eng, handoff_id, _data(data, input_file), by=_agent(as_agent))
+    do_answer(eng, handoff_id, _data(data, input_file, eng.settings.max_document_bytes,
+                                     depth_below=ANSWER_DEPTH), by=_agent(as_agent))
     print(f"{handoff_id}: answered; back in pending/")
 
 
 # ---------------------------------------------------------------- context
-def _store(root: Path | None) -> Any:
+def _store(root: Path | None, config: Any = None) -> Any:
     """The workspace's context: its ``context/`` folder, or the shared store's (a
-    PostgreSQL store named by $HANDOFFD_STORE or [store] url)."""
+    PostgreSQL store named by $HANDOFFD_STORE or [store] url). ``config``: the workspace's,
+    when the caller loaded it."""
     from ..features.context import ContextStore, Permissions
     from ..features.stores import context_backend
 
     ws = workspace(root)
-    config = ws.load_config()  # validated once (a bad [namespaces] table: exit 2)
+    if config is None:
+        config = ws.load_config()  # validated once (a bad [namespaces] table: exit 2)
     backend = None
     if config.store_url() is not None:  # psycopg loads only for a PostgreSQL store
         from ..features.build import open_backend
@@ -170,8 +179,11 @@ def context_set(
         if data is not None or input_file is not None:
             raise UsageError("give the value once: as the VALUE argument, --data or --input")
         data = value
-    store = _store(root)
-    entry = store.set(key, _data(data, input_file), agent=_agent(as_agent),
+    config = workspace(root).load_config()
+    store = _store(root, config)
+    entry = store.set(key, _data(data, input_file, config.daemon.max_document_bytes,
+                                 what="--data" if value is None else "VALUE"),
+                      agent=_agent(as_agent),
                       handoff_id=os.environ.get("HANDOFF_ID"), if_revision=if_revision)
     _refresh_mirror(store)
     print(f"{entry['key']}: written by {entry['by']} (revision {entry['revision']}, "

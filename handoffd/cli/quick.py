@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
 
 
+# how deep ``handoff create``'s --data/--input value sits in the request: document, input, data
+INPUT_DATA_DEPTH = 2
+
+
 @dataclass(frozen=True)
 class Form:
     """The plain form of one command: options taking a value (option -> parameter), flags
@@ -160,7 +164,8 @@ def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
 def quick_create(opts: dict[str, Any]) -> int:
     """``handoff create --to ...`` in its plain form."""
     eng = engine(opts.get("root"), create=True, features=("dependencies",))  # as the full path
-    payload = json_arg(opts["data"], "--data") if "data" in opts else None
+    payload = (json_arg(opts["data"], "--data", depth_below=INPUT_DATA_DEPTH)
+               if "data" in opts else None)
     new_id = submit_request(eng, to=opts["to"], source=opts.get("source", "@cli"),
                             payload=payload, handoff_id=opts.get("handoff_id"),
                             timeout_seconds=opts.get("timeout_seconds"),

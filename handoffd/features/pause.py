@@ -37,7 +37,9 @@ class Pauses:
         CACHE_SECONDS, so a pause or resume reaches every daemon within that."""
         now = time.monotonic()
         if self._cached is None or now - self._cached[0] > CACHE_SECONDS:
-            self._cached = (now, self.records.read(KIND))
+            # an entry that is not an object (a hand-edited or damaged record) is no pause
+            self._cached = (now, {agent: entry for agent, entry in self.records.read(KIND).items()
+                                  if isinstance(entry, dict)})
         return self._cached[1]
 
     def set(self, agent: str, *, paused: bool, by: str, reason: str = "") -> dict[str, Any]:

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .fsio import locked
+from .fsio import MAX_DEPTH, locked, nesting_depth
 
 KIND = re.compile(r"^[a-z][a-z0-9_-]{0,40}$")
 
@@ -41,11 +41,7 @@ class FileRecords:
         stamp = (info.st_ino, info.st_mtime_ns, info.st_size)
         cached = self._cache.get(kind)
         if cached is None or cached[0] != stamp:
-            try:
-                loaded = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                loaded = {}
-            cached = (stamp, loaded if isinstance(loaded, dict) else {})
+            cached = (stamp, _load(path))
             self._cache[kind] = cached
         return copy.deepcopy(cached[1])
 
@@ -54,11 +50,7 @@ class FileRecords:
         path = self.path(kind)
         self.folder.mkdir(parents=True, exist_ok=True)
         with locked(self.folder / f".{kind}.lock"):
-            try:
-                current = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                current = {}
-            records = current if isinstance(current, dict) else {}
+            records = _load(path)
             old = records.get(key)
             new = change(copy.deepcopy(old))
             if new == old:
@@ -71,3 +63,15 @@ class FileRecords:
             tmp.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n", encoding="utf-8")
             os.replace(tmp, path)  # readers see the old file or the new one, never half
             return new
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """The records in ``path``; an unreadable file, or one that is not an object or nests
+    deeper than any record does (its copies would exhaust the recursion limit), is empty."""
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(loaded, dict) or nesting_depth(loaded, MAX_DEPTH) > MAX_DEPTH:
+        return {}
+    return loaded
