@@ -4,13 +4,14 @@ goes on serving (a control handoff completes beside them)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Workspace
+from conftest import Workspace, reason_codes
 
 PRINT = [sys.executable, "-c", "import sys; sys.stdin.read(); print(sys.argv[1])"]
 
@@ -91,3 +92,25 @@ def test_throttles_in_a_row_counts_back_to_the_last_other_event() -> None:
     assert throttles_in_a_row({"handoffd": {"history": "x"}}) == 0
     assert throttles_in_a_row({"handoffd": {"history": [5, None, {"event": "throttled"}]}}) == 1
     assert throttles_in_a_row({}) == 0
+
+
+def test_a_file_name_that_is_not_utf8_is_set_aside_once(hws: Workspace) -> None:
+    """`bad\\xff.json` in pending/: its id ('bad\\udcff' as Python reads the name) made sealing
+    raise UnicodeEncodeError after the claim; the file cycled between in-progress/ and recovery
+    with a traceback each time, and its quarantine reason could not be written. Now the name is
+    refused before any claim, as UNSAFE_ID, and its reason names it with a \\x escape."""
+    pending = os.fsencode(hws.root / "handoffs" / "pending")
+    tmp = os.fsencode(hws.root / "x.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(native("bad", "@ok"), fh)
+    os.rename(tmp, pending + b"/bad\xff.json")
+    hws.drop("c-ok.json", native("c-ok", "@ok"))
+    proc = hws.handoffd("run")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert hws.state_of("c-ok") == ["completed"]
+    assert os.listdir(pending) == []
+    assert not os.listdir(hws.root / "handoffs" / "in-progress")
+    assert list(reason_codes(hws.root).values()) == ["UNSAFE_ID"]
+    listing = hws.handoff("ls", "--state", "quarantined", "--json")
+    rows = json.loads(listing.stdout)
+    assert len(rows) == 1 and "bad\\xff.json" in rows[0]["note"], rows

@@ -241,6 +241,12 @@ class Engine:
         filed under its name when that is a safe id). Raises DocumentNotReady."""
         now = self.clock()
         found: list[Dialect] = []
+        try:  # a name that is no safe id (one not even UTF-8) is set aside before any claim
+            check_id(handoff_id)
+        except InvalidDocument as exc:
+            self.set_aside(handoff_id, State.PENDING, ErrorCode.UNSAFE_ID,
+                           f"file pending/{handoff_id}.json: {exc}", stub=False)
+            return None
 
         def on_claim(doc: dict[str, Any]) -> None:
             dialect = self.formats.detect(doc)

@@ -60,7 +60,8 @@ def load_or_create_key(meta: Path, tmp: Path) -> bytes | None:
 
 def seal_for(key: bytes, handoff_id: str, revision: int, folder: str) -> str:
     """The seal of a document with this id and revision written into ``folder``."""
-    message = f"{handoff_id}\0{revision}\0{folder}".encode()
+    # surrogatepass: an id from a file name that is not UTF-8 must not make sealing raise
+    message = f"{handoff_id}\0{revision}\0{folder}".encode("utf-8", "surrogatepass")
     return hmac_sha256_hex(key, message)[:32]
 
 

@@ -452,8 +452,8 @@ class Store:
         name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{safe}"
         target = self.ws.quarantine / name
         os.rename(path, target)  # works for symlinks and fifos too: the entry moves, not its target
-        reason = {"file": path.name, "from": path.parent.name, "code": code, "message": message,
-                  "at": iso(now), "actor": actor()}
+        reason = {"file": _readable(path.name), "from": path.parent.name, "code": code,
+                  "message": _readable(message), "at": iso(now), "actor": actor()}
         fsio.replace(self.ws.quarantine / f"{name}.reason.json", fsio.dump_json(reason),
                      self.tmp, durable=self.durable)
         return target
@@ -469,6 +469,15 @@ class Store:
             item["stored_as"] = entry.name[: -len(".reason.json")]
             out.append(item)
         return out
+
+
+def _readable(text: str) -> str:
+    """``text`` as UTF-8 can hold it: the bytes of a file name that is not UTF-8 (and any lone
+    surrogate) written as ``\\x`` escapes, so that a reason naming it can be filed."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no byte stands for
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "backslashreplace")
 
 
 def _doc_id(doc: dict[str, Any]) -> str:
