@@ -2,13 +2,16 @@
 shared-context ``[namespaces]`` / ``[tiers]`` tables.
 
 Everything is validated when the file is loaded, so ``handoffd serve`` / ``run`` refuse a bad file at
-start (ConfigError, exit 2) instead of failing later. Numbers must be finite and within sane bounds:
-an ``inf`` or ``1e300`` second interval is a typo, and it would overflow date arithmetic later.
+start (ConfigError, exit 2) instead of failing later. Values are taken as written, never converted:
+``events = "false"`` is text, not false; ``max_document_bytes = 1.9`` is not a whole number;
+``workers = "3"`` is not a number. Numbers must be finite and within sane bounds: an ``inf`` or
+``1e300`` second interval is a typo that would overflow date arithmetic later, a ``1e-300`` one
+spins a CPU, a ``lease_seconds`` under a second expires leases a healthy daemon still holds.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -23,23 +26,79 @@ STORE_ENV = "HANDOFFD_STORE"  # the store URL from the environment (beats the fi
 SPECIALIST_KEYS = frozenset({"command", "handler", "input_schema", "output_schema", "timeout_seconds",
                              "concurrency", "retry", "env", "cwd", "rate"})
 RETENTION_KEYS = frozenset({"completed", "failed", "mode", "every"})
-POSITIVE_SETTINGS = ("rescan_seconds", "sweep_seconds", "lease_seconds", "max_document_bytes",
-                     "max_output_bytes", "default_timeout_seconds", "seen_ttl_seconds",
-                     "stall_seconds")
+RETRY_KEYS = frozenset({"max_retries", "retry_delay_seconds", "backoff_multiplier"})
 # Upper bounds: far above any real setting, far below what overflows datetime/timedelta arithmetic.
 MAX_SECONDS = 10 * 365.25 * 24 * 3600          # any [daemon] / specialist time: 10 years
 MAX_PROCESSES = 64  # [daemon] processes / handoffd run and serve --processes
 AUTO_PROCESSES = 0  # how "auto" is held in DaemonSettings.processes
+MAX_WORKERS = 1024  # [daemon] workers; also a specialist's concurrency
 MAX_RETRY_DELAY_SECONDS = 7 * 24 * 3600.0      # one retry delay (also the cap of RetryPolicy.delay)
 MAX_BACKOFF_MULTIPLIER = 100.0
 MAX_RETRIES = 1000
+MAX_BYTES = 1024 ** 3  # max_document_bytes, max_output_bytes, events_max_bytes: 1 GiB
+MAX_POOL_SIZE = 1000  # [store] pool_size
+MAX_NOTIFY_RETRIES = 20  # [[on_filed]] retries
+MAX_NOTIFY_SECONDS = 3600.0  # [[on_filed]] retry_delay_seconds and timeout_seconds
+MAX_EVENTS_KEEP = 1000  # [daemon] events_keep (the rotation walks this many names)
+# Lower bounds of the loop intervals: below ~10 ms an idle daemon only spins (rescan_seconds =
+# 1e-300 kept a CPU busy); a lease renewed every lease_seconds / 3 but at most every 0.5 s
+# must last at least a second, or a healthy daemon recovers its own live claims as stalled.
+MIN_INTERVAL_SECONDS = 0.01
+MIN_LEASE_SECONDS = 1.0
 NAMESPACE_KEYS = frozenset({"writers"})
+
+# [daemon]: key -> (kind, low, high). Kinds: "int" (a whole number; a float such as 1.9 or a
+# bool is refused, never truncated), "seconds" (an int or a float), "bool" (true or false
+# only: "false" is text, not false), a tuple of the strings allowed, or "processes".
+DAEMON_RULES: dict[str, tuple[Any, float, float]] = {
+    "workers": ("int", 1, MAX_WORKERS),
+    "processes": ("processes", 1, MAX_PROCESSES),
+    "rescan_seconds": ("seconds", MIN_INTERVAL_SECONDS, MAX_SECONDS),
+    "sweep_seconds": ("seconds", MIN_INTERVAL_SECONDS, MAX_SECONDS),
+    "lease_seconds": ("seconds", MIN_LEASE_SECONDS, MAX_SECONDS),
+    "settle_seconds": ("seconds", 0, MAX_SECONDS),
+    "claim_grace_seconds": ("seconds", 0, MAX_SECONDS),
+    "grace_seconds": ("seconds", 0, MAX_SECONDS),
+    "durability": (("fsync", "fast"), 0, 0),
+    "max_document_bytes": ("int", 1024, MAX_BYTES),
+    "max_output_bytes": ("int", 1024, MAX_BYTES),
+    "default_timeout_seconds": ("seconds", MIN_INTERVAL_SECONDS, MAX_SECONDS),
+    "seen_ttl_seconds": ("seconds", 1, MAX_SECONDS),
+    "stall_seconds": ("seconds", MIN_INTERVAL_SECONDS, MAX_SECONDS),
+    "expectations": (("enforce", "advisory"), 0, 0),
+    "events": ("bool", 0, 0),
+    "events_max_bytes": ("int", 4096, MAX_BYTES),
+    "events_keep": ("int", 1, MAX_EVENTS_KEEP),
+}
 
 
 def _finite_number(value: Any) -> bool:
     """True for an int or float (not a bool) that is neither inf nor nan."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value))
+
+
+def _shown(number: float) -> str:
+    """A bound as the error shows it: ``1``, ``0.01``, ``315576000``."""
+    return str(int(number)) if float(number).is_integer() else repr(float(number))
+
+
+def bounded(value: Any, where: str, low: float, high: float, *, integer: bool = False,
+            unit: str = "") -> Any:
+    """``value`` if it is a number within ``[low, high]``: an int (not a bool) when ``integer``,
+    else an int or a float, finite. Nothing is converted: a string, a bool or (for a whole
+    number) a float is refused. ConfigError ``"<where> = <value> ..."`` naming the range
+    otherwise (``where`` names the key, e.g. ``"handoffd.toml: [daemon] workers"``)."""
+    allowed = f"{_shown(low)}..{_shown(high)}{unit}"
+    if integer and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{where} = {value!r} is not a whole number (allowed: {allowed})")
+    if not _finite_number(value):
+        raise ConfigError(f"{where} = {value!r} is not a finite number (allowed: {allowed})")
+    if low > 0 >= value:  # the words the checks always used for a non-positive interval
+        raise ConfigError(f"{where} must be greater than 0, not {value!r} (allowed: {allowed})")
+    if not low <= value <= high:
+        raise ConfigError(f"{where} = {value!r} is outside the allowed range {allowed}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -106,6 +165,27 @@ def _policy_key(data: dict[str, Any]) -> tuple[tuple[str, type, Any], ...] | Non
 def _overlaid(key: tuple[tuple[str, type, Any], ...], base: RetryPolicy) -> RetryPolicy:
     """RetryPolicy._overlay, remembered (a bad policy raises each time: errors are not kept)."""
     return RetryPolicy._overlay({name: value for name, _, value in key}, base)
+
+
+def check_retry_table(data: Any, where: str) -> None:
+    """A retry table of handoffd.toml (``[retry]``, a specialist's ``retry``): a table of the
+    known keys whose values are numbers as written (no text, no bool; ``max_retries`` a whole
+    number) within RetryPolicy's bounds. ConfigError ``"<where> <key> = ..."`` otherwise. (A
+    document's retry_policy is checked by RetryPolicy.from_dict alone, which reads "3" as 3.)"""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a table")
+    unknown = sorted(str(key) for key in set(data) - RETRY_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; known: "
+                          f"{', '.join(sorted(RETRY_KEYS))}")
+    if "max_retries" in data:
+        bounded(data["max_retries"], f"{where} max_retries", 0, MAX_RETRIES, integer=True)
+    if "retry_delay_seconds" in data:
+        bounded(data["retry_delay_seconds"], f"{where} retry_delay_seconds", 0,
+                MAX_RETRY_DELAY_SECONDS, unit=" seconds")
+    if "backoff_multiplier" in data:
+        bounded(data["backoff_multiplier"], f"{where} backoff_multiplier", 1,
+                MAX_BACKOFF_MULTIPLIER)
 
 
 def _retry_value(data: dict[str, Any], key: str, default: float, low: float, high: float, *,
@@ -285,14 +365,13 @@ def parse_store(table: Any, path: Path | str = "handoffd.toml") -> StoreSettings
     settings = StoreSettings()
     if "url" in table:
         settings.url = check_store_url(table["url"], f"{path}: [store] url")
-    size = table.get("pool_size", settings.pool_size)
-    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= 1000:
-        raise ConfigError(f"{path}: [store] pool_size must be a whole number 1-1000")
-    settings.pool_size = size
-    wait = table.get("reconnect_seconds", settings.reconnect_seconds)
-    if not _finite_number(wait) or not 0 <= wait <= MAX_SECONDS:
-        raise ConfigError(f"{path}: [store] reconnect_seconds must be a number of seconds >= 0")
-    settings.reconnect_seconds = float(wait)
+    if "pool_size" in table:
+        settings.pool_size = bounded(table["pool_size"], f"{path}: [store] pool_size", 1,
+                                     MAX_POOL_SIZE, integer=True)
+    if "reconnect_seconds" in table:
+        settings.reconnect_seconds = float(bounded(
+            table["reconnect_seconds"], f"{path}: [store] reconnect_seconds", 0, MAX_SECONDS,
+            unit=" seconds"))
     return settings
 
 
@@ -369,16 +448,16 @@ def parse_on_filed(tables: Any, path: Path) -> list[NotifyRule]:
             raise ConfigError(f"{where}: url must be an http:// or https:// address")
         if not all(v is None or isinstance(v, str) for v in (rule.secret, rule.secret_env)):
             raise ConfigError(f"{where}: secret and secret_env must be strings")
-        if not isinstance(rule.states, list) or not set(rule.states) <= {"completed", "failed"}:
+        if not isinstance(rule.states, list) or not all(
+                s in ("completed", "failed") for s in rule.states):
             raise ConfigError(f"{where}: states may list completed and failed")
         if not isinstance(rule.agents, list) or not all(isinstance(a, str) for a in rule.agents):
             raise ConfigError(f"{where}: agents must be a list of agent ids")
-        if not isinstance(rule.retries, int) or not 0 <= rule.retries <= 20:
-            raise ConfigError(f"{where}: retries must be a whole number 0-20")
+        bounded(rule.retries, f"{where}: retries", 0, MAX_NOTIFY_RETRIES, integer=True)
         for name in ("retry_delay_seconds", "timeout_seconds"):
-            value = getattr(rule, name)
-            if not _finite_number(value) or not 0 < value <= 3600:
-                raise ConfigError(f"{where}: {name} must be a number above 0, at most 3600")
+            value = bounded(getattr(rule, name), f"{where}: {name}", MIN_INTERVAL_SECONDS,
+                            MAX_NOTIFY_SECONDS, unit=" seconds")
+            setattr(rule, name, float(value))
         rules.append(rule)
     return rules
 
@@ -398,8 +477,10 @@ def load_config(path: Path) -> Config:
                           f"{', '.join(sorted(SECTIONS))}")
     config = Config()
     config.daemon = _daemon_settings(raw.get("daemon", {}), path)
+    retry = raw.get("retry", {})
+    check_retry_table(retry, f"{path}: [retry]")
     try:
-        config.retry = RetryPolicy.from_dict(raw.get("retry", {}))
+        config.retry = RetryPolicy.from_dict(retry)
     except ConfigError as exc:
         raise ConfigError(f"{path}: [retry] {exc}") from None
     config.namespaces = parse_namespaces(raw.get("namespaces", {}), path)
@@ -407,7 +488,10 @@ def load_config(path: Path) -> Config:
     config.on_filed = parse_on_filed(raw.get("on_filed", []), path)
     config.retention = parse_retention(raw.get("retention", {}), path)
     config.store = parse_store(raw.get("store", {}), path)
-    for agent, table in (raw.get("specialists") or {}).items():
+    specialists = raw.get("specialists", {})
+    if not isinstance(specialists, dict):
+        raise ConfigError(f"{path}: specialists must be tables: [specialists.\"@agent\"]")
+    for agent, table in specialists.items():
         config.specialists[agent] = specialist_from_table(agent, table, config.retry, path)
     return config
 
@@ -424,11 +508,11 @@ def parse_retention(table: Any, path: Path | str = "handoffd.toml") -> Retention
         retention = Retention(
             completed=parse_duration(table["completed"]) if "completed" in table else None,
             failed=parse_duration(table["failed"]) if "failed" in table else None,
-            mode=str(table.get("mode", "purge")),
+            mode=table.get("mode", "purge"),
             every=parse_duration(table.get("every", 3600)))
     except ConfigError as exc:
         raise ConfigError(f"{path}: [retention] {exc}") from None
-    if retention.mode not in ("purge", "archive"):
+    if not isinstance(retention.mode, str) or retention.mode not in ("purge", "archive"):
         raise ConfigError(f"{path}: [retention] mode must be \"purge\" or \"archive\"")
     if retention.every < 1:
         raise ConfigError(f"{path}: [retention] every must be at least 1 second")
@@ -436,46 +520,40 @@ def parse_retention(table: Any, path: Path | str = "handoffd.toml") -> Retention
 
 
 def _daemon_settings(table: dict[str, Any], path: Path) -> DaemonSettings:
+    """``[daemon]`` as DaemonSettings: every key checked against DAEMON_RULES (its type, never
+    converted, and its range); ConfigError naming the first bad one."""
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [daemon] must be a table")
-    known = {f.name: f.type for f in fields(DaemonSettings)}
     settings = DaemonSettings()
     for key, value in table.items():
-        if key not in known:
-            raise ConfigError(f"{path}: unknown [daemon] setting {key!r}; known: {', '.join(known)}")
-        if key == "processes":
-            try:
-                value = processes_value(value)
-            except ValueError:
-                raise ConfigError(f"{path}: [daemon] processes must be \"auto\" or "
-                                  f"1..{MAX_PROCESSES}") from None
-        default = getattr(settings, key)
-        if isinstance(value, bool) and not isinstance(default, bool):
-            raise ConfigError(f"{path}: [daemon] {key} = {value!r} is not of type {type(default).__name__}")
-        try:
-            setattr(settings, key, type(default)(value))
-        except (TypeError, ValueError, OverflowError):  # int(inf) raises OverflowError
-            raise ConfigError(f"{path}: [daemon] {key} = {value!r} is not of type {type(default).__name__}") from None
-    if settings.durability not in ("fsync", "fast"):
-        raise ConfigError(f"{path}: [daemon] durability must be \"fsync\" or \"fast\"")
-    if settings.expectations not in ("enforce", "advisory"):
-        raise ConfigError(f"{path}: [daemon] expectations must be \"enforce\" or \"advisory\"")
-    if settings.workers < 1:
-        raise ConfigError(f"{path}: [daemon] workers must be at least 1")
-    for name in known:
-        value = getattr(settings, name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{path}: [daemon] {name} = {value!r} must be a finite number")
-        if name.endswith("_seconds") and value > MAX_SECONDS:
-            raise ConfigError(f"{path}: [daemon] {name} = {value!r} is too large (at most "
-                              f"{MAX_SECONDS:.0f} seconds, 10 years)")
-    for name in POSITIVE_SETTINGS:
-        if getattr(settings, name) <= 0:
-            raise ConfigError(f"{path}: [daemon] {name} must be greater than 0")
-    for name in ("settle_seconds", "claim_grace_seconds", "grace_seconds"):
-        if getattr(settings, name) < 0:
-            raise ConfigError(f"{path}: [daemon] {name} must not be negative")
+        if key not in DAEMON_RULES:
+            raise ConfigError(f"{path}: unknown [daemon] setting {key!r}; known: "
+                              f"{', '.join(DAEMON_RULES)}")
+        setattr(settings, key, _daemon_value(key, value, f"{path}: [daemon] {key}"))
     return settings
+
+
+def _daemon_value(key: str, value: Any, where: str) -> Any:
+    """One ``[daemon]`` value, checked against its rule in DAEMON_RULES."""
+    kind, low, high = DAEMON_RULES[key]
+    if kind == "processes":
+        try:
+            return processes_value(value)
+        except ValueError:
+            raise ConfigError(f"{where} = {value!r}: must be \"auto\" or a whole number "
+                              f"1..{MAX_PROCESSES}") from None
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r} must be true or false (unquoted)")
+        return value
+    if isinstance(kind, tuple):
+        if not isinstance(value, str) or value not in kind:
+            raise ConfigError(f"{where} = {value!r} must be "
+                              f"{' or '.join(chr(34) + k + chr(34) for k in kind)}")
+        return value
+    if kind == "int":
+        return bounded(value, where, low, high, integer=True)
+    return float(bounded(value, where, low, high, unit=" seconds"))
 
 
 def parse_namespaces(table: Any, path: Path | str = "handoffd.toml") -> dict[str, list[str]]:
@@ -560,17 +638,25 @@ def specialist_from_table(agent: str, table: dict[str, Any], default_retry: Retr
                           "(it is never run through a shell)")
     if handler is not None and (not isinstance(handler, str) or ":" not in handler):
         raise ConfigError(f"{path}: specialist {agent}: handler must look like \"package.module:function\"")
+    where = f"{path}: specialist {agent}:"
     concurrency = table.get("concurrency")
-    if concurrency is not None and (not isinstance(concurrency, int) or isinstance(concurrency, bool)
-                                    or concurrency < 1):
-        raise ConfigError(f"{path}: specialist {agent}: concurrency must be a positive integer")
+    if concurrency is not None:
+        bounded(concurrency, f"{where} concurrency", 1, MAX_WORKERS, integer=True)
     timeout = table.get("timeout_seconds")
-    if timeout is not None and (not _finite_number(timeout) or not 0 < timeout <= MAX_SECONDS):
-        raise ConfigError(f"{path}: specialist {agent}: timeout_seconds = {timeout!r} must be a "
-                          f"positive finite number of seconds (at most {MAX_SECONDS:.0f}, 10 years)")
+    if timeout is not None:
+        bounded(timeout, f"{where} timeout_seconds", MIN_INTERVAL_SECONDS, MAX_SECONDS,
+                unit=" seconds")
+    for name in ("input_schema", "output_schema", "cwd"):
+        if table.get(name) is not None and not isinstance(table[name], str):
+            raise ConfigError(f"{where} {name} = {table[name]!r} must be a string")
+    env = table.get("env")
+    if env is not None and (not isinstance(env, dict) or not all(
+            isinstance(k, str) and k and "=" not in k and "\0" not in k
+            and isinstance(v, str) and "\0" not in v for k, v in env.items())):
+        raise ConfigError(f"{where} env must be a table of NAME = \"text\" (strings, no NUL)")
     retry = table.get("retry")
-    if retry is not None and not isinstance(retry, dict):
-        raise ConfigError(f"{path}: specialist {agent}: retry must be a table")
+    if retry is not None:
+        check_retry_table(retry, f"{where} retry")
     try:
         policy = RetryPolicy.from_dict(retry, default_retry) if retry is not None else None
     except ConfigError as exc:
@@ -585,7 +671,7 @@ def specialist_from_table(agent: str, table: dict[str, Any], default_retry: Retr
         timeout_seconds=float(timeout) if timeout is not None else None,
         concurrency=concurrency,
         retry=policy,
-        env={str(k): str(v) for k, v in (table.get("env") or {}).items()},
+        env=dict(env or {}),
         cwd=table.get("cwd"),
         rate=rate,
     )

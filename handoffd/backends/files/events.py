@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
+from ...core.config import MAX_EVENTS_KEEP
 from ...core.events import START, Event, after
 from ...core.workspace import Workspace
 from . import fsio
@@ -33,7 +34,8 @@ class FileEventLog:
                  keep: int = DEFAULT_KEEP) -> None:
         self.path = workspace.meta / NAME
         self.max_bytes = max(int(max_bytes), 4096)
-        self.keep = max(int(keep), 1)
+        # bounded: the rotation walks keep names ([daemon] events_keep = 1e10 once stalled it)
+        self.keep = min(max(int(keep), 1), MAX_EVENTS_KEEP)
         self._mutex = threading.Lock()  # the threads of a process share one descriptor
         self._out = fsio.Appender(self.path)  # kept open (see append)
 
