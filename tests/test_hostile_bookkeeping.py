@@ -114,3 +114,75 @@ def test_a_file_name_that_is_not_utf8_is_set_aside_once(hws: Workspace) -> None:
     listing = hws.handoff("ls", "--state", "quarantined", "--json")
     rows = json.loads(listing.stdout)
     assert len(rows) == 1 and "bad\\xff.json" in rows[0]["note"], rows
+
+
+def _spoil(path: Path, how: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "short":
+        path.write_bytes(b"abc\n")
+    elif how == "dir":
+        path.mkdir()
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "zero":
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("how", ["empty", "short", "dir", "fifo", "zero"])
+def test_an_unusable_seal_key_is_one_line_and_nothing_is_accepted(hws: Workspace, how: str) -> None:
+    """An empty or directory seal.key left the store without a key: every handoff `handoff
+    create` acknowledged was then taken for a foreign copy of a used id and set aside unrun. A
+    FIFO there hung both the daemon and `create`; a symlink to /dev/zero read without end. Now
+    both refuse at once with one line naming the file (exit 2), and nothing is written."""
+    hws.handoffd("sweep")  # makes the workspace's folders and its key
+    _spoil(hws.root / "handoffs" / ".meta" / "seal.key", how)
+    for proc in (hws.handoff("create", "--to", "@ok", timeout=30), hws.handoffd("run", timeout=30)):
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert "seal.key" in lines[0] and "move it away" in lines[0], lines
+    assert os.listdir(hws.root / "handoffs" / "pending") == []
+
+
+@pytest.mark.parametrize("where", ["cancel/x.json", "cancel/c-ok.json", "procs/x.json",
+                                   "procs/c-ok.json", "paused.json", "rates.json"])
+@pytest.mark.parametrize("how", ["fifo", "zero"])
+def test_a_fifo_or_dev_zero_among_the_records_is_passed_over(hws: Workspace, where: str,
+                                                            how: str) -> None:
+    """A FIFO in .meta/cancel/, .meta/procs/ or at .meta/paused.json froze the daemon in open()
+    (deaf to SIGTERM); a symlink to /dev/zero made it read until memory ran out. Those records
+    are now opened without following links or waiting, and only as regular files."""
+    hws.handoffd("sweep")
+    _spoil(hws.root / "handoffs" / ".meta" / where, how)
+    hws.drop("c-ok.json", native("c-ok", "@ok"))
+    proc = hws.handoffd("run", timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert hws.state_of("c-ok") == ["completed"]
+
+
+@pytest.mark.parametrize("name", ["seen-ids.jsonl", "events.jsonl"])
+def test_a_fifo_for_a_log_is_an_error_line_not_a_hang(hws: Workspace, name: str) -> None:
+    """Opening a FIFO to append waits for a reader: `create` and the daemon hung on it."""
+    hws.handoffd("sweep")
+    _spoil(hws.root / "handoffs" / ".meta" / name, "fifo")
+    made = hws.handoff("create", "--to", "@ok", "--id", "c-1", timeout=30)
+    assert "Traceback" not in made.stderr and made.stderr.count("\n") <= 1, made.stderr
+    if name == "events.jsonl":  # the event log is best-effort: the handoff is made and runs
+        assert made.returncode == 0, made.stderr
+        proc = hws.handoffd("run", timeout=60)
+        assert hws.state_of("c-1") == ["completed"], proc.stderr
+    else:  # without its duplicate check nothing is accepted
+        assert made.returncode != 0 and name in made.stderr
+        assert os.listdir(hws.root / "handoffs" / "pending") == []
+
+
+def test_a_fifo_among_quarantine_reasons_does_not_hang_the_listing(hws: Workspace) -> None:
+    hws.handoffd("sweep")
+    quarantine = hws.root / "handoffs" / ".quarantine"
+    quarantine.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(quarantine / "x.reason.json")
+    proc = hws.handoff("ls", "--state", "quarantined", timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

@@ -86,6 +86,7 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
     from ..service.daemon import BatchReport, Daemon
     from ..service.spread import serve_processes_for, spread
     eng = engine(root, create=True, store=store)
+    eng.backend.prepare()  # what every write needs (the seal key): refused once, before forking
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         warn_if_shared(eng.ws.root)
     filings_logged = log_filings(eng)
@@ -154,6 +155,7 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
     from ..service.daemon import BatchReport, Daemon
     from ..service.spread import processes_for, spread
     eng = engine(root, create=True, store=store)
+    eng.backend.prepare()  # what every write needs (the seal key): refused once, before forking
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         warn_if_shared(eng.ws.root)
     log_filings(eng)

@@ -195,8 +195,8 @@ class Notifier:
                            "url": notice.rule.url, "error": why}) + "\n"
         try:
             self.engine.ws.meta.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.engine.ws.meta / DEAD_LETTERS, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                         0o644)
+            fd = os.open(self.engine.ws.meta / DEAD_LETTERS, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                         | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # a FIFO there: ENXIO, no wait
             try:
                 os.write(fd, line.encode("utf-8"))
             finally:

@@ -824,6 +824,7 @@ class Daemon:
         main loop died of an unexpected error (logged with its traceback; in-flight work is
         handed back) so that a supervisor restarts the daemon."""
         self.engine.ws.ensure()
+        self.engine.backend.prepare()  # e.g. an unusable seal key: one line now, not per handoff
         if install_signals:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
@@ -845,6 +846,7 @@ class Daemon:
         cron's ``timeout`` never leaves a claim behind with its specialist still running. After
         ``max_seconds`` it stops claiming and hands back what still runs, to end on time."""
         self.engine.ws.ensure()
+        self.engine.backend.prepare()
         self.batch = True
         if install_signals:
             signal.signal(signal.SIGTERM, self._on_signal)

@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 
 # How far another host's clock may run behind ours before its live lease looks expired to us.
 CLOCK_TOLERANCE_SECONDS = 30.0
+MAX_RECORD_BYTES = 1 << 20  # a cancel marker or other small record of .meta/, read whole
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,10 @@ class FilesBackend(FencedFiling, Backend):
 
     # ------------------------------------------------------------ creating and reading
     def prepare(self) -> None:
-        """See Backend.prepare: the rename that publishes a new document needs renameat2."""
+        """See Backend.prepare: the rename that publishes a new document needs renameat2, and
+        every write the seal key (ConfigError, one line, when it is unusable)."""
         fsio.load_renameat2()
+        _ = self.store.key
 
     def create(self, doc: Doc, handoff_id: str, now: datetime, *,
                due_at: datetime | None = None) -> None:
@@ -573,9 +576,8 @@ class FilesBackend(FencedFiling, Backend):
         path = os.path.join(self._cancel_folder, f"{handoff_id}.json")
         if not os.path.lexists(path):  # the usual answer, asked twice per handoff: one lstat
             return None
-        try:
-            with open(path, "rb") as file:
-                data = file.read()
+        try:  # a FIFO or a symlink to /dev/zero there must neither block nor run on
+            data = fsio.read_regular(path, MAX_RECORD_BYTES)
         except OSError:
             return None
         try:

@@ -79,7 +79,7 @@ class FileContext:
 
     def _rev_record(self, key: str) -> dict[str, Any] | None:
         try:
-            data = (self.root / ".meta" / _rev_name(key)).read_bytes()
+            data = fsio.read_regular(self.root / ".meta" / _rev_name(key), 1 << 16)
             record = json.loads(data.decode("utf-8"))
         except (OSError, UnicodeDecodeError, ValueError):
             return None
@@ -109,7 +109,8 @@ class FileContext:
     def history(self, key: str | None = None) -> list[dict[str, Any]]:
         """The entries of ``context/.history.jsonl`` (unparseable lines are skipped)."""
         try:
-            lines = (self.root / HISTORY).read_text(encoding="utf-8").splitlines()
+            with fsio.open_reading(self.root / HISTORY) as fh:
+                lines = fh.read().decode("utf-8", "replace").splitlines()
         except FileNotFoundError:
             return []
         out = []
@@ -147,7 +148,7 @@ class FileContext:
         line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
         from filelock import FileLock
         with FileLock(str(self.meta("history.lock")), timeout=LOCK_TIMEOUT_SECONDS):
-            fd = os.open(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = fsio.open_regular(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             try:
                 os.write(fd, line)
                 if self.durable:

@@ -84,7 +84,7 @@ class FileEventLog:
         """Every event kept, oldest first (those at or after ``since``)."""
         for path in self.files():
             try:
-                with open(path, "rb") as fh:
+                with fsio.open_reading(path) as fh:
                     data = fh.read()
             except FileNotFoundError:
                 continue  # rotated away while we read the others
@@ -115,7 +115,7 @@ class FileEventLog:
     def _read_from(self, path: Path, offset: int) -> tuple[list[Event], int]:
         """Complete lines of ``path`` from ``offset``, and the offset after the last one."""
         try:
-            with open(path, "rb") as fh:
+            with fsio.open_reading(path) as fh:
                 fh.seek(offset)
                 data = fh.read()
         except FileNotFoundError:

@@ -11,7 +11,10 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from . import fsio
 from .fsio import MAX_DEPTH, locked, nesting_depth
+
+MAX_RECORDS_BYTES = 16 * 1024 * 1024  # a kind's whole file (rates, pauses, reservations)
 
 KIND = re.compile(r"^[a-z][a-z0-9_-]{0,40}$")
 
@@ -69,7 +72,7 @@ def _load(path: Path) -> dict[str, Any]:
     """The records in ``path``; an unreadable file, or one that is not an object or nests
     deeper than any record does (its copies would exhaust the recursion limit), is empty."""
     try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
+        loaded = json.loads(fsio.read_regular(path, MAX_RECORDS_BYTES).decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(loaded, dict) or nesting_depth(loaded, MAX_DEPTH) > MAX_DEPTH:

@@ -13,29 +13,41 @@ who can read ``handoffs/.meta/`` can forge seals, as they could edit ``completed
 """
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
 
+from ...core.errors import ConfigError
 from ...core.hashing import hmac_sha256_hex, same_text
+from . import fsio
 
 KEY_NAME = "seal.key"
+MAX_KEY_BYTES = 4096
 
 
 def load_or_create_key(meta: Path, tmp: Path) -> bytes | None:
-    """The workspace's seal key, creating it atomically if absent; None if it cannot be read or
-    made (a read-only workspace: every revision is then untrusted, which only matters for the
-    tie-breaks between two copies of one id)."""
+    """The workspace's seal key, creating it atomically if absent. None when it is absent and
+    cannot be made (a read-only workspace: readers work, and every revision is untrusted).
+
+    ConfigError when a ``seal.key`` is there but unusable (a directory, a FIFO, a symlink, empty,
+    too short, unreadable). It is never replaced behind the operator's back: two processes
+    replacing it at once would seal with two keys. Without it handoffd cannot tell its own
+    documents from foreign ones: every handoff it created would be taken for a foreign copy of
+    an id already used and set aside unrun."""
     path = meta / KEY_NAME
     for _ in range(2):
         try:
-            data = path.read_bytes().strip()
+            data = fsio.read_regular(path, MAX_KEY_BYTES).strip()
+        except FileNotFoundError:
+            data = None
+        except OSError as exc:  # opened as fsio opens its own files: never blocks on a FIFO
+            why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+            raise unusable_key(path, why) from None
+        if data is not None:
             if len(data) >= 32:
                 return data
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return None
+            raise unusable_key(path, f"it holds {len(data)} bytes, not a key" if data else "it is empty")
         try:
             meta.mkdir(parents=True, exist_ok=True)
             tmp.mkdir(parents=True, exist_ok=True)
@@ -56,6 +68,13 @@ def load_or_create_key(meta: Path, tmp: Path) -> bytes | None:
         except OSError:
             return None
     return None
+
+
+def unusable_key(path: Path, why: str) -> ConfigError:
+    """The one line that says the workspace's seal key cannot be used, and what to do."""
+    return ConfigError(f"{path} cannot be used as the workspace's seal key ({why}); move it "
+                       "away and handoffd makes a new one (documents sealed with a lost key are "
+                       "then read as foreign: their handoffd bookkeeping is not trusted)")
 
 
 def seal_for(key: bytes, handoff_id: str, revision: int, folder: str) -> str:

@@ -17,7 +17,7 @@ from typing import BinaryIO, Iterator
 
 from ...core.timeutil import iso, parse_iso
 from . import fsio
-from .fsio import locked
+from .fsio import locked, open_reading
 from .idindex import IdIndex
 
 # the record is compacted once its oldest entry is this many TTLs old: a quarter of it then
@@ -101,7 +101,7 @@ class SeenIds:
         needle = json.dumps(handoff_id).encode()
         latest: float | None = None
         try:
-            with open(self.path, "rb") as record:
+            with open_reading(self.path) as record:
                 rest = b""
                 while block := record.read(SEARCH_BLOCK):
                     data = rest + block
@@ -126,7 +126,7 @@ class SeenIds:
             return
         if info.st_ino != self._inode or info.st_size < self._offset:
             self._cache, self._offset, self._inode = IdIndex(), 0, info.st_ino
-        with open(self.path, "rb") as fh:
+        with open_reading(self.path) as fh:
             fh.seek(self._offset)
             tail = fh.read()
         complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended waits
@@ -144,7 +144,7 @@ class SeenIds:
         # the mutex before the flock, in the order add() takes them
         with self._mutex, locked(self.lock_path):
             try:
-                with open(self.path, "rb") as record:
+                with open_reading(self.path) as record:
                     oldest = _time_of(record.readline(MAX_LINE))
                     if oldest is not None and now.timestamp() - oldest < self.ttl * COMPACT_AFTER:
                         return None

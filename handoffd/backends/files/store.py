@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ...core.documents import BOOK, actor, book, book_int, check_id, record, revision
 from ...core.errors import (
+    ConfigError,
     DocumentNotReady,
     DuplicateHandoff,
     ErrorCode,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # filelock is imported where a lock is taken (one-shot comman
 # the name of a store's owner lock (see Store.owner_lock); a lease naming anything else is judged
 # by its per-claim lock file
 OWNER_LOCK_NAME = re.compile(r"owner\.[0-9a-f]{32}\.lock")
+MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
 CRASH_POINTS = ("after-claim-rename", "after-claim-lease", "after-move-write", "after-move-unlink")
 # A test seam for fault injection: called with the name of each crash point as it is passed. None
 # (the default) costs one comparison; recovery tests install a hook with inject_crash_at().
@@ -168,10 +170,10 @@ class Store:
         """Seal ``doc`` for ``state`` and serialise it: every document this store writes."""
         block = book(doc)
         key = self.key
-        if key is None:
-            block.pop("seal", None)
-        else:
-            block["seal"] = seals.seal_for(key, handoff_id, revision(doc), state.value)
+        if key is None:  # unsealed, every document written would be taken for a foreign one
+            raise ConfigError(f"cannot write handoffs: the workspace's seal key "
+                              f"{self.ws.meta / seals.KEY_NAME} does not exist and cannot be made")
+        block["seal"] = seals.seal_for(key, handoff_id, revision(doc), state.value)
         return fsio.dump_json(doc)
 
     def trusted_revision(self, doc: dict[str, Any], state: State, handoff_id: str,
@@ -463,7 +465,7 @@ class Store:
         out = []
         for entry in sorted(self.ws.quarantine.glob("*.reason.json")):
             try:
-                item = fsio.parse_document(entry.read_bytes(), entry.name)
+                item = fsio.parse_document(fsio.read_regular(entry, MAX_REASON_BYTES), entry.name)
             except (OSError, InvalidDocument):
                 continue
             item["stored_as"] = entry.name[: -len(".reason.json")]

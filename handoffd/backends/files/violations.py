@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from . import fsio
+
 LOG_NAME = "violations.jsonl"
 
 
@@ -20,7 +22,7 @@ class FileViolationLog:
         """One line, one ``write`` (a line is never interleaved with another appender's)."""
         line = json.dumps(entry, ensure_ascii=False, sort_keys=True)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = fsio.open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             os.write(fd, (line + "\n").encode("utf-8"))
         finally:
@@ -29,7 +31,8 @@ class FileViolationLog:
     def read(self) -> list[dict[str, Any]]:
         """Every line that is a JSON object (a torn or foreign line is skipped)."""
         try:
-            raw = self.path.read_bytes()
+            with fsio.open_reading(self.path) as fh:  # never a FIFO's wait or /dev/zero's
+                raw = fh.read()
         except FileNotFoundError:
             return []
         out = []
