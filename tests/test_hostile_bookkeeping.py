@@ -186,3 +186,16 @@ def test_a_fifo_among_quarantine_reasons_does_not_hang_the_listing(hws: Workspac
     os.mkfifo(quarantine / "x.reason.json")
     proc = hws.handoff("ls", "--state", "quarantined", timeout=30)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_create_refuses_a_request_the_daemon_would_not_read(hws: Workspace, tmp_path: Path) -> None:
+    """An --input just under max_document_bytes, wrapped in its request and bookkeeping, came
+    out over it: `create` acknowledged a handoff the daemon then set aside unread. The store
+    now refuses it before writing (DOCUMENT_TOO_LARGE, one line)."""
+    hws.write_config("[daemon]\nmax_document_bytes = 2048\n\n" + printing("@ok", {"status": "completed"}))
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps("x" * 1900))  # under the limit alone, over it as a request
+    made = hws.handoff("create", "--to", "@ok", "--input", str(data))
+    assert made.returncode != 0 and made.stderr.count("\n") == 1, made.stderr
+    assert "2048-byte limit" in made.stderr and "Traceback" not in made.stderr
+    assert os.listdir(hws.root / "handoffs" / "pending") == []

@@ -266,9 +266,14 @@ class Store:
                                    f"{int(self.seen.ttl)}s; choose another id",
                                    handoff_id=handoff_id)
         stamp_created(doc, handoff_id, now, due_at)  # bookkeeping a document brings is not ours
+        data = self.encode(doc, State.PENDING, handoff_id)
+        if len(data) > self.max_bytes:  # the daemon would set it aside unread: refuse it now
+            raise InvalidDocument(
+                f"handoff {handoff_id} would be {len(data)} bytes, over the {self.max_bytes}-byte "
+                "limit (raise daemon.max_document_bytes in handoffd.toml if this is intended)",
+                handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_LARGE)
         try:
-            fsio.create_exclusive(self.path(State.PENDING, handoff_id),
-                                  self.encode(doc, State.PENDING, handoff_id),
+            fsio.create_exclusive(self.path(State.PENDING, handoff_id), data,
                                   self.tmp, durable=self.durable)
         except DuplicateHandoff:
             raise DuplicateHandoff(f"handoff {handoff_id} already exists in pending/",
