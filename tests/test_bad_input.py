@@ -72,9 +72,9 @@ def test_oversized_document(ws: Workspace) -> None:
     assert ws.doc("big")["error"]["code"] == "DOCUMENT_TOO_LARGE"
     assert "2048" in ws.doc("big")["error"]["message"]
     proc = ws.handoff("create", "--to", "@flaky", "--data", json.dumps("y" * 5000))
-    assert proc.returncode == 0  # the CLI writes it; the daemon rejects it like any other
-    ws.handoffd("run")
-    assert ws.doc(proc.stdout.strip())["error"]["code"] == "DOCUMENT_TOO_LARGE"
+    # refused before it is written: acknowledged, the daemon would only have set it aside
+    assert proc.returncode == 1 and "2048-byte limit" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and not proc.stdout
 
 
 def test_symlinks_and_fifos_are_never_followed(ws: Workspace, tmp_path: Path) -> None:
