@@ -4,14 +4,12 @@ arguments, and errors as one line with their exit code. The quick path
 command line (:mod:`handoffd.cli.common`) all build on it."""
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..core.errors import HandoffdError, NotFound, UsageError
+from ..core.errors import HandoffdError, InvalidDocument, NotFound, UsageError
 from ..core.workspace import Workspace, resolve_root
 
 if TYPE_CHECKING:
@@ -52,56 +50,23 @@ def backend(root: str | Path | None) -> Backend:
     return open_backend(ws, ws.load_config())
 
 
-class _NotFinite(ValueError):
-    pass
-
-
-def _refuse_constant(token: str) -> Any:
-    raise _NotFinite(token)
-
-
-def _finite_float(token: str) -> float:
-    value = float(token)
-    if value in (float("inf"), float("-inf")):  # e.g. 1e400 (JSON numbers are never NaN)
-        raise _NotFinite(token[:40])
-    return value
-
-
 def json_arg(text: str, what: str, *, depth_below: int | None = None) -> Any:
-    """``text`` parsed as JSON that a document can hold; UsageError naming ``what`` when it is
-    not JSON, is not UTF-8 (argv's undecodable bytes, a ``\\u`` escape of a lone surrogate),
-    holds NaN, Infinity or a number too large for a float, or nests too deeply.
-    ``depth_below``: the value will sit that many levels inside a document (``input.data``: 2),
-    whose nesting the daemon limits to :data:`~handoffd.backends.files.fsio.MAX_DEPTH`."""
+    """``text`` parsed as JSON that a document can hold, by the daemon's own reader
+    (:func:`~handoffd.backends.files.fsio.load_json`: no NaN, Infinity or overflowing numbers,
+    no lone surrogate, no nesting past the recursion limit); UsageError naming ``what``
+    otherwise, or when it is not UTF-8 (argv's undecodable bytes). ``depth_below``: the value
+    will sit that many levels inside a document (``input.data``: 2), whose nesting the daemon
+    limits to :data:`~handoffd.backends.files.fsio.MAX_DEPTH`."""
+    from ..backends.files.fsio import MAX_DEPTH, load_json
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:  # an argument's bytes that were not UTF-8
         raise UsageError(f"{what} is not UTF-8 text (character {exc.start + 1})") from None
+    limit = None if depth_below is None else MAX_DEPTH - depth_below
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except _NotFinite as exc:
-        raise UsageError(f"{what} holds the number {exc.args[0]}, which is not finite JSON "
-                         "(NaN, Infinity and overflowing numbers are refused)") from None
-    except RecursionError:
-        raise UsageError(f"{what} nests too deeply; flatten it") from None
-    except ValueError as exc:
-        raise UsageError(f"{what} is not valid JSON: {str(exc)[:200]}") from None
-    # only a \\u escape of a surrogate (D800-DFFF) can put one in: is it a lone one?
-    if "\\u" in text and re.search(r"\\u[dD][89a-fA-F]", text):
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise UsageError(f"{what} holds a \\u escape of a lone UTF-16 surrogate, which is "
-                             "not Unicode and cannot be written as UTF-8") from None
-        except RecursionError:
-            raise UsageError(f"{what} nests too deeply; flatten it") from None
-    if depth_below is not None:
-        from ..backends.files.fsio import MAX_DEPTH, nesting_depth
-        limit = MAX_DEPTH - depth_below
-        # (a value cannot nest deeper than it has brackets: most need no walk at all)
-        if text.count("[") + text.count("{") > limit and nesting_depth(value, limit) > limit:
-            raise UsageError(f"{what} nests more than {limit} levels deep; flatten it")
-    return value
+        return load_json(text, what, max_depth=limit)
+    except InvalidDocument as exc:
+        raise UsageError(str(exc)) from None
 
 
 def read_limited(source: str, max_bytes: int, what: str) -> bytes:

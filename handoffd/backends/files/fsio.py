@@ -310,8 +310,21 @@ def parse_document(data: bytes, name: str) -> dict[str, Any]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidDocument(f"{name} is not UTF-8 (byte {exc.start})", code=ErrorCode.NOT_UTF8) from None
+    doc = load_json(text, name, max_depth=None)
+    if not isinstance(doc, dict):
+        raise InvalidDocument(f"{name} holds a JSON {type(doc).__name__}, not an object",
+                              code=ErrorCode.NOT_AN_OBJECT)
+    _check_depth(text, doc, name, MAX_DEPTH)
+    return doc
+
+
+def load_json(text: str, name: str, *, max_depth: int | None = None) -> Any:
+    """JSON ``text`` that a document can hold (what the daemon reads and what the command line
+    takes as ``--data``): InvalidDocument, naming ``name``, for NaN, Infinity and numbers that
+    overflow a float, invalid JSON, an integer past Python's digit limit, nesting that exhausts
+    the recursion limit or passes ``max_depth``, and a ``\\u`` escape of a lone surrogate."""
     try:
-        doc = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except _NotFinite as exc:
         raise InvalidDocument(f"{name} holds the number {exc.args[0]}, which is not finite JSON "
                               "(NaN, Infinity and overflowing numbers are refused)",
@@ -322,19 +335,21 @@ def parse_document(data: bytes, name: str) -> dict[str, Any]:
     except RecursionError:
         raise InvalidDocument(f"{name} nests too deeply", code=ErrorCode.MALFORMED_JSON) from None
     except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
-        raise InvalidDocument(f"{name} is not usable JSON: {str(exc)[:120]}",
+        raise InvalidDocument(f"{name} is not valid JSON: {str(exc)[:120]}",
                               code=ErrorCode.MALFORMED_JSON) from None
-    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(doc):
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
         raise InvalidDocument(f"{name} holds a \\u escape of a lone UTF-16 surrogate, which is not "
                               "Unicode and cannot be written back as UTF-8", code=ErrorCode.NOT_UTF8)
-    if not isinstance(doc, dict):
-        raise InvalidDocument(f"{name} holds a JSON {type(doc).__name__}, not an object",
-                              code=ErrorCode.NOT_AN_OBJECT)
-    # a document cannot nest deeper than it has brackets: most need no walk at all
-    if data.count(b"{") + data.count(b"[") > MAX_DEPTH and nesting_depth(doc, MAX_DEPTH) > MAX_DEPTH:
-        raise InvalidDocument(f"{name} nests more than {MAX_DEPTH} levels deep; flatten it",
+    if max_depth is not None:
+        _check_depth(text, value, name, max_depth)
+    return value
+
+
+def _check_depth(text: str, value: Any, name: str, limit: int) -> None:
+    # a value cannot nest deeper than it has brackets: most need no walk at all
+    if text.count("{") + text.count("[") > limit and nesting_depth(value, limit) > limit:
+        raise InvalidDocument(f"{name} nests more than {limit} levels deep; flatten it",
                               code=ErrorCode.DOCUMENT_TOO_DEEP)
-    return doc
 
 
 # Deep enough for any real handoff, shallow enough that every recursive reader (jsonschema,
