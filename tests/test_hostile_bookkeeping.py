@@ -199,3 +199,44 @@ def test_create_refuses_a_request_the_daemon_would_not_read(hws: Workspace, tmp_
     assert made.returncode != 0 and made.stderr.count("\n") == 1, made.stderr
     assert "2048-byte limit" in made.stderr and "Traceback" not in made.stderr
     assert os.listdir(hws.root / "handoffs" / "pending") == []
+
+
+ASKING = {"status": "needs_clarification",
+          "questions": ["\u001b[2J\u001b]0;pwned\u0007line1\nFAKE: handoff completed OK\r"]}
+
+
+def test_wait_shows_a_specialists_question_on_one_line_with_escapes_visible(hws: Workspace) -> None:
+    """`handoff wait` printed a parked handoff's questions raw: a specialist could clear the
+    operator's screen, retitle the terminal, or print a line that looks like handoffd's own.
+    It now shows them as `ls` and `show` do (control characters as \\x1b, \\n)."""
+    hws.write_config(printing("@asker", ASKING))
+    hws.drop("ask.json", native("ask", "@asker"))
+    hws.handoffd("run")
+    proc = hws.handoff("wait", "ask", "--timeout", "5")
+    assert proc.returncode == 4, proc
+    assert proc.stdout == "ask needs_clarification\n"
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "\x1b" not in proc.stderr and "\r" not in proc.stderr, proc.stderr
+    assert "\\x1b[2J" in lines[0] and "\\nFAKE" in lines[0]
+
+
+def test_an_answer_the_document_cannot_hold_is_refused_before_writing(hws: Workspace) -> None:
+    """An answer under max_document_bytes was written into the document twice (its
+    clarifications and its history), and the document left in pending/ was over the limit:
+    the daemon set it aside and the requester lost the handoff. The history now names a long
+    answer by its first 300 characters, and an answer that would not fit is refused, one line,
+    with nothing written."""
+    hws.write_config("[daemon]\nmax_document_bytes = 8192\n\n" + printing("@asker", ASKING))
+    hws.drop("ask.json", native("ask", "@asker"))
+    hws.handoffd("run")
+    before = (hws.root / "handoffs" / "pending" / "ask.json").read_bytes()
+    proc = hws.handoff("answer", "ask", "--data", json.dumps("a" * 9000))
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "8192-byte limit" in proc.stderr and "Traceback" not in proc.stderr
+    assert (hws.root / "handoffs" / "pending" / "ask.json").read_bytes() == before
+    fits = hws.handoff("answer", "ask", "--data", json.dumps("b" * 2500))
+    assert fits.returncode == 0, fits.stderr
+    doc = hws.doc("ask")
+    assert doc["input"]["clarifications"][0]["answer"] == "b" * 2500
+    answered = [e for e in doc["handoffd"]["history"] if e["event"] == "answered"]
+    assert len(answered[0]["detail"]["answer"]) == 300

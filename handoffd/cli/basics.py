@@ -121,7 +121,8 @@ def exit_code(program: str, exc: BaseException) -> int:
     else:  # a bug: still one line (HANDOFFD_DEBUG=1 re-raises it for a traceback)
         message, code = (f"internal error: {type(exc).__name__}: {exc} "
                          "(set HANDOFFD_DEBUG=1 for a traceback)"), 1
-    print(f"{program}: error: {message}", file=sys.stderr)
+    from .render import clean  # one line, whatever a message quotes from a document
+    print(f"{program}: error: {clean(message)}", file=sys.stderr)
     return code
 
 

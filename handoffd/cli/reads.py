@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..core.errors import NotFound, UsageError
 from ..core.states import State
 from .basics import PROG, backend, engine
-from .render import Out, handoff_rows, print_json, state_cell, timeline_rows
+from .render import Out, clean, handoff_rows, print_json, state_cell, timeline_rows
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -158,7 +158,7 @@ def report_wait(handoff_id: str, state: State, doc: dict[str, Any], *, as_json: 
         if as_json:
             print_json(awaiting.get("outcome") or awaiting)
         else:
-            print(f"{handoff_id} {awaiting.get('kind', 'awaiting')}")
+            print(f"{handoff_id} {clean(str(awaiting.get('kind', 'awaiting')))[:60]}")
             print(asked_line(handoff_id, awaiting), file=sys.stderr)
         return EXIT_AWAITING_ANSWER
     if as_json:
@@ -183,8 +183,10 @@ def asked(awaiting: dict[str, Any]) -> list[Any]:
 
 def asked_line(handoff_id: str, awaiting: dict[str, Any]) -> str:
     """One stderr line: what a parked handoff asks, and how to answer."""
-    return (f"{PROG}: {handoff_id} waits for an answer: {'; '.join(map(str, asked(awaiting)))[:500]} "
-            f"(`handoff answer {handoff_id} --data JSON`)")
+    # the specialist's words, one line with its control characters shown (as ls and show do):
+    # a terminal must not take escapes from them, nor a script a line that looks like ours
+    said = clean("; ".join(map(str, asked(awaiting)))[:500])
+    return f"{PROG}: {handoff_id} waits for an answer: {said} (`handoff answer {handoff_id} --data JSON`)"
 
 
 def failure_line(doc: dict[str, Any]) -> str:
@@ -193,4 +195,4 @@ def failure_line(doc: dict[str, Any]) -> str:
     final = book.get("final_error") if isinstance(book, dict) else None
     if not isinstance(final, dict):
         return "no error recorded"
-    return f"{final.get('code') or 'ERROR'}: {str(final.get('message') or '')[:500]}"
+    return clean(f"{final.get('code') or 'ERROR'}: {str(final.get('message') or '')[:500]}")

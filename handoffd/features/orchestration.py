@@ -557,6 +557,7 @@ def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdi
 # a handoff just parked is written to pending/ a moment before its in-progress copy goes: an
 # answer racing that moment (or a daemon's look at it) tries again for this long
 ANSWER_PATIENCE_SECONDS = 2.0
+ANSWER_BOOKKEEPING_BYTES = 2048  # what an answer adds besides itself: its entry, history, seal
 
 
 def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") -> dict[str, Any]:
@@ -577,6 +578,7 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
             raise InvalidTransition(f"handoff {handoff_id} is {state.value} and not waiting for "
                                     "an answer (only handoffs that asked for clarification or "
                                     "were blocked can be answered)", handoff_id=handoff_id)
+        _check_room(engine, handoff_id, doc, data)
         now = engine.clock()
         try:
             claim = engine.backend.claim(handoff_id, now, engine.settings.lease_seconds,
@@ -606,11 +608,27 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
         inp.setdefault("clarifications", []).append(entry)
     else:
         block.setdefault("clarifications", []).append(entry)
-    shown = data if isinstance(data, (str, int, float, bool)) or data is None else str(data)[:300]
+    # the history names the answer; the document holds it once (clarifications)
+    shown = data if isinstance(data, (int, float, bool)) or data is None else str(data)[:300]
     if engine.requeue(claim, dialect, "answered", by=by, answer=shown) is not State.PENDING:
         raise InvalidTransition(f"handoff {handoff_id} was taken over while answering",
                                 handoff_id=handoff_id)
     return entry
+
+
+def _check_room(engine: "Engine", handoff_id: str, doc: dict[str, Any], data: Any) -> None:
+    """InvalidDocument (DOCUMENT_TOO_LARGE) before anything is written when the document with
+    the answer in it would be over ``max_document_bytes``: the daemon could not read it back,
+    and the handoff would be set aside instead of resumed."""
+    limit = engine.settings.max_document_bytes
+    size = (len(json.dumps(doc, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+            + len(json.dumps(data, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+            + ANSWER_BOOKKEEPING_BYTES)
+    if size > limit:
+        raise InvalidDocument(f"the answer would make handoff {handoff_id} about {size} bytes, over "
+                              f"the {limit}-byte limit; answer with less, or point to a file "
+                              "(raise daemon.max_document_bytes in handoffd.toml if this is "
+                              "intended)", handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_LARGE)
 
 
 def _list(value: Any) -> list[Any]:
