@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import threading
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -34,6 +36,7 @@ from .client import Client, Result
 
 DEFAULT_AGENT = "@mcp"
 MAX_WAIT_SECONDS = 3600.0
+MAX_WAITS = 200  # wait_handoff calls in progress at once (a thread each)
 
 
 def error_code(exc: HandoffdError) -> str:
@@ -69,6 +72,50 @@ def _view(result: Result) -> dict[str, Any]:
     return view
 
 
+class Waits:
+    """Where wait_handoff's blocking waits run: a daemon thread each, at most MAX_WAITS at once.
+    On the event loop's default pool (a few threads, shared with every other tool) a client
+    with a few long waits outstanding starved every later call; and the pool's threads are
+    joined at exit, so a long wait kept the server alive after its client had gone."""
+
+    def __init__(self, limit: int = MAX_WAITS) -> None:
+        self.limit = limit
+        self.running = 0
+
+    async def run(self, wait: Callable[[float], Any], seconds: float) -> Any:
+        """``wait(seconds)`` on a thread of its own; ToolError (BUSY) past the limit."""
+        if self.running >= self.limit:
+            raise ToolError(f"BUSY: {self.running} waits are in progress (at most {self.limit}); "
+                            "wait for one to end, or use get_handoff")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+        def body() -> None:
+            try:
+                value, error = wait(seconds), None
+            except BaseException as exc:  # handed to the caller's coroutine
+                value, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        self.running += 1
+        try:
+            threading.Thread(target=body, name="mcp-wait", daemon=True).start()
+            return await future
+        finally:
+            self.running -= 1
+
+
 def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
     """An MCPServer over the workspace at ``root`` acting as ``agent``."""
     client = Client(root, agent=agent)
@@ -96,13 +143,18 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
                            depends_on=depends_on, if_absent=if_absent)
         return {"id": handle.id}
 
+    waits = Waits()
+
     @server.tool()
     async def wait_handoff(handoff_id: str, timeout: float = 60.0) -> dict[str, Any]:
         """Wait up to ``timeout`` seconds for the handoff to finish (or to ask a question);
         returns the filed document, or where it stands when the time is up."""
+        if not math.isfinite(timeout):  # "nan" arrives as a float: it would wait for ever
+            raise ToolError(f"USAGE_ERROR: timeout must be a number of seconds, 0 to "
+                            f"{MAX_WAIT_SECONDS:.0f}, not {timeout!r}")
         limit = min(max(float(timeout), 0.0), MAX_WAIT_SECONDS)
         try:
-            result = await asyncio.to_thread(client.handle(handoff_id).wait, limit)
+            result = await waits.run(client.handle(handoff_id).wait, limit)
         except WaitTimeout:
             result = _call(client.get, handoff_id)
         except HandoffdError as exc:

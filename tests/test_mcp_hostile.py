@@ -1,0 +1,98 @@
+"""`handoffd mcp` against a hostile or greedy client (found by the second bug hunt): a NaN timeout
+waited for ever and kept the server alive after its client left; a few dozen long waits starved
+every later call. JSON-RPC written by hand over the server's stdio, every read bounded."""
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from conftest import exe
+
+pytest.importorskip("mcp", reason="the MCP SDK is not installed (pip install 'handoffd[mcp]')")
+
+
+class Server:
+    """A `handoffd mcp` process and the replies it has sent, by request id."""
+
+    def __init__(self, root: Path) -> None:
+        self.proc = subprocess.Popen([exe("handoffd"), "mcp", "--root", str(root)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+        self.replies: dict[Any, dict[str, Any]] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+        self.send({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "test", "version": "1"}}})
+        assert self.reply(0, 30) is not None
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            self.replies[message.get("id")] = message
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def tool(self, request_id: int, name: str, arguments: dict[str, Any]) -> None:
+        self.send({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                   "params": {"name": name, "arguments": arguments}})
+
+    def reply(self, request_id: int, seconds: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if request_id in self.replies:
+                return self.replies[request_id]
+            time.sleep(0.02)
+        return None
+
+    def text(self, request_id: int, seconds: float = 30) -> str:
+        found = self.reply(request_id, seconds)
+        assert found is not None, f"no reply to {request_id} within {seconds}s"
+        return str(found["result"]["content"][0]["text"])
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    root = tmp_path / "ws"
+    (root / "handoffs" / "pending").mkdir(parents=True)
+    (root / "handoffd.toml").write_text('[specialists."@echo"]\ncommand = ["cat"]\n')
+    served = Server(root)  # no daemon: what it creates stays pending
+    yield served
+    if served.proc.poll() is None:
+        served.proc.kill()
+    served.proc.wait(10)
+
+
+def test_a_timeout_that_is_not_a_number_is_refused(server: Server) -> None:
+    server.tool(1, "create_handoff", {"to": "@echo", "data": {}})
+    handoff_id = json.loads(server.text(1))["id"]
+    server.tool(2, "wait_handoff", {"handoff_id": handoff_id, "timeout": "nan"})
+    said = server.text(2, 10)  # it used to wait for ever
+    assert "USAGE_ERROR: timeout must be a number" in said, said
+    assert server.proc.stdin is not None
+    server.proc.stdin.close()
+    assert server.proc.wait(15) == 0  # and the client's leaving ends the server
+
+
+def test_long_waits_do_not_starve_other_calls(server: Server) -> None:
+    server.tool(1, "create_handoff", {"to": "@echo", "data": {}})
+    handoff_id = json.loads(server.text(1))["id"]
+    for n in range(60):  # each held one of the loop's few pool threads for its whole timeout
+        server.tool(100 + n, "wait_handoff", {"handoff_id": handoff_id, "timeout": 600})
+    time.sleep(1)
+    server.tool(2, "get_handoff", {"handoff_id": handoff_id})
+    assert json.loads(server.text(2, 20))["state"] == "pending"
+    server.tool(3, "wait_handoff", {"handoff_id": handoff_id, "timeout": 0.5})
+    assert json.loads(server.text(3, 20))["finished"] is False
+    assert server.proc.stdin is not None
+    server.proc.stdin.close()  # 60 waits still open: the server ends all the same
+    assert server.proc.wait(15) == 0
