@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import time
 from pathlib import Path
 
@@ -100,3 +101,45 @@ def test_daemon_applies_retention(ws: Workspace) -> None:
     events = [json.loads(x) for x in
               (ws.root / "handoffs" / ".meta" / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events if e["id"] == hid][-1] == "purged"
+
+
+def test_the_archive_is_never_followed_out_nor_waited_on(ws: Workspace, tmp_path: Path) -> None:
+    """Found by the second bug hunt: a symlink at today's archive file (or at .archive) led
+    `handoff archive` to append the documents outside the workspace; a FIFO there froze the
+    sweep and `handoff show` of any id; a symlink to /dev/zero made show read without end."""
+    done = finished(ws, "ok")[0]
+    time.sleep(1.1)
+    folder = ws.root / "handoffs" / ".archive"
+    folder.mkdir(parents=True, exist_ok=True)
+    today = folder / f"{utc_now():%Y-%m-%d}.jsonl.gz"
+    outside = tmp_path / "outside.gz"
+    outside.write_bytes(b"")
+    today.symlink_to(outside)
+    proc = ws.handoff("archive", "--older-than", "1s", timeout=30)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert outside.read_bytes() == b"" and ws.state_of(done) == ["completed"]  # nothing lost
+    for make in (lambda p: p.symlink_to("/dev/zero"), lambda p: os.mkfifo(p)):
+        today.unlink()
+        make(today)
+        shown = ws.handoff("show", "no-such-id", timeout=30)
+        assert shown.returncode == 3 and "Traceback" not in shown.stderr, shown.stderr
+    today.unlink()
+    folder.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    folder.symlink_to(elsewhere)
+    proc = ws.handoff("archive", "--older-than", "1s", timeout=30)
+    assert proc.returncode != 0 and list(elsewhere.iterdir()) == [], proc.stderr
+
+
+def test_a_gzip_bomb_in_the_archive_is_passed_over_quickly(tmp_path: Path) -> None:
+    """200 MB of zeros in 200 KB: read as an archive, it expands hundreds of times over what
+    handoffd's JSON does; the file is passed over instead of decompressed (the whole of it, a
+    line of zeros, took 45 s and growing memory), and a real archive beside it still reads."""
+    ws = HandoffdWorkspace(tmp_path)
+    append_archive(ws, [(State.COMPLETED, "a", {"x": 1})], utc_now())
+    bomb = tmp_path / "handoffs" / ".archive" / "2000-01-01.jsonl.gz"
+    with gzip.open(bomb, "wb", compresslevel=1) as fh:
+        for _ in range(200):
+            fh.write(bytes(1 << 20))
+    assert [e["id"] for e in archived(ws)] == ["a"]  # (pytest-timeout bounds it)

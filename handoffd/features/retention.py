@@ -14,14 +14,16 @@ as seen, so dedup still refuses the id for its TTL after the document is gone.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
 from ..core.states import State
 from ..core.storage import Row
@@ -33,6 +35,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("handoffd")
 ARCHIVE_DIR = ".archive"
+READ_CHUNK = 1 << 20  # archive bytes read, and decompressed, at a time
+MAX_LINE_BYTES = 64 * 1024 * 1024  # one archived entry, decompressed
+MAX_MEMBER_BYTES = 256 * 1024 * 1024  # one append's entries, decompressed, held until it ends
+MAX_RATIO = 200  # decompressed over compressed, past which a file is not one handoffd wrote
 FINISHED = (State.COMPLETED, State.FAILED)
 
 
@@ -98,48 +104,121 @@ def archive_dir(ws: Workspace) -> Path:
 
 def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
                    now: datetime) -> Path:
-    """Append ``docs`` to today's archive as one gzip member, on disk (fsync) before returning."""
+    """Append ``docs`` to today's archive as one gzip member, on disk (fsync) before returning.
+    OSError, with nothing written, when ``.archive`` or today's file is not a plain folder and a
+    regular file of the workspace (a symlink once led the append outside the workspace, and a
+    FIFO there froze the daemon's sweep)."""
     folder = archive_dir(ws)
     folder.mkdir(parents=True, exist_ok=True)
+    if not _plain_folder(folder):
+        raise OSError(errno.ENOTDIR, "not a folder of the workspace (a symlink?)", str(folder))
     path = folder / f"{now:%Y-%m-%d}.jsonl.gz"
     lines = "".join(json.dumps({"id": hid, "state": state.value, "archived_at": iso(now),
                                 "document": doc}, ensure_ascii=False) + "\n"
                     for state, hid, doc in docs)
     import gzip  # gzip and zlib: only when archiving or reading the archive
-    with open(path, "ab") as fh:
-        fh.write(gzip.compress(lines.encode("utf-8")))
-        fh.flush()
-        os.fsync(fh.fileno())  # the documents are deleted next: their copy must be durable
+    data = gzip.compress(lines.encode("utf-8"))
+    fd = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)  # the documents are deleted next: their copy must be durable
+    finally:
+        os.close(fd)
     return path
 
 
+def _plain_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """``os.open`` that neither follows a symlink nor waits on a FIFO, for a regular file only."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def archived(ws: Workspace) -> Iterator[dict[str, Any]]:
-    """Every archived entry, newest archive first (a torn member at a file's end is skipped)."""
-    for path in sorted(archive_dir(ws).glob("*.jsonl.gz"), reverse=True):
-        yield from _entries(path)
-
-
-def _entries(path: Path) -> Iterator[dict[str, Any]]:
-    import zlib
-    data = path.read_bytes()
-    text = b""
-    while data:  # member by member: a crash mid-append tears only the last one
-        decoder = zlib.decompressobj(zlib.MAX_WBITS | 16)
+    """Every archived entry, newest archive first (a torn member at a file's end is skipped;
+    a file that is not a regular file, or an archive folder that is a symlink, is passed over)."""
+    folder = archive_dir(ws)
+    if not _plain_folder(folder):
+        return
+    for path in sorted(folder.glob("*.jsonl.gz"), reverse=True):
         try:
-            member = decoder.decompress(data)
-        except zlib.error:
-            break
-        if not decoder.eof:
-            break  # torn: its trailer (the checksum) never made it to disk
-        text += member
-        data = decoder.unused_data
-    for line in text.splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
+            fd = _open_regular(path, os.O_RDONLY)
+        except OSError:
             continue
-        if isinstance(entry, dict):
-            yield entry
+        with os.fdopen(fd, "rb") as fh:
+            yield from _entries(fh, path.name)
+
+
+def _entries(fh: BinaryIO, name: str = "archive") -> Iterator[dict[str, Any]]:
+    """The entries of one archive file, streamed member by member: a member's entries are
+    given when it ends whole (a crash mid-append tears only the last member, which is dropped).
+    Bounded whatever the file holds: a line over MAX_LINE_BYTES is skipped without being held,
+    and the file is passed over from where a member holds more than MAX_MEMBER_BYTES or the
+    text grows past MAX_RATIO times what was read (a gzip bomb: handoffd's entries, JSON,
+    compress a few times over, not hundreds)."""
+    import zlib
+    decoder = zlib.decompressobj(zlib.MAX_WBITS | 16)
+    pending = b""
+    part: list[bytes] = []  # the line being decompressed, in pieces (joined once, when whole)
+    part_size, skipping = 0, False
+    lines: list[bytes] = []
+    held = read = written = 0
+    while True:
+        if not pending:
+            pending = fh.read(READ_CHUNK)
+            read += len(pending)
+            if not pending:
+                return  # the end; a member cut short at it is torn: dropped
+        try:
+            out = decoder.decompress(pending, READ_CHUNK)
+        except zlib.error:
+            return
+        pending = decoder.unconsumed_tail
+        written += len(out)
+        *whole, rest = out.split(b"\n")
+        for piece in whole:
+            if not skipping and part_size + len(piece) <= MAX_LINE_BYTES:
+                text = b"".join(part) + piece
+                if text.strip():
+                    lines.append(text)
+                    held += len(text)
+            part, part_size, skipping = [], 0, False
+        if not skipping:
+            part.append(rest)
+            part_size += len(rest)
+            if part_size > MAX_LINE_BYTES:
+                part, part_size, skipping = [], 0, True
+        if held > MAX_MEMBER_BYTES or written > MAX_RATIO * read + READ_CHUNK:
+            log.warning("%s: not an archive handoffd wrote (a member too large, or expanding "
+                        "%d-fold); the rest of it is passed over", name, written // max(read, 1))
+            return
+        if decoder.eof:  # a member ended whole: its entries; the next starts in what it left
+            for whole_line in lines:
+                yield from _entry(whole_line)
+            lines, held, part, part_size, skipping = [], 0, [], 0, False
+            pending = decoder.unused_data + pending
+            decoder = zlib.decompressobj(zlib.MAX_WBITS | 16)
+
+
+def _entry(line: bytes) -> Iterator[dict[str, Any]]:
+    try:
+        entry = json.loads(line)
+    except (ValueError, RecursionError):
+        return
+    if isinstance(entry, dict):
+        yield entry
 
 
 def find_archived(ws: Workspace, handoff_id: str) -> dict[str, Any] | None:
