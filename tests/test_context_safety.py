@@ -345,3 +345,34 @@ def test_bad_namespaces_refused_when_the_daemon_starts(ws: Workspace, toml: str,
     # the CLI's context commands refuse the same file the same way
     proc = ws.handoff("context", "set", "reports/x", "1")
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("spoiled", [".meta", ".tmp"])
+def test_a_symlinked_context_folder_never_takes_a_write_outside(ws: Workspace, tmp_path: Path,
+                                                               spoiled: str) -> None:
+    """Found by the second bug hunt: context/.meta as a symlink to a folder outside the
+    workspace made `handoff context set` write its revision records and locks there."""
+    assert ws.handoff("context", "set", "seed/x", "0").returncode == 0
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = ws.root / "context" / spoiled
+    if target.exists():
+        for child in target.iterdir():
+            child.unlink()
+        target.rmdir()
+    target.symlink_to(outside)
+    proc = ws.handoff("context", "set", "ok/a", "1")
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "symlink" in proc.stderr and list(outside.iterdir()) == []
+
+
+def test_a_history_it_cannot_append_to_refuses_the_write_before_making_it(ws: Workspace) -> None:
+    """A FIFO at context/.history.jsonl: `context set` said it failed, yet the value had been
+    written. Now the history is opened first, and nothing is written when it cannot be."""
+    assert ws.handoff("context", "set", "seed/x", "0").returncode == 0
+    history = ws.root / "context" / ".history.jsonl"
+    history.unlink()
+    os.mkfifo(history)
+    proc = ws.handoff("context", "set", "ok/fifo", "6", timeout=30)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert ws.handoff("context", "get", "ok/fifo").returncode != 0  # not written

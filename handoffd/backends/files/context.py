@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,7 @@ class FileContext:
 
     def meta(self, name: str) -> Path:
         """A bookkeeping file under ``context/.meta/`` (the folder is made)."""
-        folder = self.root / ".meta"
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder / name
+        return _plain_folder(self.root / ".meta") / name
 
     # ------------------------------------------------------------ reading
     def read(self, key: str) -> tuple[bytes | None, int]:
@@ -127,34 +126,45 @@ class FileContext:
     def write(self, key: str, change: ContextChange) -> dict[str, Any]:
         """Under the key's lock: read, ``change``, write the value, then its revision record,
         then append the history entry."""
+        _plain_folder(self.root)  # context/ itself: a symlink would take every write elsewhere
         path = self.write_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / ".tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp = _plain_folder(self.root / ".tmp")
         from filelock import FileLock  # imported where a lock is taken
         with FileLock(str(self.meta(_lock_name(key))), timeout=LOCK_TIMEOUT_SECONDS):
-            old, revision = self.read(key)
-            data, entry = change(old, revision)
-            record = (json.dumps({"key": key, "revision": revision + 1,
-                                  "sha256": sha256_hex(data)}) + "\n").encode()
-            # the value first, then its record: a crash in between leaves bytes that do not match
-            # the record, which reads as record + 1, the revision this write was giving them
-            fsio.replace(path, data, tmp, durable=self.durable)
-            fsio.replace(self.meta(_rev_name(key)), record, tmp, durable=self.durable)
-            self._append_history(entry)
+            # the history first opened: a write it could not record is refused before it is made
+            history = fsio.open_regular(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            try:
+                old, revision = self.read(key)
+                data, entry = change(old, revision)
+                record = (json.dumps({"key": key, "revision": revision + 1,
+                                      "sha256": sha256_hex(data)}) + "\n").encode()
+                # the value first, then its record: a crash in between leaves bytes that do not
+                # match the record, which reads as record + 1, the revision this write was giving
+                fsio.replace(path, data, tmp, durable=self.durable)
+                fsio.replace(self.meta(_rev_name(key)), record, tmp, durable=self.durable)
+                self._append_history(history, entry)
+            finally:
+                os.close(history)
         return entry
 
-    def _append_history(self, entry: dict[str, Any]) -> None:
+    def _append_history(self, fd: int, entry: dict[str, Any]) -> None:
         line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
         from filelock import FileLock
         with FileLock(str(self.meta("history.lock")), timeout=LOCK_TIMEOUT_SECONDS):
-            fd = fsio.open_regular(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-            try:
-                os.write(fd, line)
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            os.write(fd, line)
+            if self.durable:
+                os.fsync(fd)
+
+
+def _plain_folder(folder: Path) -> Path:
+    """``folder``, made if missing; InvalidDocument when it is a symlink or not a folder (it
+    would take context writes, locks and records out of the workspace)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not stat.S_ISDIR(os.lstat(folder).st_mode):
+        raise InvalidDocument(f"{folder} is not a folder of the workspace (a symlink?); context "
+                              "writes are refused", code=ErrorCode.INVALID_CONTEXT_KEY)
+    return folder
 
 
 def _lock_name(key: str) -> str:
