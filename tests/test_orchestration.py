@@ -363,6 +363,31 @@ def test_malformed_delegation_fails_clearly(ows: Workspace) -> None:
     assert not ows.state_of("pcycle.c1")
 
 
+def test_malformed_delegations_found_by_the_bug_hunt_fail_once(ows: Workspace) -> None:
+    """Each was a retried PROCESSING_ERROR, a NaN traceback loop, or a silent wait: a child with
+    a weight whose sum overflows (1e308: the aggregated confidence became NaN, which no JSON can
+    hold, and the parent's filing failed at every recovery); a child depending on its own parent
+    (a cycle: both waited until the deadline); a bad entry after a good one (the good child was
+    created, then the parent retried, each round making and running another orphan)."""
+    ows.create("--to", "@flaky", "--id", "taken", "--data", "{}")
+    fan_out(ows, "pweight", "all_success", [score(True, weight=1e308), score(True, weight=1e308)])
+    fan_out(ows, "ploop", "all_success", [score(True, depends_on=["ploop"])])
+    fan_out(ows, "pprio", "all_success", [score(True), score(True, priority="zzz")])
+    fan_out(ows, "ptaken", "all_success", [score(True), score(True, id="taken")])
+    stderr = run(ows)
+    assert "Traceback" not in stderr, stderr
+    for hid, needle in (("pweight", "delegate[0].weight must be a number from 0 to 1e+06"),
+                        ("ploop", "depends_on names 'ploop', which waits for this delegation"),
+                        ("pprio", "priority"), ("ptaken", "the child id 'taken' is taken")):
+        doc = ows.doc(hid)
+        assert ows.state_of(hid) == ["failed"] and doc["error"]["code"] == "VALIDATION_FAILED", doc
+        assert needle in doc["error"]["message"], doc["error"]["message"]
+        events = [e["event"] for e in doc["handoffd"]["history"]]
+        assert "retry_scheduled" not in events, events
+        assert not ows.state_of(f"{hid}.c1"), hid  # no orphan made before the bad entry
+    assert ows.state_of("taken") == ["completed"]
+
+
 def test_children_may_depend_on_later_siblings(ows: Workspace) -> None:
     daemon = ows.serve()  # events make a race between sibling creation and dispatch likely
     fan_out(ows, "pdep", "all_success", [score(True, depends_on=["c2"], value="second"),

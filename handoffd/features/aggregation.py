@@ -89,6 +89,15 @@ def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
     return info
 
 
+def _weight(weights: dict[str, Any], handoff_id: str) -> float:
+    """A child's weight as the delegation checked it (0 to 1e6); anything else counts 1 (the
+    sum must stay finite: a NaN confidence cannot be filed as JSON)."""
+    value = weights.get(handoff_id, 1.0)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1e6:
+        return float(value)
+    return 1.0
+
+
 def _confidence(doc: dict[str, Any], status: str) -> float:
     for holder in (doc.get("metadata"), doc.get("output")):
         if isinstance(holder, dict):
@@ -140,7 +149,9 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     wait = book(doc).get("waiting_children")
     if not isinstance(wait, dict):
         return None
-    infos = [child_info(engine, cid) for cid in wait.get("children", [])]
+    children = wait.get("children")
+    infos = [child_info(engine, cid) for cid in (children if isinstance(children, list) else [])
+             if isinstance(cid, str)]
     if not ready(engine, wait, infos):
         return Outcome(status="delegated", started_at=started, finished_at=engine.clock(),
                        park={"kind": "rewait"})
@@ -167,8 +178,8 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     statuses = [i.status or "failed" for i in infos]
     status = decide(strategy, statuses)
     counted = [i for i in infos if i.handoff_id not in stopped or strategy != "first_success"]
-    total_weight = sum(float(weights.get(i.handoff_id, 1.0)) for i in counted)
-    confidence = (sum(float(weights.get(i.handoff_id, 1.0)) * i.confidence for i in counted)
+    total_weight = sum(_weight(weights, i.handoff_id) for i in counted)
+    confidence = (sum(_weight(weights, i.handoff_id) * i.confidence for i in counted)
                   / total_weight) if total_weight > 0 else 0.0
     confidence = round(confidence, 4)
     aggregated: dict[str, Any] = {

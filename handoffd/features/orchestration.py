@@ -66,6 +66,7 @@ from ..core.errors import (
     HandoffdError,
     InvalidDocument,
     InvalidTransition,
+    NotFound,
     UnreadableDocument,
 )
 from ..core.formats import FiledState
@@ -89,6 +90,8 @@ if TYPE_CHECKING:
 STRATEGIES = ("all_success", "any_success", "majority", "first_success")
 PARK_STATUSES = PARKED
 MAX_CHILDREN = 100
+MAX_WEIGHT = 1e6  # a child's weight in the aggregated confidence
+MAX_CHILD_TIMEOUT_SECONDS = 10 * 365.25 * 24 * 3600  # as the config's: date arithmetic stays finite
 MAX_DEPTH = 16
 
 
@@ -218,11 +221,15 @@ def _delegation(engine: "Engine", job: "Job", result: dict[str, Any]) -> dict[st
             raise _Malformed(f"{where}.to {to!r} has no registered specialist")
         timeout = entry.get("timeout_seconds")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout <= 0):
-            raise _Malformed(f"{where}.timeout_seconds must be a positive number")
+                                    or not 0 < timeout <= MAX_CHILD_TIMEOUT_SECONDS):
+            raise _Malformed(f"{where}.timeout_seconds must be a number of seconds above 0, at most "
+                             f"{MAX_CHILD_TIMEOUT_SECONDS:.0f}")
         weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-            raise _Malformed(f"{where}.weight must be a non-negative number")
+        # bounded: 1e308 weights summed to inf, and the aggregated confidence to NaN, which no
+        # JSON can hold: the parent's filing then failed again at every recovery
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not 0 <= weight <= MAX_WEIGHT:
+            raise _Malformed(f"{where}.weight must be a number from 0 to {MAX_WEIGHT:g}")
         if entry.get("id") is not None:
             try:
                 check_id(entry["id"])
@@ -236,10 +243,33 @@ def _delegation(engine: "Engine", job: "Job", result: dict[str, Any]) -> dict[st
         item["weight"] = float(weight)
         clean.append(item)
     _sibling_order(clean)
+    upward = {job.handoff_id} | _ancestors(engine, job.claim.doc)
+    for index, item in enumerate(clean):
+        loop = sorted(set(item["external_deps"]) & upward)
+        if loop:  # the parent waits for its children: a child waiting for it never starts
+            raise _Malformed(f"delegate[{index}].depends_on names {loop[0]!r}, which waits for "
+                             "this delegation (a cycle)")
     timeout = engine.timeout_for(job)
     return {"delegate": clean, "aggregation": strategy,
             "started": iso(job.started_at),
             "deadline": iso(job.started_at + timedelta(seconds=timeout))}
+
+
+def _ancestors(engine: "Engine", doc: dict[str, Any]) -> set[str]:
+    """The ids above ``doc`` in its delegation chain (its parent, the parent's...), each of
+    which waits for what is below it."""
+    found: set[str] = set()
+    current = doc
+    for _ in range(MAX_DEPTH):
+        parent = parent_of(current)
+        if not isinstance(parent, str) or parent in found:
+            break
+        found.add(parent)
+        try:
+            _, current = engine.get(parent)
+        except (HandoffdError, OSError):
+            break
+    return found
 
 
 def _sibling_order(entries: list[dict[str, Any]]) -> None:
@@ -344,7 +374,13 @@ def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist
     kind = info["kind"]
     if kind == "delegated":
         try:
-            children = _create_children(engine, doc, claim.id, dialect, info, now)
+            planned = _plan_children(engine, doc, claim.id, dialect, info, now)
+        except (InvalidDocument, _Malformed) as exc:  # a child nobody could run: nothing made
+            failure = engine.failure(now, ErrorCode.VALIDATION_FAILED, f"handoff {claim.id}: its "
+                                     f"delegation is malformed: {exc}", retryable=False)
+            return engine.file(claim, dialect, spec, failure)
+        try:
+            children = _store_children(engine, planned, claim.id, now)
         except (HandoffdError, OSError) as exc:
             failure = engine.failure(now, ErrorCode.PROCESSING_ERROR, f"handoff {claim.id}: could "
                                      f"not create its child handoffs: {exc}", retryable=True)
@@ -443,8 +479,11 @@ def child_id(parent: str, round_no: int, index: int) -> str:
         return check_id(f"{parent[:96]}-{short}{suffix}")
 
 
-def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: "Dialect",
-                     info: dict[str, Any], now: datetime) -> list[str]:
+def _plan_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: "Dialect",
+                   info: dict[str, Any], now: datetime) -> list[tuple[str, dict[str, Any]]]:
+    """Every child document of a delegation, in creation order, before any is stored: one that
+    cannot be made (a bad priority, an id another handoff holds) raises InvalidDocument or
+    _Malformed, and then none is made (no orphan runs beside a parent that fails)."""
     block = book(doc)
     round_no = book_int(doc, "delegation_round", 0) + 1
     block["delegation_round"] = round_no
@@ -457,6 +496,9 @@ def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect
     entries = info["delegate"]
     ids = [e["id"] if isinstance(e.get("id"), str) else child_id(parent, round_no, i)
            for i, e in enumerate(entries, start=1)]
+    for cid in ids:
+        _free_for(engine, cid, parent)
+    planned: list[tuple[str, dict[str, Any]]] = []
     # dependencies first, so a daemon never sees a child whose sibling dependency is missing
     for position in creation_order(entries) or range(len(entries)):
         index, entry, cid = position + 1, entries[position], ids[position]
@@ -468,8 +510,9 @@ def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect
         if dialect.name == "hi_moe":  # children speak the parent's format (seed 000)
             given = entry.get("priority")
             rank = priority_rank(given) if given is not None else env.priority
-            _create_message_child(engine, doc, parent, cid, entry, deps, timeout, rank, now, conv,
-                                  {"step": step + 1, "index": index, "of": len(entries)})
+            planned.append((cid, _message_child(doc, parent, cid, entry, deps, timeout, rank,
+                                                 now, conv, {"step": step + 1, "index": index,
+                                                             "of": len(entries)})))
             continue
         child = new_native_request(source=env.target, target=entry["to"], data=entry.get("data"),
                                    now=now, handoff_id=cid, timeout_seconds=timeout,
@@ -489,13 +532,35 @@ def _create_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect
         child["correlation_id"] = parent
         child["conversation_id"] = conv
         child["chain_position"] = {"step": step + 1, "index": index, "of": len(entries)}
+        planned.append((cid, child))
+    return planned
+
+
+def _free_for(engine: "Engine", cid: str, parent: str) -> None:
+    """_Malformed when ``cid`` is held by a handoff that is not ``parent``'s own child (a
+    replay after a crash between creating the children and parking the parent finds its own)."""
+    try:
+        _, existing = engine.get(cid)
+    except NotFound:
+        return
+    except (HandoffdError, OSError):
+        return  # unreadable for now: storing it tells
+    if parent_of(existing) != parent:
+        raise _Malformed(f"the child id {cid!r} is taken by another handoff")
+
+
+def _store_children(engine: "Engine", planned: list[tuple[str, dict[str, Any]]], parent: str,
+                    now: datetime) -> list[str]:
+    """Store the planned children; their ids in the delegation's order."""
+    for cid, child in planned:
         _store_child(engine, child, cid, parent, now)
-    return ids
+    order = {cid: child.get("chain_position", {}).get("index", 0) for cid, child in planned}
+    return sorted(order, key=lambda cid: order[cid])
 
 
-def _create_message_child(engine: "Engine", doc: dict[str, Any], parent: str, cid: str,
-                          entry: dict[str, Any], deps: list[str], timeout: float, priority: int,
-                          now: datetime, conv: str, position: dict[str, int]) -> None:
+def _message_child(doc: dict[str, Any], parent: str, cid: str, entry: dict[str, Any],
+                   deps: list[str], timeout: float, priority: int, now: datetime, conv: str,
+                   position: dict[str, int]) -> dict[str, Any]:
     """A hi_moe parent's child: a Message one tier down. The relations a Message has no field
     for (parent, conversation, dependencies, chain position) are extra envelope fields, which
     seed 000 allows within a MAJOR version (and every reader of the file can see)."""
@@ -504,7 +569,7 @@ def _create_message_child(engine: "Engine", doc: dict[str, Any], parent: str, ci
     child.update(parent_id=parent, conversation_id=conv, chain_position=position)
     if deps:
         child["depends_on"] = deps
-    _store_child(engine, child, cid, parent, now)
+    return child
 
 
 def _store_child(engine: "Engine", child: dict[str, Any], cid: str, parent: str,
