@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,50 @@ def test_an_answer_the_document_cannot_hold_is_refused_before_writing(hws: Works
     assert doc["input"]["clarifications"][0]["answer"] == "b" * 2500
     answered = [e for e in doc["handoffd"]["history"] if e["event"] == "answered"]
     assert len(answered[0]["detail"]["answer"]) == 300
+
+
+def test_markup_in_what_documents_say_never_stops_a_watcher(hws: Workspace) -> None:
+    """An agent id or event id holding "[/]" made `handoff ls --watch` and `handoff top` die
+    with rich's MarkupError: what documents and the event log say is now shown as text."""
+    import queue
+    import subprocess
+    import threading
+
+    from conftest import exe
+    hws.handoffd("sweep")
+    watcher = subprocess.Popen([exe("handoff"), "ls", "--watch", "--root", str(hws.root)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in watcher.stdout or []],
+                         daemon=True).start()
+        log = hws.root / "handoffs" / ".meta" / "events.jsonl"
+        seen = ""
+        for _ in range(60):  # it follows from the moment it starts: append until one shows
+            with log.open("a") as fh:
+                fh.write(json.dumps({"at": "2026-11-26T02:00:00Z", "event": "completed",
+                                     "id": "x[/]", "state": "completed", "agent": "@a[bold]"}) + "\n")
+            try:
+                while "x[/]" not in seen:  # (the listing of what exists comes first)
+                    seen = lines.get(timeout=0.5)
+                break
+            except queue.Empty:
+                continue
+        assert "x[/]" in seen and "@a[bold]" in seen, seen
+        assert watcher.poll() is None  # still watching
+    finally:
+        watcher.kill()
+        watcher.wait(10)
+    from rich.console import Console
+
+    from handoffd.cli.basics import engine
+    from handoffd.cli.observe_cmd import TopModel
+    hws.drop("mk1.json", native("mk1", "@nobody[/]"))
+    model = TopModel(engine(hws.root))
+    model.add({"at": "2026-11-26T02:00:00Z", "event": "failed", "state": "failed",
+               "id": "y[/]", "agent": "@b[/]", "code": "[red]X"})
+    model.refresh()
+    screen = Console(record=True, width=200, file=open(os.devnull, "w"))
+    screen.print(model.render(datetime.now(timezone.utc)))
+    text = screen.export_text()
+    assert "@nobody[/]" in text and "y[/]" in text and "[red]X" in text, text

@@ -6,8 +6,10 @@ from typing import Any
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from ..features.contracts.violations import KINDS
+from .render import clean
 
 MAX_RENDER_LINES = 49
 SHORT = {"scope_creep": "SCOPE", "readonly_modified": "READONLY", "criteria_failed": "CRITERIA",
@@ -24,14 +26,14 @@ def violations_view(summary: dict[str, Any]) -> Group | str:
     for column in ["AGENT", "TASKS", "TOTAL"] + [SHORT.get(k, k.upper()) for k in kinds]:
         agents.add_column(column, overflow="fold")
     for agent, counts in summary["by_agent"].items():
-        agents.add_row(agent, str(counts["tasks"]), str(counts["total"]),
+        agents.add_row(_text(agent), str(counts["tasks"]), str(counts["total"]),
                        *[str(counts.get(k, 0)) for k in kinds])
     days = Table(box=None, pad_edge=False, header_style="bold", title="per day (UTC)",
                  title_justify="left")
     for column in ["DAY", "TOTAL"] + [SHORT.get(k, k.upper()) for k in kinds]:
         days.add_column(column, overflow="fold")
     for day, counts in summary["by_day"].items():
-        days.add_row(day, str(counts["total"]), *[str(counts.get(k, 0)) for k in kinds])
+        days.add_row(_text(day), str(counts["total"]), *[str(counts.get(k, 0)) for k in kinds])
     recent = Table(box=None, pad_edge=False, header_style="bold", title="latest",
                    title_justify="left")
     for column in ("TIME", "AGENT", "TASK", "KIND", "DETAIL"):
@@ -39,11 +41,17 @@ def violations_view(summary: dict[str, Any]) -> Group | str:
     for entry in summary["recent"]:
         details = entry.get("details") if isinstance(entry.get("details"), dict) else {}
         message = str(details.get("message", ""))
-        recent.add_row(str(entry.get("time", "")), str(entry.get("agent") or "-"),
-                       str(entry.get("task_id") or "-"), str(entry.get("kind", "")),
-                       message if len(message) <= 120 else message[:117] + "...")
+        recent.add_row(_text(entry.get("time", "")), _text(entry.get("agent") or "-"),
+                       _text(entry.get("task_id") or "-"), _text(entry.get("kind", "")),
+                       _text(message if len(message) <= 120 else message[:117] + "..."))
     totals = ", ".join(f"{k} {n}" for k, n in summary["by_kind"].items())
     return Group(f"{summary['total']} violation(s): {totals}", "", agents, "", days, "", recent)
+
+
+def _text(value: Any) -> Text:
+    """A cell from the violations log (anyone can append to it): never read as rich markup,
+    control characters shown."""
+    return Text(clean(str(value)))
 
 
 def _value(value: Any) -> str:

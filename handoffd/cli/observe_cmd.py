@@ -19,7 +19,7 @@ import typer
 
 from ..core.timeutil import parse_iso
 from .common import JsonOption, RootOption, engine, guarded
-from .render import STATE_STYLE, console, print_json
+from .render import STATE_STYLE, Out, clean, console, print_json
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -72,6 +72,7 @@ def stats(
         print_json(figures)
         return
     from rich.table import Table
+    from rich.text import Text
     table = Table(box=None, pad_edge=False, header_style="bold",
                   title=f"{figures['events']} events over {figures['minutes']:g} min",
                   title_justify="left")
@@ -80,10 +81,10 @@ def stats(
         table.add_column(column)
     for a in figures["agents"]:
         errors = ", ".join(f"{code}×{n}" for code, n in list(a["errors"].items())[:3])
-        table.add_row(a["agent"], str(a["pending"]), str(a["running"]), str(a["started"]),
-                      str(a["completed"]), str(a["failed"]), str(a["retries"]),
+        table.add_row(Text(clean(str(a["agent"]))), str(a["pending"]), str(a["running"]),
+                      str(a["started"]), str(a["completed"]), str(a["failed"]), str(a["retries"]),
                       _num(a["per_minute"]), f"{_num(a['wait_p50'])}/{_num(a['wait_p95'])}s",
-                      f"{_num(a['run_p50'])}/{_num(a['run_p95'])}s", errors or "-")
+                      f"{_num(a['run_p50'])}/{_num(a['run_p95'])}s", Text(clean(errors or "-")))
     console().print(table)
 
 
@@ -104,7 +105,7 @@ def follow(log: Any, stop: Callable[[], bool] = lambda: False) -> Iterator[Event
 
 def watch(eng: Engine, *, state: str | None, to: str | None, as_json: bool) -> None:
     """``handoff ls --watch``: one line per transition as it happens, until Ctrl-C."""
-    out = console()
+    out = Out(terminal=True)  # rich Text, never markup: an id or agent may hold "[/]"
     try:
         for event in follow(_events(eng)):
             if (state and event.get("state") != state) or (to and event.get("agent") != to):
@@ -115,9 +116,9 @@ def watch(eng: Engine, *, state: str | None, to: str | None, as_json: bool) -> N
             extra = " ".join(f"{k}={event[k]}" for k in ("attempt", "code", "seconds", "wait")
                              if event.get(k) is not None)
             color = STATE_STYLE.get(str(event.get("state")), "")
-            out.print(f"{str(event.get('at', ''))[11:23]}  {event.get('id')}  "
-                      f"[{color}]{event.get('event')}[/{color}]  {event.get('agent') or '-'}  "
-                      f"{extra}".rstrip(), markup=True, highlight=False)
+            out.line(clean(f"{str(event.get('at', ''))[11:23]}  {event.get('id')}  "),
+                     (clean(str(event.get("event"))), color),
+                     clean(f"  {event.get('agent') or '-'}  {extra}".rstrip()))
             sys.stdout.flush()
     except KeyboardInterrupt:
         pass
@@ -179,10 +180,10 @@ class TopModel:
         queue = Table(title="queue", title_justify="left", box=None, header_style="bold")
         for column in ("AGENT", "PENDING", "RUNNING", "FINISHED (10 min)"):
             queue.add_column(column)
-        for agent in agents:
+        for agent in agents:  # (Text: what documents say is never read as rich markup)
             running = sum(1 for r in self.rows if (r.meta.target or "-") == agent)
-            queue.add_row(agent, str(self.depth.get(("pending", agent), 0)), str(running),
-                          str(self.per_agent.get(agent, 0)))
+            queue.add_row(Text(clean(agent)), str(self.depth.get(("pending", agent), 0)),
+                          str(running), str(self.per_agent.get(agent, 0)))
         running_table = Table(title="running", title_justify="left", box=None,
                               header_style="bold")
         for column in ("ID", "AGENT", "ATTEMPT", "AGE"):
@@ -190,16 +191,17 @@ class TopModel:
         for row in self.rows[:15]:
             block = row.doc.get("handoffd") if isinstance(row.doc.get("handoffd"), dict) else {}
             age = max((now - row.updated_at).total_seconds(), 0.0)
-            running_table.add_row(row.id, row.meta.target or "-", str(block.get("attempt", "-")),
-                                  f"{age:.0f}s")
+            running_table.add_row(Text(clean(row.id)), Text(clean(row.meta.target or "-")),
+                                  Text(clean(str(block.get("attempt", "-")))), f"{age:.0f}s")
         failures = Table(title="recent failures", title_justify="left", box=None,
                          header_style="bold")
         for column in ("AT", "ID", "AGENT", "CODE"):
             failures.add_column(column)
         for event in self.failures:
-            failures.add_row(str(event.get("at", ""))[11:19], str(event.get("id")),
-                             str(event.get("agent") or "-"),
-                             Text(str(event.get("code") or "-"), style="red"))
+            failures.add_row(Text(clean(str(event.get("at", ""))[11:19])),
+                             Text(clean(str(event.get("id")))),
+                             Text(clean(str(event.get("agent") or "-"))),
+                             Text(clean(str(event.get("code") or "-")), style="red"))
         header = Text(f"handoffd top  {self.eng.ws.root}  {now:%H:%M:%S}  (q quits)", style="bold")
         rate = Text(f"finished per 10 s, last 10 min  |{self.sparkline(now.timestamp())}|",
                     style=STATE_STYLE["completed"])

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # rich loads when something is printed for a human, not at st
 from ..core.errors import NotFound, UsageError, WaitTimeout
 from .common import JsonOption, RootOption, engine, guarded, workspace
 from .basics import json_arg, read_json_arg
-from .render import STATE_STYLE, console, print_json
+from .render import STATE_STYLE, clean, console, print_json
 
 PROG = "handoff"
 DEFAULT_AGENT = "@cli"
@@ -210,12 +210,14 @@ def context_ls(
         print_json(rows)
         return
     from rich.table import Table
+    from rich.text import Text
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("KEY", "NAMESPACE", "BYTES", "WRITTEN BY", "AT"):
         table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(row["key"], row["namespace"] or "-", str(row["bytes"]),
-                      row["written_by"] or "-", row["written_at"] or "-")
+    for row in rows:  # (Text: a history line may hold "[/]", never read as rich markup)
+        table.add_row(*(Text(clean(str(v))) for v in (
+            row["key"], row["namespace"] or "-", row["bytes"], row["written_by"] or "-",
+            row["written_at"] or "-")))
     console().print(table)
 
 
