@@ -376,3 +376,23 @@ def test_a_history_it_cannot_append_to_refuses_the_write_before_making_it(ws: Wo
     proc = ws.handoff("context", "set", "ok/fifo", "6", timeout=30)
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
     assert ws.handoff("context", "get", "ok/fifo").returncode != 0  # not written
+
+
+@pytest.mark.parametrize("make", ["missing", "fifo", "dir"])
+def test_an_artifact_that_is_no_file_fails_the_attempt(tmp_path: Path, make: str) -> None:
+    """Found by the second bug hunt: `artifacts: [{"path": "artifacts/nothere.txt"}]` (or a
+    FIFO) was filed as completed with a record that had no size_bytes nor sha256, pointing at
+    nothing. A workspace file an answer names must be a regular file (VALIDATION_FAILED)."""
+    ws = HandoffdWorkspace(tmp_path / "ws")
+    ws.root.mkdir()
+    ws.ensure()
+    path = ws.artifacts / "thing.txt"
+    if make == "fifo":
+        os.mkfifo(path)
+    elif make == "dir":
+        path.mkdir()
+    with pytest.raises(InvalidDocument) as info:
+        _one(ws, "h1", 1, {"path": "artifacts/thing.txt"}, set())
+    assert info.value.code == "VALIDATION_FAILED" and "not a file" in str(info.value)
+    record = _one(ws, "h1", 2, {"path": "beads:notes/later"}, set())  # shared context: on trust
+    assert record["content_ref"] == "beads:notes/later"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 import unicodedata
 import urllib.parse
@@ -270,7 +271,13 @@ def _file_facts(ws: Workspace, ref: str) -> dict[str, Any] | None:
         return None
     h = hashlib.sha256()
     size = 0
-    with open(target, "rb") as fh:
+    try:  # O_NONBLOCK: replaced by a FIFO since is_file(), it must not hang the worker
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
             size += len(chunk)
@@ -432,9 +439,17 @@ def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str]) 
                        metadata=metadata, extra=extra)
     ref = item.get("path") or item.get("artifact_path") or item.get("content_ref")
     if isinstance(ref, str) and ref:
-        confine_reference(ws, ref, handoff_id=handoff_id)
+        target = confine_reference(ws, ref, handoff_id=handoff_id)
+        facts = _file_facts(ws, ref)
+        # a file of the workspace must be there; a URL is taken on trust (never read), and so
+        # is a beads: context key (the context is shared: another agent may write it later)
+        if target is not None and facts is None and not ref.lower().startswith("beads:"):
+            raise InvalidDocument(
+                f"handoff {handoff_id}: artifacts[{index - 1}] names {ref!r}, which is not a "
+                "file in the workspace (every artifact is recorded with its size and sha256)",
+                handoff_id=handoff_id, code=ErrorCode.VALIDATION_FAILED)
         used.add(ref)
         return _record(kind, name=name or Path(ref).name, ref=ref, inline=None,
-                       facts=_file_facts(ws, ref), metadata=metadata, extra=extra)
+                       facts=facts, metadata=metadata, extra=extra)
     return _record(kind, name=name, ref=None, inline="", facts=digest(b""), metadata=metadata,
                    extra=extra)
