@@ -288,3 +288,20 @@ def test_markup_in_what_documents_say_never_stops_a_watcher(hws: Workspace) -> N
     screen.print(model.render(datetime.now(timezone.utc)))
     text = screen.export_text()
     assert "@nobody[/]" in text and "y[/]" in text and "[red]X" in text, text
+
+
+def test_a_large_parked_handoff_is_not_doubled_by_its_report(hws: Workspace) -> None:
+    """A parked handoff keeps the report it made in its own format (handoffd.awaiting.outcome),
+    and for seed 001 that report repeats the whole request: after a 120 KB answer the specialist
+    asked again, the document doubled past max_document_bytes and was set aside (the requester
+    lost it; `wait` said "no error recorded"). A report over 64 KB now leaves out what it repeats
+    of the document, and names it (`abridged`)."""
+    hws.write_config("[daemon]\nmax_document_bytes = 200000\n\n" + printing("@asker", ASKING))
+    hws.drop("ask.json", native("ask", "@asker"))
+    hws.handoffd("run")
+    assert hws.handoff("answer", "ask", "--data", json.dumps("b" * 120_000)).returncode == 0
+    proc = hws.handoffd("run")
+    assert hws.state_of("ask") == ["pending"], proc.stderr  # parked again, not set aside
+    outcome = hws.doc("ask")["handoffd"]["awaiting"]["outcome"]
+    assert "input" in outcome["abridged"] and "input" not in outcome
+    assert hws.handoff("wait", "ask", "--timeout", "5").returncode == 4

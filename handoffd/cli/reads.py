@@ -193,6 +193,8 @@ def failure_line(doc: dict[str, Any]) -> str:
     """``CODE: message`` of a filed failure, whatever its format (the bookkeeping's copy)."""
     book = doc.get("handoffd")
     final = book.get("final_error") if isinstance(book, dict) else None
+    if not isinstance(final, dict):  # e.g. the stub filed for a document set aside
+        final = doc.get("error") if isinstance(doc.get("error"), dict) else None
     if not isinstance(final, dict):
         return "no error recorded"
     return clean(f"{final.get('code') or 'ERROR'}: {str(final.get('message') or '')[:500]}")

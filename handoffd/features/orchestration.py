@@ -431,6 +431,14 @@ def reported_outcome(engine: "Engine", doc: dict[str, Any], dialect: "Dialect",
                     outcome.status, exc)
         return None
     answer.pop("handoffd", None)  # the bookkeeping is the document's, not the report's
+    if len(json.dumps(answer, ensure_ascii=False)) > OUTCOME_INLINE_BYTES:
+        # a large request copied into its own report would double the document (past
+        # max_document_bytes, the daemon could not read it back): what the report repeats of
+        # the document is left to be read there, and named
+        same = [key for key in answer if key in doc and answer[key] == doc[key]]
+        for key in same:
+            del answer[key]
+        answer["abridged"] = same
     return answer
 
 
@@ -623,6 +631,7 @@ def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdi
 # answer racing that moment (or a daemon's look at it) tries again for this long
 ANSWER_PATIENCE_SECONDS = 2.0
 ANSWER_BOOKKEEPING_BYTES = 2048  # what an answer adds besides itself: its entry, history, seal
+OUTCOME_INLINE_BYTES = 64 * 1024  # a parked handoff's report larger than this is abridged
 
 
 def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") -> dict[str, Any]:
