@@ -972,13 +972,16 @@ class Daemon:
 
 
 def warm_up(schemas: SchemaCache | None = None) -> None:
-    """Load before serving what the first handoff would otherwise load: the schema checks
-    (jsonschema and RE2, ~120 ms) and the seals' hashes. One-shot commands keep these lazy; a
+    """Load before serving what the first handoff (or sweep) would otherwise load: the schema
+    checks (jsonschema and RE2, ~120 ms), the seals' hash and the claim locks. One-shot commands keep these lazy; a
     serving daemon pays them before it says it is serving, not on a handoff's clock. The native
     format's own schemas (a few ms each to compile) are built by a thread in the background: a
     handoff that needs one first waits for that build rather than starting its own."""
     from ..core import jsonschema_re2  # noqa: F401
     _import_quick_checks()
+    # the sweeps' claim locks: filelock loads hmac and with it OpenSSL (~4 MB resident), which
+    # a serving daemon would otherwise map at its first recovery, hours in
+    import filelock  # noqa: F401
     if schemas is not None:
         threading.Thread(target=build_schemas, args=(schemas, WARM_SCHEMAS), daemon=True,
                          name="handoffd-warm-up").start()
