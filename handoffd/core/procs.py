@@ -22,19 +22,18 @@ clears its environment *and* leaves the process group cannot be recognised.
 """
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import logging
 import os
 import signal
-import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .documents import hostname
+from .ownfiles import read_regular
 
 log = logging.getLogger("handoffd")
 
@@ -172,25 +171,10 @@ def write_record(root: Path, record: RunRecord) -> None:
 def read_record(root: Path, handoff_id: str) -> RunRecord | None:
     """The record of ``handoff_id``, or None if there is none (or it is unreadable)."""
     try:
-        data = json.loads(_read_small(record_path(root, handoff_id)))
+        data = json.loads(read_regular(record_path(root, handoff_id), 1 << 16))
         return RunRecord(**data)
     except (OSError, ValueError, TypeError):
         return None
-
-
-def _read_small(path: Path, limit: int = 1 << 16) -> bytes:
-    """A record's bytes: never through a symlink, never waiting on a FIFO, only a regular file,
-    at most ``limit`` bytes (a FIFO dropped in procs/ once froze the daemon in open())."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        data = os.read(fd, limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
-    return data
 
 
 def remove_record(root: Path, handoff_id: str, token: str | None = None) -> None:

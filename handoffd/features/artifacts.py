@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import time
 import unicodedata
 import urllib.parse
@@ -46,6 +45,7 @@ from ..core.documents import Outcome
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.hashing import sha256_hex
+from ..core.ownfiles import open_reading
 from ..core.workspace import Workspace, workspace_at
 
 if TYPE_CHECKING:
@@ -271,13 +271,11 @@ def _file_facts(ws: Workspace, ref: str) -> dict[str, Any] | None:
         return None
     h = hashlib.sha256()
     size = 0
-    try:  # O_NONBLOCK: replaced by a FIFO since is_file(), it must not hang the worker
-        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:  # (resolved already) replaced by a FIFO since is_file(), it must not hang the worker
+        fh = open_reading(target)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+    with fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
             size += len(chunk)

@@ -18,13 +18,13 @@ import errno
 import json
 import logging
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
+from ..core.ownfiles import open_regular, plain_folder
 from ..core.states import State
 from ..core.storage import Row
 from ..core.timeutil import iso
@@ -110,7 +110,7 @@ def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
     FIFO there froze the daemon's sweep)."""
     folder = archive_dir(ws)
     folder.mkdir(parents=True, exist_ok=True)
-    if not _plain_folder(folder):
+    if not plain_folder(folder):
         raise OSError(errno.ENOTDIR, "not a folder of the workspace (a symlink?)", str(folder))
     path = folder / f"{now:%Y-%m-%d}.jsonl.gz"
     lines = "".join(json.dumps({"id": hid, "state": state.value, "archived_at": iso(now),
@@ -118,7 +118,7 @@ def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
                     for state, hid, doc in docs)
     import gzip  # gzip and zlib: only when archiving or reading the archive
     data = gzip.compress(lines.encode("utf-8"))
-    fd = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, data)
         os.fsync(fd)  # the documents are deleted next: their copy must be durable
@@ -127,34 +127,15 @@ def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
     return path
 
 
-def _plain_folder(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _open_regular(path: Path, flags: int) -> int:
-    """``os.open`` that neither follows a symlink nor waits on a FIFO, for a regular file only."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def archived(ws: Workspace) -> Iterator[dict[str, Any]]:
     """Every archived entry, newest archive first (a torn member at a file's end is skipped;
     a file that is not a regular file, or an archive folder that is a symlink, is passed over)."""
     folder = archive_dir(ws)
-    if not _plain_folder(folder):
+    if not plain_folder(folder):
         return
     for path in sorted(folder.glob("*.jsonl.gz"), reverse=True):
         try:
-            fd = _open_regular(path, os.O_RDONLY)
+            fd = open_regular(path, os.O_RDONLY)
         except OSError:
             continue
         with os.fdopen(fd, "rb") as fh:

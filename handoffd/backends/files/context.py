@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.hashing import sha256_hex
+from ...core.ownfiles import plain_folder
 from ...core.storage import ContextChange
 from . import fsio
 
@@ -161,7 +161,7 @@ def _plain_folder(folder: Path) -> Path:
     """``folder``, made if missing; InvalidDocument when it is a symlink or not a folder (it
     would take context writes, locks and records out of the workspace)."""
     folder.mkdir(parents=True, exist_ok=True)
-    if not stat.S_ISDIR(os.lstat(folder).st_mode):
+    if not plain_folder(folder):
         raise InvalidDocument(f"{folder} is not a folder of the workspace (a symlink?); context "
                               "writes are refused", code=ErrorCode.INVALID_CONTEXT_KEY)
     return folder

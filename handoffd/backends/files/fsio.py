@@ -15,9 +15,10 @@ import re
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.ownfiles import open_reading, open_regular, read_regular  # noqa: F401 (fsio's API)
 from . import dirsync, spares
 
 TMP_SUFFIX = spares.TMP_SUFFIX
@@ -53,47 +54,6 @@ def open_creating(path: Path, flags: int) -> int:
     except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
         return open_regular(path, flags)
-
-
-def open_regular(path: Path | str, flags: int, mode: int = 0o644) -> int:
-    """``os.open`` for handoffd's own files (records, logs, locks, the seal key): never through
-    a symlink, never blocking on a FIFO or a device, and only a regular file; anything else is an
-    OSError. A FIFO dropped where a record lives once froze the daemon in ``open()`` (deaf even
-    to SIGTERM), and a symlink to /dev/zero made it read without end."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def open_reading(path: Path | str) -> BinaryIO:
-    """One of handoffd's own files (a record, a log) opened for reading as a file object, as
-    :func:`open_regular` opens it."""
-    return os.fdopen(open_regular(path, os.O_RDONLY), "rb")
-
-
-def read_regular(path: Path | str, max_bytes: int) -> bytes:
-    """The bytes of one of handoffd's own files, opened as :func:`open_regular` opens them;
-    OSError (EFBIG) when it holds more than ``max_bytes``."""
-    fd = open_regular(path, os.O_RDONLY)
-    try:
-        chunks, remaining = [], max_bytes + 1
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, READ_STEP))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > max_bytes:
-        raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", os.fspath(path))
-    return data
 
 
 class Appender:

@@ -1,0 +1,64 @@
+"""Opening handoffd's own files (its records, logs, locks, keys, archives) so that nothing placed
+where one of them lives can hang or mislead a process: never through a symlink, never blocking on
+a FIFO or a device, only a regular file, and read with a bound.
+
+A FIFO dropped where a record lives once froze the daemon in ``open()``, deaf even to SIGTERM; a
+symlink to ``/dev/zero`` made it read until memory ran out; a symlinked archive sent an append
+outside the workspace. Every layer opens these files here (the files backend, the features that
+keep files of their own, the process records of the core)."""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+READ_STEP = 1 << 16
+
+
+def open_regular(path: Path | str, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` with ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC`` added, for a regular file only:
+    anything else is an OSError (ELOOP for a symlink, ENXIO for a FIFO opened to write with no
+    reader, EINVAL for what opened but is no regular file)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_reading(path: Path | str) -> BinaryIO:
+    """One of handoffd's own files opened for reading, as a file object (:func:`open_regular`)."""
+    return os.fdopen(open_regular(path, os.O_RDONLY), "rb")
+
+
+def read_regular(path: Path | str, max_bytes: int) -> bytes:
+    """The bytes of one of handoffd's own files (:func:`open_regular`); OSError (EFBIG) when it
+    holds more than ``max_bytes``."""
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        chunks, remaining = [], max_bytes + 1
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, READ_STEP))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", os.fspath(path))
+    return data
+
+
+def plain_folder(path: Path) -> bool:
+    """True when ``path`` is a folder itself (not a symlink to one)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
