@@ -305,3 +305,34 @@ def test_a_large_parked_handoff_is_not_doubled_by_its_report(hws: Workspace) -> 
     outcome = hws.doc("ask")["handoffd"]["awaiting"]["outcome"]
     assert "input" in outcome["abridged"] and "input" not in outcome
     assert hws.handoff("wait", "ask", "--timeout", "5").returncode == 4
+
+
+def test_a_large_result_is_filed_readable_and_an_oversized_one_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 6 MB answer (under max_output_bytes, 16 MiB) was filed, but every reader bounded the
+    finished document by max_document_bytes (4 MiB): `handoff show` refused it and `handoff wait`
+    said "still not finished". Finished documents are now read with room for their answer; and
+    a Python handler's result over max_output_bytes fails, as a command's stdout over it does."""
+    plug = tmp_path / "plug"
+    plug.mkdir()
+    (plug / "bigspec.py").write_text(
+        "def big(handoff, ctx=None):\n"
+        "    size = int((ctx.data or {}).get('mb', 1) * 1024 * 1024)\n"
+        "    return {'status': 'completed', 'output': {'blob': 'x' * size}}\n")
+    monkeypatch.setenv("PYTHONPATH", str(plug))
+    root = tmp_path / "ws"
+    (root / "handoffs" / "pending").mkdir(parents=True)
+    ws = Workspace(root)
+    ws.write_config('[daemon]\nmax_output_bytes = 8388608\n\n'
+                    '[specialists."@big"]\nhandler = "bigspec:big"\n')
+    try:
+        fits = ws.create("--to", "@big", "--data", json.dumps({"mb": 6}))
+        over = ws.create("--to", "@big", "--data", json.dumps({"mb": 9}))
+        ws.handoffd("run")
+        assert ws.handoff("wait", fits, "--timeout", "5").returncode == 0
+        assert ws.handoff("show", fits).returncode == 0
+        assert ws.state_of(over) == ["failed"]
+        error = ws.doc(over)["error"]
+        assert error["code"] == "PROCESSING_ERROR" and "max_output_bytes" in error["message"]
+    finally:
+        ws.cleanup()

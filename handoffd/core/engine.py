@@ -340,7 +340,8 @@ class Engine:
             self.handback(claim, dialect, reason=f"no specialist registered for {envelope.target}")
             return None
         ctx = HandlerContext(handoff_id=handoff_id, attempt=claim.attempt, root=self.ws.root,
-                             data=envelope.data, target=envelope.target)
+                             data=envelope.data, target=envelope.target,
+                             max_output_bytes=self.settings.max_output_bytes)
         return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
 
     def start_wait(self, spec: Specialist) -> float:

@@ -36,17 +36,22 @@ POLL_MS = 100  # how often an I/O thread of an attempt looks whether it should s
 log = logging.getLogger("handoffd")
 
 
-def validate_result(result: Any, handoff_id: str) -> dict[str, Any]:
-    """Check the protocol shape: an object whose ``status`` is a known value."""
+def validate_result(result: Any, handoff_id: str, max_bytes: int | None = None) -> dict[str, Any]:
+    """Check the protocol shape: an object whose ``status`` is a known value, and (``max_bytes``,
+    ``[daemon] max_output_bytes``) no larger as JSON than a command's stdout may be."""
     if not isinstance(result, dict):
         raise HandlerError(f"handoff {handoff_id}: handler returned {type(result).__name__}, "
                            "not a JSON object", handoff_id=handoff_id)
     try:  # what cannot be filed as strict UTF-8 JSON must fail the attempt, not the filing
-        json.dumps(result, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        size = len(json.dumps(result, allow_nan=False, ensure_ascii=False).encode("utf-8"))
     except (ValueError, TypeError, UnicodeEncodeError, RecursionError) as exc:
         raise HandlerError(f"handoff {handoff_id}: handler result cannot be filed as JSON "
                            f"({type(exc).__name__}: {str(exc)[:120]})", handoff_id=handoff_id,
                            retryable=False) from None
+    if max_bytes is not None and size > max_bytes:
+        raise HandlerError(f"handoff {handoff_id}: handler result is {size} bytes as JSON, over "
+                           f"max_output_bytes ({max_bytes}); write large results to a file and "
+                           "name it in artifacts", handoff_id=handoff_id, retryable=False)
     status = result.get("status")
     if not isinstance(status, str) or status not in RESULT_STATUSES:  # a list is not hashable
         raise HandlerError(f"handoff {handoff_id}: handler result status {str(status)[:60]!r} "
@@ -156,7 +161,7 @@ def _returned(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
                                retryable=False)
         raise HandlerError(f"handoff {ctx.handoff_id}: handler raised {type(exc).__name__}: {exc}",
                            handoff_id=ctx.handoff_id)
-    return validate_result(box.get("result"), ctx.handoff_id)
+    return validate_result(box.get("result"), ctx.handoff_id, ctx.max_output_bytes)
 
 
 def _wait(done: threading.Event, ctx: HandlerContext, timeout: float) -> None:

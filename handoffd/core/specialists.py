@@ -65,6 +65,7 @@ class HandlerContext:
     artifact_path: Path | None = None
     artifact_rel: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # extra environment for a command handler
+    max_output_bytes: int | None = None  # [daemon] max_output_bytes: a Python result's bound too
     partial: Any = None  # what the handler reported with report_partial()
     handback: bool = False  # the attempt was handed back (shutdown): it does not count
     cancel_reason: str | None = None  # set by stop_handler(): why the attempt is being stopped

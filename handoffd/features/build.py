@@ -128,6 +128,7 @@ def open_backend(workspace: Workspace, config: Config, *,
                              ensure=False, claim_grace_seconds=settings.claim_grace_seconds,
                              durable=settings.durable,
                              max_document_bytes=settings.max_document_bytes,
+                             max_output_bytes=settings.max_output_bytes,
                              settle_seconds=settings.settle_seconds,
                              seen_ttl_seconds=settings.seen_ttl_seconds)
 

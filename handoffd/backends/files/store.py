@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # filelock is imported where a lock is taken (one-shot comman
 # by its per-claim lock file
 OWNER_LOCK_NAME = re.compile(r"owner\.[0-9a-f]{32}\.lock")
 MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
+FILED_MARGIN_BYTES = 1 << 20  # a finished document's bookkeeping besides request and answer
 CRASH_POINTS = ("after-claim-rename", "after-claim-lease", "after-move-write", "after-move-unlink")
 # A test seam for fault injection: called with the name of each crash point as it is passed. None
 # (the default) costs one comparison; recovery tests install a hook with inject_crash_at().
@@ -84,10 +85,13 @@ class Store:
 
     def __init__(self, workspace: Workspace, *, durable: bool = True,
                  max_document_bytes: int = 4 * 1024 * 1024, settle_seconds: float = 0.5,
-                 seen_ttl_seconds: float = 3600.0) -> None:
+                 seen_ttl_seconds: float = 3600.0, max_output_bytes: int = 16 * 1024 * 1024) -> None:
         self.ws = workspace
         self.durable = durable
         self.max_bytes = max_document_bytes
+        # a finished document holds the request and the specialist's answer (up to
+        # max_output_bytes): read with the input's bound, a large result could not be shown
+        self.max_filed_bytes = max_document_bytes + max_output_bytes + FILED_MARGIN_BYTES
         self.settle_seconds = settle_seconds
         self.seen = SeenIds(workspace.meta / "seen-ids.jsonl", seen_ttl_seconds)
         self._key: bytes | None = None
@@ -196,7 +200,8 @@ class Store:
     def read(self, state: State, handoff_id: str) -> dict[str, Any]:
         """Read and parse one document; FileNotFoundError if absent, InvalidDocument if bad."""
         path = self.path(state, handoff_id)
-        data, _ = fsio.read_bytes_safely(path, self.max_bytes)
+        data, _ = fsio.read_bytes_safely(path, self.max_filed_bytes if state.terminal
+                                         else self.max_bytes)
         return fsio.parse_document(data, f"{state.value}/{path.name}")
 
     def get(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
