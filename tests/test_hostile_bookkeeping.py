@@ -336,3 +336,47 @@ def test_a_large_result_is_filed_readable_and_an_oversized_one_fails(
         assert error["code"] == "PROCESSING_ERROR" and "max_output_bytes" in error["message"]
     finally:
         ws.cleanup()
+
+
+def test_third_hunt_command_line_cases(hws: Workspace, tmp_path: Path) -> None:
+    """Each was a traceback, a silent replacement or an unreadable document: `paused` printed
+    control characters raw; `create --at` past the calendar was an OverflowError; `cancel
+    --timeout nan` and `run --max-seconds inf` were taken; a metrics textfile replaced a FIFO;
+    `schemas --copy` followed a symlinked schemas/ out of the workspace; a long cancel reason
+    pushed a document past max_document_bytes."""
+    hws.handoffd("sweep")
+    assert hws.handoff("pause", "@a\nFAKE", "--reason", "x\x1b[2J").returncode == 0
+    listed = hws.handoff("paused")
+    assert "\x1b" not in listed.stdout and "@a\\nFAKE" in listed.stdout, listed.stdout
+    for at in ("9999-12-31T23:00:00-14:00", "0001-01-01T00:00:00+14:00"):
+        made = hws.handoff("create", "--to", "@ok", "--at", at)
+        assert made.returncode == 2 and "outside the calendar" in made.stderr, made.stderr
+    hid = hws.create("--to", "@nobody")
+    for value in ("nan", "1e400", "-5"):
+        proc = hws.handoff("cancel", hid, "--timeout", value)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    for value in ("nan", "inf"):
+        proc = hws.handoffd("run", "--max-seconds", value)
+        assert proc.returncode == 2 and "--max-seconds" in proc.stderr, proc.stderr
+    fifo = tmp_path / "metrics.prom"
+    os.mkfifo(fifo)
+    proc = hws.handoffd("metrics", "--textfile", str(fifo))
+    assert proc.returncode != 0 and stat_is_fifo(fifo), proc.stderr
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    schemas = hws.root / "schemas"
+    if schemas.exists():
+        for child in schemas.iterdir():
+            child.unlink()
+        schemas.rmdir()
+    schemas.symlink_to(outside)
+    proc = hws.handoff("schemas", "--copy")
+    assert proc.returncode == 2 and list(outside.iterdir()) == [], proc.stderr
+    assert hws.handoff("cancel", hid, "--reason", "r" * 100_000).returncode == 0
+    reason = hws.doc(hid)["error"]["message"]
+    assert len(reason) < 2000 and hws.handoff("show", hid).returncode == 0
+
+
+def stat_is_fifo(path: Path) -> bool:
+    import stat as stat_module
+    return stat_module.S_ISFIFO(os.lstat(path).st_mode)

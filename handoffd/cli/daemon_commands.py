@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..core.errors import UsageError
 from ..core.workspace import network_filesystem
 from .basics import engine
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from ..service.daemon import Daemon
 
 PROG = "handoffd"
+MAX_BATCH_SECONDS = 7 * 24 * 3600.0  # `run --max-seconds`: a week, far past any cron period
 
 
 class JsonLines(logging.Formatter):
@@ -152,6 +154,8 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
     see :mod:`handoffd.service.spread`); the exit code (1 when a handoff it processed failed or
     the main loop of one of its processes died)."""
     configure_logging(verbose, quiet=quiet, log_format=log_format)
+    if max_seconds is not None and not 0 <= max_seconds <= MAX_BATCH_SECONDS:  # (and not NaN)
+        raise UsageError(f"--max-seconds must be 0 to {MAX_BATCH_SECONDS:.0f}, not {max_seconds:g}")
     from ..service.daemon import BatchReport, Daemon
     from ..service.spread import processes_for, spread
     eng = engine(root, create=True, store=store)

@@ -12,12 +12,12 @@ from ..core.errors import ErrorCode, InvalidDocument, NotFound, UsageError
 from ..core.states import State
 from ..core.workspace import Workspace, resolve_root
 from . import observe_cmd, ops_cmd, orchestration_cmd, reads
+from .basics import json_arg, read_json_arg, read_limited
 
 # Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
 # body: a one-shot command pays only for itself. (`handoff create --to`'s plain form does not
 # even come here: see handoffd.cli.quick.)
 from .common import JsonOption, RootOption, engine, guarded, new_app, run_app, workspace
-from .basics import json_arg, read_json_arg, read_limited
 from .quick import INPUT_DATA_DEPTH, submit_request
 from .render import console, print_json
 
@@ -43,8 +43,12 @@ def _timing(now: Any, at: str | None, delay: str | None,
             due_at = now + timedelta(seconds=parse_duration(delay))
         expires = (iso((due_at or now) + timedelta(seconds=parse_duration(expires_after)))
                    if expires_after is not None else None)
+        if due_at is not None:
+            iso(due_at)  # in UTC, as it is stored: 9999-12-31T23:00-14:00 is past the calendar
     except ValueError:
         raise UsageError(f"--at {at!r} is not an ISO 8601 time such as 2026-12-01T09:00:00Z") from None
+    except OverflowError:  # e.g. --at 9999-12-31T23:59:59Z --expires-after 1h
+        raise UsageError("--at / --delay / --expires-after fall outside the calendar (years 1 to 9999)") from None
     except ConfigError as exc:
         raise UsageError(f"{'--delay' if delay else '--expires-after'}: {exc}") from None
     return due_at, expires
@@ -253,7 +257,11 @@ def schemas(
 
     from ..backends.files.fsio import create_exclusive
     from ..core.errors import DuplicateHandoff
+    from ..core.ownfiles import plain_folder
     ws = workspace(root, create=True)
+    ws.schemas.mkdir(parents=True, exist_ok=True)
+    if not plain_folder(ws.schemas):  # a symlink would take the copies out of the workspace
+        raise UsageError(f"{ws.schemas} is not a folder of the workspace (a symlink?); nothing copied")
     for name in builtin_schema_names():
         target = ws.schemas / name
         data = (resources.files("handoffd") / "schemas" / name).read_bytes()

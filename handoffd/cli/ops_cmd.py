@@ -9,7 +9,7 @@ import typer
 
 from ..core.errors import UsageError
 from .common import JsonOption, RootOption, guarded
-from .render import print_json
+from .render import clean, print_json
 
 PROG = "handoff"
 AgentArg = Annotated[Optional[str], typer.Argument(help="The specialist, e.g. @coder.")]
@@ -44,7 +44,7 @@ def _show(pauses: dict[str, Any]) -> None:
     for agent, entry in sorted(pauses.items()):
         what = "everything (--all)" if agent == "*" else agent
         reason = f": {entry.get('reason')}" if entry.get("reason") else ""
-        print(f"{what}  paused by {entry.get('by')} at {entry.get('at')}{reason}")
+        print(clean(f"{what}  paused by {entry.get('by')} at {entry.get('at')}{reason}"))
 
 
 def pause(

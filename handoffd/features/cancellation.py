@@ -59,6 +59,10 @@ class DaemonPlugins(Protocol):
                         kinds: Collection[str] | None = None) -> None: ...
 
 
+
+MAX_REASON = 1000  # characters of a cancellation's reason kept in the document
+
+
 def install(engine: "Engine") -> None:
     """Add cancellation to an Engine (orchestration installs it): the cancel gate, a check just
     before the handler starts, partial results of a stopped handler, and the daemon side."""
@@ -132,7 +136,10 @@ class CancelResult:
 def cancel(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool = False,
            by: str = "@cli", via: str = "cli") -> list[CancelResult]:
     """Cancel ``handoff_id`` (NotFound if it does not exist) and, with ``cascade``, every
-    descendant. The first result is the handoff's own."""
+    descendant. The first result is the handoff's own. ``reason`` is kept to MAX_REASON
+    characters: it is written into the document (an unbounded one once pushed a large request
+    past max_document_bytes, and nobody could read it back)."""
+    reason = reason[:MAX_REASON]
     results = [cancel_one(engine, handoff_id, reason=reason, by=by, via=via, cascade=cascade)]
     if cascade:
         for child in descendants(engine.backend, handoff_id):

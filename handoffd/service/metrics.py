@@ -8,7 +8,10 @@ same text for node_exporter's textfile collector.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
 import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterator
@@ -168,6 +171,13 @@ def write_textfile(engine: Engine, path: str, registry: CollectorRegistry | None
     """Write the metrics for node_exporter's textfile collector (atomically: a temp file and a
     rename, as node_exporter asks)."""
     from prometheus_client import write_to_textfile
+    try:  # a rename over a FIFO or a device would replace it (as root, even /dev/null)
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise OSError(errno.EINVAL, "not a regular file; the metrics textfile replaces only one",
+                      path)
     write_to_textfile(path, registry or registry_for(engine))
 
 
