@@ -380,3 +380,24 @@ def test_third_hunt_command_line_cases(hws: Workspace, tmp_path: Path) -> None:
 def stat_is_fifo(path: Path) -> bool:
     import stat as stat_module
     return stat_module.S_ISFIFO(os.lstat(path).st_mode)
+
+
+@pytest.mark.parametrize("rule", ['url = "http://127.0.0.1:18777/a b"', 'url = "http://127.0.0.1:abc/"',
+                                  'url = "http://[::1"', 'url = "http://h/a\\r\\nX-Inj: 1"',
+                                  'command = ["python3\\u0000x"]'])
+def test_an_on_filed_rule_every_delivery_would_fail_is_refused_at_start(hws: Workspace,
+                                                                        rule: str) -> None:
+    """Found by the third bug hunt: these passed the config check, then each delivery logged a
+    traceback and wrote no dead letter."""
+    hws.write_config(printing("@ok", {"status": "completed"}) + f"\n[[on_filed]]\n{rule}\n")
+    proc = hws.handoffd("run")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "[[on_filed]] #1" in proc.stderr
+
+
+def test_a_webhook_password_is_never_logged() -> None:
+    from handoffd.features.notify import shown_url
+    assert shown_url("https://hook:s3cret@example.com:8443/x?y=1") == \
+        "https://hook:***@example.com:8443/x?y=1"
+    assert shown_url("https://example.com/x") == "https://example.com/x"
+    assert shown_url("https://only-user@example.com/") == "https://only-user@example.com/"

@@ -428,6 +428,22 @@ class NotifyRule:
     timeout_seconds: float = 10.0
 
 
+def _http_url(url: Any) -> bool:
+    """True for an http(s) URL that every delivery can use (one that failed to parse, say
+    ``http://[::1`` or a bad port, made each delivery a traceback)."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        return False
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        return False
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a bad one
+    except ValueError:
+        return False
+    return bool(parts.hostname)
+
+
 def parse_on_filed(tables: Any, path: Path) -> list[NotifyRule]:
     """``[[on_filed]]`` tables as NotifyRules; ConfigError naming the first problem."""
     if not isinstance(tables, list):
@@ -441,11 +457,13 @@ def parse_on_filed(tables: Any, path: Path) -> list[NotifyRule]:
         if rule.command is None and rule.url is None:
             raise ConfigError(f"{where}: give a command = [...] or a url = \"http://...\"")
         if rule.command is not None and (not isinstance(rule.command, list) or not rule.command
-                                         or not all(isinstance(c, str) for c in rule.command)):
-            raise ConfigError(f"{where}: command must be a non-empty list of strings (no shell)")
-        if rule.url is not None and (not isinstance(rule.url, str)
-                                     or not rule.url.startswith(("http://", "https://"))):
-            raise ConfigError(f"{where}: url must be an http:// or https:// address")
+                                         or not all(isinstance(c, str) and "\0" not in c
+                                                    for c in rule.command)):
+            raise ConfigError(f"{where}: command must be a non-empty list of strings (no shell, "
+                              "no NUL)")
+        if rule.url is not None and not _http_url(rule.url):
+            raise ConfigError(f"{where}: url must be an http:// or https:// address with a host, "
+                              "a valid port and no spaces or control characters")
         if not all(v is None or isinstance(v, str) for v in (rule.secret, rule.secret_env)):
             raise ConfigError(f"{where}: secret and secret_env must be strings")
         if not isinstance(rule.states, list) or not all(

@@ -40,6 +40,21 @@ QUEUE_LIMIT = 10_000  # notices beyond this are dead-lettered at once (a webhook
 DEAD_LETTERS = "notify-dead-letters.jsonl"
 
 
+def shown_url(url: str | None) -> str | None:
+    """``url`` as logs and dead letters show it: a password in it is replaced by ``***``."""
+    if not url or "@" not in url:
+        return url
+    from urllib.parse import urlsplit, urlunsplit
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(an unparsable url)"
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.netloc.rsplit('@', 1)[1]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 @dataclass
 class Notice:
     """One delivery to make: a rule, and the filed handoff it is about."""
@@ -183,16 +198,16 @@ class Notifier:
             with urllib.request.urlopen(request, timeout=notice.rule.timeout_seconds) as answer:
                 status = answer.status
         except urllib.error.HTTPError as exc:
-            return f"{notice.rule.url} answered {exc.code}"
+            return f"{shown_url(notice.rule.url)} answered {exc.code}"
         except (OSError, ValueError) as exc:
-            return f"{notice.rule.url}: {exc}"
-        return None if 200 <= status < 300 else f"{notice.rule.url} answered {status}"
+            return f"{shown_url(notice.rule.url)}: {exc}"
+        return None if 200 <= status < 300 else f"{shown_url(notice.rule.url)} answered {status}"
 
     def _dead_letter(self, notice: Notice, why: str) -> None:
         log.warning("handoff %s: notification given up: %s", notice.handoff_id, why)
         line = json.dumps({"at": iso(utc_now()), "id": notice.handoff_id,
                            "state": notice.state.value, "command": notice.rule.command,
-                           "url": notice.rule.url, "error": why}) + "\n"
+                           "url": shown_url(notice.rule.url), "error": why}) + "\n"
         try:
             self.engine.ws.meta.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.engine.ws.meta / DEAD_LETTERS, os.O_WRONLY | os.O_APPEND | os.O_CREAT
