@@ -401,3 +401,34 @@ def test_a_webhook_password_is_never_logged() -> None:
         "https://hook:***@example.com:8443/x?y=1"
     assert shown_url("https://example.com/x") == "https://example.com/x"
     assert shown_url("https://only-user@example.com/") == "https://only-user@example.com/"
+
+
+def test_trace_of_a_long_dependency_chain_and_retry_of_nothing(tmp_path: Path) -> None:
+    """Found by the third bug hunt: `handoff trace` of a 600-long depends_on chain was an
+    internal RecursionError (the tree now shows 100 levels and says how to go on: a 150-long
+    chain shows it, in a few seconds), and `retry --all-failed` with nothing failed was a usage
+    error (it says so and exits 0)."""
+    import subprocess
+
+    from conftest import exe
+
+    from handoffd.cli.basics import engine
+    from handoffd.cli.quick import submit_request
+    from handoffd.core.workspace import Workspace as HandoffdWorkspace
+    root = tmp_path / "ws"
+    root.mkdir()
+    HandoffdWorkspace(root).ensure()
+    eng = engine(root, create=True)
+    previous = None
+    for i in range(150):
+        previous = submit_request(eng, to="@x", handoff_id=f"c{i:04d}",
+                                  depends_on=[previous] if previous else None)
+    traced = subprocess.run([exe("handoff"), "trace", "c0000", "--root", str(root)],
+                            capture_output=True, text=True, timeout=120)
+    assert traced.returncode == 0 and "internal error" not in traced.stderr, traced.stderr
+    as_json = subprocess.run([exe("handoff"), "trace", "c0000", "--json", "--root", str(root)],
+                             capture_output=True, text=True, timeout=120)
+    assert as_json.returncode == 0 and "goes on" in as_json.stdout
+    retried = subprocess.run([exe("handoff"), "retry", "--all-failed", "--root", str(root)],
+                             capture_output=True, text=True, timeout=60)
+    assert retried.returncode == 0 and "no failed handoffs" in retried.stderr, retried.stderr

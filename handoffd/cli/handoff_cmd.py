@@ -190,6 +190,9 @@ def retry(
     ids = list(handoff_ids or [])
     if all_failed:
         ids += eng.backend.ids(State.FAILED)
+        if not ids:  # asked for every failed one, and there is none: nothing to do, not a misuse
+            print(f"{PROG}: no failed handoffs to retry", file=sys.stderr)
+            return
     if not ids:
         raise UsageError("name handoff ids to retry, or pass --all-failed")
     problems = 0

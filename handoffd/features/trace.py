@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
 
 MAX_NODES = 2000
+MAX_TREE_DEPTH = 100  # levels shown (a 600-long depends_on chain exhausted the recursion limit)
 
 
 @dataclass
@@ -143,16 +144,21 @@ def build(engine: "Engine", handoff_id: str) -> dict[str, Any]:
         seen.add(top)
     placed: set[str] = set()
 
-    def grow(node_id: str, relation: str) -> Node:
+    def grow(node_id: str, relation: str, depth: int = 0) -> Node:
         node = nodes[node_id]
         node.relation = relation
         placed.add(node_id)
+        if depth >= MAX_TREE_DEPTH:  # a long depends_on chain: the rest from its last node
+            if kids.get(node_id) or triggered.get(node_id):
+                node.note = (f"{node.note}; " if node.note else "") + \
+                    f"deeper than {MAX_TREE_DEPTH} levels: `handoff trace {node_id}` goes on"
+            return node
         for kid in sorted(kids.get(node_id, []), key=lambda k: (nodes[k].created_at or "", k)):
             if kid not in placed and len(placed) < MAX_NODES:
-                node.children.append(grow(kid, "child"))
+                node.children.append(grow(kid, "child", depth + 1))
         for later in sorted(triggered.get(node_id, []), key=lambda k: (nodes[k].created_at or "", k)):
             if later not in placed and len(placed) < MAX_NODES:
-                node.children.append(grow(later, "triggered"))
+                node.children.append(grow(later, "triggered", depth + 1))
         return node
 
     # what the focus depends on comes first, as its own upstream roots
