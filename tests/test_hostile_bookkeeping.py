@@ -432,3 +432,40 @@ def test_trace_of_a_long_dependency_chain_and_retry_of_nothing(tmp_path: Path) -
     retried = subprocess.run([exe("handoff"), "retry", "--all-failed", "--root", str(root)],
                              capture_output=True, text=True, timeout=60)
     assert retried.returncode == 0 and "no failed handoffs" in retried.stderr, retried.stderr
+
+
+def test_a_notification_command_is_bounded_and_never_outlives_the_daemon(hws: Workspace) -> None:
+    """Found by the third bug hunt: an [[on_filed]] command writing without end grew the
+    daemon by hundreds of MB a second (its whole output was kept); a hanging one outlived the
+    daemon, re-parented to init, and its notifications left no dead letter. Now its stdout is
+    discarded, its stderr tail kept, its group killed at its timeout or the daemon's stop, and
+    every notice not delivered is dead-lettered."""
+    import signal
+    import subprocess
+    flood = json.dumps([sys.executable, "-c",
+                        "import sys\nwhile True: sys.stdout.write('x' * 65536)"])
+    hang = json.dumps([sys.executable, "-c", "import time; time.sleep(600)", "hang-marker"])
+    hws.write_config("[daemon]\ngrace_seconds = 1.0\n\n" + printing("@ok", {"status": "completed"})
+                     + f"\n[[on_filed]]\ncommand = {flood}\nretries = 0\ntimeout_seconds = 2\n"
+                     + f"\n[[on_filed]]\ncommand = {hang}\nretries = 0\ntimeout_seconds = 600\n")
+    daemon = hws.serve()
+    try:
+        hws.drop("n1.json", native("n1", "@ok"))
+        hws.wait_state("n1")
+        deadline = time.monotonic() + 30
+        letters = hws.root / "handoffs" / ".meta" / "notify-dead-letters.jsonl"
+        while time.monotonic() < deadline and not (letters.exists() and "timed out" in letters.read_text()):
+            rss = int(next(line.split()[1] for line in
+                           Path(f"/proc/{daemon.pid}/status").read_text().splitlines()
+                           if line.startswith("VmRSS")))
+            assert rss < 300_000, f"the daemon grew to {rss} KiB"  # (it reached GBs)
+            time.sleep(0.2)
+        assert "timed out after 2s" in letters.read_text()
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
+    finally:
+        hws.cleanup()
+    found = subprocess.run(["pgrep", "-f", "hang-marker"], capture_output=True, text=True)
+    assert found.stdout.strip() == "", f"a notification command outlived the daemon: {found.stdout}"
+    assert "the daemon stopped before" in letters.read_text() or \
+        letters.read_text().count("\n") >= 2

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import threading
 import time
@@ -83,6 +84,7 @@ class Notifier:
         self.queue: queue.Queue[Notice] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
+        self.running: set[subprocess.Popen[bytes]] = set()  # commands being delivered to
 
     def filed(self, handoff_id: str, where: State) -> None:
         """``on_filed`` listener: queue the notices (never raises, never waits)."""
@@ -168,19 +170,38 @@ class Notifier:
         return ok
 
     def _run_command(self, notice: Notice) -> str | None:
+        """Run the rule's command with the document on stdin, in a process group of its own:
+        its stdout is discarded and only the tail of its stderr kept (a command writing without
+        end once grew the daemon by hundreds of MB a second), and at its timeout, or when the
+        daemon stops, the whole group is killed (a hanging one outlived the daemon)."""
         assert notice.rule.command is not None
         env = {**os.environ, "HANDOFF_ID": notice.handoff_id, "HANDOFF_STATE": notice.state.value,
                "HANDOFFD_ROOT": str(self.engine.ws.root)}
         try:
-            proc = subprocess.run(notice.rule.command, input=notice.body, env=env,
-                                  cwd=self.engine.ws.root, capture_output=True,
-                                  timeout=notice.rule.timeout_seconds, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            proc = subprocess.Popen(notice.rule.command, stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                                    cwd=self.engine.ws.root, start_new_session=True)
+        except OSError as exc:
             return f"{notice.rule.command[0]}: {exc}"
+        with self.lock:
+            self.running.add(proc)
+        try:
+            tail = _supervise(proc, notice.body, notice.rule.timeout_seconds)
+        finally:
+            with self.lock:
+                self.running.discard(proc)
+        if tail is None:
+            return f"{notice.rule.command[0]}: timed out after {notice.rule.timeout_seconds:g}s"
         if proc.returncode != 0:
-            tail = proc.stderr.decode("utf-8", "replace").strip()[-200:]
             return f"{notice.rule.command[0]} exited {proc.returncode}: {tail}"
         return None
+
+    def kill_running(self) -> None:
+        """Kill the process groups of the commands still running (the daemon is stopping)."""
+        with self.lock:
+            running = list(self.running)
+        for proc in running:
+            _kill_group(proc)
 
     def _post(self, notice: Notice) -> str | None:
         import hashlib
@@ -229,4 +250,67 @@ class Notifier:
         if self.queue.unfinished_tasks:
             log.warning("%d notification(s) not delivered before the daemon stopped",
                         self.queue.unfinished_tasks)
-        return not self.queue.unfinished_tasks
+        self.kill_running()  # a command still running must not outlive the daemon
+        left = not self.queue.unfinished_tasks
+        while True:  # what was never tried is recorded, as a failed delivery is
+            try:
+                notice = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            self._dead_letter(notice, "the daemon stopped before it was delivered")
+            self.queue.task_done()
+        return left
+
+
+STDERR_TAIL = 200  # characters of a failing command's stderr kept in its dead letter
+
+
+def _supervise(proc: "subprocess.Popen[bytes]", body: bytes, timeout: float) -> str | None:
+    """Feed ``body`` to ``proc`` and wait at most ``timeout`` seconds, keeping only the tail of
+    its stderr; the tail, or None (after killing its group) when time ran out."""
+    import select
+
+    def feed() -> None:
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(body)
+            proc.stdin.close()
+        except OSError:  # it exited without reading, or was killed
+            pass
+
+    threading.Thread(target=feed, name="notify-stdin", daemon=True).start()
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+    tail = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _kill_group(proc)
+                return None
+            ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break  # stderr closed: the command is ending
+                tail = (tail + chunk)[-4 * STDERR_TAIL:]
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return None
+    finally:
+        proc.stderr.close()
+    return tail.decode("utf-8", "replace").strip()[-STDERR_TAIL:]
+
+
+def _kill_group(proc: "subprocess.Popen[bytes]") -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
