@@ -469,3 +469,18 @@ def test_a_notification_command_is_bounded_and_never_outlives_the_daemon(hws: Wo
     assert found.stdout.strip() == "", f"a notification command outlived the daemon: {found.stdout}"
     assert "the daemon stopped before" in letters.read_text() or \
         letters.read_text().count("\n") >= 2
+
+
+def test_a_webhook_asked_to_be_signed_is_never_sent_unsigned(hws: Workspace,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the third bug hunt: with secret_env naming a variable that is not set, the
+    webhook went out without its signature and nothing said so. It is now not sent: the
+    delivery fails, is retried and dead-lettered naming the variable."""
+    monkeypatch.delenv("HANDOFFD_TEST_UNSET_SECRET", raising=False)
+    hws.write_config(printing("@ok", {"status": "completed"})
+                     + '\n[[on_filed]]\nurl = "http://127.0.0.1:9/hook"\n'
+                     + 'secret_env = "HANDOFFD_TEST_UNSET_SECRET"\nretries = 0\n')
+    hws.drop("s1.json", native("s1", "@ok"))
+    hws.handoffd("run")
+    letters = (hws.root / "handoffs" / ".meta" / "notify-dead-letters.jsonl").read_text()
+    assert "HANDOFFD_TEST_UNSET_SECRET is not set: not sent unsigned" in letters

@@ -210,6 +210,8 @@ class Notifier:
                    "X-Handoffd-Id": notice.handoff_id, "X-Handoffd-State": notice.state.value}
         secret = notice.rule.secret or (os.environ.get(notice.rule.secret_env)
                                         if notice.rule.secret_env else None)
+        if notice.rule.secret_env and not secret:  # never sent unsigned when a signature is asked
+            return f"secret_env {notice.rule.secret_env} is not set: not sent unsigned"
         if secret:
             digest = hmac.new(secret.encode("utf-8"), notice.body, hashlib.sha256).hexdigest()
             headers["X-Handoffd-Signature"] = f"sha256={digest}"
