@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(ctx_app, name="context")
 
 
-MAX_WAIT_SECONDS = 24 * 3600.0  # how long `cancel` may wait for running work to stop
+MAX_CANCEL_WAIT_SECONDS = 24 * 3600.0  # how long `cancel` may wait for running work to stop
 
 # ---------------------------------------------------------------- cancel
 def cancel(
@@ -75,8 +75,8 @@ def cancel(
     from ..features.cancellation import cancel as do_cancel
     from ..service.waiting import wait_terminal
 
-    if not 0 <= timeout <= MAX_WAIT_SECONDS:  # (NaN fails both comparisons)
-        raise UsageError(f"--timeout must be 0 to {MAX_WAIT_SECONDS:.0f} seconds, not {timeout:g}")
+    if not 0 <= timeout <= MAX_CANCEL_WAIT_SECONDS:  # (NaN fails both comparisons)
+        raise UsageError(f"--timeout must be 0 to {MAX_CANCEL_WAIT_SECONDS:.0f} seconds, not {timeout:g}")
     eng = engine(root)
     results = do_cancel(eng, handoff_id, reason=reason, cascade=cascade, by=_agent(as_agent))
     started = time.monotonic()

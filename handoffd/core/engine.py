@@ -285,12 +285,7 @@ class Engine:
 
     def _admit(self, claim: Claim, dialect: Dialect, now: datetime,
                arrived: datetime | None = None) -> Job | None:
-        doc, handoff_id = claim.doc, claim.id
-        try:
-            check_id(handoff_id)  # the stored name itself; `handoff show` could not reach it otherwise
-        except InvalidDocument as exc:
-            self.set_aside_claim(claim, ErrorCode.UNSAFE_ID, f"file pending/{handoff_id}.json: {exc}")
-            return None
+        doc, handoff_id = claim.doc, claim.id  # (its name was checked before the claim: claim())
         if claim.raw:  # a document from a foreign producer
             if self.backend.seen_contains(handoff_id, now):
                 self.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,

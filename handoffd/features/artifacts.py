@@ -262,11 +262,16 @@ def text_sink(ws: Workspace) -> ArtifactSink:
 def _file_facts(ws: Workspace, ref: str) -> dict[str, Any] | None:
     """size/sha256 of a workspace file named by ``ref`` (a path or a scheme-qualified reference
     such as a ``beads:`` context key); None when it names no file or is not confined."""
-    import hashlib
     try:
         target = confine_reference(ws, ref)
     except InvalidDocument:
         return None
+    return _facts_at(target)
+
+
+def _facts_at(target: Path | None) -> dict[str, Any] | None:
+    """size/sha256 of the confined file ``target``; None when there is none, or no file."""
+    import hashlib
     if target is None or not target.is_file():
         return None
     h = hashlib.sha256()
@@ -438,7 +443,7 @@ def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str]) 
     ref = item.get("path") or item.get("artifact_path") or item.get("content_ref")
     if isinstance(ref, str) and ref:
         target = confine_reference(ws, ref, handoff_id=handoff_id)
-        facts = _file_facts(ws, ref)
+        facts = _facts_at(target)
         # a file of the workspace must be there; a URL is taken on trust (never read), and so
         # is a beads: context key (the context is shared: another agent may write it later)
         if target is not None and facts is None and not ref.lower().startswith("beads:"):
