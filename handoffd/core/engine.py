@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .config import Config, RetryPolicy
 from .documents import (
@@ -70,10 +70,14 @@ class Verdict:
     action: str
     reason: str
     code: str = ""
+    # a wait that only the filing of these handoffs can end (a scheduler re-checks it then, and at
+    # its rescans); None: any filing may end it
+    on: frozenset[str] | None = None
 
     @classmethod
-    def wait(cls, reason: str) -> "Verdict":
-        return cls("wait", reason)
+    def wait(cls, reason: str, on: Iterable[str] | None = None) -> "Verdict":
+        """Hold the handoff back, saying why; ``on``: the handoffs whose filing may end it."""
+        return cls("wait", reason, on=None if on is None else frozenset(on))
 
     @classmethod
     def fail(cls, code: str, reason: str) -> "Verdict":

@@ -5,9 +5,16 @@ A gate looks at a pending document and answers go (None), wait (with a reason sh
 another handoff is filed and at every rescan. Dependencies (``--depends-on``, seed 004's
 ``dependencies_completed``) are this module's gate (:func:`install`, one of the features
 :func:`handoffd.features.build.build_engine` installs); orchestration and contracts add their own.
+
+Long chains and wide fan-ins stay linear: a dependency's wait names the handoffs whose filing can
+end it (``Verdict.wait(on=...)``), so the daemon re-checks a waiter only when one of them is
+filed; and :class:`Graph` remembers what never changes (a completed handoff stays completed) and
+which handoffs are known to lead to no cycle, so a walk stops where an earlier one ended.
 """
 from __future__ import annotations
 
+import threading
+from datetime import datetime
 from typing import Any
 
 from .. import dialects
@@ -20,83 +27,165 @@ from ..core.engine import (  # Gate and Verdict are the core's; re-exported
 from ..core.errors import ErrorCode, InvalidDocument, NotFound
 from ..core.states import State
 
-MAX_DEPENDENCY_WALK = 1000
-__all__ = ["Gate", "Verdict", "dependencies_gate", "install", "check_new_dependencies"]
+MAX_DEPENDENCY_WALK = 1000  # documents one cycle check reads at most (memoised walks go further)
+MAX_REMEMBERED = 100_000  # completed / cycle-free ids kept before the memory starts over
+ACYCLIC_SECONDS = 300.0  # how long "leads to no cycle" is trusted (ids can be purged and reused)
+SHOWN = 4  # dependencies named in a wait's reason
+__all__ = ["Gate", "Graph", "Verdict", "dependencies_gate", "install", "check_new_dependencies"]
+
+
+class Graph:
+    """What the gate and the creation check know of the dependency graph, across calls.
+
+    A completed handoff never runs again (only failed ones are retried), so its id is remembered
+    and never read again. A handoff whose unfinished dependencies were all walked without finding
+    a cycle or a missing document is remembered as cycle-free for :data:`ACYCLIC_SECONDS`: its
+    ``depends_on`` cannot change, and the handoffs it leads to can only finish."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.completed: set[str] = set()
+        self.acyclic: set[str] = set()
+        self.acyclic_since: datetime | None = None
+        self.lock = threading.Lock()
+
+    def state(self, handoff_id: str) -> tuple[State | None, list[str]]:
+        """(state, depends_on) of a handoff; (None, []) when it is missing or unreadable."""
+        if handoff_id in self.completed:
+            return State.COMPLETED, []
+        try:
+            state, doc = self.engine.get(handoff_id)
+        except (NotFound, InvalidDocument):
+            return None, []
+        if state is State.COMPLETED:
+            self._remember(self.completed, handoff_id)
+            return state, []
+        try:
+            return state, dialects.detect(doc).envelope(doc).depends_on
+        except Exception:  # an unreadable pending document has no known dependencies
+            return state, []
+
+    def _remember(self, where: set[str], handoff_id: str) -> None:
+        with self.lock:
+            if len(where) >= MAX_REMEMBERED:
+                where.clear()
+            where.add(handoff_id)
+
+    def _known_acyclic(self) -> set[str]:
+        """The cycle-free ids, forgotten every :data:`ACYCLIC_SECONDS` (or when the clock jumps)."""
+        now = self.engine.clock()
+        with self.lock:
+            age = None if self.acyclic_since is None else (now - self.acyclic_since).total_seconds()
+            if age is None or not 0 <= age <= ACYCLIC_SECONDS:
+                self.acyclic.clear()
+                self.acyclic_since = now
+            return self.acyclic
+
+    def find_cycle(self, start: str, deps: list[str], *, stored: bool = True) -> list[str] | None:
+        """A path of unfinished handoffs from ``start`` through ``deps`` back to ``start``, or
+        None. Completed handoffs end a path (they wait for nothing). Every handoff whose walk
+        ended cleanly (no cycle, nothing missing, within the bound) is remembered as cycle-free;
+        ``start`` too when it is ``stored`` (at creation it is not yet)."""
+        known = self._known_acyclic()
+        # a frame: (handoff, dependencies still to look at, [nothing unclean below it so far])
+        frames: list[tuple[str, list[str], list[bool]]] = [(start, list(deps), [True])]
+        on_path = {start}
+        visited: set[str] = set()
+        while frames:
+            node, todo, ok = frames[-1]
+            if not todo:
+                frames.pop()
+                on_path.discard(node)
+                if ok[0] and (stored or node != start):
+                    self._remember(known, node)
+                elif frames:
+                    frames[-1][2][0] = ok[0] and frames[-1][2][0]
+                continue
+            nxt = todo.pop()
+            if nxt == start:
+                return [frame[0] for frame in frames] + [start]
+            if nxt in known:
+                continue
+            if nxt in on_path or nxt in visited or len(visited) >= MAX_DEPENDENCY_WALK:
+                # another cycle (not through start), a handoff already walked and found not
+                # clean, or the walk's bound: nothing above it is known to be cycle-free
+                ok[0] = False
+                continue
+            visited.add(nxt)
+            state, next_deps = self.state(nxt)
+            if state is None:
+                ok[0] = False  # a missing dependency may yet be created, leading anywhere
+            elif state is not State.COMPLETED:
+                on_path.add(nxt)
+                frames.append((nxt, list(next_deps), [True]))
+        return None
+
+    def gate(self, engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
+        """The engine's gate: :func:`dependencies_gate` on this graph."""
+        return dependencies_gate(self, env)
+
+    def check_submitted(self, engine: "Engine", env: Envelope) -> None:
+        """Engine.submit's check: what a new handoff depends on exists and leads nowhere back."""
+        if env.depends_on:
+            check_new_dependencies(self, env.handoff_id, env.depends_on)
 
 
 def install(engine: "Engine") -> None:
     """The dependencies feature: hold a handoff back until what it depends on has completed."""
-    engine.gates.append(dependencies_gate)
-    engine.submit_checks.append(check_submitted)
+    graph = Graph(engine)
+    engine.gates.append(graph.gate)
+    engine.submit_checks.append(graph.check_submitted)
 
 
-def check_submitted(engine: "Engine", env: Envelope) -> None:
-    """Engine.submit's check: what a new handoff depends on exists and leads nowhere back."""
-    if env.depends_on:
-        check_new_dependencies(engine, env.handoff_id, env.depends_on)
-
-
-def dependencies_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
+def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:
     """Wait until every dependency completed; fail with DEPENDENCY_MISSING when one failed, was
     cancelled, does not exist, or the dependencies form a cycle."""
     if not env.depends_on:
         return None
-    cycle = find_cycle(engine, env.handoff_id, env.depends_on)
-    if cycle:
-        return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on itself "
-                            f"through {' -> '.join(cycle)}; break the cycle")
-    waiting = []
+    waiting: list[tuple[str, State]] = []
     for dep in env.depends_on:
-        try:
-            state, dep_doc = engine.get(dep)
-        except (NotFound, InvalidDocument):
+        if dep in graph.completed:
+            continue
+        state, _ = graph.state(dep)
+        if state is None:
             return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on {dep}, "
                                 "which does not exist; create it first")
         if state is State.FAILED:
-            status = dep_doc.get("status", "failed")
             return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on {dep}, "
-                                f"which {status if status != 'failed' else 'failed'}; retry {dep} first")
+                                f"which {_ended(graph, dep)}; retry {dep} first")
         if state is not State.COMPLETED:
-            waiting.append(f"{dep} ({state.value})")
-    if waiting:
-        return Verdict.wait("waiting for dependency " + ", ".join(waiting))
-    return None
+            waiting.append((dep, state))
+    if not waiting:
+        return None
+    # only a handoff that would wait can be waiting for ever: look for a cycle now
+    cycle = graph.find_cycle(env.handoff_id, [dep for dep, _ in waiting])
+    if cycle:
+        return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on itself "
+                            f"through {' -> '.join(cycle)}; break the cycle")
+    shown = ", ".join(f"{dep} ({state.value})" for dep, state in waiting[:SHOWN])
+    more = f" and {len(waiting) - SHOWN} more" if len(waiting) > SHOWN else ""
+    return Verdict.wait(f"waiting for dependency {shown}{more}", on=[dep for dep, _ in waiting])
 
 
-def dependencies_of(engine: "Engine", handoff_id: str) -> list[str]:
-    """The depends_on list of an existing handoff ([] when unknown or unreadable)."""
-    try:
-        _, doc = engine.get(handoff_id)
-        return dialects.detect(doc).envelope(doc).depends_on
-    except Exception:  # any unreadable document simply has no known dependencies
-        return []
-
-
-def find_cycle(engine: "Engine", start: str, deps: list[str]) -> list[str] | None:
-    """A dependency path leading back to ``start``, or None (bounded walk)."""
-    stack = [(dep, [start, dep]) for dep in deps]
-    seen: set[str] = set()
-    while stack and len(seen) < MAX_DEPENDENCY_WALK:
-        node, path = stack.pop()
-        if node == start:
-            return path
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend((nxt, path + [nxt]) for nxt in dependencies_of(engine, node))
-    return None
-
-
-def check_new_dependencies(engine: "Engine", handoff_id: str, deps: list[str]) -> None:
+def check_new_dependencies(graph: Graph, handoff_id: str, deps: list[str]) -> None:
     """At creation: every dependency must exist and none may lead back here (InvalidDocument)."""
     for dep in deps:
         if dep == handoff_id:
             raise InvalidDocument(f"handoff {handoff_id} cannot depend on itself",
                                   handoff_id=handoff_id, code=ErrorCode.DEPENDENCY_MISSING)
-        if engine.backend.get(dep) is None:
+        if dep not in graph.completed and graph.engine.backend.get(dep) is None:
             raise InvalidDocument(f"handoff {handoff_id} depends on {dep}, which does not exist; "
                                   "create it first", handoff_id=handoff_id, code=ErrorCode.DEPENDENCY_MISSING)
-    cycle = find_cycle(engine, handoff_id, deps)
+    cycle = graph.find_cycle(handoff_id, deps, stored=False)
     if cycle:
         raise InvalidDocument(f"dependency cycle: {' -> '.join(cycle)}", handoff_id=handoff_id,
                               code=ErrorCode.DEPENDENCY_MISSING)
+
+
+def _ended(graph: Graph, handoff_id: str) -> str:
+    """How a failed dependency ended, for the message: its status (failed, cancelled...)."""
+    try:
+        status = graph.engine.get(handoff_id)[1].get("status")
+    except (NotFound, InvalidDocument):
+        status = None
+    return status[:40] if isinstance(status, str) and status else "failed"

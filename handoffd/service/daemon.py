@@ -148,6 +148,9 @@ class Daemon:
         self.rate_until: dict[str, float] = {}  # agent -> monotonic time its next start is due
         self.report = BatchReport()
         self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
+        # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
+        # of 1,000 dependents is then re-checked one handoff per filing, not 1,000
+        self.waits_on: dict[str, frozenset[str]] = {}
         engine.on_filed.append(self._count)
         self.rescan_requested = True
         self.last_dispatch = time.monotonic()
@@ -297,8 +300,11 @@ class Daemon:
             cut = index * len(ids) // count
             ids = ids[cut:] + ids[:cut]
         with self.cv:
-            if self.parked_ids or self.first_seen or self.report.unroutable:
+            if self.parked_ids or self.first_seen or self.report.unroutable or self.waiting:
                 present = set(ids)
+                for gone in [hid for hid in self.waiting if hid not in present]:
+                    self.waiting.pop(gone, None)  # claimed or filed elsewhere
+                    self.waits_on.pop(gone, None)
                 for gone in [hid for hid in self.parked_ids if hid not in present]:
                     self._unpark(gone)
                 for gone in [hid for hid in self.first_seen if hid not in present]:
@@ -516,9 +522,14 @@ class Daemon:
         verdict = self.engine.gate(peek)
         if verdict is not None and verdict.action == "wait":
             self.waiting[handoff_id] = verdict.reason
+            if verdict.on is None:
+                self.waits_on.pop(handoff_id, None)
+            else:
+                self.waits_on[handoff_id] = verdict.on
             self._look_again_at(handoff_id, deadline)
             return
         self.waiting.pop(handoff_id, None)
+        self.waits_on.pop(handoff_id, None)
         if verdict is not None:  # a gate said fail: file it without running the handler
             self._submit(spec.agent, self._reject, handoff_id, verdict.code, verdict.reason)
             return
@@ -758,6 +769,7 @@ class Daemon:
             self.busy = Counter(agent for agent, _ in self.inflight.values())
             self.running = len(self.inflight)
             self.waiting.clear()
+            self.waits_on.clear()
             self.report.unroutable.clear()
             self.rescan_requested = True
             self.last_dispatch = time.monotonic()
@@ -783,7 +795,11 @@ class Daemon:
             if where.terminal:
                 self.first_seen.pop(handoff_id, None)
                 for waiter in list(self.waiting):  # a dependency may have been met
+                    on = self.waits_on.get(waiter)
+                    if on is not None and handoff_id not in on:
+                        continue  # only other handoffs' filing can end this wait
                     self.waiting.pop(waiter, None)
+                    self.waits_on.pop(waiter, None)
                     self.notify(waiter)
         if self.on_filed:
             self.on_filed(handoff_id, where)
