@@ -104,3 +104,44 @@ def test_a_bad_rule_is_a_configuration_error(ws: Workspace) -> None:
     ws.write_config(FLAKY_TOML + '\n[[on_filed]]\nurl = "ftp://example"\n')
     proc = ws.handoffd("run")
     assert proc.returncode == 2 and "url must be an http" in proc.stderr
+
+
+def test_a_cancel_from_the_command_line_delivers_retries_and_dead_letters(
+        ws: Workspace, tmp_path: Path) -> None:
+    """Found by the third bug hunt: `handoff cancel` files the handoff in its own process, which
+    exited at once, so a failing notification was neither retried nor dead-lettered, and a
+    hanging command outlived it (its timeout never applied). The process now drains its
+    notices at exit, as a stopping daemon does."""
+    import subprocess
+    import time
+    runs = tmp_path / "runs.txt"
+    failing = json.dumps([sys.executable, "-c",
+                          f"import sys; open({str(runs)!r}, 'a').write('run\\n'); sys.exit(7)"])
+    hang = json.dumps([sys.executable, "-c", "import time; time.sleep(600)", "cli-hang-marker"])
+    ws.write_config(f"""
+[[on_filed]]
+command = {failing}
+states = ["failed"]
+retries = 2
+retry_delay_seconds = 0.05
+
+[[on_filed]]
+command = {hang}
+states = ["failed"]
+retries = 3
+timeout_seconds = 600
+""")
+    handoff_id = ws.create("--to", "@nobody", "--data", "{}")
+    started = time.monotonic()
+    done = ws.handoff("cancel", handoff_id, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 40  # bounded by the drain (10 s), not by the 600 s
+    assert runs.read_text().count("run") == 3  # one try and two retries
+    letters = [json.loads(line) for line in
+               (ws.root / "handoffs" / ".meta" / "notify-dead-letters.jsonl").read_text().splitlines()]
+    assert [letter["error"].split(":")[0] for letter in letters] == ["command", "command"], letters
+    assert "exited 7" in letters[0]["error"]
+    assert "not tried again" in letters[1]["error"]  # killed at the drain, not retried 3 times
+    assert "notification given up" in done.stderr
+    found = subprocess.run(["pgrep", "-f", "cli-hang-marker"], capture_output=True, text=True)
+    assert found.stdout.strip() == "", f"a notification command outlived `handoff cancel`: {found.stdout}"

@@ -9,10 +9,14 @@ that exits non-zero, a timeout) is tried again ``retries`` times with exponentia
 ``handoffs/.meta/notify-dead-letters.jsonl`` and a warning is logged.
 
 Nothing here blocks the daemon's workers: filing only queues the notice, one background thread
-delivers, and a stopping daemon gives it a bounded time to finish (:data:`DRAIN_SECONDS`).
+delivers, and a stopping daemon gives it a bounded time to finish (:data:`DRAIN_SECONDS`). Any
+other process that files work (`handoff cancel`, an MCP server, a program using the client)
+drains the same way when it exits, so its notices are delivered, retried or dead-lettered too,
+and no command it started outlives it.
 """
 from __future__ import annotations
 
+import atexit
 import hmac
 import json
 import logging
@@ -78,9 +82,11 @@ def install(engine: Engine) -> None:
 class Notifier:
     """Queues a notice per matching rule when a handoff is filed; a thread delivers them."""
 
-    def __init__(self, engine: Engine, *, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, engine: Engine, *, sleep: Callable[[float], None] | None = None) -> None:
         self.engine = engine
-        self.sleep = sleep
+        self.stopping = threading.Event()  # set by drain(): no more retries, no new command
+        self.sleep = sleep or self.stopping.wait  # (a backoff that a drain cuts short)
+        self.at_exit = False
         self.queue: queue.Queue[Notice] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
@@ -99,6 +105,8 @@ class Notifier:
         except (HandoffdError, OSError) as exc:
             log.warning("handoff %s: cannot prepare its notification: %s", handoff_id, exc)
             return
+        if self.stopping.is_set() and not self.queue.unfinished_tasks:
+            self.stopping.clear()  # an earlier drain is over: this engine files again
         for rule in rules:
             notice = Notice(rule, handoff_id, where, body)
             if self.queue.qsize() >= QUEUE_LIMIT:
@@ -129,6 +137,9 @@ class Notifier:
 
     def _ensure_thread(self) -> None:
         with self.lock:
+            if not self.at_exit:  # whatever process this is, it delivers before it exits
+                atexit.register(self.drain)
+                self.at_exit = True
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._deliver_all, daemon=True,
                                                name="handoffd-notify")
@@ -161,6 +172,11 @@ class Notifier:
                 problem = send(notice)
                 if problem is None:
                     break
+                if self.stopping.is_set():
+                    self._dead_letter(notice, f"{kind}: {problem}; not tried again: the "
+                                              "process that filed it stopped")
+                    ok = False
+                    break
                 if attempt == notice.rule.retries:
                     self._dead_letter(notice, f"{kind}: {problem}")
                     ok = False
@@ -175,6 +191,8 @@ class Notifier:
         end once grew the daemon by hundreds of MB a second), and at its timeout, or when the
         daemon stops, the whole group is killed (a hanging one outlived the daemon)."""
         assert notice.rule.command is not None
+        if self.stopping.is_set():
+            return "not started: the process that filed it is stopping"
         env = {**os.environ, "HANDOFF_ID": notice.handoff_id, "HANDOFF_STATE": notice.state.value,
                "HANDOFFD_ROOT": str(self.engine.ws.root)}
         try:
@@ -243,23 +261,29 @@ class Notifier:
             log.error("cannot record the dead letter of %s: %s", notice.handoff_id, exc)
 
     def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
-        """Deliver what is queued, for at most ``timeout`` seconds (a stopping daemon); True
-        when nothing is left."""
+        """Deliver what is queued, for at most ``timeout`` seconds (a stopping daemon, or any
+        process that filed work, at its exit); True when nothing was left. What is still
+        undelivered then is dead-lettered, and a command still running is killed."""
         deadline = time.monotonic() + timeout
         while self.queue.unfinished_tasks and time.monotonic() < deadline:
             self._ensure_thread()
             time.sleep(0.02)
-        if self.queue.unfinished_tasks:
-            log.warning("%d notification(s) not delivered before the daemon stopped",
-                        self.queue.unfinished_tasks)
-        self.kill_running()  # a command still running must not outlive the daemon
         left = not self.queue.unfinished_tasks
+        if not left:
+            log.warning("%d notification(s) not delivered before the process stopped",
+                        self.queue.unfinished_tasks)
+        self.stopping.set()  # the delivery under way ends with a dead letter, not a retry
+        self.kill_running()  # a command still running must not outlive the daemon
+        settle = time.monotonic() + 2.0
+        while self.thread is not None and self.thread.is_alive() and self.queue.unfinished_tasks \
+                and time.monotonic() < settle:
+            time.sleep(0.02)
         while True:  # what was never tried is recorded, as a failed delivery is
             try:
                 notice = self.queue.get_nowait()
             except queue.Empty:
                 break
-            self._dead_letter(notice, "the daemon stopped before it was delivered")
+            self._dead_letter(notice, "the process that filed it stopped before it was delivered")
             self.queue.task_done()
         return left
 
