@@ -179,3 +179,28 @@ def test_a_paused_record_keeps_its_good_entries(ws: Workspace) -> None:
     (meta / "paused.json").write_text(json.dumps({"*": [1], "@flaky": good, "@b": 3}))
     proc = handoff(ws, "paused", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout) == {"@flaky": good}
+
+
+@pytest.mark.parametrize("args", [
+    ("show", "../x"), ("wait", "../x", "--timeout", "1"), ("cancel", "../x"), ("retry", "ok", "a/b"),
+    ("trace", "../x"), ("answer", "../x", "--data", "{}"), ("create", "--to", "@x", "--id", "../x"),
+    ("create", "--to", "@x", "--depends-on", "../x"),
+])
+@pytest.mark.parametrize("env", [QUICK, FULL], ids=["quick", "full"])
+def test_an_id_no_handoff_can_have_is_a_usage_error(ws: Workspace, args: tuple[str, ...],
+                                                   env: dict[str, str]) -> None:
+    """Found by the third bug hunt: `retry` and `cancel` of a malformed id exited 1 (a failed
+    handoff) and `wait` waited for it; an argument is a usage error (exit 2), one line."""
+    refused(handoff(ws, *args, env=env), "is not a safe file name")
+
+
+@pytest.mark.parametrize("where", ["", ".", "nowhere/metrics.prom"])
+def test_a_metrics_textfile_that_cannot_be_a_file_is_refused(ws: Workspace, where: str) -> None:
+    """Found by the third bug hunt: `--metrics-textfile ''` was taken as "." and the daemon
+    warned every 15 s that it could not write a folder."""
+    proc = subprocess.run([exe("handoffd"), "serve", "--root", str(ws.root),
+                           "--metrics-textfile", where], capture_output=True, text=True,
+                          timeout=60, cwd=ws.root)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("handoffd: error: --metrics-textfile") and \
+        len(proc.stderr.splitlines()) == 1, proc.stderr

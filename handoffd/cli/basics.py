@@ -142,3 +142,20 @@ def quiet_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
+
+
+ID_PARAMETERS = ("handoff_id", "handoff_ids", "depends_on")  # parameters that hold handoff ids
+
+
+def check_id_arguments(kwargs: dict[str, Any]) -> None:
+    """A handoff id given on the command line that no handoff can have is a usage error (exit
+    2), said before the command opens anything (a document's bad id stays exit 1)."""
+    for name in ID_PARAMETERS:
+        value = kwargs.get(name)
+        for one in value if isinstance(value, list) else [value] if value is not None else []:
+            from ..core.documents import check_id
+            from ..core.errors import InvalidDocument, UsageError
+            try:
+                check_id(one)
+            except InvalidDocument as exc:
+                raise UsageError(str(exc)) from None

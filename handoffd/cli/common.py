@@ -11,7 +11,7 @@ import typer
 
 from ..core.workspace import Workspace
 from .basics import engine as engine  # the commands' one way to an Engine
-from .basics import failure_code, open_workspace, quiet_stdout
+from .basics import check_id_arguments, failure_code, open_workspace, quiet_stdout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,6 +58,7 @@ def guarded(program: str) -> Callable[[F], F]:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
+                check_id_arguments(kwargs)
                 return func(*args, **kwargs)
             except (typer.Exit, typer.Abort, SystemExit):
                 raise

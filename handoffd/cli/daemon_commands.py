@@ -234,6 +234,11 @@ def expose_metrics(eng: Engine, daemon: Daemon, address: str | None,
         said += f"; metrics on http://{address.rpartition(':')[0] or '0.0.0.0'}:{port}/metrics"
     if textfile is not None:
         from ..service.metrics import TextfileWriter
+        if textfile.is_dir():  # (an empty argument arrives as ".")
+            raise UsageError(f"--metrics-textfile {str(textfile)!r} is a folder: name a file in it, "
+                             "e.g. /var/lib/node_exporter/handoffd.prom")
+        if not textfile.absolute().parent.is_dir():
+            raise UsageError(f"--metrics-textfile {textfile}: no folder {textfile.absolute().parent}")
         writer = TextfileWriter(eng, str(textfile))
         writer.start()
         daemon.add_stop_hook(writer.stop)

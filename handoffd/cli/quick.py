@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .basics import PROG, engine, failure_code, json_arg
+from .basics import PROG, check_id_arguments, engine, failure_code, json_arg
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -138,6 +138,7 @@ def try_quick(argv: Sequence[str]) -> int | None:
 def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
     """Run a parsed plain form; its exit code."""
     as_json = bool(opts.pop("as_json", False))
+    check_id_arguments({"handoff_id": args[0] if args else opts.get("handoff_id")})
     if command == "create":
         return quick_create(opts)
     from . import reads  # (what create never needs: the readers and the table renderer)
