@@ -221,7 +221,7 @@ SCHEMA_LEAVES = st.sampled_from([
     True, False, {}, {"type": "string"}, {"type": "integer"}, {"type": "number"},
     {"type": "boolean"}, {"type": "null"}, {"type": ["object", "null"]},
     {"type": "array", "maxItems": 2}, {"minLength": 1, "maxLength": 3}, {"pattern": "^a"},
-    {"pattern": "(?=a)a"}, {"minimum": 0}, {"exclusiveMaximum": 1.5}, {"maximum": 10 ** 30},
+    {"pattern": "[ab]c"}, {"minimum": 0}, {"exclusiveMaximum": 1.5}, {"maximum": 10 ** 30},
     {"enum": ["a", "b"]}, {"enum": [1, "a", None, [1], {"a": 1}]}, {"enum": []},
     {"const": "a"}, {"const": True}, {"const": False}, {"const": None}, {"const": 1},
     {"const": [1, True]}, {"format": "date-time"}, {"required": ["a"]},
@@ -278,13 +278,13 @@ def test_types_as_json_schema_sees_them() -> None:
     load_builtin("native.request.schema.json")["$defs"]["date_time"]["pattern"],
     load_builtin("native.request.schema.json")["$defs"]["handoff_id"]["pattern"],
     "", "^$", "a", "^a", "a$", "(a|b)+c", "[^x]", "\\d{2,}", "é", "^.$", "(?i)ab", "\\bx\\b",
-    "(?=a)", "(a)\\1"])  # the last two: RE2 cannot compile them; an operator's schema uses re
+    "a|b|c"])
 @settings(max_examples=60, **QUICK)
 @given(text=st.text(alphabet="ab cxé09-:TZ\n.+", max_size=24))
 def test_a_pattern_answers_as_search_does(pattern: str, text: str) -> None:
     from handoffd.core.fastschema import _pattern_test
     from handoffd.core.jsonschema_re2 import compile_pattern
-    expected = compile_pattern(pattern, trusted=True).search(text) is not None
+    expected = compile_pattern(pattern).search(text) is not None
     assert bool(_pattern_test(pattern)(text)) is expected
 
 
@@ -434,8 +434,7 @@ def test_a_workspace_override_of_a_built_in_schema_is_used_and_checked(tmp_path:
     the workspace's schemas/ wins, and is checked before it is used."""
     import json
 
-    from jsonschema.exceptions import SchemaError
-
+    from handoffd.core.errors import ConfigError
     from handoffd.core.validation import SchemaCache
     name = "native.request.schema.json"
     stricter = dict(load_builtin(name))
@@ -445,5 +444,6 @@ def test_a_workspace_override_of_a_built_in_schema_is_used_and_checked(tmp_path:
     assert ["ticket" in e["error"] for e in cache.errors(name, SEED_REQUEST)] == [True]
     assert cache.errors(name, dict(SEED_REQUEST, ticket=1)) == []
     (tmp_path / name).write_text(json.dumps({"type": 12}))
-    with pytest.raises(SchemaError):  # checked against its metaschema, as before
+    with pytest.raises(ConfigError, match="schemas/native.request.schema.json cannot be used: "
+                                          "not a valid JSON Schema"):  # checked, one line
         SchemaCache(tmp_path).errors(name, SEED_REQUEST)

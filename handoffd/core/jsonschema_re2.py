@@ -49,12 +49,12 @@ def describe(error: ValidationError) -> dict[str, str]:
 # additionalProperties and unevaluatedProperties); each is replaced by a version that compiles
 # with compile_pattern. They mirror jsonschema 4's implementations otherwise.
 
-def _keywords(trusted: bool, legacy_2019: bool) -> dict[str, Callable[..., Iterator[ValidationError]]]:
-    """Keyword implementations for trusted (operator) or untrusted (document) schemas."""
+def _keywords(legacy_2019: bool) -> dict[str, Callable[..., Iterator[ValidationError]]]:
+    """Keyword implementations on RE2 (``legacy_2019``: draft 2019-09's variants)."""
 
     def searcher(pattern: str) -> Searcher | None:
         try:
-            return compile_pattern(pattern, trusted=trusted)
+            return compile_pattern(pattern)
         except PatternError:
             return None  # reported by the pattern / patternProperties keyword itself
 
@@ -62,7 +62,7 @@ def _keywords(trusted: bool, legacy_2019: bool) -> dict[str, Callable[..., Itera
         if not validator.is_type(instance, "string"):
             return
         try:
-            compiled = compile_pattern(patrn, trusted=trusted)
+            compiled = compile_pattern(patrn)
         except PatternError as exc:
             yield ValidationError(str(exc))
             return
@@ -75,7 +75,7 @@ def _keywords(trusted: bool, legacy_2019: bool) -> dict[str, Callable[..., Itera
             return
         for patrn, subschema in patterns.items():
             try:
-                compiled = compile_pattern(patrn, trusted=trusted)
+                compiled = compile_pattern(patrn)
             except PatternError as exc:
                 yield ValidationError(str(exc))
                 continue
@@ -191,40 +191,111 @@ def _valid(errors: Iterator[ValidationError]) -> bool:
     return next(errors, None) is None
 
 
-_CLASSES: dict[tuple[type, bool], type] = {}
+_CLASSES: dict[type, type] = {}
 _CLASSES_LOCK = threading.Lock()
 
 
-def validator_class(schema: Any, *, trusted: bool) -> Any:
+def validator_class(schema: Any) -> Any:
     """The validator class for ``schema``'s draft (default 2020-12) with the RE2 keywords."""
     base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     with _CLASSES_LOCK:
-        found = _CLASSES.get((base, trusted))
+        found = _CLASSES.get(base)
         if found is None:
             legacy = base is jsonschema.Draft201909Validator
-            keywords = {name: func for name, func in _keywords(trusted, legacy).items()
+            keywords = {name: func for name, func in _keywords(legacy).items()
                         if name in base.VALIDATORS}  # e.g. draft 7 has no unevaluatedProperties
-            found = _CLASSES[(base, trusted)] = jsonschema.validators.extend(base, keywords)
+            found = _CLASSES[base] = jsonschema.validators.extend(base, keywords)
         return found
 
 
 # Inline schemas resolve no references outside themselves: jsonschema's default registry would
-# fetch http(s) URLs with no timeout, so a document could stall a worker (or reach the network).
+# fetch http(s) and file URLs with no timeout, so a document could stall a worker, read a file
+# outside the workspace, or reach the network. Named schemas may refer to the workspace's other
+# schemas by plain name (see named_registry), and to nothing else.
 _NO_RETRIEVAL = referencing.Registry()
+MAX_EXPANSION = 20_000  # subschemas one value may be checked against, $refs followed
+# what a value is never checked against as it stands (definitions are reached through $ref)
+_NOT_SUBSCHEMAS = frozenset({"enum", "const", "examples", "default", "title", "description",
+                             "$comment", "$defs", "definitions"})
 
 
-def check_inline(schema: dict[str, Any]) -> None:
-    """Raise InvalidDocument (SCHEMA_VALIDATION_FAILED) with one clear line unless ``schema`` is
-    a usable JSON Schema whose every pattern RE2 compiles."""
+class SchemaProblem(ValueError):
+    """A schema that cannot be used: not a JSON Schema, a pattern RE2 refuses, a $ref that
+    reaches outside, too deep, or too large once its $refs are followed."""
+
+
+def check_schema(schema: Any, registry: referencing.Registry = _NO_RETRIEVAL) -> Validator:
+    """A validator for ``schema`` once it is known usable (SchemaProblem, one line, otherwise):
+    a valid JSON Schema for its draft, every pattern RE2 compiles, every ``$ref`` resolves within
+    ``registry``, and it expands to at most :data:`MAX_EXPANSION` subschemas."""
     try:
-        cls = validator_class(schema, trusted=False)
+        cls = validator_class(schema)
         cls.check_schema(schema, format_checker=FORMAT_CHECKER)
+        validator = cls(schema, format_checker=FORMAT_CHECKER, registry=registry)
+        size = _Expansion(validator).size(schema, validator._resolver)  # type: ignore[attr-defined]
     except jsonschema.SchemaError as exc:
         reason = str(exc.cause) if isinstance(exc.cause, PatternError) else exc.message
-        raise InvalidDocument(f"the inline schema is not a valid JSON Schema: {reason}",
-                              code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
+        raise SchemaProblem(f"not a valid JSON Schema: {reason[:300]}") from None
     except RecursionError:
-        raise InvalidDocument("the inline schema nests too deeply to be checked",
+        raise SchemaProblem("it nests too deeply to be checked") from None
+    except referencing.exceptions.Unresolvable as exc:
+        raise SchemaProblem(f"$ref {str(exc.ref)[:200]!r} cannot be followed: only references inside "
+                            "the schema, or from schemas/ to another file there by name, "
+                            "are followed") from None
+    if size > MAX_EXPANSION:
+        raise SchemaProblem(f"its $refs make it check a value against more than {MAX_EXPANSION} "
+                            "subschemas")
+    return validator
+
+
+class _Expansion:
+    """Counts the subschemas a value may be checked against, each $ref target counted once per
+    reference to it: what validation costs. Two references per level to the next level make
+    2**levels; a 2.8 KB schema built so kept four workers busy for ever."""
+
+    def __init__(self, validator: Any) -> None:
+        import referencing.jsonschema
+        meta = validator.META_SCHEMA
+        self.spec = referencing.jsonschema.specification_with(
+            dialect_id=validator.ID_OF(meta) or "urn:unknown-dialect",
+            default=referencing.Specification.OPAQUE)
+        self.memo: dict[int, int] = {}
+        self.active: set[int] = set()
+
+    def size(self, node: Any, resolver: Any) -> int:
+        key = id(node)
+        if key in self.memo:
+            return self.memo[key]
+        if key in self.active or not isinstance(node, (dict, list)):
+            return 1  # a $ref cycle is validation's recursion limit's to stop
+        self.active.add(key)
+        total = 1
+        if isinstance(node, dict):
+            resolver = resolver.in_subresource(self.spec.create_resource(node))
+            for ref_key in ("$ref", "$dynamicRef"):
+                ref = node.get(ref_key)
+                if isinstance(ref, str):
+                    resolved = resolver.lookup(ref)
+                    total += self.size(resolved.contents, resolved.resolver)
+            children = [v for k, v in node.items() if k not in _NOT_SUBSCHEMAS]
+        else:
+            children = node
+        for child in children:
+            total += self.size(child, resolver)
+            if total > MAX_EXPANSION:
+                break  # no need to count further
+        self.active.discard(key)
+        self.memo[key] = total
+        return total
+
+
+def check_inline(schema: dict[str, Any]) -> Validator:
+    """A validator for ``schema`` once it is known usable; InvalidDocument
+    (SCHEMA_VALIDATION_FAILED) with one clear line otherwise (see :func:`check_schema`)."""
+    try:
+        return check_schema(schema)
+    except SchemaProblem as exc:
+        raise InvalidDocument(f"the inline schema cannot be used: {exc}",
                               code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
 
 
@@ -258,14 +329,27 @@ def errors_of(validator: Validator, instance: Any) -> list[dict[str, str]]:
 def for_inline(schema: dict[str, Any]) -> Validator:
     """A validator for a schema a document carries: checked first (InvalidDocument when unusable),
     RE2 only, and no reference may reach outside the schema."""
-    check_inline(schema)
-    return validator_class(schema, trusted=False)(schema, format_checker=FORMAT_CHECKER,
-                                                   registry=_NO_RETRIEVAL)
+    return check_inline(schema)
 
 
-def for_named(schema: dict[str, Any]) -> Validator:
-    """A validator for an operator's (named) schema: checked with Python's regex syntax, run
-    with RE2 wherever RE2 compiles the pattern."""
-    cls = validator_class(schema, trusted=True)
-    cls.check_schema(schema)
-    return cls(schema, format_checker=FORMAT_CHECKER)
+def named_registry(load: Callable[[str], Any] | None) -> referencing.Registry:
+    """The registry of a named schema: ``$ref`` to another schema by plain file name (no scheme,
+    no folder: "common.json") is read with ``load``; any other address is refused, never fetched."""
+    if load is None:
+        return _NO_RETRIEVAL
+
+    def retrieve(uri: str) -> referencing.Resource[Any]:
+        if not uri or "/" in uri or "\\" in uri or ":" in uri or uri.startswith("."):
+            raise referencing.exceptions.NoSuchResource(ref=uri)  # type: ignore[call-arg]
+        return referencing.Resource.from_contents(
+            load(uri), default_specification=referencing.jsonschema.DRAFT202012)
+
+    import referencing.jsonschema
+    return referencing.Registry(retrieve=retrieve)  # type: ignore[call-arg]
+
+
+def for_named(schema: dict[str, Any], load: Callable[[str], Any] | None = None) -> Validator:
+    """A validator for an operator's (named) schema, checked as an inline one is (RE2 only, a
+    bounded expansion); its ``$ref``s may name other schemas, read with ``load``. SchemaProblem
+    when it cannot be used."""
+    return check_schema(schema, named_registry(load))

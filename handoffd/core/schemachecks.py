@@ -9,7 +9,6 @@ other format is asked of jsonschema's checker.
 """
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 from typing import Any, Callable, Protocol
 from uuid import UUID
@@ -18,15 +17,15 @@ import re2
 from rfc3339_validator import validate_rfc3339  # type: ignore[import-untyped]
 
 PATTERN_CACHE_SIZE = 1024
-RE2_SYNTAX_HINT = "schemas from documents use RE2 syntax: no lookaround, no backreferences"
+RE2_SYNTAX_HINT = "schemas use RE2 syntax: no lookaround, no backreferences"
 
 
 class PatternError(ValueError):
-    """A regular expression that cannot be used (RE2 cannot compile it, and no fallback applies)."""
+    """A regular expression that cannot be used (RE2 cannot compile it)."""
 
 
 class Searcher(Protocol):
-    """A compiled pattern: RE2's, or Python's for a trusted schema RE2 cannot compile."""
+    """A compiled pattern (RE2's)."""
 
     def search(self, string: str) -> Any: ...
 
@@ -52,17 +51,13 @@ def _compile_re2(pattern: str) -> tuple[Searcher | None, str]:
         return None, str(exc)
 
 
-def compile_pattern(pattern: str, *, trusted: bool = False) -> Searcher:
-    """A compiled regex for ``pattern``: RE2 always; Python ``re`` only for ``trusted`` (operator)
-    schemas whose pattern RE2 cannot compile. PatternError saying why when neither applies."""
+def compile_pattern(pattern: str) -> Searcher:
+    """A compiled regex for ``pattern`` on RE2, whatever schema it comes from; PatternError saying
+    why when RE2 cannot compile it. (Operators' schemas once fell back to Python's ``re``: a
+    workspace schema with ``^(a|a)*\\1b`` then froze the daemon, GIL held, on one string.)"""
     compiled, reason = _compile_re2(pattern)
     if compiled is not None:
         return compiled
-    if trusted:
-        try:
-            return re.compile(pattern)
-        except re.error as exc:
-            raise PatternError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
     raise PatternError(f"pattern {pattern!r} is not supported: {reason} ({RE2_SYNTAX_HINT})")
 
 
@@ -70,7 +65,7 @@ def is_re2_regex(instance: Any) -> bool:
     """The ``regex`` format: a string RE2 can compile (the value is data, so no fallback).
     Raises PatternError saying why not (jsonschema keeps the reason as the error's cause)."""
     if isinstance(instance, str):
-        compile_pattern(instance, trusted=False)
+        compile_pattern(instance)
     return True
 
 

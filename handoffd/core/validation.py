@@ -4,13 +4,19 @@ Schemas are looked up by name in the workspace's ``schemas/`` first, then among 
 shipped in the package. Each error becomes ``{"field", "error", "schema_path"}`` where ``field`` is
 the instance path written ``a.b[0].c`` (seed 001's ``component_requirements[0].props.userId``).
 
-Regular expressions (``pattern``, ``patternProperties`` and the ``regex`` format) run on RE2, a
-linear-time engine, so no pattern and no input can make validation backtrack for minutes while
-holding the GIL (ReDoS). Schemas that come from documents (inline ones such as HAIOS's
-``expected_output_schema``) may use only what RE2 supports: a pattern it cannot compile
-(lookaround, backreferences) makes the schema invalid; the backtracking engine is never used for
-them. Named schemas (the workspace's ``schemas/`` and the built-ins) are written by the operator: a
-pattern RE2 cannot compile falls back to Python's ``re`` there.
+Every schema is hostile input: the workspace's ``schemas/`` can be written by any agent sharing
+the workspace, and inline ones (HAIOS's ``expected_output_schema``) come with documents. So:
+
+- regular expressions (``pattern``, ``patternProperties`` and the ``regex`` format) run on RE2, a
+  linear-time engine, and a pattern RE2 cannot compile (lookaround, backreferences) makes the
+  schema unusable: no pattern and no input can make validation backtrack while holding the GIL;
+- a ``$ref`` is followed only inside the schema, or, from ``schemas/``, to another file of
+  ``schemas/`` by plain name: never to a URL or a path (jsonschema would fetch them, unbounded);
+- a schema that expands to more than 20,000 subschemas once its ``$ref``s are followed is refused
+  (two references per level make 2**levels: validation would never end).
+
+An unusable named schema is a ConfigError naming the file: the handoffs that name it fail with
+one line, and the daemon goes on.
 """
 from __future__ import annotations
 
@@ -111,7 +117,7 @@ class SchemaCache:
             return found
         with self._lock:
             if name not in self._validators:
-                self._validators[name] = self._build(self._load(name))
+                self._validators[name] = self._build(name, self._load(name))
             return self._validators[name]
 
     def has(self, name: str) -> bool:
@@ -170,7 +176,11 @@ class SchemaCache:
             try:
                 return json.loads((self.folder / name).read_text(encoding="utf-8"))
             except (ValueError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"schemas/{name} is not valid JSON: {exc}") from None
+                raise ConfigError(f"schemas/{name} is not valid JSON: {str(exc)[:200]}") from None
+            except RecursionError:
+                raise ConfigError(f"schemas/{name} nests too deeply to be read") from None
+            except OSError as exc:
+                raise ConfigError(f"schemas/{name} cannot be read: {exc.strerror}") from None
         try:
             return load_builtin(name)
         except FileNotFoundError:
@@ -185,10 +195,17 @@ class SchemaCache:
             return None
         return load_builtin(name)
 
-    @staticmethod
-    def _build(schema: dict[str, Any]) -> Validator:
-        from .jsonschema_re2 import for_named
-        return for_named(schema)
+    def _build(self, name: str, schema: Any) -> Validator:
+        """A checked validator for named schema ``name``; ConfigError naming it if unusable."""
+        from .jsonschema_re2 import SchemaProblem, for_named
+        where = f"schemas/{name}" if self.folder is not None and (self.folder / name).is_file() \
+            else f"the built-in schema {name}"
+        try:
+            return for_named(schema, self._load)
+        except SchemaProblem as exc:
+            raise ConfigError(f"{where} cannot be used: {exc}") from None
+        except ConfigError as exc:  # a schema it refers to
+            raise ConfigError(f"{where} refers to a schema that cannot be used: {exc}") from None
 
     def errors(self, name: str, instance: Any) -> list[dict[str, str]]:
         """Every error of ``instance`` against schema ``name``, in document order. A compiled
