@@ -310,3 +310,22 @@ handler = "moe_handlers:leaf"
     assert agg["aggregated_confidence"] == pytest.approx(0.8)
     trace = mws.handoff("trace", "msg-fan", "--json")
     assert trace.returncode == 0 and "msg-fan.c2" in trace.stdout
+
+
+@pytest.mark.parametrize("version, major", [("1.0.0", 1), ("2.0.0", 2), ("².0.0", None),
+                                            ("١.0.0", None), ("x.0.0", None), (7, None),
+                                            ("9" * 5000 + ".0.0", 10 ** 18)])
+def test_only_ascii_majors_are_read_and_a_huge_one_is_unknown(version: Any, major: int | None) -> None:
+    """Found by the fourth bug hunt: '².0.0' (isdigit, but int() refuses it) and a 5,000-digit
+    MAJOR (past int()'s 4,300-digit limit) were internal ValueErrors in `handoff validate` and
+    `create`; a huge MAJOR is a version no receiver speaks (seed 000: reject it)."""
+    from handoffd.core.errors import InvalidDocument
+    from handoffd.dialects.hi_moe import check_version, major_of
+    assert major_of(version) == major
+    doc = {"version": version, "id": "m"}
+    if major is not None and major != 1:
+        with pytest.raises(InvalidDocument) as caught:
+            check_version(doc)
+        assert caught.value.code == "UNKNOWN_VERSION" and len(str(caught.value)) < 400
+    else:
+        check_version(doc)

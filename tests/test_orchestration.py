@@ -734,3 +734,21 @@ def test_artifacts_destination_and_one_kilobyte_rule(ows: Workspace) -> None:
         assert ows.state_of(bad) == ["failed"] and doc["error"]["code"] == "SCHEMA_VALIDATION_FAILED"
         assert needle in doc["error"]["message"]
     assert not list(ows.root.parent.glob("outside-*")) and not list(ows.root.glob("outside-*"))
+
+
+def test_ids_that_differ_only_in_at_colon_plus_keep_their_own_artifacts(ows: Workspace) -> None:
+    """Found by the fourth bug hunt: `job@1`, `job:1`, `job+1` and `job_1` shared the folder
+    artifacts/job_1/: each handoff's moved-out output overwrote the previous one's, whose filed
+    sha256 then named bytes it never wrote."""
+    ids = ("job@1", "job:1", "job+1", "job_1")
+    for handoff_id in ids:
+        submit(ows, native_doc(handoff_id, "@artist", {"output_bytes": 5000}, None))
+    run(ows)
+    paths = set()
+    for handoff_id in ids:
+        doc = ows.doc(handoff_id)
+        assert doc["status"] == "completed", doc
+        path = doc["output"]["artifact_path"]
+        paths.add(path)
+        assert hashlib.sha256((ows.root / path).read_bytes()).hexdigest() == doc["artifacts"][0]["sha256"]
+    assert len(paths) == 4 and "artifacts/job_1/output.json" in paths, paths

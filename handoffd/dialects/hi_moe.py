@@ -36,20 +36,29 @@ STATUS = {"completed": "success", "partial": "partial", "failed": "failed", "tim
           "needs_clarification": "needs_clarification"}
 
 
+TOO_LARGE = 10 ** 18  # the MAJOR of a version whose first number has more than 18 digits
+
+
 def major_of(version: Any) -> int | None:
     """The MAJOR number of a ``MAJOR.MINOR.PATCH`` string, or None when it is not one."""
     if not isinstance(version, str):
         return None
     head = version.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+    # ASCII digits only, and few: str.isdigit() is true for '²' (int() refuses it) and int()
+    # refuses more than 4,300 digits; the schema's pattern says why such a version is wrong
+    if not (head.isascii() and head.isdigit()):
+        return None
+    return int(head) if len(head) <= 18 else TOO_LARGE  # (a major no receiver speaks)
 
 
 def check_version(doc: dict[str, Any]) -> None:
     """Raise InvalidDocument(UNKNOWN_VERSION) for a MAJOR version this receiver does not speak."""
     major = major_of(doc.get("version"))
     if major is not None and major not in SUPPORTED_MAJORS:
-        message = (f"UNKNOWN_VERSION: message version {doc.get('version')} has major version "
-                   f"{major}; handoffd speaks hi_moe {', '.join(f'{m}.x.y' for m in SUPPORTED_MAJORS)} "
+        shown = str(doc.get("version"))
+        shown = shown if len(shown) <= 40 else f"{shown[:30]}... ({len(shown)} characters)"
+        message = (f"UNKNOWN_VERSION: message version {shown} has major version "
+                   f"{major if major != TOO_LARGE else 'past 10^18'}; handoffd speaks hi_moe {', '.join(f'{m}.x.y' for m in SUPPORTED_MAJORS)} "
                    "and must reject unknown major versions (seed 000)")
         raise InvalidDocument(message, handoff_id=doc.get("id") if isinstance(doc.get("id"), str) else None,
                               code=ErrorCode.UNKNOWN_VERSION,

@@ -138,6 +138,18 @@ def _safe(text: str) -> str:
     return SAFE_PART.sub("_", text).strip("._") or "x"
 
 
+def _id_part(handoff_id: str) -> str:
+    """The path part naming a handoff's artifacts: the id itself when it is made of letters,
+    digits and ``._-`` only, else its :func:`_safe` form and a digest of the id. Ids may hold
+    ``@ : +``; mapping them to ``_`` alone put ``job@1`` and ``job_1`` in one folder, where each
+    overwrote the other's artifact and a filed sha256 no longer matched its file."""
+    plain = _safe(handoff_id)
+    if plain == handoff_id:
+        return plain
+    from ..core.hashing import sha256_hex
+    return f"{plain}-{sha256_hex(handoff_id.encode('utf-8', 'surrogatepass'))[:10]}"
+
+
 def destination_template(doc: dict[str, Any]) -> str | None:
     """``expected_output.destination`` of a request (also looked up in a kept request snapshot)."""
     for src in (doc, (doc.get("handoffd") or {}).get("request_snapshot") if isinstance(doc.get("handoffd"), dict) else None):
@@ -161,7 +173,7 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
     """(relative path, absolute path) of a destination template; InvalidDocument when it uses an
     unknown placeholder or leaves ``artifacts/``."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    values = {"timestamp": str(now_ms), "handoff_id": _safe(handoff_id), "id": _safe(handoff_id),
+    values = {"timestamp": str(now_ms), "handoff_id": _id_part(handoff_id), "id": _id_part(handoff_id),
               "attempt": str(attempt), "agent": _safe(agent.lstrip("@")),
               "date": time.strftime("%Y%m%d", time.gmtime(now_ms / 1000))}
 
@@ -250,7 +262,7 @@ def text_sink(ws: Workspace) -> ArtifactSink:
     ``artifacts/<handoff_id>/<index>.txt`` (atomically) and the answer names that path; when
     artifacts/ leads out of the workspace (a symlink) nothing is written and the text stays inline."""
     def store(handoff_id: str, index: int, text: str) -> str | None:
-        relative = f"artifacts/{handoff_id}/{index}.txt"
+        relative = f"artifacts/{_id_part(handoff_id)}/{index}.txt"
         try:
             _write(ws, relative, text.encode("utf-8"))
         except InvalidDocument:
@@ -361,7 +373,7 @@ def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
         if isinstance(dest_rel, str):
             rel = dest_rel
         elif len(data) >= INLINE_LIMIT:
-            rel = f"artifacts/{_safe(handoff_id)}/output{'.txt' if isinstance(output['content'], str) else '.json'}"
+            rel = f"artifacts/{_id_part(handoff_id)}/output{'.txt' if isinstance(output['content'], str) else '.json'}"
         if rel is not None:
             _write(ws, rel, data)
             used_names.add(rel)
@@ -433,9 +445,9 @@ def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str]) 
             return _record(kind, name=name, ref=None, inline=text, facts=digest(data),
                            metadata=metadata, extra=extra)
         filename = _safe(name) if name else f"artifact-{index}{'.txt' if isinstance(content, str) else '.json'}"
-        rel = f"artifacts/{_safe(handoff_id)}/{filename}"
+        rel = f"artifacts/{_id_part(handoff_id)}/{filename}"
         if rel in used:
-            rel = f"artifacts/{_safe(handoff_id)}/{index}-{filename}"
+            rel = f"artifacts/{_id_part(handoff_id)}/{index}-{filename}"
         _write(ws, rel, data)
         used.add(rel)
         return _record(kind, name=name or filename, ref=rel, inline=None, facts=digest(data),
