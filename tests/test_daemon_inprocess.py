@@ -459,3 +459,68 @@ def test_an_idle_serving_daemon_trims_the_heap_after_a_burst(tmp_path: Path,
         settled = len(trims)
         time.sleep(0.3)
         assert len(trims) == settled  # idle with nothing done since: no more trims
+
+
+@pytest.mark.parametrize("store", ["unreachable", "taken over"])
+def test_a_lease_that_cannot_be_kept_stops_the_handler(tmp_path: Path, store: str,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the fourth bug hunt (PostgreSQL): during an outage longer than the lease, the
+    daemon could not renew, another host recovered the handoff when the lease lapsed, and both
+    ran it at once; the first only logged that its result would be discarded. Now the lease
+    keeper stops the handler once its lease was last extended 0.8 of a lease ago (the store
+    unreachable), or as soon as a renewal finds the claim gone, and hands the attempt back."""
+    stopped: list[str | None] = []
+
+    def handler(handoff: Any, ctx: Any) -> Any:
+        if ctx.attempt == 1:
+            ctx.cancelled.wait(30)
+            stopped.append(ctx.cancel_reason)
+        return {"status": "completed"}
+
+    engine = engine_with(tmp_path, handler, lease_seconds=1.0, sweep_seconds=60.0)
+    hid = submit(engine)
+
+    def renew(*args: Any) -> bool:
+        if store == "unreachable":
+            raise OSError(111, "Connection refused")
+        return False
+
+    engine.backend.renew = renew  # type: ignore[method-assign]
+    started = time.monotonic()
+    with Serving(engine) as daemon:
+        wait_until(lambda: bool(stopped), timeout=20, what="the handler stopped")
+        assert time.monotonic() - started < 15  # the lease is 1 s (not the handler's 30 s)
+        wait_until(lambda: daemon.running_job(hid) is None or daemon.running_job(hid).context.attempt > 1)
+    reason = stopped[0] or ""
+    if store == "unreachable":
+        assert "lease could not be renewed" in reason, reason
+    else:
+        assert "recovered by another process" in reason, reason
+    assert f"handoff {hid}: " in caplog.text
+
+
+def test_a_handoff_a_bug_cannot_handle_is_backed_off_not_spun_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the fourth bug hunt (PostgreSQL): a row no reader could load raised an
+    unexpected error at each claim; the batch looked at it again at once, for ever, a
+    traceback a millisecond (4,950 in 12 s), and `handoffd run` never ended. Now the first
+    error has its traceback, the next ones a line each, and the handoff is looked at again only
+    after a back-off doubling from 1 s: the batch ends with it still pending."""
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"})
+    hid = submit(engine)
+    calls = 0
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        raise ValueError("Exceeds the limit (4300 digits) for integer string conversion")
+
+    engine.take = broken  # type: ignore[method-assign]
+    daemon = Daemon(engine, watch=False)
+    done = threading.Thread(target=daemon.run_batch)
+    done.start()
+    done.join(timeout=30)
+    assert not done.is_alive(), "the batch spun on a handoff it cannot handle"
+    assert 1 <= calls <= 3, calls
+    assert caplog.text.count("Traceback") <= 1 and f"handoff {hid}: unexpected error" in caplog.text
+    assert engine.backend.store.locate(hid) == [State.PENDING]

@@ -13,6 +13,7 @@ plain handoffs only.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable, Iterable
@@ -102,6 +103,10 @@ class Job:
     # set when the attempt is being filed or handed back: a lease renewal that fails from then
     # on met the filing (the claim is finished), not another process's takeover
     ending: bool = False
+    # when its lease was last extended (time.monotonic(): the claim, then each renewal's start),
+    # and whether a daemon stopped its handler for a lease it could not keep (service.leases)
+    renewed_at: float = field(default_factory=time.monotonic)
+    fenced: bool = False
     # set by a daemon's worker: how an attempt whose Python handler overran (or was cancelled)
     # is finished by another thread while the handler still runs (core.watchdog). It is given
     # the rest of run() as a function returning the outcome to file. Unset, the handler runs in

@@ -28,6 +28,7 @@ from ..core.storage import LOST, Wakeup
 from ..core.validation import SchemaCache
 from ..core.watchdog import TakenOver
 from . import allocator
+from .leases import LeaseKeeper
 from .sweeper import SweepReport, sweep
 from .workers import WorkerPool
 
@@ -50,6 +51,9 @@ STALL_SAMPLE = 64  # pending documents the watchdog reads to decide whether work
 # a task a worker runs: (pool token, function, handoff id, more arguments)
 Task = tuple[int, Callable[..., Any], str, tuple[Any, ...]]
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
+UNEXPECTED_MAX_SECONDS = 60.0  # the longest back-off after unexpected errors about one handoff
+MAX_TRACKED = 10_000  # handoffs whose unexpected errors are counted before the count starts over
+IDLE_WAKE_SECONDS = 10.0  # the main loop looks around at least this often with nothing to do
 # a serving daemon that falls idle gives the heap pages its handoffs freed back to the system
 # (malloc_trim: a few ms), at most this often
 IDLE_TRIM_SECONDS = 1.0
@@ -146,6 +150,7 @@ class Daemon:
         self.batch = False  # run_batch: one pass for cron
         self.first_seen: dict[str, datetime] = {}  # hard-timeout handoffs seen pending, by id
         self.rate_until: dict[str, float] = {}  # agent -> monotonic time its next start is due
+        self.unexpected: dict[str, int] = {}  # handoff id -> unexpected errors in a row
         self.report = BatchReport()
         self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
         # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
@@ -156,6 +161,7 @@ class Daemon:
         self.last_dispatch = time.monotonic()
         self.next_progress_check = self.last_dispatch + self.stall_seconds
         self.pool = WorkerPool(keep=self.workers)
+        self.leases = LeaseKeeper(engine, lambda: list(self.active.values()), self._fence)
         self.slot = threading.local()  # a worker's current task token (``slot.token``)
         self.on_filed: Callable[[str, State], None] | None = None
         # the plugin API's registrations (features add to them through the add_* methods)
@@ -418,7 +424,7 @@ class Daemon:
             except TakenOver:  # its attempt was ended and its slot given back by _taken_over
                 return  # no chaining: the scheduler has handed the slot's next task out
             except Exception:  # the task functions catch their own; this is the last resort
-                log.exception("handoff %s: unexpected error in a worker", handoff_id)
+                self._unexpected(handoff_id, "unexpected error in a worker")
             except BaseException:  # leaving the worker: give the slot back, take nothing more
                 with self.cv:
                     self._finished(token)
@@ -682,8 +688,23 @@ class Daemon:
             log.error("handoff %s: %s; will retry in %ss", handoff_id, exc, RETRY_LOOK_SECONDS)
             self.notify(handoff_id, RETRY_LOOK_SECONDS)
         else:  # a bug must not kill the worker or lose the handoff
-            log.exception("handoff %s: unexpected error; it stays where it is for recovery",
-                          handoff_id)
+            self._unexpected(handoff_id, "unexpected error; it stays where it is for recovery")
+
+    def _unexpected(self, handoff_id: str, what: str) -> None:
+        """Log an unexpected error about ``handoff_id`` (its traceback the first time) and look
+        at it again only after a back-off doubling from 1 s to a minute: one document a bug
+        cannot handle (a row no reader can load) once made a batch loop on it for ever, a
+        traceback a millisecond."""
+        tries = self.unexpected[handoff_id] = self.unexpected.get(handoff_id, 0) + 1
+        delay = min(UNEXPECTED_MAX_SECONDS, 2.0 ** (tries - 1))
+        if tries == 1:
+            log.exception("handoff %s: %s", handoff_id, what)
+        else:
+            log.error("handoff %s: %s (%d times; looked at again in %gs)", handoff_id, what, tries,
+                      delay)
+        if len(self.unexpected) > MAX_TRACKED:
+            self.unexpected.clear()
+        self.notify(handoff_id, delay)
 
     def _reject(self, handoff_id: str, code: str, message: str) -> None:
         try:
@@ -794,6 +815,7 @@ class Daemon:
                 self.notify(handoff_id)  # _dispatch reads its next_attempt_at
             if where.terminal:
                 self.first_seen.pop(handoff_id, None)
+                self.unexpected.pop(handoff_id, None)
                 for waiter in list(self.waiting):  # a dependency may have been met
                     on = self.waits_on.get(waiter)
                     if on is not None and handoff_id not in on:
@@ -806,16 +828,15 @@ class Daemon:
 
     # ------------------------------------------------------------ housekeeping
     def renew_leases(self) -> None:
-        """Extend the lease of every job this process is running."""
-        for job in list(self.active.values()):
-            try:
-                if not self.engine.backend.renew(job.claim, self.engine.clock(),
-                                                 self.settings.lease_seconds) \
-                        and not job.ending:  # (not merely filed meanwhile)
-                    log.warning("handoff %s: claim was recovered by another process; its "
-                                "result will be discarded", job.handoff_id)
-            except OSError as exc:
-                log.error("handoff %s: cannot renew lease: %s", job.handoff_id, exc)
+        """Extend the lease of every job this process is running (the lease keeper's thread
+        does so every lease_seconds / 3; a job whose claim is gone is fenced)."""
+        self.leases.renew_all()
+
+    def _fence(self, job: Job, reason: str) -> None:
+        """The lease keeper's fence: stop ``job``'s handler now and hand its attempt back (its
+        lease is lapsing, or gone: another process may run the handoff)."""
+        job.context.handback = True
+        cancel(job.context, reason)
 
     def sweep(self) -> SweepReport:
         """Recover abandoned claims (skipping our own) and queue what came back."""
@@ -852,6 +873,7 @@ class Daemon:
         self._guarded_loop(batch=False)
         return 1 if self.report.error else 0
 
+
     def run_batch(self, *, install_signals: bool = False,
                   max_seconds: float | None = None) -> BatchReport:
         """One batch for cron: sweep, process everything due now, wait for it, return counts
@@ -875,6 +897,7 @@ class Daemon:
         return self.report
 
     def _guarded_loop(self, *, batch: bool) -> None:
+        self.leases.start()  # renewals and the fence run until the last job has ended
         try:
             self._loop(batch=batch)
         except Exception as exc:  # a scheduler bug: log it, hand work back, exit non-zero
@@ -886,8 +909,7 @@ class Daemon:
             self._shutdown()
 
     def _loop(self, *, batch: bool) -> None:
-        next_rescan = next_sweep = next_renew = time.monotonic()
-        renew_every = max(self.settings.lease_seconds / 3, 0.5)
+        next_rescan = next_sweep = time.monotonic()
         trimmed = -math.inf  # when the heap was last trimmed
         while True:
             now = time.monotonic()
@@ -899,9 +921,6 @@ class Daemon:
             elif not batch and self._idle_after_work(trimmed, now):
                 allocator.trim()  # a burst is over: what it freed goes back, not at the sweep
                 trimmed = time.monotonic()
-            if now >= next_renew:
-                self.renew_leases()
-                next_renew = now + renew_every
             if now >= self.batch_deadline and not self.stopping:
                 log.warning("--max-seconds reached: handing back %d running handoff(s)",
                             self.running)
@@ -926,7 +945,7 @@ class Daemon:
                     if self.scan(recheck_waiting=False) == 0 or not self._due_soon():
                         return
                     continue
-                timers = [next_renew, next_rescan if not batch else next_renew,
+                timers = [now + IDLE_WAKE_SECONDS, next_rescan if not batch else now + IDLE_WAKE_SECONDS,
                           self.batch_deadline]
                 if not batch:
                     timers.append(next_sweep)
@@ -977,6 +996,7 @@ class Daemon:
         with self.cv:  # every task ends: handed back, or ended by _taken_over if its handler hangs
             while self.running:
                 self.cv.wait(1.0)
+        self.leases.stop()
         self.pool.shutdown()
         if self._count in self.engine.on_filed:
             self.engine.on_filed.remove(self._count)

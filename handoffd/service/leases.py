@@ -1,0 +1,102 @@
+"""Lease renewal, and the fence that stops a handler before its lease can lapse.
+
+A claim is a lease: once it lapses, another process (another host, with PostgreSQL) may recover
+the handoff and run it. So a process must never run a handler past its own lease. Two threads
+keep that promise for a daemon's jobs:
+
+* the **renewer** extends every running job's lease each ``lease_seconds / 3``;
+* the **guard** looks every ``min(1 s, lease / 10)`` at when each job's lease was last extended
+  (the moment the successful renewal *started*, so the store's own clock can only be later), and
+  stops the handler, its attempt handed back, once that is :data:`FENCE_FRACTION` of a lease ago.
+
+A store that cannot be reached (a PostgreSQL outage longer than the lease) therefore ends this
+process's handlers before any other process can recover them: two live hosts never run one
+handoff at once. A renewal that finds the claim gone (recovered meanwhile) stops the handler at
+once. The guard makes no store call, so a renewal that hangs cannot hold the fence back.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine, Job
+
+log = logging.getLogger("handoffd")
+FENCE_FRACTION = 0.8  # of a lease since the last renewal: past it, the handler is stopped
+MIN_RENEW_SECONDS = 0.25  # (a lease is at least 1 s: renewals every 0.33 s at most)
+
+
+class LeaseKeeper:
+    """Renews the leases of the jobs ``jobs()`` returns and fences those it cannot renew.
+
+    ``fence(job, reason)`` stops a job's handler and hands its attempt back (the daemon's
+    cancel path); it is called at most once per job."""
+
+    def __init__(self, engine: Engine, jobs: Callable[[], list[Job]],
+                 fence: Callable[[Job, str], None]) -> None:
+        self.engine = engine
+        self.jobs = jobs
+        self.fence = fence
+        self.lease = engine.settings.lease_seconds
+        self.stopped = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the renewer and the guard (daemon threads: they end with the process)."""
+        self.stopped.clear()  # (a daemon may run several batches)
+        self.threads = []
+        renew_every = max(self.lease / 3, MIN_RENEW_SECONDS)
+        guard_every = min(1.0, self.lease / 10)
+        for name, step, every in (("handoffd-lease-renewer", self.renew_all, renew_every),
+                                  ("handoffd-lease-guard", self.check, guard_every)):
+            thread = threading.Thread(target=self._every, args=(step, every), daemon=True, name=name)
+            thread.start()
+            self.threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop both threads (after the daemon's last job has ended)."""
+        self.stopped.set()
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+    def _every(self, step: Callable[[], None], seconds: float) -> None:
+        while not self.stopped.wait(seconds):
+            try:
+                step()
+            except Exception:  # one bad round must not end the renewals or the fence
+                log.exception("lease keeping failed; will try again")
+
+    def renew_all(self) -> None:
+        """Extend the lease of every running job; fence a job whose claim is gone."""
+        for job in self.jobs():
+            started = time.monotonic()
+            try:
+                kept = self.engine.backend.renew(job.claim, self.engine.clock(), self.lease)
+            except Exception as exc:  # an unreachable store: the guard decides, not this
+                log.error("handoff %s: cannot renew its lease: %s", job.handoff_id, exc)
+                continue
+            if kept:
+                job.renewed_at = max(job.renewed_at, started)
+            elif not job.ending:  # (a renewal that met the filing is no takeover)
+                self._fence(job, "its claim was recovered by another process; the handler is "
+                                 "stopped and its result will be discarded")
+
+    def check(self) -> None:
+        """Fence every running job whose lease was last extended too long ago."""
+        limit = FENCE_FRACTION * self.lease
+        now = time.monotonic()
+        for job in self.jobs():
+            if not job.ending and now - job.renewed_at > limit:
+                self._fence(job, f"its lease could not be renewed for {now - job.renewed_at:.1f}s "
+                                 f"(lease_seconds = {self.lease:g}); the handler is stopped before "
+                                 "another process may take the handoff over")
+
+    def _fence(self, job: Job, reason: str) -> None:
+        if job.fenced:
+            return
+        job.fenced = True
+        log.warning("handoff %s: %s", job.handoff_id, reason)
+        self.fence(job, reason)
