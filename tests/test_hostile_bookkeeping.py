@@ -484,3 +484,27 @@ def test_a_webhook_asked_to_be_signed_is_never_sent_unsigned(hws: Workspace,
     hws.handoffd("run")
     letters = (hws.root / "handoffs" / ".meta" / "notify-dead-letters.jsonl").read_text()
     assert "HANDOFFD_TEST_UNSET_SECRET is not set: not sent unsigned" in letters
+
+
+def test_a_request_at_the_size_limit_survives_its_own_retries(hws: Workspace) -> None:
+    """Found in the fifth session: `create` accepted a request just under max_document_bytes,
+    then the daemon's own bookkeeping (history, lease) pushed the pending copy over the bound
+    it read pending documents with, and the first retry set the handoff aside as
+    DOCUMENT_TOO_LARGE. The bound now holds for the request; our bookkeeping may add up to
+    512 KiB. A foreign request over the bound is still refused."""
+    argv = json.dumps([sys.executable, "-c", "import sys; sys.stdin.read()"])  # prints nothing
+    hws.write_config("[daemon]\nmax_document_bytes = 8192\n\n"
+                     f'[specialists."@flaky"]\ncommand = {argv}\n'
+                     "retry = { max_retries = 3, retry_delay_seconds = 0.01 }\n")
+    hws.create("--to", "@flaky", "--id", "near", "--data", json.dumps("a" * 7800))
+    hws.drop("over.json", native("over", "@flaky", padding="b" * 9000))
+    for _ in range(8):
+        hws.handoffd("run")
+        if hws.state_of("near") == ["failed"]:
+            break
+        time.sleep(0.1)
+    doc = hws.doc("near")
+    assert doc["error"]["code"] == "PROCESSING_ERROR", doc["error"]  # its own failure, retried
+    assert [e["event"] for e in doc["handoffd"]["history"]].count("claimed") == 4
+    over = hws.doc("over")
+    assert over["error"]["code"] == "DOCUMENT_TOO_LARGE", over["error"]

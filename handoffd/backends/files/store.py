@@ -6,6 +6,7 @@ what to do with a failure is decided by :mod:`handoffd.core.engine`.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import threading
@@ -39,6 +40,9 @@ if TYPE_CHECKING:  # filelock is imported where a lock is taken (one-shot comman
 OWNER_LOCK_NAME = re.compile(r"owner\.[0-9a-f]{32}\.lock")
 MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
 FILED_MARGIN_BYTES = 1 << 20  # a finished document's bookkeeping besides request and answer
+# a pending or running document's own bookkeeping (history of at most 200 entries, a lease, a
+# parked report of at most 64 KB) on top of a request of up to max_document_bytes
+BOOKKEEPING_MARGIN_BYTES = 512 * 1024
 CRASH_POINTS = ("after-claim-rename", "after-claim-lease", "after-move-write", "after-move-unlink")
 # A test seam for fault injection: called with the name of each crash point as it is passed. None
 # (the default) costs one comparison; recovery tests install a hook with inject_crash_at().
@@ -92,6 +96,10 @@ class Store:
         # a finished document holds the request and the specialist's answer (up to
         # max_output_bytes): read with the input's bound, a large result could not be shown
         self.max_filed_bytes = max_document_bytes + max_output_bytes + FILED_MARGIN_BYTES
+        # a request of max_document_bytes grows with our bookkeeping as it is claimed and
+        # retried: read with the input's bound, a handoff create had accepted was set aside as
+        # DOCUMENT_TOO_LARGE at its first retry. The request itself is still held to the bound.
+        self.max_open_bytes = max_document_bytes + BOOKKEEPING_MARGIN_BYTES
         self.settle_seconds = settle_seconds
         self.seen = SeenIds(workspace.meta / "seen-ids.jsonl", seen_ttl_seconds)
         self._key: bytes | None = None
@@ -201,8 +209,26 @@ class Store:
         """Read and parse one document; FileNotFoundError if absent, InvalidDocument if bad."""
         path = self.path(state, handoff_id)
         data, _ = fsio.read_bytes_safely(path, self.max_filed_bytes if state.terminal
-                                         else self.max_bytes)
-        return fsio.parse_document(data, f"{state.value}/{path.name}")
+                                         else self.max_open_bytes)
+        doc = fsio.parse_document(data, f"{state.value}/{path.name}")
+        if not state.terminal:
+            self._check_request_size(doc, data, path.name)
+        return doc
+
+    def _check_request_size(self, doc: dict[str, Any], data: bytes, name: str) -> None:
+        """InvalidDocument (DOCUMENT_TOO_LARGE) when the request in ``doc`` (all but its
+        ``handoffd`` block) is over ``max_document_bytes``; the block may add up to
+        :data:`BOOKKEEPING_MARGIN_BYTES`."""
+        if len(data) <= self.max_bytes:
+            return
+        request = {k: v for k, v in doc.items() if k != BOOK}
+        size = len(json.dumps(request, ensure_ascii=False, separators=(",", ":"))
+                   .encode("utf-8", "surrogatepass"))
+        if size > self.max_bytes:
+            raise InvalidDocument(
+                f"{name} holds a {size}-byte request, over the {self.max_bytes}-byte limit "
+                "(raise daemon.max_document_bytes in handoffd.toml if this is intended)",
+                code=ErrorCode.DOCUMENT_TOO_LARGE)
 
     def get(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
         """The current state and document of ``handoff_id``; NotFound if it exists nowhere."""
@@ -312,8 +338,9 @@ class Store:
                                    handoff_id=handoff_id) from None
         crash_point("after-claim-rename")
         try:
-            data, info = fsio.read_bytes_safely(dst, self.max_bytes)
+            data, info = fsio.read_bytes_safely(dst, self.max_open_bytes)
             doc = fsio.parse_document(data, f"pending/{handoff_id}.json")
+            self._check_request_size(doc, data, f"pending/{handoff_id}.json")
         except InvalidDocument as exc:
             if exc.code in (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8) \
                     and self._young(dst, now):
