@@ -125,8 +125,11 @@ def parse(env: Envelope) -> Contract | None:
             raise _invalid(hid, f"contract.{key} must be a list of strings")
         if not pattern:
             return tuple(value)
+        if len(value) > patterns.MAX_PATTERNS:  # every file is matched against them
+            raise _invalid(hid, f"contract.{key} holds {len(value)} globs; at most "
+                           f"{patterns.MAX_PATTERNS} are allowed")
         try:
-            return tuple(patterns.normalise(v) for v in value)
+            return tuple(patterns.validate(v) for v in value)
         except patterns.PatternError as exc:
             raise _invalid(hid, f"contract.{key}: {exc}") from None
 
@@ -258,7 +261,7 @@ class Enforcer:
         def skip(rel: str) -> bool:
             if own is not None and (rel == own or rel.startswith(own + "/")):
                 return True
-            return patterns.first_match(ignore, rel) is not None
+            return patterns.any_match(ignore, rel)
         return skip
 
     # ------------------------------------------------------------ after the handler
@@ -308,8 +311,15 @@ class Enforcer:
         contract = run.contract
         found = Findings(reported=_reported_touched(outcome, run.directory))
         if run.snapshotter is not None and run.before is not None:
-            found.changes, _ = run.snapshotter.changes(run.before)
-            self._classify(job, run, found)
+            from .snapshots import ScopeUnverifiable  # loaded already: run.snapshotter is one
+            try:
+                found.changes, _ = run.snapshotter.changes(run.before)
+            except ScopeUnverifiable as exc:  # fail closed, with the one line git gave
+                log.error("handoff %s: %s", job.handoff_id, exc)
+                found.violations.append({"kind": "scope_creep", "path": ".", "change": "unverifiable",
+                                         "error": str(exc), "message": str(exc)})
+            else:
+                self._classify(job, run, found)
         fatal = found.of_kind(*FATAL_KINDS)
         if contract.criteria:
             if fatal:
@@ -334,6 +344,11 @@ class Enforcer:
             if contract.files_owned is not None else []
         observed: list[Change] = []
         for change in found.changes:
+            if change.path.startswith("../"):  # git's own state, above the contract directory:
+                observed.append(change)      # no pattern (relative to the directory) can own it
+                if contract.files_owned is not None:
+                    found.violations.append(_scope_creep(change))
+                continue
             readonly = patterns.first_match(contract.files_readonly, change.path)
             if readonly is not None:
                 found.violations.append({"kind": "readonly_modified", "path": change.path,
@@ -341,20 +356,18 @@ class Enforcer:
                                          "message": f"{change.path}: {change.change} (read-only)"})
                 observed.append(change)
                 continue
-            if contract.files_owned is None or patterns.first_match(contract.files_owned, change.path):
+            if contract.files_owned is None or patterns.any_match(contract.files_owned, change.path):
                 observed.append(change)
                 continue
             ws_path = patterns.join(contract.cwd, change.path)
             owner = next((r["handoff_id"] for r in neighbours
-                          if patterns.first_match([p for p in r["patterns"] if isinstance(p, str)],
-                                                  ws_path)), None)
+                          if patterns.any_match(tuple(p for p in r["patterns"] if isinstance(p, str)),
+                                                ws_path)), None)
             if owner is not None:  # owned by a handoff that ran meanwhile: its change, not ours
                 found.excused.append({"path": change.path, "change": change.change, "owner": owner})
                 continue
             observed.append(change)
-            found.violations.append({"kind": "scope_creep", "path": change.path,
-                                     "change": change.change,
-                                     "message": f"{change.path}: {change.change} outside files_owned"})
+            found.violations.append(_scope_creep(change))
         if found.reported is not None:
             seen = {c.path for c in observed}
             claimed = set(found.reported)
@@ -390,7 +403,7 @@ class Enforcer:
         contract = run.contract
         fatal = found.of_kind(*FATAL_KINDS)
         failed_criteria = found.of_kind("criteria_failed")
-        errors = [{"field": v["path"], "error": f"{v['change']} "
+        errors = [{"field": v["path"], "error": v.get("error") or f"{v['change']} "
                    + ("(read-only file)" if v["kind"] == "readonly_modified" else "outside files_owned"),
                    "kind": v["kind"]} for v in fatal]
         errors += [{"field": v["criterion"], "error": v["message"], "kind": v["kind"]}
@@ -420,7 +433,8 @@ class Enforcer:
         metadata = outcome.metadata
         if job.dialect.name != "native" and found.criteria:  # seed 004's report reads them here
             metadata = dict(metadata or {}, success_criteria=found.criteria)
-        new = dataclasses.replace(outcome, validation=validation, warnings=warnings, metadata=metadata)
+        new = dataclasses.replace(outcome, validation=_printable(validation),
+                                  warnings=_printable(warnings), metadata=metadata)
         if fatal:
             listed = "; ".join(v["message"] for v in fatal[:MESSAGE_FILES])
             more = f" (and {len(fatal) - MESSAGE_FILES} more)" if len(fatal) > MESSAGE_FILES else ""
@@ -436,8 +450,8 @@ class Enforcer:
 
     def _fail(self, outcome: Outcome, code: str, message: str,
               found: list[dict[str, Any]]) -> Outcome:
-        error = {"code": code, "message": message, "retryable": False,
-                 "violations": found[:MAX_LISTED]}
+        error = _printable({"code": code, "message": message, "retryable": False,
+                            "violations": found[:MAX_LISTED]})
         return dataclasses.replace(outcome, status="failed", error=error,
                                    finished_at=self.engine.clock())
 
@@ -465,7 +479,7 @@ class Enforcer:
             violations.append(self.log, {
                 "kind": kind, "task_id": task_id or env.handoff_id, "handoff_id": env.handoff_id,
                 "agent": agent or env.target, "source": env.source, "dialect": env.dialect,
-                "attempt": attempt, "details": details})
+                "attempt": attempt, "details": _printable(details)})
         except Exception as exc:  # a full disk, the database away: the outcome stands
             log.error("handoff %s: cannot append to the violations log: %s", env.handoff_id, exc)
 
@@ -490,6 +504,35 @@ def _reported_touched(outcome: Outcome, directory: Path) -> list[str] | None:
                     out.append(text)
             return sorted(set(out))
     return None
+
+
+def _scope_creep(change: "Change") -> dict[str, Any]:
+    """The violation for a change outside files_owned. git's own files (only a git-mode check
+    watches them) say why they count: they decide which files that check sees."""
+    message = f"{change.path}: {change.change} outside files_owned"
+    parts = change.path.split("/")
+    if parts[0] == ".." or ".git" in parts:
+        message += " (git's ignore rules and config decide which files are watched)"
+    return {"kind": "scope_creep", "path": change.path, "change": change.change, "message": message}
+
+
+def _printable(value: Any) -> Any:
+    """``value`` with every string made encodable as UTF-8, for the filed document and the log.
+    A file name that is not UTF-8 arrives with lone surrogates (``os.fsdecode``) and is shown
+    with its bytes escaped (``src/\\xff.py``): one such name must not make the outcome unfileable."""
+    if isinstance(value, str):
+        if value.isascii():
+            return value
+        try:
+            raw = value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate no file name decodes to: escape it as text
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return raw.decode("utf-8", "backslashreplace")
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable(item) for item in value]
+    return value
 
 
 def _criterion_failure(item: dict[str, Any]) -> str:

@@ -20,6 +20,16 @@ in :data:`SKIP_DIR_NAMES` and the paths the caller skips (handoffd's own ``hando
 ``git ls-files --cached --others --exclude-standard`` lists (so git-ignored files are not watched),
 compared the same way. ``auto`` picks ``git`` when git answers, else ``hash``. Directories are not
 tracked themselves (an empty new directory is not a change), nor is anything a symlink points to.
+
+git mode trusts git's ignore rules, and a handler could change them to hide its files. So it also
+watches, always, the files those rules come from (:meth:`Snapshotter._git_guarded`): the
+repository's ``info/exclude`` and ``config`` (``config.worktree``, ``commondir``), the ``.git``
+entry, every ``.gitignore`` from the work tree's top down to the directory, and every ``.gitignore``
+git ignores (one can ignore itself). Their paths are fixed before the handler and looked at again
+after, so a change to any of them is a change like any other; one above the directory is keyed
+``../...``. git itself runs with only the repository's own config, and with every setting that
+could make it start a program, or read ignore rules from outside the repository, overridden on its
+command line (:data:`GIT_SAFE_CONFIG`), bounded by :data:`GIT_TIMEOUT_SECONDS`.
 """
 from __future__ import annotations
 
@@ -38,9 +48,28 @@ SKIP_DIR_NAMES = frozenset({".git", ".venv", "__pycache__"})
 RACY_NS = 2_000_000_000
 CHUNK = 1024 * 1024
 GIT_TIMEOUT_SECONDS = 120.0
+# Command-line settings outrank every config file, so nothing written into the repository's
+# config can make handoffd's git start a program or read ignore rules from outside the repository.
+# ls-files and rev-parse run no filter, diff driver, hook or credential helper; these are the ways
+# left (and the index extension a handler could forge to hide files).
+GIT_SAFE_CONFIG = (
+    "core.fsmonitor=",  # empty: "false" for git >= 2.36, "no hook" before; else a command it runs
+    "core.hooksPath=/dev/null",
+    "core.pager=cat",  # never started anyway: our stdout is a pipe, and --no-pager
+    "core.untrackedCache=false",
+    "core.excludesFile=/dev/null",  # ignore rules only from .gitignore files and info/exclude
+)
 CACHE_VERSION = 1
 
 Skip = Callable[[str], bool]
+
+
+class GitError(Exception):
+    """git did not answer: not installed, not a work tree, failed or too slow (one line)."""
+
+
+class ScopeUnverifiable(Exception):
+    """The tree cannot be compared with its snapshot (git answered before the handler, not after)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +110,7 @@ class Snapshot:
     taken_ns: int
     entries: dict[str, Entry] = field(default_factory=dict)
     note: str = ""
+    guarded: tuple[str, ...] = ()  # git mode: git's own files, watched whatever git says
 
 
 class Snapshotter:
@@ -103,8 +133,8 @@ class Snapshotter:
     def take(self) -> Snapshot:
         """The state of the tree now, every file hashed (from the cache where it is still valid)."""
         taken = time.time_ns()
-        mode, note, paths = self._listing(None)
-        snap = Snapshot(self.root, mode, taken, note=note)
+        mode, note, paths, guarded = self._listing(None)
+        snap = Snapshot(self.root, mode, taken, note=note, guarded=guarded)
         cache = self._load_cache()
         for rel, info in self._stat_all(paths).items():
             entry = _entry(info)
@@ -123,9 +153,11 @@ class Snapshotter:
         return snap
 
     def changes(self, before: Snapshot) -> tuple[list[Change], Snapshot]:
-        """What changed since ``before`` (sorted by path), and the snapshot taken now."""
-        after = Snapshot(self.root, before.mode, time.time_ns(), note=before.note)
-        _, _, paths = self._listing(before)
+        """What changed since ``before`` (sorted by path), and the snapshot taken now.
+        Raises ScopeUnverifiable when git answered for ``before`` and no longer does."""
+        after = Snapshot(self.root, before.mode, time.time_ns(), note=before.note,
+                         guarded=before.guarded)
+        _, _, paths, _ = self._listing(before)
         found = self._stat_all(paths | set(before.entries))
         changed: list[Change] = []
         cache = self._load_cache()
@@ -155,17 +187,24 @@ class Snapshotter:
         return changed, after
 
     # ------------------------------------------------------------ listing
-    def _listing(self, before: Snapshot | None) -> tuple[str, str, set[str]]:
-        """(mode used, note, relative paths to look at)."""
+    def _listing(self, before: Snapshot | None) -> tuple[str, str, set[str], tuple[str, ...]]:
+        """(mode used, note, relative paths to look at, git's own files among them)."""
         mode = before.mode if before is not None else self.requested
-        if mode in ("auto", "git"):
-            listed, problem = self._git_files()
-            if listed is not None:
-                return "git", "", {p for p in listed if not self._skipped(p)}
-            mode_note = "" if mode == "auto" else (
-                f"git listing unavailable ({problem}); every file is watched instead")
-            return "hash", mode_note, self._walk()
-        return "hash", "", self._walk()
+        if mode not in ("auto", "git"):
+            return "hash", "", self._walk(), ()
+        try:
+            # after the handler, git's files are those found before: a handler that moved
+            # .git or pointed it elsewhere must not choose what is looked at
+            guarded = before.guarded if before is not None else self._git_guarded()
+            listed = self._git_files()
+        except GitError as exc:
+            if before is not None:
+                raise ScopeUnverifiable("the scope cannot be verified: after the handler ran, "
+                                        f"{exc}") from None
+            note = "" if mode == "auto" else (
+                f"git listing unavailable ({exc}); every file is watched instead")
+            return "hash", note, self._walk(), ()
+        return "git", "", listed | set(guarded), guarded
 
     def _skipped(self, rel: str) -> bool:
         parts = rel.split("/")
@@ -199,27 +238,33 @@ class Snapshotter:
                     found.add(rel)
         return found
 
-    def _git_files(self) -> tuple[list[str] | None, str]:
-        import subprocess  # only in git mode
-        env = dict(os.environ, GIT_OPTIONAL_LOCKS="0", LC_ALL="C")
-        try:
-            inside = subprocess.run(["git", "-C", str(self.root), "rev-parse", "--is-inside-work-tree"],
-                                    capture_output=True, timeout=GIT_TIMEOUT_SECONDS, env=env,
-                                    stdin=subprocess.DEVNULL)
-            if inside.returncode != 0 or inside.stdout.strip() != b"true":
-                return None, "not a git work tree"
-            listed = subprocess.run(["git", "-C", str(self.root), "ls-files", "-z", "--cached",
-                                     "--others", "--exclude-standard"],
-                                    capture_output=True, timeout=GIT_TIMEOUT_SECONDS, env=env,
-                                    stdin=subprocess.DEVNULL)
-        except FileNotFoundError:
-            return None, "git is not installed"
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"git failed: {exc}"
-        if listed.returncode != 0:
-            return None, "git ls-files failed: " + listed.stderr.decode("utf-8", "replace").strip()[:200]
-        names = [os.fsdecode(raw) for raw in listed.stdout.split(b"\0") if raw]
-        return sorted(set(names)), ""
+    def _git_files(self) -> set[str]:
+        """What git mode watches: the files git lists, and the .gitignore files git ignores."""
+        listed = _git(self.root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+        # a new .gitignore that ignores itself (and what it hides) is invisible to the listing
+        # above: list the ignored ones too (--directory: an ignored folder is not descended)
+        rules = _git(self.root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+                     "--directory", "--", ":(glob)**/.gitignore")
+        found = {p for p in _names(listed) if not self._skipped(p)}
+        return found | {p for p in _names(rules)
+                        if p.rsplit("/", 1)[-1] == ".gitignore" and not self._skipped(p)}
+
+    def _git_guarded(self) -> tuple[str, ...]:
+        """git's own files that decide what git mode sees, relative to the root (see the module
+        docstring); they need not exist. Raises GitError outside a work tree."""
+        answer = os.fsdecode(_git(self.root, "rev-parse", "--is-inside-work-tree", "--show-toplevel",
+                                  "--git-path", "info/exclude", "--git-path", "config",
+                                  "--git-path", "config.worktree", "--git-path", "commondir"))
+        lines = answer.split("\n")
+        if len(lines) != 7 or lines[0] != "true" or lines[-1]:
+            raise GitError("not a git work tree")
+        top = Path(lines[1])
+        files = [top / ".git", *(self.root / line for line in lines[2:6])]
+        here = self.root.resolve()
+        if here == top or top in here.parents:  # the .gitignore files above the directory
+            files += [top / part / ".gitignore" for part in _ancestors(here.relative_to(top))]
+        keys = {os.path.relpath(path, self.root).replace(os.sep, "/") for path in files}
+        return tuple(sorted(keys))
 
     # ------------------------------------------------------------ stat and hash
     def _stat_all(self, paths: set[str]) -> dict[str, os.stat_result]:
@@ -297,6 +342,44 @@ class Snapshotter:
             replace(path, data, tmp, durable=False, sync_dir=False)
         except OSError:
             pass  # the cache only saves time
+
+
+def _git(root: Path, *args: str) -> bytes:
+    """Run ``git -C root ARGS`` safely (see GIT_SAFE_CONFIG), bounded by GIT_TIMEOUT_SECONDS;
+    its output, or GitError with one line saying why not."""
+    import subprocess  # only in git mode
+    argv = ["git", "--no-pager", "-C", str(root)]
+    for setting in GIT_SAFE_CONFIG:
+        argv += ["-c", setting]
+    # the daemon's own GIT_* variables (GIT_DIR, GIT_CONFIG_PARAMETERS...) must not steer it;
+    # no system or user config: settings come from the repository and GIT_SAFE_CONFIG only
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GIT_")}
+    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_TERMINAL_PROMPT="0",
+               GIT_OPTIONAL_LOCKS="0", LC_ALL="C")
+    try:
+        proc = subprocess.run([*argv, *args], capture_output=True, timeout=GIT_TIMEOUT_SECONDS,
+                              env=env, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise GitError("git is not installed") from None
+    except subprocess.TimeoutExpired:
+        raise GitError(f"git {args[0]} did not finish within {GIT_TIMEOUT_SECONDS:g} s") from None
+    except OSError as exc:
+        raise GitError(f"git {args[0]} could not start: {exc.strerror or exc}") from None
+    if proc.returncode != 0:
+        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
+        raise GitError(f"git {args[0]} failed: {lines[-1][:200]}")
+    return proc.stdout
+
+
+def _names(output: bytes) -> list[str]:
+    """The paths of a ``-z`` listing."""
+    return [os.fsdecode(raw) for raw in output.split(b"\0") if raw]
+
+
+def _ancestors(relative: Path) -> list[str]:
+    """``a/b/c`` → ``["", "a", "a/b"]``: the directories from the top down to its parent."""
+    parts = relative.parts
+    return ["/".join(parts[:i]) for i in range(len(parts))]
 
 
 def _entry(info: os.stat_result) -> Entry:
