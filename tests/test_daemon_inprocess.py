@@ -524,3 +524,20 @@ def test_a_handoff_a_bug_cannot_handle_is_backed_off_not_spun_on(
     assert 1 <= calls <= 3, calls
     assert caplog.text.count("Traceback") <= 1 and f"handoff {hid}: unexpected error" in caplog.text
     assert engine.backend.store.locate(hid) == [State.PENDING]
+
+
+def test_an_unreachable_store_is_one_line_at_each_cancel_poll(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the fourth bug hunt (PostgreSQL down): every rescan's cancel poll logged a full
+    traceback for the store being unreachable. It is one line; a bug still gets its traceback."""
+    from handoffd.features.cancellation import poll
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"})
+    daemon = Daemon(engine, watch=False)
+
+    def unreachable() -> Any:
+        raise OSError(111, "the PostgreSQL store is unreachable")
+
+    engine.backend.cancel_requests = unreachable  # type: ignore[method-assign]
+    poll(daemon)
+    assert "cannot read the cancel requests: [Errno 111] the PostgreSQL store is unreachable" in caplog.text
+    assert "Traceback" not in caplog.text

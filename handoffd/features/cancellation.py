@@ -228,7 +228,9 @@ def poll(daemon: DaemonPlugins) -> None:
     calls it at every rescan)."""
     try:
         _poll(daemon)
-    except Exception:  # a broken request folder must not stop the daemon
+    except (HandoffdError, OSError) as exc:  # the store is unreachable, a folder unreadable:
+        log.error("cannot read the cancel requests: %s; will try again", exc)  # one line
+    except Exception:  # a bug: its traceback, and the daemon goes on
         log.exception("cannot read the cancel requests")
 
 
