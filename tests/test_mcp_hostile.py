@@ -96,3 +96,29 @@ def test_long_waits_do_not_starve_other_calls(server: Server) -> None:
     assert server.proc.stdin is not None
     server.proc.stdin.close()  # 60 waits still open: the server ends all the same
     assert server.proc.wait(15) == 0
+
+
+def test_every_request_gets_an_answer_even_one_the_sdk_cannot_read(server: Server) -> None:
+    """Found by the second bug hunt, left then as upstream's: the SDK's stdio transport dropped
+    a request it could not validate without answering it (params given as a string; arguments
+    nested past pydantic's recursion limit of 200), and the client waited on that id for ever.
+    handoffd's stdio front answers such a request with a JSON-RPC error naming its id."""
+    assert server.proc.stdin is not None
+    deep = "[" * 300 + "]" * 300
+    lines = [
+        b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":"x"}',
+        b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"create_handoff",'
+        b'"arguments":{"to":"@echo","data":' + deep.encode() + b"}}}",
+        b'{"jsonrpc":"2.0","id":"three","method":"tools/call","params":[1]}',
+        b"not json at all",
+    ]
+    for line in lines:
+        server.proc.stdin.write(line + b"\n")
+    server.proc.stdin.flush()
+    for request_id, code in ((1, -32602), (2, -32602), ("three", -32602), (None, -32700)):
+        found = server.reply(request_id, 30)  # type: ignore[arg-type]
+        assert found is not None, f"no answer to {request_id!r}"
+        assert found["error"]["code"] == code, found
+    assert "params: Input should be an object" in server.replies[1]["error"]["message"]
+    server.tool(4, "create_handoff", {"to": "@echo", "data": {"after": True}})
+    assert json.loads(server.text(4))["id"]  # and the server goes on

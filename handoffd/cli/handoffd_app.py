@@ -121,7 +121,8 @@ def mcp(root: RootOption = None,
     ws = workspace(root, create=True)
     server = build_server(ws.root, agent=as_agent)
     if http is None:
-        server.run("stdio")
+        from ..service.mcp_stdio import run_stdio
+        run_stdio(server)  # the SDK's transport, with every request answered
         return
     host, _, port = http.rpartition(":")
     if not port.isdigit() or not 0 < int(port) < 65536:
