@@ -33,15 +33,19 @@ def init(root: RootOption = None, store: StoreOption = None) -> None:
     """Create or upgrade handoffd's tables (idempotent); prints the schema version."""
     import psycopg
 
-    from ..backends.postgres.connection import StoreError, redact
-    from ..backends.postgres.schema import migrate
+    from ..backends.postgres.connection import StoreError, check_url, redact, refusal
+    from ..backends.postgres.schema import check, migrate
     _, url = _url(root, store)
+    check_url(url)  # a URL libpq cannot parse: one line (exit 2), never the parser's class name
     try:
         with psycopg.connect(url, connect_timeout=10) as conn:
             version, applied = migrate(conn)
+            check(conn, version)  # "up to date" only when every table and column is there
     except psycopg.OperationalError as exc:
         raise StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: "
                          f"{' '.join(str(exc).split())}") from None
+    except psycopg.Error as exc:  # e.g. a role that may not create tables in the database
+        raise refusal(exc, url, "create or upgrade handoffd's tables") from None
     print(f"schema version {version}")
     print(f"{PROG}: db init: " + (f"applied migration(s) {', '.join(map(str, applied))}"
                                   if applied else "already up to date"), file=sys.stderr)

@@ -80,7 +80,11 @@ def attach(engine: Engine, daemon: Any) -> None:
     daemon.add_wakeup_hook(on_wakeup, kinds={State.COMPLETED.value, State.FAILED.value})
 
     def stop() -> None:
+        from ..backends.postgres.connection import deadline
         watch.stop()
-        guarded("writing the last results", bridge.export)
+        # a stop hook bounds its own time: with the database away, the last export gives up
+        # within the daemon's grace instead of retrying for the store's reconnect window
+        with deadline(engine.settings.grace_seconds):
+            guarded("writing the last results", bridge.export)
 
     daemon.add_stop_hook(stop)

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import builtins
 import copy
-import json
 import logging
 import secrets
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator
+
+import psycopg
 
 from ...core.documents import BOOK, book, book_int
-from ...core.errors import DuplicateHandoff, InvalidTransition
+from ...core.errors import DuplicateHandoff, InvalidDocument, InvalidTransition, WaitTimeout
 from ...core.states import State
 from ...core.storage import LOST
 from ...core.timeutil import iso, utc_now
@@ -60,12 +62,15 @@ from ..base import (
     stamp_created,
     wait_via_feed,
 )
-from .connection import Conn, Database, Listener, Presence
+from .connection import Conn, Database, Listener, Presence, StoreUnavailable, deadline, refusal
 from .context import KIND as CONTEXT
 from .context import PostgresContext, PostgresViolations
 from .records import FileOrigins, SideRecords, T, encode
 from .schema import LATEST, current_version, migrate
+from .schema import check as check_schema
 from .shared import PostgresEventLog, PostgresRecords
+from .values import document
+from .values import unreadable as unreadable_doc
 
 log = logging.getLogger("handoffd")
 COLUMNS = "id, state, doc, target, priority, conversation, parent, due_at, updated_at"
@@ -108,15 +113,25 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
         self._listener: Listener | None = None
         try:
             self.schema_version = self.db.run(lambda conn, _: _ensure_schema(conn))
+        except psycopg.Error as exc:  # e.g. a role that may not create or read the tables
+            self.db.close()
+            raise refusal(exc, url, "set up handoffd's tables") from None
         except BaseException:
             self.db.close()
             raise
 
     @staticmethod
-    def _row(record: tuple[Any, ...]) -> Row:
-        handoff_id, state, doc, target, priority, conversation, parent, due_at, updated_at = record
+    def _row(record: tuple[Any, ...], unreadable: bool) -> Row | None:
+        """A listed row; one that holds no usable document (see :func:`values.document`) is a
+        row with its ``problem`` when ``unreadable``, else left out."""
+        handoff_id, state, value, target, priority, conversation, parent, due_at, updated = record
+        try:
+            doc = document(value, handoff_id, state)
+        except InvalidDocument as exc:
+            return Row(handoff_id, State(state), {}, Meta(None), due_at, updated,
+                       problem=unreadable_doc(exc, handoff_id)) if unreadable else None
         return Row(handoff_id, State(state), doc, Meta(target, priority, conversation, parent),
-                   due_at, updated_at)
+                   due_at, updated)
 
     # ------------------------------------------------------------ creating and reading
     def create(self, doc: Doc, handoff_id: str, now: datetime, *,
@@ -159,7 +174,10 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
     def get(self, handoff_id: str) -> tuple[State, Doc] | None:
         found = self.db.run(lambda conn, _: conn.execute(
             f"SELECT state, doc FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
-        return None if found is None else (State(found[0]), found[1])
+        if found is None:
+            return None
+        # InvalidDocument (one line, with its code) for a row that holds no usable document
+        return State(found[0]), document(found[1], handoff_id, found[0])
 
     def list(self, *, state: State | None = None, target: str | None = None,
              conversation: str | None = None, parent: str | None = None,
@@ -186,9 +204,9 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
         if limit is not None and limit <= 0:
             return []
         records = self.db.run(lambda conn, _: conn.execute(sql, params).fetchall())  # type: ignore[arg-type]
-        rows = [self._row(r) for r in records]
-        if where is not None:
-            rows = [r for r in rows if where(r)]
+        rows = [row for r in records if (row := self._row(r, unreadable)) is not None]
+        if where is not None:  # (never asked about a row with a problem)
+            rows = [r for r in rows if r.problem is not None or where(r)]
             rows = rows if limit is None else rows[:max(limit, 0)]
         return rows
 
@@ -223,7 +241,8 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                 mine = conn.execute(f"SELECT id, doc FROM {T} WHERE state = 'in-progress' AND "
                                     "lease_token = %s", (token,)).fetchone()
                 if mine is not None:
-                    return Claim(mine[0], mine[1], token, book_int(mine[1], "attempt", 1))
+                    held = document(mine[1], mine[0], "in-progress")  # (we wrote it)
+                    return Claim(mine[0], held, token, book_int(held, "attempt", 1))
             got = conn.execute(
                 f"UPDATE {T} SET state = 'in-progress', lease_token = %(token)s, "
                 f"lease_expires_at = %(expires)s, lease_owner = %(owner)s WHERE id = ({pick}) "
@@ -232,7 +251,11 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                  "owner": self.owner_key}).fetchone()
             if got is None:
                 return None
-            handoff_id, doc, raw, created_at = got
+            handoff_id, value, raw, created_at = got
+            try:
+                doc = document(value, handoff_id, State.PENDING.value)
+            except InvalidDocument as exc:  # rolled back: still pending, for the caller to set
+                raise unreadable_doc(exc, handoff_id) from None  # aside (as Engine.claim does)
             if raw:  # a document from a file: whatever bookkeeping it carried is not ours
                 doc[BOOK] = {}
             attempt = stamp_claimed(doc, token, now, lease_seconds)
@@ -260,10 +283,14 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
             if found is None:
                 return False
             doc = found[0]
+            expires = now + timedelta(seconds=lease_seconds)
+            if not isinstance(doc, dict):  # overwritten by someone else: the lease still holds
+                conn.execute(f"UPDATE {T} SET lease_expires_at = %s WHERE id = %s",
+                             (expires, claim.id))
+                return True
             book(doc)["lease"] = dict(stamp)
             conn.execute(f"UPDATE {T} SET lease_expires_at = %s, doc = %s::json WHERE id = %s",
-                         (now + timedelta(seconds=lease_seconds), encode(doc, strict=False),
-                          claim.id))
+                         (expires, encode(doc, strict=False), claim.id))
             return True
 
         renewed = self.db.run(op)
@@ -304,6 +331,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
     def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
         self._present()
         tick = self.monotonic()
+        refused: builtins.list[str] = []  # rows set aside: said once, after the commit
 
         def op(conn: Conn, _retried: bool) -> Claims:
             # which claims look abandoned (no lock taken: most sweeps find nothing)
@@ -333,7 +361,15 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
                 "AND lease_token = ANY(%s) ORDER BY id FOR UPDATE SKIP LOCKED",
                 (sorted(why), [t for _, t, *_ in seen])).fetchall()
             taken: Claims = []
-            for handoff_id, doc in rows:
+            refused.clear()  # (a retried sweep starts again)
+            for handoff_id, value in rows:
+                try:
+                    doc = document(value, handoff_id, State.IN_PROGRESS.value)
+                except InvalidDocument as exc:  # nothing can run or file it: set it aside
+                    self._quarantine(conn, handoff_id, State.IN_PROGRESS.value, exc.code,
+                                     str(exc))
+                    refused.append(f"{exc.code}: {exc}")
+                    continue
                 token = uuid.uuid4().hex
                 book(doc)["lease"] = lease_block(token, now, lease_seconds)
                 conn.execute(
@@ -347,7 +383,10 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
 
         # a retry after a lost connection may miss claims the first try took over: their new
         # leases expire in turn and the next sweep takes them again (never two live holders)
-        return self.db.run(op)
+        claims = self.db.run(op)
+        for reason in refused:  # said once: the rows are in the quarantine now
+            log.warning("set aside an abandoned claim: %s", reason)
+        return claims
 
     def _present(self) -> None:
         """Hold this process's presence key before it claims anything (see the module doc)."""
@@ -368,28 +407,21 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
     def peek(self, handoff_id: str) -> Doc | None:
         found = self.db.run(lambda conn, _: conn.execute(
             f"SELECT doc FROM {T} WHERE id = %s AND state = 'pending'", (handoff_id,)).fetchone())
-        return None if found is None else found[0]  # type: ignore[no-any-return]
+        if found is None:
+            return None
+        try:
+            return document(found[0], handoff_id, State.PENDING.value)
+        except InvalidDocument as exc:  # the daemon sets it aside where it lies, once
+            raise unreadable_doc(exc, handoff_id) from None
 
     def abandon(self, claim: Claim) -> None:
         """Nothing is held beyond the lease, which recovery takes over when it expires."""
 
     def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
                   claim: Claim | None = None) -> bool:
-        def op(conn: Conn, _retried: bool) -> bool:
-            fence = " AND lease_token = %s" if claim is not None else ""
-            params: builtins.list[Any] = [handoff_id, state.value]
-            params += [claim.token] if claim is not None else []
-            gone = conn.execute(f"DELETE FROM {T} WHERE id = %s AND state = %s{fence} "
-                                "RETURNING doc", params).fetchone()
-            if gone is None:
-                return False
-            conn.execute("INSERT INTO handoffd.quarantine (id, from_state, code, message, at, "
-                         "document) VALUES (%s, %s, %s, %s, %s, %s::json)",
-                         (handoff_id, state.value, str(code), message, utc_now(),
-                          json.dumps(gone[0])))
-            return True
-
-        return self.db.run(op)
+        token = claim.token if claim is not None else None
+        return self.db.run(lambda conn, _: self._quarantine(conn, handoff_id, state.value, code,
+                                                            message, token))
 
     def create_failed(self, handoff_id: str, doc: Doc) -> bool:
         return self.import_finished(handoff_id, State.FAILED, doc, utc_now())
@@ -493,7 +525,34 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
         return PostgresViolations(self.db)
 
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
-        return wait_via_feed(self, handoff_id, timeout)
+        with self.waiting(handoff_id, timeout):
+            return wait_via_feed(self, handoff_id, timeout)
+
+    @contextmanager
+    def waiting(self, handoff_id: str, timeout: float | None) -> Iterator[None]:
+        """A wait for ``handoff_id`` of at most ``timeout`` seconds (None: no limit): within the
+        block, this thread's operations that lose the database give up when the wait's time is
+        up rather than after the reconnect window, and the wait then ends as one that timed
+        out (WaitTimeout, saying the store is unreachable): ``--timeout`` holds, store or not."""
+        if timeout is None:
+            yield
+            return
+        ends = time.monotonic() + timeout
+        try:
+            with deadline(timeout):
+                yield
+        except StoreUnavailable as exc:
+            if time.monotonic() < ends:
+                raise
+            raise WaitTimeout(f"handoff {handoff_id}: no answer within {timeout:g}s: {exc}",
+                              handoff_id=handoff_id) from None
+
+    def interrupt(self, grace_seconds: float = 0.0) -> None:
+        """This process is stopping: from now on an operation that has lost the database gives
+        up within ``grace_seconds`` instead of retrying for the reconnect window, so that a
+        daemon's stop (its hand-backs, its last writes) ends within its grace. Operations
+        whose connection works are not affected."""
+        self.db.interrupt(grace_seconds)
 
     def subscribe(self, callback: WakeupCallback, *,
                   kinds: Collection[str] | None = None) -> Callable[[], None]:
@@ -516,6 +575,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
             self._subscribers.fire(handoff_id, kind)
 
     def close(self) -> None:
+        self.db.interrupt()  # a thread still retrying a lost connection gives up now
         if self._listener is not None:
             self._listener.close()
         if self._presence is not None:
@@ -529,9 +589,12 @@ def _wrote(conn: Conn, handoff_id: str, write_id: str) -> bool:
 
 
 def _ensure_schema(conn: Conn) -> int:
-    """The schema version, migrating first when the database is behind (a cheap check)."""
+    """The schema version, migrating first when the database is behind (a cheap check); then
+    SchemaDamaged, naming what is missing, when a table was altered by hand (every statement
+    would fail on it later, once per handoff and second)."""
     version = current_version(conn)
     conn.commit()
     if version != LATEST:  # behind: migrate; ahead: migrate() refuses with SchemaTooNew
         version, _ = migrate(conn)
+    check_schema(conn, version)
     return version

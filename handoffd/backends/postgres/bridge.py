@@ -9,8 +9,17 @@ state, wherever it ran, the bridge writes the terminal document (in its own form
 workspace's ``completed/`` or ``failed/``, so a file-only agent sees no difference.
 
 A file that can never be ingested (unreadable, not a JSON object, an unsafe name, an id another
-workspace's handoff holds) is quarantined locally with its reason, and a failure stub is filed
-in the local ``failed/`` when its name is a safe id, as the files backend does.
+workspace's handoff holds, or a different document under an id this workspace ingested before)
+is quarantined locally with its reason, and a failure stub is filed in the local ``failed/``
+when its name is a safe id and the id is free, as the files backend does.
+
+A ``handoffd`` bookkeeping block in a dropped file is not ours unless this workspace's seal says
+handoffd wrote it there (a document moved in by ``handoffd db import``): any other is dropped
+before the document is stored, so a forged ``next_attempt_at``, ``awaiting`` or
+``waiting_children`` neither holds nor parks it (the files backend ignores it the same way).
+
+Ids read back from the database become file names here: each passes
+:func:`~handoffd.core.documents.check_id` first (the backend sets aside a row whose id does not).
 """
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ import os
 from datetime import datetime
 from typing import Any, Callable
 
-from ...core.documents import check_id
+from ...core.documents import BOOK, check_id
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.states import State
 from ...core.timeutil import utc_now
@@ -27,6 +36,7 @@ from ..files import fsio
 from ..files.problems import read_error
 from ..files.store import Store
 from .backend import PostgresBackend
+from .records import file_digest
 
 log = logging.getLogger("handoffd")
 HALF_WRITTEN = (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8)
@@ -67,7 +77,7 @@ class FileBridge:
         except InvalidDocument as exc:
             return self._set_aside(handoff_id, ErrorCode.UNSAFE_ID, str(exc), stub=False)
         try:
-            doc = self.store.read(State.PENDING, handoff_id)
+            doc = self._read(handoff_id)
         except FileNotFoundError:
             return "gone"
         except Exception as exc:  # an invalid document, a socket, EACCES...: say why, once
@@ -79,17 +89,42 @@ class FileBridge:
             fresh = self.backend.ingest(doc, handoff_id, self.clock(), self.origin)
         except InvalidDocument as exc:  # e.g. NUL characters, which the store refuses
             return self._set_aside(handoff_id, exc.code, f"pending/{handoff_id}.json: {exc}")
-        if not fresh and self.backend.origin_of(handoff_id) != self.origin:
-            return self._set_aside(
-                handoff_id, ErrorCode.DUPLICATE_HANDOFF_ID,
-                f"handoff {handoff_id} already exists in the shared store; a second document "
-                "with the same id is never run", stub=False)
+        if not fresh:
+            found = self.backend.ingested(handoff_id)
+            if found is None:  # freed since (purged): the next pass ingests it afresh
+                return "later"
+            duplicate = self._duplicate(handoff_id, doc, *found)
+            if duplicate is not None:
+                return self._set_aside(handoff_id, ErrorCode.DUPLICATE_HANDOFF_ID, duplicate,
+                                       stub=False)
         self._ours.add(handoff_id)
         fsio.unlink(path, durable=False)  # in the database now (a crash before: re-ingested)
         if fresh:
             log.info("ingested pending/%s.json into the shared store", handoff_id,
                      extra={"event": "ingested", "handoff_id": handoff_id})
         return "ingested" if fresh else "known"
+
+    def _read(self, handoff_id: str) -> dict[str, Any]:
+        """pending/``handoff_id``.json, without a ``handoffd`` block that handoffd did not seal
+        there (see the module docstring; without a seal key no block can be trusted)."""
+        doc = self.store.read(State.PENDING, handoff_id)
+        if BOOK in doc and (self.store.key is None or
+                            not self.store.trusted_revision(doc, State.PENDING, handoff_id)):
+            del doc[BOOK]
+        return doc
+
+    def _duplicate(self, handoff_id: str, doc: dict[str, Any], origin: str | None,
+                   digest: str | None) -> str | None:
+        """Why pending/``handoff_id``.json is not the document the database holds under that id,
+        ingested by ``origin`` as ``digest`` (None: it is that very document, left behind by a
+        crash between ingesting and removing it, so removing it now loses nothing)."""
+        if origin != self.origin:
+            return (f"handoff {handoff_id} already exists in the shared store; a second "
+                    "document with the same id is never run")
+        if digest != file_digest(doc):
+            return (f"handoff {handoff_id} was ingested from this workspace before, as a "
+                    "different document; a second document with the same id is never run")
+        return None
 
     def _young(self, path: os.PathLike[str]) -> bool:
         try:
@@ -125,12 +160,16 @@ class FileBridge:
                 log.error("cannot write %s/%s.json: %s; will try again", state.value,
                           handoff_id, exc)
                 continue
+            except InvalidDocument as exc:  # (the backend sets such rows aside before)
+                log.error("not writing the result of a handoff: %s", exc)
+                continue
             self.backend.mark_exported(handoff_id, state)
             self._ours.discard(handoff_id)
             written += 1
         return written
 
     def _write(self, handoff_id: str, state: State, doc: dict[str, Any]) -> None:
+        check_id(handoff_id)  # an id becomes a path: never one outside the state folders
         other = State.FAILED if state is State.COMPLETED else State.COMPLETED
         # a failed handoff retried by hand may end completed: one terminal file, the latest
         fsio.unlink(self.store.path(other, handoff_id), durable=False)

@@ -8,23 +8,33 @@ already treat those as "try again later"). An operation whose commit may have ha
 the connection died is told so (``retried=True``) and checks its own fencing token first, so a
 retry never applies a write twice.
 
+The window can be cut short, so that a lost server never holds a caller longer than it may
+wait: :meth:`Database.interrupt` (a stopping daemon: retries give up within its grace) and
+:func:`deadline` (a block of code, e.g. ``handoff wait --timeout``: retries in it give up at
+the deadline). Waiting for a pooled connection is bounded by the same limits.
+
 :class:`Listener` holds one dedicated connection that LISTENs on the wake-up channel. What it
 hears is a hint only: when the connection drops it reconnects with backoff and tells its reader
 ``lost`` (rescan), because notifications sent meanwhile are gone.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
+import math
 import os
+import re
 import select
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
 
 import psycopg
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ...core.errors import HandoffdError
+from ...core.errors import ConfigError, HandoffdError
+from .values import configure
 
 log = logging.getLogger("handoffd")
 # psycopg_pool logs every failed (re)connection attempt, several lines each; handoffd says it in
@@ -38,6 +48,11 @@ CHANNEL = "handoffd"
 KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 15, "keepalives_interval": 5,
                               "keepalives_count": 3}
 BACKOFF_FIRST, BACKOFF_MAX = 0.1, 2.0
+MIN_CHECKOUT = 0.05  # a pooled connection that is free is taken even at a deadline
+CHECKOUT_SLICE = 0.5  # waiting for a pooled connection looks at interrupts this often
+# when the operations of this thread (context) give up retrying, on time.monotonic()'s clock
+_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("handoffd_store_deadline",
+                                                                  default=math.inf)
 
 
 class StoreUnavailable(OSError):
@@ -61,6 +76,50 @@ def redact(url: str) -> str:
     return url
 
 
+def check_url(url: str) -> None:
+    """ConfigError (one line, exit 2) when ``url`` is no connection string libpq can parse. The
+    parser's words quote the URL, or parts of it that may be the password: those are left out."""
+    from psycopg.conninfo import conninfo_to_dict
+    try:
+        conninfo_to_dict(url)
+    except psycopg.Error as exc:
+        detail = re.sub(r'"([^"]*)"', _masked, " ".join(
+            str(exc).replace(f' in URI: "{url}"', "").replace(url, "").split()))
+        raise ConfigError(f"the store URL is not a valid PostgreSQL URL: {detail}") from None
+
+
+def _masked(quoted: re.Match[str]) -> str:
+    """A quoted part of a URL parser's message, unless it may be a secret (one character such
+    as ``"]"`` says what is wrong and cannot be)."""
+    return quoted.group(0) if len(quoted.group(1)) <= 1 else '"..."'
+
+
+def refusal(exc: BaseException, url: str, doing: str) -> StoreError:
+    """An error of the server that no reconnection cures (a role without the right to create
+    handoffd's tables, a missing table...) as one line: what handoffd was ``doing``, the
+    server's words, and for a missing right who may do it."""
+    detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+    hint = ("; run it as a role that may (e.g. the database's owner, or after GRANT CREATE ON "
+            "DATABASE ... TO this role)"
+            if isinstance(exc, psycopg.errors.InsufficientPrivilege) else "")
+    return StoreError(f"cannot {doing} in the PostgreSQL store {redact(url)}: {detail}{hint}")
+
+
+@contextmanager
+def deadline(seconds: float | None) -> Iterator[None]:
+    """Within the block (this thread or context), an operation that lost its connection gives up
+    ``seconds`` from now (StoreUnavailable) instead of after the reconnect window; an earlier
+    deadline of an enclosing block still holds. None: no deadline of its own."""
+    if seconds is None:
+        yield
+        return
+    token = _DEADLINE.set(min(_DEADLINE.get(), time.monotonic() + max(seconds, 0.0)))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
 def is_disconnect(exc: BaseException) -> bool:
     """True for errors that a new connection may cure (and that may be retried)."""
     return isinstance(exc, psycopg.OperationalError)
@@ -71,10 +130,14 @@ class Database:
 
     def __init__(self, url: str, *, max_size: int = 8, reconnect_seconds: float = 60.0,
                  connect_timeout: float = 10.0) -> None:
+        check_url(url)
         self.url = url
         self.reconnect_seconds = reconnect_seconds
+        self.connect_timeout = connect_timeout
         self._lost_since: float | None = None
         self._state_lock = threading.Lock()
+        self._give_up_at = math.inf  # set by interrupt(): retries end then, whatever the window
+        self._wake = threading.Condition()  # interrupt() wakes retries sleeping their backoff
         # one direct attempt first: a wrong URL, host or password fails at once with the
         # server's own words (the pool would retry quietly until its timeout)
         detail = _last_error(url, connect_timeout)
@@ -82,7 +145,8 @@ class Database:
             raise StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: {detail}")
         self.pool: ConnectionPool[Conn] = ConnectionPool(
             url, min_size=1, max_size=max(max_size, 1), open=False, name="handoffd",
-            timeout=connect_timeout, kwargs={"connect_timeout": max(int(connect_timeout), 1)})
+            timeout=connect_timeout, kwargs={"connect_timeout": max(int(connect_timeout), 1)},
+            configure=configure)  # json a foreign writer left must never fail a whole fetch
         # no check on checkout (a round trip per operation): a connection that died while idle
         # fails its first statement, is discarded by the pool, and run() retries on a new one
         try:
@@ -98,23 +162,59 @@ class Database:
         ``retried`` is True when an earlier try lost its connection: it may have committed."""
         delay = BACKOFF_FIRST
         retried = False
-        started = time.monotonic()
+        window = time.monotonic() + self.reconnect_seconds
         while True:
             try:
-                with self.pool.connection() as conn:
-                    result = operation(conn, retried)
+                conn = self._getconn(window)
+                try:
+                    with conn:  # commits when the operation returns, else rolls back
+                        result = operation(conn, retried)
+                finally:
+                    self.pool.putconn(conn)  # (a broken connection is replaced by the pool)
                 self._back()
                 return result
             except Exception as exc:
                 if not is_disconnect(exc):
                     raise
                 self._lost(exc)
-                if time.monotonic() - started > self.reconnect_seconds:
+                left = self._limit(window) - time.monotonic()
+                if left <= 0:
                     raise StoreUnavailable(f"the PostgreSQL store {redact(self.url)} is "
                                            f"unreachable: {' '.join(str(exc).split())}") from None
                 retried = True
-                time.sleep(delay)
+                self._pause(min(delay, left))
                 delay = min(delay * 2, BACKOFF_MAX)
+
+    def interrupt(self, grace: float = 0.0) -> None:
+        """From now on, an operation that lost its connection (or finds none) gives up within
+        ``grace`` seconds instead of retrying for the whole reconnect window: a process that is
+        stopping lets go of a store that is away in time. An operation whose connection works
+        is not affected."""
+        with self._wake:
+            self._give_up_at = min(self._give_up_at, time.monotonic() + max(grace, 0.0))
+            self._wake.notify_all()
+
+    def _limit(self, window: float) -> float:
+        """When the retries of an operation whose reconnect window ends at ``window`` end."""
+        return min(window, self._give_up_at, _DEADLINE.get())
+
+    def _getconn(self, window: float) -> Conn:
+        """A pooled connection, waited for up to the connect timeout (PoolTimeout after it, as
+        the pool's own wait), cut to what is left before the retries would end. The wait is
+        made in short slices: an :meth:`interrupt` or deadline that comes meanwhile ends it."""
+        ends = time.monotonic() + self.connect_timeout
+        while True:
+            left = min(ends, self._limit(window)) - time.monotonic()
+            try:  # a connection already free is taken at once, even past a deadline
+                return self.pool.getconn(timeout=max(min(left, CHECKOUT_SLICE), MIN_CHECKOUT))
+            except PoolTimeout:
+                if left <= CHECKOUT_SLICE:
+                    raise
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep one backoff step, or less when :meth:`interrupt` is called meanwhile."""
+        with self._wake:
+            self._wake.wait(seconds)
 
     def _lost(self, exc: BaseException) -> None:
         with self._state_lock:
@@ -133,7 +233,8 @@ class Database:
             log.warning("reconnected to the database after %.1fs", time.monotonic() - since)
 
     def close(self) -> None:
-        """Close every pooled connection."""
+        """Close every pooled connection (an operation still retrying gives up at once)."""
+        self.interrupt()
         self.pool.close(timeout=2.0)
 
 

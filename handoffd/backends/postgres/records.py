@@ -8,7 +8,9 @@ statements through the backend's :class:`~handoffd.backends.postgres.connection.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import json
+import logging
 from datetime import datetime, timedelta
 from typing import Any, Callable
 
@@ -19,6 +21,9 @@ from ...core.storage import LOST
 from ...core.timeutil import iso, utc_now
 from ..base import Describe, Doc, Subscribers, due_of, safe_describe, updated_of
 from .connection import CHANNEL, Conn, Database
+from .values import document, plain
+
+log = logging.getLogger("handoffd")
 
 T = "handoffd.handoffs"
 MAX_PAYLOAD = 7000  # NOTIFY payloads stop at 8000 bytes: a longer id is announced as "lost"
@@ -36,6 +41,13 @@ def encode(doc: Doc, *, strict: bool) -> str:
                               "which the PostgreSQL store cannot hold",
                               code=ErrorCode.UNPROCESSABLE_DOCUMENT)
     return clean
+
+
+def file_digest(doc: Doc) -> str:
+    """What identifies a document ingested from a file: the digest of the text it is stored as
+    (kept in the row's ``write_id``, so that the bridge can tell the very document it ingested
+    from a different one dropped later under the same name)."""
+    return "sha256:" + hashlib.sha256(encode(doc, strict=True).encode("utf-8")).hexdigest()
 
 
 class StoreBase:
@@ -69,6 +81,21 @@ class StoreBase:
         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
 
     @staticmethod
+    def _quarantine(conn: Conn, handoff_id: str, state: str, code: str, message: str,
+                    token: str | None = None) -> bool:
+        """Move the row ``handoff_id`` out of ``state`` (held by ``token`` when given) into the
+        quarantine with its reason, its document copied as the database holds it (never loaded:
+        it may be JSON Python cannot load). False when no such row was there."""
+        fence = " AND lease_token = %(token)s" if token is not None else ""
+        moved = conn.execute(
+            f"WITH gone AS (DELETE FROM {T} WHERE id = %(id)s AND state = %(state)s{fence} "
+            "RETURNING id, doc) INSERT INTO handoffd.quarantine (id, from_state, code, message, "
+            "at, document) SELECT id, %(state)s, %(code)s, %(message)s, %(at)s, doc FROM gone "
+            "RETURNING seq", {"id": handoff_id, "state": state, "token": token, "code": str(code),
+                              "message": message, "at": utc_now()}).fetchone()
+        return moved is not None
+
+    @staticmethod
     def _event(conn: Conn, handoff_id: str, doc: Doc, state: State, fallback: str) -> None:
         """The audit row of a transition: the document's last history event."""
         event = last_entry(doc).get("event")
@@ -97,12 +124,13 @@ class SideRecords(StoreBase):
     def cancel_request(self, handoff_id: str) -> Doc | None:
         found = self.db.run(lambda conn, _: conn.execute(
             "SELECT request FROM handoffd.cancels WHERE id = %s", (handoff_id,)).fetchone())
-        return None if found is None else found[0]  # type: ignore[no-any-return]
+        # a request that is no JSON object (a foreign row) asks for nothing
+        return found[0] if found is not None and isinstance(found[0], dict) else None
 
     def cancel_requests(self) -> dict[str, Doc]:
         rows = self.db.run(lambda conn, _: conn.execute(
             "SELECT id, request FROM handoffd.cancels ORDER BY created_at, id").fetchall())
-        return {r[0]: r[1] for r in rows}
+        return {r[0]: r[1] for r in rows if isinstance(r[1], dict)}
 
     def clear_cancel(self, handoff_id: str) -> None:
         self.db.run(lambda conn, _: conn.execute("DELETE FROM handoffd.cancels WHERE id = %s",
@@ -129,7 +157,7 @@ class SideRecords(StoreBase):
             "SELECT id, from_state, code, message, at, document FROM handoffd.quarantine "
             "ORDER BY seq").fetchall())
         return [{"file": r[0], "from": r[1], "code": r[2], "message": r[3], "at": iso(r[4]),
-                 "stored_as": r[0], "document": r[5]} for r in rows]
+                 "stored_as": r[0], "document": plain(r[5])} for r in rows]
 
 
 class FileOrigins(StoreBase):
@@ -138,18 +166,22 @@ class FileOrigins(StoreBase):
     def ingest(self, doc: Doc, handoff_id: str, now: datetime, origin: str) -> bool:
         """Store a document dropped into a workspace's pending/ as a *raw* pending handoff
         (claimed raw: admission validates it and checks the seen ids, as for a file), noting
-        the ``origin`` workspace that will want its terminal copy. False when the id exists in
-        the database already (ingesting again is a no-op)."""
+        the ``origin`` workspace that will want its terminal copy, and the document's
+        :func:`file_digest` as the row's ``write_id``. False when the id exists in the database
+        already (ingesting again is a no-op: :meth:`ingested` says by whom and what)."""
         text = encode(doc, strict=True)
         columns = self._columns(doc, now)
+        digest = file_digest(doc)
 
         def op(conn: Conn, _retried: bool) -> bool:
             inserted = conn.execute(
                 f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
-                " updated_at, created_at, raw, origin) VALUES (%(id)s, 'pending', %(doc)s::json,"
-                " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(now)s, %(now)s,"
-                " %(now)s, true, %(origin)s) ON CONFLICT (id) DO NOTHING RETURNING id",
-                {**columns, "id": handoff_id, "doc": text, "now": now, "origin": origin},
+                " updated_at, created_at, raw, origin, write_id) VALUES (%(id)s, 'pending',"
+                " %(doc)s::json, %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(now)s,"
+                " %(now)s, %(now)s, true, %(origin)s, %(digest)s) ON CONFLICT (id) DO NOTHING"
+                " RETURNING id",
+                {**columns, "id": handoff_id, "doc": text, "now": now, "origin": origin,
+                 "digest": digest},
             ).fetchone()
             if inserted is None:
                 return False
@@ -163,20 +195,46 @@ class FileOrigins(StoreBase):
     def unexported(self, origin: str, *, ids: builtins.list[str] | None = None,
                    limit: int = 500) -> builtins.list[tuple[str, State, Doc]]:
         """Finished handoffs ingested by ``origin`` whose terminal file it has not written
-        (``ids``: only among those)."""
+        (``ids``: only among those). A row that can never become a file (an id that is no safe
+        file name, which would name a path outside the workspace; a document Python cannot
+        load) is set aside into the quarantine instead, with one log line."""
         among = " AND id = ANY(%s)" if ids is not None else ""
         params: builtins.list[Any] = [origin, *([ids] if ids is not None else []), limit]
         rows = self.db.run(lambda conn, _: conn.execute(
             f"SELECT id, state, doc FROM {T} WHERE origin = %s AND NOT exported "
             f"AND state IN ('completed', 'failed'){among} ORDER BY updated_at LIMIT %s",
             params).fetchall())
-        return [(r[0], State(r[1]), r[2]) for r in rows]
+        owed: builtins.list[tuple[str, State, Doc]] = []
+        for handoff_id, state, value in rows:
+            try:
+                owed.append((handoff_id, State(state), document(value, handoff_id, state)))
+            except InvalidDocument as exc:
+                self._refuse(handoff_id, state, exc)
+        return owed
+
+    def _refuse(self, handoff_id: str, state: str, exc: InvalidDocument) -> None:
+        """Set aside a finished row that cannot be written as a file (once: it is gone after)."""
+        message = f"{exc}; its terminal file is never written"
+        if self.db.run(lambda conn, _: self._quarantine(conn, handoff_id, state, exc.code,
+                                                        message)):
+            log.warning("set aside %s/%s: %s: %s", state, repr(handoff_id)[:80], exc.code,
+                        message)
 
     def origin_of(self, handoff_id: str) -> str | None:
         """The workspace that ingested ``handoff_id`` from a file (None: none did, or unknown)."""
+        found = self.ingested(handoff_id)
+        return None if found is None else found[0]
+
+    def ingested(self, handoff_id: str) -> tuple[str | None, str | None] | None:
+        """The workspace that ingested ``handoff_id`` from a file and the :func:`file_digest` of
+        the document it ingested (None, None: not from a file, or before digests were kept);
+        None when the id is unknown."""
         found = self.db.run(lambda conn, _: conn.execute(
-            f"SELECT origin FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
-        return None if found is None else found[0]  # type: ignore[no-any-return]
+            f"SELECT origin, write_id FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
+        if found is None:
+            return None
+        digest = found[1] if isinstance(found[1], str) and found[1].startswith("sha256:") else None
+        return found[0], digest
 
     def mark_exported(self, handoff_id: str, state: State) -> None:
         """``origin`` wrote the terminal file of ``handoff_id`` (in ``state``)."""

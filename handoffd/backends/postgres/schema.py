@@ -4,7 +4,9 @@ Everything lives in the ``handoffd`` schema of the database the store URL names.
 numbered and applied in order, each in the transaction that records it in
 ``handoffd.schema_version``; a transaction-scoped advisory lock makes concurrent openers (several
 daemons starting at once) apply each migration exactly once. Opening a store applies what is
-missing; ``handoffd db init`` does the same and prints the version.
+missing; ``handoffd db init`` does the same and prints the version. Both then check that every
+table and column handoffd uses is there (:func:`check`): a table someone altered by hand is
+refused at open with one line naming what is missing, instead of failing every statement later.
 """
 from __future__ import annotations
 
@@ -142,9 +144,32 @@ ALTER TABLE handoffd.quarantine ALTER COLUMN document TYPE json USING document::
 ]
 LATEST = MIGRATIONS[-1][0]
 
+# The tables and columns that the migrations above create and handoffd's statements use; a test
+# compares them with a freshly migrated database, so a new migration must update them.
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "schema_version": ("version", "description", "applied_at"),
+    "handoffs": ("id", "state", "doc", "target", "priority", "conversation", "parent", "due_at",
+                 "updated_at", "created_at", "lease_token", "lease_expires_at", "last_token",
+                 "write_id", "raw", "origin", "exported", "lease_owner"),
+    "events": ("seq", "handoff_id", "at", "event", "state"),
+    "seen": ("id", "seen_at"),
+    "cancels": ("id", "request", "created_at"),
+    "quarantine": ("seq", "id", "from_state", "code", "message", "at", "document"),
+    "event_log": ("seq", "at", "event"),
+    "records": ("kind", "key", "value"),
+    "context": ("key", "value", "revision", "updated_at", "write_id"),
+    "context_history": ("seq", "key", "entry"),
+    "violations": ("seq", "entry"),
+}
+
 
 class SchemaTooNew(HandoffdError):
     """The database was migrated by a newer handoffd than this one."""
+
+
+class SchemaDamaged(HandoffdError):
+    """Tables or columns handoffd needs are missing although the schema version says they
+    were created (altered or dropped by hand)."""
 
 
 def current_version(conn: "psycopg.Connection[tuple[object, ...]]") -> int:
@@ -154,6 +179,37 @@ def current_version(conn: "psycopg.Connection[tuple[object, ...]]") -> int:
         return 0
     row = conn.execute("SELECT coalesce(max(version), 0) FROM handoffd.schema_version").fetchone()
     return int(row[0]) if row else 0  # type: ignore[call-overload]
+
+
+def missing(conn: "psycopg.Connection[tuple[object, ...]]") -> list[str]:
+    """What :data:`REQUIRED` names that the database lacks (``table`` or ``table.column``)."""
+    rows = conn.execute(
+        "SELECT c.relname, a.attname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped"
+        " WHERE n.nspname = %s AND c.relkind IN ('r', 'p')", (SCHEMA,)).fetchall()
+    have: dict[str, set[str]] = {}
+    for table, column in rows:
+        have.setdefault(str(table), set()).add(str(column))
+    lacking: list[str] = []
+    for table, columns in REQUIRED.items():
+        if table not in have:
+            lacking.append(f"{SCHEMA}.{table}")
+        else:
+            lacking += [f"{SCHEMA}.{table}.{c}" for c in columns if c not in have[table]]
+    return lacking
+
+
+def check(conn: "psycopg.Connection[tuple[object, ...]]", version: int) -> None:
+    """Raise SchemaDamaged, naming what is missing, unless every table and column handoffd
+    uses is there (``version``: the schema version the database records)."""
+    lacking = missing(conn)
+    if not lacking:
+        return
+    shown = ", ".join(lacking[:6]) + (f" and {len(lacking) - 6} more" if len(lacking) > 6 else "")
+    raise SchemaDamaged(
+        f"the PostgreSQL store's schema (version {version}) lacks {shown}: it was altered "
+        "by hand and handoffd cannot use it; restore what is missing (e.g. from a backup), or "
+        "run `handoffd db init` on a new, empty database and point [store] url at it")
 
 
 def migrate(conn: "psycopg.Connection[tuple[object, ...]]") -> tuple[int, list[int]]:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 from ...core.events import START, Event
 from .connection import Conn, Database
 from .records import encode
+from .values import Unloadable, plain
 
 READ_BATCH = 10_000  # rows per query when reading the stream back
 KEEP_EVENTS = 1_000_000  # the stream keeps about this many newest rows (maintain trims it)
@@ -90,7 +91,8 @@ class PostgresRecords:
         """Every record of ``kind``."""
         rows = self.db.run(lambda conn, _: conn.execute(
             "SELECT key, value FROM handoffd.records WHERE kind = %s", (kind,)).fetchall())
-        return {str(key): value for key, value in rows}
+        # a value no JSON Python can hold (a foreign row) is no record
+        return {str(key): value for key, value in rows if not isinstance(value, Unloadable)}
 
     def update(self, kind: str, key: str, change: Callable[[Any], Any]) -> Any:
         """``change`` the record under its row lock (created first if absent)."""
@@ -100,7 +102,7 @@ class PostgresRecords:
                          "'null'::jsonb) ON CONFLICT DO NOTHING", (kind, key))
             row = conn.execute("SELECT value FROM handoffd.records WHERE kind = %s AND key = %s "
                                "FOR UPDATE", (kind, key)).fetchone()
-            new = change(row[0] if row else None)
+            new = change(plain(row[0]) if row else None)  # unloadable: replaced as absent
             if new is None:
                 conn.execute("DELETE FROM handoffd.records WHERE kind = %s AND key = %s",
                              (kind, key))
