@@ -204,3 +204,13 @@ def test_a_metrics_textfile_that_cannot_be_a_file_is_refused(ws: Workspace, wher
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("handoffd: error: --metrics-textfile") and \
         len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("handoff_id", ["abc\n", "abc\r", "a" * 129, ".hidden", "a/b", "a..b"])
+def test_check_id_takes_whole_safe_names_only(handoff_id: str) -> None:
+    """Found by the fourth bug hunt: SAFE_ID ended in "$" and was used with match(), which also
+    matches before a final newline, so "abc\\n" passed as a safe file name."""
+    from handoffd.core.documents import check_id
+    from handoffd.core.errors import InvalidDocument
+    with pytest.raises(InvalidDocument):
+        check_id(handoff_id)

@@ -541,3 +541,16 @@ def test_an_unreachable_store_is_one_line_at_each_cancel_poll(
     poll(daemon)
     assert "cannot read the cancel requests: [Errno 111] the PostgreSQL store is unreachable" in caplog.text
     assert "Traceback" not in caplog.text
+
+
+def test_a_stopping_daemon_tells_its_store_to_stop_retrying(tmp_path: Path) -> None:
+    """Found by the fourth bug hunt: with PostgreSQL down, SIGTERM took four minutes (each
+    store operation retried for its whole reconnect window). A stop now interrupts the
+    store's retries: within grace_seconds, or at once for a hard stop."""
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"}, grace_seconds=7.0)
+    told: list[float] = []
+    engine.backend.interrupt = told.append  # type: ignore[attr-defined]
+    daemon = Daemon(engine, watch=False)
+    daemon.stop()
+    daemon.stop(hard=True)
+    assert told == [7.0, 0.0]

@@ -354,13 +354,16 @@ def test_the_schema_check_names_every_table_and_column_the_migrations_make(pg_ur
 
 
 # ---------------------------------------------------------------- r7/r8: a server that is away
+@pytest.mark.parametrize("how", ["backend", "handoff wait"])
 def test_a_wait_with_a_timeout_ends_on_time_while_the_store_is_away(
-        pg_url: str, pg_server: pgserver.PgServer) -> None:
+        pg_url: str, pg_server: pgserver.PgServer, how: str) -> None:
+    from handoffd.service.waiting import wait_terminal  # what `handoff wait` calls
     store_db = backend(pg_url, reconnect_seconds=600.0)  # the window alone would hold it 10 min
     try:
         store_db.create(request("w1"), "w1", T0)
         cut_off(pg_server, pg_url, allowed=False)
-        thread, out = in_thread(lambda: store_db.wait_terminal("w1", 1.0))
+        thread, out = in_thread(lambda: store_db.wait_terminal("w1", 1.0) if how == "backend"
+                                else wait_terminal(store_db, "w1", 1.0))
         thread.join(BOUND)
         assert not thread.is_alive(), "the wait outlived its timeout"
         assert isinstance(out.get("error"), WaitTimeout), out

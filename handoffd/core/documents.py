@@ -17,7 +17,8 @@ from .errors import ConfigError, ErrorCode, InvalidDocument
 from .states import SUCCEEDED
 from .timeutil import iso, parse_iso
 
-SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}$")
+# used with fullmatch: "^...$" with match() also took "abc\n" ("$" matches before a last newline)
+SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
 BOOK = "handoffd"
 PRIORITIES = {"critical": 0, "high": 1, "normal": 2, "medium": 2, "low": 3, "backlog": 4}
 MAX_HISTORY = 200
@@ -28,7 +29,7 @@ MAX_DEPENDENCIES = 1000
 
 def check_id(handoff_id: object) -> str:
     """Return ``handoff_id`` if it is a safe file name, else raise InvalidDocument(UNSAFE_ID)."""
-    if not isinstance(handoff_id, str) or not SAFE_ID.match(handoff_id) or ".." in handoff_id \
+    if not isinstance(handoff_id, str) or not SAFE_ID.fullmatch(handoff_id) or ".." in handoff_id \
             or handoff_id.endswith(".tmp"):
         shown = repr(handoff_id)[:80]
         raise InvalidDocument(

@@ -977,6 +977,11 @@ class Daemon:
             self.hard_stop = self.hard_stop or hard
             self.stopping = True
             self.cv.notify_all()
+        # a store that is away (PostgreSQL down) must not hold the stop past its grace: its
+        # operations give up retrying then (the lock it takes is re-entrant: signal-safe)
+        interrupt = getattr(self.engine.backend, "interrupt", None)
+        if callable(interrupt):
+            interrupt(0.0 if hard else self.settings.grace_seconds)
         if hard:
             self._hand_back_all()
 

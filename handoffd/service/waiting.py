@@ -1,6 +1,7 @@
 """Block until a handoff is terminal, woken by the backend's wake-up feed (not a polling sleep)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ..backends.base import wait_via_feed
@@ -18,8 +19,13 @@ def wait_terminal(backend: Backend, handoff_id: str, timeout: float | None = Non
     Raises WaitTimeout after ``timeout`` seconds, NotFound if the id does not exist (after
     ``grace_not_found`` seconds, for a document a producer is about to drop).
     """
-    return wait_via_feed(backend, handoff_id, timeout, grace_not_found=grace_not_found,
-                         until=awaiting_answer if or_awaiting else None)
+    # a store that can be away (PostgreSQL) holds the wait to its timeout even then: its
+    # reconnect window (a minute) must not outlast `handoff wait --timeout 5`
+    waiting = getattr(backend, "waiting", None)
+    within = waiting(handoff_id, timeout) if callable(waiting) else contextlib.nullcontext()
+    with within:
+        return wait_via_feed(backend, handoff_id, timeout, grace_not_found=grace_not_found,
+                             until=awaiting_answer if or_awaiting else None)
 
 
 def awaiting_answer(state: State, doc: dict[str, Any]) -> dict[str, Any] | None:

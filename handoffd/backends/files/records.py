@@ -16,7 +16,7 @@ from .fsio import MAX_DEPTH, locked, nesting_depth
 
 MAX_RECORDS_BYTES = 16 * 1024 * 1024  # a kind's whole file (rates, pauses, reservations)
 
-KIND = re.compile(r"^[a-z][a-z0-9_-]{0,40}$")
+KIND = re.compile(r"[a-z][a-z0-9_-]{0,40}")  # fullmatch ("$" matched before a final newline)
 
 
 class FileRecords:
@@ -28,7 +28,7 @@ class FileRecords:
 
     def path(self, kind: str) -> Path:
         """The file of ``kind``."""
-        if not KIND.match(kind):
+        if not KIND.fullmatch(kind):
             raise ValueError(f"record kind {kind!r}")
         return self.folder / f"{kind}.json"
 
