@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from handoffd import Daemon, Engine, Registry, State, Workspace, build_engine, new_native_request
+from handoffd import (
+    Daemon,
+    Engine,
+    Registry,
+    State,
+    Workspace,
+    build_engine,
+    new_native_request,
+)
 from handoffd.backends.memory import MemoryBackend
 from handoffd.core.config import Config, DaemonSettings
 from handoffd.core.errors import InvalidDocument

@@ -12,36 +12,25 @@ import json
 import logging
 import os
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import pgserver
 import pytest
 from conftest import FLAKY_TOML, Workspace, wait_until
+from test_postgres import T0, backend, request  # the same documents and stores
 
-from handoffd.core.documents import new_native_request
 from handoffd.core.errors import InvalidDocument, UnreadableDocument, WaitTimeout
 from handoffd.core.states import State
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 
-T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 LEASE = 30.0
 BOUND = 30.0  # seconds a call that must not hang is given (it ends in about one)
 # rows PostgreSQL accepts and Python's json cannot load (or that are no document at all)
 UNLOADABLE = {"deep": ("[" * 3000 + "]" * 3000, "MALFORMED_JSON"),
               "bigint": ("9" * 5000, "MALFORMED_JSON"),
               "inf": ("1e400", "MALFORMED_JSON")}
-
-
-def request(handoff_id: str, target: str = "@a", data: Any = None) -> dict[str, Any]:
-    return new_native_request(source="@test", target=target, data=data or {"id": handoff_id},
-                              now=T0, handoff_id=handoff_id)
-
-
-def backend(url: str, **options: Any) -> Any:
-    from handoffd.backends.postgres import PostgresBackend
-    return PostgresBackend(url, **options)
 
 
 def sql(url: str, statement: str, *params: Any) -> list[tuple[Any, ...]]:
