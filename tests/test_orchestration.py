@@ -588,7 +588,8 @@ def test_questions_are_reported_up_at_once(ows: Workspace) -> None:
                "correlation_id": "msg-001",
                "payload": {"task_type": "execute_code", "objective": "binary search",
                            "constraints": [], "context_refs": [], "priority": 1,
-                           "timeout_ms": 60000, "task_data": {}}}
+                           "timeout_ms": 60000, "deadline_hint": None, "specialist_hint": None,
+                           "task_data": {}}}  # seed 000: every DelegationPayload field is present
     ows.drop("msg-clar.json", message)
     run(ows)
     wait = ows.handoff("wait", hid, "--timeout", "10")

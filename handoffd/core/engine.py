@@ -56,6 +56,8 @@ MAX_THROTTLE_SECONDS = 3600.0  # a throttled handoff is looked at again within t
 # `throttled` with no delay (or a negative one) would otherwise be polled in a hot loop
 MIN_THROTTLE_SECONDS = 0.1
 MIN_TIMEOUT_SECONDS = 0.01  # a job admitted just before its deadline still gets a last instant
+# seed 003's CollaborationResult error_type, which a specialist's error block may carry
+ERROR_TYPES = ("retryable", "permanent", "unknown")
 PERMANENT_CODES = frozenset({
     ErrorCode.SCHEMA_VALIDATION_FAILED, ErrorCode.VALIDATION_FAILED, ErrorCode.CONTRACT_VIOLATION,
     ErrorCode.CANCELLED, ErrorCode.DEPENDENCY_MISSING, ErrorCode.INVALID_DOCUMENT, ErrorCode.UNSAFE_ID,
@@ -578,9 +580,14 @@ class Engine:
                            park={"retry_after_seconds": result.get("retry_after_seconds")})
         if status == "failed":
             error = given if isinstance(given := result.get("error"), dict) else {}
-            return self.failure(started, str(error.get("code") or ErrorCode.PROCESSING_ERROR),
-                                str(error.get("message") or "specialist reported failure"),
-                                retryable=error.get("retryable"), result=result)
+            outcome = self.failure(started, str(error.get("code") or ErrorCode.PROCESSING_ERROR),
+                                   str(error.get("message") or "specialist reported failure"),
+                                   retryable=_specialist_retryable(error), result=result)
+            if error.get("error_type") in ERROR_TYPES and outcome.error is not None:
+                # kept so that a format with this vocabulary (seed 003) reports the
+                # specialist's own word, "unknown" included, instead of a derived one
+                outcome.error["error_type"] = error["error_type"]
+            return outcome
         self._check_output(job, result)
         return Outcome(status=status, started_at=started, finished_at=now,
                        output=result.get("output"), artifacts=_list(result.get("artifacts")),
@@ -650,9 +657,11 @@ class Engine:
         return base
 
     def retryable(self, outcome: Outcome) -> bool:
-        """Seed 003's error_type: permanent codes and retryable=false are never retried."""
+        """Seed 003's error_type: permanent codes, ``retryable: false`` and ``error_type:
+        permanent`` are never retried; ``unknown`` (the seed's table has no row for it) is."""
         error = outcome.error or {}
-        return error.get("code") not in PERMANENT_CODES and error.get("retryable") is not False
+        return (error.get("code") not in PERMANENT_CODES and error.get("retryable") is not False
+                and error.get("error_type") != "permanent")
 
     def file(self, claim: Claim, dialect: Dialect, spec: Specialist | None, outcome: Outcome) -> State:
         """Retry or file ``outcome`` for a claimed handoff; returns where it went (IN_PROGRESS:
@@ -794,6 +803,15 @@ def _asked(doc: dict[str, Any], ignored: frozenset[str]) -> dict[str, Any]:
 def without_book(doc: dict[str, Any]) -> dict[str, Any]:
     """The document without its ``handoffd`` bookkeeping block (what formats and handlers see)."""
     return {k: v for k, v in doc.items() if k != "handoffd"}
+
+
+def _specialist_retryable(error: dict[str, Any]) -> Any:
+    """What a specialist's error block says about retrying: its ``retryable``, overruled by
+    seed 003's ``error_type: "permanent"`` ("fail immediately"), whatever the request's format:
+    it is the result's vocabulary, not the request's. None: the specialist did not say."""
+    if error.get("error_type") == "permanent":
+        return False
+    return error.get("retryable")
 
 
 def _list(value: Any) -> list[Any]:

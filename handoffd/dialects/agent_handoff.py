@@ -215,7 +215,7 @@ class AgentHandoffDialect:
 
     def blockers(self, outcome: Outcome, status: str) -> list[dict[str, Any]]:
         """Blockers the handler reported (normalised), else one built from the error."""
-        reported = output_blockers(outcome)
+        reported = reported_blockers(outcome)
         if reported:
             if status == "blocked" and not any(b.get("resolution_options") for b in reported):
                 reported[0]["resolution_options"] = list(RESOLUTIONS[reported[0]["type"]])
@@ -248,21 +248,38 @@ class AgentHandoffDialect:
         return meta
 
 
-def output_blockers(outcome: Outcome) -> list[dict[str, Any]]:
-    """Blockers a handler put in its output (``output.blockers``), made schema-conformant."""
-    raw = sh.output_field(outcome, "blockers")
+def reported_blockers(outcome: Outcome) -> list[dict[str, Any]]:
+    """The specialist's own blockers, as seed 002 Blockers: those of a parked ``blocked``
+    answer (``outcome.park["blockers"]``, where orchestration keeps the result's ``blockers``),
+    else ``output.blockers``. Empty when it gave none (then a generic one is made)."""
+    for raw in (outcome.park.get("blockers") if isinstance(outcome.park, dict) else None,
+                sh.output_field(outcome, "blockers")):
+        found = normalised_blockers(raw)
+        if found:
+            return found
+    return []
+
+
+def normalised_blockers(raw: Any) -> list[dict[str, Any]]:
+    """``raw`` as seed 002 Blockers: each needs a ``description``; ``type`` outside the seed's
+    enum becomes ``unknown``; ``blocker_id`` is kept when it is a string; ``resolution_options``
+    and ``blocking_tasks`` keep their strings. Anything else is left out, so that the answer
+    stays valid against the seed's schema."""
     if not isinstance(raw, list):
         return []
     blockers = []
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("description"), str):
             continue
-        entry = {k: v for k, v in item.items()
-                 if k in ("blocker_id", "description", "resolution_options", "blocking_tasks")}
-        entry["type"] = item.get("type") if item.get("type") in RESOLUTIONS else "unknown"
+        entry: dict[str, Any] = {}
+        if isinstance(item.get("blocker_id"), str):
+            entry["blocker_id"] = item["blocker_id"]
+        kind = item.get("type")
+        entry["type"] = kind if isinstance(kind, str) and kind in RESOLUTIONS else "unknown"
+        entry["description"] = item["description"]
         for key in ("resolution_options", "blocking_tasks"):
-            if key in entry:
-                entry[key] = sh.strings(entry[key])
+            if key in item:
+                entry[key] = sh.strings(item[key])
         blockers.append(entry)
     return blockers
 

@@ -6,7 +6,9 @@ validates the handler's output against it before the handoff may complete (``VAL
 otherwise). Claiming sets ``status`` to ``accepted``; going back to pending/ sets ``pending``.
 The answer is a CollaborationResult: ``executed_by``, ``executed_at``, status success / partial /
 error, ``result`` (the handler's output) and, on error, ``error.message`` with ``error_type``
-retryable / permanent and handoffd's error ``code``.
+(permanent when it was not retried for its kind, unknown when the specialist said so, else
+retryable) and handoffd's error ``code``. A specialist's own ``error.error_type: "permanent"``
+fails the handoff at once (seed 003: "PERMANENT | Fail immediately").
 """
 from __future__ import annotations
 
@@ -141,9 +143,8 @@ class HaiosDialect:
         }
         if answer["status"] == "error":
             code = sh.error_code(outcome) or status.upper()
-            retryable = filed.retry_available or code == ErrorCode.TIMEOUT
             answer["error"] = {"message": sh.error_message(outcome) or sh.summary_of(outcome, None),
-                               "error_type": "retryable" if retryable else "permanent",
+                               "error_type": error_type(outcome, filed, code),
                                "code": code}
             errors = sh.error_list(outcome, "errors")
             if errors:
@@ -152,3 +153,14 @@ class HaiosDialect:
             answer["warnings"] = warnings
         answer["handoffd"] = sh.copy_book(doc)
         return answer
+
+
+def error_type(outcome: Outcome, filed: FiledState, code: str) -> str:
+    """Seed 003's ``error_type`` of a failed result, saying what happened: ``permanent`` when it
+    was not retried for its kind (a permanent code, or the specialist said so), ``unknown`` when
+    the specialist said it did not know (retried, as the seed's table has no row for it), else
+    ``retryable`` (retried up to the policy's limit, or a TIMEOUT)."""
+    if not (filed.retry_available or code == ErrorCode.TIMEOUT):
+        return "permanent"
+    given = outcome.error.get("error_type") if isinstance(outcome.error, dict) else None
+    return "unknown" if given == "unknown" else "retryable"

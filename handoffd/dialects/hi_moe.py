@@ -35,6 +35,12 @@ STATUS = {"completed": "success", "partial": "partial", "failed": "failed", "tim
           "cancelled": "cancelled", "blocked": "blocked",
           "needs_clarification": "needs_clarification"}
 
+# Seed 000: "Error details (only present if status is FAILED, BLOCKED, NEEDS_CLARIFICATION)".
+# TIMEOUT keeps them too: the seed is ambiguous there (its aggregated example reports a child's
+# timeout as a failure, with the detail in error_detail, which needs the child's own detail) —
+# docs/formats.md quotes the rule and says why. CANCELLED (the requester's own decision) and
+# SUCCESS carry none; PARTIAL only with an error (as the seed's aggregated example does).
+ERROR_FIELD_STATUSES = ("failed", "blocked", "needs_clarification", "timeout")
 
 TOO_LARGE = 10 ** 18  # the MAJOR of a version whose first number has more than 18 digits
 
@@ -66,10 +72,35 @@ def check_version(doc: dict[str, Any]) -> None:
                                        "schema_path": "#/properties/version"}])
 
 
+def check_inline_bytes(doc: dict[str, Any]) -> None:
+    """Raise InvalidDocument(SCHEMA_VALIDATION_FAILED) naming each ``payload.artifacts[i].
+    inline_content`` of 1024 UTF-8 bytes or more (seed 000: inline content is under 1 KB). The
+    schema's ``maxLength`` cannot say it: JSON Schema counts characters, and 600 x "é" is 600
+    characters but 1200 bytes."""
+    payload = doc.get("payload")
+    items = payload.get("artifacts") if isinstance(payload, dict) else None
+    errors = []
+    for index, item in enumerate(items if isinstance(items, list) else []):
+        text = item.get("inline_content") if isinstance(item, dict) else None
+        size = len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
+        if size >= sh.INLINE_LIMIT:
+            field = f"payload.artifacts[{index}].inline_content"
+            errors.append({"field": field, "schema_path": "#/$defs/Artifact/properties/inline_content",
+                           "error": f"{size} UTF-8 bytes: inline content must be under 1 KB "
+                                    f"({sh.INLINE_LIMIT} bytes); store it and use content_ref "
+                                    "(seed 000)"})
+    if errors:
+        message = f"not a valid hi_moe document: {errors[0]['field']}: {errors[0]['error']}"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise InvalidDocument(message + more, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
+                              handoff_id=doc.get("id") if isinstance(doc.get("id"), str) else None,
+                              errors=errors)
+
+
 def valid_tier(value: Any) -> bool:
     """A TierLevel name or number 1-4."""
-    if isinstance(value, bool):
-        return False
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return False  # (an object or a list is no tier, and cannot be looked up: unhashable)
     return value in TIERS or value in TIERS.values()
 
 
@@ -132,6 +163,7 @@ class HiMoeDialect:
 
     def schema_names(self, doc: dict[str, Any]) -> list[str]:
         check_version(doc)
+        check_inline_bytes(doc)
         return [SCHEMA]
 
     # ------------------------------------------------------------ routing
@@ -237,7 +269,7 @@ class HiMoeDialect:
         aggregated = outcome.fields.get("aggregated_outcome")
         if isinstance(aggregated, dict):  # a dispatcher reporting up after parallel execution
             payload["aggregated_outcome"] = aggregated
-        if status not in ("success", "partial") or outcome.error:
+        if status in ERROR_FIELD_STATUSES or (status == "partial" and outcome.error):
             code = sh.error_code(outcome) or status.upper()
             payload["error_type"] = code.lower()
             payload["error_detail"] = sh.error_message(outcome) or payload["summary"]
@@ -315,7 +347,8 @@ def delegation(parent: dict[str, Any], child_id: str, *, to: str, data: Any, now
             "context_refs": [str(c) for c in fields.get("context_refs") or []],
             "priority": min(max(int(priority), 0), 4),
             "timeout_ms": max(int(timeout_seconds * 1000), 1),
-            "deadline_hint": None, "specialist_hint": to, "task_data": data,
+            # seed 000: task_data is a dict, always present (an entry without data gets {})
+            "deadline_hint": None, "specialist_hint": to, "task_data": {} if data is None else data,
         },
     }
 
@@ -342,6 +375,8 @@ def read_outcome(answer: dict[str, Any]) -> dict[str, Any] | None:
     error = None
     if payload.get("error_type"):
         error = {"code": str(payload["error_type"]).upper(), "message": payload.get("error_detail")}
+    elif payload.get("status") == "cancelled":  # no error fields (seed 000): its summary says why
+        error = {"code": "CANCELLED", "message": payload.get("summary")}
     return {"status": payload.get("status"), "confidence": payload.get("confidence"),
             "output": output, "artifacts": others, "error": error,
             "finished_at": answer.get("timestamp"),

@@ -4,7 +4,8 @@ The handoff id is ``contract.task_id``; the worker is the document's ``to_agent`
 ``contract.worker``), else ``@swarm-worker``. The handler gets the whole handoff as data; the
 Envelope carries the contract (for contract enforcement) and ``dependencies_completed`` as
 ``depends_on``. The answer is the swarm_complete report: task id, status, files touched, summary,
-success criteria results and violations.
+success criteria results and violations (``valid`` is false whenever one was found, also when it
+did not fail the handoff).
 """
 from __future__ import annotations
 
@@ -109,10 +110,7 @@ class SwarmDialect:
         request = self._request(doc)
         contract = given if isinstance(given := request.get("contract"), dict) else {}
         status = sh.effective_status(outcome)
-        violations = sh.error_list(outcome, "violations")
-        reported = sh.output_field(outcome, "violations")
-        if isinstance(reported, list):
-            violations.extend(v for v in reported if v not in violations)
+        violations = report_violations(outcome)
         answer: dict[str, Any] = {
             "task_id": contract.get("task_id", request.get("task_id")),
             "status": status,
@@ -161,3 +159,17 @@ class SwarmDialect:
                 item["status"] = "unchecked"
             out.append(item)
         return out
+
+
+def report_violations(outcome: Outcome) -> list[Any]:
+    """Every contract violation of the attempt, once each: those that failed it (``error``),
+    those the contract checks recorded without failing it (``validation.violations``: a
+    ``files_touched`` that names a file the worker did not change, e.g. one outside
+    ``files_owned``, which seed 004's validateCompletion counts as a violation too), and those
+    the worker reported itself (``output.violations``). ``valid`` is true only when it is empty."""
+    violations = sh.error_list(outcome, "violations")
+    recorded = outcome.validation.get("violations") if isinstance(outcome.validation, dict) else None
+    for source in (recorded, sh.output_field(outcome, "violations")):
+        if isinstance(source, list):
+            violations.extend(v for v in source if v not in violations)
+    return violations

@@ -69,7 +69,7 @@ from ..core.errors import (
     NotFound,
     UnreadableDocument,
 )
-from ..core.formats import FiledState
+from ..core.formats import ArtifactSink, FiledState
 from ..core.logs import log
 from ..core.states import PARKED, State
 from ..core.timeutil import iso, parse_iso
@@ -169,6 +169,7 @@ def parked_outcome(engine: "Engine", job: "Job", result: dict[str, Any], started
     :func:`park` files back to pending/ (or a VALIDATION_FAILED failure when it is malformed)."""
     status = result["status"]
     try:
+        _check_artifact_paths(engine, result)
         if status == "delegated":
             info = _delegation(engine, job, result)
         elif status == "blocked":
@@ -187,13 +188,25 @@ def parked_outcome(engine: "Engine", job: "Job", result: dict[str, Any], started
     if isinstance(summary, str):
         info["summary"] = summary
     return Outcome(status=status, started_at=started, finished_at=engine.clock(),
-                   output=result.get("output"), metadata=_dict(result.get("metadata")),
+                   output=result.get("output"), artifacts=_list(result.get("artifacts")),
+                   metadata=_dict(result.get("metadata")),
                    warnings=_list(result.get("warnings")), executed_by=job.specialist.agent,
                    park=info)
 
 
 class _Malformed(Exception):
     pass
+
+
+def _check_artifact_paths(engine: "Engine", result: dict[str, Any]) -> None:
+    """_Malformed when an artifact the result names lies outside the workspace: a parked
+    outcome reports its artifacts up, and the rule is the one a final result meets."""
+    for index, item in enumerate(_list(result.get("artifacts"))):
+        paths = [item[key] for key in ("path", "artifact_path")
+                 if isinstance(item, dict) and isinstance(item.get(key), str)]
+        for path in paths:
+            if engine.ws.inside(path) is None:
+                raise _Malformed(f"artifacts[{index}] path {path!r} points outside the workspace")
 
 
 def _delegation(engine: "Engine", job: "Job", result: dict[str, Any]) -> dict[str, Any]:
@@ -425,7 +438,8 @@ def reported_outcome(engine: "Engine", doc: dict[str, Any], dialect: "Dialect",
         "retryable": True})  # formats carry the questions where they carry an error's detail
     try:
         answer = dialect.render(copy.deepcopy(doc), report,
-                                FiledState(book_int(doc, "retries", 0), 0, False))
+                                FiledState(book_int(doc, "retries", 0), 0, False),
+                                artifacts=_report_sink(engine, outcome, book_int(doc, "attempt", 1)))
     except Exception as exc:  # a format that cannot say it must not stop the park
         log.warning("handoff %s: cannot render the %s outcome: %s", dialect.id_of(doc),
                     outcome.status, exc)
@@ -440,6 +454,18 @@ def reported_outcome(engine: "Engine", doc: dict[str, Any], dialect: "Dialect",
             del answer[key]
         answer["abridged"] = same
     return answer
+
+
+def _report_sink(engine: "Engine", outcome: Outcome, attempt: int) -> ArtifactSink | None:
+    """The engine's artifact sink for a parked outcome's report, so that seed 000's 1 KB rule
+    holds there as in a final answer. Each report stores under ``<id>.<kind>-<attempt>``, not
+    the handoff's own ``<id>``: the final answer writes there later, and a report the requester
+    already holds must keep naming what it said when it was made."""
+    sink = engine.artifact_sink
+    if sink is None:
+        return None
+    suffix = f".{outcome.status}-{attempt}"
+    return lambda handoff_id, index, text: sink(handoff_id + suffix, index, text)
 
 
 def is_parked(engine: "Engine", handoff_id: str) -> bool:
