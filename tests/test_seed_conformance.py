@@ -174,10 +174,11 @@ def test_an_error_without_blockers_still_gets_a_generic_one() -> None:
 
 
 # ---------------------------------------------------------------- seed 004: validateCompletion
-def test_files_touched_outside_files_owned_makes_the_report_invalid(sws: Workspace) -> None:
+def test_files_touched_outside_files_owned_cannot_complete(sws: Workspace) -> None:
     """validateCompletion: every files_touched entry outside files_owned is a violation and
-    valid = violations.length === 0. The file was not changed, so the handoff is still filed
-    completed (documented deviation), but the report says valid: false and why."""
+    valid = violations.length === 0; swarm_complete: "Can't complete with contract violations".
+    So even though the file was not changed, the handoff fails CONTRACT_VIOLATION, and the
+    report says valid: false and why."""
     (sws.root / "src" / "lib").mkdir(parents=True)
     (sws.root / "src" / "lib" / "jwt.ts").write_text("export const sign = 1;\n")
     doc = fresh(SWARM_HANDOFF)
@@ -188,11 +189,12 @@ def test_files_touched_outside_files_owned_makes_the_report_invalid(sws: Workspa
         "summary": "implemented AuthService", "files_touched": ["src/auth/service.ts", "src/lib/jwt.ts"]}}})
     run(sws)
     report = sws.doc("bd-7.2")
-    assert sws.state_of("bd-7.2") == ["completed"], report.get("error")
+    assert sws.state_of("bd-7.2") == ["failed"], report
     assert "src/lib/jwt.ts" not in contract["files_owned"]
     assert report["valid"] is False, report
-    (violation,) = report["violations"]
-    assert violation["kind"] == "files_touched_mismatch" and "src/lib/jwt.ts" in violation["not_observed"]
+    kinds = {v["kind"]: v for v in report["violations"]}
+    assert kinds["unauthorized_touched"]["path"] == "src/lib/jwt.ts"
+    assert "src/lib/jwt.ts" in kinds["files_touched_mismatch"]["not_observed"]
     assert problems(report) == []
 
 

@@ -61,7 +61,9 @@ DEFAULT_CRITERIA_TIMEOUT = 60.0
 MAX_CRITERIA_TIMEOUT = 24 * 3600.0
 MAX_LISTED = 200
 MESSAGE_FILES = 10
-FATAL_KINDS = ("scope_creep", "readonly_modified")
+# unauthorized_touched: the worker's own files_touched names a file outside files_owned, which
+# seed 004's validateCompletion refuses ("Touched unauthorized files") whatever was observed
+FATAL_KINDS = ("scope_creep", "readonly_modified", "unauthorized_touched")
 
 
 @dataclass(frozen=True)
@@ -310,6 +312,7 @@ class Enforcer:
         """
         contract = run.contract
         found = Findings(reported=_reported_touched(outcome, run.directory))
+        found.violations += _unauthorized(contract, found.reported)
         if run.snapshotter is not None and run.before is not None:
             from .snapshots import ScopeUnverifiable  # loaded already: run.snapshotter is one
             try:
@@ -482,6 +485,19 @@ class Enforcer:
                 "attempt": attempt, "details": _printable(details)})
         except Exception as exc:  # a full disk, the database away: the outcome stands
             log.error("handoff %s: cannot append to the violations log: %s", env.handoff_id, exc)
+
+
+def _unauthorized(contract: Any, reported: list[str] | None) -> list[dict[str, Any]]:
+    """Seed 004's validateCompletion: each ``files_touched`` entry the worker reported outside
+    ``files_owned`` is a violation ("Touched unauthorized files"), and a report with one cannot
+    complete ("Can't complete with contract violations"), whether or not the file changed."""
+    if reported is None or contract.files_owned is None:
+        return []
+    outside = [path for path in reported if not patterns.any_match(contract.files_owned, path)]
+    return [{"kind": "unauthorized_touched", "path": path, "change": "reported",
+             "error": "reported in files_touched, outside files_owned",
+             "message": f"{path}: reported in files_touched, outside files_owned"}
+            for path in outside[:MAX_LISTED]]
 
 
 def _reported_touched(outcome: Outcome, directory: Path) -> list[str] | None:
