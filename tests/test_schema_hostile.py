@@ -112,3 +112,18 @@ def test_a_daemon_fails_what_names_a_hostile_schema_and_serves_the_rest(ws: Work
         assert ws.state_of(f"h-{name}") == ["failed"], name
         error = ws.doc(f"h-{name}")["error"]
         assert f"schemas/{name}.json cannot be used" in error["message"], error
+
+
+def test_every_schema_the_project_ships_is_usable() -> None:
+    """The built-in schemas and the repository's own workspace schemas (`make demo`) pass the
+    checks every schema now gets: RE2 patterns (the demo's artifact_path pattern used lookahead
+    and had to be rewritten), $refs inside, a bounded expansion."""
+    from handoffd.core.jsonschema_re2 import check_schema
+    from handoffd.core.validation import builtin_schema_names, load_builtin
+    for name in builtin_schema_names():
+        check_schema(load_builtin(name))
+    shipped = sorted((Path(__file__).resolve().parent.parent / "schemas").glob("*.json"))
+    assert shipped, "the repository's schemas/ folder"
+    cache = SchemaCache(shipped[0].parent)
+    for path in shipped:
+        cache.validator(path.name)  # ConfigError naming the file if unusable
