@@ -497,6 +497,43 @@ def test_a_lease_that_cannot_be_kept_stops_the_handler(tmp_path: Path, store: st
     else:
         assert "recovered by another process" in reason, reason
     assert f"handoff {hid}: " in caplog.text
+    # the fenced attempt counts (a daemon too busy to renew in time handed the same handoffs
+    # back uncounted, for ever): a retryable failure saying what to do
+    history = book(engine.get(hid)[1])["history"]
+    retried = [e for e in history if e["event"] in ("retry_scheduled", "completed")]
+    assert retried and retried[0]["event"] == "retry_scheduled", history
+    assert "raise [daemon] lease_seconds" in json.dumps(retried[0]), retried[0]
+
+
+def test_a_python_handler_past_its_attempt_never_runs_beside_the_next(tmp_path: Path) -> None:
+    """Found by the fourth session's crash hunt: a Python handler whose attempt was ended (timed
+    out, cancelled, fenced) runs on (a thread cannot be stopped); the daemon then claimed the
+    handoff again on another worker, and two runs of one handoff overlapped in one live
+    daemon. The next attempt now waits until the late handler returns."""
+    from handoffd.core.config import RetryPolicy
+    runs: list[tuple[int, float, float]] = []
+
+    def stubborn(handoff: Any, ctx: Any) -> Any:
+        start = time.monotonic()
+        if ctx.attempt == 1:
+            time.sleep(1.5)  # ignores its 0.3 s timeout and its cancellation
+        runs.append((ctx.attempt, start, time.monotonic()))
+        return {"status": "completed"}
+
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2),
+                    retry=RetryPolicy(max_retries=2, retry_delay_seconds=0.0))
+    registry = Registry()
+    registry.add_function("@t", stubborn, config=config, concurrency=4)
+    registry.get("@t").config.timeout_seconds = 0.3
+    engine = build_engine(ws, config, registry)
+    hid = submit(engine)
+    with Serving(engine):
+        wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], timeout=20)
+        wait_until(lambda: len(runs) == 2)
+    (first, second) = sorted(runs)
+    assert second[1] >= first[2], f"attempt 2 started {first[2] - second[1]:.2f}s before attempt 1 ended"
 
 
 def test_a_handoff_a_bug_cannot_handle_is_backed_off_not_spun_on(

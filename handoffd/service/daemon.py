@@ -20,7 +20,7 @@ from typing import Any, Callable, Collection
 
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job, Peek
-from ..core.errors import DocumentNotReady, HandoffdError
+from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError
 from ..core.runner import cancel
 from ..core.specialists import Specialist
 from ..core.states import State
@@ -51,6 +51,7 @@ STALL_SAMPLE = 64  # pending documents the watchdog reads to decide whether work
 # a task a worker runs: (pool token, function, handoff id, more arguments)
 Task = tuple[int, Callable[..., Any], str, tuple[Any, ...]]
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
+LATE_LOOK_SECONDS = 1.0  # a handoff whose last Python handler still runs is looked at this late
 UNEXPECTED_MAX_SECONDS = 60.0  # the longest back-off after unexpected errors about one handoff
 MAX_TRACKED = 10_000  # handoffs whose unexpected errors are counted before the count starts over
 IDLE_WAKE_SECONDS = 10.0  # the main loop looks around at least this often with nothing to do
@@ -151,6 +152,10 @@ class Daemon:
         self.first_seen: dict[str, datetime] = {}  # hard-timeout handoffs seen pending, by id
         self.rate_until: dict[str, float] = {}  # agent -> monotonic time its next start is due
         self.unexpected: dict[str, int] = {}  # handoff id -> unexpected errors in a row
+        # handoff id -> Python handlers still running past their ended attempts (timed out,
+        # cancelled, fenced): a thread cannot be stopped, so no new attempt starts beside them
+        self.late: Counter[str] = Counter()
+        self.late_said: dict[str, int] = {}  # (said once per late handler)
         self.report = BatchReport()
         self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
         # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
@@ -616,8 +621,24 @@ class Daemon:
                       handoff_id, code, message, exc, RETRY_LOOK_SECONDS)
             self.notify(handoff_id, RETRY_LOOK_SECONDS)
 
+    def _late_returned(self, handoff_id: str) -> None:
+        """A handler that ran on past its ended attempt returned (called under ``cv``)."""
+        self.late[handoff_id] -= 1
+        if self.late[handoff_id] <= 0:
+            del self.late[handoff_id]
+            self.late_said.pop(handoff_id, None)
+            self.notify(handoff_id)  # a retry held back for it may start now
+
     def _work(self, handoff_id: str) -> None:
         job: Job | None = None
+        with self.cv:
+            if self.late.get(handoff_id):  # its last handler still runs here: not beside it
+                if self.late_said.get(handoff_id) != self.late[handoff_id]:
+                    self.late_said[handoff_id] = self.late[handoff_id]
+                    log.warning("handoff %s: its next attempt waits until the Python handler "
+                                "of its last one returns (a thread cannot be stopped)", handoff_id)
+                self.notify(handoff_id, LATE_LOOK_SECONDS)
+                return
         try:
             job = self.engine.take(handoff_id, arrived=self.first_seen.get(handoff_id))
             if job is None:
@@ -640,6 +661,8 @@ class Daemon:
             self._end_attempt(job, self.engine.run(job))
         except TakenOver:
             job = None  # _taken_over ended the attempt: the job and the slot are its to give back
+            with self.cv:  # and its handler, which ran on past it, has returned at last
+                self._late_returned(handoff_id)
             raise
         except Exception as exc:
             self._work_failed(handoff_id, exc)
@@ -657,11 +680,20 @@ class Daemon:
             self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
             self.report.handed_back += 1
             return
+        if job.fenced:  # stopped by the lease keeper: retried by the policy, not cancelled
+            outcome = self.engine.failure(
+                outcome.started_at or self.engine.clock(), ErrorCode.PROCESSING_ERROR,
+                f"handoff {job.handoff_id}: stopped: {job.context.cancel_reason}; if the store "
+                "was reachable, the daemon was too busy to renew its leases in time: raise "
+                "[daemon] lease_seconds", retryable=True)
         self.engine.file(job.claim, job.dialect, job.specialist, outcome)  # counted by _count
 
     def _taken_over(self, token: int, job: Job, rest: Callable[[], Outcome]) -> None:
         """On the watchdog's thread: end ``job``'s attempt, whose handler overran or was
-        cancelled while it still runs on its worker, and give its slot back."""
+        cancelled while it still runs on its worker, and give its slot back. Until that handler
+        returns, this daemon claims the handoff for no other attempt (:attr:`late`)."""
+        with self.cv:
+            self.late[job.handoff_id] += 1
         try:
             self._end_attempt(job, rest())
         except Exception as exc:
@@ -833,9 +865,10 @@ class Daemon:
         self.leases.renew_all()
 
     def _fence(self, job: Job, reason: str) -> None:
-        """The lease keeper's fence: stop ``job``'s handler now and hand its attempt back (its
-        lease is lapsing, or gone: another process may run the handoff)."""
-        job.context.handback = True
+        """The lease keeper's fence: stop ``job``'s handler now (its lease is lapsing, or gone:
+        another process may run the handoff). The attempt ends as a retryable failure, counted:
+        handed back uncounted, a daemon too busy to renew its leases in time fenced the same
+        handoffs again and again, for ever (fourth session's crash hunt)."""
         cancel(job.context, reason)
 
     def sweep(self) -> SweepReport:
