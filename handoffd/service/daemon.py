@@ -906,7 +906,6 @@ class Daemon:
         self._guarded_loop(batch=False)
         return 1 if self.report.error else 0
 
-
     def run_batch(self, *, install_signals: bool = False,
                   max_seconds: float | None = None) -> BatchReport:
         """One batch for cron: sweep, process everything due now, wait for it, return counts
@@ -978,8 +977,8 @@ class Daemon:
                     if self.scan(recheck_waiting=False) == 0 or not self._due_soon():
                         return
                     continue
-                timers = [now + IDLE_WAKE_SECONDS, next_rescan if not batch else now + IDLE_WAKE_SECONDS,
-                          self.batch_deadline]
+                idle = now + IDLE_WAKE_SECONDS
+                timers = [idle, next_rescan if not batch else idle, self.batch_deadline]
                 if not batch:
                     timers.append(next_sweep)
                     if self.running < self.workers:

@@ -58,7 +58,8 @@ class LeaseKeeper:
         guard_every = min(1.0, self.lease / 10)
         for name, step, every in (("handoffd-lease-renewer", self.renew_all, renew_every),
                                   ("handoffd-lease-guard", self.check, guard_every)):
-            thread = threading.Thread(target=self._every, args=(step, every), daemon=True, name=name)
+            thread = threading.Thread(target=self._every, args=(step, every), daemon=True,
+                                      name=name)
             thread.start()
             self.threads.append(thread)
 

@@ -58,7 +58,8 @@ def refuse(line: str) -> types.JSONRPCError | None:
     if not line.strip():
         return None  # (the SDK skips nothing, but an empty line is no request either)
     if len(line) > MAX_LINE_CHARS:
-        return _error(None, types.INVALID_REQUEST, f"the request line is over {MAX_LINE_CHARS} characters")
+        return _error(None, types.INVALID_REQUEST,
+                      f"the request line is over {MAX_LINE_CHARS} characters")
     try:
         types.jsonrpc_message_adapter.validate_json(line, by_name=False)
         return None
@@ -107,7 +108,8 @@ def run_stdio(server: MCPServer) -> None:
         return
 
     async def serve() -> None:
-        source = anyio.wrap_file(TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace"))
+        stdin = TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
+        source = anyio.wrap_file(stdin)
         checked = CheckedLines(source)
         async with stdio_server(stdin=checked) as (read_stream, write_stream):  # type: ignore[arg-type]
             checked.attach(write_stream)
