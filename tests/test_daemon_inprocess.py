@@ -587,7 +587,11 @@ def test_a_stopping_daemon_tells_its_store_to_stop_retrying(tmp_path: Path) -> N
     engine = engine_with(tmp_path, lambda h, c: {"status": "completed"}, grace_seconds=7.0)
     told: list[float] = []
     engine.backend.interrupt = told.append  # type: ignore[attr-defined]
+    resumed: list[bool] = []
+    engine.backend.resume = lambda: resumed.append(True)  # type: ignore[attr-defined]
     daemon = Daemon(engine, watch=False)
     daemon.stop()
     daemon.stop(hard=True)
     assert told == [7.0, 0.0]
+    Daemon(engine, watch=False).run_batch()  # a daemon that serves again lifts the cut
+    assert resumed == [True]

@@ -381,3 +381,17 @@ def test_an_interrupt_ends_the_retries_of_a_stopping_process(
         cut_off(pg_server, pg_url, allowed=True)
         store_db.close()
 
+
+
+def test_resume_lifts_an_interrupt(pg_url: str) -> None:
+    """A program that stopped one daemon (its retries cut short) and serves again on the same
+    store gets the whole reconnect window back."""
+    import math
+    store_db = backend(pg_url)
+    try:
+        store_db.interrupt(0.0)
+        assert store_db.db._give_up_at < math.inf
+        store_db.resume()
+        assert store_db.db._give_up_at == math.inf
+    finally:
+        store_db.close()

@@ -929,6 +929,9 @@ class Daemon:
         return self.report
 
     def _guarded_loop(self, *, batch: bool) -> None:
+        resume = getattr(self.engine.backend, "resume", None)
+        if callable(resume):  # an earlier daemon's stop cut the store's retries short
+            resume()
         self.leases.start()  # renewals and the fence run until the last job has ended
         try:
             self._loop(batch=batch)

@@ -554,6 +554,10 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
         whose connection works are not affected."""
         self.db.interrupt(grace_seconds)
 
+    def resume(self) -> None:
+        """A daemon serves again: retries last the whole reconnect window (undoes interrupt)."""
+        self.db.resume()
+
     def subscribe(self, callback: WakeupCallback, *,
                   kinds: Collection[str] | None = None) -> Callable[[], None]:
         remove = self._subscribers.add(only_kinds(callback, kinds))

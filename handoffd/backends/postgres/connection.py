@@ -194,6 +194,12 @@ class Database:
             self._give_up_at = min(self._give_up_at, time.monotonic() + max(grace, 0.0))
             self._wake.notify_all()
 
+    def resume(self) -> None:
+        """Undo :meth:`interrupt`: retries last the whole reconnect window again (a program that
+        stopped one daemon and serves again on the same store)."""
+        with self._wake:
+            self._give_up_at = math.inf
+
     def _limit(self, window: float) -> float:
         """When the retries of an operation whose reconnect window ends at ``window`` end."""
         return min(window, self._give_up_at, _DEADLINE.get())
