@@ -143,3 +143,56 @@ def test_a_gzip_bomb_in_the_archive_is_passed_over_quickly(tmp_path: Path) -> No
         for _ in range(200):
             fh.write(bytes(1 << 20))
     assert [e["id"] for e in archived(ws)] == ["a"]  # (pytest-timeout bounds it)
+
+
+def test_appends_after_a_torn_member_stay_readable(tmp_path: Path) -> None:
+    """Found by the fourth session's retention hunt: after a torn member (a crash or kill -9
+    mid-append), the next `handoff archive` appended after the tear; the reader fed that
+    member's header into the torn one's decompressor and stopped, so every handoff archived
+    afterwards (and already deleted) was found nowhere. The reader now skips to the next
+    member after a tear."""
+    from handoffd.features.retention import find_archived
+    ws = HandoffdWorkspace(tmp_path)
+    now = utc_now()
+    path = append_archive(ws, [(State.COMPLETED, "a", {"x": 1})], now)
+    append_archive(ws, [(State.COMPLETED, "b", {"x": 2})], now)
+    path.write_bytes(path.read_bytes()[:-7])  # a crash in the middle of the second append
+    append_archive(ws, [(State.COMPLETED, "c", {"x": 3}), (State.FAILED, "d", {"x": 4})], now)
+    assert [e["id"] for e in archived(ws)] == ["a", "c", "d"]
+    found = find_archived(ws, "d")
+    assert found is not None and found["document"] == {"x": 4}
+
+
+def test_an_archive_file_over_a_read_chunk_is_read_whole_and_once(tmp_path: Path) -> None:
+    """Found by the retention hunt: at a member's end the reader took the decompressor's
+    unconsumed tail and its unused data, the same bytes twice; past 1 MiB a read then ended
+    inside the doubled bytes and everything after was lost (3,000 of 18,000 entries)."""
+    import hashlib
+    ws = HandoffdWorkspace(tmp_path)
+    now = utc_now()
+    count = 0
+    for batch in range(8):  # compressible, as documents are: the decompressor fills its output
+        docs = []           # limit and keeps input back, which is where the bytes were doubled
+        for i in range(3000):
+            hid = f"hoff-{batch}-{i}"
+            docs.append((State.COMPLETED, hid, {"handoff_id": hid, "status": "completed",
+                                                "digest": hashlib.sha256(hid.encode()).hexdigest(),
+                                                "output": {"summary": "done " * 20}}))
+        append_archive(ws, docs, now)
+        count += len(docs)
+    (path,) = (ws.handoffs / ".archive").glob("*.jsonl.gz")
+    assert path.stat().st_size > 1024 * 1024
+    ids = [e["id"] for e in archived(ws)]
+    assert len(ids) == count and len(set(ids)) == count
+
+
+def test_the_newest_entry_of_a_handoff_archived_twice_is_shown(tmp_path: Path) -> None:
+    """Found by the retention hunt: a failure archived, then retried, completed and archived
+    again: `handoff show` gave the old failure (the first match in the file)."""
+    from handoffd.features.retention import find_archived
+    ws = HandoffdWorkspace(tmp_path)
+    now = utc_now()
+    append_archive(ws, [(State.FAILED, "x", {"status": "failed"})], now)
+    append_archive(ws, [(State.COMPLETED, "x", {"status": "completed"})], now)
+    found = find_archived(ws, "x")
+    assert found is not None and found["state"] == "completed"

@@ -90,10 +90,24 @@ def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
         return result
     if archive:
         result.archive = append_archive(engine.ws, doomed, now)
-    for state, hid, _ in doomed:
+    for state, hid, doc in doomed:
+        if not _unchanged(engine, hid, state, doc):  # retried (and perhaps filed again) since
+            result.kept[hid] = "changed while it was being archived"  # it was listed: keep it
+            continue
         if engine.backend.purge(hid, state, now):
             result.removed.append((hid, state.value))
     return result
+
+
+def _unchanged(engine: Engine, handoff_id: str, state: State, doc: dict[str, Any]) -> bool:
+    """``handoff_id`` is still in ``state`` holding ``doc``: what was listed (and archived) is
+    what a purge deletes. A `handoff retry` between the listing and the purge once made the
+    purge delete the retry's new failure while the archive held only the old one."""
+    try:
+        found = engine.backend.get(handoff_id)
+    except Exception:  # unreadable now: not known to be what was archived, so not deleted
+        return False
+    return found is not None and found[0] is state and found[1] == doc
 
 
 # ---------------------------------------------------------------------------- the archive
@@ -130,44 +144,106 @@ def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
 def archived(ws: Workspace) -> Iterator[dict[str, Any]]:
     """Every archived entry, newest archive first (a torn member at a file's end is skipped;
     a file that is not a regular file, or an archive folder that is a symlink, is passed over)."""
-    folder = archive_dir(ws)
-    if not plain_folder(folder):
-        return
-    for path in sorted(folder.glob("*.jsonl.gz"), reverse=True):
-        try:
-            fd = open_regular(path, os.O_RDONLY)
-        except OSError:
-            continue
-        with os.fdopen(fd, "rb") as fh:
-            yield from _entries(fh, path.name)
+    for _, entry in archived_with_files(ws):
+        yield entry
 
 
 def _entries(fh: BinaryIO, name: str = "archive") -> Iterator[dict[str, Any]]:
     """The entries of one archive file, streamed member by member: a member's entries are
-    given when it ends whole (a crash mid-append tears only the last member, which is dropped).
-    Bounded whatever the file holds: a line over MAX_LINE_BYTES is skipped without being held,
-    and the file is passed over from where a member holds more than MAX_MEMBER_BYTES or the
-    text grows past MAX_RATIO times what was read (a gzip bomb: handoffd's entries, JSON,
-    compress a few times over, not hundreds)."""
+    given when it ends whole. A member that is torn (a crash mid-append; appends went on after
+    it) is skipped: the reader looks for the next member's gzip header after it and goes on
+    from there, so what was appended after a tear stays readable. Bounded whatever the file
+    holds: a line over MAX_LINE_BYTES is skipped without being held, and the file is passed
+    over from where a member holds more than MAX_MEMBER_BYTES or the text grows past MAX_RATIO
+    times what was read (a gzip bomb: handoffd's entries, JSON, compress a few times over)."""
+    import zlib
+    reader = _Members(fh)
+    while True:
+        member = reader.next_member()
+        if member is None:
+            return
+        try:
+            lines = _member_lines(reader, member)
+        except _TooLarge:
+            log.warning("%s: not an archive handoffd wrote (a member too large, or expanding "
+                        "%d-fold); the rest of it is passed over", name,
+                        reader.written // max(reader.read, 1))
+            return
+        except zlib.error:
+            reader.resync(member)  # torn: the next member after its start, if any
+            continue
+        if lines is None:  # the file ended inside it: torn at the end, dropped
+            return
+        for line in lines:
+            yield from _entry(line)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Members:
+    """The gzip members of an archive file, with the file offsets they start at."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.pending = b""  # bytes read but not yet decompressed
+        self.offset = 0  # the file offset of pending's first byte
+        self.read = self.written = 0
+
+    def next_member(self) -> int | None:
+        """The offset the next member starts at, or None at the end of the file."""
+        if not self.pending:
+            self.pending = self.fh.read(READ_CHUNK)
+            self.read += len(self.pending)
+        return self.offset if self.pending else None
+
+    def chunk(self) -> bytes:
+        """More input for the member being read (b"" at the end of the file)."""
+        if not self.pending:
+            self.pending = self.fh.read(READ_CHUNK)
+            self.read += len(self.pending)
+        return self.pending
+
+    def consumed(self, left: bytes) -> None:
+        """The decompressor used pending up to ``left`` (what it has not taken)."""
+        self.offset += len(self.pending) - len(left)
+        self.pending = left
+
+    def resync(self, start: int) -> None:
+        """Go on from the next gzip header after ``start`` (the end of the file if none)."""
+        magic, step = b"\x1f\x8b\x08", READ_CHUNK
+        position = start + 1
+        while True:
+            self.fh.seek(position)
+            block = self.fh.read(step + len(magic) - 1)
+            found = block.find(magic)
+            if found >= 0:
+                self.fh.seek(position + found)
+                self.offset, self.pending = position + found, b""
+                return
+            if len(block) < step + len(magic) - 1:  # the end: nothing after the tear
+                self.fh.seek(0, os.SEEK_END)
+                self.offset, self.pending = self.fh.tell(), b""
+                return
+            position += step
+
+
+def _member_lines(reader: _Members, start: int) -> list[bytes] | None:
+    """The lines of the member starting at ``start``, once it ended whole; None when the file
+    ends inside it. zlib.error when it is torn; _TooLarge past the bounds."""
     import zlib
     decoder = zlib.decompressobj(zlib.MAX_WBITS | 16)
-    pending = b""
     part: list[bytes] = []  # the line being decompressed, in pieces (joined once, when whole)
     part_size, skipping = 0, False
     lines: list[bytes] = []
-    held = read = written = 0
+    held = 0
     while True:
-        if not pending:
-            pending = fh.read(READ_CHUNK)
-            read += len(pending)
-            if not pending:
-                return  # the end; a member cut short at it is torn: dropped
-        try:
-            out = decoder.decompress(pending, READ_CHUNK)
-        except zlib.error:
-            return
-        pending = decoder.unconsumed_tail
-        written += len(out)
+        data = reader.chunk()
+        if not data:
+            return None
+        out = decoder.decompress(data, READ_CHUNK)
+        reader.written += len(out)
         *whole, rest = out.split(b"\n")
         for piece in whole:
             if not skipping and part_size + len(piece) <= MAX_LINE_BYTES:
@@ -181,16 +257,14 @@ def _entries(fh: BinaryIO, name: str = "archive") -> Iterator[dict[str, Any]]:
             part_size += len(rest)
             if part_size > MAX_LINE_BYTES:
                 part, part_size, skipping = [], 0, True
-        if held > MAX_MEMBER_BYTES or written > MAX_RATIO * read + READ_CHUNK:
-            log.warning("%s: not an archive handoffd wrote (a member too large, or expanding "
-                        "%d-fold); the rest of it is passed over", name, written // max(read, 1))
-            return
-        if decoder.eof:  # a member ended whole: its entries; the next starts in what it left
-            for whole_line in lines:
-                yield from _entry(whole_line)
-            lines, held, part, part_size, skipping = [], 0, [], 0, False
-            pending = decoder.unused_data + pending
-            decoder = zlib.decompressobj(zlib.MAX_WBITS | 16)
+        if held > MAX_MEMBER_BYTES or reader.written > MAX_RATIO * reader.read + READ_CHUNK:
+            raise _TooLarge
+        if decoder.eof:
+            # at the member's end, everything after it in the input is in unused_data (the
+            # unconsumed tail can hold the same bytes again: taking both read them twice)
+            reader.consumed(decoder.unused_data)
+            return lines
+        reader.consumed(decoder.unconsumed_tail)
 
 
 def _entry(line: bytes) -> Iterator[dict[str, Any]]:
@@ -203,8 +277,33 @@ def _entry(line: bytes) -> Iterator[dict[str, Any]]:
 
 
 def find_archived(ws: Workspace, handoff_id: str) -> dict[str, Any] | None:
-    """The archived entry of ``handoff_id`` (the newest), or None."""
-    return next((e for e in archived(ws) if e.get("id") == handoff_id), None)
+    """The archived entry of ``handoff_id`` (the newest), or None: the last one in the newest
+    file that holds it (a file's entries are in the order they were archived, so its first
+    match was a handoff's earlier life, e.g. a failure later retried and completed)."""
+    found: dict[str, Any] | None = None
+    found_in: str | None = None
+    for entry in archived_with_files(ws):
+        path, item = entry
+        if found_in is not None and path != found_in:
+            break
+        if item.get("id") == handoff_id:
+            found, found_in = item, path
+    return found
+
+
+def archived_with_files(ws: Workspace) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(file name, entry) of every archived entry, newest file first."""
+    folder = archive_dir(ws)
+    if not plain_folder(folder):
+        return
+    for path in sorted(folder.glob("*.jsonl.gz"), reverse=True):
+        try:
+            fd = open_regular(path, os.O_RDONLY)
+        except OSError:
+            continue
+        with os.fdopen(fd, "rb") as fh:
+            for entry in _entries(fh, path.name):
+                yield path.name, entry
 
 
 # ---------------------------------------------------------------------------- the daemon's part
