@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Workspace
@@ -67,3 +70,29 @@ def test_asyncio_cancel_and_retry(ws: Workspace) -> None:
         assert "retried" in events and events.count("claimed") == 2
     finally:
         assert ws.stop(daemon) == 0
+
+
+@pytest.mark.parametrize("call, kind", [
+    (lambda c, h: c.cancel(h.id, reason=None), "UsageError"),
+    (lambda c, h: c.create("@echo", data=b"abc"), "UsageError"),
+    (lambda c, h: c.create("@echo", data={"x": float("nan")}), "UsageError"),
+    (lambda c, h: c.create("@echo", depends_on=5), "InvalidDocument"),
+    (lambda c, h: c.list(limit=None), "UsageError"),
+    (lambda c, h: c.list(limit="5"), "UsageError"),
+    (lambda c, h: h.wait(timeout=float("nan")), "UsageError"),
+    (lambda c, h: h.wait(timeout="5"), "UsageError"),
+    (lambda c, h: c.handle("../../etc/passwd").wait(), "InvalidDocument"),
+    (lambda c, h: c.handle("").wait(timeout=None), "InvalidDocument"),
+])
+def test_hostile_arguments_are_handoffd_errors_at_once(tmp_path: Path, call: Any, kind: str) -> None:
+    """Found by the fourth session's hunt: wrong-typed arguments escaped as raw TypeErrors from
+    deep inside (the JSON encoder, list slicing), and `wait()` on an unsafe id or with a NaN
+    timeout waited for ever. Each is now a handoffd error, at once."""
+    from handoffd.core.errors import HandoffdError
+    client = Client(tmp_path / "ws")
+    handle = client.create("@echo", {"n": 1})
+    started = time.monotonic()
+    with pytest.raises(HandoffdError) as caught:
+        call(client, handle)
+    assert type(caught.value).__name__ == kind and time.monotonic() - started < 5
+    assert "\n" not in str(caught.value)

@@ -247,3 +247,30 @@ def test_top_in_a_terminal(ws: Workspace) -> None:
             proc.wait(timeout=10)
         os.close(main)
 
+
+
+def test_idle_metrics_connections_are_bounded(ws: Workspace) -> None:
+    """Found by the fourth session's hunt: prometheus-client's server gave every connection a
+    thread and kept it with no timeout, so clients that connect and send nothing grew the
+    daemon by a thread and a descriptor each (3,000 connections: 452 threads). At most 32 are
+    served at once; the rest are closed at once."""
+    import socket
+    daemon = ws.serve("--metrics", "127.0.0.1:0")
+    held: list[socket.socket] = []
+    try:
+        url = re.search(r"metrics on (http://\S+/metrics)", daemon.ready_line).group(1)  # type: ignore[attr-defined]
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+
+        def threads() -> int:
+            status = Path(f"/proc/{daemon.pid}/status").read_text()
+            return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads")))
+
+        before = threads()
+        for _ in range(150):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(1.0)  # (threads start as connections are accepted)
+        assert threads() <= before + 32 + 2, (before, threads())
+    finally:
+        for sock in held:
+            sock.close()
+        ws.stop(daemon)

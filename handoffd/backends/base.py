@@ -4,13 +4,14 @@ ordering, wake-up subscribers, waiting built on the wake-up feed)."""
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Collection
 
-from ..core.documents import BOOK, actor, book, book_int, next_attempt_at, record
-from ..core.errors import InvalidDocument, InvalidTransition, NotFound, WaitTimeout
+from ..core.documents import BOOK, actor, book, book_int, check_id, next_attempt_at, record
+from ..core.errors import InvalidDocument, InvalidTransition, NotFound, UsageError, WaitTimeout
 from ..core.states import State
 from ..core.storage import (
     LOST,
@@ -215,7 +216,14 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
     """:meth:`Backend.wait_terminal` built on ``get`` and the wake-up feed (level-triggered:
     look, then sleep until a hint for this id or the safety recheck). NotFound once the id has
     been unknown for ``grace_not_found`` seconds (a producer may be about to drop it).
-    ``until``: also return once it is true of the handoff's state and document."""
+    ``until``: also return once it is true of the handoff's state and document. An id no
+    handoff can have is InvalidDocument (UNSAFE_ID) at once, and ``timeout`` must be None or a
+    finite number of seconds, 0 or more (UsageError): ``nan`` never ran out, and an unsafe id
+    read as "still being written", so both waited for ever."""
+    check_id(handoff_id)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 <= timeout < math.inf):
+        raise UsageError(f"a wait's timeout must be a number of seconds, 0 or more; not {timeout!r}")
     found = _look(backend, handoff_id)
     if found is not None and (found[0].terminal or (until and until(*found))):
         return found  # already there: no watch to set up (most waits of a finished handoff)

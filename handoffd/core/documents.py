@@ -323,7 +323,8 @@ def _request_field_problems(source: Any, target: Any, timeout: Any, priority: An
             (isinstance(priority, str) and priority in PRIORITIES)
             or (whole and not isinstance(priority, bool) and 0 <= priority <= 4)):
         problems.append(("priority", f"{priority!r} is not one of {', '.join(PRIORITIES)} or 0-4"))
-    if depends_on is not None and not all(isinstance(d, str) for d in depends_on):
+    if depends_on is not None and (not isinstance(depends_on, (list, tuple))
+                                   or not all(isinstance(d, str) for d in depends_on)):
         problems.append(("depends_on", "every entry must be a handoff id (a string)"))
     return problems
 

@@ -22,11 +22,13 @@ command makes (``create``, ``wait``, ``show``, ``ls``, ``cancel``, ``answer``, `
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import new_native_request
+from ..core.errors import UsageError
 from ..core.states import State
 from ..core.workspace import Workspace, resolve_root
 from .waiting import awaiting_answer, wait_terminal
@@ -155,6 +157,7 @@ class Client:
             return Handle(self, self.engine.submit(document, if_absent=if_absent))
         if not to:
             raise ValueError("name the target agent (to=...) or give a whole document")
+        _json_data(data)
         doc = new_native_request(source=self.agent, target=to, data=data, now=self.engine.clock(),
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=priority, depends_on=depends_on)
@@ -184,6 +187,8 @@ class Client:
              conversation: str | None = None) -> list[dict[str, Any]]:
         """Newest-first rows, as `handoff ls --json` prints them."""
         from .queries import list_handoffs
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise UsageError(f"limit must be a whole number, 0 or more; not {limit!r}")
         return list_handoffs(self.engine, state=state, to=to, limit=limit,
                              conversation=conversation)
 
@@ -193,6 +198,8 @@ class Client:
         """Cancel ``handoff_id``; returns what happened to it: ``cancelled`` (it was pending),
         ``requested`` (running: its daemon stops it) or ``finished`` (nothing to do)."""
         from ..features.cancellation import cancel
+        if not isinstance(reason, str):
+            raise UsageError(f"reason must be text; not {type(reason).__name__}")
         return cancel(self.engine, handoff_id, reason=reason, cascade=cascade,
                       by=self.agent, via="client")[0].action
 
@@ -205,3 +212,13 @@ class Client:
         """Move a failed handoff back to pending (``force``: also a permanent failure)."""
         from .sweeper import requeue_failed
         requeue_failed(self.engine, handoff_id, force=force)
+
+
+def _json_data(data: Any) -> None:
+    """UsageError unless ``data`` is JSON data a document can hold (no bytes, sets, NaN...):
+    it failed later with a TypeError from deep inside the JSON encoder."""
+    try:
+        json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"data must be JSON data (dicts, lists, strings, numbers, booleans, "
+                         f"null): {str(exc)[:200]}") from None

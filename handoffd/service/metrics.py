@@ -159,11 +159,52 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "0.0.0.0", number_
 
 
+HTTP_IDLE_SECONDS = 10.0  # a metrics connection that sends nothing for this long is closed
+MAX_HTTP_CONNECTIONS = 32  # metrics connections served at once; more are closed at once
+
+
 def serve_http(engine: Engine, address: str) -> tuple[Any, int]:
-    """Serve the metrics over HTTP at ``address`` in a background thread; (server, port)."""
-    from prometheus_client import start_http_server
+    """Serve the metrics over HTTP at ``address`` in a background thread; (server, port).
+
+    prometheus-client's own server (a thread per connection, no timeout) let clients that
+    connect and send nothing hold a thread and a descriptor each, for ever (3,000 slowloris
+    connections: 452 threads). This one serves the same WSGI app with an idle timeout and at
+    most :data:`MAX_HTTP_CONNECTIONS` connections at once."""
+    import socket
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+
     host, port = parse_address(address)
-    server, _ = start_http_server(port, addr=host, registry=registry_for(engine))
+    slots = threading.BoundedSemaphore(MAX_HTTP_CONNECTIONS)
+
+    class Handler(WSGIRequestHandler):
+        timeout = HTTP_IDLE_SECONDS  # (applied to the connection's socket)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
+            """Log nothing (a scrape every 15 s would fill the log)."""
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        request_queue_size = 64  # (the default 5 made a burst of connects wait for SYN retries)
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not slots.acquire(blocking=False):  # too many at once: this one is closed
+                self.shutdown_request(request)
+                return
+            super().process_request(request, client_address)
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                slots.release()
+
+    server = make_server(host, port, make_wsgi_app(registry_for(engine)), Server,
+                         handler_class=Handler)
+    threading.Thread(target=server.serve_forever, name="handoffd-metrics", daemon=True).start()
     return server, server.server_address[1]
 
 
