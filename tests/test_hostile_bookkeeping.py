@@ -444,7 +444,8 @@ def test_a_notification_command_is_bounded_and_never_outlives_the_daemon(hws: Wo
     import subprocess
     flood = json.dumps([sys.executable, "-c",
                         "import sys\nwhile True: sys.stdout.write('x' * 65536)"])
-    hang = json.dumps([sys.executable, "-c", "import time; time.sleep(600)", "hang-marker"])
+    marker = f"hang-marker-{os.urandom(6).hex()}"  # (pgrep must see no other test's process)
+    hang = json.dumps([sys.executable, "-c", "import time; time.sleep(600)", marker])
     hws.write_config("[daemon]\ngrace_seconds = 1.0\n\n" + printing("@ok", {"status": "completed"})
                      + f"\n[[on_filed]]\ncommand = {flood}\nretries = 0\ntimeout_seconds = 2\n"
                      + f"\n[[on_filed]]\ncommand = {hang}\nretries = 0\ntimeout_seconds = 600\n")
@@ -465,9 +466,9 @@ def test_a_notification_command_is_bounded_and_never_outlives_the_daemon(hws: Wo
         daemon.wait(60)
     finally:
         hws.cleanup()
-    found = subprocess.run(["pgrep", "-f", "hang-marker"], capture_output=True, text=True)
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     assert found.stdout.strip() == "", f"a notification command outlived the daemon: {found.stdout}"
-    hang_letters = [line for line in letters.read_text().splitlines() if "hang-marker" in line]
+    hang_letters = [line for line in letters.read_text().splitlines() if marker in line]
     assert len(hang_letters) == 1, letters.read_text()  # the killed delivery is dead-lettered
 
 

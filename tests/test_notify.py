@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import http.server
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -117,7 +118,8 @@ def test_a_cancel_from_the_command_line_delivers_retries_and_dead_letters(
     runs = tmp_path / "runs.txt"
     failing = json.dumps([sys.executable, "-c",
                           f"import sys; open({str(runs)!r}, 'a').write('run\\n'); sys.exit(7)"])
-    hang = json.dumps([sys.executable, "-c", "import time; time.sleep(600)", "cli-hang-marker"])
+    marker = f"cli-drain-sleeper-{os.urandom(6).hex()}"  # (pgrep must see no other test's)
+    hang = json.dumps([sys.executable, "-c", "import time; time.sleep(600)", marker])
     ws.write_config(f"""
 [[on_filed]]
 command = {failing}
@@ -143,5 +145,5 @@ timeout_seconds = 600
     assert "exited 7" in letters[0]["error"]
     assert "not tried again" in letters[1]["error"]  # killed at the drain, not retried 3 times
     assert "notification given up" in done.stderr
-    found = subprocess.run(["pgrep", "-f", "cli-hang-marker"], capture_output=True, text=True)
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     assert found.stdout.strip() == "", f"a notification command outlived `handoff cancel`: {found.stdout}"
