@@ -66,6 +66,11 @@ def test_archive_then_show(ws: Workspace) -> None:
     assert shown["document"]["output"]["echo"] == {"mode": "ok"}
     human = ws.handoff("show", failed, check=True).stdout
     assert "state: failed" in human and "archived at" in human
+    # `handoff wait` of a handoff archived meanwhile ends as a finished one (it said "no such
+    # handoff", exit 3): its archived answer, its exit code
+    waited = ws.handoff("wait", done, "--timeout", "5")
+    assert waited.returncode == 0 and waited.stdout.strip() == f"{done} completed", waited.stderr
+    assert ws.handoff("wait", failed, "--timeout", "5").returncode == 1
     files = list((ws.root / "handoffs" / ".archive").glob("*.jsonl.gz"))
     assert len(files) == 1
     lines = gzip.decompress(files[0].read_bytes()).decode().splitlines()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.errors import NotFound, UsageError
 from ..core.states import State
-from .basics import PROG, backend, engine
+from .basics import PROG, backend, engine, open_workspace
 from .render import Out, clean, handoff_rows, print_json, state_cell, timeline_rows
 
 if TYPE_CHECKING:
@@ -146,8 +146,24 @@ def wait(root: str | Path | None, handoff_id: str, timeout: float | None, *,
     """``handoff wait``: block until the handoff is finished or asks its requester; the exit
     code (0 completed, 1 failed, 4 awaiting an answer; WaitTimeout after ``timeout``)."""
     from ..service.waiting import wait_terminal
-    state, doc = wait_terminal(backend(root), handoff_id, timeout, or_awaiting=True)
+    try:
+        state, doc = wait_terminal(backend(root), handoff_id, timeout, or_awaiting=True)
+    except NotFound:  # finished, and archived since (retention): its archived answer
+        found = archived_state(root, handoff_id)
+        if found is None:
+            raise
+        state, doc = found
     return report_wait(handoff_id, state, doc, as_json=as_json)
+
+
+def archived_state(root: str | Path | None, handoff_id: str) -> tuple[State, dict[str, Any]] | None:
+    """(state, document) of a finished handoff retention archived, or None."""
+    from ..features.retention import find_archived
+    entry = find_archived(open_workspace(root), handoff_id)
+    if entry is None or entry.get("state") not in ("completed", "failed") \
+            or not isinstance(entry.get("document"), dict):
+        return None
+    return State(entry["state"]), entry["document"]
 
 
 def report_wait(handoff_id: str, state: State, doc: dict[str, Any], *, as_json: bool) -> int:
