@@ -150,12 +150,14 @@ ID_PARAMETERS = ("handoff_id", "handoff_ids", "depends_on")  # parameters that h
 def check_id_arguments(kwargs: dict[str, Any]) -> None:
     """A handoff id given on the command line that no handoff can have is a usage error (exit
     2), said before the command opens anything (a document's bad id stays exit 1)."""
-    for name in ID_PARAMETERS:
-        value = kwargs.get(name)
-        for one in value if isinstance(value, list) else [value] if value is not None else []:
-            from ..core.documents import check_id
-            from ..core.errors import InvalidDocument, UsageError
-            try:
-                check_id(one)
-            except InvalidDocument as exc:
-                raise UsageError(str(exc)) from None
+    given = [one for name in ID_PARAMETERS if (value := kwargs.get(name)) is not None
+             for one in (value if isinstance(value, list) else [value])]
+    if not given:
+        return
+    from ..core.documents import check_id
+    from ..core.errors import InvalidDocument, UsageError
+    for one in given:
+        try:
+            check_id(one)
+        except InvalidDocument as exc:
+            raise UsageError(str(exc)) from None

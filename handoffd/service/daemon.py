@@ -629,16 +629,24 @@ class Daemon:
             self.late_said.pop(handoff_id, None)
             self.notify(handoff_id)  # a retry held back for it may start now
 
+    def _held_by_late(self, handoff_id: str) -> bool:
+        """True (and looked at again later) while the Python handler of ``handoff_id``'s last
+        attempt still runs in this daemon: no attempt starts beside it (called under ``cv``)."""
+        if not self.late.get(handoff_id):
+            return False
+        if self.late_said.get(handoff_id) != self.late[handoff_id]:
+            self.late_said[handoff_id] = self.late[handoff_id]
+            log.warning("handoff %s: its next attempt waits until the Python handler of its last "
+                        "one returns (a thread cannot be stopped)", handoff_id)
+        self.notify(handoff_id, LATE_LOOK_SECONDS)
+        return True
+
     def _work(self, handoff_id: str) -> None:
         job: Job | None = None
-        with self.cv:
-            if self.late.get(handoff_id):  # its last handler still runs here: not beside it
-                if self.late_said.get(handoff_id) != self.late[handoff_id]:
-                    self.late_said[handoff_id] = self.late[handoff_id]
-                    log.warning("handoff %s: its next attempt waits until the Python handler "
-                                "of its last one returns (a thread cannot be stopped)", handoff_id)
-                self.notify(handoff_id, LATE_LOOK_SECONDS)
-                return
+        if self.late:  # (almost always empty: no lock taken per claim then)
+            with self.cv:
+                if self._held_by_late(handoff_id):
+                    return
         try:
             job = self.engine.take(handoff_id, arrived=self.first_seen.get(handoff_id))
             if job is None:
