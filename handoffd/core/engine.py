@@ -146,6 +146,7 @@ class Engine:
         # daemon, not for a command that only reads or creates a handoff
         self._registry = registry
         self._registry_lock = threading.Lock()
+        self._warned: set[str] = set()  # advisory problems already logged (expectation_unmet)
         self.clock = clock
         self.backend = backend
         self.formats = formats
@@ -533,13 +534,21 @@ class Engine:
             outcome = check(job, outcome)
         return outcome
 
-    def expectation_unmet(self, job: Job, problem: InvalidDocument) -> None:
+    def expectation_unmet(self, job: Job, problem: InvalidDocument, key: str) -> None:
         """A request's expectation is not met: raise ``problem`` (``[daemon] expectations =
-        "enforce"``, the default), or note it as a warning of the filed result ("advisory")."""
+        "enforce"``, the default), or note it as a warning of the filed result ("advisory"), logged
+        once per ``key`` (the kind of problem, without the handoff's id)."""
         if self.settings.expectations == "enforce":
             raise problem
-        log.warning("%s (expectations are advisory: filed with a warning)", problem)
         job.warnings.append(f"{problem.code}: {problem}")
+        # the same unmet expectation on every handoff of a batch would flood the log (cron mails
+        # it): the log says it once per process and kind; each result keeps its own warning
+        with self._registry_lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning("%s (expectations are advisory: filed with a warning; further handoffs with "
+                    "the same problem are warned in their results only)", problem)
 
     def _missing_schemas(self, job: Job) -> set[str]:
         """The schemas the request names that do not exist (each an unmet expectation)."""
@@ -552,7 +561,8 @@ class Engine:
                     f"handoff {job.handoff_id}: {field_name} names {named!r}, which is neither in "
                     "schemas/ nor built in (`handoff schemas` lists them)",
                     handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
-                    errors=[{"field": field_name, "error": f"no schema {named}"}]))
+                    errors=[{"field": field_name, "error": f"no schema {named}"}]),
+                    key=f"missing {field_name} {named}")
         return missing
 
     def _check_input(self, job: Job) -> None:
@@ -617,7 +627,7 @@ class Engine:
                                           code=ErrorCode.VALIDATION_FAILED, errors=errors)
                 if not requested:
                     raise problem  # the specialist's own schema, or HAIOS's: always enforced
-                self.expectation_unmet(job, problem)
+                self.expectation_unmet(job, problem, key=f"output fails {label}")
         for path in _artifact_paths(result):
             if self.ws.inside(path) is None:
                 raise InvalidDocument(f"handoff {job.handoff_id}: artifact path {path!r} points "
