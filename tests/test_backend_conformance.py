@@ -606,6 +606,22 @@ def test_purge_deletes_a_finished_handoff_and_remembers_its_id(backend: Backend)
         add(backend, "h1", 4)
 
 
+def test_purge_with_expect_deletes_only_that_document(backend: Backend) -> None:
+    """Retention purges what it archived: compared and deleted in one step, so a document filed
+    in its place meanwhile (a retry that failed again) is never the one removed."""
+    add(backend, "h1")
+    assert done(backend, claim(backend, "h1"), 1)
+    found = backend.get("h1")
+    assert found is not None
+    filed = found[1]
+    assert not backend.purge("h1", State.COMPLETED, at(2), expect=dict(filed, note="other"))
+    assert backend.get("h1") == (State.COMPLETED, filed)  # not what was expected: kept as it was
+    assert backend.ids(State.COMPLETED) == ["h1"]
+    assert not backend.purge("h1", State.FAILED, at(2), expect=filed)  # not in that state
+    assert backend.purge("h1", State.COMPLETED, at(2), expect=filed)
+    assert backend.get("h1") is None
+
+
 # ---------------------------------------------------------------- shared records
 def test_records_update_read_and_delete(backend: Backend) -> None:
     records = backend.records()

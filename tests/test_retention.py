@@ -7,7 +7,11 @@ import gzip
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from conftest import FLAKY_TOML, Workspace
 
@@ -201,3 +205,70 @@ def test_the_newest_entry_of_a_handoff_archived_twice_is_shown(tmp_path: Path) -
     append_archive(ws, [(State.COMPLETED, "x", {"status": "completed"})], now)
     found = find_archived(ws, "x")
     assert found is not None and found["state"] == "completed"
+
+
+def test_a_document_filed_again_while_being_purged_is_kept(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retry filed again in the instant the purge compares the document with what it archived
+    (here: as that comparison reads it) keeps its new document: the compare and the delete are
+    one step. The earlier look-then-delete removed it, the archive holding only the old one."""
+    from handoffd import build_engine
+    from handoffd.backends.files import fsio
+    from handoffd.features import retention
+    ws = HandoffdWorkspace(tmp_path)
+    ws.ensure()
+    engine = build_engine(ws)
+    engine.backend.create({"handoff_id": "r1", "source": {"agent_id": "@o"},
+                           "target": {"agent_id": "@a"}, "input": {"data": {}}}, "r1", utc_now())
+    held = engine.backend.claim("r1", utc_now(), 60)
+    assert held is not None
+    assert engine.backend.finish(held, State.FAILED, dict(held.doc, status="failed"))
+    path = ws.doc_path(State.FAILED, "r1")
+    refiled = dict(json.loads(path.read_text()), note="filed again")  # the retry's new failure
+    real_append, real_read = retention.append_archive, fsio.read_bytes_safely
+    armed = []
+
+    def append(*args: Any, **kwargs: Any) -> Path:
+        armed.append(True)  # listed and archived: the purge's own reads come next
+        return real_append(*args, **kwargs)
+
+    def read(target: Path, *args: Any, **kwargs: Any) -> Any:
+        got = real_read(target, *args, **kwargs)
+        if armed and target.name == "r1.json":
+            armed.clear()
+            path.write_text(json.dumps(refiled))
+        return got
+
+    monkeypatch.setattr(retention, "append_archive", append)
+    monkeypatch.setattr(fsio, "read_bytes_safely", read)
+    later = utc_now() + timedelta(days=30)
+    retention.expire(engine, older_than={State.FAILED: 1.0}, now=later, archive=True)
+    assert json.loads(path.read_text()) == refiled  # the new failure is still filed
+    assert not list((ws.meta / "purging").rglob("*.json"))  # nothing left aside
+    monkeypatch.setattr(retention, "append_archive", real_append)
+    result = retention.expire(engine, older_than={State.FAILED: 1.0}, now=later, archive=True)
+    assert result.removed == [("r1", "failed")] and not path.exists()  # archived, then purged
+    found = retention.find_archived(ws, "r1")
+    assert found is not None and found["document"]["note"] == "filed again"
+    engine.backend.close()
+
+
+def test_a_document_a_dead_purge_left_aside_is_put_back(tmp_path: Path) -> None:
+    """A purge killed between setting a document aside and deleting it: the sweep puts it back,
+    and quarantines it (never deletes it) if another copy was filed meanwhile."""
+    from handoffd.backends.files.store import Store
+    ws = HandoffdWorkspace(tmp_path)
+    ws.ensure()
+    store = Store(ws)
+    for name, state in (("a1", State.COMPLETED), ("a2", State.FAILED)):
+        aside = store.purging_dir(state) / f"{name}.json"
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        aside.write_text(json.dumps({"handoff_id": name, "status": state.value}))
+    ws.doc_path(State.FAILED, "a2").write_text(json.dumps({"handoff_id": "a2", "status": "x"}))
+    assert store.restore_purging(time.time() - 60) == []  # too young: a purge may be comparing
+    assert sorted(store.restore_purging(time.time() + 1)) == ["completed/a1.json", "failed/a2.json"]
+    assert json.loads(ws.doc_path(State.COMPLETED, "a1").read_text())["status"] == "completed"
+    assert json.loads(ws.doc_path(State.FAILED, "a2").read_text())["status"] == "x"
+    (kept,) = [q for q in store.quarantined() if q.get("file") == "a2.json"]
+    assert kept["code"] == "DUPLICATE_HANDOFF_ID"
+    assert not list((ws.meta / "purging").rglob("*.json"))

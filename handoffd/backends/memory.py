@@ -231,13 +231,16 @@ class MemoryBackend(FencedFiling, Backend):
         self._subscribers.fire(handoff_id, State.PENDING.value)
         return True
 
-    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+    def purge(self, handoff_id: str, state: State, now: datetime, *,
+              expect: Doc | None = None) -> bool:
         if not state.terminal:
             raise InvalidTransition(f"handoff {handoff_id}: only finished handoffs are purged",
                                     handoff_id=handoff_id)
         with self._lock:
             entry = self._entries.get(handoff_id)
             if entry is None or entry.state is not state:
+                return False
+            if expect is not None and entry.doc != expect:
                 return False
             del self._entries[handoff_id]
             self._seen[handoff_id] = now

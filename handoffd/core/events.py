@@ -184,9 +184,10 @@ class RecordingBackend:
             self.emit_entry(handoff_id, State.PENDING, doc)
         return done
 
-    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+    def purge(self, handoff_id: str, state: State, now: datetime, *,
+              expect: Doc | None = None) -> bool:
         """See Backend.purge."""
-        done = self.inner.purge(handoff_id, state, now)
+        done = self.inner.purge(handoff_id, state, now, expect=expect)
         if done:
             self.emit("purged", handoff_id, state, None, at=now)
         return done

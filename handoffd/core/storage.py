@@ -340,10 +340,13 @@ class Backend(Protocol):
         no longer failed; DuplicateHandoff when a pending copy exists already."""
         ...
 
-    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+    def purge(self, handoff_id: str, state: State, now: datetime, *,
+              expect: Doc | None = None) -> bool:
         """Delete the finished (completed or failed) handoff ``handoff_id`` from ``state``
         (retention). Its id is recorded as seen at ``now``, so that dedup still answers "used
-        before" for the TTL. False when it is not in ``state``."""
+        before" for the TTL. False when it is not in ``state``, or (``expect``) when the document
+        there is no longer ``expect``: checked and deleted in one step, so that a retry filed
+        meanwhile is never deleted in place of the version an archive holds."""
         ...
 
     def maintain(self, now: datetime, *, skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:

@@ -91,24 +91,23 @@ def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
     if archive:
         result.archive = append_archive(engine.ws, doomed, now)
     for state, hid, doc in doomed:
-        if not _unchanged(engine, hid, state, doc):  # retried (and perhaps filed again) since
-            result.kept[hid] = "changed while it was being archived"  # it was listed: keep it
-            continue
-        if engine.backend.purge(hid, state, now):
+        # only what was listed (and archived) is deleted: a `handoff retry` between the listing
+        # and the purge once made it delete the retry's new failure, the archive holding only
+        # the old one; the backend compares and deletes in one step
+        if engine.backend.purge(hid, state, now, expect=doc):
             result.removed.append((hid, state.value))
+        elif _still_there(engine, hid, state):
+            result.kept[hid] = "changed while it was being archived"
     return result
 
 
-def _unchanged(engine: Engine, handoff_id: str, state: State, doc: dict[str, Any]) -> bool:
-    """``handoff_id`` is still in ``state`` holding ``doc``: what was listed (and archived) is
-    what a purge deletes. A `handoff retry` between the listing and the purge once made the
-    purge delete the retry's new failure while the archive held only the old one."""
+def _still_there(engine: Engine, handoff_id: str, state: State) -> bool:
+    """``handoff_id`` is (still, or again) in ``state``: a purge that did not delete it kept it."""
     try:
         found = engine.backend.get(handoff_id)
-    except Exception:  # unreadable now: not known to be what was archived, so not deleted
-        return False
-    return found is not None and found[0] is state and found[1] == doc
-
+    except Exception:  # unreadable now: it is there, and was not deleted
+        return True
+    return found is not None
 
 # ---------------------------------------------------------------------------- the archive
 def archive_dir(ws: Workspace) -> Path:

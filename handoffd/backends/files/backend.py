@@ -530,11 +530,14 @@ class FilesBackend(FencedFiling, Backend):
         self._subscribers.fire(handoff_id, State.PENDING.value)
         return True
 
-    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+    def purge(self, handoff_id: str, state: State, now: datetime, *,
+              expect: Doc | None = None) -> bool:
         if not state.terminal:
             raise InvalidTransition(f"handoff {handoff_id}: only finished handoffs are purged",
                                     handoff_id=handoff_id)
         self.store.seen.add(handoff_id, now)  # first: dedup must outlive the document
+        if expect is not None:
+            return self.store.remove_if(state, handoff_id, expect)
         try:
             os.unlink(self.store.path(state, handoff_id))
         except FileNotFoundError:

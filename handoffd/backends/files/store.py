@@ -483,6 +483,64 @@ class Store:
                 claim.finished = True
                 release_lock(claim.lock)
 
+    def purging_dir(self, state: State) -> Path:
+        """Where a purge sets a finished document aside while it compares it (see :meth:`remove_if`)."""
+        return self.ws.meta / "purging" / state.value
+
+    def remove_if(self, state: State, handoff_id: str, expect: dict[str, Any]) -> bool:
+        """Delete ``handoff_id``'s document in the finished ``state`` if it still is ``expect``.
+
+        The file is first renamed aside (:meth:`purging_dir`), so what is compared is what is
+        deleted: a document filed in its place meanwhile (a retry that failed again) is never
+        the one removed. One that differs is put back. A crash in between leaves it aside, and
+        the sweep puts it back (:meth:`restore_purging`)."""
+        path = self.path(state, handoff_id)
+        aside = self.purging_dir(state) / path.name
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fsio.rename_noreplace(path, aside)
+        except (FileNotFoundError, FileExistsError):  # gone, or another purge has it aside
+            return False
+        try:
+            data, _ = fsio.read_bytes_safely(aside, self.max_filed_bytes)
+            same = fsio.parse_document(data, f"{state.value}/{path.name}") == expect
+        except (OSError, InvalidDocument):
+            same = False
+        if same:
+            os.unlink(aside)
+            return True
+        self.put_back(aside, path)
+        return False
+
+    def put_back(self, aside: Path, path: Path) -> None:
+        """Return a document set aside by a purge to its state folder; should a copy have been
+        written there meanwhile, the one set aside is quarantined, never deleted."""
+        try:
+            fsio.rename_noreplace(aside, path)
+        except FileExistsError:
+            self.quarantine(aside, ErrorCode.DUPLICATE_HANDOFF_ID.value,
+                            f"set aside by a purge while another {path.name} was filed")
+
+    def restore_purging(self, older_than: float) -> list[str]:
+        """Put back documents a purge set aside and never finished with (it died); the names."""
+        restored = []
+        for state in (State.COMPLETED, State.FAILED):
+            folder = self.purging_dir(state)
+            try:
+                entries = list(os.scandir(folder))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                try:
+                    # the rename aside changed its ctime (its mtime is the filing's, long ago)
+                    if entry.stat(follow_symlinks=False).st_ctime >= older_than:
+                        continue  # a purge may still be comparing it
+                    self.put_back(Path(entry.path), self.ws.state_dir(state) / entry.name)
+                    restored.append(f"{state.value}/{entry.name}")
+                except FileNotFoundError:
+                    continue
+        return restored
+
     def quarantine(self, path: Path, code: str, message: str, *, now: datetime | None = None) -> Path:
         """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
         now = now or utc_now()

@@ -478,12 +478,21 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
 
         return self._run_then_wake(op, handoff_id, State.PENDING.value)
 
-    def purge(self, handoff_id: str, state: State, now: datetime) -> bool:
+    def purge(self, handoff_id: str, state: State, now: datetime, *,
+              expect: Doc | None = None) -> bool:
         if not state.terminal:
             raise InvalidTransition(f"handoff {handoff_id}: only finished handoffs are purged",
                                     handoff_id=handoff_id)
 
         def op(conn: Conn, _retried: bool) -> bool:
+            if expect is not None:  # compared under the row's lock, deleted in the same step
+                held = conn.execute(f"SELECT doc FROM {T} WHERE id = %s AND state = %s FOR UPDATE",
+                                    (handoff_id, state.value)).fetchone()
+                try:
+                    if held is None or document(held[0], handoff_id, state.value) != expect:
+                        return False
+                except InvalidDocument:
+                    return False
             gone = conn.execute(f"DELETE FROM {T} WHERE id = %s AND state = %s RETURNING id",
                                 (handoff_id, state.value)).fetchone()
             if gone is None:
