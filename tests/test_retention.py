@@ -272,3 +272,17 @@ def test_a_document_a_dead_purge_left_aside_is_put_back(tmp_path: Path) -> None:
     (kept,) = [q for q in store.quarantined() if q.get("file") == "a2.json"]
     assert kept["code"] == "DUPLICATE_HANDOFF_ID"
     assert not list((ws.meta / "purging").rglob("*.json"))
+
+
+def test_a_finished_child_of_a_waiting_parent_is_kept(ws: Workspace) -> None:
+    """Found by the context/fan-out hunt: a purge took a fan-out's finished child while the
+    parent still waited for its sibling; the parent then reported it as missing."""
+    ws.create("--to", "@nobody", "--id", "P")  # the live parent (nobody serves it)
+    ws.drop("P.c1.json", {"handoff_id": "P.c1", "source": {"agent_id": "@x"},
+                          "target": {"agent_id": "@flaky"}, "parent_id": "P",
+                          "input": {"data": {"mode": "ok"}}})
+    done = finished(ws, "ok")[0]
+    assert ws.state_of("P.c1") == ["completed"]
+    out = json.loads(ws.handoff("purge", "--older-than", "0s", "--json", check=True).stdout)
+    assert out["kept"]["P.c1"] == "child of pending P"
+    assert ws.state_of("P.c1") == ["completed"] and ws.state_of(done) == []

@@ -51,11 +51,15 @@ class Result:
     archive: Path | None = None
 
 
-def protected(engine: Engine) -> dict[str, str]:
-    """Ids that must stay, with why: what live handoffs depend on, and their parents."""
+def protected(engine: Engine) -> tuple[dict[str, str], dict[str, State]]:
+    """Ids that must stay, with why (what live handoffs depend on, and their parents), and the
+    live handoffs themselves (a finished child of a live parent stays too: the parent, waiting
+    for its other children, has yet to aggregate it)."""
     keep: dict[str, str] = {}
+    live: dict[str, State] = {}
     for state in (State.PENDING, State.IN_PROGRESS):
         for row in engine.backend.list(state=state):
+            live[row.id] = state
             if row.meta.parent:
                 keep.setdefault(row.meta.parent, f"parent of {state.value} {row.id}")
             try:
@@ -64,7 +68,7 @@ def protected(engine: Engine) -> dict[str, str]:
                 continue
             for dep in deps:
                 keep.setdefault(dep, f"{state.value} {row.id} depends on it")
-    return keep
+    return keep, live
 
 
 def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
@@ -72,7 +76,7 @@ def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
     """Purge (or archive, then purge) finished handoffs last updated more than
     ``older_than[state]`` seconds before ``now``."""
     result = Result()
-    keep = protected(engine)
+    keep, live = protected(engine)
     doomed: list[tuple[State, str, dict[str, Any]]] = []
     for state, seconds in older_than.items():
         cutoff = now - timedelta(seconds=seconds)
@@ -83,6 +87,8 @@ def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
         for row in engine.backend.list(state=state, order="oldest", where=old_enough):
             if row.id in keep:
                 result.kept[row.id] = keep[row.id]
+            elif row.meta.parent in live:
+                result.kept[row.id] = f"child of {live[row.meta.parent].value} {row.meta.parent}"
             else:
                 doomed.append((state, row.id, row.doc))
     if dry_run or not doomed:
