@@ -396,3 +396,33 @@ def test_an_artifact_that_is_no_file_fails_the_attempt(tmp_path: Path, make: str
     assert info.value.code == "VALIDATION_FAILED" and "not a file" in str(info.value)
     record = _one(ws, "h1", 2, {"path": "beads:notes/later"}, set())  # shared context: on trust
     assert record["content_ref"] == "beads:notes/later"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("NaN", "not finite JSON"), ("1e999", "not finite JSON"),
+    ("[" * 100_000 + "]" * 100_000, "nests too deeply"), ("[" * 70 + "]" * 70, "nests more than 64 levels"),
+    ('"\\ud800"', "lone UTF-16 surrogate"), ("{", "not valid JSON")])
+def test_a_hostile_context_file_is_one_line_never_bad_json_out(tmp_path: Path, text: str,
+                                                              says: str) -> None:
+    """Found by the context hunt: a value a foreign tool wrote was read without the document
+    limits (NaN printed as non-JSON, RecursionError and UnicodeEncodeError as internal errors)."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    HandoffdWorkspace(root).ensure()
+    (root / "context").mkdir(exist_ok=True)
+    (root / "context" / "k.json").write_text(text)
+    got = Workspace(root).handoff("context", "get", "k")
+    assert got.returncode == 1 and got.stdout == ""
+    assert got.stderr.startswith("handoff: error: context/k.json ") and says in got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1
+
+
+def test_a_value_too_deep_to_read_back_is_never_written(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    deep: list = []
+    for _ in range(70):
+        deep = [deep]
+    with pytest.raises(InvalidDocument, match="nests more than 64 levels"):
+        store.set("k", deep, agent="@a")
+    store.set("k", [[["fine"]]], agent="@a")
+    assert store.get("k") == [[["fine"]]]

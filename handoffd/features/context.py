@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..backends.files.context import MAX_VALUE_BYTES, FileContext
+from ..backends.files.fsio import MAX_DEPTH, load_json, nesting_depth
 from ..core.documents import actor
 from ..core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
 from ..core.hashing import sha256_hex
@@ -209,11 +210,14 @@ class ContextStore:
         return self.get_with_revision(key)[0]
 
     def _decode(self, key: str, data: bytes) -> Any:
+        """A value as any tool may have written it: held to what a document may hold (finite
+        numbers, bounded nesting, no lone surrogate), one line with a code otherwise."""
         try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise InvalidDocument(f"context/{key}.json is not valid JSON",
-                                  code=ErrorCode.MALFORMED_JSON) from None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidDocument(f"context/{key}.json is not UTF-8 (byte {exc.start})",
+                                  code=ErrorCode.NOT_UTF8) from None
+        return load_json(text, f"context/{key}.json", max_depth=MAX_DEPTH)
 
     def get_with_revision(self, key: str) -> tuple[Any, int]:
         """(value, revision) of ``key``, read consistently; KeyError if it is not set. Pass the
@@ -322,6 +326,10 @@ class ContextStore:
 
 
 def _encode(key: str, value: Any) -> bytes:
+    # a value nested past what any reader accepts could be written but never read back
+    if nesting_depth(value, MAX_DEPTH) > MAX_DEPTH:
+        raise InvalidDocument(f"context value for {key!r} nests more than {MAX_DEPTH} levels "
+                              "deep; flatten it", code=ErrorCode.INVALID_CONTEXT_VALUE)
     try:
         data = (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
     except (TypeError, ValueError, RecursionError) as exc:
