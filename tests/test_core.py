@@ -225,6 +225,31 @@ def test_python_handler_timeout_and_exception(tmp_path: Path) -> None:
     assert "ValueError: bad thing" in engine.backend.store.read(State.FAILED, boom)["error"]["message"]
 
 
+def test_a_result_too_deep_to_read_back_fails_the_attempt(tmp_path: Path) -> None:
+    """Found by the fan-out hunt: output nested 70 levels was filed as completed, then every
+    reader (show, wait, a fan-out parent, notices) refused the document as too deep."""
+    def handler(handoff: dict, ctx: Any) -> dict:
+        value: Any = "leaf"
+        for _ in range(ctx.data):
+            value = [value]
+        return {"status": "completed", "output": value}
+
+    engine = make_engine(tmp_path, handler)
+    deep, fine = submit(engine, 70), submit(engine, 50)
+    assert process(engine, deep) is State.FAILED
+    error = engine.backend.store.read(State.FAILED, deep)["error"]
+    assert error["code"] == "DOCUMENT_TOO_DEEP" and error["retryable"] is False
+    assert process(engine, fine) is State.COMPLETED
+    assert engine.backend.get(fine) is not None  # what is filed reads back
+
+
+def test_a_command_printing_nesting_past_the_recursion_limit_is_not_json() -> None:
+    from handoffd.core.errors import HandlerError
+    from handoffd.core.runner import _parse_output
+    with pytest.raises(HandlerError, match="handler output is not JSON"):
+        _parse_output(0, b"[" * 100_000 + b"]" * 100_000, b"", "h1")
+
+
 def test_input_schema_errors_carry_field_paths(tmp_path: Path) -> None:
     calls = []
     engine = make_engine(tmp_path, lambda h, c: calls.append(1) or {"status": "completed"},

@@ -157,6 +157,34 @@ def priority_rank(value: object) -> int:
     return 2
 
 
+# Deep enough for any real handoff, shallow enough that every recursive reader (jsonschema,
+# copy.deepcopy, json.dumps) stays far from Python's recursion limit: no document nests deeper.
+MAX_DEPTH = 64
+# A handler's result object is filed inside a document (an answer's ``output``, a seed's
+# result or payload block, a child's ``input.data``): it keeps this many levels free for them.
+RESULT_DEPTH_MARGIN = 8
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """Depth of nested objects/arrays in ``value`` (iterative; stops counting past ``limit``)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return deepest
+
+
 @dataclass
 class Envelope:
     """What the daemon needs to route and run a handoff, whatever its format."""

@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable
 
 from . import procs
-from .documents import Outcome
+from .documents import MAX_DEPTH, RESULT_DEPTH_MARGIN, Outcome, nesting_depth
 from .errors import ConfigError, ErrorCode, HandlerError
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 from .states import RESULT_STATUSES
@@ -43,11 +43,20 @@ def validate_result(result: Any, handoff_id: str, max_bytes: int | None = None) 
         raise HandlerError(f"handoff {handoff_id}: handler returned {type(result).__name__}, "
                            "not a JSON object", handoff_id=handoff_id)
     try:  # what cannot be filed as strict UTF-8 JSON must fail the attempt, not the filing
-        size = len(json.dumps(result, allow_nan=False, ensure_ascii=False).encode("utf-8"))
+        text = json.dumps(result, allow_nan=False, ensure_ascii=False)
+        size = len(text.encode("utf-8"))
     except (ValueError, TypeError, UnicodeEncodeError, RecursionError) as exc:
         raise HandlerError(f"handoff {handoff_id}: handler result cannot be filed as JSON "
                            f"({type(exc).__name__}: {str(exc)[:120]})", handoff_id=handoff_id,
                            retryable=False) from None
+    # what is filed must read back: no document nests past MAX_DEPTH, and the result sits some
+    # levels down in it (a deeper answer was filed, then unreadable to `show` and `wait`); a
+    # value cannot nest deeper than it has brackets, so most results need no walk
+    limit = MAX_DEPTH - RESULT_DEPTH_MARGIN
+    if text.count("{") + text.count("[") > limit and nesting_depth(result, limit) > limit:
+        raise HandlerError(f"handoff {handoff_id}: handler result nests more than {limit} levels "
+                           "deep; flatten it", handoff_id=handoff_id, retryable=False,
+                           code=ErrorCode.DOCUMENT_TOO_DEEP)
     if max_bytes is not None and size > max_bytes:
         raise HandlerError(f"handoff {handoff_id}: handler result is {size} bytes as JSON, over "
                            f"max_output_bytes ({max_bytes}); write large results to a file and "
@@ -351,7 +360,7 @@ def _parse_output(code: int, stdout: bytes, stderr: bytes, handoff_id: str) -> d
                            handoff_id=handoff_id, details={"stderr_tail": tail})
     try:
         result = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting past the recursion limit: not a result)
         shown = text[:120].replace("\n", " ")
         raise HandlerError(f"handoff {handoff_id}: handler output is not JSON: {shown!r}{hint}",
                            handoff_id=handoff_id, details={"stderr_tail": tail}) from None

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ...core.documents import MAX_DEPTH, nesting_depth  # noqa: F401 (fsio's API)
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
 from ...core.ownfiles import open_reading, open_regular, read_regular  # noqa: F401 (fsio's API)
 from . import dirsync, spares
@@ -312,9 +313,6 @@ def _check_depth(text: str, value: Any, name: str, limit: int) -> None:
                               code=ErrorCode.DOCUMENT_TOO_DEEP)
 
 
-# Deep enough for any real handoff, shallow enough that every recursive reader (jsonschema,
-# copy.deepcopy, json.dumps) stays far from Python's recursion limit.
-MAX_DEPTH = 64
 
 
 class _NotFinite(ValueError):
@@ -352,26 +350,6 @@ def _has_lone_surrogate(value: Any) -> bool:
         elif isinstance(item, list):
             stack.extend(item)
     return False
-
-
-def nesting_depth(value: Any, limit: int) -> int:
-    """Depth of nested objects/arrays in ``value`` (iterative; stops counting past ``limit``)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            return deepest
-        stack.extend((child, depth + 1) for child in children
-                     if isinstance(child, (dict, list)))
-    return deepest
 
 
 _RENAME_NOREPLACE = 1
