@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..backends.files.context import MAX_VALUE_BYTES, FileContext
-from ..backends.files.fsio import MAX_DEPTH, load_json, nesting_depth
+from ..backends.files.fsio import load_json, nesting_depth
 from ..core.documents import actor
 from ..core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
 from ..core.hashing import sha256_hex
@@ -68,6 +68,10 @@ from ..core.keys import (
 from ..core.storage import ContextBackend
 from ..core.timeutil import iso, utc_now
 from ..core.workspace import Workspace
+
+# A context value is not a document (it may nest deeper than MAX_DEPTH) but is still bounded:
+# well within Python's recursion limit, and the same when written and when read back.
+MAX_VALUE_DEPTH = 256
 
 TIERS = ("PROGRESS_MONITOR", "ABSTRACT_ARCHITECT", "ROUTING_DISPATCHER", "SPECIALIZED_FLEET")
 DEFAULT_NAMESPACES: dict[str, list[str]] = {
@@ -217,7 +221,7 @@ class ContextStore:
         except UnicodeDecodeError as exc:
             raise InvalidDocument(f"context/{key}.json is not UTF-8 (byte {exc.start})",
                                   code=ErrorCode.NOT_UTF8) from None
-        return load_json(text, f"context/{key}.json", max_depth=MAX_DEPTH)
+        return load_json(text, f"context/{key}.json", max_depth=MAX_VALUE_DEPTH)
 
     def get_with_revision(self, key: str) -> tuple[Any, int]:
         """(value, revision) of ``key``, read consistently; KeyError if it is not set. Pass the
@@ -327,8 +331,8 @@ class ContextStore:
 
 def _encode(key: str, value: Any) -> bytes:
     # a value nested past what any reader accepts could be written but never read back
-    if nesting_depth(value, MAX_DEPTH) > MAX_DEPTH:
-        raise InvalidDocument(f"context value for {key!r} nests more than {MAX_DEPTH} levels "
+    if nesting_depth(value, MAX_VALUE_DEPTH) > MAX_VALUE_DEPTH:
+        raise InvalidDocument(f"context value for {key!r} nests more than {MAX_VALUE_DEPTH} levels "
                               "deep; flatten it", code=ErrorCode.INVALID_CONTEXT_VALUE)
     try:
         data = (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
