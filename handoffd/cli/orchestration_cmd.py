@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # rich loads when something is printed for a human, not at st
 from ..core.errors import NotFound, UsageError, WaitTimeout
 from .common import JsonOption, RootOption, engine, guarded, workspace
 from .basics import json_arg, read_json_arg
-from .render import STATE_STYLE, clean, console, print_json
+from .render import STATE_STYLE, Piece, clean, console, print_json, rich_text
 
 PROG = "handoff"
 DEFAULT_AGENT = "@cli"
@@ -96,8 +96,9 @@ def cancel(
         print_json([dict(r.as_dict(), final=finals.get(r.handoff_id)) for r in results])
         return
     own = results[0]
+    # (cleaned: a detail quotes the document's status and the lease owner's host)
     if own.action == "finished":
-        print(f"{handoff_id}: {own.detail}")
+        print(clean(f"{handoff_id}: {own.detail}"))
     for result in results:
         if result.handoff_id == handoff_id and own.action == "finished":
             continue
@@ -106,7 +107,7 @@ def cancel(
                 "finished": result.detail}[result.action]
         if result.handoff_id in finals:
             line += f" -> {finals[result.handoff_id]}"
-        print(f"{result.handoff_id}: {line}")
+        print(clean(f"{result.handoff_id}: {line}"))
 
 
 # ---------------------------------------------------------------- answer
@@ -190,8 +191,8 @@ def context_set(
                       agent=_agent(as_agent),
                       handoff_id=os.environ.get("HANDOFF_ID"), if_revision=if_revision)
     _refresh_mirror(store)
-    print(f"{entry['key']}: written by {entry['by']} (revision {entry['revision']}, "
-          f"{entry['bytes']} bytes, sha256 {entry['sha256'][:12]})")
+    print(clean(f"{entry['key']}: written by {entry['by']} (revision {entry['revision']}, "
+                f"{entry['bytes']} bytes, sha256 {entry['sha256'][:12]})"))
 
 
 def _refresh_mirror(store: Any) -> None:
@@ -235,9 +236,9 @@ def context_history(
     if as_json:
         print_json(items)
         return
-    for item in items:
-        print(f"{item.get('at')}  {item.get('key')}  by {item.get('by')}  {item.get('bytes')} bytes"
-              + (f"  (handoff {item['handoff_id']})" if item.get("handoff_id") else ""))
+    for item in items:  # (cleaned: a writer names itself, and the record may be edited by hand)
+        print(clean(f"{item.get('at')}  {item.get('key')}  by {item.get('by')}  {item.get('bytes')} bytes"
+                    + (f"  (handoff {item['handoff_id']})" if item.get("handoff_id") else "")))
 
 
 # ---------------------------------------------------------------- trace
@@ -253,37 +254,38 @@ def trace(
     if as_json:
         print_json(data)
         return
-    title = f"trace of [bold]{handoff_id}[/bold]"
-    if data["conversation"]:
-        title += f"  conversation {data['conversation']}"
     from rich.tree import Tree
-    tree = Tree(title)
+    # every label is a Text built from cleaned pieces: a conversation id such as "[/bold]" or
+    # "[link=...]" is shown as written, never read as markup, and no escape reaches the terminal
+    title: list[Piece] = ["trace of ", (handoff_id, "bold")]
+    if data["conversation"]:
+        title.append(f"  conversation {data['conversation']}")
+    tree = Tree(rich_text(*title))
     for node in data["trees"]:
         _grow(tree, node, handoff_id)
     console().print(tree)
 
 
 def _label(node: dict[str, Any], focus: str) -> Text:
-    from rich.text import Text
-    text = Text()
+    """One node of ``handoff trace``: its id, target, state and times, from its document."""
     marker = {"child": "", "triggered": "→ ", "upstream": "", "conversation": "~ ", "root": ""}
-    text.append(marker.get(node["relation"], ""))
-    text.append(node["id"], style="bold underline" if node["id"] == focus else "bold")
-    text.append(f"  {node.get('to') or '-'}  ")
-    text.append(node["state"], style=STATE_STYLE.get(node["state"], ""))
-    if node.get("status") and node["status"] not in (node["state"], node["state"].replace("-", "_")):
-        text.append(f" ({node['status']})")
+    state = str(node["state"])
+    pieces: list[Piece] = [marker.get(node["relation"], ""),
+                           (str(node["id"]), "bold underline" if node["id"] == focus else "bold"),
+                           f"  {node.get('to') or '-'}  ", (state, STATE_STYLE.get(state, ""))]
+    if node.get("status") and node["status"] not in (state, state.replace("-", "_")):
+        pieces.append(f" ({node['status']})")
     if node.get("seconds") is not None:
-        text.append(f"  {node['seconds']:.2f}s")
+        pieces.append(f"  {node['seconds']:.2f}s")
     if node.get("started_at"):
-        text.append(f"  started {node['started_at']}", style="dim")
+        pieces.append((f"  started {node['started_at']}", "dim"))
     if node.get("finished_at"):
-        text.append(f"  finished {node['finished_at']}", style="dim")
+        pieces.append((f"  finished {node['finished_at']}", "dim"))
     if node.get("relation") == "triggered" and node.get("depends_on"):
-        text.append("  (depends on it)", style="dim")
+        pieces.append(("  (depends on it)", "dim"))
     if node.get("note"):
-        text.append(f"  {node['note']}", style="italic")
-    return text
+        pieces.append((f"  {node['note']}", "italic"))
+    return rich_text(*pieces)
 
 
 def _grow(parent: Tree, node: dict[str, Any], focus: str) -> None:

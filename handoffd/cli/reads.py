@@ -25,7 +25,7 @@ def show(root: str | Path | None, handoff_id: str, *, as_json: bool) -> None:
     entry once retention archived it)."""
     eng = engine(root, features=())  # reading a document needs no feature
     try:
-        state, doc = eng.get(handoff_id)
+        state, doc = trusted_document(eng, handoff_id)
     except NotFound:
         if show_archived(eng, handoff_id, as_json=as_json):
             return
@@ -61,11 +61,67 @@ def show_archived(eng: "Engine", handoff_id: str, *, as_json: bool) -> bool:
     return True
 
 
+def trusted_document(eng: "Engine", handoff_id: str) -> tuple[State, dict[str, Any]]:
+    """(state, document) of ``handoff_id`` with its ``handoffd`` block only when the store
+    trusts it (docs/guarantees.md: a block without a valid seal is ignored everywhere).
+
+    A pending document is read as the scheduler reads it (:meth:`Backend.peek`: the files
+    store empties a block it did not seal in pending/), so a document dropped by hand cannot
+    show forged history, children or waits. A handoff that moves on between the two reads is
+    read again."""
+    from ..core.documents import BOOK
+    for _ in range(3):
+        state, doc = eng.get(handoff_id)
+        if state is not State.PENDING:
+            return state, without_foreign_book(eng, state, handoff_id, doc)
+        seen = eng.backend.peek(handoff_id)
+        if seen is not None:
+            return state, seen
+    doc[BOOK] = {}  # still moving: shown without bookkeeping rather than with untrusted one
+    return state, doc
+
+
+def without_foreign_book(eng: "Engine", state: State, handoff_id: str,
+                         doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc``, its ``handoffd`` block emptied when it is an in-progress file the files store
+    did not seal (a raw document renamed into in-progress/ by a foreign consumer or by hand):
+    the sweep's recovery trusts it only with a seal for pending/ or in-progress/, and so does
+    show. Filed documents and other stores' documents are as the store holds them."""
+    from ..core.documents import BOOK
+    if state is not State.IN_PROGRESS or BOOK not in doc:
+        return doc
+    from ..backends.files import FilesBackend
+    store = getattr(eng.backend, "inner", eng.backend)  # under the event log's recorder
+    if not isinstance(store, FilesBackend):
+        return doc
+    files = store.store
+    # (without a seal key nothing can be told apart, and the block is kept, as peek keeps it)
+    if files.key is not None and files.trusted_revision(doc, State.IN_PROGRESS, handoff_id,
+                                                        State.PENDING) == 0:
+        doc[BOOK] = {}
+    return doc
+
+
 def print_document(out: Out, doc: dict[str, Any]) -> None:
-    """The history timeline, then the document without handoffd's bookkeeping."""
-    from ..core.documents import book
-    out.table(*timeline_rows(book(doc).get("history", [])), title="history")
-    out.json({k: v for k, v in doc.items() if k != "handoffd"})
+    """The history timeline (bounded as the daemon bounds it), then the document without
+    handoffd's bookkeeping."""
+    from ..core.documents import BOOK, book
+    history, left_out = shown_history(book(doc).get("history", []))
+    title = "history" if not left_out else f"history ({left_out} earlier entries not shown)"
+    out.table(*timeline_rows(history), title=title)
+    out.json({k: v for k, v in doc.items() if k != BOOK})
+
+
+def shown_history(history: Any) -> tuple[list[Any], int]:
+    """The history entries ``handoff show`` prints and how many it leaves out: at most
+    MAX_HISTORY, the first and the most recent, as the daemon keeps them (a block from
+    elsewhere, e.g. an archive or a foreign consumer's filing, may hold any number)."""
+    from ..core.documents import MAX_HISTORY
+    if not isinstance(history, list):
+        return [], 0
+    if len(history) <= MAX_HISTORY:
+        return history, 0
+    return history[:1] + history[len(history) - MAX_HISTORY + 1:], len(history) - MAX_HISTORY
 
 
 def document_path(eng: "Engine", state: State, handoff_id: str) -> Path | None:
@@ -101,7 +157,8 @@ def print_family(out: Out, eng: "Engine", handoff_id: str, doc: dict[str, Any]) 
         out.line(f"parent: {fam['parent_id'] or '-'}  conversation: {fam['conversation_id'] or '-'}")
     aw = fam["awaiting"]
     if isinstance(aw, dict):
-        out.line(f"waiting on the requester ({aw.get('kind')}): " + "; ".join(map(str, asked(aw))))
+        out.line(f"waiting on the requester ({aw.get('kind')}): "
+                 + "; ".join(map(str, asked(aw)))[:500])
     if not fam["children"]:
         return
     out.table(["ID", "TO", "STATE", "STATUS"],

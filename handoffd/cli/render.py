@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 if TYPE_CHECKING:  # rich loads when something is drawn on a terminal, not at start-up
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
 STATE_STYLE = {"pending": "yellow", "in-progress": "cyan", "completed": "green",
                "failed": "red", "quarantined": "magenta"}
@@ -35,8 +36,32 @@ def console() -> Console:
 
 
 def print_json(data: Any) -> None:
-    """Plain JSON on stdout: no colour, no wrapping."""
-    print(json.dumps(data, indent=2, ensure_ascii=False))
+    """Plain JSON on stdout: no colour, no wrapping (see :func:`json_text`)."""
+    print(json_text(data))
+
+
+def json_text(data: Any) -> str:
+    """``data`` as indented JSON whose every character is printable: json.dumps escapes only
+    the C0 controls, so DEL, C1 controls (``\\x9b`` is a CSI to some terminals), bidi overrides
+    and lone surrogates (unprintable as UTF-8) from documents would reach the terminal raw.
+    They can only stand inside strings, where a ``\\uXXXX`` escape is the same JSON value."""
+    text = json.dumps(data, indent=2, ensure_ascii=False)
+    if text.isascii() and "\x7f" not in text:  # the usual case: all printable already
+        return text
+    return "\n".join(line if line.isprintable() else _json_escaped(line)
+                     for line in text.split("\n"))
+
+
+def _json_escaped(line: str) -> str:
+    return "".join(ch if ch.isprintable() else _json_escape(ch) for ch in line)
+
+
+def _json_escape(ch: str) -> str:
+    code = ord(ch)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # beyond the BMP: a UTF-16 surrogate pair, as JSON spells it
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def on_terminal() -> bool:
@@ -69,10 +94,9 @@ class Out:
         return self._console
 
     def line(self, *pieces: Piece) -> None:
-        """One line assembled from ``pieces``."""
+        """One line assembled from ``pieces`` (text, never markup; control characters shown)."""
         if self.terminal:
-            from rich.text import Text
-            self.rich.print(Text.assemble(*pieces))
+            self.rich.print(rich_text(*pieces))
         else:
             print(clean("".join(p if isinstance(p, str) else p[0] for p in pieces)))
 
@@ -87,23 +111,39 @@ class Out:
 
     def json(self, data: Any) -> None:
         """``data`` as indented JSON (highlighted at a terminal)."""
-        if self.terminal:
-            self.rich.print_json(data=data)
+        if self.terminal:  # rich's own print_json would write what json.dumps leaves raw
+            from rich.highlighter import JSONHighlighter
+            text = JSONHighlighter()(json_text(data))
+            text.no_wrap = True
+            self.rich.print(text)
         else:
             print_json(data)
 
 
+def rich_text(*pieces: Piece) -> Text:
+    """``pieces`` as one rich Text, each cleaned (:func:`clean`): a document's text is never
+    read as markup nor sends its escapes to the terminal."""
+    from rich.text import Text
+    text = Text()
+    for piece in pieces:
+        if isinstance(piece, str):
+            text.append(clean(piece))
+        else:
+            text.append(clean(piece[0]), style=piece[1])
+    return text
+
+
 def rich_table(columns: Sequence[str], rows: Sequence[Sequence[Piece]],
                title: str | None = None) -> Table:
-    """The rich form of :meth:`Out.table` (cells are text, never markup)."""
+    """The rich form of :meth:`Out.table` (cells are text, never markup, cleaned as the
+    plain table's are)."""
     from rich.table import Table
-    from rich.text import Text
-    table = Table(box=None, pad_edge=False, header_style="bold", title=title,
-                  title_justify="left")
+    table = Table(box=None, pad_edge=False, header_style="bold",
+                  title=None if title is None else rich_text(title), title_justify="left")
     for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(*(Text(p) if isinstance(p, str) else Text(p[0], style=p[1]) for p in row))
+        table.add_row(*(rich_text(p) for p in row))
     return table
 
 
