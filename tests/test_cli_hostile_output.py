@@ -253,3 +253,14 @@ def test_show_prints_at_most_the_history_the_daemon_keeps(hws: Workspace) -> Non
     assert not any(line.startswith("n800 ") for line in lines)
     assert any(" created " in f"{line} " for line in lines)  # the first
     assert "801 earlier entries not shown" in proc.stdout
+
+
+def test_validate_prints_a_hostile_file_name_escaped(hws: Workspace, tmp_path: Path) -> None:
+    """`handoff validate` checks files other agents wrote: their names reach the terminal as
+    text (the error texts already quote values with repr)."""
+    path = tmp_path / f"x{EVIL}.json"
+    path.write_text(json.dumps({"handoff_id": "x", "target": {"agent_id": 5}}))
+    proc = subprocess.run([exe("handoff"), "validate", str(path)], capture_output=True,
+                          timeout=30)
+    assert proc.returncode == 1 and b"invalid" in proc.stdout
+    assert raw_sequences(proc.stdout) == [] and SHOWN in proc.stdout

@@ -19,7 +19,7 @@ from .basics import json_arg, read_json_arg, read_limited
 # even come here: see handoffd.cli.quick.)
 from .common import JsonOption, RootOption, engine, guarded, new_app, run_app, workspace
 from .quick import INPUT_DATA_DEPTH, submit_request
-from .render import console, print_json
+from .render import clean, console, print_json
 
 PROG = "handoff"
 app = new_app("Create and follow handoffs in a handoffd workspace.")
@@ -238,9 +238,11 @@ def validate(
             if item["valid"]:
                 print(f"{item['file']}: valid ({item['dialect']})")
                 continue
-            print(f"{item['file']}: invalid ({item.get('dialect') or 'unknown format'}): {item['headline']}")
+            # (the file may come from another agent: its text is shown, never sent to the terminal)
+            print(clean(f"{item['file']}: invalid ({item.get('dialect') or 'unknown format'}): "
+                        f"{item['headline']}"))
             for err in item["errors"]:
-                print(f"  {err['field']}: {err['error']}  [{err['schema_path']}]")
+                print(clean(f"  {err['field']}: {err['error']}  [{err['schema_path']}]"))
     raise typer.Exit(0 if all(i["valid"] for i in results) else 1)
 
 
