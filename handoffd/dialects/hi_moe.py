@@ -343,14 +343,27 @@ def delegation(parent: dict[str, Any], child_id: str, *, to: str, data: Any, now
         "payload": {
             "task_type": str(fields.get("task_type") or "execute"),
             "objective": objective if isinstance(objective, str) else "",
-            "constraints": [str(c) for c in fields.get("constraints") or []],
-            "context_refs": [str(c) for c in fields.get("context_refs") or []],
+            "constraints": _texts(fields, "constraints"),
+            "context_refs": _texts(fields, "context_refs"),
             "priority": min(max(int(priority), 0), 4),
             "timeout_ms": max(int(timeout_seconds * 1000), 1),
             # seed 000: task_data is a dict, always present (an entry without data gets {})
             "deadline_hint": None, "specialist_hint": to, "task_data": {} if data is None else data,
         },
     }
+
+
+def _texts(fields: dict[str, Any], key: str) -> list[str]:
+    """A DelegationPayload list field (seed 000: ``List[str]``) from a delegation entry; absent
+    is empty. InvalidDocument (VALIDATION_FAILED) when it is not a list: iterating a number
+    raised a TypeError that left the delegating handoff claimed until its lease ran out."""
+    value = fields.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidDocument(f"{key} must be a list of strings (seed 000: List[str]), not "
+                              f"{type(value).__name__}", code=ErrorCode.VALIDATION_FAILED)
+    return [str(c) for c in value]
 
 
 def read_outcome(answer: dict[str, Any]) -> dict[str, Any] | None:
