@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from conftest import Workspace, exe
@@ -111,3 +112,32 @@ def test_three_daemons_kill_9_lose_nothing(ws: Workspace, durability: str) -> No
     overlaps = ws.root / "artifacts" / "flaky-overlaps.jsonl"
     assert not overlaps.exists() or not overlaps.read_text().strip(), overlaps.read_text()
     print(f"{total} handoffs, 2 kills, {len(twice)} re-executed: {sorted(twice)}")
+
+
+def test_a_retry_never_removes_a_failure_filed_meanwhile(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the retention hunt: `handoff retry` wrote pending/X, a serving daemon claimed,
+    ran and failed it again (removing the old failure as a stale copy), and the retry's unlink
+    of failed/X then removed the new failure: the handoff was in no folder at all."""
+    from handoffd.backends.files import fsio
+    from handoffd.backends.files.store import Store
+    from handoffd.core.states import State
+    from handoffd.core.workspace import Workspace as HandoffdWorkspace
+    ws = HandoffdWorkspace(tmp_path)
+    ws.ensure()
+    store = Store(ws)
+    failed, pending = ws.doc_path(State.FAILED, "x"), ws.doc_path(State.PENDING, "x")
+    failed.write_text(json.dumps({"handoff_id": "x", "status": "failed", "round": 1}))
+    real_create = fsio.create_exclusive
+
+    def create_then_daemon_runs_it(target: Path, *args: object, **kwargs: object) -> None:
+        real_create(target, *args, **kwargs)  # type: ignore[arg-type]
+        if target == pending:  # a daemon claims the retry's copy, runs it and files it again
+            pending.unlink()
+            failed.unlink(missing_ok=True)  # (the stale copy it finds, removed)
+            failed.write_text(json.dumps({"handoff_id": "x", "status": "failed", "round": 2}))
+
+    monkeypatch.setattr(fsio, "create_exclusive", create_then_daemon_runs_it)
+    store.move("x", State.FAILED, State.PENDING, {"handoff_id": "x", "status": "pending"})
+    assert json.loads(failed.read_text())["round"] == 2  # the new failure is still filed
+    assert not list((ws.meta / "aside").rglob("*.json"))

@@ -244,7 +244,7 @@ def test_a_document_filed_again_while_being_purged_is_kept(tmp_path: Path,
     later = utc_now() + timedelta(days=30)
     retention.expire(engine, older_than={State.FAILED: 1.0}, now=later, archive=True)
     assert json.loads(path.read_text()) == refiled  # the new failure is still filed
-    assert not list((ws.meta / "purging").rglob("*.json"))  # nothing left aside
+    assert not list((ws.meta / "aside").rglob("*.json"))  # nothing left aside
     monkeypatch.setattr(retention, "append_archive", real_append)
     result = retention.expire(engine, older_than={State.FAILED: 1.0}, now=later, archive=True)
     assert result.removed == [("r1", "failed")] and not path.exists()  # archived, then purged
@@ -253,26 +253,50 @@ def test_a_document_filed_again_while_being_purged_is_kept(tmp_path: Path,
     engine.backend.close()
 
 
-def test_a_document_a_dead_purge_left_aside_is_put_back(tmp_path: Path) -> None:
-    """A purge killed between setting a document aside and deleting it: the sweep puts it back,
-    and quarantines it (never deletes it) if another copy was filed meanwhile."""
+def test_a_document_a_dead_mover_left_aside_is_put_back(tmp_path: Path) -> None:
+    """A purge or move killed between setting a document aside and deleting it: the sweep puts
+    it back, quarantines it (never deletes it) if another copy was filed meanwhile, and
+    quarantines what is not a document at all."""
+    from handoffd.backends.files import aside
     from handoffd.backends.files.store import Store
     ws = HandoffdWorkspace(tmp_path)
     ws.ensure()
     store = Store(ws)
-    for name, state in (("a1", State.COMPLETED), ("a2", State.FAILED)):
-        aside = store.purging_dir(state) / f"{name}.json"
-        aside.parent.mkdir(parents=True, exist_ok=True)
-        aside.write_text(json.dumps({"handoff_id": name, "status": state.value}))
+    for name, state in (("a1", State.COMPLETED), ("a2", State.FAILED), ("a3", State.PENDING)):
+        (aside.folder(store, state) / f"{name}.json").write_text(
+            json.dumps({"handoff_id": name, "status": state.value}))
+    os.mkfifo(aside.folder(store, State.FAILED) / "odd.json")
     ws.doc_path(State.FAILED, "a2").write_text(json.dumps({"handoff_id": "a2", "status": "x"}))
-    assert store.restore_purging(time.time() - 60) == []  # too young: a purge may be comparing
-    assert sorted(store.restore_purging(time.time() + 1)) == ["completed/a1.json", "failed/a2.json"]
+    assert aside.restore(store, time.time() - 60) == []  # too young: its mover may be at work
+    assert sorted(aside.restore(store, time.time() + 1)) == [
+        "completed/a1.json", "failed/a2.json", "pending/a3.json"]
     assert json.loads(ws.doc_path(State.COMPLETED, "a1").read_text())["status"] == "completed"
+    assert json.loads(ws.doc_path(State.PENDING, "a3").read_text())["status"] == "pending"
     assert json.loads(ws.doc_path(State.FAILED, "a2").read_text())["status"] == "x"
-    (kept,) = [q for q in store.quarantined() if q.get("file") == "a2.json"]
-    assert kept["code"] == "DUPLICATE_HANDOFF_ID"
-    assert not list((ws.meta / "purging").rglob("*.json"))
+    kept = {q["file"]: q["code"] for q in store.quarantined()}
+    assert kept == {"a2.json": "DUPLICATE_HANDOFF_ID", "odd.json": "UNPROCESSABLE_DOCUMENT"}
+    assert not list((ws.meta / "aside").rglob("*.json"))
 
+
+def test_a_symlinked_aside_folder_is_refused(tmp_path: Path) -> None:
+    """Found by the retention hunt: `.meta/purging` planted as a symlink made purges rename
+    documents outside the workspace, and the sweep pull files from there into failed/."""
+    from handoffd.backends.files import aside
+    from handoffd.backends.files.store import Store
+    ws = HandoffdWorkspace(tmp_path / "ws")
+    ws.ensure()
+    store = Store(ws)
+    outside = tmp_path / "outside"
+    (outside / "failed").mkdir(parents=True)
+    (outside / "failed" / "planted.json").write_text("{}")
+    ws.meta.mkdir(parents=True, exist_ok=True)
+    (ws.meta / "aside").symlink_to(outside)
+    ws.doc_path(State.FAILED, "f1").write_text(json.dumps({"handoff_id": "f1"}))
+    with pytest.raises(OSError, match="a symlink"):
+        store.remove_if(State.FAILED, "f1", {"handoff_id": "f1"})
+    assert ws.doc_path(State.FAILED, "f1").exists()
+    assert aside.restore(store, time.time() + 1) == []
+    assert (outside / "failed" / "planted.json").exists() and not ws.doc_path(State.FAILED, "planted").exists()
 
 def test_a_finished_child_of_a_waiting_parent_is_kept(ws: Workspace) -> None:
     """Found by the context/fan-out hunt: a purge took a fan-out's finished child while the

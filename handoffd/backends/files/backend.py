@@ -525,7 +525,7 @@ class FilesBackend(FencedFiling, Backend):
             return False
         try:
             self.store.move(handoff_id, State.FAILED, State.PENDING, doc)
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError):  # gone, or another process is moving it
             return False
         self._subscribers.fire(handoff_id, State.PENDING.value)
         return True

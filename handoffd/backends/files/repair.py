@@ -7,7 +7,8 @@
   ``status: in_progress`` and ``started_at``) is honoured for its ``timeout_seconds`` (default
   :data:`FOREIGN_LEASE_SECONDS`) from when it started, then handed back as a dead claimer's;
 * orphaned temp files and lock files of finished claims are removed;
-* a finished document a purge set aside and never finished with (it died) is put back;
+* a document a move or purge set aside and never finished with (it died) is put back
+  (:mod:`.aside`);
 * the seen-ids record is compacted to its TTL.
 
 Claims whose owner died *after* recording a lease are taken over by
@@ -26,13 +27,12 @@ from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
 from ...core.logs import log
 from ...core.states import State, winner
 from ...core.timeutil import parse_iso
-from . import fsio
+from . import aside, fsio
 from .store import Store, release_lock, try_lock
 
 TMP_MAX_AGE_SECONDS = 300.0
 FOREIGN_LEASE_SECONDS = 300.0  # a foreign claim without timeout_seconds: the daemon default
 MAX_FOREIGN_LEASE_SECONDS = 7 * 24 * 3600.0
-PURGE_ASIDE_SECONDS = 60.0  # a purge holds a document aside for a read and a compare
 Repairs = dict[str, list[str]]
 
 
@@ -52,15 +52,15 @@ def repair(store: Store, now: datetime, *, claim_grace_seconds: float,
             _step(f"recovering {handoff_id}", _unleased_guarded, store, handoff_id,
                   claim_grace_seconds, now, done)
     _step("removing orphaned files", remove_orphans, store, done)
-    _step("putting back what a purge left aside", restore_purging, store)
+    _step("putting back what a move or purge left aside", restore_aside, store)
     _step("compacting the seen-ids record", lambda: store.seen.compact(now))
     return done
 
 
-def restore_purging(store: Store) -> None:
-    """Put back the finished documents a purge that died had set aside (one line each)."""
-    for name in store.restore_purging(time.time() - PURGE_ASIDE_SECONDS):
-        log.warning("sweep: put %s back; a purge set it aside and never finished", name)
+def restore_aside(store: Store) -> None:
+    """Put back the documents a move or purge that died had set aside (one line each)."""
+    for name in aside.restore(store, time.time() - aside.AGE_SECONDS):
+        log.warning("sweep: put %s back; a move or purge set it aside and never finished", name)
 
 
 def _step(what: str, func: Any, *args: Any) -> None:

@@ -29,7 +29,7 @@ from ...core.states import State, allowed, winner
 from ...core.timeutil import iso, utc_now
 from ...core.workspace import Workspace
 from ..base import stamp_created
-from . import fsio, seals, spares
+from . import aside, fsio, seals, spares
 from .seen import SeenIds
 
 if TYPE_CHECKING:  # filelock is imported where a lock is taken (one-shot commands skip it)
@@ -454,15 +454,25 @@ class Store:
         if not allowed(src, dst):
             raise InvalidTransition(f"handoff {handoff_id} cannot go from {src.value} to {dst.value}",
                                     handoff_id=handoff_id)
-        fsio.create_exclusive(self.path(dst, handoff_id), self.encode(doc, dst, handoff_id),
-                              self.tmp, durable=self.durable)
-        crash_point("after-move-write")
-        # no directory fsync: if a crash undoes this unlink, the two copies are told apart by
-        # revision (states.winner) and recovery removes the older one
+        data = self.encode(doc, dst, handoff_id)
         if ours:
+            fsio.create_exclusive(self.path(dst, handoff_id), data, self.tmp, durable=self.durable)
+            crash_point("after-move-write")
+            # no directory fsync: if a crash undoes this unlink, the two copies are told apart
+            # by revision (states.winner) and recovery removes the older one
             spares.retire(self.path(src, handoff_id), self.tmp)
-        else:
-            fsio.unlink(self.path(src, handoff_id), durable=False)
+            crash_point("after-move-unlink")
+            return
+        # not a file of ours: it is taken aside first, so that what is removed is the copy this
+        # move replaces, never one written in its place meanwhile (see :mod:`.aside`)
+        taken = aside.take(self, src, handoff_id)
+        try:
+            fsio.create_exclusive(self.path(dst, handoff_id), data, self.tmp, durable=self.durable)
+        except BaseException:
+            aside.put_back(self, taken, src)
+            raise
+        crash_point("after-move-write")
+        os.unlink(taken)
         crash_point("after-move-unlink")
 
     def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
@@ -483,63 +493,26 @@ class Store:
                 claim.finished = True
                 release_lock(claim.lock)
 
-    def purging_dir(self, state: State) -> Path:
-        """Where a purge sets a finished document aside while it compares it (see :meth:`remove_if`)."""
-        return self.ws.meta / "purging" / state.value
-
     def remove_if(self, state: State, handoff_id: str, expect: dict[str, Any]) -> bool:
         """Delete ``handoff_id``'s document in the finished ``state`` if it still is ``expect``.
 
-        The file is first renamed aside (:meth:`purging_dir`), so what is compared is what is
-        deleted: a document filed in its place meanwhile (a retry that failed again) is never
-        the one removed. One that differs is put back. A crash in between leaves it aside, and
-        the sweep puts it back (:meth:`restore_purging`)."""
-        path = self.path(state, handoff_id)
-        aside = self.purging_dir(state) / path.name
-        aside.parent.mkdir(parents=True, exist_ok=True)
+        The file is first set aside (:mod:`.aside`), so what is compared is what is deleted:
+        a document filed in its place meanwhile (a retry that failed again) is never the one
+        removed. One that differs is put back."""
         try:
-            fsio.rename_noreplace(path, aside)
-        except (FileNotFoundError, FileExistsError):  # gone, or another purge has it aside
+            taken = aside.take(self, state, handoff_id)
+        except (FileNotFoundError, FileExistsError):  # gone, or another process has it aside
             return False
         try:
-            data, _ = fsio.read_bytes_safely(aside, self.max_filed_bytes)
-            same = fsio.parse_document(data, f"{state.value}/{path.name}") == expect
+            data, _ = fsio.read_bytes_safely(taken, self.max_filed_bytes)
+            same = fsio.parse_document(data, f"{state.value}/{taken.name}") == expect
         except (OSError, InvalidDocument):
             same = False
         if same:
-            os.unlink(aside)
+            os.unlink(taken)
             return True
-        self.put_back(aside, path)
+        aside.put_back(self, taken, state)
         return False
-
-    def put_back(self, aside: Path, path: Path) -> None:
-        """Return a document set aside by a purge to its state folder; should a copy have been
-        written there meanwhile, the one set aside is quarantined, never deleted."""
-        try:
-            fsio.rename_noreplace(aside, path)
-        except FileExistsError:
-            self.quarantine(aside, ErrorCode.DUPLICATE_HANDOFF_ID.value,
-                            f"set aside by a purge while another {path.name} was filed")
-
-    def restore_purging(self, older_than: float) -> list[str]:
-        """Put back documents a purge set aside and never finished with (it died); the names."""
-        restored = []
-        for state in (State.COMPLETED, State.FAILED):
-            folder = self.purging_dir(state)
-            try:
-                entries = list(os.scandir(folder))
-            except FileNotFoundError:
-                continue
-            for entry in entries:
-                try:
-                    # the rename aside changed its ctime (its mtime is the filing's, long ago)
-                    if entry.stat(follow_symlinks=False).st_ctime >= older_than:
-                        continue  # a purge may still be comparing it
-                    self.put_back(Path(entry.path), self.ws.state_dir(state) / entry.name)
-                    restored.append(f"{state.value}/{entry.name}")
-                except FileNotFoundError:
-                    continue
-        return restored
 
     def quarantine(self, path: Path, code: str, message: str, *, now: datetime | None = None) -> Path:
         """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
