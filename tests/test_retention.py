@@ -310,3 +310,106 @@ def test_a_finished_child_of_a_waiting_parent_is_kept(ws: Workspace) -> None:
     out = json.loads(ws.handoff("purge", "--older-than", "0s", "--json", check=True).stdout)
     assert out["kept"]["P.c1"] == "child of pending P"
     assert ws.state_of("P.c1") == ["completed"] and ws.state_of(done) == []
+
+
+def _finished_engine(tmp_path: Path, count: int, toml: str = "",
+                     prefix: str = "old") -> tuple[Any, list[str]]:
+    """An engine over a workspace holding ``count`` completed handoffs, and a clock two days on
+    (so that every one of them is old)."""
+    from handoffd import build_engine
+    ws = HandoffdWorkspace(tmp_path)
+    ws.ensure()
+    (tmp_path / "handoffd.toml").write_text(toml)
+    later = utc_now() + timedelta(days=2)
+    engine = build_engine(ws, ws.load_config(), clock=lambda: later)
+    ids = [f"{prefix}-{i}" for i in range(count)]
+    for hid in ids:
+        engine.backend.create({"handoff_id": hid, "source": {"agent_id": "@o"},
+                               "target": {"agent_id": "@a"}, "input": {"data": {}}}, hid, utc_now())
+        held = engine.backend.claim(hid, utc_now(), 60)
+        assert held is not None and engine.backend.finish(held, State.COMPLETED, held.doc)
+    return engine, ids
+
+
+def test_a_daemon_retention_pass_is_bounded_and_the_next_sweep_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the retention hunt: one pass over 50,000 old documents held the serving
+    daemon's loop (no claim for 12 s) and made `run --max-seconds 1` overrun by seconds."""
+    from handoffd.features import retention
+    monkeypatch.setattr(retention, "PASS_LIMIT", 2)
+    engine, ids = _finished_engine(tmp_path, 5, '[retention]\ncompleted = "1d"\nevery = "1h"\n')
+    (apply,) = [h for h in engine.on_sweep if "retention" in getattr(h, "__module__", "")]
+    left = []
+    for _ in range(3):
+        apply(engine)
+        left.append(len(engine.backend.ids(State.COMPLETED)))
+    assert left == [3, 1, 0]  # two per pass; the interval waits until all that was due went
+    _finished_engine(tmp_path, 1, prefix="later")
+    apply(engine)
+    assert len(engine.backend.ids(State.COMPLETED)) == 1  # now the interval holds
+    engine.backend.close()
+
+
+def test_one_retention_pass_at_a_time(tmp_path: Path) -> None:
+    """Found by the retention hunt: the processes of one batch each ran a pass over the same
+    documents, and the archive held every document three times."""
+    from filelock import FileLock
+
+    from handoffd.features import retention
+    engine, ids = _finished_engine(tmp_path, 3)
+    busy = FileLock(str(engine.ws.locks / "retention.lock"))
+    with busy:
+        result = retention.expire(engine, older_than={State.COMPLETED: 3600}, now=engine.clock(),
+                                  archive=True, wait=0)
+    assert result.busy and result.removed == [] and len(engine.backend.ids(State.COMPLETED)) == 3
+    result = retention.expire(engine, older_than={State.COMPLETED: 3600}, now=engine.clock(),
+                              archive=True, wait=0)
+    assert sorted(hid for hid, _ in result.removed) == ids
+    assert sorted(e["id"] for e in archived(engine.ws)) == ids  # each archived once
+    engine.backend.close()
+
+
+def test_a_document_filed_by_a_foreign_consumer_ages_from_its_filing(tmp_path: Path) -> None:
+    """Found by the retention hunt: a handoff that waited a week, then was completed by seed
+    001's own consumer (writing completed/ itself), was purged the moment it completed: its
+    age came from our last event, its creation."""
+    from handoffd import build_engine
+    ws = HandoffdWorkspace(tmp_path)
+    ws.ensure()
+    engine = build_engine(ws)
+    week_ago = utc_now() - timedelta(days=7)
+    engine.backend.create({"handoff_id": "f1", "source": {"agent_id": "@o"},
+                           "target": {"agent_id": "@a"}, "input": {"data": {}}}, "f1", week_ago)
+    pending = ws.doc_path(State.PENDING, "f1")
+    doc = json.loads(pending.read_text())
+    ws.doc_path(State.COMPLETED, "f1").write_text(json.dumps(dict(doc, status="completed")))
+    pending.unlink()
+    (row,) = engine.backend.list(state=State.COMPLETED)
+    assert row.updated_at > utc_now() - timedelta(minutes=1)  # its filing, not its creation
+    from handoffd.features import retention
+    result = retention.expire(engine, older_than={State.COMPLETED: 3600}, now=utc_now())
+    assert result.removed == [] and ws.doc_path(State.COMPLETED, "f1").exists()
+    engine.backend.close()
+
+
+def test_a_live_handoff_seen_in_any_round_of_listings_protects_its_dependency(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the retention hunt: a dependant retried over and over moved between pending/
+    and in-progress/ while they were listed one after the other, was in neither listing, and
+    its dependency was purged. Here the listings catch it only once in six."""
+    from handoffd.features import retention
+    engine, (dep,) = _finished_engine(tmp_path, 1)
+    engine.backend.create({"handoff_id": "live", "source": {"agent_id": "@o"}, "depends_on": [dep],
+                           "target": {"agent_id": "@a"}, "input": {"data": {}}}, "live", utc_now())
+    store = engine.backend.inner  # (under the event log's recorder)
+    real_ids, calls = store.ids, []
+
+    def ids(state: State) -> list[str]:
+        calls.append(state)
+        return [i for i in real_ids(state) if i != "live" or len(calls) == 3]
+
+    monkeypatch.setattr(store, "ids", ids)
+    monkeypatch.setattr(store, "list", lambda **kw: [])  # (a listing that missed it)
+    keep, live = retention.protected(engine)
+    assert keep == {dep: "pending live depends on it"} and live == {"live": State.PENDING}
+    engine.backend.close()

@@ -141,22 +141,24 @@ def lease_expiry(doc: Doc) -> datetime | None:
 
 
 def matches(row: Row, *, state: State | None, target: str | None, conversation: str | None,
-            parent: str | None, since: datetime | None, where: Where | None = None) -> bool:
+            parent: str | None, since: datetime | None, where: Where | None = None,
+            before: datetime | None = None) -> bool:
     """Does ``row`` pass every filter of :meth:`Backend.list`?"""
     return ((state is None or row.state is state)
             and (target is None or row.meta.target == target)
             and (conversation is None or row.meta.conversation == conversation)
             and (parent is None or row.meta.parent == parent)
             and (since is None or row.updated_at >= since)
+            and (before is None or row.updated_at < before)
             and (where is None or where(row)))
 
 
 def select(rows: Rows, *, state: State | None, target: str | None, conversation: str | None,
            parent: str | None, since: datetime | None, limit: int | None, order: Order,
-           where: Where | None = None) -> Rows:
+           where: Where | None = None, before: datetime | None = None) -> Rows:
     """Filter, order and cut rows the way :meth:`Backend.list` promises."""
     kept = [r for r in rows if matches(r, state=state, target=target, conversation=conversation,
-                                       parent=parent, since=since, where=where)]
+                                       parent=parent, since=since, where=where, before=before)]
     if order == "due":
         kept.sort(key=lambda r: (r.meta.priority, r.due_at, r.id))
     else:

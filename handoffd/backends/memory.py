@@ -102,12 +102,12 @@ class MemoryBackend(FencedFiling, Backend):
              conversation: str | None = None, parent: str | None = None,
              since: datetime | None = None, limit: int | None = None,
              order: Order = "newest", where: Where | None = None,
-             unreadable: bool = False) -> Rows:
+             unreadable: bool = False, before: datetime | None = None) -> Rows:
         with self._lock:
             rows = [e.row(i, self.describe) for i, e in self._entries.items()
                     if state is None or e.state is state]
         return select(rows, state=state, target=target, conversation=conversation, parent=parent,
-                      since=since, limit=limit, order=order, where=where)
+                      since=since, limit=limit, order=order, where=where, before=before)
 
     # ------------------------------------------------------------ claims
     def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float, *,

@@ -216,8 +216,9 @@ class Backend(Protocol):
              conversation: str | None = None, parent: str | None = None,
              since: datetime | None = None, limit: int | None = None,
              order: Order = "newest", where: Where | None = None,
-             unreadable: bool = False) -> Rows:
-        """Handoffs matching every given filter (``since``: updated at or after it; ``where``: a
+             unreadable: bool = False, before: datetime | None = None) -> Rows:
+        """Handoffs matching every given filter (``since``: updated at or after it; ``before``:
+        updated before it, which a store may use to read only old documents; ``where``: a
         predicate of the caller's, applied before ``limit``). ``order``: ``newest``/``oldest`` by
         last update, ``due`` as :meth:`claim_next` would hand them out. Documents that cannot be
         read are left out, unless ``unreadable``: then each is a row with an empty ``doc``, no

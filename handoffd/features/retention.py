@@ -19,14 +19,16 @@ import json
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
+from ..backends.base import safe_describe
 from ..core.ownfiles import open_regular, plain_folder
 from ..core.states import State
-from ..core.storage import Row
+from ..core.storage import describe_native
 from ..core.timeutil import iso
 from ..core.workspace import Workspace
 
@@ -38,6 +40,9 @@ ARCHIVE_DIR = ".archive"
 READ_CHUNK = 1 << 20  # archive bytes read, and decompressed, at a time
 MAX_LINE_BYTES = 64 * 1024 * 1024  # one archived entry, decompressed
 MAX_MEMBER_BYTES = 256 * 1024 * 1024  # one append's entries, decompressed, held until it ends
+LIVE_ROUNDS = 3  # bare listings of pending/ and in-progress/ whose ids count as live
+PASS_LIMIT = 500  # documents one pass of a daemon's [retention] takes: its sweep stays short
+LOCK_WAIT_SECONDS = 60.0  # how long `handoff purge|archive` waits for another process's pass
 MAX_RATIO = 200  # decompressed over compressed, past which a file is not one handoffd wrote
 FINISHED = (State.COMPLETED, State.FAILED)
 
@@ -49,54 +54,84 @@ class Result:
     removed: list[tuple[str, str]] = field(default_factory=list)  # (id, state)
     kept: dict[str, str] = field(default_factory=dict)  # id -> why it was kept
     archive: Path | None = None
+    more: bool = False  # the pass stopped at its limit: more are due
+    busy: bool = False  # another process's pass was under way: nothing done
 
 
 def protected(engine: Engine) -> tuple[dict[str, str], dict[str, State]]:
     """Ids that must stay, with why (what live handoffs depend on, and their parents), and the
     live handoffs themselves (a finished child of a live parent stays too: the parent, waiting
-    for its other children, has yet to aggregate it)."""
+    for its other children, has yet to aggregate it).
+
+    Live work moves between pending/ and in-progress/ (a claim, a retry, a parent parked): one
+    that moved between the listings of the two was in neither, and what it depends on was
+    purged (a handoff retried at once, over and over, was missed that way every few passes).
+    So the ids of both are gathered over a few rounds of bare listings (no document read, so
+    each round is quick), then each document is read wherever it is by then."""
     keep: dict[str, str] = {}
     live: dict[str, State] = {}
-    for state in (State.PENDING, State.IN_PROGRESS):
-        for row in engine.backend.list(state=state):
-            live[row.id] = state
-            if row.meta.parent:
-                keep.setdefault(row.meta.parent, f"parent of {state.value} {row.id}")
-            try:
-                deps = engine.formats.detect(row.doc).envelope(row.doc).depends_on
-            except Exception:  # an unreadable live document protects nothing, stops nothing
-                continue
-            for dep in deps:
-                keep.setdefault(dep, f"{state.value} {row.id} depends on it")
+    ids: dict[str, None] = {}
+    for _ in range(LIVE_ROUNDS):
+        for state in (State.PENDING, State.IN_PROGRESS):
+            ids.update(dict.fromkeys(engine.backend.ids(state)))
+    describe = getattr(engine.backend, "describe", describe_native)
+    for handoff_id in ids:
+        try:
+            found = engine.backend.get(handoff_id)
+        except Exception:  # an unreadable live document protects nothing, stops nothing
+            continue
+        if found is None or found[0].terminal:
+            continue
+        state, doc = found
+        live[handoff_id] = state
+        parent = safe_describe(describe, doc).parent
+        if parent:
+            keep.setdefault(parent, f"parent of {state.value} {handoff_id}")
+        try:
+            deps = engine.formats.detect(doc).envelope(doc).depends_on
+        except Exception:
+            continue
+        for dep in deps:
+            keep.setdefault(dep, f"{state.value} {handoff_id} depends on it")
     return keep, live
 
 
 def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
-           archive: bool = False, dry_run: bool = False) -> Result:
+           archive: bool = False, dry_run: bool = False, limit: int | None = None,
+           wait: float = LOCK_WAIT_SECONDS) -> Result:
     """Purge (or archive, then purge) finished handoffs last updated more than
-    ``older_than[state]`` seconds before ``now``."""
+    ``older_than[state]`` seconds before ``now``: at most ``limit`` of them (``Result.more``
+    says whether more are due). One pass at a time per workspace: another process's pass is
+    waited for up to ``wait`` seconds (0: this pass is skipped, ``Result.busy``); two passes
+    at once archived each document twice."""
     result = Result()
+    with _one_pass(engine.ws, wait) as mine:
+        if not mine:
+            result.busy = True
+            return result
+        _expire(engine, result, older_than, now, archive=archive, dry_run=dry_run, limit=limit)
+    return result
+
+
+def _expire(engine: Engine, result: Result, older_than: dict[State, float], now: datetime, *,
+            archive: bool, dry_run: bool, limit: int | None) -> None:
     keep, live = protected(engine)
-    doomed: list[tuple[State, str, dict[str, Any]]] = []
-    for state, seconds in older_than.items():
-        cutoff = now - timedelta(seconds=seconds)
-
-        def old_enough(row: Row, cutoff: datetime = cutoff) -> bool:
-            return row.updated_at < cutoff
-
-        for row in engine.backend.list(state=state, order="oldest", where=old_enough):
-            if row.id in keep:
-                result.kept[row.id] = keep[row.id]
-            elif row.meta.parent in live:
-                result.kept[row.id] = f"child of {live[row.meta.parent].value} {row.meta.parent}"
-            else:
-                doomed.append((state, row.id, row.doc))
+    parents: dict[str, str | None] = {}
+    doomed = _doomed(engine, result, older_than, now, keep, live, limit, parents)
     if dry_run or not doomed:
         result.removed = [(hid, state.value) for state, hid, _ in doomed]
-        return result
+        return
     if archive:
         result.archive = append_archive(engine.ws, doomed, now)
+    # a pass can take a while: what live work came to depend on meanwhile stays too
+    keep, live = protected(engine)
     for state, hid, doc in doomed:
+        parent = parents.get(hid)
+        why = keep.get(hid) or (f"child of {live[parent].value} {parent}"
+                                if parent is not None and parent in live else None)
+        if why:
+            result.kept[hid] = why
+            continue
         # only what was listed (and archived) is deleted: a `handoff retry` between the listing
         # and the purge once made it delete the retry's new failure, the archive holding only
         # the old one; the backend compares and deletes in one step
@@ -104,7 +139,54 @@ def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
             result.removed.append((hid, state.value))
         elif _still_there(engine, hid, state):
             result.kept[hid] = "changed while it was being archived"
-    return result
+
+
+def _doomed(engine: Engine, result: Result, older_than: dict[State, float], now: datetime,
+            keep: dict[str, str], live: dict[str, State], limit: int | None,
+            parents: dict[str, str | None]) -> list[tuple[State, str, dict[str, Any]]]:
+    """The finished documents old enough to go, oldest first (at most ``limit``), each one's
+    parent noted in ``parents``; the old ones kept go into ``result.kept`` with why."""
+    doomed: list[tuple[State, str, dict[str, Any]]] = []
+    for state, seconds in older_than.items():
+        cutoff = now - timedelta(seconds=seconds)
+        # (the kept ones are listed too: read enough rows to find `limit` that may go)
+        rows = None if limit is None else limit - len(doomed) + len(keep) + len(live)
+        listed = engine.backend.list(state=state, order="oldest", before=cutoff, limit=rows)
+        if rows is not None and len(listed) >= rows:
+            result.more = True  # the listing stopped at its limit
+        for row in listed:
+            if limit is not None and len(doomed) >= limit:
+                result.more = True
+                break
+            if row.id in keep:
+                result.kept[row.id] = keep[row.id]
+            elif row.meta.parent in live:
+                result.kept[row.id] = f"child of {live[row.meta.parent].value} {row.meta.parent}"
+            else:
+                doomed.append((state, row.id, row.doc))
+                parents[row.id] = row.meta.parent
+        if limit is not None and len(doomed) >= limit:
+            result.more = True
+            break
+    return doomed
+
+
+@contextmanager
+def _one_pass(ws: Workspace, wait: float) -> Iterator[bool]:
+    """Hold the workspace's retention lock (``handoffs/.locks/retention.lock``) for a pass;
+    yields False when another process holds it past ``wait`` seconds."""
+    from filelock import FileLock, Timeout
+    ws.locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(ws.locks / "retention.lock"))
+    try:
+        lock.acquire(timeout=wait)
+    except Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def _still_there(engine: Engine, handoff_id: str, state: State) -> bool:
@@ -329,9 +411,14 @@ def install(engine: Engine) -> None:
         try:
             if last and (now - last[0]).total_seconds() < policy.every:
                 return None
-            last[:] = [now]
+            # a bounded pass, so that the sweep (and the claims waiting behind it) stays short;
+            # while more are due, the next sweep goes on, and the interval starts when all went
             result = expire(engine, older_than=older_than, now=now,
-                            archive=policy.mode == "archive")
+                            archive=policy.mode == "archive", limit=PASS_LIMIT, wait=0)
+            # (a pass that removed nothing waits the interval even if more are due: what it
+            # could not remove would be archived again at every sweep)
+            if not result.busy and (not result.more or not result.removed):
+                last[:] = [now]
             if result.removed:
                 log.info("retention: %s %d finished handoff(s)", "archived" if policy.mode ==
                          "archive" else "purged", len(result.removed))

@@ -167,9 +167,10 @@ class FilesBackend(FencedFiling, Backend):
              conversation: str | None = None, parent: str | None = None,
              since: datetime | None = None, limit: int | None = None,
              order: Order = "newest", where: Where | None = None,
-             unreadable: bool = False) -> Rows:
+             unreadable: bool = False, before: datetime | None = None) -> Rows:
         filters: dict[str, Any] = {"state": state, "target": target, "conversation": conversation,
-                                   "parent": parent, "since": since, "where": where}
+                                   "parent": parent, "since": since, "where": where,
+                                   "before": before}
         if order == "due":  # by what the documents say: every one is read
             every = [row for _, st, hid in self._stamped(state)
                      if (row := self._row(hid, st, unreadable)) is not None]
@@ -178,9 +179,15 @@ class FilesBackend(FencedFiling, Backend):
         # newest/oldest: by modification time, so that only what is shown is read (a listing of
         # a few rows stays cheap with 100,000 finished documents)
         rows: Rows = []
-        for _, st, handoff_id in _in_order(self._stamped(state), limit, newest=order == "newest"):
+        # a finished document is updated no earlier than its file was written (see _row): one
+        # written at or after ``before`` need not be read (retention then reads only old ones)
+        cut = before.timestamp() if before is not None else None
+        for mtime, st, handoff_id in _in_order(self._stamped(state), limit,
+                                               newest=order == "newest"):
             if limit is not None and len(rows) >= limit:
                 break
+            if cut is not None and st.terminal and mtime >= cut:
+                continue
             row = self._row(handoff_id, st, unreadable)
             if row is not None and (row.problem is not None or matches(row, **filters)):
                 rows.append(row)
@@ -216,8 +223,13 @@ class FilesBackend(FencedFiling, Backend):
             now = datetime.now(timezone.utc)
             return Row(handoff_id, state, {}, Meta(None), now, now,
                        problem=read_error(path, exc, handoff_id))
+        updated = updated_of(doc, stamp)
+        if state.terminal and stamp > updated:
+            # filed by a foreign consumer (seed 001's own, writing completed/ itself): its last
+            # event of ours is older than the filing, which retention must age from
+            updated = stamp
         return Row(handoff_id, state, doc, safe_describe(self.describe, doc), due_of(doc, stamp),
-                   updated_of(doc, stamp))
+                   updated)
 
     def _read_pending(self, handoff_id: str) -> Doc:
         """A pending document as the scheduler and the listing see it: a ``handoffd`` block that

@@ -183,7 +183,7 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
              conversation: str | None = None, parent: str | None = None,
              since: datetime | None = None, limit: int | None = None,
              order: Order = "newest", where: Where | None = None,
-             unreadable: bool = False) -> Rows:
+             unreadable: bool = False, before: datetime | None = None) -> Rows:
         clauses: builtins.list[str] = []
         params: builtins.list[Any] = []
         for column, value in (("state", state.value if state else None), ("target", target),
@@ -194,6 +194,9 @@ class PostgresBackend(FencedFiling, SideRecords, FileOrigins, Backend):
         if since is not None:
             clauses.append("updated_at >= %s")
             params.append(since)
+        if before is not None:
+            clauses.append("updated_at < %s")
+            params.append(before)
         sort = {"due": "priority, due_at, id", "oldest": "updated_at, id"}.get(
             order, "updated_at DESC, id DESC")
         sql = f"SELECT {COLUMNS} FROM {T}" + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
