@@ -8,28 +8,38 @@ that exits non-zero, a timeout) is tried again ``retries`` times with exponentia
 ``retry_delay_seconds``; after the last try one line is appended to the dead-letter record
 ``handoffs/.meta/notify-dead-letters.jsonl`` and a warning is logged.
 
+``timeout_seconds`` bounds a whole attempt: a command is killed with its process group, and a
+webhook (connect, send, and the answer's status line and headers) is cut off by shutting its
+socket, even when the server trickles its answer a byte at a time (urllib's own timeout bounds
+each socket read, so such a server once held the one delivery thread for as long as it liked).
+
 Nothing here blocks the daemon's workers: filing only queues the notice, one background thread
 delivers, and a stopping daemon gives it a bounded time to finish (:data:`DRAIN_SECONDS`). Any
 other process that files work (`handoff cancel`, an MCP server, a program using the client)
 drains the same way when it exits, so its notices are delivered, retried or dead-lettered too,
-and no command it started outlives it.
+and no command it started outlives it. When the drain's time is up, the notice being delivered
+is dead-lettered as well as those never tried (its dead letter says when it may have been
+delivered all the same), and a second drain (a stop hook, then ``atexit``) finds nothing left.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import hmac
+import http.client
 import json
 import logging
 import os
-import queue
 import signal
+import socket
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.config import NotifyRule
 from ..core.errors import HandoffdError
@@ -41,8 +51,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("handoffd")
 DRAIN_SECONDS = 10.0  # a stopping daemon waits at most this long for queued deliveries
+SETTLE_SECONDS = 2.0  # then this long for the delivery it cut off to record itself
 QUEUE_LIMIT = 10_000  # notices beyond this are dead-lettered at once (a webhook that is down)
 DEAD_LETTERS = "notify-dead-letters.jsonl"
+STOPPED = "the process that filed it stopped"
+NEVER_TRIED = f"{STOPPED} before it was delivered"
+MAYBE_DELIVERED = {  # said in a dead letter when the target may have had the document all the same
+    "webhook": "; it may have been delivered all the same: its request was sent and no answer "
+               "came",
+    "command": "; it may have been delivered all the same: the command was started and did not "
+               "finish",
+}
 
 
 def shown_url(url: str | None) -> str | None:
@@ -70,6 +89,31 @@ class Notice:
     body: bytes
 
 
+@dataclass(eq=False)
+class _Flight:
+    """A notice the delivery thread has taken. Whoever settles it first records it: the thread
+    (delivered, or dead-lettered after its retries), or a drain whose time is up (dead-lettered
+    while in flight); the other then records nothing, so a notice is never lost nor recorded
+    twice. Fields other than ``notice`` change under :attr:`Notifier.lock`."""
+
+    notice: Notice
+    kinds: list[str] = field(default_factory=list)  # the targets not yet finished, in order
+    trying: bool = False  # kinds[0] is being tried (or waits for its next try)
+    exposed: bool = False  # the attempt under way has handed the document over (a command ran)
+    maybe_delivered: bool = False  # an ended attempt of kinds[0] may have delivered it
+    cutoff: _Cutoff | None = None  # the webhook attempt under way (or the last one)
+    settled: bool = False  # a drain dead-lettered what was left of it
+
+    def __post_init__(self) -> None:
+        self.kinds = (["command"] if self.notice.rule.command else []) \
+            + (["webhook"] if self.notice.rule.url else [])
+
+    def may_have_delivered(self) -> bool:
+        """True when the target being tried may have the document although no try succeeded."""
+        answerless = self.cutoff is not None and self.cutoff.sent and not self.cutoff.answered
+        return self.maybe_delivered or self.exposed or answerless
+
+
 def install(engine: Engine) -> None:
     """The notify feature: only when handoffd.toml has ``[[on_filed]]`` rules."""
     if not engine.config.on_filed:
@@ -84,13 +128,19 @@ class Notifier:
 
     def __init__(self, engine: Engine, *, sleep: Callable[[float], None] | None = None) -> None:
         self.engine = engine
-        self.stopping = threading.Event()  # set by drain(): no more retries, no new command
+        self.stopping = threading.Event()  # set by drain(): no more retries, no new attempt
         self.sleep = sleep or self.stopping.wait  # (a backoff that a drain cuts short)
         self.at_exit = False
-        self.queue: queue.Queue[Notice] = queue.Queue()
+        # one re-entrant lock guards the queue, the flights and what is running, so that a
+        # drain sees every notice in exactly one place: queued, in flight, or settled
+        self.lock = threading.Condition()
+        self.pending: deque[Notice] = deque()
+        self.flights: list[_Flight] = []
         self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
+        self.draining = False
+        self.drain_lock = threading.Lock()  # one drain at a time; the next finds nothing left
         self.running: set[subprocess.Popen[bytes]] = set()  # commands being delivered to
+        self.cutoffs: set[_Cutoff] = set()  # webhook attempts under way
 
     def filed(self, handoff_id: str, where: State) -> None:
         """``on_filed`` listener: queue the notices (never raises, never waits)."""
@@ -105,15 +155,17 @@ class Notifier:
         except (HandoffdError, OSError) as exc:
             log.warning("handoff %s: cannot prepare its notification: %s", handoff_id, exc)
             return
-        if self.stopping.is_set() and not self.queue.unfinished_tasks:
-            self.stopping.clear()  # an earlier drain is over: this engine files again
-        for rule in rules:
-            notice = Notice(rule, handoff_id, where, body)
-            if self.queue.qsize() >= QUEUE_LIMIT:
-                self._dead_letter(notice, "the notification queue is full")
-                continue
-            self.queue.put(notice)
-        self._ensure_thread()
+        with self.lock:
+            if self.stopping.is_set() and not self.draining and not self._outstanding():
+                self.stopping.clear()  # an earlier drain is over: this engine files again
+            for rule in rules:
+                notice = Notice(rule, handoff_id, where, body)
+                if len(self.pending) >= QUEUE_LIMIT:
+                    self._dead_letter(notice, "the notification queue is full")
+                    continue
+                self.pending.append(notice)
+            self.lock.notify_all()
+            self._ensure_thread()
 
     def _matching(self, handoff_id: str, where: State) -> list[NotifyRule]:
         rules = [r for r in self.engine.config.on_filed if where.value in r.states]
@@ -145,47 +197,100 @@ class Notifier:
                                                name="handoffd-notify")
                 self.thread.start()
 
+    def _outstanding(self) -> int:
+        """Notices neither delivered nor dead-lettered yet (call with the lock held)."""
+        return len(self.pending) + sum(not flight.settled for flight in self.flights)
+
     def _deliver_all(self) -> None:
         while True:
-            try:
-                notice = self.queue.get(timeout=1.0)
-            except queue.Empty:
+            flight = self._next_flight()
+            if flight is None:
                 return  # started again by the next notice
             try:
-                self.deliver(notice)
+                self._fly(flight)
             except Exception:  # a bug here must not kill the deliveries behind it
-                log.exception("handoff %s: notification failed", notice.handoff_id)
+                log.exception("handoff %s: notification failed", flight.notice.handoff_id)
             finally:
-                self.queue.task_done()
+                with self.lock:
+                    self.flights.remove(flight)
+                    self.lock.notify_all()  # a drain waits for this
+
+    def _next_flight(self) -> _Flight | None:
+        """The next queued notice, now in flight (taken and registered under one lock, so a
+        drain never misses it); None after a second without one, when this thread ends."""
+        with self.lock:
+            if not self.pending:
+                self.lock.wait(1.0)
+            if not self.pending:
+                if self.thread is threading.current_thread():
+                    self.thread = None  # (under the lock: the next notice starts a new one)
+                return None
+            flight = _Flight(self.pending.popleft())
+            self.flights.append(flight)
+            return flight
 
     def deliver(self, notice: Notice) -> bool:
         """Make one delivery with its retries; True when every target of the rule took it."""
-        targets: list[tuple[str, Callable[[Notice], str | None]]] = []
-        if notice.rule.command:
-            targets.append(("command", self._run_command))
-        if notice.rule.url:
-            targets.append(("webhook", self._post))
+        return self._fly(_Flight(notice))
+
+    def _fly(self, flight: _Flight) -> bool:
+        sends: dict[str, Callable[[Notice, _Flight], str | None]] = {
+            "command": self._run_command, "webhook": self._post}
         ok = True
-        for kind, send in targets:
-            delay = notice.rule.retry_delay_seconds
-            for attempt in range(notice.rule.retries + 1):
-                problem = send(notice)
-                if problem is None:
-                    break
-                if self.stopping.is_set():
-                    self._dead_letter(notice, f"{kind}: {problem}; not tried again: the "
-                                              "process that filed it stopped")
-                    ok = False
-                    break
-                if attempt == notice.rule.retries:
-                    self._dead_letter(notice, f"{kind}: {problem}")
-                    ok = False
-                    break
-                self.sleep(delay)
-                delay *= 2
+        for kind in list(flight.kinds):
+            ok = self._try_target(flight, kind, sends[kind]) and ok
         return ok
 
-    def _run_command(self, notice: Notice) -> str | None:
+    def _try_target(self, flight: _Flight, kind: str,
+                    send: Callable[[Notice, _Flight], str | None]) -> bool:
+        """Deliver to one target with the rule's retries; False when it was dead-lettered."""
+        with self.lock:
+            if flight.settled:
+                return False  # a drain recorded it already
+            flight.trying, flight.maybe_delivered, flight.cutoff = True, False, None
+        rule = flight.notice.rule
+        delay = rule.retry_delay_seconds
+        problem: str | None = None
+        for attempt in range(rule.retries + 1):
+            if attempt:  # back off first; a drain cuts the wait short
+                self.sleep(delay)
+                delay *= 2
+                if self._halted(flight):
+                    return self._give_up(flight, f"{kind}: {problem}; not tried again: {STOPPED}")
+            problem = send(flight.notice, flight)
+            if problem is None:
+                return self._finish_target(flight)
+            if self._halted(flight):
+                return self._give_up(flight, f"{kind}: {problem}; not tried again: {STOPPED}")
+        return self._give_up(flight, f"{kind}: {problem}")
+
+    def _halted(self, flight: _Flight) -> bool:
+        """No more tries: a drain is stopping deliveries, or one already dead-lettered this
+        notice (a later notice may have re-armed the notifier meanwhile: still no retry)."""
+        return self.stopping.is_set() or flight.settled
+
+    def _finish_target(self, flight: _Flight) -> bool:
+        """The target being tried took the notice (True), unless a drain recorded it first."""
+        with self.lock:
+            if flight.settled:
+                return False
+            flight.kinds.pop(0)
+            flight.trying = False
+            return True
+
+    def _give_up(self, flight: _Flight, why: str) -> bool:
+        """Dead-letter the target being tried, unless a drain did it first; always False."""
+        with self.lock:
+            if flight.settled:
+                return False
+            kind = flight.kinds.pop(0)
+            flight.trying = False
+            if flight.may_have_delivered():
+                why += MAYBE_DELIVERED[kind]
+            self._dead_letter(flight.notice, why)
+            return False
+
+    def _run_command(self, notice: Notice, flight: _Flight) -> str | None:
         """Run the rule's command with the document on stdin, in a process group of its own:
         its stdout is discarded and only the tail of its stderr kept (a command writing without
         end once grew the daemon by hundreds of MB a second), and at its timeout, or when the
@@ -203,46 +308,65 @@ class Notifier:
             return f"{notice.rule.command[0]}: {exc}"
         with self.lock:
             self.running.add(proc)
+            flight.exposed = True
         try:
             tail = _supervise(proc, notice.body, notice.rule.timeout_seconds)
         finally:
             with self.lock:
                 self.running.discard(proc)
+                flight.exposed = False
+        return self._command_outcome(notice, flight, proc, tail)
+
+    def _command_outcome(self, notice: Notice, flight: _Flight, proc: subprocess.Popen[bytes],
+                         tail: str | None) -> str | None:
+        """What a finished command says: None when it took the notice, else the problem. One
+        that was killed (its timeout, a drain) may have acted on it before."""
+        assert notice.rule.command is not None
+        name = notice.rule.command[0]
+        if tail is None or (proc.returncode or 0) < 0:
+            with self.lock:
+                flight.maybe_delivered = True
         if tail is None:
-            return f"{notice.rule.command[0]}: timed out after {notice.rule.timeout_seconds:g}s"
+            return f"{name}: timed out after {notice.rule.timeout_seconds:g}s"
+        if proc.returncode is not None and proc.returncode < 0:
+            return f"{name} was killed by signal {-proc.returncode}: {tail}"
         if proc.returncode != 0:
-            return f"{notice.rule.command[0]} exited {proc.returncode}: {tail}"
+            return f"{name} exited {proc.returncode}: {tail}"
         return None
 
     def kill_running(self) -> None:
-        """Kill the process groups of the commands still running (the daemon is stopping)."""
+        """Kill the process groups of the commands still running and cut off the webhook
+        attempts under way (the process is stopping)."""
         with self.lock:
             running = list(self.running)
+            cutoffs = list(self.cutoffs)
+        for cutoff in cutoffs:
+            cutoff.cut_off()
         for proc in running:
             _kill_group(proc)
 
-    def _post(self, notice: Notice) -> str | None:
-        import hashlib
-        assert notice.rule.url is not None
-        headers = {"Content-Type": "application/json", "User-Agent": "handoffd",
-                   "X-Handoffd-Id": notice.handoff_id, "X-Handoffd-State": notice.state.value}
-        secret = notice.rule.secret or (os.environ.get(notice.rule.secret_env)
-                                        if notice.rule.secret_env else None)
-        if notice.rule.secret_env and not secret:  # never sent unsigned when a signature is asked
-            return f"secret_env {notice.rule.secret_env} is not set: not sent unsigned"
-        if secret:
-            digest = hmac.new(secret.encode("utf-8"), notice.body, hashlib.sha256).hexdigest()
-            headers["X-Handoffd-Signature"] = f"sha256={digest}"
-        request = urllib.request.Request(notice.rule.url, data=notice.body, headers=headers,
-                                         method="POST")
+    def _post(self, notice: Notice, flight: _Flight) -> str | None:
+        """POST the document, the whole attempt bounded by the rule's ``timeout_seconds``."""
+        shown = shown_url(notice.rule.url)
+        request = _webhook_request(notice)
+        if isinstance(request, str):
+            return request
+        if self.stopping.is_set():
+            return "not sent: the process that filed it is stopping"
+        cutoff = _Cutoff()
+        with self.lock:
+            self.cutoffs.add(cutoff)
+            flight.cutoff = cutoff
         try:
-            with urllib.request.urlopen(request, timeout=notice.rule.timeout_seconds) as answer:
-                status = answer.status
-        except urllib.error.HTTPError as exc:
-            return f"{shown_url(notice.rule.url)} answered {exc.code}"
-        except (OSError, ValueError) as exc:
-            return f"{shown_url(notice.rule.url)}: {exc}"
-        return None if 200 <= status < 300 else f"{shown_url(notice.rule.url)} answered {status}"
+            problem = cutoff.run(request, notice.rule.timeout_seconds, str(shown))
+        finally:
+            cutoff.close()
+            with self.lock:
+                self.cutoffs.discard(cutoff)
+        if problem is not None and cutoff.sent and not cutoff.answered:
+            with self.lock:
+                flight.maybe_delivered = True
+        return problem
 
     def _dead_letter(self, notice: Notice, why: str) -> None:
         log.warning("handoff %s: notification given up: %s", notice.handoff_id, why)
@@ -262,30 +386,213 @@ class Notifier:
 
     def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
         """Deliver what is queued, for at most ``timeout`` seconds (a stopping daemon, or any
-        process that filed work, at its exit); True when nothing was left. What is still
-        undelivered then is dead-lettered, and a command still running is killed."""
-        deadline = time.monotonic() + timeout
-        while self.queue.unfinished_tasks and time.monotonic() < deadline:
-            self._ensure_thread()
-            time.sleep(0.02)
-        left = not self.queue.unfinished_tasks
-        if not left:
-            log.warning("%d notification(s) not delivered before the process stopped",
-                        self.queue.unfinished_tasks)
-        self.stopping.set()  # the delivery under way ends with a dead letter, not a retry
-        self.kill_running()  # a command still running must not outlive the daemon
-        settle = time.monotonic() + 2.0
-        while self.thread is not None and self.thread.is_alive() and self.queue.unfinished_tasks \
-                and time.monotonic() < settle:
-            time.sleep(0.02)
-        while True:  # what was never tried is recorded, as a failed delivery is
+        process that filed work, at its exit); True when nothing was left. Then a command still
+        running is killed, a webhook attempt under way cut off, and every notice not delivered
+        is dead-lettered: those never tried, and the one in flight. So a second drain (the stop
+        hook, then ``atexit``) finds nothing left and returns at once."""
+        with self.drain_lock:
+            with self.lock:
+                self.draining = True
             try:
-                notice = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            self._dead_letter(notice, "the process that filed it stopped before it was delivered")
-            self.queue.task_done()
-        return left
+                if self._wait_for_deliveries(time.monotonic() + timeout):
+                    return True
+                self._give_up_all()
+                return False
+            finally:
+                with self.lock:
+                    self.draining = False
+
+    def _wait_for_deliveries(self, deadline: float) -> bool:
+        """Wait until every notice is delivered or dead-lettered (True), or ``deadline``."""
+        with self.lock:
+            while self._outstanding():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._ensure_thread()
+                self.lock.wait(min(left, 0.1))
+            return True
+
+    def _give_up_all(self) -> None:
+        """The drain's time is up: stop every delivery and dead-letter what is left."""
+        with self.lock:
+            never_tried = list(self.pending)
+            self.pending.clear()  # (taken now: the thread must not start them)
+            log.warning("%d notification(s) not delivered before the process stopped",
+                        self._outstanding() + len(never_tried))
+            self.stopping.set()  # the delivery under way ends with a dead letter, not a retry
+            for notice in never_tried:
+                self._dead_letter(notice, NEVER_TRIED)
+        self.kill_running()  # a command still running must not outlive the process
+        deadline = time.monotonic() + SETTLE_SECONDS
+        with self.lock:  # the thread records the delivery it was making, with its own reason
+            while any(not flight.settled for flight in self.flights) \
+                    and time.monotonic() < deadline:
+                self.lock.wait(max(min(deadline - time.monotonic(), 0.1), 0.0))
+            self._claim_flights()
+
+    def _claim_flights(self) -> None:
+        """Dead-letter what the thread has not recorded in time (call with the lock held): a
+        delivery it still makes is never recorded twice, nor lost when the process exits."""
+        for flight in self.flights:
+            if flight.settled:
+                continue
+            flight.settled = True
+            for index, kind in enumerate(flight.kinds):
+                if index == 0 and flight.trying:
+                    why = f"{kind}: {STOPPED} while it was being delivered"
+                    if flight.may_have_delivered():
+                        why += MAYBE_DELIVERED[kind]
+                else:
+                    why = f"{kind}: {NEVER_TRIED}"
+                self._dead_letter(flight.notice, why)
+        if any(flight.settled for flight in self.flights):
+            self.thread = None  # that thread is held: a notice filed later gets a new one
+
+
+def _webhook_request(notice: Notice) -> urllib.request.Request | str:
+    """The signed POST of the notice's document, or why it cannot be sent."""
+    import hashlib
+    assert notice.rule.url is not None
+    headers = {"Content-Type": "application/json", "User-Agent": "handoffd",
+               "X-Handoffd-Id": notice.handoff_id, "X-Handoffd-State": notice.state.value}
+    secret = notice.rule.secret or (os.environ.get(notice.rule.secret_env)
+                                    if notice.rule.secret_env else None)
+    if notice.rule.secret_env and not secret:  # never sent unsigned when a signature is asked
+        return f"secret_env {notice.rule.secret_env} is not set: not sent unsigned"
+    if secret:
+        digest = hmac.new(secret.encode("utf-8"), notice.body, hashlib.sha256).hexdigest()
+        headers["X-Handoffd-Signature"] = f"sha256={digest}"
+    return urllib.request.Request(notice.rule.url, data=notice.body, headers=headers,
+                                  method="POST")
+
+
+class _Cutoff:
+    """One webhook attempt, made on a thread of its own so that it can be ended at its
+    deadline or at a stop: urllib's timeout bounds each socket operation, not the attempt, and
+    a server answering a byte a second held the delivery thread for as long as it liked. The
+    attempt's sockets are shut down then (a duplicate of each is kept for that: shutting one
+    down ends a read blocked on the other), which ends the attempt's thread too, and no socket
+    is opened after it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.socks: list[socket.socket] = []
+        self.cut: str | None = None  # why the attempt was ended, once it is
+        self.outcome: list[str | None] = []  # what its thread found, if it ended before
+        self.sent = False  # the whole request went out: it may have been delivered
+        self.answered = False  # a status line came back (in the outcome kept)
+        self.ended = threading.Event()  # the attempt finished, or was cut off
+
+    def run(self, request: urllib.request.Request, timeout: float, shown: str) -> str | None:
+        """Make the attempt, waiting at most ``timeout`` seconds: None when the webhook took
+        it, else the problem."""
+        threading.Thread(target=self._work, args=(request, timeout, shown),
+                         name="handoffd-webhook", daemon=True).start()
+        self.ended.wait(timeout)
+        # from here its thread keeps nothing: an answer it still reads (headers cut short
+        # read as complete to http.client) is no delivery
+        self.cut_off(f"no answer within {timeout:g}s (timeout_seconds bounds the whole delivery)")
+        with self.lock:
+            if self.outcome:
+                return self.outcome[0]
+            return f"{shown}: {self.cut}"
+
+    def _work(self, request: urllib.request.Request, timeout: float, shown: str) -> None:
+        try:
+            problem, answered = self._attempt(request, timeout, shown)
+            with self.lock:
+                if self.cut is None:  # (in time: the outcome counts)
+                    self.outcome.append(problem)
+                    self.answered = answered
+        finally:
+            self.ended.set()
+
+    def _attempt(self, request: urllib.request.Request, timeout: float,
+                 shown: str) -> tuple[str | None, bool]:
+        """The problem (None: delivered), and whether the server answered at all."""
+        opener = urllib.request.build_opener(_CutoffHTTPHandler(self), _CutoffHTTPSHandler(self))
+        try:
+            with opener.open(request, timeout=timeout) as answer:
+                status = answer.status
+        except urllib.error.HTTPError as exc:  # (before OSError: it is one)
+            return f"{shown} answered {exc.code}", True
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # a bad status line too
+            return f"{shown}: {exc or type(exc).__name__}", False
+        except Exception as exc:  # on this thread a traceback would reach the user's terminal
+            return f"{shown}: {type(exc).__name__}: {exc}", False
+        return (None if 200 <= status < 300 else f"{shown} answered {status}"), True
+
+    def opened(self, sock: socket.socket) -> socket.socket:
+        """Keep a way to shut ``sock`` down; refuse it when the attempt is already over."""
+        with self.lock:
+            if self.cut is None:
+                try:
+                    self.socks.append(sock.dup())
+                    return sock
+                except OSError:
+                    pass
+        sock.close()
+        raise ConnectionAbortedError("the delivery was cut off")
+
+    def cut_off(self, why: str = "cut off before its answer came") -> None:
+        """End the attempt (the first ``why`` is kept): its sockets are shut down, none is
+        opened after, and what its thread finds later is not kept."""
+        with self.lock:  # (shut under the lock: close() must not close one meanwhile)
+            self.cut = self.cut or why
+            for sock in self.socks:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self.ended.set()
+
+    def close(self) -> None:
+        """The attempt is over, whatever its thread still does: cut it off, free the copies."""
+        self.cut_off()
+        with self.lock:
+            socks, self.socks = self.socks, []
+        for sock in socks:
+            sock.close()
+
+
+class _CutoffConnection(http.client.HTTPConnection):
+    """An HTTP connection whose sockets its :class:`_Cutoff` can shut down, and which tells it
+    when the whole request is out."""
+
+    _create_connection: Callable[..., socket.socket]  # (http.client's own hook to open sockets)
+
+    def __init__(self, *args: Any, cutoff: _Cutoff, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cutoff = cutoff
+        opener = self._create_connection
+        self._create_connection = lambda *a, **kw: cutoff.opened(opener(*a, **kw))
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        self.cutoff.sent = True  # urllib asks for the answer once the request is sent
+        return super().getresponse()
+
+
+class _CutoffHTTPSConnection(_CutoffConnection, http.client.HTTPSConnection):
+    """The same over TLS (a handshake blocked on a trickling server is cut off too)."""
+
+
+class _CutoffHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, cutoff: _Cutoff) -> None:
+        super().__init__()
+        self.cutoff = cutoff
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_CutoffConnection, cutoff=self.cutoff), req)
+
+
+class _CutoffHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, cutoff: _Cutoff) -> None:
+        super().__init__()
+        self.cutoff = cutoff
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_CutoffHTTPSConnection, cutoff=self.cutoff), req)
 
 
 STDERR_TAIL = 200  # characters of a failing command's stderr kept in its dead letter
