@@ -74,8 +74,15 @@ DAEMON_RULES: dict[str, tuple[Any, float, float]] = {
 
 def _finite_number(value: Any) -> bool:
     """True for an int or float (not a bool) that is neither inf nor nan."""
+    # (an int is always finite; math.isfinite of one past a float's range raises OverflowError)
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+            and (isinstance(value, int) or math.isfinite(value)))
+
+
+def _brief(value: Any) -> str:
+    """``repr(value)`` cut to a line (a document's 5,000-digit number is shown by its start)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _shown(number: float) -> str:
@@ -91,13 +98,13 @@ def bounded(value: Any, where: str, low: float, high: float, *, integer: bool = 
     otherwise (``where`` names the key, e.g. ``"handoffd.toml: [daemon] workers"``)."""
     allowed = f"{_shown(low)}..{_shown(high)}{unit}"
     if integer and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{where} = {value!r} is not a whole number (allowed: {allowed})")
+        raise ConfigError(f"{where} = {_brief(value)} is not a whole number (allowed: {allowed})")
     if not _finite_number(value):
-        raise ConfigError(f"{where} = {value!r} is not a finite number (allowed: {allowed})")
+        raise ConfigError(f"{where} = {_brief(value)} is not a finite number (allowed: {allowed})")
     if low > 0 >= value:  # the words the checks always used for a non-positive interval
-        raise ConfigError(f"{where} must be greater than 0, not {value!r} (allowed: {allowed})")
+        raise ConfigError(f"{where} must be greater than 0, not {_brief(value)} (allowed: {allowed})")
     if not low <= value <= high:
-        raise ConfigError(f"{where} = {value!r} is outside the allowed range {allowed}")
+        raise ConfigError(f"{where} = {_brief(value)} is outside the allowed range {allowed}")
     return value
 
 
@@ -131,7 +138,7 @@ class RetryPolicy:
         604800`` (7 days), ``1 <= backoff_multiplier <= 100``."""
         base = base or cls()
         if not isinstance(data, dict):
-            raise ConfigError(f"bad retry policy {data!r}: must be a table/object")
+            raise ConfigError(f"bad retry policy {_brief(data)}: must be a table/object")
         key = _policy_key(data)
         if key is not None and cls is RetryPolicy:  # a document's is read 4 times a handoff
             return _overlaid(key, base)
@@ -201,11 +208,11 @@ def _retry_value(data: dict[str, Any], key: str, default: float, low: float, hig
         except ValueError:
             value = None
     if not _finite_number(value):
-        raise ConfigError(f"bad retry policy: {key} = {raw!r} is not a finite number")
+        raise ConfigError(f"bad retry policy: {key} = {_brief(raw)} is not a finite number")
     if integer and value != int(value):
-        raise ConfigError(f"bad retry policy: {key} = {raw!r} is not a whole number")
+        raise ConfigError(f"bad retry policy: {key} = {_brief(raw)} is not a whole number")
     if not low <= value <= high:
-        raise ConfigError(f"bad retry policy: {key} = {raw!r} is outside {low:g}..{high:g}")
+        raise ConfigError(f"bad retry policy: {key} = {_brief(raw)} is outside {low:g}..{high:g}")
     return value
 
 

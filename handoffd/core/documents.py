@@ -6,16 +6,17 @@ the daemon routes by and :class:`Outcome` the format-neutral result it files; di
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from .config import RetryPolicy
+from .config import MAX_SECONDS, RetryPolicy
 from .errors import ConfigError, ErrorCode, InvalidDocument
 from .states import SUCCEEDED
-from .timeutil import iso, parse_iso
+from .timeutil import OutsideCalendar, iso, parse_utc
 
 # used with fullmatch: "^...$" with match() also took "abc\n" ("$" matches before a last newline)
 SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
@@ -25,6 +26,10 @@ MAX_HISTORY = 200
 # Bounds on what a document may ask for; anything outside is refused at admission (see Envelope).
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 MAX_DEPENDENCIES = 1000
+# The most a time limit can add to a handoff's arrival (a document's timeout is at most a week,
+# a configured one at most MAX_SECONDS): an arrival later than the calendar's end minus this is
+# not believed, so computing its deadline can never pass year 9999
+ARRIVAL_HEADROOM_SECONDS = max(MAX_SECONDS, MAX_TIMEOUT_SECONDS)
 
 
 def check_id(handoff_id: object) -> str:
@@ -129,9 +134,10 @@ def first_seen(doc: dict[str, Any]) -> datetime | None:
     if not isinstance(history, list) or not history or not isinstance(history[0], dict):
         return None
     at = history[0].get("at")
-    try:
-        return parse_iso(at) if isinstance(at, str) else None
-    except ValueError:
+    try:  # a hard deadline is counted from it: leave room to add any time limit (10 years)
+        return parse_utc(at, headroom_seconds=ARRIVAL_HEADROOM_SECONDS) if isinstance(at, str) \
+            else None
+    except ValueError:  # malformed, or outside the calendar: unknown, as when absent
         return None
 
 
@@ -141,8 +147,8 @@ def next_attempt_at(doc: dict[str, Any]) -> datetime | None:
     if not isinstance(value, str):
         return None
     try:
-        return parse_iso(value)
-    except ValueError:
+        return parse_utc(value)
+    except ValueError:  # malformed, or outside the calendar: due now, as when absent
         return None
 
 
@@ -226,22 +232,51 @@ class Envelope:
         timeout = self.timeout_seconds
         if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout
                                         <= MAX_TIMEOUT_SECONDS):
-            problems.append(("timeout_seconds", f"timeout {timeout!r}s is outside 0 < t <= "
-                             f"{MAX_TIMEOUT_SECONDS:g}s (one week)"))
+            problems.append(("timeout_seconds", f"timeout {_seconds_shown(timeout)} is outside "
+                             f"0 < t <= {MAX_TIMEOUT_SECONDS:g}s (one week)"))
         if len(self.depends_on) > MAX_DEPENDENCIES:
             problems.append(("depends_on", f"{len(self.depends_on)} dependencies; at most "
                              f"{MAX_DEPENDENCIES}"))
         if self.retry_policy is not None:
-            try:
-                RetryPolicy.from_dict(self.retry_policy)
-            except ConfigError as exc:
-                problems.append(("retry_policy", str(exc)))
+            problems.extend(_retry_policy_problems(self.retry_policy))
         if problems:
             field_name, message = problems[0]
             raise InvalidDocument(
                 f"handoff {self.handoff_id}: {field_name}: {message}", handoff_id=self.handoff_id,
                 code=ErrorCode.SCHEMA_VALIDATION_FAILED,
                 errors=[{"field": f, "error": m, "schema_path": ""} for f, m in problems])
+
+
+def _seconds_shown(timeout: object) -> str:
+    """A refused timeout as its error shows it: ``0.0s``, ``1e+20s``; an integer too large for a
+    float (read as ``math.inf``: see :func:`document_seconds`) as what it is, not ``infs``."""
+    if isinstance(timeout, float) and math.isinf(timeout):
+        return "of over 1.8e308s" if timeout > 0 else f"{timeout!r}s"
+    return f"{timeout!r}s"
+
+
+def _retry_policy_problems(policy: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, error) for a document's retry_policy that RetryPolicy refuses."""
+    try:
+        RetryPolicy.from_dict(policy)
+    except ConfigError as exc:
+        return [("retry_policy", str(exc))]
+    return []
+
+
+def document_seconds(value: Any, units_per_second: int = 1) -> float | None:
+    """A document's positive time limit in seconds (``units_per_second`` 1000 for a
+    ``timeout_ms``); None when it is absent, a bool, not a number, or not above 0.
+
+    JSON integers have no bound, and ``float()`` or ``/`` of one past ~1.8e308 raised
+    OverflowError: such a number is read as ``math.inf``, which the Envelope refuses like any
+    timeout over MAX_TIMEOUT_SECONDS (SCHEMA_VALIDATION_FAILED, one line)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        return None
+    try:
+        return value / units_per_second
+    except OverflowError:
+        return math.inf
 
 
 @dataclass
@@ -298,7 +333,7 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
         handoff_id=handoff_id, dialect="native", target=agent,
         source=source.get("agent_id") if isinstance(source, dict) else None,
         data=inp.get("data"),
-        timeout_seconds=float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None,
+        timeout_seconds=document_seconds(timeout),
         priority=priority_rank(doc.get("priority")),
         retry_policy=doc.get("retry_policy") if isinstance(doc.get("retry_policy"), dict) else None,
         input_schema=inp.get("schema") if isinstance(inp.get("schema"), str) else None,
@@ -312,18 +347,27 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
 
 
 def _expires_at(doc: dict[str, Any], handoff_id: str) -> datetime | None:
-    """A native request's ``expires_at`` (an RFC 3339 time with its zone)."""
+    """A native request's ``expires_at`` (an RFC 3339 time with its zone), in UTC.
+
+    InvalidDocument (SCHEMA_VALIDATION_FAILED) when it is no date-time, or one whose UTC time is
+    outside years 1 to 9999 (``0001-01-01T00:00:00+14:00``): the schema's date-time format
+    accepts that, and admission then raised OverflowError formatting it, leaving the handoff
+    claimed until recovery and burning every retry."""
     value = doc.get("expires_at")
     if value is None:
         return None
     try:
         if not isinstance(value, str):
             raise ValueError(value)
-        return parse_iso(value)
+        return parse_utc(value)
+    except OutsideCalendar:
+        problem = (f"{str(value)[:60]!r} falls outside years 1 to 9999 once in UTC: give a "
+                   "date-time such as 2026-11-25T12:00:00Z")
     except ValueError:
-        raise InvalidDocument(f"handoff {handoff_id}: expires_at {str(value)[:60]!r} is not a "
-                              "date-time such as 2026-11-25T12:00:00Z", handoff_id=handoff_id,
-                              code=ErrorCode.SCHEMA_VALIDATION_FAILED) from None
+        problem = f"{str(value)[:60]!r} is not a date-time such as 2026-11-25T12:00:00Z"
+    raise InvalidDocument(f"handoff {handoff_id}: expires_at {problem}", handoff_id=handoff_id,
+                          code=ErrorCode.SCHEMA_VALIDATION_FAILED,
+                          errors=[{"field": "expires_at", "error": problem, "schema_path": ""}])
 
 
 def _with_contract_dependencies(doc: dict[str, Any], depends: Any) -> list[str]:

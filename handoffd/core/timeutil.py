@@ -1,10 +1,21 @@
 """UTC timestamps in the ISO 8601 form the seeds use (``2026-01-13T10:00:00Z``)."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Callable
 
 Clock = Callable[[], datetime]
+
+# The last instant a datetime can hold, in UTC: a time whose UTC form falls outside the calendar
+# (year 1 with a positive offset, year 9999 with a negative one) makes astimezone() and iso()
+# raise OverflowError, and so does adding past this
+UTC_MAX = datetime.max.replace(tzinfo=timezone.utc)
+
+
+class OutsideCalendar(ValueError):
+    """A timestamp that parses but cannot be used: its UTC time falls outside years 1 to 9999, or
+    too near the end to add the time the caller needs. A ValueError, so every reader that refuses
+    a malformed timestamp refuses this one the same way."""
 
 
 def utc_now() -> datetime:
@@ -13,15 +24,40 @@ def utc_now() -> datetime:
 
 
 def iso(moment: datetime) -> str:
-    """Format an aware datetime as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (milliseconds kept)."""
+    """Format an aware datetime as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (milliseconds kept).
+
+    Raises OverflowError when its UTC time is outside years 1 to 9999 (the command line's
+    ``--at`` relies on that to refuse such a time): a time read from a document is checked when
+    it is read instead (:func:`parse_utc`)."""
     m = moment.astimezone(timezone.utc)  # (formatting by hand: strftime is several times slower)
     return (f"{m.year:04d}-{m.month:02d}-{m.day:02d}T{m.hour:02d}:{m.minute:02d}:{m.second:02d}"
             f".{m.microsecond // 1000:03d}Z")
 
 
 def parse_iso(text: str) -> datetime:
-    """Parse an ISO 8601 timestamp; a naive one is taken as UTC. Raises ValueError if malformed."""
+    """Parse an ISO 8601 timestamp; a naive one is taken as UTC. Raises ValueError if malformed.
+
+    The value keeps its own offset and may lie outside the UTC calendar: use :func:`parse_utc`
+    for a time read from a document that will be converted, formatted or added to."""
     value = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     if value.tzinfo is None:
         value = value.replace(tzinfo=timezone.utc)
     return value
+
+
+def parse_utc(text: str, *, headroom_seconds: float = 0.0) -> datetime:
+    """Parse an ISO 8601 timestamp (as :func:`parse_iso`) into an aware UTC datetime.
+
+    Raises ValueError if malformed, and OutsideCalendar (a ValueError) when its UTC time falls
+    outside years 1 to 9999 (``0001-01-01T00:00:00+14:00`` is in year 0 in UTC) or when adding
+    ``headroom_seconds`` to it would pass the end of year 9999. Such a value used to parse, then
+    raise OverflowError far away: in iso(), astimezone() or ``+ timedelta``."""
+    value = parse_iso(text)
+    try:
+        utc = value.astimezone(timezone.utc)
+    except OverflowError:
+        raise OutsideCalendar(f"{text[:60]!r} falls outside years 1 to 9999 in UTC") from None
+    if headroom_seconds > 0 and utc > UTC_MAX - timedelta(seconds=headroom_seconds):
+        raise OutsideCalendar(f"{text[:60]!r} is too near the end of year 9999 (UTC) to count "
+                              f"{headroom_seconds:g}s from it")
+    return utc

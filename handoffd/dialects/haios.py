@@ -15,7 +15,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from ..core.documents import Envelope, Outcome, check_id, priority_rank, random_uuid
+from ..core.documents import (Envelope, Outcome, check_id, document_seconds, priority_rank,
+                              random_uuid)
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
@@ -91,14 +92,12 @@ class HaiosDialect:
                                       code=ErrorCode.SCHEMA_VALIDATION_FAILED,
                                       errors=[{"field": "expected_output_schema", "error": message,
                                                "schema_path": ""}])
-        timeout_ms = request.get("timeout_ms")
         source = request.get("from_agent")
         return Envelope(
             handoff_id=handoff_id, dialect=self.name, target=target,
             source=source if isinstance(source, str) else None,
             data=request.get("payload"),
-            timeout_seconds=(timeout_ms / 1000.0 if isinstance(timeout_ms, (int, float))
-                             and not isinstance(timeout_ms, bool) and timeout_ms > 0 else None),
+            timeout_seconds=document_seconds(request.get("timeout_ms"), units_per_second=1000),
             priority=priority_rank(request.get("priority")),
             expected_output_schema=expected if isinstance(expected, dict) else None,
             default_timeout_seconds=DEFAULT_TIMEOUT_SECONDS, final_timeout=True,

@@ -13,7 +13,8 @@ import json
 from datetime import datetime
 from typing import Any
 
-from ..core.documents import Envelope, Outcome, check_id, priority_rank, random_uuid
+from ..core.documents import (Envelope, Outcome, check_id, document_seconds, priority_rank,
+                              random_uuid)
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
@@ -185,9 +186,8 @@ class HiMoeDialect:
             raise InvalidDocument(f"message {handoff_id} has no usable target_tier: use a TierLevel "
                                   f"name ({', '.join(TIERS.values())}) or 1-4",
                                   handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
-        timeout_ms = payload.get("timeout_ms")
-        timeout = (timeout_ms / 1000.0 if isinstance(timeout_ms, (int, float))
-                   and not isinstance(timeout_ms, bool) and timeout_ms > 0 else None)
+        # (a 401-digit timeout_ms is refused by the Envelope like any over its bound)
+        timeout = document_seconds(payload.get("timeout_ms"), units_per_second=1000)
         correlation = request.get("correlation_id")
         return Envelope(
             handoff_id=handoff_id, dialect=self.name, target=target,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from ..core.documents import Envelope, Outcome, check_id, priority_rank
+from ..core.documents import Envelope, Outcome, check_id, document_seconds, priority_rank
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
@@ -82,14 +82,12 @@ class SwarmDialect:
             raise InvalidDocument("a WorkerHandoff needs a contract block with a task_id",
                                   code=ErrorCode.SCHEMA_VALIDATION_FAILED)
         handoff_id = check_id(contract.get("task_id"))
-        timeout = request.get("timeout_seconds")
         source = request.get("from_agent")
         return Envelope(
             handoff_id=handoff_id, dialect=self.name, target=self.worker(request),
             source=source if isinstance(source, str) else None,
             data=sh.without_book(request),
-            timeout_seconds=(float(timeout) if isinstance(timeout, (int, float))
-                             and not isinstance(timeout, bool) and timeout > 0 else None),
+            timeout_seconds=document_seconds(request.get("timeout_seconds")),
             priority=priority_rank(request.get("priority")),
             depends_on=sh.strings(contract.get("dependencies_completed")),
             contract=contract,
