@@ -496,7 +496,7 @@ class Engine:
                 from .runner import run_python
                 result = run_python(job.specialist, job.claim.doc, job.context,
                                     self.timeout_for(job), self._takeover(job, started))
-            outcome = self.outcome_from_result(job, result, started)
+            outcome = self._usable_outcome(job, result, started)
         except HandlerError as exc:
             outcome = self._failed(exc, started)
         except InvalidDocument as exc:
@@ -505,6 +505,20 @@ class Engine:
             outcome = self.failure(started, ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: {exc}",
                                    retryable=False)
         return self._conclude(job, outcome, started)
+
+    def _usable_outcome(self, job: Job, result: dict[str, Any], started: datetime) -> Outcome:
+        """:meth:`outcome_from_result`; a result that defeats it in a way no check foresaw fails
+        the attempt (an uncaught error here once left the claim in in-progress/ for a lease,
+        re-ran the handler at every recovery and filed a misleading "interrupted")."""
+        try:
+            return self.outcome_from_result(job, result, started)
+        except (HandlerError, InvalidDocument, ConfigError):
+            raise
+        except Exception as exc:
+            log.debug("handoff %s: its result defeated the checks", job.handoff_id, exc_info=True)
+            return self.failure(started, ErrorCode.PROCESSING_ERROR,
+                                f"handoff {job.handoff_id}: the handler's result cannot be used "
+                                f"({type(exc).__name__}: {str(exc)[:200]})", retryable=False)
 
     def _failed(self, exc: HandlerError, started: datetime) -> Outcome:
         return self.failure(started, exc.code, str(exc), retryable=exc.retryable,
@@ -747,7 +761,8 @@ class Engine:
         and not a failure, so it never uses up retries."""
         asked = (outcome.park or {}).get("retry_after_seconds")
         if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked == asked:
-            delay = float(asked)
+            # bounded before the conversion: a 401-digit integer overflows a float
+            delay = float(min(max(asked, 0), MAX_THROTTLE_SECONDS))
         else:
             delay = self.policy(claim.doc, spec).delay(1)
         floor = MIN_THROTTLE_SECONDS * 2 ** min(throttles_in_a_row(claim.doc), 16)

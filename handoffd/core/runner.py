@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import re
 import select
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from .states import RESULT_STATUSES
 from .watchdog import WATCHDOG, TakenOver, Takeover, cancelled, timed_out
 
 KILL_GRACE_SECONDS = 2.0
+_CODE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")  # an error code a handler may raise
 STDERR_TAIL = 4096
 # After the attempt's processes are killed, how long a pipe may stay open (a writer the kill could
 # not find) before its reader stops waiting for EOF.
@@ -36,18 +38,21 @@ POLL_MS = 100  # how often an I/O thread of an attempt looks whether it should s
 log = logging.getLogger("handoffd")
 
 
-def validate_result(result: Any, handoff_id: str, max_bytes: int | None = None) -> dict[str, Any]:
+def validate_result(result: Any, handoff_id: str, max_bytes: int | None = None, *,
+                    plain: bool = True) -> dict[str, Any]:
     """Check the protocol shape: an object whose ``status`` is a known value, and (``max_bytes``,
-    ``[daemon] max_output_bytes``) no larger as JSON than a command's stdout may be."""
+    ``[daemon] max_output_bytes``) no larger as JSON than a command's stdout may be. Unless
+    ``plain`` (parsed JSON already), the result returned is a copy in plain JSON types: a dict
+    or str subclass of a Python handler's could raise in any later step."""
     if not isinstance(result, dict):
         raise HandlerError(f"handoff {handoff_id}: handler returned {type(result).__name__}, "
                            "not a JSON object", handoff_id=handoff_id)
     try:  # what cannot be filed as strict UTF-8 JSON must fail the attempt, not the filing
         text = json.dumps(result, allow_nan=False, ensure_ascii=False)
         size = len(text.encode("utf-8"))
-    except (ValueError, TypeError, UnicodeEncodeError, RecursionError) as exc:
+    except Exception as exc:  # (a handler's dict subclass may raise anything from items())
         raise HandlerError(f"handoff {handoff_id}: handler result cannot be filed as JSON "
-                           f"({type(exc).__name__}: {str(exc)[:120]})", handoff_id=handoff_id,
+                           f"({type(exc).__name__}: {_text(exc)[:120]})", handoff_id=handoff_id,
                            retryable=False) from None
     # what is filed must read back: no document nests past MAX_DEPTH, and the result sits some
     # levels down in it (a deeper answer was filed, then unreadable to `show` and `wait`); a
@@ -57,6 +62,8 @@ def validate_result(result: Any, handoff_id: str, max_bytes: int | None = None) 
         raise HandlerError(f"handoff {handoff_id}: handler result nests more than {limit} levels "
                            "deep; flatten it", handoff_id=handoff_id, retryable=False,
                            code=ErrorCode.DOCUMENT_TOO_DEEP)
+    if not plain:
+        result = json.loads(text)
     if max_bytes is not None and size > max_bytes:
         raise HandlerError(f"handoff {handoff_id}: handler result is {size} bytes as JSON, over "
                            f"max_output_bytes ({max_bytes}); write large results to a file and "
@@ -126,9 +133,7 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
 
     def call() -> None:
         try:
-            box["result"] = spec.callable()(doc, ctx)
-        except BaseException as exc:  # handler bugs become recorded errors, never daemon crashes
-            box["error"] = exc
+            _call_handler(spec, doc, ctx, box)
         finally:
             done.set()
 
@@ -144,9 +149,7 @@ def _run_inline(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     thread = threading.current_thread()
     name, thread.name = thread.name, f"handler-{ctx.handoff_id}"  # as py-spy and tracebacks show it
     try:
-        box["result"] = spec.callable()(doc, ctx)
-    except BaseException as exc:  # handler bugs become recorded errors, never daemon crashes
-        box["error"] = exc
+        _call_handler(spec, doc, ctx, box)
     finally:
         thread.name = name
     if not WATCHDOG.done(watch):
@@ -156,21 +159,76 @@ def _run_inline(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     return _returned(box, ctx)
 
 
+def _call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
+                  box: dict[str, Any]) -> None:
+    """Call a Python handler: its result or exception into ``box``. What it does to the process
+    itself is undone or contained as it returns: a copy of the process it forked and returned
+    in too ends here at once (it held the batch's pipes and the owner lock for ever), and a
+    umask it changed is put back (files filed after it were written mode 000)."""
+    pid = os.getpid()
+    try:
+        box["result"] = spec.callable()(doc, ctx)
+    except BaseException as exc:  # handler bugs become recorded errors, never daemon crashes
+        box["error"] = exc
+    finally:
+        if os.getpid() != pid:
+            os._exit(0)
+        if os.umask(_UMASK) != _UMASK:
+            log.warning("handoff %s: its handler changed the process umask; put back to %03o",
+                        ctx.handoff_id, _UMASK)
+
+
+def _process_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _process_umask()  # as the process started (a handler may not change it for the rest)
+
+
 def _returned(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
-    """The handler's result (``box["result"]``) checked, or its exception as a HandlerError."""
+    """The handler's result (``box["result"]``) checked and copied into plain JSON types (a
+    dict or str subclass of the handler's could raise in any later step), or its exception as
+    a HandlerError."""
     if "error" in box:
         exc = box["error"]
         if isinstance(exc, HandlerError):
-            raise exc
+            raise _own_error(exc, ctx.handoff_id)
         if isinstance(exc, ConfigError):  # e.g. the handler module cannot be imported
-            raise HandlerError(f"handoff {ctx.handoff_id}: {exc}", handoff_id=ctx.handoff_id,
+            raise HandlerError(f"handoff {ctx.handoff_id}: {_text(exc)}", handoff_id=ctx.handoff_id,
                                retryable=False)
         if isinstance(exc, HandlerCancelled):
-            raise HandlerError(str(exc), handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED,
+            raise HandlerError(_text(exc), handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED,
                                retryable=False)
-        raise HandlerError(f"handoff {ctx.handoff_id}: handler raised {type(exc).__name__}: {exc}",
-                           handoff_id=ctx.handoff_id)
-    return validate_result(box.get("result"), ctx.handoff_id, ctx.max_output_bytes)
+        raise HandlerError(f"handoff {ctx.handoff_id}: handler raised {type(exc).__name__}: "
+                           f"{_text(exc)}", handoff_id=ctx.handoff_id)
+    return validate_result(box.get("result"), ctx.handoff_id, ctx.max_output_bytes, plain=False)
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, whatever the handler's exception does in its ``__str__``."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"(a {type(exc).__name__} that cannot be shown)"
+
+
+def _own_error(exc: HandlerError, handoff_id: str) -> HandlerError:
+    """A HandlerError a handler raised, rebuilt from checked parts: its code a short name (else
+    PROCESSING_ERROR), its details only if they are a JSON object (a list as the code, or
+    details that are not JSON, once broke the filing and stranded the claim)."""
+    code = exc.code if isinstance(exc.code, str) and type(exc.code) in (str, ErrorCode) \
+        and _CODE.fullmatch(exc.code) else ErrorCode.PROCESSING_ERROR
+    details: dict[str, Any] = {}
+    if isinstance(exc.details, dict):
+        try:
+            details = json.loads(json.dumps(exc.details, allow_nan=False, ensure_ascii=False))
+        except Exception:
+            details = {}
+    retryable = exc.retryable if isinstance(exc.retryable, bool) else None
+    return HandlerError(_text(exc), handoff_id=exc.handoff_id if isinstance(exc.handoff_id, str)
+                        else handoff_id, code=code, retryable=retryable, details=details)
 
 
 def _wait(done: threading.Event, ctx: HandlerContext, timeout: float) -> None:

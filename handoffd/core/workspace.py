@@ -120,7 +120,10 @@ class Workspace:
         """Resolve ``path`` (relative to the root) and return it only if it stays inside the root."""
         # os.path on strings: what Path.resolve does, without pathlib's parsing at each step
         root = self._root_text
-        candidate = os.path.realpath(os.path.join(root, path))
+        try:
+            candidate = os.path.realpath(os.path.join(root, path))
+        except (ValueError, TypeError):  # a NUL byte, or no path at all: nowhere inside
+            return None
         if candidate == root or candidate.startswith(root.rstrip(os.sep) + os.sep):
             return Path(candidate)
         return None
