@@ -151,3 +151,10 @@ def test_a_handler_that_forks_leaves_no_copy_of_the_batch(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr
     assert (root / "handoffs" / "completed" / "f1.json").exists()
     assert sys.platform != "linux" or "Traceback" not in proc.stderr
+
+
+def test_a_command_printing_bytes_that_are_not_utf8_fails_the_attempt() -> None:
+    from handoffd.core.runner import _parse_output
+    with pytest.raises(HandlerError, match="not UTF-8") as caught:
+        _parse_output(0, b'{"status": "completed", "output": "caf\xe9"}', b"", "h1")
+    assert caught.value.code == "NOT_UTF8"

@@ -412,7 +412,12 @@ def _parse_output(code: int, stdout: bytes, stderr: bytes, handoff_id: str) -> d
     if code != 0:
         raise HandlerError(f"handoff {handoff_id}: handler exited with status {code}{hint}",
                            handoff_id=handoff_id, details={"exit_code": code, "stderr_tail": tail})
-    text = stdout.decode("utf-8", "replace").strip()
+    try:  # JSON is UTF-8: other bytes were once filed as U+FFFD, the answer silently changed
+        text = stdout.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise HandlerError(f"handoff {handoff_id}: handler output is not UTF-8 (byte {exc.start})"
+                           f"{hint}", handoff_id=handoff_id, code=ErrorCode.NOT_UTF8,
+                           retryable=False, details={"stderr_tail": tail}) from None
     if not text:
         raise HandlerError(f"handoff {handoff_id}: handler exited without printing a result{hint}",
                            handoff_id=handoff_id, details={"stderr_tail": tail})
