@@ -19,15 +19,23 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ...core.errors import ErrorCode
 from ...core.ownfiles import plain_folder
 from ...core.states import State
+from ...core.workspace import Workspace
 from . import fsio
 
-if TYPE_CHECKING:
-    from .store import Store
+
+class Store(Protocol):
+    """What this module needs of :class:`.store.Store` (which imports this module)."""
+
+    ws: Workspace
+
+    def path(self, state: State, handoff_id: str) -> Path: ...
+
+    def quarantine(self, path: Path, code: str, message: str) -> Path: ...
 
 AGE_SECONDS = 60.0  # a live mover holds a file aside for a rename, a write and an unlink
 NAME = "aside"
