@@ -41,6 +41,8 @@ READ_CHUNK = 1 << 20  # archive bytes read, and decompressed, at a time
 MAX_LINE_BYTES = 64 * 1024 * 1024  # one archived entry, decompressed
 MAX_MEMBER_BYTES = 256 * 1024 * 1024  # one append's entries, decompressed, held until it ends
 LIVE_ROUNDS = 3  # bare listings of pending/ and in-progress/ whose ids count as live
+MAX_MEMBER_LINES = 2_000_000  # lines of one member (handoffd's own passes write 500 at a time)
+LINE_OVERHEAD = 64  # what holding one line costs beyond its bytes (its object, its list slot)
 PASS_LIMIT = 500  # documents one pass of a daemon's [retention] takes: its sweep stays short
 LOCK_WAIT_SECONDS = 60.0  # how long `handoff purge|archive` waits for another process's pass
 MAX_RATIO = 200  # decompressed over compressed, past which a file is not one handoffd wrote
@@ -235,14 +237,17 @@ def archived(ws: Workspace) -> Iterator[dict[str, Any]]:
         yield entry
 
 
-def _entries(fh: BinaryIO, name: str = "archive") -> Iterator[dict[str, Any]]:
+def _entries(fh: BinaryIO, name: str = "archive",
+             wanted: bytes | None = None) -> Iterator[dict[str, Any]]:
     """The entries of one archive file, streamed member by member: a member's entries are
     given when it ends whole. A member that is torn (a crash mid-append; appends went on after
     it) is skipped: the reader looks for the next member's gzip header after it and goes on
     from there, so what was appended after a tear stays readable. Bounded whatever the file
     holds: a line over MAX_LINE_BYTES is skipped without being held, and the file is passed
     over from where a member holds more than MAX_MEMBER_BYTES or the text grows past MAX_RATIO
-    times what was read (a gzip bomb: handoffd's entries, JSON, compress a few times over)."""
+    times what was read (a gzip bomb: handoffd's entries, JSON, compress a few times over), or
+    holds more than MAX_MEMBER_LINES lines. ``wanted``: only lines holding these bytes are
+    parsed (a lookup by id: a file of millions of tiny lines once took 28 s and 700 MB)."""
     import zlib
     reader = _Members(fh)
     while True:
@@ -250,10 +255,10 @@ def _entries(fh: BinaryIO, name: str = "archive") -> Iterator[dict[str, Any]]:
         if member is None:
             return
         try:
-            lines = _member_lines(reader, member)
+            lines = _member_lines(reader, member, wanted)
         except _TooLarge:
-            log.warning("%s: not an archive handoffd wrote (a member too large, or expanding "
-                        "%d-fold); the rest of it is passed over", name,
+            log.warning("%s: not an archive handoffd wrote (a member too large, of too many "
+                        "lines, or expanding %d-fold); the rest of it is passed over", name,
                         reader.written // max(reader.read, 1))
             return
         except zlib.error:
@@ -316,15 +321,16 @@ class _Members:
             position += step
 
 
-def _member_lines(reader: _Members, start: int) -> list[bytes] | None:
-    """The lines of the member starting at ``start``, once it ended whole; None when the file
-    ends inside it. zlib.error when it is torn; _TooLarge past the bounds."""
+def _member_lines(reader: _Members, start: int, wanted: bytes | None = None) -> list[bytes] | None:
+    """The lines of the member starting at ``start`` (those holding ``wanted``, when given),
+    once it ended whole; None when the file ends inside it. zlib.error when it is torn;
+    _TooLarge past the bounds (every line counted, kept or not)."""
     import zlib
     decoder = zlib.decompressobj(zlib.MAX_WBITS | 16)
     part: list[bytes] = []  # the line being decompressed, in pieces (joined once, when whole)
     part_size, skipping = 0, False
     lines: list[bytes] = []
-    held = 0
+    held = count = 0
     while True:
         data = reader.chunk()
         if not data:
@@ -332,19 +338,21 @@ def _member_lines(reader: _Members, start: int) -> list[bytes] | None:
         out = decoder.decompress(data, READ_CHUNK)
         reader.written += len(out)
         *whole, rest = out.split(b"\n")
+        count += len(whole)
         for piece in whole:
             if not skipping and part_size + len(piece) <= MAX_LINE_BYTES:
                 text = b"".join(part) + piece
-                if text.strip():
+                if text.strip() and (wanted is None or wanted in text):
                     lines.append(text)
-                    held += len(text)
+                    held += len(text) + LINE_OVERHEAD
             part, part_size, skipping = [], 0, False
         if not skipping:
             part.append(rest)
             part_size += len(rest)
             if part_size > MAX_LINE_BYTES:
                 part, part_size, skipping = [], 0, True
-        if held > MAX_MEMBER_BYTES or reader.written > MAX_RATIO * reader.read + READ_CHUNK:
+        if held > MAX_MEMBER_BYTES or count > MAX_MEMBER_LINES \
+                or reader.written > MAX_RATIO * reader.read + READ_CHUNK:
             raise _TooLarge
         if decoder.eof:
             # at the member's end, everything after it in the input is in unused_data (the
@@ -369,7 +377,9 @@ def find_archived(ws: Workspace, handoff_id: str) -> dict[str, Any] | None:
     match was a handoff's earlier life, e.g. a failure later retried and completed)."""
     found: dict[str, Any] | None = None
     found_in: str | None = None
-    for entry in archived_with_files(ws):
+    # each line starts as append_archive writes it: only lines naming the id are parsed
+    wanted = b'"id": ' + json.dumps(handoff_id).encode()
+    for entry in archived_with_files(ws, wanted):
         path, item = entry
         if found_in is not None and path != found_in:
             break
@@ -378,8 +388,10 @@ def find_archived(ws: Workspace, handoff_id: str) -> dict[str, Any] | None:
     return found
 
 
-def archived_with_files(ws: Workspace) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(file name, entry) of every archived entry, newest file first."""
+def archived_with_files(ws: Workspace, wanted: bytes | None = None
+                        ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(file name, entry) of every archived entry (those whose line holds ``wanted``), newest
+    file first."""
     folder = archive_dir(ws)
     if not plain_folder(folder):
         return
@@ -389,7 +401,7 @@ def archived_with_files(ws: Workspace) -> Iterator[tuple[str, dict[str, Any]]]:
         except OSError:
             continue
         with os.fdopen(fd, "rb") as fh:
-            for entry in _entries(fh, path.name):
+            for entry in _entries(fh, path.name, wanted):
                 yield path.name, entry
 
 
