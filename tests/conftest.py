@@ -8,19 +8,32 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+import pgserver
 import pytest
 
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-
-import pgserver
 
 REPO = Path(__file__).resolve().parent.parent
 SPECIALISTS = REPO / "specialists"
 BIN = Path(sys.executable).parent
 
+
+
+class Clock:
+    """A wall clock moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
 
 def run_python(code: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (``sys.argv[1:]`` = ``args``), text output captured,

@@ -6,32 +6,27 @@ proving that the engine, the features and the daemon reach storage only through 
 interface."""
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import Clock
 
-from handoffd import Daemon, Engine, Registry, State, Workspace, build_engine, new_native_request
+from handoffd import (
+    Daemon,
+    Engine,
+    Registry,
+    State,
+    Workspace,
+    build_engine,
+    new_native_request,
+)
 from handoffd.backends.memory import MemoryBackend
 from handoffd.core.config import Config, DaemonSettings, RetryPolicy
 from handoffd.core.documents import book
 from handoffd.features import cancellation
 from handoffd.service.sweeper import requeue_failed, sweep
-
-
-class Clock:
-    """A wall clock moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
-
 
 CALLS: list[tuple[str, int]] = []
 

@@ -8,12 +8,12 @@ failing midway) run the engine in-process on the memory backend with a clock mov
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Workspace
+from conftest import Clock, Workspace
 
 from handoffd import Daemon, Engine, Registry, State, build_engine, new_native_request
 from handoffd import Workspace as HandoffdWorkspace
@@ -206,19 +206,6 @@ def test_a_malformed_delegation_is_announced_once(hws: Workspace) -> None:
 
 
 # ---------------------------------------------------------------- in-process (memory backend)
-class Clock:
-    """A wall clock moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
-
-
 RUNS: list[str] = []
 
 
