@@ -9,6 +9,13 @@ keep that promise for a daemon's jobs:
   (the moment the successful renewal *started*, so the store's own clock can only be later), and
   stops the handler, its attempt handed back, once that is :data:`FENCE_FRACTION` of a lease ago.
 
+With the files backend a third thread, the **lock check**, makes sure every ``min(0.5 s, lease
+/ 10)`` that this process still holds the owner lock its claims ride on: a Python handler that
+closes file descriptors it did not open (``os.closerange(3, …)``) drops it, and any other process
+would then take our running claims for abandoned. The store takes a new lock at once (the next
+claim checks too, with one ``fstat``); the jobs on the lost one are fenced like a lost lease,
+since another process may have seen the lock free meanwhile.
+
 A store that cannot be reached (a PostgreSQL outage longer than the lease) therefore ends this
 process's handlers before any other process can recover them: two live hosts never run one
 handoff at once. A renewal that finds the claim gone (recovered meanwhile) stops the handler at
@@ -32,6 +39,9 @@ log = logging.getLogger("handoffd")
 FENCE_FRACTION = 0.8  # of a lease since the last renewal: past it, the handler is stopped
 MIN_RENEW_SECONDS = 0.25  # (a lease is at least 1 s: renewals every 0.33 s at most)
 RENEWERS = 8  # leases renewed at once
+LOCK_CHECK_SECONDS = 0.5  # at most: how long a lost owner lock may go unnoticed without claims
+LOST_LOCK_REASON = ("a handler closed the daemon's owner lock, so another process may take the "
+                    "handoff over; the handler is stopped and its result will be discarded")
 
 
 class LeaseKeeper:
@@ -56,8 +66,15 @@ class LeaseKeeper:
         self.threads = []
         renew_every = max(self.lease / 3, MIN_RENEW_SECONDS)
         guard_every = min(1.0, self.lease / 10)
-        for name, step, every in (("handoffd-lease-renewer", self.renew_all, renew_every),
-                                  ("handoffd-lease-guard", self.check, guard_every)):
+        steps: list[tuple[str, Callable[[], None], float]] = [
+            ("handoffd-lease-renewer", self.renew_all, renew_every),
+            ("handoffd-lease-guard", self.check, guard_every)]
+        if callable(getattr(self.engine.backend, "broken_claims", None)):  # (files backend)
+            # a thread of its own: a lock check that hangs (a hung NFS) holds back neither
+            # the renewals nor the fence
+            steps.append(("handoffd-lock-check", self.check_locks,
+                          min(LOCK_CHECK_SECONDS, self.lease / 10)))
+        for name, step, every in steps:
             thread = threading.Thread(target=self._every, args=(step, every), daemon=True,
                                       name=name)
             thread.start()
@@ -120,6 +137,23 @@ class LeaseKeeper:
                 self._fence(job, f"its lease could not be renewed for {now - job.renewed_at:.1f}s "
                                  f"(lease_seconds = {self.lease:g}); the handler is stopped before "
                                  "another process may take the handoff over")
+
+    def check_locks(self) -> None:
+        """Fence every running job whose claim rides on a lock this process no longer holds for
+        sure (a handler closed its descriptor; the store has taken a new one, and logged it)."""
+        broken_claims = getattr(self.engine.backend, "broken_claims", None)
+        if broken_claims is None:
+            return
+        jobs = self.jobs()
+        try:
+            broken = broken_claims([job.claim for job in jobs])
+        except OSError as exc:  # no new lock: every job on the old one is returned next time
+            log.error("cannot take a new owner lock: %s; will try again", exc)
+            return
+        lost = {id(claim) for claim in broken}
+        for job in jobs:
+            if id(job.claim) in lost and not job.ending:  # (one being filed: finish checks)
+                self._fence(job, LOST_LOCK_REASON)
 
     def _fence(self, job: Job, reason: str) -> None:
         if job.fenced:

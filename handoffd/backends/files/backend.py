@@ -67,7 +67,7 @@ from . import fsio, repair
 from .problems import read_error
 from .records import FileRecords
 from .store import Claim as StoreClaim
-from .store import Store, lock_name, release_lock, try_lock
+from .store import OWNER_LOCK_NAME, Store, lock_name, release_lock, try_lock
 from .watch import FolderWatch
 
 if TYPE_CHECKING:
@@ -101,6 +101,14 @@ def _in_order(stamped: builtins.list[tuple[float, State, str]], limit: int | Non
     pick = heapq.nlargest if newest else heapq.nsmallest
     yield from pick(first, stamped, key=key)  # the same as the sorted list's head
     yield from sorted(stamped, key=key, reverse=newest)[first:]
+
+
+def _owner_lock_of(claim: Claim) -> str | None:
+    """The owner lock (see :meth:`Store.owner_lock`) ``claim``'s lease names; None for a claim on
+    its own lock file (a recovered one)."""
+    held = book(claim.doc).get("lease")
+    named = held.get("lock") if isinstance(held, dict) else None
+    return named if isinstance(named, str) and OWNER_LOCK_NAME.fullmatch(named) else None
 
 
 class FilesBackend(FencedFiling, Backend):
@@ -369,6 +377,19 @@ class FilesBackend(FencedFiling, Backend):
             return False
         self._watched(claim.id, handle.doc)
         return True
+
+    def broken_claims(self, claims: Collection[Claim]) -> builtins.list[Claim]:
+        """Those of ``claims`` (this process's running ones) that ride on an owner lock this
+        process no longer holds for sure: a handler closed its descriptor (see
+        :meth:`Store.check_owner_lock`, which takes a new one). Another process may have taken
+        the lock meanwhile and judged them abandoned, so the caller fences them: stopped, their
+        attempts retried, their results never filed over another owner's claim. Raises OSError
+        when no new owner lock can be taken (then every claim on the old one is returned by the
+        next call, which tries again)."""
+        current = self.store.check_owner_lock()
+        named = {name for claim in claims if (name := _owner_lock_of(claim)) is not None}
+        self.store.keep_shields(named)  # a lost lock held again until its claims have ended
+        return [claim for claim in claims if _owner_lock_of(claim) not in (None, current)]
 
     def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
         if not self.store.finish(claim.handle, state, doc):

@@ -71,6 +71,7 @@ class FolderEvents:
         self.on_overflow = on_overflow
         self._fd = -1
         self._kill: tuple[int, int] | None = None
+        self._idents: dict[int, tuple[int, int]] = {}  # fd -> (st_dev, st_ino) when opened
         self._kinds: dict[int, str] = {}
         self._thread: threading.Thread | None = None
 
@@ -90,6 +91,7 @@ class FolderEvents:
             self._kinds[wd] = kind
         self._fd = fd
         self._kill = os.pipe()
+        self._idents = {n: _identity(n) for n in (fd, *self._kill)}
         self._thread = threading.Thread(target=self._run, name="handoffd-inotify", daemon=True)
         self._thread.start()
 
@@ -100,17 +102,26 @@ class FolderEvents:
     def stop(self) -> None:
         """Stop the reader thread and close the descriptors (prompt: no delay to wait out)."""
         thread, self._thread = self._thread, None
-        if self._kill is not None:
-            os.write(self._kill[1], b"x")
+        # a Python handler may have closed our descriptors and the numbers gone to other files
+        # (once a retry's temp file got our wake-up byte): each is used only if still ours
+        if self._kill is not None and self._ours(self._kill[1]):
+            try:
+                os.write(self._kill[1], b"x")
+            except OSError:
+                pass
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2)
         for fd in (self._fd, *(self._kill or ())):
-            if fd >= 0:
+            if fd >= 0 and self._ours(fd):
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self._fd, self._kill = -1, None
+        self._fd, self._kill, self._idents = -1, None, {}
+
+    def _ours(self, fd: int) -> bool:
+        """``fd`` still refers to the file this watch opened under that number."""
+        return fd in self._idents and _identity(fd) == self._idents[fd]
 
     def _run(self) -> None:
         assert self._kill is not None
@@ -148,3 +159,12 @@ class FolderEvents:
             name = os.fsdecode(raw.rstrip(b"\0"))
             if name:
                 self.on_event(kind, name, bool(mask & SETTLED))
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    """(st_dev, st_ino) of what ``fd`` refers to; (-1, -1) when it is closed."""
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return (-1, -1)
+    return (info.st_dev, info.st_ino)

@@ -30,6 +30,14 @@ from ...core.timeutil import iso, utc_now
 from ...core.workspace import Workspace
 from ..base import stamp_created
 from . import aside, fsio, seals, spares
+from .ownerlock import (
+    OwnerLock,
+    close_quietly,
+    drop_lock,
+    hold_again,
+    say_lost,
+    unlink_quietly,
+)
 from .seen import SeenIds
 
 if TYPE_CHECKING:  # filelock is imported where a lock is taken (one-shot commands skip it)
@@ -104,7 +112,10 @@ class Store:
         self.seen = SeenIds(workspace.meta / "seen-ids.jsonl", seen_ttl_seconds)
         self._key: bytes | None = None
         self._key_loaded = False
-        self._owner: tuple[str, int, int] | None = None  # (lock file name, fd, pid holding it)
+        self._owner: OwnerLock | None = None  # see owner_lock
+        # owner locks lost (a handler closed their descriptor) and held again under a new one
+        # while the attempts that rode on them wind down (see _replace_lost)
+        self._shields: list[OwnerLock] = []
         self._owner_mutex = threading.Lock()
         self._given_up: set[str] = set()  # lease tokens of claims ended here without being filed
         self._own_tmp: Path | None = None  # see use_own_tmp
@@ -114,21 +125,93 @@ class Store:
         """The name of the lock file (in ``handoffs/.locks``) this store holds while it lives:
         every claim's lease names it, so a recoverer on this host that can take it knows the
         owner process died. One lock for all claims instead of one lock file per claim: creating
-        a file is the dearest step of a claim on a journaling filesystem."""
+        a file is the dearest step of a claim on a journaling filesystem.
+
+        A handler running in this process may have closed the lock's descriptor (a careless
+        "close inherited fds" helper): then the lock is free for any other process to take, and
+        a claim naming it would look abandoned. So each call checks the descriptor with one
+        ``fstat`` and, if it is gone, takes a new lock first (see :meth:`check_owner_lock`)."""
         with self._owner_mutex:
-            if self._owner is not None and self._owner[2] == os.getpid():
-                return self._owner[0]
-            name = f"owner.{os.urandom(16).hex()}.lock"  # never reused: a stale file is never ours
-            path = self.ws.locks / name
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            try:
-                fd = os.open(path, flags, 0o644)
-            except FileNotFoundError:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, flags, 0o644)
+            owner = self._owner
+            if owner is None or owner.pid != os.getpid():  # (a forked process takes its own)
+                return self._take_owner_lock().name
+            if owner.fd_intact():
+                return owner.name
+            why = owner.problem(self.ws.locks) or "its descriptor was closed"
+            fresh = self._replace_lost(owner, why)
+        say_lost(owner, why, fresh)
+        return fresh.name
+
+    def check_owner_lock(self) -> str | None:
+        """Make sure this process still holds its owner lock, and return its name (None while
+        this process has not taken one).
+
+        The lock is lost when its descriptor was closed (by a handler running in this process),
+        now refers to another file or to another opening of the lock file, or the file was
+        removed or replaced. Then another process may already have taken it and judged our
+        claims abandoned: a new lock is taken (under a new name, which later claims name), and
+        the old one is held again under a new descriptor if nobody took it meanwhile, to keep
+        the claims that name it from being recovered while they are stopped; whether or not,
+        those claims must be fenced by the caller (see :meth:`FilesBackend.broken_claims`). One
+        warning is logged. Raises OSError when a new lock cannot be taken (the next claim tries
+        again)."""
+        with self._owner_mutex:
+            # a shield closed by a handler is forgotten, never closed (nor a forked parent's)
+            self._shields = [s for s in self._shields if s.pid == os.getpid() and s.fd_ours()]
+            owner = self._owner
+            if owner is None or owner.pid != os.getpid():
+                return None
+            why = owner.problem(self.ws.locks)
+            if why is None:
+                return owner.name
+            self._owner = None  # (if no new lock can be taken, the next claim tries again)
+            fresh = self._replace_lost(owner, why)
+        say_lost(owner, why, fresh)
+        return fresh.name
+
+    def keep_shields(self, named: set[str]) -> None:
+        """Release the lost owner locks held again (see :meth:`check_owner_lock`) that no claim
+        in ``named`` (the lock names the running claims' leases give) rides on any more: their
+        attempts have ended, and a claim given up midway is then recoverable by others, as when
+        a process dies."""
+        with self._owner_mutex:
+            done = [s for s in self._shields if s.name not in named and s.pid == os.getpid()]
+            self._shields = [s for s in self._shields if s not in done]
+        for shield in done:
+            drop_lock(shield, self.ws.locks)
+
+    def _take_owner_lock(self) -> OwnerLock:
+        """Create and lock a new owner lock file and make it this store's (under the mutex)."""
+        name = f"owner.{os.urandom(16).hex()}.lock"  # never reused: a stale file is never ours
+        path = self.ws.locks / name
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o644)
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else holds it
-            self._owner = (name, fd, os.getpid())
-            return name
+            lock = OwnerLock.mark_open(name, fd)
+        except BaseException:
+            close_quietly(fd)
+            unlink_quietly(path)
+            raise
+        self._owner = lock
+        return lock
+
+    def _replace_lost(self, lost: OwnerLock, why: str) -> OwnerLock:
+        """``lost`` is no longer surely held (``why``): keep it from being taken over while its
+        claims are fenced if nobody took it meanwhile, and take a new owner lock (under the
+        mutex)."""
+        if lost.fd_ours():  # still our descriptor, but its file was removed or replaced
+            close_quietly(lost.fd)
+        else:  # never closed here: the number may already be another file's descriptor
+            shield = hold_again(lost, self.ws.locks)
+            if shield is not None:
+                self._shields.append(shield)
+        self._owner = None
+        return self._take_owner_lock()
 
     def give_up(self, token: str | None) -> None:
         """Note that this process ended the claim with lease ``token`` without filing it (it
@@ -144,17 +227,15 @@ class Store:
             return token in self._given_up
 
     def close(self) -> None:
-        """Drop the owner lock (claims still open become recoverable, as if this process died)."""
+        """Drop the owner lock (claims still open become recoverable, as if this process died),
+        and any lost one held again. Never raises for a descriptor a handler closed: one that is
+        no longer ours is left alone (its number may be another file's now)."""
         with self._owner_mutex:
-            owner, self._owner = self._owner, None
-        if owner is None or owner[2] != os.getpid():
-            return
-        name, fd, _ = owner
-        try:
-            os.unlink(self.ws.locks / name)
-        except FileNotFoundError:
-            pass
-        os.close(fd)
+            locks = [self._owner, *self._shields]
+            self._owner, self._shields = None, []
+        for lock in locks:
+            if lock is not None and lock.pid == os.getpid():
+                drop_lock(lock, self.ws.locks)
 
     # ---------------------------------------------------------------- temp files
     @property
