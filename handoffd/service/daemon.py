@@ -27,8 +27,9 @@ from ..core.states import State
 from ..core.storage import LOST, Wakeup
 from ..core.validation import SchemaCache
 from ..core.watchdog import TakenOver
-from . import allocator
+from . import allocator, handbacks
 from .leases import LeaseKeeper
+from .suspects import Solo, is_suspect
 from .sweeper import SweepReport, sweep
 from .workers import WorkerPool
 
@@ -73,7 +74,8 @@ class BatchReport:
     sweep: SweepReport | None = None
     error: str | None = None  # set when the main loop died (the exit code is then non-zero)
     stalls: int = 0  # times the progress watchdog had to reset the scheduler
-    # forked processes of this run (service.spread) that ended without a report, and how
+    # forked processes of this run (service.spread) that ended without a report, or were
+    # stopped for running too long past its end, and how
     lost: list[str] = field(default_factory=list)
 
     def needs_a_look(self) -> bool:
@@ -91,7 +93,7 @@ class BatchReport:
         if self.waiting:
             text += f", waiting {len(self.waiting)}"
         if self.lost:
-            text += f"; {len(self.lost)} process(es) ended without a report"
+            text += f"; {len(self.lost)} process(es) ended without a report or were stopped"
         if self.error:
             text += f"; main loop died: {self.error}"
         return text
@@ -156,6 +158,9 @@ class Daemon:
         # cancelled, fenced): a thread cannot be stopped, so no new attempt starts beside them
         self.late: Counter[str] = Counter()
         self.late_said: dict[str, int] = {}  # (said once per late handler)
+        # suspects (recovered from a dead owner) run alone, so that a handler that brings the
+        # process down again takes no innocent attempt with it (service.suspects)
+        self.solo = Solo()
         self.report = BatchReport()
         self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
         # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
@@ -326,6 +331,7 @@ class Daemon:
             for handoff_id in ids:
                 if handoff_id in self.active or handoff_id in self.queued or handoff_id in self.readied \
                         or handoff_id in self.parked_ids or handoff_id in self.released \
+                        or handoff_id in self.solo.waiting \
                         or handoff_id in self.report.unroutable \
                         or (not recheck_waiting and handoff_id in self.waiting):
                     continue
@@ -401,10 +407,30 @@ class Daemon:
         self.readied.discard(handoff_id)
         return handoff_id, peek
 
+    def _next_to_dispatch(self, now: float) -> tuple[str, Peek | None] | None:
+        """What to dispatch next (called under ``cv``): the most urgent due handoff
+        (:meth:`_next_ready`), unless a suspect runs alone or waits to (:mod:`.suspects`):
+        then nothing, or that suspect once nothing else runs."""
+        if not self._solo_blocks():
+            return self._next_ready(now)
+        handoff_id = self.solo.next_waiting(self.running)
+        if handoff_id is None:
+            return None
+        try:  # read again: it waited, and may have been claimed or changed meanwhile
+            peek = self.engine.peek(handoff_id)
+        except Exception:  # (peek never raises; if it ever does, the file is set aside)
+            log.exception("handoff %s: cannot be read", handoff_id)
+            peek = Peek(handoff_id, readable=False)
+        return handoff_id, peek
+
+    def _solo_blocks(self) -> bool:
+        """True while a suspect runs alone or waits to (called under ``cv``)."""
+        return self.solo.blocks(self.inflight, self.late)
+
     # ------------------------------------------------------------ dispatch
-    def _submit(self, agent: str, func: Callable[..., Any], handoff_id: str, *args: Any) -> None:
+    def _submit(self, agent: str, func: Callable[..., Any], handoff_id: str, *args: Any) -> int:
         """Run ``func(handoff_id, *args)`` on the pool, counted against ``agent``'s slots (or
-        next on the worker that asked for it: see :meth:`_chain`)."""
+        next on the worker that asked for it: see :meth:`_chain`); returns its task token."""
         token = next(self.seq)
         self.last_dispatch = time.monotonic()
         self.inflight[token] = (agent, self.last_dispatch)
@@ -412,12 +438,13 @@ class Daemon:
         self.running += 1
         if self.chained == []:  # the first task a finishing worker's look finds: its own next
             self.chained.append((token, func, handoff_id, args))
-            return
+            return token
         try:
             self.pool.submit(self._run_task, token, func, handoff_id, *args)
         except BaseException:  # e.g. the pool is shut down: the slot is not taken
             self._finished(token)
             raise
+        return token
 
     def _run_task(self, token: int, func: Callable[..., Any], handoff_id: str, *args: Any) -> None:
         task: Task | None = (token, func, handoff_id, args)
@@ -457,7 +484,7 @@ class Daemon:
                 if taken or self.running >= self.workers:
                     break
                 self._release_parked()
-                ready = self._next_ready(time.monotonic())
+                ready = self._next_to_dispatch(time.monotonic())
                 if ready is None:
                     break
                 self._dispatch_safely(*ready)
@@ -548,9 +575,28 @@ class Daemon:
             self._park(spec.agent, handoff_id, front=was_released)
             self._look_again_at(handoff_id, deadline)
             return
+        # a suspect's in-process attempt runs alone (a command handler runs in a process of its
+        # own, which cannot take the daemon down): see service.suspects
+        suspect = not spec.is_command and is_suspect(peek.doc)
+        if suspect and self._hold_suspect(handoff_id):
+            return
         if self._rate_limited(spec, handoff_id, deadline):
             return
-        self._submit(spec.agent, self._work, handoff_id)
+        token = self._submit(spec.agent, self._work, handoff_id)
+        if suspect:
+            log.info("handoff %s was recovered from a dead owner: running it alone", handoff_id)
+            self.solo.started(handoff_id, token)
+
+    def _hold_suspect(self, handoff_id: str) -> bool:
+        """True when suspect ``handoff_id`` cannot start alone now: it waits, and nothing new
+        starts meanwhile, so that it starts as soon as the running tasks end."""
+        if not self.running and not self.solo.runs(self.inflight, self.late):
+            return False
+        if handoff_id not in self.solo.waiting:
+            log.info("handoff %s was recovered from a dead owner: it runs alone, once the %d "
+                     "running task(s) end", handoff_id, self.running)
+        self.solo.hold(handoff_id)
+        return True
 
     def _rate_limited(self, spec: Specialist, handoff_id: str, deadline: datetime | None) -> bool:
         """True when ``spec``'s rate limit holds ``handoff_id`` back: it is looked at again
@@ -628,6 +674,7 @@ class Daemon:
             del self.late[handoff_id]
             self.late_said.pop(handoff_id, None)
             self.notify(handoff_id)  # a retry held back for it may start now
+            self.cv.notify_all()  # and a suspect's end lets the others start (service.suspects)
 
     def _held_by_late(self, handoff_id: str) -> bool:
         """True (and looked at again later) while the Python handler of ``handoff_id``'s last
@@ -684,9 +731,9 @@ class Daemon:
     def _end_attempt(self, job: Job, outcome: Outcome) -> None:
         """File a run's outcome, or hand the attempt back if the daemon stopped it."""
         job.ending = True
-        if job.context.handback:
-            self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
-            self.report.handed_back += 1
+        if job.context.handback:  # counted once a stop interrupted it too often in a row
+            if handbacks.hand_back(self.engine, job, outcome):
+                self.report.handed_back += 1
             return
         if job.fenced:  # stopped by the lease keeper: retried by the policy, not cancelled
             outcome = self.engine.failure(
@@ -765,6 +812,10 @@ class Daemon:
         is wrong somewhere. Say so loudly, rebuild it from the truth and rescan."""
         if now < self.next_progress_check or now - self.last_dispatch < self.stall_seconds:
             return
+        with self.cv:
+            if self._solo_blocks():  # holding back on purpose while a suspect waits or runs
+                self.next_progress_check = now + self.stall_seconds
+                return
         self.next_progress_check = now + max(self.stall_seconds / 2, 0.05)
         try:
             stuck = self._due_with_free_slot()
@@ -827,6 +878,7 @@ class Daemon:
             self.parked_ids.clear()
             self.released.clear()
             self.releasing.clear()
+            self.solo.forget_waiting()
             self.busy = Counter(agent for agent, _ in self.inflight.values())
             self.running = len(self.inflight)
             self.waiting.clear()
@@ -979,7 +1031,7 @@ class Daemon:
                     return
                 self._release_parked()
                 now, spin_up_at = time.monotonic(), self._spin_up_at()
-                ready = self._next_ready(now) \
+                ready = self._next_to_dispatch(now) \
                     if self.running < self.workers and now >= spin_up_at else None
                 if ready is not None:
                     self._dispatch_safely(*ready)
@@ -995,7 +1047,8 @@ class Daemon:
                     if self.running < self.workers:
                         timers.append(max(self.next_progress_check,
                                           self.last_dispatch + self.stall_seconds))
-                if (self.heap or self.ready) and self.running < self.workers:
+                if (self.heap or self.ready) and self.running < self.workers \
+                        and not self._solo_blocks():  # (a task's end wakes a blocked loop)
                     timers.append(max(self.heap[0][0] if self.heap else now, spin_up_at))
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
 

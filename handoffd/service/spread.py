@@ -18,13 +18,16 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.procs import parent_death_signal
+from .reaping import Clock, Collected, collect
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -34,6 +37,12 @@ log = logging.getLogger("handoffd")
 AUTO_MIN_PENDING = 200  # "auto" forks for a backlog at least this large (~0.3 s of no-op work)
 AUTO_MAX_PROCESSES = 8
 ORPHANED = signal.SIGUSR2  # what a child gets when the parent dies
+# what a child is given, past the batch's --max-seconds or a stop, beyond grace_seconds to hand
+# its work back, file, report and exit, before the parent stops it (.reaping)
+HANDBACK_MARGIN_SECONDS = 5.0
+# and beyond that when features stop with it: the notifications' last deliveries take up to
+# 12 s (features.notify: 10 s to drain, 2 s to settle), the context mirror's last round 10 s
+STOP_HOOKS_SECONDS = 12.0
 
 
 def usable_cpus() -> int:
@@ -109,7 +118,11 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
     forward the signal to the children). A child that dies without a report is named in the
     result's ``lost`` (the exit code is then non-zero); its claims are recovered by the next sweep.
     ``serving`` (``handoffd serve``): a child that ends while the others serve stops them all, so
-    that the supervisor restarts the whole; the children stop when the parent does."""
+    that the supervisor restarts the whole; the children stop when the parent does.
+
+    A child still running past the batch's ``--max-seconds`` (or past a stop) by more than
+    :meth:`_Family.allowance` is stopped (SIGTERM, then SIGKILL) and named in ``lost``, so a
+    stuck process never holds the batch: see :mod:`.reaping`."""
     from .daemon import warm_up_to_fork
     warm_up_to_fork(engine.schemas)  # built once, shared by the children
     if threading.active_count() > 1:  # a fork copies no thread but their locks: not safe now
@@ -137,7 +150,7 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
     if serving:
         family.stop_the_rest()
     for pid, read in children:
-        _merge(report, _collect(pid, read, family.unreaped))
+        _merge(report, _collect(pid, read, family))
     _forget_settled(engine, report)
     return report
 
@@ -146,17 +159,20 @@ class _Family:
     """The parent's view of its children: signals forwarded to the ones not yet reaped (a
     reaped pid may be reused); for ``serve``, a child that ended stops the parent."""
 
-    def __init__(self, daemon: Daemon, pids: list[int]) -> None:
+    def __init__(self, daemon: Daemon, pids: list[int], *, clock: Clock = time.monotonic) -> None:
         self.daemon = daemon
         self.unreaped = pids
         self.signalled = False
         self.ended: set[int] = set()
+        self.clock = clock
+        self.stopped_at = math.inf  # when the children were first told to stop
 
     def install(self) -> None:
         """SIGTERM/SIGINT stop the daemon as in ``run_batch`` (a second one hands back at once),
         forwarded to the children first."""
         def on_signal(signum: int, frame: Any) -> None:
             self.signalled = True
+            self.stopped_at = min(self.stopped_at, self.clock())
             self.send(signum)
             self.daemon.stop(hard=self.daemon.stopping)
 
@@ -190,7 +206,28 @@ class _Family:
     def stop_the_rest(self) -> None:
         """The parent stopped on its own (not on a signal it forwarded): stop the children."""
         if not self.signalled:
+            self.stopped_at = min(self.stopped_at, self.clock())
             self.send(signal.SIGTERM)
+
+    def allowance(self) -> float:
+        """Seconds a child is given past the batch's end or a stop to hand back and report:
+        ``grace_seconds`` (a first stop lets running work finish that long), a margin, and
+        what the stop hooks may take when features registered some."""
+        hooks = STOP_HOOKS_SECONDS if self.daemon.stop_hooks else 0.0
+        return self.daemon.settings.grace_seconds + HANDBACK_MARGIN_SECONDS + hooks
+
+    def deadline(self) -> float:
+        """When the children must have ended (monotonic; inf: no bound, a batch without
+        ``--max-seconds`` that nobody stopped waits for its children's work): the allowance
+        after the parent's ``--max-seconds`` ran out (each child's ran out before: it started
+        first) or after the children were told to stop, whichever came first."""
+        return min(self.daemon.batch_deadline, self.stopped_at) + self.allowance()
+
+    def ended_by(self) -> str:
+        """What the deadline counts from, for the summary."""
+        if self.stopped_at < self.daemon.batch_deadline:
+            return "it was told to stop"
+        return "the batch's --max-seconds ran out"
 
 
 def _report(write: int, report: BatchReport) -> None:
@@ -243,20 +280,33 @@ def _write_all(fd: int, data: bytes) -> None:
     os.close(fd)
 
 
-def _collect(pid: int, read: int, unreaped: list[int]) -> dict[str, Any]:
-    """The report of child ``pid``: read to the end, then reaped (and taken off ``unreaped``
-    first); an error entry if it has none."""
-    with os.fdopen(read, "rb") as pipe:
-        data = pipe.read()
-    unreaped.remove(pid)
-    _, status = os.waitpid(pid, 0)
-    try:
-        parsed = json.loads(data) if data else None
+def _collect(pid: int, read: int, family: _Family) -> dict[str, Any]:
+    """The report of child ``pid`` (read to the end, then reaped: :func:`.reaping.collect`);
+    an error entry when it has none, added to what it reported when it had to be stopped past
+    ``family``'s deadline."""
+    done = collect(pid, read, family.deadline, family.unreaped, clock=family.clock)
+    if not done.stopped:
+        return _parsed(pid, done)
+    late = (f"process {pid} was still running {family.allowance():g}s after "
+            f"{family.ended_by()}; stopped it with {done.stopped}"
+            + ("" if done.status is not None else " (it has not ended yet)"))
+    try:  # what it reported as it stopped still counts
+        parsed = json.loads(done.data) if done.data else None
     except ValueError:
         parsed = None
-    if isinstance(parsed, dict) and os.waitstatus_to_exitcode(status) == 0:
-        return parsed
+    return {**parsed, "lost": late} if isinstance(parsed, dict) else {"lost": late}
+
+
+def _parsed(pid: int, done: Collected) -> dict[str, Any]:
+    """The report a child that ended on its own sent; an error entry if it has none."""
+    status = done.status if done.status is not None else 0
+    try:
+        parsed = json.loads(done.data) if done.data else None
+    except ValueError:
+        parsed = None
     code = os.waitstatus_to_exitcode(status)
+    if isinstance(parsed, dict) and code == 0:
+        return parsed
     how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
     return {"lost": f"process {pid} ended without a report ({how})"}
 

@@ -1,0 +1,82 @@
+"""Hand-backs of attempts a stop interrupted: free a few times in a row, then counted.
+
+A daemon that stops (SIGTERM, ``--max-seconds``) hands back what still runs after
+``grace_seconds``, uncounted: an operator's stop must not cost a handoff its retries. But a
+handler that signals its own daemon (``os.kill(os.getpid(), SIGTERM)``, a careless
+``os.killpg(0, ...)``) and outlasts the grace was handed back at every start, for ever: its
+attempt never counted, it was never dead-lettered, its history grew without end.
+
+So the first :data:`FREE_HANDBACKS` hand-backs in a row of a handoff whose handler was running
+are free; from the next one on, each such stop counts as a failed attempt under its retry
+policy (``PROCESSING_ERROR``, "interrupted by stops N times in a row"), so it is eventually
+dead-lettered. The count is read from the handoff's own history, so it holds across processes
+and restarts: a ``handed_back`` event with ``interrupted: true`` (its handler ran) or a retry
+scheduled for such a stop counts; claims, and hand-backs of attempts that never started, are
+skipped; any other event (it finished, failed, was recovered, retried by hand) ends the run.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..core.documents import Outcome, book
+from ..core.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine, Job
+
+# stops in a row that hand a running attempt back for free: an operator's stop or two (a
+# deploy, a restart) never costs a retry; a handler that ends its own daemon at every start
+# is failed after FREE_HANDBACKS + max_retries + 1 starts
+FREE_HANDBACKS = 3
+INTERRUPTED = "interrupted"  # detail of a ``handed_back`` event: the attempt's handler ran
+STOPS = "stops_in_a_row"  # detail of an error filed for a counted stop
+
+
+def interrupted(entry: dict[str, Any]) -> bool:
+    """True when history ``entry`` ended an attempt whose handler a stop interrupted: a free
+    hand-back, or a stop counted as an attempt."""
+    detail = entry.get("detail")
+    if not isinstance(detail, dict):
+        return False
+    if entry.get("event") == "handed_back":
+        return detail.get(INTERRUPTED) is True
+    if entry.get("event") == "retry_scheduled":
+        error = detail.get("error")
+        details = error.get("details") if isinstance(error, dict) else None
+        return isinstance(details, dict) and STOPS in details
+    return False
+
+
+def stops_in_a_row(doc: dict[str, Any]) -> int:
+    """How many interrupted attempts the handoff's history ends with (see the module)."""
+    history = book(doc).get("history")
+    count = 0
+    for entry in reversed(history if isinstance(history, list) else []):
+        if not isinstance(entry, dict):
+            break
+        if interrupted(entry):
+            count += 1
+        elif entry.get("event") not in ("claimed", "handed_back"):  # (never started: skipped)
+            break
+    return count
+
+
+def hand_back(engine: Engine, job: Job, outcome: Outcome) -> bool:
+    """End ``job``'s attempt, which a stopping daemon interrupted while its handler ran:
+    handed back uncounted (True), or, after :data:`FREE_HANDBACKS` such stops in a row, filed
+    as a failed attempt under its retry policy (False; the engine's listeners hear of it)."""
+    streak = stops_in_a_row(job.claim.doc) + 1
+    if streak <= FREE_HANDBACKS:
+        engine.requeue(job.claim, job.dialect, "handed_back", reason="daemon stopping",
+                       interrupted=True)  # (INTERRUPTED)
+        return True
+    failure = engine.failure(
+        outcome.started_at or engine.clock(), ErrorCode.PROCESSING_ERROR,
+        f"handoff {job.handoff_id}: interrupted by stops {streak} times in a row: its handler "
+        "was still running each time its daemon stopped (a signal, or a batch's --max-seconds; "
+        f"after {FREE_HANDBACKS} hand-backs in a row each such stop counts as an attempt); a "
+        "handler that signals its own daemon, or always outlasts [daemon] grace_seconds or "
+        "--max-seconds, is failed this way",
+        retryable=True, details={STOPS: streak})
+    engine.file(job.claim, job.dialect, job.specialist, failure)
+    return False

@@ -1,0 +1,431 @@
+"""Handlers that take their daemon down, and daemons that cannot end: what the service does.
+
+* A Python handler that kills its process (``os._exit``) is dead-lettered after its retries;
+  the healthy handoffs that ran beside it are not: what recovery takes from a dead owner is
+  suspect and runs alone (handoffd.service.suspects), under ``run``, ``run --processes`` and
+  restarted ``serve`` alike.
+* ``run --processes N --max-seconds S`` ends even when one of its processes is stuck: the parent
+  stops it, says so and exits 1 (handoffd.service.reaping).
+* A handler that stops its own daemon at every start is handed back for free a few times, then
+  counted and dead-lettered (handoffd.service.handbacks); an operator's stop or two stays free.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Workspace, alive, exe, wait_until
+from handoffd.service import reaping
+from handoffd.service.handbacks import FREE_HANDBACKS, stops_in_a_row
+from handoffd.service.suspects import LATE_HOLD_SECONDS, Solo, is_suspect
+
+PLUG = '''
+import json, os, signal, time
+
+def _log(ctx, **fields):
+    with open(os.environ["CRASH_LOG"], "a") as log:
+        log.write(json.dumps({"id": ctx.handoff_id, "pid": os.getpid(), **fields}) + "\\n")
+
+def _starts(ctx):
+    with open(os.environ["CRASH_LOG"]) as log:
+        return sum(1 for line in log if json.loads(line).get("id") == ctx.handoff_id
+                   and "at" in json.loads(line))
+
+def poison(handoff, ctx):
+    _log(ctx, at=time.time())
+    time.sleep(0.2)
+    os._exit(3)  # takes the whole process down, and whatever runs in it
+
+def work(handoff, ctx):
+    _log(ctx, at=time.time())
+    time.sleep(float(handoff.get("input", {}).get("data", {}).get("sleep", 0.4)))
+    _log(ctx, done=time.time())
+    return {"status": "completed"}
+
+def selfstop(handoff, ctx):
+    _log(ctx, at=time.time())
+    os.kill(os.getpid(), signal.SIGTERM)  # its own daemon: a stop nobody asked for
+    time.sleep(3)  # past grace_seconds
+    return {"status": "completed"}
+
+def slow_twice(handoff, ctx):
+    _log(ctx, at=time.time())
+    if _starts(ctx) <= 2:  # an operator stops the daemon twice while this runs
+        time.sleep(3)
+    _log(ctx, done=time.time())
+    return {"status": "completed"}
+'''
+
+CONFIG = '''
+[daemon]
+durability = "fast"
+settle_seconds = 0.05
+grace_seconds = {grace}
+workers = 4
+sweep_seconds = 0.5
+rescan_seconds = 0.5
+
+[retry]
+max_retries = {retries}
+retry_delay_seconds = 0
+backoff_multiplier = 1.0
+
+[specialists."@poison"]
+handler = "crashplug:poison"
+[specialists."@work"]
+handler = "crashplug:work"
+[specialists."@selfstop"]
+handler = "crashplug:selfstop"
+[specialists."@slow"]
+handler = "crashplug:slow_twice"
+'''
+
+
+def setup(ws: Workspace, *, grace: float = 5.0, retries: int = 2) -> None:
+    plug = ws.root / "plug"
+    plug.mkdir()
+    (plug / "crashplug.py").write_text(PLUG)
+    ws.write_config(CONFIG.format(grace=grace, retries=retries))
+
+
+def drop(ws: Workspace, hid: str, agent: str, **data: Any) -> str:
+    ws.drop(f"{hid}.json", {"handoff_id": hid, "target": {"agent_id": agent},
+                            "input": {"data": data}})
+    return hid
+
+
+def env(ws: Workspace) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, (str(ws.root / "plug"), os.environ.get("PYTHONPATH"))))
+    return dict(os.environ, PYTHONPATH=path, CRASH_LOG=str(ws.root / "runs.jsonl"))
+
+
+def runs(ws: Workspace) -> list[dict[str, Any]]:
+    path = ws.root / "runs.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def batch(ws: Workspace, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([exe("handoffd"), "run", "--root", str(ws.root), *args],
+                          capture_output=True, text=True, env=env(ws), timeout=timeout)
+
+
+def start(ws: Workspace, *args: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([exe("handoffd"), *args, "--root", str(ws.root)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env(ws))
+    ws.daemons.append(proc)  # killed by the fixture if a test fails with it running
+    return proc
+
+
+def where(ws: Workspace, hid: str) -> str:
+    found = ws.state_of(hid)
+    assert len(found) == 1, (hid, found)
+    return found[0]
+
+
+def settled(ws: Workspace, poison: str, healthy: list[str]) -> bool:
+    return ws.state_of(poison) == ["failed"] and \
+        all(ws.state_of(hid) == ["completed"] for hid in healthy)
+
+
+def book(ws: Workspace, hid: str) -> dict[str, Any]:
+    return ws.doc(hid)["handoffd"]
+
+
+def assert_only_the_poison_paid(ws: Workspace, poison: str, healthy: list[str]) -> None:
+    assert where(ws, poison) == "failed"
+    assert "owner process is gone" in json.dumps(ws.doc(poison)["error"])
+    for hid in healthy:
+        assert where(ws, hid) == "completed", ws.doc(hid).get("error")
+        # charged for the first crash at most (nobody could tell yet who caused it)
+        assert book(ws, hid).get("retries", 0) <= 1, book(ws, hid)
+
+
+def assert_suspects_ran_alone(ws: Workspace, first_pids: set[object]) -> None:
+    """In every process after the first crash (all work here is suspect by then), no run
+    started before the one before it ended; a run that never ended took its process down."""
+    by_pid: dict[object, list[dict[str, Any]]] = {}
+    for entry in runs(ws):
+        by_pid.setdefault(entry["pid"], []).append(entry)
+    for pid, entries in by_pid.items():
+        if pid in first_pids:
+            continue
+        open_run = None
+        for entry in entries:
+            if "at" in entry:
+                assert open_run is None, f"{entry['id']} started beside {open_run} in {pid}"
+                open_run = entry["id"]
+            else:
+                assert entry["id"] == open_run
+                open_run = None
+
+
+# ---------------------------------------------------------------- F3: crash loops
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_crash_looping_handler_is_dead_lettered_alone_under_cron(ws: Workspace,
+                                                                   processes: str) -> None:
+    setup(ws, retries=1)
+    healthy = [drop(ws, f"good-{i}", "@work") for i in range(6)]
+    poison = drop(ws, "bad-0", "@poison")
+    first = batch(ws, "--processes", processes, "--workers", "4")
+    assert first.returncode != 0  # the poison took a process down with what ran beside it
+    assert "Traceback" not in first.stderr
+    first_pids = {e["pid"] for e in runs(ws)}
+    ended = time.monotonic() + 18
+    while not settled(ws, poison, healthy) and time.monotonic() < ended:
+        again = batch(ws, "--processes", processes, "--workers", "4")
+        assert "Traceback" not in again.stderr, again.stderr
+    assert_only_the_poison_paid(ws, poison, healthy)
+    if processes == "1":  # (with two, each process's stripe decides who met the poison first)
+        assert_suspects_ran_alone(ws, first_pids)
+    assert not ws.state_of(poison) == ["in-progress"]
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_crash_looping_handler_is_dead_lettered_alone_under_restarted_serve(
+        ws: Workspace, processes: str) -> None:
+    setup(ws, retries=2)
+    healthy = [drop(ws, f"good-{i}", "@work") for i in range(6)]
+    poison = drop(ws, "bad-0", "@poison")
+    ended = time.monotonic() + 18
+    exits = []
+    while not settled(ws, poison, healthy) and time.monotonic() < ended:
+        # a supervisor restarting it after every crash
+        proc = start(ws, "serve", "--processes", processes)
+        while proc.poll() is None and not settled(ws, poison, healthy) \
+                and time.monotonic() < ended:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        exits.append(proc.wait(timeout=15))
+        assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+    assert set(exits) & {1, 3}  # it crashed (with two processes, maybe only a forked one)
+    assert_only_the_poison_paid(ws, poison, healthy)
+
+
+def test_a_suspect_starts_alone_and_healthy_work_flows_after_it(ws: Workspace) -> None:
+    """After a crash, fresh work waits while a suspect runs, then runs side by side again."""
+    setup(ws)
+    healthy = [drop(ws, f"good-{i}", "@work") for i in range(2)]
+    poison = drop(ws, "bad-0", "@poison")
+    assert batch(ws, "--workers", "4").returncode == 3
+    for hid in (*healthy, poison):
+        assert where(ws, hid) == "in-progress"
+    fresh = [drop(ws, f"fresh-{i}", "@work", sleep=0.3) for i in range(4)]
+    ended = time.monotonic() + 18
+    while not settled(ws, poison, [*healthy, *fresh]) and time.monotonic() < ended:
+        batch(ws, "--workers", "4")
+    assert_only_the_poison_paid(ws, poison, [*healthy, *fresh])
+    for hid in fresh:  # never recovered, never suspect: not charged
+        assert "retries" not in book(ws, hid)
+    # a suspect's run overlapped no other run of its process
+    suspects = {*healthy, poison}
+    spans: dict[tuple[object, str], list[float]] = {}
+    for entry in runs(ws):
+        spans.setdefault((entry["pid"], entry["id"]), []).append(entry.get("at", entry.get("done")))
+    first_pid = runs(ws)[0]["pid"]
+    for (pid, hid), times in spans.items():
+        if hid not in suspects or pid == first_pid:
+            continue
+        begin, end = times[0], (times[1] if len(times) > 1 else float("inf"))
+        for (other_pid, other), other_times in spans.items():
+            if other_pid != pid or other == hid:
+                continue
+            other_end = other_times[1] if len(other_times) > 1 else float("inf")
+            assert other_end <= begin or other_times[0] >= end, (hid, other)
+    fresh_pids = {e["pid"] for e in runs(ws) if e["id"] in fresh}
+    assert fresh_pids  # and the fresh work ran (side by side once no suspect was left)
+
+
+# ---------------------------------------------------------------- F8: a stuck process
+def children_of(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(child) for child in text.split()]
+
+
+def test_max_seconds_bounds_a_batch_whose_process_is_stuck(ws: Workspace) -> None:
+    setup(ws, grace=0.5)
+    ids = [drop(ws, f"w-{i:03d}", "@work", sleep=0.1) for i in range(160)]
+    began = time.monotonic()
+    proc = start(ws, "run", "--processes", "2", "--workers", "2", "--max-seconds", "2")
+    wait_until(lambda: children_of(proc.pid), timeout=10, what="the batch forked")
+    child = children_of(proc.pid)[0]
+    wait_until(lambda: any(e["pid"] == child for e in runs(ws)), timeout=10,
+               what="the forked process at work")
+    os.kill(child, signal.SIGSTOP)  # it makes no progress from now on
+    try:
+        _, stderr = proc.communicate(timeout=18)
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGCONT)
+    took = time.monotonic() - began
+    # 2 s of batch, then grace (0.5 s) and the hand-back margin (5 s), then SIGTERM
+    assert took < 14, took
+    assert proc.returncode == 1, stderr
+    assert f"process {child} was still running" in stderr, stderr
+    assert "stopped it with SIG" in stderr, stderr
+    assert "Traceback" not in stderr
+    wait_until(lambda: not alive(child), timeout=10, what="the stuck process ended")
+    # nothing is lost: what it held is recovered by the next runs, and everything completes
+    ended = time.monotonic() + 15
+    while len(list((ws.root / "handoffs" / "completed").glob("*.json"))) < len(ids) \
+            and time.monotonic() < ended:
+        again = batch(ws, "--workers", "8")
+        assert "Traceback" not in again.stderr
+    assert all(ws.state_of(hid) == ["completed"] for hid in ids)
+
+
+def spawn_stuck(ignore_term: bool) -> tuple[int, int]:
+    """A child of this process that stops itself (SIGSTOP) with a pipe to us; (pid, read end)."""
+    read, write = os.pipe()
+    code = ("import os, signal, time\n"
+            + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
+            + "os.kill(os.getpid(), signal.SIGSTOP)\ntime.sleep(30)\n")
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", code], os.environ,
+                         file_actions=[(os.POSIX_SPAWN_DUP2, write, 1)])
+    os.close(write)
+    wait_until(lambda: stopped(pid), timeout=10, what="the child stopped itself")
+    return pid, read
+
+
+def stopped(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rfind(")") + 2] == "T"
+
+
+@pytest.mark.parametrize("ignore_term,signum", [(False, signal.SIGTERM), (True, signal.SIGKILL)])
+def test_collect_stops_a_stopped_child_past_its_deadline(ignore_term: bool, signum: int) -> None:
+    pid, read = spawn_stuck(ignore_term)
+    unreaped = [pid]
+    began = time.monotonic()
+    done = reaping.collect(pid, read, lambda: began + 0.3, unreaped)
+    took = time.monotonic() - began
+    assert done.stopped == signum.name
+    assert done.status is not None and os.waitstatus_to_exitcode(done.status) == -signum
+    assert unreaped == []
+    assert took < 0.3 + reaping.TERM_SECONDS + 2, took
+
+
+def test_collect_reads_a_report_and_waits_without_a_deadline() -> None:
+    read, write = os.pipe()
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c",
+                                          "import time; time.sleep(0.3); print('{}')"],
+                         os.environ, file_actions=[(os.POSIX_SPAWN_DUP2, write, 1)])
+    os.close(write)
+    done = reaping.collect(pid, read, lambda: float("inf"), [pid])
+    assert (done.data.strip(), done.stopped) == (b"{}", "")
+    assert done.status is not None and os.waitstatus_to_exitcode(done.status) == 0
+
+
+# ---------------------------------------------------------------- F9: stops in a row
+def test_a_handler_that_stops_its_own_daemon_is_dead_lettered(ws: Workspace) -> None:
+    setup(ws, grace=0.3, retries=1)
+    hid = drop(ws, "selfstop-0", "@selfstop")
+    seen = []
+    for _ in range(FREE_HANDBACKS + 2):  # free hand-backs, then 1 + max_retries counted stops
+        done = batch(ws)
+        assert "Traceback" not in done.stderr, done.stderr
+        seen.append((done.returncode, where(ws, hid), book(ws, hid).get("retries", 0)))
+    free = [(0, "pending", 0)] * FREE_HANDBACKS
+    assert seen == [*free, (0, "pending", 1), (1, "failed", 1)], seen
+    error = ws.doc(hid)["error"]
+    assert f"interrupted by stops {FREE_HANDBACKS + 2} times in a row" in error["message"]
+    assert error["code"] == "PROCESSING_ERROR"
+
+
+def test_an_operators_stop_or_two_costs_nothing(ws: Workspace) -> None:
+    setup(ws, grace=0.3, retries=0)  # with no retry, one counted stop would fail it
+    hid = drop(ws, "slow-0", "@slow")
+    for stop in (1, 2):
+        proc = start(ws, "serve")
+        wait_until(lambda: sum("at" in e for e in runs(ws)) == stop, timeout=10,
+                   what=f"run {stop} started")
+        proc.send_signal(signal.SIGTERM)  # a deploy, a restart
+        assert proc.wait(timeout=10) == 0
+        assert where(ws, hid) == "pending"
+    proc = start(ws, "serve")
+    ws.wait_state(hid, ("completed",), timeout=10)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=10)
+    block = book(ws, hid)
+    assert "retries" not in block
+    handed = [e for e in block["history"] if e["event"] == "handed_back"]
+    assert len(handed) == 2 and all(e["detail"]["interrupted"] for e in handed)
+
+
+# ---------------------------------------------------------------- the history readers
+def event(name: str, **detail: Any) -> dict[str, Any]:
+    return {"at": "2026-01-01T00:00:00Z", "event": name, **({"detail": detail} if detail else {})}
+
+
+def doc_with(*events: dict[str, Any]) -> dict[str, Any]:
+    return {"handoff_id": "h", "handoffd": {"history": list(events)}}
+
+
+def counted_stop() -> dict[str, Any]:
+    return event("retry_scheduled", error={"code": "PROCESSING_ERROR",
+                                           "details": {"stops_in_a_row": 4}})
+
+
+def test_suspect_lasts_until_its_retry_ends() -> None:
+    recovered = [event("claimed"), event("recovered", reason="owner gone", suspect=True),
+                 event("retry_scheduled")]
+    assert is_suspect(doc_with(*recovered))
+    assert is_suspect(doc_with(*recovered, event("claimed")))  # running its retry
+    # a stop as it was claimed, before its handler started: still to be run alone
+    assert is_suspect(doc_with(*recovered, event("claimed"), event("handed_back")))
+    for end in (event("retry_scheduled"), event("handed_back", interrupted=True),
+                event("throttled"), event("retried")):
+        assert not is_suspect(doc_with(*recovered, event("claimed"), end))
+    assert not is_suspect(doc_with(event("recovered", reason="x"), event("retry_scheduled")))
+    assert not is_suspect({"handoff_id": "h", "handoffd": {"history": "x"}})
+    assert not is_suspect(None)
+
+
+def test_stops_in_a_row_count_from_the_history() -> None:
+    stop = event("handed_back", interrupted=True)
+    assert stops_in_a_row(doc_with(event("created"), event("claimed"), stop, event("claimed"),
+                                   stop)) == 2
+    # a counted stop counts, a hand-back of an attempt that never ran neither counts nor ends
+    assert stops_in_a_row(doc_with(stop, event("claimed"), counted_stop(), event("claimed"),
+                                   event("handed_back", reason="daemon stopping"))) == 2
+    # anything else ends the run: a failure retried, a recovery, a manual retry
+    assert stops_in_a_row(doc_with(stop, event("retry_scheduled", error={"code": "X"}),
+                                   event("claimed"), stop)) == 1
+    assert stops_in_a_row(doc_with(stop, event("recovered", suspect=True))) == 0
+    assert stops_in_a_row({"handoffd": {"history": [1, 2]}}) == 0
+
+
+def test_solo_holds_everything_while_a_suspect_runs_or_waits() -> None:
+    solo = Solo()
+    assert not solo.blocks(set(), {})
+    solo.hold("a")
+    assert solo.blocks({1}, {}) and solo.next_waiting(1) is None  # others still run
+    assert solo.next_waiting(0) == "a"
+    solo.started("a", 7)
+    assert solo.blocks({7}, {}) and solo.runs({7}, {})
+    assert solo.blocks(set(), {"a": 1})  # its handler runs on past its attempt
+    assert not solo.blocks(set(), {})  # it ended: the others go on
+    assert solo.running is None
+
+
+def test_solo_waits_for_a_late_handler_for_a_bounded_time() -> None:
+    now = [100.0]
+    solo = Solo(clock=lambda: now[0])
+    solo.started("a", 7)
+    assert solo.blocks(set(), {"a": 1})  # its attempt ended (timed out), its handler runs on
+    now[0] += LATE_HOLD_SECONDS - 1
+    assert solo.blocks(set(), {"a": 1})
+    now[0] += 1  # a handler that never returns does not hold the daemon for ever
+    assert not solo.blocks(set(), {"a": 1})
