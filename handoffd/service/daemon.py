@@ -28,7 +28,7 @@ from ..core.storage import LOST, Wakeup
 from ..core.validation import SchemaCache
 from ..core.watchdog import TakenOver
 from . import allocator, handbacks
-from .leases import LeaseKeeper
+from .leases import LOST_LOCK_REASON, LeaseKeeper
 from .suspects import Solo, is_suspect
 from .sweeper import SweepReport, sweep
 from .workers import WorkerPool
@@ -736,11 +736,13 @@ class Daemon:
                 self.report.handed_back += 1
             return
         if job.fenced:  # stopped by the lease keeper: retried by the policy, not cancelled
+            reason = job.context.cancel_reason
+            advice = "" if reason == LOST_LOCK_REASON else (
+                "; if the store was reachable, the daemon was too busy to renew its leases in "
+                "time: raise [daemon] lease_seconds")
             outcome = self.engine.failure(
                 outcome.started_at or self.engine.clock(), ErrorCode.PROCESSING_ERROR,
-                f"handoff {job.handoff_id}: stopped: {job.context.cancel_reason}; if the store "
-                "was reachable, the daemon was too busy to renew its leases in time: raise "
-                "[daemon] lease_seconds", retryable=True)
+                f"handoff {job.handoff_id}: stopped: {reason}{advice}", retryable=True)
         self.engine.file(job.claim, job.dialect, job.specialist, outcome)  # counted by _count
 
     def _taken_over(self, token: int, job: Job, rest: Callable[[], Outcome]) -> None:
