@@ -429,9 +429,10 @@ def test_an_archive_of_millions_of_tiny_lines_is_passed_over_quickly(
     now = utc_now()
     append_archive(ws, [(State.COMPLETED, "real", {"status": "completed"})], now)
     folder = ws.handoffs / ".archive"
-    (folder / "2000-01-01.jsonl.gz").write_bytes(gzip.compress(b"{}\n" * 2_000_001, 1))
+    monkeypatch.setattr(retention, "MAX_MEMBER_LINES", 100_000)  # (2,000,000 in use)
+    (folder / "2000-01-01.jsonl.gz").write_bytes(gzip.compress(b"{}\n" * 100_001, 1))
     many = b"".join(json.dumps({"id": f"other-{i}", "state": "completed", "document": {}})
-                    .encode() + b"\n" for i in range(50_000))
+                    .encode() + b"\n" for i in range(20_000))
     (folder / "2000-01-02.jsonl.gz").write_bytes(gzip.compress(
         many + b'{"id": "late", "state": "failed", "document": {"n": 1}}\n', 1))
     parsed: list[bytes] = []
@@ -442,7 +443,7 @@ def test_an_archive_of_millions_of_tiny_lines_is_passed_over_quickly(
 
     monkeypatch.setattr(retention, "_entry", counted)
     assert find_archived(ws, "nowhere") is None
-    assert parsed == []  # no line named it: none was parsed, and the 2,000,001 were passed over
+    assert parsed == []  # no line named it: none was parsed, and the 100,001 were passed over
     found = find_archived(ws, "late")
     assert found is not None and found["document"] == {"n": 1} and len(parsed) == 1
     assert find_archived(ws, "real") is not None
