@@ -264,7 +264,7 @@ def test_a_hostile_glob_does_not_stall_the_daemon(tmp_path: Path) -> None:
     ("scope_ignore", [f"build{i}/**" for i in range(patterns.MAX_PATTERNS + 1)],
      f"contract.scope_ignore holds {patterns.MAX_PATTERNS + 1} globs; at most {patterns.MAX_PATTERNS}"),
     ("files_owned", ["src/" + "?" * patterns.MAX_PATTERN_CHARS],
-     f"contract.files_owned: 'src/????"),
+     "contract.files_owned: 'src/????"),
     ("files_readonly", ["src/[z-a].py"], "contract.files_readonly: 'src/[z-a].py': character range z-a is reversed"),
 ], ids=["too-many", "too-long", "reversed-range"])
 def test_oversized_or_malformed_globs_are_refused_naming_the_field(
