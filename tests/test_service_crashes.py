@@ -1,9 +1,5 @@
 """Handlers that take their daemon down, and daemons that cannot end: what the service does.
 
-* A Python handler that kills its process (``os._exit``) is dead-lettered after its retries;
-  the healthy handoffs that ran beside it are not: what recovery takes from a dead owner is
-  suspect and runs alone (handoffd.service.suspects), under ``run``, ``run --processes`` and
-  restarted ``serve`` alike.
 * ``run --processes N --max-seconds S`` ends even when one of its processes is stuck: the parent
   stops it, says so and exits 1 (handoffd.service.reaping).
 * A handler that stops its own daemon at every start is handed back for free a few times, then
@@ -21,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import Workspace, alive, exe, wait_until
+
 from handoffd.service import reaping
 from handoffd.service.handbacks import FREE_HANDBACKS, stops_in_a_row
-from handoffd.service.suspects import LATE_HOLD_SECONDS, Solo, is_suspect
 
 PLUG = '''
 import json, os, signal, time
@@ -140,111 +135,6 @@ def book(ws: Workspace, hid: str) -> dict[str, Any]:
     return ws.doc(hid)["handoffd"]
 
 
-def assert_only_the_poison_paid(ws: Workspace, poison: str, healthy: list[str]) -> None:
-    assert where(ws, poison) == "failed"
-    assert "owner process is gone" in json.dumps(ws.doc(poison)["error"])
-    for hid in healthy:
-        assert where(ws, hid) == "completed", ws.doc(hid).get("error")
-        # charged for the first crash at most (nobody could tell yet who caused it)
-        assert book(ws, hid).get("retries", 0) <= 1, book(ws, hid)
-
-
-def assert_suspects_ran_alone(ws: Workspace, first_pids: set[object]) -> None:
-    """In every process after the first crash (all work here is suspect by then), no run
-    started before the one before it ended; a run that never ended took its process down."""
-    by_pid: dict[object, list[dict[str, Any]]] = {}
-    for entry in runs(ws):
-        by_pid.setdefault(entry["pid"], []).append(entry)
-    for pid, entries in by_pid.items():
-        if pid in first_pids:
-            continue
-        open_run = None
-        for entry in entries:
-            if "at" in entry:
-                assert open_run is None, f"{entry['id']} started beside {open_run} in {pid}"
-                open_run = entry["id"]
-            else:
-                assert entry["id"] == open_run
-                open_run = None
-
-
-# ---------------------------------------------------------------- F3: crash loops
-@pytest.mark.parametrize("processes", ["1", "2"])
-def test_a_crash_looping_handler_is_dead_lettered_alone_under_cron(ws: Workspace,
-                                                                   processes: str) -> None:
-    setup(ws, retries=1)
-    healthy = [drop(ws, f"good-{i}", "@work") for i in range(6)]
-    poison = drop(ws, "bad-0", "@poison")
-    first = batch(ws, "--processes", processes, "--workers", "4")
-    assert first.returncode != 0  # the poison took a process down with what ran beside it
-    assert "Traceback" not in first.stderr
-    first_pids = {e["pid"] for e in runs(ws)}
-    ended = time.monotonic() + 18
-    while not settled(ws, poison, healthy) and time.monotonic() < ended:
-        again = batch(ws, "--processes", processes, "--workers", "4")
-        assert "Traceback" not in again.stderr, again.stderr
-    assert_only_the_poison_paid(ws, poison, healthy)
-    if processes == "1":  # (with two, each process's stripe decides who met the poison first)
-        assert_suspects_ran_alone(ws, first_pids)
-    assert not ws.state_of(poison) == ["in-progress"]
-
-
-@pytest.mark.parametrize("processes", ["1", "2"])
-def test_a_crash_looping_handler_is_dead_lettered_alone_under_restarted_serve(
-        ws: Workspace, processes: str) -> None:
-    setup(ws, retries=2)
-    healthy = [drop(ws, f"good-{i}", "@work") for i in range(6)]
-    poison = drop(ws, "bad-0", "@poison")
-    ended = time.monotonic() + 18
-    exits = []
-    while not settled(ws, poison, healthy) and time.monotonic() < ended:
-        # a supervisor restarting it after every crash
-        proc = start(ws, "serve", "--processes", processes)
-        while proc.poll() is None and not settled(ws, poison, healthy) \
-                and time.monotonic() < ended:
-            time.sleep(0.05)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        exits.append(proc.wait(timeout=15))
-        assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
-    assert set(exits) & {1, 3}  # it crashed (with two processes, maybe only a forked one)
-    assert_only_the_poison_paid(ws, poison, healthy)
-
-
-def test_a_suspect_starts_alone_and_healthy_work_flows_after_it(ws: Workspace) -> None:
-    """After a crash, fresh work waits while a suspect runs, then runs side by side again."""
-    setup(ws)
-    healthy = [drop(ws, f"good-{i}", "@work") for i in range(2)]
-    poison = drop(ws, "bad-0", "@poison")
-    assert batch(ws, "--workers", "4").returncode == 3
-    for hid in (*healthy, poison):
-        assert where(ws, hid) == "in-progress"
-    fresh = [drop(ws, f"fresh-{i}", "@work", sleep=0.3) for i in range(4)]
-    ended = time.monotonic() + 18
-    while not settled(ws, poison, [*healthy, *fresh]) and time.monotonic() < ended:
-        batch(ws, "--workers", "4")
-    assert_only_the_poison_paid(ws, poison, [*healthy, *fresh])
-    for hid in fresh:  # never recovered, never suspect: not charged
-        assert "retries" not in book(ws, hid)
-    # a suspect's run overlapped no other run of its process
-    suspects = {*healthy, poison}
-    spans: dict[tuple[object, str], list[float]] = {}
-    for entry in runs(ws):
-        spans.setdefault((entry["pid"], entry["id"]), []).append(entry.get("at", entry.get("done")))
-    first_pid = runs(ws)[0]["pid"]
-    for (pid, hid), times in spans.items():
-        if hid not in suspects or pid == first_pid:
-            continue
-        begin, end = times[0], (times[1] if len(times) > 1 else float("inf"))
-        for (other_pid, other), other_times in spans.items():
-            if other_pid != pid or other == hid:
-                continue
-            other_end = other_times[1] if len(other_times) > 1 else float("inf")
-            assert other_end <= begin or other_times[0] >= end, (hid, other)
-    fresh_pids = {e["pid"] for e in runs(ws) if e["id"] in fresh}
-    assert fresh_pids  # and the fresh work ran (side by side once no suspect was left)
-
-
 # ---------------------------------------------------------------- F8: a stuck process
 def children_of(pid: int) -> list[int]:
     try:
@@ -311,7 +201,7 @@ def test_collect_stops_a_stopped_child_past_its_deadline(ignore_term: bool, sign
     began = time.monotonic()
     done = reaping.collect(pid, read, lambda: began + 0.3, unreaped)
     took = time.monotonic() - began
-    assert done.stopped == signum.name
+    assert done.stopped == signal.Signals(signum).name
     assert done.status is not None and os.waitstatus_to_exitcode(done.status) == -signum
     assert unreaped == []
     assert took < 0.3 + reaping.TERM_SECONDS + 2, took
@@ -378,21 +268,6 @@ def counted_stop() -> dict[str, Any]:
                                            "details": {"stops_in_a_row": 4}})
 
 
-def test_suspect_lasts_until_its_retry_ends() -> None:
-    recovered = [event("claimed"), event("recovered", reason="owner gone", suspect=True),
-                 event("retry_scheduled")]
-    assert is_suspect(doc_with(*recovered))
-    assert is_suspect(doc_with(*recovered, event("claimed")))  # running its retry
-    # a stop as it was claimed, before its handler started: still to be run alone
-    assert is_suspect(doc_with(*recovered, event("claimed"), event("handed_back")))
-    for end in (event("retry_scheduled"), event("handed_back", interrupted=True),
-                event("throttled"), event("retried")):
-        assert not is_suspect(doc_with(*recovered, event("claimed"), end))
-    assert not is_suspect(doc_with(event("recovered", reason="x"), event("retry_scheduled")))
-    assert not is_suspect({"handoff_id": "h", "handoffd": {"history": "x"}})
-    assert not is_suspect(None)
-
-
 def test_stops_in_a_row_count_from_the_history() -> None:
     stop = event("handed_back", interrupted=True)
     assert stops_in_a_row(doc_with(event("created"), event("claimed"), stop, event("claimed"),
@@ -403,29 +278,5 @@ def test_stops_in_a_row_count_from_the_history() -> None:
     # anything else ends the run: a failure retried, a recovery, a manual retry
     assert stops_in_a_row(doc_with(stop, event("retry_scheduled", error={"code": "X"}),
                                    event("claimed"), stop)) == 1
-    assert stops_in_a_row(doc_with(stop, event("recovered", suspect=True))) == 0
+    assert stops_in_a_row(doc_with(stop, event("recovered"))) == 0
     assert stops_in_a_row({"handoffd": {"history": [1, 2]}}) == 0
-
-
-def test_solo_holds_everything_while_a_suspect_runs_or_waits() -> None:
-    solo = Solo()
-    assert not solo.blocks(set(), {})
-    solo.hold("a")
-    assert solo.blocks({1}, {}) and solo.next_waiting(1) is None  # others still run
-    assert solo.next_waiting(0) == "a"
-    solo.started("a", 7)
-    assert solo.blocks({7}, {}) and solo.runs({7}, {})
-    assert solo.blocks(set(), {"a": 1})  # its handler runs on past its attempt
-    assert not solo.blocks(set(), {})  # it ended: the others go on
-    assert solo.running is None
-
-
-def test_solo_waits_for_a_late_handler_for_a_bounded_time() -> None:
-    now = [100.0]
-    solo = Solo(clock=lambda: now[0])
-    solo.started("a", 7)
-    assert solo.blocks(set(), {"a": 1})  # its attempt ended (timed out), its handler runs on
-    now[0] += LATE_HOLD_SECONDS - 1
-    assert solo.blocks(set(), {"a": 1})
-    now[0] += 1  # a handler that never returns does not hold the daemon for ever
-    assert not solo.blocks(set(), {"a": 1})

@@ -162,10 +162,13 @@ def _run_inline(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
 def _call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
                   box: dict[str, Any]) -> None:
     """Call a Python handler: its result or exception into ``box``. What it does to the process
-    itself is undone or contained as it returns: a copy of the process it forked and returned
-    in too ends here at once (it held the batch's pipes and the owner lock for ever), and a
-    umask it changed is put back (files filed after it were written mode 000)."""
+    itself is contained as it returns: a copy of the process it forked and returned in too ends
+    here at once (it held the batch's pipes and the owner lock for ever), and a umask a handler
+    changed is put back once no Python handler runs (files filed after it were written mode
+    000; putting it back while another handler ran undid that one's own, deliberate umask)."""
     pid = os.getpid()
+    with _HANDLERS:
+        _HANDLERS.running += 1
     try:
         box["result"] = spec.callable()(doc, ctx)
     except BaseException as exc:  # handler bugs become recorded errors, never daemon crashes
@@ -173,9 +176,28 @@ def _call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
     finally:
         if os.getpid() != pid:
             os._exit(0)
-        if os.umask(_UMASK) != _UMASK:
-            log.warning("handoff %s: its handler changed the process umask; put back to %03o",
-                        ctx.handoff_id, _UMASK)
+        with _HANDLERS:
+            _HANDLERS.running -= 1
+            if not _HANDLERS.running and os.umask(_UMASK) != _UMASK:
+                log.warning("a Python handler changed the process umask; put back to %03o",
+                            _UMASK)
+
+
+class _Running:
+    """How many Python handlers run in this process (under its own lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+_HANDLERS = _Running()
 
 
 def _process_umask() -> int:

@@ -455,9 +455,11 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
         for cid, child in plan.new:
             engine.backend.create(child, cid, now)
             made.append(cid)
+        book(claim.doc)["delegation_round"] = plan.round
         return _wait_for_children(engine, claim, dialect, info, plan.ids, now)
     except Exception as exc:  # whatever it was, no child may run beside a parent filed failed
         code, message, retryable = _creation_failure(claim.id, exc)
+    book(claim.doc)["delegation_round"] = plan.round  # (a retry's children get new ids)
     _cancel_orphans(engine, claim.id, plan.adopted + made, message)
     return _fail_delegation(engine, claim, dialect, spec, code, message, retryable=retryable)
 
@@ -611,6 +613,7 @@ class _Plan:
     ids: list[str]  # every child's id, in the delegation's order
     new: list[tuple[str, dict[str, Any]]]  # (id, document) to create, dependencies first
     adopted: list[str]  # made by an interrupted attempt of this delegation (a crash replay)
+    round: int  # the delegation round these children are of
 
 
 def _plan_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: "Dialect",
@@ -619,9 +622,10 @@ def _plan_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: 
     cannot be made (a bad priority, an id used twice or held by another handoff, or used
     recently) raises InvalidDocument or _Malformed, and then none is made (no orphan runs
     beside a parent that fails)."""
-    block = book(doc)
+    # the round is written into the document only as the parent is parked or filed: the lease
+    # renewer writes claim.doc while the children are made, and a round it saved too early made a
+    # crash replay a new round, whose children ran beside the interrupted round's
     round_no = book_int(doc, "delegation_round", 0) + 1
-    block["delegation_round"] = round_no
     conv = ensure_conversation(doc, dialect, parent)
     env = dialect.envelope(doc)
     step = chain_step(doc)
@@ -670,7 +674,7 @@ def _plan_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: 
         child["conversation_id"] = conv
         child["chain_position"] = {"step": step + 1, "index": index, "of": len(entries)}
         planned.append((cid, child))
-    return _Plan(ids, planned, adopted)
+    return _Plan(ids, planned, adopted, round_no)
 
 
 def _check_distinct(entries: list[dict[str, Any]], ids: list[str]) -> None:

@@ -175,11 +175,13 @@ def _doomed(engine: Engine, result: Result, older_than: dict[State, float], now:
 
 @contextmanager
 def _one_pass(ws: Workspace, wait: float) -> Iterator[bool]:
-    """Hold the workspace's retention lock (``handoffs/.locks/retention.lock``) for a pass;
-    yields False when another process holds it past ``wait`` seconds."""
+    """Hold the workspace's retention lock (``handoffs/.meta/retention.lock``) for a pass;
+    yields False when another process holds it past ``wait`` seconds. (Not in ``.locks``: the
+    sweep removes the lock files there that no claim uses, and one removed while held let a
+    second pass lock a new file beside it.)"""
     from filelock import FileLock, Timeout
-    ws.locks.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(ws.locks / "retention.lock"))
+    ws.meta.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(ws.meta / "retention.lock"))
     try:
         lock.acquire(timeout=wait)
     except Timeout:

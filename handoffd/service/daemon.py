@@ -29,7 +29,6 @@ from ..core.validation import SchemaCache
 from ..core.watchdog import TakenOver
 from . import allocator, handbacks
 from .leases import LOST_LOCK_REASON, LeaseKeeper
-from .suspects import Solo, is_suspect
 from .sweeper import SweepReport, sweep
 from .workers import WorkerPool
 
@@ -158,9 +157,6 @@ class Daemon:
         # cancelled, fenced): a thread cannot be stopped, so no new attempt starts beside them
         self.late: Counter[str] = Counter()
         self.late_said: dict[str, int] = {}  # (said once per late handler)
-        # suspects (recovered from a dead owner) run alone, so that a handler that brings the
-        # process down again takes no innocent attempt with it (service.suspects)
-        self.solo = Solo()
         self.report = BatchReport()
         self.waiting = self.report.waiting  # handoff id -> why a gate holds it back
         # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
@@ -331,7 +327,6 @@ class Daemon:
             for handoff_id in ids:
                 if handoff_id in self.active or handoff_id in self.queued or handoff_id in self.readied \
                         or handoff_id in self.parked_ids or handoff_id in self.released \
-                        or handoff_id in self.solo.waiting \
                         or handoff_id in self.report.unroutable \
                         or (not recheck_waiting and handoff_id in self.waiting):
                     continue
@@ -407,26 +402,6 @@ class Daemon:
         self.readied.discard(handoff_id)
         return handoff_id, peek
 
-    def _next_to_dispatch(self, now: float) -> tuple[str, Peek | None] | None:
-        """What to dispatch next (called under ``cv``): the most urgent due handoff
-        (:meth:`_next_ready`), unless a suspect runs alone or waits to (:mod:`.suspects`):
-        then nothing, or that suspect once nothing else runs."""
-        if not self._solo_blocks():
-            return self._next_ready(now)
-        handoff_id = self.solo.next_waiting(self.running)
-        if handoff_id is None:
-            return None
-        try:  # read again: it waited, and may have been claimed or changed meanwhile
-            peek = self.engine.peek(handoff_id)
-        except Exception:  # (peek never raises; if it ever does, the file is set aside)
-            log.exception("handoff %s: cannot be read", handoff_id)
-            peek = Peek(handoff_id, readable=False)
-        return handoff_id, peek
-
-    def _solo_blocks(self) -> bool:
-        """True while a suspect runs alone or waits to (called under ``cv``)."""
-        return self.solo.blocks(self.inflight, self.late)
-
     # ------------------------------------------------------------ dispatch
     def _submit(self, agent: str, func: Callable[..., Any], handoff_id: str, *args: Any) -> int:
         """Run ``func(handoff_id, *args)`` on the pool, counted against ``agent``'s slots (or
@@ -484,7 +459,7 @@ class Daemon:
                 if taken or self.running >= self.workers:
                     break
                 self._release_parked()
-                ready = self._next_to_dispatch(time.monotonic())
+                ready = self._next_ready(time.monotonic())
                 if ready is None:
                     break
                 self._dispatch_safely(*ready)
@@ -575,28 +550,9 @@ class Daemon:
             self._park(spec.agent, handoff_id, front=was_released)
             self._look_again_at(handoff_id, deadline)
             return
-        # a suspect's in-process attempt runs alone (a command handler runs in a process of its
-        # own, which cannot take the daemon down): see service.suspects
-        suspect = not spec.is_command and is_suspect(peek.doc)
-        if suspect and self._hold_suspect(handoff_id):
-            return
         if self._rate_limited(spec, handoff_id, deadline):
             return
-        token = self._submit(spec.agent, self._work, handoff_id)
-        if suspect:
-            log.info("handoff %s was recovered from a dead owner: running it alone", handoff_id)
-            self.solo.started(handoff_id, token)
-
-    def _hold_suspect(self, handoff_id: str) -> bool:
-        """True when suspect ``handoff_id`` cannot start alone now: it waits, and nothing new
-        starts meanwhile, so that it starts as soon as the running tasks end."""
-        if not self.running and not self.solo.runs(self.inflight, self.late):
-            return False
-        if handoff_id not in self.solo.waiting:
-            log.info("handoff %s was recovered from a dead owner: it runs alone, once the %d "
-                     "running task(s) end", handoff_id, self.running)
-        self.solo.hold(handoff_id)
-        return True
+        self._submit(spec.agent, self._work, handoff_id)
 
     def _rate_limited(self, spec: Specialist, handoff_id: str, deadline: datetime | None) -> bool:
         """True when ``spec``'s rate limit holds ``handoff_id`` back: it is looked at again
@@ -674,7 +630,6 @@ class Daemon:
             del self.late[handoff_id]
             self.late_said.pop(handoff_id, None)
             self.notify(handoff_id)  # a retry held back for it may start now
-            self.cv.notify_all()  # and a suspect's end lets the others start (service.suspects)
 
     def _held_by_late(self, handoff_id: str) -> bool:
         """True (and looked at again later) while the Python handler of ``handoff_id``'s last
@@ -814,10 +769,6 @@ class Daemon:
         is wrong somewhere. Say so loudly, rebuild it from the truth and rescan."""
         if now < self.next_progress_check or now - self.last_dispatch < self.stall_seconds:
             return
-        with self.cv:
-            if self._solo_blocks():  # holding back on purpose while a suspect waits or runs
-                self.next_progress_check = now + self.stall_seconds
-                return
         self.next_progress_check = now + max(self.stall_seconds / 2, 0.05)
         try:
             stuck = self._due_with_free_slot()
@@ -880,7 +831,6 @@ class Daemon:
             self.parked_ids.clear()
             self.released.clear()
             self.releasing.clear()
-            self.solo.forget_waiting()
             self.busy = Counter(agent for agent, _ in self.inflight.values())
             self.running = len(self.inflight)
             self.waiting.clear()
@@ -1033,7 +983,7 @@ class Daemon:
                     return
                 self._release_parked()
                 now, spin_up_at = time.monotonic(), self._spin_up_at()
-                ready = self._next_to_dispatch(now) \
+                ready = self._next_ready(now) \
                     if self.running < self.workers and now >= spin_up_at else None
                 if ready is not None:
                     self._dispatch_safely(*ready)
@@ -1049,8 +999,7 @@ class Daemon:
                     if self.running < self.workers:
                         timers.append(max(self.next_progress_check,
                                           self.last_dispatch + self.stall_seconds))
-                if (self.heap or self.ready) and self.running < self.workers \
-                        and not self._solo_blocks():  # (a task's end wakes a blocked loop)
+                if (self.heap or self.ready) and self.running < self.workers:
                     timers.append(max(self.heap[0][0] if self.heap else now, spin_up_at))
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
 

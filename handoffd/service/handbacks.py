@@ -24,10 +24,10 @@ from ..core.errors import ErrorCode
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
 
-# stops in a row that hand a running attempt back for free: an operator's stop or two (a
-# deploy, a restart) never costs a retry; a handler that ends its own daemon at every start
-# is failed after FREE_HANDBACKS + max_retries + 1 starts
-FREE_HANDBACKS = 3
+# stops in a row that hand a running attempt back for free: an operator's restarts (deploys,
+# a sibling process of `serve --processes` stopped after a crash) never cost a retry; a handler
+# that ends its own daemon at every start is failed after FREE_HANDBACKS + max_retries + 1 starts
+FREE_HANDBACKS = 10
 INTERRUPTED = "interrupted"  # detail of a ``handed_back`` event: the attempt's handler ran
 STOPS = "stops_in_a_row"  # detail of an error filed for a counted stop
 

@@ -21,6 +21,7 @@ TERM_SECONDS = 3.0  # a child sent SIGTERM past its deadline has this long to en
 KILL_SECONDS = 5.0  # a SIGKILLed child is waited for this long (one stuck in the kernel is left)
 SLICE_SECONDS = 0.5  # the longest single wait: the deadline is looked at again this often
 EXIT_POLL_SECONDS = 0.02  # how often the exit of a child that closed its pipe is looked for
+EXIT_GRACE_SECONDS = 1.0  # past the deadline, a child whose pipe ended gets this long to exit
 Clock = Callable[[], float]
 
 
@@ -66,6 +67,12 @@ def _await(pid: int, read: int, data: bytearray, until: Callable[[], float], clo
     while True:
         left = until() - clock()
         if left <= 0:
+            # a healthy child collected after a stuck one, past the shared deadline: what it
+            # wrote is taken, and it is given a moment to exit (its report was once dropped)
+            if read >= 0 and _drain_ready(read, data):
+                end = clock() + EXIT_GRACE_SECONDS
+                while not _exited(pid) and clock() < end:
+                    time.sleep(EXIT_POLL_SECONDS)
             return _exited(pid)
         if read >= 0 and not _read_some(read, data, min(left, SLICE_SECONDS)):
             read = -1  # the pipe is at its end: only the exit is left to wait for
@@ -85,6 +92,18 @@ def _read_some(read: int, data: bytearray, seconds: float) -> bool:
     chunk = os.read(read, 65536)
     data.extend(chunk)
     return bool(chunk)
+
+
+def _drain_ready(read: int, data: bytearray) -> bool:
+    """Add to ``data`` what the pipe holds now, without waiting; True when it is at its end."""
+    poller = select.poll()
+    poller.register(read, select.POLLIN | select.POLLHUP)
+    while poller.poll(0):
+        chunk = os.read(read, 65536)
+        if not chunk:
+            return True
+        data.extend(chunk)
+    return False
 
 
 def _exited(pid: int) -> bool:

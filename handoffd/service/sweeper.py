@@ -2,7 +2,7 @@
 
 * an in-progress handoff whose owner died or whose lease expired is taken over
   (:meth:`Backend.expired_claims`); what its attempt left running on this host is killed, and it
-  is retried or failed per its retry policy, its retry marked suspect (run alone: .suspects);
+  is retried or failed per its retry policy;
 * the backend's own repairs (:meth:`Backend.maintain`; files: duplicate copies, claims that died
   before recording a lease, orphaned temp and lock files, the seen-ids record);
 * the features' repairs (``engine.on_sweep``) and the process records of finished attempts.
@@ -27,7 +27,6 @@ from ..core.errors import (
 )
 from ..core.states import State
 from ..core.storage import Claim
-from .suspects import SUSPECT
 
 log = logging.getLogger("handoffd")
 
@@ -112,9 +111,7 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
         spec = None
     now = engine.clock()
     reason = claim.recovered or "owner gone"
-    # suspect: its owner died (or stalled) while it ran, maybe because of a handler running
-    # beside it; its retry runs alone, so that only a crasher is charged again (.suspects)
-    record(doc, "recovered", now, reason=reason, **{SUSPECT: True})
+    record(doc, "recovered", now, reason=reason)
     outcome = engine.failure(now, ErrorCode.PROCESSING_ERROR,
                              f"handoff {claim.id}: attempt {claim.attempt} was interrupted: {reason}",
                              retryable=True)

@@ -37,6 +37,8 @@ class Store(Protocol):
 
     def quarantine(self, path: Path, code: str, message: str) -> Path: ...
 
+    def locate(self, handoff_id: str) -> list[State]: ...
+
 AGE_SECONDS = 60.0  # a live mover holds a file aside for a rename, a write and an unlink
 NAME = "aside"
 
@@ -63,6 +65,12 @@ def take(store: Store, state: State, handoff_id: str) -> Path:
     taken = folder(store, state) / source.name
     fsio.rename_noreplace(source, taken)
     return taken
+
+
+def holds(store: Store, handoff_id: str) -> bool:
+    """True when a document of ``handoff_id`` is set aside (a move or purge of it under way)."""
+    name = f"{handoff_id}.json"
+    return any(os.path.lexists(store.ws.meta / NAME / state.value / name) for state in State)
 
 
 def put_back(store: Store, taken: Path, state: State) -> None:
@@ -95,6 +103,13 @@ def restore(store: Store, older_than: float) -> list[str]:
                 if not stat.S_ISREG(info.st_mode) or not entry.name.endswith(".json"):
                     store.quarantine(Path(entry.path), ErrorCode.UNPROCESSABLE_DOCUMENT.value,
                                      "not a document handoffd set aside")
+                    continue
+                if store.locate(entry.name[:-5]):
+                    # its mover wrote the new copy before it died: this one is the old one,
+                    # which put back beside it would never be resolved (a retried handoff once
+                    # sat in in-progress/ and failed/ for good); kept in quarantine, unread
+                    store.quarantine(Path(entry.path), ErrorCode.DUPLICATE_HANDOFF_ID.value,
+                                     "set aside by a move that wrote its new copy, then died")
                     continue
                 put_back(store, Path(entry.path), state)
                 restored.append(f"{state.value}/{entry.name}")

@@ -25,7 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
-from ...core.documents import BOOK, book, book_int, hostname
+from ...core.documents import BOOK, book, book_int, hostname, revision
 from ...core.errors import (
     DocumentNotReady,
     DuplicateHandoff,
@@ -557,8 +557,10 @@ class FilesBackend(FencedFiling, Backend):
         if not os.path.lexists(self.store.path(State.FAILED, handoff_id)):
             return False
         try:
-            self.store.move(handoff_id, State.FAILED, State.PENDING, doc)
-        except (FileNotFoundError, FileExistsError):  # gone, or another process is moving it
+            # only the failure the caller read: one filed again meanwhile is not this retry's
+            self.store.move(handoff_id, State.FAILED, State.PENDING, doc,
+                            replaces=revision(doc) - 1)
+        except (FileNotFoundError, FileExistsError):  # gone, or moved or filed again meanwhile
             return False
         self._subscribers.fire(handoff_id, State.PENDING.value)
         return True

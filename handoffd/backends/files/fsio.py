@@ -140,6 +140,9 @@ def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
         except FileNotFoundError:  # the folder is gone (a sweep removed an idle one): make it
             tmp_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, flags, 0o644)
+        # the mode the process's umask gave at its start: a Python handler may have changed
+        # the umask meanwhile (077: documents nobody else could read; 777: mode 000)
+        os.fchmod(fd, FILE_MODE)
         old_size = 0
     try:
         view = memoryview(data)
@@ -352,6 +355,13 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+def _start_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o644 & ~_start_umask()  # a new document's mode, by the umask the process began with
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 _renameat2: Any = None

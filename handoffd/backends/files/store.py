@@ -377,6 +377,9 @@ class Store:
             raise DuplicateHandoff(f"handoff id {handoff_id} was used within the last "
                                    f"{int(self.seen.ttl)}s; choose another id",
                                    handoff_id=handoff_id)
+        if aside.holds(self, handoff_id):  # a retry or purge of it is under way: still taken
+            raise DuplicateHandoff(f"handoff {handoff_id} is being moved; choose another id",
+                                   handoff_id=handoff_id)
         stamp_created(doc, handoff_id, now, due_at)  # bookkeeping a document brings is not ours
         data = self.encode(doc, State.PENDING, handoff_id)
         if len(data) > self.max_bytes:  # the daemon would set it aside unread: refuse it now
@@ -528,7 +531,7 @@ class Store:
             return True
 
     def move(self, handoff_id: str, src: State, dst: State, doc: dict[str, Any], *,
-             ours: bool = False) -> None:
+             ours: bool = False, replaces: int | None = None) -> None:
         """Write ``doc`` into ``dst`` (never overwriting), then remove the ``src`` copy.
         ``ours``: the ``src`` file is one this process wrote (a claim's in-progress copy): its
         inode is kept as a spare temp file rather than freed (see :mod:`.spares`)."""
@@ -548,6 +551,9 @@ class Store:
         # move replaces, never one written in its place meanwhile (see :mod:`.aside`)
         taken = aside.take(self, src, handoff_id)
         try:
+            if replaces is not None and self._revision_at(taken) != replaces:
+                # filed again since the caller read it (two retries at once): not this move's
+                raise FileExistsError(f"{src.value}/{handoff_id}.json changed meanwhile")
             fsio.create_exclusive(self.path(dst, handoff_id), data, self.tmp, durable=self.durable)
         except BaseException:
             aside.put_back(self, taken, src)
@@ -555,6 +561,14 @@ class Store:
         crash_point("after-move-write")
         os.unlink(taken)
         crash_point("after-move-unlink")
+
+    def _revision_at(self, path: Path) -> int | None:
+        """The revision the document at ``path`` says it has (None: unreadable)."""
+        try:
+            data, _ = fsio.read_bytes_safely(path, self.max_filed_bytes)
+            return revision(fsio.parse_document(data, path.name))
+        except (OSError, InvalidDocument):
+            return None
 
     def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
         """File a claimed handoff in ``dst``. False (nothing written) if the claim was lost."""
