@@ -141,3 +141,28 @@ def test_a_retry_never_removes_a_failure_filed_meanwhile(tmp_path: Path,
     store.move("x", State.FAILED, State.PENDING, {"handoff_id": "x", "status": "pending"})
     assert json.loads(failed.read_text())["round"] == 2  # the new failure is still filed
     assert not list((ws.meta / "aside").rglob("*.json"))
+
+
+def test_a_stale_retry_moves_nothing_and_an_id_set_aside_is_taken(tmp_path: Path) -> None:
+    """Found by the review: two retries at once, the slower one built from the first failure,
+    moved the failure a daemon filed meanwhile; and `create --id` took an id whose document a
+    retry had set aside for that instant (the retry then put it back: two handoffs, one id)."""
+    from handoffd.backends.files import aside
+    from handoffd.backends.files.store import Store
+    from handoffd.core.errors import DuplicateHandoff
+    from handoffd.core.states import State
+    from handoffd.core.workspace import Workspace as HandoffdWorkspace
+    ws = HandoffdWorkspace(tmp_path)
+    ws.ensure()
+    store = Store(ws)
+    failed = ws.doc_path(State.FAILED, "x")
+    failed.write_text(json.dumps({"handoff_id": "x", "handoffd": {"revision": 5}}))
+    with pytest.raises(FileExistsError):  # this retry read revision 3: not what is there now
+        store.move("x", State.FAILED, State.PENDING, {"handoff_id": "x"}, replaces=3)
+    assert json.loads(failed.read_text())["handoffd"]["revision"] == 5
+    assert not ws.doc_path(State.PENDING, "x").exists()
+    taken = aside.take(store, State.FAILED, "x")  # a retry under way
+    with pytest.raises(DuplicateHandoff, match="being moved"):
+        store.create({"handoff_id": "x", "target": {"agent_id": "@a"}}, "x")
+    aside.put_back(store, taken, State.FAILED)
+    assert failed.exists()

@@ -218,6 +218,21 @@ def test_collect_reads_a_report_and_waits_without_a_deadline() -> None:
     assert done.status is not None and os.waitstatus_to_exitcode(done.status) == 0
 
 
+def test_collect_past_the_deadline_still_takes_a_finished_childs_report() -> None:
+    """Found by the review: collected after a stuck sibling, past the shared deadline, a
+    healthy child that had ended was named "ended without a report" and its counts lost."""
+    read, write = os.pipe()
+    code = "import json; print(json.dumps({'ok': 1}))"
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", code], os.environ,
+                         file_actions=[(os.POSIX_SPAWN_DUP2, write, 1)])
+    os.close(write)
+    wait_until(lambda: os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+               is not None, timeout=10, what="the child ended")
+    done = reaping.collect(pid, read, lambda: 0.0, [pid])  # the deadline long past
+    assert (json.loads(done.data), done.stopped) == ({"ok": 1}, "")
+    assert done.status is not None and os.waitstatus_to_exitcode(done.status) == 0
+
+
 # ---------------------------------------------------------------- F9: stops in a row
 def test_a_handler_that_stops_its_own_daemon_is_dead_lettered(ws: Workspace) -> None:
     setup(ws, grace=0.3, retries=1)
