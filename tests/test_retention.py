@@ -447,3 +447,28 @@ def test_an_archive_of_millions_of_tiny_lines_is_passed_over_quickly(
     found = find_archived(ws, "late")
     assert found is not None and found["document"] == {"n": 1} and len(parsed) == 1
     assert find_archived(ws, "real") is not None
+
+
+def test_kept_children_never_fill_a_bounded_pass(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review: the finished children of a waiting parent, the oldest documents,
+    filled every bounded pass, and nothing else was ever purged while the parent waited."""
+    from handoffd.features import retention
+    monkeypatch.setattr(retention, "PASS_LIMIT", 2)
+    engine, _ = _finished_engine(tmp_path, 0, '[retention]\ncompleted = "1d"\nevery = "1h"\n')
+    engine.backend.create({"handoff_id": "P", "source": {"agent_id": "@o"},
+                           "target": {"agent_id": "@nobody"}, "input": {"data": {}}}, "P",
+                          utc_now())
+    for hid in [f"P.c{i}" for i in range(8)] + ["other-1", "other-2"]:
+        doc = {"handoff_id": hid, "source": {"agent_id": "@o"}, "target": {"agent_id": "@a"},
+               "input": {"data": {}}}
+        if hid.startswith("P."):
+            doc["parent_id"] = "P"
+        engine.backend.create(doc, hid, utc_now())
+        held = engine.backend.claim(hid, utc_now(), 60)
+        assert held is not None and engine.backend.finish(held, State.COMPLETED, held.doc)
+    (apply,) = [h for h in engine.on_sweep if "retention" in getattr(h, "__module__", "")]
+    apply(engine)
+    left = sorted(engine.backend.ids(State.COMPLETED))
+    assert left == sorted(f"P.c{i}" for i in range(8))  # the two others went in one pass
+    engine.backend.close()

@@ -151,22 +151,33 @@ def _doomed(engine: Engine, result: Result, older_than: dict[State, float], now:
     doomed: list[tuple[State, str, dict[str, Any]]] = []
     for state, seconds in older_than.items():
         cutoff = now - timedelta(seconds=seconds)
-        # (the kept ones are listed too: read enough rows to find `limit` that may go)
+        # the kept ones are listed too: read enough rows to find `limit` that may go, reading
+        # more while kept ones fill a listing (the finished children of a waiting parent once
+        # filled every pass, and nothing else was ever purged)
         rows = None if limit is None else limit - len(doomed) + len(keep) + len(live)
-        listed = engine.backend.list(state=state, order="oldest", before=cutoff, limit=rows)
-        if rows is not None and len(listed) >= rows:
-            result.more = True  # the listing stopped at its limit
-        for row in listed:
+        seen: set[str] = set()
+        while True:
+            listed = engine.backend.list(state=state, order="oldest", before=cutoff, limit=rows)
+            for row in listed:
+                if row.id in seen:
+                    continue
+                seen.add(row.id)
+                if limit is not None and len(doomed) >= limit:
+                    break
+                if row.id in keep:
+                    result.kept[row.id] = keep[row.id]
+                elif row.meta.parent in live:
+                    result.kept[row.id] = (f"child of {live[row.meta.parent].value} "
+                                           f"{row.meta.parent}")
+                else:
+                    doomed.append((state, row.id, row.doc))
+                    parents[row.id] = row.meta.parent
+            if rows is None or len(listed) < rows:
+                break  # every old one of this state was listed
             if limit is not None and len(doomed) >= limit:
-                result.more = True
+                result.more = True  # more may be due: the next pass goes on
                 break
-            if row.id in keep:
-                result.kept[row.id] = keep[row.id]
-            elif row.meta.parent in live:
-                result.kept[row.id] = f"child of {live[row.meta.parent].value} {row.meta.parent}"
-            else:
-                doomed.append((state, row.id, row.doc))
-                parents[row.id] = row.meta.parent
+            rows *= 4
         if limit is not None and len(doomed) >= limit:
             result.more = True
             break
