@@ -269,7 +269,9 @@ def test_idle_metrics_connections_are_bounded(ws: Workspace) -> None:
         for _ in range(150):
             held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         time.sleep(1.0)  # (threads start as connections are accepted)
-        assert threads() <= before + 32 + 2, (before, threads())
+        # (32 connections served, plus the lease keeper's three threads and the sweeper's,
+        # which may start meanwhile)
+        assert threads() <= before + 32 + 4, (before, threads())
     finally:
         for sock in held:
             sock.close()
