@@ -162,6 +162,7 @@ def test_a_stale_retry_moves_nothing_and_an_id_set_aside_is_taken(tmp_path: Path
     assert json.loads(failed.read_text())["handoffd"]["revision"] == 5
     assert not ws.doc_path(State.PENDING, "x").exists()
     taken = aside.take(store, State.FAILED, "x")  # a retry under way
+    assert store.get("x")[0] is State.FAILED  # `show` and `wait` still find it meanwhile
     with pytest.raises(DuplicateHandoff, match="being moved"):
         store.create({"handoff_id": "x", "target": {"agent_id": "@a"}}, "x")
     aside.put_back(store, taken, State.FAILED)

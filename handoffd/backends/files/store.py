@@ -326,8 +326,23 @@ class Store:
                 return copies[best]
             if not self.locate(handoff_id):
                 break
+        held = self._aside_copy(handoff_id)
+        if held is not None:  # a retry or purge holds it aside for an instant: still there
+            return held
         raise NotFound(f"no handoff {handoff_id} in {self.ws.handoffs}; `handoff ls` lists them",
                        handoff_id=handoff_id)
+
+    def _aside_copy(self, handoff_id: str) -> tuple[State, dict[str, Any]] | None:
+        """(state it was taken from, document) of ``handoff_id`` set aside by a move or purge
+        under way (``handoff show`` and ``wait`` said "no handoff" in that instant)."""
+        for state in State:
+            path = self.ws.meta / aside.NAME / state.value / f"{handoff_id}.json"
+            try:
+                data, _ = fsio.read_bytes_safely(path, self.max_filed_bytes)
+                return state, fsio.parse_document(data, f"{state.value}/{handoff_id}.json")
+            except (OSError, InvalidDocument):
+                continue
+        return None
 
     def ids(self, state: State) -> list[str]:
         """Ids of the documents in one state folder (one directory listing)."""
