@@ -275,3 +275,20 @@ def test_a_drain_kills_a_hanging_command_and_dead_letters_it(tmp_path: Path) -> 
     started = time.monotonic()
     assert notifier.drain(timeout=5) is True
     assert time.monotonic() - started < 0.5
+
+
+def test_a_delivery_an_unforeseen_error_ends_is_dead_lettered(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review: an error no branch foresaw (a secret that is not text, no thread to
+    be had) was logged and the notice dropped: neither delivered nor dead-lettered."""
+    notifier = notifier_for(tmp_path, NotifyRule(url="http://127.0.0.1:9/hook", retries=0,
+                                                 timeout_seconds=1))
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(notifier, "_fly", broken)
+    notifier.filed("h1", State.COMPLETED)
+    assert notifier.drain(timeout=5) is True
+    (letter,) = letters_in(tmp_path)
+    assert letter["id"] == "h1" and "RuntimeError: can't start new thread" in letter["error"]

@@ -208,12 +208,26 @@ class Notifier:
                 return  # started again by the next notice
             try:
                 self._fly(flight)
-            except Exception:  # a bug here must not kill the deliveries behind it
+            except Exception as exc:  # a bug here must not kill the deliveries behind it
                 log.exception("handoff %s: notification failed", flight.notice.handoff_id)
+                self._dead_letter_rest(flight, exc)
             finally:
                 with self.lock:
                     self.flights.remove(flight)
                     self.lock.notify_all()  # a drain waits for this
+
+    def _dead_letter_rest(self, flight: _Flight, exc: Exception) -> None:
+        """Dead-letter what is left of a flight an unforeseen error ended (a secret that is no
+        text, no thread to be had): such a notice was once dropped, neither sent nor recorded."""
+        with self.lock:
+            if flight.settled:
+                return
+            flight.settled = True
+            for index, kind in enumerate(flight.kinds):
+                why = f"{kind}: delivery failed ({type(exc).__name__}: {str(exc)[:160]})"
+                if index == 0 and flight.may_have_delivered():
+                    why += MAYBE_DELIVERED[kind]
+                self._dead_letter(flight.notice, why)
 
     def _next_flight(self) -> _Flight | None:
         """The next queued notice, now in flight (taken and registered under one lock, so a
