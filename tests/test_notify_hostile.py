@@ -22,7 +22,7 @@ from conftest import FLAKY_TOML, Workspace
 
 from handoffd.core.config import NotifyRule
 from handoffd.core.states import State
-from handoffd.features.notify import Notifier
+from handoffd.features.notify import Notice, Notifier
 
 TRICKLE = b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000  # a status line that never ends
 
@@ -292,3 +292,22 @@ def test_a_delivery_an_unforeseen_error_ends_is_dead_lettered(tmp_path: Path,
     assert notifier.drain(timeout=5) is True
     (letter,) = letters_in(tmp_path)
     assert letter["id"] == "h1" and "RuntimeError: can't start new thread" in letter["error"]
+
+
+def test_ctrl_c_during_the_exit_drain_dead_letters_what_is_left(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review: Ctrl-C while `handoff cancel` waited at its exit to deliver lost the
+    notice, with a traceback."""
+    notifier = notifier_for(tmp_path, NotifyRule(url="http://127.0.0.1:9/hook", retries=0,
+                                                 timeout_seconds=1))
+
+    def interrupted(deadline: float) -> bool:
+        raise KeyboardInterrupt
+
+    with notifier.lock:  # queued, not yet taken by the delivery thread
+        notifier.pending.append(Notice(notifier.engine.config.on_filed[0], "h1",
+                                       State.COMPLETED, b"{}"))
+    monkeypatch.setattr(notifier, "_wait_for_deliveries", interrupted)
+    assert notifier.drain(timeout=5) is False
+    (letter,) = letters_in(tmp_path)
+    assert letter["id"] == "h1"

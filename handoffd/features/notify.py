@@ -408,8 +408,11 @@ class Notifier:
             with self.lock:
                 self.draining = True
             try:
-                if self._wait_for_deliveries(time.monotonic() + timeout):
-                    return True
+                try:
+                    if self._wait_for_deliveries(time.monotonic() + timeout):
+                        return True
+                except KeyboardInterrupt:  # Ctrl-C while `handoff cancel` waits to deliver:
+                    pass  # give up at once, but dead-letter what is left (it was lost)
                 self._give_up_all()
                 return False
             finally:
