@@ -213,13 +213,19 @@ class Workspace:
 @pytest.fixture
 def ws(tmp_path: Path) -> Iterator[Workspace]:
     """A workspace whose handoffd.toml registers the flaky test specialist as @flaky."""
-    root = tmp_path / "ws"
-    root.mkdir()
-    workspace = Workspace(root)
-    workspace.write_config(FLAKY_TOML)
-    HandoffdWorkspace(root).ensure()  # the folders, made in-process (a sweep process costs ~0.4 s)
+    workspace = new_workspace(tmp_path / "ws", FLAKY_TOML)
     yield workspace
     workspace.cleanup()
+
+
+def new_workspace(root: Path, config: str) -> Workspace:
+    """A fresh workspace at ``root`` with ``config`` as its handoffd.toml and its folders made
+    (in-process: a sweep process costs ~0.4 s). The caller calls ``cleanup()``."""
+    root.mkdir()
+    workspace = Workspace(root)
+    workspace.write_config(config)
+    HandoffdWorkspace(root).ensure()
+    return workspace
 
 
 @pytest.fixture(scope="session")
@@ -250,3 +256,21 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(f"{reason.removeprefix('Skipped: ')} ({count} tests)",
                                         yellow=True)
             return
+
+
+def memory_engine(tmp_path: Path, clock: Clock,
+                  handlers: dict[str, Any]) -> tuple[Any, Any]:
+    """(engine, its MemoryBackend) with ``handlers`` (agent -> Python handler, concurrency 2),
+    a 30 s lease and two retries 10 s apart, on ``clock``."""
+    from handoffd import Registry, build_engine
+    from handoffd.backends.memory import MemoryBackend
+    from handoffd.core.config import Config, DaemonSettings, RetryPolicy
+    ws = HandoffdWorkspace(tmp_path)
+    ws.ensure()
+    config = Config(daemon=DaemonSettings(lease_seconds=30),
+                    retry=RetryPolicy(max_retries=2, retry_delay_seconds=10))
+    registry = Registry()
+    for agent, func in handlers.items():
+        registry.add_function(agent, func, config=config, concurrency=2)
+    backend = MemoryBackend()
+    return build_engine(ws, config, registry, clock=clock, backend=backend), backend

@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Workspace, exe
+from conftest import Workspace, exe, new_workspace
 
 from handoffd.backends.files import seals
-from handoffd.core.workspace import Workspace as HandoffdWorkspace
 
 # a clipboard write (OSC 52), a window title (OSC 0), clear screen and cursor home
 EVIL = "boom\x1b]52;c;cHduZWQ=\x1b\\\x1b]0;PWNED\x1b\\\x1b[2J\x1b[H"
@@ -93,13 +92,9 @@ def answering(name: str, answer: dict[str, Any]) -> str:
 @pytest.fixture
 def hws(tmp_path: Path) -> Iterator[Workspace]:
     """A workspace with @evil, whose failures carry EVIL in their error message."""
-    root = tmp_path / "ws"
-    root.mkdir()
-    ws = Workspace(root)
-    ws.write_config('[daemon]\nsettle_seconds = 0.1\ndurability = "fast"\n\n' + answering(
-        "@evil", {"status": "failed", "error": {"code": "PROCESSING_ERROR", "message": EVIL,
-                                                 "retryable": False}}))
-    HandoffdWorkspace(root).ensure()
+    ws = new_workspace(tmp_path / "ws", '[daemon]\nsettle_seconds = 0.1\ndurability = "fast"\n\n'
+                       + answering("@evil", {"status": "failed", "error": {
+                           "code": "PROCESSING_ERROR", "message": EVIL, "retryable": False}}))
     yield ws
     ws.cleanup()
 

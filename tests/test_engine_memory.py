@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Clock
+from conftest import Clock, memory_engine
 
 from handoffd import (
     Daemon,
@@ -23,7 +23,7 @@ from handoffd import (
     new_native_request,
 )
 from handoffd.backends.memory import MemoryBackend
-from handoffd.core.config import Config, DaemonSettings, RetryPolicy
+from handoffd.core.config import Config
 from handoffd.core.documents import book
 from handoffd.features import cancellation
 from handoffd.service.sweeper import requeue_failed, sweep
@@ -53,15 +53,8 @@ def dispatch(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
 def setup(tmp_path: Path) -> tuple[Engine, Clock, MemoryBackend]:
     CALLS.clear()
     clock = Clock()
-    ws = Workspace(tmp_path)
-    ws.ensure()
-    config = Config(daemon=DaemonSettings(lease_seconds=30),
-                    retry=RetryPolicy(max_retries=2, retry_delay_seconds=10))
-    registry = Registry()
-    for agent, func in (("@echo", flaky), ("@boss", dispatch)):
-        registry.add_function(agent, func, config=config, concurrency=2)
-    backend = MemoryBackend()
-    return build_engine(ws, config, registry, clock=clock, backend=backend), clock, backend
+    engine, backend = memory_engine(tmp_path, clock, {"@echo": flaky, "@boss": dispatch})
+    return engine, clock, backend
 
 
 def create(engine: Engine, handoff_id: str, target: str = "@echo", data: Any = None,

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Clock, Workspace
+from conftest import Clock, Workspace, memory_engine, new_workspace
 
 from handoffd import Daemon, Engine, Registry, State, build_engine, new_native_request
 from handoffd import Workspace as HandoffdWorkspace
-from handoffd.backends.memory import MemoryBackend
 from handoffd.core.config import Config, DaemonSettings, RetryPolicy
 from handoffd.core.documents import book
 from handoffd.core.errors import DuplicateHandoff
@@ -79,11 +78,7 @@ def hws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Workspace]:
     monkeypatch.setenv("PYTHONPATH", str(handlers))
     monkeypatch.delenv("HANDOFF_TARGET", raising=False)
     monkeypatch.delenv("HANDOFFD_ROOT", raising=False)
-    root = tmp_path / "ws"
-    root.mkdir()
-    ws = Workspace(root)
-    ws.write_config(CONFIG)
-    HandoffdWorkspace(root).ensure()
+    ws = new_workspace(tmp_path / "ws", CONFIG)
     yield ws
     ws.cleanup()
 
@@ -223,14 +218,7 @@ def fan_out(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
 def mem(tmp_path: Path) -> tuple[Engine, Clock]:
     RUNS.clear()
     clock = Clock()
-    ws = HandoffdWorkspace(tmp_path)
-    ws.ensure()
-    config = Config(daemon=DaemonSettings(lease_seconds=30),
-                    retry=RetryPolicy(max_retries=2, retry_delay_seconds=10))
-    registry = Registry()
-    for agent, func in (("@echo", echo), ("@boss", fan_out)):
-        registry.add_function(agent, func, config=config, concurrency=2)
-    return build_engine(ws, config, registry, clock=clock, backend=MemoryBackend()), clock
+    return memory_engine(tmp_path, clock, {"@echo": echo, "@boss": fan_out})[0], clock
 
 
 def submit(engine: Engine, hid: str, target: str, **extra: Any) -> None:

@@ -62,3 +62,14 @@ def plain_folder(path: Path) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _umask_now() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# the process's umask as it started: a Python handler may change it later (077: documents only
+# we can read; 777: mode 000), and what handoffd writes keeps this one
+START_UMASK = _umask_now()

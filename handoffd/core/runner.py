@@ -24,6 +24,7 @@ from typing import Any, Callable
 from . import procs
 from .documents import MAX_DEPTH, RESULT_DEPTH_MARGIN, Outcome, nesting_depth
 from .errors import ConfigError, ErrorCode, HandlerError
+from .ownfiles import START_UMASK
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 from .states import RESULT_STATUSES
 from .watchdog import WATCHDOG, TakenOver, Takeover, cancelled, timed_out
@@ -200,13 +201,7 @@ class _Running:
 _HANDLERS = _Running()
 
 
-def _process_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _process_umask()  # as the process started (a handler may not change it for the rest)
+_UMASK = START_UMASK  # as the process started (a handler may not change it for the rest)
 
 
 def _returned(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 from ...core.documents import MAX_DEPTH, nesting_depth  # noqa: F401 (fsio's API)
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
-from ...core.ownfiles import open_reading, open_regular, read_regular  # noqa: F401 (fsio's API)
+from ...core.ownfiles import START_UMASK, open_reading, open_regular, read_regular  # noqa: F401 (fsio's API)
 from . import dirsync, spares
 
 TMP_SUFFIX = spares.TMP_SUFFIX
@@ -355,13 +355,7 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
-def _start_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-FILE_MODE = 0o644 & ~_start_umask()  # a new document's mode, by the umask the process began with
+FILE_MODE = 0o644 & ~START_UMASK  # a new document's mode, by the umask the process began with
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 _renameat2: Any = None
