@@ -340,3 +340,42 @@ def test_without_leases_nothing_is_adopted(tmp_dir: Path, tmp_path: Path,
     """Where the kernel cannot say that nobody has a file open, no producer's file is kept."""
     monkeypatch.setattr(spares, "LEASES", False)
     assert spares.keep_link(producer_file(tmp_path, "in-progress.json"), tmp_dir) is None
+
+
+def test_a_spare_whose_descriptor_is_closed_under_the_write_is_written_again_fresh(
+        tmp_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Python handler's os.closerange() can close a spare's descriptor between the take and
+    the write (EBADF): the document is written to a fresh file, not left in in-progress/."""
+    doc = tmp_path / "in-progress.json"
+    doc.write_bytes(b"ours")
+    assert spares.retire(doc, tmp_dir)
+    real_take = spares.take
+
+    def take_then_close(folder: Path) -> tuple[Path, int, int] | None:
+        taken = real_take(folder)
+        if taken is not None:
+            os.close(taken[1])  # what os.closerange(3, 50) in a handler thread does
+        return taken
+
+    monkeypatch.setattr(spares, "take", take_then_close)
+    target = tmp_path / "filed.json"
+    fsio.create_exclusive(target, b'{"filed": 1}', tmp_dir, durable=True)
+    assert target.read_bytes() == b'{"filed": 1}'
+    assert list(tmp_dir.iterdir()) == []  # the spare written through nothing was removed
+
+
+def test_a_spare_whose_descriptor_is_closed_before_its_fstat_is_passed_over(
+        tmp_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = tmp_path / "in-progress.json"
+    doc.write_bytes(b"ours")
+    assert spares.retire(doc, tmp_dir)
+    real_fstat = os.fstat
+
+    def fstat_after_close(fd: int) -> os.stat_result:
+        os.close(fd)
+        return real_fstat(fd)  # EBADF
+
+    with monkeypatch.context() as patched:  # os.fstat is the whole process's: patch briefly
+        patched.setattr(spares.os, "fstat", fstat_after_close)
+        taken = spares.take(tmp_dir)
+    assert taken is None  # the only spare passed over, not written or closed

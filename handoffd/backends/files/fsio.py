@@ -155,7 +155,10 @@ def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
             os.fsync(fd)
         inode = os.fstat(fd).st_ino
     except BaseException:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError:  # EBADF: closed under us already (see _publish)
+            pass
         _unlink_quietly(path)
         raise
     os.close(fd)
@@ -166,7 +169,15 @@ def _publish(tmp_dir: Path, data: bytes, durable: bool, put: Callable[[Path], No
     """Write ``data`` to a temp file and ``put`` it into place; the new inode number. A spare
     a sweeper removed between our write and the rename is written again as a fresh file."""
     for fresh in (False, True):
-        tmp, inode = _write_temp(tmp_dir, data, durable=durable, fresh=fresh)
+        try:
+            tmp, inode = _write_temp(tmp_dir, data, durable=durable, fresh=fresh)
+        except OSError as exc:
+            # a spare's descriptor closed under us (a Python handler's os.closerange while this
+            # worker wrote): the bytes went nowhere or were cut short, so write a fresh file
+            # rather than leave the handoff in in-progress/ until the next sweep
+            if fresh or exc.errno != errno.EBADF:
+                raise
+            continue
         try:
             put(tmp)
             return inode

@@ -67,7 +67,10 @@ def take(tmp_dir: Path) -> tuple[Path, int, int] | None:
             fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue
-        info = os.fstat(fd)
+        try:
+            info = os.fstat(fd)
+        except OSError:  # EBADF: a handler closed our descriptors (os.closerange) just now; the
+            continue     # number is not ours any more, so it is neither written nor closed
         # written only once it is known to be ours alone: not O_TRUNC, which would empty a file
         # someone linked to it meanwhile (a backup's hard link of an in-progress copy)
         if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
