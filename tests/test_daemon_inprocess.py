@@ -155,7 +155,7 @@ def test_a_second_dispatch_of_a_running_handoff_leaves_it_tracked(tmp_path: Path
     with Serving(engine) as daemon:
         wait_until(lambda: daemon.running_job(hid) is not None)
         job = daemon.running_job(hid)
-        daemon._work(hid)  # the second dispatch: the claim is gone, nothing to run
+        daemon.attempts.work(hid)  # the second dispatch: the claim is gone, nothing to run
         assert daemon.running_job(hid) is job
         gate.set()
         wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED])
@@ -179,7 +179,7 @@ def test_a_lease_renewal_that_meets_the_filing_is_not_a_takeover(
         return filed
 
     engine.file = file_then_renew  # type: ignore[method-assign]
-    daemon._work(hid)
+    daemon.attempts.work(hid)
     assert engine.backend.store.locate(hid) == [State.COMPLETED]
     assert "recovered by another process" not in caplog.text
 
@@ -195,19 +195,20 @@ def test_fast_short_handoffs_chain_on_one_worker_and_slow_ones_spread(tmp_path: 
         submit(engine)
         daemon.scan()
         now = time.monotonic()
+        books = daemon.scheduler
         with daemon.cv:
-            daemon.inflight[-1] = ("@t", now)  # another worker's task, just started
-            assert daemon._spin_up_at() == now + SPIN_UP_SECONDS
-            assert daemon._chain() is None and daemon.running == 0
-            daemon.inflight[-1] = ("@t", now - 1.0)  # a slow one: this worker goes on
-            task = daemon._chain()
+            books.inflight[-1] = ("@t", now)  # another worker's task, just started
+            assert books.spin_up_at() == now + SPIN_UP_SECONDS
+            assert daemon.dispatcher.chain() is None and daemon.running == 0
+            books.inflight[-1] = ("@t", now - 1.0)  # a slow one: this worker goes on
+            task = daemon.dispatcher.chain()
             assert task is not None and daemon.running == 1
-            daemon._finished(task[0])
-            del daemon.inflight[-1]
+            books.finished(task[0])
+            del books.inflight[-1]
     finally:
         daemon.pool.shutdown()
     durable = engine_with(tmp_path / "b", lambda h, c: {"status": "completed"}, durability="fsync")
-    assert Daemon(durable, workers=4, watch=False).spin_up == 0.0
+    assert Daemon(durable, workers=4, watch=False).scheduler.spin_up == 0.0
 
 
 def test_fast_slow_handlers_still_run_side_by_side(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from test_daemon_inprocess import Serving, engine_with, submit
 from handoffd import Daemon, State
 from handoffd.backends.files import fsio
 from handoffd.core.engine import Engine
-from handoffd.service import daemon as daemon_module
+from handoffd.service import dispatch as dispatch_module
 from handoffd.service import queries
 
 
@@ -55,7 +55,8 @@ def test_burst_with_more_workers_than_concurrency_completes(tmp_path: Path, repe
             submit(engine)
         wait_all_done(engine, 300)
         # and the bookkeeping drained with it
-        wait_until(lambda: not daemon.parked_ids and not daemon.released and daemon.running == 0)
+        wait_until(lambda: not daemon.scheduler.parked_ids and not daemon.scheduler.released
+                   and daemon.running == 0)
     assert daemon.report.completed == 300 and daemon.report.stalls == 0
 
 
@@ -76,19 +77,20 @@ def test_duplicate_notifications_and_handoffs_removed_while_parked(tmp_path: Pat
     with Serving(engine) as daemon:
         ids = [submit(engine) for _ in range(40)]
         # two run, the rest are parked
-        wait_until(lambda: len(daemon.parked_ids) == 38)
+        wait_until(lambda: len(daemon.scheduler.parked_ids) == 38)
         for _ in range(3):  # duplicate hints for every id, parked or running
             for hid in ids:
                 daemon.notify(hid)
         # someone else takes ten parked handoffs away: five removed, five filed elsewhere
-        parked = list(daemon.parked_ids)
+        parked = list(daemon.scheduler.parked_ids)
         for hid in parked[:5]:
             engine.backend.store.path(State.PENDING, hid).unlink()
         for hid in parked[5:10]:
             os.rename(engine.backend.store.path(State.PENDING, hid), engine.backend.store.path(State.FAILED, hid))
         gate.set()
         wait_all_done(engine, 30)
-        wait_until(lambda: daemon.running == 0 and not daemon.parked_ids and not daemon.released)
+        wait_until(lambda: daemon.running == 0 and not daemon.scheduler.parked_ids
+                   and not daemon.scheduler.released)
         assert completed(engine) == 30 and not engine.backend.store.ids(State.PENDING)
         # the agent still gets its full concurrency afterwards
         more = [submit(engine) for _ in range(10)]
@@ -101,23 +103,24 @@ def test_release_of_a_gone_id_frees_its_slot(tmp_path: Path) -> None:
     """Unit level: a released id that turns out gone gives its release back at once."""
     engine = fast_engine(tmp_path, lambda h, c: {"status": "completed"}, workers=8, concurrency=1)
     daemon = Daemon(engine, watch=False)
+    books = daemon.scheduler
     try:
         a, b = submit(engine), submit(engine)
         with daemon.cv:
-            daemon._park("@t", a)
-            daemon._park("@t", a)  # de-duplicated
-            daemon._park("@t", b)
-            assert list(daemon.parked["@t"]) == [a, b]
-            daemon._release_parked()
-            assert daemon.released == {a: "@t"} and daemon.releasing["@t"] == 1
-            daemon._release_parked()  # the release in flight counts against the free slot
-            assert list(daemon.parked["@t"]) == [b]
+            books.park("@t", a)
+            books.park("@t", a)  # de-duplicated
+            books.park("@t", b)
+            assert list(books.parked["@t"]) == [a, b]
+            books.release_parked()
+            assert books.released == {a: "@t"} and books.releasing["@t"] == 1
+            books.release_parked()  # the release in flight counts against the free slot
+            assert list(books.parked["@t"]) == [b]
         engine.backend.store.path(State.PENDING, a).unlink()  # filed by someone else meanwhile
         with daemon.cv:
-            assert daemon._next_ready(time.monotonic() + 1) is None
-            assert not daemon.released and not daemon.releasing
-            daemon._release_parked()
-            assert daemon.released == {b: "@t"}
+            assert books.next_ready(time.monotonic() + 1) is None
+            assert not books.released and not books.releasing
+            books.release_parked()
+            assert books.released == {b: "@t"}
     finally:
         daemon.pool.shutdown()
 
@@ -128,10 +131,10 @@ def test_rescan_drops_parked_ids_that_are_gone(tmp_path: Path) -> None:
     try:
         hid = submit(engine)
         with daemon.cv:
-            daemon._park("@t", "no-such-handoff")
-            daemon._park("@t", hid)
+            daemon.scheduler.park("@t", "no-such-handoff")
+            daemon.scheduler.park("@t", hid)
         daemon.scan()
-        assert daemon.parked_ids == {hid: "@t"}
+        assert daemon.scheduler.parked_ids == {hid: "@t"}
     finally:
         daemon.pool.shutdown()
 
@@ -141,17 +144,17 @@ def test_watchdog_recovers_from_corrupted_bookkeeping(tmp_path: Path, caplog: py
     engine = fast_engine(tmp_path, lambda h, c: {"status": "completed"}, workers=4, concurrency=2,
                          rescan_seconds=3600.0, sweep_seconds=3600.0)
     serving = Serving(engine)
-    serving.daemon.stall_seconds = 0.3
-    serving.daemon.next_progress_check = 0.0  # computed at construction from the default
+    serving.daemon.progress.stall_seconds = 0.3
+    serving.daemon.progress.next_progress_check = 0.0  # computed at construction from the default
     caplog.set_level(logging.ERROR, logger="handoffd")
     with serving as daemon:
         first = submit(engine)
         wait_until(lambda: engine.backend.store.locate(first) == [State.COMPLETED])
         with daemon.cv:  # corrupt it on purpose: phantom busy slots, a release that never comes
-            daemon.busy["@t"] = 99
-            daemon.running = daemon.workers - 1
-            daemon.released["phantom"] = "@t"
-            daemon.releasing["@t"] += 5
+            daemon.scheduler.busy["@t"] = 99
+            daemon.scheduler.running = daemon.workers - 1
+            daemon.scheduler.released["phantom"] = "@t"
+            daemon.scheduler.releasing["@t"] += 5
         ids = [submit(engine) for _ in range(10)]
         wait_all_done(engine, 11, timeout=30)
         # filed = the completed copy written, then the in-progress one removed: wait for both
@@ -167,10 +170,10 @@ def test_watchdog_stays_quiet_when_nothing_is_due(tmp_path: Path, caplog: pytest
     try:
         hid = submit(engine, retry_policy={"max_retries": 1})
         doc = engine.backend.store.read(State.PENDING, hid)
-        assert daemon._due_with_free_slot() == hid  # due, slot free
+        assert daemon.progress.due_with_free_slot() == hid  # due, slot free
         doc["target"] = {"agent_id": "@nobody"}
         engine.backend.store.path(State.PENDING, hid).write_bytes(fsio.dump_json(doc))
-        assert daemon._due_with_free_slot() is None  # no specialist: not the scheduler's fault
+        assert daemon.progress.due_with_free_slot() is None  # no specialist: not the scheduler's fault
     finally:
         daemon.pool.shutdown()
 
@@ -196,17 +199,17 @@ def test_serve_returns_non_zero_when_the_loop_dies(tmp_path: Path, monkeypatch: 
     thread.start()
     try:
         assert started.wait(15)
-        real = daemon._release_parked
+        real = daemon.scheduler.release_parked
 
         def boom() -> None:
             raise RuntimeError("injected scheduler bug")
 
-        monkeypatch.setattr(daemon, "_release_parked", boom)
+        monkeypatch.setattr(daemon.scheduler, "release_parked", boom)
         daemon.notify("anything")  # wake the loop
     finally:
         thread.join(timeout=30)
         if thread.is_alive():  # never hang the suite: stop it the ordinary way
-            monkeypatch.setattr(daemon, "_release_parked", real)
+            monkeypatch.setattr(daemon.scheduler, "release_parked", real)
             daemon.stop(hard=True)
             thread.join(timeout=30)
     assert result == [1]
@@ -217,10 +220,10 @@ def test_serve_returns_non_zero_when_the_loop_dies(tmp_path: Path, monkeypatch: 
 
 
 INJECT = ("import sys\n"
-          "from handoffd.service import daemon\n"
+          "from handoffd.service import scheduler\n"
           "def boom(self, *a, **k):\n"
           "    raise RuntimeError('injected scheduler bug')\n"
-          "daemon.Daemon._release_parked = boom\n"
+          "scheduler.Scheduler.release_parked = boom\n"
           "from handoffd.cli.handoffd_cmd import main\n"
           "sys.argv = ['handoffd'] + sys.argv[1:]\n"
           "main()\n")
@@ -382,7 +385,7 @@ def test_reader_crash_and_scheduler_error_are_isolated(tmp_path: Path, monkeypat
         return None
 
     monkeypatch.setattr(dialects, "detect", detect)
-    monkeypatch.setattr(daemon_module, "RETRY_LOOK_SECONDS", 0.05)
+    monkeypatch.setattr(dispatch_module, "RETRY_LOOK_SECONDS", 0.05)
     engine.gates.append(bad_gate)
     rows = {r["id"]: r for r in queries.list_handoffs(engine)}
     assert rows[crashing]["note"].startswith("UNPROCESSABLE_DOCUMENT")

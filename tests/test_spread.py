@@ -304,7 +304,7 @@ def test_each_process_starts_on_its_own_stretch_of_the_backlog(ws: Workspace) ->
     for index, first in ((0, listed[0]), (1, listed[5])):
         daemon = Daemon(eng, watch=False, stripe=(index, 2))
         assert daemon.scan() == 10
-        order = [hid for _, _, _, hid in sorted(daemon.heap)]
+        order = [hid for _, _, _, hid in sorted(daemon.scheduler.heap)]
         assert order[0] == first and sorted(order) == sorted(listed)
 
 

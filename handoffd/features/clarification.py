@@ -1,0 +1,187 @@
+"""Clarification and blocking (seed 000 NEEDS_CLARIFICATION, seed 002 blocked), the requester's
+side of orchestration: reading such a result, the gate that holds the parked handoff "waiting on
+the requester", ``handoff answer``, and how the answers reach the specialist when it runs again
+(what parking does: :mod:`handoffd.features.orchestration`).
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..core.documents import Envelope, book
+from ..core.errors import (
+    DocumentNotReady,
+    DuplicateHandoff,
+    ErrorCode,
+    InvalidDocument,
+    InvalidTransition,
+    UnreadableDocument,
+)
+from ..core.logs import log
+from ..core.states import State
+from ..core.timeutil import iso
+from .delegation import _Malformed
+from .dependencies import Verdict
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine, Job
+
+MAX_CLARIFICATIONS_ENV = 64 * 1024  # bytes of $HANDOFF_CLARIFICATIONS
+# a handoff just parked is written to pending/ a moment before its in-progress copy goes: an
+# answer racing that moment (or a daemon's look at it) tries again for this long
+ANSWER_PATIENCE_SECONDS = 2.0
+ANSWER_BOOKKEEPING_BYTES = 2048  # what an answer adds besides itself: its entry, history, seal
+
+
+# ---------------------------------------------------------------- reading the result
+def _clarification(job: "Job", result: dict[str, Any]) -> dict[str, Any]:
+    questions: list[Any] = []
+    output = given if isinstance(given := result.get("output"), dict) else {}
+    error = given if isinstance(given := result.get("error"), dict) else {}
+    for source in (result.get("questions"), output.get("questions")):
+        if isinstance(source, list):
+            questions.extend(q for q in source if isinstance(q, (str, dict)))
+        elif isinstance(source, str) and source.strip():
+            questions.append(source)
+    for text in (result.get("error_detail"), error.get("message")):
+        if not questions and isinstance(text, str) and text.strip():
+            questions.append(text)
+    if not questions:
+        raise _Malformed('it names no questions (give "questions": ["..."], as seed 000 asks for '
+                         "specific questions)")
+    return {"questions": questions}
+
+
+def _blocked(job: "Job", result: dict[str, Any]) -> dict[str, Any]:
+    blockers = result.get("blockers")
+    if blockers is None and isinstance(result.get("output"), dict):
+        blockers = result["output"].get("blockers")
+    if not isinstance(blockers, list) or not blockers:
+        raise _Malformed('it lists no "blockers" (seed 002: a blocked handoff has blockers with '
+                         "resolution options)")
+    for index, blocker in enumerate(blockers):
+        if not isinstance(blocker, dict) or not isinstance(blocker.get("description"), str):
+            raise _Malformed(f"blockers[{index}] needs a description")
+        options = blocker.get("resolution_options")
+        if not isinstance(options, list) or not options:
+            raise _Malformed(f"blockers[{index}] has no resolution_options (seed 002 requires at "
+                             "least one)")
+    return {"blockers": blockers}
+
+
+# ---------------------------------------------------------------- the gate, and the answers
+def requester_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
+    """Hold a handoff parked by needs_clarification / blocked until it is answered."""
+    awaiting = book(doc).get("awaiting") if isinstance(doc.get("handoffd"), dict) else None
+    if not isinstance(awaiting, dict):
+        return None
+    kind = str(awaiting.get("kind", "needs_clarification")).replace("_", " ")
+    items = awaiting.get("questions") or awaiting.get("blockers") or []
+    items = items if isinstance(items, list) else [items]  # (bookkeeping is ours, but typed)
+    first = items[0] if items else ""
+    if isinstance(first, dict):
+        first = first.get("description") or first.get("question") or first.get("text") or ""
+    more = f" (+{len(items) - 1} more)" if len(items) > 1 else ""
+    who = awaiting.get("requester") or "the requester"
+    return Verdict.wait(f"waiting on the requester ({who}): {kind}: {str(first)[:100]}{more}; "
+                        f"answer with `handoff answer {env.handoff_id} --data JSON`")
+
+
+def _expose_clarifications(job: "Job") -> None:
+    """Answers reach every specialist in every format: Python ones as ``ctx.clarifications``,
+    commands as ``$HANDOFF_CLARIFICATIONS`` (a JSON list; their stdin is the document without
+    handoffd's block, where non-native formats keep the answers)."""
+    found = clarifications_of(job.claim.doc)
+    if found:
+        job.context.clarifications = found
+        for answers in (found, found[-1:]):  # an environment has its limits (ARG_MAX)
+            text = json.dumps(answers, ensure_ascii=False)
+            if len(text) <= MAX_CLARIFICATIONS_ENV:
+                job.context.env["HANDOFF_CLARIFICATIONS"] = text
+                break
+            log.warning("handoff %s: %d answers are too long for $HANDOFF_CLARIFICATIONS (%d "
+                        "bytes)", job.handoff_id, len(answers), len(text))
+
+
+def clarifications_of(doc: dict[str, Any]) -> list[Any]:
+    """Answers given so far with ``handoff answer`` (native: ``input.clarifications``)."""
+    inp = doc.get("input")
+    if isinstance(inp, dict) and isinstance(inp.get("clarifications"), list):
+        return list(inp["clarifications"])
+    block = doc.get("handoffd")
+    if isinstance(block, dict) and isinstance(block.get("clarifications"), list):
+        return list(block["clarifications"])
+    return []
+
+
+# ---------------------------------------------------------------- answering
+def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") -> dict[str, Any]:
+    """Attach an answer to a handoff waiting on its requester and release it to pending/."""
+    box: list[Any] = []
+
+    def on_claim(claimed: dict[str, Any]) -> None:
+        try:
+            dialect = engine.formats.detect(claimed)
+        except InvalidDocument:
+            dialect = engine.formats.by_name("native")
+        box.append(dialect)
+
+    give_up_at = time.monotonic() + ANSWER_PATIENCE_SECONDS
+    while True:
+        state, doc = engine.get(handoff_id)
+        if state is not State.PENDING or not isinstance(book(doc).get("awaiting"), dict):
+            raise InvalidTransition(f"handoff {handoff_id} is {state.value} and not waiting for "
+                                    "an answer (only handoffs that asked for clarification or "
+                                    "were blocked can be answered)", handoff_id=handoff_id)
+        _check_room(engine, handoff_id, doc, data)
+        now = engine.clock()
+        try:
+            claim = engine.backend.claim(handoff_id, now, engine.settings.lease_seconds,
+                                         prepare=on_claim)
+        except (DuplicateHandoff, DocumentNotReady, UnreadableDocument):
+            claim = None
+        if claim is not None:
+            break
+        if time.monotonic() >= give_up_at:
+            raise InvalidTransition(f"handoff {handoff_id} moved while answering; look at it "
+                                    "with `handoff show` and try again", handoff_id=handoff_id)
+        time.sleep(0.02)
+    doc = claim.doc
+    block = book(doc)
+    history = block.get("history")
+    if isinstance(history, list) and history and history[-1].get("event") == "claimed":
+        history.pop()  # claimed only to write the answer in; it did not run
+    awaiting = block.pop("awaiting", None) or {}
+    entry = {"at": iso(now), "by": by, "kind": awaiting.get("kind"), "answer": data}
+    for key in ("questions", "blockers"):
+        if awaiting.get(key):
+            entry[key] = awaiting[key]
+    dialect = box[0]
+    if dialect.name == "native":
+        inp = given if isinstance(given := doc.get("input"), dict) else {}
+        doc["input"] = inp
+        inp.setdefault("clarifications", []).append(entry)
+    else:
+        block.setdefault("clarifications", []).append(entry)
+    # the history names the answer; the document holds it once (clarifications)
+    shown = data if isinstance(data, (int, float, bool)) or data is None else str(data)[:300]
+    if engine.requeue(claim, dialect, "answered", by=by, answer=shown) is not State.PENDING:
+        raise InvalidTransition(f"handoff {handoff_id} was taken over while answering",
+                                handoff_id=handoff_id)
+    return entry
+
+
+def _check_room(engine: "Engine", handoff_id: str, doc: dict[str, Any], data: Any) -> None:
+    """InvalidDocument (DOCUMENT_TOO_LARGE) before anything is written when the document with
+    the answer in it would be over ``max_document_bytes``: the daemon could not read it back,
+    and the handoff would be set aside instead of resumed."""
+    limit = engine.settings.max_document_bytes
+    size = (len(json.dumps(doc, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+            + len(json.dumps(data, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+            + ANSWER_BOOKKEEPING_BYTES)
+    if size > limit:
+        raise InvalidDocument(f"the answer would make handoff {handoff_id} about {size} bytes, over "
+                              f"the {limit}-byte limit; answer with less, or point to a file "
+                              "(raise daemon.max_document_bytes in handoffd.toml if this is "
+                              "intended)", handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_LARGE)

@@ -1,0 +1,211 @@
+"""Running one attempt on a worker, and what its outcome or failure does.
+
+A worker's task (:mod:`.dispatch` submits it) is one of: :meth:`Attempts.work` (claim, run, file),
+:meth:`~Attempts.reject` (a gate said fail), :meth:`~Attempts.aside` (a message a feature files,
+e.g. a cancellation) or :meth:`~Attempts.set_aside` (a document that cannot be read). None of them
+raises for a handoff's fault: each error is filed, or logged and the handoff looked at again
+later through the scheduler. Python handlers that run on past their ended attempt (a thread
+cannot be stopped) hold back that handoff's next attempt until they return (``late``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Callable
+
+from ..core.documents import Outcome
+from ..core.engine import Engine, Job
+from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError
+from ..core.runner import cancel
+from ..core.states import State
+from ..core.watchdog import TakenOver
+from . import handbacks
+from .leases import LOST_LOCK_REASON
+from .report import BatchReport
+from .scheduler import RETRY_LOOK_SECONDS, Scheduler
+
+log = logging.getLogger("handoffd")
+LATE_LOOK_SECONDS = 1.0  # a handoff whose last Python handler still runs is looked at this late
+UNEXPECTED_MAX_SECONDS = 60.0  # the longest back-off after unexpected errors about one handoff
+MAX_TRACKED = 10_000  # handoffs whose unexpected errors are counted before the count starts over
+
+
+class Attempts:
+    """The attempts one daemon runs: ``active`` (handoff id -> its running job, guarded by the
+    scheduler's ``cv``), the handlers running late, and unexpected errors in a row."""
+
+    def __init__(self, engine: Engine, scheduler: Scheduler, report: BatchReport) -> None:
+        self.engine = engine
+        self.settings = engine.settings
+        self.scheduler = scheduler
+        self.cv = scheduler.cv
+        self.report = report
+        self.active: dict[str, Job] = {}
+        # handoff id -> Python handlers still running past their ended attempts (timed out,
+        # cancelled, fenced): a thread cannot be stopped, so no new attempt starts beside them
+        self.late: Counter[str] = Counter()
+        self.late_said: dict[str, int] = {}  # (said once per late handler)
+        self.unexpected_in_a_row: dict[str, int] = {}  # handoff id -> unexpected errors in a row
+        self.slot = threading.local()  # a worker's current task token (``slot.token``)
+
+    def work(self, handoff_id: str) -> None:
+        """Claim ``handoff_id``, run its specialist and file the outcome (a worker's task)."""
+        job: Job | None = None
+        if self.late:  # (almost always empty: no lock taken per claim then)
+            with self.cv:
+                if self._held_by_late(handoff_id):
+                    return
+        try:
+            job = self.engine.take(handoff_id, arrived=self.scheduler.first_seen.get(handoff_id))
+            if job is None:
+                return
+            with self.cv:
+                self.active[handoff_id] = job
+            log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
+                     job.specialist.agent, extra={"event": "claimed", "handoff_id": handoff_id,
+                                                  "attempt": job.claim.attempt,
+                                                  "agent": job.specialist.agent})
+            if self.scheduler.stopping:
+                job.ending = True
+                self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
+                self.report.handed_back += 1
+                return
+            token = getattr(self.slot, "token", None)  # None: called outside a worker's task
+            if token is not None:  # its Python handler runs here, ended on time by the watchdog
+                taken = job
+                job.takeover = lambda rest: self._taken_over(token, taken, rest)
+            self._end_attempt(job, self.engine.run(job))
+        except TakenOver:
+            job = None  # _taken_over ended the attempt: the job and the slot are its to give back
+            with self.cv:  # and its handler, which ran on past it, has returned at last
+                self._late_returned(handoff_id)
+            raise
+        except Exception as exc:
+            self._work_failed(handoff_id, exc)
+        finally:
+            # only our own entry: a second dispatch of the same id (a late hint read it before
+            # our claim) finds it taken and returns here; popping then would hide the running
+            # job from lease renewal, the sweep's skip list and cancel requests
+            if job is not None:
+                self._forget_job(job)
+
+    def _end_attempt(self, job: Job, outcome: Outcome) -> None:
+        """File a run's outcome, or hand the attempt back if the daemon stopped it."""
+        job.ending = True
+        if job.context.handback:  # counted once a stop interrupted it too often in a row
+            if handbacks.hand_back(self.engine, job, outcome):
+                self.report.handed_back += 1
+            return
+        if job.fenced:  # stopped by the lease keeper: retried by the policy, not cancelled
+            reason = job.context.cancel_reason
+            advice = "" if reason == LOST_LOCK_REASON else (
+                "; if the store was reachable, the daemon was too busy to renew its leases in "
+                "time: raise [daemon] lease_seconds")
+            outcome = self.engine.failure(
+                outcome.started_at or self.engine.clock(), ErrorCode.PROCESSING_ERROR,
+                f"handoff {job.handoff_id}: stopped: {reason}{advice}", retryable=True)
+        self.engine.file(job.claim, job.dialect, job.specialist, outcome)  # counted: Daemon._count
+
+    def _taken_over(self, token: int, job: Job, rest: Callable[[], Outcome]) -> None:
+        """On the watchdog's thread: end ``job``'s attempt, whose handler overran or was
+        cancelled while it still runs on its worker, and give its slot back. Until that handler
+        returns, this daemon claims the handoff for no other attempt (:attr:`late`)."""
+        with self.cv:
+            self.late[job.handoff_id] += 1
+        try:
+            self._end_attempt(job, rest())
+        except Exception as exc:
+            self._work_failed(job.handoff_id, exc)
+        finally:
+            self._forget_job(job)
+            with self.cv:
+                self.scheduler.finished(token)
+                self.cv.notify_all()
+
+    def _forget_job(self, job: Job) -> None:
+        with self.cv:
+            if self.active.get(job.handoff_id) is job:
+                del self.active[job.handoff_id]
+
+    def _late_returned(self, handoff_id: str) -> None:
+        """A handler that ran on past its ended attempt returned (called under ``cv``)."""
+        self.late[handoff_id] -= 1
+        if self.late[handoff_id] <= 0:
+            del self.late[handoff_id]
+            self.late_said.pop(handoff_id, None)
+            self.scheduler.notify(handoff_id)  # a retry held back for it may start now
+
+    def _held_by_late(self, handoff_id: str) -> bool:
+        """True (and looked at again later) while the Python handler of ``handoff_id``'s last
+        attempt still runs in this daemon: no attempt starts beside it (called under ``cv``)."""
+        if not self.late.get(handoff_id):
+            return False
+        if self.late_said.get(handoff_id) != self.late[handoff_id]:
+            self.late_said[handoff_id] = self.late[handoff_id]
+            log.warning("handoff %s: its next attempt waits until the Python handler of its last "
+                        "one returns (a thread cannot be stopped)", handoff_id)
+        self.scheduler.notify(handoff_id, LATE_LOOK_SECONDS)
+        return True
+
+    def hand_back_all(self) -> None:
+        """Stop every running handler now; its attempt is handed back to pending/."""
+        for job in list(self.active.values()):
+            job.context.handback = True
+            cancel(job.context, "daemon stopping")
+
+    # ------------------------------------------------------------ failures
+    def _work_failed(self, handoff_id: str, exc: Exception) -> None:
+        """What a worker does when handling ``handoff_id`` raised ``exc`` (in an except block)."""
+        if isinstance(exc, DocumentNotReady):
+            self.scheduler.notify(handoff_id, self.settings.settle_seconds)
+        elif isinstance(exc, HandoffdError):
+            log.error("%s", exc)
+            self.scheduler.notify(handoff_id, 1.0)
+        elif isinstance(exc, OSError):  # disk full, permissions: report, and try again later
+            log.error("handoff %s: %s; will retry in %ss", handoff_id, exc, RETRY_LOOK_SECONDS)
+            self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
+        else:  # a bug must not kill the worker or lose the handoff
+            self.unexpected(handoff_id, "unexpected error; it stays where it is for recovery")
+
+    def unexpected(self, handoff_id: str, what: str) -> None:
+        """Log an unexpected error about ``handoff_id`` (its traceback the first time) and look
+        at it again only after a back-off doubling from 1 s to a minute: one document a bug
+        cannot handle (a row no reader can load) once made a batch loop on it for ever, a
+        traceback a millisecond."""
+        counts = self.unexpected_in_a_row
+        tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
+        delay = min(UNEXPECTED_MAX_SECONDS, 2.0 ** (tries - 1))
+        if tries == 1:
+            log.exception("handoff %s: %s", handoff_id, what)
+        else:
+            log.error("handoff %s: %s (%d times; looked at again in %gs)", handoff_id, what, tries,
+                      delay)
+        if len(counts) > MAX_TRACKED:
+            counts.clear()
+        self.scheduler.notify(handoff_id, delay)
+
+    # ------------------------------------------------------------ tasks that run no specialist
+    def reject(self, handoff_id: str, code: str, message: str) -> None:
+        """File ``handoff_id`` as failed with ``code`` unrun: a gate said so."""
+        try:
+            self.engine.reject(handoff_id, code, message)  # counted by Daemon._count
+        except Exception:  # never lose the loop to one handoff; it stays pending
+            log.exception("handoff %s: could not file gate failure", handoff_id)
+
+    def aside(self, handoff_id: str, func: Callable[[Engine, str], State | None]) -> None:
+        """File ``handoff_id`` with ``func`` instead of a specialist (cancellation messages)."""
+        try:
+            func(self.engine, handoff_id)  # counted by Daemon._count
+        except Exception:  # never lose the loop to one handoff; it stays where it is
+            log.exception("handoff %s: could not be handled", handoff_id)
+
+    def set_aside(self, handoff_id: str, code: str, message: str) -> None:
+        """Set a pending document aside with ``code`` (the engine logs one line and files a
+        failure under the id when it is a safe, free one)."""
+        try:
+            self.engine.set_aside(handoff_id, State.PENDING, code, message)
+        except OSError as exc:
+            log.error("handoff %s: cannot set it aside (%s: %s): %s; will try again in %ss",
+                      handoff_id, code, message, exc, RETRY_LOOK_SECONDS)
+            self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)

@@ -1,0 +1,194 @@
+"""What becomes of a due handoff, and the workers that run it.
+
+:meth:`Dispatcher.dispatch` applies the rules to one due handoff: run it now (which task, see
+:mod:`.attempts`), park it until its specialist has a free slot, or look at it again later (not
+yet due, held by a gate, rate-limited, no specialist here). A task goes to the worker pool, or,
+when a finishing worker asks (:meth:`Dispatcher.chain`), straight to that worker as its next.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from ..core.engine import Engine, Peek
+from ..core.watchdog import TakenOver
+from .attempts import Attempts
+from .hooks import Hooks
+from .scheduler import RETRY_LOOK_SECONDS, Scheduler
+from .workers import WorkerPool
+
+log = logging.getLogger("handoffd")
+CHAIN_LOOKS = 4  # due handoffs a finishing worker looks at for its next task (chain)
+# a task a worker runs: (pool token, function, handoff id, more arguments)
+Task = tuple[int, Callable[..., Any], str, tuple[Any, ...]]
+
+
+class Dispatcher:
+    """Hands due handoffs to workers by the scheduler's books (called under its ``cv``)."""
+
+    def __init__(self, engine: Engine, scheduler: Scheduler, attempts: Attempts, hooks: Hooks,
+                 pool: WorkerPool) -> None:
+        self.engine = engine
+        self.settings = engine.settings
+        self.scheduler = scheduler
+        self.cv = scheduler.cv
+        self.attempts = attempts
+        self.hooks = hooks
+        self.pool = pool
+        self.slot = attempts.slot  # the worker's current task token, for its attempt's watchdog
+        self.chained: list[Task] | None = None  # set while a worker picks its next task (chain)
+        self.batch = False  # a cron batch: no specialist for a handoff is not worth a warning
+
+    # ------------------------------------------------------------ workers
+    def submit(self, agent: str, func: Callable[..., Any], handoff_id: str, *args: Any) -> int:
+        """Run ``func(handoff_id, *args)`` on the pool, counted against ``agent``'s slots (or
+        next on the worker that asked for it: see :meth:`chain`); returns its task token."""
+        token = self.scheduler.start(agent)
+        if self.chained == []:  # the first task a finishing worker's look finds: its own next
+            self.chained.append((token, func, handoff_id, args))
+            return token
+        try:
+            self.pool.submit(self.run_task, token, func, handoff_id, *args)
+        except BaseException:  # e.g. the pool is shut down: the slot is not taken
+            self.scheduler.finished(token)
+            raise
+        return token
+
+    def run_task(self, token: int, func: Callable[..., Any], handoff_id: str, *args: Any) -> None:
+        """A worker: run the task, then the next it finds due (:meth:`chain`), until none is."""
+        task: Task | None = (token, func, handoff_id, args)
+        while task is not None:
+            token, func, handoff_id, args = task
+            self.slot.token = token
+            try:
+                func(handoff_id, *args)
+            except TakenOver:  # its attempt was ended and its slot given back by _taken_over
+                return  # no chaining: the scheduler has handed the slot's next task out
+            except Exception:  # the task functions catch their own; this is the last resort
+                self.attempts.unexpected(handoff_id, "unexpected error in a worker")
+            except BaseException:  # leaving the worker: give the slot back, take nothing more
+                with self.cv:
+                    self.scheduler.finished(token)
+                    self.cv.notify_all()
+                raise
+            with self.cv:
+                self.scheduler.finished(token)
+                task = self.chain()
+                if task is None:
+                    self.cv.notify_all()
+
+    def chain(self) -> Task | None:
+        """A worker that just finished takes the most urgent due handoff itself (called under
+        ``cv``). Handing it to the scheduler thread, which hands it to the pool, moved each
+        handoff across three threads; the two wake-ups cost more than a no-op handler runs.
+        The dispatch rules are the scheduler's own (:meth:`dispatch`); only a handoff they
+        send to a worker is taken, anything else (parked, waiting) is left as they leave it."""
+        scheduler = self.scheduler
+        now = time.monotonic()
+        if scheduler.stopping or now >= scheduler.batch_deadline or now < scheduler.spin_up_at():
+            return None  # (the last: another worker runs a short task and will chain itself)
+        taken: list[Task] = []
+        self.chained = taken  # submit puts the first task dispatched here (any more: the pool)
+        try:
+            for _ in range(CHAIN_LOOKS):
+                if taken or scheduler.running >= scheduler.workers:
+                    break
+                scheduler.release_parked()
+                ready = scheduler.next_ready(time.monotonic())
+                if ready is None:
+                    break
+                self.dispatch_safely(*ready)
+        except BaseException:
+            for token, *_ in taken:
+                scheduler.finished(token)
+            raise
+        finally:
+            self.chained = None
+        return taken[0] if taken else None
+
+    # ------------------------------------------------------------ the rules
+    def dispatch_safely(self, handoff_id: str, peek: Peek | None) -> None:
+        """Per-item isolation: a handoff the scheduler chokes on is logged and looked at again
+        later; it never takes the loop down."""
+        try:
+            self.dispatch(handoff_id, peek)
+        except Exception:
+            log.exception("handoff %s: could not be scheduled; will look again in %ss",
+                          handoff_id, RETRY_LOOK_SECONDS)
+            self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
+
+    def dispatch(self, handoff_id: str, peek: Peek | None) -> None:
+        """Start, park or put off the due ``handoff_id`` (``peek``: what it was read as)."""
+        scheduler = self.scheduler
+        was_released = handoff_id in scheduler.released
+        scheduler.unpark(handoff_id)  # whatever happens next, an old parking spot or release ends
+        if peek is None:
+            return
+        if not peek.readable:
+            self.dispatch_unreadable(handoff_id)
+            return
+        handler = self.hooks.message_handler(peek.doc)
+        if handler is not None:  # e.g. a seed 000 CancellationPayload message
+            self.submit("", self.attempts.aside, handoff_id, handler)
+            return
+        if peek.due_at is not None:
+            wait = (peek.due_at - self.engine.clock()).total_seconds()
+            if wait > 0:
+                scheduler.notify(handoff_id, wait)
+                return
+        deadline = scheduler.deadline(handoff_id, peek)
+        if deadline is not None and deadline <= self.engine.clock():
+            self.submit("", self.attempts.work, handoff_id)  # admission answers it TIMEOUT, unrun
+            return
+        spec = self.engine.registry.get(peek.target or "")
+        if spec is None:
+            scheduler.look_again_at(handoff_id, deadline)
+            if handoff_id not in scheduler.unroutable:
+                # a warning for a daemon; for a cron batch it would be mail on every run (it
+                # stays in the summary line and in `handoff ls`)
+                # (with a store shared by several hosts it is usually another host's work)
+                log.log(logging.INFO if self.batch or getattr(self.engine.backend, "shared", False)
+                        else logging.WARNING,
+                        "handoff %s waits in pending/: no specialist registered for %s",
+                        handoff_id, peek.target)
+            scheduler.unroutable.add(handoff_id)
+            return
+        scheduler.unroutable.discard(handoff_id)
+        verdict = self.engine.gate(peek)
+        if verdict is not None and verdict.action == "wait":
+            scheduler.hold(handoff_id, verdict.reason, verdict.on)
+            scheduler.look_again_at(handoff_id, deadline)
+            return
+        scheduler.unhold(handoff_id)
+        if verdict is not None:  # a gate said fail: file it without running the handler
+            self.submit(spec.agent, self.attempts.reject, handoff_id, verdict.code, verdict.reason)
+            return
+        if scheduler.busy.get(spec.agent, 0) >= scheduler.limit(spec):
+            scheduler.park(spec.agent, handoff_id, front=was_released)
+            scheduler.look_again_at(handoff_id, deadline)
+            return
+        if scheduler.rate_limited(spec, handoff_id, deadline):
+            return
+        self.submit(spec.agent, self.attempts.work, handoff_id)
+
+    def dispatch_unreadable(self, handoff_id: str) -> None:
+        """A pending document that cannot be read or routed: claim it when claiming sets it aside
+        (an invalid document), look again later when the error is transient, else set it aside
+        where it lies (a socket, a file we may not read, a reader crashing on it)."""
+        peek = self.engine.peek(handoff_id)  # look again: it may have been rewritten meanwhile
+        if peek is None:
+            return
+        if peek.readable or peek.problem is None:  # readable by now: look again shortly
+            self.scheduler.notify(handoff_id, self.settings.settle_seconds)
+            return
+        problem = peek.problem
+        if problem.transient:
+            log.warning("handoff %s: %s; will look again in %ss", handoff_id, problem,
+                        RETRY_LOOK_SECONDS)
+            self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
+            return
+        if problem.claimable:
+            self.submit("", self.attempts.work, handoff_id)  # take() sets it aside with its code
+            return
+        self.submit("", self.attempts.set_aside, handoff_id, problem.code, str(problem))

@@ -1,0 +1,44 @@
+"""What a daemon run (batch or serve) filed: the summary line and the exit code come from it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sweeper import SweepReport
+
+
+@dataclass
+class BatchReport:
+    """Counts of what a run (batch or serve) filed, for the summary line and exit code."""
+
+    completed: int = 0
+    failed: int = 0
+    retrying: int = 0
+    handed_back: int = 0
+    unroutable: set[str] = field(default_factory=set)
+    waiting: dict[str, str] = field(default_factory=dict)
+    sweep: SweepReport | None = None
+    error: str | None = None  # set when the main loop died (the exit code is then non-zero)
+    stalls: int = 0  # times the progress watchdog had to reset the scheduler
+    # forked processes of this run (service.spread) that ended without a report, or were
+    # stopped for running too long past its end, and how
+    lost: list[str] = field(default_factory=list)
+
+    def needs_a_look(self) -> bool:
+        """Something an operator should hear of even from a quiet cron batch."""
+        return bool(self.failed or self.handed_back or self.error or self.stalls or self.lost)
+
+    def line(self) -> str:
+        """The one-line summary ``handoffd run`` and ``serve`` print."""
+        text = (f"completed {self.completed}, failed {self.failed}, retry scheduled "
+                f"{self.retrying}")
+        if self.handed_back:
+            text += f", handed back {self.handed_back}"
+        if self.unroutable:
+            text += f", left pending with no specialist {len(self.unroutable)}"
+        if self.waiting:
+            text += f", waiting {len(self.waiting)}"
+        if self.lost:
+            text += f"; {len(self.lost)} process(es) ended without a report or were stopped"
+        if self.error:
+            text += f"; main loop died: {self.error}"
+        return text

@@ -1,0 +1,321 @@
+"""The scheduler's books: when to look at which pending handoff, and which may start now.
+
+The dispatch rules that read them are in :mod:`.dispatch`; the daemon's loop (:mod:`.daemon`)
+and its finishing workers ask them for the next handoff. Everything here is guarded by ``cv``,
+the daemon's one condition variable (re-entrant: the rules call each other under it).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Sequence
+from datetime import datetime
+
+from ..core.engine import Engine, Peek
+from ..core.specialists import Specialist
+from .report import BatchReport
+
+log = logging.getLogger("handoffd")
+READY_WINDOW = 64  # due handoffs read ahead to order by priority
+# With durability "fast", another worker starts only once every running task is this old: a
+# task about to finish chains to the next due handoff itself (dispatch.Dispatcher.chain), and
+# short handoffs drain fastest on one thread (2,000 no-op handoffs: 1 worker 516-552/s, 4 side
+# by side 380-395/s, lost to the GIL's hand-overs and the folders' locks). Slow handlers still
+# run side by side, this much later. With fsync, a handoff mostly waits for the disk, which
+# overlaps: no delay.
+SPIN_UP_SECONDS = 0.005
+RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
+
+
+class Scheduler:
+    """The scheduling bookkeeping of one daemon, all guarded by ``cv``:
+
+    * ``heap``/``queued``: when to look at an id next; ``ready``/``readied``: ids read and waiting
+      for a worker, most urgent first.
+    * ``parked[agent]``: an ordered, de-duplicated set of due ids waiting for one of the agent's
+      concurrency slots (``parked_ids`` maps each back to its agent). On every loop iteration
+      :meth:`release_parked` lets out as many as the agent has free slots, minus releases still
+      in flight (``released``/``releasing``); a released id leaves that set when it is dispatched
+      again or turns out gone, so a release is never lost on a dead entry.
+    * ``inflight``: one entry per task submitted to the pool (its agent, when it started: see
+      :meth:`spin_up_at`); ``busy`` and ``running`` are counts of it, kept in step by
+      :meth:`start` and :meth:`finished` only.
+    * ``waiting``/``waits_on``: handoffs a gate holds back, and the ids whose filing may end it;
+      ``unroutable``: handoffs no specialist here takes (both shared with the run's report).
+
+    The progress watchdog (:mod:`.progress`) guards the whole and rebuilds it (:meth:`reset`).
+    """
+
+    def __init__(self, engine: Engine, report: BatchReport, *, workers: int) -> None:
+        self.engine = engine
+        self.workers = workers
+        self.cv = threading.Condition()
+        self.heap: list[tuple[float, int, int, str]] = []  # (due, _, seq, id): when to look
+        self.ready: list[tuple[int, float, int, str, Peek]] = []  # (priority, due, seq, id, peek)
+        self.readied: set[str] = set()
+        self.queued: dict[str, float] = {}
+        self.seq = itertools.count()
+        self.parked: dict[str, OrderedDict[str, None]] = {}  # agent -> ids waiting for a slot
+        self.parked_ids: dict[str, str] = {}  # id -> agent, for every parked id
+        self.released: dict[str, str] = {}  # id -> agent: let out of parking, not yet re-dispatched
+        self.releasing: Counter[str] = Counter()  # agent -> len of its entries in released
+        # pool task token -> (agent ("" for set-aside work), monotonic time it started)
+        self.inflight: dict[int, tuple[str, float]] = {}
+        self.spin_up = 0.0 if engine.settings.durable else SPIN_UP_SECONDS
+        self.busy: Counter[str] = Counter()  # agent -> tasks in flight (a count of inflight)
+        self.running = 0  # len(inflight)
+        self.last_dispatch = time.monotonic()
+        self.stopping = False  # nothing more starts
+        self.batch_deadline = math.inf  # run_batch(max_seconds=): nothing starts after it
+        self.rescan_requested = True
+        self.first_seen: dict[str, datetime] = {}  # hard-timeout handoffs seen pending, by id
+        self.rate_until: dict[str, float] = {}  # agent -> monotonic time its next start is due
+        self.unroutable = report.unroutable
+        self.waiting = report.waiting  # handoff id -> why a gate holds it back
+        # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
+        # of 1,000 dependents is then re-checked one handoff per filing, not 1,000
+        self.waits_on: dict[str, frozenset[str]] = {}
+
+    def limit(self, spec: Specialist) -> int:
+        """How many handoffs of ``spec`` this daemon runs at once: its ``concurrency``, else as
+        many as there are workers (children of one fan-out run side by side, as seed 000 has it)."""
+        return spec.config.concurrency or self.workers
+
+    # ------------------------------------------------------------ when to look
+    def notify(self, handoff_id: str, delay: float = 0.0) -> None:
+        """Hint that ``handoff_id`` may be due in ``delay`` seconds (watchdog, scans, retries)."""
+        due = time.monotonic() + delay
+        with self.cv:
+            if handoff_id in self.readied and delay == 0:
+                return  # already read and waiting its turn in the ready window
+            current = self.queued.get(handoff_id)
+            if current is not None and current <= due:
+                return
+            self.queued[handoff_id] = due
+            heapq.heappush(self.heap, (due, 2, next(self.seq), handoff_id))
+            self.cv.notify()
+
+    def request_rescan(self) -> None:
+        """Ask the loop to list pending/ again (events may have been lost)."""
+        with self.cv:
+            self.rescan_requested = True
+            self.cv.notify()
+
+    def listed(self, ids: Sequence[str], running: Collection[str], *,
+               recheck_waiting: bool) -> None:
+        """A scan listed ``ids`` in pending/ (``running``: the ids this daemon runs): forget
+        what left, queue what is not known yet (waiting ids only when ``recheck_waiting``)."""
+        with self.cv:
+            if self.parked_ids or self.first_seen or self.unroutable or self.waiting:
+                present = set(ids)
+                for gone in [hid for hid in self.waiting if hid not in present]:
+                    self.waiting.pop(gone, None)  # claimed or filed elsewhere
+                    self.waits_on.pop(gone, None)
+                for gone in [hid for hid in self.parked_ids if hid not in present]:
+                    self.unpark(gone)
+                for gone in [hid for hid in self.first_seen if hid not in present]:
+                    del self.first_seen[gone]  # claimed or filed elsewhere
+                # with a shared store, other hosts run what we have no specialist for: forget
+                # those once they leave pending (the set would otherwise grow for ever)
+                self.unroutable &= present
+            for handoff_id in ids:
+                if handoff_id in running or handoff_id in self.queued \
+                        or handoff_id in self.readied or handoff_id in self.parked_ids \
+                        or handoff_id in self.released or handoff_id in self.unroutable \
+                        or (not recheck_waiting and handoff_id in self.waiting):
+                    continue
+                self.notify(handoff_id)
+
+    def next_ready(self, now: float) -> tuple[str, Peek | None] | None:
+        """The most urgent due handoff. Due ids move from the time heap into a bounded ready
+        window (read once each to learn their priority); the window hands out the lowest
+        (priority, due time) first, so a critical handoff overtakes a backlog of low ones."""
+        while self.heap and self.heap[0][0] <= now and len(self.ready) < READY_WINDOW:
+            due, _, _, handoff_id = heapq.heappop(self.heap)
+            if self.queued.get(handoff_id) != due:
+                continue  # superseded by an earlier notification
+            del self.queued[handoff_id]
+            try:
+                peek = self.engine.peek(handoff_id)
+            except Exception:  # peek never raises; if it ever does, the file is set aside
+                log.exception("handoff %s: cannot be read", handoff_id)
+                peek = Peek(handoff_id, readable=False)
+            if peek is None:
+                self.unpark(handoff_id)  # gone: claimed elsewhere, or filed
+                continue
+            rank = peek.priority if peek.readable else -1  # set unreadable files aside first
+            heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek))
+            self.readied.add(handoff_id)
+        if not self.ready:
+            return None
+        _, _, _, handoff_id, peek = heapq.heappop(self.ready)
+        self.readied.discard(handoff_id)
+        return handoff_id, peek
+
+    def due_soon(self) -> bool:
+        """Batch mode: something queued that is due now (or within a settle window)."""
+        limit = time.monotonic() + self.engine.settings.settle_seconds + 0.05
+        return bool(self.ready) or any(due <= limit for due in self.queued.values())
+
+    # ------------------------------------------------------------ parking
+    def park(self, agent: str, handoff_id: str, *, front: bool = False) -> None:
+        """Hold a due ``handoff_id`` until ``agent`` has a free slot (idempotent). ``front``:
+        it was already let out once and lost its slot to a newcomer, so it goes first."""
+        self.unpark(handoff_id)
+        waiting = self.parked.setdefault(agent, OrderedDict())
+        waiting[handoff_id] = None
+        if front:
+            waiting.move_to_end(handoff_id, last=False)
+        self.parked_ids[handoff_id] = agent
+
+    def unpark(self, handoff_id: str) -> None:
+        """Forget ``handoff_id`` in parking, and free its release if one is in flight."""
+        agent = self.parked_ids.pop(handoff_id, None)
+        if agent is not None:
+            waiting = self.parked.get(agent)
+            if waiting is not None:
+                waiting.pop(handoff_id, None)
+                if not waiting:
+                    del self.parked[agent]
+        agent = self.released.pop(handoff_id, None)
+        if agent is not None:
+            self.releasing[agent] -= 1
+            if self.releasing[agent] <= 0:
+                del self.releasing[agent]
+
+    def release_parked(self) -> None:
+        """Let out as many parked ids as each agent has free slots (level-triggered: runs on
+        every loop iteration, so a free slot never waits for an event)."""
+        for agent in list(self.parked):
+            waiting = self.parked[agent]
+            spec = self.engine.registry.get(agent)
+            limit = self.limit(spec) if spec is not None else len(waiting)
+            free = limit - self.busy.get(agent, 0) - self.releasing.get(agent, 0)
+            while free > 0 and waiting:
+                handoff_id, _ = waiting.popitem(last=False)
+                del self.parked_ids[handoff_id]
+                self.released[handoff_id] = agent
+                self.releasing[agent] += 1
+                self.notify(handoff_id)
+                free -= 1
+            if not waiting:
+                del self.parked[agent]
+
+    # ------------------------------------------------------------ slots
+    def start(self, agent: str) -> int:
+        """Count a task about to be submitted against ``agent``'s slots; returns its token."""
+        token = next(self.seq)
+        self.last_dispatch = time.monotonic()
+        self.inflight[token] = (agent, self.last_dispatch)
+        self.busy[agent] += 1
+        self.running += 1
+        return token
+
+    def finished(self, token: int) -> None:
+        """Give the slot of task ``token`` back (once; a second call does nothing)."""
+        task = self.inflight.pop(token, None)
+        if task is None:
+            return
+        agent = task[0]
+        self.busy[agent] -= 1
+        if self.busy[agent] <= 0:
+            del self.busy[agent]
+        self.running = max(self.running - 1, 0)
+
+    def spin_up_at(self) -> float:
+        """When the scheduler may start another worker: at once when none runs, else when the
+        youngest running task is ``spin_up`` seconds old (called under ``cv``)."""
+        return max((started for _, started in self.inflight.values()), default=-math.inf) \
+            + self.spin_up
+
+    # ------------------------------------------------------------ gates, rates, deadlines
+    def hold(self, handoff_id: str, reason: str, on: frozenset[str] | None) -> None:
+        """A gate holds ``handoff_id`` back for ``reason`` until a filing (of one of ``on``,
+        or of any handoff when None) may end it."""
+        self.waiting[handoff_id] = reason
+        if on is None:
+            self.waits_on.pop(handoff_id, None)
+        else:
+            self.waits_on[handoff_id] = on
+
+    def unhold(self, handoff_id: str) -> None:
+        """No gate holds ``handoff_id`` back (any more)."""
+        self.waiting.pop(handoff_id, None)
+        self.waits_on.pop(handoff_id, None)
+
+    def ended(self, handoff_id: str) -> None:
+        """``handoff_id`` was filed for good: forget when it arrived, and look again at the
+        handoffs whose wait its filing may end (a dependency may have been met)."""
+        self.first_seen.pop(handoff_id, None)
+        for waiter in list(self.waiting):
+            on = self.waits_on.get(waiter)
+            if on is not None and handoff_id not in on:
+                continue  # only other handoffs' filing can end this wait
+            self.waiting.pop(waiter, None)
+            self.waits_on.pop(waiter, None)
+            self.notify(waiter)
+
+    def rate_limited(self, spec: Specialist, handoff_id: str, deadline: datetime | None) -> bool:
+        """True when ``spec``'s rate limit holds ``handoff_id`` back: it is looked at again
+        when the next start is due (or at its deadline). The bucket is shared by every process
+        of the workspace; ``rate_until`` spares it while this process already knows the
+        answer."""
+        if not spec.config.rate:
+            return False
+        now = time.monotonic()
+        until = self.rate_until.get(spec.agent, 0.0)
+        wait = until - now if until > now else self.engine.start_wait(spec)
+        if wait <= 0:
+            return False
+        self.rate_until[spec.agent] = now + wait
+        self.notify(handoff_id, min(wait, self._seconds_to(deadline)))
+        return True
+
+    def _seconds_to(self, when: datetime | None) -> float:
+        return math.inf if when is None else max((when - self.engine.clock()).total_seconds(), 0.0)
+
+    def deadline(self, handoff_id: str, peek: Peek) -> datetime | None:
+        """When a pending handoff must be answered unrun: its ``expires_at``, or its hard
+        deadline counted from when this daemon first saw it (a document's own history is
+        trusted only once it is claimed: admission uses that). None without either."""
+        env = peek.envelope
+        if env is None:
+            return None
+        hard = None
+        if env.hard_timeout:
+            arrived = self.first_seen.setdefault(handoff_id, self.engine.clock())
+            hard = self.engine.deadline(env, self.engine.specialist_for(env), arrived)
+        return min(filter(None, (hard, env.expires_at)), default=None)
+
+    def look_again_at(self, handoff_id: str, deadline: datetime | None) -> None:
+        """A handoff that cannot start now but has a hard deadline is looked at again then: if
+        it is still pending it is answered TIMEOUT (seed 000: the sender stops waiting)."""
+        if deadline is not None:
+            self.notify(handoff_id, (deadline - self.engine.clock()).total_seconds())
+
+    # ------------------------------------------------------------ rebuilding
+    def reset(self) -> None:
+        """Throw the bookkeeping away, rebuild the slot counts from the tasks in flight and
+        ask for a rescan of pending/ (the progress watchdog's remedy for a stall)."""
+        with self.cv:
+            self.heap.clear()
+            self.ready.clear()
+            self.readied.clear()
+            self.queued.clear()
+            self.parked.clear()
+            self.parked_ids.clear()
+            self.released.clear()
+            self.releasing.clear()
+            self.busy = Counter(agent for agent, _ in self.inflight.values())
+            self.running = len(self.inflight)
+            self.waiting.clear()
+            self.waits_on.clear()
+            self.unroutable.clear()
+            self.rescan_requested = True
+            self.last_dispatch = time.monotonic()
+            self.cv.notify_all()
