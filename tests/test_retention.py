@@ -472,3 +472,180 @@ def test_kept_children_never_fill_a_bounded_pass(tmp_path: Path,
     left = sorted(engine.backend.ids(State.COMPLETED))
     assert left == sorted(f"P.c{i}" for i in range(8))  # the two others went in one pass
     engine.backend.close()
+
+
+# ---------------------------------------------------------------------------- the live refs cache
+def _live(engine: Any, hid: str, **fields: Any) -> None:
+    engine.backend.create({"handoff_id": hid, "source": {"agent_id": "@o"},
+                           "target": {"agent_id": "@nobody"}, "input": {"data": {}}, **fields},
+                          hid, utc_now())
+
+
+def _count_reads(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids the files store's get() is asked for from now on."""
+    store = engine.backend.inner  # (under the event log's recorder)
+    real_get, reads = store.get, []
+
+    def get(handoff_id: str) -> Any:
+        reads.append(handoff_id)
+        return real_get(handoff_id)
+
+    monkeypatch.setattr(store, "get", get)
+    return reads
+
+
+def _settled_clock() -> float:
+    return time.time() + 60  # every file there looks a minute old: settled
+
+
+def test_unchanged_live_documents_are_not_read_again(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review: every pass read every live document to learn what it needs (1.5 s
+    for 20,000 pending); a document whose files did not change is now stat'ed, not read."""
+    from handoffd.features.liverefs import LiveRefs
+    from handoffd.features.retention import protected
+    engine, (dep, parent) = _finished_engine(tmp_path, 2)
+    _live(engine, "L0", depends_on=[dep])
+    _live(engine, "L1", parent_id=parent)
+    for i in range(2, 6):
+        _live(engine, f"L{i}")
+    reads = _count_reads(engine, monkeypatch)
+    refs = LiveRefs(clock=_settled_clock)
+    first = protected(engine, refs)
+    assert sorted(reads) == [f"L{i}" for i in range(6)] and len(refs) == 6
+    assert first == ({dep: "pending L0 depends on it", parent: "parent of pending L1"},
+                     {f"L{i}": State.PENDING for i in range(6)})
+    reads.clear()
+    assert protected(engine, refs) == first and reads == []  # nothing read the second time
+    engine.backend.close()
+
+
+def test_a_changed_live_document_is_read_again(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live document rewritten in place, replaced by a file of the same size, or moved (a
+    claim) since it was remembered is read again, and what it references now counts."""
+    from handoffd.features.liverefs import LiveRefs
+    from handoffd.features.retention import protected
+    engine, (dep, other) = _finished_engine(tmp_path, 2)
+    for i in range(4):
+        _live(engine, f"L{i}")
+    refs = LiveRefs(clock=_settled_clock)
+    assert protected(engine, refs) == ({}, {f"L{i}": State.PENDING for i in range(4)})
+    reads = _count_reads(engine, monkeypatch)
+    in_place = engine.ws.doc_path(State.PENDING, "L0")  # same inode, another size
+    in_place.write_text(json.dumps(dict(json.loads(in_place.read_text()), depends_on=[dep])))
+    replaced = engine.ws.doc_path(State.PENDING, "L1")  # same size, another inode
+    text = replaced.read_text()
+    swapped = text.replace('"@nobody"', '"@nobodz"')
+    assert len(swapped) == len(text) and swapped != text
+    (tmp_path / "new.json").write_text(swapped)
+    os.replace(tmp_path / "new.json", replaced)
+    assert engine.backend.claim("L2", utc_now(), 60) is not None  # moved to in-progress/
+    stale = engine.ws.doc_path(State.PENDING, "L3")  # a child now, its mtime put back
+    before = stale.stat()
+    child = stale.read_text().replace('"input"', '"parent_id": "' + other + '", "input"')
+    stale.write_text(child)
+    os.utime(stale, ns=(before.st_atime_ns, before.st_mtime_ns))
+    keep, live = protected(engine, refs)
+    assert sorted(reads) == ["L0", "L1", "L2", "L3"]
+    assert keep == {dep: "pending L0 depends on it", other: "parent of pending L3"}
+    assert live["L2"] == State.IN_PROGRESS
+    reads.clear()
+    assert protected(engine, refs) == (keep, live) and reads == []  # remembered again
+    engine.backend.close()
+
+
+def test_a_live_document_changed_just_now_is_not_remembered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file changed within the settle window may change again with the same identity (the
+    same timestamp tick): it is read on every pass until it settles."""
+    from handoffd.features.liverefs import LiveRefs
+    from handoffd.features.retention import protected
+    engine, _ = _finished_engine(tmp_path, 0)
+    started = time.time() - 1  # the clock stands before the files were written
+    _live(engine, "L0")
+    reads = _count_reads(engine, monkeypatch)
+    refs = LiveRefs(clock=lambda: started)
+    for _ in range(2):
+        assert protected(engine, refs)[1] == {"L0": State.PENDING}
+    assert reads == ["L0", "L0"] and len(refs) == 0
+    engine.backend.close()
+
+
+def test_the_live_refs_are_bounded_and_forget_finished_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache holds at most MAX_KEPT entries, and only the handoffs listed live in its last
+    pass: memory stays flat however many documents came and went."""
+    from handoffd.features import liverefs
+    from handoffd.features.retention import protected
+    monkeypatch.setattr(liverefs, "MAX_KEPT", 2)
+    engine, _ = _finished_engine(tmp_path, 0)
+    for i in range(3):
+        _live(engine, f"L{i}")
+    refs = liverefs.LiveRefs(clock=_settled_clock)
+    protected(engine, refs)
+    assert len(refs) == 2
+    reads = _count_reads(engine, monkeypatch)
+    protected(engine, refs)
+    assert len(reads) == 1  # the one left out is read again, the two held are not
+    for i in range(3):
+        held = engine.backend.claim(f"L{i}", utc_now(), 60)
+        assert held is not None and engine.backend.finish(held, State.COMPLETED, held.doc)
+    assert protected(engine, refs) == ({}, {}) and len(refs) == 0
+    engine.backend.close()
+
+
+def test_a_pass_with_nothing_old_enough_reads_no_live_document(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`handoff purge --dry-run` and a daemon's passes read every live document even when no
+    finished one was old enough to go; now a pass reads them only when one is."""
+    from handoffd.features import retention
+    engine, (dep,) = _finished_engine(tmp_path, 1)  # (its clock: two days on)
+    _live(engine, "L0", depends_on=[dep])
+    reads = _count_reads(engine, monkeypatch)
+    month = {State.COMPLETED: 30 * 86400.0, State.FAILED: 1.0}  # (no failed one at all)
+    result = retention.expire(engine, older_than=month, now=engine.clock(), dry_run=True)
+    assert result.removed == [] and result.kept == {} and reads == []
+    result = retention.expire(engine, older_than={State.COMPLETED: 3600}, now=engine.clock(),
+                              dry_run=True)
+    assert result.kept == {dep: "pending L0 depends on it"} and "L0" in reads
+    engine.backend.close()
+
+
+def test_a_daemon_remembers_live_references_from_pass_to_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[retention]'s passes share what they learnt: a live document is read once, not twice per
+    pass (before and after archiving) at every pass."""
+    from handoffd.features import liverefs, retention
+    monkeypatch.setattr(retention, "PASS_LIMIT", 1)
+    monkeypatch.setattr(liverefs, "SETTLE_SECONDS", -3600.0)  # every file counts as settled
+    engine, ids = _finished_engine(tmp_path, 3, '[retention]\ncompleted = "1d"\nevery = "1h"\n')
+    _live(engine, "L0", depends_on=[ids[0]])
+    (apply,) = [h for h in engine.on_sweep if "retention" in getattr(h, "__module__", "")]
+    reads = _count_reads(engine, monkeypatch)
+    removed = []
+    for _ in range(3):
+        result = apply(engine)
+        assert isinstance(result, retention.Result)
+        removed += [hid for hid, _ in result.removed]
+    assert removed == ids[1:] and engine.backend.ids(State.COMPLETED) == [ids[0]]
+    assert reads.count("L0") == 1
+    engine.backend.close()
+
+
+def test_another_store_is_read_each_pass(tmp_path: Path) -> None:
+    """Only the files store gives a document an identity to remember it by: with another store
+    every live document is read on each pass, as before."""
+    from handoffd import build_engine
+    from handoffd.backends.memory import MemoryBackend
+    from handoffd.features.liverefs import LiveRefs
+    from handoffd.features.retention import protected
+    ws = HandoffdWorkspace(tmp_path)
+    ws.ensure()
+    engine = build_engine(ws, backend=MemoryBackend(), features=())
+    _live(engine, "L0", depends_on=["d"])
+    refs = LiveRefs(clock=_settled_clock)
+    for _ in range(2):
+        assert protected(engine, refs) == ({"d": "pending L0 depends on it"},
+                                           {"L0": State.PENDING})
+    assert len(refs) == 0

@@ -10,7 +10,9 @@ handoffd.toml makes every serving daemon do the same on its own (``completed = "
 
 Never removed: a handoff that a pending or running handoff depends on, and the parent of a
 pending or running handoff (its children still report to it). The store records each purged id
-as seen, so dedup still refuses the id for its TTL after the document is gone.
+as seen, so dedup still refuses the id for its TTL after the document is gone. Knowing what live
+work needs means reading the live documents: a pass with nothing old enough to go reads none, and
+a daemon's passes read again only the live documents whose files changed (see liverefs).
 """
 from __future__ import annotations
 
@@ -22,15 +24,17 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
-from ..backends.base import safe_describe
+from ..backends.base import Describe, safe_describe
 from ..core.ownfiles import open_regular, plain_folder
 from ..core.states import State
 from ..core.storage import describe_native
 from ..core.timeutil import iso
 from ..core.workspace import Workspace
+from .liverefs import LiveRefs, Refs
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -60,7 +64,8 @@ class Result:
     busy: bool = False  # another process's pass was under way: nothing done
 
 
-def protected(engine: Engine) -> tuple[dict[str, str], dict[str, State]]:
+def protected(engine: Engine, refs: LiveRefs | None = None
+              ) -> tuple[dict[str, str], dict[str, State]]:
     """Ids that must stay, with why (what live handoffs depend on, and their parents), and the
     live handoffs themselves (a finished child of a live parent stays too: the parent, waiting
     for its other children, has yet to aggregate it).
@@ -69,55 +74,82 @@ def protected(engine: Engine) -> tuple[dict[str, str], dict[str, State]]:
     that moved between the listings of the two was in neither, and what it depends on was
     purged (a handoff retried at once, over and over, was missed that way every few passes).
     So the ids of both are gathered over a few rounds of bare listings (no document read, so
-    each round is quick), then each document is read wherever it is by then."""
+    each round is quick), then each document is read wherever it is by then: unless ``refs``
+    remembers what it referenced and its files are unchanged since (see liverefs)."""
     keep: dict[str, str] = {}
     live: dict[str, State] = {}
     ids: dict[str, None] = {}
     for _ in range(LIVE_ROUNDS):
         for state in (State.PENDING, State.IN_PROGRESS):
             ids.update(dict.fromkeys(engine.backend.ids(state)))
-    describe = getattr(engine.backend, "describe", describe_native)
+    read = partial(_read_refs, engine, getattr(engine.backend, "describe", describe_native))
+    if refs is not None:
+        refs.start(engine)
     for handoff_id in ids:
-        try:
-            found = engine.backend.get(handoff_id)
-        except Exception:  # an unreadable live document protects nothing, stops nothing
+        found = read(handoff_id) if refs is None else refs.lookup(handoff_id, read)
+        if found is None:
             continue
-        if found is None or found[0].terminal:
-            continue
-        state, doc = found
-        live[handoff_id] = state
-        parent = safe_describe(describe, doc).parent
-        if parent:
-            keep.setdefault(parent, f"parent of {state.value} {handoff_id}")
-        try:
-            deps = engine.formats.detect(doc).envelope(doc).depends_on
-        except Exception:
-            continue
-        for dep in deps:
-            keep.setdefault(dep, f"{state.value} {handoff_id} depends on it")
+        live[handoff_id] = found.state
+        if found.parent:
+            keep.setdefault(found.parent, f"parent of {found.state.value} {handoff_id}")
+        for dep in found.depends_on:
+            keep.setdefault(dep, f"{found.state.value} {handoff_id} depends on it")
+    if refs is not None:
+        refs.retain(ids)
     return keep, live
+
+
+def _read_refs(engine: Engine, describe: Describe, handoff_id: str) -> Refs | None:
+    """What the live document ``handoff_id`` references, read wherever it is now; None when it
+    is finished, gone or unreadable (an unreadable live document protects nothing)."""
+    try:
+        found = engine.backend.get(handoff_id)
+    except Exception:
+        return None
+    if found is None or found[0].terminal:
+        return None
+    state, doc = found
+    parent = safe_describe(describe, doc).parent
+    try:
+        deps = tuple(engine.formats.detect(doc).envelope(doc).depends_on)
+    except Exception:  # (its parent still counts)
+        deps = ()
+    return Refs(state, parent, deps)
+
+
+def _any_old(engine: Engine, older_than: dict[State, float], now: datetime) -> bool:
+    """Some finished handoff is old enough to go: only then need the live ones be read (a pass
+    with nothing due, most of a daemon's passes, read every live document for nothing)."""
+    return any(engine.backend.list(state=state, order="oldest", limit=1,
+                                   before=now - timedelta(seconds=seconds))
+               for state, seconds in older_than.items())
 
 
 def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
            archive: bool = False, dry_run: bool = False, limit: int | None = None,
-           wait: float = LOCK_WAIT_SECONDS) -> Result:
+           wait: float = LOCK_WAIT_SECONDS, refs: LiveRefs | None = None) -> Result:
     """Purge (or archive, then purge) finished handoffs last updated more than
     ``older_than[state]`` seconds before ``now``: at most ``limit`` of them (``Result.more``
     says whether more are due). One pass at a time per workspace: another process's pass is
     waited for up to ``wait`` seconds (0: this pass is skipped, ``Result.busy``); two passes
-    at once archived each document twice."""
+    at once archived each document twice. ``refs``: what live documents referenced, kept from
+    earlier passes (a daemon's)."""
     result = Result()
     with _one_pass(engine.ws, wait) as mine:
         if not mine:
             result.busy = True
             return result
-        _expire(engine, result, older_than, now, archive=archive, dry_run=dry_run, limit=limit)
+        # (a pass that is not a dry run looks twice: its second look reads only what changed)
+        _expire(engine, result, older_than, now, archive=archive, dry_run=dry_run, limit=limit,
+                refs=refs if refs is not None or dry_run else LiveRefs())
     return result
 
 
 def _expire(engine: Engine, result: Result, older_than: dict[State, float], now: datetime, *,
-            archive: bool, dry_run: bool, limit: int | None) -> None:
-    keep, live = protected(engine)
+            archive: bool, dry_run: bool, limit: int | None, refs: LiveRefs | None) -> None:
+    if not _any_old(engine, older_than, now):
+        return  # nothing is old enough to go: no live document need be read
+    keep, live = protected(engine, refs)
     parents: dict[str, str | None] = {}
     doomed = _doomed(engine, result, older_than, now, keep, live, limit, parents)
     if dry_run or not doomed:
@@ -125,8 +157,9 @@ def _expire(engine: Engine, result: Result, older_than: dict[State, float], now:
         return
     if archive:
         result.archive = append_archive(engine.ws, doomed, now)
-    # a pass can take a while: what live work came to depend on meanwhile stays too
-    keep, live = protected(engine)
+    # a pass can take a while: what live work came to depend on meanwhile stays too (the
+    # documents unchanged since the first look are not read again)
+    keep, live = protected(engine, refs)
     for state, hid, doc in doomed:
         parent = parents.get(hid)
         why = keep.get(hid) or (f"child of {live[parent].value} {parent}"
@@ -428,6 +461,7 @@ def install(engine: Engine) -> None:
         return
     lock = threading.Lock()
     last: list[datetime] = []
+    refs = LiveRefs()  # what live documents referenced, from pass to pass
 
     def apply(engine: Engine) -> object:
         now = engine.clock()
@@ -439,7 +473,8 @@ def install(engine: Engine) -> None:
             # a bounded pass, so that the sweep (and the claims waiting behind it) stays short;
             # while more are due, the next sweep goes on, and the interval starts when all went
             result = expire(engine, older_than=older_than, now=now,
-                            archive=policy.mode == "archive", limit=PASS_LIMIT, wait=0)
+                            archive=policy.mode == "archive", limit=PASS_LIMIT, wait=0,
+                            refs=refs)
             # (a pass that removed nothing waits the interval even if more are due: what it
             # could not remove would be archived again at every sweep)
             if not result.busy and (not result.more or not result.removed):
