@@ -178,12 +178,28 @@ retries = 3
     assert proc.stderr.count("not delivered before the process stopped") == 1, proc.stderr
 
 
-def notifier_for(root: Path, rule: NotifyRule) -> Notifier:
-    """A Notifier over a stand-in engine: just what filing and dead-lettering read."""
-    engine = SimpleNamespace(config=SimpleNamespace(on_filed=[rule]),
-                             ws=SimpleNamespace(root=root, meta=root / "meta"),
-                             get=lambda handoff_id: (None, {"handoff_id": handoff_id}))
-    return Notifier(engine)  # type: ignore[arg-type]
+class StandIn(SimpleNamespace):
+    """A stand-in engine: just what filing, delivering and dead-lettering read. Every handoff
+    it is told of reads back in the state it was filed in."""
+
+    def get(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
+        return self.filed_in.get(handoff_id, State.COMPLETED), {"handoff_id": handoff_id}
+
+
+def notifier_for(root: Path, rule: NotifyRule, *, durable: bool = False) -> Notifier:
+    """A Notifier over a stand-in engine (its outbox under ``root``/meta/notify)."""
+    engine = StandIn(config=SimpleNamespace(on_filed=[rule]), filed_in={},
+                     settings=SimpleNamespace(durable=durable),
+                     ws=SimpleNamespace(root=root, meta=root / "meta"))
+    notifier = Notifier(engine)  # type: ignore[arg-type]
+    told = notifier.filed
+
+    def filed(handoff_id: str, where: State) -> None:
+        engine.filed_in[handoff_id] = where
+        told(handoff_id, where)
+
+    notifier.filed = filed  # type: ignore[method-assign]
+    return notifier
 
 
 def letters_in(root: Path) -> list[dict[str, Any]]:
@@ -306,7 +322,7 @@ def test_ctrl_c_during_the_exit_drain_dead_letters_what_is_left(
 
     with notifier.lock:  # queued, not yet taken by the delivery thread
         notifier.pending.append(Notice(notifier.engine.config.on_filed[0], "h1",
-                                       State.COMPLETED, b"{}"))
+                                       State.COMPLETED))
     monkeypatch.setattr(notifier, "_wait_for_deliveries", interrupted)
     assert notifier.drain(timeout=5) is False
     (letter,) = letters_in(tmp_path)

@@ -1,0 +1,111 @@
+"""What a notice is, what delivering one takes, and its dead letter.
+
+A notice is small: the rule, the handoff's id and the state it was filed in, the targets left
+and its line in the outbox. The filed document is read when the notice is delivered (each once
+held the whole document, up to 1 MB: a webhook that was down grew a daemon by 1.5 GB)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...core.config import NotifyRule
+from ...core.ownfiles import open_regular
+from ...core.states import State
+from ...core.timeutil import iso, utc_now
+
+if TYPE_CHECKING:
+    from .webhook import Cutoff
+
+log = logging.getLogger("handoffd")
+DEAD_LETTERS = "notify-dead-letters.jsonl"
+KINDS = ("command", "webhook")  # a rule's targets, in the order they are tried
+STOPPED = "the process that filed it stopped"
+NEVER_TRIED = f"{STOPPED} before it was delivered"
+MAYBE_DELIVERED = {  # said in a dead letter when the target may have had the document all the same
+    "webhook": "; it may have been delivered all the same: its request was sent and no answer "
+               "came",
+    "command": "; it may have been delivered all the same: the command was started and did not "
+               "finish",
+}
+NOTICE_BYTES = 512  # what one queued notice holds, about (its object, its strings, its slot)
+
+
+def kinds_of(rule: NotifyRule) -> tuple[str, ...]:
+    """The targets of ``rule``, in the order they are tried."""
+    return tuple(kind for kind, there in zip(KINDS, (rule.command, rule.url)) if there)
+
+
+def fingerprint(rule: NotifyRule) -> str:
+    """What names ``rule`` in the outbox: its targets (never its secret). A process that takes
+    over a notice finds its rule in its own configuration by this."""
+    targets = json.dumps([rule.command, rule.url], ensure_ascii=False).encode("utf-8")
+    return hashlib.sha256(targets).hexdigest()[:16]
+
+
+@dataclass(eq=False)
+class Notice:
+    """One delivery to make: a rule, and the filed handoff it is about."""
+
+    rule: NotifyRule
+    handoff_id: str
+    state: State
+    kinds: tuple[str, ...] = ()  # the targets to deliver to (default: every target of the rule)
+    filed_at: str = ""  # when it was queued (ISO 8601)
+    seq: int | None = None  # its record in this process's outbox (None: not journaled)
+
+    def __post_init__(self) -> None:
+        self.kinds = self.kinds or kinds_of(self.rule)
+        self.filed_at = self.filed_at or iso(utc_now())
+
+    def size(self) -> int:
+        """About what this notice holds in memory (the queue's byte count)."""
+        return NOTICE_BYTES + len(self.handoff_id)
+
+
+@dataclass(eq=False)
+class Flight:
+    """A notice the delivery thread has taken. Whoever settles it first records it: the thread
+    (delivered, or dead-lettered after its retries), or a drain whose time is up (dead-lettered
+    while in flight); the other then records nothing, so a notice is never lost nor recorded
+    twice. Fields other than ``notice`` and ``body`` change under the notifier's lock."""
+
+    notice: Notice
+    body: bytes = b""  # the filed document, read when the flight starts, dropped when it ends
+    kinds: list[str] = field(default_factory=list)  # the targets not yet finished, in order
+    trying: bool = False  # kinds[0] is being tried (or waits for its next try)
+    exposed: bool = False  # the attempt under way has handed the document over (a command ran)
+    maybe_delivered: bool = False  # an ended attempt of kinds[0] may have delivered it
+    cutoff: Cutoff | None = None  # the webhook attempt under way (or the last one)
+    settled: bool = False  # a drain dead-lettered what was left of it
+
+    def __post_init__(self) -> None:
+        self.kinds = list(self.notice.kinds)
+
+    def may_have_delivered(self) -> bool:
+        """True when the target being tried may have the document although no try succeeded."""
+        answerless = self.cutoff is not None and self.cutoff.sent and not self.cutoff.answered
+        return self.maybe_delivered or self.exposed or answerless
+
+
+def write_dead_letter(meta: Path, notice: Notice, why: str, url: str | None) -> None:
+    """Log a warning and append one line to ``meta``/notify-dead-letters.jsonl (``url`` as it
+    may be shown: no password). Never raises: a record that cannot be written is logged."""
+    log.warning("handoff %s: notification given up: %s", notice.handoff_id, why)
+    line = json.dumps({"at": iso(utc_now()), "id": notice.handoff_id,
+                       "state": notice.state.value, "command": notice.rule.command,
+                       "url": url, "error": why}) + "\n"
+    try:
+        meta.mkdir(parents=True, exist_ok=True)
+        # a FIFO there: ENXIO, no wait; a symlink: ELOOP, never followed
+        fd = open_regular(meta / DEAD_LETTERS, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, line.encode("utf-8"))
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.error("cannot record the dead letter of %s: %s", notice.handoff_id, exc)

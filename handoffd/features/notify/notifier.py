@@ -1,0 +1,223 @@
+"""The notifier: queues a notice per matching rule when a handoff is filed (recorded in the
+outbox first), takes over what processes that died left undelivered, and drains at a stop.
+
+Every notice is in exactly one place, under one lock: queued, in flight, or settled (delivered
+or dead-lettered), and in the outbox (:mod:`.outbox`) until it is settled. One background
+thread delivers (:mod:`.delivery`). A drain (a stopping daemon, or any process that filed
+work, at its exit) waits for the deliveries a bounded time, then stops them and dead-letters
+what is left: see :meth:`Notifier.drain`."""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+from ...core.config import NotifyRule
+from ...core.states import State
+from . import leftovers
+from .delivery import Deliveries
+from .notices import MAYBE_DELIVERED, NEVER_TRIED, STOPPED, Notice, fingerprint
+from .outbox import Entry
+
+if TYPE_CHECKING:
+    from ...core.engine import Engine
+
+log = logging.getLogger("handoffd")
+DRAIN_SECONDS = 10.0  # a stopping daemon waits at most this long for queued deliveries
+SETTLE_SECONDS = 2.0  # then this long for the delivery it cut off to record itself
+QUEUE_LIMIT = 10_000  # notices beyond this are dead-lettered at once (a webhook that is down)
+
+
+class Notifier(Deliveries):
+    """Queues a notice per matching rule when a handoff is filed; a thread delivers them."""
+
+    def __init__(self, engine: Engine, *, sleep: Callable[[float], None] | None = None) -> None:
+        super().__init__(engine, sleep=sleep)
+        self.at_exit = False
+        self.draining = False
+        self.drain_lock = threading.Lock()  # one drain at a time; the next finds nothing left
+        self.prints = [fingerprint(rule) for rule in engine.config.on_filed]
+
+    # ------------------------------------------------------------ queueing
+    def filed(self, handoff_id: str, where: State) -> None:
+        """``on_filed`` listener: record the notices in the outbox and queue them (never raises,
+        never waits for a delivery)."""
+        if not where.terminal:
+            return
+        rules = self._matching(handoff_id, where)
+        if rules:
+            self._enqueue([Notice(rule, handoff_id, where) for rule in rules])
+
+    def _matching(self, handoff_id: str, where: State) -> list[NotifyRule]:
+        rules = [r for r in self.engine.config.on_filed if where.value in r.states]
+        if any(r.agents for r in rules):
+            agent = self._agent_of(handoff_id)
+            rules = [r for r in rules if not r.agents or agent in r.agents]
+        return rules
+
+    def _agent_of(self, handoff_id: str) -> str | None:
+        """The specialist the handoff was for (whatever its format)."""
+        try:
+            _, doc = self.engine.filed_document(handoff_id)
+            block = doc.get("handoffd")
+            request = block.get("request_snapshot") if isinstance(block, dict) else None
+            source = request if isinstance(request, dict) else doc
+            env = self.engine.formats.detect(source).envelope(source)
+        except Exception:  # an unreadable answer: it matches no agent filter
+            return None
+        spec = self.engine.specialist_for(env)
+        return spec.agent if spec else env.target
+
+    def _enqueue(self, notices: list[Notice], *, taken_over: bool = False) -> bool:
+        """Record ``notices`` in the outbox and queue them (past QUEUE_LIMIT: dead-lettered).
+        A notice the outbox cannot record is queued all the same (delivered from memory),
+        unless it is ``taken_over`` from another journal: then nothing is queued (False)."""
+        with self.lock:
+            if self.stopping.is_set() and not self.draining and not self._outstanding():
+                self.stopping.clear()  # an earlier drain is over: this engine files again
+            room = max(QUEUE_LIMIT - len(self.pending), 0)
+            queued, overflow = notices[:room], notices[room:]
+            seqs = self.outbox.record([self._entry(n) for n in queued]) if queued else []
+            if seqs is None and taken_over:
+                return False
+            for index, notice in enumerate(queued):
+                notice.seq = seqs[index] if seqs else None
+                self.pending.append(notice)
+            for notice in overflow:
+                self._dead_letter(notice, "the notification queue is full")
+            self.lock.notify_all()
+            self._ensure_thread()
+            return True
+
+    def _entry(self, notice: Notice) -> Entry:
+        rules = self.engine.config.on_filed
+        index = next((i for i, rule in enumerate(rules) if rule is notice.rule), -1)
+        print_ = self.prints[index] if index >= 0 else fingerprint(notice.rule)
+        return Entry(notice.handoff_id, notice.state, print_, max(index, 0), notice.kinds,
+                     notice.filed_at)
+
+    def take_over(self, engine: object = None) -> int:
+        """``on_sweep`` repair: queue the notices that ended processes left undelivered in
+        their journals (the outbox sees that their processes are gone, and lets one process
+        take each). Not while this notifier drains: the next process takes them."""
+        with self.lock:
+            if self.draining:
+                return 0
+        return leftovers.take_over(self.outbox, self._adopt, limit=QUEUE_LIMIT)
+
+    def _adopt(self, entries: list[Entry], journal: str) -> bool:
+        known = [(entry, self._rule_for(entry)) for entry in entries]
+        notices = [Notice(rule, e.handoff_id, e.state, e.kinds, e.filed_at)
+                   for e, rule in known if rule is not None]
+        if notices and not self._enqueue(notices, taken_over=True):
+            return False
+        log.warning("took over %d notification(s) that a process which ended left undelivered "
+                    "(outbox %s)", len(entries), journal)
+        for entry, rule in known:
+            if rule is None:
+                with self.lock:
+                    self._dead_letter(Notice(NotifyRule(), entry.handoff_id, entry.state,
+                                             entry.kinds, entry.filed_at),
+                                      f"{', '.join(entry.kinds)}: its [[on_filed]] rule is no "
+                                      "longer in handoffd.toml (it changed after a process that "
+                                      "ended queued it): not delivered")
+        return True
+
+    def _rule_for(self, entry: Entry) -> NotifyRule | None:
+        """The rule ``entry`` names: the one at its place, else another with its targets."""
+        rules = self.engine.config.on_filed
+        if entry.index < len(rules) and self.prints[entry.index] == entry.rule:
+            return rules[entry.index]
+        return next((r for r, p in zip(rules, self.prints) if p == entry.rule), None)
+
+    def held_bytes(self) -> int:
+        """About what the queued notices and the delivery under way hold in memory: a few
+        hundred bytes a notice, whatever the size of its document, plus the one document
+        being delivered."""
+        with self.lock:
+            return (sum(notice.size() for notice in self.pending) + self.outbox.held_bytes()
+                    + sum(len(flight.body) for flight in self.flights))
+
+    def _ensure_thread(self) -> None:
+        with self.lock:
+            if not self.at_exit:  # whatever process this is, it delivers before it exits
+                atexit.register(self.drain)
+                self.at_exit = True
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._deliver_all, daemon=True,
+                                               name="handoffd-notify")
+                self.thread.start()
+
+    # ------------------------------------------------------------ the drain
+    def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
+        """Deliver what is queued, for at most ``timeout`` seconds (a stopping daemon, or any
+        process that filed work, at its exit); True when nothing was left. Then a command still
+        running is killed, a webhook attempt under way cut off, and every notice not delivered
+        is dead-lettered: those never tried, and the one in flight. So a second drain (the stop
+        hook, then ``atexit``) finds nothing left and returns at once. The outbox's journal is
+        removed when nothing is left in it."""
+        with self.drain_lock:
+            with self.lock:
+                self.draining = True
+            try:
+                try:
+                    if self._wait_for_deliveries(time.monotonic() + timeout):
+                        return True
+                except KeyboardInterrupt:  # Ctrl-C while `handoff cancel` waits to deliver:
+                    pass  # give up at once, but dead-letter what is left (it was lost)
+                self._give_up_all()
+                return False
+            finally:
+                with self.lock:
+                    self.draining = False
+                    if not self._outstanding():
+                        self.outbox.release()
+
+    def _wait_for_deliveries(self, deadline: float) -> bool:
+        """Wait until every notice is delivered or dead-lettered (True), or ``deadline``."""
+        with self.lock:
+            while self._outstanding():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._ensure_thread()
+                self.lock.wait(min(left, 0.1))
+            return True
+
+    def _give_up_all(self) -> None:
+        """The drain's time is up: stop every delivery and dead-letter what is left."""
+        with self.lock:
+            never_tried = list(self.pending)
+            self.pending.clear()  # (taken now: the thread must not start them)
+            log.warning("%d notification(s) not delivered before the process stopped",
+                        self._outstanding() + len(never_tried))
+            self.stopping.set()  # the delivery under way ends with a dead letter, not a retry
+            for notice in never_tried:
+                self._dead_letter(notice, NEVER_TRIED)
+        self.kill_running()  # a command still running must not outlive the process
+        deadline = time.monotonic() + SETTLE_SECONDS
+        with self.lock:  # the thread records the delivery it was making, with its own reason
+            while any(not flight.settled for flight in self.flights) \
+                    and time.monotonic() < deadline:
+                self.lock.wait(max(min(deadline - time.monotonic(), 0.1), 0.0))
+            self._claim_flights()
+
+    def _claim_flights(self) -> None:
+        """Dead-letter what the thread has not recorded in time (call with the lock held): a
+        delivery it still makes is never recorded twice, nor lost when the process exits."""
+        for flight in self.flights:
+            if flight.settled:
+                continue
+            flight.settled = True
+            for index, kind in enumerate(flight.kinds):
+                if index == 0 and flight.trying:
+                    why = f"{kind}: {STOPPED} while it was being delivered"
+                    if flight.may_have_delivered():
+                        why += MAYBE_DELIVERED[kind]
+                else:
+                    why = f"{kind}: {NEVER_TRIED}"
+                self._dead_letter(flight.notice, why, [kind])
+        if any(flight.settled for flight in self.flights):
+            self.thread = None  # that thread is held: a notice filed later gets a new one

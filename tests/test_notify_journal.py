@@ -1,0 +1,316 @@
+"""The notifications' outbox journal, in-process: what a queued notice holds in memory (not its
+document), the journal kept small, a left-over journal taken over by exactly one process, and
+hostile journals (corrupt lines, a FIFO, a symlink, an oversized file) skipped with one log
+line each, never a traceback or a stall. Also a command that leaves a ``setsid`` grandchild
+holding its stderr: judged by its own exit status, not timed out.
+
+The real-process cases (``kill -9`` of a daemon, two daemons restarting) are in
+test_notify_outbox.py."""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from conftest import wait_until
+
+from handoffd.core.config import NotifyRule
+from handoffd.core.states import State
+from handoffd.features.notify import Notifier, leftovers, outbox
+from handoffd.features.notify.notices import NOTICE_BYTES, fingerprint
+from handoffd.features.notify.leftovers import read_journal
+from handoffd.features.notify.outbox import Entry, Outbox
+
+DOWN = "http://127.0.0.1:9/hook"  # (the discard port: nothing listens, the connection is refused)
+RECORD = [sys.executable, "-c", "import os; open(os.path.join(os.environ['HANDOFFD_ROOT'], "
+          "'got.txt'), 'a').write(os.environ['HANDOFF_ID'] + '\\n')"]
+
+
+class StandIn(SimpleNamespace):
+    """A stand-in engine: what filing, delivering and dead-lettering read. A handoff reads back
+    in the state it was filed in (completed when it was never filed here) with ``document``."""
+
+    def get(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
+        return self.filed_in.get(handoff_id, State.COMPLETED), {"handoff_id": handoff_id,
+                                                                 "output": self.document}
+
+
+def notifier_for(root: Path, *rules: NotifyRule, document: str = "") -> Notifier:
+    engine = StandIn(config=SimpleNamespace(on_filed=list(rules)), filed_in={},
+                     document=document, settings=SimpleNamespace(durable=False),
+                     ws=SimpleNamespace(root=root, meta=root / "meta"))
+    return Notifier(engine)  # type: ignore[arg-type]
+
+
+def journals(root: Path) -> list[Path]:
+    folder = root / "meta" / "notify"
+    return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+
+
+def letters(root: Path) -> list[dict[str, Any]]:
+    path = root / "meta" / "notify-dead-letters.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def got(root: Path) -> list[str]:
+    path = root / "got.txt"
+    return path.read_text().split() if path.exists() else []
+
+
+def left_over(folder: Path, entries: list[Entry], *, name: str = "4242-00000000000000aa",
+              extra: bytes = b"") -> Path:
+    """A journal as a process that died would leave it (nobody holds its lock)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.jsonl"
+    path.write_bytes(b"".join(entry.line(seq) for seq, entry in enumerate(entries, 1)) + extra)
+    return path
+
+
+def entry(handoff_id: str, rule: NotifyRule, state: State = State.COMPLETED) -> Entry:
+    return Entry(handoff_id, state, fingerprint(rule), 0, ("command",) if rule.command
+                 else ("webhook",), "2026-11-24T12:00:00+00:00")
+
+
+def test_a_queued_notice_holds_no_document(tmp_path: Path) -> None:
+    """The first defect: each queued notice held its whole document (1,500 results of 1 MB took
+    a daemon to 1.5 GB while its webhook was down). Now a notice holds a few hundred bytes and
+    only the delivery under way holds its document: 1,500 notices about 1 MB documents hold
+    about 1 MB in all (the counter), and Python's own allocations agree."""
+    import tracemalloc
+    megabyte = "x" * (1 << 20)
+    notifier = notifier_for(tmp_path, NotifyRule(url=DOWN, retries=20, retry_delay_seconds=60),
+                            document=megabyte)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(1500):
+            notifier.filed(f"big-{n}", State.COMPLETED)
+        wait_until(lambda: notifier.flights and notifier.flights[0].body, 10, "the first try")
+        held = notifier.held_bytes()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(notifier.pending) == 1499
+    per_notice = NOTICE_BYTES + outbox.LIVE_BYTES + 200  # (the notice, its record, its line)
+    assert held < (1 << 20) + 100 + 1500 * per_notice, held
+    assert grown < 16 << 20, f"queueing 1,500 notices grew Python's heap by {grown} bytes"
+    assert notifier.drain(timeout=0.1) is False  # (dead-letters them: nothing is left behind)
+    assert len(letters(tmp_path)) == 1500 and journals(tmp_path) == []
+
+
+def test_the_journal_stays_small_and_is_removed_when_all_is_delivered(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "notify", durable=True)
+    rule = NotifyRule(url=DOWN)
+    for round_ in range(3):  # everything settled: the journal is truncated, not grown
+        seqs = box.record([entry(f"h{round_}-{n}", rule) for n in range(50)])
+        assert seqs is not None
+        for seq in seqs:
+            box.done(seq, ["webhook"])
+        (path,) = list((tmp_path / "notify").glob("*.jsonl"))
+        assert path.stat().st_size == 0
+    keep = box.record([entry("kept", rule)])
+    assert keep is not None
+    for _ in range(40):  # one notice left while thousands come and go: rewritten, not grown
+        seqs = box.record([entry(f"churn-{n}", rule) for n in range(100)])
+        assert seqs is not None
+        for seq in seqs:
+            box.done(seq, ["webhook"])
+    (path,) = list((tmp_path / "notify").glob("*.jsonl"))
+    assert path.stat().st_size < outbox.COMPACT_BYTES + 64 * 1024
+    with open(path, "rb") as fh:
+        assert [e.handoff_id for e in read_journal(fh.fileno(), path.name, limit=100)] == ["kept"]
+    box.release()  # one left: kept
+    assert list((tmp_path / "notify").glob("*.jsonl")) == [path]
+    box.done(keep[0], ["webhook"])
+    box.release()
+    assert list((tmp_path / "notify").glob("*")) == []
+
+
+def test_a_left_over_journal_is_delivered_and_removed(tmp_path: Path) -> None:
+    """What a process that died left undelivered is delivered by the next sweep, the targets
+    it finished are not delivered again, and the old journal is gone."""
+    rule = NotifyRule(command=RECORD, url=DOWN, retries=0)
+    notifier = notifier_for(tmp_path, rule)
+    both = Entry("both", State.COMPLETED, fingerprint(rule), 0, ("command", "webhook"), "t")
+    half = Entry("half", State.COMPLETED, fingerprint(rule), 0, ("command", "webhook"), "t")
+    path = left_over(tmp_path / "meta" / "notify", [both, half],
+                     extra=b'{"done":2,"kind":"command"}\n')
+    assert notifier.take_over() == 2
+    assert not path.exists()
+    assert notifier.drain(timeout=20) is True
+    assert got(tmp_path) == ["both"]  # "half" had its command done already
+    assert sorted((letter["id"], letter["error"].split(":")[0]) for letter in letters(tmp_path)) \
+        == [("both", "webhook"), ("half", "webhook")]  # (the webhook is down)
+    assert journals(tmp_path) == []
+
+
+def test_the_journal_of_a_live_process_is_not_taken(tmp_path: Path) -> None:
+    rule = NotifyRule(command=RECORD)
+    path = left_over(tmp_path / "meta" / "notify", [entry("alive", rule)])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # its process lives
+        notifier = notifier_for(tmp_path, rule)
+        assert notifier.take_over() == 0 and path.exists() and not notifier.pending
+    finally:
+        os.close(fd)
+    assert notifier.take_over() == 1 and not path.exists()
+    assert notifier.drain(timeout=20) is True and got(tmp_path) == ["alive"]
+
+
+def test_each_left_over_notice_is_taken_by_exactly_one_process(tmp_path: Path) -> None:
+    """Eight outboxes (as eight daemons would) take over twenty left-over journals at once:
+    every notice is taken, none twice."""
+    folder = tmp_path / "notify"
+    rule = NotifyRule(url=DOWN)
+    expected = []
+    for j in range(20):
+        ids = [f"j{j}-{n}" for n in range(5)]
+        expected += ids
+        left_over(folder, [entry(i, rule) for i in ids], name=f"{1000 + j}-{j:016x}")
+    taken: list[str] = []
+    start = threading.Barrier(8)
+
+    def daemon() -> None:
+        box = Outbox(folder, durable=False)
+
+        def take(entries: list[Entry], name: str) -> bool:
+            assert box.record(entries) is not None
+            taken.extend(e.handoff_id for e in entries)
+            return True
+
+        start.wait(10)
+        leftovers.take_over(box, take, limit=100)
+
+    threads = [threading.Thread(target=daemon) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(taken) == sorted(expected)  # each exactly once
+
+
+def test_hostile_journals_are_skipped_with_one_line_each(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Corrupt lines (not JSON, too long, nested, an unsafe id, a bad state, a torn end), a FIFO
+    and a symlink named like journals, and a journal larger than the bound: the good notices
+    are delivered, each bad journal gets one warning, nothing blocks or raises."""
+    rule = NotifyRule(command=RECORD, retries=0)
+    folder = tmp_path / "meta" / "notify"
+    good = [entry("good-1", rule), entry("good-2", rule), entry("was-retried", rule, State.FAILED)]
+    bad_lines = b"".join([
+        b"not json at all\n", b"\x00\xff\xfe binary\n",
+        b'{"n": 9, "id": "x"' + b" " * 9000 + b"}\n",
+        b"[" * 5000 + b"]" * 5000 + b"\n", b'"a string"\n', b'{"done": "x", "kind": "webhook"}\n',
+        entry("../../etc/passwd", rule).line(20).replace(b"../../etc/passwd", b"../../etc/pw"),
+        entry("bad-state", rule).line(21).replace(b'"completed"', b'"pending"'),
+        entry("good-1", rule).line(1),  # a number used twice
+        b'{"n": 30, "id": "torn", "state": "comp',  # (its process died writing it)
+    ])
+    left_over(folder, good, extra=bad_lines)
+    os.mkfifo(folder / "4243-00000000000000bb.jsonl")
+    (folder / "4244-00000000000000cc.jsonl").symlink_to("/dev/zero")
+    monkeypatch.setattr(leftovers, "MAX_JOURNAL_BYTES", 64 * 1024)
+    huge = folder / "4245-00000000000000dd.jsonl"
+    huge.write_bytes(entry("in-huge", rule).line(1) + b"x" * 200_000 + b"\n")
+    notifier = notifier_for(tmp_path, rule)
+    caplog.set_level(logging.WARNING, logger="handoffd")
+    done = threading.Event()
+    threading.Thread(target=lambda: (notifier.take_over(), done.set()), daemon=True).start()
+    assert done.wait(10), "taking over hostile journals stalled"  # (the FIFO: never opened)
+    assert notifier.drain(timeout=20) is True
+    assert sorted(got(tmp_path)) == ["good-1", "good-2", "in-huge"]
+    (gone,) = letters(tmp_path)  # filed as failed, completed since: no copy of what was filed
+    assert gone["id"] == "was-retried" and "filed document is gone" in gone["error"]
+    warnings = [r.getMessage() for r in caplog.records if "notification outbox" in r.getMessage()]
+    assert len([w for w in warnings if "4242-" in w and "skipped 10 line(s)" in w]) == 1, warnings
+    assert len([w for w in warnings if "4243-" in w and "left alone" in w]) == 1, warnings
+    assert len([w for w in warnings if "4244-" in w and "left alone" in w]) == 1, warnings
+    assert len([w for w in warnings if "4245-" in w and "only its first" in w]) == 1, warnings
+    assert not any(r.exc_info for r in caplog.records)
+    assert (folder / "4243-00000000000000bb.jsonl").exists()  # left alone, never opened
+    notifier.take_over()  # the next sweep: said once, not at every sweep
+    assert len([r for r in caplog.records if "4243-" in r.getMessage()]) == 1
+
+
+def test_a_notice_whose_rule_is_gone_is_dead_lettered(tmp_path: Path) -> None:
+    old = NotifyRule(command=[sys.executable, "-c", "pass", "old"])
+    left_over(tmp_path / "meta" / "notify", [entry("orphan", old)])
+    notifier = notifier_for(tmp_path, NotifyRule(command=RECORD))
+    assert notifier.take_over() == 1
+    assert notifier.drain(timeout=5) is True
+    (letter,) = letters(tmp_path)
+    assert letter["id"] == "orphan" and "no longer in handoffd.toml" in letter["error"]
+    assert got(tmp_path) == []
+
+
+def test_an_unwritable_outbox_still_delivers_from_memory(tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "notify").symlink_to(tmp_path)  # never written through
+    notifier = notifier_for(tmp_path, NotifyRule(command=RECORD))
+    caplog.set_level(logging.ERROR, logger="handoffd")
+    notifier.filed("h1", State.COMPLETED)
+    notifier.filed("h2", State.COMPLETED)
+    assert notifier.drain(timeout=20) is True
+    assert sorted(got(tmp_path)) == ["h1", "h2"]
+    assert len([r for r in caplog.records if "cannot record notifications" in r.getMessage()]) == 1
+
+
+def grandchild_command(pid_file: Path, code: int) -> list[str]:
+    """A command that starts a setsid grandchild holding its stderr, then exits ``code``."""
+    script = ("import subprocess, sys\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
+              " start_new_session=True)\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "sys.stderr.write('boom\\n'); sys.stderr.flush()\n"
+              f"sys.exit({code})\n")
+    return [sys.executable, "-c", script]
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_command_is_judged_by_its_exit_not_by_a_grandchild_holding_its_stderr(
+        tmp_path: Path, code: int) -> None:
+    """The third defect: a command whose setsid grandchild kept its stderr open was counted as
+    timed out although it had exited 0. Its pipes now get a short grace after it exits."""
+    pid_file = tmp_path / f"grandchild-{code}.pid"
+    notifier = notifier_for(tmp_path, NotifyRule(command=grandchild_command(pid_file, code),
+                                                 retries=0, timeout_seconds=30))
+    try:
+        notifier.filed("g1", State.COMPLETED)
+        assert notifier.drain(timeout=25) is True
+        found = letters(tmp_path)
+        if code == 0:
+            assert found == []
+        else:
+            (letter,) = found
+            assert "exited 3: boom" in letter["error"] and "timed out" not in letter["error"]
+            assert "may have been delivered" not in letter["error"]
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)  # (the grandchild we started)
+
+
+def test_a_journal_its_maker_died_making_is_removed_once_stale(tmp_path: Path) -> None:
+    """A new journal is made under a temp name (locked before it is renamed into place); one
+    left by a process that died making it is removed by a sweep, not while it may be made."""
+    folder = tmp_path / "meta" / "notify"
+    folder.mkdir(parents=True)
+    stale = folder / ".77-00000000000000ee.jsonl.new"
+    fresh = folder / ".78-00000000000000ff.jsonl.new"
+    stale.write_bytes(b"")
+    fresh.write_bytes(b"")
+    old = time.time() - leftovers.STALE_TEMP_SECONDS - 5
+    os.utime(stale, (old, old))
+    notifier = notifier_for(tmp_path, NotifyRule(command=RECORD))
+    assert notifier.take_over() == 0
+    assert not stale.exists() and fresh.exists()
