@@ -24,7 +24,10 @@ STORE_KEYS = frozenset({"url", "pool_size", "reconnect_seconds"})
 STORE_SCHEMES = ("postgresql://", "postgres://")
 STORE_ENV = "HANDOFFD_STORE"  # the store URL from the environment (beats the file)
 SPECIALIST_KEYS = frozenset({"command", "handler", "input_schema", "output_schema", "timeout_seconds",
-                             "concurrency", "retry", "env", "cwd", "rate"})
+                             "concurrency", "retry", "env", "cwd", "rate", "isolate"})
+# a Python specialist's ``isolate``: when its handler runs in a one-shot process of its own
+# (core.isolation); a command always does
+ISOLATE_MODES = ("after_crash", "always", "never")
 RETENTION_KEYS = frozenset({"completed", "failed", "mode", "every"})
 RETRY_KEYS = frozenset({"max_retries", "retry_delay_seconds", "backoff_multiplier"})
 # Upper bounds: far above any real setting, far below what overflows datetime/timedelta arithmetic.
@@ -279,6 +282,7 @@ class SpecialistConfig:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     rate: "Rate | None" = None  # at most rate.count starts per rate.seconds, workspace-wide
+    isolate: str = "after_crash"  # one of ISOLATE_MODES
 
 
 @dataclass(frozen=True)
@@ -690,6 +694,10 @@ def specialist_from_table(agent: str, table: dict[str, Any], default_retry: Retr
         rate = Rate.parse(table["rate"]) if "rate" in table else None
     except ConfigError as exc:
         raise ConfigError(f"{path}: specialist {agent}: {exc}") from None
+    isolate = table.get("isolate", ISOLATE_MODES[0])
+    if not isinstance(isolate, str) or isolate not in ISOLATE_MODES:
+        raise ConfigError(f"{where} isolate = {_brief(isolate)} must be "
+                          f"{' or '.join(chr(34) + k + chr(34) for k in ISOLATE_MODES)}")
     return SpecialistConfig(
         agent=agent, command=command, handler=handler,
         input_schema=table.get("input_schema"), output_schema=table.get("output_schema"),
@@ -699,4 +707,5 @@ def specialist_from_table(agent: str, table: dict[str, Any], default_retry: Retr
         env=dict(env or {}),
         cwd=table.get("cwd"),
         rate=rate,
+        isolate=isolate,
     )

@@ -493,9 +493,15 @@ class Engine:
                                      self.timeout_for(job),
                                      max_output_bytes=self.settings.max_output_bytes)
             else:
+                from .isolation import isolate, run_isolated
                 from .runner import run_python
-                result = run_python(job.specialist, job.claim.doc, job.context,
-                                    self.timeout_for(job), self._takeover(job, started))
+                if isolate(job.specialist, job.claim.doc, job.handoff_id):  # after a crash
+                    result = run_isolated(job.specialist, job.claim.doc, job.context,
+                                          self.timeout_for(job),
+                                          max_output_bytes=self.settings.max_output_bytes)
+                else:
+                    result = run_python(job.specialist, job.claim.doc, job.context,
+                                        self.timeout_for(job), self._takeover(job, started))
             outcome = self._usable_outcome(job, result, started)
         except HandlerError as exc:
             outcome = self._failed(exc, started)

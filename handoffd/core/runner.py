@@ -1,5 +1,6 @@
 """Running one handler attempt: command specialists as child processes, Python ones in a thread
-(a daemon's worker calls them itself, watched: :mod:`.watchdog`).
+(a daemon's worker calls them itself, watched: :mod:`.watchdog`), or after a crash in a child
+process of their own (:mod:`.isolation`, which uses the process handling here).
 
 Both return the raw result object of the specialist protocol (docs/specialists.md) or raise HandlerError
 (``PROCESSING_ERROR``, ``TIMEOUT``, ``CANCELLED``). A child runs in its own process group with an
@@ -19,7 +20,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from . import procs
 from .documents import MAX_DEPTH, RESULT_DEPTH_MARGIN, Outcome, nesting_depth
@@ -373,8 +374,14 @@ def _await_exit(proc: subprocess.Popen[bytes], exited: threading.Event,
     done.set()
 
 
+class _Draining(Protocol):
+    """A reader of an attempt's pipe (:class:`_Collector`, the isolated handler's channel)."""
+
+    def finish(self, wait: float) -> None: ...
+
+
 def _end_attempt(ctx: HandlerContext, proc: subprocess.Popen[bytes], token: str,
-                 exited: threading.Event, collectors: tuple["_Collector", "_Collector"],
+                 exited: threading.Event, collectors: tuple[_Draining, ...],
                  helpers: tuple[threading.Thread, ...]) -> None:
     """Stop everything the attempt started, in bounded time: SIGTERM the child (if it still runs)
     with a grace period, then SIGKILL its process group and every process carrying the run token

@@ -27,7 +27,7 @@ def specialist(agent: str, **options: Any) -> Callable[[Handler], Handler]:
     """Register a Python function as the specialist for ``agent``.
 
     ``options`` are the keys of a ``[specialists."@agent"]`` table (``timeout_seconds``,
-    ``concurrency``, ``input_schema``, ``output_schema``, ``retry``)::
+    ``concurrency``, ``input_schema``, ``output_schema``, ``retry``, ``isolate``)::
 
         @specialist("@echo", concurrency=4)
         def echo(handoff, ctx):
