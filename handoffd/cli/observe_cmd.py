@@ -188,8 +188,10 @@ class TopModel:
                               header_style="bold")
         for column in ("ID", "AGENT", "ATTEMPT", "AGE"):
             running_table.add_column(column)
+        from ..core.storage import trusted_doc
         for row in self.rows[:15]:
-            block = row.doc.get("handoffd") if isinstance(row.doc.get("handoffd"), dict) else {}
+            doc = trusted_doc(self.eng.backend, row.state, row.id, row.doc)  # (sealed only)
+            block = given if isinstance(given := doc.get("handoffd"), dict) else {}
             age = max((now - row.updated_at).total_seconds(), 0.0)
             running_table.add_row(Text(clean(row.id)), Text(clean(row.meta.target or "-")),
                                   Text(clean(str(block.get("attempt", "-")))), f"{age:.0f}s")

@@ -14,6 +14,7 @@ from .render import Out, clean, handoff_rows, print_json, state_cell, timeline_r
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from ..core.storage import Backend
 
 EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
 STATES = [s.value for s in State] + ["quarantined"]
@@ -22,100 +23,88 @@ STATES = [s.value for s in State] + ["quarantined"]
 # ---------------------------------------------------------------- show
 def show(root: str | Path | None, handoff_id: str, *, as_json: bool) -> None:
     """``handoff show``: a handoff's document, its history and its family (or its archive
-    entry once retention archived it)."""
+    entry once retention archived it). What it reads of the ``handoffd`` bookkeeping is what
+    the store vouches for (see :func:`handoffd.core.storage.trusted_doc`): a block dropped in
+    by hand, or a finished document another consumer filed, shows no history as handoffd's."""
+    from ..core.storage import foreign_filing
     eng = engine(root, features=())  # reading a document needs no feature
     try:
-        state, doc = trusted_document(eng, handoff_id)
+        state, doc = eng.get(handoff_id)  # the trusted view
     except NotFound:
         if show_archived(eng, handoff_id, as_json=as_json):
             return
         raise
+    foreign = foreign_filing(state, doc)
     if as_json:
         print_json({"id": handoff_id, "state": state.value, "document": doc,
-                    "family": family(eng, handoff_id, doc)})
+                    "family": family(eng, handoff_id, doc), "foreign_filing": foreign})
         return
     out = Out()
     path = document_path(eng, state, handoff_id)
     out.line((handoff_id, "bold"), "  state: ", (state.value, "bold"),
              f"  file: {path}" if path else "  ")
     print_family(out, eng, handoff_id, doc)  # parent, children, waiting
-    print_document(out, doc)
+    print_document(out, doc, foreign=foreign)
 
 
 def show_archived(eng: "Engine", handoff_id: str, *, as_json: bool) -> bool:
-    """``handoff show`` of a handoff retention archived; False when there is no such entry."""
+    """``handoff show`` of a handoff retention archived; False when there is no such entry.
+    The archived document is read by the rule the store reads its documents by."""
+    from ..core.documents import BOOK
+    from ..core.storage import foreign_filing
     from ..features.retention import find_archived
     entry = find_archived(eng.ws, handoff_id)
     if entry is None:
         return False
+    found = archived_document(eng.backend, handoff_id, entry)
+    kept = entry.get("document")
+    # (an entry that is no finished document: shown, without any bookkeeping)
+    doc = found[1] if found else {k: v for k, v in kept.items() if k != BOOK} \
+        if isinstance(kept, dict) else {}
+    foreign = found is not None and foreign_filing(*found)
     if as_json:
         print_json({"id": handoff_id, "state": entry.get("state"), "archived": True,
-                    "archived_at": entry.get("archived_at"), "document": entry.get("document")})
+                    "archived_at": entry.get("archived_at"), "document": doc,
+                    "foreign_filing": foreign})
         return True
     out = Out()
-    kept = entry.get("document")
-    doc = kept if isinstance(kept, dict) else {}
     out.line((handoff_id, "bold"), "  state: ", (str(entry.get("state")), "bold"),
              f"  archived at {entry.get('archived_at')}")
-    print_document(out, doc)
+    print_document(out, doc, foreign=foreign)
     return True
 
 
-def trusted_document(eng: "Engine", handoff_id: str) -> tuple[State, dict[str, Any]]:
-    """(state, document) of ``handoff_id`` with its ``handoffd`` block only when the store
-    trusts it (docs/guarantees.md: a block without a valid seal is ignored everywhere).
-
-    A pending document is read as the scheduler reads it (:meth:`Backend.peek`: the files
-    store empties a block it did not seal in pending/), so a document dropped by hand cannot
-    show forged history, children or waits. A handoff that moves on between the two reads is
-    read again."""
-    from ..core.documents import BOOK
-    for _ in range(3):
-        state, doc = eng.get(handoff_id)
-        if state is not State.PENDING:
-            return state, without_foreign_book(eng, state, handoff_id, doc)
-        seen = eng.backend.peek(handoff_id)
-        if seen is not None:
-            return state, seen
-    doc[BOOK] = {}  # still moving: shown without bookkeeping rather than with untrusted one
-    return state, doc
+def archived_document(store: "Backend", handoff_id: str,
+                      entry: dict[str, Any]) -> tuple[State, dict[str, Any]] | None:
+    """(state, trusted view of the document) of an archive entry; None when the entry holds no
+    finished document. Archived as stored, a document keeps the seal of the folder it was
+    filed in, so the store's rule still tells handoffd's filings from foreign ones."""
+    from ..core.storage import trusted_doc
+    kept = entry.get("document")
+    if entry.get("state") not in ("completed", "failed") or not isinstance(kept, dict):
+        return None
+    state = State(entry["state"])
+    return state, trusted_doc(store, state, handoff_id, kept)
 
 
-def without_foreign_book(eng: "Engine", state: State, handoff_id: str,
-                         doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc``, its ``handoffd`` block emptied when it is an in-progress file the files store
-    did not seal (a raw document renamed into in-progress/ by a foreign consumer or by hand):
-    the sweep's recovery trusts it only with a seal for pending/ or in-progress/, and so does
-    show. Filed documents and other stores' documents are as the store holds them."""
-    from ..core.documents import BOOK
-    if state is not State.IN_PROGRESS or BOOK not in doc:
-        return doc
-    from ..backends.files import FilesBackend
-    store = getattr(eng.backend, "inner", eng.backend)  # under the event log's recorder
-    if not isinstance(store, FilesBackend):
-        return doc
-    files = store.store
-    # (without a seal key nothing can be told apart, and the block is kept, as peek keeps it)
-    if files.key is not None and files.trusted_revision(doc, State.IN_PROGRESS, handoff_id,
-                                                        State.PENDING) == 0:
-        doc[BOOK] = {}
-    return doc
-
-
-def print_document(out: Out, doc: dict[str, Any]) -> None:
+def print_document(out: Out, doc: dict[str, Any], *, foreign: bool = False) -> None:
     """The history timeline (bounded as the daemon bounds it), then the document without
-    handoffd's bookkeeping."""
+    handoffd's bookkeeping. A foreign filing has no history of ours: it is said so instead."""
     from ..core.documents import BOOK, book
-    history, left_out = shown_history(book(doc).get("history", []))
-    title = "history" if not left_out else f"history ({left_out} earlier entries not shown)"
-    out.table(*timeline_rows(history), title=title)
+    from ..core.storage import FOREIGN_FILING
+    if foreign:
+        out.line(FOREIGN_FILING)
+    else:
+        history, left_out = shown_history(book(doc).get("history", []))
+        title = "history" if not left_out else f"history ({left_out} earlier entries not shown)"
+        out.table(*timeline_rows(history), title=title)
     out.json({k: v for k, v in doc.items() if k != BOOK})
 
 
 def shown_history(history: Any) -> tuple[list[Any], int]:
     """The history entries ``handoff show`` prints and how many it leaves out: at most
-    MAX_HISTORY, the first and the most recent, as the daemon keeps them (a block from
-    elsewhere, e.g. an archive or a foreign consumer's filing, may hold any number)."""
+    MAX_HISTORY, the first and the most recent, as the daemon keeps them (a sealed block written
+    by whoever holds the workspace's key may hold any number)."""
     from ..core.documents import MAX_HISTORY
     if not isinstance(history, list):
         return [], 0
@@ -144,7 +133,7 @@ def family(eng: "Engine", handoff_id: str, doc: dict[str, Any]) -> dict[str, Any
             state, status, target = None, None, None
         kids.append({"id": kid, "state": state.value if isinstance(state, State) else "missing",
                      "status": status, "to": target})
-    block = given if isinstance(given := doc.get("handoffd"), dict) else {}
+    block = given if isinstance(given := doc.get("handoffd"), dict) else {}  # a trusted view's
     return {"parent_id": parent_of(doc), "conversation_id": conversation_of(doc), "children": kids,
             "waiting_children": block.get("waiting_children"), "awaiting": block.get("awaiting"),
             "aggregated_outcome": block.get("aggregated_outcome")}
@@ -203,28 +192,27 @@ def wait(root: str | Path | None, handoff_id: str, timeout: float | None, *,
     """``handoff wait``: block until the handoff is finished or asks its requester; the exit
     code (0 completed, 1 failed, 4 awaiting an answer; WaitTimeout after ``timeout``)."""
     from ..service.waiting import wait_terminal
-    try:
-        state, doc = wait_terminal(backend(root), handoff_id, timeout, or_awaiting=True)
+    store = backend(root)
+    try:  # the store hands out trusted views: the exit code is the folder's
+        state, doc = wait_terminal(store, handoff_id, timeout, or_awaiting=True)
     except NotFound:  # finished, and archived since (retention): its archived answer
-        found = archived_state(root, handoff_id)
+        found = archived_state(root, store, handoff_id)
         if found is None:
             raise
         state, doc = found
     return report_wait(handoff_id, state, doc, as_json=as_json)
 
 
-def archived_state(root: str | Path | None, handoff_id: str) -> tuple[State, dict[str, Any]] | None:
-    """(state, document) of a finished handoff retention archived, or None."""
+def archived_state(root: str | Path | None, store: "Backend",
+                   handoff_id: str) -> tuple[State, dict[str, Any]] | None:
+    """(state, trusted view of the document) of a finished handoff retention archived, or None."""
     from ..features.retention import find_archived
     entry = find_archived(open_workspace(root), handoff_id)
-    if entry is None or entry.get("state") not in ("completed", "failed") \
-            or not isinstance(entry.get("document"), dict):
-        return None
-    return State(entry["state"]), entry["document"]
+    return None if entry is None else archived_document(store, handoff_id, entry)
 
 
 def report_wait(handoff_id: str, state: State, doc: dict[str, Any], *, as_json: bool) -> int:
-    """Print what a wait ended on; return its exit code."""
+    """Print what a wait ended on; return its exit code (from ``state``, the folder, alone)."""
     from ..service.waiting import awaiting_answer
     awaiting = awaiting_answer(state, doc)
     if awaiting is not None:  # reported up at once (seed 000), in the document's own format
@@ -239,7 +227,7 @@ def report_wait(handoff_id: str, state: State, doc: dict[str, Any], *, as_json: 
     else:
         print(f"{handoff_id} {state.value}")
         if state is State.FAILED:  # why, on stderr (stdout keeps the one line scripts read)
-            print(f"{PROG}: {handoff_id}: {failure_line(doc)}", file=sys.stderr)
+            print(f"{PROG}: {handoff_id}: {failure_line(state, doc)}", file=sys.stderr)
     return exit_for(state)
 
 
@@ -262,12 +250,15 @@ def asked_line(handoff_id: str, awaiting: dict[str, Any]) -> str:
     return f"{PROG}: {handoff_id} waits for an answer: {said} (`handoff answer {handoff_id} --data JSON`)"
 
 
-def failure_line(doc: dict[str, Any]) -> str:
-    """``CODE: message`` of a filed failure, whatever its format (the bookkeeping's copy)."""
+def failure_line(state: State, doc: dict[str, Any]) -> str:
+    """``CODE: message`` of a filed failure (a trusted view), whatever its format: the
+    bookkeeping's copy, else the document's own ``error`` (a stub filed for a document set
+    aside, or a failure another consumer filed: then said so)."""
+    from ..core.storage import FOREIGN_FILING, foreign_filing
     book = doc.get("handoffd")
     final = book.get("final_error") if isinstance(book, dict) else None
-    if not isinstance(final, dict):  # e.g. the stub filed for a document set aside
-        final = doc.get("error") if isinstance(doc.get("error"), dict) else None
     if not isinstance(final, dict):
-        return "no error recorded"
-    return clean(f"{final.get('code') or 'ERROR'}: {str(final.get('message') or '')[:500]}")
+        final = doc.get("error") if isinstance(doc.get("error"), dict) else None
+    said = "no error recorded" if not isinstance(final, dict) else \
+        f"{final.get('code') or 'ERROR'}: {str(final.get('message') or '')[:500]}"
+    return clean(f"{said}; {FOREIGN_FILING}" if foreign_filing(state, doc) else said)

@@ -21,6 +21,18 @@ pending/). Such a document is *raw*: its bookkeeping is not ours (``Claim.raw``)
 unreadable (:meth:`Backend.peek` raises UnreadableDocument) and may have to be set aside
 (:meth:`Backend.set_aside`). A database backend never meets those cases, but answers the same
 calls.
+
+Whose bookkeeping it is, is one rule (:meth:`Backend.trusted_book`): a document's ``handoffd``
+block is handoffd's own only when the store vouches that handoffd wrote it where it was read
+(files: its seal matches the folder; a database writes every block itself, so access to it is
+the trust boundary). Every document :meth:`Backend.get` and :meth:`Backend.peek` hand out has
+been through it (:func:`trusted_doc`): a block the store does not vouch for is emptied, so no
+reader and no decision sees its history, attempts, errors, children or waits.
+:meth:`Backend.list` hands out each document as stored (retention archives and compares exactly
+that), with its routing facts, due time and update time taken from the trusted view; readers of
+a row's bookkeeping take the row through :func:`trusted_doc` themselves. A finished document
+without handoffd's own record is a *foreign filing* (:func:`foreign_filing`): seed 001's own
+consumer may write completed/ and failed/ itself.
 """
 from __future__ import annotations
 
@@ -29,7 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Collection, Literal, Protocol, runtime_checkable
 
-from .documents import BOOK, priority_rank
+from .documents import BOOK, book_int, priority_rank
 from .states import State
 
 Doc = dict[str, Any]
@@ -76,7 +88,9 @@ class Claim:
 
 @dataclass(frozen=True)
 class Row:
-    """One handoff as :meth:`Backend.list` returns it."""
+    """One handoff as :meth:`Backend.list` returns it: ``doc`` as stored (a pending one as the
+    scheduler reads it), ``meta``, ``due_at`` and ``updated_at`` from its trusted view (see the
+    module docstring; :func:`trusted_doc` gives the view)."""
 
     id: str
     state: State
@@ -209,8 +223,17 @@ class Backend(Protocol):
         ...
 
     def get(self, handoff_id: str) -> tuple[State, Doc] | None:
-        """The current state and a copy of the document, or None when the id is unknown."""
+        """The current state and a copy of the document as handoffd trusts it (see
+        :func:`trusted_doc`), or None when the id is unknown."""
         ...
+
+    def trusted_book(self, state: State, handoff_id: str, doc: Doc) -> Doc | None:
+        """The ``handoffd`` block of ``doc``, as read from ``state``, when this store vouches
+        that handoffd wrote it there; None when it does not (or there is no block). The one
+        check every reader's view goes through (:func:`trusted_doc`). Default: the block, for a
+        store that writes every block itself (a database: access to it is the trust boundary)."""
+        block = doc.get(BOOK)
+        return block if isinstance(block, dict) else None
 
     def list(self, *, state: State | None = None, target: str | None = None,
              conversation: str | None = None, parent: str | None = None,
@@ -363,6 +386,36 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release what the backend holds (watch threads, connections)."""
         ...
+
+
+FOREIGN_FILING = "filed by another consumer (its bookkeeping is not handoffd's)"
+
+
+def trusted_doc(backend: Backend, state: State, handoff_id: str, doc: Doc) -> Doc:
+    """``doc`` (read from ``state``) as every reader takes it: itself when the store vouches for
+    its ``handoffd`` block (:meth:`Backend.trusted_book`) or it has none; otherwise a shallow
+    copy whose block is emptied, as a claim empties it. A finished document's keeps the
+    revision it claims: never trusted (seals are: see the files store), it is only the token
+    ``handoff retry`` compares to tell that the failure it moves is still the one it read.
+    Taking a view twice changes nothing."""
+    if BOOK not in doc or backend.trusted_book(state, handoff_id, doc) is not None:
+        return doc
+    view = dict(doc)
+    claimed = book_int(doc, "revision", 0) if state.terminal else 0
+    view[BOOK] = {"revision": claimed} if claimed else {}
+    return view
+
+
+def foreign_filing(state: State, doc: Doc) -> bool:
+    """True for a finished document (a trusted view, see :func:`trusted_doc`) that holds no
+    record of handoffd's: every transition handoffd makes records a history event, so a
+    completed or failed document it filed always has a history. Such a document was filed by
+    another consumer (seed 001's own writes completed/ and failed/ itself): readers take its
+    state from its folder and its status and error from its own fields, never from the block."""
+    block = doc.get(BOOK)
+    return state.terminal and not (isinstance(block, dict)
+                                   and isinstance(block.get("history"), list)
+                                   and bool(block["history"]))
 
 
 def describe_native(doc: Doc) -> Meta:

@@ -5,7 +5,9 @@ Read-only helpers shared by delegation (:mod:`handoffd.features.orchestration`),
 be written in the document itself (seed 001/002 fields such as ``parent_id``, ``conversation_id``,
 ``correlation_id``) or, for formats without such fields, in the ``handoffd`` bookkeeping block.
 Answers filed by non-native dialects keep the request in ``handoffd.request_snapshot``; it is
-consulted too.
+consulted too. The helpers read the documents they are given: pass trusted views (what
+``Backend.get`` returns; :func:`documents` gives them), never a block the store does not vouch
+for (``children`` in a forged block would make ``cancel --cascade`` cancel others' work).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from ..core.documents import BOOK
 from ..core.states import State
+from ..core.storage import trusted_doc
 
 if TYPE_CHECKING:
     from ..core.storage import Backend
@@ -99,10 +102,12 @@ class Entry:
 
 
 def documents(backend: "Backend", states: tuple[State, ...] = tuple(State)) -> Iterator[Entry]:
-    """Every readable handoff document in ``states``."""
+    """Every readable handoff document in ``states``, as handoffd trusts it (a listing hands
+    documents out as stored): relations, times and notes are never read from a block the
+    store does not vouch for, such as a foreign filing's."""
     for state in states:
         for row in backend.list(state=state, order="oldest"):
-            yield Entry(row.id, state, row.doc)
+            yield Entry(row.id, state, trusted_doc(backend, state, row.id, row.doc))
 
 
 def descendants(backend: "Backend", handoff_id: str) -> list[str]:

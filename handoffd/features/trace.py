@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import NotFound
+from ..core.storage import FOREIGN_FILING, foreign_filing
 from ..core.timeutil import parse_iso
 from .lineage import (
     Entry,
@@ -80,7 +81,9 @@ def _seconds(start: str | None, end: str | None) -> float | None:
 
 
 def describe(entry: Entry) -> Node:
-    """A Node for one document (no relations resolved yet)."""
+    """A Node for one document (a trusted view: see :func:`handoffd.features.lineage.documents`;
+    no relations resolved yet). A finished document another consumer filed has no times of ours
+    and says so in its note."""
     from .. import dialects
 
     doc = entry.doc
@@ -115,6 +118,8 @@ def describe(entry: Entry) -> Node:
         error = given if isinstance(given := doc.get("error"), dict) else {}
         if error:
             note = f"{error.get('code')}: {str(error.get('message', ''))[:80]}"
+    if foreign_filing(entry.state, doc):
+        note = f"{note}; {FOREIGN_FILING}" if note else FOREIGN_FILING
     return Node(entry.handoff_id, entry.state.value, status, target, source, parent_of(doc),
                 conversation_of(doc), correlation_of(doc), depends_of(doc), created, started,
                 finished, _seconds(started or created, finished), note)

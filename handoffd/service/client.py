@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.documents import new_native_request
 from ..core.errors import UsageError
 from ..core.states import State
+from ..core.storage import foreign_filing
 from ..core.workspace import Workspace, resolve_root
 from .waiting import awaiting_answer, wait_terminal
 
@@ -50,9 +51,11 @@ class ErrorInfo:
 
 @dataclass(frozen=True)
 class Result:
-    """Where a handoff stands: its state, the document as stored (in its own format), and the
-    format-neutral facts: ``ok`` (completed), ``output`` (a seed 001 document's output),
-    ``error`` (for a failure) and ``asks`` (the questions or blockers it waits on)."""
+    """Where a handoff stands: its state, the document (in its own format, its ``handoffd``
+    block only when the store vouches for it: see :func:`handoffd.core.storage.trusted_doc`),
+    and the format-neutral facts: ``ok`` (completed: its folder says so), ``output`` (a seed 001
+    document's output), ``error`` (for a failure), ``asks`` (the questions or blockers it waits
+    on) and ``foreign`` (filed by another consumer, not by handoffd)."""
 
     id: str
     state: State
@@ -81,13 +84,22 @@ class Result:
 
     @property
     def error(self) -> ErrorInfo | None:
-        """The recorded failure (code and message), for a failed handoff."""
+        """The recorded failure (code and message), for a failed handoff: handoffd's record,
+        else the document's own ``error`` (a failure another consumer filed, or a stub)."""
         if self.state is not State.FAILED:
             return None
         block = self.document.get("handoffd")
         final = block.get("final_error") if isinstance(block, dict) else None
+        if not isinstance(final, dict):
+            final = self.document.get("error")
         final = final if isinstance(final, dict) else {}
         return ErrorInfo(str(final.get("code") or "ERROR"), str(final.get("message") or ""))
+
+    @property
+    def foreign(self) -> bool:
+        """True when another consumer filed it (seed 001's own may write completed/ and
+        failed/): its state is its folder's, and it carries no bookkeeping of handoffd's."""
+        return foreign_filing(self.state, self.document)
 
     @property
     def asks(self) -> dict[str, Any] | None:

@@ -65,6 +65,8 @@ def _view(result: Result) -> dict[str, Any]:
     view: dict[str, Any] = {"id": result.id, "state": result.state.value,
                             "finished": result.finished, "ok": result.ok,
                             "document": result.document}
+    if result.foreign:  # filed by another consumer: its bookkeeping is not handoffd's
+        view["foreign_filing"] = True
     if result.error is not None:
         view["error"] = {"code": result.error.code, "message": result.error.message}
     if result.asks is not None:

@@ -11,7 +11,7 @@ from ..core.documents import book, next_attempt_at
 from ..core.engine import Engine
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.states import State
-from ..core.storage import Row
+from ..core.storage import FOREIGN_FILING, Row, foreign_filing, trusted_doc
 from ..core.timeutil import iso
 from ..core.validation import builtin_schemas, check_document
 from ..dialects import Dialect
@@ -20,10 +20,14 @@ from ..features.lineage import conversation_of, parent_of
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 
 
-def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any],
+def _row(engine: Engine, state: State, handoff_id: str, stored: dict[str, Any],
          updated: datetime) -> dict[str, Any]:
+    """One ``handoff ls`` row, read from the document's trusted view: a block the store does
+    not vouch for gives no attempt, dialect or error, and a finished document another consumer
+    filed says so in its note."""
     target: str | None
     source: str | None
+    doc = trusted_doc(engine.backend, state, handoff_id, stored)
     try:
         dialect = dialects.detect(doc)
         env = dialect.envelope(doc)
@@ -42,6 +46,8 @@ def _row(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any],
         lease = given if isinstance(given := block.get("lease"), dict) else {}
         owner = lease.get("owner") or {}
         note = f"owner {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
+    if foreign_filing(state, doc):
+        note = f"{note}; {FOREIGN_FILING}" if note else FOREIGN_FILING
     return {"id": handoff_id, "state": state.value, "from": source, "to": target,
             "attempt": block.get("attempt", 0), "dialect": block.get("dialect"),
             "updated": iso(updated), "note": note,

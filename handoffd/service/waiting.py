@@ -14,7 +14,8 @@ def wait_terminal(backend: Backend, handoff_id: str, timeout: float | None = Non
                   or_awaiting: bool = False) -> tuple[State, dict[str, Any]]:
     """Return ``(state, document)`` once ``handoff_id`` is completed or failed, or (with
     ``or_awaiting``) once it waits in pending/ for its requester's answer (needs_clarification
-    or blocked: seed 000 reports those up at once).
+    or blocked: seed 000 reports those up at once). The state is its folder's; the document is
+    the store's trusted view (a foreign filing's block is not handoffd's).
 
     Raises WaitTimeout after ``timeout`` seconds, NotFound if the id does not exist (after
     ``grace_not_found`` seconds, for a document a producer is about to drop).
@@ -29,7 +30,9 @@ def wait_terminal(backend: Backend, handoff_id: str, timeout: float | None = Non
 
 
 def awaiting_answer(state: State, doc: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``handoffd.awaiting`` block of a handoff parked until its requester answers."""
+    """The ``handoffd.awaiting`` block of a handoff parked until its requester answers. ``doc``
+    is a trusted view (what ``Backend.get`` returns): a pending document dropped with a forged
+    ``awaiting`` asks nobody anything."""
     block = doc.get("handoffd")
     awaiting = block.get("awaiting") if isinstance(block, dict) else None
     return awaiting if state is State.PENDING and isinstance(awaiting, dict) else None

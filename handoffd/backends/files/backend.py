@@ -25,7 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
-from ...core.documents import BOOK, book, book_int, hostname, revision
+from ...core.documents import book, book_int, hostname, revision
 from ...core.errors import (
     DocumentNotReady,
     DuplicateHandoff,
@@ -37,7 +37,7 @@ from ...core.errors import (
 )
 from ...core.logs import log
 from ...core.states import State
-from ...core.storage import LOST, Wakeup
+from ...core.storage import LOST, Wakeup, trusted_doc
 from ...core.timeutil import parse_iso
 from ...core.workspace import Workspace
 from ..base import (
@@ -63,7 +63,7 @@ from ..base import (
     updated_of,
     wait_via_feed,
 )
-from . import fsio, repair
+from . import fsio, repair, seals
 from .problems import read_error
 from .records import FileRecords
 from .store import Claim as StoreClaim
@@ -167,9 +167,21 @@ class FilesBackend(FencedFiling, Backend):
 
     def get(self, handoff_id: str) -> tuple[State, Doc] | None:
         try:
-            return self.store.get(handoff_id)
+            state, doc = self.store.get(handoff_id)
         except NotFound:
             return None
+        return state, trusted_doc(self, state, handoff_id, doc)
+
+    def trusted_book(self, state: State, handoff_id: str, doc: Doc) -> Doc | None:
+        """See Backend.trusted_book: the block when its seal matches the folder it was read
+        from. A claim renames a pending document into in-progress/ before it writes its lease
+        (and seed 001's own consumer claims by that rename alone), so in-progress/ also takes a
+        document sealed for pending/, as the sweep's recovery does. A document in completed/ or
+        failed/ is handoffd's only when handoffd filed it there. Without a seal key no document
+        here was ever sealed, and no block is vouched for."""
+        folders = (state.value, State.PENDING.value) if state is State.IN_PROGRESS \
+            else (state.value,)
+        return seals.own_block(self.store.key, doc, handoff_id, folders)
 
     def list(self, *, state: State | None = None, target: str | None = None,
              conversation: str | None = None, parent: str | None = None,
@@ -231,25 +243,26 @@ class FilesBackend(FencedFiling, Backend):
             now = datetime.now(timezone.utc)
             return Row(handoff_id, state, {}, Meta(None), now, now,
                        problem=read_error(path, exc, handoff_id))
-        updated = updated_of(doc, stamp)
+        # the row keeps the document as stored (retention archives it and deletes only that);
+        # what is derived from it (routing, parent, times) comes from its trusted view: a
+        # forged history must not make a filing look new for ever, nor a forged parent keep it
+        view = doc if state is State.PENDING else trusted_doc(self, state, handoff_id, doc)
+        updated = updated_of(view, stamp)
         if state.terminal and stamp > updated:
-            # filed by a foreign consumer (seed 001's own, writing completed/ itself): its last
-            # event of ours is older than the filing, which retention must age from
+            # filed after our last event (a foreign filing has none of ours: seed 001's own
+            # consumer writes completed/ itself): retention ages it from its filing
             updated = stamp
-        return Row(handoff_id, state, doc, safe_describe(self.describe, doc), due_of(doc, stamp),
-                   updated)
+        return Row(handoff_id, state, doc, safe_describe(self.describe, view),
+                   due_of(view, stamp), updated)
 
     def _read_pending(self, handoff_id: str) -> Doc:
-        """A pending document as the scheduler and the listing see it: a ``handoffd`` block that
-        handoffd did not write there (no valid seal for pending/) is only a foreign document's
-        claim to bookkeeping, so it is left out, as the claim leaves it out; otherwise a forged
-        ``next_attempt_at``, ``awaiting`` or ``waiting_children`` would hold or park it. (Without
-        a seal key nothing can be told apart, and the block is kept.)"""
-        doc = self.store.read(State.PENDING, handoff_id)
-        if BOOK in doc and self.store.key is not None \
-                and self.store.trusted_revision(doc, State.PENDING, handoff_id) == 0:
-            doc[BOOK] = {}
-        return doc
+        """A pending document as the scheduler and the listing see it (its trusted view): a
+        ``handoffd`` block that handoffd did not write there (no valid seal for pending/) is
+        only a foreign document's claim to bookkeeping, so it is left out, as the claim leaves
+        it out; otherwise a forged ``next_attempt_at``, ``awaiting`` or ``waiting_children``
+        would hold or park it."""
+        return trusted_doc(self, State.PENDING, handoff_id,
+                           self.store.read(State.PENDING, handoff_id))
 
     # ------------------------------------------------------------ claims
     def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float, *,

@@ -6,7 +6,11 @@ A revision is trusted only when the seal matches the folder the document was rea
 
 * a document dropped into ``pending/`` with a forged ``handoffd.revision: 99`` is an ordinary new
   (raw) document: its ``handoffd`` block is discarded and, if the id exists, it is a duplicate;
-* a copy of a finished document moved back into ``pending/`` by hand does not outrank the result.
+* a copy of a finished document moved back into ``pending/`` by hand does not outrank the result;
+* a document in ``completed/`` or ``failed/`` that handoffd did not file there (seed 001's own
+  consumer may write those folders itself) is a foreign filing: :func:`own_block` gives None for
+  it, and every reader takes its state from the folder, never its history, attempts or errors
+  from the block (see ``FilesBackend.trusted_book``).
 
 The seal defends against documents, not against a process that reads the workspace's key: anyone
 who can read ``handoffs/.meta/`` can forge seals, as they could edit ``completed/`` directly.
@@ -18,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...core.documents import BOOK, revision
 from ...core.errors import ConfigError
 from ...core.hashing import hmac_sha256_hex, same_text
 from . import fsio
@@ -92,3 +97,15 @@ def sealed(key: bytes | None, doc: dict[str, Any], handoff_id: str, revision: in
     if key is None or not isinstance(seal, str):
         return False
     return any(same_text(seal, seal_for(key, handoff_id, revision, f)) for f in folders)
+
+
+def own_block(key: bytes | None, doc: dict[str, Any], handoff_id: str,
+              folders: tuple[str, ...]) -> dict[str, Any] | None:
+    """``doc``'s ``handoffd`` block when handoffd wrote it into one of ``folders`` (its seal
+    matches its id, its revision and that folder), else None: no block, no revision, no key (no
+    document here was ever sealed), or a seal that does not match."""
+    block = doc.get(BOOK)
+    if not isinstance(block, dict):
+        return None
+    claimed = revision(doc)
+    return block if claimed and sealed(key, doc, handoff_id, claimed, folders) else None

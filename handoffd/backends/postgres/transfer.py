@@ -23,6 +23,7 @@ from typing import Any
 
 from ...core.errors import InvalidDocument
 from ...core.states import State
+from ...core.storage import trusted_doc
 from ...core.timeutil import iso
 from ..files.backend import FilesBackend
 from ..files.context import FileContext
@@ -79,7 +80,10 @@ def import_workspace(backend: PostgresBackend, files: FilesBackend, bridge: File
         for row in files.list(state=state, order="oldest", unreadable=True):
             if row.problem is not None:
                 report.unreadable.append(row.id)
-            elif backend.import_finished(row.id, state, row.doc, row.updated_at):
+            # the bookkeeping handoffd sealed, not a foreign consumer's block: the database
+            # trusts every block it holds, so an unsealed one must not come in as ours
+            elif backend.import_finished(row.id, state, trusted_doc(files, state, row.id, row.doc),
+                                         row.updated_at):
                 report.imported[state.value] += 1
             else:
                 report.already += 1
