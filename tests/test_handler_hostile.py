@@ -158,3 +158,46 @@ def test_a_command_printing_bytes_that_are_not_utf8_fails_the_attempt() -> None:
     with pytest.raises(HandlerError, match="not UTF-8") as caught:
         _parse_output(0, b'{"status": "completed", "output": "caf\xe9"}', b"", "h1")
     assert caught.value.code == "NOT_UTF8"
+
+
+def _timed_out(ctx_partial: Any, stdout: str | None = None) -> Any:
+    """keep_partial on a timed-out attempt whose handler reported ``ctx_partial`` (or whose
+    command printed ``stdout`` on SIGTERM)."""
+    from datetime import datetime, timezone
+
+    from handoffd.core.documents import Outcome
+    from handoffd.core.runner import keep_partial
+    from handoffd.core.specialists import HandlerContext
+    now = datetime.now(timezone.utc)
+    ctx = HandlerContext(handoff_id="p1", attempt=1, root=Path("/nonexistent"), data=None,
+                         target="@x", max_output_bytes=1 << 20)
+    ctx.partial = ctx_partial
+    details = {"partial_stdout": stdout} if stdout is not None else {}
+    outcome = Outcome(status="timeout", started_at=now, finished_at=now,
+                      error={"code": "TIMEOUT", "message": "late", "details": details})
+    return keep_partial(ctx, outcome)
+
+
+@pytest.mark.parametrize("partial", [float("nan"), {"x": float("inf")}, "deep"])
+def test_a_partial_that_cannot_be_filed_is_dropped_not_filed(partial: Any) -> None:
+    """A NaN partial made the filing raise (a traceback, the claim stranded until recovery); a
+    200-level one was filed and then unreadable to show and wait. Both are now dropped."""
+    if partial == "deep":
+        for _ in range(200):
+            partial = [partial]
+    outcome = _timed_out(partial)
+    assert outcome.output is None and not (outcome.metadata or {}).get("partial")
+
+
+@pytest.mark.parametrize("line", ['{"output": NaN}', "[" * 5000 + "]" * 5000])
+def test_a_commands_last_line_that_cannot_be_filed_is_no_partial(line: str) -> None:
+    outcome = _timed_out(None, stdout=f"noise\n{line}\n")
+    assert outcome.output is None
+
+
+def test_a_fileable_partial_is_kept_as_plain_json() -> None:
+    class Sub(dict):  # a handler's own type: filed as a plain copy
+        pass
+    outcome = _timed_out(Sub(step=2))
+    assert outcome.output == {"step": 2} and type(outcome.output) is dict
+    assert outcome.metadata == {"partial": True}

@@ -29,7 +29,7 @@ from handoffd.core.config import Config, DaemonSettings, specialist_from_table
 from handoffd.core.documents import Outcome, new_native_request
 from handoffd.core.engine import Engine
 from handoffd.core.errors import ConfigError
-from handoffd.core.isolation import DIED, crashed_last
+from handoffd.core.isolation import DIED, crashed_last, isolate, suspect
 from handoffd.core.specialists import Specialist
 from handoffd.core.states import State
 
@@ -214,6 +214,31 @@ def test_the_isolate_setting_is_checked() -> None:
         message = str(caught.value)
         assert "isolate" in message and '"after_crash" or "always" or "never"' in message
         assert "\n" not in message and len(message) < 200
+
+
+def test_a_suspect_specialist_runs_every_attempt_isolated_for_a_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a crash every handoff of a specialist that was running there runs isolated, not
+    only those that were running: a handler crashing at every start took the daemon (and the
+    attempts beside it) down once per new handoff of its own."""
+    retry = Config().retry
+    fresh = doc_with(ev("claimed"))  # no crash in its own history
+    specs = {mode: Specialist(specialist_from_table("@x", {"handler": "isoplug:work",
+                                                           "isolate": mode}, retry))
+             for mode in ("after_crash", "always", "never")}
+    command = Specialist(specialist_from_table("@c", {"command": ["true"]}, retry))
+    now = [1000.0]
+    monkeypatch.setattr("handoffd.core.isolation.time.monotonic", lambda: now[0])
+    assert not isolate(specs["after_crash"], fresh, "h1")
+    for spec in (*specs.values(), command, None):
+        suspect(spec)
+    assert isolate(specs["after_crash"], fresh, "h1")
+    assert isolate(specs["always"], fresh, "h1") and not isolate(specs["never"], fresh, "h1")
+    assert command.suspect_until == 0.0 and specs["never"].suspect_until == 0.0
+    now[0] += 599.0
+    assert isolate(specs["after_crash"], fresh, "h1")
+    now[0] += 2.0  # SUSPECT_SECONDS after the last crash: back in the daemon
+    assert not isolate(specs["after_crash"], fresh, "h1")
 
 
 def test_a_bad_isolate_value_is_one_config_line(tmp_path: Path) -> None:
@@ -528,3 +553,33 @@ def test_a_crash_loop_beside_innocent_handoffs_under_serve(plug: Path, tmp_path:
             proc.wait(timeout=10)
     assert len(daemons) == 2, "the crasher took one daemon down, and only one"
     check_crash_loop(ws, tmp_path, innocent, daemons)
+
+
+def test_new_handoffs_of_a_crasher_after_a_crash_run_isolated_too(plug: Path,
+                                                                  tmp_path: Path) -> None:
+    """Crashers that arrive after the first crash: each used to run its first attempt in the
+    daemon and take it down with the innocent attempts beside it, so innocent handoffs were
+    dead-lettered. The batch that recovers the first crash runs them isolated."""
+    ws, env, innocent = crash_workspace(tmp_path, plug, "kill")
+    daemons: set[int] = set()
+    later = [f"crasher-{i}" for i in range(1, 4)]
+    for batch in range(1, 6):  # the test is the supervisor that starts the next batch
+        proc = subprocess.Popen([exe("handoffd"), "run", "--root", str(ws.root), "--processes",
+                                 "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(env, ISO_BATCH=str(batch)))
+        daemons.add(proc.pid)
+        _, err = proc.communicate(timeout=60)
+        assert "Traceback" not in err, err
+        if batch == 1:  # the first crash is behind us: new crashers come, never run before
+            assert proc.returncode < 0, err
+            for hid in later:
+                ws.drop(f"{hid}.json", {"handoff_id": hid, "target": {"agent_id": "@crash"},
+                                        "input": {"data": {"how": "kill"}}})
+        elif all(ws.state_of(h) == ["failed"] for h in ("crasher", *later)) and \
+                all(ws.state_of(hid) == ["completed"] for hid in innocent):
+            break
+    assert batch == 2, f"settled after {batch} batches"  # only the first crash took one down
+    check_crash_loop(ws, tmp_path, innocent, daemons)
+    for hid in later:
+        assert ws.doc(hid)["handoffd"]["attempt"] == 3
+        assert "the handler's process died" in ws.doc(hid)["error"]["message"]

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from . import procs
@@ -60,6 +61,8 @@ DIED = "process_died"  # in an error's details: the isolated handler's process d
 # a message may exceed max_output_bytes by this much: its wrapper, an error's message and details
 MESSAGE_MARGIN = 64 * 1024
 # the calls a child may make on its context view (the daemon's), with the keyword arguments each takes
+# after a crash, how long a suspect specialist's attempts all run isolated (see suspect)
+SUSPECT_SECONDS = 600.0
 CONTEXT_CALLS: dict[str, frozenset[str]] = {
     "get_with_revision": frozenset(), "set": frozenset({"if_revision"}),
     "keys": frozenset({"prefix"}), "may_write": frozenset()}
@@ -67,23 +70,43 @@ CONTEXT_CALLS: dict[str, frozenset[str]] = {
 
 def isolate(spec: Specialist, doc: dict[str, Any], handoff_id: str) -> bool:
     """Whether this attempt of a Python specialist runs in a process of its own: its
-    ``isolate`` setting, and with ``"after_crash"`` (the default) :func:`crashed_last`. A
-    handler that no other process can import (defined in ``__main__`` or inside a function)
-    runs in the daemon, with a warning; with ``"always"`` its attempts fail instead."""
+    ``isolate`` setting, and with ``"after_crash"`` (the default) :func:`crashed_last` or the
+    specialist being a suspect (:func:`suspect`). A handler that no other process can import
+    (defined in ``__main__`` or inside a function) runs in the daemon, with a warning; with
+    ``"always"`` its attempts fail instead."""
     mode = spec.config.isolate
     if mode == "always":
         return True
-    if mode == "never" or not crashed_last(doc):
+    if mode == "never":
+        return False
+    if crashed_last(doc):
+        why = "its last attempt ended with its process"
+    elif spec.suspect_until > time.monotonic():
+        why = f"a handoff of {spec.agent} was running when a process died"
+    else:
         return False
     if handler_reference(spec) is None:
-        log.warning("handoff %s: its last attempt ended with its process, but the handler %s "
-                    "of %s cannot be imported by another process (defined in __main__ or inside "
-                    "a function): it runs in the daemon again", handoff_id,
-                    spec.config.handler, spec.agent)
+        log.warning("handoff %s: %s, but the handler %s of %s cannot be imported by another "
+                    "process (defined in __main__ or inside a function): it runs in the daemon",
+                    handoff_id, why, spec.config.handler, spec.agent)
         return False
-    log.warning("handoff %s: its last attempt ended with its process; its handler runs in a "
-                "process of its own this time", handoff_id)
+    log.info("handoff %s: %s; its handler runs in a process of its own", handoff_id, why)
     return True
+
+
+def suspect(spec: Specialist | None) -> None:
+    """A handoff of ``spec`` was running when its process died (a recovery), or died in an
+    isolated process: for :data:`SUSPECT_SECONDS` every attempt of the specialist runs isolated
+    (with ``"after_crash"``), not only that handoff's. Which of the handoffs running at a crash
+    caused it cannot be told, and a handler that crashes at every start would otherwise take
+    the daemon, and every attempt beside it, down once per new handoff of its own."""
+    if spec is None or spec.is_command or spec.config.isolate != "after_crash":
+        return
+    if spec.suspect_until <= time.monotonic():
+        log.warning("specialist %s: a handoff of it was running when a process died; for the "
+                    "next %.0f s its handlers run in processes of their own", spec.agent,
+                    SUSPECT_SECONDS)
+    spec.suspect_until = time.monotonic() + SUSPECT_SECONDS
 
 
 def crashed_last(doc: dict[str, Any]) -> bool:
@@ -190,7 +213,12 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
         _wait(done, ctx, timeout)
     finally:
         _end_attempt(ctx, proc, token, exited, (channel, output), (waiter,))
-    return _answer(channel, proc.returncode, output.data(), ctx.handoff_id, max_output_bytes)
+    try:
+        return _answer(channel, proc.returncode, output.data(), ctx.handoff_id, max_output_bytes)
+    except HandlerError as exc:
+        if isinstance(exc.details, dict) and exc.details.get(DIED):
+            suspect(spec)  # its new handoffs too: each would take the daemon down once
+        raise
 
 
 def _request(ref: str, spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,

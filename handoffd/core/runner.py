@@ -556,15 +556,39 @@ def keep_partial(ctx: HandlerContext, outcome: Outcome) -> Outcome:
         error.pop("details", None)
     if partial is None and isinstance(text, str) and text.strip():
         try:
-            parsed = json.loads(text.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+            parsed = json.loads(text.strip().splitlines()[-1], parse_constant=_no_constant)
+        except (ValueError, IndexError, RecursionError):
             parsed = None
         if isinstance(parsed, dict):
             partial = parsed.get("output", parsed)
             if isinstance(parsed.get("warnings"), list):
                 outcome.warnings = list(parsed["warnings"])
+    partial = _fileable(partial, ctx)
     if partial is not None:
         outcome.output = partial
         outcome.metadata = dict(outcome.metadata or {})
         outcome.metadata["partial"] = True
     return outcome
+
+
+def _no_constant(name: str) -> Any:
+    """``json.loads``'s hook for NaN and Infinity, which are not JSON: refused."""
+    raise ValueError(f"{name} is not JSON")
+
+
+def _fileable(partial: Any, ctx: HandlerContext) -> Any:
+    """A plain JSON copy of ``partial`` when it can be filed as a result's output (strict JSON,
+    within the result's depth and ``max_output_bytes``), else None with one warning: a partial
+    that could not be filed made the filing itself fail (NaN: a traceback and a claim stranded
+    until recovery) or filed a document nobody could read back (too deep)."""
+    if partial is None:
+        return None
+    try:
+        return validate_result({"status": "failed", "output": partial}, ctx.handoff_id,
+                               ctx.max_output_bytes, plain=False)["output"]
+    except HandlerError as exc:
+        log.warning("handoff %s: its partial result is not kept: %s", ctx.handoff_id, exc)
+    except Exception as exc:  # (a handler's own object may raise anything when copied)
+        log.warning("handoff %s: its partial result is not kept: %s: %s", ctx.handoff_id,
+                    type(exc).__name__, _text(exc)[:120])
+    return None

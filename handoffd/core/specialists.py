@@ -126,6 +126,9 @@ class Specialist:
 
     config: SpecialistConfig
     func: Handler | None = None
+    # until when (time.monotonic) this specialist's Python attempts run isolated: one of its
+    # handoffs was running when a process died (see core/isolation.py)
+    suspect_until: float = field(default=0.0, compare=False, repr=False)
 
     @property
     def agent(self) -> str:

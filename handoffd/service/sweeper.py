@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import procs
+from ..core import isolation, procs
 from ..core.documents import book, book_int, record
 from ..core.engine import Engine
 from ..core.errors import (
@@ -117,6 +117,7 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
                              retryable=True)
     engine.file(claim, dialect, spec, outcome)
     report.recovered.append(claim.id)
+    isolation.suspect(spec)  # which handoff ended the process is unknown: all run isolated a while
 
 
 def _kill_leftovers(engine: Engine, handoff_id: str, attempt: int) -> None:
