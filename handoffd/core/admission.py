@@ -1,0 +1,193 @@
+"""Claiming and admission: a pending handoff claimed and its format detected
+(:func:`claim_pending`), then what it must pass before its specialist runs (:func:`admit`: it is
+new, its file name is its id, it is valid, it has not expired nor run out of time, someone here
+runs it), and what becomes of a document that must never run: set aside, with a failure stub
+filed under its name so that ``handoff wait`` on it ends.
+
+Written against the engine's public members (:class:`Admitting`), as a feature would be:
+:meth:`Engine.take <handoffd.core.engine.Engine.take>` is
+:meth:`~handoffd.core.engine.Engine.claim` (this module's :func:`claim_pending`), then
+:func:`admit`.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .documents import Envelope, Outcome, book, check_id, first_seen, record
+from .errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
+from .formats import Dialect, FiledState, Formats
+from .hooks import Hooks
+from .jobs import Job
+from .logs import log
+from .settings import DaemonSettings
+from .specialists import HandlerContext, Specialist
+from .states import State
+from .storage import Backend, Claim
+from .timeutil import Clock, iso
+from .workspace import Workspace
+
+
+if TYPE_CHECKING:  # for the type checker only: no class to build at each import
+    class Admitting(Protocol):
+        """What admission uses of an :class:`~handoffd.core.engine.Engine` (named here, not
+        imported: engine.py imports this module)."""
+
+        ws: Workspace
+        settings: DaemonSettings
+        backend: Backend
+        formats: Formats
+        hooks: Hooks[Any]
+        clock: Clock
+
+        def validate(self, doc: dict[str, Any], dialect: Dialect, *, subject: str | None = None,
+                     handoff_id: str | None = None) -> None: ...
+
+        def specialist_for(self, envelope: Envelope) -> Specialist | None: ...
+
+        def deadline(self, envelope: Envelope, spec: Specialist | None,
+                     arrived: datetime) -> datetime | None: ...
+
+        def failure(self, started: datetime, code: str, message: str, *,
+                    retryable: bool | None = None, errors: list[dict[str, str]] | None = None,
+                    details: dict[str, Any] | None = None,
+                    result: dict[str, Any] | None = None) -> Outcome: ...
+
+        def file(self, claim: Claim, dialect: Dialect, spec: Specialist | None,
+                 outcome: Outcome) -> State: ...
+
+        def handback(self, claim: Claim, dialect: Dialect, *, reason: str) -> None: ...
+
+
+def claim_pending(engine: Admitting, handoff_id: str) -> tuple[Claim, Dialect] | None:
+    """Claim a pending handoff and detect its format; None when there is nothing to claim
+    (another process won, or the document was unusable and has been set aside). Raises
+    DocumentNotReady."""
+    now = engine.clock()
+    found: list[Dialect] = []
+    try:  # a name that is no safe id (one not even UTF-8) is set aside before any claim
+        check_id(handoff_id)
+    except InvalidDocument as exc:
+        set_aside(engine, handoff_id, State.PENDING, ErrorCode.UNSAFE_ID,
+                  f"file pending/{handoff_id}.json: {exc}", stub=False)
+        return None
+
+    def on_claim(doc: dict[str, Any]) -> None:
+        dialect = engine.formats.detect(doc)
+        found.append(dialect)
+        book(doc)["dialect"] = dialect.name
+        dialect.complete(doc, handoff_id, now)
+        dialect.mark_claimed(doc, now)
+
+    try:
+        claim = engine.backend.claim(handoff_id, now, engine.settings.lease_seconds,
+                                     prepare=on_claim)
+    except DuplicateHandoff as exc:  # an in-progress copy exists: never run a second one
+        set_aside(engine, handoff_id, State.PENDING, ErrorCode.DUPLICATE_HANDOFF_ID, str(exc),
+                  stub=False)
+        return None
+    except (InvalidDocument, UnreadableDocument) as exc:  # claimed, then unreadable
+        if not set_aside(engine, handoff_id, State.IN_PROGRESS, exc.code, str(exc)):
+            set_aside(engine, handoff_id, State.PENDING, exc.code, str(exc))
+        return None
+    return None if claim is None else (claim, found[0])
+
+
+def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
+          arrived: datetime | None = None) -> Job | None:
+    """The Job to run for a claimed handoff, or None when it may not run now: it was set aside,
+    filed as failed, or handed back (nobody here runs it). ``arrived``: see
+    :meth:`Engine.take <handoffd.core.engine.Engine.take>`."""
+    doc, handoff_id = claim.doc, claim.id  # (its name was checked before the claim)
+    if claim.raw:  # a document from a foreign producer
+        if engine.backend.seen_contains(handoff_id, now):
+            set_aside_claim(engine, claim, ErrorCode.DUPLICATE_HANDOFF_ID,
+                            f"handoff id {handoff_id} was already used recently; "
+                            "a second document never re-runs the first")
+            return None
+        engine.backend.seen_add(handoff_id, now)
+    envelope = _envelope(engine, claim, dialect, now)
+    if envelope is None:
+        return None
+    spec = engine.specialist_for(envelope)
+    if envelope.expires_at is not None and now >= envelope.expires_at:
+        engine.file(claim, dialect, spec, engine.failure(
+            now, ErrorCode.EXPIRED, f"handoff {handoff_id} was not started before it expired "
+            f"at {iso(envelope.expires_at)}", retryable=False))
+        return None
+    deadline = engine.deadline(envelope, spec, min(filter(None, (first_seen(doc), arrived)),
+                                                   default=now))
+    if deadline is not None and now >= deadline:
+        engine.file(claim, dialect, spec, engine.failure(
+            now, ErrorCode.TIMEOUT, f"handoff {handoff_id} was not started before its "
+            f"deadline {iso(deadline)} (a hard timeout counts from its arrival)",
+            retryable=False))
+        return None
+    if spec is None:
+        engine.handback(claim, dialect, reason=f"no specialist registered for {envelope.target}")
+        return None
+    ctx = HandlerContext(handoff_id=handoff_id, attempt=claim.attempt, root=engine.ws.root,
+                         data=envelope.data, target=envelope.target,
+                         max_output_bytes=engine.settings.max_output_bytes)
+    return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
+
+
+def _envelope(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime) -> Envelope | None:
+    """The claimed document's Envelope once it is valid and carries its file's id; None when it
+    is not (set aside, or filed as failed)."""
+    doc, handoff_id = claim.doc, claim.id
+    try:
+        doc_id = dialect.id_of(doc)
+        if doc_id != handoff_id:
+            raise InvalidDocument(
+                f"file pending/{handoff_id}.json carries handoff id {str(doc_id)[:80]!r}; the "
+                "file name must be the id", handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
+        engine.validate(doc, dialect, handoff_id=handoff_id, subject=f"handoff {handoff_id} is "
+                        f"not a valid {dialect.name} document")
+        return dialect.envelope(doc)
+    except InvalidDocument as exc:
+        if exc.code in (ErrorCode.ID_MISMATCH, ErrorCode.UNSAFE_ID):
+            set_aside_claim(engine, claim, exc.code, str(exc))
+        else:
+            engine.file(claim, dialect, None,
+                        engine.failure(now, exc.code, str(exc), errors=exc.errors))
+        return None
+    except (RecursionError, MemoryError, ValueError, TypeError, ArithmeticError) as exc:
+        # a document that defeats a reader (absurd nesting or sizes in an inline schema...)
+        # is a bad document, filed with a code; it must never stay claimed for recovery
+        log.warning("handoff %s: unreadable document: %s: %s", handoff_id,
+                    type(exc).__name__, str(exc)[:200])
+        engine.file(claim, dialect, None, engine.failure(
+            now, ErrorCode.INVALID_DOCUMENT, f"handoff {handoff_id} cannot be read as a "
+            f"{dialect.name} document: {type(exc).__name__}: {str(exc)[:200]}", retryable=False))
+        return None
+
+
+def set_aside_claim(engine: Admitting, claim: Claim, code: str, message: str) -> None:
+    """Set aside a claimed document that must never run (the claim ends with it)."""
+    set_aside(engine, claim.id, State.IN_PROGRESS, code, message, claim=claim,
+              stub=code != ErrorCode.DUPLICATE_HANDOFF_ID)
+
+
+def set_aside(engine: Admitting, handoff_id: str, state: State, code: str, message: str, *,
+              claim: Claim | None = None, stub: bool = True) -> bool:
+    """Set aside an unusable document; if its name is a free, safe id, file a failure stub
+    under that id too so that `handoff wait` on it ends. False when it was already gone."""
+    if not engine.backend.set_aside(handoff_id, state, code, message, claim=claim):
+        return False
+    log.warning("set aside %s/%s.json: %s: %s", state.value, handoff_id, code, message)
+    if not stub:
+        return True
+    try:
+        check_id(handoff_id)
+    except InvalidDocument:
+        return True
+    now = engine.clock()
+    doc: dict[str, Any] = {"handoff_id": handoff_id}
+    record(doc, "rejected", now, code=code)
+    book(doc)["dialect"] = "native"
+    answer = engine.formats.by_name("native").render(
+        doc, engine.failure(now, code, message), FiledState(0, 0, False))
+    if engine.backend.create_failed(handoff_id, answer):
+        engine.hooks.announce(handoff_id, State.FAILED)
+    return True

@@ -1,0 +1,168 @@
+"""Filing an attempt's outcome: is it tried again or filed, when is a retried or throttled
+handoff due again, and what does its filed answer record.
+
+The decisions are functions of the document and the outcome; :func:`file_outcome` acts on them
+(requeues the claim or finishes it) through the engine's public members (:class:`Filing`), as a
+feature would. :meth:`Engine.file <handoffd.core.engine.Engine.file>` calls it, then tells the
+``on_filed`` listeners.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from .bounds import MAX_RETRY_DELAY_SECONDS
+from .documents import Outcome, book, book_int, record, throttles_in_a_row
+from .errors import ConfigError, ErrorCode
+from .formats import ArtifactSink, Dialect, FiledState
+from .hooks import Hooks
+from .logs import log
+from .settings import RetryPolicy
+from .specialists import Specialist
+from .states import State, Status
+from .storage import Backend, Claim
+from .submission import without_book
+from .timeutil import Clock
+
+MAX_THROTTLE_SECONDS = 3600.0  # a throttled handoff is looked at again within the hour
+# ... and not sooner than this, doubled for each throttle in a row: a specialist answering
+# `throttled` with no delay (or a negative one) would otherwise be polled in a hot loop
+MIN_THROTTLE_SECONDS = 0.1
+# never retried, whatever the policy: the same document would fail the same way
+PERMANENT_CODES = frozenset({
+    ErrorCode.SCHEMA_VALIDATION_FAILED, ErrorCode.VALIDATION_FAILED, ErrorCode.CONTRACT_VIOLATION,
+    ErrorCode.CANCELLED, ErrorCode.DEPENDENCY_MISSING, ErrorCode.INVALID_DOCUMENT, ErrorCode.UNSAFE_ID,
+    ErrorCode.UNKNOWN_VERSION, ErrorCode.NEEDS_CLARIFICATION, ErrorCode.BLOCKED,
+    ErrorCode.NOT_A_REQUEST, ErrorCode.EXPIRED,
+})
+
+
+if TYPE_CHECKING:  # for the type checker only: no class to build at each import
+    class Filing(Protocol):
+        """What filing uses of an :class:`~handoffd.core.engine.Engine` (named here, not imported:
+        engine.py imports this module)."""
+
+        backend: Backend
+        hooks: Hooks[Any]
+        clock: Clock
+        artifact_sink: ArtifactSink | None
+
+        def policy(self, doc: dict[str, Any], spec: Specialist | None) -> RetryPolicy: ...
+
+        def requeue(self, claim: Claim, dialect: Dialect, event: str, *,
+                    due_at: datetime | None = None, count_attempt: bool = False,
+                    **detail: Any) -> State: ...
+
+
+def file_outcome(engine: Filing, claim: Claim, dialect: Dialect, spec: Specialist | None,
+                 outcome: Outcome) -> State:
+    """Retry or file ``outcome`` for a claimed handoff; where it went (IN_PROGRESS: nothing was
+    written because the claim was lost). An outcome whose status a feature files (``filers``)
+    is theirs. Tells no listener: :meth:`Engine.file <handoffd.core.engine.Engine.file>` does."""
+    filer = engine.hooks.filers.get(outcome.status)
+    if filer is not None:  # e.g. a parked handoff goes back to pending (orchestration)
+        return filer(claim, dialect, spec, outcome)
+    if outcome.status == Status.THROTTLED:
+        return _throttled(engine, claim, dialect, spec, outcome)
+    doc = claim.doc
+    block = book(doc)
+    retries = book_int(doc, "retries", 0)
+    policy = engine.policy(doc, spec)
+    now = engine.clock()
+    delay = retry_delay(outcome, policy, retries)
+    if delay is not None:
+        block["retries"] = retries + 1
+        block["last_error"] = outcome.error
+        return engine.requeue(claim, dialect, "retry_scheduled",
+                              due_at=now + timedelta(seconds=delay), count_attempt=True,
+                              retry=retries + 1, delay_seconds=delay, error=outcome.error)
+    dst, answer = final_answer(doc, dialect, outcome, policy, retries, now, engine.artifact_sink)
+    if engine.backend.finish(claim, dst, answer):
+        engine.hooks.filed(claim.id, dst, answer)
+        return dst
+    return State.IN_PROGRESS
+
+
+def _throttled(engine: Filing, claim: Claim, dialect: Dialect, spec: Specialist | None,
+               outcome: Outcome) -> State:
+    """Seed 000's THROTTLED: the specialist was too busy to start. Back to pending, due after
+    :func:`throttle_delay`; not an attempt and not a failure, so it never uses up retries."""
+    delay = throttle_delay(claim.doc, outcome, lambda: engine.policy(claim.doc, spec).delay(1))
+    log.info("handoff %s: %s is throttled; trying again in %gs", claim.id,
+             spec.agent if spec else "its specialist", delay)
+    return engine.requeue(claim, dialect, "throttled",
+                          due_at=engine.clock() + timedelta(seconds=delay), delay_seconds=delay)
+
+
+def retry_policy(doc: dict[str, Any], spec: Specialist | None, default: RetryPolicy) -> RetryPolicy:
+    """The document's retry policy, else the specialist's, else ``default`` (the configured
+    one). A document's policy overlays the specialist's; a bad one is ignored."""
+    base = (spec.config.retry if spec and spec.config.retry else None) or default
+    raw = doc.get("retry_policy")
+    if isinstance(raw, dict):
+        try:
+            return RetryPolicy.from_dict(raw, base)
+        except ConfigError:
+            return base
+    return base
+
+
+def retryable(outcome: Outcome) -> bool:
+    """Seed 003's error_type: permanent codes, ``retryable: false`` and ``error_type:
+    permanent`` are never retried; ``unknown`` (the seed's table has no row for it) is."""
+    error = outcome.error or {}
+    return (error.get("code") not in PERMANENT_CODES and error.get("retryable") is not False
+            and error.get("error_type") != "permanent")
+
+
+def retry_delay(outcome: Outcome, policy: RetryPolicy, retries: int) -> float | None:
+    """Seconds until a handoff that has been retried ``retries`` times is tried again after
+    ``outcome``; None when it is filed instead (it succeeded, must not be retried, or has used
+    up its retries)."""
+    if outcome.succeeded or not retryable(outcome) or retries >= policy.max_retries:
+        return None
+    return min(policy.delay(retries + 1), MAX_RETRY_DELAY_SECONDS)  # never overflows
+
+
+def throttle_delay(doc: dict[str, Any], outcome: Outcome,
+                   first_retry_delay: Callable[[], float]) -> float:
+    """Seed 000's THROTTLED: seconds until the handoff is looked at again. The specialist's
+    ``retry_after_seconds`` (bounded), else the retry policy's first delay (asked only then),
+    but at least a floor that doubles with each throttle in a row, and at most an hour."""
+    asked = (outcome.park or {}).get("retry_after_seconds")
+    if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked == asked:
+        # bounded before the conversion: a 401-digit integer overflows a float
+        delay = float(min(max(asked, 0), MAX_THROTTLE_SECONDS))
+    else:
+        delay = first_retry_delay()
+    floor = MIN_THROTTLE_SECONDS * 2 ** min(throttles_in_a_row(doc), 16)
+    return min(max(delay, floor), MAX_THROTTLE_SECONDS)
+
+
+def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy: RetryPolicy,
+                 retries: int, now: datetime,
+                 artifacts: ArtifactSink | None) -> tuple[State, dict[str, Any]]:
+    """Where ``outcome`` is filed for good (completed or failed) and the answer filed there:
+    ``doc`` with the event recorded and the format-neutral facts `handoff retry` and `handoff
+    ls` read, rendered by its format (which may answer with a new document)."""
+    dst = State.COMPLETED if outcome.succeeded else State.FAILED
+    event = "completed" if outcome.succeeded else ("cancelled" if outcome.status == "cancelled"
+                                                   else "failed")
+    detail: dict[str, Any] = {"seconds": outcome.seconds}
+    if outcome.error:
+        detail["code"] = outcome.error.get("code")
+        detail["message"] = str(outcome.error.get("message"))[:500]
+    record(doc, event, now, **detail)
+    block = book(doc)
+    block.pop("next_attempt_at", None)
+    filed = FiledState(retries, policy.max_retries, retryable(outcome) or
+                       (outcome.error or {}).get("code") == ErrorCode.TIMEOUT)
+    block["retry_available"] = filed.retry_available
+    if outcome.error:
+        block["final_error"] = {"code": outcome.error.get("code"),
+                                "message": str(outcome.error.get("message"))[:500]}
+    else:
+        block.pop("final_error", None)
+    if dialect.name != "native":  # its answer replaces the request: keep it for retries
+        block.setdefault("request_snapshot", without_book(doc))
+    return dst, dialect.render(doc, outcome, filed, artifacts=artifacts)

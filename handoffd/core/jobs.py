@@ -1,0 +1,71 @@
+"""What the engine hands its callers about one handoff: a :class:`Job` (claimed, admitted, ready
+to run) and a :class:`Peek` (a pending document read without a claim, for the scheduler)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Callable
+
+from .documents import Envelope, Outcome
+from .errors import ErrorCode, InvalidDocument, UnreadableDocument
+from .formats import Dialect
+from .specialists import HandlerContext, Specialist
+from .storage import Claim
+from .timeutil import utc_now
+
+
+@dataclass
+class Job:
+    """A claimed, admitted handoff ready to run."""
+
+    claim: Claim
+    dialect: Dialect
+    envelope: Envelope
+    specialist: Specialist
+    context: HandlerContext
+    started_at: datetime = field(default_factory=utc_now)
+    deadline: datetime | None = None  # when a hard timeout (Envelope.hard_timeout) runs out
+    warnings: list[str] = field(default_factory=list)  # unmet expectations, when advisory
+    # set when the attempt is being filed or handed back: a lease renewal that fails from then
+    # on met the filing (the claim is finished), not another process's takeover
+    ending: bool = False
+    # when its lease was last extended (time.monotonic(): the claim, then each renewal's start),
+    # and whether a daemon stopped its handler for a lease it could not keep (service.leases)
+    renewed_at: float = field(default_factory=time.monotonic)
+    fenced: bool = False
+    # set by a daemon's worker: how an attempt whose Python handler overran (or was cancelled)
+    # is finished by another thread while the handler still runs (core.watchdog). It is given
+    # the rest of run() as a function returning the outcome to file. Unset, the handler runs in
+    # a thread of its own and run() waits for it
+    takeover: Callable[[Callable[[], Outcome]], None] | None = None
+
+    @property
+    def handoff_id(self) -> str:
+        return self.claim.id
+
+
+@dataclass
+class Peek:
+    """What the scheduler learns from a pending document without claiming it."""
+
+    handoff_id: str
+    target: str | None = None
+    priority: int = 2
+    due_at: datetime | None = None
+    readable: bool = True
+    envelope: Envelope | None = None
+    doc: dict[str, Any] | None = None
+    problem: UnreadableDocument | None = None  # why it is not readable
+
+
+def unreadable(handoff_id: str, exc: BaseException) -> UnreadableDocument:
+    """A routing failure (a :class:`Peek`'s ``problem``) as the daemon acts on it: an invalid
+    document is set aside by claiming it; anything else a reader chokes on is set aside where it
+    lies."""
+    if isinstance(exc, InvalidDocument):
+        return UnreadableDocument(str(exc), handoff_id=handoff_id, code=exc.code, claimable=True)
+    hint = " (it nests too deeply)" if isinstance(exc, RecursionError) else ""
+    return UnreadableDocument(f"pending/{handoff_id}.json could not be processed{hint}: "
+                              f"{type(exc).__name__}: {str(exc)[:200]}", handoff_id=handoff_id,
+                              code=ErrorCode.UNPROCESSABLE_DOCUMENT)

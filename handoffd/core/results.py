@@ -1,0 +1,233 @@
+"""What an attempt's result becomes: its input and output checked against the schemas the request
+and the specialist name (:class:`JobChecks`), a handler's result read as an :class:`Outcome`
+(:func:`read_result`), the end of the attempt (:func:`conclude`), and the failed Outcomes
+everything else builds (:func:`failed`)."""
+from __future__ import annotations
+
+import threading
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from .documents import Outcome
+from .errors import ErrorCode, InvalidDocument
+from .hooks import Hooks
+from .jobs import Job
+from .logs import log
+from .settings import DaemonSettings
+from .states import Status
+from .timeutil import Clock
+from .validation import SchemaCache
+from .workspace import Workspace
+
+# seed 003's CollaborationResult error_type, which a specialist's error block may carry
+ERROR_TYPES = ("retryable", "permanent", "unknown")
+
+
+def failed(started: datetime, finished: datetime, code: str, message: str, *,
+           retryable: bool | None = None, errors: list[dict[str, str]] | None = None,
+           details: dict[str, Any] | None = None, result: dict[str, Any] | None = None) -> Outcome:
+    """A failed Outcome with a seed-001 error block (``timeout`` or ``cancelled`` for those
+    codes); ``result``: the handler's, whose output, warnings and metadata it keeps."""
+    error: dict[str, Any] = {"code": code, "message": message}
+    if retryable is not None:
+        error["retryable"] = bool(retryable)
+    if errors:
+        error["errors"] = errors
+    if details:
+        error["details"] = details
+    statuses: dict[str, str] = {ErrorCode.TIMEOUT: "timeout", ErrorCode.CANCELLED: "cancelled"}
+    status = statuses.get(code, "failed")
+    outcome = Outcome(status=status, started_at=started, finished_at=finished, error=error)
+    if result:
+        outcome.output = result.get("output")
+        outcome.warnings = _list(result.get("warnings"))
+        outcome.metadata = _dict(result.get("metadata"))
+    return outcome
+
+
+if TYPE_CHECKING:  # for the type checker only: no class to build at each import
+    class Reading(Protocol):
+        """What reading a result uses of an :class:`~handoffd.core.engine.Engine` (named here, not
+        imported: engine.py imports this module)."""
+
+        clock: Clock
+        hooks: Hooks[Any]
+        checks: JobChecks
+
+
+def read_result(engine: Reading, job: Job, result: dict[str, Any], started: datetime) -> Outcome:
+    """A handler's protocol result as an Outcome, its output and artifact paths checked. A
+    status a feature owns (``result_interpreters``) is read by that feature."""
+    now = engine.clock()
+    status = result["status"]
+    interpret = engine.hooks.result_interpreters.get(status)
+    if interpret is not None:  # a status a feature owns (e.g. delegated: parked by its filer)
+        return interpret(job, result, started)
+    if status == Status.THROTTLED:  # nothing was done: no output to check
+        return Outcome(status=status, started_at=started, finished_at=now,
+                       park={"retry_after_seconds": result.get("retry_after_seconds")})
+    if status == "failed":
+        return reported_failure(result, started, engine.clock())
+    engine.checks.check_output(job, result)
+    return reported_outcome(status, result, started, now)
+
+
+def conclude(job: Job, outcome: Outcome, started: datetime,
+             after_run: list[Callable[[Job, Outcome], Outcome]]) -> Outcome:
+    """The end of an attempt's run: who ran it, warnings, partial results, ``after_run`` hooks."""
+    outcome.started_at = started
+    outcome.executed_by = job.specialist.agent
+    if job.warnings:  # expectations that were advisory and not met
+        outcome.warnings = [*job.warnings, *outcome.warnings]
+    if outcome.status in (Status.CANCELLED, Status.TIMEOUT):
+        from .runner import keep_partial
+        outcome = keep_partial(job.context, outcome)
+    if job.envelope.final_timeout and outcome.status == Status.TIMEOUT and outcome.error:
+        outcome.error["retryable"] = False  # the answer the sender waits for (seeds 000, 003)
+    for check in after_run:
+        outcome = check(job, outcome)
+    return outcome
+
+
+def reported_failure(result: dict[str, Any], started: datetime, finished: datetime) -> Outcome:
+    """A result whose status is ``failed``, with the specialist's own error block: its code,
+    message and word on retrying (:func:`_specialist_retryable`)."""
+    error = given if isinstance(given := result.get("error"), dict) else {}
+    outcome = failed(started, finished, str(error.get("code") or ErrorCode.PROCESSING_ERROR),
+                     str(error.get("message") or "specialist reported failure"),
+                     retryable=_specialist_retryable(error), result=result)
+    if error.get("error_type") in ERROR_TYPES and outcome.error is not None:
+        # kept so that a format with this vocabulary (seed 003) reports the
+        # specialist's own word, "unknown" included, instead of a derived one
+        outcome.error["error_type"] = error["error_type"]
+    return outcome
+
+
+def reported_outcome(status: str, result: dict[str, Any], started: datetime,
+                     finished: datetime) -> Outcome:
+    """Any other result (``completed``...) as its Outcome, once its output passed the checks."""
+    return Outcome(status=status, started_at=started, finished_at=finished,
+                   output=result.get("output"), artifacts=_list(result.get("artifacts")),
+                   validation=_dict(result.get("validation")),
+                   metadata=_dict(result.get("metadata")),
+                   next_steps=_list(result.get("next_steps")), warnings=_list(result.get("warnings")))
+
+
+class JobChecks:
+    """One engine's checks of its jobs against schemas: the input before the handler runs, the
+    output after, and what becomes of an expectation a request states that is not met."""
+
+    def __init__(self, schemas: SchemaCache, workspace: Workspace,
+                 settings: DaemonSettings) -> None:
+        self.schemas = schemas
+        self.ws = workspace
+        self.settings = settings
+        self._warned: set[str] = set()  # advisory problems already logged (expectation_unmet)
+        self._lock = threading.Lock()
+
+    def expectation_unmet(self, job: Job, problem: InvalidDocument, key: str) -> None:
+        """A request's expectation is not met: raise ``problem`` (``[daemon] expectations =
+        "enforce"``, the default), or note it as a warning of the filed result ("advisory"), logged
+        once per ``key`` (the kind of problem, without the handoff's id)."""
+        if self.settings.expectations == "enforce":
+            raise problem
+        job.warnings.append(f"{problem.code}: {problem}")
+        # the same unmet expectation on every handoff of a batch would flood the log (cron mails
+        # it): the log says it once per process and kind; each result keeps its own warning
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning("%s (expectations are advisory: filed with a warning; further handoffs with "
+                    "the same problem are warned in their results only)", problem)
+
+    def check_input(self, job: Job) -> None:
+        """The job's input against its schema (the specialist's, else the one the request
+        names): InvalidDocument (SCHEMA_VALIDATION_FAILED) when it fails."""
+        missing = self._missing_schemas(job)
+        name = job.specialist.config.input_schema or job.envelope.input_schema
+        if not name or name in missing:
+            return
+        errors = self.schemas.errors(name, job.envelope.data)
+        if errors:
+            first = errors[0]
+            raise InvalidDocument(
+                f"Input validation failed: {first['field']}: {first['error']}"
+                + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
+                handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
+
+    def _missing_schemas(self, job: Job) -> set[str]:
+        """The schemas the request names that do not exist (each an unmet expectation)."""
+        missing = set()
+        for field_name, named in (("input.schema", job.envelope.input_schema),
+                                  ("expected_output.schema", job.envelope.output_schema)):
+            if named and not self.schemas.has(named):  # found out before the handler runs
+                missing.add(named)
+                self.expectation_unmet(job, InvalidDocument(
+                    f"handoff {job.handoff_id}: {field_name} names {named!r}, which is neither in "
+                    "schemas/ nor built in (`handoff schemas` lists them)",
+                    handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
+                    errors=[{"field": field_name, "error": f"no schema {named}"}]),
+                    key=f"missing {field_name} {named}")
+        return missing
+
+    def check_output(self, job: Job, result: dict[str, Any]) -> None:
+        """A result's output against the specialist's output schema (always enforced) and those
+        the request names (an expectation); its artifact paths must be inside the workspace."""
+        output = result.get("output")
+        checks: list[tuple[str, Any, bool]] = []  # (label, validator, the request's own)
+        if job.specialist.config.output_schema:
+            checks.append(("output schema " + job.specialist.config.output_schema,
+                           self.schemas.validator(job.specialist.config.output_schema), False))
+        named = job.envelope.output_schema
+        if named and named != job.specialist.config.output_schema and self.schemas.has(named):
+            checks.append(("expected_output.schema " + named, self.schemas.validator(named), True))
+        if job.envelope.expected_output_schema:
+            key = "inline:" + job.handoff_id
+            checks.append(("expected_output_schema",
+                           self.schemas.for_schema(key, job.envelope.expected_output_schema), False))
+        for label, validator, requested in checks:
+            errors = self.schemas.errors_with(validator, output)
+            if errors:
+                problem = InvalidDocument(f"handoff {job.handoff_id}: output fails {label}: "
+                                          f"{errors[0]['field']}: {errors[0]['error']}",
+                                          handoff_id=job.handoff_id,
+                                          code=ErrorCode.VALIDATION_FAILED, errors=errors)
+                if not requested:
+                    raise problem  # the specialist's own schema, or HAIOS's: always enforced
+                self.expectation_unmet(job, problem, key=f"output fails {label}")
+        for path in _artifact_paths(result):
+            if self.ws.inside(path) is None:
+                raise InvalidDocument(f"handoff {job.handoff_id}: artifact path {path!r} points "
+                                      "outside the workspace", handoff_id=job.handoff_id,
+                                      code=ErrorCode.VALIDATION_FAILED)
+
+
+def _specialist_retryable(error: dict[str, Any]) -> Any:
+    """What a specialist's error block says about retrying: its ``retryable``, overruled by
+    seed 003's ``error_type: "permanent"`` ("fail immediately"), whatever the request's format:
+    it is the result's vocabulary, not the request's. None: the specialist did not say."""
+    if error.get("error_type") == "permanent":
+        return False
+    return error.get("retryable")
+
+
+def _list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None
+
+
+def _artifact_paths(result: dict[str, Any]) -> list[str]:
+    paths: list[str] = []
+    output = result.get("output")
+    if isinstance(output, dict) and isinstance(output.get("artifact_path"), str):
+        paths.append(output["artifact_path"])
+    for item in _list(result.get("artifacts")):
+        if isinstance(item, dict):
+            for key in ("path", "artifact_path"):
+                if isinstance(item.get(key), str):
+                    paths.append(item[key])
+    return paths

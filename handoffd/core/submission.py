@@ -1,0 +1,111 @@
+"""Creating a handoff (:func:`submit`, behind :meth:`Engine.submit
+<handoffd.core.engine.Engine.submit>`), and a request apart from the queue's marks on it: whether
+a stored handoff was made from the same request (``if_absent``, ``handoff create --if-absent``),
+and a document without its ``handoffd`` bookkeeping block (what formats and handlers see)."""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .documents import BOOK
+from .errors import Conflict, DuplicateHandoff, InvalidDocument
+from .formats import Dialect, Formats
+from .hooks import Hooks
+from .storage import Backend
+from .timeutil import Clock
+
+# when a request was sent, and the queue's marks on it: not part of what it asks
+SENT_KEYS = frozenset({BOOK, "status", "timestamp", "created_at", "started_at"})
+# what a seed 001 handoff gains in place on its way (its answer is the request document itself)
+NATIVE_LIFECYCLE_KEYS = SENT_KEYS | frozenset({
+    "completed_at", "failed_at", "timestamp_completed", "timestamp_failed",
+    "execution_time_seconds", "output", "artifacts", "validation", "metadata", "next_steps",
+    "warnings", "errors", "error", "retry_count", "retry_available", "max_retries",
+    "recovery_actions"})
+
+
+if TYPE_CHECKING:  # for the type checker only: no class to build at each import
+    class Submitting(Protocol):
+        """What submitting uses of an :class:`~handoffd.core.engine.Engine` (named here, not
+        imported: engine.py imports this module)."""
+
+        backend: Backend
+        formats: Formats
+        hooks: Hooks[Any]
+        clock: Clock
+
+        def validate(self, doc: dict[str, Any], dialect: Dialect, *, subject: str | None = None,
+                     handoff_id: str | None = None) -> None: ...
+
+
+def submit(engine: Submitting, doc: dict[str, Any] | Any, *, forced: str | None = None,
+           prechecked: bool = False, if_absent: bool = False,
+           due_at: datetime | None = None) -> str:
+    """Store ``doc`` as a new pending handoff once every check passed; its id. The options are
+    :meth:`Engine.submit <handoffd.core.engine.Engine.submit>`'s."""
+    if not isinstance(doc, dict) and callable(getattr(doc, "to_dict", None)):
+        doc = doc.to_dict()
+    if not isinstance(doc, dict):
+        raise InvalidDocument(f"a handoff is a JSON object, not {type(doc).__name__}")
+    dialect = engine.formats.detect(doc, forced)
+    dialect.complete(doc, None, engine.clock())
+    if not (prechecked and dialect.name == "native"):
+        engine.validate(doc, dialect)
+    envelope = dialect.envelope(doc)
+    if if_absent and already_submitted(engine.backend, doc, dialect.name, envelope.handoff_id):
+        return envelope.handoff_id
+    for check in engine.hooks.submit_checks:
+        check(engine, envelope)
+    try:
+        engine.backend.create(doc, envelope.handoff_id, engine.clock(), due_at=due_at)
+    except DuplicateHandoff:
+        if if_absent and already_submitted(engine.backend, doc, dialect.name,
+                                           envelope.handoff_id):
+            return envelope.handoff_id  # the same request won a race with this one
+        if if_absent:
+            raise Conflict(f"handoff id {envelope.handoff_id} was used recently and its "
+                           "request is gone, so it cannot be compared; choose another id",
+                           handoff_id=envelope.handoff_id) from None
+        raise
+    return envelope.handoff_id
+
+
+def already_submitted(backend: Backend, doc: dict[str, Any], dialect: str,
+                      handoff_id: str) -> bool:
+    """True when ``handoff_id`` holds the same request as ``doc`` (of format ``dialect``);
+    Conflict when it holds a different one; False when nothing holds it."""
+    found = backend.get(handoff_id)
+    if found is None:
+        return False
+    if same_request(found[1], doc, dialect):
+        return True
+    raise Conflict(f"handoff {handoff_id} already exists ({found[0].value}) with a different "
+                   "request; `handoff show` it, or choose another id", handoff_id=handoff_id)
+
+
+def same_request(stored: dict[str, Any], submitted: dict[str, Any], dialect: str) -> bool:
+    """Whether a stored handoff (pending, running or filed) was made from the ``submitted``
+    request: the request as first stored (a filed answer's ``request_snapshot`` when the format
+    answers with a new document), without what its lifecycle added. A ``conversation_id`` the
+    queue gave a delegating parent is ignored when the submission has none."""
+    block = stored.get(BOOK)
+    snapshot = block.get("request_snapshot") if isinstance(block, dict) else None
+    original = snapshot if isinstance(snapshot, dict) else stored
+    ignored = NATIVE_LIFECYCLE_KEYS if dialect == "native" else SENT_KEYS
+    if "conversation_id" not in submitted:
+        ignored = ignored | {"conversation_id"}
+    return _asked(original, ignored) == _asked(submitted, ignored)
+
+
+def _asked(doc: dict[str, Any], ignored: frozenset[str]) -> dict[str, Any]:
+    """``doc`` without ``ignored`` keys, nor the answers ``handoff answer`` added to a seed 001
+    request's input (``input.clarifications``)."""
+    out = {k: v for k, v in doc.items() if k not in ignored}
+    if isinstance(out.get("input"), dict) and "clarifications" in out["input"]:
+        out["input"] = {k: v for k, v in out["input"].items() if k != "clarifications"}
+    return out
+
+
+def without_book(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document without its ``handoffd`` bookkeeping block (what formats and handlers see)."""
+    return {k: v for k, v in doc.items() if k != "handoffd"}
