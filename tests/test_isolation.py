@@ -172,6 +172,10 @@ def test_crashed_last_reads_the_attempt_before_this_one() -> None:
                                  ev("handed_back"), claimed))
     # failed on its recovery, then retried by hand
     assert crashed_last(doc_with(claimed, recovered, ev("failed"), ev("retried"), claimed))
+    # dead-lettered by its isolated deaths, then retried by hand: isolated again
+    assert crashed_last(doc_with(claimed, died(), claimed, ev("failed", code="PROCESSING_ERROR",
+                                                              **{DIED: True}),
+                                 ev("retried"), claimed))
     # the attempt after the crash ran and ended otherwise: in the daemon again
     assert not crashed_last(doc_with(claimed, recovered, retry, claimed, retry, claimed))
     assert not crashed_last(doc_with(claimed, recovered, retry, claimed, ev("throttled"), claimed))
@@ -583,3 +587,30 @@ def test_new_handoffs_of_a_crasher_after_a_crash_run_isolated_too(plug: Path,
     for hid in later:
         assert ws.doc(hid)["handoffd"]["attempt"] == 3
         assert "the handler's process died" in ws.doc(hid)["error"]["message"]
+
+
+def test_a_crasher_retried_by_hand_after_its_isolated_deaths_runs_isolated(plug: Path,
+                                                                           tmp_path: Path) -> None:
+    """Its last attempt died isolated and it was dead-lettered: `handoff retry` ran it in the
+    daemon again, which it took down with the innocent attempt beside it."""
+    ws, env, _ = crash_workspace(tmp_path, plug, "kill")
+    for hid in [f"work-{i}" for i in range(INNOCENT)]:
+        (ws.root / "handoffs" / "pending" / f"{hid}.json").unlink()
+    for batch in (1, 2):  # the crash, then its isolated deaths until it is dead-lettered
+        subprocess.run([exe("handoffd"), "run", "--root", str(ws.root), "--processes", "1"],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(env, ISO_BATCH=str(batch)))
+    assert ws.state_of("crasher") == ["failed"]
+    assert ws.doc("crasher")["handoffd"]["history"][-1]["detail"][DIED] is True
+    assert ws.handoff("retry", "crasher", "--force").returncode == 0
+    ws.drop("beside.json", {"handoff_id": "beside", "target": {"agent_id": "@work"},
+                            "input": {"data": {}}})
+    proc = subprocess.Popen([exe("handoffd"), "run", "--root", str(ws.root), "--processes", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(env, ISO_BATCH="3"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode >= 0, err  # the batch was not taken down
+    assert ws.state_of("beside") == ["completed"] and ws.doc("beside")["handoffd"]["attempt"] == 1
+    assert ws.state_of("crasher") == ["failed"]
+    third = [r for r in runs_of(tmp_path) if r["id"] == "crasher" and r["batch"] == "3"]
+    assert third and all(r["pid"] != proc.pid for r in third)  # each in a process of its own

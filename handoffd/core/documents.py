@@ -169,6 +169,9 @@ MAX_DEPTH = 64
 # A handler's result object is filed inside a document (an answer's ``output``, a seed's
 # result or payload block, a child's ``input.data``): it keeps this many levels free for them.
 RESULT_DEPTH_MARGIN = 8
+# in an error's details and its "failed" event: the handler's process died without a result
+# (an isolated attempt; see core/isolation.py), so a manual retry runs isolated again
+PROCESS_DIED = "process_died"
 
 
 def nesting_depth(value: Any, limit: int) -> int:

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .bounds import MAX_RETRY_DELAY_SECONDS
-from .documents import Outcome, book, book_int, record, throttles_in_a_row
+from .documents import PROCESS_DIED, Outcome, book, book_int, record, throttles_in_a_row
 from .errors import ConfigError, ErrorCode
 from .formats import ArtifactSink, Dialect, FiledState
 from .hooks import Hooks
@@ -152,6 +152,9 @@ def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy
     if outcome.error:
         detail["code"] = outcome.error.get("code")
         detail["message"] = str(outcome.error.get("message"))[:500]
+        given = outcome.error.get("details")
+        if isinstance(given, dict) and given.get(PROCESS_DIED) is True:
+            detail[PROCESS_DIED] = True  # a `handoff retry` of it runs isolated (core/isolation)
     record(doc, event, now, **detail)
     block = book(doc)
     block.pop("next_attempt_at", None)

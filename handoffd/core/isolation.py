@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from . import procs
-from .documents import book
+from .documents import PROCESS_DIED, book
 from .errors import HandlerError
 from .runner import (
     POLL_MS,
@@ -57,7 +57,7 @@ CHILD = "handoffd.core.isolated"
 # as it would in the daemon, whatever put its module on the path), then the child's main
 BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
         f"from {CHILD} import main; main(sys.argv[2:])")
-DIED = "process_died"  # in an error's details: the isolated handler's process died without a result
+DIED = PROCESS_DIED  # in an error's details: the isolated handler's process died without a result
 # a message may exceed max_output_bytes by this much: its wrapper, an error's message and details
 MESSAGE_MARGIN = 64 * 1024
 # the calls a child may make on its context view (the daemon's), with the keyword arguments each takes
@@ -129,6 +129,8 @@ def crashed_last(doc: dict[str, Any]) -> bool:
     while k >= 1 and names[k] == "handed_back" and names[k - 1] == "claimed":
         k -= 2
     if k >= 1 and names[k] == "retried" and names[k - 1] == "failed":
+        if _died(events[k - 1]):  # dead-lettered by its isolated deaths, then retried by hand
+            return True
         k -= 2
     elif k >= 0 and names[k] == "retry_scheduled":
         if _died(events[k]):
@@ -138,7 +140,11 @@ def crashed_last(doc: dict[str, Any]) -> bool:
 
 
 def _died(entry: dict[str, Any]) -> bool:
+    """Did the attempt this event ended die with its isolated process? (a ``failed`` event
+    says so itself; a ``retry_scheduled`` one in its error's details)"""
     detail = entry.get("detail")
+    if isinstance(detail, dict) and detail.get(DIED) is True:
+        return True
     error = detail.get("error") if isinstance(detail, dict) else None
     details = error.get("details") if isinstance(error, dict) else None
     return isinstance(details, dict) and details.get(DIED) is True
