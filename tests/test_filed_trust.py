@@ -246,7 +246,9 @@ def test_a_parent_adopts_no_child_by_a_forged_created_event(tmp_path: Path) -> N
     whose forged block holds such a `created` event was adopted (and its forged completion
     aggregated as the child's)."""
     from handoffd import build_engine
-    made_by_interrupted_attempt = adoption_check()
+    from handoffd.features.children import (
+        _made_by_interrupted_attempt as made_by_interrupted_attempt,
+    )
     ws = HandoffdWorkspace(tmp_path)
     ws.ensure()
     actor = {"host": "h1", "pid": 100}
@@ -264,20 +266,6 @@ def test_a_parent_adopts_no_child_by_a_forged_created_event(tmp_path: Path) -> N
         assert not made_by_interrupted_attempt(engine, "job.c1", state, existing, parent, "job")
     finally:
         engine.backend.close()
-
-
-def adoption_check() -> Any:
-    """Orchestration's check of whether an existing child id is the parent's own (moved from
-    ``features/orchestration.py`` to ``features/children.py`` by this session's split)."""
-    import importlib
-    for name in ("handoffd.features.children", "handoffd.features.orchestration"):
-        try:
-            found = getattr(importlib.import_module(name), "_made_by_interrupted_attempt", None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    raise AssertionError("orchestration's adoption check is gone: test its replacement")
 
 
 # ------------------------------------------------------------------ handoffd's own stays its own

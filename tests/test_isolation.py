@@ -512,18 +512,25 @@ def check_crash_loop(ws: Any, tmp_path: Path, innocent: list[str], daemons: set[
     assert not held, held  # nothing lost, nothing left behind
 
 
+def run_batch(ws: Any, env: dict[str, str], batch: int) -> tuple[int, int, str]:
+    """One `handoffd run --processes 1` (the test is its supervisor): its pid, exit status (a
+    negative one: a signal ended it) and stderr, which never holds a traceback."""
+    proc = subprocess.Popen([exe("handoffd"), "run", "--root", str(ws.root), "--processes", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(env, ISO_BATCH=str(batch)))
+    _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    return proc.pid, proc.returncode, err
+
+
 @pytest.mark.parametrize("how", ["exit", "segv"])
 def test_a_crash_loop_beside_innocent_handoffs_in_batches(plug: Path, tmp_path: Path,
                                                           how: str) -> None:
     ws, env, innocent = crash_workspace(tmp_path, plug, how)
     daemons: set[int] = set()
     for batch in range(1, 6):  # the test is the supervisor that starts the next batch
-        proc = subprocess.Popen([exe("handoffd"), "run", "--root", str(ws.root), "--processes",
-                                 "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=dict(env, ISO_BATCH=str(batch)))
-        daemons.add(proc.pid)
-        _, err = proc.communicate(timeout=60)
-        assert "Traceback" not in err, err
+        pid, code, err = run_batch(ws, env, batch)
+        daemons.add(pid)
         if ws.state_of("crasher") == ["failed"] and \
                 all(ws.state_of(hid) == ["completed"] for hid in innocent):
             break
@@ -568,14 +575,10 @@ def test_new_handoffs_of_a_crasher_after_a_crash_run_isolated_too(plug: Path,
     daemons: set[int] = set()
     later = [f"crasher-{i}" for i in range(1, 4)]
     for batch in range(1, 6):  # the test is the supervisor that starts the next batch
-        proc = subprocess.Popen([exe("handoffd"), "run", "--root", str(ws.root), "--processes",
-                                 "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=dict(env, ISO_BATCH=str(batch)))
-        daemons.add(proc.pid)
-        _, err = proc.communicate(timeout=60)
-        assert "Traceback" not in err, err
+        pid, code, err = run_batch(ws, env, batch)
+        daemons.add(pid)
         if batch == 1:  # the first crash is behind us: new crashers come, never run before
-            assert proc.returncode < 0, err
+            assert code < 0, err
             for hid in later:
                 ws.drop(f"{hid}.json", {"handoff_id": hid, "target": {"agent_id": "@crash"},
                                         "input": {"data": {"how": "kill"}}})
@@ -597,20 +600,15 @@ def test_a_crasher_retried_by_hand_after_its_isolated_deaths_runs_isolated(plug:
     for hid in [f"work-{i}" for i in range(INNOCENT)]:
         (ws.root / "handoffs" / "pending" / f"{hid}.json").unlink()
     for batch in (1, 2):  # the crash, then its isolated deaths until it is dead-lettered
-        subprocess.run([exe("handoffd"), "run", "--root", str(ws.root), "--processes", "1"],
-                       capture_output=True, text=True, timeout=60,
-                       env=dict(env, ISO_BATCH=str(batch)))
+        run_batch(ws, env, batch)
     assert ws.state_of("crasher") == ["failed"]
     assert ws.doc("crasher")["handoffd"]["history"][-1]["detail"][DIED] is True
     assert ws.handoff("retry", "crasher", "--force").returncode == 0
     ws.drop("beside.json", {"handoff_id": "beside", "target": {"agent_id": "@work"},
                             "input": {"data": {}}})
-    proc = subprocess.Popen([exe("handoffd"), "run", "--root", str(ws.root), "--processes", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(env, ISO_BATCH="3"))
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode >= 0, err  # the batch was not taken down
+    pid, code, err = run_batch(ws, env, 3)
+    assert code >= 0, err  # the batch was not taken down
     assert ws.state_of("beside") == ["completed"] and ws.doc("beside")["handoffd"]["attempt"] == 1
     assert ws.state_of("crasher") == ["failed"]
     third = [r for r in runs_of(tmp_path) if r["id"] == "crasher" and r["batch"] == "3"]
-    assert third and all(r["pid"] != proc.pid for r in third)  # each in a process of its own
+    assert third and all(r["pid"] != pid for r in third)  # each in a process of its own

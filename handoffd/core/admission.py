@@ -27,7 +27,6 @@ from .storage import Backend, Claim
 from .timeutil import Clock, iso
 from .workspace import Workspace
 
-
 if TYPE_CHECKING:  # for the type checker only: no class to build at each import
     class Admitting(Protocol):
         """What admission uses of an :class:`~handoffd.core.engine.Engine` (named here, not

@@ -50,7 +50,13 @@ from .results import ERROR_TYPES, JobChecks, conclude, failed, read_result
 from .specialists import Registry, Specialist
 from .states import State
 from .storage import Backend, Claim, Doc
-from .submission import NATIVE_LIFECYCLE_KEYS, SENT_KEYS, same_request, submit, without_book
+from .submission import (
+    NATIVE_LIFECYCLE_KEYS,
+    SENT_KEYS,
+    same_request,
+    submit,
+    without_book,
+)
 from .timeutil import Clock, utc_now
 from .validation import SchemaCache, check_document
 from .workspace import Workspace

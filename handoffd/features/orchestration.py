@@ -65,7 +65,6 @@ from ..core.states import PARKED, State
 from ..core.timeutil import iso
 from . import aggregation, cancellation
 from .aggregation import child_info, ready
-from .children import _made_by_interrupted_attempt  # (tests import it from here)
 from .children import _plan_children, child_id, ensure_conversation
 from .clarification import (
     ANSWER_BOOKKEEPING_BYTES,
