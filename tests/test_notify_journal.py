@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +27,7 @@ from conftest import wait_until
 from handoffd.core.config import NotifyRule
 from handoffd.core.states import State
 from handoffd.features.notify import Notifier, leftovers, outbox
+from handoffd.features.notify import notifier as notifier_module
 from handoffd.features.notify.notices import NOTICE_BYTES, fingerprint
 from handoffd.features.notify.leftovers import read_journal
 from handoffd.features.notify.outbox import Entry, Outbox
@@ -37,17 +39,24 @@ RECORD = [sys.executable, "-c", "import os; open(os.path.join(os.environ['HANDOF
 
 class StandIn(SimpleNamespace):
     """A stand-in engine: what filing, delivering and dead-lettering read. A handoff reads back
-    in the state it was filed in (completed when it was never filed here) with ``document``."""
+    in the state it was filed in (completed when it was never filed here) with ``document``,
+    at the revision ``revisions`` gives it (none: no handoffd block)."""
 
     def get(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
-        return self.filed_in.get(handoff_id, State.COMPLETED), {"handoff_id": handoff_id,
-                                                                 "output": self.document}
+        doc: dict[str, Any] = {"handoff_id": handoff_id, "output": self.document}
+        if handoff_id in self.revisions:
+            doc["handoffd"] = {"revision": self.revisions[handoff_id]}
+        return self.filed_in.get(handoff_id, State.COMPLETED), doc
+
+    def filed_document(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
+        return self.get(handoff_id)
 
 
 def notifier_for(root: Path, *rules: NotifyRule, document: str = "") -> Notifier:
-    engine = StandIn(config=SimpleNamespace(on_filed=list(rules)), filed_in={},
+    engine = StandIn(config=SimpleNamespace(on_filed=list(rules)), filed_in={}, revisions={},
                      document=document, settings=SimpleNamespace(durable=False),
-                     ws=SimpleNamespace(root=root, meta=root / "meta"))
+                     ws=SimpleNamespace(root=root, meta=root / "meta",
+                                        handoffs=root / "handoffs"))
     return Notifier(engine)  # type: ignore[arg-type]
 
 
@@ -127,7 +136,7 @@ def test_the_journal_stays_small_and_is_removed_when_all_is_delivered(tmp_path: 
     (path,) = list((tmp_path / "notify").glob("*.jsonl"))
     assert path.stat().st_size < outbox.COMPACT_BYTES + 64 * 1024
     with open(path, "rb") as fh:
-        assert [e.handoff_id for e in read_journal(fh.fileno(), path.name, limit=100)] == ["kept"]
+        assert [e.handoff_id for e in read_journal(fh.fileno(), path.name)] == ["kept"]
     box.release()  # one left: kept
     assert list((tmp_path / "notify").glob("*.jsonl")) == [path]
     box.done(keep[0], ["webhook"])
@@ -189,7 +198,7 @@ def test_each_left_over_notice_is_taken_by_exactly_one_process(tmp_path: Path) -
             return True
 
         start.wait(10)
-        leftovers.take_over(box, take, limit=100)
+        leftovers.take_over(box, take)
 
     threads = [threading.Thread(target=daemon) for _ in range(8)]
     for thread in threads:
@@ -235,11 +244,15 @@ def test_hostile_journals_are_skipped_with_one_line_each(
     assert len([w for w in warnings if "4242-" in w and "skipped 10 line(s)" in w]) == 1, warnings
     assert len([w for w in warnings if "4243-" in w and "left alone" in w]) == 1, warnings
     assert len([w for w in warnings if "4244-" in w and "left alone" in w]) == 1, warnings
-    assert len([w for w in warnings if "4245-" in w and "only its first" in w]) == 1, warnings
+    # (larger than one sweep reads: the rest is kept for the next sweeps, renamed, not dropped)
+    assert len([w for w in warnings if "4245-" in w and "the rest is kept" in w]) == 1, warnings
     assert not any(r.exc_info for r in caplog.records)
     assert (folder / "4243-00000000000000bb.jsonl").exists()  # left alone, never opened
-    notifier.take_over()  # the next sweep: said once, not at every sweep
+    for _ in range(10):  # the next sweeps: the FIFO said once, not at every sweep
+        notifier.take_over()
     assert len([r for r in caplog.records if "4243-" in r.getMessage()]) == 1
+    assert not list(folder.glob("4245-*")), "the rest of the large journal was not taken"
+    assert notifier.drain(timeout=20) is True and sorted(got(tmp_path)).count("in-huge") == 1
 
 
 def test_a_notice_whose_rule_is_gone_is_dead_lettered(tmp_path: Path) -> None:
@@ -314,3 +327,213 @@ def test_a_journal_its_maker_died_making_is_removed_once_stale(tmp_path: Path) -
     notifier = notifier_for(tmp_path, NotifyRule(command=RECORD))
     assert notifier.take_over() == 0
     assert not stale.exists() and fresh.exists()
+
+
+# ---------------------------------------------------------------- the review of the outbox
+# (fourth session): a notice lost past QUEUE_LIMIT, a later filing delivered in place of the one
+# a notice is about, a forked child delivering its parent's notices, and names that cannot be
+# taken hiding a left-over journal.
+
+def test_a_left_over_journal_past_the_queue_limit_loses_no_notice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A journal left with more notices than QUEUE_LIMIT (a daemon killed with its queue full
+    and one in flight): its reading stopped at QUEUE_LIMIT and the journal was removed, so the
+    rest were neither delivered nor dead-lettered. Now every notice is taken: those the queue
+    has no room for are dead-lettered at once, saying so."""
+    monkeypatch.setattr(notifier_module, "QUEUE_LIMIT", 5)
+    rule = NotifyRule(command=RECORD, retries=0)
+    ids = [f"n{n}" for n in range(8)]
+    path = left_over(tmp_path / "meta" / "notify", [entry(i, rule) for i in ids])
+    notifier = notifier_for(tmp_path, rule)
+    assert notifier.take_over() == 8
+    assert not path.exists()
+    assert notifier.drain(timeout=20) is True
+    full = [letter["id"] for letter in letters(tmp_path)
+            if "the notification queue is full" in letter["error"]]
+    assert len(got(tmp_path)) == 5 and len(full) == 3
+    assert sorted(got(tmp_path) + full) == sorted(ids)  # each delivered or dead-lettered, once
+
+
+def test_a_journal_larger_than_one_sweep_reads_is_taken_in_parts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A journal past MAX_JOURNAL_BYTES (none handoffd writes is): what one sweep reads is
+    taken, the rest kept for the next sweeps (renamed to say where it starts), never dropped."""
+    monkeypatch.setattr(leftovers, "MAX_JOURNAL_BYTES", 8192)
+    caplog.set_level(logging.WARNING, logger="handoffd")
+    rule = NotifyRule(url=DOWN)
+    folder = tmp_path / "notify"
+    ids = [f"part-{n:03d}" for n in range(200)]  # about 40 KB of lines
+    left_over(folder, [entry(i, rule) for i in ids], name="4250-00000000000000ee")
+    box = Outbox(folder, durable=False)
+    taken: list[str] = []
+
+    def take(entries: list[Entry], name: str) -> bool:
+        assert box.record(entries) is not None
+        taken.extend(e.handoff_id for e in entries)
+        return True
+
+    sweeps = 0
+    while list(folder.glob("4250-*")) and sweeps < 20:
+        leftovers.take_over(box, take)
+        sweeps += 1
+    assert not list(folder.glob("4250-*")) and sweeps > 1
+    assert sorted(taken) == ids  # each once, none lost
+    assert len([r for r in caplog.records if "the rest is kept" in r.getMessage()]) == sweeps - 1
+
+
+RECORD_FILING = [sys.executable, "-c", """
+import json, os, sys, time
+doc = json.load(sys.stdin)
+root, handoff = os.environ['HANDOFFD_ROOT'], os.environ['HANDOFF_ID']
+gate, deadline = os.path.join(root, 'open'), time.monotonic() + 60
+while handoff == 'busy' and not os.path.exists(gate) and time.monotonic() < deadline:
+    time.sleep(0.01)
+revision = (doc.get('handoffd') or {}).get('revision')
+open(os.path.join(root, 'got.txt'), 'a').write(f"{handoff}@{revision}\\n")
+"""]
+
+
+def test_a_notice_delivers_the_filing_it_is_about(tmp_path: Path) -> None:
+    """A handoff that failed, was retried by hand and failed again before its first notice was
+    delivered: both notices delivered the second failure (the document was read at delivery and
+    only its state compared), the first never arrived. Each notice now carries the revision it
+    was filed at: a later filing is delivered only by its own notice; the earlier one comes
+    from its archived copy, or is dead-lettered as superseded."""
+    rule = NotifyRule(command=RECORD_FILING, retries=0, timeout_seconds=60)
+    notifier = notifier_for(tmp_path, rule)
+    engine: Any = notifier.engine  # (the stand-in)
+    engine.filed_in.update(superseded=State.FAILED, archived=State.FAILED)
+    revisions = engine.revisions
+    notifier.filed("busy", State.COMPLETED)  # held until the gate opens: the others wait
+    revisions.update(superseded=3, archived=2)
+    notifier.filed("superseded", State.FAILED)
+    notifier.filed("archived", State.FAILED)
+    from handoffd.features.retention import append_archive
+    archived_filing = {"handoff_id": "archived", "handoffd": {"revision": 2}}
+    append_archive(engine.ws, [(State.FAILED, "archived", archived_filing)],
+                   datetime.now(timezone.utc))
+    revisions.update(superseded=5, archived=4)  # retried, and failed again
+    notifier.filed("superseded", State.FAILED)
+    notifier.filed("archived", State.FAILED)
+    (tmp_path / "open").touch()
+    assert notifier.drain(timeout=30) is True
+    assert sorted(got(tmp_path)) == ["archived@2", "archived@4", "busy@None", "superseded@5"]
+    (letter,) = letters(tmp_path)
+    assert letter["id"] == "superseded" and "superseded" in letter["error"] \
+        and "revision 5; this notice is about revision 3" in letter["error"], letter
+
+
+def test_journal_lines_carry_the_revision_and_old_lines_are_read(tmp_path: Path) -> None:
+    rule = NotifyRule(url=DOWN)
+    new = Entry("new", State.FAILED, fingerprint(rule), 0, ("webhook",), "t", 7)
+    old = entry("old", rule)  # (a line written before revisions were recorded has none)
+    assert b'"revision":7' in new.line(1) and b"revision" not in old.line(2)
+    path = left_over(tmp_path, [new, old])
+    with open(path, "rb") as fh:
+        assert [(e.handoff_id, e.revision) for e in read_journal(fh.fileno(), path.name)] \
+            == [("new", 7), ("old", None)]
+
+
+def forked(child: Any, timeout: float = 15) -> int:
+    """Run ``child()`` in a forked child of this process: its exit code (killed past
+    ``timeout``: it hung)."""
+    pid = os.fork()
+    if pid == 0:  # (the child never returns into pytest)
+        code = 99
+        try:
+            code = child()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)  # (the child we forked)
+    os.waitpid(pid, 0)
+    return -1
+
+
+def test_a_forked_child_leaves_its_parents_notices_alone(tmp_path: Path) -> None:
+    """A program that files (a client cancelling handoffs) then forks: the child inherited the
+    queue and the atexit drain, delivered the parent's queued notice again, dead-lettered the
+    one in flight and waited for it. Now the child starts with nothing queued, new locks (the
+    fork happens here while another thread holds the notifier's lock), and its own notices."""
+    notifier = notifier_for(tmp_path, NotifyRule(command=RECORD_FILING, retries=0,
+                                                 timeout_seconds=60))
+    notifier.filed("busy", State.COMPLETED)  # in flight until the gate opens
+    notifier.filed("queued", State.COMPLETED)
+    wait_until(lambda: notifier.flights, 10, "the first notice in flight")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with notifier.lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+
+    def child() -> int:
+        inherited = bool(notifier.pending or notifier.flights or notifier.running)
+        notifier.filed("child", State.COMPLETED)  # its own notice: delivered by itself
+        drained = notifier.drain(timeout=10)  # (what its atexit does)
+        return (1 if inherited else 0) | (0 if drained else 2) | (4 if letters(tmp_path) else 0)
+
+    try:
+        code = forked(child)
+    finally:
+        release.set()
+        holder.join(10)
+    assert code == 0, f"the child: {code} (1 inherited, 2 not drained, 4 dead letters; -1 hung)"
+    assert got(tmp_path) == ["child@None"]
+    (tmp_path / "open").touch()
+    assert notifier.drain(timeout=30) is True
+    assert sorted(got(tmp_path)) == ["busy@None", "child@None", "queued@None"]
+    assert letters(tmp_path) == [] and journals(tmp_path) == []
+
+
+def test_names_it_cannot_take_never_hide_a_left_over_journal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Names like journals that no sweep can take (folders, a FIFO, journals of live
+    processes) counted against JOURNALS_PER_SWEEP and came first at every sweep: a left-over
+    journal behind them was never taken over, and each unusable name was logged at every
+    process's start. Now only journals taken count, the scan goes on where the last one
+    stopped (past SCAN_LIMIT names too), and a name is said once, a few per sweep."""
+    monkeypatch.setattr(leftovers, "SCAN_LIMIT", 6)
+    monkeypatch.setattr(leftovers, "JOURNALS_PER_SWEEP", 2)
+    caplog.set_level(logging.WARNING, logger="handoffd")
+    rule = NotifyRule(command=RECORD, retries=0)
+    folder = tmp_path / "meta" / "notify"
+    real = left_over(folder, [entry("hidden", rule)])
+    live = [left_over(folder, [entry(f"live-{n}", rule)], name=f"{5000 + n}-{n:016x}")
+            for n in range(3)]
+    fds = [os.open(path, os.O_RDONLY) for path in live]
+    for fd in fds:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # their processes live
+    os.mkfifo(folder / "5100-00000000000000ff.jsonl")
+    junk = 0
+    while [item.name for item in os.scandir(folder)].index(real.name) < 12 or junk < 12:
+        (folder / f"{900000 + junk}-{junk:016x}.jsonl").mkdir()  # (listed before it)
+        junk += 1
+    names = len(os.listdir(folder))
+    notifier = notifier_for(tmp_path, rule)
+    try:
+        for _ in range(-(-names // leftovers.SCAN_LIMIT) + 2):  # once round the folder
+            notifier.take_over()
+        assert not real.exists(), "the left-over journal was never taken over"
+        assert all(path.exists() for path in live)
+        for _ in range(2 * names):  # round again, and again: nothing said twice
+            notifier.take_over()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert notifier.drain(timeout=20) is True and got(tmp_path) == ["hidden"]
+    said = [r.getMessage() for r in caplog.records
+            if "not a journal handoffd wrote" in r.getMessage() or "more name(s)" in r.getMessage()]
+    for number in range(junk):
+        assert len([line for line in said if f"{900000 + number}-" in line]) <= 1, said
+    assert len([line for line in said if "5100-" in line]) <= 1, said
+    assert not any("live-" in r.getMessage() for r in caplog.records)

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -39,20 +40,29 @@ def free_port() -> int:
 
 
 class Hooks:
-    """A webhook server on ``port``, started by hand: records the id of every delivery."""
+    """A webhook server on ``port``, started by hand: records the id of every delivery (and
+    its document's revision), each answered once ``gate`` is open (it is, unless cleared)."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.ids: list[str] = []
+        self.arrived: list[str] = []  # ids of the requests received, answered or not yet
+        self.revisions: list[tuple[str, Any]] = []  # (id, handoffd.revision) of each delivery
+        self.gate = threading.Event()
+        self.gate.set()
         self.httpd: http.server.ThreadingHTTPServer | None = None
 
     def start(self) -> None:
-        ids = self.ids
+        ids, arrived, revisions, gate = self.ids, self.arrived, self.revisions, self.gate
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (the http.server name)
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                assert json.loads(body)["handoff_id"] == self.headers["X-Handoffd-Id"]
+                doc = json.loads(body)
+                assert doc["handoff_id"] == self.headers["X-Handoffd-Id"]
+                arrived.append(doc["handoff_id"])
+                gate.wait(60)
+                revisions.append((doc["handoff_id"], (doc.get("handoffd") or {}).get("revision")))
                 ids.append(self.headers["X-Handoffd-Id"])
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
@@ -65,6 +75,7 @@ class Hooks:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self) -> None:
+        self.gate.set()
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
@@ -99,7 +110,7 @@ def left_in_journals(root: Path) -> list[str]:
         except FileNotFoundError:
             continue
         try:
-            found += [entry.handoff_id for entry in read_journal(fd, path.name, limit=1000)]
+            found += [entry.handoff_id for entry in read_journal(fd, path.name)]
         finally:
             os.close(fd)
     return found
@@ -220,3 +231,98 @@ def test_a_daemon_waiting_on_a_webhook_holds_no_documents(tmp_path: Path) -> Non
     assert notifier.drain(timeout=0.1) is False  # the webhook is down: dead-lettered, none lost
     letters = (root / "handoffs" / ".meta" / "notify-dead-letters.jsonl").read_text().splitlines()
     assert len(letters) == 60
+
+
+def dead_letters(root: Path) -> list[dict[str, Any]]:
+    path = root / "handoffs" / ".meta" / "notify-dead-letters.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def held_hook(port: int) -> str:
+    """A webhook tried once, with time to wait for the test's gate."""
+    return FLAKY_TOML + f"""
+[[on_filed]]
+url = "http://127.0.0.1:{port}/hook"
+retries = 0
+timeout_seconds = 60
+"""
+
+
+def test_a_notice_delivers_its_own_filing_not_a_later_one(ws: Workspace, hooks: Hooks) -> None:
+    """Found by the review of the outbox (fourth session): a handoff that failed, was retried
+    with `handoff retry --force` and failed again before its first notice was delivered (the
+    webhook busy): both notices delivered the second failure, the first never arrived. Now the
+    first notice, whose filing is gone with no archived copy, is dead-lettered as superseded,
+    and the second delivers its own filing once."""
+    ws.write_config(held_hook(hooks.port))
+    hooks.gate.clear()
+    hooks.start()
+    daemon = ws.serve()
+    busy = ws.create("--to", "@flaky", "--data", '{"mode": "ok"}')
+    wait_until(lambda: hooks.arrived == [busy], 30, "the first notice held at the webhook")
+    hid = ws.create("--to", "@flaky", "--data", '{"mode": "permanent"}')
+    ws.wait_state(hid, ("failed",))
+    first = ws.doc(hid)["handoffd"]["revision"]
+    ws.handoff("retry", hid, "--force", check=True)
+    wait_until(lambda: ws.state_of(hid) == ["failed"]
+               and ws.doc(hid)["handoffd"]["revision"] > first, 30, "the second failure")
+    second = ws.doc(hid)["handoffd"]["revision"]
+    hooks.gate.set()
+    wait_until(lambda: len(hooks.ids) + len(dead_letters(ws.root)) >= 3, 30, "all settled")
+    assert ws.stop(daemon) == 0
+    assert sorted(hooks.ids) == sorted([busy, hid])
+    assert [rev for rev in hooks.revisions if rev[0] == hid] == [(hid, second)], hooks.revisions
+    (letter,) = dead_letters(ws.root)
+    assert letter["id"] == hid and "superseded" in letter["error"] \
+        and f"this notice is about revision {first}" in letter["error"], letter
+
+
+FORKING_CLIENT = """
+import os, sys, time
+from handoffd import Client
+client = Client(sys.argv[1])
+ids = [client.create(to="@flaky", data={"mode": "ok"}).id for _ in range(2)]
+for handoff_id in ids:
+    client.cancel(handoff_id)  # filed by this process: two notices, the first held at the hook
+print(" ".join(ids), flush=True)
+sys.stdin.readline()  # the test saw the first notice arrive
+if os.fork() == 0:
+    sys.exit(0)  # the child ends normally: its atexit handlers run
+os.wait()
+print("forked child done", flush=True)
+sys.stdin.readline()  # the test opened the gate: this process drains at its exit
+"""
+
+
+def test_a_forked_child_of_a_client_program_leaves_its_notices_alone(
+        ws: Workspace, hooks: Hooks) -> None:
+    """Found by the review of the outbox (fourth session): a program that filed through the
+    client (cancelling handoffs) then forked: the child's inherited atexit drain delivered the
+    parent's queued notice again, dead-lettered the one in flight and held the child's exit for
+    its 10 s. Now the child leaves them to the parent: each is delivered once, none is
+    dead-lettered."""
+    ws.write_config(held_hook(hooks.port))
+    hooks.gate.clear()
+    hooks.start()
+    program = subprocess.Popen([sys.executable, "-c", FORKING_CLIENT, str(ws.root)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert program.stdin is not None and program.stdout is not None
+        ids = program.stdout.readline().split()
+        assert len(ids) == 2, program.stderr.read() if program.stderr else ""
+        wait_until(lambda: hooks.arrived == ids[:1], 30, "the first notice held at the webhook")
+        program.stdin.write("\n")
+        program.stdin.flush()
+        assert program.stdout.readline().strip() == "forked child done"
+        assert dead_letters(ws.root) == [] and hooks.arrived == ids[:1]
+        hooks.gate.set()
+        program.stdin.write("\n")
+        program.stdin.flush()
+        assert program.wait(60) == 0
+    finally:
+        if program.poll() is None:
+            program.kill()
+            program.wait(10)
+    assert sorted(hooks.ids) == sorted(ids)  # each once
+    assert dead_letters(ws.root) == []

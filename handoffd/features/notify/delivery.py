@@ -2,16 +2,29 @@
 the store when its flight starts (never held in the queue), each target of its rule tried with
 the rule's retries and exponential backoff, then delivered or dead-lettered, and marked so in
 the outbox. A drain (:class:`.notifier.Notifier`) may settle a flight first: whoever settles
-it first records it, the other nothing."""
+it first records it, the other nothing.
+
+The document delivered is the filing the notice is about: the state and the revision it was
+filed in. A handoff filed again since (retried, ``handoff retry --force``, and filed anew) or
+purged is delivered from its archived copy of that filing when there is one, else
+dead-lettered: a notice never delivers a later filing in place of its own.
+
+A forked child (a program using the client that forks, ``handoffd run --processes N``) starts
+with nothing queued, in flight or running, with locks of its own: the parent's notices are the
+parent's to deliver (a child once delivered them again at its exit, and dead-lettered the one
+its parent was delivering)."""
 from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import threading
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
+from ...core.documents import revision
 from ...core.errors import HandoffdError, NotFound
 from ...core.states import State
 from . import command
@@ -32,8 +45,16 @@ class Deliveries:
 
     def __init__(self, engine: Engine, *, sleep: Callable[[float], None] | None = None) -> None:
         self.engine = engine
+        self.given_sleep = sleep
+        self._fresh()
+        self.outbox = Outbox(engine.ws.meta / OUTBOX_DIR, durable=engine.settings.durable)
+        _ALL.add(self)
+
+    def _fresh(self) -> None:
+        """Nothing queued, in flight or running, and new locks: at the start, and in a forked
+        child (whose parent's threads may have held the old ones when it forked)."""
         self.stopping = threading.Event()  # set by a drain: no more retries, no new attempt
-        self.sleep = sleep or self.stopping.wait  # (a backoff that a drain cuts short)
+        self.sleep = self.given_sleep or self.stopping.wait  # (a backoff a drain cuts short)
         # one re-entrant lock guards the queue, the flights and what is running, so that a
         # drain sees every notice in exactly one place: queued, in flight, or settled
         self.lock = threading.Condition()
@@ -42,7 +63,6 @@ class Deliveries:
         self.thread: threading.Thread | None = None
         self.running: set[subprocess.Popen[bytes]] = set()  # commands being delivered to
         self.cutoffs: set[Cutoff] = set()  # webhook attempts under way
-        self.outbox = Outbox(engine.ws.meta / OUTBOX_DIR, durable=engine.settings.durable)
 
     def _outstanding(self) -> int:
         """Notices neither delivered nor dead-lettered yet (call with the lock held)."""
@@ -97,8 +117,8 @@ class Deliveries:
 
     def _document(self, notice: Notice) -> bytes | str:
         """The filed document to deliver, read now (never held in the queue), or why there
-        is none: a handoff retried or purged since is delivered from its archived copy, when
-        there is one in the state it was filed in."""
+        is none: a handoff retried, filed again or purged since is delivered from its archived
+        copy of the filing the notice is about (its state and revision), when there is one."""
         try:
             state: State | None
             state, doc = self.engine.get(notice.handoff_id)
@@ -106,11 +126,10 @@ class Deliveries:
             state, doc = None, {}
         except (HandoffdError, OSError) as exc:
             return f"its filed document cannot be read: {exc}"
-        if state is not notice.state:
+        if state is not notice.state or not _same_filing(notice, doc):
             archived = self._archived(notice)
             if archived is None:
-                now = f"it is {state.value} now" if state else "it is no longer in the store"
-                return f"its filed document is gone ({now}) and has no archived copy"
+                return _gone(notice, state, doc)
             doc = archived
         try:
             return json.dumps(doc, ensure_ascii=False).encode("utf-8")
@@ -118,16 +137,24 @@ class Deliveries:
             return f"its filed document cannot be sent: {exc}"
 
     def _archived(self, notice: Notice) -> dict[str, Any] | None:
-        from ..retention import find_archived
+        """The archived copy of the filing ``notice`` is about: the newest entry of the
+        handoff in that state (and revision, when the notice has one)."""
+        from ..retention import archived_with_files
+        wanted = b'"id": ' + json.dumps(notice.handoff_id).encode()  # (as archives write it)
+        found: dict[str, Any] | None = None
+        found_in: str | None = None
         try:
-            entry = find_archived(self.engine.ws, notice.handoff_id)
+            for path, entry in archived_with_files(self.engine.ws, wanted):
+                if found_in is not None and path != found_in:
+                    break  # (newest file first; in a file, the last entry is the newest)
+                doc = entry.get("document")
+                if entry.get("id") == notice.handoff_id and isinstance(doc, dict) \
+                        and entry.get("state") == notice.state.value and _same_filing(notice, doc):
+                    found, found_in = doc, path
         except Exception:  # an archive that cannot be read: as if there were none
             log.debug("archive of %s unreadable", notice.handoff_id, exc_info=True)
             return None
-        if entry is None or entry.get("state") != notice.state.value:
-            return None
-        doc = entry.get("document")
-        return doc if isinstance(doc, dict) else None
+        return found
 
     def _try_target(self, flight: Flight, kind: str, send: Send) -> bool:
         """Deliver to one target with the rule's retries; False when it was dead-lettered."""
@@ -246,6 +273,11 @@ class Deliveries:
                 flight.maybe_delivered = True
         return problem
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's notices, flights, commands and webhook attempts
+        are the parent's (and its locks may have been held by its threads)."""
+        self._fresh()
+
     def kill_running(self) -> None:
         """Kill the process groups of the commands still running and cut off the webhook
         attempts under way (the process is stopping)."""
@@ -256,3 +288,34 @@ class Deliveries:
             cutoff.cut_off()
         for proc in running:
             command.kill_group(proc)
+
+
+def _same_filing(notice: Notice, doc: dict[str, Any]) -> bool:
+    """``doc`` (in the state ``notice`` was filed in) is the filing the notice is about: its
+    revision, when the notice knows it (a journal line from before revisions were recorded
+    does not)."""
+    return notice.revision is None or revision(doc) == notice.revision
+
+
+def _gone(notice: Notice, state: State | None, doc: dict[str, Any]) -> str:
+    """Why ``notice`` cannot be delivered: its filing is no longer the stored document (which
+    is ``doc`` in ``state``) and has no archived copy."""
+    if state is notice.state:
+        return (f"its filing was superseded: the handoff was filed {state.value} again since "
+                f"(revision {revision(doc)}; this notice is about revision {notice.revision}) "
+                "and that filing has no archived copy")
+    now = f"it is {state.value} now" if state else "it is no longer in the store"
+    return f"its filed document is gone ({now}) and has no archived copy"
+
+
+# a forked child must not deliver its parent's notices again (its atexit drain did), nor kill
+# its commands, nor wait on a lock one of its threads held at the fork
+_ALL: weakref.WeakSet[Deliveries] = weakref.WeakSet()
+
+
+def _forget_after_fork() -> None:
+    for deliveries in list(_ALL):
+        deliveries.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -6,9 +6,22 @@ A journal's process holds its ``flock`` for as long as it lives, so a journal th
 locked is one whose process is gone; the one process that locks it records what it left in its
 own journal, and only then removes it: each notice is delivered at least once, and two
 processes never both take one over (a journal removed meanwhile, or replaced, is not taken:
-its file must still be the one by that name). A journal is read with bounds: a line that is
-not one handoffd wrote is skipped, with one log line for the journal, never a traceback, never
-a stall; a FIFO or a symlink named like one is never read, and said once.
+its file must still be the one by that name). Every notice read is handed over, however many:
+those the taker's queue has no room for are dead-lettered by it (with that reason), never
+dropped.
+
+A journal is read with bounds: a line that is not one handoffd wrote is skipped, with one log
+line for the journal, never a traceback, never a stall; a FIFO, a symlink or a folder named like
+one is never read, said once by each process (the first few of a sweep one by one, the others
+in one line). At most :data:`MAX_JOURNAL_BYTES` of a journal are read by one sweep (no journal
+handoffd writes is that large): what lies beyond is kept for the next sweep, the journal renamed
+``<pid>-<random>+<offset>.jsonl`` to say where its unread part starts.
+
+One sweep looks at :data:`SCAN_LIMIT` names of the folder at most and takes over
+:data:`JOURNALS_PER_SWEEP` journals at most; only journals it takes count against the latter (a
+live process's journal, or a name it cannot read, does not). It goes on where the process's
+previous sweep stopped, round the folder (a process's first sweep starts at a random place in a
+folder of more than SCAN_LIMIT names), so a journal behind any number of such names is reached.
 """
 from __future__ import annotations
 
@@ -16,11 +29,12 @@ import fcntl
 import json
 import logging
 import os
+import random
 import re
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 from ...core.documents import check_id
 from ...core.errors import HandoffdError
@@ -30,70 +44,164 @@ from .notices import KINDS
 from .outbox import Entry, Live, Outbox, ident, ident_at, unlink_if
 
 log = logging.getLogger("handoffd")
-JOURNAL = re.compile(r"[0-9]{1,10}-[0-9a-f]{16}\.jsonl")
+# <pid>-<random>.jsonl; +<offset>: the part of a larger one that a sweep has not read yet
+JOURNAL = re.compile(r"[0-9]{1,10}-[0-9a-f]{16}(?:\+([0-9]{1,15}))?\.jsonl")
 STALE_TEMP_SECONDS = 60.0  # a journal being made whose maker died: removed after this long
 MAX_LINE_BYTES = 4096  # a line handoffd writes is a few hundred bytes
-MAX_JOURNAL_BYTES = 32 << 20  # read from one left-over journal at most (ours stay < 10 MB)
+# read from one left-over journal by one sweep at most: ours stay below about 20 MB (10,000
+# notices queued, 480 bytes each in the live count, compacted past four times that)
+MAX_JOURNAL_BYTES = 32 << 20
 JOURNALS_PER_SWEEP = 64  # left-over journals taken over by one sweep (the next takes more)
 SCAN_LIMIT = 10_000  # names of the outbox folder looked at by one sweep
+UNUSABLE_SAID = 5  # names that are no journal said one by one in a sweep (the rest: one line)
+UNUSABLE_KEPT = 10_000  # such names a process remembers (not looked at again, not said again)
 READ_STEP = 1 << 16
-TOO_LARGE = "larger than MAX_JOURNAL_BYTES"
 STATES = {State.COMPLETED.value: State.COMPLETED, State.FAILED.value: State.FAILED}
 FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 
 
-def take_over(outbox: Outbox, take: Callable[[list[Entry], str], bool], *, limit: int) -> int:
+@dataclass
+class Sweep:
+    """One sweep's taking over: what it took, and the unusable names it found."""
+
+    outbox: Outbox
+    take: Callable[[list[Entry], str], bool]
+    journals: int = 0  # journals claimed (against JOURNALS_PER_SWEEP)
+    notices: int = 0  # notices taken over
+    said: int = 0  # unusable names logged one by one
+    unsaid: int = 0  # unusable names past UNUSABLE_SAID (logged in one line at the end)
+
+
+def take_over(outbox: Outbox, take: Callable[[list[Entry], str], bool]) -> int:
     """Take over the journals of processes that ended with notices left: for each, call
-    ``take(entries, name)`` (which records them in our journal and queues them; False:
-    it could not, and the journal is left for later), then remove it. At most ``limit``
-    notices are read from one journal. Returns how many notices were taken over."""
+    ``take(entries, name)`` (which records them in our journal and queues them, or dead-letters
+    those it has no room for; False: it could not, and the journal is left for later), then
+    remove it (or, when it was larger than one sweep reads, keep its unread part). Returns how
+    many notices were taken over."""
     if not plain_folder(outbox.folder):
         return 0
-    taken = 0
-    for path in _left_over(outbox):
-        fd = _claim(outbox, path)
-        if fd is None:
-            continue
-        try:
-            entries = read_journal(fd, path.name, limit=limit)
-            if entries and not take(entries, path.name):
-                continue
-            unlink_if(path, ident(fd))
-            taken += len(entries)
-        finally:
-            os.close(fd)
-    return taken
-
-
-def _left_over(outbox: Outbox) -> Iterator[Path]:
-    """Journals of other processes (and stale temp files, removed here), a bounded few."""
-    found = 0
+    sweep = Sweep(outbox, take)
+    scan = _left_over(sweep)
     try:
-        with os.scandir(outbox.folder) as names:
-            for seen, item in enumerate(names):
-                if seen >= SCAN_LIMIT or found >= JOURNALS_PER_SWEEP:
-                    return
-                if item.name.startswith(".") and item.name.endswith(".jsonl.new"):
-                    _remove_stale(outbox, Path(item.path))
-                elif JOURNAL.fullmatch(item.name) and item.name != outbox.name:
-                    found += 1
-                    yield Path(item.path)
+        for path in scan:
+            fd = _claim(sweep, path)
+            if fd is None:
+                continue
+            sweep.journals += 1
+            try:
+                sweep.notices += _take(sweep, fd, path)
+            finally:
+                os.close(fd)
+            if sweep.journals >= JOURNALS_PER_SWEEP:
+                break  # (the next sweep goes on after this name)
+    finally:
+        scan.close()
+    if sweep.unsaid:
+        log.warning("notification outbox %s: %d more name(s) that are not journals handoffd "
+                    "wrote: left alone", outbox.folder, sweep.unsaid)
+    return sweep.notices
+
+
+def _take(sweep: Sweep, fd: int, path: Path) -> int:
+    """Take over the journal ``fd`` (claimed) from where its name says its unread part starts:
+    how many notices were taken."""
+    match = JOURNAL.fullmatch(path.name)
+    start = int(match.group(1)) if match and match.group(1) else 0
+    if start:
+        os.lseek(fd, start, os.SEEK_SET)
+    entries, rest_at = read_left(fd, path.name)
+    if entries and not sweep.take(entries, path.name):
+        return 0  # not recorded here: left for a later sweep
+    if rest_at is None:
+        unlink_if(path, ident(fd))
+    else:
+        _keep_rest(sweep.outbox, fd, path, start, start + rest_at)
+    return len(entries)
+
+
+def _keep_rest(outbox: Outbox, fd: int, path: Path, start: int, rest_at: int) -> None:
+    """A journal larger than one sweep reads: keep it for the next sweep, renamed to say where
+    its unread part starts (with a new random part: no other file is replaced)."""
+    kept = f"{path.name.split('-', 1)[0]}-{os.urandom(8).hex()}+{rest_at}.jsonl"
+    try:
+        if ident_at(path) != ident(fd):
+            return  # (replaced meanwhile: not the file read)
+        os.rename(path, outbox.folder / kept)
     except OSError as exc:
-        log.warning("notification outbox %s: cannot be listed: %s", outbox.folder, exc)
+        log.error("notification outbox %s: %s cannot be renamed to %s (%s): the next sweep "
+                  "takes over its first part again", outbox.folder, path.name, kept, exc)
+        return
+    log.warning("notification outbox %s: %s is larger than %d bytes (no journal handoffd writes "
+                "is): bytes %d to %d were taken over, the rest is kept as %s for the next sweep",
+                outbox.folder, path.name, MAX_JOURNAL_BYTES, start, rest_at, kept)
 
 
-def _claim(outbox: Outbox, path: Path) -> int | None:
+def _left_over(sweep: Sweep) -> Generator[Path, None, None]:
+    """Journals of other processes (and stale temp files, removed here): SCAN_LIMIT names looked
+    at, at most, round the folder from where the previous sweep stopped."""
+    outbox = sweep.outbox
+    start = _scan_start(outbox)
+    looked = 0
+    for again in (False, True):  # from ``start`` to the end, then from the top up to ``start``
+        if again and not start:
+            return
+        try:
+            with os.scandir(outbox.folder) as names:
+                for position, item in enumerate(names):
+                    if again and position >= start:
+                        return
+                    if position < start and not again:
+                        continue  # (looked at by the previous sweeps)
+                    if looked >= SCAN_LIMIT:
+                        outbox.scan_at = position
+                        return
+                    looked += 1
+                    outbox.scan_at = position + 1
+                    path = _candidate(sweep, item)
+                    if path is not None:
+                        yield path
+        except OSError as exc:
+            log.warning("notification outbox %s: cannot be listed: %s", outbox.folder, exc)
+            return
+        outbox.scan_at = 0  # (the end of the folder: the next sweep starts at the top)
+
+
+def _scan_start(outbox: Outbox) -> int:
+    """Where this sweep's scan starts: where the previous one of this process stopped; for a
+    process's first sweep, a random place when the folder has more than SCAN_LIMIT names (so
+    that processes that sweep once, ``handoffd sweep``, get past names they cannot take)."""
+    if outbox.scan_at is None:
+        try:
+            with os.scandir(outbox.folder) as names:
+                count = sum(1 for _ in names)
+        except OSError:
+            count = 0
+        outbox.scan_at = random.randrange(count) if count > SCAN_LIMIT else 0
+    return outbox.scan_at
+
+
+def _candidate(sweep: Sweep, item: os.DirEntry[str]) -> Path | None:
+    """``item``'s path if it may be a journal to take over (not ours, not one already found
+    unusable); a stale temp file is removed instead."""
+    name = item.name
+    if name in sweep.outbox.warned:
+        return None  # (said already: left alone, quietly)
+    if name.startswith(".") and name.endswith(".jsonl.new"):
+        _remove_stale(sweep, Path(item.path))
+    elif JOURNAL.fullmatch(name) and name != sweep.outbox.name:
+        return Path(item.path)
+    return None
+
+
+def _claim(sweep: Sweep, path: Path) -> int | None:
     """``path`` opened and flocked, if its process has ended and nobody else takes it
     over (and it is still the file by that name); else None."""
     try:
         fd = open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    except OSError as exc:  # a FIFO, a symlink, a device: never read, said once
-        if path.name not in outbox.warned and len(outbox.warned) < 1000:
-            outbox.warned.add(path.name)
-            log.warning("notification outbox %s: %s is not a journal handoffd wrote (%s): "
-                        "left alone", outbox.folder, path.name, exc.strerror or exc)
+    except OSError as exc:  # a FIFO, a symlink, a folder, a device: never read, said once
+        _unusable(sweep, path.name, exc.strerror or str(exc))
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,28 +213,47 @@ def _claim(outbox: Outbox, path: Path) -> int | None:
     return None
 
 
-def _remove_stale(outbox: Outbox, path: Path) -> None:
+def _unusable(sweep: Sweep, name: str, why: str) -> None:
+    """``name`` is not a journal handoffd wrote: left alone, said once by this process."""
+    outbox = sweep.outbox
+    if len(outbox.warned) < UNUSABLE_KEPT:  # (past that, such a name is said each sweep)
+        outbox.warned.add(name)
+    if sweep.said < UNUSABLE_SAID:
+        sweep.said += 1
+        log.warning("notification outbox %s: %s is not a journal handoffd wrote (%s): left "
+                    "alone", outbox.folder, name, why)
+    else:
+        sweep.unsaid += 1
+
+
+def _remove_stale(sweep: Sweep, path: Path) -> None:
     """A journal its maker died making (the one it replaced is still there)."""
     try:
         if time.time() - os.lstat(path).st_mtime < STALE_TEMP_SECONDS:
             return
     except OSError:
         return
-    fd = _claim(outbox, path)
+    fd = _claim(sweep, path)
     if fd is not None:
         unlink_if(path, ident(fd))
         os.close(fd)
 
 
-def read_journal(fd: int, name: str, *, limit: int) -> list[Entry]:
-    """The notices a journal leaves undelivered (at most ``limit``), in the order queued. A
-    line that is not one handoffd wrote is skipped: one warning for the whole journal."""
+def read_journal(fd: int, name: str) -> list[Entry]:
+    """The notices a journal leaves undelivered, in the order queued, read from where ``fd``
+    stands (at most MAX_JOURNAL_BYTES: see :func:`read_left`)."""
+    return read_left(fd, name)[0]
+
+
+def read_left(fd: int, name: str) -> tuple[list[Entry], int | None]:
+    """The notices a journal leaves undelivered, in the order queued, read from where ``fd``
+    stands, and how many bytes were read when that was not all (MAX_JOURNAL_BYTES at most: the
+    rest is for the next sweep; None: all of it was read). A line that is not one handoffd
+    wrote is skipped: one warning for the whole journal."""
     queued: dict[int, Live] = {}
-    skipped, first, cut = 0, "", ""
-    for line, problem in _lines(fd):
-        if problem == TOO_LARGE:
-            cut = f"; only its first {MAX_JOURNAL_BYTES} bytes were read"
-            break
+    skipped, first = 0, ""
+    lines = Lines(fd)
+    for line, problem in lines:
         parsed = problem or _parse(line)
         if isinstance(parsed, str):
             skipped, first = skipped + 1, first or parsed
@@ -136,46 +263,53 @@ def read_journal(fd: int, name: str, *, limit: int) -> list[Entry]:
                 live.left.discard(parsed[1])
                 if not live.left:
                     del queued[parsed[0]]
-        elif parsed[0] in queued or len(queued) >= limit:
-            skipped += 1
-            first = first or ("a number used twice" if parsed[0] in queued
-                              else f"more than {limit} notices left")
+        elif parsed[0] in queued:
+            skipped, first = skipped + 1, first or "a number used twice"
         else:
             queued[parsed[0]] = Live(parsed[1], set(parsed[1].kinds), 0)
-    if skipped or cut:
+    if skipped:
         log.warning("notification outbox %s: skipped %d line(s) that are not notices handoffd "
-                    "wrote%s%s", name, skipped, f" (the first: {first})" if first else "", cut)
-    return [replace(live.entry, kinds=tuple(k for k in KINDS if k in live.left))
-            for live in queued.values()]
+                    "wrote (the first: %s)", name, skipped, first)
+    return ([replace(live.entry, kinds=tuple(k for k in KINDS if k in live.left))
+             for live in queued.values()], lines.read)
 
 
-def _lines(fd: int) -> Iterator[tuple[bytes, str | None]]:
-    """The lines of a journal (without their newlines), or why one is skipped: at most
-    MAX_JOURNAL_BYTES are read, a line longer than MAX_LINE_BYTES is not kept."""
-    rest, total, skipping = b"", 0, False
-    while True:
-        chunk = os.read(fd, READ_STEP)
-        if not chunk:
-            break
-        total += len(chunk)
-        if total > MAX_JOURNAL_BYTES:
-            yield b"", TOO_LARGE
-            return
-        parts = (rest + chunk).split(b"\n")
-        rest = parts.pop()
-        for line in parts:
-            if skipping:  # the end of a line too long to keep
-                skipping = False
-            elif len(line) > MAX_LINE_BYTES:
-                yield b"", f"a line over {MAX_LINE_BYTES} bytes"
-            elif line.strip():
-                yield line, None
-        if len(rest) > MAX_LINE_BYTES:
-            if not skipping:
-                yield b"", f"a line over {MAX_LINE_BYTES} bytes"
-            rest, skipping = b"", True
-    if rest.strip() and not skipping:
-        yield b"", "a line cut short (its process died writing it)"
+class Lines:
+    """The lines of a journal from where its descriptor stands (without their newlines), or
+    why one is skipped: at most MAX_JOURNAL_BYTES are read, a line longer than MAX_LINE_BYTES
+    is not kept. After the iteration, :attr:`read` is how many bytes were taken when the
+    journal holds more (where its unread part starts), None when all of it was read."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.read: int | None = None
+
+    def __iter__(self) -> Iterator[tuple[bytes, str | None]]:
+        rest, total, skipping = b"", 0, False
+        while total < MAX_JOURNAL_BYTES:
+            chunk = os.read(self.fd, min(READ_STEP, MAX_JOURNAL_BYTES - total))
+            if not chunk:
+                break
+            total += len(chunk)
+            parts = (rest + chunk).split(b"\n")
+            rest = parts.pop()
+            for line in parts:
+                if skipping:  # the end of a line too long to keep
+                    skipping = False
+                elif len(line) > MAX_LINE_BYTES:
+                    yield b"", f"a line over {MAX_LINE_BYTES} bytes"
+                elif line.strip():
+                    yield line, None
+            if len(rest) > MAX_LINE_BYTES:
+                if not skipping:
+                    yield b"", f"a line over {MAX_LINE_BYTES} bytes"
+                rest, skipping = b"", True
+        else:
+            if os.read(self.fd, 1):  # more than one sweep reads: the line begun is read next
+                self.read = total - (0 if skipping else len(rest))  # (the line begun)
+                return
+        if rest.strip() and not skipping:
+            yield b"", "a line cut short (its process died writing it)"
 
 
 def _parse(line: bytes) -> tuple[int, Entry] | tuple[int, str] | str:
@@ -194,16 +328,20 @@ def _parse(line: bytes) -> tuple[int, Entry] | tuple[int, str] | str:
         return "a bad 'done' line"
     seq, kinds, index, at = item.get("n"), item.get("kinds"), item.get("index"), item.get("at")
     state, rule = STATES.get(str(item.get("state"))), item.get("rule")
+    revision = item.get("revision")  # (absent from lines written before it was recorded)
     try:
         handoff_id = check_id(item.get("id"))
     except HandoffdError:
         return "not a safe handoff id"
     if not (_number(seq) and _number(index) and state is not None and isinstance(rule, str)
             and FINGERPRINT.fullmatch(rule) and isinstance(kinds, list) and kinds
-            and all(k in KINDS for k in kinds) and isinstance(at, str) and len(at) <= 64):
+            and all(k in KINDS for k in kinds) and isinstance(at, str) and len(at) <= 64
+            and (revision is None or _number(revision))):
         return "a bad notice line"
     assert isinstance(seq, int) and isinstance(index, int) and isinstance(rule, str)
-    return seq, Entry(handoff_id, state, rule, index, tuple(k for k in KINDS if k in kinds), at)
+    assert revision is None or isinstance(revision, int)
+    return seq, Entry(handoff_id, state, rule, index, tuple(k for k in KINDS if k in kinds), at,
+                      revision)
 
 
 def _number(value: object) -> bool:

@@ -1,8 +1,10 @@
 """What a notice is, what delivering one takes, and its dead letter.
 
-A notice is small: the rule, the handoff's id and the state it was filed in, the targets left
-and its line in the outbox. The filed document is read when the notice is delivered (each once
-held the whole document, up to 1 MB: a webhook that was down grew a daemon by 1.5 GB)."""
+A notice is small: the rule, the handoff's id, the state and revision it was filed in, the
+targets left and its line in the outbox. The filed document is read when the notice is
+delivered (each once held the whole document, up to 1 MB: a webhook that was down grew a daemon
+by 1.5 GB); the revision tells the filing the notice is about from a later one of the same
+handoff (retried and filed again before the notice was delivered)."""
 from __future__ import annotations
 
 import hashlib
@@ -57,6 +59,9 @@ class Notice:
     kinds: tuple[str, ...] = ()  # the targets to deliver to (default: every target of the rule)
     filed_at: str = ""  # when it was queued (ISO 8601)
     seq: int | None = None  # its record in this process's outbox (None: not journaled)
+    # the filed document's handoffd.revision (None: unknown, e.g. a journal line written before
+    # revisions were recorded: then only the state tells a later filing)
+    revision: int | None = None
 
     def __post_init__(self) -> None:
         self.kinds = self.kinds or kinds_of(self.rule)

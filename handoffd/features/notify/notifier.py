@@ -12,9 +12,10 @@ import atexit
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...core.config import NotifyRule
+from ...core.documents import revision
 from ...core.states import State
 from . import leftovers
 from .delivery import Deliveries
@@ -35,10 +36,13 @@ class Notifier(Deliveries):
 
     def __init__(self, engine: Engine, *, sleep: Callable[[float], None] | None = None) -> None:
         super().__init__(engine, sleep=sleep)
-        self.at_exit = False
+        self.at_exit = False  # (a forked child inherits the atexit drain with the flag)
+        self.prints = [fingerprint(rule) for rule in engine.config.on_filed]
+
+    def _fresh(self) -> None:
+        super()._fresh()
         self.draining = False
         self.drain_lock = threading.Lock()  # one drain at a time; the next finds nothing left
-        self.prints = [fingerprint(rule) for rule in engine.config.on_filed]
 
     # ------------------------------------------------------------ queueing
     def filed(self, handoff_id: str, where: State) -> None:
@@ -46,21 +50,28 @@ class Notifier(Deliveries):
         never waits for a delivery)."""
         if not where.terminal:
             return
-        rules = self._matching(handoff_id, where)
+        try:
+            filed: tuple[State, dict[str, Any]] | None = self.engine.filed_document(handoff_id)
+        except Exception:  # unreadable: no agent, no revision (only the state tells a refiling)
+            filed = None
+        rules = self._matching(filed, where)
         if rules:
-            self._enqueue([Notice(rule, handoff_id, where) for rule in rules])
+            # the filing the notices are about: a later one is not delivered in its place
+            number = revision(filed[1]) if filed and filed[0] is where \
+                and isinstance(filed[1], dict) else None
+            self._enqueue([Notice(rule, handoff_id, where, revision=number) for rule in rules])
 
-    def _matching(self, handoff_id: str, where: State) -> list[NotifyRule]:
+    def _matching(self, filed: tuple[State, dict[str, Any]] | None,
+                  where: State) -> list[NotifyRule]:
         rules = [r for r in self.engine.config.on_filed if where.value in r.states]
         if any(r.agents for r in rules):
-            agent = self._agent_of(handoff_id)
+            agent = self._agent_of(filed[1]) if filed else None
             rules = [r for r in rules if not r.agents or agent in r.agents]
         return rules
 
-    def _agent_of(self, handoff_id: str) -> str | None:
-        """The specialist the handoff was for (whatever its format)."""
+    def _agent_of(self, doc: dict[str, Any]) -> str | None:
+        """The specialist the filed document ``doc`` was for (whatever its format)."""
         try:
-            _, doc = self.engine.filed_document(handoff_id)
             block = doc.get("handoffd")
             request = block.get("request_snapshot") if isinstance(block, dict) else None
             source = request if isinstance(request, dict) else doc
@@ -96,20 +107,21 @@ class Notifier(Deliveries):
         index = next((i for i, rule in enumerate(rules) if rule is notice.rule), -1)
         print_ = self.prints[index] if index >= 0 else fingerprint(notice.rule)
         return Entry(notice.handoff_id, notice.state, print_, max(index, 0), notice.kinds,
-                     notice.filed_at)
+                     notice.filed_at, notice.revision)
 
     def take_over(self, engine: object = None) -> int:
         """``on_sweep`` repair: queue the notices that ended processes left undelivered in
         their journals (the outbox sees that their processes are gone, and lets one process
-        take each). Not while this notifier drains: the next process takes them."""
+        take each). Not while this notifier drains: the next process takes them. Every notice
+        a journal leaves is taken: those past QUEUE_LIMIT are dead-lettered, as when filed."""
         with self.lock:
             if self.draining:
                 return 0
-        return leftovers.take_over(self.outbox, self._adopt, limit=QUEUE_LIMIT)
+        return leftovers.take_over(self.outbox, self._adopt)
 
     def _adopt(self, entries: list[Entry], journal: str) -> bool:
         known = [(entry, self._rule_for(entry)) for entry in entries]
-        notices = [Notice(rule, e.handoff_id, e.state, e.kinds, e.filed_at)
+        notices = [Notice(rule, e.handoff_id, e.state, e.kinds, e.filed_at, revision=e.revision)
                    for e, rule in known if rule is not None]
         if notices and not self._enqueue(notices, taken_over=True):
             return False
@@ -119,7 +131,8 @@ class Notifier(Deliveries):
             if rule is None:
                 with self.lock:
                     self._dead_letter(Notice(NotifyRule(), entry.handoff_id, entry.state,
-                                             entry.kinds, entry.filed_at),
+                                             entry.kinds, entry.filed_at,
+                                             revision=entry.revision),
                                       f"{', '.join(entry.kinds)}: its [[on_filed]] rule is no "
                                       "longer in handoffd.toml (it changed after a process that "
                                       "ended queued it): not delivered")

@@ -3,7 +3,8 @@
 Each process that queues notices keeps a journal of its own,
 ``handoffs/.meta/notify/<pid>-<random>.jsonl``, and holds an exclusive ``flock`` on it for as
 long as it lives. One line per queued notice (``{"n": 7, "id": ..., "state": "completed",
-"rule": <fingerprint>, "index": 0, "kinds": ["webhook"], "at": ...}``), written (and fsynced,
+"rule": <fingerprint>, "index": 0, "kinds": ["webhook"], "at": ..., "revision": 3}``; a line
+without ``revision``, as written before it was recorded, is read too), written (and fsynced,
 with fsync durability) before the notice counts as queued, and one per target finished,
 delivered or dead-lettered (``{"done": 7, "kind": "webhook"}``). When nothing is left the
 journal is truncated; when it has grown past :data:`COMPACT_BYTES` with little left in it, what
@@ -49,13 +50,16 @@ class Entry:
     index: int  # the rule's place among [[on_filed]] when it was queued
     kinds: tuple[str, ...]  # the targets not yet finished
     filed_at: str
+    revision: int | None = None  # the filed document's handoffd.revision (None: unknown)
 
     def line(self, seq: int, kinds: Iterable[str] | None = None) -> bytes:
         """The journal line recording this entry as number ``seq`` (``kinds``: those left)."""
-        return (json.dumps({"n": seq, "id": self.handoff_id, "state": self.state.value,
-                            "rule": self.rule, "index": self.index,
-                            "kinds": [k for k in KINDS if k in (kinds or self.kinds)],
-                            "at": self.filed_at}, separators=(",", ":")) + "\n").encode("utf-8")
+        item = {"n": seq, "id": self.handoff_id, "state": self.state.value, "rule": self.rule,
+                "index": self.index, "kinds": [k for k in KINDS if k in (kinds or self.kinds)],
+                "at": self.filed_at}
+        if self.revision is not None:
+            item["revision"] = self.revision
+        return (json.dumps(item, separators=(",", ":")) + "\n").encode("utf-8")
 
 
 @dataclass
@@ -78,6 +82,7 @@ class Outbox:
         self.durable = durable
         self._forget()
         self.warned: set[str] = set()  # left-over names already said to be unusable
+        self.scan_at: int | None = None  # where the next sweep's scan starts (None: not yet)
         _ALL.add(self)
 
     def _forget(self) -> None:
