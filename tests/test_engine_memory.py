@@ -224,3 +224,20 @@ def test_submit_if_absent_returns_the_same_request_and_refuses_a_different_one(
     with pytest.raises(Conflict) as caught:
         engine.submit(request({"n": 2}), if_absent=True)
     assert caught.value.exit_code == 5 and "different request" in str(caught.value)
+
+
+def test_settings_replaced_after_the_engine_was_built_govern_its_checks(
+        setup: tuple[Engine, Clock, MemoryBackend]) -> None:
+    """The checks read the engine's settings when they run, not a copy taken at construction
+    (a program or test that sets engine.settings afterwards got the old behaviour)."""
+    from dataclasses import replace
+    engine, _, _ = setup
+    engine.settings = replace(engine.settings, expectations="advisory")
+    doc = new_native_request(source="@test", target="@echo", data=None, now=engine.clock(),
+                             handoff_id="adv1")
+    doc["input"]["schema"] = "nowhere.input.schema.json"  # a schema the workspace lacks
+    assert engine.submit(doc) == "adv1"
+    batch(engine)
+    state, filed = engine.get("adv1")
+    assert state is State.COMPLETED, filed
+    assert any("nowhere" in str(w) for w in filed.get("warnings") or filed["handoffd"].get("warnings", [])), filed

@@ -76,7 +76,10 @@ class Engine:
     """One workspace's lifecycle. Thread-safe for concurrent jobs on different handoffs.
 
     Its extension points are :attr:`hooks` (:class:`~handoffd.core.hooks.Hooks`), each also an
-    attribute of its own name: ``engine.gates`` is ``engine.hooks.gates``."""
+    attribute of its own name: ``engine.gates`` is ``engine.hooks.gates``. Extend it there, not
+    by overriding methods: the steps (admission, results, filing) call one another as module
+    functions, so methods such as ``retryable``, ``failure`` or ``set_aside`` are front doors
+    for callers, and replacing one changes what its callers get, not what the steps do."""
 
     gates: Hook[list[Gate]] = Hook()
     submit_checks: Hook[list[Callable[[Engine, Envelope], None]]] = Hook()
@@ -106,7 +109,7 @@ class Engine:
         self.formats = formats
         self.artifact_sink: ArtifactSink | None = None  # the artifacts feature installs one
         self.schemas = SchemaCache(workspace.schemas)
-        self.checks = JobChecks(self.schemas, workspace, self.settings)
+        self.checks = JobChecks(self)
         # the extension points; features add to them (features.build.build_engine installs them)
         self.hooks: Hooks[Engine] = Hooks()
 

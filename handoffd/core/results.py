@@ -46,6 +46,13 @@ def failed(started: datetime, finished: datetime, code: str, message: str, *,
 
 
 if TYPE_CHECKING:  # for the type checker only: no class to build at each import
+    class Checked(Protocol):
+        """What :class:`JobChecks` reads of its engine, at each check."""
+
+        schemas: SchemaCache
+        ws: Workspace
+        settings: DaemonSettings
+
     class Reading(Protocol):
         """What reading a result uses of an :class:`~handoffd.core.engine.Engine` (named here, not
         imported: engine.py imports this module)."""
@@ -117,13 +124,24 @@ class JobChecks:
     """One engine's checks of its jobs against schemas: the input before the handler runs, the
     output after, and what becomes of an expectation a request states that is not met."""
 
-    def __init__(self, schemas: SchemaCache, workspace: Workspace,
-                 settings: DaemonSettings) -> None:
-        self.schemas = schemas
-        self.ws = workspace
-        self.settings = settings
+    def __init__(self, owner: Checked) -> None:
+        # the engine's own attributes, read at each check (a caller that replaces
+        # engine.settings after building it changes the checks too, as it did inline)
+        self._owner = owner
         self._warned: set[str] = set()  # advisory problems already logged (expectation_unmet)
         self._lock = threading.Lock()
+
+    @property
+    def schemas(self) -> SchemaCache:
+        return self._owner.schemas
+
+    @property
+    def ws(self) -> Workspace:
+        return self._owner.ws
+
+    @property
+    def settings(self) -> DaemonSettings:
+        return self._owner.settings
 
     def expectation_unmet(self, job: Job, problem: InvalidDocument, key: str) -> None:
         """A request's expectation is not met: raise ``problem`` (``[daemon] expectations =
