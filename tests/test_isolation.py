@@ -29,7 +29,8 @@ from handoffd.core.config import Config, DaemonSettings, specialist_from_table
 from handoffd.core.documents import Outcome, new_native_request
 from handoffd.core.engine import Engine
 from handoffd.core.errors import ConfigError
-from handoffd.core.isolation import DIED, crashed_last, isolate, suspect
+from handoffd.core.isolation import DIED, crashed_last, isolate
+from handoffd.core.suspects import KIND, SUSPECT_SECONDS, Suspects
 from handoffd.core.specialists import Specialist
 from handoffd.core.states import State
 
@@ -220,29 +221,45 @@ def test_the_isolate_setting_is_checked() -> None:
         assert "\n" not in message and len(message) < 200
 
 
-def test_a_suspect_specialist_runs_every_attempt_isolated_for_a_while(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_suspect_specialist_runs_every_attempt_isolated_for_a_while() -> None:
     """After a crash every handoff of a specialist that was running there runs isolated, not
     only those that were running: a handler crashing at every start took the daemon (and the
-    attempts beside it) down once per new handoff of its own."""
+    attempts beside it) down once per new handoff of its own. The mark is a shared record, so
+    another process of the store (another of `run --processes N`) isolates it too."""
+    from handoffd.backends.memory import MemoryRecords
     retry = Config().retry
     fresh = doc_with(ev("claimed"))  # no crash in its own history
     specs = {mode: Specialist(specialist_from_table("@x", {"handler": "isoplug:work",
                                                            "isolate": mode}, retry))
              for mode in ("after_crash", "always", "never")}
     command = Specialist(specialist_from_table("@c", {"command": ["true"]}, retry))
+    unimportable = Specialist(specialist_from_table("@m", {"handler": "__main__:f"}, retry))
     now = [1000.0]
-    monkeypatch.setattr("handoffd.core.isolation.time.monotonic", lambda: now[0])
-    assert not isolate(specs["after_crash"], fresh, "h1")
-    for spec in (*specs.values(), command, None):
-        suspect(spec)
-    assert isolate(specs["after_crash"], fresh, "h1")
-    assert isolate(specs["always"], fresh, "h1") and not isolate(specs["never"], fresh, "h1")
-    assert command.suspect_until == 0.0 and specs["never"].suspect_until == 0.0
+    shared = MemoryRecords()
+    here, there = (Suspects(lambda: shared, clock=lambda: now[0]) for _ in range(2))
+    assert not isolate(specs["after_crash"], fresh, "h1", here)
+    assert not isolate(specs["after_crash"], fresh, "h1", there)  # (read: cached for a second)
+    for spec in (*specs.values(), command, unimportable, None):
+        here.mark(spec)
+    assert isolate(specs["after_crash"], fresh, "h1", here)
+    assert isolate(specs["always"], fresh, "h1", here)
+    assert not isolate(specs["never"], fresh, "h1", here)
+    assert set(shared.read(KIND)) == {"@x"}  # no command, no "never", none another can't import
+    there.refresh()  # (as after its sweep; else within REFRESH_SECONDS)
+    assert isolate(specs["after_crash"], fresh, "h1", there)
     now[0] += 599.0
-    assert isolate(specs["after_crash"], fresh, "h1")
+    assert isolate(specs["after_crash"], fresh, "h1", here)
     now[0] += 2.0  # SUSPECT_SECONDS after the last crash: back in the daemon
-    assert not isolate(specs["after_crash"], fresh, "h1")
+    assert not isolate(specs["after_crash"], fresh, "h1", here)
+    assert not isolate(specs["after_crash"], fresh, "h1", there)
+    # a forged record isolates for SUSPECT_SECONDS at most, and garbage not at all
+    for agent, until in (("@x", now[0] + SUSPECT_SECONDS), ("@y", 1e300), ("@z", "soon"),
+                         ("@w", float("nan"))):
+        shared.update(KIND, agent, lambda old, until=until: {"until": until})
+    there.refresh()
+    assert "@x" in there and all(a not in there for a in ("@y", "@z", "@w"))
+    now[0] += SUSPECT_SECONDS + 1
+    assert "@x" not in there
 
 
 def test_a_bad_isolate_value_is_one_config_line(tmp_path: Path) -> None:
@@ -612,3 +629,31 @@ def test_a_crasher_retried_by_hand_after_its_isolated_deaths_runs_isolated(plug:
     assert ws.state_of("crasher") == ["failed"]
     third = [r for r in runs_of(tmp_path) if r["id"] == "crasher" and r["batch"] == "3"]
     assert third and all(r["pid"] != pid for r in third)  # each in a process of its own
+
+
+def test_after_a_crash_no_process_of_a_forked_batch_runs_a_crasher_in_itself(
+        plug: Path, tmp_path: Path) -> None:
+    """`run --processes 2` after a crash: the process that did not recover it had no mark and
+    ran new crashers in itself, and was killed. Its children now start after the parent's
+    first sweep, and the mark is shared through the store's records."""
+    ws, env, innocent = crash_workspace(tmp_path, plug, "kill")
+    _, code, err = run_batch(ws, env, 1)
+    assert code < 0, err  # the crash
+    later = [f"crasher-{i}" for i in range(1, 7)]
+    for hid in later:
+        ws.drop(f"{hid}.json", {"handoff_id": hid, "target": {"agent_id": "@crash"},
+                                "input": {"data": {"how": "kill"}}})
+    proc = subprocess.Popen([exe("handoffd"), "run", "--root", str(ws.root), "--processes", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(env, ISO_BATCH="2"))
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode in (0, 1) and "without a report" not in err, err
+    assert "Traceback" not in err, err
+    starts = [r for r in runs_of(tmp_path) if r["batch"] == "2" and r["event"] == "start"
+              and r["id"].startswith("crasher")]
+    pids = [r["pid"] for r in starts]
+    assert starts and len(set(pids)) == len(pids), starts  # each in a process of its own
+    for hid in ["crasher", *later]:
+        assert ws.state_of(hid) == ["failed"], hid
+    for hid in innocent:
+        assert ws.state_of(hid) == ["completed"], hid

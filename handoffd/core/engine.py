@@ -57,6 +57,7 @@ from .submission import (
     submit,
     without_book,
 )
+from .suspects import Suspects
 from .timeutil import Clock, utc_now
 from .validation import SchemaCache, check_document
 from .workspace import Workspace
@@ -106,6 +107,8 @@ class Engine:
         self._registry_lock = threading.Lock()
         self.clock = clock
         self.backend = backend
+        # specialists whose attempts run isolated after a crash (shared by the store's processes)
+        self.suspects = Suspects(lambda: self.backend.records())
         self.formats = formats
         self.artifact_sink: ArtifactSink | None = None  # the artifacts feature installs one
         self.schemas = SchemaCache(workspace.schemas)
@@ -297,10 +300,11 @@ class Engine:
             else:
                 from .isolation import isolate, run_isolated
                 from .runner import run_python
-                if isolate(job.specialist, job.claim.doc, job.handoff_id):  # after a crash
+                if isolate(job.specialist, job.claim.doc, job.handoff_id, self.suspects):
                     result = run_isolated(job.specialist, job.claim.doc, job.context,
                                           self.timeout_for(job),
-                                          max_output_bytes=self.settings.max_output_bytes)
+                                          max_output_bytes=self.settings.max_output_bytes,
+                                          suspects=self.suspects)
                 else:
                     result = run_python(job.specialist, job.claim.doc, job.context,
                                         self.timeout_for(job), self._takeover(job, started))

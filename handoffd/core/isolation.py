@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Any, Callable
 
 from . import procs
@@ -48,7 +47,8 @@ from .runner import (
     _write_record,
     validate_result,
 )
-from .specialists import HandlerContext, Specialist
+from .specialists import HandlerContext, Specialist, handler_reference
+from .suspects import Suspects
 
 log = logging.getLogger("handoffd")
 
@@ -61,19 +61,18 @@ DIED = PROCESS_DIED  # in an error's details: the isolated handler's process die
 # a message may exceed max_output_bytes by this much: its wrapper, an error's message and details
 MESSAGE_MARGIN = 64 * 1024
 # the calls a child may make on its context view (the daemon's), with the keyword arguments each takes
-# after a crash, how long a suspect specialist's attempts all run isolated (see suspect)
-SUSPECT_SECONDS = 600.0
 CONTEXT_CALLS: dict[str, frozenset[str]] = {
     "get_with_revision": frozenset(), "set": frozenset({"if_revision"}),
     "keys": frozenset({"prefix"}), "may_write": frozenset()}
 
 
-def isolate(spec: Specialist, doc: dict[str, Any], handoff_id: str) -> bool:
+def isolate(spec: Specialist, doc: dict[str, Any], handoff_id: str,
+            suspects: Suspects | None = None) -> bool:
     """Whether this attempt of a Python specialist runs in a process of its own: its
     ``isolate`` setting, and with ``"after_crash"`` (the default) :func:`crashed_last` or the
-    specialist being a suspect (:func:`suspect`). A handler that no other process can import
-    (defined in ``__main__`` or inside a function) runs in the daemon, with a warning; with
-    ``"always"`` its attempts fail instead."""
+    specialist being marked in ``suspects`` (:mod:`.suspects`). A handler that no other process
+    can import (defined in ``__main__`` or inside a function) runs in the daemon, with a
+    warning; with ``"always"`` its attempts fail instead."""
     mode = spec.config.isolate
     if mode == "always":
         return True
@@ -81,8 +80,8 @@ def isolate(spec: Specialist, doc: dict[str, Any], handoff_id: str) -> bool:
         return False
     if crashed_last(doc):
         why = "its last attempt ended with its process"
-    elif spec.suspect_until > time.monotonic():
-        why = f"a handoff of {spec.agent} was running when a process died"
+    elif suspects is not None and spec.agent in suspects:
+        return handler_reference(spec) is not None  # (marked only when it can be: said then)
     else:
         return False
     if handler_reference(spec) is None:
@@ -90,23 +89,8 @@ def isolate(spec: Specialist, doc: dict[str, Any], handoff_id: str) -> bool:
                     "process (defined in __main__ or inside a function): it runs in the daemon",
                     handoff_id, why, spec.config.handler, spec.agent)
         return False
-    log.info("handoff %s: %s; its handler runs in a process of its own", handoff_id, why)
+    log.warning("handoff %s: %s; its handler runs in a process of its own", handoff_id, why)
     return True
-
-
-def suspect(spec: Specialist | None) -> None:
-    """A handoff of ``spec`` was running when its process died (a recovery), or died in an
-    isolated process: for :data:`SUSPECT_SECONDS` every attempt of the specialist runs isolated
-    (with ``"after_crash"``), not only that handoff's. Which of the handoffs running at a crash
-    caused it cannot be told, and a handler that crashes at every start would otherwise take
-    the daemon, and every attempt beside it, down once per new handoff of its own."""
-    if spec is None or spec.is_command or spec.config.isolate != "after_crash":
-        return
-    if spec.suspect_until <= time.monotonic():
-        log.warning("specialist %s: a handoff of it was running when a process died; for the "
-                    "next %.0f s its handlers run in processes of their own", spec.agent,
-                    SUSPECT_SECONDS)
-    spec.suspect_until = time.monotonic() + SUSPECT_SECONDS
 
 
 def crashed_last(doc: dict[str, Any]) -> bool:
@@ -150,26 +134,8 @@ def _died(entry: dict[str, Any]) -> bool:
     return isinstance(details, dict) and details.get(DIED) is True
 
 
-def handler_reference(spec: Specialist) -> str | None:
-    """``module:qualname`` by which another process imports ``spec``'s handler, or None when
-    it cannot (``__main__``, a function defined inside another, a registered function that is
-    not what its name refers to)."""
-    ref = spec.config.handler
-    if not ref or ":" not in ref:
-        return None
-    module_name, _, qualname = ref.partition(":")
-    if module_name == "__main__" or "<" in qualname or not qualname:
-        return None
-    if spec.func is None:  # named in handoffd.toml or an entry point: imported by name anyway
-        return ref
-    found: Any = sys.modules.get(module_name)
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    return ref if found is spec.func else None
-
-
 def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, timeout: float,
-                 *, max_output_bytes: int) -> dict[str, Any]:
+                 *, max_output_bytes: int, suspects: Suspects | None = None) -> dict[str, Any]:
     """Run a Python handler in a child process and wait at most ``timeout`` seconds for its
     result; the result is checked as an in-process one (:func:`~.runner.validate_result`).
     Raises HandlerError: the handler's own, TIMEOUT, CANCELLED, or PROCESSING_ERROR when the
@@ -222,8 +188,8 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
     try:
         return _answer(channel, proc.returncode, output.data(), ctx.handoff_id, max_output_bytes)
     except HandlerError as exc:
-        if isinstance(exc.details, dict) and exc.details.get(DIED):
-            suspect(spec)  # its new handoffs too: each would take the daemon down once
+        if suspects is not None and isinstance(exc.details, dict) and exc.details.get(DIED):
+            suspects.mark(spec)  # its new handoffs too: each would take the daemon down once
         raise
 
 

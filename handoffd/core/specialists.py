@@ -126,9 +126,6 @@ class Specialist:
 
     config: SpecialistConfig
     func: Handler | None = None
-    # until when (time.monotonic) this specialist's Python attempts run isolated: one of its
-    # handoffs was running when a process died (see core/isolation.py)
-    suspect_until: float = field(default=0.0, compare=False, repr=False)
 
     @property
     def agent(self) -> str:
@@ -143,6 +140,24 @@ class Specialist:
         if self.func is None:
             self.func = import_handler(self.config.handler or "", self.agent)
         return self.func
+
+
+def handler_reference(spec: Specialist) -> str | None:
+    """``module:qualname`` by which another process imports ``spec``'s handler, or None when
+    it cannot (``__main__``, a function defined inside another, a registered function that is
+    not what its name refers to)."""
+    ref = spec.config.handler
+    if not ref or ":" not in ref:
+        return None
+    module_name, _, qualname = ref.partition(":")
+    if module_name == "__main__" or "<" in qualname or not qualname:
+        return None
+    if spec.func is None:  # named in handoffd.toml or an entry point: imported by name anyway
+        return ref
+    found: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return ref if found is spec.func else None
 
 
 def import_handler(ref: str, agent: str) -> Handler:

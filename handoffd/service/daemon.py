@@ -67,6 +67,8 @@ class Daemon:
         self.settings = engine.settings
         self.workers = workers or self.settings.workers
         self.hard_stop = False
+        # a sweep already made for this run (see _start_sweep)
+        self.first_sweep: SweepReport | None = None
         self.report = BatchReport()
         self.hooks = Hooks()
         self.scheduler = Scheduler(engine, self.report, workers=self.workers)
@@ -248,6 +250,12 @@ class Daemon:
         return report
 
     # ------------------------------------------------------------ running
+    def _start_sweep(self) -> SweepReport:
+        """The sweep a run starts with: :attr:`first_sweep` when one was made before (by
+        :func:`.spread.spread`, before the other processes start), else one now."""
+        done, self.first_sweep = self.first_sweep, None
+        return done if done is not None else self.sweep()
+
     def serve(self, *, install_signals: bool = True, ready: Callable[[], None] | None = None) -> int:
         """Run until SIGTERM/SIGINT (or :meth:`stop`); returns the exit code: 0, or 1 when the
         main loop died of an unexpected error (logged with its traceback; in-flight work is
@@ -257,7 +265,7 @@ class Daemon:
         if install_signals:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
-        self.report.sweep = self.sweep()
+        self.report.sweep = self._start_sweep()
         warm_up(self.engine.schemas)
         self.feed.subscribe()
         if ready:
@@ -282,7 +290,7 @@ class Daemon:
             signal.signal(signal.SIGINT, self._on_signal)
         if max_seconds is not None:
             self.scheduler.batch_deadline = time.monotonic() + max_seconds
-        self.report.sweep = self.sweep()
+        self.report.sweep = self._start_sweep()
         self.feed.subscribe()
         self._guarded_loop(batch=True)
         return self.report

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import select
 import signal
 import sys
 import threading
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from .daemon import BatchReport, Daemon
 
 log = logging.getLogger("handoffd")
+GATE_SECONDS = 30.0  # a child waits at most this long for the parent's first sweep
 AUTO_MIN_PENDING = 200  # "auto" forks for a backlog at least this large (~0.3 s of no-op work)
 AUTO_MAX_PROCESSES = 8
 ORPHANED = signal.SIGUSR2  # what a child gets when the parent dies
@@ -131,19 +133,33 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
         count = 1
     parent = os.getpid()
     children: list[tuple[int, int]] = []  # (pid, read end of its report pipe)
+    # the children start once the parent's first sweep is done (EOF on this pipe): a crash it
+    # recovers marks specialists whose attempts must then run isolated in every process
+    # (core/suspects.py), and a child claiming before the mark ran a crasher in itself
+    gate, opened = os.pipe() if count > 1 else (-1, -1)
     for index in range(1, count):
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(read)
+            os.close(opened)
             for _, other in children:
                 os.close(other)
-            _child(parent, write, lambda: make((index, count)), child_run or run)  # no return
+            _child(parent, write, lambda: make((index, count)), child_run or run,
+                   gate=gate)  # no return
         os.close(write)
         children.append((pid, read))
     daemon = make((0, count))
     family = _Family(daemon, [pid for pid, _ in children])
     family.install()
+    if count > 1:
+        os.close(gate)
+        try:
+            daemon.engine.ws.ensure()
+            daemon.engine.backend.prepare()
+            daemon.first_sweep = daemon.sweep()
+        finally:
+            os.close(opened)
     if serving:
         daemon.add_scan_hook(family.check)
     report = run(daemon)
@@ -238,7 +254,7 @@ def _report(write: int, report: BatchReport) -> None:
 
 
 def _child(parent: int, write: int, make: Callable[[], Daemon],
-           run: Callable[[Daemon], BatchReport]) -> None:
+           run: Callable[[Daemon], BatchReport], *, gate: int = -1) -> None:
     code = 1
     try:
         os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent alone; it forwards it once
@@ -257,6 +273,7 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
         # send it more than once (once per thread of the parent that the child is handed to),
         # and a second SIGTERM means "hand back now"
         signal.signal(ORPHANED, lambda signum, frame: daemon.stop())
+        _await_gate(gate)
         report = run(daemon)
         code = 0
         _report(write, report)
@@ -345,3 +362,19 @@ def _forget_settled(engine: Engine, report: BatchReport) -> None:
                     ids.discard(hid)
                 else:
                     ids.pop(hid, None)
+
+
+def _await_gate(gate: int, limit: float = GATE_SECONDS) -> None:
+    """Wait until the parent's first sweep is done (EOF on ``gate``; also when the parent dies),
+    at most ``limit`` seconds: a sweep that takes longer must not hold the batch."""
+    if gate < 0:
+        return
+    try:
+        select.select([gate], [], [], limit)
+    except (OSError, ValueError):  # (interrupted, or a descriptor closed under us)
+        pass
+    finally:
+        try:
+            os.close(gate)
+        except OSError:
+            pass

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import isolation, procs
+from ..core import procs
 from ..core.documents import book, book_int, record
 from ..core.engine import Engine
 from ..core.errors import (
@@ -66,6 +66,8 @@ def sweep(engine: Engine, *, skip: set[str] | None = None) -> SweepReport:
     for repair in engine.on_sweep:  # features' own repairs (contracts: file reservations)
         _step(_describe(repair), repair, engine)
     _step("pruning process records of finished attempts", procs.prune_records, engine.ws)
+    # another process's recovery may have just marked a specialist (core/suspects.py)
+    _step("reading the crash marks", engine.suspects.refresh)
     return report
 
 
@@ -117,7 +119,7 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
                              retryable=True)
     engine.file(claim, dialect, spec, outcome)
     report.recovered.append(claim.id)
-    isolation.suspect(spec)  # which handoff ended the process is unknown: all run isolated a while
+    engine.suspects.mark(spec)  # which handoff ended the process is unknown: all run isolated a while
 
 
 def _kill_leftovers(engine: Engine, handoff_id: str, attempt: int) -> None:
