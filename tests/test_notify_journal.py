@@ -537,3 +537,47 @@ def test_names_it_cannot_take_never_hide_a_left_over_journal(
         assert len([line for line in said if f"{900000 + number}-" in line]) <= 1, said
     assert len([line for line in said if "5100-" in line]) <= 1, said
     assert not any("live-" in r.getMessage() for r in caplog.records)
+
+
+def test_a_name_with_an_offset_past_its_end_never_ends_the_sweep(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`1-0123456789abcdef+999999999999999.jsonl`: seeking there raised EINVAL out of the whole
+    take-over, at every sweep, and the journals behind it were never taken."""
+    caplog.set_level(logging.WARNING, logger="handoffd")
+    rule = NotifyRule(command=RECORD, retries=0)
+    folder = tmp_path / "meta" / "notify"
+    hostile = left_over(folder, [entry("bait", rule)], name="1-0123456789abcdef+999999999999999")
+    real = [left_over(folder, [entry(f"real-{n}", rule)], name=f"{7000 + n}-{n:016x}")
+            for n in range(3)]
+    notifier = notifier_for(tmp_path, rule)
+    for _ in range(3):
+        notifier.take_over()
+    assert notifier.drain(timeout=20) is True
+    assert sorted(got(tmp_path)) == ["real-0", "real-1", "real-2"]
+    assert not any(path.exists() for path in real) and hostile.exists()
+    said = [r.getMessage() for r in caplog.records if hostile.name in r.getMessage()]
+    assert len(said) == 1 and "past its end" in said[0], said
+
+
+def test_a_journal_that_cannot_be_opened_now_is_taken_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open that failed for a passing reason (EMFILE at the descriptor limit) marked the
+    journal as 'not a journal handoffd wrote' for the process's whole life: a serving daemon
+    never delivered it. Only a name that is no regular file is remembered so."""
+    import errno
+    rule = NotifyRule(command=RECORD, retries=0)
+    folder = tmp_path / "meta" / "notify"
+    path = left_over(folder, [entry("later", rule)])
+    notifier = notifier_for(tmp_path, rule)
+    real_open = leftovers.open_regular
+
+    def out_of_descriptors(name: Any, flags: int, mode: int = 0o644) -> int:
+        raise OSError(errno.EMFILE, "Too many open files", str(name))
+
+    monkeypatch.setattr(leftovers, "open_regular", out_of_descriptors)
+    notifier.take_over()
+    assert path.exists()
+    monkeypatch.setattr(leftovers, "open_regular", real_open)
+    notifier.take_over()
+    assert notifier.drain(timeout=20) is True and got(tmp_path) == ["later"]
+    assert not path.exists()

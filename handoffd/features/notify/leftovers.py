@@ -25,6 +25,7 @@ folder of more than SCAN_LIMIT names), so a journal behind any number of such na
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -56,6 +57,8 @@ SCAN_LIMIT = 10_000  # names of the outbox folder looked at by one sweep
 UNUSABLE_SAID = 5  # names that are no journal said one by one in a sweep (the rest: one line)
 UNUSABLE_KEPT = 10_000  # such names a process remembers (not looked at again, not said again)
 READ_STEP = 1 << 16
+# what open_regular says of a name that is no regular file (a symlink, FIFO, folder, device)
+NOT_A_FILE = frozenset({errno.ELOOP, errno.EINVAL, errno.ENXIO, errno.EISDIR, errno.ENODEV})
 STATES = {State.COMPLETED.value: State.COMPLETED, State.FAILED.value: State.FAILED}
 FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 
@@ -90,6 +93,9 @@ def take_over(outbox: Outbox, take: Callable[[list[Entry], str], bool]) -> int:
             sweep.journals += 1
             try:
                 sweep.notices += _take(sweep, fd, path)
+            except OSError as exc:  # one journal never ends the sweep for those behind it
+                log.warning("notification outbox %s: %s cannot be taken over now (%s): the next "
+                            "sweep tries again", outbox.folder, path.name, exc)
             finally:
                 os.close(fd)
             if sweep.journals >= JOURNALS_PER_SWEEP:
@@ -107,6 +113,9 @@ def _take(sweep: Sweep, fd: int, path: Path) -> int:
     how many notices were taken."""
     match = JOURNAL.fullmatch(path.name)
     start = int(match.group(1)) if match and match.group(1) else 0
+    if start > os.fstat(fd).st_size:  # a name no journal of ours has: nothing there to take
+        _unusable(sweep, path.name, f"its name says it goes on at byte {start}, past its end")
+        return 0
     if start:
         os.lseek(fd, start, os.SEEK_SET)
     entries, rest_at = read_left(fd, path.name)
@@ -200,8 +209,12 @@ def _claim(sweep: Sweep, path: Path) -> int | None:
         fd = open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    except OSError as exc:  # a FIFO, a symlink, a folder, a device: never read, said once
-        _unusable(sweep, path.name, exc.strerror or str(exc))
+    except OSError as exc:
+        if exc.errno in NOT_A_FILE:  # a FIFO, a symlink, a folder, a device: never read, said once
+            _unusable(sweep, path.name, exc.strerror or str(exc))
+        else:  # out of descriptors, EACCES, EIO: perhaps not next time, so not remembered
+            log.warning("notification outbox %s: %s cannot be opened now (%s): the next sweep "
+                        "tries again", sweep.outbox.folder, path.name, exc.strerror or exc)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
