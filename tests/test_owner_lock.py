@@ -62,15 +62,15 @@ def held_by_someone(path: Path) -> bool:
 
 def close_it(store: Store, path: Path) -> int | None:
     """A handler's os.close of the lock's descriptor; returns a descriptor to close later."""
-    assert store._owner is not None
-    os.close(store._owner.fd)
+    assert store.owners.held is not None
+    os.close(store.owners.held.fd)
     return None
 
 
 def reuse_it(store: Store, path: Path) -> int | None:
     """Closed, and its number taken by the next file the process opens."""
-    assert store._owner is not None
-    number = store._owner.fd
+    assert store.owners.held is not None
+    number = store.owners.held.fd
     os.close(number)
     other = os.open(path.parent.parent / "pending", os.O_RDONLY)
     if other != number:  # (another thread opened something meanwhile: put ours there)
@@ -81,8 +81,8 @@ def reuse_it(store: Store, path: Path) -> int | None:
 
 def reopen_it(store: Store, path: Path) -> int | None:
     """Closed, and the lock file itself opened again under the same number (no lock held)."""
-    assert store._owner is not None
-    number = store._owner.fd
+    assert store.owners.held is not None
+    number = store.owners.held.fd
     os.close(number)
     again = os.open(path, os.O_RDWR)
     if again != number:
@@ -146,8 +146,8 @@ def test_a_claim_after_the_lock_was_closed_names_a_new_lock(store: Store) -> Non
     """The claim's hot path checks the descriptor (one fstat): a claim never names a lock that
     any other process could take at once."""
     old = store.owner_lock()
-    assert store._owner is not None
-    os.close(store._owner.fd)
+    assert store.owners.held is not None
+    os.close(store.owners.held.fd)
     doc = new_native_request(source="@t", target="@x", data={}, now=utc_now())
     hid = store.create(doc, "h1")
     claim = store.claim(hid, lease_seconds=30)
@@ -162,13 +162,13 @@ def test_a_lock_another_process_took_is_not_taken_back(store: Store) -> None:
     the old one stays the other's."""
     old = store.owner_lock()
     path = store.ws.locks / old
-    assert store._owner is not None
-    os.close(store._owner.fd)
+    assert store.owners.held is not None
+    os.close(store.owners.held.fd)
     other = os.open(path, os.O_RDWR)  # (another opening stands for another process)
     try:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         new = store.check_owner_lock()
-        assert new != old and not store._shields
+        assert new != old and not store.owners.shields
         fcntl.flock(other, fcntl.LOCK_UN)
         assert not held_by_someone(path)  # nobody of ours holds it
     finally:
@@ -178,13 +178,13 @@ def test_a_lock_another_process_took_is_not_taken_back(store: Store) -> None:
 def test_close_never_raises_nor_closes_a_descriptor_no_longer_its_own(store: Store) -> None:
     """close() after a handler closed the lock: no EBADF, and a reused number is left alone."""
     store.owner_lock()
-    assert store._owner is not None
-    number = store._owner.fd
+    assert store.owners.held is not None
+    number = store.owners.held.fd
     os.close(number)
     store.close()  # a dead descriptor: no "Bad file descriptor"
     store.owner_lock()
-    assert store._owner is not None
-    number = store._owner.fd
+    assert store.owners.held is not None
+    number = store.owners.held.fd
     os.close(number)
     other = os.open(store.ws.root, os.O_RDONLY)
     if other != number:
@@ -214,8 +214,8 @@ def test_claims_on_a_lost_lock_are_broken_and_fenced(tmp_path: Path) -> None:
     before = backend.claim("a", clock, 30)
     assert before is not None
     old = book(before.doc)["lease"]["lock"]
-    assert backend.store._owner is not None
-    os.close(backend.store._owner.fd)
+    assert backend.store.owners.held is not None
+    os.close(backend.store.owners.held.fd)
     after = backend.claim("b", clock, 30)  # (its claim notices and takes a new lock)
     assert after is not None and book(after.doc)["lease"]["lock"] != old
 

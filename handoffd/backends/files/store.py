@@ -1,21 +1,22 @@
 """The file store: documents in state folders, moved only by atomic, non-overwriting operations.
 
 The store knows the mechanics (create, claim, move, quarantine, lock, lease) and nothing of policy:
-what to do with a failure is decided by :mod:`handoffd.core.engine`.
+what to do with a failure is decided by :mod:`handoffd.core.engine`. This module holds the
+Store's state, its seals and its claim's transitions (claim, renew, move, finish: the hot path,
+with the crash points recovery tests stop at); beside it, as plain functions its methods call:
+:mod:`.reading` (where a handoff is, its current copy, folder listings), :mod:`.writes`
+(create, a purge's compare-and-delete, quarantine) and :mod:`.leases` (the lease block, claim
+locks and the process's owner lock).
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import re
-import threading
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
-from ...core.documents import BOOK, actor, book, book_int, check_id, record, revision
+from ...core.documents import BOOK, book, book_int, record, revision
 from ...core.errors import (
     ConfigError,
     DocumentNotReady,
@@ -23,30 +24,30 @@ from ...core.errors import (
     ErrorCode,
     InvalidDocument,
     InvalidTransition,
-    NotFound,
 )
-from ...core.states import State, allowed, winner
-from ...core.timeutil import iso, utc_now
+from ...core.states import State, allowed
+from ...core.timeutil import utc_now
 from ...core.workspace import Workspace
-from ..base import stamp_created
-from . import aside, fsio, seals, spares
-from .ownerlock import (
-    OwnerLock,
-    close_quietly,
-    drop_lock,
-    hold_again,
-    say_lost,
-    unlink_quietly,
+from . import aside, fsio, reading, seals, spares, writes
+from .leases import (
+    OWNER_LOCK_NAME,
+    Claim,
+    NullLock,
+    OwnerLocks,
+    lease,
+    lock_name,
+    release_lock,
+    try_lock,
 )
+from .reading import MAX_REASON_BYTES
 from .seen import SeenIds
 
-if TYPE_CHECKING:  # filelock is imported where a lock is taken (one-shot commands skip it)
-    from filelock import FileLock
+__all__ = [
+    "Store", "Claim", "NullLock", "OWNER_LOCK_NAME", "CRASH_POINTS", "MAX_REASON_BYTES",
+    "FILED_MARGIN_BYTES", "BOOKKEEPING_MARGIN_BYTES", "crash_point", "inject_crash_at", "lease",
+    "lock_name", "release_lock", "try_lock",
+]
 
-# the name of a store's owner lock (see Store.owner_lock); a lease naming anything else is judged
-# by its per-claim lock file
-OWNER_LOCK_NAME = re.compile(r"owner\.[0-9a-f]{32}\.lock")
-MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
 FILED_MARGIN_BYTES = 1 << 20  # a finished document's bookkeeping besides request and answer
 # a pending or running document's own bookkeeping (history of at most 200 entries, a lease, a
 # parked report of at most 64 KB) on top of a request of up to max_document_bytes
@@ -76,22 +77,6 @@ def inject_crash_at(point: str) -> None:
     crash_hook = die_there if point else None
 
 
-@dataclass
-class Claim:
-    """A handoff this process owns: its in-progress document, lease token and held lock."""
-
-    handoff_id: str
-    doc: dict[str, Any]
-    token: str | None
-    lock: "FileLock | NullLock"
-    attempt: int
-    inode: int | None = None  # of the in-progress file as this claim last wrote it
-    prior_revision: int = 0  # trusted (sealed) revision it had in pending/; 0: a raw document
-    finished: bool = False
-    # serialises lease renewal (heartbeat thread) with finishing (worker thread)
-    mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-
 class Store:
     """Documents of one workspace. ``durable=False`` is the ``fast`` durability mode (no fsync)."""
 
@@ -112,130 +97,33 @@ class Store:
         self.seen = SeenIds(workspace.meta / "seen-ids.jsonl", seen_ttl_seconds)
         self._key: bytes | None = None
         self._key_loaded = False
-        self._owner: OwnerLock | None = None  # see owner_lock
-        # owner locks lost (a handler closed their descriptor) and held again under a new one
-        # while the attempts that rode on them wind down (see _replace_lost)
-        self._shields: list[OwnerLock] = []
-        self._owner_mutex = threading.Lock()
-        self._given_up: set[str] = set()  # lease tokens of claims ended here without being filed
+        self.owners = OwnerLocks(workspace.locks)  # the owner lock every claim's lease names
         self._own_tmp: Path | None = None  # see use_own_tmp
 
     # ---------------------------------------------------------------- the owner lock
     def owner_lock(self) -> str:
-        """The name of the lock file (in ``handoffs/.locks``) this store holds while it lives:
-        every claim's lease names it, so a recoverer on this host that can take it knows the
-        owner process died. One lock for all claims instead of one lock file per claim: creating
-        a file is the dearest step of a claim on a journaling filesystem.
-
-        A handler running in this process may have closed the lock's descriptor (a careless
-        "close inherited fds" helper): then the lock is free for any other process to take, and
-        a claim naming it would look abandoned. So each call checks the descriptor with one
-        ``fstat`` and, if it is gone, takes a new lock first (see :meth:`check_owner_lock`)."""
-        with self._owner_mutex:
-            owner = self._owner
-            if owner is None or owner.pid != os.getpid():  # (a forked process takes its own)
-                return self._take_owner_lock().name
-            if owner.fd_intact():
-                return owner.name
-            why = owner.problem(self.ws.locks) or "its descriptor was closed"
-            fresh = self._replace_lost(owner, why)
-        say_lost(owner, why, fresh)
-        return fresh.name
+        """The owner lock every claim's lease names (see :meth:`.leases.OwnerLocks.name`)."""
+        return self.owners.name()
 
     def check_owner_lock(self) -> str | None:
-        """Make sure this process still holds its owner lock, and return its name (None while
-        this process has not taken one).
-
-        The lock is lost when its descriptor was closed (by a handler running in this process),
-        now refers to another file or to another opening of the lock file, or the file was
-        removed or replaced. Then another process may already have taken it and judged our
-        claims abandoned: a new lock is taken (under a new name, which later claims name), and
-        the old one is held again under a new descriptor if nobody took it meanwhile, to keep
-        the claims that name it from being recovered while they are stopped; whether or not,
-        those claims must be fenced by the caller (see :meth:`FilesBackend.broken_claims`). One
-        warning is logged. Raises OSError when a new lock cannot be taken (the next claim tries
-        again)."""
-        with self._owner_mutex:
-            # a shield closed by a handler is forgotten, never closed (nor a forked parent's)
-            self._shields = [s for s in self._shields if s.pid == os.getpid() and s.fd_ours()]
-            owner = self._owner
-            if owner is None or owner.pid != os.getpid():
-                return None
-            why = owner.problem(self.ws.locks)
-            if why is None:
-                return owner.name
-            self._owner = None  # (if no new lock can be taken, the next claim tries again)
-            fresh = self._replace_lost(owner, why)
-        say_lost(owner, why, fresh)
-        return fresh.name
+        """See :meth:`.leases.OwnerLocks.check` (a lost owner lock is replaced)."""
+        return self.owners.check()
 
     def keep_shields(self, named: set[str]) -> None:
-        """Release the lost owner locks held again (see :meth:`check_owner_lock`) that no claim
-        in ``named`` (the lock names the running claims' leases give) rides on any more: their
-        attempts have ended, and a claim given up midway is then recoverable by others, as when
-        a process dies."""
-        with self._owner_mutex:
-            done = [s for s in self._shields if s.name not in named and s.pid == os.getpid()]
-            self._shields = [s for s in self._shields if s not in done]
-        for shield in done:
-            drop_lock(shield, self.ws.locks)
-
-    def _take_owner_lock(self) -> OwnerLock:
-        """Create and lock a new owner lock file and make it this store's (under the mutex)."""
-        name = f"owner.{os.urandom(16).hex()}.lock"  # never reused: a stale file is never ours
-        path = self.ws.locks / name
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags, 0o644)
-        except FileNotFoundError:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, flags, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else holds it
-            lock = OwnerLock.mark_open(name, fd)
-        except BaseException:
-            close_quietly(fd)
-            unlink_quietly(path)
-            raise
-        self._owner = lock
-        return lock
-
-    def _replace_lost(self, lost: OwnerLock, why: str) -> OwnerLock:
-        """``lost`` is no longer surely held (``why``): keep it from being taken over while its
-        claims are fenced if nobody took it meanwhile, and take a new owner lock (under the
-        mutex)."""
-        if lost.fd_ours():  # still our descriptor, but its file was removed or replaced
-            close_quietly(lost.fd)
-        else:  # never closed here: the number may already be another file's descriptor
-            shield = hold_again(lost, self.ws.locks)
-            if shield is not None:
-                self._shields.append(shield)
-        self._owner = None
-        return self._take_owner_lock()
+        """See :meth:`.leases.OwnerLocks.keep_shields`."""
+        self.owners.keep_shields(named)
 
     def give_up(self, token: str | None) -> None:
-        """Note that this process ended the claim with lease ``token`` without filing it (it
-        failed midway): its lease still names the owner lock, which stays held, so recovery in
-        this process asks :meth:`gave_up` instead of waiting for the lease to run out."""
-        if token is not None:
-            with self._owner_mutex:
-                self._given_up.add(token)
+        """See :meth:`.leases.OwnerLocks.give_up`."""
+        self.owners.give_up(token)
 
     def gave_up(self, token: str | None) -> bool:
-        """True when this process gave up the claim with lease ``token`` (see :meth:`give_up`)."""
-        with self._owner_mutex:
-            return token in self._given_up
+        """True when this process gave up the claim with lease ``token``."""
+        return self.owners.gave_up(token)
 
     def close(self) -> None:
-        """Drop the owner lock (claims still open become recoverable, as if this process died),
-        and any lost one held again. Never raises for a descriptor a handler closed: one that is
-        no longer ours is left alone (its number may be another file's now)."""
-        with self._owner_mutex:
-            locks = [self._owner, *self._shields]
-            self._owner, self._shields = None, []
-        for lock in locks:
-            if lock is not None and lock.pid == os.getpid():
-                drop_lock(lock, self.ws.locks)
+        """Drop the owner locks (see :meth:`.leases.OwnerLocks.close`)."""
+        self.owners.close()
 
     # ---------------------------------------------------------------- temp files
     @property
@@ -284,7 +172,7 @@ class Store:
 
     def locate(self, handoff_id: str) -> list[State]:
         """Every state folder holding a file for ``handoff_id`` (normally exactly one)."""
-        return [s for s in State if os.path.lexists(self.path(s, handoff_id))]
+        return reading.locate(self, handoff_id)
 
     def read(self, state: State, handoff_id: str) -> dict[str, Any]:
         """Read and parse one document; FileNotFoundError if absent, InvalidDocument if bad."""
@@ -313,104 +201,44 @@ class Store:
 
     def get(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
         """The current state and document of ``handoff_id``; NotFound if it exists nowhere."""
-        check_id(handoff_id)
-        for _ in range(5):  # a move between our listing and our read is retried
-            copies: list[tuple[State, dict[str, Any]]] = []
-            for state in self.locate(handoff_id):
-                try:
-                    copies.append((state, self.read(state, handoff_id)))
-                except FileNotFoundError:
-                    continue
-            if copies:
-                best = winner([(s, self.trusted_revision(d, s, handoff_id)) for s, d in copies])
-                return copies[best]
-            if not self.locate(handoff_id):
-                break
-        held = self._aside_copy(handoff_id)
-        if held is not None:  # a retry or purge holds it aside for an instant: still there
-            return held
-        raise NotFound(f"no handoff {handoff_id} in {self.ws.handoffs}; `handoff ls` lists them",
-                       handoff_id=handoff_id)
-
-    def _aside_copy(self, handoff_id: str) -> tuple[State, dict[str, Any]] | None:
-        """(state it was taken from, document) of ``handoff_id`` set aside by a move or purge
-        under way (``handoff show`` and ``wait`` said "no handoff" in that instant)."""
-        for state in State:
-            path = self.ws.meta / aside.NAME / state.value / f"{handoff_id}.json"
-            try:
-                data, _ = fsio.read_bytes_safely(path, self.max_filed_bytes)
-                return state, fsio.parse_document(data, f"{state.value}/{handoff_id}.json")
-            except (OSError, InvalidDocument):
-                continue
-        return None
+        return reading.get(self, handoff_id)
 
     def ids(self, state: State) -> list[str]:
         """Ids of the documents in one state folder (one directory listing)."""
-        try:
-            with os.scandir(self.ws.state_dir(state)) as entries:
-                return [e.name[:-5] for e in entries if e.name.endswith(".json")]
-        except FileNotFoundError:
-            return []
+        return reading.ids(self.ws, state)
 
     def iter_ids(self, state: State) -> Iterator[str]:
-        """The ids of :meth:`ids`, read as the listing goes (a folder of 100,000 finished
-        documents is never a list in memory)."""
-        try:
-            with os.scandir(self.ws.state_dir(state)) as entries:
-                for entry in entries:
-                    if entry.name.endswith(".json"):
-                        yield entry.name[:-5]
-        except FileNotFoundError:
-            return
+        """The ids of :meth:`ids`, read as the listing goes (see :func:`.reading.iter_ids`)."""
+        return reading.iter_ids(self.ws, state)
 
     def entries(self, state: State) -> Iterator[os.DirEntry[str]]:
         """Raw directory entries of a state folder, including files that are not documents."""
-        try:
-            with os.scandir(self.ws.state_dir(state)) as entries:
-                yield from list(entries)
-        except FileNotFoundError:
-            return
+        return reading.entries(self.ws, state)
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """The reasons recorded for quarantined files, oldest first."""
+        return reading.quarantined(self.ws)
 
     # ---------------------------------------------------------------- writing
     def write_new(self, state: State, doc: dict[str, Any]) -> None:
         """Publish ``doc`` in ``state`` atomically; DuplicateHandoff if that name is taken."""
-        handoff_id = check_id(_doc_id(doc))
-        fsio.create_exclusive(self.path(state, handoff_id), self.encode(doc, state, handoff_id),
-                              self.tmp, durable=self.durable)
+        writes.write_new(self, state, doc)
 
     def create(self, doc: dict[str, Any], handoff_id: str, *, now: datetime | None = None,
                due_at: datetime | None = None) -> str:
         """Submit a new document to pending/; DuplicateHandoff naming the existing copy if taken."""
-        now = now or utc_now()
-        check_id(handoff_id)
-        existing = self.locate(handoff_id)
-        if existing:
-            raise DuplicateHandoff(
-                f"handoff {handoff_id} already exists in {existing[0].value}/; choose another id "
-                "or `handoff retry` the existing one", handoff_id=handoff_id)
-        if self.seen.contains(handoff_id, now):
-            raise DuplicateHandoff(f"handoff id {handoff_id} was used within the last "
-                                   f"{int(self.seen.ttl)}s; choose another id",
-                                   handoff_id=handoff_id)
-        if aside.holds(self, handoff_id):  # a retry or purge of it is under way: still taken
-            raise DuplicateHandoff(f"handoff {handoff_id} is being moved; choose another id",
-                                   handoff_id=handoff_id)
-        stamp_created(doc, handoff_id, now, due_at)  # bookkeeping a document brings is not ours
-        data = self.encode(doc, State.PENDING, handoff_id)
-        if len(data) > self.max_bytes:  # the daemon would set it aside unread: refuse it now
-            raise InvalidDocument(
-                f"handoff {handoff_id} would be {len(data)} bytes, over the {self.max_bytes}-byte "
-                "limit (raise daemon.max_document_bytes in handoffd.toml if this is intended)",
-                handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_LARGE)
-        try:
-            fsio.create_exclusive(self.path(State.PENDING, handoff_id), data,
-                                  self.tmp, durable=self.durable)
-        except DuplicateHandoff:
-            raise DuplicateHandoff(f"handoff {handoff_id} already exists in pending/",
-                                   handoff_id=handoff_id) from None
-        self.seen.add(handoff_id, now)
-        return handoff_id
+        return writes.create(self, doc, handoff_id, now=now, due_at=due_at)
 
+    def remove_if(self, state: State, handoff_id: str, expect: dict[str, Any]) -> bool:
+        """Delete ``handoff_id``'s document in the finished ``state`` if it still is ``expect``
+        (see :func:`.writes.remove_if`)."""
+        return writes.remove_if(self, state, handoff_id, expect)
+
+    def quarantine(self, path: Path, code: str, message: str, *, now: datetime | None = None) -> Path:
+        """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
+        return writes.quarantine(self, path, code, message, now=now)
+
+    # ---------------------------------------------------------------- claims and moves
     def claim(self, handoff_id: str, *, lease_seconds: float, now: datetime | None = None,
               on_claim: Callable[[dict[str, Any]], None] | None = None) -> Claim | None:
         """Take ``handoff_id`` from pending/ into in-progress/ and lock it.
@@ -427,7 +255,7 @@ class Store:
         except FileNotFoundError:
             return None
         except FileExistsError:
-            if self._moving_back(handoff_id):
+            if reading.moving_back(self, handoff_id):
                 # a move back to pending/ (a retry, an answer, a hand-back) writes the pending
                 # copy a moment before it removes the in-progress one: not a duplicate to set
                 # aside (that would lose the handoff), just not claimable for a moment
@@ -479,22 +307,6 @@ class Store:
             raise
         crash_point("after-claim-lease")
         return Claim(handoff_id, doc, token, lock, block["attempt"], inode, prior)
-
-    def _moving_back(self, handoff_id: str) -> bool:
-        """True when the pending copy is one handoffd wrote after the in-progress copy (a newer
-        sealed revision, or the in-progress copy is already gone): a move back in flight. A raw
-        pending document beside a running one is a duplicate."""
-        try:
-            back = self.trusted_revision(self.read(State.PENDING, handoff_id), State.PENDING,
-                                         handoff_id)
-            if back == 0:
-                return False
-            running = self.read(State.IN_PROGRESS, handoff_id)
-        except FileNotFoundError:  # one copy is gone: the move (or a claim) just finished
-            return True
-        except InvalidDocument:
-            return False
-        return back > self.trusted_revision(running, State.IN_PROGRESS, handoff_id)
 
     def _young(self, path: Path, now: datetime) -> bool:
         try:
@@ -566,7 +378,8 @@ class Store:
         # move replaces, never one written in its place meanwhile (see :mod:`.aside`)
         taken = aside.take(self, src, handoff_id)
         try:
-            if replaces is not None and self._revision_at(taken) != replaces:
+            if replaces is not None \
+                    and reading.revision_at(taken, self.max_filed_bytes) != replaces:
                 # filed again since the caller read it (two retries at once): not this move's
                 raise FileExistsError(f"{src.value}/{handoff_id}.json changed meanwhile")
             fsio.create_exclusive(self.path(dst, handoff_id), data, self.tmp, durable=self.durable)
@@ -576,14 +389,6 @@ class Store:
         crash_point("after-move-write")
         os.unlink(taken)
         crash_point("after-move-unlink")
-
-    def _revision_at(self, path: Path) -> int | None:
-        """The revision the document at ``path`` says it has (None: unreadable)."""
-        try:
-            data, _ = fsio.read_bytes_safely(path, self.max_filed_bytes)
-            return revision(fsio.parse_document(data, path.name))
-        except (OSError, InvalidDocument):
-            return None
 
     def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
         """File a claimed handoff in ``dst``. False (nothing written) if the claim was lost."""
@@ -602,119 +407,3 @@ class Store:
                     self.give_up(claim.token)
                 claim.finished = True
                 release_lock(claim.lock)
-
-    def remove_if(self, state: State, handoff_id: str, expect: dict[str, Any]) -> bool:
-        """Delete ``handoff_id``'s document in the finished ``state`` if it still is ``expect``.
-
-        The file is first set aside (:mod:`.aside`), so what is compared is what is deleted:
-        a document filed in its place meanwhile (a retry that failed again) is never the one
-        removed. One that differs is put back."""
-        try:
-            taken = aside.take(self, state, handoff_id)
-        except (FileNotFoundError, FileExistsError):  # gone, or another process has it aside
-            return False
-        try:
-            data, _ = fsio.read_bytes_safely(taken, self.max_filed_bytes)
-            same = fsio.parse_document(data, f"{state.value}/{taken.name}") == expect
-        except (OSError, InvalidDocument):
-            same = False
-        if same:
-            os.unlink(taken)
-            return True
-        aside.put_back(self, taken, state)
-        return False
-
-    def quarantine(self, path: Path, code: str, message: str, *, now: datetime | None = None) -> Path:
-        """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
-        now = now or utc_now()
-        self.ws.quarantine.mkdir(parents=True, exist_ok=True)
-        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.name)[:100] or "file"
-        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{safe}"
-        target = self.ws.quarantine / name
-        os.rename(path, target)  # works for symlinks and fifos too: the entry moves, not its target
-        reason = {"file": _readable(path.name), "from": path.parent.name, "code": code,
-                  "message": _readable(message), "at": iso(now), "actor": actor()}
-        fsio.replace(self.ws.quarantine / f"{name}.reason.json", fsio.dump_json(reason),
-                     self.tmp, durable=self.durable)
-        return target
-
-    def quarantined(self) -> list[dict[str, Any]]:
-        """The reasons recorded for quarantined files, oldest first."""
-        out = []
-        for entry in sorted(self.ws.quarantine.glob("*.reason.json")):
-            try:
-                item = fsio.parse_document(fsio.read_regular(entry, MAX_REASON_BYTES), entry.name)
-            except (OSError, InvalidDocument):
-                continue
-            item["stored_as"] = entry.name[: -len(".reason.json")]
-            out.append(item)
-        return out
-
-
-def _readable(text: str) -> str:
-    """``text`` as UTF-8 can hold it: the bytes of a file name that is not UTF-8 (and any lone
-    surrogate) written as ``\\x`` escapes, so that a reason naming it can be filed."""
-    try:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate that no byte stands for
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "backslashreplace")
-
-
-def _doc_id(doc: dict[str, Any]) -> str:
-    block = doc.get("handoffd")
-    if isinstance(block, dict) and isinstance(block.get("id"), str):
-        return block["id"]
-    return str(doc.get("handoff_id"))
-
-
-def lease(token: str | None, now: datetime, seconds: float, *,
-          lock: str | None = None) -> dict[str, Any]:
-    """A lease block: who holds the claim and until when (``token`` is None only when renewing a
-    recovered claim whose owner never wrote a lease). ``lock``: the owner lock file it rides on
-    (None: the claim's own ``<id>.<token>.lock``)."""
-    block = {"token": token, "owner": actor(), "acquired_at": iso(now),
-             "expires_at": iso(now + timedelta(seconds=seconds))}
-    if lock is not None:
-        block["lock"] = lock
-    return block
-
-
-def lock_name(handoff_id: str, held: dict[str, Any]) -> str:
-    """The lock file whose holder owns the lease ``held``: the owner lock it names, else the
-    claim's own lock file."""
-    named = held.get("lock")
-    if isinstance(named, str) and OWNER_LOCK_NAME.fullmatch(named):
-        return named
-    return f"{handoff_id}.{held.get('token')}.lock"
-
-
-class NullLock:
-    """Stands in for a claim lock that is not the claim's own to release: a stalled owner holds
-    it, none exists, or the claim rides on the store's owner lock."""
-
-    def release(self, force: bool = False) -> None:
-        """Nothing to release."""
-
-
-def release_lock(lock: "FileLock | NullLock") -> None:
-    """Release a claim lock and remove its file (its name is unique to the claim)."""
-    if isinstance(lock, NullLock):
-        return
-    try:
-        lock.release(force=True)
-    finally:
-        try:
-            os.unlink(lock.lock_file)
-        except FileNotFoundError:
-            pass
-
-
-def try_lock(path: Path) -> FileLock | None:
-    """Acquire ``path`` without waiting; None if another process (or claim) holds it."""
-    from filelock import FileLock, Timeout
-    lock = FileLock(str(path), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        return None
-    return lock

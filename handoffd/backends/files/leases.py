@@ -1,0 +1,239 @@
+"""What a claim holds and how: the store's :class:`Claim`, the lease block, a claim's own lock
+file, and the process's owner lock (:class:`OwnerLocks`) that every claim made here rides on.
+
+The store (:class:`.store.Store`) holds one :class:`OwnerLocks` and asks it at every claim for
+the lock name to write in the lease; recovery (:mod:`.claims`, :mod:`.repair`) reads a lease's
+lock name back with :func:`lock_name` and tries that lock with :func:`try_lock`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...core.documents import actor
+from ...core.timeutil import iso
+
+if TYPE_CHECKING:  # both are imported where a lock is taken (one-shot commands take none)
+    from filelock import FileLock
+
+    from .ownerlock import OwnerLock
+
+# the name of a store's owner lock (see OwnerLocks.name); a lease naming anything else is judged
+# by its per-claim lock file
+OWNER_LOCK_NAME = re.compile(r"owner\.[0-9a-f]{32}\.lock")
+# How far another host's clock may run behind ours before its live lease looks expired to us.
+CLOCK_TOLERANCE_SECONDS = 30.0
+
+
+@dataclass
+class Claim:
+    """A handoff this process owns: its in-progress document, lease token and held lock."""
+
+    handoff_id: str
+    doc: dict[str, Any]
+    token: str | None
+    lock: "FileLock | NullLock"
+    attempt: int
+    inode: int | None = None  # of the in-progress file as this claim last wrote it
+    prior_revision: int = 0  # trusted (sealed) revision it had in pending/; 0: a raw document
+    finished: bool = False
+    # serialises lease renewal (heartbeat thread) with finishing (worker thread)
+    mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+def lease(token: str | None, now: datetime, seconds: float, *,
+          lock: str | None = None) -> dict[str, Any]:
+    """A lease block: who holds the claim and until when (``token`` is None only when renewing a
+    recovered claim whose owner never wrote a lease). ``lock``: the owner lock file it rides on
+    (None: the claim's own ``<id>.<token>.lock``)."""
+    block = {"token": token, "owner": actor(), "acquired_at": iso(now),
+             "expires_at": iso(now + timedelta(seconds=seconds))}
+    if lock is not None:
+        block["lock"] = lock
+    return block
+
+
+def lock_name(handoff_id: str, held: dict[str, Any]) -> str:
+    """The lock file whose holder owns the lease ``held``: the owner lock it names, else the
+    claim's own lock file."""
+    named = held.get("lock")
+    if isinstance(named, str) and OWNER_LOCK_NAME.fullmatch(named):
+        return named
+    return f"{handoff_id}.{held.get('token')}.lock"
+
+
+class NullLock:
+    """Stands in for a claim lock that is not the claim's own to release: a stalled owner holds
+    it, none exists, or the claim rides on the store's owner lock."""
+
+    def release(self, force: bool = False) -> None:
+        """Nothing to release."""
+
+
+def release_lock(lock: "FileLock | NullLock") -> None:
+    """Release a claim lock and remove its file (its name is unique to the claim)."""
+    if isinstance(lock, NullLock):
+        return
+    try:
+        lock.release(force=True)
+    finally:
+        try:
+            os.unlink(lock.lock_file)
+        except FileNotFoundError:
+            pass
+
+
+def try_lock(path: Path) -> FileLock | None:
+    """Acquire ``path`` without waiting; None if another process (or claim) holds it."""
+    from filelock import FileLock, Timeout
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return None
+    return lock
+
+
+class OwnerLocks:
+    """This process's owner lock in ``folder`` (``handoffs/.locks``), the lost ones it holds
+    again while their claims are fenced (``shields``), and the claims it gave up."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.held: OwnerLock | None = None  # see name
+        # owner locks lost (a handler closed their descriptor) and held again under a new one
+        # while the attempts that rode on them wind down (see _replace_lost)
+        self.shields: list[OwnerLock] = []
+        self._mutex = threading.Lock()
+        self._given_up: set[str] = set()  # lease tokens of claims ended here without being filed
+
+    def name(self) -> str:
+        """The name of the lock file this process holds while it lives: every claim's lease
+        names it, so a recoverer on this host that can take it knows the owner process died.
+        One lock for all claims instead of one lock file per claim: creating a file is the
+        dearest step of a claim on a journaling filesystem.
+
+        A handler running in this process may have closed the lock's descriptor (a careless
+        "close inherited fds" helper): then the lock is free for any other process to take, and
+        a claim naming it would look abandoned. So each call checks the descriptor with one
+        ``fstat`` and, if it is gone, takes a new lock first (see :meth:`check`)."""
+        with self._mutex:
+            owner = self.held
+            if owner is None or owner.pid != os.getpid():  # (a forked process takes its own)
+                return self._take().name
+            if owner.fd_intact():
+                return owner.name
+            why = owner.problem(self.folder) or "its descriptor was closed"
+            fresh = self._replace_lost(owner, why)
+        from .ownerlock import say_lost
+        say_lost(owner, why, fresh)
+        return fresh.name
+
+    def check(self) -> str | None:
+        """Make sure this process still holds its owner lock, and return its name (None while
+        this process has not taken one).
+
+        The lock is lost when its descriptor was closed (by a handler running in this process),
+        now refers to another file or to another opening of the lock file, or the file was
+        removed or replaced. Then another process may already have taken it and judged our
+        claims abandoned: a new lock is taken (under a new name, which later claims name), and
+        the old one is held again under a new descriptor if nobody took it meanwhile, to keep
+        the claims that name it from being recovered while they are stopped; whether or not,
+        those claims must be fenced by the caller (see :meth:`FilesBackend.broken_claims`). One
+        warning is logged. Raises OSError when a new lock cannot be taken (the next claim tries
+        again)."""
+        with self._mutex:
+            # a shield closed by a handler is forgotten, never closed (nor a forked parent's)
+            self.shields = [s for s in self.shields if s.pid == os.getpid() and s.fd_ours()]
+            owner = self.held
+            if owner is None or owner.pid != os.getpid():
+                return None
+            why = owner.problem(self.folder)
+            if why is None:
+                return owner.name
+            self.held = None  # (if no new lock can be taken, the next claim tries again)
+            fresh = self._replace_lost(owner, why)
+        from .ownerlock import say_lost
+        say_lost(owner, why, fresh)
+        return fresh.name
+
+    def keep_shields(self, named: set[str]) -> None:
+        """Release the lost owner locks held again (see :meth:`check`) that no claim in
+        ``named`` (the lock names the running claims' leases give) rides on any more: their
+        attempts have ended, and a claim given up midway is then recoverable by others, as when
+        a process dies."""
+        with self._mutex:
+            done = [s for s in self.shields if s.name not in named and s.pid == os.getpid()]
+            self.shields = [s for s in self.shields if s not in done]
+        if done:
+            from .ownerlock import drop_lock
+            for shield in done:
+                drop_lock(shield, self.folder)
+
+    def _take(self) -> OwnerLock:
+        """Create and lock a new owner lock file and make it this process's (under the mutex)."""
+        import fcntl
+
+        from .ownerlock import OwnerLock, close_quietly, unlink_quietly
+        name = f"owner.{os.urandom(16).hex()}.lock"  # never reused: a stale file is never ours
+        path = self.folder / name
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else holds it
+            lock = OwnerLock.mark_open(name, fd)
+        except BaseException:
+            close_quietly(fd)
+            unlink_quietly(path)
+            raise
+        self.held = lock
+        return lock
+
+    def _replace_lost(self, lost: OwnerLock, why: str) -> OwnerLock:
+        """``lost`` is no longer surely held (``why``): keep it from being taken over while its
+        claims are fenced if nobody took it meanwhile, and take a new owner lock (under the
+        mutex)."""
+        from .ownerlock import close_quietly, hold_again
+        if lost.fd_ours():  # still our descriptor, but its file was removed or replaced
+            close_quietly(lost.fd)
+        else:  # never closed here: the number may already be another file's descriptor
+            shield = hold_again(lost, self.folder)
+            if shield is not None:
+                self.shields.append(shield)
+        self.held = None
+        return self._take()
+
+    def give_up(self, token: str | None) -> None:
+        """Note that this process ended the claim with lease ``token`` without filing it (it
+        failed midway): its lease still names the owner lock, which stays held, so recovery in
+        this process asks :meth:`gave_up` instead of waiting for the lease to run out."""
+        if token is not None:
+            with self._mutex:
+                self._given_up.add(token)
+
+    def gave_up(self, token: str | None) -> bool:
+        """True when this process gave up the claim with lease ``token`` (see :meth:`give_up`)."""
+        with self._mutex:
+            return token in self._given_up
+
+    def close(self) -> None:
+        """Drop the owner lock (claims still open become recoverable, as if this process died),
+        and any lost one held again. Never raises for a descriptor a handler closed: one that is
+        no longer ours is left alone (its number may be another file's now)."""
+        with self._mutex:
+            locks = [self.held, *self.shields]
+            self.held, self.shields = None, []
+        mine = [lock for lock in locks if lock is not None and lock.pid == os.getpid()]
+        if mine:
+            from .ownerlock import drop_lock
+            for lock in mine:
+                drop_lock(lock, self.folder)

@@ -1,0 +1,282 @@
+"""Reading and listing documents, the files backend's read-only paths, as plain functions.
+
+The store's (:class:`.store.Store`'s methods of the same names call them, with the store as
+:class:`Reading`): where a handoff's documents are, its current copy (also while a move or
+purge holds it aside), the ids and entries of a state folder, and the reasons of quarantined
+files. The backend's (:class:`~handoffd.backends.files.backend.FilesBackend`'s ``list`` and
+``peek`` call them): rows by modification time, reading only what is shown, and the trusted
+view of a pending document that the scheduler, the listing and a peek all take.
+"""
+from __future__ import annotations
+
+import heapq
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+from ...core.documents import check_id, revision
+from ...core.errors import InvalidDocument, NotFound
+from ...core.states import State, winner
+from ...core.storage import trusted_doc
+from ...core.workspace import Workspace
+from ..base import (
+    Backend,
+    Describe,
+    Doc,
+    Meta,
+    Order,
+    Row,
+    Rows,
+    Where,
+    due_of,
+    matches,
+    safe_describe,
+    select,
+    updated_of,
+)
+from . import aside, fsio
+
+MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
+
+
+class Reading(Protocol):
+    """What this module uses of :class:`.store.Store` (which imports this module)."""
+
+    ws: Workspace
+    max_filed_bytes: int
+
+    def path(self, state: State, handoff_id: str) -> Path: ...
+
+    def read(self, state: State, handoff_id: str) -> dict[str, Any]: ...
+
+    def entries(self, state: State) -> Iterator[os.DirEntry[str]]: ...
+
+    def trusted_revision(self, doc: dict[str, Any], state: State, handoff_id: str,
+                         *also: State) -> int: ...
+
+
+def locate(store: Reading, handoff_id: str) -> list[State]:
+    """Every state folder holding a file for ``handoff_id`` (normally exactly one)."""
+    return [s for s in State if os.path.lexists(store.path(s, handoff_id))]
+
+
+def get(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]]:
+    """The current state and document of ``handoff_id``; NotFound if it exists nowhere."""
+    check_id(handoff_id)
+    for _ in range(5):  # a move between our listing and our read is retried
+        copies: list[tuple[State, dict[str, Any]]] = []
+        for state in locate(store, handoff_id):
+            try:
+                copies.append((state, store.read(state, handoff_id)))
+            except FileNotFoundError:
+                continue
+        if copies:
+            best = winner([(s, store.trusted_revision(d, s, handoff_id)) for s, d in copies])
+            return copies[best]
+        if not locate(store, handoff_id):
+            break
+    held = aside_copy(store, handoff_id)
+    if held is not None:  # a retry or purge holds it aside for an instant: still there
+        return held
+    raise NotFound(f"no handoff {handoff_id} in {store.ws.handoffs}; `handoff ls` lists them",
+                   handoff_id=handoff_id)
+
+
+def aside_copy(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]] | None:
+    """(state it was taken from, document) of ``handoff_id`` set aside by a move or purge
+    under way (``handoff show`` and ``wait`` said "no handoff" in that instant)."""
+    for state in State:
+        path = store.ws.meta / aside.NAME / state.value / f"{handoff_id}.json"
+        try:
+            data, _ = fsio.read_bytes_safely(path, store.max_filed_bytes)
+            return state, fsio.parse_document(data, f"{state.value}/{handoff_id}.json")
+        except (OSError, InvalidDocument):
+            continue
+    return None
+
+
+def moving_back(store: Reading, handoff_id: str) -> bool:
+    """True when the pending copy is one handoffd wrote after the in-progress copy (a newer
+    sealed revision, or the in-progress copy is already gone): a move back in flight. A raw
+    pending document beside a running one is a duplicate."""
+    try:
+        back = store.trusted_revision(store.read(State.PENDING, handoff_id), State.PENDING,
+                                      handoff_id)
+        if back == 0:
+            return False
+        running = store.read(State.IN_PROGRESS, handoff_id)
+    except FileNotFoundError:  # one copy is gone: the move (or a claim) just finished
+        return True
+    except InvalidDocument:
+        return False
+    return back > store.trusted_revision(running, State.IN_PROGRESS, handoff_id)
+
+
+def ids(ws: Workspace, state: State) -> list[str]:
+    """Ids of the documents in one state folder (one directory listing)."""
+    try:
+        with os.scandir(ws.state_dir(state)) as entries:
+            return [e.name[:-5] for e in entries if e.name.endswith(".json")]
+    except FileNotFoundError:
+        return []
+
+
+def iter_ids(ws: Workspace, state: State) -> Iterator[str]:
+    """The ids of :func:`ids`, read as the listing goes (a folder of 100,000 finished
+    documents is never a list in memory)."""
+    try:
+        with os.scandir(ws.state_dir(state)) as entries:
+            for entry in entries:
+                if entry.name.endswith(".json"):
+                    yield entry.name[:-5]
+    except FileNotFoundError:
+        return
+
+
+def entries(ws: Workspace, state: State) -> Iterator[os.DirEntry[str]]:
+    """Raw directory entries of a state folder, including files that are not documents."""
+    try:
+        with os.scandir(ws.state_dir(state)) as found:
+            yield from list(found)
+    except FileNotFoundError:
+        return
+
+
+def quarantined(ws: Workspace) -> list[dict[str, Any]]:
+    """The reasons recorded for quarantined files, oldest first."""
+    out = []
+    for entry in sorted(ws.quarantine.glob("*.reason.json")):
+        try:
+            item = fsio.parse_document(fsio.read_regular(entry, MAX_REASON_BYTES), entry.name)
+        except (OSError, InvalidDocument):
+            continue
+        item["stored_as"] = entry.name[: -len(".reason.json")]
+        out.append(item)
+    return out
+
+
+def revision_at(path: Path, max_bytes: int) -> int | None:
+    """The revision the document at ``path`` says it has (None: unreadable)."""
+    try:
+        data, _ = fsio.read_bytes_safely(path, max_bytes)
+        return revision(fsio.parse_document(data, path.name))
+    except (OSError, InvalidDocument):
+        return None
+
+
+# ---------------------------------------------------------------- the backend's listing
+def in_order(stamped: list[tuple[float, State, str]], limit: int | None, *,
+             newest: bool) -> Iterator[tuple[float, State, str]]:
+    """``stamped`` by (mtime, id), newest or oldest first. A listing usually shows its first
+    ``limit`` rows: those are picked with a heap first (sorting 100,000 entries to show 50 took
+    a sixth of ``handoff ls``), and the whole list is sorted only if filters skipped too many."""
+    def key(s: tuple[float, State, str]) -> tuple[float, str]:
+        return s[0], s[2]
+    first = 4 * limit + 16 if limit is not None else len(stamped)
+    if first >= len(stamped):
+        yield from sorted(stamped, key=key, reverse=newest)
+        return
+    pick = heapq.nlargest if newest else heapq.nsmallest
+    yield from pick(first, stamped, key=key)  # the same as the sorted list's head
+    yield from sorted(stamped, key=key, reverse=newest)[first:]
+
+
+def rows(backend: Backend, store: Reading, describe: Describe, *, state: State | None,
+         target: str | None, conversation: str | None, parent: str | None,
+         since: datetime | None, limit: int | None, order: Order, where: Where | None,
+         unreadable: bool, before: datetime | None) -> Rows:
+    """The rows of :meth:`Backend.list` (see there) from ``store``'s folders."""
+    filters: dict[str, Any] = {"state": state, "target": target, "conversation": conversation,
+                               "parent": parent, "since": since, "where": where,
+                               "before": before}
+    if order == "due":  # by what the documents say: every one is read
+        every = [r for _, st, hid in stamped(store, state)
+                 if (r := row(backend, store, describe, hid, st, unreadable)) is not None]
+        return select([r for r in every if r.problem is None], limit=limit, order=order,
+                      **filters)
+    # newest/oldest: by modification time, so that only what is shown is read (a listing of
+    # a few rows stays cheap with 100,000 finished documents)
+    found: Rows = []
+    # a finished document is updated no earlier than its file was written (see row): one
+    # written at or after ``before`` need not be read (retention then reads only old ones)
+    cut = before.timestamp() if before is not None else None
+    for mtime, st, handoff_id in in_order(stamped(store, state), limit,
+                                          newest=order == "newest"):
+        if limit is not None and len(found) >= limit:
+            break
+        if cut is not None and st.terminal and mtime >= cut:
+            continue
+        got = row(backend, store, describe, handoff_id, st, unreadable)
+        if got is not None and (got.problem is not None or matches(got, **filters)):
+            found.append(got)
+    return found
+
+
+def stamped(store: Reading, state: State | None) -> list[tuple[float, State, str]]:
+    """(mtime, state, id) of every document file in ``state`` (all states: None)."""
+    found: list[tuple[float, State, str]] = []
+    append = found.append  # (a loop run once per finished document: kept lean)
+    for st in ([state] if state is not None else State):
+        for entry in store.entries(st):
+            name = entry.name
+            if name[-5:] != ".json":
+                continue
+            try:
+                append((entry.stat(follow_symlinks=False).st_mtime, st, name[:-5]))
+            except OSError:  # gone since the listing (or unstattable): nothing to show
+                continue
+    return found
+
+
+def row(backend: Backend, store: Reading, describe: Describe, handoff_id: str, state: State,
+        unreadable: bool) -> Row | None:
+    """The row of ``handoff_id``'s document in ``state``; None when it is gone, or unreadable
+    and ``unreadable`` rows are not asked for."""
+    path = store.path(state, handoff_id)
+    try:
+        stamp = datetime.fromtimestamp(os.stat(path, follow_symlinks=False).st_mtime,
+                                       timezone.utc)
+        doc = read_pending(backend, store, handoff_id) if state is State.PENDING \
+            else store.read(state, handoff_id)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a socket, EACCES, invalid JSON...: a row only when asked
+        if not unreadable:
+            return None
+        from .problems import read_error  # (only for a file that cannot be read)
+        now = datetime.now(timezone.utc)
+        return Row(handoff_id, state, {}, Meta(None), now, now,
+                   problem=read_error(path, exc, handoff_id))
+    # the row keeps the document as stored (retention archives it and deletes only that);
+    # what is derived from it (routing, parent, times) comes from its trusted view: a
+    # forged history must not make a filing look new for ever, nor a forged parent keep it
+    view = doc if state is State.PENDING else trusted_doc(backend, state, handoff_id, doc)
+    updated = updated_of(view, stamp)
+    if state.terminal and stamp > updated:
+        # filed after our last event (a foreign filing has none of ours: seed 001's own
+        # consumer writes completed/ itself): retention ages it from its filing
+        updated = stamp
+    return Row(handoff_id, state, doc, safe_describe(describe, view),
+               due_of(view, stamp), updated)
+
+
+def read_pending(backend: Backend, store: Reading, handoff_id: str) -> Doc:
+    """A pending document as the scheduler and the listing see it (its trusted view): a
+    ``handoffd`` block that handoffd did not write there (no valid seal for pending/) is
+    only a foreign document's claim to bookkeeping, so it is left out, as the claim leaves
+    it out; otherwise a forged ``next_attempt_at``, ``awaiting`` or ``waiting_children``
+    would hold or park it."""
+    return trusted_doc(backend, State.PENDING, handoff_id, store.read(State.PENDING, handoff_id))
+
+
+def peek(backend: Backend, store: Reading, handoff_id: str) -> Doc | None:
+    """See :meth:`Backend.peek`: a pending document's trusted view, None when it is gone; an
+    UnreadableDocument (saying why) when it cannot be read."""
+    try:
+        return read_pending(backend, store, handoff_id)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # one bad file must never stop the scheduler or `handoff ls`
+        from .problems import read_error
+        raise read_error(store.path(State.PENDING, handoff_id), exc, handoff_id) from exc
