@@ -21,8 +21,6 @@ import functools
 import re
 from typing import Any
 
-import re2
-
 MAGIC = re.compile(r"[*?\[]")
 SCOPE_MODES = ("auto", "hash", "git")  # contract.scope_check: how the tree is compared
 MAX_PATTERN_CHARS = 512  # one glob; real ones are a path or two long
@@ -40,18 +38,21 @@ class PatternError(ValueError):
     """A pattern that cannot be used: absolute, climbing out with ``..``, too long, or malformed."""
 
 
+# the union of a full list (MAX_PATTERNS globs of MAX_PATTERN_CHARS) needs more than RE2's 8 MiB;
+# a cap, not an allocation: RE2 grows its automaton only as far as the paths take it
+UNION_MAX_MEM = 64 << 20
+
+
+@functools.cache
 def _re2_options(max_mem: int | None = None) -> Any:
+    """RE2's options (made on first use: RE2 is loaded only when a pattern is compiled, not by
+    every command that loads the contracts feature, such as `handoff ls`)."""
+    import re2
     options = re2.Options()
     options.log_errors = False  # RE2 would otherwise print every refused pattern on our stderr
     if max_mem is not None:
         options.max_mem = max_mem
     return options
-
-
-RE2_OPTIONS = _re2_options()
-# the union of a full list (MAX_PATTERNS globs of MAX_PATTERN_CHARS) needs more than RE2's 8 MiB;
-# a cap, not an allocation: RE2 grows its automaton only as far as the paths take it
-UNION_OPTIONS = _re2_options(64 << 20)
 
 
 def split(pattern: str) -> list[str]:
@@ -202,8 +203,9 @@ def _regex(pattern: str) -> str:
 
 
 def _compile(regex: str, pattern: str, options: Any = None) -> Any:
+    import re2
     try:
-        return re2.compile(regex, options or RE2_OPTIONS)
+        return re2.compile(regex, options or _re2_options())
     except re2.error as exc:
         reason = exc.args[0] if exc.args else "invalid"
         text = reason.decode("utf-8", "replace") if isinstance(reason, bytes) else str(reason)
@@ -231,10 +233,10 @@ def first_match(patterns: list[str] | tuple[str, ...], path: str) -> str | None:
 
 @functools.lru_cache(maxsize=8)  # few lists are in use at once, and a big one weighs megabytes
 def _union(patterns: tuple[str, ...]) -> Any:
-    """One RE2 regex for all ``patterns`` (None when UNION_OPTIONS' memory is too little for it)."""
+    """One RE2 regex for all ``patterns`` (None when UNION_MAX_MEM is too little for it)."""
     try:
         return _compile("|".join(f"(?:{_regex(p)})" for p in patterns) or NOTHING, "union",
-                        UNION_OPTIONS)
+                        _re2_options(UNION_MAX_MEM))
     except PatternError:
         return None
 
