@@ -163,13 +163,8 @@ class FilesBackend(FencedFiling, Backend):
         return self._claimer.renew(claim, now, lease_seconds)
 
     def broken_claims(self, claims: Collection[Claim]) -> builtins.list[Claim]:
-        """Those of ``claims`` (this process's running ones) that ride on an owner lock this
-        process no longer holds for sure: a handler closed its descriptor (see
-        :meth:`Store.check_owner_lock`, which takes a new one). Another process may have taken
-        the lock meanwhile and judged them abandoned, so the caller fences them: stopped, their
-        attempts retried, their results never filed over another owner's claim. Raises OSError
-        when no new owner lock can be taken (then every claim on the old one is returned by the
-        next call, which tries again)."""
+        """Those of ``claims`` riding on an owner lock this process may have lost (see
+        :meth:`.claims.Claimer.broken_claims`): the caller fences them."""
         return self._claimer.broken_claims(claims)
 
     def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
