@@ -18,6 +18,7 @@ import copy
 import json
 import os
 import time
+import weakref
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -97,7 +98,10 @@ class FilesBackend(FencedFiling, Backend):
         """The claim, lease and recovery path (:mod:`.claims`), made when first used: a
         one-shot command that only reads or creates never loads it."""
         from .claims import Claimer
-        return Claimer(self, self.store, describe=self.describe, monotonic=self.monotonic)
+        # a proxy, not the backend itself: a cycle would keep a dropped backend (its seen-ids
+        # lock, its open files) alive until the cyclic collector happens to run
+        return Claimer(weakref.proxy(self), self.store, describe=self.describe,
+                       monotonic=self.monotonic)
 
     def _folders(self) -> dict[Path, str]:
         return {self.ws.state_dir(State.PENDING): State.PENDING.value,

@@ -18,13 +18,35 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Callable, Collection
 
 from ...core.documents import book, book_int, hostname
-from ...core.errors import DocumentNotReady, ErrorCode, InvalidDocument, UnreadableDocument
+from ...core.errors import (
+    DocumentNotReady,
+    ErrorCode,
+    InvalidDocument,
+    UnreadableDocument,
+)
 from ...core.logs import log
 from ...core.states import State
 from ...core.timeutil import parse_iso
-from ..base import Backend, Claim, Claims, Describe, Doc, Meta, due_of, lease_block, safe_describe
+from ..base import (
+    Backend,
+    Claim,
+    Claims,
+    Describe,
+    Doc,
+    Meta,
+    due_of,
+    lease_block,
+    safe_describe,
+)
 from . import fsio
-from .leases import CLOCK_TOLERANCE_SECONDS, OWNER_LOCK_NAME, lock_name, release_lock, try_lock
+from .leases import (
+    CLOCK_TOLERANCE_SECONDS,
+    OWNER_LOCK_NAME,
+    lock_name,
+    release_lock,
+    try_lock,
+)
+from .problems import read_error
 from .reading import read_pending
 from .repair import is_leftover, recover_guard
 from .store import Claim as StoreClaim
@@ -152,7 +174,6 @@ class Claimer:
         except (FileNotFoundError, InvalidDocument):
             return None
         except Exception as err:
-            from .problems import read_error  # (only for a file that cannot be read)
             problem = read_error(self.store.path(State.IN_PROGRESS, handoff_id), err, handoff_id)
             return None if problem.transient or problem.claimable else problem
         return None

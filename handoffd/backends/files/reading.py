@@ -37,6 +37,10 @@ from ..base import (
 )
 from . import aside, fsio
 
+# loaded with the store, not when a read fails: out of descriptors (EMFILE), the import
+# itself failed, and a good document was taken for an unprocessable one and set aside
+from .problems import read_error
+
 MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
 
 
@@ -244,7 +248,6 @@ def row(backend: Backend, store: Reading, describe: Describe, handoff_id: str, s
     except Exception as exc:  # a socket, EACCES, invalid JSON...: a row only when asked
         if not unreadable:
             return None
-        from .problems import read_error  # (only for a file that cannot be read)
         now = datetime.now(timezone.utc)
         return Row(handoff_id, state, {}, Meta(None), now, now,
                    problem=read_error(path, exc, handoff_id))
@@ -278,5 +281,4 @@ def peek(backend: Backend, store: Reading, handoff_id: str) -> Doc | None:
     except FileNotFoundError:
         return None
     except Exception as exc:  # one bad file must never stop the scheduler or `handoff ls`
-        from .problems import read_error
         raise read_error(store.path(State.PENDING, handoff_id), exc, handoff_id) from exc
