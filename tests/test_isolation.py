@@ -657,3 +657,22 @@ def test_after_a_crash_no_process_of_a_forked_batch_runs_a_crasher_in_itself(
         assert ws.state_of(hid) == ["failed"], hid
     for hid in innocent:
         assert ws.state_of(hid) == ["completed"], hid
+
+
+def test_hostile_or_stale_marks_neither_crash_nor_shadow_a_real_one() -> None:
+    """A 4,000-digit `until` raised OverflowError out of every attempt's check (claims stranded
+    with a traceback); a record further ahead than a mark can be (a skewed clock, a hand edit)
+    was kept by a real mark's update, which every other process then ignored."""
+    from handoffd.backends.memory import MemoryRecords
+    retry = Config().retry
+    spec = Specialist(specialist_from_table("@x", {"handler": "isoplug:work"}, retry))
+    now = [1000.0]
+    shared = MemoryRecords()
+    shared.update(KIND, "@big", lambda old: {"until": 10 ** 4000})
+    shared.update(KIND, "@x", lambda old: {"until": now[0] + 7200})  # two hours ahead
+    here, there = (Suspects(lambda: shared, clock=lambda: now[0]) for _ in range(2))
+    assert "@big" not in there and "@x" not in there  # ignored, and no exception
+    here.mark(spec)
+    assert shared.read(KIND)["@x"]["until"] == now[0] + SUSPECT_SECONDS  # the real mark
+    there.refresh()
+    assert "@x" in there

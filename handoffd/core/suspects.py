@@ -47,6 +47,7 @@ class Suspects:
         self._until: dict[str, float] = {}
         self._read_at = -math.inf
         self._lock = threading.Lock()
+        self._reading = threading.Lock()  # held by the one thread reading the shared marks
         self._said: set[str] = set()  # agents whose mark was logged (once per mark)
 
     def mark(self, spec: Specialist | None) -> None:
@@ -72,8 +73,12 @@ class Suspects:
             log.warning("specialist %s: a handoff of it was running when a process died; for "
                         "the next %.0f s its handlers run in processes of their own", agent,
                         SUSPECT_SECONDS)
+        def renewed(old: Any) -> dict[str, float]:
+            known = _until(old)  # (one further ahead than a mark can be is nobody's: replaced)
+            return {"until": max(until, known) if known <= until + SKEW_SECONDS else until}
+
         try:
-            self._records().update(KIND, agent, lambda old: {"until": max(until, _until(old))})
+            self._records().update(KIND, agent, renewed)
         except Exception as exc:  # (this process still isolates: only the sharing is lost)
             log.warning("specialist %s: cannot share its crash mark with the other processes: "
                         "%s", agent, exc)
@@ -86,14 +91,22 @@ class Suspects:
 
     def refresh(self) -> None:
         """Read the shared marks now (after a sweep: another process may have just recovered a
-        crash)."""
+        crash). One thread reads at a time; the others go on with the marks known."""
         now = self.clock()
+        if not self._reading.acquire(blocking=False):
+            return
         try:
-            shared = self._records().read(KIND)
-        except Exception:  # unreadable records: the marks this process knows still count
-            shared = {}
+            self._read_at = now  # (before the read: workers arriving meanwhile do not read too)
+            try:
+                shared = self._records().read(KIND)
+            except Exception:  # unreadable records: the marks this process knows still count
+                shared = {}
+            self._merge(shared, now)
+        finally:
+            self._reading.release()
+
+    def _merge(self, shared: dict[str, Any], now: float) -> None:
         with self._lock:
-            self._read_at = now
             for agent, record in shared.items():
                 until = _until(record)
                 if until > now + SUSPECT_SECONDS + SKEW_SECONDS:
@@ -107,6 +120,10 @@ class Suspects:
 def _until(record: Any) -> float:
     """A record's ``until`` when it is a finite number, else 0 (expired)."""
     value = record.get("until") if isinstance(record, dict) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return 0.0
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return 0.0
+    try:
+        number = float(value)
+    except OverflowError:  # a 4,000-digit integer: raised out of every attempt's check
+        return 0.0
+    return number if math.isfinite(number) else 0.0

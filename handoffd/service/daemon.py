@@ -67,8 +67,10 @@ class Daemon:
         self.settings = engine.settings
         self.workers = workers or self.settings.workers
         self.hard_stop = False
-        # a sweep already made for this run (see _start_sweep)
+        # a sweep already made for this run (see _start_sweep), and when the run began if that
+        # was before run_batch (spread: a batch's --max-seconds counts from the process's start)
         self.first_sweep: SweepReport | None = None
+        self.started: float | None = None
         self.report = BatchReport()
         self.hooks = Hooks()
         self.scheduler = Scheduler(engine, self.report, workers=self.workers)
@@ -289,7 +291,8 @@ class Daemon:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
         if max_seconds is not None:
-            self.scheduler.batch_deadline = time.monotonic() + max_seconds
+            began = self.started if self.started is not None else time.monotonic()
+            self.scheduler.batch_deadline = began + max_seconds
         self.report.sweep = self._start_sweep()
         self.feed.subscribe()
         self._guarded_loop(batch=True)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.procs import parent_death_signal
 from .reaping import Clock, Collected, collect
+from .sweeper import SweepReport
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -137,6 +138,7 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
     # recovers marks specialists whose attempts must then run isolated in every process
     # (core/suspects.py), and a child claiming before the mark ran a crasher in itself
     gate, opened = os.pipe() if count > 1 else (-1, -1)
+    began = time.monotonic()  # each process's --max-seconds counts from here, not its gate
     for index in range(1, count):
         read, write = os.pipe()
         pid = os.fork()
@@ -146,10 +148,11 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
             for _, other in children:
                 os.close(other)
             _child(parent, write, lambda: make((index, count)), child_run or run,
-                   gate=gate)  # no return
+                   gate=gate, began=began)  # no return
         os.close(write)
         children.append((pid, read))
     daemon = make((0, count))
+    daemon.started = began
     family = _Family(daemon, [pid for pid, _ in children])
     family.install()
     if count > 1:
@@ -254,7 +257,8 @@ def _report(write: int, report: BatchReport) -> None:
 
 
 def _child(parent: int, write: int, make: Callable[[], Daemon],
-           run: Callable[[Daemon], BatchReport], *, gate: int = -1) -> None:
+           run: Callable[[Daemon], BatchReport], *, gate: int = -1,
+           began: float | None = None) -> None:
     code = 1
     try:
         os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent alone; it forwards it once
@@ -273,7 +277,10 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
         # send it more than once (once per thread of the parent that the child is handed to),
         # and a second SIGTERM means "hand back now"
         signal.signal(ORPHANED, lambda signum, frame: daemon.stop())
-        _await_gate(gate)
+        daemon.started = began
+        if _await_gate(gate, parent):  # the parent swept: no second sweep, only its crash marks read
+            daemon.first_sweep = SweepReport()
+            daemon.engine.suspects.refresh()
         report = run(daemon)
         code = 0
         _report(write, report)
@@ -364,15 +371,18 @@ def _forget_settled(engine: Engine, report: BatchReport) -> None:
                     ids.pop(hid, None)
 
 
-def _await_gate(gate: int, limit: float = GATE_SECONDS) -> None:
+def _await_gate(gate: int, parent: int, limit: float = GATE_SECONDS) -> bool:
     """Wait until the parent's first sweep is done (EOF on ``gate``; also when the parent dies),
-    at most ``limit`` seconds: a sweep that takes longer must not hold the batch."""
+    at most ``limit`` seconds: a sweep that takes longer must not hold the batch. True when
+    the parent's sweep is done (then this process need not sweep at its start)."""
     if gate < 0:
-        return
+        return False
     try:
-        select.select([gate], [], [], limit)
+        readable, _, _ = select.select([gate], [], [], limit)
+        # EOF with the parent alive: its sweep is done (a dead parent closes it too)
+        return bool(readable) and not os.read(gate, 1) and os.getppid() == parent
     except (OSError, ValueError):  # (interrupted, or a descriptor closed under us)
-        pass
+        return False
     finally:
         try:
             os.close(gate)
