@@ -57,7 +57,6 @@ CHILD = "handoffd.core.isolated"
 # as it would in the daemon, whatever put its module on the path), then the child's main
 BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
         f"from {CHILD} import main; main(sys.argv[2:])")
-DIED = PROCESS_DIED  # in an error's details: the isolated handler's process died without a result
 # a message may exceed max_output_bytes by this much: its wrapper, an error's message and details
 MESSAGE_MARGIN = 64 * 1024
 # the calls a child may make on its context view (the daemon's), with the keyword arguments each takes
@@ -100,8 +99,9 @@ def crashed_last(doc: dict[str, Any]) -> bool:
     Read from ``doc``'s history back from its last ``claimed`` (this attempt): claims handed
     back (never started, or stopped by a daemon's stop) say nothing of the handler and are
     passed over; then a ``recovered`` (with the ``retry_scheduled`` it led to), a
-    ``retry_scheduled`` whose error says :data:`DIED`, or a manual ``retried`` of a handoff
-    that failed on its recovery. Anything else (it ran and failed, was throttled...) clears it.
+    ``retry_scheduled`` or ``failed`` that says :data:`~.documents.PROCESS_DIED`, or a manual
+    ``retried`` of a handoff that failed on its recovery or its isolated death. Anything else
+    (it ran and failed, was throttled...) clears it.
     ``doc`` is the claimed document: the store kept its ``handoffd`` block only if it is sealed
     for the folder it was claimed from, so a history written outside handoffd counts for nothing."""
     history = book(doc).get("history") if isinstance(doc.get("handoffd"), dict) else None
@@ -127,11 +127,11 @@ def _died(entry: dict[str, Any]) -> bool:
     """Did the attempt this event ended die with its isolated process? (a ``failed`` event
     says so itself; a ``retry_scheduled`` one in its error's details)"""
     detail = entry.get("detail")
-    if isinstance(detail, dict) and detail.get(DIED) is True:
+    if isinstance(detail, dict) and detail.get(PROCESS_DIED) is True:
         return True
     error = detail.get("error") if isinstance(detail, dict) else None
     details = error.get("details") if isinstance(error, dict) else None
-    return isinstance(details, dict) and details.get(DIED) is True
+    return isinstance(details, dict) and details.get(PROCESS_DIED) is True
 
 
 def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, timeout: float,
@@ -188,7 +188,7 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
     try:
         return _answer(channel, proc.returncode, output.data(), ctx.handoff_id, max_output_bytes)
     except HandlerError as exc:
-        if suspects is not None and isinstance(exc.details, dict) and exc.details.get(DIED):
+        if suspects is not None and isinstance(exc.details, dict) and exc.details.get(PROCESS_DIED):
             suspects.mark(spec)  # its new handoffs too: each would take the daemon down once
         raise
 
@@ -225,7 +225,7 @@ def _answer(channel: "_Channel", code: int | None, output: bytes, handoff_id: st
                            handoff_id=handoff_id, details={"output_tail": tail})
     final = channel.final
     if final is None:
-        details: dict[str, Any] = {DIED: True, "output_tail": tail}
+        details: dict[str, Any] = {PROCESS_DIED: True, "output_tail": tail}
         if code is not None and code < 0:
             details["signal"] = -code
             how = f"died (signal {-code}, {_signal_name(-code)})"

@@ -177,11 +177,6 @@ class Daemon:
         """Ask the loop to list pending/ again (events may have been lost)."""
         self.scheduler.request_rescan()
 
-    def reset_scheduler(self, reason: str) -> None:
-        """Throw away the scheduling bookkeeping, rebuild the slot counts from the tasks in
-        flight and rescan pending/ (what the progress watchdog does on a stall)."""
-        self.progress.reset(reason)
-
     # ------------------------------------------------------------ looking at pending/
     def scan(self, *, recheck_waiting: bool = True) -> int:
         """List pending/ once and queue everything not already known; returns the count found.
