@@ -476,3 +476,29 @@ def test_a_batch_whose_lock_a_handler_closed_exits_cleanly(daemons: Daemons) -> 
     assert "error:" not in daemons.log("a"), daemons.log("a")
     assert code == 0, daemons.log("a")
     assert not list((daemons.root / "handoffs" / "in-progress").iterdir())
+
+
+def test_a_sweep_between_a_new_locks_creation_and_its_flock_cannot_remove_it(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen once in the kill -9 test: a daemon's first claim after a restart creates its owner
+    lock file, and another daemon's sweep (remove_orphans) found it there before it was flocked,
+    took it for a dead owner's, and removed it. The new lock then held a file no longer in
+    .locks: its next check found "its file was removed" and fenced its running handoff, a
+    counted retry with no crash anywhere. A new lock file now appears in .locks already locked."""
+    from handoffd.backends.files import repair
+    real_flock = fcntl.flock
+    swept: list[list[str]] = []
+
+    def sweep_first(fd: int, op: int) -> None:
+        if not swept:  # (the sweep's own try_lock flocks too: run it once)
+            done: Any = {"locks_removed": [], "temp_files_removed": []}
+            swept.append(done["locks_removed"])
+            repair.remove_orphans(store, done)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", sweep_first)
+    name = store.owner_lock()
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert swept == [[]]  # the sweep ran between creation and flock, and removed nothing
+    assert held_by_someone(store.ws.locks / name)
+    assert store.check_owner_lock() == name  # still held: nothing to fence

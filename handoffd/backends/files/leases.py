@@ -103,8 +103,9 @@ class OwnerLocks:
     """This process's owner lock in ``folder`` (``handoffs/.locks``), the lost ones it holds
     again while their claims are fenced (``shields``), and the claims it gave up."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, staging: Path) -> None:
         self.folder = folder
+        self.staging = staging  # where a new lock file is made and locked before it is named
         self.held: OwnerLock | None = None  # see name
         # owner locks lost (a handler closed their descriptor) and held again under a new one
         # while the attempts that rode on them wind down (see _replace_lost)
@@ -176,27 +177,44 @@ class OwnerLocks:
                 drop_lock(shield, self.folder)
 
     def _take(self) -> OwnerLock:
-        """Create and lock a new owner lock file and make it this process's (under the mutex)."""
+        """Create and lock a new owner lock file and make it this process's (under the mutex).
+
+        The file is made and flocked in the staging folder and only then renamed into
+        ``.locks``: any process's sweep removes a lock file there that it can lock (its owner
+        died), and one created in place was once found between its creation and its flock,
+        removed, and the new owner's running claims fenced at its next check."""
         import fcntl
 
         from .ownerlock import OwnerLock, close_quietly, unlink_quietly
         name = f"owner.{os.urandom(16).hex()}.lock"  # never reused: a stale file is never ours
-        path = self.folder / name
+        staged = self.staging / f".{name}"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = os.open(staged, flags, 0o644)
         except FileNotFoundError:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, flags, 0o644)
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(staged, flags, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else holds it
             lock = OwnerLock.mark_open(name, fd)
+            self._name_locked(staged, name)
         except BaseException:
             close_quietly(fd)
-            unlink_quietly(path)
+            unlink_quietly(staged)
             raise
         self.held = lock
         return lock
+
+    def _name_locked(self, staged: Path, name: str) -> None:
+        """Move the locked file ``staged`` into ``.locks`` as ``name`` (a random name: nothing
+        there is replaced)."""
+        try:
+            os.rename(staged, self.folder / name)
+        except FileNotFoundError:
+            if not staged.exists():
+                raise
+            self.folder.mkdir(parents=True, exist_ok=True)
+            os.rename(staged, self.folder / name)
 
     def _replace_lost(self, lost: OwnerLock, why: str) -> OwnerLock:
         """``lost`` is no longer surely held (``why``): keep it from being taken over while its

@@ -97,7 +97,8 @@ class Store:
         self.seen = SeenIds(workspace.meta / "seen-ids.jsonl", seen_ttl_seconds)
         self._key: bytes | None = None
         self._key_loaded = False
-        self.owners = OwnerLocks(workspace.locks)  # the owner lock every claim's lease names
+        # the owner lock every claim's lease names (made in .tmp, renamed into .locks)
+        self.owners = OwnerLocks(workspace.locks, workspace.tmp)
         self._own_tmp: Path | None = None  # see use_own_tmp
 
     # ---------------------------------------------------------------- the owner lock
