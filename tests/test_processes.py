@@ -308,20 +308,20 @@ def test_the_stop_signal_reaches_each_process_once(monkeypatch: pytest.MonkeyPat
     """SIGTERM goes to the attempt's process group, then to token carriers outside it. A member
     of the group must not get it twice: a second SIGTERM a moment later re-enters a handler that
     prints its partial result, and the answer became two JSON lines (seen in a full run)."""
-    from handoffd.core import runner
+    from handoffd.core import childproc
 
     sent: list[tuple[str, int]] = []
     found = [procs.ProcInfo(100, 100, 1, True), procs.ProcInfo(101, 100, 1, True),
              procs.ProcInfo(200, 200, 1, True)]  # the leader, a child, a setsid grandchild
-    monkeypatch.setattr(runner.procs, "scan", lambda token, pgid: found)
-    monkeypatch.setattr(runner.os, "kill", lambda pid, sig: sent.append(("pid", pid)))
-    monkeypatch.setattr(runner.os, "killpg", lambda pgid, sig: sent.append(("group", pgid)))
-    runner._signal_all(100, "token", signal.SIGTERM)
+    monkeypatch.setattr(childproc.procs, "scan", lambda token, pgid: found)
+    monkeypatch.setattr(childproc.os, "kill", lambda pid, sig: sent.append(("pid", pid)))
+    monkeypatch.setattr(childproc.os, "killpg", lambda pgid, sig: sent.append(("group", pgid)))
+    childproc.signal_all(100, "token", signal.SIGTERM)
     assert sent == [("group", 100), ("pid", 200)]
 
     def gone(pgid: int, sig: int) -> None:
         raise ProcessLookupError
     sent.clear()
-    monkeypatch.setattr(runner.os, "killpg", gone)  # the group is gone: each carrier by pid
-    runner._signal_all(100, "token", signal.SIGTERM)
+    monkeypatch.setattr(childproc.os, "killpg", gone)  # the group is gone: each carrier by pid
+    childproc.signal_all(100, "token", signal.SIGTERM)
     assert sent == [("pid", 100), ("pid", 101), ("pid", 200)]

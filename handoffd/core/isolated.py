@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Callable
 
 from .config import SpecialistConfig
 from .errors import ConfigError, ErrorCode, HandlerError, InvalidDocument
-from .runner import _call_handler, _returned
+from .runner import call_handler, handler_result
 from .specialists import Handler, HandlerContext, Specialist
 
 CAS_TRIES = 64  # ctx.context.update: compare-and-set rounds before a conflict is given up
@@ -217,7 +217,7 @@ def _context(request: dict[str, Any], link: _Link) -> ChildContext:
 def _outcome(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
     """The message that ends the attempt: the checked result, or the error."""
     try:
-        return {"result": _returned(box, ctx)}
+        return {"result": handler_result(box, ctx)}
     except HandlerError as exc:
         return {"error": {"message": str(exc), "code": str(exc.code), "retryable": exc.retryable,
                           "details": exc.details}}
@@ -247,7 +247,7 @@ def main(argv: list[str]) -> None:
         box["error"] = exc
     else:
         config = SpecialistConfig(agent=str(request["agent"]), handler=str(request["handler"]))
-        _call_handler(Specialist(config, func), request["doc"], ctx, box)
+        call_handler(Specialist(config, func), request["doc"], ctx, box)
     message = _outcome(box, ctx)
     limit = (ctx.max_output_bytes or 0) + 32 * 1024
     if "error" in message and len(_line(message)) > limit:  # huge details: the line alone

@@ -35,18 +35,17 @@ from typing import Any, Callable
 from . import procs
 from .documents import PROCESS_DIED, book
 from .errors import HandlerError
-from .runner import (
+from .childproc import (
     POLL_MS,
     STDERR_TAIL,
-    _await_exit,
-    _clear_previous_attempt,
-    _Collector,
-    _end_attempt,
-    _own_error,
-    _wait,
-    _write_record,
-    validate_result,
+    Collector,
+    await_exit,
+    clear_previous_attempt,
+    end_attempt,
+    wait_attempt,
+    write_record,
 )
+from .runner import rebuild_error, validate_result
 from .specialists import HandlerContext, Specialist, handler_reference
 from .suspects import Suspects
 
@@ -151,9 +150,9 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
     token = procs.new_token()
     env = dict(os.environ)
     env[procs.TOKEN_ENV] = token
-    _clear_previous_attempt(ctx)
+    clear_previous_attempt(ctx)
     record = procs.RunRecord.new(ctx.handoff_id, token, ctx.attempt)
-    _write_record(ctx, record)  # before the fork: a crash right after it still leaves the token
+    write_record(ctx, record)  # before the fork: a crash right after it still leaves the token
     down_r, down_w = os.pipe()  # parent -> child: the request, then answers to its calls
     up_r, up_w = os.pipe()  # child -> parent: messages
     argv = [sys.executable, "-c", BOOT, json.dumps([p for p in sys.path if isinstance(p, str)]),
@@ -172,19 +171,19 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
     os.close(up_w)
     record.pgid = proc.pid
     record.leader_start = procs.start_time(proc.pid)
-    _write_record(ctx, record)
+    write_record(ctx, record)
     done = threading.Event()  # the child exited, or its messages broke the protocol
     exited = threading.Event()
     channel = _Channel(up_r, down_w, ctx, request, max_output_bytes + MESSAGE_MARGIN, done.set)
-    output = _Collector(proc.stdout, STDERR_TAIL, keep_tail=True)
-    waiter = threading.Thread(target=_await_exit, args=(proc, exited, done), daemon=True,
+    output = Collector(proc.stdout, STDERR_TAIL, keep_tail=True)
+    waiter = threading.Thread(target=await_exit, args=(proc, exited, done), daemon=True,
                               name=f"wait-{ctx.handoff_id}")
     for thread in (channel.thread, output.thread, waiter):
         thread.start()
     try:
-        _wait(done, ctx, timeout)
+        wait_attempt(done, ctx, timeout)
     finally:
-        _end_attempt(ctx, proc, token, exited, (channel, output), (waiter,))
+        end_attempt(ctx, proc, token, exited, (channel, output), (waiter,))
     try:
         return _answer(channel, proc.returncode, output.data(), ctx.handoff_id, max_output_bytes)
     except HandlerError as exc:
@@ -247,14 +246,14 @@ def _signal_name(number: int) -> str:
 
 
 def _error_from(given: Any, handoff_id: str) -> HandlerError:
-    """The child's HandlerError, rebuilt from checked parts (see runner._own_error)."""
+    """The child's HandlerError, rebuilt from checked parts (see runner.rebuild_error)."""
     error: dict[str, Any] = given if isinstance(given, dict) else {}
     message = error.get("message")
     exc = HandlerError(message if isinstance(message, str) else
                        f"handoff {handoff_id}: the handler's process sent an unreadable error",
                        handoff_id=handoff_id, code=error.get("code"),  # type: ignore[arg-type]
                        retryable=error.get("retryable"), details=error.get("details"))
-    return _own_error(exc, handoff_id)
+    return rebuild_error(exc, handoff_id)
 
 
 class _Channel:

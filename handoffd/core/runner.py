@@ -1,6 +1,6 @@
 """Running one handler attempt: command specialists as child processes, Python ones in a thread
 (a daemon's worker calls them itself, watched: :mod:`.watchdog`), or after a crash in a child
-process of their own (:mod:`.isolation`, which uses the process handling here).
+process of their own (:mod:`.isolation`); the child process handling both use is :mod:`.childproc`.
 
 Both return the raw result object of the specialist protocol (docs/specialists.md) or raise HandlerError
 (``PROCESSING_ERROR``, ``TIMEOUT``, ``CANCELLED``). A child runs in its own process group with an
@@ -15,28 +15,29 @@ import logging
 import os
 import queue
 import re
-import select
-import signal
 import subprocess
 import threading
-import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from . import procs
+from .childproc import (
+    STDERR_TAIL,
+    Collector,
+    await_exit,
+    clear_previous_attempt,
+    end_attempt,
+    feed,
+    wait_attempt,
+    write_record,
+)
 from .documents import MAX_DEPTH, RESULT_DEPTH_MARGIN, Outcome, nesting_depth
 from .errors import ConfigError, ErrorCode, HandlerError
 from .ownfiles import START_UMASK
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 from .states import RESULT_STATUSES
-from .watchdog import WATCHDOG, TakenOver, Takeover, cancelled, timed_out
+from .watchdog import WATCHDOG, TakenOver, Takeover, cancelled
 
-KILL_GRACE_SECONDS = 2.0
 _CODE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")  # an error code a handler may raise
-STDERR_TAIL = 4096
-# After the attempt's processes are killed, how long a pipe may stay open (a writer the kill could
-# not find) before its reader stops waiting for EOF.
-PIPE_DRAIN_SECONDS = 1.0
-POLL_MS = 100  # how often an I/O thread of an attempt looks whether it should stop
 log = logging.getLogger("handoffd")
 
 
@@ -135,13 +136,13 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
 
     def call() -> None:
         try:
-            _call_handler(spec, doc, ctx, box)
+            call_handler(spec, doc, ctx, box)
         finally:
             done.set()
 
     HANDLER_THREADS.run(call, f"handler-{ctx.handoff_id}")
-    _wait(done, ctx, timeout)
-    return _returned(box, ctx)
+    wait_attempt(done, ctx, timeout)
+    return handler_result(box, ctx)
 
 
 def _run_inline(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, timeout: float,
@@ -151,18 +152,18 @@ def _run_inline(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     thread = threading.current_thread()
     name, thread.name = thread.name, f"handler-{ctx.handoff_id}"  # as py-spy and tracebacks show it
     try:
-        _call_handler(spec, doc, ctx, box)
+        call_handler(spec, doc, ctx, box)
     finally:
         thread.name = name
     if not WATCHDOG.done(watch):
         raise TakenOver(f"handoff {ctx.handoff_id}: the attempt was ended while its handler ran")
     if ctx.stop_requested:  # cancelled as it returned: still cancelled
         raise cancelled(ctx)
-    return _returned(box, ctx)
+    return handler_result(box, ctx)
 
 
-def _call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
-                  box: dict[str, Any]) -> None:
+def call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
+                 box: dict[str, Any]) -> None:
     """Call a Python handler: its result or exception into ``box``. What it does to the process
     itself is contained as it returns: a copy of the process it forked and returned in too ends
     here at once (it held the batch's pipes and the owner lock for ever), and a umask a handler
@@ -205,14 +206,14 @@ _HANDLERS = _Running()
 _UMASK = START_UMASK  # as the process started (a handler may not change it for the rest)
 
 
-def _returned(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
+def handler_result(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
     """The handler's result (``box["result"]``) checked and copied into plain JSON types (a
     dict or str subclass of the handler's could raise in any later step), or its exception as
     a HandlerError."""
     if "error" in box:
         exc = box["error"]
         if isinstance(exc, HandlerError):
-            raise _own_error(exc, ctx.handoff_id)
+            raise rebuild_error(exc, ctx.handoff_id)
         if isinstance(exc, ConfigError):  # e.g. the handler module cannot be imported
             raise HandlerError(f"handoff {ctx.handoff_id}: {_text(exc)}", handoff_id=ctx.handoff_id,
                                retryable=False)
@@ -232,7 +233,7 @@ def _text(exc: BaseException) -> str:
         return f"(a {type(exc).__name__} that cannot be shown)"
 
 
-def _own_error(exc: HandlerError, handoff_id: str) -> HandlerError:
+def rebuild_error(exc: HandlerError, handoff_id: str) -> HandlerError:
     """A HandlerError a handler raised, rebuilt from checked parts: its code a short name (else
     PROCESSING_ERROR), its details only if they are a JSON object (a list as the code, or
     details that are not JSON, once broke the filing and stranded the claim)."""
@@ -247,19 +248,6 @@ def _own_error(exc: HandlerError, handoff_id: str) -> HandlerError:
     retryable = exc.retryable if isinstance(exc.retryable, bool) else None
     return HandlerError(_text(exc), handoff_id=exc.handoff_id if isinstance(exc.handoff_id, str)
                         else handoff_id, code=code, retryable=retryable, details=details)
-
-
-def _wait(done: threading.Event, ctx: HandlerContext, timeout: float) -> None:
-    """Wait for ``done``; raise TIMEOUT / CANCELLED. Cancellation sets ``done`` too (no polling)."""
-    ctx.wake_on_cancel(done)
-    if ctx.stop_requested:
-        done.set()  # cancelled before we started waiting: do not sleep until the timeout
-    deadline = time.monotonic() + timeout
-    while not done.wait(max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            raise timed_out(ctx, timeout)
-    if ctx.stop_requested:
-        raise cancelled(ctx)
 
 
 def cancel(ctx: HandlerContext, reason: str) -> None:
@@ -291,9 +279,9 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
                HANDOFF_ATTEMPT=str(ctx.attempt), HANDOFF_TARGET=ctx.target)
     env.update(ctx.env)  # set by engine hooks, e.g. HANDOFF_ARTIFACT_PATH
     env[procs.TOKEN_ENV] = token  # last: nothing may override it
-    _clear_previous_attempt(ctx)
+    clear_previous_attempt(ctx)
     record = procs.RunRecord.new(ctx.handoff_id, token, ctx.attempt)
-    _write_record(ctx, record)  # before the fork: a crash right after it still leaves the token
+    write_record(ctx, record)  # before the fork: a crash right after it still leaves the token
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
@@ -305,22 +293,22 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
                            handoff_id=ctx.handoff_id, retryable=False) from None
     record.pgid = proc.pid
     record.leader_start = procs.start_time(proc.pid)
-    _write_record(ctx, record)
+    write_record(ctx, record)
     payload = json.dumps(doc).encode()
-    out = _Collector(proc.stdout, max_output_bytes, keep_tail=False)
-    err = _Collector(proc.stderr, STDERR_TAIL, keep_tail=True)
+    out = Collector(proc.stdout, max_output_bytes, keep_tail=False)
+    err = Collector(proc.stderr, STDERR_TAIL, keep_tail=True)
     done = threading.Event()  # the child exited, its output overflowed, or the attempt was cancelled
     exited = threading.Event()  # the child exited (it is not reaped yet: its group stays ours)
-    feeder = threading.Thread(target=_feed, args=(proc, payload, exited), daemon=True,
+    feeder = threading.Thread(target=feed, args=(proc, payload, exited), daemon=True,
                               name=f"feed-{ctx.handoff_id}")
-    waiter = threading.Thread(target=_await_exit, args=(proc, exited, done), daemon=True,
+    waiter = threading.Thread(target=await_exit, args=(proc, exited, done), daemon=True,
                               name=f"wait-{ctx.handoff_id}")
     out.on_overflow = done.set
     for thread in (feeder, out.thread, err.thread, waiter):
         thread.start()
     error: HandlerError | None = None
     try:
-        _wait(done, ctx, timeout)
+        wait_attempt(done, ctx, timeout)
         if out.overflow:
             raise HandlerError(f"handoff {ctx.handoff_id}: handler wrote more than "
                                f"{max_output_bytes} bytes to stdout; it was stopped",
@@ -328,106 +316,12 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     except HandlerError as exc:
         error = exc
     finally:
-        _end_attempt(ctx, proc, token, exited, (out, err), (feeder, waiter))
+        end_attempt(ctx, proc, token, exited, (out, err), (feeder, waiter))
     if error is not None:
         if error.code in (ErrorCode.CANCELLED, ErrorCode.TIMEOUT):  # what it printed on SIGTERM
             error.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))
         raise error
     return _parse_output(proc.returncode, out.data(), err.data(), ctx.handoff_id)
-
-
-def _clear_previous_attempt(ctx: HandlerContext) -> None:
-    """Kill what an earlier attempt of this handoff left running on this host; refuse to start
-    (a retryable error) while any of it survives, so two runs of one handoff never overlap."""
-    try:
-        procs.kill_leftovers(ctx.root, ctx.handoff_id, attempt=ctx.attempt)
-    except OSError as exc:
-        log.warning("handoff %s: cannot check for leftover processes: %s", ctx.handoff_id, exc)
-        return
-    left = procs.read_record(ctx.root, ctx.handoff_id)
-    if left is None or not left.local() or left.attempt > ctx.attempt:
-        return
-    alive = procs.scan(left.token, None)
-    if alive:
-        raise HandlerError(f"handoff {ctx.handoff_id}: {len(alive)} process(es) of attempt "
-                           f"{left.attempt} survive SIGKILL (pids "
-                           f"{', '.join(str(p.pid) for p in alive[:10])}); not starting another run "
-                           "beside them", handoff_id=ctx.handoff_id, retryable=True)
-
-
-def _write_record(ctx: HandlerContext, record: procs.RunRecord) -> None:
-    try:
-        procs.write_record(ctx.root, record)
-    except OSError as exc:  # the attempt still runs; only a later cleanup loses its handle
-        log.warning("handoff %s: cannot record the attempt's processes: %s", ctx.handoff_id, exc)
-
-
-def _await_exit(proc: subprocess.Popen[bytes], exited: threading.Event,
-                done: threading.Event) -> None:
-    """Wait for the child's exit without reaping it: while it is an unreaped zombie its pid, and
-    so its process-group id, cannot be reused, and _end_attempt may kill the group safely."""
-    try:
-        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-    except ChildProcessError:  # already reaped by _end_attempt
-        pass
-    exited.set()
-    done.set()
-
-
-class _Draining(Protocol):
-    """A reader of an attempt's pipe (:class:`_Collector`, the isolated handler's channel)."""
-
-    def finish(self, wait: float) -> None: ...
-
-
-def _end_attempt(ctx: HandlerContext, proc: subprocess.Popen[bytes], token: str,
-                 exited: threading.Event, collectors: tuple[_Draining, ...],
-                 helpers: tuple[threading.Thread, ...]) -> None:
-    """Stop everything the attempt started, in bounded time: SIGTERM the child (if it still runs)
-    with a grace period, then SIGKILL its process group and every process carrying the run token
-    (a grandchild that called setsid, a background child holding stdout), reap the child, close
-    the pipes and join every thread of the attempt."""
-    if not exited.is_set():  # timeout, cancellation, overflow: ask politely first
-        _signal_all(proc.pid, token, signal.SIGTERM)
-        exited.wait(KILL_GRACE_SECONDS)
-    # the child is alive or an unreaped zombie, so the group is provably this attempt's
-    survivors = 0
-    try:
-        _, survivors = procs.kill_run(token, proc.pid, group_known=proc.returncode is None)
-    except Exception:  # never leave the pipes and threads behind because of a scan failure
-        log.exception("handoff %s: killing the attempt's processes failed", ctx.handoff_id)
-        survivors = -1
-    try:
-        proc.wait(timeout=procs.KILL_WAIT_SECONDS)
-    except subprocess.TimeoutExpired:
-        log.error("handoff %s: handler pid %d does not die", ctx.handoff_id, proc.pid)
-    exited.set()
-    # every writer is dead: the readers see EOF once the buffered output is read; a writer the
-    # kill could not find (one that cleared its environment and left the group) is cut off
-    for collector in collectors:
-        collector.finish(PIPE_DRAIN_SECONDS)
-    for thread in helpers:
-        thread.join(timeout=PIPE_DRAIN_SECONDS)
-    if survivors == 0:
-        procs.remove_record(ctx.root, ctx.handoff_id, token)
-
-
-def _signal_all(pgid: int, token: str, sig: int) -> None:
-    """Send ``sig`` to the attempt's process group and to every process carrying its token."""
-    try:
-        os.killpg(pgid, sig)
-        reached = pgid
-    except (ProcessLookupError, PermissionError):
-        reached = None
-    for info in procs.scan(token, None):
-        if info.pgid == reached:
-            # signalled once already: a second SIGTERM a moment later re-enters a handler that
-            # prints its partial result, and the answer becomes two JSON lines (seen in a run)
-            continue
-        try:
-            os.kill(info.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            continue
 
 
 def _parse_output(code: int, stdout: bytes, stderr: bytes, handoff_id: str) -> dict[str, Any]:
@@ -452,93 +346,6 @@ def _parse_output(code: int, stdout: bytes, stderr: bytes, handoff_id: str) -> d
         raise HandlerError(f"handoff {handoff_id}: handler output is not JSON: {shown!r}{hint}",
                            handoff_id=handoff_id, details={"stderr_tail": tail}) from None
     return validate_result(result, handoff_id)
-
-
-def _feed(proc: subprocess.Popen[bytes], payload: bytes, stop: threading.Event) -> None:
-    """Write the document to the child's stdin; give up when the child has exited (a background
-    child that inherited stdin and never reads it must not keep this thread forever)."""
-    assert proc.stdin is not None
-    fd = proc.stdin.fileno()
-    view = memoryview(payload)
-    try:
-        os.set_blocking(fd, False)
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        while view and not stop.is_set():
-            if not poller.poll(POLL_MS):
-                continue
-            try:
-                view = view[os.write(fd, view[:65536]):]
-            except BlockingIOError:
-                continue
-    except OSError:
-        pass  # the handler need not read its input (EPIPE)
-    finally:
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
-
-
-class _Collector:
-    """Drains a pipe in a thread, keeping at most ``limit`` bytes (the head, or the tail).
-
-    The thread polls, so :meth:`finish` can end it even while some process the attempt's kill
-    could not find still holds the pipe's write end open (no EOF would ever come)."""
-
-    def __init__(self, pipe: Any, limit: int, *, keep_tail: bool) -> None:
-        self.pipe, self.limit, self.keep_tail = pipe, limit, keep_tail
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.overflow = False
-        self.on_overflow: Any = None
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._drain, daemon=True, name="handler-output")
-
-    def _drain(self) -> None:
-        try:
-            fd = self.pipe.fileno()
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            while True:
-                stopping = self.stop.is_set()
-                if not poller.poll(0 if stopping else POLL_MS):
-                    if stopping:
-                        break
-                    continue
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                self.chunks.append(chunk)
-                self.size += len(chunk)
-                if self.size > self.limit:
-                    if self.keep_tail:
-                        joined = b"".join(self.chunks)[-self.limit:]
-                        self.chunks, self.size = [joined], len(joined)
-                    else:
-                        self.overflow = True
-                        if self.on_overflow:
-                            self.on_overflow()
-                        break
-                if stopping:
-                    break
-        except OSError:
-            pass
-        finally:
-            try:
-                self.pipe.close()
-            except OSError:
-                pass
-
-    def finish(self, wait: float) -> None:
-        """Join the thread: up to ``wait`` seconds for EOF, then cut the pipe off."""
-        self.thread.join(timeout=wait)
-        if self.thread.is_alive():
-            self.stop.set()
-            self.thread.join(timeout=wait + POLL_MS / 1000)
-
-    def data(self) -> bytes:
-        return b"".join(self.chunks)
 
 
 def keep_partial(ctx: HandlerContext, outcome: Outcome) -> Outcome:

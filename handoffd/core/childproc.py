@@ -1,0 +1,231 @@
+"""A handler attempt's child process, as both runners handle it: a command specialist's
+(:func:`~.runner.run_command`) and an isolated Python handler's (:func:`~.isolation.run_isolated`).
+
+Before the child starts, :func:`clear_previous_attempt` kills what an earlier attempt left and
+:func:`write_record` records the attempt's processes (see procs.py). While it runs, :func:`feed`
+writes its stdin, a :class:`Collector` drains each output pipe, :func:`await_exit` sees it exit
+without reaping it, and :func:`wait_attempt` waits for that, the timeout or a cancellation.
+:func:`end_attempt` then stops everything the attempt started (SIGTERM to its group and every
+token carrier, a grace period, SIGKILL), reaps the child, closes the pipes and joins the
+attempt's threads, all in bounded time.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from typing import Any, Protocol
+
+from . import procs
+from .errors import HandlerError
+from .specialists import HandlerContext
+from .watchdog import cancelled, timed_out
+
+KILL_GRACE_SECONDS = 2.0
+STDERR_TAIL = 4096
+# After the attempt's processes are killed, how long a pipe may stay open (a writer the kill could
+# not find) before its reader stops waiting for EOF.
+PIPE_DRAIN_SECONDS = 1.0
+POLL_MS = 100  # how often an I/O thread of an attempt looks whether it should stop
+log = logging.getLogger("handoffd")
+
+
+def wait_attempt(done: threading.Event, ctx: HandlerContext, timeout: float) -> None:
+    """Wait for ``done``; raise TIMEOUT / CANCELLED. Cancellation sets ``done`` too (no polling)."""
+    ctx.wake_on_cancel(done)
+    if ctx.stop_requested:
+        done.set()  # cancelled before we started waiting: do not sleep until the timeout
+    deadline = time.monotonic() + timeout
+    while not done.wait(max(deadline - time.monotonic(), 0)):
+        if time.monotonic() >= deadline:
+            raise timed_out(ctx, timeout)
+    if ctx.stop_requested:
+        raise cancelled(ctx)
+
+
+def clear_previous_attempt(ctx: HandlerContext) -> None:
+    """Kill what an earlier attempt of this handoff left running on this host; refuse to start
+    (a retryable error) while any of it survives, so two runs of one handoff never overlap."""
+    try:
+        procs.kill_leftovers(ctx.root, ctx.handoff_id, attempt=ctx.attempt)
+    except OSError as exc:
+        log.warning("handoff %s: cannot check for leftover processes: %s", ctx.handoff_id, exc)
+        return
+    left = procs.read_record(ctx.root, ctx.handoff_id)
+    if left is None or not left.local() or left.attempt > ctx.attempt:
+        return
+    alive = procs.scan(left.token, None)
+    if alive:
+        raise HandlerError(f"handoff {ctx.handoff_id}: {len(alive)} process(es) of attempt "
+                           f"{left.attempt} survive SIGKILL (pids "
+                           f"{', '.join(str(p.pid) for p in alive[:10])}); not starting another run "
+                           "beside them", handoff_id=ctx.handoff_id, retryable=True)
+
+
+def write_record(ctx: HandlerContext, record: procs.RunRecord) -> None:
+    """Write the attempt's process record (procs.py); a failure is logged, not raised."""
+    try:
+        procs.write_record(ctx.root, record)
+    except OSError as exc:  # the attempt still runs; only a later cleanup loses its handle
+        log.warning("handoff %s: cannot record the attempt's processes: %s", ctx.handoff_id, exc)
+
+
+def await_exit(proc: subprocess.Popen[bytes], exited: threading.Event,
+               done: threading.Event) -> None:
+    """Wait for the child's exit without reaping it: while it is an unreaped zombie its pid, and
+    so its process-group id, cannot be reused, and :func:`end_attempt` may kill the group safely."""
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # already reaped by end_attempt
+        pass
+    exited.set()
+    done.set()
+
+
+class Draining(Protocol):
+    """A reader of an attempt's pipe (:class:`Collector`, the isolated handler's channel)."""
+
+    def finish(self, wait: float) -> None:
+        """Stop reading: up to ``wait`` seconds for the pipe's end, then cut it off."""
+
+
+def end_attempt(ctx: HandlerContext, proc: subprocess.Popen[bytes], token: str,
+                exited: threading.Event, collectors: tuple[Draining, ...],
+                helpers: tuple[threading.Thread, ...]) -> None:
+    """Stop everything the attempt started, in bounded time: SIGTERM the child (if it still runs)
+    with a grace period, then SIGKILL its process group and every process carrying the run token
+    (a grandchild that called setsid, a background child holding stdout), reap the child, close
+    the pipes and join every thread of the attempt."""
+    if not exited.is_set():  # timeout, cancellation, overflow: ask politely first
+        signal_all(proc.pid, token, signal.SIGTERM)
+        exited.wait(KILL_GRACE_SECONDS)
+    # the child is alive or an unreaped zombie, so the group is provably this attempt's
+    survivors = 0
+    try:
+        _, survivors = procs.kill_run(token, proc.pid, group_known=proc.returncode is None)
+    except Exception:  # never leave the pipes and threads behind because of a scan failure
+        log.exception("handoff %s: killing the attempt's processes failed", ctx.handoff_id)
+        survivors = -1
+    try:
+        proc.wait(timeout=procs.KILL_WAIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        log.error("handoff %s: handler pid %d does not die", ctx.handoff_id, proc.pid)
+    exited.set()
+    # every writer is dead: the readers see EOF once the buffered output is read; a writer the
+    # kill could not find (one that cleared its environment and left the group) is cut off
+    for collector in collectors:
+        collector.finish(PIPE_DRAIN_SECONDS)
+    for thread in helpers:
+        thread.join(timeout=PIPE_DRAIN_SECONDS)
+    if survivors == 0:
+        procs.remove_record(ctx.root, ctx.handoff_id, token)
+
+
+def signal_all(pgid: int, token: str, sig: int) -> None:
+    """Send ``sig`` to the attempt's process group and to every process carrying its token."""
+    try:
+        os.killpg(pgid, sig)
+        reached = pgid
+    except (ProcessLookupError, PermissionError):
+        reached = None
+    for info in procs.scan(token, None):
+        if info.pgid == reached:
+            # signalled once already: a second SIGTERM a moment later re-enters a handler that
+            # prints its partial result, and the answer becomes two JSON lines (seen in a run)
+            continue
+        try:
+            os.kill(info.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def feed(proc: subprocess.Popen[bytes], payload: bytes, stop: threading.Event) -> None:
+    """Write the document to the child's stdin; give up when the child has exited (a background
+    child that inherited stdin and never reads it must not keep this thread forever)."""
+    assert proc.stdin is not None
+    fd = proc.stdin.fileno()
+    view = memoryview(payload)
+    try:
+        os.set_blocking(fd, False)
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        while view and not stop.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            try:
+                view = view[os.write(fd, view[:65536]):]
+            except BlockingIOError:
+                continue
+    except OSError:
+        pass  # the handler need not read its input (EPIPE)
+    finally:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+
+
+class Collector:
+    """Drains a pipe in a thread, keeping at most ``limit`` bytes (the head, or the tail).
+
+    The thread polls, so :meth:`finish` can end it even while some process the attempt's kill
+    could not find still holds the pipe's write end open (no EOF would ever come)."""
+
+    def __init__(self, pipe: Any, limit: int, *, keep_tail: bool) -> None:
+        self.pipe, self.limit, self.keep_tail = pipe, limit, keep_tail
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.overflow = False
+        self.on_overflow: Any = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True, name="handler-output")
+
+    def _drain(self) -> None:
+        try:
+            fd = self.pipe.fileno()
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            while True:
+                stopping = self.stop.is_set()
+                if not poller.poll(0 if stopping else POLL_MS):
+                    if stopping:
+                        break
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                self.chunks.append(chunk)
+                self.size += len(chunk)
+                if self.size > self.limit:
+                    if self.keep_tail:
+                        joined = b"".join(self.chunks)[-self.limit:]
+                        self.chunks, self.size = [joined], len(joined)
+                    else:
+                        self.overflow = True
+                        if self.on_overflow:
+                            self.on_overflow()
+                        break
+                if stopping:
+                    break
+        except OSError:
+            pass
+        finally:
+            try:
+                self.pipe.close()
+            except OSError:
+                pass
+
+    def finish(self, wait: float) -> None:
+        """Join the thread: up to ``wait`` seconds for EOF, then cut the pipe off."""
+        self.thread.join(timeout=wait)
+        if self.thread.is_alive():
+            self.stop.set()
+            self.thread.join(timeout=wait + POLL_MS / 1000)
+
+    def data(self) -> bytes:
+        """What was kept of the pipe's output."""
+        return b"".join(self.chunks)
