@@ -132,13 +132,22 @@ class Records(Protocol):
     what every daemon of the store must see alike. Values are JSON."""
 
     def read(self, kind: str) -> dict[str, Any]:
-        """Every record of ``kind``, by key (a snapshot; {} when there is none)."""
+        """Every record of ``kind``, by key (a snapshot; {} when there is none, and for
+        records the store holds but cannot use, e.g. a damaged file: a damaged record never
+        raises here).
+
+        The caller must not change the values: a backend may share them with its cache and
+        with every other read (the files backend parses a file once per version and hands each
+        read a shallow copy of that parse, so a read copies no record). The returned dict
+        itself is the caller's. Change a record only through :meth:`update`; copy a value
+        before changing it locally."""
         ...
 
     def update(self, kind: str, key: str, change: Change) -> Any:
         """Atomically replace the record ``kind``/``key`` with ``change(current)`` (current:
         None when absent; a None result deletes it) and return the new value. Concurrent
-        updates of one record by any process are serialised."""
+        updates of one record by any process are serialised. An update whose result the store
+        could not keep readable (too large) raises a HandoffdError and writes nothing."""
         ...
 Rows = list[Row]
 Claims = list[Claim]

@@ -13,10 +13,12 @@ priority) and is looked at again when the next token is due. Retries start under
 """
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..core.config import Rate
+from ..core.errors import HandoffdError
 from ..core.storage import Records
 
 if TYPE_CHECKING:
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from ..core.specialists import Specialist
 
 KIND = "rates"  # the records' kind (files: handoffs/.meta/rates.json)
+UNREADABLE_WAIT_SECONDS = 1.0  # a bucket that cannot be updated: starts wait, asked again then
+log = logging.getLogger("handoffd")
 
 
 class Buckets:
@@ -66,9 +70,23 @@ def _load(state: Any, rate: Rate) -> tuple[float, float]:
 def install(engine: Engine) -> None:
     """The rates feature: a start limit for each specialist with a ``rate``."""
     buckets = Buckets(engine.backend.records())
+    failing: set[str] = set()  # specialists whose bucket could not be read: said once
 
     def limit(spec: Specialist, now: datetime) -> float:
         rate = spec.config.rate
-        return 0.0 if rate is None else buckets.take(spec.agent, rate, now)
+        if rate is None:
+            return 0.0
+        try:
+            wait = buckets.take(spec.agent, rate, now)
+        except (OSError, HandoffdError) as exc:
+            # the scheduler's loop asks this: raising would stop the daemon. A limit that
+            # cannot be kept holds starts back (never a burst past it) and asks again soon
+            if spec.agent not in failing:
+                failing.add(spec.agent)
+                log.error("specialist %s: its rate bucket cannot be updated (%s); its handoffs "
+                          "wait, tried again every %g s", spec.agent, exc, UNREADABLE_WAIT_SECONDS)
+            return UNREADABLE_WAIT_SECONDS
+        failing.discard(spec.agent)
+        return wait
 
     engine.start_limits.append(limit)
