@@ -46,6 +46,9 @@ from .states import State
 
 Doc = dict[str, Any]
 Order = Literal["newest", "oldest", "due"]
+# Backend.live_stamps: the identity of a live handoff's stored copies (bytes equal from one call
+# to the next only while none of them changed) and when one last changed (ns since the epoch)
+LiveStamp = tuple[bytes, int]
 
 
 @dataclass(frozen=True)
@@ -341,6 +344,16 @@ class Backend(Protocol):
     def ids(self, state: State) -> builtins.list[str]:
         """Ids of the handoffs in ``state`` (cheap: no document is read)."""
         ...
+
+    def live_stamps(self) -> dict[str, LiveStamp | None] | None:
+        """Every pending and in-progress handoff, also one set aside by a move out of those
+        states that is under way or died midway (it is live: the move files it, or the sweep
+        puts it back), each with the :data:`LiveStamp` of its stored copies: what a caller read
+        of a document stays true while its stamp is the same (retention's
+        :mod:`~handoffd.features.liverefs`). None for an id whose copies cannot be stamped (one
+        is not a regular file). Cheap: no document is read. Default: None, a store whose
+        documents have no such identity (a caller reads each again)."""
+        return None
 
     def peek(self, handoff_id: str) -> Doc | None:
         """A copy of the pending document ``handoff_id`` (None when it is not pending), to route

@@ -9,10 +9,12 @@ handoffd.toml makes every serving daemon do the same on its own (``completed = "
 ``failed = "30d"``, ``mode = "purge"|"archive"``, ``every = "1h"``).
 
 Never removed: a handoff that a pending or running handoff depends on, and the parent of a
-pending or running handoff (its children still report to it). The store records each purged id
-as seen, so dedup still refuses the id for its TTL after the document is gone. Knowing what live
-work needs means reading the live documents: a pass with nothing old enough to go reads none, and
-a daemon's passes read again only the live documents whose files changed (see liverefs).
+pending or running handoff (its children still report to it). A live document that a move holds
+aside (the files store's ``.meta/aside/``: for a minute, when its mover died) counts as live.
+The store records each purged id as seen, so dedup still refuses the id for its TTL after the
+document is gone. Knowing what live work needs means reading the live documents: a pass with
+nothing old enough to go reads none, and a daemon's passes read again only the live documents
+whose files changed (see liverefs).
 """
 from __future__ import annotations
 
@@ -74,8 +76,9 @@ def protected(engine: Engine, refs: LiveRefs | None = None
     that moved between the listings of the two was in neither, and what it depends on was
     purged (a handoff retried at once, over and over, was missed that way every few passes).
     So the ids of both are gathered over a few rounds of bare listings (no document read, so
-    each round is quick), then each document is read wherever it is by then: unless ``refs``
-    remembers what it referenced and its files are unchanged since (see liverefs)."""
+    each round is quick), with those the store stamps live (:meth:`LiveRefs.start`: also the
+    documents a move holds aside), then each document is read wherever it is by then: unless
+    ``refs`` remembers what it referenced and its stamp is unchanged since (see liverefs)."""
     keep: dict[str, str] = {}
     live: dict[str, State] = {}
     ids: dict[str, None] = {}
@@ -83,10 +86,10 @@ def protected(engine: Engine, refs: LiveRefs | None = None
         for state in (State.PENDING, State.IN_PROGRESS):
             ids.update(dict.fromkeys(engine.backend.ids(state)))
     read = partial(_read_refs, engine, getattr(engine.backend, "describe", describe_native))
-    if refs is not None:
-        refs.start(engine)
+    refs = refs if refs is not None else LiveRefs()  # (this pass's own: kept by nobody)
+    ids.update(dict.fromkeys(refs.start(engine)))
     for handoff_id in ids:
-        found = read(handoff_id) if refs is None else refs.lookup(handoff_id, read)
+        found = refs.lookup(handoff_id, read)
         if found is None:
             continue
         live[handoff_id] = found.state
@@ -94,14 +97,14 @@ def protected(engine: Engine, refs: LiveRefs | None = None
             keep.setdefault(found.parent, f"parent of {found.state.value} {handoff_id}")
         for dep in found.depends_on:
             keep.setdefault(dep, f"{found.state.value} {handoff_id} depends on it")
-    if refs is not None:
-        refs.retain(ids)
+    refs.retain(ids)
     return keep, live
 
 
 def _read_refs(engine: Engine, describe: Describe, handoff_id: str) -> Refs | None:
-    """What the live document ``handoff_id`` references, read wherever it is now; None when it
-    is finished, gone or unreadable (an unreadable live document protects nothing)."""
+    """What the live document ``handoff_id`` references, read wherever it is now (also where a
+    move holds it aside: ``get`` finds it there); None when it is finished, gone or unreadable
+    (an unreadable live document protects nothing)."""
     try:
         found = engine.backend.get(handoff_id)
     except Exception:

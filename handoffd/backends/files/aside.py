@@ -12,6 +12,10 @@ A process that dies in between leaves its file here. The sweep puts it back into
 folder once it is :data:`AGE_SECONDS` old (a second copy of a moved handoff is then told apart
 by revision, as after any crash between a move's write and its unlink), and quarantines it
 when a copy was filed there meanwhile: a set-aside document is never deleted unread.
+
+Until then, a document set aside from pending/ or in-progress/ is still live work: the store
+lists it among the live handoffs (:func:`.reading.live_stamps`), and ``get`` finds it here, so
+retention keeps its parent and what it depends on (they were purged in that minute once).
 """
 from __future__ import annotations
 
@@ -56,6 +60,14 @@ def folder(store: Store, state: State) -> Path:
         if not plain_folder(part):
             raise OSError(errno.ENOTDIR, "not a folder of the workspace (a symlink?)", str(part))
     return path
+
+
+def existing(ws: Workspace, state: State) -> Path | None:
+    """``.meta/aside/<state>`` for a reader: None when it is missing or not a plain folder of
+    the workspace (a symlink planted there must not lead a reader outside it). Never made."""
+    top = ws.meta / NAME
+    path = top / state.value
+    return path if plain_folder(top) and plain_folder(path) else None
 
 
 def take(store: Store, state: State, handoff_id: str) -> Path:

@@ -28,7 +28,7 @@ from ...core.documents import revision
 from ...core.errors import DuplicateHandoff, InvalidTransition, NotFound
 from ...core.logs import log
 from ...core.states import State
-from ...core.storage import LOST, Wakeup, trusted_doc
+from ...core.storage import LOST, LiveStamp, Wakeup, trusted_doc
 from ...core.workspace import Workspace
 from ..base import (
     Backend,
@@ -184,6 +184,13 @@ class FilesBackend(FencedFiling, Backend):
     # ------------------------------------------------------------ what the engine and sweeper add
     def ids(self, state: State) -> builtins.list[str]:
         return self.store.ids(state)
+
+    def live_stamps(self) -> dict[str, LiveStamp | None]:
+        """See Backend.live_stamps: the documents of pending/, in-progress/ and of
+        ``.meta/aside/pending|in-progress/`` (a move that died there leaves its document for a
+        minute before the sweep puts it back), each stamped by its files' identity (inode,
+        size, mtime and ctime): see :func:`.reading.live_stamps`."""
+        return reading.live_stamps(self.ws)
 
     def peek(self, handoff_id: str) -> Doc | None:
         return reading.peek(self, self.store, handoff_id)

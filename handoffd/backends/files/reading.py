@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import heapq
 import os
+import stat
+import struct
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -18,7 +20,7 @@ from typing import Any, Iterator, Protocol
 from ...core.documents import check_id, revision
 from ...core.errors import InvalidDocument, NotFound
 from ...core.states import State, winner
-from ...core.storage import trusted_doc
+from ...core.storage import LiveStamp, trusted_doc
 from ...core.workspace import Workspace
 from ..base import (
     Backend,
@@ -42,6 +44,10 @@ from . import aside, fsio
 from .problems import read_error
 
 MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
+LIVE = (State.PENDING, State.IN_PROGRESS)
+# one file of a live handoff in a stamp: which folder (its index in live_folders), inode, size,
+# mtime_ns, ctime_ns; packed (bytes are small, and not tracked by the garbage collector)
+_FILE_STAMP = struct.Struct("=BQqqq")
 
 
 class Reading(Protocol):
@@ -89,9 +95,14 @@ def get(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]]:
 
 def aside_copy(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]] | None:
     """(state it was taken from, document) of ``handoff_id`` set aside by a move or purge
-    under way (``handoff show`` and ``wait`` said "no handoff" in that instant)."""
+    under way (``handoff show`` and ``wait`` said "no handoff" in that instant). Only a plain
+    folder of the workspace is looked in; a file that is no bounded, parsable document is
+    passed over."""
     for state in State:
-        path = store.ws.meta / aside.NAME / state.value / f"{handoff_id}.json"
+        folder = aside.existing(store.ws, state)
+        if folder is None:
+            continue
+        path = folder / f"{handoff_id}.json"
         try:
             data, _ = fsio.read_bytes_safely(path, store.max_filed_bytes)
             return state, fsio.parse_document(data, f"{state.value}/{handoff_id}.json")
@@ -124,6 +135,52 @@ def ids(ws: Workspace, state: State) -> list[str]:
             return [e.name[:-5] for e in entries if e.name.endswith(".json")]
     except FileNotFoundError:
         return []
+
+
+def live_folders(ws: Workspace) -> list[Path]:
+    """Where live documents are: pending/ and in-progress/, then the folders of documents a
+    move set aside from them (those that are plain folders: see :func:`.aside.existing`)."""
+    held = [aside.existing(ws, state) for state in LIVE]
+    return [ws.state_dir(state) for state in LIVE] + [p for p in held if p is not None]
+
+
+def live_stamps(ws: Workspace) -> dict[str, LiveStamp | None]:
+    """See :meth:`Backend.live_stamps`: every document file of :func:`live_folders`, one lstat
+    each, none read. An id's stamp packs each of its files (folder, inode, size, mtime and ctime
+    in ns) in folder order, with the latest mtime or ctime of them. It changes with any change
+    of its files: every write handoffd makes is a new inode, any write, rename or ``touch``
+    changes the ctime (which nobody can set), and a move changes the folders. A file that is
+    not a regular file leaves its id unstamped (None): a symlink's target may change under it."""
+    stamps: dict[str, LiveStamp | None] = {}
+    pack = _FILE_STAMP.pack  # (a loop run once per live document: kept lean)
+    for slot, folder in enumerate(live_folders(ws)):
+        try:
+            listing = os.scandir(folder)
+        except OSError:  # missing (or not a folder): nothing live there
+            continue
+        with listing:
+            for entry in listing:
+                name = entry.name
+                if name[-5:] != ".json":
+                    continue
+                handoff_id = name[:-5]
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # moved since the listing: a later folder may hold it
+                    continue
+                except OSError:
+                    stamps[handoff_id] = None
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    stamps[handoff_id] = None
+                    continue
+                own = pack(slot, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                changed = max(st.st_mtime_ns, st.st_ctime_ns)
+                if handoff_id not in stamps:
+                    stamps[handoff_id] = (own, changed)
+                elif (held := stamps[handoff_id]) is not None:  # a second copy (a move)
+                    stamps[handoff_id] = (held[0] + own, max(held[1], changed))
+    return stamps
 
 
 def iter_ids(ws: Workspace, state: State) -> Iterator[str]:
