@@ -274,3 +274,10 @@ def memory_engine(tmp_path: Path, clock: Clock,
         registry.add_function(agent, func, config=config, concurrency=2)
     backend = MemoryBackend()
     return build_engine(ws, config, registry, clock=clock, backend=backend), backend
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Start the tests marked ``heavy`` first (a stable sort: the rest keep their order). The
+    suite's workers take tests in collection order, and one 20-second test left for the end
+    kept every other worker idle meanwhile."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

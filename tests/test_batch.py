@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 
+import pytest
 from conftest import Workspace, alive, exe, wait_until
 
 
@@ -39,6 +40,7 @@ def running_pid(ws: Workspace, hid: str) -> int:
     return next(r["pid"] for r in ws.runs() if r["id"] == hid)
 
 
+@pytest.mark.heavy
 def test_sigterm_hands_back_and_leaves_no_orphan(ws: Workspace) -> None:
     """cron's `timeout` sends SIGTERM (then SIGKILL): the batch stops like `serve` does."""
     hid = ws.create("--to", "@flaky", "--data", json.dumps({"mode": "sleep", "seconds": 60}))

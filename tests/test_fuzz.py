@@ -332,6 +332,7 @@ def every_input_ends_in_one_place(batch: list[tuple[str, bytes]]) -> None:
         assert not list((root / "handoffs" / "in-progress").iterdir())
 
 
+@pytest.mark.heavy
 @IN_PROCESS
 @given(batch=batches(1, 3))
 def test_in_process_every_input_ends_in_one_place(batch: list[tuple[str, bytes]]) -> None:

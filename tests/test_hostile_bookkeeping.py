@@ -434,6 +434,7 @@ def test_trace_of_a_long_dependency_chain_and_retry_of_nothing(tmp_path: Path) -
     assert retried.returncode == 0 and "no failed handoffs" in retried.stderr, retried.stderr
 
 
+@pytest.mark.heavy
 def test_a_notification_command_is_bounded_and_never_outlives_the_daemon(hws: Workspace) -> None:
     """Found by the third bug hunt: an [[on_filed]] command writing without end grew the
     daemon by hundreds of MB a second (its whole output was kept); a hanging one outlived the

@@ -107,6 +107,7 @@ def test_a_bad_rule_is_a_configuration_error(ws: Workspace) -> None:
     assert proc.returncode == 2 and "url must be an http" in proc.stderr
 
 
+@pytest.mark.heavy
 def test_a_cancel_from_the_command_line_delivers_retries_and_dead_letters(
         ws: Workspace, tmp_path: Path) -> None:
     """Found by the third bug hunt: `handoff cancel` files the handoff in its own process, which

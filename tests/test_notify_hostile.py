@@ -151,6 +151,7 @@ def test_a_webhook_answering_garbage_is_dead_lettered_without_a_traceback(
     assert letter["id"] == handoff_id and letter["error"].startswith("webhook: ")
 
 
+@pytest.mark.heavy
 def test_a_batch_dead_letters_the_webhook_in_flight_at_its_end_and_drains_once(
         ws: Workspace, server: HostileServer) -> None:
     """With a timeout longer than the drain (600 s), the delivery is still under way when the

@@ -154,6 +154,7 @@ def stop_all(ws: Workspace, procs: list[subprocess.Popen[str]]) -> None:
         proc.wait(60)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("restarted", [1, 2])
 def test_notices_queued_at_a_kill_9_are_delivered_by_the_next_daemon(
         ws: Workspace, hooks: Hooks, restarted: int) -> None:

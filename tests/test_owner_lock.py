@@ -419,6 +419,7 @@ def lose_lock_under_a_running_handoff(daemons: Daemons, first: subprocess.Popen[
     return slow
 
 
+@pytest.mark.heavy
 def test_two_daemons_never_run_a_handoff_at_once_after_a_handler_closed_the_lock(
         daemons: Daemons) -> None:
     a = daemons.start("serve", name="a")
@@ -442,6 +443,7 @@ def test_two_daemons_never_run_a_handoff_at_once_after_a_handler_closed_the_lock
         assert code == 0 and "error: " not in daemons.log(name), (name, daemons.log(name))
 
 
+@pytest.mark.heavy
 def test_a_batch_that_lost_its_lock_leaves_every_handoff_filed_once(daemons: Daemons) -> None:
     """A `run` batch whose lock a handler closed under a running handoff, with a serving daemon
     beside it: nothing runs twice at once, nothing is taken over, nothing stays in

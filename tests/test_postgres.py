@@ -296,6 +296,7 @@ def test_db_init_is_idempotent_and_prints_the_version(ws: Workspace, pg_url: str
     assert no_store.returncode == 2 and "no PostgreSQL store" in no_store.stderr
 
 
+@pytest.mark.heavy
 def test_db_import_moves_a_files_workspace_in(ws: Workspace, pg_url: str) -> None:
     done_id = ws.create("--from", "@t", "--to", "@flaky", "--data", '{"mode": "ok"}')
     assert ws.handoffd("run").returncode == 0
@@ -337,6 +338,7 @@ def pg_workspace(root: Path, url: str, specialists: bool = True) -> Workspace:
     return space
 
 
+@pytest.mark.heavy
 def test_daemon_and_cli_on_postgres(tmp_path: Path, pg_url: str) -> None:
     space = pg_workspace(tmp_path / "ws", pg_url)
     try:

@@ -79,6 +79,7 @@ def read_json(path: Path) -> Any:
         return None
 
 
+@pytest.mark.heavy
 def test_one_context_for_every_host(tmp_path: Path, pg_url: str,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "ctx_handlers.py").write_text(HANDLERS)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pgserver
+import pytest
 from conftest import FLAKY_TOML, Workspace
 
 from handoffd.core.documents import new_native_request
@@ -50,6 +51,7 @@ def settled(url: str) -> int:
     raise AssertionError("the database never came back")
 
 
+@pytest.mark.heavy
 def test_three_hosts_survive_kills_terminations_and_a_restart(
         tmp_path: Path, pg_server: pgserver.PgServer) -> None:
     url = pg_server.new_database()
@@ -132,6 +134,7 @@ def test_three_hosts_survive_kills_terminations_and_a_restart(
     assert any("reconnected to the database" in log for log in logs), logs[-1][-2000:]
 
 
+@pytest.mark.heavy
 def test_a_killed_hosts_claim_is_recovered_long_before_its_lease(
         tmp_path: Path, pg_server: pgserver.PgServer) -> None:
     """kill -9 ends the daemon's database sessions, and with them its presence lock: another

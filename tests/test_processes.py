@@ -249,6 +249,7 @@ def _zombie_children() -> list[int]:
     return found
 
 
+@pytest.mark.heavy
 def test_in_process_daemon_fds_threads_and_processes_stay_flat(pws: Any) -> None:
     ws, tracker = pws
     root = ws.root

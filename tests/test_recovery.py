@@ -58,6 +58,7 @@ def test_crash_at_each_step_is_repaired(ws: Workspace, point: str, mode: str,
     assert history[-1] == "completed"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("durability", ["fsync", "fast"])
 def test_three_daemons_kill_9_lose_nothing(ws: Workspace, durability: str) -> None:
     """A few hundred handoffs, three daemons, two kill -9s: every handoff ends completed exactly

@@ -27,6 +27,7 @@ def finished(ws: Workspace, *modes: str) -> list[str]:
     return ids
 
 
+@pytest.mark.heavy
 def test_purge_dry_run_filters_and_protection(ws: Workspace) -> None:
     done, dep, parent, bad = finished(ws, "ok", "ok", "ok", "permanent")
     waiting = ws.create("--to", "@nobody", "--depends-on", dep)  # live work depending on `dep`

@@ -144,6 +144,7 @@ def children_of(pid: int) -> list[int]:
     return [int(child) for child in text.split()]
 
 
+@pytest.mark.heavy
 def test_max_seconds_bounds_a_batch_whose_process_is_stuck(ws: Workspace) -> None:
     setup(ws, grace=0.5)
     ids = [drop(ws, f"w-{i:03d}", "@work", sleep=0.1) for i in range(160)]
@@ -234,6 +235,7 @@ def test_collect_past_the_deadline_still_takes_a_finished_childs_report() -> Non
 
 
 # ---------------------------------------------------------------- F9: stops in a row
+@pytest.mark.heavy
 def test_a_handler_that_stops_its_own_daemon_is_dead_lettered(ws: Workspace) -> None:
     setup(ws, grace=0.3, retries=1)
     hid = drop(ws, "selfstop-0", "@selfstop")

@@ -168,6 +168,7 @@ def run_until_done(ws: Workspace, expected: int, seconds: float = 30) -> str:
     return said
 
 
+@pytest.mark.heavy
 def test_a_killed_process_is_reported_and_its_claim_recovered(ws: Workspace) -> None:
     setup(ws, 40, extra=SHORT_GRACE, spec=NO_DELAY, sleep=0.3)
     proc = batch(ws, "--processes", "2", "--workers", "2")
@@ -185,6 +186,7 @@ def test_a_killed_process_is_reported_and_its_claim_recovered(ws: Workspace) -> 
     never_twice_at_once(ws, killed=child)
 
 
+@pytest.mark.heavy
 def test_the_children_stop_when_the_batch_is_killed(ws: Workspace) -> None:
     setup(ws, 40, extra=SHORT_GRACE, spec=NO_DELAY, sleep=0.3)
     proc = batch(ws, "--processes", "2", "--workers", "2")

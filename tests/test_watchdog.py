@@ -316,6 +316,7 @@ HANGING = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy
 def test_a_batch_exits_although_a_handler_never_returns(tmp_path: Path) -> None:
     """`handoffd run`: the attempt ends TIMEOUT on time and the process exits; the hung
     handler's thread does not keep it alive."""
