@@ -1,0 +1,240 @@
+"""The after-run half of a contract's enforcement: :class:`Review` checks one attempt (scope,
+``files_touched``, success criteria), turns its findings into the verdict filed with the outcome
+(``CONTRACT_VIOLATION``, ``VALIDATION_FAILED`` or passed, under ``validation``) and appends them
+to the learning log (:mod:`handoffd.features.contracts.violations`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+from ...core.documents import Envelope, Outcome
+from ...core.errors import ErrorCode
+from ...core.logs import deferred
+from . import criteria as criteria_mod
+from . import patterns, violations
+from .findings import (FATAL_KINDS, MAX_LISTED, MESSAGE_FILES, Findings, Run, criterion_failure,
+                       reported_touched, scope_creep, unauthorized)
+
+if TYPE_CHECKING:  # snapshots: loaded by the first contract that checks its scope (a listing
+    # that asks the gates never does)
+    from ...core.engine import Engine, Job
+    from ...core.storage import ViolationLog
+    from .reservations import Reservations
+    from .snapshots import Change
+
+log = deferred("handoffd.contracts")
+
+
+class Review:
+    """The review methods of :class:`~handoffd.features.contracts.feature.Enforcer` (a mixin):
+    what it needs of the Enforcer is declared here."""
+
+    engine: Engine
+    reservations: Reservations
+    log: ViolationLog  # the violations log (the module's ``log`` is the logger)
+
+    def review(self, job: "Job", run: Run, outcome: Outcome) -> Outcome:
+        """Scope, files_touched, criteria; returns the (possibly replaced) outcome.
+
+        Decision on ``files_touched``: a mismatch between the worker's report and what was observed
+        is recorded (``validation.violations``, a warning, the learning log) but does not fail the
+        handoff by itself. Every change it could hide is observed anyway, so an out-of-scope change
+        fails as ``scope_creep`` whatever the worker reported.
+        """
+        contract = run.contract
+        found = Findings(reported=reported_touched(outcome, run.directory))
+        found.violations += unauthorized(contract, found.reported)
+        if run.snapshotter is not None and run.before is not None:
+            from .snapshots import ScopeUnverifiable  # loaded already: run.snapshotter is one
+            try:
+                found.changes, _ = run.snapshotter.changes(run.before)
+            except ScopeUnverifiable as exc:  # fail closed, with the one line git gave
+                log.error("handoff %s: %s", job.handoff_id, exc)
+                found.violations.append({"kind": "scope_creep", "path": ".", "change": "unverifiable",
+                                         "error": str(exc), "message": str(exc)})
+            else:
+                self._classify(job, run, found)
+        fatal = found.of_kind(*FATAL_KINDS)
+        if contract.criteria:
+            if fatal:
+                note = "not run: the contract was violated"
+            elif not outcome.succeeded:
+                note = f"not run: the handler ended {outcome.status}"
+            else:
+                note = ""
+            found.criteria = self._criteria(job, run, note)
+            for item in found.criteria:
+                if item["status"] == "failed":
+                    found.violations.append({
+                        "kind": "criteria_failed", "criterion": item["criterion"],
+                        "exit_code": item.get("exit_code"), "timed_out": bool(item.get("timed_out")),
+                        "message": criterion_failure(item)})
+        self._log(job, run, found)
+        return self._outcome(job, run, outcome, found)
+
+    def _classify(self, job: "Job", run: Run, found: Findings) -> None:
+        contract = run.contract
+        neighbours = self.reservations.neighbours(job.handoff_id, run.started) \
+            if contract.files_owned is not None else []
+        observed: list[Change] = []
+        for change in found.changes:
+            if change.path.startswith("../"):  # git's own state, above the contract directory:
+                observed.append(change)      # no pattern (relative to the directory) can own it
+                if contract.files_owned is not None:
+                    found.violations.append(scope_creep(change))
+                continue
+            readonly = patterns.first_match(contract.files_readonly, change.path)
+            if readonly is not None:
+                found.violations.append({"kind": "readonly_modified", "path": change.path,
+                                         "change": change.change, "pattern": readonly,
+                                         "message": f"{change.path}: {change.change} (read-only)"})
+                observed.append(change)
+                continue
+            if contract.files_owned is None or patterns.any_match(contract.files_owned, change.path):
+                observed.append(change)
+                continue
+            ws_path = patterns.join(contract.cwd, change.path)
+            owner = next((r["handoff_id"] for r in neighbours
+                          if patterns.any_match(tuple(p for p in r["patterns"] if isinstance(p, str)),
+                                                ws_path)), None)
+            if owner is not None:  # owned by a handoff that ran meanwhile: its change, not ours
+                found.excused.append({"path": change.path, "change": change.change, "owner": owner})
+                continue
+            observed.append(change)
+            found.violations.append(scope_creep(change))
+        if found.reported is not None:
+            seen = {c.path for c in observed}
+            claimed = set(found.reported)
+            unreported, unobserved = sorted(seen - claimed), sorted(claimed - seen)
+            if unreported or unobserved:
+                parts = []
+                if unreported:
+                    parts.append("changed but not reported: " + ", ".join(unreported[:MESSAGE_FILES]))
+                if unobserved:
+                    parts.append("reported but not changed: " + ", ".join(unobserved[:MESSAGE_FILES]))
+                found.violations.append({"kind": "files_touched_mismatch",
+                                         "not_reported": unreported[:MAX_LISTED],
+                                         "not_observed": unobserved[:MAX_LISTED],
+                                         "message": "files_touched does not match the observed "
+                                                    "changes: " + "; ".join(parts)})
+
+    def _criteria(self, job: "Job", run: Run, note: str) -> list[dict[str, Any]]:
+        results = []
+        env = dict(os.environ, HANDOFF_ID=job.handoff_id, HANDOFF_TASK_ID=run.contract.task_id,
+                   HANDOFFD_ROOT=str(self.engine.ws.root), PYTHONDONTWRITEBYTECODE="1")
+        for criterion in run.contract.criteria:
+            if note and criteria_mod.parse(criterion) is not None:
+                kind, command = criteria_mod.parse(criterion) or ("", "")
+                results.append({"criterion": criterion, "kind": kind, "command": command,
+                                "status": "unchecked", "note": note})
+                continue
+            results.append(criteria_mod.check(criterion, cwd=run.directory,
+                                              timeout=run.contract.criteria_timeout, env=env))
+        return results
+
+    # ------------------------------------------------------------ filing the findings
+    def _outcome(self, job: "Job", run: Run, outcome: Outcome, found: Findings) -> Outcome:
+        contract = run.contract
+        fatal = found.of_kind(*FATAL_KINDS)
+        failed_criteria = found.of_kind("criteria_failed")
+        errors = [{"field": v["path"], "error": v.get("error") or f"{v['change']} "
+                   + ("(read-only file)" if v["kind"] == "readonly_modified" else "outside files_owned"),
+                   "kind": v["kind"]} for v in fatal]
+        errors += [{"field": v["criterion"], "error": v["message"], "kind": v["kind"]}
+                   for v in failed_criteria]
+        validation = dict(outcome.validation or {})
+        validation.update({
+            "status": "failed" if errors else "passed",
+            "contract": contract.summary(),
+            "criteria": found.criteria,
+            "violations": found.violations[:MAX_LISTED],
+            "errors": errors[:MAX_LISTED],
+        })
+        if run.before is not None:
+            changes = [{"path": c.path, "change": c.change} for c in found.changes]
+            validation["scope"] = {"checked": True, "mode": run.before.mode,
+                                   "changes": changes[:MAX_LISTED], "excused": found.excused[:MAX_LISTED],
+                                   "files_touched_reported": found.reported}
+            if len(changes) > MAX_LISTED:
+                validation["scope"]["changes_truncated"] = len(changes) - MAX_LISTED
+            if run.before.note:
+                validation["scope"]["note"] = run.before.note
+        else:
+            validation["scope"] = {"checked": False,
+                                   "note": "the contract names neither files_owned nor files_readonly"}
+        warnings = list(outcome.warnings)
+        warnings += [f"contract: {v['message']}" for v in found.of_kind("files_touched_mismatch")]
+        metadata = outcome.metadata
+        if job.dialect.name != "native" and found.criteria:  # seed 004's report reads them here
+            metadata = dict(metadata or {}, success_criteria=found.criteria)
+        new = dataclasses.replace(outcome, validation=_printable(validation),
+                                  warnings=_printable(warnings), metadata=metadata)
+        if fatal:
+            listed = "; ".join(v["message"] for v in fatal[:MESSAGE_FILES])
+            more = f" (and {len(fatal) - MESSAGE_FILES} more)" if len(fatal) > MESSAGE_FILES else ""
+            return self._fail(new, ErrorCode.CONTRACT_VIOLATION,
+                              f"handoff {job.handoff_id} broke its contract: {listed}{more}",
+                              found.violations)
+        if failed_criteria:
+            listed = "; ".join(v["message"] for v in failed_criteria)
+            return self._fail(new, ErrorCode.VALIDATION_FAILED,
+                              f"handoff {job.handoff_id}: success criteria failed: {listed}",
+                              found.violations)
+        return new
+
+    def _fail(self, outcome: Outcome, code: str, message: str,
+              found: list[dict[str, Any]]) -> Outcome:
+        error = _printable({"code": code, "message": message, "retryable": False,
+                            "violations": found[:MAX_LISTED]})
+        return dataclasses.replace(outcome, status="failed", error=error,
+                                   finished_at=self.engine.clock())
+
+    def _log(self, job: "Job", run: Run, found: Findings) -> None:
+        grouped: dict[str, list[dict[str, Any]]] = {}
+        for item in found.violations:
+            grouped.setdefault(item["kind"], []).append(item)
+        for kind, items in grouped.items():
+            details: dict[str, Any] = {"count": len(items),
+                                       "message": "; ".join(i["message"] for i in items[:MESSAGE_FILES])}
+            if kind in FATAL_KINDS:
+                details["files"] = [{"path": i["path"], "change": i["change"]} for i in items[:50]]
+            elif kind == "criteria_failed":
+                details["criteria"] = [{"criterion": i["criterion"], "exit_code": i["exit_code"],
+                                        "timed_out": i["timed_out"]} for i in items]
+            else:
+                details.update({k: v for k, v in items[0].items() if k in ("not_reported", "not_observed")})
+            self.record(job.envelope, kind, details, attempt=job.claim.attempt,
+                        task_id=run.contract.task_id, agent=job.specialist.agent)
+
+    def record(self, env: Envelope, kind: str, details: dict[str, Any], *, attempt: int | None = None,
+               task_id: str | None = None, agent: str | None = None) -> None:
+        """Append one learning signal; a failing log write is reported, never fatal."""
+        try:
+            violations.append(self.log, {
+                "kind": kind, "task_id": task_id or env.handoff_id, "handoff_id": env.handoff_id,
+                "agent": agent or env.target, "source": env.source, "dialect": env.dialect,
+                "attempt": attempt, "details": _printable(details)})
+        except Exception as exc:  # a full disk, the database away: the outcome stands
+            log.error("handoff %s: cannot append to the violations log: %s", env.handoff_id, exc)
+
+
+def _printable(value: Any) -> Any:
+    """``value`` with every string made encodable as UTF-8, for the filed document and the log.
+    A file name that is not UTF-8 arrives with lone surrogates (``os.fsdecode``) and is shown
+    with its bytes escaped (``src/\\xff.py``): one such name must not make the outcome unfileable."""
+    if isinstance(value, str):
+        if value.isascii():
+            return value
+        try:
+            raw = value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate no file name decodes to: escape it as text
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return raw.decode("utf-8", "backslashreplace")
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable(item) for item in value]
+    return value
+
