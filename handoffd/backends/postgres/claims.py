@@ -1,0 +1,174 @@
+"""The PostgreSQL backend's claims (:class:`Claiming`, a mixin of
+:class:`~handoffd.backends.postgres.backend.PostgresBackend`): claim-next and claim by id, lease
+renewal, and the fenced release through which ``finish`` and ``requeue`` end a claim.
+
+* claim-next is one statement, ``UPDATE ... WHERE id = (SELECT ... ORDER BY priority, due_at,
+  id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING ...``: concurrent claimers on any host skip each
+  other's rows instead of waiting. The claimed document (attempt, lease, the format's marks from
+  ``prepare``) is written in the same transaction, fenced by the new token.
+* renew, finish and requeue are ``... WHERE id = %s AND lease_token = %s``: once a claim was
+  requeued, finished or taken over by ``expired_claims``, its writes change nothing.
+* a claimer first holds this process's presence key (:class:`ClaimOwner`), by which recovery
+  (:mod:`handoffd.backends.postgres.recovery`) tells a live owner's claims from a dead one's.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import datetime, timedelta
+from typing import Any, Callable, Collection
+
+from ...core.documents import BOOK, book, book_int
+from ...core.errors import InvalidDocument
+from ...core.states import State
+from ..base import Claim, Doc, lease_block, stamp_claimed
+from .connection import Conn, Presence
+from .records import StoreBase, T, encode
+from .values import document
+from .values import unreadable as unreadable_doc
+
+
+class ClaimOwner(StoreBase):
+    """This process as the owner of claims: the presence key (``owner_key``, recorded with each
+    claim) that it holds on a connection of its own once it claims or recovers anything."""
+
+    url: str
+    owner_key: int
+    _presence: Presence | None
+    _presence_lock: threading.Lock
+
+    def _present(self) -> None:
+        """Hold this process's presence key before it claims anything (see
+        :mod:`handoffd.backends.postgres.recovery`)."""
+        if self._presence is not None:
+            return
+        with self._presence_lock:
+            if self._presence is None:
+                presence = Presence(self.url, self.owner_key)
+                presence.start()
+                self._presence = presence
+
+
+class Claiming(ClaimOwner):
+    """``claim_next``, ``claim``, ``renew`` and ``abandon``, and the ``_release`` that
+    :class:`~handoffd.backends.base.FencedFiling` files through."""
+
+    def claim_next(self, targets: Collection[str], now: datetime, lease_seconds: float, *,
+                   exclude: Collection[str] = (),
+                   prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        wanted = sorted(set(targets))
+        if not wanted:
+            return None
+        pick = (f"SELECT id FROM {T} WHERE state = 'pending' AND target = ANY(%(targets)s) "
+                "AND due_at <= %(now)s AND NOT (id = ANY(%(exclude)s)) "
+                "ORDER BY priority, due_at, id LIMIT 1 FOR UPDATE SKIP LOCKED")
+        return self._claim(pick, {"targets": wanted, "exclude": list(exclude)}, now,
+                           lease_seconds, prepare)
+
+    def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
+              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+        pick = f"SELECT id FROM {T} WHERE id = %(id)s AND state = 'pending' FOR UPDATE SKIP LOCKED"
+        return self._claim(pick, {"id": handoff_id}, now, lease_seconds, prepare)
+
+    def _claim(self, pick: str, params: dict[str, Any], now: datetime, lease_seconds: float,
+               prepare: Callable[[Doc], None] | None) -> Claim | None:
+        """The claim statement (``pick`` chooses and locks the row), then the claimed document,
+        written in the same transaction: ``prepare`` raising leaves the handoff pending."""
+        token = uuid.uuid4().hex
+        expires = now + timedelta(seconds=lease_seconds)
+        self._present()
+
+        def op(conn: Conn, retried: bool) -> Claim | None:
+            if retried:  # did the try that lost its connection commit our claim?
+                mine = conn.execute(f"SELECT id, doc FROM {T} WHERE state = 'in-progress' AND "
+                                    "lease_token = %s", (token,)).fetchone()
+                if mine is not None:
+                    held = document(mine[1], mine[0], "in-progress")  # (we wrote it)
+                    return Claim(mine[0], held, token, book_int(held, "attempt", 1))
+            got = conn.execute(
+                f"UPDATE {T} SET state = 'in-progress', lease_token = %(token)s, "
+                f"lease_expires_at = %(expires)s, lease_owner = %(owner)s WHERE id = ({pick}) "
+                "RETURNING id, doc, raw, created_at",
+                {**params, "token": token, "expires": expires, "now": now,
+                 "owner": self.owner_key}).fetchone()
+            if got is None:
+                return None
+            handoff_id, value, raw, created_at = got
+            try:
+                doc = document(value, handoff_id, State.PENDING.value)
+            except InvalidDocument as exc:  # rolled back: still pending, for the caller to set
+                raise unreadable_doc(exc, handoff_id) from None  # aside (as Engine.claim does)
+            if raw:  # a document from a file: whatever bookkeeping it carried is not ours
+                doc[BOOK] = {}
+            attempt = stamp_claimed(doc, token, now, lease_seconds)
+            if prepare is not None:
+                prepare(doc)  # raising rolls the transaction back: still pending, untouched
+            columns = self._columns(doc, created_at)
+            conn.execute(
+                f"UPDATE {T} SET doc = %(doc)s::json, raw = false, target = %(target)s, "
+                "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
+                "updated_at = %(updated_at)s WHERE id = %(id)s AND lease_token = %(token)s",
+                {**columns, "doc": encode(doc, strict=False), "id": handoff_id, "token": token})
+            self._event(conn, handoff_id, doc, State.IN_PROGRESS, "claimed")
+            return Claim(handoff_id, doc, token, attempt, raw=bool(raw))
+
+        return self.db.run(op)
+
+    def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
+        stamp = lease_block(claim.token, now, lease_seconds)
+
+        def op(conn: Conn, _retried: bool) -> bool:
+            # the stored text is rewritten whole (json keeps the document's own key order, and
+            # PostgreSQL offers no json_set): read under the row lock, change the lease, write
+            found = conn.execute(f"SELECT doc FROM {T} WHERE id = %s AND state = 'in-progress' "
+                                 "AND lease_token = %s FOR UPDATE", (claim.id, claim.token)).fetchone()
+            if found is None:
+                return False
+            doc = found[0]
+            expires = now + timedelta(seconds=lease_seconds)
+            if not isinstance(doc, dict):  # overwritten by someone else: the lease still holds
+                conn.execute(f"UPDATE {T} SET lease_expires_at = %s WHERE id = %s",
+                             (expires, claim.id))
+                return True
+            book(doc)["lease"] = dict(stamp)
+            conn.execute(f"UPDATE {T} SET lease_expires_at = %s, doc = %s::json WHERE id = %s",
+                         (expires, encode(doc, strict=False), claim.id))
+            return True
+
+        renewed = self.db.run(op)
+        if renewed:
+            book(claim.doc)["lease"] = dict(stamp)
+        return bool(renewed)
+
+    def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
+        stored = dict(doc)  # the caller's dict is left as it is: only the block is rebuilt
+        stored[BOOK] = {k: v for k, v in book(doc).items() if k != "lease"} \
+            if isinstance(doc.get(BOOK), dict) else {}
+        text = encode(stored, strict=False)
+
+        def op(conn: Conn, retried: bool) -> bool:
+            if retried and conn.execute(f"SELECT 1 FROM {T} WHERE id = %s AND last_token = %s "
+                                        "AND state = %s", (claim.id, claim.token,
+                                                           state.value)).fetchone():
+                return True  # the try that lost its connection had committed
+            created = conn.execute(
+                f"SELECT created_at FROM {T} WHERE id = %s AND state = 'in-progress' "
+                "AND lease_token = %s FOR UPDATE", (claim.id, claim.token)).fetchone()
+            if created is None:
+                return False  # requeued, finished or taken over: this claim writes nothing
+            columns = self._columns(stored, created[0])
+            conn.execute(
+                f"UPDATE {T} SET state = %(state)s, doc = %(doc)s::json, target = %(target)s, "
+                "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
+                "due_at = %(due_at)s, updated_at = %(updated_at)s, lease_token = NULL, "
+                "lease_expires_at = NULL, last_token = %(token)s WHERE id = %(id)s",
+                {**columns, "state": state.value, "doc": text, "token": claim.token,
+                 "id": claim.id})
+            self._event(conn, claim.id, stored, state, state.value)
+            self._notify(conn, claim.id, state.value)
+            return True
+
+        return self._run_then_wake(op, claim.id, state.value)
+
+    def abandon(self, claim: Claim) -> None:
+        """Nothing is held beyond the lease, which recovery takes over when it expires."""

@@ -1,0 +1,96 @@
+"""Reading the PostgreSQL backend's handoffs (:class:`Reading`, a mixin of
+:class:`~handoffd.backends.postgres.backend.PostgresBackend`): one handoff (``get``, ``peek``)
+and the listings (``list``, ``ids``).
+
+A listing is one ``SELECT`` over ``handoffd.handoffs``, filtered and ordered by the columns kept
+beside each document (state, routing facts, due time); a row that holds no usable document is
+left out, or listed with its problem when the caller asks for unreadable rows.
+"""
+from __future__ import annotations
+
+import builtins
+from datetime import datetime
+from typing import Any
+
+from ...core.errors import InvalidDocument
+from ...core.states import State
+from ..base import Doc, Meta, Order, Row, Rows, Where
+from .records import StoreBase, T
+from .values import document
+from .values import unreadable as unreadable_doc
+
+COLUMNS = "id, state, doc, target, priority, conversation, parent, due_at, updated_at"
+
+
+class Reading(StoreBase):
+    """``get``, ``list``, ``ids`` and ``peek`` (see :class:`~handoffd.core.storage.Backend`)."""
+
+    @staticmethod
+    def _row(record: tuple[Any, ...], unreadable: bool) -> Row | None:
+        """A listed row; one that holds no usable document (see :func:`values.document`) is a
+        row with its ``problem`` when ``unreadable``, else left out."""
+        handoff_id, state, value, target, priority, conversation, parent, due_at, updated = record
+        try:
+            doc = document(value, handoff_id, state)
+        except InvalidDocument as exc:
+            return Row(handoff_id, State(state), {}, Meta(None), due_at, updated,
+                       problem=unreadable_doc(exc, handoff_id)) if unreadable else None
+        return Row(handoff_id, State(state), doc, Meta(target, priority, conversation, parent),
+                   due_at, updated)
+
+    def get(self, handoff_id: str) -> tuple[State, Doc] | None:
+        found = self.db.run(lambda conn, _: conn.execute(
+            f"SELECT state, doc FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
+        if found is None:
+            return None
+        # InvalidDocument (one line, with its code) for a row that holds no usable document
+        return State(found[0]), document(found[1], handoff_id, found[0])
+
+    def list(self, *, state: State | None = None, target: str | None = None,
+             conversation: str | None = None, parent: str | None = None,
+             since: datetime | None = None, limit: int | None = None,
+             order: Order = "newest", where: Where | None = None,
+             unreadable: bool = False, before: datetime | None = None) -> Rows:
+        clauses: builtins.list[str] = []
+        params: builtins.list[Any] = []
+        for column, value in (("state", state.value if state else None), ("target", target),
+                              ("conversation", conversation), ("parent", parent)):
+            if value is not None:
+                clauses.append(f"{column} = %s")
+                params.append(value)
+        if since is not None:
+            clauses.append("updated_at >= %s")
+            params.append(since)
+        if before is not None:
+            clauses.append("updated_at < %s")
+            params.append(before)
+        sort = {"due": "priority, due_at, id", "oldest": "updated_at, id"}.get(
+            order, "updated_at DESC, id DESC")
+        sql = f"SELECT {COLUMNS} FROM {T}" + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
+        sql += f" ORDER BY {sort}"
+        if limit is not None and where is None:  # ``where`` is ours to apply before the limit
+            sql += " LIMIT %s"
+            params.append(max(limit, 0))
+        if limit is not None and limit <= 0:
+            return []
+        records = self.db.run(lambda conn, _: conn.execute(sql, params).fetchall())  # type: ignore[arg-type]
+        rows = [row for r in records if (row := self._row(r, unreadable)) is not None]
+        if where is not None:  # (never asked about a row with a problem)
+            rows = [r for r in rows if r.problem is not None or where(r)]
+            rows = rows if limit is None else rows[:max(limit, 0)]
+        return rows
+
+    def ids(self, state: State) -> builtins.list[str]:
+        sort = "priority, due_at, id" if state is State.PENDING else "id"
+        return [r[0] for r in self.db.run(lambda conn, _: conn.execute(
+            f"SELECT id FROM {T} WHERE state = %s ORDER BY {sort}", (state.value,)).fetchall())]
+
+    def peek(self, handoff_id: str) -> Doc | None:
+        found = self.db.run(lambda conn, _: conn.execute(
+            f"SELECT doc FROM {T} WHERE id = %s AND state = 'pending'", (handoff_id,)).fetchone())
+        if found is None:
+            return None
+        try:
+            return document(found[0], handoff_id, State.PENDING.value)
+        except InvalidDocument as exc:  # the daemon sets it aside where it lies, once
+            raise unreadable_doc(exc, handoff_id) from None
