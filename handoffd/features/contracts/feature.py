@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -48,19 +49,19 @@ from ..dependencies import Verdict
 from ..stores import violation_log
 from . import patterns
 from .contract import Contract, parse
-from .findings import Run
 from .reservations import Reservations
-from .review import Review
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # .findings and .review: loaded by the first contract run (a listing that
+    # asks the gates never loads them)
     from ...core.engine import Engine, Job
+    from .review import Review
 
 log = deferred("handoffd.contracts")
 
 STATE_KEY = "handoffd.contract"
 
 
-class Enforcer(Review):
+class Enforcer:
     """The gate and hooks one Engine uses to enforce contracts."""
 
     def __init__(self, engine: "Engine") -> None:
@@ -68,6 +69,12 @@ class Enforcer(Review):
         self.reservations = Reservations(engine)
         # the store's log (one for every host of a PostgreSQL store), else .meta/violations.jsonl
         self.log = violation_log(engine.ws, engine.backend)
+
+    @cached_property
+    def reviewer(self) -> Review:
+        """The verdict on an attempt (:class:`.review.Review`), made at the first use."""
+        from .review import Review
+        return Review(self.engine, self.reservations, self.log)
 
     # ------------------------------------------------------------ gate
     def gate(self, engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
@@ -94,6 +101,7 @@ class Enforcer(Review):
         if contract is None:
             return
         directory = contract.directory(self.engine.ws.root)
+        from .findings import Run
         run = Run(contract, directory, time.time())
         owned = contract.owned_in_workspace()
         if owned:
@@ -146,19 +154,23 @@ class Enforcer(Review):
             contract = parse(job.envelope)
         except InvalidDocument:
             contract = None
-        self.record(job.envelope, "dependency_missing",
-                    {"message": message, "dependencies": job.envelope.depends_on},
-                    task_id=contract.task_id if contract else None, attempt=job.claim.attempt)
+        self.reviewer.record(job.envelope, "dependency_missing",
+                             {"message": message, "dependencies": job.envelope.depends_on},
+                             task_id=contract.task_id if contract else None,
+                             attempt=job.claim.attempt)
 
     def after(self, job: "Job", outcome: Outcome) -> Outcome:
         """Review the attempt against its contract; always releases the reservation."""
         run = job.context.feature_state.pop(STATE_KEY, None)
+        if run is None:  # (every attempt passes here: most carry no contract)
+            return outcome
+        from .findings import Run
         if not isinstance(run, Run):
             return outcome
         try:
             if job.context.handback or outcome.status == "cancelled":
                 return outcome  # the attempt does not count / the coordinator stopped it
-            return self.review(job, run, outcome)
+            return self.reviewer.review(job, run, outcome)
         except Exception as exc:  # a checking fault must not let unchecked work complete
             log.exception("handoff %s: contract check failed", job.handoff_id)
             return dataclasses.replace(outcome, status="failed", finished_at=self.engine.clock(),

@@ -28,12 +28,13 @@ log = deferred("handoffd.contracts")
 
 
 class Review:
-    """The review methods of :class:`~handoffd.features.contracts.feature.Enforcer` (a mixin):
-    what it needs of the Enforcer is declared here."""
+    """The verdict on a contract's attempts, for the
+    :class:`~handoffd.features.contracts.feature.Enforcer` that made it (at its first use)."""
 
-    engine: Engine
-    reservations: Reservations
-    log: ViolationLog  # the violations log (the module's ``log`` is the logger)
+    def __init__(self, engine: Engine, reservations: Reservations, log: ViolationLog) -> None:
+        self.engine = engine
+        self.reservations = reservations
+        self.log = log  # the violations log (the module's ``log`` is the logger)
 
     def review(self, job: "Job", run: Run, outcome: Outcome) -> Outcome:
         """Scope, files_touched, criteria; returns the (possibly replaced) outcome.
