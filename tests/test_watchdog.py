@@ -336,3 +336,79 @@ def test_a_batch_exits_although_a_handler_never_returns(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     failed = root / "handoffs" / "failed" / f"{doc['handoff_id']}.json"
     assert '"TIMEOUT"' in failed.read_text()
+
+
+def test_a_batch_files_the_retry_of_a_hung_handler_as_it_exits(tmp_path: Path) -> None:
+    """The TIMEOUT attempt of a handler that never returns would be retried: the retry is kept
+    with the claim until the batch exits (any process could start it beside the hung thread),
+    then filed, counted, and the process exits on time."""
+    root = tmp_path / "ws"
+    for state in ("pending", "in-progress", "completed", "failed"):
+        (root / "handoffs" / state).mkdir(parents=True)
+    (root / "plug").mkdir()
+    (root / "plug" / "hangspec.py").write_text(HANGING)
+    (root / "handoffd.toml").write_text('[specialists."@hang"]\nhandler = "hangspec:hang"\n'
+                                        "timeout_seconds = 0.5\n")
+    doc = new_native_request(source="@test", target="@hang", data=None, now=utc_now())
+    doc["retry_policy"] = {"max_retries": 2, "retry_delay_seconds": 0}
+    hid = doc["handoff_id"]
+    (root / "handoffs" / "pending" / f"{hid}.json").write_text(json.dumps(doc))
+    env = dict(os.environ, PYTHONPATH=str(root / "plug"))
+    proc = subprocess.run([exe("handoffd"), "run", "--root", str(root)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert "stays claimed until its Python handler returns" in proc.stderr, proc.stderr
+    pending = json.loads((root / "handoffs" / "pending" / f"{hid}.json").read_text())
+    events = [e["event"] for e in book(pending)["history"]]
+    assert events[-2:] == ["claimed", "retry_scheduled"], events  # one attempt, counted
+    assert book(pending)["retries"] == 1
+    assert list((root / "handoffs" / "in-progress").iterdir()) == []
+
+
+LATE = textwrap.dedent("""
+    import json, os, time
+    def late(handoff, ctx=None):
+        start = time.time()
+        time.sleep(1.5)  # past its 0.5 s timeout, ignoring ctx.cancelled
+        line = json.dumps({"pid": os.getpid(), "start": start, "end": time.time()}) + "\\n"
+        fd = os.open(os.environ["LATE_RUNS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(fd, line.encode())
+        os.close(fd)
+        return {"status": "completed"}
+""")
+
+
+@pytest.mark.heavy
+def test_a_late_handler_never_runs_beside_its_retry_in_another_daemon(tmp_path: Path) -> None:
+    """Two daemons serve one workspace. A Python handler overruns its timeout and runs on: its
+    retry once started at once in the other daemon, beside it (the daemon that ran it only held
+    the retry back in itself). Now the claim is kept until the handler returns."""
+    root = tmp_path / "ws"
+    for state in ("pending", "in-progress", "completed", "failed"):
+        (root / "handoffs" / state).mkdir(parents=True)
+    (root / "plug").mkdir()
+    (root / "plug" / "latespec.py").write_text(LATE)
+    (root / "handoffd.toml").write_text('[daemon]\nsweep_seconds = 0.5\n\n'
+                                        '[specialists."@late"]\nhandler = "latespec:late"\n'
+                                        "timeout_seconds = 0.5\n")
+    runs = tmp_path / "runs.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(root / "plug"), LATE_RUNS=str(runs))
+    daemons = [subprocess.Popen([exe("handoffd"), "serve", "--root", str(root)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    try:
+        doc = new_native_request(source="@test", target="@late", data=None, now=utc_now())
+        doc["retry_policy"] = {"max_retries": 2, "retry_delay_seconds": 0}
+        hid = doc["handoff_id"]
+        (root / "handoffs" / "pending" / f"{hid}.json").write_text(json.dumps(doc))
+        failed = root / "handoffs" / "failed" / f"{hid}.json"
+        wait_until(failed.exists, timeout=30, what="three TIMEOUT attempts filed")
+        wait_until(lambda: runs.exists() and len(runs.read_text().splitlines()) == 3,
+                   timeout=15, what="the three handlers returned")
+    finally:
+        for daemon in daemons:  # only the daemons this test started, by pid
+            daemon.terminate()
+        for daemon in daemons:
+            daemon.communicate(timeout=30)
+    spans = sorted((r["start"], r["end"]) for r in map(json.loads, runs.read_text().splitlines()))
+    assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
+    assert '"TIMEOUT"' in failed.read_text()
