@@ -196,3 +196,34 @@ def test_purge_keeps_what_a_document_left_aside_depends_on(ws: Workspace) -> Non
     out = json.loads(ws.handoff("purge", "--older-than", "0s", "--json", check=True).stdout)
     assert out["removed"] == [] and out["kept"] == {dep: f"pending {waiting} depends on it"}
     assert ws.state_of(dep) == ["completed"]
+
+
+@pytest.mark.parametrize("failing", ["read", "listing"])
+def test_a_live_document_that_cannot_be_read_now_ends_the_pass_not_its_protection(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    """Found by review (R5): a live document unreadable for a passing reason (EMFILE: out of
+    descriptors) was taken for a damaged one, which protects nothing: its dependency and its
+    parent were purged while it waited for them. Now such a read (or a live folder that cannot
+    be listed) ends the pass with nothing removed; a damaged document still protects nothing."""
+    import errno
+    engine = _engine(tmp_path / "ws")
+    _completed(engine, "A", "P")
+    _live(engine, "B", State.PENDING, depends_on=["A"], parent_id="P")
+    real_open, real_scandir = os.open, os.scandir
+
+    def out_of_descriptors(path: Any, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files", os.fspath(path))
+
+    if failing == "read":
+        monkeypatch.setattr(os, "open", lambda path, *a, **k: out_of_descriptors(path)
+                            if os.fspath(path).endswith("/B.json") else real_open(path, *a, **k))
+    else:
+        monkeypatch.setattr(os, "scandir", lambda path=".": out_of_descriptors(path)
+                            if os.fspath(path).endswith("/pending") else real_scandir(path))
+    with pytest.raises(OSError):
+        _expire(engine)
+    monkeypatch.undo()
+    assert sorted(engine.backend.ids(State.COMPLETED)) == ["A", "P"]
+    kept = _expire(engine).kept  # readable again: the usual pass keeps both, says why
+    assert set(kept) == {"A", "P"}
+    engine.backend.close()

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
 from ..backends.base import Describe, safe_describe
+from ..core.errors import HandoffdError
 from ..core.ownfiles import open_regular, plain_folder
 from ..core.states import State
 from ..core.storage import describe_native
@@ -103,11 +104,13 @@ def protected(engine: Engine, refs: LiveRefs | None = None
 
 def _read_refs(engine: Engine, describe: Describe, handoff_id: str) -> Refs | None:
     """What the live document ``handoff_id`` references, read wherever it is now (also where a
-    move holds it aside: ``get`` finds it there); None when it is finished, gone or unreadable
-    (an unreadable live document protects nothing)."""
+    move holds it aside: ``get`` finds it there); None when it is finished, gone or damaged (a
+    damaged live document protects nothing: it is set aside when claimed). A read that fails for
+    a passing reason (EMFILE, EIO, a lost database connection) raises: the pass ends with
+    nothing more removed, rather than purge what that document may depend on."""
     try:
         found = engine.backend.get(handoff_id)
-    except Exception:
+    except HandoffdError:  # damaged (InvalidDocument), or gone meanwhile (NotFound)
         return None
     if found is None or found[0].terminal:
         return None

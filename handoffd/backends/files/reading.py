@@ -156,8 +156,10 @@ def live_stamps(ws: Workspace) -> dict[str, LiveStamp | None]:
     for slot, folder in enumerate(live_folders(ws)):
         try:
             listing = os.scandir(folder)
-        except OSError:  # missing (or not a folder): nothing live there
+        except (FileNotFoundError, NotADirectoryError):  # nothing live there
             continue
+        # (any other error, EMFILE or EIO, raises: a live folder left unlisted would let
+        # retention purge what its documents depend on)
         with listing:
             for entry in listing:
                 name = entry.name
