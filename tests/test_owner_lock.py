@@ -13,6 +13,7 @@ The unit tests close descriptors of this process one by one; the end-to-end ones
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -504,3 +505,47 @@ def test_a_sweep_between_a_new_locks_creation_and_its_flock_cannot_remove_it(
     assert swept == [[]]  # the sweep ran between creation and flock, and removed nothing
     assert held_by_someone(store.ws.locks / name)
     assert store.check_owner_lock() == name  # still held: nothing to fence
+
+
+def test_a_new_owner_lock_is_made_within_locks_even_when_it_is_a_mount_of_its_own(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review s12, R8: the lock was made in .tmp and renamed into .locks; with .locks a mount of
+    its own (a tmpfs) that rename failed with EXDEV at every claim, and nothing ran. The rename
+    here fails as it would across two filesystems; the lock is staged in .locks itself."""
+    real_rename = os.rename
+
+    def one_filesystem_per_folder(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(src).parent != Path(dst).parent:
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
+        real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", one_filesystem_per_folder)
+    name = store.owner_lock()
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert held_by_someone(store.ws.locks / name)
+    assert sorted(p.name for p in store.ws.locks.iterdir()) == [name]  # nothing left staged
+    assert store.check_owner_lock() == name
+
+
+def test_the_sweep_removes_a_staged_owner_lock_only_once_its_process_is_surely_gone(
+        store: Store) -> None:
+    """A process that died between making its new lock file (under its staging name) and naming
+    it leaves the file: the sweep removes it once it is older than the temp age and free; never
+    a young one (its process may be naming it now) nor one somebody holds."""
+    from handoffd.backends.files import repair
+    locks = store.ws.locks
+    old = time.time() - repair.TMP_MAX_AGE_SECONDS - 60
+    dead, young, held = (locks / f"owner.{os.urandom(16).hex()}.lock.new" for _ in range(3))
+    for path in (dead, young, held):
+        path.write_bytes(b"")
+    os.utime(dead, (old, old))
+    os.utime(held, (old, old))
+    holder = os.open(held, os.O_RDWR)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        done: Any = {"locks_removed": [], "temp_files_removed": []}
+        repair.remove_orphans(store, done)
+    finally:
+        os.close(holder)
+    assert done == {"locks_removed": [dead.name], "temp_files_removed": []}
+    assert sorted(p.name for p in locks.iterdir()) == sorted([young.name, held.name])

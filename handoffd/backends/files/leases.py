@@ -7,6 +7,7 @@ lock name back with :func:`lock_name` and tries that lock with :func:`try_lock`.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...core.documents import actor
+from ...core.ownfiles import plain_folder
 from ...core.timeutil import iso
 
 if TYPE_CHECKING:  # both are imported where a lock is taken (one-shot commands take none)
@@ -26,6 +28,11 @@ if TYPE_CHECKING:  # both are imported where a lock is taken (one-shot commands 
 # the name of a store's owner lock (see OwnerLocks.name); a lease naming anything else is judged
 # by its per-claim lock file
 OWNER_LOCK_NAME = re.compile(r"owner\.[0-9a-f]{32}\.lock")
+# a new owner lock is made and flocked under its name with this suffix, then renamed (see
+# OwnerLocks._take): the sweep takes no such name for a claim's or an owner's lock, and removes
+# one only once it is older than its temp age and free (its process died before the rename)
+STAGED_SUFFIX = ".new"
+STAGED_OWNER_LOCK_NAME = re.compile(r"owner\.[0-9a-f]{32}\.lock\.new")
 # How far another host's clock may run behind ours before its live lease looks expired to us.
 CLOCK_TOLERANCE_SECONDS = 30.0
 
@@ -103,9 +110,8 @@ class OwnerLocks:
     """This process's owner lock in ``folder`` (``handoffs/.locks``), the lost ones it holds
     again while their claims are fenced (``shields``), and the claims it gave up."""
 
-    def __init__(self, folder: Path, staging: Path) -> None:
+    def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.staging = staging  # where a new lock file is made and locked before it is named
         self.held: OwnerLock | None = None  # see name
         # owner locks lost (a handler closed their descriptor) and held again under a new one
         # while the attempts that rode on them wind down (see _replace_lost)
@@ -179,25 +185,27 @@ class OwnerLocks:
     def _take(self) -> OwnerLock:
         """Create and lock a new owner lock file and make it this process's (under the mutex).
 
-        The file is made and flocked in the staging folder and only then renamed into
-        ``.locks``: any process's sweep removes a lock file there that it can lock (its owner
-        died), and one created in place was once found between its creation and its flock,
-        removed, and the new owner's running claims fenced at its next check."""
+        The file is made and flocked under a staging name (``STAGED_SUFFIX``) and only then
+        renamed to its own: any process's sweep removes a lock file in ``.locks`` that it can
+        lock (its owner died), and one created under its own name was once found between its
+        creation and its flock, removed, and the new owner's running claims fenced at its next
+        check. It is staged in ``.locks`` itself: staged in ``.tmp``, the rename failed with
+        EXDEV at every claim where ``.locks`` is a mount of its own.
+
+        OSError (ENOTDIR) when ``.locks`` is not a plain folder of the workspace (the claim
+        fails with that one line): through a symlink the lock would live outside it."""
         import fcntl
 
         from .ownerlock import OwnerLock, close_quietly, unlink_quietly
         name = f"owner.{os.urandom(16).hex()}.lock"  # never reused: a stale file is never ours
-        staged = self.staging / f".{name}"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            fd = os.open(staged, flags, 0o644)
-        except FileNotFoundError:
-            staged.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(staged, flags, 0o644)
+        staged = self.folder / f"{name}{STAGED_SUFFIX}"
+        self._plain_folder()
+        fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else holds it
             lock = OwnerLock.mark_open(name, fd)
-            self._name_locked(staged, name)
+            os.rename(staged, self.folder / name)  # (a random name: nothing there is replaced)
         except BaseException:
             close_quietly(fd)
             unlink_quietly(staged)
@@ -205,16 +213,16 @@ class OwnerLocks:
         self.held = lock
         return lock
 
-    def _name_locked(self, staged: Path, name: str) -> None:
-        """Move the locked file ``staged`` into ``.locks`` as ``name`` (a random name: nothing
-        there is replaced)."""
+    def _plain_folder(self) -> None:
+        """Make ``.locks`` if it is missing; OSError when it is no plain folder of the workspace
+        (a symlink planted there would put the lock, and the sweep's removals, outside it)."""
         try:
-            os.rename(staged, self.folder / name)
-        except FileNotFoundError:
-            if not staged.exists():
-                raise
             self.folder.mkdir(parents=True, exist_ok=True)
-            os.rename(staged, self.folder / name)
+        except FileExistsError:
+            pass  # a file or a dangling symlink: refused just below
+        if not plain_folder(self.folder):
+            raise OSError(errno.ENOTDIR, "not a folder of the workspace (a symlink?); no owner "
+                          "lock is made there, so nothing can be claimed", str(self.folder))
 
     def _replace_lost(self, lost: OwnerLock, why: str) -> OwnerLock:
         """``lost`` is no longer surely held (``why``): keep it from being taken over while its

@@ -17,6 +17,7 @@ Claims whose owner died *after* recording a lease are taken over by
 from __future__ import annotations
 
 import os
+import stat
 import time
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,7 @@ from ...core.logs import log
 from ...core.states import State, winner
 from ...core.timeutil import parse_iso
 from . import aside, fsio
+from .leases import STAGED_OWNER_LOCK_NAME
 from .store import Store, release_lock, try_lock
 
 TMP_MAX_AGE_SECONDS = 300.0
@@ -74,7 +76,11 @@ def _step(what: str, func: Any, *args: Any) -> None:
 
 
 def recover_guard(store: Store, handoff_id: str) -> Any:
-    """The per-handoff recovery lock (None: another process is recovering it right now)."""
+    """The per-handoff recovery lock (None: another process is recovering it right now, or
+    ``.locks`` is no plain folder of the workspace: the lock would be made, and removed, outside
+    it; :func:`remove_orphans` says so once a sweep)."""
+    if not _plain_folder(store.ws.locks, quiet=True):
+        return None
     return try_lock(store.ws.locks / f"{handoff_id}.recover.lock")
 
 
@@ -220,12 +226,23 @@ def resolve_duplicates(store: Store, done: Repairs) -> None:
 
 
 def remove_orphans(store: Store, done: Repairs) -> None:
-    """Delete temp files older than a few minutes and lock files no claim uses."""
+    """Delete temp files older than a few minutes, lock files no claim uses, and new owner locks
+    whose process died before naming them (see :meth:`.leases.OwnerLocks._take`).
+
+    A ``.tmp`` or ``.locks`` that is not a plain folder of the workspace is skipped with one
+    error line: the sweep once followed a symlink planted there and deleted old files and
+    unlocked ``*.lock`` files (``Cargo.lock``) outside the workspace."""
     ws = store.ws
     cutoff = time.time() - TMP_MAX_AGE_SECONDS
-    _remove_old_temps(ws.tmp, cutoff, done)
+    if _plain_folder(ws.tmp):
+        _remove_old_temps(ws.tmp, cutoff, done)
+    if not _plain_folder(ws.locks):
+        return
     active = set(store.ids(State.IN_PROGRESS))
     for entry in _scan(ws.locks):
+        if STAGED_OWNER_LOCK_NAME.fullmatch(entry.name):
+            _remove_dead_staged(entry, cutoff, done)
+            continue
         handoff_id = entry.name.rsplit(".", 2)[0] if entry.name.endswith(".lock") else None
         if handoff_id is None or handoff_id in active:
             continue
@@ -233,6 +250,37 @@ def remove_orphans(store: Store, done: Repairs) -> None:
         if lock is not None:
             release_lock(lock)
             done["locks_removed"].append(entry.name)
+
+
+def _remove_dead_staged(entry: os.DirEntry[str], cutoff: float, done: Repairs) -> None:
+    """Remove a new owner lock left under its staging name, once it was made before ``cutoff``
+    and nobody holds it: its process died between making it and naming it (a live one flocks it
+    at once and renames it a moment later)."""
+    try:
+        if entry.stat(follow_symlinks=False).st_mtime >= cutoff:
+            return  # its process may be naming it right now
+    except FileNotFoundError:
+        return  # named meanwhile
+    lock = try_lock(Path(entry.path))
+    if lock is not None:
+        release_lock(lock)
+        done["locks_removed"].append(entry.name)
+
+
+def _plain_folder(folder: Path, *, quiet: bool = False) -> bool:
+    """True when ``folder`` is a folder of the workspace itself, to sweep; False when it is
+    missing (nothing to sweep) or anything else, a symlink above all (one error line unless
+    ``quiet``): nothing is removed or made through it."""
+    try:
+        mode = os.lstat(folder).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(mode):
+        return True
+    if not quiet:
+        log.error("sweep: %s is not a folder of the workspace (a symlink?); nothing in it is "
+                  "removed, and handoffd needs it to be one", folder)
+    return False
 
 
 def _remove_old_temps(folder: Path, cutoff: float, done: Repairs, *, depth: int = 0) -> None:

@@ -97,8 +97,8 @@ class Store:
         self.seen = SeenIds(workspace.meta / "seen-ids.jsonl", seen_ttl_seconds)
         self._key: bytes | None = None
         self._key_loaded = False
-        # the owner lock every claim's lease names (made in .tmp, renamed into .locks)
-        self.owners = OwnerLocks(workspace.locks, workspace.tmp)
+        # the owner lock every claim's lease names (staged and renamed within .locks)
+        self.owners = OwnerLocks(workspace.locks)
         self._own_tmp: Path | None = None  # see use_own_tmp
 
     # ---------------------------------------------------------------- the owner lock

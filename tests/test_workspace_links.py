@@ -1,0 +1,133 @@
+"""Symlinks planted for handoffd's own folders of the store, ``handoffs/.tmp`` and
+``handoffs/.locks`` (review s12, R1).
+
+The sweep (``repair.remove_orphans``) followed such a symlink and deleted files outside the
+workspace: in the ``.tmp`` target every file older than five minutes (and a level of subfolders),
+in the ``.locks`` target every unlocked ``*.lock`` file (``Cargo.lock``, ``poetry.lock``). And a
+claim made its owner lock file through the link. Now neither folder is swept nor written through
+a symlink: the sweep says so in one error line per folder, and a claim fails with one line.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from conftest import Workspace, new_workspace
+
+from handoffd.backends.files import repair
+from handoffd.backends.files.store import Store
+from handoffd.core.workspace import Workspace as HandoffdWorkspace
+
+OK_TOML = f"""
+[daemon]
+settle_seconds = 0.1
+claim_grace_seconds = 1.0
+
+[specialists."@ok"]
+command = [{sys.executable!r}, "-c", "print('{{\\"status\\": \\"completed\\", \\"output\\": {{}}}}')"]
+"""
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Iterator[Workspace]:
+    workspace = new_workspace(tmp_path / "ws", OK_TOML)
+    yield workspace
+    workspace.cleanup()
+
+
+def link_out(ws_root: Path, folder: str, outside: Path) -> None:
+    """Replace ``handoffs/<folder>`` (empty) by a symlink to ``outside``."""
+    inside = ws_root / "handoffs" / folder
+    inside.rmdir()
+    inside.symlink_to(outside)
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def old_files_outside(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder of old temp-like files (one in a subfolder), and one of unlocked lock files."""
+    temps, project = tmp_path / "outside-tmp", tmp_path / "outside-project"
+    (temps / "sub").mkdir(parents=True)
+    project.mkdir()
+    (temps / "report.txt").write_text("important")
+    (temps / "sub" / "notes.txt").write_text("nested")
+    (project / "Cargo.lock").write_text("# lockfile")
+    (project / "poetry.lock").write_text("# lockfile")
+    an_hour_ago = time.time() - 3600
+    for path in (temps / "report.txt", temps / "sub" / "notes.txt", temps / "sub", temps):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    return temps, project
+
+
+def test_the_sweep_never_deletes_outside_through_a_symlinked_tmp_or_locks(
+        ws: Workspace, tmp_path: Path) -> None:
+    temps, project = old_files_outside(tmp_path)
+    before = tree(temps), tree(project)
+    link_out(ws.root, ".tmp", temps)
+    link_out(ws.root, ".locks", project)
+    proc = ws.handoffd("sweep", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tree(temps), tree(project)) == before  # nothing removed outside
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "not a folder of the workspace" in line]
+    assert len(errors) == 2, proc.stderr  # one line for each folder
+    assert any("handoffs/.tmp" in line for line in errors)
+    assert any("handoffs/.locks" in line for line in errors)
+
+
+def test_the_sweep_still_sweeps_a_plain_tmp_beside_a_symlinked_locks(tmp_path: Path) -> None:
+    root = HandoffdWorkspace(tmp_path / "ws")
+    root.ensure()
+    _, project = old_files_outside(tmp_path)
+    link_out(root.root, ".locks", project)
+    stale = root.tmp / "x.tmp"
+    stale.write_text("")
+    os.utime(stale, (time.time() - 3600,) * 2)
+    store = Store(root, durable=False)
+    done: repair.Repairs = {"temp_files_removed": [], "locks_removed": []}
+    repair.remove_orphans(store, done)
+    assert done == {"temp_files_removed": ["x.tmp"], "locks_removed": []}
+    assert sorted(p.name for p in project.iterdir()) == ["Cargo.lock", "poetry.lock"]
+    # nor is a recovery lock made (and removed) through it
+    assert repair.recover_guard(store, "some-id") is None
+    assert sorted(p.name for p in project.iterdir()) == ["Cargo.lock", "poetry.lock"]
+
+
+def test_no_owner_lock_is_made_through_a_symlinked_locks(tmp_path: Path) -> None:
+    root = HandoffdWorkspace(tmp_path / "ws")
+    root.ensure()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link_out(root.root, ".locks", outside)
+    store = Store(root, durable=False)
+    try:
+        with pytest.raises(OSError) as raised:
+            store.owner_lock()
+        assert raised.value.errno == errno.ENOTDIR and "symlink" in str(raised.value)
+        assert str(root.locks) in str(raised.value)
+        assert list(outside.iterdir()) == []
+        assert list(root.tmp.iterdir()) == []  # nor staged anywhere else
+    finally:
+        store.close()
+
+
+def test_a_claim_through_a_symlinked_locks_fails_with_one_line(ws: Workspace,
+                                                               tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "Cargo.lock").write_text("# lockfile")
+    link_out(ws.root, ".locks", outside)
+    handoff_id = ws.create("--to", "@ok", "--data", "{}")
+    proc = ws.handoffd("run", "--max-seconds", "1", timeout=60)
+    assert "Traceback" not in proc.stderr
+    refused = [line for line in proc.stderr.splitlines() if "no owner lock is made" in line]
+    assert refused and all(handoff_id in line for line in refused), proc.stderr
+    assert [p.name for p in outside.iterdir()] == ["Cargo.lock"]
+    assert ws.state_of(handoff_id) in (["pending"], ["in-progress"])  # recoverable, not filed
