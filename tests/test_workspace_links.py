@@ -131,3 +131,47 @@ def test_a_claim_through_a_symlinked_locks_fails_with_one_line(ws: Workspace,
     assert refused and all(handoff_id in line for line in refused), proc.stderr
     assert [p.name for p in outside.iterdir()] == ["Cargo.lock"]
     assert ws.state_of(handoff_id) in (["pending"], ["in-progress"])  # recoverable, not filed
+
+
+def test_no_temp_file_is_written_through_a_symlinked_tmp(ws: Workspace, tmp_path: Path) -> None:
+    """Every document is written as a temp file in handoffs/.tmp, then renamed into place:
+    through a symlink planted there, it was written outside the workspace first."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link_out(ws.root, ".tmp", outside)
+    proc = ws.handoff("create", "--to", "@ok", "--data", "{}")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    said = proc.stderr.strip().splitlines()
+    assert len(said) == 1 and "no temp file is written there" in said[0], proc.stderr
+    assert list(outside.iterdir()) == []
+    assert list((ws.root / "handoffs" / "pending").iterdir()) == []
+
+
+def test_recovery_makes_no_lock_file_through_a_symlinked_locks(tmp_path: Path) -> None:
+    """A claim whose owner is gone is judged by trying its owner's lock file; through a symlink
+    planted at handoffs/.locks that made (and removed) a file outside the workspace. Then only
+    the lease's expiry tells."""
+    from handoffd.core.documents import new_native_request
+    from handoffd.core.states import State
+    from handoffd.core.timeutil import utc_now
+    from handoffd.backends.files.backend import FilesBackend
+    root = HandoffdWorkspace(tmp_path / "ws")
+    root.ensure()
+    first = FilesBackend(Store(root, durable=False), watch=False, claim_grace_seconds=0.0)
+    doc = new_native_request(source="@t", target="@x", data={}, now=utc_now())
+    hid = doc["handoff_id"]
+    first.create(doc, hid, utc_now())
+    assert first.claim(hid, utc_now(), 30.0) is not None
+    first.close()  # its owner lock is dropped: the claim's owner is gone
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for entry in root.locks.iterdir():
+        entry.unlink()
+    link_out(root.root, ".locks", outside)
+    second = FilesBackend(Store(root, durable=False), watch=False, claim_grace_seconds=0.0)
+    try:
+        assert second.expired_claims(utc_now(), 30.0) == []  # the lease runs: not recovered
+        assert list(outside.iterdir()) == []
+        assert second.store.locate(hid) == [State.IN_PROGRESS]
+    finally:
+        second.close()

@@ -10,8 +10,10 @@ locks and the process's owner lock).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -100,6 +102,7 @@ class Store:
         # the owner lock every claim's lease names (staged and renamed within .locks)
         self.owners = OwnerLocks(workspace.locks)
         self._own_tmp: Path | None = None  # see use_own_tmp
+        self._tmp_checked = False  # see _check_tmp
 
     # ---------------------------------------------------------------- the owner lock
     def owner_lock(self) -> str:
@@ -131,12 +134,31 @@ class Store:
     def tmp(self) -> Path:
         """Where this store writes its temp files: ``handoffs/.tmp/``, or the folder of this
         process's own under it (:meth:`use_own_tmp`)."""
-        return self._own_tmp or self.ws.tmp
+        if self._own_tmp is not None:
+            return self._own_tmp
+        if not self._tmp_checked:
+            self._check_tmp()
+        return self.ws.tmp
+
+    def _check_tmp(self) -> None:
+        """OSError (ENOTDIR) when ``handoffs/.tmp`` exists but is no plain folder of the
+        workspace: a symlink planted there would have every temp file written outside it.
+        Checked at the first use (a missing folder is made by the first write, and checked
+        again then)."""
+        try:
+            mode = os.lstat(self.ws.tmp).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(mode):
+            raise OSError(errno.ENOTDIR, "not a folder of the workspace (a symlink?); no temp "
+                          "file is written there, so nothing can be written", str(self.ws.tmp))
+        self._tmp_checked = True
 
     def use_own_tmp(self) -> None:
         """Write temp files in a folder of this process's own (a forked daemon process does):
         processes sharing one temp folder wait on its lock at every file they create (see
         :func:`spares.own_folder`); a drain on two processes is about 10% faster without that."""
+        self._check_tmp()
         self._own_tmp = spares.own_folder(self.ws.tmp)
 
     # ---------------------------------------------------------------- seals
