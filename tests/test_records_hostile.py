@@ -6,10 +6,14 @@ content of a records file makes a read raise."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
+import signal
+import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Workspace
+from conftest import Workspace, new_workspace, reason_codes, wait_until
 from handoffd.backends.files import records as records_mod
 from handoffd.backends.files.records import FileRecords, UnusableRecords, limit_of
 from handoffd.core.specialists import Specialist
@@ -338,3 +342,235 @@ def test_a_rate_bucket_that_cannot_be_updated_holds_starts_back_and_never_raises
     assert len([r for r in caplog.records if "rate bucket" in r.getMessage()]) == 1
     records.fail = False
     assert limit(spec, utc_now()) == 0.0  # working again: a token taken
+
+
+# ---------------------------------------------------------------- the kind's lock and temp file
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The lock wait's clock and sleep, moved by hand (no real waiting): each sleep is recorded
+    and advances the clock by its length."""
+    now, slept = [0.0], []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(records_mod, "_monotonic", lambda: now[0], raising=False)
+    monkeypatch.setattr(records_mod, "_sleep", sleep, raising=False)
+    return slept
+
+
+def held(path: Path) -> int:
+    """A descriptor holding an exclusive flock on ``path`` (as another process would)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def bounded(call: Any) -> Any:
+    """``call()`` in a thread, joined within 10 s (an update that waits for ever fails the test
+    rather than hanging it): its result, or the exception it raised."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:  # handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert out, "the update still waits after 10 s"
+    return out[0]
+
+
+def test_an_update_waits_a_bounded_time_for_a_lock_another_process_holds(
+        meta: Path, fake_time: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    """R3: a process holding ``.rates.lock`` (hostile, or stopped with SIGSTOP mid-update) froze
+    the scheduler's loop in flock and made the daemon deaf to SIGTERM. The update now gives up
+    after LOCK_WAIT_SECONDS with one line naming the lock, and writes nothing."""
+    records = FileRecords(meta)
+    records.update("rates", "@r", lambda old: {"tokens": 1.0})
+    before = (meta / "rates.json").read_bytes()
+    holder = held(meta / ".rates.lock")
+    try:
+        outcome = bounded(lambda: records.update("rates", "@r", lambda old: {"tokens": 0.0}))
+    finally:
+        os.close(holder)
+    assert isinstance(outcome, UnusableRecords), outcome
+    assert outcome.code == "TIMEOUT"
+    assert "handoffs/.meta/.rates.lock" in str(outcome) and "\n" not in str(outcome)
+    assert sum(fake_time) == pytest.approx(records_mod.LOCK_WAIT_SECONDS)
+    assert (meta / "rates.json").read_bytes() == before
+    # a holder that lets go within the bound: the update waits for it and goes through
+    fake_time.clear()
+    holder = held(meta / ".rates.lock")
+    real_sleep = records_mod._sleep
+
+    def letting_go(seconds: float) -> None:
+        real_sleep(seconds)
+        if len(fake_time) == 3:
+            os.close(holder)
+
+    monkeypatch.setattr(records_mod, "_sleep", letting_go)
+    assert records.update("rates", "@r", lambda old: {"tokens": 0.5}) == {"tokens": 0.5}
+    assert len(fake_time) == 3 and records.read("rates") == {"@r": {"tokens": 0.5}}
+
+
+# a command specialist that completes whatever it is given (a JSON list is a TOML array)
+DONE = json.dumps([sys.executable, "-c", "import json, sys; json.load(sys.stdin); print(json."
+                   "dumps({'status': 'completed', 'output': {'summary': 'done'}}))"])
+RATED_TOML = f"""
+[daemon]
+settle_seconds = 0.1
+sweep_seconds = 0.5
+
+[specialists."@r"]
+command = {DONE}
+rate = "100/s"
+"""
+
+
+def test_a_daemon_whose_rate_lock_is_held_holds_starts_back_and_stops_on_sigterm(
+        tmp_path: Path) -> None:
+    """R3 end to end: with ``.rates.lock`` held by another process, ``serve`` says once why the
+    rate-limited handoff waits, stops on SIGTERM, and the handoff runs once the lock is free."""
+    ws = new_workspace(tmp_path / "ws", RATED_TOML)
+    holder = held(ws.root / "handoffs" / ".meta" / ".rates.lock")
+    try:
+        hid = ws.create("--to", "@r", "--data", "{}")
+        proc = ws.serve()
+        lines: list[str] = []
+        assert proc.stderr is not None
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr or []), daemon=True)
+        reader.start()
+        wait_until(lambda: any("rate bucket cannot be updated" in line for line in lines),
+                   timeout=20, what="the held rate lock said")
+        assert ws.stop(proc, signal.SIGTERM, timeout=20) == 0
+        reader.join(10)
+        assert ws.state_of(hid) == ["pending"]
+    finally:
+        os.close(holder)
+        ws.cleanup()
+    output = "".join(lines)
+    assert "Traceback" not in output
+    said = [line for line in lines if "rates.lock" in line]
+    assert len(said) == 1 and "held by another process" in said[0], output
+    run = ws.handoffd("run")
+    assert run.returncode == 0, run.stderr
+    assert ws.state_of(hid) == ["completed"]
+
+
+def test_a_folder_planted_at_a_predictable_temp_name_blocks_no_update(meta: Path) -> None:
+    """R2: the temp file was ``.<kind>.<pid>.tmp``, unlinked before use: a folder planted under
+    that name (EISDIR) refused every update of the kind by that pid, one per pid for good."""
+    for kind in ("paused", "rates"):
+        (meta / f".{kind}.{os.getpid()}.tmp").mkdir()
+    records = FileRecords(meta)
+    for n in range(3):
+        assert records.update("paused", f"@{n}", lambda old: {"by": "@ops"}) == {"by": "@ops"}
+    records.update("rates", "@r", lambda old: {"tokens": 1.0})
+    assert sorted(records.read("paused")) == ["@0", "@1", "@2"]
+    # each update's temp file is gone (renamed into place); the plants are left alone
+    assert sorted(p.name for p in meta.glob(".*.tmp")) == sorted(
+        f".{kind}.{os.getpid()}.tmp" for kind in ("paused", "rates"))
+
+
+def test_an_update_that_cannot_write_refuses_in_one_error_type_and_leaves_no_temp(
+        meta: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R2c: a failed write (a full disk) is an UnusableRecords (a HandoffdError with a code), not
+    a bare OSError: the contracts feature's reservations catch HandoffdError only."""
+    records = FileRecords(meta)
+    records.update("reservations", "live", lambda old: {"h1": {"handoff_id": "h1"}})
+    before = (meta / "reservations.json").read_bytes()
+
+    def full(src: Any, dst: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(src))
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(UnusableRecords, match="No space left") as caught:
+        records.update("reservations", "live", lambda old: {"h2": {"handoff_id": "h2"}})
+    monkeypatch.undo()
+    assert caught.value.code == "PROCESSING_ERROR"
+    assert "handoffs/.meta/reservations.json" in str(caught.value)
+    assert (meta / "reservations.json").read_bytes() == before
+    assert list(meta.glob(".*.tmp")) == []
+
+
+@pytest.mark.parametrize("make", ["folder", "symlink", "dangling symlink", "fifo"])
+def test_a_lock_that_is_no_regular_file_is_moved_aside_never_followed(
+        meta: Path, tmp_path: Path, make: str, caplog: pytest.LogCaptureFixture) -> None:
+    """R2b: a folder, symlink or FIFO at ``.<kind>.lock`` refused every update of the kind for
+    good. It is moved to the quarantine with its reason (nobody can hold a lock on it), once;
+    a symlink is never followed (its target neither created nor locked)."""
+    lock = meta / ".rates.lock"
+    outside = tmp_path / "outside.lock"
+    if make == "folder":
+        lock.mkdir()
+    elif make == "symlink":
+        outside.write_text("not ours\n")
+        lock.symlink_to(outside)
+    elif make == "dangling symlink":
+        lock.symlink_to(outside)
+    else:
+        os.mkfifo(lock)
+    records = FileRecords(meta)
+    for n in range(3):
+        assert records.update("rates", "@r", lambda old: {"tokens": float(n)}) == \
+            {"tokens": float(n)}
+    assert records.read("rates") == {"@r": {"tokens": 2.0}}
+    [(moved, reason)] = quarantined(meta)
+    assert reason["file"] == ".rates.lock" and reason["code"] == "NOT_A_REGULAR_FILE"
+    assert os.path.lexists(moved) and lock.is_file() and not lock.is_symlink()
+    assert (outside.read_text() == "not ours\n") if make == "symlink" else not outside.exists()
+    [line] = [m for m in warnings_about(caplog, ".rates.lock") if "moved to" in m]
+    assert "handoffs/.quarantine/" in line and "NOT_A_REGULAR_FILE" in line
+
+
+def test_a_planted_lock_that_cannot_be_moved_refuses_the_update_in_one_line(
+        meta: Path) -> None:
+    """R2c: when the plant cannot be moved (the quarantine is unusable) the update refuses with
+    an UnusableRecords, never an IsADirectoryError escaping a caller that catches
+    HandoffdError (a claimed contract handoff was left unfiled in in-progress/)."""
+    (meta / ".reservations.lock").mkdir()
+    (meta.parent / ".quarantine").rmdir()
+    (meta.parent / ".quarantine").write_text("not a folder\n")
+    records = FileRecords(meta)
+    with pytest.raises(UnusableRecords) as caught:
+        records.update("reservations", "live", lambda old: {"h1": {"handoff_id": "h1"}})
+    assert caught.value.code == "NOT_A_REGULAR_FILE"
+    assert "handoffs/.meta/.reservations.lock" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert not (meta / "reservations.json").exists()
+
+
+CONTRACT_TOML = f"""
+[daemon]
+settle_seconds = 0.1
+sweep_seconds = 0.5
+
+[specialists."@worker"]
+command = {DONE}
+timeout_seconds = 30
+"""
+
+
+def test_a_contract_handoff_runs_with_a_folder_planted_at_the_reservations_lock(
+        tmp_path: Path) -> None:
+    """R2c end to end: the planted ``.reservations.lock`` folder is moved aside and the claimed
+    contract handoff runs and is filed (it was left in in-progress/ by a batch that exited 0)."""
+    ws = new_workspace(tmp_path / "ws", CONTRACT_TOML)
+    try:
+        (ws.root / "src" / "auth").mkdir(parents=True)
+        (ws.root / "handoffs" / ".meta" / ".reservations.lock").mkdir()
+        ws.drop("c1.json", {"handoff_id": "c1", "source": {"agent_id": "@coordinator"},
+                            "target": {"agent_id": "@worker"}, "input": {"data": {}},
+                            "contract": {"files_owned": ["src/auth/**"]}})
+        run = ws.handoffd("run")
+    finally:
+        ws.cleanup()
+    assert run.returncode == 0, run.stderr
+    assert ws.state_of("c1") == ["completed"], run.stderr
+    assert "Traceback" not in run.stderr
+    assert reason_codes(ws.root) == {".reservations.lock": "NOT_A_REGULAR_FILE"}

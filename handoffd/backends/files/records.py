@@ -10,26 +10,35 @@ the values: see :class:`~handoffd.core.storage.Records`). A file over its kind's
 (:data:`LIMITS`), not UTF-8 JSON, not an object, nesting too deep, not a regular file or not
 readable by its mode reads as empty, said in one log line per identity, and is not parsed again
 until it changes. An update never writes over such a file: it moves it to
-``handoffs/.quarantine/`` first (see :meth:`FileRecords.update`)."""
+``handoffs/.quarantine/`` first (see :meth:`FileRecords.update`).
+
+The lock is hostile input too: it is waited on for at most :data:`LOCK_WAIT_SECONDS` (the
+scheduler's loop updates rate buckets: a process holding the lock for good must cost one refused
+update, never a frozen daemon), opened without following a symlink, and an entry under its name
+that is no regular file is moved to the quarantine as a bad records file is. Every failure of an
+update to lock or write is an :class:`UnusableRecords`, so callers catch one error type."""
 from __future__ import annotations
 
 import copy
 import errno
+import fcntl
 import json
 import logging
 import os
 import re
 import stat
 import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ...core.documents import actor
 from ...core.errors import ErrorCode, HandoffdError
 from ...core.timeutil import iso, utc_now
 from . import fsio
-from .fsio import MAX_DEPTH, locked, nesting_depth, open_regular
+from .fsio import MAX_DEPTH, nesting_depth, open_regular
 
 log = logging.getLogger("handoffd")
 
@@ -47,6 +56,15 @@ LIMITS = {"paused": 256 * KIB, "rates": 256 * KIB, "suspects": 256 * KIB,
 MAX_RECORDS_BYTES = 1024 * KIB
 
 KIND = re.compile(r"[a-z][a-z0-9_-]{0,40}")  # fullmatch ("$" matched before a final newline)
+
+# How long an update waits for its kind's lock. A real update holds it for a few milliseconds
+# (a 4 MiB reservations file: a parse and a dump, a fraction of a second), so a lock held for
+# longer is held by a process that is stopped or not handoffd's: waiting on it with no bound froze
+# the scheduler's loop (rate buckets) and left a daemon deaf to SIGTERM. The wait polls (a
+# blocking flock cannot be given a timeout), from 1 ms up to 50 ms between tries.
+LOCK_WAIT_SECONDS = 2.0
+FIRST_POLL_SECONDS, LAST_POLL_SECONDS = 0.001, 0.05
+_monotonic, _sleep = time.monotonic, time.sleep  # (tests replace them: no real waiting)
 
 Stamp = tuple[int, int, int, int]  # a file's identity: inode, mtime, size, ctime (ns)
 NOT_REGULAR = (errno.ELOOP, errno.EINVAL, errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP)
@@ -150,10 +168,12 @@ class FileRecords:
         bytes for whoever wants to look, and no record anyone could read is lost. A file that
         cannot be read for a passing reason (EIO, EMFILE) may hold good records: that update is
         refused (:class:`UnusableRecords`), nothing written. So is one whose result no reader
-        could use (over the kind's bound, nesting too deep)."""
+        could use (over the kind's bound, nesting too deep), one whose lock is held by another
+        process for over :data:`LOCK_WAIT_SECONDS` or cannot be opened, and one whose new file
+        cannot be written: every such failure is an :class:`UnusableRecords` (callers such as
+        the contracts feature's reservations catch HandoffdError, not OSError)."""
         path = self.path(kind)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with locked(self.folder / f".{kind}.lock"):
+        with self._locked(kind):
             records, problem = self._current(kind, path)
             old = records.get(key)
             new = change(copy.deepcopy(old))
@@ -166,8 +186,70 @@ class FileRecords:
             data = _encode(kind, key, records)
             if problem is not None:
                 self._move_aside(kind, path, problem)
-            _publish(path, data)  # readers see the old file or the new one, never half
+            try:
+                _publish(path, data)  # readers see the old file or the new one, never half
+            except OSError as exc:  # a full disk, a read-only folder: one error type for callers
+                raise UnusableRecords(f"{_shown(path)} cannot be written ({exc.strerror or exc});"
+                                      f" its {kind} records are left as they are",
+                                      code=ErrorCode.PROCESSING_ERROR) from None
             return new
+
+    @contextmanager
+    def _locked(self, kind: str) -> Iterator[None]:
+        """Hold the kind's lock, ``.<kind>.lock``, for the block (its own descriptor, so threads
+        exclude each other as processes do; the file stays: removing a lock file while another
+        process waits on it would let two holders in). UnusableRecords when it cannot be had."""
+        lock = self.folder / f".{kind}.lock"
+        fd = self._open_lock(kind, lock)
+        try:
+            _flock_within(fd, _shown(lock), f"its {kind} records are left as they are")
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def _open_lock(self, kind: str, lock: Path) -> int:
+        """A descriptor on the lock file: a regular file, never through a symlink, never
+        blocking on a FIFO (:func:`.fsio.open_creating`). A folder, symlink or FIFO planted under
+        its name would refuse every update of the kind for good: it is moved to the quarantine
+        and the open tried once more."""
+        try:
+            return fsio.open_creating(lock, os.O_RDWR)
+        except OSError as exc:
+            failure = exc
+        if self._set_aside_lock(kind, lock):
+            try:
+                return fsio.open_creating(lock, os.O_RDWR)
+            except OSError as exc:
+                failure = exc
+        raise UnusableRecords(f"{_shown(lock)} cannot be opened ({failure.strerror or failure}); "
+                              f"its {kind} records are left as they are",
+                              code=ErrorCode.UNREADABLE_FILE) from None
+
+    def _set_aside_lock(self, kind: str, lock: Path) -> bool:
+        """Move the entry at ``lock`` to the quarantine if it is no regular file: True when the
+        lock should be opened again (moved, here or by another process), False when it is a
+        regular file or cannot be looked at (its open failed for another reason: EACCES...)."""
+        if not _planted(lock):
+            return not os.path.lexists(lock)  # gone meanwhile: open it again
+        problem = Problem(ErrorCode.NOT_A_REGULAR_FILE, "is not a regular file")
+        try:
+            # under the folder's own flock, looked at again: two processes finding the plant at
+            # once must not both move "it", the second taking the live lock file the first made
+            # in its place meanwhile (two holders). Nothing else removes an entry of that name.
+            with _folder_locked(self.folder, f"{_shown(lock)} is left as it is"):
+                if not _planted(lock):
+                    return True  # moved by another process (a lock file may be there now)
+                target = self._quarantine(lock, problem)
+        except FileNotFoundError:  # gone: another process moved it
+            return True
+        except OSError as exc:
+            raise UnusableRecords(
+                f"{_shown(lock)} {problem.what}, and cannot be moved to "
+                f"{_shown_folder(self.quarantine)}/ ({exc.strerror or exc}); its {kind} records "
+                "cannot be updated", code=problem.code) from None
+        log.warning("%s %s: moved to %s so that its %s records can be updated (no lock was held "
+                    "on it) [%s]", _shown(lock), problem.what, _shown(target), kind, problem.code)
+        return True
 
     def _current(self, kind: str, path: Path) -> tuple[dict[str, Any], Problem | None]:
         """The records in ``path`` now (a fresh parse, never the readers' cache: an inode can
@@ -212,6 +294,48 @@ class FileRecords:
             log.warning("%s: cannot record why it was moved (%s)", _shown(target),
                         exc.strerror or exc)
         return target
+
+
+def _planted(lock: Path) -> bool:
+    """True when an entry that is no regular file (a folder, symlink, FIFO...) is at ``lock``."""
+    try:
+        return not stat.S_ISREG(os.lstat(lock).st_mode)
+    except OSError:  # absent, or its folder unusable: nothing to move
+        return False
+
+
+@contextmanager
+def _folder_locked(folder: Path, left: str) -> Iterator[None]:
+    """Hold an exclusive flock on ``folder`` itself (not through a symlink) for the block."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _flock_within(fd, _shown_folder(folder) + "/", left)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _flock_within(fd: int, shown: str, left: str) -> None:
+    """Take an exclusive flock on ``fd`` within :data:`LOCK_WAIT_SECONDS`, or raise
+    UnusableRecords naming ``shown`` (and saying ``left``: what is left undone)."""
+    deadline = _monotonic() + LOCK_WAIT_SECONDS
+    pause = FIRST_POLL_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # ENOLCK...
+            raise UnusableRecords(f"{shown} cannot be locked ({exc.strerror or exc}); {left}",
+                                  code=ErrorCode.UNREADABLE_FILE) from None
+        remaining = deadline - _monotonic()
+        if remaining <= 0:
+            raise UnusableRecords(
+                f"{shown} has been held by another process for over {LOCK_WAIT_SECONDS:g} s (a "
+                f"stopped or hung one?); {left}", code=ErrorCode.TIMEOUT)
+        _sleep(min(pause, remaining))
+        pause = min(pause * 2, LAST_POLL_SECONDS)
 
 
 def _stamp(info: os.stat_result) -> Stamp:
@@ -301,12 +425,12 @@ def _encode(kind: str, key: str, records: dict[str, Any]) -> bytes:
 
 def _publish(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically. The temp file is created afresh without
-    following a symlink: one planted under its name must not redirect the write."""
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
-    try:
-        os.unlink(tmp)  # a dead process's, or a plant (the kind's lock serialises our threads)
-    except FileNotFoundError:
-        pass
+    following a symlink: one planted under its name must not redirect the write. Its name is
+    random, not the pid's: a folder planted under a name known ahead (nobody can unlink it)
+    refused every update of the kind by that pid, and one per pid every update for good. A
+    failed write removes its temp file; a process that dies in between leaves it (nothing
+    sweeps ``.meta/``: one file, at most the kind's bound, per such crash)."""
+    tmp = path.with_name(f".{path.stem}.{os.urandom(8).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
