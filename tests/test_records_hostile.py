@@ -574,3 +574,32 @@ def test_a_contract_handoff_runs_with_a_folder_planted_at_the_reservations_lock(
     assert ws.state_of("c1") == ["completed"], run.stderr
     assert "Traceback" not in run.stderr
     assert reason_codes(ws.root) == {".reservations.lock": "NOT_A_REGULAR_FILE"}
+
+
+def test_the_sweep_removes_a_records_temp_file_a_dead_update_left(tmp_path: Path) -> None:
+    """An update writes .<kind>.<random>.tmp and renames it over the kind's file; a process
+    killed in between left it in .meta for good. The sweep removes it once it is old, and
+    nothing else of .meta."""
+    import time
+
+    from handoffd.backends.files import repair
+    from handoffd.backends.files.store import Store
+    ws = HandoffdWorkspace(tmp_path / "ws")
+    ws.ensure()
+    meta = ws.meta
+    meta.mkdir(parents=True, exist_ok=True)
+    old, young = meta / ".paused.0123456789abcdef.tmp", meta / ".rates.fedcba9876543210.tmp"
+    other = meta / ".not-ours.tmp"
+    for path in (old, young, other):
+        path.write_text("{}")
+    an_hour_ago = time.time() - 3600
+    for path in (old, other):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    store = Store(ws, durable=False)
+    try:
+        done: Any = {"temp_files_removed": [], "locks_removed": []}
+        repair.remove_orphans(store, done)
+    finally:
+        store.close()
+    assert done["temp_files_removed"] == [old.name]
+    assert not old.exists() and young.exists() and other.exists()

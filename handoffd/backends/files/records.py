@@ -56,6 +56,9 @@ LIMITS = {"paused": 256 * KIB, "rates": 256 * KIB, "suspects": 256 * KIB,
 MAX_RECORDS_BYTES = 1024 * KIB
 
 KIND = re.compile(r"[a-z][a-z0-9_-]{0,40}")  # fullmatch ("$" matched before a final newline)
+# the temp file an update writes beside the kind's file (see _publish); one a process that died
+# mid-update left is removed by the sweep once it is old (repair.remove_orphans)
+TEMP_NAME = re.compile(r"\.[a-z][a-z0-9_-]{0,40}\.[0-9a-f]{16}\.tmp")
 
 # How long an update waits for its kind's lock. A real update holds it for a few milliseconds
 # (a 4 MiB reservations file: a parse and a dump, a fraction of a second), so a lock held for

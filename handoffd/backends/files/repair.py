@@ -30,6 +30,7 @@ from ...core.states import State, winner
 from ...core.timeutil import parse_iso
 from . import aside, fsio
 from .leases import STAGED_OWNER_LOCK_NAME
+from .records import TEMP_NAME
 from .store import Store, release_lock, try_lock
 
 TMP_MAX_AGE_SECONDS = 300.0
@@ -236,6 +237,8 @@ def remove_orphans(store: Store, done: Repairs) -> None:
     cutoff = time.time() - TMP_MAX_AGE_SECONDS
     if _plain_folder(ws.tmp):
         _remove_old_temps(ws.tmp, cutoff, done)
+    if _plain_folder(ws.meta, quiet=True):  # (a shared record's temp file a dead update left)
+        _remove_old_record_temps(ws.meta, cutoff, done)
     if not _plain_folder(ws.locks):
         return
     active = set(store.ids(State.IN_PROGRESS))
@@ -281,6 +284,22 @@ def _plain_folder(folder: Path, *, quiet: bool = False) -> bool:
         log.error("sweep: %s is not a folder of the workspace (a symlink?); nothing in it is "
                   "removed, and handoffd needs it to be one", folder)
     return False
+
+
+def _remove_old_record_temps(folder: Path, cutoff: float, done: Repairs) -> None:
+    """Delete the shared records' temp files (:data:`.records.TEMP_NAME`) in ``folder`` last
+    changed before ``cutoff``: an update writes one and renames it over the kind's file, so one
+    left there is a dead process's (nothing else in ``.meta`` is touched)."""
+    for entry in _scan(folder):
+        if not TEMP_NAME.fullmatch(entry.name):
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False) \
+                    and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                os.unlink(entry.path)
+                done["temp_files_removed"].append(entry.name)
+        except FileNotFoundError:
+            continue
 
 
 def _remove_old_temps(folder: Path, cutoff: float, done: Repairs, *, depth: int = 0) -> None:
