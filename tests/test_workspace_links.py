@@ -175,3 +175,30 @@ def test_recovery_makes_no_lock_file_through_a_symlinked_locks(tmp_path: Path) -
         assert second.store.locate(hid) == [State.IN_PROGRESS]
     finally:
         second.close()
+
+
+def test_nothing_is_set_aside_through_a_symlinked_quarantine(ws: Workspace, tmp_path: Path) -> None:
+    """A document that cannot be run is moved to handoffs/.quarantine with a reason beside it;
+    through a symlink planted there both went outside the workspace. Now it stays where it is
+    (one line each time it is looked at), and is set aside once the folder is one again."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    quarantine = ws.root / "handoffs" / ".quarantine"
+    if quarantine.is_dir():
+        link_out(ws.root, ".quarantine", outside)
+    else:
+        quarantine.symlink_to(outside)
+    (ws.root / "handoffs" / "pending" / "junk.json").write_text("{ not json")
+    proc = ws.handoffd("run", "--max-seconds", "2", timeout=60)
+    assert "Traceback" not in proc.stderr
+    assert list(outside.iterdir()) == []
+    assert "not a folder of the workspace" in proc.stderr, proc.stderr
+    assert ws.state_of("junk") in (["pending"], ["in-progress"])  # kept, to be looked at again
+    quarantine.unlink()
+    for _ in range(5):  # (the first run's claim was given back to pending/: looked at again)
+        ws.handoffd("run", "--max-seconds", "2", timeout=60)
+        if ws.state_of("junk") == ["failed"]:  # (a stub saying why: the usual set-aside)
+            break
+        time.sleep(0.5)
+    assert ws.state_of("junk") == ["failed"]
+    assert any(p.name.endswith("junk.json") for p in (ws.root / "handoffs" / ".quarantine").iterdir())

@@ -203,10 +203,25 @@ class FilesBackend(FencedFiling, Backend):
                   claim: Claim | None = None) -> bool:
         try:
             return self._claimer.quarantine(state, handoff_id, code, message)
+        except OSError:
+            if state is State.IN_PROGRESS and claim is None:
+                self._give_back_unreadable(handoff_id)
+            raise
         finally:
             if claim is not None:
                 claim.handle.finished = True
                 release_lock(claim.handle.lock)
+
+    def _give_back_unreadable(self, handoff_id: str) -> None:
+        """A document claimed, then found unreadable, that cannot be set aside now (the
+        quarantine folder is full, unwritable, or no folder): back to pending/, to be looked
+        at again. In in-progress/ without a lease nothing ever looked at it again."""
+        try:
+            fsio.rename_noreplace(self.store.path(State.IN_PROGRESS, handoff_id),
+                                  self.store.path(State.PENDING, handoff_id))
+        except OSError as exc:  # a new pending copy, or gone: the sweep's duplicate rules
+            log.warning("handoff %s: cannot put its unreadable document back into pending/: %s",
+                        handoff_id, exc)
 
     def quarantined(self) -> builtins.list[Doc]:
         return self.store.quarantined()

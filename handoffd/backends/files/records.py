@@ -39,6 +39,7 @@ from ...core.errors import ErrorCode, HandoffdError
 from ...core.timeutil import iso, utc_now
 from . import fsio
 from .fsio import MAX_DEPTH, nesting_depth, open_regular
+from .writes import quarantine_folder
 
 log = logging.getLogger("handoffd")
 
@@ -285,7 +286,7 @@ class FileRecords:
         """``path`` moved into the quarantine with a ``.reason.json`` beside it, as the store's
         quarantine writes them (:func:`.writes.quarantine`), so ``handoff ls`` lists it."""
         now = utc_now()
-        self.quarantine.mkdir(parents=True, exist_ok=True)
+        quarantine_folder(self.quarantine)  # (never through a symlink planted there)
         name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{path.name}"
         target = self.quarantine / name
         os.rename(path, target)  # the entry moves (a symlink or FIFO too), not what it names

@@ -6,6 +6,7 @@ moved to quarantine with its reason (:func:`quarantine`). Plain functions over t
 """
 from __future__ import annotations
 
+import errno
 import os
 from datetime import datetime
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 
 from ...core.documents import actor, check_id
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.ownfiles import plain_folder
 from ...core.states import State
 from ...core.timeutil import iso, utc_now
 from ...core.workspace import Workspace
@@ -105,11 +107,25 @@ def remove_if(store: Writing, state: State, handoff_id: str, expect: dict[str, A
     return False
 
 
+def quarantine_folder(folder: Path) -> Path:
+    """``handoffs/.quarantine``, made if missing; OSError (ENOTDIR) when it is no plain folder
+    of the workspace: through a symlink planted there, what is set aside (and its reason) would
+    be moved and written outside it. The file then stays where it is, looked at again later."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        pass  # a file or a dangling symlink: refused just below
+    if not plain_folder(folder):
+        raise OSError(errno.ENOTDIR, "not a folder of the workspace (a symlink?); nothing is "
+                      "set aside there", str(folder))
+    return folder
+
+
 def quarantine(store: Writing, path: Path, code: str, message: str, *,
                now: datetime | None = None) -> Path:
     """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
     now = now or utc_now()
-    store.ws.quarantine.mkdir(parents=True, exist_ok=True)
+    quarantine_folder(store.ws.quarantine)
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.name)[:100] or "file"
     name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{safe}"
     target = store.ws.quarantine / name
