@@ -21,6 +21,7 @@ from ..core.engine import Engine
 from ..core.errors import (
     DuplicateHandoff,
     ErrorCode,
+    HandoffdError,
     InvalidDocument,
     InvalidTransition,
     NotFound,
@@ -94,6 +95,10 @@ def _step(what: str, func: Any, *args: Any) -> None:
         log.error("sweep: %s failed: %s; the next sweep tries again", what, exc)
     except DuplicateHandoff as exc:  # a copy appeared in the target folder meanwhile
         log.warning("sweep: %s: %s; the next sweep resolves the copies", what, exc)
+    except HandoffdError as exc:  # a refusal (records over their bound, a lock held) is no bug
+        code = getattr(exc, "code", None)
+        log.error("sweep: %s failed: %s%s; the next sweep tries again", what, exc,
+                  f" [{code}]" if code else "")
     except Exception:  # a repair bug must not stop the other repairs
         log.exception("sweep: %s failed; the next sweep tries again", what)
 

@@ -50,8 +50,8 @@ KIB = 1024
 # thousand specialists with long pause reasons, and parses in a millisecond or two, so a forged
 # file costs a reader next to nothing and an update (which parses under the lock, every time)
 # little more. Reservations carry every running contract handoff's files_owned globs (at most 256
-# of 512 characters, usually a few short paths) and the released ones of the last two minutes:
-# 4 MiB holds thousands of ordinary ones. A kind not listed here (a new feature's) gets 1 MiB.
+# of 512 characters, usually a few short paths) and the released ones a running one may need
+# (at most half the bound: contracts.reservations.RELEASED_BUDGET): 4 MiB holds thousands. A kind not listed here (a new feature's) gets 1 MiB.
 LIMITS = {"paused": 256 * KIB, "rates": 256 * KIB, "suspects": 256 * KIB,
           "reservations": 4096 * KIB}
 MAX_RECORDS_BYTES = 1024 * KIB

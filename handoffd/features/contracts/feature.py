@@ -108,8 +108,11 @@ class Enforcer:
             try:
                 conflict = self.reservations.take(job.handoff_id, job.claim.token, owned,
                                                   agent=job.specialist.agent)
-            except HandoffdError as exc:
-                raise HandlerError(str(exc), handoff_id=job.handoff_id, retryable=True) from None
+            except (HandoffdError, OSError) as exc:  # the records refused or unusable now:
+                # a retryable failure of this attempt, never an error escaping the claim
+                raise HandlerError(f"handoff {job.handoff_id}: cannot reserve its files_owned: "
+                                   f"{_said(exc)}", handoff_id=job.handoff_id,
+                                   retryable=True) from None
             if conflict is not None:
                 self.engine.handback(job.claim, job.dialect, reason=conflict.reason())
                 log.info("handoff %s: %s; handed back to pending/", job.handoff_id, conflict.reason())
@@ -181,7 +184,12 @@ class Enforcer:
             if run.reserved:
                 try:
                     self.reservations.release(job.handoff_id, job.claim.token)
-                except Exception:  # liveness is derived from the claim: it dies with it anyway
+                except (HandoffdError, OSError) as exc:  # the records refused or unusable now:
+                    # one line (liveness is derived from the claim: it dies with it anyway, and
+                    # the sweep's prune retires the record)
+                    log.error("handoff %s: cannot release its reservation: %s", job.handoff_id,
+                              _said(exc))
+                except Exception:  # a bug: its traceback
                     log.exception("handoff %s: cannot release its reservation", job.handoff_id)
 
 
@@ -226,6 +234,15 @@ def prune(engine: "Engine") -> int:
     """Sweeper hook: drop the reservations of handoffs that are no longer running."""
     try:
         return Reservations(engine).prune()
-    except OSError as exc:
-        log.error("cannot prune file reservations: %s", exc)
+    except (HandoffdError, OSError) as exc:  # the records refused or unusable now: one line
+        # (not a traceback in every sweep), and the next sweep tries again
+        log.error("cannot prune file reservations: %s; the next sweep tries again", _said(exc))
         return 0
+
+
+def _said(exc: HandoffdError | OSError) -> str:
+    """``exc`` as one log line says it, with its error code when it has one."""
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+    code = getattr(exc, "code", None)
+    return f"{exc} [{code}]" if code else str(exc)

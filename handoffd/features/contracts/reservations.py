@@ -10,16 +10,21 @@ can never both reserve overlapping patterns: the second one sees the first and b
 A reservation is *live* while its handoff is in progress carrying the same lease token; when the
 owner dies the sweeper recovers the claim and the reservation dies with it (the sweeper also
 retires the record). Released reservations are kept for a while (key ``released``) so that a
-scope check can tell which other handoffs owned a path during its run (their writes are theirs).
+scope check can tell which other handoffs owned a path during its run (their writes are theirs):
+while any reservation is live, the ones released since it was taken (and two minutes before),
+but only the newest that fit in :data:`RELEASED_BUDGET` bytes, so a handoff running for hours
+beside thousands of short ones cannot grow the records to their bound.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...core.documents import actor, book
-from ...core.errors import InvalidDocument
+from ...core.errors import HandoffdError, InvalidDocument
+from ...core.logs import deferred
 from ...core.states import State
 from ...core.timeutil import iso, utc_now
 from . import patterns
@@ -30,6 +35,12 @@ if TYPE_CHECKING:
 KIND = "reservations"
 LIVE, RELEASED = "live", "released"  # the two records: id -> record; id.token -> record
 RELEASED_KEEP_SECONDS = 120.0
+# The released records take at most half the kind's bound (files: 2 of 4 MiB; the same budget on
+# PostgreSQL), the newest kept: the other half is the live records' room, so a release, a prune
+# and a take always fit, however long a live reservation pins the cutoff.
+RELEASED_BUDGET = 2 * 1024 * 1024  # (the files store's bound: backends/files/records.LIMITS)
+
+log = deferred("handoffd.contracts")
 
 
 @dataclass(frozen=True)
@@ -136,10 +147,20 @@ class Reservations:
     def _drop(self, records: list[dict[str, Any]], why: str) -> None:
         """End ``records``: recorded as released first, then removed from the live ones, so a
         scope check reading both in between finds each in one or the other, never in neither
-        (a neighbour's write must never be blamed on the run being checked)."""
+        (a neighbour's write must never be blamed on the run being checked). When the records
+        refuse the released copy, they are removed all the same, said in one line."""
         if not records:
             return
-        self._retire(records, why)
+        try:
+            self._retire(records, why)
+        except (HandoffdError, OSError) as exc:
+            # left live, an ended handoff's record would stay for good (it blocks nobody, but
+            # each refused release added one more and the file only grew); removing it costs at
+            # most one neighbour's write a check running beside it now cannot excuse (a
+            # violation anyone can see and requeue), never a store that refuses every release
+            ids = ", ".join(sorted({r["handoff_id"] for r in records}))
+            log.warning("reservation of %s: cannot keep it as released (%s); removed from the "
+                        "live ones all the same", ids, exc)
         ended = {(r["handoff_id"], r.get("token")) for r in records}
 
         def change(value: Any) -> Any:
@@ -165,8 +186,13 @@ class Reservations:
 
     # ------------------------------------------------------------ internals
     def _retire(self, records: list[dict[str, Any]], why: str) -> None:
-        """Keep ``records`` as released, and forget released ones nobody running can need."""
-        starts = [r.get("taken_at") for r in self.records()]
+        """Keep ``records`` as released, and forget released ones nobody running can need, and
+        past :data:`RELEASED_BUDGET` the oldest of the rest."""
+        # the records being retired end now: no neighbour needs keeping for their sake (counted,
+        # an ended handoff whose live record could not be removed pinned the cutoff for good)
+        ending = {(r["handoff_id"], r.get("token")) for r in records}
+        starts = [r.get("taken_at") for r in self.records()
+                  if (r["handoff_id"], r.get("token")) not in ending]
         oldest = min([s for s in starts if isinstance(s, (int, float))], default=time.time())
         cutoff = min(oldest, time.time()) - RELEASED_KEEP_SECONDS
         now = time.time()
@@ -178,6 +204,35 @@ class Reservations:
             for record in records:
                 key = f"{record['handoff_id']}.{record.get('token') or 'none'}"
                 kept[key] = dict(record, released_at=now, released=iso(utc_now()), why=why)
-            return kept or None
+            return _newest(kept, RELEASED_BUDGET) or None
 
         self.shared.update(KIND, RELEASED, change)
+
+
+def _newest(released: dict[str, dict[str, Any]], budget: int) -> dict[str, dict[str, Any]]:
+    """The newest ``released`` records (by ``released_at``) that fit in ``budget`` bytes.
+
+    A run's neighbours are the records released since it started, so keeping an unbroken run of
+    the newest leaves every check of a run started after the oldest kept one complete; one of a
+    run older than that may miss a neighbour and blame it one of that neighbour's writes."""
+    def when(key: str) -> int | float:  # (no float(): a forged 10**400 would overflow it)
+        at = released[key].get("released_at")
+        if isinstance(at, (int, float)) and at == at:  # (NaN: not a time)
+            return at
+        return float("-inf")  # forged: the oldest, trimmed first
+
+    kept: dict[str, dict[str, Any]] = {}
+    used = 0
+    for key in sorted(released, key=when, reverse=True):
+        used += _size(key, released[key])
+        if used > budget:
+            break
+        kept[key] = released[key]
+    return kept
+
+
+def _size(key: str, record: dict[str, Any]) -> int:
+    """About the bytes ``record`` takes in the files' ``reservations.json`` (indent 1, ASCII;
+    two levels deep there: two more spaces a line), rounded up."""
+    text = json.dumps(record, indent=1)
+    return len(text) + 2 * (text.count("\n") + 1) + len(json.dumps(key)) + 8
