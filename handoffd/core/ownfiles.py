@@ -36,21 +36,27 @@ def open_reading(path: Path | str) -> BinaryIO:
     return os.fdopen(open_regular(path, os.O_RDONLY), "rb")
 
 
+def read_at_most(fd: int, size: int) -> bytes:
+    """Up to ``size`` bytes from ``fd`` (fewer only at its end), read a step at a time: a caller
+    that asks one more byte than it accepts tells a file over its bound."""
+    chunks, remaining = [], size
+    while remaining > 0:
+        chunk = os.read(fd, min(remaining, READ_STEP))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
 def read_regular(path: Path | str, max_bytes: int) -> bytes:
     """The bytes of one of handoffd's own files (:func:`open_regular`); OSError (EFBIG) when it
     holds more than ``max_bytes``."""
     fd = open_regular(path, os.O_RDONLY)
     try:
-        chunks, remaining = [], max_bytes + 1
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, READ_STEP))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
+        data = read_at_most(fd, max_bytes + 1)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > max_bytes:
         raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", os.fspath(path))
     return data

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 from ...core.documents import actor
 from ...core.errors import ErrorCode, HandoffdError
+from ...core.ownfiles import read_at_most
 from ...core.timeutil import iso, utc_now
 from . import fsio
 from .fsio import MAX_DEPTH, nesting_depth, open_regular
@@ -370,16 +371,9 @@ def _load(path: Path, info: os.stat_result, limit: int
         opened = os.fstat(fd)  # the identity of what is read (it may have been replaced)
         if opened.st_size > limit:
             return _stamp(opened), {}, _too_large(opened.st_size, limit)
-        chunks, remaining = [], limit + 1
-        while remaining > 0:
-            chunk = os.read(fd, remaining)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
+        data = read_at_most(fd, limit + 1)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > limit:  # it grew while read
         return _stamp(opened), {}, _too_large(len(data), limit)
     records, problem = _decode(data)
