@@ -39,10 +39,6 @@ class Job:
     # the rest of run() as a function returning the outcome to file. Unset, the handler runs in
     # a thread of its own and run() waits for it
     takeover: Callable[[Callable[[], Outcome]], None] | None = None
-    # the outcome of an attempt ended while its Python handler still runs, kept (and the claim
-    # with it) until the handler returns or the process stops, when the next attempt would
-    # start anywhere once it is filed (service.attempts)
-    held: Outcome | None = None
 
     @property
     def handoff_id(self) -> str:

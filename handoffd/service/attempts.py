@@ -5,9 +5,7 @@ A worker's task (:mod:`.dispatch` submits it) is one of: :meth:`Attempts.work` (
 e.g. a cancellation) or :meth:`~Attempts.set_aside` (a document that cannot be read). None of them
 raises for a handoff's fault: each error is filed, or logged and the handoff looked at again
 later through the scheduler. Python handlers that run on past their ended attempt (a thread
-cannot be stopped) hold back that handoff's next attempt until they return: in this process
-(``late``), and in every other one by keeping the claim while the attempt's outcome would start
-another attempt (``Job.held``: filed when the handler returns, or when this process stops).
+cannot be stopped) hold back that handoff's next attempt until they return (``late``).
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ from typing import Callable
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
 from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError
-from ..core.filing import runs_again
 from ..core.runner import cancel
 from ..core.states import State
 from ..core.watchdog import TakenOver
@@ -80,11 +77,9 @@ class Attempts:
                 job.takeover = lambda rest: self._taken_over(token, taken, rest)
             self._end_attempt(job, self.engine.run(job))
         except TakenOver:
-            with self.cv:  # _taken_over ended the attempt and gave the slot back; its handler,
-                self._late_returned(handoff_id)  # which ran on past it, has returned at last
-            if job is not None:
-                self.file_held(job)  # the outcome it kept, if any: the next attempt may start
-            job = None  # (forgotten by _taken_over, or by file_held)
+            job = None  # _taken_over ended the attempt: the job and the slot are its to give back
+            with self.cv:  # and its handler, which ran on past it, has returned at last
+                self._late_returned(handoff_id)
             raise
         except Exception as exc:
             self._work_failed(handoff_id, exc)
@@ -115,62 +110,18 @@ class Attempts:
     def _taken_over(self, token: int, job: Job, rest: Callable[[], Outcome]) -> None:
         """On the watchdog's thread: end ``job``'s attempt, whose handler overran or was
         cancelled while it still runs on its worker, and give its slot back. Until that handler
-        returns, this daemon claims the handoff for no other attempt (:attr:`late`), and an
-        outcome that would start another attempt is kept with the claim (:meth:`_hold`)."""
+        returns, this daemon claims the handoff for no other attempt (:attr:`late`)."""
         with self.cv:
             self.late[job.handoff_id] += 1
-        held = False
         try:
-            outcome = rest()
-            held = self._hold(job, outcome)
-            if not held:
-                self._end_attempt(job, outcome)
-        except Exception as exc:
-            self._work_failed(job.handoff_id, exc)
-        finally:
-            if not held:
-                self._forget_job(job)
-            with self.cv:
-                self.scheduler.finished(token)
-                self.cv.notify_all()
-
-    def _hold(self, job: Job, outcome: Outcome) -> bool:
-        """Keep ``outcome`` and the claim (still renewed, still ours) instead of filing it now,
-        when filing it would let another attempt start, in this process or any other, beside
-        the handler that still runs: a retry, a hand-back. Not for a claim already lost (fenced)
-        nor an outcome that files the handoff finished (a cancellation, the last retry)."""
-        if job.fenced:
-            return False
-        if not job.context.handback and not runs_again(self.engine, job.claim, job.specialist,
-                                                       outcome):
-            return False
-        with self.cv:
-            job.held = outcome
-        log.warning("handoff %s: stays claimed until its Python handler returns (a thread "
-                    "cannot be stopped): its next attempt starts then, or when this daemon "
-                    "stops", job.handoff_id)
-        return True
-
-    def file_held(self, job: Job) -> None:
-        """File the outcome ``job`` kept (see :meth:`_hold`), once, and forget the job."""
-        with self.cv:
-            outcome, job.held = job.held, None
-        if outcome is None:
-            return
-        try:
-            self._end_attempt(job, outcome)
+            self._end_attempt(job, rest())
         except Exception as exc:
             self._work_failed(job.handoff_id, exc)
         finally:
             self._forget_job(job)
-
-    def file_all_held(self) -> None:
-        """File every kept outcome: this process is about to stop, and its handlers' threads
-        with it."""
-        with self.cv:
-            jobs = [job for job in self.active.values() if job.held is not None]
-        for job in jobs:
-            self.file_held(job)
+            with self.cv:
+                self.scheduler.finished(token)
+                self.cv.notify_all()
 
     def _forget_job(self, job: Job) -> None:
         with self.cv:
@@ -198,11 +149,8 @@ class Attempts:
         return True
 
     def hand_back_all(self) -> None:
-        """Stop every running handler now; its attempt is handed back to pending/ (one that
-        already ended keeps its outcome: see :meth:`_hold`)."""
+        """Stop every running handler now; its attempt is handed back to pending/."""
         for job in list(self.active.values()):
-            if job.held is not None:
-                continue
             job.context.handback = True
             cancel(job.context, "daemon stopping")
 

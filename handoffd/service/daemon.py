@@ -394,11 +394,8 @@ class Daemon:
         with self.cv:  # every task ends: handed back, or ended by _taken_over if its handler hangs
             while scheduler.running:
                 self.cv.wait(1.0)
-        self.pool.shutdown()
-        self.hooks.stopped()
-        # last: what an attempt whose handler still runs kept (its retry would start beside
-        # that handler), filed as the process ends and that handler's thread with it
-        self.attempts.file_all_held()
         self.leases.stop()
+        self.pool.shutdown()
         if self._count in self.engine.on_filed:
             self.engine.on_filed.remove(self._count)
+        self.hooks.stopped()
