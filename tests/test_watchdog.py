@@ -336,3 +336,31 @@ def test_a_batch_exits_although_a_handler_never_returns(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     failed = root / "handoffs" / "failed" / f"{doc['handoff_id']}.json"
     assert '"TIMEOUT"' in failed.read_text()
+
+
+def test_a_handler_returning_before_its_takeover_counted_it_leaves_no_late_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: the watchdog sets ctx.cancelled, then starts the takeover thread; a
+    handler that stops at ctx.cancelled may return first. Its return took the late count to
+    -1 (deleted), the takeover's +1 then left 1 for good, and this daemon never claimed the
+    handoff again ('its next attempt waits' every second, for ever). Now either order settles
+    at zero."""
+    from types import SimpleNamespace
+
+    daemon = Daemon(engine_with(tmp_path, lambda handoff, ctx: {"status": "completed"}),
+                    watch=False)
+    attempts = daemon.attempts
+    monkeypatch.setattr(attempts, "_end_attempt", lambda job, outcome: None)
+    monkeypatch.setattr(attempts, "_forget_job", lambda job: None)
+    monkeypatch.setattr(attempts.scheduler, "finished", lambda token: None)
+    job: Any = SimpleNamespace(handoff_id="h-1")
+    with daemon.cv:
+        attempts._late_returned("h-1")  # the handler's return, first
+        assert not attempts._held_by_late("h-1")  # (-1: nothing runs late)
+    attempts._taken_over(0, job, lambda: None)  # then the takeover
+    assert attempts.late == {} and not attempts._held_by_late("h-1")
+    attempts._taken_over(0, job, lambda: None)  # the usual order: counted, then returned
+    with daemon.cv:
+        assert attempts._held_by_late("h-1")
+        attempts._late_returned("h-1")
+    assert attempts.late == {}

@@ -112,7 +112,12 @@ class Attempts:
         cancelled while it still runs on its worker, and give its slot back. Until that handler
         returns, this daemon claims the handoff for no other attempt (:attr:`late`)."""
         with self.cv:
+            # the handler may have returned already (it stopped at ctx.cancelled, which the
+            # watchdog sets before this thread starts): its return counted -1, and this +1
+            # settles it, or the count stayed 1 for good and the handoff never ran here again
             self.late[job.handoff_id] += 1
+            if self.late[job.handoff_id] == 0:
+                self._settle_late(job.handoff_id)
         try:
             self._end_attempt(job, rest())
         except Exception as exc:
@@ -129,17 +134,22 @@ class Attempts:
                 del self.active[job.handoff_id]
 
     def _late_returned(self, handoff_id: str) -> None:
-        """A handler that ran on past its ended attempt returned (called under ``cv``)."""
+        """A handler that ran on past its ended attempt returned (called under ``cv``; before
+        :meth:`_taken_over` counted it, the count goes to -1 and that settles it)."""
         self.late[handoff_id] -= 1
-        if self.late[handoff_id] <= 0:
-            del self.late[handoff_id]
-            self.late_said.pop(handoff_id, None)
-            self.scheduler.notify(handoff_id)  # a retry held back for it may start now
+        if self.late[handoff_id] == 0:
+            self._settle_late(handoff_id)
+
+    def _settle_late(self, handoff_id: str) -> None:
+        """No handler of ``handoff_id`` runs late any more (called under ``cv``)."""
+        del self.late[handoff_id]
+        self.late_said.pop(handoff_id, None)
+        self.scheduler.notify(handoff_id)  # a retry held back for it may start now
 
     def _held_by_late(self, handoff_id: str) -> bool:
         """True (and looked at again later) while the Python handler of ``handoff_id``'s last
         attempt still runs in this daemon: no attempt starts beside it (called under ``cv``)."""
-        if not self.late.get(handoff_id):
+        if self.late.get(handoff_id, 0) <= 0:  # (-1: returned before it was counted)
             return False
         if self.late_said.get(handoff_id) != self.late[handoff_id]:
             self.late_said[handoff_id] = self.late[handoff_id]
