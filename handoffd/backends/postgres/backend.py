@@ -90,6 +90,7 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         self._presence: Presence | None = None
         self._presence_lock = threading.Lock()
         self._absent: dict[tuple[str, str], float] = {}  # (id, token) -> owner first seen gone
+        self._aside = threading.local()  # the last set_aside of each thread (Writes)
         self.db = Database(url, max_size=pool_size, reconnect_seconds=reconnect_seconds)
         self.nonce = uuid.uuid4().hex[:12]  # our own notifications, told apart from others'
         self._subscribers = Subscribers()

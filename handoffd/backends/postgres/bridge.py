@@ -6,7 +6,9 @@ PostgreSQL store the host's daemon ingests each one into the database (a *raw* h
 validates it, as it would a file) under its file name as id, then removes the file; ingesting
 again is a no-op (idempotent by id). When a handoff this workspace ingested reaches a terminal
 state, wherever it ran, the bridge writes the terminal document (in its own format) into this
-workspace's ``completed/`` or ``failed/``, so a file-only agent sees no difference.
+workspace's ``completed/`` or ``failed/``, so a file-only agent sees no difference; one that a
+daemon sets aside after it was ingested (an unknown format, an id that is not its file name...)
+comes back as its failure stub (the document stays in the database's quarantine table).
 
 A file that can never be ingested (unreadable, not a JSON object, an unsafe name, an id another
 workspace's handoff holds, or a different document under an id this workspace ingested before)
@@ -16,7 +18,9 @@ when its name is a safe id and the id is free, as the files backend does.
 A ``handoffd`` bookkeeping block in a dropped file is not ours unless this workspace's seal says
 handoffd wrote it there (a document moved in by ``handoffd db import``): any other is dropped
 before the document is stored, so a forged ``next_attempt_at``, ``awaiting`` or
-``waiting_children`` neither holds nor parks it (the files backend ignores it the same way).
+``waiting_children`` neither holds nor parks it (the files backend ignores it the same way). A
+sealed block is kept, and the handoff stored as handoffd's own rather than raw: its attempts,
+retry time and parking hold in the database too.
 
 Ids read back from the database become file names here: each passes
 :func:`~handoffd.core.documents.check_id` first (the backend sets aside a row whose id does not).
@@ -77,7 +81,7 @@ class FileBridge:
         except InvalidDocument as exc:
             return self._set_aside(handoff_id, ErrorCode.UNSAFE_ID, str(exc), stub=False)
         try:
-            doc = self._read(handoff_id)
+            doc, sealed = self._read(handoff_id)
         except FileNotFoundError:
             return "gone"
         except Exception as exc:  # an invalid document, a socket, EACCES...: say why, once
@@ -86,7 +90,8 @@ class FileBridge:
                 return "later"
             return self._set_aside(handoff_id, problem.code, str(problem))
         try:
-            fresh = self.backend.ingest(doc, handoff_id, self.clock(), self.origin)
+            fresh = self.backend.ingest(doc, handoff_id, self.clock(), self.origin,
+                                        trusted=sealed)
         except InvalidDocument as exc:  # e.g. NUL characters, which the store refuses
             return self._set_aside(handoff_id, exc.code, f"pending/{handoff_id}.json: {exc}")
         if not fresh:
@@ -104,14 +109,18 @@ class FileBridge:
                      extra={"event": "ingested", "handoff_id": handoff_id})
         return "ingested" if fresh else "known"
 
-    def _read(self, handoff_id: str) -> dict[str, Any]:
+    def _read(self, handoff_id: str) -> tuple[dict[str, Any], bool]:
         """pending/``handoff_id``.json, without a ``handoffd`` block that handoffd did not seal
-        there (see the module docstring; without a seal key no block can be trusted)."""
+        there (see the module docstring; without a seal key no block can be trusted), and
+        whether it kept a sealed block (the database then keeps it too, as handoffd's own)."""
         doc = self.store.read(State.PENDING, handoff_id)
-        if BOOK in doc and (self.store.key is None or
-                            not self.store.trusted_revision(doc, State.PENDING, handoff_id)):
+        if BOOK not in doc:
+            return doc, False
+        if self.store.key is None or not self.store.trusted_revision(doc, State.PENDING,
+                                                                     handoff_id):
             del doc[BOOK]
-        return doc
+            return doc, False
+        return doc, True
 
     def _duplicate(self, handoff_id: str, doc: dict[str, Any], origin: str | None,
                    digest: str | None) -> str | None:
@@ -140,7 +149,8 @@ class FileBridge:
         log.warning("set aside pending/%s.json: %s: %s", handoff_id, code, message)
         if stub and self.stub is not None and not self.store.locate(handoff_id):
             answer = self.stub(handoff_id, code, message)
-            self.backend.create_failed(handoff_id, answer)  # `handoff wait` on it ends too
+            # `handoff wait` on it ends too (no origin: it is written here, never ingested)
+            self.backend.import_finished(handoff_id, State.FAILED, answer, self.clock())
             self._write(handoff_id, State.FAILED, answer)
         return "set aside"
 

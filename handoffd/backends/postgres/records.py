@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 from datetime import datetime, timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.events import last_entry
@@ -50,6 +50,12 @@ def file_digest(doc: Doc) -> str:
     return "sha256:" + hashlib.sha256(encode(doc, strict=True).encode("utf-8")).hexdigest()
 
 
+class Moved(NamedTuple):
+    """A row :meth:`StoreBase._quarantine` set aside."""
+
+    origin: str | None  # the workspace that ingested it from a file (None: none did)
+
+
 class StoreBase:
     """What every part of the backend shares: the database, wake-ups and the routing columns."""
 
@@ -82,18 +88,25 @@ class StoreBase:
 
     @staticmethod
     def _quarantine(conn: Conn, handoff_id: str, state: str, code: str, message: str,
-                    token: str | None = None) -> bool:
+                    token: str | None = None) -> Moved | None:
         """Move the row ``handoff_id`` out of ``state`` (held by ``token`` when given) into the
         quarantine with its reason, its document copied as the database holds it (never loaded:
-        it may be JSON Python cannot load). False when no such row was there."""
+        it may be JSON Python cannot load). None when no such row was there."""
         fence = " AND lease_token = %(token)s" if token is not None else ""
         moved = conn.execute(
             f"WITH gone AS (DELETE FROM {T} WHERE id = %(id)s AND state = %(state)s{fence} "
-            "RETURNING id, doc) INSERT INTO handoffd.quarantine (id, from_state, code, message, "
-            "at, document) SELECT id, %(state)s, %(code)s, %(message)s, %(at)s, doc FROM gone "
-            "RETURNING seq", {"id": handoff_id, "state": state, "token": token, "code": str(code),
-                              "message": message, "at": utc_now()}).fetchone()
-        return moved is not None
+            "RETURNING id, doc, origin) INSERT INTO handoffd.quarantine (id, from_state, code, "
+            "message, at, document) SELECT id, %(state)s, %(code)s, %(message)s, %(at)s, doc "
+            "FROM gone RETURNING (SELECT origin FROM gone)",
+            {"id": handoff_id, "state": state, "token": token, "code": str(code),
+             "message": message, "at": utc_now()}).fetchone()
+        return None if moved is None else Moved(moved[0])
+
+    @staticmethod
+    def _seen_upsert(conn: Conn, handoff_id: str, now: datetime) -> None:
+        """Record ``handoff_id`` as used at ``now`` (dedup keeps it for ``seen_ttl``)."""
+        conn.execute("INSERT INTO handoffd.seen (id, seen_at) VALUES (%s, %s) ON CONFLICT (id) "
+                     "DO UPDATE SET seen_at = excluded.seen_at", (handoff_id, now))
 
     @staticmethod
     def _event(conn: Conn, handoff_id: str, doc: Doc, state: State, fallback: str) -> None:
@@ -140,11 +153,6 @@ class SideRecords(StoreBase):
     def seen_add(self, handoff_id: str, now: datetime) -> None:
         self.db.run(lambda conn, _: self._seen_upsert(conn, handoff_id, now))
 
-    @staticmethod
-    def _seen_upsert(conn: Conn, handoff_id: str, now: datetime) -> None:
-        conn.execute("INSERT INTO handoffd.seen (id, seen_at) VALUES (%s, %s) ON CONFLICT (id) "
-                     "DO UPDATE SET seen_at = excluded.seen_at", (handoff_id, now))
-
     def seen_contains(self, handoff_id: str, now: datetime) -> bool:
         return self.db.run(lambda conn, _: self._seen_recently(conn, handoff_id, now))
 
@@ -163,28 +171,36 @@ class SideRecords(StoreBase):
 class FileOrigins(StoreBase):
     """Handoffs ingested from a workspace's files, and the terminal copies owed to it."""
 
-    def ingest(self, doc: Doc, handoff_id: str, now: datetime, origin: str) -> bool:
+    def ingest(self, doc: Doc, handoff_id: str, now: datetime, origin: str, *,
+               trusted: bool = False) -> bool:
         """Store a document dropped into a workspace's pending/ as a *raw* pending handoff
         (claimed raw: admission validates it and checks the seen ids, as for a file), noting
         the ``origin`` workspace that will want its terminal copy, and the document's
-        :func:`file_digest` as the row's ``write_id``. False when the id exists in the database
-        already (ingesting again is a no-op: :meth:`ingested` says by whom and what)."""
+        :func:`file_digest` as the row's ``write_id``. ``trusted``: its ``handoffd`` block is
+        handoffd's own (sealed in that workspace: a document ``handoffd db import`` moves in),
+        so it is kept at the claim and the row is due when the document says (a scheduled
+        retry, a parked parent keep their bookkeeping). False when the id exists in the
+        database already (ingesting again is a no-op: :meth:`ingested` says by whom and what)."""
         text = encode(doc, strict=True)
         columns = self._columns(doc, now)
         digest = file_digest(doc)
+        if not trusted:  # a raw document is due when it arrived, whatever it claims
+            columns.update(due_at=now, updated_at=now)
 
         def op(conn: Conn, _retried: bool) -> bool:
             inserted = conn.execute(
                 f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
                 " updated_at, created_at, raw, origin, write_id) VALUES (%(id)s, 'pending',"
-                " %(doc)s::json, %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(now)s,"
-                " %(now)s, %(now)s, true, %(origin)s, %(digest)s) ON CONFLICT (id) DO NOTHING"
-                " RETURNING id",
+                " %(doc)s::json, %(target)s, %(priority)s, %(conversation)s, %(parent)s,"
+                " %(due_at)s, %(updated_at)s, %(now)s, %(raw)s, %(origin)s, %(digest)s)"
+                " ON CONFLICT (id) DO NOTHING RETURNING id",
                 {**columns, "id": handoff_id, "doc": text, "now": now, "origin": origin,
-                 "digest": digest},
+                 "digest": digest, "raw": not trusted},
             ).fetchone()
             if inserted is None:
                 return False
+            if trusted:  # admitted in its workspace before: admission's seen check is skipped
+                self._seen_upsert(conn, handoff_id, now)
             conn.execute("INSERT INTO handoffd.events (handoff_id, at, event, state) "
                          "VALUES (%s, %s, 'ingested', 'pending')", (handoff_id, now))
             self._notify(conn, handoff_id, State.PENDING.value)
@@ -216,7 +232,7 @@ class FileOrigins(StoreBase):
         """Set aside a finished row that cannot be written as a file (once: it is gone after)."""
         message = f"{exc}; its terminal file is never written"
         if self.db.run(lambda conn, _: self._quarantine(conn, handoff_id, state, exc.code,
-                                                        message)):
+                                                        message)) is not None:
             log.warning("set aside %s/%s: %s: %s", state, repr(handoff_id)[:80], exc.code,
                         message)
 

@@ -70,10 +70,14 @@ class Recovery(ClaimOwner):
                 del self._absent[key]
             if not why:
                 return []
+            # fenced by the tokens seen above: a row released and claimed again meanwhile has
+            # a new token and a live lease. No token at all (a row written past handoffd) is
+            # never a live claim (every claim sets one): taken over too, or it stays for ever
             rows = conn.execute(
                 f"SELECT id, doc FROM {T} WHERE id = ANY(%s) AND state = 'in-progress' "
-                "AND lease_token = ANY(%s) ORDER BY id FOR UPDATE SKIP LOCKED",
-                (sorted(why), [t for _, t, *_ in seen])).fetchall()
+                "AND (lease_token = ANY(%s) OR lease_token IS NULL) ORDER BY id "
+                "FOR UPDATE SKIP LOCKED",
+                (sorted(why), [t for _, t, *_ in seen if t is not None])).fetchall()
             taken: Claims = []
             refused.clear()  # (a retried sweep starts again)
             for handoff_id, value in rows:

@@ -1,9 +1,10 @@
 """``handoffd db import``: move a files workspace's handoffs, shared context and violations log
 into the PostgreSQL store.
 
-Pending documents are ingested as the file bridge ingests new files (raw: admission validates
-them; their results come back to this workspace's completed/ or failed/) and removed from
-pending/. Finished documents are copied in with their state and kept where they are (agents may
+Pending documents are ingested as the file bridge ingests new files (their results come back
+to this workspace's completed/ or failed/) and removed from pending/: raw, admission validates
+them, unless this workspace's seal says handoffd wrote their bookkeeping, which is then kept (a
+scheduled retry stays due when it was, with its attempts; a parked parent stays parked). Finished documents are copied in with their state and kept where they are (agents may
 still read them). Idempotent by id: what the database holds already is left alone, so the
 command can be run again after an interruption. In-progress documents are not moved: stop the
 files daemon (it hands them back to pending/) or let them finish, then import again.

@@ -10,6 +10,7 @@ died tells whether the first try had committed.
 from __future__ import annotations
 
 import copy
+import threading
 import uuid
 from datetime import datetime
 
@@ -25,6 +26,9 @@ from .values import document
 class Writes(SideRecords):
     """``create``, ``import_finished``, ``create_failed``, ``reopen``, ``set_aside`` and
     ``purge``; a create and a purge consult and keep the seen ids of :class:`SideRecords`."""
+
+    # per thread, the last set_aside: (id, the workspace that ingested it from a file)
+    _aside: threading.local
 
     def create(self, doc: Doc, handoff_id: str, now: datetime, *,
                due_at: datetime | None = None) -> None:
@@ -66,16 +70,26 @@ class Writes(SideRecords):
     def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
                   claim: Claim | None = None) -> bool:
         token = claim.token if claim is not None else None
-        return self.db.run(lambda conn, _: self._quarantine(conn, handoff_id, state.value, code,
-                                                            message, token))
+        moved = self.db.run(lambda conn, _: self._quarantine(conn, handoff_id, state.value, code,
+                                                             message, token))
+        # the stub admission files next (create_failed, in this thread) goes back to the
+        # workspace that ingested the document from a file, as its terminal document
+        self._aside.last = (handoff_id, None if moved is None else moved.origin)
+        return moved is not None
 
     def create_failed(self, handoff_id: str, doc: Doc) -> bool:
-        return self.import_finished(handoff_id, State.FAILED, doc, utc_now())
+        last = getattr(self._aside, "last", None)
+        self._aside.last = None
+        origin = last[1] if last is not None and last[0] == handoff_id else None
+        return self.import_finished(handoff_id, State.FAILED, doc, utc_now(), origin=origin)
 
-    def import_finished(self, handoff_id: str, state: State, doc: Doc, now: datetime) -> bool:
+    def import_finished(self, handoff_id: str, state: State, doc: Doc, now: datetime, *,
+                        origin: str | None = None) -> bool:
         """Store ``doc`` as a finished handoff (``state`` completed or failed) under an id
         nothing holds: a failure stub, or a finished document moved in from a files workspace
-        (``handoffd db import``). False when the id is taken."""
+        (``handoffd db import``). ``origin``: the workspace whose file bridge writes it into its
+        folders (the one that ingested the document a stub stands for). False when the id is
+        taken."""
         text = encode(doc, strict=False)
         columns = self._columns(doc, now)
         write_id = uuid.uuid4().hex
@@ -85,11 +99,12 @@ class Writes(SideRecords):
                 return True
             inserted = conn.execute(
                 f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
-                " updated_at, created_at, write_id) VALUES (%(id)s, %(state)s, %(doc)s::json,"
-                " %(target)s, %(priority)s, %(conversation)s, %(parent)s, %(due_at)s,"
-                " %(updated_at)s, %(now)s, %(write_id)s) ON CONFLICT (id) DO NOTHING RETURNING id",
+                " updated_at, created_at, write_id, origin) VALUES (%(id)s, %(state)s,"
+                " %(doc)s::json, %(target)s, %(priority)s, %(conversation)s, %(parent)s,"
+                " %(due_at)s, %(updated_at)s, %(now)s, %(write_id)s, %(origin)s)"
+                " ON CONFLICT (id) DO NOTHING RETURNING id",
                 {**columns, "id": handoff_id, "state": state.value, "doc": text, "now": now,
-                 "write_id": write_id},
+                 "write_id": write_id, "origin": origin},
             ).fetchone()
             if inserted is None:
                 return False
