@@ -698,3 +698,17 @@ def test_create_file_rejects_answers_and_unknown_formats(tmp_path: Path) -> None
         proc = subprocess.run([exe("handoff"), "create", "--file", str(path), "--root", str(root)],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and text in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.0.0.0", "01.0.0", "1.0.0 ", "1" * 300])
+def test_a_hi_moe_answer_never_copies_a_malformed_version(version: str, tmp_path: Path) -> None:
+    """Found by the seed review: a Message with version "1.0" is refused, but its failure
+    answer carried "1.0" and failed the message schema itself. A version the schema would
+    refuse is answered with the current one."""
+    dialect = dialects.by_name("hi_moe")
+    request = dict(fresh(HI_MOE_DISPATCHER_TO_FLEET), version=version)
+    rejected = outcome("failed", error={"code": "SCHEMA_VALIDATION_FAILED", "message": "bad"})
+    answer = dialect.render(request, rejected, FiledState(0, 0, False),
+                            artifacts=text_sink(Workspace(tmp_path)))
+    assert answer["version"] == "1.0.0"
+    assert SCHEMAS.errors(ANSWER_SCHEMA["hi_moe"], answer) == []

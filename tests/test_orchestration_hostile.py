@@ -396,3 +396,23 @@ def test_the_hi_moe_child_builder_refuses_a_non_list(tmp_path: Path) -> None:
     with pytest.raises(InvalidDocument, match="constraints must be a list of strings"):
         hi_moe.delegation(parent, "m.c1", to="@leaf", data=None, now=datetime.now(timezone.utc),
                           timeout_seconds=1.0, priority=1, fields={"constraints": 5})
+
+
+def test_only_a_hi_moe_message_is_a_cancellation() -> None:
+    """Found by the seed review: a HAIOS directive (seed 003) or a native request (seed 001)
+    whose payload happened to carry ``target_message_id`` was taken for a seed 000
+    CancellationPayload: it cancelled an unrelated running handoff and never ran its own work.
+    Seed 000 defines that payload for hi_moe Messages only."""
+    from dialect_examples import HI_MOE_CANCELLATION
+
+    from handoffd.features.cancellation import is_cancel_message
+    assert is_cancel_message(HI_MOE_CANCELLATION)
+    haios = {"handoff_id": "5f0c7a2e-1111-4222-8333-944455556666", "from_agent": "interpreter-v1",
+             "to_agent": "ingester-v1", "created_at": "2025-12-02T10:00:00Z",
+             "payload": {"directive": {"action": "ingest"}, "target_message_id": "victim1"},
+             "timeout_ms": 30000, "status": "pending"}
+    native = {"handoff_id": "n-1", "target": {"agent_id": "@w"}, "input": {"data": {}},
+              "payload": {"target_message_id": "victim2"}}
+    assert not is_cancel_message(haios) and not is_cancel_message(native)
+    # bookkeeping from outside does not make a native request a hi_moe Message
+    assert not is_cancel_message({**native, "handoffd": {"dialect": "hi_moe"}})

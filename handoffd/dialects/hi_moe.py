@@ -10,6 +10,7 @@ are accepted, and unknown envelope fields are carried into the answer.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any
 
@@ -56,6 +57,17 @@ def major_of(version: Any) -> int | None:
     if not (head.isascii() and head.isdigit()):
         return None
     return int(head) if len(head) <= 18 else TOO_LARGE  # (a major no receiver speaks)
+
+
+# the schema's version pattern (MAJOR.MINOR.PATCH, an optional pre-release and build); no nested
+# quantifier, and only short strings are matched: linear
+_SEMVER = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(-[0-9A-Za-z.-]+)?"
+                     r"(\+[0-9A-Za-z.-]+)?")
+
+
+def _semver(version: Any) -> bool:
+    """True for a version string the message schema accepts."""
+    return isinstance(version, str) and len(version) <= 256 and bool(_SEMVER.fullmatch(version))
 
 
 def check_version(doc: dict[str, Any]) -> None:
@@ -216,8 +228,8 @@ class HiMoeDialect:
         request = sh.without_book(self._request(doc))
         request_id = str(request.get("id"))
         version = request.get("version")
-        if major_of(version) not in SUPPORTED_MAJORS:
-            version = CURRENT_VERSION
+        if major_of(version) not in SUPPORTED_MAJORS or not _semver(version):
+            version = CURRENT_VERSION  # (the request's, copied, must not make the answer invalid)
         receiver, sender = answer_tiers(request)
         answer: dict[str, Any] = {
             "version": version,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Collection, Protocol
 
-from ..core.documents import Envelope, Outcome, actor, book, book_int, check_id
+from ..core.documents import BOOK, Envelope, Outcome, actor, book, book_int, check_id
 from ..core.engine import Verdict
 from ..core.errors import (
     DocumentNotReady,
@@ -263,11 +263,21 @@ def _poll(daemon: DaemonPlugins) -> None:
 
 # ---------------------------------------------------------------- cancellation messages
 def is_cancel_message(doc: dict[str, Any] | None) -> bool:
-    """True for a document shaped like a seed 000 CancellationPayload message."""
+    """True for a seed 000 CancellationPayload message: a hi_moe Message (as its format is
+    detected, bookkeeping from outside aside) whose payload names a ``target_message_id``.
+    Seed 000 defines that payload for hi_moe Messages only: a HAIOS directive or a native
+    request that happens to carry the key is work for its own specialist (it once cancelled an
+    unrelated handoff instead of running)."""
     if not isinstance(doc, dict):
         return False
     payload = doc.get("payload")
-    return isinstance(payload, dict) and isinstance(payload.get("target_message_id"), str)
+    if not (isinstance(payload, dict) and isinstance(payload.get("target_message_id"), str)):
+        return False
+    from ..dialects import detect
+    try:
+        return detect({k: v for k, v in doc.items() if k != BOOK}).name == "hi_moe"
+    except InvalidDocument:
+        return False
 
 
 def handle_message(engine: "Engine", handoff_id: str) -> State | None:
