@@ -349,3 +349,33 @@ def test_a_message_with_object_tiers_is_answered_not_crashed() -> None:
                      error={"code": "SCHEMA_VALIDATION_FAILED", "message": "bad tiers"})
     answer = dialects.by_name("hi_moe").render(doc, failed, FiledState(0, 3, False))
     assert (answer["source_tier"], answer["target_tier"]) == ("ROUTING_DISPATCHER", "ABSTRACT_ARCHITECT")
+
+
+def test_a_status_the_schema_refuses_is_refused_not_overwritten_by_the_claim(
+        sws: Workspace) -> None:
+    """Found by the seed review: claiming wrote the queue's status (in_progress, accepted) over
+    the one the request carried before the schema check, so a native request with status
+    "garbage" and a HAIOS handoff with "running" ran, though `handoff validate` refuses both
+    (DESIGN: a readable document that fails its schema is filed in failed/)."""
+    native = {"handoff_id": "n-garbage", "status": "garbage", "target": {"agent_id": "@answerer"},
+              "input": {"data": {}}}
+    haios = {"handoff_id": "5f0c7a2e-1111-4222-8333-944455556667", "from_agent": "a-v1",
+             "to_agent": "ingester-v1", "created_at": "2025-12-02T10:00:00Z",
+             "payload": {"directive": {"action": "ingest"}}, "timeout_ms": 30000,
+             "status": "running"}
+    answering(sws, {native["handoff_id"]: {"status": "completed", "output": {}},
+                    haios["handoff_id"]: {"status": "completed", "output": {}}})
+    for doc in (native, haios):
+        assert problems(doc) == ["status"]
+        sws.drop(f"{doc['handoff_id']}.json", doc)
+    run(sws)
+    for doc in (native, haios):
+        hid = doc["handoff_id"]
+        assert sws.state_of(hid) == ["failed"] and runs(sws, hid) == 0
+        assert "SCHEMA_VALIDATION_FAILED" in json.dumps(sws.doc(hid))
+    # a valid status is still the queue's to set
+    ok = dict(native, handoff_id="n-ok", status="pending")
+    answering(sws, {"n-ok": {"status": "completed", "output": {}}})
+    sws.drop("n-ok.json", ok)
+    run(sws)
+    assert sws.state_of("n-ok") == ["completed"]

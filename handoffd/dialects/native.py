@@ -37,7 +37,10 @@ class NativeDialect:
         """Nothing to default: the format names its id and times itself."""
 
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
-        doc["status"] = "in_progress"
+        # a status the schema refuses is left as written: the check after the claim must see
+        # it (once overwritten, "garbage" ran; `handoff validate` refused it)
+        if doc.get("status", "pending") in ("pending", "in_progress"):
+            doc["status"] = "in_progress"
         doc["started_at"] = iso(now)
 
     def mark_pending(self, doc: dict[str, Any]) -> None:
