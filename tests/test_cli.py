@@ -272,6 +272,7 @@ def test_quick_create_matches_the_full_command_line(ws: Workspace) -> None:
         return doc
     assert stored("quick-1") == stored("full-1")
     for bad in (("--to", "@x", "--data", "{bad"), ("--to", "@x", "--priority", "urgent"),
+                ("--to", "@x", "--priority", "²"),  # (isdigit, and int() refuses it)
                 ("--to", "@x", "--id", "quick-1"), ("--to", "@x", "--id", "../up")):
         assert parse(["create", *bad]) is not None
         q, f = ws.handoff("create", *bad), _full(ws, "create", *bad)

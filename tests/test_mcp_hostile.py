@@ -20,9 +20,11 @@ class Server:
     """A `handoffd mcp` process and the replies it has sent, by request id."""
 
     def __init__(self, root: Path) -> None:
-        self.proc = subprocess.Popen([exe("handoffd"), "mcp", "--root", str(root)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+        self.log = root / "mcp.err"  # what the server wrote on stderr
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen([exe("handoffd"), "mcp", "--root", str(root)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log)
         self.replies: dict[Any, dict[str, Any]] = {}
         threading.Thread(target=self._read, daemon=True).start()
         self.send({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
@@ -57,6 +59,13 @@ class Server:
     def text(self, request_id: int, seconds: float = 30) -> str:
         found = self.reply(request_id, seconds)
         assert found is not None, f"no reply to {request_id} within {seconds}s"
+        return str(found["result"]["content"][0]["text"])
+
+    def error(self, request_id: int, seconds: float = 30) -> str:
+        """The text of a tool error (the call's result says isError)."""
+        found = self.reply(request_id, seconds)
+        assert found is not None, f"no reply to {request_id} within {seconds}s"
+        assert found["result"].get("isError") is True, found
         return str(found["result"]["content"][0]["text"])
 
 
@@ -122,3 +131,55 @@ def test_every_request_gets_an_answer_even_one_the_sdk_cannot_read(server: Serve
     assert "params: Input should be an object" in server.replies[1]["error"]["message"]
     server.tool(4, "create_handoff", {"to": "@echo", "data": {"after": True}})
     assert json.loads(server.text(4))["id"]  # and the server goes on
+
+
+# ---------------------------------------------------------------- found by the CLI review
+def nested(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def test_get_context_of_an_unset_key_says_not_found(server: Server) -> None:
+    """It was a bare "Error executing tool get_context" (no code; `handoff context get` says
+    "not set", exit 3), with tracebacks in the server's log."""
+    server.tool(1, "get_context", {"key": "nope"})
+    assert "NOT_FOUND: context key 'nope' is not set" in server.error(1)
+    server.tool(2, "set_context", {"key": "nope", "value": {"n": 1}})
+    assert json.loads(server.text(2))["revision"] == 1  # (calls run at once: this one first)
+    server.tool(3, "get_context", {"key": "nope"})
+    assert json.loads(server.text(3))["value"] == {"n": 1}
+    assert "Traceback" not in server.log.read_text(errors="replace")
+
+
+def test_list_handoffs_refuses_an_unknown_state(server: Server) -> None:
+    """An unknown state answered [], as if the queue were empty (`handoff ls`: exit 2)."""
+    server.tool(1, "create_handoff", {"to": "@echo", "data": {}, "handoff_id": "one"})
+    assert json.loads(server.text(1))["id"] == "one"  # (calls run at once: this one first)
+    for n, state in enumerate(("bogus", "Pending"), start=2):
+        server.tool(n, "list_handoffs", {"state": state})
+        assert "USAGE_ERROR: state must be one of pending" in server.error(n)
+    server.tool(9, "list_handoffs", {"state": "pending"})
+    assert [r["id"] for r in json.loads(server.text(9))["handoffs"]] == ["one"]
+
+
+def test_create_handoff_refuses_what_nests_too_deep(server: Server) -> None:
+    """Filed anyway, `handoff show` could not read it back and the daemon set it aside
+    (DOCUMENT_TOO_DEEP); `handoff create` refuses the same data with exit 2."""
+    document = {"handoff_id": "deep3", "timestamp": "2026-11-26T00:00:00Z",
+                "source": {"agent_id": "@mcp"}, "target": {"agent_id": "@echo"},
+                "input": {"data": nested(63)}}
+    calls = [({"to": "@echo", "handoff_id": "deep1", "data": nested(63)}, "data nests more than 62"),
+             ({"to": "@echo", "handoff_id": "deep2", "data": nested(63), "objective": "x"},
+              "data nests more than 62"),
+             ({"document": document}, "document nests more than 64")]
+    for n, (arguments, said) in enumerate(calls, start=1):
+        server.tool(n, "create_handoff", arguments)
+        assert f"USAGE_ERROR: {said} levels deep" in server.error(n)
+    server.tool(8, "create_handoff", {"to": "@echo", "handoff_id": "ok", "data": nested(62)})
+    assert json.loads(server.text(8))["id"] == "ok"  # the deepest that reads back
+    server.tool(9, "get_handoff", {"handoff_id": "ok"})
+    assert json.loads(server.text(9))["document"]["input"]["data"] == nested(62)
+    server.tool(10, "list_handoffs", {})
+    assert [r["id"] for r in json.loads(server.text(10))["handoffs"]] == ["ok"]

@@ -8,11 +8,11 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..core.errors import ErrorCode, InvalidDocument, NotFound, UsageError
+from ..core.errors import ErrorCode, InvalidDocument, UsageError
 from ..core.states import State
 from ..core.workspace import Workspace, resolve_root
 from . import observe_cmd, ops_cmd, orchestration_cmd, reads
-from .basics import json_arg, read_json_arg, read_limited
+from .basics import failure_code, json_arg, read_json_arg, read_limited
 
 # Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
 # body: a one-shot command pays only for itself. (`handoff create --to`'s plain form does not
@@ -58,7 +58,8 @@ def _timing(now: Any, at: str | None, delay: str | None,
 @guarded(PROG)
 def create(
     to: Annotated[Optional[str], typer.Option("--to", help="Target agent id, e.g. @react-specialist.")] = None,
-    source: Annotated[str, typer.Option("--from", help="Requesting agent id.")] = "@cli",
+    # (None, not "@cli": an explicit --from with --file is refused, not silently dropped)
+    source: Annotated[Optional[str], typer.Option("--from", help="Requesting agent id (default @cli).")] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="Input data as JSON (becomes input.data).")] = None,
     input_file: Annotated[Optional[str], typer.Option("--input", help="Read input data JSON from FILE or - (stdin).")] = None,
     file: Annotated[Optional[Path], typer.Option("--file", help="Submit a whole document (any supported format); - reads stdin.")] = None,
@@ -77,11 +78,21 @@ def create(
     """Create a handoff and print its id alone on stdout."""
     from ..backends.files.fsio import parse_document, read_bytes_safely
     from ..service.waiting import wait_terminal
+    if wait_timeout is not None and not wait:  # it only bounds --wait: alone it did nothing
+        raise UsageError("--wait-timeout applies to --wait; add --wait, or drop it")
     eng = engine(root, create=True, features=("dependencies",))  # submit's check
     due_at, expires_at = _timing(eng.clock(), at, delay, expires_after)
     if file is not None:
-        if any(v is not None for v in (to, data, input_file, handoff_id)):
-            raise UsageError("--file submits a whole document; do not combine it with --to/--data/--input/--id")
+        # the document says all of these itself: given with it, each was silently dropped (a
+        # --depends-on ungated, a --priority or --timeout-seconds ignored), so each is refused
+        given = [name for name, value in (
+            ("--to", to), ("--from", source), ("--data", data), ("--input", input_file),
+            ("--id", handoff_id), ("--timeout-seconds", timeout_seconds),
+            ("--priority", priority), ("--depends-on", depends_on)) if value is not None]
+        if given:
+            raise UsageError("--file submits a whole document; do not combine it with "
+                             "--to/--from/--data/--input/--id/--priority/--timeout-seconds/"
+                             f"--depends-on (given: {', '.join(given)})")
         if str(file) == "-":
             raw = read_limited("-", eng.settings.max_document_bytes, "--file")
         else:
@@ -111,8 +122,8 @@ def create(
         elif input_file is not None:
             payload = read_json_arg(input_file, eng.settings.max_document_bytes, "--input",
                                     depth_below=INPUT_DATA_DEPTH)
-        new_id = submit_request(eng, to=to, source=source, payload=payload,
-                                handoff_id=handoff_id, timeout_seconds=timeout_seconds,
+        new_id = submit_request(eng, to=to, source="@cli" if source is None else source,
+                                payload=payload, handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                 priority=priority, depends_on=depends_on,
                                 expires_at=expires_at, if_absent=if_absent, due_at=due_at)
     print(new_id)
@@ -133,7 +144,9 @@ def list_command(
     state: Annotated[Optional[str], typer.Option("--state", help="pending|in-progress|completed|failed|quarantined")] = None,
     to: Annotated[Optional[str], typer.Option("--to", help="Only handoffs to this agent.")] = None,
     source: Annotated[Optional[str], typer.Option("--from", help="Only handoffs from this agent.")] = None,
-    limit: Annotated[int, typer.Option("--limit", help="Newest N rows.")] = 50,
+    # min=0: a negative limit listed nothing and exited 0, as if the queue were empty (the
+    # quick path refuses it and hands it here, which now words the refusal: exit 2)
+    limit: Annotated[int, typer.Option("--limit", min=0, help="Newest N rows.")] = 50,
     conversation: Annotated[Optional[str], typer.Option("--conversation", help="Only handoffs of this conversation_id.")] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Then print each transition as it happens (Ctrl-C ends).")] = False,
     as_json: JsonOption = False,
@@ -195,21 +208,19 @@ def retry(
             return
     if not ids:
         raise UsageError("name handoff ids to retry, or pass --all-failed")
-    problems = 0
+    worst = 0
     for handoff_id in ids:
         try:
             requeue_failed(eng, handoff_id, force=force)
             print(handoff_id)
-        except (NotFound, InvalidDocument) as exc:
-            raise exc
-        except Exception as exc:  # report each, go on with the rest
+        except Exception as exc:  # report each, go on with the rest (a missing id stopped the
+            # whole command, leaving the ids after it failed without a word); exit: the worst
             if all_failed and not force and "permanent" in str(exc):
-                print(f"{PROG}: skipped: {exc}", file=sys.stderr)
+                print(clean(f"{PROG}: skipped: {exc}"), file=sys.stderr)
                 continue
-            print(f"{PROG}: error: {exc}", file=sys.stderr)
-            problems += 1
-    if problems:
-        raise typer.Exit(1)
+            worst = max(worst, failure_code(PROG, exc))  # its line; 3: a missing id, else 1
+    if worst:
+        raise typer.Exit(worst)
 
 
 @app.command()

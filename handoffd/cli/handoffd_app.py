@@ -125,7 +125,8 @@ def mcp(root: RootOption = None,
         run_stdio(server)  # the SDK's transport, with every request answered
         return
     host, _, port = http.rpartition(":")
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    # (ASCII digits: "²" passes str.isdigit() and int() refuses it, an "internal error")
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise UsageError(f"--http {http!r}: give HOST:PORT, e.g. 127.0.0.1:8765")
     server.run("streamable-http", host=host or "127.0.0.1", port=int(port))
 

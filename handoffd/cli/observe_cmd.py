@@ -111,7 +111,10 @@ def watch(eng: Engine, *, state: str | None, to: str | None, as_json: bool) -> N
             if (state and event.get("state") != state) or (to and event.get("agent") != to):
                 continue
             if as_json:
-                print(json.dumps(event, ensure_ascii=False), flush=True)
+                # ASCII, as every --json output is printable: an id or agent's C1 controls
+                # (U+009B is a CSI) and bidi overrides are \uXXXX escapes (the same JSON
+                # value), and so is DEL, which ensure_ascii leaves raw
+                print(json.dumps(event, ensure_ascii=True).replace("\x7f", "\\u007f"), flush=True)
                 continue
             extra = " ".join(f"{k}={event[k]}" for k in ("attempt", "code", "seconds", "wait")
                              if event.get(k) is not None)

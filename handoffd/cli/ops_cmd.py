@@ -102,12 +102,14 @@ def _expire(root: Path | None, older_than: str, state: str | None, dry_run: bool
         return
     verb = ("would archive" if archive else "would purge") if dry_run else \
         ("archived" if archive else "purged")
+    # a name in completed/ or failed/ is whatever its producer chose: its escapes (a title,
+    # the clipboard) are shown, never sent to the terminal, as `handoff ls` shows them
     for hid, st in result.removed:
-        print(f"{verb} {st}/{hid}")
+        print(clean(f"{verb} {st}/{hid}"))
     for hid, why in sorted(result.kept.items()):
-        print(f"kept {hid}: {why}")
+        print(clean(f"kept {hid}: {why}"))
     where = f" into {result.archive}" if result.archive else ""
-    print(f"{verb} {len(result.removed)} handoff(s){where}; kept {len(result.kept)}")
+    print(clean(f"{verb} {len(result.removed)} handoff(s){where}; kept {len(result.kept)}"))
 
 
 def purge(older_than: OlderThan, state: StateOption = None, dry_run: DryRun = False,

@@ -5,20 +5,17 @@ Registered on the ``handoff`` Typer app by :func:`register` (called from handoff
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
-
-if TYPE_CHECKING:  # rich loads when something is printed for a human, not at start-up
-    from rich.text import Text
-    from rich.tree import Tree
 
 from ..core.errors import NotFound, UsageError, WaitTimeout
 from .common import JsonOption, RootOption, engine, guarded, workspace
 from .basics import json_arg, read_json_arg
-from .render import STATE_STYLE, Piece, clean, console, print_json, rich_text
+from .render import STATE_STYLE, Out, Piece, clean, console, print_json, rich_text
 
 PROG = "handoff"
 DEFAULT_AGENT = "@cli"
@@ -254,19 +251,46 @@ def trace(
     if as_json:
         print_json(data)
         return
-    from rich.tree import Tree
-    # every label is a Text built from cleaned pieces: a conversation id such as "[/bold]" or
-    # "[link=...]" is shown as written, never read as markup, and no escape reaches the terminal
+    # every line is built from cleaned pieces (rich Text at a terminal): a conversation id such
+    # as "[/bold]" or "[link=...]" is shown as written, never read as markup, and no escape
+    # reaches the terminal
     title: list[Piece] = ["trace of ", (handoff_id, "bold")]
     if data["conversation"]:
         title.append(f"  conversation {data['conversation']}")
-    tree = Tree(rich_text(*title))
-    for node in data["trees"]:
-        _grow(tree, node, handoff_id)
-    console().print(tree)
+    utf = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "").startswith("utf")
+    lines = [title, *tree_lines(data["trees"], handoff_id, utf=utf)]
+    out = Out()
+    if not out.terminal:
+        for pieces in lines:
+            out.line(*pieces)
+        return
+    printer = console()
+    for pieces in lines:  # soft wrap: never folded nor cropped (the terminal wraps a long one)
+        printer.print(rich_text(*pieces), soft_wrap=True)
 
 
-def _label(node: dict[str, Any], focus: str) -> Text:
+def tree_lines(trees: list[dict[str, Any]], focus: str, *, utf: bool = True) -> list[list[Piece]]:
+    """The lines of ``handoff trace`` below its title: one per node, depth first, its guides
+    (rich's tree guides; ``utf`` False: rich's ASCII ones) before its label.
+
+    A rich Tree fitted every row into the console's width: past ~48 levels (100 are shown) the
+    guides filled it, rows were folded a few letters a line and the deepest nodes, with the
+    "deeper than 100 levels" note, were dropped. Each row here is one line, however deep."""
+    space, bar, tee, corner = ("    ", "│   ", "├── ", "└── ") if utf else \
+        ("    ", "|   ", "+-- ", "`-- ")
+    lines: list[list[Piece]] = []
+    stack = [(node, "", i == len(trees) - 1) for i, node in reversed(list(enumerate(trees)))]
+    while stack:  # (not recursive: as deep as the trace goes)
+        node, prefix, last = stack.pop()
+        lines.append([prefix + (corner if last else tee), *_label(node, focus)])
+        below = prefix + (space if last else bar)
+        children = node["children"]
+        stack.extend((child, below, i == len(children) - 1)
+                     for i, child in reversed(list(enumerate(children))))
+    return lines
+
+
+def _label(node: dict[str, Any], focus: str) -> list[Piece]:
     """One node of ``handoff trace``: its id, target, state and times, from its document."""
     marker = {"child": "", "triggered": "→ ", "upstream": "", "conversation": "~ ", "root": ""}
     state = str(node["state"])
@@ -285,13 +309,7 @@ def _label(node: dict[str, Any], focus: str) -> Text:
         pieces.append(("  (depends on it)", "dim"))
     if node.get("note"):
         pieces.append((f"  {node['note']}", "italic"))
-    return rich_text(*pieces)
-
-
-def _grow(parent: Tree, node: dict[str, Any], focus: str) -> None:
-    branch = parent.add(_label(node, focus))
-    for child in node["children"]:
-        _grow(branch, child, focus)
+    return pieces
 
 
 # ---------------------------------------------------------------- show helpers

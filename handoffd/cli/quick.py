@@ -58,7 +58,10 @@ def submit_request(eng: "Engine", *, to: str, source: str = "@cli", payload: Any
     from ..core.documents import new_native_request
     hashing.load()  # before the stamps below: the created time is when the document appears
     eng.backend.prepare()
-    prio: Any = int(priority) if priority is not None and priority.isdigit() else priority
+    # ASCII digits only: str.isdigit() is true for "²" too, which int() refuses (an "internal
+    # error"); any other text goes on as a name, which new_native_request refuses by name
+    prio: Any = (int(priority) if priority is not None and priority.isascii()
+                 and priority.isdigit() else priority)
     doc = new_native_request(source=source, target=to, data=payload, now=eng.clock(),
                              handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                              priority=prio, depends_on=depends_on)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.documents import new_native_request
+from ..core.documents import MAX_DEPTH, nesting_depth, new_native_request
 from ..core.errors import UsageError
 from ..core.states import State
 from ..core.storage import foreign_filing
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
 
 DEFAULT_SOURCE = "@client"
+# how deep a request's data sits in its document (document, input, data): as handoff create's
+INPUT_DATA_DEPTH = 2
 
 
 @dataclass(frozen=True)
@@ -166,10 +168,14 @@ class Client:
         if document is not None:
             if to is not None or data is not None or handoff_id is not None:
                 raise ValueError("give a whole document, or to/data/handoff_id, not both")
+            if not isinstance(document, dict) and callable(getattr(document, "to_dict", None)):
+                document = document.to_dict()  # (as submit would: its depth is checked below)
+            _within_depth(document, MAX_DEPTH, "document")
             return Handle(self, self.engine.submit(document, if_absent=if_absent))
         if not to:
             raise ValueError("name the target agent (to=...) or give a whole document")
         _json_data(data)
+        _within_depth(data, MAX_DEPTH - INPUT_DATA_DEPTH, "data")  # it sits in input.data
         doc = new_native_request(source=self.agent, target=to, data=data, now=self.engine.clock(),
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=priority, depends_on=depends_on)
@@ -224,6 +230,14 @@ class Client:
         """Move a failed handoff back to pending (``force``: also a permanent failure)."""
         from .sweeper import requeue_failed
         requeue_failed(self.engine, handoff_id, force=force)
+
+
+def _within_depth(value: Any, limit: int, what: str) -> None:
+    """UsageError when ``value`` nests deeper than ``limit`` levels, as ``handoff create``
+    refuses it: filed anyway (the MCP create_handoff did), no reader of handoffd's could read
+    the document back (`handoff show` failed) and the daemon set it aside as DOCUMENT_TOO_DEEP."""
+    if nesting_depth(value, limit) > limit:
+        raise UsageError(f"{what} nests more than {limit} levels deep; flatten it")
 
 
 def _json_data(data: Any) -> None:

@@ -198,7 +198,10 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
     @server.tool()
     def get_context(key: str) -> dict[str, Any]:
         """A shared-context value (``context/<key>.json``) and its revision."""
-        value, revision = _call(_context(client).get_with_revision, key)
+        try:
+            value, revision = _call(_context(client).get_with_revision, key)
+        except KeyError:  # unset: it reached the SDK as a bare error, with tracebacks logged
+            raise ToolError(f"NOT_FOUND: context key {key!r} is not set") from None
         return {"key": key, "value": value, "revision": revision}
 
     @server.tool()

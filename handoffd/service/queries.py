@@ -9,7 +9,7 @@ from .. import dialects
 from ..backends.files.fsio import parse_document, read_bytes_safely
 from ..core.documents import book, next_attempt_at
 from ..core.engine import Engine
-from ..core.errors import ErrorCode, InvalidDocument
+from ..core.errors import ErrorCode, InvalidDocument, UsageError
 from ..core.states import State
 from ..core.storage import FOREIGN_FILING, Row, foreign_filing, trusted_doc
 from ..core.timeutil import iso
@@ -104,6 +104,11 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
                     or (conversation and shown["conversation"] != conversation))
 
     wanted_state = next((s for s in State if s.value == state), None)
+    if state is not None and wanted_state is None and state != "quarantined":
+        # an unknown state listed nothing, as if the queue were empty (the MCP list_handoffs,
+        # Client.list): refused as `handoff ls --state` refuses it
+        known = ", ".join([s.value for s in State] + ["quarantined"])
+        raise UsageError(f"state must be one of {known}; not {state!r}")
     rows: list[dict[str, Any]] = []
     if state is None or wanted_state is not None:
         for row in engine.backend.list(state=wanted_state, limit=limit, where=wanted,
