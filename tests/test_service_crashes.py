@@ -297,3 +297,38 @@ def test_stops_in_a_row_count_from_the_history() -> None:
                                    event("claimed"), stop)) == 1
     assert stops_in_a_row(doc_with(stop, event("recovered"))) == 0
     assert stops_in_a_row({"handoffd": {"history": [1, 2]}}) == 0
+
+
+def test_a_claim_its_own_process_gave_up_is_handed_back_uncharged(tmp_path: Path) -> None:
+    """Found by the service review: a full disk while results were filed made the store give
+    the claim up (its filing failed), and the sweep recovered it as a crash: a charged
+    attempt, the specialist marked suspect (its handlers isolated for ten minutes), and with
+    max_retries = 0 a handler that had succeeded dead-lettered. Now it is handed back, free
+    (counted after FREE_HANDBACKS in a row, as any interrupted attempt)."""
+    from handoffd import Registry, Workspace as HandoffdWorkspace, build_engine, new_native_request
+    from handoffd.core.config import Config, RetryPolicy
+    from handoffd.core.documents import book
+    from handoffd.core.states import State
+    from handoffd.service.sweeper import sweep
+    ws = HandoffdWorkspace(tmp_path / "ws")
+    ws.ensure()
+    config = Config(retry=RetryPolicy(max_retries=0))
+    registry = Registry()
+    registry.add_function("@t", lambda handoff, ctx: {"status": "completed"}, config=config)
+    engine = build_engine(ws, config, registry)
+    try:
+        doc = new_native_request(source="@test", target="@t", data=None, now=engine.clock())
+        hid = engine.backend.store.create(doc, doc["handoff_id"])
+        job = engine.take(hid)
+        assert job is not None
+        engine.backend.abandon(job.claim)  # what a failed filing does
+        report = sweep(engine)
+        assert hid in report.recovered
+        state, filed = engine.get(hid)
+        assert state is State.PENDING  # not failed, though max_retries = 0
+        events = [e["event"] for e in book(filed)["history"]]
+        assert events[-1] == "handed_back" and "recovered" not in events
+        assert stops_in_a_row(filed) == 1 and book(filed).get("retries", 0) == 0
+        assert "@t" not in engine.suspects  # no crash: its handlers are not isolated
+    finally:
+        engine.backend.close()

@@ -121,6 +121,9 @@ class Wakeup:
 
 
 LOST = "lost"  # Wakeup.kind: some hints were lost; rescan
+# Claim.recovered of a claim this process itself ended without filing it (its filing failed:
+# a full disk): no crash, so the sweep hands it back rather than charge an attempt
+GIVEN_UP = "given up by this process"
 CONTEXT = "context"  # Wakeup.kind: a shared context key (the id) was written
 
 

@@ -27,7 +27,8 @@ from ..core.errors import (
     NotFound,
 )
 from ..core.states import State
-from ..core.storage import Claim
+from ..core.storage import GIVEN_UP, Claim
+from .handbacks import FREE_HANDBACKS, stops_in_a_row
 
 log = logging.getLogger("handoffd")
 
@@ -118,13 +119,22 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
         spec = None
     now = engine.clock()
     reason = claim.recovered or "owner gone"
+    if reason == GIVEN_UP and stops_in_a_row(doc) < FREE_HANDBACKS:
+        # this process ended it when its filing failed (a full disk): no crash, nothing to
+        # charge (a handler that had succeeded was once dead-lettered this way), no suspect.
+        # Counted after FREE_HANDBACKS in a row, as any interrupted attempt is
+        engine.requeue(claim, dialect, "handed_back", reason="its filing failed in this process",
+                       interrupted=True)
+        report.recovered.append(claim.id)
+        return
     record(doc, "recovered", now, reason=reason)
     outcome = engine.failure(now, ErrorCode.PROCESSING_ERROR,
                              f"handoff {claim.id}: attempt {claim.attempt} was interrupted: {reason}",
                              retryable=True)
     engine.file(claim, dialect, spec, outcome)
     report.recovered.append(claim.id)
-    engine.suspects.mark(spec)  # which handoff ended the process is unknown: all run isolated a while
+    if reason != GIVEN_UP:  # which handoff ended the process is unknown: all run isolated a while
+        engine.suspects.mark(spec)
 
 
 def _kill_leftovers(engine: Engine, handoff_id: str, attempt: int) -> None:

@@ -25,6 +25,7 @@ from ...core.errors import (
     UnreadableDocument,
 )
 from ...core.logs import log
+from ...core.storage import GIVEN_UP
 from ...core.states import State
 from ...core.timeutil import parse_iso
 from ..base import (
@@ -305,7 +306,7 @@ class Claimer:
         same_host = owner.get("host") == hostname()
         if same_host:
             if self.store.gave_up(held["token"]):
-                return None, "given up by this process"
+                return None, GIVEN_UP
             lock = try_lock(self.store.ws.locks / lock_name(handoff_id, held))
             if lock is not None:
                 return lock, "owner process is gone (its claim lock is free)"
