@@ -332,3 +332,47 @@ def test_a_claim_its_own_process_gave_up_is_handed_back_uncharged(tmp_path: Path
         assert "@t" not in engine.suspects  # no crash: its handlers are not isolated
     finally:
         engine.backend.close()
+
+
+def test_a_batch_on_a_full_disk_puts_its_claims_back_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the service review: with the disk full, every claim's lease write failed, the
+    batch logged 'will retry in 5.0s' (it exited at once), printed a clean summary and exited
+    0, and left every handoff in in-progress/ until a run more than claim_grace_seconds later.
+    Now each claim's document goes back to pending/ at once, and the batch counts the errors
+    (the command line exits 1 on them)."""
+    import errno as errno_module
+
+    from handoffd import Daemon, Registry, Workspace as HandoffdWorkspace, build_engine
+    from handoffd import new_native_request
+    from handoffd.backends.files import fsio
+    from handoffd.core.config import Config
+    from handoffd.core.states import State
+    ws = HandoffdWorkspace(tmp_path / "ws")
+    ws.ensure()
+    config = Config()
+    registry = Registry()
+    registry.add_function("@t", lambda handoff, ctx: {"status": "completed"}, config=config)
+    engine = build_engine(ws, config, registry)
+    ids = []
+    for _ in range(3):
+        doc = new_native_request(source="@test", target="@t", data=None, now=engine.clock())
+        ids.append(engine.backend.store.create(doc, doc["handoff_id"]))
+    real_replace = fsio.replace
+
+    def disk_full(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if "in-progress" in str(path):
+            raise OSError(errno_module.ENOSPC, "No space left on device")
+        return real_replace(path, *args, **kwargs)
+
+    monkeypatch.setattr(fsio, "replace", disk_full)
+    try:
+        report = Daemon(engine, watch=False).run_batch()
+        assert report.errors >= 3 and report.completed == 0
+        assert report.needs_a_look() and "error(s)" in report.line()
+        assert sorted(engine.backend.ids(State.PENDING)) == sorted(ids)
+        assert engine.backend.ids(State.IN_PROGRESS) == []
+        monkeypatch.setattr(fsio, "replace", real_replace)  # space again: the next run runs them
+        assert Daemon(engine, watch=False).run_batch().completed == 3
+    finally:
+        engine.backend.close()

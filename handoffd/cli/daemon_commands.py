@@ -186,7 +186,7 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
                                                   extra={"event": "batch_done"})
         else:
             print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
-    return 1 if report.failed or report.error or report.lost else 0
+    return 1 if report.failed or report.error or report.lost or report.errors else 0
 
 
 FILINGS = frozenset({"completed", "failed", "cancelled", "retry_scheduled", "set_aside"})

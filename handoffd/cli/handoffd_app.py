@@ -80,8 +80,9 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
     Says nothing when nothing needs a look (cron mails whatever a job prints) unless stderr is
     a terminal or -v is given; a failure, a set-aside or handed-back handoff, or an error is
     always summarised (-q silences that too). SIGTERM/SIGINT stop it as they stop `serve`.
-    Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/
-    or the main loop died of an unexpected error (logged with a traceback; work handed back).
+    Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/,
+    one could not be handled for a passing reason (a full disk: left for the next run), or the
+    main loop died of an unexpected error (logged with a traceback; work handed back).
     """
     raise typer.Exit(run_batch(root, workers, verbose, quiet, max_seconds, log_format, store,
                                processes_arg(processes)))

@@ -174,6 +174,7 @@ class Attempts:
             self.scheduler.notify(handoff_id, 1.0)
         elif isinstance(exc, OSError):  # disk full, permissions: report, and try again later
             log.error("handoff %s: %s; will retry in %ss", handoff_id, exc, RETRY_LOOK_SECONDS)
+            self.report.errors += 1  # (a batch that ends meanwhile exits non-zero, and says so)
             self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
         else:  # a bug must not kill the worker or lose the handoff
             self.unexpected(handoff_id, "unexpected error; it stays where it is for recovery")

@@ -19,13 +19,17 @@ class BatchReport:
     sweep: SweepReport | None = None
     error: str | None = None  # set when the main loop died (the exit code is then non-zero)
     stalls: int = 0  # times the progress watchdog had to reset the scheduler
+    # handoffs a worker could not handle for a passing reason (a full disk, EACCES), left where
+    # they were for the next look (a batch exits non-zero: they wait for the next run)
+    errors: int = 0
     # forked processes of this run (service.spread) that ended without a report, or were
     # stopped for running too long past its end, and how
     lost: list[str] = field(default_factory=list)
 
     def needs_a_look(self) -> bool:
         """Something an operator should hear of even from a quiet cron batch."""
-        return bool(self.failed or self.handed_back or self.error or self.stalls or self.lost)
+        return bool(self.failed or self.handed_back or self.error or self.stalls or self.lost
+                    or self.errors)
 
     def line(self) -> str:
         """The one-line summary ``handoffd run`` and ``serve`` print."""
@@ -37,6 +41,10 @@ class BatchReport:
             text += f", left pending with no specialist {len(self.unroutable)}"
         if self.waiting:
             text += f", waiting {len(self.waiting)}"
+        if self.errors:
+            text += f", {self.errors} error(s) (left where they were, for the next look)"
+        if self.stalls:
+            text += f", scheduler reset {self.stalls} time(s)"
         if self.lost:
             text += f"; {len(self.lost)} process(es) ended without a report or were stopped"
         if self.error:

@@ -319,9 +319,11 @@ class Store:
             kept = spares.keep_link(dst, self.tmp)
             try:
                 inode = fsio.replace(dst, data, self.tmp, durable=self.durable, sync_dir=False)
-            except BaseException:
+            except BaseException as exc:
                 if kept is not None:
                     spares.remove_quietly(kept)
+                if isinstance(exc, OSError):  # (a full disk): the request as it came, back in
+                    self._put_back(dst, src)  # pending/ at once, not after a recovery's grace
                 raise
             if kept is not None:
                 spares.adopt(kept, self.tmp)
