@@ -87,3 +87,20 @@ def test_json_logs_are_one_object_per_line(ws: Workspace) -> None:
     assert (failed["handoff_id"], failed["agent"], failed["attempt"], failed["code"]) == \
         (bad, "@flaky", 1, "PROCESSING_ERROR") and failed["duration"] > 0
     assert ws.handoffd("run", "--log-format", "xml").returncode == 2
+
+
+@pytest.mark.parametrize("command", ["serve", "run"])
+def test_sighup_stops_like_sigterm(ws: Workspace, command: str) -> None:
+    """Found by the service review: a closed terminal or ssh session (SIGHUP) killed a
+    foreground daemon on the spot (exit 129, no summary); its running handler died with it and
+    the next sweep charged the attempt as a crash's and marked the specialist suspect. Now
+    SIGHUP stops it as SIGTERM does: the running handler finishes within grace_seconds."""
+    hid = ws.create("--to", "@flaky", "--data", '{"mode": "sleep", "seconds": 1}')
+    proc = ws.serve() if command == "serve" else start_batch(ws)
+    ws.wait_started(hid)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=30) in (0, 1)
+    assert proc.returncode >= 0  # (not killed by the signal: -1 is SIGHUP's)
+    assert ws.state_of(hid) == ["completed"], ws.state_of(hid)
+    events = [e["event"] for e in ws.doc(hid)["handoffd"]["history"]]
+    assert "recovered" not in events and events[-1] == "completed"

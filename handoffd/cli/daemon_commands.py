@@ -79,7 +79,7 @@ def warn_if_shared(root: Path, detect: Callable[[Path], str | None] = network_fi
 def serve(root: Path | None = None, workers: int | None = None, verbose: bool = False,
           log_format: str = "text", store: str | None = None, metrics: str | None = None,
           metrics_textfile: Path | None = None, processes: int | None = None) -> int:
-    """``handoffd serve``: run in the foreground until SIGTERM/SIGINT, on ``processes`` (None:
+    """``handoffd serve``: run in the foreground until SIGTERM/SIGINT/SIGHUP, on ``processes`` (None:
     ``[daemon] processes``, where "auto" serves on one; see :mod:`handoffd.service.spread`);
     the exit code (1 when the main loop of one of its processes died, or a process ended)."""
     configure_logging(verbose, log_format=log_format)

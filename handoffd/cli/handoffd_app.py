@@ -40,7 +40,7 @@ def serve(root: RootOption = None, workers: Workers = None, verbose: Verbose = F
               "--metrics-textfile", help="Rewrite the metrics into FILE every 15 s (node_exporter).")] = None,
           processes: Processes = None,
           ) -> None:
-    """Run in the foreground until SIGTERM/SIGINT; then finish or hand back work and exit 0.
+    """Run in the foreground until SIGTERM/SIGINT/SIGHUP; then finish or hand back work and exit 0.
 
     Exits 1 if the main loop dies of an unexpected error (after logging it with a traceback
     and handing in-flight work back), or one of its --processes ends, so that a supervisor
@@ -79,7 +79,7 @@ def run(root: RootOption = None, workers: Workers = None, verbose: Verbose = Fal
 
     Says nothing when nothing needs a look (cron mails whatever a job prints) unless stderr is
     a terminal or -v is given; a failure, a set-aside or handed-back handoff, or an error is
-    always summarised (-q silences that too). SIGTERM/SIGINT stop it as they stop `serve`.
+    always summarised (-q silences that too). SIGTERM/SIGINT/SIGHUP stop it as they stop `serve`.
     Exit 0 when nothing it processed failed, 1 when at least one handoff was filed in failed/,
     one could not be handled for a passing reason (a full disk: left for the next run), or the
     main loop died of an unexpected error (logged with a traceback; work handed back).

@@ -131,6 +131,12 @@ def child_setup(parent_pid: int) -> Callable[[], None]:
     return setup
 
 
+# what stops a daemon gracefully (a second one: hands back at once). SIGHUP too: a closed
+# terminal or ssh session once killed a foreground `serve` on the spot, its running attempts
+# then charged as a crash's
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def parent_death_signal(signum: int) -> None:
     """Have the kernel send ``signum`` to this process when the thread that forked it ends
     (Linux; elsewhere nothing happens)."""

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Collection
 
 from ..core.engine import Engine, Job
+from ..core.procs import STOP_SIGNALS
 from ..core.runner import cancel
 from ..core.specialists import Specialist
 from ..core.states import State
@@ -260,8 +261,8 @@ class Daemon:
         self.engine.ws.ensure()
         self.engine.backend.prepare()  # e.g. an unusable seal key: one line now, not per handoff
         if install_signals:
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self._on_signal)
         self.report.sweep = self._start_sweep()
         warm_up(self.engine.schemas)
         self.feed.subscribe()
@@ -283,8 +284,8 @@ class Daemon:
         self.engine.backend.prepare()
         self.dispatcher.batch = True
         if install_signals:
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self._on_signal)
         if max_seconds is not None:
             began = self.started if self.started is not None else time.monotonic()
             self.scheduler.batch_deadline = began + max_seconds

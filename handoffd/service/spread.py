@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..core.procs import parent_death_signal
+from ..core.procs import STOP_SIGNALS, parent_death_signal
 from .reaping import Clock, Collected, collect
 from .sweeper import SweepReport
 
@@ -192,11 +192,11 @@ class _Family:
         def on_signal(signum: int, frame: Any) -> None:
             self.signalled = True
             self.stopped_at = min(self.stopped_at, self.clock())
-            self.send(signum)
+            self.send(signal.SIGTERM if signum == signal.SIGHUP else signum)
             self.daemon.stop(hard=self.daemon.stopping)
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, on_signal)
 
     def send(self, signum: int) -> None:
         """``signum`` to every child not yet reaped."""
@@ -262,8 +262,8 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
     code = 1
     try:
         os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent alone; it forwards it once
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # until this process has its daemon
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        for signum in STOP_SIGNALS:  # until this process has its daemon
+            signal.signal(signum, signal.SIG_DFL)
         signal.signal(ORPHANED, signal.SIG_DFL)
         parent_death_signal(ORPHANED)
         if os.getppid() != parent:  # the parent died before that: nothing claimed yet
