@@ -171,6 +171,11 @@ def test_watchdog_stays_quiet_when_nothing_is_due(tmp_path: Path, caplog: pytest
         hid = submit(engine, retry_policy={"max_retries": 1})
         doc = engine.backend.store.read(State.PENDING, hid)
         assert daemon.progress.due_with_free_slot() == hid  # due, slot free
+        # held back by its rate limit (found by the service review: a rate of 1/m made the
+        # watchdog reset the scheduler every 15-30 s, as a stall)
+        daemon.scheduler.rate_until["@t"] = time.monotonic() + 60
+        assert daemon.progress.due_with_free_slot() is None
+        daemon.scheduler.rate_until.clear()
         doc["target"] = {"agent_id": "@nobody"}
         engine.backend.store.path(State.PENDING, hid).write_bytes(fsio.dump_json(doc))
         assert daemon.progress.due_with_free_slot() is None  # no specialist: not the scheduler's fault

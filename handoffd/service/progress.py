@@ -4,6 +4,7 @@ from the truth (the files and the tasks actually in flight)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 from ..core.engine import Engine
@@ -80,6 +81,8 @@ class ProgressWatch:
             spec = engine.registry.get(peek.target or "")
             if spec is None or real[spec.agent] >= scheduler.limit(spec):
                 continue
+            if scheduler.rate_until.get(spec.agent, 0.0) > time.monotonic():
+                continue  # its rate limit holds it back: not a stall (asking would take a token)
             try:
                 verdict = engine.gate(peek)
             except Exception:
