@@ -327,9 +327,12 @@ def test_a_claim_its_own_process_gave_up_is_handed_back_uncharged(tmp_path: Path
         state, filed = engine.get(hid)
         assert state is State.PENDING  # not failed, though max_retries = 0
         events = [e["event"] for e in book(filed)["history"]]
-        assert events[-1] == "handed_back" and "recovered" not in events
+        assert events[-2:] == ["recovered", "handed_back"], events
         assert stops_in_a_row(filed) == 1 and book(filed).get("retries", 0) == 0
         assert "@t" not in engine.suspects  # no crash: its handlers are not isolated
+        from handoffd.core.isolation import crashed_last
+        again = engine.take(hid)  # nor is this handoff's next attempt
+        assert again is not None and not crashed_last(again.claim.doc)
     finally:
         engine.backend.close()
 

@@ -300,7 +300,8 @@ def test_a_takeover_whose_filing_fails_still_gives_its_slot_back(
         events = [e["event"] for e in book(doc)["history"]]
         # as a worker's own failed filing: the claim is given up and handed back free (no
         # crash: nothing charged), and its next attempt, whose handler returns, is filed
-        assert events == ["created", "claimed", "handed_back", "claimed", "completed"], events
+        assert events == ["created", "claimed", "recovered", "handed_back", "claimed",
+                          "completed"], events
         assert where is State.COMPLETED
     finally:
         release.set()

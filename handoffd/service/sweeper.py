@@ -119,15 +119,18 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
         spec = None
     now = engine.clock()
     reason = claim.recovered or "owner gone"
+    # (recorded either way: a delegation's replay adopts the children an attempt ended by
+    # recovery made, see features.children)
+    record(doc, "recovered", now, reason=reason)
     if reason == GIVEN_UP and stops_in_a_row(doc) < FREE_HANDBACKS:
         # this process ended it when its filing failed (a full disk): no crash, nothing to
-        # charge (a handler that had succeeded was once dead-lettered this way), no suspect.
+        # charge (a handler that had succeeded was once dead-lettered this way), no suspect
+        # (nor is its next attempt isolated: core.isolation.crashed_last passes a hand-back).
         # Counted after FREE_HANDBACKS in a row, as any interrupted attempt is
         engine.requeue(claim, dialect, "handed_back", reason="its filing failed in this process",
                        interrupted=True)
         report.recovered.append(claim.id)
         return
-    record(doc, "recovered", now, reason=reason)
     outcome = engine.failure(now, ErrorCode.PROCESSING_ERROR,
                              f"handoff {claim.id}: attempt {claim.attempt} was interrupted: {reason}",
                              retryable=True)
