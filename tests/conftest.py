@@ -63,7 +63,7 @@ retry_delay_seconds = 0.2
 backoff_multiplier = 1.0
 
 [specialists."@flaky"]
-command = ["{sys.executable}", "{SPECIALISTS / 'flaky.py'}"]
+command = ["{sys.executable}", "-S", "{SPECIALISTS / 'flaky.py'}"]
 timeout_seconds = 20
 concurrency = 4
 """

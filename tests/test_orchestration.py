@@ -140,7 +140,7 @@ max_retries = 0
 retry_delay_seconds = 0.2
 
 [specialists."@flaky"]
-command = ["{py}", "{SPECIALISTS / 'flaky.py'}"]
+command = ["{py}", "-S", "{SPECIALISTS / 'flaky.py'}"]
 timeout_seconds = 60
 concurrency = 6
 
