@@ -65,7 +65,7 @@ def sws(tmp_path: Path) -> Iterator[Workspace]:
     root.mkdir()
     ws = Workspace(root)
     ws.write_config(CONFIG + "".join(
-        f'\n[specialists."{agent}"]\ncommand = ["{sys.executable}", "{script}", "{tmp_path}"]\n'
+        f'\n[specialists."{agent}"]\ncommand = ["{sys.executable}", "-S", "{script}", "{tmp_path}"]\n'
         for agent in AGENTS))
     HandoffdWorkspace(root).ensure()
     yield ws
