@@ -34,13 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ...core.documents import actor
 from ...core.errors import ErrorCode, HandoffdError
 from ...core.ownfiles import read_at_most
-from ...core.timeutil import iso, utc_now
 from . import fsio
 from .fsio import MAX_DEPTH, nesting_depth, open_regular
-from .writes import quarantine_folder
+from .writes import move_to_quarantine
 
 log = logging.getLogger("handoffd")
 
@@ -244,16 +242,14 @@ class FileRecords:
             with _folder_locked(self.folder, f"{_shown(lock)} is left as it is"):
                 if not _planted(lock):
                     return True  # moved by another process (a lock file may be there now)
-                target = self._quarantine(lock, problem)
+                self._set_aside(kind, lock, problem, then=f"so that its {kind} records can be "
+                                "updated (no lock was held on it)", refused="cannot be updated")
         except FileNotFoundError:  # gone: another process moved it
             return True
-        except OSError as exc:
-            raise UnusableRecords(
-                f"{_shown(lock)} {problem.what}, and cannot be moved to "
-                f"{_shown_folder(self.quarantine)}/ ({exc.strerror or exc}); its {kind} records "
-                "cannot be updated", code=problem.code) from None
-        log.warning("%s %s: moved to %s so that its %s records can be updated (no lock was held "
-                    "on it) [%s]", _shown(lock), problem.what, _shown(target), kind, problem.code)
+        except OSError as exc:  # (the folder's own lock)
+            raise UnusableRecords(f"{_shown(lock)} {problem.what}, and cannot be moved "
+                                  f"({exc.strerror or exc}); its {kind} records cannot be "
+                                  "updated", code=problem.code) from None
         return True
 
     def _current(self, kind: str, path: Path) -> tuple[dict[str, Any], Problem | None]:
@@ -272,33 +268,34 @@ class FileRecords:
 
     def _move_aside(self, kind: str, path: Path, problem: Problem) -> None:
         """Move a file that cannot be used out of the way, or refuse the update."""
+        self._set_aside(kind, path, problem, then=f"before an update of its {kind} records "
+                        "(nothing in it could be read, so no record is lost)",
+                        refused="are left as they are")
+
+    def _set_aside(self, kind: str, path: Path, problem: Problem, *, then: str,
+                   refused: str) -> None:
+        """``path`` moved into the quarantine as the store sets files aside
+        (:func:`.writes.move_to_quarantine`, so ``handoff ls`` lists it), said in one line;
+        UnusableRecords when it cannot be moved (FileNotFoundError: gone meanwhile)."""
+        def publish(dst: Path, data: bytes) -> None:
+            try:
+                _publish(dst, data)
+            except OSError as exc:  # moved already: the update goes on, its reason is logged
+                log.warning("%s: cannot record why it was moved (%s)", _shown(dst),
+                            exc.strerror or exc)
+
         try:
-            target = self._quarantine(path, problem)
+            target = move_to_quarantine(self.quarantine, path, str(problem.code),
+                                        f"{path.name} {problem.what}", publish)
+        except FileNotFoundError:
+            raise
         except OSError as exc:
             raise UnusableRecords(
                 f"{_shown(path)} {problem.what}, and cannot be moved to "
                 f"{_shown_folder(self.quarantine)}/ ({exc.strerror or exc}); its {kind} records "
-                "are left as they are", code=problem.code) from None
-        log.warning("%s %s: moved to %s before an update of its %s records (nothing in it could "
-                    "be read, so no record is lost) [%s]", _shown(path), problem.what,
-                    _shown(target), kind, problem.code)
-
-    def _quarantine(self, path: Path, problem: Problem) -> Path:
-        """``path`` moved into the quarantine with a ``.reason.json`` beside it, as the store's
-        quarantine writes them (:func:`.writes.quarantine`), so ``handoff ls`` lists it."""
-        now = utc_now()
-        quarantine_folder(self.quarantine)  # (never through a symlink planted there)
-        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{path.name}"
-        target = self.quarantine / name
-        os.rename(path, target)  # the entry moves (a symlink or FIFO too), not what it names
-        reason = {"file": path.name, "from": path.parent.name, "code": str(problem.code),
-                  "message": f"{path.name} {problem.what}", "at": iso(now), "actor": actor()}
-        try:
-            _publish(self.quarantine / f"{name}.reason.json", fsio.dump_json(reason))
-        except OSError as exc:  # moved already: the update goes on, its reason is in the log
-            log.warning("%s: cannot record why it was moved (%s)", _shown(target),
-                        exc.strerror or exc)
-        return target
+                f"{refused}", code=problem.code) from None
+        log.warning("%s %s: moved to %s %s [%s]", _shown(path), problem.what, _shown(target),
+                    then, problem.code)
 
 
 def _planted(lock: Path) -> bool:

@@ -10,7 +10,7 @@ import errno
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ...core.documents import actor, check_id
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
@@ -124,16 +124,26 @@ def quarantine_folder(folder: Path) -> Path:
 def quarantine(store: Writing, path: Path, code: str, message: str, *,
                now: datetime | None = None) -> Path:
     """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
+    return move_to_quarantine(
+        store.ws.quarantine, path, code, message,
+        lambda dst, data: fsio.replace(dst, data, store.tmp, durable=store.durable), now=now)
+
+
+def move_to_quarantine(folder: Path, path: Path, code: str, message: str,
+                       publish: Callable[[Path, bytes], Any], *,
+                       now: datetime | None = None) -> Path:
+    """Move the entry ``path`` into the quarantine ``folder`` (a plain folder: see
+    :func:`quarantine_folder`) under a dated, safe name, and ``publish`` its ``.reason.json``
+    beside it (what ``handoff ls --state quarantined`` reads); the moved path."""
     now = now or utc_now()
-    quarantine_folder(store.ws.quarantine)
+    quarantine_folder(folder)
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.name)[:100] or "file"
     name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{safe}"
-    target = store.ws.quarantine / name
+    target = folder / name
     os.rename(path, target)  # works for symlinks and fifos too: the entry moves, not its target
     reason = {"file": _readable(path.name), "from": path.parent.name, "code": code,
               "message": _readable(message), "at": iso(now), "actor": actor()}
-    fsio.replace(store.ws.quarantine / f"{name}.reason.json", fsio.dump_json(reason),
-                 store.tmp, durable=store.durable)
+    publish(folder / f"{name}.reason.json", fsio.dump_json(reason))
     return target
 
 
