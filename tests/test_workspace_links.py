@@ -202,3 +202,41 @@ def test_nothing_is_set_aside_through_a_symlinked_quarantine(ws: Workspace, tmp_
         time.sleep(0.5)
     assert ws.state_of("junk") == ["failed"]
     assert any(p.name.endswith("junk.json") for p in (ws.root / "handoffs" / ".quarantine").iterdir())
+
+
+def test_a_folder_swapped_for_a_symlink_during_the_sweep_is_not_followed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder was checked, then used by path: swapped for a link between the check and the
+    removals, the sweep deleted the same-named files outside. It now sweeps through the
+    descriptor it opened, so the swap moves nothing outside its reach."""
+    root = HandoffdWorkspace(tmp_path / "ws")
+    root.ensure()
+    temps, project = old_files_outside(tmp_path)
+    (temps / "x.tmp").write_text("outside")  # same names as the stale files inside
+    an_hour_ago = time.time() - 3600
+    os.utime(temps / "x.tmp", (an_hour_ago, an_hour_ago))
+    for path in (root.tmp / "x.tmp", root.locks / "Cargo.lock"):
+        path.write_text("")
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    targets = {root.tmp.name: temps, root.locks.name: project}
+    original = repair._scan
+
+    def scan_then_swap(folder: object) -> list[os.DirEntry[str]]:
+        entries = original(folder)  # type: ignore[arg-type]
+        name = os.path.basename(folder) if isinstance(folder, (str, Path)) \
+            else os.readlink(f"/proc/self/fd/{folder}").rsplit("/", 1)[-1]
+        if name in targets:  # listed: now the folder becomes a link to the outside
+            inside = root.root / "handoffs" / name
+            inside.rename(inside.with_name(name + "-swapped"))
+            inside.symlink_to(targets[name])
+        return entries
+
+    monkeypatch.setattr(repair, "_scan", scan_then_swap)
+    done: repair.Repairs = {"temp_files_removed": [], "locks_removed": []}
+    repair.remove_orphans(Store(root, durable=False), done)
+    assert (temps / "x.tmp").read_text() == "outside"
+    assert sorted(p.name for p in project.iterdir()) == ["Cargo.lock", "poetry.lock"]
+    # what was removed is what the sweep listed, in the folders it opened
+    assert done == {"temp_files_removed": ["x.tmp"], "locks_removed": ["Cargo.lock"]}
+    assert not (root.root / "handoffs" / ".tmp-swapped" / "x.tmp").exists()
+    assert not (root.root / "handoffs" / ".locks-swapped" / "Cargo.lock").exists()
