@@ -83,6 +83,16 @@ def file_outcome(engine: Filing, claim: Claim, dialect: Dialect, spec: Specialis
     return State.IN_PROGRESS
 
 
+def runs_again(engine: Filing, claim: Claim, spec: Specialist | None, outcome: Outcome) -> bool:
+    """True when filing ``outcome`` (see :func:`file_outcome`) puts the handoff back in pending,
+    where any process may start another attempt: a retry, a throttle, a feature's filer (a
+    parked handoff goes back to pending); False when it files the handoff finished."""
+    if outcome.status in engine.hooks.filers or outcome.status == Status.THROTTLED:
+        return True
+    policy = engine.policy(claim.doc, spec)
+    return retry_delay(outcome, policy, book_int(claim.doc, "retries", 0)) is not None
+
+
 def _throttled(engine: Filing, claim: Claim, dialect: Dialect, spec: Specialist | None,
                outcome: Outcome) -> State:
     """Seed 000's THROTTLED: the specialist was too busy to start. Back to pending, due after

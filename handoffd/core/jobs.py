@@ -39,6 +39,11 @@ class Job:
     # the rest of run() as a function returning the outcome to file. Unset, the handler runs in
     # a thread of its own and run() waits for it
     takeover: Callable[[Callable[[], Outcome]], None] | None = None
+    # the outcome of an attempt ended while its Python handler runs on, kept with the claim
+    # (still renewed) while filing it would start another attempt, in any process, beside that
+    # handler: filed when it returns, is cancelled, or the daemon stops (service.attempts)
+    held: Outcome | None = None
+    returned: bool = False  # that late handler has returned (both set under the daemon's cv)
 
     @property
     def handoff_id(self) -> str:

@@ -4,22 +4,34 @@ A worker's task (:mod:`.dispatch` submits it) is one of: :meth:`Attempts.work` (
 :meth:`~Attempts.reject` (a gate said fail), :meth:`~Attempts.aside` (a message a feature files,
 e.g. a cancellation) or :meth:`~Attempts.set_aside` (a document that cannot be read). None of them
 raises for a handoff's fault: each error is filed, or logged and the handoff looked at again
-later through the scheduler. Python handlers that run on past their ended attempt (a thread
-cannot be stopped) hold back that handoff's next attempt until they return (``late``).
+later through the scheduler.
+
+A Python handler that runs on past its ended attempt (timed out, cancelled, fenced: a thread
+cannot be stopped) holds back that handoff's next attempt until it returns. In this daemon
+through ``late``; in every other process (another daemon, a batch, another host) by keeping the
+claim: an outcome that would put the handoff back in pending/ (a retry, a hand-back) is kept
+with it (``Job.held``, the lease still renewed, the job still ``active``) and filed the moment
+the handler returns, or when the handoff is cancelled (filed cancelled: nothing runs again), or
+when this daemon stops (:meth:`Attempts.file_all_held`, the last thing it does: the handler's
+thread ends with the process). A finished outcome (the last retry failing, a cancellation) is
+filed at once. Command handlers and isolated ones are killed on time: nothing is held for them.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from typing import Callable
 
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
 from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError
+from ..core.filing import runs_again
+from ..core.results import conclude
 from ..core.runner import cancel
 from ..core.states import State
-from ..core.watchdog import TakenOver
+from ..core.watchdog import TakenOver, cancelled
 from . import handbacks
 from .leases import LOST_LOCK_REASON
 from .report import BatchReport
@@ -28,6 +40,9 @@ from .scheduler import RETRY_LOOK_SECONDS, Scheduler
 log = logging.getLogger("handoffd")
 LATE_LOOK_SECONDS = 1.0  # a handoff whose last Python handler still runs is looked at this late
 UNEXPECTED_MAX_SECONDS = 60.0  # the longest back-off after unexpected errors about one handoff
+# the longest a stop waits for held outcomes being filed by other threads (a late handler that
+# just returned, a cancellation): a filing is one write, and a store that is away gives up
+HELD_FILING_SECONDS = 10.0
 MAX_TRACKED = 10_000  # handoffs whose unexpected errors are counted before the count starts over
 
 
@@ -77,9 +92,9 @@ class Attempts:
                 job.takeover = lambda rest: self._taken_over(token, taken, rest)
             self._end_attempt(job, self.engine.run(job))
         except TakenOver:
+            if job is not None:  # (always: only run() raises it) its handler returned at last
+                self._late_handler_returned(job)
             job = None  # _taken_over ended the attempt: the job and the slot are its to give back
-            with self.cv:  # and its handler, which ran on past it, has returned at last
-                self._late_returned(handoff_id)
             raise
         except Exception as exc:
             self._work_failed(handoff_id, exc)
@@ -118,15 +133,117 @@ class Attempts:
             self.late[job.handoff_id] += 1
             if self.late[job.handoff_id] == 0:
                 self._settle_late(job.handoff_id)
+        kept = False
         try:
-            self._end_attempt(job, rest())
+            outcome = rest()
+            kept = self._hold(job, outcome)
+            if not kept:
+                self._end_attempt(job, outcome)
+        except Exception as exc:
+            self._work_failed(job.handoff_id, exc)
+        finally:
+            if not kept:  # (a kept job stays active: its lease renewed, a batch waits for it)
+                self._forget_job(job)
+            with self.cv:
+                self.scheduler.finished(token)
+                self.cv.notify_all()
+
+    # ------------------------------------------------------------ held outcomes
+    def _hold(self, job: Job, outcome: Outcome) -> bool:
+        """Keep ``outcome`` and the claim instead of filing it now (True), when filing it would
+        put the handoff back in pending/ (a retry, a hand-back), where any process could start
+        it beside the handler that still runs. Not when that handler has returned already, nor
+        for a claim that is lost (fenced), nor for a finished outcome (the last retry)."""
+        if job.fenced or not (job.context.handback or runs_again(
+                self.engine, job.claim, job.specialist, outcome)):
+            return False
+        with self.cv:
+            if job.returned:  # it stopped at ctx.cancelled before this thread got here
+                return False
+            job.held = outcome
+        log.warning("handoff %s: stays claimed until its Python handler returns (a thread "
+                    "cannot be stopped), so that no process starts its next attempt beside it",
+                    job.handoff_id)
+        # a cancellation (or a fence) files it at once, not when the handler returns: nothing
+        # runs after a cancellation, and a fenced claim protects nothing any more
+        job.context.wake_on_cancel(_Release(self, job))
+        if job.context.stop_requested:  # (stopped before the line above: nothing woke it)
+            self.release(job)
+        return True
+
+    def _late_handler_returned(self, job: Job) -> None:
+        """On the worker: the handler of ``job``, which ran on past its ended attempt, returned
+        at last. The next attempt may start: in this daemon (``late``), and anywhere once the
+        outcome kept for it is filed, here and now."""
+        with self.cv:
+            self._late_returned(job.handoff_id)
+            job.returned = True
+            outcome = self._take_held(job)
+        if outcome is not None:
+            log.info("handoff %s: its late Python handler returned; its attempt is filed now",
+                     job.handoff_id)
+            self._file_held(job, outcome)
+
+    def release(self, job: Job) -> None:
+        """``job``'s handler was stopped (a cancel request, a fence) while its outcome is held:
+        file it now, on a thread of its own (this is the canceller's or the lease guard's), as
+        a cancellation (or, fenced, as a failure the policy retries). A hand-back waits."""
+        if job.context.handback:
+            return
+        with self.cv:
+            held = self._take_held(job)
+        if held is None:  # (filed already, or being filed)
+            return
+        outcome = held if job.fenced else self._cancellation(job, held)
+        try:
+            threading.Thread(target=self._file_held, args=(job, outcome), daemon=True,
+                             name=f"release-{job.handoff_id}").start()
+        except RuntimeError:  # no thread to spare: file it here
+            self._file_held(job, outcome)
+
+    def _cancellation(self, job: Job, held: Outcome) -> Outcome:
+        """The CANCELLED outcome of a held attempt (its handler still runs) that was cancelled."""
+        started = held.started_at or self.engine.clock()
+        error = cancelled(job.context)  # (what the watchdog files for a running one)
+        outcome = self.engine.failure(started, error.code, str(error), retryable=False)
+        return conclude(job, outcome, started, self.engine.hooks.after_run)
+
+    def _take_held(self, job: Job) -> Outcome | None:
+        """``job``'s held outcome, taken to be filed by the caller (once: whoever takes it
+        first), or None (called under ``cv``)."""
+        outcome, job.held = job.held, None
+        if outcome is not None:
+            job.ending = True  # being filed: no hand-back, no fence from here on
+        return outcome
+
+    def _file_held(self, job: Job, outcome: Outcome) -> None:
+        """File the outcome taken from ``job.held`` (once: whoever took it), then forget the job."""
+        try:
+            self._end_attempt(job, outcome)
         except Exception as exc:
             self._work_failed(job.handoff_id, exc)
         finally:
             self._forget_job(job)
-            with self.cv:
-                self.scheduler.finished(token)
-                self.cv.notify_all()
+            with self.cv:  # a batch, or a stop, may wait for the last held one (not per job:
+                self.cv.notify_all()  # waking the main loop for every filing cost a drain 10%)
+
+    def file_all_held(self, wait: float = HELD_FILING_SECONDS) -> None:
+        """File every kept outcome, as this daemon stops (its handlers' threads end with the
+        process), and wait up to ``wait`` seconds for those being filed on other threads: once
+        every task has ended, the jobs still active are exactly those."""
+        with self.cv:
+            kept = [(job, self._take_held(job)) for job in list(self.active.values())]
+        for job, outcome in kept:
+            if outcome is not None:
+                self._file_held(job, outcome)
+        deadline = time.monotonic() + wait
+        with self.cv:
+            while self.active and time.monotonic() < deadline:
+                self.cv.wait(max(min(deadline - time.monotonic(), 1.0), 0.0))
+            left = sorted(self.active)
+        if left:
+            log.error("stopping with %d handoff(s) still being filed: %s; the sweep recovers "
+                      "them", len(left), ", ".join(left[:10]))
 
     def _forget_job(self, job: Job) -> None:
         with self.cv:
@@ -159,8 +276,11 @@ class Attempts:
         return True
 
     def hand_back_all(self) -> None:
-        """Stop every running handler now; its attempt is handed back to pending/."""
-        for job in list(self.active.values()):
+        """Stop every running handler now; its attempt is handed back to pending/ (one that
+        ended already and whose outcome is held keeps it: :meth:`file_all_held` files it)."""
+        with self.cv:
+            running = [job for job in self.active.values() if job.held is None and not job.ending]
+        for job in running:
             job.context.handback = True
             cancel(job.context, "daemon stopping")
 
@@ -220,3 +340,16 @@ class Attempts:
             log.error("handoff %s: cannot set it aside (%s: %s): %s; will try again in %ss",
                       handoff_id, code, message, exc, RETRY_LOOK_SECONDS)
             self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
+
+
+class _Release:
+    """Woken when a held attempt's context is stopped (:meth:`HandlerContext.stop`): files it
+    (:meth:`Attempts.release`)."""
+
+    def __init__(self, attempts: Attempts, job: Job) -> None:
+        self.attempts = attempts
+        self.job = job
+
+    def set(self) -> None:
+        """The attempt was stopped: a cancel request, a fence, or the daemon stopping."""
+        self.attempts.release(self.job)

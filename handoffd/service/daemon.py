@@ -72,6 +72,10 @@ class Daemon:
         # was before run_batch (spread: a batch's --max-seconds counts from the process's start)
         self.first_sweep: SweepReport | None = None
         self.started: float | None = None
+        # set by spread's parent: its stop files what late Python handlers kept only once its
+        # children have ended (:meth:`release_held`), or they would claim the retry beside them
+        self.defer_held = False
+        self._late_since: float | None = None  # (a batch waiting for late handlers: since when)
         self.report = BatchReport()
         self.hooks = Hooks()
         self.scheduler = Scheduler(engine, self.report, workers=self.workers)
@@ -344,12 +348,17 @@ class Daemon:
                 if ready is not None:
                     self.dispatcher.dispatch_safely(*ready)
                     continue
+                late_until = -math.inf
                 if batch and scheduler.running == 0 and not scheduler.due_soon():
-                    if self.scan(recheck_waiting=False) == 0 or not scheduler.due_soon():
-                        return
-                    continue
+                    late_until = self._late_wait(now)
+                    if late_until <= now:
+                        if self.scan(recheck_waiting=False) == 0 or not scheduler.due_soon():
+                            return
+                        continue
                 idle = now + IDLE_WAKE_SECONDS
                 timers = [idle, next_rescan if not batch else idle, scheduler.batch_deadline]
+                if late_until > now:
+                    timers.append(late_until)
                 if not batch:
                     timers.append(next_sweep)
                     if scheduler.running < self.workers:
@@ -357,6 +366,19 @@ class Daemon:
                 if (scheduler.heap or scheduler.ready) and scheduler.running < self.workers:
                     timers.append(max(scheduler.heap[0][0] if scheduler.heap else now, spin_up_at))
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
+
+    def _late_wait(self, now: float) -> float:
+        """A batch with nothing running or due: until when it waits for the Python handlers
+        still running past attempts whose outcome is held (work under way: when one returns,
+        its retry runs in this batch). At most ``grace_seconds``, what a stop gives running
+        work: a handler that never returns must not hold a cron batch for ever; the batch's
+        stop then files what they kept. ``now`` or earlier: none is held, it may end."""
+        if not self.attempts.active:
+            self._late_since = None
+            return now
+        if self._late_since is None:
+            self._late_since = now
+        return self._late_since + self.settings.grace_seconds
 
     def _idle_after_work(self, trimmed: float, now: float) -> bool:
         """Nothing runs or waits to run, something was dispatched since the heap was last
@@ -395,8 +417,17 @@ class Daemon:
         with self.cv:  # every task ends: handed back, or ended by _taken_over if its handler hangs
             while scheduler.running:
                 self.cv.wait(1.0)
-        self.leases.stop()
         self.pool.shutdown()
+        self.hooks.stopped()
+        if not self.defer_held:
+            self.release_held()
+
+    def release_held(self) -> None:
+        """The last of a stop, its claims still renewed until then: file what attempts whose
+        Python handler still runs kept (their retry would start beside that handler: the
+        nearer the process's end, the better), wait for those a handler that returned is
+        filing, then stop renewing leases."""
+        self.attempts.file_all_held()
+        self.leases.stop()
         if self._count in self.engine.on_filed:
             self.engine.on_filed.remove(self._count)
-        self.hooks.stopped()

@@ -165,11 +165,18 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
             os.close(opened)
     if serving:
         daemon.add_scan_hook(family.check)
-    report = run(daemon)
-    if serving:
-        family.stop_the_rest()
-    for pid, read in children:
-        _merge(report, _collect(pid, read, family))
+    # what this process's late Python handlers kept is filed once the children are done: they
+    # would claim the retry beside those handlers, which run on until this process exits
+    daemon.defer_held = bool(children)
+    try:
+        report = run(daemon)
+        if serving:
+            family.stop_the_rest()
+        for pid, read in children:
+            _merge(report, _collect(pid, read, family))
+    finally:
+        if daemon.defer_held:
+            daemon.release_held()
     _forget_settled(engine, report)
     return report
 
