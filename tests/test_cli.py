@@ -132,8 +132,8 @@ def test_run_exit_code_counts_documents_rejected_at_admission(ws: Workspace) -> 
 def test_bad_values_and_usage_errors_are_one_line(ws: Workspace, tmp_path: Path) -> None:
     cases = [
         (["create", "--to", "@flaky", "--timeout-seconds", "abc"], 2, "Invalid value for '--timeout-seconds'"),
-        (["create", "--to", "@flaky", "--priority", "urgent"], 1, "priority"),
-        (["create", "--to", "@flaky", "--timeout-seconds", "-5"], 1, "timeout_seconds"),
+        (["create", "--to", "@flaky", "--priority", "urgent"], 2, "priority"),
+        (["create", "--to", "@flaky", "--timeout-seconds", "-5"], 2, "--timeout-seconds"),
         (["validate", "--dialect", "bogus", str(tmp_path)], 2, "unknown dialect 'bogus'"),
         (["validate"], 2, "Missing argument"),
     ]

@@ -80,7 +80,7 @@ def test_create_to_keeps_its_from_default_and_an_explicit_one(ws: Workspace) -> 
                        env=env).returncode == 0
         assert ws.doc(f"{tag}-default")["source"] == {"agent_id": "@cli"}
         assert ws.doc(f"{tag}-me")["source"] == {"agent_id": "@me"}
-        one_line(handoff(ws, "create", "--to", "@x", "--from", "", env=env), 1,
+        one_line(handoff(ws, "create", "--to", "@x", "--from", "", env=env), 2,
                  "source.agent_id")  # an empty one is still refused, not made @cli
 
 
@@ -91,7 +91,7 @@ def test_a_priority_of_unicode_digits_is_refused_by_name(ws: Workspace, env: dic
                                                           priority: str) -> None:
     """str.isdigit() is true for them and int() refuses them: it was an internal error."""
     proc = handoff(ws, "create", "--to", "@x", "--priority", priority, env=env)
-    one_line(proc, 1, f"priority: '{priority}' is not one of")
+    one_line(proc, 2, f"priority: '{priority}' is not one of")
     assert pending(ws) == []
 
 

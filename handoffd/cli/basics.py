@@ -58,15 +58,23 @@ def json_arg(text: str, what: str, *, depth_below: int | None = None) -> Any:
     will sit that many levels inside a document (``input.data``: 2), whose nesting the daemon
     limits to :data:`~handoffd.backends.files.fsio.MAX_DEPTH`."""
     from ..backends.files.fsio import MAX_DEPTH, load_json
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # an argument's bytes that were not UTF-8
-        raise UsageError(f"{what} is not UTF-8 text (character {exc.start + 1})") from None
+    text_arg(text, what)  # an argument's bytes that were not UTF-8
     limit = None if depth_below is None else MAX_DEPTH - depth_below
     try:
         return load_json(text, what, max_depth=limit)
     except InvalidDocument as exc:
         raise UsageError(str(exc)) from None
+
+
+def text_arg(text: str, what: str) -> str:
+    """``text`` when it is UTF-8 text; UsageError naming ``what`` when it holds argv's
+    undecodable bytes (an agent id written into a document would fail its write as an
+    "internal error", exit 1, where a bad argument is a usage error)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{what} is not UTF-8 text (character {exc.start + 1})") from None
+    return text
 
 
 def read_limited(source: str, max_bytes: int, what: str) -> bytes:

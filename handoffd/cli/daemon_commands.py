@@ -216,6 +216,16 @@ def log_filings(eng: Engine) -> bool:
     return True
 
 
+def check_textfile(option: str, textfile: Path) -> None:
+    """UsageError (exit 2) unless ``textfile`` can name a metrics file: not a folder, in a
+    folder that exists (``serve --metrics-textfile``, ``metrics --textfile``)."""
+    if textfile.is_dir():  # (an empty argument arrives as ".")
+        raise UsageError(f"{option} {str(textfile)!r} is a folder: name a file in it, "
+                         "e.g. /var/lib/node_exporter/handoffd.prom")
+    if not textfile.absolute().parent.is_dir():
+        raise UsageError(f"{option} {textfile}: no folder {textfile.absolute().parent}")
+
+
 def expose_metrics(eng: Engine, daemon: Daemon, address: str | None,
                    textfile: Path | None) -> str:
     """Start the metrics endpoint and/or textfile writer of ``serve``; what to add to its
@@ -234,11 +244,7 @@ def expose_metrics(eng: Engine, daemon: Daemon, address: str | None,
         said += f"; metrics on http://{address.rpartition(':')[0] or '0.0.0.0'}:{port}/metrics"
     if textfile is not None:
         from ..service.metrics import TextfileWriter
-        if textfile.is_dir():  # (an empty argument arrives as ".")
-            raise UsageError(f"--metrics-textfile {str(textfile)!r} is a folder: name a file in it, "
-                             "e.g. /var/lib/node_exporter/handoffd.prom")
-        if not textfile.absolute().parent.is_dir():
-            raise UsageError(f"--metrics-textfile {textfile}: no folder {textfile.absolute().parent}")
+        check_textfile("--metrics-textfile", textfile)
         writer = TextfileWriter(eng, str(textfile))
         writer.start()
         daemon.add_stop_hook(writer.stop)

@@ -135,6 +135,7 @@ def create(
         if awaiting is not None:  # stdout keeps the id alone
             print(reads.asked_line(new_id, awaiting), file=sys.stderr)
             raise typer.Exit(reads.EXIT_AWAITING_ANSWER)
+        reads.say_failure(new_id, state, filed)  # why, as `handoff wait` says it
         raise typer.Exit(reads.exit_for(state))
 
 
@@ -146,7 +147,7 @@ def list_command(
     source: Annotated[Optional[str], typer.Option("--from", help="Only handoffs from this agent.")] = None,
     # min=0: a negative limit listed nothing and exited 0, as if the queue were empty (the
     # quick path refuses it and hands it here, which now words the refusal: exit 2)
-    limit: Annotated[int, typer.Option("--limit", min=0, help="Newest N rows.")] = 50,
+    limit: Annotated[int, typer.Option("--limit", min=0, help="Newest N rows (0: none; stderr says how many more there are).")] = reads.DEFAULT_LIMIT,
     conversation: Annotated[Optional[str], typer.Option("--conversation", help="Only handoffs of this conversation_id.")] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Then print each transition as it happens (Ctrl-C ends).")] = False,
     as_json: JsonOption = False,
@@ -158,9 +159,9 @@ def list_command(
     if watch and as_json:  # a stream of JSON lines, one per event (no table first)
         observe_cmd.watch(eng, state=state, to=to, as_json=True)
         return
-    rows = reads.list_rows(eng, state=state, to=to, source=source, limit=limit,
-                           conversation=conversation)
-    reads.print_rows(rows, as_json=as_json)
+    rows, note = reads.list_rows(eng, state=state, to=to, source=source, limit=limit,
+                                 conversation=conversation)
+    reads.print_rows(rows, as_json=as_json, note=note)
     if watch:
         observe_cmd.watch(eng, state=state, to=to, as_json=False)
 

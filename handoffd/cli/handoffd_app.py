@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from .common import RootOption, StoreOption, engine, guarded, new_app, run_app, workspace
-from .daemon_commands import PROG, configure_logging, run_batch
+from .daemon_commands import PROG, check_textfile, configure_logging, run_batch
 from .daemon_commands import serve as serve_workspace
 from .db_cmd import db_app
 
@@ -58,6 +58,8 @@ def metrics(root: RootOption = None,
             ) -> None:
     """Print the workspace's Prometheus metrics once (from the event log and the queue)."""
     from ..service.metrics import registry_for, write_textfile
+    if textfile is not None:  # a missing folder is a bad argument, as for serve --metrics-textfile
+        check_textfile("--textfile", textfile)
     eng = engine(root, features=())
     if textfile is not None:
         write_textfile(eng, str(textfile))

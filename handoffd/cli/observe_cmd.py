@@ -32,6 +32,7 @@ POLL_SECONDS = 0.25  # how often the log is looked at for new lines (a stat when
 SPARK = "▁▂▃▄▅▆▇█"
 BUCKET_SECONDS = 10  # one sparkline character
 BUCKETS = 60  # ten minutes of history
+MAX_REFRESH_SECONDS = 3600.0  # `top --refresh`: the longest wait between redraws
 
 
 def register(app: typer.Typer) -> None:
@@ -219,6 +220,10 @@ def top(
 ) -> None:
     """A live full-screen view: queue depth per specialist, running handoffs with their age and
     attempt, recent failures with their code, a throughput sparkline. q or Ctrl-C quits."""
+    # (NaN fails both comparisons: it never redrew; a negative value redrew at every poll)
+    if not 0 <= refresh <= MAX_REFRESH_SECONDS:
+        from ..core.errors import UsageError
+        raise UsageError(f"--refresh must be 0 to {MAX_REFRESH_SECONDS:g} seconds, not {refresh:g}")
     from rich.live import Live
     eng = engine(root, features=())
     log = _events(eng)

@@ -12,9 +12,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..core.errors import NotFound, UsageError, WaitTimeout
+from ..core.errors import ErrorCode, InvalidDocument, NotFound, UsageError, WaitTimeout
 from .common import JsonOption, RootOption, engine, guarded, workspace
-from .basics import json_arg, read_json_arg
+from .basics import json_arg, read_json_arg, text_arg
 from .render import STATE_STYLE, Out, Piece, clean, console, print_json, rich_text
 
 PROG = "handoff"
@@ -39,7 +39,19 @@ def _data(data: str | None, input_file: str | None, max_bytes: int, *,
 
 def _agent(as_agent: str | None) -> str:
     """``--as``, else the specialist a command handler runs as ($HANDOFF_TARGET), else @cli."""
-    return as_agent or os.environ.get("HANDOFF_TARGET") or DEFAULT_AGENT
+    return text_arg(as_agent or os.environ.get("HANDOFF_TARGET") or DEFAULT_AGENT, "--as")
+
+
+def _key(key: str) -> str:
+    """``key`` when it can name a context value; a usage error (exit 2) otherwise. The store
+    checks it again: what it refuses beyond this (a key a symlink in ``context/`` sends
+    elsewhere) is the workspace's problem, not the argument's, and stays exit 1."""
+    from ..core.keys import normalise_key
+    try:
+        normalise_key(key)
+    except InvalidDocument as exc:
+        raise UsageError(str(exc)) from None
+    return key
 
 
 def register(app: typer.Typer) -> None:
@@ -149,6 +161,7 @@ def context_get(
     root: RootOption = None,
 ) -> None:
     """Print a context value as JSON (exit 3 if the key is not set)."""
+    key = _key(key)
     store = _store(root)
     try:
         value, revision = store.get_with_revision(key)
@@ -181,12 +194,18 @@ def context_set(
         if data is not None or input_file is not None:
             raise UsageError("give the value once: as the VALUE argument, --data or --input")
         data = value
+    key, agent = _key(key), _agent(as_agent)
     config = workspace(root).load_config()
     store = _store(root, config)
-    entry = store.set(key, _data(data, input_file, config.daemon.max_document_bytes,
-                                 what="--data" if value is None else "VALUE"),
-                      agent=_agent(as_agent),
-                      handoff_id=os.environ.get("HANDOFF_ID"), if_revision=if_revision)
+    given = _data(data, input_file, config.daemon.max_document_bytes,
+                  what="--data" if value is None else "VALUE")
+    try:
+        entry = store.set(key, given, agent=agent, handoff_id=os.environ.get("HANDOFF_ID"),
+                          if_revision=if_revision)
+    except InvalidDocument as exc:  # a value over the store's size or depth limit: the argument's
+        if exc.code != ErrorCode.INVALID_CONTEXT_VALUE:
+            raise
+        raise UsageError(str(exc)) from None
     _refresh_mirror(store)
     print(clean(f"{entry['key']}: written by {entry['by']} (revision {entry['revision']}, "
                 f"{entry['bytes']} bytes, sha256 {entry['sha256'][:12]})"))
@@ -229,7 +248,7 @@ def context_history(
     root: RootOption = None,
 ) -> None:
     """Every recorded context write (who, when, size, sha256), oldest first."""
-    items = _store(root).history(key)
+    items = _store(root).history(None if key is None else _key(key))
     if as_json:
         print_json(items)
         return

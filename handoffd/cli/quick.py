@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .basics import PROG, check_id_arguments, engine, failure_code, json_arg
+from .basics import PROG, check_id_arguments, engine, failure_code, json_arg, text_arg
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -53,22 +53,47 @@ def submit_request(eng: "Engine", *, to: str, source: str = "@cli", payload: Any
                    priority: str | None = None, depends_on: list[str] | None = None,
                    expires_at: str | None = None, if_absent: bool = False,
                    due_at: Any = None) -> str:
-    """Submit a native (seed 001) request built from ``handoff create``'s options; its id."""
+    """Submit a native (seed 001) request built from ``handoff create``'s options; its id.
+    A value no request may hold is the caller's usage error (exit 2), said before anything is
+    written; what the store then refuses (a taken id, a missing dependency) stays exit 1."""
     from ..core import hashing
-    from ..core.documents import new_native_request
     hashing.load()  # before the stamps below: the created time is when the document appears
     eng.backend.prepare()
-    # ASCII digits only: str.isdigit() is true for "²" too, which int() refuses (an "internal
-    # error"); any other text goes on as a name, which new_native_request refuses by name
-    prio: Any = (int(priority) if priority is not None and priority.isascii()
-                 and priority.isdigit() else priority)
-    doc = new_native_request(source=source, target=to, data=payload, now=eng.clock(),
-                             handoff_id=handoff_id, timeout_seconds=timeout_seconds,
-                             priority=prio, depends_on=depends_on)
+    doc = request_from_options(eng, to=to, source=source, payload=payload,
+                               handoff_id=handoff_id, timeout_seconds=timeout_seconds,
+                               priority=priority, depends_on=depends_on)
     if expires_at is not None:
         doc["expires_at"] = expires_at
     # new_native_request refuses what the schema would (e.g. --priority urgent): no validator
     return eng.submit(doc, forced="native", prechecked=True, if_absent=if_absent, due_at=due_at)
+
+
+def request_from_options(eng: "Engine", *, to: str, source: str, payload: Any,
+                         handoff_id: str | None, timeout_seconds: float | None,
+                         priority: str | None, depends_on: list[str] | None) -> dict[str, Any]:
+    """The request :func:`submit_request` submits; UsageError for an option's value that no
+    request may hold (a --priority or --timeout-seconds the schema refuses, agent ids that
+    are not UTF-8 text, more dependencies or a longer time limit than any handoff may have)."""
+    from ..core.documents import MAX_DEPENDENCIES, MAX_TIMEOUT_SECONDS, new_native_request
+    from ..core.errors import InvalidDocument, UsageError
+    text_arg(to, "--to")
+    text_arg(source, "--from")
+    # (NaN fails the comparison; infinity and 1e400 would pass new_native_request's check)
+    if timeout_seconds is not None and not 0 < timeout_seconds <= MAX_TIMEOUT_SECONDS:
+        raise UsageError(f"--timeout-seconds must be above 0 and at most {MAX_TIMEOUT_SECONDS:g} "
+                         f"(one week), not {timeout_seconds:g}")
+    if depends_on and len(depends_on) > MAX_DEPENDENCIES:
+        raise UsageError(f"--depends-on given {len(depends_on)} times; at most {MAX_DEPENDENCIES}")
+    # ASCII digits only: str.isdigit() is true for "²" too, which int() refuses (an "internal
+    # error"); any other text goes on as a name, which new_native_request refuses by name
+    prio: Any = (int(priority) if priority is not None and priority.isascii()
+                 and priority.isdigit() else priority)
+    try:
+        return new_native_request(source=source, target=to, data=payload, now=eng.clock(),
+                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
+                                  priority=prio, depends_on=depends_on)
+    except InvalidDocument as exc:  # each field it checks is an option's value (or a bad --id)
+        raise UsageError(str(exc)) from None
 
 
 def parse(argv: Sequence[str], commands: Mapping[str, Form] = COMMANDS,
@@ -149,14 +174,14 @@ def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
         reads.show(opts.get("root"), args[0], as_json=as_json)
     elif command == "ls":
         if opts.get("limit") is None:
-            opts["limit"] = 50
+            opts["limit"] = reads.DEFAULT_LIMIT
         # the features' gates say why a pending handoff waits: installed (and imported) only
         # when a pending row is listed, and only the features that have gates
         eng = engine(opts.pop("root", None), features=())
         from ..features.build import GATE_FEATURES, install_features
-        rows = reads.list_rows(eng, before_pending=lambda: install_features(eng, GATE_FEATURES),
-                               **opts)
-        reads.print_rows(rows, as_json=as_json)
+        rows, note = reads.list_rows(
+            eng, before_pending=lambda: install_features(eng, GATE_FEATURES), **opts)
+        reads.print_rows(rows, as_json=as_json, note=note)
     else:
         code = reads.wait(opts.get("root"), args[0], opts.get("timeout"), as_json=as_json)
         sys.stdout.flush()

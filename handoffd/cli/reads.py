@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ..core.storage import Backend
 
 EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
+DEFAULT_LIMIT = 50  # `handoff ls` without --limit lists the newest 50 rows
 STATES = [s.value for s in State] + ["quarantined"]
 
 
@@ -169,21 +170,53 @@ def check_state(state: str | None) -> None:
 
 
 def list_rows(eng: "Engine", *, state: str | None = None, to: str | None = None,
-              source: str | None = None, limit: int = 50, conversation: str | None = None,
-              before_pending: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """The rows of ``handoff ls``, newest first (``before_pending``: see list_handoffs)."""
+              source: str | None = None, limit: int = DEFAULT_LIMIT,
+              conversation: str | None = None,
+              before_pending: Callable[[], None] | None = None,
+              ) -> tuple[list[dict[str, Any]], str | None]:
+    """The rows of ``handoff ls``, newest first (``before_pending``: see list_handoffs), and
+    the line that says how many more ``limit`` left out (None when it left none out)."""
     from ..service.queries import list_handoffs
     check_state(state)
-    return list_handoffs(eng, state=state, to=to, source=source, limit=limit,
+    rows = list_handoffs(eng, state=state, to=to, source=source, limit=limit,
                          conversation=conversation, before_pending=before_pending)
+    if len(rows) < limit:  # (fewer than asked for: nothing was left out)
+        return rows, None
+    if to or source or conversation:  # rows a filter keeps cannot be counted without reading
+        # every document: one row past the limit says whether there are more
+        more = list_handoffs(eng, state=state, to=to, source=source, limit=limit + 1,
+                             conversation=conversation)
+        return rows, (f"{PROG}: more not shown (--limit {limit}): raise --limit to list them"
+                      if len(more) > len(rows) else None)
+    total = count_rows(eng, state)
+    if total <= len(rows):
+        return rows, None
+    return rows, (f"{PROG}: {total - len(rows):,} more not shown (--limit {limit}): "
+                  f"--limit {total} lists them all")
 
 
-def print_rows(rows: list[dict[str, Any]], *, as_json: bool) -> None:
-    """``handoff ls``'s output: the table, or the rows as JSON."""
+def count_rows(eng: "Engine", state: str | None) -> int:
+    """How many rows ``handoff ls --state STATE`` would list without a limit: the ids in that
+    state (in every state, and the quarantined files, for None), counted without reading a
+    document."""
+    store = eng.backend
+    if state == "quarantined":
+        return len(store.quarantined())
+    if state is not None:
+        return len(store.ids(State(state)))
+    return sum(len(store.ids(one)) for one in State) + len(store.quarantined())
+
+
+def print_rows(rows: list[dict[str, Any]], *, as_json: bool, note: str | None = None) -> None:
+    """``handoff ls``'s output: the table, or the rows as JSON; then ``note`` (what the limit
+    left out) on stderr, so that stdout stays one row per line, or one JSON array."""
     if as_json:
         print_json(rows)
     else:
         Out().table(*handoff_rows(rows))
+    if note is not None:
+        sys.stdout.flush()  # (the note comes after the table at a terminal)
+        print(note, file=sys.stderr)
 
 
 # ---------------------------------------------------------------- wait
@@ -226,9 +259,15 @@ def report_wait(handoff_id: str, state: State, doc: dict[str, Any], *, as_json: 
         print_json(doc)
     else:
         print(f"{handoff_id} {state.value}")
-        if state is State.FAILED:  # why, on stderr (stdout keeps the one line scripts read)
-            print(f"{PROG}: {handoff_id}: {failure_line(state, doc)}", file=sys.stderr)
+        say_failure(handoff_id, state, doc)  # why, on stderr (stdout keeps the one line)
     return exit_for(state)
+
+
+def say_failure(handoff_id: str, state: State, doc: dict[str, Any]) -> None:
+    """When a wait ended failed (``handoff wait``, ``create --wait``): one stderr line,
+    ``handoff: ID: CODE: message``, the message's control characters shown escaped."""
+    if state is State.FAILED:
+        print(f"{PROG}: {handoff_id}: {failure_line(state, doc)}", file=sys.stderr)
 
 
 def exit_for(state: State) -> int:

@@ -6,9 +6,9 @@ Built on the official ``mcp`` SDK (its ``MCPServer``). Tools: ``create_handoff``
 Schema of every format (``handoffd://schemas/<file>``). Each tool is the same operation as the
 ``handoff`` command of that name (through :class:`handoffd.service.client.Client`). A handoffd
 error comes back as an MCP tool error whose text starts with its error code
-(``NOT_FOUND: no handoff x``, ``SCHEMA_VALIDATION_FAILED: ...``). The server acts as one agent
-identity (``--as``, default ``@mcp``): the source of what it creates, and whose namespace
-permissions apply to context writes.
+(``NOT_FOUND: no handoff x``, ``SCHEMA_VALIDATION_FAILED: ...``, ``DUPLICATE_HANDOFF_ID: ...``
+for an id that is taken). The server acts as one agent identity (``--as``, default ``@mcp``):
+the source of what it creates, and whose namespace permissions apply to context writes.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from mcp.server.mcpserver.exceptions import ToolError
 
 from ..core.errors import (
     Conflict,
+    DuplicateHandoff,
+    ErrorCode,
     HandlerError,
     HandoffdError,
     InvalidDocument,
@@ -43,8 +45,11 @@ def error_code(exc: HandoffdError) -> str:
     """The error code an MCP caller sees for ``exc``."""
     if isinstance(exc, (InvalidDocument, HandlerError)):
         return str(exc.code)
-    for kind, code in ((Conflict, "CONFLICT"), (NotFound, "NOT_FOUND"),
-                       (WaitTimeout, "WAIT_TIMEOUT"), (UsageError, "USAGE_ERROR")):
+    # (Conflict first: it is a DuplicateHandoff, whose plain case is the id's own code, as the
+    # daemon records it for a second document under a taken id)
+    for kind, code in ((Conflict, "CONFLICT"), (DuplicateHandoff, ErrorCode.DUPLICATE_HANDOFF_ID),
+                       (NotFound, "NOT_FOUND"), (WaitTimeout, "WAIT_TIMEOUT"),
+                       (UsageError, "USAGE_ERROR")):
         if isinstance(exc, kind):
             return code
     return getattr(exc, "code", None) or "HANDOFFD_ERROR"
