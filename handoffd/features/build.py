@@ -8,8 +8,10 @@ features in order; ``features=()`` gives a bare engine that runs plain handoffs 
 from __future__ import annotations
 
 import importlib
+import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, cast
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
 
 from .. import dialects
 from ..backends.files import FilesBackend
@@ -20,9 +22,11 @@ from ..core.timeutil import Clock, utc_now
 from ..core.workspace import Workspace
 
 if TYPE_CHECKING:  # loaded by build_engine: a command that only reads needs open_backend alone
-    from ..core.engine import Engine, Job
+    from ..core.documents import Envelope
+    from ..core.engine import Engine, Job, Verdict
     from ..core.events import EventLog
-    from ..core.specialists import Registry
+    from ..core.specialists import Registry, Specialist
+    from .rates import RateLimits
 
 Feature = Callable[["Engine"], object]
 
@@ -78,6 +82,40 @@ def install_notify(engine: Engine) -> None:
         notify.install(engine)
 
 
+def install_rates(engine: Engine) -> None:
+    """Rate limits (a specialist's ``rate = "30/m"``): the start limit a daemon's scheduler asks
+    before each start, and a gate that says why a pending handoff waits for its rate (``handoff
+    ls``). Their code (:mod:`.rates`) is loaded when a specialist with a rate is first asked
+    about: a listing of other specialists' work never imports it. In an engine a daemon serves,
+    the gate stands aside: the scheduler holds rate-limited work itself and looks again when
+    the next token is due (a gate's wait is looked at again only at a filing or a rescan)."""
+    made: list[RateLimits] = []
+    serving: list[bool] = []  # [True] once a daemon is built on this engine
+    lock = threading.Lock()
+
+    def limits() -> RateLimits:
+        with lock:
+            if not made:
+                from .rates import RateLimits
+                made.append(RateLimits(engine.backend.records()))
+        return made[0]
+
+    def rate_limit(spec: Specialist, now: datetime) -> float:
+        return limits().limit(spec, now) if spec.config.rate is not None else 0.0
+
+    def rate_gate(gated: Engine, env: Envelope, doc: dict[str, Any]) -> Verdict | None:
+        spec = None if serving else gated.specialist_for(env)
+        return None if spec is None or spec.config.rate is None else \
+            limits().gate(spec, gated.clock())
+
+    def serve(_daemon: object) -> None:
+        serving[:] = [True]
+
+    engine.start_limits.append(rate_limit)
+    engine.gates.append(rate_gate)
+    engine.daemon_plugins.append(serve)
+
+
 # by name, in installation order (the order of each hook list follows from it)
 FEATURES: dict[str, Feature] = {
     "pause": _installer(".pause"),  # handoff pause / resume: its gate goes first
@@ -89,14 +127,14 @@ FEATURES: dict[str, Feature] = {
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
     "notify": install_notify,  # [[on_filed]]: command / webhook notices of filed handoffs
     "retention": _installer(".retention"),  # [retention]: purge / archive old finished work
-    "rates": _installer(".rates"),  # specialists' rate = "30/m": a shared token bucket each
+    "rates": install_rates,  # specialists' rate = "30/m": a shared token bucket each
     # a PostgreSQL store: files dropped into this workspace's pending/ in, their results out
     "filebridge": _installer(".filebridge"),
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 # the features with gates (Engine.gate): what `handoff ls` installs to say why a pending
 # handoff waits, in FEATURES' order, without loading the rest
-GATE_FEATURES = ("pause", "dependencies", "contracts", "orchestration", "cancellation")
+GATE_FEATURES = ("pause", "dependencies", "contracts", "orchestration", "cancellation", "rates")
 
 
 def origin_of(workspace: Workspace) -> str:
@@ -191,4 +229,5 @@ def event_log_of(engine: Engine) -> EventLog:
 __all__ = ["DEFAULT_FEATURES", "FEATURES", "GATE_FEATURES", "Feature", "build_engine",
            "install_features",
            "install_artifacts",
-           "install_context", "open_backend", "open_event_log", "event_log_of", "origin_of"]
+           "install_context", "install_rates", "open_backend", "open_event_log", "event_log_of",
+           "origin_of"]
