@@ -265,8 +265,8 @@ def test_cancelling_a_running_handler_files_cancelled_at_once(tmp_path: Path) ->
 def test_a_takeover_whose_filing_fails_still_gives_its_slot_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The thread that ends an overrunning attempt meets a full disk: the error is logged, the
-    slot is free (the daemon does not stall), and the claim is given up and handed back, as
-    after a worker's own failed filing."""
+    slot is free (the daemon does not stall), and the claim and its outcome are kept, as after
+    a worker's own failed filing: filed (once) when the late handler returns, or on a refile."""
     release = threading.Event()
 
     def handler(handoff: dict, ctx: Any) -> dict:
@@ -291,18 +291,19 @@ def test_a_takeover_whose_filing_fails_still_gives_its_slot_back(
     try:
         wait_until(lambda: failures, 10)
         assert failures == [f"takeover-{hid}"]
-        wait_until(lambda: daemon.running == 0 and hid not in daemon.active, 10)
-        release.set()  # the first attempt's handler returns: its worker files nothing
+        # the slot is given back; the claim stays, its TIMEOUT outcome kept to be filed again
+        wait_until(lambda: daemon.running == 0 and daemon.active[hid].held is not None, 10)
+        release.set()  # the first attempt's handler returns: the kept outcome is filed, once
         wait_until(lambda: engine.backend.store.locate(hid) in ([State.COMPLETED],
                                                                 [State.FAILED]), 30)
         (where,) = engine.backend.store.locate(hid)
         doc = engine.backend.store.read(where, hid)
         events = [e["event"] for e in book(doc)["history"]]
-        # as a worker's own failed filing: the claim is given up and handed back free (no
-        # crash: nothing charged), and its next attempt, whose handler returns, is filed
-        assert events == ["created", "claimed", "recovered", "handed_back", "claimed",
-                          "completed"], events
-        assert where is State.COMPLETED
+        # as a worker's own failed filing: nothing runs again (it was handed back and run
+        # again, before tests/test_refile.py), the timeout is filed
+        assert events == ["created", "claimed", "failed"], events
+        assert where is State.FAILED and doc["error"]["code"] == "TIMEOUT"
+        wait_until(lambda: hid not in daemon.active, 10)
     finally:
         release.set()
         daemon.stop()

@@ -4,11 +4,13 @@ ordering, wake-up subscribers, waiting built on the wake-up feed)."""
 from __future__ import annotations
 
 import copy
+import errno
 import math
 import threading
 import time
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Collection
+from contextlib import contextmanager
+from typing import Any, Callable, Collection, Iterator
 
 from ..core.documents import BOOK, actor, book, book_int, check_id, next_attempt_at, record
 from ..core.errors import InvalidDocument, InvalidTransition, NotFound, UsageError, WaitTimeout
@@ -34,8 +36,8 @@ from ..core.timeutil import iso, parse_iso
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 SAFETY_RECHECK_SECONDS = 2.0  # wake-ups are hints: waiters look again now and then regardless
 
-__all__ = ["Backend", "Claim", "Claims", "Describe", "Doc", "Meta", "Order", "Row", "Rows",
-           "Wakeup", "WakeupCallback", "Where", "describe_native"]
+__all__ = ["Backend", "Claim", "Claims", "Describe", "Doc", "Meta", "NotFiled", "Order", "Row",
+           "Rows", "Wakeup", "WakeupCallback", "Where", "describe_native", "refiling"]
 
 
 # ---------------------------------------------------------------- helpers shared by backends
@@ -60,6 +62,72 @@ class FencedFiling:
         stamp_requeued(stored, due_at, count_attempt)
         return self._release(claim, State.PENDING, stored, copied=True)
 
+
+
+# ---------------------------------------------------------------- a failed filing, kept to refile
+# what a filing can fail of and succeed at a later try, with nothing to change in the document:
+# space, descriptors or memory running out, an I/O error, a permission an operator will fix
+PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EMFILE, errno.ENFILE,
+                            errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.EACCES,
+                            errno.EPERM, errno.EROFS})
+
+
+class NotFiled(OSError):
+    """A filing (finish or requeue) of a claim under :func:`refiling` failed for a passing reason
+    (:data:`PASSING_ERRNOS`: a full disk) before anything was written where it was going. The
+    claim is still the caller's (not finished, not given up: keep renewing it), its document is
+    as it was when :func:`refiling` began, and the same outcome may be filed again later, or the
+    claim given up (``abandon``). Outside :func:`refiling` such a failure gives the claim up."""
+
+
+_refiled: dict[str, Doc] = {}  # claim token -> its document as a refiling filing began
+_refiled_lock = threading.Lock()
+
+
+@contextmanager
+def refiling(claim: Claim) -> Iterator[None]:
+    """Around a filing of ``claim`` whose caller files it again if it fails for a passing reason:
+    the backend then raises :class:`NotFiled` rather than give the claim up (backends that
+    cannot tell raise what they always raised). A shallow copy of its document is kept meanwhile
+    (the filing records events in it; a refile must not record them twice)."""
+    with _refiled_lock:
+        _refiled[claim.token] = _before_filing(claim.doc)
+    try:
+        yield
+    finally:
+        with _refiled_lock:
+            _refiled.pop(claim.token, None)
+
+
+def refiled_copy(token: str | None, exc: OSError) -> Doc | None:
+    """For a backend whose filing of the claim with ``token`` failed with ``exc`` before anything
+    was written: the document to restore the claim's to before it raises :class:`NotFiled`, or
+    None when the claim is given up as before (no :func:`refiling`, or no passing reason)."""
+    if token is None or exc.errno not in PASSING_ERRNOS:
+        return None
+    with _refiled_lock:
+        return _refiled.get(token)
+
+
+def restore(doc: Doc, saved: Doc, lease: Any) -> None:
+    """Put a claim's document ``doc`` back as ``saved`` (see :func:`refiled_copy`), in place
+    (the backend's claim shares it), with its current ``lease`` (renewed meanwhile)."""
+    doc.clear()
+    doc.update(_before_filing(saved))  # (a copy again: a second failure restores it too)
+    if lease is not None:
+        book(doc)["lease"] = lease
+
+
+def _before_filing(doc: Doc) -> Doc:
+    """What filing changes of a document, copied: its top level (a format's status), the
+    bookkeeping block and its history (events are appended, old ones cut)."""
+    saved = dict(doc)
+    block = doc.get(BOOK)
+    if isinstance(block, dict):
+        saved[BOOK] = block = dict(block)
+        if isinstance(block.get("history"), list):
+            block["history"] = list(block["history"])
+    return saved
 
 def safe_describe(describe: Describe, doc: Doc) -> Meta:
     """``describe(doc)``, or an unroutable Meta when the document defeats it."""

@@ -44,6 +44,9 @@ class Job:
     # handler: filed when it returns, is cancelled, or the daemon stops (service.attempts)
     held: Outcome | None = None
     returned: bool = False  # that late handler has returned (both set under the daemon's cv)
+    # seconds until the outcome in ``held`` is filed again, its filing having failed for a
+    # passing reason (a full disk) with the claim kept; 0.0: never failed (service.attempts)
+    refile_after: float = 0.0
 
     @property
     def handoff_id(self) -> str:

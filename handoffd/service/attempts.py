@@ -15,6 +15,12 @@ the handler returns, or when the handoff is cancelled (filed cancelled: nothing 
 when this daemon stops (:meth:`Attempts.file_all_held`, the last thing it does: the handler's
 thread ends with the process). A finished outcome (the last retry failing, a cancellation) is
 filed at once. Command handlers and isolated ones are killed on time: nothing is held for them.
+
+An outcome whose filing failed for a passing reason (a full disk) before anything was written is
+kept the same way (``Job.held``, :class:`~handoffd.backends.base.NotFiled`): the handler does not
+run again; the same outcome is filed again after ``RETRY_LOOK_SECONDS``, then with a back-off up
+to :data:`REFILE_MAX_SECONDS` (:meth:`Attempts._refile`, on a timer), or cancelled, or filed
+last at a stop, where a failure gives the claim up as before (the sweep hands it back free).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import time
 from collections import Counter
 from typing import Callable
 
+from ..backends.base import NotFiled, refiling
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
 from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError
@@ -33,7 +40,7 @@ from ..core.runner import cancel
 from ..core.states import State
 from ..core.watchdog import TakenOver, cancelled
 from . import handbacks
-from .leases import LOST_LOCK_REASON
+from .leases import FENCE_FRACTION, LOST_LOCK_REASON
 from .report import BatchReport
 from .scheduler import RETRY_LOOK_SECONDS, Scheduler
 
@@ -43,6 +50,7 @@ UNEXPECTED_MAX_SECONDS = 60.0  # the longest back-off after unexpected errors ab
 # the longest a stop waits for held outcomes being filed by other threads (a late handler that
 # just returned, a cancellation): a filing is one write, and a store that is away gives up
 HELD_FILING_SECONDS = 10.0
+REFILE_MAX_SECONDS = 60.0  # the longest wait between two tries to file a kept outcome
 MAX_TRACKED = 10_000  # handoffs whose unexpected errors are counted before the count starts over
 
 
@@ -63,6 +71,8 @@ class Attempts:
         self.late_said: dict[str, int] = {}  # (said once per late handler)
         self.unexpected_in_a_row: dict[str, int] = {}  # handoff id -> unexpected errors in a row
         self.slot = threading.local()  # a worker's current task token (``slot.token``)
+        self.refiles: dict[str, threading.Timer] = {}  # kept outcomes' next refile (under cv)
+        self.closing = False  # a stop files what is kept: a failure then gives the claim up
 
     def work(self, handoff_id: str) -> None:
         """Claim ``handoff_id``, run its specialist and file the outcome (a worker's task)."""
@@ -90,7 +100,8 @@ class Attempts:
             if token is not None:  # its Python handler runs here, ended on time by the watchdog
                 taken = job
                 job.takeover = lambda rest: self._taken_over(token, taken, rest)
-            self._end_attempt(job, self.engine.run(job))
+            if self._end_attempt(job, self.engine.run(job)):
+                job = None  # its filing failed and is tried again: the job stays active
         except TakenOver:
             if job is not None:  # (always: only run() raises it) its handler returned at last
                 self._late_handler_returned(job)
@@ -105,13 +116,15 @@ class Attempts:
             if job is not None:
                 self._forget_job(job)
 
-    def _end_attempt(self, job: Job, outcome: Outcome) -> None:
-        """File a run's outcome, or hand the attempt back if the daemon stopped it."""
+    def _end_attempt(self, job: Job, outcome: Outcome) -> bool:
+        """File a run's outcome, or hand the attempt back if the daemon stopped it. True when
+        the filing failed for a passing reason and the outcome is kept to be filed again (the
+        job stays active: :meth:`_keep_to_refile`)."""
         job.ending = True
         if job.context.handback:  # counted once a stop interrupted it too often in a row
             if handbacks.hand_back(self.engine, job, outcome):
                 self.report.handed_back += 1
-            return
+            return False
         if job.fenced:  # stopped by the lease keeper: retried by the policy, not cancelled
             reason = job.context.cancel_reason
             advice = "" if reason == LOST_LOCK_REASON else (
@@ -120,7 +133,20 @@ class Attempts:
             outcome = self.engine.failure(
                 outcome.started_at or self.engine.clock(), ErrorCode.PROCESSING_ERROR,
                 f"handoff {job.handoff_id}: stopped: {reason}{advice}", retryable=True)
-        self.engine.file(job.claim, job.dialect, job.specialist, outcome)  # counted: Daemon._count
+        return self._file(job, outcome)
+
+    def _file(self, job: Job, outcome: Outcome) -> bool:
+        """File ``outcome`` (counted: Daemon._count); True when it is kept to be filed again."""
+        try:
+            with refiling(job.claim):
+                self.engine.file(job.claim, job.dialect, job.specialist, outcome)
+        except NotFiled as exc:
+            return self._keep_to_refile(job, outcome, exc)
+        if job.refile_after:  # filed at last: no error left for a batch's exit code to report
+            self.report.errors -= 1
+            log.info("handoff %s: filed after its filing failed (its handler ran once)",
+                     job.handoff_id)
+        return False
 
     def _taken_over(self, token: int, job: Job, rest: Callable[[], Outcome]) -> None:
         """On the watchdog's thread: end ``job``'s attempt, whose handler overran or was
@@ -136,9 +162,7 @@ class Attempts:
         kept = False
         try:
             outcome = rest()
-            kept = self._hold(job, outcome)
-            if not kept:
-                self._end_attempt(job, outcome)
+            kept = self._hold(job, outcome) or self._end_attempt(job, outcome)
         except Exception as exc:
             self._work_failed(job.handoff_id, exc)
         finally:
@@ -217,21 +241,31 @@ class Attempts:
         return outcome
 
     def _file_held(self, job: Job, outcome: Outcome) -> None:
-        """File the outcome taken from ``job.held`` (once: whoever took it), then forget the job."""
+        """File the outcome taken from ``job.held`` (once: whoever took it), then forget the job
+        (unless its filing failed and it is kept again). An outcome kept after a failed filing
+        is filed as it is (what ended the attempt was applied to it already)."""
+        kept = False
         try:
-            self._end_attempt(job, outcome)
+            kept = self._file(job, outcome) if job.refile_after else \
+                self._end_attempt(job, outcome)
         except Exception as exc:
             self._work_failed(job.handoff_id, exc)
         finally:
-            self._forget_job(job)
+            if not kept:
+                self._forget_job(job)
             with self.cv:  # a batch, or a stop, may wait for the last held one (not per job:
                 self.cv.notify_all()  # waking the main loop for every filing cost a drain 10%)
 
     def file_all_held(self, wait: float = HELD_FILING_SECONDS) -> None:
         """File every kept outcome, as this daemon stops (its handlers' threads end with the
         process), and wait up to ``wait`` seconds for those being filed on other threads: once
-        every task has ended, the jobs still active are exactly those."""
+        every task has ended, the jobs still active are exactly those. A failed filing gives
+        its claim up now (:meth:`_keep_to_refile`)."""
         with self.cv:
+            self.closing = True
+            for timer in self.refiles.values():
+                timer.cancel()
+            self.refiles.clear()
             kept = [(job, self._take_held(job)) for job in list(self.active.values())]
         for job, outcome in kept:
             if outcome is not None:
@@ -241,9 +275,74 @@ class Attempts:
             while self.active and time.monotonic() < deadline:
                 self.cv.wait(max(min(deadline - time.monotonic(), 1.0), 0.0))
             left = sorted(self.active)
+            self.closing = False  # (a daemon may run another batch)
         if left:
             log.error("stopping with %d handoff(s) still being filed: %s; the sweep recovers "
                       "them", len(left), ", ".join(left[:10]))
+
+    # ------------------------------------------------------------ refiling
+    def _keep_to_refile(self, job: Job, outcome: Outcome, exc: NotFiled) -> bool:
+        """``outcome``'s filing failed for a passing reason (a full disk) before anything was
+        written; the claim is still ours. Keep it (True: the job stays active, its lease renewed)
+        and file the same outcome again on a timer, after ``RETRY_LOOK_SECONDS`` and then twice
+        as long each time, up to a minute: the handler, which has run, does not run again. When
+        this daemon stops (False), give the claim up as before: the sweep hands it back free."""
+        with self.cv:
+            closing = self.closing
+            first = not job.refile_after
+            if not closing:
+                job.held = outcome
+                job.refile_after = RETRY_LOOK_SECONDS if first else \
+                    min(job.refile_after * 2, REFILE_MAX_SECONDS)
+                self._start_refile(job)
+        if first:  # (a batch that ends with it unfiled exits non-zero, and says so)
+            self.report.errors += 1
+        if closing:
+            log.error("handoff %s: %s; stopping: handed back to pending/ by the sweep (its "
+                      "handler runs again)", job.handoff_id, exc)
+            self.engine.backend.abandon(job.claim)
+            return False
+        log.error("handoff %s: %s; its claim is kept and the filing tried again in %gs (the "
+                  "handler does not run again)", job.handoff_id, exc, job.refile_after)
+        if first:  # a cancellation files it cancelled at once (the handler is done anyway)
+            job.context.wake_on_cancel(_Release(self, job))
+        return True
+
+    def _start_refile(self, job: Job) -> None:
+        """Arm ``job``'s next refile (called under ``cv``)."""
+        armed = self.refiles.get(job.handoff_id)
+        if armed is not None:  # (a cancellation's filing failed too: one timer is enough)
+            armed.cancel()
+        timer = threading.Timer(job.refile_after, self._refile, args=(job,))
+        timer.daemon = True
+        timer.name = f"refile-{job.handoff_id}"
+        self.refiles[job.handoff_id] = timer
+        timer.start()
+
+    def _refile(self, job: Job) -> None:
+        """On a timer: file the outcome kept for ``job`` again (unless a cancellation, a late
+        handler's return or a stop took it meanwhile: whoever takes it files it, once). A claim
+        whose lease could not be renewed for most of a lease (the disk is full for its lease
+        writes too) is given up before it lapses: handed back free, not recovered as a crash."""
+        with self.cv:
+            if self.refiles.get(job.handoff_id) is threading.current_thread():
+                del self.refiles[job.handoff_id]
+            outcome = self._take_held(job)
+        if outcome is None:
+            return
+        unrenewed = time.monotonic() - job.renewed_at
+        if unrenewed > FENCE_FRACTION * self.settings.lease_seconds:
+            log.error("handoff %s: its lease could not be renewed for %.1fs while its filing "
+                      "waited; given up: the sweep hands it back to pending/ (its handler runs "
+                      "again)", job.handoff_id, unrenewed)
+            try:
+                self.engine.backend.abandon(job.claim)
+            finally:
+                self._forget_job(job)
+                with self.cv:
+                    self.cv.notify_all()
+            return
+        self._file_held(job, outcome)
 
     def _forget_job(self, job: Job) -> None:
         with self.cv:

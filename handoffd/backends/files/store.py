@@ -30,6 +30,7 @@ from ...core.errors import (
 from ...core.states import State, allowed
 from ...core.timeutil import utc_now
 from ...core.workspace import Workspace
+from ..base import NotFiled, refiled_copy, restore
 from . import aside, fsio, reading, seals, spares, writes
 from .leases import (
     OWNER_LOCK_NAME,
@@ -392,12 +393,7 @@ class Store:
                                     handoff_id=handoff_id)
         data = self.encode(doc, dst, handoff_id)
         if ours:
-            fsio.create_exclusive(self.path(dst, handoff_id), data, self.tmp, durable=self.durable)
-            crash_point("after-move-write")
-            # no directory fsync: if a crash undoes this unlink, the two copies are told apart
-            # by revision (states.winner) and recovery removes the older one
-            spares.retire(self.path(src, handoff_id), self.tmp)
-            crash_point("after-move-unlink")
+            self._move_ours(handoff_id, src, dst, data)
             return
         # not a file of ours: it is taken aside first, so that what is removed is the copy this
         # move replaces, never one written in its place meanwhile (see :mod:`.aside`)
@@ -415,20 +411,75 @@ class Store:
         os.unlink(taken)
         crash_point("after-move-unlink")
 
+    def _move_ours(self, handoff_id: str, src: State, dst: State, data: bytes,
+                   unwritten: Callable[[OSError], None] | None = None) -> None:
+        """:meth:`move` of a file this process wrote. ``unwritten`` is told of an OSError that
+        came before anything was written in ``dst`` (it may raise another instead)."""
+        target = self.path(dst, handoff_id)
+        try:
+            fsio.create_exclusive(target, data, self.tmp, durable=self.durable)
+        except OSError as exc:
+            if unwritten is not None and not _exists(target):  # (there: its dir fsync failed)
+                unwritten(exc)
+            raise
+        crash_point("after-move-write")
+        # no directory fsync: if a crash undoes this unlink, the two copies are told apart
+        # by revision (states.winner) and recovery removes the older one
+        spares.retire(self.path(src, handoff_id), self.tmp)
+        crash_point("after-move-unlink")
+
     def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
-        """File a claimed handoff in ``dst``. False (nothing written) if the claim was lost."""
+        """File a claimed handoff in ``dst``. False (nothing written) if the claim was lost.
+        Under :func:`..base.refiling`, a failure for a passing reason (a full disk) before
+        anything was written in ``dst`` raises :class:`..base.NotFiled`: the claim stays ours,
+        its document as before the filing. Any other failure gives the claim up: recovery in
+        this process hands it back (a failure after ``dst`` was written: recovery keeps that
+        copy, newer by revision, and removes the in-progress one; nothing runs again)."""
         with claim.mutex:
-            moved = False
+            moved = kept = False
+            lease_now = book(claim.doc).get("lease")  # (the answer may share the block)
+
+            def keep(exc: OSError) -> None:
+                nonlocal kept
+                saved = refiled_copy(claim.token, exc)
+                if saved is not None:
+                    restore(claim.doc, saved, lease_now)
+                    kept = True
+                    raise NotFiled(exc.errno, f"{claim.handoff_id} could not be filed in "
+                                   f"{dst.value}/: {exc.strerror or exc}") from exc
+
             try:
                 if claim.finished or not self.owns(claim):
                     return False
                 book(doc).pop("lease", None)
-                self.move(claim.handoff_id, State.IN_PROGRESS, dst, doc,
-                          ours=claim.inode is not None)  # owns(): still the inode we wrote
+                if claim.inode is not None:  # owns(): still the inode we wrote
+                    self._move_ours(claim.handoff_id, State.IN_PROGRESS, dst,
+                                    self._encode_moved(claim.handoff_id, dst, doc), keep)
+                else:
+                    self.move(claim.handoff_id, State.IN_PROGRESS, dst, doc)
                 moved = True
                 return True
             finally:
-                if not moved and not claim.finished:  # e.g. disk full: recovery takes it over
-                    self.give_up(claim.token)
-                claim.finished = True
-                release_lock(claim.lock)
+                if not kept:
+                    if not moved and not claim.finished:  # e.g. disk full: recovery takes it over
+                        self.give_up(claim.token)
+                    claim.finished = True
+                    release_lock(claim.lock)
+
+    def _encode_moved(self, handoff_id: str, dst: State, doc: dict[str, Any]) -> bytes:
+        """``doc`` encoded for ``dst``, once :meth:`move`'s transition check passes."""
+        if not allowed(State.IN_PROGRESS, dst):
+            raise InvalidTransition(f"handoff {handoff_id} cannot go from in-progress to "
+                                    f"{dst.value}", handoff_id=handoff_id)
+        return self.encode(doc, dst, handoff_id)
+
+
+def _exists(path: Path) -> bool:
+    """True when ``path`` exists, or cannot be told (an I/O error: taken as written)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True

@@ -1,0 +1,247 @@
+"""A filing that fails for a passing reason (a full disk) is retried, not the handler.
+
+When an attempt's outcome cannot be filed (ENOSPC while writing the answer) before anything was
+written where it was going, the daemon keeps the claim and the outcome (``Job.held``, the lease
+still renewed) and files the same outcome again after ``RETRY_LOOK_SECONDS``, then with a
+back-off: the handler, which has run (its side effects happened), does not run again. A stop
+gives the claim up as before (the sweep hands it back free); a cancellation meanwhile wins; one
+taker files it, however many threads look. A failure after the answer was written (removing the
+in-progress copy) is resolved by recovery, which keeps the newer copy: nothing runs again."""
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from conftest import wait_until
+
+from handoffd import Daemon, Registry, Workspace, build_engine, new_native_request
+from handoffd.backends.files import fsio, spares
+from handoffd.core.config import Config, DaemonSettings
+from handoffd.core.documents import book
+from handoffd.core.engine import Engine
+from handoffd.core.states import State
+from handoffd.service import attempts
+
+FAST_REFILE = 0.2  # (RETRY_LOOK_SECONDS, 5 s in use: the first refile's wait)
+
+
+class Counting:
+    """A handler that counts its calls (its side effects would happen once per call)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, handoff: dict, ctx: Any) -> dict:
+        with self.lock:
+            self.calls += 1
+        return {"status": "completed", "output": {"n": self.calls}}
+
+
+def engine_with(tmp_path: Path, handler: Callable[[dict, Any], dict]) -> Engine:
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2,
+                                          claim_grace_seconds=0.0, grace_seconds=2.0))
+    registry = Registry()
+    def run(handoff: dict, ctx: Any) -> dict:
+        return handler(handoff, ctx)
+
+    registry.add_function("@t", run, config=config)
+    return build_engine(ws, config, registry)
+
+
+def submit(engine: Engine) -> str:
+    doc = new_native_request(source="@test", target="@t", data=None, now=engine.clock())
+    return engine.backend.store.create(doc, doc["handoff_id"])
+
+
+class FullDisk:
+    """``fsio.create_exclusive`` failing with ENOSPC for answers written into ``folder`` while
+    ``full`` (the first ``times`` of them, when given); ``gate``, when set, holds the writes
+    that go through until it is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: str = "completed",
+                 times: int | None = None) -> None:
+        self.real = fsio.create_exclusive
+        self.folder = folder
+        self.times = times
+        self.full = True
+        self.failed = 0
+        self.written = 0
+        self.gate: threading.Event | None = None
+        monkeypatch.setattr(fsio, "create_exclusive", self)
+
+    def __call__(self, target: Path, *args: Any, **kwargs: Any) -> None:
+        if target.parent.name == self.folder:
+            if self.full and (self.times is None or self.failed < self.times):
+                self.failed += 1
+                raise OSError(errno.ENOSPC, "No space left on device", str(target))
+            if self.gate is not None:
+                assert self.gate.wait(20)
+            self.written += 1
+        self.real(target, *args, **kwargs)
+
+
+class Serving:
+    """Daemon.serve in a thread for the duration of a with-block."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.daemon = Daemon(engine, watch=False)
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.daemon.serve,
+                                       kwargs={"install_signals": False, "ready": self.ready.set})
+
+    def __enter__(self) -> Daemon:
+        self.thread.start()
+        assert self.ready.wait(10)
+        return self.daemon
+
+    def __exit__(self, *exc: object) -> None:
+        self.daemon.stop()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+
+
+def events_of(engine: Engine, hid: str) -> tuple[State, list[str]]:
+    state, doc = engine.get(hid)
+    return state, [e["event"] for e in book(doc)["history"]]
+
+
+@pytest.fixture(autouse=True)
+def fast_refile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attempts, "RETRY_LOOK_SECONDS", FAST_REFILE)
+
+
+def test_a_failed_filing_is_filed_again_and_the_handler_runs_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the claim was given up and handed back, and the handler ran a second time."""
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    disk = FullDisk(monkeypatch, times=1)
+    hid = submit(engine)
+    try:
+        with Serving(engine) as daemon:
+            wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], 20)
+            wait_until(lambda: hid not in daemon.active, 10)
+            assert daemon.report.errors == 0  # filed at last: a batch would exit 0
+        assert handler.calls == 1 and disk.failed == 1 and disk.written == 1
+        state, events = events_of(engine, hid)
+        assert state is State.COMPLETED and events == ["created", "claimed", "completed"], events
+        assert engine.get(hid)[1]["output"] == {"n": 1}
+        assert engine.backend.ids(State.IN_PROGRESS) == []
+    finally:
+        engine.backend.close()
+
+
+def test_a_refile_that_keeps_failing_is_given_up_at_a_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk stays full; the daemon stops: its claim is given up as before the refile, and
+    the next daemon's sweep hands it back free (the handler runs again there)."""
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    disk = FullDisk(monkeypatch)
+    hid = submit(engine)
+    try:
+        with Serving(engine) as daemon:
+            wait_until(lambda: disk.failed >= 3, 20)  # tried again, and again (0.2 s, 0.4 s)
+            job = daemon.active[hid]
+            assert job.held is not None and job.refile_after >= 4 * FAST_REFILE
+            token = job.claim.token
+        assert disk.failed >= 4  # the stop's last try
+        assert daemon.report.errors == 1  # left unfiled: a batch would exit 1
+        assert engine.backend.store.locate(hid) == [State.IN_PROGRESS]
+        assert engine.backend.store.gave_up(token) and handler.calls == 1
+        disk.full = False
+        report = Daemon(engine, watch=False).run_batch()
+        assert report.completed == 1 and handler.calls == 2
+        state, events = events_of(engine, hid)
+        assert state is State.COMPLETED and events[-3:] == ["handed_back", "claimed",
+                                                             "completed"], events
+        assert book(engine.get(hid)[1]).get("retries", 0) == 0  # free, not charged
+    finally:
+        engine.backend.close()
+
+
+def test_cancelling_while_the_filing_is_retried_files_it_cancelled_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from handoffd.features.cancellation import cancel
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    disk = FullDisk(monkeypatch)  # completed/ is full; failed/ (where cancelled goes) is not
+    hid = submit(engine)
+    try:
+        with Serving(engine) as daemon:
+            wait_until(lambda: disk.failed >= 1, 20)
+            cancel(engine, hid, reason="not needed", by="@test", via="test")
+            wait_until(lambda: engine.backend.store.locate(hid) == [State.FAILED], 20)
+            wait_until(lambda: hid not in daemon.active, 10)
+            failed = disk.failed
+            wait_until(lambda: not daemon.attempts.refiles, 10)  # its timer found nothing
+        assert disk.failed == failed  # nothing tried to file it completed again
+        state, events = events_of(engine, hid)
+        assert events == ["created", "claimed", "cancelled"], events
+        assert engine.get(hid)[1]["status"] == "cancelled" and handler.calls == 1
+        assert engine.backend.ids(State.IN_PROGRESS) == []
+    finally:
+        engine.backend.close()
+
+
+def test_two_refiles_never_race(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timer's refile is writing the answer when other threads look (the scheduler, a
+    second timer): they find nothing to file; the answer is written once."""
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    disk = FullDisk(monkeypatch, times=1)
+    disk.gate = threading.Event()
+    hid = submit(engine)
+    try:
+        with Serving(engine) as daemon:
+            wait_until(lambda: disk.failed == 1, 20)
+            job = daemon.active[hid]
+            wait_until(lambda: job.held is None, 10)  # the timer took it: its write waits
+            others = [threading.Thread(target=daemon.attempts._refile, args=(job,))
+                      for _ in range(3)]
+            for thread in others:
+                thread.start()
+            for thread in others:
+                thread.join(10)
+            daemon.attempts.work(hid)  # the scheduler's look: nothing to claim, nothing to file
+            disk.gate.set()
+            wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], 20)
+            wait_until(lambda: hid not in daemon.active, 10)
+        assert disk.written == 1 and handler.calls == 1
+        assert events_of(engine, hid)[1] == ["created", "claimed", "completed"]
+    finally:
+        disk.gate.set()
+        engine.backend.close()
+
+
+def test_a_failure_after_the_answer_was_written_never_runs_the_handler_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Removing the in-progress copy fails (EIO) once the answer is in completed/: the claim
+    is given up as before, and recovery keeps the newer copy (states.winner) and removes the
+    in-progress one: nothing is handed back or run again."""
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    real_retire, failed = spares.retire, []
+
+    def broken_retire(path: Path, tmp_dir: Path) -> bool:
+        if path.parent.name == "in-progress" and not failed:
+            failed.append(path)
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_retire(path, tmp_dir)
+
+    monkeypatch.setattr(spares, "retire", broken_retire)
+    hid = submit(engine)
+    try:
+        with Serving(engine):
+            wait_until(lambda: failed, 20)
+            wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], 20)
+        assert handler.calls == 1
+        assert events_of(engine, hid)[1] == ["created", "claimed", "completed"]
+    finally:
+        engine.backend.close()
