@@ -23,13 +23,23 @@ def open_workspace(root: str | Path | None, *, create: bool = False) -> Workspac
     """The workspace chosen by --root / $HANDOFFD_ROOT / cwd; it must exist unless ``create``."""
     ws = Workspace(resolve_root(root))
     if not ws.root.is_dir():  # a mistyped --root must not silently start a new workspace
-        raise NotFound(f"workspace directory {ws.root} does not exist; create it or fix --root")
+        raise NotFound(f"workspace directory {ws.root} does not exist; create it or "
+                       f"{root_remedy(root)}")
     if create:
         ws.ensure()
     elif not ws.exists():
         raise HandoffdError(f"{ws.root} is not a handoffd workspace (no handoffs/ folders); pass "
                             "--root, or run `handoffd serve` there once to create it")
     return ws
+
+
+def root_remedy(root: str | Path | None) -> str:
+    """What to fix when the workspace's directory is missing, by where :func:`resolve_root` took
+    it from: the option, ``$HANDOFFD_ROOT`` (a message saying "--root" to someone who never gave
+    one sends them looking in the wrong place), or the current directory."""
+    if root:
+        return "fix --root"
+    return "fix $HANDOFFD_ROOT" if os.environ.get("HANDOFFD_ROOT") else "pass --root"
 
 
 def engine(root: str | Path | None, *, create: bool = False,

@@ -119,6 +119,6 @@ def workspace(root: Path | None, *, create: bool = False) -> Workspace:
 StoreOption = Annotated[
     Optional[str],
     typer.Option("--store", help="Store URL, e.g. postgresql://user@host/db (default: "
-                 "$HANDOFFD_STORE, else [store] url, else the workspace's files).",
+                 "$HANDOFFD_STORE, else \\[store] url, else the workspace's files).",
                  show_default=False),
 ]

@@ -24,6 +24,7 @@ from .basics import engine
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..service.daemon import Daemon
+    from ..service.report import BatchReport
 
 PROG = "handoffd"
 MAX_BATCH_SECONDS = 7 * 24 * 3600.0  # `run --max-seconds`: a week, far past any cron period
@@ -44,6 +45,7 @@ class JsonLines(logging.Formatter):
         for name in self.FIELDS:
             if hasattr(record, name):
                 entry[name] = getattr(record, name)
+        entry.update(getattr(record, "fields", None) or {})  # an announcement's own facts
         if record.exc_info:
             entry["traceback"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False, default=str)
@@ -61,6 +63,30 @@ def configure_logging(verbose: bool, *, quiet: bool = False, log_format: str = "
                          else logging.Formatter("handoffd: %(levelname)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("watchdog").setLevel(logging.WARNING)
+
+
+def announce(log_format: str, event: str, message: str,
+             fields: dict[str, object] | None = None, *, level: int = logging.INFO) -> None:
+    """A line ``serve`` and ``run`` always print on stderr, whatever the log level: ``handoffd:
+    message`` (``handoffd: error: message`` at error level) in text format; with json, one
+    :class:`JsonLines` record with ``event`` and ``fields``, as docs/operations.md promises of
+    every line (a log shipper reading the systemd unit's json must not meet plain text)."""
+    if log_format != "json":
+        said = f"error: {message}" if level >= logging.ERROR else message
+        print(f"{PROG}: {said}", file=sys.stderr, flush=True)
+        return
+    record = logging.LogRecord(PROG, level, __file__, 0, message, None, None)
+    record.event, record.fields = event, fields or {}
+    print(JsonLines().format(record), file=sys.stderr, flush=True)
+
+
+def report_fields(report: BatchReport) -> dict[str, object]:
+    """The counts of ``report`` as fields of the "stopped" / "batch_done" JSON record."""
+    return {"completed": report.completed, "failed": report.failed,
+            "retry_scheduled": report.retrying, "handed_back": report.handed_back,
+            "unroutable": len(report.unroutable), "waiting": len(report.waiting),
+            "errors": report.errors, "stalls": report.stalls, "lost": len(report.lost),
+            "main_loop_error": report.error}
 
 
 def warn_if_shared(root: Path, detect: Callable[[Path], str | None] = network_filesystem) -> None:
@@ -85,7 +111,7 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
     configure_logging(verbose, log_format=log_format)
     from ..service import allocator
     allocator.limit_arenas()  # before any thread: a long-lived daemon's memory stays flat
-    from ..service.daemon import BatchReport, Daemon
+    from ..service.daemon import Daemon
     from ..service.spread import serve_processes_for, spread
     eng = engine(root, create=True, store=store)
     eng.backend.prepare()  # what every write needs (the seal key): refused once, before forking
@@ -107,7 +133,7 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
         return daemon.report
 
     def run_parent(daemon: Daemon) -> BatchReport:
-        serve_as_parent(eng, daemon, count, metrics, metrics_textfile)
+        serve_as_parent(eng, daemon, count, metrics, metrics_textfile, log_format)
         return daemon.report
 
     if count > 1:
@@ -115,16 +141,17 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
     else:
         report = run_parent(make())
     for lost in report.lost:
-        print(f"{PROG}: error: {lost}; its claims are recovered by the sweep", file=sys.stderr)
-    print(f"{PROG}: stopped: {report.line()}", file=sys.stderr)
+        announce(log_format, "process_lost", f"{lost}; its claims are recovered by the sweep",
+                 level=logging.ERROR)
+    announce(log_format, "stopped", f"stopped: {report.line()}", report_fields(report))
     if report.error:
-        print(f"{PROG}: error: the main loop died ({report.error}); restart the daemon",
-              file=sys.stderr)
+        announce(log_format, "main_loop_died",
+                 f"the main loop died ({report.error}); restart the daemon", level=logging.ERROR)
     return 1 if report.error or report.lost else 0
 
 
 def serve_as_parent(eng: Engine, daemon: Daemon, count: int, metrics: str | None,
-                    metrics_textfile: Path | None) -> None:
+                    metrics_textfile: Path | None, log_format: str = "text") -> None:
     """The serving daemon of this process, with what only one process of a ``serve`` runs:
     the metrics endpoint and textfile, systemd's notifications, the "serving" line."""
     exposed = expose_metrics(eng, daemon, metrics, metrics_textfile)
@@ -138,9 +165,13 @@ def serve_as_parent(eng: Engine, daemon: Daemon, count: int, metrics: str | None
 
     def ready() -> None:
         spread_over = f"{count} processes of " if count > 1 else ""
+        said = "".join(f"; {name.replace('_', ' ')} {value}" for name, value in exposed.items())
         line = (f"serving {eng.ws.root} ({spread_over}{daemon.workers} workers; at once per "
-                f"specialist: {daemon.limits() or 'no specialists'}){exposed}")
-        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+                f"specialist: {daemon.limits() or 'no specialists'}){said}")
+        limits = {spec.agent: daemon.limit(spec) for spec in eng.registry.specialists.values()}
+        announce(log_format, "serving", line, {"root": str(eng.ws.root), "processes": count,
+                                               "workers": daemon.workers, "limits": limits,
+                                               **exposed})
         if systemd is not None:
             systemd.ready(line)
 
@@ -153,10 +184,12 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
     """``handoffd run``: one batch for cron, over ``processes`` (None: ``[daemon] processes``;
     see :mod:`handoffd.service.spread`); the exit code (1 when a handoff it processed failed or
     the main loop of one of its processes died)."""
+    if verbose and quiet:  # the docs show [-v | -q]: which one was meant is not ours to guess
+        raise UsageError("-v/--verbose and -q/--quiet contradict each other: give one")
     configure_logging(verbose, quiet=quiet, log_format=log_format)
     if max_seconds is not None and not 0 <= max_seconds <= MAX_BATCH_SECONDS:  # (and not NaN)
         raise UsageError(f"--max-seconds must be 0 to {MAX_BATCH_SECONDS:.0f}, not {max_seconds:g}")
-    from ..service.daemon import BatchReport, Daemon
+    from ..service.daemon import Daemon
     from ..service.spread import processes_for, spread
     eng = engine(root, create=True, store=store)
     eng.backend.prepare()  # what every write needs (the seal key): refused once, before forking
@@ -177,15 +210,14 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
     else:
         report = run(make())
     for lost in report.lost:
-        print(f"{PROG}: error: {lost}; its claims are recovered by the next sweep", file=sys.stderr)
+        announce(log_format, "process_lost", f"{lost}; its claims are recovered by the next sweep",
+                 level=logging.ERROR)
     if report.error:
-        print(f"{PROG}: error: the main loop died ({report.error})", file=sys.stderr)
+        announce(log_format, "main_loop_died", f"the main loop died ({report.error})",
+                 level=logging.ERROR)
     elif not quiet and (verbose or report.needs_a_look() or sys.stderr.isatty()):
-        if log_format == "json":  # the summary as one more record (at warning: always shown)
-            logging.getLogger("handoffd").warning("batch done: %s", report.line(),
-                                                  extra={"event": "batch_done"})
-        else:
-            print(f"{PROG}: batch done: {report.line()}", file=sys.stderr)
+        announce(log_format, "batch_done", f"batch done: {report.line()}",
+                 report_fields(report))
     return 1 if report.failed or report.error or report.lost or report.errors else 0
 
 
@@ -227,11 +259,11 @@ def check_textfile(option: str, textfile: Path) -> None:
 
 
 def expose_metrics(eng: Engine, daemon: Daemon, address: str | None,
-                   textfile: Path | None) -> str:
+                   textfile: Path | None) -> dict[str, str]:
     """Start the metrics endpoint and/or textfile writer of ``serve``; what to add to its
-    start line."""
+    start line (``metrics_on``: the URL, ``metrics_textfile``: the file)."""
     from ..core.errors import UsageError
-    said = ""
+    said: dict[str, str] = {}
     if address is not None:
         from ..service.metrics import serve_http
         try:
@@ -241,12 +273,12 @@ def expose_metrics(eng: Engine, daemon: Daemon, address: str | None,
         except OSError as exc:
             raise UsageError(f"--metrics {address}: cannot listen: {exc.strerror}") from None
         daemon.add_stop_hook(server.shutdown)
-        said += f"; metrics on http://{address.rpartition(':')[0] or '0.0.0.0'}:{port}/metrics"
+        said["metrics_on"] = f"http://{address.rpartition(':')[0] or '0.0.0.0'}:{port}/metrics"
     if textfile is not None:
         from ..service.metrics import TextfileWriter
         check_textfile("--metrics-textfile", textfile)
         writer = TextfileWriter(eng, str(textfile))
         writer.start()
         daemon.add_stop_hook(writer.stop)
-        said += f"; metrics textfile {textfile}"
+        said["metrics_textfile"] = str(textfile)
     return said

@@ -279,14 +279,19 @@ def schemas(
     ws.schemas.mkdir(parents=True, exist_ok=True)
     if not plain_folder(ws.schemas):  # a symlink would take the copies out of the workspace
         raise UsageError(f"{ws.schemas} is not a folder of the workspace (a symlink?); nothing copied")
-    for name in builtin_schema_names():
-        target = ws.schemas / name
+    copied, kept = [], []
+    for name in builtin_schema_names():  # every copy first: a reader of the listing that
+        target = ws.schemas / name  # leaves early (`| head`) must not stop the copying
         data = (resources.files("handoffd") / "schemas" / name).read_bytes()
         try:
             create_exclusive(target, data, ws.tmp, durable=True)
         except DuplicateHandoff:
-            print(f"{PROG}: kept existing {target}", file=sys.stderr)
+            kept.append(target)
             continue
+        copied.append(target)
+    for target in kept:
+        print(f"{PROG}: kept existing {target}", file=sys.stderr)
+    for target in copied:
         print(target)
 
 

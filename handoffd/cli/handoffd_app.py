@@ -112,7 +112,7 @@ def mcp(root: RootOption = None,
             "--as", help="The agent identity it acts as (source, context permissions).")] = "@mcp",
         ) -> None:
     """Serve the workspace as an MCP server (tools: create/wait/get/list/cancel/answer/retry
-    handoffs, context, trace; resources: the formats' JSON Schemas). Needs handoffd[mcp]."""
+    handoffs, context, trace; resources: the formats' JSON Schemas). Needs handoffd\\[mcp]."""
     from ..core.errors import UsageError
     try:
         from ..service.mcp_server import build_server

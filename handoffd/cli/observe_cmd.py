@@ -220,10 +220,13 @@ def top(
 ) -> None:
     """A live full-screen view: queue depth per specialist, running handoffs with their age and
     attempt, recent failures with their code, a throughput sparkline. q or Ctrl-C quits."""
+    from ..core.errors import UsageError
     # (NaN fails both comparisons: it never redrew; a negative value redrew at every poll)
     if not 0 <= refresh <= MAX_REFRESH_SECONDS:
-        from ..core.errors import UsageError
         raise UsageError(f"--refresh must be 0 to {MAX_REFRESH_SECONDS:g} seconds, not {refresh:g}")
+    if not sys.stdout.isatty():  # a full-screen view into a file or pipe drew nothing, forever
+        raise UsageError("top needs a terminal on stdout; use `handoff ls --watch` to follow "
+                         "the queue in a pipe or file")
     from rich.live import Live
     eng = engine(root, features=())
     log = _events(eng)

@@ -18,10 +18,11 @@ import math
 import threading
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import TypeAdapter, ValidationError, WithJsonSchema
 
 from ..core.errors import (
     Conflict,
@@ -39,6 +40,23 @@ from .client import Client, Result
 DEFAULT_AGENT = "@mcp"
 MAX_WAIT_SECONDS = 3600.0
 MAX_WAITS = 200  # wait_handoff calls in progress at once (a thread each)
+# wait_handoff's timeout: described as a number, but checked by the tool itself, so that a value
+# that is not one is USAGE_ERROR (docs/agents.md) rather than the SDK's pydantic report
+Seconds = Annotated[Any, WithJsonSchema({"type": "number"})]  # (0..3600: longer is clamped)
+_FLOAT = TypeAdapter(float)
+
+
+def wait_seconds(timeout: Any) -> float:
+    """``timeout`` as the seconds a wait lasts, clamped to 0..MAX_WAIT_SECONDS; ToolError
+    (USAGE_ERROR) unless it is a finite number (what pydantic reads as a float: "5" is 5)."""
+    try:
+        seconds = _FLOAT.validate_python(timeout)
+    except ValidationError:
+        seconds = math.nan
+    if isinstance(timeout, bool) or not math.isfinite(seconds):  # "nan" would wait for ever
+        raise ToolError(f"USAGE_ERROR: timeout must be a number of seconds, 0 to "
+                        f"{MAX_WAIT_SECONDS:.0f}, not {timeout!r}"[:300])
+    return min(max(seconds, 0.0), MAX_WAIT_SECONDS)
 
 
 def error_code(exc: HandoffdError) -> str:
@@ -125,8 +143,9 @@ class Waits:
 
 def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
     """An MCPServer over the workspace at ``root`` acting as ``agent``."""
+    from .. import __version__
     client = Client(root, agent=agent)
-    server = MCPServer("handoffd", instructions=(
+    server = MCPServer("handoffd", version=__version__, instructions=(
         "A durable handoff queue: create_handoff hands work to a specialist agent, "
         "wait_handoff waits for its result (or for its questions: answer them with "
         "answer_handoff). Errors start with handoffd's error code."))
@@ -153,13 +172,10 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
     waits = Waits()
 
     @server.tool()
-    async def wait_handoff(handoff_id: str, timeout: float = 60.0) -> dict[str, Any]:
+    async def wait_handoff(handoff_id: str, timeout: Seconds = 60.0) -> dict[str, Any]:
         """Wait up to ``timeout`` seconds for the handoff to finish (or to ask a question);
         returns the filed document, or where it stands when the time is up."""
-        if not math.isfinite(timeout):  # "nan" arrives as a float: it would wait for ever
-            raise ToolError(f"USAGE_ERROR: timeout must be a number of seconds, 0 to "
-                            f"{MAX_WAIT_SECONDS:.0f}, not {timeout!r}")
-        limit = min(max(float(timeout), 0.0), MAX_WAIT_SECONDS)
+        limit = wait_seconds(timeout)
         try:
             result = await waits.run(client.handle(handoff_id).wait, limit)
         except WaitTimeout:
