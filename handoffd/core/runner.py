@@ -31,13 +31,22 @@ from .childproc import (
     write_record,
 )
 from .documents import MAX_DEPTH, RESULT_DEPTH_MARGIN, Outcome, nesting_depth
-from .errors import ConfigError, ErrorCode, HandlerError
+from .errors import ConfigError, ErrorCode, HandlerError, HandoffdError
 from .ownfiles import START_UMASK
 from .specialists import HandlerCancelled, HandlerContext, Specialist
 from .states import RESULT_STATUSES
 from .watchdog import WATCHDOG, TakenOver, Takeover, cancelled
 
 _CODE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")  # an error code a handler may raise
+
+# what a handler's call into ctx.context can be refused with, and whether a retry can help: a
+# bad key, value or revision fails the same way every time (so not retried: it once was, as a
+# PROCESSING_ERROR, and lost its code); a compare-and-set conflict may pass on the next attempt
+CONTEXT_CODES: dict[str, bool] = {ErrorCode.INVALID_CONTEXT_KEY: False,
+                                  ErrorCode.INVALID_CONTEXT_VALUE: False,
+                                  ErrorCode.INVALID_CONTEXT_REVISION: False,
+                                  ErrorCode.CONTEXT_CONFLICT: True}
+
 log = logging.getLogger("handoffd")
 
 
@@ -220,6 +229,11 @@ def handler_result(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
         if isinstance(exc, HandlerCancelled):
             raise HandlerError(_text(exc), handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED,
                                retryable=False)
+        code = getattr(exc, "code", None) if isinstance(exc, HandoffdError) else None
+        if code in CONTEXT_CODES:  # handoffd's own context API refused a call: its code kept
+            raise HandlerError(f"handoff {ctx.handoff_id}: {_text(exc)}",
+                               handoff_id=ctx.handoff_id, code=code,
+                               retryable=CONTEXT_CODES[code])
         raise HandlerError(f"handoff {ctx.handoff_id}: handler raised {type(exc).__name__}: "
                            f"{_text(exc)}", handoff_id=ctx.handoff_id)
     return validate_result(box.get("result"), ctx.handoff_id, ctx.max_output_bytes, plain=False)
