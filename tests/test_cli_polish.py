@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -211,3 +212,29 @@ def test_mcp_create_handoff_of_a_taken_id_says_duplicate_handoff_id(tmp_path: Pa
     finally:
         server.proc.kill()
         server.proc.wait(timeout=10)
+
+
+def test_ls_quarantined_keeps_its_limit_and_lists_the_newest_first(tmp_path: Path) -> None:
+    """`--limit 0` listed every quarantined file ([-0:] is the whole list), and they came
+    oldest first where every other listing is newest first."""
+    from handoffd.core.config import Config
+    from handoffd.core.specialists import Registry
+    from handoffd.core.workspace import Workspace as HandoffdWorkspace
+    from handoffd.features.build import build_engine as build
+    from handoffd.service.queries import list_handoffs
+    root = HandoffdWorkspace(tmp_path / "qws")
+    root.ensure()
+    engine = build(root, Config(), Registry())
+    try:
+        store = engine.backend.store
+        for n in range(3):
+            bad = root.root / "handoffs" / "pending" / f"bad-{n}.json"
+            bad.write_text("{")
+            store.quarantine(bad, "MALFORMED_JSON", f"number {n}",
+                             now=datetime(2026, 1, 1, 0, 0, n, tzinfo=timezone.utc))
+        assert list_handoffs(engine, state="quarantined", limit=0) == []
+        rows = list_handoffs(engine, state="quarantined", limit=2)
+        assert [row["note"] for row in rows] == ["MALFORMED_JSON: number 2",
+                                                 "MALFORMED_JSON: number 1"]
+    finally:
+        engine.backend.close()

@@ -122,7 +122,9 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
             else:
                 rows.append(described[(row.id, row.state)])
     if state in (None, "quarantined") and not to and not source and not conversation:
-        for item in engine.backend.quarantined()[-limit:]:
+        # the newest ``limit`` of them (oldest first as stored), newest first as every row;
+        # ``[-0:]`` would have been all of them for --limit 0, which lists nothing
+        for item in reversed(engine.backend.quarantined()[-limit:] if limit > 0 else []):
             rows.append({"id": item.get("stored_as"), "state": "quarantined", "from": None, "to": None,
                          "attempt": 0, "dialect": None, "updated": item.get("at"),
                          "note": f"{item.get('code')}: {str(item.get('message', ''))}"})
