@@ -260,3 +260,24 @@ def test_validate_prints_a_hostile_file_name_escaped(hws: Workspace, tmp_path: P
                           timeout=30)
     assert proc.returncode == 1 and b"invalid" in proc.stdout
     assert raw_sequences(proc.stdout) == [] and SHOWN in proc.stdout
+
+
+def test_the_daemons_log_shows_a_documents_text_on_one_line(tmp_path: Path) -> None:
+    """A dropped document's agent id with a newline forged a log line of its own in `handoffd
+    run -v` / `serve -v` ("handoffd: ERROR: ..."), and its escapes reached the terminal raw.
+    Now every text log message is one line, its control characters shown."""
+    ws = new_workspace(tmp_path / "ws", '[daemon]\nsettle_seconds = 0.1\n')
+    try:
+        agent = "@nobody\nhandoffd: ERROR: forged line" + EVIL
+        (ws.root / "handoffs" / "pending" / "hostile-log.json").write_text(
+            json.dumps({"handoff_id": "hostile-log", "target": {"agent_id": agent},
+                        "input": {"data": {}}}))
+        proc = subprocess.run([exe("handoffd"), "run", "-v", "--root", str(ws.root)],
+                              capture_output=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert raw_sequences(proc.stderr) == []
+        lines = proc.stderr.decode().splitlines()
+        assert not any(line.startswith("handoffd: ERROR: forged") for line in lines), lines
+        assert any("hostile-log" in line and "forged line" in line for line in lines), lines
+    finally:
+        ws.cleanup()

@@ -60,9 +60,30 @@ def configure_logging(verbose: bool, *, quiet: bool = False, log_format: str = "
         raise UsageError(f"--log-format {log_format!r}: text or json")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines() if log_format == "json"
-                         else logging.Formatter("handoffd: %(levelname)s: %(message)s"))
+                         else OneLine("handoffd: %(levelname)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("watchdog").setLevel(logging.WARNING)
+
+
+class OneLine(logging.Formatter):
+    """The text log format, each message on one line with its control characters shown (``\\n``,
+    ``\\x1b``): a document's agent id (or any text a message quotes from outside) with a
+    newline forged log lines, and one with terminal escapes rewrote the operator's screen. A
+    traceback still follows on lines of its own (handoffd's own, not a document's)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record, its message made safe for one line of a terminal or a log file."""
+        from .render import clean
+        message = record.getMessage()
+        shown = clean(message)
+        if shown == message:
+            return super().format(record)
+        saved = record.msg, record.args
+        record.msg, record.args = shown, None
+        try:
+            return super().format(record)
+        finally:
+            record.msg, record.args = saved
 
 
 def announce(log_format: str, event: str, message: str,

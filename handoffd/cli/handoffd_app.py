@@ -119,8 +119,10 @@ def mcp(root: RootOption = None,
     except ImportError as exc:
         raise UsageError(f"handoffd mcp needs the MCP SDK ({exc.name} is missing): "
                          "pip install 'handoffd[mcp]'") from None
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,  # stdout is the protocol's
-                        format="handoffd: %(levelname)s: %(message)s")
+    from .daemon_commands import OneLine
+    handler = logging.StreamHandler(sys.stderr)  # stdout is the protocol's
+    handler.setFormatter(OneLine("handoffd: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     ws = workspace(root, create=True)
     server = build_server(ws.root, agent=as_agent)
     if http is None:
