@@ -196,7 +196,8 @@ def test_show_ignores_an_unsealed_block_of_a_dropped_document(hws: Workspace) ->
     proc = hws.handoff("show", "h1", timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "victim" not in proc.stdout and "completed" not in proc.stdout
-    assert "forged?" not in proc.stdout and "waiting" not in proc.stdout
+    assert "forged?" not in proc.stdout and "waiting on the requester" not in proc.stdout
+    assert "waiting for children" not in proc.stdout  # (its note says it waits for @nobody)
     data = json.loads(hws.handoff("show", "h1", "--json", timeout=30).stdout)
     assert data["family"]["children"] == [] and data["family"]["awaiting"] is None
     assert data["family"]["waiting_children"] is None

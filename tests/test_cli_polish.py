@@ -238,3 +238,19 @@ def test_ls_quarantined_keeps_its_limit_and_lists_the_newest_first(tmp_path: Pat
                                                  "MALFORMED_JSON: number 1"]
     finally:
         engine.backend.close()
+
+
+@PATHS
+def test_show_says_why_a_pending_handoff_waits_as_ls_does(listed: Workspace,
+                                                          env: dict[str, str]) -> None:
+    """`handoff show` of a pending handoff said nothing of why it waits (ls's NOTE: no
+    specialist, its dependencies, a pause, its rate); it gives the same note now, and --json
+    carries it as "note"."""
+    listed_rows = json.loads(run(listed, "ls", "--json", "--limit", str(LISTED), env=env).stdout)
+    note = next(row["note"] for row in listed_rows if row["id"] == "p00")
+    assert "no specialist" in note, note
+    shown = run(listed, "show", "p00", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert f"note: {note}" in shown.stdout.splitlines()[1], shown.stdout
+    as_json = json.loads(run(listed, "show", "p00", "--json", env=env).stdout)
+    assert as_json["note"] == note

@@ -36,16 +36,30 @@ def show(root: str | Path | None, handoff_id: str, *, as_json: bool) -> None:
             return
         raise
     foreign = foreign_filing(state, doc)
+    note = show_note(eng, state, handoff_id, doc)
     if as_json:
-        print_json({"id": handoff_id, "state": state.value, "document": doc,
+        print_json({"id": handoff_id, "state": state.value, "note": note, "document": doc,
                     "family": family(eng, handoff_id, doc), "foreign_filing": foreign})
         return
     out = Out()
     path = document_path(eng, state, handoff_id)
     out.line((handoff_id, "bold"), "  state: ", (state.value, "bold"),
              f"  file: {path}" if path else "  ")
+    if note:
+        out.line(f"note: {note}")
     print_family(out, eng, handoff_id, doc)  # parent, children, waiting
     print_document(out, doc, foreign=foreign)
+
+
+def show_note(eng: "Engine", state: State, handoff_id: str, doc: dict[str, Any]) -> str:
+    """The NOTE ``handoff ls`` would give the handoff (why a pending one waits: its dependencies,
+    a pause, its specialist's rate, no specialist; a failure's code). The features' gates are
+    installed only for a pending handoff, as ``ls`` installs them only for a pending row."""
+    from ..service.queries import note_of
+    if state is State.PENDING:
+        from ..features.build import GATE_FEATURES, install_features
+        install_features(eng, GATE_FEATURES)
+    return note_of(eng, state, handoff_id, doc)
 
 
 def show_archived(eng: "Engine", handoff_id: str, *, as_json: bool) -> bool:

@@ -74,6 +74,16 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
     return verdict.reason if verdict.action == "wait" else f"will fail: {verdict.reason}"
 
 
+def note_of(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any]) -> str:
+    """The NOTE ``handoff ls`` gives ``doc`` (read from ``state``): why a pending handoff waits
+    (the engine's gates: install them first), a failure's code and message, an in-progress
+    claim's owner, a foreign filing. ``handoff show`` prints it too."""
+    try:
+        return str(_row(engine, state, handoff_id, doc, engine.clock())["note"])
+    except Exception:  # one document a reader chokes on: no note, never a failed show
+        return ""
+
+
 def _unreadable_row(state: State, handoff_id: str, note: str) -> dict[str, Any]:
     return {"id": handoff_id, "state": state.value, "from": None, "to": None, "attempt": 0,
             "dialect": None, "updated": None, "note": note}
