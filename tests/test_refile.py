@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -243,5 +244,127 @@ def test_a_failure_after_the_answer_was_written_never_runs_the_handler_again(
             wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], 20)
         assert handler.calls == 1
         assert events_of(engine, hid)[1] == ["created", "claimed", "completed"]
+    finally:
+        engine.backend.close()
+
+
+# ------------------------------------------------------------ found by the session's review
+def test_a_delegation_whose_park_fails_keeps_its_children_and_completes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's park (its requeue among its new children) met a full disk: the failure was
+    caught as a failed delegation, its children were cancelled, and it was charged a retry (a
+    second failure dead-lettered it: its child ids 'taken'). Now the children stay, the claim
+    is given up, the sweep hands the parent back, and its replay adopts them."""
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2,
+                                          claim_grace_seconds=0.0, grace_seconds=2.0))
+    registry = Registry()
+    registry.add_function("@parent", lambda doc, ctx: {
+        "status": "delegated", "aggregation": "all_success",
+        "delegate": [{"to": "@child", "data": {"n": 1}}, {"to": "@child", "data": {"n": 2}}]},
+        config=config)
+    registry.add_function("@child", lambda doc, ctx: {"status": "completed", "output": {}},
+                          config=config)
+    engine = build_engine(ws, config, registry)
+    doc = new_native_request(source="@test", target="@parent", data=None, now=engine.clock())
+    hid = engine.backend.store.create(doc, doc["handoff_id"])
+    real = fsio.create_exclusive
+    failed: list[Path] = []
+
+    def park_fails_once(target: Path, *args: Any, **kwargs: Any) -> None:
+        if target.parent.name == "pending" and target.name == f"{hid}.json" and not failed:
+            failed.append(target)  # the parent's park, once; its children are written
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        real(target, *args, **kwargs)
+
+    monkeypatch.setattr(fsio, "create_exclusive", park_fails_once)
+    try:
+        with Serving(engine):
+            wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], 30)
+        assert len(failed) == 1
+        state, events = events_of(engine, hid)
+        assert state is State.COMPLETED and "handed_back" in events, events
+        assert book(engine.get(hid)[1]).get("retries", 0) == 0  # free, not charged
+        for child in (f"{hid}.c1", f"{hid}.c2"):
+            assert events_of(engine, child) == (State.COMPLETED, ["created", "claimed",
+                                                                  "completed"])
+    finally:
+        engine.backend.close()
+
+
+def test_a_failure_before_the_answer_hands_the_claim_back_free(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure before the answer is written (here: a format's artifact, as a hi_moe answer of
+    1 KB or more writes first) left the claim neither filed nor held: it lapsed and was
+    recovered as a crash (an attempt charged, the specialist isolated as a suspect). Now the
+    claim is given up at once and the sweep hands it back free."""
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    real_file = engine.file
+    failed: list[str] = []
+
+    def file_failing_first(claim: Any, *args: Any) -> State:
+        if not failed:
+            failed.append(claim.id)
+            raise OSError(errno.ENOSPC, "No space left on device", "artifacts/x/1.txt")
+        return real_file(claim, *args)
+
+    monkeypatch.setattr(engine, "file", file_failing_first)
+    hid = submit(engine)
+    try:
+        with Serving(engine):
+            wait_until(lambda: engine.backend.store.locate(hid) == [State.COMPLETED], 30)
+        state, events = events_of(engine, hid)
+        assert events == ["created", "claimed", "recovered", "handed_back", "claimed",
+                          "completed"], events
+        assert book(engine.get(hid)[1]).get("retries", 0) == 0 and handler.calls == 2
+        assert "@t" not in engine.suspects
+    finally:
+        engine.backend.close()
+
+
+def test_a_kept_outcome_whose_claim_was_lost_is_not_counted_filed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    disk = FullDisk(monkeypatch, times=1)
+    hid = submit(engine)
+    try:
+        with Serving(engine) as daemon:
+            wait_until(lambda: disk.failed == 1 and hid in daemon.active, 20)
+            path = engine.backend.store.path(State.IN_PROGRESS, hid)  # another's takeover:
+            other = path.with_name("other.tmp")  # a new inode where ours was
+            other.write_bytes(path.read_bytes())
+            other.replace(path)
+            wait_until(lambda: hid not in daemon.active, 20)
+            assert daemon.report.errors == 1  # nothing was filed: the error stands
+        assert engine.backend.store.locate(hid) == [State.IN_PROGRESS] and disk.written == 0
+    finally:
+        engine.backend.close()
+
+
+def test_refusing_disks_hold_at_most_one_kept_answer_per_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """completed/ refusing every answer: the daemon went on claiming the whole backlog, one
+    kept claim and one timer thread each (1,000 of them for 1,000 handoffs). Now it claims
+    nothing more once as many answers wait as it has workers (those already being claimed
+    beside them still run: at most twice the workers)."""
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    ids = [submit(engine) for _ in range(24)]
+    disk = FullDisk(monkeypatch)
+    try:
+        with Serving(engine) as daemon:
+            bound = 2 * daemon.workers
+            wait_until(lambda: len(daemon.attempts.refiles) >= daemon.workers, 20)
+            deadline = time.monotonic() + 1.0  # a second more: nothing else is claimed
+            while time.monotonic() < deadline:
+                assert handler.calls <= bound and len(daemon.active) <= bound
+                time.sleep(0.05)
+            disk.full = False
+            wait_until(lambda: all(engine.backend.store.locate(i) == [State.COMPLETED]
+                                   for i in ids), 60)
+        assert handler.calls == len(ids)  # each ran once
     finally:
         engine.backend.close()

@@ -250,10 +250,14 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
         for cid, child in plan.new:
             engine.backend.create(child, cid, now)
             made.append(cid)
-        book(claim.doc)["delegation_round"] = plan.round
-        return _wait_for_children(engine, claim, dialect, info, plan.ids, now)
     except Exception as exc:  # whatever it was, no child may run beside a parent filed failed
         code, message, retryable = _creation_failure(claim.id, exc)
+    else:
+        book(claim.doc)["delegation_round"] = plan.round
+        # every child is made: a park that fails now (a full disk) leaves them be; the claim
+        # is given up, the sweep hands the parent back, and its replay adopts them (they were
+        # cancelled here once, and the parent failed for a passing disk error)
+        return _wait_for_children(engine, claim, dialect, info, plan.ids, now)
     book(claim.doc)["delegation_round"] = plan.round  # (a retry's children get new ids)
     _cancel_orphans(engine, claim.id, plan.adopted + made, message)
     return _fail_delegation(engine, claim, dialect, spec, code, message, retryable=retryable)

@@ -81,6 +81,11 @@ class Attempts:
             with self.cv:
                 if self._held_by_late(handoff_id):
                     return
+        if self.refiles and len(self.refiles) >= self.scheduler.workers:
+            # as many answers as workers wait for a disk that refuses them: claiming on would
+            # run the whole backlog into kept claims (a timer and a claim each), so wait too
+            self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
+            return
         try:
             job = self.engine.take(handoff_id, arrived=self.scheduler.first_seen.get(handoff_id))
             if job is None:
@@ -136,16 +141,32 @@ class Attempts:
         return self._file(job, outcome)
 
     def _file(self, job: Job, outcome: Outcome) -> bool:
-        """File ``outcome`` (counted: Daemon._count); True when it is kept to be filed again."""
+        """File ``outcome`` (counted: Daemon._count); True when it is kept to be filed again.
+
+        Only the filing of the answer itself is kept and tried again. A feature's filer (a
+        delegation parking its parent among its new children) is not: its refile would plan
+        again what the failed try made, so its claim is given up as before and the sweep hands
+        it back free (the replay adopts the children). Nor is a failure before the answer (an
+        artifact a format writes first): the claim is given up the same way, never left to
+        lapse and be recovered as a crash."""
         try:
-            with refiling(job.claim):
-                self.engine.file(job.claim, job.dialect, job.specialist, outcome)
+            if outcome.status in self.engine.hooks.filers:
+                where = self.engine.file(job.claim, job.dialect, job.specialist, outcome)
+            else:
+                with refiling(job.claim):
+                    where = self.engine.file(job.claim, job.dialect, job.specialist, outcome)
         except NotFiled as exc:
             return self._keep_to_refile(job, outcome, exc)
-        if job.refile_after:  # filed at last: no error left for a batch's exit code to report
-            self.report.errors -= 1
+        except OSError:
+            self.engine.backend.abandon(job.claim)  # (given up already when finish failed)
+            raise
+        if job.refile_after and where is not State.IN_PROGRESS:  # filed at last: no error
+            self.report.errors -= 1  # left for a batch's exit code to report
             log.info("handoff %s: filed after its filing failed (its handler ran once)",
                      job.handoff_id)
+        elif job.refile_after:
+            log.error("handoff %s: its claim was taken over while its filing waited; nothing "
+                      "was filed here", job.handoff_id)
         return False
 
     def _taken_over(self, token: int, job: Job, rest: Callable[[], Outcome]) -> None:

@@ -418,9 +418,9 @@ class Daemon:
             while scheduler.running:
                 self.cv.wait(1.0)
         self.pool.shutdown()
-        self.hooks.stopped()
         if not self.defer_held:
             self.release_held()
+        self.hooks.stopped()  # (after the last filings: the metrics and notices count them)
 
     def release_held(self) -> None:
         """The last of a stop, its claims still renewed until then: file what attempts whose
