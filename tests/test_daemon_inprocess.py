@@ -48,10 +48,11 @@ def submit(engine: Engine, data: Any = None, **extra: Any) -> str:
 
 
 class Serving:
-    """Run Daemon.serve in a thread for the duration of a with-block."""
+    """Run Daemon.serve in a thread for the duration of a with-block (``watch``: inotify, or
+    only the rescans)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.daemon = Daemon(engine)
+    def __init__(self, engine: Engine, *, watch: bool = True) -> None:
+        self.daemon = Daemon(engine, watch=watch)
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self.daemon.serve,
                                        kwargs={"install_signals": False, "ready": self.ready.set})

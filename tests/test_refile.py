@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pytest
 from conftest import wait_until
+from test_daemon_inprocess import Serving as InThread
 
 from handoffd import Daemon, Registry, Workspace, build_engine, new_native_request
 from handoffd.backends.files import fsio, spares
@@ -87,24 +88,9 @@ class FullDisk:
         self.real(target, *args, **kwargs)
 
 
-class Serving:
-    """Daemon.serve in a thread for the duration of a with-block."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.daemon = Daemon(engine, watch=False)
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self.daemon.serve,
-                                       kwargs={"install_signals": False, "ready": self.ready.set})
-
-    def __enter__(self) -> Daemon:
-        self.thread.start()
-        assert self.ready.wait(10)
-        return self.daemon
-
-    def __exit__(self, *exc: object) -> None:
-        self.daemon.stop()
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive()
+def Serving(engine: Engine) -> InThread:
+    """Daemon.serve in a thread for the duration of a with-block, looking by rescans only."""
+    return InThread(engine, watch=False)
 
 
 def events_of(engine: Engine, hid: str) -> tuple[State, list[str]]:
