@@ -72,3 +72,18 @@ def test_a_context_conflict_keeps_its_code_and_is_retried(tmp_path: Path) -> Non
     filed = file_one(tmp_path, stale_revision)
     assert filed["error"]["code"] == "CONTEXT_CONFLICT", filed["error"]
     assert book(filed).get("retries", 0) == 1  # retried once (max_retries 1), then failed
+
+
+def odd_code(handoff: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    from handoffd.core.errors import NotFound
+    exc = NotFound("boom")
+    exc.code = ["X"]  # type: ignore[attr-defined]  # a handler's own exception, any code
+    raise exc
+
+
+def test_a_handlers_exception_with_an_odd_code_is_filed_as_before(tmp_path: Path) -> None:
+    """A code that is no string (a list) made the check for context codes raise TypeError: the
+    attempt crashed and was recovered as a crash. It is filed PROCESSING_ERROR, as before."""
+    filed = file_one(tmp_path, odd_code)
+    assert filed["error"]["code"] == "PROCESSING_ERROR", filed["error"]
+    assert "handler raised NotFound: boom" in filed["error"]["message"]

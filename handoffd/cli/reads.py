@@ -192,16 +192,18 @@ def list_rows(eng: "Engine", *, state: str | None = None, to: str | None = None,
     the line that says how many more ``limit`` left out (None when it left none out)."""
     from ..service.queries import list_handoffs
     check_state(state)
-    rows = list_handoffs(eng, state=state, to=to, source=source, limit=limit,
+    filtered = bool(to or source or conversation)
+    # rows a filter keeps cannot be counted without reading every document: one row past the
+    # limit, in the same pass, says whether there are more (a second pass read them all again)
+    asked = limit + 1 if filtered and limit > 0 else limit
+    rows = list_handoffs(eng, state=state, to=to, source=source, limit=asked,
                          conversation=conversation, before_pending=before_pending)
+    if filtered:
+        more = len(rows) > limit
+        return rows[:limit], (f"{PROG}: more not shown (--limit {limit}): raise --limit to "
+                              "list them" if more else None)
     if len(rows) < limit:  # (fewer than asked for: nothing was left out)
         return rows, None
-    if to or source or conversation:  # rows a filter keeps cannot be counted without reading
-        # every document: one row past the limit says whether there are more
-        more = list_handoffs(eng, state=state, to=to, source=source, limit=limit + 1,
-                             conversation=conversation)
-        return rows, (f"{PROG}: more not shown (--limit {limit}): raise --limit to list them"
-                      if len(more) > len(rows) else None)
     total = count_rows(eng, state)
     if total <= len(rows):
         return rows, None

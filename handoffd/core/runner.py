@@ -230,7 +230,8 @@ def handler_result(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
             raise HandlerError(_text(exc), handoff_id=ctx.handoff_id, code=ErrorCode.CANCELLED,
                                retryable=False)
         code = getattr(exc, "code", None) if isinstance(exc, HandoffdError) else None
-        if code in CONTEXT_CODES:  # handoffd's own context API refused a call: its code kept
+        if isinstance(code, str) and code in CONTEXT_CODES:  # handoffd's context API refused
+            # a call: its code kept (a handler's own exception may carry any object as code)
             raise HandlerError(f"handoff {ctx.handoff_id}: {_text(exc)}",
                                handoff_id=ctx.handoff_id, code=code,
                                retryable=CONTEXT_CODES[code])

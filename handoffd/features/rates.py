@@ -38,6 +38,10 @@ UNREADABLE_WAIT_SECONDS = 1.0  # a bucket that cannot be updated: starts wait, a
 # a listing reads the buckets once; a reader that lives on (the MCP server) reads them afresh
 # after this long
 CACHE_SECONDS = 1.0
+# a bucket stamped further ahead than this (or its period) is taken as full: a clock that
+# stepped back an hour refills nothing meanwhile, but a stamp from the far future never ages
+FUTURE_SECONDS = 86_400.0
+HELD_LOG_SECONDS = 60.0  # a specialist whose starts wait for its rate is said so this often
 UNITS = ((86_400, "d"), (3_600, "h"), (60, "m"), (1, "s"))
 PERIODS = {1.0: "s", 60.0: "m", 3_600.0: "h", 86_400.0: "d"}
 log = logging.getLogger("handoffd")
@@ -70,6 +74,8 @@ def refilled(state: Any, rate: Rate, now: datetime) -> tuple[float, float]:
     since. A clock that stepped back refills nothing (and never more than the full bucket)."""
     tokens, at = _load(state, rate)
     stamp = now.timestamp()
+    if at > stamp + max(rate.seconds, FUTURE_SECONDS):  # stamped far ahead (a hostile record,
+        tokens, at = float(rate.count), stamp  # a host clock far off): it would never refill
     per_second = rate.count / rate.seconds
     return min(float(rate.count), tokens + max(stamp - at, 0.0) * per_second), max(stamp, at)
 
@@ -99,7 +105,9 @@ def spelled(rate: Rate) -> str:
 def span(seconds: float) -> str:
     """A wait of ``seconds``, rounded up to a whole second, in its two largest units:
     ``45s``, ``59m 30s``, ``2h 5m``, ``1d 3h``."""
-    left = max(math.ceil(seconds), 1)
+    if seconds < 1.0:
+        return "<1s"
+    left = math.ceil(seconds)
     parts = []
     for size, unit in UNITS:
         if left >= size:
@@ -118,7 +126,9 @@ class RateLimits:
         self.buckets = Buckets(records)
         self.monotonic = monotonic
         self.failing: set[str] = set()  # specialists whose bucket could not be updated: said once
-        self.held: set[str] = set()  # specialists whose starts wait for a token: said once
+        # specialist -> when it was last said that its starts wait for a token: once per
+        # HELD_LOG_SECONDS, not at every start of a backlog that the rate paces
+        self.held: dict[str, float] = {}
         self._read: tuple[float, dict[str, Any]] | None = None
         self._lock = threading.Lock()
 
@@ -138,10 +148,9 @@ class RateLimits:
                           "wait, tried again every %g s", spec.agent, exc, UNREADABLE_WAIT_SECONDS)
             return UNREADABLE_WAIT_SECONDS
         self.failing.discard(spec.agent)
-        if wait <= 0.0:
-            self.held.discard(spec.agent)
-        elif spec.agent not in self.held:  # once when its starts begin to wait, not every look
-            self.held.add(spec.agent)
+        said = self.held.get(spec.agent)
+        if wait > 0.0 and (said is None or self.monotonic() - said >= HELD_LOG_SECONDS):
+            self.held[spec.agent] = self.monotonic()
             log.info("specialist %s: its handoffs wait for its rate %s; next start in %s (at %s)",
                      spec.agent, spelled(rate), span(wait), iso(now + timedelta(seconds=wait)))
         return wait
