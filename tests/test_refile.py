@@ -126,8 +126,9 @@ def test_a_failed_filing_is_filed_again_and_the_handler_runs_once(
 
 def test_a_refile_that_keeps_failing_is_given_up_at_a_stop(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The disk stays full; the daemon stops: its claim is given up as before the refile, and
-    the next daemon's sweep hands it back free (the handler runs again there)."""
+    """The disk stays full for answers; the daemon stops: its claim is handed back to pending/
+    uncounted at once (it was given up and left to a sweep: another process's recovery took it
+    for a crash), and the next daemon runs the handler again."""
     handler = Counting()
     engine = engine_with(tmp_path, handler)
     disk = FullDisk(monkeypatch)
@@ -140,8 +141,9 @@ def test_a_refile_that_keeps_failing_is_given_up_at_a_stop(
             token = job.claim.token
         assert disk.failed >= 4  # the stop's last try
         assert daemon.report.errors == 1  # left unfiled: a batch would exit 1
-        assert engine.backend.store.locate(hid) == [State.IN_PROGRESS]
-        assert engine.backend.store.gave_up(token) and handler.calls == 1
+        assert daemon.report.handed_back == 1
+        assert engine.backend.store.locate(hid) == [State.PENDING] and handler.calls == 1
+        assert not engine.backend.store.gave_up(token)  # (handed back, not left to a sweep)
         disk.full = False
         report = Daemon(engine, watch=False).run_batch()
         assert report.completed == 1 and handler.calls == 2
@@ -352,5 +354,30 @@ def test_refusing_disks_hold_at_most_one_kept_answer_per_worker(
             wait_until(lambda: all(engine.backend.store.locate(i) == [State.COMPLETED]
                                    for i in ids), 60)
         assert handler.calls == len(ids)  # each ran once
+    finally:
+        engine.backend.close()
+
+
+def test_a_stop_whose_hand_back_is_refused_too_gives_the_claim_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answers and pending/ both refused at the stop: the claim is given up, and the next
+    sweep of a daemon in this process hands it back free."""
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    hid = submit(engine)
+    disk = FullDisk(monkeypatch)
+    pending_full = FullDisk(monkeypatch, folder="pending")  # (wraps the first)
+    pending_full.full = False
+    try:
+        with Serving(engine) as daemon:
+            wait_until(lambda: disk.failed >= 2, 20)
+            token = daemon.active[hid].claim.token
+            pending_full.full = True
+        assert engine.backend.store.locate(hid) == [State.IN_PROGRESS]
+        assert engine.backend.store.gave_up(token) and daemon.report.handed_back == 0
+        disk.full = pending_full.full = False
+        report = Daemon(engine, watch=False).run_batch()
+        assert report.completed == 1 and handler.calls == 2
+        assert book(engine.get(hid)[1]).get("retries", 0) == 0  # free, not charged
     finally:
         engine.backend.close()

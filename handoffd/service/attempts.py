@@ -319,15 +319,30 @@ class Attempts:
         if first:  # (a batch that ends with it unfiled exits non-zero, and says so)
             self.report.errors += 1
         if closing:
-            log.error("handoff %s: %s; stopping: handed back to pending/ by the sweep (its "
-                      "handler runs again)", job.handoff_id, exc)
-            self.engine.backend.abandon(job.claim)
+            self._hand_back_unfiled(job, exc)
             return False
         log.error("handoff %s: %s; its claim is kept and the filing tried again in %gs (the "
                   "handler does not run again)", job.handoff_id, exc, job.refile_after)
         if first:  # a cancellation files it cancelled at once (the handler is done anyway)
             job.context.wake_on_cancel(_Release(self, job))
         return True
+
+    def _hand_back_unfiled(self, job: Job, exc: OSError) -> None:
+        """As this daemon stops, ``job``'s kept outcome failed its last try: hand the claim back
+        to pending/ uncounted now (its handler runs again), as this process's sweep would have;
+        left given up, another process's recovery would take it for a crash (an attempt
+        charged, the specialist a suspect). When the disk refuses that too, given up."""
+        try:
+            self.engine.requeue(job.claim, job.dialect, "handed_back", interrupted=True,
+                                reason="its filing failed as its daemon stopped")
+        except Exception as again:  # (the requeue gave the claim up already on an OSError)
+            self.engine.backend.abandon(job.claim)
+            log.error("handoff %s: %s; stopping, and it cannot be handed back either (%s): "
+                      "the next sweep recovers it", job.handoff_id, exc, again)
+            return
+        self.report.handed_back += 1
+        log.error("handoff %s: %s; stopping: handed back to pending/ (its handler runs again)",
+                  job.handoff_id, exc)
 
     def _start_refile(self, job: Job) -> None:
         """Arm ``job``'s next refile (called under ``cv``)."""
