@@ -381,3 +381,25 @@ def test_a_stop_whose_hand_back_is_refused_too_gives_the_claim_up(
         assert book(engine.get(hid)[1]).get("retries", 0) == 0  # free, not charged
     finally:
         engine.backend.close()
+
+
+def test_a_batch_on_a_disk_that_refuses_every_answer_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saturated (as many answers kept as workers), a batch starts nothing more; it waits up
+    to grace_seconds for a refile, then ends as a stop does: what it kept is handed back, the
+    rest stays pending for the next run, and it reports the errors."""
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    ids = [submit(engine) for _ in range(16)]
+    FullDisk(monkeypatch)
+    try:
+        daemon = Daemon(engine, watch=False)
+        started = time.monotonic()
+        report = daemon.run_batch()
+        assert time.monotonic() - started < 20
+        assert report.completed == 0 and report.errors >= 1
+        assert report.handed_back == handler.calls <= 2 * daemon.workers
+        assert sorted(engine.backend.ids(State.PENDING)) == sorted(ids)
+        assert engine.backend.ids(State.IN_PROGRESS) == []
+    finally:
+        engine.backend.close()

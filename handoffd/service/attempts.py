@@ -81,9 +81,7 @@ class Attempts:
             with self.cv:
                 if self._held_by_late(handoff_id):
                     return
-        if self.refiles and len(self.refiles) >= self.scheduler.workers:
-            # as many answers as workers wait for a disk that refuses them: claiming on would
-            # run the whole backlog into kept claims (a timer and a claim each), so wait too
+        if self.saturated():  # (a worker chaining on: the main loop dispatches nothing then)
             self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
             return
         try:
@@ -120,6 +118,12 @@ class Attempts:
             # job from lease renewal, the sweep's skip list and cancel requests
             if job is not None:
                 self._forget_job(job)
+
+    def saturated(self) -> bool:
+        """True while as many answers as there are workers wait to be filed again (a disk that
+        refuses them): claiming on would run the whole backlog into kept claims, a timer and a
+        claim each, so nothing new starts until one is filed."""
+        return bool(self.refiles) and len(self.refiles) >= self.scheduler.workers
 
     def _end_attempt(self, job: Job, outcome: Outcome) -> bool:
         """File a run's outcome, or hand the attempt back if the daemon stopped it. True when

@@ -343,16 +343,21 @@ class Daemon:
                     return
                 scheduler.release_parked()
                 now, spin_up_at = time.monotonic(), scheduler.spin_up_at()
-                ready = scheduler.next_ready(now) \
-                    if scheduler.running < self.workers and now >= spin_up_at else None
+                # as many answers as workers wait for a disk that refuses them: nothing new
+                # starts (each would end kept too) until one is filed (that wakes this loop)
+                saturated = self.attempts.saturated()
+                free = scheduler.running < self.workers and not saturated
+                ready = scheduler.next_ready(now) if free and now >= spin_up_at else None
                 if ready is not None:
+                    self._late_since = None  # (work goes on: a later wait counts afresh)
                     self.dispatcher.dispatch_safely(*ready)
                     continue
                 late_until = -math.inf
-                if batch and scheduler.running == 0 and not scheduler.due_soon():
+                if batch and scheduler.running == 0 and (saturated or not scheduler.due_soon()):
                     late_until = self._late_wait(now)
-                    if late_until <= now:
-                        if self.scan(recheck_waiting=False) == 0 or not scheduler.due_soon():
+                    if late_until <= now:  # (saturated: what is due waits for the next run)
+                        if saturated or self.scan(recheck_waiting=False) == 0 \
+                                or not scheduler.due_soon():
                             return
                         continue
                 idle = now + IDLE_WAKE_SECONDS
@@ -363,7 +368,7 @@ class Daemon:
                     timers.append(next_sweep)
                     if scheduler.running < self.workers:
                         timers.append(self.progress.wake_at())
-                if (scheduler.heap or scheduler.ready) and scheduler.running < self.workers:
+                if (scheduler.heap or scheduler.ready) and free:
                     timers.append(max(scheduler.heap[0][0] if scheduler.heap else now, spin_up_at))
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
 
