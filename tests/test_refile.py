@@ -403,3 +403,83 @@ def test_a_batch_on_a_disk_that_refuses_every_answer_ends(
         assert engine.backend.ids(State.IN_PROGRESS) == []
     finally:
         engine.backend.close()
+
+
+def test_a_saturated_daemon_is_no_stall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is dispatched on purpose while answers wait for a refusing disk: the progress
+    watchdog took that for a stalled scheduler and reset it every stall_seconds."""
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2, workers=2,
+                                          claim_grace_seconds=0.0, stall_seconds=0.3))
+    registry = Registry()
+    handler = Counting()
+    registry.add_function("@t", lambda doc, ctx: handler(doc, ctx), config=config)
+    engine = build_engine(ws, config, registry)
+    for _ in range(8):
+        submit(engine)
+    FullDisk(monkeypatch)
+    try:
+        with Serving(engine) as daemon:
+            wait_until(lambda: daemon.attempts.saturated(), 20)
+            time.sleep(1.5)  # five stall periods, saturated throughout
+            assert daemon.report.stalls == 0
+    finally:
+        engine.backend.close()
+
+
+def test_a_stop_hands_an_unfiled_answer_back_free_ten_times_then_counts_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch on a disk that refuses answers ran the handler and handed it back for free,
+    for ever (and its interrupted marks charged the next genuine stop at once). Now it counts
+    as a stop's interrupted attempt does: free ten times in a row, then a counted attempt."""
+    from handoffd.service.handbacks import FREE_HANDBACKS
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)  # (max_retries: the default 3)
+    hid = submit(engine)
+    FullDisk(monkeypatch)
+    monkeypatch.setattr(engine.settings, "grace_seconds", 0.05, raising=False)
+    try:
+        for _ in range(FREE_HANDBACKS + 1):
+            Daemon(engine, watch=False).run_batch()
+        doc = engine.get(hid)[1]
+        assert handler.calls == FREE_HANDBACKS + 1
+        assert book(doc).get("retries", 0) == 1, [e["event"] for e in book(doc)["history"]]
+    finally:
+        engine.backend.close()
+
+
+def test_a_cancel_during_a_refile_under_way_still_files_it_cancelled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel request came while a refile had taken the kept answer: the waker found
+    nothing to file, and fires once; that try failed, and the next one filed it completed."""
+    from handoffd.features.cancellation import cancel
+    handler = Counting()
+    engine = engine_with(tmp_path, handler)
+    hid = submit(engine)
+    real = fsio.create_exclusive
+    tries: list[str] = []
+    under_way, cancelled_now = threading.Event(), threading.Event()
+
+    def answers_refused_twice(target: Path, *args: Any, **kwargs: Any) -> None:
+        if target.parent.name == "completed" and len(tries) < 2:
+            tries.append(target.name)
+            if len(tries) == 2:  # the first refile: cancelled while it runs, then it fails
+                under_way.set()
+                assert cancelled_now.wait(20)
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        real(target, *args, **kwargs)
+
+    monkeypatch.setattr(fsio, "create_exclusive", answers_refused_twice)
+    try:
+        with Serving(engine) as daemon:
+            assert under_way.wait(20)
+            cancel(engine, hid, reason="not needed", by="@test", via="test")
+            cancelled_now.set()
+            wait_until(lambda: engine.backend.store.locate(hid) == [State.FAILED], 20)
+            wait_until(lambda: hid not in daemon.active, 10)
+        state, events = events_of(engine, hid)
+        assert events == ["created", "claimed", "cancelled"], events
+        assert handler.calls == 1
+    finally:
+        engine.backend.close()

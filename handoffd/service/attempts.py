@@ -20,7 +20,7 @@ An outcome whose filing failed for a passing reason (a full disk) before anythin
 kept the same way (``Job.held``, :class:`~handoffd.backends.base.NotFiled`): the handler does not
 run again; the same outcome is filed again after ``RETRY_LOOK_SECONDS``, then with a back-off up
 to :data:`REFILE_MAX_SECONDS` (:meth:`Attempts._refile`, on a timer), or cancelled, or filed
-last at a stop, where a failure gives the claim up as before (the sweep hands it back free).
+last at a stop, where a failure hands it back to pending/ as a stop's interrupted attempt.
 """
 from __future__ import annotations
 
@@ -284,8 +284,8 @@ class Attempts:
     def file_all_held(self, wait: float = HELD_FILING_SECONDS) -> None:
         """File every kept outcome, as this daemon stops (its handlers' threads end with the
         process), and wait up to ``wait`` seconds for those being filed on other threads: once
-        every task has ended, the jobs still active are exactly those. A failed filing gives
-        its claim up now (:meth:`_keep_to_refile`)."""
+        every task has ended, the jobs still active are exactly those. A failed filing hands
+        its claim back now (:meth:`_keep_to_refile`)."""
         with self.cv:
             self.closing = True
             for timer in self.refiles.values():
@@ -311,7 +311,7 @@ class Attempts:
         written; the claim is still ours. Keep it (True: the job stays active, its lease renewed)
         and file the same outcome again on a timer, after ``RETRY_LOOK_SECONDS`` and then twice
         as long each time, up to a minute: the handler, which has run, does not run again. When
-        this daemon stops (False), give the claim up as before: the sweep hands it back free."""
+        this daemon stops (False), hand it back (:meth:`_hand_back_unfiled`)."""
         with self.cv:
             closing = self.closing
             first = not job.refile_after
@@ -323,30 +323,38 @@ class Attempts:
         if first:  # (a batch that ends with it unfiled exits non-zero, and says so)
             self.report.errors += 1
         if closing:
-            self._hand_back_unfiled(job, exc)
+            self._hand_back_unfiled(job, outcome, exc)
             return False
         log.error("handoff %s: %s; its claim is kept and the filing tried again in %gs (the "
                   "handler does not run again)", job.handoff_id, exc, job.refile_after)
         if first:  # a cancellation files it cancelled at once (the handler is done anyway)
             job.context.wake_on_cancel(_Release(self, job))
+        if job.context.stop_requested and not job.fenced and not job.context.handback \
+                and (outcome.error or {}).get("code") != ErrorCode.CANCELLED:
+            # cancelled while this try was under way (its waker found nothing held then, and
+            # fires once): file the cancellation now, or the next try files the answer
+            self.release(job)
         return True
 
-    def _hand_back_unfiled(self, job: Job, exc: OSError) -> None:
-        """As this daemon stops, ``job``'s kept outcome failed its last try: hand the claim back
-        to pending/ uncounted now (its handler runs again), as this process's sweep would have;
-        left given up, another process's recovery would take it for a crash (an attempt
+    def _hand_back_unfiled(self, job: Job, outcome: Outcome, exc: OSError) -> None:
+        """As this daemon stops, ``job``'s kept ``outcome`` failed its last try: hand the claim
+        back to pending/ now (its handler runs again) as a stop hands back an interrupted
+        attempt: uncounted, then counted after ten in a row (:func:`.handbacks.hand_back`: a
+        disk that refuses every answer must not rerun a handler at every batch for ever).
+        Left given up, another process's recovery would take it for a crash (an attempt
         charged, the specialist a suspect). When the disk refuses that too, given up."""
         try:
-            self.engine.requeue(job.claim, job.dialect, "handed_back", interrupted=True,
-                                reason="its filing failed as its daemon stopped")
+            returned = handbacks.hand_back(self.engine, job, outcome)
         except Exception as again:  # (the requeue gave the claim up already on an OSError)
             self.engine.backend.abandon(job.claim)
             log.error("handoff %s: %s; stopping, and it cannot be handed back either (%s): "
                       "the next sweep recovers it", job.handoff_id, exc, again)
             return
-        self.report.handed_back += 1
-        log.error("handoff %s: %s; stopping: handed back to pending/ (its handler runs again)",
-                  job.handoff_id, exc)
+        if returned:
+            self.report.handed_back += 1
+        log.error("handoff %s: %s; stopping: %s (its handler runs again)", job.handoff_id, exc,
+                  "handed back to pending/" if returned else "counted as an attempt, as a "
+                  "stop in a run of them is")
 
     def _start_refile(self, job: Job) -> None:
         """Arm ``job``'s next refile (called under ``cv``)."""

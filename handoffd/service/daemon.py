@@ -366,7 +366,7 @@ class Daemon:
                     timers.append(late_until)
                 if not batch:
                     timers.append(next_sweep)
-                    if scheduler.running < self.workers:
+                    if free:
                         timers.append(self.progress.wake_at())
                 if (scheduler.heap or scheduler.ready) and free:
                     timers.append(max(scheduler.heap[0][0] if scheduler.heap else now, spin_up_at))
@@ -425,7 +425,6 @@ class Daemon:
         self.pool.shutdown()
         if not self.defer_held:
             self.release_held()
-        self.hooks.stopped()  # (after the last filings: the metrics and notices count them)
 
     def release_held(self) -> None:
         """The last of a stop, its claims still renewed until then: file what attempts whose
@@ -436,3 +435,4 @@ class Daemon:
         self.leases.stop()
         if self._count in self.engine.on_filed:
             self.engine.on_filed.remove(self._count)
+        self.hooks.stopped()  # (after the last filings: the metrics and notices count them)

@@ -41,6 +41,9 @@ class ProgressWatch:
         since = now - self.scheduler.last_dispatch
         if now < self.next_progress_check or since < self.stall_seconds:
             return
+        if self.attempts.saturated():  # nothing is dispatched on purpose: answers wait for a
+            self.next_progress_check = now + self.stall_seconds  # disk that refuses them
+            return
         self.next_progress_check = now + max(self.stall_seconds / 2, 0.05)
         try:
             stuck = self.due_with_free_slot()
