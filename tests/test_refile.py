@@ -25,7 +25,7 @@ from handoffd.core.config import Config, DaemonSettings
 from handoffd.core.documents import book
 from handoffd.core.engine import Engine
 from handoffd.core.states import State
-from handoffd.service import attempts
+from handoffd.service import attempts, held
 
 FAST_REFILE = 0.2  # (RETRY_LOOK_SECONDS, 5 s in use: the first refile's wait)
 
@@ -101,6 +101,7 @@ def events_of(engine: Engine, hid: str) -> tuple[State, list[str]]:
 @pytest.fixture(autouse=True)
 def fast_refile(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attempts, "RETRY_LOOK_SECONDS", FAST_REFILE)
+    monkeypatch.setattr(held, "RETRY_LOOK_SECONDS", FAST_REFILE)
 
 
 def test_a_failed_filing_is_filed_again_and_the_handler_runs_once(
