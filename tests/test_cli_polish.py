@@ -288,3 +288,29 @@ def test_a_filtered_listing_reads_the_documents_once(tmp_path: Path,
         assert len(rows) == 5 and note is None
     finally:
         engine.backend.close()
+
+
+def test_mcp_list_handoffs_says_whether_its_limit_left_rows_out(tmp_path: Path) -> None:
+    """list_handoffs capped its limit (1 to 1,000) and never said it had left rows out: an
+    agent could not tell a full listing from a cut one (ls says so on stderr)."""
+    pytest.importorskip("mcp", reason="the MCP SDK is not installed")
+    from test_mcp_hostile import Server
+    root = tmp_path / "ws"
+    (root / "handoffs" / "pending").mkdir(parents=True)
+    server = Server(root)
+    try:
+        for n in range(3):
+            server.tool(n + 1, "create_handoff", {"to": "@echo", "data": {},
+                                                  "handoff_id": f"m{n}"})
+            assert json.loads(server.text(n + 1))["id"] == f"m{n}"
+        server.tool(10, "list_handoffs", {"limit": 2})
+        listed = json.loads(server.text(10))
+        assert len(listed["handoffs"]) == 2 and listed["more"] is True and listed["limit"] == 2
+        server.tool(11, "list_handoffs", {"limit": 3})
+        listed = json.loads(server.text(11))
+        assert len(listed["handoffs"]) == 3 and listed["more"] is False
+        server.tool(12, "list_handoffs", {"limit": 10**9})
+        assert json.loads(server.text(12))["limit"] == 1000  # as kept, said
+    finally:
+        server.proc.kill()
+        server.proc.wait(timeout=10)

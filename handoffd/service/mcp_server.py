@@ -44,6 +44,7 @@ MAX_WAITS = 200  # wait_handoff calls in progress at once (a thread each)
 # that is not one is USAGE_ERROR (docs/agents.md) rather than the SDK's pydantic report
 Seconds = Annotated[Any, WithJsonSchema({"type": "number"})]  # (0..3600: longer is clamped)
 _FLOAT = TypeAdapter(float)
+MAX_LISTED = 1_000  # the most rows list_handoffs returns at once
 
 
 def wait_seconds(timeout: Any) -> float:
@@ -193,9 +194,12 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
     def list_handoffs(state: str | None = None, to: str | None = None, limit: int = 50,
                       conversation: str | None = None) -> dict[str, Any]:
         """Newest-first handoffs (``handoffs``: rows as `handoff ls --json` prints them),
-        filtered by state, target agent or conversation."""
-        return {"handoffs": list(_call(client.list, state=state, to=to,
-                                       limit=min(max(limit, 1), 1000), conversation=conversation))}
+        filtered by state, target agent or conversation; ``limit`` is the number of rows asked
+        for, as kept (1 to 1,000), and ``more`` says whether it left rows out."""
+        kept = min(max(limit, 1), MAX_LISTED)
+        rows = list(_call(client.list, state=state, to=to, limit=kept + 1,
+                          conversation=conversation))  # (one past the limit: are there more?)
+        return {"handoffs": rows[:kept], "limit": kept, "more": len(rows) > kept}
 
     @server.tool()
     def cancel_handoff(handoff_id: str, cascade: bool = False,
