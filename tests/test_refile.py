@@ -43,16 +43,21 @@ class Counting:
         return {"status": "completed", "output": {"n": self.calls}}
 
 
-def engine_with(tmp_path: Path, handler: Callable[[dict, Any], dict]) -> Engine:
+def engine_with(tmp_path: Path, handler: Callable[[dict, Any], dict] | None = None, *,
+                handlers: dict[str, Callable[[dict, Any], dict]] | None = None,
+                **settings: Any) -> Engine:
+    """An engine on a fresh workspace whose @t runs ``handler`` (or each agent of ``handlers``
+    its own), with quick sweeps and rescans; ``settings`` override the daemon's."""
     ws = Workspace(tmp_path / "ws")
     ws.ensure()
-    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2,
-                                          claim_grace_seconds=0.0, grace_seconds=2.0))
+    config = Config(daemon=DaemonSettings(**{
+        "sweep_seconds": 0.2, "rescan_seconds": 0.2, "claim_grace_seconds": 0.0,
+        "grace_seconds": 2.0, **settings}))
     registry = Registry()
-    def run(handoff: dict, ctx: Any) -> dict:
-        return handler(handoff, ctx)
-
-    registry.add_function("@t", run, config=config)
+    for agent, func in (handlers or {"@t": handler}).items():
+        assert func is not None
+        registry.add_function(agent, lambda handoff, ctx, func=func: func(handoff, ctx),
+                              config=config)
     return build_engine(ws, config, registry)
 
 
@@ -244,18 +249,11 @@ def test_a_delegation_whose_park_fails_keeps_its_children_and_completes(
     caught as a failed delegation, its children were cancelled, and it was charged a retry (a
     second failure dead-lettered it: its child ids 'taken'). Now the children stay, the claim
     is given up, the sweep hands the parent back, and its replay adopts them."""
-    ws = Workspace(tmp_path / "ws")
-    ws.ensure()
-    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2,
-                                          claim_grace_seconds=0.0, grace_seconds=2.0))
-    registry = Registry()
-    registry.add_function("@parent", lambda doc, ctx: {
-        "status": "delegated", "aggregation": "all_success",
-        "delegate": [{"to": "@child", "data": {"n": 1}}, {"to": "@child", "data": {"n": 2}}]},
-        config=config)
-    registry.add_function("@child", lambda doc, ctx: {"status": "completed", "output": {}},
-                          config=config)
-    engine = build_engine(ws, config, registry)
+    engine = engine_with(tmp_path, handlers={
+        "@parent": lambda doc, ctx: {
+            "status": "delegated", "aggregation": "all_success",
+            "delegate": [{"to": "@child", "data": {"n": 1}}, {"to": "@child", "data": {"n": 2}}]},
+        "@child": lambda doc, ctx: {"status": "completed", "output": {}}})
     doc = new_native_request(source="@test", target="@parent", data=None, now=engine.clock())
     hid = engine.backend.store.create(doc, doc["handoff_id"])
     real = fsio.create_exclusive
@@ -409,14 +407,7 @@ def test_a_batch_on_a_disk_that_refuses_every_answer_ends(
 def test_a_saturated_daemon_is_no_stall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing is dispatched on purpose while answers wait for a refusing disk: the progress
     watchdog took that for a stalled scheduler and reset it every stall_seconds."""
-    ws = Workspace(tmp_path / "ws")
-    ws.ensure()
-    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2, workers=2,
-                                          claim_grace_seconds=0.0, stall_seconds=0.3))
-    registry = Registry()
-    handler = Counting()
-    registry.add_function("@t", lambda doc, ctx: handler(doc, ctx), config=config)
-    engine = build_engine(ws, config, registry)
+    engine = engine_with(tmp_path, Counting(), workers=2, stall_seconds=0.3)
     for _ in range(8):
         submit(engine)
     FullDisk(monkeypatch)

@@ -388,10 +388,7 @@ class Store:
         """Write ``doc`` into ``dst`` (never overwriting), then remove the ``src`` copy.
         ``ours``: the ``src`` file is one this process wrote (a claim's in-progress copy): its
         inode is kept as a spare temp file rather than freed (see :mod:`.spares`)."""
-        if not allowed(src, dst):
-            raise InvalidTransition(f"handoff {handoff_id} cannot go from {src.value} to {dst.value}",
-                                    handoff_id=handoff_id)
-        data = self.encode(doc, dst, handoff_id)
+        data = self._encode_moved(handoff_id, src, dst, doc)
         if ours:
             self._move_ours(handoff_id, src, dst, data)
             return
@@ -453,8 +450,8 @@ class Store:
                     return False
                 book(doc).pop("lease", None)
                 if claim.inode is not None:  # owns(): still the inode we wrote
-                    self._move_ours(claim.handoff_id, State.IN_PROGRESS, dst,
-                                    self._encode_moved(claim.handoff_id, dst, doc), keep)
+                    data = self._encode_moved(claim.handoff_id, State.IN_PROGRESS, dst, doc)
+                    self._move_ours(claim.handoff_id, State.IN_PROGRESS, dst, data, keep)
                 else:
                     self.move(claim.handoff_id, State.IN_PROGRESS, dst, doc)
                 moved = True
@@ -466,10 +463,12 @@ class Store:
                     claim.finished = True
                     release_lock(claim.lock)
 
-    def _encode_moved(self, handoff_id: str, dst: State, doc: dict[str, Any]) -> bytes:
-        """``doc`` encoded for ``dst``, once :meth:`move`'s transition check passes."""
-        if not allowed(State.IN_PROGRESS, dst):
-            raise InvalidTransition(f"handoff {handoff_id} cannot go from in-progress to "
+    def _encode_moved(self, handoff_id: str, src: State, dst: State,
+                      doc: dict[str, Any]) -> bytes:
+        """``doc`` encoded for ``dst``; InvalidTransition unless a move from ``src`` may go
+        there."""
+        if not allowed(src, dst):
+            raise InvalidTransition(f"handoff {handoff_id} cannot go from {src.value} to "
                                     f"{dst.value}", handoff_id=handoff_id)
         return self.encode(doc, dst, handoff_id)
 
