@@ -278,6 +278,32 @@ def test_grace_period_running_out_hands_work_back(tmp_path: Path) -> None:
     assert serving.daemon.report.handed_back == 1
 
 
+def test_a_stop_does_not_count_a_hand_back_of_a_claim_taken_over_meanwhile(tmp_path: Path) -> None:
+    # the handler outlasts the grace, and meanwhile another process took the claim over (its
+    # in-progress file replaced): the stop writes nothing and reports no hand-back
+    started = threading.Event()
+
+    def handler(handoff: dict, ctx: Any) -> dict:
+        path = engine.ws.state_dir(State.IN_PROGRESS) / f"{handoff['handoff_id']}.json"
+        spare = path.with_name(path.name + ".other")
+        spare.write_bytes(path.read_bytes())
+        os.replace(spare, path)  # a new inode: someone else's claim now
+        started.set()
+        while not ctx.cancelled.is_set():
+            time.sleep(0.01)
+        return {"status": "completed"}
+
+    engine = engine_with(tmp_path, handler, grace_seconds=0.3)
+    hid = submit(engine)
+    serving = Serving(engine)
+    with serving:
+        assert started.wait(10)
+    assert engine.backend.store.locate(hid) == [State.IN_PROGRESS]
+    doc = engine.backend.store.read(State.IN_PROGRESS, hid)
+    assert book(doc)["history"][-1]["event"] == "claimed"
+    assert serving.daemon.report.handed_back == 0
+
+
 def test_dead_watch_is_restarted_by_the_sweep_and_overflow_triggers_rescan(tmp_path: Path) -> None:
     engine = engine_with(tmp_path, lambda h, c: {"status": "completed"})
     backend = engine.backend

@@ -105,8 +105,12 @@ class Attempts(HeldOutcomes):
         job stays active: :meth:`_keep_to_refile`)."""
         job.ending = True
         if job.context.handback:  # counted once a stop interrupted it too often in a row
-            if handbacks.hand_back(self.engine, job, outcome):
+            where = handbacks.hand_back(self.engine, job, outcome)
+            if where is State.PENDING:
                 self.report.handed_back += 1
+            elif where is State.IN_PROGRESS:
+                log.warning("handoff %s: stopping: its claim was taken over meanwhile; nothing "
+                            "was handed back here", job.handoff_id)
             return False
         if job.fenced:  # stopped by the lease keeper: retried by the policy, not cancelled
             reason = job.context.cancel_reason

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.documents import Outcome, book
 from ..core.errors import ErrorCode
+from ..core.states import State
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
@@ -61,15 +62,16 @@ def stops_in_a_row(doc: dict[str, Any]) -> int:
     return count
 
 
-def hand_back(engine: Engine, job: Job, outcome: Outcome) -> bool:
+def hand_back(engine: Engine, job: Job, outcome: Outcome) -> State:
     """End ``job``'s attempt, which a stopping daemon interrupted while its handler ran:
-    handed back uncounted (True), or, after :data:`FREE_HANDBACKS` such stops in a row, filed
-    as a failed attempt under its retry policy (False; the engine's listeners hear of it)."""
+    handed back uncounted (PENDING), or, after :data:`FREE_HANDBACKS` such stops in a row,
+    filed as a failed attempt under its retry policy (where it was filed; the engine's
+    listeners hear of it). IN_PROGRESS: the claim was lost meanwhile (its lease lapsed and
+    another process took the handoff over), so nothing was written and nothing is to count."""
     streak = stops_in_a_row(job.claim.doc) + 1
     if streak <= FREE_HANDBACKS:
-        engine.requeue(job.claim, job.dialect, "handed_back", reason="daemon stopping",
-                       interrupted=True)  # (INTERRUPTED)
-        return True
+        return engine.requeue(job.claim, job.dialect, "handed_back", reason="daemon stopping",
+                              interrupted=True)  # (INTERRUPTED)
     failure = engine.failure(
         outcome.started_at or engine.clock(), ErrorCode.PROCESSING_ERROR,
         f"handoff {job.handoff_id}: interrupted by stops {streak} times in a row: its handler "
@@ -78,5 +80,4 @@ def hand_back(engine: Engine, job: Job, outcome: Outcome) -> bool:
         "handler that signals its own daemon, or always outlasts [daemon] grace_seconds or "
         "--max-seconds, is failed this way",
         retryable=True, details={STOPS: streak})
-    engine.file(job.claim, job.dialect, job.specialist, failure)
-    return False
+    return engine.file(job.claim, job.dialect, job.specialist, failure)

@@ -262,11 +262,15 @@ class HeldOutcomes:
             log.error("handoff %s: %s; stopping, and it cannot be handed back either (%s): "
                       "the next sweep recovers it", job.handoff_id, exc, again)
             return
-        if returned:
+        if returned is State.IN_PROGRESS:
+            log.error("handoff %s: %s; stopping: its claim was taken over meanwhile; nothing "
+                      "was handed back here", job.handoff_id, exc)
+            return
+        if returned is State.PENDING:
             self.report.handed_back += 1
         log.error("handoff %s: %s; stopping: %s (its handler runs again)", job.handoff_id, exc,
-                  "handed back to pending/" if returned else "counted as an attempt, as a "
-                  "stop in a run of them is")
+                  "handed back to pending/" if returned is State.PENDING else "counted as an "
+                  "attempt, as a stop in a run of them is")
 
     def _start_refile(self, job: Job) -> None:
         """Arm ``job``'s next refile (called under ``cv``)."""
