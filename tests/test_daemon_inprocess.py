@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from conftest import exe, wait_until
@@ -257,10 +257,13 @@ def test_scheduled_retry_survives_a_restart(tmp_path: Path) -> None:
     assert calls == [1, 2]
 
 
-def test_grace_period_running_out_hands_work_back(tmp_path: Path) -> None:
+def serve_past_the_grace(tmp_path: Path, meanwhile: Callable[[Engine, str], None] = lambda e, h: None
+                         ) -> tuple[Engine, str, Serving]:
+    """Serve one handoff whose handler runs ``meanwhile`` and then outlasts a 0.3 s grace."""
     started = threading.Event()
 
     def handler(handoff: dict, ctx: Any) -> dict:
+        meanwhile(engine, handoff["handoff_id"])
         started.set()
         while not ctx.cancelled.is_set():
             time.sleep(0.01)
@@ -272,6 +275,11 @@ def test_grace_period_running_out_hands_work_back(tmp_path: Path) -> None:
     serving = Serving(engine)
     with serving:
         assert started.wait(10)
+    return engine, hid, serving
+
+
+def test_grace_period_running_out_hands_work_back(tmp_path: Path) -> None:
+    engine, hid, serving = serve_past_the_grace(tmp_path)
     assert engine.backend.store.locate(hid) == [State.PENDING]
     doc = engine.backend.store.read(State.PENDING, hid)
     assert book(doc)["history"][-1]["event"] == "handed_back" and book(doc)["attempt"] == 0
@@ -281,23 +289,13 @@ def test_grace_period_running_out_hands_work_back(tmp_path: Path) -> None:
 def test_a_stop_does_not_count_a_hand_back_of_a_claim_taken_over_meanwhile(tmp_path: Path) -> None:
     # the handler outlasts the grace, and meanwhile another process took the claim over (its
     # in-progress file replaced): the stop writes nothing and reports no hand-back
-    started = threading.Event()
-
-    def handler(handoff: dict, ctx: Any) -> dict:
-        path = engine.ws.state_dir(State.IN_PROGRESS) / f"{handoff['handoff_id']}.json"
+    def take_over(engine: Engine, hid: str) -> None:
+        path = engine.ws.state_dir(State.IN_PROGRESS) / f"{hid}.json"
         spare = path.with_name(path.name + ".other")
         spare.write_bytes(path.read_bytes())
         os.replace(spare, path)  # a new inode: someone else's claim now
-        started.set()
-        while not ctx.cancelled.is_set():
-            time.sleep(0.01)
-        return {"status": "completed"}
 
-    engine = engine_with(tmp_path, handler, grace_seconds=0.3)
-    hid = submit(engine)
-    serving = Serving(engine)
-    with serving:
-        assert started.wait(10)
+    engine, hid, serving = serve_past_the_grace(tmp_path, take_over)
     assert engine.backend.store.locate(hid) == [State.IN_PROGRESS]
     doc = engine.backend.store.read(State.IN_PROGRESS, hid)
     assert book(doc)["history"][-1]["event"] == "claimed"
