@@ -251,9 +251,36 @@ def test_documents_the_store_cannot_hold_are_refused_or_cleaned(pg_url: str) -> 
         held.doc["output"] = {"text": "x\u0000y\ud800"}  # a handler's output: kept, cleaned
         record(held.doc, "completed", at(2))
         assert store.finish(held, State.COMPLETED, held.doc)
-        assert store.get("ok")[1]["output"] == {"text": "x\ufffdy?"}
+        assert store.get("ok")[1]["output"] == {"text": "x\ufffdy\ufffd"}
+        # the text backslash-u0000 (a regex, source code) is no NUL: kept as it is, both ways
+        text = {"regex": "[^\\u0000-\\u001f]", "raw": "\\u0000", "odd": "\\\\u0000"}
+        plain = request("text")
+        plain["input"]["data"] = text
+        store.create(plain, "text", T0)
+        held = store.claim("text", at(1), LEASE)
+        assert held.doc["input"]["data"] == text
+        held.doc["output"] = text
+        record(held.doc, "completed", at(2))
+        assert store.finish(held, State.COMPLETED, held.doc)
+        assert store.get("text")[1]["output"] == text
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("value, kept", [
+    ("a\u0000b", False), ("\\\u0000", False), ("x\ud800y", False), ("[^\\u0000-\\u001f]", True),
+    ("\\\\u0000", True), ("\\\\\\u0000", True), ("\\u0000\u0000", False)])
+def test_encode_replaces_only_real_nul_characters_and_lone_surrogates(value: str, kept: bool) -> None:
+    from handoffd.backends.postgres.records import encode
+    from handoffd.core.errors import InvalidDocument
+    back = json.loads(encode({"k": value, value: 1}, strict=False))
+    if kept:
+        assert back == {"k": value, value: 1} and encode({"k": value}, strict=True)
+    else:
+        assert "\ufffd" in back["k"] and not any(c == "\x00" or "\ud800" <= c <= "\udfff"
+                                                 for c in back["k"])
+        with pytest.raises(InvalidDocument):
+            encode({"k": value}, strict=True)
 
 
 def test_documents_keep_their_key_order(pg_url: str) -> None:

@@ -11,6 +11,7 @@ import builtins
 import hashlib
 import json
 import logging
+import re
 from datetime import datetime, timedelta
 from typing import Any, Callable, NamedTuple
 
@@ -29,13 +30,23 @@ T = "handoffd.handoffs"
 MAX_PAYLOAD = 7000  # NOTIFY payloads stop at 8000 bytes: a longer id is announced as "lost"
 
 
+# a NUL character as json.dumps writes it: ``\u0000`` after an even run of backslashes (an odd
+# run is an escaped backslash followed by the plain text "u0000", which is kept). Linear: a
+# match starts only where a run of backslashes starts
+NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+SURROGATE = re.compile("[\ud800-\udfff]")  # lone ones: json.dumps(ensure_ascii=False) keeps them
+
+
 def encode(doc: Doc, *, strict: bool) -> str:
     """``doc`` as JSON text that every PostgreSQL JSON type accepts (documents are kept as
     ``json``, other records as ``jsonb``, which cannot hold NUL characters; no UTF-8 text holds
     lone surrogates): ``strict`` refuses such a document (InvalidDocument), else they become
-    U+FFFD."""
+    U+FFFD. The text ``\\u0000`` (a backslash, then "u0000": source code, a regex) is no NUL
+    and is kept as it is."""
     text = json.dumps(doc, ensure_ascii=False, allow_nan=False, default=str)
-    clean = text.encode("utf-8", "replace").decode("utf-8").replace("\\u0000", "\\ufffd")
+    clean = SURROGATE.sub("\ufffd", text)
+    if "\\u0000" in clean:
+        clean = NUL_ESCAPE.sub(r"\1\\ufffd", clean)
     if clean != text and strict:
         raise InvalidDocument("the document contains NUL characters or unpaired surrogates, "
                               "which the PostgreSQL store cannot hold",
