@@ -17,7 +17,8 @@ from typing import Any
 
 import pgserver
 import pytest
-from conftest import FLAKY_TOML, Workspace
+from conftest import FLAKY_TOML, Workspace, alive
+from netcut import Relay
 
 from handoffd.core.documents import new_native_request
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
@@ -173,5 +174,56 @@ url = "{url}"
         assert any("session" in str(e.get("detail", "")) for e in history["handoffd"]["history"]
                    if e["event"] == "recovered"), history["handoffd"]["history"]
     finally:
+        for host in hosts:
+            host.cleanup()
+
+
+@pytest.mark.heavy
+def test_a_host_cut_off_the_database_stops_its_handler_before_another_host_takes_over(
+        tmp_path: Path, pg_server: pgserver.PgServer) -> None:
+    """Host a loses the database (a network cut of a alone) while its handler runs. The server
+    ends a's sessions, so host b takes the claim over after claim_grace_seconds, long before
+    the lease: a must have stopped its handler by then (it can no longer prove it is alive),
+    or the handoff runs on two hosts at once."""
+    url = pg_server.new_database()
+    dbname = url.split("/")[3].split("?")[0]
+    relay = Relay(pg_server.socket_dir)
+    toml = FLAKY_TOML.replace("lease_seconds = 30.0", "lease_seconds = 120.0").replace(
+        "claim_grace_seconds = 1.0", "claim_grace_seconds = 4.0") + """
+[store]
+url = "{url}"
+"""
+    hosts = []
+    for name, host_url in (("a", relay.url(dbname)), ("b", url)):
+        (tmp_path / name).mkdir()
+        host = Workspace(tmp_path / name)
+        host.write_config(toml.replace("{url}", host_url))
+        HandoffdWorkspace(tmp_path / name).ensure()
+        hosts.append(host)
+    try:
+        hosts[0].serve()
+        hid = hosts[0].create("--from", "@t", "--to", "@flaky", "--data",
+                              json.dumps({"mode": "sleep", "seconds": 12}))
+        hosts[0].wait_started(hid)
+        first_run = hosts[0].runs()[0]["pid"]
+        hosts[1].serve()
+        relay.cut()
+        died_at = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not hosts[1].runs():
+            if died_at is None and not alive(first_run):
+                died_at = time.time()
+            time.sleep(0.01)
+        relay.cut(False)
+        assert hosts[1].runs(), "host b never took the handoff over"
+        taken_at = hosts[1].runs()[0]["at"]
+        assert died_at is not None and died_at < taken_at, (
+            "host a's run was still alive when host b started it "
+            f"(it ended {'never' if died_at is None else f'{died_at - taken_at:.1f}s after'})")
+        done = hosts[1].handoff("wait", hid, "--timeout", "60")
+        assert done.returncode == 0, done.stderr
+        assert len(hosts[0].runs()) == 1 and len(hosts[1].runs()) == 1
+    finally:
+        relay.close()
         for host in hosts:
             host.cleanup()

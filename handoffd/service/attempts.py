@@ -24,7 +24,7 @@ from ..core.states import State
 from ..core.watchdog import TakenOver
 from . import handbacks
 from .held import HeldOutcomes
-from .leases import LOST_LOCK_REASON
+from .leases import broken_reason
 from .report import BatchReport
 from .scheduler import RETRY_LOOK_SECONDS, Scheduler
 
@@ -114,7 +114,7 @@ class Attempts(HeldOutcomes):
             return False
         if job.fenced:  # stopped by the lease keeper: retried by the policy, not cancelled
             reason = job.context.cancel_reason
-            advice = "" if reason == LOST_LOCK_REASON else (
+            advice = "" if reason == broken_reason(self.engine.backend) else (
                 "; if the store was reachable, the daemon was too busy to renew its leases in "
                 "time: raise [daemon] lease_seconds")
             outcome = self.engine.failure(

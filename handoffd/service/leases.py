@@ -14,7 +14,11 @@ With the files backend a third thread, the **lock check**, makes sure every ``mi
 closes file descriptors it did not open (``os.closerange(3, …)``) drops it, and any other process
 would then take our running claims for abandoned. The store takes a new lock at once (the next
 claim checks too, with one ``fstat``); the jobs on the lost one are fenced like a lost lease,
-since another process may have seen the lock free meanwhile.
+since another process may have seen the lock free meanwhile. With PostgreSQL the same thread
+asks whether this process's presence (the session holding the key its claims record) proved
+alive recently enough: another host takes the claims of a key it has seen unheld for
+``claim_grace_seconds`` over, leases or not, so they are all fenced once that is uncertain
+(:class:`handoffd.backends.postgres.claims.ClaimOwner`).
 
 A store that cannot be reached (a PostgreSQL outage longer than the lease) therefore ends this
 process's handlers before any other process can recover them: two live hosts never run one
@@ -44,6 +48,13 @@ LOST_LOCK_REASON = ("a handler closed the daemon's owner lock, so another proces
                     "handoff over; the handler is stopped and its result will be discarded")
 
 
+def broken_reason(backend: Any) -> str:
+    """Why a job whose claim ``backend.broken_claims`` gave up is fenced: the backend's own
+    ``broken_reason`` (PostgreSQL: its presence was lost), else a lost owner lock (files)."""
+    reason = getattr(backend, "broken_reason", None)
+    return reason if isinstance(reason, str) else LOST_LOCK_REASON
+
+
 class LeaseKeeper:
     """Renews the leases of the jobs ``jobs()`` returns and fences those it cannot renew.
 
@@ -69,7 +80,7 @@ class LeaseKeeper:
         steps: list[tuple[str, Callable[[], None], float]] = [
             ("handoffd-lease-renewer", self.renew_all, renew_every),
             ("handoffd-lease-guard", self.check, guard_every)]
-        if callable(getattr(self.engine.backend, "broken_claims", None)):  # (files backend)
+        if callable(getattr(self.engine.backend, "broken_claims", None)):  # (files, PostgreSQL)
             # a thread of its own: a lock check that hangs (a hung NFS) holds back neither
             # the renewals nor the fence
             steps.append(("handoffd-lock-check", self.check_locks,
@@ -151,9 +162,10 @@ class LeaseKeeper:
             log.error("cannot take a new owner lock: %s; will try again", exc)
             return
         lost = {id(claim) for claim in broken}
+        reason = broken_reason(self.engine.backend)
         for job in jobs:
             if id(job.claim) in lost and not job.ending:  # (one being filed: finish checks)
-                self._fence(job, LOST_LOCK_REASON)
+                self._fence(job, reason)
 
     def _fence(self, job: Job, reason: str) -> None:
         if job.fenced:

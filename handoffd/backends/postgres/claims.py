@@ -28,14 +28,32 @@ from .values import document
 from .values import unreadable as unreadable_doc
 
 
+# why the lease keeper stops a handler whose claim rides on a presence this process is no longer
+# sure of (see ClaimOwner.broken_claims)
+PRESENCE_LOST_REASON = (
+    "this process has not been able to prove to the database that it is alive (its presence "
+    "connection was lost) for long enough that another host may soon take the handoff over; the "
+    "handler is stopped and its result will be discarded")
+
+
 class ClaimOwner(StoreBase):
     """This process as the owner of claims: the presence key (``owner_key``, recorded with each
-    claim) that it holds on a connection of its own once it claims or recovers anything."""
+    claim) that it holds on a connection of its own once it claims or recovers anything.
+
+    Another host takes our claims over once it has seen the key unheld for ``owner_grace``
+    seconds, however long their leases. So our claims are only as safe as our presence:
+    :meth:`broken_claims` gives them all up to the lease keeper (which stops their handlers)
+    once the presence session has not proved alive for half that grace, and no claim is made
+    meanwhile. Half: the other half covers stopping a handler (SIGTERM, a 2 s grace, SIGKILL)
+    and the round trips, before the earliest takeover."""
 
     url: str
     owner_key: int
+    owner_grace: float  # seconds a presence key may be unheld before its claims are taken over
+    monotonic: Callable[[], float]
     _presence: Presence | None
     _presence_lock: threading.Lock
+    broken_reason = PRESENCE_LOST_REASON
 
     def _present(self) -> None:
         """Hold this process's presence key before it claims anything (see
@@ -44,9 +62,24 @@ class ClaimOwner(StoreBase):
             return
         with self._presence_lock:
             if self._presence is None:
-                presence = Presence(self.url, self.owner_key)
+                # a round trip ten times a grace (at most each second): a stall shows in time
+                beat = min(1.0, max(self.owner_grace / 10, 0.05))
+                presence = Presence(self.url, self.owner_key, beat=beat,
+                                    monotonic=self.monotonic)
                 presence.start()
                 self._presence = presence
+
+    def present_for_sure(self) -> bool:
+        """True while the presence session proved alive within half the owner grace (before
+        any claim: True, nothing rides on it)."""
+        presence = self._presence
+        return presence is None or presence.age() <= self.owner_grace / 2
+
+    def broken_claims(self, claims: Collection[Claim]) -> list[Claim]:
+        """Those of ``claims`` (this process's running ones) that another host may soon take
+        over: all of them while :meth:`present_for_sure` is False. The caller (the lease
+        keeper, several times a second) fences them, with :data:`broken_reason`."""
+        return [] if self.present_for_sure() else list(claims)
 
 
 class Claiming(ClaimOwner):
@@ -77,6 +110,8 @@ class Claiming(ClaimOwner):
         token = uuid.uuid4().hex
         expires = now + timedelta(seconds=lease_seconds)
         self._present()
+        if not self.present_for_sure():  # it would be fenced at once (the presence logs why)
+            return None
 
         def op(conn: Conn, retried: bool) -> Claim | None:
             if retried:  # did the try that lost its connection commit our claim?

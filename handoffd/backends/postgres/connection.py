@@ -387,14 +387,42 @@ class Listener(SessionThread):
 class Presence(SessionThread):
     """Holds the session-level advisory lock ``key`` while this process lives: claims record
     the key, and a claim whose key no session holds belongs to a process that died (the server
-    ends a dead client's session, and with it the lock)."""
+    ends a dead client's session, and with it the lock).
+
+    Other hosts take such claims over once the key was unheld for their owner grace, lease or
+    no lease. So this process must know, on its own, when it can no longer be sure it holds the
+    key (a network cut: its session may have ended on the server): a round trip every ``beat``
+    seconds on the session proves it alive, and :meth:`age` says how long ago that last was
+    (the claims' owner stops their handlers before the grace can run out)."""
 
     what = "presence"
     thread_name = "handoffd-presence"
 
-    def __init__(self, url: str, key: int) -> None:
+    def __init__(self, url: str, key: int, *, beat: float = 1.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         super().__init__(url)
         self.key = key
+        self.beat = beat
+        self.monotonic = monotonic
+        self.confirmed_at: float | None = None  # (monotonic) when the key was last sure held
+
+    def age(self) -> float:
+        """Seconds since the session holding the key last proved alive (infinity: never)."""
+        confirmed = self.confirmed_at
+        return math.inf if confirmed is None else max(self.monotonic() - confirmed, 0.0)
 
     def _setup(self, conn: Conn) -> None:
+        started = self.monotonic()
         conn.execute("SELECT pg_advisory_lock(%s)", (self.key,))
+        self.confirmed_at = started
+
+    def _hold(self, conn: Conn) -> None:
+        while not self._stop.is_set():
+            # (the connection turning readable unasked: the server closed it; the round trip
+            # below then raises at once and the loop reconnects)
+            select.select([conn.fileno(), self._wake_r], [], [], self.beat)
+            if self._stop.is_set():
+                return
+            started = self.monotonic()  # the session was alive when it answered, so then too
+            conn.execute("SELECT 1")
+            self.confirmed_at = started

@@ -38,8 +38,6 @@ OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EX
 class Recovery(ClaimOwner):
     """``expired_claims``: the sweep that takes over expired claims and dead owners' claims."""
 
-    owner_grace: float  # seconds a presence key may be unheld before its claims are taken over
-    monotonic: Callable[[], float]
     _absent: dict[tuple[str, str], float]  # (id, token) -> owner first seen gone
 
     def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
