@@ -164,6 +164,33 @@ def test_an_expired_lease_is_recovered_and_retried(setup: tuple[Engine, Clock, M
     assert engine.get("m5")[0] is State.COMPLETED and CALLS == [("m5", 2)]
 
 
+def test_a_stalled_owners_expired_lease_marks_no_suspect_a_dead_owner_does(
+        setup: tuple[Engine, Clock, MemoryBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recovering a claim whose lease ran out (a stalled owner: SIGSTOP, a hung disk) is no
+    crash: its specialist is not sent to run isolated for ten minutes. A dead owner's is."""
+    from handoffd.core.storage import GIVEN_UP, Claim, owner_died
+    from handoffd.service.sweeper import SweepReport, recover
+    engine, clock, _ = setup
+    marked: list[Any] = []
+    monkeypatch.setattr(engine.suspects, "mark", marked.append)
+    create(engine, "m6")
+    job = engine.take("m6")
+    assert job is not None
+    clock.advance(31)
+    assert sweep(engine).recovered == ["m6"] and marked == []  # (memory: a lease expiry)
+    for reason, died in (("lease expired at 2026-01-01T00:00:00Z (owner h:1 stalled)", False),
+                         (GIVEN_UP, False), (None, True),
+                         ("owner process is gone (its claim lock is free)", True)):
+        assert owner_died(reason) is died
+    clock.advance(11)
+    job = engine.take("m6")
+    assert job is not None
+    dead = Claim(job.claim.id, job.claim.doc, job.claim.token, job.claim.attempt,
+                 recovered="owner process is gone (its claim lock is free)")
+    recover(engine, dead, SweepReport())
+    assert [spec.agent for spec in marked] == ["@echo"]
+
+
 def test_submit_checks_what_handoff_create_checks(setup: tuple[Engine, Clock, MemoryBackend]) -> None:
     from handoffd.core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
     from handoffd.dialects import models

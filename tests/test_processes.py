@@ -326,3 +326,27 @@ def test_the_stop_signal_reaches_each_process_once(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(childproc.os, "killpg", gone)  # the group is gone: each carrier by pid
     childproc.signal_all(100, "token", signal.SIGTERM)
     assert sent == [("pid", 100), ("pid", 101), ("pid", 200)]
+
+
+@pytest.mark.parametrize("as_given", [Path, str, HandoffdWorkspace])
+def test_leftovers_are_killed_whether_the_workspace_is_given_as_a_path_or_not(
+        tmp_path: Path, as_given: Any) -> None:
+    """A new attempt clears its predecessor's leftovers through ``ctx.root``, a Path: whose own
+    ``root`` attribute is '/', once read as a Workspace's (no record found, nothing killed, and
+    the attempt refused as if the leftover had survived SIGKILL)."""
+    HandoffdWorkspace(tmp_path).ensure()
+    token = "tok-leftover"
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                env=dict(os.environ, HANDOFFD_RUN_TOKEN=token),
+                                start_new_session=True)
+    try:
+        record = procs.RunRecord.new("h1", token, 1)
+        procs.write_record(tmp_path, procs.RunRecord(**{
+            **record.__dict__, "pgid": leftover.pid, "leader_start": procs.start_time(leftover.pid)}))
+        assert procs.kill_leftovers(as_given(tmp_path), "h1", attempt=2) >= 1
+        leftover.wait(timeout=10)
+        assert procs.read_record(tmp_path, "h1") is None
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()
+            leftover.wait(timeout=10)

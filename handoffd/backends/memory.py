@@ -14,7 +14,7 @@ from typing import Any, Callable, Collection
 from ..core.documents import book, book_int
 from ..core.errors import DuplicateHandoff, InvalidTransition
 from ..core.states import State
-from ..core.storage import ContextChange
+from ..core.storage import LEASE_EXPIRED, ContextChange
 from ..core.timeutil import iso, utc_now
 from .base import (
     Backend,
@@ -176,7 +176,7 @@ class MemoryBackend(FencedFiling, Backend):
                 token = uuid.uuid4().hex
                 entry.token = token
                 book(entry.doc)["lease"] = lease_block(token, now, lease_seconds)
-                reason = f"lease expired at {expiry.isoformat() if expiry else 'unknown'}"
+                reason = f"{LEASE_EXPIRED} at {expiry.isoformat() if expiry else 'unknown'}"
                 attempt = book_int(entry.doc, "attempt", 1)
                 taken.append(Claim(handoff_id, copy.deepcopy(entry.doc), token, attempt,
                                    recovered=reason))

@@ -296,6 +296,14 @@ def _signal_group(pgid: int) -> None:
         pass
 
 
+def workspace_root(workspace: Any) -> Path:
+    """The root folder of ``workspace``: a Workspace, or its root as a path (a ``Path`` has a
+    ``root`` attribute of its own, ``'/'``: never read it as a Workspace's)."""
+    if isinstance(workspace, (str, os.PathLike)):
+        return Path(workspace)
+    return Path(workspace.root)
+
+
 def kill_leftovers(workspace: Any, handoff_id: str, *, attempt: int | None = None,
                    wait_seconds: float = KILL_WAIT_SECONDS) -> int:
     """Kill what a previous attempt of ``handoff_id`` left running on this host; returns how many
@@ -309,7 +317,7 @@ def kill_leftovers(workspace: Any, handoff_id: str, *, attempt: int | None = Non
 
     Call it when an attempt is known to be over (a recovered claim) and before its handoff is
     handed back to pending/: a new attempt on this host kills its predecessor's leftovers too."""
-    root = Path(getattr(workspace, "root", workspace))
+    root = workspace_root(workspace)
     record = read_record(root, handoff_id)
     if record is None:
         return 0
@@ -335,7 +343,7 @@ def prune_records(workspace: Any) -> int:
     """Remove records on this host whose attempt has no process left (a daemon died and the
     handoff was not retried here, e.g. it failed for good); returns how many were removed. Kills
     nothing: a record whose processes live belongs to a running attempt or to kill_leftovers."""
-    root = Path(getattr(workspace, "root", workspace))
+    root = workspace_root(workspace)
     removed = 0
     try:
         entries = list(os.scandir(record_dir(root)))

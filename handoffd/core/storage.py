@@ -124,6 +124,16 @@ LOST = "lost"  # Wakeup.kind: some hints were lost; rescan
 # Claim.recovered of a claim this process itself ended without filing it (its filing failed:
 # a full disk): no crash, so the sweep hands it back rather than charge an attempt
 GIVEN_UP = "given up by this process"
+# how Claim.recovered of a claim whose lease ran out begins: its owner stalled (SIGSTOP, a hung
+# disk, a lost network) or is on another host; nothing says that its process died
+LEASE_EXPIRED = "lease expired"
+
+
+def owner_died(recovered: str | None) -> bool:
+    """True when a recovered claim's reason (``Claim.recovered``) says its owner's process died
+    (a free claim lock, an ended database session, a claim never leased): not given up by this
+    process, nor a lease that ran out under a stalled or distant owner."""
+    return recovered != GIVEN_UP and not (recovered or "").startswith(LEASE_EXPIRED)
 CONTEXT = "context"  # Wakeup.kind: a shared context key (the id) was written
 
 

@@ -27,7 +27,7 @@ from ..core.errors import (
     NotFound,
 )
 from ..core.states import State
-from ..core.storage import GIVEN_UP, Claim
+from ..core.storage import GIVEN_UP, Claim, owner_died
 from .handbacks import FREE_HANDBACKS, stops_in_a_row
 
 log = logging.getLogger("handoffd")
@@ -136,8 +136,8 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
                              retryable=True)
     engine.file(claim, dialect, spec, outcome)
     report.recovered.append(claim.id)
-    if reason != GIVEN_UP:  # which handoff ended the process is unknown: all run isolated a while
-        engine.suspects.mark(spec)
+    if owner_died(reason):  # which handoff ended the process is unknown: all run isolated a while
+        engine.suspects.mark(spec)  # (a stalled owner's lease running out is no crash)
 
 
 def _kill_leftovers(engine: Engine, handoff_id: str, attempt: int) -> None:

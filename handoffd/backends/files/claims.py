@@ -25,7 +25,7 @@ from ...core.errors import (
     UnreadableDocument,
 )
 from ...core.logs import log
-from ...core.storage import GIVEN_UP
+from ...core.storage import GIVEN_UP, LEASE_EXPIRED
 from ...core.states import State
 from ...core.timeutil import parse_iso
 from ..base import (
@@ -314,7 +314,7 @@ class Claimer:
         if not self._unrenewed(handoff_id, held, now, tolerance):
             return None
         who = f"{owner.get('host')}:{owner.get('pid')}"
-        return None, f"lease expired at {held.get('expires_at')} (owner {who} stalled)"
+        return None, f"{LEASE_EXPIRED} at {held.get('expires_at')} (owner {who} stalled)"
 
     def _unrenewed(self, handoff_id: str, held: Doc, now: datetime, tolerance: float) -> bool:
         """True once this process has watched the lease ``held`` unrenewed past its expiry

@@ -19,6 +19,7 @@ from typing import Callable
 from ...core.documents import book, book_int
 from ...core.errors import InvalidDocument
 from ...core.states import State
+from ...core.storage import LEASE_EXPIRED
 from ...core.timeutil import iso
 from ..base import Claim, Claims, lease_block
 from .claims import ClaimOwner
@@ -57,7 +58,7 @@ class Recovery(ClaimOwner):
             gone_now = set()
             for handoff_id, token, expiry, expired, gone in seen:
                 if expired:
-                    why[handoff_id] = f"lease expired at {iso(expiry) if expiry else 'unknown'}"
+                    why[handoff_id] = f"{LEASE_EXPIRED} at {iso(expiry) if expiry else 'unknown'}"
                 elif gone:  # its owner's session is gone: for long enough?
                     gone_now.add((handoff_id, token))
                     first = self._absent.setdefault((handoff_id, token), tick)
