@@ -132,13 +132,17 @@ def test_concurrent_claimers_on_several_connections_never_share_a_handoff(pg_url
 
 
 def test_a_fenced_finish_after_takeover_writes_nothing(pg_url: str) -> None:
-    owner, sweeper = backend(pg_url), backend(pg_url)
+    tick = [0.0]
+    owner, sweeper = backend(pg_url), backend(pg_url, monotonic=lambda: tick[0])
     try:
         owner.create(request("h1"), "h1", T0)
         stale = owner.claim("h1", at(1), LEASE)
         assert stale is not None
+        # its owner's session lives (a stalled owner): taken once watched unrenewed a lease long
+        assert sweeper.expired_claims(at(LEASE + 2), LEASE) == []
+        tick[0] += LEASE
         taken = sweeper.expired_claims(at(LEASE + 2), LEASE)
-        assert [c.id for c in taken] == ["h1"]
+        assert [c.id for c in taken] == ["h1"] and "stalled" in str(taken[0].recovered)
         before = sql(pg_url, "SELECT doc, lease_token FROM handoffd.handoffs WHERE id = 'h1'")
         record(stale.doc, "completed", at(LEASE + 3))
         stale.doc["status"] = "completed"
@@ -235,6 +239,32 @@ def test_wakeups_cross_processes_through_notify(pg_url: str) -> None:
         stop()
         listener.close()
         writer.close()
+
+
+def test_a_sweeper_whose_clock_is_ahead_never_takes_a_live_renewing_claim(pg_url: str) -> None:
+    """Host b's wall clock runs past a's lease (70 s ahead of a 30 s lease) while a lives and
+    renews: b only watches (on its monotonic clock), and each renewal starts its watch again. A
+    renewal between b's look and its lock wins too."""
+    tick = [0.0]
+    owner, sweeper = backend(pg_url), backend(pg_url, monotonic=lambda: tick[0])
+    try:
+        owner.create(request("h1"), "h1", T0)
+        claim = owner.claim("h1", at(1), LEASE)
+        assert claim is not None
+        for step in range(4):
+            assert sweeper.expired_claims(at(70 + step * 20), LEASE) == []
+            tick[0] += LEASE * 0.7
+            assert owner.renew(claim, at(2 + step * 20), LEASE)  # a live owner renews in time
+        assert sweeper.expired_claims(at(200), LEASE) == []
+        seen = sweeper.db.run(lambda conn, _: conn.execute(
+            "SELECT lease_token, lease_expires_at FROM handoffd.handoffs WHERE id = 'h1'").fetchone())
+        assert owner.renew(claim, at(100), LEASE)  # renewed after the look, before the lock
+        assert sweeper.db.run(lambda conn, _: sweeper._take_over(
+            conn, "h1", ("stale", seen[0], seen[1]), at(200), LEASE, [])) is None
+        assert owner.renew(claim, at(101), LEASE)  # still its owner's
+    finally:
+        owner.close()
+        sweeper.close()
 
 
 def test_documents_the_store_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None:

@@ -6,7 +6,10 @@ owner died: a claimer holds a session-level advisory lock (its presence key, rec
 claim) on a connection of its own, which the server releases when the process dies. A key no
 session has held for ``owner_grace_seconds`` (watched on this process's monotonic clock, so a
 server restart or a terminated connection, after which live owners take their key again, never
-ends a live claim) means its claims are recovered without waiting for their lease.
+ends a live claim) means its claims are recovered without waiting for their lease. A lease that
+looks expired while its owner's session lives (a stalled owner, or this host's wall clock ahead
+of the owner's) is taken over only once this process has watched it unrenewed for a whole lease
+period on its monotonic clock, as the files store does: clock skew never ends a live claim.
 """
 from __future__ import annotations
 
@@ -36,10 +39,19 @@ OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EX
               "AND ((l.classid::bigint << 32) | l.objid::bigint) = h.lease_owner))")
 
 
+# a row of the first look: id, token, expiry, expired by our clock, its owner's key unheld,
+# no live owner of another process recorded (none at all, or this process)
+Seen = tuple[str, "str | None", "datetime | None", bool, bool, bool]
+# why a row is taken over, with the token and expiry it was seen with (the lock step's fence)
+Verdict = tuple[str, "str | None", "datetime | None"]
+
+
 class Recovery(ClaimOwner):
     """``expired_claims``: the sweep that takes over expired claims and dead owners' claims."""
 
-    _absent: dict[tuple[str, str], float]  # (id, token) -> owner first seen gone
+    _absent: dict[tuple[str, str | None], float]  # (id, token) -> owner first seen gone
+    # (id, token, expiry) -> when a live owner's lease was first seen expired by our clock
+    _stale: dict[tuple[str, str | None, datetime | None], float]
 
     def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
         self._present()
@@ -50,52 +62,19 @@ class Recovery(ClaimOwner):
             # which claims look abandoned (no lock taken: most sweeps find nothing)
             seen = conn.execute(
                 f"SELECT h.id, h.lease_token, h.lease_expires_at, "
-                f"coalesce(h.lease_expires_at <= %(now)s, true), {OWNER_GONE} FROM {T} h "
+                f"coalesce(h.lease_expires_at <= %(now)s, true), {OWNER_GONE}, "
+                f"h.lease_owner IS NULL OR h.lease_owner = %(me)s FROM {T} h "
                 "WHERE h.state = 'in-progress' AND (h.lease_expires_at IS NULL OR "
                 f"h.lease_expires_at <= %(now)s OR {OWNER_GONE})",
                 {"now": now, "me": self.owner_key}).fetchall()
-            why: dict[str, str] = {}
-            gone_now = set()
-            for handoff_id, token, expiry, expired, gone in seen:
-                if expired:
-                    why[handoff_id] = f"{LEASE_EXPIRED} at {iso(expiry) if expiry else 'unknown'}"
-                elif gone:  # its owner's session is gone: for long enough?
-                    gone_now.add((handoff_id, token))
-                    first = self._absent.setdefault((handoff_id, token), tick)
-                    if tick - first >= self.owner_grace:
-                        why[handoff_id] = ("owner process is gone (its database session ended "
-                                           f"{tick - first:.0f}s ago or more)")
-            for key in set(self._absent) - gone_now:
-                del self._absent[key]
-            if not why:
-                return []
-            # fenced by the tokens seen above: a row released and claimed again meanwhile has
-            # a new token and a live lease. No token at all (a row written past handoffd) is
-            # never a live claim (every claim sets one): taken over too, or it stays for ever
-            rows = conn.execute(
-                f"SELECT id, doc FROM {T} WHERE id = ANY(%s) AND state = 'in-progress' "
-                "AND (lease_token = ANY(%s) OR lease_token IS NULL) ORDER BY id "
-                "FOR UPDATE SKIP LOCKED",
-                (sorted(why), [t for _, t, *_ in seen if t is not None])).fetchall()
+            why = self._abandoned(seen, tick, lease_seconds)
             taken: Claims = []
             refused.clear()  # (a retried sweep starts again)
-            for handoff_id, value in rows:
-                try:
-                    doc = document(value, handoff_id, State.IN_PROGRESS.value)
-                except InvalidDocument as exc:  # nothing can run or file it: set it aside
-                    self._quarantine(conn, handoff_id, State.IN_PROGRESS.value, exc.code,
-                                     str(exc))
-                    refused.append(f"{exc.code}: {exc}")
-                    continue
-                token = uuid.uuid4().hex
-                book(doc)["lease"] = lease_block(token, now, lease_seconds)
-                conn.execute(
-                    f"UPDATE {T} SET lease_token = %s, lease_expires_at = %s, lease_owner = %s, "
-                    "doc = %s::json WHERE id = %s",
-                    (token, now + timedelta(seconds=lease_seconds), self.owner_key,
-                     encode(doc, strict=False), handoff_id))
-                taken.append(Claim(handoff_id, doc, token, book_int(doc, "attempt", 1),
-                                   recovered=why[handoff_id]))
+            for handoff_id in sorted(why):
+                claim = self._take_over(conn, handoff_id, why[handoff_id], now, lease_seconds,
+                                        refused)
+                if claim is not None:
+                    taken.append(claim)
             return taken
 
         # a retry after a lost connection may miss claims the first try took over: their new
@@ -104,3 +83,66 @@ class Recovery(ClaimOwner):
         for reason in refused:  # said once: the rows are in the quarantine now
             log.warning("set aside an abandoned claim: %s", reason)
         return claims
+
+    def _abandoned(self, seen: builtins.list[Seen], tick: float,
+                   lease_seconds: float) -> dict[str, Verdict]:
+        """Which of the rows ``seen`` to take over, and why. A claim whose owner's key no session
+        holds: once this process has seen it so for the owner grace. One whose lease looks
+        expired while its owner's session lives (a stalled owner, or our wall clock ahead of
+        its): once this process has watched that very lease (token and expiry) unrenewed for a
+        whole lease period on its monotonic clock, so a clock ahead never ends a live claim.
+        One of ours, or of no recorded owner, whose lease expired: now."""
+        why: dict[str, Verdict] = {}
+        gone_now: set[tuple[str, str | None]] = set()
+        stale_now: set[tuple[str, str | None, datetime | None]] = set()
+        for handoff_id, token, expiry, expired, gone, unowned in seen:
+            at = f"{LEASE_EXPIRED} at {iso(expiry) if expiry else 'unknown'}"
+            if gone:
+                gone_now.add((handoff_id, token))
+                first = self._absent.setdefault((handoff_id, token), tick)
+                if tick - first >= self.owner_grace:
+                    why[handoff_id] = ("owner process is gone (its database session ended "
+                                       f"{tick - first:.0f}s ago or more)", token, expiry)
+            elif expired and not unowned and not gone:
+                mark = (handoff_id, token, expiry)
+                stale_now.add(mark)
+                first = self._stale.setdefault(mark, tick)
+                if tick - first >= lease_seconds:
+                    why[handoff_id] = (f"{at} (its owner's session is alive, but renewed "
+                                       f"nothing for {tick - first:.0f}s: stalled)", token, expiry)
+            elif expired:
+                why[handoff_id] = (at, token, expiry)
+        for key in set(self._absent) - gone_now:
+            del self._absent[key]
+        for mark in set(self._stale) - stale_now:
+            del self._stale[mark]
+        return why
+
+    def _take_over(self, conn: Conn, handoff_id: str, verdict: Verdict, now: datetime,
+                   lease_seconds: float, refused: builtins.list[str]) -> Claim | None:
+        """A new claim on ``handoff_id``, fenced by the token and expiry it was judged with:
+        a row renewed, released or claimed again meanwhile is left alone. No token at all (a
+        row written past handoffd) is never a live claim (every claim sets one): taken over
+        too, or it stays for ever. A row nothing can read is set aside (``refused``)."""
+        reason, seen_token, seen_expiry = verdict
+        row = conn.execute(
+            f"SELECT doc FROM {T} WHERE id = %s AND state = 'in-progress' "
+            "AND lease_token IS NOT DISTINCT FROM %s::text "
+            "AND lease_expires_at IS NOT DISTINCT FROM %s::timestamptz FOR UPDATE SKIP LOCKED",
+            (handoff_id, seen_token, seen_expiry)).fetchone()
+        if row is None:
+            return None
+        try:
+            doc = document(row[0], handoff_id, State.IN_PROGRESS.value)
+        except InvalidDocument as exc:  # nothing can run or file it: set it aside
+            self._quarantine(conn, handoff_id, State.IN_PROGRESS.value, exc.code, str(exc))
+            refused.append(f"{exc.code}: {exc}")
+            return None
+        token = uuid.uuid4().hex
+        book(doc)["lease"] = lease_block(token, now, lease_seconds)
+        conn.execute(
+            f"UPDATE {T} SET lease_token = %s, lease_expires_at = %s, lease_owner = %s, "
+            "doc = %s::json WHERE id = %s",
+            (token, now + timedelta(seconds=lease_seconds), self.owner_key,
+             encode(doc, strict=False), handoff_id))
+        return Claim(handoff_id, doc, token, book_int(doc, "attempt", 1), recovered=reason)
