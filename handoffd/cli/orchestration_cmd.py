@@ -101,8 +101,12 @@ def cancel(
             result.state = state.value
         except WaitTimeout:
             finals[result.handoff_id] = f"still running after {timeout:g}s; the request stays for its owner"
+    # a descendant the store would not hand over was left (a cancel request waits for it)
+    partial = any(r.action == "unreadable" for r in results)
     if as_json:
         print_json([dict(r.as_dict(), final=finals.get(r.handoff_id)) for r in results])
+        if partial:
+            raise typer.Exit(1)
         return
     own = results[0]
     # (cleaned: a detail quotes the document's status and the lease owner's host)
@@ -113,10 +117,12 @@ def cancel(
             continue
         line = {"cancelled": f"cancelled ({result.detail})",
                 "requested": f"cancel requested ({result.detail})",
-                "finished": result.detail}[result.action]
+                "finished": result.detail, "unreadable": result.detail}[result.action]
         if result.handoff_id in finals:
             line += f" -> {finals[result.handoff_id]}"
         print(clean(f"{result.handoff_id}: {line}"))
+    if partial:
+        raise typer.Exit(1)
 
 
 # ---------------------------------------------------------------- answer

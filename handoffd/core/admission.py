@@ -14,7 +14,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .documents import Envelope, Outcome, book, check_id, first_seen, record
+from .documents import BOOK, Envelope, Outcome, book, check_id, first_seen, record
 from .errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
 from .formats import Dialect, FiledState, Formats
 from .hooks import Hooks
@@ -26,6 +26,13 @@ from .states import State
 from .storage import Backend, Claim
 from .timeutil import Clock, iso
 from .workspace import Workspace
+
+# History events after which a handoff that started waits on its own work (a delegating parent
+# for its children, a question for its answer) or was answered and has not run since: its next
+# claim resumes that work. The events after which the next claim is a new start (a retry):
+RESUMED_AFTER = frozenset({"delegated", "still_waiting", "needs_clarification", "blocked",
+                           "answered"})
+STARTS_AFTER = frozenset({"created", "retried", "retry_scheduled"})
 
 if TYPE_CHECKING:  # for the type checker only: no class to build at each import
     class Admitting(Protocol):
@@ -109,18 +116,18 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     if envelope is None:
         return None
     spec = engine.specialist_for(envelope)
-    if envelope.expires_at is not None and now >= envelope.expires_at:
-        engine.file(claim, dialect, spec, engine.failure(
-            now, ErrorCode.EXPIRED, f"handoff {handoff_id} was not started before it expired "
-            f"at {iso(envelope.expires_at)}", retryable=False))
+    if envelope.expires_at is not None and now >= envelope.expires_at and not resumes(doc):
+        _file_unrun(engine, claim, dialect, spec, ErrorCode.EXPIRED, f"handoff {handoff_id} "
+                    f"was not started before it expired at {iso(envelope.expires_at)}")
         return None
-    deadline = engine.deadline(envelope, spec, min(filter(None, (first_seen(doc), arrived)),
-                                                   default=now))
+    # a parent waiting for its children is past its hard deadline only as the aggregation
+    # tells (features.aggregation: open children are cancelled and counted timeout)
+    deadline = None if isinstance(book(doc).get("waiting_children"), dict) else engine.deadline(
+        envelope, spec, min(filter(None, (first_seen(doc), arrived)), default=now))
     if deadline is not None and now >= deadline:
-        engine.file(claim, dialect, spec, engine.failure(
-            now, ErrorCode.TIMEOUT, f"handoff {handoff_id} was not started before its "
-            f"deadline {iso(deadline)} (a hard timeout counts from its arrival)",
-            retryable=False))
+        _file_unrun(engine, claim, dialect, spec, ErrorCode.TIMEOUT, f"handoff {handoff_id} was "
+                    f"not started before its deadline {iso(deadline)} (a hard timeout counts "
+                    "from its arrival)")
         return None
     if spec is None:
         engine.handback(claim, dialect, reason=f"no specialist registered for {envelope.target}")
@@ -129,6 +136,37 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
                          data=envelope.data, target=envelope.target,
                          max_output_bytes=engine.settings.max_output_bytes)
     return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
+
+
+def resumes(doc: dict[str, Any]) -> bool:
+    """Whether the next claim of ``doc`` (its bookkeeping trusted: claimed, or peeked) resumes
+    work its handoff started instead of starting it (again): it waits for its children or an
+    answer, or was answered and has not started a new try since. An ``expires_at`` bounds
+    starts only (see :class:`~handoffd.core.documents.Envelope`)."""
+    block = doc.get(BOOK)
+    if not isinstance(block, dict):
+        return False
+    if isinstance(block.get("waiting_children"), dict) or isinstance(block.get("awaiting"), dict):
+        return True
+    history = block.get("history")
+    for entry in reversed(history if isinstance(history, list) else []):
+        event = entry.get("event") if isinstance(entry, dict) else None
+        if event in RESUMED_AFTER:
+            return True
+        if event in STARTS_AFTER:
+            return False
+    return False
+
+
+def _file_unrun(engine: Admitting, claim: Claim, dialect: Dialect, spec: Specialist | None,
+                code: str, message: str) -> None:
+    """File a claimed handoff failed with ``code`` without running it. What it waited for goes
+    with it: a later `handoff retry --force` starts it afresh, never parked again."""
+    block = book(claim.doc)
+    block.pop("waiting_children", None)
+    block.pop("awaiting", None)
+    engine.file(claim, dialect, spec, engine.failure(engine.clock(), code, message,
+                                                     retryable=False))
 
 
 def _envelope(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime) -> Envelope | None:

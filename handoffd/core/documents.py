@@ -127,13 +127,19 @@ def throttles_in_a_row(doc: dict[str, Any]) -> int:
 
 
 def first_seen(doc: dict[str, Any]) -> datetime | None:
-    """When handoffd first recorded the handoff (its first history event: created, or the claim
-    of a foreign document), or None. Trust it only on a claimed document: claiming replaces
-    the bookkeeping a foreign document brought with it."""
+    """When the handoff arrived, as far as a hard deadline counts: its last ``retried`` event
+    (`handoff retry` sends it again, seed 000's deadline starts anew), else the first event of
+    its history (created, or the claim of a foreign document); None when unknown. Trust it only
+    on a claimed document: claiming replaces the bookkeeping a foreign document brought with
+    it."""
     history = book(doc).get("history") if isinstance(doc.get(BOOK), dict) else None
-    if not isinstance(history, list) or not history or not isinstance(history[0], dict):
+    if not isinstance(history, list) or not history:
         return None
-    at = history[0].get("at")
+    arrival = next((entry for entry in reversed(history)
+                    if isinstance(entry, dict) and entry.get("event") == "retried"), history[0])
+    if not isinstance(arrival, dict):
+        return None
+    at = arrival.get("at")
     try:  # a hard deadline is counted from it: leave room to add any time limit (10 years)
         return parse_utc(at, headroom_seconds=ARRIVAL_HEADROOM_SECONDS) if isinstance(at, str) \
             else None

@@ -35,11 +35,23 @@ def ready(engine: "Engine", wait: dict[str, Any], infos: list["ChildInfo"]) -> b
 
 
 def _past_deadline(engine: "Engine", wait: dict[str, Any]) -> bool:
+    deadline = deadline_of(wait)
+    return deadline is not None and engine.clock() >= deadline
+
+
+def deadline_of(wait: dict[str, Any]) -> datetime | None:
+    """When a parent's wait for its children (its ``waiting_children`` block) ends whatever
+    they do: its deadline plus a grace; None when it has none readable. Then its open children
+    are cancelled and counted ``timeout``, and it is aggregated (the scheduler looks at it
+    then)."""
     try:
         deadline = parse_iso(str(wait.get("deadline")))
     except ValueError:
-        return False
-    return engine.clock() > deadline + timedelta(seconds=DEADLINE_GRACE_SECONDS)
+        return None
+    try:
+        return deadline + timedelta(seconds=DEADLINE_GRACE_SECONDS)
+    except OverflowError:  # (the calendar's last seconds: never)
+        return None
 
 
 # ---------------------------------------------------------------- aggregation

@@ -30,6 +30,7 @@ from ..core.errors import (
     HandoffdError,
     InvalidDocument,
     NotFound,
+    UnreadableDocument,
 )
 from ..core.logs import log
 from ..core.states import State
@@ -120,7 +121,8 @@ def check_before_run(engine: "Engine", job: "Job") -> None:
 @dataclass
 class CancelResult:
     """What happened to one handoff: ``cancelled`` (was pending), ``requested`` (running: its owner
-    stops it), ``finished`` (already terminal: nothing done)."""
+    stops it), ``finished`` (already terminal: nothing done), ``unreadable`` (a descendant the
+    store would not hand over: ``detail`` has its error code; a cancel request is left)."""
 
     handoff_id: str
     action: str
@@ -143,12 +145,31 @@ def cancel(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool = Fa
     results = [cancel_one(engine, handoff_id, reason=reason, by=by, via=via, cascade=cascade)]
     if cascade:
         for child in descendants(engine.backend, handoff_id):
+            why = f"{reason} (cascaded from {handoff_id})"
             try:
-                results.append(cancel_one(engine, child, reason=f"{reason} (cascaded from "
-                                          f"{handoff_id})", by=by, via=via, cascade=True))
+                results.append(cancel_one(engine, child, reason=why, by=by, via=via,
+                                          cascade=True))
             except NotFound:
                 continue
+            except (HandoffdError, OSError) as exc:  # one unreadable descendant stops no other
+                results.append(_unreadable(engine, child, exc, reason=why, by=by, via=via))
     return results
+
+
+def _unreadable(engine: "Engine", handoff_id: str, exc: Exception, *, reason: str, by: str,
+                via: str) -> CancelResult:
+    """The result for a descendant the store would not hand over (its document unreadable, a
+    folder it cannot read): a cancel request is left, so whoever reads it later (a daemon
+    setting it aside, or running it once it is readable) cancels it."""
+    code = getattr(exc, "code", None) or type(exc).__name__
+    detail = f"not cancelled: {code}: {str(exc)[:200]}"
+    try:
+        request(engine, handoff_id, reason=reason, cascade=True, by=by, via=via)
+        detail += "; a cancel request is left for it"
+    except (HandoffdError, OSError):
+        pass
+    log.info("cancel: %s: %s", handoff_id, detail)
+    return CancelResult(handoff_id, "unreadable", "unknown", detail)
 
 
 def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: str,
@@ -312,13 +333,20 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
         outcome = engine.failure(now, ErrorCode.TARGET_NOT_FOUND, f"cancellation {handoff_id}: no handoff "
                                  f"{target} in this workspace", retryable=False)
         return engine.file(claim, dialect, None, outcome)
-    except InvalidDocument as exc:
+    except (InvalidDocument, UnreadableDocument) as exc:  # the target's document is unusable
         outcome = engine.failure(now, exc.code, f"cancellation {handoff_id}: {exc}", retryable=False)
         return engine.file(claim, dialect, None, outcome)
+    except (HandoffdError, OSError) as exc:  # the store refused: worth another try
+        outcome = engine.failure(now, ErrorCode.PROCESSING_ERROR, f"cancellation {handoff_id}: "
+                                 f"cannot reach {target}: {exc}", retryable=True)
+        return engine.file(claim, dialect, None, outcome)
     own = results[0]
-    cascaded = [r for r in results[1:] if r.action != "finished"]
+    cascaded = [r for r in results[1:] if r.action in ("cancelled", "requested")]
+    unreadable = [r.handoff_id for r in results[1:] if r.action == "unreadable"]
     summary = (f"cancellation of {target}: {own.action} ({own.detail})"
-               + (f"; {len(cascaded)} descendant(s) cancelled" if cascade else ""))
+               + (f"; {len(cascaded)} descendant(s) cancelled" if cascade else "")
+               + (f"; {len(unreadable)} unreadable, not cancelled: {', '.join(unreadable[:5])}"
+                  if unreadable else ""))
     outcome = Outcome(status="completed", started_at=now, finished_at=engine.clock(),
                       output={"summary": summary, "target_message_id": target, "cascade": cascade,
                               "results": [r.as_dict() for r in results]},

@@ -20,7 +20,7 @@ from ..core.states import State
 from ..core.timeutil import parse_iso
 from ..dialects import hi_moe
 from .delegation import _Malformed, chain_step, creation_order
-from .lineage import conversation_of, parent_of
+from .lineage import conversation_of, documents, parent_of
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -180,6 +180,18 @@ def _made_by_interrupted_attempt(engine: "Engine", cid: str, state: State,
     # (the same delegation's, by their ids), and "recovered" is stamped by another host's clock
     return at is not None and any(actor == created.get("actor") and begun <= at
                                   for actor, begun in _interrupted_attempts(doc))
+
+
+def made_by_interrupted_attempts(engine: "Engine", doc: dict[str, Any], parent: str) -> list[str]:
+    """The unfinished children of ``parent`` (its claimed document ``doc``) that an attempt of
+    its delegation made before it was interrupted: the ones a replay would adopt. When the
+    parent is filed for good instead, nobody waits for them. One scan of the unfinished
+    handoffs (as `cancel --cascade` makes): it runs when an interrupted parent fails for good."""
+    if not _interrupted_attempts(doc):
+        return []
+    return [entry.handoff_id for entry in documents(engine.backend, (State.PENDING, State.IN_PROGRESS))
+            if entry.parent == parent and _made_by_interrupted_attempt(
+                engine, entry.handoff_id, entry.state, entry.doc, doc, parent)]
 
 
 def _interrupted_attempts(doc: dict[str, Any]) -> list[tuple[Any, datetime]]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.documents import check_id
 from ..core.errors import HandoffdError, InvalidDocument
 from ..core.timeutil import iso
+from .dependencies import Graph
 from .lineage import parent_of
 
 if TYPE_CHECKING:
@@ -60,12 +61,7 @@ def _delegation(engine: "Engine", job: "Job", result: dict[str, Any]) -> dict[st
             ids.add(item["id"])
         clean.append(item)
     _sibling_order(clean)
-    upward = {job.handoff_id} | _ancestors(engine, job.claim.doc)
-    for index, item in enumerate(clean):
-        loop = sorted(set(item["external_deps"]) & upward)
-        if loop:  # the parent waits for its children: a child waiting for it never starts
-            raise _Malformed(f"delegate[{index}].depends_on names {loop[0]!r}, which waits for "
-                             "this delegation (a cycle)")
+    _check_no_wait_upward(engine, job, clean)
     timeout = engine.timeout_for(job)
     return {"delegate": clean, "aggregation": strategy,
             "started": iso(job.started_at),
@@ -111,6 +107,27 @@ def _check_entry(engine: "Engine", where: str, entry: Any) -> dict[str, Any]:
     item["to"] = to
     item["weight"] = float(weight)
     return item
+
+
+def _check_no_wait_upward(engine: "Engine", job: "Job", entries: list[dict[str, Any]]) -> None:
+    """_Malformed when a child would depend on what waits for this delegation: the parent, an
+    ancestor, or a handoff that leads to one of them through its dependencies (or a parked
+    parent's children). The parent waits for its children: such a child never starts, and the
+    family would hang until the parent's deadline."""
+    upward = {job.handoff_id} | _ancestors(engine, job.claim.doc)
+    for index, item in enumerate(entries):
+        loop = sorted(set(item["external_deps"]) & upward)
+        if loop:
+            raise _Malformed(f"delegate[{index}].depends_on names {loop[0]!r}, which waits for "
+                             "this delegation (a cycle)")
+    external = list(dict.fromkeys(dep for item in entries for dep in item["external_deps"]))
+    if not external:
+        return
+    path = Graph(engine).path_to(external, upward)
+    if path:
+        index = next(i for i, item in enumerate(entries) if path[0] in item["external_deps"])
+        raise _Malformed(f"delegate[{index}].depends_on names {path[0]!r}, which waits for "
+                         f"this delegation through {' -> '.join(path)} (a cycle)")
 
 
 def _ancestors(engine: "Engine", doc: dict[str, Any]) -> set[str]:

@@ -14,17 +14,19 @@ which handoffs are known to lead to no cycle, so a walk stops where an earlier o
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
 from .. import dialects
-from ..core.documents import Envelope
+from ..core.documents import BOOK, Envelope
 from ..core.engine import (  # Gate and Verdict are the core's; re-exported
     Engine,
     Gate,
     Verdict,
 )
-from ..core.errors import ErrorCode, InvalidDocument, NotFound
+from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
 from ..core.states import State
 
 # documents one cycle check reads at most. A walk cut short by it marks nothing cycle-free, so
@@ -43,7 +45,10 @@ class Graph:
     A completed handoff never runs again (only failed ones are retried), so its id is remembered
     and never read again. A handoff whose unfinished dependencies were all walked without finding
     a cycle or a missing document is remembered as cycle-free for :data:`ACYCLIC_SECONDS`: its
-    ``depends_on`` cannot change, and the handoffs it leads to can only finish."""
+    ``depends_on`` cannot change, and the handoffs it leads to can only finish. A parked parent
+    also waits for its children (an edge the walk follows); those edges appear when it
+    delegates, and a delegation whose child would wait for its own parent is refused then, by a
+    walk that trusts no memory (:meth:`path_to`, see :mod:`.delegation`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -53,7 +58,8 @@ class Graph:
         self.lock = threading.Lock()
 
     def state(self, handoff_id: str) -> tuple[State | None, list[str]]:
-        """(state, depends_on) of a handoff; (None, []) when it is missing or unreadable."""
+        """(state, what it waits for) of a handoff: its ``depends_on``, and for a parent parked
+        in pending/ the children it waits for; (None, []) when it is missing or unreadable."""
         if handoff_id in self.completed:
             return State.COMPLETED, []
         try:
@@ -64,9 +70,25 @@ class Graph:
             self._remember(self.completed, handoff_id)
             return state, []
         try:
-            return state, dialects.detect(doc).envelope(doc).depends_on
+            deps = dialects.detect(doc).envelope(doc).depends_on
         except Exception:  # an unreadable pending document has no known dependencies
-            return state, []
+            deps = []
+        if state is State.PENDING and isinstance(doc.get(BOOK), dict) \
+                and isinstance(doc[BOOK].get("waiting_children"), dict):
+            deps = deps + [c for c in self._children_waited_for(handoff_id) if c not in deps]
+        return state, deps
+
+    def _children_waited_for(self, handoff_id: str) -> list[str]:
+        """The children a parked parent waits for, as handoffd's own (sealed) bookkeeping says:
+        a ``waiting_children`` block anyone could write into a pending file is not believed."""
+        try:
+            trusted = self.engine.backend.peek(handoff_id)
+        except (HandoffdError, OSError):
+            return []
+        given = trusted.get(BOOK) if isinstance(trusted, dict) else None
+        wait = given.get("waiting_children") if isinstance(given, dict) else None
+        children = wait.get("children") if isinstance(wait, dict) else None
+        return [c for c in children if isinstance(c, str)] if isinstance(children, list) else []
 
     def _remember(self, where: set[str], handoff_id: str) -> None:
         with self.lock:
@@ -123,6 +145,31 @@ class Graph:
                 frames.append((nxt, list(next_deps), [True]))
         return None
 
+    def path_to(self, starts: list[str], targets: Collection[str]) -> list[str] | None:
+        """A path of unfinished handoffs from one of ``starts`` to one of ``targets`` through
+        what each waits for (its dependencies, a parked parent's children), or None; at most
+        :data:`MAX_DEPENDENCY_WALK` documents are read. The cycle-free memory is not used: it
+        answers another question (no path back to *that* handoff)."""
+        came_from: dict[str, str | None] = {start: None for start in starts}
+        queue = deque(starts)
+        while queue:
+            node = queue.popleft()
+            if node in targets:
+                path = [node]
+                while (before := came_from[path[-1]]) is not None:
+                    path.append(before)
+                return path[::-1]
+            if len(came_from) >= MAX_DEPENDENCY_WALK:
+                continue  # the bound: what is queued is still compared with the targets
+            state, after = self.state(node)
+            if state is None or state is State.COMPLETED:
+                continue
+            for nxt in after:
+                if nxt not in came_from:
+                    came_from[nxt] = node
+                    queue.append(nxt)
+        return None
+
     def gate(self, engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
         """The engine's gate: :func:`dependencies_gate` on this graph."""
         return dependencies_gate(self, env)
@@ -155,7 +202,8 @@ def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:
                                 "which does not exist; create it first")
         if state is State.FAILED:
             return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on {dep}, "
-                                f"which {_ended(graph, dep)}; retry {dep} first")
+                                f"which {_ended(graph, dep)}; retry {dep} first, then this "
+                                f"one with `handoff retry --force {env.handoff_id}`")
         if state is not State.COMPLETED:
             waiting.append((dep, state))
     if not waiting:

@@ -16,8 +16,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 from datetime import datetime
 
+from ..core.admission import resumes
+from ..core.documents import BOOK
 from ..core.engine import Engine, Peek
 from ..core.specialists import Specialist
+from ..features import aggregation
 from .report import BatchReport
 
 log = logging.getLogger("handoffd")
@@ -280,17 +283,27 @@ class Scheduler:
         return math.inf if when is None else max((when - self.engine.clock()).total_seconds(), 0.0)
 
     def deadline(self, handoff_id: str, peek: Peek) -> datetime | None:
-        """When a pending handoff must be answered unrun: its ``expires_at``, or its hard
-        deadline counted from when this daemon first saw it (a document's own history is
-        trusted only once it is claimed: admission uses that). None without either."""
+        """When a pending handoff must be claimed whatever holds it back: to be answered unrun
+        at its ``expires_at`` (unless it started already: parked, or answered, see
+        :func:`~handoffd.core.admission.resumes`), or its hard deadline counted from when this
+        daemon first saw it (a document's own history is trusted only once it is claimed:
+        admission uses that); a parent waiting for its children, to be aggregated once its
+        deadline has passed (its open children cancelled). None without any."""
         env = peek.envelope
         if env is None:
             return None
+        block = peek.doc.get(BOOK) if peek.doc is not None else None
+        wait = block.get("waiting_children") if isinstance(block, dict) else None
+        if isinstance(wait, dict):
+            return aggregation.deadline_of(wait)
         hard = None
         if env.hard_timeout:
             arrived = self.first_seen.setdefault(handoff_id, self.engine.clock())
             hard = self.engine.deadline(env, self.engine.specialist_for(env), arrived)
-        return min(filter(None, (hard, env.expires_at)), default=None)
+        expires = env.expires_at
+        if expires is not None and peek.doc is not None and resumes(peek.doc):
+            expires = None  # it started in time: expiry bounds starts only
+        return min(filter(None, (hard, expires)), default=None)
 
     def look_again_at(self, handoff_id: str, deadline: datetime | None) -> None:
         """A handoff that cannot start now but has a hard deadline is looked at again then: if

@@ -134,10 +134,31 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
     outcome = engine.failure(now, ErrorCode.PROCESSING_ERROR,
                              f"handoff {claim.id}: attempt {claim.attempt} was interrupted: {reason}",
                              retryable=True)
-    engine.file(claim, dialect, spec, outcome)
+    if engine.file(claim, dialect, spec, outcome) is State.FAILED:
+        _cancel_orphans(engine, claim)
     report.recovered.append(claim.id)
     if owner_died(reason):  # which handoff ended the process is unknown: all run isolated a while
         engine.suspects.mark(spec)  # (a stalled owner's lease running out is no crash)
+
+
+def _cancel_orphans(engine: Engine, claim: Claim) -> None:
+    """A parent filed for good after its interrupted attempt: the children that attempt made
+    (a replay would have adopted them) have nobody waiting for them, so they are cancelled with
+    their descendants, as when storing a delegation fails midway (features.orchestration)."""
+    from ..features import cancellation, children  # (rare: not on every command's imports)
+    try:
+        orphans = children.made_by_interrupted_attempts(engine, claim.doc, claim.id)
+    except (HandoffdError, OSError) as exc:
+        log.warning("recovering %s: cannot look for the children its attempt made: %s",
+                    claim.id, exc)
+        return
+    for cid in orphans:
+        try:
+            cancellation.cancel(engine, cid, reason=f"the delegation of {claim.id} was "
+                                "interrupted and its parent failed", cascade=True, by=claim.id,
+                                via="recovery")
+        except (HandoffdError, OSError) as exc:  # the next child still goes
+            log.warning("recovering %s: cannot cancel its child %s: %s", claim.id, cid, exc)
 
 
 def _kill_leftovers(engine: Engine, handoff_id: str, attempt: int) -> None:

@@ -27,7 +27,6 @@ from .records import StoreBase, T, encode
 from .values import document
 from .values import unreadable as unreadable_doc
 
-
 # why the lease keeper stops a handler whose claim rides on a presence this process is no longer
 # sure of (see ClaimOwner.broken_claims)
 PRESENCE_LOST_REASON = (

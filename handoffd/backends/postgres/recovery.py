@@ -17,7 +17,6 @@ import builtins
 import logging
 import uuid
 from datetime import datetime, timedelta
-from typing import Callable
 
 from ...core.documents import book, book_int
 from ...core.errors import InvalidDocument
