@@ -361,14 +361,20 @@ def test_a_batch_on_a_full_disk_puts_its_claims_back_and_says_so(
     for _ in range(3):
         doc = new_native_request(source="@test", target="@t", data=None, now=engine.clock())
         ids.append(engine.backend.store.create(doc, doc["handoff_id"]))
-    real_replace = fsio.replace
+    real_replace, real_exact = fsio.replace, fsio.replace_exact
 
     def disk_full(path: Any, *args: Any, **kwargs: Any) -> Any:
         if "in-progress" in str(path):
             raise OSError(errno_module.ENOSPC, "No space left on device")
         return real_replace(path, *args, **kwargs)
 
+    def disk_full_exact(path: Any, *args: Any, **kwargs: Any) -> Any:  # a claim's lease write
+        if "in-progress" in str(path):
+            raise OSError(errno_module.ENOSPC, "No space left on device")
+        return real_exact(path, *args, **kwargs)
+
     monkeypatch.setattr(fsio, "replace", disk_full)
+    monkeypatch.setattr(fsio, "replace_exact", disk_full_exact)
     try:
         report = Daemon(engine, watch=False).run_batch()
         assert report.errors >= 3 and report.completed == 0
@@ -376,6 +382,7 @@ def test_a_batch_on_a_full_disk_puts_its_claims_back_and_says_so(
         assert sorted(engine.backend.ids(State.PENDING)) == sorted(ids)
         assert engine.backend.ids(State.IN_PROGRESS) == []
         monkeypatch.setattr(fsio, "replace", real_replace)  # space again: the next run runs them
+        monkeypatch.setattr(fsio, "replace_exact", real_exact)
         assert Daemon(engine, watch=False).run_batch().completed == 3
     finally:
         engine.backend.close()

@@ -204,7 +204,8 @@ def producer_file(folder: Path, name: str, mode: int = 0o644) -> Path:
 
 def test_a_closed_producer_file_of_ours_is_adopted_with_our_mode(tmp_dir: Path,
                                                                  tmp_path: Path) -> None:
-    """What the claim does: a second name first, then the replace, then adopt."""
+    """What the claim does where the filesystem cannot exchange two files: a second name first,
+    then the replace, then adopt (with an exchange: tests/test_claim_stall.py)."""
     doc = producer_file(tmp_path, "in-progress.json", 0o666)
     inode = doc.stat().st_ino
     kept = spares.keep_link(doc, tmp_dir)

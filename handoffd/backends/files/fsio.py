@@ -212,6 +212,108 @@ def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool, sync_dir
     return inode
 
 
+def replace_exact(target: Path, data: bytes, tmp_dir: Path, *, durable: bool,
+                  expect: int) -> tuple[int, Path | None] | None:
+    """Replace ``target`` with ``data`` only if it is still the file of inode ``expect``, never
+    a file put there since: (the new inode, where the replaced file now is) or None when
+    ``target`` is another file or gone (left as it is). No directory fsync (a claim's lease
+    write: recovery handles its loss).
+
+    The new file is exchanged with ``target`` in one ``renameat2(RENAME_EXCHANGE)``, so the
+    replaced file moves to the temp name (returned: the caller keeps it as a spare or removes
+    it) and is looked at there; if it is not ``expect``, it is exchanged back at once. Where the
+    filesystem cannot exchange (NFS...), ``target``'s inode is compared just before a plain
+    replace (a moment's race with a writer that takes no claim lock)."""
+    for fresh in (False, True):
+        tmp, inode = _write_temp(tmp_dir, data, durable=durable, fresh=fresh)
+        try:
+            err = _exchange(tmp, target)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        if err == errno.ENOENT:
+            if os.path.lexists(tmp):  # ``target`` is gone: moved on by someone else
+                _unlink_quietly(tmp)
+                return None
+            if fresh:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(tmp))
+            continue  # a spare a sweeper removed between our write and the exchange
+        if err is not None:  # no exchange on this filesystem: compare, then replace
+            return _replace_compared(tmp, target, inode, expect)
+        if _inode(tmp) == expect:
+            return inode, tmp
+        _exchange_back(tmp, target, inode)
+        return None
+    raise AssertionError("unreachable")
+
+
+def _replace_compared(tmp: Path, target: Path, inode: int,
+                      expect: int) -> tuple[int, Path | None] | None:
+    """:func:`replace_exact` without an exchange: ``target`` compared, then replaced, its inode
+    kept under a second name in the temp folder where one can be made (:func:`spares.keep_link`)."""
+    kept = None
+    try:
+        if _inode(target) != expect:
+            _unlink_quietly(tmp)
+            return None
+        kept = spares.keep_link(target, tmp.parent)
+        os.replace(tmp, target)
+    except BaseException:
+        _unlink_quietly(tmp)
+        if kept is not None:
+            _unlink_quietly(kept)
+        raise
+    return inode, kept
+
+
+def _exchange_back(tmp: Path, target: Path, ours: int) -> None:
+    """Undo an exchange that displaced another file than the one expected: it goes back to
+    ``target`` and our new file (inode ``ours``) is removed. Were ``target`` changed in the
+    moment between the two exchanges (a writer that takes no claim lock), what is at the temp
+    name afterwards is not ours: it is left there, with one warning, not unlinked."""
+    try:
+        err: int | None = _exchange(tmp, target)
+    except OSError as exc:
+        err = exc.errno or errno.EIO
+    if err is not None:  # ``target`` vanished meanwhile: put the other file back under its name
+        try:
+            rename_noreplace(tmp, target)
+            return
+        except OSError:
+            pass
+    elif _inode(tmp) == ours:
+        _unlink_quietly(tmp)
+        return
+    from ...core.logs import log  # (not loaded by the one-shot commands that import fsio)
+    log.warning("%s changed while a claim gave it back; the file displaced is left at %s",
+                target, tmp)
+
+
+def _inode(path: Path) -> int:
+    """The inode number of ``path`` itself (-1 when it is gone)."""
+    try:
+        return os.lstat(path).st_ino
+    except FileNotFoundError:
+        return -1
+
+
+def _exchange(a: Path, b: Path) -> int | None:
+    """Swap ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``): None when done, ENOENT
+    when either is missing, another errno (EINVAL...) when this filesystem or kernel cannot
+    exchange; OSError for anything else."""
+    import ctypes
+
+    func = load_renameat2()
+    if not func:
+        return errno.ENOSYS
+    if func(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return None
+    err = ctypes.get_errno()
+    if err in (errno.ENOENT, errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return err
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def unlink(path: Path, *, durable: bool) -> bool:
     """Remove ``path``; return False if it was already gone."""
     if not spares.remove(path):
@@ -368,6 +470,7 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 FILE_MODE = 0o644 & ~START_UMASK  # a new document's mode, by the umask the process began with
 _RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _renameat2: Any = None
 

@@ -8,13 +8,16 @@ lock name back with :func:`lock_name` and tries that lock with :func:`try_lock`.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
+import stat
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ...core.documents import actor
 from ...core.ownfiles import plain_folder
@@ -104,6 +107,64 @@ def try_lock(path: Path) -> FileLock | None:
     except Timeout:
         return None
     return lock
+
+
+def lock_document(path: Path) -> int | None:
+    """A descriptor of the document at ``path`` (pending/) holding an exclusive ``flock`` on
+    it: a claim takes it before its rename into in-progress/ and holds it until its lease is
+    written. The sweep hands back no unleased in-progress file whose lock is held
+    (:func:`unclaimed`), so a claimer stalled in between (SIGSTOP, a stalled disk under
+    ``fsync``) keeps its claim however long it stalls, and no other claimer can take the
+    handoff from under it. No lock file is made: the document's own inode carries it.
+
+    Raises FileNotFoundError when ``path`` is gone and BlockingIOError when another claimer
+    holds it (both: someone else is taking it; a producer that flocks its own file is taken
+    for one still writing it, and the file is claimed once it lets go). None when it cannot be locked here (no regular
+    file, not readable, a filesystem whose ``flock`` wants a descriptor open for writing, as
+    NFS's emulation does): the claim goes on unlocked, guarded by the claim grace alone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError:  # a symlink, a socket, EACCES: the claim's read says what it is
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError:  # EBADF, ENOLCK: no such lock on this filesystem
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextmanager
+def unclaimed(path: Path) -> Iterator[bool]:
+    """For the block: False when a claimer holds the lock of the in-progress file at ``path``
+    (:func:`lock_document`: it renamed it in and is writing its lease, however long that takes);
+    else True, with a shared lock held on it for the block, so that the file judged is the file
+    the block moves. True also when it cannot be told (gone, not a regular file, no ``flock``
+    here): the claim grace judges it, as before."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        yield True
+        return
+    free = True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            free = False
+        except OSError:
+            pass
+        yield free
+    finally:
+        os.close(fd)
 
 
 class OwnerLocks:

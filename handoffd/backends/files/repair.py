@@ -31,7 +31,7 @@ from ...core.logs import log
 from ...core.states import State, winner
 from ...core.timeutil import parse_iso
 from . import aside, fsio
-from .leases import STAGED_OWNER_LOCK_NAME
+from .leases import STAGED_OWNER_LOCK_NAME, unclaimed
 from .records import TEMP_NAME
 from .store import Store, release_lock, try_lock
 
@@ -104,7 +104,16 @@ def _unleased_guarded(store: Store, handoff_id: str, grace: float, now: datetime
 
 def recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime,
                      done: Repairs) -> None:
-    """Hand back an in-progress handoff whose claimer died before recording its lease."""
+    """Hand back an in-progress handoff whose claimer died before recording its lease. Never
+    one whose claimer still holds its document lock (see :func:`.leases.lock_document`): it is
+    alive, writing its lease, however long it has stalled since its rename."""
+    with unclaimed(store.path(State.IN_PROGRESS, handoff_id)) as free:
+        if free:
+            _recover_unleased(store, handoff_id, grace, now, done)
+
+
+def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime,
+                      done: Repairs) -> None:
     path = store.path(State.IN_PROGRESS, handoff_id)
     try:
         doc = store.read(State.IN_PROGRESS, handoff_id)

@@ -12,9 +12,10 @@ So no inode is created or freed per handoff once a process runs:
 - When a handoff is filed, its in-progress copy (a file this process wrote) is renamed into the
   temp folder instead of unlinked (:func:`retire`).
 - When a claim replaces the producer's file with its leased copy, the producer's inode is kept
-  too (:func:`keep_link` before the replace, :func:`adopt` after it), but only when it can never
-  be written by anyone else: a regular file we own, whose only name is now ours, and that no
-  process has open. The kernel says the last: it grants a write lease (``F_SETLEASE``,
+  too (the lease write exchanges the two, which leaves the producer's file at a temp name, and
+  :func:`keep_displaced` adopts it; where no exchange can be made, :func:`keep_link` gives it
+  a second name before a plain replace), but only when it can never be written by anyone else:
+  a regular file we own, whose only name is now ours, and that no process has open. The kernel says the last: it grants a write lease (``F_SETLEASE``,
   ``F_WRLCK``) only on a file no other open file description refers to, and from then on the
   file has no name but ours, so a producer that kept its descriptor (a late write through it
   must never land in a document filed later) keeps the file from being adopted, and it is
@@ -131,6 +132,18 @@ def adopt(spare: Path, tmp_dir: Path) -> bool:
     with _lock:
         _pools.setdefault(tmp_dir, []).append(spare)
     return True
+
+
+def keep_displaced(path: Path, tmp_dir: Path) -> bool:
+    """Keep ``path``, a file a claim's lease write displaced to a temp name of ``tmp_dir`` (or
+    kept there by :func:`keep_link`; see :func:`.fsio.replace_exact`), as a spare when :func:`adopt` allows it and the pool has room;
+    else unlink it. True when kept."""
+    with _lock:
+        full = len(_pools.get(tmp_dir, ())) >= KEPT
+    if full or not LEASES:
+        remove_quietly(path)
+        return False
+    return adopt(path, tmp_dir)
 
 
 def retire(path: Path, tmp_dir: Path) -> bool:

@@ -38,6 +38,7 @@ from .leases import (
     NullLock,
     OwnerLocks,
     lease,
+    lock_document,
     lock_name,
     release_lock,
     try_lock,
@@ -271,13 +272,42 @@ class Store:
         copy already exists (DocumentNotReady when the pending copy is a newer one being moved
         back), DocumentNotReady if the file is still being written (it is put back),
         and InvalidDocument if it is unreadable (it stays in in-progress/ for the caller to file).
+
+        The document is locked (:func:`.leases.lock_document`) from before its rename until its
+        lease is written, so that no sweep hands it back meanwhile however long this process
+        stalls there; and the lease write replaces only the very file the rename put in
+        in-progress/ (:func:`.fsio.replace_exact`), never one someone else put there since.
         """
         now = now or utc_now()
+        src = self.path(State.PENDING, handoff_id)
+        try:
+            held = lock_document(src)
+        except (FileNotFoundError, BlockingIOError):
+            return None  # claimed, or being claimed right now, by another process
+        displaced: Path | None = None
+        try:
+            claim, displaced = self._claim_held(handoff_id, held, lease_seconds, now, on_claim)
+        finally:
+            if held is not None:
+                os.close(held)  # (before the adoption: it wants nobody to have the file open)
+        if displaced is not None:
+            # the producer's inode, which the leased copy replaced, becomes a spare if nobody
+            # else can ever write it (see spares.adopt): then no inode is freed, nor created
+            spares.keep_displaced(displaced, self.tmp)
+        if claim is not None:
+            crash_point("after-claim-lease")
+        return claim
+
+    def _claim_held(self, handoff_id: str, held: int | None, lease_seconds: float,
+                    now: datetime, on_claim: Callable[[dict[str, Any]], None] | None
+                    ) -> tuple[Claim | None, Path | None]:
+        """:meth:`claim` once the pending document is locked (``held``: its descriptor, None
+        where it cannot be locked): the claim and where the file it replaced now is."""
         src, dst = self.path(State.PENDING, handoff_id), self.path(State.IN_PROGRESS, handoff_id)
         try:
             fsio.rename_noreplace(src, dst)
         except FileNotFoundError:
-            return None
+            return None, None
         except FileExistsError:
             if reading.moving_back(self, handoff_id):
                 # a move back to pending/ (a retry, an answer, a hand-back) writes the pending
@@ -289,16 +319,9 @@ class Store:
                                    handoff_id=handoff_id) from None
         crash_point("after-claim-rename")
         try:
-            data, info = fsio.read_bytes_safely(dst, self.max_open_bytes)
-            doc = fsio.parse_document(data, f"pending/{handoff_id}.json")
-            self._check_request_size(doc, data, f"pending/{handoff_id}.json")
-        except InvalidDocument as exc:
-            if exc.code in (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8) \
-                    and self._young(dst, now):
-                self._put_back(dst, src)
-                raise DocumentNotReady(f"{handoff_id} is still being written",
-                                       handoff_id=handoff_id) from None
-            raise
+            doc, renamed = self._read_claimed(handoff_id, held, src, dst, now)
+        except FileNotFoundError:  # moved on since our rename (by a writer taking no lock)
+            return None, None
         prior = self.trusted_revision(doc, State.PENDING, handoff_id)
         if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
             doc[BOOK] = {}
@@ -309,30 +332,42 @@ class Store:
         block["lease"] = lease(token, now, lease_seconds, lock=self.owner_lock())
         block.pop("next_attempt_at", None)
         record(doc, "claimed", now, attempt=block["attempt"])
+        if on_claim is not None:
+            on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
+        # the rename into in-progress/ need not be durable: if a crash undoes it, the handoff
+        # is simply pending again, or in-progress without a lease, which recovery hands back
+        data = self.encode(doc, State.IN_PROGRESS, handoff_id)
         try:
-            if on_claim is not None:
-                on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
-            # the rename into in-progress/ need not be durable: if a crash undoes it, the handoff
-            # is simply pending again, or in-progress without a lease, which recovery hands back
-            data = self.encode(doc, State.IN_PROGRESS, handoff_id)
-            # the producer's inode, which the leased copy replaces, becomes a spare if nobody
-            # else can ever write it (see spares.adopt): then no inode is freed, nor created
-            kept = spares.keep_link(dst, self.tmp)
-            try:
-                inode = fsio.replace(dst, data, self.tmp, durable=self.durable, sync_dir=False)
-            except BaseException as exc:
-                if kept is not None:
-                    spares.remove_quietly(kept)
-                if isinstance(exc, OSError):  # (a full disk): the request as it came, back in
-                    self._put_back(dst, src)  # pending/ at once, not after a recovery's grace
-                raise
-            if kept is not None:
-                spares.adopt(kept, self.tmp)
-        except BaseException:
-            release_lock(lock)
+            written = fsio.replace_exact(dst, data, self.tmp, durable=self.durable,
+                                         expect=renamed)
+        except OSError:  # (a full disk): the request as it came, back in pending/ at once,
+            self._put_back(dst, src)  # not after a recovery's grace (it is still ours: held)
             raise
-        crash_point("after-claim-lease")
-        return Claim(handoff_id, doc, token, lock, block["attempt"], inode, prior)
+        if written is None:  # not the file we renamed in (moved on meanwhile): someone else's
+            return None, None
+        inode, displaced = written
+        return Claim(handoff_id, doc, token, lock, block["attempt"], inode, prior), displaced
+
+    def _read_claimed(self, handoff_id: str, held: int | None, src: Path, dst: Path,
+                      now: datetime) -> tuple[dict[str, Any], int]:
+        """The document just renamed to ``dst``, and the inode the lease write may replace:
+        the locked one (``held``) when there is one, else the one read. (Were they different,
+        pending/ had another file put in at the instant of the claim: the lease write then gives
+        the claim up, and the sweep hands back the file nobody locked.) A file still being
+        written goes back to ``src`` (DocumentNotReady)."""
+        name = f"pending/{handoff_id}.json"
+        try:
+            data, info = fsio.read_bytes_safely(dst, self.max_open_bytes)
+            doc = fsio.parse_document(data, name)
+            self._check_request_size(doc, data, name)
+        except InvalidDocument as exc:
+            if exc.code in (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8) \
+                    and self._young(dst, now):
+                self._put_back(dst, src)
+                raise DocumentNotReady(f"{handoff_id} is still being written",
+                                       handoff_id=handoff_id) from None
+            raise
+        return doc, (info if held is None else os.fstat(held)).st_ino
 
     def _young(self, path: Path, now: datetime) -> bool:
         try:
