@@ -38,15 +38,15 @@ def at(seconds: float) -> datetime:
 
 
 def make_backend(name: str, tmp_path: Path, pg_url: str = "") -> Backend:
+    # a monotonic clock that leaps on every reading: leases are judged by the injected ``now``
+    # alone (the guards against wall-clock steps are tested with each backend's own tests)
+    ticks = itertools.count(step=10**6)
     if name == "postgres":
         from handoffd.backends.postgres import PostgresBackend
-        return PostgresBackend(pg_url, pool_size=10)
+        return PostgresBackend(pg_url, pool_size=10, monotonic=lambda: float(next(ticks)))
     if name == "memory":
         return MemoryBackend()
     if name == "files":
-        # a monotonic clock that leaps on every reading: leases are judged by the injected
-        # ``now`` alone (the files backend's guard against wall-clock steps is tested elsewhere)
-        ticks = itertools.count(step=10**6)
         return FilesBackend.open(Workspace(tmp_path), monotonic=lambda: float(next(ticks)),
                                  durable=False)
     raise ValueError(name)

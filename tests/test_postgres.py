@@ -267,6 +267,28 @@ def test_a_sweeper_whose_clock_is_ahead_never_takes_a_live_renewing_claim(pg_url
         sweeper.close()
 
 
+def test_a_process_whose_clock_steps_forward_keeps_its_own_claims(pg_url: str) -> None:
+    """Its own sweep, the wall clock stepped past the lease (NTP), takes none of its live claims
+    (they would be retried beside their running handlers); one it gave up is taken once
+    expired, as given up (handed back, not charged)."""
+    from handoffd.core.storage import GIVEN_UP
+    tick = [0.0]
+    store = backend(pg_url, monotonic=lambda: tick[0])
+    try:
+        for hid in ("live", "dropped"):
+            store.create(request(hid), hid, T0)
+        live = store.claim("live", at(1), LEASE)
+        dropped = store.claim("dropped", at(1), LEASE)
+        assert live is not None and dropped is not None
+        store.abandon(dropped)
+        taken = store.expired_claims(at(LEASE + 61), LEASE)
+        assert [(c.id, c.recovered) for c in taken] == [("dropped", GIVEN_UP)]
+        assert store.renew(live, at(LEASE + 62), LEASE)
+        assert store.expired_claims(at(3 * LEASE + 61), LEASE) == []  # renewed: watched afresh
+    finally:
+        store.close()
+
+
 def test_documents_the_store_cannot_hold_are_refused_or_cleaned(pg_url: str) -> None:
     from handoffd.core.errors import InvalidDocument
     store = backend(pg_url)
@@ -316,7 +338,8 @@ def test_encode_replaces_only_real_nul_characters_and_lone_surrogates(value: str
 def test_documents_keep_their_key_order(pg_url: str) -> None:
     """Documents are kept as json text, not jsonb (which sorts keys, shorter first): what comes
     back, through claim, renew, takeover and finish, lists its keys as they were written."""
-    store = backend(pg_url)
+    ticks = iter(range(0, 10**9, 10**6))  # (its own takeover, judged by the wall clock alone)
+    store = backend(pg_url, monotonic=lambda: float(next(ticks)))
     try:
         doc = {"handoff_id": "order", "zeta": 1, "target": {"agent_id": "@a", "phase": 2},
                "input": {"data": {"longest_key_first": 1, "b": 2, "a": 3}}, "c": None}

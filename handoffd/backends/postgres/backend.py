@@ -91,6 +91,8 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         self._presence_lock = threading.Lock()
         self._absent: dict[tuple[str, str | None], float] = {}  # (id, token) -> owner first seen gone
         self._stale: dict[tuple[str, str | None, datetime | None], float] = {}  # (Recovery)
+        self._given_up: set[str] = set()  # (ClaimOwner.abandon)
+        self._written: dict[tuple[str, str | None], tuple[datetime, float]] = {}  # (ClaimOwner)
         self._aside = threading.local()  # the last set_aside of each thread (Writes)
         self.db = Database(url, max_size=pool_size, reconnect_seconds=reconnect_seconds)
         self.nonce = uuid.uuid4().hex[:12]  # our own notifications, told apart from others'

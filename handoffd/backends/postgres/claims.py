@@ -27,6 +27,7 @@ from .records import StoreBase, T, encode
 from .values import document
 from .values import unreadable as unreadable_doc
 
+MAX_GIVEN_UP = 10_000  # given-up tokens remembered (a full disk gives up many at once)
 # why the lease keeper stops a handler whose claim rides on a presence this process is no longer
 # sure of (see ClaimOwner.broken_claims)
 PRESENCE_LOST_REASON = (
@@ -52,6 +53,10 @@ class ClaimOwner(StoreBase):
     monotonic: Callable[[], float]
     _presence: Presence | None
     _presence_lock: threading.Lock
+    _given_up: set[str]  # tokens of claims this process ended without filing (abandon)
+    # (id, token) -> (lease expiry, monotonic time) of each lease this process last wrote: its
+    # own claims' leases are watched from then (see recovery: a wall clock stepped forward)
+    _written: dict[tuple[str, str | None], tuple[datetime, float]]
     broken_reason = PRESENCE_LOST_REASON
 
     def _present(self) -> None:
@@ -63,10 +68,22 @@ class ClaimOwner(StoreBase):
             if self._presence is None:
                 # a round trip ten times a grace (at most each second): a stall shows in time
                 beat = min(1.0, max(self.owner_grace / 10, 0.05))
-                presence = Presence(self.url, self.owner_key, beat=beat,
-                                    monotonic=self.monotonic)
+                # (its own clock, never a test's leaping one: it times real round trips)
+                presence = Presence(self.url, self.owner_key, beat=beat)
                 presence.start()
                 self._presence = presence
+
+    def _wrote(self, handoff_id: str, token: str, expires: datetime) -> None:
+        """This process wrote the lease ``token`` of ``handoff_id``, expiring at ``expires``,
+        just now (on its monotonic clock)."""
+        with self._presence_lock:
+            self._written[(handoff_id, token)] = (expires, self.monotonic())
+
+    def written_at(self, handoff_id: str, token: str | None, expires: datetime | None) -> float | None:
+        """When (monotonic) this process wrote that very lease; None if it did not."""
+        with self._presence_lock:
+            found = self._written.get((handoff_id, token))
+        return found[1] if found is not None and found[0] == expires else None
 
     def present_for_sure(self) -> bool:
         """True while the presence session proved alive within half the owner grace (before
@@ -146,7 +163,10 @@ class Claiming(ClaimOwner):
             self._event(conn, handoff_id, doc, State.IN_PROGRESS, "claimed")
             return Claim(handoff_id, doc, token, attempt, raw=bool(raw))
 
-        return self.db.run(op)
+        claim = self.db.run(op)
+        if claim is not None:
+            self._wrote(claim.id, token, expires)
+        return claim
 
     def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
         stamp = lease_block(claim.token, now, lease_seconds)
@@ -172,6 +192,11 @@ class Claiming(ClaimOwner):
         renewed = self.db.run(op)
         if renewed:
             book(claim.doc)["lease"] = dict(stamp)
+            if claim.token is not None:
+                self._wrote(claim.id, claim.token, now + timedelta(seconds=lease_seconds))
+        else:  # taken over: nothing of ours to watch
+            with self._presence_lock:
+                self._written.pop((claim.id, claim.token), None)
         return bool(renewed)
 
     def _release(self, claim: Claim, state: State, doc: Doc, *, copied: bool = False) -> bool:
@@ -202,7 +227,18 @@ class Claiming(ClaimOwner):
             self._notify(conn, claim.id, state.value)
             return True
 
-        return self._run_then_wake(op, claim.id, state.value)
+        try:
+            return self._run_then_wake(op, claim.id, state.value)
+        finally:  # filed, or lost: no lease of ours to watch either way
+            with self._presence_lock:
+                self._written.pop((claim.id, claim.token), None)
 
     def abandon(self, claim: Claim) -> None:
-        """Nothing is held beyond the lease, which recovery takes over when it expires."""
+        """Nothing is held beyond the lease, which recovery takes over when it expires, as a
+        claim this process gave up (handed back, not charged as a crash: see
+        :data:`~handoffd.core.storage.GIVEN_UP`) once this process's own sweep takes it."""
+        if claim.token is not None:
+            with self._presence_lock:
+                if len(self._given_up) >= MAX_GIVEN_UP:  # (each is taken over within a lease)
+                    self._given_up.clear()
+                self._given_up.add(claim.token)

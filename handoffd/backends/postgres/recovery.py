@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from ...core.documents import book, book_int
 from ...core.errors import InvalidDocument
 from ...core.states import State
-from ...core.storage import LEASE_EXPIRED
+from ...core.storage import GIVEN_UP, LEASE_EXPIRED
 from ...core.timeutil import iso
 from ..base import Claim, Claims, lease_block
 from .claims import ClaimOwner
@@ -38,9 +38,9 @@ OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EX
               "AND ((l.classid::bigint << 32) | l.objid::bigint) = h.lease_owner))")
 
 
-# a row of the first look: id, token, expiry, expired by our clock, its owner's key unheld,
-# no live owner of another process recorded (none at all, or this process)
-Seen = tuple[str, "str | None", "datetime | None", bool, bool, bool]
+# a row of the first look: id, token, expiry, expired by our clock, its owner's key unheld (by
+# another process), no owner recorded, owned by this process
+Seen = tuple[str, "str | None", "datetime | None", bool, bool, bool, bool]
 # why a row is taken over, with the token and expiry it was seen with (the lock step's fence)
 Verdict = tuple[str, "str | None", "datetime | None"]
 
@@ -62,7 +62,7 @@ class Recovery(ClaimOwner):
             seen = conn.execute(
                 f"SELECT h.id, h.lease_token, h.lease_expires_at, "
                 f"coalesce(h.lease_expires_at <= %(now)s, true), {OWNER_GONE}, "
-                f"h.lease_owner IS NULL OR h.lease_owner = %(me)s FROM {T} h "
+                f"h.lease_owner IS NULL, h.lease_owner IS NOT DISTINCT FROM %(me)s FROM {T} h "
                 "WHERE h.state = 'in-progress' AND (h.lease_expires_at IS NULL OR "
                 f"h.lease_expires_at <= %(now)s OR {OWNER_GONE})",
                 {"now": now, "me": self.owner_key}).fetchall()
@@ -90,22 +90,28 @@ class Recovery(ClaimOwner):
         expired while its owner's session lives (a stalled owner, or our wall clock ahead of
         its): once this process has watched that very lease (token and expiry) unrenewed for a
         whole lease period on its monotonic clock, so a clock ahead never ends a live claim.
-        One of ours, or of no recorded owner, whose lease expired: now."""
+        This process's own claims are judged so too (its wall clock may have stepped forward),
+        except those it gave up (:meth:`abandon`), taken once expired. One of no recorded owner
+        whose lease expired: now."""
         why: dict[str, Verdict] = {}
         gone_now: set[tuple[str, str | None]] = set()
         stale_now: set[tuple[str, str | None, datetime | None]] = set()
-        for handoff_id, token, expiry, expired, gone, unowned in seen:
+        for handoff_id, token, expiry, expired, gone, ownerless, mine in seen:
             at = f"{LEASE_EXPIRED} at {iso(expiry) if expiry else 'unknown'}"
-            if gone:
+            if expired and mine and token in self._given_up:
+                why[handoff_id] = (GIVEN_UP, token, expiry)
+            elif gone:
                 gone_now.add((handoff_id, token))
                 first = self._absent.setdefault((handoff_id, token), tick)
                 if tick - first >= self.owner_grace:
                     why[handoff_id] = ("owner process is gone (its database session ended "
                                        f"{tick - first:.0f}s ago or more)", token, expiry)
-            elif expired and not unowned and not gone:
+            elif expired and not ownerless:
                 mark = (handoff_id, token, expiry)
                 stale_now.add(mark)
-                first = self._stale.setdefault(mark, tick)
+                # (a lease of ours has been watched since we wrote it)
+                since = self.written_at(handoff_id, token, expiry) if mine else None
+                first = self._stale.setdefault(mark, tick if since is None else since)
                 if tick - first >= lease_seconds:
                     why[handoff_id] = (f"{at} (its owner's session is alive, but renewed "
                                        f"nothing for {tick - first:.0f}s: stalled)", token, expiry)
@@ -144,4 +150,8 @@ class Recovery(ClaimOwner):
             "doc = %s::json WHERE id = %s",
             (token, now + timedelta(seconds=lease_seconds), self.owner_key,
              encode(doc, strict=False), handoff_id))
+        self._given_up.discard(str(seen_token))
+        with self._presence_lock:
+            self._written.pop((handoff_id, seen_token), None)
+        self._wrote(handoff_id, token, now + timedelta(seconds=lease_seconds))
         return Claim(handoff_id, doc, token, book_int(doc, "attempt", 1), recovered=reason)
