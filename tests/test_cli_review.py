@@ -218,6 +218,7 @@ def test_watch_json_escapes_what_is_not_printable(monkeypatch: pytest.MonkeyPatc
 @pytest.fixture
 def client(tmp_path: Path) -> Any:
     from handoffd import Client
+    (tmp_path / "ws").mkdir()  # (a root that does not exist is NotFound, as for --root)
     return Client(tmp_path / "ws")
 
 

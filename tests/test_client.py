@@ -12,7 +12,7 @@ import pytest
 from conftest import Workspace
 
 from handoffd import Client, State
-from handoffd.core.errors import Conflict, NotFound, WaitTimeout
+from handoffd.core.errors import Conflict, NotFound, UsageError, WaitTimeout
 
 
 def test_create_wait_and_read_the_result(ws: Workspace) -> None:
@@ -44,7 +44,7 @@ def test_idempotent_create_and_errors(ws: Workspace) -> None:
     with pytest.raises(WaitTimeout):
         first.wait(timeout=0.2)  # no daemon is running
     assert first.result().state is State.PENDING
-    with pytest.raises(ValueError):
+    with pytest.raises(UsageError):  # (a handoffd error, as docs/agents.md promises)
         client.create()
     doc = {"handoff_id": "whole-1", "target": {"agent_id": "@flaky"}, "input": {"data": {}}}
     assert client.create(document=doc).id == "whole-1"
@@ -89,6 +89,7 @@ def test_hostile_arguments_are_handoffd_errors_at_once(tmp_path: Path, call: Any
     deep inside (the JSON encoder, list slicing), and `wait()` on an unsafe id or with a NaN
     timeout waited for ever. Each is now a handoffd error, at once."""
     from handoffd.core.errors import HandoffdError
+    (tmp_path / "ws").mkdir()  # (a root that does not exist is NotFound, as for --root)
     client = Client(tmp_path / "ws")
     handle = client.create("@echo", {"n": 1})
     started = time.monotonic()

@@ -280,16 +280,53 @@ class Subscribers:
                 pass
 
 
+class WaitStop:
+    """Ends a :func:`wait_via_feed` from another thread: :meth:`set` wakes the wait, which then
+    raises WaitTimeout. An MCP client that cancels its ``wait_handoff`` must not leave a thread
+    waiting out the whole timeout (they grew without bound, past every cap)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._wakes: list[threading.Event] = []
+
+    def set(self) -> None:
+        """Stop every wait watching this (now, and any that starts watching later)."""
+        with self._lock:
+            self._stopped = True
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake.set()
+
+    def is_set(self) -> bool:
+        """True once :meth:`set` was called."""
+        return self._stopped
+
+    def watch(self, wake: threading.Event) -> Callable[[], None]:
+        """Set ``wake`` when the stop comes (at once if it has); returns the un-watch."""
+        with self._lock:
+            self._wakes.append(wake)
+            if self._stopped:
+                wake.set()
+
+        def unwatch() -> None:
+            with self._lock:
+                self._wakes.remove(wake)
+        return unwatch
+
+
 def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
                   grace_not_found: float = 0.0,
-                  until: Callable[[State, Doc], Any] | None = None) -> tuple[State, Doc]:
+                  until: Callable[[State, Doc], Any] | None = None,
+                  stop: WaitStop | None = None) -> tuple[State, Doc]:
     """:meth:`Backend.wait_terminal` built on ``get`` and the wake-up feed (level-triggered:
     look, then sleep until a hint for this id or the safety recheck). NotFound once the id has
     been unknown for ``grace_not_found`` seconds (a producer may be about to drop it).
     ``until``: also return once it is true of the handoff's state and document. An id no
     handoff can have is InvalidDocument (UNSAFE_ID) at once, and ``timeout`` must be None or a
     finite number of seconds, 0 or more (UsageError): ``nan`` never ran out, and an unsafe id
-    read as "still being written", so both waited for ever."""
+    read as "still being written", so both waited for ever. ``stop``: WaitTimeout as soon as
+    it is set (checked where the wait sleeps; setting it wakes the sleep)."""
     check_id(handoff_id)
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not 0 <= timeout < math.inf):
@@ -299,11 +336,15 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
         return found  # already there: no watch to set up (most waits of a finished handoff)
     wake = threading.Event()
     unsubscribe = backend.subscribe(lambda w: wake.set() if w.handoff_id == handoff_id else None)
+    unwatch = stop.watch(wake) if stop is not None else None
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     try:
         while True:
             wake.clear()
+            if stop is not None and stop.is_set():
+                raise WaitTimeout(f"the wait for handoff {handoff_id} was stopped",
+                                  handoff_id=handoff_id)
             found = _look(backend, handoff_id)
             if found is None and time.monotonic() - start >= grace_not_found:
                 raise NotFound(f"no handoff {handoff_id}; `handoff ls` lists them",
@@ -318,6 +359,8 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
                           grace_not_found if found is None else SAFETY_RECHECK_SECONDS))
     finally:
         unsubscribe()
+        if unwatch is not None:
+            unwatch()
 
 
 def _look(backend: Backend, handoff_id: str) -> tuple[State, Doc] | None:

@@ -21,7 +21,12 @@ PROG = "handoff"
 
 def open_workspace(root: str | Path | None, *, create: bool = False) -> Workspace:
     """The workspace chosen by --root / $HANDOFFD_ROOT / cwd; it must exist unless ``create``."""
-    ws = Workspace(resolve_root(root))
+    try:
+        ws = Workspace(resolve_root(root))
+    except FileNotFoundError:  # the current directory was deleted under the shell (getcwd)
+        where = os.environ.get("PWD") or "(unknown)"
+        raise NotFound(f"the current directory {where} no longer exists; cd to the workspace or "
+                       f"{root_remedy(root) if root else 'pass --root'}") from None
     if not ws.root.is_dir():  # a mistyped --root must not silently start a new workspace
         raise NotFound(f"workspace directory {ws.root} does not exist; create it or "
                        f"{root_remedy(root)}")

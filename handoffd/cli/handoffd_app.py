@@ -119,21 +119,23 @@ def mcp(root: RootOption = None,
     except ImportError as exc:
         raise UsageError(f"handoffd mcp needs the MCP SDK ({exc.name} is missing): "
                          "pip install 'handoffd[mcp]'") from None
+    from ..service.mcp_http import parse_listen
+    if not as_agent.strip() or any(ord(c) < 32 or ord(c) == 127 for c in as_agent):
+        raise UsageError(f"--as {as_agent!r}: give the agent id it acts as, e.g. @planner")
+    if http is not None:
+        parse_listen(http)  # a bad value is refused before anything starts
     from .daemon_commands import OneLine
     handler = logging.StreamHandler(sys.stderr)  # stdout is the protocol's
     handler.setFormatter(OneLine("handoffd: %(levelname)s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     ws = workspace(root, create=True)
-    server = build_server(ws.root, agent=as_agent)
     if http is None:
         from ..service.mcp_stdio import run_stdio
-        run_stdio(server)  # the SDK's transport, with every request answered
+        run_stdio(build_server(ws.root, agent=as_agent))  # the SDK's transport, every request answered
         return
-    host, _, port = http.rpartition(":")
-    # (ASCII digits: "²" passes str.isdigit() and int() refuses it, an "internal error")
-    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise UsageError(f"--http {http!r}: give HOST:PORT, e.g. 127.0.0.1:8765")
-    server.run("streamable-http", host=host or "127.0.0.1", port=int(port))
+    from ..service.mcp_http import run_http
+    from ..service.mcp_waits import MAX_WAITS_PER_SESSION
+    run_http(build_server(ws.root, agent=as_agent, waits_per_session=MAX_WAITS_PER_SESSION), http)
 
 
 @app.command()

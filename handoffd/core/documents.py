@@ -428,7 +428,9 @@ def new_native_request(
                               errors=[{"field": f, "error": e, "schema_path": ""}
                                       for f, e in problems])
     doc: dict[str, Any] = {
-        "handoff_id": check_id(handoff_id or new_id(now)),
+        # only None means "make one": an empty id was silently replaced by a fresh one (so
+        # `if_absent` with it was no longer idempotent); it is UNSAFE_ID like any other bad id
+        "handoff_id": check_id(new_id(now) if handoff_id is None else handoff_id),
         "timestamp": iso(now),
         "status": "pending",
         "source": {"agent_id": source},

@@ -227,7 +227,10 @@ class ContextStore:
         """(value, revision) of ``key``, read consistently; KeyError if it is not set. Pass the
         revision to ``set(..., if_revision=)`` for a compare-and-set."""
         key = normalise_key(key)
-        data, revision = self.backend.read(key)
+        try:
+            data, revision = self.backend.read(key)
+        except NotADirectoryError:  # a folder on its path is another key's file: x.json/y after x
+            raise KeyError(key) from None
         if data is None:
             raise KeyError(key)
         return self._decode(key, data), revision
@@ -302,6 +305,7 @@ class ContextStore:
         """The one write path: the permission check, then the backend's atomic write, in which
         ``compute(current, revision)`` gives the new value and its history record is made."""
         self.permissions.check(agent, key)
+        self._refuse_clash(key)
         written: list[Any] = []
 
         def change(old: bytes | None, revision: int) -> tuple[bytes, dict[str, Any]]:
@@ -319,14 +323,42 @@ class ContextStore:
             written[:] = [value]
             return data, entry
 
-        entry = self.backend.write(key, change)
+        try:
+            entry = self.backend.write(key, change)
+        except (NotADirectoryError, IsADirectoryError):  # (a clash that appeared meanwhile)
+            raise _clash(key, "its file's path is taken by another key's file or folder") from None
         if decode:
             entry = dict(entry, value=written[0])
         return entry
 
+    def _refuse_clash(self, key: str) -> None:
+        """INVALID_CONTEXT_KEY when ``key``'s file cannot exist beside the others: a folder on
+        its path is another key's file (``x.json/y`` once ``x`` is set), or its file is the
+        folder of other keys (``x`` once ``x.json/y`` is set). Such a write failed deep in the
+        store with a bare OSError: a traceback over MCP, no code on the command line."""
+        parts = key.split("/")
+        for end in range(1, len(parts)):
+            folder = "/".join(parts[:end])
+            if folder.endswith(".json") and self._is_set(folder[:-len(".json")]):
+                raise _clash(key, f"context/{folder} is the file of the key "
+                                  f"{folder[:-len('.json')]!r}")
+        if self.path(key).is_dir():
+            raise _clash(key, f"context/{key}.json is a folder of other keys")
+
+    def _is_set(self, key: str) -> bool:
+        try:
+            return self.backend.read(key)[0] is not None
+        except (OSError, HandoffdError):  # unreadable: the write meets it on its own terms
+            return False
+
     def view(self, agent: str, handoff_id: str | None = None) -> "ContextView":
         """This store seen by one agent (what Python handlers get as ``ctx.context``)."""
         return ContextView(self, agent, handoff_id)
+
+
+def _clash(key: str, why: str) -> InvalidDocument:
+    return InvalidDocument(f"context key {key!r} cannot be written: {why}; choose another key",
+                           code=ErrorCode.INVALID_CONTEXT_KEY)
 
 
 def _encode(key: str, value: Any) -> bytes:

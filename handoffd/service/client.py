@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import MAX_DEPTH, nesting_depth, new_native_request
-from ..core.errors import UsageError
+from ..core.errors import NotFound, UsageError
 from ..core.states import State
 from ..core.storage import foreign_filing
 from ..core.workspace import Workspace, resolve_root
-from .waiting import awaiting_answer, wait_terminal
+from .waiting import WaitStop, awaiting_answer, wait_terminal
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -120,11 +121,13 @@ class Handle:
     def __repr__(self) -> str:
         return f"Handle({self.id!r})"
 
-    def wait(self, timeout: float | None = None, *, or_asks: bool = True) -> Result:
+    def wait(self, timeout: float | None = None, *, or_asks: bool = True,
+             stop: WaitStop | None = None) -> Result:
         """Block until the handoff is finished (or, with ``or_asks``, until it asks its
-        requester something); WaitTimeout after ``timeout`` seconds."""
+        requester something); WaitTimeout after ``timeout`` seconds, or as soon as another
+        thread sets ``stop`` (a :class:`~handoffd.backends.base.WaitStop`)."""
         state, doc = wait_terminal(self.client.engine.backend, self.id, timeout,
-                                   or_awaiting=or_asks)
+                                   or_awaiting=or_asks, stop=stop)
         return Result(self.id, state, doc)
 
     async def wait_async(self, timeout: float | None = None, *, or_asks: bool = True) -> Result:
@@ -150,7 +153,7 @@ class Client:
             from ..features.build import (
                 build_engine,  # every feature: cancel, answer, gates
             )
-            ws = Workspace(resolve_root(Path(root) if root is not None else None))
+            ws = _workspace(root)
             ws.ensure()
             engine = build_engine(ws)
         self.engine = engine
@@ -166,14 +169,21 @@ class Client:
         ``handoff_id`` (the same request gets its id back; a different one raises Conflict).
         InvalidDocument for a document the format refuses."""
         if document is not None:
-            if to is not None or data is not None or handoff_id is not None:
-                raise ValueError("give a whole document, or to/data/handoff_id, not both")
+            given = [name for name, value in (
+                ("to", to), ("data", data), ("handoff_id", handoff_id), ("priority", priority),
+                ("timeout_seconds", timeout_seconds), ("depends_on", depends_on))
+                if value is not None]
+            if given:  # (the document says all of these itself: they were dropped unread)
+                raise UsageError("give a whole document, or to/data/handoff_id/priority/"
+                                 f"timeout_seconds/depends_on, not both (given: {', '.join(given)})")
             if not isinstance(document, dict) and callable(getattr(document, "to_dict", None)):
                 document = document.to_dict()  # (as submit would: its depth is checked below)
             _within_depth(document, MAX_DEPTH, "document")
+            if isinstance(document, dict):  # (not one: the format's own INVALID_DOCUMENT)
+                _json_data(document, "document")
             return Handle(self, self.engine.submit(document, if_absent=if_absent))
         if not to:
-            raise ValueError("name the target agent (to=...) or give a whole document")
+            raise UsageError("name the target agent (to=...) or give a whole document")
         _json_data(data)
         _within_depth(data, MAX_DEPTH - INPUT_DATA_DEPTH, "data")  # it sits in input.data
         doc = new_native_request(source=self.agent, target=to, data=data, now=self.engine.clock(),
@@ -232,6 +242,21 @@ class Client:
         requeue_failed(self.engine, handoff_id, force=force)
 
 
+def _workspace(root: Any) -> Workspace:
+    """The workspace at ``root`` (default ``$HANDOFFD_ROOT``, else the current directory): its
+    directory must exist, as for ``--root`` (NotFound; a typo silently made a new workspace), and
+    ``root`` must be a path (UsageError; ``Client(5)`` was a TypeError)."""
+    if root is not None and not isinstance(root, (str, os.PathLike)):
+        raise UsageError(f"root must be a path (str or Path), not {type(root).__name__}")
+    try:
+        ws = Workspace(resolve_root(Path(root) if root is not None else None))
+    except FileNotFoundError:  # no current directory (deleted under the process)
+        raise NotFound("the current directory no longer exists; pass the workspace's root") from None
+    if not ws.root.is_dir():
+        raise NotFound(f"workspace directory {ws.root} does not exist; create it or fix the root")
+    return ws
+
+
 def _within_depth(value: Any, limit: int, what: str) -> None:
     """UsageError when ``value`` nests deeper than ``limit`` levels, as ``handoff create``
     refuses it: filed anyway (the MCP create_handoff did), no reader of handoffd's could read
@@ -240,11 +265,12 @@ def _within_depth(value: Any, limit: int, what: str) -> None:
         raise UsageError(f"{what} nests more than {limit} levels deep; flatten it")
 
 
-def _json_data(data: Any) -> None:
-    """UsageError unless ``data`` is JSON data a document can hold (no bytes, sets, NaN...):
-    it failed later with a TypeError from deep inside the JSON encoder."""
-    try:
-        json.dumps(data, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise UsageError(f"data must be JSON data (dicts, lists, strings, numbers, booleans, "
+def _json_data(data: Any, what: str = "data") -> None:
+    """UsageError unless ``data`` is JSON data a document can hold (no bytes, sets, NaN, lone
+    surrogates...): it failed later with a TypeError (a UnicodeEncodeError, a ValueError) from
+    deep inside the JSON encoder."""
+    try:  # (encoded as a document is written: a lone surrogate is no UTF-8)
+        json.dumps(data, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:  # (UnicodeEncodeError: a ValueError)
+        raise UsageError(f"{what} must be JSON data (dicts, lists, strings, numbers, booleans, "
                          f"null): {str(exc)[:200]}") from None

@@ -12,16 +12,15 @@ the source of what it creates, and whose namespace permissions apply to context 
 """
 from __future__ import annotations
 
-import asyncio
 import json
+import logging
 import math
-import threading
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
-from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from pydantic import TypeAdapter, ValidationError, WithJsonSchema
 
 from ..core.errors import (
@@ -31,15 +30,18 @@ from ..core.errors import (
     HandlerError,
     HandoffdError,
     InvalidDocument,
+    InvalidTransition,
     NotFound,
     UsageError,
     WaitTimeout,
 )
 from .client import Client, Result
+from .mcp_waits import MAX_WAITS, MAX_WAITS_PER_SESSION, Waits
 
+__all__ = ["MAX_WAITS", "MAX_WAITS_PER_SESSION", "build_server", "error_code", "schema_names"]
+log = logging.getLogger("handoffd")
 DEFAULT_AGENT = "@mcp"
 MAX_WAIT_SECONDS = 3600.0
-MAX_WAITS = 200  # wait_handoff calls in progress at once (a thread each)
 # wait_handoff's timeout: described as a number, but checked by the tool itself, so that a value
 # that is not one is USAGE_ERROR (docs/agents.md) rather than the SDK's pydantic report
 Seconds = Annotated[Any, WithJsonSchema({"type": "number"})]  # (0..3600: longer is clamped)
@@ -68,20 +70,36 @@ def error_code(exc: HandoffdError) -> str:
     # daemon records it for a second document under a taken id)
     for kind, code in ((Conflict, "CONFLICT"), (DuplicateHandoff, ErrorCode.DUPLICATE_HANDOFF_ID),
                        (NotFound, "NOT_FOUND"), (WaitTimeout, "WAIT_TIMEOUT"),
-                       (UsageError, "USAGE_ERROR")):
+                       (UsageError, "USAGE_ERROR"), (InvalidTransition, "INVALID_TRANSITION")):
         if isinstance(exc, kind):
             return code
     return getattr(exc, "code", None) or "HANDOFFD_ERROR"
 
 
+def tool_message(exc: HandoffdError) -> str:
+    """The text of the tool error for ``exc``: its code, then its message, on one line, with the
+    CLI's ``--force`` worded as this server's argument."""
+    message = " ".join(str(exc).split()).replace("retry with --force", "retry with force: true")
+    return f"{error_code(exc)}: {message}"
+
+
 def _call(function: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run a client call; a handoffd error becomes a tool error carrying its code."""
+    """Run a client call; a handoffd error becomes a tool error carrying its code, and so does
+    a filesystem error (the workspace deleted under the server, a key's folder that is a file)."""
     try:
         return function(*args, **kwargs)
     except HandoffdError as exc:
-        raise ToolError(f"{error_code(exc)}: {exc}") from None
+        raise ToolError(tool_message(exc)) from None
+    except OSError as exc:
+        raise ToolError(os_error_message(exc)) from None
     except ValueError as exc:
-        raise ToolError(f"USAGE_ERROR: {exc}") from None
+        raise ToolError(f"USAGE_ERROR: {' '.join(str(exc).split())}") from None
+
+
+def os_error_message(exc: OSError) -> str:
+    """``IO_ERROR: <why>: <path>`` for a filesystem error (one line)."""
+    where = f": {exc.filename}" if exc.filename else ""
+    return " ".join(f"IO_ERROR: {exc.strerror or exc}{where}".split())[:500]
 
 
 def _view(result: Result) -> dict[str, Any]:
@@ -98,55 +116,53 @@ def _view(result: Result) -> dict[str, Any]:
     return view
 
 
-class Waits:
-    """Where wait_handoff's blocking waits run: a daemon thread each, at most MAX_WAITS at once.
-    On the event loop's default pool (a few threads, shared with every other tool) a client
-    with a few long waits outstanding starved every later call; and the pool's threads are
-    joined at exit, so a long wait kept the server alive after its client had gone."""
+class HandoffdServer(MCPServer):
+    """The SDK's server, with every tool error one line that starts with a code: arguments that
+    fail validation (``to: 5``, ``limit: 1.5``) are ``USAGE_ERROR: <field>: <why>`` rather than
+    pydantic's multi-line report, and anything unexpected is ``INTERNAL_ERROR`` (or
+    ``IO_ERROR`` for a filesystem error) with one log line instead of a traceback."""
 
-    def __init__(self, limit: int = MAX_WAITS) -> None:
-        self.limit = limit
-        self.running = 0
-
-    async def run(self, wait: Callable[[float], Any], seconds: float) -> Any:
-        """``wait(seconds)`` on a thread of its own; ToolError (BUSY) past the limit."""
-        if self.running >= self.limit:
-            raise ToolError(f"BUSY: {self.running} waits are in progress (at most {self.limit}); "
-                            "wait for one to end, or use get_handoff")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-
-        def settle(value: Any, error: BaseException | None) -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(value)
-
-        def body() -> None:
-            try:
-                value, error = wait(seconds), None
-            except BaseException as exc:  # handed to the caller's coroutine
-                value, error = None, exc
-            try:
-                loop.call_soon_threadsafe(settle, value, error)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                pass
-
-        self.running += 1
+    async def call_tool(self, name: str, arguments: dict[str, Any],
+                        context: Context[Any, Any] | None = None) -> Any:
+        """:meth:`MCPServer.call_tool`, its errors coded (see the class)."""
         try:
-            threading.Thread(target=body, name="mcp-wait", daemon=True).start()
-            return await future
-        finally:
-            self.running -= 1
+            return await super().call_tool(name, arguments, context)
+        except UnexpectedToolError as exc:
+            cause = exc.__cause__
+            while isinstance(cause, UnexpectedToolError):  # (a nested tool's crash)
+                cause = cause.__cause__
+            if isinstance(cause, OSError):
+                said = os_error_message(cause)
+            else:
+                said = f"INTERNAL_ERROR: {type(cause).__name__} (see the server's log)"
+                log.error("MCP tool %s failed: %s: %s", name, type(cause).__name__,
+                          " ".join(str(cause).split())[:300])
+            raise ToolError(f"Error executing tool {name}: {said}") from None
+        except ToolError as exc:
+            if isinstance(exc.__cause__, ValidationError):
+                raise ToolError(f"Error executing tool {name}: USAGE_ERROR: "
+                                f"{first_problem(exc.__cause__)}") from None
+            raise
 
 
-def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
-    """An MCPServer over the workspace at ``root`` acting as ``agent``."""
+def first_problem(exc: ValidationError) -> str:
+    """Pydantic's first complaint as ``<field>: <why>`` (one line, bounded)."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return "the arguments are not valid"
+    first = errors[0]
+    where = ".".join(str(part) for part in first.get("loc", ())) or "arguments"
+    return " ".join(f"{where}: {first.get('msg')}".split())[:300]
+
+
+def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT,
+                 waits_per_session: int | None = None) -> MCPServer:
+    """An MCPServer over the workspace at ``root`` acting as ``agent`` (``waits_per_session``:
+    the most wait_handoff calls one session may have in progress: HTTP's share, see
+    :mod:`handoffd.service.mcp_waits`)."""
     from .. import __version__
     client = Client(root, agent=agent)
-    server = MCPServer("handoffd", version=__version__, instructions=(
+    server = HandoffdServer("handoffd", version=__version__, instructions=(
         "A durable handoff queue: create_handoff hands work to a specialist agent, "
         "wait_handoff waits for its result (or for its questions: answer them with "
         "answer_handoff). Errors start with handoffd's error code."))
@@ -160,6 +176,9 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
         """Hand work to the specialist ``to`` (``data`` is its input; ``objective`` says why),
         or submit a whole ``document`` in any supported format. ``if_absent`` with a
         ``handoff_id`` makes it idempotent. Returns the handoff's id."""
+        if document is not None:
+            refuse_with_document(to=to, data=data, handoff_id=handoff_id, objective=objective,
+                                 priority=priority, depends_on=depends_on)
         if objective is not None and document is None:
             data = {"objective": objective, **(data if isinstance(data, dict) else
                                               {} if data is None else {"data": data})}
@@ -170,19 +189,24 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
                            depends_on=depends_on, if_absent=if_absent)
         return {"id": handle.id}
 
-    waits = Waits()
+    waits = Waits(MAX_WAITS, waits_per_session)
 
     @server.tool()
-    async def wait_handoff(handoff_id: str, timeout: Seconds = 60.0) -> dict[str, Any]:
+    async def wait_handoff(handoff_id: str, ctx: Context,  # type: ignore[type-arg]
+                           timeout: Seconds = 60.0) -> dict[str, Any]:
         """Wait up to ``timeout`` seconds for the handoff to finish (or to ask a question);
         returns the filed document, or where it stands when the time is up."""
         limit = wait_seconds(timeout)
+        handle = client.handle(handoff_id)
         try:
-            result = await waits.run(client.handle(handoff_id).wait, limit)
+            result = await waits.run(lambda seconds, stop: handle.wait(seconds, stop=stop),
+                                     limit, session=session_key(ctx))
         except WaitTimeout:
             result = _call(client.get, handoff_id)
         except HandoffdError as exc:
-            raise ToolError(f"{error_code(exc)}: {exc}") from None
+            raise ToolError(tool_message(exc)) from None
+        except OSError as exc:
+            raise ToolError(os_error_message(exc)) from None
         return _view(result)
 
     @server.tool()
@@ -245,6 +269,26 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT) -> MCPServer:
     for name in schema_names():
         _add_schema(server, name)
     return server
+
+
+def session_key(ctx: Context) -> Any:  # type: ignore[type-arg]
+    """Which MCP session a call belongs to: over HTTP its ``mcp-session-id`` header (the SDK's
+    session object is made anew for each request there), else the session object."""
+    request = ctx.request_context.request
+    headers = getattr(request, "headers", None)
+    found = headers.get("mcp-session-id") if headers is not None else None
+    return ("http", found) if found else ("session", id(ctx.request_context.session))
+
+
+def refuse_with_document(**options: Any) -> None:
+    """ToolError (USAGE_ERROR) when a whole ``document`` comes with options only the to/data
+    form uses: they were dropped without a word (as ``handoff create --file`` refuses
+    ``--priority``)."""
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise ToolError("USAGE_ERROR: document submits a whole document; do not combine it with "
+                        "to/data/handoff_id/objective/priority/depends_on (given: "
+                        f"{', '.join(given)})")
 
 
 def _context(client: Client) -> Any:

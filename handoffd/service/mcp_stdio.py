@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("handoffd")
 MAX_LINE_CHARS = 16 * 1024 * 1024  # a request line longer than this is refused, not parsed
+MAX_INT_DIGITS = 4_300  # Python's default int() limit (sys.get_int_max_str_digits)
 
 
 class CheckedLines:
@@ -65,8 +66,8 @@ def refuse(line: str) -> types.JSONRPCError | None:
         return None
     except Exception as exc:  # what the SDK would have swallowed
         problem = _first_problem(exc)
-    try:
-        parsed = json.loads(line)
+    try:  # (an integer past Python's 4,300 digits is no reason to lose the request's id)
+        parsed = json.loads(line, parse_int=_bounded_int)
     except (ValueError, RecursionError):
         return _error(None, types.PARSE_ERROR, "not JSON, or nested too deeply to read")
     request_id = parsed.get("id") if isinstance(parsed, dict) else None
@@ -77,6 +78,18 @@ def refuse(line: str) -> types.JSONRPCError | None:
     code = types.INVALID_PARAMS if isinstance(parsed, dict) and "params" in parsed \
         else types.INVALID_REQUEST
     return _error(request_id, code, f"the request is not valid JSON-RPC for MCP: {problem}")
+
+
+class _HugeInt:
+    """Stands for an integer too long for ``int()`` (it is no id, and nothing else is kept)."""
+
+
+def _bounded_int(text: str) -> int | _HugeInt:
+    """``int(text)``, or a :class:`_HugeInt` past ``int()``'s digit limit (``json.loads``
+    raised ValueError for the whole line, and the answer lost the request's id)."""
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        return _HugeInt()
+    return int(text)
 
 
 def _first_problem(exc: Exception) -> str:
