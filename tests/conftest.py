@@ -228,6 +228,20 @@ def new_workspace(root: Path, config: str) -> Workspace:
     return workspace
 
 
+def handlers_workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str,
+                       config: str) -> Workspace:
+    """:func:`new_workspace` at ``tmp_path/ws`` whose daemons can import the Python handlers
+    ``source`` as ``module`` (on ``$PYTHONPATH``), with no ``$HANDOFF_TARGET`` or
+    ``$HANDOFFD_ROOT`` from the caller's environment. The caller calls ``cleanup()``."""
+    handlers = tmp_path / "handlers"
+    handlers.mkdir()
+    (handlers / f"{module}.py").write_text(source)
+    monkeypatch.setenv("PYTHONPATH", str(handlers))
+    monkeypatch.delenv("HANDOFF_TARGET", raising=False)
+    monkeypatch.delenv("HANDOFFD_ROOT", raising=False)
+    return new_workspace(tmp_path / "ws", config)
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[pgserver.PgServer]:
     """A throw-away PostgreSQL cluster for this test session (per xdist worker), started on

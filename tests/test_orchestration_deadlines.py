@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import SPECIALISTS, Clock, Workspace, memory_engine
+from conftest import SPECIALISTS, Clock, Workspace, handlers_workspace, memory_engine
 
 from handoffd.core.documents import first_seen
 from handoffd.core.states import State
@@ -78,17 +78,7 @@ handler = "dl_handlers:asker"
 
 @pytest.fixture
 def dws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Workspace]:
-    from handoffd.core.workspace import Workspace as HandoffdWorkspace
-    handlers = tmp_path / "handlers"
-    handlers.mkdir()
-    (handlers / "dl_handlers.py").write_text(HANDLERS)
-    monkeypatch.setenv("PYTHONPATH", str(handlers))
-    monkeypatch.delenv("HANDOFF_TARGET", raising=False)
-    root = tmp_path / "ws"
-    root.mkdir()
-    ws = Workspace(root)
-    ws.write_config(config())
-    HandoffdWorkspace(root).ensure()
+    ws = handlers_workspace(tmp_path, monkeypatch, "dl_handlers", HANDLERS, config())
     yield ws
     ws.cleanup()
 

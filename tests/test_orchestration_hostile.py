@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Clock, Workspace, memory_engine, new_workspace
+from conftest import Clock, Workspace, handlers_workspace, memory_engine
 
 from handoffd import Daemon, Engine, Registry, State, build_engine, new_native_request
 from handoffd import Workspace as HandoffdWorkspace
@@ -72,13 +72,7 @@ command = ["sh", "-c", "echo $HANDOFF_ID $HANDOFF_STATE >> notified.txt"]
 
 @pytest.fixture
 def hws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Workspace]:
-    handlers = tmp_path / "handlers"
-    handlers.mkdir()
-    (handlers / "hostile_handlers.py").write_text(HANDLERS)
-    monkeypatch.setenv("PYTHONPATH", str(handlers))
-    monkeypatch.delenv("HANDOFF_TARGET", raising=False)
-    monkeypatch.delenv("HANDOFFD_ROOT", raising=False)
-    ws = new_workspace(tmp_path / "ws", CONFIG)
+    ws = handlers_workspace(tmp_path, monkeypatch, "hostile_handlers", HANDLERS, CONFIG)
     yield ws
     ws.cleanup()
 
