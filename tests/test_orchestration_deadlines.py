@@ -364,3 +364,12 @@ def test_cancel_cascade_on_the_command_line_goes_past_an_unreadable_child(dws: W
     again = dws.handoff("cancel", "pk", "--cascade", "--json")
     assert again.returncode == 1
     assert [r["action"] for r in json.loads(again.stdout) if r["id"] == "pk.c2"] == ["unreadable"]
+
+
+def test_a_parent_whose_child_asks_says_which_child_to_answer(dws: Workspace) -> None:
+    """The parent's note named the asking child only as 'pq.c1 (pending)'."""
+    fan_out(dws, "pq", [{"to": "@asker", "data": {}}])
+    dws.handoffd("run")  # the parent delegates, the child asks its question and waits
+    assert dws.state_of("pq.c1") == ["pending"]
+    shown = dws.handoff("show", "pq")
+    assert "pq.c1 (needs clarification: `handoff answer pq.c1`)" in shown.stdout, shown.stdout

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..core.documents import Outcome, book, record
+from ..core.documents import BOOK, Outcome, book, record
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
 from ..core.states import State
 from ..core.timeutil import parse_iso
@@ -68,6 +68,7 @@ class ChildInfo:
     artifacts: list[Any] = field(default_factory=list)
     error: dict[str, Any] | None = None
     finished_at: str | None = None
+    asking: str | None = None  # an open child parked for its requester's answer: what it awaits
 
 
 def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
@@ -81,6 +82,9 @@ def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
     target = given if isinstance(given := doc.get("target"), dict) else {}
     info = ChildInfo(handoff_id, state.value, None, specialist=target.get("agent_id"))
     if not state.terminal:
+        awaiting = book(doc).get("awaiting") if isinstance(doc.get(BOOK), dict) else None
+        if state is State.PENDING and isinstance(awaiting, dict):
+            info.asking = str(awaiting.get("kind") or "needs_clarification").replace("_", " ")
         return info
     reported = hi_moe.read_outcome(doc)  # a child that speaks seed 000 (a hi_moe parent's)
     if reported is not None:

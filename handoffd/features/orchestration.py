@@ -384,7 +384,11 @@ def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdi
     if ready(engine, wait, infos):
         return None
     open_ = [i for i in infos if i.status is None]
-    shown = ", ".join(f"{i.handoff_id} ({i.state})" for i in open_[:4])
+    # a child that asks its requester a question is what the family waits for: say so, with
+    # how to answer (the parent's note was "c1 (pending)", and `handoff wait` just timed out)
+    shown = ", ".join(f"{i.handoff_id} ({i.state})" if i.asking is None else
+                      f"{i.handoff_id} ({i.asking}: `handoff answer {i.handoff_id}`)"
+                      for i in open_[:4])
     more = f" and {len(open_) - 4} more" if len(open_) > 4 else ""
     return Verdict.wait(f"waiting for {len(open_)} of {len(infos)} children "
                         f"({wait.get('aggregation')}): {shown}{more}")
