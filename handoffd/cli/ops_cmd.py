@@ -83,7 +83,6 @@ def _expire(root: Path | None, older_than: str, state: str | None, dry_run: bool
     from ..core.config import parse_duration
     from ..core.errors import ConfigError
     from ..core.states import State
-    from ..features.retention import expire
     from .common import engine
     try:
         seconds = parse_duration(older_than)
@@ -93,23 +92,56 @@ def _expire(root: Path | None, older_than: str, state: str | None, dry_run: bool
         raise UsageError("--state must be completed or failed")
     states = [State(state)] if state else [State.COMPLETED, State.FAILED]
     eng = engine(root, features=())
-    result = expire(eng, older_than={s: seconds for s in states}, now=eng.clock(),
-                    archive=archive, dry_run=dry_run)
+    removed, kept, where = _passes(eng, {s: seconds for s in states}, archive, dry_run)
     if as_json:
-        print_json({"removed": [{"id": i, "state": s} for i, s in result.removed],
-                    "kept": result.kept, "archive": str(result.archive) if result.archive else None,
+        print_json({"removed": [{"id": i, "state": s} for i, s in removed],
+                    "kept": kept, "archive": str(where) if where else None,
                     "dry_run": dry_run})
         return
     verb = ("would archive" if archive else "would purge") if dry_run else \
         ("archived" if archive else "purged")
     # a name in completed/ or failed/ is whatever its producer chose: its escapes (a title,
     # the clipboard) are shown, never sent to the terminal, as `handoff ls` shows them
-    for hid, st in result.removed:
+    for hid, st in removed:
         print(clean(f"{verb} {st}/{hid}"))
-    for hid, why in sorted(result.kept.items()):
+    for hid, why in sorted(kept.items()):
         print(clean(f"kept {hid}: {why}"))
-    where = f" into {result.archive}" if result.archive else ""
-    print(clean(f"{verb} {len(result.removed)} handoff(s){where}; kept {len(result.kept)}"))
+    into = f" into {where}" if where else ""
+    print(clean(f"{verb} {len(removed)} handoff(s){into}; kept {len(kept)}"))
+
+
+def _passes(eng: Any, older_than: dict[Any, float], archive: bool, dry_run: bool
+            ) -> tuple[list[tuple[str, str]], dict[str, str], Path | None]:
+    """Bounded passes until none is due: (removed, kept, the archive file). Each pass holds (and
+    archives, as one batch) at most CLI_PASS_LIMIT documents or PASS_BYTES of them, so memory
+    stays bounded whatever the backlog, and a kill costs at most one batch archived twice. A
+    dry run is one pass that holds no document. HandoffdError (exit 1) when another process's
+    pass held the lock past the wait: nothing more was done."""
+    from ..core.errors import HandoffdError
+    from ..features.liverefs import LiveRefs
+    from ..features import retention
+    removed: list[tuple[str, str]] = []
+    kept: dict[str, str] = {}
+    where: Path | None = None
+    refs = LiveRefs()  # what live documents referenced, read again only where changed
+    while True:
+        result = retention.expire(eng, older_than=older_than, now=eng.clock(), archive=archive,
+                                  dry_run=dry_run, refs=refs, wait=retention.LOCK_WAIT_SECONDS,
+                                  limit=None if dry_run else retention.CLI_PASS_LIMIT,
+                                  max_bytes=None if dry_run else retention.PASS_BYTES)
+        if result.busy:
+            done = f" after {len(removed)} removed" if removed else ""
+            raise HandoffdError(f"another process's retention pass held handoffs/.meta/"
+                                f"retention.lock for over {retention.LOCK_WAIT_SECONDS:g} s; stopped"
+                                f"{done} (try again later)")
+        removed += result.removed
+        kept.update(result.kept)
+        for hid, _ in result.removed:  # (kept by one pass while it changed, removed by a later)
+            kept.pop(hid, None)
+        where = result.archive or where
+        # (a pass that removed nothing ends it: what it kept would only be listed again)
+        if dry_run or not result.more or not result.removed:
+            return removed, kept, where
 
 
 def purge(older_than: OlderThan, state: StateOption = None, dry_run: DryRun = False,

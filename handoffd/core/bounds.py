@@ -11,6 +11,7 @@ retry policy with :func:`retry_value`.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from .errors import ConfigError
@@ -155,24 +156,25 @@ def daemon_value(key: str, value: Any, where: str) -> Any:
     return float(bounded(value, where, low, high, unit=" seconds"))
 
 
+DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhdw]?)", re.ASCII)
+DURATION_FORM = "a number of seconds or one with a unit: 45s, 10m, 12h, 7d or 2w (lowercase)"
+
+
 def parse_duration(value: Any) -> float:
     """Seconds from ``"45s"``, ``"10m"``, ``"12h"``, ``"7d"``, ``"2w"`` or a number of seconds;
-    ConfigError for anything else, negative, or over ten years."""
+    ConfigError for anything else, negative, or over ten years. The units are taken as written
+    (``"6M"`` once read as six minutes, not the months meant), and so are the digits: ASCII
+    only, no ``_`` (what float() also accepts)."""
     if isinstance(value, bool):
-        raise ConfigError(f"duration {value!r} must be a number of seconds or like \"7d\"")
+        raise ConfigError(f"duration {value!r} must be {DURATION_FORM}")
     if isinstance(value, (int, float)):
         seconds = float(value)
-    elif isinstance(value, str) and value.strip():
-        text = value.strip().lower()
-        unit = UNITS.get(text[-1])
-        try:
-            seconds = float(text[:-1] if unit else text) * (unit or 1.0)
-        except ValueError:
-            raise ConfigError(f"duration {value!r} must look like 45s, 10m, 12h, 7d or 2w") from None
+    elif isinstance(value, str) and (found := DURATION.fullmatch(value.strip(" \t"))):
+        seconds = float(found[1]) * (UNITS[found[2]] if found[2] else 1.0)
     else:
-        raise ConfigError(f"duration {value!r} must look like 45s, 10m, 12h, 7d or 2w")
+        raise ConfigError(f"duration {brief(value)} must be {DURATION_FORM}")
     if not math.isfinite(seconds) or not 0 <= seconds <= MAX_SECONDS:
-        raise ConfigError(f"duration {value!r} must be between 0 and 10 years")
+        raise ConfigError(f"duration {brief(value)} must be between 0 and 10 years")
     return seconds
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from datetime import datetime, timedelta
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from .admission import admit, claim_pending, set_aside, set_aside_claim
 from .bounds import MAX_RETRY_DELAY_SECONDS
@@ -84,6 +84,7 @@ class Engine:
 
     gates: Hook[list[Gate]] = Hook()
     submit_checks: Hook[list[Callable[[Engine, Envelope], None]]] = Hook()
+    submit_guards: Hook[list[Callable[[Engine, Envelope], ContextManager[Any]]]] = Hook()
     on_filed: Hook[list[Callable[[str, State], None]]] = Hook()
     on_rejected: Hook[list[Callable[[Job, str, str], None]]] = Hook()
     resumers: Hook[list[Callable[[Job, datetime], Outcome | None]]] = Hook()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, Generic, Iterable, TypeVar, overload
+from typing import Any, Callable, ContextManager, Generic, Iterable, TypeVar, overload
 
 from .documents import Envelope, Outcome
 from .formats import Dialect
@@ -57,6 +57,9 @@ class Hooks(Generic[E]):
         self.gates: list[Callable[[E, Envelope, dict[str, Any]], Verdict | None]] = []
         # checked by Engine.submit before a new handoff is stored (features.dependencies)
         self.submit_checks: list[Callable[[E, Envelope], None]] = []
+        # entered around Engine.submit's checks and store, in order (features.dependencies: the
+        # workspace's removal lock for a create that names dependencies, see features.removal)
+        self.submit_guards: list[Callable[[E, Envelope], ContextManager[Any]]] = []
         self.on_filed: list[Callable[[str, State], None]] = []  # told of every filing
         self.on_rejected: list[Callable[[Job, str, str], None]] = []  # a gate failed a handoff
         # before the handler: the first resumer that returns an Outcome replaces the run

@@ -4,6 +4,7 @@ a stored handoff was made from the same request (``if_absent``, ``handoff create
 and a document without its ``handoffd`` bookkeeping block (what formats and handlers see)."""
 from __future__ import annotations
 
+from contextlib import ExitStack
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -54,20 +55,29 @@ def submit(engine: Submitting, doc: dict[str, Any] | Any, *, forced: str | None 
     envelope = dialect.envelope(doc)
     if if_absent and already_submitted(engine.backend, doc, dialect.name, envelope.handoff_id):
         return envelope.handoff_id
-    for check in engine.hooks.submit_checks:
-        check(engine, envelope)
-    try:
-        engine.backend.create(doc, envelope.handoff_id, engine.clock(), due_at=due_at)
-    except DuplicateHandoff:
-        if if_absent and already_submitted(engine.backend, doc, dialect.name,
-                                           envelope.handoff_id):
-            return envelope.handoff_id  # the same request won a race with this one
-        if if_absent:
-            raise Conflict(f"handoff id {envelope.handoff_id} was used recently and its "
-                           "request is gone, so it cannot be compared; choose another id",
-                           handoff_id=envelope.handoff_id) from None
-        raise
+    with ExitStack() as guarded:  # (dependencies: the removal lock, for a create naming some)
+        for guard in engine.hooks.submit_guards:
+            guarded.enter_context(guard(engine, envelope))
+        for check in engine.hooks.submit_checks:
+            check(engine, envelope)
+        _create(engine, doc, envelope.handoff_id, dialect.name, if_absent, due_at)
     return envelope.handoff_id
+
+
+def _create(engine: Submitting, doc: dict[str, Any], handoff_id: str, dialect: str,
+            if_absent: bool, due_at: datetime | None) -> None:
+    """Store the checked ``doc``; an id taken meanwhile by the same request is no error when
+    ``if_absent``."""
+    try:
+        engine.backend.create(doc, handoff_id, engine.clock(), due_at=due_at)
+    except DuplicateHandoff:
+        if if_absent and already_submitted(engine.backend, doc, dialect, handoff_id):
+            return  # the same request won a race with this one
+        if if_absent:
+            raise Conflict(f"handoff id {handoff_id} was used recently and its "
+                           "request is gone, so it cannot be compared; choose another id",
+                           handoff_id=handoff_id) from None
+        raise
 
 
 def already_submitted(backend: Backend, doc: dict[str, Any], dialect: str,

@@ -28,6 +28,7 @@ from ..core.engine import (  # Gate and Verdict are the core's; re-exported
 )
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
 from ..core.states import State
+from .removal import dependents_guard
 
 # documents one cycle check reads at most. A walk cut short by it marks nothing cycle-free, so
 # every later check of a longer chain would read as much again (`handoff ls` of a 1,100-long
@@ -185,6 +186,7 @@ def install(engine: "Engine") -> None:
     graph = Graph(engine)
     engine.gates.append(graph.gate)
     engine.submit_checks.append(graph.check_submitted)
+    engine.submit_guards.append(dependents_guard)  # no dependency purged under a new dependent
 
 
 def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
@@ -34,10 +33,11 @@ from ..backends.base import Describe, safe_describe
 from ..core.errors import HandoffdError
 from ..core.ownfiles import open_regular, plain_folder
 from ..core.states import State
-from ..core.storage import describe_native
+from ..core.storage import Row, describe_native
 from ..core.timeutil import iso
 from ..core.workspace import Workspace
 from .liverefs import LiveRefs, Refs
+from .removal import removal_lock
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -53,6 +53,12 @@ LINE_OVERHEAD = 64  # what holding one line costs beyond its bytes (its object, 
 PASS_LIMIT = 500  # documents one pass of a daemon's [retention] takes: its sweep stays short
 LOCK_WAIT_SECONDS = 60.0  # how long `handoff purge|archive` waits for another process's pass
 MAX_RATIO = 200  # decompressed over compressed, past which a file is not one handoffd wrote
+# what handoffd's own members expand by at most (a line that would expand more is stored):
+# well under MAX_RATIO, so that a member's text plus the reader's slack never reaches it
+MEMBER_RATIO = 50
+PASS_BYTES = 32 * 1024 * 1024  # the documents one bounded pass holds (and archives) at most
+FIRST_ROWS = 16  # documents the first listing of a pass bounded in bytes reads
+CLI_PASS_LIMIT = 5000  # documents one pass of `handoff purge|archive` takes (it loops)
 FINISHED = (State.COMPLETED, State.FAILED)
 
 
@@ -133,31 +139,39 @@ def _any_old(engine: Engine, older_than: dict[State, float], now: datetime) -> b
 
 def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
            archive: bool = False, dry_run: bool = False, limit: int | None = None,
-           wait: float = LOCK_WAIT_SECONDS, refs: LiveRefs | None = None) -> Result:
+           wait: float = LOCK_WAIT_SECONDS, refs: LiveRefs | None = None,
+           max_bytes: int | None = None) -> Result:
     """Purge (or archive, then purge) finished handoffs last updated more than
-    ``older_than[state]`` seconds before ``now``: at most ``limit`` of them (``Result.more``
-    says whether more are due). One pass at a time per workspace: another process's pass is
-    waited for up to ``wait`` seconds (0: this pass is skipped, ``Result.busy``); two passes
-    at once archived each document twice. ``refs``: what live documents referenced, kept from
-    earlier passes (a daemon's)."""
+    ``older_than[state]`` seconds before ``now``: at most ``limit`` of them, of at most about
+    ``max_bytes`` of JSON (``Result.more`` says whether more are due). One pass at a time per
+    workspace: another process's pass is waited for up to ``wait`` seconds (0: this pass is
+    skipped, ``Result.busy``); two passes at once archived each document twice. ``refs``: what
+    live documents referenced, kept from earlier passes (a daemon's, or the CLI's). A dry run
+    holds no document: it notes what each would-be-removed one is, and drops it."""
     result = Result()
-    with _one_pass(engine.ws, wait) as mine:
+    with removal_lock(engine.ws.meta, wait) as mine:
         if not mine:
             result.busy = True
             return result
         # (a pass that is not a dry run looks twice: its second look reads only what changed)
-        _expire(engine, result, older_than, now, archive=archive, dry_run=dry_run, limit=limit,
+        _expire(engine, result, older_than, now, archive=archive, dry_run=dry_run,
+                bounds=(limit, max_bytes),
                 refs=refs if refs is not None or dry_run else LiveRefs())
     return result
 
 
+Doomed = list[tuple[State, str, dict[str, Any]]]
+
+
 def _expire(engine: Engine, result: Result, older_than: dict[State, float], now: datetime, *,
-            archive: bool, dry_run: bool, limit: int | None, refs: LiveRefs | None) -> None:
+            archive: bool, dry_run: bool, bounds: tuple[int | None, int | None],
+            refs: LiveRefs | None) -> None:
     if not _any_old(engine, older_than, now):
         return  # nothing is old enough to go: no live document need be read
     keep, live = protected(engine, refs)
     parents: dict[str, str | None] = {}
-    doomed = _doomed(engine, result, older_than, now, keep, live, limit, parents)
+    doomed = _doomed(engine, result, older_than, now, (keep, live), bounds, parents,
+                     dry_run=dry_run)
     if dry_run or not doomed:
         result.removed = [(hid, state.value) for state, hid, _ in doomed]
         return
@@ -182,66 +196,84 @@ def _expire(engine: Engine, result: Result, older_than: dict[State, float], now:
             result.kept[hid] = "changed while it was being archived"
 
 
+class _Taker:
+    """Sorts the listed old documents of one pass: kept (with why) or doomed, until the pass's
+    bounds (documents, bytes) are reached."""
+
+    def __init__(self, result: Result, protect: tuple[dict[str, str], dict[str, State]],
+                 bounds: tuple[int | None, int | None], parents: dict[str, str | None],
+                 dry_run: bool) -> None:
+        self.result, (self.keep, self.live) = result, protect
+        self.limit, self.max_bytes = bounds
+        self.parents, self.dry_run = parents, dry_run
+        self.doomed: Doomed = []
+        self.held = 0
+        self.seen: set[str] = set()
+
+    def full(self) -> bool:
+        """The pass took all it may: more may be due."""
+        return (self.limit is not None and len(self.doomed) >= self.limit) or \
+            (self.max_bytes is not None and self.held >= self.max_bytes)
+
+    def take(self, state: State, row: Row) -> bool:
+        """Note ``row`` (kept, or doomed: its document dropped in a dry run); False."""
+        if row.id in self.seen or self.full():
+            return False
+        self.seen.add(row.id)
+        parent = row.meta.parent
+        if row.id in self.keep:
+            self.result.kept[row.id] = self.keep[row.id]
+        elif parent in self.live:
+            self.result.kept[row.id] = f"child of {self.live[parent].value} {parent}"
+        else:
+            self.doomed.append((state, row.id, {} if self.dry_run else row.doc))
+            self.parents[row.id] = parent
+            if self.max_bytes is not None and not self.dry_run:
+                self.held += len(json.dumps(row.doc, ensure_ascii=False))
+        return False
+
+
 def _doomed(engine: Engine, result: Result, older_than: dict[State, float], now: datetime,
-            keep: dict[str, str], live: dict[str, State], limit: int | None,
-            parents: dict[str, str | None]) -> list[tuple[State, str, dict[str, Any]]]:
-    """The finished documents old enough to go, oldest first (at most ``limit``), each one's
-    parent noted in ``parents``; the old ones kept go into ``result.kept`` with why."""
-    doomed: list[tuple[State, str, dict[str, Any]]] = []
+            protect: tuple[dict[str, str], dict[str, State]],
+            bounds: tuple[int | None, int | None], parents: dict[str, str | None], *,
+            dry_run: bool = False) -> Doomed:
+    """The finished documents old enough to go, oldest first (within ``bounds``: documents,
+    bytes), each one's parent noted in ``parents``; the old ones kept go into ``result.kept``
+    with why. A dry run lists through a predicate that notes each row and keeps none, so the
+    files store holds one document at a time (`purge --dry-run` held them all: 275 MiB)."""
+    taker = _Taker(result, protect, bounds, parents, dry_run)
+    keep, live = protect
     for state, seconds in older_than.items():
         cutoff = now - timedelta(seconds=seconds)
-        # the kept ones are listed too: read enough rows to find `limit` that may go, reading
-        # more while kept ones fill a listing (the finished children of a waiting parent once
-        # filled every pass, and nothing else was ever purged)
-        rows = None if limit is None else limit - len(doomed) + len(keep) + len(live)
-        seen: set[str] = set()
-        while True:
-            listed = engine.backend.list(state=state, order="oldest", before=cutoff, limit=rows)
-            for row in listed:
-                if row.id in seen:
-                    continue
-                seen.add(row.id)
-                if limit is not None and len(doomed) >= limit:
-                    break
-                if row.id in keep:
-                    result.kept[row.id] = keep[row.id]
-                elif row.meta.parent in live:
-                    result.kept[row.id] = (f"child of {live[row.meta.parent].value} "
-                                           f"{row.meta.parent}")
-                else:
-                    doomed.append((state, row.id, row.doc))
-                    parents[row.id] = row.meta.parent
-            if rows is None or len(listed) < rows:
-                break  # every old one of this state was listed
-            if limit is not None and len(doomed) >= limit:
-                result.more = True  # more may be due: the next pass goes on
-                break
-            rows *= 4
-        if limit is not None and len(doomed) >= limit:
-            result.more = True
+        if dry_run:
+            engine.backend.list(state=state, order="oldest", before=cutoff,
+                                where=partial(taker.take, state))
+        else:
+            _list_some(engine, taker, state, cutoff, len(keep) + len(live))
+        if taker.full():
+            result.more = True  # more may be due: the next pass goes on
             break
-    return doomed
+    return taker.doomed
 
 
-@contextmanager
-def _one_pass(ws: Workspace, wait: float) -> Iterator[bool]:
-    """Hold the workspace's retention lock (``handoffs/.meta/retention.lock``) for a pass;
-    yields False when another process holds it past ``wait`` seconds. (Not in ``.locks``: the
-    sweep removes the lock files there that no claim uses, and one removed while held let a
-    second pass lock a new file beside it.)"""
-    from filelock import FileLock, Timeout
-    ws.meta.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(ws.meta / "retention.lock"))
-    try:
-        lock.acquire(timeout=wait)
-    except Timeout:
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        lock.release()
-
+def _list_some(engine: Engine, taker: _Taker, state: State, cutoff: datetime,
+               kept: int) -> None:
+    """Take the old documents of ``state``, oldest first, in listings that grow until the pass
+    is full or every one was listed. The kept ones are listed too: read enough rows to find
+    what may go, reading more while kept ones fill a listing (the finished children of a
+    waiting parent once filled every pass, and nothing else was ever purged). The first listing
+    is short: what a pass may hold is bounded in bytes too (documents of 5 MB each, listed 500
+    at once, took `handoff archive` to 915 MiB)."""
+    wanted = None if taker.limit is None else taker.limit - len(taker.doomed)
+    rows = None if wanted is None else (
+        min(wanted, FIRST_ROWS) if taker.max_bytes is not None else wanted) + kept
+    while True:
+        listed = engine.backend.list(state=state, order="oldest", before=cutoff, limit=rows)
+        for row in listed:
+            taker.take(state, row)
+        if rows is None or len(listed) < rows or taker.full():
+            return
+        rows *= 4
 
 def _still_there(engine: Engine, handoff_id: str, state: State) -> bool:
     """``handoff_id`` is (still, or again) in ``state``: a purge that did not delete it kept it."""
@@ -259,27 +291,65 @@ def archive_dir(ws: Workspace) -> Path:
 
 def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
                    now: datetime) -> Path:
-    """Append ``docs`` to today's archive as one gzip member, on disk (fsync) before returning.
+    """Append ``docs`` to today's archive as gzip members, on disk (fsync) before returning.
     OSError, with nothing written, when ``.archive`` or today's file is not a plain folder and a
     regular file of the workspace (a symlink once led the append outside the workspace, and a
-    FIFO there froze the daemon's sweep)."""
+    FIFO there froze the daemon's sweep), or when the write fails (a full disk): the file is cut
+    back to where the append began, so nothing is deleted that the archive does not hold whole
+    (a short write on a full disk once went unnoticed, the documents deleted, the member torn)."""
     folder = archive_dir(ws)
     folder.mkdir(parents=True, exist_ok=True)
     if not plain_folder(folder):
         raise OSError(errno.ENOTDIR, "not a folder of the workspace (a symlink?)", str(folder))
     path = folder / f"{now:%Y-%m-%d}.jsonl.gz"
-    lines = "".join(json.dumps({"id": hid, "state": state.value, "archived_at": iso(now),
-                                "document": doc}, ensure_ascii=False) + "\n"
-                    for state, hid, doc in docs)
-    import gzip  # gzip and zlib: only when archiving or reading the archive
-    data = gzip.compress(lines.encode("utf-8"))
+    lines = [(json.dumps({"id": hid, "state": state.value, "archived_at": iso(now),
+                          "document": doc}, ensure_ascii=False) + "\n").encode("utf-8")
+             for state, hid, doc in docs]
+    data = _members(lines)
     fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        os.write(fd, data)
-        os.fsync(fd)  # the documents are deleted next: their copy must be durable
+        start = os.fstat(fd).st_size  # (one pass at a time: nobody else appends meanwhile)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)  # the documents are deleted next: their copy must be durable
+        except OSError:
+            try:  # what was written of this append goes: the next pass appends it again
+                os.ftruncate(fd, start)
+            except OSError:  # (a torn member at the end: the reader drops it)
+                pass
+            raise
     finally:
         os.close(fd)
     return path
+
+
+def _members(lines: list[bytes]) -> bytes:
+    """``lines`` as gzip members that handoffd's reader takes back: one member when it expands
+    at most MEMBER_RATIO-fold, else one per line, a line that expands more than that stored
+    uncompressed (4 MB of "ok\\n" output compressed 600-fold, and the reader took the whole
+    day's file for a gzip bomb)."""
+    import gzip  # gzip and zlib: only when archiving or reading the archive
+    whole = b"".join(lines)
+    data = gzip.compress(whole)
+    if len(whole) <= MEMBER_RATIO * len(data):
+        return data
+    members = []
+    for line in lines:
+        member = gzip.compress(line)
+        members.append(member if len(line) <= MEMBER_RATIO * len(member)
+                       else gzip.compress(line, compresslevel=0))
+    return b"".join(members)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data``: a short write is followed by the rest; OSError when the disk takes
+    nothing more (ENOSPC, EFBIG)."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, "no space left for the archive")
+        view = view[written:]
 
 
 def archived(ws: Workspace) -> Iterator[dict[str, Any]]:
@@ -480,7 +550,7 @@ def install(engine: Engine) -> None:
             # while more are due, the next sweep goes on, and the interval starts when all went
             result = expire(engine, older_than=older_than, now=now,
                             archive=policy.mode == "archive", limit=PASS_LIMIT, wait=0,
-                            refs=refs)
+                            refs=refs, max_bytes=PASS_BYTES)
             # (a pass that removed nothing waits the interval even if more are due: what it
             # could not remove would be archived again at every sweep)
             if not result.busy and (not result.more or not result.removed):

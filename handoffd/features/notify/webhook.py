@@ -96,12 +96,14 @@ class Cutoff:
     def _attempt(self, request: urllib.request.Request, timeout: float,
                  shown: str) -> tuple[str | None, bool]:
         """The problem (None: delivered), and whether the server answered at all."""
-        opener = urllib.request.build_opener(_CutoffHTTPHandler(self), _CutoffHTTPSHandler(self))
+        opener = urllib.request.build_opener(_CutoffHTTPHandler(self), _CutoffHTTPSHandler(self),
+                                             _NoRedirect())
         try:
             with opener.open(request, timeout=timeout) as answer:
                 status = answer.status
         except urllib.error.HTTPError as exc:  # (before OSError: it is one)
-            return f"{shown} answered {exc.code}", True
+            moved = " (a redirect: not followed)" if 300 <= exc.code < 400 else ""
+            return f"{shown} answered {exc.code}{moved}", True
         except (OSError, ValueError, http.client.HTTPException) as exc:  # a bad status line too
             return f"{shown}: {exc or type(exc).__name__}", False
         except Exception as exc:  # on this thread a traceback would reach the user's terminal
@@ -160,6 +162,15 @@ class _CutoffConnection(http.client.HTTPConnection):
 
 class _CutoffHTTPSConnection(_CutoffConnection, http.client.HTTPSConnection):
     """The same over TLS (a handshake blocked on a trickling server is cut off too)."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx answer is a failed delivery: followed, the POST became a GET without the document,
+    whose 200 counted as delivered."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> None:
+        return None  # urllib then raises HTTPError with the 3xx code
 
 
 class _CutoffHTTPHandler(urllib.request.HTTPHandler):

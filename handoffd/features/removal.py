@@ -1,0 +1,72 @@
+"""The workspace's removal lock: finished handoffs are removed (retention: purge, archive) only
+under it, and a create that names dependencies checks and stores under it too.
+
+A purge between such a create's check ("the dependency exists") and its write (the new pending
+document) once removed a completed dependency that the purge's look at live work could not yet
+see, and the dependent failed ``DEPENDENCY_MISSING``. The turn file makes the two take turns: a
+create waiting for it gets in between two passes. The lock files live in ``handoffs/.meta`` (not
+``.locks``: the sweep removes the lock files there that no claim uses); with a store several
+hosts share (PostgreSQL), they order the processes of one host only.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from ..core.errors import HandoffdError
+
+if TYPE_CHECKING:
+    from ..core.documents import Envelope
+    from ..core.engine import Engine
+
+REMOVAL_LOCK = "retention.lock"
+REMOVAL_TURN = "retention.turn"
+DEPENDENT_WAIT_SECONDS = 60.0  # how long a create with dependencies waits for a retention pass
+
+
+@contextmanager
+def removal_lock(meta: Path, wait: float) -> Iterator[bool]:
+    """Hold the workspace's removal lock (``handoffs/.meta/retention.lock``: a retention pass,
+    or a create that names dependencies); yields False when another process holds it past
+    ``wait`` seconds. Whoever waits first goes next: each takes the turn file, then the lock, and
+    gives the turn back, so a create waiting for a purge's pass gets in before its next pass.
+    (Not in ``.locks``: the sweep removes the lock files there that no claim uses.)"""
+    from filelock import FileLock, Timeout
+    meta.mkdir(parents=True, exist_ok=True)
+    turn, lock = FileLock(str(meta / REMOVAL_TURN)), FileLock(str(meta / REMOVAL_LOCK))
+    deadline = time.monotonic() + wait
+    try:
+        turn.acquire(timeout=wait, poll_interval=0.01)
+    except Timeout:
+        yield False
+        return
+    try:
+        lock.acquire(timeout=max(deadline - time.monotonic(), 0.0), poll_interval=0.01)
+    except Timeout:
+        turn.release()
+        yield False
+        return
+    turn.release()
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
+
+@contextmanager
+def dependents_guard(engine: Engine, envelope: Envelope) -> Iterator[None]:
+    """Engine ``submit_guards`` hook: a create that names dependencies checks and stores under
+    the removal lock (HandoffdError, nothing created, when a pass holds it past
+    :data:`DEPENDENT_WAIT_SECONDS`); any other create takes no lock."""
+    if not envelope.depends_on:
+        yield
+        return
+    with removal_lock(engine.ws.meta, DEPENDENT_WAIT_SECONDS) as mine:
+        if not mine:
+            raise HandoffdError(f"a retention pass held handoffs/.meta/{REMOVAL_LOCK} for over "
+                                f"{DEPENDENT_WAIT_SECONDS:.0f} s; nothing was created: try again",
+                                handoff_id=envelope.handoff_id)
+        yield
