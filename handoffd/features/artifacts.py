@@ -4,7 +4,10 @@
   ``artifacts/phase-13-react/artifact-react-comp-{timestamp}.json`` is resolved before the handler
   runs. Placeholders: ``{timestamp}`` (Unix milliseconds), ``{handoff_id}`` / ``{id}``,
   ``{attempt}``, ``{agent}`` (the specialist, without ``@``), ``{date}`` (YYYYMMDD). The path must
-  stay under ``artifacts/`` (a destination not starting with ``artifacts/`` is placed under it).
+  stay under ``artifacts/`` (a destination not starting with ``artifacts/`` is placed under it),
+  and out of another handoff's own folder ``artifacts/<its id>/`` (where handoffd keeps that
+  handoff's large contents): such a destination fails ``SCHEMA_VALIDATION_FAILED``, so no request
+  can make handoffd overwrite an artifact another handoff filed with its sha256.
   Command handlers get the absolute path in ``$HANDOFF_ARTIFACT_PATH``, Python ones as
   ``ctx.artifact_path``. The handler either writes that file itself or returns
   ``output.content``, which the daemon writes there (then ``output`` carries seed 001's
@@ -15,7 +18,11 @@
   ``inline_content`` null). Exactly one of the two is set. ``output.content`` of 1 KB or more is
   moved out the same way even without a destination.
 * **Records**: every artifact in the filed document carries ``size_bytes`` and ``sha256`` (also in
-  its ``metadata``), computed from the bytes on disk (referenced) or the inline text.
+  its ``metadata``), computed from the bytes on disk (referenced) or the inline text. A referenced
+  file over :data:`MAX_ARTIFACT_BYTES` (its size from ``fstat``, before any byte is read: a sparse
+  file can claim terabytes) fails the attempt ``VALIDATION_FAILED`` in one line rather than being
+  hashed past the handler's time limit; a file under it is hashed a megabyte at a time, and an
+  attempt stopped meanwhile (cancelled, handed back) stops the hashing.
 
 No artifact is ever written or recorded outside the workspace: paths are resolved and checked.
 
@@ -31,6 +38,7 @@ never read, and may not contain ``..`` segments either. Anything else fails the 
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -38,7 +46,7 @@ import time
 import unicodedata
 import urllib.parse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..backends.files import fsio
 from ..core.documents import Outcome
@@ -46,12 +54,16 @@ from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.hashing import sha256_hex
 from ..core.ownfiles import open_reading
+from ..core.states import State
 from ..core.workspace import Workspace, workspace_at
 
 if TYPE_CHECKING:
     from ..core.engine import Job
 
 INLINE_LIMIT = 1024
+MAX_ARTIFACT_BYTES = 1 << 30  # a referenced artifact file larger than this is refused (1 GiB)
+HASH_STEP = 1 << 20
+Stopped = Callable[[], bool]
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 SAFE_PART = re.compile(r"[^A-Za-z0-9._-]+")
 KNOWN = ("timestamp", "handoff_id", "id", "attempt", "agent", "date")
@@ -196,7 +208,48 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
         raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
                               "points outside artifacts/ of the workspace",
                               handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
+    other = _other_handoffs_folder(ws, text, handoff_id)
+    if other is not None:
+        raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
+                              f"lies in artifacts/{other}/, the artifact folder of another "
+                              "handoff; handoffd does not write there",
+                              handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     return text, target
+
+
+HASHED_PART = re.compile(r".+-[0-9a-f]{10}")
+
+
+def _other_handoffs_folder(ws: Workspace, rel: str, handoff_id: str) -> str | None:
+    """The folder ``artifacts/<part>/`` that ``rel`` lies in when it is another handoff's own
+    (:func:`_id_part`): ``part`` is not this handoff's, and names a handoff of the workspace's
+    store (a document ``handoffs/<state>/<part>.json``), or has the form of a non-plain id's part
+    (``name-<10 hex digits>``) and exists. None otherwise: shared folders such as
+    ``artifacts/phase-13-react/`` stay usable."""
+    parts = rel.split("/")
+    if len(parts) < 3 or parts[0] != "artifacts":
+        return None
+    part = parts[1]
+    if part == _id_part(handoff_id) or part in ("", ".", ".."):
+        return None
+    key = (str(ws.root), part)
+    if _SHARED.get(key, 0.0) > time.monotonic():  # (every handoff of a drain names the same)
+        return None
+    if any(os.path.lexists(ws.doc_path(state, part)) for state in State):
+        return part
+    if HASHED_PART.fullmatch(part) and os.path.isdir(ws.artifacts / part):
+        return part
+    if len(_SHARED) >= SHARED_REMEMBERED:
+        _SHARED.clear()
+    _SHARED[key] = time.monotonic() + SHARED_SECONDS
+    return None
+
+
+# shared destination folders (no handoff's own) seen lately: a drain of handoffs that all write
+# to artifacts/phase-13-react/ looks four documents up once every few seconds, not per handoff
+SHARED_SECONDS = 5.0
+SHARED_REMEMBERED = 256
+_SHARED: dict[tuple[str, str], float] = {}
 
 
 def _under_artifacts(ws: Workspace, resolved: str) -> bool:
@@ -271,31 +324,53 @@ def text_sink(ws: Workspace) -> ArtifactSink:
     return store
 
 
-def _file_facts(ws: Workspace, ref: str) -> dict[str, Any] | None:
+def _stopped(job: "Job") -> Stopped:
+    """Whether ``job``'s attempt was stopped (cancelled, handed back) since it began."""
+    return lambda: job.context.stop_requested
+
+
+def _file_facts(ws: Workspace, ref: str, handoff_id: str,
+                stopped: Stopped | None = None) -> dict[str, Any] | None:
     """size/sha256 of a workspace file named by ``ref`` (a path or a scheme-qualified reference
     such as a ``beads:`` context key); None when it names no file or is not confined."""
     try:
         target = confine_reference(ws, ref)
     except InvalidDocument:
         return None
-    return _facts_at(target)
+    return _facts_at(target, ref, handoff_id, stopped)
 
 
-def _facts_at(target: Path | None) -> dict[str, Any] | None:
-    """size/sha256 of the confined file ``target``; None when there is none, or no file."""
+def _facts_at(target: Path | None, ref: str, handoff_id: str | None,
+              stopped: Stopped | None = None) -> dict[str, Any] | None:
+    """size/sha256 of the confined file ``target``; None when there is none, or no file.
+    InvalidDocument (VALIDATION_FAILED) when it is larger than :data:`MAX_ARTIFACT_BYTES`;
+    OSError when the attempt is stopped while it is hashed."""
     import hashlib
     if target is None or not target.is_file():
         return None
-    h = hashlib.sha256()
-    size = 0
     try:  # (resolved already) replaced by a FIFO since is_file(), it must not hang the worker
         fh = open_reading(target)
     except OSError:
         return None
     with fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
+        size = os.fstat(fh.fileno()).st_size
+        if size > MAX_ARTIFACT_BYTES:  # before any byte is read: a sparse file costs nothing
+            raise InvalidDocument(
+                f"handoff {handoff_id}: artifact {ref!r} is {size} bytes, over the "
+                f"{MAX_ARTIFACT_BYTES}-byte limit of an artifact handoffd hashes",
+                handoff_id=handoff_id, code=ErrorCode.VALIDATION_FAILED)
+        h = hashlib.sha256()
+        size = 0
+        for chunk in iter(lambda: fh.read(HASH_STEP), b""):
             h.update(chunk)
             size += len(chunk)
+            if size > MAX_ARTIFACT_BYTES:  # it grew since fstat
+                raise InvalidDocument(
+                    f"handoff {handoff_id}: artifact {ref!r} grew over the "
+                    f"{MAX_ARTIFACT_BYTES}-byte limit of an artifact handoffd hashes",
+                    handoff_id=handoff_id, code=ErrorCode.VALIDATION_FAILED)
+            if stopped is not None and stopped():  # cancelled or handed back: stop reading
+                raise OSError(errno.ECANCELED, f"the attempt was stopped while {ref} was hashed")
     return {"size_bytes": size, "sha256": h.hexdigest()}
 
 
@@ -386,7 +461,7 @@ def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
                                    inline=None, facts=digest(data), metadata=None))
     elif isinstance(dest_rel, str) and (ws.root / dest_rel).is_file():
         # the handler wrote the destination itself: point the output at it
-        facts = _file_facts(ws, dest_rel)
+        facts = _file_facts(ws, dest_rel, handoff_id, _stopped(job))
         if isinstance(output, dict) or output is None:
             moved = dict(output or {})
             moved.setdefault("artifact_id", Path(dest_rel).stem)
@@ -398,13 +473,13 @@ def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
         used_names.add(dest_rel)
 
     for index, item in enumerate(outcome.artifacts, start=1):
-        records.append(_one(ws, handoff_id, index, item, used_names))
+        records.append(_one(ws, handoff_id, index, item, used_names, _stopped(job)))
     reported = False  # the output names an artifact file that exists (its own destination)
     if isinstance(outcome.output, dict) and isinstance(outcome.output.get("artifact_path"), str) \
             and outcome.output["artifact_path"] not in used_names:
         ref = outcome.output["artifact_path"]
         confine_reference(ws, ref, handoff_id=handoff_id)
-        facts = _file_facts(ws, ref)
+        facts = _file_facts(ws, ref, handoff_id, _stopped(job))
         if facts:
             reported = True
             records.insert(0, _record(str(outcome.output.get("artifact_type") or kind_default),
@@ -423,7 +498,8 @@ def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
     return outcome
 
 
-def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str]) -> dict[str, Any]:
+def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str],
+         stopped: Stopped | None = None) -> dict[str, Any]:
     if isinstance(item, str):
         item = {"path": item}
     if not isinstance(item, dict):
@@ -455,7 +531,7 @@ def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str]) 
     ref = item.get("path") or item.get("artifact_path") or item.get("content_ref")
     if isinstance(ref, str) and ref:
         target = confine_reference(ws, ref, handoff_id=handoff_id)
-        facts = _facts_at(target)
+        facts = _facts_at(target, ref, handoff_id, stopped)
         # a file of the workspace must be there; a URL is taken on trust (never read), and so
         # is a beads: context key (the context is shared: another agent may write it later)
         if target is not None and facts is None and not ref.lower().startswith("beads:"):

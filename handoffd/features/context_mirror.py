@@ -21,9 +21,17 @@ keeps its ``context/`` folder a copy of the store's values:
 What the mirror last wrote or took in is recorded in ``context/.meta/mirror.json`` (key ->
 revision and sha256), so a restart tells a local edit from a stale copy. Several daemons of one
 workspace serialise their rounds with a flock on ``context/.meta/mirror.lock``.
+
+The mirror's own files are opened as handoffd's own files are (:mod:`handoffd.core.ownfiles`):
+``mirror.json`` read only as a regular file of at most :data:`MAX_STATE_BYTES` (anything else
+reads as no record), ``mirror.lock`` never through a symlink nor as a FIFO, and ``.tmp``,
+``.rejected`` and ``context/`` itself used only as plain folders, never symlinks (which would
+take the mirror's writes out of the workspace); a round that meets one of them fails in one
+log line, and the next tries again.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -31,6 +39,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 from ..backends.files import fsio
@@ -38,6 +47,7 @@ from ..backends.files.context import MAX_VALUE_BYTES, FileContext
 from ..core.errors import HandoffdError, InvalidDocument
 from ..core.hashing import sha256_hex
 from ..core.keys import normalise_key
+from ..core.ownfiles import open_regular, plain_folder, read_regular
 from ..core.storage import SharedContext
 from ..core.timeutil import utc_now
 from .context import ContextStore
@@ -47,6 +57,7 @@ FILE_AGENT = "@file"  # who a change made through the folder is written by
 STATE = "mirror.json"
 REJECTED = ".rejected"
 UNUSABLE = "unusable"  # the state of a file that cannot be read as a value (and is not in the store)
+MAX_STATE_BYTES = 64 << 20  # mirror.json: key -> [revision, sha256], about 100 bytes a key
 
 
 class ContextMirror:
@@ -173,10 +184,10 @@ class ContextMirror:
             stamp = utc_now().strftime("%Y%m%dT%H%M%S%fZ")
             copy = self.local.root / REJECTED / f"{key}.{stamp}.json"
             try:
-                copy.parent.mkdir(parents=True, exist_ok=True)
+                _own_folder(copy.parent, self.local.root)
                 fsio.replace(copy, data, self._tmp(), durable=self.durable)
                 kept = f"; the local copy is kept as {copy.relative_to(self.local.root.parent)}"
-            except OSError as exc:
+            except (OSError, InvalidDocument) as exc:
                 kept = f"; keeping a copy failed: {exc}"
         current, revision = self.shared.read(key)
         if current is None:  # nothing to put back: leave the file, do not try it again
@@ -204,14 +215,14 @@ class ContextMirror:
             return False
 
     def _tmp(self) -> Any:
-        tmp = self.local.root / ".tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        return tmp
+        """``context/.tmp``, made if missing; OSError when it (or ``context/``) is no plain
+        folder: temporary files must never be made outside the workspace."""
+        return _own_folder(self.local.root / ".tmp", self.local.root)
 
     def _load(self) -> dict[str, list[Any]]:
-        try:
-            loaded = json.loads(self.local.meta(STATE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        try:  # bounded, a regular file only: a FIFO or /dev/zero here must not stall a round
+            loaded = json.loads(read_regular(self.local.meta(STATE), MAX_STATE_BYTES).decode("utf-8"))
+        except (OSError, ValueError, RecursionError):
             return {}
         if not isinstance(loaded, dict):
             return {}
@@ -219,12 +230,32 @@ class ContextMirror:
 
     @contextmanager
     def _flock(self) -> Iterator[None]:
-        fd = os.open(self.local.meta("mirror.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # no symlink followed, no FIFO waited on (open_regular): a round must never hang there
+        fd = open_regular(self.local.meta("mirror.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
+
+
+def _own_folder(folder: Path, root: Path) -> Path:
+    """``folder`` (under ``root``, the context folder), made if missing; OSError when it, or
+    any folder from ``root`` down to it, is not a plain folder (a symlink would take the
+    mirror's writes elsewhere)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for path in (root, *(root / part for part in _prefixes(folder.relative_to(root)))):
+        path.mkdir(exist_ok=True)
+        if not plain_folder(path):
+            raise OSError(errno.ENOTDIR, "not a plain folder of the workspace (a symlink?)",
+                          os.fspath(path))
+    return folder
+
+
+def _prefixes(relative: Path) -> list[Path]:
+    """``a/b/c`` -> ``[a, a/b, a/b/c]``."""
+    parts = relative.parts
+    return [Path(*parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def _sha(data: bytes) -> str:

@@ -41,6 +41,7 @@ class Findings:
     """What one attempt's review found."""
 
     changes: list[Change] = field(default_factory=list)
+    criteria_changes: list[Change] = field(default_factory=list)  # made by the criteria's commands
     excused: list[dict[str, str]] = field(default_factory=list)
     violations: list[dict[str, Any]] = field(default_factory=list)
     criteria: list[dict[str, Any]] = field(default_factory=list)

@@ -172,8 +172,36 @@ class Reservations:
 
         self.shared.update(KIND, LIVE, change)
 
+    def confirmed(self, record: dict[str, Any]) -> tuple[str, ...]:
+        """The patterns ``record``'s handoff really owned, as the store says: those of the
+        contract in its own document (the request it kept when answered), workspace-relative;
+        none when the store holds no such handoff, no block of handoffd's vouches for it (it was
+        never claimed) or its contract owns nothing. The records themselves are a file in the
+        workspace a worker can write: a forged record must excuse nothing."""
+        from ... import dialects
+        from .contract import parse
+        try:
+            found = self.engine.backend.get(record["handoff_id"])
+        except (HandoffdError, OSError):
+            return ()
+        if found is None:
+            return ()
+        doc = found[1]
+        block = book(doc)
+        attempt = block.get("attempt")
+        if not (isinstance(attempt, int) and attempt > 0):
+            return ()  # never claimed by handoffd (or its block is not vouched for: emptied)
+        kept = block.get("request_snapshot")
+        request = kept if isinstance(kept, dict) else doc
+        try:
+            contract = parse(dialects.detect(request).envelope(request))
+        except (HandoffdError, KeyError, TypeError, ValueError):
+            return ()
+        return tuple(contract.owned_in_workspace()) if contract is not None else ()
+
     def neighbours(self, handoff_id: str, since: float) -> list[dict[str, Any]]:
-        """Other reservations (live or released) that existed at some time since ``since``."""
+        """Other reservations (live or released) that existed at some time since ``since``;
+        their patterns are only what the records say (see :meth:`confirmed`)."""
         every = self.shared.read(KIND)
         out = [r for r in _entries(every.get(LIVE)).values() if r["handoff_id"] != handoff_id]
         for record in _entries(every.get(RELEASED)).values():

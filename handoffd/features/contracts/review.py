@@ -22,9 +22,10 @@ if TYPE_CHECKING:  # snapshots: loaded by the first contract that checks its sco
     from ...core.engine import Engine, Job
     from ...core.storage import ViolationLog
     from .reservations import Reservations
-    from .snapshots import Change
+    from .snapshots import Change, Snapshot
 
 log = deferred("handoffd.contracts")
+CRITERIA_SUFFIX = " while the success criteria ran"
 
 
 class Review:
@@ -47,16 +48,16 @@ class Review:
         contract = run.contract
         found = Findings(reported=reported_touched(outcome, run.directory))
         found.violations += unauthorized(contract, found.reported)
+        after = None
         if run.snapshotter is not None and run.before is not None:
             from .snapshots import ScopeUnverifiable  # loaded already: run.snapshotter is one
             try:
-                found.changes, _ = run.snapshotter.changes(run.before)
+                found.changes, after = run.snapshotter.changes(run.before)
             except ScopeUnverifiable as exc:  # fail closed, with the one line git gave
                 log.error("handoff %s: %s", job.handoff_id, exc)
-                found.violations.append({"kind": "scope_creep", "path": ".", "change": "unverifiable",
-                                         "error": str(exc), "message": str(exc)})
+                found.violations.append(_unverifiable(str(exc)))
             else:
-                self._classify(job, run, found)
+                self._compare_reported(found, self._classify(job, run, found, found.changes))
         fatal = found.of_kind(*FATAL_KINDS)
         if contract.criteria:
             if fatal:
@@ -66,6 +67,8 @@ class Review:
             else:
                 note = ""
             found.criteria = self._criteria(job, run, note)
+            if after is not None and any("argv" in item for item in found.criteria):
+                self._after_criteria(job, run, found, after)
             for item in found.criteria:
                 if item["status"] == "failed":
                     found.violations.append({
@@ -75,12 +78,44 @@ class Review:
         self._log(job, run, found)
         return self._outcome(job, run, outcome, found)
 
-    def _classify(self, job: "Job", run: Run, found: Findings) -> None:
+    def _after_criteria(self, job: "Job", run: Run, found: Findings, after: "Snapshot") -> None:
+        """Look at the tree again once the criteria ran: their commands are the worker's code
+        (its tests), and what they change is judged like the handler's own changes, each
+        violation saying it happened while the success criteria ran."""
+        from .snapshots import ScopeUnverifiable
+        assert run.snapshotter is not None
+        first = len(found.violations)
+        try:
+            changes, _ = run.snapshotter.changes(after)
+        except ScopeUnverifiable as exc:
+            found.violations.append(_unverifiable(str(exc)))
+        else:
+            found.criteria_changes = changes
+            self._classify(job, run, found, changes)
+        for violation in found.violations[first:]:
+            violation["message"] += CRITERIA_SUFFIX
+            if violation.get("error"):
+                violation["error"] += CRITERIA_SUFFIX
+            else:
+                violation["error"] = (f"{violation['change']} (read-only file)"
+                                      if violation["kind"] == "readonly_modified"
+                                      else f"{violation['change']} outside files_owned") + CRITERIA_SUFFIX
+
+    def _classify(self, job: "Job", run: Run, found: Findings, changes: list["Change"]) -> list["Change"]:
+        """Judge ``changes`` (violations and excuses into ``found``); the changes counted as
+        this attempt's own."""
         contract = run.contract
         neighbours = self.reservations.neighbours(job.handoff_id, run.started) \
             if contract.files_owned is not None else []
         observed: list[Change] = []
-        for change in found.changes:
+        confirmed: dict[str, tuple[str, ...]] = {}
+
+        def owns(record: dict[str, Any]) -> tuple[str, ...]:
+            hid = record["handoff_id"]
+            if hid not in confirmed:
+                confirmed[hid] = self.reservations.confirmed(record)
+            return confirmed[hid]
+        for change in changes:
             if change.path.startswith("../"):  # git's own state, above the contract directory:
                 observed.append(change)      # no pattern (relative to the directory) can own it
                 if contract.files_owned is not None:
@@ -97,14 +132,22 @@ class Review:
                 observed.append(change)
                 continue
             ws_path = patterns.join(contract.cwd, change.path)
+            # a record's patterns only point at a candidate (the records lie in the workspace,
+            # where a worker can write): the owner is one whose own document owns the path
             owner = next((r["handoff_id"] for r in neighbours
                           if patterns.any_match(tuple(p for p in r["patterns"] if isinstance(p, str)),
-                                                ws_path)), None)
+                                                ws_path)
+                          and patterns.any_match(owns(r), ws_path)), None)
             if owner is not None:  # owned by a handoff that ran meanwhile: its change, not ours
                 found.excused.append({"path": change.path, "change": change.change, "owner": owner})
                 continue
             observed.append(change)
             found.violations.append(scope_creep(change))
+        return observed
+
+    @staticmethod
+    def _compare_reported(found: Findings, observed: list["Change"]) -> None:
+        """A ``files_touched_mismatch`` when the worker's report differs from ``observed``."""
         if found.reported is not None:
             seen = {c.path for c in observed}
             claimed = set(found.reported)
@@ -162,6 +205,9 @@ class Review:
                 validation["scope"]["changes_truncated"] = len(changes) - MAX_LISTED
             if run.before.note:
                 validation["scope"]["note"] = run.before.note
+            if found.criteria_changes:
+                validation["scope"]["changes_by_criteria"] = [
+                    {"path": c.path, "change": c.change} for c in found.criteria_changes][:MAX_LISTED]
         else:
             validation["scope"] = {"checked": False,
                                    "note": "the contract names neither files_owned nor files_readonly"}
@@ -219,6 +265,12 @@ class Review:
                 "attempt": attempt, "details": _printable(details)})
         except Exception as exc:  # a full disk, the database away: the outcome stands
             log.error("handoff %s: cannot append to the violations log: %s", env.handoff_id, exc)
+
+
+def _unverifiable(message: str) -> dict[str, Any]:
+    """The violation of a scope git can no longer list (fail closed, git's one line)."""
+    return {"kind": "scope_creep", "path": ".", "change": "unverifiable", "error": message,
+            "message": message}
 
 
 def _printable(value: Any) -> Any:

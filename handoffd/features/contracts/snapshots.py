@@ -18,7 +18,8 @@ Which files are watched: in ``hash`` mode, everything under the directory except
 in :data:`SKIP_DIR_NAMES` and the paths the caller skips (handoffd's own ``handoffs/``, a contract's
 ``scope_ignore``). In ``git`` mode (the directory is in a git work tree), the files
 ``git ls-files --cached --others --exclude-standard`` lists (so git-ignored files are not watched),
-compared the same way. ``auto`` picks ``git`` when git answers, else ``hash``. Directories are not
+compared the same way. git lists an untracked nested repository as its folder alone
+(``hidden/``): such a folder is walked as in ``hash`` mode, so a file created inside it is seen. ``auto`` picks ``git`` when git answers, else ``hash``. Directories are not
 tracked themselves (an empty new directory is not a change), nor is anything a symlink points to.
 
 git mode trusts git's ignore rules, and a handler could change them to hide its files. So it also
@@ -30,6 +31,12 @@ after, so a change to any of them is a change like any other; one above the dire
 ``../...``. git itself runs with only the repository's own config, and with every setting that
 could make it start a program, or read ignore rules from outside the repository, overridden on its
 command line (:data:`GIT_SAFE_CONFIG`), bounded by :data:`GIT_TIMEOUT_SECONDS`.
+
+Bounds: a file larger than :data:`MAX_HASHED_BYTES` (a sparse file can claim terabytes) is not
+hashed: it is compared by its stat facts only, so rewriting it with identical bytes counts as a
+modification (the safe side). The hash cache is one of handoffd's own files: read only when
+``handoffs/.meta/contracts`` is a plain folder and the cache a regular file of at most
+:data:`MAX_CACHE_BYTES` (never a FIFO, never through a symlink); otherwise there is no cache.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ from pathlib import Path
 from typing import Callable
 
 from ...backends.files.fsio import replace
+from ...core.ownfiles import plain_folder, read_regular
 from .patterns import SCOPE_MODES
 
 SKIP_DIR_NAMES = frozenset({".git", ".venv", "__pycache__"})
@@ -60,6 +68,8 @@ GIT_SAFE_CONFIG = (
     "core.excludesFile=/dev/null",  # ignore rules only from .gitignore files and info/exclude
 )
 CACHE_VERSION = 1
+MAX_HASHED_BYTES = 1 << 30  # larger files: compared by stat facts only (see the module docstring)
+MAX_CACHE_BYTES = 64 << 20  # about 300 000 files; a larger cache reads as none
 
 Skip = Callable[[str], bool]
 
@@ -215,9 +225,10 @@ class Snapshotter:
                 return True
         return self.skip(rel)
 
-    def _walk(self) -> set[str]:
+    def _walk(self, start: str = "") -> set[str]:
+        """The files under ``start`` (relative; the root when empty), skips applied."""
         found: set[str] = set()
-        stack = [""]
+        stack = [start]
         while stack:
             rel_dir = stack.pop()
             try:
@@ -245,7 +256,14 @@ class Snapshotter:
         # above: list the ignored ones too (--directory: an ignored folder is not descended)
         rules = _git(self.root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
                      "--directory", "--", ":(glob)**/.gitignore")
-        found = {p for p in _names(listed) if not self._skipped(p)}
+        found: set[str] = set()
+        for name in _names(listed):
+            if self._skipped(name):
+                continue
+            if name.endswith("/"):  # an untracked nested repository: git names only its folder,
+                found |= self._walk(name.rstrip("/"))  # so its files are walked (hash mode's way)
+            else:
+                found.add(name)
         return found | {p for p in _names(rules)
                         if p.rsplit("/", 1)[-1] == ".gitignore" and not self._skipped(p)}
 
@@ -287,11 +305,13 @@ class Snapshotter:
         try:
             if entry.kind == "link":
                 return "link:" + hashlib.sha256(os.fsencode(os.readlink(path))).hexdigest()
-            if entry.kind != "file":
-                return None
+            if entry.kind != "file" or entry.size > MAX_HASHED_BYTES:
+                return None  # special, or too large to hash in bounded time: stat facts decide
             digest = hashlib.sha256()
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
             try:
+                if os.fstat(fd).st_size > MAX_HASHED_BYTES:  # grown since the lstat
+                    return None
                 while True:
                     chunk = os.read(fd, CHUNK)
                     if not chunk:
@@ -305,8 +325,16 @@ class Snapshotter:
 
     # ------------------------------------------------------------ cache
     def _cache_path(self) -> Path | None:
+        """Where the hash cache lives; None without a cache folder, or when the folder is not a
+        plain folder (a symlink would send the tree's names and hashes out of the workspace)."""
         import hashlib
         if self.cache_dir is None:
+            return None
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None
+        if not plain_folder(self.cache_dir):
             return None
         name = hashlib.sha256(os.fsencode(str(self.root))).hexdigest()[:16]
         return self.cache_dir / f"hashes-{name}.json"
@@ -319,12 +347,13 @@ class Snapshotter:
         if path is None:
             return self._cache
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            # bounded, a regular file only: a FIFO put here must not freeze the worker
+            data = json.loads(read_regular(path, MAX_CACHE_BYTES).decode("utf-8"))
             if data.get("version") == CACHE_VERSION and data.get("root") == str(self.root) \
                     and isinstance(data.get("entries"), dict):
                 self._cache = data["entries"]
-        except (OSError, ValueError, AttributeError):
-            pass
+        except (OSError, ValueError, AttributeError, RecursionError):
+            pass  # no usable cache: every file is hashed
         return self._cache
 
     def _save_cache(self, cache: dict[str, list[object]], present: dict[str, Entry]) -> None:
@@ -336,7 +365,6 @@ class Snapshotter:
         data = json.dumps({"version": CACHE_VERSION, "root": str(self.root), "entries": kept},
                           separators=(",", ":")).encode("utf-8")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.tmp_dir or path.parent
             tmp.mkdir(parents=True, exist_ok=True)
             replace(path, data, tmp, durable=False, sync_dir=False)
