@@ -2,12 +2,13 @@
 where it raised ValueError/TypeError (docs/agents.md's promise), an empty handoff id is refused
 rather than replaced, a root that does not exist is refused as ``--root`` is, context keys whose
 files would clash are refused with INVALID_CONTEXT_KEY, and a command run in a deleted current
-directory says so in one line (exit 3)."""
+directory says so in one line (exit 3). Review 14g: a cancelled ``wait_async`` ends its thread."""
 from __future__ import annotations
 
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,35 @@ def test_the_root_must_be_an_existing_directory(tmp_path: Path) -> None:
     assert not (tmp_path / "typo").exists()
 
 
+ASYNC_CANCEL = """
+import asyncio, sys, threading
+from handoffd import Client
+
+async def main():
+    handle = Client(sys.argv[1], agent="@me").create("@nobody", {"x": 1})
+    task = asyncio.create_task(handle.wait_async(None))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        print("cancelled")
+
+asyncio.run(main())  # (joins the default executor's threads: the wait's among them)
+print("threads left:", threading.active_count())
+"""
+
+
+def test_a_cancelled_wait_async_ends_its_thread(tmp_path: Path) -> None:
+    """Found by review 14g: the worker thread of a cancelled ``wait_async`` waited out its
+    timeout (None: for ever), and ``asyncio.run`` returned only after it."""
+    Workspace(tmp_path).ensure()
+    done = subprocess.run([sys.executable, "-c", ASYNC_CANCEL, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cancelled", "threads", "left:", "1"], done.stdout
+
+
 def test_context_keys_whose_files_clash_are_refused(tmp_path: Path) -> None:
     ws = Workspace(tmp_path)
     ws.ensure()
@@ -76,6 +106,9 @@ def test_context_keys_whose_files_clash_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidDocument) as raised:
         store.set("a", 2, agent="@a")
     assert raised.value.code == ErrorCode.INVALID_CONTEXT_KEY
+    with pytest.raises(KeyError):  # a folder of other keys: not set (review 14g), as x.json/y
+        store.get("a")
+    assert store.get_with_revision("a.json/b") == (1, 1) and store.revision("a") == 0
     assert store.get("x") == 1 and store.get("a.json/b") == 1
 
 

@@ -248,6 +248,31 @@ def test_a_specialists_strings_stay_strings(tmp_path: Path) -> None:
     assert spec.timeout_seconds == 0.5 and spec.concurrency == 1024
 
 
+# ------------------------------------------------------------------ durations and rates
+def test_a_workspace_whose_config_has_upper_case_units_still_works(ws: Workspace) -> None:
+    """Found by review 14g: ``completed = "7D"``, ``rate = "100/H"`` and ``--older-than 1e3``,
+    read before, failed every command after 14f (exit 2); only ``M`` stays refused."""
+    ws.write_config('[retention]\ncompleted = "7D"\nfailed = "1e3"\nevery = "5 m"\n'
+                    '[specialists."@a"]\ncommand = ["cat"]\nrate = "100/H"\n')
+    created = ws.handoff("create", "--to", "@a", "--data", "1")
+    assert created.returncode == 0, created.stderr
+    assert ws.handoff("purge", "--older-than", "1e3").returncode == 0
+    config = load_config(ws.root / "handoffd.toml")
+    assert config.retention.completed == 7 * 86400 and config.retention.failed == 1000
+    assert config.retention.every == 300
+    assert str(config.specialists["@a"].rate) == "100/3600s"
+
+
+def test_a_rates_error_names_the_rate(tmp_path: Path) -> None:
+    path = tmp_path / "handoffd.toml"
+    for rate, why in (("100/M", "rate '100/M': its period 'M': use m for minutes; months are "
+                                "not supported"),
+                      ("5/1_0s", "rate '5/1_0s': its period '1_0s' must be")):
+        path.write_text(SPECIALIST + f'rate = "{rate}"\n')
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            load_config(path)
+
+
 # ------------------------------------------------------------------ the event log's rotation
 def test_a_huge_keep_never_reaches_the_rotation(tmp_path: Path) -> None:
     """Built directly (not from the file), a keep of 1e10 is held to MAX_EVENTS_KEEP: the

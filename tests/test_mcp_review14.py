@@ -149,6 +149,16 @@ def test_wrong_typed_arguments_are_one_coded_line(server: Server) -> None:
         assert f": USAGE_ERROR: {field}: " in said, said
 
 
+def test_an_unknown_tool_is_a_coded_usage_error(server: Server) -> None:
+    """Found by review 14g: an unknown tool's error was the SDK's bare "Unknown tool: nope"."""
+    server.tool(1, "nope", {})
+    assert server.error(1) == "Error executing tool nope: USAGE_ERROR: no tool 'nope'"
+    server.tool(2, "a\nb" + "x" * 200, {})
+    said = server.error(2)
+    assert said.startswith("Error executing tool a b") and "\n" not in said, said
+    assert ": USAGE_ERROR: no tool 'a\\nb" in said and len(said) < 300, said
+
+
 def test_context_keys_that_clash_are_coded(server: Server) -> None:
     server.tool(1, "set_context", {"key": "x", "value": 1})
     server.text(1)
@@ -161,6 +171,9 @@ def test_context_keys_that_clash_are_coded(server: Server) -> None:
     server.text(4)
     server.tool(5, "set_context", {"key": "a", "value": 2})
     assert "INVALID_CONTEXT_KEY: " in server.error(5)
+    server.tool(6, "get_context", {"key": "a"})  # (review 14g: it said NOT_A_REGULAR_FILE)
+    assert server.error(6) == "Error executing tool get_context: NOT_FOUND: context key 'a' " \
+        "is not set"
     assert "Traceback" not in server.log.read_text()
 
 

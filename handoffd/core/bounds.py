@@ -156,25 +156,34 @@ def daemon_value(key: str, value: Any, where: str) -> Any:
     return float(bounded(value, where, low, high, unit=" seconds"))
 
 
-DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhdw]?)", re.ASCII)
-DURATION_FORM = "a number of seconds or one with a unit: 45s, 10m, 12h, 7d or 2w (lowercase)"
+# a number as float() reads it, in ASCII digits and without "_" (float() also takes "1_0" and
+# "١٠"), then the unit, after spaces if any
+DURATION = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)[ \t]*"
+                      r"([smhdwSHDW]?)", re.ASCII)
+DURATION_FORM = ("a number of seconds or one with a unit: 45s, 10m, 12h, 7d or 2w (ASCII "
+                 "digits, no _)")
+MONTHS = re.compile(r"[^M]*[0-9.][ \t]*M", re.ASCII)  # "6M": minutes, or the months meant?
 
 
-def parse_duration(value: Any) -> float:
-    """Seconds from ``"45s"``, ``"10m"``, ``"12h"``, ``"7d"``, ``"2w"`` or a number of seconds;
-    ConfigError for anything else, negative, or over ten years. The units are taken as written
-    (``"6M"`` once read as six minutes, not the months meant), and so are the digits: ASCII
-    only, no ``_`` (what float() also accepts)."""
+def parse_duration(value: Any, what: str | None = None) -> float:
+    """Seconds from ``"45s"``, ``"10m"``, ``"12h"``, ``"7d"``, ``"2w"`` (``S H D W`` too, a
+    space before the unit, an exponent: ``"1e3"``) or a number of seconds; ConfigError for
+    anything else, negative, or over ten years (``what`` names the value in it: a default
+    ``duration '...'``). Refused, as they were misread: ``M`` (read as minutes where months
+    were meant: ``m`` is minutes, months have no unit), ``_`` and non-ASCII digits."""
+    name = what or f"duration {brief(value)}"
     if isinstance(value, bool):
-        raise ConfigError(f"duration {value!r} must be {DURATION_FORM}")
+        raise ConfigError(f"{name} must be {DURATION_FORM}")
     if isinstance(value, (int, float)):
         seconds = float(value)
-    elif isinstance(value, str) and (found := DURATION.fullmatch(value.strip(" \t"))):
-        seconds = float(found[1]) * (UNITS[found[2]] if found[2] else 1.0)
+    elif isinstance(value, str) and (found := DURATION.fullmatch(value.strip())):
+        seconds = float(found[1]) * (UNITS[found[2].lower()] if found[2] else 1.0)
+    elif isinstance(value, str) and MONTHS.fullmatch(value.strip()):
+        raise ConfigError(f"{name}: use m for minutes; months are not supported")
     else:
-        raise ConfigError(f"duration {brief(value)} must be {DURATION_FORM}")
+        raise ConfigError(f"{name} must be {DURATION_FORM}")
     if not math.isfinite(seconds) or not 0 <= seconds <= MAX_SECONDS:
-        raise ConfigError(f"duration {brief(value)} must be between 0 and 10 years")
+        raise ConfigError(f"{name} must be between 0 and 10 years")
     return seconds
 
 

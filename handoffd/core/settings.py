@@ -163,8 +163,9 @@ class Rate:
             count = int(count_text.strip())
         except ValueError:
             raise ConfigError(f"rate {text!r}: {count_text!r} is not a whole number") from None
-        seconds = parse_duration(period.strip() if period.strip()[:1].isdigit()
-                                 else "1" + period.strip())
+        given = period.strip()
+        seconds = parse_duration(given if given[:1].isdigit() else "1" + given,
+                                 what=f"rate {text!r}: its period {given!r}")
         if not seconds > 0:
             raise ConfigError(f"rate {text!r}: the period must be longer than 0")
         if not 1 <= count <= 1_000_000:

@@ -200,8 +200,7 @@ def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:
             continue
         state, _ = graph.state(dep)
         if state is None:
-            return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on {dep}, "
-                                "which does not exist; create it first")
+            return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, _missing(graph, env.handoff_id, dep))
         if state is State.FAILED:
             return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on {dep}, "
                                 f"which {_ended(graph, dep)}; retry {dep} first, then this "
@@ -227,12 +226,25 @@ def check_new_dependencies(graph: Graph, handoff_id: str, deps: list[str]) -> No
             raise InvalidDocument(f"handoff {handoff_id} cannot depend on itself",
                                   handoff_id=handoff_id, code=ErrorCode.DEPENDENCY_MISSING)
         if dep not in graph.completed and graph.engine.backend.get(dep) is None:
-            raise InvalidDocument(f"handoff {handoff_id} depends on {dep}, which does not exist; "
-                                  "create it first", handoff_id=handoff_id, code=ErrorCode.DEPENDENCY_MISSING)
+            raise InvalidDocument(_missing(graph, handoff_id, dep), handoff_id=handoff_id,
+                                  code=ErrorCode.DEPENDENCY_MISSING)
     cycle = graph.find_cycle(handoff_id, deps, stored=False)
     if cycle:
         raise InvalidDocument(f"dependency cycle: {' -> '.join(cycle)}", handoff_id=handoff_id,
                               code=ErrorCode.DEPENDENCY_MISSING)
+
+
+def _missing(graph: Graph, handoff_id: str, dep: str) -> str:
+    """Why ``dep``, not found, cannot be depended on: never created, or (the seen-ids record
+    knows it) finished and removed by retention ("create it first" misled: it existed)."""
+    try:
+        seen = graph.engine.backend.seen_contains(dep, graph.engine.clock())
+    except (HandoffdError, OSError):  # (the record unreadable: say only what is sure)
+        seen = False
+    if seen:
+        return (f"handoff {handoff_id} depends on {dep}, which existed but was removed by "
+                f"retention (archived or purged): `handoff show {dep}` finds an archived one")
+    return f"handoff {handoff_id} depends on {dep}, which does not exist; create it first"
 
 
 def _ended(graph: Graph, handoff_id: str) -> str:

@@ -35,7 +35,12 @@ def removal_lock(meta: Path, wait: float) -> Iterator[bool]:
     (Not in ``.locks``: the sweep removes the lock files there that no claim uses.)"""
     from filelock import FileLock, Timeout
     meta.mkdir(parents=True, exist_ok=True)
-    turn, lock = FileLock(str(meta / REMOVAL_TURN)), FileLock(str(meta / REMOVAL_LOCK))
+    # flock only: filelock's fallback on a filesystem without it is a marker file, which a
+    # kill -9 leaves behind (from another host, never judged stale): every later pass and
+    # every create with dependencies would wait out its minute and give up, for ever. Without
+    # flock, each fails at once with one line (ENOSYS) instead.
+    turn, lock = (FileLock(str(meta / name), fallback_to_soft=False)
+                  for name in (REMOVAL_TURN, REMOVAL_LOCK))
     deadline = time.monotonic() + wait
     try:
         turn.acquire(timeout=wait, poll_interval=0.01)

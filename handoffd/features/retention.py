@@ -52,10 +52,12 @@ MAX_MEMBER_LINES = 2_000_000  # lines of one member (handoffd's own passes write
 LINE_OVERHEAD = 64  # what holding one line costs beyond its bytes (its object, its list slot)
 PASS_LIMIT = 500  # documents one pass of a daemon's [retention] takes: its sweep stays short
 LOCK_WAIT_SECONDS = 60.0  # how long `handoff purge|archive` waits for another process's pass
-MAX_RATIO = 200  # decompressed over compressed, past which a file is not one handoffd wrote
-# what handoffd's own members expand by at most (a line that would expand more is stored):
-# well under MAX_RATIO, so that a member's text plus the reader's slack never reaches it
-MEMBER_RATIO = 50
+# the text of one member handoffd writes, at most (beyond one line): a pass's documents are one
+# member (PASS_BYTES of them), well within what the reader takes of a member (MEMBER_BUDGET)
+MEMBER_TEXT = 64 * 1024 * 1024
+# what the reader decompresses of one member before it passes over the rest of the file as not
+# one handoffd wrote (a gzip bomb): its entries, and one line being read or skipped beyond them
+MEMBER_BUDGET = MAX_MEMBER_BYTES + MAX_LINE_BYTES
 PASS_BYTES = 32 * 1024 * 1024  # the documents one bounded pass holds (and archives) at most
 FIRST_ROWS = 16  # documents the first listing of a pass bounded in bytes reads
 CLI_PASS_LIMIT = 5000  # documents one pass of `handoff purge|archive` takes (it loops)
@@ -324,20 +326,22 @@ def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
 
 
 def _members(lines: list[bytes]) -> bytes:
-    """``lines`` as gzip members that handoffd's reader takes back: one member when it expands
-    at most MEMBER_RATIO-fold, else one per line, a line that expands more than that stored
-    uncompressed (4 MB of "ok\\n" output compressed 600-fold, and the reader took the whole
-    day's file for a gzip bomb)."""
+    """``lines`` as gzip members: one per MEMBER_TEXT of text (a pass's documents are one),
+    each compressed whole. (Storing a line that expanded much uncompressed, in its own member,
+    made an archive of 2,000 small similar documents 400 times bigger than one member: the
+    reader's guard is an absolute budget per member now, not a ratio.)"""
     import gzip  # gzip and zlib: only when archiving or reading the archive
-    whole = b"".join(lines)
-    data = gzip.compress(whole)
-    if len(whole) <= MEMBER_RATIO * len(data):
-        return data
-    members = []
+    members: list[bytes] = []
+    batch: list[bytes] = []
+    size = 0
     for line in lines:
-        member = gzip.compress(line)
-        members.append(member if len(line) <= MEMBER_RATIO * len(member)
-                       else gzip.compress(line, compresslevel=0))
+        if batch and size + len(line) > MEMBER_TEXT:
+            members.append(gzip.compress(b"".join(batch)))
+            batch, size = [], 0
+        batch.append(line)
+        size += len(line)
+    if batch:
+        members.append(gzip.compress(b"".join(batch)))
     return b"".join(members)
 
 
@@ -366,9 +370,10 @@ def _entries(fh: BinaryIO, name: str = "archive",
     it) is skipped: the reader looks for the next member's gzip header after it and goes on
     from there, so what was appended after a tear stays readable. Bounded whatever the file
     holds: a line over MAX_LINE_BYTES is skipped without being held, and the file is passed
-    over from where a member holds more than MAX_MEMBER_BYTES or the text grows past MAX_RATIO
-    times what was read (a gzip bomb: handoffd's entries, JSON, compress a few times over), or
-    holds more than MAX_MEMBER_LINES lines. ``wanted``: only lines holding these bytes are
+    over from where a member decompresses to more than MEMBER_BUDGET (a gzip bomb; a line
+    being skipped counts too), holds more than MAX_MEMBER_BYTES of lines or more than
+    MAX_MEMBER_LINES lines. (A ratio over the file refused handoffd's own archives of
+    repetitive JSON, which compresses 1,000-fold.) ``wanted``: only lines holding these bytes are
     parsed (a lookup by id: a file of millions of tiny lines once took 28 s and 700 MB)."""
     import zlib
     reader = _Members(fh)
@@ -379,9 +384,9 @@ def _entries(fh: BinaryIO, name: str = "archive",
         try:
             lines = _member_lines(reader, member, wanted)
         except _TooLarge:
-            log.warning("%s: not an archive handoffd wrote (a member too large, of too many "
-                        "lines, or expanding %d-fold); the rest of it is passed over", name,
-                        reader.written // max(reader.read, 1))
+            log.warning("%s: not an archive handoffd wrote (a member at offset %d expands "
+                        "past %d bytes or holds too many lines); the rest of it is passed over",
+                        name, member, MEMBER_BUDGET)
             return
         except zlib.error:
             reader.resync(member)  # torn: the next member after its start, if any
@@ -403,20 +408,17 @@ class _Members:
         self.fh = fh
         self.pending = b""  # bytes read but not yet decompressed
         self.offset = 0  # the file offset of pending's first byte
-        self.read = self.written = 0
 
     def next_member(self) -> int | None:
         """The offset the next member starts at, or None at the end of the file."""
         if not self.pending:
             self.pending = self.fh.read(READ_CHUNK)
-            self.read += len(self.pending)
         return self.offset if self.pending else None
 
     def chunk(self) -> bytes:
         """More input for the member being read (b"" at the end of the file)."""
         if not self.pending:
             self.pending = self.fh.read(READ_CHUNK)
-            self.read += len(self.pending)
         return self.pending
 
     def consumed(self, left: bytes) -> None:
@@ -452,13 +454,13 @@ def _member_lines(reader: _Members, start: int, wanted: bytes | None = None) -> 
     part: list[bytes] = []  # the line being decompressed, in pieces (joined once, when whole)
     part_size, skipping = 0, False
     lines: list[bytes] = []
-    held = count = 0
+    held = count = written = 0
     while True:
         data = reader.chunk()
         if not data:
             return None
         out = decoder.decompress(data, READ_CHUNK)
-        reader.written += len(out)
+        written += len(out)  # (all of it: kept, not wanted, or a long line being skipped)
         *whole, rest = out.split(b"\n")
         count += len(whole)
         for piece in whole:
@@ -473,8 +475,7 @@ def _member_lines(reader: _Members, start: int, wanted: bytes | None = None) -> 
             part_size += len(rest)
             if part_size > MAX_LINE_BYTES:
                 part, part_size, skipping = [], 0, True
-        if held > MAX_MEMBER_BYTES or count > MAX_MEMBER_LINES \
-                or reader.written > MAX_RATIO * reader.read + READ_CHUNK:
+        if held > MAX_MEMBER_BYTES or count > MAX_MEMBER_LINES or written > MEMBER_BUDGET:
             raise _TooLarge
         if decoder.eof:
             # at the member's end, everything after it in the input is in unused_data (the

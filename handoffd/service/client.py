@@ -131,8 +131,14 @@ class Handle:
         return Result(self.id, state, doc)
 
     async def wait_async(self, timeout: float | None = None, *, or_asks: bool = True) -> Result:
-        """:meth:`wait` for asyncio (runs in a worker thread; the event loop stays free)."""
-        return await asyncio.to_thread(self.wait, timeout, or_asks=or_asks)
+        """:meth:`wait` for asyncio (runs in a worker thread; the event loop stays free). When
+        the awaiting task is cancelled, the thread's wait ends too (it waited out its timeout,
+        for ever with None, and ``asyncio.run`` returned only once it had)."""
+        stop = WaitStop()
+        try:
+            return await asyncio.to_thread(self.wait, timeout, or_asks=or_asks, stop=stop)
+        finally:
+            stop.set()  # (done: a no-op)
 
     def result(self) -> Result:
         """Where it stands now (no waiting)."""

@@ -120,11 +120,16 @@ class HandoffdServer(MCPServer):
     """The SDK's server, with every tool error one line that starts with a code: arguments that
     fail validation (``to: 5``, ``limit: 1.5``) are ``USAGE_ERROR: <field>: <why>`` rather than
     pydantic's multi-line report, and anything unexpected is ``INTERNAL_ERROR`` (or
-    ``IO_ERROR`` for a filesystem error) with one log line instead of a traceback."""
+    ``IO_ERROR`` for a filesystem error) with one log line instead of a traceback, and an
+    unknown tool is ``USAGE_ERROR: no tool 'x'``."""
 
     async def call_tool(self, name: str, arguments: dict[str, Any],
                         context: Context[Any, Any] | None = None) -> Any:
         """:meth:`MCPServer.call_tool`, its errors coded (see the class)."""
+        if self._tool_manager.get_tool(name) is None:  # (the SDK said "Unknown tool: x")
+            shown = repr(name) if len(name) <= 80 else f"{name[:77]!r}..."
+            raise ToolError(f"Error executing tool {' '.join(name.split())[:80]}: USAGE_ERROR: "
+                            f"no tool {shown}")
         try:
             return await super().call_tool(name, arguments, context)
         except UnexpectedToolError as exc:
@@ -199,8 +204,9 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT,
         limit = wait_seconds(timeout)
         handle = client.handle(handoff_id)
         try:
+            session, peer = caller_keys(ctx)
             result = await waits.run(lambda seconds, stop: handle.wait(seconds, stop=stop),
-                                     limit, session=session_key(ctx))
+                                     limit, session=session, peer=peer)
         except WaitTimeout:
             result = _call(client.get, handoff_id)
         except HandoffdError as exc:
@@ -271,13 +277,18 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT,
     return server
 
 
-def session_key(ctx: Context) -> Any:  # type: ignore[type-arg]
-    """Which MCP session a call belongs to: over HTTP its ``mcp-session-id`` header (the SDK's
-    session object is made anew for each request there), else the session object."""
+def caller_keys(ctx: Context) -> tuple[Any, Any]:  # type: ignore[type-arg]
+    """``(session, peer)``: who a call's waits count against. Over HTTP the session is its
+    ``mcp-session-id`` header (None on the 2026-07-28 protocol, which has none: the SDK's
+    session object is made anew for each request there) and the peer its address (its host:
+    each connection has a port of its own); elsewhere (stdio) the session object alone."""
     request = ctx.request_context.request
     headers = getattr(request, "headers", None)
-    found = headers.get("mcp-session-id") if headers is not None else None
-    return ("http", found) if found else ("session", id(ctx.request_context.session))
+    if headers is None:
+        return id(ctx.request_context.session), None
+    address = getattr(request, "client", None)
+    peer = getattr(address, "host", None) or "unknown"  # (one share for every unknown one)
+    return headers.get("mcp-session-id") or None, peer
 
 
 def refuse_with_document(**options: Any) -> None:

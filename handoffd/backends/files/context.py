@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +67,15 @@ class FileContext:
         more than the record, which is never older than the bytes (a stale pair can only cause a
         spurious conflict, never a lost update)."""
         record = self._rev_record(key)
+        path = self.path(key)
         try:
-            data, _ = fsio.read_bytes_safely(self.path(key), MAX_VALUE_BYTES)
+            data, _ = fsio.read_bytes_safely(path, MAX_VALUE_BYTES)
         except FileNotFoundError:
             return None, 0
+        except InvalidDocument:
+            if _folder(path):  # the folder of other keys (a.json/b): ``a`` is not set
+                return None, 0
+            raise
         if record is None:
             return data, 1  # written before revisions existed, or by a foreign tool
         if sha256_hex(data) == record["sha256"]:
@@ -169,6 +175,14 @@ def _plain_folder(folder: Path) -> Path:
 
 def _lock_name(key: str) -> str:
     return "key-" + sha256_hex(key.encode())[:24] + ".lock"
+
+
+def _folder(path: Path) -> bool:
+    """``path`` is a folder (not a symlink to one)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _rev_name(key: str) -> str:
