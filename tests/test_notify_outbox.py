@@ -166,7 +166,9 @@ def test_notices_queued_at_a_kill_9_are_delivered_by_the_next_daemon(
     assert hooks.ids == []
     journal_folder = ws.root / "handoffs" / ".meta" / "notify"
     dead = {path.name for path in journal_folder.glob("*.jsonl")}
-    assert len(dead) == restarted  # one per killed daemon, left behind
+    # one per killed daemon that filed something, left behind (which daemon claims each
+    # handoff is a race: with two, one of them may have filed them all)
+    assert 1 <= len(dead) <= restarted
     hooks.start()
     procs = start_daemons(ws, restarted)
     try:
