@@ -1,7 +1,11 @@
-"""A create that names dependencies and a retention pass take turns (review 14f): a completed
-dependency was purged between a create's check ("it exists") and its write, the purge's look at
-live work having come before the new pending document, and the dependent failed
-DEPENDENCY_MISSING though what it depended on had completed."""
+"""Dependencies and retention (reviews 14f and 14g). A create that names dependencies and a
+retention pass take turns: a completed dependency was purged between a create's check ("it
+exists") and its write, the purge's look at live work having come before the new pending
+document, and the dependent failed DEPENDENCY_MISSING though what it depended on had completed.
+A dependency that retention removed is named so: it read "which does not exist; create it
+first", though it had existed and completed (the seen-ids record knows such an id; one never
+created still reads "create it first"). The removal lock is flock only: no marker file a kill -9
+leaves behind."""
 from __future__ import annotations
 
 import subprocess
@@ -16,6 +20,9 @@ from filelock import FileLock, Timeout
 from handoffd.core.states import State
 from handoffd.core.timeutil import utc_now
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
+
+
+REMOVED = "which existed but was removed by retention (archived or purged)"
 
 
 def _engine(root: Path) -> Any:
@@ -83,3 +90,50 @@ def test_a_create_with_dependencies_waits_for_a_pass_and_a_plain_one_does_not(
     out, err = waiter.communicate(timeout=30)
     assert waiter.returncode == 0, err
     assert ws.state_of(out.strip()) == ["pending"]
+
+
+def test_a_create_on_an_archived_dependency_says_it_was_removed(ws: Workspace) -> None:
+    _engine(ws.root).backend.close()
+    ws.handoff("archive", "--older-than", "0s", check=True)
+    made = ws.handoff("create", "--to", "@a", "--data", "1", "--depends-on", "dep")
+    assert made.returncode != 0 and len(made.stderr.strip().splitlines()) == 1, made
+    assert REMOVED in made.stderr and "create it first" not in made.stderr, made.stderr
+    never = ws.handoff("create", "--to", "@a", "--data", "1", "--depends-on", "nosuch")
+    assert never.returncode != 0 and "nosuch, which does not exist; create it first" in \
+        never.stderr, never.stderr
+
+
+def test_the_gate_says_a_purged_dependency_was_removed(tmp_path: Path) -> None:
+    """A document arriving from outside that names a purged dependency fails as removed."""
+    from handoffd.core.errors import ErrorCode
+    from handoffd.features import retention
+    from handoffd.features.dependencies import Graph, dependencies_gate
+    engine = _engine(tmp_path)
+    later = utc_now().replace(year=utc_now().year + 1)
+    assert retention.expire(engine, older_than={State.COMPLETED: 0}, now=later).removed
+    doc = {"handoff_id": "after", "source": {"agent_id": "@o"}, "target": {"agent_id": "@a"},
+           "input": {"data": {}}, "depends_on": ["dep", "nosuch"]}
+    verdict = dependencies_gate(Graph(engine), engine.formats.detect(doc).envelope(doc))
+    assert verdict is not None and verdict.code == ErrorCode.DEPENDENCY_MISSING
+    assert f"after depends on dep, {REMOVED}" in str(verdict.reason), verdict
+    engine.backend.close()
+
+
+def test_the_removal_lock_never_falls_back_to_a_marker_file(tmp_path: Path,
+                                                            monkeypatch: Any) -> None:
+    """A soft lock (a marker file) that a kill -9 leaves behind, written from another host, is
+    never judged stale: every create with dependencies would wait a minute and fail, for ever.
+    The removal lock is flock only."""
+    import filelock
+
+    from handoffd.features.removal import removal_lock
+    made: list[Any] = []
+    real = filelock.FileLock
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        made.append(kwargs.get("fallback_to_soft", True))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(filelock, "FileLock", recorded)
+    with removal_lock(tmp_path, 5) as mine:
+        assert mine
+    assert made == [False, False]
