@@ -373,3 +373,17 @@ def test_a_parent_whose_child_asks_says_which_child_to_answer(dws: Workspace) ->
     assert dws.state_of("pq.c1") == ["pending"]
     shown = dws.handoff("show", "pq")
     assert "pq.c1 (needs clarification: `handoff answer pq.c1`)" in shown.stdout, shown.stdout
+
+
+def test_a_cancel_request_wins_over_the_aggregation_deadline(tmp_path: Path) -> None:
+    """At a parked parent's aggregation deadline the scheduler claims it without asking the
+    gates, and the aggregation (a resumer) ran before the cancel check: a parent its requester
+    had asked to cancel was aggregated CHILDREN_FAILED instead of cancelled."""
+    clock = Clock()
+    engine, backend = _parked_family(tmp_path, clock)
+    backend.request_cancel("pk", {"reason": "stop it", "cascade": False})
+    clock.advance(10 * 86400)  # far past its deadline: its children would count as timeout
+    job = engine.take("pk")
+    assert job is not None
+    outcome = engine.run(job)
+    assert outcome.status == "cancelled" and outcome.error["code"] == "CANCELLED", outcome.error

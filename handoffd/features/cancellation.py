@@ -68,7 +68,10 @@ def install(engine: "Engine") -> None:
     """Add cancellation to an Engine (orchestration installs it): the cancel gate, a check just
     before the handler starts, partial results of a stopped handler, and the daemon side."""
     engine.gates.insert(0, cancel_gate)
-    engine.before_run.insert(0, lambda job: check_before_run(engine, job))
+    # first of the resumers, which run before anything else of an attempt: a parked parent
+    # claimed at its aggregation deadline (the scheduler skips the gates then) was aggregated
+    # rather than cancelled; a request that arrived while the handoff was claimed is met too
+    engine.resumers.insert(0, lambda job, _started: check_before_run(engine, job))
     engine.daemon_plugins.append(attach)
 
 
@@ -110,7 +113,9 @@ def cancel_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict
 
 
 def check_before_run(engine: "Engine", job: "Job") -> None:
-    """Engine ``before_run`` hook: a request that arrived while the handoff was being claimed."""
+    """Before an attempt runs or resumes (the engine's first resumer): a request that arrived
+    while the handoff was being claimed, or that the gates were not asked about (a parked
+    parent claimed at its aggregation deadline), ends it CANCELLED."""
     body = engine.backend.cancel_request(job.handoff_id)
     if body is not None:
         raise HandlerError(f"handoff {job.handoff_id} cancelled: {_reason(body)}",
