@@ -314,7 +314,9 @@ def test_a_failure_before_the_answer_hands_the_claim_back_free(
 def test_a_kept_outcome_whose_claim_was_lost_is_not_counted_filed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     handler = Counting()
-    engine = engine_with(tmp_path, handler)
+    # no sweep meanwhile: the copy below keeps our (given-up) token, which this process's own
+    # sweep would hand back and run again, unlike a real takeover's new token
+    engine = engine_with(tmp_path, handler, sweep_seconds=600)
     disk = FullDisk(monkeypatch, times=1)
     hid = submit(engine)
     try:
