@@ -78,7 +78,10 @@ class HeldOutcomes:
         """True while as many answers as there are workers wait to be filed again (a disk that
         refuses them): claiming on would run the whole backlog into kept claims, a timer and a
         claim each, so nothing new starts until one is filed."""
-        return bool(self.refiles) and len(self.refiles) >= self.scheduler.workers
+        # counted by the jobs that keep an answer, not by the armed timers: a refile under way
+        # has taken its timer down, and a claim slipped in meanwhile (one beyond the bound)
+        kept = sum(1 for job in list(self.active.values()) if job.refile_after)
+        return kept > 0 and kept >= self.scheduler.workers
 
     def _file(self, job: Job, outcome: Outcome) -> bool:
         """File ``outcome`` (counted: Daemon._count); True when it is kept to be filed again.
