@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 from conftest import Workspace
-from test_contracts_hostile import PY, make_workspace, native, submit_and_run
+from test_contracts_hostile import PY, gws, make_workspace, native, submit_and_run  # noqa: F401 (gws: a fixture)
 
 from handoffd.features.contracts import snapshots
 
@@ -27,16 +26,6 @@ OWN_TESTS = {"files_owned": ["tests/**"], "files_readonly": ["src/lib/jwt.py"]}
 def hws(tmp_path: Path) -> Iterator[Workspace]:
     """A workspace that is no git work tree (contracts check it in hash mode)."""
     ws = make_workspace(tmp_path, repo=False)
-    yield ws
-    ws.cleanup()
-
-
-@pytest.fixture
-def gws(tmp_path: Path) -> Iterator[Workspace]:
-    """A workspace that is a git work tree (contracts check it in git mode)."""
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
-    ws = make_workspace(tmp_path, repo=True)
     yield ws
     ws.cleanup()
 
