@@ -229,18 +229,63 @@ def test_the_quick_path_loads_no_typer_click_or_rich(tmp_path: Path) -> None:
     assert not {name for name in modules if name.split(".")[0] in ("typer", "click", "rich")}
 
 
+def test_quick_create_loads_no_engine_feature_or_logging(tmp_path: Path) -> None:
+    """`handoff create --to` writes one document: it builds no Engine (a Submitter), so the
+    engine's run-time, the features and ``logging`` stay unloaded; the document is created and
+    logged to the event log as the full command does."""
+    root = workspace(tmp_path / "ws")
+    code = ("import sys\n"
+            "from handoffd.cli.entry import handoff\n"
+            "sys.argv = ['handoff', 'create', '--to', '@flaky', '--root', sys.argv[1]]\n"
+            "try:\n"
+            "    handoff()\n"
+            "finally:\n"
+            "    print('MODULES', ' '.join(sorted(sys.modules)))\n")
+    proc = run_python(code, str(root), env=QUICK)
+    assert proc.returncode == 0, proc.stderr
+    made, _, modules = proc.stdout.partition("MODULES")
+    loaded = set(modules.split())
+    unwanted = loaded & {"logging", "handoffd.core.engine", "handoffd.core.hooks",
+                         "handoffd.core.jobs", "handoffd.core.specialists", "typer", "rich"}
+    unwanted |= {m for m in loaded if m.startswith("handoffd.features.")
+                 and m not in ("handoffd.features.build",)}
+    assert not unwanted, unwanted
+    assert (root / "handoffs" / "pending" / f"{made.strip()}.json").is_file()
+    events = (root / "handoffs" / ".meta" / "events.jsonl").read_text()
+    assert made.strip() in events
+
+
+def test_a_submitter_refuses_dependencies_it_cannot_check(tmp_path: Path) -> None:
+    """A Submitter runs no feature, so a request naming dependencies (whose checks are the
+    dependencies feature's) is refused, and nothing is stored."""
+    from handoffd.cli.quick import submit_request
+    from handoffd.core.errors import InvalidDocument
+    from handoffd.features.build import open_submitter
+
+    ws = Workspace(tmp_path)
+    ws.ensure()
+    submitter = open_submitter(ws)
+    with pytest.raises(InvalidDocument, match="dependencies"):
+        submit_request(submitter, to="@x", handoff_id="needs", depends_on=["other"])
+    assert submitter.backend.get("needs") is None
+    assert submitter.backend.get(submit_request(submitter, to="@x")) is not None
+
+
+@pytest.mark.parametrize("maker", ["engine", "submitter"])
 def test_create_loads_what_its_write_needs_before_the_created_stamp(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, maker: str) -> None:
     """The created stamp is where pick-up latency is counted from: what the write loads the
     first time (the seals' hash; renameat2 through ctypes, ~2 ms) is loaded before it."""
     from handoffd.backends.files import fsio
-    from handoffd.cli.basics import engine
+    from handoffd.cli.basics import engine, open_workspace
     from handoffd.cli.quick import submit_request
     from handoffd.core import hashing
+    from handoffd.features.build import open_submitter
 
     monkeypatch.setattr(fsio, "_renameat2", None)
     monkeypatch.setattr(hashing, "_sha256", None)
-    eng = engine(tmp_path, create=True)
+    eng: Any = (engine(tmp_path, create=True) if maker == "engine"
+                else open_submitter(open_workspace(tmp_path, create=True)))
     loaded: list[bool] = []
     clock = eng.clock
 

@@ -15,10 +15,19 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .basics import PROG, check_id_arguments, engine, failure_code, json_arg, text_arg
+from .basics import (
+    PROG,
+    check_id_arguments,
+    engine,
+    failure_code,
+    json_arg,
+    open_workspace,
+    text_arg,
+)
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from ..core.submission import Submitter
 
 
 # how deep ``handoff create``'s --data/--input value sits in the request: document, input, data
@@ -48,7 +57,7 @@ COMMANDS = {
 }
 
 
-def submit_request(eng: "Engine", *, to: str, source: str = "@cli", payload: Any = None,
+def submit_request(eng: "Engine | Submitter", *, to: str, source: str = "@cli", payload: Any = None,
                    handoff_id: str | None = None, timeout_seconds: float | None = None,
                    priority: str | None = None, depends_on: list[str] | None = None,
                    expires_at: str | None = None, if_absent: bool = False,
@@ -68,7 +77,7 @@ def submit_request(eng: "Engine", *, to: str, source: str = "@cli", payload: Any
     return eng.submit(doc, forced="native", prechecked=True, if_absent=if_absent, due_at=due_at)
 
 
-def request_from_options(eng: "Engine", *, to: str, source: str, payload: Any,
+def request_from_options(eng: "Engine | Submitter", *, to: str, source: str, payload: Any,
                          handoff_id: str | None, timeout_seconds: float | None,
                          priority: str | None, depends_on: list[str] | None) -> dict[str, Any]:
     """The request :func:`submit_request` submits; UsageError for an option's value that no
@@ -192,7 +201,9 @@ def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
 
 def quick_create(opts: dict[str, Any]) -> int:
     """``handoff create --to ...`` in its plain form."""
-    eng = engine(opts.get("root"), create=True, features=("dependencies",))  # as the full path
+    # no Engine: this form names no dependencies, the only feature a create needs (see Submitter)
+    from ..features.build import open_submitter
+    eng = open_submitter(open_workspace(opts.get("root"), create=True))
     payload = (json_arg(opts["data"], "--data", depth_below=INPUT_DATA_DEPTH)
                if "data" in opts else None)
     new_id = submit_request(eng, to=opts["to"], source=opts.get("source", "@cli"),

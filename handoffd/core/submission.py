@@ -1,19 +1,24 @@
 """Creating a handoff (:func:`submit`, behind :meth:`Engine.submit
 <handoffd.core.engine.Engine.submit>`), and a request apart from the queue's marks on it: whether
 a stored handoff was made from the same request (``if_absent``, ``handoff create --if-absent``),
-and a document without its ``handoffd`` bookkeeping block (what formats and handlers see)."""
+and a document without its ``handoffd`` bookkeeping block (what formats and handlers see).
+:class:`Submitter` creates handoffs without an Engine, for a command that only creates one."""
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 from .documents import BOOK
 from .errors import Conflict, DuplicateHandoff, InvalidDocument
 from .formats import Dialect, Formats
-from .hooks import Hooks
 from .storage import Backend
 from .timeutil import Clock
+
+if TYPE_CHECKING:
+    from .documents import Envelope
+    from .validation import SchemaCache
+    from .workspace import Workspace
 
 # when a request was sent, and the queue's marks on it: not part of what it asks
 SENT_KEYS = frozenset({BOOK, "status", "timestamp", "created_at", "started_at"})
@@ -26,17 +31,74 @@ NATIVE_LIFECYCLE_KEYS = SENT_KEYS | frozenset({
 
 
 if TYPE_CHECKING:  # for the type checker only: no class to build at each import
+    class SubmitHooks(Protocol):
+        """The hook lists submitting runs (:class:`~handoffd.core.hooks.Hooks` has them)."""
+
+        @property
+        def submit_checks(self) -> list[Callable[[Any, Envelope], None]]: ...
+
+        @property
+        def submit_guards(self) -> list[Callable[[Any, Envelope], ContextManager[Any]]]: ...
+
     class Submitting(Protocol):
         """What submitting uses of an :class:`~handoffd.core.engine.Engine` (named here, not
         imported: engine.py imports this module)."""
 
         backend: Backend
         formats: Formats
-        hooks: Hooks[Any]
         clock: Clock
+
+        @property
+        def hooks(self) -> SubmitHooks: ...
 
         def validate(self, doc: dict[str, Any], dialect: Dialect, *, subject: str | None = None,
                      handoff_id: str | None = None) -> None: ...
+
+
+class Submitter:
+    """Creates handoffs without an Engine: a store, the formats and a clock.
+
+    ``handoff create --to`` writes one document; importing the engine's run-time for it (jobs,
+    hooks, admission, filing, specialists) was about a tenth of the command's start. Its
+    :meth:`submit` is :meth:`Engine.submit <handoffd.core.engine.Engine.submit>`'s with no
+    feature installed, so it refuses a document that names dependencies: their checks (each
+    exists, no cycle, the removal lock) are the dependencies feature's, which needs an Engine."""
+
+    def __init__(self, workspace: Workspace, backend: Backend, formats: Formats,
+                 clock: Clock) -> None:
+        self.ws = workspace
+        self.backend = backend
+        self.formats = formats
+        self.clock = clock
+        self.submit_checks: list[Callable[[Any, Envelope], None]] = []
+        self.submit_guards: list[Callable[[Any, Envelope], ContextManager[Any]]] = [
+            self._no_dependencies]
+        self.hooks: SubmitHooks = self  # the two lists above are all the hooks it runs
+        self._schemas: SchemaCache | None = None
+
+    def _no_dependencies(self, _submitter: Any, envelope: Envelope) -> ContextManager[None]:
+        """Refuse a document naming dependencies (see the class); a no-op context otherwise."""
+        if envelope.depends_on:
+            raise InvalidDocument("a handoff with dependencies is created through an Engine "
+                                  "with the dependencies feature", handoff_id=envelope.handoff_id)
+        return nullcontext()
+
+    def validate(self, doc: dict[str, Any], dialect: Dialect, *, subject: str | None = None,
+                 handoff_id: str | None = None) -> None:
+        """:meth:`Engine.validate <handoffd.core.engine.Engine.validate>`: the schemas of
+        ``doc``'s format, this workspace's first (loaded at the first document that needs it)."""
+        from .validation import SchemaCache, check_document
+        if self._schemas is None:
+            self._schemas = SchemaCache(self.ws.schemas)
+        check_document(self._schemas, dialect, doc, subject=subject, handoff_id=handoff_id)
+
+    def submit(self, doc: dict[str, Any] | Any, *, forced: str | None = None,
+               prechecked: bool = False, if_absent: bool = False,
+               due_at: datetime | None = None) -> str:
+        """Create a handoff as :meth:`Engine.submit <handoffd.core.engine.Engine.submit>` does;
+        its id."""
+        return submit(self, doc, forced=forced, prechecked=prechecked, if_absent=if_absent,
+                      due_at=due_at)
 
 
 def submit(engine: Submitting, doc: dict[str, Any] | Any, *, forced: str | None = None,

@@ -17,16 +17,14 @@ minutes, the cost of a process start each.
 """
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
 from typing import Any, Callable
 
+from .logs import log
 from .specialists import Specialist, handler_reference
 from .storage import Records
-
-log = logging.getLogger("handoffd")
 
 KIND = "suspects"  # the shared records' kind
 SUSPECT_SECONDS = 600.0  # how long after a crash a suspect specialist's attempts run isolated

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # loaded by build_engine: a command that only reads needs ope
     from ..core.engine import Engine, Job, Verdict
     from ..core.events import EventLog
     from ..core.specialists import Registry, Specialist
+    from ..core.submission import Submitter
     from .rates import RateLimits
 
 Feature = Callable[["Engine"], object]
@@ -183,6 +184,30 @@ def open_event_log(workspace: Workspace, config: Config, backend: Backend | None
                         keep=config.daemon.events_keep)
 
 
+def open_recorded(workspace: Workspace, config: Config, *, backend: Backend | None = None,
+                  events: EventLog | None = None, clock: Clock = utc_now,
+                  monotonic: Callable[[], float] = time.monotonic,
+                  store: str | None = None) -> Backend:
+    """The store (``backend``, default :func:`open_backend`) logging each transition to
+    ``events`` (default :func:`open_event_log`, unless ``[daemon] events = false``)."""
+    from ..core.events import RecordingBackend
+    if backend is None:
+        backend = open_backend(workspace, config, monotonic=monotonic, store=store)
+    if events is None and config.daemon.events:
+        events = open_event_log(workspace, config, backend)
+    if events is not None:
+        backend = cast(Backend, RecordingBackend(backend, events, dialects.describe, clock))
+    return backend
+
+
+def open_submitter(workspace: Workspace, *, store: str | None = None) -> Submitter:
+    """A :class:`~handoffd.core.submission.Submitter` over ``workspace``'s store: what
+    ``handoff create --to`` without ``--depends-on`` needs, without an Engine."""
+    from ..core.submission import Submitter
+    backend = open_recorded(workspace, workspace.load_config(), store=store)
+    return Submitter(workspace, backend, dialects, utc_now)
+
+
 def build_engine(workspace: Workspace, config: Config | None = None,
                  registry: Registry | None = None, *, clock: Clock = utc_now,
                  monotonic: Callable[[], float] = time.monotonic,
@@ -196,14 +221,9 @@ def build_engine(workspace: Workspace, config: Config | None = None,
     ``[daemon] events = false``); ``store``: a store URL that beats the configuration's
     (``--store``)."""
     from ..core.engine import Engine
-    from ..core.events import RecordingBackend
     config = config or workspace.load_config()
-    if backend is None:
-        backend = open_backend(workspace, config, monotonic=monotonic, store=store)
-    if events is None and config.daemon.events:
-        events = open_event_log(workspace, config, backend)
-    if events is not None:
-        backend = cast(Backend, RecordingBackend(backend, events, dialects.describe, clock))
+    backend = open_recorded(workspace, config, backend=backend, events=events, clock=clock,
+                            monotonic=monotonic, store=store)
     engine = Engine(workspace, config, registry, backend=backend, formats=dialects, clock=clock)
     # formats review results before any feature's checks (seed 002: reported artifacts exist)
     engine.after_run.append(dialects.review_outcome)
@@ -230,4 +250,5 @@ __all__ = ["DEFAULT_FEATURES", "FEATURES", "GATE_FEATURES", "Feature", "build_en
            "install_features",
            "install_artifacts",
            "install_context", "install_rates", "open_backend", "open_event_log", "event_log_of",
+           "open_recorded", "open_submitter",
            "origin_of"]

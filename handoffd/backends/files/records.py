@@ -23,7 +23,6 @@ import copy
 import errno
 import fcntl
 import json
-import logging
 import os
 import re
 import stat
@@ -35,12 +34,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ...core.errors import ErrorCode, HandoffdError
+from ...core.logs import log
 from ...core.ownfiles import read_at_most
 from . import fsio
 from .fsio import MAX_DEPTH, nesting_depth, open_regular
 from .writes import move_to_quarantine
-
-log = logging.getLogger("handoffd")
 
 KIB = 1024
 # Bounds on a kind's whole file; a file over its bound is not even opened. The small kinds hold
