@@ -47,7 +47,8 @@ def test_bucket_bursts_then_spaces_starts(tmp_path: Path) -> None:
 def test_rate_parsing() -> None:
     assert (Rate.parse("30/m"), Rate.parse("5/s"), Rate.parse("10/90s")) == \
         (Rate(30, 60.0), Rate(5, 1.0), Rate(10, 90.0))
-    for bad in ("30", "x/m", "0/m", "3/0s", "3/q", 30):
+    assert Rate.parse(" 30 / m ") == Rate(30, 60.0)
+    for bad in ("30", "x/m", "0/m", "3/0s", "3/q", 30, "1_000/m", "+5/m", "\u0663/m", "3.0/m"):
         with pytest.raises(ConfigError):
             Rate.parse(bad)
 

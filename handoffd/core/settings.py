@@ -159,10 +159,11 @@ class Rate:
         if not isinstance(text, str) or text.count("/") != 1:
             raise ConfigError(f"rate {text!r} must look like \"30/m\" (count/period)")
         count_text, period = text.split("/")
-        try:
-            count = int(count_text.strip())
-        except ValueError:
-            raise ConfigError(f"rate {text!r}: {count_text!r} is not a whole number") from None
+        digits = count_text.strip()
+        # ASCII digits only, as durations: int() also takes "1_000", "+5" and "٣" (Arabic three)
+        if not (digits.isascii() and digits.isdigit()):
+            raise ConfigError(f"rate {text!r}: {count_text!r} is not a whole number")
+        count = int(digits)
         given = period.strip()
         seconds = parse_duration(given if given[:1].isdigit() else "1" + given,
                                  what=f"rate {text!r}: its period {given!r}")
