@@ -164,6 +164,19 @@ def test_list_handoffs_refuses_an_unknown_state(server: Server) -> None:
     assert [r["id"] for r in json.loads(server.text(9))["handoffs"]] == ["one"]
 
 
+def test_an_argument_a_tool_does_not_take_is_refused(server: Server) -> None:
+    """A misspelt argument (``timeot``) meant its default, unsaid: it is USAGE_ERROR, naming
+    it and what the tool takes, and nothing is done."""
+    server.tool(1, "create_handoff", {"to": "@echo", "data": {}, "handoffid": "meant"})
+    said = server.error(1)
+    assert "USAGE_ERROR: 'handoffid': no such argument (it takes " in said, said
+    assert "handoff_id" in said and "\n" not in said.strip()
+    server.tool(2, "list_handoffs", {})
+    assert json.loads(server.text(2))["handoffs"] == []  # nothing was created
+    server.tool(3, "wait_handoff", {"handoff_id": "x", "timeot": 1})
+    assert "USAGE_ERROR: 'timeot': no such argument" in server.error(3)
+
+
 def test_create_handoff_refuses_what_nests_too_deep(server: Server) -> None:
     """Filed anyway, `handoff show` could not read it back and the daemon set it aside
     (DOCUMENT_TOO_DEEP); `handoff create` refuses the same data with exit 2."""

@@ -126,10 +126,17 @@ class HandoffdServer(MCPServer):
     async def call_tool(self, name: str, arguments: dict[str, Any],
                         context: Context[Any, Any] | None = None) -> Any:
         """:meth:`MCPServer.call_tool`, its errors coded (see the class)."""
-        if self._tool_manager.get_tool(name) is None:  # (the SDK said "Unknown tool: x")
-            shown = repr(name) if len(name) <= 80 else f"{name[:77]!r}..."
+        tool = self._tool_manager.get_tool(name)
+        if tool is None:  # (the SDK said "Unknown tool: x")
             raise ToolError(f"Error executing tool {' '.join(name.split())[:80]}: USAGE_ERROR: "
-                            f"no tool {shown}")
+                            f"no tool {_shown(name)}")
+        # an argument the tool does not take was dropped unsaid, so a misspelt one (`timeot`,
+        # `handoffid`) silently meant its default: refused, as the CLI refuses an unknown option
+        takes = set((tool.parameters or {}).get("properties", {}))
+        unknown = sorted(str(key) for key in (arguments or {}) if key not in takes)
+        if unknown:
+            raise ToolError(f"Error executing tool {name}: USAGE_ERROR: {_shown(unknown[0])}: "
+                            f"no such argument (it takes {', '.join(sorted(takes)) or 'none'})")
         try:
             return await super().call_tool(name, arguments, context)
         except UnexpectedToolError as exc:
@@ -148,6 +155,11 @@ class HandoffdServer(MCPServer):
                 raise ToolError(f"Error executing tool {name}: USAGE_ERROR: "
                                 f"{first_problem(exc.__cause__)}") from None
             raise
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for one line, at most about 80 characters of it."""
+    return repr(text) if len(text) <= 80 else f"{text[:77]!r}..."
 
 
 def first_problem(exc: ValidationError) -> str:
