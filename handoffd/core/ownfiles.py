@@ -17,11 +17,13 @@ from typing import BinaryIO
 READ_STEP = 1 << 16
 
 
-def open_regular(path: Path | str, flags: int, mode: int = 0o644) -> int:
+def open_regular(path: Path | str, flags: int, mode: int = 0o644, *,
+                 dir_fd: int | None = None) -> int:
     """``os.open`` with ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC`` added, for a regular file only:
     anything else is an OSError (ELOOP for a symlink, ENXIO for a FIFO opened to write with no
-    reader, EINVAL for what opened but is no regular file)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    reader, EINVAL for what opened but is no regular file). ``dir_fd``: ``path`` is a name in
+    that folder (see :func:`open_folder`)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
@@ -49,10 +51,10 @@ def read_at_most(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_regular(path: Path | str, max_bytes: int) -> bytes:
+def read_regular(path: Path | str, max_bytes: int, *, dir_fd: int | None = None) -> bytes:
     """The bytes of one of handoffd's own files (:func:`open_regular`); OSError (EFBIG) when it
     holds more than ``max_bytes``."""
-    fd = open_regular(path, os.O_RDONLY)
+    fd = open_regular(path, os.O_RDONLY, dir_fd=dir_fd)
     try:
         data = read_at_most(fd, max_bytes + 1)
     finally:
@@ -68,6 +70,21 @@ def plain_folder(path: Path) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def open_folder(path: Path | str) -> int:
+    """A descriptor of the folder ``path`` itself, opened without following a symlink, to read,
+    write and remove records through (names relative to it, ``dir_fd=``): FileNotFoundError
+    when it is missing; another OSError (ELOOP, ENOTDIR) for a symlink or anything but a folder.
+    A folder swapped for a link after it was opened is not followed either."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def not_a_folder(path: Path | str, what: str) -> OSError:
+    """The error for a records folder that is no plain folder of the workspace (a symlink planted
+    there would take reads, writes and removals outside it); ``what``: what is refused."""
+    return OSError(errno.ENOTDIR, f"not a folder of the workspace (a symlink?); {what}",
+                   os.fspath(path))
 
 
 def _umask_now() -> int:

@@ -26,14 +26,17 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
+import stat
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .documents import hostname
-from .ownfiles import read_regular
+from .ownfiles import open_folder, open_regular, read_regular
 
 log = logging.getLogger("handoffd")
 
@@ -163,38 +166,103 @@ def record_path(root: Path, handoff_id: str) -> Path:
     return record_dir(root) / f"{handoff_id}.json"
 
 
+# ``.meta/procs`` is read, written and pruned only as a folder of the workspace itself, through
+# a descriptor opened without following a link: a symlink planted there once had the records
+# written, and every dot-file older than a minute (a home folder's .bashrc) removed, wherever it
+# pointed
+_refusals_said: set[str] = set()  # folders refused already (one error line each)
+_TEMP_NAME = re.compile(r"\..+\.tmp")  # a record's temp file (see write_record)
+
+
+@contextmanager
+def _records_folder(root: Path, *, create: bool = False) -> Iterator[int | None]:
+    """A descriptor of ``handoffs/.meta/procs`` itself (made first when ``create``); None when it
+    is missing or no plain folder (a symlink...): then nothing is read, written or removed
+    through it, and one error line says so (once, not at every attempt or sweep)."""
+    folder = record_dir(root)
+    if create:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # a file or a dangling symlink: refused just below
+    try:
+        fd = open_folder(folder)
+    except FileNotFoundError:
+        if create:
+            raise
+        fd = None
+    except OSError as exc:
+        if str(folder) not in _refusals_said:
+            _refusals_said.add(str(folder))
+            log.error("%s is not a folder of the workspace (a symlink?): no process record is "
+                      "read, written or removed there until it is one (%s)", folder,
+                      exc.strerror or exc)
+        fd = None
+    else:
+        _refusals_said.discard(str(folder))  # a folder again: a new refusal is said again
+    try:
+        yield fd
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def write_record(root: Path, record: RunRecord) -> None:
     """Write (or replace) the record atomically. Not fsynced: it only means something until the
     next reboot, and a lost record costs at most a leftover that the parent-death signal or the
-    token scan of the next attempt still catches."""
-    folder = record_dir(root)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{record.handoff_id}.{record.token}.tmp"
-    tmp.write_text(json.dumps(asdict(record)))
-    os.replace(tmp, record_path(root, record.handoff_id))
+    token scan of the next attempt still catches. Nothing is written when ``.meta/procs`` is
+    no plain folder of the workspace (never through a symlink; said once, see _records_folder):
+    the attempt runs, recorded as a lost record would be."""
+    name = f"{record.handoff_id}.json"
+    with _records_folder(root, create=True) as folder:
+        if folder is None:
+            return
+        tmp = f".{record.handoff_id}.{record.token}.tmp"
+        fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, dir_fd=folder)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(asdict(record)))
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=folder)
+            except OSError:
+                pass
+            raise
 
 
-def read_record(root: Path, handoff_id: str) -> RunRecord | None:
-    """The record of ``handoff_id``, or None if there is none (or it is unreadable)."""
+def _read_in(folder: int, handoff_id: str) -> RunRecord | None:
     try:
-        data = json.loads(read_regular(record_path(root, handoff_id), 1 << 16))
+        data = json.loads(read_regular(f"{handoff_id}.json", 1 << 16, dir_fd=folder))
         return RunRecord(**data)
     except (OSError, ValueError, TypeError):
         return None
 
 
-def remove_record(root: Path, handoff_id: str, token: str | None = None) -> None:
-    """Remove the record; with ``token``, only if it is still that attempt's (a newer attempt
-    may have replaced it)."""
-    path = record_path(root, handoff_id)
+def read_record(root: Path, handoff_id: str) -> RunRecord | None:
+    """The record of ``handoff_id``, or None if there is none (or it is unreadable, or
+    ``.meta/procs`` is no plain folder)."""
+    with _records_folder(root) as folder:
+        return None if folder is None else _read_in(folder, handoff_id)
+
+
+def _remove_in(folder: int, handoff_id: str, token: str | None) -> None:
     if token is not None:
-        current = read_record(root, handoff_id)
+        current = _read_in(folder, handoff_id)
         if current is not None and current.token != token:
             return
     try:
-        path.unlink()
+        os.unlink(f"{handoff_id}.json", dir_fd=folder)
     except FileNotFoundError:
         pass
+
+
+def remove_record(root: Path, handoff_id: str, token: str | None = None) -> None:
+    """Remove the record; with ``token``, only if it is still that attempt's (a newer attempt
+    may have replaced it)."""
+    with _records_folder(root) as folder:
+        if folder is not None:
+            _remove_in(folder, handoff_id, token)
 
 
 # ---------------------------------------------------------------- finding and killing
@@ -342,27 +410,33 @@ def kill_leftovers(workspace: Any, handoff_id: str, *, attempt: int | None = Non
 def prune_records(workspace: Any) -> int:
     """Remove records on this host whose attempt has no process left (a daemon died and the
     handoff was not retried here, e.g. it failed for good); returns how many were removed. Kills
-    nothing: a record whose processes live belongs to a running attempt or to kill_leftovers."""
-    root = workspace_root(workspace)
+    nothing: a record whose processes live belongs to a running attempt or to kill_leftovers.
+    Only a plain ``.meta/procs`` is pruned, through a descriptor (never through a symlink)."""
+    with _records_folder(workspace_root(workspace)) as folder:
+        return 0 if folder is None else _prune_in(folder)
+
+
+def _prune_in(folder: int) -> int:
     removed = 0
     try:
-        entries = list(os.scandir(record_dir(root)))
+        with os.scandir(folder) as listing:
+            entries = list(listing)
     except FileNotFoundError:
         return 0
     for entry in entries:
         if entry.name.startswith("."):
-            _remove_stale_temp(entry)
+            _remove_stale_temp(folder, entry)
             continue
         if not entry.name.endswith(".json"):
             continue
-        record = read_record(root, entry.name[:-5])
+        record = _read_in(folder, entry.name[:-5])
         if record is None or record.host != hostname():
             continue
         if record.local() and (_alive(record.daemon_pid) or scan(record.token, None)):
             continue
         if not record.local() and record.boot_id == boot_id():
             continue  # another pid namespace on this boot: its own daemons judge it
-        remove_record(root, record.handoff_id, record.token)
+        _remove_in(folder, record.handoff_id, record.token)
         removed += 1
     return removed
 
@@ -372,10 +446,14 @@ def _alive(pid: int) -> bool:
     return info is not None and info[0] not in ("Z", "X")
 
 
-def _remove_stale_temp(entry: os.DirEntry[str]) -> None:
-    """A temp file of a writer that died mid-write (older than a minute)."""
+def _remove_stale_temp(folder: int, entry: os.DirEntry[str]) -> None:
+    """A record's temp file (a regular ``.<id>.<token>.tmp``) of a writer that died mid-write
+    (older than a minute); nothing else in the folder is removed."""
+    if not _TEMP_NAME.fullmatch(entry.name):
+        return
     try:
-        if time.time() - entry.stat().st_mtime > 60:
-            os.unlink(entry.path)
+        info = entry.stat(follow_symlinks=False)
+        if stat.S_ISREG(info.st_mode) and time.time() - info.st_mtime > 60:
+            os.unlink(entry.name, dir_fd=folder)
     except OSError:
         pass

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Collection
 from ...core.documents import revision
 from ...core.errors import DuplicateHandoff, InvalidTransition, NotFound
 from ...core.logs import log
+from ...core.ownfiles import not_a_folder, open_folder
 from ...core.states import State
 from ...core.storage import LOST, LiveStamp, Wakeup, trusted_doc
 from ...core.workspace import Workspace
@@ -280,6 +281,12 @@ class FilesBackend(FencedFiling, Backend):
                              skip=skip)
 
     # ------------------------------------------------------------ cancel requests
+    # ``.meta/cancel`` is read, written and cleared only as a folder of the workspace itself,
+    # through a descriptor opened without following a link: a symlink planted there once made
+    # every daemon delete the ``*.json`` files of the folder it pointed to (a project's
+    # package.json) as requests for unknown handoffs
+    _cancel_refusal_said = False  # the one error line for a .meta/cancel that is no folder
+
     def _cancel_dir(self) -> Path:
         return self.ws.meta / "cancel"  # where handoffd.features.cancellation keeps them too
 
@@ -287,19 +294,67 @@ class FilesBackend(FencedFiling, Backend):
     def _cancel_folder(self) -> str:
         return str(self._cancel_dir())
 
+    def _open_cancel_folder(self) -> int | None:
+        """A descriptor of ``.meta/cancel`` itself; None when it is missing, or when it is no
+        plain folder (a symlink...): then nothing is read or removed through it, said once."""
+        try:
+            fd = open_folder(self._cancel_folder)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if not self._cancel_refusal_said:
+                self._cancel_refusal_said = True
+                log.error("%s is not a folder of the workspace (a symlink?): no cancel request "
+                          "is read, recorded or removed there until it is one (%s)",
+                          self._cancel_folder, exc.strerror or exc)
+            return None
+        self._cancel_refusal_said = False  # a folder again: a new refusal is said again
+        return fd
+
     def request_cancel(self, handoff_id: str, request: Doc) -> None:
         folder = self._cancel_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        fsio.replace(folder / f"{handoff_id}.json", fsio.dump_json(request), self.store.tmp,
-                     durable=self.store.durable)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # a file or a dangling symlink: refused just below
+        try:
+            fd = open_folder(folder)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise not_a_folder(folder, "no cancel request can be recorded there") from None
+        try:
+            tmp = fsio.write_temp(self.store.tmp, fsio.dump_json(request),
+                                  durable=self.store.durable)
+            try:  # renamed into the folder we opened, never through a link put there since
+                os.replace(tmp, f"{handoff_id}.json", dst_dir_fd=fd)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            if self.store.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         self._subscribers.fire(handoff_id, "cancel")
 
     def cancel_request(self, handoff_id: str) -> Doc | None:
-        path = os.path.join(self._cancel_folder, f"{handoff_id}.json")
-        if not os.path.lexists(path):  # the usual answer, asked twice per handoff: one lstat
+        name = f"{handoff_id}.json"
+        if not os.path.lexists(os.path.join(self._cancel_folder, name)):
+            return None  # the usual answer, asked twice per handoff: one lstat
+        fd = self._open_cancel_folder()
+        if fd is None:
             return None
+        try:
+            return self._read_cancel(fd, name)
+        finally:
+            os.close(fd)
+
+    def _read_cancel(self, folder: int, name: str) -> Doc | None:
         try:  # a FIFO or a symlink to /dev/zero there must neither block nor run on
-            data = fsio.read_regular(path, MAX_RECORD_BYTES)
+            data = fsio.read_regular(name, MAX_RECORD_BYTES, dir_fd=folder)
         except OSError:
             return None
         try:
@@ -309,17 +364,29 @@ class FilesBackend(FencedFiling, Backend):
         return body if isinstance(body, dict) else {"reason": "cancellation requested"}
 
     def cancel_requests(self) -> dict[str, Doc]:
-        try:
-            names = [n[:-5] for n in os.listdir(self._cancel_dir()) if n.endswith(".json")]
-        except FileNotFoundError:
+        fd = self._open_cancel_folder()
+        if fd is None:
             return {}
-        return {n: body for n in names if (body := self.cancel_request(n)) is not None}
+        try:
+            names = [n for n in os.listdir(fd) if n.endswith(".json")]
+            return {n[:-5]: body for n in names
+                    if (body := self._read_cancel(fd, n)) is not None}
+        finally:
+            os.close(fd)
 
     def clear_cancel(self, handoff_id: str) -> None:
+        name = f"{handoff_id}.json"
+        if not os.path.lexists(os.path.join(self._cancel_folder, name)):
+            return  # the usual answer, asked once per filed handoff: one lstat
+        fd = self._open_cancel_folder()
+        if fd is None:
+            return
         try:
-            os.unlink(os.path.join(self._cancel_folder, f"{handoff_id}.json"))
+            os.unlink(name, dir_fd=fd)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------ dedup, waiting, wake-ups
     def seen_add(self, handoff_id: str, now: datetime) -> None:
