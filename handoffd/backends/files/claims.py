@@ -21,6 +21,7 @@ from ...core.documents import book, book_int, hostname
 from ...core.errors import (
     DocumentNotReady,
     ErrorCode,
+    HandoffdError,
     InvalidDocument,
     UnreadableDocument,
 )
@@ -236,17 +237,34 @@ class Claimer:
         """See :meth:`Backend.expired_claims`: new claims on handoffs whose owner is gone."""
         taken: Claims = []
         for handoff_id in self.store.ids(State.IN_PROGRESS):
-            # one recoverer at a time per handoff (the sweeper takes the same guard)
-            guard = recover_guard(self.store, handoff_id)
-            if guard is None:
-                continue
+            # each handoff on its own: one whose lock cannot be had (EISDIR, ELOOP, EACCES...)
+            # or whose file cannot be rewritten is logged and left for the next sweep, and the
+            # others are recovered (an OSError here once dropped the whole list, every sweep)
             try:
-                claim = self._take_over(handoff_id, now, lease_seconds)
-            finally:
-                release_lock(guard)
+                claim = self._recover_one(handoff_id, now, lease_seconds)
+            except (OSError, HandoffdError) as exc:
+                code = getattr(exc, "code", None)
+                log.error("sweep: recovering %s failed: %s%s; the next sweep tries again",
+                          handoff_id, exc, f" [{code}]" if code else "")
+                continue
+            except Exception:  # a bug must not stop the recovery of the others either
+                log.exception("sweep: recovering %s failed; the next sweep tries again",
+                              handoff_id)
+                continue
             if claim is not None:
                 taken.append(claim)
         return taken
+
+    def _recover_one(self, handoff_id: str, now: datetime, lease_seconds: float) -> Claim | None:
+        """A new claim on ``handoff_id`` if its owner is gone, under its recovery guard."""
+        # one recoverer at a time per handoff (the sweeper takes the same guard)
+        guard = recover_guard(self.store, handoff_id)
+        if guard is None:
+            return None
+        try:
+            return self._take_over(handoff_id, now, lease_seconds)
+        finally:
+            release_lock(guard)
 
     def _take_over(self, handoff_id: str, now: datetime, lease_seconds: float) -> Claim | None:
         """A new claim on ``handoff_id`` if its owner is gone: the in-progress file is rewritten

@@ -99,14 +99,102 @@ def release_lock(lock: "FileLock | NullLock") -> None:
 
 
 def try_lock(path: Path) -> FileLock | None:
-    """Acquire ``path`` without waiting; None if another process (or claim) holds it."""
+    """Acquire ``path`` without waiting; None if another process (or claim) holds it.
+
+    ``path`` is a lock file of a workspace's ``handoffs/.locks``. An entry planted under its
+    name that is no regular file (a folder: EISDIR; a symlink: ELOOP, the lock is opened
+    without following one; a FIFO, which would be "locked") is moved to the quarantine first
+    (:func:`set_aside_planted`), so that it never keeps the lock from being had for good: a
+    folder planted at one handoff's ``.recover.lock`` once stopped the recovery of every
+    abandoned claim. OSError when the lock still cannot be had (the caller's handoff's
+    problem alone)."""
     from filelock import FileLock, Timeout
-    lock = FileLock(str(path), timeout=0)
+    for last in (False, True):
+        if _planted(path):
+            set_aside_planted(path)
+        lock = FileLock(str(path), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            return None
+        except OSError:
+            if last or not _planted(path):  # planted between our look and the open: once more
+                raise
+            continue
+        return lock
+    raise AssertionError("unreachable")
+
+
+# how long set_aside_planted waits for another process's hold of the locks folder's own flock
+FOLDER_LOCK_WAIT_SECONDS = 2.0
+
+
+def set_aside_planted(path: Path) -> None:
+    """Move the entry at ``path`` (a lock file's name in ``handoffs/.locks``) to the workspace's
+    quarantine (``handoffs/.quarantine``, as the store sets files aside: ``handoff ls`` lists
+    it) if it is no regular file, said in one warning line. Nothing is done to a regular file
+    or to an entry gone meanwhile. OSError when it cannot be moved.
+
+    Under the flock of the folder itself, the entry looked at again: two processes finding
+    the plant at once must not both move "it", the second taking away the live lock file the
+    first made in its place meanwhile (two holders). Nothing else renames an entry there."""
+    import time
+
+    from ...core.errors import ErrorCode
+    from ...core.logs import log
+    from .writes import move_to_quarantine
+
+    folder = path.parent
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        lock.acquire()
-    except Timeout:
-        return None
-    return lock
+        deadline = time.monotonic() + FOLDER_LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:  # a stopped or hostile holder: never a stall
+                    raise OSError(errno.EWOULDBLOCK, f"{_shown(folder)}/ has been locked by "
+                                  f"another process for over {FOLDER_LOCK_WAIT_SECONDS:g} s; "
+                                  f"{path.name}, no regular file, is left there", str(path))
+                time.sleep(0.01)
+        if not _planted(path):
+            return  # moved by another process (a lock file may be there now), or gone
+        what = "is not a regular file"
+        target = move_to_quarantine(folder.parent / ".quarantine", path,
+                                    str(ErrorCode.NOT_A_REGULAR_FILE),
+                                    f"{path.name} {what} (a lock file's name in .locks)",
+                                    _publish_reason)
+    finally:
+        os.close(fd)  # closing drops the lock
+    log.warning("%s/%s %s: moved to %s/%s so that its lock can be taken [%s]", _shown(folder),
+                path.name, what, _shown(target.parent), target.name,
+                ErrorCode.NOT_A_REGULAR_FILE)
+
+
+def _publish_reason(dst: Path, data: bytes) -> None:
+    """Write a quarantined entry's reason (a temp file of a random name beside it, never
+    through a link, renamed into place); a failure is one warning: the entry moved already."""
+    from ...core.logs import log
+    from .records import _publish
+    try:
+        _publish(dst, data)
+    except OSError as exc:
+        log.warning("%s/%s: cannot record why it was moved (%s)", _shown(dst.parent), dst.name,
+                    exc.strerror or exc)
+
+
+def _planted(path: Path) -> bool:
+    """True when an entry that is no regular file (a folder, symlink, FIFO...) is at ``path``."""
+    try:
+        return not stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:  # absent, or its folder unusable: nothing to move
+        return False
+
+
+def _shown(folder: Path) -> str:
+    """A folder of the workspace's ``handoffs/`` as a log line names it (``handoffs/.locks``)."""
+    return f"{folder.parent.name}/{folder.name}"
 
 
 def lock_document(path: Path) -> int | None:

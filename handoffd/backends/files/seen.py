@@ -4,6 +4,10 @@ Documents stay in their state folders, which are the first line of dedup; this r
 catches an id reused after its terminal document was purged or archived. It is an append-only
 JSON Lines file, read incrementally (only the appended tail), and compacted under a lock when
 older entries pass the TTL.
+
+It sits in the workspace, where anyone can write: it is read a block at a time, and a line
+longer than :data:`MAX_LINE` (none of ours is) is skipped unread, so a forged record costs time
+in proportion to its size and a bounded amount of memory, never the whole file at once.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from .idindex import IdIndex
 
 # the record is compacted once its oldest entry is this many TTLs old: a quarter of it then
 COMPACT_AFTER = 1.25
-MAX_LINE = 4096  # an id is at most 256 characters (check_id): a line is far shorter
+MAX_LINE = 4096  # an id is at most 256 characters (check_id): a line is far shorter; a
+# longer one is no line of ours and is skipped (its bytes past this bound are never kept)
 SEARCH_BLOCK = 1 << 20  # bytes of the record read at a time by a one-shot search
 
 
@@ -40,6 +45,7 @@ class SeenIds:
         self._inode = -1
         self._mutex = threading.Lock()
         self._searched = False  # the first contains() searched the record (see there)
+        self._skipping = False  # _offset is inside a line over MAX_LINE: skipped to its end
         self._lock: int | None = None  # the lock file, kept open
         self._out = fsio.Appender(path)  # the record, kept open for appends
 
@@ -59,6 +65,7 @@ class SeenIds:
                 written = self._out.write_line(line, info)
                 if (info.st_ino, info.st_size) == (self._inode, self._offset):
                     self._offset += written  # nothing new to read back but our own line
+                    self._skipping = False  # (which ends any over-long line before it)
             finally:
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
             self._cache.put(handoff_id, now.timestamp())
@@ -102,14 +109,10 @@ class SeenIds:
         latest: float | None = None
         try:
             with open_reading(self.path) as record:
-                rest = b""
-                while block := record.read(SEARCH_BLOCK):
-                    data = rest + block
-                    whole = data.rfind(b"\n") + 1  # complete lines only; the rest waits
-                    found = _last_seen(data[:whole], needle, handoff_id)
+                for lines in _Lines(record):
+                    found = _last_seen(lines, needle, handoff_id)
                     if found is not None:
                         latest = found if latest is None else max(latest, found)
-                    rest = data[whole:]
         except FileNotFoundError:
             return None
         return latest
@@ -126,12 +129,14 @@ class SeenIds:
             return
         if info.st_ino != self._inode or info.st_size < self._offset:
             self._cache, self._offset, self._inode = IdIndex(), 0, info.st_ino
+            self._skipping = False
         with open_reading(self.path) as fh:
             fh.seek(self._offset)
-            tail = fh.read()
-        complete = tail[: tail.rfind(b"\n") + 1]  # a line still being appended waits
-        self._offset += len(complete)
-        self._cache.update(_parse(complete))
+            lines = _Lines(fh, skipping=self._skipping)
+            for complete in lines:  # a line still being appended waits
+                self._cache.update(_parse(complete))
+        self._offset += lines.consumed
+        self._skipping = lines.skipping
 
     def compact(self, now: datetime) -> int | None:
         """Drop the entries older than the TTL, once the oldest is COMPACT_AFTER TTLs old; how
@@ -153,20 +158,77 @@ class SeenIds:
             except FileNotFoundError:
                 return 0
             self._cache, self._offset, self._inode = IdIndex(), 0, -1
+            self._skipping = False
         return kept
 
     def _rewrite(self, record: BinaryIO, now: float) -> int:
-        """Replace the record by its lines seen within the TTL (under the lock); how many."""
-        tmp = self.path.with_suffix(".compact")
+        """Replace the record by its lines seen within the TTL (under the lock); how many.
+
+        The new record is written to a temp file of a random name beside it (the shared
+        records' temp name, :data:`.records.TEMP_NAME`, which the sweep removes once old if a
+        crash left it), created afresh without following a link, then renamed over the record.
+        A name known ahead (``seen-ids.compact``) let a FIFO planted there stall the sweep for
+        good (its open blocked, holding the record's lock), and a symlink have the record
+        written outside the workspace and the link renamed over it."""
+        tmp = self.path.with_name(f".{self.path.stem}.{os.urandom(8).hex()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
         kept = 0
-        with open(tmp, "wb") as out:
-            for line in record:
-                at = _time_of(line)
-                if at is not None and now - at < self.ttl and line.endswith(b"\n"):
-                    out.write(line)
-                    kept += 1
-        os.replace(tmp, self.path)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                os.fchmod(out.fileno(), fsio.FILE_MODE)  # the starting umask, not a handler's
+                for lines in _Lines(record):
+                    fresh = []
+                    for line in lines.split(b"\n")[:-1]:  # (complete lines: the last is empty)
+                        at = _time_of(line) if len(line) <= MAX_LINE else None
+                        if at is not None and now - at < self.ttl:
+                            fresh.append(line + b"\n")
+                    out.write(b"".join(fresh))
+                    kept += len(fresh)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         return kept
+
+
+class _Lines:
+    """The complete lines of ``fh`` from where it stands, read :data:`SEARCH_BLOCK` bytes at a
+    time and given in runs (bytes ending with a newline); a line still being appended (no
+    newline yet) is left unread. A line over :data:`MAX_LINE` is never held whole: once that
+    much of it is read without its newline, it is skipped to its end (``skipping`` after the
+    last block: still inside it). ``consumed``: the bytes read past that are settled (given
+    or skipped); a run given may still hold a complete line over the bound (its readers skip
+    it: :func:`_last_seen`, :func:`_parse`, :meth:`SeenIds._rewrite`)."""
+
+    def __init__(self, fh: BinaryIO, *, skipping: bool = False) -> None:
+        self.fh = fh
+        self.skipping = skipping
+        self.consumed = 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        rest = b""
+        while block := self.fh.read(SEARCH_BLOCK):
+            if self.skipping:
+                end = block.find(b"\n")
+                if end < 0:
+                    self.consumed += len(block)
+                    continue
+                self.consumed += end + 1
+                block = block[end + 1:]
+                self.skipping = False
+            data = rest + block if rest else block
+            whole = data.rfind(b"\n") + 1  # complete lines only; the rest waits
+            rest = data[whole:]
+            if len(rest) > MAX_LINE:  # no line of ours: skipped, never kept whole
+                self.consumed += len(rest)
+                rest, self.skipping = b"", True
+            if whole:
+                self.consumed += whole
+                yield data[:whole]
 
 
 def _entry(line: bytes | str) -> tuple[str, float] | None:
@@ -187,7 +249,7 @@ def _last_seen(data: bytes, needle: bytes, handoff_id: str) -> float | None:
     while (hit := data.rfind(needle, 0, end)) >= 0:
         start = data.rfind(b"\n", 0, hit) + 1
         stop = data.find(b"\n", hit)  # (there is one: data holds complete lines)
-        entry = _entry(data[start:stop])
+        entry = _entry(data[start:stop]) if stop - start <= MAX_LINE else None
         if entry is not None and entry[0] == handoff_id:
             latest = entry[1] if latest is None else max(latest, entry[1])
         end = start
@@ -205,8 +267,11 @@ def _line(handoff_id: str, at: datetime) -> str:
 
 
 def _parse(data: bytes) -> Iterator[tuple[str, float]]:
-    """The entries of record lines; a torn line after a crash, or a foreign one, is skipped."""
-    for line in data.decode("utf-8", "replace").splitlines():
-        entry = _entry(line)
+    """The entries of record lines; a torn line after a crash, or a foreign one (one over
+    :data:`MAX_LINE` bytes too), is skipped."""
+    for raw in data.split(b"\n"):
+        if len(raw) > MAX_LINE:
+            continue
+        entry = _entry(raw.decode("utf-8", "replace"))
         if entry is not None:
             yield entry
