@@ -549,3 +549,62 @@ def test_the_sweep_removes_a_staged_owner_lock_only_once_its_process_is_surely_g
         os.close(holder)
     assert done == {"locks_removed": [dead.name], "temp_files_removed": []}
     assert sorted(p.name for p in locks.iterdir()) == sorted([young.name, held.name])
+
+
+FORKER = '''
+import os, pathlib, time
+
+def forks(h, ctx=None):
+    pid = os.fork()  # no exec: the child keeps the daemon's memory and descriptors
+    if pid == 0:
+        try:
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    pathlib.Path(os.environ["FORKED_PIDFILE"]).write_text(str(pid))
+    time.sleep(60)
+    return {"status": "completed"}
+'''
+
+
+def test_a_child_a_handler_forks_does_not_keep_a_dead_daemons_claims_alive(
+        tmp_path: Path) -> None:
+    """A Python handler that forks without exec (``multiprocessing``'s default start on Linux)
+    gave its child the daemon's owner-lock descriptor: the daemon killed, its claim looked
+    alive for as long as the child lived. The child's copy is closed at the fork, so the claim
+    is recovered at the next sweep."""
+    root = tmp_path / "ws"
+    (root / "plug").mkdir(parents=True)
+    (root / "plug" / "forker.py").write_text(FORKER)
+    (root / "handoffd.toml").write_text(
+        "[daemon]\nsweep_seconds = 0.5\nsettle_seconds = 0.1\nclaim_grace_seconds = 1.0\n"
+        "lease_seconds = 60.0\n\n[specialists.\"@forker\"]\nhandler = \"forker:forks\"\n")
+    Workspace(root).ensure()
+    pidfile = tmp_path / "forked.pid"
+    env = {**os.environ, "PYTHONPATH": str(root / "plug"), "FORKED_PIDFILE": str(pidfile)}
+    made = subprocess.run([exe("handoff"), "create", "--root", str(root), "--to", "@forker",
+                           "--id", "f1"], capture_output=True, text=True, timeout=30, env=env)
+    assert made.returncode == 0, made.stderr
+    daemon = subprocess.Popen([exe("handoffd"), "serve", "--root", str(root)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    forked = 0
+    try:
+        wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), 30, "the fork")
+        forked = int(pidfile.read_text())
+        daemon.kill()
+        daemon.wait(timeout=10)
+        time.sleep(1.2)  # past the claim grace
+        swept = subprocess.run([exe("handoffd"), "sweep", "--root", str(root)],
+                               capture_output=True, text=True, timeout=60, env=env)
+        assert swept.returncode == 0, swept.stderr
+        assert not (root / "handoffs" / "in-progress" / "f1.json").exists(), swept.stdout
+        assert (root / "handoffs" / "pending" / "f1.json").exists(), swept.stdout
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait(timeout=10)
+        if forked:
+            try:
+                os.kill(forked, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

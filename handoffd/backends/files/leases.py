@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -267,6 +268,23 @@ class OwnerLocks:
         self.shields: list[OwnerLock] = []
         self._mutex = threading.Lock()
         self._given_up: set[str] = set()  # lease tokens of claims ended here without being filed
+        _LIVE.add(self)
+
+    def forget_in_child(self) -> None:
+        """Right after a fork, in the child: close the inherited descriptors of the parent's
+        owner locks. A Python handler that forks without exec (``multiprocessing``'s default
+        start) left its children holding the lock through them: a daemon killed while such a
+        child lived kept its claims looking alive, unrecovered until the child exited. Closing
+        a child's copy never frees the parent's lock. No mutex is taken: another thread of the
+        parent may have held it at the fork."""
+        for lock in (self.held, *self.shields):
+            if lock is not None and lock.fd_ours():
+                try:
+                    os.close(lock.fd)
+                except OSError:
+                    pass
+        self.held, self.shields = None, []
+        self._mutex = threading.Lock()
 
     def name(self) -> str:
         """The name of the lock file this process holds while it lives: every claim's lease
@@ -412,3 +430,15 @@ class OwnerLocks:
             from .ownerlock import drop_lock
             for lock in mine:
                 drop_lock(lock, self.folder)
+
+
+# every OwnerLocks of this process, for the fork hook below (weakly: a closed store's goes)
+_LIVE: "weakref.WeakSet[OwnerLocks]" = weakref.WeakSet()
+
+
+def _forget_owner_locks() -> None:
+    for owners in list(_LIVE):
+        owners.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_owner_locks)
