@@ -132,8 +132,10 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     if spec is None:
         engine.handback(claim, dialect, reason=f"no specialist registered for {envelope.target}")
         return None
+    # the handler runs as its specialist's agent (a hi_moe hint nobody serves: its tier's), as
+    # a command's HANDOFF_TARGET says: its context is that agent's
     ctx = HandlerContext(handoff_id=handoff_id, attempt=claim.attempt, root=engine.ws.root,
-                         data=envelope.data, target=envelope.target,
+                         data=envelope.data, target=spec.agent,
                          max_output_bytes=engine.settings.max_output_bytes)
     return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
 

@@ -50,15 +50,19 @@ def wait_attempt(done: threading.Event, ctx: HandlerContext, timeout: float) -> 
 def clear_previous_attempt(ctx: HandlerContext) -> None:
     """Kill what an earlier attempt of this handoff left running on this host; refuse to start
     (a retryable error) while any of it survives, so two runs of one handoff never overlap."""
+    # any failure (a disk error; a malformed record, whose fields are not the types they
+    # should be: a TypeError once stranded the claim until recovery) is one logged line and the
+    # attempt starts: the token scan and the parent-death signal still bound a leftover
     try:
         procs.kill_leftovers(ctx.root, ctx.handoff_id, attempt=ctx.attempt)
-    except OSError as exc:
-        log.warning("handoff %s: cannot check for leftover processes: %s", ctx.handoff_id, exc)
+        left = procs.read_record(ctx.root, ctx.handoff_id)
+        if left is None or not left.local() or left.attempt > ctx.attempt:
+            return
+        alive = procs.scan(left.token, None)
+    except Exception as exc:
+        log.warning("handoff %s: cannot check for leftover processes: %s: %s", ctx.handoff_id,
+                    type(exc).__name__, str(exc)[:200])
         return
-    left = procs.read_record(ctx.root, ctx.handoff_id)
-    if left is None or not left.local() or left.attempt > ctx.attempt:
-        return
-    alive = procs.scan(left.token, None)
     if alive:
         raise HandlerError(f"handoff {ctx.handoff_id}: {len(alive)} process(es) of attempt "
                            f"{left.attempt} survive SIGKILL (pids "
@@ -125,6 +129,14 @@ def end_attempt(ctx: HandlerContext, proc: subprocess.Popen[bytes], token: str,
         procs.remove_record(ctx.root, ctx.handoff_id, token)
 
 
+def signal_name(number: int) -> str:
+    """``SIGSEGV`` for 11: how both runners say which signal ended a child (else "unknown")."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
+
+
 def signal_all(pgid: int, token: str, sig: int) -> None:
     """Send ``sig`` to the attempt's process group and to every process carrying its token."""
     try:
@@ -177,7 +189,10 @@ class Collector:
 
     def __init__(self, pipe: Any, limit: int, *, keep_tail: bool) -> None:
         self.pipe, self.limit, self.keep_tail = pipe, limit, keep_tail
-        self.chunks: list[bytes] = []
+        # one buffer, not a list of the reads: a handler writing a byte at a time once cost
+        # ~40 bytes of daemon memory per byte (a bytes object and a list slot per read), so the
+        # output cap did not bound memory
+        self.buffer = bytearray()
         self.size = 0
         self.overflow = False
         self.on_overflow: Any = None
@@ -198,12 +213,12 @@ class Collector:
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     break
-                self.chunks.append(chunk)
-                self.size += len(chunk)
+                self.buffer += chunk
+                self.size = len(self.buffer)
                 if self.size > self.limit:
                     if self.keep_tail:
-                        joined = b"".join(self.chunks)[-self.limit:]
-                        self.chunks, self.size = [joined], len(joined)
+                        del self.buffer[:-self.limit]  # (cheap: the front is dropped in place)
+                        self.size = len(self.buffer)
                     else:
                         self.overflow = True
                         if self.on_overflow:
@@ -228,4 +243,4 @@ class Collector:
 
     def data(self) -> bytes:
         """What was kept of the pipe's output."""
-        return b"".join(self.chunks)
+        return bytes(self.buffer)

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from .childproc import (
     await_exit,
     clear_previous_attempt,
     end_attempt,
+    signal_name,
     wait_attempt,
     write_record,
 )
@@ -227,7 +227,7 @@ def _answer(channel: "_Channel", code: int | None, output: bytes, handoff_id: st
         details: dict[str, Any] = {PROCESS_DIED: True, "output_tail": tail}
         if code is not None and code < 0:
             details["signal"] = -code
-            how = f"died (signal {-code}, {_signal_name(-code)})"
+            how = f"died (signal {-code}, {signal_name(-code)})"
         else:
             details["exit_code"] = code
             how = f"exited with status {code} without a result"
@@ -236,13 +236,6 @@ def _answer(channel: "_Channel", code: int | None, output: bytes, handoff_id: st
     if "error" in final:
         raise _error_from(final["error"], handoff_id)
     return validate_result(final.get("result"), handoff_id, max_output_bytes)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return "unknown"
 
 
 def _error_from(given: Any, handoff_id: str) -> HandlerError:

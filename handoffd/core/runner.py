@@ -10,6 +10,7 @@ however it ends, nothing it started is left running: see :func:`run_command`.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from .childproc import (
     clear_previous_attempt,
     end_attempt,
     feed,
+    signal_name,
     wait_attempt,
     write_record,
 )
@@ -290,8 +292,12 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     token = procs.new_token()
     env = dict(os.environ)
     env.update(spec.config.env)
+    # $HANDOFF_TARGET is the agent the handler runs as (docs/orchestration.md: `handoff context
+    # set` writes as it), from handoffd.toml: a hi_moe specialist_hint nobody serves falls back to
+    # its tier's specialist, and the hint itself (any string of the document's: a NUL, 200 kB)
+    # once went into the environment and the attempt could not start
     env.update(HANDOFF_ID=ctx.handoff_id, HANDOFFD_ROOT=str(ctx.root),
-               HANDOFF_ATTEMPT=str(ctx.attempt), HANDOFF_TARGET=ctx.target)
+               HANDOFF_ATTEMPT=str(ctx.attempt), HANDOFF_TARGET=spec.agent)
     env.update(ctx.env)  # set by engine hooks, e.g. HANDOFF_ARTIFACT_PATH
     env[procs.TOKEN_ENV] = token  # last: nothing may override it
     clear_previous_attempt(ctx)
@@ -301,11 +307,9 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
                                 preexec_fn=procs.child_setup(os.getpid()))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # (ValueError: a NUL, an unencodable character)
         procs.remove_record(ctx.root, ctx.handoff_id, token)
-        raise HandlerError(f"handoff {ctx.handoff_id}: cannot start {argv[0]!r}: {exc.strerror}; "
-                           f"check command in handoffd.toml for {spec.agent}",
-                           handoff_id=ctx.handoff_id, retryable=False) from None
+        raise _start_failed(exc, argv, env, spec.agent, ctx.handoff_id) from None
     record.pgid = proc.pid
     record.leader_start = procs.start_time(proc.pid)
     write_record(ctx, record)
@@ -339,9 +343,69 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     return _parse_output(proc.returncode, out.data(), err.data(), ctx.handoff_id)
 
 
+def _start_failed(exc: OSError | ValueError, argv: list[str], env: dict[str, str], agent: str,
+                  handoff_id: str) -> HandlerError:
+    """Why a command could not start, as one line that blames what is at fault: a command that
+    is not there or not executable is handoffd.toml's; arguments and environment the system
+    refuses (too large: E2BIG; a NUL byte or an unencodable character: ValueError) may come
+    from handoffd.toml, the daemon's own environment or this handoff (e.g. its answers in
+    $HANDOFF_CLARIFICATIONS), so the line names the largest or the offending variable."""
+    head = f"handoff {handoff_id}: cannot start {argv[0][:200]!r} for {agent}"
+    if isinstance(exc, OSError) and exc.errno == errno.E2BIG:
+        sizes = {name: _size(name) + _size(value) + 2 for name, value in env.items()}
+        total = sum(sizes.values()) + sum(_size(arg) + 1 for arg in argv)
+        name = max(sizes, key=sizes.__getitem__, default="")
+        message = (f"{head}: its arguments and environment are too large for the system "
+                   f"(E2BIG: {total} bytes; the largest variable is ${ascii(name[:60])[1:-1]}, "
+                   f"{sizes.get(name, 0)} bytes, and one may not exceed 128 KiB); shrink "
+                   "command or env in handoffd.toml, the daemon's environment, or what this "
+                   "handoff passes")
+        reason = "E2BIG"
+    elif isinstance(exc, OSError):
+        message = (f"{head}: {exc.strerror or type(exc).__name__}; check command in handoffd.toml "
+                   f"for {agent}")
+        reason = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+    else:
+        message = f"{head}: {_unpassable(argv, env)}; the system cannot pass it to a process"
+        reason = "UNPASSABLE"
+    return HandlerError(message, handoff_id=handoff_id, retryable=False,
+                        details={"cannot_start": reason})
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _unpassable(argv: list[str], env: dict[str, str]) -> str:
+    """Which argument or environment variable the system cannot pass (a NUL byte, a character
+    that cannot be encoded, an '=' in a variable's name: what makes Popen raise ValueError)."""
+    for number, arg in enumerate(argv):
+        if not _passable(arg):
+            return (f"argument {number} of its command (handoffd.toml) holds a NUL byte or a "
+                    "character that cannot be encoded")
+    for name, value in env.items():
+        if not _passable(name) or "=" in name or not _passable(value):
+            shown = ascii(name[:60])[1:-1]
+            return (f"the environment variable ${shown} holds a NUL byte or a character that "
+                    "cannot be encoded, or its name an '='")
+    return "its arguments or environment hold a NUL byte or a character that cannot be encoded"
+
+
+def _passable(text: str) -> bool:
+    try:
+        os.fsencode(text)
+    except (UnicodeError, ValueError):
+        return False
+    return "\0" not in text
+
+
 def _parse_output(code: int, stdout: bytes, stderr: bytes, handoff_id: str) -> dict[str, Any]:
     tail = stderr.decode("utf-8", "replace").strip()[-STDERR_TAIL:]
     hint = f"; stderr: {tail}" if tail else ""
+    if code < 0:  # killed by a signal: said as an isolated Python handler's death is
+        raise HandlerError(f"handoff {handoff_id}: handler died (signal {-code}, "
+                           f"{signal_name(-code)}){hint}", handoff_id=handoff_id,
+                           details={"signal": -code, "stderr_tail": tail})
     if code != 0:
         raise HandlerError(f"handoff {handoff_id}: handler exited with status {code}{hint}",
                            handoff_id=handoff_id, details={"exit_code": code, "stderr_tail": tail})

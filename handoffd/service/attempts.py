@@ -204,7 +204,12 @@ class Attempts(HeldOutcomes):
         """Log an unexpected error about ``handoff_id`` (its traceback the first time) and look
         at it again only after a back-off doubling from 1 s to a minute: one document a bug
         cannot handle (a row no reader can load) once made a batch loop on it for ever, a
-        traceback a millisecond."""
+        traceback a millisecond. Counted in the report (a batch that ends meanwhile exits
+        non-zero, and says so: one whose claim a bug stranded once said "completed 0, failed 0"
+        and exited 0). The claim is not handed back: the handler may have run (the error may
+        come from its filing), and an uncounted hand-back would run it again at once, for ever;
+        recovery, after the lease, counts the attempt under its retry policy."""
+        self.report.errors += 1
         counts = self.unexpected_in_a_row
         tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
         delay = min(UNEXPECTED_MAX_SECONDS, 2.0 ** (tries - 1))
