@@ -9,7 +9,19 @@ meanwhile been retried, so two runs of one handoff overlap. To prevent that, eve
   (``HANDOFFD_RUN_TOKEN=<token>``), which every descendant inherits, even one that calls setsid;
 * gets ``PR_SET_PDEATHSIG(SIGKILL)``, so the direct child dies with its daemon;
 * is recorded in ``handoffs/.meta/procs/<handoff_id>.json`` (host, boot id, pid namespace, process
-  group, token, attempt) while it runs.
+  group, attempt, and a digest of the token bound to the handoff id and attempt) while it runs.
+
+A record is a file in the workspace, and anyone who can write the workspace can plant one: a
+planted record naming an unrelated process group (its leader's pid and start time are public in
+/proc) once had the daemon SIGKILL that group. So a record only ever leads to processes that
+prove they are the attempt's: a process is the attempt's when its environment carries a token
+whose digest is the record's, and a process group only when one of its members is (never the
+daemon's own group). The token itself is never written to the workspace, only
+``token_digest`` = HMAC-SHA-256 keyed by a fixed label over (handoff id, attempt, token): whoever
+reads a record (mode 0644) cannot make another process match it, nor copy it under another
+handoff id or attempt to reach a running attempt's processes. A record whose fields are not
+exactly what :func:`write_record` writes (a missing or unknown field, a wrong type, a number
+out of bounds, the id of another handoff) is ignored, with one warning line.
 
 :func:`kill_run` kills an attempt's leftovers (its process group and every process whose
 ``/proc/<pid>/environ`` carries the token) and waits until they are gone. The runner calls it when
@@ -18,7 +30,9 @@ starts on a host where the previous attempt's processes still live. Whoever reco
 claim should call :func:`kill_leftovers` too, before handing the handoff back.
 
 Limits: only processes on this host (same boot, same pid namespace) can be found; a descendant that
-clears its environment *and* leaves the process group cannot be recognised.
+clears its environment *and* leaves the process group cannot be recognised, nor can, after its
+daemon died, a group none of whose members still carries the token (the leader's pid and start
+time alone no longer vouch for it: anyone can read them).
 """
 from __future__ import annotations
 
@@ -31,11 +45,12 @@ import signal
 import stat
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .documents import hostname
+from .hashing import hmac_sha256_hex, same_text
 from .ownfiles import open_folder, open_regular, read_regular
 
 log = logging.getLogger("handoffd")
@@ -43,6 +58,38 @@ log = logging.getLogger("handoffd")
 TOKEN_ENV = "HANDOFFD_RUN_TOKEN"
 KILL_WAIT_SECONDS = 5.0  # how long kill_run waits for the killed processes to be gone
 _PR_SET_PDEATHSIG = 1
+_DIGEST_KEY = b"handoffd run token"  # not a secret: the token is (see _digest)
+MAX_PID = 1 << 22  # the kernel's largest pid_max (PID_MAX_LIMIT on 64-bit)
+
+
+class SealedToken(str):
+    """A run token as read back from a record: its digest (the record never holds the token),
+    with the handoff id and attempt it is bound to. :func:`scan` matches a process whose
+    environment carries a token with this digest; it is never written to a process's environment."""
+
+    handoff_id: str
+    attempt: int
+
+    def __new__(cls, digest: str, handoff_id: str, attempt: int) -> "SealedToken":
+        sealed = super().__new__(cls, digest)
+        sealed.handoff_id = handoff_id
+        sealed.attempt = attempt
+        return sealed
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (copy, deepcopy, pickle: __new__ takes three)
+        return (SealedToken, (str(self), self.handoff_id, self.attempt))
+
+    def matches(self, token: str) -> bool:
+        """True if ``token`` (a raw run token) is the one this digest was made of."""
+        return same_text(str(self), _digest(self.handoff_id, self.attempt, token))
+
+
+def _digest(handoff_id: str, attempt: int, token: str) -> str:
+    """What a record holds for ``token``: bound to the handoff and attempt, so a record copied
+    under another id (or attempt) matches no process. Keyed by a fixed label: the secret is the
+    token, which only the attempt's processes (and the daemon that started them) know."""
+    message = f"{handoff_id}\0{attempt}\0{token}".encode("utf-8", "surrogatepass")
+    return hmac_sha256_hex(_DIGEST_KEY, message)
 
 
 @dataclass
@@ -217,11 +264,11 @@ def write_record(root: Path, record: RunRecord) -> None:
     with _records_folder(root, create=True) as folder:
         if folder is None:
             return
-        tmp = f".{record.handoff_id}.{record.token}.tmp"
+        tmp = f".{record.handoff_id}.{os.urandom(8).hex()}.tmp"  # (the token stays unwritten)
         fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, dir_fd=folder)
         try:
             with os.fdopen(fd, "w") as handle:
-                handle.write(json.dumps(asdict(record)))
+                handle.write(json.dumps(_on_disk(record)))
             os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
         except BaseException:
             try:
@@ -231,12 +278,75 @@ def write_record(root: Path, record: RunRecord) -> None:
             raise
 
 
+def _on_disk(record: RunRecord) -> dict[str, Any]:
+    """The record as written: ``token_digest`` in place of the token."""
+    data = {f.name: getattr(record, f.name) for f in fields(RunRecord)}
+    token = data.pop("token")
+    data["token_digest"] = (str(record.token) if isinstance(record.token, SealedToken)
+                            else _digest(record.handoff_id, record.attempt, token))
+    return data
+
+
+_malformed_said: set[str] = set()  # handoff ids whose record was refused already (one line each)
+_STR_BOUND = 256
+_INT_BOUND = 1 << 63
+
+
+def _int(value: Any, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high  # (not a bool, a float or a string)
+
+
+def _problem(data: Any, handoff_id: str) -> str | None:
+    """Why ``data`` is not a record :func:`write_record` wrote for ``handoff_id``; None if it is."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    expected = [f.name for f in fields(RunRecord) if f.name != "token"] + ["token_digest"]
+    missing = [k for k in expected if k not in data]
+    unknown = [str(k)[:40] for k in data if k not in expected]
+    if missing or unknown:
+        return ", ".join([f"no {k}" for k in missing] + [f"unknown field {k}" for k in unknown])
+    if data["handoff_id"] != handoff_id:
+        return "it names another handoff"
+    digest = data["token_digest"]
+    if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+        return "token_digest is not a SHA-256 digest"
+    for name in ("host", "boot_id", "pid_namespace"):
+        if not (isinstance(data[name], str) and len(data[name]) <= _STR_BOUND):
+            return f"{name} is not a string of at most {_STR_BOUND} characters"
+    checks = (("attempt", 0, _INT_BOUND), ("daemon_pid", 1, MAX_PID))
+    for name, low, high in checks:
+        if not _int(data[name], low, high):
+            return f"{name} is not an integer from {low} to {high}"
+    if data["pgid"] is not None and not _int(data["pgid"], 2, MAX_PID):
+        return f"pgid is neither null nor an integer from 2 to {MAX_PID}"
+    if data["leader_start"] is not None and not _int(data["leader_start"], 0, _INT_BOUND):
+        return "leader_start is neither null nor a non-negative integer"
+    started = data["started_at"]
+    if type(started) not in (int, float) or not 0 <= started < 1e12:  # (NaN fails too)
+        return "started_at is not a time"
+    return None
+
+
 def _read_in(folder: int, handoff_id: str) -> RunRecord | None:
     try:
         data = json.loads(read_regular(f"{handoff_id}.json", 1 << 16, dir_fd=folder))
-        return RunRecord(**data)
-    except (OSError, ValueError, TypeError):
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
+        problem: str | None = f"unreadable: {getattr(exc, 'strerror', None) or exc}"
+    else:
+        problem = _problem(data, handoff_id)
+    if problem is not None:
+        if handoff_id not in _malformed_said:
+            if len(_malformed_said) >= 1024:
+                _malformed_said.clear()
+            _malformed_said.add(handoff_id)
+            log.warning("handoffs/.meta/procs/%s.json is not a process record handoffd wrote "
+                        "(%s): ignored, nothing is killed by it", handoff_id[:200], problem[:200])
+        return None
+    _malformed_said.discard(handoff_id)
+    digest = data.pop("token_digest")
+    return RunRecord(token=SealedToken(digest, handoff_id, data["attempt"]), **data)
 
 
 def read_record(root: Path, handoff_id: str) -> RunRecord | None:
@@ -246,10 +356,20 @@ def read_record(root: Path, handoff_id: str) -> RunRecord | None:
         return None if folder is None else _read_in(folder, handoff_id)
 
 
+def _same_token(current: RunRecord, token: str) -> bool:
+    """True if ``token`` (raw, or a record's SealedToken) is the token of record ``current``."""
+    sealed = current.token
+    assert isinstance(sealed, SealedToken)  # (read back by _read_in)
+    if isinstance(token, SealedToken):
+        return (str(token) == str(sealed) and token.handoff_id == sealed.handoff_id
+                and token.attempt == sealed.attempt)
+    return sealed.matches(token)
+
+
 def _remove_in(folder: int, handoff_id: str, token: str | None) -> None:
     if token is not None:
         current = _read_in(folder, handoff_id)
-        if current is not None and current.token != token:
+        if current is not None and not _same_token(current, token):
             return
     try:
         os.unlink(f"{handoff_id}.json", dir_fd=folder)
@@ -282,14 +402,24 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
         return None
 
 
-def _carries(pid: int, marker: bytes) -> bool:
-    """True if ``pid``'s initial environment holds exactly the entry ``marker``."""
+_PREFIX = f"{TOKEN_ENV}=".encode()
+
+
+def _carries(pid: int, token: str) -> bool:
+    """True if ``pid``'s environment holds the run token ``token``: exactly that entry for a raw
+    token, an entry whose token has the digest for a record's :class:`SealedToken`."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as handle:
             environ = handle.read()
     except OSError:  # gone, or another user's process (never ours to kill)
         return False
-    return marker in environ.split(b"\0")
+    if not isinstance(token, SealedToken):
+        return _PREFIX + token.encode() in environ.split(b"\0")
+    if _PREFIX not in environ:
+        return False
+    return any(entry.startswith(_PREFIX)
+               and token.matches(entry[len(_PREFIX):].decode("utf-8", "surrogateescape"))
+               for entry in environ.split(b"\0"))
 
 
 def _pids() -> Iterator[int]:
@@ -304,46 +434,56 @@ def _pids() -> Iterator[int]:
 
 
 def scan(token: str, pgid: int | None = None) -> list[ProcInfo]:
-    """Live processes that carry ``token`` or belong to process group ``pgid``."""
-    marker = f"{TOKEN_ENV}={token}".encode()
+    """Live processes that carry ``token`` (raw, or a record's :class:`SealedToken`) or belong
+    to process group ``pgid``."""
     found = []
     for pid in _pids():
         info = _stat(pid)
         if info is None or info[0] in ("Z", "X"):  # a zombie has finished: nothing left to kill
             continue
-        marked = _carries(pid, marker)
+        marked = _carries(pid, token)
         if marked or (pgid is not None and info[1] == pgid):
             found.append(ProcInfo(pid, info[1], info[2], marked))
     return found
 
 
-def _group_is_ours(procs: list[ProcInfo], pgid: int, leader_start: int | None) -> bool:
-    """Process-group ids are reused once a group is empty: the group is this attempt's only if a
-    member carries the token or its leader is the very process the attempt started."""
-    return any(p.pgid == pgid and (p.marked or (p.pid == pgid and p.start == leader_start))
-               for p in procs)
+def _group_is_ours(procs: list[ProcInfo], pgid: int) -> bool:
+    """The group is this attempt's only if a member carries the token. Its leader's pid and start
+    time prove nothing (process-group ids are reused once a group is empty, and anyone can read
+    both from /proc and write them into a record)."""
+    return any(p.pgid == pgid and p.marked for p in procs)
 
 
-def kill_run(token: str, pgid: int | None = None, *, leader_start: int | None = None,
-             group_known: bool = False, wait_seconds: float = KILL_WAIT_SECONDS) -> tuple[int, int]:
+def _group_allowed(pgid: int | None) -> bool:
+    """Never the daemon's own process group (its supervisor's, often), init's or a non-pid."""
+    return type(pgid) is int and 1 < pgid <= MAX_PID and pgid != os.getpgrp()
+
+
+def kill_run(token: str, pgid: int | None = None, *, group_known: bool = False,
+             wait_seconds: float = KILL_WAIT_SECONDS) -> tuple[int, int]:
     """SIGKILL every process of one attempt and wait (bounded) until they are gone.
 
     Targets are the processes carrying ``token`` and, when the group is provably this attempt's
     (``group_known``: the caller still holds the unreaped leader; otherwise see _group_is_ours),
-    every member of process group ``pgid``. Repeats until none is left, so children forked while
-    it runs are caught too. Returns (processes killed, processes still alive at the deadline)."""
+    every member of process group ``pgid``; never the daemon's own group. Repeats until none is
+    left, so children forked while it runs are caught too. Returns (processes killed, processes
+    still alive at the deadline)."""
     killed: set[int] = set()
+    if pgid is not None and not _group_allowed(pgid):
+        log.warning("run %s: process group %s is not an attempt's (the daemon's own, or no "
+                    "pid): only the token's carriers are killed", _label(token), pgid)
+        pgid = None
     ours = group_known
     deadline = time.monotonic() + wait_seconds
     while True:
         procs = scan(token, pgid)
         if pgid is not None and not ours:
-            ours = _group_is_ours(procs, pgid, leader_start)
+            ours = _group_is_ours(procs, pgid)
         targets = [p for p in procs if p.marked or (ours and p.pgid == pgid)]
         if not targets:
             return len(killed), 0
         if time.monotonic() >= deadline:
-            log.warning("run %s: %d process(es) survived SIGKILL: %s", token,
+            log.warning("run %s: %d process(es) survived SIGKILL: %s", _label(token),
                         len(targets), ", ".join(str(p.pid) for p in targets[:10]))
             return len(killed), len(targets)
         if ours and pgid is not None:
@@ -355,6 +495,14 @@ def kill_run(token: str, pgid: int | None = None, *, leader_start: int | None = 
             except (ProcessLookupError, PermissionError):
                 continue
         time.sleep(0.01)  # let the kernel finish them before looking again
+
+
+def _label(token: str) -> str:
+    """How a log line names a run: never by its token (the log may be read by others), by the
+    start of its digest (as in its record)."""
+    if isinstance(token, SealedToken):
+        return f"{token.handoff_id[:200]}#{token.attempt} ({str(token)[:12]})"
+    return "of this attempt"
 
 
 def _signal_group(pgid: int) -> None:
@@ -397,8 +545,7 @@ def kill_leftovers(workspace: Any, handoff_id: str, *, attempt: int | None = Non
         if record.boot_id != boot_id():
             remove_record(root, handoff_id, record.token)
         return 0
-    killed, survivors = kill_run(record.token, record.pgid, leader_start=record.leader_start,
-                                 wait_seconds=wait_seconds)
+    killed, survivors = kill_run(record.token, record.pgid, wait_seconds=wait_seconds)
     if killed:
         log.warning("handoff %s: killed %d process(es) left over by attempt %d (daemon pid %d)",
                     handoff_id, killed, record.attempt, record.daemon_pid)

@@ -164,10 +164,14 @@ def _cancel_orphans(engine: Engine, claim: Claim) -> None:
 def _kill_leftovers(engine: Engine, handoff_id: str, attempt: int) -> None:
     """Before an abandoned claim is handed back, kill what its attempt left running on this host
     (a background child, a grandchild that called setsid), so that the retry never overlaps it."""
+    # any failure is one line and the recovery goes on (a malformed record once made this a
+    # TypeError every sweep, and the claim stayed in in-progress/ for good): the token scan of
+    # the next attempt and the parent-death signal still bound a leftover
     try:
         procs.kill_leftovers(engine.ws, handoff_id, attempt=attempt)
-    except OSError as exc:
-        log.warning("recovering %s: cannot check for leftover processes: %s", handoff_id, exc)
+    except Exception as exc:
+        log.warning("recovering %s: cannot check for leftover processes: %s: %s", handoff_id,
+                    type(exc).__name__, str(exc)[:200])
 
 
 def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
