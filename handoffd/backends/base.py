@@ -13,7 +13,14 @@ from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator
 
 from ..core.documents import BOOK, actor, book, book_int, check_id, next_attempt_at, record
-from ..core.errors import InvalidDocument, InvalidTransition, NotFound, UsageError, WaitTimeout
+from ..core.errors import (
+    ErrorCode,
+    InvalidDocument,
+    InvalidTransition,
+    NotFound,
+    UsageError,
+    WaitTimeout,
+)
 from ..core.states import State
 from ..core.storage import (
     LOST,
@@ -37,7 +44,8 @@ EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 SAFETY_RECHECK_SECONDS = 2.0  # wake-ups are hints: waiters look again now and then regardless
 
 __all__ = ["Backend", "Claim", "Claims", "Describe", "Doc", "Meta", "NotFiled", "Order", "Row",
-           "Rows", "Wakeup", "WakeupCallback", "Where", "describe_native", "refiling"]
+           "Rows", "UnreadableCopy", "Wakeup", "WakeupCallback", "Where", "describe_native",
+           "refiling"]
 
 
 # ---------------------------------------------------------------- helpers shared by backends
@@ -62,6 +70,22 @@ class FencedFiling:
         stamp_requeued(stored, due_at, count_attempt)
         return self._release(claim, State.PENDING, stored, copied=True)
 
+
+
+# ---------------------------------------------------------------- a copy that cannot be read
+class UnreadableCopy(InvalidDocument):
+    """What a backend's ``get`` raises when every copy of a handoff it found is unreadable:
+    the chosen copy's error, with the folder it lies in (``state``) and whether it may still be
+    being written (``settling``: a half-written document, changed within the settle window).
+    A wait goes on only for a copy in pending/, or one still settling; any other unreadable
+    copy ends it with the read error (it waited for ever)."""
+
+    def __init__(self, message: str, *, state: State, settling: bool = False,
+                 handoff_id: str | None = None, code: str = ErrorCode.INVALID_DOCUMENT,
+                 errors: list[dict[str, str]] | None = None) -> None:
+        super().__init__(message, handoff_id=handoff_id, code=code, errors=errors)
+        self.state = state
+        self.settling = settling
 
 
 # ---------------------------------------------------------------- a failed filing, kept to refile
@@ -364,9 +388,19 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
 
 
 def _look(backend: Backend, handoff_id: str) -> tuple[State, Doc] | None:
+    """``backend.get``; a copy that cannot be read reads as pending (keep waiting) only where
+    it may still come right: in pending/ (a producer still writing it; the daemon sets it
+    aside and files its failure), or one still settling (half-written and changed within the
+    settle window). Any other unreadable entry (a FIFO, a folder, a dangling symlink, a
+    truncated document in completed/, failed/ or in-progress/, where nothing ever moves it) is
+    the wait's answer: its read error (InvalidDocument, one line, exit 1); it waited for ever."""
     try:
         return backend.get(handoff_id)
-    except InvalidDocument:  # a producer is still writing it: keep waiting
+    except UnreadableCopy as exc:
+        if exc.state is not State.PENDING and not exc.settling:
+            raise
+        return (State.PENDING, {})
+    except InvalidDocument:  # (a backend that does not say where): a producer still writing it
         return (State.PENDING, {})
 
 

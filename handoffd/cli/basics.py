@@ -31,8 +31,12 @@ def open_workspace(root: str | Path | None, *, create: bool = False) -> Workspac
         raise NotFound(f"workspace directory {ws.root} does not exist; create it or "
                        f"{root_remedy(root)}")
     if create:
-        ws.ensure()
-    elif not ws.exists():
+        ws.ensure()  # (which refuses state folders as below)
+        return ws
+    # a state folder that is a symlink, no folder, or another's: ConfigError, one line, exit 2
+    # (results were filed through it; a dangling one would read as "not a workspace")
+    ws.check_state_folders()
+    if not ws.exists():
         raise HandoffdError(f"{ws.root} is not a handoffd workspace (no handoffs/ folders); pass "
                             "--root, or run `handoffd serve` there once to create it")
     return ws

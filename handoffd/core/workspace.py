@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
 
 from .config import Config, load_config
+from .errors import ConfigError
 from .states import State
 
 CONFIG_NAME = "handoffd.toml"
@@ -101,7 +103,9 @@ class Workspace:
         return self.root / CONFIG_NAME
 
     def ensure(self) -> None:
-        """Create every folder the workspace needs (idempotent)."""
+        """Create every folder the workspace needs (idempotent); ConfigError when a state
+        folder is there but no plain folder of its own (see :meth:`check_state_folders`)."""
+        self.check_state_folders()
         for state in State:
             self.state_dir(state).mkdir(parents=True, exist_ok=True)
         for path in (self.tmp, self.locks, self.quarantine, self.meta, self.artifacts,
@@ -111,6 +115,33 @@ class Workspace:
     def exists(self) -> bool:
         """True when the state folders are present."""
         return all(self.state_dir(s).is_dir() for s in State)
+
+    def check_state_folders(self) -> None:
+        """ConfigError (one line, exit 2) when one of the four state folders that is there is a
+        symlink, no folder, or the same folder as another: a symlinked ``completed/`` filed
+        results outside the workspace (and retention purged files there), and one linked to
+        ``pending/`` made the sweep take a document for its own duplicate and delete it. A
+        missing folder is no error here (:meth:`ensure` makes it; :meth:`exists` tells). A
+        symlinked ``handoffs/`` itself is allowed (the state folders then live elsewhere, as
+        plain folders)."""
+        seen: dict[tuple[int, int], str] = {}
+        for state in State:
+            path = self.state_dir(state)
+            try:
+                info = os.lstat(path)
+            except OSError:  # missing (or handoffs/ unreadable: what uses it says so)
+                continue
+            if stat.S_ISLNK(info.st_mode):
+                why = "it is a symlink"
+            elif not stat.S_ISDIR(info.st_mode):
+                why = "it is not a folder"
+            elif (info.st_dev, info.st_ino) in seen:
+                why = f"it is the same folder as handoffs/{seen[info.st_dev, info.st_ino]}"
+            else:
+                seen[info.st_dev, info.st_ino] = state.value
+                continue
+            raise ConfigError(f"{path} cannot be used as a state folder of the workspace ({why}); "
+                              f"make handoffs/{state.value} a plain folder of its own")
 
     def load_config(self) -> Config:
         """Parse this workspace's handoffd.toml (defaults when absent)."""

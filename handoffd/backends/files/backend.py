@@ -88,9 +88,13 @@ class FilesBackend(FencedFiling, Backend):
              claim_grace_seconds: float = 10.0, ensure: bool = True,
              **store_options: Any) -> "FilesBackend":
         """A backend on ``workspace`` (its folders are created unless ``ensure`` is False);
-        ``store_options`` go to Store."""
+        ``store_options`` go to Store. ConfigError (one line, exit 2) when a state folder is
+        a symlink, no folder, or another's (:meth:`Workspace.check_state_folders`): the daemon
+        must not start filing results through it."""
         if ensure:
             workspace.ensure()
+        else:
+            workspace.check_state_folders()
         return cls(Store(workspace, **store_options), describe=describe, monotonic=monotonic,
                    watch=watch, claim_grace_seconds=claim_grace_seconds)
 

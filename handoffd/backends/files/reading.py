@@ -13,12 +13,13 @@ import heapq
 import os
 import stat
 import struct
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from ...core.documents import check_id, revision
-from ...core.errors import InvalidDocument, NotFound
+from ...core.errors import ErrorCode, InvalidDocument, NotFound
 from ...core.states import State, winner
 from ...core.storage import LiveStamp, trusted_doc
 from ...core.workspace import Workspace
@@ -30,6 +31,7 @@ from ..base import (
     Order,
     Row,
     Rows,
+    UnreadableCopy,
     Where,
     due_of,
     matches,
@@ -44,6 +46,8 @@ from . import aside, fsio
 from .problems import read_error
 
 MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
+# what a document cut short by its writer reads as: still being written while it is young
+HALF_WRITTEN = frozenset({ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8})
 LIVE = (State.PENDING, State.IN_PROGRESS)
 # one file of a live handoff in a stamp: which folder (its index in live_folders), inode, size,
 # mtime_ns, ctime_ns; packed (bytes are small, and not tracked by the garbage collector)
@@ -55,6 +59,7 @@ class Reading(Protocol):
 
     ws: Workspace
     max_filed_bytes: int
+    settle_seconds: float
 
     def path(self, state: State, handoff_id: str) -> Path: ...
 
@@ -72,18 +77,28 @@ def locate(store: Reading, handoff_id: str) -> list[State]:
 
 
 def get(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]]:
-    """The current state and document of ``handoff_id``; NotFound if it exists nowhere."""
+    """The current state and document of ``handoff_id``; NotFound if it exists nowhere.
+
+    A copy that cannot be read (junk, a folder, a FIFO named like it) is passed over when a
+    readable one is there (a completed result stays the answer whatever lies in failed/);
+    when every copy is unreadable, :class:`~handoffd.backends.base.UnreadableCopy` names the
+    folder of the one the state machine would pick (see :func:`unreadable_copy`)."""
     check_id(handoff_id)
     for _ in range(5):  # a move between our listing and our read is retried
         copies: list[tuple[State, dict[str, Any]]] = []
+        unreadable: list[tuple[State, InvalidDocument]] = []
         for state in locate(store, handoff_id):
             try:
                 copies.append((state, store.read(state, handoff_id)))
             except FileNotFoundError:
                 continue
+            except InvalidDocument as exc:
+                unreadable.append((state, exc))
         if copies:
             best = winner([(s, store.trusted_revision(d, s, handoff_id)) for s, d in copies])
             return copies[best]
+        if unreadable:
+            raise unreadable_copy(store, handoff_id, unreadable)
         if not locate(store, handoff_id):
             break
     held = aside_copy(store, handoff_id)
@@ -91,6 +106,31 @@ def get(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]]:
         return held
     raise NotFound(f"no handoff {handoff_id} in {store.ws.handoffs}; `handoff ls` lists them",
                    handoff_id=handoff_id)
+
+
+def unreadable_copy(store: Reading, handoff_id: str,
+                    unreadable: list[tuple[State, InvalidDocument]]) -> UnreadableCopy:
+    """The error of the unreadable copy the state machine would pick (completed/ first), its
+    message naming the folder (``completed/X.json is not a regular file``). ``settling`` when
+    it reads as cut short (empty, bad JSON or UTF-8) and changed within the settle window: a
+    producer, or seed 001's consumer (it moves a request into completed/, then rewrites it in
+    place), may still be writing it."""
+    state, exc = unreadable[winner([(s, 0) for s, _ in unreadable])]
+    message = in_folder(str(exc), state, f"{handoff_id}.json")
+    settling = False
+    if exc.code in HALF_WRITTEN:
+        try:
+            age = time.time() - os.lstat(store.path(state, handoff_id)).st_mtime
+        except OSError:
+            age = 0.0  # gone meanwhile: look again
+        settling = age < store.settle_seconds
+    return UnreadableCopy(message, state=state, settling=settling, handoff_id=handoff_id,
+                          code=exc.code, errors=exc.errors)
+
+
+def in_folder(message: str, state: State, name: str) -> str:
+    """A read error's ``message`` that begins with the file's ``name``, with its folder."""
+    return f"{state.value}/{message}" if message.startswith(name) else message
 
 
 def aside_copy(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]] | None:

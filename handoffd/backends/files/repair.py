@@ -32,6 +32,7 @@ from ...core.states import State, winner
 from ...core.timeutil import parse_iso
 from . import aside, fsio
 from .leases import STAGED_OWNER_LOCK_NAME, unclaimed
+from .reading import HALF_WRITTEN, in_folder
 from .records import TEMP_NAME
 from .store import Store, release_lock, try_lock
 
@@ -197,7 +198,12 @@ def revision_at(store: Store, state: State, handoff_id: str) -> int:
 
 def resolve_duplicates(store: Store, done: Repairs) -> None:
     """Where one id has files in several folders, keep the winner and remove the others.
-    A raw (never-handled) duplicate in pending/ is quarantined rather than deleted."""
+    A raw (never-handled) duplicate in pending/ is quarantined rather than deleted, and so is a
+    copy that cannot be read (junk, a folder, a FIFO named like a document): a readable copy
+    wins over it, and what was never read is never deleted. Two names of one file (the same
+    device and inode, e.g. a state folder reached through a symlink) are no duplicates:
+    removing "the other" removed the only one. Each id is resolved on its own: an error with
+    one (a folder that cannot be moved) is logged and the sweep goes on with the next."""
     where: dict[str, list[State]] = {}
     for state in (State.PENDING, State.IN_PROGRESS, State.FAILED):
         for handoff_id in store.ids(state):
@@ -210,31 +216,64 @@ def resolve_duplicates(store: Store, done: Repairs) -> None:
     for handoff_id, states in where.items():
         if len(states) < 2:
             continue
-        copies: list[tuple[State, dict[str, Any]]] = []
-        for state in states:
-            try:
-                copies.append((state, store.read(state, handoff_id)))
-            except FileNotFoundError:
-                continue
-            except InvalidDocument:
-                copies.append((state, {}))
-        if len(copies) < 2 or any(s is State.IN_PROGRESS for s, _ in copies):
-            continue  # in-progress pairs are settled by recovery, once the owner is gone
-        best = winner([(s, store.trusted_revision(d, s, handoff_id)) for s, d in copies])
-        for index, (state, doc) in enumerate(copies):
-            if index == best:
-                continue
-            path = store.path(state, handoff_id)
-            try:
-                if state is State.PENDING and store.trusted_revision(doc, state, handoff_id) == 0:
-                    store.quarantine(path, ErrorCode.DUPLICATE_HANDOFF_ID,
-                                     f"handoff {handoff_id} already exists in "
-                                     f"{copies[best][0].value}/; a second document is never run")
-                else:
-                    path.unlink()
-            except FileNotFoundError:
-                continue
-        done["duplicates_resolved"].append(handoff_id)
+        try:
+            resolved = _resolve_copies(store, handoff_id, states)
+        except OSError as exc:
+            log.error("sweep: cannot resolve the copies of handoff %s: %s; the next sweep tries "
+                      "again", handoff_id, exc)
+            continue
+        if resolved:
+            done["duplicates_resolved"].append(handoff_id)
+
+
+def _resolve_copies(store: Store, handoff_id: str, states: list[State]) -> bool:
+    """Keep one of ``handoff_id``'s copies in ``states`` (see :func:`resolve_duplicates`);
+    False when there was nothing to resolve now (one copy left, one in in-progress/, or one
+    still being written)."""
+    copies: list[tuple[State, dict[str, Any], InvalidDocument | None]] = []
+    files: set[tuple[int, int]] = set()
+    for state in states:
+        path = store.path(state, handoff_id)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if (info.st_dev, info.st_ino) in files:
+            continue  # the same file under a second name: no copy of its own
+        files.add((info.st_dev, info.st_ino))
+        try:
+            copies.append((state, store.read(state, handoff_id), None))
+        except FileNotFoundError:
+            continue
+        except InvalidDocument as exc:
+            if exc.code in HALF_WRITTEN and time.time() - info.st_mtime < store.settle_seconds:
+                return False  # still being written: looked at again by the next sweep
+            copies.append((state, {}, exc))
+    if len(copies) < 2 or any(s is State.IN_PROGRESS for s, _, _ in copies):
+        return False  # in-progress pairs are settled by recovery, once the owner is gone
+    readable = [i for i, (_, _, error) in enumerate(copies) if error is None]
+    among = readable or list(range(len(copies)))
+    best = among[winner([(copies[i][0], store.trusted_revision(copies[i][1], copies[i][0],
+                                                               handoff_id)) for i in among])]
+    kept = copies[best][0].value
+    for index, (state, doc, error) in enumerate(copies):
+        if index == best:
+            continue
+        path = store.path(state, handoff_id)
+        try:
+            if error is not None:
+                store.quarantine(path, error.code,
+                                 f"{in_folder(str(error), state, path.name)}; handoff "
+                                 f"{handoff_id} is kept in {kept}/")
+            elif state is State.PENDING and store.trusted_revision(doc, state, handoff_id) == 0:
+                store.quarantine(path, ErrorCode.DUPLICATE_HANDOFF_ID,
+                                 f"handoff {handoff_id} already exists in {kept}/; a second "
+                                 "document is never run")
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            continue
+    return True
 
 
 def remove_orphans(store: Store, done: Repairs) -> None:
