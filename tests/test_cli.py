@@ -174,12 +174,15 @@ def test_unsafe_file_name_is_set_aside(ws: Workspace) -> None:
 
 
 def test_specialist_cwd_outside_the_workspace_is_refused(ws: Workspace) -> None:
+    """Refused when the configuration is loaded (one line, exit 2), no longer per handoff; the
+    run-time check (a cwd turned into a link later) is test_dialect_config_review15's."""
     ws.write_config(ws.root.joinpath("handoffd.toml").read_text() +
                     '\n[specialists."@escape"]\ncommand = ["pwd"]\ncwd = "../.."\n')
-    hid = ws.create("--to", "@escape")
-    assert ws.handoffd("run").returncode == 1
-    doc = ws.doc(hid)
-    assert "outside the workspace" in doc["error"]["message"] and doc["retry_available"] is False
+    made = ws.handoff("create", "--to", "@escape", check=False)
+    assert made.returncode == 2 and made.stderr.count("\n") == 1, made.stderr
+    assert "inside the workspace" in made.stderr
+    ran = ws.handoffd("run")
+    assert ran.returncode == 2 and "cwd" in ran.stderr
 
 
 def test_only_the_invoked_command_is_built_and_help_is_unchanged(ws: Workspace) -> None:

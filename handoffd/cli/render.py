@@ -126,10 +126,10 @@ def rich_text(*pieces: Piece) -> Text:
     from rich.text import Text
     text = Text()
     for piece in pieces:
-        if isinstance(piece, str):
-            text.append(clean(piece))
-        else:
+        if isinstance(piece, tuple) and len(piece) == 2 and isinstance(piece[0], str):
             text.append(clean(piece[0]), style=piece[1])
+        else:  # a str, or (defensively, as the plain table) any value written as a string
+            text.append(clean(_cell_text(piece)))
     return text
 
 
@@ -151,7 +151,7 @@ def plain_table(columns: Sequence[str], rows: Sequence[Sequence[Piece]],
                 title: str | None = None) -> list[str]:
     """The lines of :meth:`Out.table` without rich: what rich prints when piped (columns two
     spaces apart, each cell padded to its column's width), except that nothing is folded."""
-    cells = [[clean(p if isinstance(p, str) else p[0]) for p in row] for row in rows]
+    cells = [[clean(_cell_text(p)) for p in row] for row in rows]
     widths = [cell_width(c) for c in columns]
     for row in cells:
         for i, text in enumerate(row):
@@ -161,6 +161,17 @@ def plain_table(columns: Sequence[str], rows: Sequence[Sequence[Piece]],
     if title is not None:
         lines.insert(0, pad(title, sum(widths) + 2 * (len(widths) - 1)))
     return lines
+
+
+def _cell_text(piece: Any) -> str:
+    """A cell's text: a str, the text of a (text, style) pair, or -- defensively, for a value
+    a document put where a string belongs -- any other value written as a string (never a
+    KeyError or TypeError that fails the whole table)."""
+    if isinstance(piece, str):
+        return piece
+    if isinstance(piece, tuple) and len(piece) == 2 and isinstance(piece[0], str):
+        return piece[0]
+    return str(piece)
 
 
 def clean(text: str) -> str:

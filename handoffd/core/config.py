@@ -9,6 +9,10 @@ this module always offered are still importable from it (``__all__``).
 """
 from __future__ import annotations
 
+import errno
+import os
+import posixpath
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,7 @@ from .bounds import (
     processes_value,
 )
 from .errors import ConfigError
+from .ownfiles import read_at_most
 from .settings import (
     ISOLATE_MODES,
     STORE_ENV,
@@ -79,17 +84,23 @@ RETRY_KEYS = frozenset({"max_retries", "retry_delay_seconds", "backoff_multiplie
 NAMESPACE_KEYS = frozenset({"writers"})
 NOTIFY_KEYS = frozenset({"command", "url", "secret", "secret_env", "states", "agents", "retries",
                          "retry_delay_seconds", "timeout_seconds"})
+# handoffd.toml is read up to this size: a real one is a few kilobytes
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def load_config(path: Path) -> Config:
-    """Read handoffd.toml at ``path`` (missing file: defaults); raise ConfigError on any problem."""
-    if not path.exists():
+    """Read handoffd.toml at ``path`` (missing file: defaults); raise ConfigError on any problem.
+    A specialist's ``cwd`` is checked against the workspace the file lives in (its folder)."""
+    text = _config_text(path)
+    if text is None:
         return Config()
     import tomllib  # ~8 ms: a workspace without handoffd.toml never needs it
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: its arrays or inline tables nest too deeply to be read") from None
     unknown = sorted(set(raw) - SECTIONS)
     if unknown:
         raise ConfigError(f"{path}: unknown section [{unknown[0]}]; known: "
@@ -111,8 +122,40 @@ def load_config(path: Path) -> Config:
     if not isinstance(specialists, dict):
         raise ConfigError(f"{path}: specialists must be tables: [specialists.\"@agent\"]")
     for agent, table in specialists.items():
-        config.specialists[agent] = specialist_from_table(agent, table, config.retry, path)
+        config.specialists[agent] = specialist_from_table(agent, table, config.retry, path,
+                                                          root=path.parent.resolve())
     return config
+
+
+def _config_text(path: Path) -> str | None:
+    """The text of handoffd.toml (None when there is none), read as ``Path.read_text`` did
+    (UTF-8, universal newlines) but never blocking (a FIFO there: O_NONBLOCK), only from a
+    regular file (not a folder or a device) and only up to MAX_CONFIG_BYTES; ConfigError, one
+    line, for anything it cannot read (a folder, no permission, not UTF-8, too large)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # (a dangling symlink too: as before, the defaults)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"{path}: cannot read: {os.strerror(errno.EISDIR)}")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{path}: cannot read: not a regular file (a FIFO, socket or device)")
+        data = read_at_most(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: cannot read: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _daemon_settings(table: dict[str, Any], path: Path) -> DaemonSettings:
@@ -214,9 +257,12 @@ def parse_tiers(table: Any, path: Path | str = "handoffd.toml") -> dict[str, str
 
 
 def specialist_from_table(agent: str, table: dict[str, Any], default_retry: RetryPolicy,
-                          path: Path | str = "handoffd.toml") -> SpecialistConfig:
-    """Validate one specialist table; exactly one of ``command`` / ``handler`` is required."""
-    _check_specialist(agent, table, path)
+                          path: Path | str = "handoffd.toml", *,
+                          root: Path | None = None) -> SpecialistConfig:
+    """Validate one specialist table; exactly one of ``command`` / ``handler`` is required.
+    ``root``: the workspace (resolved) its ``cwd`` must stay inside; None when not known here
+    (an entry point, a decorator): then only a relative ``cwd`` whose ``..`` leave is refused."""
+    _check_specialist(agent, table, path, root)
     where = f"{path}: specialist {agent}:"
     retry = table.get("retry")
     if retry is not None:
@@ -247,7 +293,7 @@ def specialist_from_table(agent: str, table: dict[str, Any], default_retry: Retr
     )
 
 
-def _check_specialist(agent: str, table: Any, path: Path | str) -> None:
+def _check_specialist(agent: str, table: Any, path: Path | str, root: Path | None = None) -> None:
     """One specialist table's keys, its command or handler, and its plain values (concurrency,
     timeout, schema names, cwd, env); ConfigError naming the first problem."""
     if not isinstance(table, dict):
@@ -276,12 +322,46 @@ def _check_specialist(agent: str, table: Any, path: Path | str) -> None:
                 unit=" seconds")
     for name in ("input_schema", "output_schema", "cwd"):
         if table.get(name) is not None and not isinstance(table[name], str):
-            raise ConfigError(f"{where} {name} = {table[name]!r} must be a string")
+            raise ConfigError(f"{where} {name} = {brief(table[name])} must be a string")
+    for name in ("input_schema", "output_schema"):
+        schema = table.get(name)
+        if schema is None:
+            continue
+        # the rule the schema cache looks a name up by, checked here rather than failing every
+        # handoff to the specialist (imported only for a schema named: a one-shot command that
+        # reads the configuration need not load the validation module)
+        from .validation import plain_name
+        if not schema or "\0" in schema or not plain_name(schema):
+            raise ConfigError(f"{where} {name} = {brief(schema)} must be a plain file name in "
+                              "schemas/ or a built-in schema's (no folder, not hidden, not empty)")
+    cwd = table.get("cwd")
+    if cwd:  # ("" is the workspace itself, as the runner reads it)
+        _check_cwd(cwd, where, root)
     env = table.get("env")
     if env is not None and (not isinstance(env, dict) or not all(
             isinstance(k, str) and k and "=" not in k and "\0" not in k
             and isinstance(v, str) and "\0" not in v for k, v in env.items())):
         raise ConfigError(f"{where} env must be a table of NAME = \"text\" (strings, no NUL)")
+
+
+def _check_cwd(cwd: str, where: str, root: Path | None) -> None:
+    """A specialist's ``cwd`` by the runner's rule (core.runner.run_command): the workspace
+    ``root`` joined with it and resolved must be ``root`` or a folder inside it. Without a
+    root, a relative ``cwd`` that ``..`` takes out of any workspace is refused (an absolute one
+    is left to the runner)."""
+    problem = f"{where} cwd = {brief(cwd)} must be a folder inside the workspace"
+    if "\0" in cwd:
+        raise ConfigError(f"{where} cwd = {brief(cwd)} must not hold a NUL")
+    if root is None:
+        if not posixpath.isabs(cwd) and posixpath.normpath(cwd).split("/")[0] == "..":
+            raise ConfigError(problem)
+        return
+    try:
+        resolved = (root / cwd).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # (RuntimeError: a symlink loop)
+        raise ConfigError(f"{where} cwd = {brief(cwd)} cannot be resolved: {exc}") from None
+    if resolved != root and root not in resolved.parents:
+        raise ConfigError(problem)
 
 
 def parse_on_filed(tables: Any, path: Path) -> list[NotifyRule]:

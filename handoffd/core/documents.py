@@ -334,13 +334,16 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
                               "that should run it", handoff_id=handoff_id,
                               code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     source = doc.get("source")
+    # only a string names the requester (as the other dialects read it): an object or a number
+    # here once became Envelope.source and broke every `handoff ls` of the workspace
+    agent_from = source.get("agent_id") if isinstance(source, dict) else None
     inp = given_input if isinstance(given_input := doc.get("input"), dict) else {}
     out = given_output if isinstance(given_output := doc.get("expected_output"), dict) else {}
     timeout = doc.get("timeout_seconds")
     depends = doc.get("depends_on") or []
     return Envelope(
         handoff_id=handoff_id, dialect="native", target=agent,
-        source=source.get("agent_id") if isinstance(source, dict) else None,
+        source=agent_from if isinstance(agent_from, str) else None,
         data=inp.get("data"),
         timeout_seconds=document_seconds(timeout),
         priority=priority_rank(doc.get("priority")),

@@ -78,6 +78,11 @@ class AgentHandoffDialect:
             return True
         if native_shape(doc) or isinstance(doc.get("payload"), dict):
             return False  # a seed-001 request / a HAIOS CollaborationHandoff
+        contract = doc.get("contract")
+        if isinstance(contract, dict) and "task_id" in contract:
+            # a seed-004 WorkerHandoff (seed 002 has no contract block, let alone a task_id)
+            # that also names from_agent/to_agent is the swarm dialect's, tried after this one
+            return False
         agents = ("from_agent" in doc) + ("to_agent" in doc)
         # one agent field missing or a wrong status must still be reported as AgentHandoff
         # errors (with their paths), not as an unknown format

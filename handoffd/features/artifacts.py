@@ -150,6 +150,27 @@ def _safe(text: str) -> str:
     return SAFE_PART.sub("_", text).strip("._") or "x"
 
 
+# a file name derived from the name a handler gave an artifact is cut to this many characters
+# (ASCII, see _safe), well within NAME_MAX (255 bytes) with room for the "<index>-" a clash
+# adds: a 3,000-character name once failed the attempt with "File name too long", retried
+MAX_DERIVED_NAME = 120
+# errors of storing artifacts that the same report gives again on every attempt (a name the
+# file system refuses): the attempt fails for good instead of burning its retries
+PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.ELOOP, errno.EILSEQ})
+
+
+def _file_name(name: str) -> str:
+    """The file name of an artifact the handler named ``name``: its :func:`_safe` form, and when
+    that is longer than MAX_DERIVED_NAME, its start, a digest of ``name`` and its extension."""
+    safe = _safe(name)
+    if len(safe) <= MAX_DERIVED_NAME:
+        return safe
+    stem, dot, suffix = safe.rpartition(".")
+    ext = f".{suffix}" if dot and stem and len(suffix) <= 16 else ""
+    digest = sha256_hex(name.encode("utf-8", "surrogatepass"))[:10]
+    return f"{safe[:MAX_DERIVED_NAME - len(ext) - 11].rstrip('._') or 'x'}-{digest}{ext}"
+
+
 def _id_part(handoff_id: str) -> str:
     """The path part naming a handoff's artifacts: the id itself when it is made of letters,
     digits and ``._-`` only, else its :func:`_safe` form and a digest of the id. Ids may hold
@@ -412,9 +433,9 @@ def collect(job: "Job", outcome: Outcome, *, enforce: bool = True,
         return collected
     except InvalidDocument as exc:
         code, message, retryable = exc.code, str(exc), False
-    except OSError as exc:
+    except OSError as exc:  # a disk error may pass; a name the file system refuses will not
         code, message, retryable = ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: cannot store " \
-            f"artifacts: {exc.strerror or exc}", True
+            f"artifacts: {exc.strerror or exc}", exc.errno not in PERMANENT_ERRNOS
     return Outcome(status="failed", started_at=outcome.started_at, finished_at=outcome.finished_at,
                    output=outcome.output, metadata=outcome.metadata, warnings=outcome.warnings,
                    error={"code": code, "message": message, "retryable": retryable},
@@ -520,7 +541,7 @@ def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str],
         if len(data) < INLINE_LIMIT:
             return _record(kind, name=name, ref=None, inline=text, facts=digest(data),
                            metadata=metadata, extra=extra)
-        filename = _safe(name) if name else f"artifact-{index}{'.txt' if isinstance(content, str) else '.json'}"
+        filename = _file_name(name) if name else f"artifact-{index}{'.txt' if isinstance(content, str) else '.json'}"
         rel = f"artifacts/{_id_part(handoff_id)}/{filename}"
         if rel in used:
             rel = f"artifacts/{_id_part(handoff_id)}/{index}-{filename}"
