@@ -634,3 +634,42 @@ def test_a_file_artifact_names_the_host_that_holds_it(tmp_path: Path, pg_url: st
     assert artifact["content_ref"] == f"artifacts/{hid}/output.txt"
     assert artifact["host"] == socket.gethostname() == artifact["metadata"]["host"]
     assert (space.root / artifact["content_ref"]).stat().st_size == 2048
+
+
+@pytest.mark.parametrize("order", ["newest", "oldest", "due"])
+def test_a_filtered_listing_reads_in_batches(pg_url: str, order: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``list(where=...)`` fetched every row's document in one query before filtering (a dry-run
+    purge or ``ls --to`` over a large store held them all): it reads a batch at a time from
+    where the last ended, and lists the same rows, in the same order, once each."""
+    from handoffd.backends.postgres import reading
+    store = backend(pg_url)
+    for i in range(23):  # several rows share an updated_at: the id breaks the tie
+        hid = f"b{i:02d}"
+        store.create(request(hid, target="@b" if i % 3 == 0 else "@a"), hid, at(i // 2))
+    wanted = [r.id for r in store.list(order=order) if r.meta.target == "@b"]
+    assert len(wanted) == 8
+    monkeypatch.setattr(reading, "FILTER_BATCH", 3)
+    fetched: list[int] = []
+    real_run = store.db.run
+
+    def counting(work: Any) -> Any:
+        result = real_run(work)
+        if isinstance(result, list):
+            fetched.append(len(result))
+        return result
+
+    monkeypatch.setattr(store.db, "run", counting)
+    asked: list[str] = []
+
+    def only_b(row: Any) -> bool:
+        asked.append(row.id)
+        return bool(row.meta.target == "@b")
+
+    assert [r.id for r in store.list(order=order, where=only_b)] == wanted
+    assert len(asked) == len(set(asked)) == 23  # each row asked about once
+    assert fetched and max(fetched) <= 3
+    fetched.clear()
+    asked.clear()
+    assert [r.id for r in store.list(order=order, where=only_b, limit=2)] == wanted[:2]
+    assert len(asked) < 23  # it stopped once it had kept its limit

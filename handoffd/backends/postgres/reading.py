@@ -20,6 +20,21 @@ from .values import document
 from .values import unreadable as unreadable_doc
 
 COLUMNS = "id, state, doc, target, priority, conversation, parent, due_at, updated_at"
+COLUMN_INDEX = {name: i for i, name in enumerate(COLUMNS.split(", "))}
+# each order's sort keys (every one NOT NULL) and how the next row compares with the last
+SORTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "due": (("priority", "due_at", "id"), ">"),
+    "oldest": (("updated_at", "id"), ">"),
+    "newest": (("updated_at", "id"), "<"),
+}
+FILTER_BATCH = 500  # rows a filtered listing reads at once (and holds besides what it keeps)
+
+
+def _select(clauses: list[str], keys: tuple[str, ...], after: str) -> str:
+    """The listing's SELECT: ``clauses`` joined, ordered by ``keys`` (descending for ``<``)."""
+    sql = f"SELECT {COLUMNS} FROM {T}" + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
+    direction = " DESC" if after == "<" else ""
+    return sql + " ORDER BY " + ", ".join(f"{key}{direction}" for key in keys)
 
 
 class Reading(StoreBase):
@@ -64,21 +79,45 @@ class Reading(StoreBase):
         if before is not None:
             clauses.append("updated_at < %s")
             params.append(before)
-        sort = {"due": "priority, due_at, id", "oldest": "updated_at, id"}.get(
-            order, "updated_at DESC, id DESC")
-        sql = f"SELECT {COLUMNS} FROM {T}" + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
-        sql += f" ORDER BY {sort}"
-        if limit is not None and where is None:  # ``where`` is ours to apply before the limit
-            sql += " LIMIT %s"
-            params.append(max(limit, 0))
         if limit is not None and limit <= 0:
             return []
+        keys, after = SORTS.get(order, SORTS["newest"])
+        if where is not None:  # ``where`` is ours to apply, before the limit
+            return self._filtered(clauses, params, keys, after, where, limit, unreadable)
+        sql = _select(clauses, keys, after) + (" LIMIT %s" if limit is not None else "")
+        params += [] if limit is None else [limit]
         records = self.db.run(lambda conn, _: conn.execute(sql, params).fetchall())  # type: ignore[arg-type]
-        rows = [row for r in records if (row := self._row(r, unreadable)) is not None]
-        if where is not None:  # (never asked about a row with a problem)
-            rows = [r for r in rows if r.problem is not None or where(r)]
-            rows = rows if limit is None else rows[:max(limit, 0)]
-        return rows
+        return [row for r in records if (row := self._row(r, unreadable)) is not None]
+
+    def _filtered(self, clauses: builtins.list[str], params: builtins.list[Any],
+                  keys: tuple[str, ...], after: str, where: Where, limit: int | None,
+                  unreadable: bool) -> Rows:
+        """:meth:`list` with ``where``: read :data:`FILTER_BATCH` rows at a time, each batch
+        from where the last ended (by the sort keys), keeping what ``where`` takes, until
+        ``limit`` rows are kept or the rows run out. One query fetched every row's document
+        before the filter: ``purge --dry-run`` or ``ls --to`` over a large store held them all.
+        A row moved past the batches meanwhile is listed once (by id)."""
+        kept: Rows = []
+        seen: set[str] = set()
+        last: tuple[Any, ...] | None = None
+        while True:
+            batch = [*clauses, f"({', '.join(keys)}) {after} ({', '.join(['%s'] * len(keys))})"] \
+                if last is not None else clauses
+            sql = _select(batch, keys, after) + " LIMIT %s"
+            args = [*params, *(last or ()), FILTER_BATCH]
+            records = self.db.run(lambda conn, _: conn.execute(sql, args).fetchall())  # type: ignore[arg-type]
+            for record in records:
+                row = self._row(record, unreadable)
+                if row is None or row.id in seen:
+                    continue
+                if row.problem is not None or where(row):  # (never asked about a problem row)
+                    seen.add(row.id)
+                    kept.append(row)
+                    if limit is not None and len(kept) >= limit:
+                        return kept
+            if len(records) < FILTER_BATCH:
+                return kept
+            last = tuple(records[-1][COLUMN_INDEX[key]] for key in keys)
 
     def ids(self, state: State) -> builtins.list[str]:
         sort = "priority, due_at, id" if state is State.PENDING else "id"
