@@ -31,17 +31,42 @@ def field_path(parts: Any) -> str:
     return out
 
 
+MAX_MESSAGE = 300  # characters of one entry's error (and field, schema_path): see describe
+MAX_ERRORS = 100  # entries errors_of lists for one value; past it, one MORE_ERRORS entry says so
+MAX_SCANNED = 100 * MAX_ERRORS  # errors it reads at most (repeats of a listed entry included)
+MORE_ERRORS = "... and more errors, not listed (the list stops after {listed})"
+
+
 def describe(error: ValidationError) -> dict[str, str]:
-    """One seed-001 validation entry for a jsonschema error."""
+    """One seed-001 validation entry for a jsonschema error, each text at most
+    :data:`MAX_MESSAGE` characters: jsonschema's messages hold the whole offending value (a 3 MB
+    string made a 9 MB failure document, and a 3 MB line in ``handoff show``)."""
     message = error.message
     if error.validator == "required" and isinstance(error.validator_value, list):
         missing = [p for p in error.validator_value if isinstance(error.instance, dict)
                    and p not in error.instance]
         if missing:
             message = f"Missing required field '{missing[0]}'"
+    elif len(message) > MAX_MESSAGE:
+        message = _shorter_value(message, error.instance)
     schema_path = "#/" + "/".join(str(p) for p in error.absolute_schema_path)
-    return {"field": field_path(error.absolute_path) or "$", "error": message,
-            "schema_path": schema_path}
+    return {"field": _cut(field_path(error.absolute_path) or "$"), "error": _cut(message),
+            "schema_path": _cut(schema_path)}
+
+
+def _shorter_value(message: str, instance: Any) -> str:
+    """``message`` with the value it quotes (jsonschema writes ``repr(instance)``) shortened as
+    :func:`_short` does, so that what follows it ("is not one of [...]") stays."""
+    try:
+        text = repr(instance)
+    except (RecursionError, ValueError):  # absurdly nested; an int past str()'s digit limit
+        return message
+    return message.replace(text, _cut(text, 80), 1) if len(text) > 80 else message
+
+
+def _cut(text: str, limit: int = MAX_MESSAGE) -> str:
+    """``text`` cut to ``limit`` characters in :func:`_short`'s style (``head...ta``)."""
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
 
 
 # ---------------------------------------------------------------- RE2-backed keywords
@@ -183,8 +208,7 @@ def _keywords(legacy_2019: bool) -> dict[str, Callable[..., Iterator[ValidationE
 def _short(value: Any, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters: error entries must stay readable (and small)
     when a document holds a megabyte-long string."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
+    return _cut(repr(value), limit)
 
 
 def _valid(errors: Iterator[ValidationError]) -> bool:
@@ -300,27 +324,43 @@ def check_inline(schema: dict[str, Any]) -> Validator:
 
 
 def errors_of(validator: Validator, instance: Any) -> list[dict[str, str]]:
-    """Every error of ``instance`` under ``validator`` as seed-001 entries, sorted by path.
+    """The errors of ``instance`` under ``validator`` as seed-001 entries, sorted by path: each
+    distinct (field, error) once, at most :data:`MAX_ERRORS` of them. When there are more, the
+    list ends with one entry (field ``$``, error :data:`MORE_ERRORS`) and the rest are not
+    looked for: jsonschema finds errors lazily, and a 2 MB document with a million wrong items
+    took minutes and gigabytes to list them all (counting them alone takes ~30 s).
 
     Never raises for a hostile schema or instance: running out of recursion (a schema or value
     nested absurdly deep, a ``$ref`` cycle) or an unresolvable ``$ref`` becomes an entry."""
-    found: list[ValidationError] = []
+    found: list[tuple[list[str], dict[str, str]]] = []
+    seen: set[tuple[str, str]] = set()  # several branches can report the same missing field
     trouble: dict[str, str] | None = None
+    more = False
     try:
-        for error in validator.iter_errors(instance):
-            found.append(error)
+        for scanned, error in enumerate(validator.iter_errors(instance), 1):
+            entry = describe(error)
+            key = (entry["field"], entry["error"])
+            if key not in seen:
+                if len(found) == MAX_ERRORS:
+                    more = True  # one error past the list
+                    break
+                seen.add(key)
+                found.append(([str(p) for p in error.absolute_path], entry))
+            elif scanned >= MAX_SCANNED:  # repeats of listed ones, on and on: stop reading
+                more = True
+                break
     except RecursionError:
         trouble = {"field": "$", "schema_path": "#",
                    "error": "validation gave up: the schema or the value nests too deeply "
                             "(or a $ref refers to itself)"}
     except referencing.exceptions.Unresolvable as exc:
         trouble = {"field": "$", "schema_path": "#",
-                   "error": f"the schema refers to something it does not contain: {exc}"}
-    found.sort(key=lambda e: [str(p) for p in e.absolute_path])
-    entries: list[dict[str, str]] = []
-    for entry in map(describe, found):  # several branches can report the same missing field
-        if not any(e["field"] == entry["field"] and e["error"] == entry["error"] for e in entries):
-            entries.append(entry)
+                   "error": _cut(f"the schema refers to something it does not contain: {exc}")}
+    found.sort(key=lambda pair: pair[0])  # stable: repeats keep the first schema_path found
+    entries = [entry for _, entry in found]
+    if more:
+        entries.append({"field": "$", "schema_path": "#",
+                        "error": MORE_ERRORS.format(listed=len(entries))})
     if trouble is not None:
         entries.append(trouble)
     return entries

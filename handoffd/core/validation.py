@@ -269,8 +269,15 @@ def check_document(schemas: _Schemas, dialect: _Format, doc: dict[str, Any], *,
         errors.extend(schemas.errors(name, instance))
     if errors:
         first = errors[0]
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise InvalidDocument(f"{subject or f'not a valid {dialect.name} document'}: "
-                              f"{first['field']}: {first['error']}{more}",
+        # a list cut short ends with jsonschema_re2's MORE_ERRORS entry: "(and 100+ more)"
+        unlisted = any(e.get("field") == "$" and str(e.get("error", "")).startswith("... and more")
+                       for e in errors[1:])
+        more = f" (and {len(errors) - 1}{'+' if unlisted else ''} more)" if len(errors) > 1 else ""
+
+        def cut(text: str, limit: int = 300) -> str:  # as jsonschema_re2 cuts its entries
+            return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
+        head = cut(subject or f"not a valid {dialect.name} document")
+        what = f"{cut(str(first['field']))}: {cut(str(first['error']))}"
+        raise InvalidDocument(f"{head}: {what}{more}",
                               handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
                               errors=errors)
