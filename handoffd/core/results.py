@@ -16,7 +16,7 @@ from .logs import log
 from .settings import DaemonSettings
 from .states import Status
 from .timeutil import Clock
-from .validation import SchemaCache
+from .validation import SchemaCache, more_errors
 from .workspace import Workspace
 
 # seed 003's CollaborationResult error_type, which a specialist's error block may carry
@@ -170,8 +170,7 @@ class JobChecks:
         if errors:
             first = errors[0]
             raise InvalidDocument(
-                f"Input validation failed: {first['field']}: {first['error']}"
-                + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
+                f"Input validation failed: {first['field']}: {first['error']}" + more_errors(errors),
                 handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
 
     def _missing_schemas(self, job: Job) -> set[str]:

@@ -257,6 +257,14 @@ def builtin_schemas() -> SchemaCache:
     return SchemaCache(None)
 
 
+def more_errors(errors: list[dict[str, str]]) -> str:
+    """`` (and N more)`` after a message naming the first of ``errors`` ("" for one alone); a
+    list cut short ends with jsonschema_re2's MORE_ERRORS entry: `` (and 100+ more)``."""
+    unlisted = any(e.get("field") == "$" and str(e.get("error", "")).startswith("... and more")
+                   for e in errors[1:])
+    return f" (and {len(errors) - 1}{'+' if unlisted else ''} more)" if len(errors) > 1 else ""
+
+
 def check_document(schemas: _Schemas, dialect: _Format, doc: dict[str, Any], *,
                    subject: str | None = None, handoff_id: str | None = None) -> None:
     """The one schema check of a document against its format: raise InvalidDocument
@@ -269,10 +277,7 @@ def check_document(schemas: _Schemas, dialect: _Format, doc: dict[str, Any], *,
         errors.extend(schemas.errors(name, instance))
     if errors:
         first = errors[0]
-        # a list cut short ends with jsonschema_re2's MORE_ERRORS entry: "(and 100+ more)"
-        unlisted = any(e.get("field") == "$" and str(e.get("error", "")).startswith("... and more")
-                       for e in errors[1:])
-        more = f" (and {len(errors) - 1}{'+' if unlisted else ''} more)" if len(errors) > 1 else ""
+        more = more_errors(errors)
 
         def cut(text: str, limit: int = 300) -> str:  # as jsonschema_re2 cuts its entries
             return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
