@@ -271,8 +271,8 @@ class Claimer:
         with a fresh token (and inode), which fences the old owner out."""
         try:
             doc = self.store.read(State.IN_PROGRESS, handoff_id)
-        except (OSError, InvalidDocument):
-            return None
+        except (OSError, InvalidDocument):  # no lease to judge: an entry that stays unreadable
+            return None  # past the claim grace is set aside by the sweep (repair.set_aside_junk)
         held = book(doc).get("lease")
         if self.store.trusted_revision(doc, State.IN_PROGRESS, handoff_id) == 0 \
                 or not isinstance(held, dict) or not isinstance(held.get("token"), str):

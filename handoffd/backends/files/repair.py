@@ -6,6 +6,10 @@
 * a *foreign* claim (seed 001's own consumer: it renamed the request into in-progress/ and set
   ``status: in_progress`` and ``started_at``) is honoured for its ``timeout_seconds`` (default
   :data:`FOREIGN_LEASE_SECONDS`) from when it started, then handed back as a dead claimer's;
+* an in-progress entry that cannot be read (junk, a folder, a FIFO, a dangling symlink) and
+  that nothing changed for the claim grace, with no claimer holding it, is quarantined with
+  its code and, under a safe id found nowhere else, a failure stub is filed as admission does
+  for pending/ (:func:`set_aside_junk`);
 * orphaned temp files and lock files of finished claims are removed;
 * a document a move or purge set aside and never finished with (it died) is put back
   (:mod:`.aside`);
@@ -25,13 +29,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Collection, Iterator
 
-from ...core.documents import book, record
-from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.documents import apply_native_outcome, book, check_id, record
+from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
 from ...core.logs import log
 from ...core.states import State, winner
 from ...core.timeutil import parse_iso
 from . import aside, fsio
 from .leases import STAGED_OWNER_LOCK_NAME, unclaimed
+from .problems import read_error
 from .reading import HALF_WRITTEN, in_folder
 from .records import TEMP_NAME
 from .store import Store, release_lock, try_lock
@@ -39,6 +44,9 @@ from .store import Store, release_lock, try_lock
 TMP_MAX_AGE_SECONDS = 300.0
 FOREIGN_LEASE_SECONDS = 300.0  # a foreign claim without timeout_seconds: the daemon default
 MAX_FOREIGN_LEASE_SECONDS = 7 * 24 * 3600.0
+# an in-progress file over our size bound may be the live claim of a daemon with a larger
+# max_document_bytes sharing the workspace: its lease cannot be read here, so it is no junk
+NOT_JUNK = frozenset({ErrorCode.DOCUMENT_TOO_LARGE})
 Repairs = dict[str, list[str]]
 
 
@@ -46,7 +54,7 @@ def repair(store: Store, now: datetime, *, claim_grace_seconds: float,
            skip: Collection[str] = ()) -> Repairs:
     """Run every repair once, each isolated: one that fails is logged and the others go on."""
     done: Repairs = {"recovered": [], "duplicates_resolved": [], "temp_files_removed": [],
-                     "locks_removed": []}
+                     "locks_removed": [], "set_aside": []}
     _step("resolving duplicate copies", resolve_duplicates, store, done)
     try:
         in_progress = store.ids(State.IN_PROGRESS)
@@ -119,8 +127,14 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
     try:
         doc = store.read(State.IN_PROGRESS, handoff_id)
         ctime = path.stat().st_ctime
-    except (FileNotFoundError, InvalidDocument):
-        return  # gone, or unreadable: the daemon sets unreadable files aside
+    except FileNotFoundError:
+        return  # gone
+    except (InvalidDocument, OSError) as exc:  # junk, once it stays unreadable past the grace
+        problem = read_error(path, exc, handoff_id)
+        if not problem.transient and problem.code not in NOT_JUNK \
+                and set_aside_junk(store, handoff_id, problem, grace, now):
+            done.setdefault("set_aside", []).append(handoff_id)
+        return
     # a claim's own rewrite seals it for in-progress/ with a lease; a claimer that died right
     # after its rename leaves the pending seal (or none, for a raw document)
     if store.trusted_revision(doc, State.IN_PROGRESS, handoff_id) > 0 \
@@ -143,6 +157,62 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
                reason="claimer died before recording its lease")
         store.move(handoff_id, State.IN_PROGRESS, State.PENDING, doc)
     done["recovered"].append(handoff_id)
+
+
+def set_aside_junk(store: Store, handoff_id: str, problem: UnreadableDocument, grace: float,
+                   now: datetime) -> bool:
+    """Quarantine the unreadable entry ``in-progress/<handoff_id>.json`` (junk, a folder, a
+    FIFO, a dangling symlink) with ``problem``'s code once nothing has changed it for the claim
+    grace (and the settle time: a foreign consumer rewrites its claim in place), and, when its
+    name is a safe id with no other copy, file a failure stub under it as admission does for
+    pending/ (:func:`handoffd.core.admission.set_aside`), so that ``handoff wait`` ends with
+    that failure. True when it was set aside.
+
+    The caller holds the handoff's recovery guard and has seen no claimer's lock on the entry
+    (:func:`.leases.unclaimed`): a claimer holds that lock from before its rename until its
+    lease is written, and sets an unreadable claim aside itself right after."""
+    path = store.path(State.IN_PROGRESS, handoff_id)
+    try:
+        info = os.lstat(path)  # (the entry itself: a symlink's own times, never its target's)
+    except FileNotFoundError:
+        return False
+    if time.time() - max(info.st_mtime, info.st_ctime) < max(grace, store.settle_seconds):
+        return False  # renamed in or changed just now: its claimer may be writing it
+    message = in_folder(str(problem), State.IN_PROGRESS, path.name)
+    others = [s.value for s in store.locate(handoff_id) if s is not State.IN_PROGRESS]
+    if others:
+        message += f"; handoff {handoff_id} is kept in {others[0]}/"
+    try:
+        store.quarantine(path, problem.code, message)
+    except FileNotFoundError:
+        return False  # set aside or moved by another process meanwhile
+    log.warning("set aside in-progress/%s.json: %s: %s", handoff_id, problem.code, message)
+    if not others:
+        _file_stub(store, handoff_id, problem.code, message, now)
+    return True
+
+
+def _file_stub(store: Store, handoff_id: str, code: str, message: str, now: datetime) -> None:
+    """File the failure admission files for a document set aside (the same native stub, see
+    :func:`handoffd.core.admission.set_aside`) when ``handoff_id`` is a safe id found nowhere."""
+    try:
+        check_id(handoff_id)
+    except InvalidDocument:
+        return
+    if store.locate(handoff_id):
+        return
+    from ...core.results import failed  # (rare: not on every sweep's imports)
+    answer: dict[str, Any] = {"handoff_id": handoff_id}
+    record(answer, "rejected", now, code=code)
+    book(answer)["dialect"] = "native"
+    # the native dialect's render of it with FiledState(0, 0, False), as admission's (a
+    # backend imports no dialect)
+    apply_native_outcome(answer, failed(now, now, code, message), retry_count=0, max_retries=0,
+                         retry_available=False)
+    try:
+        store.write_new(State.FAILED, answer)
+    except DuplicateHandoff:
+        return  # filed meanwhile (another sweeper, or a copy that appeared): that one stands
 
 
 def foreign_lease_end(doc: dict[str, Any], claimed_at: float) -> float:
