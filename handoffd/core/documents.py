@@ -6,6 +6,7 @@ the daemon routes by and :class:`Outcome` the format-neutral result it files; di
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -14,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from .config import MAX_SECONDS, RetryPolicy
-from .errors import ConfigError, ErrorCode, InvalidDocument
+from .errors import ConfigError, ErrorCode, InvalidDocument, UsageError
 from .states import SUCCEEDED
 from .timeutil import OutsideCalendar, iso, parse_utc
 
@@ -198,6 +199,38 @@ def nesting_depth(value: Any, limit: int) -> int:
         stack.extend((child, depth + 1) for child in children
                      if isinstance(child, (dict, list)))
     return deepest
+
+
+def check_text(text: object, what: str) -> str:
+    """``text`` when it is text a document can hold (a str that is UTF-8: no lone surrogate,
+    which is how argv's undecodable bytes arrive); UsageError naming ``what`` otherwise. For
+    text an operation writes into a handoff it has claimed (a cancellation's reason, who
+    answers): refused before the claim, not while filing it (that left the claim stranded in
+    in-progress/)."""
+    if not isinstance(text, str):
+        raise UsageError(f"{what} must be text, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{what} is not UTF-8 text (character {exc.start + 1})") from None
+    return text
+
+
+def check_storable(value: Any, what: str, *, depth_below: int = 0) -> Any:
+    """``value`` when a document can hold it ``depth_below`` levels inside (an answer sits in
+    ``input.clarifications[n].answer``: 4): JSON data (dicts, lists, strings, numbers,
+    booleans, null; no bytes, sets, NaN or Infinity, lone surrogates, integers too long to
+    write) nesting at most :data:`MAX_DEPTH` levels with those above it. UsageError naming
+    ``what`` otherwise, before anything is claimed (see :func:`check_text`)."""
+    limit = MAX_DEPTH - depth_below
+    if nesting_depth(value, limit) > limit:  # (first: a deep value is no RecursionError below)
+        raise UsageError(f"{what} nests more than {limit} levels deep; flatten it")
+    try:  # (encoded as a document is written: a lone surrogate is no UTF-8)
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:  # (UnicodeEncodeError: a ValueError)
+        raise UsageError(f"{what} must be JSON data (dicts, lists, strings, numbers, booleans, "
+                         f"null): {str(exc)[:200]}") from None
+    return value
 
 
 @dataclass

@@ -18,10 +18,22 @@
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Collection, Protocol
 
-from ..core.documents import BOOK, Envelope, Outcome, actor, book, book_int, check_id
+from ..backends.base import refiling
+from ..core.documents import (
+    BOOK,
+    Envelope,
+    Outcome,
+    actor,
+    book,
+    book_int,
+    check_id,
+    check_text,
+    next_attempt_at,
+)
 from ..core.engine import Verdict
 from ..core.errors import (
     DocumentNotReady,
@@ -40,6 +52,8 @@ from .lineage import descendants
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
+    from ..core.formats import Dialect
+    from ..core.storage import Claim
 
 CLAIM_TRIES = 5
 
@@ -145,8 +159,13 @@ def cancel(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool = Fa
     """Cancel ``handoff_id`` (NotFound if it does not exist) and, with ``cascade``, every
     descendant. The first result is the handoff's own. ``reason`` is kept to MAX_REASON
     characters: it is written into the document (an unbounded one once pushed a large request
-    past max_document_bytes, and nobody could read it back)."""
-    reason = reason[:MAX_REASON]
+    past max_document_bytes, and nobody could read it back). UsageError, before anything is
+    claimed, when ``reason``, ``by`` or ``via`` is not text a document can hold (a lone
+    surrogate from argv's undecodable bytes failed the filing, and the claim was stranded)."""
+    check_id(handoff_id)
+    reason = check_text(reason, "the reason")[:MAX_REASON]
+    check_text(by, "who cancels")
+    check_text(via, "via")
     results = [cancel_one(engine, handoff_id, reason=reason, by=by, via=via, cascade=cascade)]
     if cascade:
         for child in descendants(engine.backend, handoff_id):
@@ -202,7 +221,10 @@ def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: 
 
 
 def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) -> State | None:
-    """Claim a pending handoff (so nobody starts it) and file it cancelled. None: it moved."""
+    """Claim a pending handoff (so nobody starts it) and file it cancelled. None: it moved.
+    Whatever fails once it is claimed hands the claim back, as it was, before the error goes
+    on: a cancel left in in-progress/ was recovered by the sweep as a dead owner's claim and
+    run (its cancel lost, a retry spent)."""
     now = engine.clock()
     try:
         claimed = engine.claim(handoff_id)
@@ -211,21 +233,61 @@ def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) 
     if claimed is None:
         return None
     claim, dialect = claimed
-    block = book(claim.doc)
-    history = block.get("history")
-    if isinstance(history, list) and history and history[-1].get("event") == "claimed":
-        history.pop()  # the canceller claimed it only to file it; it never ran
-    block["attempt"] = max(book_int(claim.doc, "attempt", 1) - 1, 0)
-    block.pop("waiting_children", None)  # a cancelled parent aggregates nothing
-    block.pop("awaiting", None)
+    saved = copy.deepcopy(claim.doc)
     try:
-        spec = engine.specialist_for(dialect.envelope(claim.doc))
-    except InvalidDocument:
-        spec = None
-    outcome = engine.failure(now, ErrorCode.CANCELLED, f"handoff {handoff_id} cancelled by {by}: {reason}",
-                             retryable=False)
-    outcome.artifacts = children_artifacts(engine, claim.doc)
-    return engine.file(claim, dialect, spec, outcome)
+        block = book(claim.doc)
+        history = block.get("history")
+        if (isinstance(history, list) and history and isinstance(history[-1], dict)
+                and history[-1].get("event") == "claimed"):
+            history.pop()  # the canceller claimed it only to file it; it never ran
+        block["attempt"] = max(book_int(claim.doc, "attempt", 1) - 1, 0)
+        block.pop("waiting_children", None)  # a cancelled parent aggregates nothing
+        block.pop("awaiting", None)
+        try:
+            spec = engine.specialist_for(dialect.envelope(claim.doc))
+        except InvalidDocument:
+            spec = None
+        outcome = engine.failure(now, ErrorCode.CANCELLED,
+                                 f"handoff {handoff_id} cancelled by {by}: {reason}",
+                                 retryable=False)
+        outcome.artifacts = children_artifacts(engine, claim.doc)
+        with refiling(claim):  # a filing that fails before writing keeps the claim ours
+            return engine.file(claim, dialect, spec, outcome)
+    except BaseException as exc:
+        hand_back(engine, claim, dialect, saved, "cancelling it", exc)
+        raise
+
+
+def _why(exc: BaseException) -> str:
+    """``exc`` in a line a document can hold (its text may quote a lone surrogate)."""
+    text = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def hand_back(engine: "Engine", claim: "Claim", dialect: "Dialect", saved: dict[str, Any],
+              doing: str, exc: BaseException) -> None:
+    """Put ``claim`` back in pending/ as ``saved`` (its document as claimed), due when it was
+    and without spending its attempt, its ``handed_back`` event saying that ``doing`` failed
+    with ``exc``: an operation that claimed a handoff only to change it (cancel, answer) and
+    failed leaves it as it found it. Never raises: when even this fails
+    (the claim was given up by a filing that failed midway, the disk is full), the claim is
+    left to the sweep, with a log line; the caller raises the first error."""
+    try:
+        claim.doc.clear()  # in place: the backend's claim shares the document
+        claim.doc.update(copy.deepcopy(saved))
+        history = book(claim.doc).get("history")
+        if (isinstance(history, list) and history and isinstance(history[-1], dict)
+                and history[-1].get("event") == "claimed"):
+            history.pop()  # it never ran
+        where = engine.requeue(claim, dialect, "handed_back", due_at=next_attempt_at(saved),
+                               reason=f"{doing} failed: {_why(exc)}")
+    except BaseException as again:  # (a second failure must not hide the first)
+        log.error("handoff %s: cannot hand back its claim (%s); the sweep recovers it",
+                  claim.id, _why(again))
+        return
+    if where is not State.PENDING:
+        log.error("handoff %s: its claim had ended (filed, given up by a filing that failed, or "
+                  "taken over) before it could be handed back; nothing was written", claim.id)
 
 
 def children_artifacts(engine: "Engine", doc: dict[str, Any]) -> list[Any]:

@@ -5,11 +5,14 @@ the requester", ``handoff answer``, and how the answers reach the specialist whe
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ..core.documents import Envelope, book
+from ..backends.base import refiling
+from ..core.documents import Envelope, book, check_storable, check_text
 from ..core.errors import (
     DocumentNotReady,
     DuplicateHandoff,
@@ -32,6 +35,9 @@ MAX_CLARIFICATIONS_ENV = 64 * 1024  # bytes of $HANDOFF_CLARIFICATIONS
 # answer racing that moment (or a daemon's look at it) tries again for this long
 ANSWER_PATIENCE_SECONDS = 2.0
 ANSWER_BOOKKEEPING_BYTES = 2048  # what an answer adds besides itself: its entry, history, seal
+# how deep an answer sits in the document it is filed in: document, input (or the handoffd
+# block), clarifications, the entry, its answer
+ANSWER_DEPTH = 4
 
 
 # ---------------------------------------------------------------- reading the result
@@ -117,7 +123,16 @@ def clarifications_of(doc: dict[str, Any]) -> list[Any]:
 
 # ---------------------------------------------------------------- answering
 def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") -> dict[str, Any]:
-    """Attach an answer to a handoff waiting on its requester and release it to pending/."""
+    """Attach an answer to a handoff waiting on its requester and release it to pending/.
+
+    UsageError, before anything is claimed, when ``data`` is no JSON a document can hold at
+    its place (NaN, a set, bytes, a lone surrogate, too deep) or ``by`` is not UTF-8 text.
+    Whatever fails once the handoff is claimed hands it back as it was (still waiting for an
+    answer, its attempt not spent) before the error goes on: left in in-progress/, the sweep
+    recovered it as a dead owner's claim, spent a retry and ran it without the answer."""
+    from .cancellation import hand_back  # (the one hand-back of a claim taken to change it)
+    check_storable(data, "the answer", depth_below=ANSWER_DEPTH)
+    check_text(by, "who answers")
     box: list[Any] = []
 
     def on_claim(claimed: dict[str, Any]) -> None:
@@ -147,29 +162,55 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
             raise InvalidTransition(f"handoff {handoff_id} moved while answering; look at it "
                                     "with `handoff show` and try again", handoff_id=handoff_id)
         time.sleep(0.02)
-    doc = claim.doc
+    saved = copy.deepcopy(claim.doc)
+    dialect = box[0] if box else engine.formats.by_name("native")
+    try:
+        entry, detail = _write_answer(claim.doc, dialect.name, data, by, now)
+        # the history names the answer; the document holds it once (clarifications)
+        shown = data if isinstance(data, (int, float, bool)) or data is None else str(data)[:300]
+        with refiling(claim):  # a write that fails before writing keeps the claim ours
+            where = engine.requeue(claim, dialect, "answered", by=by, answer=shown, **detail)
+    except BaseException as exc:  # (then raised as it was)
+        hand_back(engine, claim, dialect, saved, "answering it", exc)
+        raise
+    if where is not State.PENDING:
+        raise InvalidTransition(f"handoff {handoff_id} was taken over while answering",
+                                handoff_id=handoff_id)
+    return entry
+
+
+def _write_answer(doc: dict[str, Any], dialect: str, data: Any, by: str,
+                  now: datetime) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write the answer into the claimed ``doc`` (native: ``input.clarifications``, else
+    ``handoffd.clarifications``): its entry, and what the ``answered`` event adds. A list of
+    answers that is no list (``"clarifications": {}`` in a request's input) is replaced by
+    one, and the event says what it was: appending to it failed after the claim."""
     block = book(doc)
     history = block.get("history")
-    if isinstance(history, list) and history and history[-1].get("event") == "claimed":
+    if (isinstance(history, list) and history and isinstance(history[-1], dict)
+            and history[-1].get("event") == "claimed"):
         history.pop()  # claimed only to write the answer in; it did not run
-    awaiting = block.pop("awaiting", None) or {}
+    asked = block.pop("awaiting", None)
+    awaiting: dict[str, Any] = asked if isinstance(asked, dict) else {}
     entry = {"at": iso(now), "by": by, "kind": awaiting.get("kind"), "answer": data}
     for key in ("questions", "blockers"):
         if awaiting.get(key):
             entry[key] = awaiting[key]
-    dialect = box[0]
-    if dialect.name == "native":
+    if dialect == "native":
         inp = given if isinstance(given := doc.get("input"), dict) else {}
         doc["input"] = inp
-        inp.setdefault("clarifications", []).append(entry)
+        holder, where = inp, "input.clarifications"
     else:
-        block.setdefault("clarifications", []).append(entry)
-    # the history names the answer; the document holds it once (clarifications)
-    shown = data if isinstance(data, (int, float, bool)) or data is None else str(data)[:300]
-    if engine.requeue(claim, dialect, "answered", by=by, answer=shown) is not State.PENDING:
-        raise InvalidTransition(f"handoff {handoff_id} was taken over while answering",
-                                handoff_id=handoff_id)
-    return entry
+        holder, where = block, "handoffd.clarifications"
+    detail: dict[str, Any] = {}
+    answers = holder.get("clarifications")
+    if answers is not None and not isinstance(answers, list):
+        detail["replaced"] = f"{where} was a {type(answers).__name__}, not a list of answers"
+        answers = None
+    if answers is None:
+        answers = holder["clarifications"] = []
+    answers.append(entry)
+    return entry, detail
 
 
 def _check_room(engine: "Engine", handoff_id: str, doc: dict[str, Any], data: Any) -> None:

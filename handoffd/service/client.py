@@ -230,7 +230,9 @@ class Client:
     def cancel(self, handoff_id: str, *, reason: str = "cancelled by the client",
                cascade: bool = False) -> str:
         """Cancel ``handoff_id``; returns what happened to it: ``cancelled`` (it was pending),
-        ``requested`` (running: its daemon stops it) or ``finished`` (nothing to do)."""
+        ``requested`` (running: its daemon stops it) or ``finished`` (nothing to do).
+        UsageError for a ``reason`` that is not UTF-8 text (a lone surrogate): the feature
+        refuses it before anything is claimed."""
         from ..features.cancellation import cancel
         if not isinstance(reason, str):
             raise UsageError(f"reason must be text; not {type(reason).__name__}")
@@ -238,8 +240,13 @@ class Client:
                       by=self.agent, via="client")[0].action
 
     def answer(self, handoff_id: str, answer: Any) -> None:
-        """Answer what a parked handoff asks (``Result.asks``); it runs again with the answer."""
+        """Answer what a parked handoff asks (``Result.asks``); it runs again with the answer.
+        UsageError unless ``answer`` is JSON data a document can hold where it goes (as
+        :meth:`create` checks its data): nothing is claimed or written then."""
+        from ..features.clarification import ANSWER_DEPTH
         from ..features.orchestration import answer as give_answer
+        _within_depth(answer, MAX_DEPTH - ANSWER_DEPTH, "answer")  # it sits in clarifications
+        _json_data(answer, "answer")
         give_answer(self.engine, handoff_id, answer, by=self.agent)
 
     def retry(self, handoff_id: str, *, force: bool = False) -> None:
