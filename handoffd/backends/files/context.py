@@ -85,9 +85,9 @@ class FileContext:
     def _rev_record(self, key: str) -> dict[str, Any] | None:
         try:
             data = fsio.read_regular(self.root / ".meta" / _rev_name(key), 1 << 16)
-            record = json.loads(data.decode("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
+        except OSError:
             return None
+        record = fsio.parse_line(data)  # None for what no write of ours left (even nested deep)
         if (isinstance(record, dict) and record.get("key") == key
                 and isinstance(record.get("revision"), int) and not isinstance(record["revision"], bool)
                 and record["revision"] >= 0 and isinstance(record.get("sha256"), str)):
@@ -112,7 +112,8 @@ class FileContext:
         return sorted(out)
 
     def history(self, key: str | None = None) -> list[dict[str, Any]]:
-        """The entries of ``context/.history.jsonl`` (unparseable lines are skipped)."""
+        """The entries of ``context/.history.jsonl`` (a line that is no entry of ours, torn,
+        foreign or nested deep, is skipped)."""
         try:
             with fsio.open_reading(self.root / HISTORY) as fh:
                 lines = fh.read().decode("utf-8", "replace").splitlines()
@@ -120,10 +121,7 @@ class FileContext:
             return []
         out = []
         for line in lines:
-            try:
-                item = json.loads(line)
-            except ValueError:
-                continue
+            item = fsio.parse_line(line)
             if isinstance(item, dict) and (key is None or item.get("key") == key):
                 out.append(item)
         return out
@@ -143,24 +141,37 @@ class FileContext:
             try:
                 old, revision = self.read(key)
                 data, entry = change(old, revision)
+                # every line encoded before the first write: a history entry that cannot be
+                # written (a writer's id with a lone surrogate) refuses the write, not its history
+                line = _history_line(key, entry)
                 record = (json.dumps({"key": key, "revision": revision + 1,
                                       "sha256": sha256_hex(data)}) + "\n").encode()
                 # the value first, then its record: a crash in between leaves bytes that do not
                 # match the record, which reads as record + 1, the revision this write was giving
                 fsio.replace(path, data, tmp, durable=self.durable)
                 fsio.replace(self.meta(_rev_name(key)), record, tmp, durable=self.durable)
-                self._append_history(history, entry)
+                self._append_history(history, line)
             finally:
                 os.close(history)
         return entry
 
-    def _append_history(self, fd: int, entry: dict[str, Any]) -> None:
-        line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
+    def _append_history(self, fd: int, line: bytes) -> None:
         from filelock import FileLock
         with FileLock(str(self.meta("history.lock")), timeout=LOCK_TIMEOUT_SECONDS):
             os.write(fd, line)
             if self.durable:
                 os.fsync(fd)
+
+
+def _history_line(key: str, entry: dict[str, Any]) -> bytes:
+    """``entry`` as its line of ``.history.jsonl``; InvalidDocument when it cannot be one (a
+    string in it that UTF-8 cannot encode, a lone surrogate from a non-UTF-8 environment)."""
+    try:
+        return (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidDocument(f"context key {key!r} not written: its history entry holds text "
+                              f"UTF-8 cannot encode ({exc.reason}: a writer id or name from a "
+                              "non-UTF-8 environment?)", code=ErrorCode.NOT_UTF8) from None
 
 
 def _plain_folder(folder: Path) -> Path:

@@ -3,8 +3,9 @@
 Every process of the workspace appends to the same file with a single ``O_APPEND`` write per
 event, so lines from concurrent writers never interleave. Past ``max_bytes`` the file is rotated
 (``events.jsonl.1`` ... ``.N``, the oldest dropped) under a lock, so two writers never rotate
-twice. Readers skip a line they cannot parse (a torn last line after a crash) and follow the file
-across rotations by its inode (:meth:`FileEventLog.tail`).
+twice. Readers skip a line they cannot parse (a torn last line after a crash, one nested deeper
+than any event: :func:`~handoffd.backends.files.fsio.parse_line`) and follow the file across
+rotations by its inode (:meth:`FileEventLog.tail`).
 """
 from __future__ import annotations
 
@@ -136,9 +137,6 @@ def _parse(data: bytes) -> Iterator[Event]:
     for line in data.splitlines():
         if not line.strip() or len(line) > MAX_LINE:
             continue
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a torn line (a crash mid-write) or something not ours
+        event = fsio.parse_line(line)  # None: a torn line (a crash mid-write) or not ours
         if isinstance(event, dict):
             yield event

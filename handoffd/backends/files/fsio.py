@@ -422,6 +422,26 @@ def load_json(text: str, name: str, *, max_depth: int | None = None) -> Any:
     return value
 
 
+def parse_line(line: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
+    """The JSON value of one line of handoffd's own bookkeeping (a line of a ``.jsonl`` log, a
+    small record file), or None when it cannot be one of ours: not UTF-8, not JSON (a torn
+    line), an integer past Python's digit limit, or nesting deeper than ``max_depth``. Never
+    raises: a line of ``[`` thirty thousand deep, whose parse exhausts the recursion limit, is
+    one more line that is not ours, not a RecursionError out of a command or the daemon loop."""
+    try:
+        value = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError: ValueErrors)
+        return None
+    if isinstance(value, (dict, list)):
+        # no line of ours nests deep: what its readers do with it must not recurse past the
+        # limit either (a value cannot nest deeper than it has brackets: most need no walk)
+        brackets = (line.count(b"[") + line.count(b"{") if isinstance(line, bytes)
+                    else line.count("[") + line.count("{"))
+        if brackets > max_depth and nesting_depth(value, max_depth) > max_depth:
+            return None
+    return value
+
+
 def _check_depth(text: str, value: Any, name: str, limit: int) -> None:
     # a value cannot nest deeper than it has brackets: most need no walk at all
     if text.count("{") + text.count("[") > limit and nesting_depth(value, limit) > limit:
