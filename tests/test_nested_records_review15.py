@@ -202,6 +202,19 @@ def test_a_history_entry_that_cannot_be_encoded_refuses_the_write_before_making_
     assert not (root / "fresh.json").exists() and not rev_record(tmp_path, "fresh").exists()
 
 
+def test_a_history_entry_holding_a_line_separator_is_read_whole(tmp_path: Path) -> None:
+    """History lines are JSON written with ensure_ascii=False: text may hold U+2028 or U+0085,
+    where str.splitlines() also breaks, so such an entry was torn in two and dropped."""
+    from handoffd.backends.files.context import FileContext
+
+    store = FileContext(tmp_path / "context", durable=False)
+    for key, by in (("k", "@w\u2028x"), ("j", "@v\x85y"), ("i", "@plain")):
+        store.write(key, lambda old, rev, k=key, b=by: (b'"ok"\n', {"key": k, "by": b,
+                                                                    "revision": rev + 1}))
+    assert [(e["key"], e["by"]) for e in store.history()] == [
+        ("k", "@w\u2028x"), ("j", "@v\x85y"), ("i", "@plain")]
+
+
 # ---------------------------------------------------------------- the event log
 def events_file(ws: Workspace) -> Path:
     return ws.root / "handoffs" / ".meta" / "events.jsonl"

@@ -442,7 +442,7 @@ def keep_partial(ctx: HandlerContext, outcome: Outcome) -> Outcome:
         error.pop("details", None)
     if partial is None and isinstance(text, str) and text.strip():
         try:
-            parsed = json.loads(text.strip().splitlines()[-1], parse_constant=_no_constant)
+            parsed = json.loads(text.strip().split("\n")[-1], parse_constant=_no_constant)
         except (ValueError, IndexError, RecursionError):
             parsed = None
         if isinstance(parsed, dict):

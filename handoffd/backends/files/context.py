@@ -116,7 +116,8 @@ class FileContext:
         foreign or nested deep, is skipped)."""
         try:
             with fsio.open_reading(self.root / HISTORY) as fh:
-                lines = fh.read().decode("utf-8", "replace").splitlines()
+                # on "\n" alone: splitlines() also breaks at U+2028 and U+0085 in an entry's text
+                lines = fh.read().decode("utf-8", "replace").split("\n")
         except FileNotFoundError:
             return []
         out = []
