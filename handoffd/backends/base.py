@@ -44,7 +44,8 @@ EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 SAFETY_RECHECK_SECONDS = 2.0  # wake-ups are hints: waiters look again now and then regardless
 
 __all__ = ["Backend", "Claim", "Claims", "Describe", "Doc", "Meta", "NotFiled", "Order", "Row",
-           "Rows", "UnreadableCopy", "Wakeup", "WakeupCallback", "Where", "describe_native",
+           "Rows", "UnreadableCopy", "Wakeup", "WakeupCallback", "Where", "check_wait_timeout",
+           "describe_native",
            "refiling"]
 
 
@@ -339,6 +340,14 @@ class WaitStop:
         return unwatch
 
 
+def check_wait_timeout(timeout: float | None) -> None:
+    """UsageError unless ``timeout`` is None or a finite number of seconds, 0 or more (``nan``
+    never runs out): what every wait takes, checked before anything is done for it."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 <= timeout < math.inf):
+        raise UsageError(f"a wait's timeout must be a number of seconds, 0 or more; not {timeout!r}")
+
+
 def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
                   grace_not_found: float = 0.0,
                   until: Callable[[State, Doc], Any] | None = None,
@@ -352,9 +361,7 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
     read as "still being written", so both waited for ever. ``stop``: WaitTimeout as soon as
     it is set (checked where the wait sleeps; setting it wakes the sleep)."""
     check_id(handoff_id)
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 <= timeout < math.inf):
-        raise UsageError(f"a wait's timeout must be a number of seconds, 0 or more; not {timeout!r}")
+    check_wait_timeout(timeout)
     found = _look(backend, handoff_id)
     if found is not None and (found[0].terminal or (until and until(*found))):
         return found  # already there: no watch to set up (most waits of a finished handoff)

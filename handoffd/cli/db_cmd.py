@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from ..core.errors import UsageError
+from .basics import text_arg
 from .common import JsonOption, RootOption, StoreOption, guarded, workspace
 
 PROG = "handoffd"
@@ -17,7 +18,18 @@ db_app = typer.Typer(help="The PostgreSQL store: create or upgrade its schema, i
 
 
 def _url(root: Path | None, store: str | None) -> tuple[Any, str]:
-    """The workspace and the PostgreSQL URL chosen by --store, $HANDOFFD_STORE or [store] url."""
+    """The workspace and the PostgreSQL URL chosen by --store, $HANDOFFD_STORE or [store] url.
+    A given URL that is not UTF-8 text (argv's or the environment's undecodable bytes: an
+    internal error later) or not PostgreSQL's is refused (exit 2) before the workspace is made."""
+    import os
+
+    from ..core.bounds import check_store_url
+    from ..core.config import STORE_ENV
+    given = [(store, "--store"), (os.environ.get(STORE_ENV), f"${STORE_ENV}")]
+    for url, where in given:
+        if url:  # (the first given is the one used, as in Config.store_url)
+            check_store_url(text_arg(url, where), where)
+            break
     ws = workspace(root, create=True)
     url = ws.load_config().store_url(store)
     if url is None:

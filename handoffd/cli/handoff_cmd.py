@@ -80,6 +80,8 @@ def create(
     from ..service.waiting import wait_terminal
     if wait_timeout is not None and not wait:  # it only bounds --wait: alone it did nothing
         raise UsageError("--wait-timeout applies to --wait; add --wait, or drop it")
+    if wait_timeout is not None:  # before the submit: refused after it, a retry made another
+        _check_wait_timeout(wait_timeout)
     eng = engine(root, create=True, features=("dependencies",))  # submit's check
     due_at, expires_at = _timing(eng.clock(), at, delay, expires_after)
     if file is not None:
@@ -106,7 +108,10 @@ def create(
                 raise UsageError(f"--file: cannot read {file}: {exc.strerror or exc}") from None
         submitted = parse_document(raw, str(file))
         if expires_at is not None:
-            if not isinstance(submitted, dict) or "handoff_id" not in submitted:
+            # the format as submit will detect it (a HAIOS or agent_handoff document has a
+            # handoff_id too, and would have kept an expires_at nothing reads: never expiring);
+            # a document of no known format is refused by detect as submit refuses it
+            if not isinstance(submitted, dict) or eng.formats.detect(submitted).name != "native":
                 raise UsageError("--expires-after applies to native (seed 001) requests; other "
                                  "formats carry their own deadlines")
             submitted["expires_at"] = expires_at
@@ -137,6 +142,17 @@ def create(
             raise typer.Exit(reads.EXIT_AWAITING_ANSWER)
         reads.say_failure(new_id, state, filed)  # why, as `handoff wait` says it
         raise typer.Exit(reads.exit_for(state))
+
+
+def _check_wait_timeout(seconds: float) -> None:
+    """UsageError (exit 2, naming --wait-timeout) unless the wait that follows the submit will
+    take ``seconds`` (:func:`~handoffd.backends.base.check_wait_timeout`): checked before the
+    submit, so a bad value creates nothing."""
+    from ..backends.base import check_wait_timeout
+    try:
+        check_wait_timeout(seconds)
+    except UsageError as exc:
+        raise UsageError(f"--wait-timeout: {exc}") from None
 
 
 @app.command("ls")

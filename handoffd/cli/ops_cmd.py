@@ -8,6 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..core.errors import UsageError
+from .basics import text_arg
 from .common import JsonOption, RootOption, guarded
 from .render import clean, print_json
 
@@ -32,10 +33,12 @@ def _pauses(root: Path | None) -> Any:
 
 
 def _target(agent: str | None, everything: bool) -> str:
+    """The pause record's key; checked before the store is opened (an agent id that is not
+    UTF-8 text was stored in paused.json as a lone surrogate)."""
     from ..features.pause import ALL
     if everything == (agent is not None):
         raise UsageError("name one specialist, or pass --all")
-    return ALL if everything else str(agent)
+    return ALL if everything else text_arg(str(agent), "AGENT")
 
 
 def _show(pauses: dict[str, Any]) -> None:
@@ -55,13 +58,16 @@ def pause(
     root: RootOption = None,
 ) -> None:
     """Hold back new work for a specialist (or --all): it stays pending; running work finishes."""
-    who = as_agent or os.environ.get("HANDOFF_TARGET") or "@cli"
-    _show(_pauses(root).set(_target(agent, everything), paused=True, by=who, reason=reason))
+    target = _target(agent, everything)
+    who = text_arg(as_agent or os.environ.get("HANDOFF_TARGET") or "@cli", "--as")
+    reason = text_arg(reason, "--reason")
+    _show(_pauses(root).set(target, paused=True, by=who, reason=reason))
 
 
 def resume(agent: AgentArg = None, everything: AllOption = False, root: RootOption = None) -> None:
     """Lift a pause (--all: the workspace pause, or every pause when there is none)."""
-    _show(_pauses(root).set(_target(agent, everything), paused=False, by=""))
+    target = _target(agent, everything)
+    _show(_pauses(root).set(target, paused=False, by=""))
 
 
 def paused(as_json: JsonOption = False, root: RootOption = None) -> None:

@@ -86,8 +86,10 @@ def cancel(
 
     if not 0 <= timeout <= MAX_CANCEL_WAIT_SECONDS:  # (NaN fails both comparisons)
         raise UsageError(f"--timeout must be 0 to {MAX_CANCEL_WAIT_SECONDS:.0f} seconds, not {timeout:g}")
+    # checked before anything is claimed: the reason is written into each filed document
+    reason, by = text_arg(reason, "--reason"), _agent(as_agent)
     eng = engine(root)
-    results = do_cancel(eng, handoff_id, reason=reason, cascade=cascade, by=_agent(as_agent))
+    results = do_cancel(eng, handoff_id, reason=reason, cascade=cascade, by=by)
     started = time.monotonic()
     finals: dict[str, str] = {}
     for result in results:
@@ -200,14 +202,13 @@ def context_set(
         if data is not None or input_file is not None:
             raise UsageError("give the value once: as the VALUE argument, --data or --input")
         data = value
-    key, agent = _key(key), _agent(as_agent)
+    key, agent, writer = _key(key), _agent(as_agent), _writer_handoff()
     config = workspace(root).load_config()
     store = _store(root, config)
     given = _data(data, input_file, config.daemon.max_document_bytes,
                   what="--data" if value is None else "VALUE")
     try:
-        entry = store.set(key, given, agent=agent, handoff_id=os.environ.get("HANDOFF_ID"),
-                          if_revision=if_revision)
+        entry = store.set(key, given, agent=agent, handoff_id=writer, if_revision=if_revision)
     except InvalidDocument as exc:  # a value over the store's size or depth limit: the argument's
         if exc.code != ErrorCode.INVALID_CONTEXT_VALUE:
             raise
@@ -215,6 +216,22 @@ def context_set(
     _refresh_mirror(store)
     print(clean(f"{entry['key']}: written by {entry['by']} (revision {entry['revision']}, "
                 f"{entry['bytes']} bytes, sha256 {entry['sha256'][:12]})"))
+
+
+def _writer_handoff() -> str | None:
+    """The handoff a ``context set`` writes for: ``$HANDOFF_ID``, which the daemon sets for a
+    command handler and the history records beside the write (unset or empty: none). A value
+    no handoff id can be (argv's undecodable bytes, a path, 100 kB) is a usage error (exit 2),
+    said before anything is written: it was stored as given, or failed as an internal error."""
+    from ..core.documents import check_id
+    given = os.environ.get("HANDOFF_ID")
+    if not given:
+        return None
+    try:
+        return check_id(given)
+    except InvalidDocument as exc:
+        raise UsageError(f"$HANDOFF_ID (the handoff this write is for): {exc}; unset it or "
+                         "give the id of the handoff being run") from None
 
 
 def _refresh_mirror(store: Any) -> None:

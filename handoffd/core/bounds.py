@@ -193,6 +193,10 @@ def check_store_url(url: str, where: str = "store url") -> str:
             c in url for c in "\n\r\0"):
         raise ConfigError(f"{where}: give a postgresql://user@host/dbname URL (no value: the "
                           "workspace's files)")
+    try:  # argv's or the environment's undecodable bytes (lone surrogates) reach no driver
+        url.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{where}: the URL is not UTF-8 text") from None
     return url
 
 

@@ -142,10 +142,40 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
 
 
 def validate_document(engine: Engine | None, doc: dict[str, Any], dialect: Dialect) -> None:
-    """Raise InvalidDocument (with every error) unless ``doc`` is valid in ``dialect``."""
+    """Raise InvalidDocument (with every error) unless ``doc`` is valid in ``dialect`` and, in
+    a workspace (``engine``), its input passes the checks a daemon there makes before its
+    handler runs (:func:`check_request_input`)."""
     check_document(engine.schemas if engine else builtin_schemas(), dialect, doc)
     if not getattr(dialect, "is_answer", lambda _doc: False)(doc):  # answers are not routed
-        dialect.envelope(doc)
+        envelope = dialect.envelope(doc)
+        if engine is not None:
+            check_request_input(engine, envelope)
+
+
+def check_request_input(engine: Engine, envelope: Any) -> None:
+    """What the workspace's daemon checks of a request before its handler runs, by its own
+    check (:meth:`JobChecks.check_input <handoffd.core.results.JobChecks.check_input>`): its
+    input data against the input schema (the target specialist's ``input_schema``, else the
+    request's ``input.schema``), and that each schema the request names (``input.schema``,
+    ``expected_output.schema``) exists as a plain name in schemas/ or built in. InvalidDocument
+    (SCHEMA_VALIDATION_FAILED) when the daemon would fail it; with ``[daemon] expectations =
+    "advisory"`` a missing named schema is only a warning (logged as the daemon logs it). A
+    schema that cannot be used is InvalidDocument too (the daemon files PROCESSING_ERROR). The
+    output itself is checked after a run, so never here."""
+    from types import SimpleNamespace
+
+    from ..core.errors import ConfigError
+    from ..core.settings import SpecialistConfig
+    spec = engine.specialist_for(envelope)  # None: no specialist here (only what it names)
+    job = SimpleNamespace(  # the fields of a Job that the check reads
+        handoff_id=envelope.handoff_id, envelope=envelope, warnings=[],
+        specialist=spec or SimpleNamespace(config=SpecialistConfig(agent=envelope.target)))
+    try:
+        engine.checks.check_input(job)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise InvalidDocument(f"its input cannot be checked: {exc}",
+                              handoff_id=envelope.handoff_id,
+                              code=ErrorCode.PROCESSING_ERROR) from None
 
 
 def validate_files(files: list[Path], engine: Engine | None, *, forced: str | None = None) -> list[dict[str, Any]]:
@@ -164,7 +194,9 @@ def validate_files(files: list[Path], engine: Engine | None, *, forced: str | No
             item["valid"] = True
         except InvalidDocument as exc:
             item["headline"] = str(exc)
-            item["errors"] = exc.errors or [{"field": "$", "error": str(exc), "schema_path": ""}]
+            # (every entry has a schema_path: a missing named schema's entry has none)
+            item["errors"] = [{**e, "schema_path": e.get("schema_path", "")} for e in exc.errors] \
+                or [{"field": "$", "error": str(exc), "schema_path": ""}]
         except KeyError as exc:
             item["headline"] = str(exc.args[0]) if exc.args else str(exc)
             item["errors"] = [{"field": "$", "error": item["headline"], "schema_path": ""}]
