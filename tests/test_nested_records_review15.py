@@ -26,7 +26,6 @@ import queue
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -36,26 +35,9 @@ from typing import Any, Iterator
 
 import pytest
 from conftest import Workspace, exe, new_workspace, run_python, wait_until
+from test_meta_folders_review15 import CONFIG  # (@ok answers at once, @slow sleeps)
 
 DEEP = "[" * 30000 + "]" * 30000  # the review's line: past the recursion limit
-PRINT = [sys.executable, "-c", "import sys; sys.stdin.read(); print(sys.argv[1])"]
-SLEEP = [sys.executable, "-c", "import sys, time; sys.stdin.read(); time.sleep(60); "
-         "print('{\"status\": \"completed\"}')"]
-CONFIG = f"""
-[daemon]
-settle_seconds = 0.1
-claim_grace_seconds = 1.0
-sweep_seconds = 0.5
-rescan_seconds = 0.5
-
-[specialists."@ok"]
-command = {json.dumps([*PRINT, json.dumps({"status": "completed"})])}
-retry = {{ max_retries = 0 }}
-
-[specialists."@slow"]
-command = {json.dumps(SLEEP)}
-retry = {{ max_retries = 0 }}
-"""
 
 
 @pytest.fixture

@@ -72,11 +72,17 @@ def plain_folder(path: Path) -> bool:
         return False
 
 
-def open_folder(path: Path | str) -> int:
+def open_folder(path: Path | str, *, make: bool = False) -> int:
     """A descriptor of the folder ``path`` itself, opened without following a symlink, to read,
     write and remove records through (names relative to it, ``dir_fd=``): FileNotFoundError
     when it is missing; another OSError (ELOOP, ENOTDIR) for a symlink or anything but a folder.
-    A folder swapped for a link after it was opened is not followed either."""
+    A folder swapped for a link after it was opened is not followed either. ``make``: made
+    first (with its parents) when missing."""
+    if make:
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # a file or a dangling symlink: refused by the open
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 

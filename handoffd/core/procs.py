@@ -227,13 +227,8 @@ def _records_folder(root: Path, *, create: bool = False) -> Iterator[int | None]
     is missing or no plain folder (a symlink...): then nothing is read, written or removed
     through it, and one error line says so (once, not at every attempt or sweep)."""
     folder = record_dir(root)
-    if create:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:
-            pass  # a file or a dangling symlink: refused just below
     try:
-        fd = open_folder(folder)
+        fd = open_folder(folder, make=create)
     except FileNotFoundError:
         if create:
             raise

@@ -317,11 +317,7 @@ class FilesBackend(FencedFiling, Backend):
     def request_cancel(self, handoff_id: str, request: Doc) -> None:
         folder = self._cancel_dir()
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:
-            pass  # a file or a dangling symlink: refused just below
-        try:
-            fd = open_folder(folder)
+            fd = open_folder(folder, make=True)
         except OSError as exc:
             if isinstance(exc, FileNotFoundError):
                 raise
