@@ -41,6 +41,8 @@ CACHE_SECONDS = 1.0
 # a bucket stamped further ahead than this (or its period) is taken as full: a clock that
 # stepped back an hour refills nothing meanwhile, but a stamp from the far future never ages
 FUTURE_SECONDS = 86_400.0
+# a bucket stamped later than this (the year 5138) is a forged record: it is taken as full
+MAX_STAMP = 1e11
 HELD_LOG_SECONDS = 60.0  # a specialist whose starts wait for its rate is said so this often
 UNITS = ((86_400, "d"), (3_600, "h"), (60, "m"), (1, "s"))
 PERIODS = {1.0: "s", 60.0: "m", 3_600.0: "h", 86_400.0: "d"}
@@ -86,14 +88,29 @@ def wait_for(tokens: float, rate: Rate) -> float:
 
 
 def _load(state: Any, rate: Rate) -> tuple[float, float]:
-    """(tokens, when) from a bucket record; a new or unreadable one is full."""
-    try:
-        tokens, at = float(state["tokens"]), float(state["at"])
-    except (ValueError, KeyError, TypeError):
+    """(tokens, when) from a bucket record; a new or unreadable one is full. Never raises:
+    the record is the store's, which anyone with the workspace can write, and a value that
+    does not read as a sane number (a string, a bool, a 400-digit integer that no float holds,
+    nan, inf, a stamp before 1970 or past :data:`MAX_STAMP`) reads as a full bucket, so a
+    forged record never stalls a specialist or fails the gate that reads it."""
+    if not isinstance(state, dict):
         return float(rate.count), 0.0
-    if not (tokens == tokens and at == at) or tokens > rate.count:  # nan, or another rate's
-        return float(rate.count), 0.0
+    tokens, at = _sane(state.get("tokens")), _sane(state.get("at"))
+    if tokens is None or at is None or not 0.0 <= at <= MAX_STAMP or tokens > rate.count:
+        return float(rate.count), 0.0  # unreadable, or another rate's bucket
     return max(tokens, -float(rate.count)), at
+
+
+def _sane(value: Any) -> float | None:
+    """``value`` as a finite float, None for anything else (a bool, a string, an integer too
+    large for a float, nan, inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def spelled(rate: Rate) -> str:

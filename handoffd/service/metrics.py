@@ -11,11 +11,15 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
 import stat
+import sys
 import threading
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ..core.errors import ErrorCode
 from ..core.events import START
 from ..core.states import State
 from .stats import UNKNOWN, current_depth, number
@@ -28,7 +32,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("handoffd")
 BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
-MAX_SERIES = 1000  # label values (agents, codes) beyond this are folded into "other"
+# label combinations each metric keeps (plus the configured specialists' own); a new one past
+# this is counted under agent="other" (and code="other"): a flood of distinct agent ids or codes
+# from outside bounds the scrape, and never takes the configured specialists' labels
+MAX_SERIES = 1000
+OTHER = "other"
+MAX_LABEL = 64  # characters of a label value kept
+# the events handoffd writes (docs/operations.md, "The event log"), and the state names an event
+# falls back to: any other name is counted as event="other"
+EVENT_NAMES = frozenset({
+    "created", "claimed", "completed", "failed", "cancelled", "retry_scheduled", "handed_back",
+    "throttled", "taken_over", "recovered", "needs_clarification", "blocked", "answered",
+    "delegated", "still_waiting", "aggregated", "set_aside", "rejected", "retried", "purged",
+    "archived", *(state.value for state in State)})
+CODES = frozenset(code.value for code in ErrorCode)  # a configured specialist's own codes kept
 
 
 class _Histogram:
@@ -56,39 +73,75 @@ class EventCollector:
         self.cursor: Any = None
         self.started = False
         self.lock = threading.Lock()
-        self.transitions: Counter[tuple[str, str]] = Counter()
-        self.errors: Counter[tuple[str, str]] = Counter()
+        self.transitions: Counter[tuple[str, ...]] = Counter()
+        self.errors: Counter[tuple[str, ...]] = Counter()
         self.runs = _Histogram()
         self.waits = _Histogram()
-        self.labels: set[str] = set()
+        self.skipped = 0  # events that could not be counted (a forged line in the log)
+        self.configured: frozenset[str] = frozenset()  # specialists that keep their own label
+        self._tail_failing = False
 
-    def _label(self, value: Any) -> str:
-        text = str(value)[:64] if isinstance(value, str) and value else UNKNOWN
-        if text not in self.labels and len(self.labels) >= MAX_SERIES:
-            return "other"  # a flood of distinct agent ids must not blow up the scrape
-        self.labels.add(text)
-        return text
+    def _keep(self, agent: str) -> bool:
+        """True for a configured specialist: its series are never folded into "other"."""
+        return agent in self.configured
+
+    def _key(self, held: Any, key: tuple[str, ...], kept: tuple[bool, ...]) -> tuple[str, ...]:
+        """``key`` as the label values of a metric holding ``held`` series: itself when it
+        is there already or there is room (:data:`MAX_SERIES`), else each value that
+        ``kept`` does not protect folded into "other"."""
+        if key in held or len(held) < MAX_SERIES:
+            return key
+        return tuple(value if keep else OTHER for value, keep in zip(key, kept))
 
     def _add(self, event: Event) -> None:
-        agent, name = self._label(event.get("agent")), self._label(event.get("event"))
-        self.transitions[(name, agent)] += 1
-        if name == "claimed" and (wait := number(event.get("wait"))) is not None:
-            self.waits.observe(agent, wait)
+        agent = _label(event.get("agent"))
+        given = event.get("event")
+        name = given if isinstance(given, str) and given in EVENT_NAMES else OTHER
+        keep = self._keep(agent)
+        self.transitions[self._key(self.transitions, (name, agent), (True, keep))] += 1
+        if name == "claimed" and (wait := _number(event.get("wait"))) is not None:
+            self.waits.observe(self._key(self.waits.counts, (agent,), (keep,))[0], wait)
         if event.get("state") in (State.COMPLETED.value, State.FAILED.value) \
                 and name not in ("purged", "archived"):
-            if (seconds := number(event.get("seconds"))) is not None:
-                self.runs.observe(agent, seconds)
+            if (seconds := _number(event.get("seconds"))) is not None:
+                self.runs.observe(self._key(self.runs.counts, (agent,), (keep,))[0], seconds)
             if event.get("state") == State.FAILED.value and event.get("code"):
-                self.errors[(agent, self._label(event.get("code")))] += 1
+                code = _label(event.get("code"))
+                key = self._key(self.errors, (agent, code), (keep, keep and code in CODES))
+                self.errors[key] += 1
 
     def update(self) -> None:
-        """Take in the events appended since the last scrape."""
+        """Take in the events appended since the last scrape. Never raises: an event that
+        cannot be counted is skipped (and counted as skipped), a log that cannot be read now is
+        read from the same place at the next scrape."""
         with self.lock:
+            self.configured = self._configured()
             # the first scrape counts everything the log keeps, later ones what came since
-            fresh, self.cursor = self.events.tail(self.cursor if self.started else START)
-            self.started = True
+            try:
+                fresh, cursor = self.events.tail(self.cursor if self.started else START)
+            except Exception as exc:  # the scrape answers with what was counted so far
+                if not self._tail_failing:
+                    self._tail_failing = True
+                    log.warning("metrics: cannot read the event log: %s", _said(exc))
+                return
+            self._tail_failing = False
+            self.cursor, self.started = cursor, True
             for event in fresh:
-                self._add(event)
+                try:
+                    self._add(event)
+                except Exception as exc:  # a forged line must not fail every scrape after it
+                    if not self.skipped:
+                        log.warning("metrics: an event that cannot be counted is skipped (%s); "
+                                    "handoffd_events_skipped_total counts them", _said(exc))
+                    self.skipped += 1
+
+    def _configured(self) -> frozenset[str]:
+        """The specialists of the configuration (and of the registry, once it is loaded)."""
+        agents = set(self.engine.config.specialists)
+        registry = getattr(self.engine, "_registry", None)  # (loading it imports handlers)
+        if registry is not None:
+            agents.update(registry.specialists)
+        return frozenset(_label(agent) for agent in agents)
 
     def collect(self) -> Iterator[Any]:
         """The metric families (called by prometheus-client on every scrape)."""
@@ -103,7 +156,10 @@ class EventCollector:
             "failed, retry_scheduled...) and specialist", labels=["event", "agent"])
         errors = CounterMetricFamily("handoffd_failures", "Handoffs filed as failed, by error code",
                                      labels=["agent", "code"])
+        skipped = CounterMetricFamily("handoffd_events_skipped", "Event log lines that could not "
+                                      "be counted (not as handoffd writes them)")
         with self.lock:
+            skipped.add_metric([], self.skipped)
             for (name, agent), count in sorted(self.transitions.items()):
                 transitions.add_metric([name, agent], count)
             for (agent, code), count in sorted(self.errors.items()):
@@ -114,6 +170,7 @@ class EventCollector:
                                           "Time from due to claimed", self.waits)]
         yield transitions
         yield errors
+        yield skipped
         yield from histograms
         yield from self._queue(GaugeMetricFamily)
 
@@ -132,12 +189,44 @@ class EventCollector:
         try:
             for state in State:
                 states.add_metric([state.value], len(self.engine.backend.ids(state)))
+            shown: Counter[tuple[str, ...]] = Counter()
             for (state_name, agent), count in sorted(current_depth(self.engine.backend).items()):
-                depth.add_metric([state_name, self._label(agent)], count)
-        except OSError as exc:  # a scrape must answer even when the store is in trouble
-            log.warning("metrics: cannot read the queue: %s", exc)
+                agent = _label(agent)
+                shown[self._key(shown, (str(state_name), agent), (True, self._keep(agent)))] += count
+            for labels, count in sorted(shown.items()):
+                depth.add_metric(list(labels), count)
+        except Exception as exc:  # a scrape must answer even when the store is in trouble
+            log.warning("metrics: cannot read the queue: %s", _said(exc))
         yield states
         yield depth
+
+
+def _label(value: Any) -> str:
+    """A label value from an event field: its first :data:`MAX_LABEL` characters, UNKNOWN for
+    a missing or non-text one; a character UTF-8 cannot encode (a lone surrogate from a
+    forged line: it failed every scrape) becomes U+FFFD."""
+    if not isinstance(value, str) or not value:
+        return UNKNOWN
+    text = value[:MAX_LABEL]
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text
+
+
+def _number(value: Any) -> float | None:
+    """:func:`~handoffd.service.stats.number`, None for a number no float holds."""
+    try:
+        return number(value)
+    except (OverflowError, ValueError, TypeError):  # (a 400-digit integer in a forged line)
+        return None
+
+
+def _said(exc: BaseException) -> str:
+    """``exc`` in one line: its type and message."""
+    text = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def registry_for(engine: Engine) -> CollectorRegistry:
@@ -159,7 +248,10 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "0.0.0.0", number_
 
 
-HTTP_IDLE_SECONDS = 10.0  # a metrics connection that sends nothing for this long is closed
+# a metrics connection has this long in all to send its request (a byte every few seconds
+# does not keep it: a timer shuts it down), and each wait for the socket is bounded by it too
+HTTP_IDLE_SECONDS = 10.0
+HTTP_ANSWER_SECONDS = 60.0  # ... and this long, once its request is read, to take the answer
 MAX_HTTP_CONNECTIONS = 32  # metrics connections served at once; more are closed at once
 
 
@@ -168,9 +260,8 @@ def serve_http(engine: Engine, address: str) -> tuple[Any, int]:
 
     prometheus-client's own server (a thread per connection, no timeout) let clients that
     connect and send nothing hold a thread and a descriptor each, for ever (3,000 slowloris
-    connections: 452 threads). This one serves the same WSGI app with an idle timeout and at
-    most :data:`MAX_HTTP_CONNECTIONS` connections at once."""
-    import socket
+    connections: 452 threads). This one serves the same WSGI app with a deadline per connection
+    (:class:`_Watchdog`) and at most :data:`MAX_HTTP_CONNECTIONS` connections at once."""
     from socketserver import ThreadingMixIn
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -178,9 +269,24 @@ def serve_http(engine: Engine, address: str) -> tuple[Any, int]:
 
     host, port = parse_address(address)
     slots = threading.BoundedSemaphore(MAX_HTTP_CONNECTIONS)
+    watchdog = _Watchdog()
 
     class Handler(WSGIRequestHandler):
-        timeout = HTTP_IDLE_SECONDS  # (applied to the connection's socket)
+        timeout = HTTP_IDLE_SECONDS  # (applied to the connection's socket: each recv and send)
+
+        def setup(self) -> None:
+            # for the whole request, however slowly it trickles in
+            watchdog.watch(self.request, HTTP_IDLE_SECONDS)
+            super().setup()
+
+        def parse_request(self) -> bool:
+            read = super().parse_request()
+            watchdog.watch(self.request, HTTP_ANSWER_SECONDS)  # the request is in: the answer
+            return read
+
+        def finish(self) -> None:
+            watchdog.forget(self.request)
+            super().finish()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
             """Log nothing (a scrape every 15 s would fill the log)."""
@@ -202,10 +308,53 @@ def serve_http(engine: Engine, address: str) -> tuple[Any, int]:
             finally:
                 slots.release()
 
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            """No traceback on stderr (the stdlib printed one for each client gone, cut at its
+            deadline or sending junk): one line at -v."""
+            log.debug("metrics: a connection ended early: %s", _said(sys.exc_info()[1]
+                                                                      or Exception()))
+
     server = make_server(host, port, make_wsgi_app(registry_for(engine)), Server,
                          handler_class=Handler)
     threading.Thread(target=server.serve_forever, name="handoffd-metrics", daemon=True).start()
     return server, server.server_address[1]
+
+
+class _Watchdog:
+    """Deadlines of the metrics connections: one thread shuts each connection down when its
+    deadline passes (its handler's blocked read or write then returns at once). A socket
+    timeout alone bounds each wait, not the request: a client sending a byte every 5 s held
+    its connection, and all 32 of them held the endpoint, for ever."""
+
+    def __init__(self) -> None:
+        self.deadlines: dict[Any, float] = {}
+        self.changed = threading.Condition()
+        threading.Thread(target=self._run, name="handoffd-metrics-deadlines", daemon=True).start()
+
+    def watch(self, sock: Any, seconds: float) -> None:
+        """Shut ``sock`` down ``seconds`` from now (replacing its deadline)."""
+        with self.changed:
+            self.deadlines[sock] = time.monotonic() + seconds
+            self.changed.notify()
+
+    def forget(self, sock: Any) -> None:
+        """``sock`` is done with: no deadline (before it is closed, so never cut after)."""
+        with self.changed:
+            self.deadlines.pop(sock, None)
+
+    def _run(self) -> None:
+        while True:
+            with self.changed:
+                now = time.monotonic()
+                due = [sock for sock, at in self.deadlines.items() if at <= now]
+                for sock in due:
+                    del self.deadlines[sock]
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:  # already gone
+                        pass
+                nearest = min(self.deadlines.values(), default=None)
+                self.changed.wait(None if nearest is None else max(nearest - now, 0.0) + 0.01)
 
 
 def write_textfile(engine: Engine, path: str, registry: CollectorRegistry | None = None) -> None:
@@ -236,13 +385,20 @@ class TextfileWriter:
         self.thread.start()
 
     def _run(self) -> None:
+        said = None  # the failure last logged: said once until it changes or a write succeeds
+        stopping = False
         while True:
             try:
                 write_textfile(self.engine, self.path, self.registry)
-            except OSError as exc:
-                log.warning("metrics: cannot write %s: %s", self.path, exc)
-            if self.stopped.wait(self.seconds):
+                said = None
+            except Exception as exc:  # the thread outlives any failure: written again later
+                why = str(exc) if isinstance(exc, OSError) else _said(exc)
+                if why != said:
+                    said = why
+                    log.warning("metrics: cannot write %s: %s", self.path, why)
+            if stopping:
                 return
+            stopping = self.stopped.wait(self.seconds)  # stopped: written once more
 
     def stop(self) -> None:
         """Write once more and stop."""
