@@ -46,6 +46,19 @@ class EventLog(Protocol):
         ...
 
 
+def tail_into(log: EventLog, cursor: Any, take: Callable[[Event], None]) -> Any:
+    """``log.tail(cursor)`` with each event handed to ``take`` as it is read, where the log can
+    (the files backend's ``tail_into``: a first look from :data:`START` then never holds every
+    event kept at once), else from the list ``tail`` gives; the cursor to pass next time."""
+    stream = getattr(log, "tail_into", None)
+    if stream is not None:
+        return stream(cursor, take)
+    events, cursor = log.tail(cursor)
+    for event in events:
+        take(event)
+    return cursor
+
+
 def after(event: Event, since: datetime) -> bool:
     """True when ``event`` happened at or after ``since`` (an unreadable time: False)."""
     try:

@@ -58,9 +58,16 @@ def percentile(values: list[float], pct: float) -> float | None:
     return round(ordered[rank], 4)
 
 
+MAX_NUMBER = 1e300  # no figure of ours comes near: a larger one is a forged line's
+
+
 def number(value: Any) -> float | None:
-    """A finite, non-negative number from an event field (events are read defensively)."""
+    """A finite, non-negative number from an event field (events are read defensively): None
+    for anything else, an integer too large for a float among them (a forged line's 400
+    digits made math.isfinite raise OverflowError and failed `handoff stats`)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int) and not -MAX_NUMBER < value < MAX_NUMBER:
         return None
     return float(value) if math.isfinite(value) and value >= 0 else None
 
@@ -69,38 +76,49 @@ def tally(events: Iterable[Event]) -> dict[str, AgentStats]:
     """Per-specialist figures from ``events``."""
     by_agent: dict[str, AgentStats] = {}
     for event in events:
-        agent = event.get("agent") if isinstance(event.get("agent"), str) else UNKNOWN
-        stats = by_agent.setdefault(str(agent), AgentStats(str(agent)))
-        name, state = event.get("event"), event.get("state")
-        if name == "created":
-            stats.created += 1
-        elif name == "claimed":
-            stats.started += 1
-            if (wait := number(event.get("wait"))) is not None:
-                stats.waits.append(wait)
-        elif name == "retry_scheduled":
-            stats.retries += 1
-        elif name == "taken_over":
-            stats.taken_over += 1
-        if state in FINISHED and name not in ("purged", "archived"):
-            if state == State.COMPLETED.value:
-                stats.completed += 1
-            else:
-                stats.failed += 1
-            if (seconds := number(event.get("seconds"))) is not None:
-                stats.runs.append(seconds)
-        code = event.get("code")
-        if isinstance(code, str) and (state == State.FAILED.value or name == "retry_scheduled"):
-            stats.errors[code[:64]] += 1
+        add_event(by_agent, event)
     return by_agent
+
+
+def add_event(by_agent: dict[str, AgentStats], event: Event) -> None:
+    """Add one event to the per-specialist figures ``by_agent``."""
+    agent = event.get("agent") if isinstance(event.get("agent"), str) else UNKNOWN
+    stats = by_agent.setdefault(str(agent), AgentStats(str(agent)))
+    name, state = event.get("event"), event.get("state")
+    if name == "created":
+        stats.created += 1
+    elif name == "claimed":
+        stats.started += 1
+        if (wait := number(event.get("wait"))) is not None:
+            stats.waits.append(wait)
+    elif name == "retry_scheduled":
+        stats.retries += 1
+    elif name == "taken_over":
+        stats.taken_over += 1
+    if state in FINISHED and name not in ("purged", "archived"):
+        if state == State.COMPLETED.value:
+            stats.completed += 1
+        else:
+            stats.failed += 1
+        if (seconds := number(event.get("seconds"))) is not None:
+            stats.runs.append(seconds)
+    code = event.get("code")
+    if isinstance(code, str) and (state == State.FAILED.value or name == "retry_scheduled"):
+        stats.errors[code[:64]] += 1
 
 
 def report(events: Iterable[Event], depth: dict[tuple[str, str], int], *,
            since: datetime | None, now: datetime) -> dict[str, Any]:
     """``handoff stats --json``: the window, totals by state and one entry per specialist.
-    ``depth``: (state, agent) -> handoffs now in that state (pending and in-progress)."""
-    events = list(events)
-    by_agent = tally(events)
+    ``depth``: (state, agent) -> handoffs now in that state (pending and in-progress).
+    ``events`` is taken in as it is given, never held (a log is up to hundreds of MiB)."""
+    by_agent: dict[str, AgentStats] = {}
+    total, first = 0, None
+    for event in events:
+        if not total:
+            first = event
+        total += 1
+        add_event(by_agent, event)
     for (state, agent), count in depth.items():
         stats = by_agent.setdefault(agent, AgentStats(agent))
         if state == State.PENDING.value:
@@ -108,15 +126,15 @@ def report(events: Iterable[Event], depth: dict[tuple[str, str], int], *,
         elif state == State.IN_PROGRESS.value:
             stats.running += count
     start = since
-    if start is None and events:
+    if start is None and first is not None:
         try:
-            start = parse_iso(str(events[0].get("at")))
+            start = parse_iso(str(first.get("at")))
         except ValueError:
             start = None
     minutes = max((now - start).total_seconds() / 60, 1 / 60) if start else 0.0
     agents = [by_agent[a].as_dict(minutes) for a in sorted(by_agent)]
     return {"since": start.isoformat() if start else None, "until": now.isoformat(),
-            "minutes": round(minutes, 3), "events": len(events), "agents": agents}
+            "minutes": round(minutes, 3), "events": total, "agents": agents}
 
 
 def current_depth(backend: Any) -> dict[tuple[str, str], int]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import fcntl
 import json
 import os
 import re
@@ -61,10 +60,9 @@ TEMP_NAME = re.compile(r"\.[a-z][a-z0-9_-]{0,40}\.[0-9a-f]{16}\.tmp")
 # How long an update waits for its kind's lock. A real update holds it for a few milliseconds
 # (a 4 MiB reservations file: a parse and a dump, a fraction of a second), so a lock held for
 # longer is held by a process that is stopped or not handoffd's: waiting on it with no bound froze
-# the scheduler's loop (rate buckets) and left a daemon deaf to SIGTERM. The wait polls (a
-# blocking flock cannot be given a timeout), from 1 ms up to 50 ms between tries.
-LOCK_WAIT_SECONDS = 2.0
-FIRST_POLL_SECONDS, LAST_POLL_SECONDS = 0.001, 0.05
+# the scheduler's loop (rate buckets) and left a daemon deaf to SIGTERM. The wait polls
+# (:func:`.fsio.flock_within`, shared with the event log's and the seen-ids record's locks).
+LOCK_WAIT_SECONDS = fsio.LOCK_WAIT_SECONDS
 _monotonic, _sleep = time.monotonic, time.sleep  # (tests replace them: no real waiting)
 
 Stamp = tuple[int, int, int, int]  # a file's identity: inode, mtime, size, ctime (ns)
@@ -318,24 +316,15 @@ def _folder_locked(folder: Path, left: str) -> Iterator[None]:
 def _flock_within(fd: int, shown: str, left: str) -> None:
     """Take an exclusive flock on ``fd`` within :data:`LOCK_WAIT_SECONDS`, or raise
     UnusableRecords naming ``shown`` (and saying ``left``: what is left undone)."""
-    deadline = _monotonic() + LOCK_WAIT_SECONDS
-    pause = FIRST_POLL_SECONDS
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        except OSError as exc:  # ENOLCK...
-            raise UnusableRecords(f"{shown} cannot be locked ({exc.strerror or exc}); {left}",
-                                  code=ErrorCode.UNREADABLE_FILE) from None
-        remaining = deadline - _monotonic()
-        if remaining <= 0:
-            raise UnusableRecords(
-                f"{shown} has been held by another process for over {LOCK_WAIT_SECONDS:g} s (a "
-                f"stopped or hung one?); {left}", code=ErrorCode.TIMEOUT)
-        _sleep(min(pause, remaining))
-        pause = min(pause * 2, LAST_POLL_SECONDS)
+    try:
+        taken = fsio.flock_within(fd, LOCK_WAIT_SECONDS, clock=_monotonic, sleep=_sleep)
+    except OSError as exc:  # ENOLCK...
+        raise UnusableRecords(f"{shown} cannot be locked ({exc.strerror or exc}); {left}",
+                              code=ErrorCode.UNREADABLE_FILE) from None
+    if not taken:
+        raise UnusableRecords(
+            f"{shown} has been held by another process for over {LOCK_WAIT_SECONDS:g} s (a "
+            f"stopped or hung one?); {left}", code=ErrorCode.TIMEOUT)
 
 
 def _stamp(info: os.stat_result) -> Stamp:

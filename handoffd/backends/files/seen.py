@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from ...core.logs import log
 from ...core.timeutil import iso, parse_iso
 from . import fsio
 from .fsio import locked, open_reading
@@ -29,6 +30,11 @@ COMPACT_AFTER = 1.25
 MAX_LINE = 4096  # an id is at most 256 characters (check_id): a line is far shorter; a
 # longer one is no line of ours and is skipped (its bytes past this bound are never kept)
 SEARCH_BLOCK = 1 << 20  # bytes of the record read at a time by a one-shot search
+# How long the sweep's compaction waits for the record's lock (an add holds it for one write): a
+# lock held longer puts the compaction off to a later sweep. An add waits up to
+# fsio.LOCK_WAIT_SECONDS and then fails (one line): it must not append unlocked, which a
+# compaction under way (a stopped process's, resumed later) would drop.
+COMPACT_LOCK_WAIT_SECONDS = 0.2
 
 
 class SeenIds:
@@ -47,6 +53,7 @@ class SeenIds:
         self._searched = False  # the first contains() searched the record (see there)
         self._skipping = False  # _offset is inside a line over MAX_LINE: skipped to its end
         self._lock: int | None = None  # the lock file, kept open
+        self._put_off = False  # a compaction put off for the lock was said (once till one runs)
         self._out = fsio.Appender(path)  # the record, kept open for appends
 
     def add(self, handoff_id: str, now: datetime) -> None:
@@ -59,7 +66,11 @@ class SeenIds:
         line = _line(handoff_id, now).encode()
         with self._mutex:  # one descriptor for the threads of this process: flock alone
             lock_fd = self._lock_fd()  # would not keep them apart
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            # bounded: a lock held for good (a stopped or foreign process) fails this one add
+            # (an OSError, one line) rather than freezing a create or the daemon's claim; an
+            # append without the lock could be dropped by that holder's compaction
+            if not fsio.flock_within(lock_fd, fsio.LOCK_WAIT_SECONDS):
+                raise fsio.LockHeld(self.lock_path, fsio.LOCK_WAIT_SECONDS)
             try:
                 info = self._out.ready()
                 written = self._out.write_line(line, info)
@@ -147,18 +158,35 @@ class SeenIds:
         made every sweep cost, in time and in a serving daemon's memory, one TTL's worth of
         ids. The record is rewritten line by line, never held whole."""
         # the mutex before the flock, in the order add() takes them
-        with self._mutex, locked(self.lock_path):
+        with self._mutex:
             try:
-                with open_reading(self.path) as record:
-                    oldest = _time_of(record.readline(MAX_LINE))
-                    if oldest is not None and now.timestamp() - oldest < self.ttl * COMPACT_AFTER:
-                        return None
-                    record.seek(0)
-                    kept = self._rewrite(record, now.timestamp())
-            except FileNotFoundError:
-                return 0
-            self._cache, self._offset, self._inode = IdIndex(), 0, -1
-            self._skipping = False
+                # briefly: an add holds the lock for one write, another compaction for a
+                # moment; one held longer (a stopped or foreign process) puts the compaction
+                # off to a later sweep (nothing is lost: the record only grows meanwhile)
+                with locked(self.lock_path, wait=COMPACT_LOCK_WAIT_SECONDS):
+                    return self._compact(now)
+            except fsio.LockHeld as exc:
+                if not self._put_off:
+                    self._put_off = True
+                    log.warning("%s has been held by another process for over %g s (a stopped "
+                                "or hung one?): the seen-ids record's compaction is put off to "
+                                "a later sweep", _shown(self.lock_path), exc.seconds)
+                return None
+
+    def _compact(self, now: datetime) -> int | None:
+        """:meth:`compact`, under the mutex and the lock."""
+        self._put_off = False
+        try:
+            with open_reading(self.path) as record:
+                oldest = _time_of(record.readline(MAX_LINE))
+                if oldest is not None and now.timestamp() - oldest < self.ttl * COMPACT_AFTER:
+                    return None
+                record.seek(0)
+                kept = self._rewrite(record, now.timestamp())
+        except FileNotFoundError:
+            return 0
+        self._cache, self._offset, self._inode = IdIndex(), 0, -1
+        self._skipping = False
         return kept
 
     def _rewrite(self, record: BinaryIO, now: float) -> int:
@@ -260,6 +288,11 @@ def _time_of(line: bytes) -> float | None:
     """The time of one record line; None for a torn or foreign line."""
     entry = _entry(line)
     return entry[1] if entry else None
+
+
+def _shown(path: Path) -> str:
+    """``path`` as a log line names it: from the workspace's ``handoffs/`` folder down."""
+    return f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
 
 
 def _line(handoff_id: str, at: datetime) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any
 
 from . import fsio
 
@@ -13,7 +13,6 @@ LOG_NAME = "violations.jsonl"
 # no entry of ours is near this long (the contracts feature cuts an entry's details to keep it
 # under 64 KiB): a longer line is skipped as it is read, never held whole
 MAX_LINE = 256 * 1024
-READ_BLOCK = 1 << 16
 
 
 class FileViolationLog:
@@ -34,33 +33,16 @@ class FileViolationLog:
 
     def read(self) -> list[dict[str, Any]]:
         """Every line that is a JSON object of ours (a torn, foreign, overlong or deeply nested
-        line is skipped). The file is read a block at a time: a line is the most held at once."""
+        line is skipped). The file is read a block at a time (:class:`.fsio.LineReader`): a
+        line is the most held at once."""
         try:
             fh = fsio.open_reading(self.path)  # never a FIFO's wait or /dev/zero's
         except FileNotFoundError:
             return []
         out = []
         with fh:
-            for line in _lines(fh):
+            for line in fsio.LineReader(fh, MAX_LINE, partial=True):
                 entry = fsio.parse_line(line.decode("utf-8", "replace"))
                 if isinstance(entry, dict):
                     out.append(entry)
         return out
-
-
-def _lines(fh: BinaryIO) -> Iterator[bytes]:
-    """The lines of ``fh`` (without their newline, the last one even unterminated), but for
-    those over MAX_LINE bytes: skipped as they are read, never joined whole."""
-    rest, skipping = b"", False
-    while block := fh.read(READ_BLOCK):
-        start = 0
-        while (end := block.find(b"\n", start)) >= 0:
-            if not skipping and len(rest) + end - start <= MAX_LINE:
-                yield rest + block[start:end]
-            rest, skipping, start = b"", False, end + 1
-        if not skipping:
-            rest += block[start:]
-            if len(rest) > MAX_LINE:
-                rest, skipping = b"", True
-    if rest:
-        yield rest
