@@ -81,7 +81,15 @@ def create(store: Writing, doc: dict[str, Any], handoff_id: str, *,
     except DuplicateHandoff:
         raise DuplicateHandoff(f"handoff {handoff_id} already exists in pending/",
                                handoff_id=handoff_id) from None
-    store.seen.add(handoff_id, now)
+    try:
+        store.seen.add(handoff_id, now)
+    except fsio.LockHeld as exc:
+        # the handoff is created (it runs, and its file keeps the id taken); only the record
+        # that outlives it misses the id until a purge records it (a purge records first): a
+        # create that failed here after writing made a script submit it twice
+        from ...core.logs import log
+        log.warning("handoff %s: created, but the seen-ids record could not take it now (%s: %s)",
+                    handoff_id, os.path.basename(exc.filename or ""), exc.strerror)
     return handoff_id
 
 
