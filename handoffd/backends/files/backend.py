@@ -272,13 +272,18 @@ class FilesBackend(FencedFiling, Backend):
     def maintain(self, now: datetime, *,
                  skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:
         if self._watch is not None and len(self._subscribers) and not self._watch.alive():
-            log.warning("the file watch died; restarting it (and rescanning)")
-            self._watch.stop()
-            try:
-                self._watch.start()
-            except OSError as exc:  # e.g. no inotify instances left: rescans still see files
-                log.error("cannot restart the file watch: %s; relying on rescans", exc)
-            self._subscribers.fire("", LOST)
+            # a folder left unwatched (no inotify watches left, pending/ replaced before it could
+            # be watched again) is added to the running watch, said once (in .inotify)
+            again = self._watch.rewatch()
+            if again is None:
+                log.warning("the file watch died; restarting it (and rescanning)")
+                self._watch.stop()
+                try:
+                    self._watch.start()
+                except OSError as exc:  # e.g. no inotify instances left: rescans see files
+                    log.error("cannot restart the file watch: %s; relying on rescans", exc)
+            if again != 0:
+                self._subscribers.fire("", LOST)
         from .repair import repair  # (the sweep's: a one-shot command never loads it)
         return repair(self.store, now, claim_grace_seconds=self.claim_grace_seconds,
                              skip=skip)

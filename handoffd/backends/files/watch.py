@@ -43,14 +43,26 @@ class FolderWatch:
             self._source = self._inotify() if inotify.available() else self._watchdog()
 
     def alive(self) -> bool:
-        """False when the watch was started and its thread has died (restart it)."""
+        """False when the watch was started and its thread has died, or a folder it needs is
+        not watched (a failed add, a folder moved away or removed): see :meth:`rewatch`."""
         with self._lock:
             source = self._source
         if source is None:
             return True
         if hasattr(source, "alive"):  # our inotify reader (a watchdog observer has is_alive)
-            return bool(source.alive())
+            return bool(source.alive() and not source.unwatched)
         return bool(source.is_alive() and all(e.is_alive() for e in source.emitters))
+
+    def rewatch(self) -> int | None:
+        """Repair a watch that is not :meth:`alive`: None when its thread died (restart it);
+        else the folders it watches again now (each failure is said once; ask for a rescan
+        when not 0)."""
+        with self._lock:
+            source = self._source
+        if source is None or not hasattr(source, "alive") or not source.alive():
+            return None
+        again = source.rewatch()
+        return None if again is None else int(again)
 
     def stop(self) -> None:
         """Stop watching and wait briefly for the thread."""
