@@ -90,8 +90,10 @@ def requester_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verd
         first = first.get("description") or first.get("question") or first.get("text") or ""
     more = f" (+{len(items) - 1} more)" if len(items) > 1 else ""
     who = awaiting.get("requester") or "the requester"
+    # no other handoff's filing ends it: the answer rewrites this document in pending/, which
+    # wakes the daemon for it (the file watch, its own filing, or the next rescan)
     return Verdict.wait(f"waiting on the requester ({who}): {kind}: {str(first)[:100]}{more}; "
-                        f"answer with `handoff answer {env.handoff_id} --data JSON`")
+                        f"answer with `handoff answer {env.handoff_id} --data JSON`", on=())
 
 
 def _expose_clarifications(job: "Job") -> None:

@@ -379,8 +379,8 @@ def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdi
     if not isinstance(wait, dict):
         return None
     children = wait.get("children")
-    infos = [child_info(engine, cid) for cid in (children if isinstance(children, list) else [])
-             if isinstance(cid, str)]
+    ids = [cid for cid in (children if isinstance(children, list) else []) if isinstance(cid, str)]
+    infos = [child_info(engine, cid) for cid in ids]
     if ready(engine, wait, infos):
         return None
     open_ = [i for i in infos if i.status is None]
@@ -390,8 +390,12 @@ def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdi
                       f"{i.handoff_id} ({i.asking}: `handoff answer {i.handoff_id}`)"
                       for i in open_[:4])
     more = f" and {len(open_) - 4} more" if len(open_) > 4 else ""
+    # only a child's filing can end the wait (its deadline: the scheduler looks again then; a
+    # cancel queues the parent itself); on=None re-read every parked parent, and each of its
+    # children, at every filing
     return Verdict.wait(f"waiting for {len(open_)} of {len(infos)} children "
-                        f"({wait.get('aggregation')}): {shown}{more}")
+                        f"({wait.get('aggregation')}): {shown}{more}",
+                        on=(i.handoff_id for i in open_))
 
 
 # what other modules and tests import from here (the names the one module had)

@@ -8,8 +8,9 @@ daemons pick the work up at their next rescan.
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..core.documents import Envelope
 from ..core.engine import Verdict
@@ -71,16 +72,51 @@ class Pauses:
         return None
 
 
+class DaemonPlugins(Protocol):
+    """What the pause feature uses of a daemon (its public plugin API)."""
+
+    def queue(self, handoff_id: str) -> None: ...
+    def add_scan_hook(self, hook: Callable[[], None]) -> None: ...
+
+
 def install(engine: Engine) -> None:
-    """The pause feature: a gate that holds back paused work."""
+    """The pause feature: a gate that holds back paused work, and a daemon's look at it again
+    once its pause is lifted."""
     pauses = Pauses(engine.backend.records())
+    held: dict[str, str] = {}  # id -> agent: what the gate holds back (dropped once queued)
+    lock = threading.Lock()
 
     def pause_gate(engine: Engine, env: Envelope, doc: dict[str, Any]) -> Verdict | None:
         spec = engine.specialist_for(env)
-        why = pauses.why(spec.agent if spec else env.target)
-        return Verdict.wait(why) if why else None
+        agent = spec.agent if spec else env.target
+        why = pauses.why(agent)
+        if not why:
+            return None
+        with lock:
+            held[env.handoff_id] = agent
+        # no filing ends a pause (on=None re-read every paused handoff at every filing: 10,000
+        # paused ones made another specialist's pick-up 0.8 s): a resume is a change of the
+        # records, which the daemon's scans look for (below)
+        return Verdict.wait(why, on=())
+
+    def attach(daemon: DaemonPlugins) -> None:
+        def look() -> None:
+            """At each scan, queue what the gate held back and is no longer paused (a rescan
+            alone skips a waiter queued for its deadline, e.g. an ``expires_at``)."""
+            now = pauses.current()
+            if ALL in now:
+                return
+            with lock:
+                lifted = [hid for hid, agent in held.items() if agent not in now]
+                for handoff_id in lifted:
+                    del held[handoff_id]
+            for handoff_id in lifted:
+                daemon.queue(handoff_id)
+
+        daemon.add_scan_hook(look)
 
     engine.gates.insert(0, pause_gate)  # first: a paused handoff is not even looked at further
+    engine.daemon_plugins.append(attach)
 
 
 def pauses_of(engine: Engine) -> Pauses:

@@ -92,7 +92,11 @@ class Enforcer:
         if not owned:
             return None
         conflict = self.reservations.first_conflict(env.handoff_id, owned)
-        return Verdict.wait(conflict.reason()) if conflict is not None else None
+        # the holder releases its reservation before its answer is filed: that filing is what
+        # may end the wait (another overlapping holder is found at that re-check; a holder that
+        # dies or is retried instead is seen at the next rescan)
+        return Verdict.wait(conflict.reason(), on=(conflict.holder,)) \
+            if conflict is not None else None
 
     # ------------------------------------------------------------ before the handler
     def before(self, job: "Job") -> None:
