@@ -356,3 +356,26 @@ def test_a_resume_is_seen_at_the_next_rescan(tmp_path: Path,
         assert time.monotonic() - resumed < 10
     finally:
         stop(ws, daemon)
+
+
+def test_a_parent_whose_child_another_process_ends_is_aggregated_at_the_next_rescan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parked parent waits for its children's filings, but a filing by another process
+    (here `handoff cancel` of a child whose specialist is paused) reaches this daemon only
+    through a rescan; the rescan passed a waiter queued for its deadline by, so the parent
+    stayed parked until its deadline (an hour)."""
+    ws = make(tmp_path, monkeypatch, rescan=1.0)
+    assert ws.handoff("pause", "@park").returncode == 0
+    ws.drop("fam.json", request("fam", "@boss", {"n": 1}))
+    daemon = ws.serve()
+    try:
+        wait_until(lambda: "waiting_children" in ws.doc("fam").get("handoffd", {})
+                   and ws.state_of("fam") == ["pending"], timeout=20, what="fam parked")
+        time.sleep(1.5)  # parked past a rescan
+        child = ws.doc("fam")["handoffd"]["waiting_children"]["children"][0]
+        cancelled = time.monotonic()
+        assert ws.handoff("cancel", child).returncode == 0
+        assert ws.wait_state("fam", timeout=30) in ("completed", "failed")
+        assert time.monotonic() - cancelled < 10, "the parent waited for its deadline"
+    finally:
+        stop(ws, daemon)

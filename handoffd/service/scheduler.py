@@ -12,8 +12,8 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Collection, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterator, Sequence
 from datetime import datetime
 
 from ..core.admission import resumes
@@ -33,6 +33,60 @@ READY_WINDOW = 64  # due handoffs read ahead to order by priority
 # overlaps: no delay.
 SPIN_UP_SECONDS = 0.005
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
+DEFAULT_RANK = 2  # the priority of an id parked without having been read (normal)
+WAKE = ""  # a time-heap entry that only wakes the loop (no handoff id is empty)
+# a place in a line: (priority rank, when it became due, arrival): the lowest goes first
+Place = tuple[int, float, int]
+
+
+class Line:
+    """One agent's ids waiting for a slot or a token, most urgent first: a heap of places with
+    lazy removal (O(log n) in and out). Iterating yields the ids in the order they will leave."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[int, float, int, str]] = []
+        self.places: dict[str, Place] = {}
+
+    def add(self, handoff_id: str, place: Place) -> None:
+        self.places[handoff_id] = place
+        heapq.heappush(self.heap, (*place, handoff_id))
+
+    def remove(self, handoff_id: str) -> Place | None:
+        place = self.places.pop(handoff_id, None)
+        if place is not None and len(self.heap) > 2 * len(self.places) + 64:
+            self.heap = [(*at, hid) for hid, at in self.places.items()]  # drop the dead
+            heapq.heapify(self.heap)
+        return place
+
+    def _top(self) -> tuple[int, float, int, str] | None:
+        while self.heap:
+            entry = self.heap[0]
+            if self.places.get(entry[3]) == entry[:3]:
+                return entry
+            heapq.heappop(self.heap)  # removed, or added again elsewhere in the line
+        return None
+
+    def head(self) -> Place | None:
+        """The place of the id that leaves next (None: the line is empty)."""
+        top = self._top()
+        return None if top is None else top[:3]
+
+    def pop(self) -> tuple[str, Place]:
+        top = self._top()
+        if top is None:
+            raise IndexError("pop from an empty line")
+        heapq.heappop(self.heap)
+        del self.places[top[3]]
+        return top[3], top[:3]
+
+    def __len__(self) -> int:
+        return len(self.places)
+
+    def __contains__(self, handoff_id: object) -> bool:
+        return handoff_id in self.places
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([hid for _, hid in sorted((at, hid) for hid, at in self.places.items())])
 
 
 class Scheduler:
@@ -40,11 +94,21 @@ class Scheduler:
 
     * ``heap``/``queued``: when to look at an id next; ``ready``/``readied``: ids read and waiting
       for a worker, most urgent first.
-    * ``parked[agent]``: an ordered, de-duplicated set of due ids waiting for one of the agent's
-      concurrency slots (``parked_ids`` maps each back to its agent). On every loop iteration
-      :meth:`release_parked` lets out as many as the agent has free slots, minus releases still
-      in flight (``released``/``releasing``); a released id leaves that set when it is dispatched
-      again or turns out gone, so a release is never lost on a dead entry.
+    * ``parked[agent]``: a :class:`Line` of due ids waiting for one of the agent's concurrency
+      slots, most urgent first (priority, then due time; ``parked_ids`` maps each back to its
+      agent). On every loop iteration :meth:`release_parked` lets out as many as the agent has
+      free slots, minus releases still in flight (``released``/``releasing``); a released id
+      leaves that set when it is dispatched again or turns out gone, so a release is never lost
+      on a dead entry.
+    * ``rate_held[agent]``: the same for the agent's rate limit (``rate_held_ids``): due ids held
+      until its next token (``rate_until``). They are not read again while they wait: when the
+      token is due, :meth:`release_parked` lets out the head alone (``rate_turn``), which takes
+      it, or is held again at its place when another process took it meanwhile (one read and one
+      bucket update per token, whatever the backlog). A ``WAKE`` entry in the time heap wakes
+      the loop then.
+    * ``picked``/``turn``: the place of the id just handed out (:meth:`next_ready`), and the
+      place it had in a line it was just taken out of (:meth:`unpark`), so that it goes back
+      where it was (:meth:`_place`).
     * ``inflight``: one entry per task submitted to the pool (its agent, when it started: see
       :meth:`spin_up_at`); ``busy`` and ``running`` are counts of it, kept in step by
       :meth:`start` and :meth:`finished` only.
@@ -63,10 +127,17 @@ class Scheduler:
         self.readied: set[str] = set()
         self.queued: dict[str, float] = {}
         self.seq = itertools.count()
-        self.parked: dict[str, OrderedDict[str, None]] = {}  # agent -> ids waiting for a slot
+        self.parked: dict[str, Line] = {}  # agent -> ids waiting for a slot
         self.parked_ids: dict[str, str] = {}  # id -> agent, for every parked id
         self.released: dict[str, str] = {}  # id -> agent: let out of parking, not yet re-dispatched
         self.releasing: Counter[str] = Counter()  # agent -> len of its entries in released
+        self.rate_held: dict[str, Line] = {}  # agent -> ids waiting for its next token
+        self.rate_held_ids: dict[str, str] = {}  # id -> agent, for every rate-held id
+        self.rate_turn: dict[str, str] = {}  # agent -> the id let out for its next token
+        self.rate_turn_ids: dict[str, str] = {}  # the same, id -> agent
+        self.out_places: dict[str, Place] = {}  # id let out of a line -> the place it had
+        self.picked: tuple[str, Place] | None = None  # the id next_ready handed out last
+        self.turn: tuple[str, Place] | None = None  # the id unpark took out of a line last
         # pool task token -> (agent ("" for set-aside work), monotonic time it started)
         self.inflight: dict[int, tuple[str, float]] = {}
         self.spin_up = 0.0 if engine.settings.durable else SPIN_UP_SECONDS
@@ -114,12 +185,14 @@ class Scheduler:
         """A scan listed ``ids`` in pending/ (``running``: the ids this daemon runs): forget
         what left, queue what is not known yet (waiting ids only when ``recheck_waiting``)."""
         with self.cv:
-            if self.parked_ids or self.first_seen or self.unroutable or self.waiting:
+            if self.parked_ids or self.rate_held_ids or self.first_seen or self.unroutable \
+                    or self.waiting:
                 present = set(ids)
                 for gone in [hid for hid in self.waiting if hid not in present]:
                     self.waiting.pop(gone, None)  # claimed or filed elsewhere
                     self.waits_on.pop(gone, None)
-                for gone in [hid for hid in self.parked_ids if hid not in present]:
+                for gone in [hid for held in (self.parked_ids, self.rate_held_ids)
+                             for hid in held if hid not in present]:
                     self.unpark(gone)
                 for gone in [hid for hid in self.first_seen if hid not in present]:
                     del self.first_seen[gone]  # claimed or filed elsewhere
@@ -127,8 +200,13 @@ class Scheduler:
                 # those once they leave pending (the set would otherwise grow for ever)
                 self.unroutable &= present
             for handoff_id in ids:
-                if handoff_id in running or handoff_id in self.queued \
+                # a waiter queued for its deadline is looked at again at a recheck too: what
+                # ends its wait may have come from elsewhere (a resume, another process's
+                # filing of the child a parked parent waits for), seen only at its deadline
+                rechecked = recheck_waiting and handoff_id in self.waiting
+                if handoff_id in running or (handoff_id in self.queued and not rechecked) \
                         or handoff_id in self.readied or handoff_id in self.parked_ids \
+                        or handoff_id in self.rate_held_ids \
                         or handoff_id in self.released or handoff_id in self.unroutable \
                         or (not recheck_waiting and handoff_id in self.waiting):
                     continue
@@ -156,58 +234,97 @@ class Scheduler:
             self.readied.add(handoff_id)
         if not self.ready:
             return None
-        _, _, _, handoff_id, peek = heapq.heappop(self.ready)
+        rank, due, seq, handoff_id, peek = heapq.heappop(self.ready)
         self.readied.discard(handoff_id)
+        self.picked, self.turn = (handoff_id, (rank, due, seq)), None
         return handoff_id, peek
 
+    def _place(self, handoff_id: str) -> Place:
+        """Where ``handoff_id`` goes in a line: by what :meth:`next_ready` read (priority, due
+        time), at the place it had in a line it was just taken out of if any (the priority as
+        read now: its document may have been rewritten), else normal, now."""
+        picked = self.picked[1] if self.picked and self.picked[0] == handoff_id else None
+        if self.turn is not None and self.turn[0] == handoff_id:
+            rank, due, seq = self.turn[1]
+            return (picked[0] if picked else rank, due, seq)
+        return picked or (DEFAULT_RANK, time.monotonic(), next(self.seq))
+
     def due_soon(self) -> bool:
-        """Batch mode: something queued that is due now (or within a settle window)."""
+        """Batch mode: something queued that is due now (or within a settle window), or held
+        for a token due by then."""
         limit = time.monotonic() + self.engine.settings.settle_seconds + 0.05
-        return bool(self.ready) or any(due <= limit for due in self.queued.values())
+        return bool(self.ready) or any(due <= limit for due in self.queued.values()) \
+            or any(self.rate_until.get(agent, 0.0) <= limit for agent in self.rate_held)
 
     # ------------------------------------------------------------ parking
     def park(self, agent: str, handoff_id: str, *, front: bool = False) -> None:
-        """Hold a due ``handoff_id`` until ``agent`` has a free slot (idempotent). ``front``:
-        it was already let out once and lost its slot to a newcomer, so it goes first."""
+        """Hold a due ``handoff_id`` until ``agent`` has a free slot (idempotent: parked again,
+        it keeps its place). The line is ordered by priority, then due time. ``front``: it was
+        already let out once and lost its slot to a newcomer, so it goes first among its
+        priority (a more urgent one still goes before it)."""
         self.unpark(handoff_id)
-        waiting = self.parked.setdefault(agent, OrderedDict())
-        waiting[handoff_id] = None
+        place = self._place(handoff_id)
         if front:
-            waiting.move_to_end(handoff_id, last=False)
+            place = (place[0], -math.inf, place[2])
+        self.parked.setdefault(agent, Line()).add(handoff_id, place)
         self.parked_ids[handoff_id] = agent
 
     def unpark(self, handoff_id: str) -> None:
-        """Forget ``handoff_id`` in parking, and free its release if one is in flight."""
-        agent = self.parked_ids.pop(handoff_id, None)
-        if agent is not None:
-            waiting = self.parked.get(agent)
-            if waiting is not None:
-                waiting.pop(handoff_id, None)
-                if not waiting:
-                    del self.parked[agent]
+        """Forget ``handoff_id`` in parking and in a rate limit's line, and free its release
+        (or its turn for a token) if one is in flight. The place it had is kept in ``turn``,
+        for it to go back there (:meth:`_place`)."""
+        place = self.out_places.pop(handoff_id, None)
+        for ids, lines in ((self.parked_ids, self.parked), (self.rate_held_ids, self.rate_held)):
+            held_by = ids.pop(handoff_id, None)
+            line = lines.get(held_by) if held_by is not None else None
+            if held_by is not None and line is not None:
+                place = line.remove(handoff_id) or place
+                if not line:
+                    del lines[held_by]
         agent = self.released.pop(handoff_id, None)
         if agent is not None:
             self.releasing[agent] -= 1
             if self.releasing[agent] <= 0:
                 del self.releasing[agent]
+        agent = self.rate_turn_ids.pop(handoff_id, None)
+        if agent is not None and self.rate_turn.get(agent) == handoff_id:
+            del self.rate_turn[agent]
+        if place is not None:
+            self.turn = (handoff_id, place)
 
     def release_parked(self) -> None:
-        """Let out as many parked ids as each agent has free slots (level-triggered: runs on
-        every loop iteration, so a free slot never waits for an event)."""
+        """Let out as many parked ids as each agent has free slots, most urgent first, and the
+        head of each rate limit's line whose next token is due (level-triggered: runs on every
+        loop iteration, so a free slot or a due token never waits for an event)."""
         for agent in list(self.parked):
             waiting = self.parked[agent]
             spec = self.engine.registry.get(agent)
             limit = self.limit(spec) if spec is not None else len(waiting)
             free = limit - self.busy.get(agent, 0) - self.releasing.get(agent, 0)
             while free > 0 and waiting:
-                handoff_id, _ = waiting.popitem(last=False)
+                handoff_id, place = waiting.pop()
                 del self.parked_ids[handoff_id]
                 self.released[handoff_id] = agent
                 self.releasing[agent] += 1
+                self.out_places[handoff_id] = place
                 self.notify(handoff_id)
                 free -= 1
             if not waiting:
                 del self.parked[agent]
+        if self.rate_held:
+            now = time.monotonic()
+            for agent in list(self.rate_held):
+                if agent in self.rate_turn or self.rate_until.get(agent, 0.0) > now:
+                    continue  # one turn at a time; the loop wakes for the token (WAKE)
+                waiting = self.rate_held[agent]
+                handoff_id, place = waiting.pop()
+                del self.rate_held_ids[handoff_id]
+                self.rate_turn[agent] = handoff_id
+                self.rate_turn_ids[handoff_id] = agent
+                self.out_places[handoff_id] = place
+                self.notify(handoff_id)
+                if not waiting:
+                    del self.rate_held[agent]
 
     # ------------------------------------------------------------ slots
     def start(self, agent: str) -> int:
@@ -264,23 +381,28 @@ class Scheduler:
             self.notify(waiter)
 
     def rate_limited(self, spec: Specialist, handoff_id: str, deadline: datetime | None) -> bool:
-        """True when ``spec``'s rate limit holds ``handoff_id`` back: it is looked at again
-        when the next start is due (or at its deadline). The bucket is shared by every process
-        of the workspace; ``rate_until`` spares it while this process already knows the
-        answer."""
+        """True when ``spec``'s rate limit holds ``handoff_id`` back: it waits in the agent's
+        line (``rate_held``), by priority then due time, until it is the head when the next
+        token is due (:meth:`release_parked`), or until its deadline. The bucket is shared by
+        every process of the workspace; ``rate_until`` spares it while this process already
+        knows the answer, and so does a more urgent id already waiting for the token."""
         if not spec.config.rate:
             return False
+        agent = spec.agent
         now = time.monotonic()
-        until = self.rate_until.get(spec.agent, 0.0)
-        wait = until - now if until > now else self.engine.start_wait(spec)
-        if wait <= 0:
-            return False
-        self.rate_until[spec.agent] = now + wait
-        self.notify(handoff_id, min(wait, self._seconds_to(deadline)))
+        place = self._place(handoff_id)
+        line = self.rate_held.get(agent)
+        ahead = line.head() if line is not None else None
+        if (ahead is None or place <= ahead) and self.rate_until.get(agent, 0.0) <= now:
+            wait = self.engine.start_wait(spec)
+            if wait <= 0:
+                return False  # the token is taken: it starts
+            self.rate_until[agent] = now + wait
+            heapq.heappush(self.heap, (now + wait, 2, next(self.seq), WAKE))  # wake for it
+        self.rate_held.setdefault(agent, Line()).add(handoff_id, place)
+        self.rate_held_ids[handoff_id] = agent
+        self.look_again_at(handoff_id, deadline)
         return True
-
-    def _seconds_to(self, when: datetime | None) -> float:
-        return math.inf if when is None else max((when - self.engine.clock()).total_seconds(), 0.0)
 
     def deadline(self, handoff_id: str, peek: Peek) -> datetime | None:
         """When a pending handoff must be claimed whatever holds it back: to be answered unrun
@@ -324,6 +446,12 @@ class Scheduler:
             self.parked_ids.clear()
             self.released.clear()
             self.releasing.clear()
+            self.rate_held.clear()
+            self.rate_held_ids.clear()
+            self.rate_turn.clear()
+            self.rate_turn_ids.clear()
+            self.out_places.clear()
+            self.picked = self.turn = None
             self.busy = Counter(agent for agent, _ in self.inflight.values())
             self.running = len(self.inflight)
             self.waiting.clear()
