@@ -330,14 +330,8 @@ class FilesBackend(FencedFiling, Backend):
         try:
             tmp = fsio.write_temp(self.store.tmp, fsio.dump_json(request),
                                   durable=self.store.durable)
-            try:  # renamed into the folder we opened, never through a link put there since
-                os.replace(tmp, f"{handoff_id}.json", dst_dir_fd=fd)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            with fsio.discarded_on_failure(tmp):  # renamed into the folder we opened, never
+                os.replace(tmp, f"{handoff_id}.json", dst_dir_fd=fd)  # through a link put since
             if self.store.durable:
                 os.fsync(fd)
         finally:

@@ -424,6 +424,17 @@ def unlink(path: Path, *, durable: bool) -> bool:
 _unlink_quietly = spares.remove_quietly
 
 
+@contextmanager
+def discarded_on_failure(tmp: Path | str) -> Iterator[None]:
+    """Around the writing and renaming of our temp file ``tmp`` into place: if the block
+    raises, ``tmp`` is removed (a failed write leaves no temp file) and the error goes on."""
+    try:
+        yield
+    except BaseException:
+        _unlink_quietly(Path(tmp))
+        raise
+
+
 READ_STEP = 1 << 16  # how much more read_bytes_safely asks for at a time, past the fstat size
 
 

@@ -414,7 +414,7 @@ def _publish(path: Path, data: bytes) -> None:
     sweeps ``.meta/``: one file, at most the kind's bound, per such crash)."""
     tmp = path.with_name(f".{path.stem}.{os.urandom(8).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
+    with fsio.discarded_on_failure(tmp):
         try:
             os.fchmod(fd, fsio.FILE_MODE)  # the process's starting umask, not a handler's
             view = memoryview(data)
@@ -423,12 +423,6 @@ def _publish(path: Path, data: bytes) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _shown(path: Path) -> str:

@@ -202,7 +202,7 @@ class SeenIds:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o644)
         kept = 0
-        try:
+        with fsio.discarded_on_failure(tmp):
             with os.fdopen(fd, "wb") as out:
                 os.fchmod(out.fileno(), fsio.FILE_MODE)  # the starting umask, not a handler's
                 for lines in _Lines(record):
@@ -214,12 +214,6 @@ class SeenIds:
                     out.write(b"".join(fresh))
                     kept += len(fresh)
             os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
         return kept
 
 
