@@ -114,6 +114,8 @@ class FileEventLog:
     def _rotate(self) -> None:
         """Shift the rotated files by one and make the file the newest of them, under the
         rotation's lock (waited for :data:`ROTATE_LOCK_WAIT_SECONDS` at most: LockHeld)."""
+        from .leases import clear_planted  # (a folder at the lock's name: it never rotated)
+        clear_planted(self.path.with_name(LOCK_NAME))
         with fsio.locked(self.path.with_name(LOCK_NAME), wait=ROTATE_LOCK_WAIT_SECONDS):
             try:
                 if os.stat(self.path).st_size <= self.max_bytes:

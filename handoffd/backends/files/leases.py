@@ -130,6 +130,14 @@ def try_lock(path: Path) -> FileLock | None:
 FOLDER_LOCK_WAIT_SECONDS = 2.0
 
 
+def clear_planted(path: Path) -> None:
+    """:func:`set_aside_planted` when an entry that is no regular file is at ``path`` (one
+    ``lstat`` otherwise): before a lock file of ours is opened (a folder or a link planted at
+    its name failed every open, so every update the lock guards)."""
+    if _planted(path):
+        set_aside_planted(path)
+
+
 def set_aside_planted(path: Path) -> None:
     """Move the entry at ``path`` (a lock file's name in ``handoffs/.locks``) to the workspace's
     quarantine (``handoffs/.quarantine``, as the store sets files aside: ``handoff ls`` lists
@@ -164,7 +172,7 @@ def set_aside_planted(path: Path) -> None:
         what = "is not a regular file"
         target = move_to_quarantine(folder.parent / ".quarantine", path,
                                     str(ErrorCode.NOT_A_REGULAR_FILE),
-                                    f"{path.name} {what} (a lock file's name in .locks)",
+                                    f"{path.name} {what} (a lock file's name in {folder.name})",
                                     _publish_reason)
     finally:
         os.close(fd)  # closing drops the lock

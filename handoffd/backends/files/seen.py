@@ -91,7 +91,14 @@ class SeenIds:
 
     def _lock_fd(self) -> int:
         if self._lock is None:
-            self._lock = fsio.open_creating(self.lock_path, os.O_RDWR)
+            try:
+                self._lock = fsio.open_creating(self.lock_path, os.O_RDWR)
+            except OSError:  # a folder or link planted at its name failed every add, so every
+                from .leases import _planted, clear_planted  # create and every claim
+                if not _planted(self.lock_path):
+                    raise
+                clear_planted(self.lock_path)
+                self._lock = fsio.open_creating(self.lock_path, os.O_RDWR)
         return self._lock
 
     def contains(self, handoff_id: str, now: datetime) -> bool:
@@ -163,6 +170,8 @@ class SeenIds:
                 # briefly: an add holds the lock for one write, another compaction for a
                 # moment; one held longer (a stopped or foreign process) puts the compaction
                 # off to a later sweep (nothing is lost: the record only grows meanwhile)
+                from .leases import clear_planted  # (a folder at its name: every sweep failed)
+                clear_planted(self.lock_path)
                 with locked(self.lock_path, wait=COMPACT_LOCK_WAIT_SECONDS):
                     return self._compact(now)
             except fsio.LockHeld as exc:
