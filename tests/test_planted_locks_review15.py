@@ -114,3 +114,26 @@ def test_a_create_whose_document_is_written_never_fails_for_the_seen_ids_record(
         assert store.create(doc, "w1") == "w1"
     assert (ws.root / "handoffs" / "pending" / "w1.json").exists()
     assert any("created, but the seen-ids record" in r.getMessage() for r in caplog.records)
+
+
+def test_a_folder_at_a_context_lock_is_set_aside_and_the_write_keeps_its_history(
+        lws: Workspace) -> None:
+    """`context/.meta/history.lock` as a folder failed every write, said as a clash with another
+    key's file, after the value and its revision were written: a value with no history."""
+    assert lws.handoff("context", "set", "proj/a", '"1"').returncode == 0
+    lock = lws.root / "context" / ".meta" / "history.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    wrote = lws.handoff("context", "set", "proj/a", '"2"')
+    assert wrote.returncode == 0 and "revision 2" in wrote.stdout, wrote.stdout + wrote.stderr
+    history = lws.handoff("context", "history", "proj/a", "--json")
+    assert history.returncode == 0 and history.stdout.count('"revision"') == 2, history.stdout
+    assert lock.is_file() and any(n.endswith("history.lock") for n in quarantined(lws))
+
+
+def test_a_folder_at_the_removal_lock_is_set_aside_and_purge_goes_on(lws: Workspace) -> None:
+    lock = meta(lws) / "retention.lock"
+    lock.mkdir()
+    purged = lws.handoff("purge", "--older-than", "1d")
+    assert purged.returncode == 0, purged.stderr
+    assert lock.is_file() and any(n.endswith("retention.lock") for n in quarantined(lws))

@@ -34,7 +34,11 @@ def removal_lock(meta: Path, wait: float) -> Iterator[bool]:
     gives the turn back, so a create waiting for a purge's pass gets in before its next pass.
     (Not in ``.locks``: the sweep removes the lock files there that no claim uses.)"""
     from filelock import FileLock, Timeout
+
+    from ..backends.files.quarantine import clear_planted
     meta.mkdir(parents=True, exist_ok=True)
+    for name in (REMOVAL_TURN, REMOVAL_LOCK):  # a folder or link planted there failed every
+        clear_planted(meta / name)              # pass and every create with dependencies
     # flock only: filelock's fallback on a filesystem without it is a marker file, which a
     # kill -9 leaves behind (from another host, never judged stale): every later pass and
     # every create with dependencies would wait out its minute and give up, for ever. Without

@@ -136,7 +136,7 @@ class FileContext:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = _plain_folder(self.root / ".tmp")
         from filelock import FileLock  # imported where a lock is taken
-        with FileLock(str(self.meta(_lock_name(key))), timeout=LOCK_TIMEOUT_SECONDS):
+        with FileLock(self._lock_path(_lock_name(key)), timeout=LOCK_TIMEOUT_SECONDS):
             # the history first opened: a write it could not record is refused before it is made
             history = fsio.open_regular(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             try:
@@ -147,21 +147,28 @@ class FileContext:
                 line = _history_line(key, entry)
                 record = (json.dumps({"key": key, "revision": revision + 1,
                                       "sha256": sha256_hex(data)}) + "\n").encode()
-                # the value first, then its record: a crash in between leaves bytes that do not
-                # match the record, which reads as record + 1, the revision this write was giving
-                fsio.replace(path, data, tmp, durable=self.durable)
-                fsio.replace(self.meta(_rev_name(key)), record, tmp, durable=self.durable)
-                self._append_history(history, line)
+                # the history's lock taken before the value is written, for the same reason
+                with FileLock(self._lock_path("history.lock"), timeout=LOCK_TIMEOUT_SECONDS):
+                    # the value first, then its record: a crash in between leaves bytes that do
+                    # not match the record, which reads as record + 1, the revision this write
+                    # was giving
+                    fsio.replace(path, data, tmp, durable=self.durable)
+                    fsio.replace(self.meta(_rev_name(key)), record, tmp, durable=self.durable)
+                    os.write(history, line)
+                    if self.durable:
+                        os.fsync(history)
             finally:
                 os.close(history)
         return entry
 
-    def _append_history(self, fd: int, line: bytes) -> None:
-        from filelock import FileLock
-        with FileLock(str(self.meta("history.lock")), timeout=LOCK_TIMEOUT_SECONDS):
-            os.write(fd, line)
-            if self.durable:
-                os.fsync(fd)
+    def _lock_path(self, name: str) -> str:
+        """The lock file ``name`` in ``context/.meta``; a folder or link planted at its name is
+        quarantined first (in ``handoffs/.quarantine``): it failed every write of the key, said
+        as a clash with another key's file."""
+        from .quarantine import clear_planted
+        path = self.meta(name)
+        clear_planted(path, self.root.parent / "handoffs" / ".quarantine")
+        return str(path)
 
 
 def _history_line(key: str, entry: dict[str, Any]) -> bytes:

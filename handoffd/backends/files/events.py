@@ -114,7 +114,7 @@ class FileEventLog:
     def _rotate(self) -> None:
         """Shift the rotated files by one and make the file the newest of them, under the
         rotation's lock (waited for :data:`ROTATE_LOCK_WAIT_SECONDS` at most: LockHeld)."""
-        from .leases import clear_planted  # (a folder at the lock's name: it never rotated)
+        from .quarantine import clear_planted  # (a folder at the lock's name: it never rotated)
         clear_planted(self.path.with_name(LOCK_NAME))
         with fsio.locked(self.path.with_name(LOCK_NAME), wait=ROTATE_LOCK_WAIT_SECONDS):
             try:
@@ -138,12 +138,11 @@ class FileEventLog:
                 return
         except FileNotFoundError:
             return
-        from .leases import _publish_reason
-        from .writes import move_to_quarantine
+        from .quarantine import move_to_quarantine, publish_reason
         what = "is not a regular file"
         target = move_to_quarantine(self.quarantine, slot, str(ErrorCode.NOT_A_REGULAR_FILE),
                                     f"{slot.name} {what} (a rotated event log's name)",
-                                    _publish_reason)
+                                    publish_reason)
         log.warning("%s %s: moved to %s so that the event log can rotate [%s]", _shown(slot),
                     what, _shown(target), ErrorCode.NOT_A_REGULAR_FILE)
 

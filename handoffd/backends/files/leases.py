@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ...core.documents import actor
 from ...core.ownfiles import plain_folder
 from ...core.timeutil import iso
+from .quarantine import planted, set_aside_planted
 
 if TYPE_CHECKING:  # both are imported where a lock is taken (one-shot commands take none)
     from filelock import FileLock
@@ -111,7 +112,7 @@ def try_lock(path: Path) -> FileLock | None:
     problem alone)."""
     from filelock import FileLock, Timeout
     for last in (False, True):
-        if _planted(path):
+        if planted(path):
             set_aside_planted(path)
         lock = FileLock(str(path), timeout=0)
         try:
@@ -119,91 +120,11 @@ def try_lock(path: Path) -> FileLock | None:
         except Timeout:
             return None
         except OSError:
-            if last or not _planted(path):  # planted between our look and the open: once more
+            if last or not planted(path):  # planted between our look and the open: once more
                 raise
             continue
         return lock
     raise AssertionError("unreachable")
-
-
-# how long set_aside_planted waits for another process's hold of the locks folder's own flock
-FOLDER_LOCK_WAIT_SECONDS = 2.0
-
-
-def clear_planted(path: Path) -> None:
-    """:func:`set_aside_planted` when an entry that is no regular file is at ``path`` (one
-    ``lstat`` otherwise): before a lock file of ours is opened (a folder or a link planted at
-    its name failed every open, so every update the lock guards)."""
-    if _planted(path):
-        set_aside_planted(path)
-
-
-def set_aside_planted(path: Path) -> None:
-    """Move the entry at ``path`` (a lock file's name in ``handoffs/.locks``) to the workspace's
-    quarantine (``handoffs/.quarantine``, as the store sets files aside: ``handoff ls`` lists
-    it) if it is no regular file, said in one warning line. Nothing is done to a regular file
-    or to an entry gone meanwhile. OSError when it cannot be moved.
-
-    Under the flock of the folder itself, the entry looked at again: two processes finding
-    the plant at once must not both move "it", the second taking away the live lock file the
-    first made in its place meanwhile (two holders). Nothing else renames an entry there."""
-    import time
-
-    from ...core.errors import ErrorCode
-    from ...core.logs import log
-    from .writes import move_to_quarantine
-
-    folder = path.parent
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        deadline = time.monotonic() + FOLDER_LOCK_WAIT_SECONDS
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:  # a stopped or hostile holder: never a stall
-                    raise OSError(errno.EWOULDBLOCK, f"{_shown(folder)}/ has been locked by "
-                                  f"another process for over {FOLDER_LOCK_WAIT_SECONDS:g} s; "
-                                  f"{path.name}, no regular file, is left there", str(path))
-                time.sleep(0.01)
-        if not _planted(path):
-            return  # moved by another process (a lock file may be there now), or gone
-        what = "is not a regular file"
-        target = move_to_quarantine(folder.parent / ".quarantine", path,
-                                    str(ErrorCode.NOT_A_REGULAR_FILE),
-                                    f"{path.name} {what} (a lock file's name in {folder.name})",
-                                    _publish_reason)
-    finally:
-        os.close(fd)  # closing drops the lock
-    log.warning("%s/%s %s: moved to %s/%s so that its lock can be taken [%s]", _shown(folder),
-                path.name, what, _shown(target.parent), target.name,
-                ErrorCode.NOT_A_REGULAR_FILE)
-
-
-def _publish_reason(dst: Path, data: bytes) -> None:
-    """Write a quarantined entry's reason (a temp file of a random name beside it, never
-    through a link, renamed into place); a failure is one warning: the entry moved already."""
-    from ...core.logs import log
-    from .records import _publish
-    try:
-        _publish(dst, data)
-    except OSError as exc:
-        log.warning("%s/%s: cannot record why it was moved (%s)", _shown(dst.parent), dst.name,
-                    exc.strerror or exc)
-
-
-def _planted(path: Path) -> bool:
-    """True when an entry that is no regular file (a folder, symlink, FIFO...) is at ``path``."""
-    try:
-        return not stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:  # absent, or its folder unusable: nothing to move
-        return False
-
-
-def _shown(folder: Path) -> str:
-    """A folder of the workspace's ``handoffs/`` as a log line names it (``handoffs/.locks``)."""
-    return f"{folder.parent.name}/{folder.name}"
 
 
 def lock_document(path: Path) -> int | None:

@@ -37,7 +37,7 @@ from ...core.logs import log
 from ...core.ownfiles import read_at_most
 from . import fsio
 from .fsio import MAX_DEPTH, nesting_depth, open_regular
-from .writes import move_to_quarantine
+from .quarantine import move_to_quarantine, planted, publish_beside
 
 KIB = 1024
 # Bounds on a kind's whole file; a file over its bound is not even opened. The small kinds hold
@@ -53,7 +53,7 @@ LIMITS = {"paused": 256 * KIB, "rates": 256 * KIB, "suspects": 256 * KIB,
 MAX_RECORDS_BYTES = 1024 * KIB
 
 KIND = re.compile(r"[a-z][a-z0-9_-]{0,40}")  # fullmatch ("$" matched before a final newline)
-# the temp file an update writes beside the kind's file (see _publish); one a process that died
+# the temp file an update writes beside the kind's file (see quarantine.publish_beside); one a process that died
 # mid-update left is removed by the sweep once it is old (repair.remove_orphans)
 TEMP_NAME = re.compile(r"\.[a-z][a-z0-9_-]{0,40}\.[0-9a-f]{16}\.tmp")
 
@@ -186,7 +186,7 @@ class FileRecords:
             if problem is not None:
                 self._move_aside(kind, path, problem)
             try:
-                _publish(path, data)  # readers see the old file or the new one, never half
+                publish_beside(path, data)  # readers see the old file or the new one, never half
             except OSError as exc:  # a full disk, a read-only folder: one error type for callers
                 raise UnusableRecords(f"{_shown(path)} cannot be written ({exc.strerror or exc});"
                                       f" its {kind} records are left as they are",
@@ -228,7 +228,7 @@ class FileRecords:
         """Move the entry at ``lock`` to the quarantine if it is no regular file: True when the
         lock should be opened again (moved, here or by another process), False when it is a
         regular file or cannot be looked at (its open failed for another reason: EACCES...)."""
-        if not _planted(lock):
+        if not planted(lock):
             return not os.path.lexists(lock)  # gone meanwhile: open it again
         problem = Problem(ErrorCode.NOT_A_REGULAR_FILE, "is not a regular file")
         try:
@@ -236,7 +236,7 @@ class FileRecords:
             # once must not both move "it", the second taking the live lock file the first made
             # in its place meanwhile (two holders). Nothing else removes an entry of that name.
             with _folder_locked(self.folder, f"{_shown(lock)} is left as it is"):
-                if not _planted(lock):
+                if not planted(lock):
                     return True  # moved by another process (a lock file may be there now)
                 self._set_aside(kind, lock, problem, then=f"so that its {kind} records can be "
                                 "updated (no lock was held on it)", refused="cannot be updated")
@@ -271,11 +271,11 @@ class FileRecords:
     def _set_aside(self, kind: str, path: Path, problem: Problem, *, then: str,
                    refused: str) -> None:
         """``path`` moved into the quarantine as the store sets files aside
-        (:func:`.writes.move_to_quarantine`, so ``handoff ls`` lists it), said in one line;
+        (:func:`.quarantine.move_to_quarantine`, so ``handoff ls`` lists it), said in one line;
         UnusableRecords when it cannot be moved (FileNotFoundError: gone meanwhile)."""
         def publish(dst: Path, data: bytes) -> None:
             try:
-                _publish(dst, data)
+                publish_beside(dst, data)
             except OSError as exc:  # moved already: the update goes on, its reason is logged
                 log.warning("%s: cannot record why it was moved (%s)", _shown(dst),
                             exc.strerror or exc)
@@ -292,14 +292,6 @@ class FileRecords:
                 f"{refused}", code=problem.code) from None
         log.warning("%s %s: moved to %s %s [%s]", _shown(path), problem.what, _shown(target),
                     then, problem.code)
-
-
-def _planted(lock: Path) -> bool:
-    """True when an entry that is no regular file (a folder, symlink, FIFO...) is at ``lock``."""
-    try:
-        return not stat.S_ISREG(os.lstat(lock).st_mode)
-    except OSError:  # absent, or its folder unusable: nothing to move
-        return False
 
 
 @contextmanager
@@ -403,26 +395,6 @@ def _encode(kind: str, key: str, records: dict[str, Any]) -> bytes:
                               f"their {limit}-byte limit: not written",
                               code=ErrorCode.DOCUMENT_TOO_LARGE)
     return data
-
-
-def _publish(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically. The temp file is created afresh without
-    following a symlink: one planted under its name must not redirect the write. Its name is
-    random, not the pid's: a folder planted under a name known ahead (nobody can unlink it)
-    refused every update of the kind by that pid, and one per pid every update for good. A
-    failed write removes its temp file; a process that dies in between leaves it (nothing
-    sweeps ``.meta/``: one file, at most the kind's bound, per such crash)."""
-    tmp = path.with_name(f".{path.stem}.{os.urandom(8).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with fsio.discarded_on_failure(tmp):
-        try:
-            os.fchmod(fd, fsio.FILE_MODE)  # the process's starting umask, not a handler's
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
 
 
 def _shown(path: Path) -> str:

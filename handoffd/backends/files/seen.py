@@ -94,8 +94,8 @@ class SeenIds:
             try:
                 self._lock = fsio.open_creating(self.lock_path, os.O_RDWR)
             except OSError:  # a folder or link planted at its name failed every add, so every
-                from .leases import _planted, clear_planted  # create and every claim
-                if not _planted(self.lock_path):
+                from .quarantine import clear_planted, planted  # create and every claim
+                if not planted(self.lock_path):
                     raise
                 clear_planted(self.lock_path)
                 self._lock = fsio.open_creating(self.lock_path, os.O_RDWR)
@@ -170,7 +170,7 @@ class SeenIds:
                 # briefly: an add holds the lock for one write, another compaction for a
                 # moment; one held longer (a stopped or foreign process) puts the compaction
                 # off to a later sweep (nothing is lost: the record only grows meanwhile)
-                from .leases import clear_planted  # (a folder at its name: every sweep failed)
+                from .quarantine import clear_planted  # (a folder at its name: every sweep failed)
                 clear_planted(self.lock_path)
                 with locked(self.lock_path, wait=COMPACT_LOCK_WAIT_SECONDS):
                     return self._compact(now)

@@ -6,20 +6,19 @@ moved to quarantine with its reason (:func:`quarantine`). Plain functions over t
 """
 from __future__ import annotations
 
-import errno
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
-from ...core.documents import actor, check_id
+from ...core.documents import check_id
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
-from ...core.ownfiles import plain_folder
 from ...core.states import State
-from ...core.timeutil import iso, utc_now
+from ...core.timeutil import utc_now
 from ...core.workspace import Workspace
 from ..base import stamp_created
 from . import aside, fsio
+from .quarantine import move_to_quarantine
 from .seen import SeenIds
 
 
@@ -115,53 +114,12 @@ def remove_if(store: Writing, state: State, handoff_id: str, expect: dict[str, A
     return False
 
 
-def quarantine_folder(folder: Path) -> Path:
-    """``handoffs/.quarantine``, made if missing; OSError (ENOTDIR) when it is no plain folder
-    of the workspace: through a symlink planted there, what is set aside (and its reason) would
-    be moved and written outside it. The file then stays where it is, looked at again later."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        pass  # a file or a dangling symlink: refused just below
-    if not plain_folder(folder):
-        raise OSError(errno.ENOTDIR, "not a folder of the workspace (a symlink?); nothing is "
-                      "set aside there", str(folder))
-    return folder
-
-
 def quarantine(store: Writing, path: Path, code: str, message: str, *,
                now: datetime | None = None) -> Path:
     """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
     return move_to_quarantine(
         store.ws.quarantine, path, code, message,
         lambda dst, data: fsio.replace(dst, data, store.tmp, durable=store.durable), now=now)
-
-
-def move_to_quarantine(folder: Path, path: Path, code: str, message: str,
-                       publish: Callable[[Path, bytes], Any], *,
-                       now: datetime | None = None) -> Path:
-    """Move the entry ``path`` into the quarantine ``folder`` (a plain folder: see
-    :func:`quarantine_folder`) under a dated, safe name, and ``publish`` its ``.reason.json``
-    beside it (what ``handoff ls --state quarantined`` reads); the moved path."""
-    now = now or utc_now()
-    quarantine_folder(folder)
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.name)[:100] or "file"
-    name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{safe}"
-    target = folder / name
-    os.rename(path, target)  # works for symlinks and fifos too: the entry moves, not its target
-    reason = {"file": _readable(path.name), "from": path.parent.name, "code": code,
-              "message": _readable(message), "at": iso(now), "actor": actor()}
-    publish(folder / f"{name}.reason.json", fsio.dump_json(reason))
-    return target
-
-
-def _readable(text: str) -> str:
-    """``text`` as UTF-8 can hold it: the bytes of a file name that is not UTF-8 (and any lone
-    surrogate) written as ``\\x`` escapes, so that a reason naming it can be filed."""
-    try:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate that no byte stands for
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "backslashreplace")
 
 
 def _doc_id(doc: dict[str, Any]) -> str:
