@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import SPECIALISTS, Workspace, exe, new_workspace
+from test_cli_hostile import pending, refused
 
 FULL = {**os.environ, "HANDOFFD_FULL_CLI": "1"}
 QUICK = {k: v for k, v in os.environ.items() if k != "HANDOFFD_FULL_CLI"}
@@ -23,23 +24,6 @@ def run(program: str, root: Path, *args: str, env: dict[str, str] | None = None,
         timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([exe(program), *args, "--root", str(root)], capture_output=True,
                           text=True, timeout=timeout, env=env or QUICK)
-
-
-def refused(proc: subprocess.CompletedProcess[str], *words: str,
-            program: str = "handoff") -> str:
-    """The one stderr line of a usage refusal (exit 2, nothing on stdout) holding ``words``."""
-    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{program}: error: "), proc.stderr
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert proc.stdout == ""
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
-
-
-def pending(ws: Workspace) -> list[str]:
-    return sorted(p.name for p in (ws.root / "handoffs" / "pending").iterdir())
 
 
 # ------------------------------------------------------------------ cancel --reason

@@ -26,11 +26,13 @@ def handoff(ws: Workspace, *args: str, env: dict[str, str] | None = None,
                           text=True, timeout=60, env=env or QUICK, **kwargs)
 
 
-def refused(proc: subprocess.CompletedProcess[str], *words: str, code: int = 2) -> str:
-    """The one stderr line of a refusal with exit ``code``, holding every one of ``words``."""
+def refused(proc: subprocess.CompletedProcess[str], *words: str, code: int = 2,
+            program: str = "handoff") -> str:
+    """The one stderr line of ``program``'s refusal with exit ``code``, holding every one of
+    ``words``."""
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
     lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("handoff: error: "), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"{program}: error: "), proc.stderr
     assert proc.returncode == code, (proc.returncode, proc.stderr)
     assert proc.stdout == ""
     for word in words:
