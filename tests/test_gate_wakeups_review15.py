@@ -74,6 +74,13 @@ def sleepy(handoff, ctx):
     return {"status": "completed", "output": {"ok": True}}
 
 
+def fail_once(handoff, ctx):
+    time.sleep(0.5)
+    if ctx.attempt == 1:
+        return {"status": "failed", "error": {"code": "FLAKY", "message": "try again"}}
+    return {"status": "completed", "output": {"ok": True}}
+
+
 def boss(handoff, ctx):
     data = ctx.data if isinstance(ctx.data, dict) else {}
     return {"status": "delegated", "aggregation": "all_success",
@@ -122,6 +129,10 @@ handler = "gw15:asker"
 
 [specialists."@worker"]
 handler = "gw15:sleepy"
+
+[specialists."@flaky"]
+handler = "gw15:fail_once"
+retry = {{ max_retries = 2, retry_delay_seconds = 60 }}
 """
 
 
@@ -377,5 +388,26 @@ def test_a_parent_whose_child_another_process_ends_is_aggregated_at_the_next_res
         assert ws.handoff("cancel", child).returncode == 0
         assert ws.wait_state("fam", timeout=30) in ("completed", "failed")
         assert time.monotonic() - cancelled < 10, "the parent waited for its deadline"
+    finally:
+        stop(ws, daemon)
+
+
+def test_a_holder_filed_back_for_a_retry_wakes_its_contract_waiter(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A contract holder whose attempt fails and is filed back for a retry (a minute away) has
+    released its files: its waiter runs at once, not at the next rescan (a minute here)."""
+    ws = make(tmp_path, monkeypatch, rescan=60.0)
+    (ws.root / "src").mkdir()
+    daemon = ws.serve()
+    try:
+        ws.drop("hold.json", request("hold", "@flaky", contract={"files_owned": ["src/**"]}))
+        wait_until(lambda: ws.state_of("hold") == ["in-progress"], timeout=20, what="hold runs")
+        ws.drop("next.json", request("next", "@worker", {"s": 0.1},
+                                     contract={"files_owned": ["src/x.py"]}))
+        wait_until(lambda: ws.state_of("hold") == ["pending"], timeout=20, what="hold retried")
+        filed_back = time.monotonic()
+        assert ws.wait_state("next", timeout=30) == "completed"
+        assert time.monotonic() - filed_back < 10, "the retry's filing did not wake its waiter"
+        assert ws.state_of("hold") == ["pending"]  # (its retry is still a minute away)
     finally:
         stop(ws, daemon)

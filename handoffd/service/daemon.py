@@ -215,6 +215,7 @@ class Daemon:
                 if not self.hooks.parked(handoff_id):  # a retry
                     report.retrying += 1
                 self.scheduler.notify(handoff_id)  # dispatch reads its next_attempt_at
+                self.scheduler.wake(handoff_id)  # its attempt ended: what it held is free
             if where.terminal:
                 self.attempts.unexpected_in_a_row.pop(handoff_id, None)
                 self.scheduler.ended(handoff_id)

@@ -372,6 +372,12 @@ class Scheduler:
         """``handoff_id`` was filed for good: forget when it arrived, and look again at the
         handoffs whose wait its filing may end (a dependency may have been met)."""
         self.first_seen.pop(handoff_id, None)
+        self.wake(handoff_id)
+
+    def wake(self, handoff_id: str) -> None:
+        """Look again at the handoffs whose wait ``handoff_id``'s filing may end: a final one
+        (:meth:`ended`), or one back to pending/ (a retry, a parked parent), whose attempt
+        ended all the same and freed what it held (a contract's files)."""
         for waiter in list(self.waiting):
             on = self.waits_on.get(waiter)
             if on is not None and handoff_id not in on:
