@@ -133,7 +133,7 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
     answer, its attempt not spent) before the error goes on: left in in-progress/, the sweep
     recovered it as a dead owner's claim, spent a retry and ran it without the answer."""
     from .cancellation import hand_back  # (the one hand-back of a claim taken to change it)
-    check_storable(data, "the answer", depth_below=ANSWER_DEPTH)
+    check_storable(data, "answer", depth_below=ANSWER_DEPTH)
     check_text(by, "who answers")
     box: list[Any] = []
 

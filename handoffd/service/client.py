@@ -22,13 +22,12 @@ command makes (``create``, ``wait``, ``show``, ``ls``, ``cancel``, ``answer``, `
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.documents import MAX_DEPTH, nesting_depth, new_native_request
+from ..core.documents import check_storable, new_native_request
 from ..core.errors import NotFound, UsageError
 from ..core.states import State
 from ..core.storage import foreign_filing
@@ -184,14 +183,12 @@ class Client:
                                  f"timeout_seconds/depends_on, not both (given: {', '.join(given)})")
             if not isinstance(document, dict) and callable(getattr(document, "to_dict", None)):
                 document = document.to_dict()  # (as submit would: its depth is checked below)
-            _within_depth(document, MAX_DEPTH, "document")
             if isinstance(document, dict):  # (not one: the format's own INVALID_DOCUMENT)
-                _json_data(document, "document")
+                check_storable(document, "document")
             return Handle(self, self.engine.submit(document, if_absent=if_absent))
         if not to:
             raise UsageError("name the target agent (to=...) or give a whole document")
-        _json_data(data)
-        _within_depth(data, MAX_DEPTH - INPUT_DATA_DEPTH, "data")  # it sits in input.data
+        check_storable(data, "data", depth_below=INPUT_DATA_DEPTH)  # it sits in input.data
         doc = new_native_request(source=self.agent, target=to, data=data, now=self.engine.clock(),
                                  handoff_id=handoff_id, timeout_seconds=timeout_seconds,
                                  priority=priority, depends_on=depends_on)
@@ -243,11 +240,8 @@ class Client:
         """Answer what a parked handoff asks (``Result.asks``); it runs again with the answer.
         UsageError unless ``answer`` is JSON data a document can hold where it goes (as
         :meth:`create` checks its data): nothing is claimed or written then."""
-        from ..features.clarification import ANSWER_DEPTH
         from ..features.orchestration import answer as give_answer
-        _within_depth(answer, MAX_DEPTH - ANSWER_DEPTH, "answer")  # it sits in clarifications
-        _json_data(answer, "answer")
-        give_answer(self.engine, handoff_id, answer, by=self.agent)
+        give_answer(self.engine, handoff_id, answer, by=self.agent)  # (which checks the answer)
 
     def retry(self, handoff_id: str, *, force: bool = False) -> None:
         """Move a failed handoff back to pending (``force``: also a permanent failure)."""
@@ -270,20 +264,3 @@ def _workspace(root: Any) -> Workspace:
     return ws
 
 
-def _within_depth(value: Any, limit: int, what: str) -> None:
-    """UsageError when ``value`` nests deeper than ``limit`` levels, as ``handoff create``
-    refuses it: filed anyway (the MCP create_handoff did), no reader of handoffd's could read
-    the document back (`handoff show` failed) and the daemon set it aside as DOCUMENT_TOO_DEEP."""
-    if nesting_depth(value, limit) > limit:
-        raise UsageError(f"{what} nests more than {limit} levels deep; flatten it")
-
-
-def _json_data(data: Any, what: str = "data") -> None:
-    """UsageError unless ``data`` is JSON data a document can hold (no bytes, sets, NaN, lone
-    surrogates...): it failed later with a TypeError (a UnicodeEncodeError, a ValueError) from
-    deep inside the JSON encoder."""
-    try:  # (encoded as a document is written: a lone surrogate is no UTF-8)
-        json.dumps(data, allow_nan=False, ensure_ascii=False).encode("utf-8")
-    except (TypeError, ValueError, RecursionError) as exc:  # (UnicodeEncodeError: a ValueError)
-        raise UsageError(f"{what} must be JSON data (dicts, lists, strings, numbers, booleans, "
-                         f"null): {str(exc)[:200]}") from None
