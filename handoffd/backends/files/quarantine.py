@@ -8,10 +8,8 @@ One module below the store's writers (``writes``, ``records``, ``leases``, ``see
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import stat
-import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -110,17 +108,10 @@ def set_aside_planted(path: Path, quarantine: Path | None = None) -> None:
     folder = path.parent
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        deadline = time.monotonic() + FOLDER_LOCK_WAIT_SECONDS
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:  # a stopped or hostile holder: never a stall
-                    raise OSError(errno.EWOULDBLOCK, f"{_shown(folder)}/ has been locked by "
-                                  f"another process for over {FOLDER_LOCK_WAIT_SECONDS:g} s; "
-                                  f"{path.name}, no regular file, is left there", str(path))
-                time.sleep(0.01)
+        if not fsio.flock_within(fd, FOLDER_LOCK_WAIT_SECONDS):  # a stopped or hostile
+            raise OSError(errno.EWOULDBLOCK, f"{_shown(folder)}/ has been locked by "  # holder
+                          f"another process for over {FOLDER_LOCK_WAIT_SECONDS:g} s; "
+                          f"{path.name}, no regular file, is left there", str(path))
         if not planted(path):
             return  # moved by another process (a lock file may be there now), or gone
         what = "is not a regular file"

@@ -37,7 +37,7 @@ from ...core.logs import log
 from ...core.ownfiles import read_at_most
 from . import fsio
 from .fsio import MAX_DEPTH, nesting_depth, open_regular
-from .quarantine import move_to_quarantine, planted, publish_beside
+from .quarantine import move_to_quarantine, planted, publish_beside, set_aside_planted
 
 KIB = 1024
 # Bounds on a kind's whole file; a file over its bound is not even opened. The small kinds hold
@@ -230,22 +230,14 @@ class FileRecords:
         regular file or cannot be looked at (its open failed for another reason: EACCES...)."""
         if not planted(lock):
             return not os.path.lexists(lock)  # gone meanwhile: open it again
-        problem = Problem(ErrorCode.NOT_A_REGULAR_FILE, "is not a regular file")
-        try:
-            # under the folder's own flock, looked at again: two processes finding the plant at
-            # once must not both move "it", the second taking the live lock file the first made
-            # in its place meanwhile (two holders). Nothing else removes an entry of that name.
-            with _folder_locked(self.folder, f"{_shown(lock)} is left as it is"):
-                if not planted(lock):
-                    return True  # moved by another process (a lock file may be there now)
-                self._set_aside(kind, lock, problem, then=f"so that its {kind} records can be "
-                                "updated (no lock was held on it)", refused="cannot be updated")
+        try:  # (under the folder's own flock, looked at again: see set_aside_planted)
+            set_aside_planted(lock, self.quarantine)
         except FileNotFoundError:  # gone: another process moved it
             return True
-        except OSError as exc:  # (the folder's own lock)
-            raise UnusableRecords(f"{_shown(lock)} {problem.what}, and cannot be moved "
+        except OSError as exc:  # (the folder's own lock, or the move)
+            raise UnusableRecords(f"{_shown(lock)} is not a regular file, and cannot be moved "
                                   f"({exc.strerror or exc}); its {kind} records cannot be "
-                                  "updated", code=problem.code) from None
+                                  "updated", code=ErrorCode.NOT_A_REGULAR_FILE) from None
         return True
 
     def _current(self, kind: str, path: Path) -> tuple[dict[str, Any], Problem | None]:
@@ -292,17 +284,6 @@ class FileRecords:
                 f"{refused}", code=problem.code) from None
         log.warning("%s %s: moved to %s %s [%s]", _shown(path), problem.what, _shown(target),
                     then, problem.code)
-
-
-@contextmanager
-def _folder_locked(folder: Path, left: str) -> Iterator[None]:
-    """Hold an exclusive flock on ``folder`` itself (not through a symlink) for the block."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        _flock_within(fd, _shown_folder(folder) + "/", left)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _flock_within(fd: int, shown: str, left: str) -> None:
