@@ -8,7 +8,7 @@ import threading
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from .documents import Outcome
+from .documents import Envelope, Outcome
 from .errors import ErrorCode, InvalidDocument
 from .hooks import Hooks
 from .jobs import Job
@@ -147,9 +147,13 @@ class JobChecks:
         """A request's expectation is not met: raise ``problem`` (``[daemon] expectations =
         "enforce"``, the default), or note it as a warning of the filed result ("advisory"), logged
         once per ``key`` (the kind of problem, without the handoff's id)."""
+        self._unmet(job.warnings, problem, key)
+
+    def _unmet(self, warnings: list[str], problem: InvalidDocument, key: str) -> None:
+        """:meth:`expectation_unmet`, the warning noted in ``warnings``."""
         if self.settings.expectations == "enforce":
             raise problem
-        job.warnings.append(f"{problem.code}: {problem}")
+        warnings.append(f"{problem.code}: {problem}")
         # the same unmet expectation on every handoff of a batch would flood the log (cron mails
         # it): the log says it once per process and kind; each result keeps its own warning
         with self._lock:
@@ -162,28 +166,37 @@ class JobChecks:
     def check_input(self, job: Job) -> None:
         """The job's input against its schema (the specialist's, else the one the request
         names): InvalidDocument (SCHEMA_VALIDATION_FAILED) when it fails."""
-        missing = self._missing_schemas(job)
-        name = job.specialist.config.input_schema or job.envelope.input_schema
+        self.check_request(job.handoff_id, job.envelope, job.specialist.config.input_schema,
+                           job.warnings)
+
+    def check_request(self, handoff_id: str, envelope: Envelope, input_schema: str | None,
+                      warnings: list[str]) -> None:
+        """:meth:`check_input` of a request with no job yet (``handoff validate``): its input
+        against ``input_schema`` (its specialist's), else the schema the request names; an
+        advisory unmet expectation is noted in ``warnings``."""
+        missing = self._missing_schemas(handoff_id, envelope, warnings)
+        name = input_schema or envelope.input_schema
         if not name or name in missing:
             return
-        errors = self.schemas.errors(name, job.envelope.data)
+        errors = self.schemas.errors(name, envelope.data)
         if errors:
             first = errors[0]
             raise InvalidDocument(
                 f"Input validation failed: {first['field']}: {first['error']}" + more_errors(errors),
-                handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
+                handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
 
-    def _missing_schemas(self, job: Job) -> set[str]:
+    def _missing_schemas(self, handoff_id: str, envelope: Envelope,
+                         warnings: list[str]) -> set[str]:
         """The schemas the request names that do not exist (each an unmet expectation)."""
         missing = set()
-        for field_name, named in (("input.schema", job.envelope.input_schema),
-                                  ("expected_output.schema", job.envelope.output_schema)):
+        for field_name, named in (("input.schema", envelope.input_schema),
+                                  ("expected_output.schema", envelope.output_schema)):
             if named and not self.schemas.has(named):  # found out before the handler runs
                 missing.add(named)
-                self.expectation_unmet(job, InvalidDocument(
-                    f"handoff {job.handoff_id}: {field_name} names {named!r}, which is neither in "
+                self._unmet(warnings, InvalidDocument(
+                    f"handoff {handoff_id}: {field_name} names {named!r}, which is neither in "
                     "schemas/ nor built in (`handoff schemas` lists them)",
-                    handoff_id=job.handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
+                    handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
                     errors=[{"field": field_name, "error": f"no schema {named}"}]),
                     key=f"missing {field_name} {named}")
         return missing

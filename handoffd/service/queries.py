@@ -162,16 +162,11 @@ def check_request_input(engine: Engine, envelope: Any) -> None:
     "advisory"`` a missing named schema is only a warning (logged as the daemon logs it). A
     schema that cannot be used is InvalidDocument too (the daemon files PROCESSING_ERROR). The
     output itself is checked after a run, so never here."""
-    from types import SimpleNamespace
-
     from ..core.errors import ConfigError
-    from ..core.settings import SpecialistConfig
     spec = engine.specialist_for(envelope)  # None: no specialist here (only what it names)
-    job = SimpleNamespace(  # the fields of a Job that the check reads
-        handoff_id=envelope.handoff_id, envelope=envelope, warnings=[],
-        specialist=spec or SimpleNamespace(config=SpecialistConfig(agent=envelope.target)))
     try:
-        engine.checks.check_input(job)  # type: ignore[arg-type]
+        engine.checks.check_request(envelope.handoff_id, envelope,
+                                    spec.config.input_schema if spec else None, [])
     except ConfigError as exc:
         raise InvalidDocument(f"its input cannot be checked: {exc}",
                               handoff_id=envelope.handoff_id,
