@@ -27,7 +27,7 @@ import pytest
 from conftest import Workspace, handlers_workspace, new_workspace
 from dialect_examples import HI_MOE_DISPATCHER_TO_FLEET, fresh
 
-from handoffd.core import childproc, procs
+from handoffd.core import childproc, procrecords
 from handoffd.core.childproc import Collector, clear_previous_attempt
 from handoffd.core.config import Config, specialist_from_table
 from handoffd.core.errors import HandlerError
@@ -151,7 +151,7 @@ def test_an_unpassable_environment_value_is_a_handler_error(tmp_path: Path) -> N
     assert caught.value.retryable is False
     assert "$HANDOFF_EXTRA" in str(caught.value) and "NUL" in str(caught.value)
     assert caught.value.details.get("cannot_start") == "UNPASSABLE"
-    assert procs.read_record(tmp_path, "v1") is None
+    assert procrecords.read_record(tmp_path, "v1") is None
 
 
 # ---------------------------------------------------------------- 4: a stranded claim is counted
@@ -286,7 +286,7 @@ def test_a_malformed_process_record_does_not_strand_the_claim(xws: Workspace) ->
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "lr1.json").write_text(json.dumps({
         "handoff_id": "lr1", "token": "feed", "attempt": "one", "host": hostname(),
-        "boot_id": procs.boot_id(), "pid_namespace": procs.pid_namespace(), "daemon_pid": 1,
+        "boot_id": procrecords.boot_id(), "pid_namespace": procrecords.pid_namespace(), "daemon_pid": 1,
         "pgid": None, "leader_start": None, "started_at": 0}))
     xws.create("--to", "@ok", "--id", "lr1")
     proc = xws.handoffd("run", timeout=120)

@@ -19,7 +19,7 @@ from conftest import Workspace, alive, run_python, wait_until
 
 from handoffd import Daemon, Registry, State, build_engine, new_native_request
 from handoffd import Workspace as HandoffdWorkspace
-from handoffd.core import procs
+from handoffd.core import procrecords, procs
 from handoffd.core.config import load_config
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
@@ -174,7 +174,7 @@ def test_background_child_holding_stdout_is_killed_and_costs_nothing(pws: Any) -
         pids = tracker.pids(handoff_id)
         assert len(pids) == 2 and doc["output"]["bg"] == pids[1]
         assert not [p for p in pids if alive(p)], "the background child outlived its attempt"
-        assert procs.read_record(ws.root, handoff_id) is None  # the record goes with the attempt
+        assert procrecords.read_record(ws.root, handoff_id) is None  # the record goes with the attempt
 
 
 def test_setsid_grandchild_is_killed_at_timeout(pws: Any) -> None:
@@ -188,7 +188,7 @@ def test_setsid_grandchild_is_killed_at_timeout(pws: Any) -> None:
     assert len(pids) == 2
     # the grandchild left the process group; the run token in its environment gave it away
     assert not [p for p in pids if alive(p)], "a process of the timed-out attempt survived"
-    assert procs.read_record(ws.root, handoff_id) is None
+    assert procrecords.read_record(ws.root, handoff_id) is None
 
 
 def test_kill_9_daemon_leftovers_die_before_the_retry_starts(pws: Any) -> None:
@@ -200,7 +200,7 @@ def test_kill_9_daemon_leftovers_die_before_the_retry_starts(pws: Any) -> None:
     wait_until(lambda: tracker.noted(handoff_id, "runs"), what="attempt 1 started its worker")
     attempt, worker, direct = (int(x) for x in tracker.noted(handoff_id, "runs")[0].split())
     assert attempt == 1 and alive(worker) and alive(direct)
-    record = procs.read_record(ws.root, handoff_id)
+    record = procrecords.read_record(ws.root, handoff_id)
     assert record is not None and record.attempt == 1 and record.pgid == direct
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=10)
@@ -215,7 +215,7 @@ def test_kill_9_daemon_leftovers_die_before_the_retry_starts(pws: Any) -> None:
     assert tracker.noted(handoff_id, "overlaps") == []  # attempt 2 saw no live predecessor
     assert tracker.noted(handoff_id, "ends") == [f"2 {runs[1].split()[1]}"]  # 1 never finished
     assert not alive(worker) and not alive(direct)
-    wait_until(lambda: procs.read_record(ws.root, handoff_id) is None, timeout=10,
+    wait_until(lambda: procrecords.read_record(ws.root, handoff_id) is None, timeout=10,
                what="the attempt's record is removed")
     assert ws.stop(second) == 0
 
@@ -340,12 +340,12 @@ def test_leftovers_are_killed_whether_the_workspace_is_given_as_a_path_or_not(
                                 env=dict(os.environ, HANDOFFD_RUN_TOKEN=token),
                                 start_new_session=True)
     try:
-        record = procs.RunRecord.new("h1", token, 1)
-        procs.write_record(tmp_path, procs.RunRecord(**{
+        record = procrecords.RunRecord.new("h1", token, 1)
+        procrecords.write_record(tmp_path, procrecords.RunRecord(**{
             **record.__dict__, "pgid": leftover.pid, "leader_start": procs.start_time(leftover.pid)}))
         assert procs.kill_leftovers(as_given(tmp_path), "h1", attempt=2) >= 1
         leftover.wait(timeout=10)
-        assert procs.read_record(tmp_path, "h1") is None
+        assert procrecords.read_record(tmp_path, "h1") is None
     finally:
         if leftover.poll() is None:
             leftover.kill()

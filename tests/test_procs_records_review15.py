@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import pytest
 from conftest import Workspace, alive, exe, new_workspace, wait_until
 
-from handoffd.core import procs
+from handoffd.core import procrecords, procs
 from handoffd.core.documents import hostname
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
@@ -107,7 +107,7 @@ def folder(root: Path) -> Path:
 def plant(root: Path, handoff_id: str, **fields: Any) -> None:
     """A record as the review planted it: the local host, boot and namespace, attempt 0."""
     data = {"handoff_id": handoff_id, "token": "feed", "attempt": 0, "host": hostname(),
-            "boot_id": procs.boot_id(), "pid_namespace": procs.pid_namespace(),
+            "boot_id": procrecords.boot_id(), "pid_namespace": procrecords.pid_namespace(),
             "daemon_pid": 1, "pgid": None, "leader_start": None, "started_at": 0}
     data.update(fields)
     (folder(root) / f"{handoff_id}.json").write_text(json.dumps(data))
@@ -138,13 +138,13 @@ def test_a_record_in_handoffds_own_format_naming_another_group_kills_nothing(
     """Written through write_record itself (so well-formed), for a token the victim does not
     carry: the leader's pid and start time no longer vouch for the group."""
     victim = victims.start()
-    record = procs.RunRecord.new("victim", "feed", 0)
+    record = procrecords.RunRecord.new("victim", "feed", 0)
     record.pgid, record.leader_start = victim, procs.start_time(victim)
-    procs.write_record(rws.root, record)
-    assert procs.read_record(rws.root, "victim") is not None  # a well-formed record
+    procrecords.write_record(rws.root, record)
+    assert procrecords.read_record(rws.root, "victim") is not None  # a well-formed record
     run_one(rws, "victim")
     assert alive(victim)
-    assert procs.read_record(rws.root, "victim") is None  # (its attempt over: the record goes)
+    assert procrecords.read_record(rws.root, "victim") is None  # (its attempt over: the record goes)
 
 
 def test_a_running_attempts_record_copied_under_another_id_reaches_nothing(
@@ -153,9 +153,9 @@ def test_a_running_attempts_record_copied_under_another_id_reaches_nothing(
     running attempt's processes. It holds no token, and its digest is bound to its id."""
     token = procs.new_token()
     running = victims.start(token)  # an attempt of "other", running
-    record = procs.RunRecord.new("other", token, 1)
+    record = procrecords.RunRecord.new("other", token, 1)
     record.pgid, record.leader_start = running, procs.start_time(running)
-    procs.write_record(rws.root, record)
+    procrecords.write_record(rws.root, record)
     text = (folder(rws.root) / "other.json").read_text()
     assert token not in text  # the token itself is never written to the workspace
     data = json.loads(text)
@@ -171,7 +171,7 @@ def test_a_running_attempts_record_copied_under_another_id_reaches_nothing(
 HELPER = r"""
 import os, subprocess, sys, time
 sys.path[:0] = sys.argv[2:]
-from handoffd.core import procs
+from handoffd.core import procrecords, procs
 sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # our group
 print(sibling.pid, flush=True)
 try:
@@ -261,14 +261,14 @@ def test_a_genuine_leftover_group_is_still_killed_with_its_unmarked_members(
     member = int(leader.stdout.readline())
     setsid = victims.start(token)
     try:
-        record = procs.RunRecord.new("h1", token, 1)
+        record = procrecords.RunRecord.new("h1", token, 1)
         record.pgid, record.leader_start = leader.pid, procs.start_time(leader.pid)
-        procs.write_record(tmp_path, record)
+        procrecords.write_record(tmp_path, record)
         assert procs.kill_leftovers(tmp_path, "h1", attempt=2, wait_seconds=10) >= 3
         leader.wait(timeout=10)
         wait_until(lambda: not alive(member) and not alive(setsid), timeout=10,
                    what="the group's unmarked member and the setsid carrier are killed")
-        assert procs.read_record(tmp_path, "h1") is None
+        assert procrecords.read_record(tmp_path, "h1") is None
     finally:
         if alive(member):
             os.kill(member, signal.SIGKILL)
@@ -305,7 +305,7 @@ def write_raw(root: Path, handoff_id: str, data: Any) -> None:
 
 def genuine(root: Path, handoff_id: str) -> dict[str, Any]:
     """What write_record writes for ``handoff_id`` (attempt 0, no process), as a dict."""
-    procs.write_record(root, procs.RunRecord.new(handoff_id, procs.new_token(), 0))
+    procrecords.write_record(root, procrecords.RunRecord.new(handoff_id, procs.new_token(), 0))
     return dict(json.loads((folder(root) / f"{handoff_id}.json").read_text()))
 
 
@@ -319,12 +319,12 @@ def test_a_malformed_record_is_ignored_with_one_line(tmp_path: Path, case: str,
             data = {**genuine(tmp_path, hid), **BAD[case]}
         else:  # as the review planted it
             data = {"handoff_id": hid, "token": "feed", "host": hostname(),
-                    "boot_id": procs.boot_id(), "pid_namespace": procs.pid_namespace(),
+                    "boot_id": procrecords.boot_id(), "pid_namespace": procrecords.pid_namespace(),
                     **GOOD, **BAD[case]}
         write_raw(tmp_path, hid, data)
         with caplog.at_level(logging.WARNING, logger="handoffd"):
-            assert procs.read_record(tmp_path, hid) is None, shape
-            assert procs.read_record(tmp_path, hid) is None  # said once, not at every read
+            assert procrecords.read_record(tmp_path, hid) is None, shape
+            assert procrecords.read_record(tmp_path, hid) is None  # said once, not at every read
             assert procs.kill_leftovers(tmp_path, hid, attempt=1) == 0
             procs.prune_records(tmp_path)
         lines = [r.getMessage() for r in caplog.records if f"{hid}.json" in r.getMessage()]
@@ -334,7 +334,7 @@ def test_a_malformed_record_is_ignored_with_one_line(tmp_path: Path, case: str,
 @pytest.mark.parametrize("raw", [b"[]", b"null", b"\xff\xfe", b"{\"handoff_id\": \"m2\"", b""])
 def test_a_record_that_is_no_json_object_is_ignored(tmp_path: Path, raw: bytes) -> None:
     (folder(tmp_path) / "m2.json").write_bytes(raw)
-    assert procs.read_record(tmp_path, "m2") is None
+    assert procrecords.read_record(tmp_path, "m2") is None
     assert procs.kill_leftovers(tmp_path, "m2", attempt=1) == 0
 
 
@@ -344,10 +344,10 @@ def test_a_malformed_record_does_not_strand_a_recovered_claim(rws: Workspace) ->
     recovery of the claim failed with a TypeError and the handoff stayed in in-progress/."""
     first = rws.serve()
     rws.create("--from", "@a", "--to", "@slow-once", "--id", "t1", "--data", "{}")
-    wait_until(lambda: procs.read_record(rws.root, "t1") is not None
-               and procs.read_record(rws.root, "t1").pgid is not None,  # type: ignore[union-attr]
+    wait_until(lambda: procrecords.read_record(rws.root, "t1") is not None
+               and procrecords.read_record(rws.root, "t1").pgid is not None,  # type: ignore[union-attr]
                timeout=30, what="attempt 1 started")
-    record = procs.read_record(rws.root, "t1")
+    record = procrecords.read_record(rws.root, "t1")
     assert record is not None and record.pgid is not None
     child = record.pgid
     os.kill(first.pid, signal.SIGKILL)
@@ -383,15 +383,15 @@ def test_any_failure_of_the_sweeps_leftover_kill_is_one_line(
 
 def test_a_wellformed_record_still_reads_back(tmp_path: Path) -> None:
     token = procs.new_token()
-    record = procs.RunRecord.new("w1", token, 3)
+    record = procrecords.RunRecord.new("w1", token, 3)
     record.pgid, record.leader_start = 4242, 17
-    procs.write_record(tmp_path, record)
-    back = procs.read_record(tmp_path, "w1")
+    procrecords.write_record(tmp_path, record)
+    back = procrecords.read_record(tmp_path, "w1")
     assert back is not None and (back.attempt, back.pgid, back.leader_start) == (3, 4242, 17)
     assert back.local() and back.token != token
-    assert isinstance(back.token, procs.SealedToken) and back.token.matches(token)
+    assert isinstance(back.token, procrecords.SealedToken) and back.token.matches(token)
     assert not back.token.matches(procs.new_token())
-    procs.remove_record(tmp_path, "w1", procs.new_token())  # another attempt's token: kept
-    assert procs.read_record(tmp_path, "w1") is not None
-    procs.remove_record(tmp_path, "w1", token)
-    assert procs.read_record(tmp_path, "w1") is None
+    procrecords.remove_record(tmp_path, "w1", procs.new_token())  # another attempt's token: kept
+    assert procrecords.read_record(tmp_path, "w1") is not None
+    procrecords.remove_record(tmp_path, "w1", token)
+    assert procrecords.read_record(tmp_path, "w1") is None

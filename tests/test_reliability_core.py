@@ -390,13 +390,13 @@ def test_a_command_printing_nan_or_a_lone_surrogate_fails_cleanly(ws: Workspace,
 
 
 def test_sweep_prunes_process_records_of_dead_attempts(tmp_path: Path) -> None:
-    from handoffd.core import procs
+    from handoffd.core import procrecords, procs
     engine = make_engine(tmp_path, ok)
-    dead = procs.RunRecord.new("gone", procs.new_token(), 1)
+    dead = procrecords.RunRecord.new("gone", procs.new_token(), 1)
     dead.daemon_pid = 2**22 + 7  # no such process: its daemon died
-    procs.write_record(engine.ws.root, dead)
-    live = procs.RunRecord.new("running", procs.new_token(), 1)  # our own pid: a live daemon
-    procs.write_record(engine.ws.root, live)
+    procrecords.write_record(engine.ws.root, dead)
+    live = procrecords.RunRecord.new("running", procs.new_token(), 1)  # our own pid: a live daemon
+    procrecords.write_record(engine.ws.root, live)
     sweep(engine)
-    assert procs.read_record(engine.ws.root, "gone") is None
-    assert procs.read_record(engine.ws.root, "running") is not None
+    assert procrecords.read_record(engine.ws.root, "gone") is None
+    assert procrecords.read_record(engine.ws.root, "running") is not None

@@ -2,7 +2,7 @@
 (:func:`~.runner.run_command`) and an isolated Python handler's (:func:`~.isolation.run_isolated`).
 
 Before the child starts, :func:`clear_previous_attempt` kills what an earlier attempt left and
-:func:`write_record` records the attempt's processes (see procs.py). While it runs, :func:`feed`
+:func:`write_record` records the attempt's processes (see procrecords.py). While it runs, :func:`feed`
 writes its stdin, a :class:`Collector` drains each output pipe, :func:`await_exit` sees it exit
 without reaping it, and :func:`wait_attempt` waits for that, the timeout or a cancellation.
 :func:`end_attempt` then stops everything the attempt started (SIGTERM to its group and every
@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from . import procs
+from . import procrecords, procs
 from .errors import HandlerError
 from .specialists import HandlerContext
 from .watchdog import cancelled, timed_out
@@ -55,7 +55,7 @@ def clear_previous_attempt(ctx: HandlerContext) -> None:
     # attempt starts: the token scan and the parent-death signal still bound a leftover
     try:
         procs.kill_leftovers(ctx.root, ctx.handoff_id, attempt=ctx.attempt)
-        left = procs.read_record(ctx.root, ctx.handoff_id)
+        left = procrecords.read_record(ctx.root, ctx.handoff_id)
         if left is None or not left.local() or left.attempt > ctx.attempt:
             return
         alive = procs.scan(left.token, None)
@@ -70,10 +70,10 @@ def clear_previous_attempt(ctx: HandlerContext) -> None:
                            "beside them", handoff_id=ctx.handoff_id, retryable=True)
 
 
-def write_record(ctx: HandlerContext, record: procs.RunRecord) -> None:
-    """Write the attempt's process record (procs.py); a failure is logged, not raised."""
+def write_record(ctx: HandlerContext, record: procrecords.RunRecord) -> None:
+    """Write the attempt's process record (procrecords.py); a failure is logged, not raised."""
     try:
-        procs.write_record(ctx.root, record)
+        procrecords.write_record(ctx.root, record)
     except OSError as exc:  # the attempt still runs; only a later cleanup loses its handle
         log.warning("handoff %s: cannot record the attempt's processes: %s", ctx.handoff_id, exc)
 
@@ -126,7 +126,7 @@ def end_attempt(ctx: HandlerContext, proc: subprocess.Popen[bytes], token: str,
     for thread in helpers:
         thread.join(timeout=PIPE_DRAIN_SECONDS)
     if survivors == 0:
-        procs.remove_record(ctx.root, ctx.handoff_id, token)
+        procrecords.remove_record(ctx.root, ctx.handoff_id, token)
 
 
 def signal_name(number: int) -> str:

@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from . import procs
+from . import procrecords, procs
 from .documents import PROCESS_DIED, book
 from .errors import HandlerError
 from .childproc import (
@@ -151,7 +151,7 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
     env = dict(os.environ)
     env[procs.TOKEN_ENV] = token
     clear_previous_attempt(ctx)
-    record = procs.RunRecord.new(ctx.handoff_id, token, ctx.attempt)
+    record = procrecords.RunRecord.new(ctx.handoff_id, token, ctx.attempt)
     write_record(ctx, record)  # before the fork: a crash right after it still leaves the token
     down_r, down_w = os.pipe()  # parent -> child: the request, then answers to its calls
     up_r, up_w = os.pipe()  # child -> parent: messages
@@ -164,7 +164,7 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
     except OSError as exc:
         for fd in (down_r, down_w, up_r, up_w):
             os.close(fd)
-        procs.remove_record(ctx.root, ctx.handoff_id, token)
+        procrecords.remove_record(ctx.root, ctx.handoff_id, token)
         raise HandlerError(f"handoff {ctx.handoff_id}: cannot start a process for its handler: "
                            f"{exc.strerror}", handoff_id=ctx.handoff_id) from None
     os.close(down_r)

@@ -20,7 +20,7 @@ import subprocess
 import threading
 from typing import Any, Callable
 
-from . import procs
+from . import procrecords, procs
 from .childproc import (
     STDERR_TAIL,
     Collector,
@@ -301,14 +301,14 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     env.update(ctx.env)  # set by engine hooks, e.g. HANDOFF_ARTIFACT_PATH
     env[procs.TOKEN_ENV] = token  # last: nothing may override it
     clear_previous_attempt(ctx)
-    record = procs.RunRecord.new(ctx.handoff_id, token, ctx.attempt)
+    record = procrecords.RunRecord.new(ctx.handoff_id, token, ctx.attempt)
     write_record(ctx, record)  # before the fork: a crash right after it still leaves the token
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
                                 preexec_fn=procs.child_setup(os.getpid()))
     except (OSError, ValueError) as exc:  # (ValueError: a NUL, an unencodable character)
-        procs.remove_record(ctx.root, ctx.handoff_id, token)
+        procrecords.remove_record(ctx.root, ctx.handoff_id, token)
         raise _start_failed(exc, argv, env, spec.agent, ctx.handoff_id) from None
     record.pgid = proc.pid
     record.leader_start = procs.start_time(proc.pid)
