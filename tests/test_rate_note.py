@@ -244,8 +244,10 @@ def test_a_hostile_bucket_record_gives_a_note_or_none_never_a_failure() -> None:
                   {"tokens": 0.5, "at": float("inf")}, {"tokens": -1e308, "at": -1e308}):
         note = rates.RateLimits(Fixed(value)).note(spec, clock())
         assert note is None or note.startswith("rate 1/h: next start in "), (value, note)
-    stuck = rates.RateLimits(Fixed({"tokens": -5.0, "at": clock().timestamp()}))
-    assert stuck.note(spec, clock()) == "rate 1/h: next start in 2h (at 2026-11-24T14:00:00.000Z)"
+    forged = rates.RateLimits(Fixed({"tokens": -5.0, "at": clock().timestamp()}))
+    assert forged.note(spec, clock()) is None  # never ours (a bucket never goes below 0): full
+    empty = rates.RateLimits(Fixed({"tokens": 0.0, "at": clock().timestamp()}))
+    assert empty.note(spec, clock()) == "rate 1/h: next start in 1h (at 2026-11-24T13:00:00.000Z)"
     broken = rates.RateLimits(Fixed(OSError(5, "Input/output error")))
     assert broken.note(spec, clock()) == \
         "rate 1/h: its bucket cannot be read ([Errno 5] Input/output error)"

@@ -37,6 +37,14 @@ MAX_SCANNED = 100 * MAX_ERRORS  # errors it reads at most (repeats of a listed e
 MORE_ERRORS = "... and more errors, not listed (the list stops after {listed})"
 
 
+def path_order(parts: Any) -> tuple[tuple[int, int | str], ...]:
+    """The sort key of a jsonschema path: its parts in turn, an index by its number (``[2]``
+    before ``[10]``, which comparing the rendered text put the other way) and before any name, so
+    a path mixing indexes and names still compares."""
+    return tuple((0, part) if isinstance(part, int) and not isinstance(part, bool)
+                 else (1, str(part)) for part in parts)
+
+
 def describe(error: ValidationError) -> dict[str, str]:
     """One seed-001 validation entry for a jsonschema error, each text at most
     :data:`MAX_MESSAGE` characters: jsonschema's messages hold the whole offending value (a 3 MB
@@ -324,15 +332,17 @@ def check_inline(schema: dict[str, Any]) -> Validator:
 
 
 def errors_of(validator: Validator, instance: Any) -> list[dict[str, str]]:
-    """The errors of ``instance`` under ``validator`` as seed-001 entries, sorted by path: each
-    distinct (field, error) once, at most :data:`MAX_ERRORS` of them. When there are more, the
-    list ends with one entry (field ``$``, error :data:`MORE_ERRORS`) and the rest are not
-    looked for: jsonschema finds errors lazily, and a 2 MB document with a million wrong items
-    took minutes and gigabytes to list them all (counting them alone takes ~30 s).
+    """The errors of ``instance`` under ``validator`` as seed-001 entries in path order (see
+    :func:`path_order`: ``items[2]`` before ``items[10]``): each distinct (field, error) once, at
+    most :data:`MAX_ERRORS` of them. When there are more, the list ends with one entry (field
+    ``$``, error :data:`MORE_ERRORS`) and the rest are not looked for: jsonschema finds errors
+    lazily, and a 2 MB document with a million wrong items took minutes and gigabytes to list
+    them all (counting them alone takes ~30 s). The ones kept are the first found; jsonschema
+    walks an array's items by index, so of many wrong items the lowest indexes are kept.
 
     Never raises for a hostile schema or instance: running out of recursion (a schema or value
     nested absurdly deep, a ``$ref`` cycle) or an unresolvable ``$ref`` becomes an entry."""
-    found: list[tuple[list[str], dict[str, str]]] = []
+    found: list[tuple[tuple[tuple[int, int | str], ...], dict[str, str]]] = []
     seen: set[tuple[str, str]] = set()  # several branches can report the same missing field
     trouble: dict[str, str] | None = None
     more = False
@@ -345,7 +355,7 @@ def errors_of(validator: Validator, instance: Any) -> list[dict[str, str]]:
                     more = True  # one error past the list
                     break
                 seen.add(key)
-                found.append(([str(p) for p in error.absolute_path], entry))
+                found.append((path_order(error.absolute_path), entry))
             elif scanned >= MAX_SCANNED:  # repeats of listed ones, on and on: stop reading
                 more = True
                 break
@@ -356,7 +366,9 @@ def errors_of(validator: Validator, instance: Any) -> list[dict[str, str]]:
     except referencing.exceptions.Unresolvable as exc:
         trouble = {"field": "$", "schema_path": "#",
                    "error": _cut(f"the schema refers to something it does not contain: {exc}")}
-    found.sort(key=lambda pair: pair[0])  # stable: repeats keep the first schema_path found
+    # stable: repeats keep the first schema_path found. The marker and any trouble entry go
+    # after the sort, so they always end the list
+    found.sort(key=lambda pair: pair[0])
     entries = [entry for _, entry in found]
     if more:
         entries.append({"field": "$", "schema_path": "#",

@@ -236,7 +236,8 @@ class SchemaCache:
 
     @staticmethod
     def errors_with(validator: Validator, instance: Any) -> list[dict[str, str]]:
-        """Every error of ``instance`` under ``validator`` (seed-001 entries, sorted by path)."""
+        """Every error of ``instance`` under ``validator`` (seed-001 entries in path order,
+        ``items[2]`` before ``items[10]``: see :func:`~handoffd.core.jsonschema_re2.errors_of`)."""
         from .jsonschema_re2 import errors_of
         return errors_of(validator, instance)
 

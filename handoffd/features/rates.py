@@ -91,14 +91,18 @@ def _load(state: Any, rate: Rate) -> tuple[float, float]:
     """(tokens, when) from a bucket record; a new or unreadable one is full. Never raises:
     the record is the store's, which anyone with the workspace can write, and a value that
     does not read as a sane number (a string, a bool, a 400-digit integer that no float holds,
-    nan, inf, a stamp before 1970 or past :data:`MAX_STAMP`) reads as a full bucket, so a
-    forged record never stalls a specialist or fails the gate that reads it."""
+    nan, inf, a negative count, a stamp before 1970 or past :data:`MAX_STAMP`) reads as a full
+    bucket, so a forged record never stalls a specialist or fails the gate that reads it."""
     if not isinstance(state, dict):
         return float(rate.count), 0.0
     tokens, at = _sane(state.get("tokens")), _sane(state.get("at"))
-    if tokens is None or at is None or not 0.0 <= at <= MAX_STAMP or tokens > rate.count:
-        return float(rate.count), 0.0  # unreadable, or another rate's bucket
-    return max(tokens, -float(rate.count)), at
+    # Buckets.take only takes a token from a bucket holding one or more, so no record of ours
+    # holds fewer than none: a negative count is forged, and was clamped to -count, which held
+    # the specialist back about two periods (outside bookkeeping outranking ours)
+    if tokens is None or at is None or not 0.0 <= at <= MAX_STAMP \
+            or not 0.0 <= tokens <= rate.count:
+        return float(rate.count), 0.0  # unreadable, forged, or another rate's bucket
+    return tokens, at
 
 
 def _sane(value: Any) -> float | None:
