@@ -19,8 +19,14 @@ in :data:`SKIP_DIR_NAMES` and the paths the caller skips (handoffd's own ``hando
 ``scope_ignore``). In ``git`` mode (the directory is in a git work tree), the files
 ``git ls-files --cached --others --exclude-standard`` lists (so git-ignored files are not watched),
 compared the same way. git lists an untracked nested repository as its folder alone
-(``hidden/``): such a folder is walked as in ``hash`` mode, so a file created inside it is seen. ``auto`` picks ``git`` when git answers, else ``hash``. Directories are not
-tracked themselves (an empty new directory is not a change), nor is anything a symlink points to.
+(``hidden/``), and a submodule as one entry (its commit): such a folder is walked as in ``hash``
+mode (every file of the submodule's working tree, whatever its own ignore rules say), so a file
+created or changed inside it is seen. ``auto`` picks ``git`` when git answers, else ``hash``.
+Directories are not tracked themselves (an empty new directory is not a change), nor is anything
+a symlink points to: the walk opens each folder relative to its parent without following a symlink
+(:meth:`Snapshotter._walk`), so a symlinked folder is never entered, even one swapped in mid-walk.
+A folder the walk cannot open (no read permission) is an entry of its own, compared by its stat
+facts, so creating one, or changing its mode to write into it, is a change.
 
 git mode trusts git's ignore rules, and a handler could change them to hide its files. So it also
 watches, always, the files those rules come from (:meth:`Snapshotter._git_guarded`): the
@@ -32,7 +38,13 @@ after, so a change to any of them is a change like any other; one above the dire
 could make it start a program, or read ignore rules from outside the repository, overridden on its
 command line (:data:`GIT_SAFE_CONFIG`), bounded by :data:`GIT_TIMEOUT_SECONDS`.
 
-Bounds: a file larger than :data:`MAX_HASHED_BYTES` (a sparse file can claim terabytes) is not
+Bounds: a snapshot looks at no more than :data:`MAX_ENTRIES` files and folders (git's listing
+and every walk together) and descends no more than :data:`MAX_DEPTH` folders below the directory.
+Past either, or when a path cannot be looked at (a name too long for the system), the snapshot is
+*incomplete* (:class:`Incomplete`): it stops there, hashes nothing, and comparing with it raises
+:class:`ScopeUnverifiable` naming the reason in one line. A tree too big to see is never reported
+as unchanged, and no tree can make a snapshot take unbounded time or memory.
+A file larger than :data:`MAX_HASHED_BYTES` (a sparse file can claim terabytes) is not
 hashed: it is compared by its stat facts only, so rewriting it with identical bytes counts as a
 modification (the safe side). The hash cache is one of handoffd's own files: read only when
 ``handoffs/.meta/contracts`` is a plain folder and the cache a regular file of at most
@@ -40,6 +52,7 @@ modification (the safe side). The hash cache is one of handoffd's own files: rea
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -70,6 +83,13 @@ GIT_SAFE_CONFIG = (
 CACHE_VERSION = 1
 MAX_HASHED_BYTES = 1 << 30  # larger files: compared by stat facts only (see the module docstring)
 MAX_CACHE_BYTES = 64 << 20  # about 300 000 files; a larger cache reads as none
+MAX_ENTRIES = 200_000  # files and folders one snapshot looks at; more: it is incomplete
+MAX_DEPTH = 128  # folder levels below the directory a snapshot descends; deeper: incomplete
+LIMIT_HINT = (" (the snapshot limit: list large folders in the contract's scope_ignore, "
+              "or narrow its cwd)")
+REASON_CHARS = 160  # of a path named in a one-line reason
+# a folder is opened relative to its parent, never through a symlink (O_NOFOLLOW)
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 Skip = Callable[[str], bool]
 
@@ -79,14 +99,20 @@ class GitError(Exception):
 
 
 class ScopeUnverifiable(Exception):
-    """The tree cannot be compared with its snapshot (git answered before the handler, not after)."""
+    """The tree cannot be compared with its snapshot (git answered before the handler, not after;
+    or a snapshot is incomplete)."""
+
+
+class Incomplete(Exception):
+    """A snapshot cannot see the whole tree (more than MAX_ENTRIES entries, deeper than MAX_DEPTH,
+    a path it cannot look at): one line saying why."""
 
 
 @dataclass(frozen=True)
 class Entry:
     """One file as seen by a snapshot."""
 
-    kind: str  # file | link | other
+    kind: str  # file | link | folder (unreadable) | other
     size: int
     mtime_ns: int
     ctime_ns: int
@@ -121,6 +147,24 @@ class Snapshot:
     entries: dict[str, Entry] = field(default_factory=dict)
     note: str = ""
     guarded: tuple[str, ...] = ()  # git mode: git's own files, watched whatever git says
+    incomplete: str = ""  # why the snapshot could not see the whole tree (then no entries)
+
+
+@dataclass
+class _Tally:
+    """What one listing met: its mode, the entries looked at (at most MAX_ENTRIES), and the
+    folders it could not open (entries of their own)."""
+
+    mode: str = "hash"
+    seen: int = 0
+    opaque: set[str] = field(default_factory=set)
+
+    def count(self, number: int = 1) -> None:
+        """Count ``number`` more entries; Incomplete past MAX_ENTRIES."""
+        self.seen += number
+        if self.seen > MAX_ENTRIES:
+            raise Incomplete(f"the contract directory holds more than {MAX_ENTRIES} files and "
+                             f"folders{LIMIT_HINT}")
 
 
 class Snapshotter:
@@ -138,15 +182,20 @@ class Snapshotter:
         self.cache_dir = cache_dir
         self.tmp_dir = tmp_dir
         self._cache: dict[str, list[object]] | None = None
+        self._tally = _Tally()  # of the latest listing
 
     # ------------------------------------------------------------ public
     def take(self) -> Snapshot:
         """The state of the tree now, every file hashed (from the cache where it is still valid)."""
         taken = time.time_ns()
-        mode, note, paths, guarded = self._listing(None)
+        try:
+            mode, note, paths, guarded = self._listing(None)
+            infos = self._stat_all(paths)
+        except Incomplete as exc:  # nothing hashed: comparing with it says "unverifiable"
+            return Snapshot(self.root, self._tally.mode, taken, note=str(exc), incomplete=str(exc))
         snap = Snapshot(self.root, mode, taken, note=note, guarded=guarded)
         cache = self._load_cache()
-        for rel, info in self._stat_all(paths).items():
+        for rel, info in infos.items():
             entry = _entry(info)
             cached = cache.get(rel)
             digest = None
@@ -164,11 +213,19 @@ class Snapshotter:
 
     def changes(self, before: Snapshot) -> tuple[list[Change], Snapshot]:
         """What changed since ``before`` (sorted by path), and the snapshot taken now.
-        Raises ScopeUnverifiable when git answered for ``before`` and no longer does."""
+        Raises ScopeUnverifiable when git answered for ``before`` and no longer does, or when
+        either snapshot is incomplete (too big or too deep to see whole: never "unchanged")."""
+        if before.incomplete:
+            raise ScopeUnverifiable(f"the scope cannot be verified: before the handler ran, "
+                                    f"{before.incomplete}")
         after = Snapshot(self.root, before.mode, time.time_ns(), note=before.note,
                          guarded=before.guarded)
-        _, _, paths, _ = self._listing(before)
-        found = self._stat_all(paths | set(before.entries))
+        try:
+            _, _, paths, _ = self._listing(before)
+            found = self._stat_all(paths | set(before.entries))
+        except Incomplete as exc:
+            raise ScopeUnverifiable(f"the scope cannot be verified: after the handler ran, "
+                                    f"{exc}") from None
         changed: list[Change] = []
         cache = self._load_cache()
         for rel in sorted(set(found) | set(before.entries)):
@@ -198,14 +255,17 @@ class Snapshotter:
 
     # ------------------------------------------------------------ listing
     def _listing(self, before: Snapshot | None) -> tuple[str, str, set[str], tuple[str, ...]]:
-        """(mode used, note, relative paths to look at, git's own files among them)."""
+        """(mode used, note, relative paths to look at, git's own files among them).
+        Raises Incomplete past the bounds (see the module docstring)."""
         mode = before.mode if before is not None else self.requested
+        self._tally = _Tally()
         if mode not in ("auto", "git"):
             return "hash", "", self._walk(), ()
         try:
             # after the handler, git's files are those found before: a handler that moved
             # .git or pointed it elsewhere must not choose what is looked at
             guarded = before.guarded if before is not None else self._git_guarded()
+            self._tally.mode = "git"
             listed = self._git_files()
         except GitError as exc:
             if before is not None:
@@ -213,6 +273,7 @@ class Snapshotter:
                                         f"{exc}") from None
             note = "" if mode == "auto" else (
                 f"git listing unavailable ({exc}); every file is watched instead")
+            self._tally = _Tally()  # the walk is the whole listing
             return "hash", note, self._walk(), ()
         return "git", "", listed | set(guarded), guarded
 
@@ -226,46 +287,122 @@ class Snapshotter:
         return self.skip(rel)
 
     def _walk(self, start: str = "") -> set[str]:
-        """The files under ``start`` (relative; the root when empty), skips applied."""
+        """The files under ``start`` (relative; the root when empty), skips applied, counted in
+        the listing's tally. Each folder is opened relative to its parent's descriptor with
+        O_NOFOLLOW, so no symlinked folder is entered (even one swapped in mid-walk), and one
+        descriptor is open per level (at most MAX_DEPTH). Raises Incomplete past the bounds."""
         found: set[str] = set()
-        stack = [start]
-        while stack:
-            rel_dir = stack.pop()
-            try:
-                with os.scandir(self.root / rel_dir if rel_dir else self.root) as entries:
-                    items = list(entries)
-            except (FileNotFoundError, NotADirectoryError, PermissionError):
-                continue
-            for item in items:
-                rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
-                try:
-                    is_dir = item.is_dir(follow_symlinks=False)
-                except OSError:
-                    is_dir = False
-                if is_dir:
-                    if item.name not in SKIP_DIR_NAMES and not self.skip_dir(rel):
-                        stack.append(rel)
-                elif not self.skip(rel):
-                    found.add(rel)
+        top = self._open_start(start, found)
+        if top is None:
+            return found
+        stack: list[tuple[int, str, list[str]]] = [(top, start, [])]
+        try:
+            stack[-1][2].extend(self._scan(top, start, found))
+            while stack:
+                fd, _, pending = stack[-1]
+                if not pending:
+                    stack.pop()
+                    os.close(fd)
+                    continue
+                rel = pending.pop()
+                child = self._open_child(fd, rel, found)
+                if child is not None:
+                    stack.append((child, rel, []))
+                    stack[-1][2].extend(self._scan(child, rel, found))
+        finally:
+            for fd, _, _ in stack:
+                os.close(fd)
         return found
 
+    def _open_start(self, start: str, found: set[str]) -> int | None:
+        """A descriptor of the folder ``start`` (the root when empty), opened component by
+        component without following a symlink; None when it is not a folder (any more)."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # the directory itself is gone: every file in it was deleted
+        except OSError as exc:
+            raise Incomplete("cannot read the contract directory: "
+                             f"{exc.strerror or exc}") from None
+        rel = ""
+        for part in start.split("/") if start else ():
+            rel = f"{rel}/{part}" if rel else part
+            try:
+                child = self._open_child(fd, rel, found)
+            finally:
+                os.close(fd)
+            if child is None:
+                return None
+            fd = child
+        return fd
+
+    def _open_child(self, parent: int, rel: str, found: set[str]) -> int | None:
+        """A descriptor of the folder ``rel`` inside ``parent`` (never through a symlink), or
+        None: gone, no folder any more (then ``rel`` is looked at as a file), or not openable
+        (then the folder is an entry of its own, compared by its stat facts)."""
+        if rel.count("/") >= MAX_DEPTH:
+            raise Incomplete(f"{_cut(rel)} is nested more than {MAX_DEPTH} folders deep"
+                             f"{LIMIT_HINT}")
+        try:
+            return os.open(rel.rsplit("/", 1)[-1], DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            found.add(rel)  # a symlink or file swapped in: lstat says what it is
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                self._tally.opaque.add(rel)  # unreadable: the folder itself is watched
+            return None
+
+    def _scan(self, fd: int, rel_dir: str, found: set[str]) -> list[str]:
+        """Add the files of the open folder ``fd`` (``rel_dir``) to ``found``, each entry counted;
+        its subfolders to walk."""
+        subdirs: list[str] = []
+        try:
+            with os.scandir(fd) as entries:
+                for item in entries:
+                    self._tally.count()
+                    rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
+                    try:
+                        is_dir = item.is_dir(follow_symlinks=False)
+                    except OSError:
+                        is_dir = False
+                    if is_dir:
+                        if item.name not in SKIP_DIR_NAMES and not self.skip_dir(rel):
+                            subdirs.append(rel)
+                    elif not self.skip(rel):
+                        found.add(rel)
+        except OSError as exc:  # a read error mid-folder: the folder itself is watched too
+            if not rel_dir:
+                raise Incomplete("cannot read the contract directory: "
+                                 f"{exc.strerror or exc}") from None
+            found.add(rel_dir)
+            self._tally.opaque.add(rel_dir)
+        return subdirs
+
     def _git_files(self) -> set[str]:
-        """What git mode watches: the files git lists, and the .gitignore files git ignores."""
-        listed = _git(self.root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+        """What git mode watches: the files git lists, the .gitignore files git ignores, and the
+        files of the folders git lists as one entry (nested repositories, submodules)."""
+        staged = _git(self.root, "ls-files", "-z", "--stage")  # with modes: 160000 = a submodule
+        others = _git(self.root, "ls-files", "-z", "--others", "--exclude-standard")
         # a new .gitignore that ignores itself (and what it hides) is invisible to the listing
         # above: list the ignored ones too (--directory: an ignored folder is not descended)
         rules = _git(self.root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
                      "--directory", "--", ":(glob)**/.gitignore")
         found: set[str] = set()
-        for name in _names(listed):
+        for name, submodule in [*_staged(staged), *((name, False) for name in _names(others))]:
             if self._skipped(name):
                 continue
             if name.endswith("/"):  # an untracked nested repository: git names only its folder,
                 found |= self._walk(name.rstrip("/"))  # so its files are walked (hash mode's way)
-            else:
-                found.add(name)
-        return found | {p for p in _names(rules)
-                        if p.rsplit("/", 1)[-1] == ".gitignore" and not self._skipped(p)}
+                continue
+            self._tally.count()
+            found.add(name)  # (a submodule's folder is no file: _stat_all leaves it out)
+            if submodule:  # git lists a submodule as its commit: its files are walked
+                found |= self._walk(name)
+        ignored_rules = {p for p in _names(rules)
+                         if p.rsplit("/", 1)[-1] == ".gitignore" and not self._skipped(p)}
+        self._tally.count(len(ignored_rules))
+        return found | ignored_rules
 
     def _git_guarded(self) -> tuple[str, ...]:
         """git's own files that decide what git mode sees, relative to the root (see the module
@@ -286,16 +423,19 @@ class Snapshotter:
 
     # ------------------------------------------------------------ stat and hash
     def _stat_all(self, paths: set[str]) -> dict[str, os.stat_result]:
+        """The lstat facts of ``paths`` that exist. A path that cannot be looked at (too long for
+        the system, a folder on the way without search permission) raises Incomplete: skipping it
+        would report whatever was written there as unchanged."""
         found: dict[str, os.stat_result] = {}
         for rel in paths:
             try:
                 info = os.lstat(self.root / rel)
             except (FileNotFoundError, NotADirectoryError):
                 continue
-            except OSError:
-                continue
-            if stat.S_ISDIR(info.st_mode):
-                continue  # a submodule or a directory git lists: not a file
+            except OSError as exc:
+                raise Incomplete(f"cannot look at {_cut(rel)}: {exc.strerror or exc}") from None
+            if stat.S_ISDIR(info.st_mode) and rel not in self._tally.opaque:
+                continue  # a submodule's folder (its files are walked apart): not a file
             found[rel] = info
         return found
 
@@ -404,6 +544,22 @@ def _names(output: bytes) -> list[str]:
     return [os.fsdecode(raw) for raw in output.split(b"\0") if raw]
 
 
+def _staged(output: bytes) -> list[tuple[str, bool]]:
+    """The paths of a ``ls-files -z --stage`` listing (``MODE OBJECT STAGE\tPATH``), each with
+    whether it is a submodule (mode 160000, a gitlink)."""
+    out = []
+    for raw in output.split(b"\0"):
+        meta, tab, path = raw.partition(b"\t")
+        if tab and path:
+            out.append((os.fsdecode(path), meta.split(b" ", 1)[0] == b"160000"))
+    return out
+
+
+def _cut(rel: str) -> str:
+    """``rel`` short enough for a one-line reason (its start, then an ellipsis)."""
+    return rel if len(rel) <= REASON_CHARS else rel[:REASON_CHARS] + "..."
+
+
 def _ancestors(relative: Path) -> list[str]:
     """``a/b/c`` → ``["", "a", "a/b"]``: the directories from the top down to its parent."""
     parts = relative.parts
@@ -415,6 +571,8 @@ def _entry(info: os.stat_result) -> Entry:
         kind = "file"
     elif stat.S_ISLNK(info.st_mode):
         kind = "link"
+    elif stat.S_ISDIR(info.st_mode):
+        kind = "folder"  # one the walk could not open: compared by its stat facts
     else:
         kind = "other"
     return Entry(kind, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino,
