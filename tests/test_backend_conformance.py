@@ -704,6 +704,35 @@ def test_context_values_revisions_and_history(side: tuple[Any, Any]) -> None:
     assert [h["revision"] for h in context.history("task/goal")] == [1, 2]
 
 
+def test_context_history_keeps_the_newest_entries_and_the_latest_of_each_key(
+        side: tuple[Any, Any]) -> None:
+    """``history(limit=N)``: the newest N (only ``key``'s when given), oldest first, on every
+    store (no store hands out, or holds, more); ``latest``: each key's newest entry."""
+    context, _ = side
+    for n in range(1, 8):
+        put(context, "a" if n % 2 else "b", f"{n}\n".encode(), by=f"@{n}")
+    assert [h["by"] for h in context.history(limit=3)] == ["@5", "@6", "@7"]
+    assert [h["by"] for h in context.history("a", limit=2)] == ["@5", "@7"]
+    assert [h["by"] for h in context.history("b", limit=100)] == ["@2", "@4", "@6"]
+    assert context.history(limit=0) == [] and len(context.history()) == 7
+    assert context.history("missing", limit=5) == []
+    assert {k: e["by"] for k, e in context.latest(["a", "b", "missing"]).items()} == \
+        {"a": "@7", "b": "@6"}
+    assert context.latest([]) == {}
+
+
+def test_violation_log_is_read_as_a_stream(side: tuple[Any, Any]) -> None:
+    """``read()`` hands entries out one at a time (an iterator, not one list of them all), the
+    oldest first, past any page size a store reads by."""
+    _, log = side
+    for i in range(1203):
+        log.append({"kind": "scope_creep", "i": i})
+    stream = log.read()
+    assert not isinstance(stream, list)
+    assert next(iter(stream))["i"] == 0
+    assert [e["i"] for e in log.read()] == list(range(1203))
+
+
 def test_a_context_change_that_raises_writes_nothing(side: tuple[Any, Any]) -> None:
     context, _ = side
     put(context, "k", b"1\n")
@@ -773,12 +802,12 @@ def test_a_shared_context_reports_revisions_and_reads_many(side: tuple[Any, Any]
 def test_violation_log_appends_in_order(side: tuple[Any, Any]) -> None:
     from handoffd.core.storage import ViolationLog
     _, log = side
-    assert isinstance(log, ViolationLog) and log.read() == []
+    assert isinstance(log, ViolationLog) and list(log.read()) == []
     entries = [{"time": f"2026-03-01T12:00:0{i}Z", "kind": "scope_creep", "agent": "@w",
                 "details": {"zeta": i, "a": [i]}} for i in range(3)]
     for entry in entries:
         log.append(entry)
-    assert log.read() == entries
+    assert list(log.read()) == entries
 
     def worker(n: int) -> None:
         for i in range(20):
@@ -789,7 +818,7 @@ def test_violation_log_appends_in_order(side: tuple[Any, Any]) -> None:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    later = log.read()[3:]
+    later = list(log.read())[3:]
     assert len(later) == 80
     for n in range(4):  # one writer's entries keep their order
         assert [e["i"] for e in later if e["n"] == n] == list(range(20))

@@ -7,14 +7,15 @@ import builtins
 import copy
 import threading
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator
 
 from ..core.documents import book, book_int
 from ..core.errors import DuplicateHandoff, InvalidTransition
 from ..core.states import State
-from ..core.storage import LEASE_EXPIRED, ContextChange
+from ..core.storage import HISTORY_LIMIT, LEASE_EXPIRED, ContextChange
 from ..core.timeutil import iso, utc_now
 from .base import (
     Backend,
@@ -325,9 +326,20 @@ class MemoryContext:
         with self._lock:
             return sorted(k for k in self._values if k.startswith(prefix))
 
-    def history(self, key: str | None = None) -> builtins.list[dict[str, Any]]:
+    def history(self, key: str | None = None, *,
+                limit: int = HISTORY_LIMIT) -> builtins.list[dict[str, Any]]:
+        kept: deque[dict[str, Any]] = deque(maxlen=max(limit, 0))
         with self._lock:
-            return [copy.deepcopy(e) for e in self._history if key is None or e.get("key") == key]
+            kept.extend(e for e in self._history if key is None or e.get("key") == key)
+            return [copy.deepcopy(e) for e in kept]
+
+    def latest(self, keys: builtins.list[str]) -> dict[str, dict[str, Any]]:
+        wanted, last = set(keys), {}
+        with self._lock:
+            for entry in self._history:
+                if (found := entry.get("key")) in wanted:
+                    last[found] = entry
+            return copy.deepcopy(last)
 
     def revisions(self) -> dict[str, int]:
         with self._lock:
@@ -349,6 +361,12 @@ class MemoryViolationLog:
         with self._lock:
             self._entries.append(copy.deepcopy(entry))
 
-    def read(self) -> builtins.list[dict[str, Any]]:
-        with self._lock:
-            return copy.deepcopy(self._entries)
+    def read(self) -> Iterator[dict[str, Any]]:
+        index = 0
+        while True:  # one entry copied at a time (the lock is not held while the caller reads)
+            with self._lock:
+                if index >= len(self._entries):
+                    return
+                entry = copy.deepcopy(self._entries[index])
+            index += 1
+            yield entry

@@ -8,7 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ..features.contracts.violations import KINDS
+from ..features.contracts.violations import KINDS, MAX_TASKS
 from .render import clean
 
 MAX_RENDER_LINES = 49
@@ -34,7 +34,10 @@ def violations_view(summary: dict[str, Any]) -> Group | str:
         days.add_column(column, overflow="fold")
     for day, counts in summary["by_day"].items():
         days.add_row(_text(day), str(counts["total"]), *[str(counts.get(k, 0)) for k in kinds])
-    recent = Table(box=None, pad_edge=False, header_style="bold", title="latest",
+    left_out = summary.get("recent_left_out") or 0
+    title = "latest" if not left_out else (f"latest {len(summary['recent']):,} of "
+                                           f"{summary['total']:,} (--limit N lists more)")
+    recent = Table(box=None, pad_edge=False, header_style="bold", title=title,
                    title_justify="left")
     for column in ("TIME", "AGENT", "TASK", "KIND", "DETAIL"):
         recent.add_column(column, overflow="fold")
@@ -45,6 +48,8 @@ def violations_view(summary: dict[str, Any]) -> Group | str:
                        _text(entry.get("task_id") or "-"), _text(entry.get("kind", "")),
                        _text(message if len(message) <= 120 else message[:117] + "..."))
     totals = ", ".join(f"{k} {n}" for k, n in summary["by_kind"].items())
+    if summary.get("tasks_capped"):  # (the summary's memory is bounded: see violations._Tally)
+        totals += f"; TASKS stops counting past {MAX_TASKS:,} distinct (agent, task) pairs"
     return Group(f"{summary['total']} violation(s): {totals}", "", agents, "", days, "", recent)
 
 

@@ -348,6 +348,7 @@ def violations(
     as_json: JsonOption = False,
     since: Annotated[Optional[str], typer.Option("--since", help="Only violations at or after this ISO time/date.")] = None,
     agent: Annotated[Optional[str], typer.Option("--agent", help="Only this worker agent.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=0, help="List the newest N violations (default 10, at most 1000; all are counted).")] = None,
     root: RootOption = None,
 ) -> None:
     """Summarise contract violations (seed 004 learning signals) per agent, kind and day."""
@@ -356,13 +357,18 @@ def violations(
     from ..features.stores import violation_log
     from .contract_views import violations_view
 
+    recent = vlog.DEFAULT_RECENT if limit is None else limit
+    if recent > vlog.MAX_RECENT:  # each listed entry is held until the log's end
+        raise UsageError(f"--limit {recent} is over {vlog.MAX_RECENT} (every violation is "
+                         "counted whatever the limit; only the listing is cut)")
     eng = engine(root, features=())
     try:
         start = parse_iso(since) if since else None
     except ValueError:
         raise UsageError(f"--since {since!r} is not an ISO 8601 time or date") from None
+    # streamed: the log is counted as it is read, and only the newest `recent` entries are held
     summary = vlog.summarise(vlog.read(violation_log(eng.ws, eng.backend), since=start,
-                                       agent=agent))
+                                       agent=agent), recent=recent)
     if as_json:
         print_json(summary)
     else:

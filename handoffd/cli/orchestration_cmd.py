@@ -267,17 +267,28 @@ def context_ls(
 
 def context_history(
     key: Annotated[Optional[str], typer.Argument(help="Only writes of this key.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=0, help="The newest N writes (default 1000, at most 10000; stderr says when older ones were left out).")] = None,
     as_json: JsonOption = False,
     root: RootOption = None,
 ) -> None:
-    """Every recorded context write (who, when, size, sha256), oldest first."""
-    items = _store(root).history(None if key is None else _key(key))
+    """The recorded context writes (who, when, size, sha256), oldest first: the newest 1000
+    unless --limit says otherwise."""
+    from ..core.storage import HISTORY_LIMIT
+    from ..features.context import MAX_HISTORY_LIMIT
+    shown = HISTORY_LIMIT if limit is None else limit
+    if shown > MAX_HISTORY_LIMIT:  # each record shown is held until the history's end
+        raise UsageError(f"--limit {shown} is over {MAX_HISTORY_LIMIT}")
+    items, more = _store(root).history_window(None if key is None else _key(key), limit=shown)
     if as_json:
         print_json(items)
-        return
-    for item in items:  # (cleaned: a writer names itself, and the record may be edited by hand)
+    # (cleaned: a writer names itself, and the record may be edited by hand)
+    for item in [] if as_json else items:
         print(clean(f"{item.get('at')}  {item.get('key')}  by {item.get('by')}  {item.get('bytes')} bytes"
                     + (f"  (handoff {item['handoff_id']})" if item.get("handoff_id") else "")))
+    if more:  # on stderr: stdout stays one write per line, or one JSON array
+        sys.stdout.flush()
+        print(f"{PROG}: older writes not shown (--limit {shown}): raise --limit (at most "
+              f"{MAX_HISTORY_LIMIT}) to list more", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- trace

@@ -39,7 +39,7 @@ from __future__ import annotations
 import builtins
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Collection, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Collection, Iterator, Literal, Protocol, runtime_checkable
 
 from .documents import BOOK, book_int, priority_rank
 from .states import State
@@ -172,6 +172,8 @@ Claims = list[Claim]
 # ContextBackend.write: the new value's JSON bytes and its history entry, from the current
 # bytes (None: unset) and revision; raising writes nothing
 ContextChange = Callable[[bytes | None, int], tuple[bytes, dict[str, Any]]]
+# ContextBackend.history's default: how many of the newest entries a read keeps
+HISTORY_LIMIT = 1000
 
 
 @runtime_checkable
@@ -196,8 +198,15 @@ class ContextBackend(Protocol):
         """Every key that has a value (sorted), optionally only those starting with ``prefix``."""
         ...
 
-    def history(self, key: str | None = None) -> list[dict[str, Any]]:
-        """The history entries, oldest first (only ``key``'s when given)."""
+    def history(self, key: str | None = None, *,
+                limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
+        """The newest ``limit`` history entries (only ``key``'s when given), oldest first; no
+        more than those are ever held, however long the history."""
+        ...
+
+    def latest(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """The newest history entry of each of ``keys`` that has one (``context ls``'s last
+        writer), holding no more than one entry per key."""
         ...
 
 
@@ -224,8 +233,9 @@ class ViolationLog(Protocol):
         """Add one entry (safe against concurrent appenders of any process or host)."""
         ...
 
-    def read(self) -> list[dict[str, Any]]:
-        """Every entry, oldest first (unreadable ones are skipped)."""
+    def read(self) -> Iterator[dict[str, Any]]:
+        """Every entry, oldest first (unreadable ones are skipped), streamed: a few at a time
+        are held, however long the log."""
         ...
 
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..backends.files.context import MAX_VALUE_BYTES, FileContext
+from ..backends.files.context import HISTORY_LINE, MAX_VALUE_BYTES, FileContext
 from ..backends.files.fsio import load_json, nesting_depth
 from ..core.documents import actor
 from ..core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
@@ -65,9 +65,13 @@ from ..core.hashing import sha256_hex
 from ..core.keys import (
     normalise_key,  # the key rule is the core's (config checks [namespaces] with it)
 )
-from ..core.storage import ContextBackend
+from ..core.storage import HISTORY_LIMIT, ContextBackend
 from ..core.timeutil import iso, utc_now
 from ..core.workspace import Workspace
+
+# `handoff context history --limit N`: the most records one read keeps (each at most
+# backends.files.context.HISTORY_LINE long)
+MAX_HISTORY_LIMIT = 10_000
 
 # A context value is not a document (it may nest deeper than MAX_DEPTH) but is still bounded:
 # well within Python's recursion limit, and the same when written and when read back.
@@ -243,17 +247,30 @@ class ContextStore:
         """Every key (sorted), optionally only those starting with ``prefix``."""
         return self.backend.keys(prefix.strip().removeprefix("beads:"))
 
-    def history(self, key: str | None = None) -> list[dict[str, Any]]:
-        """Write records, oldest first (only those for ``key`` when given)."""
-        return self.backend.history(normalise_key(key) if key is not None else None)
+    def history(self, key: str | None = None, *,
+                limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
+        """The newest ``limit`` write records (0..MAX_HISTORY_LIMIT), oldest first (only those
+        for ``key`` when given). No more than those are held, however long the history."""
+        return self.history_window(key, limit=limit)[0]
+
+    def history_window(self, key: str | None = None, *,
+                       limit: int = HISTORY_LIMIT) -> tuple[list[dict[str, Any]], bool]:
+        """(:meth:`history`, whether older records were left out): one more is asked of the
+        store than is given, so that a listing can say so without counting the rest."""
+        if (isinstance(limit, bool) or not isinstance(limit, int)
+                or not 0 <= limit <= MAX_HISTORY_LIMIT):
+            raise ValueError(f"limit must be a whole number 0..{MAX_HISTORY_LIMIT}, not {limit!r}")
+        items = self.backend.history(normalise_key(key) if key is not None else None,
+                                     limit=limit + 1)
+        return items[len(items) - limit:] if limit else [], len(items) > limit
 
     def listing(self, prefix: str = "") -> list[dict[str, Any]]:
-        """``handoff context ls`` rows: key, size, sha256, last writer and time."""
-        last: dict[str, dict[str, Any]] = {}
-        for item in self.history():
-            last[str(item.get("key"))] = item
+        """``handoff context ls`` rows: key, size, sha256, last writer and time (the newest
+        record of each key listed, found in one pass: the whole history was held for it)."""
+        keys = self.keys(prefix)
+        last = self.backend.latest(keys)
         rows = []
-        for key in self.keys(prefix):
+        for key in keys:
             try:
                 data, revision = self.backend.read(key)
             except (OSError, InvalidDocument):
@@ -320,6 +337,7 @@ class ContextStore:
                                      "previous_sha256": sha256_hex(old) if old is not None else None}
             if handoff_id:
                 entry["handoff_id"] = handoff_id
+            _check_entry(key, entry)
             written[:] = [value]
             return data, entry
 
@@ -359,6 +377,17 @@ class ContextStore:
 def _clash(key: str, why: str) -> InvalidDocument:
     return InvalidDocument(f"context key {key!r} cannot be written: {why}; choose another key",
                            code=ErrorCode.INVALID_CONTEXT_KEY)
+
+
+def _check_entry(key: str, entry: dict[str, Any]) -> None:
+    """INVALID_CONTEXT_VALUE when ``entry`` is longer than a history read takes (HISTORY_LINE:
+    only a writer id thousands of characters long makes it so): on every store such a record
+    is skipped as it is read, so the write is refused rather than left with no history."""
+    size = len(json.dumps(entry, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > HISTORY_LINE:
+        raise InvalidDocument(f"context key {key!r} not written: its history record would be "
+                              f"{size:,} bytes, over {HISTORY_LINE:,} (a writer id that long?)",
+                              code=ErrorCode.INVALID_CONTEXT_VALUE)
 
 
 def _encode(key: str, value: Any) -> bytes:

@@ -14,18 +14,24 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.hashing import sha256_hex
 from ...core.ownfiles import plain_folder
-from ...core.storage import ContextChange
+from ...core.storage import HISTORY_LIMIT, ContextChange
 from . import fsio
 
 HISTORY = ".history.jsonl"
 LOCK_TIMEOUT_SECONDS = 30.0
 MAX_VALUE_BYTES = 4 * 1024 * 1024
+# the longest line of .history.jsonl read as an entry: ours are well under 2 KiB (a key of at
+# most 512 characters, two sha256s, a handoff id, the writer) unless the writer names itself at
+# length, and a write whose line would be longer is refused; a longer line is skipped as it is
+# read, never held whole, so a read of N entries holds N * 16 KiB at most
+HISTORY_LINE = 16 * 1024
 
 
 class FileContext:
@@ -111,21 +117,41 @@ class FileContext:
                     out.append(key)
         return sorted(out)
 
-    def history(self, key: str | None = None) -> list[dict[str, Any]]:
-        """The entries of ``context/.history.jsonl`` (a line that is no entry of ours, torn,
-        foreign or nested deep, is skipped)."""
+    def history(self, key: str | None = None, *,
+                limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
+        """The newest ``limit`` entries of ``context/.history.jsonl`` (only ``key``'s when
+        given), oldest first. The file is streamed a block at a time and only those entries are
+        kept: the whole file was read, decoded and parsed at once (a 70 MB history took 570 MB).
+        A line that is no entry of ours (torn, foreign, nested deep, over HISTORY_LINE) is
+        skipped."""
+        kept: deque[dict[str, Any]] = deque(maxlen=max(limit, 0))
+        for item in self._entries():
+            if key is None or item.get("key") == key:
+                kept.append(item)
+        return list(kept)
+
+    def latest(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """The newest entry of each of ``keys`` that has one, in one streamed pass."""
+        wanted, last = set(keys), {}
+        for item in self._entries():
+            if (found := item.get("key")) in wanted:
+                last[found] = item
+        return last
+
+    def _entries(self) -> Iterator[dict[str, Any]]:
+        """The history's entries, oldest first, one line held at a time (the file is opened as
+        the logs are: never a FIFO's wait, never a symlink's target)."""
         try:
-            with fsio.open_reading(self.root / HISTORY) as fh:
-                # on "\n" alone: splitlines() also breaks at U+2028 and U+0085 in an entry's text
-                lines = fh.read().decode("utf-8", "replace").split("\n")
+            fh = fsio.open_reading(self.root / HISTORY)
         except FileNotFoundError:
-            return []
-        out = []
-        for line in lines:
-            item = fsio.parse_line(line)
-            if isinstance(item, dict) and (key is None or item.get("key") == key):
-                out.append(item)
-        return out
+            return
+        with fh:
+            for line in fsio.LineReader(fh, HISTORY_LINE, partial=True):
+                # decoded line by line on "\n" alone (the reader's): splitlines() also breaks at
+                # U+2028 and U+0085 in an entry's text
+                item = fsio.parse_line(line.decode("utf-8", "replace"))
+                if isinstance(item, dict):
+                    yield item
 
     # ------------------------------------------------------------ writing
     def write(self, key: str, change: ContextChange) -> dict[str, Any]:
@@ -173,13 +199,19 @@ class FileContext:
 
 def _history_line(key: str, entry: dict[str, Any]) -> bytes:
     """``entry`` as its line of ``.history.jsonl``; InvalidDocument when it cannot be one (a
-    string in it that UTF-8 cannot encode, a lone surrogate from a non-UTF-8 environment)."""
+    string in it that UTF-8 cannot encode, a lone surrogate from a non-UTF-8 environment) or
+    would be longer than a reader reads (HISTORY_LINE)."""
     try:
-        return (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
+        line = (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidDocument(f"context key {key!r} not written: its history entry holds text "
                               f"UTF-8 cannot encode ({exc.reason}: a writer id or name from a "
                               "non-UTF-8 environment?)", code=ErrorCode.NOT_UTF8) from None
+    if len(line) - 1 > HISTORY_LINE:  # every reader would skip it: a write with no history
+        raise InvalidDocument(f"context key {key!r} not written: its history entry would be "
+                              f"{len(line) - 1:,} bytes, over {HISTORY_LINE:,} (a writer id that "
+                              "long?)", code=ErrorCode.INVALID_CONTEXT_VALUE)
+    return line
 
 
 def _plain_folder(folder: Path) -> Path:

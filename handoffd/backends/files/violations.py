@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from . import fsio
 
@@ -31,18 +31,17 @@ class FileViolationLog:
         finally:
             os.close(fd)
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self) -> Iterator[dict[str, Any]]:
         """Every line that is a JSON object of ours (a torn, foreign, overlong or deeply nested
-        line is skipped). The file is read a block at a time (:class:`.fsio.LineReader`): a
-        line is the most held at once."""
+        line is skipped), oldest first, streamed: the file is read a block at a time
+        (:class:`.fsio.LineReader`) and each entry handed on as it is parsed, so a block and a
+        line are the most held at once (every entry was kept in one list, however long the log)."""
         try:
             fh = fsio.open_reading(self.path)  # never a FIFO's wait or /dev/zero's
         except FileNotFoundError:
-            return []
-        out = []
+            return
         with fh:
             for line in fsio.LineReader(fh, MAX_LINE, partial=True):
                 entry = fsio.parse_line(line.decode("utf-8", "replace"))
                 if isinstance(entry, dict):
-                    out.append(entry)
-        return out
+                    yield entry

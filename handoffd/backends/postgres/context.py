@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from ...core.storage import CONTEXT, ContextChange
+from ...core.storage import CONTEXT, HISTORY_LIMIT, ContextChange
+from ..files.context import HISTORY_LINE
+from ..files.violations import MAX_LINE as VIOLATION_LINE
 from .connection import Conn, Database
 from .records import encode
 
@@ -22,6 +24,9 @@ from .records import encode
 # meet the presence keys, which are one-key (bigint) locks
 LOCK_CLASS = 0x63747800
 KIND = CONTEXT  # the wake-up kind of a context write
+PAGE = 500  # violations rows fetched at a time
+# the rows read as entries: JSON objects no longer than the files store reads a line (%(line)s)
+ENTRY = "json_typeof(entry) = 'object' AND octet_length(entry::text) <= %(line)s"
 
 
 class PostgresContext:
@@ -79,12 +84,27 @@ class PostgresContext:
             (prefix, prefix)).fetchall())
         return [str(r[0]) for r in rows]
 
-    def history(self, key: str | None = None) -> list[dict[str, Any]]:
-        """The history rows, oldest first."""
+    def history(self, key: str | None = None, *,
+                limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
+        """The newest ``limit`` history rows (``key``'s when given), oldest first: the database
+        picks them (newest first, LIMIT), so no more are ever fetched. A row longer than any
+        entry of ours (put there by hand) is skipped, as the files store skips such a line."""
+        where = "" if key is None else "key = %(key)s AND "  # (each walks its index backwards)
+        sql = (f"SELECT entry FROM handoffd.context_history WHERE {where}{ENTRY} "
+               "ORDER BY seq DESC LIMIT %(limit)s")
+        args = {"key": key, "line": HISTORY_LINE, "limit": max(limit, 0)}
+        rows = self.db.run(lambda conn, _: conn.execute(sql, args).fetchall())
+        return [r[0] for r in reversed(rows) if isinstance(r[0], dict)]
+
+    def latest(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """The newest history row of each of ``keys`` that has one."""
+        if not keys:
+            return {}
         rows = self.db.run(lambda conn, _: conn.execute(
-            "SELECT entry FROM handoffd.context_history WHERE %s::text IS NULL OR key = %s "
-            "ORDER BY seq", (key, key)).fetchall())
-        return [r[0] for r in rows if isinstance(r[0], dict)]
+            "SELECT DISTINCT ON (key) key, entry FROM handoffd.context_history "
+            f"WHERE key = ANY(%(keys)s) AND {ENTRY} ORDER BY key, seq DESC",
+            {"keys": list(keys), "line": HISTORY_LINE}).fetchall())
+        return {str(k): e for k, e in rows if isinstance(e, dict)}
 
     def revisions(self) -> dict[str, int]:
         """Every key's revision (what a mirror compares with its own before fetching values)."""
@@ -125,8 +145,19 @@ class PostgresViolations:
         self.db.run(lambda conn, _: conn.execute(
             "INSERT INTO handoffd.violations (entry) VALUES (%s::json)", (text,)))
 
-    def read(self) -> list[dict[str, Any]]:
-        """Every entry, in the order appended."""
-        rows = self.db.run(lambda conn, _: conn.execute(
-            "SELECT entry FROM handoffd.violations ORDER BY seq").fetchall())
-        return [r[0] for r in rows if isinstance(r[0], dict)]
+    def read(self) -> Iterator[dict[str, Any]]:
+        """Every entry, in the order appended, fetched PAGE rows at a time (each page its own
+        short statement, after the last seq seen): the whole table was fetched at once. A row
+        longer than the files log reads (put there by hand) is skipped, as a line is there."""
+        after = 0
+        while True:
+            rows = self.db.run(lambda conn, _: conn.execute(
+                f"SELECT seq, entry FROM handoffd.violations WHERE seq > %(after)s AND {ENTRY} "
+                "ORDER BY seq LIMIT %(page)s",
+                {"after": after, "line": VIOLATION_LINE, "page": PAGE}).fetchall())
+            for seq, entry in rows:
+                after = seq
+                if isinstance(entry, dict):
+                    yield entry
+            if len(rows) < PAGE:
+                return
