@@ -24,7 +24,7 @@ import pytest
 from conftest import Workspace
 from test_contracts_hostile import PY, git, make_workspace, native, submit_and_run
 
-from handoffd.features.contracts import snapshots
+from handoffd.features.contracts import walk
 from handoffd.features.contracts.snapshots import ScopeUnverifiable, Snapshotter
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -77,7 +77,7 @@ def repo_with_submodule(tmp_path: Path) -> Path:
 # ---------------------------------------------------------------- bounds: too many entries
 def test_a_tree_past_the_entry_bound_is_incomplete_never_unchanged(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshots, "MAX_ENTRIES", 50)
+    monkeypatch.setattr(walk, "MAX_ENTRIES", 50)
     many(tmp_path, "big", 60)
     snapper = Snapshotter(tmp_path, mode="hash")
     before = snapper.take()
@@ -94,7 +94,7 @@ def test_a_tree_past_the_entry_bound_is_incomplete_never_unchanged(
 
 def test_a_tree_planted_past_the_bound_by_the_handler_is_unverifiable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshots, "MAX_ENTRIES", 50)
+    monkeypatch.setattr(walk, "MAX_ENTRIES", 50)
     many(tmp_path, "small", 10)
     snapper = Snapshotter(tmp_path, mode="hash")
     before = snapper.take()
@@ -107,7 +107,7 @@ def test_a_tree_planted_past_the_bound_by_the_handler_is_unverifiable(
 
 def test_scope_ignore_keeps_a_big_folder_out_of_the_count(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshots, "MAX_ENTRIES", 50)
+    monkeypatch.setattr(walk, "MAX_ENTRIES", 50)
     many(tmp_path, "node_modules", 100)
     files(tmp_path, {"src/a.py": "a"})
     snapper = Snapshotter(tmp_path, mode="hash", skip=lambda rel: rel.startswith("node_modules"))
@@ -119,7 +119,7 @@ def test_scope_ignore_keeps_a_big_folder_out_of_the_count(
 
 def test_empty_folders_count_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a tree of folders and no file must not be walked without end either
-    monkeypatch.setattr(snapshots, "MAX_ENTRIES", 50)
+    monkeypatch.setattr(walk, "MAX_ENTRIES", 50)
     for i in range(60):
         (tmp_path / "wide" / f"d{i}").mkdir(parents=True)
     assert Snapshotter(tmp_path, mode="hash").take().incomplete
@@ -128,7 +128,7 @@ def test_empty_folders_count_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 @needs_git
 def test_git_mode_counts_the_listing_and_the_nested_repository_walk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshots, "MAX_ENTRIES", 50)
+    monkeypatch.setattr(walk, "MAX_ENTRIES", 50)
     files(tmp_path, {"a.py": "a"})
     plain_git(tmp_path, "init", "-q")
     snapper = Snapshotter(tmp_path, mode="git")
@@ -149,7 +149,7 @@ def test_git_mode_counts_the_listing_and_the_nested_repository_walk(
 # ---------------------------------------------------------------- bounds: depth, long paths
 def test_a_tree_past_the_depth_bound_is_unverifiable_in_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshots, "MAX_DEPTH", 8)
+    monkeypatch.setattr(walk, "MAX_DEPTH", 8)
     files(tmp_path, {"a/b/c.py": "c"})
     snapper = Snapshotter(tmp_path, mode="hash")
     before = snapper.take()
@@ -227,7 +227,7 @@ def test_a_symlink_swapped_in_for_a_folder_mid_walk_is_not_followed(
             shutil.rmtree(root / "src")
             (root / "src").symlink_to(outside, target_is_directory=True)
         return Listed(items)
-    monkeypatch.setattr(snapshots.os, "scandir", racing_scandir)
+    monkeypatch.setattr(walk.os, "scandir", racing_scandir)
     found = Snapshotter(root, mode="hash")._walk()
     assert swapped and found == {"src"}  # the link itself, never outside's files
 
@@ -255,7 +255,7 @@ def test_a_folder_the_walk_cannot_open_is_an_entry_of_its_own(
         if path == "locked" and kwargs.get("dir_fd") is not None:  # (root ignores permissions)
             raise PermissionError(13, "Permission denied")
         return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
-    monkeypatch.setattr(snapshots.os, "open", refusing_open)
+    monkeypatch.setattr(walk.os, "open", refusing_open)
     changes, after = snapper.changes(before)
     assert [(c.path, c.change) for c in changes] == [("locked", "created")]
     assert after.entries["locked"].kind == "folder"
@@ -320,7 +320,7 @@ def test_a_deep_tree_planted_by_a_worker_fails_in_one_line_and_never_stalls(tmp_
         message = doc["error"]["message"]
         assert message.startswith("handoff planter broke its contract: the scope cannot be "
                                   "verified: after the handler ran, deep/d/d/")
-        assert (f"is nested more than {snapshots.MAX_DEPTH} folders deep (the snapshot limit"
+        assert (f"is nested more than {walk.MAX_DEPTH} folders deep (the snapshot limit"
                 in message)
         assert "\n" not in message and "Traceback" not in stderr
         assert doc["retry_available"] is False

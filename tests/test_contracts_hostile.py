@@ -25,7 +25,7 @@ import pytest
 from conftest import Workspace
 
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-from handoffd.features.contracts import patterns, snapshots
+from handoffd.features.contracts import gitlist, patterns, snapshots
 
 PY = sys.executable
 
@@ -180,7 +180,7 @@ def test_a_hanging_git_is_bounded_and_said_in_one_line(tmp_path: Path,
     (tree / "a").mkdir(parents=True)
     (tree / "a" / "f").write_text("x")
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(snapshots, "GIT_TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(gitlist, "GIT_TIMEOUT_SECONDS", 0.5)
     started = time.monotonic()
     snap = snapshots.Snapshotter(tree, mode="git").take()
     assert time.monotonic() - started < 10

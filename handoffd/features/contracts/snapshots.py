@@ -15,35 +15,20 @@ Cheap for big trees, and still correct:
   or rewriting identical bytes, is not a modification. A change of the executable bit is.
 
 Which files are watched: in ``hash`` mode, everything under the directory except the folders named
-in :data:`SKIP_DIR_NAMES` and the paths the caller skips (handoffd's own ``handoffs/``, a contract's
-``scope_ignore``). In ``git`` mode (the directory is in a git work tree), the files
-``git ls-files --cached --others --exclude-standard`` lists (so git-ignored files are not watched),
-compared the same way. git lists an untracked nested repository as its folder alone
-(``hidden/``), and a submodule as one entry (its commit): such a folder is walked as in ``hash``
-mode (every file of the submodule's working tree, whatever its own ignore rules say), so a file
-created or changed inside it is seen. ``auto`` picks ``git`` when git answers, else ``hash``.
-Directories are not tracked themselves (an empty new directory is not a change), nor is anything
-a symlink points to: the walk opens each folder relative to its parent without following a symlink
-(:meth:`Snapshotter._walk`), so a symlinked folder is never entered, even one swapped in mid-walk.
-A folder the walk cannot open (no read permission) is an entry of its own, compared by its stat
-facts, so creating one, or changing its mode to write into it, is a change.
+in ``SKIP_DIR_NAMES`` and the paths the caller skips (handoffd's own ``handoffs/``, a contract's
+``scope_ignore``), listed by the bounded walk (walk.py: no symlinked folder is entered, a folder
+it cannot open is an entry of its own). In ``git`` mode (the directory is in a git work tree), the
+files git lists, the folders git lists as one entry walked, and git's own ignore and config files
+always (gitlist.py), compared the same way. ``auto`` picks ``git`` when git answers, else
+``hash``. Directories are not tracked themselves (an empty new directory is not a change), nor is
+anything a symlink points to.
 
-git mode trusts git's ignore rules, and a handler could change them to hide its files. So it also
-watches, always, the files those rules come from (:meth:`Snapshotter._git_guarded`): the
-repository's ``info/exclude`` and ``config`` (``config.worktree``, ``commondir``), the ``.git``
-entry, every ``.gitignore`` from the work tree's top down to the directory, and every ``.gitignore``
-git ignores (one can ignore itself). Their paths are fixed before the handler and looked at again
-after, so a change to any of them is a change like any other; one above the directory is keyed
-``../...``. git itself runs with only the repository's own config, and with every setting that
-could make it start a program, or read ignore rules from outside the repository, overridden on its
-command line (:data:`GIT_SAFE_CONFIG`), bounded by :data:`GIT_TIMEOUT_SECONDS`.
-
-Bounds: a snapshot looks at no more than :data:`MAX_ENTRIES` files and folders (git's listing
-and every walk together) and descends no more than :data:`MAX_DEPTH` folders below the directory.
-Past either, or when a path cannot be looked at (a name too long for the system), the snapshot is
-*incomplete* (:class:`Incomplete`): it stops there, hashes nothing, and comparing with it raises
-:class:`ScopeUnverifiable` naming the reason in one line. A tree too big to see is never reported
-as unchanged, and no tree can make a snapshot take unbounded time or memory.
+Bounds: a snapshot looks at no more than ``MAX_ENTRIES`` files and folders (git's listing and
+every walk together) and descends no more than ``MAX_DEPTH`` folders below the directory (see
+walk.py). Past either, or when a path cannot be looked at (a name too long for the system), the
+snapshot is *incomplete* (:class:`Incomplete`): it stops there, hashes nothing, and comparing with
+it raises :class:`ScopeUnverifiable` naming the reason in one line. A tree too big to see is never
+reported as unchanged, and no tree can make a snapshot take unbounded time or memory.
 A file larger than :data:`MAX_HASHED_BYTES` (a sparse file can claim terabytes) is not
 hashed: it is compared by its stat facts only, so rewriting it with identical bytes counts as a
 modification (the safe side). The hash cache is one of handoffd's own files: read only when
@@ -52,60 +37,29 @@ modification (the safe side). The hash cache is one of handoffd's own files: rea
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ...backends.files.fsio import replace
 from ...core.ownfiles import plain_folder, read_regular
+from .gitlist import GitError, git_files, git_guarded
 from .patterns import SCOPE_MODES
+from .walk import Incomplete, Skip, Walker, cut
 
-SKIP_DIR_NAMES = frozenset({".git", ".venv", "__pycache__"})
 RACY_NS = 2_000_000_000
 CHUNK = 1024 * 1024
-GIT_TIMEOUT_SECONDS = 120.0
-# Command-line settings outrank every config file, so nothing written into the repository's
-# config can make handoffd's git start a program or read ignore rules from outside the repository.
-# ls-files and rev-parse run no filter, diff driver, hook or credential helper; these are the ways
-# left (and the index extension a handler could forge to hide files).
-GIT_SAFE_CONFIG = (
-    "core.fsmonitor=",  # empty: "false" for git >= 2.36, "no hook" before; else a command it runs
-    "core.hooksPath=/dev/null",
-    "core.pager=cat",  # never started anyway: our stdout is a pipe, and --no-pager
-    "core.untrackedCache=false",
-    "core.excludesFile=/dev/null",  # ignore rules only from .gitignore files and info/exclude
-)
 CACHE_VERSION = 1
 MAX_HASHED_BYTES = 1 << 30  # larger files: compared by stat facts only (see the module docstring)
 MAX_CACHE_BYTES = 64 << 20  # about 300 000 files; a larger cache reads as none
-MAX_ENTRIES = 200_000  # files and folders one snapshot looks at; more: it is incomplete
-MAX_DEPTH = 128  # folder levels below the directory a snapshot descends; deeper: incomplete
-LIMIT_HINT = (" (the snapshot limit: list large folders in the contract's scope_ignore, "
-              "or narrow its cwd)")
-REASON_CHARS = 160  # of a path named in a one-line reason
-# a folder is opened relative to its parent, never through a symlink (O_NOFOLLOW)
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-Skip = Callable[[str], bool]
-
-
-class GitError(Exception):
-    """git did not answer: not installed, not a work tree, failed or too slow (one line)."""
 
 
 class ScopeUnverifiable(Exception):
     """The tree cannot be compared with its snapshot (git answered before the handler, not after;
     or a snapshot is incomplete)."""
-
-
-class Incomplete(Exception):
-    """A snapshot cannot see the whole tree (more than MAX_ENTRIES entries, deeper than MAX_DEPTH,
-    a path it cannot look at): one line saying why."""
 
 
 @dataclass(frozen=True)
@@ -150,23 +104,6 @@ class Snapshot:
     incomplete: str = ""  # why the snapshot could not see the whole tree (then no entries)
 
 
-@dataclass
-class _Tally:
-    """What one listing met: its mode, the entries looked at (at most MAX_ENTRIES), and the
-    folders it could not open (entries of their own)."""
-
-    mode: str = "hash"
-    seen: int = 0
-    opaque: set[str] = field(default_factory=set)
-
-    def count(self, number: int = 1) -> None:
-        """Count ``number`` more entries; Incomplete past MAX_ENTRIES."""
-        self.seen += number
-        if self.seen > MAX_ENTRIES:
-            raise Incomplete(f"the contract directory holds more than {MAX_ENTRIES} files and "
-                             f"folders{LIMIT_HINT}")
-
-
 class Snapshotter:
     """Takes and compares snapshots of ``root``; ``cache_dir`` holds the hash cache (optional)."""
 
@@ -182,7 +119,7 @@ class Snapshotter:
         self.cache_dir = cache_dir
         self.tmp_dir = tmp_dir
         self._cache: dict[str, list[object]] | None = None
-        self._tally = _Tally()  # of the latest listing
+        self._walker = Walker(root, self.skip, self.skip_dir)  # its tally: the latest listing's
 
     # ------------------------------------------------------------ public
     def take(self) -> Snapshot:
@@ -192,7 +129,8 @@ class Snapshotter:
             mode, note, paths, guarded = self._listing(None)
             infos = self._stat_all(paths)
         except Incomplete as exc:  # nothing hashed: comparing with it says "unverifiable"
-            return Snapshot(self.root, self._tally.mode, taken, note=str(exc), incomplete=str(exc))
+            return Snapshot(self.root, self._walker.tally.mode, taken, note=str(exc),
+                            incomplete=str(exc))
         snap = Snapshot(self.root, mode, taken, note=note, guarded=guarded)
         cache = self._load_cache()
         for rel, info in infos.items():
@@ -258,168 +196,29 @@ class Snapshotter:
         """(mode used, note, relative paths to look at, git's own files among them).
         Raises Incomplete past the bounds (see the module docstring)."""
         mode = before.mode if before is not None else self.requested
-        self._tally = _Tally()
+        tally = self._walker.restart()
         if mode not in ("auto", "git"):
             return "hash", "", self._walk(), ()
         try:
             # after the handler, git's files are those found before: a handler that moved
             # .git or pointed it elsewhere must not choose what is looked at
-            guarded = before.guarded if before is not None else self._git_guarded()
-            self._tally.mode = "git"
-            listed = self._git_files()
+            guarded = before.guarded if before is not None else git_guarded(self.root)
+            tally.mode = "git"
+            listed = git_files(self._walker)
         except GitError as exc:
             if before is not None:
                 raise ScopeUnverifiable("the scope cannot be verified: after the handler ran, "
                                         f"{exc}") from None
             note = "" if mode == "auto" else (
                 f"git listing unavailable ({exc}); every file is watched instead")
-            self._tally = _Tally()  # the walk is the whole listing
+            self._walker.restart()  # the walk is the whole listing
             return "hash", note, self._walk(), ()
         return "git", "", listed | set(guarded), guarded
 
-    def _skipped(self, rel: str) -> bool:
-        parts = rel.split("/")
-        if any(part in SKIP_DIR_NAMES for part in parts[:-1]):
-            return True
-        for i in range(1, len(parts)):
-            if self.skip_dir("/".join(parts[:i])):
-                return True
-        return self.skip(rel)
-
-    def _walk(self, start: str = "") -> set[str]:
-        """The files under ``start`` (relative; the root when empty), skips applied, counted in
-        the listing's tally. Each folder is opened relative to its parent's descriptor with
-        O_NOFOLLOW, so no symlinked folder is entered (even one swapped in mid-walk), and one
-        descriptor is open per level (at most MAX_DEPTH). Raises Incomplete past the bounds."""
-        found: set[str] = set()
-        top = self._open_start(start, found)
-        if top is None:
-            return found
-        stack: list[tuple[int, str, list[str]]] = [(top, start, [])]
-        try:
-            stack[-1][2].extend(self._scan(top, start, found))
-            while stack:
-                fd, _, pending = stack[-1]
-                if not pending:
-                    stack.pop()
-                    os.close(fd)
-                    continue
-                rel = pending.pop()
-                child = self._open_child(fd, rel, found)
-                if child is not None:
-                    stack.append((child, rel, []))
-                    stack[-1][2].extend(self._scan(child, rel, found))
-        finally:
-            for fd, _, _ in stack:
-                os.close(fd)
-        return found
-
-    def _open_start(self, start: str, found: set[str]) -> int | None:
-        """A descriptor of the folder ``start`` (the root when empty), opened component by
-        component without following a symlink; None when it is not a folder (any more)."""
-        try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            return None  # the directory itself is gone: every file in it was deleted
-        except OSError as exc:
-            raise Incomplete("cannot read the contract directory: "
-                             f"{exc.strerror or exc}") from None
-        rel = ""
-        for part in start.split("/") if start else ():
-            rel = f"{rel}/{part}" if rel else part
-            try:
-                child = self._open_child(fd, rel, found)
-            finally:
-                os.close(fd)
-            if child is None:
-                return None
-            fd = child
-        return fd
-
-    def _open_child(self, parent: int, rel: str, found: set[str]) -> int | None:
-        """A descriptor of the folder ``rel`` inside ``parent`` (never through a symlink), or
-        None: gone, no folder any more (then ``rel`` is looked at as a file), or not openable
-        (then the folder is an entry of its own, compared by its stat facts)."""
-        if rel.count("/") >= MAX_DEPTH:
-            raise Incomplete(f"{_cut(rel)} is nested more than {MAX_DEPTH} folders deep"
-                             f"{LIMIT_HINT}")
-        try:
-            return os.open(rel.rsplit("/", 1)[-1], DIR_FLAGS, dir_fd=parent)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            found.add(rel)  # a symlink or file swapped in: lstat says what it is
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                self._tally.opaque.add(rel)  # unreadable: the folder itself is watched
-            return None
-
-    def _scan(self, fd: int, rel_dir: str, found: set[str]) -> list[str]:
-        """Add the files of the open folder ``fd`` (``rel_dir``) to ``found``, each entry counted;
-        its subfolders to walk."""
-        subdirs: list[str] = []
-        try:
-            with os.scandir(fd) as entries:
-                for item in entries:
-                    self._tally.count()
-                    rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
-                    try:
-                        is_dir = item.is_dir(follow_symlinks=False)
-                    except OSError:
-                        is_dir = False
-                    if is_dir:
-                        if item.name not in SKIP_DIR_NAMES and not self.skip_dir(rel):
-                            subdirs.append(rel)
-                    elif not self.skip(rel):
-                        found.add(rel)
-        except OSError as exc:  # a read error mid-folder: the folder itself is watched too
-            if not rel_dir:
-                raise Incomplete("cannot read the contract directory: "
-                                 f"{exc.strerror or exc}") from None
-            found.add(rel_dir)
-            self._tally.opaque.add(rel_dir)
-        return subdirs
-
-    def _git_files(self) -> set[str]:
-        """What git mode watches: the files git lists, the .gitignore files git ignores, and the
-        files of the folders git lists as one entry (nested repositories, submodules)."""
-        staged = _git(self.root, "ls-files", "-z", "--stage")  # with modes: 160000 = a submodule
-        others = _git(self.root, "ls-files", "-z", "--others", "--exclude-standard")
-        # a new .gitignore that ignores itself (and what it hides) is invisible to the listing
-        # above: list the ignored ones too (--directory: an ignored folder is not descended)
-        rules = _git(self.root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
-                     "--directory", "--", ":(glob)**/.gitignore")
-        found: set[str] = set()
-        for name, submodule in [*_staged(staged), *((name, False) for name in _names(others))]:
-            if self._skipped(name):
-                continue
-            if name.endswith("/"):  # an untracked nested repository: git names only its folder,
-                found |= self._walk(name.rstrip("/"))  # so its files are walked (hash mode's way)
-                continue
-            self._tally.count()
-            found.add(name)  # (a submodule's folder is no file: _stat_all leaves it out)
-            if submodule:  # git lists a submodule as its commit: its files are walked
-                found |= self._walk(name)
-        ignored_rules = {p for p in _names(rules)
-                         if p.rsplit("/", 1)[-1] == ".gitignore" and not self._skipped(p)}
-        self._tally.count(len(ignored_rules))
-        return found | ignored_rules
-
-    def _git_guarded(self) -> tuple[str, ...]:
-        """git's own files that decide what git mode sees, relative to the root (see the module
-        docstring); they need not exist. Raises GitError outside a work tree."""
-        answer = os.fsdecode(_git(self.root, "rev-parse", "--is-inside-work-tree", "--show-toplevel",
-                                  "--git-path", "info/exclude", "--git-path", "config",
-                                  "--git-path", "config.worktree", "--git-path", "commondir"))
-        lines = answer.split("\n")
-        if len(lines) != 7 or lines[0] != "true" or lines[-1]:
-            raise GitError("not a git work tree")
-        top = Path(lines[1])
-        files = [top / ".git", *(self.root / line for line in lines[2:6])]
-        here = self.root.resolve()
-        if here == top or top in here.parents:  # the .gitignore files above the directory
-            files += [top / part / ".gitignore" for part in _ancestors(here.relative_to(top))]
-        keys = {os.path.relpath(path, self.root).replace(os.sep, "/") for path in files}
-        return tuple(sorted(keys))
+    def _walk(self) -> set[str]:
+        """The files of the whole tree, by the bounded walk (see walk.py), counted in the
+        listing's tally. Raises Incomplete past the bounds."""
+        return self._walker.walk()
 
     # ------------------------------------------------------------ stat and hash
     def _stat_all(self, paths: set[str]) -> dict[str, os.stat_result]:
@@ -433,8 +232,8 @@ class Snapshotter:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             except OSError as exc:
-                raise Incomplete(f"cannot look at {_cut(rel)}: {exc.strerror or exc}") from None
-            if stat.S_ISDIR(info.st_mode) and rel not in self._tally.opaque:
+                raise Incomplete(f"cannot look at {cut(rel)}: {exc.strerror or exc}") from None
+            if stat.S_ISDIR(info.st_mode) and rel not in self._walker.tally.opaque:
                 continue  # a submodule's folder (its files are walked apart): not a file
             found[rel] = info
         return found
@@ -511,59 +310,6 @@ class Snapshotter:
         except OSError:
             pass  # the cache only saves time
 
-
-def _git(root: Path, *args: str) -> bytes:
-    """Run ``git -C root ARGS`` safely (see GIT_SAFE_CONFIG), bounded by GIT_TIMEOUT_SECONDS;
-    its output, or GitError with one line saying why not."""
-    import subprocess  # only in git mode
-    argv = ["git", "--no-pager", "-C", str(root)]
-    for setting in GIT_SAFE_CONFIG:
-        argv += ["-c", setting]
-    # the daemon's own GIT_* variables (GIT_DIR, GIT_CONFIG_PARAMETERS...) must not steer it;
-    # no system or user config: settings come from the repository and GIT_SAFE_CONFIG only
-    env = {key: value for key, value in os.environ.items() if not key.startswith("GIT_")}
-    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_TERMINAL_PROMPT="0",
-               GIT_OPTIONAL_LOCKS="0", LC_ALL="C")
-    try:
-        proc = subprocess.run([*argv, *args], capture_output=True, timeout=GIT_TIMEOUT_SECONDS,
-                              env=env, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise GitError("git is not installed") from None
-    except subprocess.TimeoutExpired:
-        raise GitError(f"git {args[0]} did not finish within {GIT_TIMEOUT_SECONDS:g} s") from None
-    except OSError as exc:
-        raise GitError(f"git {args[0]} could not start: {exc.strerror or exc}") from None
-    if proc.returncode != 0:
-        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
-        raise GitError(f"git {args[0]} failed: {lines[-1][:200]}")
-    return proc.stdout
-
-
-def _names(output: bytes) -> list[str]:
-    """The paths of a ``-z`` listing."""
-    return [os.fsdecode(raw) for raw in output.split(b"\0") if raw]
-
-
-def _staged(output: bytes) -> list[tuple[str, bool]]:
-    """The paths of a ``ls-files -z --stage`` listing (``MODE OBJECT STAGE\tPATH``), each with
-    whether it is a submodule (mode 160000, a gitlink)."""
-    out = []
-    for raw in output.split(b"\0"):
-        meta, tab, path = raw.partition(b"\t")
-        if tab and path:
-            out.append((os.fsdecode(path), meta.split(b" ", 1)[0] == b"160000"))
-    return out
-
-
-def _cut(rel: str) -> str:
-    """``rel`` short enough for a one-line reason (its start, then an ellipsis)."""
-    return rel if len(rel) <= REASON_CHARS else rel[:REASON_CHARS] + "..."
-
-
-def _ancestors(relative: Path) -> list[str]:
-    """``a/b/c`` → ``["", "a", "a/b"]``: the directories from the top down to its parent."""
-    parts = relative.parts
-    return ["/".join(parts[:i]) for i in range(len(parts))]
 
 
 def _entry(info: os.stat_result) -> Entry:

@@ -1,0 +1,139 @@
+"""What a snapshot watches in ``git`` mode: git's listing, asked safely, and git's own files.
+
+In ``git`` mode (the directory is in a git work tree) a snapshot watches the files
+``git ls-files --cached --others --exclude-standard`` lists (so git-ignored files are not
+watched) (:func:`git_files`). git lists an untracked nested repository as its folder alone
+(``hidden/``), and a submodule as one entry (its commit): such a folder is walked as in ``hash``
+mode (every file of the submodule's working tree, whatever its own ignore rules say), so a file
+created or changed inside it is seen. The listing and those walks share one tally, so the
+snapshot's bounds hold for them together (see walk.py).
+
+git mode trusts git's ignore rules, and a handler could change them to hide its files. So it also
+watches, always, the files those rules come from (:func:`git_guarded`): the repository's
+``info/exclude`` and ``config`` (``config.worktree``, ``commondir``), the ``.git`` entry, every
+``.gitignore`` from the work tree's top down to the directory, and every ``.gitignore`` git
+ignores (one can ignore itself). Their paths are fixed before the handler and looked at again
+after, so a change to any of them is a change like any other; one above the directory is keyed
+``../...``. git itself runs with only the repository's own config, and with every setting that
+could make it start a program, or read ignore rules from outside the repository, overridden on its
+command line (:data:`GIT_SAFE_CONFIG`), bounded by :data:`GIT_TIMEOUT_SECONDS`.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .walk import Walker
+
+GIT_TIMEOUT_SECONDS = 120.0
+# Command-line settings outrank every config file, so nothing written into the repository's
+# config can make handoffd's git start a program or read ignore rules from outside the repository.
+# ls-files and rev-parse run no filter, diff driver, hook or credential helper; these are the ways
+# left (and the index extension a handler could forge to hide files).
+GIT_SAFE_CONFIG = (
+    "core.fsmonitor=",  # empty: "false" for git >= 2.36, "no hook" before; else a command it runs
+    "core.hooksPath=/dev/null",
+    "core.pager=cat",  # never started anyway: our stdout is a pipe, and --no-pager
+    "core.untrackedCache=false",
+    "core.excludesFile=/dev/null",  # ignore rules only from .gitignore files and info/exclude
+)
+
+
+class GitError(Exception):
+    """git did not answer: not installed, not a work tree, failed or too slow (one line)."""
+
+
+def git_files(walker: Walker) -> set[str]:
+    """What git mode watches under ``walker.root``: the files git lists, the .gitignore files git
+    ignores, and the files of the folders git lists as one entry (nested repositories,
+    submodules), the walker's skips applied, all counted in its tally. Raises GitError, or
+    Incomplete past the bounds."""
+    root = walker.root
+    staged = _git(root, "ls-files", "-z", "--stage")  # with modes: 160000 = a submodule
+    others = _git(root, "ls-files", "-z", "--others", "--exclude-standard")
+    # a new .gitignore that ignores itself (and what it hides) is invisible to the listing
+    # above: list the ignored ones too (--directory: an ignored folder is not descended)
+    rules = _git(root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+                 "--directory", "--", ":(glob)**/.gitignore")
+    found: set[str] = set()
+    for name, submodule in [*_staged(staged), *((name, False) for name in _names(others))]:
+        if walker.skipped(name):
+            continue
+        if name.endswith("/"):  # an untracked nested repository: git names only its folder,
+            found |= walker.walk(name.rstrip("/"))  # so its files are walked (hash mode's way)
+            continue
+        walker.tally.count()
+        found.add(name)  # (a submodule's folder is no file: Snapshotter._stat_all leaves it out)
+        if submodule:  # git lists a submodule as its commit: its files are walked
+            found |= walker.walk(name)
+    ignored_rules = {p for p in _names(rules)
+                     if p.rsplit("/", 1)[-1] == ".gitignore" and not walker.skipped(p)}
+    walker.tally.count(len(ignored_rules))
+    return found | ignored_rules
+
+
+def git_guarded(root: Path) -> tuple[str, ...]:
+    """git's own files that decide what git mode sees, relative to ``root`` (see the module
+    docstring); they need not exist. Raises GitError outside a work tree."""
+    answer = os.fsdecode(_git(root, "rev-parse", "--is-inside-work-tree", "--show-toplevel",
+                              "--git-path", "info/exclude", "--git-path", "config",
+                              "--git-path", "config.worktree", "--git-path", "commondir"))
+    lines = answer.split("\n")
+    if len(lines) != 7 or lines[0] != "true" or lines[-1]:
+        raise GitError("not a git work tree")
+    top = Path(lines[1])
+    files = [top / ".git", *(root / line for line in lines[2:6])]
+    here = root.resolve()
+    if here == top or top in here.parents:  # the .gitignore files above the directory
+        files += [top / part / ".gitignore" for part in _ancestors(here.relative_to(top))]
+    keys = {os.path.relpath(path, root).replace(os.sep, "/") for path in files}
+    return tuple(sorted(keys))
+
+
+def _git(root: Path, *args: str) -> bytes:
+    """Run ``git -C root ARGS`` safely (see GIT_SAFE_CONFIG), bounded by GIT_TIMEOUT_SECONDS;
+    its output, or GitError with one line saying why not."""
+    import subprocess  # only in git mode
+    argv = ["git", "--no-pager", "-C", str(root)]
+    for setting in GIT_SAFE_CONFIG:
+        argv += ["-c", setting]
+    # the daemon's own GIT_* variables (GIT_DIR, GIT_CONFIG_PARAMETERS...) must not steer it;
+    # no system or user config: settings come from the repository and GIT_SAFE_CONFIG only
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GIT_")}
+    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_TERMINAL_PROMPT="0",
+               GIT_OPTIONAL_LOCKS="0", LC_ALL="C")
+    try:
+        proc = subprocess.run([*argv, *args], capture_output=True, timeout=GIT_TIMEOUT_SECONDS,
+                              env=env, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise GitError("git is not installed") from None
+    except subprocess.TimeoutExpired:
+        raise GitError(f"git {args[0]} did not finish within {GIT_TIMEOUT_SECONDS:g} s") from None
+    except OSError as exc:
+        raise GitError(f"git {args[0]} could not start: {exc.strerror or exc}") from None
+    if proc.returncode != 0:
+        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
+        raise GitError(f"git {args[0]} failed: {lines[-1][:200]}")
+    return proc.stdout
+
+
+def _names(output: bytes) -> list[str]:
+    """The paths of a ``-z`` listing."""
+    return [os.fsdecode(raw) for raw in output.split(b"\0") if raw]
+
+
+def _staged(output: bytes) -> list[tuple[str, bool]]:
+    """The paths of a ``ls-files -z --stage`` listing (``MODE OBJECT STAGE\tPATH``), each with
+    whether it is a submodule (mode 160000, a gitlink)."""
+    out = []
+    for raw in output.split(b"\0"):
+        meta, tab, path = raw.partition(b"\t")
+        if tab and path:
+            out.append((os.fsdecode(path), meta.split(b" ", 1)[0] == b"160000"))
+    return out
+
+
+def _ancestors(relative: Path) -> list[str]:
+    """``a/b/c`` → ``["", "a", "a/b"]``: the directories from the top down to its parent."""
+    parts = relative.parts
+    return ["/".join(parts[:i]) for i in range(len(parts))]
