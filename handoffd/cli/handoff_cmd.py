@@ -256,37 +256,11 @@ def validate(
         except KeyError as exc:
             raise UsageError(str(exc.args[0])) from None
     from ..core.errors import NotFound
-    from ..service.queries import DEFAULT_MAX_BYTES, validate_files
-
-    def unchecked(path: Path) -> list[tuple[str, str]]:
-        """(field, name) of each schema the request in ``path`` names (seed 001's input.schema,
-        expected_output.schema). Outside a workspace none can be checked: they are found in the
-        schemas/ of the workspace it is sent to (whose specialist's input_schema comes first)."""
-        from ..backends.files.fsio import parse_document, read_bytes_safely
-        try:  # read again: validate_files says only whether it is valid
-            doc = parse_document(read_bytes_safely(path, DEFAULT_MAX_BYTES)[0], str(path))
-            found = dialects.detect(doc, dialect)
-            if getattr(found, "is_answer", lambda _doc: False)(doc):
-                return []  # an answer is not routed: it names no schema to check its input by
-            envelope = found.envelope(doc)
-        except (InvalidDocument, KeyError, OSError):  # changed since validate_files read it
-            return []
-        return [(f, n) for f, n in (("input.schema", envelope.input_schema),
-                                    ("expected_output.schema", envelope.output_schema)) if n]
+    from ..service.queries import validate_files
     # inside a workspace, its schemas/ (e.g. edited copies from `schemas --copy`) take precedence
     where = resolve_root(root)
     eng = engine(root, features=()) if Workspace(where).exists() else None
-    results = validate_files(files, eng, forced=dialect)
-    for item in results if eng is None else []:
-        # a bare "valid" would claim checks that were not made: say which, exit NotFound's 3
-        named = unchecked(Path(item["file"])) if item["valid"] else []
-        if named:
-            more = f" (and {len(named) - 1} more)" if len(named) > 1 else ""
-            item.update(valid=False, unchecked=[n for _, n in named], headline=(
-                f"{named[0][0]} names {named[0][1]!r}{more}, but there is no workspace at "
-                f"{where} to find it in (--root DIR names one)"),
-                errors=[{"field": f, "error": f"{n} not checked: no workspace at {where}",
-                         "schema_path": ""} for f, n in named])
+    results = validate_files(files, eng, forced=dialect, root=where)
     if as_json:
         print_json(results)
     else:

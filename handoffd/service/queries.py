@@ -173,8 +173,12 @@ def check_request_input(engine: Engine, envelope: Any) -> None:
                               code=ErrorCode.PROCESSING_ERROR) from None
 
 
-def validate_files(files: list[Path], engine: Engine | None, *, forced: str | None = None) -> list[dict[str, Any]]:
-    """Validate each file; one result dict per file (``valid``, ``dialect``, ``headline``, ``errors``)."""
+def validate_files(files: list[Path], engine: Engine | None, *, forced: str | None = None,
+                   root: Path | None = None) -> list[dict[str, Any]]:
+    """Validate each file; one result dict per file (``valid``, ``dialect``, ``headline``,
+    ``errors``). Without ``engine`` (no workspace at ``root``), a request that names schemas is
+    not called valid: those are found in a workspace's schemas/, so the item lists them under
+    ``unchecked`` (a bare "valid" would claim checks that were not made)."""
     results = []
     limit = engine.settings.max_document_bytes if engine else DEFAULT_MAX_BYTES
     for path in files:
@@ -186,7 +190,11 @@ def validate_files(files: list[Path], engine: Engine | None, *, forced: str | No
             dialect = dialects.detect(doc, forced)
             item["dialect"] = dialect.name
             validate_document(engine, doc, dialect)
-            item["valid"] = True
+            named = [] if engine is not None else named_schemas(doc, dialect)
+            if named:
+                _unchecked(item, named, root)
+            else:
+                item["valid"] = True
         except InvalidDocument as exc:
             item["headline"] = str(exc)
             # (every entry has a schema_path: a missing named schema's entry has none)
@@ -200,3 +208,24 @@ def validate_files(files: list[Path], engine: Engine | None, *, forced: str | No
             item["errors"] = [{"field": "$", "error": item["headline"], "schema_path": ""}]
         results.append(item)
     return results
+
+
+def named_schemas(doc: dict[str, Any], dialect: Dialect) -> list[tuple[str, str]]:
+    """(field, name) of each schema the request ``doc`` names (seed 001's ``input.schema``,
+    ``expected_output.schema``); none for an answer, which is not routed."""
+    if getattr(dialect, "is_answer", lambda _doc: False)(doc):
+        return []
+    envelope = dialect.envelope(doc)
+    return [(f, n) for f, n in (("input.schema", envelope.input_schema),
+                                ("expected_output.schema", envelope.output_schema)) if n]
+
+
+def _unchecked(item: dict[str, Any], named: list[tuple[str, str]], root: Path | None) -> None:
+    """Mark ``item`` as not checked for want of a workspace: one error entry per named schema."""
+    where = root if root is not None else "--root"
+    more = f" (and {len(named) - 1} more)" if len(named) > 1 else ""
+    item.update(valid=False, unchecked=[n for _, n in named], headline=(
+        f"{named[0][0]} names {named[0][1]!r}{more}, but there is no workspace at {where} to "
+        "find it in (--root DIR names one)"),
+        errors=[{"field": f, "error": f"{n} not checked: no workspace at {where}",
+                 "schema_path": ""} for f, n in named])
