@@ -1,12 +1,20 @@
-"""Block until a handoff is terminal, woken by the backend's wake-up feed (not a polling sleep)."""
+"""Block until a handoff is terminal, woken by the backend's wake-up feed (not a polling sleep).
+
+Wake-ups are hints: the wait looks again every :data:`SAFETY_RECHECK_SECONDS` regardless, so a
+watch lost while it waits (a folder moved away, no inotify watches left) costs that much at most,
+never a hang; and a feed that cannot be set up at all (no inotify instance or descriptor left:
+OSError) is one warning line, and the wait goes on by looking at that interval alone."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import logging
+from typing import Any, Callable, Collection, cast
 
-from ..backends.base import WaitStop, wait_via_feed
+from ..backends.base import SAFETY_RECHECK_SECONDS, WaitStop, wait_via_feed
 from ..core.states import State
-from ..core.storage import Backend
+from ..core.storage import Backend, Doc, WakeupCallback
+
+log = logging.getLogger("handoffd")
 
 __all__ = ["WaitStop", "awaiting_answer", "wait_terminal"]
 
@@ -29,8 +37,40 @@ def wait_terminal(backend: Backend, handoff_id: str, timeout: float | None = Non
     waiting = getattr(backend, "waiting", None)
     within = waiting(handoff_id, timeout) if callable(waiting) else contextlib.nullcontext()
     with within:
-        return wait_via_feed(backend, handoff_id, timeout, grace_not_found=grace_not_found,
+        return wait_via_feed(cast(Backend, _PolledWithoutFeed(backend)), handoff_id, timeout,
+                             grace_not_found=grace_not_found,
                              until=awaiting_answer if or_awaiting else None, stop=stop)
+
+
+class _PolledWithoutFeed:
+    """``backend`` as :func:`wait_via_feed` uses it (``get``, ``subscribe``), except that a
+    wake-up feed that cannot be set up is one warning line and no feed: the wait then looks
+    every SAFETY_RECHECK_SECONDS and still ends on time (``handoff wait`` exited with the
+    error, and an MCP wait failed, when a machine had no inotify instance left)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)  # (whatever else the wait comes to use)
+
+    def get(self, handoff_id: str) -> tuple[State, Doc] | None:
+        """The backend's ``get``."""
+        return self._backend.get(handoff_id)
+
+    def subscribe(self, callback: WakeupCallback, *,
+                  kinds: Collection[str] | None = None) -> Callable[[], None]:
+        """The backend's ``subscribe``; nothing (polling) when it raises OSError."""
+        try:
+            return self._backend.subscribe(callback, kinds=kinds)
+        except OSError as exc:
+            log.warning("cannot watch for the handoff's changes (%s); the wait looks again "
+                        "every %g s instead", exc.strerror or exc, SAFETY_RECHECK_SECONDS)
+            return _nothing
+
+
+def _nothing() -> None:
+    """The unsubscribe of no subscription."""
 
 
 def awaiting_answer(state: State, doc: dict[str, Any]) -> dict[str, Any] | None:

@@ -14,8 +14,10 @@ event: :func:`~handoffd.backends.files.fsio.parse_line`), read a file a block at
 over :data:`MAX_LINE` is skipped unread, never held whole) and at most :data:`max_bytes` +
 :data:`MAX_LINE` bytes of each (a file larger than that is not what a rotation leaves: only its
 last part is read). They follow the file across rotations by its inode, and from its start again
-when it was truncated in place (logrotate's ``copytruncate``): shorter than where they were, or
-no newline just before it (:meth:`FileEventLog.tail`).
+when it was truncated in place (logrotate's ``copytruncate``, ``: >``): shorter than where they
+were, or its first bytes or the bytes just before where they were no longer those they read
+(:class:`_Print`; a newline just before the cursor alone missed a log truncated and written past
+the cursor again, and the reader went on from the middle of the new content).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from ...core.config import MAX_EVENTS_KEEP
 from ...core.errors import ErrorCode
@@ -40,6 +42,10 @@ DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 DEFAULT_KEEP = 4
 MAX_LINE = 64 * 1024  # a line longer than this is not ours: skipped when read
 LOCK_NAME = ".events.lock"
+# a follower's cursor keeps the file's first HEAD_PRINT bytes and the BEFORE_PRINT bytes before
+# where it stopped (a line or two of ours: a time to the millisecond, an id) and compares them at
+# each poll, two small reads, to tell the file it read from one truncated and written again
+HEAD_PRINT, BEFORE_PRINT = 64, 256
 # how long a writer waits for another's rotation: a rotation holds the lock for a few renames,
 # so a lock held longer is held by a stopped or foreign process (the rotation is put off)
 ROTATE_LOCK_WAIT_SECONDS = 0.25
@@ -161,8 +167,8 @@ class FileEventLog:
                     yield event
 
     def tail(self, cursor: Any = None) -> tuple[list[Event], Any]:
-        """Events appended since ``cursor`` (``(inode, offset, at a line's start)``; None: from
-        now on)."""
+        """Events appended since ``cursor`` (``(inode, offset, at a line's start, first bytes,
+        bytes before the offset)``, the last two to tell a truncation; None: from now on)."""
         events: list[Event] = []
         return events, self.tail_into(cursor, events.append)
 
@@ -170,9 +176,9 @@ class FileEventLog:
         """:meth:`tail`, each event handed to ``take`` as it is read instead of gathered in a
         list (a first look from :data:`START` reads every file kept: a list of them all took
         hundreds of MB); the cursor to pass next time."""
-        ino, size = _stat(self.path)
         if cursor is None:
-            return (ino, size, _ends_a_line(self.path, size))
+            return _now_cursor(self.path)
+        ino, _ = _stat(self.path)
         mark = _Mark()
         if cursor == START:  # every rotated file, then the current one from its start
             for path in self.files()[:-1]:
@@ -183,29 +189,33 @@ class FileEventLog:
             return mark.cursor(ino)
         old_ino, offset, *rest = cursor
         whole = bool(rest[0]) if rest else True
+        # (a cursor of an older handoffd, without them: the newline before it is all there is)
+        seen = _Print(*rest[1:3]) if len(rest) >= 3 else None
         if old_ino != ino and old_ino:  # rotated: finish the file we were reading first
             for n in range(1, self.keep + 1):
                 if _stat(self.rotated(n))[0] == old_ino:
-                    for event in self._scan(self.rotated(n), offset, _Mark(), whole=whole):
+                    for event in self._scan(self.rotated(n), offset, _Mark(), whole=whole,
+                                            seen=seen):
                         take(event)
                     break
-            offset, whole = 0, True
-        for event in self._scan(self.path, offset, mark, whole=whole):
+            offset, whole, seen = 0, True, None
+        for event in self._scan(self.path, offset, mark, whole=whole, seen=seen):
             take(event)
         return mark.cursor(ino)
 
     def _scan(self, path: Path, offset: int, mark: "_Mark", *, whole: bool = True,
-              partial: bool = False) -> Iterator[Event]:
+              partial: bool = False, seen: "_Print | None" = None) -> Iterator[Event]:
         """The events of ``path``'s complete lines from ``offset``, at most ``max_bytes`` +
         MAX_LINE bytes of it (a file longer than that: its last part), a block at a time.
-        ``mark``, once exhausted: the file read, the offset after what was settled, and whether
-        that is a line's start. ``partial``: an unterminated last line too (a torn one).
+        ``mark``, once exhausted: the file read, the offset after what was settled, whether
+        that is a line's start, and the file's bytes there (:class:`_Print`). ``partial``: an
+        unterminated last line too (a torn one).
 
-        ``whole``: ``offset`` was a line's start. The file is read from its start when it is
-        shorter than ``offset`` or no longer has a newline just before it: truncated in place
-        (logrotate's ``copytruncate``, ``: >``), then maybe written past the offset again, so
-        nothing is read from the middle of a line. Not ``whole`` (inside a line over MAX_LINE
-        being skipped): on to that line's end."""
+        ``whole``: ``offset`` was a line's start. The file is read from its start when it was
+        truncated in place (logrotate's ``copytruncate``, ``: >``), then maybe written past the
+        offset again: it is shorter than ``offset``, its bytes differ from ``seen`` (those read
+        last time), or (no ``seen``) it has no newline just before ``offset`` any more. Not
+        ``whole`` (inside a line over MAX_LINE being skipped): on to that line's end."""
         try:
             fh = fsio.open_reading(path)
         except OSError:  # gone (rotated away meanwhile), or no regular file: nothing of ours
@@ -213,12 +223,13 @@ class FileEventLog:
         with fh:
             info = os.fstat(fh.fileno())
             skip = False
-            if info.st_size < offset:
-                offset = 0
+            if info.st_size < offset or (offset and seen is not None
+                                         and _Print.of(fh.fileno(), offset) != seen):
+                offset, seen = 0, None  # truncated (and maybe written past the offset again)
             elif offset:
-                fh.seek(offset - 1)
-                if fh.read(1) != b"\n":
+                if os.pread(fh.fileno(), 1, offset - 1) != b"\n":
                     offset, skip = (0, False) if whole else (offset, True)
+                    seen = seen if skip else None
             bound = self.max_bytes + MAX_LINE
             start = max(offset, info.st_size - bound)
             if start > offset:  # into the middle of a line: the rest of it is dropped
@@ -234,30 +245,61 @@ class FileEventLog:
                 if isinstance(event, dict):
                     yield event
             mark.offset, mark.whole = start + lines.consumed, not lines.skipping
+            # (nothing new: the print just compared is still the one; else two small reads)
+            mark.print = (seen if seen is not None and mark.offset == offset
+                          else _Print.of(fh.fileno(), mark.offset))
+
+
+class _Print(NamedTuple):
+    """What a follower read of a file around its cursor: the file's first :data:`HEAD_PRINT`
+    bytes and the :data:`BEFORE_PRINT` bytes before the cursor. A file truncated in place and
+    written again (to past the cursor or not) has other bytes there: new events, another time
+    and id. Two reads of a few hundred bytes at most, whatever the file's size."""
+
+    head: Any = b""  # (Any: read back from a cursor given by the caller)
+    before: Any = b""
+
+    @classmethod
+    def of(cls, fd: int, offset: int) -> "_Print":
+        """The print of the open file ``fd`` for a cursor at ``offset``."""
+        try:
+            if offset <= HEAD_PRINT + BEFORE_PRINT:  # (one read: the head and what follows)
+                return cls(b"", os.pread(fd, offset, 0))
+            return cls(os.pread(fd, HEAD_PRINT, 0),
+                       os.pread(fd, BEFORE_PRINT, offset - BEFORE_PRINT))
+        except OSError:
+            return cls(b"", b"")
 
 
 class _Mark:
     """Where a scan of a file stopped: its inode (0: none was read), the offset after what it
-    settled, and whether that offset is a line's start (not: inside a line being skipped)."""
+    settled, whether that offset is a line's start (not: inside a line being skipped), and the
+    file's bytes there (:class:`_Print`)."""
 
     def __init__(self) -> None:
         self.ino, self.offset, self.whole = 0, 0, True
+        self.print = _Print()
 
-    def cursor(self, ino: int) -> tuple[int, int, bool]:
+    def cursor(self, ino: int) -> tuple[int, int, bool, bytes, bytes]:
         """The cursor after the scan (``ino``: the file's when it could not be read)."""
-        return (self.ino, self.offset, self.whole) if self.ino else (ino, 0, True)
+        if not self.ino:
+            return (ino, 0, True, b"", b"")
+        return (self.ino, self.offset, self.whole, self.print.head, self.print.before)
 
 
-def _ends_a_line(path: Path, size: int) -> bool:
-    """True when ``path`` is empty or its byte before ``size`` is a newline."""
-    if size <= 0:
-        return True
+def _now_cursor(path: Path) -> tuple[int, int, bool] | tuple[int, int, bool, bytes, bytes]:
+    """A cursor at the end of ``path``: "from now on". At a line's start when the file is
+    empty or ends with a newline (else inside a line being written or torn: its rest is
+    skipped); with the file's bytes there (:class:`_Print`), all of one open file."""
     try:
         with fsio.open_reading(path) as fh:
-            fh.seek(size - 1)
-            return fh.read(1) == b"\n"
-    except OSError:
-        return True
+            info = os.fstat(fh.fileno())
+            seen = _Print.of(fh.fileno(), info.st_size)
+    except OSError:  # none yet (or no regular file): from its start once there is one
+        ino, size = _stat(path)
+        return (ino, size, True)  # (no print: the newline before it is checked, as it was)
+    whole = info.st_size <= 0 or seen.before.endswith(b"\n")
+    return (info.st_ino, info.st_size, whole, seen.head, seen.before)
 
 
 def _shown(path: Path) -> str:

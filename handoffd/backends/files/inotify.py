@@ -6,6 +6,15 @@ pending/) therefore saw the next arrival up to 0.5 s late, and stopping an obser
 delay too. We need no pairing: a name appearing, changing or leaving a watched folder is a hint,
 nothing more. :class:`FolderEvents` reads the kernel's events on one thread and calls back at once.
 Elsewhere than Linux, :mod:`handoffd.backends.files.watch` falls back to watchdog.
+
+A watch is added without following a symlink (``IN_DONT_FOLLOW | IN_ONLYDIR``): a state folder
+swapped for a link is not watched through it (it is left to the rescans, said once). A watch
+holds a folder's inode, not its path: a folder moved away or removed (``IN_MOVE_SELF``,
+``IN_IGNORED``) is watched again at its path, and so are the folders below a parent of theirs
+moved away (``handoffs/`` renamed while ``serve`` runs: each parent and grandparent is watched
+for that alone). A folder that cannot be watched again then is retried by the reader itself,
+at a growing interval (:data:`FIRST_RETRY_SECONDS` to :data:`LAST_RETRY_SECONDS`), so that a
+one-shot command's watch (``handoff wait``), which has no sweep to retry it, comes back too.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import select
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -28,16 +38,28 @@ IN_CLOSE_WRITE = 0x00000008
 IN_MOVED_FROM = 0x00000040
 IN_MOVED_TO = 0x00000080
 IN_CREATE = 0x00000100
+IN_DELETE_SELF = 0x00000400
 IN_MOVE_SELF = 0x00000800
 IN_Q_OVERFLOW = 0x00004000
 IN_IGNORED = 0x00008000
 IN_ONLYDIR = 0x01000000
+IN_DONT_FOLLOW = 0x02000000  # a symlink at a folder's path is not followed (ENOTDIR with ONLYDIR)
 IN_ISDIR = 0x40000000
 SETTLED = IN_MOVED_TO | IN_CLOSE_WRITE  # the writer is done with the name: complete
 WATCHED = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE
 # the watched folder itself renamed away (then removed from the watch: the folder now at its path
 # is watched instead); its removal is IN_IGNORED, which the kernel always sends
 GONE = IN_MOVE_SELF | IN_IGNORED
+# every watch: a folder, never through a symlink (a state folder swapped for one is not watched)
+NO_LINK = IN_ONLYDIR | IN_DONT_FOLLOW
+# the kind of a parent or grandparent of the watched folders, watched only for being renamed away
+# or removed: the folders below it are then watched again at their paths (handoffs/ renamed away
+# left every watch on the old folders, and arrivals in the new ones went unheard to the rescans)
+ANCESTOR = ".."
+ANCESTOR_EVENTS = IN_MOVE_SELF | IN_DELETE_SELF
+# a folder left unwatched is retried by the reader after this long, doubled each time up to the
+# last (a one-shot wait has no sweep to retry it; its hints come back without one)
+FIRST_RETRY_SECONDS, LAST_RETRY_SECONDS = 1.0, 30.0
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len (struct inotify_event)
 _BUFFER = 64 * 1024
 # (folder, errno) already said "cannot watch" in this process: once each, however many sweeps
@@ -81,6 +103,9 @@ class FolderEvents:
         self._idents: dict[int, tuple[int, int]] = {}  # fd -> (st_dev, st_ino) when opened
         self._kinds: dict[int, str] = {}
         self._paths: dict[int, Path] = {}  # wd -> folder
+        # the parents and grandparents of the folders (not watched folders themselves)
+        self.ancestors = {up for folder in folders for up in (folder.parent, folder.parent.parent)
+                          if up not in folders}
         # folders not watched now (the add failed, or the folder was moved away or removed and
         # the one now at its path could not be added): alive() is False until rewatch() adds them
         self.unwatched: dict[Path, str] = {}
@@ -99,13 +124,19 @@ class FolderEvents:
         self._fd = fd
         failed: dict[int, list[Path]] = {}
         with self._lock:
-            for folder, kind in self.folders.items():
+            watched = [*self.folders.items(), *((up, ANCESTOR) for up in sorted(self.ancestors))]
+            for folder, kind in watched:
                 wd = self._add(folder, kind)
                 if wd < 0:
                     failed.setdefault(-wd, []).append(folder)
         for code, folders in failed.items():
             _cannot_watch(folders, code)
-        self._kill = os.pipe()
+        try:
+            self._kill = os.pipe()
+        except OSError:  # (no descriptor left) the caller relies on rescans: none kept open
+            os.close(fd)
+            self._fd = -1
+            raise
         self._idents = {n: _identity(n) for n in (fd, *self._kill)}
         self._thread = threading.Thread(target=self._run, name="handoffd-inotify", daemon=True)
         self._thread.start()
@@ -136,8 +167,8 @@ class FolderEvents:
         """Add the watch of ``folder`` (under ``_lock``): its descriptor, or minus the errno that
         refused it (the folder is then in ``unwatched``)."""
         assert _LIBC is not None
-        wd = _LIBC.inotify_add_watch(self._fd, os.fsencode(folder),
-                                     WATCHED | IN_MOVE_SELF | IN_ONLYDIR)
+        mask = ANCESTOR_EVENTS if kind == ANCESTOR else WATCHED | IN_MOVE_SELF
+        wd = _LIBC.inotify_add_watch(self._fd, os.fsencode(folder), mask | NO_LINK)
         if wd < 0:
             self.unwatched[folder] = kind
             return -(ctypes.get_errno() or errno.EIO)
@@ -177,11 +208,19 @@ class FolderEvents:
     def _run(self) -> None:
         assert self._kill is not None
         kill_r = self._kill[0]
+        retry = _Retry()
         while True:
             try:
-                ready, _, _ = select.select([self._fd, kill_r], [], [])
+                wait = retry.wait(bool(self.unwatched), time.monotonic())
+                if wait == 0.0:  # a folder is not watched, and its retry is due
+                    if not self._retry():
+                        return
+                    continue
+                ready, _, _ = select.select([self._fd, kill_r], [], [], wait)
                 if kill_r in ready:
                     return
+                if not ready:
+                    continue
                 data = os.read(self._fd, _BUFFER)
             except InterruptedError:
                 continue
@@ -195,6 +234,15 @@ class FolderEvents:
             except Exception:  # a callback's bug must not end the watch
                 log.exception("inotify event handling failed")
 
+    def _retry(self) -> bool:
+        """The reader's own :meth:`rewatch` of the folders left unwatched (a rescan when any is
+        watched again); False when the descriptor is no longer ours (the reader stops, and
+        the sweep restarts the watch)."""
+        again = self.rewatch()
+        if again:
+            self.on_overflow()
+        return again is not None
+
     def _dispatch(self, data: bytes) -> None:
         offset = 0
         while offset + _HEADER.size <= len(data):
@@ -207,6 +255,10 @@ class FolderEvents:
             kind = self._kinds.get(wd)
             if kind is None:
                 continue
+            if kind == ANCESTOR:
+                if mask & (ANCESTOR_EVENTS | IN_IGNORED):
+                    self._ancestor_gone(wd)
+                continue
             if mask & (IN_ISDIR | GONE):
                 if mask & GONE:
                     self._replaced(wd, mask)
@@ -218,7 +270,8 @@ class FolderEvents:
     def _replaced(self, wd: int, mask: int) -> None:
         """The watched folder of ``wd`` was renamed away or removed (``pending/`` replaced by a
         new folder): watch the folder now at its path instead, and ask for a rescan (names may
-        have arrived unseen meanwhile); when there is none yet, leave it to the sweep's retry."""
+        have arrived unseen meanwhile); when there is none yet, leave it to the retries (the
+        reader's own, :class:`_Retry`, and the sweep's)."""
         assert _LIBC is not None
         with self._lock:
             folder = self._paths.pop(wd, None)
@@ -235,6 +288,60 @@ class FolderEvents:
                         "(and rescanning)", folder)
         self.on_overflow()
 
+    def _ancestor_gone(self, wd: int) -> None:
+        """A parent or grandparent of the watched folders was renamed away or removed
+        (``handoffs/`` itself): the watches below it hold the old folders. Watch what is at
+        each path now instead (the ancestor too), say so in one line, and ask for a rescan; a
+        path with nothing to watch yet is left to the retries (not said again by them)."""
+        assert _LIBC is not None
+        failed: dict[int, list[Path]] = {}
+        with self._lock:
+            moved = self._paths.get(wd)
+            if moved is None or self._fd < 0:
+                return
+            below = [(old, path, self._kinds[old]) for old, path in list(self._paths.items())
+                     if path == moved or moved in path.parents]
+            for old, path, kind in below:
+                del self._paths[old], self._kinds[old]
+                new = self._add(path, kind)
+                if new != old:  # (the same: that folder is back at its path)
+                    _LIBC.inotify_rm_watch(self._fd, old)  # (gone already: EINVAL, harmless)
+                if new < 0:
+                    failed.setdefault(-new, []).append(path)
+        if failed:  # (one line, said for each folder: the retries' failures are not said again)
+            _said.update((str(path), code) for code, paths in failed.items() for path in paths)
+            why = "; ".join(f"[Errno {code}] {os.strerror(code)}" for code in failed)
+            log.warning("%s was moved away or removed, and the folders below it cannot be "
+                        "watched at their paths yet (%s); changes there are seen at rescans (the "
+                        "watch tries again now and then)", moved, why)
+        else:
+            log.warning("%s was moved away or removed; watching the folders now at their "
+                        "paths (and rescanning)", moved)
+        self.on_overflow()
+
+
+class _Retry:
+    """When the reader tries again the folders it does not watch: :data:`FIRST_RETRY_SECONDS`
+    after it first found one, then at doubling intervals up to :data:`LAST_RETRY_SECONDS`, by a
+    deadline (events from the folders it does watch do not put it off)."""
+
+    def __init__(self) -> None:
+        self.interval, self.due = 0.0, 0.0
+
+    def wait(self, unwatched: bool, now: float) -> float | None:
+        """How long the reader may wait for events (None: for ever, nothing is unwatched; 0.0:
+        the retry is due now, and the next is scheduled)."""
+        if not unwatched:
+            self.interval = 0.0
+            return None
+        if not self.interval:
+            self.interval, self.due = FIRST_RETRY_SECONDS, now + FIRST_RETRY_SECONDS
+        if now < self.due:
+            return self.due - now
+        self.interval = min(self.interval * 2, LAST_RETRY_SECONDS)
+        self.due = now + self.interval
+        return 0.0
+
 
 def _cannot_watch(folders: list[Path], code: int, *, moved: bool = False) -> None:
     """Say once (per folder and error, in this process) that ``folders`` are not watched."""
@@ -245,8 +352,8 @@ def _cannot_watch(folders: list[Path], code: int, *, moved: bool = False) -> Non
     names = ", ".join(str(f) for f in new)
     what = (f"{names} was moved away or removed, and the folder now at that path cannot be "
             "watched" if moved else f"cannot watch {names}")
-    log.warning("%s ([Errno %d] %s); changes there are seen at rescans (each sweep tries "
-                "again)", what, code, os.strerror(code))
+    log.warning("%s ([Errno %d] %s); changes there are seen at rescans (the watch tries "
+                "again now and then)", what, code, os.strerror(code))
 
 
 def _identity(fd: int) -> tuple[int, int]:
