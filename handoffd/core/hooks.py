@@ -34,7 +34,8 @@ class Verdict:
     reason: str
     code: str = ""
     # a wait that only the filing of these handoffs can end (a scheduler re-checks it then, and at
-    # its rescans); None: any filing may end it
+    # its rescans, unless a feature's quiet check says the wait ends only when the handoff's own
+    # document changes or the feature queues it: a pause); None: any filing may end it
     on: frozenset[str] | None = None
 
     @classmethod

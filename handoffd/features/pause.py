@@ -4,7 +4,9 @@
 (files: ``handoffs/.meta/paused.json``; PostgreSQL: a table every host reads), so it survives
 restarts and every daemon of the store obeys it. A gate keeps paused work in pending/ ("paused:
 ..." in ``handoff ls``); handoffs already running finish. ``handoff resume`` lifts it; serving
-daemons pick the work up at their next rescan.
+daemons pick the work up at their next rescan. Until then a daemon does not read a paused
+handoff again unless its document changes (a rescan compares its stamp): a resume is a change of
+the records, which the daemon's scans look at, and queue what it lifts.
 """
 from __future__ import annotations
 
@@ -72,8 +74,16 @@ class Pauses:
         return None
 
 
+class QuietWaits(Protocol):
+    """What the pause feature uses of a daemon's scheduler (see handoffd.service.scheduler)."""
+
+    def add_quiet_check(self, check: Callable[[str], bool]) -> None: ...
+
+
 class DaemonPlugins(Protocol):
-    """What the pause feature uses of a daemon (its public plugin API)."""
+    """What the pause feature uses of a daemon (its public plugin API, and its scheduler's)."""
+
+    scheduler: QuietWaits
 
     def queue(self, handoff_id: str) -> None: ...
     def add_scan_hook(self, hook: Callable[[], None]) -> None: ...
@@ -91,6 +101,9 @@ def install(engine: Engine) -> None:
         agent = spec.agent if spec else env.target
         why = pauses.why(agent)
         if not why:
+            if env.handoff_id in held:  # rewritten for an agent that is not paused
+                with lock:
+                    held.pop(env.handoff_id, None)
             return None
         with lock:
             held[env.handoff_id] = agent
@@ -113,7 +126,18 @@ def install(engine: Engine) -> None:
             for handoff_id in lifted:
                 daemon.queue(handoff_id)
 
+        def still_paused(handoff_id: str) -> bool:
+            """The gate last held ``handoff_id`` back for a pause still in force: only a resume
+            (``look`` queues it) or a change of its document (a rescan sees its stamp change)
+            ends its wait, so a rescan need not read it again."""
+            agent = held.get(handoff_id)
+            if agent is None:
+                return False
+            now = pauses.current()
+            return ALL in now or agent in now
+
         daemon.add_scan_hook(look)
+        daemon.scheduler.add_quiet_check(still_paused)
 
     engine.gates.insert(0, pause_gate)  # first: a paused handoff is not even looked at further
     engine.daemon_plugins.append(attach)
