@@ -29,7 +29,13 @@ class BatchReport:
     def needs_a_look(self) -> bool:
         """Something an operator should hear of even from a quiet cron batch."""
         return bool(self.failed or self.handed_back or self.error or self.stalls or self.lost
-                    or self.errors)
+                    or self.errors or self.set_aside)
+
+    @property
+    def set_aside(self) -> int:
+        """Unreadable leftovers the run's first sweep moved to the quarantine (files: junk, or
+        a document over the size bound, left in in-progress/)."""
+        return len(self.sweep.set_aside) if self.sweep is not None else 0
 
     def line(self) -> str:
         """The one-line summary ``handoffd run`` and ``serve`` print."""
@@ -43,6 +49,9 @@ class BatchReport:
             text += f", waiting {len(self.waiting)}"
         if self.errors:
             text += f", {self.errors} error(s) (left where they were, for the next look)"
+        if self.set_aside:
+            text += (f", set aside {self.set_aside} unreadable document(s) (handoff ls --state "
+                     "quarantined)")
         if self.stalls:
             text += f", scheduler reset {self.stalls} time(s)"
         if self.lost:

@@ -4,19 +4,23 @@
   (:meth:`Backend.expired_claims`); what its attempt left running on this host is killed, and it
   is retried or failed per its retry policy;
 * the backend's own repairs (:meth:`Backend.maintain`; files: duplicate copies, claims that died
-  before recording a lease, orphaned temp and lock files, the seen-ids record);
+  before recording a lease, unreadable leftovers set aside, orphaned temp and lock files, the
+  seen-ids record); what they set aside is logged here, and its failure stub filed, as
+  admission does, so the ``on_filed`` listeners and the event log hear of it
+  (:func:`report_set_aside`);
 * the features' repairs (``engine.on_sweep``) and the process records of finished attempts.
 
 Sweeping is idempotent and safe to run from several processes at once.
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import procs
-from ..core.documents import book, book_int, record
+from ..core.documents import book, book_int, check_id, record
 from ..core.engine import Engine
 from ..core.errors import (
     DuplicateHandoff,
@@ -26,11 +30,16 @@ from ..core.errors import (
     InvalidTransition,
     NotFound,
 )
+from ..core.events import SET_ASIDE, RecordingBackend
+from ..core.formats import FiledState
 from ..core.states import State
 from ..core.storage import GIVEN_UP, Claim, owner_died
 from .handbacks import FREE_HANDBACKS, stops_in_a_row
 
 log = logging.getLogger("handoffd")
+# the key of Backend.maintain's report saying what its repairs set aside: JSON objects {"id",
+# "code", "message", "stub"} (the files store's: see backends.files.repair.NOTES)
+NOTES = "set_aside_notes"
 
 
 @dataclass
@@ -41,12 +50,20 @@ class SweepReport:
     duplicates_resolved: list[str] = field(default_factory=list)
     temp_files_removed: int = 0
     locks_removed: int = 0
+    # unreadable leftovers moved to the quarantine (files: junk, or a document over the size
+    # bound, left in in-progress/), and the failure stubs filed under their ids
+    set_aside: list[str] = field(default_factory=list)
+    stubs_filed: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for ``handoffd sweep``."""
-        return (f"recovered {len(self.recovered)} abandoned claim(s), resolved "
+        text = (f"recovered {len(self.recovered)} abandoned claim(s), resolved "
                 f"{len(self.duplicates_resolved)} duplicate copies, removed "
                 f"{self.temp_files_removed} temp file(s) and {self.locks_removed} stale lock(s)")
+        if self.set_aside:
+            text += (f"; set aside {len(self.set_aside)} unreadable document(s) (handoff ls "
+                     "--state quarantined)")
+        return text
 
 
 def sweep(engine: Engine, *, skip: set[str] | None = None) -> SweepReport:
@@ -79,6 +96,46 @@ def _maintain(engine: Engine, skip: set[str], report: SweepReport) -> None:
     report.duplicates_resolved.extend(done.get("duplicates_resolved", []))
     report.temp_files_removed += len(done.get("temp_files_removed", []))
     report.locks_removed += len(done.get("locks_removed", []))
+    report.set_aside.extend(done.get("set_aside", []))
+    report_set_aside(engine, done.get(NOTES, []), report)
+
+
+def report_set_aside(engine: Engine, notes: list[str], report: SweepReport) -> None:
+    """Do for each document the backend's repairs set aside (``notes``: :data:`NOTES`
+    entries) what admission does for one it sets aside (:func:`handoffd.core.admission.
+    set_aside`): an event, and the failure stub when asked for. Each on its own: one that
+    cannot be filed is one line, and the next is filed."""
+    for note in notes:
+        try:
+            item = json.loads(note)
+            handoff_id, code, message = str(item["id"]), str(item["code"]), str(item["message"])
+        except (ValueError, KeyError, TypeError) as exc:  # (a bug: the notes are the store's)
+            log.error("sweep: a repair's note of what it set aside cannot be read: %s", exc)
+            continue
+        if isinstance(engine.backend, RecordingBackend):  # (the store's repairs log no event)
+            engine.backend.emit("set_aside", handoff_id, SET_ASIDE, None, code=code,
+                                reason=message, was=State.IN_PROGRESS.value)
+        if item.get("stub") is True:
+            _step(f"filing the failure of {handoff_id}", _file_stub, engine, handoff_id, code,
+                  message, report)
+
+
+def _file_stub(engine: Engine, handoff_id: str, code: str, message: str,
+               report: SweepReport) -> None:
+    """File the native failure stub admission files under the id of a document set aside
+    (unless a copy of it exists, or appeared since), told to the ``on_filed`` listeners:
+    notifications, a waiting parent's aggregation, its dependants' gates, the daemon's
+    counts."""
+    check_id(handoff_id)  # (InvalidDocument: nothing is filed under a name that is no id)
+    now = engine.clock()
+    doc: dict[str, Any] = {"handoff_id": handoff_id}
+    record(doc, "rejected", now, code=code)
+    book(doc)["dialect"] = "native"
+    answer = engine.formats.by_name("native").render(
+        doc, engine.failure(now, code, message), FiledState(0, 0, False))
+    if engine.backend.create_failed(handoff_id, answer):
+        report.stubs_filed.append(handoff_id)
+        engine.hooks.announce(handoff_id, State.FAILED)
 
 
 def _describe(repair: Any) -> str:

@@ -8,8 +8,10 @@
   :data:`FOREIGN_LEASE_SECONDS`) from when it started, then handed back as a dead claimer's;
 * an in-progress entry that cannot be read (junk, a folder, a FIFO, a dangling symlink) and
   that nothing changed for the claim grace, with no claimer holding it, is quarantined with
-  its code and, under a safe id found nowhere else, a failure stub is filed as admission does
-  for pending/ (:func:`set_aside_junk`);
+  its code; one over our size bound only once nothing changed it for
+  :data:`LARGE_QUIET_SECONDS` (:func:`set_aside_junk`). The sweep then logs the event and,
+  under a safe id found nowhere else, files a failure stub as admission does for pending/ (the
+  repair says what it set aside: :data:`NOTES`);
 * orphaned temp files and lock files of finished claims are removed;
 * a document a move or purge set aside and never finished with (it died) is put back
   (:mod:`.aside`);
@@ -21,6 +23,7 @@ Claims whose owner died *after* recording a lease are taken over by
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import stat
 import time
@@ -29,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Collection, Iterator
 
-from ...core.documents import apply_native_outcome, book, check_id, record
+from ...core.documents import book, check_id, record
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
 from ...core.logs import log
 from ...core.states import State, winner
@@ -45,8 +48,16 @@ TMP_MAX_AGE_SECONDS = 300.0
 FOREIGN_LEASE_SECONDS = 300.0  # a foreign claim without timeout_seconds: the daemon default
 MAX_FOREIGN_LEASE_SECONDS = 7 * 24 * 3600.0
 # an in-progress file over our size bound may be the live claim of a daemon with a larger
-# max_document_bytes sharing the workspace: its lease cannot be read here, so it is no junk
-NOT_JUNK = frozenset({ErrorCode.DOCUMENT_TOO_LARGE})
+# max_document_bytes sharing the workspace (the limit lowered under it), or a foreign
+# consumer's claim: neither its lease nor its claim time can be read here. It is junk only once
+# nothing has changed it for this long: a live claimer rewrites it at every lease renewal
+# (every lease_seconds / 3: a lease of up to half an hour renews well within it), and a foreign
+# claim of no stated time is honoured FOREIGN_LEASE_SECONDS (before s16 it stayed for ever)
+LARGE_QUIET_SECONDS = 600.0
+# the key of the repairs' report saying what was set aside: one JSON object {"id", "code",
+# "message", "stub"} each; the sweep logs its event and, for "stub", files the failure stub as
+# admission does, so that the on_filed listeners, the event log and `handoff wait` hear of it
+NOTES = "set_aside_notes"
 Repairs = dict[str, list[str]]
 
 
@@ -54,7 +65,7 @@ def repair(store: Store, now: datetime, *, claim_grace_seconds: float,
            skip: Collection[str] = ()) -> Repairs:
     """Run every repair once, each isolated: one that fails is logged and the others go on."""
     done: Repairs = {"recovered": [], "duplicates_resolved": [], "temp_files_removed": [],
-                     "locks_removed": [], "set_aside": []}
+                     "locks_removed": [], "set_aside": [], NOTES: []}
     _step("resolving duplicate copies", resolve_duplicates, store, done)
     try:
         in_progress = store.ids(State.IN_PROGRESS)
@@ -131,8 +142,7 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
         return  # gone
     except (InvalidDocument, OSError) as exc:  # junk, once it stays unreadable past the grace
         problem = read_error(path, exc, handoff_id)
-        if not problem.transient and problem.code not in NOT_JUNK \
-                and set_aside_junk(store, handoff_id, problem, grace, now):
+        if not problem.transient and set_aside_junk(store, handoff_id, problem, grace, done):
             done.setdefault("set_aside", []).append(handoff_id)
         return
     # a claim's own rewrite seals it for in-progress/ with a lease; a claimer that died right
@@ -160,13 +170,15 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
 
 
 def set_aside_junk(store: Store, handoff_id: str, problem: UnreadableDocument, grace: float,
-                   now: datetime) -> bool:
+                   done: Repairs) -> bool:
     """Quarantine the unreadable entry ``in-progress/<handoff_id>.json`` (junk, a folder, a
-    FIFO, a dangling symlink) with ``problem``'s code once nothing has changed it for the claim
-    grace (and the settle time: a foreign consumer rewrites its claim in place), and, when its
-    name is a safe id with no other copy, file a failure stub under it as admission does for
+    FIFO, a dangling symlink, a document over our size bound) with ``problem``'s code once
+    nothing has changed it for the claim grace (and the settle time: a foreign consumer rewrites
+    its claim in place; :data:`LARGE_QUIET_SECONDS` for one over our size bound, whose lease
+    cannot be read), and say so in ``done[NOTES]``: the sweep logs its event and, when its
+    name is a safe id with no other copy, files a failure stub under it as admission does for
     pending/ (:func:`handoffd.core.admission.set_aside`), so that ``handoff wait`` ends with
-    that failure. True when it was set aside.
+    that failure. True when it was set aside: moved, never read (a large one stays on disk).
 
     The caller holds the handoff's recovery guard and has seen no claimer's lock on the entry
     (:func:`.leases.unclaimed`): a claimer holds that lock from before its rename until its
@@ -176,7 +188,10 @@ def set_aside_junk(store: Store, handoff_id: str, problem: UnreadableDocument, g
         info = os.lstat(path)  # (the entry itself: a symlink's own times, never its target's)
     except FileNotFoundError:
         return False
-    if time.time() - max(info.st_mtime, info.st_ctime) < max(grace, store.settle_seconds):
+    quiet = max(grace, store.settle_seconds)
+    if problem.code == ErrorCode.DOCUMENT_TOO_LARGE:
+        quiet = max(quiet, LARGE_QUIET_SECONDS)
+    if time.time() - max(info.st_mtime, info.st_ctime) < quiet:
         return False  # renamed in or changed just now: its claimer may be writing it
     message = in_folder(str(problem), State.IN_PROGRESS, path.name)
     others = [s.value for s in store.locate(handoff_id) if s is not State.IN_PROGRESS]
@@ -187,32 +202,19 @@ def set_aside_junk(store: Store, handoff_id: str, problem: UnreadableDocument, g
     except FileNotFoundError:
         return False  # set aside or moved by another process meanwhile
     log.warning("set aside in-progress/%s.json: %s: %s", handoff_id, problem.code, message)
-    if not others:
-        _file_stub(store, handoff_id, problem.code, message, now)
+    done.setdefault(NOTES, []).append(json.dumps(
+        {"id": handoff_id, "code": problem.code, "message": message,
+         "stub": not others and _safe(handoff_id)}))
     return True
 
 
-def _file_stub(store: Store, handoff_id: str, code: str, message: str, now: datetime) -> None:
-    """File the failure admission files for a document set aside (the same native stub, see
-    :func:`handoffd.core.admission.set_aside`) when ``handoff_id`` is a safe id found nowhere."""
+def _safe(handoff_id: str) -> bool:
+    """True when ``handoff_id`` may name a document (a stub is filed under no other name)."""
     try:
         check_id(handoff_id)
     except InvalidDocument:
-        return
-    if store.locate(handoff_id):
-        return
-    from ...core.results import failed  # (rare: not on every sweep's imports)
-    answer: dict[str, Any] = {"handoff_id": handoff_id}
-    record(answer, "rejected", now, code=code)
-    book(answer)["dialect"] = "native"
-    # the native dialect's render of it with FiledState(0, 0, False), as admission's (a
-    # backend imports no dialect)
-    apply_native_outcome(answer, failed(now, now, code, message), retry_count=0, max_retries=0,
-                         retry_available=False)
-    try:
-        store.write_new(State.FAILED, answer)
-    except DuplicateHandoff:
-        return  # filed meanwhile (another sweeper, or a copy that appeared): that one stands
+        return False
+    return True
 
 
 def foreign_lease_end(doc: dict[str, Any], claimed_at: float) -> float:
