@@ -12,7 +12,8 @@ that ``handoff wait`` ends with that failure.
 Not junk, and left alone: an entry changed within the claim grace (a claim or a foreign
 consumer's rewrite in the making), one whose claimer holds its lock, a readable document without
 a lease (handed back as before), a foreign consumer's claim, and a document over our size bound
-(a daemon with a larger ``max_document_bytes`` may own it).
+until it has been unchanged for ten minutes (a daemon with a larger ``max_document_bytes`` may
+own it: see test_inprogress_leftovers_s16.py).
 """
 from __future__ import annotations
 

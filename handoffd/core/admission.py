@@ -218,15 +218,25 @@ def set_aside(engine: Admitting, handoff_id: str, state: State, code: str, messa
     if not stub:
         return True
     try:
-        check_id(handoff_id)
-    except InvalidDocument:
-        return True
+        file_stub(engine, handoff_id, code, message)
+    except InvalidDocument:  # no safe id: nothing can be filed under that name
+        pass
+    return True
+
+
+def file_stub(engine: Admitting, handoff_id: str, code: str, message: str) -> bool:
+    """File a native failure stub (``rejected`` with ``code``) under the id of a document set
+    aside, so `handoff wait` and `show` on it end, and announce it to the ``on_filed``
+    listeners (notifications, a waiting parent, dependants, the daemon's counts). False when a
+    document of that id exists (or appeared since); InvalidDocument when it is no safe id."""
+    check_id(handoff_id)
     now = engine.clock()
     doc: dict[str, Any] = {"handoff_id": handoff_id}
     record(doc, "rejected", now, code=code)
     book(doc)["dialect"] = "native"
     answer = engine.formats.by_name("native").render(
         doc, engine.failure(now, code, message), FiledState(0, 0, False))
-    if engine.backend.create_failed(handoff_id, answer):
-        engine.hooks.announce(handoff_id, State.FAILED)
+    if not engine.backend.create_failed(handoff_id, answer):
+        return False
+    engine.hooks.announce(handoff_id, State.FAILED)
     return True

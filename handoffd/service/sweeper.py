@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import procs
-from ..core.documents import book, book_int, check_id, record
+from ..core.admission import file_stub
+from ..core.documents import book, book_int, record
 from ..core.engine import Engine
 from ..core.errors import (
     DuplicateHandoff,
@@ -31,7 +32,6 @@ from ..core.errors import (
     NotFound,
 )
 from ..core.events import SET_ASIDE, RecordingBackend
-from ..core.formats import FiledState
 from ..core.states import State
 from ..core.storage import GIVEN_UP, Claim, owner_died
 from .handbacks import FREE_HANDBACKS, stops_in_a_row
@@ -122,20 +122,10 @@ def report_set_aside(engine: Engine, notes: list[str], report: SweepReport) -> N
 
 def _file_stub(engine: Engine, handoff_id: str, code: str, message: str,
                report: SweepReport) -> None:
-    """File the native failure stub admission files under the id of a document set aside
-    (unless a copy of it exists, or appeared since), told to the ``on_filed`` listeners:
-    notifications, a waiting parent's aggregation, its dependants' gates, the daemon's
-    counts."""
-    check_id(handoff_id)  # (InvalidDocument: nothing is filed under a name that is no id)
-    now = engine.clock()
-    doc: dict[str, Any] = {"handoff_id": handoff_id}
-    record(doc, "rejected", now, code=code)
-    book(doc)["dialect"] = "native"
-    answer = engine.formats.by_name("native").render(
-        doc, engine.failure(now, code, message), FiledState(0, 0, False))
-    if engine.backend.create_failed(handoff_id, answer):
+    """File the failure stub admission files under the id of a document set aside (unless a
+    copy of it exists, or appeared since); InvalidDocument when its name is no id."""
+    if file_stub(engine, handoff_id, code, message):
         report.stubs_filed.append(handoff_id)
-        engine.hooks.announce(handoff_id, State.FAILED)
 
 
 def _describe(repair: Any) -> str:
