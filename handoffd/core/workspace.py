@@ -116,32 +116,41 @@ class Workspace:
         """True when the state folders are present."""
         return all(self.state_dir(s).is_dir() for s in State)
 
+    @cached_property
+    def own_folders(self) -> tuple[Path, ...]:
+        """Every folder of ``handoffs/`` that must be a plain folder of the workspace itself:
+        the bookkeeping folders (``.quarantine`` first: the others are set aside into it) and
+        the four state folders. Through a symlink at any of them, what handoffd writes, moves
+        or removes there would be written, moved or removed outside the workspace."""
+        return (self.quarantine, self.tmp, self.meta, self.locks,
+                *(self.state_dir(state) for state in State))
+
     def check_state_folders(self) -> None:
-        """ConfigError (one line, exit 2) when one of the four state folders that is there is a
+        """ConfigError (one line, exit 2) when one of :attr:`own_folders` that is there is a
         symlink, no folder, or the same folder as another: a symlinked ``completed/`` filed
-        results outside the workspace (and retention purged files there), and one linked to
-        ``pending/`` made the sweep take a document for its own duplicate and delete it. A
+        results outside the workspace (and retention purged files there), one linked to
+        ``pending/`` made the sweep take a document for its own duplicate and delete it, and a
+        symlinked ``.meta`` kept the seal key, the seen ids and the event log outside it. A
         missing folder is no error here (:meth:`ensure` makes it; :meth:`exists` tells). A
-        symlinked ``handoffs/`` itself is allowed (the state folders then live elsewhere, as
-        plain folders)."""
+        symlinked ``handoffs/`` itself is allowed (its folders then live elsewhere, as plain
+        folders). A folder swapped while a process runs is the files backend's to notice
+        (:class:`handoffd.backends.files.quarantine.FolderGuard`)."""
         seen: dict[tuple[int, int], str] = {}
-        for state in State:
-            path = self.state_dir(state)
+        for path in self.own_folders:
             try:
                 info = os.lstat(path)
             except OSError:  # missing (or handoffs/ unreadable: what uses it says so)
                 continue
-            if stat.S_ISLNK(info.st_mode):
-                why = "it is a symlink"
-            elif not stat.S_ISDIR(info.st_mode):
-                why = "it is not a folder"
-            elif (info.st_dev, info.st_ino) in seen:
+            why = not_a_plain_folder(info)
+            if why is None and (info.st_dev, info.st_ino) in seen:
                 why = f"it is the same folder as handoffs/{seen[info.st_dev, info.st_ino]}"
-            else:
-                seen[info.st_dev, info.st_ino] = state.value
+            if why is None:
+                seen[info.st_dev, info.st_ino] = path.name
                 continue
-            raise ConfigError(f"{path} cannot be used as a state folder of the workspace ({why}); "
-                              f"make handoffs/{state.value} a plain folder of its own")
+            what = "a state folder" if not path.name.startswith(".") \
+                else "a bookkeeping folder"
+            raise ConfigError(f"{path} cannot be used as {what} of the workspace ({why}); "
+                              f"make handoffs/{path.name} a plain folder of its own")
 
     def load_config(self) -> Config:
         """Parse this workspace's handoffd.toml (defaults when absent)."""
@@ -162,6 +171,16 @@ class Workspace:
     @cached_property
     def _root_text(self) -> str:
         return str(self.root)
+
+
+def not_a_plain_folder(info: os.stat_result) -> str | None:
+    """Why an entry with ``info`` (its ``lstat``) is no plain folder (``it is a symlink``,
+    ``it is not a folder``), or None when it is one."""
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symlink"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a folder"
+    return None
 
 
 @lru_cache(maxsize=16)

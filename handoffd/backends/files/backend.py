@@ -257,6 +257,7 @@ class FilesBackend(FencedFiling, Backend):
         if not state.terminal:
             raise InvalidTransition(f"handoff {handoff_id}: only finished handoffs are purged",
                                     handoff_id=handoff_id)
+        self.store.folders.check()  # never removed (nor recorded) through a swapped folder
         self.store.seen.add(handoff_id, now)  # first: dedup must outlive the document
         if expect is not None:
             return self.store.remove_if(state, handoff_id, expect)
@@ -271,6 +272,10 @@ class FilesBackend(FencedFiling, Backend):
 
     def maintain(self, now: datetime, *,
                  skip: Collection[str] = ()) -> dict[str, builtins.list[str]]:
+        # first: a folder of handoffs/ swapped for a link since the last look is set aside and
+        # made again (a missing one made) before anything is watched, listed or repaired through
+        # it (an OSError here skips this sweep's repairs)
+        self.store.folders.check_all(make_missing=True)
         if self._watch is not None and len(self._subscribers) and not self._watch.alive():
             # a folder left unwatched (no inotify watches left, pending/ replaced before it could
             # be watched again) is added to the running watch, said once (in .inotify)
@@ -306,6 +311,7 @@ class FilesBackend(FencedFiling, Backend):
         """A descriptor of ``.meta/cancel`` itself; None when it is missing, or when it is no
         plain folder (a symlink...): then nothing is read or removed through it, said once."""
         try:
+            self.store.folders.check()  # (.meta swapped for a link: put right first)
             fd = open_folder(self._cancel_folder)
         except FileNotFoundError:
             return None

@@ -43,6 +43,7 @@ from .leases import (
     release_lock,
     try_lock,
 )
+from .quarantine import FolderGuard
 from .reading import MAX_REASON_BYTES
 from .seen import SeenIds
 
@@ -105,6 +106,9 @@ class Store:
         self.owners = OwnerLocks(workspace.locks)
         self._own_tmp: Path | None = None  # see use_own_tmp
         self._tmp_checked = False  # see _check_tmp
+        # the folders of handoffs/ swapped for a link while this process runs: put right before
+        # each claim, renewal, filing, move and removal (one stat of handoffs/ when unchanged)
+        self.folders = FolderGuard(workspace)
 
     # ---------------------------------------------------------------- the owner lock
     def owner_lock(self) -> str:
@@ -170,6 +174,7 @@ class Store:
         if not self._key_loaded:
             self._key = seals.load_or_create_key(self.ws.meta, self.tmp)
             self._key_loaded = self._key is not None
+            self.folders.seal_key = self._key  # (written again into a .meta made again)
         return self._key
 
     def encode(self, doc: dict[str, Any], state: State, handoff_id: str) -> bytes:
@@ -247,20 +252,24 @@ class Store:
     # ---------------------------------------------------------------- writing
     def write_new(self, state: State, doc: dict[str, Any]) -> None:
         """Publish ``doc`` in ``state`` atomically; DuplicateHandoff if that name is taken."""
+        self.folders.check()
         writes.write_new(self, state, doc)
 
     def create(self, doc: dict[str, Any], handoff_id: str, *, now: datetime | None = None,
                due_at: datetime | None = None) -> str:
         """Submit a new document to pending/; DuplicateHandoff naming the existing copy if taken."""
+        self.folders.check()
         return writes.create(self, doc, handoff_id, now=now, due_at=due_at)
 
     def remove_if(self, state: State, handoff_id: str, expect: dict[str, Any]) -> bool:
         """Delete ``handoff_id``'s document in the finished ``state`` if it still is ``expect``
         (see :func:`.writes.remove_if`)."""
+        self.folders.check()
         return writes.remove_if(self, state, handoff_id, expect)
 
     def quarantine(self, path: Path, code: str, message: str, *, now: datetime | None = None) -> Path:
         """Move an unusable file out of the state folders, with a ``.reason.json`` beside it."""
+        self.folders.check()
         return writes.quarantine(self, path, code, message, now=now)
 
     # ---------------------------------------------------------------- claims and moves
@@ -286,6 +295,7 @@ class Store:
             return None  # claimed, or being claimed right now, by another process
         displaced: Path | None = None
         try:
+            self.folders.check()  # never renamed into (or out of) a folder swapped for a link
             claim, displaced = self._claim_held(handoff_id, held, lease_seconds, now, on_claim)
         finally:
             if held is not None:
@@ -391,7 +401,7 @@ class Store:
             try:
                 return os.stat(self.path(State.IN_PROGRESS, claim.handoff_id)).st_ino == claim.inode
             except FileNotFoundError:
-                return False
+                return self._readopt(claim)
         try:
             doc = self.read(State.IN_PROGRESS, claim.handoff_id)
         except (FileNotFoundError, InvalidDocument):
@@ -401,8 +411,26 @@ class Store:
             return not isinstance(held, dict)
         return isinstance(held, dict) and held.get("token") == claim.token
 
+    def _readopt(self, claim: Claim) -> bool:
+        """A running claim whose in-progress copy went with an in-progress/ folder swapped for
+        a link while it ran (this process made the folder again: :class:`.quarantine.FolderGuard`)
+        and of which no state folder holds a copy: its document written again into the new
+        in-progress/ (never over a file there), so that it is renewed and filed as usual. False
+        otherwise: the claim was lost."""
+        if not self.folders.remade.get(State.IN_PROGRESS.value) or self.locate(claim.handoff_id):
+            return False
+        path = self.path(State.IN_PROGRESS, claim.handoff_id)
+        try:
+            fsio.create_exclusive(path, self.encode(claim.doc, State.IN_PROGRESS, claim.handoff_id),
+                                  self.tmp, durable=self.durable)
+            claim.inode = os.lstat(path).st_ino
+        except (OSError, DuplicateHandoff):
+            return False
+        return True
+
     def renew(self, claim: Claim, *, lease_seconds: float, now: datetime | None = None) -> bool:
         """Extend the lease; False if the claim was lost (recovered by a sweeper)."""
+        self.folders.check()
         with claim.mutex:
             if claim.finished:
                 return True
@@ -423,6 +451,7 @@ class Store:
         """Write ``doc`` into ``dst`` (never overwriting), then remove the ``src`` copy.
         ``ours``: the ``src`` file is one this process wrote (a claim's in-progress copy): its
         inode is kept as a spare temp file rather than freed (see :mod:`.spares`)."""
+        self.folders.check()
         data = self._encode_moved(handoff_id, src, dst, doc)
         if ours:
             self._move_ours(handoff_id, src, dst, data)
@@ -481,6 +510,7 @@ class Store:
                                    f"{dst.value}/: {exc.strerror or exc}") from exc
 
             try:
+                self.folders.check()  # (a failure here gives the claim up, as any below)
                 if claim.finished or not self.owns(claim):
                     return False
                 book(doc).pop("lease", None)
