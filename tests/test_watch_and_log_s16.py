@@ -267,6 +267,23 @@ def test_a_wait_without_a_watch_polls_and_ends_on_time(
         backend.close()
 
 
+def test_a_subscription_whose_watch_cannot_start_leaves_no_callback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback was registered before the watch started, and stayed when the start failed:
+    a long-running process (the MCP server) gathered one per failed wait."""
+    monkeypatch.setattr(inotify, "_LIBC", NoInotify(inotify._LIBC))
+    root = HandoffdWorkspace(tmp_path / "ws")
+    root.ensure()
+    backend = FilesBackend.open(root, durable=False)
+    try:
+        for _ in range(3):
+            with pytest.raises(OSError):
+                backend.subscribe(lambda wakeup: None)
+        assert len(backend._subscribers) == 0
+    finally:
+        backend.close()
+
+
 # ---------------------------------------------------------------- 4: handoffs/ renamed away
 @linux_only
 def test_handoffs_renamed_away_is_watched_again_at_its_paths(

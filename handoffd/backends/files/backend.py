@@ -408,7 +408,11 @@ class FilesBackend(FencedFiling, Backend):
             return self._subscribe_to(callback, set(kinds))
         remove = self._subscribers.add(callback)
         if self._watch is not None:
-            self._watch.start()
+            try:
+                self._watch.start()
+            except BaseException:  # (no watch: the caller polls; its callback must not stay)
+                remove()
+                raise
 
         def unsubscribe() -> None:
             remove()
