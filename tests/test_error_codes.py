@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from handoffd.backends.files.fsio import parse_document
 from handoffd.core.errors import ErrorCode, HandlerError, InvalidDocument
+from handoffd.core.jsontext import parse_document
 
 PACKAGE = Path(__file__).resolve().parent.parent / "handoffd"
 

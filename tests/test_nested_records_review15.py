@@ -12,7 +12,7 @@ handoffd's own bookkeeping files raised an uncaught RecursionError out of json's
 - ``handoffs/.meta/violations.jsonl``: ``handoff violations`` died (and read the whole file at
   once, however large).
 
-Each is now read with one safe line parse (:func:`handoffd.backends.files.fsio.parse_line`): a
+Each is now read with one safe line parse (:func:`handoffd.core.jsontext.parse_line`): a
 line that nests deeper than any of ours is skipped like a torn one, and a cancel request whose
 body is unreadable is a bare request. A context write also encodes its history line before it
 writes anything, so a history entry that cannot be encoded refuses the write instead of leaving
@@ -355,7 +355,8 @@ def test_violations_never_hold_a_huge_line_whole(nws: Workspace) -> None:
 
 # ---------------------------------------------------------------- the shared line parse
 def test_parse_line_bounds_depth_and_never_raises() -> None:
-    from handoffd.backends.files.fsio import MAX_DEPTH, parse_line
+    from handoffd.core.documents import MAX_DEPTH
+    from handoffd.core.jsontext import parse_line
 
     assert parse_line(DEEP) is None and parse_line(DEEP.encode()) is None
     assert parse_line("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1)) is None

@@ -71,12 +71,13 @@ def backend(root: str | Path | None) -> Backend:
 
 def json_arg(text: str, what: str, *, depth_below: int | None = None) -> Any:
     """``text`` parsed as JSON that a document can hold, by the daemon's own reader
-    (:func:`~handoffd.backends.files.fsio.load_json`: no NaN, Infinity or overflowing numbers,
+    (:func:`~handoffd.core.jsontext.load_json`: no NaN, Infinity or overflowing numbers,
     no lone surrogate, no nesting past the recursion limit); UsageError naming ``what``
     otherwise, or when it is not UTF-8 (argv's undecodable bytes). ``depth_below``: the value
     will sit that many levels inside a document (``input.data``: 2), whose nesting the daemon
-    limits to :data:`~handoffd.backends.files.fsio.MAX_DEPTH`."""
-    from ..backends.files.fsio import MAX_DEPTH, load_json
+    limits to :data:`~handoffd.core.documents.MAX_DEPTH`."""
+    from ..core.documents import MAX_DEPTH
+    from ..core.jsontext import load_json
     text_arg(text, what)  # an argument's bytes that were not UTF-8
     limit = None if depth_below is None else MAX_DEPTH - depth_below
     try:

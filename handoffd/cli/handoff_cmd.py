@@ -76,7 +76,8 @@ def create(
     root: RootOption = None,
 ) -> None:
     """Create a handoff and print its id alone on stdout."""
-    from ..backends.files.fsio import parse_document, read_bytes_safely
+    from ..backends.files.fsio import read_bytes_safely
+    from ..core.jsontext import parse_document
     from ..service.waiting import wait_terminal
     if wait_timeout is not None and not wait:  # it only bounds --wait: alone it did nothing
         raise UsageError("--wait-timeout applies to --wait; add --wait, or drop it")

@@ -58,10 +58,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..backends.files.context import HISTORY_LINE, MAX_VALUE_BYTES, FileContext
-from ..backends.files.fsio import load_json, nesting_depth
-from ..core.documents import actor
+from ..core.documents import actor, nesting_depth
 from ..core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
 from ..core.hashing import sha256_hex
+from ..core.jsontext import load_json
 from ..core.keys import (
     normalise_key,  # the key rule is the core's (config checks [namespaces] with it)
 )

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import dialects
-from ..backends.files.fsio import parse_document, read_bytes_safely
+from ..backends.files.fsio import read_bytes_safely
 from ..core.documents import book, next_attempt_at
 from ..core.engine import Engine
 from ..core.errors import ErrorCode, InvalidDocument, UsageError
+from ..core.jsontext import parse_document
 from ..core.states import State
 from ..core.storage import FOREIGN_FILING, Row, foreign_filing, trusted_doc
 from ..core.timeutil import iso

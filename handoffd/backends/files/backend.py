@@ -23,6 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection
 
+from ...core import jsontext, ownfiles
 from ...core.documents import revision
 from ...core.errors import DuplicateHandoff, InvalidTransition, NotFound
 from ...core.logs import log
@@ -358,13 +359,13 @@ class FilesBackend(FencedFiling, Backend):
 
     def _read_cancel(self, folder: int, name: str) -> Doc | None:
         try:  # a FIFO or a symlink to /dev/zero there must neither block nor run on
-            data = fsio.read_regular(name, MAX_RECORD_BYTES, dir_fd=folder)
+            data = ownfiles.read_regular(name, MAX_RECORD_BYTES, dir_fd=folder)
         except OSError:
             return None
         # a body that is no object of ours (not JSON, not UTF-8, nested past any request, even
         # thirty thousand deep) still asks for the cancel: a bare request, never an exception
         # that stops the poll over every other request
-        body = fsio.parse_line(data)
+        body = jsontext.parse_line(data)
         return body if isinstance(body, dict) else {"reason": "cancellation requested"}
 
     def cancel_requests(self) -> dict[str, Doc]:

@@ -18,11 +18,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
 
+from ...core import jsontext, ownfiles
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.hashing import sha256_hex
 from ...core.ownfiles import plain_folder
 from ...core.storage import HISTORY_LIMIT, ContextChange
-from . import fsio
+from . import fsio, logfiles
 
 HISTORY = ".history.jsonl"
 LOCK_TIMEOUT_SECONDS = 30.0
@@ -90,10 +91,10 @@ class FileContext:
 
     def _rev_record(self, key: str) -> dict[str, Any] | None:
         try:
-            data = fsio.read_regular(self.root / ".meta" / _rev_name(key), 1 << 16)
+            data = ownfiles.read_regular(self.root / ".meta" / _rev_name(key), 1 << 16)
         except OSError:
             return None
-        record = fsio.parse_line(data)  # None for what no write of ours left (even nested deep)
+        record = jsontext.parse_line(data)  # None for what no write of ours left (even nested deep)
         if (isinstance(record, dict) and record.get("key") == key
                 and isinstance(record.get("revision"), int) and not isinstance(record["revision"], bool)
                 and record["revision"] >= 0 and isinstance(record.get("sha256"), str)):
@@ -142,14 +143,14 @@ class FileContext:
         """The history's entries, oldest first, one line held at a time (the file is opened as
         the logs are: never a FIFO's wait, never a symlink's target)."""
         try:
-            fh = fsio.open_reading(self.root / HISTORY)
+            fh = ownfiles.open_reading(self.root / HISTORY)
         except FileNotFoundError:
             return
         with fh:
-            for line in fsio.LineReader(fh, HISTORY_LINE, partial=True):
+            for line in logfiles.LineReader(fh, HISTORY_LINE, partial=True):
                 # decoded line by line on "\n" alone (the reader's): splitlines() also breaks at
                 # U+2028 and U+0085 in an entry's text
-                item = fsio.parse_line(line.decode("utf-8", "replace"))
+                item = jsontext.parse_line(line.decode("utf-8", "replace"))
                 if isinstance(item, dict):
                     yield item
 
@@ -164,7 +165,7 @@ class FileContext:
         from filelock import FileLock  # imported where a lock is taken
         with FileLock(self._lock_path(_lock_name(key)), timeout=LOCK_TIMEOUT_SECONDS):
             # the history first opened: a write it could not record is refused before it is made
-            history = fsio.open_regular(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            history = ownfiles.open_regular(self.root / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             try:
                 old, revision = self.read(key)
                 data, entry = change(old, revision)

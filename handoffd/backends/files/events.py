@@ -10,7 +10,7 @@ back-off), and a rotated file's name taken by something that is no regular file 
 is moved to the quarantine so that the log can rotate.
 
 Readers skip a line they cannot parse (a torn last line after a crash, one nested deeper than any
-event: :func:`~handoffd.backends.files.fsio.parse_line`), read a file a block at a time (a line
+event: :func:`~handoffd.backends.files.jsontext.parse_line`), read a file a block at a time (a line
 over :data:`MAX_LINE` is skipped unread, never held whole) and at most :data:`max_bytes` +
 :data:`MAX_LINE` bytes of each (a file larger than that is not what a rotation leaves: only its
 last part is read). They follow the file across rotations by its inode, and from its start again
@@ -30,12 +30,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
+from ...core import jsontext, ownfiles
 from ...core.config import MAX_EVENTS_KEEP
 from ...core.errors import ErrorCode
 from ...core.events import START, Event, after
 from ...core.logs import log
 from ...core.workspace import Workspace
-from . import fsio
+from . import logfiles
 
 NAME = "events.jsonl"
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -64,7 +65,7 @@ class FileEventLog:
         self.keep = min(max(int(keep), 1), MAX_EVENTS_KEEP)
         self.quarantine = workspace.quarantine  # where a rotated file's name taken is moved
         self._mutex = threading.Lock()  # the threads of a process share one descriptor
-        self._out = fsio.Appender(self.path)  # kept open (see append)
+        self._out = logfiles.Appender(self.path)  # kept open (see append)
         self._rotating = threading.Lock()  # one rotation at a time in this process
         self._retry_at = 0.0  # (monotonic) no rotation is tried before this, after a failure
         self._backoff = 0.0
@@ -120,9 +121,11 @@ class FileEventLog:
     def _rotate(self) -> None:
         """Shift the rotated files by one and make the file the newest of them, under the
         rotation's lock (waited for :data:`ROTATE_LOCK_WAIT_SECONDS` at most: LockHeld)."""
-        from .quarantine import clear_planted  # (a folder at the lock's name: it never rotated)
+        from .quarantine import (
+            clear_planted,  # (a folder at the lock's name: it never rotated)
+        )
         clear_planted(self.path.with_name(LOCK_NAME))
-        with fsio.locked(self.path.with_name(LOCK_NAME), wait=ROTATE_LOCK_WAIT_SECONDS):
+        with logfiles.locked(self.path.with_name(LOCK_NAME), wait=ROTATE_LOCK_WAIT_SECONDS):
             try:
                 if os.stat(self.path).st_size <= self.max_bytes:
                     return  # another writer rotated it while we waited
@@ -217,7 +220,7 @@ class FileEventLog:
         last time), or (no ``seen``) it has no newline just before ``offset`` any more. Not
         ``whole`` (inside a line over MAX_LINE being skipped): on to that line's end."""
         try:
-            fh = fsio.open_reading(path)
+            fh = ownfiles.open_reading(path)
         except OSError:  # gone (rotated away meanwhile), or no regular file: nothing of ours
             return
         with fh:
@@ -235,13 +238,13 @@ class FileEventLog:
             if start > offset:  # into the middle of a line: the rest of it is dropped
                 start, skip = start - 1, True  # (from the byte before: a line starting there)
             fh.seek(start)
-            lines = fsio.LineReader(fh, MAX_LINE, limit=bound + 1, skip_first=skip,
+            lines = logfiles.LineReader(fh, MAX_LINE, limit=bound + 1, skip_first=skip,
                                     partial=partial)
             mark.ino, mark.offset, mark.whole = info.st_ino, start, not skip
             for line in lines:
                 if not line.strip():
                     continue
-                event = fsio.parse_line(line)  # None: a torn line or not ours
+                event = jsontext.parse_line(line)  # None: a torn line or not ours
                 if isinstance(event, dict):
                     yield event
             mark.offset, mark.whole = start + lines.consumed, not lines.skipping
@@ -292,7 +295,7 @@ def _now_cursor(path: Path) -> tuple[int, int, bool] | tuple[int, int, bool, byt
     empty or ends with a newline (else inside a line being written or torn: its rest is
     skipped); with the file's bytes there (:class:`_Print`), all of one open file."""
     try:
-        with fsio.open_reading(path) as fh:
+        with ownfiles.open_reading(path) as fh:
             info = os.fstat(fh.fileno())
             seen = _Print.of(fh.fileno(), info.st_size)
     except OSError:  # none yet (or no regular file): from its start once there is one
@@ -309,7 +312,7 @@ def _shown(path: Path) -> str:
 
 def _why(exc: OSError) -> str:
     """An OSError in a few words (a LockHeld names the lock and how long it was held)."""
-    if isinstance(exc, fsio.LockHeld):
+    if isinstance(exc, logfiles.LockHeld):
         return (f"{_shown(Path(exc.filename))} has been held by another process for over "
                 f"{exc.seconds:g} s: a stopped or hung one?")
     return f"{exc.strerror or exc}" + (f": {Path(exc.filename).name}" if exc.filename else "")

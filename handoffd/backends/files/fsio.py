@@ -3,24 +3,22 @@
 Writes go to a temp file in the same filesystem (``handoffs/.tmp``), are flushed and fsynced, then
 ``link``-ed (never overwrites: EEXIST instead) or ``rename``-d (replace) into place, and the directory
 is fsynced so the new name itself survives power loss. ``durable=False`` skips the fsyncs (the
-``fast`` durability mode) but keeps atomicity.
+``fast`` durability mode) but keeps atomicity. Documents are read back whole and bounded
+(:func:`read_bytes_safely`); their JSON is parsed by :mod:`handoffd.core.jsontext`, and the
+append-only logs and their locks live in :mod:`.logfiles`.
 """
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
-import re
 import stat
-import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, Callable, Iterator
 
-from ...core.documents import MAX_DEPTH, nesting_depth  # noqa: F401 (fsio's API)
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
-from ...core.ownfiles import START_UMASK, open_reading, open_regular, read_regular  # noqa: F401 (fsio's API)
+from ...core.ownfiles import START_UMASK
 from . import dirsync, spares
 
 TMP_SUFFIX = spares.TMP_SUFFIX
@@ -33,179 +31,6 @@ def fsync_dir(path: Path) -> None:
 
 
 # How long a lock of handoffd's own (the event log's rotation, the seen-ids record, a shared
-# record) is waited for by default. Every holder of ours keeps one for a few milliseconds, so one
-# held longer is held by a process that is stopped or not handoffd's: a blocking flock on it froze
-# `handoff create` and left the daemon deaf to SIGTERM (a signal does not end the wait). The wait
-# polls (a blocking flock cannot be given a timeout), from 1 ms up to 50 ms between tries.
-LOCK_WAIT_SECONDS = 2.0
-FIRST_POLL_SECONDS, LAST_POLL_SECONDS = 0.001, 0.05
-
-
-class LockHeld(TimeoutError):
-    """A lock was held by another process for longer than the caller would wait (an OSError:
-    callers that catch I/O failures catch it; its text is one line naming the lock)."""
-
-    def __init__(self, path: Path | str, seconds: float) -> None:
-        super().__init__(errno.EWOULDBLOCK, f"lock held by another process for over {seconds:g}"
-                         " s (a stopped or hung one?)", os.fspath(path))
-        self.seconds = seconds
-
-
-def flock_within(fd: int, seconds: float, *, clock: Callable[[], float] | None = None,
-                 sleep: Callable[[float], None] | None = None) -> bool:
-    """Take an exclusive flock on ``fd`` within ``seconds`` (0: one try): True when taken,
-    False when another holder kept it that long; OSError (ENOLCK...) when it cannot be locked.
-    ``clock``/``sleep``: time.monotonic and time.sleep unless given (tests move time by hand)."""
-    clock = clock or time.monotonic
-    sleep = sleep or time.sleep
-    deadline = clock() + seconds
-    pause = FIRST_POLL_SECONDS
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            pass
-        remaining = deadline - clock()
-        if remaining <= 0:
-            return False
-        sleep(min(pause, remaining))  # (a signal handler runs between tries)
-        pause = min(pause * 2, LAST_POLL_SECONDS)
-
-
-@contextmanager
-def locked(path: Path, wait: float = LOCK_WAIT_SECONDS) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if absent, a regular file opened without
-    following a link) for the block, waiting at most ``wait`` seconds for another holder:
-    :class:`LockHeld` after that.
-
-    Each call opens its own descriptor, so threads of one process exclude each other as
-    processes do (flock locks belong to the open file, not the process). The file stays: removing
-    a lock file while another process waits on it would let two holders in."""
-    fd = open_creating(path, os.O_RDWR)
-    try:
-        if not flock_within(fd, wait):
-            raise LockHeld(path, wait)
-        yield
-    finally:
-        os.close(fd)  # closing drops the lock
-
-
-class LineReader:
-    """The lines of the binary file ``fh`` from where it stands (without their newline), read
-    :data:`READ_STEP` bytes at a time: the JSON Lines logs that anyone who can write the
-    workspace can write (the event log, the violations log).
-
-    A line over ``max_line`` bytes is no line of ours: it is skipped as it is read, never held
-    whole (so a reader holds one block and one line at most, however large the file). At most
-    ``limit`` bytes are read (None: to the end). ``skip_first``: the bytes up to and including
-    the first newline are dropped unread (the tail of a line a reader jumped into). The last
-    line, unterminated, is given only at the end of the file and when ``partial`` (a line still
-    being appended waits otherwise). ``consumed``: the bytes settled after the iteration (lines
-    given, skipped or dropped), where a reader resumes next time."""
-
-    def __init__(self, fh: BinaryIO, max_line: int, *, limit: int | None = None,
-                 skip_first: bool = False, partial: bool = False) -> None:
-        self.fh = fh
-        self.max_line = max_line
-        self.limit = limit
-        self.skipping = skip_first
-        self.partial = partial
-        self.consumed = 0
-
-    def __iter__(self) -> Iterator[bytes]:
-        rest, held, left = b"", 0, self.limit  # held: len(rest)
-        at_end = False
-        while True:
-            ask = READ_STEP if left is None else min(READ_STEP, left)
-            block = self.fh.read(ask) if ask > 0 else b""
-            if not block:
-                at_end = ask > 0
-                break
-            if left is not None:
-                left -= len(block)
-            start = 0
-            while (end := block.find(b"\n", start)) >= 0:
-                size = held + end - start
-                if not self.skipping and size <= self.max_line:
-                    yield rest + block[start:end] if held else block[start:end]
-                self.consumed += size + 1
-                rest, held, self.skipping, start = b"", 0, False, end + 1
-            if self.skipping:  # (inside a line over the bound: its bytes are settled)
-                self.consumed += len(block) - start
-            else:
-                rest += block[start:]
-                held += len(block) - start
-                if held > self.max_line:
-                    self.consumed += held
-                    rest, held, self.skipping = b"", 0, True
-        if held and at_end and self.partial:
-            self.consumed += held
-            yield rest
-
-
-def open_creating(path: Path, flags: int) -> int:
-    """:func:`open_regular` with ``O_CREAT``, creating the folder when it is missing (a
-    workspace whose folder for it does not exist yet)."""
-    flags |= os.O_CREAT
-    try:
-        return open_regular(path, flags)
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return open_regular(path, flags)
-
-
-class Appender:
-    """A file kept open for ``O_APPEND`` writes (the event log, the seen-ids record: opening and
-    closing it for each line doubled their system calls), reopened when its path names another
-    file: a rotation or compaction in another process replaced it. Callers hold their own lock
-    around :meth:`ready` and the write."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = -1
-        self._ino = -1
-        self._end = -1  # the file's size after our last line (it ends with that newline)
-
-    def ready(self) -> os.stat_result:
-        """The stat of ``path`` (before the caller's write), with :attr:`fd` open on that file."""
-        try:
-            info: os.stat_result | None = os.stat(self.path)
-        except FileNotFoundError:
-            info = None
-        if info is None or info.st_ino != self._ino or self.fd < 0:
-            self.close()
-            self.fd = open_creating(self.path, os.O_RDWR | os.O_APPEND)  # read: write_line
-            info = os.fstat(self.fd)
-            self._ino = info.st_ino
-        return info
-
-    def write_line(self, line: bytes, info: os.stat_result) -> int:
-        """Append ``line`` (newline-terminated) in one write, given :meth:`ready`'s ``info``;
-        the bytes written. A file that does not end with a newline (a line a crash cut short)
-        gets one first: glued to the torn line, this one would be lost with it. Only a file
-        that someone else wrote last is looked at (one pread). Only for files whose every
-        writer holds one lock around its stat and write (the seen-ids record): otherwise the
-        stat may see another writer's line half-written and take it for a torn one."""
-        if info.st_size not in (0, self._end) and os.pread(self.fd, 1, info.st_size - 1) != b"\n":
-            line = b"\n" + line
-        os.write(self.fd, line)
-        self._end = info.st_size + len(line)
-        return len(line)
-
-    def close(self) -> None:
-        """Close the descriptor (the next :meth:`ready` opens it again)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-        self.fd, self._ino, self._end = -1, -1, -1
-
-    def __del__(self) -> None:  # an engine dropped in a long-lived process gives it back
-        try:
-            self.close()
-        except (OSError, AttributeError):
-            pass
-
-
 def dump_json(doc: dict[str, Any]) -> bytes:
     """Serialise a document the way every handoffd file is written: compact JSON on one line,
     UTF-8, ending in a newline. Compact because the C encoder only serves compact output: an
@@ -382,7 +207,9 @@ def _exchange_back(tmp: Path, target: Path, ours: int) -> None:
     elif _inode(tmp) == ours:
         _unlink_quietly(tmp)
         return
-    from ...core.logs import log  # (not loaded by the one-shot commands that import fsio)
+    from ...core.logs import (
+        log,  # (not loaded by the one-shot commands that import fsio)
+    )
     log.warning("%s changed while a claim gave it back; the file displaced is left at %s",
                 target, tmp)
 
@@ -486,115 +313,6 @@ def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result
         raise InvalidDocument(f"{path.name} grew over the {max_bytes}-byte limit",
                               code=ErrorCode.DOCUMENT_TOO_LARGE)
     return data, info
-
-
-def parse_document(data: bytes, name: str) -> dict[str, Any]:
-    """Decode UTF-8 JSON that must be an object; raise InvalidDocument saying what is wrong."""
-    if not data.strip():
-        raise InvalidDocument(f"{name} is empty", code=ErrorCode.EMPTY_DOCUMENT)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidDocument(f"{name} is not UTF-8 (byte {exc.start})", code=ErrorCode.NOT_UTF8) from None
-    doc = load_json(text, name, max_depth=None)
-    if not isinstance(doc, dict):
-        raise InvalidDocument(f"{name} holds a JSON {type(doc).__name__}, not an object",
-                              code=ErrorCode.NOT_AN_OBJECT)
-    _check_depth(text, doc, name, MAX_DEPTH)
-    return doc
-
-
-def load_json(text: str, name: str, *, max_depth: int | None = None) -> Any:
-    """JSON ``text`` that a document can hold (what the daemon reads and what the command line
-    takes as ``--data``): InvalidDocument, naming ``name``, for NaN, Infinity and numbers that
-    overflow a float, invalid JSON, an integer past Python's digit limit, nesting that exhausts
-    the recursion limit or passes ``max_depth``, and a ``\\u`` escape of a lone surrogate."""
-    try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except _NotFinite as exc:
-        raise InvalidDocument(f"{name} holds the number {exc.args[0]}, which is not finite JSON "
-                              "(NaN, Infinity and overflowing numbers are refused)",
-                              code=ErrorCode.MALFORMED_JSON) from None
-    except json.JSONDecodeError as exc:
-        raise InvalidDocument(f"{name} is not valid JSON: {exc.msg} (line {exc.lineno}, "
-                              f"column {exc.colno})", code=ErrorCode.MALFORMED_JSON) from None
-    except RecursionError:
-        raise InvalidDocument(f"{name} nests too deeply", code=ErrorCode.MALFORMED_JSON) from None
-    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
-        raise InvalidDocument(f"{name} is not valid JSON: {str(exc)[:120]}",
-                              code=ErrorCode.MALFORMED_JSON) from None
-    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
-        raise InvalidDocument(f"{name} holds a \\u escape of a lone UTF-16 surrogate, which is not "
-                              "Unicode and cannot be written back as UTF-8", code=ErrorCode.NOT_UTF8)
-    if max_depth is not None:
-        _check_depth(text, value, name, max_depth)
-    return value
-
-
-def parse_line(line: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
-    """The JSON value of one line of handoffd's own bookkeeping (a line of a ``.jsonl`` log, a
-    small record file), or None when it cannot be one of ours: not UTF-8, not JSON (a torn
-    line), an integer past Python's digit limit, or nesting deeper than ``max_depth``. Never
-    raises: a line of ``[`` thirty thousand deep, whose parse exhausts the recursion limit, is
-    one more line that is not ours, not a RecursionError out of a command or the daemon loop."""
-    try:
-        value = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
-    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError: ValueErrors)
-        return None
-    if isinstance(value, (dict, list)):
-        # no line of ours nests deep: what its readers do with it must not recurse past the
-        # limit either (a value cannot nest deeper than it has brackets: most need no walk)
-        brackets = (line.count(b"[") + line.count(b"{") if isinstance(line, bytes)
-                    else line.count("[") + line.count("{"))
-        if brackets > max_depth and nesting_depth(value, max_depth) > max_depth:
-            return None
-    return value
-
-
-def _check_depth(text: str, value: Any, name: str, limit: int) -> None:
-    # a value cannot nest deeper than it has brackets: most need no walk at all
-    if text.count("{") + text.count("[") > limit and nesting_depth(value, limit) > limit:
-        raise InvalidDocument(f"{name} nests more than {limit} levels deep; flatten it",
-                              code=ErrorCode.DOCUMENT_TOO_DEEP)
-
-
-
-
-class _NotFinite(ValueError):
-    pass
-
-
-def _refuse_constant(token: str) -> Any:
-    raise _NotFinite(token)
-
-
-def _finite_float(token: str) -> float:
-    value = float(token)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise _NotFinite(token[:40])
-    return value
-
-
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a surrogate gets into decoded text
-
-
-def _has_lone_surrogate(value: Any) -> bool:
-    """True if a string (key or value) anywhere in ``value`` holds a surrogate code point: json
-    decodes ``"\\ud800"`` to one, and no UTF-8 encoder will write it back (iterative)."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:  # (no regex: compiling a class of surrogates cost each command 0.5 ms)
-                item.encode("utf-8")
-            except UnicodeEncodeError:  # UTF-8 refuses exactly the surrogate code points
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
 
 
 FILE_MODE = 0o644 & ~START_UMASK  # a new document's mode, by the umask the process began with

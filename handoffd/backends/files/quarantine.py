@@ -22,7 +22,7 @@ from ...core.logs import log
 from ...core.ownfiles import START_UMASK, plain_folder
 from ...core.timeutil import iso, utc_now
 from ...core.workspace import Workspace, not_a_plain_folder
-from . import fsio
+from . import fsio, logfiles
 from .seals import KEY_NAME
 
 
@@ -114,7 +114,7 @@ def set_aside_planted(path: Path, quarantine: Path | None = None) -> None:
     folder = path.parent
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if not fsio.flock_within(fd, FOLDER_LOCK_WAIT_SECONDS):  # a stopped or hostile
+        if not logfiles.flock_within(fd, FOLDER_LOCK_WAIT_SECONDS):  # a stopped or hostile
             raise OSError(errno.EWOULDBLOCK, f"{_shown(folder)}/ has been locked by "  # holder
                           f"another process for over {FOLDER_LOCK_WAIT_SECONDS:g} s; "
                           f"{path.name}, no regular file, is left there", str(path))
@@ -258,7 +258,7 @@ class FolderGuard:
         where there is none. One line says so. True when something was done."""
         fd = os.open(self._handoffs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            if not fsio.flock_within(fd, FOLDER_LOCK_WAIT_SECONDS):
+            if not logfiles.flock_within(fd, FOLDER_LOCK_WAIT_SECONDS):
                 self._refuse(path, f"handoffs/ has been locked by another process for over "
                              f"{FOLDER_LOCK_WAIT_SECONDS:g} s")
             try:

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
+from ...core import jsontext, ownfiles
 from ...core.documents import check_id, revision
 from ...core.errors import ErrorCode, InvalidDocument, NotFound
 from ...core.states import State, winner
@@ -145,7 +146,7 @@ def aside_copy(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]] 
         path = folder / f"{handoff_id}.json"
         try:
             data, _ = fsio.read_bytes_safely(path, store.max_filed_bytes)
-            return state, fsio.parse_document(data, f"{state.value}/{handoff_id}.json")
+            return state, jsontext.parse_document(data, f"{state.value}/{handoff_id}.json")
         except (OSError, InvalidDocument):
             continue
     return None
@@ -251,7 +252,7 @@ def quarantined(ws: Workspace) -> list[dict[str, Any]]:
     out = []
     for entry in sorted(ws.quarantine.glob("*.reason.json")):
         try:
-            item = fsio.parse_document(fsio.read_regular(entry, MAX_REASON_BYTES), entry.name)
+            item = jsontext.parse_document(ownfiles.read_regular(entry, MAX_REASON_BYTES), entry.name)
         except (OSError, InvalidDocument):
             continue
         item["stored_as"] = entry.name[: -len(".reason.json")]
@@ -263,7 +264,7 @@ def revision_at(path: Path, max_bytes: int) -> int | None:
     """The revision the document at ``path`` says it has (None: unreadable)."""
     try:
         data, _ = fsio.read_bytes_safely(path, max_bytes)
-        return revision(fsio.parse_document(data, path.name))
+        return revision(jsontext.parse_document(data, path.name))
     except (OSError, InvalidDocument):
         return None
 

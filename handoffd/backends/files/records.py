@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ...core.documents import MAX_DEPTH, nesting_depth
 from ...core.errors import ErrorCode, HandoffdError
 from ...core.logs import log
-from ...core.ownfiles import read_at_most
-from . import fsio
-from .fsio import MAX_DEPTH, nesting_depth, open_regular
+from ...core.ownfiles import open_regular, read_at_most
+from . import logfiles
 from .quarantine import move_to_quarantine, planted, publish_beside, set_aside_planted
 
 KIB = 1024
@@ -61,8 +61,8 @@ TEMP_NAME = re.compile(r"\.[a-z][a-z0-9_-]{0,40}\.[0-9a-f]{16}\.tmp")
 # (a 4 MiB reservations file: a parse and a dump, a fraction of a second), so a lock held for
 # longer is held by a process that is stopped or not handoffd's: waiting on it with no bound froze
 # the scheduler's loop (rate buckets) and left a daemon deaf to SIGTERM. The wait polls
-# (:func:`.fsio.flock_within`, shared with the event log's and the seen-ids record's locks).
-LOCK_WAIT_SECONDS = fsio.LOCK_WAIT_SECONDS
+# (:func:`.logfiles.flock_within`, shared with the event log's and the seen-ids record's locks).
+LOCK_WAIT_SECONDS = logfiles.LOCK_WAIT_SECONDS
 _monotonic, _sleep = time.monotonic, time.sleep  # (tests replace them: no real waiting)
 
 Stamp = tuple[int, int, int, int]  # a file's identity: inode, mtime, size, ctime (ns)
@@ -208,16 +208,16 @@ class FileRecords:
 
     def _open_lock(self, kind: str, lock: Path) -> int:
         """A descriptor on the lock file: a regular file, never through a symlink, never
-        blocking on a FIFO (:func:`.fsio.open_creating`). A folder, symlink or FIFO planted under
+        blocking on a FIFO (:func:`.logfiles.open_creating`). A folder, symlink or FIFO planted under
         its name would refuse every update of the kind for good: it is moved to the quarantine
         and the open tried once more."""
         try:
-            return fsio.open_creating(lock, os.O_RDWR)
+            return logfiles.open_creating(lock, os.O_RDWR)
         except OSError as exc:
             failure = exc
         if self._set_aside_lock(kind, lock):
             try:
-                return fsio.open_creating(lock, os.O_RDWR)
+                return logfiles.open_creating(lock, os.O_RDWR)
             except OSError as exc:
                 failure = exc
         raise UnusableRecords(f"{_shown(lock)} cannot be opened ({failure.strerror or failure}); "
@@ -290,7 +290,7 @@ def _flock_within(fd: int, shown: str, left: str) -> None:
     """Take an exclusive flock on ``fd`` within :data:`LOCK_WAIT_SECONDS`, or raise
     UnusableRecords naming ``shown`` (and saying ``left``: what is left undone)."""
     try:
-        taken = fsio.flock_within(fd, LOCK_WAIT_SECONDS, clock=_monotonic, sleep=_sleep)
+        taken = logfiles.flock_within(fd, LOCK_WAIT_SECONDS, clock=_monotonic, sleep=_sleep)
     except OSError as exc:  # ENOLCK...
         raise UnusableRecords(f"{shown} cannot be locked ({exc.strerror or exc}); {left}",
                               code=ErrorCode.UNREADABLE_FILE) from None

@@ -22,10 +22,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...core import ownfiles
 from ...core.documents import BOOK, revision
 from ...core.errors import ConfigError
 from ...core.hashing import hmac_sha256_hex, same_text
-from . import fsio
 
 KEY_NAME = "seal.key"
 MAX_KEY_BYTES = 4096
@@ -43,7 +43,7 @@ def load_or_create_key(meta: Path, tmp: Path) -> bytes | None:
     path = meta / KEY_NAME
     for _ in range(2):
         try:
-            data = fsio.read_regular(path, MAX_KEY_BYTES).strip()
+            data = ownfiles.read_regular(path, MAX_KEY_BYTES).strip()
         except FileNotFoundError:
             data = None
         except OSError as exc:  # opened as fsio opens its own files: never blocks on a FIFO

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from ...core.logs import log
+from ...core.ownfiles import open_reading
 from ...core.timeutil import iso, parse_iso
-from . import fsio
-from .fsio import locked, open_reading
+from . import fsio, logfiles
 from .idindex import IdIndex
+from .logfiles import locked
 
 # the record is compacted once its oldest entry is this many TTLs old: a quarter of it then
 COMPACT_AFTER = 1.25
@@ -32,7 +33,7 @@ MAX_LINE = 4096  # an id is at most 256 characters (check_id): a line is far sho
 SEARCH_BLOCK = 1 << 20  # bytes of the record read at a time by a one-shot search
 # How long the sweep's compaction waits for the record's lock (an add holds it for one write): a
 # lock held longer puts the compaction off to a later sweep. An add waits up to
-# fsio.LOCK_WAIT_SECONDS and then fails (one line): it must not append unlocked, which a
+# logfiles.LOCK_WAIT_SECONDS and then fails (one line): it must not append unlocked, which a
 # compaction under way (a stopped process's, resumed later) would drop.
 COMPACT_LOCK_WAIT_SECONDS = 0.2
 
@@ -54,7 +55,7 @@ class SeenIds:
         self._skipping = False  # _offset is inside a line over MAX_LINE: skipped to its end
         self._lock: int | None = None  # the lock file, kept open
         self._put_off = False  # a compaction put off for the lock was said (once till one runs)
-        self._out = fsio.Appender(path)  # the record, kept open for appends
+        self._out = logfiles.Appender(path)  # the record, kept open for appends
 
     def add(self, handoff_id: str, now: datetime) -> None:
         """Record ``handoff_id`` as seen at ``now`` (one small O_APPEND write).
@@ -69,8 +70,8 @@ class SeenIds:
             # bounded: a lock held for good (a stopped or foreign process) fails this one add
             # (an OSError, one line) rather than freezing a create or the daemon's claim; an
             # append without the lock could be dropped by that holder's compaction
-            if not fsio.flock_within(lock_fd, fsio.LOCK_WAIT_SECONDS):
-                raise fsio.LockHeld(self.lock_path, fsio.LOCK_WAIT_SECONDS)
+            if not logfiles.flock_within(lock_fd, logfiles.LOCK_WAIT_SECONDS):
+                raise logfiles.LockHeld(self.lock_path, logfiles.LOCK_WAIT_SECONDS)
             try:
                 info = self._out.ready()
                 written = self._out.write_line(line, info)
@@ -92,13 +93,13 @@ class SeenIds:
     def _lock_fd(self) -> int:
         if self._lock is None:
             try:
-                self._lock = fsio.open_creating(self.lock_path, os.O_RDWR)
+                self._lock = logfiles.open_creating(self.lock_path, os.O_RDWR)
             except OSError:  # a folder or link planted at its name failed every add, so every
                 from .quarantine import clear_planted, planted  # create and every claim
                 if not planted(self.lock_path):
                     raise
                 clear_planted(self.lock_path)
-                self._lock = fsio.open_creating(self.lock_path, os.O_RDWR)
+                self._lock = logfiles.open_creating(self.lock_path, os.O_RDWR)
         return self._lock
 
     def contains(self, handoff_id: str, now: datetime) -> bool:
@@ -170,11 +171,13 @@ class SeenIds:
                 # briefly: an add holds the lock for one write, another compaction for a
                 # moment; one held longer (a stopped or foreign process) puts the compaction
                 # off to a later sweep (nothing is lost: the record only grows meanwhile)
-                from .quarantine import clear_planted  # (a folder at its name: every sweep failed)
+                from .quarantine import (
+                    clear_planted,  # (a folder at its name: every sweep failed)
+                )
                 clear_planted(self.lock_path)
                 with locked(self.lock_path, wait=COMPACT_LOCK_WAIT_SECONDS):
                     return self._compact(now)
-            except fsio.LockHeld as exc:
+            except logfiles.LockHeld as exc:
                 if not self._put_off:
                     self._put_off = True
                     log.warning("%s has been held by another process for over %g s (a stopped "

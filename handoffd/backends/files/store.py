@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ...core import jsontext
 from ...core.documents import BOOK, book, book_int, record, revision
 from ...core.errors import (
     ConfigError,
@@ -209,7 +210,7 @@ class Store:
         path = self.path(state, handoff_id)
         data, _ = fsio.read_bytes_safely(path, self.max_filed_bytes if state.terminal
                                          else self.max_open_bytes)
-        doc = fsio.parse_document(data, f"{state.value}/{path.name}")
+        doc = jsontext.parse_document(data, f"{state.value}/{path.name}")
         if not state.terminal:
             self._check_request_size(doc, data, path.name)
         return doc
@@ -368,7 +369,7 @@ class Store:
         name = f"pending/{handoff_id}.json"
         try:
             data, info = fsio.read_bytes_safely(dst, self.max_open_bytes)
-            doc = fsio.parse_document(data, name)
+            doc = jsontext.parse_document(data, name)
             self._check_request_size(doc, data, name)
         except InvalidDocument as exc:
             if exc.code in (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8) \

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import fsio
+from ...core import jsontext, ownfiles
+from . import logfiles
 
 LOG_NAME = "violations.jsonl"
 # no entry of ours is near this long (the contracts feature cuts an entry's details to keep it
@@ -25,7 +26,7 @@ class FileViolationLog:
         """One line, one ``write`` (a line is never interleaved with another appender's)."""
         line = json.dumps(entry, ensure_ascii=False, sort_keys=True)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = fsio.open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = ownfiles.open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             os.write(fd, (line + "\n").encode("utf-8"))
         finally:
@@ -34,14 +35,14 @@ class FileViolationLog:
     def read(self) -> Iterator[dict[str, Any]]:
         """Every line that is a JSON object of ours (a torn, foreign, overlong or deeply nested
         line is skipped), oldest first, streamed: the file is read a block at a time
-        (:class:`.fsio.LineReader`) and each entry handed on as it is parsed, so a block and a
+        (:class:`.logfiles.LineReader`) and each entry handed on as it is parsed, so a block and a
         line are the most held at once (every entry was kept in one list, however long the log)."""
         try:
-            fh = fsio.open_reading(self.path)  # never a FIFO's wait or /dev/zero's
+            fh = ownfiles.open_reading(self.path)  # never a FIFO's wait or /dev/zero's
         except FileNotFoundError:
             return
         with fh:
-            for line in fsio.LineReader(fh, MAX_LINE, partial=True):
-                entry = fsio.parse_line(line.decode("utf-8", "replace"))
+            for line in logfiles.LineReader(fh, MAX_LINE, partial=True):
+                entry = jsontext.parse_line(line.decode("utf-8", "replace"))
                 if isinstance(entry, dict):
                     yield entry

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from ...core import jsontext
 from ...core.documents import check_id
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
 from ...core.states import State
@@ -104,7 +105,7 @@ def remove_if(store: Writing, state: State, handoff_id: str, expect: dict[str, A
         return False
     try:
         data, _ = fsio.read_bytes_safely(taken, store.max_filed_bytes)
-        same = fsio.parse_document(data, f"{state.value}/{taken.name}") == expect
+        same = jsontext.parse_document(data, f"{state.value}/{taken.name}") == expect
     except (OSError, InvalidDocument):
         same = False
     if same:

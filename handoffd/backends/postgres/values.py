@@ -17,9 +17,9 @@ from typing import Any
 from psycopg.abc import Buffer
 from psycopg.adapt import Loader
 
-from ...core.documents import check_id
+from ...core.documents import MAX_DEPTH, check_id, nesting_depth
 from ...core.errors import ErrorCode, InvalidDocument, UnreadableDocument
-from ..files.fsio import MAX_DEPTH, load_json, nesting_depth
+from ...core.jsontext import load_json
 
 Doc = dict[str, Any]
 
@@ -33,7 +33,7 @@ class Unloadable:
 
 
 class SafeJsonLoader(Loader):
-    """Loads json and jsonb text as :func:`handoffd.backends.files.fsio.load_json` does (no NaN,
+    """Loads json and jsonb text as :func:`handoffd.core.jsontext.load_json` does (no NaN,
     no overflowing number, no integer past Python's digit limit, no runaway nesting); a value it
     refuses is an :class:`Unloadable`, never an exception in the middle of a fetch."""
 
