@@ -2,6 +2,11 @@
 side of orchestration: reading such a result, the gate that holds the parked handoff "waiting on
 the requester", ``handoff answer``, and how the answers reach the specialist when it runs again
 (what parking does: :mod:`handoffd.features.orchestration`).
+
+Only an answer ends such a wait, and an answer rewrites the handoff's document: a serving daemon
+does not read a waiting handoff again at its rescans while its document is unchanged
+(:func:`attach`, the scheduler's quiet checks); ``handoff answer`` or an edit of the document
+resumes it at once (the file watch) or at the next rescan at the latest (its stamp changed).
 """
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import copy
 import json
 import time
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..backends.base import refiling
 from ..core.documents import Envelope, book, check_storable, check_text
@@ -38,6 +43,8 @@ ANSWER_BOOKKEEPING_BYTES = 2048  # what an answer adds besides itself: its entry
 # how deep an answer sits in the document it is filed in: document, input (or the handoffd
 # block), clarifications, the entry, its answer
 ANSWER_DEPTH = 4
+# how the requester gate's reason begins: what a daemon's quiet check knows its waits by (attach)
+ASKING = "waiting on the requester ("
 
 
 # ---------------------------------------------------------------- reading the result
@@ -92,8 +99,39 @@ def requester_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verd
     who = awaiting.get("requester") or "the requester"
     # no other handoff's filing ends it: the answer rewrites this document in pending/, which
     # wakes the daemon for it (the file watch, its own filing, or the next rescan)
-    return Verdict.wait(f"waiting on the requester ({who}): {kind}: {str(first)[:100]}{more}; "
+    return Verdict.wait(f"{ASKING}{who}): {kind}: {str(first)[:100]}{more}; "
                         f"answer with `handoff answer {env.handoff_id} --data JSON`", on=())
+
+
+class QuietWaits(Protocol):
+    """What clarification uses of a daemon's scheduler (see handoffd.service.scheduler)."""
+
+    waiting: dict[str, str]
+
+    def add_quiet_check(self, check: Callable[[str], bool]) -> None: ...
+
+
+class DaemonPlugins(Protocol):
+    """What clarification uses of a daemon: its scheduler."""
+
+    scheduler: QuietWaits
+
+
+def attach(daemon: DaemonPlugins) -> None:
+    """The daemon side (a daemon plugin): a handoff the requester gate holds back is not read
+    again at a rescan while its document is unchanged. 2,000 handoffs waiting for an answer were
+    read and parsed again at every rescan, for ever."""
+    waiting = daemon.scheduler.waiting
+
+    def awaits_answer(handoff_id: str) -> bool:
+        """The last read of ``handoff_id`` was held back by the requester gate (its reason says
+        so; the scheduler asks only of waits no filing ends, held with ``on=()``): the gate
+        reads the document alone, so while that is unchanged it holds it back again. Nothing
+        else ends the wait: an answer rewrites the document (a rescan sees its stamp change),
+        a cancel request queues it itself."""
+        return waiting.get(handoff_id, "").startswith(ASKING)
+
+    daemon.scheduler.add_quiet_check(awaits_answer)
 
 
 def _expose_clarifications(job: "Job") -> None:

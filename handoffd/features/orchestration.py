@@ -63,7 +63,7 @@ from ..core.formats import ArtifactSink, FiledState
 from ..core.logs import log
 from ..core.states import PARKED, State
 from ..core.timeutil import iso
-from . import aggregation, cancellation
+from . import aggregation, cancellation, clarification
 from .aggregation import child_info, ready
 from .children import _plan_children, child_id, ensure_conversation
 from .clarification import (
@@ -116,6 +116,8 @@ def install(engine: "Engine") -> None:
     engine.on_filed.append(functools.partial(hand_on, engine))
     engine.daemon_plugins.append(
         lambda daemon: daemon.add_parked_check(functools.partial(is_parked, engine)))
+    # a handoff held for its requester's answer is read again only when its document changes
+    engine.daemon_plugins.append(clarification.attach)
 
 
 def hand_on(engine: "Engine", handoff_id: str, where: State) -> None:
