@@ -245,3 +245,24 @@ def test_a_large_document_waits_the_quiet_time_and_junk_the_grace(
     assert done["set_aside"] == ["big3"] and not big.exists(), done
     assert json.loads(done[repair.NOTES][0])["code"] == "DOCUMENT_TOO_LARGE"
     assert not ws.doc_path(State.FAILED, "big3").exists()  # the sweep files the stub
+
+
+def test_every_sweep_of_a_run_counts_what_it_set_aside(ws: Workspace) -> None:
+    """The run's line counted only its first sweep's set-asides: junk found by a later sweep of
+    a long batch or a serving daemon was filed as a failure but not said to be set aside."""
+    from handoffd.cli.basics import engine
+    from handoffd.service.daemon import Daemon
+    eng = engine(ws.root)
+    daemon = Daemon(eng, watch=False)
+    try:
+        assert daemon.sweep().set_aside == [] and daemon.report.set_aside == 0
+        for hid in ("junk-a", "junk-b"):
+            (folder(ws, "in-progress") / f"{hid}.json").write_text("{ torn")
+        time.sleep(GRACE + 0.3)  # unchanged for the claim grace (its ctime cannot be set back)
+        assert sorted(daemon.sweep().set_aside) == ["junk-a", "junk-b"]
+        assert daemon.sweep().set_aside == []  # (nothing left: nothing counted twice)
+        assert daemon.report.set_aside == 2
+        assert "set aside 2 unreadable document(s)" in daemon.report.line()
+        assert daemon.report.needs_a_look()
+    finally:
+        eng.backend.close()

@@ -107,6 +107,7 @@ def report_fields(report: BatchReport) -> dict[str, object]:
             "retry_scheduled": report.retrying, "handed_back": report.handed_back,
             "unroutable": len(report.unroutable), "waiting": len(report.waiting),
             "errors": report.errors, "stalls": report.stalls, "lost": len(report.lost),
+            "set_aside": report.set_aside,
             "main_loop_error": report.error}
 
 

@@ -5,8 +5,9 @@ a start-up scan, periodic rescans, and its own wake-ups. Workers are threads; co
 are child processes. The loop never dies of a handoff's fault: every error is filed or logged.
 
 The rooms: this module holds :class:`Daemon` (the plugin API, serving and batches, the main
-loop, stopping); :mod:`.scheduler` the scheduling books (queues, parking, slots, rate limits,
-deadlines); :mod:`.dispatch` the rules for a due handoff and the workers' chaining;
+loop, stopping); :mod:`.scheduler` the scheduling books (queues, slots, gate waits,
+deadlines; :mod:`.lines` parking and rate limits, :mod:`.quiet` waits that only their own
+document's change ends); :mod:`.dispatch` the rules for a due handoff and the workers' chaining;
 :mod:`.attempts` running an attempt and what its outcome or failure does; :mod:`.progress` the
 stall watchdog; :mod:`.wakeups` the backend's wake-up hints; :mod:`.hooks` what features
 registered; :mod:`.warmup` what serving loads first; :mod:`.report` the run's counts.
@@ -245,6 +246,7 @@ class Daemon:
         except Exception:  # a repair bug must not stop the daemon; the next sweep tries again
             log.exception("sweep failed; will try again")
             return SweepReport()
+        self.report.set_aside += len(report.set_aside)
         if report.recovered:
             log.warning("recovered %d abandoned handoff(s): %s", len(report.recovered),
                         ", ".join(report.recovered[:10]))

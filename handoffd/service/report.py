@@ -25,17 +25,14 @@ class BatchReport:
     # forked processes of this run (service.spread) that ended without a report, or were
     # stopped for running too long past its end, and how
     lost: list[str] = field(default_factory=list)
+    # unreadable leftovers the run's sweeps moved to the quarantine (files: junk, or a document
+    # over the size bound, left in in-progress/), the first sweep's and every later one's
+    set_aside: int = 0
 
     def needs_a_look(self) -> bool:
         """Something an operator should hear of even from a quiet cron batch."""
         return bool(self.failed or self.handed_back or self.error or self.stalls or self.lost
                     or self.errors or self.set_aside)
-
-    @property
-    def set_aside(self) -> int:
-        """Unreadable leftovers the run's first sweep moved to the quarantine (files: junk, or
-        a document over the size bound, left in in-progress/)."""
-        return len(self.sweep.set_aside) if self.sweep is not None else 0
 
     def line(self) -> str:
         """The one-line summary ``handoffd run`` and ``serve`` print."""

@@ -346,11 +346,13 @@ def _as_json(report: BatchReport) -> dict[str, Any]:
     return {"completed": report.completed, "failed": report.failed,
             "retrying": report.retrying, "handed_back": report.handed_back,
             "unroutable": sorted(report.unroutable), "waiting": report.waiting,
-            "error": report.error, "stalls": report.stalls, "errors": report.errors}
+            "error": report.error, "stalls": report.stalls, "errors": report.errors,
+            "set_aside": report.set_aside}
 
 
 def _merge(report: BatchReport, other: dict[str, Any]) -> None:
-    for name in ("completed", "failed", "retrying", "handed_back", "stalls", "errors"):
+    for name in ("completed", "failed", "retrying", "handed_back", "stalls", "errors",
+                 "set_aside"):
         value = other.get(name, 0)
         setattr(report, name, getattr(report, name) + (value if isinstance(value, int) else 0))
     report.unroutable.update(str(hid) for hid in other.get("unroutable", ()))
