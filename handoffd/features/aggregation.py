@@ -7,12 +7,18 @@ and returns the parent's Outcome with ``aggregated_outcome`` as the seed defines
 """
 from __future__ import annotations
 
+import copy
+import json
+import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..core.documents import BOOK, Outcome, book, record
+from ..core.documents import BOOK, Outcome, book, book_int, record
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
+from ..core.filing import final_answer
+from ..core.formats import ArtifactSink
+from ..core.logs import log
 from ..core.states import State
 from ..core.timeutil import parse_iso
 from ..dialects import hi_moe
@@ -158,6 +164,25 @@ def _from_report(info: ChildInfo, reported: dict[str, Any]) -> ChildInfo:
     return info
 
 
+@dataclass
+class Family:
+    """A parent's children as aggregated: the facts every answer drawn from them shares."""
+
+    infos: list[ChildInfo]
+    strategy: str
+    status: str  # seed 000's aggregated status (success / partial / failed)
+    winner: ChildInfo | None
+    aggregated: dict[str, Any]  # seed 000's AggregatedOutcome
+    summary: str
+    first_start: datetime
+    statuses: list[str] = field(default_factory=list)
+
+    @property
+    def failed_children(self) -> list[ChildInfo]:
+        """The children that neither succeeded nor partially succeeded."""
+        return [i for i in self.infos if i.status not in SUCCESS_LIKE]
+
+
 def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     """Engine.run hook: a parent whose children are done is aggregated instead of run again.
     None: the handoff is not waiting for children (run the handler)."""
@@ -171,22 +196,42 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     if not ready(engine, wait, infos):
         return Outcome(status="delegated", started_at=started, finished_at=engine.clock(),
                        park={"kind": "rewait"})
-    strategy = str(wait.get("aggregation", "all_success"))
-    weights = given if isinstance(given := wait.get("weights"), dict) else {}
+    family = _family(engine, job, wait, infos, started)
+    block = book(doc)
+    block.pop("waiting_children", None)
+    block["aggregated_outcome"] = family.aggregated
+    record(doc, "aggregated", engine.clock(), strategy=family.strategy, status=family.status,
+           confidence=family.aggregated["aggregated_confidence"])
+    return readable_outcome(engine, job, family)
+
+
+def _stop_open(engine: "Engine", job: "Job", strategy: str, infos: list[ChildInfo]) -> set[str]:
+    """Cancel the children still open (first_success has its winner, or the deadline passed);
+    the ids stopped."""
     stopped: set[str] = set()
     open_ = [i for i in infos if i.status is None]
-    if open_:
-        winner_found = any(i.status == "success" for i in infos)
-        why = ("first_success: another child succeeded" if strategy == "first_success" and winner_found
-               else "the parent's deadline passed")
-        for info in open_:
-            try:
-                cancellation.cancel(engine, info.handoff_id, reason=f"{why} ({job.handoff_id})",
-                                    cascade=True, by=job.handoff_id, via="aggregation")
-            except (HandoffdError, OSError):
-                pass
-            info.status = "cancelled" if why.startswith("first_success") else "timeout"
-            stopped.add(info.handoff_id)
+    if not open_:
+        return stopped
+    winner_found = any(i.status == "success" for i in infos)
+    why = ("first_success: another child succeeded" if strategy == "first_success" and winner_found
+           else "the parent's deadline passed")
+    for info in open_:
+        try:
+            cancellation.cancel(engine, info.handoff_id, reason=f"{why} ({job.handoff_id})",
+                                cascade=True, by=job.handoff_id, via="aggregation")
+        except (HandoffdError, OSError):
+            pass
+        info.status = "cancelled" if why.startswith("first_success") else "timeout"
+        stopped.add(info.handoff_id)
+    return stopped
+
+
+def _family(engine: "Engine", job: "Job", wait: dict[str, Any], infos: list[ChildInfo],
+            started: datetime) -> Family:
+    """Decide a finished family: stop its open children, its status, confidence and summary."""
+    strategy = str(wait.get("aggregation", "all_success"))
+    weights = given if isinstance(given := wait.get("weights"), dict) else {}
+    stopped = _stop_open(engine, job, strategy, infos)
     winner: ChildInfo | None = None
     if strategy == "first_success":
         wins = sorted((i for i in infos if i.status == "success"), key=lambda i: i.finished_at or "")
@@ -197,46 +242,209 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     total_weight = sum(_weight(weights, i.handoff_id) for i in counted)
     confidence = (sum(_weight(weights, i.handoff_id) * i.confidence for i in counted)
                   / total_weight) if total_weight > 0 else 0.0
-    confidence = round(confidence, 4)
     aggregated: dict[str, Any] = {
         "strategy_used": strategy,
         "child_outcomes": [{"message_id": i.handoff_id, "status": i.status or "failed",
                             "confidence": round(i.confidence, 4), "specialist": i.specialist or ""}
                            for i in infos],
         "aggregated_status": status,
-        "aggregated_confidence": confidence,
+        "aggregated_confidence": round(confidence, 4),
     }
-    succeeded = statuses.count("success")
     failed_children = [i for i in infos if i.status not in SUCCESS_LIKE]
-    summary = f"{succeeded}/{len(infos)} subtasks succeeded ({strategy})"
+    summary = f"{statuses.count('success')}/{len(infos)} subtasks succeeded ({strategy})"
     if winner is not None:
         summary += f"; first success: {winner.handoff_id}"
     if failed_children:
         summary += ". " + "; ".join(f"{i.handoff_id} {i.status}" for i in failed_children[:5])
+    try:
+        first_start = parse_iso(str(wait.get("started")))
+    except ValueError:
+        first_start = started
+    return Family(infos, strategy, status, winner, aggregated, summary, first_start, statuses)
+
+
+# ---------------------------------------------------------------- the answer's size
+# A first_success winner's output is also copied into ``output.result`` when at most this large
+# (the small answers every parent gave); a larger one is not copied twice: ``result`` names
+# where it is (``output.results[<winner>]``).
+RESULT_COPY_BYTES = 64 * 1024
+# The files store reads a finished document up to max_document_bytes + max_output_bytes + 1 MiB
+# (its FILED_MARGIN_BYTES): an aggregated answer keeps within the first half MiB of that margin,
+# leaving the rest to the bookkeeping written after it.
+ANSWER_SLACK_BYTES = 512 * 1024
+
+
+def answer_limit(engine: "Engine") -> int:
+    """The most bytes a parent's filed aggregated answer may take, so that every reader of a
+    finished document (`handoff wait`, `show`, dependants, the daemon) can read it."""
+    settings = engine.settings
+    return settings.max_document_bytes + settings.max_output_bytes + ANSWER_SLACK_BYTES
+
+
+def json_size(value: Any) -> int:
+    """Bytes ``value`` takes in a document (compact UTF-8 JSON, as documents are written); one
+    that cannot be written counts as too large to copy."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return len(text.encode("utf-8"))
+    except (TypeError, ValueError, RecursionError):  # (a lone surrogate: a ValueError)
+        return sys.maxsize
+
+
+@dataclass
+class Copies:
+    """What an aggregated answer copies of its children's answers within a byte budget;
+    the rest is named, not copied (the children stay filed: `handoff show <child>`)."""
+
+    results: dict[str, Any]  # output.results: each successful child's output (or its omission)
+    result: Any  # output.result of first_success: the winner's output (or where it is)
+    artifacts: list[Any]  # the children's artifacts (or one omission record per child)
+    omitted: list[str]  # children something of which was not copied
+
+
+def _omission(handoff_id: str, what: str, size: int, budget: int) -> str:
+    shown = "too large to write" if size == sys.maxsize else f"{size} bytes"
+    return (f"{what} ({shown}) is not copied: an aggregated answer copies at most {budget} bytes "
+            f"of its children's answers; see `handoff show {handoff_id}`")
+
+
+def copies(infos: list[ChildInfo], winner: ChildInfo | None, budget: int) -> Copies:
+    """The children's outputs and artifacts an aggregated answer copies, at most ``budget``
+    bytes of them (JSON), the winner's first, then in child order; each that does not fit is
+    replaced by an ``output_omitted`` entry (or an ``artifacts_omitted`` record) naming the
+    child whose document holds it."""
+    kept = [i for i in infos if i.status in SUCCESS_LIKE]
+    left = budget
+    outputs: dict[str, Any] = {}
+    omitted: list[str] = []
+    result: Any = None
+    for info in sorted(kept, key=lambda i: i is not winner):  # (stable: the winner first)
+        size = json_size(info.output)
+        fits = size <= left
+        if fits:
+            outputs[info.handoff_id] = info.output
+            left -= size
+        else:
+            outputs[info.handoff_id] = {
+                "output_omitted": _omission(info.handoff_id, "its output", size, budget),
+                "handoff_id": info.handoff_id, "size_bytes": size}
+            omitted.append(info.handoff_id)
+        if info is winner:
+            result, left = _winner_result(info, outputs[info.handoff_id], fits, size, left)
+    records: list[Any] = []
+    for info in kept:
+        items = [_from_child(item, info.handoff_id) for item in info.artifacts]
+        size = json_size(items)
+        if size <= left:
+            records.extend(items)
+            left -= size
+            continue
+        records.append(artifacts._record(
+            "artifacts_omitted", name=None, ref=None, facts=None,
+            inline=_omission(info.handoff_id, f"its {len(items)} artifacts", size, budget),
+            metadata={"child_id": info.handoff_id, "count": len(items), "size_bytes": size}))
+        omitted.append(info.handoff_id)
+    return Copies({i.handoff_id: outputs[i.handoff_id] for i in kept}, result, records,
+                  [i.handoff_id for i in kept if i.handoff_id in omitted])
+
+
+def _winner_result(winner: ChildInfo, entry: Any, copied: bool, size: int,
+                   left: int) -> tuple[Any, int]:
+    """``output.result`` of first_success and the budget left: the winner's output again when
+    small, else a note saying where it is (never a second copy of a large output). ``entry``
+    is the winner's ``output.results`` entry, ``copied`` whether it is the output itself."""
+    if not copied:  # not copied at all: the same omission
+        return entry, left
+    if size <= min(RESULT_COPY_BYTES, left):
+        return winner.output, left - size
+    return {"output_omitted": f"the winner's output ({size} bytes) is not copied twice: it is "
+                              f"output.results[\"{winner.handoff_id}\"]",
+            "handoff_id": winner.handoff_id, "size_bytes": size}, left
+
+
+def _from_child(item: Any, handoff_id: str) -> Any:
+    """A child's artifact as the parent lists it: tagged with the child's id."""
+    if isinstance(item, dict):
+        item = dict(item)
+        meta = dict(item.get("metadata") or {}) if isinstance(item.get("metadata"), dict) else {}
+        meta["child_id"] = handoff_id
+        item["metadata"] = meta
+    return item
+
+
+def readable_outcome(engine: "Engine", job: "Job", family: Family) -> Outcome:
+    """The parent's aggregated Outcome, such that its filed answer stays readable: copies of
+    the children's answers within max_output_bytes, fewer when the answer as its format files
+    it is still over :func:`answer_limit`, none after that; a readable failure
+    (DOCUMENT_TOO_LARGE) if even that is over (a request near the limits)."""
+    limit = answer_limit(engine)
+    budget = engine.settings.max_output_bytes
+    for attempt in range(3):
+        outcome = aggregated_outcome(engine, job, family, copies(family.infos, family.winner, budget))
+        size = filed_size(engine, job, outcome)
+        if size <= limit or budget == 0:
+            break
+        # what the copies do not make stays (a request near max_document_bytes, a format
+        # that keeps the request twice): a budget smaller by what is over, then none at all
+        budget = max(0, budget - (size - limit) - ANSWER_SLACK_BYTES) if attempt == 0 else 0
+    if size <= limit:
+        return outcome
+    log.warning("handoff %s: its aggregated answer would be %d bytes, over the %d-byte limit "
+                "even without its children's outputs", job.handoff_id, size, limit)
+    failure = engine.failure(family.first_start, ErrorCode.DOCUMENT_TOO_LARGE,
+                             f"handoff {job.handoff_id}: {family.summary}; the aggregated answer "
+                             f"would be {size} bytes, over the {limit}-byte limit of a filed "
+                             "document: read each child with `handoff show <child>`",
+                             retryable=False)
+    failure.fields = {"aggregated_outcome": family.aggregated,
+                      "children": [i.handoff_id for i in family.infos]}
+    failure.executed_by = job.specialist.agent
+    return failure
+
+
+def filed_size(engine: "Engine", job: "Job", outcome: Outcome) -> int:
+    """Bytes of the answer ``outcome`` files for the claimed parent, rendered by its format on
+    a copy, with a sink that names large artifacts' files without writing them; 0 (not
+    measured) when it cannot be rendered (filing reports that)."""
+    doc = copy.deepcopy(job.claim.doc)
+    sink: ArtifactSink | None = None
+    if engine.artifact_sink is not None:
+        def sink(handoff_id: str, index: int, text: str) -> str | None:
+            return f"artifacts/{handoff_id}/{index}.txt"
+    try:
+        _, answer = final_answer(doc, job.dialect, outcome, engine.policy(doc, job.specialist),
+                                 book_int(doc, "retries", 0), engine.clock(), sink)
+    except Exception as exc:  # (the real filing meets it and says so)
+        log.debug("handoff %s: cannot measure its aggregated answer: %s", job.handoff_id, exc)
+        return 0
+    return json_size(answer) + 1
+
+
+def aggregated_outcome(engine: "Engine", job: "Job", family: Family, copied: Copies) -> Outcome:
+    """The parent's Outcome as seed 000 defines it (``aggregated_outcome``), with ``copied``
+    of its children's answers."""
+    infos, strategy, status = family.infos, family.strategy, family.status
+    statuses, winner, aggregated = family.statuses, family.winner, family.aggregated
+    failed_children = family.failed_children
+    summary = family.summary
+    if copied.omitted:
+        summary += (f"; not copied (too large): {', '.join(copied.omitted[:5])}"
+                    + (f" and {len(copied.omitted) - 5} more" if len(copied.omitted) > 5 else "")
+                    + " (`handoff show <child>`)")
     details = "; ".join(_child_error(i) for i in failed_children)
     output: dict[str, Any] = {
-        "summary": summary, "strategy": strategy, "succeeded": succeeded,
+        "summary": summary, "strategy": strategy, "succeeded": statuses.count("success"),
         "partial": statuses.count("partial"), "failed": len(failed_children),
-        "results": {i.handoff_id: i.output for i in infos if i.status in SUCCESS_LIKE},
+        "results": copied.results,
     }
     if winner is not None:
         output["winner"] = winner.handoff_id
-        output["result"] = winner.output
-    summary_text = f'{{"strategy": "{strategy}", "succeeded": {succeeded}, "failed": {len(failed_children)}}}'
-    records = [artifacts._record("aggregation_summary", name=None, ref=None, inline=summary_text,
-                                 facts=artifacts.digest(summary_text.encode()),
-                                 metadata={"child_outcomes": [
-                                     {"id": c["message_id"], "status": c["status"],
-                                      "specialist": c["specialist"]} for c in aggregated["child_outcomes"]]})]
-    for info in infos:
-        if info.status in SUCCESS_LIKE:
-            for item in info.artifacts:
-                if isinstance(item, dict):
-                    item = dict(item)
-                    meta = dict(item.get("metadata") or {}) if isinstance(item.get("metadata"), dict) else {}
-                    meta["child_id"] = info.handoff_id
-                    item["metadata"] = meta
-                records.append(item)
+        output["result"] = copied.result
+    if copied.omitted:
+        output["outputs_omitted"] = copied.omitted
+    records = [_summary_record(strategy, statuses.count("success"), len(failed_children),
+                               aggregated)] + copied.artifacts
+    confidence = aggregated["aggregated_confidence"]
     metadata = {"confidence": confidence, "aggregated_outcome": aggregated, "summary": summary,
                 "resources_used": {"parallel_tasks": len(infos),
                                    "specialists_used": sorted({i.specialist for i in infos if i.specialist})}}
@@ -248,34 +456,35 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
         metadata["surprise_flag"] = True
         metadata["surprise_reason"] = (f"{len(failed_children)} of {len(infos)} subtasks failed: "
                                        "flag for strategy revision")
-    try:
-        first_start = parse_iso(str(wait.get("started")))
-    except ValueError:
-        first_start = started
-    block = book(doc)
-    block.pop("waiting_children", None)
-    block["aggregated_outcome"] = aggregated
-    record_kw = {"strategy": strategy, "status": status, "confidence": confidence}
-    record(doc, "aggregated", engine.clock(), **record_kw)
-    fields = {"aggregated_outcome": aggregated, "children": [i.handoff_id for i in infos]}
     warnings = [_child_error(i) for i in failed_children]
     now = engine.clock()
     if status == "failed":
-        outcome = engine.failure(first_start, ErrorCode.CHILDREN_FAILED,
+        outcome = engine.failure(family.first_start, ErrorCode.CHILDREN_FAILED,
                                  f"handoff {job.handoff_id}: {summary}" + (f": {details}" if details else ""),
                                  retryable=False)
         outcome.output, outcome.metadata, outcome.warnings = output, metadata, warnings
         outcome.artifacts = records
     else:
         outcome = Outcome(status="completed" if status == "success" else "partial",
-                          started_at=first_start, finished_at=now, output=output,
+                          started_at=family.first_start, finished_at=now, output=output,
                           artifacts=records, metadata=metadata, warnings=warnings)
         if status == "partial":
             outcome.error = {"code": ErrorCode.PARTIAL_COMPLETION, "message": details or summary,
                              "retryable": True}
-    outcome.fields = fields
+    outcome.fields = {"aggregated_outcome": aggregated, "children": [i.handoff_id for i in infos]}
     outcome.executed_by = job.specialist.agent
     return outcome
+
+
+def _summary_record(strategy: str, succeeded: int, failed: int,
+                    aggregated: dict[str, Any]) -> dict[str, Any]:
+    """Seed 000's ``aggregation_summary`` artifact."""
+    text = f'{{"strategy": "{strategy}", "succeeded": {succeeded}, "failed": {failed}}}'
+    return artifacts._record("aggregation_summary", name=None, ref=None, inline=text,
+                             facts=artifacts.digest(text.encode()),
+                             metadata={"child_outcomes": [
+                                 {"id": c["message_id"], "status": c["status"],
+                                  "specialist": c["specialist"]} for c in aggregated["child_outcomes"]]})
 
 
 def _child_error(info: ChildInfo) -> str:
