@@ -13,6 +13,13 @@ dead-lettered. The count is read from the handoff's own history, so it holds acr
 and restarts: a ``handed_back`` event with ``interrupted: true`` (its handler ran) or a retry
 scheduled for such a stop counts; claims, and hand-backs of attempts that never started, are
 skipped; any other event (it finished, failed, was recovered, retried by hand) ends the run.
+
+The sweep's recovery keeps the same count for the claims it hands back uncounted
+(:func:`handoffd.service.sweeper.free_handback`: one whose filing failed in its own process,
+a parent claimed to aggregate its children when its daemon died): a ``recovered`` event
+followed by such a hand-back (or by a retry it counted, with :data:`STOPS`) is part of that
+interrupted attempt and does not end the run, so a parent whose aggregation ends its daemon
+at every start is counted after :data:`FREE_HANDBACKS` and dead-lettered after its retries.
 """
 from __future__ import annotations
 
@@ -29,13 +36,15 @@ if TYPE_CHECKING:
 # a sibling process of `serve --processes` stopped after a crash) never cost a retry; a handler
 # that ends its own daemon at every start is failed after FREE_HANDBACKS + max_retries + 1 starts
 FREE_HANDBACKS = 10
-INTERRUPTED = "interrupted"  # detail of a ``handed_back`` event: the attempt's handler ran
-STOPS = "stops_in_a_row"  # detail of an error filed for a counted stop
+# detail of a ``handed_back`` event: the attempt's work was under way (its handler ran, or a
+# parent's aggregation the sweep recovered)
+INTERRUPTED = "interrupted"
+STOPS = "stops_in_a_row"  # detail of an error filed for a counted stop (or counted recovery)
 
 
 def interrupted(entry: dict[str, Any]) -> bool:
-    """True when history ``entry`` ended an attempt whose handler a stop interrupted: a free
-    hand-back, or a stop counted as an attempt."""
+    """True when history ``entry`` ended an attempt whose work a stop (or a crash the sweep
+    hands back for free) interrupted: a free hand-back, or one counted as an attempt."""
     detail = entry.get("detail")
     if not isinstance(detail, dict):
         return False
@@ -52,12 +61,19 @@ def stops_in_a_row(doc: dict[str, Any]) -> int:
     """How many interrupted attempts the handoff's history ends with (see the module)."""
     history = book(doc).get("history")
     count = 0
+    ended = False  # the entry read before (the next one in time) ended an interrupted attempt
     for entry in reversed(history if isinstance(history, list) else []):
         if not isinstance(entry, dict):
             break
         if interrupted(entry):
-            count += 1
-        elif entry.get("event") not in ("claimed", "handed_back"):  # (never started: skipped)
+            count, ended = count + 1, True
+            continue
+        event = entry.get("event")
+        if event == "recovered" and ended:  # the recovery that handed it back (or counted it)
+            ended = False
+        elif event in ("claimed", "handed_back"):  # (never started: skipped)
+            ended = False
+        else:
             break
     return count
 

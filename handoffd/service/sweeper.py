@@ -34,7 +34,7 @@ from ..core.errors import (
 from ..core.events import SET_ASIDE, RecordingBackend
 from ..core.states import State
 from ..core.storage import GIVEN_UP, Claim, owner_died
-from .handbacks import FREE_HANDBACKS, stops_in_a_row
+from .handbacks import FREE_HANDBACKS, STOPS, stops_in_a_row
 
 log = logging.getLogger("handoffd")
 # the key of Backend.maintain's report saying what its repairs set aside: JSON objects {"id",
@@ -153,7 +153,8 @@ def _step(what: str, func: Any, *args: Any) -> None:
 
 def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
     """File a claim taken over from a dead or stalled owner: kill what its attempt left running
-    on this host (so that a retry never overlaps it), then retry or fail it by its policy."""
+    on this host (so that a retry never overlaps it), then retry or fail it by its policy; or,
+    when its attempt ran no handler (:func:`free_handback`), hand it back uncounted."""
     _kill_leftovers(engine, claim.id, claim.attempt)
     doc = claim.doc
     try:
@@ -166,26 +167,57 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
         spec = None
     now = engine.clock()
     reason = claim.recovered or "owner gone"
+    free = free_handback(doc, reason)
+    # read before the "recovered" record below: a recovery not followed by a hand-back ends
+    # the run (handbacks.stops_in_a_row)
+    streak = stops_in_a_row(doc) + 1
     # (recorded either way: a delegation's replay adopts the children an attempt ended by
     # recovery made, see features.children)
     record(doc, "recovered", now, reason=reason)
-    if reason == GIVEN_UP and stops_in_a_row(doc) < FREE_HANDBACKS:
-        # this process ended it when its filing failed (a full disk): no crash, nothing to
-        # charge (a handler that had succeeded was once dead-lettered this way), no suspect
-        # (nor is its next attempt isolated: core.isolation.crashed_last passes a hand-back).
-        # Counted after FREE_HANDBACKS in a row, as any interrupted attempt is
-        engine.requeue(claim, dialect, "handed_back", reason="its filing failed in this process",
-                       interrupted=True)
+    if free is not None and streak <= FREE_HANDBACKS:
+        # nothing to charge, and no suspect: no handler crashed (nor is its next attempt
+        # isolated: core.isolation.crashed_last passes a hand-back). Counted after
+        # FREE_HANDBACKS in a row, as any interrupted attempt is: a parent whose aggregation
+        # ends its daemon every time is failed after its retries, never handed back for ever
+        engine.requeue(claim, dialect, "handed_back", reason=free, interrupted=True)
         report.recovered.append(claim.id)
         return
-    outcome = engine.failure(now, ErrorCode.PROCESSING_ERROR,
-                             f"handoff {claim.id}: attempt {claim.attempt} was interrupted: {reason}",
-                             retryable=True)
+    message = f"handoff {claim.id}: attempt {claim.attempt} was interrupted: {reason}"
+    if free is not None:  # (details: each further interruption in a row counts too)
+        message += (f" ({free}; interrupted {streak} times in a row: after {FREE_HANDBACKS} "
+                    "hand-backs in a row each counts as an attempt)")
+    outcome = engine.failure(now, ErrorCode.PROCESSING_ERROR, message, retryable=True,
+                             details={STOPS: streak} if free is not None else None)
     if engine.file(claim, dialect, spec, outcome) is State.FAILED:
         _cancel_orphans(engine, claim)
     report.recovered.append(claim.id)
-    if owner_died(reason):  # which handoff ended the process is unknown: all run isolated a while
-        engine.suspects.mark(spec)  # (a stalled owner's lease running out is no crash)
+    if owner_died(reason) and free is None:
+        # which handoff ended the process is unknown: all run isolated a while (a stalled
+        # owner's lease running out is no crash; an aggregation runs no handler)
+        engine.suspects.mark(spec)
+
+
+def free_handback(doc: dict[str, Any], reason: str) -> str | None:
+    """Why a recovered claim's attempt is handed back uncounted (None: it is charged as an
+    interrupted attempt). Two ended with no handler cut short by a crash: one this process
+    gave up when its filing failed (a full disk: a handler that had succeeded was once
+    dead-lettered this way), and the aggregation of a parked parent's children
+    (:func:`resumed_aggregation`), which the next daemon simply does again."""
+    if reason == GIVEN_UP:
+        return "its filing failed in this process"
+    if resumed_aggregation(doc):
+        return "it was claimed to aggregate its children; no handler was running"
+    return None
+
+
+def resumed_aggregation(doc: dict[str, Any]) -> bool:
+    """True when the claimed document ``doc`` (its bookkeeping handoffd's own: a store keeps
+    a ``handoffd`` block only where its seal says handoffd wrote it) is a parent parked for its
+    children: its claim resumes with their aggregation, and no handler runs
+    (features.aggregation.resume runs first, and answers for every such claim). Not an
+    answered clarification: its claim runs the handler again, with the answers."""
+    block = doc.get("handoffd")
+    return isinstance(block, dict) and isinstance(block.get("waiting_children"), dict)
 
 
 def _cancel_orphans(engine: Engine, claim: Claim) -> None:
