@@ -10,7 +10,12 @@
   handoff is filed ``cancelled`` with whatever partial result the handler left: a JSON result a
   command handler prints on SIGTERM, or what a Python handler passed to ``ctx.report_partial()``.
   A request also cancels the handoff if it comes back to pending/ (recovered from a dead owner).
-* ``cascade`` cancels every descendant too (children by ``parent_id``, recursively).
+* ``cascade`` cancels every descendant too (children by ``parent_id``, recursively), including
+  those made after the request: the walk of :func:`cancel` sees the family as it is then, so a
+  cascading request stays until the handoff is filed and its family walked again (the daemon's
+  filed hook, else its next poll); a parent still making its children stops making them and
+  cancels those it made (:func:`cancel_made`); a child whose parent carries a cascading request
+  never starts (:func:`check_before_run`).
 * A seed 000 Message whose payload has ``target_message_id`` is a cancellation request: the daemon
   carries it out and files the message itself as completed with a short summary.
 * A finished handoff is left alone (the result says so); work may finish before the request
@@ -48,7 +53,7 @@ from ..core.logs import log
 from ..core.states import State
 from ..core.storage import Wakeup
 from ..core.timeutil import iso
-from .lineage import descendants
+from .lineage import descendants, parent_of
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
@@ -91,11 +96,10 @@ def install(engine: "Engine") -> None:
 
 def attach(daemon: DaemonPlugins) -> None:
     """The daemon side: be woken by new cancel requests, act on requests at every scan, carry out
-    cancellation messages, and drop the request of a handoff once it is filed for good."""
-    backend = daemon.engine.backend
+    cancellation messages, and settle the request of a handoff once it is filed for good."""
     daemon.add_scan_hook(lambda: poll(daemon))
     daemon.add_message_handler(is_cancel_message, handle_message)
-    daemon.add_filed_hook(lambda handoff_id, where: backend.clear_cancel(handoff_id)
+    daemon.add_filed_hook(lambda handoff_id, where: settle(daemon.engine, handoff_id)
                           if where.terminal else None)
     daemon.add_wakeup_hook(lambda wakeup: daemon.request_rescan()
                            if wakeup.kind == "cancel" else None, kinds={"cancel"})
@@ -110,11 +114,35 @@ def request(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool, by
         "via": via, "requested_at": iso(engine.clock()), "actor": actor()})
 
 
-def _reason(body: dict[str, Any] | None) -> str:
-    reason = (body or {}).get("reason")
+def describe(body: dict[str, Any] | None) -> str:
+    """A cancel request in a line a document can hold: its reason and who asked."""
+    reason, by = _request_texts(body or {})
     who = (body or {}).get("requested_by")
-    text = reason if isinstance(reason, str) and reason else "cancellation requested"
-    return f"{text} (by {who})" if isinstance(who, str) and who else text
+    return f"{reason} (by {by})" if isinstance(who, str) and who else reason
+
+
+def requested(engine: "Engine", handoff_id: str) -> dict[str, Any] | None:
+    """The cancel request recorded for ``handoff_id``, or None. Never raises: a store that
+    cannot answer now is asked again by whoever looks next (a gate, the daemon's poll)."""
+    try:
+        body = engine.backend.cancel_request(handoff_id)
+    except (HandoffdError, OSError) as exc:
+        log.debug("handoff %s: cannot read its cancel request: %s", handoff_id, exc)
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def cascading(body: dict[str, Any] | None) -> bool:
+    """True when the cancel request ``body`` asks for the descendants too."""
+    return isinstance(body, dict) and body.get("cascade") is True
+
+
+def _text(value: object, default: str, limit: int) -> str:
+    """``value`` as text a document can hold (a request is read from the store: a lone
+    surrogate there must not make every cancel it asks for fail its check), at most ``limit``
+    characters."""
+    text = value if isinstance(value, str) and value else default
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")[:limit]
 
 
 # ---------------------------------------------------------------- engine hooks
@@ -123,17 +151,26 @@ def cancel_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict
     body = engine.backend.cancel_request(env.handoff_id)
     if body is None:
         return None
-    return Verdict.fail(ErrorCode.CANCELLED, f"handoff {env.handoff_id} cancelled: {_reason(body)}")
+    return Verdict.fail(ErrorCode.CANCELLED, f"handoff {env.handoff_id} cancelled: {describe(body)}")
 
 
 def check_before_run(engine: "Engine", job: "Job") -> None:
     """Before an attempt runs or resumes (the engine's first resumer): a request that arrived
     while the handoff was being claimed, or that the gates were not asked about (a parked
-    parent claimed at its aggregation deadline), ends it CANCELLED."""
+    parent claimed at its aggregation deadline), ends it CANCELLED; so does a cascading
+    request of its parent (one read more per attempt)."""
     body = engine.backend.cancel_request(job.handoff_id)
     if body is not None:
-        raise HandlerError(f"handoff {job.handoff_id} cancelled: {_reason(body)}",
+        raise HandlerError(f"handoff {job.handoff_id} cancelled: {describe(body)}",
                            handoff_id=job.handoff_id, code=ErrorCode.CANCELLED, retryable=False)
+    # a child made, or claimed, after its parent's cascading request was walked: the request
+    # stays until the family is walked again, and the child must not start meanwhile
+    parent = parent_of(job.claim.doc)
+    above = requested(engine, parent) if parent is not None and parent != job.handoff_id else None
+    if cascading(above):
+        raise HandlerError(f"handoff {job.handoff_id} cancelled: {describe(above)} (cascaded "
+                           f"from {parent})", handoff_id=job.handoff_id, code=ErrorCode.CANCELLED,
+                           retryable=False)
 
 
 # ---------------------------------------------------------------- cancelling
@@ -168,16 +205,70 @@ def cancel(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool = Fa
     check_text(via, "via")
     results = [cancel_one(engine, handoff_id, reason=reason, by=by, via=via, cascade=cascade)]
     if cascade:
-        for child in descendants(engine.backend, handoff_id):
-            why = f"{reason} (cascaded from {handoff_id})"
-            try:
-                results.append(cancel_one(engine, child, reason=why, by=by, via=via,
-                                          cascade=True))
-            except NotFound:
-                continue
-            except (HandoffdError, OSError) as exc:  # one unreadable descendant stops no other
-                results.append(_unreadable(engine, child, exc, reason=why, by=by, via=via))
+        results.extend(_cancel_family(engine, handoff_id, descendants(engine.backend, handoff_id),
+                                      reason=reason, by=by, via=via))
     return results
+
+
+def _cancel_family(engine: "Engine", ancestor: str, members: list[str], *, reason: str, by: str,
+                   via: str) -> list[CancelResult]:
+    """Cancel each of ``members`` (descendants of ``ancestor``), with a cascading request for
+    those running: one unreadable member stops no other."""
+    why = f"{reason} (cascaded from {ancestor})"
+    results: list[CancelResult] = []
+    for member in members:
+        try:
+            results.append(cancel_one(engine, member, reason=why, by=by, via=via, cascade=True))
+        except NotFound:
+            continue
+        except (HandoffdError, OSError) as exc:
+            results.append(_unreadable(engine, member, exc, reason=why, by=by, via=via))
+    return results
+
+
+def _request_texts(body: dict[str, Any]) -> tuple[str, str]:
+    """(reason, by) of a stored request, as text a document can hold."""
+    reason = _text(body.get("reason"), "cancellation requested", MAX_REASON)
+    return reason, _text(body.get("requested_by"), "@handoffd", 200)
+
+
+def cancel_made(engine: "Engine", parent: str, children: list[str], body: dict[str, Any]) -> None:
+    """Cancel, with their descendants, ``children`` a delegation of ``parent`` made before it saw
+    the cascading cancel request ``body``: a walk of the family that ran before they existed
+    missed them. Never raises (each failure is a line; the walk at the parent's filing tries
+    again)."""
+    reason, by = _request_texts(body)
+    try:
+        results = _cancel_family(engine, parent, children, reason=reason, by=by, via="cascade")
+    except Exception as exc:  # (a bug) the parent's filing, and its walk, still go on
+        log.warning("handoff %s: cannot cancel the children it made: %s: %s", parent,
+                    type(exc).__name__, str(exc)[:200])
+        return
+    for result in results:
+        if result.action == "unreadable":
+            log.warning("handoff %s: child %s %s", parent, result.handoff_id, result.detail)
+
+
+def settle(engine: "Engine", handoff_id: str) -> None:
+    """``handoff_id`` is filed for good: carry its cancel request's cascade to every descendant
+    (children made or claimed after the canceller's walk included), then drop the request.
+    Kept when the walk cannot be made, for the next poll. Never raises (a daemon's filed hook
+    and its poll call it)."""
+    body = requested(engine, handoff_id)
+    if body is not None and cascading(body):
+        reason, by = _request_texts(body)
+        try:
+            # the canceller's walk scanned for children other producers made; the ones made
+            # since are in the children lists (or the tree shows an attempt that died)
+            family = descendants(engine.backend, handoff_id, scan=False)
+            _cancel_family(engine, handoff_id, family, reason=reason, by=by, via="cascade")
+        except (HandoffdError, OSError) as exc:  # a folder unreadable now: the next poll
+            log.error("handoff %s: cannot cancel its descendants yet: %s", handoff_id, exc)
+            return
+    try:
+        engine.backend.clear_cancel(handoff_id)
+    except (HandoffdError, OSError) as exc:
+        log.error("handoff %s: cannot drop its cancel request: %s", handoff_id, exc)
 
 
 def _unreadable(engine: "Engine", handoff_id: str, exc: Exception, *, reason: str, by: str,
@@ -337,7 +428,7 @@ def _poll(daemon: DaemonPlugins) -> None:
             from ..core.runner import (
                 cancel as stop_handler,  # loaded by the daemon already
             )
-            stop_handler(job.context, _reason(body))
+            stop_handler(job.context, describe(body))
             continue
         try:
             found = backend.get(handoff_id)
@@ -345,8 +436,10 @@ def _poll(daemon: DaemonPlugins) -> None:
             continue  # unreadable right now: look again at the next scan
         if found is not None and found[0] is State.PENDING:
             daemon.queue(handoff_id)  # its cancel gate files it
-        elif found is None or found[0].terminal:
-            backend.clear_cancel(handoff_id)  # finished before the request arrived, or unknown
+        elif found is not None and found[0].terminal:
+            settle(daemon.engine, handoff_id)  # its cascade reaches the whole family first
+        elif found is None:
+            backend.clear_cancel(handoff_id)  # unknown
 
 
 # ---------------------------------------------------------------- cancellation messages

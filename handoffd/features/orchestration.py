@@ -248,14 +248,23 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
                                 "its delegation cannot be turned into child handoffs: "
                                 f"{_why(exc)}", retryable=False)
     made: list[str] = []
+    # a cancel of the parent may land while its children are made: a canceller's walk of the
+    # family sees only those made so far, so its request is looked at before each child and
+    # after the last (once it is seen, no more are made; see _cancelled_delegation)
+    stop = cancellation.requested(engine, claim.id)
     try:
         for cid, child in plan.new:
+            if stop is not None:
+                break
             engine.backend.create(child, cid, now)
             made.append(cid)
+            stop = cancellation.requested(engine, claim.id)
     except Exception as exc:  # whatever it was, no child may run beside a parent filed failed
         code, message, retryable = _creation_failure(claim.id, exc)
     else:
         book(claim.doc)["delegation_round"] = plan.round
+        if stop is not None:
+            return _cancelled_delegation(engine, claim, dialect, spec, plan.adopted + made, stop)
         # every child is made: a park that fails now (a full disk) leaves them be; the claim
         # is given up, the sweep hands the parent back, and its replay adopts them (they were
         # cancelled here once, and the parent failed for a passing disk error)
@@ -294,6 +303,33 @@ def _wait_for_children(engine: "Engine", claim: "Claim", dialect: "Dialect",
     # waiting for children is not an attempt: the one that delegated is given back
     return engine.requeue(claim, dialect, "delegated", children=children,
                           aggregation=info["aggregation"])
+
+
+def _cancelled_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
+                          spec: "Specialist | None", children: list[str],
+                          body: dict[str, Any]) -> State:
+    """File the parent CANCELLED: the cancel request ``body`` arrived while its children were
+    being made. A cascading request cancels those made (the canceller's walk may have run
+    before they existed); a plain one leaves them, as it leaves the children of a parked
+    parent. Either way the filed parent names every child it made (``handoffd.children``), so
+    a cascading request's walk at its filing (cancellation.settle) reaches them and theirs."""
+    block = book(claim.doc)
+    known = block.get("children")
+    if not isinstance(known, list):
+        known = block["children"] = []
+    known.extend(c for c in children if c not in known)
+    cascade = cancellation.cascading(body)
+    if cascade:
+        cancellation.cancel_made(engine, claim.id, children, body)
+    log.info("handoff %s: cancelled while making its children (%d made%s)", claim.id,
+             len(children), ", cancelled with it" if cascade else "")
+    outcome = engine.failure(engine.clock(), ErrorCode.CANCELLED,
+                             f"handoff {claim.id} cancelled while delegating: "
+                             f"{cancellation.describe(body)}; {len(children)} child(ren) made"
+                             + (", cancelled with it" if cascade and children else ""),
+                             retryable=False)
+    outcome.artifacts = cancellation.children_artifacts(engine, claim.doc)
+    return engine._file(claim, dialect, spec, outcome)  # (a filer: Engine.file tells listeners)
 
 
 def _fail_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
