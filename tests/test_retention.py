@@ -160,15 +160,17 @@ def test_appends_after_a_torn_member_stay_readable(tmp_path: Path) -> None:
     mid-append), the next `handoff archive` appended after the tear; the reader fed that
     member's header into the torn one's decompressor and stopped, so every handoff archived
     afterwards (and already deleted) was found nowhere. The reader now skips to the next
-    member after a tear."""
+    member after a tear, and an append after a torn tail goes to the day's next file."""
     from handoffd.features.retention import find_archived
     ws = HandoffdWorkspace(tmp_path)
     now = utc_now()
     path = append_archive(ws, [(State.COMPLETED, "a", {"x": 1})], now)
     append_archive(ws, [(State.COMPLETED, "b", {"x": 2})], now)
     path.write_bytes(path.read_bytes()[:-7])  # a crash in the middle of the second append
-    append_archive(ws, [(State.COMPLETED, "c", {"x": 3}), (State.FAILED, "d", {"x": 4})], now)
-    assert [e["id"] for e in archived(ws)] == ["a", "c", "d"]
+    later = append_archive(ws, [(State.COMPLETED, "c", {"x": 3}), (State.FAILED, "d", {"x": 4})],
+                           now)
+    assert later != path and later.name.endswith("-1.jsonl.gz")  # never appended after a tear
+    assert sorted(e["id"] for e in archived(ws)) == ["a", "c", "d"]
     found = find_archived(ws, "d")
     assert found is not None and found["document"] == {"x": 4}
 

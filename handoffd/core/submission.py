@@ -135,10 +135,10 @@ def _create(engine: Submitting, doc: dict[str, Any], handoff_id: str, dialect: s
     except DuplicateHandoff:
         if if_absent and already_submitted(engine.backend, doc, dialect, handoff_id):
             return  # the same request won a race with this one
-        if if_absent:
-            raise Conflict(f"handoff id {handoff_id} was used recently and its "
-                           "request is gone, so it cannot be compared; choose another id",
-                           handoff_id=handoff_id) from None
+        if if_absent:  # (a submit guard may still find it: retention's archive)
+            raise RequestGone(f"handoff id {handoff_id} was used recently and its "
+                              "request is gone, so it cannot be compared; choose another id",
+                              doc, dialect, handoff_id=handoff_id) from None
         raise
 
 
@@ -153,6 +153,21 @@ def already_submitted(backend: Backend, doc: dict[str, Any], dialect: str,
         return True
     raise Conflict(f"handoff {handoff_id} already exists ({found[0].value}) with a different "
                    "request; `handoff show` it, or choose another id", handoff_id=handoff_id)
+
+
+class RequestGone(Conflict):
+    """``if_absent``: the store refuses the id (used within its dedup window) but holds no
+    document to compare ``doc`` (of format ``dialect``) with. A submit guard (entered around
+    the store) may settle it where the request is still kept: the core knows no archive, and
+    :mod:`handoffd.features.build` gives each Engine and Submitter a guard that compares with
+    the copy retention archived (exit 5 "its request is gone" was the answer for a handoff
+    that ``handoff show`` found there). Unsettled, it is the Conflict it says (exit 5)."""
+
+    def __init__(self, message: str, doc: dict[str, Any], dialect: str, *,
+                 handoff_id: str | None = None) -> None:
+        super().__init__(message, handoff_id=handoff_id)
+        self.doc = doc
+        self.dialect = dialect
 
 
 def same_request(stored: dict[str, Any], submitted: dict[str, Any], dialect: str) -> bool:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+from contextlib import contextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, cast
 
 from .. import dialects
 from ..backends.files import FilesBackend
@@ -205,7 +206,42 @@ def open_submitter(workspace: Workspace, *, store: str | None = None) -> Submitt
     ``handoff create --to`` without ``--depends-on`` needs, without an Engine."""
     from ..core.submission import Submitter
     backend = open_recorded(workspace, workspace.load_config(), store=store)
-    return Submitter(workspace, backend, dialects, utc_now)
+    submitter = Submitter(workspace, backend, dialects, utc_now)
+    submitter.submit_guards.append(archived_request_guard(workspace, backend))
+    return submitter
+
+
+def archived_request_guard(workspace: Workspace, backend: Backend
+                           ) -> Callable[[object, Envelope], ContextManager[None]]:
+    """A submit guard that settles ``--if-absent`` where the store refuses the id but holds
+    no document to compare with (:class:`~handoffd.core.submission.RequestGone`): against the
+    newest copy retention archived in ``workspace``, as ``handoff show`` finds it. The same
+    request: no error (its id is the answer); a different one: Conflict (exit 5); none
+    archived (or the archive unreadable now): RequestGone stands. The archive's code is
+    imported only then (a plain create never loads it)."""
+    from ..core.errors import Conflict
+    from ..core.submission import RequestGone, same_request
+
+    @contextmanager
+    def guard(_submitting: object, envelope: Envelope) -> Iterator[None]:
+        try:
+            yield
+        except RequestGone as gone:
+            from .retention import find_archived_document
+            try:
+                found = find_archived_document(workspace, backend, envelope.handoff_id)
+            except OSError:  # (an archive that cannot be read now: as if there were none)
+                found = None
+            if found is None:
+                raise
+            if not same_request(found[1], gone.doc, gone.dialect):
+                raise Conflict(f"handoff {envelope.handoff_id} was archived by retention "
+                               f"({found[0].value}) with a different request; `handoff show` "
+                               "it, or choose another id", handoff_id=envelope.handoff_id
+                               ) from None
+            # (the same request: the exception ends here, and submit answers the id)
+
+    return guard
 
 
 def build_engine(workspace: Workspace, config: Config | None = None,
@@ -225,6 +261,8 @@ def build_engine(workspace: Workspace, config: Config | None = None,
     backend = open_recorded(workspace, config, backend=backend, events=events, clock=clock,
                             monotonic=monotonic, store=store)
     engine = Engine(workspace, config, registry, backend=backend, formats=dialects, clock=clock)
+    # whatever its features: `--if-absent` compares with what retention archived
+    engine.submit_guards.append(archived_request_guard(workspace, backend))
     # formats review results before any feature's checks (seed 002: reported artifacts exist)
     engine.after_run.append(dialects.review_outcome)
     install_features(engine, features)

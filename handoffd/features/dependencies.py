@@ -6,17 +6,28 @@ another handoff is filed and at every rescan. Dependencies (``--depends-on``, se
 ``dependencies_completed``) are this module's gate (:func:`install`, one of the features
 :func:`handoffd.features.build.build_engine` installs); orchestration and contracts add their own.
 
-Long chains and wide fan-ins stay linear: a dependency's wait names the handoffs whose filing can
-end it (``Verdict.wait(on=...)``), so the daemon re-checks a waiter only when one of them is
-filed; and :class:`Graph` remembers what never changes (a completed handoff stays completed) and
-which handoffs are known to lead to no cycle, so a walk stops where an earlier one ended.
+Long chains and dense graphs stay linear in their edges. A waiter's dependencies are taken in
+their order: a check goes on from the first one not yet seen completed (:class:`Progress`) to the
+first unfinished one, and waits for its filing only (``Verdict.wait(on=[it])``), so a filing
+re-checks only the handoffs waiting for that one, and each check reads about one document (300
+handoffs each depending on all earlier ones took 6 minutes when every check read, and waited
+for, every unfinished dependency). :class:`Graph` remembers which handoffs completed, believed
+for a waiter only when seen after that waiter first came (see :class:`Graph`: an id comes back
+once purged), and which handoffs are known to lead to no cycle, so a walk stops where an
+earlier one ended. A completed dependency that retention archived is completed too
+(:class:`ArchiveIndex`); one that was purged is missing.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
+from array import array
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Collection
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from .. import dialects
@@ -28,34 +39,58 @@ from ..core.engine import (  # Gate and Verdict are the core's; re-exported
 )
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
 from ..core.states import State
+from ..core.workspace import Workspace
 from .removal import dependents_guard
 
 # documents one cycle check reads at most. A walk cut short by it marks nothing cycle-free, so
 # every later check of a longer chain would read as much again (`handoff ls` of a 1,100-long
 # chain read 1,000 documents a row, 8 s); one that ends marks the whole chain at once
 MAX_DEPENDENCY_WALK = 20_000
-MAX_REMEMBERED = 100_000  # completed / cycle-free ids kept before the memory starts over
+MAX_REMEMBERED = 100_000  # completed / cycle-free ids (and waiters) kept before starting over
 ACYCLIC_SECONDS = 300.0  # how long "leads to no cycle" is trusted (ids can be purged and reused)
-SHOWN = 4  # dependencies named in a wait's reason
-__all__ = ["Gate", "Graph", "Verdict", "dependencies_gate", "install", "check_new_dependencies"]
+# how long a waiter's progress is trusted at most (also at most the dedup window: an id comes
+# back no sooner, once purged); then its dependencies are read again, once
+PROGRESS_SECONDS = 300.0
+UNFINISHED_SECONDS = 5.0  # a dependency read unfinished is not read again this soon by a first look
+__all__ = ["ArchiveIndex", "Gate", "Graph", "Progress", "Verdict", "dependencies_gate", "install",
+           "check_new_dependencies"]
+
+
+class Progress:
+    """How far a waiter's checks got: its first ``index`` dependencies were seen completed, each
+    after ``since`` (when this waiter was first checked); ``looked``: its first check looked at
+    every one; ``key`` tells its list of dependencies (a document with the same id and another
+    list starts again)."""
+
+    __slots__ = ("key", "since", "index", "looked")
+
+    def __init__(self, key: int, since: datetime) -> None:
+        self.key, self.since, self.index, self.looked = key, since, 0, False
 
 
 class Graph:
     """What the gate and the creation check know of the dependency graph, across calls.
 
-    A completed handoff never runs again (only failed ones are retried), so its id is remembered
-    and never read again. A handoff whose unfinished dependencies were all walked without finding
-    a cycle or a missing document is remembered as cycle-free for :data:`ACYCLIC_SECONDS`: its
-    ``depends_on`` cannot change, and the handoffs it leads to can only finish. A parked parent
-    also waits for its children (an edge the walk follows); those edges appear when it
-    delegates, and a delegation whose child would wait for its own parent is refused then, by a
-    walk that trusts no memory (:meth:`path_to`, see :mod:`.delegation`)."""
+    A completed handoff stays completed while a pending or running handoff depends on it
+    (retention keeps it), but its id comes back once nothing does and it was purged (and the
+    dedup window passed): so "completed" is remembered with when it was seen (a read, or this
+    daemon's filing), and believed for a waiter only when seen after that waiter was first
+    checked (:attr:`Progress.since`): from then on the waiter protects it. A handoff whose
+    unfinished dependencies were all walked without finding a cycle or a missing document is
+    remembered as cycle-free for :data:`ACYCLIC_SECONDS`: its ``depends_on`` cannot change, and
+    the handoffs it leads to can only finish. A parked parent also waits for its children (an
+    edge the walk follows); those edges appear when it delegates, and a delegation whose child
+    would wait for its own parent is refused then, by a walk that trusts no memory
+    (:meth:`path_to`, see :mod:`.delegation`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.completed: set[str] = set()
+        self.completed: dict[str, datetime] = {}  # id -> when it was last seen completed
+        self.unfinished: dict[str, datetime] = {}  # id -> when it was last read unfinished
+        self.progress: dict[str, Progress] = {}  # waiter id -> how far its checks got
         self.acyclic: set[str] = set()
         self.acyclic_since: datetime | None = None
+        self.archive = ArchiveIndex(engine.ws)
         self.lock = threading.Lock()
 
     def state(self, handoff_id: str) -> tuple[State | None, list[str]]:
@@ -68,7 +103,7 @@ class Graph:
         except (NotFound, InvalidDocument):
             return None, []
         if state is State.COMPLETED:
-            self._remember(self.completed, handoff_id)
+            self.seen_completed(handoff_id)
             return state, []
         try:
             deps = dialects.detect(doc).envelope(doc).depends_on
@@ -78,6 +113,63 @@ class Graph:
                 and isinstance(doc[BOOK].get("waiting_children"), dict):
             deps = deps + [c for c in self._children_waited_for(handoff_id) if c not in deps]
         return state, deps
+
+    def look(self, dep: str, since: datetime) -> State | None:
+        """The state of the dependency ``dep`` for a waiter first checked at ``since``: completed
+        as remembered when seen so since then, else as read (a completed one that retention
+        archived is completed; None: missing or unreadable)."""
+        seen = self.completed.get(dep)
+        if seen is not None and since <= seen:
+            return State.COMPLETED
+        try:
+            state: State | None = self.engine.get(dep)[0]
+        except (NotFound, InvalidDocument):
+            state = State.COMPLETED if self.archive.completed(dep) else None
+        if state is State.COMPLETED:
+            self.seen_completed(dep)
+        else:
+            self.forget(dep)
+            if state is not None and not state.terminal:
+                self._note(self.unfinished, dep, self.engine.clock())
+        return state
+
+    def seen_completed(self, handoff_id: str) -> None:
+        """``handoff_id`` is completed now (read so, or filed so by this daemon)."""
+        self.unfinished.pop(handoff_id, None)
+        self._note(self.completed, handoff_id, self.engine.clock())
+
+    def forget(self, handoff_id: str) -> None:
+        """``handoff_id`` is not completed (any more): pending again under a reused id, failed."""
+        self.completed.pop(handoff_id, None)
+
+    def progress_of(self, waiter: str, deps: list[str]) -> Progress:
+        """How far the checks of ``waiter`` got, for this list of dependencies: started afresh
+        for a new list, or when it is older than :data:`PROGRESS_SECONDS` or the dedup window
+        (the waiter may have gone and come back under its id meanwhile) or the clock jumped."""
+        key, now = hash(tuple(deps)), self.engine.clock()
+        trusted = min(PROGRESS_SECONDS, self.engine.settings.seen_ttl_seconds)
+        with self.lock:
+            progress = self.progress.get(waiter)
+            if progress is None or progress.key != key \
+                    or not 0 <= (now - progress.since).total_seconds() <= trusted:
+                if len(self.progress) >= MAX_REMEMBERED:
+                    self.progress.clear()
+                progress = self.progress[waiter] = Progress(key, now)
+            return progress
+
+    def done_with(self, waiter: str) -> None:
+        """``waiter`` leaves the gate (let go, failed, or filed): its progress is dropped."""
+        self.progress.pop(waiter, None)
+
+    def filed(self, handoff_id: str, where: State) -> None:
+        """``on_filed`` listener: what this daemon filed completed is completed now (a waiter
+        woken by it goes on without reading it); anything else is not; a filed waiter's
+        progress goes."""
+        if where is State.COMPLETED:
+            self.seen_completed(handoff_id)
+        else:
+            self.forget(handoff_id)
+        self.done_with(handoff_id)
 
     def _children_waited_for(self, handoff_id: str) -> list[str]:
         """The children a parked parent waits for, as handoffd's own (sealed) bookkeeping says:
@@ -96,6 +188,12 @@ class Graph:
             if len(where) >= MAX_REMEMBERED:
                 where.clear()
             where.add(handoff_id)
+
+    def _note(self, where: dict[str, datetime], handoff_id: str, at: datetime) -> None:
+        with self.lock:
+            if len(where) >= MAX_REMEMBERED and handoff_id not in where:
+                where.clear()
+            where[handoff_id] = at
 
     def _known_acyclic(self) -> set[str]:
         """The cycle-free ids, forgotten every :data:`ACYCLIC_SECONDS` (or when the clock jumps)."""
@@ -177,6 +275,7 @@ class Graph:
 
     def check_submitted(self, engine: "Engine", env: Envelope) -> None:
         """Engine.submit's check: what a new handoff depends on exists and leads nowhere back."""
+        self.forget(env.handoff_id)  # a new handoff under this id: not the completed one
         if env.depends_on:
             check_new_dependencies(self, env.handoff_id, env.depends_on)
 
@@ -187,45 +286,96 @@ def install(engine: "Engine") -> None:
     engine.gates.append(graph.gate)
     engine.submit_checks.append(graph.check_submitted)
     engine.submit_guards.append(dependents_guard)  # no dependency purged under a new dependent
+    engine.on_filed.append(graph.filed)
 
 
 def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:
     """Wait until every dependency completed; fail with DEPENDENCY_MISSING when one failed, was
-    cancelled, does not exist, or the dependencies form a cycle."""
+    cancelled, does not exist, or the dependencies form a cycle. The dependencies are taken in
+    order, from the first one not yet seen completed to the first unfinished one, which the
+    wait names; at a waiter's first check every one is looked at once, so that one missing or
+    failed already fails it at once."""
+    graph.forget(env.handoff_id)  # pending: not the completed handoff an earlier life was
     if not env.depends_on:
         return None
-    waiting: list[tuple[str, State]] = []
+    deps, waiter = env.depends_on, env.handoff_id
+    progress = graph.progress_of(waiter, deps)
+    failed = None if progress.looked else _first_look(graph, env, progress)
+    progress.looked = True
+    index = progress.index  # (two checks at once each go on from it: neither skips one)
+    while failed is None and index < len(deps):
+        dep = deps[index]
+        state = graph.look(dep, progress.since)
+        if state is State.COMPLETED:
+            index += 1
+            progress.index = max(progress.index, index)
+        elif state is None or state is State.FAILED:
+            failed = _failure(graph, waiter, dep, state)
+        else:
+            return _wait(graph, env, (dep, state), len(deps) - index - 1, progress)
+    graph.done_with(waiter)
+    return failed
+
+
+def _first_look(graph: Graph, env: Envelope, progress: Progress) -> Verdict | None:
+    """A waiter's first check: every dependency is looked at once (but one read unfinished a
+    moment ago: dependants checked one after the other read each of what they share once), so
+    that one missing or failed fails it at once; one that fails later is found when the
+    dependencies before it have completed, or at the first look of the next
+    :data:`PROGRESS_SECONDS`."""
+    now = graph.engine.clock()
     for dep in env.depends_on:
-        if dep in graph.completed:
+        seen = graph.unfinished.get(dep)
+        if seen is not None and 0 <= (now - seen).total_seconds() <= UNFINISHED_SECONDS:
             continue
-        state, _ = graph.state(dep)
-        if state is None:
-            return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, _missing(graph, env.handoff_id, dep))
-        if state is State.FAILED:
-            return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on {dep}, "
-                                f"which {_ended(graph, dep)}; retry {dep} first, then this "
-                                f"one with `handoff retry --force {env.handoff_id}`")
-        if state is not State.COMPLETED:
-            waiting.append((dep, state))
-    if not waiting:
-        return None
-    # only a handoff that would wait can be waiting for ever: look for a cycle now
-    cycle = graph.find_cycle(env.handoff_id, [dep for dep, _ in waiting])
+        state = graph.look(dep, progress.since)
+        if state is None or state is State.FAILED:
+            return _failure(graph, env.handoff_id, dep, state)
+    return None
+
+
+def _failure(graph: Graph, waiter: str, dep: str, state: State | None) -> Verdict:
+    """The verdict on ``waiter`` whose dependency ``dep`` is missing (None) or failed."""
+    if state is None:
+        return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, _missing(graph, waiter, dep))
+    return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {waiter} depends on {dep}, "
+                        f"which {_ended(graph, dep)}; retry {dep} first, then this "
+                        f"one with `handoff retry --force {waiter}`")
+
+
+def _wait(graph: Graph, env: Envelope, first: tuple[str, State], after: int,
+          progress: Progress) -> Verdict:
+    """Wait for the first unfinished dependency (``after``: how many come after it), or for
+    the last one when it is unfinished too: the last one listed is most often the last to
+    finish (when each of 300 handoffs depended on all earlier ones, every waiter waited for the
+    same first one, and each filing woke all that were left). Unless one leads back to the
+    waiter: only a handoff that would wait can be waiting for ever, a cycle is looked for now."""
+    (dep, state), waiter, last = first, env.handoff_id, env.depends_on[-1]
+    target = dep
+    if after:
+        last_state = graph.look(last, progress.since)
+        if last_state is None or last_state is State.FAILED:
+            graph.done_with(waiter)
+            return _failure(graph, waiter, last, last_state)
+        if last_state is not State.COMPLETED:
+            target = last
+    cycle = graph.find_cycle(waiter, list(dict.fromkeys((dep, target))))
     if cycle:
-        return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {env.handoff_id} depends on itself "
-                            f"through {' -> '.join(cycle)}; break the cycle")
-    shown = ", ".join(f"{dep} ({state.value})" for dep, state in waiting[:SHOWN])
-    more = f" and {len(waiting) - SHOWN} more" if len(waiting) > SHOWN else ""
-    return Verdict.wait(f"waiting for dependency {shown}{more}", on=[dep for dep, _ in waiting])
+        graph.done_with(waiter)
+        return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {waiter} depends on "
+                            f"itself through {' -> '.join(cycle)}; break the cycle")
+    more = f", then {after} more" if after else ""
+    return Verdict.wait(f"waiting for dependency {dep} ({state.value}){more}", on=[target])
 
 
 def check_new_dependencies(graph: Graph, handoff_id: str, deps: list[str]) -> None:
-    """At creation: every dependency must exist and none may lead back here (InvalidDocument)."""
+    """At creation: every dependency must exist (a completed one that retention archived does)
+    and none may lead back here (InvalidDocument)."""
     for dep in deps:
         if dep == handoff_id:
             raise InvalidDocument(f"handoff {handoff_id} cannot depend on itself",
                                   handoff_id=handoff_id, code=ErrorCode.DEPENDENCY_MISSING)
-        if dep not in graph.completed and graph.engine.backend.get(dep) is None:
+        if graph.engine.backend.get(dep) is None and not graph.archive.completed(dep):
             raise InvalidDocument(_missing(graph, handoff_id, dep), handoff_id=handoff_id,
                                   code=ErrorCode.DEPENDENCY_MISSING)
     cycle = graph.find_cycle(handoff_id, deps, stored=False)
@@ -236,7 +386,8 @@ def check_new_dependencies(graph: Graph, handoff_id: str, deps: list[str]) -> No
 
 def _missing(graph: Graph, handoff_id: str, dep: str) -> str:
     """Why ``dep``, not found, cannot be depended on: never created, or (the seen-ids record
-    knows it) finished and removed by retention ("create it first" misled: it existed)."""
+    knows it) finished and removed by retention ("create it first" misled: it existed): purged,
+    or archived after it failed (an archived completed one is completed)."""
     try:
         seen = graph.engine.backend.seen_contains(dep, graph.engine.clock())
     except (HandoffdError, OSError):  # (the record unreadable: say only what is sure)
@@ -254,3 +405,81 @@ def _ended(graph: Graph, handoff_id: str) -> str:
     except (NotFound, InvalidDocument):
         status = None
     return status[:40] if isinstance(status, str) and status else "failed"
+
+
+class ArchiveIndex:
+    """Which handoffs retention archived, and whether the last entry of each says completed:
+    each archive file is read once (again when it changes: ``handoffs/.archive`` grows by
+    appends and new files) into sorted arrays of 8-byte hashes of its ids (a collision is a
+    chance of one in 2**64 per pair), so a lookup reads no archive that did not change, and a
+    million archived ids take 8 MB. Only a lookup that finds no completed entry looks at the
+    folder again: an id that retention removed from completed/ was in the archive, fsynced,
+    before it went. A process's first such lookup reads the whole archive once (as ``handoff
+    show`` of an archived id does), its ids only: no document is parsed."""
+
+    def __init__(self, ws: Workspace) -> None:
+        self.ws = ws
+        # file name -> (its stamp when read, ids whose last entry is completed, the other ids)
+        self.files: dict[str, tuple[tuple[int, int, int], array[int], array[int]]] = {}
+        self.order: list[str] = []  # their names, oldest first (as retention sorts them)
+        self.lock = threading.Lock()
+
+    def completed(self, handoff_id: str) -> bool:
+        """``handoff_id`` is archived, and its newest entry says it completed."""
+        key = _key(handoff_id)
+        with self.lock:
+            found = self._find(key)
+            if not found:  # (a newer entry may say completed: a reused id archived again)
+                self._refresh()
+                found = self._find(key)
+        return bool(found)
+
+    def _find(self, key: int) -> bool | None:
+        """True/False: the newest file holding ``key`` says completed/not; None: in none."""
+        for name in reversed(self.order):
+            _, done, other = self.files[name]
+            if _holds(done, key):
+                return True
+            if _holds(other, key):
+                return False
+        return None
+
+    @staticmethod
+    def read(path: Path) -> dict[str, str]:
+        """The state of each id's last entry in the archive file ``path``."""
+        from .retention import archived_states
+        return archived_states(path)
+
+    def _refresh(self) -> None:
+        """Read the archive files that are new or changed since they were read; forget gone
+        ones. Files that are not regular files are passed over (their reader refuses them)."""
+        from .retention import archive_files  # (only when a dependency is found nowhere else)
+        current: dict[str, tuple[Path, tuple[int, int, int]]] = {}
+        for path in archive_files(self.ws):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            current[path.name] = (path, (st.st_ino, st.st_size, st.st_mtime_ns))
+        for gone in [name for name in self.files if name not in current]:
+            del self.files[gone]
+        self.order = []
+        for name, (path, stamp) in current.items():
+            if name not in self.files or self.files[name][0] != stamp:
+                states = self.read(path)
+                done = sorted(_key(i) for i, state in states.items() if state == "completed")
+                other = sorted(_key(i) for i, state in states.items() if state != "completed")
+                self.files[name] = (stamp, array("Q", done), array("Q", other))
+            self.order.append(name)
+
+
+def _key(handoff_id: str) -> int:
+    """The 8-byte hash an archived id is indexed under."""
+    digest = hashlib.blake2b(handoff_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _holds(keys: "array[int]", key: int) -> bool:
+    """``key`` is in the sorted array ``keys``."""
+    at = bisect_left(keys, key)
+    return at < len(keys) and keys[at] == key

@@ -3,7 +3,8 @@
 ``handoff purge --older-than 7d`` deletes completed and failed handoffs last updated before
 then; ``handoff archive`` first appends each one to ``handoffs/.archive/YYYY-MM-DD.jsonl.gz``
 (one JSON object per line: ``id``, ``state``, ``archived_at``, ``document``; gzip members
-appended, so the file stays readable after a crash mid-write), flushed to disk before the
+appended, so the file stays readable after a crash mid-write; never appended after a torn
+one: ``YYYY-MM-DD-1.jsonl.gz``, ``-2``... are started instead), flushed to disk before the
 documents are deleted. ``handoff show`` still finds an archived handoff. ``[retention]`` in
 handoffd.toml makes every serving daemon do the same on its own (``completed = "7d"``,
 ``failed = "30d"``, ``mode = "purge"|"archive"``, ``every = "1h"``).
@@ -22,6 +23,7 @@ import errno
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -33,7 +35,7 @@ from ..backends.base import Describe, safe_describe
 from ..core.errors import HandoffdError
 from ..core.ownfiles import open_regular, plain_folder
 from ..core.states import State
-from ..core.storage import Row, describe_native
+from ..core.storage import Backend, Row, describe_native, trusted_doc
 from ..core.timeutil import iso
 from ..core.workspace import Workspace
 from .liverefs import LiveRefs, Refs
@@ -58,6 +60,14 @@ MEMBER_TEXT = 64 * 1024 * 1024
 # what the reader decompresses of one member before it passes over the rest of the file as not
 # one handoffd wrote (a gzip bomb): its entries, and one line being read or skipped beyond them
 MEMBER_BUDGET = MAX_MEMBER_BYTES + MAX_LINE_BYTES
+# what one file's torn members, and the false starts looked for after them, may cost the reader
+# (bytes read plus bytes decompressed) before it passes over the rest of the file: a tear costs
+# one batch's bytes; a file of planted gzip headers would otherwise be read once per header
+RESYNC_BUDGET = MEMBER_BUDGET
+# how far before the end of today's archive `append_archive` looks for its last whole member
+# (past it, or past TAIL_BUDGET of work, the tail counts as torn: a new file is started)
+TAIL_LOOKBACK = MEMBER_TEXT + MAX_LINE_BYTES + READ_CHUNK
+TAIL_BUDGET = 2 * TAIL_LOOKBACK + MEMBER_BUDGET
 PASS_BYTES = 32 * 1024 * 1024  # the documents one bounded pass holds (and archives) at most
 FIRST_ROWS = 16  # documents the first listing of a pass bounded in bytes reads
 CLI_PASS_LIMIT = 5000  # documents one pass of `handoff purge|archive` takes (it loops)
@@ -294,21 +304,25 @@ def archive_dir(ws: Workspace) -> Path:
 def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
                    now: datetime) -> Path:
     """Append ``docs`` to today's archive as gzip members, on disk (fsync) before returning.
-    OSError, with nothing written, when ``.archive`` or today's file is not a plain folder and a
-    regular file of the workspace (a symlink once led the append outside the workspace, and a
-    FIFO there froze the daemon's sweep), or when the write fails (a full disk): the file is cut
-    back to where the append began, so nothing is deleted that the archive does not hold whole
-    (a short write on a full disk once went unnoticed, the documents deleted, the member torn)."""
+    Today's archive is ``DATE.jsonl.gz``, or the newest ``DATE-N.jsonl.gz``: a file whose tail
+    is not a whole member (a crash or kill -9 tore the batch being appended) is never appended
+    to, the next ``DATE-N`` is started instead, so a torn batch is always the end of its file
+    (appended after, a tear once swallowed the batches that followed it: archived, deleted,
+    and found by no reader). OSError, with nothing written, when ``.archive`` or today's file is
+    not a plain folder and a regular file of the workspace (a symlink once led the append outside
+    the workspace, and a FIFO there froze the daemon's sweep), or when the write fails (a full
+    disk): the file is cut back to where the append began, so nothing is deleted that the
+    archive does not hold whole (a short write on a full disk once went unnoticed, the documents
+    deleted, the member torn)."""
     folder = archive_dir(ws)
     folder.mkdir(parents=True, exist_ok=True)
     if not plain_folder(folder):
         raise OSError(errno.ENOTDIR, "not a folder of the workspace (a symlink?)", str(folder))
-    path = folder / f"{now:%Y-%m-%d}.jsonl.gz"
     lines = [(json.dumps({"id": hid, "state": state.value, "archived_at": iso(now),
                           "document": doc}, ensure_ascii=False) + "\n").encode("utf-8")
              for state, hid, doc in docs]
     data = _members(lines)
-    fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    fd, path = _open_today(folder, f"{now:%Y-%m-%d}")
     try:
         start = os.fstat(fd).st_size  # (one pass at a time: nobody else appends meanwhile)
         try:
@@ -323,6 +337,80 @@ def append_archive(ws: Workspace, docs: list[tuple[State, str, dict[str, Any]]],
     finally:
         os.close(fd)
     return path
+
+
+# an archive file's name: DATE.jsonl.gz, then DATE-1.jsonl.gz, DATE-2.jsonl.gz... the same day
+_ARCHIVE_NAME = re.compile(r"(\d{4}-\d{2}-\d{2})(?:-([1-9]\d{0,8}))?\.jsonl\.gz")
+MAX_DAY_FILES = 100  # files one append tries, at most (each after a torn tail)
+
+
+def archive_key(name: str) -> tuple[str, int]:
+    """How the archive file ``name`` sorts, oldest first: by day, then DATE.jsonl.gz before
+    DATE-1.jsonl.gz before DATE-2... (by name, DATE-1 sorted before DATE, and DATE-10 before
+    DATE-2). A name of another shape sorts by itself."""
+    found = _ARCHIVE_NAME.fullmatch(name)
+    return (found[1], int(found[2] or 0)) if found else (name, -1)
+
+
+def _open_today(folder: Path, day: str) -> tuple[int, Path]:
+    """An fd appending to (and reading) today's archive file, and its path: the newest of the
+    day's files when it is empty or ends with a whole member, else the next DATE-N. OSError
+    when that file is not a regular file (a symlink or FIFO there is refused, never passed
+    over for the next name: the pass stops, nothing deleted)."""
+    numbers = [key[1] for key in (archive_key(p.name) for p in folder.glob(f"{day}*.jsonl.gz"))
+               if key[0] == day]
+    newest = max(numbers, default=0)
+    for number in range(newest, newest + MAX_DAY_FILES):
+        path = folder / (f"{day}-{number}.jsonl.gz" if number else f"{day}.jsonl.gz")
+        fd = open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        try:
+            if _ends_whole(fd):
+                return fd, path
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise OSError(errno.EEXIST, f"{MAX_DAY_FILES} archive files of {day} in a row end torn",
+                  str(folder))
+
+
+def _ends_whole(fd: int) -> bool:
+    """Whether the archive file open at ``fd`` is empty or ends with a whole gzip member: the
+    last header before its end whose member decodes whole (its CRC checked) ends exactly at the
+    end. Looked for no further back than TAIL_LOOKBACK, at no more than TAIL_BUDGET of work: a
+    tail not found whole within them counts as torn (at worst, one file more is started)."""
+    import zlib
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return True
+    work = 0
+    with os.fdopen(os.dup(fd), "rb") as fh:
+        for offset in _headers_backwards(fh, size, max(0, size - TAIL_LOOKBACK)):
+            reader = _Members(fh, offset)
+            try:  # (nothing is held: no line of an archive holds a NUL byte, JSON escapes it)
+                if _member_lines(reader, offset, b"\0") is not None:
+                    return reader.offset == size  # whole: the tail is, if nothing follows it
+            except (zlib.error, _TooLarge):  # a false header, or a torn member: further back
+                pass
+            work += reader.work
+            if work > TAIL_BUDGET:
+                break
+    return False
+
+
+def _headers_backwards(fh: BinaryIO, end: int, lowest: int) -> Iterator[int]:
+    """The offsets in [lowest, end) where a gzip header starts, the last first."""
+    magic = b"\x1f\x8b\x08"
+    top = end
+    while top > lowest:
+        bottom = max(lowest, top - READ_CHUNK)
+        fh.seek(bottom)
+        block = fh.read(top - bottom + len(magic) - 1)  # (a header across two blocks)
+        at = block.rfind(magic)
+        while at >= 0:
+            yield bottom + at
+            at = block.rfind(magic, 0, at + len(magic) - 1)
+        top = bottom
 
 
 def _members(lines: list[bytes]) -> bytes:
@@ -365,60 +453,86 @@ def archived(ws: Workspace) -> Iterator[dict[str, Any]]:
 
 def _entries(fh: BinaryIO, name: str = "archive",
              wanted: bytes | None = None) -> Iterator[dict[str, Any]]:
-    """The entries of one archive file, streamed member by member: a member's entries are
-    given when it ends whole. A member that is torn (a crash mid-append; appends went on after
-    it) is skipped: the reader looks for the next member's gzip header after it and goes on
-    from there, so what was appended after a tear stays readable. Bounded whatever the file
-    holds: a line over MAX_LINE_BYTES is skipped without being held, and the file is passed
-    over from where a member decompresses to more than MEMBER_BUDGET (a gzip bomb; a line
-    being skipped counts too), holds more than MAX_MEMBER_BYTES of lines or more than
-    MAX_MEMBER_LINES lines. (A ratio over the file refused handoffd's own archives of
-    repetitive JSON, which compresses 1,000-fold.) ``wanted``: only lines holding these bytes are
-    parsed (a lookup by id: a file of millions of tiny lines once took 28 s and 700 MB)."""
+    """The entries of one archive file (see :func:`_lines`), each parsed."""
+    for line in _lines(fh, name, wanted):
+        yield from _entry(line)
+
+
+def _lines(fh: BinaryIO, name: str = "archive", wanted: bytes | None = None) -> Iterator[bytes]:
+    """The entry lines of one archive file, streamed member by member: a member's entries are
+    given when it ends whole. A member that is torn (a crash mid-append, then appends after it
+    by a version that did not start a new file) is skipped: the reader looks for the next gzip
+    header after its start and goes on from there, so what was appended after a tear stays
+    readable. The torn member's decompressor may have taken the members after it as its own
+    data without an error, to the end of the file (a tear once lost everything after it that
+    way): the end of the file inside a member is a tear like any other. A header found so must
+    prove itself: its member must end whole (its CRC checked) and hold only lines of ours, else
+    the next header is tried (a header's three bytes occur by chance in compressed data). Bounded
+    whatever the file holds: a line over MAX_LINE_BYTES is skipped without being held; the file
+    is passed over from where a member decompresses to more than MEMBER_BUDGET (a gzip bomb; a
+    line being skipped counts too), holds more than MAX_MEMBER_BYTES of lines or more than
+    MAX_MEMBER_LINES lines, and from where its tears and false headers cost more than
+    RESYNC_BUDGET. (A ratio over the file refused handoffd's own archives of repetitive JSON,
+    which compresses 1,000-fold.) ``wanted``: only lines holding these bytes are parsed (a
+    lookup by id: a file of millions of tiny lines once took 28 s and 700 MB)."""
     import zlib
     reader = _Members(fh)
+    found = False  # the member at hand was found by looking for a header: it must prove itself
+    wasted = 0
     while True:
+        work = reader.work
         member = reader.next_member()
         if member is None:
             return
         try:
-            lines = _member_lines(reader, member, wanted)
+            lines = _member_lines(reader, member, wanted, ours=found)
         except _TooLarge:
             log.warning("%s: not an archive handoffd wrote (a member at offset %d expands "
                         "past %d bytes or holds too many lines); the rest of it is passed over",
                         name, member, MEMBER_BUDGET)
             return
-        except zlib.error:
-            reader.resync(member)  # torn: the next member after its start, if any
+        except (zlib.error, _Foreign):
+            lines = None
+        if lines is None:  # torn, or no member of ours: the next header after its start
+            reader.resync(member)
+            wasted += reader.work - work
+            if wasted > RESYNC_BUDGET:
+                log.warning("%s: torn past repair (from offset %d); the rest of it is passed "
+                            "over", name, member)
+                return
+            found = True
             continue
-        if lines is None:  # the file ended inside it: torn at the end, dropped
-            return
-        for line in lines:
-            yield from _entry(line)
+        found = False
+        yield from lines
 
 
 class _TooLarge(Exception):
     pass
 
 
+class _Foreign(Exception):
+    """A member found by looking for a header holds a line that is not one of ours."""
+
+
 class _Members:
     """The gzip members of an archive file, with the file offsets they start at."""
 
-    def __init__(self, fh: BinaryIO) -> None:
+    def __init__(self, fh: BinaryIO, start: int = 0) -> None:
         self.fh = fh
+        fh.seek(start)
         self.pending = b""  # bytes read but not yet decompressed
-        self.offset = 0  # the file offset of pending's first byte
+        self.offset = start  # the file offset of pending's first byte
+        self.work = 0  # bytes read and decompressed so far (what tears cost is bounded)
 
     def next_member(self) -> int | None:
         """The offset the next member starts at, or None at the end of the file."""
-        if not self.pending:
-            self.pending = self.fh.read(READ_CHUNK)
-        return self.offset if self.pending else None
+        return self.offset if self.chunk() else None
 
     def chunk(self) -> bytes:
         """More input for the member being read (b"" at the end of the file)."""
         if not self.pending:
             self.pending = self.fh.read(READ_CHUNK)
+            self.work += len(self.pending)
         return self.pending
 
     def consumed(self, left: bytes) -> None:
@@ -433,6 +547,7 @@ class _Members:
         while True:
             self.fh.seek(position)
             block = self.fh.read(step + len(magic) - 1)
+            self.work += len(block)
             found = block.find(magic)
             if found >= 0:
                 self.fh.seek(position + found)
@@ -445,10 +560,12 @@ class _Members:
             position += step
 
 
-def _member_lines(reader: _Members, start: int, wanted: bytes | None = None) -> list[bytes] | None:
+def _member_lines(reader: _Members, start: int, wanted: bytes | None = None, *,
+                  ours: bool = False) -> list[bytes] | None:
     """The lines of the member starting at ``start`` (those holding ``wanted``, when given),
     once it ended whole; None when the file ends inside it. zlib.error when it is torn;
-    _TooLarge past the bounds (every line counted, kept or not)."""
+    _TooLarge past the bounds (every line counted, kept or not). ``ours``: _Foreign unless
+    every line (kept or not) is shaped as :func:`append_archive` writes it, and there is one."""
     import zlib
     decoder = zlib.decompressobj(zlib.MAX_WBITS | 16)
     part: list[bytes] = []  # the line being decompressed, in pieces (joined once, when whole)
@@ -461,11 +578,14 @@ def _member_lines(reader: _Members, start: int, wanted: bytes | None = None) -> 
             return None
         out = decoder.decompress(data, READ_CHUNK)
         written += len(out)  # (all of it: kept, not wanted, or a long line being skipped)
+        reader.work += len(out)
         *whole, rest = out.split(b"\n")
         count += len(whole)
         for piece in whole:
             if not skipping and part_size + len(piece) <= MAX_LINE_BYTES:
                 text = b"".join(part) + piece
+                if ours and not (text.startswith(b'{"id": "') and text.endswith(b"}")):
+                    raise _Foreign
                 if text.strip() and (wanted is None or wanted in text):
                     lines.append(text)
                     held += len(text) + LINE_OVERHEAD
@@ -478,6 +598,8 @@ def _member_lines(reader: _Members, start: int, wanted: bytes | None = None) -> 
         if held > MAX_MEMBER_BYTES or count > MAX_MEMBER_LINES or written > MEMBER_BUDGET:
             raise _TooLarge
         if decoder.eof:
+            if ours and (count == 0 or part_size or skipping):  # (ours: each line ends "\n")
+                raise _Foreign
             # at the member's end, everything after it in the input is in unused_data (the
             # unconsumed tail can hold the same bytes again: taking both read them twice)
             reader.consumed(decoder.unused_data)
@@ -511,14 +633,29 @@ def find_archived(ws: Workspace, handoff_id: str) -> dict[str, Any] | None:
     return found
 
 
+def find_archived_document(ws: Workspace, store: Backend, handoff_id: str
+                           ) -> tuple[State, dict[str, Any]] | None:
+    """(state, the document as ``store`` reads its documents: :func:`trusted_doc`) of the
+    newest archived entry of ``handoff_id``; None when there is none, or it holds no finished
+    document. Archived as stored, a document keeps the seal of the folder it was filed in, so
+    the store's rule still tells handoffd's filings from foreign ones."""
+    entry = find_archived(ws, handoff_id)
+    kept = None if entry is None else entry.get("document")
+    state = None if entry is None else entry.get("state")
+    if state not in ("completed", "failed") or not isinstance(kept, dict):
+        return None
+    return State(state), trusted_doc(store, State(state), handoff_id, kept)
+
+
 def archived_with_files(ws: Workspace, wanted: bytes | None = None
                         ) -> Iterator[tuple[str, dict[str, Any]]]:
     """(file name, entry) of every archived entry (those whose line holds ``wanted``), newest
-    file first."""
+    file first (:func:`archive_key`: a day's DATE-2, DATE-1, then DATE)."""
     folder = archive_dir(ws)
     if not plain_folder(folder):
         return
-    for path in sorted(folder.glob("*.jsonl.gz"), reverse=True):
+    for path in sorted(folder.glob("*.jsonl.gz"), key=lambda p: archive_key(p.name),
+                       reverse=True):
         try:
             fd = open_regular(path, os.O_RDONLY)
         except OSError:
@@ -526,6 +663,41 @@ def archived_with_files(ws: Workspace, wanted: bytes | None = None
         with os.fdopen(fd, "rb") as fh:
             for entry in _entries(fh, path.name, wanted):
                 yield path.name, entry
+
+
+# the start of a line as append_archive writes it: the id and state, read without parsing the
+# document (an unambiguous pattern: linear time)
+_ID_AND_STATE = re.compile(rb'\{"id": ("(?:[^"\\]|\\.)*"), "state": "([a-z_]{1,20})"')
+
+
+def archive_files(ws: Workspace) -> list[Path]:
+    """The archive files, oldest first (:func:`archive_key`; none when ``.archive`` is not a
+    plain folder)."""
+    folder = archive_dir(ws)
+    return sorted(folder.glob("*.jsonl.gz"), key=lambda p: archive_key(p.name)) \
+        if plain_folder(folder) else []
+
+
+def archived_states(path: Path) -> dict[str, str]:
+    """Each handoff archived in the archive file ``path``, with the state of its last entry
+    there (the documents are not parsed: a daemon's dependency gate indexes the archive with
+    it); {} when ``path`` is not a regular file. Bounded as :func:`_lines` is."""
+    states: dict[str, str] = {}
+    try:
+        fd = open_regular(path, os.O_RDONLY)
+    except OSError:
+        return states
+    with os.fdopen(fd, "rb") as fh:
+        for line in _lines(fh, path.name):
+            head = _ID_AND_STATE.match(line)
+            try:
+                found = (json.loads(head[1]), head[2].decode()) if head else next(
+                    ((e.get("id"), e.get("state")) for e in _entry(line)), (None, None))
+            except ValueError:  # (an id that is not JSON text: not handoffd's line)
+                continue
+            if isinstance(found[0], str) and isinstance(found[1], str):
+                states[found[0]] = found[1]
+    return states
 
 
 # ---------------------------------------------------------------------------- the daemon's part
