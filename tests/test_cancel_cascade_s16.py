@@ -236,3 +236,29 @@ def test_a_child_of_a_parent_with_a_cascading_request_never_starts(fws: Workspac
     assert error["code"] == "CANCELLED" and "cascaded from p" in error["message"], error
     assert leaf_runs(fws) == []
     assert fws.state_of("p") == ["pending"]
+
+
+def test_a_batch_files_the_cancel_of_a_pending_handoff_no_specialist_here_runs(
+        tmp_path: Path) -> None:
+    """The daemon's poll queued a pending handoff with a cancel request for its cancel gate at
+    every rescan; with no specialist here for it the gate was never reached, so `handoffd run`
+    never ended (and spun a core). Now the poll files that cancel itself."""
+    ws = new_workspace(tmp_path / "ws", '[specialists."@ok"]\nhandler = "json:dumps"\n')
+    try:
+        ws.handoff("create", "--to", "@nobody", "--id", "lonely", "--data", "{}", check=True)
+        code = ("import sys\nfrom handoffd.cli.basics import engine\n"
+                "from handoffd.features import cancellation\n"
+                "e = engine(sys.argv[1])\n"
+                "cancellation.request(e, 'lonely', reason='stop', cascade=False, by='me', "
+                "via='test')\n")
+        made = subprocess.run([sys.executable, "-c", code, str(ws.root)], capture_output=True,
+                              text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        ran = ws.handoffd("run", "--max-seconds", "30", timeout=60)
+        assert "Traceback" not in ran.stderr, ran.stderr
+        assert "failed 1" in ran.stderr, ran.stderr  # filed, not waited on until --max-seconds
+        doc = json.loads((ws.root / "handoffs" / "failed" / "lonely.json").read_text())
+        assert doc["error"]["code"] == "CANCELLED" and "stop" in doc["error"]["message"], doc
+        assert not list((ws.root / "handoffs" / ".meta" / "cancel").glob("*.json"))
+    finally:
+        ws.cleanup()

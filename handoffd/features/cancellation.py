@@ -349,6 +349,30 @@ def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) 
         raise
 
 
+def _runs_here(engine: "Engine", doc: dict[str, Any]) -> bool:
+    """A specialist of this daemon runs ``doc`` (True too when it cannot be told: the gate
+    decides then)."""
+    try:
+        return engine.specialist_for(engine.formats.detect(doc).envelope(doc)) is not None
+    except (InvalidDocument, KeyError):
+        return True
+
+
+def _cancel_unserved(engine: "Engine", handoff_id: str, body: dict[str, Any]) -> None:
+    """File the cancel of a pending handoff that no specialist here runs. Its cancel gate is
+    never reached (nothing here claims it to run), and queueing it again at every rescan kept
+    a batch from ever ending; any process may cancel a pending handoff, as the command line
+    does. A failure is one line: the next rescan tries again."""
+    reason, by = _request_texts(body)
+    try:
+        filed = _cancel_pending(engine, handoff_id, reason=reason, by=by)
+    except (HandoffdError, OSError) as exc:
+        log.error("handoff %s: cannot file its cancel: %s; will try again", handoff_id, exc)
+        return
+    if filed is not None:
+        log.info("handoff %s: cancelled while pending (no specialist here runs it)", handoff_id)
+
+
 def _why(exc: BaseException) -> str:
     """``exc`` in a line a document can hold (its text may quote a lone surrogate)."""
     text = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -435,7 +459,10 @@ def _poll(daemon: DaemonPlugins) -> None:
         except InvalidDocument:
             continue  # unreadable right now: look again at the next scan
         if found is not None and found[0] is State.PENDING:
-            daemon.queue(handoff_id)  # its cancel gate files it
+            if _runs_here(daemon.engine, found[1]):
+                daemon.queue(handoff_id)  # its cancel gate files it
+            else:
+                _cancel_unserved(daemon.engine, handoff_id, body)
         elif found is not None and found[0].terminal:
             settle(daemon.engine, handoff_id)  # its cascade reaches the whole family first
         elif found is None:
