@@ -224,9 +224,16 @@ def test_a_cascading_request_left_on_a_filed_parent_reaches_its_children(fws: Wo
 
 def test_a_child_of_a_parent_with_a_cascading_request_never_starts(fws: Workspace) -> None:
     """A child claimed while its parent carries a cascading request (the parent not yet filed:
-    here it waits for a specialist no daemon has) is cancelled before its handler starts.
-    Before: it ran."""
-    fws.drop("p.json", native("p", "@elsewhere"))
+    here a foreign consumer holds its claim, as seed 001's Example 2 does, which handoffd
+    honours for its timeout) is cancelled before its handler starts. Before: it ran."""
+    from datetime import datetime, timezone
+    parent = native("p", "@elsewhere")
+    parent.update(status="in_progress", timeout_seconds=300,
+                  started_at=datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"))
+    claimed = fws.root / "handoffs" / "in-progress" / "p.json"
+    part = fws.root / "handoffs" / ".p.claim.part"
+    part.write_text(json.dumps(parent))
+    os.rename(part, claimed)
     plant_request(fws, "p")
     daemon = fws.serve()
     fws.drop("c.json", native("c", "@leaf", parent="p"))
@@ -235,7 +242,7 @@ def test_a_child_of_a_parent_with_a_cascading_request_never_starts(fws: Workspac
     error = fws.doc("c")["error"]
     assert error["code"] == "CANCELLED" and "cascaded from p" in error["message"], error
     assert leaf_runs(fws) == []
-    assert fws.state_of("p") == ["pending"]
+    assert fws.state_of("p") == ["in-progress"]  # the foreign consumer's, left to it
 
 
 def test_a_batch_files_the_cancel_of_a_pending_handoff_no_specialist_here_runs(
