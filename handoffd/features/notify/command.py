@@ -7,8 +7,13 @@ the process that filed the handoff stops, the whole group is killed (a hanging o
 daemon).
 
 A command is judged by its own exit status. A process it left behind that still holds its pipes
-(a ``setsid`` grandchild, a ``nohup cmd &``) is not waited for beyond :data:`PIPE_GRACE_SECONDS`
-after the command exited: such a command that exited 0 was once counted as timed out."""
+(a ``setsid`` grandchild) is not waited for beyond :data:`PIPE_GRACE_SECONDS` after the command
+exited: such a command that exited 0 was once counted as timed out.
+
+Once the command has exited, what it left running in its process group (``sleep 345 &``,
+``nohup cmd &``) is killed: such a child once outlived the daemon. The group is killed before
+the command is reaped, while its zombie still holds the group's id (so no other group can have
+it); what detaches from the group (``setsid``) is the command's own business."""
 from __future__ import annotations
 
 import os
@@ -44,7 +49,8 @@ def spawn(notice: Notice, root: Path) -> subprocess.Popen[bytes] | str:
 def supervise(proc: subprocess.Popen[bytes], body: bytes, timeout: float) -> str | None:
     """Feed ``body`` to ``proc`` and wait at most ``timeout`` seconds for it to exit, keeping
     only the tail of its stderr: that tail, or None (after killing its group) when time ran
-    out. Once the command itself has exited, its pipes get :data:`PIPE_GRACE_SECONDS` more."""
+    out. Once the command itself has exited, the rest of its process group is killed and its
+    pipes get :data:`PIPE_GRACE_SECONDS` more; it is reaped before this returns."""
     pipes = _Pipes(proc, body)
     deadline = time.monotonic() + timeout
     exited_at: float | None = None
@@ -54,16 +60,57 @@ def supervise(proc: subprocess.Popen[bytes], body: bytes, timeout: float) -> str
             if now >= deadline:
                 kill_group(proc)
                 return None
-            if proc.poll() is not None:
-                exited_at = now if exited_at is None else exited_at
-                # its stderr closed, or what still holds it open is not the command (a setsid
-                # grandchild): judge it by its exit status
-                if not pipes.reading or now - exited_at >= PIPE_GRACE_SECONDS:
-                    break
+            if exited_at is None and exited(proc):
+                exited_at = now
+                _kill_members(proc)
+            # its stderr closed, or what still holds it open is not the command (a setsid
+            # grandchild): judge it by its exit status
+            if exited_at is not None and (not pipes.reading
+                                          or now - exited_at >= PIPE_GRACE_SECONDS):
+                break
             pipes.step(proc, min(deadline - now, POLL_SECONDS))
     finally:
         pipes.close()
+    proc.wait()  # (it has exited: at once)
     return pipes.tail.decode("utf-8", "replace").strip()[-STDERR_TAIL:]
+
+
+def exited(proc: subprocess.Popen[bytes]) -> bool:
+    """True once the command has exited, without reaping it (its zombie keeps its pid, and so
+    its process group's id, from being given to another process)."""
+    if proc.returncode is not None:
+        return True  # (reaped already: a drain killed its group)
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # (reaped meanwhile by another thread)
+        return True
+
+
+def _kill_members(proc: subprocess.Popen[bytes]) -> None:
+    """Kill what the exited (not yet reaped) command left in its process group."""
+    if proc.returncode is not None:
+        return  # (reaped: kill_group did it, and the group's id may be another's by now)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # (nothing left in it)
+
+
+def _wait_exit(proc: subprocess.Popen[bytes], wait: float) -> None:
+    """Wait at most ``wait`` seconds for the command to exit, without reaping it."""
+    if proc.returncode is not None:
+        return
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # (not Linux 5.3+: a short nap, then look again)
+        time.sleep(min(max(wait, 0.0), 0.01))
+        return
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)  # (readable once it has exited)
+        poller.poll(max(wait, 0.0) * 1000)
+    finally:
+        os.close(fd)
 
 
 class _Pipes:
@@ -87,10 +134,7 @@ class _Pipes:
         readers = [self.stderr.fileno()] if self.reading else []
         writers = [self.stdin.fileno()] if self.writing else []
         if not readers and not writers:
-            try:
-                proc.wait(max(wait, 0.0))
-            except subprocess.TimeoutExpired:
-                pass
+            _wait_exit(proc, wait)  # (not proc.wait: reaped, its group's id could be reused)
             return
         poller = select.poll()  # (not select.select: a daemon's descriptors may pass 1023)
         for fd in readers:

@@ -1,4 +1,4 @@
-"""The delivery thread's side of the notifier: one notice at a time, its document read from
+"""The delivery threads' side of the notifier: each one notice at a time, its document read from
 the store when its flight starts (never held in the queue), each target of its rule tried with
 the rule's retries and exponential backoff, then delivered or dead-lettered, and marked so in
 the outbox. A drain (:class:`.notifier.Notifier`) may settle a flight first: whoever settles
@@ -8,6 +8,10 @@ The document delivered is the filing the notice is about: the state and the revi
 filed in. A handoff filed again since (retried, ``handoff retry --force``, and filed anew) or
 purged is delivered from its archived copy of that filing when there is one, else
 dead-lettered: a notice never delivers a later filing in place of its own.
+
+Each ``[[on_filed]]`` rule's notices wait in a lane of their own (:mod:`.lanes`), and up to
+:data:`WORKERS` threads deliver, each serving one lane at a time: a rule whose target hangs or
+fails holds only its own notices (and one thread), never another rule's.
 
 A forked child (a program using the client that forks, ``handoffd run --processes N``) starts
 with nothing queued, in flight or running, with locks of its own: the parent's notices are the
@@ -20,15 +24,16 @@ import logging
 import os
 import subprocess
 import threading
+import time
 import weakref
-from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from ...core.documents import revision
 from ...core.errors import HandoffdError, NotFound
 from ...core.states import State
 from . import command
-from .notices import MAYBE_DELIVERED, STOPPED, Flight, Notice, write_dead_letter
+from .lanes import Lanes, lane_of
+from .notices import MAYBE_DELIVERED, STOPPED, Flight, Notice, write_dead_letters
 from .outbox import OUTBOX_DIR, Outbox
 from .webhook import Cutoff, shown_url, webhook_request
 
@@ -37,10 +42,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("handoffd")
 Send = Callable[[Notice, Flight], "str | None"]
+WORKERS = 8  # delivery threads at most: rules beyond that take turns (one notice at a time)
+IDLE_SECONDS = 1.0  # a delivery thread with nothing to deliver for this long ends
 
 
 class Deliveries:
-    """The queue, the flights and the delivery thread's work (the notifier adds filing, taking
+    """The queue, the flights and the delivery threads' work (the notifier adds filing, taking
     over and draining)."""
 
     def __init__(self, engine: Engine, *, sleep: Callable[[float], None] | None = None) -> None:
@@ -58,9 +65,12 @@ class Deliveries:
         # one re-entrant lock guards the queue, the flights and what is running, so that a
         # drain sees every notice in exactly one place: queued, in flight, or settled
         self.lock = threading.Condition()
-        self.pending: deque[Notice] = deque()
+        self.pending = Lanes()  # a lane per rule: one rule's failures never hold another's
         self.flights: list[Flight] = []
-        self.thread: threading.Thread | None = None
+        # the delivery threads counted against WORKERS (one a drain cut off is dropped from it:
+        # it ends once its attempt does), and how many of them are not delivering right now
+        self.workers: set[threading.Thread] = set()
+        self.free = 0
         self.running: set[subprocess.Popen[bytes]] = set()  # commands being delivered to
         self.cutoffs: set[Cutoff] = set()  # webhook attempts under way
 
@@ -69,6 +79,8 @@ class Deliveries:
         return len(self.pending) + sum(not flight.settled for flight in self.flights)
 
     def _deliver_all(self) -> None:
+        """A delivery thread: one notice at a time from a lane nobody else serves, until there
+        is none for IDLE_SECONDS (or a drain dropped this thread)."""
         while True:
             flight = self._next_flight()
             if flight is None:
@@ -83,21 +95,52 @@ class Deliveries:
                 flight.body = b""
                 with self.lock:
                     self.flights.remove(flight)
-                    self.lock.notify_all()  # a drain waits for this
+                    self.free += 1
+                    self.lock.notify_all()  # a drain waits for this; a lane may be free now
 
     def _next_flight(self) -> Flight | None:
-        """The next queued notice, now in flight (taken and registered under one lock, so a
-        drain never misses it); None after a second without one, when this thread ends."""
+        """The next queued notice of a lane no other thread is delivering, now in flight (taken
+        and registered under one lock, so a drain never misses it); None after IDLE_SECONDS
+        without one, or when a drain dropped this thread: then it ends."""
+        me = threading.current_thread()
+        deadline = time.monotonic() + IDLE_SECONDS
         with self.lock:
-            if not self.pending:
-                self.lock.wait(1.0)
-            if not self.pending:
-                if self.thread is threading.current_thread():
-                    self.thread = None  # (under the lock: the next notice starts a new one)
+            while True:
+                notice = self.pending.take(self._busy()) if me in self.workers else None
+                left = deadline - time.monotonic()
+                if notice is not None or me not in self.workers or left <= 0:
+                    break
+                self.lock.wait(left)
+            self.free -= 1
+            if notice is None:
+                self.workers.discard(me)  # (under the lock: the next notice starts a new one)
                 return None
-            flight = Flight(self.pending.popleft())
+            flight = Flight(notice, worker=me)
             self.flights.append(flight)
             return flight
+
+    def _busy(self) -> set[int]:
+        """The lanes being delivered (call with the lock held): a lane is served by one thread
+        at a time, so its notices go out in order and its failures hold it alone."""
+        return {lane_of(flight.notice) for flight in self.flights if not flight.settled}
+
+    def _ensure_workers(self) -> None:
+        """Start delivery threads for the lanes waiting that no free thread will take (up to
+        WORKERS in all; call with the lock held)."""
+        wanted = self.pending.ready(self._busy()) - self.free
+        while wanted > 0 and len(self.workers) < WORKERS:
+            thread = threading.Thread(target=self._deliver_all, daemon=True,
+                                      name="handoffd-notify")
+            self.workers.add(thread)
+            self.free += 1
+            try:
+                thread.start()
+            except BaseException:  # (no thread to be had: the ones running deliver)
+                self.workers.discard(thread)
+                self.free -= 1
+                raise
+            wanted -= 1
+        self.lock.notify_all()  # the free ones
 
     def deliver(self, notice: Notice) -> bool:
         """Make one delivery with its retries; True when every target of the rule took it."""
@@ -222,8 +265,19 @@ class Deliveries:
     def _dead_letter(self, notice: Notice, why: str, kinds: list[str] | None = None) -> None:
         """Record the dead letter of ``kinds`` of ``notice`` (default: all its targets), and
         that they are settled in the outbox."""
-        write_dead_letter(self.engine.ws.meta, notice, why, shown_url(notice.rule.url))
-        self.outbox.done(notice.seq, notice.kinds if kinds is None else kinds)
+        self._dead_letter_all([(notice, why)], kinds)
+
+    def _dead_letter_all(self, letters: list[tuple[Notice, str]], kinds: list[str] | None = None,
+                         *, summary: str | None = None) -> None:
+        """Record the dead letters of ``letters`` ((notice, why) each: ``kinds`` of it, default
+        all its targets) in one append, and that they are settled in the outbox. ``summary``:
+        one log line says them all (many at once: a full queue, a taken-over journal), else
+        one line each."""
+        write_dead_letters(self.engine.ws.meta,
+                           [(notice, why, shown_url(notice.rule.url)) for notice, why in letters],
+                           summary=summary)
+        for notice, _ in letters:
+            self.outbox.done(notice.seq, notice.kinds if kinds is None else kinds)
 
     # ------------------------------------------------------------ the targets
     def _run_command(self, notice: Notice, flight: Flight) -> str | None:

@@ -17,6 +17,13 @@ in one line). At most :data:`MAX_JOURNAL_BYTES` of a journal are read by one swe
 handoffd writes is that large): what lies beyond is kept for the next sweep, the journal renamed
 ``<pid>-<random>+<offset>.jsonl`` to say where its unread part starts.
 
+One sweep takes over a given number of notices at most (the notifier's ``TAKE_PER_SWEEP``):
+the rest of a journal holding more is kept the same way, renamed at its first notice not taken
+(planted journals of 200,000 notices each were once all taken by one sweep, on the daemon's
+main loop). Those taken are its first notices still undelivered, once the lines marking
+targets finished have been read (so none delivered already is taken); reading stops once
+:data:`LIVE_MAX` more are undelivered than it takes, which no journal handoffd writes reaches.
+
 One sweep looks at :data:`SCAN_LIMIT` names of the folder at most and takes over
 :data:`JOURNALS_PER_SWEEP` journals at most; only journals it takes count against the latter (a
 live process's journal, or a name it cannot read, does not). It goes on where the process's
@@ -52,6 +59,10 @@ MAX_LINE_BYTES = 4096  # a line handoffd writes is a few hundred bytes
 # read from one left-over journal by one sweep at most: ours stay below about 20 MB (10,000
 # notices queued, 480 bytes each in the live count, compacted past four times that)
 MAX_JOURNAL_BYTES = 32 << 20
+# notices undelivered at once in a journal handoffd writes, at most: QUEUE_LIMIT queued and a
+# few in flight (one per delivery thread). A journal holding more (at any point of it) is not one
+# of ours: its reading may stop there
+LIVE_MAX = 12_000
 JOURNALS_PER_SWEEP = 64  # left-over journals taken over by one sweep (the next takes more)
 SCAN_LIMIT = 10_000  # names of the outbox folder looked at by one sweep
 UNUSABLE_SAID = 5  # names that are no journal said one by one in a sweep (the rest: one line)
@@ -75,13 +86,15 @@ class Sweep:
     unsaid: int = 0  # unusable names past UNUSABLE_SAID (logged in one line at the end)
 
 
-def take_over(outbox: Outbox, take: Callable[[list[Entry], str], bool]) -> int:
+def take_over(outbox: Outbox, take: Callable[[list[Entry], str], bool], *,
+              limit: int | None = None) -> int:
     """Take over the journals of processes that ended with notices left: for each, call
     ``take(entries, name)`` (which records them in our journal and queues them, or dead-letters
-    those it has no room for; False: it could not, and the journal is left for later), then
-    remove it (or, when it was larger than one sweep reads, keep its unread part). Returns how
-    many notices were taken over."""
-    if not plain_folder(outbox.folder):
+    those it has no room for; False: it could not, and the journal is left for later, as are
+    those after it), then remove it (or, when it holds more than one sweep takes, keep what was
+    not taken). ``limit``: the notices taken at most, from all journals. Returns how many
+    notices were taken over."""
+    if not plain_folder(outbox.folder) or (limit is not None and limit < 1):
         return 0
     sweep = Sweep(outbox, take)
     scan = _left_over(sweep)
@@ -91,14 +104,21 @@ def take_over(outbox: Outbox, take: Callable[[list[Entry], str], bool]) -> int:
             if fd is None:
                 continue
             sweep.journals += 1
+            _HELD.add(fd)
             try:
-                sweep.notices += _take(sweep, fd, path)
+                taken = _take(sweep, fd, path, None if limit is None else limit - sweep.notices)
             except OSError as exc:  # one journal never ends the sweep for those behind it
                 log.warning("notification outbox %s: %s cannot be taken over now (%s): the next "
                             "sweep tries again", outbox.folder, path.name, exc)
+                taken = 0
             finally:
+                _HELD.discard(fd)
                 os.close(fd)
-            if sweep.journals >= JOURNALS_PER_SWEEP:
+            if taken is None:
+                break  # not taken now (nor, then, those behind it): the next sweep tries again
+            sweep.notices += taken
+            if sweep.journals >= JOURNALS_PER_SWEEP or \
+                    (limit is not None and sweep.notices >= limit):
                 break  # (the next sweep goes on after this name)
     finally:
         scan.close()
@@ -108,9 +128,9 @@ def take_over(outbox: Outbox, take: Callable[[list[Entry], str], bool]) -> int:
     return sweep.notices
 
 
-def _take(sweep: Sweep, fd: int, path: Path) -> int:
-    """Take over the journal ``fd`` (claimed) from where its name says its unread part starts:
-    how many notices were taken."""
+def _take(sweep: Sweep, fd: int, path: Path, limit: int | None) -> int | None:
+    """Take over the journal ``fd`` (claimed) from where its name says its unread part starts,
+    ``limit`` notices at most: how many were taken (None: ``take`` could not record them)."""
     match = JOURNAL.fullmatch(path.name)
     start = int(match.group(1)) if match and match.group(1) else 0
     if start > os.fstat(fd).st_size:  # a name no journal of ours has: nothing there to take
@@ -118,19 +138,22 @@ def _take(sweep: Sweep, fd: int, path: Path) -> int:
         return 0
     if start:
         os.lseek(fd, start, os.SEEK_SET)
-    entries, rest_at = read_left(fd, path.name)
+    entries, rest_at, counted = read_left(fd, path.name, limit)
     if entries and not sweep.take(entries, path.name):
-        return 0  # not recorded here: left for a later sweep
+        return None  # not recorded here: left for a later sweep
     if rest_at is None:
         unlink_if(path, ident(fd))
     else:
-        _keep_rest(sweep.outbox, fd, path, start, start + rest_at)
+        why = (f"holds more notices than one sweep takes ({limit})" if counted else
+               f"is larger than {MAX_JOURNAL_BYTES} bytes (no journal handoffd writes is)")
+        _keep_rest(sweep.outbox, fd, path, start, start + rest_at, why)
     return len(entries)
 
 
-def _keep_rest(outbox: Outbox, fd: int, path: Path, start: int, rest_at: int) -> None:
-    """A journal larger than one sweep reads: keep it for the next sweep, renamed to say where
-    its unread part starts (with a new random part: no other file is replaced)."""
+def _keep_rest(outbox: Outbox, fd: int, path: Path, start: int, rest_at: int, why: str) -> None:
+    """A journal larger than one sweep reads or takes (``why``): keep it for the next sweep,
+    renamed to say where its unread part starts (with a new random part: no other file is
+    replaced)."""
     kept = f"{path.name.split('-', 1)[0]}-{os.urandom(8).hex()}+{rest_at}.jsonl"
     try:
         if ident_at(path) != ident(fd):
@@ -140,9 +163,9 @@ def _keep_rest(outbox: Outbox, fd: int, path: Path, start: int, rest_at: int) ->
         log.error("notification outbox %s: %s cannot be renamed to %s (%s): the next sweep "
                   "takes over its first part again", outbox.folder, path.name, kept, exc)
         return
-    log.warning("notification outbox %s: %s is larger than %d bytes (no journal handoffd writes "
-                "is): bytes %d to %d were taken over, the rest is kept as %s for the next sweep",
-                outbox.folder, path.name, MAX_JOURNAL_BYTES, start, rest_at, kept)
+    log.warning("notification outbox %s: %s %s: bytes %d to %d were taken over, the rest is "
+                "kept as %s for the next sweep", outbox.folder, path.name, why, start, rest_at,
+                kept)
 
 
 def _left_over(sweep: Sweep) -> Generator[Path, None, None]:
@@ -258,12 +281,17 @@ def read_journal(fd: int, name: str) -> list[Entry]:
     return read_left(fd, name)[0]
 
 
-def read_left(fd: int, name: str) -> tuple[list[Entry], int | None]:
-    """The notices a journal leaves undelivered, in the order queued, read from where ``fd``
-    stands, and how many bytes were read when that was not all (MAX_JOURNAL_BYTES at most: the
-    rest is for the next sweep; None: all of it was read). A line that is not one handoffd
-    wrote is skipped: one warning for the whole journal."""
+def read_left(fd: int, name: str,
+              limit: int | None = None) -> tuple[list[Entry], int | None, bool]:
+    """The first ``limit`` (default: all) notices a journal leaves undelivered, in the order
+    queued, read from where ``fd`` stands; where its part not taken starts, in bytes from
+    there (None: all of it was taken); and whether that is for ``limit`` (True) or for
+    MAX_JOURNAL_BYTES (False). The part not taken starts at the first notice left undelivered
+    and not taken (a notice before it whose target is marked finished after it is not taken
+    again); a line that is not one handoffd wrote is skipped: one warning for the whole
+    journal. Reading stops once LIVE_MAX more than ``limit`` are undelivered."""
     queued: dict[int, Live] = {}
+    at: dict[int, int] = {}  # where each queued notice's line starts
     skipped, first = 0, ""
     lines = Lines(fd)
     for line, problem in lines:
@@ -275,30 +303,41 @@ def read_left(fd: int, name: str) -> tuple[list[Entry], int | None]:
             if live is not None:
                 live.left.discard(parsed[1])
                 if not live.left:
-                    del queued[parsed[0]]
+                    del queued[parsed[0]], at[parsed[0]]
         elif parsed[0] in queued:
             skipped, first = skipped + 1, first or "a number used twice"
         else:
             queued[parsed[0]] = Live(parsed[1], set(parsed[1].kinds), 0)
+            at[parsed[0]] = lines.line_at
+            if limit is not None and len(queued) > limit + LIVE_MAX:
+                break  # (not one of ours: what is taken is settled, and its rest starts earlier)
     if skipped:
         log.warning("notification outbox %s: skipped %d line(s) that are not notices handoffd "
                     "wrote (the first: %s)", name, skipped, first)
+    left = list(queued.items())
+    rest_at, counted = lines.read, False
+    if limit is not None and len(left) > limit:
+        rest_at, counted = at[left[limit][0]], True
+        left = left[:limit]
     return ([replace(live.entry, kinds=tuple(k for k in KINDS if k in live.left))
-             for live in queued.values()], lines.read)
+             for _, live in left], rest_at, counted)
 
 
 class Lines:
     """The lines of a journal from where its descriptor stands (without their newlines), or
     why one is skipped: at most MAX_JOURNAL_BYTES are read, a line longer than MAX_LINE_BYTES
-    is not kept. After the iteration, :attr:`read` is how many bytes were taken when the
+    is not kept. :attr:`line_at` is where the line last given starts (bytes from where the
+    descriptor stood). After the iteration, :attr:`read` is how many bytes were taken when the
     journal holds more (where its unread part starts), None when all of it was read."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.read: int | None = None
+        self.line_at = 0
 
     def __iter__(self) -> Iterator[tuple[bytes, str | None]]:
         rest, total, skipping = b"", 0, False
+        at = 0  # where ``rest`` starts
         while total < MAX_JOURNAL_BYTES:
             chunk = os.read(self.fd, min(READ_STEP, MAX_JOURNAL_BYTES - total))
             if not chunk:
@@ -307,6 +346,7 @@ class Lines:
             parts = (rest + chunk).split(b"\n")
             rest = parts.pop()
             for line in parts:
+                self.line_at, at = at, at + len(line) + 1
                 if skipping:  # the end of a line too long to keep
                     skipping = False
                 elif len(line) > MAX_LINE_BYTES:
@@ -315,13 +355,15 @@ class Lines:
                     yield line, None
             if len(rest) > MAX_LINE_BYTES:
                 if not skipping:
+                    self.line_at = at
                     yield b"", f"a line over {MAX_LINE_BYTES} bytes"
-                rest, skipping = b"", True
+                rest, skipping, at = b"", True, at + len(rest)
         else:
             if os.read(self.fd, 1):  # more than one sweep reads: the line begun is read next
-                self.read = total - (0 if skipping else len(rest))  # (the line begun)
+                self.read = at  # (the line begun)
                 return
         if rest.strip() and not skipping:
+            self.line_at = at
             yield b"", "a line cut short (its process died writing it)"
 
 
@@ -359,3 +401,21 @@ def _parse(line: bytes) -> tuple[int, Entry] | tuple[int, str] | str:
 
 def _number(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+# the journal a takeover holds (it runs on a thread of its own): a process forked meanwhile (a
+# Python handler's) must not keep its lock, or that journal, renamed for its next part, could
+# not be taken over until the child exits. (Closing the child's copy keeps the parent's lock.)
+_HELD: set[int] = set()
+
+
+def _forget_after_fork() -> None:
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ MAYBE_DELIVERED = {  # said in a dead letter when the target may have had the do
     "command": "; it may have been delivered all the same: the command was started and did not "
                "finish",
 }
+SHOWN_IDS = 5  # ids a log line about many dead letters names
 NOTICE_BYTES = 512  # what one queued notice holds, about (its object, its strings, its slot)
 
 
@@ -74,7 +76,7 @@ class Notice:
 
 @dataclass(eq=False)
 class Flight:
-    """A notice the delivery thread has taken. Whoever settles it first records it: the thread
+    """A notice a delivery thread has taken. Whoever settles it first records it: the thread
     (delivered, or dead-lettered after its retries), or a drain whose time is up (dead-lettered
     while in flight); the other then records nothing, so a notice is never lost nor recorded
     twice. Fields other than ``notice`` and ``body`` change under the notifier's lock."""
@@ -87,6 +89,7 @@ class Flight:
     maybe_delivered: bool = False  # an ended attempt of kinds[0] may have delivered it
     cutoff: Cutoff | None = None  # the webhook attempt under way (or the last one)
     settled: bool = False  # a drain dead-lettered what was left of it
+    worker: threading.Thread | None = None  # the delivery thread flying it
 
     def __post_init__(self) -> None:
         self.kinds = list(self.notice.kinds)
@@ -100,17 +103,40 @@ class Flight:
 def write_dead_letter(meta: Path, notice: Notice, why: str, url: str | None) -> None:
     """Log a warning and append one line to ``meta``/notify-dead-letters.jsonl (``url`` as it
     may be shown: no password). Never raises: a record that cannot be written is logged."""
-    log.warning("handoff %s: notification given up: %s", notice.handoff_id, why)
-    line = json.dumps({"at": iso(utc_now()), "id": notice.handoff_id,
-                       "state": notice.state.value, "command": notice.rule.command,
-                       "url": url, "error": why}) + "\n"
+    write_dead_letters(meta, [(notice, why, url)])
+
+
+def write_dead_letters(meta: Path, letters: list[tuple[Notice, str, str | None]], *,
+                       summary: str | None = None) -> None:
+    """Append a line per (notice, why, url) of ``letters`` to ``meta``/notify-dead-letters.jsonl
+    in one write, and log a warning for each, or with ``summary``, when they are more than
+    SHOWN_IDS, one for them all (a takeover once dead-lettered 800,000 notices one by one, each
+    its own warning, open and append, and stalled its daemon for minutes). Never raises: a
+    record that cannot be written is logged."""
+    if not letters:
+        return
+    if summary is None or len(letters) <= SHOWN_IDS:
+        for notice, why, _ in letters:
+            log.warning("handoff %s: notification given up: %s", notice.handoff_id, why)
+    else:
+        shown = ", ".join(notice.handoff_id for notice, _, _ in letters[:SHOWN_IDS])
+        more = f" and {len(letters) - SHOWN_IDS} more" if len(letters) > SHOWN_IDS else ""
+        log.warning("%d notification(s) given up: %s (handoffs %s%s; each in %s)", len(letters),
+                    summary, shown, more, DEAD_LETTERS)
+    at = iso(utc_now())
+    data = "".join(json.dumps({"at": at, "id": notice.handoff_id, "state": notice.state.value,
+                               "command": notice.rule.command, "url": url, "error": why}) + "\n"
+                   for notice, why, url in letters).encode("utf-8")
     try:
         meta.mkdir(parents=True, exist_ok=True)
         # a FIFO there: ENXIO, no wait; a symlink: ELOOP, never followed
         fd = open_regular(meta / DEAD_LETTERS, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
-            os.write(fd, line.encode("utf-8"))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         finally:
             os.close(fd)
     except OSError as exc:
-        log.error("cannot record the dead letter of %s: %s", notice.handoff_id, exc)
+        log.error("cannot record the dead letter(s) of %s: %s",
+                  ", ".join(notice.handoff_id for notice, _, _ in letters[:SHOWN_IDS]), exc)

@@ -2,10 +2,12 @@
 outbox first), takes over what processes that died left undelivered, and drains at a stop.
 
 Every notice is in exactly one place, under one lock: queued, in flight, or settled (delivered
-or dead-lettered), and in the outbox (:mod:`.outbox`) until it is settled. One background
-thread delivers (:mod:`.delivery`). A drain (a stopping daemon, or any process that filed
-work, at its exit) waits for the deliveries a bounded time, then stops them and dead-letters
-what is left: see :meth:`Notifier.drain`."""
+or dead-lettered), and in the outbox (:mod:`.outbox`) until it is settled. Background threads
+deliver, a lane per rule (:mod:`.delivery`), and another takes over what ended processes left
+(:meth:`Notifier.take_over_soon`: never the daemon's main loop, which a sweep taking over
+planted journals once stalled for minutes). A drain (a stopping daemon, or any process that
+filed work, at its exit) waits for the deliveries a bounded time, then stops them and
+dead-letters what is left: see :meth:`Notifier.drain`."""
 from __future__ import annotations
 
 import atexit
@@ -29,6 +31,10 @@ log = logging.getLogger("handoffd")
 DRAIN_SECONDS = 10.0  # a stopping daemon waits at most this long for queued deliveries
 SETTLE_SECONDS = 2.0  # then this long for the delivery it cut off to record itself
 QUEUE_LIMIT = 10_000  # notices beyond this are dead-lettered at once (a webhook that is down)
+# notices one sweep takes over at most (the rest stays in its journal for the next sweeps): what
+# a takeover adds to the queue and to the dead letters is bounded by this a sweep
+TAKE_PER_SWEEP = 1_000
+FULL = "the notification queue is full"
 
 
 class Notifier(Deliveries):
@@ -43,6 +49,9 @@ class Notifier(Deliveries):
         super()._fresh()
         self.draining = False
         self.drain_lock = threading.Lock()  # one drain at a time; the next finds nothing left
+        self.taker: threading.Thread | None = None  # the takeover under way (take_over_soon)
+        self.gave_up = 0  # drains whose time ran out: a takeover begun before one takes no more
+        self.take_lock = threading.Lock()  # one takeover at a time
 
     # ------------------------------------------------------------ queueing
     def filed(self, handoff_id: str, where: State) -> None:
@@ -88,6 +97,8 @@ class Notifier(Deliveries):
         with self.lock:
             if self.stopping.is_set() and not self.draining and not self._outstanding():
                 self.stopping.clear()  # an earlier drain is over: this engine files again
+            if taken_over and self.stopping.is_set():
+                return False  # a drain is giving up: the journal stays for the next process
             room = max(QUEUE_LIMIT - len(self.pending), 0)
             queued, overflow = notices[:room], notices[room:]
             seqs = self.outbox.record([self._entry(n) for n in queued]) if queued else []
@@ -96,9 +107,9 @@ class Notifier(Deliveries):
             for index, notice in enumerate(queued):
                 notice.seq = seqs[index] if seqs else None
                 self.pending.append(notice)
-            for notice in overflow:
-                self._dead_letter(notice, "the notification queue is full")
-            self.lock.notify_all()
+            # in one append, said in one line (never recorded in the outbox: nothing to mark)
+            self._dead_letter_all([(notice, FULL) for notice in overflow],
+                                  summary=f"{FULL} ({QUEUE_LIMIT} wait)")
             self._ensure_thread()
             return True
 
@@ -109,33 +120,74 @@ class Notifier(Deliveries):
         return Entry(notice.handoff_id, notice.state, print_, max(index, 0), notice.kinds,
                      notice.filed_at, notice.revision)
 
+    def take_over_soon(self, engine: object = None) -> None:
+        """``on_sweep`` repair: take over, on a thread of its own, the notices that ended
+        processes left undelivered (:meth:`take_over`); returns at once. A takeover still under
+        way is not started again (the next sweep asks again), nor one while this notifier
+        drains (the next process takes them); a drain waits for the one under way."""
+        with self.lock:
+            if self.draining or self.taker is not None:
+                return
+            self._at_exit()  # (`handoffd sweep`: its exit waits for it, and delivers)
+            self.taker = threading.Thread(target=self._take_round, daemon=True,
+                                          name="handoffd-notify-takeover")
+            try:
+                self.taker.start()
+            except BaseException:
+                self.taker = None
+                raise
+
     def take_over(self, engine: object = None) -> int:
-        """``on_sweep`` repair: queue the notices that ended processes left undelivered in
-        their journals (the outbox sees that their processes are gone, and lets one process
-        take each). Not while this notifier drains: the next process takes them. Every notice
-        a journal leaves is taken: those past QUEUE_LIMIT are dead-lettered, as when filed."""
+        """Queue the notices that ended processes left undelivered in their journals, now (the
+        outbox sees that their processes are gone, and lets one process take each): how many
+        were taken. Not while this notifier drains: the next process takes them. At most
+        TAKE_PER_SWEEP notices: the rest stay for the next sweep. Those past QUEUE_LIMIT are
+        dead-lettered, as when filed."""
         with self.lock:
             if self.draining:
                 return 0
-        return leftovers.take_over(self.outbox, self._adopt)
+        return self._take_round()
 
-    def _adopt(self, entries: list[Entry], journal: str) -> bool:
+    def _take_round(self) -> int:
+        began = self.gave_up
+
+        def adopt(entries: list[Entry], journal: str) -> bool:
+            return self._adopt(entries, journal, began)
+
+        try:
+            with self.take_lock:
+                return leftovers.take_over(self.outbox, adopt, limit=TAKE_PER_SWEEP)
+        except Exception:  # a bug here must not end the thread silently, nor the sweep
+            log.exception("taking over left-over notifications failed; the next sweep tries "
+                          "again")
+            return 0
+        finally:
+            with self.lock:
+                if self.taker is threading.current_thread():
+                    self.taker = None
+                self.lock.notify_all()  # a drain waits for this
+
+    def _adopt(self, entries: list[Entry], journal: str, began: int) -> bool:
+        """Queue ``entries`` taken over from ``journal`` (False: not recorded, or a drain that
+        began after this takeover gave up, ``began`` its count then: the journal stays)."""
         known = [(entry, self._rule_for(entry)) for entry in entries]
         notices = [Notice(rule, e.handoff_id, e.state, e.kinds, e.filed_at, revision=e.revision)
                    for e, rule in known if rule is not None]
-        if notices and not self._enqueue(notices, taken_over=True):
-            return False
+        with self.lock:
+            if self.gave_up != began:
+                return False  # this process stops: the next one takes them
+            if notices and not self._enqueue(notices, taken_over=True):
+                return False
         log.warning("took over %d notification(s) that a process which ended left undelivered "
                     "(outbox %s)", len(entries), journal)
-        for entry, rule in known:
-            if rule is None:
-                with self.lock:
-                    self._dead_letter(Notice(NotifyRule(), entry.handoff_id, entry.state,
-                                             entry.kinds, entry.filed_at,
-                                             revision=entry.revision),
-                                      f"{', '.join(entry.kinds)}: its [[on_filed]] rule is no "
-                                      "longer in handoffd.toml (it changed after a process that "
-                                      "ended queued it): not delivered")
+        orphans = [(Notice(NotifyRule(), e.handoff_id, e.state, e.kinds, e.filed_at,
+                           revision=e.revision),
+                    f"{', '.join(e.kinds)}: its [[on_filed]] rule is no longer in handoffd.toml "
+                    "(it changed after a process that ended queued it): not delivered")
+                   for e, rule in known if rule is None]
+        with self.lock:  # (in one append, said in one line)
+            self._dead_letter_all(orphans, summary=f"their [[on_filed]] rule is no longer in "
+                                                   f"handoffd.toml (outbox {journal})")
         return True
 
     def _rule_for(self, entry: Entry) -> NotifyRule | None:
@@ -155,13 +207,14 @@ class Notifier(Deliveries):
 
     def _ensure_thread(self) -> None:
         with self.lock:
+            self._at_exit()
+            self._ensure_workers()
+
+    def _at_exit(self) -> None:
+        with self.lock:
             if not self.at_exit:  # whatever process this is, it delivers before it exits
                 atexit.register(self.drain)
                 self.at_exit = True
-            if self.thread is None or not self.thread.is_alive():
-                self.thread = threading.Thread(target=self._deliver_all, daemon=True,
-                                               name="handoffd-notify")
-                self.thread.start()
 
     # ------------------------------------------------------------ the drain
     def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
@@ -189,9 +242,10 @@ class Notifier(Deliveries):
                         self.outbox.release()
 
     def _wait_for_deliveries(self, deadline: float) -> bool:
-        """Wait until every notice is delivered or dead-lettered (True), or ``deadline``."""
+        """Wait until every notice is delivered or dead-lettered, and the takeover under way
+        has ended (True), or ``deadline``."""
         with self.lock:
-            while self._outstanding():
+            while self._outstanding() or self.taker is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -207,8 +261,10 @@ class Notifier(Deliveries):
             log.warning("%d notification(s) not delivered before the process stopped",
                         self._outstanding() + len(never_tried))
             self.stopping.set()  # the delivery under way ends with a dead letter, not a retry
-            for notice in never_tried:
-                self._dead_letter(notice, NEVER_TRIED)
+            self.gave_up += 1  # (a takeover under way takes no more)
+            # (in one append; a few said one by one, more in one line)
+            self._dead_letter_all([(notice, NEVER_TRIED) for notice in never_tried],
+                                  summary=NEVER_TRIED)
         self.kill_running()  # a command still running must not outlive the process
         deadline = time.monotonic() + SETTLE_SECONDS
         with self.lock:  # the thread records the delivery it was making, with its own reason
@@ -218,12 +274,15 @@ class Notifier(Deliveries):
             self._claim_flights()
 
     def _claim_flights(self) -> None:
-        """Dead-letter what the thread has not recorded in time (call with the lock held): a
-        delivery it still makes is never recorded twice, nor lost when the process exits."""
+        """Dead-letter what the threads have not recorded in time (call with the lock held): a
+        delivery one still makes is never recorded twice, nor lost when the process exits."""
         for flight in self.flights:
             if flight.settled:
                 continue
             flight.settled = True
+            # that thread is held: it ends once its attempt does, and counts no more
+            if flight.worker is not None:
+                self.workers.discard(flight.worker)
             for index, kind in enumerate(flight.kinds):
                 if index == 0 and flight.trying:
                     why = f"{kind}: {STOPPED} while it was being delivered"
@@ -232,5 +291,3 @@ class Notifier(Deliveries):
                 else:
                     why = f"{kind}: {NEVER_TRIED}"
                 self._dead_letter(flight.notice, why, [kind])
-        if any(flight.settled for flight in self.flights):
-            self.thread = None  # that thread is held: a notice filed later gets a new one
