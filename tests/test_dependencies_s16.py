@@ -15,33 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FLAKY_TOML, Clock, Workspace, new_workspace, wait_until
+from conftest import FLAKY_TOML, Clock, new_workspace, wait_until
+from test_dependencies import CountingBackend, done
 
 from handoffd import Daemon, Engine, Registry, State, build_engine, new_native_request
-from handoffd.backends.memory import MemoryBackend
 from handoffd.core.config import Config, DaemonSettings
-from handoffd.core.storage import Doc
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 from handoffd.features import dependencies
 from handoffd.features.dependencies import Graph
 
 REMOVED = "which existed but was removed by retention (archived or purged)"
-
-
-class CountingBackend(MemoryBackend):
-    """A memory backend that counts the documents read by id."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def get(self, handoff_id: str) -> tuple[State, Doc] | None:
-        self.reads += 1
-        return super().get(handoff_id)
-
-
-def done(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    return {"status": "completed", "output": {"id": ctx.handoff_id}}
 
 
 @pytest.fixture
