@@ -44,7 +44,7 @@ from .filing import (
 )
 from .formats import ArtifactSink, Dialect, Formats
 from .hooks import Hook, Hooks, Verdict
-from .jobs import Job, Peek, unreadable
+from .jobs import Job, Peek, out_of_reach, unreadable
 from .logs import log
 from .results import ERROR_TYPES, JobChecks, conclude, failed, read_result
 from .specialists import Registry, Specialist
@@ -166,11 +166,15 @@ class Engine:
         """Read a pending document to route it; None if it is gone. Never raises: whatever stops
         the document from being read or routed (an invalid document, an OS error such as ENXIO on
         a socket or EACCES, a RecursionError inside a reader) gives ``readable=False`` with the
-        ``problem``, and the daemon sets it aside (or claims it, when claiming sets it aside)."""
+        ``problem``, and the daemon sets it aside (or claims it, when claiming sets it aside).
+        An OSError the backend raises itself (it describes a document's own trouble as an
+        UnreadableDocument) is the store out of reach: a transient ``problem``, looked at again."""
         try:
             doc = self.backend.peek(handoff_id)
         except UnreadableDocument as exc:
             return Peek(handoff_id, readable=False, problem=exc)
+        except OSError as exc:  # e.g. StoreUnavailable: the database restarting, not the document
+            return Peek(handoff_id, readable=False, problem=out_of_reach(handoff_id, exc))
         except Exception as exc:  # one bad document must never stop the scheduler or `handoff ls`
             return Peek(handoff_id, readable=False, problem=unreadable(handoff_id, exc))
         if doc is None:

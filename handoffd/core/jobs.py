@@ -77,3 +77,15 @@ def unreadable(handoff_id: str, exc: BaseException) -> UnreadableDocument:
     return UnreadableDocument(f"pending/{handoff_id}.json could not be processed{hint}: "
                               f"{type(exc).__name__}: {str(exc)[:200]}", handoff_id=handoff_id,
                               code=ErrorCode.UNPROCESSABLE_DOCUMENT)
+
+
+def out_of_reach(handoff_id: str, exc: OSError) -> UnreadableDocument:
+    """A pending document the store could not hand over (a :class:`Peek`'s ``problem``): an
+    OSError a backend raised itself rather than describing the document (PostgreSQL's
+    StoreUnavailable, the database away past its reconnect window). Transient: the handoff
+    stays where it is and is looked at again; setting it aside failed a valid handoff for
+    good because the database was restarting."""
+    return UnreadableDocument(f"pending/{handoff_id}.json cannot be read now (the store is "
+                              f"unreachable: {type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:200]})", handoff_id=handoff_id,
+                              code=ErrorCode.UNPROCESSABLE_DOCUMENT, transient=True)

@@ -39,6 +39,8 @@ class Dispatcher:
         self.slot = attempts.slot  # the worker's current task token, for its attempt's watchdog
         self.chained: list[Task] | None = None  # set while a worker picks its next task (chain)
         self.batch = False  # a cron batch: no specialist for a handoff is not worth a warning
+        self.transient_quiet_until = 0.0  # (say_transient: monotonic time of the next warning)
+        self.transient_unsaid = 0
 
     # ------------------------------------------------------------ workers
     def submit(self, agent: str, func: Callable[..., Any], handoff_id: str, *args: Any) -> int:
@@ -126,7 +128,7 @@ class Dispatcher:
         if peek is None:
             return
         if not peek.readable:
-            self.dispatch_unreadable(handoff_id)
+            self.dispatch_unreadable(handoff_id, peek)
             return
         handler = self.hooks.message_handler(peek.doc)
         if handler is not None:  # e.g. a seed 000 CancellationPayload message
@@ -172,23 +174,38 @@ class Dispatcher:
             return
         self.submit(spec.agent, self.attempts.work, handoff_id)
 
-    def dispatch_unreadable(self, handoff_id: str) -> None:
+    def dispatch_unreadable(self, handoff_id: str, seen: Peek | None = None) -> None:
         """A pending document that cannot be read or routed: claim it when claiming sets it aside
-        (an invalid document), look again later when the error is transient, else set it aside
-        where it lies (a socket, a file we may not read, a reader crashing on it)."""
-        peek = self.engine.peek(handoff_id)  # look again: it may have been rewritten meanwhile
-        if peek is None:
-            return
-        if peek.readable or peek.problem is None:  # readable by now: look again shortly
-            self.scheduler.notify(handoff_id, self.settings.settle_seconds)
-            return
-        problem = peek.problem
-        if problem.transient:
-            log.warning("handoff %s: %s; will look again in %ss", handoff_id, problem,
-                        RETRY_LOOK_SECONDS)
+        (an invalid document), look again later when the error is transient (``seen``, the
+        scheduler's read, already said so: the store out of reach, where a second read would
+        only wait out the reconnect window again), else set it aside where it lies (a socket, a
+        file we may not read, a reader crashing on it)."""
+        problem = seen.problem if seen is not None else None
+        if problem is None or not problem.transient:
+            peek = self.engine.peek(handoff_id)  # look again: it may have been rewritten meanwhile
+            if peek is None:
+                return
+            if peek.readable or peek.problem is None:  # readable by now: look again shortly
+                self.scheduler.notify(handoff_id, self.settings.settle_seconds)
+                return
+            problem = peek.problem
+        if problem.transient:  # never set aside: a valid handoff must not fail for an outage
+            self.say_transient(handoff_id, str(problem))
             self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
             return
         if problem.claimable:
             self.submit("", self.attempts.work, handoff_id)  # take() sets it aside with its code
             return
         self.submit("", self.attempts.set_aside, handoff_id, problem.code, str(problem))
+
+    def say_transient(self, handoff_id: str, problem: str) -> None:
+        """One warning per RETRY_LOOK_SECONDS for handoffs put off by a passing error: with the
+        store away, every pending handoff meets it (3,000 pending: 3,000 lines a round)."""
+        now = time.monotonic()
+        if now < self.transient_quiet_until:
+            self.transient_unsaid += 1
+            return
+        more = f" ({self.transient_unsaid} more put off since)" if self.transient_unsaid else ""
+        log.warning("handoff %s: %s; will look again in %ss%s", handoff_id, problem,
+                    RETRY_LOOK_SECONDS, more)
+        self.transient_quiet_until, self.transient_unsaid = now + RETRY_LOOK_SECONDS, 0

@@ -48,7 +48,11 @@ class Hooks:
         for hook in self.scan_hooks:
             try:
                 hook()
-            except Exception:  # a feature's hook must not stop the scan
+            except OSError as exc:  # the store away (StoreUnavailable), a full disk: no bug
+                log.error("scan hook %s failed: %s; will try again at the next scan",
+                          getattr(hook, "__qualname__", repr(hook)),
+                          " ".join(str(exc).split())[:300])
+            except Exception:  # a feature's hook must not stop the scan (a bug: its traceback)
                 log.exception("scan hook %r failed", hook)
 
     def woken(self, wakeup: Wakeup) -> None:

@@ -12,6 +12,7 @@ the source of what it creates, and whose namespace permissions apply to context 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -36,7 +37,14 @@ from ..core.errors import (
     WaitTimeout,
 )
 from .client import Client, Result
-from .mcp_waits import MAX_WAITS, MAX_WAITS_PER_SESSION, Waits
+from .mcp_waits import (
+    ANSWER_MARGIN_SECONDS,
+    LOOK_SECONDS,
+    MAX_WAITS,
+    MAX_WAITS_PER_SESSION,
+    Waits,
+    wait_then_look,
+)
 
 __all__ = ["MAX_WAITS", "MAX_WAITS_PER_SESSION", "build_server", "error_code", "schema_names"]
 log = logging.getLogger("handoffd")
@@ -215,15 +223,22 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT,
         returns the filed document, or where it stands when the time is up."""
         limit = wait_seconds(timeout)
         handle = client.handle(handoff_id)
+        # (where it stands at the timeout is read on the wait's thread, bounded: on the event
+        # loop, a store that was away froze every session for its reconnect window)
+        wait = wait_then_look(lambda seconds, stop: handle.wait(seconds, stop=stop),
+                              lambda: client.get(handoff_id), client.engine.backend, handoff_id)
+        bound = asyncio.timeout(limit + LOOK_SECONDS + ANSWER_MARGIN_SECONDS)
         try:
             session, peer = caller_keys(ctx)
-            result = await waits.run(lambda seconds, stop: handle.wait(seconds, stop=stop),
-                                     limit, session=session, peer=peer)
-        except WaitTimeout:
-            result = _call(client.get, handoff_id)
+            async with bound:  # (whatever a store does, the answer comes by then)
+                result = await waits.run(wait, limit, session=session, peer=peer)
         except HandoffdError as exc:
             raise ToolError(tool_message(exc)) from None
         except OSError as exc:
+            if bound.expired():  # (a TimeoutError) a store that kept no deadline of its own
+                raise ToolError(f"WAIT_TIMEOUT: handoff {handoff_id}: no answer within "
+                                f"{limit:g}s, and the store did not say where it stands in "
+                                "time") from None
             raise ToolError(os_error_message(exc)) from None
         return _view(result)
 

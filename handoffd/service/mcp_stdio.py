@@ -6,6 +6,11 @@ exception, without the request's id, and nothing is sent back: a client that sen
 (fourth session's hunt). :class:`CheckedLines` sits between stdin and the transport: a line the
 SDK would refuse is answered here with a JSON-RPC error naming its id (``null`` when it has
 none), and never reaches the SDK. Everything else passes through unchanged.
+
+A line is read no further than MAX_LINE_CHARS (+1): one longer is refused as it streams past
+(the rest of it read in small pieces and dropped), and answered under the id found near its
+start. Reading it whole first took 1.17 GB for a 400 MB line, and the answer said id null, which
+no client could match to its request.
 """
 from __future__ import annotations
 
@@ -26,10 +31,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("handoffd")
 MAX_LINE_CHARS = 16 * 1024 * 1024  # a request line longer than this is refused, not parsed
 MAX_INT_DIGITS = 4_300  # Python's default int() limit (sys.get_int_max_str_digits)
+ID_SCAN_CHARS = 64 * 1024  # of a line over the cap, the start searched for its "id"
+DROP_CHUNK_CHARS = 1024 * 1024  # the rest of such a line is read (and dropped) this much a time
 
 
 class CheckedLines:
-    """The lines of ``source`` the SDK can read; the others are answered on ``replies``."""
+    """The lines of ``source`` (a text file: stdin) the SDK can read; the others are answered
+    on ``replies``."""
 
     def __init__(self, source: Any) -> None:
         self.source = source
@@ -45,13 +53,113 @@ class CheckedLines:
         return self._lines()
 
     async def _lines(self) -> AsyncIterator[str]:
-        async for line in self.source:
-            refusal = refuse(line)
+        while True:
+            line, too_long = await anyio.to_thread.run_sync(read_line, self.source,
+                                                            abandon_on_cancel=True)
+            if not line:
+                return  # end of input
+            refusal = refuse_long(line) if too_long else refuse(line)
             if refusal is None:
                 yield line
                 continue
             await self.ready.wait()
             await self.replies.send(SessionMessage(refusal))
+
+
+def read_line(source: Any, cap: int = MAX_LINE_CHARS) -> tuple[str, bool]:
+    """The next line of ``source`` and False; for a line of more than ``cap`` characters,
+    only its first ID_SCAN_CHARS and True, the rest read in pieces and dropped. ("", False):
+    the end of input."""
+    line = source.readline(cap + 1)
+    if len(line) <= cap or line.endswith("\n"):  # (cap characters and its newline: whole)
+        return line, False
+    start = line[:ID_SCAN_CHARS]
+    del line
+    while True:  # (a line's rest is dropped piece by piece: never held whole)
+        rest = source.readline(DROP_CHUNK_CHARS)
+        if not rest or rest.endswith("\n"):
+            return start, True
+
+
+def refuse_long(start: str) -> types.JSONRPCError:
+    """The answer to a request line over the cap, of which ``start`` is the beginning: under
+    its id when that comes early (``null`` otherwise: nothing more of the line is kept)."""
+    return _error(scan_id(start), types.INVALID_REQUEST,
+                  f"the request line is over {MAX_LINE_CHARS} characters")
+
+
+def scan_id(text: str) -> int | str | None:
+    """The top-level ``"id"`` of the JSON object ``text`` begins, when it is an integer or a
+    string and lies within ``text``; else None. One pass (linear): strings skipped, nesting
+    counted, only keys of the outer object looked at."""
+    depth, at, expect_key = 0, 0, False
+    while at < len(text):
+        char = text[at]
+        if char == '"':
+            end = _string_end(text, at)
+            if end < 0:
+                return None
+            if depth == 1 and expect_key:
+                colon = _skip_blanks(text, end)
+                if colon < len(text) and text[colon] == ":" and _key(text[at:end]) == "id":
+                    return _id_value(text, _skip_blanks(text, colon + 1))
+                expect_key = False
+            at = end
+            continue
+        if char in "{[":
+            depth += 1
+            expect_key = char == "{" and depth == 1
+        elif char in "}]":
+            depth -= 1
+            if depth <= 0:
+                return None
+        elif char == "," and depth == 1:
+            expect_key = True
+        at += 1
+    return None
+
+
+def _string_end(text: str, start: int) -> int:
+    """The index just past the JSON string opening at ``start``; -1 when ``text`` ends first."""
+    at = start + 1
+    while at < len(text):
+        if text[at] == "\\":
+            at += 2
+        elif text[at] == '"':
+            return at + 1
+        else:
+            at += 1
+    return -1
+
+
+def _skip_blanks(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
+
+
+def _key(quoted: str) -> str | None:
+    """A JSON string token's value (escapes decoded), None if it is no valid string."""
+    if "\\" not in quoted:
+        return quoted[1:-1]
+    try:
+        value = json.loads(quoted)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _id_value(text: str, at: int) -> int | str | None:
+    """The JSON-RPC id (an integer or a string) that starts at ``at``, else None."""
+    if at >= len(text) or text[at] not in '"-0123456789':
+        return None  # (an object, array, bool or null is no id to answer under)
+    try:
+        value, end = json.JSONDecoder(parse_int=_bounded_int).raw_decode(text, at)
+    except (ValueError, RecursionError):
+        return None
+    if end >= len(text) and not isinstance(value, str):
+        return None  # (a number the kept start cuts short: 12 of 123 is not its id)
+    return value if isinstance(value, (int, str)) and not isinstance(value, bool) else None
 
 
 def refuse(line: str) -> types.JSONRPCError | None:
@@ -122,8 +230,7 @@ def run_stdio(server: MCPServer) -> None:
 
     async def serve() -> None:
         stdin = TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
-        source = anyio.wrap_file(stdin)
-        checked = CheckedLines(source)
+        checked = CheckedLines(stdin)  # (read a bounded piece at a time: see read_line)
         async with stdio_server(stdin=checked) as (read_stream, write_stream):  # type: ignore[arg-type]
             checked.attach(write_stream)
             await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())

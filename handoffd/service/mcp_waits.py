@@ -19,16 +19,23 @@ whose client hung up; its wait runs on to its timeout, within its client's share
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import Any, Callable, Hashable
 
 from mcp.server.mcpserver.exceptions import ToolError
 
+from ..core.errors import WaitTimeout
 from .waiting import WaitStop
 
 Client = tuple[str, Hashable]  # ("session", its id) or ("peer", its address)
 MAX_WAITS = 200  # wait_handoff calls in progress at once (a thread each)
 MAX_WAITS_PER_SESSION = 50  # of those, for one session over HTTP (a quarter: never all of them)
+# once a wait timed out, reading where its handoff stands may take this long: with the store
+# away (PostgreSQL retries for its reconnect window, a minute) the answer is then the timeout
+LOOK_SECONDS = 2.0
+# and the tool answers this long past its timeout at the latest, whatever a store does
+ANSWER_MARGIN_SECONDS = 5.0
 
 
 class Waits:
@@ -112,3 +119,41 @@ class Waits:
             return await future
         finally:
             stop.set()  # (cancelled: the thread stops waiting now; done: a no-op)
+
+
+def wait_then_look(wait: Callable[[float, WaitStop], Any], look: Callable[[], Any],
+                   backend: Any, handoff_id: str) -> Callable[[float, WaitStop], Any]:
+    """A wait for :meth:`Waits.run` that, when it times out, reads where ``handoff_id`` stands
+    (``look()``) on the same thread within LOOK_SECONDS. That read ran on the event loop, with
+    no deadline: with the store away it froze every other request (a ``ping`` took a minute)
+    and ended a 3-second wait after 63 s. Now an unreadable store ends it as the timeout it is
+    (WaitTimeout, saying why)."""
+
+    def run(seconds: float, stop: WaitStop) -> Any:
+        try:
+            return wait(seconds, stop)
+        except WaitTimeout:
+            if stop.is_set():  # its caller went away: nobody reads the answer
+                raise
+        waiting = getattr(backend, "waiting", None)  # (a store that can be away bounds it)
+        within = waiting(handoff_id, LOOK_SECONDS) if callable(waiting) \
+            else contextlib.nullcontext()
+        try:
+            with within:
+                return look()
+        except (WaitTimeout, OSError) as exc:
+            raise WaitTimeout(f"handoff {handoff_id}: no answer within {seconds:g}s, and where it "
+                              f"stands cannot be read now: {_cause(exc, handoff_id)}",
+                              handoff_id=handoff_id) from None
+
+    return run
+
+
+def _cause(exc: BaseException, handoff_id: str) -> str:
+    """``exc``'s text on one line, without the "handoff x: no answer within Ns: " that a
+    store's own bounded read puts first (it would say the wait's timeout twice)."""
+    text = " ".join(str(exc).split())
+    prefix = f"handoff {handoff_id}: no answer within "
+    if isinstance(exc, WaitTimeout) and text.startswith(prefix):
+        text = text[len(prefix):].partition(": ")[2] or text
+    return text[:400]
