@@ -29,8 +29,11 @@ namespace are open to all writers unless ``[namespaces."*"] writers = [...]`` se
 
 Namespaces are compared case-insensitively (``TASK/x`` is in ``task/``), and a key is only ever
 a plain relative name: ``/task/x``, ``./task/x``, ``task//x``, `` task/x`` with inner whitespace,
-non-ASCII look-alikes and line breaks are refused, and a write that would go through a symlink
-(``context/alias -> task``) is refused, so no spelling reaches a protected namespace's files.
+non-ASCII look-alikes and line breaks are refused, and a write or a read that would go through a
+symlink (``context/alias -> task``), even one swapped in meanwhile, is refused, so no spelling
+reaches a protected namespace's files. A key's last segment never ends in ``.json`` once the one
+``.json`` of its spelling is dropped (``a.json.json`` is refused): key and file are one-to-one,
+and a listing shows only files a key names.
 ``[namespaces]`` / ``[tiers]`` come from :func:`handoffd.core.config.load_config` (validated once, at
 daemon start; a bad table is a ConfigError, exit 2).
 
@@ -53,6 +56,7 @@ func)`` is an atomic read-modify-write under the key's lock.
 from __future__ import annotations
 
 import json
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -360,8 +364,16 @@ class ContextStore:
             if folder.endswith(".json") and self._is_set(folder[:-len(".json")]):
                 raise _clash(key, f"context/{folder} is the file of the key "
                                   f"{folder[:-len('.json')]!r}")
-        if self.path(key).is_dir():
+        if self._is_folder(key):
             raise _clash(key, f"context/{key}.json is a folder of other keys")
+
+    def _is_folder(self, key: str) -> bool:
+        """``context/<key>.json`` is a folder, looked at by descriptors (never a path that a
+        symlink swapped in meanwhile could send elsewhere: that made the check itself fail)."""
+        try:
+            return stat.S_ISDIR(FileContext(self.root).stat(key).st_mode)
+        except (OSError, InvalidDocument):  # missing, or refused by the write on its own terms
+            return False
 
     def _is_set(self, key: str) -> bool:
         try:

@@ -18,46 +18,51 @@ keeps its ``context/`` folder a copy of the store's values:
   ``settle_seconds`` is left for the next round (it may still be being written); a deleted file
   is written again (keys are never deleted through the folder).
 
-What the mirror last wrote or took in is recorded in ``context/.meta/mirror.json`` (key ->
-revision and sha256), so a restart tells a local edit from a stale copy. Several daemons of one
-workspace serialise their rounds with a flock on ``context/.meta/mirror.lock``.
+What the mirror last wrote or took in is recorded in ``handoffs/.meta/context-mirror.json``
+(key -> revision and sha256), so a restart tells a local edit from a stale copy. The record is
+sealed with the workspace's seal key (:mod:`handoffd.backends.files.seals`) and kept out of
+``context/``: a record that anyone who writes ``context/`` could rewrite (it was
+``context/.meta/mirror.json``) let a forged value of a protected key be recorded as the store's
+and kept for good. A record whose seal does not match (or with no key to check it) is no record:
+the round compares every file with the store's value, as at a first start. Several daemons of
+one workspace serialise their rounds with a flock on ``context/.meta/mirror.lock``.
 
 The mirror's own files are opened as handoffd's own files are (:mod:`handoffd.core.ownfiles`):
-``mirror.json`` read only as a regular file of at most :data:`MAX_STATE_BYTES` (anything else
-reads as no record), ``mirror.lock`` never through a symlink nor as a FIFO, and ``.tmp``,
-``.rejected`` and ``context/`` itself used only as plain folders, never symlinks (which would
-take the mirror's writes out of the workspace); a round that meets one of them fails in one
-log line, and the next tries again.
+the record read only as a regular file of at most :data:`MAX_STATE_BYTES` (anything else reads
+as no record), ``mirror.lock`` never through a symlink nor as a FIFO. Values and the copies kept
+in ``.rejected`` are read and written through descriptors of ``context/`` and each folder on
+the way (:meth:`FileContext.folder <handoffd.backends.files.context.FileContext.folder>`), never
+through a symlink, even one swapped in while a round runs; a file that cannot be written is one
+log line, and the next round tries again.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
-import os
+import stat
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..backends.files import fsio
-from ..backends.files.context import MAX_VALUE_BYTES, FileContext
+from ..backends.files import fsio, seals
+from ..backends.files.context import FileContext
 from ..core.errors import HandoffdError, InvalidDocument
-from ..core.hashing import sha256_hex
-from ..core.keys import normalise_key
-from ..core.ownfiles import open_regular, plain_folder, read_regular
+from ..core.hashing import hmac_sha256_hex, same_text, sha256_hex
+from ..core.keys import names_itself, normalise_key
+from ..core.ownfiles import read_regular
 from ..core.storage import SharedContext
 from ..core.timeutil import utc_now
 from .context import ContextStore
 
 log = logging.getLogger("handoffd")
 FILE_AGENT = "@file"  # who a change made through the folder is written by
-STATE = "mirror.json"
+STATE = "context-mirror.json"  # in handoffs/.meta
+SEAL_DOMAIN = b"handoffd context mirror\0"  # no document's seal can stand for the record's
 REJECTED = ".rejected"
 UNUSABLE = "unusable"  # the state of a file that cannot be read as a value (and is not in the store)
-MAX_STATE_BYTES = 64 << 20  # mirror.json: key -> [revision, sha256], about 100 bytes a key
+MAX_STATE_BYTES = 64 << 20  # the record: key -> [revision, sha256], about 100 bytes a key
 
 
 class ContextMirror:
@@ -73,6 +78,8 @@ class ContextMirror:
         self.settle_seconds = settle_seconds
         self.durable = durable
         self._lock = threading.Lock()
+        self._seal_key: bytes | None = None
+        self._unsealed_said = False
 
     # ------------------------------------------------------------ the two directions
     def pull(self) -> dict[str, list[str]]:
@@ -87,7 +94,7 @@ class ContextMirror:
         with self._round() as (state, report):
             for key in self.local.keys():
                 self._look_at(key, state, report)
-            for key in [k for k in state if not self._exists(k)]:
+            for key in [k for k in state if names_itself(k) and not self._exists(k)]:
                 # deleted here: written again below (keys are never deleted through files)
                 if state.pop(key)[0]:
                     report["restored"].append(key)
@@ -100,14 +107,14 @@ class ContextMirror:
         report: dict[str, list[str]] = {"written": [], "ingested": [], "rejected": [],
                                         "restored": []}
         with self._lock, self._flock():
-            state = self._load()
-            before = json.dumps(state, sort_keys=True)
+            state, trusted = self._load()
+            # an untrusted record is replaced by a sealed one even when nothing changed
+            before = json.dumps(state, sort_keys=True) if trusted else None
             try:
                 yield state, report
             finally:  # what a round did before a failure (the database away) is remembered
                 if json.dumps(state, sort_keys=True) != before:
-                    fsio.replace(self.local.meta(STATE), json.dumps(state, sort_keys=True).encode(),
-                                 self._tmp(), durable=self.durable)
+                    self._save(state)
 
     def _pull(self, state: dict[str, list[Any]], report: dict[str, list[str]]) -> None:
         remote = self.shared.revisions()
@@ -121,11 +128,14 @@ class ContextMirror:
         stale = [k for k, rev in remote.items() if (state.get(k) or [None])[0] != rev
                  and k not in young]
         for key, (data, revision) in self.shared.read_many(stale).items():
-            try:
-                path = self.local.write_path(key)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fsio.replace(path, data, self._tmp(), durable=self.durable)
-            except (OSError, InvalidDocument) as exc:  # e.g. a file where a folder should be
+            if not names_itself(key):  # stored before keys were a bijection with files
+                log.warning("context mirror: the store's key %r names no file of context/ "
+                            "(not a key any more); not mirrored", key)
+                state[key] = [revision, UNUSABLE]
+                continue
+            try:  # by descriptors: a symlink swapped in on the key's path is never followed
+                self.local.put(f"{key}.json", data)
+            except (OSError, InvalidDocument, ValueError) as exc:  # a file where a folder should be
                 log.warning("context mirror: cannot write context/%s.json: %s", key, exc)
                 continue
             state[key] = [revision, _sha(data)]
@@ -137,9 +147,9 @@ class ContextMirror:
         recent to judge), ``ingested`` or ``rejected``."""
         try:
             key = normalise_key(key)
-            data, info = fsio.read_bytes_safely(self.local.path(key), MAX_VALUE_BYTES)
-        except FileNotFoundError:
-            return "same"
+            data, info = self.local.read_file(key)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return "same"  # no file of this key here (a folder of other keys, another key's file)
         except InvalidDocument as exc:  # empty (being written), a symlink, too big, a bad name
             if state.get(key) == [0, UNUSABLE]:
                 return "same"  # said once already
@@ -182,12 +192,11 @@ class ContextMirror:
         kept = ""
         if data is not None:
             stamp = utc_now().strftime("%Y%m%dT%H%M%S%fZ")
-            copy = self.local.root / REJECTED / f"{key}.{stamp}.json"
+            copy = f"{REJECTED}/{key}.{stamp}.json"
             try:
-                _own_folder(copy.parent, self.local.root)
-                fsio.replace(copy, data, self._tmp(), durable=self.durable)
-                kept = f"; the local copy is kept as {copy.relative_to(self.local.root.parent)}"
-            except (OSError, InvalidDocument) as exc:
+                self.local.put(copy, data)
+                kept = f"; the local copy is kept as context/{copy}"
+            except (OSError, InvalidDocument, ValueError) as exc:
                 kept = f"; keeping a copy failed: {exc}"
         current, revision = self.shared.read(key)
         if current is None:  # nothing to put back: leave the file, do not try it again
@@ -204,58 +213,71 @@ class ContextMirror:
     # ------------------------------------------------------------ helpers
     def _exists(self, key: str) -> bool:
         try:
-            return self.local.path(key).is_file()
-        except InvalidDocument:
+            return stat.S_ISREG(self.local.stat(key).st_mode)
+        except (OSError, InvalidDocument):
             return False
 
     def _young(self, key: str) -> bool:
         try:
-            return time.time() - os.lstat(self.local.path(key)).st_mtime < self.settle_seconds
+            return time.time() - self.local.stat(key).st_mtime < self.settle_seconds
         except (OSError, InvalidDocument):
             return False
 
-    def _tmp(self) -> Any:
-        """``context/.tmp``, made if missing; OSError when it (or ``context/``) is no plain
-        folder: temporary files must never be made outside the workspace."""
-        return _own_folder(self.local.root / ".tmp", self.local.root)
+    # ------------------------------------------------------------ the sealed record
+    def _state_path(self) -> Path:
+        return self.store.ws.meta / STATE
 
-    def _load(self) -> dict[str, list[Any]]:
+    def _key(self) -> bytes | None:
+        """The workspace's seal key (made on first use); None when there is none to use."""
+        if self._seal_key is None:
+            try:
+                self._seal_key = seals.load_or_create_key(self.store.ws.meta, self.store.ws.tmp)
+            except HandoffdError as exc:  # an unusable seal.key: no record is trusted
+                if not self._unsealed_said:
+                    log.warning("context mirror: %s; every round compares each file with the "
+                                "store's value", exc)
+                    self._unsealed_said = True
+        return self._seal_key
+
+    def _load(self) -> tuple[dict[str, list[Any]], bool]:
+        """(the sealed record (:data:`STATE`), whether it was one): ({}, False) when it is
+        missing, unreadable, or its seal does not match: then every file is compared with the
+        store's value this round."""
+        key = self._key()
         try:  # bounded, a regular file only: a FIFO or /dev/zero here must not stall a round
-            loaded = json.loads(read_regular(self.local.meta(STATE), MAX_STATE_BYTES).decode("utf-8"))
+            loaded = json.loads(read_regular(self._state_path(), MAX_STATE_BYTES).decode("utf-8"))
+        except FileNotFoundError:
+            return {}, False
         except (OSError, ValueError, RecursionError):
-            return {}
-        if not isinstance(loaded, dict):
-            return {}
-        return {k: v for k, v in loaded.items() if isinstance(v, list) and len(v) == 2}
+            loaded = None
+        keys = loaded.get("keys") if isinstance(loaded, dict) else None
+        seal = loaded.get("seal") if isinstance(loaded, dict) else None
+        if (key is None or not isinstance(keys, dict) or not isinstance(seal, str)
+                or not same_text(seal, _seal(key, keys))):
+            log.warning("context mirror: handoffs/.meta/%s is not a record sealed by this "
+                        "workspace (written from outside?); not trusted: each file is compared "
+                        "with the store's value", STATE)
+            return {}, False
+        return {k: v for k, v in keys.items() if isinstance(v, list) and len(v) == 2}, True
+
+    def _save(self, state: dict[str, list[Any]]) -> None:
+        key = self._key()
+        if key is None:
+            return  # nothing sealed would be trusted: every round compares with the store
+        data = json.dumps({"keys": state, "seal": _seal(key, state)}, sort_keys=True).encode()
+        self.store.ws.meta.mkdir(parents=True, exist_ok=True)
+        fsio.replace(self._state_path(), data, self.store.ws.tmp, durable=self.durable)
 
     @contextmanager
     def _flock(self) -> Iterator[None]:
-        # no symlink followed, no FIFO waited on (open_regular): a round must never hang there
-        fd = open_regular(self.local.meta("mirror.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        # no symlink followed, no FIFO waited on: a round must never hang there
+        with self.local.meta_lock("mirror.lock"):
             yield
-        finally:
-            os.close(fd)
 
 
-def _own_folder(folder: Path, root: Path) -> Path:
-    """``folder`` (under ``root``, the context folder), made if missing; OSError when it, or
-    any folder from ``root`` down to it, is not a plain folder (a symlink would take the
-    mirror's writes elsewhere)."""
-    root.mkdir(parents=True, exist_ok=True)
-    for path in (root, *(root / part for part in _prefixes(folder.relative_to(root)))):
-        path.mkdir(exist_ok=True)
-        if not plain_folder(path):
-            raise OSError(errno.ENOTDIR, "not a plain folder of the workspace (a symlink?)",
-                          os.fspath(path))
-    return folder
-
-
-def _prefixes(relative: Path) -> list[Path]:
-    """``a/b/c`` -> ``[a, a/b, a/b/c]``."""
-    parts = relative.parts
-    return [Path(*parts[:i]) for i in range(1, len(parts) + 1)]
+def _seal(key: bytes, state: dict[str, Any]) -> str:
+    """The seal of the mirror's record ``state`` (an HMAC under the workspace's seal key)."""
+    return hmac_sha256_hex(key, SEAL_DOMAIN + json.dumps(state, sort_keys=True).encode())
 
 
 def _sha(data: bytes) -> str:
