@@ -88,4 +88,4 @@ def out_of_reach(handoff_id: str, exc: OSError) -> UnreadableDocument:
     return UnreadableDocument(f"pending/{handoff_id}.json cannot be read now (the store is "
                               f"unreachable: {type(exc).__name__}: "
                               f"{' '.join(str(exc).split())[:200]})", handoff_id=handoff_id,
-                              code=ErrorCode.UNPROCESSABLE_DOCUMENT, transient=True)
+                              code=ErrorCode.STORE_UNAVAILABLE, transient=True)
