@@ -81,7 +81,9 @@ def import_(root: RootOption = None, store: StoreOption = None, as_json: JsonOpt
     config = ws.load_config()
     settings = config.daemon
     backend = PostgresBackend(url, describe=dialects.describe,
-                              seen_ttl_seconds=settings.seen_ttl_seconds, origin=origin_of(ws))
+                              seen_ttl_seconds=settings.seen_ttl_seconds, origin=origin_of(ws),
+                              max_document_bytes=settings.max_document_bytes,
+                              max_output_bytes=settings.max_output_bytes)
     files = FilesBackend.open(ws, describe=dialects.describe, watch=False, ensure=False,
                               durable=settings.durable, max_document_bytes=settings.max_document_bytes,
                               settle_seconds=settings.settle_seconds)

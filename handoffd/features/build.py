@@ -163,7 +163,9 @@ def open_backend(workspace: Workspace, config: Config, *,
                                reconnect_seconds=config.store.reconnect_seconds,
                                origin=origin_of(workspace), monotonic=monotonic,
                                # a dead claimer's session: recovered after this long
-                               owner_grace_seconds=settings.claim_grace_seconds)
+                               owner_grace_seconds=settings.claim_grace_seconds,
+                               max_document_bytes=settings.max_document_bytes,
+                               max_output_bytes=settings.max_output_bytes)
     return FilesBackend.open(workspace, describe=dialects.describe, monotonic=monotonic,
                              ensure=False, claim_grace_seconds=settings.claim_grace_seconds,
                              durable=settings.durable,

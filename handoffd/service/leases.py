@@ -70,6 +70,8 @@ class LeaseKeeper:
         self.stopped = threading.Event()
         self.threads: list[threading.Thread] = []
         self.pool: Any = None  # the renewals' threads, made when two jobs run at once
+        self._flying: set[int] = set()  # id() of the jobs whose renewal is under way
+        self._flying_lock = threading.Lock()
 
     def start(self) -> None:
         """Start the renewer and the guard (daemon threads: they end with the process)."""
@@ -114,16 +116,30 @@ class LeaseKeeper:
     def renew_all(self) -> None:
         """Extend the lease of every running job, the longest unrenewed first, several at a
         time (one after another, 40 renewals of a busy daemon took longer than a 1 s lease);
-        fence a job whose claim is gone."""
+        fence a job whose claim is gone. The round waits a renewal interval at most: a
+        renewal still under way then (a row another session holds locked) is left to finish
+        on its own and is not started again meanwhile, so it holds back no other job's."""
         jobs = sorted(self.jobs(), key=lambda j: j.renewed_at)
         if len(jobs) <= 1:
             for job in jobs:
                 self.renew(job)
             return
+        from concurrent.futures import ThreadPoolExecutor, wait
         if self.pool is None:
-            from concurrent.futures import ThreadPoolExecutor
             self.pool = ThreadPoolExecutor(RENEWERS, thread_name_prefix="handoffd-lease")
-        list(self.pool.map(self.renew, jobs))  # (waits for the round to end)
+        with self._flying_lock:
+            due = [job for job in jobs if id(job) not in self._flying]
+            self._flying.update(id(job) for job in due)
+        wait([self.pool.submit(self._renew_once, job) for job in due],
+             timeout=max(self.lease / 3, MIN_RENEW_SECONDS))
+
+    def _renew_once(self, job: Job) -> None:
+        """:meth:`renew`, then ``job`` may be renewed again."""
+        try:
+            self.renew(job)
+        finally:
+            with self._flying_lock:
+                self._flying.discard(id(job))
 
     def renew(self, job: Job) -> None:
         """Extend ``job``'s lease; fence it when its claim is gone."""

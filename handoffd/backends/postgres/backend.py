@@ -49,6 +49,7 @@ from ..base import (
     only_kinds,
     wait_via_feed,
 )
+from ..files.store import BOOKKEEPING_MARGIN_BYTES, FILED_MARGIN_BYTES
 from .claims import Claiming
 from .connection import Conn, Database, Listener, Presence, StoreUnavailable, deadline, refusal
 from .context import KIND as CONTEXT
@@ -69,7 +70,8 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
     """Handoffs in the PostgreSQL database at ``url`` (schema migrated on open).
 
     ``origin`` names this workspace (host and path) for documents ingested from its files;
-    ``pool_size`` bounds the connections this process opens."""
+    ``pool_size`` bounds the connections this process opens; ``max_document_bytes`` and
+    ``max_output_bytes`` bound what is created and read, as in the files store."""
 
     #: daemons of other hosts work this store too: a handoff no specialist of ours serves is
     #: usually theirs (the daemon says so at info level, not as a warning)
@@ -79,8 +81,15 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
                  seen_ttl_seconds: float = 3600.0, pool_size: int = 8,
                  reconnect_seconds: float = 60.0, origin: str | None = None,
                  owner_grace_seconds: float = 10.0,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 max_document_bytes: int = 4 * 1024 * 1024,
+                 max_output_bytes: int = 16 * 1024 * 1024) -> None:
         self.url = url
+        # what a request may be, and what a row is read up to (as the files store reads a
+        # file): a document over it is refused by create and set aside unread when pending
+        self.max_bytes = max_document_bytes
+        self.max_open_bytes = max_document_bytes + BOOKKEEPING_MARGIN_BYTES
+        self.max_filed_bytes = max_document_bytes + max_output_bytes + FILED_MARGIN_BYTES
         self.describe = describe
         self.seen_ttl = timedelta(seconds=seen_ttl_seconds)
         self.origin = origin

@@ -18,6 +18,8 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any, Callable, Collection
 
+import psycopg
+
 from ...core.documents import BOOK, book, book_int
 from ...core.errors import InvalidDocument
 from ...core.states import State
@@ -34,6 +36,22 @@ PRESENCE_LOST_REASON = (
     "this process has not been able to prove to the database that it is alive (its presence "
     "connection was lost) for long enough that another host may soon take the handoff over; the "
     "handler is stopped and its result will be discarded")
+
+
+RENEW_WAIT_FRACTION = 0.1  # of a lease: how long a renewal waits for its row's lock
+RENEW_WAIT_MAX = 2.0  # seconds, at most
+
+
+class LeaseBusy(OSError):
+    """A renewal found its row locked by another session for too long: not renewed this round
+    (an OSError: the lease keeper logs it and tries again next round; its guard fences the
+    claim only if that goes on for most of a lease)."""
+
+
+def renew_wait(lease_seconds: float) -> float:
+    """Seconds a renewal waits for its row's lock: a tenth of the lease, 50 ms to 2 s (a round
+    renews every lease / 3, the guard fences at 0.8 of a lease)."""
+    return min(max(lease_seconds * RENEW_WAIT_FRACTION, 0.05), RENEW_WAIT_MAX)
 
 
 class ClaimOwner(StoreBase):
@@ -139,14 +157,15 @@ class Claiming(ClaimOwner):
             got = conn.execute(
                 f"UPDATE {T} SET state = 'in-progress', lease_token = %(token)s, "
                 f"lease_expires_at = %(expires)s, lease_owner = %(owner)s WHERE id = ({pick}) "
-                "RETURNING id, doc, raw, created_at",
+                f"RETURNING id, raw, created_at, {self._doc()}",
                 {**params, "token": token, "expires": expires, "now": now,
                  "owner": self.owner_key}).fetchone()
             if got is None:
                 return None
-            handoff_id, value, raw, created_at = got
+            handoff_id, raw, created_at, value, size = got
             try:
-                doc = document(value, handoff_id, State.PENDING.value)
+                doc = document(value, handoff_id, State.PENDING.value, size)
+                self._check_request(doc, size, handoff_id)
             except InvalidDocument as exc:  # rolled back: still pending, for the caller to set
                 raise unreadable_doc(exc, handoff_id) from None  # aside (as Engine.claim does)
             if raw:  # a document from a file: whatever bookkeeping it carried is not ours
@@ -169,18 +188,33 @@ class Claiming(ClaimOwner):
         return claim
 
     def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
+        """See :meth:`Backend.renew`. LeaseBusy (an OSError: not renewed this round, the lease
+        keeper tries again and its guard decides) when another session holds the row locked
+        for longer than :func:`renew_wait`: one row locked by hand held every renewal of the
+        round behind it, and unrelated claims lapsed and ran again on another host."""
         stamp = lease_block(claim.token, now, lease_seconds)
+        wait = renew_wait(lease_seconds)
 
-        def op(conn: Conn, _retried: bool) -> bool:
+        def op(conn: Conn, _retried: bool) -> bool | None:
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(wait * 1000)}ms",))
             # the stored text is rewritten whole (json keeps the document's own key order, and
-            # PostgreSQL offers no json_set): read under the row lock, change the lease, write
-            found = conn.execute(f"SELECT doc FROM {T} WHERE id = %s AND state = 'in-progress' "
-                                 "AND lease_token = %s FOR UPDATE", (claim.id, claim.token)).fetchone()
+            # PostgreSQL offers no json_set; jsonb_set would sort its keys): read under the row
+            # lock, change the lease, write. A pending document is at most max_document_bytes
+            # (and its bookkeeping): a larger one is never claimed
+            try:
+                with conn.transaction():  # a savepoint: a lock wait that times out ends only it
+                    found = conn.execute(  # (one grown too large by hand: its lease only)
+                        f"SELECT {self._doc()} FROM {T} WHERE id = %s AND state = "
+                        "'in-progress' AND lease_token = %s FOR UPDATE",
+                        (claim.id, claim.token)).fetchone()
+            except psycopg.errors.LockNotAvailable:
+                return None
             if found is None:
                 return False
             doc = found[0]
             expires = now + timedelta(seconds=lease_seconds)
-            if not isinstance(doc, dict):  # overwritten by someone else: the lease still holds
+            if not isinstance(doc, dict):  # overwritten by someone else (or grown too large to
+                # read): the lease still holds
                 conn.execute(f"UPDATE {T} SET lease_expires_at = %s WHERE id = %s",
                              (expires, claim.id))
                 return True
@@ -190,6 +224,9 @@ class Claiming(ClaimOwner):
             return True
 
         renewed = self.db.run(op)
+        if renewed is None:
+            raise LeaseBusy(f"handoff {claim.id}: its row is locked by another database session "
+                            f"(waited {wait:g}s); its lease is not renewed this round")
         if renewed:
             book(claim.doc)["lease"] = dict(stamp)
             if claim.token is not None:

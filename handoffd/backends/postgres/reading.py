@@ -19,8 +19,9 @@ from .records import StoreBase, T
 from .values import document
 from .values import unreadable as unreadable_doc
 
-COLUMNS = "id, state, doc, target, priority, conversation, parent, due_at, updated_at"
-COLUMN_INDEX = {name: i for i, name in enumerate(COLUMNS.split(", "))}
+NAMES = ("id", "state", "doc", "target", "priority", "conversation", "parent", "due_at",
+         "updated_at")
+COLUMN_INDEX = {name: i for i, name in enumerate(NAMES)}
 # each order's sort keys (every one NOT NULL) and how the next row compares with the last
 SORTS: dict[str, tuple[tuple[str, ...], str]] = {
     "due": (("priority", "due_at", "id"), ">"),
@@ -30,9 +31,13 @@ SORTS: dict[str, tuple[tuple[str, ...], str]] = {
 FILTER_BATCH = 500  # rows a filtered listing reads at once (and holds besides what it keeps)
 
 
-def _select(clauses: list[str], keys: tuple[str, ...], after: str) -> str:
-    """The listing's SELECT: ``clauses`` joined, ordered by ``keys`` (descending for ``<``)."""
-    sql = f"SELECT {COLUMNS} FROM {T}" + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
+def _select(clauses: list[str], keys: tuple[str, ...], after: str,
+            doc: tuple[str, str]) -> str:
+    """The listing's SELECT: ``clauses`` joined, ordered by ``keys`` (descending for ``<``);
+    ``doc``: the capped document and its size (see :func:`values.capped`), the size last."""
+    columns = ", ".join(doc[0] if name == "doc" else name for name in NAMES)
+    sql = f"SELECT {columns}, {doc[1]} FROM {T}" + (f" WHERE {' AND '.join(clauses)}"
+                                                     if clauses else "")
     direction = " DESC" if after == "<" else ""
     return sql + " ORDER BY " + ", ".join(f"{key}{direction}" for key in keys)
 
@@ -44,9 +49,10 @@ class Reading(StoreBase):
     def _row(record: tuple[Any, ...], unreadable: bool) -> Row | None:
         """A listed row; one that holds no usable document (see :func:`values.document`) is a
         row with its ``problem`` when ``unreadable``, else left out."""
-        handoff_id, state, value, target, priority, conversation, parent, due_at, updated = record
+        handoff_id, state, value, target, priority, conversation, parent, due_at, updated, \
+            size = record
         try:
-            doc = document(value, handoff_id, state)
+            doc = document(value, handoff_id, state, size)
         except InvalidDocument as exc:
             return Row(handoff_id, State(state), {}, Meta(None), due_at, updated,
                        problem=unreadable_doc(exc, handoff_id)) if unreadable else None
@@ -55,11 +61,11 @@ class Reading(StoreBase):
 
     def get(self, handoff_id: str) -> tuple[State, Doc] | None:
         found = self.db.run(lambda conn, _: conn.execute(
-            f"SELECT state, doc FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
+            f"SELECT state, {self._doc()} FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
         if found is None:
             return None
         # InvalidDocument (one line, with its code) for a row that holds no usable document
-        return State(found[0]), document(found[1], handoff_id, found[0])
+        return State(found[0]), document(found[1], handoff_id, found[0], found[2])
 
     def list(self, *, state: State | None = None, target: str | None = None,
              conversation: str | None = None, parent: str | None = None,
@@ -84,7 +90,8 @@ class Reading(StoreBase):
         keys, after = SORTS.get(order, SORTS["newest"])
         if where is not None:  # ``where`` is ours to apply, before the limit
             return self._filtered(clauses, params, keys, after, where, limit, unreadable)
-        sql = _select(clauses, keys, after) + (" LIMIT %s" if limit is not None else "")
+        sql = _select(clauses, keys, after, self._capped()) + (" LIMIT %s" if limit is not None
+                                                               else "")
         params += [] if limit is None else [limit]
         records = self.db.run(lambda conn, _: conn.execute(sql, params).fetchall())  # type: ignore[arg-type]
         return [row for r in records if (row := self._row(r, unreadable)) is not None]
@@ -103,7 +110,7 @@ class Reading(StoreBase):
         while True:
             batch = [*clauses, f"({', '.join(keys)}) {after} ({', '.join(['%s'] * len(keys))})"] \
                 if last is not None else clauses
-            sql = _select(batch, keys, after) + " LIMIT %s"
+            sql = _select(batch, keys, after, self._capped()) + " LIMIT %s"
             args = [*params, *(last or ()), FILTER_BATCH]
             records = self.db.run(lambda conn, _: conn.execute(sql, args).fetchall())  # type: ignore[arg-type]
             for record in records:
@@ -126,10 +133,13 @@ class Reading(StoreBase):
 
     def peek(self, handoff_id: str) -> Doc | None:
         found = self.db.run(lambda conn, _: conn.execute(
-            f"SELECT doc FROM {T} WHERE id = %s AND state = 'pending'", (handoff_id,)).fetchone())
+            f"SELECT {self._doc()} FROM {T} WHERE id = %s AND state = 'pending'",
+            (handoff_id,)).fetchone())
         if found is None:
             return None
         try:
-            return document(found[0], handoff_id, State.PENDING.value)
+            doc = document(found[0], handoff_id, State.PENDING.value, found[1])
+            self._check_request(doc, found[1], handoff_id)
+            return doc
         except InvalidDocument as exc:  # the daemon sets it aside where it lies, once
             raise unreadable_doc(exc, handoff_id) from None

@@ -15,6 +15,7 @@ import re
 from datetime import datetime, timedelta
 from typing import Any, Callable, NamedTuple
 
+from ...core.documents import BOOK
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.events import last_entry
 from ...core.states import State
@@ -22,7 +23,7 @@ from ...core.storage import LOST
 from ...core.timeutil import iso, utc_now
 from ..base import Describe, Doc, Subscribers, due_of, safe_describe, updated_of
 from .connection import CHANNEL, Conn, Database
-from .values import document, plain
+from .values import capped, document, finite, plain
 
 log = logging.getLogger("handoffd")
 
@@ -75,8 +76,37 @@ class StoreBase:
     seen_ttl: timedelta
     nonce: str  # tells this process's notifications apart from others'
     _subscribers: Subscribers
+    max_bytes: int  # max_document_bytes: what a request may be
+    max_open_bytes: int  # a pending or running document read (the request and bookkeeping)
+    max_filed_bytes: int  # a finished document read (the request, the answer, bookkeeping)
+
+    def _capped(self) -> tuple[str, str]:
+        """A row's document, capped, and its size (see :func:`values.capped`)."""
+        return capped(self.max_open_bytes, self.max_filed_bytes)
+
+    def _doc(self) -> str:
+        """:meth:`_capped` as two result columns."""
+        return ", ".join(self._capped())
+
+    def _check_request(self, doc: Doc, size: int, handoff_id: str) -> None:
+        """InvalidDocument (DOCUMENT_TOO_LARGE) when the request in the pending ``doc`` (of
+        ``size`` bytes as stored; all but its ``handoffd`` block) is over ``max_bytes``, as the
+        files store reads a pending file."""
+        if size <= self.max_bytes:
+            return
+        request = {k: v for k, v in doc.items() if k != BOOK}
+        length = len(json.dumps(request, ensure_ascii=False, separators=(",", ":"))
+                     .encode("utf-8", "surrogatepass"))
+        if length > self.max_bytes:
+            raise InvalidDocument(
+                f"handoff {handoff_id} holds a {length}-byte request, over the {self.max_bytes}"
+                "-byte limit (raise daemon.max_document_bytes in handoffd.toml if this is "
+                "intended)", handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_LARGE)
 
     def _columns(self, doc: Doc, created_at: datetime) -> dict[str, Any]:
+        # a row's created_at that is infinite (written past handoffd) is no time to fall back
+        # on: a document without events would be due never, or sorted before every other
+        created_at = finite(created_at) or utc_now()
         meta = safe_describe(self.describe, doc)
         return {"target": meta.target, "priority": meta.priority,
                 "conversation": meta.conversation, "parent": meta.parent,
@@ -228,13 +258,13 @@ class FileOrigins(StoreBase):
         among = " AND id = ANY(%s)" if ids is not None else ""
         params: builtins.list[Any] = [origin, *([ids] if ids is not None else []), limit]
         rows = self.db.run(lambda conn, _: conn.execute(
-            f"SELECT id, state, doc FROM {T} WHERE origin = %s AND NOT exported "
+            f"SELECT id, state, {self._doc()} FROM {T} WHERE origin = %s AND NOT exported "
             f"AND state IN ('completed', 'failed'){among} ORDER BY updated_at LIMIT %s",
             params).fetchall())
         owed: builtins.list[tuple[str, State, Doc]] = []
-        for handoff_id, state, value in rows:
+        for handoff_id, state, value, size in rows:
             try:
-                owed.append((handoff_id, State(state), document(value, handoff_id, state)))
+                owed.append((handoff_id, State(state), document(value, handoff_id, state, size)))
             except InvalidDocument as exc:
                 self._refuse(handoff_id, state, exc)
         return owed

@@ -27,7 +27,7 @@ from ..base import Claim, Claims, lease_block
 from .claims import ClaimOwner
 from .connection import Conn
 from .records import T, encode
-from .values import document
+from .values import document, finite
 
 log = logging.getLogger("handoffd")
 # a claim of another process whose presence key no session of this database holds
@@ -39,10 +39,12 @@ OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EX
 
 
 # a row of the first look: id, token, expiry, expired by our clock, its owner's key unheld (by
-# another process), no owner recorded, owned by this process
-Seen = tuple[str, "str | None", "datetime | None", bool, bool, bool, bool]
-# why a row is taken over, with the token and expiry it was seen with (the lock step's fence)
-Verdict = tuple[str, "str | None", "datetime | None"]
+# another process), no owner recorded, owned by this process, the expiry as the server writes it
+Seen = tuple[str, "str | None", "datetime | None", bool, bool, bool, bool, "str | None"]
+# why a row is taken over, with the token and expiry (as the server wrote it: an infinite one
+# is clamped when loaded, and the clamped value would fence it out) it was seen with (the lock
+# step's fence)
+Verdict = tuple[str, "str | None", "str | None"]
 
 
 class Recovery(ClaimOwner):
@@ -61,10 +63,14 @@ class Recovery(ClaimOwner):
             # which claims look abandoned (no lock taken: most sweeps find nothing)
             seen = conn.execute(
                 f"SELECT h.id, h.lease_token, h.lease_expires_at, "
-                f"coalesce(h.lease_expires_at <= %(now)s, true), {OWNER_GONE}, "
-                f"h.lease_owner IS NULL, h.lease_owner IS NOT DISTINCT FROM %(me)s FROM {T} h "
+                f"coalesce(h.lease_expires_at <= %(now)s OR NOT isfinite(h.lease_expires_at), "
+                f"true), {OWNER_GONE}, "
+                f"h.lease_owner IS NULL, h.lease_owner IS NOT DISTINCT FROM %(me)s, "
+                f"h.lease_expires_at::text FROM {T} h "
                 "WHERE h.state = 'in-progress' AND (h.lease_expires_at IS NULL OR "
-                f"h.lease_expires_at <= %(now)s OR {OWNER_GONE})",
+                # (no lease handoffd writes is infinite: one written past it has expired)
+                f"h.lease_expires_at <= %(now)s OR NOT isfinite(h.lease_expires_at) OR "
+                f"{OWNER_GONE})",
                 {"now": now, "me": self.owner_key}).fetchall()
             why = self._abandoned(seen, tick, lease_seconds)
             taken: Claims = []
@@ -96,16 +102,18 @@ class Recovery(ClaimOwner):
         why: dict[str, Verdict] = {}
         gone_now: set[tuple[str, str | None]] = set()
         stale_now: set[tuple[str, str | None, datetime | None]] = set()
-        for handoff_id, token, expiry, expired, gone, ownerless, mine in seen:
-            at = f"{LEASE_EXPIRED} at {iso(expiry) if expiry else 'unknown'}"
+        for handoff_id, token, expiry, expired, gone, ownerless, mine, fence in seen:
+            # (an infinite or out-of-calendar expiry is no time to name)
+            shown = finite(expiry)
+            at = f"{LEASE_EXPIRED} at {iso(shown) if shown else 'unknown'}"
             if expired and mine and token in self._given_up:
-                why[handoff_id] = (GIVEN_UP, token, expiry)
+                why[handoff_id] = (GIVEN_UP, token, fence)
             elif gone:
                 gone_now.add((handoff_id, token))
                 first = self._absent.setdefault((handoff_id, token), tick)
                 if tick - first >= self.owner_grace:
                     why[handoff_id] = ("owner process is gone (its database session ended "
-                                       f"{tick - first:.0f}s ago or more)", token, expiry)
+                                       f"{tick - first:.0f}s ago or more)", token, fence)
             elif expired and not ownerless:
                 mark = (handoff_id, token, expiry)
                 stale_now.add(mark)
@@ -114,9 +122,9 @@ class Recovery(ClaimOwner):
                 first = self._stale.setdefault(mark, tick if since is None else since)
                 if tick - first >= lease_seconds:
                     why[handoff_id] = (f"{at} (its owner's session is alive, but renewed "
-                                       f"nothing for {tick - first:.0f}s: stalled)", token, expiry)
+                                       f"nothing for {tick - first:.0f}s: stalled)", token, fence)
             elif expired:
-                why[handoff_id] = (at, token, expiry)
+                why[handoff_id] = (at, token, fence)
         for key in set(self._absent) - gone_now:
             del self._absent[key]
         for mark in set(self._stale) - stale_now:
@@ -131,14 +139,14 @@ class Recovery(ClaimOwner):
         too, or it stays for ever. A row nothing can read is set aside (``refused``)."""
         reason, seen_token, seen_expiry = verdict
         row = conn.execute(
-            f"SELECT doc FROM {T} WHERE id = %s AND state = 'in-progress' "
+            f"SELECT {self._doc()} FROM {T} WHERE id = %s AND state = 'in-progress' "
             "AND lease_token IS NOT DISTINCT FROM %s::text "
-            "AND lease_expires_at IS NOT DISTINCT FROM %s::timestamptz FOR UPDATE SKIP LOCKED",
+            "AND lease_expires_at::text IS NOT DISTINCT FROM %s::text FOR UPDATE SKIP LOCKED",
             (handoff_id, seen_token, seen_expiry)).fetchone()
         if row is None:
             return None
         try:
-            doc = document(row[0], handoff_id, State.IN_PROGRESS.value)
+            doc = document(row[0], handoff_id, State.IN_PROGRESS.value, row[1])
         except InvalidDocument as exc:  # nothing can run or file it: set it aside
             self._quarantine(conn, handoff_id, State.IN_PROGRESS.value, exc.code, str(exc))
             refused.append(f"{exc.code}: {exc}")

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ...core.errors import InvalidDocument
+from ...core.errors import ErrorCode, InvalidDocument
+from ...core.keys import normalise_key
 from ...core.states import State
 from ...core.storage import trusted_doc
 from ...core.timeutil import iso
@@ -102,9 +103,19 @@ def import_workspace(backend: PostgresBackend, files: FilesBackend, bridge: File
 def import_context(backend: PostgresBackend, local: FileContext, now: datetime,
                    report: ImportReport) -> None:
     """Copy each context value the database lacks (see the module doc); a file that is not a
-    JSON value under a usable name is counted with the unreadable ones."""
+    JSON value under a usable name is counted with the unreadable ones. A name no key may have
+    (``a b.json``, a newline, 2,000 characters: put there by hand, never by handoffd) is one
+    too: the database's keys are read back by every host as file names, so each is checked as
+    a key written by ``handoff context set`` is (:func:`normalise_key`)."""
     shared = backend.shared_context()
     for key in local.keys():
+        try:
+            if normalise_key(key) != key:  # (another spelling of a key: not this file's)
+                raise InvalidDocument(f"context file {key!r} is not named by its key",
+                                      code=ErrorCode.INVALID_CONTEXT_KEY)
+        except InvalidDocument:
+            report.unreadable.append(f"context/{_printable(key)}.json")
+            continue
         try:
             data, revision = local.read(key)
             if data is None:
@@ -130,6 +141,12 @@ def import_context(backend: PostgresBackend, local: FileContext, now: datetime,
             report.context += 1
         except _Taken:
             report.context_already += 1
+
+
+def _printable(name: str) -> str:
+    """``name`` as one short printable line (a file name may hold newlines, be very long)."""
+    shown = repr(name)[1:-1]
+    return shown if len(shown) <= 120 else shown[:117] + "..."
 
 
 class _Taken(Exception):

@@ -14,7 +14,7 @@ import threading
 import uuid
 from datetime import datetime
 
-from ...core.errors import DuplicateHandoff, InvalidDocument, InvalidTransition
+from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument, InvalidTransition
 from ...core.states import State
 from ...core.timeutil import utc_now
 from ..base import Claim, Doc, stamp_created
@@ -35,6 +35,12 @@ class Writes(SideRecords):
         stored = copy.deepcopy(doc)
         stamp_created(stored, handoff_id, now, due_at)  # a later due_at: its next_attempt_at
         text = encode(stored, strict=True)
+        size = len(text.encode("utf-8"))
+        if size > self.max_bytes:  # the daemon would set it aside unread: refuse it now
+            raise InvalidDocument(
+                f"handoff {handoff_id} would be {size} bytes, over the {self.max_bytes}-byte "
+                "limit (raise daemon.max_document_bytes in handoffd.toml if this is intended)",
+                handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_LARGE)
         columns = self._columns(stored, now)
         write_id = uuid.uuid4().hex
 
