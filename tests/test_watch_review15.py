@@ -147,7 +147,7 @@ def test_serve_picks_up_at_once_after_pending_is_renamed_away_and_recreated(
     pending = ws.root / "handoffs" / "pending"
     os.rename(pending, ws.root / "handoffs" / "pending.old")
     time.sleep(0.3)  # the reader sees the folder gone before the new one exists
-    pending.mkdir()
+    pending.mkdir(exist_ok=True)  # (or the sweep made it again already)
     time.sleep(1.5)  # at most one sweep: it watches the new pending/
     hid = ws.create("--to", "@flaky", "--data", '{"mode": "ok"}')
     started = time.monotonic()  # (the create command's own start-up is not the daemon's)

@@ -23,6 +23,16 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def digest64(data: bytes, *, key: bytes = b"") -> bytes:
+    """An 8-byte BLAKE2b of ``data`` (keyed with ``key``) for hash tables of ids: the
+    interpreter's own BLAKE2 (what hashlib serves too), so no command loads OpenSSL for it."""
+    try:
+        from _blake2 import blake2b
+    except ImportError:  # a build without it
+        from hashlib import blake2b
+    return blake2b(data, digest_size=8, key=key).digest()
+
+
 def _builtin_sha256() -> Callable[..., Any]:
     """The interpreter's own SHA-256 constructor (``_sha2`` from 3.12, ``_sha256`` before), or
     hashlib's where a build lacks both."""

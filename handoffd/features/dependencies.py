@@ -19,7 +19,6 @@ earlier one ended. A completed dependency that retention archived is completed t
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from array import array
@@ -38,6 +37,7 @@ from ..core.engine import (  # Gate and Verdict are the core's; re-exported
     Verdict,
 )
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
+from ..core.hashing import digest64
 from ..core.states import State
 from ..core.workspace import Workspace
 from .removal import dependents_guard
@@ -475,7 +475,7 @@ class ArchiveIndex:
 
 def _key(handoff_id: str) -> int:
     """The 8-byte hash an archived id is indexed under."""
-    digest = hashlib.blake2b(handoff_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    digest = digest64(handoff_id.encode("utf-8", "surrogatepass"))
     return int.from_bytes(digest, "big")
 
 

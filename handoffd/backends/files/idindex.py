@@ -17,18 +17,15 @@ import os
 from array import array
 from typing import Iterable
 
+from ...core.hashing import digest64
+
 _KEY = os.urandom(16)
 MIN_SLOTS = 1024
 
 
 def id_hash(handoff_id: str) -> int:
     """The keyed 64-bit hash of ``handoff_id`` (never 0: 0 marks a free slot)."""
-    try:  # the interpreter's own BLAKE2 (what hashlib serves too), without loading OpenSSL
-        from _blake2 import blake2b
-    except ImportError:  # a build without it
-        from hashlib import blake2b
-
-    digest = blake2b(handoff_id.encode("utf-8", "surrogatepass"), digest_size=8, key=_KEY).digest()
+    digest = digest64(handoff_id.encode("utf-8", "surrogatepass"), key=_KEY)
     return int.from_bytes(digest, "little") or 1
 
 
