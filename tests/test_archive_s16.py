@@ -31,7 +31,7 @@ from conftest import FLAKY_TOML, Workspace, new_workspace
 from handoffd.core.states import State
 from handoffd.core.timeutil import utc_now
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-from handoffd.features import retention
+from handoffd.features import archive as archive_format
 
 # what R8 planted: a gzip header, then a stored block that says 65,535 bytes follow
 PLANTED_HEAD = b"\x1f\x8b\x08\0\0\0\0\0\0\xff\x00\xff\xff\x00\x00"
@@ -66,7 +66,7 @@ def entries(lines: list[tuple[str, str]], payload: Any) -> list[bytes]:
 
 
 def read_ids(data: bytes) -> list[str]:
-    return [e.get("id", "?") for e in retention._entries(io.BytesIO(data))]
+    return [e.get("id", "?") for e in archive_format._entries(io.BytesIO(data))]
 
 
 def test_a_planted_torn_head_loses_nothing_archived_after_it(ws: Workspace) -> None:
@@ -94,8 +94,8 @@ def test_a_planted_torn_head_loses_nothing_archived_after_it(ws: Workspace) -> N
 def test_the_reader_goes_on_after_a_planted_head_and_false_headers() -> None:
     """An archive written before DATE-N (appended after the tear) reads whole; a header that
     is not ours (inside a stored block, or a member holding foreign lines) is passed over."""
-    first = retention._members(entries([("a-1", "completed")], "x"))
-    after = retention._members(entries([("b-1", "completed"), ("b-2", "failed")], "y"))
+    first = archive_format._members(entries([("a-1", "completed")], "x"))
+    after = archive_format._members(entries([("b-1", "completed"), ("b-2", "failed")], "y"))
     assert read_ids(first + PLANTED_HEAD + after) == ["a-1", "b-1", "b-2"]
     assert read_ids(PLANTED_HEAD * 3 + after) == ["b-1", "b-2"]
     # a whole gzip member of someone else's lines, found after a tear, is not taken as ours
@@ -116,10 +116,10 @@ def test_natural_tears_at_every_cut_point_lose_only_the_torn_batch(kind: str) ->
     def payload(i: int) -> Any:
         return "hello world " * 50 if kind == "text" else os.urandom(1500).hex()
 
-    before = retention._members(entries([("a-0", "completed")], payload(0)))
-    torn = retention._members(entries([(f"t-{i}", "completed") for i in range(40)], payload(1)))
+    before = archive_format._members(entries([("a-0", "completed")], payload(0)))
+    torn = archive_format._members(entries([(f"t-{i}", "completed") for i in range(40)], payload(1)))
     for later_ids in ([f"c-{i}" for i in range(3)], [f"c-{i}" for i in range(120)]):
-        later = retention._members([(json.dumps({
+        later = archive_format._members([(json.dumps({
             "id": hid, "state": "completed", "archived_at": "x",
             "document": {"data": payload(i)}}) + "\n").encode()
             for i, hid in enumerate(later_ids)])
@@ -134,10 +134,10 @@ def test_append_never_goes_on_after_a_torn_tail(tmp_path: Path) -> None:
     as it is), unless the tail is whole (no cut, or the batch whole); every whole batch reads."""
     ws = HandoffdWorkspace(tmp_path)
     now = utc_now()
-    path = retention.append_archive(ws, [(State.COMPLETED, "a", {"x": 1})], now)
+    path = archive_format.append_archive(ws, [(State.COMPLETED, "a", {"x": 1})], now)
     first_len = path.stat().st_size
-    retention.append_archive(ws, [(State.COMPLETED, f"b-{i}", {"o": "k" * i}) for i in range(30)],
-                             now)
+    archive_format.append_archive(ws, [(State.COMPLETED, f"b-{i}", {"o": "k" * i}) for i in range(30)],
+                                  now)
     whole = path.read_bytes()
     cuts = sorted({*range(first_len, first_len + 12), *range(first_len, len(whole), 7),
                    *range(len(whole) - 9, len(whole) + 1)})
@@ -145,12 +145,12 @@ def test_append_never_goes_on_after_a_torn_tail(tmp_path: Path) -> None:
         for extra in path.parent.glob("*-*.jsonl.gz"):
             extra.unlink()
         path.write_bytes(whole[:cut])
-        written = retention.append_archive(ws, [(State.COMPLETED, "c", {"x": 3})], now)
+        written = archive_format.append_archive(ws, [(State.COMPLETED, "c", {"x": 3})], now)
         torn = cut not in (first_len, len(whole))
         assert written.name == (f"{now:%Y-%m-%d}-1.jsonl.gz" if torn else path.name), cut
         if torn:
             assert path.read_bytes() == whole[:cut]  # nothing appended after the tear
-        ids = [e["id"] for e in retention.archived(ws)]
+        ids = [e["id"] for e in archive_format.archived(ws)]
         assert "a" in ids and (ids[0] if torn else ids[-1]) == "c", (cut, ids)  # newest first
         assert ("b-29" in ids) == (cut == len(whole)), cut
 
@@ -159,21 +159,21 @@ def test_a_day_s_files_are_read_newest_last(tmp_path: Path) -> None:
     """DATE.jsonl.gz, DATE-1, DATE-2 ... DATE-10: by name DATE-1 sorted before DATE (and
     DATE-10 before DATE-2), so an older entry of a handoff was taken for its newest."""
     ws = HandoffdWorkspace(tmp_path)
-    folder = retention.archive_dir(ws)
+    folder = archive_format.archive_dir(ws)
     folder.mkdir(parents=True)
     day = "2026-11-26"
     for number, state in ((0, "failed"), (1, "failed"), (2, "failed"), (10, "completed")):
         name = f"{day}-{number}.jsonl.gz" if number else f"{day}.jsonl.gz"
-        (folder / name).write_bytes(retention._members(entries([("x", state)], number)))
-    (folder / "2026-11-25-3.jsonl.gz").write_bytes(retention._members(entries([("x", "completed")], 9)))
-    found = retention.find_archived(ws, "x")
+        (folder / name).write_bytes(archive_format._members(entries([("x", state)], number)))
+    (folder / "2026-11-25-3.jsonl.gz").write_bytes(archive_format._members(entries([("x", "completed")], 9)))
+    found = archive_format.find_archived(ws, "x")
     assert found is not None and found["state"] == "completed" and found["document"]["data"] == 10
-    names = [p.name for p in retention.archive_files(ws)]
+    names = [p.name for p in archive_format.archive_files(ws)]
     assert names == ["2026-11-25-3.jsonl.gz", f"{day}.jsonl.gz", f"{day}-1.jsonl.gz",
                      f"{day}-2.jsonl.gz", f"{day}-10.jsonl.gz"]
     # the next append goes on in the newest (DATE-10), whose tail is whole
-    written = retention.append_archive(ws, [(State.COMPLETED, "y", {})],
-                                       utc_now().replace(year=2026, month=11, day=26))
+    written = archive_format.append_archive(ws, [(State.COMPLETED, "y", {})],
+                                            utc_now().replace(year=2026, month=11, day=26))
     assert written.name == f"{day}-10.jsonl.gz"
 
 
@@ -182,7 +182,7 @@ def test_planted_headers_cost_a_bounded_read(monkeypatch: pytest.MonkeyPatch) ->
     a false start that reads to the end of the file. The reader passes over the rest once its
     false starts cost RESYNC_BUDGET (here made small), instead of reading the file once per
     header (quadratic)."""
-    monkeypatch.setattr(retention, "RESYNC_BUDGET", 4 << 20)
+    monkeypatch.setattr(archive_format, "RESYNC_BUDGET", 4 << 20)
     data = PLANTED_HEAD * 40_000  # 600 KB: 40,000 headers
 
     class Counting(io.BytesIO):
@@ -193,13 +193,13 @@ def test_planted_headers_cost_a_bounded_read(monkeypatch: pytest.MonkeyPatch) ->
             Counting.read_bytes += len(out)
             return out
 
-    assert list(retention._entries(Counting(data))) == []
+    assert list(archive_format._entries(Counting(data))) == []
     assert Counting.read_bytes < 8 << 20  # (read whole once per header: 12 GB)
 
 
 KILL_MID_APPEND = r"""
 import os, signal, sys
-from handoffd.features import retention
+from handoffd.features import archive
 permille = int(sys.argv[1])
 
 def torn(fd, data):  # the append reaches the disk up to a byte, then the process is killed
@@ -207,7 +207,7 @@ def torn(fd, data):  # the append reaches the disk up to a byte, then the proces
     os.write(fd, bytes(data[:cut]))
     os.kill(os.getpid(), signal.SIGKILL)
 
-retention._write_all = torn
+archive._write_all = torn
 sys.argv = ["handoff", *sys.argv[2:]]
 from handoffd.cli.entry import handoff
 handoff()
@@ -241,7 +241,7 @@ def test_kill_9_of_handoff_archive_mid_append_loses_nothing(tmp_path: Path) -> N
         assert shown(ws, "b-2")["archived"] is True
         hws = HandoffdWorkspace(ws.root)
         for hid in ("a-1", "a-2", "b-1", "b-3"):
-            assert retention.find_archived(hws, hid) is not None, (permille, hid)
+            assert archive_format.find_archived(hws, hid) is not None, (permille, hid)
         assert not list((ws.root / "handoffs" / "completed").glob("*.json"))
         with gzip.open(today_file(ws.root, 1)) as fh:  # gzip -dc reads the new file whole
             assert len(fh.read().splitlines()) == 3

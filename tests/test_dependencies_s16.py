@@ -231,7 +231,7 @@ def test_an_archived_completed_dependency_is_completed(tmp_path: Path) -> None:
 
 def test_the_archive_index_reads_a_file_once_until_it_changes(tmp_path: Path,
                                                               monkeypatch: Any) -> None:
-    from handoffd.features.retention import append_archive
+    from handoffd.features.archive import append_archive
     ws = HandoffdWorkspace(tmp_path)
     ws.ensure()
     clock = Clock()

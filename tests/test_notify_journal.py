@@ -408,7 +408,7 @@ def test_a_notice_delivers_the_filing_it_is_about(tmp_path: Path) -> None:
     revisions.update(superseded=3, archived=2)
     notifier.filed("superseded", State.FAILED)
     notifier.filed("archived", State.FAILED)
-    from handoffd.features.retention import append_archive
+    from handoffd.features.archive import append_archive
     archived_filing = {"handoff_id": "archived", "handoffd": {"revision": 2}}
     append_archive(engine.ws, [(State.FAILED, "archived", archived_filing)],
                    datetime.now(timezone.utc))

@@ -18,7 +18,7 @@ from conftest import FLAKY_TOML, Workspace
 from handoffd.core.states import State
 from handoffd.core.timeutil import utc_now
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-from handoffd.features.retention import append_archive, archived
+from handoffd.features.archive import append_archive, archived
 
 
 def finished(ws: Workspace, *modes: str) -> list[str]:
@@ -161,7 +161,7 @@ def test_appends_after_a_torn_member_stay_readable(tmp_path: Path) -> None:
     member's header into the torn one's decompressor and stopped, so every handoff archived
     afterwards (and already deleted) was found nowhere. The reader now skips to the next
     member after a tear, and an append after a torn tail goes to the day's next file."""
-    from handoffd.features.retention import find_archived
+    from handoffd.features.archive import find_archived
     ws = HandoffdWorkspace(tmp_path)
     now = utc_now()
     path = append_archive(ws, [(State.COMPLETED, "a", {"x": 1})], now)
@@ -201,7 +201,7 @@ def test_an_archive_file_over_a_read_chunk_is_read_whole_and_once(tmp_path: Path
 def test_the_newest_entry_of_a_handoff_archived_twice_is_shown(tmp_path: Path) -> None:
     """Found by the retention hunt: a failure archived, then retried, completed and archived
     again: `handoff show` gave the old failure (the first match in the file)."""
-    from handoffd.features.retention import find_archived
+    from handoffd.features.archive import find_archived
     ws = HandoffdWorkspace(tmp_path)
     now = utc_now()
     append_archive(ws, [(State.FAILED, "x", {"status": "failed"})], now)
@@ -218,6 +218,7 @@ def test_a_document_filed_again_while_being_purged_is_kept(tmp_path: Path,
     from handoffd import build_engine
     from handoffd.backends.files import fsio
     from handoffd.features import retention
+    from handoffd.features.archive import find_archived
     ws = HandoffdWorkspace(tmp_path)
     ws.ensure()
     engine = build_engine(ws)
@@ -251,7 +252,7 @@ def test_a_document_filed_again_while_being_purged_is_kept(tmp_path: Path,
     monkeypatch.setattr(retention, "append_archive", real_append)
     result = retention.expire(engine, older_than={State.FAILED: 1.0}, now=later, archive=True)
     assert result.removed == [("r1", "failed")] and not path.exists()  # archived, then purged
-    found = retention.find_archived(ws, "r1")
+    found = find_archived(ws, "r1")
     assert found is not None and found["document"]["note"] == "filed again"
     engine.backend.close()
 
@@ -425,26 +426,26 @@ def test_an_archive_of_millions_of_tiny_lines_is_passed_over_quickly(
     over, and a lookup parses only the lines that name its id."""
     import gzip
 
-    from handoffd.features import retention
-    from handoffd.features.retention import find_archived
+    from handoffd.features import archive
+    from handoffd.features.archive import find_archived
     ws = HandoffdWorkspace(tmp_path)
     ws.ensure()
     now = utc_now()
     append_archive(ws, [(State.COMPLETED, "real", {"status": "completed"})], now)
     folder = ws.handoffs / ".archive"
-    monkeypatch.setattr(retention, "MAX_MEMBER_LINES", 100_000)  # (2,000,000 in use)
+    monkeypatch.setattr(archive, "MAX_MEMBER_LINES", 100_000)  # (2,000,000 in use)
     (folder / "2000-01-01.jsonl.gz").write_bytes(gzip.compress(b"{}\n" * 100_001, 1))
     many = b"".join(json.dumps({"id": f"other-{i}", "state": "completed", "document": {}})
                     .encode() + b"\n" for i in range(20_000))
     (folder / "2000-01-02.jsonl.gz").write_bytes(gzip.compress(
         many + b'{"id": "late", "state": "failed", "document": {"n": 1}}\n', 1))
     parsed: list[bytes] = []
-    real_entry = retention._entry
+    real_entry = archive._entry
     def counted(line: bytes) -> Any:
         parsed.append(line)
         return real_entry(line)
 
-    monkeypatch.setattr(retention, "_entry", counted)
+    monkeypatch.setattr(archive, "_entry", counted)
     assert find_archived(ws, "nowhere") is None
     assert parsed == []  # no line named it: none was parsed, and the 100,001 were passed over
     found = find_archived(ws, "late")

@@ -76,16 +76,16 @@ def test_a_full_disk_deletes_nothing_the_archive_does_not_hold(ws: Workspace) ->
 def test_a_short_write_is_followed_by_the_rest(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The archive's append writes all: a write that takes only part is followed by more."""
-    from handoffd.features import retention
+    from handoffd.features import archive
     real = os.write
     calls: list[int] = []
 
     def short(fd: int, data: Any) -> int:
         calls.append(len(data))
         return real(fd, bytes(data[:max(len(data) // 3, 1)]))
-    monkeypatch.setattr(retention.os, "write", short)
+    monkeypatch.setattr(archive.os, "write", short)
     docs = [(State.COMPLETED, f"h{i}", {"output": _random(20_000)}) for i in range(3)]
-    path = retention.append_archive(HandoffdWorkspace(tmp_path), docs, utc_now())
+    path = archive.append_archive(HandoffdWorkspace(tmp_path), docs, utc_now())
     assert len(calls) > 1
     assert [json.loads(line)["id"] for line in gzip.decompress(path.read_bytes()).splitlines()] \
         == ["h0", "h1", "h2"]
@@ -120,25 +120,25 @@ def test_the_archive_reader_still_refuses_a_foreign_bomb(tmp_path: Path) -> None
     """What handoffd writes stays under the reader's guard; a foreign member expanding past its
     budget (here a newline-free line, skipped as too long while it expands) is refused, with
     the entries before it kept."""
-    from handoffd.features import retention
+    from handoffd.features import archive
     ws = HandoffdWorkspace(tmp_path)
-    folder = retention.archive_dir(ws)
+    folder = archive.archive_dir(ws)
     folder.mkdir(parents=True)
     first = json.dumps({"id": "w", "state": "completed", "document": {}}).encode() + b"\n"
     after = json.dumps({"id": "z", "state": "completed", "document": {}}).encode() + b"\n"
     (folder / "2026-01-01.jsonl.gz").write_bytes(
-        gzip.compress(first) + _bomb(retention.MEMBER_BUDGET + (2 << 20)) + gzip.compress(after))
-    assert [e["id"] for e in retention.archived(ws)] == ["w"]
-    retention.append_archive(ws, [(State.COMPLETED, "y", {"o": "ok\n" * 3_000_000})],
-                             utc_now().replace(year=2026, month=1, day=2))
-    assert [e["id"] for e in retention.archived(ws)] == ["y", "w"]
+        gzip.compress(first) + _bomb(archive.MEMBER_BUDGET + (2 << 20)) + gzip.compress(after))
+    assert [e["id"] for e in archive.archived(ws)] == ["w"]
+    archive.append_archive(ws, [(State.COMPLETED, "y", {"o": "ok\n" * 3_000_000})],
+                           utc_now().replace(year=2026, month=1, day=2))
+    assert [e["id"] for e in archive.archived(ws)] == ["y", "w"]
 
 
 def test_an_archive_of_many_small_similar_documents_is_compressed(tmp_path: Path) -> None:
     """Found by review 14g: a pass's documents, each expanding more than 50-fold alone, were
     stored uncompressed one member each: 2,000 small documents took 400 times one member's
     size. A pass is one member again, and reads back whole."""
-    from handoffd.features import retention
+    from handoffd.features import archive
     ws = HandoffdWorkspace(tmp_path)
     docs = [(State.COMPLETED, f"hoff-20261126-{i:06d}", {
         "handoff_id": f"hoff-20261126-{i:06d}", "status": "completed", "source": {"agent_id": "@planner"},
@@ -151,10 +151,10 @@ def test_an_archive_of_many_small_similar_documents_is_compressed(tmp_path: Path
         "metadata": {"priority": "normal", "tags": ["support", "summary", "ticket"]}})
         for i in range(2000)]
     raw = sum(len(json.dumps(doc)) for _, _, doc in docs)
-    path = retention.append_archive(ws, docs, utc_now())
+    path = archive.append_archive(ws, docs, utc_now())
     assert path.stat().st_size < raw / 10
-    assert [e["id"] for e in retention.archived(ws)] == [hid for _, hid, _ in docs]
-    assert retention.find_archived(ws, "hoff-20261126-001234")["document"]["output"]["n"] == 1234
+    assert [e["id"] for e in archive.archived(ws)] == [hid for _, hid, _ in docs]
+    assert archive.find_archived(ws, "hoff-20261126-001234")["document"]["output"]["n"] == 1234
 
 
 def _busy_cli(ws: Workspace, *args: str) -> subprocess.CompletedProcess[str]:
@@ -224,6 +224,7 @@ def test_a_pass_holds_a_bounded_number_of_documents(tmp_path: Path,
     `archive` them all and their one gzip member (915 MiB over 320 MiB of documents)."""
     from handoffd.cli import ops_cmd
     from handoffd.features import retention
+    from handoffd.features.archive import archived
     ws = HandoffdWorkspace(tmp_path)
     ws.ensure()
     ids = [f"doc-{i:02d}" for i in range(20)]
@@ -245,7 +246,7 @@ def test_a_pass_holds_a_bounded_number_of_documents(tmp_path: Path,
     removed, kept, where = ops_cmd._passes(engine, {State.COMPLETED: 0}, True, False)
     assert sorted(hid for hid, _ in removed) == ids and where is not None
     assert max(held) <= 8  # never the whole backlog
-    assert sorted(e["id"] for e in retention.archived(ws)) == ids
+    assert sorted(e["id"] for e in archived(ws)) == ids
     assert engine.backend.ids(State.COMPLETED) == []
     members = where.read_bytes().count(b"\x1f\x8b\x08")
     assert members >= 6  # one member a pass: a kill re-archives at most one pass's batch

@@ -67,11 +67,11 @@ def show_archived(eng: "Engine", handoff_id: str, *, as_json: bool) -> bool:
     The archived document is read by the rule the store reads its documents by."""
     from ..core.documents import BOOK
     from ..core.storage import foreign_filing
-    from ..features.retention import find_archived
+    from ..features.archive import entry_document, find_archived
     entry = find_archived(eng.ws, handoff_id)
     if entry is None:
         return False
-    found = archived_document(eng.backend, handoff_id, entry)
+    found = entry_document(eng.backend, handoff_id, entry)
     kept = entry.get("document")
     # (an entry that is no finished document: shown, without any bookkeeping)
     doc = found[1] if found else {k: v for k, v in kept.items() if k != BOOK} \
@@ -87,19 +87,6 @@ def show_archived(eng: "Engine", handoff_id: str, *, as_json: bool) -> bool:
              f"  archived at {entry.get('archived_at')}")
     print_document(out, doc, foreign=foreign)
     return True
-
-
-def archived_document(store: "Backend", handoff_id: str,
-                      entry: dict[str, Any]) -> tuple[State, dict[str, Any]] | None:
-    """(state, trusted view of the document) of an archive entry; None when the entry holds no
-    finished document. Archived as stored, a document keeps the seal of the folder it was
-    filed in, so the store's rule still tells handoffd's filings from foreign ones."""
-    from ..core.storage import trusted_doc
-    kept = entry.get("document")
-    if entry.get("state") not in ("completed", "failed") or not isinstance(kept, dict):
-        return None
-    state = State(entry["state"])
-    return state, trusted_doc(store, state, handoff_id, kept)
 
 
 def print_document(out: Out, doc: dict[str, Any], *, foreign: bool = False) -> None:
@@ -255,9 +242,8 @@ def wait(root: str | Path | None, handoff_id: str, timeout: float | None, *,
 def archived_state(root: str | Path | None, store: "Backend",
                    handoff_id: str) -> tuple[State, dict[str, Any]] | None:
     """(state, trusted view of the document) of a finished handoff retention archived, or None."""
-    from ..features.retention import find_archived
-    entry = find_archived(open_workspace(root), handoff_id)
-    return None if entry is None else archived_document(store, handoff_id, entry)
+    from ..features.archive import find_archived_document
+    return find_archived_document(open_workspace(root), store, handoff_id)
 
 
 def report_wait(handoff_id: str, state: State, doc: dict[str, Any], *, as_json: bool) -> int:

@@ -229,7 +229,7 @@ def archived_request_guard(workspace: Workspace, backend: Backend
         try:
             yield
         except RequestGone as gone:
-            from .retention import find_archived_document
+            from .archive import find_archived_document
             try:
                 found = find_archived_document(workspace, backend, envelope.handoff_id)
             except OSError:  # (an archive that cannot be read now: as if there were none)

@@ -447,13 +447,13 @@ class ArchiveIndex:
     @staticmethod
     def read(path: Path) -> dict[str, str]:
         """The state of each id's last entry in the archive file ``path``."""
-        from .retention import archived_states
+        from .archive import archived_states
         return archived_states(path)
 
     def _refresh(self) -> None:
         """Read the archive files that are new or changed since they were read; forget gone
         ones. Files that are not regular files are passed over (their reader refuses them)."""
-        from .retention import archive_files  # (only when a dependency is found nowhere else)
+        from .archive import archive_files  # (only when a dependency is found nowhere else)
         current: dict[str, tuple[Path, tuple[int, int, int]]] = {}
         for path in archive_files(self.ws):
             try:

@@ -182,7 +182,7 @@ class Deliveries:
     def _archived(self, notice: Notice) -> dict[str, Any] | None:
         """The archived copy of the filing ``notice`` is about: the newest entry of the
         handoff in that state (and revision, when the notice has one)."""
-        from ..retention import archived_with_files
+        from ..archive import archived_with_files
         wanted = b'"id": ' + json.dumps(notice.handoff_id).encode()  # (as archives write it)
         found: dict[str, Any] | None = None
         found_in: str | None = None
