@@ -61,7 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..backends.files.context import HISTORY_LINE, MAX_VALUE_BYTES, FileContext
+from ..backends.files.context import HISTORY_LINE, FileContext
+from ..backends.files.contextfs import MAX_VALUE_BYTES
 from ..core.documents import actor, nesting_depth
 from ..core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
 from ..core.hashing import sha256_hex

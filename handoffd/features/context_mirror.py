@@ -31,7 +31,7 @@ The mirror's own files are opened as handoffd's own files are (:mod:`handoffd.co
 the record read only as a regular file of at most :data:`MAX_STATE_BYTES` (anything else reads
 as no record), ``mirror.lock`` never through a symlink nor as a FIFO. Values and the copies kept
 in ``.rejected`` are read and written through descriptors of ``context/`` and each folder on
-the way (:meth:`FileContext.folder <handoffd.backends.files.context.FileContext.folder>`), never
+the way (:meth:`ContextFolder.folder <handoffd.backends.files.contextfs.ContextFolder.folder>`), never
 through a symlink, even one swapped in while a round runs; a file that cannot be written is one
 log line, and the next round tries again.
 """

@@ -262,6 +262,25 @@ def discarded_on_failure(tmp: Path | str) -> Iterator[None]:
         raise
 
 
+def open_unfollowed(path: Path | str, shown: str, rule: str, *, flags: int = 0,
+                    dir_fd: int | None = None) -> int:
+    """A descriptor of ``path`` (in the folder ``dir_fd`` when given) opened to read, ``flags``
+    added, without following a link nor waiting on a FIFO: InvalidDocument (NOT_A_REGULAR_FILE)
+    for a symlink (``rule`` says what it must be instead) and for a socket or a device, named
+    ``shown``; any other OSError (FileNotFoundError...) as it comes. The caller checks what it
+    opened (a folder, a FIFO) with ``fstat``."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InvalidDocument(f"{shown} is a symlink; {rule}",
+                                  code=ErrorCode.NOT_A_REGULAR_FILE) from None
+        if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket, a device...
+            raise InvalidDocument(f"{shown} is not a regular file ({os.strerror(exc.errno)})",
+                                  code=ErrorCode.NOT_A_REGULAR_FILE) from None
+        raise
+
+
 READ_STEP = 1 << 16  # how much more read_bytes_safely asks for at a time, past the fstat size
 
 
@@ -271,16 +290,7 @@ def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result
     Raises FileNotFoundError if it vanished (another process claimed it) and InvalidDocument for
     symlinks, non-regular files and oversized or empty files.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise InvalidDocument(f"{path.name} is a symlink; documents must be regular files",
-                                  code=ErrorCode.NOT_A_REGULAR_FILE) from None
-        if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket, a device...
-            raise InvalidDocument(f"{path.name} is not a regular file ({os.strerror(exc.errno)})",
-                                  code=ErrorCode.NOT_A_REGULAR_FILE) from None
-        raise
+    fd = open_unfollowed(path, path.name, "documents must be regular files")
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -5,7 +5,7 @@ open of the lock and so every update it guards, set aside the same way; and the 
 ``handoffs/`` swapped for a symlink or a file while a process runs (:class:`FolderGuard`).
 
 One module below the store's writers (``writes``, ``records``, ``leases``, ``seen``, ``events``,
-``context``) that each of them uses: it imports only :mod:`.fsio`, :mod:`.seals` and the core."""
+``contextfs``) that each of them uses: it imports only :mod:`.fsio`, :mod:`.logfiles`, :mod:`.seals` and the core."""
 from __future__ import annotations
 
 import errno
