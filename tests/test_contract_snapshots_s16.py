@@ -341,3 +341,22 @@ def test_a_deep_tree_planted_by_a_worker_fails_in_one_line_and_never_stalls(tmp_
         assert ws.state_of("ignoring") == ["completed"], doc.get("error")
     finally:
         ws.cleanup()
+
+
+def test_a_contract_directory_inside_handoffs_is_refused(tmp_path: Path) -> None:
+    """A contract whose cwd lies in handoffs/ watched handoffd's own files, which every filing
+    changes: refused as a bad contract, like a cwd outside the workspace."""
+    from handoffd.core.errors import InvalidDocument
+    from handoffd.features.contracts.contract import Contract
+    (tmp_path / "handoffs" / "pending").mkdir(parents=True)
+    (tmp_path / "src").mkdir()
+
+    def contract(cwd: str) -> Contract:
+        return Contract(task_id="t1", files_owned=("**",), files_readonly=(), dependencies=(),
+                        criteria=(), cwd=cwd, criteria_timeout=10.0, scope_check="auto",
+                        scope_ignore=())
+
+    assert contract("src").directory(tmp_path) == (tmp_path / "src").resolve()
+    for cwd in ("handoffs", "handoffs/pending", "src/../handoffs"):
+        with pytest.raises(InvalidDocument, match="inside handoffs/"):
+            contract(cwd).directory(tmp_path)

@@ -49,6 +49,10 @@ class Contract:
         target = (root / self.cwd).resolve() if self.cwd else root
         if target != root and root not in target.parents:
             raise _invalid(self.task_id, f"contract.cwd {self.cwd!r} resolves outside the workspace")
+        own = (root / "handoffs").resolve()  # (handoffs/ may be a link to elsewhere)
+        if target == own or own in target.parents:  # handoffd's own files change at every filing
+            raise _invalid(self.task_id, f"contract.cwd {self.cwd!r} is inside handoffs/, "
+                           "handoffd's own folder: a contract watches the project's files")
         if not target.is_dir():
             raise _invalid(self.task_id, f"contract.cwd {self.cwd!r} is not a directory in the workspace")
         return target
