@@ -216,6 +216,24 @@ def check_text(text: object, what: str) -> str:
     return text
 
 
+def check_request_size(doc: dict[str, Any], stored_bytes: int, max_bytes: int, name: str, *,
+                       handoff_id: str | None = None) -> None:
+    """InvalidDocument (DOCUMENT_TOO_LARGE) when the request in ``doc`` (all but its
+    ``handoffd`` block) is over ``max_bytes``; ``stored_bytes``, the document's size as stored,
+    spares the measure when it is within the limit already. The block may add bookkeeping on
+    top; every store reads a pending document by this rule. ``name`` says which document."""
+    if stored_bytes <= max_bytes:
+        return
+    request = {k: v for k, v in doc.items() if k != BOOK}
+    size = len(json.dumps(request, ensure_ascii=False, separators=(",", ":"))
+               .encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise InvalidDocument(
+            f"{name} holds a {size}-byte request, over the {max_bytes}-byte limit (raise "
+            "daemon.max_document_bytes in handoffd.toml if this is intended)",
+            handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_LARGE)
+
+
 def check_storable(value: Any, what: str, *, depth_below: int = 0) -> Any:
     """``value`` when a document can hold it ``depth_below`` levels inside (an answer sits in
     ``input.clarifications[n].answer``: 4): JSON data (dicts, lists, strings, numbers,

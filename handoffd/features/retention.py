@@ -46,7 +46,6 @@ LOCK_WAIT_SECONDS = 60.0  # how long `handoff purge|archive` waits for another p
 PASS_BYTES = 32 * 1024 * 1024
 FIRST_ROWS = 16  # documents the first listing of a pass bounded in bytes reads
 CLI_PASS_LIMIT = 5000  # documents one pass of `handoff purge|archive` takes (it loops)
-FINISHED = (State.COMPLETED, State.FAILED)
 
 
 @dataclass

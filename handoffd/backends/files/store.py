@@ -11,7 +11,6 @@ locks and the process's owner lock).
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 from datetime import datetime
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ...core import jsontext
-from ...core.documents import BOOK, book, book_int, record, revision
+from ...core.documents import BOOK, book, book_int, check_request_size, record, revision
 from ...core.errors import (
     ConfigError,
     DocumentNotReady,
@@ -218,17 +217,8 @@ class Store:
     def _check_request_size(self, doc: dict[str, Any], data: bytes, name: str) -> None:
         """InvalidDocument (DOCUMENT_TOO_LARGE) when the request in ``doc`` (all but its
         ``handoffd`` block) is over ``max_document_bytes``; the block may add up to
-        :data:`BOOKKEEPING_MARGIN_BYTES`."""
-        if len(data) <= self.max_bytes:
-            return
-        request = {k: v for k, v in doc.items() if k != BOOK}
-        size = len(json.dumps(request, ensure_ascii=False, separators=(",", ":"))
-                   .encode("utf-8", "surrogatepass"))
-        if size > self.max_bytes:
-            raise InvalidDocument(
-                f"{name} holds a {size}-byte request, over the {self.max_bytes}-byte limit "
-                "(raise daemon.max_document_bytes in handoffd.toml if this is intended)",
-                code=ErrorCode.DOCUMENT_TOO_LARGE)
+        :data:`BOOKKEEPING_MARGIN_BYTES` (:func:`~handoffd.core.documents.check_request_size`)."""
+        check_request_size(doc, len(data), self.max_bytes, name)
 
     def get(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
         """The current state and document of ``handoff_id``; NotFound if it exists nowhere."""

@@ -15,7 +15,7 @@ import re
 from datetime import datetime, timedelta
 from typing import Any, Callable, NamedTuple
 
-from ...core.documents import BOOK
+from ...core.documents import check_request_size
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.events import last_entry
 from ...core.states import State
@@ -90,18 +90,10 @@ class StoreBase:
 
     def _check_request(self, doc: Doc, size: int, handoff_id: str) -> None:
         """InvalidDocument (DOCUMENT_TOO_LARGE) when the request in the pending ``doc`` (of
-        ``size`` bytes as stored; all but its ``handoffd`` block) is over ``max_bytes``, as the
-        files store reads a pending file."""
-        if size <= self.max_bytes:
-            return
-        request = {k: v for k, v in doc.items() if k != BOOK}
-        length = len(json.dumps(request, ensure_ascii=False, separators=(",", ":"))
-                     .encode("utf-8", "surrogatepass"))
-        if length > self.max_bytes:
-            raise InvalidDocument(
-                f"handoff {handoff_id} holds a {length}-byte request, over the {self.max_bytes}"
-                "-byte limit (raise daemon.max_document_bytes in handoffd.toml if this is "
-                "intended)", handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_LARGE)
+        ``size`` bytes as stored) is over ``max_bytes``, as the files store reads a pending
+        file (:func:`~handoffd.core.documents.check_request_size`)."""
+        check_request_size(doc, size, self.max_bytes, f"handoff {handoff_id}",
+                           handoff_id=handoff_id)
 
     def _columns(self, doc: Doc, created_at: datetime) -> dict[str, Any]:
         # a row's created_at that is infinite (written past handoffd) is no time to fall back
