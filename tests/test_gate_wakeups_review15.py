@@ -392,6 +392,15 @@ def test_a_parent_whose_child_another_process_ends_is_aggregated_at_the_next_res
         stop(ws, daemon)
 
 
+def retried(ws: Workspace, hid: str) -> bool:
+    """``hid``'s document says a retry was scheduled (read while it may be moving: False)."""
+    try:
+        history = ws.doc(hid)["handoffd"]["history"]
+    except (OSError, ValueError, KeyError, AssertionError):  # (AssertionError: in no folder)
+        return False
+    return any(entry.get("event") == "retry_scheduled" for entry in history)
+
+
 def test_a_holder_filed_back_for_a_retry_wakes_its_contract_waiter(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A contract holder whose attempt fails and is filed back for a retry (a minute away) has
@@ -404,7 +413,10 @@ def test_a_holder_filed_back_for_a_retry_wakes_its_contract_waiter(
         wait_until(lambda: ws.state_of("hold") == ["in-progress"], timeout=20, what="hold runs")
         ws.drop("next.json", request("next", "@worker", {"s": 0.1},
                                      contract={"files_owned": ["src/x.py"]}))
-        wait_until(lambda: ws.state_of("hold") == ["pending"], timeout=20, what="hold retried")
+        # (its retry filed back, not a hand-back: under load hold may be claimed, then handed
+        # back to wait for next's files when next reserved them first, then run)
+        wait_until(lambda: ws.state_of("hold") == ["pending"] and retried(ws, "hold"),
+                   timeout=20, what="hold retried")
         filed_back = time.monotonic()
         assert ws.wait_state("next", timeout=30) == "completed"
         assert time.monotonic() - filed_back < 10, "the retry's filing did not wake its waiter"
