@@ -133,7 +133,11 @@ def serve_until_killed_at_aggregation(ws: Workspace) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -9, err  # killed at the aggregation, not ended some other way
     assert ws.state_of("kp") == ["in-progress"]
-    assert [ws.state_of(c) for c in ("kp.c1", "kp.c2")] == [["completed"]] * 2
+    # both children were filed; the kill may land before a child's worker thread retired its
+    # in-progress copy (the parent's claim runs on another thread): a leftover the next
+    # daemon's recovery removes, checked after it ran
+    for child in ("kp.c1", "kp.c2"):
+        assert "completed" in ws.state_of(child) and "failed" not in ws.state_of(child)
 
 
 @pytest.mark.parametrize("retries, delay", [(0, 0.2), (2, 600.0)])
@@ -156,6 +160,7 @@ def test_a_daemon_killed_while_aggregating_costs_the_parent_nothing(
     handed = block["history"][-4]["detail"]
     assert handed["interrupted"] is True and "aggregate its children" in handed["reason"]
     assert sorted(calls(rws)) == ["kp", "kp.c1", "kp.c2"]  # no handler ran twice
+    assert [rws.state_of(c) for c in ("kp.c1", "kp.c2")] == [["completed"]] * 2
 
 
 # ---------------------------------------------------------------- the crash loop stays bounded
