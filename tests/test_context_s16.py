@@ -183,7 +183,7 @@ def test_the_cli_writes_nothing_outside_while_a_link_is_swapped_in_a_loop(ws: Wo
     swapper.start()
     outcomes = []
     try:
-        for attempt in range(25):
+        for attempt in range(10):  # hundreds of swaps during each command
             proc = ws.handoff("context", "set", "a/x", "--data", json.dumps(f"attempt {attempt}"),
                               timeout=60)
             got = ws.handoff("context", "get", "a/x", timeout=60)
@@ -223,7 +223,7 @@ def test_a_serving_mirror_writes_nothing_outside_while_a_link_is_swapped(
     try:
         eventually(lambda: "serving" in log_path.read_text(), "the daemon serving", timeout=60)
         swapper.start()
-        for attempt in range(30):
+        for attempt in range(12):  # each value mirrored while hundreds of swaps go on
             there.handoff("context", "set", "a/x", "--data", json.dumps(f"attempt {attempt}"),
                           check=True)
             assert list((tmp_path / "outside").iterdir()) == [], f"written outside at {attempt}"
