@@ -114,16 +114,17 @@ def mcp(root: RootOption = None,
     """Serve the workspace as an MCP server (tools: create/wait/get/list/cancel/answer/retry
     handoffs, context, trace; resources: the formats' JSON Schemas). Needs handoffd\\[mcp]."""
     from ..core.errors import UsageError
+    from ..service.mcp_http import parse_listen
+    # the values are checked before the SDK is imported (about a second of CPU)
+    if not as_agent.strip() or any(ord(c) < 32 or ord(c) == 127 for c in as_agent):
+        raise UsageError(f"--as {as_agent!r}: give the agent id it acts as, e.g. @planner")
+    if http is not None:
+        parse_listen(http)  # a bad value is refused before anything starts
     try:
         from ..service.mcp_server import build_server
     except ImportError as exc:
         raise UsageError(f"handoffd mcp needs the MCP SDK ({exc.name} is missing): "
                          "pip install 'handoffd[mcp]'") from None
-    from ..service.mcp_http import parse_listen
-    if not as_agent.strip() or any(ord(c) < 32 or ord(c) == 127 for c in as_agent):
-        raise UsageError(f"--as {as_agent!r}: give the agent id it acts as, e.g. @planner")
-    if http is not None:
-        parse_listen(http)  # a bad value is refused before anything starts
     from .daemon_commands import OneLine
     handler = logging.StreamHandler(sys.stderr)  # stdout is the protocol's
     handler.setFormatter(OneLine("handoffd: %(levelname)s: %(message)s"))
