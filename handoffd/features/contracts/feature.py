@@ -18,7 +18,8 @@ block, or a top-level ``contract`` object on a native document::
 * a gate: an invalid contract fails the handoff (``SCHEMA_VALIDATION_FAILED``); a handoff whose
   ``files_owned`` overlap a running handoff's waits ("waiting for files owned by X: pattern");
 * a ``before_run`` hook: reserve ``files_owned`` atomically (a lost race hands the claim back to
-  pending/ without counting an attempt), then snapshot the contract directory;
+  pending/ without counting an attempt), then snapshot the contract directory (one too big or
+  too deep to snapshot fails ``CONTRACT_VIOLATION`` before the handler starts);
 * an ``after_run`` hook: compare the tree with the snapshot (files created, modified or deleted
   outside ``files_owned``, or any change to ``files_readonly``, fail with ``CONTRACT_VIOLATION``,
   never retried), compare the worker's ``files_touched`` with what was observed (a mismatch is
@@ -54,6 +55,7 @@ from .reservations import Reservations
 if TYPE_CHECKING:  # .findings and .review: loaded by the first contract run (a listing that
     # asks the gates never loads them)
     from ...core.engine import Engine, Job
+    from .findings import Run
     from .review import Review
 
 log = deferred("handoffd.contracts")
@@ -137,6 +139,22 @@ class Enforcer:
                 raise HandlerError(f"handoff {job.handoff_id}: cannot snapshot the contract "
                                    f"directory: {exc}", handoff_id=job.handoff_id,
                                    retryable=True) from None
+            if run.before.incomplete:
+                self._refuse_unseeable(job, run)
+
+    @staticmethod
+    def _refuse_unseeable(job: "Job", run: "Run") -> None:
+        """The directory is already too big or too deep to snapshot (walk.py's bounds): nothing
+        the handler changes could be checked, so it is not started. The after hook files the
+        attempt as an unverifiable scope always is (``CONTRACT_VIOLATION``, never retried, one
+        log line, one ``scope_creep`` in the violations log), the snapshot's reason saying the
+        handler was not run."""
+        assert run.before is not None
+        why = f"{run.before.incomplete}; the handler was not run"
+        run.before = dataclasses.replace(run.before, incomplete=why, note=why)
+        raise HandlerError(f"handoff {job.handoff_id} broke its contract: the scope cannot be "
+                           f"verified: before the handler ran, {why}", handoff_id=job.handoff_id,
+                           code=ErrorCode.CONTRACT_VIOLATION, retryable=False)
 
     def _skipper(self, contract: Contract, directory: Path) -> Callable[[str], bool]:
         handoffs = self.engine.ws.handoffs.resolve()

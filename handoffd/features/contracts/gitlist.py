@@ -16,16 +16,32 @@ ignores (one can ignore itself). Their paths are fixed before the handler and lo
 after, so a change to any of them is a change like any other; one above the directory is keyed
 ``../...``. git itself runs with only the repository's own config, and with every setting that
 could make it start a program, or read ignore rules from outside the repository, overridden on its
-command line (:data:`GIT_SAFE_CONFIG`), bounded by :data:`GIT_TIMEOUT_SECONDS`.
+command line (:data:`GIT_SAFE_CONFIG`), bounded by :data:`GIT_TIMEOUT_SECONDS`. What git writes
+is read as it comes and bounded too: one snapshot's listings hold at most
+:data:`MAX_LISTING_BYTES` (past it the tree is too big to see: :class:`~.walk.Incomplete`), and
+git's messages at most :data:`MAX_ANSWER_BYTES` (past it git is not answering: GitError); git
+is killed and reaped right there, so no repository (a huge or forged index) makes the daemon hold
+git's whole output in memory.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .walk import Walker
+from .walk import LIMIT_HINT, MAX_ENTRIES, Incomplete, Walker
+
+if TYPE_CHECKING:
+    import subprocess  # (run only in git mode: imported where git is started)
 
 GIT_TIMEOUT_SECONDS = 120.0
+# An entry of git's listing on average: a path and its --stage prefix ("100644 <object> 0\t",
+# 50 bytes, 74 with SHA-256). Real trees average about 100 bytes or less; a listing past
+# MAX_ENTRIES of these is a tree too big to see (walk.py's bound) or a forged index.
+LISTING_BYTES_PER_ENTRY = 256
+MAX_LISTING_BYTES = MAX_ENTRIES * LISTING_BYTES_PER_ENTRY  # git's output of one snapshot: ~49 MiB
+MAX_ANSWER_BYTES = 1 << 20  # rev-parse's answer (a few paths) and git's messages (a line or two)
+READ_CHUNK = 1 << 16
 # Command-line settings outrank every config file, so nothing written into the repository's
 # config can make handoffd's git start a program or read ignore rules from outside the repository.
 # ls-files and rev-parse run no filter, diff driver, hook or credential helper; these are the ways
@@ -49,12 +65,16 @@ def git_files(walker: Walker) -> set[str]:
     submodules), the walker's skips applied, all counted in its tally. Raises GitError, or
     Incomplete past the bounds."""
     root = walker.root
-    staged = _git(root, "ls-files", "-z", "--stage")  # with modes: 160000 = a submodule
-    others = _git(root, "ls-files", "-z", "--others", "--exclude-standard")
+    # the three listings share one budget of bytes (MAX_LISTING_BYTES), as they share the tally
+    staged = _git(root, "ls-files", "-z", "--stage",  # with modes: 160000 = a submodule
+                  limit=MAX_LISTING_BYTES, too_much=_too_big())
+    others = _git(root, "ls-files", "-z", "--others", "--exclude-standard",
+                  limit=MAX_LISTING_BYTES - len(staged), too_much=_too_big())
     # a new .gitignore that ignores itself (and what it hides) is invisible to the listing
     # above: list the ignored ones too (--directory: an ignored folder is not descended)
     rules = _git(root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
-                 "--directory", "--", ":(glob)**/.gitignore")
+                 "--directory", "--", ":(glob)**/.gitignore",
+                 limit=MAX_LISTING_BYTES - len(staged) - len(others), too_much=_too_big())
     found: set[str] = set()
     for name, submodule in [*_staged(staged), *((name, False) for name in _names(others))]:
         if walker.skipped(name):
@@ -90,9 +110,21 @@ def git_guarded(root: Path) -> tuple[str, ...]:
     return tuple(sorted(keys))
 
 
-def _git(root: Path, *args: str) -> bytes:
+def _too_big() -> Incomplete:
+    """What a listing past MAX_LISTING_BYTES says. Incomplete, not GitError: the listing's size
+    is the tree's size, and a tree too big to see is what Incomplete says (the snapshot fails
+    closed; before the handler, the handoff is not run), where a GitError before the handler
+    would make ``auto`` fall back to a walk that watches other files (git-ignored ones too)."""
+    return Incomplete(f"git's listing of the contract directory holds more than "
+                      f"{MAX_LISTING_BYTES} bytes (more than {MAX_ENTRIES} files and folders, or "
+                      f"paths over {LISTING_BYTES_PER_ENTRY} bytes on average){LIMIT_HINT}")
+
+
+def _git(root: Path, *args: str, limit: int = MAX_ANSWER_BYTES,
+         too_much: Exception | None = None) -> bytes:
     """Run ``git -C root ARGS`` safely (see GIT_SAFE_CONFIG), bounded by GIT_TIMEOUT_SECONDS;
-    its output, or GitError with one line saying why not."""
+    its output, or GitError with one line saying why not. Output past ``limit`` bytes raises
+    ``too_much`` (default: a GitError), git killed there (see :func:`_read_capped`)."""
     import subprocess  # only in git mode
     argv = ["git", "--no-pager", "-C", str(root)]
     for setting in GIT_SAFE_CONFIG:
@@ -103,18 +135,64 @@ def _git(root: Path, *args: str) -> bytes:
     env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_TERMINAL_PROMPT="0",
                GIT_OPTIONAL_LOCKS="0", LC_ALL="C")
     try:
-        proc = subprocess.run([*argv, *args], capture_output=True, timeout=GIT_TIMEOUT_SECONDS,
-                              env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([*argv, *args], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except FileNotFoundError:
         raise GitError("git is not installed") from None
-    except subprocess.TimeoutExpired:
-        raise GitError(f"git {args[0]} did not finish within {GIT_TIMEOUT_SECONDS:g} s") from None
     except OSError as exc:
         raise GitError(f"git {args[0]} could not start: {exc.strerror or exc}") from None
+    try:
+        stdout, stderr = _read_capped(proc, args[0], limit, too_much or GitError(
+            f"git {args[0]} answered more than {limit} bytes"))
+    finally:  # done, failed or past a bound: never leave git running, nor a zombie
+        if proc.poll() is None:
+            proc.kill()  # (Popen.kill: SIGKILL to git's own pid)
+        proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
     if proc.returncode != 0:
-        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
+        lines = stderr.decode("utf-8", "replace").strip().splitlines() or ["(no message)"]
         raise GitError(f"git {args[0]} failed: {lines[-1][:200]}")
-    return proc.stdout
+    return stdout
+
+
+def _read_capped(proc: "subprocess.Popen[bytes]", what: str, limit: int,
+                 too_much: Exception) -> tuple[bytes, bytes]:
+    """git's stdout and stderr, read as they come until both end and git exits, within
+    GIT_TIMEOUT_SECONDS (else GitError). Past ``limit`` bytes of stdout it raises ``too_much``;
+    past MAX_ANSWER_BYTES of messages git is not answering: GitError. Nothing more is read
+    then, and the caller kills git: no repository makes the daemon hold git's whole output."""
+    import selectors
+    import subprocess
+    import time
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = bytearray(), bytearray()
+    deadline = time.monotonic() + GIT_TIMEOUT_SECONDS
+    timed_out = GitError(f"git {what} did not finish within {GIT_TIMEOUT_SECONDS:g} s")
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ, out)
+        selector.register(proc.stderr, selectors.EVENT_READ, err)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise timed_out
+            for key, _ in selector.select(left):
+                chunk = os.read(key.fd, READ_CHUNK)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                key.data.extend(chunk)
+                if len(out) > limit:
+                    raise too_much
+                if len(err) > MAX_ANSWER_BYTES:
+                    raise GitError(f"git {what} wrote more than {MAX_ANSWER_BYTES} bytes of "
+                                   "messages")
+    try:
+        proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    except subprocess.TimeoutExpired:
+        raise timed_out from None
+    return bytes(out), bytes(err)
 
 
 def _names(output: bytes) -> list[str]:

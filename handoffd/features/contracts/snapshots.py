@@ -31,9 +31,11 @@ it raises :class:`ScopeUnverifiable` naming the reason in one line. A tree too b
 reported as unchanged, and no tree can make a snapshot take unbounded time or memory.
 A file larger than :data:`MAX_HASHED_BYTES` (a sparse file can claim terabytes) is not
 hashed: it is compared by its stat facts only, so rewriting it with identical bytes counts as a
-modification (the safe side). The hash cache is one of handoffd's own files: read only when
-``handoffs/.meta/contracts`` is a plain folder and the cache a regular file of at most
-:data:`MAX_CACHE_BYTES` (never a FIFO, never through a symlink); otherwise there is no cache.
+modification (the safe side). So is every file met once a snapshot has hashed
+:data:`MAX_HASHED_TOTAL_BYTES` (files the cache answers for cost nothing), so that no tree of many
+large files makes one snapshot hash for minutes. The hash cache is one of handoffd's own files:
+read only when ``handoffs/.meta/contracts`` is a plain folder and the cache a regular file of at
+most :data:`MAX_CACHE_BYTES` (never a FIFO, never through a symlink); otherwise there is no cache.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ RACY_NS = 2_000_000_000
 CHUNK = 1024 * 1024
 CACHE_VERSION = 1
 MAX_HASHED_BYTES = 1 << 30  # larger files: compared by stat facts only (see the module docstring)
+# What one snapshot reads to hash, all files together (seconds of work, not minutes); past it,
+# files are compared by stat facts only, like one over MAX_HASHED_BYTES
+MAX_HASHED_TOTAL_BYTES = 4 << 30
 MAX_CACHE_BYTES = 64 << 20  # about 300 000 files; a larger cache reads as none
 
 
@@ -120,11 +125,13 @@ class Snapshotter:
         self.tmp_dir = tmp_dir
         self._cache: dict[str, list[object]] | None = None
         self._walker = Walker(root, self.skip, self.skip_dir)  # its tally: the latest listing's
+        self._hash_budget = MAX_HASHED_TOTAL_BYTES  # left to read for the snapshot being taken
 
     # ------------------------------------------------------------ public
     def take(self) -> Snapshot:
         """The state of the tree now, every file hashed (from the cache where it is still valid)."""
         taken = time.time_ns()
+        self._hash_budget = MAX_HASHED_TOTAL_BYTES
         try:
             mode, note, paths, guarded = self._listing(None)
             infos = self._stat_all(paths)
@@ -158,6 +165,7 @@ class Snapshotter:
                                     f"{before.incomplete}")
         after = Snapshot(self.root, before.mode, time.time_ns(), note=before.note,
                          guarded=before.guarded)
+        self._hash_budget = MAX_HASHED_TOTAL_BYTES
         try:
             _, _, paths, _ = self._listing(before)
             found = self._stat_all(paths | set(before.entries))
@@ -239,25 +247,31 @@ class Snapshotter:
         return found
 
     def _digest(self, rel: str, entry: Entry) -> str | None:
+        """The content hash of ``rel`` (of its target text for a symlink), or None: then it is
+        compared by its stat facts only (special, unreadable, over MAX_HASHED_BYTES, or past
+        what is left of the snapshot's MAX_HASHED_TOTAL_BYTES)."""
         import hashlib
         path = self.root / rel
+        cap = min(MAX_HASHED_BYTES, self._hash_budget)
         try:
             if entry.kind == "link":
                 return "link:" + hashlib.sha256(os.fsencode(os.readlink(path))).hexdigest()
-            if entry.kind != "file" or entry.size > MAX_HASHED_BYTES:
+            if entry.kind != "file" or entry.size > cap:
                 return None  # special, or too large to hash in bounded time: stat facts decide
             digest = hashlib.sha256()
+            read = 0
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
             try:
-                if os.fstat(fd).st_size > MAX_HASHED_BYTES:  # grown since the lstat
+                if os.fstat(fd).st_size > cap:  # grown since the lstat
                     return None
-                while True:
-                    chunk = os.read(fd, CHUNK)
-                    if not chunk:
-                        break
+                while chunk := os.read(fd, CHUNK):
+                    read += len(chunk)
+                    if read > cap:  # growing while read: stat facts decide
+                        return None
                     digest.update(chunk)
             finally:
                 os.close(fd)
+                self._hash_budget -= read  # what was read is spent, hashed or not
             return digest.hexdigest()
         except OSError:
             return None  # unreadable: compared by stat facts only
