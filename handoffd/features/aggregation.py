@@ -8,11 +8,12 @@ and returns the parent's Outcome with ``aggregated_outcome`` as the seed defines
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.documents import BOOK, Outcome, book, book_int, record
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
@@ -63,7 +64,9 @@ def deadline_of(wait: dict[str, Any]) -> datetime | None:
 # ---------------------------------------------------------------- aggregation
 @dataclass
 class ChildInfo:
-    """A child as the aggregation sees it; ``status`` is seed 000's OutcomeStatus or None (open)."""
+    """A child as the aggregation sees it; ``status`` is seed 000's OutcomeStatus or None (open).
+    ``output`` and ``artifacts`` are what it answered when held: :func:`child_info` never
+    holds them, :func:`read_child` only within its :class:`Holding` (``reread``: let go)."""
 
     handoff_id: str
     state: str
@@ -75,9 +78,52 @@ class ChildInfo:
     error: dict[str, Any] | None = None
     finished_at: str | None = None
     asking: str | None = None  # an open child parked for its requester's answer: what it awaits
+    # as read_child measured them (None: not measured; :func:`copies` measures what is held)
+    output_size: int | None = None  # JSON bytes of its output
+    artifacts_size: int | None = None  # JSON bytes of its artifacts as the parent lists them
+    artifacts_count: int = 0
+    # set when its output and artifacts were let go: its document read again (_read)
+    reread: Callable[[], "ChildInfo"] | None = field(default=None, repr=False, compare=False)
 
 
 def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
+    """A child's status and facts without its output or artifacts: the children gate needs
+    statuses only, and a hundred children's answers of 16 MiB each were held together at
+    every look. One child's document is in memory at a time."""
+    info = _read(engine, handoff_id)
+    info.output, info.artifacts = None, []
+    return info
+
+
+@dataclass
+class Holding:
+    """How many bytes (as JSON) of its children's outputs and artifacts an aggregation may
+    still hold in memory; the rest is measured, let go and read again only if copied."""
+
+    left: int
+
+
+def read_child(engine: "Engine", handoff_id: str, holding: Holding) -> ChildInfo:
+    """A child as the aggregation reads it: its output and artifacts (only a successful or
+    partial child's are ever copied) measured, and held while ``holding`` has room for them;
+    otherwise let go, for :func:`copies` to read again when it copies them."""
+    info = _read(engine, handoff_id)
+    if info.status not in SUCCESS_LIKE:
+        info.output, info.artifacts = None, []
+        return info
+    items = [_from_child(item, handoff_id) for item in info.artifacts]
+    info.output_size, info.artifacts_size = json_size(info.output), json_size(items)
+    info.artifacts_count = len(items)
+    if info.output_size + info.artifacts_size <= holding.left:
+        holding.left -= info.output_size + info.artifacts_size
+    else:
+        info.output, info.artifacts = None, []
+        info.reread = functools.partial(_read, engine, handoff_id)
+    return info
+
+
+def _read(engine: "Engine", handoff_id: str) -> ChildInfo:
+    """A child's facts with its output and artifacts, from its document as stored now."""
     try:
         state, doc = engine.get(handoff_id)
     except (NotFound, InvalidDocument):
@@ -191,8 +237,11 @@ def resume(engine: "Engine", job: "Job", started: datetime) -> Outcome | None:
     if not isinstance(wait, dict):
         return None
     children = wait.get("children")
-    infos = [child_info(engine, cid) for cid in (children if isinstance(children, list) else [])
-             if isinstance(cid, str)]
+    # at most max_output_bytes of the children's answers held at once (what the first
+    # copies can copy), one more child's document while it is read
+    holding = Holding(engine.settings.max_output_bytes)
+    infos = [read_child(engine, cid, holding)
+             for cid in (children if isinstance(children, list) else []) if isinstance(cid, str)]
     if not ready(engine, wait, infos):
         return Outcome(status="delegated", started_at=started, finished_at=engine.clock(),
                        park={"kind": "rewait"})
@@ -308,44 +357,98 @@ def _omission(handoff_id: str, what: str, size: int, budget: int) -> str:
             f"of its children's answers; see `handoff show {handoff_id}`")
 
 
+def _unread(handoff_id: str, what: str) -> str:
+    """The omission of a child's answer that could not be read again as it was measured."""
+    return (f"{what} is not copied: its document could not be read again as it was measured; "
+            f"see `handoff show {handoff_id}`")
+
+
 def copies(infos: list[ChildInfo], winner: ChildInfo | None, budget: int) -> Copies:
     """The children's outputs and artifacts an aggregated answer copies, at most ``budget``
     bytes of them (JSON), the winner's first, then in child order; each that does not fit is
     replaced by an ``output_omitted`` entry (or an ``artifacts_omitted`` record) naming the
-    child whose document holds it."""
+    child whose document holds it. Only what fits is in memory: a child's answer that
+    :func:`read_child` let go is read again, one child at a time."""
     kept = [i for i in infos if i.status in SUCCESS_LIKE]
     left = budget
     outputs: dict[str, Any] = {}
     omitted: list[str] = []
     result: Any = None
     for info in sorted(kept, key=lambda i: i is not winner):  # (stable: the winner first)
-        size = json_size(info.output)
+        size = json_size(info.output) if info.output_size is None else info.output_size
         fits = size <= left
-        if fits:
-            outputs[info.handoff_id] = info.output
+        got = _output_of(info, size) if fits else None
+        if got is not None:
+            outputs[info.handoff_id] = got[0]
             left -= size
         else:
             outputs[info.handoff_id] = {
-                "output_omitted": _omission(info.handoff_id, "its output", size, budget),
+                "output_omitted": _omission(info.handoff_id, "its output", size, budget) if not fits
+                else _unread(info.handoff_id, "its output"),
                 "handoff_id": info.handoff_id, "size_bytes": size}
             omitted.append(info.handoff_id)
         if info is winner:
-            result, left = _winner_result(info, outputs[info.handoff_id], fits, size, left)
+            result, left = _winner_result(info, outputs[info.handoff_id], got is not None,
+                                          size, left)
     records: list[Any] = []
     for info in kept:
-        items = [_from_child(item, info.handoff_id) for item in info.artifacts]
-        size = json_size(items)
-        if size <= left:
+        size, count = _artifacts_size(info)
+        items = _artifacts_of(info, size) if size <= left else None
+        if items is not None:
             records.extend(items)
             left -= size
             continue
+        what = f"its {count} artifacts"
         records.append(artifacts._record(
             "artifacts_omitted", name=None, ref=None, facts=None,
-            inline=_omission(info.handoff_id, f"its {len(items)} artifacts", size, budget),
-            metadata={"child_id": info.handoff_id, "count": len(items), "size_bytes": size}))
+            inline=_omission(info.handoff_id, what, size, budget) if size > left
+            else _unread(info.handoff_id, what),
+            metadata={"child_id": info.handoff_id, "count": count, "size_bytes": size}))
         omitted.append(info.handoff_id)
     return Copies({i.handoff_id: outputs[i.handoff_id] for i in kept}, result, records,
                   [i.handoff_id for i in kept if i.handoff_id in omitted])
+
+
+def _reloaded(info: ChildInfo) -> ChildInfo | None:
+    """``info`` with its output and artifacts in hand: itself when held, else its document read
+    again; None when that fails or finds another answer (a filed child is final, but its file
+    lies in a workspace others can write)."""
+    if info.reread is None:
+        return info
+    try:
+        again = info.reread()
+    except (HandoffdError, OSError):
+        return None
+    return again if again.status == info.status else None
+
+
+def _output_of(info: ChildInfo, size: int) -> tuple[Any] | None:
+    """(the child's output,) to copy, measured ``size`` bytes; None when it cannot be had
+    again as it was measured (the budget counts the measured size)."""
+    again = _reloaded(info)
+    if again is None or (again is not info and json_size(again.output) != size):
+        return None
+    return (again.output,)
+
+
+def _artifacts_size(info: ChildInfo) -> tuple[int, int]:
+    """(JSON bytes, count) of the child's artifacts as the parent lists them."""
+    if info.artifacts_size is not None:
+        return info.artifacts_size, info.artifacts_count
+    return json_size([_from_child(item, info.handoff_id) for item in info.artifacts]), \
+        len(info.artifacts)
+
+
+def _artifacts_of(info: ChildInfo, size: int) -> list[Any] | None:
+    """The child's artifacts as the parent lists them (tagged with its id), measured ``size``
+    bytes; None when they cannot be had again as they were measured."""
+    if info.reread is not None and info.artifacts_count == 0:
+        return []  # (none: nothing to read again)
+    again = _reloaded(info)
+    if again is None:
+        return None
+    items = [_from_child(item, info.handoff_id) for item in again.artifacts]
+    return items if again is info or json_size(items) == size else None
 
 
 def _winner_result(winner: ChildInfo, entry: Any, copied: bool, size: int,
@@ -356,7 +459,7 @@ def _winner_result(winner: ChildInfo, entry: Any, copied: bool, size: int,
     if not copied:  # not copied at all: the same omission
         return entry, left
     if size <= min(RESULT_COPY_BYTES, left):
-        return winner.output, left - size
+        return entry, left - size
     return {"output_omitted": f"the winner's output ({size} bytes) is not copied twice: it is "
                               f"output.results[\"{winner.handoff_id}\"]",
             "handoff_id": winner.handoff_id, "size_bytes": size}, left
