@@ -23,9 +23,12 @@ from .fsio import READ_STEP
 # record) is waited for by default. Every holder of ours keeps one for a few milliseconds, so one
 # held longer is held by a process that is stopped or not handoffd's: a blocking flock on it froze
 # `handoff create` and left the daemon deaf to SIGTERM (a signal does not end the wait). The wait
-# polls (a blocking flock cannot be given a timeout), from 1 ms up to 50 ms between tries.
+# polls (a blocking flock cannot be given a timeout), from 50 us up to 50 ms between tries: the
+# seen-ids holder lets go within tens of microseconds, and a first pause of 1 ms made each
+# loser of the seen-ids lock (two processes of one batch collide hundreds of times) wait
+# twenty times longer than the holder held it.
 LOCK_WAIT_SECONDS = 2.0
-FIRST_POLL_SECONDS, LAST_POLL_SECONDS = 0.001, 0.05
+FIRST_POLL_SECONDS, LAST_POLL_SECONDS = 0.00005, 0.05
 
 
 class LockHeld(TimeoutError):
