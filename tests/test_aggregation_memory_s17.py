@@ -16,9 +16,10 @@ from typing import Any, Iterator
 
 import pytest
 from conftest import Workspace
+from test_aggregation_size_s16 import big_workspace
 
-from handoffd import Daemon, Registry, State, Workspace as HandoffdWorkspace, build_engine
-from handoffd import new_native_request
+from handoffd import Daemon, Registry, State, build_engine, new_native_request
+from handoffd import Workspace as HandoffdWorkspace
 from handoffd.core.config import Config, DaemonSettings, RetryPolicy
 from handoffd.core.engine import Engine
 from handoffd.features import aggregation, orchestration
@@ -137,44 +138,12 @@ def test_an_answer_let_go_is_read_again_to_the_same_copies(engine: Engine) -> No
 
 
 # ---------------------------------------------------------------- end to end
-SPECIALIST = '''
-import json, sys
-doc = json.load(sys.stdin)
-data = (doc.get("input") or {}).get("data") or {}
-if "delegate" in data:
-    print(json.dumps({"status": "delegated", "aggregation": data["aggregation"],
-                      "delegate": data["delegate"]}))
-else:
-    print(json.dumps({"status": "completed", "output": {"blob": "y" * data["big"]}}))
-'''
 BIG = 1_000_000
 
 
 @pytest.fixture
 def bws(tmp_path: Path) -> Iterator[Workspace]:
-    script = tmp_path / "big.py"
-    script.write_text(SPECIALIST)
-    root = tmp_path / "ws"
-    root.mkdir()
-    ws = Workspace(root)
-    ws.write_config(f"""
-[daemon]
-durability = "fast"
-settle_seconds = 0.1
-rescan_seconds = 0.5
-sweep_seconds = 0.5
-workers = 2
-max_output_bytes = {2 * BIG + 100}
-
-[retry]
-max_retries = 0
-
-[specialists."@big"]
-command = ["{sys.executable}", "-S", "{script}"]
-timeout_seconds = 60
-concurrency = 2
-""")
-    HandoffdWorkspace(root).ensure()
+    ws = big_workspace(tmp_path, f"max_output_bytes = {2 * BIG + 100}", 2)
     yield ws
     ws.cleanup()
 

@@ -40,8 +40,9 @@ else:
 '''
 
 
-@pytest.fixture
-def bws(tmp_path: Path) -> Iterator[Workspace]:
+def big_workspace(tmp_path: Path, limits: str, slots: int) -> Workspace:
+    """A workspace whose command specialist @big (``slots`` at once) delegates to itself as
+    asked and answers outputs of ``big`` bytes; ``limits``: [daemon] lines."""
     script = tmp_path / "big.py"
     script.write_text(SPECIALIST)
     root = tmp_path / "ws"
@@ -53,9 +54,8 @@ durability = "fast"
 settle_seconds = 0.1
 rescan_seconds = 0.5
 sweep_seconds = 0.5
-workers = 4
-max_document_bytes = {DOC_BYTES}
-max_output_bytes = {OUTPUT_BYTES}
+workers = {slots}
+{limits}
 
 [retry]
 max_retries = 0
@@ -63,9 +63,16 @@ max_retries = 0
 [specialists."@big"]
 command = ["{sys.executable}", "-S", "{script}"]
 timeout_seconds = 60
-concurrency = 4
+concurrency = {slots}
 """)
     HandoffdWorkspace(root).ensure()
+    return ws
+
+
+@pytest.fixture
+def bws(tmp_path: Path) -> Iterator[Workspace]:
+    ws = big_workspace(tmp_path, f"max_document_bytes = {DOC_BYTES}\n"
+                                 f"max_output_bytes = {OUTPUT_BYTES}", 4)
     yield ws
     ws.cleanup()
 
