@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from conftest import Workspace, exe
+from conftest import FLAKY_TOML, Workspace, exe, new_workspace
 
 
 def test_create_prints_the_id_alone_and_ls_show_json(ws: Workspace) -> None:
@@ -306,6 +306,36 @@ def test_quick_show_ls_and_wait_match_the_full_command_line(ws: Workspace) -> No
     listing = ws.handoff("ls").stdout.splitlines()
     assert len(listing) == 4 and listing[0].split() == ["ID", "PARENT", "STATE", "FROM", "TO",
                                                         "ATTEMPT", "UPDATED", "NOTE"]
+
+
+def test_quick_context_get_and_set_match_the_full_command_line(ws: Workspace,
+                                                               tmp_path: Path) -> None:
+    """`context get` and `context set` in their plain forms skip typer (agents call them
+    between steps): the same commands on two like workspaces, one through the quick path and
+    one through the full command line, give the same outputs, error lines and exit codes; what
+    the quick path cannot take (a value that starts with '-', --input -) goes to the full one."""
+    from handoffd.cli.quick import parse
+    other = new_workspace(tmp_path / "full", FLAKY_TOML)
+    commands = [("context", "set", "x/a", '{"n": 1}'), ("context", "get", "x/a"),
+                ("context", "get", "x/a", "--with-revision"),
+                ("context", "set", "x/a", "--data", "[2]", "--if-revision", "1"),
+                ("context", "set", "x/a", "--data", "[3]", "--if-revision", "1"),  # a conflict
+                ("context", "set", "x/b", "--data", '"x"', "--as", "@planner"),
+                ("context", "set", "task/t", "1"),  # a namespace @cli may not write
+                ("context", "set", "x/c", "1", "--data", "2"), ("context", "get", "nope"),
+                ("context", "set", "bad key!", "1"), ("context", "get", "../up"),
+                ("context", "set", "x/d", "{not json"), ("context", "set", "x/e")]
+    try:
+        for argv in commands:
+            assert parse([f"context {argv[1]}", *argv[2:]]) is not None, argv
+            q, f = ws.handoff(*argv), _full(other, *argv)
+            assert (q.returncode, q.stdout, q.stderr) == (f.returncode, f.stdout, f.stderr), argv
+    finally:
+        other.cleanup()
+    assert json.loads(ws.handoff("context", "get", "x/a").stdout) == [2]
+    for argv in (["context", "set", "k", "-1"], ["context", "set", "k", "--input", "-"],
+                 ["context", "ls"], ["context", "get", "k", "--help"]):
+        assert parse([f"context {argv[1]}", *argv[2:]]) is None, argv  # the full command's
 
 
 def test_piped_tables_are_what_rich_prints_without_folding() -> None:

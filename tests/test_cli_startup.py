@@ -255,6 +255,26 @@ def test_quick_create_loads_no_engine_feature_or_logging(tmp_path: Path) -> None
     assert made.strip() in events
 
 
+def test_quick_context_get_and_set_load_no_typer_click_or_rich(tmp_path: Path) -> None:
+    """An agent's `handoff context set KEY VALUE` and `context get KEY` between its steps skip
+    typer, click and rich (about 50 ms of imports)."""
+    root = workspace(tmp_path / "ws")
+    code = ("import sys\n"
+            "from handoffd.cli.entry import handoff\n"
+            "sys.argv = ['handoff', 'context', *sys.argv[2:], '--root', sys.argv[1]]\n"
+            "try:\n"
+            "    handoff()\n"
+            "finally:\n"
+            "    print('MODULES', ' '.join(sorted(sys.modules)))\n")
+    for args in (["set", "notes/a", '{"n": 1}'], ["get", "notes/a"]):
+        proc = run_python(code, str(root), *args, env=QUICK)
+        assert proc.returncode == 0, proc.stderr
+        said, _, modules = proc.stdout.partition("MODULES")
+        loaded = {m.split(".")[0] for m in modules.split()}
+        assert not loaded & {"typer", "click", "rich"}, args
+    assert json.loads(said) == {"n": 1}
+
+
 def test_a_submitter_refuses_dependencies_it_cannot_check(tmp_path: Path) -> None:
     """A Submitter runs no feature, so a request naming dependencies (whose checks are the
     dependencies feature's) is refused, and nothing is stored."""

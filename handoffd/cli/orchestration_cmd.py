@@ -4,54 +4,25 @@ Registered on the ``handoff`` Typer app by :func:`register` (called from handoff
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from ..core.errors import ErrorCode, InvalidDocument, NotFound, UsageError, WaitTimeout
-from .common import JsonOption, RootOption, engine, guarded, workspace
-from .basics import json_arg, read_json_arg, text_arg
+from ..core.errors import UsageError, WaitTimeout
+from . import context_ops
+from .basics import text_arg
+from .common import JsonOption, RootOption, engine, guarded
+from .context_ops import agent_arg, context_store, key_arg, value_arg
 from .render import STATE_STYLE, Out, Piece, clean, console, print_json, rich_text
 
 PROG = "handoff"
-DEFAULT_AGENT = "@cli"
 
 
 # how deep an answer sits in the document it is filed in: document, input (or the handoffd
 # block), clarifications, the entry, its answer
 ANSWER_DEPTH = 4
-
-
-def _data(data: str | None, input_file: str | None, max_bytes: int, *,
-          depth_below: int | None = None, what: str = "--data") -> Any:
-    """The value of --data JSON (``what``: how the command line gave it) or --input FILE|-
-    (at most ``max_bytes``, the workspace's ``daemon.max_document_bytes``)."""
-    if (data is None) == (input_file is None):
-        raise UsageError("give the value with --data JSON or --input FILE|-")
-    if data is not None:
-        return json_arg(data, what, depth_below=depth_below)
-    return read_json_arg(str(input_file), max_bytes, "--input", depth_below=depth_below)
-
-
-def _agent(as_agent: str | None) -> str:
-    """``--as``, else the specialist a command handler runs as ($HANDOFF_TARGET), else @cli."""
-    return text_arg(as_agent or os.environ.get("HANDOFF_TARGET") or DEFAULT_AGENT, "--as")
-
-
-def _key(key: str) -> str:
-    """``key`` when it can name a context value; a usage error (exit 2) otherwise. The store
-    checks it again: what it refuses beyond this (a key a symlink in ``context/`` sends
-    elsewhere) is the workspace's problem, not the argument's, and stays exit 1."""
-    from ..core.keys import normalise_key
-    try:
-        normalise_key(key)
-    except InvalidDocument as exc:
-        raise UsageError(str(exc)) from None
-    return key
 
 
 def register(app: typer.Typer) -> None:
@@ -87,7 +58,7 @@ def cancel(
     if not 0 <= timeout <= MAX_CANCEL_WAIT_SECONDS:  # (NaN fails both comparisons)
         raise UsageError(f"--timeout must be 0 to {MAX_CANCEL_WAIT_SECONDS:.0f} seconds, not {timeout:g}")
     # checked before anything is claimed: the reason is written into each filed document
-    reason, by = text_arg(reason, "--reason"), _agent(as_agent)
+    reason, by = text_arg(reason, "--reason"), agent_arg(as_agent)
     eng = engine(root)
     results = do_cancel(eng, handoff_id, reason=reason, cascade=cascade, by=by)
     started = time.monotonic()
@@ -139,48 +110,19 @@ def answer(
     from ..features.orchestration import answer as do_answer
 
     eng = engine(root)
-    do_answer(eng, handoff_id, _data(data, input_file, eng.settings.max_document_bytes,
-                                     depth_below=ANSWER_DEPTH), by=_agent(as_agent))
+    do_answer(eng, handoff_id, value_arg(data, input_file, eng.settings.max_document_bytes,
+                                     depth_below=ANSWER_DEPTH), by=agent_arg(as_agent))
     print(f"{handoff_id}: answered; back in pending/")
 
 
 # ---------------------------------------------------------------- context
-def _store(root: Path | None, config: Any = None) -> Any:
-    """The workspace's context: its ``context/`` folder, or the shared store's (a
-    PostgreSQL store named by $HANDOFFD_STORE or [store] url). ``config``: the workspace's,
-    when the caller loaded it."""
-    from ..features.context import ContextStore, Permissions
-    from ..features.stores import context_backend
-
-    ws = workspace(root)
-    if config is None:
-        config = ws.load_config()  # validated once (a bad [namespaces] table: exit 2)
-    backend = None
-    if config.store_url() is not None:  # psycopg loads only for a PostgreSQL store
-        from ..features.build import open_backend
-        backend = open_backend(ws, config, workers=1)  # closed when the command exits
-    return ContextStore(ws, Permissions.from_config(config), durable=config.daemon.durable,
-                        backend=context_backend(ws, backend, durable=config.daemon.durable))
-
-
 def context_get(
     key: Annotated[str, typer.Argument(help="e.g. task/current-objective or project-context")],
     with_revision: Annotated[bool, typer.Option("--with-revision", help="Print {\"key\", \"revision\", \"value\"} instead of the bare value (for `set --if-revision`).")] = False,
     root: RootOption = None,
 ) -> None:
     """Print a context value as JSON (exit 3 if the key is not set)."""
-    key = _key(key)
-    store = _store(root)
-    try:
-        value, revision = store.get_with_revision(key)
-    except KeyError:
-        raise NotFound(f"context key {key!r} is not set; `handoff context ls` lists the keys") from None
-    if with_revision:
-        from ..features.context import normalise_key
-
-        print_json({"key": normalise_key(key), "revision": revision, "value": value})
-        return
-    print_json(value)
+    context_ops.get(root, key, with_revision=with_revision)
 
 
 def context_set(
@@ -198,49 +140,8 @@ def context_set(
 
     Exit codes: 0 written; 1 conflict (nothing written; stderr reads "handoff: error: conflict: ...": read the key again and retry) or permission denied; 2 usage error.
     """
-    if value is not None:
-        if data is not None or input_file is not None:
-            raise UsageError("give the value once: as the VALUE argument, --data or --input")
-        data = value
-    key, agent, writer = _key(key), _agent(as_agent), _writer_handoff()
-    config = workspace(root).load_config()
-    store = _store(root, config)
-    given = _data(data, input_file, config.daemon.max_document_bytes,
-                  what="--data" if value is None else "VALUE")
-    try:
-        entry = store.set(key, given, agent=agent, handoff_id=writer, if_revision=if_revision)
-    except InvalidDocument as exc:  # a value over the store's size or depth limit: the argument's
-        if exc.code != ErrorCode.INVALID_CONTEXT_VALUE:
-            raise
-        raise UsageError(str(exc)) from None
-    _refresh_mirror(store)
-    print(clean(f"{entry['key']}: written by {entry['by']} (revision {entry['revision']}, "
-                f"{entry['bytes']} bytes, sha256 {entry['sha256'][:12]})"))
-
-
-def _writer_handoff() -> str | None:
-    """The handoff a ``context set`` writes for: ``$HANDOFF_ID``, which the daemon sets for a
-    command handler and the history records beside the write (unset or empty: none). A value
-    no handoff id can be (argv's undecodable bytes, a path, 100 kB) is a usage error (exit 2),
-    said before anything is written: it was stored as given, or failed as an internal error."""
-    from ..core.documents import check_id
-    given = os.environ.get("HANDOFF_ID")
-    if not given:
-        return None
-    try:
-        return check_id(given)
-    except InvalidDocument as exc:
-        raise UsageError(f"$HANDOFF_ID (the handoff this write is for): {exc}; unset it or "
-                         "give the id of the handoff being run") from None
-
-
-def _refresh_mirror(store: Any) -> None:
-    """On a shared store, bring this workspace's ``context/`` copy up to date at once (a
-    command handler that sets a key and then reads its file finds the new value)."""
-    from ..features.context_mirror import ContextMirror, guarded
-    from ..features.stores import is_shared
-    if is_shared(store.backend):
-        guarded("refreshing context/", ContextMirror(store, durable=store.durable).pull)
+    context_ops.put(root, key, value, data=data, input_file=input_file, if_revision=if_revision,
+                    as_agent=as_agent)
 
 
 def context_ls(
@@ -249,7 +150,7 @@ def context_ls(
     root: RootOption = None,
 ) -> None:
     """List context keys with size, last writer and time."""
-    rows = _store(root).listing(prefix)
+    rows = context_store(root).listing(prefix)
     if as_json:
         print_json(rows)
         return
@@ -278,7 +179,7 @@ def context_history(
     shown = HISTORY_LIMIT if limit is None else limit
     if shown > MAX_HISTORY_LIMIT:  # each record shown is held until the history's end
         raise UsageError(f"--limit {shown} is over {MAX_HISTORY_LIMIT}")
-    items, more = _store(root).history_window(None if key is None else _key(key), limit=shown)
+    items, more = context_store(root).history_window(None if key is None else key_arg(key), limit=shown)
     if as_json:
         print_json(items)
     # (cleaned: a writer names itself, and the record may be edited by hand)

@@ -1,5 +1,5 @@
-"""The quick path of ``handoff``: the plain forms of ``create``, ``show``, ``ls`` and ``wait``
-without typer, click or rich.
+"""The quick path of ``handoff``: the plain forms of ``create``, ``show``, ``ls``, ``wait``,
+``context get`` and ``context set`` without typer, click or rich.
 
 Agents create handoffs and poll them in loops, so these commands' start-up is what users feel
 (the issue's goal: within 4x ``python -c pass``); importing typer and click alone took longer
@@ -43,6 +43,7 @@ class Form:
     flags: dict[str, str]
     positional: int = 0
     required: tuple[str, ...] = ()
+    optional: int = 0  # positional arguments that may follow the ``positional`` ones
 
 
 COMMANDS = {
@@ -54,6 +55,10 @@ COMMANDS = {
                 "--conversation": "conversation", "--root": "root"}, {"--json": "as_json"}),
     "wait": Form({"--timeout": "timeout", "--root": "root"}, {"--json": "as_json"},
                  positional=1),
+    # a subcommand is looked up as "context get": see try_quick
+    "context get": Form({"--root": "root"}, {"--with-revision": "with_revision"}, positional=1),
+    "context set": Form({"--data": "data", "--input": "input_file", "--if-revision": "if_revision",
+                         "--as": "as_agent", "--root": "root"}, {}, positional=1, optional=1),
 }
 
 
@@ -134,7 +139,8 @@ def parse(argv: Sequence[str], commands: Mapping[str, Form] = COMMANDS,
         if key is None or key in found:
             return None
         found[key] = value
-    if len(args) != form.positional or any(not found.get(key) for key in form.required):
+    if not form.positional <= len(args) <= form.positional + form.optional \
+            or any(not found.get(key) for key in form.required):
         return None
     return argv[0], args, found
 
@@ -153,6 +159,8 @@ def number(text: Any, kind: Callable[[str], Any]) -> Any:
 def try_quick(argv: Sequence[str]) -> int | None:
     """Run ``argv`` quickly when it is a plain form (see :data:`COMMANDS`); its exit code, or
     None when the full command line must handle it."""
+    if len(argv) > 1 and argv[0] == "context":  # `context get KEY`: the form "context get"
+        argv = [f"context {argv[1]}", *argv[2:]]
     parsed = parse(argv)
     if parsed is None:
         return None
@@ -164,6 +172,8 @@ def try_quick(argv: Sequence[str]) -> int | None:
             opts["limit"] = number(opts.get("limit"), int)
         elif command == "wait":
             opts["timeout"] = number(opts.get("timeout"), float)
+        elif command == "context set":
+            opts["if_revision"] = number(opts.get("if_revision"), int)
     except ValueError:
         return None
     try:
@@ -174,6 +184,8 @@ def try_quick(argv: Sequence[str]) -> int | None:
 
 def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
     """Run a parsed plain form; its exit code."""
+    if command.startswith("context "):
+        return run_context(command, args, opts)
     as_json = bool(opts.pop("as_json", False))
     check_id_arguments({"handoff_id": args[0] if args else opts.get("handoff_id")})
     if command == "create":
@@ -215,3 +227,14 @@ def quick_create(opts: dict[str, Any]) -> int:
     return 0
 
 
+
+
+def run_context(command: str, args: list[str], opts: dict[str, Any]) -> int:
+    """``handoff context get KEY`` or ``context set KEY [VALUE]`` in its plain form."""
+    from . import context_ops
+    if command == "context get":
+        context_ops.get(opts.get("root"), args[0], with_revision=bool(opts.get("with_revision")))
+    else:
+        context_ops.put(opts.pop("root", None), args[0], args[1] if len(args) > 1 else None, **opts)
+    sys.stdout.flush()
+    return 0
