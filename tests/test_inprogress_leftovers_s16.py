@@ -207,6 +207,7 @@ def test_a_live_claim_of_a_daemon_with_a_larger_limit_is_never_taken(tmp_path: P
             proc = run(ws, "sweep", quiet=5.0)
             assert proc.returncode == 0, proc.stderr
             assert f"in-progress/{hid}.json" not in proc.stderr, proc.stderr
+            time.sleep(0.3)  # a sweep every half second or so: several per renewal
         assert reason_codes(ws.root) == {}
         wait_until(lambda: ws.state_of(hid) == ["completed"], 60, "daemon A files its result")
     finally:
