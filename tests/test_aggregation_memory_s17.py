@@ -111,7 +111,7 @@ def test_the_children_gate_holds_no_output(engine: Engine) -> None:
         tracemalloc.stop()
     assert verdicts == [None] * 3  # (ready)
     assert peak < 6 * SIZE, peak  # before: N outputs per look (9.5 MB traced; now 1.6 MB)
-    infos = [orchestration.child_info(engine, cid) for cid in ids]
+    infos = [aggregation.child_info(engine, cid) for cid in ids]
     assert all(i.status == "success" and i.output is None and i.artifacts == [] for i in infos)
 
 

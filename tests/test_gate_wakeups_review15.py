@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 from conftest import Workspace, handlers_workspace, new_workspace, wait_until
 
 from handoffd.cli.basics import engine as open_engine
@@ -38,12 +37,12 @@ HANDLERS = '''
 import time
 from collections import Counter
 
-import handoffd.features.orchestration as _orchestration
+import handoffd.features.children_gate as _children_gate
 import handoffd.features.pause as _pause
 
 COUNTS = Counter()
 _why = _pause.Pauses.why
-_child_info = _orchestration.child_info
+_child_info = _children_gate.child_info
 
 
 def why(self, agent):
@@ -57,7 +56,7 @@ def child_info(engine, handoff_id):
 
 
 _pause.Pauses.why = why
-_orchestration.child_info = child_info
+_children_gate.child_info = child_info
 
 
 def fast(handoff, ctx):

@@ -378,6 +378,15 @@ class Backend(Protocol):
         documents have no such identity (a caller reads each again)."""
         return None
 
+    def stamp_of(self, handoff_id: str) -> LiveStamp | None:
+        """The :data:`LiveStamp` of ``handoff_id``'s stored copies in any state (those
+        :meth:`get` reads): what a caller read of it stays true while its stamp is the same (the
+        children gate's memory of finished children). None when it cannot be stamped: no copy
+        in a state (unknown, or held aside for an instant), one that is not a regular file, an
+        id that names no document. Cheap: no document is read. Default: None, a store whose
+        documents have no such identity (a caller reads it again)."""
+        return None
+
     def peek(self, handoff_id: str) -> Doc | None:
         """A copy of the pending document ``handoff_id`` (None when it is not pending), to route
         it before claiming. Raises UnreadableDocument when the stored document cannot be read."""

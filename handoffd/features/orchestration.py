@@ -57,15 +57,15 @@ import json
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ..core.documents import Envelope, Outcome, book, book_int
+from ..core.documents import Outcome, book, book_int
 from ..core.errors import DuplicateHandoff, ErrorCode, HandoffdError, InvalidDocument
 from ..core.formats import ArtifactSink, FiledState
 from ..core.logs import log
 from ..core.states import PARKED, State
 from ..core.timeutil import iso
 from . import aggregation, cancellation, clarification
-from .aggregation import child_info, ready
 from .children import _plan_children, child_id, ensure_conversation
+from .children_gate import FinishedChildren, children_gate
 from .clarification import (
     ANSWER_BOOKKEEPING_BYTES,
     ANSWER_PATIENCE_SECONDS,
@@ -89,7 +89,6 @@ from .delegation import (
     chain_step,
     creation_order,
 )
-from .dependencies import Verdict
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
@@ -107,7 +106,8 @@ def install(engine: "Engine") -> None:
     the requester and children gates, aggregation of a parent whose children are done, and the
     park statuses (delegated, needs_clarification, blocked). Cancellation and artifacts are
     features of their own."""
-    engine.gates[0:0] = [requester_gate, children_gate]
+    # the children gate with its memory of finished children (one per engine)
+    engine.gates[0:0] = [requester_gate, FinishedChildren().gate]
     engine.resumers.append(functools.partial(aggregation.resume, engine))
     for status in PARK_STATUSES:  # filed back to pending/ where a gate holds them
         engine.result_interpreters[status] = functools.partial(parked_outcome, engine)
@@ -410,37 +410,11 @@ def is_parked(engine: "Engine", handoff_id: str) -> bool:
     return isinstance(block.get("waiting_children"), dict) or isinstance(block.get("awaiting"), dict)
 
 
-# ---------------------------------------------------------------- the children gate
-def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
-    """Hold a delegating parent until its children are done (see :func:`ready`)."""
-    wait = book(doc).get("waiting_children") if isinstance(doc.get("handoffd"), dict) else None
-    if not isinstance(wait, dict):
-        return None
-    children = wait.get("children")
-    ids = [cid for cid in (children if isinstance(children, list) else []) if isinstance(cid, str)]
-    infos = [child_info(engine, cid) for cid in ids]
-    if ready(engine, wait, infos):
-        return None
-    open_ = [i for i in infos if i.status is None]
-    # a child that asks its requester a question is what the family waits for: say so, with
-    # how to answer (the parent's note was "c1 (pending)", and `handoff wait` just timed out)
-    shown = ", ".join(f"{i.handoff_id} ({i.state})" if i.asking is None else
-                      f"{i.handoff_id} ({i.asking}: `handoff answer {i.handoff_id}`)"
-                      for i in open_[:4])
-    more = f" and {len(open_) - 4} more" if len(open_) > 4 else ""
-    # only a child's filing can end the wait (its deadline: the scheduler looks again then; a
-    # cancel queues the parent itself); on=None re-read every parked parent, and each of its
-    # children, at every filing
-    return Verdict.wait(f"waiting for {len(open_)} of {len(infos)} children "
-                        f"({wait.get('aggregation')}): {shown}{more}",
-                        on=(i.handoff_id for i in open_))
-
-
 # what other modules and tests import from here (the names the one module had)
 __all__ = [
     "ANSWER_BOOKKEEPING_BYTES", "ANSWER_PATIENCE_SECONDS", "MAX_CHILD_TIMEOUT_SECONDS",
     "MAX_CHILDREN", "MAX_CLARIFICATIONS_ENV", "MAX_DEPTH", "MAX_WEIGHT", "OUTCOME_INLINE_BYTES",
-    "PARK_STATUSES", "STRATEGIES", "answer", "chain_step", "child_id", "children_gate",
-    "clarifications_of", "creation_order", "ensure_conversation", "hand_on", "install",
+    "FinishedChildren", "PARK_STATUSES", "STRATEGIES", "answer", "chain_step", "child_id",
+    "children_gate", "clarifications_of", "creation_order", "ensure_conversation", "hand_on", "install",
     "is_parked", "park", "parked_outcome", "reported_outcome", "requester_gate",
 ]

@@ -197,6 +197,11 @@ class FilesBackend(FencedFiling, Backend):
         size, mtime and ctime): see :func:`.reading.live_stamps`."""
         return reading.live_stamps(self.ws)
 
+    def stamp_of(self, handoff_id: str) -> LiveStamp | None:
+        """See Backend.stamp_of: its files' identity in every state folder, one lstat each
+        (see :func:`.reading.stamp_of`)."""
+        return reading.stamp_of(self.store, handoff_id)
+
     def peek(self, handoff_id: str) -> Doc | None:
         return reading.peek(self, self.store, handoff_id)
 

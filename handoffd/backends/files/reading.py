@@ -226,6 +226,32 @@ def live_stamps(ws: Workspace) -> dict[str, LiveStamp | None]:
     return stamps
 
 
+def stamp_of(store: Reading, handoff_id: str) -> LiveStamp | None:
+    """See :meth:`Backend.stamp_of`: ``handoff_id``'s file in each state folder (the copies
+    :func:`get` chooses from), one lstat each, none read, packed as :func:`live_stamps` packs
+    them (the folder is its state's index in ``State``). It changes with any change of them, as
+    a live stamp does. None when no state folder holds a file for it (:func:`get` would look
+    for a copy held aside), when one is not a regular file or cannot be looked at, and for an
+    id that is no safe file name (never a path outside the workspace)."""
+    try:
+        check_id(handoff_id)
+    except InvalidDocument:
+        return None
+    own, changed = b"", 0
+    for slot, state in enumerate(State):
+        try:
+            st = os.lstat(store.path(state, handoff_id))
+        except FileNotFoundError:
+            continue
+        except OSError:  # EACCES, ENOTDIR (a folder replaced by a file)...: read it, as before
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        own += _FILE_STAMP.pack(slot, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        changed = max(changed, st.st_mtime_ns, st.st_ctime_ns)
+    return (own, changed) if own else None
+
+
 def iter_ids(ws: Workspace, state: State) -> Iterator[str]:
     """The ids of :func:`ids`, read as the listing goes (a folder of 100,000 finished
     documents is never a list in memory)."""
