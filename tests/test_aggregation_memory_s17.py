@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any, Iterator
@@ -113,6 +114,35 @@ def test_the_children_gate_holds_no_output(engine: Engine) -> None:
     assert peak < 6 * SIZE, peak  # before: N outputs per look (9.5 MB traced; now 1.6 MB)
     infos = [aggregation.child_info(engine, cid) for cid in ids]
     assert all(i.status == "success" and i.output is None and i.artifacts == [] for i in infos)
+
+
+def test_a_childs_facts_keep_only_short_strings_of_a_huge_failed_file(engine: Engine) -> None:
+    """A failed/ file placed with a 3 MB error message, a deep ``details`` list and huge
+    strings: the gate (and the aggregation) keep its error's code and the first 200
+    characters of its message, a short specialist and no finished_at, not megabytes per
+    child at every look (the gate's memory of finished children held 178 MB of such errors
+    under its 8 MiB bound)."""
+    from handoffd.features import children_gate as gates
+    run_family(engine)
+    completed = engine.ws.handoffs / "completed" / "fan.c2.json"
+    doc = json.loads(completed.read_text())
+    doc.update(error={"code": "X" * 1000, "message": "m" * 3_000_000, "details": [[]] * 100_000},
+               failed_at="t" * 100_000, target={"agent_id": "@" + "a" * 100_000})
+    (engine.ws.handoffs / "failed" / "fan.c2.json").write_text(json.dumps(doc))
+    completed.unlink()
+    info = aggregation.child_info(engine, "fan.c2")
+    assert info.status == "failed" and info.finished_at is None
+    assert info.error == {"code": "X" * 200, "message": "m" * 200}
+    assert info.specialist == "@" + "a" * 199
+    memory = gates.FinishedChildren(clock=lambda: time.time() + 10)  # the file is settled
+    tracemalloc.start()
+    try:
+        kept = memory.info(engine, "fan.c2")
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(memory) == 1 and kept.error == info.error
+    assert held < 1 << 20, held  # what stays after the read (before: the 3 MB message and more)
 
 
 def test_an_answer_let_go_is_read_again_to_the_same_copies(engine: Engine) -> None:

@@ -136,8 +136,9 @@ def _read(engine: "Engine", handoff_id: str) -> ChildInfo:
     if not state.terminal:
         awaiting = book(doc).get("awaiting") if isinstance(doc.get(BOOK), dict) else None
         if state is State.PENDING and isinstance(awaiting, dict):
-            info.asking = str(awaiting.get("kind") or "needs_clarification").replace("_", " ")
-        return info
+            info.asking = str(awaiting.get("kind") or "needs_clarification")[:FACT_TEXT] \
+                .replace("_", " ")
+        return _bounded(info)
     reported = hi_moe.read_outcome(doc)  # a child that speaks seed 000 (a hi_moe parent's)
     if reported is not None:
         return _from_report(info, reported)
@@ -152,8 +153,33 @@ def _read(engine: "Engine", handoff_id: str) -> ChildInfo:
         info.finished_at = doc.get("failed_at")
     info.output = doc.get("output")
     info.artifacts = given if isinstance(given := doc.get("artifacts"), list) else []
-    info.error = error
+    info.error = _brief_error(error)
     info.confidence = _confidence(doc, info.status)
+    return _bounded(info)
+
+
+# what a child's facts keep of its own strings: an aggregation shows a child's error as its
+# code and the first 200 characters of its message (_child_error), and a failed/ file placed
+# in the workspace may hold megabytes in any of them (held once per child at every look)
+FACT_TEXT = 200
+
+
+def _brief_error(error: Any) -> dict[str, Any] | None:
+    """The part of a child's ``error`` an aggregation uses: its code and the start of its
+    message, as short strings (None: no error object)."""
+    if not isinstance(error, dict):
+        return None
+    code, message = error.get("code"), error.get("message")
+    return {"code": str(code)[:FACT_TEXT] if code is not None else None,
+            "message": str(message)[:FACT_TEXT] if message is not None else None}
+
+
+def _bounded(info: ChildInfo) -> ChildInfo:
+    """``info`` with its specialist and finished_at kept only as short strings (a document's
+    values, which a hostile file may make huge or of another type)."""
+    info.specialist = info.specialist[:FACT_TEXT] if isinstance(info.specialist, str) else None
+    info.finished_at = info.finished_at if isinstance(info.finished_at, str) \
+        and len(info.finished_at) <= FACT_TEXT else None
     return info
 
 
@@ -202,12 +228,12 @@ def _from_report(info: ChildInfo, reported: dict[str, Any]) -> ChildInfo:
     info.finished_at = reported.get("finished_at")
     info.output = reported.get("output")
     info.artifacts = list(reported.get("artifacts") or [])
-    info.error = reported.get("error")
+    info.error = _brief_error(reported.get("error"))
     info.specialist = reported.get("specialist") or info.specialist
     confidence = reported.get("confidence")
     info.confidence = float(confidence) if isinstance(confidence, (int, float)) \
         and not isinstance(confidence, bool) and 0 <= confidence <= 1 else _confidence({}, info.status)
-    return info
+    return _bounded(info)
 
 
 @dataclass
