@@ -334,8 +334,17 @@ def test_quick_context_get_and_set_match_the_full_command_line(ws: Workspace,
         other.cleanup()
     assert json.loads(ws.handoff("context", "get", "x/a").stdout) == [2]
     for argv in (["context", "set", "k", "-1"], ["context", "set", "k", "--input", "-"],
-                 ["context", "ls"], ["context", "get", "k", "--help"]):
+                 ["context", "ls"], ["context", "get", "k", "--help"],
+                 ["context", "get", "k", "--root", ""], ["context", "get", "k", "--root="]):
         assert parse([f"context {argv[1]}", *argv[2:]]) is None, argv  # the full command's
+    from handoffd.cli.quick import try_quick
+    assert try_quick(["context get", "x/a"]) is None  # one word: no command of the full one
+    # stdout closed: the write is done, and said by the exit code as on the full command line
+    for full in ("", "HANDOFFD_FULL_CLI=1 "):
+        closed = subprocess.run(["bash", "-c", f'{full}"$0" context set x/z 1 --root "$1" >&-',
+                                 exe("handoff"), str(ws.root)], capture_output=True, text=True,
+                                timeout=60)
+        assert (closed.returncode, closed.stderr) == (0, ""), (full, closed.stderr)
 
 
 def test_piped_tables_are_what_rich_prints_without_folding() -> None:

@@ -136,8 +136,8 @@ def parse(argv: Sequence[str], commands: Mapping[str, Form] = COMMANDS,
         else:
             return None  # an unknown flag, a missing value or a value that looks like an option
         key = form.flags.get(name) if value is True else form.values.get(name)
-        if key is None or key in found:
-            return None
+        if key is None or key in found or value == "":
+            return None  # (an empty value, e.g. --root "": the full command line's reading)
         found[key] = value
     if not form.positional <= len(args) <= form.positional + form.optional \
             or any(not found.get(key) for key in form.required):
@@ -159,6 +159,8 @@ def number(text: Any, kind: Callable[[str], Any]) -> Any:
 def try_quick(argv: Sequence[str]) -> int | None:
     """Run ``argv`` quickly when it is a plain form (see :data:`COMMANDS`); its exit code, or
     None when the full command line must handle it."""
+    if argv and " " in argv[0]:  # one word naming a form of two ("context get"): not a command
+        return None
     if len(argv) > 1 and argv[0] == "context":  # `context get KEY`: the form "context get"
         argv = [f"context {argv[1]}", *argv[2:]]
     parsed = parse(argv)
@@ -180,6 +182,13 @@ def try_quick(argv: Sequence[str]) -> int | None:
         return run(command, args, opts)
     except (Exception, KeyboardInterrupt) as exc:  # one line, as in the full command line
         return failure_code(PROG, exc)
+
+
+def flush() -> None:
+    """Flush stdout, if there is one (started with it closed, ``sys.stdout`` is None: what was
+    done stays done, and the exit code says so, as on the full command line)."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
 
 
 def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
@@ -205,9 +214,9 @@ def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
         reads.print_rows(rows, as_json=as_json, note=note)
     else:
         code = reads.wait(opts.get("root"), args[0], opts.get("timeout"), as_json=as_json)
-        sys.stdout.flush()
+        flush()
         return code
-    sys.stdout.flush()
+    flush()
     return 0
 
 
@@ -223,7 +232,7 @@ def quick_create(opts: dict[str, Any]) -> int:
                             timeout_seconds=opts.get("timeout_seconds"),
                             priority=opts.get("priority"))
     print(new_id)
-    sys.stdout.flush()
+    flush()
     return 0
 
 
@@ -236,5 +245,5 @@ def run_context(command: str, args: list[str], opts: dict[str, Any]) -> int:
         context_ops.get(opts.get("root"), args[0], with_revision=bool(opts.get("with_revision")))
     else:
         context_ops.put(opts.pop("root", None), args[0], args[1] if len(args) > 1 else None, **opts)
-    sys.stdout.flush()
+    flush()
     return 0
