@@ -17,29 +17,31 @@ after, so a change to any of them is a change like any other; one above the dire
 ``../...``. git itself runs with only the repository's own config, and with every setting that
 could make it start a program, or read ignore rules from outside the repository, overridden on its
 command line (:data:`GIT_SAFE_CONFIG`), bounded by :data:`GIT_TIMEOUT_SECONDS`. What git writes
-is read as it comes and bounded too: one snapshot's listings hold at most
-:data:`MAX_LISTING_BYTES` (past it the tree is too big to see: :class:`~.walk.Incomplete`), and
-git's messages at most :data:`MAX_ANSWER_BYTES` (past it git is not answering: GitError); git
-is killed and reaped right there, so no repository (a huge or forged index) makes the daemon hold
-git's whole output in memory.
+is read as it comes and bounded too: a listing is parsed record by record as it arrives, and only
+the paths the snapshot keeps (not skipped by ``scope_ignore``) are held and counted in the tally
+(past MAX_ENTRIES, or past :data:`MAX_LISTING_BYTES` read in all, the tree is too big to see:
+:class:`~.walk.Incomplete`); git's messages are held up to :data:`MAX_ANSWER_BYTES` (past it
+git is not answering: GitError). git is killed and reaped right there, so no repository (a huge
+or forged index) makes the daemon hold git's whole output, nor a list of every path in it.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from .walk import LIMIT_HINT, MAX_ENTRIES, Incomplete, Walker
+from .walk import LIMIT_HINT, Incomplete, Walker
 
 if TYPE_CHECKING:
     import subprocess  # (run only in git mode: imported where git is started)
 
 GIT_TIMEOUT_SECONDS = 120.0
-# An entry of git's listing on average: a path and its --stage prefix ("100644 <object> 0\t",
-# 50 bytes, 74 with SHA-256). Real trees average about 100 bytes or less; a listing past
-# MAX_ENTRIES of these is a tree too big to see (walk.py's bound) or a forged index.
-LISTING_BYTES_PER_ENTRY = 256
-MAX_LISTING_BYTES = MAX_ENTRIES * LISTING_BYTES_PER_ENTRY  # git's output of one snapshot: ~49 MiB
+# What one snapshot's listings may stream through in all, skipped paths included (a monorepo
+# whose vendored folder is in scope_ignore lists it all the same; entries average about 100
+# bytes, so this is ten million or so): the kept ones are bounded by MAX_ENTRIES, this bounds the
+# parsing, as git's timeout does.
+MAX_LISTING_BYTES = 1 << 30
+MAX_RECORD_BYTES = 64 << 10  # one path of a listing (the kernel's own limit is 4 KiB)
 MAX_ANSWER_BYTES = 1 << 20  # rev-parse's answer (a few paths) and git's messages (a line or two)
 READ_CHUNK = 1 << 16
 # Command-line settings outrank every config file, so nothing written into the repository's
@@ -66,30 +68,77 @@ def git_files(walker: Walker) -> set[str]:
     Incomplete past the bounds."""
     root = walker.root
     # the three listings share one budget of bytes (MAX_LISTING_BYTES), as they share the tally
-    staged = _git(root, "ls-files", "-z", "--stage",  # with modes: 160000 = a submodule
-                  limit=MAX_LISTING_BYTES, too_much=_too_big())
-    others = _git(root, "ls-files", "-z", "--others", "--exclude-standard",
-                  limit=MAX_LISTING_BYTES - len(staged), too_much=_too_big())
+    kept = Kept(walker)
+    _git(root, "ls-files", "-z", "--stage",  # with modes: 160000 = a submodule
+         limit=MAX_LISTING_BYTES, too_much=_too_big(), sink=kept.staged)
+    kept.end()
+    _git(root, "ls-files", "-z", "--others", "--exclude-standard",
+         limit=MAX_LISTING_BYTES - kept.read, too_much=_too_big(), sink=kept.names)
+    kept.end()
     # a new .gitignore that ignores itself (and what it hides) is invisible to the listing
     # above: list the ignored ones too (--directory: an ignored folder is not descended)
-    rules = _git(root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
-                 "--directory", "--", ":(glob)**/.gitignore",
-                 limit=MAX_LISTING_BYTES - len(staged) - len(others), too_much=_too_big())
+    rules = Kept(walker, only=".gitignore")
+    _git(root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+         "--directory", "--", ":(glob)**/.gitignore",
+         limit=MAX_LISTING_BYTES - kept.read, too_much=_too_big(), sink=rules.names)
+    rules.end()
     found: set[str] = set()
-    for name, submodule in [*_staged(staged), *((name, False) for name in _names(others))]:
-        if walker.skipped(name):
-            continue
+    for name, submodule in kept.paths:
         if name.endswith("/"):  # an untracked nested repository: git names only its folder,
             found |= walker.walk(name.rstrip("/"))  # so its files are walked (hash mode's way)
             continue
-        walker.tally.count()
         found.add(name)  # (a submodule's folder is no file: Snapshotter._stat_all leaves it out)
         if submodule:  # git lists a submodule as its commit: its files are walked
             found |= walker.walk(name)
-    ignored_rules = {p for p in _names(rules)
-                     if p.rsplit("/", 1)[-1] == ".gitignore" and not walker.skipped(p)}
-    walker.tally.count(len(ignored_rules))
-    return found | ignored_rules
+    return found | {name for name, _ in rules.paths}
+
+
+class Kept:
+    """The paths of ``-z`` listings that a snapshot keeps, taken as git writes them: each
+    record parsed as it completes, a path the walker skips dropped at once, a kept one counted
+    in the walker's tally (Incomplete past MAX_ENTRIES: the tree is too big to see, however many
+    skipped paths came with it). ``only``: keep just the paths with this last part."""
+
+    def __init__(self, walker: Walker, *, only: str | None = None) -> None:
+        self.walker = walker
+        self.only = only
+        self.paths: list[tuple[str, bool]] = []  # (path, a submodule)
+        self.read = 0  # bytes of listings taken
+        self._tail = b""
+
+    def staged(self, chunk: bytes) -> None:
+        """Take a chunk of ``ls-files -z --stage`` (``MODE OBJECT STAGE\tPATH`` records)."""
+        for raw in self._records(chunk):
+            meta, tab, path = raw.partition(b"\t")
+            if tab and path:
+                self._keep(os.fsdecode(path), meta.split(b" ", 1)[0] == b"160000")
+
+    def names(self, chunk: bytes) -> None:
+        """Take a chunk of a plain ``-z`` listing (paths)."""
+        for raw in self._records(chunk):
+            if raw:
+                self._keep(os.fsdecode(raw), False)
+
+    def end(self) -> None:
+        """The listing ended: what is left is no whole record (a cut listing: ignored)."""
+        self._tail = b""
+
+    def _records(self, chunk: bytes) -> list[bytes]:
+        self.read += len(chunk)
+        *records, self._tail = (self._tail + chunk).split(b"\0")
+        if len(self._tail) > MAX_RECORD_BYTES:
+            raise Incomplete(f"git's listing of the contract directory has a path over "
+                             f"{MAX_RECORD_BYTES} bytes (a forged index?){LIMIT_HINT}")
+        return records
+
+    def _keep(self, name: str, submodule: bool) -> None:
+        if self.walker.skipped(name):
+            return
+        if self.only is not None and name.rsplit("/", 1)[-1] != self.only:
+            return
+        if not name.endswith("/"):  # (a folder's files are counted as it is walked)
+            self.walker.tally.count()
+        self.paths.append((name, submodule))
 
 
 def git_guarded(root: Path) -> tuple[str, ...]:
@@ -116,15 +165,16 @@ def _too_big() -> Incomplete:
     closed; before the handler, the handoff is not run), where a GitError before the handler
     would make ``auto`` fall back to a walk that watches other files (git-ignored ones too)."""
     return Incomplete(f"git's listing of the contract directory holds more than "
-                      f"{MAX_LISTING_BYTES} bytes (more than {MAX_ENTRIES} files and folders, or "
-                      f"paths over {LISTING_BYTES_PER_ENTRY} bytes on average){LIMIT_HINT}")
+                      f"{MAX_LISTING_BYTES} bytes{LIMIT_HINT}")
 
 
 def _git(root: Path, *args: str, limit: int = MAX_ANSWER_BYTES,
-         too_much: Exception | None = None) -> bytes:
+         too_much: Exception | None = None,
+         sink: Callable[[bytes], None] | None = None) -> bytes:
     """Run ``git -C root ARGS`` safely (see GIT_SAFE_CONFIG), bounded by GIT_TIMEOUT_SECONDS;
     its output, or GitError with one line saying why not. Output past ``limit`` bytes raises
-    ``too_much`` (default: a GitError), git killed there (see :func:`_read_capped`)."""
+    ``too_much`` (default: a GitError), git killed there (see :func:`_read_capped`). ``sink``:
+    give it the output as it comes instead (then b"" is returned); what it raises kills git."""
     import subprocess  # only in git mode
     argv = ["git", "--no-pager", "-C", str(root)]
     for setting in GIT_SAFE_CONFIG:
@@ -143,7 +193,7 @@ def _git(root: Path, *args: str, limit: int = MAX_ANSWER_BYTES,
         raise GitError(f"git {args[0]} could not start: {exc.strerror or exc}") from None
     try:
         stdout, stderr = _read_capped(proc, args[0], limit, too_much or GitError(
-            f"git {args[0]} answered more than {limit} bytes"))
+            f"git {args[0]} answered more than {limit} bytes"), sink)
     finally:  # done, failed or past a bound: never leave git running, nor a zombie
         if proc.poll() is None:
             proc.kill()  # (Popen.kill: SIGKILL to git's own pid)
@@ -158,7 +208,8 @@ def _git(root: Path, *args: str, limit: int = MAX_ANSWER_BYTES,
 
 
 def _read_capped(proc: "subprocess.Popen[bytes]", what: str, limit: int,
-                 too_much: Exception) -> tuple[bytes, bytes]:
+                 too_much: Exception,
+                 sink: Callable[[bytes], None] | None = None) -> tuple[bytes, bytes]:
     """git's stdout and stderr, read as they come until both end and git exits, within
     GIT_TIMEOUT_SECONDS (else GitError). Past ``limit`` bytes of stdout it raises ``too_much``;
     past MAX_ANSWER_BYTES of messages git is not answering: GitError. Nothing more is read
@@ -168,6 +219,7 @@ def _read_capped(proc: "subprocess.Popen[bytes]", what: str, limit: int,
     import time
     assert proc.stdout is not None and proc.stderr is not None
     out, err = bytearray(), bytearray()
+    taken = 0  # stdout's bytes (given to ``sink`` when there is one, else kept in ``out``)
     deadline = time.monotonic() + GIT_TIMEOUT_SECONDS
     timed_out = GitError(f"git {what} did not finish within {GIT_TIMEOUT_SECONDS:g} s")
     with selectors.DefaultSelector() as selector:
@@ -182,9 +234,14 @@ def _read_capped(proc: "subprocess.Popen[bytes]", what: str, limit: int,
                 if not chunk:
                     selector.unregister(key.fileobj)
                     continue
+                if key.data is out:
+                    taken += len(chunk)
+                    if taken > limit:
+                        raise too_much
+                    if sink is not None:
+                        sink(chunk)
+                        continue
                 key.data.extend(chunk)
-                if len(out) > limit:
-                    raise too_much
                 if len(err) > MAX_ANSWER_BYTES:
                     raise GitError(f"git {what} wrote more than {MAX_ANSWER_BYTES} bytes of "
                                    "messages")
@@ -193,22 +250,6 @@ def _read_capped(proc: "subprocess.Popen[bytes]", what: str, limit: int,
     except subprocess.TimeoutExpired:
         raise timed_out from None
     return bytes(out), bytes(err)
-
-
-def _names(output: bytes) -> list[str]:
-    """The paths of a ``-z`` listing."""
-    return [os.fsdecode(raw) for raw in output.split(b"\0") if raw]
-
-
-def _staged(output: bytes) -> list[tuple[str, bool]]:
-    """The paths of a ``ls-files -z --stage`` listing (``MODE OBJECT STAGE\tPATH``), each with
-    whether it is a submodule (mode 160000, a gitlink)."""
-    out = []
-    for raw in output.split(b"\0"):
-        meta, tab, path = raw.partition(b"\t")
-        if tab and path:
-            out.append((os.fsdecode(path), meta.split(b" ", 1)[0] == b"160000"))
-    return out
 
 
 def _ancestors(relative: Path) -> list[str]:
