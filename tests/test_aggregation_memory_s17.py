@@ -23,7 +23,7 @@ from handoffd import Daemon, Registry, State, build_engine, new_native_request
 from handoffd import Workspace as HandoffdWorkspace
 from handoffd.core.config import Config, DaemonSettings, RetryPolicy
 from handoffd.core.engine import Engine
-from handoffd.features import aggregation, orchestration
+from handoffd.features import aggregation, answer_copies, childfacts, orchestration
 
 N = 16  # children
 SIZE = 512 * 1024  # each one's output: N of them are 8 MiB
@@ -112,7 +112,7 @@ def test_the_children_gate_holds_no_output(engine: Engine) -> None:
         tracemalloc.stop()
     assert verdicts == [None] * 3  # (ready)
     assert peak < 6 * SIZE, peak  # before: N outputs per look (9.5 MB traced; now 1.6 MB)
-    infos = [aggregation.child_info(engine, cid) for cid in ids]
+    infos = [childfacts.child_info(engine, cid) for cid in ids]
     assert all(i.status == "success" and i.output is None and i.artifacts == [] for i in infos)
 
 
@@ -130,7 +130,7 @@ def test_a_childs_facts_keep_only_short_strings_of_a_huge_failed_file(engine: En
                failed_at="t" * 100_000, target={"agent_id": "@" + "a" * 100_000})
     (engine.ws.handoffs / "failed" / "fan.c2.json").write_text(json.dumps(doc))
     completed.unlink()
-    info = aggregation.child_info(engine, "fan.c2")
+    info = childfacts.child_info(engine, "fan.c2")
     assert info.status == "failed" and info.finished_at is None
     assert info.error == {"code": "X" * 200, "message": "m" * 200}
     assert info.specialist == "@" + "a" * 199
@@ -148,19 +148,19 @@ def test_a_childs_facts_keep_only_short_strings_of_a_huge_failed_file(engine: En
 def test_an_answer_let_go_is_read_again_to_the_same_copies(engine: Engine) -> None:
     run_family(engine)
     ids = [f"fan.c{n}" for n in range(1, N + 1)]
-    held = [aggregation.read_child(engine, cid, aggregation.Holding(sys.maxsize)) for cid in ids]
-    holding = aggregation.Holding(SIZE + 20)
-    let_go = [aggregation.read_child(engine, cid, holding) for cid in ids]
+    held = [childfacts.read_child(engine, cid, childfacts.Holding(sys.maxsize)) for cid in ids]
+    holding = childfacts.Holding(SIZE + 20)
+    let_go = [childfacts.read_child(engine, cid, holding) for cid in ids]
     assert let_go[0].reread is None and let_go[0].output == {"blob": "a" * SIZE}
     assert all(i.reread is not None and i.output is None and i.artifacts == [] for i in let_go[1:])
     assert [i.artifacts_count for i in let_go] == [n % 2 for n in range(N)]
     for budget in (0, 100, SIZE + 11, 3 * SIZE, N * SIZE):
         for k in (None, 0, 5):
-            assert aggregation.copies(let_go, None if k is None else let_go[k], budget) == \
-                aggregation.copies(held, None if k is None else held[k], budget), (budget, k)
+            assert answer_copies.copies(let_go, None if k is None else let_go[k], budget) == \
+                answer_copies.copies(held, None if k is None else held[k], budget), (budget, k)
     # a child's document gone (or changed) since it was measured: named, never a wrong copy
     (engine.ws.handoffs / "completed" / "fan.c4.json").unlink()
-    got = aggregation.copies(let_go, None, N * SIZE)
+    got = answer_copies.copies(let_go, None, N * SIZE)
     assert "could not be read again" in got.results["fan.c4"]["output_omitted"]
     assert "fan.c4" in got.omitted and got.results["fan.c3"] == {"blob": "c" * SIZE}
     [record] = [a for a in got.artifacts if (a.get("metadata") or {}).get("child_id") == "fan.c4"]

@@ -19,7 +19,8 @@ from handoffd.core.results import failed
 from handoffd.core.settings import DaemonSettings
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 from handoffd.features import aggregation
-from handoffd.features.aggregation import ChildInfo
+from handoffd.features.answer_copies import RESULT_COPY_BYTES, answer_limit, copies
+from handoffd.features.childfacts import ChildInfo, json_size
 
 DOC_BYTES = 64 * 1024
 OUTPUT_BYTES = 2 * 1024 * 1024
@@ -137,40 +138,40 @@ def child(cid: str, output: Any, status: str = "success", **kw: Any) -> ChildInf
 def test_copies_keeps_the_small_case_whole() -> None:
     infos = [child("p.c1", {"v": 1}), child("p.c2", None, "failed"), child("p.c3", [1, 2], "partial",
              artifacts=[{"name": "a", "metadata": {"x": 1}}, "plain"])]
-    got = aggregation.copies(infos, None, 10_000)
+    got = copies(infos, None, 10_000)
     assert got.results == {"p.c1": {"v": 1}, "p.c3": [1, 2]} and got.omitted == []
     assert got.artifacts == [{"name": "a", "metadata": {"x": 1, "child_id": "p.c3"}}, "plain"]
     assert infos[2].artifacts[0] == {"name": "a", "metadata": {"x": 1}}  # the child's untouched
     winner = child("p.c1", {"v": "fast"})
-    small = aggregation.copies([winner, child("p.c2", {"v": "slow"})], winner, 10_000)
+    small = copies([winner, child("p.c2", {"v": "slow"})], winner, 10_000)
     assert small.result == {"v": "fast"} and small.results["p.c1"] == {"v": "fast"}
 
 
 def test_copies_stays_within_its_budget() -> None:
     big, small = "x" * 600, "y" * 100
     infos = [child("p.c1", big), child("p.c2", big), child("p.c3", small)]
-    got = aggregation.copies(infos, None, 1000)
+    got = copies(infos, None, 1000)
     assert got.results["p.c1"] == big and got.results["p.c3"] == small  # first fit, in order
-    assert got.results["p.c2"]["size_bytes"] == aggregation.json_size(big)
+    assert got.results["p.c2"]["size_bytes"] == json_size(big)
     assert "`handoff show p.c2`" in got.results["p.c2"]["output_omitted"]
     assert list(got.results) == ["p.c1", "p.c2", "p.c3"] and got.omitted == ["p.c2"]
     # the winner goes first, and its large output is copied once
     winner = child("p.c2", big)
-    first = aggregation.copies([child("p.c1", big), winner], winner, 1000)
+    first = copies([child("p.c1", big), winner], winner, 1000)
     assert first.results["p.c2"] == big and first.results["p.c1"]["handoff_id"] == "p.c1"
     assert first.result["handoff_id"] == "p.c2"  # (no room left for a second copy)
     assert first.result["output_omitted"].startswith("the winner's output (602 bytes)")
-    huge = "z" * (aggregation.RESULT_COPY_BYTES + 1)
+    huge = "z" * (RESULT_COPY_BYTES + 1)
     only = child("q.c1", huge)
-    named = aggregation.copies([only], only, 10 * len(huge))
+    named = copies([only], only, 10 * len(huge))
     assert named.results["q.c1"] == huge and named.result["output_omitted"].startswith("the winner's")
-    none = aggregation.copies([only], only, 10)  # nothing fits: both name the child
+    none = copies([only], only, 10)  # nothing fits: both name the child
     assert none.result == none.results["q.c1"] and none.omitted == ["q.c1"]
 
 
 def test_copies_names_artifacts_past_the_budget() -> None:
     items = [{"name": f"f{n}", "inline_content": "a" * 200} for n in range(10)]
-    got = aggregation.copies([child("p.c1", {"v": 1}, artifacts=items)], None, 500)
+    got = copies([child("p.c1", {"v": 1}, artifacts=items)], None, 500)
     assert got.results == {"p.c1": {"v": 1}} and got.omitted == ["p.c1"]
     [record] = got.artifacts
     assert record["artifact_type"] == "artifacts_omitted" and record["metadata"]["count"] == 10
@@ -178,9 +179,9 @@ def test_copies_names_artifacts_past_the_budget() -> None:
 
 
 def test_json_size_counts_bytes_as_written() -> None:
-    assert aggregation.json_size({"a": "é"}) == len('{"a":"é"}'.encode())
-    assert aggregation.json_size(float("nan")) == sys.maxsize
-    assert aggregation.json_size({1, 2}) == sys.maxsize
+    assert json_size({"a": "é"}) == len('{"a":"é"}'.encode())
+    assert json_size(float("nan")) == sys.maxsize
+    assert json_size({1, 2}) == sys.maxsize
 
 
 def _fake(max_output: int) -> tuple[Any, Any, aggregation.Family]:
@@ -202,7 +203,7 @@ def test_an_answer_over_the_limit_is_abridged_then_failed_readably(
         monkeypatch: pytest.MonkeyPatch) -> None:
     engine, job, family = _fake(max_output=1 << 20)
     budgets: list[int] = []
-    real = aggregation.copies
+    real = copies
 
     def spy(infos: list[ChildInfo], winner: ChildInfo | None, budget: int) -> Any:
         budgets.append(budget)
@@ -210,7 +211,7 @@ def test_an_answer_over_the_limit_is_abridged_then_failed_readably(
 
     monkeypatch.setattr(aggregation, "copies", spy)
     # measured over the limit by a request that is large (not the copies): abridged to none
-    limit = aggregation.answer_limit(engine)
+    limit = answer_limit(engine)
     sizes = iter([limit + 10, limit + 5, limit - 1])
     monkeypatch.setattr(aggregation, "filed_size", lambda engine, job, outcome: next(sizes))
     outcome = aggregation.readable_outcome(engine, job, family)

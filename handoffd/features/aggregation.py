@@ -3,33 +3,31 @@
 When the children-gate in :mod:`handoffd.features.orchestration` releases a parent, the engine calls
 :func:`resume` instead of running the parent's handler again: it reads each child's outcome,
 applies the parent's strategy (:func:`decide`), cancels children ``first_success`` no longer needs,
-and returns the parent's Outcome with ``aggregated_outcome`` as the seed defines it.
+and returns the parent's Outcome with ``aggregated_outcome`` as the seed defines it. How a child is
+read (and how much of its answer is held) is :mod:`.childfacts`; what the parent's answer copies of
+the children's answers, within a byte budget, is :mod:`.answer_copies`.
 """
 from __future__ import annotations
 
 import copy
-import functools
-import json
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from ..core.documents import BOOK, Outcome, book, book_int, record
-from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
+from ..core.documents import Outcome, book, book_int, record
+from ..core.errors import ErrorCode, HandoffdError
 from ..core.filing import final_answer
 from ..core.formats import ArtifactSink
 from ..core.logs import log
-from ..core.states import State
 from ..core.timeutil import parse_iso
-from ..dialects import hi_moe
 from . import artifacts, cancellation
+from .answer_copies import ANSWER_SLACK_BYTES, Copies, answer_limit, copies
+from .childfacts import SUCCESS_LIKE, ChildInfo, Holding, json_size, read_child
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
 
 DEADLINE_GRACE_SECONDS = 5.0
-SUCCESS_LIKE = ("success", "partial")
 
 
 def ready(engine: "Engine", wait: dict[str, Any], infos: list["ChildInfo"]) -> bool:
@@ -62,127 +60,6 @@ def deadline_of(wait: dict[str, Any]) -> datetime | None:
 
 
 # ---------------------------------------------------------------- aggregation
-@dataclass
-class ChildInfo:
-    """A child as the aggregation sees it; ``status`` is seed 000's OutcomeStatus or None (open).
-    ``output`` and ``artifacts`` are what it answered when held: :func:`child_info` never
-    holds them, :func:`read_child` only within its :class:`Holding` (``reread``: let go)."""
-
-    handoff_id: str
-    state: str
-    status: str | None
-    confidence: float = 0.0
-    specialist: str | None = None
-    output: Any = None
-    artifacts: list[Any] = field(default_factory=list)
-    error: dict[str, Any] | None = None
-    finished_at: str | None = None
-    asking: str | None = None  # an open child parked for its requester's answer: what it awaits
-    # as read_child measured them (None: not measured; :func:`copies` measures what is held)
-    output_size: int | None = None  # JSON bytes of its output
-    artifacts_size: int | None = None  # JSON bytes of its artifacts as the parent lists them
-    artifacts_count: int = 0
-    # set when its output and artifacts were let go: its document read again (_read)
-    reread: Callable[[], "ChildInfo"] | None = field(default=None, repr=False, compare=False)
-
-
-def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
-    """A child's status and facts without its output or artifacts: the children gate needs
-    statuses only, and a hundred children's answers of 16 MiB each were held together at
-    every look. One child's document is in memory at a time."""
-    info = _read(engine, handoff_id)
-    info.output, info.artifacts = None, []
-    return info
-
-
-@dataclass
-class Holding:
-    """How many bytes (as JSON) of its children's outputs and artifacts an aggregation may
-    still hold in memory; the rest is measured, let go and read again only if copied."""
-
-    left: int
-
-
-def read_child(engine: "Engine", handoff_id: str, holding: Holding) -> ChildInfo:
-    """A child as the aggregation reads it: its output and artifacts (only a successful or
-    partial child's are ever copied) measured, and held while ``holding`` has room for them;
-    otherwise let go, for :func:`copies` to read again when it copies them."""
-    info = _read(engine, handoff_id)
-    if info.status not in SUCCESS_LIKE:
-        info.output, info.artifacts = None, []
-        return info
-    items = [_from_child(item, handoff_id) for item in info.artifacts]
-    info.output_size, info.artifacts_size = json_size(info.output), json_size(items)
-    info.artifacts_count = len(items)
-    if info.output_size + info.artifacts_size <= holding.left:
-        holding.left -= info.output_size + info.artifacts_size
-    else:
-        info.output, info.artifacts = None, []
-        info.reread = functools.partial(_read, engine, handoff_id)
-    return info
-
-
-def _read(engine: "Engine", handoff_id: str) -> ChildInfo:
-    """A child's facts with its output and artifacts, from its document as stored now."""
-    try:
-        state, doc = engine.get(handoff_id)
-    except (NotFound, InvalidDocument):
-        return ChildInfo(handoff_id, "missing", "failed",
-                         error={"code": ErrorCode.DEPENDENCY_MISSING, "message": "child handoff is missing"})
-    except OSError:  # unreadable for now (permissions, disk): keep waiting
-        return ChildInfo(handoff_id, "unreadable", None)
-    target = given if isinstance(given := doc.get("target"), dict) else {}
-    info = ChildInfo(handoff_id, state.value, None, specialist=target.get("agent_id"))
-    if not state.terminal:
-        awaiting = book(doc).get("awaiting") if isinstance(doc.get(BOOK), dict) else None
-        if state is State.PENDING and isinstance(awaiting, dict):
-            info.asking = str(awaiting.get("kind") or "needs_clarification")[:FACT_TEXT] \
-                .replace("_", " ")
-        return _bounded(info)
-    reported = hi_moe.read_outcome(doc)  # a child that speaks seed 000 (a hi_moe parent's)
-    if reported is not None:
-        return _from_report(info, reported)
-    error = given if isinstance(given := doc.get("error"), dict) else None
-    if state is State.COMPLETED:
-        info.status = "partial" if doc.get("status") == "partial" else "success"
-        info.finished_at = doc.get("completed_at")
-    else:
-        code = (error or {}).get("code")
-        info.status = ("cancelled" if doc.get("status") == "cancelled" or code == ErrorCode.CANCELLED
-                       else "timeout" if code == ErrorCode.TIMEOUT else "failed")
-        info.finished_at = doc.get("failed_at")
-    info.output = doc.get("output")
-    info.artifacts = given if isinstance(given := doc.get("artifacts"), list) else []
-    info.error = _brief_error(error)
-    info.confidence = _confidence(doc, info.status)
-    return _bounded(info)
-
-
-# what a child's facts keep of its own strings: an aggregation shows a child's error as its
-# code and the first 200 characters of its message (_child_error), and a failed/ file placed
-# in the workspace may hold megabytes in any of them (held once per child at every look)
-FACT_TEXT = 200
-
-
-def _brief_error(error: Any) -> dict[str, Any] | None:
-    """The part of a child's ``error`` an aggregation uses: its code and the start of its
-    message, as short strings (None: no error object)."""
-    if not isinstance(error, dict):
-        return None
-    code, message = error.get("code"), error.get("message")
-    return {"code": str(code)[:FACT_TEXT] if code is not None else None,
-            "message": str(message)[:FACT_TEXT] if message is not None else None}
-
-
-def _bounded(info: ChildInfo) -> ChildInfo:
-    """``info`` with its specialist and finished_at kept only as short strings (a document's
-    values, which a hostile file may make huge or of another type)."""
-    info.specialist = info.specialist[:FACT_TEXT] if isinstance(info.specialist, str) else None
-    info.finished_at = info.finished_at if isinstance(info.finished_at, str) \
-        and len(info.finished_at) <= FACT_TEXT else None
-    return info
-
-
 def _weight(weights: dict[str, Any], handoff_id: str) -> float:
     """A child's weight as the delegation checked it (0 to 1e6); anything else counts 1 (the
     sum must stay finite: a NaN confidence cannot be filed as JSON)."""
@@ -190,15 +67,6 @@ def _weight(weights: dict[str, Any], handoff_id: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1e6:
         return float(value)
     return 1.0
-
-
-def _confidence(doc: dict[str, Any], status: str) -> float:
-    for holder in (doc.get("metadata"), doc.get("output")):
-        if isinstance(holder, dict):
-            value = holder.get("confidence")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
-                return float(value)
-    return {"success": 1.0, "partial": 0.5}.get(status, 0.0)
 
 
 def decide(strategy: str, statuses: list[str]) -> str:
@@ -218,22 +86,6 @@ def decide(strategy: str, statuses: list[str]) -> str:
     if wins:
         return "success"
     return "partial" if partial else "failed"
-
-
-def _from_report(info: ChildInfo, reported: dict[str, Any]) -> ChildInfo:
-    """A child's facts from its hi_moe answer (:func:`handoffd.dialects.hi_moe.read_outcome`)."""
-    status = reported.get("status")
-    info.status = status if status in ("success", "partial", "failed", "timeout", "cancelled") \
-        else "failed"
-    info.finished_at = reported.get("finished_at")
-    info.output = reported.get("output")
-    info.artifacts = list(reported.get("artifacts") or [])
-    info.error = _brief_error(reported.get("error"))
-    info.specialist = reported.get("specialist") or info.specialist
-    confidence = reported.get("confidence")
-    info.confidence = float(confidence) if isinstance(confidence, (int, float)) \
-        and not isinstance(confidence, bool) and 0 <= confidence <= 1 else _confidence({}, info.status)
-    return _bounded(info)
 
 
 @dataclass
@@ -339,168 +191,6 @@ def _family(engine: "Engine", job: "Job", wait: dict[str, Any], infos: list[Chil
 
 
 # ---------------------------------------------------------------- the answer's size
-# A first_success winner's output is also copied into ``output.result`` when at most this large
-# (the small answers every parent gave); a larger one is not copied twice: ``result`` names
-# where it is (``output.results[<winner>]``).
-RESULT_COPY_BYTES = 64 * 1024
-# The files store reads a finished document up to max_document_bytes + max_output_bytes + 1 MiB
-# (its FILED_MARGIN_BYTES): an aggregated answer keeps within the first half MiB of that margin,
-# leaving the rest to the bookkeeping written after it.
-ANSWER_SLACK_BYTES = 512 * 1024
-
-
-def answer_limit(engine: "Engine") -> int:
-    """The most bytes a parent's filed aggregated answer may take, so that every reader of a
-    finished document (`handoff wait`, `show`, dependants, the daemon) can read it."""
-    settings = engine.settings
-    return settings.max_document_bytes + settings.max_output_bytes + ANSWER_SLACK_BYTES
-
-
-def json_size(value: Any) -> int:
-    """Bytes ``value`` takes in a document (compact UTF-8 JSON, as documents are written); one
-    that cannot be written counts as too large to copy."""
-    try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        return len(text.encode("utf-8"))
-    except (TypeError, ValueError, RecursionError):  # (a lone surrogate: a ValueError)
-        return sys.maxsize
-
-
-@dataclass
-class Copies:
-    """What an aggregated answer copies of its children's answers within a byte budget;
-    the rest is named, not copied (the children stay filed: `handoff show <child>`)."""
-
-    results: dict[str, Any]  # output.results: each successful child's output (or its omission)
-    result: Any  # output.result of first_success: the winner's output (or where it is)
-    artifacts: list[Any]  # the children's artifacts (or one omission record per child)
-    omitted: list[str]  # children something of which was not copied
-
-
-def _omission(handoff_id: str, what: str, size: int, budget: int) -> str:
-    shown = "too large to write" if size == sys.maxsize else f"{size} bytes"
-    return (f"{what} ({shown}) is not copied: an aggregated answer copies at most {budget} bytes "
-            f"of its children's answers; see `handoff show {handoff_id}`")
-
-
-def _unread(handoff_id: str, what: str) -> str:
-    """The omission of a child's answer that could not be read again as it was measured."""
-    return (f"{what} is not copied: its document could not be read again as it was measured; "
-            f"see `handoff show {handoff_id}`")
-
-
-def copies(infos: list[ChildInfo], winner: ChildInfo | None, budget: int) -> Copies:
-    """The children's outputs and artifacts an aggregated answer copies, at most ``budget``
-    bytes of them (JSON), the winner's first, then in child order; each that does not fit is
-    replaced by an ``output_omitted`` entry (or an ``artifacts_omitted`` record) naming the
-    child whose document holds it. Only what fits is in memory: a child's answer that
-    :func:`read_child` let go is read again, one child at a time."""
-    kept = [i for i in infos if i.status in SUCCESS_LIKE]
-    left = budget
-    outputs: dict[str, Any] = {}
-    omitted: list[str] = []
-    result: Any = None
-    for info in sorted(kept, key=lambda i: i is not winner):  # (stable: the winner first)
-        size = json_size(info.output) if info.output_size is None else info.output_size
-        fits = size <= left
-        got = _output_of(info, size) if fits else None
-        if got is not None:
-            outputs[info.handoff_id] = got[0]
-            left -= size
-        else:
-            outputs[info.handoff_id] = {
-                "output_omitted": _omission(info.handoff_id, "its output", size, budget) if not fits
-                else _unread(info.handoff_id, "its output"),
-                "handoff_id": info.handoff_id, "size_bytes": size}
-            omitted.append(info.handoff_id)
-        if info is winner:
-            result, left = _winner_result(info, outputs[info.handoff_id], got is not None,
-                                          size, left)
-    records: list[Any] = []
-    for info in kept:
-        size, count = _artifacts_size(info)
-        items = _artifacts_of(info, size) if size <= left else None
-        if items is not None:
-            records.extend(items)
-            left -= size
-            continue
-        what = f"its {count} artifacts"
-        records.append(artifacts._record(
-            "artifacts_omitted", name=None, ref=None, facts=None,
-            inline=_omission(info.handoff_id, what, size, budget) if size > left
-            else _unread(info.handoff_id, what),
-            metadata={"child_id": info.handoff_id, "count": count, "size_bytes": size}))
-        omitted.append(info.handoff_id)
-    return Copies({i.handoff_id: outputs[i.handoff_id] for i in kept}, result, records,
-                  [i.handoff_id for i in kept if i.handoff_id in omitted])
-
-
-def _reloaded(info: ChildInfo) -> ChildInfo | None:
-    """``info`` with its output and artifacts in hand: itself when held, else its document read
-    again; None when that fails or finds another answer (a filed child is final, but its file
-    lies in a workspace others can write)."""
-    if info.reread is None:
-        return info
-    try:
-        again = info.reread()
-    except (HandoffdError, OSError):
-        return None
-    return again if again.status == info.status else None
-
-
-def _output_of(info: ChildInfo, size: int) -> tuple[Any] | None:
-    """(the child's output,) to copy, measured ``size`` bytes; None when it cannot be had
-    again as it was measured (the budget counts the measured size)."""
-    again = _reloaded(info)
-    if again is None or (again is not info and json_size(again.output) != size):
-        return None
-    return (again.output,)
-
-
-def _artifacts_size(info: ChildInfo) -> tuple[int, int]:
-    """(JSON bytes, count) of the child's artifacts as the parent lists them."""
-    if info.artifacts_size is not None:
-        return info.artifacts_size, info.artifacts_count
-    return json_size([_from_child(item, info.handoff_id) for item in info.artifacts]), \
-        len(info.artifacts)
-
-
-def _artifacts_of(info: ChildInfo, size: int) -> list[Any] | None:
-    """The child's artifacts as the parent lists them (tagged with its id), measured ``size``
-    bytes; None when they cannot be had again as they were measured."""
-    if info.reread is not None and info.artifacts_count == 0:
-        return []  # (none: nothing to read again)
-    again = _reloaded(info)
-    if again is None:
-        return None
-    items = [_from_child(item, info.handoff_id) for item in again.artifacts]
-    return items if again is info or json_size(items) == size else None
-
-
-def _winner_result(winner: ChildInfo, entry: Any, copied: bool, size: int,
-                   left: int) -> tuple[Any, int]:
-    """``output.result`` of first_success and the budget left: the winner's output again when
-    small, else a note saying where it is (never a second copy of a large output). ``entry``
-    is the winner's ``output.results`` entry, ``copied`` whether it is the output itself."""
-    if not copied:  # not copied at all: the same omission
-        return entry, left
-    if size <= min(RESULT_COPY_BYTES, left):
-        return entry, left - size
-    return {"output_omitted": f"the winner's output ({size} bytes) is not copied twice: it is "
-                              f"output.results[\"{winner.handoff_id}\"]",
-            "handoff_id": winner.handoff_id, "size_bytes": size}, left
-
-
-def _from_child(item: Any, handoff_id: str) -> Any:
-    """A child's artifact as the parent lists it: tagged with the child's id."""
-    if isinstance(item, dict):
-        item = dict(item)
-        meta = dict(item.get("metadata") or {}) if isinstance(item.get("metadata"), dict) else {}
-        meta["child_id"] = handoff_id
-        item["metadata"] = meta
-    return item
-
-
 def readable_outcome(engine: "Engine", job: "Job", family: Family) -> Outcome:
     """The parent's aggregated Outcome, such that its filed answer stays readable: copies of
     the children's answers within max_output_bytes, fewer when the answer as its format files

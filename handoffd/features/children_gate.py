@@ -14,7 +14,8 @@ from ..core.documents import Envelope, book
 from ..core.errors import HandoffdError
 from ..core.states import State
 from ..core.storage import LiveStamp
-from .aggregation import ChildInfo, child_info, json_size, ready
+from .aggregation import ready
+from .childfacts import ChildInfo, child_info, json_size
 from .dependencies import Verdict
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class FinishedChildren:
     A parked parent is looked at each time one of its open children is filed, and the gate
     read and parsed every child's whole document (up to ``max_document_bytes``) at every look,
     about N²/2 reads of finished children over a family's life (60 answering 1 MiB each: 1,100
-    of them, 6 s of the daemon's CPU). A finished child's facts (its :class:`~.aggregation.ChildInfo`, without output) are kept
+    of them, 6 s of the daemon's CPU). A finished child's facts (its :class:`~.childfacts.ChildInfo`, without output) are kept
     under the stamp of its stored copies (:meth:`~handoffd.core.storage.Backend.stamp_of`; the
     files store's: their inode, size, mtime and ctime, one lstat per state folder) and used
     again while the stamp is the same. They are believed only as far as the stamp proves the
@@ -100,7 +101,7 @@ class FinishedChildren:
         return children_gate(engine, env, doc, known=self)
 
     def info(self, engine: "Engine", handoff_id: str) -> ChildInfo:
-        """``handoff_id``'s facts as :func:`~.aggregation.child_info` reads them: those kept
+        """``handoff_id``'s facts as :func:`~.childfacts.child_info` reads them: those kept
         when its copies' stamp is the one they were read under, else read (and kept when it
         is finished, its copies settled and unchanged by the read)."""
         now = self.clock()  # taken before the stamp: a change after it is never settled
