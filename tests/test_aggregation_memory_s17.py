@@ -151,8 +151,8 @@ def test_an_answer_let_go_is_read_again_to_the_same_copies(engine: Engine) -> No
     held = [childfacts.read_child(engine, cid, childfacts.Holding(sys.maxsize)) for cid in ids]
     holding = childfacts.Holding(SIZE + 20)
     let_go = [childfacts.read_child(engine, cid, holding) for cid in ids]
-    assert let_go[0].reread is None and let_go[0].output == {"blob": "a" * SIZE}
-    assert all(i.reread is not None and i.output is None and i.artifacts == [] for i in let_go[1:])
+    assert let_go[0].held and let_go[0].output == {"blob": "a" * SIZE}
+    assert all(not i.held and i.output is None and i.artifacts == [] for i in let_go[1:])
     assert [i.artifacts_count for i in let_go] == [n % 2 for n in range(N)]
     for budget in (0, 100, SIZE + 11, 3 * SIZE, N * SIZE):
         for k in (None, 0, 5):
@@ -165,6 +165,30 @@ def test_an_answer_let_go_is_read_again_to_the_same_copies(engine: Engine) -> No
     assert "fan.c4" in got.omitted and got.results["fan.c3"] == {"blob": "c" * SIZE}
     [record] = [a for a in got.artifacts if (a.get("metadata") or {}).get("child_id") == "fan.c4"]
     assert record["artifact_type"] == "artifacts_omitted"
+
+
+def test_the_answers_held_but_not_copied_are_let_go_before_the_winners_is_read_again(
+        engine: Engine) -> None:
+    """Review R10: c1's answer was held while reading (it fit the budget first), but the
+    first_success winner c5, read last and let go, is what is copied: c1 is let go before c5
+    is read again, so the two are never held together (twice the budget)."""
+    run_family(engine)
+    ids = [f"fan.c{n}" for n in range(1, N + 1)]
+    holding = childfacts.Holding(SIZE + 20)  # c1 fits; the rest are let go
+    infos = [childfacts.read_child(engine, cid, holding) for cid in ids]
+    assert infos[0].held and not infos[4].held
+    seen_held: list[bool] = []
+    reread = infos[4].reread
+    assert reread is not None
+
+    def reading_c5() -> childfacts.ChildInfo:
+        seen_held.append(infos[0].held)  # c1, while the winner is read again
+        return reread()
+
+    infos[4].reread = reading_c5
+    got = answer_copies.copies(infos, infos[4], SIZE + 11)
+    assert got.results["fan.c5"] == {"blob": "e" * SIZE} and "fan.c1" in got.omitted
+    assert seen_held == [False] and infos[0].output is None
 
 
 # ---------------------------------------------------------------- end to end

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import HandoffdError
 from . import artifacts
-from .childfacts import SUCCESS_LIKE, ChildInfo, from_child, json_size
+from .childfacts import SUCCESS_LIKE, ChildInfo, from_child, json_size, let_go
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -65,9 +65,11 @@ def copies(infos: list[ChildInfo], winner: ChildInfo | None, budget: int) -> Cop
     """The children's outputs and artifacts an aggregated answer copies, at most ``budget``
     bytes of them (JSON), the winner's first, then in child order; each that does not fit is
     replaced by an ``output_omitted`` entry (or an ``artifacts_omitted`` record) naming the
-    child whose document holds it. Only what fits is in memory: a child's answer that
-    :func:`read_child` let go is read again, one child at a time."""
+    child whose document holds it. Only what fits is in memory: the answers held that will not
+    be copied are let go first (:func:`_let_go_the_rest`), and one :func:`read_child` let go is
+    read again, one child at a time."""
     kept = [i for i in infos if i.status in SUCCESS_LIKE]
+    _let_go_the_rest(kept, winner, budget)
     left = budget
     outputs: dict[str, Any] = {}
     omitted: list[str] = []
@@ -107,11 +109,36 @@ def copies(infos: list[ChildInfo], winner: ChildInfo | None, budget: int) -> Cop
                   [i.handoff_id for i in kept if i.handoff_id in omitted])
 
 
+def _let_go_the_rest(kept: list[ChildInfo], winner: ChildInfo | None, budget: int) -> None:
+    """Let go of the held answers that :func:`copies` will not copy, by the measured sizes
+    alone and its order (the winner's output first, then each output, then each child's
+    artifacts), before it reads any answer again: the answers held while the children were
+    read need not be the ones copied (a first_success winner read last), and both at once
+    came to twice the budget. (A read that fails later leaves room unused: a child planned
+    out is then read again if it fits after all.)"""
+    left, planned = budget, set()
+    for info in sorted(kept, key=lambda i: i is not winner):
+        size = json_size(info.output) if info.output_size is None else info.output_size
+        if size <= left:
+            planned.add(info.handoff_id)
+            left -= size
+            if info is winner and size <= min(RESULT_COPY_BYTES, left):
+                left -= size  # (copied again into output.result)
+    for info in kept:
+        size = _artifacts_size(info)[0]
+        if size <= left:
+            planned.add(info.handoff_id)
+            left -= size
+    for info in kept:
+        if info.held and info.reread is not None and info.handoff_id not in planned:
+            let_go(info)
+
+
 def _reloaded(info: ChildInfo) -> ChildInfo | None:
     """``info`` with its output and artifacts in hand: itself when held, else its document read
     again; None when that fails or finds another answer (a filed child is final, but its file
     lies in a workspace others can write)."""
-    if info.reread is None:
+    if info.held or info.reread is None:
         return info
     try:
         again = info.reread()
@@ -140,7 +167,7 @@ def _artifacts_size(info: ChildInfo) -> tuple[int, int]:
 def _artifacts_of(info: ChildInfo, size: int) -> list[Any] | None:
     """The child's artifacts as the parent lists them (tagged with its id), measured ``size``
     bytes; None when they cannot be had again as they were measured."""
-    if info.reread is not None and info.artifacts_count == 0:
+    if not info.held and info.artifacts_count == 0:
         return []  # (none: nothing to read again)
     again = _reloaded(info)
     if again is None:

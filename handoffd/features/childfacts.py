@@ -46,8 +46,9 @@ class ChildInfo:
     output_size: int | None = None  # JSON bytes of its output
     artifacts_size: int | None = None  # JSON bytes of its artifacts as the parent lists them
     artifacts_count: int = 0
-    # set when its output and artifacts were let go: its document read again (_read)
+    # its document read again (_read): how an answer let go is had again
     reread: Callable[[], "ChildInfo"] | None = field(default=None, repr=False, compare=False)
+    held: bool = True  # its output and artifacts are in hand (False: let go, see reread)
 
 
 def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
@@ -78,12 +79,17 @@ def read_child(engine: "Engine", handoff_id: str, holding: Holding) -> ChildInfo
     items = [from_child(item, handoff_id) for item in info.artifacts]
     info.output_size, info.artifacts_size = json_size(info.output), json_size(items)
     info.artifacts_count = len(items)
+    info.reread = functools.partial(_read, engine, handoff_id)  # (a held one may be let go too)
     if info.output_size + info.artifacts_size <= holding.left:
         holding.left -= info.output_size + info.artifacts_size
     else:
-        info.output, info.artifacts = None, []
-        info.reread = functools.partial(_read, engine, handoff_id)
+        let_go(info)
     return info
+
+
+def let_go(info: ChildInfo) -> None:
+    """Drop ``info``'s output and artifacts (its ``reread`` has them again)."""
+    info.output, info.artifacts, info.held = None, [], False
 
 
 def _read(engine: "Engine", handoff_id: str) -> ChildInfo:
