@@ -65,22 +65,23 @@ def copies(infos: list[ChildInfo], winner: ChildInfo | None, budget: int) -> Cop
     """The children's outputs and artifacts an aggregated answer copies, at most ``budget``
     bytes of them (JSON), the winner's first, then in child order; each that does not fit is
     replaced by an ``output_omitted`` entry (or an ``artifacts_omitted`` record) naming the
-    child whose document holds it. Only what fits is in memory: the answers held that will not
-    be copied are let go first (:func:`_let_go_the_rest`), and one :func:`read_child` let go is
-    read again, one child at a time."""
+    child whose document holds it. What is copied is decided from the measured sizes first
+    (:class:`Plan`); then the held answers not copied are let go, and one :func:`read_child`
+    let go is read again, one child at a time, so at most ``budget`` bytes are in hand."""
     kept = [i for i in infos if i.status in SUCCESS_LIKE]
-    _let_go_the_rest(kept, winner, budget)
-    left = budget
+    plan = Plan.of(kept, winner, budget)
+    for info in kept:  # (the answers held while reading need not be the ones copied)
+        if info.held and info.reread is not None and info.handoff_id not in plan.anything:
+            let_go(info)
     outputs: dict[str, Any] = {}
     omitted: list[str] = []
     result: Any = None
     for info in sorted(kept, key=lambda i: i is not winner):  # (stable: the winner first)
-        size = json_size(info.output) if info.output_size is None else info.output_size
-        fits = size <= left
+        size = _output_size(info)
+        fits = info.handoff_id in plan.outputs
         got = _output_of(info, size) if fits else None
         if got is not None:
             outputs[info.handoff_id] = got[0]
-            left -= size
         else:
             outputs[info.handoff_id] = {
                 "output_omitted": _omission(info.handoff_id, "its output", size, budget) if not fits
@@ -88,20 +89,20 @@ def copies(infos: list[ChildInfo], winner: ChildInfo | None, budget: int) -> Cop
                 "handoff_id": info.handoff_id, "size_bytes": size}
             omitted.append(info.handoff_id)
         if info is winner:
-            result, left = _winner_result(info, outputs[info.handoff_id], got is not None,
-                                          size, left)
+            result = _winner_result(info, outputs[info.handoff_id], got is not None, size,
+                                    plan.result_copied)
     records: list[Any] = []
     for info in kept:
         size, count = _artifacts_size(info)
-        items = _artifacts_of(info, size) if size <= left else None
+        fits = info.handoff_id in plan.artifacts
+        items = _artifacts_of(info, size) if fits else None
         if items is not None:
             records.extend(items)
-            left -= size
             continue
         what = f"its {count} artifacts"
         records.append(artifacts._record(
             "artifacts_omitted", name=None, ref=None, facts=None,
-            inline=_omission(info.handoff_id, what, size, budget) if size > left
+            inline=_omission(info.handoff_id, what, size, budget) if not fits
             else _unread(info.handoff_id, what),
             metadata={"child_id": info.handoff_id, "count": count, "size_bytes": size}))
         omitted.append(info.handoff_id)
@@ -109,29 +110,46 @@ def copies(infos: list[ChildInfo], winner: ChildInfo | None, budget: int) -> Cop
                   [i.handoff_id for i in kept if i.handoff_id in omitted])
 
 
-def _let_go_the_rest(kept: list[ChildInfo], winner: ChildInfo | None, budget: int) -> None:
-    """Let go of the held answers that :func:`copies` will not copy, by the measured sizes
-    alone and its order (the winner's output first, then each output, then each child's
-    artifacts), before it reads any answer again: the answers held while the children were
-    read need not be the ones copied (a first_success winner read last), and both at once
-    came to twice the budget. (A read that fails later leaves room unused: a child planned
-    out is then read again if it fits after all.)"""
-    left, planned = budget, set()
-    for info in sorted(kept, key=lambda i: i is not winner):
-        size = json_size(info.output) if info.output_size is None else info.output_size
-        if size <= left:
-            planned.add(info.handoff_id)
-            left -= size
-            if info is winner and size <= min(RESULT_COPY_BYTES, left):
-                left -= size  # (copied again into output.result)
-    for info in kept:
-        size = _artifacts_size(info)[0]
-        if size <= left:
-            planned.add(info.handoff_id)
-            left -= size
-    for info in kept:
-        if info.held and info.reread is not None and info.handoff_id not in planned:
-            let_go(info)
+@dataclass
+class Plan:
+    """Which children's outputs and artifact lists an answer copies within its budget, by
+    their measured sizes alone, in :func:`copies`' order (the winner's output first, then
+    each output in child order, then each child's artifacts), and whether the winner's output
+    is copied again into ``output.result``. A child whose answer cannot be read again as it
+    was measured is named instead; the room planned for it stays unused."""
+
+    outputs: set[str]
+    artifacts: set[str]
+    result_copied: bool
+
+    @property
+    def anything(self) -> set[str]:
+        """The children something of which is copied."""
+        return self.outputs | self.artifacts
+
+    @classmethod
+    def of(cls, kept: list[ChildInfo], winner: ChildInfo | None, budget: int) -> "Plan":
+        """The plan for the successful children ``kept`` within ``budget`` bytes."""
+        plan, left = cls(set(), set(), False), budget
+        for info in sorted(kept, key=lambda i: i is not winner):
+            size = _output_size(info)
+            if size <= left:
+                plan.outputs.add(info.handoff_id)
+                left -= size
+                if info is winner and size <= min(RESULT_COPY_BYTES, left):
+                    plan.result_copied = True
+                    left -= size  # (copied again into output.result)
+        for info in kept:
+            size = _artifacts_size(info)[0]
+            if size <= left:
+                plan.artifacts.add(info.handoff_id)
+                left -= size
+        return plan
+
+
+def _output_size(info: ChildInfo) -> int:
+    """JSON bytes of the child's output (as measured when read, else measured now)."""
+    return json_size(info.output) if info.output_size is None else info.output_size
 
 
 def _reloaded(info: ChildInfo) -> ChildInfo | None:
@@ -177,14 +195,13 @@ def _artifacts_of(info: ChildInfo, size: int) -> list[Any] | None:
 
 
 def _winner_result(winner: ChildInfo, entry: Any, copied: bool, size: int,
-                   left: int) -> tuple[Any, int]:
-    """``output.result`` of first_success and the budget left: the winner's output again when
-    small, else a note saying where it is (never a second copy of a large output). ``entry``
-    is the winner's ``output.results`` entry, ``copied`` whether it is the output itself."""
-    if not copied:  # not copied at all: the same omission
-        return entry, left
-    if size <= min(RESULT_COPY_BYTES, left):
-        return entry, left - size
+                   again: bool) -> Any:
+    """``output.result`` of first_success: the winner's output again when small enough to be
+    copied twice (``again``, the plan's), else a note saying where it is (never a second copy
+    of a large output). ``entry`` is the winner's ``output.results`` entry, ``copied`` whether
+    it is the output itself."""
+    if not copied or again:  # not copied at all: the same omission; small: the output again
+        return entry
     return {"output_omitted": f"the winner's output ({size} bytes) is not copied twice: it is "
                               f"output.results[\"{winner.handoff_id}\"]",
-            "handoff_id": winner.handoff_id, "size_bytes": size}, left
+            "handoff_id": winner.handoff_id, "size_bytes": size}
