@@ -25,6 +25,7 @@ from typing import Any, Callable
 import pytest
 from conftest import FLAKY_TOML, Workspace, exe
 from test_context_mirror import drop, mirror_of, store_at
+from test_postgres_context import eventually
 
 from handoffd.backends.files.context import FileContext
 from handoffd.backends.memory import MemoryContext
@@ -245,17 +246,6 @@ def test_a_serving_mirror_writes_nothing_outside_while_a_link_is_swapped(
         swapper.finish()
         daemon.kill()
         daemon.wait(timeout=10)
-
-
-def eventually(check: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    """Poll ``check`` (bounded) until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 # ---------------------------------------------------------------- 2. key <-> file
