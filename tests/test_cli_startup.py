@@ -229,6 +229,32 @@ def test_the_quick_path_loads_no_typer_click_or_rich(tmp_path: Path) -> None:
     assert not {name for name in modules if name.split(".")[0] in ("typer", "click", "rich")}
 
 
+def test_a_command_notice_loads_no_http(tmp_path: Path) -> None:
+    """A batch whose only ``[[on_filed]]`` rule is a command delivers its notice without loading
+    urllib's HTTP (with ssl and email, about 20 ms): that loads at a webhook's first attempt."""
+    root = workspace(tmp_path / "ws", pending=True)
+    seen = tmp_path / "notices"
+    script = tmp_path / "notice.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'a').write(sys.stdin.read()[:1] + '\\n')\n")
+    (root / "handoffd.toml").write_text(
+        FLAKY_TOML + f"\n[[on_filed]]\ncommand = [{json.dumps(sys.executable)}, "
+        f"{json.dumps(str(script))}, {json.dumps(str(seen))}]\n")
+    code = ("import sys\n"
+            "from handoffd.cli.handoffd_cmd import main\n"
+            "sys.argv = ['handoffd', 'run', '-q', '--root', sys.argv[1]]\n"
+            "try:\n"
+            "    main()\n"
+            "finally:\n"
+            "    print('MODULES', ' '.join(sorted(sys.modules)))\n")
+    proc = run_python(code, str(root), env=QUICK)
+    assert proc.returncode == 1, proc.stderr  # (one of the two fails for good)
+    loaded = set(proc.stdout.partition("MODULES")[2].split())
+    assert "handoffd.features.notify.delivery" in loaded  # the rule was installed
+    assert seen.read_text().splitlines() == ["{", "{"]  # both filings were noticed
+    assert not loaded & {"http.client", "urllib.request", "ssl", "email",
+                         "handoffd.features.notify.webhook_http"}
+
+
 def test_quick_create_loads_no_engine_feature_or_logging(tmp_path: Path) -> None:
     """`handoff create --to` writes one document: it builds no Engine (a Submitter), so the
     engine's run-time, the features and ``logging`` stay unloaded; the document is created and

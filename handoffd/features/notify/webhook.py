@@ -6,19 +6,19 @@ even when the server trickles its answer a byte at a time (urllib's own timeout 
 socket read, so such a server once held the one delivery thread for as long as it liked)."""
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
-import http.client
 import os
 import socket
 import threading
-import urllib.error
-import urllib.request
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 from ...core.config import NotifyRule
 from ...core.states import State
+
+if TYPE_CHECKING:  # urllib.request and http.client (with ssl and email) are loaded by the
+    import urllib.request  # first delivery, in :mod:`.webhook_http`: ~20 ms at every start
+
 
 
 def shown_url(url: str | None) -> str | None:
@@ -46,6 +46,7 @@ def webhook_request(rule: NotifyRule, handoff_id: str, state: State,
     secret = rule.secret or (os.environ.get(rule.secret_env) if rule.secret_env else None)
     if rule.secret_env and not secret:  # never sent unsigned when a signature is asked
         return f"secret_env {rule.secret_env} is not set: not sent unsigned"
+    import urllib.request
     if secret:
         digest = hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
         headers["X-Handoffd-Signature"] = f"sha256={digest}"
@@ -96,19 +97,8 @@ class Cutoff:
     def _attempt(self, request: urllib.request.Request, timeout: float,
                  shown: str) -> tuple[str | None, bool]:
         """The problem (None: delivered), and whether the server answered at all."""
-        opener = urllib.request.build_opener(_CutoffHTTPHandler(self), _CutoffHTTPSHandler(self),
-                                             _NoRedirect())
-        try:
-            with opener.open(request, timeout=timeout) as answer:
-                status = answer.status
-        except urllib.error.HTTPError as exc:  # (before OSError: it is one)
-            moved = " (a redirect: not followed)" if 300 <= exc.code < 400 else ""
-            return f"{shown} answered {exc.code}{moved}", True
-        except (OSError, ValueError, http.client.HTTPException) as exc:  # a bad status line too
-            return f"{shown}: {exc or type(exc).__name__}", False
-        except Exception as exc:  # on this thread a traceback would reach the user's terminal
-            return f"{shown}: {type(exc).__name__}: {exc}", False
-        return (None if 200 <= status < 300 else f"{shown} answered {status}"), True
+        from .webhook_http import attempt
+        return attempt(self, request, timeout, shown)
 
     def opened(self, sock: socket.socket) -> socket.socket:
         """Keep a way to shut ``sock`` down; refuse it when the attempt is already over."""
@@ -141,51 +131,3 @@ class Cutoff:
             socks, self.socks = self.socks, []
         for sock in socks:
             sock.close()
-
-
-class _CutoffConnection(http.client.HTTPConnection):
-    """An HTTP connection whose sockets its :class:`Cutoff` can shut down, and which tells it
-    when the whole request is out."""
-
-    _create_connection: Callable[..., socket.socket]  # (http.client's own hook to open sockets)
-
-    def __init__(self, *args: Any, cutoff: Cutoff, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.cutoff = cutoff
-        opener = self._create_connection
-        self._create_connection = lambda *a, **kw: cutoff.opened(opener(*a, **kw))
-
-    def getresponse(self) -> http.client.HTTPResponse:
-        self.cutoff.sent = True  # urllib asks for the answer once the request is sent
-        return super().getresponse()
-
-
-class _CutoffHTTPSConnection(_CutoffConnection, http.client.HTTPSConnection):
-    """The same over TLS (a handshake blocked on a trickling server is cut off too)."""
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A 3xx answer is a failed delivery: followed, the POST became a GET without the document,
-    whose 200 counted as delivered."""
-
-    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
-                         headers: Any, newurl: str) -> None:
-        return None  # urllib then raises HTTPError with the 3xx code
-
-
-class _CutoffHTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, cutoff: Cutoff) -> None:
-        super().__init__()
-        self.cutoff = cutoff
-
-    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_CutoffConnection, cutoff=self.cutoff), req)
-
-
-class _CutoffHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, cutoff: Cutoff) -> None:
-        super().__init__()
-        self.cutoff = cutoff
-
-    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_CutoffHTTPSConnection, cutoff=self.cutoff), req)
