@@ -12,10 +12,17 @@ import http.client
 import socket
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
-if TYPE_CHECKING:
-    from .webhook import Cutoff
+
+class Cutoff(Protocol):
+    """What the connections here need of :class:`.webhook.Cutoff` (which imports this module
+    at its first attempt: this one does not import it)."""
+
+    sent: bool  # set once the whole request is out: it may have been delivered
+
+    def opened(self, sock: socket.socket) -> socket.socket:
+        """Keep a way to shut ``sock`` down; refuse it when the attempt is already over."""
 
 
 def attempt(cutoff: Cutoff, request: urllib.request.Request, timeout: float,
