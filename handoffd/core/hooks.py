@@ -37,11 +37,17 @@ class Verdict:
     # its rescans, unless a feature's quiet check says the wait ends only when the handoff's own
     # document changes or the feature queues it: a pause); None: any filing may end it
     on: frozenset[str] | None = None
+    # handoffs whose filing into failed/ may end the wait too (a later dependency failing fails
+    # the waiter at once, where only its first unfinished one's filing re-checked it)
+    fails_on: frozenset[str] = frozenset()
 
     @classmethod
-    def wait(cls, reason: str, on: Iterable[str] | None = None) -> "Verdict":
-        """Hold the handoff back, saying why; ``on``: the handoffs whose filing may end it."""
-        return cls("wait", reason, on=None if on is None else frozenset(on))
+    def wait(cls, reason: str, on: Iterable[str] | None = None,
+             fails_on: Iterable[str] = ()) -> "Verdict":
+        """Hold the handoff back, saying why; ``on``: the handoffs whose filing may end it;
+        ``fails_on``: those whose filing into failed/ may end it too."""
+        return cls("wait", reason, on=None if on is None else frozenset(on),
+                   fails_on=frozenset(fails_on))
 
     @classmethod
     def fail(cls, code: str, reason: str) -> "Verdict":

@@ -15,7 +15,10 @@ for, every unfinished dependency). :class:`Graph` remembers which handoffs compl
 for a waiter only when seen after that waiter first came (see :class:`Graph`: an id comes back
 once purged), and which handoffs are known to lead to no cycle, so a walk stops where an
 earlier one ended. A completed dependency that retention archived is completed too
-(:class:`ArchiveIndex`); one that was purged is missing.
+(:class:`ArchiveIndex`); one that was purged is missing. A dependency that this daemon files
+into failed/ fails its waiters at once, wherever it is in their lists (within
+:data:`WATCHED_FAILURES` of the first unfinished one): its filing wakes them too
+(``Verdict.wait(fails_on=...)``), and the gate reads it again before it believes it.
 """
 from __future__ import annotations
 
@@ -52,6 +55,10 @@ ACYCLIC_SECONDS = 300.0  # how long "leads to no cycle" is trusted (ids can be p
 # back no sooner, once purged); then its dependencies are read again, once
 PROGRESS_SECONDS = 300.0
 UNFINISHED_SECONDS = 5.0  # a dependency read unfinished is not read again this soon by a first look
+# a waiter is re-checked when any of this many dependencies after its first unfinished one is
+# filed into failed/ by this daemon (beyond them, and for another process's filings, a failure is
+# found when the check reaches it, or at the first look of the next PROGRESS_SECONDS)
+WATCHED_FAILURES = 256
 __all__ = ["ArchiveIndex", "Gate", "Graph", "Progress", "Verdict", "dependencies_gate", "install",
            "check_new_dependencies"]
 
@@ -87,6 +94,8 @@ class Graph:
         self.engine = engine
         self.completed: dict[str, datetime] = {}  # id -> when it was last seen completed
         self.unfinished: dict[str, datetime] = {}  # id -> when it was last read unfinished
+        # id -> when this daemon filed it into failed/: a hint, read again before it is believed
+        self.failed: dict[str, datetime] = {}
         self.progress: dict[str, Progress] = {}  # waiter id -> how far its checks got
         self.acyclic: set[str] = set()
         self.acyclic_since: datetime | None = None
@@ -142,6 +151,14 @@ class Graph:
         """``handoff_id`` is not completed (any more): pending again under a reused id, failed."""
         self.completed.pop(handoff_id, None)
 
+    def failed_among(self, deps: list[str], since: datetime) -> list[str]:
+        """Those of ``deps`` this daemon filed into failed/ since ``since`` (a hint: the gate
+        reads each again before it fails a waiter for it)."""
+        failed = self.failed
+        if not failed:
+            return []
+        return [dep for dep in deps if (at := failed.get(dep)) is not None and since <= at]
+
     def progress_of(self, waiter: str, deps: list[str]) -> Progress:
         """How far the checks of ``waiter`` got, for this list of dependencies: started afresh
         for a new list, or when it is older than :data:`PROGRESS_SECONDS` or the dedup window
@@ -163,12 +180,18 @@ class Graph:
 
     def filed(self, handoff_id: str, where: State) -> None:
         """``on_filed`` listener: what this daemon filed completed is completed now (a waiter
-        woken by it goes on without reading it); anything else is not; a filed waiter's
+        woken by it goes on without reading it); anything else is not; what it filed into
+        failed/ is noted, for the waiters it wakes (:meth:`failed_among`); a filed waiter's
         progress goes."""
         if where is State.COMPLETED:
             self.seen_completed(handoff_id)
         else:
             self.forget(handoff_id)
+        if where is State.FAILED:
+            self.unfinished.pop(handoff_id, None)  # (a first look reads it again)
+            self._note(self.failed, handoff_id, self.engine.clock())
+        else:
+            self.failed.pop(handoff_id, None)  # e.g. retried: pending again
         self.done_with(handoff_id)
 
     def _children_waited_for(self, handoff_id: str) -> list[str]:
@@ -320,9 +343,10 @@ def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:
 def _first_look(graph: Graph, env: Envelope, progress: Progress) -> Verdict | None:
     """A waiter's first check: every dependency is looked at once (but one read unfinished a
     moment ago: dependants checked one after the other read each of what they share once), so
-    that one missing or failed fails it at once; one that fails later is found when the
-    dependencies before it have completed, or at the first look of the next
-    :data:`PROGRESS_SECONDS`."""
+    that one missing or failed fails it at once. One that this daemon files into failed/ later
+    wakes the waiter (:data:`WATCHED_FAILURES` of them), and the gate reads it again and fails
+    it; one that another process files is found when the dependencies before it have
+    completed, or at the first look of the next :data:`PROGRESS_SECONDS`."""
     now = graph.engine.clock()
     for dep in env.depends_on:
         seen = graph.unfinished.get(dep)
@@ -352,6 +376,14 @@ def _wait(graph: Graph, env: Envelope, first: tuple[str, State], after: int,
     waiter: only a handoff that would wait can be waiting for ever, a cycle is looked for now."""
     (dep, state), waiter, last = first, env.handoff_id, env.depends_on[-1]
     target = dep
+    later = env.depends_on[len(env.depends_on) - after:] if after else []
+    watched = later[:WATCHED_FAILURES]
+    for failed in graph.failed_among(watched, progress.since):
+        failed_state = graph.look(failed, progress.since)
+        if failed_state is None or failed_state is State.FAILED:
+            graph.done_with(waiter)
+            return _failure(graph, waiter, failed, failed_state)
+        graph.failed.pop(failed, None)  # retried since: pending or running again
     if after:
         last_state = graph.look(last, progress.since)
         if last_state is None or last_state is State.FAILED:
@@ -365,7 +397,9 @@ def _wait(graph: Graph, env: Envelope, first: tuple[str, State], after: int,
         return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {waiter} depends on "
                             f"itself through {' -> '.join(cycle)}; break the cycle")
     more = f", then {after} more" if after else ""
-    return Verdict.wait(f"waiting for dependency {dep} ({state.value}){more}", on=[target])
+    # re-checked at the filing of its target, or of one of the others into failed/
+    return Verdict.wait(f"waiting for dependency {dep} ({state.value}){more}", on=[target],
+                        fails_on=[d for d in (dep, *watched) if d != target])
 
 
 def check_new_dependencies(graph: Graph, handoff_id: str, deps: list[str]) -> None:

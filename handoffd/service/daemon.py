@@ -219,7 +219,7 @@ class Daemon:
                 self.scheduler.wake(handoff_id)  # its attempt ended: what it held is free
             if where.terminal:
                 self.attempts.unexpected_in_a_row.pop(handoff_id, None)
-                self.scheduler.ended(handoff_id)
+                self.scheduler.ended(handoff_id, failed=where is State.FAILED)
         if self.on_filed:
             self.on_filed(handoff_id, where)
 

@@ -159,7 +159,7 @@ class Dispatcher:
         scheduler.unroutable.discard(handoff_id)
         verdict = self.engine.gate(peek)
         if verdict is not None and verdict.action == "wait":
-            scheduler.hold(handoff_id, verdict.reason, verdict.on)
+            scheduler.hold(handoff_id, verdict.reason, verdict.on, verdict.fails_on)
             scheduler.look_again_at(handoff_id, deadline)
             return
         scheduler.unhold(handoff_id)

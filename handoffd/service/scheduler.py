@@ -51,7 +51,8 @@ class Scheduler(Lines, QuietWaits):
     * ``inflight``: one entry per task submitted to the pool (its agent, when it started: see
       :meth:`spin_up_at`); ``busy`` and ``running`` are counts of it, kept in step by
       :meth:`start` and :meth:`finished` only.
-    * ``waiting``/``waits_on``: handoffs a gate holds back, and the ids whose filing may end it;
+    * ``waiting``/``waits_on``/``fails_on``: handoffs a gate holds back, and the ids whose filing
+      (into failed/, for ``fails_on``) may end it;
       ``unroutable``: handoffs no specialist here takes (both shared with the run's report);
       the quiet waits (:class:`~.quiet.QuietWaits`): the waiters a rescan does not read again
       while their document is the same (paused handoffs, questions to the requester).
@@ -84,6 +85,8 @@ class Scheduler(Lines, QuietWaits):
         # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
         # of 1,000 dependents is then re-checked one handoff per filing, not 1,000
         self.waits_on: dict[str, frozenset[str]] = {}
+        # handoff id -> the ids whose filing into failed/ may end its wait too (absent: none)
+        self.fails_on: dict[str, frozenset[str]] = {}
 
     def limit(self, spec: Specialist) -> int:
         """How many handoffs of ``spec`` this daemon runs at once: its ``concurrency``, else as
@@ -133,6 +136,7 @@ class Scheduler(Lines, QuietWaits):
                 for gone in [hid for hid in self.waiting if hid not in present]:
                     self.waiting.pop(gone, None)  # claimed or filed elsewhere
                     self.waits_on.pop(gone, None)
+                    self.fails_on.pop(gone, None)
                 for gone in [hid for hid in self.quiet_stamps if hid not in self.waiting]:
                     del self.quiet_stamps[gone]  # gone, or no longer waiting (e.g. resumed)
                 for gone in [hid for held in (self.parked_ids, self.rate_held_ids)
@@ -220,37 +224,46 @@ class Scheduler(Lines, QuietWaits):
             + self.spin_up
 
     # ------------------------------------------------------------ gates, rates, deadlines
-    def hold(self, handoff_id: str, reason: str, on: frozenset[str] | None) -> None:
+    def hold(self, handoff_id: str, reason: str, on: frozenset[str] | None,
+             fails_on: frozenset[str] = frozenset()) -> None:
         """A gate holds ``handoff_id`` back for ``reason`` until a filing (of one of ``on``,
-        or of any handoff when None) may end it."""
+        or of any handoff when None; or of one of ``fails_on`` into failed/) may end it."""
         self.waiting[handoff_id] = reason
         if on is None:
             self.waits_on.pop(handoff_id, None)
         else:
             self.waits_on[handoff_id] = on
+        if fails_on:
+            self.fails_on[handoff_id] = fails_on
+        else:
+            self.fails_on.pop(handoff_id, None)
 
     def unhold(self, handoff_id: str) -> None:
         """No gate holds ``handoff_id`` back (any more)."""
         self.waiting.pop(handoff_id, None)
         self.waits_on.pop(handoff_id, None)
+        self.fails_on.pop(handoff_id, None)
         self.quiet_stamps.pop(handoff_id, None)
 
-    def ended(self, handoff_id: str) -> None:
-        """``handoff_id`` was filed for good: forget when it arrived, and look again at the
-        handoffs whose wait its filing may end (a dependency may have been met)."""
+    def ended(self, handoff_id: str, failed: bool = False) -> None:
+        """``handoff_id`` was filed for good (``failed``: into failed/): forget when it
+        arrived, and look again at the handoffs whose wait its filing may end (a dependency
+        may have been met, or have failed)."""
         self.first_seen.pop(handoff_id, None)
-        self.wake(handoff_id)
+        self.wake(handoff_id, failed)
 
-    def wake(self, handoff_id: str) -> None:
+    def wake(self, handoff_id: str, failed: bool = False) -> None:
         """Look again at the handoffs whose wait ``handoff_id``'s filing may end: a final one
-        (:meth:`ended`), or one back to pending/ (a retry, a parked parent), whose attempt
-        ended all the same and freed what it held (a contract's files)."""
+        (:meth:`ended`; ``failed``: into failed/), or one back to pending/ (a retry, a parked
+        parent), whose attempt ended all the same and freed what it held (a contract's files)."""
         for waiter in list(self.waiting):
             on = self.waits_on.get(waiter)
-            if on is not None and handoff_id not in on:
+            if on is not None and handoff_id not in on and not (
+                    failed and handoff_id in self.fails_on.get(waiter, ())):
                 continue  # only other handoffs' filing can end this wait
             self.waiting.pop(waiter, None)
             self.waits_on.pop(waiter, None)
+            self.fails_on.pop(waiter, None)
             self.quiet_stamps.pop(waiter, None)
             self.notify(waiter)
 
@@ -297,6 +310,7 @@ class Scheduler(Lines, QuietWaits):
             self.running = len(self.inflight)
             self.waiting.clear()
             self.waits_on.clear()
+            self.fails_on.clear()
             self.quiet_stamps.clear()
             self.unroutable.clear()
             self.rescan_requested = True
