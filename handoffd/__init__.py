@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the names below are loaded on first use (a CLI start must not pay for all)
     from .backends.files.store import Store
     from .core.config import Config, RetryPolicy
-    from .core.documents import Envelope, Outcome, new_native_request
+    from .core.documents import Envelope, Outcome
     from .core.engine import Engine
     from .core.errors import (
         ConfigError,
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the names below are loaded on first use (a CLI start must n
         UsageError,
         WaitTimeout,
     )
+    from .core.native_format import new_native_request
     from .core.specialists import HandlerContext, Registry, specialist
     from .core.states import State
     from .core.workspace import Workspace
@@ -65,7 +66,7 @@ _MODELS = ("AgentHandoff", "AggregatedOutcome", "Artifact", "CancellationPayload
 _HOME: dict[str, str] = {
     "build_engine": "features.build", "Client": "service.client",
     "Config": "core.config", "RetryPolicy": "core.config", "Daemon": "service.daemon", "Envelope": "core.documents",
-    "Outcome": "core.documents", "new_native_request": "core.documents", "ConfigError": "core.errors",
+    "Outcome": "core.documents", "new_native_request": "core.native_format", "ConfigError": "core.errors",
     "DuplicateHandoff": "core.errors", "HandlerError": "core.errors", "HandoffdError": "core.errors",
     "InvalidDocument": "core.errors", "NotFound": "core.errors", "UsageError": "core.errors",
     "WaitTimeout": "core.errors", "ErrorCode": "core.errors", "Engine": "core.engine",

@@ -16,7 +16,7 @@ from test_context_mirror import drop, mirror_of, store_at
 from handoffd.backends.memory import MemoryContext
 from handoffd.core.errors import InvalidDocument
 from handoffd.core.workspace import Workspace
-from handoffd.features import artifacts
+from handoffd.features import artifact_paths, artifacts
 
 
 # ---------------------------------------------------------------- 5: a huge artifact
@@ -61,19 +61,19 @@ def test_a_destination_in_another_handoffs_folder_is_refused(tmp_path: Path) -> 
     (ws.handoffs / "completed").mkdir(parents=True, exist_ok=True)
     (ws.handoffs / "completed" / "victim.json").write_text("{}")
     (ws.artifacts / "victim").mkdir(parents=True)
-    hashed = artifacts._id_part("job@1")
+    hashed = artifact_paths._id_part("job@1")
     (ws.artifacts / hashed).mkdir()
     for template in ("artifacts/victim/output.txt", "victim/x.json", f"artifacts/{hashed}/output.txt"):
         with pytest.raises(InvalidDocument) as caught:
-            artifacts.resolve_destination(ws, template, handoff_id="thief", attempt=1, agent="@w")
+            artifact_paths.resolve_destination(ws, template, handoff_id="thief", attempt=1, agent="@w")
         assert caught.value.code == "SCHEMA_VALIDATION_FAILED"
         assert "the artifact folder of another handoff" in str(caught.value)
     # its own folder, a shared folder and a folder of no handoff stay usable
     for template in ("artifacts/thief/out.txt", "artifacts/phase-13-react/r-{timestamp}.json",
                      "artifacts/report.json", "artifacts/nobody/x.txt"):
-        artifacts.resolve_destination(ws, template, handoff_id="thief", attempt=1, agent="@w")
-    artifacts.resolve_destination(ws, "artifacts/victim/again.txt", handoff_id="victim",
-                                  attempt=2, agent="@w")
+        artifact_paths.resolve_destination(ws, template, handoff_id="thief", attempt=1, agent="@w")
+    artifact_paths.resolve_destination(ws, "artifacts/victim/again.txt", handoff_id="victim",
+                                       attempt=2, agent="@w")
 
 
 # ---------------------------------------------------------------- 7: the context mirror

@@ -16,13 +16,14 @@ import pytest
 from handoffd.backends import Backend, Claim, Wakeup
 from handoffd.backends.files.backend import FilesBackend
 from handoffd.backends.memory import MemoryBackend
-from handoffd.core.documents import book, new_native_request, record
+from handoffd.core.documents import book, record
 from handoffd.core.errors import (
     DuplicateHandoff,
     InvalidTransition,
     NotFound,
     WaitTimeout,
 )
+from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
 from handoffd.core.timeutil import iso
 from handoffd.core.workspace import Workspace

@@ -17,7 +17,8 @@ from conftest import Workspace
 from handoffd.core.config import load_config
 from handoffd.core.errors import InvalidDocument
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-from handoffd.features.artifacts import _one, confine_reference
+from handoffd.features.artifact_paths import confine_reference
+from handoffd.features.artifacts import _one
 from handoffd.features.context import (
     ContextConflict,
     ContextPermissionError,

@@ -16,9 +16,10 @@ from conftest import run_python
 from handoffd import Engine, Registry, Workspace, build_engine
 from handoffd.backends.files.fsio import rename_noreplace
 from handoffd.core.config import Config, RetryPolicy, load_config
-from handoffd.core.documents import book, check_id, new_native_request
+from handoffd.core.documents import book, check_id
 from handoffd.core.engine import Job
 from handoffd.core.errors import ConfigError, DuplicateHandoff, InvalidDocument
+from handoffd.core.native_format import new_native_request
 from handoffd.core.specialists import ENTRY_POINT_GROUP, may_declare_entry_points
 from handoffd.core.states import State, allowed, winner
 from handoffd.core.timeutil import parse_iso

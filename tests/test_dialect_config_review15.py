@@ -30,7 +30,7 @@ from handoffd.core import config as config_module
 from handoffd.core.config import load_config, specialist_from_table
 from handoffd.core.errors import ConfigError
 from handoffd.core.settings import RetryPolicy
-from handoffd.features import artifacts
+from handoffd.features import artifact_paths
 
 MAX_CONFIG_BYTES = getattr(config_module, "MAX_CONFIG_BYTES", 1 << 20)  # handoffd.toml's bound
 FAST = '[daemon]\nsettle_seconds = 0\ndurability = "fast"\n'
@@ -344,15 +344,15 @@ def test_an_artifact_name_too_long_for_a_file_is_cut(tmp_path: Path,
         assert ws.state_of("m8") == ["completed"], ws.doc("m8")["handoffd"].get("final_error")
         stored = [p for p in (ws.root / "artifacts" / "m8").iterdir()]
         assert len(stored) == 1 and stored[0].read_text() == "y" * 2000
-        assert len(stored[0].name) <= artifacts.MAX_DERIVED_NAME
+        assert len(stored[0].name) <= artifact_paths.MAX_DERIVED_NAME
         assert stored[0].name.startswith("nnnn") and stored[0].name.endswith(".md")
     finally:
         ws.cleanup()
 
 
 def test_derived_file_names_are_bounded_and_distinct() -> None:
-    short = artifacts._file_name("report.md")
+    short = artifact_paths._file_name("report.md")
     assert short == "report.md"
-    a, b = artifacts._file_name("x" * 500 + "1.txt"), artifacts._file_name("x" * 500 + "2.txt")
-    assert a != b and len(a) == len(b) == artifacts.MAX_DERIVED_NAME and a.endswith(".txt")
-    assert len(artifacts._file_name("é" * 4000)) <= artifacts.MAX_DERIVED_NAME
+    a, b = artifact_paths._file_name("x" * 500 + "1.txt"), artifact_paths._file_name("x" * 500 + "2.txt")
+    assert a != b and len(a) == len(b) == artifact_paths.MAX_DERIVED_NAME and a.endswith(".txt")
+    assert len(artifact_paths._file_name("é" * 4000)) <= artifact_paths.MAX_DERIVED_NAME

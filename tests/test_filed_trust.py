@@ -21,7 +21,7 @@ from conftest import Workspace, new_workspace, run_python
 
 from handoffd.backends.files.backend import FilesBackend
 from handoffd.backends.memory import MemoryBackend
-from handoffd.core.documents import new_native_request
+from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
 from handoffd.core.storage import FOREIGN_FILING, Backend, foreign_filing, trusted_doc
 from handoffd.core.timeutil import utc_now

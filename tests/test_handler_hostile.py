@@ -16,9 +16,9 @@ from conftest import exe
 
 from handoffd import Registry, Workspace, build_engine
 from handoffd.core.config import Config
-from handoffd.core.documents import new_native_request
 from handoffd.core.engine import Engine
 from handoffd.core.errors import HandlerError
+from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
 
 

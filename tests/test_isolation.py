@@ -27,10 +27,11 @@ from conftest import alive, exe, new_workspace, wait_until
 from handoffd import Registry, Workspace, build_engine
 from handoffd.core.config import Config, DaemonSettings, specialist_from_table
 from handoffd.core.documents import PROCESS_DIED as DIED
-from handoffd.core.documents import Outcome, new_native_request
+from handoffd.core.documents import Outcome
 from handoffd.core.engine import Engine
 from handoffd.core.errors import ConfigError
 from handoffd.core.isolation import crashed_last, isolate
+from handoffd.core.native_format import new_native_request
 from handoffd.core.specialists import Specialist
 from handoffd.core.states import State
 from handoffd.core.suspects import KIND, SUSPECT_SECONDS, Suspects

@@ -25,7 +25,8 @@ from conftest import exe, wait_until
 
 from handoffd import Daemon, Registry, build_engine
 from handoffd.core.config import Config, DaemonSettings, RetryPolicy
-from handoffd.core.documents import book, new_native_request
+from handoffd.core.documents import book
+from handoffd.core.native_format import new_native_request
 from handoffd.core.timeutil import utc_now
 from handoffd.core.workspace import Workspace
 

@@ -331,16 +331,17 @@ def test_request_is_not_a_response() -> None:
 def test_documents_written_by_handoffd_validate() -> None:
     """What the daemon files for a completed and a failed seed-001 handoff matches the schemas."""
     documents = pytest.importorskip("handoffd.core.documents")
+    native_format = pytest.importorskip("handoffd.core.native_format")
     start = datetime(2026, 1, 13, 10, 0, 0, tzinfo=timezone.utc)
-    request = documents.new_native_request(source="@frontend-specialist", target="@react-specialist",
-                                           data={"component_requirements": []}, now=start,
-                                           handoff_id="hoff-roundtrip-1", timeout_seconds=60,
-                                           priority="high", depends_on=["hoff-0"])
+    request = native_format.new_native_request(source="@frontend-specialist", target="@react-specialist",
+                                               data={"component_requirements": []}, now=start,
+                                               handoff_id="hoff-roundtrip-1", timeout_seconds=60,
+                                               priority="high", depends_on=["hoff-0"])
     documents.record(request, "created", start)
     assert errors("native.request.schema.json", request) == []
 
     done = copy.deepcopy(request)
-    documents.apply_native_outcome(done, documents.Outcome(
+    native_format.apply_native_outcome(done, documents.Outcome(
         status="completed", started_at=start, finished_at=start + timedelta(seconds=3),
         output={"artifact_id": "a-1", "artifact_path": "artifacts/a-1.json",
                 "artifact_type": "react-components", "schema_compliance": "valid"},
@@ -349,7 +350,7 @@ def test_documents_written_by_handoffd_validate() -> None:
     assert [e.message for e in errors("native.response.schema.json", done)] == []
 
     failed = copy.deepcopy(request)
-    documents.apply_native_outcome(failed, documents.Outcome(
+    native_format.apply_native_outcome(failed, documents.Outcome(
         status="failed", started_at=start, finished_at=start + timedelta(seconds=1),
         error={"code": "SCHEMA_VALIDATION_FAILED", "message": "props.userId lacks type",
                "retryable": False,

@@ -30,7 +30,8 @@ from conftest import exe, wait_until
 
 from handoffd.backends.files.backend import FilesBackend
 from handoffd.backends.files.store import Store
-from handoffd.core.documents import book, new_native_request
+from handoffd.core.documents import book
+from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
 from handoffd.core.timeutil import utc_now
 from handoffd.core.workspace import Workspace
@@ -488,7 +489,7 @@ def test_a_sweep_between_a_new_locks_creation_and_its_flock_cannot_remove_it(
     took it for a dead owner's, and removed it. The new lock then held a file no longer in
     .locks: its next check found "its file was removed" and fenced its running handoff, a
     counted retry with no crash anywhere. A new lock file now appears in .locks already locked."""
-    from handoffd.backends.files import repair
+    from handoffd.backends.files import orphans
     real_flock = fcntl.flock
     swept: list[list[str]] = []
 
@@ -496,7 +497,7 @@ def test_a_sweep_between_a_new_locks_creation_and_its_flock_cannot_remove_it(
         if not swept:  # (the sweep's own try_lock flocks too: run it once)
             done: Any = {"locks_removed": [], "temp_files_removed": []}
             swept.append(done["locks_removed"])
-            repair.remove_orphans(store, done)
+            orphans.remove_orphans(store, done)
         real_flock(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", sweep_first)
@@ -532,9 +533,9 @@ def test_the_sweep_removes_a_staged_owner_lock_only_once_its_process_is_surely_g
     """A process that died between making its new lock file (under its staging name) and naming
     it leaves the file: the sweep removes it once it is older than the temp age and free; never
     a young one (its process may be naming it now) nor one somebody holds."""
-    from handoffd.backends.files import repair
+    from handoffd.backends.files import orphans
     locks = store.ws.locks
-    old = time.time() - repair.TMP_MAX_AGE_SECONDS - 60
+    old = time.time() - orphans.TMP_MAX_AGE_SECONDS - 60
     dead, young, held = (locks / f"owner.{os.urandom(16).hex()}.lock.new" for _ in range(3))
     for path in (dead, young, held):
         path.write_bytes(b"")
@@ -544,7 +545,7 @@ def test_the_sweep_removes_a_staged_owner_lock_only_once_its_process_is_surely_g
     try:
         fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         done: Any = {"locks_removed": [], "temp_files_removed": []}
-        repair.remove_orphans(store, done)
+        orphans.remove_orphans(store, done)
     finally:
         os.close(holder)
     assert done == {"locks_removed": [dead.name], "temp_files_removed": []}

@@ -97,7 +97,7 @@ def test_a_create_whose_document_is_written_never_fails_for_the_seen_ids_record(
     an exit 1 there made a script submit the same request again."""
     from handoffd.backends.files.seen import SeenIds
     from handoffd.backends.files.store import Store
-    from handoffd.core.documents import new_native_request
+    from handoffd.core.native_format import new_native_request
     from handoffd.core.timeutil import utc_now
     from handoffd.core.workspace import Workspace as HandoffdWorkspace
 

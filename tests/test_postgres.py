@@ -20,8 +20,9 @@ import pytest
 from conftest import FLAKY_TOML, Workspace, exe, run_python, wait_until
 
 from handoffd.core.config import Config, StoreSettings, load_config
-from handoffd.core.documents import new_native_request, record
+from handoffd.core.documents import record
 from handoffd.core.errors import ConfigError
+from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import FLAKY_TOML, Workspace, alive
 from netcut import Relay
 
-from handoffd.core.documents import new_native_request
+from handoffd.core.native_format import new_native_request
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 
 # the full run is 1,000 (HANDOFFD_HOSTS_HANDOFFS=1000, about a minute on 2 cores); the

@@ -582,7 +582,7 @@ def test_the_sweep_removes_a_records_temp_file_a_dead_update_left(tmp_path: Path
     nothing else of .meta."""
     import time
 
-    from handoffd.backends.files import repair
+    from handoffd.backends.files import orphans
     from handoffd.backends.files.store import Store
     ws = HandoffdWorkspace(tmp_path / "ws")
     ws.ensure()
@@ -598,7 +598,7 @@ def test_the_sweep_removes_a_records_temp_file_a_dead_update_left(tmp_path: Path
     store = Store(ws, durable=False)
     try:
         done: Any = {"temp_files_removed": [], "locks_removed": []}
-        repair.remove_orphans(store, done)
+        orphans.remove_orphans(store, done)
     finally:
         store.close()
     assert done["temp_files_removed"] == [old.name]

@@ -20,8 +20,9 @@ from conftest import Workspace, reason_codes
 from test_core import FakeClock, make_engine, run_job, submit
 
 from handoffd.backends.files import fsio
-from handoffd.core.documents import book, new_native_request
+from handoffd.core.documents import book
 from handoffd.core.errors import DocumentNotReady
+from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
 from handoffd.core.workspace import network_filesystem
 from handoffd.backends.files.backend import CLOCK_TOLERANCE_SECONDS

@@ -30,7 +30,7 @@ from conftest import Workspace, exe, new_workspace, reason_codes, wait_until
 
 from handoffd.backends.files import quarantine
 from handoffd.backends.files.store import Store
-from handoffd.core.documents import new_native_request
+from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
 from handoffd.core.timeutil import utc_now
 from handoffd.core.workspace import Workspace as HandoffdWorkspace

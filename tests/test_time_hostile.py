@@ -19,9 +19,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from handoffd.core.documents import (ARRIVAL_HEADROOM_SECONDS, MAX_TIMEOUT_SECONDS, Envelope,
-                                     document_seconds, first_seen, native_envelope,
-                                     next_attempt_at)
+                                     document_seconds, first_seen, next_attempt_at)
 from handoffd.core.errors import ErrorCode, InvalidDocument
+from handoffd.core.native_format import native_envelope
 from handoffd.core.timeutil import OutsideCalendar, iso, parse_iso, parse_utc
 from handoffd.dialects.haios import HaiosDialect
 from handoffd.dialects.hi_moe import HiMoeDialect

@@ -18,9 +18,10 @@ from conftest import exe, wait_until
 
 from handoffd.backends.files import fsio
 from handoffd.core.config import Config, DaemonSettings
-from handoffd.core.documents import book, new_native_request
+from handoffd.core.documents import book
 from handoffd.core.engine import Engine
 from handoffd.core.errors import ErrorCode, HandlerError
+from handoffd.core.native_format import new_native_request
 from handoffd.core.specialists import HandlerContext, Registry
 from handoffd.core.states import State
 from handoffd.core.timeutil import utc_now

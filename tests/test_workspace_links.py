@@ -1,7 +1,7 @@
 """Symlinks planted for handoffd's own folders of the store, ``handoffs/.tmp`` and
 ``handoffs/.locks`` (review s12, R1).
 
-The sweep (``repair.remove_orphans``) followed such a symlink and deleted files outside the
+The sweep (``orphans.remove_orphans``) followed such a symlink and deleted files outside the
 workspace: in the ``.tmp`` target every file older than five minutes (and a level of subfolders),
 in the ``.locks`` target every unlocked ``*.lock`` file (``Cargo.lock``, ``poetry.lock``). And a
 claim made its owner lock file through the link. Now neither folder is swept nor written through
@@ -21,7 +21,7 @@ from typing import Iterator
 import pytest
 from conftest import Workspace, new_workspace
 
-from handoffd.backends.files import repair
+from handoffd.backends.files import orphans, repair
 from handoffd.backends.files.store import Store
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 
@@ -91,8 +91,8 @@ def test_the_sweep_still_sweeps_a_plain_tmp_beside_a_symlinked_locks(tmp_path: P
     stale.write_text("")
     os.utime(stale, (time.time() - 3600,) * 2)
     store = Store(root, durable=False)
-    done: repair.Repairs = {"temp_files_removed": [], "locks_removed": []}
-    repair.remove_orphans(store, done)
+    done: orphans.Repairs = {"temp_files_removed": [], "locks_removed": []}
+    orphans.remove_orphans(store, done)
     assert done == {"temp_files_removed": ["x.tmp"], "locks_removed": []}
     assert sorted(p.name for p in project.iterdir()) == ["Cargo.lock", "poetry.lock"]
     # nor is a recovery lock made (and removed) through it
@@ -154,7 +154,7 @@ def test_recovery_makes_no_lock_file_through_a_symlinked_locks(tmp_path: Path) -
     """A claim whose owner is gone is judged by trying its owner's lock file; through a symlink
     planted at handoffs/.locks that made (and removed) a file outside the workspace. Then only
     the lease's expiry tells."""
-    from handoffd.core.documents import new_native_request
+    from handoffd.core.native_format import new_native_request
     from handoffd.core.states import State
     from handoffd.core.timeutil import utc_now
     from handoffd.backends.files.backend import FilesBackend
@@ -223,7 +223,7 @@ def test_a_folder_swapped_for_a_symlink_during_the_sweep_is_not_followed(
         path.write_text("")
         os.utime(path, (an_hour_ago, an_hour_ago))
     targets = {root.tmp.name: temps, root.locks.name: project}
-    original = repair._scan
+    original = orphans._scan
 
     def scan_then_swap(folder: object) -> list[os.DirEntry[str]]:
         entries = original(folder)  # type: ignore[arg-type]
@@ -235,9 +235,9 @@ def test_a_folder_swapped_for_a_symlink_during_the_sweep_is_not_followed(
             inside.symlink_to(targets[name])
         return entries
 
-    monkeypatch.setattr(repair, "_scan", scan_then_swap)
-    done: repair.Repairs = {"temp_files_removed": [], "locks_removed": []}
-    repair.remove_orphans(Store(root, durable=False), done)
+    monkeypatch.setattr(orphans, "_scan", scan_then_swap)
+    done: orphans.Repairs = {"temp_files_removed": [], "locks_removed": []}
+    orphans.remove_orphans(Store(root, durable=False), done)
     assert (temps / "x.tmp").read_text() == "outside"
     assert sorted(p.name for p in project.iterdir()) == ["Cargo.lock", "poetry.lock"]
     # what was removed is what the sweep listed, in the folders it opened

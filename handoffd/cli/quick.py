@@ -88,8 +88,9 @@ def request_from_options(eng: "Engine | Submitter", *, to: str, source: str, pay
     """The request :func:`submit_request` submits; UsageError for an option's value that no
     request may hold (a --priority or --timeout-seconds the schema refuses, agent ids that
     are not UTF-8 text, more dependencies or a longer time limit than any handoff may have)."""
-    from ..core.documents import MAX_DEPENDENCIES, MAX_TIMEOUT_SECONDS, new_native_request
+    from ..core.documents import MAX_DEPENDENCIES, MAX_TIMEOUT_SECONDS
     from ..core.errors import InvalidDocument, UsageError
+    from ..core.native_format import new_native_request
     text_arg(to, "--to")
     text_arg(source, "--from")
     # (NaN fails the comparison; infinity and 1e400 would pass new_native_request's check)

@@ -1,8 +1,9 @@
-"""Handoff documents: ids, the daemon's bookkeeping block, history, and the native (seed 001) format.
+"""Handoff documents: ids, the daemon's bookkeeping block, history, and the format-neutral views.
 
 Every document keeps its own format; the daemon adds one block, ``handoffd``, holding what it needs
 (revision, attempts, lease, next attempt time, history). :class:`Envelope` is the format-neutral view
 the daemon routes by and :class:`Outcome` the format-neutral result it files; dialects translate.
+The native (seed 001) format's reading, building and answering is :mod:`.native_format`.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 from .config import MAX_SECONDS, RetryPolicy
 from .errors import ConfigError, ErrorCode, InvalidDocument, UsageError
 from .states import SUCCEEDED
-from .timeutil import OutsideCalendar, iso, parse_utc
+from .timeutil import iso, parse_utc
 
 # used with fullmatch: "^...$" with match() also took "abc\n" ("$" matches before a last newline)
 SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
@@ -373,193 +374,3 @@ class Outcome:
     def seconds(self) -> float:
         """Wall time of the attempt."""
         return round((self.finished_at - self.started_at).total_seconds(), 3)
-
-
-def native_envelope(doc: dict[str, Any]) -> Envelope:
-    """Read a seed-001 request into an Envelope; raise InvalidDocument if it cannot be routed."""
-    handoff_id = check_id(doc.get("handoff_id"))
-    target = doc.get("target")
-    agent = target.get("agent_id") if isinstance(target, dict) else None
-    if not isinstance(agent, str) or not agent:
-        raise InvalidDocument(f"handoff {handoff_id} has no target.agent_id: name the specialist "
-                              "that should run it", handoff_id=handoff_id,
-                              code=ErrorCode.SCHEMA_VALIDATION_FAILED)
-    source = doc.get("source")
-    # only a string names the requester (as the other dialects read it): an object or a number
-    # here once became Envelope.source and broke every `handoff ls` of the workspace
-    agent_from = source.get("agent_id") if isinstance(source, dict) else None
-    inp = given_input if isinstance(given_input := doc.get("input"), dict) else {}
-    out = given_output if isinstance(given_output := doc.get("expected_output"), dict) else {}
-    timeout = doc.get("timeout_seconds")
-    depends = doc.get("depends_on") or []
-    return Envelope(
-        handoff_id=handoff_id, dialect="native", target=agent,
-        source=agent_from if isinstance(agent_from, str) else None,
-        data=inp.get("data"),
-        timeout_seconds=document_seconds(timeout),
-        priority=priority_rank(doc.get("priority")),
-        retry_policy=doc.get("retry_policy") if isinstance(doc.get("retry_policy"), dict) else None,
-        input_schema=inp.get("schema") if isinstance(inp.get("schema"), str) else None,
-        output_schema=out.get("schema") if isinstance(out.get("schema"), str) else None,
-        correlation_id=doc.get("correlation_id") if isinstance(doc.get("correlation_id"), str) else None,
-        conversation_id=doc.get("conversation_id") if isinstance(doc.get("conversation_id"), str) else None,
-        depends_on=_with_contract_dependencies(doc, depends),
-        contract=doc.get("contract") if isinstance(doc.get("contract"), dict) else None,
-        expires_at=_expires_at(doc, handoff_id),
-    )
-
-
-def _expires_at(doc: dict[str, Any], handoff_id: str) -> datetime | None:
-    """A native request's ``expires_at`` (an RFC 3339 time with its zone), in UTC.
-
-    InvalidDocument (SCHEMA_VALIDATION_FAILED) when it is no date-time, or one whose UTC time is
-    outside years 1 to 9999 (``0001-01-01T00:00:00+14:00``): the schema's date-time format
-    accepts that, and admission then raised OverflowError formatting it, leaving the handoff
-    claimed until recovery and burning every retry."""
-    value = doc.get("expires_at")
-    if value is None:
-        return None
-    try:
-        if not isinstance(value, str):
-            raise ValueError(value)
-        return parse_utc(value)
-    except OutsideCalendar:
-        problem = (f"{str(value)[:60]!r} falls outside years 1 to 9999 once in UTC: give a "
-                   "date-time such as 2026-11-25T12:00:00Z")
-    except ValueError:
-        problem = f"{str(value)[:60]!r} is not a date-time such as 2026-11-25T12:00:00Z"
-    raise InvalidDocument(f"handoff {handoff_id}: expires_at {problem}", handoff_id=handoff_id,
-                          code=ErrorCode.SCHEMA_VALIDATION_FAILED,
-                          errors=[{"field": "expires_at", "error": problem, "schema_path": ""}])
-
-
-def _with_contract_dependencies(doc: dict[str, Any], depends: Any) -> list[str]:
-    """``depends_on`` plus a ``contract.dependencies_completed`` list (seed 004), deduplicated."""
-    out = [d for d in depends if isinstance(d, str)] if isinstance(depends, list) else []
-    contract = doc.get("contract")
-    extra = contract.get("dependencies_completed") if isinstance(contract, dict) else None
-    if isinstance(extra, list):
-        out += [d for d in extra if isinstance(d, str) and d not in out]
-    return out
-
-
-def _request_field_problems(source: Any, target: Any, timeout: Any, priority: Any,
-                            depends_on: Any) -> list[tuple[str, str]]:
-    """(field, error) for each value the native request schema refuses."""
-    problems = []
-    for name, agent in (("source.agent_id", source), ("target.agent_id", target)):
-        if not isinstance(agent, str) or not agent:
-            problems.append((name, f"{agent!r} must be a non-empty string"))
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
-        problems.append(("timeout_seconds", f"{timeout!r} must be a number above 0"))
-    whole = isinstance(priority, int) or (isinstance(priority, float) and priority.is_integer())
-    if priority is not None and not (
-            (isinstance(priority, str) and priority in PRIORITIES)
-            or (whole and not isinstance(priority, bool) and 0 <= priority <= 4)):
-        problems.append(("priority", f"{priority!r} is not one of {', '.join(PRIORITIES)} or 0-4"))
-    if depends_on is not None and (not isinstance(depends_on, (list, tuple))
-                                   or not all(isinstance(d, str) for d in depends_on)):
-        problems.append(("depends_on", "every entry must be a handoff id (a string)"))
-    return problems
-
-
-def new_native_request(
-    *, source: str, target: str, data: Any, now: datetime, handoff_id: str | None = None,
-    timeout_seconds: float | None = None, priority: str | int | None = None,
-    depends_on: list[str] | None = None,
-) -> dict[str, Any]:
-    """Build a seed-001 handoff request (the document ``handoff create`` writes).
-
-    Raises InvalidDocument (SCHEMA_VALIDATION_FAILED) for exactly what the native request schema
-    would refuse in the fields it fills in, so a document it returns is valid without loading a
-    schema validator (``tests/test_core.py`` holds the two to agreement)."""
-    problems = _request_field_problems(source, target, timeout_seconds, priority, depends_on)
-    if problems:
-        field_name, error = problems[0]
-        raise InvalidDocument(f"the new handoff is not a valid native document: {field_name}: "
-                              f"{error}", code=ErrorCode.SCHEMA_VALIDATION_FAILED,
-                              errors=[{"field": f, "error": e, "schema_path": ""}
-                                      for f, e in problems])
-    doc: dict[str, Any] = {
-        # only None means "make one": an empty id was silently replaced by a fresh one (so
-        # `if_absent` with it was no longer idempotent); it is UNSAFE_ID like any other bad id
-        "handoff_id": check_id(new_id(now) if handoff_id is None else handoff_id),
-        "timestamp": iso(now),
-        "status": "pending",
-        "source": {"agent_id": source},
-        "target": {"agent_id": target},
-        "input": {"data": data},
-    }
-    if timeout_seconds is not None:
-        doc["timeout_seconds"] = timeout_seconds
-    if priority is not None:
-        doc["priority"] = priority
-    if depends_on:
-        doc["depends_on"] = list(depends_on)
-    return doc
-
-
-def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: int,
-                         max_retries: int, retry_available: bool) -> None:
-    """Turn an in-progress seed-001 document into its response (completed) or failure form."""
-    doc["execution_time_seconds"] = outcome.seconds
-    for key in ("validation", "metadata"):
-        if getattr(outcome, key) is not None:
-            doc[key] = getattr(outcome, key)
-    if outcome.output is not None:
-        doc["output"] = outcome.output
-    if outcome.artifacts:
-        doc["artifacts"] = outcome.artifacts
-    doc["next_steps"] = list(outcome.next_steps)
-    doc["warnings"] = list(outcome.warnings)
-    doc.update(outcome.fields)
-    when = iso(outcome.finished_at)
-    if outcome.status in ("needs_clarification", "blocked"):  # reported up while it waits
-        doc["status"] = outcome.status
-        for key in ("questions", "blockers", "summary"):
-            if outcome.park and outcome.park.get(key):
-                doc[key] = outcome.park[key]
-        return
-    if outcome.succeeded:
-        doc["status"] = "completed" if outcome.status == "completed" else "partial"
-        doc["completed_at"] = doc["timestamp_completed"] = when
-        doc["errors"] = []
-        for key in ("error", "failed_at", "timestamp_failed", "recovery_actions"):
-            doc.pop(key, None)
-        return
-    error = dict(outcome.error or {"code": ErrorCode.PROCESSING_ERROR, "message": "handler failed"})
-    code = error.get("code", ErrorCode.PROCESSING_ERROR)
-    doc["status"] = "cancelled" if outcome.status == "cancelled" else "failed"
-    doc["failed_at"] = doc["timestamp_failed"] = when
-    doc["error"] = {"code": code, "message": str(error.get("message", code)),
-                    "severity": error.get("severity", "error"), "timestamp": when}
-    if error.get("retryable") is not None:
-        doc["error"]["retryable"] = bool(error["retryable"])
-    if error.get("errors"):
-        doc["validation"] = {"status": "failed", "errors": error["errors"]}
-    doc["errors"] = [doc["error"]]
-    doc["retry_available"] = retry_available
-    doc["retry_count"] = retry_count
-    doc["max_retries"] = max_retries
-    doc["recovery_actions"] = recovery_actions(code)
-    for key in ("completed_at", "timestamp_completed"):
-        doc.pop(key, None)
-
-
-RECOVERY: dict[str, list[str]] = {
-    ErrorCode.SCHEMA_VALIDATION_FAILED: ["Fix the input so it matches the specialist's input schema",
-                                         "Retry the handoff with corrected input"],
-    ErrorCode.PROCESSING_ERROR: ["Check the specialist's stderr tail in error.message",
-                                 "Retry the handoff"],
-    ErrorCode.TIMEOUT: ["Increase timeout_seconds or make the specialist faster", "Retry the handoff"],
-    ErrorCode.DEPENDENCY_MISSING: ["Complete the dependency first", "Retry the handoff"],
-    ErrorCode.VALIDATION_FAILED: ["Fix the specialist so its output passes validation"],
-    ErrorCode.CANCELLED: ["Create a new handoff if the work is still wanted"],
-    ErrorCode.CONTRACT_VIOLATION: ["Keep the worker inside files_owned", "Split the task differently"],
-}
-
-
-def recovery_actions(code: str) -> list[str]:
-    """Seed 001's ``recovery_actions`` for an error code."""
-    return list(RECOVERY.get(code, ["Inspect the error and retry the handoff"]))

@@ -254,7 +254,7 @@ class Engine:
         taken by the same request (pending, running or finished), return its id instead (an
         orchestrator that restarts re-submits safely); Conflict when a different one holds it.
         ``prechecked``: ``doc`` is what
-        :func:`~handoffd.core.documents.new_native_request` built, whose own checks equal the
+        :func:`~handoffd.core.native_format.new_native_request` built, whose own checks equal the
         schema's (so `handoff create --to` skips loading a schema validator, ~80 ms).
         ``due_at``: not claimed before then (``handoff create --at/--delay``)."""
         return submit(self, doc, forced=forced, prechecked=prechecked, if_absent=if_absent,

@@ -4,8 +4,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from ..core.documents import Envelope, Outcome, apply_native_outcome, native_envelope
+from ..core.documents import Envelope, Outcome
 from ..core.formats import ArtifactSink
+from ..core.native_format import apply_native_outcome, native_envelope
 from ..core.timeutil import iso
 from .base import FiledState
 

@@ -1,17 +1,14 @@
-"""Handler outputs under ``artifacts/``: destinations, the 1 KB rule, size and sha256 records.
+"""Handler outputs under ``artifacts/``: the engine's hooks, the 1 KB rule, size and sha256 records.
 
-* **Destination** (seed 001): a request's ``expected_output.destination`` such as
-  ``artifacts/phase-13-react/artifact-react-comp-{timestamp}.json`` is resolved before the handler
-  runs. Placeholders: ``{timestamp}`` (Unix milliseconds), ``{handoff_id}`` / ``{id}``,
-  ``{attempt}``, ``{agent}`` (the specialist, without ``@``), ``{date}`` (YYYYMMDD). The path must
-  stay under ``artifacts/`` (a destination not starting with ``artifacts/`` is placed under it),
-  and out of another handoff's own folder ``artifacts/<its id>/`` (where handoffd keeps that
-  handoff's large contents): such a destination fails ``SCHEMA_VALIDATION_FAILED``, so no request
-  can make handoffd overwrite an artifact another handoff filed with its sha256.
-  Command handlers get the absolute path in ``$HANDOFF_ARTIFACT_PATH``, Python ones as
-  ``ctx.artifact_path``. The handler either writes that file itself or returns
-  ``output.content``, which the daemon writes there (then ``output`` carries seed 001's
-  ``artifact_id`` / ``artifact_path`` / ``artifact_type`` instead of the content).
+Where an artifact may go (a request's destination resolved, the names of a handoff's artifact
+files) and what a reference may name (confined to the workspace) is :mod:`.artifact_paths`.
+
+* **Destination** (seed 001): a request's ``expected_output.destination`` is resolved before the
+  handler runs (:func:`prepare`). Command handlers get the absolute path in
+  ``$HANDOFF_ARTIFACT_PATH``, Python ones as ``ctx.artifact_path``. The handler either writes that
+  file itself or returns ``output.content``, which the daemon writes there (then ``output``
+  carries seed 001's ``artifact_id`` / ``artifact_path`` / ``artifact_type`` instead of the
+  content).
 * **1 KB rule** (seed 000): content under 1024 UTF-8 bytes is answered inline
   (``inline_content``, ``content_ref`` null); content of 1 KB or more is written to
   ``artifacts/<handoff_id>/<name>`` and answered by reference (``content_ref`` and ``path``,
@@ -25,26 +22,12 @@
   attempt stopped meanwhile (cancelled, handed back) stops the hashing.
 
 No artifact is ever written or recorded outside the workspace: paths are resolved and checked.
-
-**References** a handler reports (``path`` / ``artifact_path`` / ``content_ref``) are confined by
-:func:`confine_reference`: a plain path must resolve inside the workspace; ``beads:KEY`` must be a
-safe context key (no ``..``, no leading ``/``, no empty segments: see context_store) and resolve
-inside ``context/``; any other scheme-qualified reference (``file:``, ``artifact:``, ...) is a
-workspace-relative path: no ``..`` segment, nothing absolute (``/``, ``\\``, ``~``, a drive
-letter), also after %-decoding, and it must resolve inside the workspace (symlinks included). Only
-a URL with a host (``https://host/...``, not ``file://``) is an external reference; it is recorded,
-never read, and may not contain ``..`` segments either. Anything else fails the attempt with
-``VALIDATION_FAILED``.
 """
 from __future__ import annotations
 
 import errno
 import json
 import os
-import re
-import time
-import unicodedata
-import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -54,8 +37,14 @@ from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.hashing import sha256_hex
 from ..core.ownfiles import open_reading
-from ..core.states import State
 from ..core.workspace import Workspace, workspace_at
+from .artifact_paths import (
+    _file_name,
+    _id_part,
+    confine_reference,
+    destination_template,
+    resolve_destination,
+)
 
 if TYPE_CHECKING:
     from ..core.engine import Job
@@ -64,134 +53,9 @@ INLINE_LIMIT = 1024
 MAX_ARTIFACT_BYTES = 1 << 30  # a referenced artifact file larger than this is refused (1 GiB)
 HASH_STEP = 1 << 20
 Stopped = Callable[[], bool]
-PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
-SAFE_PART = re.compile(r"[^A-Za-z0-9._-]+")
-KNOWN = ("timestamp", "handoff_id", "id", "attempt", "agent", "date")
-
-
-SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)
-URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/\\?#\s]+)(.*)", re.DOTALL)
-DRIVE = re.compile(r"[A-Za-z]:")
-
-
-def _traverses(text: str) -> bool:
-    """True when ``text`` (or its %-decoding, or its NFKC form) has a ``..`` segment, is
-    absolute, or holds a control character."""
-    forms = {text}
-    decoded = text
-    for _ in range(3):  # %252e%252e -> %2e%2e -> ..
-        decoded = urllib.parse.unquote(decoded)
-        forms.add(decoded)
-    forms |= {unicodedata.normalize("NFKC", f) for f in list(forms)}
-    for form in forms:
-        if any(ord(c) < 32 or ord(c) == 127 for c in form):
-            return True
-        stripped = form.strip()
-        if stripped.startswith(("/", "\\", "~")) or DRIVE.match(stripped):
-            return True
-        if any(part.strip() == ".." for part in re.split(r"[/\\]", form)):
-            return True
-    return False
-
-
-def confine_reference(ws: Workspace, ref: str, *, handoff_id: str | None = None) -> Path | None:
-    """The workspace file an artifact reference names (None for an external URL, which is never
-    read); InvalidDocument (VALIDATION_FAILED) when the reference could reach outside the
-    workspace. See the module docstring for the rules."""
-    def refuse(why: str) -> InvalidDocument:
-        prefix = f"handoff {handoff_id}: " if handoff_id else ""
-        return InvalidDocument(f"{prefix}artifact reference {ref!r} {why}", handoff_id=handoff_id,
-                               code=ErrorCode.VALIDATION_FAILED)
-
-    if not isinstance(ref, str) or not ref.strip():
-        raise refuse("is empty")
-    if "\x00" in ref:
-        raise refuse("contains a NUL byte")
-    url = URL.fullmatch(ref)
-    if url and url.group(1).lower() != "file":
-        if _traverses(url.group(3).lstrip("/")):
-            raise refuse("has a '..' segment or a control character")
-        return None
-    scheme = SCHEME.fullmatch(ref)
-    if scheme and len(scheme.group(1)) > 1:  # one letter: a Windows drive, refused below
-        name, rest = scheme.group(1).lower(), scheme.group(2)
-        if name == "beads":
-            from .context import (
-                normalise_key,  # context_store imports nothing from here
-            )
-
-            if _traverses(rest):
-                raise refuse("escapes context/ (no '..', no absolute path)")
-            try:
-                key = normalise_key(ref)
-            except InvalidDocument:
-                raise refuse("is not a safe context key (segments of letters, digits and ._@+=- "
-                              "separated by '/')") from None
-            target = ws.inside(f"context/{key}.json")
-            context_root = ws.context.resolve()
-            if target is None or context_root not in target.parents:
-                raise refuse("resolves outside context/ of the workspace")
-            return target
-        if _traverses(rest):
-            raise refuse("escapes the workspace (no '..', no absolute path)")
-        target = ws.inside(urllib.parse.unquote(rest))
-        if target is None:
-            raise refuse("resolves outside the workspace")
-        return target
-    if DRIVE.match(ref) or "\x00" in ref:
-        raise refuse("is an absolute path outside the workspace")
-    target = ws.inside(ref)
-    if target is None:
-        raise refuse("points outside the workspace")
-    return target
-
-
-def _safe(text: str) -> str:
-    return SAFE_PART.sub("_", text).strip("._") or "x"
-
-
-# a file name derived from the name a handler gave an artifact is cut to this many characters
-# (ASCII, see _safe), well within NAME_MAX (255 bytes) with room for the "<index>-" a clash
-# adds: a 3,000-character name once failed the attempt with "File name too long", retried
-MAX_DERIVED_NAME = 120
 # errors of storing artifacts that the same report gives again on every attempt (a name the
 # file system refuses): the attempt fails for good instead of burning its retries
 PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.ELOOP, errno.EILSEQ})
-
-
-def _file_name(name: str) -> str:
-    """The file name of an artifact the handler named ``name``: its :func:`_safe` form, and when
-    that is longer than MAX_DERIVED_NAME, its start, a digest of ``name`` and its extension."""
-    safe = _safe(name)
-    if len(safe) <= MAX_DERIVED_NAME:
-        return safe
-    stem, dot, suffix = safe.rpartition(".")
-    ext = f".{suffix}" if dot and stem and len(suffix) <= 16 else ""
-    digest = sha256_hex(name.encode("utf-8", "surrogatepass"))[:10]
-    return f"{safe[:MAX_DERIVED_NAME - len(ext) - 11].rstrip('._') or 'x'}-{digest}{ext}"
-
-
-def _id_part(handoff_id: str) -> str:
-    """The path part naming a handoff's artifacts: the id itself when it is made of letters,
-    digits and ``._-`` only, else its :func:`_safe` form and a digest of the id. Ids may hold
-    ``@ : +``; mapping them to ``_`` alone put ``job@1`` and ``job_1`` in one folder, where each
-    overwrote the other's artifact and a filed sha256 no longer matched its file."""
-    plain = _safe(handoff_id)
-    if plain == handoff_id:
-        return plain
-    from ..core.hashing import sha256_hex
-    return f"{plain}-{sha256_hex(handoff_id.encode('utf-8', 'surrogatepass'))[:10]}"
-
-
-def destination_template(doc: dict[str, Any]) -> str | None:
-    """``expected_output.destination`` of a request (also looked up in a kept request snapshot)."""
-    for src in (doc, (doc.get("handoffd") or {}).get("request_snapshot") if isinstance(doc.get("handoffd"), dict) else None):
-        if isinstance(src, dict):
-            expected = src.get("expected_output")
-            if isinstance(expected, dict) and isinstance(expected.get("destination"), str) \
-                    and expected["destination"].strip():
-                return expected["destination"].strip()
-    return None
 
 
 def expected_type(doc: dict[str, Any]) -> str | None:
@@ -199,88 +63,6 @@ def expected_type(doc: dict[str, Any]) -> str | None:
     if isinstance(expected, dict) and isinstance(expected.get("artifact_type"), str):
         return expected["artifact_type"]
     return None
-
-
-def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attempt: int, agent: str,
-                        now_ms: int | None = None) -> tuple[str, Path]:
-    """(relative path, absolute path) of a destination template; InvalidDocument when it uses an
-    unknown placeholder or leaves ``artifacts/``."""
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    values = {"timestamp": str(now_ms), "handoff_id": _id_part(handoff_id), "id": _id_part(handoff_id),
-              "attempt": str(attempt), "agent": _safe(agent.lstrip("@")),
-              "date": time.strftime("%Y%m%d", time.gmtime(now_ms / 1000))}
-
-    def sub(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in values:
-            raise InvalidDocument(
-                f"handoff {handoff_id}: expected_output.destination {template!r} uses unknown "
-                f"placeholder {{{name}}}; known: {', '.join('{' + k + '}' for k in KNOWN)}",
-                handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
-        return values[name]
-
-    text = PLACEHOLDER.sub(sub, template).replace("\\", "/")
-    if text.startswith("./"):
-        text = text[2:]
-    if not text.startswith("artifacts/"):
-        text = "artifacts/" + text.lstrip("/")
-    target = ws.inside(text)
-    if target is None or not _under_artifacts(ws, str(target)):
-        raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
-                              "points outside artifacts/ of the workspace",
-                              handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
-    other = _other_handoffs_folder(ws, text, handoff_id)
-    if other is not None:
-        raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
-                              f"lies in artifacts/{other}/, the artifact folder of another "
-                              "handoff; handoffd does not write there",
-                              handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
-    return text, target
-
-
-HASHED_PART = re.compile(r".+-[0-9a-f]{10}")
-
-
-def _other_handoffs_folder(ws: Workspace, rel: str, handoff_id: str) -> str | None:
-    """The folder ``artifacts/<part>/`` that ``rel`` lies in when it is another handoff's own
-    (:func:`_id_part`): ``part`` is not this handoff's, and names a handoff of the workspace's
-    store (a document ``handoffs/<state>/<part>.json``), or has the form of a non-plain id's part
-    (``name-<10 hex digits>``) and exists. None otherwise: shared folders such as
-    ``artifacts/phase-13-react/`` stay usable."""
-    parts = rel.split("/")
-    if len(parts) < 3 or parts[0] != "artifacts":
-        return None
-    part = parts[1]
-    if part == _id_part(handoff_id) or part in ("", ".", ".."):
-        return None
-    key = (str(ws.root), part)
-    if _SHARED.get(key, 0.0) > time.monotonic():  # (every handoff of a drain names the same)
-        return None
-    if any(os.path.lexists(ws.doc_path(state, part)) for state in State):
-        return part
-    if HASHED_PART.fullmatch(part) and os.path.isdir(ws.artifacts / part):
-        return part
-    if len(_SHARED) >= SHARED_REMEMBERED:
-        _SHARED.clear()
-    _SHARED[key] = time.monotonic() + SHARED_SECONDS
-    return None
-
-
-# shared destination folders (no handoff's own) seen lately: a drain of handoffs that all write
-# to artifacts/phase-13-react/ looks four documents up once every few seconds, not per handoff
-SHARED_SECONDS = 5.0
-SHARED_REMEMBERED = 256
-_SHARED: dict[tuple[str, str], float] = {}
-
-
-def _under_artifacts(ws: Workspace, resolved: str) -> bool:
-    """True when ``resolved`` (a path already resolved) lies under the workspace's artifacts/
-    folder, itself resolved: the plain folder needs no system call, a symlinked one is looked up."""
-    plain = os.path.join(str(ws.root), "artifacts") + os.sep
-    if resolved.startswith(plain):  # every component of it is resolved: artifacts/ is a folder
-        return True
-    real = os.path.realpath(ws.artifacts)  # itself when it does not exist yet
-    return resolved.startswith(real.rstrip(os.sep) + os.sep)
 
 
 def check_inputs(job: "Job") -> None:

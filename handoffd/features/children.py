@@ -14,8 +14,9 @@ import dataclasses
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ..core.documents import book, book_int, check_id, new_native_request, priority_rank
+from ..core.documents import book, book_int, check_id, priority_rank
 from ..core.errors import HandoffdError, InvalidDocument, NotFound, UnreadableDocument
+from ..core.native_format import new_native_request
 from ..core.states import State
 from ..core.timeutil import parse_iso
 from ..dialects import hi_moe

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.documents import check_storable, new_native_request
+from ..core.documents import check_storable
 from ..core.errors import NotFound, UsageError
+from ..core.native_format import new_native_request
 from ..core.states import State
 from ..core.storage import foreign_filing
 from ..core.workspace import Workspace, resolve_root

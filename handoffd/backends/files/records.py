@@ -54,7 +54,7 @@ MAX_RECORDS_BYTES = 1024 * KIB
 
 KIND = re.compile(r"[a-z][a-z0-9_-]{0,40}")  # fullmatch ("$" matched before a final newline)
 # the temp file an update writes beside the kind's file (see quarantine.publish_beside); one a process that died
-# mid-update left is removed by the sweep once it is old (repair.remove_orphans)
+# mid-update left is removed by the sweep once it is old (orphans.remove_orphans)
 TEMP_NAME = re.compile(r"\.[a-z][a-z0-9_-]{0,40}\.[0-9a-f]{16}\.tmp")
 
 # How long an update waits for its kind's lock. A real update holds it for a few milliseconds

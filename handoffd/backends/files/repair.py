@@ -12,7 +12,7 @@
   :data:`LARGE_QUIET_SECONDS` (:func:`set_aside_junk`). The sweep then logs the event and,
   under a safe id found nowhere else, files a failure stub as admission does for pending/ (the
   repair says what it set aside: :data:`NOTES`);
-* orphaned temp files and lock files of finished claims are removed;
+* orphaned temp files and lock files of finished claims are removed (:mod:`.orphans`);
 * a document a move or purge set aside and never finished with (it died) is put back
   (:mod:`.aside`);
 * the seen-ids record is compacted to its TTL.
@@ -22,15 +22,11 @@ Claims whose owner died *after* recording a lease are taken over by
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import stat
 import time
-from contextlib import contextmanager
 from datetime import datetime
-from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Collection
 
 from ...core.documents import book, check_id, record
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
@@ -38,13 +34,12 @@ from ...core.logs import log
 from ...core.states import State, winner
 from ...core.timeutil import parse_iso
 from . import aside, fsio
-from .leases import STAGED_OWNER_LOCK_NAME, unclaimed
+from .leases import unclaimed
+from .orphans import Repairs, _plain_folder, remove_orphans
 from .problems import read_error
 from .reading import HALF_WRITTEN, in_folder
-from .records import TEMP_NAME
 from .store import Store, release_lock, try_lock
 
-TMP_MAX_AGE_SECONDS = 300.0
 FOREIGN_LEASE_SECONDS = 300.0  # a foreign claim without timeout_seconds: the daemon default
 MAX_FOREIGN_LEASE_SECONDS = 7 * 24 * 3600.0
 # an in-progress file over our size bound may be the live claim of a daemon with a larger
@@ -58,7 +53,6 @@ LARGE_QUIET_SECONDS = 600.0
 # "message", "stub"} each; the sweep logs its event and, for "stub", files the failure stub as
 # admission does, so that the on_filed listeners, the event log and `handoff wait` hear of it
 NOTES = "set_aside_notes"
-Repairs = dict[str, list[str]]
 
 
 def repair(store: Store, now: datetime, *, claim_grace_seconds: float,
@@ -346,179 +340,3 @@ def _resolve_copies(store: Store, handoff_id: str, states: list[State]) -> bool:
         except FileNotFoundError:
             continue
     return True
-
-
-def remove_orphans(store: Store, done: Repairs) -> None:
-    """Delete temp files older than a few minutes, lock files no claim uses, and new owner locks
-    whose process died before naming them (see :meth:`.leases.OwnerLocks._take`).
-
-    A ``.tmp``, ``.meta`` or ``.locks`` that is not a plain folder of the workspace is skipped
-    with one error line: the sweep once followed a symlink planted there and deleted old files
-    and unlocked ``*.lock`` files (``Cargo.lock``) outside the workspace. Each folder is opened
-    once without following a link, and everything in it is looked at, locked and removed
-    through that descriptor: a folder swapped for a link *during* the sweep is not followed
-    either (it keeps sweeping the folder it opened, now out of the workspace's way)."""
-    ws = store.ws
-    cutoff = time.time() - TMP_MAX_AGE_SECONDS
-    with _opened(ws.tmp) as fd:
-        if fd is not None:
-            _remove_old_temps(fd, cutoff, done)
-    with _opened(ws.meta, quiet=True) as fd:  # (a shared record's temp file a dead update left)
-        if fd is not None:
-            _remove_old_record_temps(fd, cutoff, done)
-    with _opened(ws.locks) as fd:
-        if fd is None:
-            return
-        active = set(store.ids(State.IN_PROGRESS))
-        for entry in _scan(fd):
-            if STAGED_OWNER_LOCK_NAME.fullmatch(entry.name):
-                _remove_dead_staged(fd, entry, cutoff, done)
-                continue
-            handoff_id = entry.name.rsplit(".", 2)[0] if entry.name.endswith(".lock") else None
-            if handoff_id is None or handoff_id in active:
-                continue
-            if _remove_unlocked(fd, entry.name):
-                done["locks_removed"].append(entry.name)
-
-
-def _remove_dead_staged(folder: int, entry: os.DirEntry[str], cutoff: float,
-                        done: Repairs) -> None:
-    """Remove a new owner lock left under its staging name, once it was made before ``cutoff``
-    and nobody holds it: its process died between making it and naming it (a live one flocks it
-    at once and renames it a moment later)."""
-    try:
-        if entry.stat(follow_symlinks=False).st_mtime >= cutoff:
-            return  # its process may be naming it right now
-    except FileNotFoundError:
-        return  # named meanwhile
-    if _remove_unlocked(folder, entry.name):
-        done["locks_removed"].append(entry.name)
-
-
-def _remove_unlocked(folder: int, name: str) -> bool:
-    """Remove the lock file ``name`` of ``folder`` (a descriptor) if nobody holds it (flock, as
-    the lock's owners take it) and it is still the file we locked; True if removed. Never
-    created, never followed: a symlink or anything but a regular file is left alone."""
-    try:
-        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     dir_fd=folder)
-    except OSError:  # gone, a symlink (ELOOP), not ours to open: not a lock to remove
-        return False
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its claim (or staged owner) is alive
-            return False
-        try:
-            now = os.stat(name, dir_fd=folder, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
-            return False  # replaced meanwhile by a lock someone else may hold
-        os.unlink(name, dir_fd=folder)
-        return True
-    finally:
-        os.close(fd)  # (releases the flock)
-
-
-@contextmanager
-def _opened(folder: Path, *, quiet: bool = False) -> Iterator[int | None]:
-    """A descriptor of ``folder`` when it is a folder of the workspace itself, to sweep through;
-    None when it is missing (nothing to sweep) or anything else, a symlink above all (one error
-    line unless ``quiet``)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        yield None
-        return
-    except OSError:  # ELOOP (a symlink), ENOTDIR (a file), EACCES
-        if not quiet:
-            log.error("sweep: %s is not a folder of the workspace (a symlink?); nothing in it is "
-                      "removed, and handoffd needs it to be one", folder)
-        yield None
-        return
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _plain_folder(folder: Path, *, quiet: bool = False) -> bool:
-    """True when ``folder`` is a folder of the workspace itself; False when it is missing or
-    anything else, a symlink above all (one error line unless ``quiet``)."""
-    try:
-        mode = os.lstat(folder).st_mode
-    except FileNotFoundError:
-        return False
-    if stat.S_ISDIR(mode):
-        return True
-    if not quiet:
-        log.error("sweep: %s is not a folder of the workspace (a symlink?); nothing in it is "
-                  "removed, and handoffd needs it to be one", folder)
-    return False
-
-
-def _remove_old_record_temps(folder: int, cutoff: float, done: Repairs) -> None:
-    """Delete the shared records' temp files (:data:`.records.TEMP_NAME`) in ``folder`` (a
-    descriptor) last changed before ``cutoff``: an update writes one and renames it over the
-    kind's file, so one left there is a dead process's (nothing else in ``.meta`` is touched)."""
-    for entry in _scan(folder):
-        if not TEMP_NAME.fullmatch(entry.name):
-            continue
-        try:
-            if entry.is_file(follow_symlinks=False) \
-                    and entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                os.unlink(entry.name, dir_fd=folder)
-                done["temp_files_removed"].append(entry.name)
-        except FileNotFoundError:
-            continue
-
-
-def _remove_old_temps(folder: int, cutoff: float, done: Repairs, *, depth: int = 0) -> None:
-    """Delete the files in ``folder`` (a descriptor) last changed before ``cutoff``; in its
-    subfolders (a process's own temp folder, see :func:`spares.own_folder`) too, and such a
-    folder itself once it is empty and was idle since ``cutoff`` (its process ended, or makes it
-    again)."""
-    for entry in _scan(folder):
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                if depth == 0:  # one level: nothing handoffd makes goes deeper
-                    idle = entry.stat(follow_symlinks=False).st_mtime < cutoff
-                    _remove_in_subfolder(folder, entry.name, cutoff, done)
-                    if idle:
-                        _rmdir_quietly(folder, entry.name)
-            elif entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                os.unlink(entry.name, dir_fd=folder)
-                done["temp_files_removed"].append(entry.name)
-        except FileNotFoundError:
-            continue
-
-
-def _remove_in_subfolder(folder: int, name: str, cutoff: float, done: Repairs) -> None:
-    try:
-        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      dir_fd=folder)
-    except OSError:  # gone, or swapped for a link meanwhile: not followed
-        return
-    try:
-        _remove_old_temps(sub, cutoff, done, depth=1)
-    finally:
-        os.close(sub)
-
-
-def _rmdir_quietly(folder: int, name: str) -> None:
-    try:
-        os.rmdir(name, dir_fd=folder)
-    except OSError:  # not empty (a young temp file in it), or gone
-        pass
-
-
-def _scan(folder: int) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(folder) as entries:
-            return list(entries)
-    except FileNotFoundError:
-        return []
