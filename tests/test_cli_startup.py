@@ -195,20 +195,26 @@ def test_serve_refuses_the_same_both_ways(tmp_path: Path, args: tuple[str, ...])
     assert quick.returncode == 2 and quick.stderr.count("\n") == 1
 
 
-def test_the_quick_path_loads_no_typer_click_or_rich(tmp_path: Path) -> None:
-    """What `handoffd run` on an empty workspace loads (the start-up a cron job pays each
-    minute), and what `handoffd serve` loads before it says it is serving."""
-    root = workspace(tmp_path / "ws")
+def modules_of_a_run(root: Path) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """`handoffd run -q` on ``root`` in a Python process that then prints the modules it
+    loaded: (the process, those modules)."""
     code = ("import sys\n"
             "from handoffd.cli.handoffd_cmd import main\n"
             "sys.argv = ['handoffd', 'run', '-q', '--root', sys.argv[1]]\n"
             "try:\n"
             "    main()\n"
             "finally:\n"
-            "    print(' '.join(sorted(sys.modules)))\n")
-    proc = run_python(code, str(root))
+            "    print('MODULES', ' '.join(sorted(sys.modules)))\n")
+    proc = run_python(code, str(root), env=QUICK)
+    return proc, set(proc.stdout.partition("MODULES")[2].split())
+
+
+def test_the_quick_path_loads_no_typer_click_or_rich(tmp_path: Path) -> None:
+    """What `handoffd run` on an empty workspace loads (the start-up a cron job pays each
+    minute), and what `handoffd serve` loads before it says it is serving."""
+    root = workspace(tmp_path / "ws")
+    proc, loaded = modules_of_a_run(root)
     assert proc.returncode == 0, proc.stderr
-    loaded = set(proc.stdout.split())
     assert "handoffd.service.daemon" in loaded  # it did run the batch
     unwanted = {name for name in loaded if name.split(".")[0] in ("typer", "click", "rich")}
     unwanted |= loaded & {"importlib.metadata", "handoffd.cli.handoffd_app",
@@ -239,16 +245,8 @@ def test_a_command_notice_loads_no_http(tmp_path: Path) -> None:
     (root / "handoffd.toml").write_text(
         FLAKY_TOML + f"\n[[on_filed]]\ncommand = [{json.dumps(sys.executable)}, "
         f"{json.dumps(str(script))}, {json.dumps(str(seen))}]\n")
-    code = ("import sys\n"
-            "from handoffd.cli.handoffd_cmd import main\n"
-            "sys.argv = ['handoffd', 'run', '-q', '--root', sys.argv[1]]\n"
-            "try:\n"
-            "    main()\n"
-            "finally:\n"
-            "    print('MODULES', ' '.join(sorted(sys.modules)))\n")
-    proc = run_python(code, str(root), env=QUICK)
+    proc, loaded = modules_of_a_run(root)
     assert proc.returncode == 1, proc.stderr  # (one of the two fails for good)
-    loaded = set(proc.stdout.partition("MODULES")[2].split())
     assert "handoffd.features.notify.delivery" in loaded  # the rule was installed
     assert seen.read_text().splitlines() == ["{", "{"]  # both filings were noticed
     assert not loaded & {"http.client", "urllib.request", "ssl", "email",
