@@ -102,7 +102,7 @@ def test_a_reason_or_canceller_that_is_not_text_is_refused_before_any_claim(aws:
         client.cancel("p1", reason="bad\udcffreason")
     with pytest.raises(UsageError, match="who cancels is not UTF-8 text"):
         Client(aws.root, agent="@\udcff").cancel("p1")
-    from handoffd.features.cancellation import cancel
+    from handoffd.features.cancel_family import cancel
     with pytest.raises(UsageError, match="via is not UTF-8 text"):
         cancel(client.engine, "p1", reason="ok", via="\ud800")
     assert in_progress(aws) == [] and raw(aws, "p1") == before  # nothing was claimed

@@ -254,9 +254,9 @@ def test_a_batch_files_the_cancel_of_a_pending_handoff_no_specialist_here_runs(
     try:
         ws.handoff("create", "--to", "@nobody", "--id", "lonely", "--data", "{}", check=True)
         code = ("import sys\nfrom handoffd.cli.basics import engine\n"
-                "from handoffd.features import cancellation\n"
+                "from handoffd.features import cancel_requests\n"
                 "e = engine(sys.argv[1])\n"
-                "cancellation.request(e, 'lonely', reason='stop', cascade=False, by='me', "
+                "cancel_requests.request(e, 'lonely', reason='stop', cascade=False, by='me', "
                 "via='test')\n")
         made = subprocess.run([sys.executable, "-c", code, str(ws.root)], capture_output=True,
                               text=True, timeout=60)

@@ -25,7 +25,7 @@ from handoffd import (
 from handoffd.backends.memory import MemoryBackend
 from handoffd.core.config import Config
 from handoffd.core.documents import book
-from handoffd.features import cancellation
+from handoffd.features import cancel_family
 from handoffd.service.sweeper import requeue_failed, sweep
 
 CALLS: list[tuple[str, int]] = []
@@ -139,7 +139,7 @@ def test_delegation_and_aggregation(setup: tuple[Engine, Clock, MemoryBackend]) 
 def test_cancelling_a_pending_handoff(setup: tuple[Engine, Clock, MemoryBackend]) -> None:
     engine, _, _ = setup
     create(engine, "m4")
-    [result] = cancellation.cancel(engine, "m4", reason="not needed")
+    [result] = cancel_family.cancel(engine, "m4", reason="not needed")
     assert result.action == "cancelled"
     state, doc = engine.get("m4")
     assert state is State.FAILED and doc["error"]["code"] == "CANCELLED"

@@ -228,7 +228,7 @@ def _parked_family(tmp_path: Path, clock: Clock) -> tuple[Any, Any]:
 def test_one_unreadable_descendant_stops_no_cascade(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from handoffd.core.errors import UnreadableDocument
-    from handoffd.features import cancellation
+    from handoffd.features import cancel_family
     engine, backend = _parked_family(tmp_path, Clock())
     real_get = backend.get
 
@@ -238,7 +238,7 @@ def test_one_unreadable_descendant_stops_no_cascade(tmp_path: Path,
                                      code="MALFORMED_JSON")
         return real_get(handoff_id)
     monkeypatch.setattr(backend, "get", get)
-    results = cancellation.cancel(engine, "pk", reason="stop", cascade=True)
+    results = cancel_family.cancel(engine, "pk", reason="stop", cascade=True)
     assert [(r.handoff_id, r.action) for r in results] == [
         ("pk", "cancelled"), ("pk.c1", "cancelled"), ("pk.c2", "unreadable"),
         ("pk.c3", "cancelled")]

@@ -29,7 +29,7 @@ from conftest import handlers_workspace, wait_until
 from handoffd import Daemon, Registry, Workspace, build_engine, new_native_request
 from handoffd.core.config import Config, DaemonSettings
 from handoffd.core.engine import Engine
-from handoffd.features import cancellation, clarification
+from handoffd.features import cancel_requests, clarification
 
 
 def asker(handoff: Any, ctx: Any) -> dict[str, Any]:
@@ -179,8 +179,8 @@ def test_a_cancel_request_still_files_a_quiet_waiter(books: Books) -> None:
     waiter itself, and its gate files it."""
     held = books.park(asked=5, blocked=0)
     books.settle()
-    cancellation.request(books.other(), held[2], reason="not needed", cascade=False,
-                         by="@req", via="test")
+    cancel_requests.request(books.other(), held[2], reason="not needed", cascade=False,
+                            by="@req", via="test")
     books.rescan()
     assert books.started == [(held[2], "reject")]
 

@@ -163,7 +163,7 @@ def test_a_refile_that_keeps_failing_is_given_up_at_a_stop(
 
 def test_cancelling_while_the_filing_is_retried_files_it_cancelled_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from handoffd.features.cancellation import cancel
+    from handoffd.features.cancel_family import cancel
     handler = Counting()
     engine = engine_with(tmp_path, handler)
     disk = FullDisk(monkeypatch)  # completed/ is full; failed/ (where cancelled goes) is not
@@ -447,7 +447,7 @@ def test_a_cancel_during_a_refile_under_way_still_files_it_cancelled(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cancel request came while a refile had taken the kept answer: the waker found
     nothing to file, and fires once; that try failed, and the next one filed it completed."""
-    from handoffd.features.cancellation import cancel
+    from handoffd.features.cancel_family import cancel
     handler = Counting()
     engine = engine_with(tmp_path, handler)
     hid = submit(engine)

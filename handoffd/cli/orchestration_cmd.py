@@ -52,7 +52,7 @@ def cancel(
     root: RootOption = None,
 ) -> None:
     """Cancel a pending or running handoff (pending: filed at once; running: its daemon stops it)."""
-    from ..features.cancellation import cancel as do_cancel
+    from ..features.cancel_family import cancel as do_cancel
     from ..service.waiting import wait_terminal
 
     if not 0 <= timeout <= MAX_CANCEL_WAIT_SECONDS:  # (NaN fails both comparisons)

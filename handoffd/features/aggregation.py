@@ -20,7 +20,7 @@ from ..core.filing import final_answer
 from ..core.formats import ArtifactSink
 from ..core.logs import log
 from ..core.timeutil import parse_iso
-from . import artifacts, cancellation
+from . import artifacts, cancel_family
 from .answer_copies import ANSWER_SLACK_BYTES, Copies, answer_limit, copies
 from .childfacts import SUCCESS_LIKE, ChildInfo, Holding, json_size, read_child
 
@@ -144,8 +144,8 @@ def _stop_open(engine: "Engine", job: "Job", strategy: str, infos: list[ChildInf
            else "the parent's deadline passed")
     for info in open_:
         try:
-            cancellation.cancel(engine, info.handoff_id, reason=f"{why} ({job.handoff_id})",
-                                cascade=True, by=job.handoff_id, via="aggregation")
+            cancel_family.cancel(engine, info.handoff_id, reason=f"{why} ({job.handoff_id})",
+                                 cascade=True, by=job.handoff_id, via="aggregation")
         except (HandoffdError, OSError):
             pass
         info.status = "cancelled" if why.startswith("first_success") else "timeout"

@@ -170,7 +170,7 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
     Whatever fails once the handoff is claimed hands it back as it was (still waiting for an
     answer, its attempt not spent) before the error goes on: left in in-progress/, the sweep
     recovered it as a dead owner's claim, spent a retry and ran it without the answer."""
-    from .cancellation import hand_back  # (the one hand-back of a claim taken to change it)
+    from .cancel_family import hand_back  # (the one hand-back of a claim taken to change it)
     check_storable(data, "answer", depth_below=ANSWER_DEPTH)
     check_text(by, "who answers")
     box: list[Any] = []

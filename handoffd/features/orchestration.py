@@ -63,7 +63,7 @@ from ..core.formats import ArtifactSink, FiledState
 from ..core.logs import log
 from ..core.states import PARKED, State
 from ..core.timeutil import iso
-from . import aggregation, cancellation, clarification
+from . import aggregation, cancel_family, cancel_requests, clarification
 from .children import _plan_children, child_id, ensure_conversation
 from .children_gate import FinishedChildren, children_gate
 from .clarification import (
@@ -251,14 +251,14 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
     # a cancel of the parent may land while its children are made: a canceller's walk of the
     # family sees only those made so far, so its request is looked at before each child and
     # after the last (once it is seen, no more are made; see _cancelled_delegation)
-    stop = cancellation.requested(engine, claim.id)
+    stop = cancel_requests.requested(engine, claim.id)
     try:
         for cid, child in plan.new:
             if stop is not None:
                 break
             engine.backend.create(child, cid, now)
             made.append(cid)
-            stop = cancellation.requested(engine, claim.id)
+            stop = cancel_requests.requested(engine, claim.id)
     except Exception as exc:  # whatever it was, no child may run beside a parent filed failed
         code, message, retryable = _creation_failure(claim.id, exc)
     else:
@@ -312,23 +312,23 @@ def _cancelled_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
     being made. A cascading request cancels those made (the canceller's walk may have run
     before they existed); a plain one leaves them, as it leaves the children of a parked
     parent. Either way the filed parent names every child it made (``handoffd.children``), so
-    a cascading request's walk at its filing (cancellation.settle) reaches them and theirs."""
+    a cascading request's walk at its filing (cancel_family.settle) reaches them and theirs."""
     block = book(claim.doc)
     known = block.get("children")
     if not isinstance(known, list):
         known = block["children"] = []
     known.extend(c for c in children if c not in known)
-    cascade = cancellation.cascading(body)
+    cascade = cancel_requests.cascading(body)
     if cascade:
-        cancellation.cancel_made(engine, claim.id, children, body)
+        cancel_family.cancel_made(engine, claim.id, children, body)
     log.info("handoff %s: cancelled while making its children (%d made%s)", claim.id,
              len(children), ", cancelled with it" if cascade else "")
     outcome = engine.failure(engine.clock(), ErrorCode.CANCELLED,
                              f"handoff {claim.id} cancelled while delegating: "
-                             f"{cancellation.describe(body)}; {len(children)} child(ren) made"
+                             f"{cancel_requests.describe(body)}; {len(children)} child(ren) made"
                              + (", cancelled with it" if cascade and children else ""),
                              retryable=False)
-    outcome.artifacts = cancellation.children_artifacts(engine, claim.doc)
+    outcome.artifacts = cancel_family.children_artifacts(engine, claim.doc)
     return engine._file(claim, dialect, spec, outcome)  # (a filer: Engine.file tells listeners)
 
 
@@ -349,8 +349,8 @@ def _cancel_orphans(engine: "Engine", parent: str, children: list[str], why: str
     run beside a parent that does not wait for it. Never raises."""
     for cid in children:
         try:
-            cancellation.cancel(engine, cid, reason=f"the delegation of {parent} failed: {why}",
-                                cascade=True, by=parent, via="delegation")
+            cancel_family.cancel(engine, cid, reason=f"the delegation of {parent} failed: {why}",
+                                 cascade=True, by=parent, via="delegation")
         except Exception as exc:  # the next child, and the parent's filing, still go on
             log.warning("handoff %s: cannot cancel its child %s: %s", parent, cid, _why(exc))
 

@@ -231,7 +231,7 @@ class Client:
         ``requested`` (running: its daemon stops it) or ``finished`` (nothing to do).
         UsageError for a ``reason`` that is not UTF-8 text (a lone surrogate): the feature
         refuses it before anything is claimed."""
-        from ..features.cancellation import cancel
+        from ..features.cancel_family import cancel
         if not isinstance(reason, str):
             raise UsageError(f"reason must be text; not {type(reason).__name__}")
         return cancel(self.engine, handoff_id, reason=reason, cascade=cascade,

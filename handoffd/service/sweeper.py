@@ -224,7 +224,7 @@ def _cancel_orphans(engine: Engine, claim: Claim) -> None:
     """A parent filed for good after its interrupted attempt: the children that attempt made
     (a replay would have adopted them) have nobody waiting for them, so they are cancelled with
     their descendants, as when storing a delegation fails midway (features.orchestration)."""
-    from ..features import cancellation, children  # (rare: not on every command's imports)
+    from ..features import cancel_family, children  # (rare: not on every command's imports)
     try:
         orphans = children.made_by_interrupted_attempts(engine, claim.doc, claim.id)
     except (HandoffdError, OSError) as exc:
@@ -233,9 +233,9 @@ def _cancel_orphans(engine: Engine, claim: Claim) -> None:
         return
     for cid in orphans:
         try:
-            cancellation.cancel(engine, cid, reason=f"the delegation of {claim.id} was "
-                                "interrupted and its parent failed", cascade=True, by=claim.id,
-                                via="recovery")
+            cancel_family.cancel(engine, cid, reason=f"the delegation of {claim.id} was "
+                                 "interrupted and its parent failed", cascade=True, by=claim.id,
+                                 via="recovery")
         except (HandoffdError, OSError) as exc:  # the next child still goes
             log.warning("recovering %s: cannot cancel its child %s: %s", claim.id, cid, exc)
 
