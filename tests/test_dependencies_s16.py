@@ -21,7 +21,7 @@ from test_dependencies import CountingBackend, done
 from handoffd import Daemon, Engine, Registry, State, build_engine, new_native_request
 from handoffd.core.config import Config, DaemonSettings
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
-from handoffd.features import dependencies
+from handoffd.features import archived_ids
 from handoffd.features.dependencies import Graph
 
 REMOVED = "which existed but was removed by retention (archived or purged)"
@@ -238,7 +238,7 @@ def test_the_archive_index_reads_a_file_once_until_it_changes(tmp_path: Path,
     append_archive(ws, [(State.COMPLETED, "a", {"x": 1}), (State.FAILED, "b", {}),
                         (State.FAILED, "c", {}), (State.COMPLETED, "c", {})], clock())
     reads_of: list[str] = []
-    index = dependencies.ArchiveIndex(ws)
+    index = archived_ids.ArchiveIndex(ws)
     real = index.read
 
     def counted(path: Path) -> dict[str, str]:
@@ -268,4 +268,4 @@ def test_the_archive_index_takes_the_newest_file_of_a_day_last(tmp_path: Path) -
                         ("2026-11-23.jsonl.gz", "failed")):
         line = '{"id": "e", "state": "%s", "archived_at": "x", "document": {}}\n' % state
         (folder / name).write_bytes(gzip.compress(line.encode()))
-    assert dependencies.ArchiveIndex(ws).completed("e")
+    assert archived_ids.ArchiveIndex(ws).completed("e")

@@ -20,7 +20,6 @@ import fcntl
 import json
 import os
 import queue
-import resource
 import signal
 import subprocess
 import sys

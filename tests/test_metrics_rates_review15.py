@@ -7,8 +7,6 @@ agents and codes made 202,503 series; 32 clients sending a byte every 5 s held t
 from __future__ import annotations
 
 import json
-import os
-import re
 import socket
 import subprocess
 import sys

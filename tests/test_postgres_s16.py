@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Workspace
 from test_postgres import T0, backend, request, sql
 from test_postgres_hostile import pg_workspace
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from conftest import Workspace, new_workspace, reason_codes, wait_until
 from handoffd.backends.files import records as records_mod
 from handoffd.backends.files.records import FileRecords, UnusableRecords, limit_of
-from handoffd.core.specialists import Specialist
 from handoffd.core.suspects import Suspects
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 from handoffd.features import pause as pause_mod
