@@ -134,15 +134,20 @@ class Dispatcher:
         if handler is not None:  # e.g. a seed 000 CancellationPayload message
             self.submit("", self.attempts.aside, handoff_id, handler)
             return
+        deadline = scheduler.deadline(handoff_id, peek)
+        now = self.engine.clock()
+        if deadline is not None and deadline <= now:
+            # admission answers it TIMEOUT (or EXPIRED), unrun: also when a retry or a throttle
+            # put it off past its deadline (seed 000: answered before it)
+            self.submit("", self.attempts.work, handoff_id)
+            return
         if peek.due_at is not None:
-            wait = (peek.due_at - self.engine.clock()).total_seconds()
+            wait = (peek.due_at - now).total_seconds()
             if wait > 0:
+                if deadline is not None:
+                    wait = min(wait, (deadline - now).total_seconds())
                 scheduler.notify(handoff_id, wait)
                 return
-        deadline = scheduler.deadline(handoff_id, peek)
-        if deadline is not None and deadline <= self.engine.clock():
-            self.submit("", self.attempts.work, handoff_id)  # admission answers it TIMEOUT, unrun
-            return
         spec = self.engine.registry.get(peek.target or "")
         if spec is None:
             scheduler.look_again_at(handoff_id, deadline)
