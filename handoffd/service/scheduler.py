@@ -39,6 +39,7 @@ READY_WINDOW = 64  # due handoffs read ahead to order by priority
 SPIN_UP_SECONDS = 0.005
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
 WAKE = ""  # a time-heap entry that only wakes the loop (no handoff id is empty)
+FIRST = -1.0  # the due time of a woken waiter (look_first): before any monotonic time
 
 
 class Scheduler(Lines, QuietWaits):
@@ -105,6 +106,19 @@ class Scheduler(Lines, QuietWaits):
                 return
             self.queued[handoff_id] = due
             heapq.heappush(self.heap, (due, 2, next(self.seq), handoff_id))
+            self.cv.notify()
+
+    def look_first(self, handoff_id: str) -> None:
+        """Look at ``handoff_id`` before anything else due in its priority: a waiter whose wait
+        a filing may have ended. Its gate's check takes no worker, and what it lets go waited
+        longest: a first_success parent woken by its winner's filing, queued behind its other
+        children, was looked at only once they had all run (with one worker, or a specialist's
+        concurrency of 1)."""
+        with self.cv:
+            if handoff_id in self.readied:
+                return  # already read and waiting its turn in the ready window
+            self.queued[handoff_id] = FIRST
+            heapq.heappush(self.heap, (FIRST, 2, next(self.seq), handoff_id))
             self.cv.notify()
 
     def request_rescan(self) -> None:
@@ -265,7 +279,7 @@ class Scheduler(Lines, QuietWaits):
             self.waits_on.pop(waiter, None)
             self.fails_on.pop(waiter, None)
             self.quiet_stamps.pop(waiter, None)
-            self.notify(waiter)
+            self.look_first(waiter)
 
     def deadline(self, handoff_id: str, peek: Peek) -> datetime | None:
         """When a pending handoff must be claimed whatever holds it back: to be answered unrun
