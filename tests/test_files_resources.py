@@ -10,7 +10,7 @@ SETUP = """
 import gc, os, resource, sys
 from pathlib import Path
 from handoffd.backends.files.backend import FilesBackend
-from handoffd.core.documents import new_native_request
+from handoffd.core.native_format import new_native_request
 from handoffd.core.timeutil import utc_now
 from handoffd.core.workspace import Workspace
 ws = Workspace(Path(sys.argv[1])); ws.ensure()
