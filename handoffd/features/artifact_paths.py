@@ -11,7 +11,9 @@ no artifact is written or hashed here (that is :mod:`.artifacts`).
   fails ``SCHEMA_VALIDATION_FAILED``, so no request can make handoffd overwrite an artifact
   another handoff filed with its sha256.
 * **Names**: the folder part naming a handoff's artifacts (:func:`_id_part`) and the file name of
-  an artifact the handler named (:func:`_file_name`), both safe on any file system.
+  an artifact the handler named (:func:`_file_name`), both safe on any file system. Whether that
+  folder can hold the handoff's files (:func:`own_folder_problem`: a folder of the workspace, or
+  none yet; never a file, a FIFO or a symlink in its place).
 
 **References** a handler reports (``path`` / ``artifact_path`` / ``content_ref``) are confined by
 :func:`confine_reference`: a plain path must resolve inside the workspace; ``beads:KEY`` must be a
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 import unicodedata
 import urllib.parse
@@ -152,6 +155,45 @@ def _id_part(handoff_id: str) -> str:
         return plain
     from ..core.hashing import sha256_hex
     return f"{plain}-{sha256_hex(handoff_id.encode('utf-8', 'surrogatepass'))[:10]}"
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` (from ``lstat``) is, in a few words."""
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISREG, "a regular file"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return what
+    return "not a folder"
+
+
+def own_folder_problem(ws: Workspace, part: str) -> str | None:
+    """Why ``artifacts/<part>/`` (``part`` from :func:`_id_part`), where handoffd keeps a handoff's
+    contents of 1 KB or more, cannot hold them, and what to do about it (one line); None when it
+    can (a folder of the workspace, or missing: it is made then). ``artifacts/`` leading out of
+    the workspace, or anything but a folder in its place or the handoff's, is such a reason.
+    A symlink at ``artifacts/<part>`` is refused even when it points inside the workspace:
+    through it handoffd would overwrite another handoff's files, whose sha256 it filed. OSError
+    when it cannot be looked at (a permission: a passing reason)."""
+    real = ws.inside("artifacts")
+    if real is None:
+        return (f"artifacts/ leads out of the workspace (to {os.path.realpath(ws.artifacts)}), "
+                "where handoffd writes nothing: make artifacts/ a folder of the workspace")
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        if os.path.lexists(ws.artifacts):  # a symlink to nothing: no folder can be made there
+            return f"artifacts is a symbolic link to {real}, which does not exist: make it a folder"
+        return None  # made when the first artifact is stored
+    if not stat.S_ISDIR(mode):
+        return f"artifacts is {_kind(mode)}, not a folder: move it away"
+    try:
+        mode = os.lstat(real / part).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(mode):
+        return None
+    return f"artifacts/{part} is {_kind(mode)}, not a folder: move it away"
 
 
 def destination_template(doc: dict[str, Any]) -> str | None:

@@ -13,7 +13,10 @@ files) and what a reference may name (confined to the workspace) is :mod:`.artif
   (``inline_content``, ``content_ref`` null); content of 1 KB or more is written to
   ``artifacts/<handoff_id>/<name>`` and answered by reference (``content_ref`` and ``path``,
   ``inline_content`` null). Exactly one of the two is set. ``output.content`` of 1 KB or more is
-  moved out the same way even without a destination.
+  moved out the same way even without a destination. Where ``artifacts/<handoff_id>/`` cannot
+  hold them (``artifacts/`` leading out of the workspace; a file, a FIFO or a symlink in the
+  folder's place), the attempt fails once, ``VALIDATION_FAILED``, its message saying what to
+  move (:func:`_answerable`): never an answer with 1 KB inline, never a write through the link.
 * **Records**: every artifact in the filed document carries ``size_bytes`` and ``sha256`` (also in
   its ``metadata``), computed from the bytes on disk (referenced) or the inline text. A referenced
   file over :data:`MAX_ARTIFACT_BYTES` (its size from ``fstat``, before any byte is read: a sparse
@@ -25,6 +28,7 @@ No artifact is ever written or recorded outside the workspace: paths are resolve
 """
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -34,15 +38,17 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..backends.files import fsio
 from ..core.documents import Outcome
 from ..core.errors import ErrorCode, InvalidDocument
-from ..core.formats import ArtifactSink
+from ..core.formats import ArtifactSink, FiledState
 from ..core.hashing import sha256_hex
 from ..core.ownfiles import open_reading
+from ..core.states import PARKED, Status
 from ..core.workspace import Workspace, workspace_at
 from .artifact_paths import (
     _file_name,
     _id_part,
     confine_reference,
     destination_template,
+    own_folder_problem,
     resolve_destination,
 )
 
@@ -113,16 +119,53 @@ def _write(ws: Workspace, rel: str, data: bytes) -> None:
     fsio.replace(target, data, ws.tmp, durable=True)
 
 
+def _folder_refused(handoff_id: str, problem: str, *, lost: bool = False) -> str:
+    """The one-line message of a handoff whose own artifact folder cannot be used (``lost``:
+    its result is not filed)."""
+    return (f"handoff {handoff_id}: {'its result was not filed: ' if lost else ''}its content of "
+            f"1 KB or more cannot be stored (seed 000's 1 KB rule): {problem}, then `handoff "
+            f"retry --force {handoff_id}`")
+
+
+def _make_own_folder(ws: Workspace, handoff_id: str) -> str | None:
+    """Make ``artifacts/<id>/`` (the handoff's own folder: :func:`_id_part`) when missing; why it
+    cannot hold files (:func:`own_folder_problem`), or None. OSError for a passing reason."""
+    part = _id_part(handoff_id)
+    problem = own_folder_problem(ws, part)
+    if problem is None:
+        try:
+            (ws.artifacts / part).mkdir(parents=True)
+        except FileExistsError:  # made meanwhile (by another attempt), or something else is there
+            problem = own_folder_problem(ws, part)
+    return problem
+
+
+def _own_folder(ws: Workspace, handoff_id: str) -> None:
+    """:func:`_make_own_folder`, raising InvalidDocument (VALIDATION_FAILED) for a folder that
+    cannot hold files: the same on every attempt, so not retried."""
+    problem = _make_own_folder(ws, handoff_id)
+    if problem is not None:
+        raise InvalidDocument(_folder_refused(handoff_id, problem), handoff_id=handoff_id,
+                              code=ErrorCode.VALIDATION_FAILED)
+
+
 def text_sink(ws: Workspace) -> ArtifactSink:
     """The engine's artifact sink: a large artifact's text goes to
-    ``artifacts/<handoff_id>/<index>.txt`` (atomically) and the answer names that path; when
-    artifacts/ leads out of the workspace (a symlink) nothing is written and the text stays inline."""
+    ``artifacts/<handoff_id>/<index>.txt`` (atomically) and the answer names that path. Never
+    None (the text inline would make an answer its format's schema forbids) and nothing outside
+    the workspace: a folder that cannot be used, or a failed write, raises OSError. ``collect``
+    fails an attempt whose answer would meet an unusable folder before it is filed, so here
+    that is a race; a passing reason (a full disk) takes the path docs/guarantees.md describes."""
     def store(handoff_id: str, index: int, text: str) -> str | None:
         relative = f"artifacts/{_id_part(handoff_id)}/{index}.txt"
+        problem = _make_own_folder(ws, handoff_id)
+        if problem is not None:  # an OSError: filing gives such a claim up (any other error
+            # left it claimed until its lease lapsed), and the next attempt fails once (collect)
+            raise OSError(errno.ENOTDIR, f"cannot store {relative}: {problem}")
         try:
             _write(ws, relative, text.encode("utf-8"))
-        except InvalidDocument:
-            return None
+        except InvalidDocument as exc:  # (a folder swapped for a link since: the same)
+            raise OSError(errno.ENOTDIR, str(exc)) from None
         return relative
     return store
 
@@ -205,23 +248,87 @@ def collect(job: "Job", outcome: Outcome, *, enforce: bool = True,
     output artifact at ``expected_output.destination`` fails it too, unless not ``enforce``
     (``[daemon] expectations = "advisory"``): then it is a warning of the result. ``host``
     (a store several hosts share): each artifact stored as a file here names this host beside
-    its ``content_ref``, since the file is in this host's workspace."""
+    its ``content_ref``, since the file is in this host's workspace. Any outcome to be filed
+    is then checked by :func:`_answerable`."""
     if not outcome.succeeded:
-        return outcome
+        parked = outcome.status in PARKED or outcome.status == Status.THROTTLED
+        return outcome if parked else _answerable(job, outcome)
     try:
         collected = _collect(job, outcome, enforce)
         if host:
             name_host(collected.artifacts, host)
-        return collected
+        return _answerable(job, collected)
     except InvalidDocument as exc:
         code, message, retryable = exc.code, str(exc), False
     except OSError as exc:  # a disk error may pass; a name the file system refuses will not
         code, message, retryable = ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: cannot store " \
             f"artifacts: {exc.strerror or exc}", exc.errno not in PERMANENT_ERRNOS
-    return Outcome(status="failed", started_at=outcome.started_at, finished_at=outcome.finished_at,
-                   output=outcome.output, metadata=outcome.metadata, warnings=outcome.warnings,
-                   error={"code": code, "message": message, "retryable": retryable},
-                   executed_by=outcome.executed_by)
+    return _answerable(job, Outcome(
+        status="failed", started_at=outcome.started_at, finished_at=outcome.finished_at,
+        output=outcome.output, metadata=outcome.metadata, warnings=outcome.warnings,
+        error={"code": code, "message": message, "retryable": retryable},
+        executed_by=outcome.executed_by))
+
+
+def _answerable(job: "Job", outcome: Outcome) -> Outcome:
+    """``outcome``, unless its answer would keep content of 1 KB or more (seed 000's 1 KB rule:
+    the engine's sink, :func:`text_sink`) in a folder that cannot hold it
+    (:func:`own_folder_problem`): then a failure in its place, ``VALIDATION_FAILED``, not
+    retried (the same every attempt), its message saying what to move, with no output or
+    artifacts (so that its own answer needs no folder). Filed any other way, the answer either
+    broke its schema (the text inline) or failed filing again and again, the handler rerun each
+    time. Cheap for most outcomes: under 1 KB of JSON nothing is stored, and the answer is
+    rendered (on a copy) only when the handoff's folder has a problem."""
+    if _json_bytes(outcome) < INLINE_LIMIT:
+        return outcome
+    ws = workspace_at(str(job.context.root))
+    try:
+        if own_folder_problem(ws, _id_part(job.handoff_id)) is None:
+            return outcome
+        problems = [(stored_id, own_folder_problem(ws, _id_part(stored_id)))
+                    for stored_id in _stored_ids(job, outcome)]
+    except OSError:  # (cannot be looked at: a passing reason, met again when it is filed)
+        return outcome
+    refused = [(stored_id, problem) for stored_id, problem in problems if problem is not None]
+    if not refused:
+        return outcome
+    stored_id, problem = refused[0]
+    message = _folder_refused(stored_id, problem, lost=True)
+    earlier = str((outcome.error or {}).get("message"))
+    if outcome.error and earlier != _folder_refused(stored_id, problem):  # (not said already)
+        message += f" (the attempt had failed: {outcome.error.get('code')}: {earlier[:300]})"
+    return Outcome(status="failed", started_at=outcome.started_at,
+                   finished_at=outcome.finished_at, metadata=outcome.metadata,
+                   warnings=outcome.warnings, executed_by=outcome.executed_by,
+                   fields=outcome.fields,
+                   error={"code": ErrorCode.VALIDATION_FAILED,
+                          "message": message, "retryable": False})
+
+
+def _json_bytes(outcome: Outcome) -> int:
+    """UTF-8 bytes of ``outcome``'s output and artifacts as JSON: no text of theirs a format
+    stores (a string, or a value as JSON: a part of this) is longer."""
+    try:
+        text = json.dumps([outcome.output, outcome.artifacts], ensure_ascii=False, default=str)
+    except (TypeError, ValueError, RecursionError):  # (its format cannot render it either)
+        return 0
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _stored_ids(job: "Job", outcome: Outcome) -> list[str]:
+    """The ids under which filing ``outcome`` stores content in the sink: its answer rendered
+    on a copy with a sink that records the calls and writes nothing."""
+    calls: list[str] = []
+
+    def record(handoff_id: str, index: int, text: str) -> str | None:
+        calls.append(handoff_id)
+        return f"artifacts/{_id_part(handoff_id)}/{index}.txt"
+    try:
+        job.dialect.render(copy.deepcopy(job.claim.doc), outcome, FiledState(0, 0, False),
+                           artifacts=record)
+    except Exception:  # (a format that cannot render it fails its filing, which says so)
+        return []
+    return list(dict.fromkeys(calls))
 
 
 def name_host(artifacts: list[Any], host: str) -> None:
@@ -251,6 +358,7 @@ def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
         if isinstance(dest_rel, str):
             rel = dest_rel
         elif len(data) >= INLINE_LIMIT:
+            _own_folder(ws, handoff_id)
             rel = f"artifacts/{_id_part(handoff_id)}/output{'.txt' if isinstance(output['content'], str) else '.json'}"
         if rel is not None:
             _write(ws, rel, data)
@@ -327,6 +435,7 @@ def _one(ws: Workspace, handoff_id: str, index: int, item: Any, used: set[str],
         rel = f"artifacts/{_id_part(handoff_id)}/{filename}"
         if rel in used:
             rel = f"artifacts/{_id_part(handoff_id)}/{index}-{filename}"
+        _own_folder(ws, handoff_id)
         _write(ws, rel, data)
         used.add(rel)
         return _record(kind, name=name or filename, ref=rel, inline=None, facts=digest(data),
