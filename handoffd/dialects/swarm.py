@@ -108,7 +108,7 @@ class SwarmDialect:
         request = self._request(doc)
         contract = given if isinstance(given := request.get("contract"), dict) else {}
         status = sh.effective_status(outcome)
-        violations = report_violations(outcome)
+        violations = report_violations(outcome, sh.strings(contract.get("dependencies_completed")))
         answer: dict[str, Any] = {
             "task_id": contract.get("task_id", request.get("task_id")),
             "status": status,
@@ -159,15 +159,44 @@ class SwarmDialect:
         return out
 
 
-def report_violations(outcome: Outcome) -> list[Any]:
+def report_violations(outcome: Outcome, dependencies: list[str] | None = None) -> list[Any]:
     """Every contract violation of the attempt, once each: those that failed it (``error``),
     those the contract checks recorded without failing it (``validation.violations``: a
     ``files_touched`` that names a file the worker did not change, e.g. one outside
-    ``files_owned``, which seed 004's validateCompletion counts as a violation too), and those
-    the worker reported itself (``output.violations``). ``valid`` is true only when it is empty."""
+    ``files_owned``, which seed 004's validateCompletion counts as a violation too), those
+    the worker reported itself (``output.violations``), and a ``dependency_missing`` when the
+    dependencies gate failed the handoff before it ran (:func:`gate_dependency_violation`;
+    ``dependencies``: the contract's ``dependencies_completed``). ``valid`` is true only when
+    it is empty."""
     violations = sh.error_list(outcome, "violations")
     recorded = outcome.validation.get("violations") if isinstance(outcome.validation, dict) else None
     for source in (recorded, sh.output_field(outcome, "violations")):
         if isinstance(source, list):
             violations.extend(v for v in source if v not in violations)
+    gated = gate_dependency_violation(outcome, dependencies or [])
+    if gated is not None and gated not in violations:
+        violations.insert(0, gated)
     return violations
+
+
+def gate_dependency_violation(outcome: Outcome, dependencies: list[str]) -> dict[str, Any] | None:
+    """The ``dependency_missing`` violation of a handoff the dependencies gate failed (error
+    ``DEPENDENCY_MISSING`` with no handler run: nothing executed it), else None. A handler
+    that answers DEPENDENCY_MISSING itself states what it believes, as any failure: its
+    ``output.violations`` are how it reports one. It is what the contracts feature appends to
+    the violations log for the same rejection, so the report and the log agree."""
+    if outcome.executed_by is not None or sh.error_code(outcome) != ErrorCode.DEPENDENCY_MISSING:
+        return None
+    return dependency_violation(sh.error_message(outcome) or "", dependencies)
+
+
+def dependency_violation(message: str, dependencies: list[str]) -> dict[str, Any]:
+    """Seed 004's dependency check as a violation: the dependencies gate failed a contract's
+    handoff with ``message``, which names the dependency that is missing or failed (or the
+    cycle through them). ``missing``: the ones of ``dependencies`` (``dependencies_completed``)
+    it names, all of them when it names none."""
+    deps = list(dict.fromkeys(dependencies))
+    words = set(message.split())  # (ids hold no space; the gate writes "on X, which", "X;")
+    missing = [d for d in deps if not words.isdisjoint((d, d + ",", d + ";"))]
+    return {"kind": "dependency_missing", "missing": missing or deps, "dependencies": deps,
+            "message": message}

@@ -19,6 +19,7 @@ a cancel request (:mod:`.cancel_requests`) that its daemon carries out (:mod:`.c
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -243,18 +244,44 @@ def hand_back(engine: "Engine", claim: "Claim", dialect: "Dialect", saved: dict[
 
 def children_artifacts(engine: "Engine", doc: dict[str, Any]) -> list[Any]:
     """What the completed children of a cancelled fan-out parent produced (each marked with its
-    ``metadata.child_id``): cancelling the parent keeps the work that was done."""
+    ``metadata.child_id``): cancelling the parent keeps the work that was done. Each child is
+    read through its format as aggregation reads it (:func:`.childfacts.read_child`): a hi_moe
+    child keeps its artifacts in ``payload.artifacts`` beside its ``output`` artifact, a native
+    one in ``artifacts`` (the other formats' parents make native children). At most
+    max_output_bytes of them (JSON) are kept, as an aggregated answer copies: a child's that
+    do not fit are named by an ``artifacts_omitted`` record (the filed parent stays readable)."""
+    # loaded by the first cancelled handoff that has children (`handoff cancel` of one without
+    # never loads them)
+    from . import artifacts
+    from .childfacts import SUCCESS_LIKE, Holding, from_child, json_size, read_child
+
     out: list[Any] = []
+    left = engine.settings.max_output_bytes
     children = book(doc).get("children")
-    for child in children if isinstance(children, list) else []:
+    ids = [c for c in children if isinstance(c, str)] if isinstance(children, list) else []
+    for child in dict.fromkeys(ids):  # (a list written twice names a child twice)
         try:
-            state, child_doc = engine.get(str(child))
-        except (HandoffdError, OSError):
+            # one child's answer in hand at a time: the budget is applied here, to artifacts only
+            info = read_child(engine, child, Holding(sys.maxsize))
+        except (HandoffdError, OSError, TypeError, ValueError, RecursionError) as exc:
+            # a child's answer its format cannot read (a file placed in the workspace): the
+            # parent is cancelled all the same, without that child's artifacts
+            log.warning("cancel: the artifacts of child %s are not kept: its answer cannot be "
+                        "read: %s: %s", child, type(exc).__name__, str(exc)[:200])
             continue
-        items = child_doc.get("artifacts") if state is State.COMPLETED else None
-        for item in items if isinstance(items, list) else []:
-            if isinstance(item, dict):
-                given = item.get("metadata")
-                meta: dict[str, Any] = given if isinstance(given, dict) else {}
-                out.append({**item, "metadata": {**meta, "child_id": child}})
+        if info.state != State.COMPLETED.value or info.status not in SUCCESS_LIKE:
+            continue
+        items = [from_child(item, child) for item in info.artifacts if isinstance(item, dict)]
+        size = json_size(items)
+        if size <= left:
+            out.extend(items)
+            left -= size
+            continue
+        shown = "too large to write" if size == sys.maxsize else f"{size} bytes"
+        out.append(artifacts._record(
+            "artifacts_omitted", name=None, ref=None, facts=None,
+            inline=f"its {len(items)} artifacts ({shown}) are not kept: a cancelled parent "
+                   f"keeps at most {engine.settings.max_output_bytes} bytes of its children's "
+                   f"artifacts; see `handoff show {child}`",
+            metadata={"child_id": child, "count": len(items), "size_bytes": size}))
     return out

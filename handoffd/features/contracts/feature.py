@@ -26,8 +26,9 @@ block, or a top-level ``contract`` object on a native document::
   recorded, see :func:`Enforcer.review`), run the checkable success criteria (a failure is
   ``VALIDATION_FAILED``), file every result under ``validation``, release the reservation, and
   append each violation to the learning log (:mod:`handoffd.features.contracts.violations`);
-* a wrapper around ``Engine.reject`` logging ``dependency_missing`` when a contract handoff is
-  failed by the dependencies gate.
+* an ``on_rejected`` listener logging ``dependency_missing`` when a contract handoff is failed
+  by the dependencies gate (a WorkerHandoff's completion report lists the same violation:
+  :func:`handoffd.dialects.swarm.dependency_violation`).
 
 Paths in a contract are relative to the contract directory (the workspace root unless ``cwd``).
 
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ...core.documents import Envelope, Outcome, book
 from ...core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
 from ...core.logs import deferred
+from ...dialects.swarm import dependency_violation
 from ..dependencies import Verdict
 from ..stores import violation_log
 from . import patterns
@@ -179,8 +181,11 @@ class Enforcer:
             contract = parse(job.envelope)
         except InvalidDocument:
             contract = None
-        self.reviewer.record(job.envelope, "dependency_missing",
-                             {"message": message, "dependencies": job.envelope.depends_on},
+        # the facts a WorkerHandoff's completion report lists for the same rejection (and its
+        # ``valid`` is false): the log and the report must never disagree
+        details = dependency_violation(message, list(job.envelope.depends_on))
+        details.pop("kind")
+        self.reviewer.record(job.envelope, "dependency_missing", details,
                              task_id=contract.task_id if contract else None,
                              attempt=job.claim.attempt)
 
