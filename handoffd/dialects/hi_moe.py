@@ -387,7 +387,8 @@ def read_outcome(answer: dict[str, Any]) -> dict[str, Any] | None:
         return None
     output: Any = None
     others = []
-    for item in payload.get("artifacts") or []:
+    given = payload.get("artifacts")  # (a list in every answer handoffd files: not in a planted one)
+    for item in given if isinstance(given, list) else []:
         if isinstance(item, dict) and item.get("artifact_type") == "output" and output is None \
                 and isinstance(item.get("inline_content"), str):
             try:
