@@ -243,3 +243,24 @@ def test_the_sink_never_answers_inline(tmp_path: Path) -> None:
         sink("h1", 1, "x" * 2000)
     assert sink("h2", 1, "y" * 2000) == "artifacts/h2/1.txt"
     assert (ws.artifacts / "h2" / "1.txt").read_text() == "y" * 2000
+
+
+def test_a_destination_whose_folder_is_a_file_fails_before_the_handler(big: Workspace) -> None:
+    """``expected_output.destination`` under a file (artifacts/blocked is a regular file): the
+    folder's ``mkdir`` raised FileExistsError out of the before-run hook, and the handoff stayed
+    in in-progress/ ("will retry in 5.0s" at every look). Now it fails before its handler runs,
+    VALIDATION_FAILED, naming what is in the way."""
+    (big.root / "artifacts" / "blocked").write_text("in the way")
+    for hid, dest in (("d1", "artifacts/blocked/out-{handoff_id}.json"),
+                      ("d2", "artifacts/blocked/deeper/out.json")):
+        big.drop(f"{hid}.json", {"handoff_id": hid, "target": {"agent_id": "@big"},
+                                 "input": {"data": {}}, "expected_output": {"destination": dest}})
+    done = big.handoffd("run", timeout=120)
+    assert "Traceback" not in done.stderr and "will retry" not in done.stderr, done.stderr
+    for hid in ("d1", "d2"):
+        assert big.state_of(hid) == ["failed"], big.state_of(hid)
+        error = json.loads(answer_path(big, hid, "failed").read_text())["error"]
+        assert error["code"] == "VALIDATION_FAILED", error
+        assert "artifacts/blocked is not a folder: move it away" in error["message"], error
+    assert runs(big) == []  # no handler ran
+    assert (big.root / "artifacts" / "blocked").read_text() == "in the way"

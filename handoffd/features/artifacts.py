@@ -95,10 +95,28 @@ def prepare(job: "Job") -> None:
     rel, target = resolve_destination(ws, template, handoff_id=job.handoff_id,
                                       attempt=job.context.attempt, agent=job.specialist.agent)
     if not target.parent.is_dir():  # (one stat when it exists, as it does after the first)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # the same at every attempt: not retried
+            raise InvalidDocument(
+                f"handoff {job.handoff_id}: expected_output.destination {rel!r} cannot be "
+                f"written: {_not_a_folder(ws, target.parent)} is not a folder: move it away, "
+                f"then `handoff retry --force {job.handoff_id}`", handoff_id=job.handoff_id,
+                code=ErrorCode.VALIDATION_FAILED) from None
     job.context.artifact_path = target
     job.context.artifact_rel = rel
     job.context.env["HANDOFF_ARTIFACT_PATH"] = str(target)
+
+
+def _not_a_folder(ws: Workspace, folder: Path) -> str:
+    """The first part of ``folder`` (under the workspace) that is there and is not a folder,
+    relative to the workspace (``folder`` itself when none is found: it was swapped back)."""
+    for part in reversed((folder, *folder.parents)):
+        if part == ws.root or ws.root not in part.parents:
+            continue
+        if os.path.lexists(part) and not part.is_dir():
+            return part.relative_to(ws.root).as_posix()
+    return folder.relative_to(ws.root).as_posix() if ws.root in folder.parents else str(folder)
 
 
 def digest(data: bytes) -> dict[str, Any]:
