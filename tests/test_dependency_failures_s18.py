@@ -28,7 +28,7 @@ def test_a_wait_watches_its_other_dependencies_for_failures(engine: Engine) -> N
     drop(engine, "w", ["b", "m", "a"])
     held = verdict(engine, "w")
     assert held.action == "wait" and held.on == frozenset({"a"}), held  # the last one
-    assert held.fails_on == frozenset({"b", "m"})  # the first unfinished one, and the middle
+    assert held.fails_on == ("b", "m")  # the first unfinished one, and the middle
 
 
 def test_a_first_dependency_failing_fails_the_waiter_held_for_the_last(engine: Engine) -> None:
@@ -36,7 +36,7 @@ def test_a_first_dependency_failing_fails_the_waiter_held_for_the_last(engine: E
     drop(engine, "a")
     drop(engine, "w", ["b", "a"])
     held = verdict(engine, "w")
-    assert held.on == frozenset({"a"}) and held.fails_on == frozenset({"b"}), held
+    assert held.on == frozenset({"a"}) and held.fails_on == ("b",), held
     finish(engine, "b", State.FAILED)
     graph_of(engine).filed("b", State.FAILED)  # (the daemon's listener, as after a filing)
     failed = verdict(engine, "w")
@@ -102,6 +102,7 @@ def test_the_scheduler_wakes_a_waiter_at_a_watched_failure_only(tmp_path: Path,
                                                                 engine: Engine) -> None:
     scheduler = Scheduler(engine, BatchReport(), workers=1)
     verdict_ = Verdict.wait("waiting for dependency b (pending)", on=["a"], fails_on=["b"])
+    assert verdict_.fails_on == ("b",)
     scheduler.hold("w", verdict_.reason, verdict_.on, verdict_.fails_on)
     scheduler.ended("b")  # b completed: the wait for a goes on
     assert "w" in scheduler.waiting

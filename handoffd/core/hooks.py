@@ -9,6 +9,8 @@ see :class:`Hook`); the engine's own steps call them through ``engine.hooks``.
 """
 from __future__ import annotations
 
+import sys
+
 import threading
 from dataclasses import dataclass
 from datetime import datetime
@@ -38,8 +40,9 @@ class Verdict:
     # document changes or the feature queues it: a pause); None: any filing may end it
     on: frozenset[str] | None = None
     # handoffs whose filing into failed/ may end the wait too (a later dependency failing fails
-    # the waiter at once, where only its first unfinished one's filing re-checked it)
-    fails_on: frozenset[str] = frozenset()
+    # the waiter at once, where only its first unfinished one's filing re-checked it): a few,
+    # in a tuple of interned ids (a scheduler keeps it per waiter for as long as it waits)
+    fails_on: tuple[str, ...] = ()
 
     @classmethod
     def wait(cls, reason: str, on: Iterable[str] | None = None,
@@ -47,7 +50,7 @@ class Verdict:
         """Hold the handoff back, saying why; ``on``: the handoffs whose filing may end it;
         ``fails_on``: those whose filing into failed/ may end it too."""
         return cls("wait", reason, on=None if on is None else frozenset(on),
-                   fails_on=frozenset(fails_on))
+                   fails_on=tuple(dict.fromkeys(sys.intern(i) for i in fails_on)))
 
     @classmethod
     def fail(cls, code: str, reason: str) -> "Verdict":

@@ -52,8 +52,9 @@ PROGRESS_SECONDS = 300.0
 UNFINISHED_SECONDS = 5.0  # a dependency read unfinished is not read again this soon by a first look
 # a waiter is re-checked when any of this many dependencies after its first unfinished one is
 # filed into failed/ by this daemon (beyond them, and for another process's filings, a failure is
-# found when the check reaches it, or at the first look of the next PROGRESS_SECONDS)
-WATCHED_FAILURES = 256
+# found when the check reaches it, or at the first look of the next PROGRESS_SECONDS). A few:
+# the scheduler keeps them per waiter (256 made 4,000 waiters on 300 dependencies take 95 MB)
+WATCHED_FAILURES = 16
 __all__ = ["Gate", "Graph", "Progress", "Verdict", "dependencies_gate", "install",
            "check_new_dependencies"]
 

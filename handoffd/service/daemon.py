@@ -172,7 +172,7 @@ class Daemon:
     def queue(self, handoff_id: str) -> None:
         """Look at a pending handoff again now, even if a gate held it back."""
         with self.cv:
-            self.scheduler.waiting.pop(handoff_id, None)
+            self.scheduler.unhold(handoff_id)  # (all of its wait: what may end it too)
             self.scheduler.notify(handoff_id)
 
     def notify(self, handoff_id: str, delay: float = 0.0) -> None:

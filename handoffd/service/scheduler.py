@@ -87,7 +87,7 @@ class Scheduler(Lines, QuietWaits):
         # of 1,000 dependents is then re-checked one handoff per filing, not 1,000
         self.waits_on: dict[str, frozenset[str]] = {}
         # handoff id -> the ids whose filing into failed/ may end its wait too (absent: none)
-        self.fails_on: dict[str, frozenset[str]] = {}
+        self.fails_on: dict[str, tuple[str, ...]] = {}
 
     def limit(self, spec: Specialist) -> int:
         """How many handoffs of ``spec`` this daemon runs at once: its ``concurrency``, else as
@@ -190,8 +190,9 @@ class Scheduler(Lines, QuietWaits):
             except Exception:  # peek never raises; if it ever does, the file is set aside
                 log.exception("handoff %s: cannot be read", handoff_id)
                 peek = Peek(handoff_id, readable=False)
-            if peek is None:
-                self.unpark(handoff_id)  # gone: claimed elsewhere, or filed
+            if peek is None:  # gone: claimed elsewhere, or filed
+                self.unpark(handoff_id)
+                self.unhold(handoff_id)
                 continue
             rank = peek.priority if peek.readable else -1  # set unreadable files aside first
             heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek))
@@ -239,7 +240,7 @@ class Scheduler(Lines, QuietWaits):
 
     # ------------------------------------------------------------ gates, rates, deadlines
     def hold(self, handoff_id: str, reason: str, on: frozenset[str] | None,
-             fails_on: frozenset[str] = frozenset()) -> None:
+             fails_on: tuple[str, ...] = ()) -> None:
         """A gate holds ``handoff_id`` back for ``reason`` until a filing (of one of ``on``,
         or of any handoff when None; or of one of ``fails_on`` into failed/) may end it."""
         self.waiting[handoff_id] = reason
