@@ -27,3 +27,17 @@ def test_first_success_runs_one_child_when_they_run_one_at_a_time(ows: Workspace
     assert parent["status"] == "completed", parent
     statuses = sorted(c["status"] for c in parent["aggregated_outcome"]["child_outcomes"])
     assert statuses == ["cancelled", "cancelled", "success"], parent["aggregated_outcome"]
+
+
+def test_first_success_under_serve_with_one_worker(ows: Workspace) -> None:
+    """The same under `handoffd serve` (R16): the parked parent sat in the ready window behind
+    its children, never held, so its winner's filing woke nothing."""
+    daemon = ows.serve("--workers", "1")
+    try:
+        fan_out(ows, "ps", "first_success",
+                [score(True, 0.9, value=i, sleep=0.5) for i in range(3)])
+        assert ows.wait_state("ps", ("completed", "failed"), timeout=60) == "completed"
+    finally:
+        assert ows.stop(daemon) == 0
+    statuses = sorted(c["status"] for c in ows.doc("ps")["aggregated_outcome"]["child_outcomes"])
+    assert statuses == ["cancelled", "cancelled", "success"], ows.doc("ps")["aggregated_outcome"]

@@ -215,7 +215,9 @@ class Daemon:
             elif where is State.PENDING:
                 if not self.hooks.parked(handoff_id):  # a retry
                     report.retrying += 1
-                self.scheduler.notify(handoff_id)  # dispatch reads its next_attempt_at
+                    self.scheduler.notify(handoff_id)  # dispatch reads its next_attempt_at
+                else:  # its gate holds it (e.g. for its children) before they run: their
+                    self.scheduler.look_first(handoff_id)  # filings wake it then
                 self.scheduler.wake(handoff_id)  # its attempt ended: what it held is free
             if where.terminal:
                 self.attempts.unexpected_in_a_row.pop(handoff_id, None)

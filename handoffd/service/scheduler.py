@@ -109,14 +109,20 @@ class Scheduler(Lines, QuietWaits):
             self.cv.notify()
 
     def look_first(self, handoff_id: str) -> None:
-        """Look at ``handoff_id`` before anything else due in its priority: a waiter whose wait
-        a filing may have ended. Its gate's check takes no worker, and what it lets go waited
-        longest: a first_success parent woken by its winner's filing, queued behind its other
-        children, was looked at only once they had all run (with one worker, or a specialist's
-        concurrency of 1)."""
+        """Look at ``handoff_id`` before anything else due in its priority (also when it is in
+        the ready window already): a waiter whose wait a filing may have ended, or a parent just
+        parked, whose gate then holds it before its children run. A gate's check takes no
+        worker, and what it lets go waited longest: a first_success parent, queued behind its
+        other children, was looked at only once they had all run (with one worker, or a
+        specialist's concurrency of 1)."""
         with self.cv:
-            if handoff_id in self.readied:
-                return  # already read and waiting its turn in the ready window
+            if handoff_id in self.readied:  # read already: first in the ready window
+                for at, (rank, due, seq, hid, peek) in enumerate(self.ready):
+                    if hid == handoff_id and due != FIRST:
+                        self.ready[at] = (rank, FIRST, seq, hid, peek)
+                        heapq.heapify(self.ready)
+                        break
+                return
             self.queued[handoff_id] = FIRST
             heapq.heappush(self.heap, (FIRST, 2, next(self.seq), handoff_id))
             self.cv.notify()
