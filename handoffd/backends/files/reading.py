@@ -100,11 +100,14 @@ def get(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]]:
             return copies[best]
         if unreadable:
             raise unreadable_copy(store, handoff_id, unreadable)
-        if not locate(store, handoff_id):
+        if locate(store, handoff_id):
+            continue  # (moved between the listing and the read)
+        held = aside_copy(store, handoff_id)
+        if held is not None:  # a retry or purge holds it aside for an instant: still there
+            return held
+        if not locate(store, handoff_id):  # in no folder, nor aside, on two looks: gone
             break
-    held = aside_copy(store, handoff_id)
-    if held is not None:  # a retry or purge holds it aside for an instant: still there
-        return held
+        # (a retry put it back into pending/ between those looks: read it there)
     raise NotFound(f"no handoff {handoff_id} in {store.ws.handoffs}; `handoff ls` lists them",
                    handoff_id=handoff_id)
 
