@@ -264,3 +264,19 @@ def test_a_destination_whose_folder_is_a_file_fails_before_the_handler(big: Work
         assert "artifacts/blocked is not a folder: move it away" in error["message"], error
     assert runs(big) == []  # no handler ran
     assert (big.root / "artifacts" / "blocked").read_text() == "in the way"
+
+
+def test_a_destination_that_is_a_folder_fails_before_the_handler(big: Workspace) -> None:
+    """``expected_output.destination`` naming an existing folder (R14): the handler ran at every
+    attempt, each ending "cannot store artifacts: Is a directory" (retried as passing). Now it
+    fails once, before the handler, VALIDATION_FAILED, naming the folder."""
+    (big.root / "artifacts" / "sub").mkdir()
+    big.drop("f1.json", {"handoff_id": "f1", "target": {"agent_id": "@big"},
+                         "input": {"data": {}}, "expected_output": {"destination": "sub"},
+                         "retry_policy": {"max_retries": 2, "retry_delay_seconds": 0}})
+    done = big.handoffd("run", timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert big.state_of("f1") == ["failed"], big.state_of("f1")
+    error = json.loads(answer_path(big, "f1", "failed").read_text())["error"]
+    assert error["code"] == "VALIDATION_FAILED" and "is a folder" in error["message"], error
+    assert runs(big) == []

@@ -61,7 +61,8 @@ HASH_STEP = 1 << 20
 Stopped = Callable[[], bool]
 # errors of storing artifacts that the same report gives again on every attempt (a name the
 # file system refuses): the attempt fails for good instead of burning its retries
-PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.ELOOP, errno.EILSEQ})
+PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.ELOOP, errno.EILSEQ,
+                              errno.EISDIR, errno.ENOTDIR})
 
 
 def expected_type(doc: dict[str, Any]) -> str | None:
@@ -103,6 +104,12 @@ def prepare(job: "Job") -> None:
                 f"written: {_not_a_folder(ws, target.parent)} is not a folder: move it away, "
                 f"then `handoff retry --force {job.handoff_id}`", handoff_id=job.handoff_id,
                 code=ErrorCode.VALIDATION_FAILED) from None
+    if target.is_dir():  # (no file can be written there, at any attempt)
+        raise InvalidDocument(
+            f"handoff {job.handoff_id}: expected_output.destination {rel!r} is a folder, "
+            "where the output artifact would be a file: name a file in it (e.g. "
+            f"{rel.rstrip('/')}/out.json), then `handoff retry --force {job.handoff_id}`",
+            handoff_id=job.handoff_id, code=ErrorCode.VALIDATION_FAILED)
     job.context.artifact_path = target
     job.context.artifact_rel = rel
     job.context.env["HANDOFF_ARTIFACT_PATH"] = str(target)
