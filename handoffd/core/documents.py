@@ -177,6 +177,10 @@ MAX_DEPTH = 64
 # A handler's result object is filed inside a document (an answer's ``output``, a seed's
 # result or payload block, a child's ``input.data``): it keeps this many levels free for them.
 RESULT_DEPTH_MARGIN = 8
+# A request is copied inside the documents filed for it (an answer's
+# ``handoffd.request_snapshot``, a parked handoff's report in ``handoffd.awaiting.outcome``):
+# it keeps as many levels free, or those copies could not be read back (a result lost)
+REQUEST_DEPTH_MARGIN = 8
 # in an error's details and its "failed" event: the handler's process died without a result
 # (an isolated attempt; see core/isolation.py), so a manual retry runs isolated again
 PROCESS_DIED = "process_died"
@@ -233,6 +237,23 @@ def check_request_size(doc: dict[str, Any], stored_bytes: int, max_bytes: int, n
             f"{name} holds a {size}-byte request, over the {max_bytes}-byte limit (raise "
             "daemon.max_document_bytes in handoffd.toml if this is intended)",
             handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_LARGE)
+
+
+def check_request_depth(doc: dict[str, Any], brackets: int | None, name: str, *,
+                        handoff_id: str | None = None) -> None:
+    """InvalidDocument (DOCUMENT_TOO_DEEP) when the request in ``doc`` (all but its ``handoffd``
+    block) nests more than ``MAX_DEPTH - REQUEST_DEPTH_MARGIN`` levels: what is filed for it
+    nests deeper than that (an answer holding a copy of it, 62 levels deep, could not be read
+    by any command: the result was lost). ``brackets``, the count of ``{`` and ``[`` in the
+    stored text (when known), spares the walk for almost every document: none can nest deeper."""
+    limit = MAX_DEPTH - REQUEST_DEPTH_MARGIN
+    if brackets is not None and brackets <= limit:
+        return
+    if nesting_depth({k: v for k, v in doc.items() if k != BOOK}, limit) > limit:
+        raise InvalidDocument(f"{name} nests more than {limit} levels deep (handoffd keeps "
+                              f"{REQUEST_DEPTH_MARGIN} of the {MAX_DEPTH} levels a document may "
+                              "have for the copies it files of a request); flatten it",
+                              handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_DEEP)
 
 
 def check_storable(value: Any, what: str, *, depth_below: int = 0) -> Any:

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ...core import jsontext
-from ...core.documents import BOOK, book, book_int, check_request_size, record, revision
+from ...core.documents import (
+    BOOK,
+    book,
+    book_int,
+    check_request_depth,
+    check_request_size,
+    record,
+    revision,
+)
 from ...core.errors import (
     ConfigError,
     DocumentNotReady,
@@ -217,8 +225,11 @@ class Store:
     def _check_request_size(self, doc: dict[str, Any], data: bytes, name: str) -> None:
         """InvalidDocument (DOCUMENT_TOO_LARGE) when the request in ``doc`` (all but its
         ``handoffd`` block) is over ``max_document_bytes``; the block may add up to
-        :data:`BOOKKEEPING_MARGIN_BYTES` (:func:`~handoffd.core.documents.check_request_size`)."""
+        :data:`BOOKKEEPING_MARGIN_BYTES` (:func:`~handoffd.core.documents.check_request_size`).
+        DOCUMENT_TOO_DEEP when it nests too deep for its copies to be filed
+        (:func:`~handoffd.core.documents.check_request_depth`)."""
         check_request_size(doc, len(data), self.max_bytes, name)
+        check_request_depth(doc, data.count(b"{") + data.count(b"["), name)
 
     def get(self, handoff_id: str) -> tuple[State, dict[str, Any]]:
         """The current state and document of ``handoff_id``; NotFound if it exists nowhere."""
