@@ -4,6 +4,7 @@ and the specialist name (:class:`JobChecks`), a handler's result read as an :cla
 everything else builds (:func:`failed`)."""
 from __future__ import annotations
 
+import re
 import threading
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -21,6 +22,7 @@ from .workspace import Workspace
 
 # seed 003's CollaborationResult error_type, which a specialist's error block may carry
 ERROR_TYPES = ("retryable", "permanent", "unknown")
+ERROR_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")  # (fullmatch: "$" would take a final newline)
 
 
 def failed(started: datetime, finished: datetime, code: str, message: str, *,
@@ -100,14 +102,31 @@ def reported_failure(result: dict[str, Any], started: datetime, finished: dateti
     """A result whose status is ``failed``, with the specialist's own error block: its code,
     message and word on retrying (:func:`_specialist_retryable`)."""
     error = given if isinstance(given := result.get("error"), dict) else {}
-    outcome = failed(started, finished, str(error.get("code") or ErrorCode.PROCESSING_ERROR),
-                     str(error.get("message") or "specialist reported failure"),
-                     retryable=_specialist_retryable(error), result=result)
+    code, details = _error_code(error.get("code"))
+    message = str(error.get("message") or "specialist reported failure")
+    if details:  # (said in the message too: not every format files an error's details)
+        message += (f" (its code {details['specialist_code']!r} is no error code: capitals, "
+                    "digits and _, from a capital)")
+    outcome = failed(started, finished, code, message,
+                     retryable=_specialist_retryable(error), result=result, details=details)
     if error.get("error_type") in ERROR_TYPES and outcome.error is not None:
         # kept so that a format with this vocabulary (seed 003) reports the
         # specialist's own word, "unknown" included, instead of a derived one
         outcome.error["error_type"] = error["error_type"]
     return outcome
+
+
+def _error_code(given: Any) -> tuple[str, dict[str, Any] | None]:
+    """The code a specialist's failure is filed with: its own when it has the shape every
+    format's schema asks (``^[A-Z][A-Z0-9_]*$``, at most 64 characters), else PROCESSING_ERROR
+    with the given one kept in ``details.specialist_code`` (cut to 100 characters). A code such
+    as ``oops`` or ``E-1`` was filed as it was, and the failure broke its own format's schema."""
+    if not given:
+        return ErrorCode.PROCESSING_ERROR, None
+    code = str(given)
+    if ERROR_CODE.fullmatch(code):
+        return code, None
+    return ErrorCode.PROCESSING_ERROR, {"specialist_code": code[:100]}
 
 
 def reported_outcome(status: str, result: dict[str, Any], started: datetime,
