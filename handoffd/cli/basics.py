@@ -15,6 +15,7 @@ from ..core.workspace import Workspace, resolve_root
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.storage import Backend
+    from ..core.submission import Submitter
 
 PROG = "handoff"
 
@@ -52,21 +53,58 @@ def root_remedy(root: str | Path | None) -> str:
 
 
 def engine(root: str | Path | None, *, create: bool = False,
-           features: Iterable[str] | None = None, store: str | None = None) -> Engine:
+           features: Iterable[str] | None = None, store: str | None = None,
+           bridge: bool = True) -> Engine:
     """An Engine over the chosen workspace with ``features`` installed (by name; None: every
     feature). A command that only reads, or only creates, names what it needs: importing and
-    installing every feature is a daemon's start-up cost, not a one-shot command's."""
+    installing every feature is a daemon's start-up cost, not a one-shot command's. On a
+    shared store the files dropped into the workspace's pending/ are ingested first
+    (:func:`bridged`), unless ``bridge`` is False (a daemon: its own bridge ingests them, and
+    counts what it sets aside)."""
     from ..features.build import DEFAULT_FEATURES, build_engine
-    return build_engine(open_workspace(root, create=create), store=store,
-                        features=DEFAULT_FEATURES if features is None else features)
+    eng = build_engine(open_workspace(root, create=create), store=store,
+                       features=DEFAULT_FEATURES if features is None else features)
+    if bridge:
+        bridged(eng)
+    return eng
+
+
+def bridged(opened: Engine | Submitter) -> None:
+    """On a shared store (PostgreSQL), ingest the documents dropped into the workspace's
+    pending/ before the command reads or writes anything, and guard its creates against the
+    id of a dropped file (see :func:`handoffd.features.filebridge.ingest_dropped`): a dropped
+    file is a handoff for every command, as on a files store. ``opened``: an Engine or a
+    Submitter. A files store costs nothing here (its folders are the store)."""
+    if getattr(opened.backend, "shared", False):
+        from ..features.filebridge import ingest_dropped
+        try:
+            ingest_dropped(opened)
+        except Exception as exc:  # e.g. a pending/ this user may not remove files from
+            warn(f"cannot ingest the files dropped into pending/: {exc} (a daemon of this "
+                 "workspace ingests them at its scans)")
+
+
+def warn(message: str) -> None:
+    """One ``handoff: warning:`` line on stderr (its control characters shown escaped); the
+    command goes on."""
+    from .render import clean
+    print(f"{PROG}: warning: {clean(message)}", file=sys.stderr)
 
 
 def backend(root: str | Path | None) -> Backend:
     """The store of the chosen workspace alone, without an Engine: for commands that only read
-    documents (``handoff wait``)."""
+    documents (``handoff wait``). On a shared store, the files dropped into pending/ are
+    ingested first, as :func:`engine` does (an Engine is built only then)."""
     from ..features.build import open_backend
     ws = open_workspace(root)
-    return open_backend(ws, ws.load_config())
+    config = ws.load_config()
+    store = open_backend(ws, config)
+    if getattr(store, "shared", False):
+        from ..features.filebridge import has_drops
+        if has_drops(ws):
+            from ..features.build import build_engine
+            bridged(build_engine(ws, config, backend=store, features=()))
+    return store
 
 
 def json_arg(text: str, what: str, *, depth_below: int | None = None) -> Any:

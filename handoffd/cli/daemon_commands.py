@@ -135,7 +135,7 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
     allocator.limit_arenas()  # before any thread: a long-lived daemon's memory stays flat
     from ..service.daemon import Daemon
     from ..service.spread import serve_processes_for, spread
-    eng = engine(root, create=True, store=store)
+    eng = engine(root, create=True, store=store, bridge=False)  # (its own bridge: counted)
     eng.backend.prepare()  # what every write needs (the seal key): refused once, before forking
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         warn_if_shared(eng.ws.root)
@@ -213,7 +213,7 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
         raise UsageError(f"--max-seconds must be 0 to {MAX_BATCH_SECONDS:.0f}, not {max_seconds:g}")
     from ..service.daemon import Daemon
     from ..service.spread import processes_for, spread
-    eng = engine(root, create=True, store=store)
+    eng = engine(root, create=True, store=store, bridge=False)  # (its own bridge: counted)
     eng.backend.prepare()  # what every write needs (the seal key): refused once, before forking
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         warn_if_shared(eng.ws.root)

@@ -12,7 +12,7 @@ from ..core.errors import ErrorCode, InvalidDocument, UsageError
 from ..core.states import State
 from ..core.workspace import Workspace, resolve_root
 from . import observe_cmd, ops_cmd, orchestration_cmd, reads
-from .basics import failure_code, json_arg, read_json_arg, read_limited
+from .basics import failure_code, json_arg, read_json_arg, read_limited, warn
 
 # Each command imports what it uses (dialects, the files backend, queries, the sweeper...) in its
 # body: a one-shot command pays only for itself. (`handoff create --to`'s plain form does not
@@ -227,16 +227,25 @@ def retry(
     if not ids:
         raise UsageError("name handoff ids to retry, or pass --all-failed")
     worst = 0
+    retried = []
     for handoff_id in ids:
         try:
             requeue_failed(eng, handoff_id, force=force)
             print(handoff_id)
+            retried.append(handoff_id)
         except Exception as exc:  # report each, go on with the rest (a missing id stopped the
             # whole command, leaving the ids after it failed without a word); exit: the worst
             if all_failed and not force and "permanent" in str(exc):
                 print(clean(f"{PROG}: skipped: {exc}"), file=sys.stderr)
                 continue
             worst = max(worst, failure_code(PROG, exc))  # its line; 3: a missing id, else 1
+    if retried and getattr(eng.backend, "shared", False):
+        from ..features.filebridge import retract_local
+        try:
+            retract_local(eng, retried)  # their failed/ files here answer no more
+        except Exception as exc:  # retried all the same: the daemon removes them
+            warn(f"cannot remove the old failed/ files: {exc} (a daemon of this workspace "
+                 "removes them at its scans)")
     if worst:
         raise typer.Exit(worst)
 

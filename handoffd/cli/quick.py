@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .basics import (
     PROG,
+    bridged,
     check_id_arguments,
     engine,
     failure_code,
@@ -226,6 +227,7 @@ def quick_create(opts: dict[str, Any]) -> int:
     # no Engine: this form names no dependencies, the only feature a create needs (see Submitter)
     from ..features.build import open_submitter
     eng = open_submitter(open_workspace(opts.get("root"), create=True))
+    bridged(eng)  # a shared store: the files dropped into pending/ first (their ids are taken)
     payload = (json_arg(opts["data"], "--data", depth_below=INPUT_DATA_DEPTH)
                if "data" in opts else None)
     new_id = submit_request(eng, to=opts["to"], source=opts.get("source", "@cli"),

@@ -4,18 +4,36 @@ writes the terminal documents of those handoffs back into its ``completed/`` or 
 
 Installed only when the engine's backend is the PostgreSQL one (a files store *is* the folders).
 The bridge runs at every daemon scan (start-up, rescans), on a watch of pending/ (a new file is
-ingested at once), and on every wake-up saying a handoff was filed anywhere.
+ingested at once), on every wake-up saying a handoff was filed anywhere, and on every wake-up
+saying one went back to pending (a retry: its old terminal file here is removed).
+
+The ``handoff`` commands and the Python client ingest too (:func:`ingest_dropped`), before they
+read or write the store, when the workspace's pending/ holds files: a file dropped there is a
+handoff for every command at once, as on a files store, not only once a daemon found it, and
+``create --id`` can never take a dropped file's id (its request would be set aside unanswered).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+from contextlib import contextmanager
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core.documents import book, record
-from ..core.engine import Engine
+from ..core.errors import DuplicateHandoff
 from ..core.formats import FiledState
 from ..core.states import State
 from ..core.storage import Wakeup
+
+if TYPE_CHECKING:  # (a command pays for the engine's import only if it builds one)
+    from ..backends.postgres.bridge import FileBridge
+    from ..core.settings import DaemonSettings
+    from ..core.engine import Engine
+    from ..core.formats import Formats
+    from ..core.storage import Backend
+    from ..core.submission import Submitter
+    from ..core.workspace import Workspace
 
 log = logging.getLogger("handoffd")
 
@@ -27,27 +45,129 @@ def install(engine: Engine) -> None:
     engine.daemon_plugins.append(lambda daemon: attach(engine, daemon))
 
 
-def bridge_for(engine: Engine) -> Any:
-    """A FileBridge between the engine's workspace and its PostgreSQL backend."""
+def bridge_for(engine: Engine) -> FileBridge:
+    """A FileBridge between the engine's workspace and its PostgreSQL backend (its stubs are
+    announced to the engine's ``on_filed`` listeners: a daemon counts them)."""
+    return bridge_over(engine.ws, engine.backend, engine.formats, engine.clock,
+                       settings=engine.settings, announce=engine.hooks.announce)
+
+
+def bridge_over(ws: Workspace, backend: Backend, formats: Formats,
+                clock: Callable[[], datetime], *, settings: DaemonSettings | None = None,
+                announce: Callable[[str, State], None] | None = None,
+                quiet: bool = False) -> FileBridge:
+    """A FileBridge between ``ws`` and ``backend`` (a PostgreSQL one, under the event log's
+    recorder when there is one) without an Engine: what a one-shot command has (``handoff
+    create`` builds none). ``settings``: the workspace's ``[daemon]`` (default: read from its
+    configuration); ``quiet``: no log line per file set aside (a command's ingest)."""
     from ..backends.files.store import Store
     from ..backends.postgres.bridge import FileBridge
+    from ..core.events import SET_ASIDE
+    from ..core.results import failed
     from .build import origin_of
-    settings = engine.settings
-    store = Store(engine.ws, durable=settings.durable,
-                  max_document_bytes=settings.max_document_bytes,
+    settings = settings or ws.load_config().daemon
+    store = Store(ws, durable=settings.durable, max_document_bytes=settings.max_document_bytes,
                   settle_seconds=settings.settle_seconds)
 
     def stub(handoff_id: str, code: str, message: str) -> dict[str, Any]:
-        """The failure document of a file that cannot be ingested (as Engine.set_aside)."""
-        now = engine.clock()
+        """The failure document of a file that cannot be ingested (as admission's stubs)."""
+        now = clock()
         doc: dict[str, Any] = {"handoff_id": handoff_id}
         record(doc, "rejected", now, code=code)
         book(doc)["dialect"] = "native"
-        return engine.formats.by_name("native").render(  # type: ignore[no-any-return]
-            doc, engine.failure(now, code, message), FiledState(0, 0, False))
+        return formats.by_name("native").render(  # type: ignore[no-any-return]
+            doc, failed(now, now, code, message), FiledState(0, 0, False))
 
-    return FileBridge(engine.backend, store, origin_of(engine.ws), stub=stub,  # type: ignore[arg-type]
-                      clock=engine.clock)
+    emit = getattr(backend, "emit", None)  # the event log's recorder (none: no event log)
+
+    def noted(handoff_id: str, code: str, message: str) -> None:
+        """The event log's record of a file set aside here, as the files store logs its own."""
+        if emit is not None:
+            emit("set_aside", handoff_id, SET_ASIDE, None, code=code, reason=message,
+                 was=State.PENDING.value)
+
+    return FileBridge(backend, store, origin_of(ws), stub=stub,  # type: ignore[arg-type]
+                      clock=clock, announce=announce, noted=noted, quiet=quiet)
+
+
+def has_drops(ws: Workspace) -> bool:
+    """Whether ``ws``'s pending/ holds a file that may be a dropped document (one scandir,
+    stopped at the first; a folder that cannot be read holds none for this question)."""
+    try:
+        with os.scandir(ws.state_dir(State.PENDING)) as entries:
+            return any(e.name.endswith(".json") and not e.name.startswith(".") for e in entries)
+    except OSError:
+        return False
+
+
+def ingest_dropped(opened: Engine | Submitter) -> None:
+    """Before a command or the client reads or writes a shared store: ingest the documents
+    dropped into the workspace's pending/ (the bridge's own ingest and rules; the stale result
+    files of purged or retried handoffs are removed first), and guard every create of this
+    ``opened`` engine or submitter against the id of a file still there (one being written).
+    Nothing for a files store, nor when pending/ holds no file. The stubs it files are told to
+    an engine's ``on_filed`` listeners (a submitter has none); no line is logged per file. What
+    fails (the database away, a pending/ where this user may not remove files) is raised: the
+    caller says so and goes on (a daemon of this workspace ingests the files at its scans)."""
+    if not getattr(opened.backend, "shared", False) or not hasattr(opened.backend, "ingest"):
+        return
+    made: list[FileBridge] = []
+
+    def bridge() -> FileBridge:
+        if not made:
+            announce = getattr(getattr(opened, "hooks", None), "announce", None)
+            made.append(bridge_over(opened.ws, opened.backend, opened.formats, opened.clock,
+                                    announce=announce, quiet=True))
+        return made[0]
+
+    guards = opened.submit_guards
+    if not any(getattr(g, "dropped_files_guard", False) for g in guards):
+        guards.append(_dropped_guard(opened.ws, bridge))
+    if has_drops(opened.ws):
+        bridge().recheck()
+        bridge().ingest_all()
+
+
+def _dropped_guard(ws: Workspace, bridge: Callable[[], FileBridge]
+                   ) -> Callable[[object, Any], Any]:
+    """A submit guard: a create under the id of a file in pending/ (dropped since the command
+    started, or still being written) ingests it first, and is refused while it is there."""
+    @contextmanager
+    def guard(_submitting: object, envelope: Any) -> Iterator[None]:
+        handoff_id = envelope.handoff_id
+        if _safe(handoff_id) and ws.doc_path(State.PENDING, handoff_id).exists():
+            bridge().ingest(handoff_id)  # (ingested: the store refuses the id below)
+            if ws.doc_path(State.PENDING, handoff_id).exists():
+                raise DuplicateHandoff(
+                    f"handoff {handoff_id} already exists in pending/ (a dropped file not in "
+                    "the shared store yet); choose another id", handoff_id=handoff_id)
+        yield
+
+    guard.dropped_files_guard = True  # type: ignore[attr-defined]
+    return guard
+
+
+def _safe(handoff_id: Any) -> bool:
+    """Whether ``handoff_id`` can name a file of the state folders (else no file has it)."""
+    from ..core.documents import check_id
+    from ..core.errors import InvalidDocument
+    try:
+        check_id(handoff_id)
+    except InvalidDocument:
+        return False
+    return True
+
+
+def retract_local(engine: Engine, handoff_ids: list[str]) -> None:
+    """After ``handoff retry`` on a shared store: remove this workspace's terminal files of
+    ``handoff_ids`` that answer no more (two stats an id when there is none). What fails is
+    raised: the caller says so and goes on (this workspace's daemon removes them at its scans)."""
+    if not getattr(engine.backend, "shared", False) or not hasattr(engine.backend, "ingest"):
+        return
+    ids = [handoff_id for handoff_id in handoff_ids if _safe(handoff_id)]
+    if any(engine.ws.doc_path(s, i).exists() for i in ids for s in (State.COMPLETED, State.FAILED)):
+        bridge_over(engine.ws, engine.backend, engine.formats, engine.clock,
+                    settings=engine.settings, quiet=True).recheck()
 
 
 def attach(engine: Engine, daemon: Any) -> None:
@@ -67,7 +187,12 @@ def attach(engine: Engine, daemon: Any) -> None:
             guarded(f"ingesting pending/{handoff_id}.json", bridge.ingest, handoff_id)
 
     def on_wakeup(wakeup: Wakeup) -> None:
-        if wakeup.kind in (State.COMPLETED.value, State.FAILED.value) and wakeup.handoff_id:
+        if not wakeup.handoff_id:
+            return
+        if wakeup.kind == State.PENDING.value:  # a retry, on any host: its old result goes
+            guarded(f"removing the old result of {wakeup.handoff_id}", bridge.retracted,
+                    wakeup.handoff_id)
+        elif wakeup.kind in (State.COMPLETED.value, State.FAILED.value):
             guarded(f"writing the result of {wakeup.handoff_id}", bridge.export,
                     [wakeup.handoff_id])
 
@@ -77,7 +202,8 @@ def attach(engine: Engine, daemon: Any) -> None:
     except OSError as exc:  # e.g. no inotify instances left: the rescans still ingest
         log.warning("file bridge: cannot watch pending/ (%s); new files are found by rescans", exc)
     daemon.add_scan_hook(lambda: guarded("syncing the workspace's files", bridge.sync))
-    daemon.add_wakeup_hook(on_wakeup, kinds={State.COMPLETED.value, State.FAILED.value})
+    daemon.add_wakeup_hook(on_wakeup, kinds={State.COMPLETED.value, State.FAILED.value,
+                                             State.PENDING.value})
 
     def stop() -> None:
         from ..backends.postgres.connection import deadline

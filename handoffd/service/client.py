@@ -22,6 +22,7 @@ command makes (``create``, ``wait``, ``show``, ``ls``, ``cancel``, ``answer``, `
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from .waiting import WaitStop, awaiting_answer, wait_terminal
 if TYPE_CHECKING:
     from ..core.engine import Engine
 
+log = logging.getLogger("handoffd")
 DEFAULT_SOURCE = "@client"
 # how deep a request's data sits in its document (document, input, data): as handoff create's
 INPUT_DATA_DEPTH = 2
@@ -126,6 +128,7 @@ class Handle:
         """Block until the handoff is finished (or, with ``or_asks``, until it asks its
         requester something); WaitTimeout after ``timeout`` seconds, or as soon as another
         thread sets ``stop`` (a :class:`~handoffd.backends.base.WaitStop`)."""
+        self.client._ingest_dropped()
         state, doc = wait_terminal(self.client.engine.backend, self.id, timeout,
                                    or_awaiting=or_asks, stop=stop)
         return Result(self.id, state, doc)
@@ -165,6 +168,20 @@ class Client:
         self.engine = engine
         self.agent = agent
 
+    def _ingest_dropped(self) -> None:
+        """On a shared store (PostgreSQL), ingest the documents dropped into the workspace's
+        pending/ first (one scandir when there are none; nothing on a files store, whose
+        folders are the store): every call sees a dropped file as the handoff it is, and a
+        create never takes its id (see :func:`handoffd.features.filebridge.ingest_dropped`).
+        Each call of the client makes it."""
+        if getattr(self.engine.backend, "shared", False):
+            from ..features.filebridge import ingest_dropped
+            try:
+                ingest_dropped(self.engine)
+            except Exception as exc:  # e.g. a pending/ this process may not remove files from
+                log.warning("cannot ingest the files dropped into pending/: %s (a daemon of "
+                            "this workspace ingests them at its scans)", exc)
+
     # ------------------------------------------------------------ creating
     def create(self, to: str | None = None, data: Any = None, *, document: dict[str, Any] | Any = None,
                handoff_id: str | None = None, priority: str | int | None = None,
@@ -174,6 +191,7 @@ class Client:
         in any supported format (a dict, or a typed model). ``if_absent``: idempotent under
         ``handoff_id`` (the same request gets its id back; a different one raises Conflict).
         InvalidDocument for a document the format refuses."""
+        self._ingest_dropped()
         if document is not None:
             given = [name for name, value in (
                 ("to", to), ("data", data), ("handoff_id", handoff_id), ("priority", priority),
@@ -212,6 +230,7 @@ class Client:
 
     def get(self, handoff_id: str) -> Result:
         """Where ``handoff_id`` stands now; NotFound if it does not exist."""
+        self._ingest_dropped()
         state, doc = self.engine.get(handoff_id)
         return Result(handoff_id, state, doc)
 
@@ -221,6 +240,7 @@ class Client:
         from .queries import list_handoffs
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise UsageError(f"limit must be a whole number, 0 or more; not {limit!r}")
+        self._ingest_dropped()
         return list_handoffs(self.engine, state=state, to=to, limit=limit,
                              conversation=conversation)
 
@@ -234,6 +254,7 @@ class Client:
         from ..features.cancel_family import cancel
         if not isinstance(reason, str):
             raise UsageError(f"reason must be text; not {type(reason).__name__}")
+        self._ingest_dropped()
         return cancel(self.engine, handoff_id, reason=reason, cascade=cascade,
                       by=self.agent, via="client")[0].action
 
@@ -242,12 +263,21 @@ class Client:
         UsageError unless ``answer`` is JSON data a document can hold where it goes (as
         :meth:`create` checks its data): nothing is claimed or written then."""
         from ..features.orchestration import answer as give_answer
+        self._ingest_dropped()
         give_answer(self.engine, handoff_id, answer, by=self.agent)  # (which checks the answer)
 
     def retry(self, handoff_id: str, *, force: bool = False) -> None:
         """Move a failed handoff back to pending (``force``: also a permanent failure)."""
         from .sweeper import requeue_failed
+        self._ingest_dropped()
         requeue_failed(self.engine, handoff_id, force=force)
+        if getattr(self.engine.backend, "shared", False):
+            from ..features.filebridge import retract_local
+            try:
+                retract_local(self.engine, [handoff_id])  # its failed/ file answers no more
+            except Exception as exc:  # retried all the same: the daemon removes it
+                log.warning("cannot remove the old failed/%s.json: %s (a daemon of this "
+                            "workspace removes it at its scans)", handoff_id, exc)
 
 
 def _workspace(root: Any) -> Workspace:

@@ -22,6 +22,18 @@ before the document is stored, so a forged ``next_attempt_at``, ``awaiting`` or
 sealed block is kept, and the handoff stored as handoffd's own rather than raw: its attempts,
 retry time and parking hold in the database too.
 
+A terminal file written here stops answering once its row is purged or archived (retention,
+``handoff purge``/``archive``) or retried: the process that does so leaves a *recheck* record for
+the origin workspace (:meth:`~handoffd.backends.postgres.records.FileOrigins.rechecks`), and the
+bridge then removes its file, if the file is still the one it wrote for that row (sealed here,
+and not the newer result of a handoff that reused the id). A document dropped under an id whose
+terminal file is still here, while the database holds no such handoff, is set aside as
+``DUPLICATE_HANDOFF_ID``, as the files store does: an old result never answers a new request.
+
+Every failure stub the bridge files goes through the store as admission's do
+(``create_failed``: the event log records it) and is announced (``announce``: a daemon counts
+it); each local set-aside is told to ``noted`` (the event log's ``set_aside`` event).
+
 Ids read back from the database become file names here: each passes
 :func:`~handoffd.core.documents.check_id` first (the backend sets aside a row whose id does not).
 """
@@ -29,14 +41,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from datetime import datetime
 from typing import Any, Callable
 
-from ...core.documents import BOOK, check_id
+from ...core.documents import BOOK, check_id, revision
 from ...core.errors import ErrorCode, InvalidDocument
+from ...core.events import last_entry
 from ...core.states import State
 from ...core.timeutil import utc_now
-from ..files import fsio
+from ..files import fsio, seals
 from ..files.problems import read_error
 from ..files.store import Store
 from .backend import PostgresBackend
@@ -45,6 +59,9 @@ from .records import file_digest
 log = logging.getLogger("handoffd")
 HALF_WRITTEN = (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8)
 Stub = Callable[[str, str, str], dict[str, Any]]  # (handoff id, code, message) -> a failure document
+Announce = Callable[[str, State], None]  # (handoff id, where it was filed): the on_filed listeners
+Noted = Callable[[str, str, str], None]  # (handoff id, code, message) of a file set aside here
+TERMINAL = (State.COMPLETED, State.FAILED)
 
 
 class FileBridge:
@@ -52,12 +69,22 @@ class FileBridge:
     of what it moved (``origin`` names the workspace in the database)."""
 
     def __init__(self, backend: PostgresBackend, store: Store, origin: str, *,
-                 stub: Stub | None = None, clock: Callable[[], datetime] = utc_now) -> None:
+                 stub: Stub | None = None, clock: Callable[[], datetime] = utc_now,
+                 announce: Announce | None = None, noted: Noted | None = None,
+                 quiet: bool = False) -> None:
         self.backend = backend
         self.store = store
         self.origin = origin
         self.stub = stub
         self.clock = clock
+        self.announce = announce
+        self.noted = noted
+        # a command's ingest logs no line per file (no log of a daemon's there: what became of
+        # each file is in its quarantine reason, the event log and `handoff ls`)
+        self.quiet = quiet
+        # a terminal file is written (export) and judged stale (recheck) one at a time: a
+        # recheck must not remove the newer result an export just wrote under the same id
+        self._files = threading.Lock()
         # ids this process ingested and not yet exported: a wake-up for any other id (most of
         # them, with several hosts) costs no query; a scan exports whatever else is owed
         self._ours: set[str] = set()
@@ -89,6 +116,10 @@ class FileBridge:
             if problem.transient or (problem.code in HALF_WRITTEN and self._young(path)):
                 return "later"
             return self._set_aside(handoff_id, problem.code, str(problem))
+        finished = self._answered_here(handoff_id)
+        if finished is not None:
+            return self._set_aside(handoff_id, ErrorCode.DUPLICATE_HANDOFF_ID, finished,
+                                   stub=False)
         try:
             fresh = self.backend.ingest(doc, handoff_id, self.clock(), self.origin,
                                         trusted=sealed)
@@ -135,6 +166,20 @@ class FileBridge:
                     "different document; a second document with the same id is never run")
         return None
 
+    def _answered_here(self, handoff_id: str) -> str | None:
+        """Why a new pending/``handoff_id``.json must not be ingested: a terminal file of that
+        id is in this workspace and the database holds no such handoff (it was purged: its
+        recheck is made first, which removes the file if it is the purged one's). None: no
+        such file, or its handoff is in the database (``ingest`` then judges the document)."""
+        for attempt in range(2):
+            held = [s for s in TERMINAL if self.store.path(s, handoff_id).exists()]
+            if not held or self.backend.ingested(handoff_id) is not None:
+                return None
+            if attempt == 0:
+                self.recheck()
+        return (f"handoff {handoff_id} already exists in {held[0].value}/ (an earlier handoff's "
+                "result); a second document is never run")
+
     def _young(self, path: os.PathLike[str]) -> bool:
         try:
             return self.clock().timestamp() - os.stat(path).st_mtime < self.store.settle_seconds
@@ -146,12 +191,20 @@ class FileBridge:
             self.store.quarantine(self.store.path(State.PENDING, handoff_id), code, message)
         except FileNotFoundError:
             return "gone"
-        log.warning("set aside pending/%s.json: %s: %s", handoff_id, code, message)
+        if not self.quiet:
+            log.warning("set aside pending/%s.json: %s: %s", handoff_id, code, message)
+        if self.noted is not None:
+            self.noted(handoff_id, code, message)
         if stub and self.stub is not None and not self.store.locate(handoff_id):
             answer = self.stub(handoff_id, code, message)
-            # `handoff wait` on it ends too (no origin: it is written here, never ingested)
-            self.backend.import_finished(handoff_id, State.FAILED, answer, self.clock())
-            self._write(handoff_id, State.FAILED, answer)
+            # `handoff wait` on it ends too; filed as admission files its stubs (the event log
+            # records it), and only under a free id: another's handoff is never answered here
+            if self.backend.create_failed(handoff_id, answer):
+                with self._files:
+                    self._write(handoff_id, State.FAILED, answer)
+                self.backend.adopt(handoff_id, self.origin)  # (its purge removes the file)
+                if self.announce is not None:  # (a daemon counts it: `handoffd run` exits 1)
+                    self.announce(handoff_id, State.FAILED)
         return "set aside"
 
     # ------------------------------------------------------------ database -> files
@@ -165,7 +218,8 @@ class FileBridge:
         written = 0
         for handoff_id, state, doc in self.backend.unexported(self.origin, ids=ids):
             try:
-                self._write(handoff_id, state, doc)
+                with self._files:
+                    self._write(handoff_id, state, doc)
             except OSError as exc:  # disk full, permissions: the next scan tries again
                 log.error("cannot write %s/%s.json: %s; will try again", state.value,
                           handoff_id, exc)
@@ -188,8 +242,75 @@ class FileBridge:
                      self.store.encode(dict(doc), state, handoff_id), self.store.tmp,
                      durable=self.store.durable)
 
+    # ------------------------------------------------------------ stale terminal files
+    def recheck(self) -> int:
+        """Remove the terminal files written here whose rows were purged, archived or retried
+        since (the records :meth:`StoreBase._recheck` left for this workspace); returns how
+        many were removed. A file handoffd did not write here, or the result of the row that
+        holds the id now, is kept; one that cannot be read now is looked at again next time."""
+        removed = 0
+        for handoff_id, token in self.backend.rechecks(self.origin):
+            try:
+                check_id(handoff_id)  # (a key from the database becomes a path)
+                with self._files:
+                    for state in TERMINAL:
+                        if self._remove_stale(state, handoff_id):
+                            removed += 1
+                            log.info("removed %s/%s.json: its handoff was purged or retried",
+                                     state.value, handoff_id)
+            except InvalidDocument:
+                pass  # no file of ours can have that name
+            except OSError as exc:  # EACCES, EIO: the next pass looks again
+                if not self.quiet:
+                    log.error("cannot look at the result files of %s: %s; will try again",
+                              handoff_id, exc)
+                continue
+            self.backend.recheck_done(self.origin, handoff_id, token)
+        return removed
+
+    def _remove_stale(self, state: State, handoff_id: str) -> bool:
+        """Remove ``state``/``handoff_id``.json here if it is a file this bridge wrote (sealed
+        for that folder) that the database's row no longer stands behind: there is no row, or
+        it is in another state, or its newest history entry is not the file's (a newer handoff
+        under the same id). True when it was removed; OSError when it cannot be read now."""
+        path = self.store.path(state, handoff_id)
+        try:
+            before = os.stat(path)
+            doc = self.store.read(state, handoff_id)
+        except FileNotFoundError:
+            return False
+        except InvalidDocument:  # not a document handoffd wrote: never removed
+            return False
+        if not seals.sealed(self.store.key, doc, handoff_id, revision(doc), (state.value,)):
+            return False  # another consumer's file, or one copied in: not ours to remove
+        held = self.backend.finished_entry(handoff_id)
+        if held is not None and held[0] == state.value and held[1] == last_entry(doc):
+            return False
+        # the file judged, not one another process's export put in its place meanwhile (a
+        # replace is a new inode): the newer result is never removed with the old one
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            return False
+        if (now.st_ino, now.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+            return False
+        return fsio.unlink(path, durable=False)
+
+    def retracted(self, handoff_id: str) -> int:
+        """``handoff_id`` went back to pending (a retry, on any host): remove its terminal file
+        here, if there is one (two stats when there is none); returns how many were removed."""
+        try:
+            check_id(handoff_id)  # (an id another host announced: no file here can have it)
+        except InvalidDocument:
+            return 0
+        if not any(self.store.path(s, handoff_id).exists() for s in TERMINAL):
+            return 0
+        return self.recheck()
+
     def sync(self) -> None:
-        """One pass both ways (at every daemon scan)."""
+        """One pass both ways (at every daemon scan): stale files out first, so that a drop
+        reusing a purged handoff's id is judged without its old result."""
+        self.recheck()
         self.ingest_all()
         self.export()
 

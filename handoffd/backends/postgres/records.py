@@ -12,12 +12,14 @@ import hashlib
 import json
 import logging
 import re
+import uuid
 from datetime import datetime, timedelta
 from typing import Any, Callable, NamedTuple
 
-from ...core.documents import check_request_size
+from ...core.documents import check_request_depth, check_request_size
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.events import last_entry
+from ...core.jsontext import load_json
 from ...core.states import State
 from ...core.storage import LOST
 from ...core.timeutil import iso, utc_now
@@ -28,6 +30,9 @@ from .values import capped, document, finite, plain
 log = logging.getLogger("handoffd")
 
 T = "handoffd.handoffs"
+# handoffd.records kind (with the workspace's origin after it) of the ids whose terminal file the
+# file bridge wrote into that workspace may be stale: its row was purged, archived or retried
+RECHECK = "file-bridge recheck"
 MAX_PAYLOAD = 7000  # NOTIFY payloads stop at 8000 bytes: a longer id is announced as "lost"
 
 
@@ -94,6 +99,7 @@ class StoreBase:
         file (:func:`~handoffd.core.documents.check_request_size`)."""
         check_request_size(doc, size, self.max_bytes, f"handoff {handoff_id}",
                            handoff_id=handoff_id)
+        check_request_depth(doc, None, f"handoff {handoff_id}", handoff_id=handoff_id)
 
     def _columns(self, doc: Doc, created_at: datetime) -> dict[str, Any]:
         # a row's created_at that is infinite (written past handoffd) is no time to fall back
@@ -134,6 +140,20 @@ class StoreBase:
             {"id": handoff_id, "state": state, "token": token, "code": str(code),
              "message": message, "at": utc_now()}).fetchone()
         return None if moved is None else Moved(moved[0])
+
+    @staticmethod
+    def _recheck(conn: Conn, handoff_id: str, origin: str | None) -> None:
+        """Tell the file bridge of ``origin`` (the workspace that ingested ``handoff_id`` from a
+        file; None: none did, nothing to tell) that the terminal file it may have written for it
+        is no longer the row's: it looks at that file at its next sync
+        (:meth:`FileOrigins.rechecks`). A fresh nonce each time: a recheck asked again while
+        the bridge handles the last one is not cleared with it."""
+        if origin is None:
+            return
+        conn.execute("INSERT INTO handoffd.records (kind, key, value) VALUES (%s, %s, %s::jsonb) "
+                     "ON CONFLICT (kind, key) DO UPDATE SET value = excluded.value",
+                     (f"{RECHECK} {origin}", handoff_id,
+                      json.dumps({"nonce": uuid.uuid4().hex})))
 
     @staticmethod
     def _seen_upsert(conn: Conn, handoff_id: str, now: datetime) -> None:
@@ -284,6 +304,43 @@ class FileOrigins(StoreBase):
             return None
         digest = found[1] if isinstance(found[1], str) and found[1].startswith("sha256:") else None
         return found[0], digest
+
+    def rechecks(self, origin: str, limit: int = 500) -> builtins.list[tuple[str, str]]:
+        """(id, token) of the handoffs whose terminal file in ``origin`` may be stale (see
+        :meth:`StoreBase._recheck`); pass the token to :meth:`recheck_done`."""
+        return self.db.run(lambda conn, _: [(str(r[0]), str(r[1])) for r in conn.execute(
+            "SELECT key, value::text FROM handoffd.records WHERE kind = %s ORDER BY key LIMIT %s",
+            (f"{RECHECK} {origin}", limit)).fetchall()])
+
+    def recheck_done(self, origin: str, handoff_id: str, token: str) -> None:
+        """``origin``'s bridge looked at the file of ``handoff_id`` (unless asked again since)."""
+        self.db.run(lambda conn, _: conn.execute(
+            "DELETE FROM handoffd.records WHERE kind = %s AND key = %s AND value = %s::jsonb",
+            (f"{RECHECK} {origin}", handoff_id, token)))
+
+    def finished_entry(self, handoff_id: str) -> tuple[str, Any] | None:
+        """(state, newest history entry of its document: {} when it has none) of the row
+        ``handoff_id``, None when there is none: what tells the terminal file a bridge wrote
+        for this very row from one it wrote for an earlier handoff under the same id. The
+        entry is extracted by the database (a large document is not sent)."""
+        found = self.db.run(lambda conn, _: conn.execute(
+            f"SELECT state, (doc -> 'handoffd' -> 'history' -> -1)::text FROM {T} "
+            "WHERE id = %s", (handoff_id,)).fetchone())
+        if found is None:
+            return None
+        try:  # read as every stored document is (values.SafeJsonLoader)
+            entry = load_json(found[1], "the stored entry") if found[1] is not None else None
+        except Exception:  # JSON Python cannot load: no entry a file could match
+            entry = None
+        return str(found[0]), entry if isinstance(entry, dict) else {}
+
+    def adopt(self, handoff_id: str, origin: str) -> None:
+        """The failure stub ``handoff_id`` (filed without an origin) was written into
+        ``origin``'s failed/ by its bridge: note it as that workspace's, exported, so that
+        purging or retrying it removes that file too."""
+        self.db.run(lambda conn, _: conn.execute(
+            f"UPDATE {T} SET origin = %s, exported = true WHERE id = %s AND origin IS NULL "
+            "AND state = 'failed'", (origin, handoff_id)))
 
     def mark_exported(self, handoff_id: str, state: State) -> None:
         """``origin`` wrote the terminal file of ``handoff_id`` (in ``state``)."""

@@ -5,7 +5,10 @@ one, setting one aside into the quarantine and purging a finished one.
 
 Each is one transaction that also appends its ``handoffd.events`` row and sends its ``NOTIFY``.
 An insert or a reopen carries a fresh ``write_id``, by which a try retried after its connection
-died tells whether the first try had committed.
+died tells whether the first try had committed. A purge or a reopen of a row that a workspace
+ingested from a file leaves, in the same transaction, a recheck record for that workspace's file
+bridge (:meth:`~handoffd.backends.postgres.records.StoreBase._recheck`): the result file it wrote
+there answers no more.
 """
 from __future__ import annotations
 
@@ -127,10 +130,12 @@ class Writes(SideRecords):
         def op(conn: Conn, retried: bool) -> bool:
             if retried and _wrote(conn, handoff_id, write_id):
                 return True
-            found = conn.execute(f"SELECT created_at FROM {T} WHERE id = %s AND state = 'failed' "
-                                 "FOR UPDATE", (handoff_id,)).fetchone()
+            found = conn.execute(f"SELECT created_at, origin FROM {T} WHERE id = %s AND "
+                                 "state = 'failed' FOR UPDATE", (handoff_id,)).fetchone()
             if found is None:
                 return False
+            # its failed/ file in the workspace that dropped it answers no more: removed there
+            self._recheck(conn, handoff_id, found[1])
             columns = self._columns(doc, found[0])
             conn.execute(
                 f"UPDATE {T} SET state = 'pending', doc = %(doc)s::json, target = %(target)s, "
@@ -160,11 +165,14 @@ class Writes(SideRecords):
                         return False
                 except InvalidDocument:
                     return False
-            gone = conn.execute(f"DELETE FROM {T} WHERE id = %s AND state = %s RETURNING id",
+            gone = conn.execute(f"DELETE FROM {T} WHERE id = %s AND state = %s RETURNING origin",
                                 (handoff_id, state.value)).fetchone()
             if gone is None:
                 return False  # (a retry after a lost commit lands here too: it is gone)
             self._seen_upsert(conn, handoff_id, now)  # dedup still says "used before"
+            # the result file written back to the workspace that dropped it goes too (its
+            # bridge removes it), or a later drop of the same id could be answered by it
+            self._recheck(conn, handoff_id, gone[0])
             # retention means the handoff's trail goes too (else the table only ever grows)
             conn.execute("DELETE FROM handoffd.events WHERE handoff_id = %s", (handoff_id,))
             return True
