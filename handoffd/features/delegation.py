@@ -14,7 +14,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import check_id
-from ..core.errors import HandoffdError, InvalidDocument
+from ..core.errors import ConfigError, HandoffdError, InvalidDocument
+from ..core.settings import RetryPolicy
 from ..core.timeutil import iso
 from .dependencies import Graph
 from .lineage import parent_of
@@ -98,6 +99,7 @@ def _check_entry(engine: "Engine", where: str, entry: Any) -> dict[str, Any]:
         if value is not None and (not isinstance(value, list)
                                   or not all(isinstance(v, str) for v in value)):
             raise _Malformed(f"{where}.{key} must be a list of strings")
+    _check_request_fields(where, entry)
     item = {k: v for k, v in entry.items() if k != "id" or v is not None}
     if "id" in item:
         try:
@@ -107,6 +109,28 @@ def _check_entry(engine: "Engine", where: str, entry: Any) -> dict[str, Any]:
     item["to"] = to
     item["weight"] = float(weight)
     return item
+
+
+def _check_request_fields(where: str, entry: dict[str, Any]) -> None:
+    """What an entry gives its child's request as it is (``retry_policy``, ``expected_output``,
+    ``input_schema``) has the request's types and bounds: a child made with ``retry_policy:
+    {"max_retries": "x"}`` (or -1) failed SCHEMA_VALIDATION_FAILED once made, and its parent
+    CHILDREN_FAILED, where a bad ``priority`` already failed the delegation as malformed."""
+    policy = entry.get("retry_policy")
+    if policy is not None:
+        try:
+            RetryPolicy.from_dict(policy)
+        except ConfigError as exc:
+            raise _Malformed(f"{where}.retry_policy: {exc}") from None
+    expected = entry.get("expected_output")
+    if expected is not None:
+        if not isinstance(expected, dict):
+            raise _Malformed(f"{where}.expected_output must be an object")
+        for key in ("schema", "destination"):
+            if key in expected and not isinstance(expected[key], str):
+                raise _Malformed(f"{where}.expected_output.{key} must be a string")
+    if entry.get("input_schema") is not None and not isinstance(entry["input_schema"], str):
+        raise _Malformed(f"{where}.input_schema must be a string")
 
 
 def _check_no_wait_upward(engine: "Engine", job: "Job", entries: list[dict[str, Any]]) -> None:
