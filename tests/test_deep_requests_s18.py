@@ -74,3 +74,19 @@ def test_a_request_past_the_margin_fails_and_one_at_it_reads_back(tmp_path: Path
         assert not list((ws.root / "handoffs" / ".quarantine").glob("*ask*"))
     finally:
         ws.cleanup()
+
+
+def test_create_refuses_a_request_past_the_margin(tmp_path: Path) -> None:
+    """`handoff create --file` and `--data` refuse what the daemon would set aside."""
+    ws = workspace(tmp_path)
+    try:
+        doc = tmp_path / "deep.json"
+        doc.write_text(json.dumps(request("deep", "@ok", 54)))  # 57 levels
+        made = ws.handoff("create", "--file", str(doc))
+        assert made.returncode != 0 and made.stderr.count("\n") == 1, made
+        assert "nests more than 56 levels" in made.stderr
+        made = ws.handoff("create", "--to", "@ok", "--data", json.dumps(nested(55)))
+        assert made.returncode == 2 and "nests more than 54 levels" in made.stderr, made
+        assert ws.handoff("create", "--to", "@ok", "--data", json.dumps(nested(54))).returncode == 0
+    finally:
+        ws.cleanup()

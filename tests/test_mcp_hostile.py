@@ -182,17 +182,17 @@ def test_create_handoff_refuses_what_nests_too_deep(server: Server) -> None:
     (DOCUMENT_TOO_DEEP); `handoff create` refuses the same data with exit 2."""
     document = {"handoff_id": "deep3", "timestamp": "2026-11-26T00:00:00Z",
                 "source": {"agent_id": "@mcp"}, "target": {"agent_id": "@echo"},
-                "input": {"data": nested(63)}}
-    calls = [({"to": "@echo", "handoff_id": "deep1", "data": nested(63)}, "data nests more than 62"),
-             ({"to": "@echo", "handoff_id": "deep2", "data": nested(63), "objective": "x"},
-              "data nests more than 62"),
-             ({"document": document}, "document nests more than 64")]
+                "input": {"data": nested(55)}}
+    calls = [({"to": "@echo", "handoff_id": "deep1", "data": nested(55)}, "data nests more than 54"),
+             ({"to": "@echo", "handoff_id": "deep2", "data": nested(55), "objective": "x"},
+              "data nests more than 54"),
+             ({"document": document}, "document nests more than 56")]
     for n, (arguments, said) in enumerate(calls, start=1):
         server.tool(n, "create_handoff", arguments)
         assert f"USAGE_ERROR: {said} levels deep" in server.error(n)
-    server.tool(8, "create_handoff", {"to": "@echo", "handoff_id": "ok", "data": nested(62)})
+    server.tool(8, "create_handoff", {"to": "@echo", "handoff_id": "ok", "data": nested(54)})
     assert json.loads(server.text(8))["id"] == "ok"  # the deepest that reads back
     server.tool(9, "get_handoff", {"handoff_id": "ok"})
-    assert json.loads(server.text(9))["document"]["input"]["data"] == nested(62)
+    assert json.loads(server.text(9))["document"]["input"]["data"] == nested(54)
     server.tool(10, "list_handoffs", {})
     assert [r["id"] for r in json.loads(server.text(10))["handoffs"]] == ["ok"]

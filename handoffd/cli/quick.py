@@ -31,8 +31,10 @@ if TYPE_CHECKING:
     from ..core.submission import Submitter
 
 
-# how deep ``handoff create``'s --data/--input value sits in the request: document, input, data
-INPUT_DATA_DEPTH = 2
+# how deep ``handoff create``'s --data/--input value sits in the request (document, input,
+# data: 2), plus the levels a request keeps free for what is filed for it (8: core.documents'
+# REQUEST_DEPTH_MARGIN, not imported here: the quick path loads no more than it needs)
+INPUT_DATA_DEPTH = 2 + 8
 
 
 @dataclass(frozen=True)

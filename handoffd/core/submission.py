@@ -9,7 +9,7 @@ from contextlib import ExitStack, nullcontext
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
-from .documents import BOOK
+from .documents import BOOK, check_request_depth
 from .errors import Conflict, DuplicateHandoff, InvalidDocument
 from .formats import Dialect, Formats
 from .storage import Backend
@@ -114,6 +114,8 @@ def submit(engine: Submitting, doc: dict[str, Any] | Any, *, forced: str | None 
     dialect.complete(doc, None, engine.clock())
     if not (prechecked and dialect.name == "native"):
         engine.validate(doc, dialect)
+        # (refused now, not at its claim: what is filed for it could not be read back)
+        check_request_depth(doc, None, "the document")
     envelope = dialect.envelope(doc)
     if if_absent and already_submitted(engine.backend, doc, dialect.name, envelope.handoff_id):
         return envelope.handoff_id

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.documents import check_storable
+from ..core.documents import REQUEST_DEPTH_MARGIN, check_storable
 from ..core.errors import NotFound, UsageError
 from ..core.native_format import new_native_request
 from ..core.states import State
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("handoffd")
 DEFAULT_SOURCE = "@client"
 # how deep a request's data sits in its document (document, input, data): as handoff create's
-INPUT_DATA_DEPTH = 2
+INPUT_DATA_DEPTH = 2 + REQUEST_DEPTH_MARGIN  # input.data, in a request (see core.documents)
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ class Client:
             if not isinstance(document, dict) and callable(getattr(document, "to_dict", None)):
                 document = document.to_dict()  # (as submit would: its depth is checked below)
             if isinstance(document, dict):  # (not one: the format's own INVALID_DOCUMENT)
-                check_storable(document, "document")
+                check_storable(document, "document", depth_below=REQUEST_DEPTH_MARGIN)
             return Handle(self, self.engine.submit(document, if_absent=if_absent))
         if not to:
             raise UsageError("name the target agent (to=...) or give a whole document")
