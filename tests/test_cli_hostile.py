@@ -100,7 +100,7 @@ def test_answer_and_context_set_check_their_json(ws: Workspace, tmp_path: Path) 
         refused(handoff(ws, "context", "set", "notes/x", "--data", data), "--data", says)
         refused(handoff(ws, "answer", "hoff-x", "--data", data), "--data", says)
     refused(handoff(ws, "context", "set", "notes/x", "NaN"), "VALUE holds the number NaN")
-    refused(handoff(ws, "answer", "hoff-x", "--data", nested(61)), "nests more than 60 levels")
+    refused(handoff(ws, "answer", "hoff-x", "--data", nested(53)), "nests more than 52 levels")
     path = tmp_path / "v.json"
     path.write_text('{"x": -Infinity}')
     refused(handoff(ws, "context", "set", "notes/x", "--input", str(path)), "-Infinity")

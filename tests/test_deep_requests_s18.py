@@ -90,3 +90,22 @@ def test_create_refuses_a_request_past_the_margin(tmp_path: Path) -> None:
         assert ws.handoff("create", "--to", "@ok", "--data", json.dumps(nested(54))).returncode == 0
     finally:
         ws.cleanup()
+
+
+def test_the_deepest_answer_taken_reads_back_with_its_request(tmp_path: Path) -> None:
+    """An answer sits in the request (input.clarifications[n].answer): `handoff answer` takes
+    at most 52 levels, so the answered request keeps its 8 free and is never set aside."""
+    ws = workspace(tmp_path)
+    try:
+        ws.drop("q.json", request("q", "@ask", 1))
+        ws.handoffd("run")
+        assert ws.state_of("q") == ["pending"]
+        assert ws.handoff("answer", "q", "--data", json.dumps(nested(53))).returncode == 2
+        answered = ws.handoff("answer", "q", "--data", json.dumps(nested(52)))
+        assert answered.returncode == 0, answered.stderr
+        done = ws.handoffd("run")
+        assert "Traceback" not in done.stderr, done.stderr
+        assert ws.state_of("q") == ["completed"], ws.state_of("q")
+        assert ws.handoff("show", "q").returncode == 0
+    finally:
+        ws.cleanup()

@@ -21,8 +21,9 @@ PROG = "handoff"
 
 
 # how deep an answer sits in the document it is filed in: document, input (or the handoffd
-# block), clarifications, the entry, its answer
-ANSWER_DEPTH = 4
+# block), clarifications, the entry, its answer (4); in the request, which keeps 8 levels free
+# for the copies filed of it (core.documents.REQUEST_DEPTH_MARGIN)
+ANSWER_DEPTH = 4 + 8
 
 
 def register(app: typer.Typer) -> None:

@@ -41,8 +41,9 @@ MAX_CLARIFICATIONS_ENV = 64 * 1024  # bytes of $HANDOFF_CLARIFICATIONS
 ANSWER_PATIENCE_SECONDS = 2.0
 ANSWER_BOOKKEEPING_BYTES = 2048  # what an answer adds besides itself: its entry, history, seal
 # how deep an answer sits in the document it is filed in: document, input (or the handoffd
-# block), clarifications, the entry, its answer
-ANSWER_DEPTH = 4
+# block), clarifications, the entry, its answer (4); in the request, which keeps 8 levels free
+# for the copies filed of it (core.documents.REQUEST_DEPTH_MARGIN)
+ANSWER_DEPTH = 4 + 8
 # how the requester gate's reason begins: what a daemon's quiet check knows its waits by (attach)
 ASKING = "waiting on the requester ("
 
