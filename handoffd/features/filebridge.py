@@ -5,7 +5,9 @@ writes the terminal documents of those handoffs back into its ``completed/`` or 
 Installed only when the engine's backend is the PostgreSQL one (a files store *is* the folders).
 The bridge runs at every daemon scan (start-up, rescans), on a watch of pending/ (a new file is
 ingested at once), on every wake-up saying a handoff was filed anywhere, and on every wake-up
-saying one went back to pending (a retry: its old terminal file here is removed).
+saying one went back to pending (a retry: its old terminal file here is removed; parked: its
+copy is written into pending/; answered: that copy goes). It also has the backend list the files
+the bridge quarantined here with the database's quarantine (``handoff ls --state quarantined``).
 
 The ``handoff`` commands and the Python client ingest too (:func:`ingest_dropped`), before they
 read or write the store, when the workspace's pending/ holds files: a file dropped there is a
@@ -111,6 +113,7 @@ def ingest_dropped(opened: Engine | Submitter) -> None:
     caller says so and goes on (a daemon of this workspace ingests the files at its scans)."""
     if not getattr(opened.backend, "shared", False) or not hasattr(opened.backend, "ingest"):
         return
+    list_local_quarantine(opened.ws, opened.backend)
     made: list[FileBridge] = []
 
     def bridge() -> FileBridge:
@@ -128,6 +131,19 @@ def ingest_dropped(opened: Engine | Submitter) -> None:
         bridge().ingest_all()
 
 
+def list_local_quarantine(ws: Workspace, backend: Backend) -> None:
+    """Have ``backend`` (a PostgreSQL one) list the files its bridge quarantined in ``ws``'s
+    handoffs/.quarantine/ with its own (``handoff ls --state quarantined``), as a files store
+    lists them: they are in no database."""
+    from ..backends.files.reading import quarantined
+
+    def local() -> list[dict[str, Any]]:
+        """The reasons recorded in the workspace's .quarantine/, oldest first."""
+        return quarantined(ws)
+
+    backend.local_quarantine = local  # type: ignore[attr-defined]
+
+
 def _dropped_guard(ws: Workspace, bridge: Callable[[], FileBridge]
                    ) -> Callable[[object, Any], Any]:
     """A submit guard: a create under the id of a file in pending/ (dropped since the command
@@ -136,8 +152,9 @@ def _dropped_guard(ws: Workspace, bridge: Callable[[], FileBridge]
     def guard(_submitting: object, envelope: Any) -> Iterator[None]:
         handoff_id = envelope.handoff_id
         if _safe(handoff_id) and ws.doc_path(State.PENDING, handoff_id).exists():
-            bridge().ingest(handoff_id)  # (ingested: the store refuses the id below)
-            if ws.doc_path(State.PENDING, handoff_id).exists():
+            # ingested, or the copy of a parked handoff ("known"): the store refuses the id
+            known = bridge().ingest(handoff_id) == "known"
+            if not known and ws.doc_path(State.PENDING, handoff_id).exists():
                 raise DuplicateHandoff(
                     f"handoff {handoff_id} already exists in pending/ (a dropped file not in "
                     "the shared store yet); choose another id", handoff_id=handoff_id)
@@ -174,6 +191,7 @@ def attach(engine: Engine, daemon: Any) -> None:
     """Register the bridge's hooks on ``daemon`` and start watching pending/."""
     from ..backends.files.watch import FolderWatch
     bridge = bridge_for(engine)
+    list_local_quarantine(engine.ws, engine.backend)
     engine.ws.ensure()
 
     def guarded(what: str, func: Any, *args: Any) -> None:
@@ -191,6 +209,9 @@ def attach(engine: Engine, daemon: Any) -> None:
             return
         if wakeup.kind == State.PENDING.value:  # a retry, on any host: its old result goes
             guarded(f"removing the old result of {wakeup.handoff_id}", bridge.retracted,
+                    wakeup.handoff_id)
+            # parked (its copy goes into pending/), or answered (its copy there goes)
+            guarded(f"writing the parked copy of {wakeup.handoff_id}", bridge.reparked,
                     wakeup.handoff_id)
         elif wakeup.kind in (State.COMPLETED.value, State.FAILED.value):
             guarded(f"writing the result of {wakeup.handoff_id}", bridge.export,

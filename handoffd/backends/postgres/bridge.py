@@ -8,7 +8,9 @@ again is a no-op (idempotent by id). When a handoff this workspace ingested reac
 state, wherever it ran, the bridge writes the terminal document (in its own format) into this
 workspace's ``completed/`` or ``failed/``, so a file-only agent sees no difference; one that a
 daemon sets aside after it was ingested (an unknown format, an id that is not its file name...)
-comes back as its failure stub (the document stays in the database's quarantine table).
+comes back as its failure stub (the document stays in the database's quarantine table). One
+that is parked (waiting for its requester's answer) is written into ``pending/`` while it waits,
+as the files store keeps it there, sealed as a parked copy (see :meth:`FileBridge.park`).
 
 A file that can never be ingested (unreadable, not a JSON object, an unsafe name, an id another
 workspace's handoff holds, or a different document under an id this workspace ingested before)
@@ -43,10 +45,11 @@ import logging
 import os
 import threading
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Callable
 
-from ...core.documents import BOOK, check_id, revision
-from ...core.errors import ErrorCode, InvalidDocument
+from ...core.documents import BOOK, book, check_id, revision
+from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
 from ...core.events import last_entry
 from ...core.states import State
 from ...core.timeutil import utc_now
@@ -62,6 +65,9 @@ Stub = Callable[[str, str, str], dict[str, Any]]  # (handoff id, code, message) 
 Announce = Callable[[str, State], None]  # (handoff id, where it was filed): the on_filed listeners
 Noted = Callable[[str, str, str], None]  # (handoff id, code, message) of a file set aside here
 TERMINAL = (State.COMPLETED, State.FAILED)
+# what a parked copy the bridge writes into pending/ is sealed for, in place of a folder: no
+# document sealed for pending/ (`db import`'s) or dropped there carries it
+PARKED = "pending (parked copy)"
 
 
 class FileBridge:
@@ -100,14 +106,17 @@ class FileBridge:
 
     def ingest(self, handoff_id: str) -> str:
         """Ingest pending/``handoff_id``.json. Returns what happened: ``ingested``, ``known``
-        (the database had it from us already: the file is removed), ``gone``, ``later`` (still
-        being written, or a transient error) or ``set aside``."""
+        (the database had it from us already: the file is removed; or it is the parked copy
+        this bridge wrote, still the row's: kept), ``gone`` (a parked copy the row moved on
+        from is removed), ``later`` (still being written, or a transient error) or
+        ``set aside``."""
         path = self.store.path(State.PENDING, handoff_id)
         try:
             check_id(handoff_id)
         except InvalidDocument as exc:
             return self._set_aside(handoff_id, ErrorCode.UNSAFE_ID, str(exc), stub=False)
         try:
+            before = os.stat(path)
             doc, sealed = self._read(handoff_id)
         except FileNotFoundError:
             return "gone"
@@ -116,6 +125,8 @@ class FileBridge:
             if problem.transient or (problem.code in HALF_WRITTEN and self._young(path)):
                 return "later"
             return self._set_aside(handoff_id, problem.code, str(problem))
+        if sealed is None:  # the parked copy written here: never a new drop, nor a duplicate
+            return "known" if self._parked_current(handoff_id, doc, before) else "gone"
         finished = self._answered_here(handoff_id)
         if finished is not None:
             return self._set_aside(handoff_id, ErrorCode.DUPLICATE_HANDOFF_ID, finished,
@@ -140,13 +151,16 @@ class FileBridge:
                      extra={"event": "ingested", "handoff_id": handoff_id})
         return "ingested" if fresh else "known"
 
-    def _read(self, handoff_id: str) -> tuple[dict[str, Any], bool]:
+    def _read(self, handoff_id: str) -> tuple[dict[str, Any], bool | None]:
         """pending/``handoff_id``.json, without a ``handoffd`` block that handoffd did not seal
         there (see the module docstring; without a seal key no block can be trusted), and
-        whether it kept a sealed block (the database then keeps it too, as handoffd's own)."""
+        whether it kept a sealed block (the database then keeps it too, as handoffd's own);
+        None: it is the copy of a parked handoff this bridge wrote there (:meth:`park`)."""
         doc = self.store.read(State.PENDING, handoff_id)
         if BOOK not in doc:
             return doc, False
+        if self._is_parked_copy(handoff_id, doc):
+            return doc, None
         if self.store.key is None or not self.store.trusted_revision(doc, State.PENDING,
                                                                      handoff_id):
             del doc[BOOK]
@@ -237,6 +251,7 @@ class FileBridge:
         other = State.FAILED if state is State.COMPLETED else State.COMPLETED
         # a failed handoff retried by hand may end completed: one terminal file, the latest
         fsio.unlink(self.store.path(other, handoff_id), durable=False)
+        self._unpark(handoff_id)  # (finished: its parked copy in pending/ answers no more)
         self.store.path(state, handoff_id).parent.mkdir(parents=True, exist_ok=True)
         fsio.replace(self.store.path(state, handoff_id),
                      self.store.encode(dict(doc), state, handoff_id), self.store.tmp,
@@ -309,10 +324,128 @@ class FileBridge:
 
     def sync(self) -> None:
         """One pass both ways (at every daemon scan): stale files out first, so that a drop
-        reusing a purged handoff's id is judged without its old result."""
+        reusing a purged handoff's id is judged without its old result (ingesting removes the
+        parked copies whose rows moved on), then the results and the parked copies out."""
         self.recheck()
         self.ingest_all()
         self.export()
+        self.park()
+
+    # ------------------------------------------------------------ parked copies
+    # A handoff this workspace ingested that is parked (needs_clarification, blocked: waiting
+    # for its requester) is written back into pending/ as the files store keeps it there, its
+    # report in handoffd.awaiting.outcome where file readers find it. The copy is sealed for
+    # PARKED, not for pending/: ingesting knows it for ours (never a new drop, nor a duplicate,
+    # nor a document `db import` may trust), and a copy the row no longer stands behind (it was
+    # answered, cancelled, finished, purged) is removed, never ingested.
+    def park(self, ids: list[str] | None = None) -> int:
+        """Write the documents of this workspace's parked handoffs into pending/ (``ids``: only
+        those) where no current copy is; returns how many were written. A file there that is
+        not a parked copy of ours (a drop) is never replaced: ingesting judges it."""
+        key = self.store.key
+        if key is None:  # nothing can be sealed: a copy would be read as a new drop
+            return 0
+        written = 0
+        for handoff_id, entry in self.backend.parked(self.origin, ids=ids):
+            try:
+                check_id(handoff_id)  # (an id from the database becomes a path)
+                with self._files:
+                    written += self._write_parked(handoff_id, entry, key)
+            except InvalidDocument:
+                continue  # an unsafe id, or a row Python cannot load: no file for it
+            except OSError as exc:  # disk full, permissions: the next scan tries again
+                if not self.quiet:
+                    log.error("cannot write pending/%s.json (parked): %s; will try again",
+                              handoff_id, exc)
+        return written
+
+    def _write_parked(self, handoff_id: str, entry: Any, key: bytes) -> bool:
+        """Write the parked ``handoff_id``'s document (its newest history ``entry`` as the
+        database holds it) into pending/ unless the file there is its current copy or is not
+        ours; True when written."""
+        path = self.store.path(State.PENDING, handoff_id)
+        try:
+            before: os.stat_result | None = os.stat(path)
+            held = self.store.read(State.PENDING, handoff_id)
+        except FileNotFoundError:
+            before = held = None
+        except InvalidDocument:
+            return False  # a drop being written, or a broken one: ingesting judges it
+        if held is not None and (not self._is_parked_copy(handoff_id, held)
+                                 or last_entry(held) == entry):
+            return False
+        found = self.backend.get(handoff_id)
+        if found is None or found[0] is not State.PENDING or last_entry(found[1]) != entry:
+            return False  # moved on meanwhile: the next wake-up or scan looks again
+        doc = dict(found[1])
+        doc[BOOK] = {k: v for k, v in book(found[1]).items() if k != "seal"}
+        doc[BOOK]["seal"] = seals.seal_for(key, handoff_id, revision(doc), PARKED)
+        data = fsio.dump_json(doc)
+        if before is None:
+            try:
+                fsio.create_exclusive(path, data, self.store.tmp, durable=self.store.durable)
+            except DuplicateHandoff:  # a file dropped meanwhile: ingesting judges it
+                return False
+            return True
+        replaced = fsio.replace_exact(path, data, self.store.tmp, durable=self.store.durable,
+                                      expect=before.st_ino)
+        if replaced is None:  # replaced by someone else meanwhile: theirs is kept
+            return False
+        if replaced[1] is not None:
+            fsio.unlink(replaced[1], durable=False)  # (our older copy, moved aside)
+        return True
+
+    def _is_parked_copy(self, handoff_id: str, doc: dict[str, Any]) -> bool:
+        """Whether ``doc`` (read from pending/) is a parked copy this bridge sealed there."""
+        return seals.sealed(self.store.key, doc, handoff_id, revision(doc), (PARKED,))
+
+    def _parked_current(self, handoff_id: str, doc: dict[str, Any],
+                        before: os.stat_result) -> bool:
+        """Whether the parked copy ``doc`` (pending/``handoff_id``.json as ``before`` saw it)
+        is still its row's (pending, with the same newest history entry); if not, it is
+        removed (unless another file was put in its place meanwhile: ingesting judges that)."""
+        held = self.backend.finished_entry(handoff_id)
+        if held is not None and held[0] == State.PENDING.value and held[1] == last_entry(doc):
+            return True
+        with self._files:
+            self._remove_if_same(self.store.path(State.PENDING, handoff_id), before)
+        return False
+
+    def _unpark(self, handoff_id: str) -> None:
+        """Remove pending/``handoff_id``.json if it is a parked copy this bridge wrote (its
+        handoff finished); a file dropped under that id is left to ingesting."""
+        path = self.store.path(State.PENDING, handoff_id)
+        try:
+            before = os.stat(path)
+            doc = self.store.read(State.PENDING, handoff_id)
+        except (FileNotFoundError, InvalidDocument):
+            return
+        if self._is_parked_copy(handoff_id, doc):
+            self._remove_if_same(path, before)
+
+    @staticmethod
+    def _remove_if_same(path: Path, before: os.stat_result) -> bool:
+        """Remove ``path`` if it is still the file ``before`` saw (a replace is a new inode)."""
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            return False
+        if (now.st_ino, now.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+            return False
+        return fsio.unlink(path, durable=False)
+
+    def reparked(self, handoff_id: str) -> None:
+        """``handoff_id`` went back to pending (parked, answered, retried...; on any host):
+        its parked copy here is removed if the row moved on, written if it is parked now
+        (only for a handoff this process ingested: the others' wait for the next scan)."""
+        try:
+            check_id(handoff_id)
+        except InvalidDocument:
+            return
+        if self.store.path(State.PENDING, handoff_id).exists():
+            self.ingest(handoff_id)  # (a parked copy: kept or removed; a drop: ingested)
+        if handoff_id in self._ours:
+            self.park([handoff_id])
 
 
 __all__ = ["FileBridge"]

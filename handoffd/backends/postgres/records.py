@@ -213,12 +213,23 @@ class SideRecords(StoreBase):
         return conn.execute("SELECT 1 FROM handoffd.seen WHERE id = %s AND seen_at > %s",
                             (handoff_id, now - self.seen_ttl)).fetchone() is not None
 
+    #: the reasons of the files this workspace's file bridge quarantined locally (its
+    #: handoffs/.quarantine/), oldest first; set by the bridge's feature (None: none to merge)
+    local_quarantine: Callable[[], builtins.list[Doc]] | None = None
+
     def quarantined(self) -> builtins.list[Doc]:
+        """The database's quarantine, with the files this workspace's bridge set aside here
+        (as the files store lists its own), oldest first."""
         rows = self.db.run(lambda conn, _: conn.execute(
             "SELECT id, from_state, code, message, at, document FROM handoffd.quarantine "
             "ORDER BY seq").fetchall())
-        return [{"file": r[0], "from": r[1], "code": r[2], "message": r[3], "at": iso(r[4]),
+        held = [{"file": r[0], "from": r[1], "code": r[2], "message": r[3], "at": iso(r[4]),
                  "stored_as": r[0], "document": plain(r[5])} for r in rows]
+        local = self.local_quarantine() if self.local_quarantine is not None else []
+        if not local:
+            return held
+        # (a stable sort: each list keeps its own order among equal times)
+        return sorted(held + local, key=lambda item: str(item.get("at") or ""))
 
 
 class FileOrigins(StoreBase):
@@ -333,6 +344,29 @@ class FileOrigins(StoreBase):
         except Exception:  # JSON Python cannot load: no entry a file could match
             entry = None
         return str(found[0]), entry if isinstance(entry, dict) else {}
+
+    def parked(self, origin: str, *, ids: builtins.list[str] | None = None,
+               limit: int = 500) -> builtins.list[tuple[str, Any]]:
+        """(id, newest history entry: {} when it has none) of the handoffs ``origin`` ingested
+        that are parked (pending, waiting for their requester's answer: ``handoffd.awaiting``),
+        ``ids``: only among those. The bridge writes their documents back into that workspace's
+        pending/, where file readers find the outcome, as on a files store. The entries are
+        extracted by the database (no document is sent)."""
+        among = " AND id = ANY(%s)" if ids is not None else ""
+        params: builtins.list[Any] = [origin, *([ids] if ids is not None else []), limit]
+        rows = self.db.run(lambda conn, _: conn.execute(
+            f"SELECT id, (doc -> 'handoffd' -> 'history' -> -1)::text FROM {T} WHERE origin = %s "
+            "AND state = 'pending' AND NOT raw AND "
+            f"json_typeof(doc -> 'handoffd' -> 'awaiting') = 'object'{among} ORDER BY id LIMIT %s",
+            params).fetchall())
+        found: builtins.list[tuple[str, Any]] = []
+        for handoff_id, text in rows:
+            try:  # read as every stored document is (values.SafeJsonLoader)
+                entry = load_json(text, "the stored entry") if text is not None else None
+            except Exception:  # JSON Python cannot load: its document is not written either
+                continue
+            found.append((str(handoff_id), entry if isinstance(entry, dict) else {}))
+        return found
 
     def adopt(self, handoff_id: str, origin: str) -> None:
         """The failure stub ``handoff_id`` (filed without an origin) was written into
