@@ -303,13 +303,7 @@ class FileBridge:
             return False
         # the file judged, not one another process's export put in its place meanwhile (a
         # replace is a new inode): the newer result is never removed with the old one
-        try:
-            now = os.stat(path)
-        except FileNotFoundError:
-            return False
-        if (now.st_ino, now.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
-            return False
-        return fsio.unlink(path, durable=False)
+        return self._remove_if_same(path, before)
 
     def retracted(self, handoff_id: str) -> int:
         """``handoff_id`` went back to pending (a retry, on any host): remove its terminal file
