@@ -304,8 +304,8 @@ def _answerable(job: "Job", outcome: Outcome) -> Outcome:
     broke its schema (the text inline) or failed filing again and again, the handler rerun each
     time. Cheap for most outcomes: under 1 KB of JSON nothing is stored, and the answer is
     rendered (on a copy) only when the handoff's folder has a problem."""
-    if _json_bytes(outcome) < INLINE_LIMIT:
-        return outcome
+    if (outcome.output is None and not outcome.artifacts) or _json_bytes(outcome) < INLINE_LIMIT:
+        return outcome  # (the first: no encoding at all, for a result with nothing to store)
     ws = workspace_at(str(job.context.root))
     try:
         if own_folder_problem(ws, _id_part(job.handoff_id)) is None:
