@@ -325,11 +325,17 @@ def test_serve_picks_up_at_once_after_handoffs_is_restored_from_a_copy(ws: Works
                     .replace("rescan_seconds = 1.0", "rescan_seconds = 3600.0"))
     daemon = ws.serve()
     handoffs = ws.root / "handoffs"
+    # the copy is made first and renamed into place: copied in place, the daemon (which
+    # noticed handoffs/ gone) could make its folders again meanwhile, and copytree failed
+    shutil.copytree(handoffs, ws.root / "handoffs.copy", symlinks=True)
     os.rename(handoffs, ws.root / "handoffs.bak")
-    shutil.copytree(ws.root / "handoffs.bak", handoffs, symlinks=True)
+    os.rename(ws.root / "handoffs.copy", handoffs)
     time.sleep(0.5)  # (the reader sees the rename before the first create below)
     hid = ws.create("--to", "@flaky", "--data", '{"mode": "ok"}')
-    assert ws.wait_state(hid, timeout=10) == "completed", "not picked up from the new pending/"
+    # (rescans are an hour apart; a folder the reader could not watch again at once, e.g. seen
+    # missing between the two renames, is retried at 1 s, then growing intervals: a bound of
+    # 30 s, not 10, which one run in nine came within a second of)
+    assert ws.wait_state(hid, timeout=30) == "completed", "not picked up from the new pending/"
     assert ws.stop(daemon) == 0
     assert daemon.stderr is not None
     err = daemon.stderr.read()
