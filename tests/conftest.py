@@ -88,6 +88,15 @@ def wait_until(predicate: Any, timeout: float = 15, what: str = "condition") -> 
     raise AssertionError(f"{what}: not met within {timeout}s")
 
 
+def whole_json_lines(path: Path) -> list[Any]:
+    """The JSON values of the complete lines of ``path`` ([] when it is absent): a daemon may be
+    appending a line as it is read, and a torn last line is not one yet (a JSONDecodeError
+    failed a fresh clone's run)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
+
+
 def reason_codes(root: Path) -> dict[str, str]:
     """Quarantined file name -> recorded code."""
     out = {}

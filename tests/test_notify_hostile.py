@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
-from conftest import FLAKY_TOML, Workspace
+from conftest import FLAKY_TOML, Workspace, whole_json_lines
 
 from handoffd.core.config import NotifyRule
 from handoffd.core.states import State
@@ -103,7 +103,7 @@ def fast_config(rules: str) -> str:
 
 def dead_letters(root: Path) -> list[dict[str, Any]]:
     path = root / "handoffs" / ".meta" / "notify-dead-letters.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return whole_json_lines(path)
 
 
 def test_a_trickling_webhook_is_cut_off_at_its_timeout_and_holds_nothing_behind_it(
@@ -205,7 +205,7 @@ def notifier_for(root: Path, rule: NotifyRule, *, durable: bool = False) -> Noti
 
 def letters_in(root: Path) -> list[dict[str, Any]]:
     path = root / "meta" / "notify-dead-letters.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return whole_json_lines(path)
 
 
 def wait_for(predicate: Any, timeout: float = 10) -> None:

@@ -9,7 +9,6 @@ test_notify_outbox.py."""
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import signal
@@ -22,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from conftest import wait_until, whole_json_lines
 
 from handoffd.core.config import NotifyRule
 from handoffd.core.states import State
@@ -67,7 +66,7 @@ def journals(root: Path) -> list[Path]:
 
 def letters(root: Path) -> list[dict[str, Any]]:
     path = root / "meta" / "notify-dead-letters.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return whole_json_lines(path)
 
 
 def got(root: Path) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import FLAKY_TOML, Workspace, exe, wait_until
+from conftest import FLAKY_TOML, Workspace, exe, wait_until, whole_json_lines
 
 from handoffd import Daemon, Registry, build_engine, new_native_request
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
@@ -238,7 +238,7 @@ def test_a_daemon_waiting_on_a_webhook_holds_no_documents(tmp_path: Path) -> Non
 
 def dead_letters(root: Path) -> list[dict[str, Any]]:
     path = root / "handoffs" / ".meta" / "notify-dead-letters.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return whole_json_lines(path)
 
 
 def held_hook(port: int) -> str:

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
-from conftest import FLAKY_TOML, Workspace, alive, wait_until
+from conftest import FLAKY_TOML, Workspace, alive, wait_until, whole_json_lines
 
 from handoffd.core.config import NotifyRule
 from handoffd.core.states import State
@@ -45,8 +45,9 @@ FAST = FLAKY_TOML.replace("[retry]", 'durability = "fast"\n\n[retry]')
 
 
 def dead_letters(root: Path) -> list[dict[str, Any]]:
-    path = root / "handoffs" / ".meta" / "notify-dead-letters.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The dead letters written so far: whole lines only (a serving daemon may be appending one
+    as it is read; a torn last line failed a fresh clone's run with a JSONDecodeError)."""
+    return whole_json_lines(root / "handoffs" / ".meta" / "notify-dead-letters.jsonl")
 
 
 def got(root: Path) -> list[str]:
