@@ -45,6 +45,15 @@ def check_id(handoff_id: object) -> str:
     return handoff_id
 
 
+def is_safe_id(handoff_id: object) -> bool:
+    """Whether ``handoff_id`` can name a document (:func:`check_id` without the exception)."""
+    try:
+        check_id(handoff_id)
+    except InvalidDocument:
+        return False
+    return True
+
+
 def new_id(now: datetime) -> str:
     """A fresh id in seed 001's ``hoff-...`` style, unique across hosts and processes."""
     return f"hoff-{now.strftime('%Y%m%d%H%M%S')}-{os.urandom(6).hex()}"

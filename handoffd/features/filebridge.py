@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from ..core.documents import book, record
+from ..core.documents import book, is_safe_id, record
 from ..core.errors import DuplicateHandoff
 from ..core.formats import FiledState
 from ..core.states import State
@@ -151,7 +151,7 @@ def _dropped_guard(ws: Workspace, bridge: Callable[[], FileBridge]
     @contextmanager
     def guard(_submitting: object, envelope: Any) -> Iterator[None]:
         handoff_id = envelope.handoff_id
-        if _safe(handoff_id) and ws.doc_path(State.PENDING, handoff_id).exists():
+        if is_safe_id(handoff_id) and ws.doc_path(State.PENDING, handoff_id).exists():
             # ingested, or the copy of a parked handoff ("known"): the store refuses the id
             known = bridge().ingest(handoff_id) == "known"
             if not known and ws.doc_path(State.PENDING, handoff_id).exists():
@@ -164,24 +164,13 @@ def _dropped_guard(ws: Workspace, bridge: Callable[[], FileBridge]
     return guard
 
 
-def _safe(handoff_id: Any) -> bool:
-    """Whether ``handoff_id`` can name a file of the state folders (else no file has it)."""
-    from ..core.documents import check_id
-    from ..core.errors import InvalidDocument
-    try:
-        check_id(handoff_id)
-    except InvalidDocument:
-        return False
-    return True
-
-
 def retract_local(engine: Engine, handoff_ids: list[str]) -> None:
     """After ``handoff retry`` on a shared store: remove this workspace's terminal files of
     ``handoff_ids`` that answer no more (two stats an id when there is none). What fails is
     raised: the caller says so and goes on (this workspace's daemon removes them at its scans)."""
     if not getattr(engine.backend, "shared", False) or not hasattr(engine.backend, "ingest"):
         return
-    ids = [handoff_id for handoff_id in handoff_ids if _safe(handoff_id)]
+    ids = [handoff_id for handoff_id in handoff_ids if is_safe_id(handoff_id)]
     if any(engine.ws.doc_path(s, i).exists() for i in ids for s in (State.COMPLETED, State.FAILED)):
         bridge_over(engine.ws, engine.backend, engine.formats, engine.clock,
                     settings=engine.settings, quiet=True).recheck()

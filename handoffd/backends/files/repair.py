@@ -28,7 +28,7 @@ import time
 from datetime import datetime
 from typing import Any, Collection
 
-from ...core.documents import book, check_id, record
+from ...core.documents import book, is_safe_id, record
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
 from ...core.logs import log
 from ...core.states import State, winner
@@ -198,16 +198,7 @@ def set_aside_junk(store: Store, handoff_id: str, problem: UnreadableDocument, g
     log.warning("set aside in-progress/%s.json: %s: %s", handoff_id, problem.code, message)
     done.setdefault(NOTES, []).append(json.dumps(
         {"id": handoff_id, "code": problem.code, "message": message,
-         "stub": not others and _safe(handoff_id)}))
-    return True
-
-
-def _safe(handoff_id: str) -> bool:
-    """True when ``handoff_id`` may name a document (a stub is filed under no other name)."""
-    try:
-        check_id(handoff_id)
-    except InvalidDocument:
-        return False
+         "stub": not others and is_safe_id(handoff_id)}))
     return True
 
 

@@ -48,7 +48,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
-from ...core.documents import BOOK, book, check_id, revision
+from ...core.documents import BOOK, book, check_id, is_safe_id, revision
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
 from ...core.events import last_entry
 from ...core.states import State
@@ -308,9 +308,7 @@ class FileBridge:
     def retracted(self, handoff_id: str) -> int:
         """``handoff_id`` went back to pending (a retry, on any host): remove its terminal file
         here, if there is one (two stats when there is none); returns how many were removed."""
-        try:
-            check_id(handoff_id)  # (an id another host announced: no file here can have it)
-        except InvalidDocument:
+        if not is_safe_id(handoff_id):  # (an id another host announced: no file here has it)
             return 0
         if not any(self.store.path(s, handoff_id).exists() for s in TERMINAL):
             return 0
@@ -432,9 +430,7 @@ class FileBridge:
         """``handoff_id`` went back to pending (parked, answered, retried...; on any host):
         its parked copy here is removed if the row moved on, written if it is parked now
         (only for a handoff this process ingested: the others' wait for the next scan)."""
-        try:
-            check_id(handoff_id)
-        except InvalidDocument:
+        if not is_safe_id(handoff_id):
             return
         if self.store.path(State.PENDING, handoff_id).exists():
             self.ingest(handoff_id)  # (a parked copy: kept or removed; a drop: ingested)
