@@ -276,7 +276,9 @@ def validate(
     else:
         for item in results:
             if item["valid"]:
-                print(f"{item['file']}: valid ({item['dialect']})")
+                kind = (f"a failure stub: the dropped file was set aside as {item['stub']}"
+                        if item.get("stub") else item["dialect"])
+                print(clean(f"{item['file']}: valid ({kind})"))
                 continue
             verdict = "not checked" if item.get("unchecked") else "invalid"
             # (the file may come from another agent: its text is shown, never sent to the terminal)

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from .documents import (
+    BOOK,
     PRIORITIES,
     Envelope,
     Outcome,
@@ -194,7 +195,9 @@ def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: 
     doc["retry_available"] = retry_available
     doc["retry_count"] = retry_count
     doc["max_retries"] = max_retries
-    doc["recovery_actions"] = recovery_actions(code)
+    # a stub has no request to retry: its advice is about the file that was set aside
+    doc["recovery_actions"] = list(STUB_RECOVERY) if stub_code(doc) == code \
+        else recovery_actions(code)
     for key in ("completed_at", "timestamp_completed"):
         doc.pop(key, None)
 
@@ -215,3 +218,54 @@ RECOVERY: dict[str, list[str]] = {
 def recovery_actions(code: str) -> list[str]:
     """Seed 001's ``recovery_actions`` for an error code."""
     return list(RECOVERY.get(code, ["Inspect the error and retry the handoff"]))
+
+
+# ---------------------------------------------------------------- failure stubs
+# A *failure stub* is the native failure document handoffd files under the name of a dropped
+# file it set aside unread (admission's ``file_stub``, the PostgreSQL bridge's ``stub``), so that
+# `handoff wait` and `show` on that id end. Nobody read a request from the file, so it has no
+# ``target``: it is validated by the rules below, never routed, and never retried.
+STUB_EVENT = "rejected"
+STUB_RECOVERY = ["Fix the file kept in handoffs/.quarantine/ (its .reason.json says why) and "
+                 "submit it again under a new handoff_id: this one is taken by this failure",
+                 "handoff retry cannot run it: no request was ever read from the file"]
+_KNOWN_CODES = frozenset(code.value for code in ErrorCode)
+
+
+def stub_code(doc: dict[str, Any]) -> str | None:
+    """The code a failure stub was filed with, or None when ``doc`` is no stub by its
+    bookkeeping: a stub has no ``target`` and its ``handoffd`` history is the one ``rejected``
+    event (filed that way, never claimed, never retried), whose detail names the code.
+
+    It reads only the block: the caller must know the block is handoffd's own (its seal, or the
+    store's trusted view), since bookkeeping from outside never outranks ours."""
+    if "target" in doc:
+        return None
+    block = doc.get(BOOK)
+    history = block.get("history") if isinstance(block, dict) else None
+    if not isinstance(history, list) or len(history) != 1 or not isinstance(history[0], dict):
+        return None
+    detail = history[0].get("detail")
+    code = detail.get("code") if isinstance(detail, dict) else None
+    return code if history[0].get("event") == STUB_EVENT and isinstance(code, str) else None
+
+
+def stub_problems(doc: dict[str, Any], code: str) -> list[dict[str, str]]:
+    """What a failure stub filed with ``code`` breaks of the rules for a stub, beyond the native
+    failure schema (which the caller checks): ``status`` failed, ``error.code`` that code and
+    one of handoffd's own, a native ``handoffd`` block. One error entry (``field``, ``error``,
+    ``schema_path``) per rule broken; none for a valid stub."""
+    error = doc.get("error")
+    given = error.get("code") if isinstance(error, dict) else None
+    block = doc.get(BOOK)
+    dialect = block.get("dialect") if isinstance(block, dict) else None
+    checks = (
+        ("status", doc.get("status") == "failed", f"{str(doc.get('status'))[:40]!r} must be "
+         "'failed' in a failure stub"),
+        ("error.code", code in _KNOWN_CODES, f"{code[:60]!r} is not an error code of handoffd's"),
+        ("error.code", given == code, f"{str(given)[:60]!r} must be the code the file was set "
+         f"aside with ({code[:60]!r})"),
+        ("handoffd.dialect", dialect == "native", f"{str(dialect)[:40]!r} must be 'native' in a "
+         "failure stub"),
+    )
+    return [{"field": f, "error": e, "schema_path": ""} for f, ok, e in checks if not ok]

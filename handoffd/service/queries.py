@@ -6,11 +6,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import dialects
+from ..backends.files import seals
 from ..backends.files.fsio import read_bytes_safely
-from ..core.documents import book, next_attempt_at
+from ..core import ownfiles
+from ..core.documents import book, is_safe_id, next_attempt_at
 from ..core.engine import Engine
 from ..core.errors import ErrorCode, InvalidDocument, UsageError
 from ..core.jsontext import parse_document
+from ..core.native_format import stub_code, stub_problems
 from ..core.states import State
 from ..core.storage import FOREIGN_FILING, Row, foreign_filing, trusted_doc
 from ..core.timeutil import iso
@@ -185,19 +188,27 @@ def validate_files(files: list[Path], engine: Engine | None, *, forced: str | No
     for path in files:
         item: dict[str, Any] = {"file": str(path), "valid": False, "dialect": None, "headline": "",
                                 "errors": []}
+        doc: dict[str, Any] | None = None
+        stub: str | None = None
         try:
             raw, _ = read_bytes_safely(path, limit)
             doc = parse_document(raw, str(path))
             dialect = dialects.detect(doc, forced)
             item["dialect"] = dialect.name
-            validate_document(engine, doc, dialect)
-            named = [] if engine is not None else named_schemas(doc, dialect)
-            if named:
-                _unchecked(item, named, root)
+            stub = filed_stub(engine, doc, dialect)
+            if stub is not None and engine is not None:  # handoffd's own record of a file
+                validate_stub(engine, doc, dialect, stub)  # set aside: no request in it
+                item.update(valid=True, stub=stub)
             else:
-                item["valid"] = True
+                validate_document(engine, doc, dialect)
+                named = [] if engine is not None else named_schemas(doc, dialect)
+                if named:
+                    _unchecked(item, named, root)
+                else:
+                    item["valid"] = True
         except InvalidDocument as exc:
-            item["headline"] = str(exc)
+            shaped = stub is None and doc is not None and stub_code(doc) is not None
+            item["headline"] = str(exc) + (_stub_hint(engine) if shaped else "")
             # (every entry has a schema_path: a missing named schema's entry has none)
             item["errors"] = [{**e, "schema_path": e.get("schema_path", "")} for e in exc.errors] \
                 or [{"field": "$", "error": str(exc), "schema_path": ""}]
@@ -209,6 +220,55 @@ def validate_files(files: list[Path], engine: Engine | None, *, forced: str | No
             item["errors"] = [{"field": "$", "error": item["headline"], "schema_path": ""}]
         results.append(item)
     return results
+
+
+def filed_stub(engine: Engine | None, doc: dict[str, Any], dialect: Dialect) -> str | None:
+    """The code of the failure stub ``doc`` is (:func:`~handoffd.core.native_format.stub_code`)
+    when the seal of ``engine``'s workspace says handoffd filed it in failed/; None otherwise: no
+    workspace (no seal to check), another format, no stub, or a ``handoffd`` block handoffd did
+    not seal (a document from outside that merely lacks a target is validated as any other).
+
+    The seal is checked here, not through the store: a database store vouches for every block,
+    while the stubs are files of this workspace, which its files store and the PostgreSQL
+    bridge both seal with this workspace's key."""
+    if engine is None or dialect.name != "native":
+        return None
+    code = stub_code(doc)
+    handoff_id = doc.get("handoff_id")
+    if code is None or not isinstance(handoff_id, str) or not is_safe_id(handoff_id):
+        return None
+    key = _seal_key(engine.ws.meta / seals.KEY_NAME)
+    return code if seals.own_block(key, doc, handoff_id, (State.FAILED.value,)) else None
+
+
+def _seal_key(path: Path) -> bytes | None:
+    """The workspace's seal key if there is a usable one: never made here (validating writes
+    nothing), and a missing or unusable key vouches for no document."""
+    try:
+        key = ownfiles.read_regular(path, seals.MAX_KEY_BYTES).strip()
+    except OSError:
+        return None
+    return key if len(key) >= 32 else None
+
+
+def validate_stub(engine: Engine, doc: dict[str, Any], dialect: Dialect, code: str) -> None:
+    """Raise InvalidDocument (every error) unless the failure stub ``doc``, filed with ``code``,
+    keeps the rules for a stub (:func:`~handoffd.core.native_format.stub_problems`) and the
+    native failure schema. It is never routed, so it needs no target and no input check."""
+    problems = stub_problems(doc, code)
+    if problems:
+        first = problems[0]
+        raise InvalidDocument(f"not a valid failure stub: {first['field']}: {first['error']}",
+                              code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=problems)
+    check_document(engine.schemas, dialect, doc, subject="not a valid failure stub")
+
+
+def _stub_hint(engine: Engine | None) -> str:
+    """Why a document whose ``handoffd`` block calls it a failure stub was not taken for one."""
+    why = ("there is no workspace here to check its seal: --root names the one that filed it"
+           if engine is None else f"the seal of the workspace at {engine.ws.root} does not "
+           "vouch for it")
+    return f" (its handoffd block calls it a failure stub, but {why})"
 
 
 def named_schemas(doc: dict[str, Any], dialect: Dialect) -> list[tuple[str, str]]:

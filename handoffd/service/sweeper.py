@@ -32,6 +32,7 @@ from ..core.errors import (
     NotFound,
 )
 from ..core.events import SET_ASIDE, RecordingBackend
+from ..core.native_format import stub_code
 from ..core.states import State
 from ..core.storage import GIVEN_UP, Claim, owner_died
 from .handbacks import FREE_HANDBACKS, STOPS, stops_in_a_row
@@ -260,6 +261,13 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
     if state is not State.FAILED:
         raise InvalidTransition(f"handoff {handoff_id} is {state.value}, not failed; only failed "
                                 "handoffs can be retried", handoff_id=handoff_id)
+    code = stub_code(doc)  # (the store's trusted view: a block from outside reads as none)
+    if code is not None:
+        raise InvalidTransition(
+            f"handoff {handoff_id} is a failure stub, a permanent failure: the file dropped as "
+            f"{handoff_id}.json was set aside unread as {code} (kept in handoffs/.quarantine/), "
+            "so there is no request to retry, even with --force; fix that file and submit it "
+            "under a new id", handoff_id=handoff_id)
     block = book(doc)
     error = (block.get("final_error") or (given if isinstance(given := doc.get("error"), dict) else None)
              or block.get("last_error") or {})
