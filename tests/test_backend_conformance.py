@@ -178,6 +178,20 @@ def test_list_orders_and_limits(backend: Backend) -> None:
 
 
 # ---------------------------------------------------------------- claiming
+def test_list_places_a_running_handoff_by_its_claim(backend: Backend) -> None:
+    # claimed r3, r2, r1 in that order (ids the other way round: no tie is ordered right by
+    # id), then r3 renews its lease: no change of state, so no new place in a listing (the
+    # files store placed it by its file's mtime, which each renewal sets)
+    for i, handoff_id in enumerate(["r3", "r2", "r1"]):
+        add(backend, handoff_id, when=i)
+    held = [claim(backend, h, when=10 + i) for i, h in enumerate(["r3", "r2", "r1"])]
+    assert backend.renew(held[0], at(20), LEASE)
+    assert [r.id for r in backend.list(order="newest")] == ["r1", "r2", "r3"]
+    assert [r.id for r in backend.list(state=State.IN_PROGRESS, limit=2)] == ["r1", "r2"]
+    assert [r.id for r in backend.list(order="oldest", limit=2)] == ["r3", "r2"]
+    assert [r.updated_at for r in backend.list(order="oldest")] == [at(10), at(11), at(12)]
+
+
 def test_claim_next_by_priority_then_due_time(backend: Backend) -> None:
     add(backend, "low", 0, priority="low")
     add(backend, "normal-late", 2)
