@@ -113,7 +113,11 @@ def answer(
     eng = engine(root)
     do_answer(eng, handoff_id, value_arg(data, input_file, eng.settings.max_document_bytes,
                                      depth_below=ANSWER_DEPTH), by=agent_arg(as_agent))
-    print(f"{handoff_id}: answered; back in pending/")
+    # a database store holds the pending handoff: nothing is written to pending/ (a parked
+    # copy there goes once the bridge sees the answer)
+    shared = getattr(eng.backend, "shared", False)
+    print(f"{handoff_id}: answered; " + ("pending again in the shared store" if shared
+                                         else "back in pending/"))
 
 
 # ---------------------------------------------------------------- context

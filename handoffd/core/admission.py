@@ -214,7 +214,9 @@ def set_aside(engine: Admitting, handoff_id: str, state: State, code: str, messa
     under that id too so that `handoff wait` on it ends. False when it was already gone."""
     if not engine.backend.set_aside(handoff_id, state, code, message, claim=claim):
         return False
-    log.warning("set aside %s/%s.json: %s: %s", state.value, handoff_id, code, message)
+    place = getattr(engine.backend, "aside_place", None)  # a store without folders says where
+    log.warning("set aside %s: %s: %s", place(state, handoff_id) if callable(place)
+                else f"{state.value}/{handoff_id}.json", code, message)
     if not stub:
         return True
     try:

@@ -8,6 +8,9 @@ ingested at once), on every wake-up saying a handoff was filed anywhere, and on 
 saying one went back to pending (a retry: its old terminal file here is removed; parked: its
 copy is written into pending/; answered: that copy goes). It also has the backend list the files
 the bridge quarantined here with the database's quarantine (``handoff ls --state quarantined``).
+A handoff a command ingested from this workspace is announced to its daemon (a wake-up of the
+bridge's own kind, sent with the ingest), whose bridge then writes its result and its parked
+copy back at once, as for one it ingested itself.
 
 The ``handoff`` commands and the Python client ingest too (:func:`ingest_dropped`), before they
 read or write the store, when the workspace's pending/ holds files: a file dropped there is a
@@ -205,6 +208,8 @@ def attach(engine: Engine, daemon: Any) -> None:
         elif wakeup.kind in (State.COMPLETED.value, State.FAILED.value):
             guarded(f"writing the result of {wakeup.handoff_id}", bridge.export,
                     [wakeup.handoff_id])
+        elif wakeup.kind == bridge.heard_kind:  # a command here ingested it: ours to write back
+            bridge.heard(wakeup.handoff_id)
 
     watch = FolderWatch({engine.ws.state_dir(State.PENDING): State.PENDING.value}, on_file)
     try:
@@ -213,7 +218,7 @@ def attach(engine: Engine, daemon: Any) -> None:
         log.warning("file bridge: cannot watch pending/ (%s); new files are found by rescans", exc)
     daemon.add_scan_hook(lambda: guarded("syncing the workspace's files", bridge.sync))
     daemon.add_wakeup_hook(on_wakeup, kinds={State.COMPLETED.value, State.FAILED.value,
-                                             State.PENDING.value})
+                                             State.PENDING.value, bridge.heard_kind})
 
     def stop() -> None:
         from ..backends.postgres.connection import deadline

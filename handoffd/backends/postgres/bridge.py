@@ -57,7 +57,7 @@ from ..files import fsio, seals
 from ..files.problems import read_error
 from ..files.store import Store
 from .backend import PostgresBackend
-from .records import file_digest
+from .records import file_digest, ingested_kind
 
 log = logging.getLogger("handoffd")
 HALF_WRITTEN = (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8)
@@ -68,6 +68,9 @@ TERMINAL = (State.COMPLETED, State.FAILED)
 # what a parked copy the bridge writes into pending/ is sealed for, in place of a folder: no
 # document sealed for pending/ (`db import`'s) or dropped there carries it
 PARKED = "pending (parked copy)"
+# ids another process ingested from here that a bridge watches for at most (one told of more,
+# say by NOTIFYs sent past handoffd, leaves the rest to its scans, which miss nothing)
+MAX_HEARD = 10_000
 
 
 class FileBridge:
@@ -94,6 +97,9 @@ class FileBridge:
         # ids this process ingested and not yet exported: a wake-up for any other id (most of
         # them, with several hosts) costs no query; a scan exports whatever else is owed
         self._ours: set[str] = set()
+        #: the wake-up kind saying that another process ingested a file of this workspace
+        self.heard_kind = ingested_kind(origin)
+        self._adopted = False  # the ids ingested before this bridge started are in _ours
 
     # ------------------------------------------------------------ files -> database
     def ingest_all(self) -> int:
@@ -150,6 +156,14 @@ class FileBridge:
             log.info("ingested pending/%s.json into the shared store", handoff_id,
                      extra={"event": "ingested", "handoff_id": handoff_id})
         return "ingested" if fresh else "known"
+
+    def heard(self, handoff_id: str) -> None:
+        """Another process (a ``handoff`` command, the client) ingested ``handoff_id`` from this
+        workspace (:attr:`heard_kind`): its result and its parked copy are written back as soon
+        as its wake-up comes, as for one this process ingested, not at the next scan. Only a
+        hint: what is written is still only what the database says is owed to this workspace."""
+        if is_safe_id(handoff_id) and len(self._ours) < MAX_HEARD:
+            self._ours.add(handoff_id)
 
     def _read(self, handoff_id: str) -> tuple[dict[str, Any], bool | None]:
         """pending/``handoff_id``.json, without a ``handoffd`` block that handoffd did not seal
@@ -317,7 +331,13 @@ class FileBridge:
     def sync(self) -> None:
         """One pass both ways (at every daemon scan): stale files out first, so that a drop
         reusing a purged handoff's id is judged without its old result (ingesting removes the
-        parked copies whose rows moved on), then the results and the parked copies out."""
+        parked copies whose rows moved on), then the results and the parked copies out. The
+        first pass also watches for the handoffs ingested from here before this bridge started
+        (by a command, while no daemon ran): their results are written back at once too."""
+        if not self._adopted:
+            for handoff_id in self.backend.unfinished(self.origin, MAX_HEARD):
+                self.heard(handoff_id)
+            self._adopted = True
         self.recheck()
         self.ingest_all()
         self.export()

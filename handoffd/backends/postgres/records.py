@@ -36,6 +36,15 @@ RECHECK = "file-bridge recheck"
 MAX_PAYLOAD = 7000  # NOTIFY payloads stop at 8000 bytes: a longer id is announced as "lost"
 
 
+def ingested_kind(origin: str) -> str:
+    """The wake-up kind that tells ``origin``'s file bridge that another process (a command,
+    the client) ingested a handoff from that workspace's files: its daemon then writes the
+    result (or a parked copy) back as soon as there is one, not at its next scan. A digest of
+    the origin (a host and a path, of any length) keeps it short; each bridge hears its own."""
+    digest = hashlib.sha256(origin.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"ingested:{digest}"
+
+
 # a NUL character as json.dumps writes it: ``\u0000`` after an even run of backslashes (an odd
 # run is an escaped backslash followed by the plain text "u0000", which is kept). Linear: a
 # match starts only where a run of backslashes starts
@@ -267,6 +276,9 @@ class FileOrigins(StoreBase):
                 self._seen_upsert(conn, handoff_id, now)
             conn.execute("INSERT INTO handoffd.events (handoff_id, at, event, state) "
                          "VALUES (%s, %s, 'ingested', 'pending')", (handoff_id, now))
+            # first (a listener hears a commit's NOTIFYs in order, and before those of any later
+            # commit): the origin's daemon knows the id before its result or parking is told
+            self._notify(conn, handoff_id, ingested_kind(origin))
             self._notify(conn, handoff_id, State.PENDING.value)
             return True
 
@@ -297,8 +309,8 @@ class FileOrigins(StoreBase):
         message = f"{exc}; its terminal file is never written"
         if self.db.run(lambda conn, _: self._quarantine(conn, handoff_id, state, exc.code,
                                                         message)) is not None:
-            log.warning("set aside %s/%s: %s: %s", state, repr(handoff_id)[:80], exc.code,
-                        message)
+            log.warning("set aside handoff %s (%s) into the database's quarantine table: "
+                        "%s: %s", repr(handoff_id)[:80], state, exc.code, message)
 
     def origin_of(self, handoff_id: str) -> str | None:
         """The workspace that ingested ``handoff_id`` from a file (None: none did, or unknown)."""
@@ -344,6 +356,14 @@ class FileOrigins(StoreBase):
         except Exception:  # JSON Python cannot load: no entry a file could match
             entry = None
         return str(found[0]), entry if isinstance(entry, dict) else {}
+
+    def unfinished(self, origin: str, limit: int = 10_000) -> builtins.list[str]:
+        """The ids of the handoffs ``origin`` ingested that are not finished yet (at most
+        ``limit``): its bridge, starting, watches for their results as for those it ingests
+        itself (a command may have ingested them while no daemon ran there)."""
+        return [str(r[0]) for r in self.db.run(lambda conn, _: conn.execute(
+            f"SELECT id FROM {T} WHERE origin = %s AND state IN ('pending', 'in-progress') "
+            "LIMIT %s", (origin, limit)).fetchall())]
 
     def parked(self, origin: str, *, ids: builtins.list[str] | None = None,
                limit: int = 500) -> builtins.list[tuple[str, Any]]:

@@ -86,6 +86,13 @@ class Writes(SideRecords):
         self._aside.last = (handoff_id, None if moved is None else moved.origin)
         return moved is not None
 
+    @staticmethod
+    def aside_place(state: State, handoff_id: str) -> str:
+        """What :meth:`set_aside` did with ``handoff_id`` (read from ``state``), as the line
+        that logs it says (admission's ``set aside ...``): its row went into the quarantine
+        table. The files store's ``in-progress/ID.json`` named a folder this store never uses."""
+        return f"handoff {handoff_id} ({state.value}) into the database's quarantine table"
+
     def create_failed(self, handoff_id: str, doc: Doc) -> bool:
         last = getattr(self._aside, "last", None)
         self._aside.last = None
