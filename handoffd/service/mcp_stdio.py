@@ -5,7 +5,11 @@ exception, without the request's id, and nothing is sent back: a client that sen
 ``"params": "x"``, or arguments nested past pydantic's recursion limit, waited for ever on that id
 (fourth session's hunt). :class:`CheckedLines` sits between stdin and the transport: a line the
 SDK would refuse is answered here with a JSON-RPC error naming its id (``null`` when it has
-none), and never reaches the SDK. Everything else passes through unchanged.
+none), and never reaches the SDK. So is a request whose ``id`` is no string or integer (1.5,
+true, null, an object, an integer past 4,300 digits): the SDK's notification model ignores
+unknown keys, took it for a notification and answered nothing; JSON-RPC 2.0 answers it -32600
+under ``null``, and only a message without ``id`` is a notification. Everything else passes
+through unchanged.
 
 A line is read no further than MAX_LINE_CHARS (+1): one longer is refused as it streams past
 (the rest of it read in small pieces and dropped), and answered under the id found near its
@@ -163,33 +167,76 @@ def _id_value(text: str, at: int) -> int | str | None:
 
 
 def refuse(line: str) -> types.JSONRPCError | None:
-    """The error answer for a line the SDK's transport would not accept, or None."""
+    """The error answer for a line the SDK's transport would not accept, or would take for a
+    notification though it has an ``id`` (so never answer), else None."""
     if not line.strip():
         return None  # (the SDK skips nothing, but an empty line is no request either)
     if len(line) > MAX_LINE_CHARS:
         return _error(None, types.INVALID_REQUEST,
                       f"the request line is over {MAX_LINE_CHARS} characters")
     try:
-        types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-        return None
+        message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
     except Exception as exc:  # what the SDK would have swallowed
-        problem = _first_problem(exc)
-    try:  # (an integer past Python's 4,300 digits is no reason to lose the request's id)
+        return _refuse_invalid(line, _first_problem(exc))
+    # the SDK's notification ignores unknown keys: {"id": 1.5, "method": "ping"} read as one,
+    # and was dropped unanswered. Notifications are few and small: such a line is read again.
+    if isinstance(message, types.JSONRPCNotification) and (bad := id_problem(line)):
+        return _error(None, types.INVALID_REQUEST, bad)  # (JSON-RPC 2.0: under null)
+    return None
+
+
+def id_problem(body: str | bytes) -> str | None:
+    """Why the JSON object ``body`` has an ``id`` member no answer can carry (:func:`unusable_id`),
+    or None: its id is usable, it has none (a notification), or it is no JSON object."""
+    try:
+        parsed = json.loads(body, parse_int=_bounded_int)
+    except (ValueError, RecursionError):
+        return None
+    return unusable_id(parsed["id"]) if isinstance(parsed, dict) and "id" in parsed else None
+
+
+def _refuse_invalid(line: str, problem: str) -> types.JSONRPCError | None:
+    """The answer to ``line``, which the SDK cannot validate (``problem`` says why): under its
+    id when it has a usable one, under ``null`` otherwise; None for a notification (no
+    ``id`` member: JSON-RPC 2.0 answers nothing to one, even a malformed one)."""
+    try:  # (an integer past Python's 4,300 digits elsewhere in the line, in its params, is
+        # no reason to lose the request's id; as the id itself it is no id: see _HugeInt)
         parsed = json.loads(line, parse_int=_bounded_int)
     except (ValueError, RecursionError):
         return _error(None, types.PARSE_ERROR, "not JSON, or nested too deeply to read")
-    request_id = parsed.get("id") if isinstance(parsed, dict) else None
-    if isinstance(request_id, bool) or not isinstance(request_id, (int, str)):
-        request_id = None
-    if isinstance(parsed, dict) and "method" in parsed and request_id is None:
-        return None  # a notification: nothing may be answered (the SDK drops it)
-    code = types.INVALID_PARAMS if isinstance(parsed, dict) and "params" in parsed \
-        else types.INVALID_REQUEST
-    return _error(request_id, code, f"the request is not valid JSON-RPC for MCP: {problem}")
+    if not isinstance(parsed, dict):
+        return _error(None, types.INVALID_REQUEST,
+                      f"the request is not valid JSON-RPC for MCP: {problem}")
+    if "id" not in parsed:
+        if "method" in parsed:
+            return None  # a notification: nothing may be answered (the SDK drops it)
+        return _error(None, types.INVALID_REQUEST,
+                      f"the request is not valid JSON-RPC for MCP: {problem}")
+    bad_id = unusable_id(parsed["id"])
+    if bad_id is not None:  # JSON-RPC 2.0: an id that cannot be used is answered as null
+        return _error(None, types.INVALID_REQUEST, bad_id)
+    code = types.INVALID_PARAMS if "params" in parsed else types.INVALID_REQUEST
+    return _error(parsed["id"], code, f"the request is not valid JSON-RPC for MCP: {problem}")
+
+
+def unusable_id(value: Any) -> str | None:
+    """Why ``value`` (a parsed JSON-RPC ``id``) cannot be answered under, or None when it can:
+    MCP's ids are strings and integers (an integer ``int()`` can read)."""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return None
+    if isinstance(value, _HugeInt):
+        return (f"the request's id is an integer of more than {MAX_INT_DIGITS} digits: "
+                "an id is a string or an integer")
+    kind = "null" if value is None else "a boolean" if isinstance(value, bool) \
+        else "a number with a fraction or exponent" if isinstance(value, float) \
+        else f"a JSON {'object' if isinstance(value, dict) else 'array'}"
+    return f"the request's id is {kind}: an id is a string or an integer"
 
 
 class _HugeInt:
-    """Stands for an integer too long for ``int()`` (it is no id, and nothing else is kept)."""
+    """Stands for an integer too long for ``int()``. It is no id: a request under one is
+    answered under ``null`` (reading its digits is what the limit guards against), and
+    nothing else of it is kept."""
 
 
 def _bounded_int(text: str) -> int | _HugeInt:
