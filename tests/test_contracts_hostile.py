@@ -239,7 +239,7 @@ assert not patterns.matches({HOSTILE!r}, name)
 assert not patterns.any_match(({HOSTILE!r}, "src/**/" + {HOSTILE!r}), "src/a/" + name)
 assert not patterns.overlap("src/" + {HOSTILE!r}, "src/" + name)
 assert not patterns.matches("**/**/**/**/**/**/**/**/**/**/x", "a/" * 2000 + "y")
-assert time.monotonic() - started < 5, time.monotonic() - started
+assert time.monotonic() - started < 30, time.monotonic() - started  # (was minutes)
 """
     proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -224,12 +224,13 @@ def test_a_drain_cuts_off_the_webhook_in_flight_and_a_second_drain_returns_at_on
     time.sleep(0.3)  # the request is out, its answer trickles
     started = time.monotonic()
     assert notifier.drain(timeout=0.5) is False
-    assert time.monotonic() - started < 2.0  # the cut off delivery ended at once
+    # the cut off delivery ended at once, not at its 600 s (bounds far apart: a loaded machine)
+    assert time.monotonic() - started < 60
     (letter,) = letters_in(tmp_path)
     assert letter["id"] == "h1" and "may have been delivered" in letter["error"]
     started = time.monotonic()
-    assert notifier.drain(timeout=5) is True  # (atexit after the stop hook) nothing is left
-    assert time.monotonic() - started < 0.5
+    assert notifier.drain(timeout=120) is True  # (atexit after the stop hook) nothing is left
+    assert time.monotonic() - started < 60  # at once: nothing to wait for, not its timeout
     assert len(letters_in(tmp_path)) == 1 and server.hits == ["/slow"]  # never retried
 
 
@@ -246,7 +247,7 @@ def test_a_delivery_the_drain_cannot_stop_is_dead_lettered_once_and_never_also_c
         if not sent:
             flight.exposed = True  # it handed the document over
             sent.append(notice.handoff_id)
-            release.wait(30)
+            release.wait(300)
             return None
         sent.append(notice.handoff_id)
         return None
@@ -257,7 +258,7 @@ def test_a_delivery_the_drain_cannot_stop_is_dead_lettered_once_and_never_also_c
     wait_for(lambda: sent == ["held"])
     started = time.monotonic()
     assert notifier.drain(timeout=0.2) is False
-    assert time.monotonic() - started < 4.0  # its time, then the settle time
+    assert time.monotonic() - started < 60  # its time, then the settle time (not the 300 s)
     letters = letters_in(tmp_path)
     assert [letter["id"] for letter in letters] == ["queued", "held"], letters
     assert "before it was delivered" in letters[0]["error"]
@@ -283,15 +284,15 @@ def test_a_drain_kills_a_hanging_command_and_dead_letters_it(tmp_path: Path) -> 
     wait_for(lambda: subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0)
     started = time.monotonic()
     assert notifier.drain(timeout=0.3) is False
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 60  # killed at the drain, not after its 600 s
     (letter,) = letters_in(tmp_path)
     assert letter["id"] == "h1" and "not tried again" in letter["error"]
     assert "may have been delivered" in letter["error"]
     found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     assert found.stdout.strip() == "", "the command outlived the drain"
     started = time.monotonic()
-    assert notifier.drain(timeout=5) is True
-    assert time.monotonic() - started < 0.5
+    assert notifier.drain(timeout=120) is True
+    assert time.monotonic() - started < 60  # at once: nothing to wait for, not its timeout
 
 
 def test_a_delivery_an_unforeseen_error_ends_is_dead_lettered(tmp_path: Path,

@@ -205,7 +205,7 @@ def test_collect_stops_a_stopped_child_past_its_deadline(ignore_term: bool, sign
     assert done.stopped == signal.Signals(signum).name
     assert done.status is not None and os.waitstatus_to_exitcode(done.status) == -signum
     assert unreaped == []
-    assert took < 0.3 + reaping.TERM_SECONDS + 2, took
+    assert took < 0.3 + reaping.TERM_SECONDS + 30, took  # (never reaped: for ever)
 
 
 def test_collect_reads_a_report_and_waits_without_a_deadline() -> None:

@@ -151,9 +151,10 @@ def test_serve_picks_up_at_once_after_pending_is_renamed_away_and_recreated(
     time.sleep(1.5)  # at most one sweep: it watches the new pending/
     hid = ws.create("--to", "@flaky", "--data", '{"mode": "ok"}')
     started = time.monotonic()  # (the create command's own start-up is not the daemon's)
-    assert ws.wait_state(hid, timeout=10) == "completed"
+    assert ws.wait_state(hid, timeout=60) == "completed"
     took = time.monotonic() - started
-    assert took < 2.5, f"picked up after {took:.2f}s: the new pending/ is not watched"
+    # unwatched, it waits for the hourly rescan (bounds far apart: a loaded machine is slow)
+    assert took < 30, f"picked up after {took:.2f}s: the new pending/ is not watched"
     assert ws.stop(daemon) == 0
     assert daemon.stderr is not None
     err = daemon.stderr.read()

@@ -123,9 +123,9 @@ class Enforcer:
                                    retryable=True) from None
             if conflict is not None:
                 self.engine.handback(job.claim, job.dialect, reason=conflict.reason())
-                log.info("handoff %s: %s; handed back to pending/", job.handoff_id, conflict.reason())
-                raise HandlerError(f"handoff {job.handoff_id}: {conflict.reason()}; handed back to "
-                                   "pending/ (no attempt counted)", handoff_id=job.handoff_id,
+                log.info("handoff %s: %s; handed back (pending again)", job.handoff_id, conflict.reason())
+                raise HandlerError(f"handoff {job.handoff_id}: {conflict.reason()}; handed back "
+                                   "(pending again, no attempt counted)", handoff_id=job.handoff_id,
                                    code=ErrorCode.OWNERSHIP_CONFLICT, retryable=True)
             run.reserved = True
         job.context.feature_state[STATE_KEY] = run  # from here on, the after hook releases
