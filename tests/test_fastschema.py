@@ -225,6 +225,8 @@ SCHEMA_LEAVES = st.sampled_from([
     {"enum": ["a", "b"]}, {"enum": [1, "a", None, [1], {"a": 1}]}, {"enum": []},
     {"const": "a"}, {"const": True}, {"const": False}, {"const": None}, {"const": 1},
     {"const": [1, True]}, {"format": "date-time"}, {"required": ["a"]},
+    {"uniqueItems": True}, {"uniqueItems": False},  # hashed (session 19)
+    {"enum": [*range(-3, 33), 1.5, "a", None, [1], {"a": 1}]},  # a large enum: hashed too
 ])
 SCHEMAS_DRAWN = st.recursive(SCHEMA_LEAVES, lambda inner: st.fixed_dictionaries({}, optional={
     "type": st.sampled_from(["object", "array", "string", "number", "integer"]),

@@ -6,6 +6,7 @@ nothing must not pay for them). See :mod:`handoffd.core.validation` for the poli
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import jsonschema
@@ -18,7 +19,8 @@ from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 
 from .errors import ErrorCode, InvalidDocument
-from .schemachecks import PatternError, Searcher, compile_pattern, format_checker
+from .fastschema import BIG_ENUM, member_test, unique_items
+from .schemachecks import PatternError, Searcher, compile_pattern, equal, format_checker
 
 FORMAT_CHECKER = format_checker()  # jsonschema's, with handoffd's own checks for some formats
 
@@ -80,10 +82,13 @@ def _cut(text: str, limit: int = MAX_MESSAGE) -> str:
 # ---------------------------------------------------------------- RE2-backed keywords
 # jsonschema calls re.search in four keywords (pattern, patternProperties, and through helpers in
 # additionalProperties and unevaluatedProperties); each is replaced by a version that compiles
-# with compile_pattern. They mirror jsonschema 4's implementations otherwise.
+# with compile_pattern. They mirror jsonschema 4's implementations otherwise. uniqueItems is
+# replaced too: jsonschema's compares every pair of items that do not sort (objects), and a
+# 218 KB request held a worker for 104 s; fastschema.unique_items hashes each item once.
 
 def _keywords(legacy_2019: bool) -> dict[str, Callable[..., Iterator[ValidationError]]]:
-    """Keyword implementations on RE2 (``legacy_2019``: draft 2019-09's variants)."""
+    """Keyword implementations on RE2 (``legacy_2019``: draft 2019-09's variants), and a
+    linear-time ``uniqueItems``."""
 
     def searcher(pattern: str) -> Searcher | None:
         try:
@@ -208,9 +213,56 @@ def _keywords(legacy_2019: bool) -> dict[str, Callable[..., Iterator[ValidationE
             yield ValidationError("Unevaluated properties are not valid under the given schema "
                                   f"({names} {verb} unevaluated and invalid)")
 
+    def enum(validator: Any, enums: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+        if len(enums) < BIG_ENUM:
+            if all(not equal(option, instance) for option in enums):
+                yield ValidationError(f"{instance!r} is not one of {enums!r}")
+            return
+        test, shown = _members(enums)
+        if not test(instance):
+            yield ValidationError(f"{instance!r} is not one of {shown()}")
+
+    def unique(validator: Any, ui: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+        # (JSON equality, where jsonschema's sorting shortcut missed a repeat such as [[1], [true],
+        # [1]]: Python sorts [true] between the two [1]s, and it compares neighbours only)
+        if ui and validator.is_type(instance, "array") and not unique_items(instance):
+            yield ValidationError(f"{_short(instance)} has non-unique elements")
+
     return {"pattern": pattern, "patternProperties": pattern_properties,
             "additionalProperties": additional_properties,
-            "unevaluatedProperties": unevaluated_properties}
+            "unevaluatedProperties": unevaluated_properties, "uniqueItems": unique, "enum": enum}
+
+
+# the hashed tests of the large enums met lately: id(options) -> (options, test, shown text).
+# The options are held so that their id is not reused while listed; a validator runs one
+# keyword function per check and has no place of its own to keep them. An enum met again after
+# it left the list pays to build its test again, no more than comparing its options would.
+_MEMBERS: OrderedDict[int, tuple[Any, Callable[[Any], bool], list[str]]] = OrderedDict()
+_MEMBERS_SIZE = 64
+_MEMBERS_LOCK = threading.Lock()
+
+
+def _members(options: Any) -> tuple[Callable[[Any], bool], Callable[[], str]]:
+    """The hashed membership test of a large ``enum`` (fastschema.member_test), and a function
+    giving the options as its message shows them (``repr``, cut, made once: a 300,000-option
+    enum's repr is 2 MB)."""
+    with _MEMBERS_LOCK:
+        found = _MEMBERS.get(id(options))
+        if found is not None and found[0] is options:
+            _MEMBERS.move_to_end(id(options))
+    if found is None or found[0] is not options:
+        found = (options, member_test(options), [])
+        with _MEMBERS_LOCK:
+            _MEMBERS[id(options)] = found
+            while len(_MEMBERS) > _MEMBERS_SIZE:
+                _MEMBERS.popitem(last=False)
+    text = found[2]
+
+    def shown() -> str:
+        if not text:
+            text.append(_cut(repr(options)))
+        return text[0]
+    return found[1], shown
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -229,6 +281,9 @@ _CLASSES_LOCK = threading.Lock()
 
 def validator_class(schema: Any) -> Any:
     """The validator class for ``schema``'s draft (default 2020-12) with the RE2 keywords."""
+    if isinstance(schema, dict) and not isinstance(schema.get("$schema", ""), str):
+        schema = {}  # {"$schema": 5} made jsonschema fail with an AttributeError: 2020-12's
+        # metaschema then says "5 is not of type 'string'"
     base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     with _CLASSES_LOCK:
         found = _CLASSES.get(base)
@@ -291,6 +346,10 @@ class _Expansion:
         self.spec = referencing.jsonschema.specification_with(
             dialect_id=validator.ID_OF(meta) or "urn:unknown-dialect",
             default=referencing.Specification.OPAQUE)
+        # by id: every node stays alive while counting (the schema, and the files its $refs
+        # name, each loaded once into the registry: see named_registry), and a $ref to a node
+        # reaches that same object each time: a node's count is worked out once, then added
+        # once per reference to it
         self.memo: dict[int, int] = {}
         self.active: set[int] = set()
 
@@ -384,24 +443,85 @@ def for_inline(schema: dict[str, Any]) -> Validator:
     return check_inline(schema)
 
 
-def named_registry(load: Callable[[str], Any] | None) -> referencing.Registry:
-    """The registry of a named schema: ``$ref`` to another schema by plain file name (no scheme,
-    no folder: "common.json") is read with ``load``; any other address is refused, never fetched."""
+MAX_SCHEMA_FILES = 100  # other schema files one named schema's $refs may reach
+# keywords whose values are data, never schemas: a "$ref" key inside one refers to nothing
+_DATA_KEYWORDS = frozenset({"enum", "const", "examples", "default"})
+
+
+def plain_ref(uri: str) -> bool:
+    """True when ``uri`` (a ``$ref`` without its fragment) is a plain schema file name: no
+    scheme, no folder, not hidden; the only kind a named schema's ``$ref`` may name."""
+    return bool(uri) and not ("/" in uri or "\\" in uri or ":" in uri or uri.startswith("."))
+
+
+def referenced_names(schema: Any) -> list[str]:
+    """The plain file names ``schema``'s ``$ref``s name (``common.json`` of
+    ``"common.json#/$defs/id"``), each once, in the order met (iterative: any depth)."""
+    names: dict[str, None] = {}
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(reversed(node))
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("$ref", "$dynamicRef") and isinstance(value, str):
+                    uri = value.split("#", 1)[0]
+                    if plain_ref(uri):
+                        names[uri] = None
+                elif key not in _DATA_KEYWORDS:
+                    stack.append(value)
+    return list(names)
+
+
+def named_registry(schema: Any, load: Callable[[str], Any] | None) -> referencing.Registry:
+    """The registry of a named schema: every file its ``$ref``s name by plain file name
+    ("common.json"), and those files' own, read with ``load`` once, here; nothing is ever
+    retrieved while validating (an address not in it is unresolvable: never fetched). A $ref
+    used to read and parse its file at every lookup: 100 references to a 2.3 MB schema took
+    18 s per handoff. SchemaProblem past :data:`MAX_SCHEMA_FILES` files."""
     if load is None:
         return _NO_RETRIEVAL
-
-    def retrieve(uri: str) -> referencing.Resource[Any]:
-        if not uri or "/" in uri or "\\" in uri or ":" in uri or uri.startswith("."):
-            raise referencing.exceptions.NoSuchResource(ref=uri)  # type: ignore[call-arg]
-        return referencing.Resource.from_contents(
-            load(uri), default_specification=referencing.jsonschema.DRAFT202012)
-
     import referencing.jsonschema
-    return referencing.Registry(retrieve=retrieve)  # type: ignore[call-arg]
+    resources: dict[str, referencing.Resource[Any]] = {}
+    pending = referenced_names(schema)
+    while pending:
+        name = pending.pop(0)
+        if name in resources:
+            continue
+        if len(resources) >= MAX_SCHEMA_FILES:
+            raise SchemaProblem(f"its $refs name more than {MAX_SCHEMA_FILES} schema files")
+        contents = load(name)
+        _check_referenced(name, contents, schema)
+        try:
+            resources[name] = referencing.Resource.from_contents(
+                contents, default_specification=referencing.jsonschema.DRAFT202012)
+        except (AttributeError, referencing.exceptions.CannotDetermineSpecification):
+            raise SchemaProblem(f"$ref {name[:200]!r} names a file that is no JSON Schema "
+                                "(its $schema is not a dialect's address)") from None
+        pending += referenced_names(contents)
+    return _NO_RETRIEVAL.with_resources(resources.items())
+
+
+def _check_referenced(name: str, contents: Any, root: Any) -> None:
+    """SchemaProblem unless the file ``name`` a ``$ref`` names is a valid JSON Schema of its
+    draft (the root's when it names none), as the root is checked: {"type": 5} there used to
+    reach validation and end it with a TypeError."""
+    own = isinstance(contents, dict) and "$schema" in contents
+    try:
+        validator_class(contents if own else root).check_schema(contents,
+                                                                format_checker=FORMAT_CHECKER)
+    except jsonschema.SchemaError as exc:
+        reason = str(exc.cause) if isinstance(exc.cause, PatternError) else exc.message
+        raise SchemaProblem(f"$ref {name[:200]!r} names a file that is not a valid JSON Schema: "
+                            f"{reason[:300]}") from None
+    except RecursionError:
+        raise SchemaProblem(f"$ref {name[:200]!r} names a file that nests too deeply to be "
+                            "checked") from None
 
 
 def for_named(schema: dict[str, Any], load: Callable[[str], Any] | None = None) -> Validator:
     """A validator for an operator's (named) schema, checked as an inline one is (RE2 only, a
-    bounded expansion); its ``$ref``s may name other schemas, read with ``load``. SchemaProblem
-    when it cannot be used."""
-    return check_schema(schema, named_registry(load))
+    bounded expansion); its ``$ref``s may name other schemas, read with ``load`` (once each,
+    now: see :func:`named_registry`). SchemaProblem when it cannot be used."""
+    return check_schema(schema, named_registry(schema, load))

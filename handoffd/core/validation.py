@@ -13,13 +13,18 @@ the workspace, and inline ones (HAIOS's ``expected_output_schema``) come with do
 - a ``$ref`` is followed only inside the schema, or, from ``schemas/``, to another file of
   ``schemas/`` by plain name: never to a URL or a path (jsonschema would fetch them, unbounded);
 - a schema that expands to more than 20,000 subschemas once its ``$ref``s are followed is refused
-  (two references per level make 2**levels: validation would never end).
+  (two references per level make 2**levels: validation would never end);
+- a file of ``schemas/`` is read only when it is a regular file (never through a symlink, never
+  a FIFO or a device) of at most :data:`MAX_SCHEMA_BYTES`, that bound holding for a schema and
+  every file its ``$ref``s reach together; the files a ``$ref`` names are read once, when the
+  validator is built, and the validator is built again when one of them changes (its stat stamp).
 
 An unusable named schema is a ConfigError naming the file: the handoffs that name it fail with
 one line, and the daemon goes on.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigError, ErrorCode, InvalidDocument
 from .hashing import sha256_hex
+from .ownfiles import open_folder, read_regular
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -37,6 +43,9 @@ if TYPE_CHECKING:
     from jsonschema.protocols import Validator
 
 INLINE_CACHE_SIZE = 256  # inline schemas kept compiled (LRU): repeats are common, the set is not bounded
+# a file of schemas/, and a named schema with all the files its $refs reach: a 1 GB file there
+# took 2.1 GB of memory to be found not JSON, and was read again by every handoff naming it
+MAX_SCHEMA_BYTES = 4 << 20
 # the machinery (jsonschema with RE2 keywords) lives in .jsonschema_re2, loaded on first validation
 _ENGINE_NAMES = ("PatternError", "compile_pattern", "validator_class", "check_inline", "describe",
                  "field_path", "errors_of")
@@ -96,6 +105,87 @@ def schema_digest(schema: Any) -> str:
     return sha256_hex(text.encode("utf-8", "surrogatepass"))
 
 
+# what os.lstat says of a file of schemas/ (device, inode, size, mtime, ctime, mode), or None
+# when nothing is there: a validator (or a refusal) is kept while these stay as they were
+Stamp = tuple[int, ...] | None
+
+
+def file_stamp(path: Path) -> Stamp:
+    """The stat stamp of ``path`` itself (not what a symlink there points at); None when absent."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns,
+            info.st_mode)
+
+
+def _refusal(name: str, exc: OSError) -> str:
+    """The one line saying why ``schemas/<name>`` is not read."""
+    if exc.errno == errno.ELOOP:
+        return f"schemas/{name} is a symlink: a schema is read only from a regular file in schemas/"
+    if exc.errno in (errno.EINVAL, errno.ENXIO, errno.EISDIR):
+        return f"schemas/{name} is not a regular file: a schema is read only from one"
+    if exc.errno == errno.EFBIG:
+        return f"schemas/{name} is larger than {MAX_SCHEMA_BYTES >> 20} MiB, a schema file's limit"
+    return f"schemas/{name} cannot be read: {exc.strerror}"
+
+
+class _Build:
+    """The reads of one build of a named schema: each file of schemas/ looked at, with its stamp
+    taken before it was read (a change during the build is seen as one after it), and the bytes
+    read, at most :data:`MAX_SCHEMA_BYTES` together."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        self.stamps: dict[str, Stamp] = {}
+        self.total = 0
+
+    def load(self, name: str) -> Any:
+        """Schema ``name``: ``schemas/<name>`` when anything has that name there (refused with a
+        ConfigError unless it is a regular file within the bounds), else the built-in one."""
+        if not plain_name(name):
+            raise ConfigError(f"schema name {name!r} must be a plain file name inside schemas/")
+        data = self._read(name)
+        if data is None:
+            try:
+                return load_builtin(name)
+            except FileNotFoundError:
+                raise ConfigError(f"schema {name} not found in {self.folder} nor among the "
+                                  "built-in schemas (`handoff schemas` lists them)") from None
+        self.total += len(data)
+        if self.total > MAX_SCHEMA_BYTES:
+            raise ConfigError(f"schemas/{name}: a schema and the files its $refs name may hold "
+                              f"{MAX_SCHEMA_BYTES >> 20} MiB together, and these hold more")
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"schemas/{name} is not valid JSON: {str(exc)[:200]}") from None
+        except RecursionError:
+            raise ConfigError(f"schemas/{name} nests too deeply to be read") from None
+
+    def _read(self, name: str) -> bytes | None:
+        """The bytes of ``schemas/<name>``, None when nothing has that name there."""
+        if self.folder is None:
+            return None
+        stamp = self.stamps[name] = file_stamp(self.folder / name)
+        if stamp is None:
+            return None
+        try:  # the folder itself not through a symlink either: nothing outside is read
+            folder = open_folder(self.folder)
+        except OSError:
+            raise ConfigError(f"schemas/{name} is not read: schemas/ is not a plain folder of the "
+                              "workspace (a symlink?)") from None
+        try:
+            return read_regular(name, MAX_SCHEMA_BYTES, dir_fd=folder)
+        except FileNotFoundError:
+            return None  # gone since: its stamp changes, and the next use looks again
+        except OSError as exc:
+            raise ConfigError(_refusal(name, exc)) from None
+        finally:
+            os.close(folder)
+
+
 class SchemaCache:
     """Compiled validators: named schemas by name (a fixed set), inline schemas in a bounded LRU
     keyed by their content; thread-safe, built on first use."""
@@ -103,25 +193,59 @@ class SchemaCache:
     def __init__(self, workspace_schemas: Path | None = None, *,
                  inline_size: int = INLINE_CACHE_SIZE) -> None:
         self.folder = workspace_schemas
-        self._validators: dict[str, Validator] = {}
-        self._quick: dict[str, Any] = {}  # name -> fastschema check, or None (jsonschema only)
+        # name -> its validator and the stamps of the files of schemas/ it was built from
+        self._validators: dict[str, tuple[Validator, dict[str, Stamp]]] = {}
+        # name -> the refusal of an unusable schema, and the stamps of the files it looked at:
+        # given again (nothing read) while they stay as they were
+        self._refused: dict[str, tuple[str, dict[str, Stamp]]] = {}
+        # name -> fastschema check, or None (jsonschema only), and the stamps it stands on
+        self._quick: dict[str, tuple[Any, dict[str, Stamp]]] = {}
         self._missing: dict[str, int] = {}  # name -> schemas/ mtime when it was not there
         self._inline: OrderedDict[str, Validator] = OrderedDict()
         self._inline_size = inline_size
         self._lock = threading.Lock()
 
     def validator(self, name: str) -> Validator:
-        """The validator for schema ``name`` (workspace schemas/ first, then built-ins)."""
+        """The validator for schema ``name`` (workspace schemas/ first, then built-ins), built
+        again when a file of schemas/ it was built from changes; ConfigError if unusable."""
+        return self._current(name)[0]
+
+    def _current(self, name: str) -> tuple[Validator, dict[str, Stamp]]:
+        """:meth:`validator` with the stamps of the files it was built from."""
         found = self._validators.get(name)
-        if found is not None:
+        if found is not None and self._unchanged(found[1]):
             return found
         with self._lock:
-            if name not in self._validators:
-                self._validators[name] = self._build(name, self._load(name))
-            return self._validators[name]
+            found = self._validators.get(name)
+            if found is not None and self._unchanged(found[1]):
+                return found
+            refused = self._refused.get(name)
+            if refused is not None and self._unchanged(refused[1]):
+                raise ConfigError(refused[0])
+            build = _Build(self.folder)
+            try:
+                built = self._build(name, build)
+            except ConfigError as exc:
+                self._validators.pop(name, None)
+                if len(self._refused) >= INLINE_CACHE_SIZE:  # names come from requests
+                    self._refused.clear()
+                self._refused[name] = (str(exc), build.stamps)
+                raise
+            self._refused.pop(name, None)
+            # a built-in looked for in schemas/ and not found there is kept as today (the
+            # quick check of a shipped schema is not looked at again either)
+            found = self._validators[name] = (
+                built, {n: s for n, s in build.stamps.items() if s is not None})
+            return found
+
+    def _unchanged(self, stamps: dict[str, Stamp]) -> bool:
+        """True when each file of schemas/ in ``stamps`` still has its stamp (one lstat each)."""
+        return self.folder is None or all(file_stamp(self.folder / name) == stamp
+                                          for name, stamp in stamps.items())
 
     def has(self, name: str) -> bool:
-        """True when schema ``name`` can be loaded (a plain name in schemas/ or built in)."""
+        """True when schema ``name`` can be loaded (a plain name in schemas/ or built in). Any
+        entry of schemas/ counts, a symlink too: using it says why it is refused."""
         if name in self._validators:
             return True
         if not plain_name(name):
@@ -141,7 +265,7 @@ class SchemaCache:
             stamp = -1
         if self._missing.get(name) == stamp:
             return False
-        if (self.folder / name).is_file():
+        if file_stamp(self.folder / name) is not None:
             return True
         if len(self._missing) >= INLINE_CACHE_SIZE:
             self._missing.clear()
@@ -169,39 +293,23 @@ class SchemaCache:
                 self._inline.popitem(last=False)
         return found
 
-    def _load(self, name: str) -> dict[str, Any]:
-        if not plain_name(name):
-            raise ConfigError(f"schema name {name!r} must be a plain file name inside schemas/")
-        if self.folder is not None and (self.folder / name).is_file():
-            try:
-                return json.loads((self.folder / name).read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"schemas/{name} is not valid JSON: {str(exc)[:200]}") from None
-            except RecursionError:
-                raise ConfigError(f"schemas/{name} nests too deeply to be read") from None
-            except OSError as exc:
-                raise ConfigError(f"schemas/{name} cannot be read: {exc.strerror}") from None
-        try:
-            return load_builtin(name)
-        except FileNotFoundError:
-            raise ConfigError(f"schema {name} not found in {self.folder} nor among the built-in "
-                              "schemas (`handoff schemas` lists them)") from None
-
     def _shipped(self, name: str) -> dict[str, Any] | None:
-        """The built-in schema ``name`` when no file in schemas/ overrides it, else None."""
+        """The built-in schema ``name`` when nothing in schemas/ overrides it, else None."""
         if not plain_name(name) or not builtin_exists(name):
             return None
-        if self.folder is not None and (self.folder / name).is_file():
+        if self.folder is not None and file_stamp(self.folder / name) is not None:
             return None
         return load_builtin(name)
 
-    def _build(self, name: str, schema: Any) -> Validator:
-        """A checked validator for named schema ``name``; ConfigError naming it if unusable."""
+    def _build(self, name: str, build: _Build) -> Validator:
+        """A checked validator for named schema ``name``, its files read through ``build``;
+        ConfigError naming it if unusable."""
         from .jsonschema_re2 import SchemaProblem, for_named
-        where = f"schemas/{name}" if self.folder is not None and (self.folder / name).is_file() \
+        schema = build.load(name)
+        where = f"schemas/{name}" if build.stamps.get(name) is not None \
             else f"the built-in schema {name}"
         try:
-            return for_named(schema, self._load)
+            return for_named(schema, build.load)
         except SchemaProblem as exc:
             raise ConfigError(f"{where} cannot be used: {exc}") from None
         except ConfigError as exc:  # a schema it refers to
@@ -222,16 +330,19 @@ class SchemaCache:
         schema is compiled as it stands: it ships with the package and its tests check it
         against its metaschema, so the process does not load jsonschema to check it again (only
         a document that fails the quick check does, to say why)."""
-        if name in self._quick:
-            return self._quick[name]
+        known = self._quick.get(name)
+        if known is not None and self._unchanged(known[1]):
+            return known[0]
         from .fastschema import compile_schema
         schema: Any = self._shipped(name)
-        if schema is None:
-            schema = self.validator(name).schema  # loads and checks it (ConfigError if unusable)
+        stamps: dict[str, Stamp] = {}
+        if schema is None:  # loads and checks it (ConfigError if unusable)
+            validator, stamps = self._current(name)
+            schema = validator.schema
         draft7 = isinstance(schema, dict) and "draft-07" in str(schema.get("$schema", ""))
         found = compile_schema(schema, draft7=draft7) if isinstance(schema, (dict, bool)) else None
         with self._lock:
-            self._quick[name] = found
+            self._quick[name] = (found, stamps)
         return found
 
     @staticmethod
