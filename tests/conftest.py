@@ -183,11 +183,20 @@ class Workspace:
 
     def wait_state(self, handoff_id: str, states: tuple[str, ...] = ("completed", "failed"),
                    timeout: float = 30) -> str:
-        """Wait (bounded) until the handoff is in one of ``states``; returns it."""
+        """Wait (bounded) until the handoff is in one of ``states``; returns it. For finished
+        states it also waits (up to 10 s more) until no copy is left in pending/ or
+        in-progress/: filing writes the finished document before it removes the old copy, and
+        a test asserting ``state_of(...) == ["completed"]`` at once could see both. A copy that
+        stays is left for the caller's own assertions to find."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = [s for s in self.state_of(handoff_id) if s in states]
             if found:
+                if set(states) <= {"completed", "failed"}:
+                    settled = time.monotonic() + 10
+                    while time.monotonic() < settled and {"pending", "in-progress"} & set(
+                            self.state_of(handoff_id)):
+                        time.sleep(0.02)
                 return found[0]
             time.sleep(0.02)
         raise AssertionError(f"{handoff_id} not in {states} after {timeout}s: {self.state_of(handoff_id)}")

@@ -197,7 +197,8 @@ def test_an_in_progress_folder_moved_out_and_linked_while_a_handoff_runs(
         wait_until(lambda: swapped_lines(log, "in-progress"), 15, "the sweep's set-aside line")
         (sws.root / "artifacts" / "go").touch()
         assert sws.wait_state(hid) == "completed"
-        assert sws.state_of(hid) == ["completed"]
+        # (filing writes completed/ first, then removes the in-progress copy: a moment apart)
+        wait_until(lambda: sws.state_of(hid) == ["completed"], 15, "the in-progress copy's removal")
     finally:
         assert stop(daemon) == 0
     assert "Traceback" not in log.read_text()
