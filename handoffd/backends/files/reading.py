@@ -370,22 +370,22 @@ def in_order(stamped: list[tuple[float, State, str]], limit: int | None, *,
 
 def by_claim(backend: Backend, store: Reading, describe: Describe,
              stamps: list[tuple[float, State, str]], unreadable: bool
-             ) -> tuple[list[tuple[float, State, str]], dict[str, Row | None]]:
+             ) -> list[tuple[float, State, str]]:
     """``stamps`` with each running handoff placed by its claim (its row's ``updated_at``: the
-    ``claimed`` event of its trusted history) rather than its file's mtime, and the rows read
-    for that (None: gone, or unreadable and not asked for). A running handoff's file is
-    rewritten at every lease renewal: by its mtime a listing placed it at its last renewal, and
-    ``ls --limit`` showed other rows than the database and memory stores, which place it at its
-    claim. One read per running handoff (as many as run at once)."""
+    ``claimed`` event of its trusted history) rather than its file's mtime. A running handoff's
+    file is rewritten at every lease renewal: by its mtime a listing placed it at its last
+    renewal, and ``ls --limit`` showed other rows than the database and memory stores, which
+    place it at its claim. One read per running handoff (as many as run at once), one document
+    held at a time: only the claim time is kept (the rows shown are read again; keeping every
+    running row held up to 4 MiB a document for a listing of five)."""
     placed: list[tuple[float, State, str]] = []
-    running: dict[str, Row | None] = {}
     for mtime, st, handoff_id in stamps:
         if st is State.IN_PROGRESS:
-            got = running[handoff_id] = row(backend, store, describe, handoff_id, st, unreadable)
+            got = row(backend, store, describe, handoff_id, st, unreadable)
             if got is not None and got.problem is None:
                 mtime = got.updated_at.timestamp()
         placed.append((mtime, st, handoff_id))
-    return placed, running
+    return placed
 
 
 def rows(backend: Backend, store: Reading, describe: Describe, *, state: State | None,
@@ -407,14 +407,13 @@ def rows(backend: Backend, store: Reading, describe: Describe, *, state: State |
     # a finished document is updated no earlier than its file was written (see row): one
     # written at or after ``before`` need not be read (retention then reads only old ones)
     cut = before.timestamp() if before is not None else None
-    stamps, running = by_claim(backend, store, describe, stamped(store, state), unreadable)
+    stamps = by_claim(backend, store, describe, stamped(store, state), unreadable)
     for mtime, st, handoff_id in in_order(stamps, limit, newest=order == "newest"):
         if limit is not None and len(found) >= limit:
             break
         if cut is not None and st.terminal and mtime >= cut:
             continue
-        got = running.pop(handoff_id) if st is State.IN_PROGRESS and handoff_id in running \
-            else row(backend, store, describe, handoff_id, st, unreadable)
+        got = row(backend, store, describe, handoff_id, st, unreadable)
         if got is not None and (got.problem is not None or matches(got, **filters)):
             found.append(got)
     return found
