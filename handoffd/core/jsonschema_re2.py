@@ -301,9 +301,32 @@ def validator_class(schema: Any) -> Any:
 # schemas by plain name (see named_registry), and to nothing else.
 _NO_RETRIEVAL = referencing.Registry()
 MAX_EXPANSION = 20_000  # subschemas one value may be checked against, $refs followed
-# what a value is never checked against as it stands (definitions are reached through $ref)
-_NOT_SUBSCHEMAS = frozenset({"enum", "const", "examples", "default", "title", "description",
-                             "$comment", "$defs", "definitions"})
+# keywords of a schema object that a value is never checked against as they stand, besides
+# the data ones (definitions are reached through $ref)
+_NOT_SUBSCHEMAS = frozenset({"title", "description", "$comment", "$defs", "definitions"})
+# keywords whose values are data, never schemas: a "$ref" key inside one refers to nothing
+_DATA_KEYWORDS = frozenset({"enum", "const", "examples", "default"})
+# keywords whose value maps names to schemas, in the drafts jsonschema knows (03 to 2020-12;
+# "dependencies" maps to a schema or to a list of names). The names are anyone's: a property
+# may be called "default" or "enum", and its schema is a schema all the same
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas", "dependencies"})
+
+
+def schema_parts(schema: dict[str, Any], skip: frozenset[str] = frozenset()) -> list[Any]:
+    """What may hold schemas directly under the schema object ``schema``, read by meaning: each
+    entry of a name map (:data:`_SCHEMA_MAPS`) whatever its name, and the value of every other
+    keyword (a schema, or a list of them) but the data keywords and those in ``skip``. A
+    keyword nobody knows counts as holding schemas: a ``$ref`` may point into it."""
+    parts: list[Any] = []
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS or key in skip:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            parts.extend(value.values())
+        else:
+            parts.append(value)
+    return parts
 
 
 class SchemaProblem(ValueError):
@@ -362,13 +385,16 @@ class _Expansion:
         self.active.add(key)
         total = 1
         if isinstance(node, dict):
-            resolver = resolver.in_subresource(self.spec.create_resource(node))
+            resolver = self.entered(resolver, node)
             for ref_key in ("$ref", "$dynamicRef"):
                 ref = node.get(ref_key)
                 if isinstance(ref, str):
                     resolved = resolver.lookup(ref)
                     total += self.size(resolved.contents, resolved.resolver)
-            children = [v for k, v in node.items() if k not in _NOT_SUBSCHEMAS]
+            # by meaning: a map of properties is no schema (a property called "$id" used to
+            # end the count with an AttributeError), and a property called "default" is one
+            # (its subschemas used to go uncounted)
+            children = schema_parts(node, _NOT_SUBSCHEMAS)
         else:
             children = node
         for child in children:
@@ -378,6 +404,16 @@ class _Expansion:
         self.active.discard(key)
         self.memo[key] = total
         return total
+
+    def entered(self, resolver: Any, node: dict[str, Any]) -> Any:
+        """``resolver`` inside the schema object ``node`` (its base URI when it has an id). An
+        object under a keyword jsonschema does not know may carry any "$id" ({"x-a": {"$id": 5}}
+        is a valid schema): jsonschema never enters it as a resource, and the count stays in
+        ``resolver`` (an id that is no string raised AttributeError here)."""
+        try:
+            return resolver.in_subresource(self.spec.create_resource(node))
+        except (AttributeError, TypeError, ValueError):
+            return resolver
 
 
 def check_inline(schema: dict[str, Any]) -> Validator:
@@ -444,8 +480,6 @@ def for_inline(schema: dict[str, Any]) -> Validator:
 
 
 MAX_SCHEMA_FILES = 100  # other schema files one named schema's $refs may reach
-# keywords whose values are data, never schemas: a "$ref" key inside one refers to nothing
-_DATA_KEYWORDS = frozenset({"enum", "const", "examples", "default"})
 
 
 def plain_ref(uri: str) -> bool:
@@ -456,21 +490,21 @@ def plain_ref(uri: str) -> bool:
 
 def referenced_names(schema: Any) -> list[str]:
     """The plain file names ``schema``'s ``$ref``s name (``common.json`` of
-    ``"common.json#/$defs/id"``), each once, in the order met (iterative: any depth)."""
+    ``"common.json#/$defs/id"``), each once, in the order met (iterative: any depth). The
+    schema is read by meaning (:func:`schema_parts`): a ``$ref`` inside ``enum`` or ``default``
+    data names nothing, one in a property or definition called "enum" or "default" does."""
     names: dict[str, None] = {}
     stack = [schema]
     while stack:
         node = stack.pop()
-        if isinstance(node, list):
+        if isinstance(node, list):  # a list of schemas
             stack.extend(reversed(node))
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                if key in ("$ref", "$dynamicRef") and isinstance(value, str):
-                    uri = value.split("#", 1)[0]
-                    if plain_ref(uri):
-                        names[uri] = None
-                elif key not in _DATA_KEYWORDS:
-                    stack.append(value)
+        elif isinstance(node, dict):  # a schema object
+            for key in ("$ref", "$dynamicRef"):
+                value = node.get(key)
+                if isinstance(value, str) and plain_ref(uri := value.split("#", 1)[0]):
+                    names[uri] = None
+            stack.extend(reversed(schema_parts(node)))
     return list(names)
 
 

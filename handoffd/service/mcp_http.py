@@ -73,8 +73,9 @@ def run_http(server: MCPServer, spec: str) -> None:
 
 
 class AnswerUnusableIds:
-    """The ASGI app ``app`` (the SDK's), except that a POST to ``/mcp`` whose body is a JSON
-    object with an ``id`` no answer can carry is answered here: ``400``, JSON-RPC error -32600
+    """The ASGI app ``app`` (the SDK's), except that a POST to ``/mcp`` whose body is a JSON-RPC
+    request (a ``method``) with an ``id`` no answer can carry is answered here (a response, such
+    as a client's error under ``"id": null``, goes on to the SDK): ``400``, JSON-RPC error -32600
     under ``null`` (JSON-RPC 2.0; what the SDK's 2026-07-28 entry answers). Only a body of at
     most ``max_body`` bytes (the SDK's own limit) is looked at; a longer one goes on to the SDK
     as it came, which refuses it (413)."""

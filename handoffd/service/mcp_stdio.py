@@ -186,13 +186,18 @@ def refuse(line: str) -> types.JSONRPCError | None:
 
 
 def id_problem(body: str | bytes) -> str | None:
-    """Why the JSON object ``body`` has an ``id`` member no answer can carry (:func:`unusable_id`),
-    or None: its id is usable, it has none (a notification), or it is no JSON object."""
+    """Why the JSON-RPC request ``body`` has an ``id`` member no answer can carry
+    (:func:`unusable_id`), or None: its id is usable, it has none (a notification), or it is no
+    request (no JSON object with a ``method``). A response's id is not judged: a client's answer
+    to a message it could not read carries ``"id": null`` by right (JSON-RPC 2.0), and nothing
+    answers a response (over HTTP it got 400, where stdio let it through)."""
     try:
         parsed = json.loads(body, parse_int=_bounded_int)
     except (ValueError, RecursionError):
         return None
-    return unusable_id(parsed["id"]) if isinstance(parsed, dict) and "id" in parsed else None
+    if not isinstance(parsed, dict) or "method" not in parsed or "id" not in parsed:
+        return None
+    return unusable_id(parsed["id"])
 
 
 def _refuse_invalid(line: str, problem: str) -> types.JSONRPCError | None:

@@ -44,20 +44,86 @@ def move_to_quarantine(folder: Path, path: Path, code: str, message: str,
                        publish: Callable[[Path, bytes], Any], *,
                        now: datetime | None = None, called: str | None = None) -> Path:
     """Move the entry ``path`` into the quarantine ``folder`` (a plain folder: see
-    :func:`quarantine_folder`) under a dated, safe name, and ``publish`` its ``.reason.json``
-    beside it (what ``handoff ls --state quarantined`` reads); the moved path. ``called``: the
-    name the entry had where it was found, when it was renamed before (``path.name``)."""
+    :func:`quarantine_folder`) under a dated, safe name, its ``.reason.json`` (what ``handoff
+    ls --state quarantined`` reads) published beside it by ``publish`` first; the moved path.
+    ``called``: the name the entry had where it was found, when it was renamed before
+    (``path.name``).
+
+    The reason comes first: an entry renamed in before it was listed meanwhile as "reason
+    unreadable: no .reason.json beside it". A reason without its entry (a crash between the
+    two, or the entry's rename failing, when the reason is removed again) is no entry to the
+    listing. The name is taken by creating its reason exclusively, and only while no entry
+    has it: two set-asides never share one, so no reason is paired with another's entry."""
     now = now or utc_now()
     quarantine_folder(folder)
     called = called or path.name
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in called)[:100] or "file"
-    name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{safe}"
+    name, reason_path = _reserve(folder, called, now)
     target = folder / name
-    os.rename(path, target)  # works for symlinks and fifos too: the entry moves, not its target
     reason = {"file": _readable(called), "from": path.parent.name, "code": code,
               "message": _readable(message), "at": iso(now), "actor": actor()}
-    publish(folder / f"{name}.reason.json", fsio.dump_json(reason))
+    try:
+        publish(reason_path, fsio.dump_json(reason))
+    except BaseException:  # the entry is moved all the same (as it always was), then it is raised
+        _move_in(path, target, reason_path)
+        raise
+    _move_in(path, target, reason_path)
     return target
+
+
+def _move_in(path: Path, target: Path, reason_path: Path) -> None:
+    """Rename the entry ``path`` to ``target`` in the quarantine (a symlink or FIFO too: the
+    entry moves, not what it points to). When that fails its reason, at ``reason_path``, is
+    removed; when it is done, a reason left empty (its publish failed) is removed too."""
+    try:
+        os.rename(path, target)
+    except BaseException:
+        _discard(reason_path)
+        raise
+    _drop_if_empty(reason_path)
+
+
+RESERVE_TRIES = 8  # names drawn before giving up (each is 32 random bits: one try, all but always)
+
+
+def _reserve(folder: Path, called: str, now: datetime) -> tuple[str, Path]:
+    """A fresh dated name for an entry called ``called`` in the quarantine ``folder``, and its
+    reason's path, created there empty (exclusively, never through a link) to hold the name;
+    OSError when none can be made. The empty reason is replaced by :func:`move_to_quarantine`'s
+    publish, and is no entry to the listing until its entry is in."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in called)[:100] or "file"
+    for _ in range(RESERVE_TRIES):
+        name = f"{now.strftime('%Y%m%dT%H%M%S')}-{os.urandom(4).hex()}-{safe}"
+        reason_path = folder / f"{name}.reason.json"
+        try:
+            os.close(os.open(reason_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, fsio.FILE_MODE))
+        except FileExistsError:
+            continue  # taken by another set-aside (or planted): another name
+        if not os.path.lexists(folder / name):  # (an entry of a set-aside whose reason is gone)
+            return name, reason_path
+        _discard(reason_path)
+    raise OSError(errno.EEXIST, f"no free name in the quarantine after {RESERVE_TRIES} tries",
+                  str(folder))
+
+
+def _discard(path: Path) -> None:
+    """Remove ``path`` (a reason of ours) if it is there; a failure leaves it (an orphan reason,
+    which the listing ignores)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _drop_if_empty(reason_path: Path) -> None:
+    """Remove the reason at ``reason_path`` if it is still the empty file that held its name
+    (its publish failed, and said so): the listing then says it is missing, not unreadable.
+    Its entry is in by now and holds the name (see :func:`_reserve`)."""
+    try:
+        if os.lstat(reason_path).st_size == 0:
+            os.unlink(reason_path)
+    except OSError:
+        pass
 
 
 def _readable(text: str) -> str:
