@@ -13,19 +13,22 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import NotFound
+from ..core.states import State
 from ..core.storage import FOREIGN_FILING, foreign_filing
 from ..core.timeutil import parse_iso
 from .lineage import (
     Entry,
+    Link,
     conversation_of,
     correlation_of,
     depends_of,
-    documents,
+    each_link,
     parent_of,
 )
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from ..core.storage import Backend
 
 MAX_NODES = 2000
 MAX_TREE_DEPTH = 100  # levels shown (a 600-long depends_on chain exhausted the recursion limit)
@@ -125,73 +128,165 @@ def describe(entry: Entry) -> Node:
                 finished, _seconds(started or created, finished), note)
 
 
-def build(engine: "Engine", handoff_id: str) -> dict[str, Any]:
-    """The trace of ``handoff_id``: ``{"focus", "root", "conversation", "tree", "others"}``."""
-    nodes = {e.handoff_id: describe(e) for e in documents(engine.backend)}
-    if handoff_id not in nodes:
-        engine.get(handoff_id)  # raises NotFound with the usual message
-        raise NotFound(f"handoff {handoff_id} cannot be read", handoff_id=handoff_id)
+class Graph:
+    """The relations of every handoff, from one pass over the documents that holds none of
+    them: a handoff that names no other and no conversation (most finished ones) is kept as
+    its state alone. Only the handoffs a trace places are read again, to be described."""
+
+    def __init__(self, backend: "Backend") -> None:
+        self.related: dict[str, Link] = {}
+        self.bare: dict[str, State] = {}
+        each_link(backend, self._add)
+
+    def _add(self, link: Link) -> None:
+        # a copy found in a later state wins (as when every document was held, by id)
+        self.related.pop(link.handoff_id, None)
+        self.bare.pop(link.handoff_id, None)
+        if link.related:
+            self.related[link.handoff_id] = link
+        else:
+            self.bare[link.handoff_id] = link.state
+
+    def __contains__(self, handoff_id: object) -> bool:
+        return handoff_id in self.related or handoff_id in self.bare
+
+    def __getitem__(self, handoff_id: str) -> Link:
+        link = self.related.get(handoff_id)
+        return link if link is not None else Link(handoff_id, self.bare[handoff_id])
+
+
+@dataclass
+class Place:
+    """Where a trace puts one handoff (described once every place is known)."""
+
+    handoff_id: str
+    relation: str
+    children: list["Place"] = field(default_factory=list)
+    deeper: bool = False  # cut at MAX_TREE_DEPTH with more below
+
+
+def _edges(graph: Graph) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(children by parent, what each handoff triggered: depends on it or correlates to it)."""
     kids: dict[str, list[str]] = {}
     triggered: dict[str, list[str]] = {}
-    for node in nodes.values():
-        if node.parent and node.parent in nodes:
-            kids.setdefault(node.parent, []).append(node.handoff_id)
-        for dep in node.depends_on:
-            if dep in nodes:
-                triggered.setdefault(dep, []).append(node.handoff_id)
-        if node.correlation and node.correlation in nodes and node.correlation != node.parent:
-            triggered.setdefault(node.correlation, []).append(node.handoff_id)
-    # walk up to the top of the delegation chain
-    top = handoff_id
-    seen = {top}
-    while nodes[top].parent in nodes and nodes[top].parent not in seen:
-        top = nodes[top].parent  # type: ignore[assignment]
-        seen.add(top)
-    placed: set[str] = set()
+    for link in graph.related.values():  # (a bare handoff names nobody)
+        if link.parent and link.parent in graph:
+            kids.setdefault(link.parent, []).append(link.handoff_id)
+        for dep in link.depends_on:
+            if dep in graph:
+                triggered.setdefault(dep, []).append(link.handoff_id)
+        if link.correlation and link.correlation in graph and link.correlation != link.parent:
+            triggered.setdefault(link.correlation, []).append(link.handoff_id)
+    return kids, triggered
 
-    def grow(node_id: str, relation: str, depth: int = 0) -> Node:
-        node = nodes[node_id]
-        node.relation = relation
-        placed.add(node_id)
-        if depth >= MAX_TREE_DEPTH:  # a long depends_on chain: the rest from its last node
-            if kids.get(node_id) or triggered.get(node_id):
-                node.note = (f"{node.note}; " if node.note else "") + \
-                    f"deeper than {MAX_TREE_DEPTH} levels: `handoff trace {node_id}` goes on"
-            return node
-        for kid in sorted(kids.get(node_id, []), key=lambda k: (nodes[k].created_at or "", k)):
-            if kid not in placed and len(placed) < MAX_NODES:
-                node.children.append(grow(kid, "child", depth + 1))
-        for later in sorted(triggered.get(node_id, []), key=lambda k: (nodes[k].created_at or "", k)):
-            if later not in placed and len(placed) < MAX_NODES:
-                node.children.append(grow(later, "triggered", depth + 1))
-        return node
 
-    # what the focus depends on comes first, as its own upstream roots
-    upstream = []
-    for dep in nodes[handoff_id].depends_on:
+def _upstream(graph: Graph, handoff_id: str) -> list[str]:
+    """The roots of what ``handoff_id`` depends on: each dependency followed up its first
+    dependency, as far as it goes."""
+    upstream: list[str] = []
+    for dep in graph[handoff_id].depends_on:
         root, walked = dep, {handoff_id}
-        while root in nodes and root not in walked:
+        while root in graph and root not in walked:
             walked.add(root)
-            first = next((d for d in nodes[root].depends_on if d in nodes), None)
+            first = next((d for d in graph[root].depends_on if d in graph), None)
             if first is None or first in walked:
                 break
             root = first
-        if root in nodes and root not in upstream:
+        if root in graph and root not in upstream:
             upstream.append(root)
-    trees = [grow(root, "upstream") for root in upstream if root not in placed]
+    return upstream
+
+
+def _top(graph: Graph, handoff_id: str) -> str:
+    """The top of ``handoff_id``'s delegation chain (up ``parent_id``)."""
+    top = handoff_id
+    seen = {top}
+    while (parent := graph[top].parent) in graph and parent not in seen:
+        top = parent  # type: ignore[assignment]
+        seen.add(top)
+    return top
+
+
+def _place(graph: Graph, handoff_id: str, top: str) -> tuple[list[Place], str | None]:
+    """The trees of the trace (upstream roots, the chain from ``top``, the conversation's other
+    roots) and the conversation: ids and relations only, at most about MAX_NODES of them."""
+    kids, triggered = _edges(graph)
+    placed: set[str] = set()
+
+    def by_creation(ids: list[str]) -> list[str]:
+        return sorted(ids, key=lambda k: (graph[k].created_at or "", k))
+
+    def grow(node_id: str, relation: str, depth: int = 0) -> Place:
+        place = Place(node_id, relation)
+        placed.add(node_id)
+        if depth >= MAX_TREE_DEPTH:  # a long depends_on chain: the rest from its last node
+            place.deeper = bool(kids.get(node_id) or triggered.get(node_id))
+            return place
+        for kid in by_creation(kids.get(node_id, [])):
+            if kid not in placed and len(placed) < MAX_NODES:
+                place.children.append(grow(kid, "child", depth + 1))
+        for later in by_creation(triggered.get(node_id, [])):
+            if later not in placed and len(placed) < MAX_NODES:
+                place.children.append(grow(later, "triggered", depth + 1))
+        return place
+
+    # what the focus depends on comes first, as its own upstream roots
+    trees = [grow(root, "upstream") for root in _upstream(graph, handoff_id) if root not in placed]
     if top not in placed:
         trees.append(grow(top, "root"))
-    conversation = nodes[handoff_id].conversation or nodes[top].conversation
-    others = []
+    conversation = graph[handoff_id].conversation or graph[top].conversation
     if conversation:
-        for node in sorted(nodes.values(), key=lambda n: (n.created_at or "", n.handoff_id)):
-            if node.conversation == conversation and node.handoff_id not in placed:
-                if node.parent not in nodes or node.parent is None:
-                    others.append(grow(node.handoff_id, "conversation"))
+        for link in sorted(graph.related.values(), key=lambda n: (n.created_at or "", n.handoff_id)):
+            if link.conversation == conversation and link.handoff_id not in placed \
+                    and link.parent not in graph:
+                trees.append(grow(link.handoff_id, "conversation"))
+    return trees, conversation
+
+
+def _read_node(engine: "Engine", link: Link) -> Node:
+    """The Node of a placed handoff, from its document read again. One gone or unreadable
+    since the pass (purged, or rewritten meanwhile) is shown with what the pass found."""
+    try:
+        found = engine.backend.get(link.handoff_id)
+        why = "gone since it was listed"
+    except Exception:  # (a trace shows what it can: one bad read must not end it)
+        found, why = None, "unreadable since it was listed"
+    if found is not None:
+        return describe(Entry(link.handoff_id, found[0], found[1]))
+    return Node(link.handoff_id, link.state.value, None, None, None, link.parent,
+                link.conversation, link.correlation, list(link.depends_on), link.created_at,
+                None, None, None, why)
+
+
+def _node(engine: "Engine", graph: Graph, place: Place) -> Node:
+    node = _read_node(engine, graph[place.handoff_id])
+    node.relation = place.relation
+    if place.deeper:
+        node.note = (f"{node.note}; " if node.note else "") + \
+            f"deeper than {MAX_TREE_DEPTH} levels: `handoff trace {place.handoff_id}` goes on"
+    node.children = [_node(engine, graph, child) for child in place.children]
+    return node
+
+
+def build(engine: "Engine", handoff_id: str) -> dict[str, Any]:
+    """The trace of ``handoff_id``: ``{"focus", "root", "conversation", "trees"}``.
+
+    One pass over every document keeps only their relations (:class:`Graph`); the handoffs
+    placed in the trace (at most about MAX_NODES, plus its conversation's other roots) are then
+    read again and described: memory follows the trace, not the workspace."""
+    graph = Graph(engine.backend)
+    if handoff_id not in graph:
+        engine.get(handoff_id)  # raises NotFound with the usual message
+        raise NotFound(f"handoff {handoff_id} cannot be read", handoff_id=handoff_id)
+    top = _top(graph, handoff_id)
+    trees, conversation = _place(graph, handoff_id, top)
     return {"focus": handoff_id, "root": top, "conversation": conversation,
-            "trees": [t.as_dict() for t in trees + others]}
+            "trees": [_node(engine, graph, tree).as_dict() for tree in trees]}
 
 
 def conversation_members(engine: "Engine", conversation: str) -> set[str]:
     """Ids of every handoff in ``conversation``."""
-    return {e.handoff_id for e in documents(engine.backend) if e.conversation == conversation}
+    members: set[str] = set()
+    each_link(engine.backend, lambda link: members.add(link.handoff_id)
+              if link.conversation == conversation else None)
+    return members
