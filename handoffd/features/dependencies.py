@@ -1,10 +1,12 @@
 """Gates: conditions checked before a pending handoff may be claimed.
 
 A gate looks at a pending document and answers go (None), wait (with a reason shown by
-``handoff ls``), or fail (with an error code). The daemon re-checks waiting handoffs whenever
-another handoff is filed and at every rescan. Dependencies (``--depends-on``, seed 004's
-``dependencies_completed``) are this module's gate (:func:`install`, one of the features
-:func:`handoffd.features.build.build_engine` installs); orchestration and contracts add their own.
+``handoff ls``), or fail (with an error code). The daemon re-checks a waiting handoff when a
+handoff its wait names is filed, at a rescan when the stored copies of one of those (or its own
+document) changed, and every five minutes whatever they say (``service.quiet``). Dependencies
+(``--depends-on``, seed 004's ``dependencies_completed``) are this module's gate
+(:func:`install`, one of the features :func:`handoffd.features.build.build_engine` installs);
+orchestration and contracts add their own.
 
 Long chains and dense graphs stay linear in their edges. A waiter's dependencies are taken in
 their order: a check goes on from the first one not yet seen completed (:class:`Progress`) to the
@@ -24,9 +26,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from .. import dialects
 from ..core.documents import BOOK, Envelope
@@ -47,7 +49,9 @@ MAX_DEPENDENCY_WALK = 20_000
 MAX_REMEMBERED = 100_000  # completed / cycle-free ids (and waiters) kept before starting over
 ACYCLIC_SECONDS = 300.0  # how long "leads to no cycle" is trusted (ids can be purged and reused)
 # how long a waiter's progress is trusted at most (also at most the dedup window: an id comes
-# back no sooner, once purged); then its dependencies are read again, once
+# back no sooner, once purged); then its dependencies are read again, once. A serving daemon's
+# rescans look at a waiter only when what it waits for changed, and drop its progress at its
+# full re-check (as often: service.quiet.FULL_RECHECK_SECONDS), so that check reads them all
 PROGRESS_SECONDS = 300.0
 UNFINISHED_SECONDS = 5.0  # a dependency read unfinished is not read again this soon by a first look
 # a waiter is re-checked when any of this many dependencies after its first unfinished one is
@@ -171,7 +175,8 @@ class Graph:
             return progress
 
     def done_with(self, waiter: str) -> None:
-        """``waiter`` leaves the gate (let go, failed, or filed): its progress is dropped."""
+        """``waiter`` leaves the gate (let go, failed, or filed), or is queued for a daemon's
+        full re-check: its progress is dropped (its next check looks at every dependency)."""
         self.progress.pop(waiter, None)
 
     def filed(self, handoff_id: str, where: State) -> None:
@@ -299,6 +304,19 @@ class Graph:
             check_new_dependencies(self, env.handoff_id, env.depends_on)
 
 
+class FullRechecks(Protocol):
+    """What the dependencies feature uses of a daemon's scheduler (see
+    handoffd.service.quiet)."""
+
+    def add_full_recheck_hook(self, hook: Callable[[str], None]) -> None: ...
+
+
+class DaemonPlugins(Protocol):
+    """What the dependencies feature uses of a daemon."""
+
+    scheduler: FullRechecks
+
+
 def install(engine: "Engine") -> None:
     """The dependencies feature: hold a handoff back until what it depends on has completed."""
     graph = Graph(engine)
@@ -306,6 +324,14 @@ def install(engine: "Engine") -> None:
     engine.submit_checks.append(graph.check_submitted)
     engine.submit_guards.append(dependents_guard)  # no dependency purged under a new dependent
     engine.on_filed.append(graph.filed)
+
+    def attach(daemon: DaemonPlugins) -> None:
+        # a rescan leaves a waiter alone while what its wait names is unchanged: at its full
+        # re-check the waiter's progress goes, and the check looks at every dependency again
+        # (a failure filed by another process, of one the wait does not name, is found then)
+        daemon.scheduler.add_full_recheck_hook(graph.done_with)
+
+    engine.daemon_plugins.append(attach)
 
 
 def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:

@@ -373,7 +373,7 @@ class Daemon:
                     timers.append(next_sweep)
                     if free:
                         timers.append(self.progress.wake_at())
-                if (scheduler.heap or scheduler.ready) and free:
+                if (scheduler.heap or scheduler.ready or scheduler.rechecks) and free:
                     timers.append(max(scheduler.heap[0][0] if scheduler.heap else now, spin_up_at))
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
 

@@ -4,8 +4,8 @@ The dispatch rules that read them are in :mod:`.dispatch`; the daemon's loop (:m
 and its finishing workers ask them for the next handoff. Two parts of the books have modules of
 their own, mixed into :class:`Scheduler`: :mod:`.lines` (each specialist's line of handoffs held
 for a concurrency slot or a rate limit's token) and :mod:`.quiet` (the waiters a rescan leaves
-alone while their document is the same). Everything here is guarded by ``cv``, the daemon's one
-condition variable (re-entrant: the rules call each other under it).
+alone while nothing that may end their wait changed). Everything here is guarded by ``cv``, the
+daemon's one condition variable (re-entrant: the rules call each other under it).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 from datetime import datetime
 
@@ -47,7 +47,9 @@ class Scheduler(Lines, QuietWaits):
 
     * ``heap``/``queued``: when to look at an id next (a ``WAKE`` entry only wakes the loop:
       :meth:`wake_at`); ``ready``/``readied``: ids read and waiting for a worker, most urgent
-      first.
+      first (each with the rescan count when its read began: :mod:`.quiet`); ``rechecks``:
+      waiters a rescan queued to be gated again, looked at by turns with other due work
+      (:meth:`next_ready`).
     * the lines (:class:`~.lines.Lines`): ``parked``, ``rate_held`` and what lets them out.
     * ``inflight``: one entry per task submitted to the pool (its agent, when it started: see
       :meth:`spin_up_at`); ``busy`` and ``running`` are counts of it, kept in step by
@@ -55,8 +57,8 @@ class Scheduler(Lines, QuietWaits):
     * ``waiting``/``waits_on``/``fails_on``: handoffs a gate holds back, and the ids whose filing
       (into failed/, for ``fails_on``) may end it;
       ``unroutable``: handoffs no specialist here takes (both shared with the run's report);
-      the quiet waits (:class:`~.quiet.QuietWaits`): the waiters a rescan does not read again
-      while their document is the same (paused handoffs, questions to the requester).
+      the unchanged waits (:class:`~.quiet.QuietWaits`): the waiters a rescan does not read
+      again while nothing that may end their wait changed.
 
     The progress watchdog (:mod:`.progress`) guards the whole and rebuilds it (:meth:`reset`).
     """
@@ -67,10 +69,14 @@ class Scheduler(Lines, QuietWaits):
         self.workers = workers
         self.cv = threading.Condition()
         self.heap: list[tuple[float, int, int, str]] = []  # (due, _, seq, id): when to look
-        self.ready: list[tuple[int, float, int, str, Peek]] = []  # (priority, due, seq, id, peek)
+        # (priority, due, seq, id, peek, the rescan count when its read began)
+        self.ready: list[tuple[int, float, int, str, Peek, int]] = []
         self.readied: set[str] = set()
         self.queued: dict[str, float] = {}
         self.seq = itertools.count()
+        self.rechecks: OrderedDict[str, float] = OrderedDict()  # waiter -> when a rescan queued it
+        self.rechecked_last = False  # next_ready handed out a recheck last: other work's turn
+        self.picked_look: tuple[str, int] | None = None  # the last id handed out, its read's count
         # pool task token -> (agent ("" for set-aside work), monotonic time it started)
         self.inflight: dict[int, tuple[str, float]] = {}
         self.spin_up = 0.0 if engine.settings.durable else SPIN_UP_SECONDS
@@ -117,9 +123,9 @@ class Scheduler(Lines, QuietWaits):
         specialist's concurrency of 1)."""
         with self.cv:
             if handoff_id in self.readied:  # read already: first in the ready window
-                for at, (rank, due, seq, hid, peek) in enumerate(self.ready):
+                for at, (rank, due, seq, hid, peek, looked) in enumerate(self.ready):
                     if hid == handoff_id and due != FIRST:
-                        self.ready[at] = (rank, FIRST, seq, hid, peek)
+                        self.ready[at] = (rank, FIRST, seq, hid, peek, looked)
                         heapq.heapify(self.ready)
                         break
                 return
@@ -146,27 +152,20 @@ class Scheduler(Lines, QuietWaits):
     def listed(self, ids: Sequence[str], running: Collection[str], *,
                recheck_waiting: bool) -> None:
         """A scan listed ``ids`` in pending/ (``running``: the ids this daemon runs): forget
-        what left, queue what is not known yet (waiting ids only when ``recheck_waiting``, a
-        quiet one only when its document changed: :meth:`add_quiet_check`)."""
-        stamps = self._stamps_for_quiet() if recheck_waiting else None
+        what left, queue what is not known yet, and with ``recheck_waiting`` (a rescan) queue
+        the waiters whose wait something may have ended since they were gated: what others
+        filed or rewrote, which only a rescan sees (:meth:`~.quiet.QuietWaits._left_alone`
+        leaves the others alone). Those are looked at by turns with other work
+        (:meth:`next_ready`): 20,000 of them queued ahead of it held a new handoff for
+        seconds."""
+        stamps = self._take_stamps() if recheck_waiting else None
         with self.cv:
             if self.parked_ids or self.rate_held_ids or self.first_seen or self.unroutable \
-                    or self.waiting or self.quiet_stamps:
-                present = set(ids)
-                for gone in [hid for hid in self.waiting if hid not in present]:
-                    self.waiting.pop(gone, None)  # claimed or filed elsewhere
-                    self.waits_on.pop(gone, None)
-                    self.fails_on.pop(gone, None)
-                for gone in [hid for hid in self.quiet_stamps if hid not in self.waiting]:
-                    del self.quiet_stamps[gone]  # gone, or no longer waiting (e.g. resumed)
-                for gone in [hid for held in (self.parked_ids, self.rate_held_ids)
-                             for hid in held if hid not in present]:
-                    self.unpark(gone)
-                for gone in [hid for hid in self.first_seen if hid not in present]:
-                    del self.first_seen[gone]  # claimed or filed elsewhere
-                # with a shared store, other hosts run what we have no specialist for: forget
-                # those once they leave pending (the set would otherwise grow for ever)
-                self.unroutable &= present
+                    or self.waiting or self.quiet_stamps or self.looked or self.full_due:
+                self._forget_gone(set(ids))
+            if recheck_waiting:
+                self._count_rescan(stamps)
+            now = self.monotonic()
             for handoff_id in ids:
                 # a waiter queued for its deadline is looked at again at a recheck too: what
                 # ends its wait may have come from elsewhere (a resume, another process's
@@ -178,43 +177,103 @@ class Scheduler(Lines, QuietWaits):
                         or handoff_id in self.released or handoff_id in self.unroutable \
                         or (not recheck_waiting and handoff_id in self.waiting):
                     continue
-                if rechecked and self._quiet_and_unchanged(handoff_id, stamps):
-                    continue  # read as it is stored, and only a change of it ends its wait
-                self.notify(handoff_id)
+                if not rechecked:
+                    self.notify(handoff_id)
+                elif handoff_id not in self.rechecks and not self._left_alone(handoff_id, now):
+                    self.rechecks[handoff_id] = now
+            if self.rechecks:
+                self.cv.notify()
+
+    def _forget_gone(self, present: set[str]) -> None:
+        """A scan's tidying (under ``cv``): the books of ids no longer in pending/."""
+        for gone in [hid for hid in self.waiting if hid not in present]:
+            self.waiting.pop(gone, None)  # claimed or filed elsewhere
+            self.waits_on.pop(gone, None)
+            self.fails_on.pop(gone, None)
+        self._forget_waiters(present, self.waiting)
+        for gone in [hid for held in (self.parked_ids, self.rate_held_ids)
+                     for hid in held if hid not in present]:
+            self.unpark(gone)
+        for gone in [hid for hid in self.first_seen if hid not in present]:
+            del self.first_seen[gone]  # claimed or filed elsewhere
+        # with a shared store, other hosts run what we have no specialist for: forget
+        # those once they leave pending (the set would otherwise grow for ever)
+        self.unroutable &= present
 
     def next_ready(self, now: float) -> tuple[str, Peek | None] | None:
         """The most urgent due handoff. Due ids move from the time heap into a bounded ready
         window (read once each to learn their priority); the window hands out the lowest
-        (priority, due time) first, so a critical handoff overtakes a backlog of low ones."""
+        (priority, due time) first, so a critical handoff overtakes a backlog of low ones.
+        A waiter a rescan queued again (``rechecks``) is handed out when nothing else is, or
+        every other time: a new handoff never waits behind a rescan's rechecks for more than
+        one, and they are never starved by a stream of new work."""
         while self.heap and self.heap[0][0] <= now and len(self.ready) < READY_WINDOW:
             due, _, _, handoff_id = heapq.heappop(self.heap)
             if self.queued.get(handoff_id) != due:
                 continue  # superseded by an earlier notification
             del self.queued[handoff_id]
-            try:
-                peek = self.engine.peek(handoff_id)
-            except Exception:  # peek never raises; if it ever does, the file is set aside
-                log.exception("handoff %s: cannot be read", handoff_id)
-                peek = Peek(handoff_id, readable=False)
-            if peek is None:  # gone: claimed elsewhere, or filed
-                self.unpark(handoff_id)
-                self.unhold(handoff_id)
+            looked = self.rescans
+            peek = self._read(handoff_id)
+            if peek is None:
                 continue
             rank = peek.priority if peek.readable else -1  # set unreadable files aside first
-            heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek))
+            heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek, looked))
             self.readied.add(handoff_id)
+        if self.rechecks and (not self.ready or not self.rechecked_last):
+            recheck = self._next_recheck()
+            if recheck is not None:
+                self.rechecked_last = True
+                return recheck
+        self.rechecked_last = False
         if not self.ready:
             return None
-        rank, due, seq, handoff_id, peek = heapq.heappop(self.ready)
+        rank, due, seq, handoff_id, peek, looked = heapq.heappop(self.ready)
         self.readied.discard(handoff_id)
         self.picked, self.turn = (handoff_id, (rank, due, seq)), None
+        self.picked_look = (handoff_id, looked)
         return handoff_id, peek
+
+    def _next_recheck(self) -> tuple[str, Peek] | None:
+        """The next waiter a rescan queued again, read (None when none is left to look at;
+        after READY_WINDOW reads of vanished ones the loop is woken to go on)."""
+        reads = 0
+        while self.rechecks:
+            if reads >= READY_WINDOW:
+                self.wake_at(self.monotonic())
+                return None
+            handoff_id, since = self.rechecks.popitem(last=False)
+            if handoff_id not in self.waiting or handoff_id in self.readied:
+                continue  # woken meanwhile (queued first), or read and waiting its turn
+            reads += 1
+            looked = self.rescans
+            peek = self._read(handoff_id)
+            if peek is None:
+                continue
+            rank = peek.priority if peek.readable else -1
+            self.picked, self.turn = (handoff_id, (rank, since, next(self.seq))), None
+            self.picked_look = (handoff_id, looked)
+            return handoff_id, peek
+        return None
+
+    def _read(self, handoff_id: str) -> Peek | None:
+        """``handoff_id``'s pending document as :meth:`~.Engine.peek` reads it; None (and
+        forgotten) when it is gone: claimed elsewhere, or filed."""
+        try:
+            peek = self.engine.peek(handoff_id)
+        except Exception:  # peek never raises; if it ever does, the file is set aside
+            log.exception("handoff %s: cannot be read", handoff_id)
+            peek = Peek(handoff_id, readable=False)
+        if peek is None:
+            self.unpark(handoff_id)
+            self.unhold(handoff_id)
+        return peek
 
     def due_soon(self) -> bool:
         """Batch mode: something queued that is due now (or within a settle window), or held
         for a token due by then."""
         limit = time.monotonic() + self.engine.settings.settle_seconds + 0.05
-        return bool(self.ready) or any(due <= limit for due in self.queued.values()) \
+        return bool(self.ready) or bool(self.rechecks) \
+            or any(due <= limit for due in self.queued.values()) \
             or any(self.rate_until.get(agent, 0.0) <= limit for agent in self.rate_held)
 
     # ------------------------------------------------------------ slots
@@ -248,7 +307,12 @@ class Scheduler(Lines, QuietWaits):
     def hold(self, handoff_id: str, reason: str, on: frozenset[str] | None,
              fails_on: tuple[str, ...] = ()) -> None:
         """A gate holds ``handoff_id`` back for ``reason`` until a filing (of one of ``on``,
-        or of any handoff when None; or of one of ``fails_on`` into failed/) may end it."""
+        or of any handoff when None; or of one of ``fails_on`` into failed/) may end it. Called
+        by the dispatch of the id :meth:`next_ready` handed out last (the rescan count when its
+        read began is kept with the wait; for any other, none: its next rescan queues it)."""
+        picked = self.picked_look
+        self._held(handoff_id, picked[1] if picked is not None and picked[0] == handoff_id
+                   else -1)
         self.waiting[handoff_id] = reason
         if on is None:
             self.waits_on.pop(handoff_id, None)
@@ -264,7 +328,7 @@ class Scheduler(Lines, QuietWaits):
         self.waiting.pop(handoff_id, None)
         self.waits_on.pop(handoff_id, None)
         self.fails_on.pop(handoff_id, None)
-        self.quiet_stamps.pop(handoff_id, None)
+        self._forget_waiter(handoff_id)
 
     def ended(self, handoff_id: str, failed: bool = False) -> None:
         """``handoff_id`` was filed for good (``failed``: into failed/): forget when it
@@ -329,10 +393,11 @@ class Scheduler(Lines, QuietWaits):
             self._clear_lines()
             self.busy = Counter(agent for agent, _ in self.inflight.values())
             self.running = len(self.inflight)
+            self.rechecks.clear()
             self.waiting.clear()
             self.waits_on.clear()
             self.fails_on.clear()
-            self.quiet_stamps.clear()
+            self._clear_waits()
             self.unroutable.clear()
             self.rescan_requested = True
             self.last_dispatch = time.monotonic()
