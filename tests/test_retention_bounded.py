@@ -230,7 +230,6 @@ def test_a_pass_holds_a_bounded_number_of_documents(tmp_path: Path,
     ids = [f"doc-{i:02d}" for i in range(20)]
     engine = _filed(tmp_path, {hid: _random(30_000) for hid in ids})
     monkeypatch.setattr(retention, "PASS_BYTES", 100_000)  # three documents a pass
-    monkeypatch.setattr(retention, "FIRST_ROWS", 2)
     held: list[int] = []
     real = engine.backend.list
 

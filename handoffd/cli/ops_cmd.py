@@ -118,36 +118,28 @@ def _expire(root: Path | None, older_than: str, state: str | None, dry_run: bool
 
 def _passes(eng: Any, older_than: dict[Any, float], archive: bool, dry_run: bool
             ) -> tuple[list[tuple[str, str]], dict[str, str], Path | None]:
-    """Bounded passes until none is due: (removed, kept, the archive file). Each pass holds (and
-    archives, as one batch) at most CLI_PASS_LIMIT documents or PASS_BYTES of them, so memory
-    stays bounded whatever the backlog, and a kill costs at most one batch archived twice. A
-    dry run is one pass that holds no document. HandoffdError (exit 1) when another process's
-    pass held the lock past the wait: nothing more was done."""
+    """Every old one, in batches: (removed, kept, the archive file). Each state is listed once
+    and each batch holds (and archives, as one gzip member) at most CLI_PASS_LIMIT documents or
+    PASS_BYTES of them, so memory stays bounded whatever the backlog, and a kill costs at most
+    one batch archived twice (see :func:`retention.expire_all`). A dry run is one pass that
+    holds no document. HandoffdError (exit 1) when another process's pass held the lock past
+    the wait: nothing more was done."""
     from ..core.errors import HandoffdError
-    from ..features.liverefs import LiveRefs
     from ..features import retention
-    removed: list[tuple[str, str]] = []
-    kept: dict[str, str] = {}
-    where: Path | None = None
-    refs = LiveRefs()  # what live documents referenced, read again only where changed
-    while True:
-        result = retention.expire(eng, older_than=older_than, now=eng.clock(), archive=archive,
-                                  dry_run=dry_run, refs=refs, wait=retention.LOCK_WAIT_SECONDS,
-                                  limit=None if dry_run else retention.CLI_PASS_LIMIT,
-                                  max_bytes=None if dry_run else retention.PASS_BYTES)
-        if result.busy:
-            done = f" after {len(removed)} removed" if removed else ""
-            raise HandoffdError(f"another process's retention pass held handoffs/.meta/"
-                                f"retention.lock for over {retention.LOCK_WAIT_SECONDS:g} s; stopped"
-                                f"{done} (try again later)")
-        removed += result.removed
-        kept.update(result.kept)
-        for hid, _ in result.removed:  # (kept by one pass while it changed, removed by a later)
-            kept.pop(hid, None)
-        where = result.archive or where
-        # (a pass that removed nothing ends it: what it kept would only be listed again)
-        if dry_run or not result.more or not result.removed:
-            return removed, kept, where
+    if dry_run:
+        result = retention.expire(eng, older_than=older_than, now=eng.clock(), dry_run=True,
+                                  wait=retention.LOCK_WAIT_SECONDS)
+    else:
+        result = retention.expire_all(eng, older_than=older_than, now=eng.clock(),
+                                      archive=archive, limit=retention.CLI_PASS_LIMIT,
+                                      max_bytes=retention.PASS_BYTES,
+                                      wait=retention.LOCK_WAIT_SECONDS)
+    if result.busy:
+        done = f" after {len(result.removed)} removed" if result.removed else ""
+        raise HandoffdError(f"another process's retention pass held handoffs/.meta/"
+                            f"retention.lock for over {retention.LOCK_WAIT_SECONDS:g} s; stopped"
+                            f"{done} (try again later)")
+    return result.removed, result.kept, result.archive
 
 
 def purge(older_than: OlderThan, state: StateOption = None, dry_run: DryRun = False,

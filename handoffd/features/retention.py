@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..backends.base import Describe, safe_describe
 from ..core.errors import HandoffdError
@@ -32,7 +32,7 @@ from ..core.states import State
 from ..core.storage import Row, describe_native
 from .archive import append_archive
 from .liverefs import LiveRefs, Refs
-from .removal import removal_lock
+from .removal import REMOVAL_TURN, removal_lock
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -44,8 +44,7 @@ LOCK_WAIT_SECONDS = 60.0  # how long `handoff purge|archive` waits for another p
 # the documents one bounded pass holds (and archives, as one gzip member: well within the
 # archive's MEMBER_TEXT) at most
 PASS_BYTES = 32 * 1024 * 1024
-FIRST_ROWS = 16  # documents the first listing of a pass bounded in bytes reads
-CLI_PASS_LIMIT = 5000  # documents one pass of `handoff purge|archive` takes (it loops)
+CLI_PASS_LIMIT = 5000  # documents one batch of `handoff purge|archive` takes (it goes on)
 
 
 @dataclass
@@ -115,14 +114,6 @@ def _read_refs(engine: Engine, describe: Describe, handoff_id: str) -> Refs | No
     return Refs(state, parent, deps)
 
 
-def _any_old(engine: Engine, older_than: dict[State, float], now: datetime) -> bool:
-    """Some finished handoff is old enough to go: only then need the live ones be read (a pass
-    with nothing due, most of a daemon's passes, read every live document for nothing)."""
-    return any(engine.backend.list(state=state, order="oldest", limit=1,
-                                   before=now - timedelta(seconds=seconds))
-               for state, seconds in older_than.items())
-
-
 def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
            archive: bool = False, dry_run: bool = False, limit: int | None = None,
            wait: float = LOCK_WAIT_SECONDS, refs: LiveRefs | None = None,
@@ -146,26 +137,89 @@ def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
     return result
 
 
+def expire_all(engine: Engine, *, older_than: dict[State, float], now: datetime,
+               archive: bool = False, limit: int | None = CLI_PASS_LIMIT,
+               max_bytes: int | None = PASS_BYTES, wait: float = LOCK_WAIT_SECONDS,
+               refs: LiveRefs | None = None) -> Result:
+    """What ``handoff purge|archive`` does: remove (or archive, then remove) every finished
+    handoff old enough to go, in batches of at most ``limit`` documents or about ``max_bytes``
+    of them, each archived (one gzip member) and deleted before the next is taken: memory stays
+    bounded, and a kill costs at most one batch archived twice. Each state is listed once, its
+    documents read as the listing goes: a loop of bounded passes listed (and stat'ed) the whole
+    folder again at every pass, quadratic in the backlog (100,000 old documents: past five
+    minutes). The removal lock is held throughout, except that a process waiting for it (a
+    create that names dependencies, another purge) is let in after the batch under way; the
+    listing then starts again under the lock, so that nothing read before it is removed
+    (another pass may have archived it meanwhile). ``Result.busy``: the lock was held past
+    ``wait`` (what was removed before stays in ``Result.removed``)."""
+    result = Result()
+    refs = refs if refs is not None else LiveRefs()
+    while True:
+        with removal_lock(engine.ws.meta, wait) as mine:
+            if not mine:
+                result.busy = True
+                return result
+            taker = _Taker(engine, result, refs, (limit, max_bytes), dry_run=False,
+                           flush=partial(_flush, engine, result, refs, archive, now))
+            try:
+                _list_old(engine, taker, older_than, now)
+                if taker.doomed:  # the last batch
+                    _flush(engine, result, refs, archive, now, taker, last=True)
+                return result
+            except _Yield:
+                pass  # let the waiting process in, then list again
+        # (a document decided on already is not taken again: see _Taker.take)
+
+
 Doomed = list[tuple[State, str, dict[str, Any]]]
+
+
+class _Full(Exception):
+    """Ends a listing from within its predicate: the pass took all it may (a listing that went
+    on would read every old document left, only to drop it)."""
+
+
+class _Yield(Exception):
+    """Ends a listing of :func:`expire_all` after a batch: another process waits for the lock."""
 
 
 def _expire(engine: Engine, result: Result, older_than: dict[State, float], now: datetime, *,
             archive: bool, dry_run: bool, bounds: tuple[int | None, int | None],
             refs: LiveRefs | None) -> None:
-    if not _any_old(engine, older_than, now):
-        return  # nothing is old enough to go: no live document need be read
-    keep, live = protected(engine, refs)
-    parents: dict[str, str | None] = {}
-    doomed = _doomed(engine, result, older_than, now, (keep, live), bounds, parents,
-                     dry_run=dry_run)
-    if dry_run or not doomed:
-        result.removed = [(hid, state.value) for state, hid, _ in doomed]
+    taker = _Taker(engine, result, refs, bounds, dry_run)
+    result.more = _list_old(engine, taker, older_than, now)
+    if dry_run or not taker.doomed:
+        result.removed = [(hid, state.value) for state, hid, _ in taker.doomed]
         return
+    _remove(engine, result, taker.doomed, taker.parents, archive, refs, now)
+
+
+def _list_old(engine: Engine, taker: _Taker, older_than: dict[State, float],
+              now: datetime) -> bool:
+    """Offer ``taker`` the documents of each state of ``older_than`` old enough to go, oldest
+    first, one listing per state through a predicate that takes each row and keeps none: the
+    files store reads one document at a time, and holds none itself. True when the taker was
+    full (more may be due); without a flush, the listing ends there."""
+    for state, seconds in older_than.items():
+        try:
+            engine.backend.list(state=state, order="oldest",
+                                before=now - timedelta(seconds=seconds),
+                                where=partial(taker.offer, state))
+        except _Full:
+            return True
+    return False
+
+
+def _remove(engine: Engine, result: Result, doomed: Doomed, parents: dict[str, str | None],
+            archive: bool, refs: LiveRefs | None, now: datetime
+            ) -> tuple[dict[str, str], dict[str, State]]:
+    """Archive (``archive``) and delete ``doomed``, but for what live work came to need
+    meanwhile (kept, with why, in ``result.kept``); the protection found by that second look."""
     if archive:
         result.archive = append_archive(engine.ws, doomed, now)
     # a pass can take a while: what live work came to depend on meanwhile stays too (the
     # documents unchanged since the first look are not read again)
-    keep, live = protected(engine, refs)
+    keep, live = protect = protected(engine, refs)
     for state, hid, doc in doomed:
         parent = parents.get(hid)
         why = keep.get(hid) or (f"child of {live[parent].value} {parent}"
@@ -180,86 +234,92 @@ def _expire(engine: Engine, result: Result, older_than: dict[State, float], now:
             result.removed.append((hid, state.value))
         elif _still_there(engine, hid, state):
             result.kept[hid] = "changed while it was being archived"
+    return protect
+
+
+def _flush(engine: Engine, result: Result, refs: LiveRefs, archive: bool, now: datetime,
+           taker: _Taker, *, last: bool = False) -> None:
+    """Remove the batch ``taker`` holds, and empty it; then :class:`_Yield` when another
+    process waits for the removal lock (unless this was the ``last`` batch)."""
+    taker.protect = _remove(engine, result, taker.doomed, taker.parents, archive, refs, now)
+    taker.empty()
+    if not last and _waited_for(engine):
+        raise _Yield
+
+
+def _waited_for(engine: Engine) -> bool:
+    """Another process waits for the removal lock: it holds the turn file while it waits (see
+    :func:`.removal.removal_lock`), so the turn cannot be taken now."""
+    from filelock import FileLock, Timeout
+    turn = FileLock(str(engine.ws.meta / REMOVAL_TURN), fallback_to_soft=False)
+    try:
+        turn.acquire(timeout=0)
+    except Timeout:
+        return True
+    except OSError:  # (something planted there: the next removal_lock clears it)
+        return False
+    turn.release()
+    return False
 
 
 class _Taker:
     """Sorts the listed old documents of one pass: kept (with why) or doomed, until the pass's
-    bounds (documents, bytes) are reached."""
+    bounds (documents, bytes) are reached; then, with a ``flush``, that removes the batch and
+    the taker goes on, else the listing ends (:class:`_Full`). What live work needs is read
+    when the first old document is offered: a pass with nothing old enough reads none."""
 
-    def __init__(self, result: Result, protect: tuple[dict[str, str], dict[str, State]],
-                 bounds: tuple[int | None, int | None], parents: dict[str, str | None],
-                 dry_run: bool) -> None:
-        self.result, (self.keep, self.live) = result, protect
+    def __init__(self, engine: Engine, result: Result, refs: LiveRefs | None,
+                 bounds: tuple[int | None, int | None], dry_run: bool,
+                 flush: Callable[[_Taker], None] | None = None) -> None:
+        self.engine, self.result, self.refs = engine, result, refs
         self.limit, self.max_bytes = bounds
-        self.parents, self.dry_run = parents, dry_run
+        self.dry_run, self.flush = dry_run, flush
+        self.protect: tuple[dict[str, str], dict[str, State]] | None = None
         self.doomed: Doomed = []
+        self.parents: dict[str, str | None] = {}
         self.held = 0
         self.seen: set[str] = set()
+
+    def empty(self) -> None:
+        """Drop the batch (it was removed)."""
+        self.doomed, self.parents, self.held, self.seen = [], {}, 0, set()
 
     def full(self) -> bool:
         """The pass took all it may: more may be due."""
         return (self.limit is not None and len(self.doomed) >= self.limit) or \
             (self.max_bytes is not None and self.held >= self.max_bytes)
 
+    def offer(self, state: State, row: Row) -> bool:
+        """The listing's predicate: note ``row`` (see :meth:`take`); False, so that the listing
+        holds no document. Ends the listing (:class:`_Full`) when the taker is full and has
+        no flush."""
+        if self.protect is None:  # the first old document: only now is live work read
+            self.protect = protected(self.engine, self.refs)
+        self.take(state, row)
+        if self.full():
+            if self.flush is None:
+                raise _Full
+            self.flush(self)
+        return False
+
     def take(self, state: State, row: Row) -> bool:
-        """Note ``row`` (kept, or doomed: its document dropped in a dry run); False."""
-        if row.id in self.seen or self.full():
+        """Note ``row`` (kept, or doomed: its document dropped in a dry run); False. A row
+        already decided on (kept, or taken into this batch) is passed over."""
+        if row.id in self.seen or row.id in self.result.kept or self.full():
             return False
         self.seen.add(row.id)
+        keep, live = self.protect if self.protect is not None else ({}, {})
         parent = row.meta.parent
-        if row.id in self.keep:
-            self.result.kept[row.id] = self.keep[row.id]
-        elif parent in self.live:
-            self.result.kept[row.id] = f"child of {self.live[parent].value} {parent}"
+        if row.id in keep:
+            self.result.kept[row.id] = keep[row.id]
+        elif parent in live:
+            self.result.kept[row.id] = f"child of {live[parent].value} {parent}"
         else:
             self.doomed.append((state, row.id, {} if self.dry_run else row.doc))
             self.parents[row.id] = parent
             if self.max_bytes is not None and not self.dry_run:
                 self.held += len(json.dumps(row.doc, ensure_ascii=False))
         return False
-
-
-def _doomed(engine: Engine, result: Result, older_than: dict[State, float], now: datetime,
-            protect: tuple[dict[str, str], dict[str, State]],
-            bounds: tuple[int | None, int | None], parents: dict[str, str | None], *,
-            dry_run: bool = False) -> Doomed:
-    """The finished documents old enough to go, oldest first (within ``bounds``: documents,
-    bytes), each one's parent noted in ``parents``; the old ones kept go into ``result.kept``
-    with why. A dry run lists through a predicate that notes each row and keeps none, so the
-    files store holds one document at a time (`purge --dry-run` held them all: 275 MiB)."""
-    taker = _Taker(result, protect, bounds, parents, dry_run)
-    keep, live = protect
-    for state, seconds in older_than.items():
-        cutoff = now - timedelta(seconds=seconds)
-        if dry_run:
-            engine.backend.list(state=state, order="oldest", before=cutoff,
-                                where=partial(taker.take, state))
-        else:
-            _list_some(engine, taker, state, cutoff, len(keep) + len(live))
-        if taker.full():
-            result.more = True  # more may be due: the next pass goes on
-            break
-    return taker.doomed
-
-
-def _list_some(engine: Engine, taker: _Taker, state: State, cutoff: datetime,
-               kept: int) -> None:
-    """Take the old documents of ``state``, oldest first, in listings that grow until the pass
-    is full or every one was listed. The kept ones are listed too: read enough rows to find
-    what may go, reading more while kept ones fill a listing (the finished children of a
-    waiting parent once filled every pass, and nothing else was ever purged). The first listing
-    is short: what a pass may hold is bounded in bytes too (documents of 5 MB each, listed 500
-    at once, took `handoff archive` to 915 MiB)."""
-    wanted = None if taker.limit is None else taker.limit - len(taker.doomed)
-    rows = None if wanted is None else (
-        min(wanted, FIRST_ROWS) if taker.max_bytes is not None else wanted) + kept
-    while True:
-        listed = engine.backend.list(state=state, order="oldest", before=cutoff, limit=rows)
-        for row in listed:
-            taker.take(state, row)
-        if rows is None or len(listed) < rows or taker.full():
-            return
-        rows *= 4
 
 
 def _still_there(engine: Engine, handoff_id: str, state: State) -> bool:
