@@ -187,7 +187,9 @@ def http_port(tmp_path: Path) -> Iterator[int]:
         proc.wait(30)
 
 
-def test_http_session_protocol_answers_a_float_id(http_port: int) -> None:
+def http_session(http_port: int) -> tuple[Any, dict[str, str]]:
+    """(connection, headers) of an initialised MCP session (the 2025-06-18 protocol) on the
+    real `handoffd mcp --http` server at ``http_port``."""
     import http.client
     heads = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
     conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=20)
@@ -204,6 +206,11 @@ def test_http_session_protocol_answers_a_float_id(http_port: int) -> None:
     done = conn.getresponse()
     done.read()
     assert done.status == 202
+    return conn, heads
+
+
+def test_http_session_protocol_answers_a_float_id(http_port: int) -> None:
+    conn, heads = http_session(http_port)
     conn.request("POST", "/mcp", '{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}', heads)
     refused = conn.getresponse()
     answer = json.loads(refused.read())

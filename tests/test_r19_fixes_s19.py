@@ -24,7 +24,7 @@ import pytest
 from conftest import Workspace, new_workspace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_r17_fixes_s19 import Stdio, _post, http_port  # noqa: F401  (a fixture used below)
+from test_r17_fixes_s19 import Stdio, _post, http_port, http_session  # noqa: F401  (a fixture used below)
 
 from handoffd.backends.files import quarantine
 from handoffd.backends.files.quarantine import move_to_quarantine, publish_reason
@@ -335,22 +335,7 @@ def test_stdio_takes_a_response_with_a_null_id_and_answers_on(tmp_path: Path) ->
 
 
 def test_http_sessions_take_a_response_with_a_null_id(http_port: int) -> None:  # noqa: F811
-    import http.client
-    heads = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
-    conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=20)
-    conn.request("POST", "/mcp", json.dumps({
-        "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-            "protocolVersion": "2025-06-18", "capabilities": {},
-            "clientInfo": {"name": "test", "version": "1"}}}), heads)
-    hello = conn.getresponse()
-    session = hello.getheader("mcp-session-id")
-    hello.read()
-    assert hello.status == 200 and session
-    heads |= {"mcp-session-id": session, "mcp-protocol-version": "2025-06-18"}
-    conn.request("POST", "/mcp", '{"jsonrpc": "2.0", "method": "notifications/initialized"}', heads)
-    done = conn.getresponse()
-    done.read()
-    assert done.status == 202
+    conn, heads = http_session(http_port)
     conn.request("POST", "/mcp", RESPONSES[0], heads)
     taken = conn.getresponse()
     taken.read()
