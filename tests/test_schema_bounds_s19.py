@@ -26,7 +26,7 @@ from conftest import Workspace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from handoffd.core import fastschema, jsonschema_re2, schemachecks, validation
+from handoffd.core import fastschema, jsonschema_re2, schema_keywords, schemachecks, validation
 from handoffd.core.documents import MAX_DEPTH
 from handoffd.core.errors import ConfigError, InvalidDocument
 from handoffd.core.fastschema import BIG_ENUM, compile_schema, is_valid, member_test, unique_items
@@ -103,7 +103,7 @@ def test_unique_items_compares_no_pairs(monkeypatch: pytest.MonkeyPatch) -> None
     import jsonschema._utils
     calls = []
     for module in (jsonschema._utils, jsonschema._keywords, fastschema, jsonschema_re2,
-                   schemachecks):
+                   schema_keywords, schemachecks):
         real = getattr(module, "equal", None)
         if real is not None:
             monkeypatch.setattr(module, "equal",
@@ -314,7 +314,7 @@ def test_a_large_enum_behind_many_refs_compares_nothing_one_by_one(
     import jsonschema._utils
     calls = []
     for module in (jsonschema._utils, jsonschema._keywords, fastschema, jsonschema_re2,
-                   schemachecks):
+                   schema_keywords, schemachecks):
         real = getattr(module, "equal", None)
         if real is not None:
             monkeypatch.setattr(module, "equal",
