@@ -13,7 +13,6 @@ import sys
 import time
 from collections import deque
 from datetime import datetime, timedelta
-from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional
 
 import typer
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
 
     from ..core.engine import Engine
     from ..core.events import Event
-    from ..core.states import State
 
 PROG = "handoff"
 POLL_SECONDS = 0.25  # how often the log is looked at for new lines (a stat when nothing came)
@@ -66,12 +64,11 @@ def stats(
 ) -> None:
     """Per specialist: queue depth, started, completed, failed, retries, error codes, throughput
     and p50/p95 of queue wait and run time, from the event log."""
-    from ..core.states import State
-    from ..service.stats import report
+    from ..service.stats import current_depth, report
     eng = engine(root, features=())
     now = eng.clock()
     start = _since(since, now)
-    depth = live_depth(eng.backend, (State.PENDING, State.IN_PROGRESS))
+    depth = current_depth(eng.backend)
     figures = report(_events(eng).read(start), depth, since=start, now=now)
     if as_json:
         print_json(figures)
@@ -91,23 +88,6 @@ def stats(
                       _num(a["per_minute"]), f"{_num(a['wait_p50'])}/{_num(a['wait_p95'])}s",
                       f"{_num(a['run_p50'])}/{_num(a['run_p95'])}s", Text(clean(errors or "-")))
     console().print(table)
-
-
-def live_depth(backend: Any, states: tuple[State, ...]) -> dict[tuple[str, str], int]:
-    """(state, agent) -> the handoffs in ``states`` now, counted through a listing's predicate
-    that tallies each row and keeps none: one document is held at a time (the listing of
-    50,000 pending documents, held whole only to be counted, took `handoff stats` to 180 MB)."""
-    from ..service.stats import UNKNOWN
-    depth: dict[tuple[str, str], int] = {}
-
-    def tally(state: State, row: Any) -> bool:
-        key = (state.value, row.meta.target or UNKNOWN)
-        depth[key] = depth.get(key, 0) + 1
-        return False
-
-    for state in states:
-        backend.list(state=state, where=partial(tally, state))
-    return depth
 
 
 def _num(value: float | None) -> str:
@@ -179,8 +159,9 @@ class TopModel:
     def refresh(self) -> None:
         """Re-read the queue from the store (pending and running handoffs)."""
         from ..core.states import State
+        from ..service.stats import current_depth
         self.rows = self.eng.backend.list(state=State.IN_PROGRESS, order="oldest")
-        self.depth = live_depth(self.eng.backend, (State.PENDING,))  # (counted, not held)
+        self.depth = current_depth(self.eng.backend, (State.PENDING,))  # (counted, not held)
 
     def sparkline(self, now: float) -> str:
         """Handoffs finished per ten seconds over the last ten minutes."""
