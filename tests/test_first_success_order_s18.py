@@ -13,6 +13,16 @@ from conftest import Workspace
 from test_orchestration import HANDLERS, fan_out, ows, score  # noqa: F401
 
 
+def slow(value: int) -> dict:
+    """A child that scores after 0.5 s unless cancelled first. (``score(..., sleep=0.5)`` put
+    the sleep beside the child's data, where the scorer never saw it: the children ended at
+    once, and a loser another worker started while the parent was being aggregated, 30 ms
+    later, could end before it: the test failed 2 runs in about 10.)"""
+    child = score(True, 0.9, value=value)
+    child["data"]["sleep"] = 0.5
+    return child
+
+
 @pytest.mark.parametrize("how", [("--workers", "1"), ()])
 def test_first_success_runs_one_child_when_they_run_one_at_a_time(ows: Workspace,
                                                                   how: tuple[str, ...]) -> None:
@@ -20,7 +30,7 @@ def test_first_success_runs_one_child_when_they_run_one_at_a_time(ows: Workspace
         config = (ows.root / "handoffd.toml").read_text()
         ows.write_config(config.replace('handler = "orch_handlers:scorer"\nconcurrency = 6',
                                         'handler = "orch_handlers:scorer"\nconcurrency = 1'))
-    fan_out(ows, "pf", "first_success", [score(True, 0.9, value=i, sleep=0.5) for i in range(3)])
+    fan_out(ows, "pf", "first_success", [slow(i) for i in range(3)])
     proc = ows.handoffd("run", *how, timeout=120)
     assert proc.returncode in (0, 1), proc.stderr
     parent = ows.doc("pf")
@@ -35,7 +45,7 @@ def test_first_success_under_serve_with_one_worker(ows: Workspace) -> None:
     daemon = ows.serve("--workers", "1")
     try:
         fan_out(ows, "ps", "first_success",
-                [score(True, 0.9, value=i, sleep=0.5) for i in range(3)])
+                [slow(i) for i in range(3)])
         assert ows.wait_state("ps", ("completed", "failed"), timeout=60) == "completed"
     finally:
         assert ows.stop(daemon) == 0
