@@ -30,7 +30,7 @@ from handoffd.core import fastschema, jsonschema_re2, schema_keywords, schemache
 from handoffd.core.documents import MAX_DEPTH
 from handoffd.core.errors import ConfigError, InvalidDocument
 from handoffd.core.fastschema import BIG_ENUM, compile_schema, is_valid, member_test, unique_items
-from handoffd.core.jsonschema_re2 import MAX_SCHEMA_FILES, errors_of, for_inline, for_named
+from handoffd.core.jsonschema_re2 import MAX_SCHEMA_FILES, errors_of, for_inline
 from handoffd.core.validation import MAX_SCHEMA_BYTES, SchemaCache
 
 QUICK = dict(derandomize=True, deadline=None, database=None,
@@ -97,17 +97,24 @@ def test_unique_items_uses_json_equality(items: list[Any], unique: bool) -> None
         assert errors[0]["error"] == f"{items!r} has non-unique elements"  # jsonschema's words
 
 
-def test_unique_items_compares_no_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """300 distinct objects: jsonschema compared 44,850 pairs; now none (each hashed once)."""
+def counted_equal(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at every call of ``equal`` (JSON equality, one pair of values)
+    in every module that may compare items or enum options one pair at a time."""
     import jsonschema._keywords
     import jsonschema._utils
-    calls = []
+    calls: list[int] = []
     for module in (jsonschema._utils, jsonschema._keywords, fastschema, jsonschema_re2,
                    schema_keywords, schemachecks):
         real = getattr(module, "equal", None)
         if real is not None:
             monkeypatch.setattr(module, "equal",
                                 lambda a, b, real=real: calls.append(1) or real(a, b))
+    return calls
+
+
+def test_unique_items_compares_no_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """300 distinct objects: jsonschema compared 44,850 pairs; now none (each hashed once)."""
+    calls = counted_equal(monkeypatch)
     items = [{"k": i, "tags": ["x", i]} for i in range(300)]
     validator = for_inline({"type": "array", "uniqueItems": True})
     assert errors_of(validator, items) == []
@@ -310,15 +317,7 @@ def test_a_referenced_file_is_read_once_not_at_every_lookup(
 
 def test_a_large_enum_behind_many_refs_compares_nothing_one_by_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import jsonschema._keywords
-    import jsonschema._utils
-    calls = []
-    for module in (jsonschema._utils, jsonschema._keywords, fastschema, jsonschema_re2,
-                   schema_keywords, schemachecks):
-        real = getattr(module, "equal", None)
-        if real is not None:
-            monkeypatch.setattr(module, "equal",
-                                lambda a, b, real=real: calls.append(1) or real(a, b))
+    calls = counted_equal(monkeypatch)
     cache = schemas_with(tmp_path / "schemas", big={"enum": list(range(3000))},
                          a={"allOf": [{"$ref": "big.json"}] * 100})
     errors = cache.errors("a.json", -1)
