@@ -17,8 +17,7 @@ from typing import Any, Iterator
 import pytest
 from conftest import Workspace, exe, wait_until
 
-from handoffd.backends.files import fsio, leases, repair, spares
-from handoffd.backends.files import store as store_module
+from handoffd.backends.files import crashpoints, fsio, leases, repair, spares
 from handoffd.backends.files.store import Store
 from handoffd.core.documents import book
 from handoffd.core.states import State
@@ -29,7 +28,7 @@ STALL_HOOK = '''
 import os, time
 if os.environ.get("TEST_STALL_DIR"):
     from pathlib import Path
-    from handoffd.backends.files import store
+    from handoffd.backends.files import crashpoints
     _marks = Path(os.environ["TEST_STALL_DIR"])
     def _stall(point):
         if point != "after-claim-rename" or (_marks / "stalled").exists():
@@ -39,7 +38,7 @@ if os.environ.get("TEST_STALL_DIR"):
         while not (_marks / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
         (_marks / "resumed").write_text(str(os.getpid()))
-    store.crash_hook = _stall
+    crashpoints.crash_hook = _stall
 '''
 
 
@@ -115,7 +114,7 @@ def at_rename(monkeypatch: pytest.MonkeyPatch, act: Any) -> None:
             done.append(True)
             act()
 
-    monkeypatch.setattr(store_module, "crash_hook", hook)
+    monkeypatch.setattr(crashpoints, "crash_hook", hook)
 
 
 def no_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,7 +226,7 @@ def test_a_stalled_claim_in_another_process_keeps_the_sweep_away(store: Store,
     code = f'''
 import sys, time
 from pathlib import Path
-from handoffd.backends.files import store as sm
+from handoffd.backends.files import crashpoints as sm
 from handoffd.backends.files.store import Store
 from handoffd.core.workspace import Workspace
 marks = Path({str(marks)!r})

@@ -439,12 +439,12 @@ def test_workspace_accepts_a_string(tmp_path: Path) -> None:
 
 def test_crash_points_are_a_test_seam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection without an environment variable: a hook sees every crash point passed."""
-    from handoffd.backends.files import store as store_module
+    from handoffd.backends.files import crashpoints
     seen: list[str] = []
-    monkeypatch.setattr(store_module, "crash_hook", seen.append)
+    monkeypatch.setattr(crashpoints, "crash_hook", seen.append)
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
     assert process(engine, submit(engine)) is State.COMPLETED
-    assert seen == list(store_module.CRASH_POINTS)
+    assert seen == list(crashpoints.CRASH_POINTS)
 
 
 _AGENTS = ["@a", "", "x" * 3]

@@ -56,7 +56,7 @@ def child(doc, ctx):
 KILLER = '''
 import json, os, signal, sys
 from pathlib import Path
-from handoffd.backends.files import store
+from handoffd.backends.files import crashpoints
 
 ROOT = Path(sys.argv[1])
 
@@ -73,7 +73,7 @@ def at_aggregation(name):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-store.crash_hook = at_aggregation
+crashpoints.crash_hook = at_aggregation
 from handoffd.cli.handoffd_cmd import main
 sys.argv = ["handoffd", *sys.argv[2:]]
 main()

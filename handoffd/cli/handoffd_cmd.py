@@ -80,7 +80,7 @@ def main() -> None:
     recovery tests) makes the daemon die there as if killed."""
     point = os.environ.get("HANDOFFD_CRASH_AT", "")
     if point:
-        from ..backends.files.store import inject_crash_at
+        from ..backends.files.crashpoints import inject_crash_at
         inject_crash_at(point)
     if not os.environ.get("HANDOFFD_FULL_CLI") and not os.environ.get("_HANDOFFD_COMPLETE"):
         code = try_quick(sys.argv[1:])

@@ -3,7 +3,8 @@
 The store knows the mechanics (create, claim, move, quarantine, lock, lease) and nothing of policy:
 what to do with a failure is decided by :mod:`handoffd.core.engine`. This module holds the
 Store's state, its seals and its claim's transitions (claim, renew, move, finish: the hot path,
-with the crash points recovery tests stop at); beside it, as plain functions its methods call:
+with the crash points recovery tests stop at, :mod:`.crashpoints`); beside it, as plain
+functions its methods call: :mod:`.claiming` (a locked claim's rename, read and lease write),
 :mod:`.reading` (where a handoff is, its current copy, folder listings), :mod:`.writes`
 (create, a purge's compare-and-delete, quarantine) and :mod:`.leases` (the lease block, claim
 locks and the process's owner lock).
@@ -19,19 +20,14 @@ from typing import Any, Callable, Iterator
 
 from ...core import jsontext
 from ...core.documents import (
-    BOOK,
     book,
-    book_int,
     check_request_depth,
     check_request_size,
-    record,
     revision,
 )
 from ...core.errors import (
     ConfigError,
-    DocumentNotReady,
     DuplicateHandoff,
-    ErrorCode,
     InvalidDocument,
     InvalidTransition,
 )
@@ -39,7 +35,8 @@ from ...core.states import State, allowed
 from ...core.timeutil import utc_now
 from ...core.workspace import Workspace
 from ..base import NotFiled, refiled_copy, restore
-from . import aside, fsio, reading, seals, spares, writes
+from . import aside, claiming, fsio, reading, seals, spares, writes
+from .crashpoints import CRASH_POINTS, crash_point, inject_crash_at
 from .leases import (
     OWNER_LOCK_NAME,
     Claim,
@@ -65,31 +62,6 @@ FILED_MARGIN_BYTES = 1 << 20  # a finished document's bookkeeping besides reques
 # a pending or running document's own bookkeeping (history of at most 200 entries, a lease, a
 # parked report of at most 64 KB) on top of a request of up to max_document_bytes
 BOOKKEEPING_MARGIN_BYTES = 512 * 1024
-CRASH_POINTS = ("after-claim-rename", "after-claim-lease", "after-move-write", "after-move-unlink")
-# A test seam for fault injection: called with the name of each crash point as it is passed. None
-# (the default) costs one comparison; recovery tests install a hook with inject_crash_at().
-crash_hook: Callable[[str], None] | None = None
-
-
-def crash_point(name: str) -> None:
-    """Mark a step of claim or finish where a crash must be repairable (see CRASH_POINTS)."""
-    if crash_hook is not None:
-        crash_hook(name)
-
-
-def inject_crash_at(point: str) -> None:
-    """Make this process die on the spot (exit 99, no cleanup, like kill -9) when it reaches
-    ``point``; an empty ``point`` removes the injection. The ``handoffd`` command calls this for
-    ``$HANDOFFD_CRASH_AT`` so that tests can crash a real daemon at each step."""
-    global crash_hook
-
-    def die_there(name: str) -> None:
-        if name == point:
-            os._exit(99)
-
-    crash_hook = die_there if point else None
-
-
 class Store:
     """Documents of one workspace. ``durable=False`` is the ``fast`` durability mode (no fsync)."""
 
@@ -219,10 +191,10 @@ class Store:
                                          else self.max_open_bytes)
         doc = jsontext.parse_document(data, f"{state.value}/{path.name}")
         if not state.terminal:
-            self._check_request_size(doc, data, path.name)
+            self.check_request_size(doc, data, path.name)
         return doc
 
-    def _check_request_size(self, doc: dict[str, Any], data: bytes, name: str) -> None:
+    def check_request_size(self, doc: dict[str, Any], data: bytes, name: str) -> None:
         """InvalidDocument (DOCUMENT_TOO_LARGE) when the request in ``doc`` (all but its
         ``handoffd`` block) is over ``max_document_bytes``; the block may add up to
         :data:`BOOKKEEPING_MARGIN_BYTES` (:func:`~handoffd.core.documents.check_request_size`).
@@ -298,7 +270,8 @@ class Store:
         displaced: Path | None = None
         try:
             self.folders.check()  # never renamed into (or out of) a folder swapped for a link
-            claim, displaced = self._claim_held(handoff_id, held, lease_seconds, now, on_claim)
+            claim, displaced = claiming.claim_held(self, handoff_id, held, lease_seconds, now,
+                                                   on_claim)
         finally:
             if held is not None:
                 os.close(held)  # (before the adoption: it wants nobody to have the file open)
@@ -309,90 +282,6 @@ class Store:
         if claim is not None:
             crash_point("after-claim-lease")
         return claim
-
-    def _claim_held(self, handoff_id: str, held: int | None, lease_seconds: float,
-                    now: datetime, on_claim: Callable[[dict[str, Any]], None] | None
-                    ) -> tuple[Claim | None, Path | None]:
-        """:meth:`claim` once the pending document is locked (``held``: its descriptor, None
-        where it cannot be locked): the claim and where the file it replaced now is."""
-        src, dst = self.path(State.PENDING, handoff_id), self.path(State.IN_PROGRESS, handoff_id)
-        try:
-            fsio.rename_noreplace(src, dst)
-        except FileNotFoundError:
-            return None, None
-        except FileExistsError:
-            if reading.moving_back(self, handoff_id):
-                # a move back to pending/ (a retry, an answer, a hand-back) writes the pending
-                # copy a moment before it removes the in-progress one: not a duplicate to set
-                # aside (that would lose the handoff), just not claimable for a moment
-                raise DocumentNotReady(f"{handoff_id} is being put back in pending/",
-                                       handoff_id=handoff_id) from None
-            raise DuplicateHandoff(f"handoff {handoff_id} is already in progress",
-                                   handoff_id=handoff_id) from None
-        crash_point("after-claim-rename")
-        try:
-            doc, renamed = self._read_claimed(handoff_id, held, src, dst, now)
-        except FileNotFoundError:  # moved on since our rename (by a writer taking no lock)
-            return None, None
-        prior = self.trusted_revision(doc, State.PENDING, handoff_id)
-        if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
-            doc[BOOK] = {}
-        token = os.urandom(16).hex()
-        lock = NullLock()  # the claim rides on the store's owner lock, named in its lease
-        block = book(doc)
-        block["attempt"] = book_int(doc, "attempt", 0) + 1
-        block["lease"] = lease(token, now, lease_seconds, lock=self.owner_lock())
-        block.pop("next_attempt_at", None)
-        record(doc, "claimed", now, attempt=block["attempt"])
-        if on_claim is not None:
-            on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
-        # the rename into in-progress/ need not be durable: if a crash undoes it, the handoff
-        # is simply pending again, or in-progress without a lease, which recovery hands back
-        data = self.encode(doc, State.IN_PROGRESS, handoff_id)
-        try:
-            written = fsio.replace_exact(dst, data, self.tmp, durable=self.durable,
-                                         expect=renamed)
-        except OSError:  # (a full disk): the request as it came, back in pending/ at once,
-            self._put_back(dst, src)  # not after a recovery's grace (it is still ours: held)
-            raise
-        if written is None:  # not the file we renamed in (moved on meanwhile): someone else's
-            return None, None
-        inode, displaced = written
-        return Claim(handoff_id, doc, token, lock, block["attempt"], inode, prior), displaced
-
-    def _read_claimed(self, handoff_id: str, held: int | None, src: Path, dst: Path,
-                      now: datetime) -> tuple[dict[str, Any], int]:
-        """The document just renamed to ``dst``, and the inode the lease write may replace:
-        the locked one (``held``) when there is one, else the one read. (Were they different,
-        pending/ had another file put in at the instant of the claim: the lease write then gives
-        the claim up, and the sweep hands back the file nobody locked.) A file still being
-        written goes back to ``src`` (DocumentNotReady)."""
-        name = f"pending/{handoff_id}.json"
-        try:
-            data, info = fsio.read_bytes_safely(dst, self.max_open_bytes)
-            doc = jsontext.parse_document(data, name)
-            self._check_request_size(doc, data, name)
-        except InvalidDocument as exc:
-            if exc.code in (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8) \
-                    and self._young(dst, now):
-                self._put_back(dst, src)
-                raise DocumentNotReady(f"{handoff_id} is still being written",
-                                       handoff_id=handoff_id) from None
-            raise
-        return doc, (info if held is None else os.fstat(held)).st_ino
-
-    def _young(self, path: Path, now: datetime) -> bool:
-        try:
-            mtime = path.stat().st_mtime
-        except FileNotFoundError:
-            return False
-        return now.timestamp() - mtime < self.settle_seconds
-
-    def _put_back(self, dst: Path, src: Path) -> None:
-        try:
-            fsio.rename_noreplace(dst, src)
-        except FileExistsError:
-            pass  # a newer pending copy appeared; recovery resolves the pair
 
     def owns(self, claim: Claim) -> bool:
         """True while the in-progress document still carries this claim's lease token.

@@ -1,0 +1,129 @@
+"""How the file store claims one pending document once it holds the document's lock
+(:meth:`.store.Store.claim` takes the lock and calls :func:`claim_held`): the rename into
+in-progress/, the read of what was renamed, and the lease write that replaces exactly that file.
+A file still being written goes back to pending/; one a full disk keeps from being leased goes
+back at once. Part of the hot path: one rename, one read, one replacing write.
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from ...core import jsontext
+from ...core.documents import BOOK, book, book_int, record
+from ...core.errors import DocumentNotReady, DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.states import State
+from . import fsio, reading
+from .crashpoints import crash_point
+from .leases import Claim, NullLock, lease
+
+__all__ = ["Claiming", "claim_held"]
+
+
+class Claiming(reading.Reading, Protocol):
+    """What this module uses of :class:`.store.Store` (which imports this module)."""
+
+    durable: bool
+    max_open_bytes: int
+
+    @property
+    def tmp(self) -> Path: ...
+
+    def owner_lock(self) -> str: ...
+
+    def encode(self, doc: dict[str, Any], state: State, handoff_id: str) -> bytes: ...
+
+    def check_request_size(self, doc: dict[str, Any], data: bytes, name: str) -> None: ...
+
+
+def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds: float,
+               now: datetime, on_claim: Callable[[dict[str, Any]], None] | None
+               ) -> tuple[Claim | None, Path | None]:
+    """:meth:`.store.Store.claim` once the pending document is locked (``held``: its
+    descriptor, None where it cannot be locked): the claim and where the file it replaced now
+    is."""
+    src, dst = store.path(State.PENDING, handoff_id), store.path(State.IN_PROGRESS, handoff_id)
+    try:
+        fsio.rename_noreplace(src, dst)
+    except FileNotFoundError:
+        return None, None
+    except FileExistsError:
+        if reading.moving_back(store, handoff_id):
+            # a move back to pending/ (a retry, an answer, a hand-back) writes the pending
+            # copy a moment before it removes the in-progress one: not a duplicate to set
+            # aside (that would lose the handoff), just not claimable for a moment
+            raise DocumentNotReady(f"{handoff_id} is being put back in pending/",
+                                   handoff_id=handoff_id) from None
+        raise DuplicateHandoff(f"handoff {handoff_id} is already in progress",
+                               handoff_id=handoff_id) from None
+    crash_point("after-claim-rename")
+    try:
+        doc, renamed = _read_claimed(store, handoff_id, held, src, dst, now)
+    except FileNotFoundError:  # moved on since our rename (by a writer taking no lock)
+        return None, None
+    prior = store.trusted_revision(doc, State.PENDING, handoff_id)
+    if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
+        doc[BOOK] = {}
+    token = os.urandom(16).hex()
+    lock = NullLock()  # the claim rides on the store's owner lock, named in its lease
+    block = book(doc)
+    block["attempt"] = book_int(doc, "attempt", 0) + 1
+    block["lease"] = lease(token, now, lease_seconds, lock=store.owner_lock())
+    block.pop("next_attempt_at", None)
+    record(doc, "claimed", now, attempt=block["attempt"])
+    if on_claim is not None:
+        on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
+    # the rename into in-progress/ need not be durable: if a crash undoes it, the handoff
+    # is simply pending again, or in-progress without a lease, which recovery hands back
+    data = store.encode(doc, State.IN_PROGRESS, handoff_id)
+    try:
+        written = fsio.replace_exact(dst, data, store.tmp, durable=store.durable,
+                                     expect=renamed)
+    except OSError:  # (a full disk): the request as it came, back in pending/ at once,
+        _put_back(dst, src)  # not after a recovery's grace (it is still ours: held)
+        raise
+    if written is None:  # not the file we renamed in (moved on meanwhile): someone else's
+        return None, None
+    inode, displaced = written
+    return Claim(handoff_id, doc, token, lock, block["attempt"], inode, prior), displaced
+
+
+def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: Path, dst: Path,
+                  now: datetime) -> tuple[dict[str, Any], int]:
+    """The document just renamed to ``dst``, and the inode the lease write may replace:
+    the locked one (``held``) when there is one, else the one read. (Were they different,
+    pending/ had another file put in at the instant of the claim: the lease write then gives
+    the claim up, and the sweep hands back the file nobody locked.) A file still being
+    written goes back to ``src`` (DocumentNotReady)."""
+    name = f"pending/{handoff_id}.json"
+    try:
+        data, info = fsio.read_bytes_safely(dst, store.max_open_bytes)
+        doc = jsontext.parse_document(data, name)
+        store.check_request_size(doc, data, name)
+    except InvalidDocument as exc:
+        if exc.code in (ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8) \
+                and _young(store, dst, now):
+            _put_back(dst, src)
+            raise DocumentNotReady(f"{handoff_id} is still being written",
+                                   handoff_id=handoff_id) from None
+        raise
+    return doc, (info if held is None else os.fstat(held)).st_ino
+
+
+def _young(store: Claiming, path: Path, now: datetime) -> bool:
+    """True when ``path`` was written less than the store's settle time before ``now``."""
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    return now.timestamp() - mtime < store.settle_seconds
+
+
+def _put_back(dst: Path, src: Path) -> None:
+    """Rename a claimed file back into pending/, unless a newer pending copy is there."""
+    try:
+        fsio.rename_noreplace(dst, src)
+    except FileExistsError:
+        pass  # a newer pending copy appeared; recovery resolves the pair
