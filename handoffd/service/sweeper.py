@@ -268,6 +268,7 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
             f"{handoff_id}.json was set aside unread as {code} (kept in handoffs/.quarantine/), "
             "so there is no request to retry, even with --force; fix that file and submit it "
             "under a new id", handoff_id=handoff_id)
+    _check_parent_open(engine, handoff_id, doc)
     block = book(doc)
     error = (block.get("final_error") or (given if isinstance(given := doc.get("error"), dict) else None)
              or block.get("last_error") or {})
@@ -295,6 +296,31 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
     if not reopened:
         raise NotFound(f"handoff {handoff_id} moved while retrying; look again with `handoff show`",
                        handoff_id=handoff_id)
+
+
+def _check_parent_open(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> None:
+    """InvalidTransition, even with --force, when ``handoff_id`` is a child its parent has
+    already aggregated: the parent is filed and its trusted view lists the child (a
+    ``parent_id`` a document merely claims outranks nothing). Run again on its own, the child
+    would be filed anew while the parent's answer kept its old outcome; retrying the parent
+    delegates a new round, aggregated from its own children. A parent that is gone (purged,
+    archived) or still waiting leaves the retry alone: a waiting parent counts the re-run."""
+    from ..features.lineage import children_of, parent_of  # (rare: not on every command's path)
+    parent = parent_of(doc)
+    if parent is None or parent == handoff_id:
+        return
+    try:
+        state, parent_doc = engine.get(parent)
+    except (NotFound, InvalidDocument):
+        return
+    if state.terminal and handoff_id in children_of(parent_doc):
+        again = (f"retry the parent instead (`handoff retry --force {parent}`: a new round of "
+                 "children)" if state is State.FAILED else
+                 "submit the parent's request again instead")
+        raise InvalidTransition(
+            f"handoff {handoff_id} is a child of {parent}, which is already {state.value} with "
+            f"this child's outcome aggregated, so a re-run would not reach it; {again}",
+            handoff_id=handoff_id)
 
 
 ANSWER_KEYS = ("aggregated_outcome", "children", "error", "errors", "failed_at", "timestamp_failed",
