@@ -392,7 +392,8 @@ class Outcome:
     # more top-level fields of the filed answer (aggregation: aggregated_outcome, children)
     fields: dict[str, Any] = field(default_factory=dict)
     # a parked outcome's request to its filer (orchestration: children to create, questions to
-    # record, or "rewait"); never written into the document
+    # record, "rewait", or "held_back": a first_success loser given back unrun); never written
+    # into the document
     park: dict[str, Any] | None = None
 
     @property

@@ -63,7 +63,7 @@ from ..core.formats import ArtifactSink, FiledState
 from ..core.logs import log
 from ..core.states import PARKED, State
 from ..core.timeutil import iso
-from . import aggregation, cancel_family, cancel_requests, clarification
+from . import cancel_family, cancel_requests, clarification, first_success
 from .children import _plan_children, child_id, ensure_conversation
 from .children_gate import FinishedChildren, children_gate
 from .clarification import (
@@ -106,9 +106,14 @@ def install(engine: "Engine") -> None:
     the requester and children gates, aggregation of a parent whose children are done, and the
     park statuses (delegated, needs_clarification, blocked). Cancellation and artifacts are
     features of their own."""
-    # the children gate with its memory of finished children (one per engine)
-    engine.gates[0:0] = [requester_gate, FinishedChildren().gate]
-    engine.resumers.append(functools.partial(aggregation.resume, engine))
+    # the children gate with its memory of finished children (one per engine); the
+    # first_success siblings of a winner held (the gate) and, claimed, given back unrun
+    winners = first_success.Winners(engine)
+    engine.gates[0:0] = [requester_gate, FinishedChildren().gate, winners.gate]
+    engine.resumers.append(winners.hold_back)
+    engine.resumers.append(winners.resume)  # (aggregation.resume, noting a nested win)
+    engine.after_run.append(winners.decided)
+    engine.on_filed.append(winners.filed)
     for status in PARK_STATUSES:  # filed back to pending/ where a gate holds them
         engine.result_interpreters[status] = functools.partial(parked_outcome, engine)
         engine.filers[status] = functools.partial(park, engine)
@@ -116,6 +121,7 @@ def install(engine: "Engine") -> None:
     engine.on_filed.append(functools.partial(hand_on, engine))
     engine.daemon_plugins.append(
         lambda daemon: daemon.add_parked_check(functools.partial(is_parked, engine)))
+    engine.daemon_plugins.append(lambda daemon: daemon.add_parked_check(winners.parked))
     # a handoff held for its requester's answer is read again only when its document changes
     engine.daemon_plugins.append(clarification.attach)
 
@@ -213,6 +219,9 @@ def park(engine: "Engine", claim: "Claim", dialect: "Dialect", spec: "Specialist
         return _park_delegation(engine, claim, dialect, spec, info)
     if kind == "rewait":
         return engine.requeue(claim, dialect, "still_waiting")
+    if kind == "held_back":  # a first_success loser claimed after its sibling won: never run
+        return engine.requeue(claim, dialect, "handed_back", reason=f"first_success: its sibling "
+                              f"{info.get('winner')} succeeded ({info.get('parent')})")
     else:
         awaiting = {k: v for k, v in info.items() if k in ("kind", "questions", "blockers",
                                                            "asked_by", "requester", "summary")}
