@@ -142,12 +142,22 @@ def _stop_open(engine: "Engine", job: "Job", strategy: str, infos: list[ChildInf
     winner_found = any(i.status == "success" for i in infos)
     why = ("first_success: another child succeeded" if strategy == "first_success" and winner_found
            else "the parent's deadline passed")
-    for info in open_:
+    for index, info in enumerate(infos):
+        if info.status is not None:
+            continue
         try:
-            cancel_family.cancel(engine, info.handoff_id, reason=f"{why} ({job.handoff_id})",
-                                 cascade=True, by=job.handoff_id, via="aggregation")
+            own = cancel_family.cancel(engine, info.handoff_id, reason=f"{why} ({job.handoff_id})",
+                                       cascade=True, by=job.handoff_id, via="aggregation")[0]
         except (HandoffdError, OSError):
-            pass
+            own = None
+        if own is not None and own.action == "finished":
+            # it was filed between the children's read and this cancel: what it was filed as
+            # counts (a success listed as "timeout" turned a family partial), read again (its
+            # answer let go: copied, if it is, by a read of its own)
+            fresh = read_child(engine, info.handoff_id, Holding(0))
+            if fresh.status is not None:
+                infos[index] = fresh
+                continue
         info.status = "cancelled" if why.startswith("first_success") else "timeout"
         stopped.add(info.handoff_id)
     return stopped
