@@ -283,7 +283,7 @@ def test_every_waiter_is_looked_at_in_full_every_five_minutes(make: Any) -> None
 
 
 def test_without_stamps_every_waiter_is_gated_at_each_rescan(make: Any) -> None:
-    """A store that gives no stamps (PostgreSQL; the plain memory store) keeps the old
+    """A store that gives no stamps (the plain memory store) keeps the old
     guarantee the old way: every waiter is looked at again at each rescan."""
     b = make(MemoryBackend())
     b.drop("dep", "@far")
@@ -413,8 +413,7 @@ def test_a_serving_daemon_leaves_waiters_alone_until_another_process_files_their
 @pytest.mark.heavy
 def test_on_postgresql_a_dependency_another_process_ends_reaches_its_waiters(
         tmp_path: Path, pg_url: str) -> None:
-    """The PostgreSQL store gives no stamps: its waiters are looked at again at every rescan, as
-    before (by turns with other work). A dependency another process completes (here a second
+    """On the PostgreSQL store (stamps from each row's xmin since session 20) a dependency another process completes (here a second
     host's daemon) or cancels (`handoff cancel`) releases or fails its waiters at a rescan."""
     from test_postgres import pg_workspace
     space = pg_workspace(tmp_path / "ws", pg_url)

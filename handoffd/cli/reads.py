@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.errors import NotFound, UsageError
 from ..core.states import State
@@ -15,7 +15,6 @@ from .render import Out, clean, handoff_rows, print_json, state_cell, timeline_r
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.storage import Backend
-    from ..core.workspace import Workspace
 
 EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
 DEFAULT_LIMIT = 50  # `handoff ls` without --limit lists the newest 50 rows
@@ -228,10 +227,9 @@ def wait(root: str | Path | None, handoff_id: str, timeout: float | None, *,
          as_json: bool) -> int:
     """``handoff wait``: block until the handoff is finished or asks its requester; the exit
     code (0 completed, 1 failed, 4 awaiting an answer; WaitTimeout after ``timeout``)."""
-    from ..service.waiting import wait_terminal
+    from ..service.waiting import dropped_here, wait_terminal
     store = backend(root)
-    looked = cast("Backend", DroppedHere(store, open_workspace(root))) \
-        if getattr(store, "shared", False) else store
+    looked = dropped_here(store, open_workspace(root))  # (a file being written is on its way)
     try:  # the store hands out trusted views: the exit code is the folder's
         state, doc = wait_terminal(looked, handoff_id, timeout, or_awaiting=True)
     except NotFound:  # finished, and archived since (retention): its archived answer
@@ -240,33 +238,6 @@ def wait(root: str | Path | None, handoff_id: str, timeout: float | None, *,
             raise
         state, doc = found
     return report_wait(handoff_id, state, doc, as_json=as_json)
-
-
-class DroppedHere:
-    """A shared store as ``handoff wait`` reads it: a handoff the database does not hold yet
-    whose file is still in this workspace's pending/ (being written, or settling: the bridge's
-    ingest left it for later) reads as pending with no document yet, as the files store reads a
-    copy in pending/ it cannot read yet. The wait goes on until a daemon's bridge ingests it
-    (or sets it aside: its failure stub ends the wait, exit 1), the file goes (not found), or
-    the wait's timeout; it ended at once with "not found" (exit 3)."""
-
-    def __init__(self, store: "Backend", ws: "Workspace") -> None:
-        self._store = store
-        self._ws = ws
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)  # (subscribe, waiting...: the store's own)
-
-    def get(self, handoff_id: str) -> "tuple[State, dict[str, Any]] | None":
-        """The store's ``get``; (pending, an empty document) for an id the store does not hold
-        while pending/ holds an entry of that name (one lstat)."""
-        import os
-        from ..core.documents import is_safe_id
-        found = self._store.get(handoff_id)
-        if found is None and is_safe_id(handoff_id) \
-                and os.path.lexists(self._ws.doc_path(State.PENDING, handoff_id)):
-            return State.PENDING, {}
-        return found
 
 
 def archived_state(root: str | Path | None, store: "Backend",

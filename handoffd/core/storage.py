@@ -387,6 +387,12 @@ class Backend(Protocol):
         documents have no such identity (a caller reads it again)."""
         return None
 
+    def stamps_of(self, handoff_ids: Collection[str]) -> dict[str, LiveStamp | None]:
+        """:meth:`stamp_of` of each of ``handoff_ids``: what a rescan asks for every id a waiter
+        waits on. Default: one :meth:`stamp_of` each; a store that answers many in one go
+        (PostgreSQL: one query) overrides it."""
+        return {handoff_id: self.stamp_of(handoff_id) for handoff_id in handoff_ids}
+
     def peek(self, handoff_id: str) -> Doc | None:
         """A copy of the pending document ``handoff_id`` (None when it is not pending), to route
         it before claiming. Raises UnreadableDocument when the stored document cannot be read."""

@@ -78,7 +78,7 @@ class FinishedChildren:
       agree (nothing changed while it was read);
     - nor when its copies changed within :data:`FACTS_SETTLE_SECONDS` of the look (a write in
       the same timestamp tick keeps the stamp: :mod:`~handoffd.features.liverefs`' rule);
-    - a store without stamps (memory, PostgreSQL) has every child read at every look.
+    - a store without stamps (the plain memory store) has every child read at every look.
 
     A ``handoff retry`` of a failed child, its filing again, or its file replaced changes the
     stamp: it is read again. Bounded: :data:`FACTS_KEPT` entries and :data:`FACTS_KEPT_BYTES`

@@ -20,7 +20,7 @@ An entry is believed only as far as its stamp proves the document unchanged:
   the exception);
 - the stamps of a pass are taken before any document is read, so what is remembered is never
   older than the stamp it is filed under;
-- a store that gives no stamps (any but the files store) is read on every pass, as before.
+- a store that gives no stamps (the plain memory store) is read on every pass, as before.
 
 It holds the handoffs listed live in its last pass and no others, at most :data:`MAX_KEPT`.
 """

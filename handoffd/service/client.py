@@ -34,10 +34,11 @@ from ..core.native_format import new_native_request
 from ..core.states import State
 from ..core.storage import foreign_filing
 from ..core.workspace import Workspace, resolve_root
-from .waiting import WaitStop, awaiting_answer, wait_terminal
+from .waiting import WaitStop, awaiting_answer, dropped_here, wait_terminal
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from ..core.storage import Backend
 
 log = logging.getLogger("handoffd")
 DEFAULT_SOURCE = "@client"
@@ -129,9 +130,21 @@ class Handle:
         requester something); WaitTimeout after ``timeout`` seconds, or as soon as another
         thread sets ``stop`` (a :class:`~handoffd.backends.base.WaitStop`)."""
         self.client._ingest_dropped()
-        state, doc = wait_terminal(self.client.engine.backend, self.id, timeout,
+        state, doc = wait_terminal(self.client._waited(), self.id, timeout,
                                    or_awaiting=or_asks, stop=stop)
         return Result(self.id, state, doc)
+
+    def look(self) -> Result:
+        """Where it stands now, as its :meth:`wait` sees it: :meth:`result`, except that on a
+        shared store (PostgreSQL) a handoff whose file is still being written into the
+        workspace's pending/ stands pending with no document yet (the store does not hold it
+        yet: :meth:`result` says NotFound). What a wait that timed out reports."""
+        try:
+            return self.result()
+        except NotFound:
+            if self.client._waited().get(self.id) is None:
+                raise
+            return Result(self.id, State.PENDING, {})
 
     async def wait_async(self, timeout: float | None = None, *, or_asks: bool = True) -> Result:
         """:meth:`wait` for asyncio (runs in a worker thread; the event loop stays free). When
@@ -181,6 +194,12 @@ class Client:
             except Exception as exc:  # e.g. a pending/ this process may not remove files from
                 log.warning("cannot ingest the files dropped into pending/: %s (a daemon of "
                             "this workspace ingests them at its scans)", exc)
+
+    def _waited(self) -> Backend:
+        """The store as a wait reads it (see :func:`~handoffd.service.waiting.dropped_here`):
+        on a shared store, a file still being written into this workspace's pending/ is a
+        handoff on its way, not one that does not exist."""
+        return dropped_here(self.engine.backend, self.engine.ws)
 
     # ------------------------------------------------------------ creating
     def create(self, to: str | None = None, data: Any = None, *, document: dict[str, Any] | Any = None,

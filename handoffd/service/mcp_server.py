@@ -225,8 +225,10 @@ def build_server(root: Path | None, *, agent: str = DEFAULT_AGENT,
         handle = client.handle(handoff_id)
         # (where it stands at the timeout is read on the wait's thread, bounded: on the event
         # loop, a store that was away froze every session for its reconnect window)
+        # (a file still being written into pending/ of a shared store's workspace is waited
+        # for, and stands pending at the timeout: Handle.look)
         wait = wait_then_look(lambda seconds, stop: handle.wait(seconds, stop=stop),
-                              lambda: client.get(handoff_id), client.engine.backend, handoff_id)
+                              handle.look, client.engine.backend, handoff_id)
         bound = asyncio.timeout(limit + LOOK_SECONDS + ANSWER_MARGIN_SECONDS)
         try:
             session, peer = caller_keys(ctx)

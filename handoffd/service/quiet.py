@@ -16,7 +16,8 @@ waiter again only when one of those changed since the read its wait came from:
 * a quiet one, held ``on=()`` (a pause, a question to the requester), whose wait a feature says
   only a change of its own document ends (:meth:`QuietWaits.add_quiet_check`): when that changed;
 * one that any filing may end (``on=None``), or whose stamps the store cannot give
-  (PostgreSQL has none; a listing failing with EMFILE): at every rescan, as before.
+  (a store without stamps, the plain memory one; a listing failing with EMFILE): at every
+  rescan, as before.
 
 "Since the read" is counted in rescans: :attr:`QuietWaits.rescans` counts the rescans whose
 stamps were taken, a waiter's wait remembers the count when the read it came from began
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..core.engine import Engine
-from ..core.storage import LiveStamp
+from ..core.storage import Backend, LiveStamp
 
 log = logging.getLogger("handoffd")
 # each waiter is looked at again this often whatever its stamps say (what they cannot show: a
@@ -124,13 +125,8 @@ class QuietWaits:
             log.warning("cannot stamp the pending documents (%s); the waiting ones are read "
                         "again", exc)
             docs = None
-        marks: dict[str, LiveStamp | None] = {}
-        if docs is not None:  # (without the waiters' own stamps none is left alone)
-            for handoff_id in awaited:
-                try:
-                    marks[handoff_id] = backend.stamp_of(handoff_id)
-                except Exception:  # the store out of reach: its waiters are gated again
-                    marks[handoff_id] = None
+        # (without the waiters' own stamps none is left alone)
+        marks = _stamp_each(backend, awaited) if docs is not None else {}
         return Stamps(docs, marks)
 
     def _count_rescan(self, stamps: Stamps | None) -> None:
@@ -210,6 +206,16 @@ class QuietWaits:
             return any(check(handoff_id) for check in self.quiet_checks)
         except Exception:
             return False
+
+
+def _stamp_each(backend: Backend, ids: set[str]) -> dict[str, LiveStamp | None]:
+    """Each of ``ids``' stamp (:meth:`Backend.stamps_of`: PostgreSQL asks for them in one
+    query, not one each); all None when the store cannot stamp them now (out of reach: their
+    waiters are gated again)."""
+    try:
+        return backend.stamps_of(ids)
+    except Exception:
+        return dict.fromkeys(ids)
 
 
 def _carried(before: dict[str, Seen], now: dict[str, LiveStamp | None],

@@ -3,20 +3,29 @@
 Wake-ups are hints: the wait looks again every :data:`SAFETY_RECHECK_SECONDS` regardless, so a
 watch lost while it waits (a folder moved away, no inotify watches left) costs that much at most,
 never a hang; and a feed that cannot be set up at all (no inotify instance or descriptor left:
-OSError) is one warning line, and the wait goes on by looking at that interval alone."""
+OSError) is one warning line, and the wait goes on by looking at that interval alone.
+
+Every wait on a workspace (``handoff wait``, the Python client's, MCP's ``wait_handoff``) reads a
+shared store through :func:`dropped_here`: a file still being written into the workspace's
+pending/ is a handoff on its way, as the files store reads it, not one that does not exist."""
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Collection, cast
+import os
+from typing import TYPE_CHECKING, Any, Callable, Collection, cast
 
 from ..backends.base import SAFETY_RECHECK_SECONDS, WaitStop, wait_via_feed
+from ..core.documents import is_safe_id
 from ..core.states import State
 from ..core.storage import Backend, Doc, WakeupCallback
 
+if TYPE_CHECKING:
+    from ..core.workspace import Workspace
+
 log = logging.getLogger("handoffd")
 
-__all__ = ["WaitStop", "awaiting_answer", "wait_terminal"]
+__all__ = ["DroppedHere", "WaitStop", "awaiting_answer", "dropped_here", "wait_terminal"]
 
 
 def wait_terminal(backend: Backend, handoff_id: str, timeout: float | None = None,
@@ -71,6 +80,39 @@ class _PolledWithoutFeed:
 
 def _nothing() -> None:
     """The unsubscribe of no subscription."""
+
+
+def dropped_here(store: Backend, ws: "Workspace") -> Backend:
+    """``store`` as a wait on the workspace ``ws`` reads it: a :class:`DroppedHere` over a
+    shared store (PostgreSQL), ``store`` itself otherwise (a files store's pending/ is the
+    workspace's: it sees a file being written there already)."""
+    return cast(Backend, DroppedHere(store, ws)) if getattr(store, "shared", False) else store
+
+
+class DroppedHere:
+    """A shared store as a wait reads it: a handoff the database does not hold yet whose file
+    is still in this workspace's pending/ (being written, or settling: the bridge's ingest left
+    it for later) reads as pending with no document yet, as the files store reads a copy in
+    pending/ it cannot read yet. The wait goes on until a daemon's bridge ingests it (or sets it
+    aside: its failure stub ends the wait, exit 1), the file goes (not found), or the wait's
+    timeout; it ended at once with "not found" (``handoff wait`` exit 3, the client's and MCP's
+    waits NotFound)."""
+
+    def __init__(self, store: Backend, ws: "Workspace") -> None:
+        self._store = store
+        self._ws = ws
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)  # (subscribe, waiting...: the store's own)
+
+    def get(self, handoff_id: str) -> tuple[State, Doc] | None:
+        """The store's ``get``; (pending, an empty document) for an id the store does not hold
+        while pending/ holds an entry of that name (one lstat)."""
+        found = self._store.get(handoff_id)
+        if found is None and is_safe_id(handoff_id) \
+                and os.path.lexists(self._ws.doc_path(State.PENDING, handoff_id)):
+            return State.PENDING, {}
+        return found
 
 
 def awaiting_answer(state: State, doc: dict[str, Any]) -> dict[str, Any] | None:
