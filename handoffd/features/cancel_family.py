@@ -8,11 +8,15 @@ a cancel request (:mod:`.cancel_requests`) that its daemon carries out (:mod:`.c
   (:func:`hand_back`). A cancelled fan-out parent keeps what its completed children produced
   (:func:`children_artifacts`).
 * ``cascade`` cancels every descendant too (children by ``parent_id``, recursively), including
-  those made after the request: the walk of :func:`cancel` sees the family as it is then, so a
-  cascading request stays until the handoff is filed and its family walked again
-  (:func:`settle`: the daemon's filed hook, else its next poll); a parent still making its
-  children stops making them and cancels those it made (:func:`cancel_made`); a child whose
-  parent carries a cascading request never starts (:func:`.cancel_requests.check_before_run`).
+  those made after the request. The walk of :func:`cancel` goes on to a fixed point: the
+  children each member's document names as it is cancelled join it (a parent that delegated
+  after the first look). A pending member is filed with the cascade kept in its block
+  (:func:`.cancel_requests.keep_cascade`), a cascading request held from its claim to its
+  filing; a running one keeps its cascading request until it is filed and its family walked
+  again (:func:`settle`: the daemon's filed hook, else its next poll); a parent still making its
+  children stops making them and cancels those it made (:func:`cancel_made`); a child never
+  starts whose parent or ancestor carries a cascading request or was filed cancelled by a
+  cascade (:func:`.cancel_requests.check_before_run`).
 * A finished handoff is left alone (the result says so); work may finish before the request
   arrives (seed 000: cancellation is best-effort).
 """
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections import deque
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import refiling
@@ -28,8 +34,15 @@ from ..core.documents import book, book_int, check_id, check_text, next_attempt_
 from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError, InvalidDocument, NotFound
 from ..core.logs import log
 from ..core.states import State
-from .cancel_requests import MAX_REASON, _request_texts, cascading, request, requested
-from .lineage import descendants
+from .cancel_requests import (
+    MAX_REASON,
+    _request_texts,
+    cascading,
+    keep_cascade,
+    request,
+    requested,
+)
+from .lineage import MAX_WALK, children_of, descendants
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -45,13 +58,15 @@ CLAIM_TRIES = 5
 class CancelResult:
     """What happened to one handoff: ``cancelled`` (was pending), ``requested`` (running: its owner
     stops it), ``finished`` (already terminal: nothing done), ``unreadable`` (a descendant the
-    store would not hand over: ``detail`` has its error code; a cancel request is left)."""
+    store would not hand over: ``detail`` has its error code; a cancel request is left).
+    ``children``: those its document named as it was cancelled (a cascade goes on to them)."""
 
     handoff_id: str
     action: str
     state: str
     detail: str = ""
     owner: dict[str, Any] = field(default_factory=dict)
+    children: list[str] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.handoff_id, "action": self.action, "state": self.state,
@@ -70,26 +85,40 @@ def cancel(engine: "Engine", handoff_id: str, *, reason: str, cascade: bool = Fa
     reason = check_text(reason, "the reason")[:MAX_REASON]
     check_text(by, "who cancels")
     check_text(via, "via")
-    results = [cancel_one(engine, handoff_id, reason=reason, by=by, via=via, cascade=cascade)]
+    own = cancel_one(engine, handoff_id, reason=reason, by=by, via=via, cascade=cascade)
+    results = [own]
     if cascade:
-        results.extend(_cancel_family(engine, handoff_id, descendants(engine.backend, handoff_id),
-                                      reason=reason, by=by, via=via))
+        # its children as it was cancelled join the walk: made since the walk looked, or not
+        family = [*descendants(engine.backend, handoff_id), *own.children]
+        results.extend(_cancel_family(engine, handoff_id, family, reason=reason, by=by, via=via))
     return results
 
 
 def _cancel_family(engine: "Engine", ancestor: str, members: list[str], *, reason: str, by: str,
                    via: str) -> list[CancelResult]:
-    """Cancel each of ``members`` (descendants of ``ancestor``), with a cascading request for
-    those running: one unreadable member stops no other."""
+    """Cancel each of ``members`` (descendants of ``ancestor``, parents first), with a cascading
+    request for those running, then the children each one's document names as it is cancelled
+    that were not among them, to a fixed point (at most MAX_WALK): a walk made before misses
+    those a member made since (a parent parked with children meanwhile, cancelled from pending,
+    left them to run). One unreadable member stops no other."""
     why = f"{reason} (cascaded from {ancestor})"
     results: list[CancelResult] = []
-    for member in members:
+    queue = deque(dict.fromkeys(m for m in members if m != ancestor))
+    seen = {ancestor, *queue}
+    while queue:
+        member = queue.popleft()
         try:
-            results.append(cancel_one(engine, member, reason=why, by=by, via=via, cascade=True))
+            result = cancel_one(engine, member, reason=why, by=by, via=via, cascade=True)
         except NotFound:
             continue
         except (HandoffdError, OSError) as exc:
             results.append(_unreadable(engine, member, exc, reason=why, by=by, via=via))
+            continue
+        results.append(result)
+        for kid in result.children:
+            if kid not in seen and len(seen) < MAX_WALK:
+                seen.add(kid)
+                queue.append(kid)
     return results
 
 
@@ -150,33 +179,42 @@ def _unreadable(engine: "Engine", handoff_id: str, exc: Exception, *, reason: st
 
 def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: str,
                cascade: bool = False) -> CancelResult:
-    """Cancel one handoff (see :func:`cancel`)."""
+    """Cancel one handoff (see :func:`cancel`). With ``cascade``, a pending one is filed with
+    the cascade kept in its block, and the result names the children its document named."""
+    kids: list[str] = []
     for _ in range(CLAIM_TRIES):
         state, doc = engine.get(handoff_id)
+        kids = children_of(doc)  # (a trusted view: a block from outside names none)
         if state.terminal:
             status = doc.get("status") if isinstance(doc.get("status"), str) else state.value
             return CancelResult(handoff_id, "finished", state.value,
-                                f"already {state.value} (status {status}); nothing to cancel")
+                                f"already {state.value} (status {status}); nothing to cancel",
+                                children=kids)
         if state is State.IN_PROGRESS:
             request(engine, handoff_id, reason=reason, cascade=cascade, by=by, via=via)
             lease = given if isinstance(given := book(doc).get("lease"), dict) else {}
             owner = given if isinstance(given := lease.get("owner"), dict) else {}
             where = f" on {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
             return CancelResult(handoff_id, "requested", state.value,
-                                f"running{where}; its daemon stops the handler", owner)
-        filed = _cancel_pending(engine, handoff_id, reason=reason, by=by)
+                                f"running{where}; its daemon stops the handler", owner, kids)
+        filed = _cancel_pending(engine, handoff_id, reason=reason, by=by, cascade=cascade, via=via)
         if filed is not None:
-            return CancelResult(handoff_id, "cancelled", filed.value, "was pending")
+            return CancelResult(handoff_id, "cancelled", filed[0].value, "was pending",
+                                children=filed[1])
     # it keeps moving: leave a request so whoever holds it cancels it
     request(engine, handoff_id, reason=reason, cascade=cascade, by=by, via=via)
-    return CancelResult(handoff_id, "requested", "in-progress", "cancel request left for its owner")
+    return CancelResult(handoff_id, "requested", "in-progress", "cancel request left for its owner",
+                        children=kids)
 
 
-def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) -> State | None:
-    """Claim a pending handoff (so nobody starts it) and file it cancelled. None: it moved.
-    Whatever fails once it is claimed hands the claim back, as it was, before the error goes
-    on: a cancel left in in-progress/ was recovered by the sweep as a dead owner's claim and
-    run (its cancel lost, a retry spent)."""
+def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str,
+                    cascade: bool = False, via: str = "cli") -> tuple[State, list[str]] | None:
+    """Claim a pending handoff (so nobody starts it) and file it cancelled: (where it went, the
+    children its document names). None: it moved. Whatever fails once it is claimed hands the
+    claim back, as it was, before the error goes on: a cancel left in in-progress/ was
+    recovered by the sweep as a dead owner's claim and run (its cancel lost, a retry spent).
+    ``cascade``: the filed block keeps the cascade, and a cascading request (``via``) is held
+    from the claim until then: no child of it starts meanwhile (nor after: the block)."""
     now = engine.clock()
     try:
         claimed = engine.claim(handoff_id)
@@ -186,28 +224,53 @@ def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str) 
         return None
     claim, dialect = claimed
     saved = copy.deepcopy(claim.doc)
+    kids = children_of(claim.doc)  # (pending, it makes no more: the list is final)
     try:
-        block = book(claim.doc)
-        history = block.get("history")
-        if (isinstance(history, list) and history and isinstance(history[-1], dict)
-                and history[-1].get("event") == "claimed"):
-            history.pop()  # the canceller claimed it only to file it; it never ran
-        block["attempt"] = max(book_int(claim.doc, "attempt", 1) - 1, 0)
-        block.pop("waiting_children", None)  # a cancelled parent aggregates nothing
-        block.pop("awaiting", None)
-        try:
-            spec = engine.specialist_for(dialect.envelope(claim.doc))
-        except InvalidDocument:
-            spec = None
-        outcome = engine.failure(now, ErrorCode.CANCELLED,
-                                 f"handoff {handoff_id} cancelled by {by}: {reason}",
-                                 retryable=False)
-        outcome.artifacts = children_artifacts(engine, claim.doc)
-        with refiling(claim):  # a filing that fails before writing keeps the claim ours
-            return engine.file(claim, dialect, spec, outcome)
+        if cascade:
+            request(engine, handoff_id, reason=reason, cascade=True, by=by, via=via)
+            keep_cascade(claim.doc, {"reason": reason, "requested_by": by})
+        where = _file_cancelled(engine, claim, dialect, now, reason=reason, by=by)
     except BaseException as exc:
         hand_back(engine, claim, dialect, saved, "cancelling it", exc)
+        if cascade:  # (a member of a cascade that failed so gets one again: _unreadable)
+            _drop_request(engine, handoff_id)
         raise
+    if cascade and where.terminal:  # (a claim lost: its holder meets the request)
+        _drop_request(engine, handoff_id)  # the filed block keeps the cascade from now on
+    return where, kids
+
+
+def _drop_request(engine: "Engine", handoff_id: str) -> None:
+    """Drop the cancel request of ``handoff_id``; a failure is one line (the daemon's poll
+    drops it later, once it has walked the family of the filed handoff again)."""
+    try:
+        engine.backend.clear_cancel(handoff_id)
+    except (HandoffdError, OSError) as exc:
+        log.warning("handoff %s: cannot drop its cancel request: %s", handoff_id, exc)
+
+
+def _file_cancelled(engine: "Engine", claim: "Claim", dialect: "Dialect", now: datetime, *,
+                    reason: str, by: str) -> State:
+    """File the claimed pending handoff cancelled (its claim by the canceller is no attempt)."""
+    handoff_id = claim.id
+    block = book(claim.doc)
+    history = block.get("history")
+    if (isinstance(history, list) and history and isinstance(history[-1], dict)
+            and history[-1].get("event") == "claimed"):
+        history.pop()  # the canceller claimed it only to file it; it never ran
+    block["attempt"] = max(book_int(claim.doc, "attempt", 1) - 1, 0)
+    block.pop("waiting_children", None)  # a cancelled parent aggregates nothing
+    block.pop("awaiting", None)
+    try:
+        spec = engine.specialist_for(dialect.envelope(claim.doc))
+    except InvalidDocument:
+        spec = None
+    outcome = engine.failure(now, ErrorCode.CANCELLED,
+                             f"handoff {handoff_id} cancelled by {by}: {reason}",
+                             retryable=False)
+    outcome.artifacts = children_artifacts(engine, claim.doc)
+    with refiling(claim):  # a filing that fails before writing keeps the claim ours
+        return engine.file(claim, dialect, spec, outcome)
 
 
 def _why(exc: BaseException) -> str:
