@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import REQUEST_DEPTH_MARGIN, check_storable
+from ..backends.base import UnreadableCopy
 from ..core.errors import NotFound, UsageError
 from ..core.native_format import new_native_request
 from ..core.states import State
@@ -135,12 +136,17 @@ class Handle:
         return Result(self.id, state, doc)
 
     def look(self) -> Result:
-        """Where it stands now, as its :meth:`wait` sees it: :meth:`result`, except that on a
-        shared store (PostgreSQL) a handoff whose file is still being written into the
-        workspace's pending/ stands pending with no document yet (the store does not hold it
-        yet: :meth:`result` says NotFound). What a wait that timed out reports."""
+        """Where it stands now, as its :meth:`wait` sees it: :meth:`result`, except that a
+        handoff whose file is still being written into pending/ stands pending with no document
+        yet (on a files store :meth:`result` raises its read error; on a shared store,
+        PostgreSQL, which does not hold it yet, NotFound). What a wait that timed out
+        reports."""
         try:
             return self.result()
+        except UnreadableCopy as exc:  # a copy in pending/ still being written, as a wait reads it
+            if exc.state is not State.PENDING and not exc.settling:
+                raise
+            return Result(self.id, State.PENDING, {})
         except NotFound:
             if self.client._waited().get(self.id) is None:
                 raise
