@@ -18,7 +18,7 @@ import logging
 import math
 import signal
 import time
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Protocol
 
 from ..core.engine import Engine, Job
 from ..core.procs import STOP_SIGNALS
@@ -48,6 +48,28 @@ IDLE_WAKE_SECONDS = 10.0  # the main loop looks around at least this often with 
 # a serving daemon that falls idle gives the heap pages its handoffs freed back to the system
 # (malloc_trim: a few ms), at most this often
 IDLE_TRIM_SECONDS = 1.0
+# a batch process waiting for the others of its batch looks at their board this often
+BATCH_POLL_SECONDS = 0.05
+
+
+class Siblings(Protocol):
+    """The other processes of this one's batch (:class:`.spread.Seat`): what they filed, and
+    whether they are at work."""
+
+    def filed(self, handoff_id: str, where: State) -> None:
+        """Tell the others of a filing of this process."""
+
+    def news(self) -> list[tuple[str, State]] | None:
+        """What the others filed since the last call (None: more than was kept)."""
+
+    def busy(self) -> None:
+        """This process is at work (said again at each turn of its loop)."""
+
+    def idle(self) -> None:
+        """This process has nothing to run: it waits for the others, or ends."""
+
+    def others_busy(self) -> bool:
+        """Another process of the batch is at work (and alive)."""
 
 
 class Daemon:
@@ -77,6 +99,9 @@ class Daemon:
         # children have ended (:meth:`release_held`), or they would claim the retry beside them
         self.defer_held = False
         self._late_since: float | None = None  # (a batch waiting for late handlers: since when)
+        # the other processes of this batch (set by spread); whether this one waits for them
+        self.siblings: Siblings | None = None
+        self._idle = False
         self.report = BatchReport()
         self.hooks = Hooks()
         self.scheduler = Scheduler(engine, self.report, workers=self.workers)
@@ -208,6 +233,8 @@ class Daemon:
         self.hooks.filed(handoff_id, where)  # e.g. drop a finished handoff's cancel request
         report = self.report
         with self.cv:
+            if self.siblings is not None:  # (another process's waiters may wait for it)
+                self.siblings.filed(handoff_id, where)
             if where is State.COMPLETED:
                 report.completed += 1
             elif where is State.FAILED:
@@ -316,6 +343,8 @@ class Daemon:
                          self.report.error, exc_info=True)
             self.stop(hard=True)
         finally:
+            if self.siblings is not None:  # the others of the batch wait for it no more
+                self.siblings.idle()
             self._shutdown()
 
     def _loop(self, *, batch: bool) -> None:
@@ -324,6 +353,8 @@ class Daemon:
         trimmed = -math.inf  # when the heap was last trimmed
         while True:
             now = time.monotonic()
+            if self.siblings is not None and not self._idle:
+                self.siblings.busy()  # (its beat: the others of the batch wait for its filings)
             if not batch and now >= next_sweep and not scheduler.stopping:
                 self.sweep()
                 allocator.trim()  # what the handoffs since the last sweep freed goes back
@@ -346,6 +377,8 @@ class Daemon:
             with self.cv:
                 if scheduler.stopping:
                     return
+                if self.siblings is not None:
+                    self._hear_siblings()
                 scheduler.release_parked()
                 now, spin_up_at = time.monotonic(), scheduler.spin_up_at()
                 # as many answers as workers wait for a disk that refuses them: nothing new
@@ -355,16 +388,19 @@ class Daemon:
                 ready = scheduler.next_ready(now) if free and now >= spin_up_at else None
                 if ready is not None:
                     self._late_since = None  # (work goes on: a later wait counts afresh)
+                    self._idle = False
                     self.dispatcher.dispatch_safely(*ready)
                     continue
                 late_until = -math.inf
                 if batch and scheduler.running == 0 and (saturated or not scheduler.due_soon()):
                     late_until = self._late_wait(now)
                     if late_until <= now:  # (saturated: what is due waits for the next run)
-                        if saturated or self.scan(recheck_waiting=False) == 0 \
-                                or not scheduler.due_soon():
+                        ends = None if saturated else self._batch_end(now)
+                        if ends is None:
                             return
-                        continue
+                        if ends <= now:
+                            continue
+                        late_until = ends  # (it waits for the other processes of its batch)
                 idle = now + IDLE_WAKE_SECONDS
                 timers = [idle, next_rescan if not batch else idle, scheduler.batch_deadline]
                 if late_until > now:
@@ -376,6 +412,57 @@ class Daemon:
                 if (scheduler.heap or scheduler.ready or scheduler.rechecks) and free:
                     timers.append(max(scheduler.heap[0][0] if scheduler.heap else now, spin_up_at))
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
+
+    def _batch_end(self, now: float) -> float | None:
+        """A batch process with nothing running or due (under ``cv``): None when it may end,
+        ``now`` when it found work, else until when it waits for the other processes of its
+        batch (:attr:`siblings`).
+
+        Coming from work, it lists pending/ (what arrived meanwhile), as a batch always did. It
+        waits on while another process of the batch is at work and a waiter here waits for a
+        filing (a pause or a question does not): what the others file wakes the waiters here
+        (:meth:`_hear_siblings`), as its own filings do. What nobody in the batch runs (a paused
+        dependency, one due later, another daemon's) is left waiting: the batch is bounded by
+        its own work (and ``--max-seconds``)."""
+        scheduler, seat = self.scheduler, self.siblings
+        if not self._idle:
+            if self.scan(recheck_waiting=False) == 0:
+                return None  # nothing is pending
+            if scheduler.due_soon():
+                return now
+        if seat is None or not self._awaits_filing():
+            return None
+        seat.idle()
+        self._idle = True
+        if seat.others_busy():
+            return now + BATCH_POLL_SECONDS
+        # what they filed before they fell idle: heard now, or not at all
+        return now if self._hear_siblings() else None
+
+    def _hear_siblings(self) -> bool:
+        """Wake the waiters here whose wait what the other processes of the batch filed may
+        end, as this process's own filings do (under ``cv``); when more was filed than the
+        board keeps, a rescan looks at every waiter again. True when there was news."""
+        news = self.siblings.news() if self.siblings is not None else []
+        if news is None:
+            log.info("more filings of the other processes than their board keeps: rescanning")
+            self.scheduler.request_rescan()
+            self._idle = False
+            return True
+        for handoff_id, where in news:
+            if where.terminal:
+                self.scheduler.ended(handoff_id, failed=where is State.FAILED)
+            else:  # (a retry, a parked parent: its attempt ended, what it held is free)
+                self.scheduler.wake(handoff_id)
+        if news and self.scheduler.due_soon():
+            self._idle = False
+        return bool(news)
+
+    def _awaits_filing(self) -> bool:
+        """A handoff waits here for something a filing may end: not only for a resume or an
+        answer (``on=()``), which no process of the batch brings."""
+        waits_on = self.scheduler.waits_on
+        return any(waits_on.get(hid, True) for hid in self.scheduler.waiting)
 
     def _late_wait(self, now: float) -> float:
         """A batch with nothing running or due: until when it waits for the Python handlers

@@ -12,6 +12,11 @@ its own stretch of the pending list (``Daemon(stripe=...)``) rather than all rac
 head. Each child leads its own process group, so a Ctrl-C reaches it once, through the parent,
 which forwards SIGTERM and SIGINT; a child whose parent dies gets :data:`ORPHANED` and stops as
 on a first SIGTERM (claims nothing more, lets running work finish for ``grace_seconds``).
+
+The processes of a batch share a :class:`Board` (memory mapped before the fork): the ids each
+one filed, and whether it is at work. A filing wakes the waiters of the process that made it,
+and, through the board, those of the others (``Daemon.siblings``); a process with nothing left
+to run waits while another is at work on what its waiters may wait for, then they all end.
 """
 from __future__ import annotations
 
@@ -19,15 +24,18 @@ import atexit
 import json
 import logging
 import math
+import mmap
 import os
 import select
 import signal
+import struct
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.procs import STOP_SIGNALS, parent_death_signal
+from ..core.states import State
 from .reaping import Clock, Collected, collect
 from .sweeper import SweepReport
 
@@ -46,6 +54,10 @@ HANDBACK_MARGIN_SECONDS = 5.0
 # and beyond that when features stop with it: the notifications' last deliveries take up to
 # 12 s (features.notify: 10 s to drain, 2 s to settle), the context mirror's last round 10 s
 STOP_HOOKS_SECONDS = 12.0
+# a process of a batch that says it is at work but has not said so again for this long is taken
+# for gone (killed, or stopped): its loop says so at least every IDLE_WAKE_SECONDS (10 s)
+BEAT_STALE_SECONDS = 30.0
+BOARD_FILINGS = 4096  # filings of each process the others can read back (~0.5 MB of memory)
 
 
 def usable_cpus() -> int:
@@ -71,7 +83,6 @@ def processes_for(engine: Engine, requested: int | None) -> int:
         return _as_asked(engine, wanted)
     if wanted == 1 or not getattr(engine.backend, "forkable", False):
         return 1
-    from ..core.states import State
     specs = engine.registry.specialists.values()
     if any(s.is_command or s.config.concurrency for s in specs):
         return 1
@@ -139,6 +150,8 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
     # (core/suspects.py), and a child claiming before the mark ran a crasher in itself
     gate, opened = os.pipe() if count > 1 else (-1, -1)
     began = time.monotonic()  # each process's --max-seconds counts from here, not its gate
+    # a batch's processes end together: what one files may let another's waiters go
+    board = Board(count) if count > 1 and not serving else None
     for index in range(1, count):
         read, write = os.pipe()
         pid = os.fork()
@@ -148,11 +161,13 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
             for _, other in children:
                 os.close(other)
             _child(parent, write, lambda: make((index, count)), child_run or run,
-                   gate=gate, began=began)  # no return
+                   gate=gate, began=began,
+                   seat=board.seat(index) if board is not None else None)  # no return
         os.close(write)
         children.append((pid, read))
     daemon = make((0, count))
     daemon.started = began
+    daemon.siblings = board.seat(0) if board is not None else None
     family = _Family(daemon, [pid for pid, _ in children])
     family.install()
     if count > 1:
@@ -256,6 +271,103 @@ class _Family:
         return "the batch's --max-seconds ran out"
 
 
+class Board:
+    """What the processes of one batch tell each other: per process, whether it is at work and
+    when it last said so, and the ids it filed (the last :data:`BOARD_FILINGS`, a ring). Memory
+    mapped (shared, anonymous) before the fork: no file, no system call. Each slot is written
+    by its own process only, a field (8 aligned bytes) at a time, an entry before the count
+    that shows it; the others read. Every process is at work until it says otherwise (one still
+    starting is waited for)."""
+
+    FIELD = struct.Struct("=q")
+    BEAT = struct.Struct("=d")
+    HEAD = 24  # filed (a count), at work (0/1), beat (monotonic seconds)
+    ENTRY = struct.Struct("=BB128s")  # where (0 completed, 1 failed, 2 pending), id length, id
+
+    def __init__(self, count: int, *, clock: Clock = time.monotonic,
+                 filings: int = BOARD_FILINGS) -> None:
+        self.count, self.clock, self.filings = count, clock, filings
+        self.slot = self.HEAD + self.ENTRY.size * filings
+        self.memory = mmap.mmap(-1, self.slot * count)  # MAP_SHARED | MAP_ANONYMOUS
+        for index in range(count):
+            self.FIELD.pack_into(self.memory, self.slot * index + 8, 1)
+            self.BEAT.pack_into(self.memory, self.slot * index + 16, clock())
+
+    def seat(self, index: int) -> Seat:
+        """Process ``index``'s place on the board (what its ``Daemon.siblings`` is)."""
+        return Seat(self, index)
+
+    def filed_count(self, index: int) -> int:
+        """How many filings process ``index`` put on the board so far."""
+        return int(self.FIELD.unpack_from(self.memory, self.slot * index)[0])
+
+
+WHERE = (State.COMPLETED, State.FAILED, State.PENDING)  # a board entry's first byte
+
+
+class Seat:
+    """One process's place on a :class:`Board`: what its daemon tells the others and hears
+    from them (:class:`~handoffd.service.daemon.Siblings`)."""
+
+    def __init__(self, board: Board, index: int) -> None:
+        self.board, self.index = board, index
+        self.base = board.slot * index
+        self.count = 0  # this process's filings (its field, written by this process only)
+        self.heard = [0] * board.count  # each other process's filings heard so far
+
+    def filed(self, handoff_id: str, where: State) -> None:
+        """Put a filing of this process on the board (under its daemon's lock)."""
+        board = self.board
+        raw = handoff_id.encode("ascii", "replace")[:128]  # (a safe id: 1-128 ASCII)
+        entry = self.base + Board.HEAD + Board.ENTRY.size * (self.count % board.filings)
+        code = WHERE.index(where) if where in WHERE else 2
+        Board.ENTRY.pack_into(board.memory, entry, code, len(raw), raw)
+        self.count += 1
+        Board.FIELD.pack_into(board.memory, self.base, self.count)
+
+    def news(self) -> list[tuple[str, State]] | None:
+        """What the other processes filed since the last call; None when one of them filed
+        more than the board keeps since then (the caller looks at every waiter again)."""
+        board, out, lost = self.board, [], False
+        for index in range(board.count):
+            if index == self.index:
+                continue
+            heard, count = self.heard[index], board.filed_count(index)
+            if count == heard:
+                continue
+            first = max(heard, count - board.filings)
+            lost = lost or first > heard
+            base = board.slot * index + Board.HEAD
+            for at in range(first, count):
+                code, size, raw = Board.ENTRY.unpack_from(
+                    board.memory, base + Board.ENTRY.size * (at % board.filings))
+                out.append((raw[:size].decode("ascii", "replace"), WHERE[min(code, 2)]))
+            # entries overwritten while they were read: some were lost
+            lost = lost or board.filed_count(index) - first > board.filings
+            self.heard[index] = count
+        return None if lost else out
+
+    def busy(self) -> None:
+        """This process is at work (said again at each turn of its loop: its beat)."""
+        Board.BEAT.pack_into(self.board.memory, self.base + 16, self.board.clock())
+        Board.FIELD.pack_into(self.board.memory, self.base + 8, 1)
+
+    def idle(self) -> None:
+        """This process has nothing to run (it waits, or it ends)."""
+        Board.FIELD.pack_into(self.board.memory, self.base + 8, 0)
+
+    def others_busy(self) -> bool:
+        """Another process of the batch is at work, and said so within BEAT_STALE_SECONDS."""
+        board, memory = self.board, self.board.memory
+        recent = board.clock() - BEAT_STALE_SECONDS
+        for index in range(board.count):
+            base = board.slot * index
+            if index != self.index and Board.FIELD.unpack_from(memory, base + 8)[0] \
+                    and Board.BEAT.unpack_from(memory, base + 16)[0] >= recent:
+                return True
+        return False
+
+
 def _report(write: int, report: BatchReport) -> None:
     try:
         _write_all(write, json.dumps(_as_json(report)).encode())
@@ -265,7 +377,7 @@ def _report(write: int, report: BatchReport) -> None:
 
 def _child(parent: int, write: int, make: Callable[[], Daemon],
            run: Callable[[Daemon], BatchReport], *, gate: int = -1,
-           began: float | None = None) -> None:
+           began: float | None = None, seat: Seat | None = None) -> None:
     code = 1
     try:
         os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent alone; it forwards it once
@@ -285,6 +397,7 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
         # and a second SIGTERM means "hand back now"
         signal.signal(ORPHANED, lambda signum, frame: daemon.stop())
         daemon.started = began
+        daemon.siblings = seat
         if _await_gate(gate, parent):  # the parent swept: no second sweep, only its crash marks read
             daemon.first_sweep = SweepReport()
             daemon.engine.suspects.refresh()
@@ -366,7 +479,6 @@ def _merge(report: BatchReport, other: dict[str, Any]) -> None:
 def _forget_settled(engine: Engine, report: BatchReport) -> None:
     """Drop from the summary what one process saw waiting and another then ran."""
     from ..core.errors import HandoffdError
-    from ..core.states import State
     for ids in (report.unroutable, report.waiting):
         for hid in list(ids):
             try:
