@@ -168,8 +168,8 @@ def test_forged_event_lines_are_counted_safely_by_handoffd_metrics(ws: Workspace
     got = samples(once.stdout)
     assert got[("handoffd_transitions_total", (("agent", "@echo"), ("event", "completed")))] == 1
     assert got[("handoffd_transitions_total", (("agent", "@echo"), ("event", "claimed")))] == 1
-    # the lone surrogates became U+FFFD (UTF-8 cannot encode them)
-    assert got[("handoffd_failures_total", (("agent", "@a\ufffd"), ("code", "X\ufffd")))] == 1
+    # the lone surrogates are shown escaped, as the CLI shows them (UTF-8 cannot encode them)
+    assert got[("handoffd_failures_total", (("agent", "@a\\ud800"), ("code", "X\\udfff")))] == 1
     assert ("handoffd_run_seconds_count", (("agent", "@echo"),)) not in got  # no sane duration
 
 
@@ -193,11 +193,11 @@ def test_a_serving_daemon_scrapes_and_writes_its_textfile_past_forged_lines(
             return got.get(("handoffd_transitions_total",
                             (("agent", "@echo"), ("event", "completed")))) == 2
         wait_until(counted, timeout=10, what="the real completion counted")
-        assert got[("handoffd_failures_total", (("agent", "@a\ufffd"), ("code", "X\ufffd")))] == 1
+        assert got[("handoffd_failures_total", (("agent", "@a\\ud800"), ("code", "X\\udfff")))] == 1
     finally:
         err = stderr_of(ws, daemon)
     assert "Traceback" not in err and "Exception in thread" not in err, err
-    assert 'agent="@a\ufffd"' in textfile.read_text(encoding="utf-8")  # written past them
+    assert 'agent="@a\\\\ud800"' in textfile.read_text(encoding="utf-8")  # written past them
 
 
 def test_an_event_that_cannot_be_counted_is_skipped_and_the_scrape_goes_on(

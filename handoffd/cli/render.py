@@ -13,6 +13,8 @@ import sys
 import unicodedata
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
+from ..core.shown import clean
+
 if TYPE_CHECKING:  # rich loads when something is drawn on a terminal, not at start-up
     from rich.console import Console
     from rich.table import Table
@@ -172,19 +174,6 @@ def _cell_text(piece: Any) -> str:
     if isinstance(piece, tuple) and len(piece) == 2 and isinstance(piece[0], str):
         return piece[0]
     return str(piece)
-
-
-def clean(text: str) -> str:
-    """``text`` on one line: control characters (newlines, escapes) shown as ``\\n``, ``\\x1b``."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else _escaped(ch) for ch in text)
-
-
-def _escaped(ch: str) -> str:
-    if ch in "\n\r\t":
-        return json.dumps(ch)[1:-1]
-    return f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}"
 
 
 def cell_width(text: str) -> int:

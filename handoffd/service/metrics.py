@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ..core.errors import ErrorCode
 from ..core.events import START, tail_into
 from ..core.states import State
+from ..core.shown import clean
 from .stats import UNKNOWN, current_depth, number
 
 if TYPE_CHECKING:
@@ -208,11 +209,13 @@ class EventCollector:
 
 def _label(value: Any) -> str:
     """A label value from an event field: its first :data:`MAX_LABEL` characters, UNKNOWN for
-    a missing or non-text one; a character UTF-8 cannot encode (a lone surrogate from a
-    forged line: it failed every scrape) becomes U+FFFD."""
+    a missing or non-text one; control characters escaped as the CLI prints them (an agent
+    named with ESC [2J or OSC 52 cleared a terminal reading the scrape, and wrote its
+    clipboard), and a character UTF-8 cannot encode (a lone surrogate from a forged line: it
+    failed every scrape) becomes U+FFFD."""
     if not isinstance(value, str) or not value:
         return UNKNOWN
-    text = value[:MAX_LABEL]
+    text = clean(value[:MAX_LABEL])[:MAX_LABEL]
     try:
         text.encode()
     except UnicodeEncodeError:
