@@ -95,14 +95,20 @@ class UnreadableCopy(InvalidDocument):
 PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EMFILE, errno.ENFILE,
                             errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.EACCES,
                             errno.EPERM, errno.EROFS})
+# what a filing fails of for its size (EFBIG: beyond this process's file size limit, ulimit -f):
+# the same answer never succeeds, but a smaller one may; the claim is kept (NotFiled) all the
+# same, for the caller to file a small failure instead (service.held) rather than give the
+# claim up and have the handler run again, and fail again, attempt after attempt
+SHRINKABLE_ERRNOS = frozenset({errno.EFBIG})
 
 
 class NotFiled(OSError):
     """A filing (finish or requeue) of a claim under :func:`refiling` failed for a passing reason
-    (:data:`PASSING_ERRNOS`: a full disk) before anything was written where it was going. The
-    claim is still the caller's (not finished, not given up: keep renewing it), its document is
-    as it was when :func:`refiling` began, and the same outcome may be filed again later, or the
-    claim given up (``abandon``). Outside :func:`refiling` such a failure gives the claim up."""
+    (:data:`PASSING_ERRNOS`: a full disk; or :data:`SHRINKABLE_ERRNOS`: too large) before
+    anything was written where it was going. The claim is still the caller's (not finished, not
+    given up: keep renewing it), its document is as it was when :func:`refiling` began, and the
+    same outcome (or, too large, a smaller one) may be filed again later, or the claim given up
+    (``abandon``). Outside :func:`refiling` such a failure gives the claim up."""
 
 
 _refiled: dict[str, Doc] = {}  # claim token -> its document as a refiling filing began
@@ -128,7 +134,7 @@ def refiled_copy(token: str | None, exc: OSError) -> Doc | None:
     """For a backend whose filing of the claim with ``token`` failed with ``exc`` before anything
     was written: the document to restore the claim's to before it raises :class:`NotFiled`, or
     None when the claim is given up as before (no :func:`refiling`, or no passing reason)."""
-    if token is None or exc.errno not in PASSING_ERRNOS:
+    if token is None or not (exc.errno in PASSING_ERRNOS or exc.errno in SHRINKABLE_ERRNOS):
         return None
     with _refiled_lock:
         return _refiled.get(token)

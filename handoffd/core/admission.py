@@ -11,14 +11,14 @@ Written against the engine's public members (:class:`Admitting`), as a feature w
 """
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .documents import BOOK, Envelope, Outcome, book, check_id, first_seen, record
 from .errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
 from .formats import Dialect, FiledState, Formats
 from .hooks import Hooks
-from .jobs import Job
+from .jobs import Job, memory_backoff, memory_strikes, out_of_memory
 from .logs import log
 from .settings import DaemonSettings
 from .specialists import HandlerContext, Specialist
@@ -63,6 +63,10 @@ if TYPE_CHECKING:  # for the type checker only: no class to build at each import
                  outcome: Outcome) -> State: ...
 
         def handback(self, claim: Claim, dialect: Dialect, *, reason: str) -> None: ...
+
+        def requeue(self, claim: Claim, dialect: Dialect, event: str, *,
+                    due_at: datetime | None = None, count_attempt: bool = False,
+                    **detail: Any) -> State: ...
 
 
 def claim_pending(engine: Admitting, handoff_id: str) -> tuple[Claim, Dialect] | None:
@@ -115,6 +119,7 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     envelope = _envelope(engine, claim, dialect, now)
     if envelope is None:
         return None
+    memory_strikes.clear(handoff_id, "admit")  # (a MemoryError row ends)
     spec = engine.specialist_for(envelope)
     if envelope.expires_at is not None and now >= envelope.expires_at and not resumes(doc):
         _file_unrun(engine, claim, dialect, spec, ErrorCode.EXPIRED, f"handoff {handoff_id} "
@@ -191,7 +196,19 @@ def _envelope(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime) 
             engine.file(claim, dialect, None,
                         engine.failure(now, exc.code, str(exc), errors=exc.errors))
         return None
-    except (RecursionError, MemoryError, ValueError, TypeError, ArithmeticError) as exc:
+    except MemoryError:
+        # "not now" (the daemon short of memory): handed back uncounted and read again after a
+        # back-off; filed only when it runs out of memory again and again (core.jobs)
+        problem = out_of_memory(handoff_id, f"handoff {handoff_id}", "admit")
+        if problem.transient:  # (due after the back-off in every process: next_attempt_at)
+            log.warning("%s", problem)
+            engine.requeue(claim, dialect, "handed_back", reason=str(problem),
+                           due_at=now + timedelta(seconds=memory_backoff(handoff_id)))
+        else:
+            engine.file(claim, dialect, None, engine.failure(
+                now, problem.code, str(problem), retryable=False))
+        return None
+    except (RecursionError, ValueError, TypeError, ArithmeticError) as exc:
         # a document that defeats a reader (absurd nesting or sizes in an inline schema...)
         # is a bad document, filed with a code; it must never stay claimed for recovery
         log.warning("handoff %s: unreadable document: %s: %s", handoff_id,

@@ -18,15 +18,19 @@ run again; the same outcome is filed again after ``RETRY_LOOK_SECONDS``, then wi
 to :data:`REFILE_MAX_SECONDS` (:meth:`HeldOutcomes._refile`, on a timer), or cancelled, or
 filed last at a stop, where a failure hands it back to pending/ as a stop's interrupted attempt.
 While as many answers wait as there are workers, nothing new starts (:meth:`saturated`).
+An answer too large to write (EFBIG) is not kept: a small failure is filed in its place.
 """
 from __future__ import annotations
 
+import errno
+import json
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from ..backends.base import NotFiled, refiling
+from ..backends.base import SHRINKABLE_ERRNOS, NotFiled, refiling
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
 from ..core.errors import ErrorCode
@@ -99,6 +103,8 @@ class HeldOutcomes:
                 with refiling(job.claim):
                     where = self.engine.file(job.claim, job.dialect, job.specialist, outcome)
         except NotFiled as exc:
+            if exc.errno in SHRINKABLE_ERRNOS:  # too large for this process to write
+                return self._file_too_large(job, outcome, exc)
             return self._keep_to_refile(job, outcome, exc)
         except OSError:
             self.engine.backend.abandon(job.claim)  # (given up already when finish failed)
@@ -110,6 +116,34 @@ class HeldOutcomes:
         elif job.refile_after:
             log.error("handoff %s: its claim was taken over while its filing waited; nothing "
                       "was filed here", job.handoff_id)
+        return False
+
+    def _file_too_large(self, job: Job, outcome: Outcome, exc: NotFiled) -> bool:
+        """``outcome`` is larger than this process may write (EFBIG: its file size limit,
+        ``ulimit -f``), and the claim is still ours: file a small failure in its place
+        (PROCESSING_ERROR, not retried: the handler, which ran, would answer as large again).
+        Given up and handed back by the sweep, as before, it ran again and again and the
+        failure it ended with never said why. When even that failure cannot be written, what
+        any failed filing does (:meth:`_file`: kept to refile, or given up)."""
+        size = _answer_bytes(outcome)
+        message = (f"handoff {job.handoff_id}: the answer ({size} bytes) could not be written: "
+                   f"{os.strerror(exc.errno or errno.EFBIG)} (beyond this process's file size "
+                   "limit, ulimit -f)")
+        log.error("%s; filed as failed instead (its handler does not run again)", message)
+        small = self.engine.failure(outcome.started_at or self.engine.clock(),
+                                    ErrorCode.PROCESSING_ERROR, message, retryable=False)
+        small.executed_by = outcome.executed_by
+        try:
+            with refiling(job.claim):
+                self.engine.file(job.claim, job.dialect, job.specialist, small)
+        except NotFiled as again:
+            if again.errno in SHRINKABLE_ERRNOS:  # even that: given up, as any failed filing
+                self.engine.backend.abandon(job.claim)
+                raise
+            return self._keep_to_refile(job, small, again)
+        except OSError:
+            self.engine.backend.abandon(job.claim)  # (given up already when finish failed)
+            raise
         return False
 
     # ------------------------------------------------------------ held outcomes
@@ -323,3 +357,13 @@ class _Release:
     def set(self) -> None:
         """The attempt was stopped: a cancel request, a fence, or the daemon stopping."""
         self.attempts.release(self.job)
+
+
+def _answer_bytes(outcome: Outcome) -> int:
+    """About how many bytes ``outcome``'s answer takes (its JSON text, without the request)."""
+    parts = [outcome.output, outcome.artifacts, outcome.validation, outcome.metadata,
+             outcome.next_steps, outcome.warnings, outcome.error, outcome.fields]
+    try:
+        return len(json.dumps(parts, default=str, ensure_ascii=False).encode("utf-8", "replace"))
+    except (TypeError, ValueError, RecursionError):  # (a handler's output was checked already)
+        return 0

@@ -22,6 +22,7 @@ from datetime import datetime
 from ..core.admission import resumes
 from ..core.documents import BOOK
 from ..core.engine import Engine, Peek
+from ..core.jobs import memory_backoff, memory_strikes
 from ..core.specialists import Specialist
 from ..features import aggregation
 from .lines import Lines
@@ -257,7 +258,13 @@ class Scheduler(Lines, QuietWaits):
 
     def _read(self, handoff_id: str) -> Peek | None:
         """``handoff_id``'s pending document as :meth:`~.Engine.peek` reads it; None (and
-        forgotten) when it is gone: claimed elsewhere, or filed."""
+        forgotten) when it is gone: claimed elsewhere, or filed. None too, unread, while its
+        last read ran out of memory and backs off (:func:`~handoffd.core.jobs.memory_backoff`):
+        looked at again then; the others proceed meanwhile."""
+        backoff = memory_backoff(handoff_id)
+        if backoff > 0:
+            self.notify(handoff_id, backoff)
+            return None
         try:
             peek = self.engine.peek(handoff_id)
         except Exception:  # peek never raises; if it ever does, the file is set aside
@@ -266,6 +273,8 @@ class Scheduler(Lines, QuietWaits):
         if peek is None:
             self.unpark(handoff_id)
             self.unhold(handoff_id)
+        elif peek.readable:
+            memory_strikes.clear(handoff_id, "read")  # (a MemoryError row ends)
         return peek
 
     def due_soon(self) -> bool:

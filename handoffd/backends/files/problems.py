@@ -1,5 +1,6 @@
 """Why a file in a state folder cannot be read: the files backend's diagnosis of OS refusals
-(a socket, EACCES), invalid documents and readers that choke, as :class:`UnreadableDocument`."""
+(a socket, EACCES), invalid documents and readers that choke (or run out of memory: transient,
+see :func:`~handoffd.core.jobs.out_of_memory`), as :class:`UnreadableDocument`."""
 from __future__ import annotations
 
 import errno
@@ -8,6 +9,7 @@ import stat
 from pathlib import Path
 
 from ...core.errors import ErrorCode, InvalidDocument, UnreadableDocument
+from ...core.jobs import out_of_memory
 
 # errors that say "not now" rather than "never": a file hit by them is looked at again later,
 # never set aside
@@ -35,6 +37,8 @@ def read_error(path: Path, exc: BaseException, handoff_id: str | None = None) ->
         return UnreadableDocument(f"{where} cannot be read: {exc.strerror or exc} ({name})",
                                   handoff_id=handoff_id, code=ErrorCode.UNREADABLE_FILE,
                                   transient=exc.errno in TRANSIENT_ERRNOS)
+    if isinstance(exc, MemoryError):  # "not now" too: read again later, set aside only after
+        return out_of_memory(handoff_id or str(path), where)  # running out again and again
     hint = " (it nests too deeply)" if isinstance(exc, RecursionError) else ""
     return UnreadableDocument(f"{where} could not be processed{hint}: {type(exc).__name__}: "
                               f"{str(exc)[:200]}", handoff_id=handoff_id,
