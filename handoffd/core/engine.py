@@ -297,6 +297,10 @@ class Engine:
             self.checks.check_input(job)
             for hook in self.hooks.before_run:
                 hook(job)
+            # only now is the claim a start (the event log's `claimed`, its queue wait and run
+            # time): a resumed aggregation, a cancel found before the run, an input that fails
+            # its schema ran no handler
+            self.backend.handler_starts(job.claim, started)
             if job.specialist.is_command:
                 from .runner import run_command  # loaded by whoever runs handlers
                 result = run_command(job.specialist, without_book(job.claim.doc), job.context,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Callable, Collection, Iterator, Protocol
 
-from .documents import BOOK
+from .documents import BOOK, book_int
 from .logs import log
 from .states import State
 from .storage import Backend, Claim, Claims, Describe, Doc, Meta
@@ -104,7 +104,9 @@ def queue_wait(doc: Doc, claimed_at: datetime) -> float | None:
 
 class RecordingBackend:
     """A backend that appends an event to ``events`` after each transition it confirms; every
-    other attribute is the wrapped backend's (``inner``)."""
+    other attribute is the wrapped backend's (``inner``). A claim is logged (``claimed``) only
+    when its handler starts (:meth:`handler_starts`): a claim taken only to file or change the
+    document is no start, and its filing carries no run time."""
 
     def __init__(self, inner: Backend, events: EventLog, describe: Describe,
                  clock: Callable[[], datetime]) -> None:
@@ -147,15 +149,28 @@ class RecordingBackend:
     def _claimed(self, claim: Claim | None, now: datetime) -> Claim | None:
         if claim is not None:
             claim.meta = self._meta(claim.doc)
-            self.emit("claimed", claim.id, State.IN_PROGRESS, claim.doc, at=now,
-                      attempt=claim.attempt, wait=queue_wait(claim.doc, now), meta=claim.meta)
+            # no event yet: a claim is a start only once its handler starts (handler_starts);
+            # one that only files or changes the document (a cancel, an answer, an
+            # aggregation, an expiry, a set-aside) logs its filing alone. The wait is taken
+            # now, while the history's entry before the claim is the last but one
+            claim.claimed_at, claim.wait = now, queue_wait(claim.doc, now)
         return claim
+
+    def handler_starts(self, claim: Claim, now: datetime) -> None:
+        """See Backend.handler_starts: the ``claimed`` event (once per claim), at the claim's
+        time, with its attempt and queue wait."""
+        if claim.handler_started:
+            return
+        self.inner.handler_starts(claim, now)
+        claim.handler_started = True
+        self.emit("claimed", claim.id, State.IN_PROGRESS, claim.doc, at=claim.claimed_at or now,
+                  attempt=claim.attempt, wait=claim.wait, meta=claim.meta)
 
     def finish(self, claim: Claim, state: State, doc: Doc) -> bool:
         """See Backend.finish."""
         done = self.inner.finish(claim, state, doc)
         if done:
-            self.emit_entry(claim.id, state, doc, attempt=claim.attempt, meta=claim.meta)
+            self._released(claim, state, doc, given_back=False)
         return done
 
     def requeue(self, claim: Claim, doc: Doc, due_at: datetime | None, *,
@@ -163,8 +178,20 @@ class RecordingBackend:
         """See Backend.requeue."""
         done = self.inner.requeue(claim, doc, due_at, count_attempt=count_attempt)
         if done:
-            self.emit_entry(claim.id, State.PENDING, doc, attempt=claim.attempt, meta=claim.meta)
+            self._released(claim, State.PENDING, doc, given_back=not count_attempt)
         return done
+
+    def _released(self, claim: Claim, state: State, doc: Doc, *, given_back: bool) -> None:
+        """The event of a claim's filing or requeue. A claim whose handler never started here
+        (a cancel's, an answer's, an aggregation's, an expiry's, the sweep's take-over) ran
+        nothing: its event has no ``seconds`` (the outcome's are not a run time) and the
+        attempt its document keeps, not the one its claim counted."""
+        if claim.handler_started:
+            self.emit_entry(claim.id, state, doc, attempt=claim.attempt, meta=claim.meta)
+            return
+        attempt = book_int(doc, "attempt", claim.attempt)
+        attempt = max(attempt - 1, 0) if given_back else attempt  # (as the store stamps it)
+        self.emit_entry(claim.id, state, doc, attempt=attempt, meta=claim.meta, ran=False)
 
     def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
         """See Backend.expired_claims (each takeover is an event; its filing is another)."""
@@ -206,11 +233,14 @@ class RecordingBackend:
         return done
 
     # ------------------------------------------------------------ writing events
-    def emit_entry(self, handoff_id: str, state: State, doc: Doc, **extra: Any) -> None:
-        """An event named after the newest history entry of ``doc`` (what the caller recorded)."""
+    def emit_entry(self, handoff_id: str, state: State, doc: Doc, *, ran: bool = True,
+                   **extra: Any) -> None:
+        """An event named after the newest history entry of ``doc`` (what the caller recorded).
+        ``ran`` False: no handler ran for it, so its ``seconds`` are left out (no run time)."""
         entry = last_entry(doc)
         detail = entry.get("detail")
-        fields = {k: detail[k] for k in DETAIL_KEYS if isinstance(detail, dict) and k in detail}
+        fields = {k: detail[k] for k in DETAIL_KEYS if isinstance(detail, dict) and k in detail
+                  and (ran or k != "seconds")}
         at = None
         try:
             at = parse_iso(str(entry["at"])) if "at" in entry else None

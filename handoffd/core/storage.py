@@ -87,6 +87,14 @@ class Claim:
     # the routing facts of the document as claimed (the event recorder reads them once; the
     # events of the same attempt reuse them: its target and priority do not change while it runs)
     meta: Meta | None = field(default=None, repr=False, compare=False)
+    # the event recorder's (core.events): when the claim was made and how long the handoff
+    # had waited for it (due -> claimed), logged as its ``claimed`` event only once its handler
+    # starts (:meth:`Backend.handler_starts`, which sets ``handler_started``). A claim that only
+    # files or changes the document (a cancel, an answer, an aggregation, an expiry, a
+    # set-aside) is no start: no ``claimed`` event, no queue wait, no run time
+    claimed_at: datetime | None = field(default=None, repr=False, compare=False)
+    wait: float | None = field(default=None, repr=False, compare=False)
+    handler_started: bool = field(default=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -299,6 +307,13 @@ class Backend(Protocol):
         """Claim one pending handoff by id, due or not (to cancel or reject it). None when it is
         not pending (unknown, elsewhere, or another claimer won)."""
         ...
+
+    def handler_starts(self, claim: Claim, now: datetime) -> None:
+        """``claim``'s handler starts now: the claim begins a run (the engine says so just
+        before the handler is called; a claim that only files or changes the document never
+        does). The event recorder logs the ``claimed`` event then, with the attempt and the
+        queue wait as of the claim. Default: the claim is marked started."""
+        claim.handler_started = True
 
     def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
         """Extend the claim's lease to ``now + lease_seconds``. False when the claim no longer
