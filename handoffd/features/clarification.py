@@ -205,6 +205,14 @@ def answer(engine: "Engine", handoff_id: str, data: Any, *, by: str = "@cli") ->
         time.sleep(0.02)
     saved = copy.deepcopy(claim.doc)
     dialect = box[0] if box else engine.formats.by_name("native")
+    if not isinstance(book(claim.doc).get("awaiting"), dict):
+        # answered by another `handoff answer` (another host's) between the read above and
+        # this claim: the claimed document waits for nothing, and a second answer written
+        # into it reached its handler beside the first. Given back as it was
+        taken = InvalidTransition(f"handoff {handoff_id} is pending and not waiting for an "
+                                  "answer (answered meanwhile)", handoff_id=handoff_id)
+        hand_back(engine, claim, dialect, saved, "answering it", taken)
+        raise taken
     try:
         entry, detail = _write_answer(claim.doc, dialect.name, data, by, now)
         # the history names the answer; the document holds it once (clarifications)
