@@ -17,10 +17,11 @@ from handoffd import State
 from handoffd.features import cancel_family
 
 
-def _parked_family(tmp_path: Path, clock: Clock) -> tuple[Any, Any]:
-    """A parent "pk" parked, all_success, with three children that succeed when run."""
+def parked_family(tmp_path: Path, clock: Clock, children: int = 3) -> tuple[Any, Any]:
+    """A parent "pk" that ran once and delegated ``children`` children that succeed when run,
+    parked all_success (test_claim_events_s20 uses it too)."""
     def dispatch(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
-        return {"status": "delegated", "delegate": [{"to": "@worker", "data": {}}] * 3}
+        return {"status": "delegated", "delegate": [{"to": "@worker", "data": {}}] * children}
     engine, backend = memory_engine(tmp_path, clock, {
         "@dispatcher": dispatch, "@worker": lambda doc, ctx: {"status": "completed"}})
     engine.submit({"handoff_id": "pk", "source": {"agent_id": "@t"},
@@ -33,7 +34,7 @@ def _parked_family(tmp_path: Path, clock: Clock) -> tuple[Any, Any]:
 def test_a_child_filed_as_the_deadline_cancels_it_counts_as_filed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
-    engine, backend = _parked_family(tmp_path, clock)
+    engine, backend = parked_family(tmp_path, clock)
     for child in ("pk.c1", "pk.c2"):
         job = engine.take(child)
         assert engine.file(job.claim, job.dialect, job.specialist, engine.run(job)) \
@@ -65,7 +66,7 @@ def test_a_child_filed_as_the_deadline_cancels_it_counts_as_filed(
 def test_a_child_still_open_at_the_deadline_counts_as_timeout(tmp_path: Path) -> None:
     """What the fix keeps: a child the deadline cancels from pending is a timeout."""
     clock = Clock()
-    engine, backend = _parked_family(tmp_path, clock)
+    engine, backend = parked_family(tmp_path, clock)
     for child in ("pk.c1", "pk.c2"):
         job = engine.take(child)
         engine.file(job.claim, job.dialect, job.specialist, engine.run(job))

@@ -14,6 +14,7 @@ from typing import Any
 
 from conftest import Clock, Workspace, memory_engine, new_workspace
 from prometheus_client.parser import text_string_to_metric_families
+from test_aggregation_deadline_s20 import parked_family
 
 from handoffd import State
 from handoffd.backends.files.events import FileEventLog
@@ -114,24 +115,11 @@ def test_cancels_and_answers_start_nothing_in_stats_and_metrics(tmp_path: Path) 
         ws.cleanup()
 
 
-def _parked_parent(tmp_path: Path, clock: Clock) -> tuple[Any, Any]:
-    """A parent "pk" that ran once and delegated two children, parked all_success."""
-    def dispatch(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
-        return {"status": "delegated", "delegate": [{"to": "@worker", "data": {}}] * 2}
-    engine, backend = memory_engine(tmp_path, clock, {
-        "@dispatcher": dispatch, "@worker": lambda doc, ctx: {"status": "completed"}})
-    engine.submit({"handoff_id": "pk", "source": {"agent_id": "@t"},
-                   "target": {"agent_id": "@dispatcher"}, "input": {"data": {}}})
-    job = engine.take("pk")
-    assert engine.file(job.claim, job.dialect, job.specialist, engine.run(job)) is State.PENDING
-    return engine, backend
-
-
 def test_a_parked_parents_aggregation_is_no_start(tmp_path: Path) -> None:
     """The aggregation files the parent without running its handler: no second start, no
     90 s queue wait, no 91 s run time."""
     clock = Clock()
-    engine, backend = _parked_parent(tmp_path, clock)
+    engine, backend = parked_family(tmp_path, clock, children=2)
     for child in ("pk.c1", "pk.c2"):
         clock.advance(1)
         job = engine.take(child)

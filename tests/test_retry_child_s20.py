@@ -12,24 +12,10 @@ from pathlib import Path
 
 import pytest
 from conftest import Workspace, handlers_workspace
+from test_children_gate_reads_s17 import HANDLERS  # (@boss delegates to @leaf)
 
 from handoffd import new_native_request
 from handoffd.core.timeutil import utc_now
-
-HANDLERS = '''
-def boss(handoff, ctx):
-    data = ctx.data if isinstance(ctx.data, dict) else {}
-    return {"status": "delegated", "aggregation": data["aggregation"],
-            "delegate": [{"to": "@leaf", "data": {"n": n, "fail": n in data.get("fail", [])}}
-                         for n in range(data["n"])]}
-
-
-def leaf(handoff, ctx):
-    data = ctx.data if isinstance(ctx.data, dict) else {}
-    if data.get("fail"):
-        return {"status": "failed", "error": {"code": "NOPE", "message": "failed on purpose"}}
-    return {"status": "completed", "output": {"n": data["n"]}}
-'''
 
 CONFIG = """
 [daemon]
@@ -41,16 +27,16 @@ settle_seconds = 0.05
 max_retries = 0
 
 [specialists."@boss"]
-handler = "rc20:boss"
+handler = "cg17:boss"
 
 [specialists."@leaf"]
-handler = "rc20:leaf"
+handler = "cg17:leaf"
 """
 
 
 def test_a_child_of_a_filed_parent_is_not_retried_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ws: Workspace = handlers_workspace(tmp_path, monkeypatch, "rc20", HANDLERS, CONFIG)
+    ws: Workspace = handlers_workspace(tmp_path, monkeypatch, "cg17", HANDLERS, CONFIG)
     try:
         ws.create("--to", "@boss", "--id", "part", "--data",
                   json.dumps({"aggregation": "all_success", "n": 2, "fail": [1]}))
