@@ -177,13 +177,32 @@ def _unreadable(engine: "Engine", handoff_id: str, exc: Exception, *, reason: st
     return CancelResult(handoff_id, "unreadable", "unknown", detail)
 
 
+def _archived(engine: "Engine", handoff_id: str) -> tuple[str, str] | None:
+    """(state, "archived at T") of ``handoff_id`` archived by retention, or None."""
+    from .archive import find_archived
+    try:
+        entry = find_archived(engine.ws, handoff_id)
+    except (OSError, ValueError):
+        return None
+    if entry is None or entry.get("state") not in ("completed", "failed"):
+        return None
+    return str(entry["state"]), f"archived at {entry.get('archived_at', '?')}"
+
+
 def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: str,
                cascade: bool = False) -> CancelResult:
     """Cancel one handoff (see :func:`cancel`). With ``cascade``, a pending one is filed with
     the cascade kept in its block, and the result names the children its document named."""
     kids: list[str] = []
     for _ in range(CLAIM_TRIES):
-        state, doc = engine.get(handoff_id)
+        try:
+            state, doc = engine.get(handoff_id)
+        except NotFound:
+            archived = _archived(engine, handoff_id)
+            if archived is None:
+                raise
+            return CancelResult(handoff_id, "finished", archived[0],
+                                f"already {archived[0]} ({archived[1]}); nothing to cancel")
         kids = children_of(doc)  # (a trusted view: a block from outside names none)
         if state.terminal:
             status = doc.get("status") if isinstance(doc.get("status"), str) else state.value

@@ -257,7 +257,16 @@ def _kill_leftovers(engine: Engine, handoff_id: str, attempt: int) -> None:
 def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
                    reason: str = "manual retry") -> None:
     """``handoff retry``: move a failed handoff back to pending/ with retry_count + 1."""
-    state, doc = engine.get(handoff_id)
+    try:
+        state, doc = engine.get(handoff_id)
+    except NotFound:
+        archived = archived_entry(engine, handoff_id)
+        if archived is not None:  # (`handoff ls` lists no archived handoff: not "not found")
+            raise InvalidTransition(
+                f"handoff {handoff_id} was archived ({archived}) by retention: an archived "
+                "handoff is not retried; submit its request again", handoff_id=handoff_id
+            ) from None
+        raise
     if state is not State.FAILED:
         raise InvalidTransition(f"handoff {handoff_id} is {state.value}, not failed; only failed "
                                 "handoffs can be retried", handoff_id=handoff_id)
@@ -294,8 +303,28 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
         raise InvalidTransition(f"handoff {handoff_id} is already pending again",
                                 handoff_id=handoff_id) from None
     if not reopened:
+        try:  # another retry (another shell's) won: it is pending again, not gone
+            now_state = engine.get(handoff_id)[0]
+        except NotFound:
+            now_state = None
+        if now_state is not None and now_state is not State.FAILED:
+            raise InvalidTransition(f"handoff {handoff_id} is {now_state.value}, not failed "
+                                    "(retried meanwhile)", handoff_id=handoff_id)
         raise NotFound(f"handoff {handoff_id} moved while retrying; look again with `handoff show`",
                        handoff_id=handoff_id)
+
+
+def archived_entry(engine: Engine, handoff_id: str) -> str | None:
+    """How ``handoff_id``, which no state holds, was archived by retention ("completed,
+    archived at T"), or None when no archive holds it."""
+    from ..features.archive import find_archived  # (rare: not on every command's path)
+    try:
+        entry = find_archived(engine.ws, handoff_id)
+    except (OSError, ValueError):
+        return None
+    if entry is None:
+        return None
+    return f"{entry.get('state', '?')}, archived at {entry.get('archived_at', '?')}"
 
 
 def _check_parent_open(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> None:
@@ -303,15 +332,22 @@ def _check_parent_open(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> 
     already aggregated: the parent is filed and its trusted view lists the child (a
     ``parent_id`` a document merely claims outranks nothing). Run again on its own, the child
     would be filed anew while the parent's answer kept its old outcome; retrying the parent
-    delegates a new round, aggregated from its own children. A parent that is gone (purged,
-    archived) or still waiting leaves the retry alone: a waiting parent counts the re-run."""
+    delegates a new round, aggregated from its own children. An archived parent refuses it
+    too (its archived answer keeps the outcome); a purged one, or one still waiting, leaves the
+    retry alone: a waiting parent counts the re-run."""
     from ..features.lineage import children_of, parent_of  # (rare: not on every command's path)
     parent = parent_of(doc)
     if parent is None or parent == handoff_id:
         return
     try:
         state, parent_doc = engine.get(parent)
-    except (NotFound, InvalidDocument):
+    except NotFound:  # archived by retention: its answer is kept, with the child's outcome
+        from ..features.archive import find_archived_document
+        found = find_archived_document(engine.ws, engine.backend, parent)
+        if found is None:
+            return
+        state, parent_doc = found
+    except InvalidDocument:
         return
     if state.terminal and handoff_id in children_of(parent_doc):
         again = (f"retry the parent instead (`handoff retry --force {parent}`: a new round of "
