@@ -54,6 +54,7 @@ from ...core.events import last_entry
 from ...core.states import State
 from ...core.timeutil import utc_now
 from ..files import fsio, seals
+from ..files.leases import lock_document
 from ..files.problems import read_error
 from ..files.store import Store
 from .backend import PostgresBackend
@@ -71,6 +72,9 @@ PARKED = "pending (parked copy)"
 # ids another process ingested from here that a bridge watches for at most (one told of more,
 # say by NOTIFYs sent past handoffd, leaves the rest to its scans, which miss nothing)
 MAX_HEARD = 10_000
+# how often one ingest locks pending/ID.json again when the file it locked is no longer there
+# (another process ingested it and a new one was dropped between its open and its lock)
+TAKE_TRIES = 3
 
 
 class FileBridge:
@@ -114,16 +118,48 @@ class FileBridge:
         """Ingest pending/``handoff_id``.json. Returns what happened: ``ingested``, ``known``
         (the database had it from us already: the file is removed; or it is the parked copy
         this bridge wrote, still the row's: kept), ``gone`` (a parked copy the row moved on
-        from is removed), ``later`` (still being written, or a transient error) or
-        ``set aside``."""
+        from is removed; or another process ingested it), ``later`` (still being written,
+        another process is ingesting it, or a transient error) or ``set aside``.
+
+        One process ingests a file at a time: it holds an exclusive ``flock`` on the file (the
+        files store's claim lock, :func:`~handoffd.backends.files.leases.lock_document`) from
+        before its read until after its removal, so a second ingester of this workspace (its
+        daemon and a ``handoff`` command) meets the lock or no file, never a copy it would
+        insert again after the first's row was set aside or purged. The kernel drops the lock
+        of a process that dies: its file stays in pending/ for the next ingest."""
         path = self.store.path(State.PENDING, handoff_id)
         try:
             check_id(handoff_id)
         except InvalidDocument as exc:
             return self._set_aside(handoff_id, ErrorCode.UNSAFE_ID, str(exc), stub=False)
+        for _ in range(TAKE_TRIES):
+            try:
+                held = lock_document(path)
+            except FileNotFoundError:
+                return "gone"
+            except BlockingIOError:  # another ingester has it (or its producer, still writing)
+                return "later"
+            try:
+                outcome = self._ingest_held(handoff_id, path, held)
+            finally:
+                if held is not None:
+                    os.close(held)  # (releases the lock: after the removal)
+            if outcome is not None:
+                return outcome
+        return "later"  # replaced again and again while we looked: the next pass judges it
+
+    def _ingest_held(self, handoff_id: str, path: Path, held: int | None) -> str | None:
+        """:meth:`ingest` of pending/``handoff_id``.json under its lock ``held`` (None: it
+        cannot be locked here, not a regular file or no ``flock``: read as before, which says
+        what it is). None: the file at ``path`` is not the one locked (another process
+        ingested it, then a new one was dropped): lock it again."""
         try:
             before = os.stat(path)
+            if not _holds(held, before):
+                return None
             doc, sealed = self._read(handoff_id)
+            if not _holds(held, os.stat(path)):  # (the read opened the path again)
+                return None
         except FileNotFoundError:
             return "gone"
         except Exception as exc:  # an invalid document, a socket, EACCES...: say why, once
@@ -151,7 +187,9 @@ class FileBridge:
                 return self._set_aside(handoff_id, ErrorCode.DUPLICATE_HANDOFF_ID, duplicate,
                                        stub=False)
         self._ours.add(handoff_id)
-        fsio.unlink(path, durable=False)  # in the database now (a crash before: re-ingested)
+        # in the database now (a crash before: re-ingested, "known"); the file read, never a
+        # new drop renamed over it meanwhile (the next pass judges that one)
+        self._remove_if_same(path, before, inode_only=True)
         if fresh:
             log.info("ingested pending/%s.json into the shared store", handoff_id,
                      extra={"event": "ingested", "handoff_id": handoff_id})
@@ -436,13 +474,16 @@ class FileBridge:
             self._remove_if_same(path, before)
 
     @staticmethod
-    def _remove_if_same(path: Path, before: os.stat_result) -> bool:
-        """Remove ``path`` if it is still the file ``before`` saw (a replace is a new inode)."""
+    def _remove_if_same(path: Path, before: os.stat_result, *, inode_only: bool = False) -> bool:
+        """Remove ``path`` if it is still the file ``before`` saw (a replace is a new inode;
+        ``inode_only``: a write to the same file since, which ingesting stood behind, counts
+        as the same file)."""
         try:
             now = os.stat(path)
         except FileNotFoundError:
             return False
-        if (now.st_ino, now.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+        if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino) or (
+                not inode_only and now.st_mtime_ns != before.st_mtime_ns):
             return False
         return fsio.unlink(path, durable=False)
 
@@ -456,6 +497,15 @@ class FileBridge:
             self.ingest(handoff_id)  # (a parked copy: kept or removed; a drop: ingested)
         if handoff_id in self._ours:
             self.park([handoff_id])
+
+
+def _holds(held: int | None, seen: os.stat_result) -> bool:
+    """Whether ``seen`` (a stat of the path) is the file locked through ``held`` (True when
+    none could be locked: there is nothing to compare)."""
+    if held is None:
+        return True
+    mine = os.fstat(held)
+    return (mine.st_dev, mine.st_ino) == (seen.st_dev, seen.st_ino)
 
 
 __all__ = ["FileBridge"]
