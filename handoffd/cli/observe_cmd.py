@@ -133,11 +133,13 @@ def watch(eng: Engine, *, state: str | None, to: str | None, as_json: bool) -> N
 class TopModel:
     """What ``handoff top`` shows, kept up to date from the event log."""
 
-    def __init__(self, eng: Engine) -> None:
+    def __init__(self, eng: Engine, clock: Callable[[], datetime] | None = None) -> None:
         self.eng = eng
+        self.clock = clock or eng.clock  # (tests move time by hand)
         self.failures: deque[Event] = deque(maxlen=8)
-        self.buckets: dict[int, int] = {}  # bucket number -> handoffs finished in it
-        self.per_agent: dict[str, int] = {}  # finished in the last ten minutes, by agent
+        # bucket number -> agent -> handoffs finished in it: the ten minutes shown (and as many
+        # ahead, another host's clock); older ones are dropped as time goes by (:meth:`finished`)
+        self.buckets: dict[int, dict[str, int]] = {}
         self.rows: list[Any] = []
         self.depth: dict[tuple[str, str], int] = {}
 
@@ -150,9 +152,11 @@ class TopModel:
         except ValueError:
             return
         bucket = int(at.timestamp() // BUCKET_SECONDS)
-        self.buckets[bucket] = self.buckets.get(bucket, 0) + 1
-        agent = str(event.get("agent") or "-")
-        self.per_agent[agent] = self.per_agent.get(agent, 0) + 1
+        last = int(self.clock().timestamp() // BUCKET_SECONDS)
+        if last - BUCKETS < bucket <= last + BUCKETS:  # (a forged time far off: not counted)
+            counts = self.buckets.setdefault(bucket, {})
+            agent = str(event.get("agent") or "-")
+            counts[agent] = counts.get(agent, 0) + 1
         if event.get("state") == "failed":
             self.failures.appendleft(event)
 
@@ -163,10 +167,25 @@ class TopModel:
         self.rows = self.eng.backend.list(state=State.IN_PROGRESS, order="oldest")
         self.depth = current_depth(self.eng.backend, (State.PENDING,))  # (counted, not held)
 
+    def finished(self, now: float) -> dict[str, int]:
+        """Handoffs finished over the ten minutes before ``now`` (epoch seconds), by agent;
+        the buckets older than that are dropped (they only grew: a `top` left open for days
+        counted every finish since it started, and held a bucket for every ten seconds)."""
+        last = int(now // BUCKET_SECONDS)
+        for old in [b for b in self.buckets if b <= last - BUCKETS]:
+            del self.buckets[old]
+        totals: dict[str, int] = {}
+        for bucket, counts in self.buckets.items():
+            if bucket <= last:
+                for agent, count in counts.items():
+                    totals[agent] = totals.get(agent, 0) + count
+        return totals
+
     def sparkline(self, now: float) -> str:
         """Handoffs finished per ten seconds over the last ten minutes."""
         last = int(now // BUCKET_SECONDS)
-        counts = [self.buckets.get(b, 0) for b in range(last - BUCKETS + 1, last + 1)]
+        counts = [sum(self.buckets.get(b, {}).values())
+                  for b in range(last - BUCKETS + 1, last + 1)]
         top = max(counts) or 1
         return "".join(SPARK[min(int(c / top * (len(SPARK) - 1) + (c > 0)), len(SPARK) - 1)]
                        if c else " " for c in counts)
@@ -176,15 +195,16 @@ class TopModel:
         from rich.console import Group
         from rich.table import Table
         from rich.text import Text
+        finished = self.finished(now.timestamp())
         agents = sorted({a for _, a in self.depth} | {r.meta.target or "-" for r in self.rows}
-                        | set(self.per_agent))
+                        | set(finished))
         queue = Table(title="queue", title_justify="left", box=None, header_style="bold")
         for column in ("AGENT", "PENDING", "RUNNING", "FINISHED (10 min)"):
             queue.add_column(column)
         for agent in agents:  # (Text: what documents say is never read as rich markup)
             running = sum(1 for r in self.rows if (r.meta.target or "-") == agent)
             queue.add_row(Text(clean(agent)), str(self.depth.get(("pending", agent), 0)),
-                          str(running), str(self.per_agent.get(agent, 0)))
+                          str(running), str(finished.get(agent, 0)))
         running_table = Table(title="running", title_justify="left", box=None,
                               header_style="bold")
         for column in ("ID", "AGENT", "ATTEMPT", "AGE"):
@@ -228,7 +248,7 @@ def top(
     eng = engine(root, features=())
     log = _events(eng)
     model = TopModel(eng)
-    now = eng.clock()
+    now = model.clock()
     for event in log.read(now - timedelta(seconds=BUCKET_SECONDS * BUCKETS)):
         model.add(event)
     _, cursor = log.tail(None)

@@ -46,13 +46,16 @@ class EventLog(Protocol):
         ...
 
 
-def tail_into(log: EventLog, cursor: Any, take: Callable[[Event], None]) -> Any:
+def tail_into(log: EventLog, cursor: Any, take: Callable[[Event], None],
+              gap: Callable[[], None] | None = None) -> Any:
     """``log.tail(cursor)`` with each event handed to ``take`` as it is read, where the log can
     (the files backend's ``tail_into``: a first look from :data:`START` then never holds every
-    event kept at once), else from the list ``tail`` gives; the cursor to pass next time."""
+    event kept at once), else from the list ``tail`` gives; the cursor to pass next time.
+    ``gap()``: called when the log says events may have been dropped unread since ``cursor``
+    (files: rotated past the files kept between two reads)."""
     stream = getattr(log, "tail_into", None)
     if stream is not None:
-        return stream(cursor, take)
+        return stream(cursor, take) if gap is None else stream(cursor, take, gap)
     events, cursor = log.tail(cursor)
     for event in events:
         take(event)

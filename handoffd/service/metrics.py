@@ -79,6 +79,7 @@ class EventCollector:
         self.runs = _Histogram()
         self.waits = _Histogram()
         self.skipped = 0  # events that could not be counted (a forged line in the log)
+        self.gaps = 0  # times the log rotated past the files kept between two scrapes
         self.configured: frozenset[str] = frozenset()  # specialists that keep their own label
         self._tail_failing = False
 
@@ -122,7 +123,7 @@ class EventCollector:
             # every event in one list, 583 MB
             try:
                 cursor = tail_into(self.events, self.cursor if self.started else START,
-                                   self._take)
+                                   self._take, self._gap)
             except Exception as exc:  # the scrape answers with what was counted so far
                 if not self._tail_failing:
                     self._tail_failing = True
@@ -140,6 +141,11 @@ class EventCollector:
                 log.warning("metrics: an event that cannot be counted is skipped (%s); "
                             "handoffd_events_skipped_total counts them", _said(exc))
             self.skipped += 1
+
+    def _gap(self) -> None:
+        """The log rotated past the files it keeps since the last scrape: events in between
+        were never counted (handoffd_event_log_gaps_total says how often)."""
+        self.gaps += 1
 
     def _configured(self) -> frozenset[str]:
         """The specialists of the configuration (and of the registry, once it is loaded)."""
@@ -164,8 +170,12 @@ class EventCollector:
                                      labels=["agent", "code"])
         skipped = CounterMetricFamily("handoffd_events_skipped", "Event log lines that could not "
                                       "be counted (not as handoffd writes them)")
+        gaps = CounterMetricFamily("handoffd_event_log_gaps", "Times the event log rotated past "
+                                   "the files it keeps between two reads: events in between "
+                                   "were not counted (raise events_max_bytes or events_keep)")
         with self.lock:
             skipped.add_metric([], self.skipped)
+            gaps.add_metric([], self.gaps)
             for (name, agent), count in sorted(self.transitions.items()):
                 transitions.add_metric([name, agent], count)
             for (agent, code), count in sorted(self.errors.items()):
@@ -177,6 +187,7 @@ class EventCollector:
         yield transitions
         yield errors
         yield skipped
+        yield gaps
         yield from histograms
         yield from self._queue(GaugeMetricFamily)
 

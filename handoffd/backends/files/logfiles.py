@@ -172,14 +172,19 @@ class Appender:
 
     def write_line(self, line: bytes, info: os.stat_result) -> int:
         """Append ``line`` (newline-terminated) in one write, given :meth:`ready`'s ``info``;
-        the bytes written. A file that does not end with a newline (a line a crash cut short)
-        gets one first: glued to the torn line, this one would be lost with it. Only a file
-        that someone else wrote last is looked at (one pread). Only for files whose every
-        writer holds one lock around its stat and write (the seen-ids record): otherwise the
-        stat may see another writer's line half-written and take it for a torn one."""
+        the bytes written. A file that does not end with a newline (a line a crash or a full
+        disk cut short) gets one first: glued to the torn line, this one would be lost with it.
+        Only a file that someone else wrote last, or whose last line of ours was cut short, is
+        looked at (one pread). A writer without one lock around its stat and write (the event
+        log) may see another's line half-written: its own then follows a blank line, which
+        readers skip. OSError (ENOSPC) when the write stored only part of the line."""
         if info.st_size not in (0, self._end) and os.pread(self.fd, 1, info.st_size - 1) != b"\n":
             line = b"\n" + line
-        os.write(self.fd, line)
+        written = os.write(self.fd, line)
+        if written != len(line):  # a full disk (or quota): the line is torn, say so
+            self._end = -1  # (the next line looks at the last byte and starts a line of its own)
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a line cut short: {written}"
+                          f" of {len(line)} bytes written)", os.fspath(self.path))
         self._end = info.st_size + len(line)
         return len(line)
 
