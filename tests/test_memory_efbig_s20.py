@@ -22,7 +22,8 @@ import pytest
 from conftest import Clock, exe
 
 from handoffd import Daemon, Engine, Registry, State, Workspace, build_engine, new_native_request
-from handoffd.core import jobs, jsontext
+from handoffd.core import jsontext
+from handoffd.core import memorystrikes as jobs
 from handoffd.core.config import Config, DaemonSettings
 from handoffd.core.documents import book
 

@@ -18,8 +18,9 @@ from .documents import BOOK, Envelope, Outcome, book, check_id, first_seen, reco
 from .errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
 from .formats import Dialect, FiledState, Formats
 from .hooks import Hooks
-from .jobs import Job, memory_backoff, memory_strikes, out_of_memory
+from .jobs import Job
 from .logs import log
+from .memorystrikes import memory_backoff, memory_strikes, out_of_memory
 from .settings import DaemonSettings
 from .specialists import HandlerContext, Specialist
 from .states import State

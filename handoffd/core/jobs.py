@@ -2,9 +2,7 @@
 to run) and a :class:`Peek` (a pending document read without a claim, for the scheduler)."""
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable
@@ -12,6 +10,7 @@ from typing import Any, Callable
 from .documents import Envelope, Outcome
 from .errors import ErrorCode, InvalidDocument, UnreadableDocument
 from .formats import Dialect
+from .memorystrikes import out_of_memory
 from .specialists import HandlerContext, Specialist
 from .storage import Claim
 from .timeutil import utc_now
@@ -93,87 +92,3 @@ def out_of_reach(handoff_id: str, exc: OSError) -> UnreadableDocument:
                               f"unreachable: {type(exc).__name__}: "
                               f"{' '.join(str(exc).split())[:200]})", handoff_id=handoff_id,
                               code=ErrorCode.STORE_UNAVAILABLE, transient=True)
-
-
-# ------------------------------------------------------------ running out of memory reading one
-# A MemoryError while reading (or admitting) a document within max_document_bytes says "not
-# now" (the daemon's memory is short, e.g. under a ulimit -v), not "never": the document stays
-# where it is and is read again after a back-off doubling from MEMORY_BACKOFF_SECONDS to
-# MEMORY_BACKOFF_MAX_SECONDS. Only when it has run out of memory MEMORY_STRIKES times in a row,
-# over MEMORY_PATIENCE_SECONDS at least, is it set aside (UNPROCESSABLE_DOCUMENT): a document
-# this daemon can never hold (a hostile one) must not be read for ever. While it backs off, the
-# scheduler skips it unread (:func:`memory_backoff`): the others proceed.
-MEMORY_STRIKES = 5
-MEMORY_PATIENCE_SECONDS = 300.0
-MEMORY_BACKOFF_SECONDS = 5.0
-MEMORY_BACKOFF_MAX_SECONDS = 60.0
-MEMORY_FORGET_SECONDS = 900.0  # a strike this long after the last one starts a new row
-MEMORY_TRACKED = 10_000  # documents whose strikes are kept (the oldest forgotten first)
-
-
-class MemoryStrikes:
-    """The MemoryErrors in a row met reading each document, by (handoff id, stage): ``read``
-    (reading pending/ to route it) or ``admit`` (validating a claimed one). One per process:
-    the readers that meet them (a backend's, the engine's) share nothing else. Thread-safe."""
-
-    def __init__(self) -> None:
-        self.clock = time.monotonic  # (a test moves it by hand)
-        self._lock = threading.Lock()
-        # (id, stage) -> (strikes in a row, when the first came, when it may be read again)
-        self._rows: OrderedDict[tuple[str, str], tuple[int, float, float]] = OrderedDict()
-
-    def strike(self, handoff_id: str, stage: str) -> tuple[int, float, float]:
-        """Count a MemoryError: (strikes in a row, seconds since the first, back-off)."""
-        now = self.clock()
-        key = (handoff_id, stage)
-        with self._lock:
-            count, first, until = self._rows.pop(key, (0, now, now))
-            if now - until > MEMORY_FORGET_SECONDS:  # (until: the last strike's back-off end)
-                count, first = 0, now
-            count += 1
-            wait = min(MEMORY_BACKOFF_SECONDS * 2 ** min(count - 1, 16), MEMORY_BACKOFF_MAX_SECONDS)
-            self._rows[key] = (count, first, now + wait)
-            while len(self._rows) > MEMORY_TRACKED:
-                self._rows.popitem(last=False)
-        return count, now - first, wait
-
-    def clear(self, handoff_id: str, stage: str) -> None:
-        """``handoff_id`` was read (``stage``) without running out of memory: a new row."""
-        if self._rows:  # (almost always empty: no lock taken per read then)
-            with self._lock:
-                self._rows.pop((handoff_id, stage), None)
-
-    def backoff(self, handoff_id: str) -> float:
-        """Seconds until ``handoff_id``, which ran out of memory, is read again (0: now)."""
-        if not self._rows:
-            return 0.0
-        now = self.clock()
-        with self._lock:
-            until = max((self._rows[key][2] for key in ((handoff_id, "read"),
-                                                        (handoff_id, "admit"))
-                         if key in self._rows), default=now)
-        return max(until - now, 0.0)
-
-
-memory_strikes = MemoryStrikes()
-
-
-def out_of_memory(handoff_id: str, where: str, stage: str = "read") -> UnreadableDocument:
-    """The problem of a document (at ``where``) whose reading ran out of memory (a MemoryError
-    at ``stage``): transient, read again after a back-off, until it has done so
-    MEMORY_STRIKES times in a row over MEMORY_PATIENCE_SECONDS; then set aside for good."""
-    count, span, wait = memory_strikes.strike(handoff_id, stage)
-    if count >= MEMORY_STRIKES and span >= MEMORY_PATIENCE_SECONDS:
-        return UnreadableDocument(
-            f"{where} could not be processed: this daemon ran out of memory (MemoryError) "
-            f"reading it {count} times in a row over {span / 60:.1f} minutes",
-            handoff_id=handoff_id, code=ErrorCode.UNPROCESSABLE_DOCUMENT)
-    times = "once" if count == 1 else f"{count} times in a row, backing off {wait:g}s"
-    return UnreadableDocument(f"{where} cannot be read now: out of memory (MemoryError, {times})",
-                              handoff_id=handoff_id, code=ErrorCode.UNPROCESSABLE_DOCUMENT,
-                              transient=True)
-
-
-def memory_backoff(handoff_id: str) -> float:
-    """Seconds until ``handoff_id``, whose reading ran out of memory, is read again (0: now)."""
-    return memory_strikes.backoff(handoff_id)

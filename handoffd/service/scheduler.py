@@ -22,7 +22,7 @@ from datetime import datetime
 from ..core.admission import resumes
 from ..core.documents import BOOK
 from ..core.engine import Engine, Peek
-from ..core.jobs import memory_backoff, memory_strikes
+from ..core.memorystrikes import memory_backoff, memory_strikes
 from ..core.specialists import Specialist
 from ..features import aggregation
 from .lines import Lines
@@ -259,7 +259,7 @@ class Scheduler(Lines, QuietWaits):
     def _read(self, handoff_id: str) -> Peek | None:
         """``handoff_id``'s pending document as :meth:`~.Engine.peek` reads it; None (and
         forgotten) when it is gone: claimed elsewhere, or filed. None too, unread, while its
-        last read ran out of memory and backs off (:func:`~handoffd.core.jobs.memory_backoff`):
+        last read ran out of memory and backs off (:func:`~handoffd.core.memorystrikes.memory_backoff`):
         looked at again then; the others proceed meanwhile."""
         backoff = memory_backoff(handoff_id)
         if backoff > 0:

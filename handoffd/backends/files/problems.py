@@ -1,6 +1,6 @@
 """Why a file in a state folder cannot be read: the files backend's diagnosis of OS refusals
 (a socket, EACCES), invalid documents and readers that choke (or run out of memory: transient,
-see :func:`~handoffd.core.jobs.out_of_memory`), as :class:`UnreadableDocument`."""
+see :func:`~handoffd.core.memorystrikes.out_of_memory`), as :class:`UnreadableDocument`."""
 from __future__ import annotations
 
 import errno
@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 
 from ...core.errors import ErrorCode, InvalidDocument, UnreadableDocument
-from ...core.jobs import out_of_memory
+from ...core.memorystrikes import out_of_memory
 
 # errors that say "not now" rather than "never": a file hit by them is looked at again later,
 # never set aside
