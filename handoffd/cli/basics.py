@@ -5,11 +5,15 @@ command line (:mod:`handoffd.cli.common`) all build on it."""
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..core.errors import HandoffdError, InvalidDocument, NotFound, UsageError
+# loaded with the command, not when its error is printed: with no descriptor or memory left,
+# that import failed and the error became a traceback (core.shown only imports json)
+from ..core.shown import clean
 from ..core.workspace import Workspace, resolve_root
 
 if TYPE_CHECKING:
@@ -18,6 +22,43 @@ if TYPE_CHECKING:
     from ..core.submission import Submitter
 
 PROG = "handoff"
+FEW_DESCRIPTORS = 64  # a descriptor limit below this loads logging at the start (see below)
+
+
+def prepare_streams(program: str, *, stdout_needed: bool = True) -> int | None:
+    """Set stdout and stderr up for a command, first thing: a character their encoding cannot
+    carry (a document's ``ë`` on ``PYTHONIOENCODING=ascii`` or ``LC_ALL=C``) is written as a
+    ``\\xeb`` escape instead of failing the command halfway through its output. None when the
+    command can run; else the exit code it ends with (2, after one stderr line): a closed
+    stdout (``handoff ls >&-``, ``sys.stdout`` is None) when ``stdout_needed``, where a command
+    printed nothing, or created a handoff whose id reached no one, and exited 0."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:  # (a stream replaced by one that is no TextIOWrapper)
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # (closed meanwhile, or its flush failed)
+                pass
+    if sys.stdout is None and stdout_needed:
+        # (a closed stderr too: print then writes nowhere, and the exit code says it alone)
+        print(f"{program}: error: stdout is closed (descriptor 1); the command's output "
+              "would reach no one: run it with stdout open (e.g. >/dev/null)", file=sys.stderr)
+        return 2
+    return None
+
+
+def load_if_few_descriptors() -> None:
+    """With few descriptors allowed (``ulimit -n`` under :data:`FEW_DESCRIPTORS`), import
+    ``logging`` now: a command's warnings import it at their first line (:mod:`..core.logs`),
+    and they come when a descriptor is what was missing (the seen-ids record or the event log
+    could not be opened after the document was written), so the import failed too and the
+    create that had placed its document exited 1. Otherwise nothing (3 ms of every start)."""
+    try:
+        allowed = os.sysconf("SC_OPEN_MAX")  # (the soft limit; -1: none)
+    except (ValueError, OSError):
+        return
+    if 0 < allowed < FEW_DESCRIPTORS:
+        import logging  # noqa: F401
 
 
 def open_workspace(root: str | Path | None, *, create: bool = False) -> Workspace:
@@ -28,9 +69,9 @@ def open_workspace(root: str | Path | None, *, create: bool = False) -> Workspac
         where = os.environ.get("PWD") or "(unknown)"
         raise NotFound(f"the current directory {where} no longer exists; cd to the workspace or "
                        f"{root_remedy(root) if root else 'pass --root'}") from None
-    if not ws.root.is_dir():  # a mistyped --root must not silently start a new workspace
-        raise NotFound(f"workspace directory {ws.root} does not exist; create it or "
-                       f"{root_remedy(root)}")
+    except UsageError as exc:  # a symlink loop (resolve_root)
+        raise UsageError(f"{exc}; {root_remedy(root)}") from None
+    check_root(ws.root, root)
     if create:
         ws.ensure()  # (which refuses state folders as below)
         return ws
@@ -41,6 +82,22 @@ def open_workspace(root: str | Path | None, *, create: bool = False) -> Workspac
         raise HandoffdError(f"{ws.root} is not a handoffd workspace (no handoffs/ folders); pass "
                             "--root, or run `handoffd serve` there once to create it")
     return ws
+
+
+def check_root(path: Path, root: str | Path | None) -> None:
+    """Refuse a workspace directory ``path`` that is missing (NotFound, exit 3: a mistyped
+    --root must not silently start a new workspace), not a directory (UsageError, exit 2) or
+    cannot be looked at (exit 1: not "does not exist", which sends one to create it)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise NotFound(f"workspace directory {path} does not exist; create it or "
+                       f"{root_remedy(root)}") from None
+    except OSError as exc:  # EACCES on a folder above it, EIO...
+        raise HandoffdError(f"cannot look at workspace directory {path}: "
+                            f"{exc.strerror or exc}") from None
+    if not stat.S_ISDIR(mode):
+        raise UsageError(f"workspace directory {path} is not a directory; {root_remedy(root)}")
 
 
 def root_remedy(root: str | Path | None) -> str:
@@ -87,7 +144,6 @@ def bridged(opened: Engine | Submitter) -> None:
 def warn(message: str) -> None:
     """One ``handoff: warning:`` line on stderr (its control characters shown escaped); the
     command goes on."""
-    from .render import clean
     print(f"{PROG}: warning: {clean(message)}", file=sys.stderr)
 
 
@@ -184,10 +240,12 @@ def exit_code(program: str, exc: BaseException) -> int:
         message, code = "interrupted", 130
     elif isinstance(exc, OSError):
         message, code = f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), 1
+    elif isinstance(exc, MemoryError):  # (the command's memory is given back by now)
+        message, code = "out of memory (raise the memory limit, e.g. `ulimit -v`)", 1
     else:  # a bug: still one line (HANDOFFD_DEBUG=1 re-raises it for a traceback)
         message, code = (f"internal error: {type(exc).__name__}: {exc} "
                          "(set HANDOFFD_DEBUG=1 for a traceback)"), 1
-    from .render import clean  # one line, whatever a message quotes from a document
+    # one line, whatever a message quotes from a document (clean: imported with this module)
     print(f"{program}: error: {clean(message)}", file=sys.stderr)
     return code
 
@@ -199,7 +257,7 @@ def failure_code(program: str, exc: BaseException) -> int:
         quiet_stdout()
         return 0
     if os.environ.get("HANDOFFD_DEBUG") and not isinstance(exc, (HandoffdError, OSError,
-                                                                  KeyboardInterrupt)):
+                                                                  MemoryError, KeyboardInterrupt)):
         raise exc
     return exit_code(program, exc)
 

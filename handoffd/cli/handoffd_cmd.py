@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..core.config import processes_value
-from .basics import failure_code
+from .basics import failure_code, prepare_streams
 from .daemon_commands import PROG, run_batch, serve
 from .quick import Form, number, parse
 
@@ -78,6 +78,11 @@ def try_quick(argv: Sequence[str]) -> int | None:
 def main() -> None:
     """Console-script entry point. ``$HANDOFFD_CRASH_AT`` (a step of claim or finish, for
     recovery tests) makes the daemon die there as if killed."""
+    # serve and run log to stderr and never need stdout: they run with it closed (cron, a
+    # supervisor); any other command's output would reach no one
+    refused = prepare_streams(PROG, stdout_needed=sys.argv[1:2] not in (["run"], ["serve"]))
+    if refused is not None:
+        sys.exit(refused)
     point = os.environ.get("HANDOFFD_CRASH_AT", "")
     if point:
         from ..backends.files.crashpoints import inject_crash_at

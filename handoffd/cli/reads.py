@@ -218,7 +218,8 @@ def print_rows(rows: list[dict[str, Any]], *, as_json: bool, note: str | None = 
     else:
         Out().table(*handoff_rows(rows))
     if note is not None:
-        sys.stdout.flush()  # (the note comes after the table at a terminal)
+        if sys.stdout is not None:  # (None: started with it closed, as a library's caller may)
+            sys.stdout.flush()  # (the note comes after the table at a terminal)
         print(note, file=sys.stderr)
 
 

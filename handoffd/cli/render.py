@@ -7,6 +7,7 @@ per handoff however long its note is.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import sys
@@ -46,12 +47,25 @@ def json_text(data: Any) -> str:
     """``data`` as indented JSON whose every character is printable: json.dumps escapes only
     the C0 controls, so DEL, C1 controls (``\\x9b`` is a CSI to some terminals), bidi overrides
     and lone surrogates (unprintable as UTF-8) from documents would reach the terminal raw.
-    They can only stand inside strings, where a ``\\uXXXX`` escape is the same JSON value."""
-    text = json.dumps(data, indent=2, ensure_ascii=False)
+    They can only stand inside strings, where a ``\\uXXXX`` escape is the same JSON value.
+    On a stdout that does not take UTF-8 (``PYTHONIOENCODING=ascii``, ``LC_ALL=C``), every
+    non-ASCII character is escaped so: the same JSON, which such a stream can carry."""
+    text = json.dumps(data, indent=2, ensure_ascii=not stdout_takes_utf8())
     if text.isascii() and "\x7f" not in text:  # the usual case: all printable already
         return text
     return "\n".join(line if line.isprintable() else _json_escaped(line)
                      for line in text.split("\n"))
+
+
+def stdout_takes_utf8() -> bool:
+    """Whether stdout's encoding is UTF-8 (so too for a stream that names none: a test's)."""
+    encoding = getattr(sys.stdout, "encoding", None)
+    if not isinstance(encoding, str):
+        return True
+    try:
+        return codecs.lookup(encoding).name == "utf-8"
+    except LookupError:
+        return False
 
 
 def _json_escaped(line: str) -> str:

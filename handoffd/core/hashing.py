@@ -15,6 +15,7 @@ _INNER = bytes(x ^ 0x36 for x in range(256))
 _OUTER = bytes(x ^ 0x5C for x in range(256))
 _pads: dict[bytes, tuple[Any, Any]] = {}  # key -> its inner and outer hash states
 _sha256: Callable[..., Any] | None = None  # the constructor, once loaded
+_blake2b: Callable[..., Any] | None = None  # digest64's, once loaded
 
 
 def sha256_hex(data: bytes) -> str:
@@ -26,11 +27,21 @@ def sha256_hex(data: bytes) -> str:
 def digest64(data: bytes, *, key: bytes = b"") -> bytes:
     """An 8-byte BLAKE2b of ``data`` (keyed with ``key``) for hash tables of ids: the
     interpreter's own BLAKE2 (what hashlib serves too), so no command loads OpenSSL for it."""
-    try:
-        from _blake2 import blake2b
-    except ImportError:  # a build without it
-        from hashlib import blake2b
-    return blake2b(data, digest_size=8, key=key).digest()
+    blake2b = _blake2b or _load_blake2b()
+    return blake2b(data, digest_size=8, key=key).digest()  # type: ignore[no-any-return]
+
+
+def _load_blake2b() -> Callable[..., Any]:
+    """BLAKE2b's constructor, loaded once (the interpreter's own, or hashlib's where a build
+    lacks it)."""
+    global _blake2b
+    if _blake2b is None:
+        try:
+            from _blake2 import blake2b
+        except ImportError:  # a build without it
+            from hashlib import blake2b
+        _blake2b = blake2b
+    return _blake2b
 
 
 def _builtin_sha256() -> Callable[..., Any]:
@@ -85,5 +96,8 @@ def same_text(a: str, b: str) -> bool:
 def load() -> None:
     """Load the seals' hash now: a command about to write a document (which the files store
     seals) pays for it before it stamps the document's creation time, not between that stamp and
-    the moment the document appears."""
+    the moment the document appears. The seen-ids record's hash too: loaded once the document
+    is written, with few descriptors left (``ulimit -n``) its import failed, and the create
+    that had placed its document ended in a traceback."""
     _builtin_sha256()
+    _load_blake2b()

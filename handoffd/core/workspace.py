@@ -1,6 +1,7 @@
 """A workspace: the directory tree the README describes and where each thing lives in it."""
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 
 from .config import Config, load_config
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .states import State
 
 CONFIG_NAME = "handoffd.toml"
@@ -25,9 +26,15 @@ NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "g
 
 
 def resolve_root(option: str | Path | None = None) -> Path:
-    """``--root``, else ``$HANDOFFD_ROOT``, else the current directory (absolute, symlinks resolved)."""
+    """``--root``, else ``$HANDOFFD_ROOT``, else the current directory (absolute, symlinks
+    resolved); UsageError (one line, exit 2) when its symlinks form a loop."""
     chosen = option or os.environ.get("HANDOFFD_ROOT") or os.getcwd()
-    return Path(chosen).expanduser().resolve()
+    try:
+        return Path(chosen).expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # Python < 3.13 raises RuntimeError for a loop
+        if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
+            raise
+        raise UsageError(f"workspace directory {chosen} is a symlink loop") from None
 
 
 @dataclass(frozen=True)

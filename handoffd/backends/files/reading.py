@@ -9,6 +9,7 @@ view of a pending document that the scheduler, the listing and a peek all take.
 """
 from __future__ import annotations
 
+import errno
 import heapq
 import os
 import re
@@ -52,6 +53,8 @@ MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
 # what a document cut short by its writer reads as: still being written while it is young
 HALF_WRITTEN = frozenset({ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8})
 LIVE = (State.PENDING, State.IN_PROGRESS)
+# what an lstat of a document fails with when its folder, not the document, is the matter
+CANNOT_LOOK = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
 # one file of a live handoff in a stamp: which folder (its index in live_folders), inode, size,
 # mtime_ns, ctime_ns; packed (bytes are small, and not tracked by the garbage collector)
 _FILE_STAMP = struct.Struct("=BQqqq")
@@ -75,8 +78,21 @@ class Reading(Protocol):
 
 
 def locate(store: Reading, handoff_id: str) -> list[State]:
-    """Every state folder holding a file for ``handoff_id`` (normally exactly one)."""
-    return [s for s in State if os.path.lexists(store.path(s, handoff_id))]
+    """Every state folder holding a file for ``handoff_id`` (normally exactly one). A folder
+    that cannot be looked into (EACCES, EPERM, EIO) raises that OSError, naming it: taken for
+    "no such file" (os.path.lexists), it made a handoff read as gone, which ``show`` and
+    ``wait`` said with exit 3, what scripts read as "it no longer exists"."""
+    found = []
+    for state in State:  # (one lstat a folder: a claim and a filing look here)
+        try:
+            os.lstat(store.path(state, handoff_id))
+        except OSError as exc:
+            if exc.errno in CANNOT_LOOK:
+                raise type(exc)(exc.errno, f"cannot look into {state.value}/ for handoff "
+                                f"{handoff_id} ({exc.strerror})", exc.filename) from None
+            continue  # ENOENT, or ENOTDIR (a state folder replaced by a file): not there
+        found.append(state)
+    return found
 
 
 def get(store: Reading, handoff_id: str) -> tuple[State, dict[str, Any]]:
