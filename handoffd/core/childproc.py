@@ -124,7 +124,10 @@ def end_attempt(ctx: HandlerContext, proc: subprocess.Popen[bytes], token: str,
     for collector in collectors:
         collector.finish(PIPE_DRAIN_SECONDS)
     for thread in helpers:
-        thread.join(timeout=PIPE_DRAIN_SECONDS)
+        if thread.ident is not None:  # (one that could not be started: no thread to spare)
+            thread.join(timeout=PIPE_DRAIN_SECONDS)
+    if proc.stdin is not None and not any(thread.is_alive() for thread in helpers):
+        _close(proc.stdin)  # a feeder that never started never closed it
     if survivors == 0:
         procrecords.remove_record(ctx.root, ctx.handoff_id, token)
 
@@ -235,7 +238,11 @@ class Collector:
                 pass
 
     def finish(self, wait: float) -> None:
-        """Join the thread: up to ``wait`` seconds for EOF, then cut the pipe off."""
+        """Join the thread: up to ``wait`` seconds for EOF, then cut the pipe off (one that was
+        never started, for want of a thread to spare, only closes the pipe)."""
+        if self.thread.ident is None:
+            _close(self.pipe)
+            return
         self.thread.join(timeout=wait)
         if self.thread.is_alive():
             self.stop.set()
@@ -244,3 +251,10 @@ class Collector:
     def data(self) -> bytes:
         """What was kept of the pipe's output."""
         return bytes(self.buffer)
+
+
+def _close(pipe: Any) -> None:
+    try:
+        pipe.close()
+    except OSError:
+        pass

@@ -19,7 +19,7 @@ from typing import Callable
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
 from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError
-from ..core.runner import cancel
+from ..core.runner import cancel, not_started
 from ..core.states import State
 from ..core.watchdog import TakenOver
 from . import handbacks
@@ -104,6 +104,14 @@ class Attempts(HeldOutcomes):
         the filing failed for a passing reason and the outcome is kept to be filed again (the
         job stays active: :meth:`_keep_to_refile`)."""
         job.ending = True
+        shortage = not_started(job.context)
+        if shortage is not None:  # its handler could not start for now (descriptors, processes)
+            where = handbacks.hand_back_unstarted(self.engine, job, shortage, outcome)
+            if isinstance(where, Outcome):  # a shortage too long in a row: counted
+                return self._file(job, where)
+            if where is State.PENDING:
+                self.report.handed_back += 1
+            return False
         if job.context.handback:  # counted once a stop interrupted it too often in a row
             where = handbacks.hand_back(self.engine, job, outcome)
             if where is State.PENDING:

@@ -20,9 +20,15 @@ a parent claimed to aggregate its children when its daemon died): a ``recovered`
 followed by such a hand-back (or by a retry it counted, with :data:`STOPS`) is part of that
 interrupted attempt and does not end the run, so a parent whose aggregation ends its daemon
 at every start is counted after :data:`FREE_HANDBACKS` and dead-lettered after its retries.
+
+An attempt whose handler could not be started at all for a passing shortage (descriptors,
+processes, memory) is handed back too, with a back-off, by :func:`hand_back_unstarted`: never a
+stop (it ran nothing), counted only once such shortages outlast :data:`FREE_SHORTAGES` in a row.
 """
 from __future__ import annotations
 
+import logging
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import Outcome, book
@@ -31,6 +37,7 @@ from ..core.states import State
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
+    from ..core.runner import NotStarted  # (the CLI's `handoff retry` loads this module)
 
 # stops in a row that hand a running attempt back for free: an operator's restarts (deploys,
 # a sibling process of `serve --processes` stopped after a crash) never cost a retry; a handler
@@ -40,6 +47,19 @@ FREE_HANDBACKS = 10
 # parent's aggregation the sweep recovered)
 INTERRUPTED = "interrupted"
 STOPS = "stops_in_a_row"  # detail of an error filed for a counted stop (or counted recovery)
+
+# An attempt whose handler could not be started for a passing shortage (descriptors, processes,
+# memory: :func:`handoffd.core.runner.not_started`) is handed back uncounted, due again after a
+# back-off doubling from SHORTAGE_FIRST_SECONDS to SHORTAGE_MAX_SECONDS; its ``handed_back``
+# event says why (NOT_STARTED: the errno's name). A shortage that outlasts FREE_SHORTAGES such
+# hand-backs in a row (about half an hour) counts each further one as a failed attempt
+# (``PROCESSING_ERROR``, detail SHORTAGE_RUN) under the retry policy: the history stays bounded.
+NOT_STARTED = "not_started"
+SHORTAGE_RUN = "shortages_in_a_row"
+FREE_SHORTAGES = 30
+SHORTAGE_FIRST_SECONDS = 1.0
+SHORTAGE_MAX_SECONDS = 60.0
+log = logging.getLogger("handoffd")
 
 
 def interrupted(entry: dict[str, Any]) -> bool:
@@ -97,3 +117,49 @@ def hand_back(engine: Engine, job: Job, outcome: Outcome) -> State:
         "--max-seconds, is failed this way",
         retryable=True, details={STOPS: streak})
     return engine.file(job.claim, job.dialect, job.specialist, failure)
+
+
+def shortages_in_a_row(doc: dict[str, Any]) -> int:
+    """How many attempts in a row, at the end of the handoff's history, could not start their
+    handler for a passing shortage (handed back, or counted: see :data:`SHORTAGE_RUN`); claims are
+    skipped, any other event ends the run."""
+    history = book(doc).get("history")
+    count = 0
+    for entry in reversed(history if isinstance(history, list) else []):
+        event = entry.get("event") if isinstance(entry, dict) else None
+        detail = entry.get("detail") if isinstance(entry, dict) else None
+        if event == "claimed":
+            continue
+        if not isinstance(detail, dict):
+            break
+        error = detail.get("error")
+        details = error.get("details") if isinstance(error, dict) else None
+        counted = isinstance(details, dict) and SHORTAGE_RUN in details
+        if (event == "handed_back" and isinstance(detail.get(NOT_STARTED), str)) or (
+                event == "retry_scheduled" and counted):
+            count += 1
+            continue
+        break
+    return count
+
+
+def hand_back_unstarted(engine: Engine, job: Job, shortage: NotStarted,
+                        outcome: Outcome) -> State | Outcome:
+    """End ``job``'s attempt, whose handler could not be started for a passing ``shortage``:
+    handed back uncounted, due again after a back-off (one line naming the limit), and where it
+    went returned (IN_PROGRESS: the claim was lost meanwhile, nothing written); after
+    :data:`FREE_SHORTAGES` in a row, the failed attempt to file instead (counted)."""
+    streak = shortages_in_a_row(job.claim.doc) + 1
+    if streak > FREE_SHORTAGES:
+        return engine.failure(
+            outcome.started_at or engine.clock(), ErrorCode.PROCESSING_ERROR,
+            f"{shortage.message}; {streak} times in a row (after {FREE_SHORTAGES} uncounted "
+            "hand-backs each counts as an attempt)", retryable=True,
+            details={SHORTAGE_RUN: streak, "cannot_start": shortage.reason})
+    delay = min(SHORTAGE_MAX_SECONDS, SHORTAGE_FIRST_SECONDS * 2.0 ** (streak - 1))
+    where = engine.requeue(job.claim, job.dialect, "handed_back",
+                           due_at=engine.clock() + timedelta(seconds=delay),
+                           reason=shortage.message, not_started=shortage.reason)
+    if where is State.PENDING:
+        log.warning("%s; handed back uncounted, started again in %gs", shortage.message, delay)
+    return where
