@@ -83,7 +83,12 @@ def create(
         raise UsageError("--wait-timeout applies to --wait; add --wait, or drop it")
     if wait_timeout is not None:  # before the submit: refused after it, a retry made another
         _check_wait_timeout(wait_timeout)
-    eng = engine(root, create=True, features=("dependencies",))  # submit's check
+    # with --wait, a store away at the start ends as the wait would lose it: at its timeout
+    eng, wait_timeout = reads.open_within(
+        wait_timeout if wait else None, "no handoff created",
+        lambda: engine(root, create=True, features=("dependencies",)))  # submit's check
+    if wait:
+        reads.quiet_reconnects(eng.backend)  # (the wait's last line says the store was away)
     due_at, expires_at = _timing(eng.clock(), at, delay, expires_after)
     if file is not None:
         # the document says all of these itself: given with it, each was silently dropped (a

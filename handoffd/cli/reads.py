@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ..core.errors import NotFound, UsageError
 from ..core.states import State
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
 DEFAULT_LIMIT = 50  # `handoff ls` without --limit lists the newest 50 rows
 STATES = [s.value for s in State] + ["quarantined"]
+Opened = TypeVar("Opened")  # what open_within opens (a store, an engine)
 
 
 # ---------------------------------------------------------------- show
@@ -229,7 +230,10 @@ def wait(root: str | Path | None, handoff_id: str, timeout: float | None, *,
     """``handoff wait``: block until the handoff is finished or asks its requester; the exit
     code (0 completed, 1 failed, 4 awaiting an answer; WaitTimeout after ``timeout``)."""
     from ..service.waiting import dropped_here, wait_terminal
-    store = backend(root)
+    # (a store away at the start ends as one lost midway: at the timeout, exit 124)
+    store, timeout = open_within(timeout, f"handoff {handoff_id}: no answer",
+                                 lambda: backend(root))
+    quiet_reconnects(store)
     looked = dropped_here(store, open_workspace(root))  # (a file being written is on its way)
     try:  # the store hands out trusted views: the exit code is the folder's
         state, doc = wait_terminal(looked, handoff_id, timeout, or_awaiting=True)
@@ -239,6 +243,45 @@ def wait(root: str | Path | None, handoff_id: str, timeout: float | None, *,
             raise
         state, doc = found
     return report_wait(handoff_id, state, doc, as_json=as_json)
+
+
+def open_within(timeout: float | None, gave_up: str,
+                opener: Callable[[], Opened]) -> tuple[Opened, float | None]:
+    """``(opener(), the seconds left of timeout)``: the store (or an engine on it) for a wait
+    of at most ``timeout`` seconds. A store that cannot be reached now (a StoreError whose
+    ``unreachable`` says why: a database restarting) is tried again, with backoff, until the
+    time is up; then WaitTimeout (exit 124), ``gave_up`` and why, as a wait that lost the store
+    midway ends (it exited 1 at once). None: one try, errors as they are."""
+    import time
+
+    from ..core.errors import HandoffdError, WaitTimeout
+    ends = time.monotonic() + (timeout or 0.0)
+    pause, retried = 0.1, False
+    while True:
+        try:
+            opened = opener()
+        except HandoffdError as exc:
+            why = getattr(exc, "unreachable", None)
+            left = ends - time.monotonic()
+            if timeout is None or not isinstance(why, str):
+                raise
+            if left <= 0:
+                raise WaitTimeout(f"{gave_up} within {timeout:g}s: {why}") from None
+            time.sleep(min(pause, left))
+            pause, retried = min(pause * 2, 2.0), True  # (the store's own reconnect backoff)
+            continue
+        if not retried or timeout is None:  # opened at once: the whole time is the wait's
+            return opened, timeout
+        return opened, round(max(ends - time.monotonic(), 0.0), 1)
+
+
+def quiet_reconnects(store: Any) -> None:
+    """A store that can be away (PostgreSQL) logs losing and regaining the database at debug
+    level: a wait's last line says so itself (as a daemon's log, they were lines of their own,
+    without the ``handoff:`` prefix, before the wait's error)."""
+    quiet = getattr(store, "quiet_reconnects", None)
+    if callable(quiet):
+        quiet()
 
 
 def archived_state(root: str | Path | None, store: "Backend",

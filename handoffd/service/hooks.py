@@ -18,6 +18,17 @@ log = logging.getLogger("handoffd")
 MessageHandler = Callable[[Engine, str], State | None]
 
 
+def hook_name(hook: Callable[..., Any]) -> str:
+    """Who registered ``hook``, for a log line: "the pause feature" for a feature of handoffd
+    (its module), the module's name for another plugin's (a closure's qualified name,
+    ``install.<locals>.attach.<locals>.look``, said nothing to an operator)."""
+    module = getattr(hook, "__module__", None)
+    if not isinstance(module, str) or not module:
+        return repr(hook)
+    package, _, name = module.rpartition(".")
+    return f"the {name} feature" if package == "handoffd.features" else module
+
+
 class Hooks:
     """What features registered with one daemon."""
 
@@ -49,9 +60,8 @@ class Hooks:
             try:
                 hook()
             except OSError as exc:  # the store away (StoreUnavailable), a full disk: no bug
-                log.error("scan hook %s failed: %s; will try again at the next scan",
-                          getattr(hook, "__qualname__", repr(hook)),
-                          " ".join(str(exc).split())[:300])
+                log.error("scan hook of %s failed: %s; will try again at the next scan",
+                          hook_name(hook), " ".join(str(exc).split())[:300])
             except Exception:  # a feature's hook must not stop the scan (a bug: its traceback)
                 log.exception("scan hook %r failed", hook)
 

@@ -107,6 +107,7 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         self.nonce = uuid.uuid4().hex[:12]  # our own notifications, told apart from others'
         self._subscribers = Subscribers()
         self._listener: Listener | None = None
+        self._report_level = logging.WARNING  # of lost/back lines (see quiet_reconnects)
         try:
             self.schema_version = self.db.run(lambda conn, _: _ensure_schema(conn))
         except psycopg.Error as exc:  # e.g. a role that may not create or read the tables
@@ -168,6 +169,16 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
             raise WaitTimeout(f"handoff {handoff_id}: no answer within {timeout:g}s: {exc}",
                               handoff_id=handoff_id) from None
 
+    def quiet_reconnects(self) -> None:
+        """From now on, losing and regaining the database (the pool's and the wake-up
+        listener's lines) are logged at debug level: for a command whose own last line says the
+        store was away (``handoff wait``), where a daemon's warnings came out as lines of their
+        own before it."""
+        self._report_level = self.db.report_level = logging.DEBUG
+        for thread in (self._listener, self._presence):
+            if thread is not None:
+                thread.report_level = logging.DEBUG
+
     def interrupt(self, grace_seconds: float = 0.0) -> None:
         """This process is stopping: from now on an operation that has lost the database gives
         up within ``grace_seconds`` instead of retrying for the reconnect window, so that a
@@ -185,6 +196,7 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         if self._listener is None:
             self._listener = Listener(self.url, self._heard,
                                       lambda: self._subscribers.fire("", LOST))
+            self._listener.report_level = self._report_level
         self._listener.start()
 
         def unsubscribe() -> None:

@@ -154,6 +154,11 @@ class Claiming(ClaimOwner):
                 if mine is not None:
                     held = document(mine[1], mine[0], "in-progress")  # (we wrote it)
                     return Claim(mine[0], held, token, book_int(held, "attempt", 1))
+            # the gate again at each try: one retried after the database came back would
+            # otherwise claim before this process's presence session is back (its handler
+            # started, to be stopped at once by the lease keeper: a wasted, counted attempt)
+            if not self.present_for_sure():
+                return None
             got = conn.execute(
                 f"UPDATE {T} SET state = 'in-progress', lease_token = %(token)s, "
                 f"lease_expires_at = %(expires)s, lease_owner = %(owner)s WHERE id = ({pick}) "

@@ -48,6 +48,13 @@ CHANNEL = "handoffd"
 KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 15, "keepalives_interval": 5,
                               "keepalives_count": 3}
 BACKOFF_FIRST, BACKOFF_MAX = 0.1, 2.0
+# the pool's own reconnection backs off 1, 2, 4 ... 32 s (to 300 s) after a lost server: back
+# after 35 s, work resumed after 61. Its attempts give up after this long instead (the next
+# checkout, at most CHECKOUT_SLICE later, starts afresh at once), so it tries about each second
+POOL_RETRY_SECONDS = BACKOFF_MAX
+# a server that answered but takes no connections now (starting up, shutting down, in recovery,
+# full): unlike a refused password, role or database, trying again later may work
+BUSY_SERVER = ("the database system is", "too many clients", "connection slots are reserved")
 MIN_CHECKOUT = 0.05  # a pooled connection that is free is taken even at a deadline
 CHECKOUT_SLICE = 0.5  # waiting for a pooled connection looks at interrupts this often
 # when the operations of this thread (context) give up retrying, on time.monotonic()'s clock
@@ -60,7 +67,29 @@ class StoreUnavailable(OSError):
 
 
 class StoreError(HandoffdError):
-    """The store URL is unusable (bad URL, authentication, missing database)."""
+    """The store URL is unusable (bad URL, authentication, missing database), or the store
+    cannot be opened now (``unreachable``)."""
+
+    #: why the server cannot be reached now (down, restarting, a cut network): trying again
+    #: later may work, as a bounded wait does (``handoff wait --timeout``); None: it cannot
+    unreachable: str | None = None
+
+
+def cannot_connect(url: str, detail: str) -> StoreError:
+    """The StoreError of a store that could not be opened, for ``detail`` (libpq's words):
+    ``unreachable`` set unless the server answered and refused (see :func:`reachable_later`)."""
+    error = StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: {detail}")
+    if reachable_later(detail):
+        error.unreachable = f"the PostgreSQL store {redact(url)} is unreachable: {detail}"
+    return error
+
+
+def reachable_later(detail: str) -> bool:
+    """True when a failed connection's ``detail`` says the server was not reached (no server
+    on the socket or port, a timeout, a name that does not resolve) or is busy
+    (:data:`BUSY_SERVER`); False when it answered with a refusal (``FATAL:`` a wrong password,
+    role or database, no pg_hba.conf entry) that no retry cures."""
+    return "FATAL:" not in detail or any(words in detail for words in BUSY_SERVER)
 
 
 def redact(url: str) -> str:
@@ -138,14 +167,16 @@ class Database:
         self._state_lock = threading.Lock()
         self._give_up_at = math.inf  # set by interrupt(): retries end then, whatever the window
         self._wake = threading.Condition()  # interrupt() wakes retries sleeping their backoff
+        self.report_level = logging.WARNING  # of the lost/back lines (see quiet_reconnects)
         # one direct attempt first: a wrong URL, host or password fails at once with the
         # server's own words (the pool would retry quietly until its timeout)
         detail = _last_error(url, connect_timeout)
         if detail is not None:
-            raise StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: {detail}")
+            raise cannot_connect(url, detail)
         self.pool: ConnectionPool[Conn] = ConnectionPool(
             url, min_size=1, max_size=max(max_size, 1), open=False, name="handoffd",
             timeout=connect_timeout, kwargs={"connect_timeout": max(int(connect_timeout), 1)},
+            reconnect_timeout=POOL_RETRY_SECONDS,  # (not its minutes of backoff: see there)
             configure=configure)  # json a foreign writer left must never fail a whole fetch
         # no check on checkout (a round trip per operation): a connection that died while idle
         # fails its first statement, is discarded by the pool, and run() retries on a new one
@@ -153,9 +184,7 @@ class Database:
             self.pool.open(wait=True, timeout=connect_timeout)
         except Exception as exc:
             self.pool.close(timeout=1.0)
-            detail = _last_error(url) or str(exc)
-            raise StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: {detail}") \
-                from None
+            raise cannot_connect(url, _last_error(url) or str(exc)) from None
 
     def run(self, operation: Callable[[Conn, bool], T]) -> T:
         """``operation(conn, retried)`` in one transaction (committed when it returns).
@@ -227,8 +256,8 @@ class Database:
             if self._lost_since is not None:
                 return
             self._lost_since = time.monotonic()
-        log.warning("lost the database connection (%s); reconnecting with backoff",
-                    " ".join(str(exc).split())[:200] or type(exc).__name__)
+        log.log(self.report_level, "lost the database connection (%s); reconnecting with "
+                "backoff", " ".join(str(exc).split())[:200] or type(exc).__name__)
 
     def _back(self) -> None:
         if self._lost_since is None:
@@ -236,7 +265,8 @@ class Database:
         with self._state_lock:
             since, self._lost_since = self._lost_since, None
         if since is not None:
-            log.warning("reconnected to the database after %.1fs", time.monotonic() - since)
+            log.log(self.report_level, "reconnected to the database after %.1fs",
+                    time.monotonic() - since)
 
     def close(self) -> None:
         """Close every pooled connection (an operation still retrying gives up at once)."""
@@ -263,6 +293,7 @@ class SessionThread:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.report_level = logging.WARNING  # of the lost/back lines
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -320,8 +351,8 @@ class SessionThread:
                     self._setup(conn)
                     self._ready.set()
                     if lost_at is not None:
-                        log.warning("%s connection to the database is back after %.1fs",
-                                    self.what, time.monotonic() - lost_at)
+                        log.log(self.report_level, "%s connection to the database is back "
+                                "after %.1fs", self.what, time.monotonic() - lost_at)
                         lost_at = None
                         self._lost()
                     delay = BACKOFF_FIRST
@@ -331,8 +362,9 @@ class SessionThread:
                     break
                 if lost_at is None:
                     lost_at = time.monotonic()
-                    log.warning("lost the %s connection to the database (%s); reconnecting "
-                                "with backoff", self.what, " ".join(str(exc).split())[:200])
+                    log.log(self.report_level, "lost the %s connection to the database (%s); "
+                            "reconnecting with backoff", self.what,
+                            " ".join(str(exc).split())[:200])
                     self._lost()
                 self._ready.set()  # nobody waits on a server that is down
                 self._stop.wait(delay)
