@@ -73,3 +73,37 @@ def test_the_loser_of_two_retries_is_told_it_is_pending(tmp_path: Path,
     with pytest.raises(InvalidTransition, match="is pending, not failed"):
         requeue_failed(engine, "f1", force=True)
     assert backend.get("f1")[0] is State.PENDING
+
+
+def test_retry_all_failed_skips_what_it_cannot_retry_and_counts_what_went(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R23 #3: `retry --all-failed` racing a purge exited 3 with a "no handoff" error for each
+    failure the purge removed after its listing; a child already aggregated made it exit 1."""
+    ws: Workspace = handlers_workspace(tmp_path, monkeypatch, "cg17", HANDLERS, CONFIG)
+    try:
+        ws.create("--to", "@boss", "--id", "part", "--data",
+                  json.dumps({"aggregation": "all_success", "n": 2, "fail": [1]}))
+        for n in range(3):
+            ws.create("--to", "@leaf", "--id", f"f{n}", "--data",
+                      json.dumps({"n": n, "fail": True}))
+        ws.handoffd("run", timeout=120)
+        # f0 goes between the listing and its retry, as a purge racing it removes it
+        hook = tmp_path / "hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(
+            "from handoffd.service import sweeper\n"
+            "real = sweeper.requeue_failed\n"
+            "def requeue(engine, handoff_id, **kw):\n"
+            "    if handoff_id == 'f0':\n"
+            "        import os; os.unlink(engine.ws.doc_path(sweeper.State.FAILED, 'f0'))\n"
+            "    return real(engine, handoff_id, **kw)\n"
+            "sweeper.requeue_failed = requeue\n")
+        monkeypatch.setenv("PYTHONPATH", f"{hook}:{tmp_path / 'handlers'}")
+        proc = ws.handoff("retry", "--all-failed")
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(proc.stdout.split()) == ["f1", "f2"], proc.stdout
+        assert "skipped: handoff part.c2 is a child of part" in proc.stderr, proc.stderr
+        assert "1 failed handoff(s) listed were gone before their retry" in proc.stderr
+        assert "no handoff" not in proc.stderr and "Traceback" not in proc.stderr
+    finally:
+        ws.cleanup()

@@ -176,8 +176,9 @@ def test_retry_refuses_a_stub_even_with_force(tmp_path: Path) -> None:
     before = failed(space, "bad").read_bytes()
     for args in (("bad",), ("bad", "--force"), ("--all-failed", "--force")):
         tried = space.handoff("retry", *args)
-        assert tried.returncode == 1, (args, tried.stdout, tried.stderr)
+        # (--all-failed says it skipped what it cannot retry, exit 0: session 20)
+        assert tried.returncode == (0 if "--all-failed" in args else 1), (args, tried.stderr)
         assert "failure stub" in tried.stderr and "MALFORMED_JSON" in tried.stderr, tried.stderr
-        assert "Traceback" not in tried.stderr
+        assert "Traceback" not in tried.stderr and tried.stdout == ""
     assert space.state_of("bad") == ["failed"]
     assert failed(space, "bad").read_bytes() == before

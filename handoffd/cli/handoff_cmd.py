@@ -221,9 +221,11 @@ def retry(
     root: RootOption = None,
 ) -> None:
     """Move failed handoffs back to pending (retry_count + 1, history kept)."""
+    from ..core.errors import InvalidTransition, NotFound
     from ..service.sweeper import requeue_failed
     eng = engine(root)
     ids = list(handoff_ids or [])
+    named = set(ids)
     if all_failed:
         ids += eng.backend.ids(State.FAILED)
         if not ids:  # asked for every failed one, and there is none: nothing to do, not a misuse
@@ -231,7 +233,7 @@ def retry(
             return
     if not ids:
         raise UsageError("name handoff ids to retry, or pass --all-failed")
-    worst = 0
+    worst = gone = 0
     retried = []
     for handoff_id in ids:
         try:
@@ -240,10 +242,19 @@ def retry(
             retried.append(handoff_id)
         except Exception as exc:  # report each, go on with the rest (a missing id stopped the
             # whole command, leaving the ids after it failed without a word); exit: the worst
-            if all_failed and not force and "permanent" in str(exc):
+            listed = all_failed and handoff_id not in named
+            if listed and isinstance(exc, NotFound):  # purged or archived since the listing
+                gone += 1
+                continue
+            if listed and isinstance(exc, InvalidTransition):
+                # what --all-failed cannot retry (a permanent failure without --force, a stub,
+                # a child already aggregated, one retried meanwhile): said, not a failure
                 print(clean(f"{PROG}: skipped: {exc}"), file=sys.stderr)
                 continue
             worst = max(worst, failure_code(PROG, exc))  # its line; 3: a missing id, else 1
+    if gone:
+        print(f"{PROG}: {gone} failed handoff(s) listed were gone before their retry (purged "
+              "or archived meanwhile)", file=sys.stderr)
     if retried and getattr(eng.backend, "shared", False):
         from ..features.filebridge import retract_local
         try:
