@@ -136,9 +136,10 @@ def _passes(eng: Any, older_than: dict[Any, float], archive: bool, dry_run: bool
                                       wait=retention.LOCK_WAIT_SECONDS)
     if result.busy:
         done = f" after {len(result.removed)} removed" if result.removed else ""
-        raise HandoffdError(f"another process's retention pass held handoffs/.meta/"
-                            f"retention.lock for over {retention.LOCK_WAIT_SECONDS:g} s; stopped"
-                            f"{done} (try again later)")
+        from ..features.removal import store_lock  # (the store's: PostgreSQL's is the database's)
+        raise HandoffdError(f"another process's retention pass held {store_lock(eng).name} for "
+                            f"over {retention.LOCK_WAIT_SECONDS:g} s; stopped{done} (try again "
+                            "later)")
     return result.removed, result.kept, result.archive
 
 

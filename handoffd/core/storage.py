@@ -37,6 +37,7 @@ consumer may write completed/ and failed/ itself.
 from __future__ import annotations
 
 import builtins
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Collection, Iterator, Literal, Protocol, runtime_checkable
@@ -244,6 +245,23 @@ class ViolationLog(Protocol):
     def read(self) -> Iterator[dict[str, Any]]:
         """Every entry, oldest first (unreadable ones are skipped), streamed: a few at a time
         are held, however long the log."""
+        ...
+
+
+class RemovalLock(Protocol):
+    """The lock every process working one store shares for removals: retention removes
+    finished handoffs only under it, and a create that names dependencies checks and stores
+    under it (:mod:`handoffd.features.removal`)."""
+
+    name: str  # how a message names it ("handoffs/.meta/retention.lock")
+
+    def hold(self, wait: float) -> AbstractContextManager[bool]:
+        """Hold the lock for the block; yields False when another process holds it past
+        ``wait`` seconds (0: not waited for). Whoever waits first goes next."""
+        ...
+
+    def waited_for(self) -> bool:
+        """Another process waits for the lock now (its holder lets it in between batches)."""
         ...
 
 
@@ -457,6 +475,13 @@ class Backend(Protocol):
     def records(self) -> Records:
         """The shared records of this store (see :class:`Records`)."""
         ...
+
+    def removal_lock(self) -> RemovalLock | None:
+        """The store's own :class:`RemovalLock`, for a store that processes of several
+        workspaces (hosts) share (PostgreSQL): a workspace's lock file orders the processes of
+        its own host only. Default: None, the workspace's lock file
+        (``handoffs/.meta/retention.lock``), which every process of the store shares."""
+        return None
 
     def close(self) -> None:
         """Release what the backend holds (watch threads, connections)."""

@@ -5,13 +5,16 @@ A purge between such a create's check ("the dependency exists") and its write (t
 document) once removed a completed dependency that the purge's look at live work could not yet
 see, and the dependent failed ``DEPENDENCY_MISSING``. The turn file makes the two take turns: a
 create waiting for it gets in between two passes. The lock files live in ``handoffs/.meta`` (not
-``.locks``: the sweep removes the lock files there that no claim uses); with a store several
-hosts share (PostgreSQL), they order the processes of one host only.
+``.locks``: the sweep removes the lock files there that no claim uses). A store that processes
+of several workspaces share (PostgreSQL: several hosts) has a lock of its own
+(:meth:`~handoffd.core.storage.Backend.removal_lock`), which is taken instead: the files of one
+workspace order the processes of its own host only (a purge on host B removed what a create on
+host A had just checked, and two hosts' archive passes each archived every document).
 """
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -20,6 +23,7 @@ from ..core.errors import HandoffdError
 if TYPE_CHECKING:
     from ..core.documents import Envelope
     from ..core.engine import Engine
+    from ..core.storage import RemovalLock
 
 REMOVAL_LOCK = "retention.lock"
 REMOVAL_TURN = "retention.turn"
@@ -64,6 +68,39 @@ def removal_lock(meta: Path, wait: float) -> Iterator[bool]:
         lock.release()
 
 
+class FileRemovalLock:
+    """The workspace's removal lock: its files in ``handoffs/.meta`` (:func:`removal_lock`)."""
+
+    name = f"handoffs/.meta/{REMOVAL_LOCK}"
+
+    def __init__(self, meta: Path) -> None:
+        self.meta = meta
+
+    def hold(self, wait: float) -> AbstractContextManager[bool]:
+        """See :func:`removal_lock`."""
+        return removal_lock(self.meta, wait)
+
+    def waited_for(self) -> bool:
+        """Another process waits for the lock: it holds the turn file while it waits (see
+        :func:`removal_lock`), so the turn cannot be taken now."""
+        from filelock import FileLock, Timeout
+        turn = FileLock(str(self.meta / REMOVAL_TURN), fallback_to_soft=False)
+        try:
+            turn.acquire(timeout=0)
+        except Timeout:
+            return True
+        except OSError:  # (something planted there: the next removal_lock clears it)
+            return False
+        turn.release()
+        return False
+
+
+def store_lock(engine: Engine) -> RemovalLock:
+    """The removal lock every process working ``engine``'s store shares: the store's own
+    (PostgreSQL: one for every host), else the workspace's files."""
+    own = engine.backend.removal_lock()
+    return own if own is not None else FileRemovalLock(engine.ws.meta)
+
 
 @contextmanager
 def dependents_guard(engine: Engine, envelope: Envelope) -> Iterator[None]:
@@ -73,9 +110,10 @@ def dependents_guard(engine: Engine, envelope: Envelope) -> Iterator[None]:
     if not envelope.depends_on:
         yield
         return
-    with removal_lock(engine.ws.meta, DEPENDENT_WAIT_SECONDS) as mine:
+    lock = store_lock(engine)
+    with lock.hold(DEPENDENT_WAIT_SECONDS) as mine:
         if not mine:
-            raise HandoffdError(f"a retention pass held handoffs/.meta/{REMOVAL_LOCK} for over "
+            raise HandoffdError(f"a retention pass held {lock.name} for over "
                                 f"{DEPENDENT_WAIT_SECONDS:.0f} s; nothing was created: try again",
                                 handoff_id=envelope.handoff_id)
         yield

@@ -32,7 +32,7 @@ from ..core.states import State
 from ..core.storage import Row, describe_native
 from .archive import append_archive
 from .liverefs import LiveRefs, Refs
-from .removal import REMOVAL_TURN, removal_lock
+from .removal import store_lock
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -121,12 +121,13 @@ def expire(engine: Engine, *, older_than: dict[State, float], now: datetime,
     """Purge (or archive, then purge) finished handoffs last updated more than
     ``older_than[state]`` seconds before ``now``: at most ``limit`` of them, of at most about
     ``max_bytes`` of JSON (``Result.more`` says whether more are due). One pass at a time per
-    workspace: another process's pass is waited for up to ``wait`` seconds (0: this pass is
-    skipped, ``Result.busy``); two passes at once archived each document twice. ``refs``: what
+    store (its removal lock: :func:`.removal.store_lock`, every host's on PostgreSQL): another
+    process's pass is waited for up to ``wait`` seconds (0: this pass is skipped,
+    ``Result.busy``); two passes at once archived each document twice. ``refs``: what
     live documents referenced, kept from earlier passes (a daemon's, or the CLI's). A dry run
     holds no document: it notes what each would-be-removed one is, and drops it."""
     result = Result()
-    with removal_lock(engine.ws.meta, wait) as mine:
+    with store_lock(engine).hold(wait) as mine:
         if not mine:
             result.busy = True
             return result
@@ -155,7 +156,7 @@ def expire_all(engine: Engine, *, older_than: dict[State, float], now: datetime,
     result = Result()
     refs = refs if refs is not None else LiveRefs()
     while True:
-        with removal_lock(engine.ws.meta, wait) as mine:
+        with store_lock(engine).hold(wait) as mine:
             if not mine:
                 result.busy = True
                 return result
@@ -248,18 +249,9 @@ def _flush(engine: Engine, result: Result, refs: LiveRefs, archive: bool, now: d
 
 
 def _waited_for(engine: Engine) -> bool:
-    """Another process waits for the removal lock: it holds the turn file while it waits (see
-    :func:`.removal.removal_lock`), so the turn cannot be taken now."""
-    from filelock import FileLock, Timeout
-    turn = FileLock(str(engine.ws.meta / REMOVAL_TURN), fallback_to_soft=False)
-    try:
-        turn.acquire(timeout=0)
-    except Timeout:
-        return True
-    except OSError:  # (something planted there: the next removal_lock clears it)
-        return False
-    turn.release()
-    return False
+    """Another process waits for the removal lock (:meth:`.removal.FileRemovalLock.waited_for`,
+    or the store's own)."""
+    return store_lock(engine).waited_for()
 
 
 class _Taker:

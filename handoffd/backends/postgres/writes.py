@@ -23,6 +23,7 @@ from ...core.timeutil import utc_now
 from ..base import Claim, Doc, stamp_created
 from .connection import Conn
 from .records import SideRecords, T, encode
+from .removal import PostgresRemovalLock
 from .values import document
 
 
@@ -163,7 +164,12 @@ class Writes(SideRecords):
             raise InvalidTransition(f"handoff {handoff_id}: only finished handoffs are purged",
                                     handoff_id=handoff_id)
 
+        lock = self.removal_lock()
+
         def op(conn: Conn, _retried: bool) -> bool:
+            # a pass deletes only while its session still holds the store's removal lock: one
+            # that ended under it (a restart) may have let another host's create in meanwhile
+            lock.check_held(conn)
             if expect is not None:  # compared under the row's lock, deleted in the same step
                 held = conn.execute(f"SELECT doc FROM {T} WHERE id = %s AND state = %s FOR UPDATE",
                                     (handoff_id, state.value)).fetchone()
@@ -185,6 +191,15 @@ class Writes(SideRecords):
             return True
 
         return self.db.run(op)
+
+    def removal_lock(self) -> PostgresRemovalLock:
+        """The store's removal lock, one for every host (:mod:`.removal`): a workspace's lock
+        file ordered the processes of its own host only."""
+        lock: PostgresRemovalLock | None = self.__dict__.get("_removal_lock")
+        if lock is None:  # (made on first use: setdefault keeps one if two threads race)
+            lock = self.__dict__.setdefault("_removal_lock", PostgresRemovalLock(
+                self.db.url, connect_timeout=self.db.connect_timeout))
+        return lock
 
 
 def _wrote(conn: Conn, handoff_id: str, write_id: str) -> bool:
