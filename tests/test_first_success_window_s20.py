@@ -164,6 +164,28 @@ def test_a_success_never_filed_holds_the_siblings_for_a_bounded_time(family: Fam
     assert losers[0] in family.next_ones()
 
 
+def test_a_parent_another_process_files_lets_the_siblings_go(
+        family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R25 #1: the parent filed by another process (a plain `handoff cancel`, which leaves the
+    children made so far to run) is heard by no filing hook here: its siblings were held in
+    this daemon for ever. A filed win's parent is looked at again after WIN_RECHECK_SECONDS."""
+    from handoffd.features import cancel_family
+    winner, *losers = family.children
+    assert family.process(winner) is State.COMPLETED
+    book = winner_book(family.engine)
+    hooks = family.engine.on_filed
+    with monkeypatch.context() as elsewhere:  # (this process's hook does not hear it)
+        elsewhere.setattr(family.engine, "on_filed", [h for h in hooks
+                                                      if getattr(h, "__self__", None) is not book])
+        cancel_family.cancel(family.engine, family.parent, reason="stop", cascade=False)
+    assert family.engine.get(family.parent)[0] is State.FAILED
+    assert book.held_back(losers[0], family.engine.get(losers[0])[1]) is not None  # (at once)
+    family.clock.advance(first_success.WIN_RECHECK_SECONDS + 1)
+    assert book.held_back(losers[0], family.engine.get(losers[0])[1]) is None
+    assert len(book) == 0
+    assert set(family.next_ones()) == set(losers)  # they run, as after any plain cancel
+
+
 def winner_book(engine: Engine) -> first_success.Winners:
     """The engine's Winners (its gate's owner)."""
     for gate in engine.gates:

@@ -3,8 +3,6 @@ is printed (the CLI) or exported (metrics labels) with its control characters es
 no escape sequence, newline or bidi override reaches a terminal or splits a row."""
 from __future__ import annotations
 
-import json
-
 __all__ = ["clean"]
 
 
@@ -15,7 +13,11 @@ def clean(text: str) -> str:
     return "".join(ch if ch.isprintable() else _escaped(ch) for ch in text)
 
 
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}  # (as JSON writes them; json not imported)
+
+
 def _escaped(ch: str) -> str:
-    if ch in "\n\r\t":
-        return json.dumps(ch)[1:-1]
+    named = _NAMED.get(ch)
+    if named is not None:
+        return named
     return f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}"

@@ -390,6 +390,19 @@ def find_archived(ws: Workspace, handoff_id: str) -> dict[str, Any] | None:
     return found
 
 
+def archived_as(ws: Workspace, handoff_id: str) -> tuple[str, str] | None:
+    """(its state, "archived at T") of ``handoff_id`` as retention archived it, for a line
+    that says so (``handoff retry`` and ``cancel`` of it); None when no archive holds it as a
+    finished handoff, or the archive cannot be read now."""
+    try:
+        entry = find_archived(ws, handoff_id)
+    except (OSError, ValueError):
+        return None
+    if entry is None or entry.get("state") not in ("completed", "failed"):
+        return None
+    return str(entry["state"]), f"archived at {entry.get('archived_at', '?')}"
+
+
 def find_archived_document(ws: Workspace, store: Backend, handoff_id: str
                            ) -> tuple[State, dict[str, Any]] | None:
     """(state, the document as ``store`` reads its documents: :func:`trusted_doc`) of the

@@ -177,18 +177,6 @@ def _unreadable(engine: "Engine", handoff_id: str, exc: Exception, *, reason: st
     return CancelResult(handoff_id, "unreadable", "unknown", detail)
 
 
-def _archived(engine: "Engine", handoff_id: str) -> tuple[str, str] | None:
-    """(state, "archived at T") of ``handoff_id`` archived by retention, or None."""
-    from .archive import find_archived
-    try:
-        entry = find_archived(engine.ws, handoff_id)
-    except (OSError, ValueError):
-        return None
-    if entry is None or entry.get("state") not in ("completed", "failed"):
-        return None
-    return str(entry["state"]), f"archived at {entry.get('archived_at', '?')}"
-
-
 def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: str,
                cascade: bool = False) -> CancelResult:
     """Cancel one handoff (see :func:`cancel`). With ``cascade``, a pending one is filed with
@@ -198,7 +186,8 @@ def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: 
         try:
             state, doc = engine.get(handoff_id)
         except NotFound:
-            archived = _archived(engine, handoff_id)
+            from .archive import archived_as  # (rare: an id retention archived)
+            archived = archived_as(engine.ws, handoff_id)
             if archived is None:
                 raise
             return CancelResult(handoff_id, "finished", archived[0],

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from ..core.engine import Engine, Job
 
 WIN_FILING_SECONDS = 30.0  # a success decided but still not filed this long after: void
+# a filed win's parent is looked at again (one peek) when a sibling is asked about this long
+# after the last look: another process may have filed the parent (a plain `handoff cancel`,
+# another daemon's aggregation), which no filing hook here hears of; the siblings were held
+# for ever then
+WIN_RECHECK_SECONDS = 5.0
 MAX_WINS = 1_000  # parents whose win is kept at once (the oldest go first)
 
 
@@ -41,6 +46,7 @@ class Win:
     siblings: frozenset[str]  # the parent's other children of that round: held back
     decided: datetime  # when its attempt ended in success (the engine's clock)
     filed: bool = False  # its success is filed (before: being filed; it may yet not be)
+    looked: datetime | None = None  # when the parent was last seen waiting for this round
 
 
 class Winners:
@@ -137,7 +143,20 @@ class Winners:
             if _void(win, now):
                 self._drop(parent)
                 return None
-            return parent, win.winner
+            if not win.filed or (now - (win.looked or win.decided)).total_seconds() \
+                    < WIN_RECHECK_SECONDS:
+                return parent, win.winner
+            winner = win.winner
+        # (outside the lock: a peek) the parent still waits for this round, or the win is over
+        waiting = _first_success_siblings(self.engine, parent, winner) is not None
+        with self._lock:
+            if self._wins.get(parent) is not win:
+                return None  # dropped or replaced meanwhile
+            if not waiting:
+                self._drop(parent)
+                return None
+            win.looked = now
+            return parent, winner
 
     def gate(self, engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
         """The gate: a sibling of a winner waits for the parent's filing (its aggregation

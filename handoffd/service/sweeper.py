@@ -260,12 +260,13 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
     try:
         state, doc = engine.get(handoff_id)
     except NotFound:
-        archived = archived_entry(engine, handoff_id)
+        from ..features.archive import archived_as  # (rare: not on every command's path)
+        archived = archived_as(engine.ws, handoff_id)
         if archived is not None:  # (`handoff ls` lists no archived handoff: not "not found")
             raise InvalidTransition(
-                f"handoff {handoff_id} was archived ({archived}) by retention: an archived "
-                "handoff is not retried; submit its request again", handoff_id=handoff_id
-            ) from None
+                f"handoff {handoff_id} was archived ({', '.join(archived)}) by retention: an "
+                "archived handoff is not retried; submit its request again",
+                handoff_id=handoff_id) from None
         raise
     if state is not State.FAILED:
         raise InvalidTransition(f"handoff {handoff_id} is {state.value}, not failed; only failed "
@@ -312,19 +313,6 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
                                     "(retried meanwhile)", handoff_id=handoff_id)
         raise NotFound(f"handoff {handoff_id} moved while retrying; look again with `handoff show`",
                        handoff_id=handoff_id)
-
-
-def archived_entry(engine: Engine, handoff_id: str) -> str | None:
-    """How ``handoff_id``, which no state holds, was archived by retention ("completed,
-    archived at T"), or None when no archive holds it."""
-    from ..features.archive import find_archived  # (rare: not on every command's path)
-    try:
-        entry = find_archived(engine.ws, handoff_id)
-    except (OSError, ValueError):
-        return None
-    if entry is None:
-        return None
-    return f"{entry.get('state', '?')}, archived at {entry.get('archived_at', '?')}"
 
 
 def _check_parent_open(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> None:
