@@ -302,3 +302,23 @@ def test_a_daemon_short_of_descriptors_completes_every_handoff_in_the_end(
     # (a log line lost to EMFILE itself is logging's own traceback; no handoff's error is one)
     assert "check command in handoffd.toml" not in said and "unexpected error" not in said, said
     assert "ulimit -n" in said
+
+
+def test_a_spawn_a_shortage_refused_is_no_start_in_the_event_log(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R25 #2: the event log's `claimed` was written before the spawn, so each hand-back for a
+    shortage counted as a start (with its queue wait) in `handoff stats` and the metrics. The
+    runner now says when the handler started; a spawn refused says nothing."""
+    from handoffd.backends.files.events import FileEventLog
+    engine = _engine(tmp_path / "ws", COMMAND, clock)
+    hid = _submit(engine)
+    popen = FailFirst(subprocess.Popen, 1, lambda: OSError(errno.EMFILE, "Too many open files"))
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    assert _batch(engine).handed_back == 1
+    clock.advance(1.5)
+    assert _batch(engine).completed == 1
+    logged = [e for e in FileEventLog(engine.ws).read() if e.get("id") == hid]
+    assert [e["event"] for e in logged] == ["handed_back", "claimed", "completed"], \
+        logged
+    assert "seconds" not in logged[0]  # (the hand-back ran nothing)
+    assert logged[1]["attempt"] == 1 and isinstance(logged[1]["wait"], float)

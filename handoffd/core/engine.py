@@ -18,6 +18,7 @@ and :func:`handoffd.features.build.build_engine` assembles an engine with them. 
 """
 from __future__ import annotations
 
+import functools
 import threading
 from datetime import datetime, timedelta
 from typing import Any, Callable, ContextManager
@@ -289,6 +290,7 @@ class Engine:
         """Validate input, run the handler, validate its output; never raises for handler faults
         (TakenOver: a daemon's worker whose attempt the watchdog ended, see :attr:`Job.takeover`)."""
         started = self.clock()
+        reached = False
         try:
             for resumer in self.hooks.resumers:  # e.g. a parent whose children are done
                 resumed = resumer(job, started)
@@ -297,10 +299,13 @@ class Engine:
             self.checks.check_input(job)
             for hook in self.hooks.before_run:
                 hook(job)
-            # only now is the claim a start (the event log's `claimed`, its queue wait and run
-            # time): a resumed aggregation, a cancel found before the run, an input that fails
-            # its schema ran no handler
-            self.backend.handler_starts(job.claim, started)
+            # only once its handler starts is the claim a start (the event log's `claimed`, its
+            # queue wait and run time): a resumed aggregation, a cancel found before the run, an
+            # input that fails its schema, a spawn a passing shortage refused ran no handler.
+            # The runner says when (after the spawn); what it did not say is said below
+            reached = True
+            job.context.on_start = functools.partial(self.backend.handler_starts, job.claim,
+                                                     started)
             if job.specialist.is_command:
                 from .runner import run_command  # loaded by whoever runs handlers
                 result = run_command(job.specialist, without_book(job.claim.doc), job.context,
@@ -325,7 +330,20 @@ class Engine:
         except ConfigError as exc:
             outcome = self.failure(started, ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: {exc}",
                                    retryable=False)
+        if reached:
+            self._started_unless_short(job)
         return conclude(job, outcome, started, self.hooks.after_run)
+
+    def _started_unless_short(self, job: Job) -> None:
+        """The handler ran (or failed to as its own fault), though the runner did not say when
+        it started (an isolated run, a command refused before its spawn): say so now, unless a
+        passing shortage kept it from starting (handed back: no start)."""
+        if job.context.on_start is None:
+            return  # (said by the runner, as it started)
+        from .runner import not_started  # loaded by whoever runs handlers
+        on_start, job.context.on_start = job.context.on_start, None
+        if not_started(job.context) is None:
+            on_start()
 
     def _usable_outcome(self, job: Job, result: dict[str, Any], started: datetime) -> Outcome:
         """:meth:`outcome_from_result`; a result that defeats it in a way no check foresaw fails

@@ -78,6 +78,14 @@ class NotStarted:
     message: str
 
 
+def started(ctx: HandlerContext) -> None:
+    """The attempt's handler is started: tell whoever asked (:attr:`HandlerContext.on_start`:
+    the event log's ``claimed``), once."""
+    on_start, ctx.on_start = ctx.on_start, None
+    if on_start is not None:
+        on_start()
+
+
 def not_started(ctx: HandlerContext) -> NotStarted | None:
     """The passing shortage that kept the attempt's handler from starting, if one did. Only this
     module sets it: no result or error a handler gives back can claim it (an uncounted hand-back
@@ -201,6 +209,7 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
     except RuntimeError as exc:  # no thread to spare: the handler never started
         raise _shortage(ctx, f"a thread for {spec.agent}'s handler", THREADS, _text(exc),
                         THREADS_LIMIT) from None
+    started(ctx)
     wait_attempt(done, ctx, timeout)
     return handler_result(box, ctx)
 
@@ -212,6 +221,7 @@ def _run_inline(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     thread = threading.current_thread()
     name, thread.name = thread.name, f"handler-{ctx.handoff_id}"  # as py-spy and tracebacks show it
     try:
+        started(ctx)
         call_handler(spec, doc, ctx, box)
     finally:
         thread.name = name
@@ -379,6 +389,7 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     error: HandlerError | None = None
     try:  # from the first thread on, however the attempt ends, end_attempt kills, reaps, closes
         _start_threads(ctx, spec.agent, proc, exited, (out.thread, err.thread, waiter, feeder))
+        started(ctx)
         wait_attempt(done, ctx, timeout)
         if out.overflow:
             raise HandlerError(f"handoff {ctx.handoff_id}: handler wrote more than "

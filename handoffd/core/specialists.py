@@ -68,6 +68,10 @@ class HandlerContext:
     max_output_bytes: int | None = None  # [daemon] max_output_bytes: a Python result's bound too
     partial: Any = None  # what the handler reported with report_partial()
     handback: bool = False  # the attempt was handed back (shutdown): it does not count
+    # called by the runner once the handler is started (its child spawned and its threads up,
+    # or just before a Python handler is called): the event log's `claimed` line then, not for
+    # an attempt a passing shortage kept from starting (core.engine sets it)
+    on_start: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     cancel_reason: str | None = None  # set by stop_handler(): why the attempt is being stopped
     cancel_logged: bool = False
     # per-attempt state a feature keeps between its before_run and after_run hooks, by feature name
