@@ -15,9 +15,11 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TextIO
 
 from ..core.errors import UsageError
+from ..core.logs import unlogged
+from ..core.shown import clean  # (at the start: imported at a first log line, EMFILE lost it)
 from ..core.workspace import network_filesystem
 from .basics import engine
 
@@ -28,6 +30,28 @@ if TYPE_CHECKING:
 
 PROG = "handoffd"
 MAX_BATCH_SECONDS = 7 * 24 * 3600.0  # `run --max-seconds`: a week, far past any cron period
+# the stop signals that came before the daemon took them (hold_stop_signals), oldest first
+HELD_SIGNALS: list[int] = []
+
+
+def hold_stop_signals() -> None:
+    """Hold SIGTERM, SIGINT and SIGHUP from now on: each is recorded in :data:`HELD_SIGNALS`,
+    and the daemon, once it takes them (:meth:`handoffd.service.daemon.Daemon.take_signals`, or
+    :func:`handoffd.service.spread.spread`'s), acts on them as if they came then. A supervisor's
+    stop that came while ``serve`` started (its imports, the workspace's checks) killed it with
+    -15 instead of the promised exit 0 (7 of 113 restarts under load). A second one before the
+    daemon took them ends the process at once, with 0 (nothing is claimed yet): a start that
+    waits (a store away) is not deaf to its supervisor."""
+    import signal
+    from ..core.procs import STOP_SIGNALS
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _hold)
+
+
+def _hold(signum: int, frame: object) -> None:
+    HELD_SIGNALS.append(signum)
+    if len(HELD_SIGNALS) > 1:  # "at once", as a second signal is documented to act
+        raise SystemExit(0)
 
 
 class JsonLines(logging.Formatter):
@@ -48,7 +72,27 @@ class JsonLines(logging.Formatter):
         entry.update(getattr(record, "fields", None) or {})  # an announcement's own facts
         if record.exc_info:
             entry["traceback"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False, default=str)
+        # on a stderr that is not UTF-8 (LC_ALL=C) non-ASCII text is escaped as JSON escapes it:
+        # the stream's own escapes (backslashreplace, \xe9) made the line invalid JSON
+        return json.dumps(entry, ensure_ascii=not utf8(sys.stderr), default=str)
+
+
+def utf8(stream: object) -> bool:
+    """Whether ``stream`` writes UTF-8 (a text stream whose encoding says so)."""
+    encoding = getattr(stream, "encoding", None)
+    return isinstance(encoding, str) and encoding.lower().replace("-", "").replace("_", "") \
+        in ("utf8", "utf8sig")
+
+
+class StderrLines(logging.StreamHandler[TextIO]):
+    """The daemon's log handler: a record that cannot be formatted or written for want of
+    descriptors or memory is one plain line (:func:`handoffd.core.logs.unlogged`), not
+    logging's "--- Logging error ---" traceback with the message lost."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A shortage: the record as a plain line; any other error: logging's own report."""
+        if not unlogged(record):
+            super().handleError(record)
 
 
 def configure_logging(verbose: bool, *, quiet: bool = False, log_format: str = "text") -> None:
@@ -58,7 +102,7 @@ def configure_logging(verbose: bool, *, quiet: bool = False, log_format: str = "
     if log_format not in ("text", "json"):
         from ..core.errors import UsageError
         raise UsageError(f"--log-format {log_format!r}: text or json")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrLines(sys.stderr)
     handler.setFormatter(JsonLines() if log_format == "json"
                          else OneLine("handoffd: %(levelname)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
@@ -73,7 +117,6 @@ class OneLine(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         """The record, its message made safe for one line of a terminal or a log file."""
-        from .render import clean
         message = record.getMessage()
         shown = clean(message)
         if shown == message:
@@ -159,7 +202,8 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
         return daemon.report
 
     if count > 1:
-        report = spread(count, eng, make, run_parent, serving=True, child_run=run)
+        report = spread(count, eng, make, run_parent, serving=True, child_run=run,
+                        early=HELD_SIGNALS)
     else:
         report = run_parent(make())
     for lost in report.lost:
@@ -197,7 +241,7 @@ def serve_as_parent(eng: Engine, daemon: Daemon, count: int, metrics: str | None
         if systemd is not None:
             systemd.ready(line)
 
-    daemon.serve(install_signals=count == 1, ready=ready)
+    daemon.serve(install_signals=count == 1, ready=ready, early=HELD_SIGNALS)
 
 
 def run_batch(root: Path | None = None, workers: int | None = None, verbose: bool = False,
@@ -224,11 +268,12 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
         return Daemon(eng, workers=workers, watch=False, stripe=stripe)
 
     def run(daemon: Daemon) -> BatchReport:
-        return daemon.run_batch(install_signals=count == 1, max_seconds=max_seconds)
+        return daemon.run_batch(install_signals=count == 1, max_seconds=max_seconds,
+                                early=HELD_SIGNALS)
 
     if count > 1:
         logging.getLogger("handoffd").info("the batch runs on %d processes", count)
-        report = spread(count, eng, make, run)
+        report = spread(count, eng, make, run, early=HELD_SIGNALS)
     else:
         report = run(make())
     for lost in report.lost:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from ..core.config import processes_value
 from .basics import failure_code, prepare_streams
-from .daemon_commands import PROG, run_batch, serve
+from .daemon_commands import PROG, hold_stop_signals, run_batch, serve
 from .quick import Form, number, parse
 
 _COMMON = {"--root": "root", "--workers": "workers", "--log-format": "log_format",
@@ -78,9 +78,12 @@ def try_quick(argv: Sequence[str]) -> int | None:
 def main() -> None:
     """Console-script entry point. ``$HANDOFFD_CRASH_AT`` (a step of claim or finish, for
     recovery tests) makes the daemon die there as if killed."""
+    daemon = sys.argv[1:2] in (["run"], ["serve"])
+    if daemon:  # a stop during the start is held for the daemon (it killed it: exit -15)
+        hold_stop_signals()
     # serve and run log to stderr and never need stdout: they run with it closed (cron, a
     # supervisor); any other command's output would reach no one
-    refused = prepare_streams(PROG, stdout_needed=sys.argv[1:2] not in (["run"], ["serve"]))
+    refused = prepare_streams(PROG, stdout_needed=not daemon)
     if refused is not None:
         sys.exit(refused)
     point = os.environ.get("HANDOFFD_CRASH_AT", "")

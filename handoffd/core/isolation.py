@@ -22,6 +22,7 @@ fails; nothing a handler prints can reach the message pipe.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -45,7 +46,14 @@ from .childproc import (
     wait_attempt,
     write_record,
 )
-from .runner import rebuild_error, validate_result
+from .runner import (
+    SHORTAGES,
+    _forget_record,
+    _shortage,
+    _start_threads,
+    rebuild_error,
+    validate_result,
+)
 from .specialists import HandlerContext, Specialist, handler_reference
 from .suspects import Suspects
 
@@ -153,22 +161,7 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
     clear_previous_attempt(ctx)
     record = procrecords.RunRecord.new(ctx.handoff_id, token, ctx.attempt)
     write_record(ctx, record)  # before the fork: a crash right after it still leaves the token
-    down_r, down_w = os.pipe()  # parent -> child: the request, then answers to its calls
-    up_r, up_w = os.pipe()  # child -> parent: messages
-    argv = [sys.executable, "-c", BOOT, json.dumps([p for p in sys.path if isinstance(p, str)]),
-            str(down_r), str(up_w)]
-    try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                pass_fds=(down_r, up_w), preexec_fn=procs.child_setup(os.getpid()))
-    except OSError as exc:
-        for fd in (down_r, down_w, up_r, up_w):
-            os.close(fd)
-        procrecords.remove_record(ctx.root, ctx.handoff_id, token)
-        raise HandlerError(f"handoff {ctx.handoff_id}: cannot start a process for its handler: "
-                           f"{exc.strerror}", handoff_id=ctx.handoff_id) from None
-    os.close(down_r)
-    os.close(up_w)
+    proc, up_r, down_w = _spawn(spec, ctx, env, token)
     record.pgid = proc.pid
     record.leader_start = procs.start_time(proc.pid)
     write_record(ctx, record)
@@ -178,9 +171,10 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
     output = Collector(proc.stdout, STDERR_TAIL, keep_tail=True)
     waiter = threading.Thread(target=await_exit, args=(proc, exited, done), daemon=True,
                               name=f"wait-{ctx.handoff_id}")
-    for thread in (channel.thread, output.thread, waiter):
-        thread.start()
-    try:
+    try:  # from the first thread on, however the attempt ends, end_attempt kills, reaps, closes
+        # the channel, which hands the child its request, last: a child whose threads could
+        # not all be started is killed before its handler has anything to run
+        _start_threads(ctx, spec.agent, proc, exited, (output.thread, waiter, channel.thread))
         wait_attempt(done, ctx, timeout)
     finally:
         end_attempt(ctx, proc, token, exited, (channel, output), (waiter,))
@@ -190,6 +184,40 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
         if suspects is not None and isinstance(exc.details, dict) and exc.details.get(PROCESS_DIED):
             suspects.mark(spec)  # its new handoffs too: each would take the daemon down once
         raise
+
+
+def _spawn(spec: Specialist, ctx: HandlerContext, env: dict[str, str],
+           token: str) -> tuple[subprocess.Popen[bytes], int, int]:
+    """Start the child with its two message pipes: (the child, the parent's read end of the up
+    pipe, its write end of the down pipe). When they cannot be made, nothing is left behind (no
+    descriptor, no process record) and the HandlerError says why; a passing shortage
+    (descriptors, processes, memory: :data:`~.runner.SHORTAGES`) marks the attempt as not started
+    (:func:`~.runner.not_started`), so its claim is handed back uncounted, as a command
+    handler's is (it once counted as a failed attempt, and an EMFILE from a pipe escaped as an
+    OSError, its record and first pipe left behind)."""
+    opened: list[int] = []
+    try:
+        opened += os.pipe()  # parent -> child: the request, then answers to its calls
+        opened += os.pipe()  # child -> parent: messages
+        down_r, down_w, up_r, up_w = opened
+        argv = [sys.executable, "-c", BOOT,
+                json.dumps([p for p in sys.path if isinstance(p, str)]), str(down_r), str(up_w)]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                pass_fds=(down_r, up_w), preexec_fn=procs.child_setup(os.getpid()))
+    except OSError as exc:
+        for fd in opened:
+            os.close(fd)
+        _forget_record(ctx, token)
+        if exc.errno in SHORTAGES:  # not the handler's fault: it runs again after a back-off
+            raise _shortage(ctx, f"a process for {spec.agent}'s handler",
+                            errno.errorcode[exc.errno], exc.strerror or str(exc),
+                            SHORTAGES[exc.errno]) from None
+        raise HandlerError(f"handoff {ctx.handoff_id}: cannot start a process for its handler: "
+                           f"{exc.strerror or exc}", handoff_id=ctx.handoff_id) from None
+    os.close(down_r)
+    os.close(up_w)
+    return proc, up_r, down_w
 
 
 def _request(ref: str, spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
@@ -362,7 +390,16 @@ class _Channel:
             return (json.dumps({"raise": describe(exc)}) + "\n").encode()
 
     def finish(self, wait: float) -> None:
-        """Join the thread: up to ``wait`` seconds for the child's messages to end, then stop."""
+        """Join the thread: up to ``wait`` seconds for the child's messages to end, then stop
+        (one that was never started, for want of a thread to spare, only closes the pipes: the
+        thread closes them otherwise)."""
+        if self.thread.ident is None:
+            for fd in (self.up, self.down):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            return
         self.thread.join(timeout=wait)
         if self.thread.is_alive():
             self.stop.set()

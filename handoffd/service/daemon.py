@@ -290,15 +290,16 @@ class Daemon:
         done, self.first_sweep = self.first_sweep, None
         return done if done is not None else self.sweep()
 
-    def serve(self, *, install_signals: bool = True, ready: Callable[[], None] | None = None) -> int:
+    def serve(self, *, install_signals: bool = True, ready: Callable[[], None] | None = None,
+              early: list[int] | None = None) -> int:
         """Run until SIGTERM/SIGINT (or :meth:`stop`); returns the exit code: 0, or 1 when the
         main loop died of an unexpected error (logged with its traceback; in-flight work is
-        handed back) so that a supervisor restarts the daemon."""
+        handed back) so that a supervisor restarts the daemon. ``early``: stop signals that
+        came before its handlers (:meth:`take_signals`)."""
         self.engine.ws.ensure()
         self.engine.backend.prepare()  # e.g. an unusable seal key: one line now, not per handoff
         if install_signals:
-            for signum in STOP_SIGNALS:
-                signal.signal(signum, self._on_signal)
+            self.take_signals(early)
         self.report.sweep = self._start_sweep()
         warm_up(self.engine.schemas)
         self.feed.subscribe()
@@ -307,21 +308,21 @@ class Daemon:
         self._guarded_loop(batch=False)
         return 1 if self.report.error else 0
 
-    def run_batch(self, *, install_signals: bool = False,
-                  max_seconds: float | None = None) -> BatchReport:
+    def run_batch(self, *, install_signals: bool = False, max_seconds: float | None = None,
+                  early: list[int] | None = None) -> BatchReport:
         """One batch for cron: sweep, process everything due now, wait for it, return counts
         (``report.error`` is set when the main loop died).
 
         With ``install_signals``, SIGTERM/SIGINT stop it as they stop :meth:`serve` (no new
         claims, running work gets ``grace_seconds``, a second signal hands it back at once), so
         cron's ``timeout`` never leaves a claim behind with its specialist still running. After
-        ``max_seconds`` it stops claiming and hands back what still runs, to end on time."""
+        ``max_seconds`` it stops claiming and hands back what still runs, to end on time.
+        ``early``: stop signals that came before its handlers (:meth:`take_signals`)."""
         self.engine.ws.ensure()
         self.engine.backend.prepare()
         self.dispatcher.batch = True
         if install_signals:
-            for signum in STOP_SIGNALS:
-                signal.signal(signum, self._on_signal)
+            self.take_signals(early)
         if max_seconds is not None:
             began = self.started if self.started is not None else time.monotonic()
             self.scheduler.batch_deadline = began + max_seconds
@@ -332,8 +333,8 @@ class Daemon:
 
     def _guarded_loop(self, *, batch: bool) -> None:
         resume = getattr(self.engine.backend, "resume", None)
-        if callable(resume):  # an earlier daemon's stop cut the store's retries short
-            resume()
+        if callable(resume) and not self.stopping:  # an earlier daemon's stop cut them short
+            resume()  # (not this one's: a stop that came during its start keeps them short)
         self.leases.start()  # renewals and the fence run until the last job has ended
         try:
             self._loop(batch=batch)
@@ -483,6 +484,17 @@ class Daemon:
         scheduler = self.scheduler
         return (scheduler.running == 0 and not scheduler.ready
                 and scheduler.last_dispatch > trimmed and now - trimmed >= IDLE_TRIM_SECONDS)
+
+    def take_signals(self, early: list[int] | None = None) -> None:
+        """SIGTERM, SIGINT and SIGHUP stop this daemon from now on (a second one hands back at
+        once), and each signal in ``early`` (those that came while the process started, held
+        by :func:`handoffd.cli.daemon_commands.hold_stop_signals`) acts now, in order, and is
+        taken out: a stop asked for before the daemon could hear it claims nothing and ends
+        with 0, as any first stop (it killed the process, exit -15, 7 of 113 restarts)."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+        while early:  # (what came before: the handlers above hear what comes now)
+            self._on_signal(early.pop(0), None)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.stop(hard=self.scheduler.stopping)

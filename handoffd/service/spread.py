@@ -123,14 +123,17 @@ def _as_asked(engine: Engine, wanted: int) -> int:
 
 def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon],
            run: Callable[[Daemon], BatchReport], *, serving: bool = False,
-           child_run: Callable[[Daemon], BatchReport] | None = None) -> BatchReport:
+           child_run: Callable[[Daemon], BatchReport] | None = None,
+           early: list[int] | None = None) -> BatchReport:
     """Run ``run(make((index, count)))`` in this process (index 0) and ``count - 1`` forked ones
     (``child_run`` there, if given); the sum of the reports. The index is the process's stripe
     (``Daemon(stripe=...)``).
 
     ``run`` must not install signal handlers: :func:`spread` installs them (the parent's also
-    forward the signal to the children). A child that dies without a report is named in the
-    result's ``lost`` (the exit code is then non-zero); its claims are recovered by the next sweep.
+    forward the signal to the children), then acts on the stop signals in ``early`` (those
+    that came during the start: :meth:`.daemon.Daemon.take_signals`). A child that dies
+    without a report is named in the result's ``lost`` (the exit code is then non-zero); its
+    claims are recovered by the next sweep.
     ``serving`` (``handoffd serve``): a child that ends while the others serve stops them all, so
     that the supervisor restarts the whole; the children stop when the parent does.
 
@@ -154,22 +157,30 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
     board = Board(count) if count > 1 and not serving else None
     for index in range(1, count):
         read, write = os.pipe()
-        pid = os.fork()
+        # a stop signal waits while the child is made: it would run the parent's handler in
+        # the child (a stop held for a daemon the child never has) until the child has its own
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            raise
         if pid == 0:
             os.close(read)
             os.close(opened)
             for _, other in children:
                 os.close(other)
             _child(parent, write, lambda: make((index, count)), child_run or run,
-                   gate=gate, began=began,
+                   gate=gate, began=began, mask=mask,
                    seat=board.seat(index) if board is not None else None)  # no return
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(write)
         children.append((pid, read))
     daemon = make((0, count))
     daemon.started = began
     daemon.siblings = board.seat(0) if board is not None else None
     family = _Family(daemon, [pid for pid, _ in children])
-    family.install()
+    family.install(early)
     if count > 1:
         os.close(gate)
         try:
@@ -208,9 +219,10 @@ class _Family:
         self.clock = clock
         self.stopped_at = math.inf  # when the children were first told to stop
 
-    def install(self) -> None:
+    def install(self, early: list[int] | None = None) -> None:
         """SIGTERM/SIGINT stop the daemon as in ``run_batch`` (a second one hands back at once),
-        forwarded to the children first."""
+        forwarded to the children first; then each signal in ``early`` (held before: it came
+        while the process started) acts so, in order, and is taken out."""
         def on_signal(signum: int, frame: Any) -> None:
             self.signalled = True
             self.stopped_at = min(self.stopped_at, self.clock())
@@ -219,6 +231,8 @@ class _Family:
 
         for signum in STOP_SIGNALS:
             signal.signal(signum, on_signal)
+        while early:
+            on_signal(early.pop(0), None)
 
     def send(self, signum: int) -> None:
         """``signum`` to every child not yet reaped."""
@@ -377,12 +391,16 @@ def _report(write: int, report: BatchReport) -> None:
 
 def _child(parent: int, write: int, make: Callable[[], Daemon],
            run: Callable[[Daemon], BatchReport], *, gate: int = -1,
-           began: float | None = None, seat: Seat | None = None) -> None:
+           began: float | None = None, seat: Seat | None = None,
+           mask: set[int | signal.Signals] | None = None) -> None:
     code = 1
     try:
         os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent alone; it forwards it once
-        for signum in STOP_SIGNALS:  # until this process has its daemon
-            signal.signal(signum, signal.SIG_DFL)
+        held: list[int] = []  # until this process has its daemon: then acted on (install)
+        for signum in STOP_SIGNALS:  # (a stop the parent forwarded meanwhile killed it: "lost")
+            signal.signal(signum, lambda signum, frame: held.append(signum))
+        if mask is not None:  # (blocked by the parent around the fork)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(ORPHANED, signal.SIG_DFL)
         parent_death_signal(ORPHANED)
         if os.getppid() != parent:  # the parent died before that: nothing claimed yet
@@ -391,7 +409,7 @@ def _child(parent: int, write: int, make: Callable[[], Daemon],
         forked = getattr(daemon.engine.backend, "after_fork", None)
         if forked is not None:  # files: a temp folder of its own (no lock shared at each create)
             forked()
-        _Family(daemon, []).install()
+        _Family(daemon, []).install(held)
         # the parent is gone: stop as on a first SIGTERM. Not SIGTERM itself: the kernel may
         # send it more than once (once per thread of the parent that the child is handed to),
         # and a second SIGTERM means "hand back now"

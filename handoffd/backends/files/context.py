@@ -161,7 +161,10 @@ class FileContext(ContextFolder):
                     # was giving
                     publish(tmp, folder, leaf_of(key), data, durable=self.durable)
                     publish(tmp, meta, _rev_name(key), record, durable=self.durable)
-                    os.write(history, line)
+                    # checked: a full disk's short write is ENOSPC (it tore the entry silently),
+                    # and the next entry starts on a line of its own
+                    logfiles.append_line(history, line, os.fstat(history).st_size,
+                                         self.root / HISTORY)
                     if self.durable:
                         os.fsync(history)
             finally:
@@ -178,8 +181,8 @@ class FileContext(ContextFolder):
         except OSError as exc:  # the quarantine unusable, the folder held: said below
             why = f"; it could not be set aside: {exc.strerror or exc}"
         try:
-            return ownfiles.open_regular(HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                                         dir_fd=root)
+            return ownfiles.open_regular(HISTORY, os.O_RDWR | os.O_APPEND | os.O_CREAT,
+                                         dir_fd=root)  # (read: whether it ends a line)
         except OSError as exc:
             raise InvalidDocument(f"context/{HISTORY} cannot be appended to ({exc.strerror or exc}: "
                                   f"no regular file?){why}; nothing was written",

@@ -145,6 +145,23 @@ def open_creating(path: Path, flags: int) -> int:
         return open_regular(path, flags)
 
 
+def append_line(fd: int, line: bytes, size: int, path: Path | str, *, known_end: int = -1) -> int:
+    """Append ``line`` (newline-terminated) to ``fd`` (opened to read and ``O_APPEND``) in one
+    write, the file being ``size`` bytes before it; the bytes written. A file that does not end
+    with a newline (a line a crash or a full disk cut short) gets one first, glued to the torn
+    line this one would be lost with it; one that ends where the caller's own last line did
+    (``known_end``) is not looked at. OSError (ENOSPC) naming ``path`` when the write stored
+    only part of the line (a full disk, a quota): the line is torn, and is said to be. Every
+    appender of the store's JSON Lines files writes through it."""
+    if size not in (0, known_end) and os.pread(fd, 1, size - 1) != b"\n":
+        line = b"\n" + line
+    written = os.write(fd, line)
+    if written != len(line):
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a line cut short: {written}"
+                      f" of {len(line)} bytes written)", os.fspath(path))
+    return written
+
+
 class Appender:
     """A file kept open for ``O_APPEND`` writes (the event log, the seen-ids record: opening and
     closing it for each line doubled their system calls), reopened when its path names another
@@ -178,15 +195,10 @@ class Appender:
         looked at (one pread). A writer without one lock around its stat and write (the event
         log) may see another's line half-written: its own then follows a blank line, which
         readers skip. OSError (ENOSPC) when the write stored only part of the line."""
-        if info.st_size not in (0, self._end) and os.pread(self.fd, 1, info.st_size - 1) != b"\n":
-            line = b"\n" + line
-        written = os.write(self.fd, line)
-        if written != len(line):  # a full disk (or quota): the line is torn, say so
-            self._end = -1  # (the next line looks at the last byte and starts a line of its own)
-            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a line cut short: {written}"
-                          f" of {len(line)} bytes written)", os.fspath(self.path))
-        self._end = info.st_size + len(line)
-        return len(line)
+        self._end, end = -1, self._end  # (until it is written whole: the next line looks)
+        written = append_line(self.fd, line, info.st_size, self.path, known_end=end)
+        self._end = info.st_size + written
+        return written
 
     def close(self) -> None:
         """Close the descriptor (the next :meth:`ready` opens it again)."""

@@ -23,12 +23,17 @@ class FileViolationLog:
         self.path = path
 
     def append(self, entry: dict[str, Any]) -> None:
-        """One line, one ``write`` (a line is never interleaved with another appender's)."""
+        """One line, one ``write`` (a line is never interleaved with another appender's),
+        checked (:func:`.logfiles.append_line`): a write cut short by a full disk is an OSError
+        (ENOSPC), and the next line starts on a line of its own (it was glued to the torn one
+        and lost with it)."""
         line = json.dumps(entry, ensure_ascii=False, sort_keys=True)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = ownfiles.open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        # (read too: whether the file ends a line)
+        fd = ownfiles.open_regular(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         try:
-            os.write(fd, (line + "\n").encode("utf-8"))
+            logfiles.append_line(fd, (line + "\n").encode("utf-8"), os.fstat(fd).st_size,
+                                 self.path)
         finally:
             os.close(fd)
 

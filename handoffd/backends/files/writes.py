@@ -83,13 +83,16 @@ def create(store: Writing, doc: dict[str, Any], handoff_id: str, *,
                                handoff_id=handoff_id) from None
     try:
         store.seen.add(handoff_id, now)
-    except OSError as exc:  # (LockHeld: its lock held for good by a stopped process)
+    except (OSError, MemoryError) as exc:  # (LockHeld: its lock held for good by a stopped process)
         # the handoff is created (it runs, and its file keeps the id taken); only the record
         # that outlives it misses the id until a purge records it (a purge records first): a
-        # create that failed here after writing made a script submit it twice
+        # create that failed here after writing made a script submit it twice (a MemoryError,
+        # under ulimit -v, exited 1 as well)
         from ...core.logs import log
-        log.warning("handoff %s: created, but the seen-ids record could not take it now (%s: %s)",
-                    handoff_id, os.path.basename(str(exc.filename or "")), exc.strerror or exc)
+        why = (f"{os.path.basename(str(exc.filename or ''))}: {exc.strerror or exc}"
+               if isinstance(exc, OSError) else "out of memory")
+        log.warning("handoff %s: created, but the seen-ids record could not take it now (%s)",
+                    handoff_id, why)
     return handoff_id
 
 
