@@ -3,7 +3,7 @@
 A waiter is woken by a filing in its own process only; what another process of the batch filed
 reached it at a rescan, and a batch process made none before it ended: a DAG of 300 over two
 processes left 103 pending, rc 0, nothing said. Now the processes tell each other what they
-file (a board in shared memory: :class:`handoffd.service.spread.Board`), which wakes the
+file (a board in shared memory: :class:`handoffd.service.board.Board`), which wakes the
 waiters of each as its own filings do, and one with nothing left to run waits while another
 is at work on what its waiters may wait for; the batch still ends when nothing of it runs (a
 paused dependency), and, with -v, says what it left waiting."""
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import Workspace, exe, new_workspace
 from handoffd.core.states import State
-from handoffd.service import spread
+from handoffd.service import board as board_module
 
 NOOP = '''
 import time
@@ -141,7 +141,7 @@ def test_the_board_tells_each_process_what_the_others_filed() -> None:
     """Each process hears the filings of the others, once each, not its own; one that filed
     more than the board keeps since the last look is reported lost (None: look at every
     waiter again)."""
-    board = spread.Board(3, filings=4)
+    board = board_module.Board(3, filings=4)
     first, second, third = board.seat(0), board.seat(1), board.seat(2)
     second.filed("a", State.COMPLETED)
     third.filed("b" * 128, State.FAILED)
@@ -162,7 +162,7 @@ def test_the_board_says_who_is_at_work() -> None:
     """Every process is at work until it says it is idle, or until it was not heard of for
     BEAT_STALE_SECONDS (killed at work)."""
     clock = FakeClock()
-    board = spread.Board(3, clock=clock)
+    board = board_module.Board(3, clock=clock)
     first, second, third = board.seat(0), board.seat(1), board.seat(2)
     assert first.others_busy()  # one still starting is waited for
     second.idle()
@@ -170,7 +170,7 @@ def test_the_board_says_who_is_at_work() -> None:
     assert not first.others_busy() and second.others_busy()  # (the first is still at work)
     third.busy()
     assert first.others_busy()
-    clock.now += spread.BEAT_STALE_SECONDS + 1  # the third died at work: it never said idle
+    clock.now += board_module.BEAT_STALE_SECONDS + 1  # the third died at work: it never said idle
     assert not first.others_busy()
     third.busy()  # alive after all (its loop held up): at work again
     assert first.others_busy()
@@ -178,7 +178,7 @@ def test_the_board_says_who_is_at_work() -> None:
 
 def test_the_board_is_shared_with_forked_processes() -> None:
     """What a forked process writes on its seat, the parent reads (memory shared before the fork)."""
-    board = spread.Board(2)
+    board = board_module.Board(2)
     pid = os.fork()
     if pid == 0:  # the child: one filing, then idle
         try:

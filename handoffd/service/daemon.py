@@ -8,7 +8,8 @@ The rooms: this module holds :class:`Daemon` (the plugin API, serving and batche
 loop, stopping); :mod:`.scheduler` the scheduling books (queues, slots, gate waits,
 deadlines; :mod:`.lines` parking and rate limits, :mod:`.quiet` waits that only their own
 document's change ends); :mod:`.dispatch` the rules for a due handoff and the workers' chaining;
-:mod:`.attempts` running an attempt and what its outcome or failure does; :mod:`.progress` the
+:mod:`.attempts` running an attempt and what its outcome or failure does; :mod:`.batchend` when
+a batch process may end (the others of its batch: :mod:`.board`); :mod:`.progress` the
 stall watchdog; :mod:`.wakeups` the backend's wake-up hints; :mod:`.hooks` what features
 registered; :mod:`.warmup` what serving loads first; :mod:`.report` the run's counts.
 """
@@ -18,7 +19,7 @@ import logging
 import math
 import signal
 import time
-from typing import Any, Callable, Collection, Protocol
+from typing import Any, Callable, Collection
 
 from ..core.engine import Engine, Job
 from ..core.procs import STOP_SIGNALS
@@ -28,6 +29,7 @@ from ..core.states import State
 from ..core.storage import Wakeup
 from . import allocator
 from .attempts import Attempts
+from .batchend import BatchEnd, Siblings
 from .dispatch import Dispatcher
 from .hooks import Hooks, MessageHandler
 from .leases import LeaseKeeper
@@ -48,31 +50,9 @@ IDLE_WAKE_SECONDS = 10.0  # the main loop looks around at least this often with 
 # a serving daemon that falls idle gives the heap pages its handoffs freed back to the system
 # (malloc_trim: a few ms), at most this often
 IDLE_TRIM_SECONDS = 1.0
-# a batch process waiting for the others of its batch looks at their board this often
-BATCH_POLL_SECONDS = 0.05
 
 
-class Siblings(Protocol):
-    """The other processes of this one's batch (:class:`.spread.Seat`): what they filed, and
-    whether they are at work."""
-
-    def filed(self, handoff_id: str, where: State) -> None:
-        """Tell the others of a filing of this process."""
-
-    def news(self) -> list[tuple[str, State]] | None:
-        """What the others filed since the last call (None: more than was kept)."""
-
-    def busy(self) -> None:
-        """This process is at work (said again at each turn of its loop)."""
-
-    def idle(self) -> None:
-        """This process has nothing to run: it waits for the others, or ends."""
-
-    def others_busy(self) -> bool:
-        """Another process of the batch is at work (and alive)."""
-
-
-class Daemon:
+class Daemon(BatchEnd):
     """Serves one workspace. ``serve()`` until stopped, or ``run_batch()`` once.
 
     Its collaborators, built here and sharing the scheduler's condition variable ``cv``:
@@ -413,57 +393,6 @@ class Daemon:
                 if (scheduler.heap or scheduler.ready or scheduler.rechecks) and free:
                     timers.append(max(scheduler.heap[0][0] if scheduler.heap else now, spin_up_at))
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
-
-    def _batch_end(self, now: float) -> float | None:
-        """A batch process with nothing running or due (under ``cv``): None when it may end,
-        ``now`` when it found work, else until when it waits for the other processes of its
-        batch (:attr:`siblings`).
-
-        Coming from work, it lists pending/ (what arrived meanwhile), as a batch always did. It
-        waits on while another process of the batch is at work and a waiter here waits for a
-        filing (a pause or a question does not): what the others file wakes the waiters here
-        (:meth:`_hear_siblings`), as its own filings do. What nobody in the batch runs (a paused
-        dependency, one due later, another daemon's) is left waiting: the batch is bounded by
-        its own work (and ``--max-seconds``)."""
-        scheduler, seat = self.scheduler, self.siblings
-        if not self._idle:
-            if self.scan(recheck_waiting=False) == 0:
-                return None  # nothing is pending
-            if scheduler.due_soon():
-                return now
-        if seat is None or not self._awaits_filing():
-            return None
-        seat.idle()
-        self._idle = True
-        if seat.others_busy():
-            return now + BATCH_POLL_SECONDS
-        # what they filed before they fell idle: heard now, or not at all
-        return now if self._hear_siblings() else None
-
-    def _hear_siblings(self) -> bool:
-        """Wake the waiters here whose wait what the other processes of the batch filed may
-        end, as this process's own filings do (under ``cv``); when more was filed than the
-        board keeps, a rescan looks at every waiter again. True when there was news."""
-        news = self.siblings.news() if self.siblings is not None else []
-        if news is None:
-            log.info("more filings of the other processes than their board keeps: rescanning")
-            self.scheduler.request_rescan()
-            self._idle = False
-            return True
-        for handoff_id, where in news:
-            if where.terminal:
-                self.scheduler.ended(handoff_id, failed=where is State.FAILED)
-            else:  # (a retry, a parked parent: its attempt ended, what it held is free)
-                self.scheduler.wake(handoff_id)
-        if news and self.scheduler.due_soon():
-            self._idle = False
-        return bool(news)
-
-    def _awaits_filing(self) -> bool:
-        """A handoff waits here for something a filing may end: not only for a resume or an
-        answer (``on=()``), which no process of the batch brings."""
-        waits_on = self.scheduler.waits_on
-        return any(waits_on.get(hid, True) for hid in self.scheduler.waiting)
 
     def _late_wait(self, now: float) -> float:
         """A batch with nothing running or due: until when it waits for the Python handlers

@@ -1,0 +1,107 @@
+"""When a batch process may end: nothing of its own left to run, and nothing the other
+processes of its batch (``handoffd run --processes N``) are at work on that its waiters wait
+for. What they file reaches its waiters through their shared :mod:`.board`, as its own filings
+do (a dependant of a handoff another process completed ran in the next batch, or never).
+
+:class:`BatchEnd` is part of :class:`~handoffd.service.daemon.Daemon` (mixed into it); its
+methods run under the scheduler's ``cv``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from ..core.states import State
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+__all__ = ["BATCH_POLL_SECONDS", "BatchEnd", "Siblings"]
+
+log = logging.getLogger("handoffd")
+
+# a batch process waiting for the others of its batch looks at their board this often
+BATCH_POLL_SECONDS = 0.05
+
+
+class Siblings(Protocol):
+    """The other processes of this one's batch (:class:`.spread.Seat`): what they filed, and
+    whether they are at work."""
+
+    def filed(self, handoff_id: str, where: State) -> None:
+        """Tell the others of a filing of this process."""
+
+    def news(self) -> list[tuple[str, State]] | None:
+        """What the others filed since the last call (None: more than was kept)."""
+
+    def busy(self) -> None:
+        """This process is at work (said again at each turn of its loop)."""
+
+    def idle(self) -> None:
+        """This process has nothing to run: it waits for the others, or ends."""
+
+    def others_busy(self) -> bool:
+        """Another process of the batch is at work (and alive)."""
+
+
+class BatchEnd:
+    """The end of a batch process (mixed into the daemon, which sets what it uses)."""
+
+    scheduler: "Scheduler"
+    siblings: Siblings | None
+    _idle: bool
+
+    def scan(self, *, recheck_waiting: bool = True) -> int:
+        """The daemon's listing of pending/ (see :meth:`.daemon.Daemon.scan`)."""
+        raise NotImplementedError
+
+    def _batch_end(self, now: float) -> float | None:
+        """A batch process with nothing running or due (under ``cv``): None when it may end,
+        ``now`` when it found work, else until when it waits for the other processes of its
+        batch (:attr:`siblings`).
+
+        Coming from work, it lists pending/ (what arrived meanwhile), as a batch always did. It
+        waits on while another process of the batch is at work and a waiter here waits for a
+        filing (a pause or a question does not): what the others file wakes the waiters here
+        (:meth:`_hear_siblings`), as its own filings do. What nobody in the batch runs (a paused
+        dependency, one due later, another daemon's) is left waiting: the batch is bounded by
+        its own work (and ``--max-seconds``)."""
+        scheduler, seat = self.scheduler, self.siblings
+        if not self._idle:
+            if self.scan(recheck_waiting=False) == 0:
+                return None  # nothing is pending
+            if scheduler.due_soon():
+                return now
+        if seat is None or not self._awaits_filing():
+            return None
+        seat.idle()
+        self._idle = True
+        if seat.others_busy():
+            return now + BATCH_POLL_SECONDS
+        # what they filed before they fell idle: heard now, or not at all
+        return now if self._hear_siblings() else None
+
+    def _hear_siblings(self) -> bool:
+        """Wake the waiters here whose wait what the other processes of the batch filed may
+        end, as this process's own filings do (under ``cv``); when more was filed than the
+        board keeps, a rescan looks at every waiter again. True when there was news."""
+        news = self.siblings.news() if self.siblings is not None else []
+        if news is None:
+            log.info("more filings of the other processes than their board keeps: rescanning")
+            self.scheduler.request_rescan()
+            self._idle = False
+            return True
+        for handoff_id, where in news:
+            if where.terminal:
+                self.scheduler.ended(handoff_id, failed=where is State.FAILED)
+            else:  # (a retry, a parked parent: its attempt ended, what it held is free)
+                self.scheduler.wake(handoff_id)
+        if news and self.scheduler.due_soon():
+            self._idle = False
+        return bool(news)
+
+    def _awaits_filing(self) -> bool:
+        """A handoff waits here for something a filing may end: not only for a resume or an
+        answer (``on=()``), which no process of the batch brings."""
+        waits_on = self.scheduler.waits_on
+        return any(waits_on.get(hid, True) for hid in self.scheduler.waiting)
