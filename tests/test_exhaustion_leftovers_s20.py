@@ -36,7 +36,7 @@ from handoffd import Registry, Workspace, build_engine
 from handoffd.backends.files.context import FileContext
 from handoffd.backends.files.violations import FileViolationLog
 from handoffd.cli import daemon_commands
-from handoffd.core import isolation, logs, runner
+from handoffd.core import isolation, logs, starts
 from handoffd.core.config import Config, RetryPolicy, specialist_from_table
 from handoffd.core.errors import HandlerError
 from handoffd.core.native_format import new_native_request
@@ -122,7 +122,7 @@ def test_an_isolated_handler_short_of_a_process_is_not_started(
     with pytest.raises(HandlerError) as raised:
         isolation.run_isolated(_isolated_spec(), {}, ctx, 10, max_output_bytes=1 << 20)
     assert raised.value.retryable is True
-    shortage = runner.not_started(ctx)
+    shortage = starts.not_started(ctx)
     assert shortage is not None and shortage.reason == errno.errorcode[code]
     assert ctx.handback and "@py" in shortage.message
     assert _fds() == before and not _records(tmp_path)
@@ -144,7 +144,7 @@ def test_an_isolated_handler_whose_pipe_cannot_be_made_leaves_nothing(
     before = _fds()
     with pytest.raises(HandlerError):
         isolation.run_isolated(_isolated_spec(), {}, ctx, 10, max_output_bytes=1 << 20)
-    shortage = runner.not_started(ctx)
+    shortage = starts.not_started(ctx)
     assert shortage is not None and shortage.reason == "EMFILE" and "ulimit -n" in shortage.message
     assert _fds() == before and not _records(tmp_path)
 
@@ -156,7 +156,7 @@ def test_a_missing_interpreter_is_still_a_counted_failure(
         subprocess.Popen, 1, lambda: OSError(errno.ENOENT, "No such file or directory")))
     with pytest.raises(HandlerError) as raised:
         isolation.run_isolated(_isolated_spec(), {}, ctx, 10, max_output_bytes=1 << 20)
-    assert runner.not_started(ctx) is None and "cannot start a process" in str(raised.value)
+    assert starts.not_started(ctx) is None and "cannot start a process" in str(raised.value)
 
 
 @pytest.mark.parametrize("which", ["isolated-", "handler-output", "wait-"])
@@ -172,7 +172,7 @@ def test_an_isolated_attempt_whose_thread_cannot_start_leaks_nothing(
     with pytest.raises(HandlerError):
         isolation.run_isolated(_isolated_spec(), {}, ctx, 30, max_output_bytes=1 << 20)
     assert start.raised == 1
-    shortage = runner.not_started(ctx)
+    shortage = starts.not_started(ctx)
     assert shortage is not None and shortage.reason == "THREADS"
     assert _children() == children  # killed and reaped: no zombie
     assert _fds() == before  # its pipes closed

@@ -23,7 +23,7 @@ import pytest
 from conftest import Clock, new_workspace
 
 from handoffd import Daemon, Registry, Workspace, build_engine
-from handoffd.core import runner
+from handoffd.core import runner, starts
 from handoffd.core.config import Config, DaemonSettings, RetryPolicy, specialist_from_table
 from handoffd.core.documents import book
 from handoffd.core.engine import Engine
@@ -195,7 +195,7 @@ def test_run_command_marks_a_spawn_shortage_and_keeps_nothing(
     with pytest.raises(HandlerError) as raised:
         runner.run_command(_spec(), {}, ctx, 10, max_output_bytes=1 << 20)
     assert raised.value.retryable is True
-    shortage = runner.not_started(ctx)
+    shortage = starts.not_started(ctx)
     assert shortage is not None and shortage.reason == "EMFILE"
     assert "ulimit -n" in shortage.message and ctx.handback
     assert _fds() == before
@@ -204,8 +204,8 @@ def test_run_command_marks_a_spawn_shortage_and_keeps_nothing(
 
 def test_a_handler_result_cannot_claim_a_shortage(tmp_path: Path) -> None:
     ctx = _context(tmp_path)
-    ctx.feature_state[runner.NOT_STARTED] = {"reason": "EMFILE"}  # (not the runner's mark)
-    assert runner.not_started(ctx) is None
+    ctx.feature_state[starts.NOT_STARTED] = {"reason": "EMFILE"}  # (not the runner's mark)
+    assert starts.not_started(ctx) is None
 
 
 def test_a_python_handler_without_a_thread_is_not_started(
@@ -224,7 +224,7 @@ def test_a_python_handler_without_a_thread_is_not_started(
         threading.Thread.start, 1, lambda: RuntimeError("can't start new thread")))
     with pytest.raises(HandlerError):
         runner.run_python(spec, {}, ctx, 10)
-    shortage = runner.not_started(ctx)
+    shortage = starts.not_started(ctx)
     assert shortage is not None and shortage.reason == "THREADS" and not ran
 
 

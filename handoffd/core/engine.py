@@ -340,7 +340,7 @@ class Engine:
         passing shortage kept it from starting (handed back: no start)."""
         if job.context.on_start is None:
             return  # (said by the runner, as it started)
-        from .runner import not_started  # loaded by whoever runs handlers
+        from .starts import not_started
         on_start, job.context.on_start = job.context.on_start, None
         if not_started(job.context) is None:
             on_start()

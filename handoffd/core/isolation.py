@@ -33,8 +33,6 @@ import threading
 from typing import Any, Callable
 
 from . import procrecords, procs
-from .documents import PROCESS_DIED, book
-from .errors import HandlerError
 from .childproc import (
     POLL_MS,
     STDERR_TAIL,
@@ -46,15 +44,11 @@ from .childproc import (
     wait_attempt,
     write_record,
 )
-from .runner import (
-    SHORTAGES,
-    _forget_record,
-    _shortage,
-    _start_threads,
-    rebuild_error,
-    validate_result,
-)
+from .documents import PROCESS_DIED, book
+from .errors import HandlerError
+from .runner import rebuild_error, validate_result
 from .specialists import HandlerContext, Specialist, handler_reference
+from .starts import SHORTAGES, forget_record, shortage, start_threads
 from .suspects import Suspects
 
 log = logging.getLogger("handoffd")
@@ -174,7 +168,7 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
     try:  # from the first thread on, however the attempt ends, end_attempt kills, reaps, closes
         # the channel, which hands the child its request, last: a child whose threads could
         # not all be started is killed before its handler has anything to run
-        _start_threads(ctx, spec.agent, proc, exited, (output.thread, waiter, channel.thread))
+        start_threads(ctx, spec.agent, proc, exited, (output.thread, waiter, channel.thread))
         wait_attempt(done, ctx, timeout)
     finally:
         end_attempt(ctx, proc, token, exited, (channel, output), (waiter,))
@@ -191,8 +185,8 @@ def _spawn(spec: Specialist, ctx: HandlerContext, env: dict[str, str],
     """Start the child with its two message pipes: (the child, the parent's read end of the up
     pipe, its write end of the down pipe). When they cannot be made, nothing is left behind (no
     descriptor, no process record) and the HandlerError says why; a passing shortage
-    (descriptors, processes, memory: :data:`~.runner.SHORTAGES`) marks the attempt as not started
-    (:func:`~.runner.not_started`), so its claim is handed back uncounted, as a command
+    (descriptors, processes, memory: :data:`~.starts.SHORTAGES`) marks the attempt as not started
+    (:func:`~.starts.not_started`), so its claim is handed back uncounted, as a command
     handler's is (it once counted as a failed attempt, and an EMFILE from a pipe escaped as an
     OSError, its record and first pipe left behind)."""
     opened: list[int] = []
@@ -208,9 +202,9 @@ def _spawn(spec: Specialist, ctx: HandlerContext, env: dict[str, str],
     except OSError as exc:
         for fd in opened:
             os.close(fd)
-        _forget_record(ctx, token)
+        forget_record(ctx, token)
         if exc.errno in SHORTAGES:  # not the handler's fault: it runs again after a back-off
-            raise _shortage(ctx, f"a process for {spec.agent}'s handler",
+            raise shortage(ctx, f"a process for {spec.agent}'s handler",
                             errno.errorcode[exc.errno], exc.strerror or str(exc),
                             SHORTAGES[exc.errno]) from None
         raise HandlerError(f"handoff {ctx.handoff_id}: cannot start a process for its handler: "

@@ -16,10 +16,8 @@ import logging
 import os
 import queue
 import re
-import signal
 import subprocess
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import procrecords, procs
@@ -38,6 +36,15 @@ from .documents import MAX_DEPTH, RESULT_DEPTH_MARGIN, Outcome, nesting_depth
 from .errors import ConfigError, ErrorCode, HandlerError, HandoffdError
 from .ownfiles import START_UMASK
 from .specialists import HandlerCancelled, HandlerContext, Specialist
+from .starts import (
+    SHORTAGES,
+    THREADS,
+    THREADS_LIMIT,
+    forget_record,
+    shortage,
+    start_threads,
+    started,
+)
 from .states import RESULT_STATUSES
 from .watchdog import WATCHDOG, TakenOver, Takeover, cancelled
 
@@ -52,58 +59,6 @@ CONTEXT_CODES: dict[str, bool] = {ErrorCode.INVALID_CONTEXT_KEY: False,
                                   ErrorCode.CONTEXT_CONFLICT: True}
 
 log = logging.getLogger("handoffd")
-
-# what a child (or a thread of an attempt) cannot be started for now, not for good: a passing
-# shortage of descriptors, processes or memory, and the limit to name. Its handler never started,
-# so the claim is handed back uncounted and started again after a back-off
-# (:func:`handoffd.service.handbacks.hand_back_unstarted`); it once failed the handoff for good,
-# blamed on handoffd.toml (all 20 of a burst under `ulimit -n 16`)
-SHORTAGES: dict[int, str] = {
-    errno.EMFILE: "the daemon's limit on open files, ulimit -n",
-    errno.ENFILE: "the system's limit on open files, fs.file-max",
-    errno.EAGAIN: "the limit on processes, ulimit -u (or a cgroup's pids.max)",
-    errno.ENOMEM: "the memory the daemon may use",
-}
-THREADS = "THREADS"  # the reason when a thread of the attempt could not be started
-THREADS_LIMIT = "the limit on processes and threads, ulimit -u, or memory"
-NOT_STARTED = "handoffd.not_started"  # the key of a :class:`NotStarted` in ctx.feature_state
-
-
-@dataclass(frozen=True)
-class NotStarted:
-    """An attempt whose handler could not be started for a passing shortage: ``reason`` (an
-    errno's name, or :data:`THREADS`) and the one line saying so, naming the resource limit."""
-
-    reason: str
-    message: str
-
-
-def started(ctx: HandlerContext) -> None:
-    """The attempt's handler is started: tell whoever asked (:attr:`HandlerContext.on_start`:
-    the event log's ``claimed``), once."""
-    on_start, ctx.on_start = ctx.on_start, None
-    if on_start is not None:
-        on_start()
-
-
-def not_started(ctx: HandlerContext) -> NotStarted | None:
-    """The passing shortage that kept the attempt's handler from starting, if one did. Only this
-    module sets it: no result or error a handler gives back can claim it (an uncounted hand-back
-    for ever)."""
-    found = ctx.feature_state.get(NOT_STARTED)
-    return found if isinstance(found, NotStarted) else None
-
-
-def _shortage(ctx: HandlerContext, what: str, reason: str, why: str, limit: str) -> HandlerError:
-    """Mark the attempt as not started for a passing shortage (:func:`not_started`) and return
-    its error: the after-run hooks see an attempt that does not count (``ctx.handback``: a
-    contract's reservation is released, its scope not reviewed), the worker hands it back."""
-    message = f"handoff {ctx.handoff_id}: cannot start {what} for now: {why} ({reason}: {limit})"
-    ctx.feature_state[NOT_STARTED] = NotStarted(reason, message)
-    ctx.handback = True
-    return HandlerError(message, handoff_id=ctx.handoff_id, retryable=True,
-                        details={"cannot_start": reason})
-
 
 def validate_result(result: Any, handoff_id: str, max_bytes: int | None = None, *,
                     plain: bool = True) -> dict[str, Any]:
@@ -207,7 +162,7 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
     try:
         HANDLER_THREADS.run(call, f"handler-{ctx.handoff_id}")
     except RuntimeError as exc:  # no thread to spare: the handler never started
-        raise _shortage(ctx, f"a thread for {spec.agent}'s handler", THREADS, _text(exc),
+        raise shortage(ctx, f"a thread for {spec.agent}'s handler", THREADS, _text(exc),
                         THREADS_LIMIT) from None
     started(ctx)
     wait_attempt(done, ctx, timeout)
@@ -367,9 +322,9 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
                                 preexec_fn=procs.child_setup(os.getpid()))
     except (OSError, ValueError) as exc:  # (ValueError: a NUL, an unencodable character)
-        _forget_record(ctx, token)
+        forget_record(ctx, token)
         if isinstance(exc, OSError) and exc.errno in SHORTAGES:  # not the command's fault
-            raise _shortage(ctx, f"{argv[0][:200]!r} for {spec.agent}",
+            raise shortage(ctx, f"{argv[0][:200]!r} for {spec.agent}",
                             errno.errorcode[exc.errno], exc.strerror or str(exc),
                             SHORTAGES[exc.errno]) from None
         raise _start_failed(exc, argv, env, spec.agent, ctx.handoff_id) from None
@@ -388,7 +343,7 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     out.on_overflow = done.set
     error: HandlerError | None = None
     try:  # from the first thread on, however the attempt ends, end_attempt kills, reaps, closes
-        _start_threads(ctx, spec.agent, proc, exited, (out.thread, err.thread, waiter, feeder))
+        start_threads(ctx, spec.agent, proc, exited, (out.thread, err.thread, waiter, feeder))
         started(ctx)
         wait_attempt(done, ctx, timeout)
         if out.overflow:
@@ -404,36 +359,6 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
             error.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))
         raise error
     return _parse_output(proc.returncode, out.data(), err.data(), ctx.handoff_id)
-
-
-def _forget_record(ctx: HandlerContext, token: str) -> None:
-    """Remove the record of an attempt whose child never started; a failure is one line (an
-    escaping OSError stranded the claim until its lease ran out)."""
-    try:
-        procrecords.remove_record(ctx.root, ctx.handoff_id, token)
-    except OSError as exc:
-        log.warning("handoff %s: cannot remove the record of its attempt's processes: %s",
-                    ctx.handoff_id, exc)
-
-
-def _start_threads(ctx: HandlerContext, agent: str, proc: subprocess.Popen[bytes],
-                   exited: threading.Event, threads: tuple[threading.Thread, ...]) -> None:
-    """Start the attempt's I/O threads, its stdin's feeder last. When one cannot be started
-    (RuntimeError: no thread to spare, a passing shortage), the child, not given its document
-    yet, is killed at once and the shortage raised: :func:`end_attempt` then reaps it and closes
-    its pipes (it once raised past them: the child a zombie, its pipes leaked, the claim stalled
-    until its lease)."""
-    for thread in threads:
-        try:
-            thread.start()
-        except RuntimeError as exc:
-            try:  # (unreaped, the child's pid and so its group are still its own)
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            exited.set()  # nothing to wait for politely: end_attempt kills what is left
-            raise _shortage(ctx, f"a thread for {agent}'s handler", THREADS, _text(exc),
-                            THREADS_LIMIT) from None
 
 
 def _start_failed(exc: OSError | ValueError, argv: list[str], env: dict[str, str], agent: str,

@@ -19,7 +19,8 @@ from typing import Callable
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
 from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError
-from ..core.runner import cancel, not_started
+from ..core.runner import cancel
+from ..core.starts import not_started
 from ..core.states import State
 from ..core.watchdog import TakenOver
 from . import handbacks

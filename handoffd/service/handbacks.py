@@ -37,7 +37,7 @@ from ..core.states import State
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
-    from ..core.runner import NotStarted  # (the CLI's `handoff retry` loads this module)
+    from ..core.starts import NotStarted
 
 # stops in a row that hand a running attempt back for free: an operator's restarts (deploys,
 # a sibling process of `serve --processes` stopped after a crash) never cost a retry; a handler
@@ -49,7 +49,7 @@ INTERRUPTED = "interrupted"
 STOPS = "stops_in_a_row"  # detail of an error filed for a counted stop (or counted recovery)
 
 # An attempt whose handler could not be started for a passing shortage (descriptors, processes,
-# memory: :func:`handoffd.core.runner.not_started`) is handed back uncounted, due again after a
+# memory: :func:`handoffd.core.starts.not_started`) is handed back uncounted, due again after a
 # back-off doubling from SHORTAGE_FIRST_SECONDS to SHORTAGE_MAX_SECONDS; its ``handed_back``
 # event says why (NOT_STARTED: the errno's name). A shortage that outlasts FREE_SHORTAGES such
 # hand-backs in a row (about half an hour) counts each further one as a failed attempt

@@ -1,0 +1,113 @@
+"""Whether an attempt's handler started: what a runner (:mod:`.runner`, :mod:`.isolation`)
+tells when a passing shortage of descriptors, processes or memory kept it from starting (the
+claim is then handed back uncounted: :func:`handoffd.service.handbacks.hand_back_unstarted`),
+and when it did start (the event log's ``claimed``: :attr:`.specialists.HandlerContext.on_start`).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+
+from . import procrecords
+from .errors import HandlerError
+from .specialists import HandlerContext
+
+__all__ = ["NOT_STARTED", "SHORTAGES", "THREADS", "THREADS_LIMIT", "NotStarted",
+           "forget_record", "not_started", "shortage", "shown_error", "start_threads",
+           "started"]
+
+log = logging.getLogger("handoffd")
+
+# what a child (or a thread of an attempt) cannot be started for now, not for good: a passing
+# shortage of descriptors, processes or memory, and the limit to name. Its handler never started,
+# so the claim is handed back uncounted and started again after a back-off
+# (:func:`handoffd.service.handbacks.hand_back_unstarted`); it once failed the handoff for good,
+# blamed on handoffd.toml (all 20 of a burst under `ulimit -n 16`)
+SHORTAGES: dict[int, str] = {
+    errno.EMFILE: "the daemon's limit on open files, ulimit -n",
+    errno.ENFILE: "the system's limit on open files, fs.file-max",
+    errno.EAGAIN: "the limit on processes, ulimit -u (or a cgroup's pids.max)",
+    errno.ENOMEM: "the memory the daemon may use",
+}
+THREADS = "THREADS"  # the reason when a thread of the attempt could not be started
+THREADS_LIMIT = "the limit on processes and threads, ulimit -u, or memory"
+NOT_STARTED = "handoffd.not_started"  # the key of a :class:`NotStarted` in ctx.feature_state
+
+
+@dataclass(frozen=True)
+class NotStarted:
+    """An attempt whose handler could not be started for a passing shortage: ``reason`` (an
+    errno's name, or :data:`THREADS`) and the one line saying so, naming the resource limit."""
+
+    reason: str
+    message: str
+
+
+def started(ctx: HandlerContext) -> None:
+    """The attempt's handler is started: tell whoever asked (:attr:`HandlerContext.on_start`:
+    the event log's ``claimed``), once."""
+    on_start, ctx.on_start = ctx.on_start, None
+    if on_start is not None:
+        on_start()
+
+
+def not_started(ctx: HandlerContext) -> NotStarted | None:
+    """The passing shortage that kept the attempt's handler from starting, if one did. Only this
+    module sets it: no result or error a handler gives back can claim it (an uncounted hand-back
+    for ever)."""
+    found = ctx.feature_state.get(NOT_STARTED)
+    return found if isinstance(found, NotStarted) else None
+
+
+def shortage(ctx: HandlerContext, what: str, reason: str, why: str, limit: str) -> HandlerError:
+    """Mark the attempt as not started for a passing shortage (:func:`not_started`) and return
+    its error: the after-run hooks see an attempt that does not count (``ctx.handback``: a
+    contract's reservation is released, its scope not reviewed), the worker hands it back."""
+    message = f"handoff {ctx.handoff_id}: cannot start {what} for now: {why} ({reason}: {limit})"
+    ctx.feature_state[NOT_STARTED] = NotStarted(reason, message)
+    ctx.handback = True
+    return HandlerError(message, handoff_id=ctx.handoff_id, retryable=True,
+                        details={"cannot_start": reason})
+
+
+def forget_record(ctx: HandlerContext, token: str) -> None:
+    """Remove the record of an attempt whose child never started; a failure is one line (an
+    escaping OSError stranded the claim until its lease ran out)."""
+    try:
+        procrecords.remove_record(ctx.root, ctx.handoff_id, token)
+    except OSError as exc:
+        log.warning("handoff %s: cannot remove the record of its attempt's processes: %s",
+                    ctx.handoff_id, exc)
+
+
+def start_threads(ctx: HandlerContext, agent: str, proc: subprocess.Popen[bytes],
+                   exited: threading.Event, threads: tuple[threading.Thread, ...]) -> None:
+    """Start the attempt's I/O threads, its stdin's feeder last. When one cannot be started
+    (RuntimeError: no thread to spare, a passing shortage), the child, not given its document
+    yet, is killed at once and the shortage raised: :func:`~.childproc.end_attempt` then reaps it and closes
+    its pipes (it once raised past them: the child a zombie, its pipes leaked, the claim stalled
+    until its lease)."""
+    for thread in threads:
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            try:  # (unreaped, the child's pid and so its group are still its own)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            exited.set()  # nothing to wait for politely: end_attempt kills what is left
+            raise shortage(ctx, f"a thread for {agent}'s handler", THREADS, shown_error(exc),
+                            THREADS_LIMIT) from None
+
+
+def shown_error(exc: BaseException) -> str:
+    """``str(exc)``, whatever the exception does in its ``__str__``."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"(a {type(exc).__name__} that cannot be shown)"
