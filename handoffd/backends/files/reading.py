@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import heapq
 import os
-import re
 import stat
 import struct
 import time
@@ -20,12 +19,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from ...core import jsontext, ownfiles
+from ...core import jsontext
 from ...core.documents import check_id, revision
 from ...core.errors import ErrorCode, InvalidDocument, NotFound
 from ...core.states import State, winner
 from ...core.storage import LiveStamp, trusted_doc
-from ...core.timeutil import iso, parse_utc
 from ...core.workspace import Workspace
 from ..base import (
     Backend,
@@ -49,7 +47,9 @@ from . import aside, fsio
 # itself failed, and a good document was taken for an unprocessable one and set aside
 from .problems import read_error
 
-MAX_REASON_BYTES = 1 << 20  # a quarantine reason, read whole
+# the quarantine listing, kept where readers found it
+from .quarantined import MAX_REASON_BYTES, REASON, quarantined  # noqa: F401
+
 # what a document cut short by its writer reads as: still being written while it is young
 HALF_WRITTEN = frozenset({ErrorCode.MALFORMED_JSON, ErrorCode.EMPTY_DOCUMENT, ErrorCode.NOT_UTF8})
 LIVE = (State.PENDING, State.IN_PROGRESS)
@@ -292,70 +292,6 @@ def entries(ws: Workspace, state: State) -> Iterator[os.DirEntry[str]]:
             yield from list(found)
     except FileNotFoundError:
         return
-
-
-REASON = ".reason.json"
-MAX_REASON_TEXT = 2000  # characters of a reason's message (or file) listed; the rest cut
-_REASON_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")  # an error code, as handoffd records one
-_REASON_TEMP = re.compile(r"\..*\.reason\.[0-9a-f]{16}\.tmp", re.DOTALL)  # being published
-
-
-def quarantined(ws: Workspace) -> list[dict[str, Any]]:
-    """Every entry set aside in the quarantine folder, oldest first (their names start with the
-    time), with its reason: ``stored_as`` (its name), and the ``code``, ``message``, ``at``,
-    ``file`` and ``from`` its ``.reason.json`` gives, each kept only as a string of bounded
-    length (an error code; a time, given in UTC). An entry whose reason is missing, unreadable,
-    too large or names no error code is listed too, as UNREADABLE_FILE "reason unreadable:
-    ...": listed by its reasons, it was hidden, and a forged reason's fields (a list, 1e308)
-    were shown as they came. The folder is opened without following a symlink."""
-    try:
-        folder = ownfiles.open_folder(ws.quarantine)
-    except OSError:  # missing, or no plain folder of the workspace: nothing was set aside there
-        return []
-    try:
-        found = set(os.listdir(folder))
-        # (a reason is X.reason.json beside X; an entry set aside under a name ending so, from
-        # a file called that, has its own reason beside it; an orphan reason is no entry)
-        reasons = {name for name in found if name.endswith(REASON)
-                   and (name[:-len(REASON)] in found or name + REASON not in found)}
-        return [_set_aside_entry(folder, name) for name in sorted(found - reasons)
-                if not _REASON_TEMP.fullmatch(name)]
-    finally:
-        os.close(folder)
-
-
-def _set_aside_entry(folder: int, name: str) -> dict[str, Any]:
-    """The listing's item for the entry ``name`` of the quarantine ``folder`` (a descriptor)."""
-    shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") \
-        if not name.isascii() else name  # (a name that is no UTF-8 could not be printed)
-    try:
-        reason = jsontext.parse_document(
-            ownfiles.read_regular(name + REASON, MAX_REASON_BYTES, dir_fd=folder), "its reason")
-    except FileNotFoundError:
-        return _unreadable_reason(shown, f"no {REASON} beside it")
-    except OSError as exc:  # a folder or FIFO there, or one over MAX_REASON_BYTES (EFBIG)
-        return _unreadable_reason(shown, exc.strerror or type(exc).__name__)
-    except InvalidDocument as exc:
-        return _unreadable_reason(shown, str(exc)[:200])
-    item: dict[str, Any] = {"stored_as": shown}
-    for key in ("file", "from", "message"):
-        if isinstance(text := reason.get(key), str):
-            item[key] = text if len(text) <= MAX_REASON_TEXT else text[:MAX_REASON_TEXT] + "..."
-    if isinstance(at := reason.get("at"), str) and len(at) <= 64:
-        try:
-            item["at"] = iso(parse_utc(at))
-        except ValueError:
-            pass  # not a time: left out
-    code = reason.get("code")
-    if not (isinstance(code, str) and _REASON_CODE.fullmatch(code)):
-        return {**_unreadable_reason(shown, "it names no error code"),
-                **({"at": item["at"]} if "at" in item else {})}
-    return {**item, "code": code}
-
-
-def _unreadable_reason(shown: str, why: str) -> dict[str, Any]:
-    return {"stored_as": shown, "code": ErrorCode.UNREADABLE_FILE,
-            "message": f"reason unreadable: {why}"}
 
 
 def revision_at(path: Path, max_bytes: int) -> int | None:
