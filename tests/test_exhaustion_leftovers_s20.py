@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 from conftest import Clock, exe, new_workspace, wait_until
+from test_start_shortage_s20 import FailFirst, _children, _fds  # (the same probes)
 
 from handoffd import Registry, Workspace, build_engine
 from handoffd.backends.files.context import FileContext
@@ -42,41 +43,6 @@ from handoffd.core.errors import HandlerError
 from handoffd.core.native_format import new_native_request
 from handoffd.core.specialists import HandlerContext, Specialist
 from handoffd.core.states import State
-
-
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
-def _children() -> list[str]:
-    """This process's child processes (zombies too: an unreaped child is listed)."""
-    found: list[str] = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            found += Path(f"/proc/self/task/{task}/children").read_text().split()
-        except OSError:
-            continue
-    return found
-
-
-class FailFirst:
-    """Replaces a callable: its first ``times`` calls for which ``when`` holds raise ``error()``."""
-
-    def __init__(self, real: Callable[..., Any], times: int, error: Callable[[], BaseException],
-                 when: Callable[..., bool] = lambda *a, **k: True) -> None:
-        self.real, self.times, self.error, self.when = real, times, error, when
-        self.raised = 0
-        self.lock = threading.Lock()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.lock:
-            fail = self.raised < self.times and self.when(*args, **kwargs)
-            if fail:
-                self.raised += 1
-        if fail:
-            raise self.error()
-        return self.real(*args, **kwargs)
-
 
 # ---------------------------------------------------------------- 1. isolated handlers
 

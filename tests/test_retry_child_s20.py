@@ -12,26 +12,10 @@ from pathlib import Path
 
 import pytest
 from conftest import Workspace, handlers_workspace
-from test_children_gate_reads_s17 import HANDLERS  # (@boss delegates to @leaf)
+from test_children_gate_reads_s17 import CONFIG, HANDLERS  # (@boss delegates to @leaf)
 
 from handoffd import new_native_request
 from handoffd.core.timeutil import utc_now
-
-CONFIG = """
-[daemon]
-workers = 2
-durability = "fast"
-settle_seconds = 0.05
-
-[retry]
-max_retries = 0
-
-[specialists."@boss"]
-handler = "cg17:boss"
-
-[specialists."@leaf"]
-handler = "cg17:leaf"
-"""
 
 
 def test_a_child_of_a_filed_parent_is_not_retried_alone(
