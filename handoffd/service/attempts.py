@@ -203,9 +203,17 @@ class Attempts(HeldOutcomes):
             log.error("%s", exc)
             self.scheduler.notify(handoff_id, 1.0)
         elif isinstance(exc, OSError):  # disk full, permissions: report, and try again later
-            log.error("handoff %s: %s; will retry in %ss", handoff_id, exc, RETRY_LOOK_SECONDS)
+            # (held off, doubling to a minute: a document this process cannot write, larger
+            # than its `ulimit -f`, was claimed again ~100 times a second, its own put-back's
+            # folder event cutting the wait short)
+            counts = self.unexpected_in_a_row
+            tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
+            delay = min(UNEXPECTED_MAX_SECONDS, RETRY_LOOK_SECONDS * 2.0 ** (tries - 1))
+            log.error("handoff %s: %s; will retry in %gs", handoff_id, exc, delay)
             self.report.errors += 1  # (a batch that ends meanwhile exits non-zero, and says so)
-            self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
+            if len(counts) > MAX_TRACKED:
+                counts.clear()
+            self.scheduler.hold_off(handoff_id, delay)
         else:  # a bug must not kill the worker or lose the handoff
             self.unexpected(handoff_id, "unexpected error; it stays where it is for recovery")
 
@@ -229,7 +237,7 @@ class Attempts(HeldOutcomes):
                       delay)
         if len(counts) > MAX_TRACKED:
             counts.clear()
-        self.scheduler.notify(handoff_id, delay)
+        self.scheduler.hold_off(handoff_id, delay)
 
     # ------------------------------------------------------------ tasks that run no specialist
     def reject(self, handoff_id: str, code: str, message: str) -> None:

@@ -39,6 +39,7 @@ READY_WINDOW = 64  # due handoffs read ahead to order by priority
 # overlaps: no delay.
 SPIN_UP_SECONDS = 0.005
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
+MAX_HELD_OFF = 10_000  # handoffs held off at once (hold_off: the oldest forgotten first)
 WAKE = ""  # a time-heap entry that only wakes the loop (no handoff id is empty)
 FIRST = -1.0  # the due time of a woken waiter (look_first): before any monotonic time
 
@@ -74,6 +75,11 @@ class Scheduler(Lines, QuietWaits):
         self.ready: list[tuple[int, float, int, str, Peek, int]] = []
         self.readied: set[str] = set()
         self.queued: dict[str, float] = {}
+        # handoff id -> looked at again no sooner than this (monotonic), whatever hint comes: an
+        # error about it (a full disk, a document this process cannot write) once had it
+        # looked at again at once by the folder event its own failed claim made, ~100 times a
+        # second (:meth:`hold_off`)
+        self.not_before: dict[str, float] = {}
         self.seq = itertools.count()
         self.rechecks: OrderedDict[str, float] = OrderedDict()  # waiter -> when a rescan queued it
         self.rechecked_last = False  # next_ready handed out a recheck last: other work's turn
@@ -104,8 +110,14 @@ class Scheduler(Lines, QuietWaits):
     # ------------------------------------------------------------ when to look
     def notify(self, handoff_id: str, delay: float = 0.0) -> None:
         """Hint that ``handoff_id`` may be due in ``delay`` seconds (watchdog, scans, retries)."""
-        due = time.monotonic() + delay
+        now = time.monotonic()
+        due = now + delay
         with self.cv:
+            if self.not_before and (floor := self.not_before.get(handoff_id)) is not None:
+                if floor <= now:
+                    del self.not_before[handoff_id]
+                elif due < floor:
+                    due, delay = floor, floor - now
             if handoff_id in self.readied and delay == 0:
                 return  # already read and waiting its turn in the ready window
             current = self.queued.get(handoff_id)
@@ -114,6 +126,17 @@ class Scheduler(Lines, QuietWaits):
             self.queued[handoff_id] = due
             heapq.heappush(self.heap, (due, 2, next(self.seq), handoff_id))
             self.cv.notify()
+
+    def hold_off(self, handoff_id: str, delay: float) -> None:
+        """Look at ``handoff_id`` again in ``delay`` seconds, and no sooner whatever hints come
+        meanwhile (a folder event, a rescan): what failed about it for a passing reason would
+        fail again at once. Forgotten once it leaves pending/ or the time has passed."""
+        with self.cv:
+            self.not_before.pop(handoff_id, None)
+            self.not_before[handoff_id] = time.monotonic() + delay
+            if len(self.not_before) > MAX_HELD_OFF:  # (the oldest first: dicts keep order)
+                del self.not_before[next(iter(self.not_before))]
+        self.notify(handoff_id, delay)
 
     def look_first(self, handoff_id: str) -> None:
         """Look at ``handoff_id`` before anything else due in its priority (also when it is in
@@ -197,6 +220,8 @@ class Scheduler(Lines, QuietWaits):
             self.unpark(gone)
         for gone in [hid for hid in self.first_seen if hid not in present]:
             del self.first_seen[gone]  # claimed or filed elsewhere
+        for gone in [hid for hid in self.not_before if hid not in present]:
+            del self.not_before[gone]
         # with a shared store, other hosts run what we have no specialist for: forget
         # those once they leave pending (the set would otherwise grow for ever)
         self.unroutable &= present
