@@ -277,3 +277,35 @@ def test_a_purge_on_host_b_never_fails_creates_with_dependencies_on_host_a(
     assert not failed, f"{len(failed)} of {len(made)} failed: {run.stderr[-500:]}"
     assert sorted(rows) == sorted(made)
     assert removed  # (the purge did remove the rest)
+
+
+def test_creates_with_dependencies_at_once_hold_one_lock_session_per_process(
+        tmp_path: Path, pg_url: str) -> None:
+    """R26 #2: each create naming dependencies opened a session of its own for the removal
+    lock and queued it on the server: 150 at once in one process held 99 connections (every
+    slot the server had). The threads of a process now take turns first: one lock session."""
+    a, ids = _host(tmp_path / "a", pg_url, 1)
+    peak: list[int] = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _lock_waiters(pg_url))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    made: list[str] = []
+
+    def create(n: int) -> None:
+        made.append(a.submit(_request(f"dep-{n:03d}", ids[0], a.clock())))
+
+    workers = [threading.Thread(target=create, args=(n,)) for n in range(40)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(WAIT)
+    stop.set()
+    sampler.join(WAIT)
+    assert len(made) == 40
+    assert peak[0] == 0, f"{peak[0]} sessions of this process queued on the server at once"

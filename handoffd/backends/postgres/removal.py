@@ -42,6 +42,9 @@ SERVER_KEEPALIVES = ("SET tcp_keepalives_idle = 15; SET tcp_keepalives_interval 
                      "SET tcp_keepalives_count = 3")
 
 
+_COUNT = threading.Lock()  # guards PostgresRemovalLock._waiting
+
+
 class RemovalLockLost(StoreUnavailable):
     """The session holding the removal lock ended under the pass (its lock went with it)."""
 
@@ -57,6 +60,11 @@ class PostgresRemovalLock:
         self.url = url
         self.connect_timeout = connect_timeout
         self._mine = threading.local()  # the connection whose session holds it, per thread
+        # the threads of this process take turns here first, so that one process holds one
+        # session for the lock at most: 150 creates with dependencies at once each opened a
+        # session and queued it on the server (99 connections: every slot the server had)
+        self._turn = threading.RLock()
+        self._waiting = 0  # threads of this process waiting for their turn (waited_for)
 
     @contextmanager
     def hold(self, wait: float) -> Iterator[bool]:
@@ -64,18 +72,46 @@ class PostgresRemovalLock:
         ``wait`` seconds (0: not waited for). StoreUnavailable when the database cannot be
         reached within that time (one try at least), or is lost while waiting."""
         ends = time.monotonic() + max(wait, 0.0)
-        conn = self._connect(ends)
-        try:
-            if not _acquire(conn, ends - time.monotonic(), wait > 0):
+        with self._turn_within(wait) as turn:
+            if not turn:  # another thread of this process held it past the wait
                 yield False
                 return
-            self._mine.conn = conn
+            conn = self._connect(ends)
             try:
-                yield True
+                if not _acquire(conn, ends - time.monotonic(), wait > 0):
+                    yield False
+                    return
+                self._mine.conn = conn
+                try:
+                    yield True
+                finally:
+                    self._mine.conn = None
             finally:
-                self._mine.conn = None
+                conn.close()  # (the session ends, and its lock with it: no unlock to forget)
+
+    @contextmanager
+    def _turn_within(self, wait: float) -> Iterator[bool]:
+        """This process's turn at the lock (see ``_turn``), waited for at most ``wait``
+        seconds (0: not waited for); whether it was had."""
+        with self._count_waiting():
+            had = self._turn.acquire(timeout=wait) if wait > 0 \
+                else self._turn.acquire(blocking=False)
+        try:
+            yield had
         finally:
-            conn.close()  # (the session ends, and its lock with it: no unlock to forget)
+            if had:
+                self._turn.release()
+
+    @contextmanager
+    def _count_waiting(self) -> Iterator[None]:
+        """Count this thread among those waiting for their turn while it waits."""
+        with _COUNT:
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with _COUNT:
+                self._waiting -= 1
 
     def held(self) -> bool:
         """This thread holds the lock (within :meth:`hold`)."""
@@ -105,6 +141,8 @@ class PostgresRemovalLock:
         mine = getattr(self._mine, "conn", None)
         if mine is None:
             return False
+        if self._waiting:  # a thread of this process waits for its turn (never on the server)
+            return True
         try:
             found = mine.execute(f"SELECT 1 FROM pg_locks WHERE {IN_PG_LOCKS} AND NOT granted "
                                  "LIMIT 1", KEY).fetchone()
