@@ -246,6 +246,31 @@ def new_workspace(root: Path, config: str) -> Workspace:
     return workspace
 
 
+# the head of a Python handlers module whose serving daemon counts something (a test patches a
+# method to add to COUNTS), and the @probe handler that reports the counts: see probe_count
+PROBE_HANDLERS = '''
+from collections import Counter
+
+COUNTS = Counter()
+
+
+def probe(handoff, ctx):
+    return {"status": "completed", "output": dict(COUNTS)}
+'''
+_probes = iter(range(10**6))
+
+
+def probe_count(ws: Workspace, key: str) -> int:
+    """What the serving daemon of ``ws`` counted under ``key`` so far (its handlers begin with
+    :data:`PROBE_HANDLERS` and its @probe specialist runs their ``probe``): a @probe handoff
+    dropped and waited for answers it."""
+    hid = f"probe-{next(_probes)}"
+    ws.drop(f"{hid}.json", {"handoff_id": hid, "source": {"agent_id": "@tests"},
+                            "target": {"agent_id": "@probe"}, "input": {"data": {}}})
+    assert ws.wait_state(hid, timeout=30) == "completed"
+    return int(ws.doc(hid)["output"].get(key, 0))
+
+
 def handlers_workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str,
                        config: str) -> Workspace:
     """:func:`new_workspace` at ``tmp_path/ws`` whose daemons can import the Python handlers

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Workspace as Folder
-from conftest import handlers_workspace, wait_until
+from conftest import PROBE_HANDLERS, handlers_workspace, probe_count, wait_until
 
 from handoffd import Daemon, Registry, Workspace, build_engine, new_native_request
 from handoffd.core.config import Config, DaemonSettings
@@ -233,12 +232,9 @@ def test_other_waiters_are_read_again_once_what_they_wait_on_changes(books: Book
 
 
 # ---------------------------------------------------------------- under `handoffd serve`
-HANDLERS = '''
-from collections import Counter
-
+HANDLERS = PROBE_HANDLERS + '''
 import handoffd.features.pause as _pause
 
-COUNTS = Counter()
 _why = _pause.Pauses.why
 
 
@@ -252,10 +248,6 @@ _pause.Pauses.why = why
 
 def fast(handoff, ctx):
     return {"status": "completed", "output": {"ok": True}}
-
-
-def probe(handoff, ctx):
-    return {"status": "completed", "output": dict(COUNTS)}
 '''
 
 CONFIG = """
@@ -282,17 +274,6 @@ def request(hid: str, to: str) -> dict[str, Any]:
             "input": {"data": {}}}
 
 
-probes = iter(range(10**6))
-
-
-def looks(ws: Folder) -> int:
-    """How often the daemon's pause gate was asked so far (a @probe handoff answers it)."""
-    hid = f"probe-{next(probes)}"
-    ws.drop(f"{hid}.json", request(hid, "@probe"))
-    assert ws.wait_state(hid, timeout=30) == "completed"
-    return int(ws.doc(hid)["output"].get("pause", 0))
-
-
 def test_a_serving_daemon_leaves_an_unchanged_paused_backlog_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """300 paused handoffs, a rescan every 0.25 s: after the first looks, a few seconds of
@@ -306,11 +287,12 @@ def test_a_serving_daemon_leaves_an_unchanged_paused_backlog_alone(
     daemon = ws.serve()
     try:
         deadline = time.monotonic() + 60
-        while looks(ws) < 2 * n:  # the first look at each, and the rescan that stamps it
+        # the first look at each, and the rescan that stamps it
+        while probe_count(ws, "pause") < 2 * n:
             assert time.monotonic() < deadline, "the paused handoffs were never looked at"
-        before = looks(ws)
+        before = probe_count(ws, "pause")
         time.sleep(2.0)  # (some eight rescans)
-        during = looks(ws) - before
+        during = probe_count(ws, "pause") - before
         print(f"pause gate asked {during} times during ~8 rescans of {n} paused handoffs")
         assert during < n // 2, f"{during} looks at unchanged paused handoffs"
         assert all(ws.state_of(f"slow-{i}") == ["pending"] for i in range(n))

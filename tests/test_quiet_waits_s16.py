@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import PROBE_HANDLERS, handlers_workspace, probe_count, wait_until
 from conftest import Workspace as Folder
-from conftest import handlers_workspace, wait_until
 
 from handoffd import Daemon, Registry, Workspace, build_engine, new_native_request
 from handoffd.core.config import Config, DaemonSettings
@@ -196,12 +196,9 @@ def test_without_stamps_every_waiter_is_read_again(books: Books,
 
 
 # ---------------------------------------------------------------- under `handoffd serve`
-HANDLERS = '''
-from collections import Counter
-
+HANDLERS = PROBE_HANDLERS + '''
 import handoffd.core.engine as _engine
 
-COUNTS = Counter()
 _peek = _engine.Engine.peek
 
 
@@ -224,10 +221,6 @@ def blocker(handoff, ctx):
         return {"status": "completed", "output": {"answer": ctx.clarifications[-1]["answer"]}}
     return {"status": "blocked",
             "blockers": [{"description": "no GPU", "resolution_options": ["wait", "CPU"]}]}
-
-
-def probe(handoff, ctx):
-    return {"status": "completed", "output": dict(COUNTS)}
 '''
 
 CONFIG = """
@@ -254,17 +247,6 @@ def request(hid: str, to: str) -> dict[str, Any]:
             "input": {"data": {}}}
 
 
-probes = iter(range(10**6))
-
-
-def reads(ws: Folder) -> int:
-    """How many pending documents the daemon read so far (a @probe handoff answers it)."""
-    hid = f"probe-{next(probes)}"
-    ws.drop(f"{hid}.json", request(hid, "@probe"))
-    assert ws.wait_state(hid, timeout=30) == "completed"
-    return int(ws.doc(hid)["output"].get("read", 0))
-
-
 def awaiting(ws: Folder, hid: str) -> bool:
     try:
         doc = ws.doc(hid)
@@ -288,12 +270,13 @@ def test_a_serving_daemon_leaves_unanswered_handoffs_alone_until_answered(
         wait_until(lambda: all(awaiting(ws, hid) for hid, _ in ids), timeout=60,
                    what="every handoff asked its requester")
         deadline = time.monotonic() + 60
-        while reads(ws) < 3 * n:  # the first run, the look once parked, and the stamping rescan
+        # the first run, the look once parked, and the stamping rescan
+        while probe_count(ws, "read") < 3 * n:
             assert time.monotonic() < deadline, "the waiting handoffs were never looked at"
         time.sleep(0.5)
-        before = reads(ws)
+        before = probe_count(ws, "read")
         time.sleep(2.0)  # (some eight rescans)
-        during = reads(ws) - before
+        during = probe_count(ws, "read") - before
         print(f"{during} reads during ~8 rescans of {n} handoffs waiting for an answer")
         assert during < n // 2, f"{during} reads of unchanged waiting handoffs"
         assert all(awaiting(ws, hid) for hid, _ in ids)

@@ -26,7 +26,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import SPECIALISTS, Clock, handlers_workspace, wait_until
+from conftest import (
+    PROBE_HANDLERS,
+    SPECIALISTS,
+    Clock,
+    handlers_workspace,
+    probe_count,
+    wait_until,
+)
 
 from handoffd import Daemon, Registry, State, build_engine, new_native_request
 from handoffd.backends.memory import MemoryBackend
@@ -310,12 +317,9 @@ def test_a_batch_is_not_done_while_rechecks_are_queued(make: Any) -> None:
 
 
 # ---------------------------------------------------------------- under `handoffd serve`
-HANDLERS = '''
-from collections import Counter
-
+HANDLERS = PROBE_HANDLERS + '''
 import handoffd.core.engine as _engine
 
-COUNTS = Counter()
 _peek = _engine.Engine.peek
 
 
@@ -329,10 +333,6 @@ _engine.Engine.peek = peek
 
 def done(handoff, ctx):
     return {"status": "completed"}
-
-
-def probe(handoff, ctx):
-    return {"status": "completed", "output": dict(COUNTS)}
 '''
 
 CONFIG = """
@@ -357,17 +357,6 @@ def request(hid: str, to: str, **extra: Any) -> dict[str, Any]:
             "input": {"data": {}}, **extra}
 
 
-probes = iter(range(10**6))
-
-
-def reads(ws: Any) -> int:
-    """How many pending documents the daemon read so far (a @probe handoff answers it)."""
-    hid = f"probe-{next(probes)}"
-    ws.drop(f"{hid}.json", request(hid, "@probe"))
-    assert ws.wait_state(hid, timeout=30) == "completed"
-    return int(ws.doc(hid)["output"].get("read", 0))
-
-
 def test_a_serving_daemon_leaves_waiters_alone_until_another_process_files_their_dependency(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """200 handoffs waiting for ``done`` and 100 for ``gone`` (both for a specialist of another
@@ -383,12 +372,13 @@ def test_a_serving_daemon_leaves_waiters_alone_until_another_process_files_their
     daemon = ws.serve()
     try:
         deadline = time.monotonic() + 60
-        while reads(ws) < 2 * len(waiters):  # the first look, and the stamping rescan's
+        # the first look, and the stamping rescan's
+        while probe_count(ws, "read") < 2 * len(waiters):
             assert time.monotonic() < deadline, "the waiters were never looked at"
         time.sleep(0.5)
-        before = reads(ws)
+        before = probe_count(ws, "read")
         time.sleep(2.0)  # (some eight rescans)
-        during = reads(ws) - before
+        during = probe_count(ws, "read") - before
         print(f"{during} reads during ~8 rescans of {len(waiters)} dependency waiters")
         assert during < len(waiters) // 2, f"{during} reads of unchanged waiters"
         doc = ws.doc("done")
