@@ -257,6 +257,20 @@ COUNTS = Counter()
 def probe(handoff, ctx):
     return {"status": "completed", "output": dict(COUNTS)}
 '''
+# added to PROBE_HANDLERS: the daemon counts each pending document it reads, as "read"
+COUNT_READS = '''
+import handoffd.core.engine as _engine
+
+_peek = _engine.Engine.peek
+
+
+def peek(self, handoff_id):
+    COUNTS["read"] += 1
+    return _peek(self, handoff_id)
+
+
+_engine.Engine.peek = peek
+'''
 _probes = iter(range(10**6))
 
 

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PROBE_HANDLERS, handlers_workspace, probe_count, wait_until
+from conftest import (
+    COUNT_READS,
+    PROBE_HANDLERS,
+    handlers_workspace,
+    probe_count,
+    wait_until,
+)
 from conftest import Workspace as Folder
 
 from handoffd import Daemon, Registry, Workspace, build_engine, new_native_request
@@ -196,18 +202,7 @@ def test_without_stamps_every_waiter_is_read_again(books: Books,
 
 
 # ---------------------------------------------------------------- under `handoffd serve`
-HANDLERS = PROBE_HANDLERS + '''
-import handoffd.core.engine as _engine
-
-_peek = _engine.Engine.peek
-
-
-def peek(self, handoff_id):
-    COUNTS["read"] += 1
-    return _peek(self, handoff_id)
-
-
-_engine.Engine.peek = peek
+HANDLERS = PROBE_HANDLERS + COUNT_READS + '''
 
 
 def asker(handoff, ctx):

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from conftest import (
+    COUNT_READS,
     PROBE_HANDLERS,
     SPECIALISTS,
     Clock,
@@ -317,18 +318,7 @@ def test_a_batch_is_not_done_while_rechecks_are_queued(make: Any) -> None:
 
 
 # ---------------------------------------------------------------- under `handoffd serve`
-HANDLERS = PROBE_HANDLERS + '''
-import handoffd.core.engine as _engine
-
-_peek = _engine.Engine.peek
-
-
-def peek(self, handoff_id):
-    COUNTS["read"] += 1
-    return _peek(self, handoff_id)
-
-
-_engine.Engine.peek = peek
+HANDLERS = PROBE_HANDLERS + COUNT_READS + '''
 
 
 def done(handoff, ctx):
