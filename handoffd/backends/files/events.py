@@ -75,16 +75,16 @@ class FileEventLog(Following):
         the write puts the line at the end of the rotated file, as a rotation between an open
         and its write always did (tail() finishes the rotated file first). A rotation that
         cannot be done now is never this append's failure (see :meth:`_rotate_or_say`).
-        OSError (ENOSPC) when the disk took only part of the line; the next line starts a line
-        of its own (:meth:`~.logfiles.Appender.write_line`)."""
+        OSError (ENOSPC) when the disk took only part of the line; this process's next line
+        starts a line of its own (:meth:`~.logfiles.Appender.write_line`)."""
         line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode("utf-8")
         with self._mutex:
             info = self._out.ready()
-            # write_line: a line torn by a full disk (ours or another process's) was glued to
-            # the next one, both lost. Without a lock across processes its stat can see another
-            # writer's line half-way (a size updated page by page): the cost is then a blank
-            # line (readers skip it), and a pread only when another process wrote last
-            self._out.write_line(line, info)
+            # a line of ours torn by a full disk was glued to the next one, both lost: the
+            # next starts a line of its own. Another process's is not looked for: without a
+            # lock across processes a stat can see its line half-way (a size updated page by
+            # page), which was "mended" with a blank line, a pread at every line
+            self._out.write_line(line, info, look=False)
         if info.st_size + len(line) > self.max_bytes:
             self._rotate_or_say()
 

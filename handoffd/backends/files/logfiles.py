@@ -154,7 +154,18 @@ def append_line(fd: int, line: bytes, size: int, path: Path | str, *, known_end:
     only part of the line (a full disk, a quota): the line is torn, and is said to be. Every
     appender of the store's JSON Lines files writes through it."""
     if size not in (0, known_end) and os.pread(fd, 1, size - 1) != b"\n":
-        line = b"\n" + line
+        # looked at again by the descriptor's own size: ``size`` may be another file's (the path
+        # stat'ed just as another process rotated it away), and a whole line then read as torn
+        # (a blank line written before ours)
+        end = os.fstat(fd).st_size
+        if end and os.pread(fd, 1, end - 1) != b"\n":
+            line = b"\n" + line
+    return write_whole(fd, line, path)
+
+
+def write_whole(fd: int, line: bytes, path: Path | str) -> int:
+    """One write of ``line``; the bytes written. OSError (ENOSPC) naming ``path`` when it
+    stored only part of it (a full disk, a quota): the line is torn, and is said to be."""
     written = os.write(fd, line)
     if written != len(line):
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a line cut short: {written}"
@@ -173,6 +184,7 @@ class Appender:
         self.fd = -1
         self._ino = -1
         self._end = -1  # the file's size after our last line (it ends with that newline)
+        self._torn = False  # our last line was cut short (write_line(look=False) mends it)
 
     def ready(self) -> os.stat_result:
         """The stat of ``path`` (before the caller's write), with :attr:`fd` open on that file."""
@@ -187,14 +199,25 @@ class Appender:
             self._ino = info.st_ino
         return info
 
-    def write_line(self, line: bytes, info: os.stat_result) -> int:
+    def write_line(self, line: bytes, info: os.stat_result, *, look: bool = True) -> int:
         """Append ``line`` (newline-terminated) in one write, given :meth:`ready`'s ``info``;
         the bytes written. A file that does not end with a newline (a line a crash or a full
         disk cut short) gets one first: glued to the torn line, this one would be lost with it.
         Only a file that someone else wrote last, or whose last line of ours was cut short, is
         looked at (one pread). A writer without one lock around its stat and write (the event
         log) may see another's line half-written: its own then follows a blank line, which
-        readers skip. OSError (ENOSPC) when the write stored only part of the line."""
+        readers skip. OSError (ENOSPC) when the write stored only part of the line.
+
+        ``look=False`` (a writer with no lock across processes: the event log) looks at no
+        file: only a line of its own that was cut short gets the newline first. Another
+        process's line seen half-way (its size updated page by page) was "mended" with a blank
+        line, and a pread cost every line when several processes wrote."""
+        if not look:
+            mended = b"\n" + line if self._torn else line
+            self._torn = True  # (until written whole)
+            written = write_whole(self.fd, mended, self.path)
+            self._torn = False
+            return written
         self._end, end = -1, self._end  # (until it is written whole: the next line looks)
         written = append_line(self.fd, line, info.st_size, self.path, known_end=end)
         self._end = info.st_size + written
