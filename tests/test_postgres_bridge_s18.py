@@ -39,7 +39,8 @@ def test_a_dropped_file_is_a_handoff_for_every_command_before_any_daemon(
         tmp_path: Path, pg_url: str) -> None:
     space = pg_workspace(tmp_path / "ws", pg_url)
     space.drop("x1.json", request("x1", "@flaky", {"mode": "ok", "who": "file agent"}))
-    space.drop("junk.json", b"\xff\xfe")  # never a document: set aside, with its stub
+    junk = space.drop("junk.json", b"\xff\xfe")  # never a document: set aside, with its stub
+    os.utime(junk, (time.time() - 60, time.time() - 60))  # (settled: not one being written)
     shown_ls = ok(space.handoff("ls", "--json"))
     rows = json.loads(shown_ls.stdout)
     assert {r["id"]: r["state"] for r in rows if r["state"] != "quarantined"} == {

@@ -132,11 +132,20 @@ class Scheduler(Lines, QuietWaits):
         meanwhile (a folder event, a rescan): what failed about it for a passing reason would
         fail again at once. Forgotten once it leaves pending/ or the time has passed."""
         with self.cv:
+            floor = time.monotonic() + delay
             self.not_before.pop(handoff_id, None)
-            self.not_before[handoff_id] = time.monotonic() + delay
+            self.not_before[handoff_id] = floor
             if len(self.not_before) > MAX_HELD_OFF:  # (the oldest first: dicts keep order)
                 del self.not_before[next(iter(self.not_before))]
-        self.notify(handoff_id, delay)
+            # what a hint queued sooner meanwhile (the folder event of its own failed claim's
+            # put-back) is superseded, and taken out of the ready window if it got there
+            self.queued[handoff_id] = floor
+            heapq.heappush(self.heap, (floor, 2, next(self.seq), handoff_id))
+            if handoff_id in self.readied:
+                self.ready = [entry for entry in self.ready if entry[3] != handoff_id]
+                heapq.heapify(self.ready)
+                self.readied.discard(handoff_id)
+            self.cv.notify()
 
     def look_first(self, handoff_id: str) -> None:
         """Look at ``handoff_id`` before anything else due in its priority (also when it is in
