@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -335,7 +336,9 @@ def test_leftovers_are_killed_whether_the_workspace_is_given_as_a_path_or_not(
     ``root`` attribute is '/', once read as a Workspace's (no record found, nothing killed, and
     the attempt refused as if the leftover had survived SIGKILL)."""
     HandoffdWorkspace(tmp_path).ensure()
-    token = "tok-leftover"
+    # a token of its own: the three parametrisations run at once on different workers, and one
+    # killing another's leftover (same token) left it nothing to kill (seen in CI)
+    token = f"tok-leftover-{uuid.uuid4().hex}"
     leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                 env=dict(os.environ, HANDOFFD_RUN_TOKEN=token),
                                 start_new_session=True)
