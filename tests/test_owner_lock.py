@@ -28,9 +28,11 @@ from typing import Any, Callable, Iterator
 import pytest
 from conftest import exe, wait_until
 
+from handoffd.backends.files import claims as claims_module
 from handoffd.backends.files.backend import FilesBackend
 from handoffd.backends.files.store import Store
 from handoffd.core.documents import book
+from handoffd.core.liveness import bears_mark, own_mark
 from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
 from handoffd.core.timeutil import utc_now
@@ -197,6 +199,51 @@ def test_close_never_raises_nor_closes_a_descriptor_no_longer_its_own(store: Sto
         os.fstat(number)  # still open: not ours to close
     finally:
         os.close(number)
+
+
+def test_a_free_lock_of_a_live_owner_is_no_death(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the owner notices its lock is gone (half a second, or seconds on a loaded machine:
+    seen with 8 test workers), a recoverer of this host finds the lock free. The lease's owner
+    mark says its process lives: the claim is left to it (and to its lease), the lock file to its
+    owner. A mark no live process bears, or none at all, is a death as before."""
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    owner = FilesBackend.open(ws, watch=False, durable=False)
+    recoverer = FilesBackend.open(ws, watch=False, durable=False)
+    now = utc_now()
+    owner.create(new_native_request(source="@t", target="@x", data={}, now=now), "a", now)
+    claim = owner.claim("a", now, 30)
+    assert claim is not None
+    held = book(claim.doc)["lease"]
+    assert held["owner"]["pid"] == os.getpid() and len(held["owner"]["proc"]) == 16
+    assert owner.store.owners.held is not None
+    os.close(owner.store.owners.held.fd)  # a handler's careless close: the flock is gone
+    assert not held_by_someone(ws.locks / held["lock"])
+    try:
+        assert recoverer.expired_claims(now, 30) == []
+        assert (ws.locks / held["lock"]).exists()  # left to its owner, not removed
+        assert not held_by_someone(ws.locks / held["lock"])  # nor kept
+        # the same free lock with its owner gone (its mark borne by no live process): taken
+        monkeypatch.setattr(claims_module, "bears_mark", lambda pid, mark: False)
+        taken = recoverer.expired_claims(now, 30)
+        assert [c.id for c in taken] == ["a"] and "owner process is gone" in str(taken[0].recovered)
+    finally:
+        owner.store.close()
+        recoverer.store.close()
+
+
+def test_a_mark_names_one_live_process() -> None:
+    """Marks come from documents: only a live pid whose start (this boot, this namespace)
+    digests to the mark bears it; a finished child, another mark or a wrong type does not."""
+    mine = own_mark()
+    assert mine is not None and bears_mark(os.getpid(), mine)
+    child = subprocess.Popen(["true"])
+    child.wait(timeout=10)
+    assert not bears_mark(child.pid, mine)
+    for pid, mark in ((os.getpid(), "0" * 16), (os.getpid(), None), (str(os.getpid()), mine),
+                      (True, mine), (-1, mine), (1 << 40, mine), (os.getpid(), mine + "x")):
+        assert not bears_mark(pid, mark), (pid, mark)
 
 
 # ------------------------------------------------------------------------------------------

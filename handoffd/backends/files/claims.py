@@ -25,6 +25,7 @@ from ...core.errors import (
     InvalidDocument,
     UnreadableDocument,
 )
+from ...core.liveness import bears_mark
 from ...core.logs import log
 from ...core.storage import GIVEN_UP, LEASE_EXPIRED
 from ...core.states import State
@@ -37,13 +38,13 @@ from ..base import (
     Doc,
     Meta,
     due_of,
-    lease_block,
     safe_describe,
 )
 from . import fsio
 from .leases import (
     CLOCK_TOLERANCE_SECONDS,
     OWNER_LOCK_NAME,
+    lease,
     lock_name,
     release_lock,
     try_lock,
@@ -298,7 +299,7 @@ class Claimer:
         from filelock import FileLock
         lock = FileLock(str(self.store.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
         lock.acquire()
-        book(doc)["lease"] = lease_block(token, now, lease_seconds)
+        book(doc)["lease"] = lease(token, now, lease_seconds)
         try:
             inode = fsio.replace(self.store.path(State.IN_PROGRESS, handoff_id),
                                  self.store.encode(doc, State.IN_PROGRESS, handoff_id),
@@ -326,7 +327,12 @@ class Claimer:
             if self.store.gave_up(held["token"]):
                 return None, GIVEN_UP
             lock = try_lock(self.store.ws.locks / lock_name(handoff_id, held))
-            if lock is not None:
+            if lock is not None and bears_mark(owner.get("pid"), owner.get("proc")):
+                # its owner lives: a handler closed the daemon's lock under a running claim.
+                # Let go without removing the file (the owner holds it again if it can, and
+                # fences the claim otherwise); only the lease's expiry can end it from here.
+                lock.release(force=True)
+            elif lock is not None:
                 return lock, "owner process is gone (its claim lock is free)"
         tolerance = 0.0 if same_host else CLOCK_TOLERANCE_SECONDS
         if not self._unrenewed(handoff_id, held, now, tolerance):

@@ -63,7 +63,12 @@ def lease(token: str | None, now: datetime, seconds: float, *,
     """A lease block: who holds the claim and until when (``token`` is None only when renewing a
     recovered claim whose owner never wrote a lease). ``lock``: the owner lock file it rides on
     (None: the claim's own ``<id>.<token>.lock``)."""
-    block = {"token": token, "owner": actor(), "acquired_at": iso(now),
+    from ...core.liveness import own_mark  # (the claiming process has it loaded already)
+    owner = actor()
+    mark = own_mark()
+    if mark is not None:  # a free lock is its owner's death only if no process bears this
+        owner["proc"] = mark
+    block = {"token": token, "owner": owner, "acquired_at": iso(now),
              "expires_at": iso(now + timedelta(seconds=seconds))}
     if lock is not None:
         block["lock"] = lock
