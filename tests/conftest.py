@@ -299,6 +299,16 @@ def handlers_workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: 
     return new_workspace(tmp_path / "ws", config)
 
 
+@pytest.fixture
+def dead_owner_marks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leases written by this test carry a process mark no live process bears, as a dead
+    owner's do. Tests that stand for an owner's death by closing its store (its lock goes as the
+    kernel drops it) need it: this process lives on, and a free lock whose owner still lives is
+    no death (core/liveness.py)."""
+    from handoffd.core import liveness
+    monkeypatch.setattr(liveness, "own_mark", lambda: "d" * 16)
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[pgserver.PgServer]:
     """A throw-away PostgreSQL cluster for this test session (per xdist worker), started on

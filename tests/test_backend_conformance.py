@@ -538,7 +538,7 @@ def test_files_wakeups_include_other_processes_writes(tmp_path: Path) -> None:
         mine.close()
 
 
-def test_files_a_dead_owners_claim_is_taken_over_at_once(tmp_path: Path) -> None:
+def test_files_a_dead_owners_claim_is_taken_over_at_once(tmp_path: Path, dead_owner_marks: None) -> None:
     """On this host a free claim lock proves the owner died: no need to wait for the lease."""
     backend = FilesBackend.open(Workspace(tmp_path), durable=False, watch=False)
     add(backend, "h1")

@@ -271,7 +271,7 @@ def test_input_schema_errors_carry_field_paths(tmp_path: Path) -> None:
     assert entry["schema_path"].startswith("#/properties/component_requirements/items")
 
 
-def test_recover_claim_whose_owner_is_gone(tmp_path: Path) -> None:
+def test_recover_claim_whose_owner_is_gone(tmp_path: Path, dead_owner_marks: None) -> None:
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
     hid = submit(engine)
     claim = engine.backend.store.claim(hid, lease_seconds=30)
@@ -298,7 +298,7 @@ def test_recover_claim_whose_lease_expired(tmp_path: Path) -> None:
     assert engine.backend.store.locate(hid) == [State.PENDING]
 
 
-def test_interrupted_finish_keeps_the_finished_copy(tmp_path: Path) -> None:
+def test_interrupted_finish_keeps_the_finished_copy(tmp_path: Path, dead_owner_marks: None) -> None:
     engine = make_engine(tmp_path, lambda h, c: {"status": "completed"})
     hid = submit(engine)
     job = engine.take(hid)

@@ -163,7 +163,7 @@ def test_retry_delay_never_overflows(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ recovery isolation (item 3)
-def test_one_poisoned_claim_never_wedges_recovery(tmp_path: Path) -> None:
+def test_one_poisoned_claim_never_wedges_recovery(tmp_path: Path, dead_owner_marks: None) -> None:
     clock = FakeClock()
     engine = make_engine(tmp_path, ok, clock)
     engine.backend.claim_grace_seconds = 0.0
@@ -189,7 +189,7 @@ def test_one_poisoned_claim_never_wedges_recovery(tmp_path: Path) -> None:
 
 def test_a_failing_repair_step_is_logged_and_the_sweep_goes_on(tmp_path: Path,
                                                                caplog: pytest.LogCaptureFixture,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                                               monkeypatch: pytest.MonkeyPatch, dead_owner_marks: None) -> None:
     engine = make_engine(tmp_path, ok)
     hid = submit(engine)
     claim = engine.backend.store.claim(hid, lease_seconds=30, now=engine.clock())
