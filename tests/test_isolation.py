@@ -368,6 +368,27 @@ def test_a_timeout_kills_the_child_and_is_filed_as_in_the_daemon(plug: Path, tmp
     assert found["always"][:3] == (State.FAILED, "timeout", "TIMEOUT")
 
 
+def test_an_isolated_start_is_logged_while_its_handler_runs(plug: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event log's `claimed` is written as the child starts (a follower, `ls --watch` or
+    `top`, sees the run while it lasts), as for an in-process or command handler; it was written
+    only once the child's answer was in."""
+    monkeypatch.setenv("ISO_PIDS", str(tmp_path / "pids"))
+    engine = engine_for(tmp_path, "isoplug:sleepy")
+    seen: list[list[str]] = []
+
+    def look_then_cancel(job: Any) -> None:
+        wait_until(lambda: job.context.partial is not None, timeout=20, what="a partial report")
+        log = engine.ws.meta / "events.jsonl"
+        seen.append([json.loads(line)["event"] for line in log.read_text().splitlines()
+                     if json.loads(line)["id"] == job.handoff_id])
+        job.context.stop("cancelled by the test")
+
+    state, _, _ = attempt(engine, during=look_then_cancel)
+    assert state is State.FAILED
+    assert seen == [["created", "claimed"]], seen
+
+
 def test_a_cancelled_child_keeps_its_partial_result(plug: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ISO_PIDS", str(tmp_path / "pids"))

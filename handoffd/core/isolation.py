@@ -48,7 +48,7 @@ from .documents import PROCESS_DIED, book
 from .errors import HandlerError
 from .runner import rebuild_error, validate_result
 from .specialists import HandlerContext, Specialist, handler_reference
-from .starts import SHORTAGES, forget_record, shortage, start_threads
+from .starts import SHORTAGES, forget_record, shortage, start_threads, started
 from .suspects import Suspects
 
 log = logging.getLogger("handoffd")
@@ -169,6 +169,7 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
         # the channel, which hands the child its request, last: a child whose threads could
         # not all be started is killed before its handler has anything to run
         start_threads(ctx, spec.agent, proc, exited, (output.thread, waiter, channel.thread))
+        started(ctx)  # (the event log's `claimed` now, not when the child's answer is in)
         wait_attempt(done, ctx, timeout)
     finally:
         end_attempt(ctx, proc, token, exited, (channel, output), (waiter,))
