@@ -306,7 +306,8 @@ def dead_owner_marks(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel drops it) need it: this process lives on, and a free lock whose owner still lives is
     no death (core/liveness.py)."""
     from handoffd.core import liveness
-    monkeypatch.setattr(liveness, "own_mark", lambda: "d" * 16)
+    namespaces = liveness._namespaces()
+    monkeypatch.setattr(liveness, "own_mark", lambda: ("d" * 16, namespaces))
 
 
 @pytest.fixture(scope="session")

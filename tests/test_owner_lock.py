@@ -18,8 +18,10 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,11 +30,11 @@ from typing import Any, Callable, Iterator
 import pytest
 from conftest import exe, wait_until
 
-from handoffd.backends.files import claims as claims_module
 from handoffd.backends.files.backend import FilesBackend
 from handoffd.backends.files.store import Store
 from handoffd.core.documents import book
-from handoffd.core.liveness import bears_mark, own_mark
+from handoffd.core import liveness
+from handoffd.core.liveness import bears_mark, own_mark, owner_may_live
 from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
 from handoffd.core.timeutil import utc_now
@@ -225,7 +227,7 @@ def test_a_free_lock_of_a_live_owner_is_no_death(tmp_path: Path,
         assert (ws.locks / held["lock"]).exists()  # left to its owner, not removed
         assert not held_by_someone(ws.locks / held["lock"])  # nor kept
         # the same free lock with its owner gone (its mark borne by no live process): taken
-        monkeypatch.setattr(claims_module, "bears_mark", lambda pid, mark: False)
+        monkeypatch.setattr(liveness, "bears_mark", lambda pid, mark: False)
         taken = recoverer.expired_claims(now, 30)
         assert [c.id for c in taken] == ["a"] and "owner process is gone" in str(taken[0].recovered)
     finally:
@@ -236,14 +238,67 @@ def test_a_free_lock_of_a_live_owner_is_no_death(tmp_path: Path,
 def test_a_mark_names_one_live_process() -> None:
     """Marks come from documents: only a live pid whose start (this boot, this namespace)
     digests to the mark bears it; a finished child, another mark or a wrong type does not."""
-    mine = own_mark()
-    assert mine is not None and bears_mark(os.getpid(), mine)
+    known = own_mark()
+    assert known is not None
+    mine, namespaces = known
+    assert bears_mark(os.getpid(), mine) and namespaces.count("/") == 1
     child = subprocess.Popen(["true"])
     child.wait(timeout=10)
     assert not bears_mark(child.pid, mine)
     for pid, mark in ((os.getpid(), "0" * 16), (os.getpid(), None), (str(os.getpid()), mine),
-                      (True, mine), (-1, mine), (1 << 40, mine), (os.getpid(), mine + "x")):
+                      (True, mine), (-1, mine), (0, mine), (1 << 40, mine), (os.getpid(), mine + "x")):
         assert not bears_mark(pid, mark), (pid, mark)
+
+
+def test_only_an_owner_this_process_can_look_up_is_judged_dead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease without a mark (an older writer) is judged by its lock alone; one written in other
+    namespaces (a container on the same host: its pids and start times are not ours to read) or
+    read where /proc is not of our pid namespace may live: only its lease's expiry ends it."""
+    known = own_mark()
+    assert known is not None
+    me = {"host": "h", "pid": os.getpid(), "proc": known[0], "ns": known[1]}
+    assert owner_may_live(me)
+    assert not owner_may_live({**me, "proc": "0" * 16})  # nobody bears it: dead
+    assert not owner_may_live({k: v for k, v in me.items() if k != "proc"})  # no mark: the lock
+    for odd in ({**me, "ns": "1/2"}, {**me, "ns": None}, {**me, "proc": "0" * 16, "ns": ["x"]}):
+        assert owner_may_live(odd), odd  # cannot be looked up from here
+    monkeypatch.setattr(liveness, "_MINE", {})
+    monkeypatch.setattr(liveness, "_proc_is_ours", lambda: False)
+    assert own_mark() is None  # writes no mark, and cannot judge one
+    assert owner_may_live({**me, "proc": "0" * 16})
+
+
+UNSHARE_PROBE = """
+import json, os
+from handoffd.core.liveness import own_mark, bears_mark
+known = own_mark()
+print(json.dumps({"pid": os.getpid(), "known": known,
+                  "bears": bool(known) and bears_mark(os.getpid(), known[0])}))
+"""
+
+
+@pytest.mark.parametrize("mount_proc", [True, False])
+def test_a_process_in_a_pid_namespace_marks_itself_only_where_it_can_be_looked_up(
+        mount_proc: bool) -> None:
+    """As pid 1 of a new pid namespace (a container's entrypoint) a daemon bears its own mark
+    (pid 1 was refused); in a namespace whose /proc is still the host's, it writes none (its mark
+    named the host's process of its pid number: kthreadd, which never dies)."""
+    unshare = shutil.which("unshare")
+    command = [unshare or "unshare", "--pid", "--fork", *(["--mount-proc"] if mount_proc else []),
+               sys.executable, "-c", UNSHARE_PROBE]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except OSError as exc:
+        pytest.skip(f"unshare cannot run here: {exc}")
+    if done.returncode != 0 and "unshare" in done.stderr:
+        pytest.skip(f"no pid namespaces here: {done.stderr.strip()}")
+    seen = json.loads(done.stdout)
+    assert seen["pid"] == 1, seen
+    if mount_proc:
+        assert seen["known"] is not None and seen["bears"] is True, seen
+    else:
+        assert seen["known"] is None, seen
 
 
 # ------------------------------------------------------------------------------------------

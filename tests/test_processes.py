@@ -306,6 +306,34 @@ def test_the_allocator_is_asked_to_keep_memory_flat() -> None:
     assert allocator.trim() is glibc
 
 
+def test_leftovers_of_another_pid_namespace_are_killed_by_their_token_alone(
+        tmp_path: Path) -> None:
+    """A record written in another pid namespace of this boot (a daemon in a container sharing
+    the workspace, kill -9'd) killed nothing, so the host's retry ran beside the leftover (R27).
+    Its carriers this process can see are killed by token; its group, a number of the other
+    namespace, never (here: a live bystander's group)."""
+    HandoffdWorkspace(tmp_path).ensure()
+    token = f"tok-ns-{uuid.uuid4().hex}"
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                env=dict(os.environ, HANDOFFD_RUN_TOKEN=token),
+                                start_new_session=True)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 start_new_session=True)
+    try:
+        record = procrecords.RunRecord.new("h1", token, 1)
+        procrecords.write_record(tmp_path, procrecords.RunRecord(**{
+            **record.__dict__, "pid_namespace": "pid:[1]", "pgid": bystander.pid}))
+        assert procs.kill_leftovers(tmp_path, "h1", attempt=2) == 1
+        leftover.wait(timeout=10)
+        assert bystander.poll() is None  # its group was not the record's to kill
+        assert procrecords.read_record(tmp_path, "h1") is None
+    finally:
+        for proc in (leftover, bystander):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
 def test_the_stop_signal_reaches_each_process_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM goes to the attempt's process group, then to token carriers outside it. A member
     of the group must not get it twice: a second SIGTERM a moment later re-enters a handler that

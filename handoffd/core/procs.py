@@ -21,7 +21,9 @@ each attempt ends and, through :func:`kill_leftovers`, before an attempt starts,
 starts on a host where the previous attempt's processes still live. Whoever recovers an abandoned
 claim should call :func:`kill_leftovers` too, before handing the handoff back.
 
-Limits: only processes on this host (same boot, same pid namespace) can be found; a descendant that
+Limits: only processes on this host that this process can see can be found (a record of another
+pid namespace, a container's, is found by token only: from the host, not from a sibling
+container); a descendant that
 clears its environment *and* leaves the process group cannot be recognised, nor can, after its
 daemon died, a group none of whose members still carries the token (the leader's pid and start
 time alone no longer vouch for it: anyone can read them).
@@ -255,7 +257,8 @@ def kill_leftovers(workspace: Any, handoff_id: str, *, attempt: int | None = Non
     does nothing (those pids are not ours to judge); from an earlier boot it only removes the
     record; with ``attempt``, a record of a newer attempt is left alone. On this host it SIGKILLs
     the attempt's process group (when provably still its own) and every process carrying its
-    token, waits until they are gone (at most ``wait_seconds``) and removes the record.
+    token, waits until they are gone (at most ``wait_seconds``) and removes the record. A record
+    of another pid namespace of this boot kills the token's carriers this process can see.
 
     Call it when an attempt is known to be over (a recovered claim) and before its handoff is
     handed back to pending/: a new attempt on this host kills its predecessor's leftovers too."""
@@ -267,11 +270,14 @@ def kill_leftovers(workspace: Any, handoff_id: str, *, attempt: int | None = Non
         return 0
     if record.host != hostname():
         return 0
-    if not record.local():  # another boot (or pid namespace) on this host: nothing to kill here
-        if record.boot_id != boot_id():
-            remove_record(root, handoff_id, record.token)
+    if record.boot_id != boot_id():  # another boot: nothing of it runs any more
+        remove_record(root, handoff_id, record.token)
         return 0
-    killed, survivors = kill_run(record.token, record.pgid, wait_seconds=wait_seconds)
+    # another pid namespace of this boot (a container sharing the workspace): its pids and group
+    # mean nothing here, but its processes may be visible by their token (from the host, an
+    # ancestor namespace): those are killed, never a group by number
+    pgid = record.pgid if record.local() else None
+    killed, survivors = kill_run(record.token, pgid, wait_seconds=wait_seconds)
     if killed:
         log.warning("handoff %s: killed %d process(es) left over by attempt %d (daemon pid %d)",
                     handoff_id, killed, record.attempt, record.daemon_pid)

@@ -25,7 +25,7 @@ from ...core.errors import (
     InvalidDocument,
     UnreadableDocument,
 )
-from ...core.liveness import bears_mark
+from ...core.liveness import owner_may_live
 from ...core.logs import log
 from ...core.storage import GIVEN_UP, LEASE_EXPIRED
 from ...core.states import State
@@ -327,7 +327,7 @@ class Claimer:
             if self.store.gave_up(held["token"]):
                 return None, GIVEN_UP
             lock = try_lock(self.store.ws.locks / lock_name(handoff_id, held))
-            if lock is not None and bears_mark(owner.get("pid"), owner.get("proc")):
+            if lock is not None and owner_may_live(owner):
                 # its owner lives: a handler closed the daemon's lock under a running claim.
                 # Let go without removing the file (the owner holds it again if it can, and
                 # fences the claim otherwise); only the lease's expiry can end it from here.

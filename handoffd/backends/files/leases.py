@@ -65,9 +65,9 @@ def lease(token: str | None, now: datetime, seconds: float, *,
     (None: the claim's own ``<id>.<token>.lock``)."""
     from ...core.liveness import own_mark  # (the claiming process has it loaded already)
     owner = actor()
-    mark = own_mark()
-    if mark is not None:  # a free lock is its owner's death only if no process bears this
-        owner["proc"] = mark
+    known = own_mark()
+    if known is not None:  # a free lock is its owner's death only if no process bears this
+        owner["proc"], owner["ns"] = known
     block = {"token": token, "owner": owner, "acquired_at": iso(now),
              "expires_at": iso(now + timedelta(seconds=seconds))}
     if lock is not None:
