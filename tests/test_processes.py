@@ -306,6 +306,25 @@ def test_the_allocator_is_asked_to_keep_memory_flat() -> None:
     assert allocator.trim() is glibc
 
 
+def test_a_kill_sends_sigkill_once_however_long_the_scan_took(tmp_path: Path) -> None:
+    """kill_run checked its deadline before its first SIGKILL: when one scan of /proc outlasted
+    the wait (a loaded CI machine), nothing was killed and the leftover survived (the CI failure
+    of test_leftovers_are_killed_whether_the_workspace_is_given_as_a_path_or_not). A wait of 0
+    stands for that scan."""
+    token = f"tok-slow-scan-{uuid.uuid4().hex}"
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                env=dict(os.environ, HANDOFFD_RUN_TOKEN=token),
+                                start_new_session=True)
+    try:
+        killed, survivors = procs.kill_run(token, None, wait_seconds=0)
+        assert killed == 1
+        assert leftover.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()
+            leftover.wait(timeout=10)
+
+
 def test_leftovers_of_another_pid_namespace_are_killed_by_their_token_alone(
         tmp_path: Path) -> None:
     """A record written in another pid namespace of this boot (a daemon in a container sharing

@@ -203,6 +203,7 @@ def kill_run(token: str, pgid: int | None = None, *, group_known: bool = False,
         pgid = None
     ours = group_known
     deadline = time.monotonic() + wait_seconds
+    rounds = 0
     while True:
         procs = scan(token, pgid)
         if pgid is not None and not ours:
@@ -210,7 +211,9 @@ def kill_run(token: str, pgid: int | None = None, *, group_known: bool = False,
         targets = [p for p in procs if p.marked or (ours and p.pgid == pgid)]
         if not targets:
             return len(killed), 0
-        if time.monotonic() >= deadline:
+        # at least one round of SIGKILL, whatever the clock says: on a loaded machine one scan
+        # of /proc once outlasted the whole wait, and nothing was killed at all
+        if rounds and time.monotonic() >= deadline:
             log.warning("run %s: %d process(es) survived SIGKILL: %s", _label(token),
                         len(targets), ", ".join(str(p.pid) for p in targets[:10]))
             return len(killed), len(targets)
@@ -222,6 +225,7 @@ def kill_run(token: str, pgid: int | None = None, *, group_known: bool = False,
                 killed.add(proc.pid)
             except (ProcessLookupError, PermissionError):
                 continue
+        rounds += 1
         time.sleep(0.01)  # let the kernel finish them before looking again
 
 
