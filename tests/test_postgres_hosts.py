@@ -135,6 +135,19 @@ def test_three_hosts_survive_kills_terminations_and_a_restart(
     assert any("reconnected to the database" in log for log in logs), logs[-1][-2000:]
 
 
+def claimer(hosts: list[Workspace], hid: str, timeout: float = 30) -> int:
+    """The index of the host whose @flaky specialist started on ``hid`` (each host's runs are
+    logged under its own root), waited for (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [i for i, host in enumerate(hosts) if any(r["id"] == hid for r in host.runs())]
+        if found:
+            assert len(found) == 1, f"{hid} started on two hosts"
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no host's specialist started on {hid}")
+
+
 @pytest.mark.heavy
 def test_a_killed_hosts_claim_is_recovered_long_before_its_lease(
         tmp_path: Path, pg_server: pgserver.PgServer) -> None:
@@ -153,26 +166,27 @@ url = "{url}"
         HandoffdWorkspace(tmp_path / name).ensure()
         hosts.append(host)
     try:
-        first = hosts[0].serve()
+        # both hosts up before the work exists (R28: host b's start-up on a loaded machine
+        # raced host a's handler); whichever claims it is the one killed
+        daemons = [host.serve() for host in hosts]
         hid = hosts[0].create("--from", "@t", "--to", "@flaky", "--data",
-                              # long enough to be still running when host b is up (a loaded
-                              # machine starts a daemon slowly), short enough for the re-run
                               json.dumps({"mode": "sleep", "seconds": 8}))
-        hosts[0].wait_started(hid)
-        hosts[1].serve()
-        first.send_signal(signal.SIGKILL)  # only the daemon this test started, by pid
-        first.wait(timeout=10)
-        started = time.monotonic()
-        shown = json.loads(hosts[1].handoff("show", hid, "--json").stdout)
-        # killed mid-run: not finished (already recovered into pending, or re-claimed by host b,
-        # when this command started later than the 1 s claim grace on a loaded machine)
+        index = claimer(hosts, hid)
+        victim, other = daemons[index], hosts[1 - index]
+        victim.send_signal(signal.SIGKILL)  # only the daemon this test started, by pid
+        victim.wait(timeout=10)
+        killed_at = time.time()
+        shown = json.loads(other.handoff("show", hid, "--json").stdout)
+        # killed mid-run: not finished (already recovered into pending, or re-claimed by the
+        # other host, when this command started later than the 1 s claim grace)
         assert shown["state"] in ("in-progress", "pending"), shown["state"]
-        done = hosts[1].handoff("wait", hid, "--timeout", "100")
-        took = time.monotonic() - started
+        done = other.handoff("wait", hid, "--timeout", "100")
         assert done.returncode == 0, done.stderr
+        assert [r["id"] for r in other.runs()] == [hid]  # re-run once, on the other host
+        # timed on the daemon's side: the kill to the re-run's start, not CLI start-ups
+        took = other.runs()[0]["at"] - killed_at
         assert took < 80, f"recovered after {took:.1f}s: the lease (120 s) was waited out"
-        assert [r["id"] for r in hosts[1].runs()] == [hid]  # re-run once, on host b
-        history = json.loads(hosts[1].handoff("show", hid, "--json").stdout)["document"]
+        history = json.loads(other.handoff("show", hid, "--json").stdout)["document"]
         assert any("session" in str(e.get("detail", "")) for e in history["handoffd"]["history"]
                    if e["event"] == "recovered"), history["handoffd"]["history"]
     finally:
@@ -189,43 +203,47 @@ def test_a_host_cut_off_the_database_stops_its_handler_before_another_host_takes
     or the handoff runs on two hosts at once."""
     url = pg_server.new_database()
     dbname = url.split("/")[3].split("?")[0]
-    relay = Relay(pg_server.socket_dir)
+    relays = [Relay(pg_server.socket_dir) for _ in "ab"]  # a network of each host's own
     toml = FLAKY_TOML.replace("lease_seconds = 30.0", "lease_seconds = 120.0").replace(
         "claim_grace_seconds = 1.0", "claim_grace_seconds = 4.0") + """
 [store]
 url = "{url}"
 """
     hosts = []
-    for name, host_url in (("a", relay.url(dbname)), ("b", url)):
+    for name, host_url in (("a", relays[0].url(dbname)), ("b", relays[1].url(dbname))):
         (tmp_path / name).mkdir()
         host = Workspace(tmp_path / name)
         host.write_config(toml.replace("{url}", host_url))
         HandoffdWorkspace(tmp_path / name).ensure()
         hosts.append(host)
     try:
-        hosts[0].serve()
+        # both hosts up before the work exists (R28: host b's start-up on a loaded machine
+        # raced host a's handler); whichever claims it is the one cut off
+        for host in hosts:
+            host.serve()
         hid = hosts[0].create("--from", "@t", "--to", "@flaky", "--data",
                               json.dumps({"mode": "sleep", "seconds": 12}))
-        hosts[0].wait_started(hid)
-        first_run = hosts[0].runs()[0]["pid"]
-        hosts[1].serve()
+        index = claimer(hosts, hid)
+        cut_host, other, relay = hosts[index], hosts[1 - index], relays[index]
+        first_run = cut_host.runs()[0]["pid"]
         relay.cut()
         died_at = None
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not hosts[1].runs():
+        while time.monotonic() < deadline and not other.runs():
             if died_at is None and not alive(first_run):
                 died_at = time.time()
             time.sleep(0.01)
         relay.cut(False)
-        assert hosts[1].runs(), "host b never took the handoff over"
-        taken_at = hosts[1].runs()[0]["at"]
+        assert other.runs(), "the other host never took the handoff over"
+        taken_at = other.runs()[0]["at"]
         assert died_at is not None and died_at < taken_at, (
-            "host a's run was still alive when host b started it "
+            "the cut-off host's run was still alive when the other host started it "
             f"(it ended {'never' if died_at is None else f'{died_at - taken_at:.1f}s after'})")
-        done = hosts[1].handoff("wait", hid, "--timeout", "60")
+        done = other.handoff("wait", hid, "--timeout", "60")
         assert done.returncode == 0, done.stderr
-        assert len(hosts[0].runs()) == 1 and len(hosts[1].runs()) == 1
+        assert len(cut_host.runs()) == 1 and len(other.runs()) == 1
     finally:
-        relay.close()
+        for relay in relays:
+            relay.close()
         for host in hosts:
             host.cleanup()

@@ -22,6 +22,7 @@ import math
 import os
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -77,13 +78,21 @@ def test_the_daemon_resumes_within_seconds_of_the_servers_return(
             time.sleep(OUTAGE)  # (the outage itself: nothing to wait for but time)
         finally:
             up(own_server)
-        back = time.monotonic()
+        back = time.time()
         made = space.handoff("create", "--to", "@flaky", "--data", '{"mode": "ok"}')
         assert made.returncode == 0, made.stderr
-        waited = space.handoff("wait", made.stdout.strip(), "--timeout", "60")
-        resumed = time.monotonic() - back
+        second = made.stdout.strip()
+        waited = space.handoff("wait", second, "--timeout", "60")
         assert waited.returncode == 0, waited.stderr
-        assert resumed < RESUMED_WITHIN, f"filed {resumed:.1f}s after the server was back"
+        # timed on the daemon's side (R28: the create and wait start-ups of a loaded machine
+        # counted too): from the server's return, or the handoff's creation if later, to its
+        # specialist's start. The old backoff took 10 s or more after the return.
+        (ran,) = [run["at"] for run in space.runs() if run["id"] == second]
+        shown = json.loads(space.handoff("show", second, "--json", check=True).stdout)
+        created = datetime.fromisoformat(shown["document"]["handoffd"]["history"][0]["at"])
+        resumed = ran - max(back, created.timestamp())
+        assert resumed < RESUMED_WITHIN, f"ran {resumed:.1f}s after the server was back"
+        assert ran - back < 60, f"ran {ran - back:.1f}s after the server was back"  # loose
     finally:
         assert space.stop(daemon) == 0
     assert daemon.stderr is not None
