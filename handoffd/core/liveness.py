@@ -47,7 +47,7 @@ def _mark(pid: int, ticks: int) -> str:
 
 def _namespaces() -> str:
     """This process's pid and time namespaces (``4026531836/4026531834``; empty parts where the
-    kernel has none); cached per process."""
+    kernel has none); :func:`own_mark` keeps it, with the mark, per process."""
     names = []
     for kind in ("pid", "time"):
         try:
