@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -306,23 +307,33 @@ def test_the_allocator_is_asked_to_keep_memory_flat() -> None:
     assert allocator.trim() is glibc
 
 
+@contextmanager
+def sleepers(*tokens: str | None) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """One sleeping process per entry, each in a session of its own and carrying that run token
+    (None: none); whatever is left of them is killed and reaped at the end."""
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    started = [subprocess.Popen(command, start_new_session=True,
+                                env={**os.environ, **({procs.TOKEN_ENV: token} if token else {})})
+               for token in tokens]
+    try:
+        yield started
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
 def test_a_kill_sends_sigkill_once_however_long_the_scan_took(tmp_path: Path) -> None:
     """kill_run checked its deadline before its first SIGKILL: when one scan of /proc outlasted
     the wait (a loaded CI machine), nothing was killed and the leftover survived (the CI failure
     of test_leftovers_are_killed_whether_the_workspace_is_given_as_a_path_or_not). A wait of 0
     stands for that scan."""
     token = f"tok-slow-scan-{uuid.uuid4().hex}"
-    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                env=dict(os.environ, HANDOFFD_RUN_TOKEN=token),
-                                start_new_session=True)
-    try:
+    with sleepers(token) as (leftover,):
         killed, survivors = procs.kill_run(token, None, wait_seconds=0)
         assert killed == 1
         assert leftover.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        if leftover.poll() is None:
-            leftover.kill()
-            leftover.wait(timeout=10)
 
 
 def test_leftovers_of_another_pid_namespace_are_killed_by_their_token_alone(
@@ -333,12 +344,7 @@ def test_leftovers_of_another_pid_namespace_are_killed_by_their_token_alone(
     namespace, never (here: a live bystander's group)."""
     HandoffdWorkspace(tmp_path).ensure()
     token = f"tok-ns-{uuid.uuid4().hex}"
-    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                env=dict(os.environ, HANDOFFD_RUN_TOKEN=token),
-                                start_new_session=True)
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                 start_new_session=True)
-    try:
+    with sleepers(token, None) as (leftover, bystander):
         record = procrecords.RunRecord.new("h1", token, 1)
         procrecords.write_record(tmp_path, procrecords.RunRecord(**{
             **record.__dict__, "pid_namespace": "pid:[1]", "pgid": bystander.pid}))
@@ -346,11 +352,6 @@ def test_leftovers_of_another_pid_namespace_are_killed_by_their_token_alone(
         leftover.wait(timeout=10)
         assert bystander.poll() is None  # its group was not the record's to kill
         assert procrecords.read_record(tmp_path, "h1") is None
-    finally:
-        for proc in (leftover, bystander):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
 
 
 def test_the_stop_signal_reaches_each_process_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -383,20 +384,13 @@ def test_leftovers_are_killed_whether_the_workspace_is_given_as_a_path_or_not(
     ``root`` attribute is '/', once read as a Workspace's (no record found, nothing killed, and
     the attempt refused as if the leftover had survived SIGKILL)."""
     HandoffdWorkspace(tmp_path).ensure()
-    # a token of its own: the three parametrisations run at once on different workers, and one
-    # killing another's leftover (same token) left it nothing to kill (seen in CI)
+    # a token of its own, so that no other test's kill can take its leftover (the CI failure
+    # here was kill_run's, though: see test_a_kill_sends_sigkill_once_however_long_the_scan_took)
     token = f"tok-leftover-{uuid.uuid4().hex}"
-    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                env=dict(os.environ, HANDOFFD_RUN_TOKEN=token),
-                                start_new_session=True)
-    try:
+    with sleepers(token) as (leftover,):
         record = procrecords.RunRecord.new("h1", token, 1)
         procrecords.write_record(tmp_path, procrecords.RunRecord(**{
             **record.__dict__, "pgid": leftover.pid, "leader_start": procs.start_time(leftover.pid)}))
         assert procs.kill_leftovers(as_given(tmp_path), "h1", attempt=2) >= 1
         leftover.wait(timeout=10)
         assert procrecords.read_record(tmp_path, "h1") is None
-    finally:
-        if leftover.poll() is None:
-            leftover.kill()
-            leftover.wait(timeout=10)

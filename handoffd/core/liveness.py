@@ -22,23 +22,9 @@ import os
 
 from .hashing import sha256_hex
 from .procrecords import MAX_PID, boot_id, pid_namespace
+from .procs import start_time
 
 _MINE: dict[int, tuple[str, str]] = {}  # by pid: a forked child computes its own
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The start time of ``pid`` (field 22 of /proc/<pid>/stat); None if it is gone or a
-    zombie (a process that has finished holds nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            raw = handle.read()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(b")") + 2:].split()  # the command name may hold ')' and spaces
-    try:
-        return None if fields[0] in (b"Z", b"X") else int(fields[19])
-    except (IndexError, ValueError):
-        return None
 
 
 def _mark(pid: int, ticks: int) -> str:
@@ -72,7 +58,7 @@ def own_mark() -> tuple[str, str] | None:
     pid = os.getpid()
     known = _MINE.get(pid)
     if known is None:
-        ticks = _start_ticks(pid) if _proc_is_ours() else None
+        ticks = start_time(pid, live=True) if _proc_is_ours() else None
         if ticks is None:
             return None
         known = _MINE[pid] = (_mark(pid, ticks), _namespaces())
@@ -101,5 +87,5 @@ def bears_mark(pid: object, mark: object) -> bool:
     if type(pid) is not int or not 0 < pid <= MAX_PID or not isinstance(mark, str) \
             or len(mark) != 16:
         return False
-    ticks = _start_ticks(pid)
+    ticks = start_time(pid, live=True)
     return ticks is not None and _mark(pid, ticks) == mark

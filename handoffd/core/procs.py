@@ -107,10 +107,13 @@ def parent_death_signal(signum: int) -> None:
         prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
 
 
-def start_time(pid: int) -> int | None:
-    """The start time of ``pid`` (clock ticks after boot), or None if it is gone."""
+def start_time(pid: int, *, live: bool = False) -> int | None:
+    """The start time of ``pid`` (clock ticks after boot), or None if it is gone (with ``live``,
+    also when it has finished and awaits its reaping: a zombie holds nothing)."""
     info = _stat(pid)
-    return info[2] if info else None
+    if info is None or live and info[0] in ("Z", "X"):
+        return None
+    return info[2]
 
 
 # ---------------------------------------------------------------- finding and killing
