@@ -28,18 +28,35 @@ if TYPE_CHECKING:  # loaded by build_engine: a command that only reads needs ope
     from ..core.events import EventLog
     from ..core.specialists import Registry, Specialist
     from ..core.submission import Submitter
+    from .context import ContextStore
     from .rates import RateLimits
 
 Feature = Callable[["Engine"], object]
 
 
-def _installer(module: str, function: str = "install") -> Feature:
+def _installer(module: str, function: str = "install",
+               needed: Callable[[Engine], bool] | None = None) -> Feature:
     """``module.function`` as a Feature, imported when it is installed (an engine without a
-    feature, such as a one-shot command's, never loads its code)."""
+    feature, such as a one-shot command's, never loads its code). ``needed``: whether the
+    engine's configuration or store asks for the feature at all; when it does not, the module,
+    whose install would add nothing, is not even imported (a daemon's start loads less)."""
     def install(engine: Engine) -> object:
+        if needed is not None and not needed(engine):
+            return None
         return getattr(importlib.import_module(module, __package__), function)(engine)
     install.__name__ = install.__qualname__ = f"install_{module.rsplit('.', 1)[-1]}"
     return install
+
+
+def retention_configured(engine: Engine) -> bool:
+    """``[retention]`` names an age for completed or failed work (else retention does nothing)."""
+    policy = engine.config.retention
+    return policy.completed is not None or policy.failed is not None
+
+
+def store_ingests(engine: Engine) -> bool:
+    """The store ingests the files dropped into pending/ (PostgreSQL's: the file bridge)."""
+    return hasattr(engine.backend, "ingest")
 
 
 def install_artifacts(engine: Engine) -> None:
@@ -61,20 +78,38 @@ def install_artifacts(engine: Engine) -> None:
 def install_context(engine: Engine) -> None:
     """Shared context: a Python handler's ``ctx.context`` is its agent's view of the store's
     context (``context/``, or the table every host of a PostgreSQL store shares, which each
-    daemon then mirrors into its ``context/``: :mod:`handoffd.features.context_mirror`)."""
-    from .context import ContextStore, Permissions
-    from .stores import context_backend, is_shared
-    shared = context_backend(engine.ws, engine.backend, durable=engine.settings.durable)
-    store = ContextStore(engine.ws, Permissions.from_config(engine.config),
-                         durable=engine.settings.durable, backend=shared)
+    daemon then mirrors into its ``context/``: :mod:`handoffd.features.context_mirror`). On the
+    files store the context's code is loaded when a handler first asks for ``ctx.context``: a
+    daemon whose handlers never do, and an empty batch, never load it."""
+    made: list[ContextStore] = []
+    lock = threading.Lock()  # (handlers of several workers may ask at once)
+
+    def store() -> ContextStore:
+        with lock:
+            if not made:
+                made.append(context_store(engine))
+        return made[0]
 
     def give_view(job: Job) -> None:
-        job.context.context_factory = lambda _root, agent, handoff_id: store.view(agent, handoff_id)
+        job.context.context_factory = (
+            lambda _root, agent, handoff_id: store().view(agent, handoff_id))
 
     engine.before_run.append(give_view)
-    if is_shared(shared):
-        from . import context_mirror
-        context_mirror.install(engine, store)
+    if callable(getattr(engine.backend, "shared_context", None)):  # (what context_backend asks)
+        from .stores import is_shared
+        if is_shared(store().backend):  # mirrored into context/ from the daemon's start
+            from . import context_mirror
+            context_mirror.install(engine, store())
+
+
+def context_store(engine: Engine) -> ContextStore:
+    """The shared context of ``engine``'s store, with the permissions of its configuration."""
+    from .context import ContextStore, Permissions
+    from .stores import context_backend
+    return ContextStore(engine.ws, Permissions.from_config(engine.config),
+                        durable=engine.settings.durable,
+                        backend=context_backend(engine.ws, engine.backend,
+                                                durable=engine.settings.durable))
 
 
 def install_notify(engine: Engine) -> None:
@@ -128,10 +163,11 @@ FEATURES: dict[str, Feature] = {
     "context": install_context,  # ctx.context for Python handlers
     "artifacts": install_artifacts,  # last: artifacts.collect must run after every other check
     "notify": install_notify,  # [[on_filed]]: command / webhook notices of filed handoffs
-    "retention": _installer(".retention"),  # [retention]: purge / archive old finished work
+    # [retention]: purge / archive old finished work
+    "retention": _installer(".retention", needed=retention_configured),
     "rates": install_rates,  # specialists' rate = "30/m": a shared token bucket each
     # a PostgreSQL store: files dropped into this workspace's pending/ in, their results out
-    "filebridge": _installer(".filebridge"),
+    "filebridge": _installer(".filebridge", needed=store_ingests),
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
 # the features with gates (Engine.gate): what `handoff ls` installs to say why a pending

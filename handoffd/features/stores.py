@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from ..backends.files.context import FileContext
 from ..backends.files.violations import LOG_NAME, FileViolationLog
 from ..core.storage import ContextBackend, SharedContext, ViolationLog
 from ..core.workspace import Workspace
@@ -20,6 +19,7 @@ def context_backend(workspace: Workspace, backend: Any = None, *,
     shared = getattr(backend, "shared_context", None)
     if callable(shared):
         return cast(ContextBackend, shared())
+    from ..backends.files.context import FileContext  # (contracts need the violations log alone)
     return FileContext(workspace.context, durable=durable)
 
 

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.procs import STOP_SIGNALS, parent_death_signal
 from ..core.states import State
-from .board import Board, Seat
 from .reaping import Clock, Collected, collect
 from .sweeper import SweepReport
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from .board import Seat
     from .daemon import BatchReport, Daemon
 
 log = logging.getLogger("handoffd")
@@ -135,6 +135,7 @@ def spread(count: int, engine: Engine, make: Callable[[tuple[int, int]], Daemon]
     A child still running past the batch's ``--max-seconds`` (or past a stop) by more than
     :meth:`_Family.allowance` is stopped (SIGTERM, then SIGKILL) and named in ``lost``, so a
     stuck process never holds the batch: see :mod:`.reaping`."""
+    from .board import Board  # (mapped for a batch of several: one process never loads it)
     from .daemon import warm_up_to_fork
     warm_up_to_fork(engine.schemas)  # built once, shared by the children
     if threading.active_count() > 1:  # a fork copies no thread but their locks: not safe now

@@ -30,8 +30,15 @@ NOTHING = r"[^\x{0}-\x{10ffff}]"  # an empty character class: matches no charact
 # RE2 takes UTF-8, which has no lone surrogates; Python has them in file names it could not
 # decode (os.fsdecode) and in JSON "\udc80" escapes. They are moved to the last 2048 code points
 # of plane 16 (private use), the same way in patterns and paths, so they still match each other.
-SURROGATES = re.compile("[\ud800-\udfff]")  # one character class: Python's re cannot backtrack here
 SURROGATE_SHIFT = 0x10F800 - 0xD800
+
+
+@functools.cache
+def _surrogates() -> re.Pattern[str]:
+    """The lone surrogates, one character class (Python's re cannot backtrack here): compiled
+    at the first non-ASCII path, not by every process that loads the contracts feature (about
+    0.6 ms of a daemon's or `handoff ls`'s start)."""
+    return re.compile("[\ud800-\udfff]")
 
 
 class PatternError(ValueError):
@@ -99,10 +106,10 @@ def has_magic(segment: str) -> bool:
 
 
 def _text(text: str) -> str:
-    """``text`` as RE2 can take it (lone surrogates moved to private use, see SURROGATES)."""
+    """``text`` as RE2 can take it (lone surrogates moved to private use, see _surrogates)."""
     if text.isascii():
         return text
-    return SURROGATES.sub(lambda found: chr(ord(found.group()) + SURROGATE_SHIFT), text)
+    return _surrogates().sub(lambda found: chr(ord(found.group()) + SURROGATE_SHIFT), text)
 
 
 def _char(code: int) -> str:
