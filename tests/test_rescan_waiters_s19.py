@@ -156,8 +156,8 @@ class Books:
         return order
 
     def settle(self) -> None:
-        """The first look at each handoff, then the rescan that looks once more at each new
-        waiter (its document and what it waits for were not stamped before it was read)."""
+        """Two rescans: the first look at each handoff, then one that finds them settled (a
+        waiter read once is no longer looked at again: test_operator_s22 counts the reads)."""
         self.rescan()
         self.rescan()
 

@@ -4,7 +4,6 @@ quick path does not take; ``serve`` and ``run`` run :mod:`handoffd.cli.daemon_co
 quick path does."""
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -125,10 +124,9 @@ def mcp(root: RootOption = None,
     except ImportError as exc:
         raise UsageError(f"handoffd mcp needs the MCP SDK ({exc.name} is missing): "
                          "pip install 'handoffd[mcp]'") from None
-    from .daemon_commands import OneLine
-    handler = logging.StreamHandler(sys.stderr)  # stdout is the protocol's
-    handler.setFormatter(OneLine("handoffd: %(levelname)s: %(message)s"))
-    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    # the daemon's logging, on stderr (stdout is the protocol's): one line per record, and a
+    # record stderr cannot take for want of descriptors or memory a plain line, not a traceback
+    configure_logging(False)
     ws = workspace(root, create=True)
     if http is None:
         from ..service.mcp_stdio import run_stdio

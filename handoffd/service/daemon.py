@@ -281,9 +281,10 @@ class Daemon(BatchEnd):
         if install_signals:
             self.take_signals(early)
         self.report.sweep = self._start_sweep()
-        warm_up(self.engine.schemas)
+        if not self.stopping:  # a stop during the start-up sweep: it ends as any stop, unannounced
+            warm_up(self.engine.schemas)
         self.feed.subscribe()
-        if ready:
+        if ready and not self.stopping:  # ("serving" after a stop was a claim it never kept)
             ready()
         self._guarded_loop(batch=False)
         return 1 if self.report.error else 0

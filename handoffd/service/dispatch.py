@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 from ..core.engine import Engine, Peek
+from ..core.memorystrikes import memory_backoff
 from ..core.watchdog import TakenOver
 from .attempts import Attempts
 from .hooks import Hooks
@@ -195,22 +196,26 @@ class Dispatcher:
                 return
             problem = peek.problem
         if problem.transient:  # never set aside: a valid handoff must not fail for an outage
-            self.say_transient(handoff_id, str(problem))
-            self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
+            # (out of memory: not before its back-off ends, which the scheduler would wait for)
+            delay = max(RETRY_LOOK_SECONDS, memory_backoff(handoff_id))
+            self.say_transient(handoff_id, str(problem), delay)
+            self.scheduler.notify(handoff_id, delay)
             return
         if problem.claimable:
             self.submit("", self.attempts.work, handoff_id)  # take() sets it aside with its code
             return
         self.submit("", self.attempts.set_aside, handoff_id, problem.code, str(problem))
 
-    def say_transient(self, handoff_id: str, problem: str) -> None:
+    def say_transient(self, handoff_id: str, problem: str,
+                      delay: float = RETRY_LOOK_SECONDS) -> None:
         """One warning per RETRY_LOOK_SECONDS for handoffs put off by a passing error: with the
-        store away, every pending handoff meets it (3,000 pending: 3,000 lines a round)."""
+        store away, every pending handoff meets it (3,000 pending: 3,000 lines a round).
+        ``delay``: when ``handoff_id`` is looked at again (what the line says)."""
         now = time.monotonic()
         if now < self.transient_quiet_until:
             self.transient_unsaid += 1
             return
         more = f" ({self.transient_unsaid} more put off since)" if self.transient_unsaid else ""
-        log.warning("handoff %s: %s; will look again in %ss%s", handoff_id, problem,
-                    RETRY_LOOK_SECONDS, more)
+        log.warning("handoff %s: %s; will look again in %.3gs%s", handoff_id, problem,
+                    delay, more)
         self.transient_quiet_until, self.transient_unsaid = now + RETRY_LOOK_SECONDS, 0

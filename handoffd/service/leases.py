@@ -31,10 +31,13 @@ back uncounted, for ever. Its message says to raise ``lease_seconds``.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
+
+from ..core import recurring
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
@@ -106,10 +109,14 @@ class LeaseKeeper:
         """Run ``step`` every ``seconds``, counted from each round's start: a round that took
         long (a busy daemon, the GIL held by handlers) does not push the next one later."""
         next_at = time.monotonic() + seconds
+        # a fault that lasts (no inode to rewrite a claim with, no descriptor for a new owner
+        # lock) is said once a minute, not per job each round (core/recurring.py)
+        problems = recurring.Recurring()
         while not self.stopped.wait(max(next_at - time.monotonic(), 0.0)):
             next_at = max(next_at + seconds, time.monotonic())
             try:
-                step()
+                with recurring.sweeping(problems, lambda: self.engine.clock().timestamp()):
+                    step()
             except Exception:  # one bad round must not end the renewals or the fence
                 log.exception("lease keeping failed; will try again")
 
@@ -130,7 +137,8 @@ class LeaseKeeper:
         with self._flying_lock:
             due = [job for job in jobs if id(job) not in self._flying]
             self._flying.update(id(job) for job in due)
-        wait([self.pool.submit(self._renew_once, job) for job in due],
+        wait([self.pool.submit(contextvars.copy_context().run, self._renew_once, job)
+              for job in due],
              timeout=max(self.lease / 3, MIN_RENEW_SECONDS))
 
     def _renew_once(self, job: Job) -> None:
@@ -147,8 +155,10 @@ class LeaseKeeper:
         try:
             kept = self.engine.backend.renew(job.claim, self.engine.clock(), self.lease)
         except Exception as exc:  # an unreachable store: the guard decides, not this
-            log.error("handoff %s: cannot renew its lease: %s", job.handoff_id, exc)
+            recurring.error("renewing a lease", exc, "handoff %s: cannot renew its lease: %s",
+                            job.handoff_id, exc)
             return
+        recurring.ok("renewing a lease")
         if kept:
             job.renewed_at = max(job.renewed_at, started)
         elif not job.ending:  # (a renewal that met the filing is no takeover)
@@ -175,8 +185,10 @@ class LeaseKeeper:
         try:
             broken = broken_claims([job.claim for job in jobs])
         except OSError as exc:  # no new lock: every job on the old one is returned next time
-            log.error("cannot take a new owner lock: %s; will try again", exc)
+            recurring.error("taking a new owner lock", exc,
+                            "cannot take a new owner lock: %s; will try again", exc)
             return
+        recurring.ok("taking a new owner lock")
         lost = {id(claim) for claim in broken}
         reason = broken_reason(self.engine.backend)
         for job in jobs:

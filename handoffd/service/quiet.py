@@ -47,6 +47,9 @@ log = logging.getLogger("handoffd")
 # the dependencies' own memory of a waiter is trusted as long (dependencies.PROGRESS_SECONDS)
 FULL_RECHECK_SECONDS = 300.0
 Seen = tuple[LiveStamp, int]  # a stamp, and the first rescan it was seen at (unchanged since)
+# the last rescan's listing of every live document is kept until the next one (to date the
+# stamps of waiters read since: see QuietWaits._count_rescan) when it holds at most this many
+MAX_LISTING_KEPT = 100_000
 
 
 class Stamps(NamedTuple):
@@ -86,6 +89,9 @@ class QuietWaits:
         self.awaited: dict[str, Seen] = {}  # id a waiter waits for -> its copies' stamp
         self.looked: dict[str, int] = {}
         self.full_due: dict[str, float] = {}
+        # the last rescan's listing of the live documents, and that rescan's count
+        self.listing: dict[str, LiveStamp | None] = {}
+        self.listed_at = 0
 
     def add_quiet_check(self, check: Callable[[str], bool]) -> None:
         """``check(id)`` true: the wait of the waiter ``id``, held with ``on=()`` (no filing
@@ -109,9 +115,10 @@ class QuietWaits:
         """The stamps a rescan compares (one listing of the live documents, one stamp of each
         distinct id waited for; none is read), taken before its books' section: a waiter whose
         read began after this rescan is counted (in that section) read after them. None when
-        no waiter may be left alone."""
+        no waiter may be left alone. The first rescan (the daemon's first listing) takes them
+        even with no waiter yet: they date the waiters its reads find (:meth:`_count_rescan`)."""
         with self.cv:
-            if not self.waits_on:
+            if not self.waits_on and self.rescans:
                 return None
             awaited: set[str] = set()
             for handoff_id, on in self.waits_on.items():
@@ -135,8 +142,16 @@ class QuietWaits:
         self.rescans += 1
         docs = stamps.docs if stamps is not None else None
         mine = {hid: docs.get(hid) for hid in self.waits_on} if docs is not None else {}
-        self.quiet_stamps = _carried(self.quiet_stamps, mine, self.rescans)
-        self.awaited = _carried(self.awaited, stamps.awaited if stamps else {}, self.rescans)
+        # a waiter read since the last rescan (at start-up: every one) has no stamp of its own
+        # from before its read; the last rescan's listing, taken before it, dates one that is
+        # the same now (its own document's, or a live dependency's: a stamp of the same copies
+        # is the same bytes), where it once made this rescan read every one of them again
+        listed = (self.listing, self.listed_at)
+        self.quiet_stamps = _carried(self.quiet_stamps, mine, self.rescans, listed)
+        self.awaited = _carried(self.awaited, stamps.awaited if stamps else {}, self.rescans,
+                                listed)
+        self.listing = docs if docs is not None and len(docs) <= MAX_LISTING_KEPT else {}
+        self.listed_at = self.rescans
 
     def _left_alone(self, handoff_id: str, now: float) -> bool:
         """True when a rescan need not queue the waiter ``handoff_id`` again: nothing that may
@@ -190,6 +205,7 @@ class QuietWaits:
         self.awaited.clear()
         self.looked.clear()
         self.full_due.clear()
+        self.listing = {}
 
     def _full_recheck(self, handoff_id: str) -> None:
         """Tell the features that ``handoff_id`` is queued for its full re-check."""
@@ -218,14 +234,21 @@ def _stamp_each(backend: Backend, ids: set[str]) -> dict[str, LiveStamp | None]:
         return dict.fromkeys(ids)
 
 
-def _carried(before: dict[str, Seen], now: dict[str, LiveStamp | None],
-             rescan: int) -> dict[str, Seen]:
+def _carried(before: dict[str, Seen], now: dict[str, LiveStamp | None], rescan: int,
+             listed: tuple[dict[str, LiveStamp | None], int] = ({}, 0)) -> dict[str, Seen]:
     """The stamps ``now`` taken at ``rescan``, each with the rescan it was first seen at: kept
-    from ``before`` when the same, else this one; unstamped ids (None) are left out."""
+    from ``before`` when the same, else the rescan of ``listed`` (the last rescan's listing,
+    and its count) when it had the same, else this one; unstamped ids (None) are left out."""
     kept: dict[str, Seen] = {}
+    listing, listed_at = listed
     for handoff_id, stamp in now.items():
         if stamp is None:
             continue
         old = before.get(handoff_id)
-        kept[handoff_id] = old if old is not None and old[0] == stamp else (stamp, rescan)
+        if old is not None and old[0] == stamp:
+            kept[handoff_id] = old
+        elif listing and listing.get(handoff_id) == stamp:
+            kept[handoff_id] = (stamp, listed_at)
+        else:
+            kept[handoff_id] = (stamp, rescan)
     return kept

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import procs
+from ..core import procs, recurring
 from ..core.admission import file_stub
 from ..core.documents import book, book_int, record
 from ..core.engine import Engine
@@ -41,6 +42,8 @@ log = logging.getLogger("handoffd")
 # the key of Backend.maintain's report saying what its repairs set aside: JSON objects {"id",
 # "code", "message", "stub"} (the files store's: see backends.files.repair.NOTES)
 NOTES = "set_aside_notes"
+# each engine's recurring problems, across its sweeps (core/recurring.py)
+_PROBLEMS: weakref.WeakKeyDictionary[Engine, recurring.Recurring] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -71,18 +74,26 @@ def sweep(engine: Engine, *, skip: set[str] | None = None) -> SweepReport:
     """Run every repair once. ``skip``: ids this process is working on right now.
 
     Each step, and each handoff within a step, is isolated: a document that defeats one repair
-    is logged and left for the next sweep, and never stops the repairs of the others."""
+    is logged and left for the next sweep, and never stops the repairs of the others. A fault
+    that persists (an OSError: no inode left, a lock file it may not write) is said once per
+    distinct problem, at most once a minute while it lasts (:mod:`handoffd.core.recurring`)."""
+    problems = _PROBLEMS.setdefault(engine, recurring.Recurring())
+    with recurring.sweeping(problems, lambda: engine.clock().timestamp()):
+        return _sweep(engine, skip or set())
+
+
+def _sweep(engine: Engine, skip: set[str]) -> SweepReport:
     report = SweepReport()
-    skip = skip or set()
     now = engine.clock()
     _step("repairing the store", _maintain, engine, skip, report)
     try:
         taken = engine.backend.expired_claims(now, engine.settings.lease_seconds)
     except OSError as exc:
-        log.error("sweep: cannot look for abandoned claims: %s", exc)
+        recurring.error("looking for abandoned claims", exc,
+                        "sweep: cannot look for abandoned claims: %s", exc)
         taken = []
     for claim in taken:
-        _step(f"recovering {claim.id}", recover, engine, claim, report)
+        _step(f"recovering {claim.id}", recover, engine, claim, report, kind=recurring.RECOVERY)
     for repair in engine.on_sweep:  # features' own repairs (contracts: file reservations)
         _step(_describe(repair), repair, engine)
     _step("pruning process records of finished attempts", procs.prune_records, engine.ws)
@@ -136,12 +147,14 @@ def _describe(repair: Any) -> str:
     return f"running {module}.{name}" if module else f"running {name}"
 
 
-def _step(what: str, func: Any, *args: Any) -> None:
-    """Run one repair; a failure is one log line (with the traceback for bugs), never the sweep."""
+def _step(what: str, func: Any, *args: Any, kind: str | None = None) -> None:
+    """Run one repair; a failure is one log line (with the traceback for bugs), never the sweep.
+    An OSError is a recurring problem of ``kind`` (default: ``what``): said once while it lasts."""
     try:
         func(*args)
     except OSError as exc:
-        log.error("sweep: %s failed: %s; the next sweep tries again", what, exc)
+        recurring.error(kind or what, exc, "sweep: %s failed: %s; the next sweep tries again",
+                        what, exc)
     except DuplicateHandoff as exc:  # a copy appeared in the target folder meanwhile
         log.warning("sweep: %s: %s; the next sweep resolves the copies", what, exc)
     except HandoffdError as exc:  # a refusal (records over their bound, a lock held) is no bug
@@ -150,6 +163,8 @@ def _step(what: str, func: Any, *args: Any) -> None:
                   f" [{code}]" if code else "")
     except Exception:  # a repair bug must not stop the other repairs
         log.exception("sweep: %s failed; the next sweep tries again", what)
+    else:
+        recurring.ok(kind or what)
 
 
 def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Callable, Collection
 
+from ...core import recurring
 from ...core.documents import book, book_int, hostname
 from ...core.errors import (
     DocumentNotReady,
@@ -243,10 +244,11 @@ class Claimer:
             # others are recovered (an OSError here once dropped the whole list, every sweep)
             try:
                 claim = self._recover_one(handoff_id, now, lease_seconds)
-            except (OSError, HandoffdError) as exc:
+            except (OSError, HandoffdError) as exc:  # (said once while it lasts: recurring)
                 code = getattr(exc, "code", None)
-                log.error("sweep: recovering %s failed: %s%s; the next sweep tries again",
-                          handoff_id, exc, f" [{code}]" if code else "")
+                recurring.error(recurring.RECOVERY, exc, "sweep: recovering %s failed: %s%s; "
+                                "the next sweep tries again", handoff_id, exc,
+                                f" [{code}]" if code else "")
                 continue
             except Exception:  # a bug must not stop the recovery of the others either
                 log.exception("sweep: recovering %s failed; the next sweep tries again",

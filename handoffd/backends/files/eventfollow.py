@@ -57,9 +57,18 @@ class Following:
 
     def read(self, since: datetime | None = None) -> Iterator[Event]:
         """Every event kept, oldest first (those at or after ``since``), read as it is given:
-        a file at a time, a block at a time."""
-        for path in self.files():
-            for event in self._scan(path, 0, _Mark(), partial=True):
+        a file at a time, a block at a time.
+
+        The files are those kept when it starts (:meth:`_kept`), each followed by its inode as
+        the followers do (:meth:`_open_ino`): opened by name, a rotation between the listing and
+        the reading shifted every name by one, and a file was read twice while another was
+        skipped (``handoff stats`` counted wrong). A file rotated past ``keep`` meanwhile is
+        gone (nothing of it is read, nothing twice)."""
+        for ino, path in self._kept():
+            fh = self._open_ino(ino, path)
+            if fh is None:
+                continue
+            for event in self._scan_open(fh, 0, _Mark(), partial=True):
                 if since is None or after(event, since):
                     yield event
 
@@ -267,15 +276,6 @@ class Following:
                         "between two reads: events in between may have been missed (a larger "
                         "events_max_bytes or events_keep keeps more)", shown_path(self.path),
                         self.keep)
-
-    def _scan(self, path: Path, offset: int, mark: "_Mark", *, whole: bool = True,
-              partial: bool = False, seen: "_Print | None" = None) -> Iterator[Event]:
-        """:meth:`_scan_open` of the file at ``path`` (nothing when it cannot be opened)."""
-        try:
-            fh = ownfiles.open_reading(path)
-        except OSError:  # gone (rotated away meanwhile), or no regular file: nothing of ours
-            return
-        yield from self._scan_open(fh, offset, mark, whole=whole, partial=partial, seen=seen)
 
     def _scan_open(self, fh: BinaryIO, offset: int, mark: "_Mark", *, whole: bool = True,
                    partial: bool = False, seen: "_Print | None" = None) -> Iterator[Event]:

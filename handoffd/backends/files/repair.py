@@ -28,6 +28,7 @@ import time
 from datetime import datetime
 from typing import Any, Collection
 
+from ...core import recurring
 from ...core.documents import book, is_safe_id, record
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
 from ...core.logs import log
@@ -64,12 +65,14 @@ def repair(store: Store, now: datetime, *, claim_grace_seconds: float,
     try:
         in_progress = store.ids(State.IN_PROGRESS)
     except OSError as exc:
-        log.error("sweep: cannot list in-progress/: %s", exc)
+        recurring.error("listing in-progress/", exc, "sweep: cannot list in-progress/: %s", exc)
         in_progress = []
+    else:
+        recurring.ok("listing in-progress/")
     for handoff_id in in_progress:
         if handoff_id not in skip:
             _step(f"recovering {handoff_id}", _unleased_guarded, store, handoff_id,
-                  claim_grace_seconds, now, done)
+                  claim_grace_seconds, now, done, kind=recurring.RECOVERY)
     _step("removing orphaned files", remove_orphans, store, done)
     _step("putting back what a move or purge left aside", restore_aside, store)
     _step("compacting the seen-ids record", lambda: store.seen.compact(now))
@@ -82,14 +85,19 @@ def restore_aside(store: Store) -> None:
         log.warning("sweep: put %s back; a move or purge set it aside and never finished", name)
 
 
-def _step(what: str, func: Any, *args: Any) -> None:
-    """Run one repair; a failure is one log line (with the traceback for bugs), never the sweep."""
+def _step(what: str, func: Any, *args: Any, kind: str | None = None) -> None:
+    """Run one repair; a failure is one log line (with the traceback for bugs), never the sweep.
+    An OSError is a :mod:`recurring <handoffd.core.recurring>` problem of ``kind`` (default:
+    ``what``): said once, not at every sweep while it lasts."""
     try:
         func(*args)
     except OSError as exc:
-        log.error("sweep: %s failed: %s; the next sweep tries again", what, exc)
+        recurring.error(kind or what, exc, "sweep: %s failed: %s; the next sweep tries again",
+                        what, exc)
     except Exception:  # a repair bug must not stop the other repairs
         log.exception("sweep: %s failed; the next sweep tries again", what)
+    else:
+        recurring.ok(kind or what)
 
 
 def recover_guard(store: Store, handoff_id: str) -> Any:

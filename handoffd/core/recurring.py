@@ -1,0 +1,131 @@
+"""The sweep's recurring problems: one line per distinct problem, not one per claim per sweep.
+
+A persistent fault (inode exhaustion as the sweep takes its per-claim recovery locks, a seen-ids
+lock file another user owns) failed the same way for every in-progress claim, at every sweep:
+hundreds of identical ERROR lines a minute, burying whatever else was said. While a sweep runs
+(:func:`sweeping`), :func:`error` says a problem, identified by what failed (its ``kind``, the
+same for every claim) and how (the errno, else the exception's type), once; the same problem
+again is held back and counted, and said at most every :data:`REPEAT_SECONDS` (by the engine's
+clock) with the count of what was held back. When that kind of step succeeds again in a sweep
+that no longer meets the problem (:func:`ok`), one WARNING line says it cleared.
+
+The lease keeper's rounds (renewals, owner-lock checks) keep books of their own the same way.
+Outside a sweep or round every problem is said as it comes, as before.
+"""
+from __future__ import annotations
+
+import errno
+import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from .logs import log
+
+REPEAT_SECONDS = 60.0  # a problem that persists is said again at most this often
+# the kind of every per-claim recovery step (the repairs' and the take-overs'): one problem
+# however many claims meet it
+RECOVERY = "recovering a claim"
+
+Key = tuple[str, str]
+
+
+@dataclass
+class _Problem:
+    said_at: float  # when it was last said (the clock's seconds)
+    held: int = 0  # occurrences held back since
+    total: int = 1  # occurrences since it began
+
+
+class Recurring:
+    """The problems of one daemon's sweeps (kept across them); thread-safe."""
+
+    def __init__(self, every: float = REPEAT_SECONDS) -> None:
+        self.every = every
+        self.active: dict[Key, _Problem] = {}
+        self._failed: set[Key] = set()  # met in the current sweep
+        self._succeeded: set[str] = set()  # kinds that worked at least once in it
+        self._mutex = threading.Lock()
+
+    def begin(self) -> None:
+        """A sweep starts: nothing met in it yet."""
+        with self._mutex:
+            self._failed.clear()
+            self._succeeded.clear()
+
+    def error(self, key: Key, now: float, msg: str, args: tuple[Any, ...]) -> None:
+        """Say ``msg % args`` (ERROR) unless ``key`` was said less than :attr:`every` ago."""
+        with self._mutex:
+            self._failed.add(key)
+            problem = self.active.get(key)
+            if problem is None:
+                self.active[key] = _Problem(said_at=now)
+                held = None
+            elif now - problem.said_at < self.every:
+                problem.held += 1
+                problem.total += 1
+                return
+            else:
+                held, problem.held, problem.said_at = problem.held, 0, now
+                problem.total += 1
+        if held is None:
+            log.error(msg + " (if it recurs, said again at most once a minute)", *args)
+        else:
+            log.error(msg + " (still; %d more like it held back)", *args, held)
+
+    def ok(self, kind: str) -> None:
+        """A step of ``kind`` worked in this sweep."""
+        with self._mutex:
+            self._succeeded.add(kind)
+
+    def end(self) -> None:
+        """A sweep ended: a problem whose kind worked in it and that it did not meet cleared."""
+        with self._mutex:
+            cleared = [(key, self.active.pop(key)) for key in list(self.active)
+                       if key[0] in self._succeeded and key not in self._failed]
+        for (kind, why), problem in cleared:
+            log.warning("%s works again (%s cleared after %d failure(s))", kind, why,
+                        problem.total)
+
+
+_CURRENT: ContextVar[tuple[Recurring, Callable[[], float]] | None] = ContextVar(
+    "handoffd_sweep_problems", default=None)
+
+
+@contextmanager
+def sweeping(book: Recurring, clock: Callable[[], float]) -> Iterator[None]:
+    """Within: :func:`error` and :func:`ok` count in ``book``, timed by ``clock`` (seconds)."""
+    book.begin()
+    token = _CURRENT.set((book, clock))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+        book.end()
+
+
+def how(exc: BaseException) -> str:
+    """What identifies a failure across claims: its errno's name, else its type's name."""
+    number = getattr(exc, "errno", None)
+    if isinstance(number, int):
+        return errno.errorcode.get(number, f"errno {number}")
+    return type(exc).__name__
+
+
+def error(kind: str, exc: BaseException, msg: str, *args: Any) -> None:
+    """Log ``msg % args`` as an ERROR: within :func:`sweeping`, once per (``kind``, how
+    ``exc`` failed) and at most every :data:`REPEAT_SECONDS`."""
+    current = _CURRENT.get()
+    if current is None:
+        log.error(msg, *args)
+        return
+    book, clock = current
+    book.error((kind, how(exc)), clock(), msg, args)
+
+
+def ok(kind: str) -> None:
+    """Within :func:`sweeping`: a step of ``kind`` worked (what clears its problems)."""
+    current = _CURRENT.get()
+    if current is not None:
+        current[0].ok(kind)
