@@ -20,6 +20,9 @@ EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarif
 DEFAULT_LIMIT = 50  # `handoff ls` without --limit lists the newest 50 rows
 STATES = [s.value for s in State] + ["quarantined"]
 Opened = TypeVar("Opened")  # what open_within opens (a store, an engine)
+# open_within starts no connection attempt with less time left than this: libpq's shortest
+# attempt (psycopg enforces 2 s) then ends at most a second past the command's --timeout
+LAST_TRY_SECONDS = 1.0
 
 
 # ---------------------------------------------------------------- show
@@ -251,23 +254,29 @@ def open_within(timeout: float | None, gave_up: str,
     of at most ``timeout`` seconds. A store that cannot be reached now (a StoreError whose
     ``unreachable`` says why: a database restarting) is tried again, with backoff, until the
     time is up; then WaitTimeout (exit 124), ``gave_up`` and why, as a wait that lost the store
-    midway ends (it exited 1 at once). None: one try, errors as they are."""
+    midway ends (it exited 1 at once). Each connection attempt is bounded by the time left (a
+    path that drops packets once held it for the store's whole connect timeout, 10 s), and
+    none starts with less than LAST_TRY_SECONDS left (libpq's shortest attempt is 2 s): the
+    call ends within ``timeout`` plus a second. None: one try, errors as they are."""
     import time
 
     from ..core.errors import HandoffdError, WaitTimeout
+    from ..core.timeutil import connecting_within
     ends = time.monotonic() + (timeout or 0.0)
     pause, retried = 0.1, False
     while True:
-        try:
-            opened = opener()
+        try:  # (a connection attempt ends with the time left, at least 1 s: libpq's unit)
+            with connecting_within(None if timeout is None else ends - time.monotonic()):
+                opened = opener()
         except HandoffdError as exc:
             why = getattr(exc, "unreachable", None)
             left = ends - time.monotonic()
             if timeout is None or not isinstance(why, str):
                 raise
-            if left <= 0:
+            time.sleep(max(min(pause, left), 0.0))
+            if ends - time.monotonic() < LAST_TRY_SECONDS:  # (the rest slept out first)
+                time.sleep(max(ends - time.monotonic(), 0.0))
                 raise WaitTimeout(f"{gave_up} within {timeout:g}s: {why}") from None
-            time.sleep(min(pause, left))
             pause, retried = min(pause * 2, 2.0), True  # (the store's own reconnect backoff)
             continue
         if not retried or timeout is None:  # opened at once: the whole time is the wait's

@@ -167,7 +167,12 @@ def plain_table(columns: Sequence[str], rows: Sequence[Sequence[Piece]],
                 title: str | None = None) -> list[str]:
     """The lines of :meth:`Out.table` without rich: what rich prints when piped (columns two
     spaces apart, each cell padded to its column's width), except that nothing is folded."""
-    cells = [[clean(_cell_text(p)) for p in row] for row in rows]
+    # measured as written: on a stdout that cannot take a character (LC_ALL=C, an ascii
+    # PYTHONIOENCODING) the stream writes its escape (``\xe9``), four columns for one
+    shown = as_stdout_writes
+    columns = [shown(c) for c in columns]
+    title = None if title is None else shown(title)
+    cells = [[shown(clean(_cell_text(p))) for p in row] for row in rows]
     widths = [cell_width(c) for c in columns]
     for row in cells:
         for i, text in enumerate(row):
@@ -177,6 +182,20 @@ def plain_table(columns: Sequence[str], rows: Sequence[Sequence[Piece]],
     if title is not None:
         lines.insert(0, pad(title, sum(widths) + 2 * (len(widths) - 1)))
     return lines
+
+
+def as_stdout_writes(text: str) -> str:
+    """``text`` as stdout writes it: what its encoding cannot take spelt as the backslash
+    escape the stream writes instead (``errors="backslashreplace"``, set at start-up)."""
+    if text.isascii():
+        return text
+    encoding = getattr(sys.stdout, "encoding", None)
+    if not isinstance(encoding, str):
+        return text
+    try:
+        return text.encode(encoding, "backslashreplace").decode(encoding, "replace")
+    except (LookupError, UnicodeError):
+        return text
 
 
 def _cell_text(piece: Any) -> str:

@@ -82,7 +82,8 @@ def last_entry(doc: Doc) -> dict[str, Any]:
 def queue_wait(doc: Doc, claimed_at: datetime) -> float | None:
     """How long a just-claimed handoff waited since it became due: since the event before its
     claim (created, or its ``due_at`` when scheduled; retry_scheduled + its delay;
-    handed_back...), None when unknown."""
+    handed_back...), None when unknown. (A dependant's is cut to the time since its last
+    dependency's filing before its handler starts: :mod:`handoffd.features.dependencies`.)"""
     block = doc.get(BOOK)
     history = block.get("history") if isinstance(block, dict) else None
     if not isinstance(history, list) or len(history) < 2 or not isinstance(history[-2], dict):

@@ -1,10 +1,20 @@
-"""UTC timestamps in the ISO 8601 form the seeds use (``2026-01-13T10:00:00Z``)."""
+"""UTC timestamps in the ISO 8601 form the seeds use (``2026-01-13T10:00:00Z``), and the
+bound a command's ``--timeout`` puts on opening its store (:func:`connecting_within`)."""
 from __future__ import annotations
 
+import contextvars
+import math
+import time
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Callable
+from typing import Callable, Iterator
 
 Clock = Callable[[], datetime]
+
+# when opening a store's connections must end, on time.monotonic()'s clock (a command's
+# --timeout: :func:`connecting_within`); inf: no bound but the store's own connect timeout
+_CONNECT_BY: contextvars.ContextVar[float] = contextvars.ContextVar("handoffd_connect_by",
+                                                                    default=math.inf)
 
 # The last instant a datetime can hold, in UTC: a time whose UTC form falls outside the calendar
 # (year 1 with a positive offset, year 9999 with a negative one) makes astimezone() and iso()
@@ -16,6 +26,28 @@ class OutsideCalendar(ValueError):
     """A timestamp that parses but cannot be used: its UTC time falls outside years 1 to 9999, or
     too near the end to add the time the caller needs. A ValueError, so every reader that refuses
     a malformed timestamp refuses this one the same way."""
+
+
+@contextmanager
+def connecting_within(seconds: float | None) -> Iterator[None]:
+    """Within the block (this thread or context), a store opened connects within ``seconds``
+    from now (:func:`connect_timeout`); an earlier bound of an enclosing block still holds.
+    None: no bound of its own."""
+    if seconds is None:
+        yield
+        return
+    token = _CONNECT_BY.set(min(_CONNECT_BY.get(), time.monotonic() + max(seconds, 0.0)))
+    try:
+        yield
+    finally:
+        _CONNECT_BY.reset(token)
+
+
+def connect_timeout(seconds: float) -> float:
+    """A connect timeout of at most ``seconds``, cut to the time left in a
+    :func:`connecting_within` block, but never under 1 s (libpq counts whole seconds): such a
+    block ends within its bound plus a second."""
+    return max(min(seconds, _CONNECT_BY.get() - time.monotonic()), 1.0)
 
 
 def utc_now() -> datetime:

@@ -38,7 +38,9 @@ from ..core.engine import (  # Gate and Verdict are the core's; re-exported
     Verdict,
 )
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
+from ..core.jobs import Job
 from ..core.states import State
+from ..core.timeutil import parse_iso
 from .archived_ids import ArchiveIndex
 from .removal import dependents_guard
 
@@ -93,6 +95,9 @@ class Graph:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.completed: dict[str, datetime] = {}  # id -> when it was last seen completed
+        # id -> when it was filed into completed/ (its history says, or this daemon filed it):
+        # a dependant's queue wait counts from its last dependency's (runnable_wait)
+        self.filed_at: dict[str, datetime] = {}
         self.unfinished: dict[str, datetime] = {}  # id -> when it was last read unfinished
         # id -> when this daemon filed it into failed/: a hint, read again before it is believed
         self.failed: dict[str, datetime] = {}
@@ -112,7 +117,7 @@ class Graph:
         except (NotFound, InvalidDocument):
             return None, []
         if state is State.COMPLETED:
-            self.seen_completed(handoff_id)
+            self.seen_completed(handoff_id, completed_at(doc))
             return state, []
         try:
             deps = dialects.detect(doc).envelope(doc).depends_on
@@ -130,26 +135,32 @@ class Graph:
         seen = self.completed.get(dep)
         if seen is not None and since <= seen:
             return State.COMPLETED
+        doc: dict[str, Any] = {}
         try:
-            state: State | None = self.engine.get(dep)[0]
+            state: State | None
+            state, doc = self.engine.get(dep)
         except (NotFound, InvalidDocument):
             state = State.COMPLETED if self.archive.completed(dep) else None
         if state is State.COMPLETED:
-            self.seen_completed(dep)
+            self.seen_completed(dep, completed_at(doc))
         else:
             self.forget(dep)
             if state is not None and not state.terminal:
                 self._note(self.unfinished, dep, self.engine.clock())
         return state
 
-    def seen_completed(self, handoff_id: str) -> None:
-        """``handoff_id`` is completed now (read so, or filed so by this daemon)."""
+    def seen_completed(self, handoff_id: str, filed: datetime | None = None) -> None:
+        """``handoff_id`` is completed now (read so, or filed so by this daemon; ``filed``: when
+        it was filed, if known)."""
         self.unfinished.pop(handoff_id, None)
         self._note(self.completed, handoff_id, self.engine.clock())
+        if filed is not None:
+            self._note(self.filed_at, handoff_id, filed)
 
     def forget(self, handoff_id: str) -> None:
         """``handoff_id`` is not completed (any more): pending again under a reused id, failed."""
         self.completed.pop(handoff_id, None)
+        self.filed_at.pop(handoff_id, None)
 
     def failed_among(self, deps: list[str], since: datetime) -> list[str]:
         """Those of ``deps`` this daemon filed into failed/ since ``since`` (a hint: the gate
@@ -185,7 +196,7 @@ class Graph:
         failed/ is noted, for the waiters it wakes (:meth:`failed_among`); a filed waiter's
         progress goes."""
         if where is State.COMPLETED:
-            self.seen_completed(handoff_id)
+            self.seen_completed(handoff_id, self.engine.clock())
         else:
             self.forget(handoff_id)
         if where is State.FAILED:
@@ -297,6 +308,21 @@ class Graph:
         """The engine's gate: :func:`dependencies_gate` on this graph."""
         return dependencies_gate(self, env)
 
+    def runnable_wait(self, job: Job) -> None:
+        """Engine ``before_run`` hook: a dependant's queue wait (its ``claimed`` event's
+        ``wait``) counts from when it became runnable, its last dependency's filing into
+        completed/ (as the gate found it: :attr:`filed_at`, no document read here), not from
+        the history entry before its claim (its creation: an hour waited on a dependency was an
+        hour of queue wait). Never more than that count: a retry due later counts from then."""
+        claim, deps = job.claim, job.envelope.depends_on
+        if not deps or claim.wait is None or claim.claimed_at is None:
+            return
+        filed_at = self.filed_at
+        filed = [at for dep in deps if (at := filed_at.get(dep)) is not None]
+        if filed:
+            since = (claim.claimed_at - max(filed)).total_seconds()
+            claim.wait = round(min(claim.wait, max(since, 0.0)), 6)
+
     def check_submitted(self, engine: "Engine", env: Envelope) -> None:
         """Engine.submit's check: what a new handoff depends on exists and leads nowhere back."""
         self.forget(env.handoff_id)  # a new handoff under this id: not the completed one
@@ -324,6 +350,7 @@ def install(engine: "Engine") -> None:
     engine.submit_checks.append(graph.check_submitted)
     engine.submit_guards.append(dependents_guard)  # no dependency purged under a new dependent
     engine.on_filed.append(graph.filed)
+    engine.before_run.append(graph.runnable_wait)
 
     def attach(daemon: DaemonPlugins) -> None:
         # a rescan leaves a waiter alone while what its wait names is unchanged: at its full
@@ -332,6 +359,20 @@ def install(engine: "Engine") -> None:
         daemon.scheduler.add_full_recheck_hook(graph.done_with)
 
     engine.daemon_plugins.append(attach)
+
+
+def completed_at(doc: dict[str, Any]) -> datetime | None:
+    """When a completed document was filed, as its history's last ``completed`` entry says
+    (None: no such entry, or an unreadable time)."""
+    block = doc.get(BOOK)  # (read only: the document may be the store's cached copy)
+    history = block.get("history") if isinstance(block, dict) else None
+    for entry in reversed(history if isinstance(history, list) else []):
+        if isinstance(entry, dict) and entry.get("event") == State.COMPLETED.value:
+            try:
+                return parse_iso(str(entry.get("at")))
+            except ValueError:
+                return None
+    return None
 
 
 def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:

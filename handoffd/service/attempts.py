@@ -54,6 +54,9 @@ class Attempts(HeldOutcomes):
         self.slot = threading.local()  # a worker's current task token (``slot.token``)
         self.refiles: dict[str, threading.Timer] = {}  # kept outcomes' next refile (under cv)
         self.closing = False  # a stop files what is kept: a failure then gives the claim up
+        # handed back for a start shortage, counted in report.handed_back until claimed again
+        # here (a batch that waits its back-off out does not end saying it handed it back)
+        self.backed_off: set[str] = set()
 
     def work(self, handoff_id: str) -> None:
         """Claim ``handoff_id``, run its specialist and file the outcome (a worker's task)."""
@@ -71,6 +74,9 @@ class Attempts(HeldOutcomes):
                 return
             with self.cv:
                 self.active[handoff_id] = job
+                if handoff_id in self.backed_off:  # handed back for a shortage, taken again
+                    self.backed_off.discard(handoff_id)
+                    self.report.handed_back -= 1
             log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
                      job.specialist.agent, extra={"event": "claimed", "handoff_id": handoff_id,
                                                   "attempt": job.claim.attempt,
@@ -107,11 +113,17 @@ class Attempts(HeldOutcomes):
         job.ending = True
         shortage = not_started(job.context)
         if shortage is not None:  # its handler could not start for now (descriptors, processes)
+            delay = handbacks.shortage_delay(job.claim.doc)
             where = handbacks.hand_back_unstarted(self.engine, job, shortage, outcome)
             if isinstance(where, Outcome):  # a shortage too long in a row: counted
                 return self._file(job, where)
             if where is State.PENDING:
                 self.report.handed_back += 1
+                with self.cv:  # (no longer handed back once it is claimed again here)
+                    if len(self.backed_off) >= MAX_TRACKED:  # (a daemon that serves for long)
+                        self.backed_off.clear()
+                    self.backed_off.add(job.handoff_id)
+                self.scheduler.back_off(job.handoff_id, delay)  # a batch may wait for it
             return False
         if job.context.handback:  # counted once a stop interrupted it too often in a row
             where = handbacks.hand_back(self.engine, job, outcome)

@@ -143,6 +143,14 @@ def shortages_in_a_row(doc: dict[str, Any]) -> int:
     return count
 
 
+def shortage_delay(doc: dict[str, Any]) -> float:
+    """The back-off of the next start-shortage hand-back of the claimed document ``doc``:
+    doubling from SHORTAGE_FIRST_SECONDS with each such hand-back in a row, SHORTAGE_MAX_SECONDS
+    at most."""
+    streak = shortages_in_a_row(doc) + 1
+    return min(SHORTAGE_MAX_SECONDS, SHORTAGE_FIRST_SECONDS * 2.0 ** min(streak - 1, 16))
+
+
 def hand_back_unstarted(engine: Engine, job: Job, shortage: NotStarted,
                         outcome: Outcome) -> State | Outcome:
     """End ``job``'s attempt, whose handler could not be started for a passing ``shortage``:
@@ -156,7 +164,7 @@ def hand_back_unstarted(engine: Engine, job: Job, shortage: NotStarted,
             f"{shortage.message}; {streak} times in a row (after {FREE_SHORTAGES} uncounted "
             "hand-backs each counts as an attempt)", retryable=True,
             details={SHORTAGE_RUN: streak, "cannot_start": shortage.reason})
-    delay = min(SHORTAGE_MAX_SECONDS, SHORTAGE_FIRST_SECONDS * 2.0 ** (streak - 1))
+    delay = shortage_delay(job.claim.doc)
     where = engine.requeue(job.claim, job.dialect, "handed_back",
                            due_at=engine.clock() + timedelta(seconds=delay),
                            reason=shortage.message, not_started=shortage.reason)

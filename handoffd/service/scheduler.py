@@ -38,6 +38,9 @@ READY_WINDOW = 64  # due handoffs read ahead to order by priority
 # run side by side, this much later. With fsync, a handoff mostly waits for the disk, which
 # overlaps: no delay.
 SPIN_UP_SECONDS = 0.005
+# a batch without --max-seconds waits for a start-shortage back-off that ends within this long
+# (the first ones: 1 s, 2 s, 4 s) rather than end handing its handoff back
+BACKOFF_WAIT_SECONDS = 5.0
 RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at again this late
 MAX_HELD_OFF = 10_000  # handoffs held off at once (hold_off: the oldest forgotten first)
 WAKE = ""  # a time-heap entry that only wakes the loop (no handoff id is empty)
@@ -92,6 +95,9 @@ class Scheduler(Lines, QuietWaits):
         self.last_dispatch = time.monotonic()
         self.stopping = False  # nothing more starts
         self.batch_deadline = math.inf  # run_batch(max_seconds=): nothing starts after it
+        # handoff id -> when its start-shortage back-off ends (monotonic): a batch waits for it
+        # (:meth:`due_soon`) rather than end handing it back; forgotten once it is looked at
+        self.backoffs: dict[str, float] = {}
         self.rescan_requested = True
         self.first_seen: dict[str, datetime] = {}  # hard-timeout handoffs seen pending, by id
         self.unroutable = report.unroutable
@@ -247,6 +253,7 @@ class Scheduler(Lines, QuietWaits):
             if self.queued.get(handoff_id) != due:
                 continue  # superseded by an earlier notification
             del self.queued[handoff_id]
+            self.backoffs.pop(handoff_id, None)  # (a batch waited for it once)
             looked = self.rescans
             peek = self._read(handoff_id)
             if peek is None:
@@ -313,11 +320,41 @@ class Scheduler(Lines, QuietWaits):
 
     def due_soon(self) -> bool:
         """Batch mode: something queued that is due now (or within a settle window), or held
-        for a token due by then."""
+        for a token due by then, or handed back for a start shortage with a back-off that ends
+        before the batch must (:meth:`backed_off_soon`)."""
         limit = time.monotonic() + self.engine.settings.settle_seconds + 0.05
         return bool(self.ready) or bool(self.rechecks) \
             or any(due <= limit for due in self.queued.values()) \
-            or any(self.rate_until.get(agent, 0.0) <= limit for agent in self.rate_held)
+            or any(self.rate_until.get(agent, 0.0) <= limit for agent in self.rate_held) \
+            or self.backed_off_soon()
+
+    def back_off(self, handoff_id: str, delay: float) -> None:
+        """``handoff_id`` was handed back for a passing start shortage, due again in ``delay``
+        seconds: looked at again then (no sooner), and a batch waits for it if it can."""
+        self.hold_off(handoff_id, delay)
+        with self.cv:
+            due = self.queued.get(handoff_id)
+            if due is None:  # (looked at already: nothing to wait for)
+                return
+            self.backoffs[handoff_id] = due
+            if len(self.backoffs) > MAX_HELD_OFF:
+                del self.backoffs[next(iter(self.backoffs))]
+
+    def backed_off_soon(self) -> bool:
+        """A start-shortage back-off (:meth:`back_off`) ends before ``--max-seconds`` does, or,
+        without it, within BACKOFF_WAIT_SECONDS: a batch waits it out and runs the handoff
+        rather than end handing it back (one back-off each: once it is looked at, it is
+        forgotten, so a shortage that lasts ends the batch after a few doubling waits)."""
+        if not self.backoffs:
+            return False
+        bound = self.batch_deadline if self.batch_deadline < math.inf \
+            else time.monotonic() + BACKOFF_WAIT_SECONDS
+        for handoff_id, due in list(self.backoffs.items()):
+            if self.queued.get(handoff_id) != due:
+                del self.backoffs[handoff_id]  # (superseded, or looked at already)
+            elif due < bound:
+                return True
+        return False
 
     # ------------------------------------------------------------ slots
     def start(self, agent: str) -> int:
@@ -433,6 +470,7 @@ class Scheduler(Lines, QuietWaits):
             self.ready.clear()
             self.readied.clear()
             self.queued.clear()
+            self.backoffs.clear()
             self._clear_lines()
             self.busy = Counter(agent for agent, _ in self.inflight.values())
             self.running = len(self.inflight)

@@ -2,8 +2,9 @@
 
 Per specialist: handoffs created, started, completed and failed in the window, retries, take-overs
 of dead claims, error codes, throughput (finished per minute) and the 50th / 95th percentile of
-the queue wait (due -> claimed) and of the run time; beside them the current depth of pending and
-in-progress work (read from the store, the truth).
+the queue wait (runnable -> claimed: a dependant's from its last dependency's filing) and of the
+run time; beside them the current depth of pending and in-progress work (read from the store,
+the truth).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 :class:`Database` runs each operation on a pooled connection in one transaction. A lost
 connection (a restarted server, ``pg_terminate_backend``, a network cut) is retried with backoff
-for up to ``reconnect_seconds``, with one log line when it is lost and one when it is back; after
+for up to ``reconnect_seconds``, with one log line when it is lost and one when it is back (one
+each for all of a process's connections to the store: :class:`Outages`); after
 that the operation fails with :class:`StoreUnavailable` (an OSError: the daemon and the sweeper
 already treat those as "try again later"). An operation whose commit may have happened before
 the connection died is told so (``retried=True``) and checks its own fencing token first, so a
@@ -34,6 +35,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ...core.errors import ConfigError, HandoffdError
+from ...core.timeutil import connect_timeout as bounded_connect
 from .values import configure
 
 log = logging.getLogger("handoffd")
@@ -48,6 +50,9 @@ CHANNEL = "handoffd"
 KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 15, "keepalives_interval": 5,
                               "keepalives_count": 3}
 BACKOFF_FIRST, BACKOFF_MAX = 0.1, 2.0
+# a connection lost this soon after its process said the store is back is the same outage,
+# noticed late (an idle pool notices at its next operation): said at debug level (Outages)
+OUTAGE_QUIET_SECONDS = 10.0
 # the pool's own reconnection backs off 1, 2, 4 ... 32 s (to 300 s) after a lost server: back
 # after 35 s, work resumed after 61. Its attempts give up after this long instead (the next
 # checkout, at most CHECKOUT_SLICE later, starts afresh at once), so it tries about each second
@@ -60,6 +65,45 @@ CHECKOUT_SLICE = 0.5  # waiting for a pooled connection looks at interrupts this
 # when the operations of this thread (context) give up retrying, on time.monotonic()'s clock
 _DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("handoffd_store_deadline",
                                                                   default=math.inf)
+
+
+class Outages:
+    """Each outage of a store said once: a process holds several connections to it (the pool,
+    the wake-up listener, the presence thread), and a restarted server drops them all, each
+    noticing on its own (an idle pool at its next operation). The first to lose the database
+    says so, the first back says so (the store answers again), and the others' lines go to
+    debug; a loss noticed while others of the outage are still away, or within
+    :data:`OUTAGE_QUIET_SECONDS` of its end being said, is that outage, noticed late, and says
+    nothing either (a daemon printed three lines each way for one outage)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # store URL -> [the connections lost now (ids), the outage's end is yet to be said,
+        # when its end was last said]
+        self._state: dict[str, tuple[set[int], bool, float]] = {}
+
+    def lost(self, url: str, who: object) -> bool:
+        """Connection ``who`` to ``url`` was lost: True when it is the one to say so."""
+        with self._lock:
+            held, unsaid, ended = self._state.get(url, (set(), False, -math.inf))
+            say = not held and time.monotonic() - ended >= OUTAGE_QUIET_SECONDS
+            held.add(id(who))
+            self._state[url] = (held, unsaid or say, ended)
+            return say
+
+    def back(self, url: str, who: object) -> bool:
+        """Connection ``who`` to ``url`` is back (or its holder stops): True when it is the
+        first back of an outage that was said (it says the end)."""
+        with self._lock:
+            held, unsaid, ended = self._state.get(url, (set(), False, -math.inf))
+            if id(who) not in held:
+                return False
+            held.discard(id(who))
+            self._state[url] = (held, False, time.monotonic() if unsaid else ended)
+            return unsaid
+
+
+OUTAGES = Outages()
 
 
 class StoreUnavailable(OSError):
@@ -170,7 +214,8 @@ class Database:
         self.report_level = logging.WARNING  # of the lost/back lines (see quiet_reconnects)
         # one direct attempt first: a wrong URL, host or password fails at once with the
         # server's own words (the pool would retry quietly until its timeout)
-        detail = _last_error(url, connect_timeout)
+        # (each step within what is left of a command's --timeout: connecting_within)
+        detail = _last_error(url, bounded_connect(connect_timeout))
         if detail is not None:
             raise cannot_connect(url, detail)
         self.pool: ConnectionPool[Conn] = ConnectionPool(
@@ -181,7 +226,7 @@ class Database:
         # no check on checkout (a round trip per operation): a connection that died while idle
         # fails its first statement, is discarded by the pool, and run() retries on a new one
         try:
-            self.pool.open(wait=True, timeout=connect_timeout)
+            self.pool.open(wait=True, timeout=bounded_connect(connect_timeout))
         except Exception as exc:
             self.pool.close(timeout=1.0)
             raise cannot_connect(url, _last_error(url) or str(exc)) from None
@@ -256,7 +301,8 @@ class Database:
             if self._lost_since is not None:
                 return
             self._lost_since = time.monotonic()
-        log.log(self.report_level, "lost the database connection (%s); reconnecting with "
+        level = self.report_level if OUTAGES.lost(self.url, self) else logging.DEBUG
+        log.log(level, "lost the database connection (%s); reconnecting with "
                 "backoff", " ".join(str(exc).split())[:200] or type(exc).__name__)
 
     def _back(self) -> None:
@@ -265,12 +311,14 @@ class Database:
         with self._state_lock:
             since, self._lost_since = self._lost_since, None
         if since is not None:
-            log.log(self.report_level, "reconnected to the database after %.1fs",
-                    time.monotonic() - since)
+            level = self.report_level if OUTAGES.back(self.url, self) else logging.DEBUG
+            log.log(level, "reconnected to the database after %.1fs", time.monotonic() - since)
 
     def close(self) -> None:
         """Close every pooled connection (an operation still retrying gives up at once)."""
         self.interrupt()
+        if self._lost_since is not None:  # (an outage it said ends with it: others say theirs)
+            OUTAGES.back(self.url, self)
         self.pool.close(timeout=2.0)
 
 
@@ -350,9 +398,10 @@ class SessionThread:
                                      **KEEPALIVES) as conn:
                     self._setup(conn)
                     self._ready.set()
-                    if lost_at is not None:
-                        log.log(self.report_level, "%s connection to the database is back "
-                                "after %.1fs", self.what, time.monotonic() - lost_at)
+                    if lost_at is not None:  # (said as the pool says it, when it is to say)
+                        level = self.report_level if OUTAGES.back(self.url, self) else logging.DEBUG
+                        log.log(level, "reconnected to the database after %.1fs (its %s "
+                                "connection)", time.monotonic() - lost_at, self.what)
                         lost_at = None
                         self._lost()
                     delay = BACKOFF_FIRST
@@ -362,13 +411,16 @@ class SessionThread:
                     break
                 if lost_at is None:
                     lost_at = time.monotonic()
-                    log.log(self.report_level, "lost the %s connection to the database (%s); "
+                    level = self.report_level if OUTAGES.lost(self.url, self) else logging.DEBUG
+                    log.log(level, "lost the database connection (its %s connection: %s); "
                             "reconnecting with backoff", self.what,
                             " ".join(str(exc).split())[:200])
                     self._lost()
                 self._ready.set()  # nobody waits on a server that is down
                 self._stop.wait(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
+        if lost_at is not None:  # (stopped while away: an outage it said ends with it)
+            OUTAGES.back(self.url, self)
 
     def _hold(self, conn: Conn) -> None:
         while not self._stop.is_set():

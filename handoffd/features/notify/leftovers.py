@@ -3,10 +3,12 @@ undelivered in their outbox journals, taken over by the next sweep of any proces
 workspace (a daemon's start, its periodic sweeps, ``handoffd sweep``).
 
 A journal's process holds its ``flock`` for as long as it lives, so a journal that can be
-locked is one whose process is gone; the one process that locks it records what it left in its
-own journal, and only then removes it: each notice is delivered at least once, and two
-processes never both take one over (a journal removed meanwhile, or replaced, is not taken:
-its file must still be the one by that name). Every notice read is handed over, however many:
+locked is one whose process is gone, unless the mark on its first line still names a live
+process (a handler closed that process's descriptor: the journal is left to it); the one
+process that locks it records what it left in its own journal, and only then removes it:
+each notice is delivered at least once, and two processes never both take one over (a
+journal removed meanwhile, or replaced, is not taken: its file must still be the one by that
+name). Every notice read is handed over, however many:
 those the taker's queue has no room for are dead-lettered by it (with that reason), never
 dropped.
 
@@ -46,6 +48,7 @@ from typing import Callable, Generator, Iterator
 
 from ...core.documents import check_id
 from ...core.errors import HandoffdError
+from ...core.liveness import bears_mark, own_mark
 from ...core.ownfiles import open_regular, plain_folder
 from ...core.states import State
 from .notices import KINDS
@@ -241,12 +244,38 @@ def _claim(sweep: Sweep, path: Path) -> int | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if ident(fd) == ident_at(path):
+        # a free lock is a death only when no live process bears the writer's mark: a handler
+        # may have closed its daemon's descriptor (the daemon, at its next write, makes a new
+        # journal and removes this one; if it dies first, its mark names nobody any more)
+        if ident(fd) == ident_at(path) and not owner_lives(journal_owner(fd)):
             return fd
     except OSError:  # held: its process lives (or another one takes it over right now)
         pass
     os.close(fd)
     return None
+
+
+def owner_lives(owner: dict[str, object]) -> bool:
+    """True when this process can tell that the journal's writer ``owner`` still runs: it wrote
+    a mark, in this process's namespaces, and a live process bears it. Where it cannot tell (no
+    mark, other namespaces) the free lock decides, as before marks: a journal is then perhaps
+    delivered twice, never left for good (a dead writer's namespaces may never come back)."""
+    known = own_mark()
+    if known is None or owner.get("ns") != known[1]:
+        return False
+    return bears_mark(owner.get("pid"), owner.get("proc"))
+
+
+def journal_owner(fd: int) -> dict[str, object]:
+    """The owner a journal's first line names (:func:`.outbox.owner_line`), or {} (a journal
+    written before marks were, or by a process that could not make one: its lock decides)."""
+    try:
+        head = os.pread(fd, MAX_LINE_BYTES + 1, 0).split(b"\n", 1)[0]
+        item = json.loads(head) if head.startswith(b'{"owner":') else None
+    except (OSError, ValueError, RecursionError):
+        return {}
+    owner = item.get("owner") if isinstance(item, dict) else None
+    return owner if isinstance(owner, dict) else {}
 
 
 def _unusable(sweep: Sweep, name: str, why: str) -> None:
@@ -296,6 +325,8 @@ def read_left(fd: int, name: str,
     lines = Lines(fd)
     for line, problem in lines:
         parsed = problem or _parse(line)
+        if parsed is None:
+            continue  # (its writer's mark)
         if isinstance(parsed, str):
             skipped, first = skipped + 1, first or parsed
         elif isinstance(parsed[1], str):  # a target finished
@@ -367,15 +398,17 @@ class Lines:
             yield b"", "a line cut short (its process died writing it)"
 
 
-def _parse(line: bytes) -> tuple[int, Entry] | tuple[int, str] | str:
-    """(number, entry) for a queued notice, (number, kind) for a finished target, else why
-    the line is not one handoffd wrote."""
+def _parse(line: bytes) -> tuple[int, Entry] | tuple[int, str] | str | None:
+    """(number, entry) for a queued notice, (number, kind) for a finished target, None for
+    the writer's mark (its owner line), else why the line is not one handoffd wrote."""
     try:
         item = json.loads(line)
     except (ValueError, RecursionError):
         return "not JSON"
     if not isinstance(item, dict):
         return "not a JSON object"
+    if set(item) == {"owner"} and isinstance(item["owner"], dict):
+        return None
     if "done" in item:
         seq, kind = item.get("done"), item.get("kind")
         if isinstance(seq, int) and _number(seq) and isinstance(kind, str) and kind in KINDS:

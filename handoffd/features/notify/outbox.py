@@ -14,7 +14,10 @@ over by another process (:mod:`.leftovers`).
 
 The journal is one of handoffd's own files: opened without following symlinks, as a regular
 file only, in a plain folder; a new one is locked before its name shows (so that nobody takes
-it over while it is being made).
+it over while it is being made). Its first line (unless it is empty) is its process's
+liveness mark (``{"owner": {"pid": .., "proc": .., "ns": ..}}``, :mod:`...core.liveness`): a
+handler that closes descriptors it did not open frees the journal's lock while its process
+lives, and a sweep then leaves the journal alone as long as a live process bears that mark.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ...backends.files.fsio import fsync_dir
+from ...core.liveness import own_mark
 from ...core.ownfiles import open_regular, plain_folder
 from ...core.states import State
 from .notices import KINDS
@@ -133,8 +137,8 @@ class Outbox:
                 self.live_bytes -= live.size
             try:
                 self._ready()
-                if not self.live:  # nothing left: the journal starts again, empty
-                    os.ftruncate(self.fd, 0)
+                if not self.live:  # nothing left: the journal starts again, empty (its owner
+                    os.ftruncate(self.fd, 0)  # line comes back with its next notice)
                     self.size = 0
                     return
                 self._append(b"".join(json.dumps({"done": seq, "kind": kind}).encode() + b"\n"
@@ -188,7 +192,8 @@ class Outbox:
         fd = open_regular(temp, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            data = b"".join(live.entry.line(seq, live.left) for seq, live in self.live.items())
+            data = owner_line() + b"".join(live.entry.line(seq, live.left)
+                                           for seq, live in self.live.items())
             write_all(fd, data)
             if self.durable:
                 os.fsync(fd)
@@ -209,6 +214,8 @@ class Outbox:
             os.close(old_fd)
 
     def _append(self, data: bytes, *, sync: bool) -> None:
+        if self.size == 0:  # (an empty journal holds nothing to take over: no mark needed)
+            data = owner_line() + data
         try:
             write_all(self.fd, data)
             if sync:
@@ -229,6 +236,17 @@ class Outbox:
         if self.problem is not None:
             log.warning("the notification outbox %s works again", self.folder)
             self.problem = None
+
+
+def owner_line() -> bytes:
+    """The first line of this process's journals: its liveness mark (``{"owner": {"pid": ..,
+    "proc": .., "ns": ..}}``), so that a sweep finding the journal's lock free (a handler closed
+    our descriptor) leaves it to us while we live; empty where /proc cannot tell (no mark)."""
+    known = own_mark()
+    if known is None:
+        return b""
+    owner = {"pid": os.getpid(), "proc": known[0], "ns": known[1]}
+    return (json.dumps({"owner": owner}, separators=(",", ":")) + "\n").encode("utf-8")
 
 
 def write_all(fd: int, data: bytes) -> None:
