@@ -91,16 +91,24 @@ def test_a_journal_without_a_mark_is_judged_by_its_lock(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- 2. a short back-off in a batch
 
 
-def _shortage_batch(root: Path, fails: int, max_seconds: float | None) -> tuple[Any, State]:
-    """A batch over one handoff whose first ``fails`` spawns hit EMFILE (a real clock)."""
+def _cmd_engine(root: Path, output: str, max_retries: int, clock: Clock | None = None) -> Any:
+    """An engine on a new workspace at ``root`` with one command specialist, @cmd, answering
+    completed with ``output`` (a Python literal)."""
     ws = Workspace(root)
     ws.ensure()
-    config = Config(daemon=DaemonSettings(), retry=RetryPolicy(max_retries=2))
+    config = Config(daemon=DaemonSettings(), retry=RetryPolicy(max_retries=max_retries))
     registry = Registry()
-    answer = "import json; print(json.dumps({'status': 'completed', 'output': {'ok': True}}))"
+    answer = f"import json; print(json.dumps({{'status': 'completed', 'output': {output}}}))"
     registry.add(Specialist(specialist_from_table(
         "@cmd", {"command": [sys.executable, "-S", "-c", answer]}, config.retry)))
-    engine = build_engine(ws, config, registry)
+    if clock is None:
+        return build_engine(ws, config, registry)
+    return build_engine(ws, config, registry, clock=clock)
+
+
+def _shortage_batch(root: Path, fails: int, max_seconds: float | None) -> tuple[Any, State]:
+    """A batch over one handoff whose first ``fails`` spawns hit EMFILE (a real clock)."""
+    engine = _cmd_engine(root, "{'ok': True}", 2)
     doc = new_native_request(source="@test", target="@cmd", data={}, now=engine.clock())
     hid = engine.backend.store.create(doc, doc["handoff_id"], now=engine.clock())
     real, raised = subprocess.Popen, [0]
@@ -182,14 +190,7 @@ def test_open_within_bounds_each_connect_timeout_by_the_time_left(
 
 def test_a_dependants_queue_wait_counts_from_its_last_dependencys_filing(tmp_path: Path) -> None:
     clock = Clock()
-    ws = Workspace(tmp_path / "ws")
-    ws.ensure()
-    config = Config(daemon=DaemonSettings(), retry=RetryPolicy(max_retries=0))
-    registry = Registry()
-    answer = "import json; print(json.dumps({'status': 'completed', 'output': {}}))"
-    registry.add(Specialist(specialist_from_table(
-        "@cmd", {"command": [sys.executable, "-S", "-c", answer]}, config.retry)))
-    engine = build_engine(ws, config, registry, clock=clock)
+    engine = _cmd_engine(tmp_path / "ws", "{}", 0, clock)
     first = new_native_request(source="@test", target="@cmd", data={}, now=clock())
     engine.submit(first)
     then = new_native_request(source="@test", target="@cmd", data={}, now=clock(),
@@ -199,7 +200,7 @@ def test_a_dependants_queue_wait_counts_from_its_last_dependencys_filing(tmp_pat
     report = Daemon(engine, workers=1, watch=False).run_batch()
     assert report.completed == 2
     events = [json.loads(line) for line in
-              (ws.root / "handoffs" / ".meta" / "events.jsonl").read_text().splitlines()]
+              (engine.ws.root / "handoffs" / ".meta" / "events.jsonl").read_text().splitlines()]
     waits = {e["id"]: e["wait"] for e in events if e["event"] == "claimed"}
     assert waits[first["handoff_id"]] == 3600  # (it was runnable all along)
     assert waits[then["handoff_id"]] == 0  # runnable once the first was filed, and claimed then
