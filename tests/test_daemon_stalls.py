@@ -358,6 +358,14 @@ def test_unreadable_after_claim_is_set_aside_not_retried(tmp_path: Path, monkeyp
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(fsio, "read_bytes_safely", read)
+    real_open = fsio.read_open
+
+    def read_open(fd: int, *args: Any, **kwargs: Any) -> Any:  # the claim's read, by its lock
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f"/in-progress/{hid}.json"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(fd, *args, **kwargs)
+
+    monkeypatch.setattr(fsio, "read_open", read_open)
     report = Daemon(engine, watch=False).run_batch()
     assert report.error is None
     assert not engine.backend.store.ids(State.IN_PROGRESS)

@@ -54,7 +54,8 @@ class RetryPolicy:
         key) on a bad value. Also used for policies that come from documents, so every value is
         checked: finite, ``0 <= max_retries <= 1000`` (an integer), ``0 <= retry_delay_seconds <=
         604800`` (7 days), ``1 <= backoff_multiplier <= 100``."""
-        base = base or cls()
+        if base is None:  # (the defaults, made once: a document's is read 4 times a handoff)
+            base = _DEFAULT_POLICY if cls is RetryPolicy else cls()
         if not isinstance(data, dict):
             raise ConfigError(f"bad retry policy {brief(data)}: must be a table/object")
         key = _policy_key(data)
@@ -83,7 +84,10 @@ def _policy_key(data: dict[str, Any]) -> tuple[tuple[str, type, Any], ...] | Non
         if not isinstance(name, str) or type(value) not in (int, float, str, bool, type(None)):
             return None
         items.append((name, type(value), value))
-    return tuple(sorted(items, key=lambda item: item[0]))
+    return tuple(sorted(items))  # (by name: the names differ, so no type or value is compared)
+
+
+_DEFAULT_POLICY = RetryPolicy()
 
 
 @lru_cache(maxsize=64)

@@ -61,9 +61,10 @@ def iso(moment: datetime) -> str:
     Raises OverflowError when its UTC time is outside years 1 to 9999 (the command line's
     ``--at`` relies on that to refuse such a time): a time read from a document is checked when
     it is read instead (:func:`parse_utc`)."""
-    m = moment.astimezone(timezone.utc)  # (formatting by hand: strftime is several times slower)
-    return (f"{m.year:04d}-{m.month:02d}-{m.day:02d}T{m.hour:02d}:{m.minute:02d}:{m.second:02d}"
-            f".{m.microsecond // 1000:03d}Z")
+    # (isoformat in C: strftime is several times slower, formatting by hand a third slower;
+    # a UTC time's ends in "+00:00", replaced by the Z)
+    m = moment if moment.tzinfo is timezone.utc else moment.astimezone(timezone.utc)
+    return m.isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
 def parse_iso(text: str) -> datetime:

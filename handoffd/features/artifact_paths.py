@@ -35,7 +35,7 @@ import time
 import unicodedata
 import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.hashing import sha256_hex
@@ -225,9 +225,12 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
     """(relative path, absolute path) of a destination template; InvalidDocument when it uses an
     unknown placeholder or leaves ``artifacts/``."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    values = {"timestamp": str(now_ms), "handoff_id": _id_part(handoff_id), "id": _id_part(handoff_id),
-              "attempt": str(attempt), "agent": _safe(agent.lstrip("@")),
-              "date": time.strftime("%Y%m%d", time.gmtime(now_ms / 1000))}
+    # each value made when the template asks for it (every handoff of a drain resolves one)
+    values: dict[str, Callable[[], str]] = {
+        "timestamp": lambda: str(now_ms), "handoff_id": lambda: _id_part(handoff_id),
+        "id": lambda: _id_part(handoff_id), "attempt": lambda: str(attempt),
+        "agent": lambda: _safe(agent.lstrip("@")),
+        "date": lambda: time.strftime("%Y%m%d", time.gmtime(now_ms / 1000))}
 
     def sub(match: re.Match[str]) -> str:
         name = match.group(1)
@@ -236,7 +239,7 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
                 f"handoff {handoff_id}: expected_output.destination {template!r} uses unknown "
                 f"placeholder {{{name}}}; known: {', '.join('{' + k + '}' for k in KNOWN)}",
                 handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
-        return values[name]
+        return values[name]()
 
     text = patterns().placeholder.sub(sub, template).replace("\\", "/")
     if text.startswith("./"):

@@ -95,7 +95,8 @@ def prepare(job: "Job") -> None:
     ws = workspace_at(str(job.context.root))
     rel, target = resolve_destination(ws, template, handoff_id=job.handoff_id,
                                       attempt=job.context.attempt, agent=job.specialist.agent)
-    if not target.parent.is_dir():  # (one stat when it exists, as it does after the first)
+    where = str(target)  # (os.path on the text: no pathlib parsing per handoff)
+    if not os.path.isdir(os.path.dirname(where)):  # (one stat when it exists, as after the first)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):  # the same at every attempt: not retried
@@ -104,7 +105,7 @@ def prepare(job: "Job") -> None:
                 f"written: {_not_a_folder(ws, target.parent)} is not a folder: move it away, "
                 f"then `handoff retry --force {job.handoff_id}`", handoff_id=job.handoff_id,
                 code=ErrorCode.VALIDATION_FAILED) from None
-    if target.is_dir():  # (no file can be written there, at any attempt)
+    if os.path.isdir(where):  # (no file can be written there, at any attempt)
         raise InvalidDocument(
             f"handoff {job.handoff_id}: expected_output.destination {rel!r} is a folder, "
             "where the output artifact would be a file: name a file in it (e.g. "
@@ -112,7 +113,7 @@ def prepare(job: "Job") -> None:
             handoff_id=job.handoff_id, code=ErrorCode.VALIDATION_FAILED)
     job.context.artifact_path = target
     job.context.artifact_rel = rel
-    job.context.env["HANDOFF_ARTIFACT_PATH"] = str(target)
+    job.context.env["HANDOFF_ARTIFACT_PATH"] = where
 
 
 def _not_a_folder(ws: Workspace, folder: Path) -> str:
@@ -395,7 +396,7 @@ def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
             outcome.output = moved
             records.append(_record(str(moved["artifact_type"]), name=Path(rel).name, ref=rel,
                                    inline=None, facts=digest(data), metadata=None))
-    elif isinstance(dest_rel, str) and (ws.root / dest_rel).is_file():
+    elif isinstance(dest_rel, str) and os.path.isfile(os.path.join(ws.root, dest_rel)):
         # the handler wrote the destination itself: point the output at it
         facts = _file_facts(ws, dest_rel, handoff_id, _stopped(job))
         if isinstance(output, dict) or output is None:

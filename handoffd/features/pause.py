@@ -97,6 +97,8 @@ def install(engine: Engine) -> None:
     lock = threading.Lock()
 
     def pause_gate(engine: Engine, env: Envelope, doc: dict[str, Any]) -> Verdict | None:
+        if not held and not pauses.current():  # nothing paused nor held back: the usual answer
+            return None
         spec = engine.specialist_for(env)
         agent = spec.agent if spec else env.target
         why = pauses.why(agent)

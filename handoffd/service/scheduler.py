@@ -31,12 +31,13 @@ from .report import BatchReport
 
 log = logging.getLogger("handoffd")
 READY_WINDOW = 64  # due handoffs read ahead to order by priority
-# With durability "fast", another worker starts only once every running task is this old: a
-# task about to finish chains to the next due handoff itself (dispatch.Dispatcher.chain), and
-# short handoffs drain fastest on one thread (2,000 no-op handoffs: 1 worker 516-552/s, 4 side
-# by side 380-395/s, lost to the GIL's hand-overs and the folders' locks). Slow handlers still
-# run side by side, this much later. With fsync, a handoff mostly waits for the disk, which
-# overlaps: no delay.
+# Another worker starts only once every running task is this old: a task about to finish
+# chains to the next due handoff itself (dispatch.Dispatcher.chain), and short handoffs drain
+# fastest on one thread (2,000 no-op handoffs: 1 worker 516-552/s, 4 side by side 380-395/s,
+# lost to the GIL's hand-overs and the folders' locks). Slow handlers still run side by side,
+# this much later. With fsync too: a handoff there waits for the disk a millisecond or two, and
+# four threads overlapping those waits cost 40-60% more CPU than one (the GIL handed over at
+# every fsync), for a drain no faster; a disk slower than this delay still gets them all.
 SPIN_UP_SECONDS = 0.005
 # a batch without --max-seconds waits for a start-shortage back-off that ends within this long
 # (the first ones: 1 s, 2 s, 4 s) rather than end handing its handoff back
@@ -89,7 +90,7 @@ class Scheduler(Lines, QuietWaits):
         self.picked_look: tuple[str, int] | None = None  # the last id handed out, its read's count
         # pool task token -> (agent ("" for set-aside work), monotonic time it started)
         self.inflight: dict[int, tuple[str, float]] = {}
-        self.spin_up = 0.0 if engine.settings.durable else SPIN_UP_SECONDS
+        self.spin_up = SPIN_UP_SECONDS  # (fast and fsync alike: see SPIN_UP_SECONDS)
         self.busy: Counter[str] = Counter()  # agent -> tasks in flight (a count of inflight)
         self.running = 0  # len(inflight)
         self.last_dispatch = time.monotonic()

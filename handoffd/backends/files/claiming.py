@@ -96,10 +96,16 @@ def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: Path,
     the locked one (``held``) when there is one, else the one read. (Were they different,
     pending/ had another file put in at the instant of the claim: the lease write then gives
     the claim up, and the sweep hands back the file nobody locked.) A file still being
-    written goes back to ``src`` (DocumentNotReady)."""
+    written goes back to ``src`` (DocumentNotReady). With a lock, the file is read through its
+    descriptor, the inode the lease write may replace (no second open: the renamed file is
+    that inode, else the lease write gives the claim up without using what was read)."""
     name = f"pending/{handoff_id}.json"
     try:
-        data, info = fsio.read_bytes_safely(dst, store.max_open_bytes)
+        if held is not None:
+            info = os.fstat(held)
+            data = fsio.read_open(held, info, store.max_open_bytes, dst.name)
+        else:
+            data, info = fsio.read_bytes_safely(dst, store.max_open_bytes)
         doc = jsontext.parse_document(data, name)
         store.check_request_size(doc, data, name)
     except InvalidDocument as exc:
@@ -109,7 +115,7 @@ def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: Path,
             raise DocumentNotReady(f"{handoff_id} is still being written",
                                    handoff_id=handoff_id) from None
         raise
-    return doc, (info if held is None else os.fstat(held)).st_ino
+    return doc, info.st_ino
 
 
 def _young(store: Claiming, path: Path, now: datetime) -> bool:

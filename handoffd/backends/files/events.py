@@ -42,6 +42,10 @@ ROTATE_LOCK_WAIT_SECONDS = 0.25
 FIRST_RETRY_SECONDS, LAST_RETRY_SECONDS = 1.0, 60.0
 
 
+# built once (json.dumps given options builds an encoder at every call; encode keeps no state)
+_encode_event = json.JSONEncoder(separators=(",", ":"), default=str).encode
+
+
 class FileEventLog(Following):
     """The workspace's event log (see the module docstring); its reading is
     :class:`.eventfollow.Following`."""
@@ -77,7 +81,7 @@ class FileEventLog(Following):
         cannot be done now is never this append's failure (see :meth:`_rotate_or_say`).
         OSError (ENOSPC) when the disk took only part of the line; this process's next line
         starts a line of its own (:meth:`~.logfiles.Appender.write_line`)."""
-        line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode("utf-8")
+        line = (_encode_event(event) + "\n").encode("utf-8")
         with self._mutex:
             info = self._out.ready()
             # a line of ours torn by a full disk was glued to the next one, both lost: the

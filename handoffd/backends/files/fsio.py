@@ -40,7 +40,12 @@ def dump_json(doc: dict[str, Any]) -> bytes:
     ``allow_nan=False``: a float that is not finite raises ValueError rather than being written as
     the bare ``Infinity``/``NaN`` tokens, which are not JSON (parse_document refuses them on input,
     so they can only come from a bug; failing loudly beats filing a document nobody can read)."""
-    return (json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
+    return (_encode_doc(doc) + "\n").encode("utf-8")
+
+
+# one encoder for them all: json.dumps given options builds a JSONEncoder at every call (its
+# encode keeps no state between calls: safe from any thread)
+_encode_doc = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
 
 
 def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path:
@@ -293,36 +298,43 @@ def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result
     fd = open_unfollowed(path, path.name, "documents must be regular files")
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidDocument(f"{path.name} is not a regular file", code=ErrorCode.NOT_A_REGULAR_FILE)
-        if info.st_size > max_bytes:
-            raise InvalidDocument(
-                f"{path.name} is {info.st_size} bytes, over the {max_bytes}-byte limit "
-                "(raise daemon.max_document_bytes in handoffd.toml if this is intended)",
-                code=ErrorCode.DOCUMENT_TOO_LARGE)
-        chunks = []
-        remaining = max_bytes + 1
-        # one read of the size fstat gave, plus a byte: for a regular file a short read is its
-        # end, so a document is one read. Not a fixed 1 MB buffer: each read would allocate it
-        # whole (then shrink it), and glibc then serves those from its heap, which fragments
-        # (a serving daemon's RSS climbed with the documents it read)
-        ask = min(remaining, info.st_size + 1)
-        while remaining > 0:
-            chunk = os.read(fd, ask)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-            if len(chunk) < ask:
-                break
-            ask = min(remaining, READ_STEP)  # it grew since fstat: read on, a step at a time
-        data = b"".join(chunks)
+        return read_open(fd, info, max_bytes, path.name), info
     finally:
         os.close(fd)
+
+
+def read_open(fd: int, info: os.stat_result, max_bytes: int, name: str) -> bytes:
+    """The whole of the regular file open at ``fd`` (``info``: its fstat; read from its current
+    offset), refusing anything over ``max_bytes``: :func:`read_bytes_safely` once the file is
+    open. InvalidDocument naming ``name`` for a file that is not regular or too large."""
+    if not stat.S_ISREG(info.st_mode):
+        raise InvalidDocument(f"{name} is not a regular file", code=ErrorCode.NOT_A_REGULAR_FILE)
+    if info.st_size > max_bytes:
+        raise InvalidDocument(
+            f"{name} is {info.st_size} bytes, over the {max_bytes}-byte limit "
+            "(raise daemon.max_document_bytes in handoffd.toml if this is intended)",
+            code=ErrorCode.DOCUMENT_TOO_LARGE)
+    chunks = []
+    remaining = max_bytes + 1
+    # one read of the size fstat gave, plus a byte: for a regular file a short read is its
+    # end, so a document is one read. Not a fixed 1 MB buffer: each read would allocate it
+    # whole (then shrink it), and glibc then serves those from its heap, which fragments
+    # (a serving daemon's RSS climbed with the documents it read)
+    ask = min(remaining, info.st_size + 1)
+    while remaining > 0:
+        chunk = os.read(fd, ask)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+        if len(chunk) < ask:
+            break
+        ask = min(remaining, READ_STEP)  # it grew since fstat: read on, a step at a time
+    data = b"".join(chunks)
     if len(data) > max_bytes:
-        raise InvalidDocument(f"{path.name} grew over the {max_bytes}-byte limit",
+        raise InvalidDocument(f"{name} grew over the {max_bytes}-byte limit",
                               code=ErrorCode.DOCUMENT_TOO_LARGE)
-    return data, info
+    return data
 
 
 FILE_MODE = 0o644 & ~START_UMASK  # a new document's mode, by the umask the process began with
