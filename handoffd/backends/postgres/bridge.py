@@ -110,7 +110,21 @@ class FileBridge(ParkedCopies):
         for entry in list(self.store.entries(State.PENDING)):
             if entry.name.endswith(".json") and not entry.name.startswith("."):
                 count += self.ingest(entry.name[:-5]) == "ingested"
+        self.backend.prune_receipts(self.origin, self._receipt_gone)
         return count
+
+    def _receipt_gone(self, handoff_id: str, stamp: str) -> bool:
+        """Whether the file an ingest receipt names (pending/``handoff_id``.json as ``stamp``,
+        see :func:`file_stamp`) is gone: none there now, or another file."""
+        try:
+            check_id(handoff_id)  # (a key from the database becomes a path)
+            return file_stamp(os.stat(self.store.path(State.PENDING, handoff_id))) != stamp
+        except FileNotFoundError:
+            return True
+        except InvalidDocument:  # no file of ours can have that name
+            return True
+        except OSError:  # cannot tell now: kept (the next pass looks again)
+            return False
 
     def ingest(self, handoff_id: str) -> str:
         """Ingest pending/``handoff_id``.json. Returns what happened: ``ingested``, ``known``
@@ -171,11 +185,17 @@ class FileBridge(ParkedCopies):
         if finished is not None:
             return self._set_aside(handoff_id, ErrorCode.DUPLICATE_HANDOFF_ID, finished,
                                    stub=False)
+        stamp = file_stamp(before)
         try:
             fresh = self.backend.ingest(doc, handoff_id, self.clock(), self.origin,
-                                        trusted=sealed)
+                                        trusted=sealed, stamp=stamp)
         except InvalidDocument as exc:  # e.g. NUL characters, which the store refuses
             return self._set_aside(handoff_id, exc.code, f"pending/{handoff_id}.json: {exc}")
+        if not fresh and self.backend.receipted(self.origin, handoff_id, doc, stamp):
+            # this very file was ingested, and its ingester died before removing it: whatever
+            # became of its row since (set aside, purged), it is never ingested (run) again
+            self._remove_if_same(path, before, inode_only=True)
+            return "known"
         if not fresh:
             found = self.backend.ingested(handoff_id)
             if found is None:  # freed since (purged): the next pass ingests it afresh
@@ -378,6 +398,13 @@ class FileBridge(ParkedCopies):
         self.ingest_all()
         self.export()
         self.park()
+
+
+def file_stamp(seen: os.stat_result) -> str:
+    """What tells one file from any other that ever stands under its name (the receipt of an
+    ingest, :data:`~handoffd.backends.postgres.records.RECEIPT`): a new drop is a new inode, or
+    at least a new change time, which no writer can set back."""
+    return f"{seen.st_dev}:{seen.st_ino}:{seen.st_ctime_ns}:{seen.st_mtime_ns}:{seen.st_size}"
 
 
 def _holds(held: int | None, seen: os.stat_result) -> bool:

@@ -33,6 +33,13 @@ T = "handoffd.handoffs"
 # handoffd.records kind (with the workspace's origin after it) of the ids whose terminal file the
 # file bridge wrote into that workspace may be stale: its row was purged, archived or retried
 RECHECK = "file-bridge recheck"
+# handoffd.records kind (with the workspace's origin after it) of the receipt of each file that
+# workspace's bridge ingested: the file (device, inode, change and modification times, size) and
+# its document's digest, written in the insert's transaction. A file left in pending/ by an
+# ingester killed between that commit and the file's removal is known by it, even once its row
+# is gone (set aside before its stub was filed, set aside unanswered, run and purged): it is
+# removed, never ingested (run) again. A receipt whose file is gone is pruned (FileOrigins)
+RECEIPT = "file-bridge ingested"
 MAX_PAYLOAD = 7000  # NOTIFY payloads stop at 8000 bytes: a longer id is announced as "lost"
 
 
@@ -74,6 +81,11 @@ def file_digest(doc: Doc) -> str:
     (kept in the row's ``write_id``, so that the bridge can tell the very document it ingested
     from a different one dropped later under the same name)."""
     return "sha256:" + hashlib.sha256(encode(doc, strict=True).encode("utf-8")).hexdigest()
+
+
+def _receipt(stamp: str, digest: str) -> str:
+    """The :data:`RECEIPT` value of the file ``stamp`` holding a document of ``digest``."""
+    return json.dumps({"file": stamp, "digest": digest})
 
 
 class Moved(NamedTuple):
@@ -245,7 +257,7 @@ class FileOrigins(StoreBase):
     """Handoffs ingested from a workspace's files, and the terminal copies owed to it."""
 
     def ingest(self, doc: Doc, handoff_id: str, now: datetime, origin: str, *,
-               trusted: bool = False) -> bool:
+               trusted: bool = False, stamp: str | None = None) -> bool:
         """Store a document dropped into a workspace's pending/ as a *raw* pending handoff
         (claimed raw: admission validates it and checks the seen ids, as for a file), noting
         the ``origin`` workspace that will want its terminal copy, and the document's
@@ -253,14 +265,19 @@ class FileOrigins(StoreBase):
         handoffd's own (sealed in that workspace: a document ``handoffd db import`` moves in),
         so it is kept at the claim and the row is due when the document says (a scheduled
         retry, a parked parent keep their bookkeeping). False when the id exists in the
-        database already (ingesting again is a no-op: :meth:`ingested` says by whom and what)."""
+        database already (ingesting again is a no-op: :meth:`ingested` says by whom and what),
+        or ``stamp`` (the file's identity, see :data:`RECEIPT`) and the digest are those of a
+        file ingested before (:meth:`receipted` says so): its left-over copy."""
         text = encode(doc, strict=True)
         columns = self._columns(doc, now)
         digest = file_digest(doc)
         if not trusted:  # a raw document is due when it arrived, whatever it claims
             columns.update(due_at=now, updated_at=now)
+        receipt = None if stamp is None else _receipt(stamp, digest)
 
         def op(conn: Conn, _retried: bool) -> bool:
+            if receipt is not None and self._has_receipt(conn, origin, handoff_id, receipt):
+                return False  # this very file was ingested before (its row may be gone since)
             inserted = conn.execute(
                 f"INSERT INTO {T} (id, state, doc, target, priority, conversation, parent, due_at,"
                 " updated_at, created_at, raw, origin, write_id) VALUES (%(id)s, 'pending',"
@@ -274,8 +291,14 @@ class FileOrigins(StoreBase):
                 return False
             if trusted:  # admitted in its workspace before: admission's seen check is skipped
                 self._seen_upsert(conn, handoff_id, now)
-            conn.execute("INSERT INTO handoffd.events (handoff_id, at, event, state) "
-                         "VALUES (%s, %s, 'ingested', 'pending')", (handoff_id, now))
+            # (the receipt in the same statement as the event: no extra round trip)
+            keep = ("WITH receipt AS (INSERT INTO handoffd.records (kind, key, value) VALUES "
+                    "(%s, %s, %s::jsonb) ON CONFLICT (kind, key) DO UPDATE SET value = "
+                    "excluded.value) ") if receipt is not None else ""
+            conn.execute(keep + "INSERT INTO handoffd.events (handoff_id, at, event, state) "
+                         "VALUES (%s, %s, 'ingested', 'pending')",
+                         ((f"{RECEIPT} {origin}", handoff_id, receipt) if receipt is not None
+                          else ()) + (handoff_id, now))
             # first (a listener hears a commit's NOTIFYs in order, and before those of any later
             # commit): the origin's daemon knows the id before its result or parking is told
             self._notify(conn, handoff_id, ingested_kind(origin))
@@ -283,6 +306,35 @@ class FileOrigins(StoreBase):
             return True
 
         return self._run_then_wake(op, handoff_id, State.PENDING.value)
+
+    @staticmethod
+    def _has_receipt(conn: Conn, origin: str, handoff_id: str, receipt: str) -> bool:
+        return conn.execute(
+            "SELECT 1 FROM handoffd.records WHERE kind = %s AND key = %s AND value = %s::jsonb",
+            (f"{RECEIPT} {origin}", handoff_id, receipt)).fetchone() is not None
+
+    def receipted(self, origin: str, handoff_id: str, doc: Doc, stamp: str) -> bool:
+        """Whether ``origin``'s bridge ingested this very file (``stamp``, holding ``doc``)
+        before: a copy left in pending/ by an ingester that died before removing it."""
+        receipt = _receipt(stamp, file_digest(doc))
+        return self.db.run(lambda conn, _: self._has_receipt(conn, origin, handoff_id, receipt))
+
+    def prune_receipts(self, origin: str, is_gone: Callable[[str, str], bool],
+                       limit: int = 500) -> int:
+        """Delete ``origin``'s receipts whose file is gone from pending/ (``is_gone(id,
+        stamp)``); a receipt only ever tells that very file, so one whose file is gone tells
+        nothing more. Returns how many went."""
+        rows = self.db.run(lambda conn, _: conn.execute(
+            "SELECT key, value::text, value ->> 'file' FROM handoffd.records WHERE kind = %s "
+            "ORDER BY key LIMIT %s", (f"{RECEIPT} {origin}", limit)).fetchall())
+        gone = [(str(key), str(value)) for key, value, stamp in rows
+                if is_gone(str(key), str(stamp))]
+        if gone:  # (one that names the file again since, a newer ingest's, is kept)
+            self.db.run(lambda conn, _: conn.execute(
+                "DELETE FROM handoffd.records r USING unnest(%s::text[], %s::text[]) AS g(k, v) "
+                "WHERE r.kind = %s AND r.key = g.k AND r.value = g.v::jsonb",
+                ([k for k, _ in gone], [v for _, v in gone], f"{RECEIPT} {origin}")))
+        return len(gone)
 
     def unexported(self, origin: str, *, ids: builtins.list[str] | None = None,
                    limit: int = 500) -> builtins.list[tuple[str, State, Doc]]:
