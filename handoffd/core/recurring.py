@@ -44,15 +44,14 @@ class Recurring:
     def __init__(self, every: float = REPEAT_SECONDS) -> None:
         self.every = every
         self.active: dict[Key, _Problem] = {}
-        self._failed: set[Key] = set()  # met in the current sweep
-        self._succeeded: set[str] = set()  # kinds that worked at least once in it
+        self._failed: set[Key] = set()  # met since the last sweep ended
+        self._succeeded: set[str] = set()  # kinds that worked at least once since
         self._mutex = threading.Lock()
 
     def begin(self) -> None:
-        """A sweep starts: nothing met in it yet."""
-        with self._mutex:
-            self._failed.clear()
-            self._succeeded.clear()
+        """A sweep starts. What was met since the last one ended still counts in it: a step
+        that outlasted its round (a lease renewal the round stopped waiting for) fails or
+        works between rounds, and its failure must not read as a problem gone."""
 
     def error(self, key: Key, now: float, msg: str, args: tuple[Any, ...]) -> None:
         """Say ``msg % args`` (ERROR) unless ``key`` was said less than :attr:`every` ago."""
@@ -84,6 +83,8 @@ class Recurring:
         with self._mutex:
             cleared = [(key, self.active.pop(key)) for key in list(self.active)
                        if key[0] in self._succeeded and key not in self._failed]
+            self._failed.clear()
+            self._succeeded.clear()
         for (kind, why), problem in cleared:
             log.warning("%s works again (%s cleared after %d failure(s))", kind, why,
                         problem.total)

@@ -55,7 +55,8 @@ class Attempts(HeldOutcomes):
         self.refiles: dict[str, threading.Timer] = {}  # kept outcomes' next refile (under cv)
         self.closing = False  # a stop files what is kept: a failure then gives the claim up
         # handed back for a start shortage, counted in report.handed_back until claimed again
-        # here (a batch that waits its back-off out does not end saying it handed it back)
+        # here (a batch that waits its back-off out does not end saying it handed it back);
+        # report.backed_off lists them for a batch of several processes (service.spread)
         self.backed_off: set[str] = set()
 
     def work(self, handoff_id: str) -> None:
@@ -77,6 +78,7 @@ class Attempts(HeldOutcomes):
                 if handoff_id in self.backed_off:  # handed back for a shortage, taken again
                     self.backed_off.discard(handoff_id)
                     self.report.handed_back -= 1
+                    self.report.backed_off.remove(handoff_id)
             log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
                      job.specialist.agent, extra={"event": "claimed", "handoff_id": handoff_id,
                                                   "attempt": job.claim.attempt,
@@ -122,7 +124,10 @@ class Attempts(HeldOutcomes):
                 with self.cv:  # (no longer handed back once it is claimed again here)
                     if len(self.backed_off) >= MAX_TRACKED:  # (a daemon that serves for long)
                         self.backed_off.clear()
-                    self.backed_off.add(job.handoff_id)
+                        self.report.backed_off.clear()
+                    if job.handoff_id not in self.backed_off:
+                        self.backed_off.add(job.handoff_id)
+                        self.report.backed_off.append(job.handoff_id)
                 self.scheduler.back_off(job.handoff_id, delay)  # a batch may wait for it
             return False
         if job.context.handback:  # counted once a stop interrupted it too often in a row

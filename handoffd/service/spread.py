@@ -377,7 +377,7 @@ def _as_json(report: BatchReport) -> dict[str, Any]:
             "retrying": report.retrying, "handed_back": report.handed_back,
             "unroutable": sorted(report.unroutable), "waiting": report.waiting,
             "error": report.error, "stalls": report.stalls, "errors": report.errors,
-            "set_aside": report.set_aside}
+            "set_aside": report.set_aside, "backed_off": report.backed_off}
 
 
 def _merge(report: BatchReport, other: dict[str, Any]) -> None:
@@ -387,6 +387,9 @@ def _merge(report: BatchReport, other: dict[str, Any]) -> None:
         setattr(report, name, getattr(report, name) + (value if isinstance(value, int) else 0))
     report.unroutable.update(str(hid) for hid in other.get("unroutable", ()))
     report.waiting.update({str(k): str(v) for k, v in dict(other.get("waiting", {})).items()})
+    backed = other.get("backed_off")
+    if isinstance(backed, list):
+        report.backed_off.extend(str(hid) for hid in backed)
     if other.get("error") and not report.error:
         report.error = str(other["error"])
     if other.get("lost"):
@@ -394,19 +397,27 @@ def _merge(report: BatchReport, other: dict[str, Any]) -> None:
 
 
 def _forget_settled(engine: Engine, report: BatchReport) -> None:
-    """Drop from the summary what one process saw waiting and another then ran."""
+    """Drop from the summary what one process saw waiting, or handed back for a start
+    shortage, and another then ran (a sibling claimed it once its back-off ended)."""
     from ..core.errors import HandoffdError
+
+    def settled(hid: str) -> bool:
+        try:
+            found = engine.backend.get(hid)
+        except (HandoffdError, OSError):  # unreadable now: say what was seen
+            return False
+        return found is None or found[0] is not State.PENDING
+
     for ids in (report.unroutable, report.waiting):
-        for hid in list(ids):
-            try:
-                found = engine.backend.get(hid)
-            except (HandoffdError, OSError):  # unreadable now: say what was seen
-                continue
-            if found is None or found[0] is not State.PENDING:
-                if isinstance(ids, set):
-                    ids.discard(hid)
-                else:
-                    ids.pop(hid, None)
+        for hid in [hid for hid in ids if settled(hid)]:
+            if isinstance(ids, set):
+                ids.discard(hid)
+            else:
+                ids.pop(hid, None)
+    taken = {hid for hid in set(report.backed_off) if settled(hid)}
+    left = [hid for hid in report.backed_off if hid not in taken]
+    report.handed_back = max(report.handed_back - (len(report.backed_off) - len(left)), 0)
+    report.backed_off = left
 
 
 def _await_gate(gate: int, parent: int, limit: float = GATE_SECONDS) -> bool:

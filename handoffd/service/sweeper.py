@@ -92,6 +92,8 @@ def _sweep(engine: Engine, skip: set[str]) -> SweepReport:
         recurring.error("looking for abandoned claims", exc,
                         "sweep: cannot look for abandoned claims: %s", exc)
         taken = []
+    else:
+        recurring.ok("looking for abandoned claims")
     for claim in taken:
         _step(f"recovering {claim.id}", recover, engine, claim, report, kind=recurring.RECOVERY)
     for repair in engine.on_sweep:  # features' own repairs (contracts: file reservations)

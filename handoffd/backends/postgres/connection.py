@@ -67,6 +67,10 @@ _DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("handoffd_stor
                                                                   default=math.inf)
 
 
+# connections remembered as back from an outage (Outages), per store
+MAX_RETURNED = 1000
+
+
 class Outages:
     """Each outage of a store said once: a process holds several connections to it (the pool,
     the wake-up listener, the presence thread), and a restarted server drops them all, each
@@ -74,32 +78,42 @@ class Outages:
     says so, the first back says so (the store answers again), and the others' lines go to
     debug; a loss noticed while others of the outage are still away, or within
     :data:`OUTAGE_QUIET_SECONDS` of its end being said, is that outage, noticed late, and says
-    nothing either (a daemon printed three lines each way for one outage)."""
+    nothing either (a daemon printed three lines each way for one outage). A connection that
+    came back from the outage and loses the store again starts a new one, and says so however
+    soon (a server crashing again 3 s after its restart was an outage nobody was told of)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # store URL -> [the connections lost now (ids), the outage's end is yet to be said,
-        # when its end was last said]
-        self._state: dict[str, tuple[set[int], bool, float]] = {}
+        # when its end was last said, the connections back since they were lost (ids)]
+        self._state: dict[str, tuple[set[int], bool, float, set[int]]] = {}
 
     def lost(self, url: str, who: object) -> bool:
         """Connection ``who`` to ``url`` was lost: True when it is the one to say so."""
         with self._lock:
-            held, unsaid, ended = self._state.get(url, (set(), False, -math.inf))
-            say = not held and time.monotonic() - ended >= OUTAGE_QUIET_SECONDS
+            held, unsaid, ended, returned = self._state.get(
+                url, (set(), False, -math.inf, set()))
+            again = id(who) in returned  # (it worked since it was lost: a new outage)
+            say = not unsaid and (again or (
+                not held and time.monotonic() - ended >= OUTAGE_QUIET_SECONDS))
             held.add(id(who))
-            self._state[url] = (held, unsaid or say, ended)
+            returned.discard(id(who))
+            self._state[url] = (held, unsaid or say, ended, returned)
             return say
 
     def back(self, url: str, who: object) -> bool:
         """Connection ``who`` to ``url`` is back (or its holder stops): True when it is the
         first back of an outage that was said (it says the end)."""
         with self._lock:
-            held, unsaid, ended = self._state.get(url, (set(), False, -math.inf))
+            held, unsaid, ended, returned = self._state.get(
+                url, (set(), False, -math.inf, set()))
             if id(who) not in held:
                 return False
             held.discard(id(who))
-            self._state[url] = (held, False, time.monotonic() if unsaid else ended)
+            if len(returned) >= MAX_RETURNED:  # (connections the pool replaced: forgotten)
+                returned.clear()
+            returned.add(id(who))
+            self._state[url] = (held, False, time.monotonic() if unsaid else ended, returned)
             return unsaid
 
 

@@ -247,12 +247,33 @@ def _claim(sweep: Sweep, path: Path) -> int | None:
         # a free lock is a death only when no live process bears the writer's mark: a handler
         # may have closed its daemon's descriptor (the daemon, at its next write, makes a new
         # journal and removes this one; if it dies first, its mark names nobody any more)
-        if ident(fd) == ident_at(path) and not owner_lives(journal_owner(fd)):
-            return fd
+        if ident(fd) == ident_at(path):
+            owner = journal_owner(fd)
+            if not owner_lives(owner):
+                return fd
+            _left_to_owner(sweep, path.name, owner)
     except OSError:  # held: its process lives (or another one takes it over right now)
         pass
     os.close(fd)
     return None
+
+
+# journals said to be left to a live writer, by this process (each said once; bounded)
+_LEFT_SAID: set[tuple[str, str]] = set()
+
+
+def _left_to_owner(sweep: Sweep, name: str, owner: dict[str, object]) -> None:
+    """A journal whose lock is free is left to the live process its mark names: said once by
+    this process (a forged mark of a live process would otherwise hold it silently)."""
+    key = (str(sweep.outbox.folder), name)
+    if key in _LEFT_SAID:
+        return
+    if len(_LEFT_SAID) >= UNUSABLE_KEPT:
+        _LEFT_SAID.clear()
+    _LEFT_SAID.add(key)
+    log.warning("notification outbox %s: %s is not locked, but its writer (pid %s) still runs: "
+                "left to it (a handler may have closed its descriptor); taken over once that "
+                "process ends", sweep.outbox.folder, name, str(owner.get("pid"))[:20])
 
 
 def owner_lives(owner: dict[str, object]) -> bool:
