@@ -125,6 +125,19 @@ class DocumentNotReady(HandoffdError):
     """A file in pending/ is still being written by a foreign producer; look again later."""
 
 
+class ClaimShortage(DocumentNotReady):
+    """A claim given up before its lease was written for a passing shortage (``reason``: an
+    errno's name such as EMFILE, or ``MemoryError``): the document is back in pending/ as it
+    came, no attempt counted. Look again after ``delay`` seconds (0: the caller's own back-off);
+    a caller that knows only DocumentNotReady looks again later, which is right too."""
+
+    def __init__(self, message: str, *, handoff_id: str, reason: str,
+                 delay: float = 0.0) -> None:
+        super().__init__(message, handoff_id=handoff_id)
+        self.reason = reason
+        self.delay = delay
+
+
 class DuplicateHandoff(HandoffdError):
     """A handoff with this id already exists (or was seen recently); it is never overwritten."""
 

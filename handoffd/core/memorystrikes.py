@@ -33,7 +33,8 @@ MEMORY_TRACKED = 10_000  # documents whose strikes are kept (the oldest forgotte
 
 class MemoryStrikes:
     """The MemoryErrors in a row met reading each document, by (handoff id, stage): ``read``
-    (reading pending/ to route it) or ``admit`` (validating a claimed one). One per process:
+    (reading pending/ to route it), ``claim`` (reading it as it is claimed: the claim is put
+    back) or ``admit`` (validating a claimed one). One per process:
     the readers that meet them (a backend's, the engine's) share nothing else. Thread-safe."""
 
     def __init__(self) -> None:
@@ -70,6 +71,7 @@ class MemoryStrikes:
         now = self.clock()
         with self._lock:
             until = max((self._rows[key][2] for key in ((handoff_id, "read"),
+                                                        (handoff_id, "claim"),
                                                         (handoff_id, "admit"))
                          if key in self._rows), default=now)
         return max(until - now, 0.0)

@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
-from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError
+from ..core.errors import ClaimShortage, DocumentNotReady, ErrorCode, HandoffdError
 from ..core.runner import cancel
 from ..core.starts import not_started
 from ..core.states import State
@@ -58,6 +58,8 @@ class Attempts(HeldOutcomes):
         # here (a batch that waits its back-off out does not end saying it handed it back);
         # report.backed_off lists them for a batch of several processes (service.spread)
         self.backed_off: set[str] = set()
+        # handoff id -> claims given up in a row for a passing shortage (ClaimShortage)
+        self.claim_shortages: dict[str, int] = {}
 
     def work(self, handoff_id: str) -> None:
         """Claim ``handoff_id``, run its specialist and file the outcome (a worker's task)."""
@@ -73,6 +75,8 @@ class Attempts(HeldOutcomes):
             job = self.engine.take(handoff_id, arrived=self.scheduler.first_seen.get(handoff_id))
             if job is None:
                 return
+            if self.claim_shortages:  # (almost always empty) claimed: a shortage row ends
+                self.claim_shortages.pop(handoff_id, None)
             with self.cv:
                 self.active[handoff_id] = job
                 if handoff_id in self.backed_off:  # handed back for a shortage, taken again
@@ -120,15 +124,7 @@ class Attempts(HeldOutcomes):
             if isinstance(where, Outcome):  # a shortage too long in a row: counted
                 return self._file(job, where)
             if where is State.PENDING:
-                self.report.handed_back += 1
-                with self.cv:  # (no longer handed back once it is claimed again here)
-                    if len(self.backed_off) >= MAX_TRACKED:  # (a daemon that serves for long)
-                        self.backed_off.clear()
-                        self.report.backed_off.clear()
-                    if job.handoff_id not in self.backed_off:
-                        self.backed_off.add(job.handoff_id)
-                        self.report.backed_off.append(job.handoff_id)
-                self.scheduler.back_off(job.handoff_id, delay)  # a batch may wait for it
+                self._backed_off(job.handoff_id, delay)  # a batch may wait for it
             return False
         if job.context.handback:  # counted once a stop interrupted it too often in a row
             where = handbacks.hand_back(self.engine, job, outcome)
@@ -214,7 +210,9 @@ class Attempts(HeldOutcomes):
     # ------------------------------------------------------------ failures
     def _work_failed(self, handoff_id: str, exc: Exception) -> None:
         """What a worker does when handling ``handoff_id`` raised ``exc`` (in an except block)."""
-        if isinstance(exc, DocumentNotReady):
+        if isinstance(exc, ClaimShortage):
+            self._claim_short(handoff_id, exc)
+        elif isinstance(exc, DocumentNotReady):
             self.scheduler.notify(handoff_id, self.settings.settle_seconds)
         elif isinstance(exc, HandoffdError):
             log.error("%s", exc)
@@ -233,6 +231,39 @@ class Attempts(HeldOutcomes):
             self.scheduler.hold_off(handoff_id, delay)
         else:  # a bug must not kill the worker or lose the handoff
             self.unexpected(handoff_id, "unexpected error; it stays where it is for recovery")
+
+    def _claim_short(self, handoff_id: str, exc: ClaimShortage) -> None:
+        """A claim given up for a passing shortage (descriptors, memory) before its lease: the
+        document is in pending/ as it came, uncounted. One warning line, and it is claimed again
+        after a back-off (the memory back-off for a MemoryError; else 1 s doubling to a
+        minute while the shortage lasts), no sooner whatever wakes the daemon meanwhile (its
+        own put-back's folder event); a batch waits for it as for a start shortage, and counts
+        it handed back if it ends first. It once stayed in in-progress/, an error, until the
+        sweep's grace."""
+        counts = self.claim_shortages
+        tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
+        if len(counts) > MAX_TRACKED:
+            counts.clear()
+        delay = exc.delay or min(handbacks.SHORTAGE_MAX_SECONDS,
+                                 handbacks.SHORTAGE_FIRST_SECONDS * 2.0 ** min(tries - 1, 16))
+        log.warning("%s; claimed again in %.3gs", exc, delay,
+                    extra={"event": "claim_shortage", "handoff_id": handoff_id,
+                           "reason": exc.reason})
+        self._backed_off(handoff_id, delay)
+
+    def _backed_off(self, handoff_id: str, delay: float) -> None:
+        """``handoff_id`` is back in pending/ for a passing shortage, due in ``delay`` s:
+        counted handed back (once: a claim put back again was not claimed since) until it
+        is claimed here again, and a batch may wait for it."""
+        with self.cv:  # (no longer handed back once it is claimed again here)
+            if handoff_id not in self.backed_off:
+                self.report.handed_back += 1
+                if len(self.backed_off) >= MAX_TRACKED:  # (a daemon that serves for long)
+                    self.backed_off.clear()
+                    self.report.backed_off.clear()
+                self.backed_off.add(handoff_id)
+                self.report.backed_off.append(handoff_id)  # (for a batch of processes)
+        self.scheduler.back_off(handoff_id, delay)
 
     def unexpected(self, handoff_id: str, what: str) -> None:
         """Log an unexpected error about ``handoff_id`` (its traceback the first time) and look

@@ -2,10 +2,13 @@
 (:meth:`.store.Store.claim` takes the lock and calls :func:`claim_held`): the rename into
 in-progress/, the read of what was renamed, and the lease write that replaces exactly that file.
 A file still being written goes back to pending/; one a full disk keeps from being leased goes
-back at once. Part of the hot path: one rename, one read, one replacing write.
+back at once, and so does one claimed while descriptors or memory run short (EMFILE, ENFILE,
+ENOMEM, a MemoryError): :class:`~handoffd.core.errors.ClaimShortage`, no attempt counted.
+Part of the hot path: one rename, one read, one replacing write.
 """
 from __future__ import annotations
 
+import errno
 import os
 from datetime import datetime
 from pathlib import Path
@@ -13,13 +16,21 @@ from typing import Any, Callable, Protocol
 
 from ...core import jsontext
 from ...core.documents import BOOK, book, book_int, record
-from ...core.errors import DocumentNotReady, DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.errors import (
+    ClaimShortage,
+    DocumentNotReady,
+    DuplicateHandoff,
+    ErrorCode,
+    InvalidDocument,
+    UnreadableDocument,
+)
+from ...core.memorystrikes import memory_strikes, out_of_memory
 from ...core.states import State
 from . import fsio, reading
 from .crashpoints import crash_point
-from .leases import Claim, NullLock, lease
+from .leases import SHORT_ERRNOS, Claim, NullLock, lease
 
-__all__ = ["Claiming", "claim_held"]
+__all__ = ["SHORT_ERRNOS", "Claiming", "claim_held", "short_of"]
 
 
 class Claiming(reading.Reading, Protocol):
@@ -61,13 +72,43 @@ def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds
     crash_point("after-claim-rename")
     try:
         doc, renamed = _read_claimed(store, handoff_id, held, src, dst, now)
+        memory_strikes.clear(handoff_id, "claim")  # (a MemoryError row ends)
+        prior, token, attempt, data = _leased(store, doc, handoff_id, lease_seconds, now,
+                                              on_claim)
     except FileNotFoundError:  # moved on since our rename (by a writer taking no lock)
         return None, None
+    except OSError as exc:
+        if exc.errno not in SHORT_ERRNOS:
+            raise  # (a socket, EACCES: the caller says what the renamed file is)
+        _put_back(dst, src)  # as it came, at once: nothing was written, nothing counted
+        raise short_of(handoff_id, exc) from None
+    except MemoryError:
+        raise _out_of_memory(handoff_id, src, dst) from None
+    try:
+        written = fsio.replace_exact(dst, data, store.tmp, durable=store.durable,
+                                     expect=renamed)
+    except OSError as exc:  # (a full disk): the request as it came, back in pending/ at once,
+        _put_back(dst, src)  # not after a recovery's grace (it is still ours: held)
+        if exc.errno in SHORT_ERRNOS:  # (its temp file: no descriptor to spare)
+            raise short_of(handoff_id, exc) from None
+        raise
+    if written is None:  # not the file we renamed in (moved on meanwhile): someone else's
+        return None, None
+    inode, displaced = written
+    return Claim(handoff_id, doc, token, NullLock(), attempt, inode, prior), displaced
+
+
+def _leased(store: Claiming, doc: dict[str, Any], handoff_id: str, lease_seconds: float,
+            now: datetime, on_claim: Callable[[dict[str, Any]], None] | None
+            ) -> tuple[int, str, int, bytes]:
+    """Mark the claimed ``doc`` (its attempt, lease and ``claimed`` event, its format's marks)
+    and encode it for in-progress/: (its trusted prior revision, the lease token, the attempt,
+    the bytes the lease write puts in place). The claim rides on the store's owner lock, named
+    in its lease. Nothing is written here."""
     prior = store.trusted_revision(doc, State.PENDING, handoff_id)
     if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
         doc[BOOK] = {}
     token = os.urandom(16).hex()
-    lock = NullLock()  # the claim rides on the store's owner lock, named in its lease
     block = book(doc)
     block["attempt"] = book_int(doc, "attempt", 0) + 1
     block["lease"] = lease(token, now, lease_seconds, lock=store.owner_lock())
@@ -77,17 +118,33 @@ def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds
         on_claim(doc)  # format-specific marks, e.g. seed 001's status/started_at
     # the rename into in-progress/ need not be durable: if a crash undoes it, the handoff
     # is simply pending again, or in-progress without a lease, which recovery hands back
-    data = store.encode(doc, State.IN_PROGRESS, handoff_id)
-    try:
-        written = fsio.replace_exact(dst, data, store.tmp, durable=store.durable,
-                                     expect=renamed)
-    except OSError:  # (a full disk): the request as it came, back in pending/ at once,
-        _put_back(dst, src)  # not after a recovery's grace (it is still ours: held)
-        raise
-    if written is None:  # not the file we renamed in (moved on meanwhile): someone else's
-        return None, None
-    inode, displaced = written
-    return Claim(handoff_id, doc, token, lock, block["attempt"], inode, prior), displaced
+    return prior, token, block["attempt"], store.encode(doc, State.IN_PROGRESS, handoff_id)
+
+
+def short_of(handoff_id: str, exc: OSError) -> ClaimShortage:
+    """The claim of ``handoff_id`` given up for ``exc``, a passing shortage of descriptors or
+    memory (:data:`SHORT_ERRNOS`); the caller has left (or put) the document in pending/."""
+    from ...core.starts import SHORTAGES  # (its words for each limit; only on this rare path)
+    reason = errno.errorcode.get(exc.errno or 0, "OSError")
+    return ClaimShortage(f"handoff {handoff_id}: cannot be claimed for now: "
+                         f"{exc.strerror or exc} ({reason}: {SHORTAGES.get(exc.errno or 0, '')})"
+                         "; it stays in pending/, uncounted", handoff_id=handoff_id,
+                         reason=reason)
+
+
+def _out_of_memory(handoff_id: str, src: Path, dst: Path) -> ClaimShortage | UnreadableDocument:
+    """A MemoryError claiming ``handoff_id`` (reading, marking or encoding it), counted as a
+    strike as one reading it is (:func:`~handoffd.core.memorystrikes.out_of_memory`): put back
+    in pending/ with the memory back-off; only once the strikes' bound is reached is the
+    UnreadableDocument returned, the document left in in-progress/ for the caller to set
+    aside."""
+    problem = out_of_memory(handoff_id, f"pending/{handoff_id}.json", "claim")
+    if not problem.transient:
+        return problem
+    _put_back(dst, src)
+    return ClaimShortage(f"handoff {handoff_id}: cannot be claimed for now: {problem}; it "
+                         "stays in pending/, uncounted", handoff_id=handoff_id,
+                         reason="MemoryError", delay=memory_strikes.backoff(handoff_id))
 
 
 def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: Path, dst: Path,

@@ -132,6 +132,12 @@ def try_lock(path: Path) -> FileLock | None:
     raise AssertionError("unreachable")
 
 
+# what says "not now" while claiming (opening the lock descriptor, the read, the lease write's
+# temp file): descriptors or memory running short. The claim goes back to pending/ at once,
+# uncounted (:func:`.claiming.short_of`); left in in-progress/ it waited for the sweep's grace
+SHORT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
 def lock_document(path: Path) -> int | None:
     """A descriptor of the document at ``path`` (pending/) holding an exclusive ``flock`` on
     it: a claim takes it before its rename into in-progress/ and holds it until its lease is
@@ -144,12 +150,17 @@ def lock_document(path: Path) -> int | None:
     holds it (both: someone else is taking it; a producer that flocks its own file is taken
     for one still writing it, and the file is claimed once it lets go). None when it cannot be locked here (no regular
     file, not readable, a filesystem whose ``flock`` wants a descriptor open for writing, as
-    NFS's emulation does): the claim goes on unlocked, guarded by the claim grace alone."""
+    NFS's emulation does): the claim goes on unlocked, guarded by the claim grace alone.
+    OSError (:data:`SHORT_ERRNOS`) when no descriptor (or memory) is to spare for now: the
+    claim is put off before its rename, nothing moved (unlocked, it failed one step later,
+    in in-progress/)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise
-    except OSError:  # a symlink, a socket, EACCES: the claim's read says what it is
+    except OSError as exc:  # a symlink, a socket, EACCES: the claim's read says what it is
+        if exc.errno in SHORT_ERRNOS:
+            raise
         return None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

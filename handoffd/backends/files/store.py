@@ -254,7 +254,9 @@ class Store:
         Returns None when another process won the race. Raises DuplicateHandoff if an in-progress
         copy already exists (DocumentNotReady when the pending copy is a newer one being moved
         back), DocumentNotReady if the file is still being written (it is put back),
-        and InvalidDocument if it is unreadable (it stays in in-progress/ for the caller to file).
+        ClaimShortage (a DocumentNotReady) if descriptors or memory ran short meanwhile (it is
+        put back, or never moved: :mod:`.claiming`), and InvalidDocument if it is unreadable
+        (it stays in in-progress/ for the caller to file).
 
         The document is locked (:func:`.leases.lock_document`) from before its rename until its
         lease is written, so that no sweep hands it back meanwhile however long this process
@@ -267,6 +269,8 @@ class Store:
             held = lock_document(src)
         except (FileNotFoundError, BlockingIOError):
             return None  # claimed, or being claimed right now, by another process
+        except OSError as exc:  # (SHORT_ERRNOS: no descriptor to spare) nothing moved yet
+            raise claiming.short_of(handoff_id, exc) from None
         displaced: Path | None = None
         try:
             self.folders.check()  # never renamed into (or out of) a folder swapped for a link
