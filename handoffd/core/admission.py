@@ -11,11 +11,18 @@ Written against the engine's public members (:class:`Admitting`), as a feature w
 """
 from __future__ import annotations
 
+import errno
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .documents import BOOK, Envelope, Outcome, book, check_id, first_seen, record
-from .errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
+from .errors import (
+    ClaimShortage,
+    DuplicateHandoff,
+    ErrorCode,
+    InvalidDocument,
+    UnreadableDocument,
+)
 from .formats import Dialect, FiledState, Formats
 from .hooks import Hooks
 from .jobs import Job
@@ -27,6 +34,9 @@ from .states import State
 from .storage import Backend, Claim
 from .timeutil import Clock, iso
 from .workspace import Workspace
+
+# what says "not now" while admitting a claim (loading a schema file): a passing shortage
+SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 # History events after which a handoff that started waits on its own work (a delegating parent
 # for its children, a question for its answer) or was answered and has not run since: its next
@@ -117,7 +127,12 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
                             "a second document never re-runs the first")
             return None
         engine.backend.seen_add(handoff_id, now)
-    envelope = _envelope(engine, claim, dialect, now)
+    try:
+        envelope = _envelope(engine, claim, dialect, now)
+    except OSError as exc:  # (loading a schema file; a MemoryError has its strikes: _envelope)
+        if exc.errno not in SHORT_OF:
+            raise
+        raise _short_at_admission(engine, claim, dialect, exc) from None
     if envelope is None:
         return None
     memory_strikes.clear(handoff_id, "admit")  # (a MemoryError row ends)
@@ -144,6 +159,19 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
                          data=envelope.data, target=spec.agent,
                          max_output_bytes=engine.settings.max_output_bytes)
     return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
+
+
+def _short_at_admission(engine: Admitting, claim: Claim, dialect: Dialect,
+                        exc: OSError) -> ClaimShortage:
+    """A claim whose admission ran short of descriptors (loading a schema file): handed back
+    uncounted at once, and the ClaimShortage saying so (the worker backs off). It once stayed
+    leased in in-progress/ as an error: a batch left it there, and its recovery counted an
+    attempt and took the specialist for a crasher."""
+    reason = errno.errorcode.get(exc.errno or 0, "OSError")
+    message = (f"handoff {claim.id}: cannot be admitted for now: {exc.strerror or exc} "
+               f"({reason}); it stays in pending/, uncounted")
+    engine.requeue(claim, dialect, "handed_back", reason=message, not_started=reason)
+    return ClaimShortage(message, handoff_id=claim.id, reason=reason)
 
 
 def resumes(doc: dict[str, Any]) -> bool:

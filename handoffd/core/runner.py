@@ -198,7 +198,7 @@ def call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
     with _HANDLERS:
         _HANDLERS.running += 1
     try:
-        box["result"] = spec.callable()(doc, ctx)
+        box["result"] = _imported(spec, ctx)(doc, ctx)
     except BaseException as exc:  # handler bugs become recorded errors, never daemon crashes
         box["error"] = exc
     finally:
@@ -209,6 +209,22 @@ def call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
             if not _HANDLERS.running and os.umask(_UMASK) != _UMASK:
                 log.warning("a Python handler changed the process umask; put back to %03o",
                             _UMASK)
+
+
+def _imported(spec: Specialist, ctx: HandlerContext) -> Any:
+    """``spec``'s Python handler, imported on first use; a shortage of descriptors or memory
+    importing it is a start shortage (the attempt is handed back uncounted), not the handler's
+    failure: under a low ``ulimit -n`` it failed the first handoff of each specialist for good."""
+    try:
+        return spec.callable()
+    except MemoryError:
+        raise shortage(ctx, f"the handler of {spec.agent}", "ENOMEM",
+                       "out of memory importing it", SHORTAGES[errno.ENOMEM]) from None
+    except OSError as exc:
+        if exc.errno not in SHORTAGES:
+            raise
+        raise shortage(ctx, f"the handler of {spec.agent}", errno.errorcode[exc.errno],
+                       f"importing it: {exc.strerror or exc}", SHORTAGES[exc.errno]) from None
 
 
 class _Running:

@@ -6,6 +6,7 @@ entry-point group (name = agent id, value = ``module:function``), functions deco
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -165,12 +166,20 @@ def handler_reference(spec: Specialist) -> str | None:
 
 
 def import_handler(ref: str, agent: str) -> Handler:
-    """Import ``package.module:function``; ConfigError saying what failed."""
+    """Import ``package.module:function``; ConfigError saying what failed, except for a
+    shortage of descriptors or memory (OSError EMFILE, ENFILE, ENOMEM; MemoryError), raised
+    as it is: that is no configuration problem, and passes."""
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
         func = getattr(module, attr)
-    except Exception as exc:  # any import-time failure is a configuration problem
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):  # a passing shortage:
+            raise  # the caller hands the attempt back (a ConfigError failed it for good)
+        raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # any other import-time failure is a configuration problem
         raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
     if not callable(func):
         raise ConfigError(f"specialist {agent}: {ref!r} is not callable")

@@ -32,6 +32,7 @@ from .scheduler import RETRY_LOOK_SECONDS, Scheduler
 log = logging.getLogger("handoffd")
 LATE_LOOK_SECONDS = 1.0  # a handoff whose last Python handler still runs is looked at this late
 UNEXPECTED_MAX_SECONDS = 60.0  # the longest back-off after unexpected errors about one handoff
+RETRY_SHORT_AT_ONCE = 4  # claims given up for a shortage looked at again as a task ends
 MAX_TRACKED = 10_000  # handoffs whose unexpected errors are counted before the count starts over
 
 
@@ -82,7 +83,8 @@ class Attempts(HeldOutcomes):
                 if handoff_id in self.backed_off:  # handed back for a shortage, taken again
                     self.backed_off.discard(handoff_id)
                     self.report.handed_back -= 1
-                    self.report.backed_off.remove(handoff_id)
+                    if handoff_id in self.report.backed_off:
+                        self.report.backed_off.remove(handoff_id)
             log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
                      job.specialist.agent, extra={"event": "claimed", "handoff_id": handoff_id,
                                                   "attempt": job.claim.attempt,
@@ -111,6 +113,17 @@ class Attempts(HeldOutcomes):
             # job from lease renewal, the sweep's skip list and cancel requests
             if job is not None:
                 self._forget_job(job)
+            if self.claim_shortages and handoff_id not in self.claim_shortages:
+                self._retry_short_claims()
+
+    def _retry_short_claims(self) -> None:
+        """A task ended (what it held of descriptors and memory is free): the claims given up
+        for a shortage are looked at again now, a few at a time, not at the end of their
+        back-offs (all doubling together while one handler held the descriptors, they left
+        the daemon idle for up to a minute once it was done)."""
+        due = list(self.claim_shortages)[:RETRY_SHORT_AT_ONCE]  # (one copy, under the GIL)
+        for handoff_id in due:
+            self.scheduler.release(handoff_id)
 
     def _end_attempt(self, job: Job, outcome: Outcome) -> bool:
         """File a run's outcome, or hand the attempt back if the daemon stopped it. True when
@@ -264,6 +277,24 @@ class Attempts(HeldOutcomes):
                 self.backed_off.add(handoff_id)
                 self.report.backed_off.append(handoff_id)  # (for a batch of processes)
         self.scheduler.back_off(handoff_id, delay)
+
+    def settle_handed_back(self) -> None:
+        """At the end of a run: a handoff handed back here for a shortage that is no longer
+        pending (another process claimed or filed it, a cancel filed it) is no hand-back of
+        this run's (the summary's "handed back" is what a shortage left in pending/)."""
+        for handoff_id in list(self.backed_off):
+            try:
+                found = self.engine.backend.get(handoff_id)
+            except (HandoffdError, OSError):  # unreadable now: said as it was seen
+                continue
+            if found is not None and found[0] is State.PENDING:
+                continue
+            with self.cv:
+                if handoff_id in self.backed_off:
+                    self.backed_off.discard(handoff_id)
+                    self.report.handed_back = max(self.report.handed_back - 1, 0)
+                    if handoff_id in self.report.backed_off:
+                        self.report.backed_off.remove(handoff_id)
 
     def unexpected(self, handoff_id: str, what: str) -> None:
         """Log an unexpected error about ``handoff_id`` (its traceback the first time) and look

@@ -328,6 +328,7 @@ class Daemon(BatchEnd):
             if self.siblings is not None:  # the others of the batch wait for it no more
                 self.siblings.idle()
             self._shutdown()
+            self.attempts.settle_handed_back()  # (what another took since is no hand-back)
 
     def _loop(self, *, batch: bool) -> None:
         scheduler = self.scheduler

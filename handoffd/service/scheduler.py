@@ -134,6 +134,13 @@ class Scheduler(Lines, QuietWaits):
             heapq.heappush(self.heap, (due, 2, next(self.seq), handoff_id))
             self.cv.notify()
 
+    def release(self, handoff_id: str) -> None:
+        """Look at ``handoff_id`` now, whatever :meth:`hold_off` said: what held it off has
+        passed (a claim given up for a shortage, once a task freed what it held)."""
+        with self.cv:
+            self.not_before.pop(handoff_id, None)
+        self.notify(handoff_id)
+
     def hold_off(self, handoff_id: str, delay: float) -> None:
         """Look at ``handoff_id`` again in ``delay`` seconds, and no sooner whatever hints come
         meanwhile (a folder event, a rescan): what failed about it for a passing reason would

@@ -92,6 +92,8 @@ def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds
         if exc.errno in SHORT_ERRNOS:  # (its temp file: no descriptor to spare)
             raise short_of(handoff_id, exc) from None
         raise
+    except MemoryError:  # (writing its temp file): as one met reading it, before its lease
+        raise _out_of_memory(handoff_id, src, dst) from None
     if written is None:  # not the file we renamed in (moved on meanwhile): someone else's
         return None, None
     inode, displaced = written
@@ -160,7 +162,12 @@ def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: Path,
     try:
         if held is not None:
             info = os.fstat(held)
-            data = fsio.read_open(held, info, store.max_open_bytes, dst.name)
+            if os.lstat(dst).st_ino == info.st_ino:
+                data = fsio.read_open(held, info, store.max_open_bytes, dst.name)
+            else:  # a file renamed over the locked one before our rename: what we renamed is
+                # that one, judged on its own bytes (never on the locked file's), and the lease
+                # write then gives the claim up (it is not the locked inode)
+                data, _ = fsio.read_bytes_safely(dst, store.max_open_bytes)
         else:
             data, info = fsio.read_bytes_safely(dst, store.max_open_bytes)
         doc = jsontext.parse_document(data, name)
