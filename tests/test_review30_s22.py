@@ -180,3 +180,98 @@ def test_a_run_counts_no_hand_back_that_another_took_since(
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
+
+
+# ------------------------------------------------------- review R31's findings on the above
+
+
+def test_an_extension_module_that_cannot_be_opened_for_descriptors_is_a_shortage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dlopen says EMFILE in an ImportError's words alone: that too is a passing shortage."""
+    plug = tmp_path / "plug"
+    plug.mkdir()
+    (plug / "r31ext.py").write_text(
+        "raise ImportError('/x/_lzma.so: cannot open shared object file: Too many open files')\n")
+    (plug / "r31bad.py").write_text("raise ImportError('No module named nothing_here')\n")
+    monkeypatch.syspath_prepend(str(plug))
+    with pytest.raises(OSError) as short:
+        specialists.import_handler("r31ext:done", "@ext")
+    assert short.value.errno == errno.EMFILE
+    with pytest.raises(specialists.ConfigError):
+        specialists.import_handler("r31bad:done", "@bad")
+
+
+def test_an_import_shortage_logs_no_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _python_engine(tmp_path, monkeypatch)
+    hid = engine.submit(new_native_request(source="@t", target="@py", data={},
+                                           now=engine.clock()))
+    real, raised = specialists.importlib.import_module, [0]
+
+    def import_module(name: str, *args: Any) -> Any:
+        if name == "r30mod" and not raised[0]:
+            raised[0] += 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), "r30mod.py")
+        return real(name, *args)
+
+    monkeypatch.setattr(specialists.importlib, "import_module", import_module)
+    Daemon(engine, workers=1, watch=False).run_batch()
+    events = [json.loads(line) for line in (engine.ws.handoffs / ".meta" / "events.jsonl")
+              .read_text().splitlines()]
+    mine = [e["event"] for e in events if e.get("id") == hid]
+    assert mine.count("claimed") == 1 and mine[-1] == "completed", mine
+
+
+def test_a_claim_shortage_row_ends_when_its_handoff_is_not_ours_to_claim(
+        tmp_path: Path, clock: Clock) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    daemon = Daemon(engine, workers=1, watch=False)
+    attempts = daemon.attempts
+    gone = _submit(engine)
+    job = engine.take(gone)  # another process took it meanwhile
+    assert job is not None
+    attempts.claim_shortages[gone] = 3
+    attempts.work(gone)
+    assert gone not in attempts.claim_shortages
+
+
+def test_claims_short_of_descriptors_are_looked_at_in_turn(tmp_path: Path, clock: Clock) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    daemon = Daemon(engine, workers=1, watch=False)
+    attempts, scheduler = daemon.attempts, daemon.scheduler
+    short = [_submit(engine) for _ in range(6)]
+    for hid in short:
+        attempts.claim_shortages[hid] = 6
+        scheduler.hold_off(hid, 60.0)
+    attempts.work(_submit(engine))
+    attempts.work(_submit(engine))
+    assert all(scheduler.queued[hid] <= time.monotonic() for hid in short)  # 4, then the 2
+
+
+def test_a_held_off_claim_is_no_stall(tmp_path: Path, clock: Clock) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    daemon = Daemon(engine, workers=1, watch=False)
+    hid = _submit(engine)
+    assert daemon.progress.due_with_free_slot() == hid  # due, a slot free, nothing dispatched
+    daemon.scheduler.hold_off(hid, 60.0)  # (put back for a shortage, as it came)
+    assert daemon.progress.due_with_free_slot() is None
+
+
+def test_a_run_end_does_not_wait_on_a_store_that_does_not_answer(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    daemon = Daemon(engine, workers=1, watch=False)
+    ids = [_submit(engine) for _ in range(3)]
+    for hid in ids:
+        daemon.attempts.backed_off.add(hid)
+        daemon.report.backed_off.append(hid)
+    daemon.report.handed_back = 3
+    asked: list[str] = []
+
+    def away(handoff_id: str) -> Any:
+        asked.append(handoff_id)
+        raise OSError(errno.ECONNREFUSED, "the store is away")
+
+    monkeypatch.setattr(engine.backend.inner, "get", away)  # (under the event log)
+    daemon.attempts.settle_handed_back()
+    assert len(asked) == 1 and daemon.report.handed_back == 3

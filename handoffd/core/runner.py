@@ -148,6 +148,7 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
     the handoff ends TIMEOUT and the thread's eventual result is discarded. Either way a Python
     thread cannot be killed: the context's ``cancelled`` flag is set for the handler to see.
     """
+    _import_before_start(spec, ctx)  # (a shortage importing it: not started, no `claimed`)
     if takeover is not None:
         return _run_inline(spec, doc, ctx, timeout, takeover)
     box: dict[str, Any] = {}
@@ -211,10 +212,32 @@ def call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
                             _UMASK)
 
 
+# ctx.feature_state key: the failure importing the handler met before its start was told
+IMPORT_FAILED = "handoffd.import_failed"
+
+
+def _import_before_start(spec: Specialist, ctx: HandlerContext) -> None:
+    """Import ``spec``'s Python handler before its start is told (:func:`started`: the event
+    log's ``claimed``): a shortage of descriptors or memory importing it raises here, the
+    attempt not started. Any other import failure is kept for :func:`call_handler` to meet
+    (the handler's failure, as before; not imported twice)."""
+    if spec.func is not None:
+        return
+    try:
+        _imported(spec, ctx)
+    except HandlerError:
+        raise
+    except Exception as exc:
+        ctx.feature_state[IMPORT_FAILED] = exc
+
+
 def _imported(spec: Specialist, ctx: HandlerContext) -> Any:
     """``spec``'s Python handler, imported on first use; a shortage of descriptors or memory
     importing it is a start shortage (the attempt is handed back uncounted), not the handler's
     failure: under a low ``ulimit -n`` it failed the first handoff of each specialist for good."""
+    failed = ctx.feature_state.pop(IMPORT_FAILED, None)
+    if isinstance(failed, Exception):  # (met before the start was told: the same failure)
+        raise failed
     try:
         return spec.callable()
     except MemoryError:

@@ -174,16 +174,35 @@ def import_handler(ref: str, agent: str) -> Handler:
         module = importlib.import_module(module_name)
         func = getattr(module, attr)
     except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):  # a passing shortage:
+        if exc.errno in _SHORT_ERRNOS:  # a passing shortage:
             raise  # the caller hands the attempt back (a ConfigError failed it for good)
         raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
     except MemoryError:
         raise
+    except ImportError as exc:  # (an extension module dlopen could not open: its words only)
+        short = _shortage_in(exc)
+        if short is not None:
+            raise OSError(short, os.strerror(short), str(exc)) from None
+        raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
     except Exception as exc:  # any other import-time failure is a configuration problem
         raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
     if not callable(func):
         raise ConfigError(f"specialist {agent}: {ref!r} is not callable")
     return func
+
+
+_SHORT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def _shortage_in(exc: ImportError) -> int | None:
+    """The errno of a shortage of descriptors or memory behind ``exc``: an OSError it came from,
+    or dlopen's message ("cannot open shared object file: Too many open files"), which is all an
+    extension module's failed load says."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, OSError) and cause.errno in _SHORT_ERRNOS:
+        return cause.errno
+    text = str(exc)
+    return next((code for code in _SHORT_ERRNOS if os.strerror(code) in text), None)
 
 
 def may_declare_entry_points(group: str) -> bool:

@@ -32,6 +32,9 @@ from .scheduler import RETRY_LOOK_SECONDS, Scheduler
 log = logging.getLogger("handoffd")
 LATE_LOOK_SECONDS = 1.0  # a handoff whose last Python handler still runs is looked at this late
 UNEXPECTED_MAX_SECONDS = 60.0  # the longest back-off after unexpected errors about one handoff
+# a run's end checks at most this many of its shortage hand-backs against the store, giving
+# up on a store that does not answer within this long (settle_handed_back)
+SETTLE_AT_MOST, SETTLE_GRACE_SECONDS = 1_000, 2.0
 RETRY_SHORT_AT_ONCE = 4  # claims given up for a shortage looked at again as a task ends
 MAX_TRACKED = 10_000  # handoffs whose unexpected errors are counted before the count starts over
 
@@ -74,10 +77,10 @@ class Attempts(HeldOutcomes):
             return
         try:
             job = self.engine.take(handoff_id, arrived=self.scheduler.first_seen.get(handoff_id))
+            if self.claim_shortages:  # (almost always empty) claimed, or not ours to claim
+                self.claim_shortages.pop(handoff_id, None)  # (taken, filed, gated): row ends
             if job is None:
                 return
-            if self.claim_shortages:  # (almost always empty) claimed: a shortage row ends
-                self.claim_shortages.pop(handoff_id, None)
             with self.cv:
                 self.active[handoff_id] = job
                 if handoff_id in self.backed_off:  # handed back for a shortage, taken again
@@ -122,8 +125,11 @@ class Attempts(HeldOutcomes):
         back-offs (all doubling together while one handler held the descriptors, they left
         the daemon idle for up to a minute once it was done)."""
         due = list(self.claim_shortages)[:RETRY_SHORT_AT_ONCE]  # (one copy, under the GIL)
-        for handoff_id in due:
-            self.scheduler.release(handoff_id)
+        for handoff_id in due:  # (to the end of the line: the next task's end takes others)
+            count = self.claim_shortages.pop(handoff_id, None)
+            if count is not None:
+                self.claim_shortages[handoff_id] = count
+                self.scheduler.release(handoff_id)
 
     def _end_attempt(self, job: Job, outcome: Outcome) -> bool:
         """File a run's outcome, or hand the attempt back if the daemon stopped it. True when
@@ -223,6 +229,8 @@ class Attempts(HeldOutcomes):
     # ------------------------------------------------------------ failures
     def _work_failed(self, handoff_id: str, exc: Exception) -> None:
         """What a worker does when handling ``handoff_id`` raised ``exc`` (in an except block)."""
+        if not isinstance(exc, ClaimShortage) and self.claim_shortages:
+            self.claim_shortages.pop(handoff_id, None)  # (another problem: its own back-off)
         if isinstance(exc, ClaimShortage):
             self._claim_short(handoff_id, exc)
         elif isinstance(exc, DocumentNotReady):
@@ -281,12 +289,18 @@ class Attempts(HeldOutcomes):
     def settle_handed_back(self) -> None:
         """At the end of a run: a handoff handed back here for a shortage that is no longer
         pending (another process claimed or filed it, a cancel filed it) is no hand-back of
-        this run's (the summary's "handed back" is what a shortage left in pending/)."""
-        for handoff_id in list(self.backed_off):
+        this run's (the summary's "handed back" is what a shortage left in pending/). A store
+        that does not answer ends it at once, the count as seen: a run's end never waits out
+        a PostgreSQL reconnection window per id (nor past its --max-seconds)."""
+        ids = list(self.backed_off)[:SETTLE_AT_MOST]
+        interrupt = getattr(self.engine.backend, "interrupt", None)
+        if ids and callable(interrupt):
+            interrupt(SETTLE_GRACE_SECONDS)  # (the run is over: nothing waits for the store)
+        for handoff_id in ids:
             try:
                 found = self.engine.backend.get(handoff_id)
-            except (HandoffdError, OSError):  # unreadable now: said as it was seen
-                continue
+            except (HandoffdError, OSError):  # unreachable or unreadable now: as seen
+                break
             if found is not None and found[0] is State.PENDING:
                 continue
             with self.cv:

@@ -64,6 +64,9 @@ class ProgressWatch:
             real = Counter(agent for agent, _ in scheduler.inflight.values())
             mine = set(self.attempts.active)
             doubtful = set(scheduler.waiting) | set(scheduler.unroutable)
+            now = time.monotonic()  # (held off for a passing reason: a claim short of
+            # descriptors is put back as it came, no due_at in its document; not a stall)
+            mine.update(hid for hid, floor in scheduler.not_before.items() if floor > now)
         if len(scheduler.inflight) >= scheduler.workers:
             return None
         ids = [hid for hid in engine.backend.ids(State.PENDING) if hid not in mine]
