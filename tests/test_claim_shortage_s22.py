@@ -22,17 +22,17 @@ from typing import Any, Callable
 
 import pytest
 from conftest import Clock
+from test_start_shortage_s20 import _engine as shortage_engine
+from test_start_shortage_s20 import _submit
 
-from handoffd import Daemon, Registry, Workspace, build_engine
+from handoffd import Daemon
 from handoffd.backends.files import fsio, leases
 from handoffd.core import jsontext, memorystrikes
-from handoffd.core.config import Config, DaemonSettings, RetryPolicy, specialist_from_table
 from handoffd.core.documents import book
 from handoffd.core.engine import Engine
 from handoffd.core.errors import ClaimShortage, ErrorCode
 from handoffd.core.memorystrikes import memory_strikes
 from handoffd.core.native_format import new_native_request
-from handoffd.core.specialists import Specialist
 from handoffd.core.states import State
 
 ANSWER = "import json; print(json.dumps({'status': 'completed', 'output': {'ok': True}}))"
@@ -75,18 +75,8 @@ def short_memory_backoff(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _engine(root: Path, clock: Clock) -> Engine:
-    ws = Workspace(root)
-    ws.ensure()
-    config = Config(daemon=DaemonSettings(sweep_seconds=0.2, rescan_seconds=0.2),
-                    retry=RetryPolicy(max_retries=2, retry_delay_seconds=10))
-    registry = Registry()
-    registry.add(Specialist(specialist_from_table("@cmd", {"command": COMMAND}, config.retry)))
-    return build_engine(ws, config, registry, clock=clock)
-
-
-def _submit(engine: Engine) -> str:
-    doc = new_native_request(source="@test", target="@cmd", data={}, now=engine.clock())
-    return engine.backend.store.create(doc, doc["handoff_id"], now=engine.clock())
+    """An engine whose @cmd specialist answers completed (the start-shortage tests' engine)."""
+    return shortage_engine(root, COMMAND, clock)
 
 
 def _ran_once_uncounted(engine: Engine, hid: str, report: Any) -> None:

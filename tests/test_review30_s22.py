@@ -55,11 +55,8 @@ def _python_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     return build_engine(ws, config, registry)
 
 
-def test_a_descriptor_shortage_importing_a_handler_hands_it_back_uncounted(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = _python_engine(tmp_path, monkeypatch)
-    hid = engine.submit(new_native_request(source="@t", target="@py", data={},
-                                           now=engine.clock()))
+def _emfile_importing_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The first import of r30mod fails with EMFILE; the list counts how many did."""
     real, raised = specialists.importlib.import_module, [0]
 
     def import_module(name: str, *args: Any) -> Any:
@@ -69,6 +66,15 @@ def test_a_descriptor_shortage_importing_a_handler_hands_it_back_uncounted(
         return real(name, *args)
 
     monkeypatch.setattr(specialists.importlib, "import_module", import_module)
+    return raised
+
+
+def test_a_descriptor_shortage_importing_a_handler_hands_it_back_uncounted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _python_engine(tmp_path, monkeypatch)
+    hid = engine.submit(new_native_request(source="@t", target="@py", data={},
+                                           now=engine.clock()))
+    raised = _emfile_importing_once(monkeypatch)
     report = Daemon(engine, workers=1, watch=False).run_batch()
     state, doc = engine.get(hid)
     assert raised[0] == 1 and state is State.COMPLETED and report.failed == 0, doc
@@ -206,15 +212,7 @@ def test_an_import_shortage_logs_no_start(
     engine = _python_engine(tmp_path, monkeypatch)
     hid = engine.submit(new_native_request(source="@t", target="@py", data={},
                                            now=engine.clock()))
-    real, raised = specialists.importlib.import_module, [0]
-
-    def import_module(name: str, *args: Any) -> Any:
-        if name == "r30mod" and not raised[0]:
-            raised[0] += 1
-            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), "r30mod.py")
-        return real(name, *args)
-
-    monkeypatch.setattr(specialists.importlib, "import_module", import_module)
+    assert _emfile_importing_once(monkeypatch) == [0]
     Daemon(engine, workers=1, watch=False).run_batch()
     events = [json.loads(line) for line in (engine.ws.handoffs / ".meta" / "events.jsonl")
               .read_text().splitlines()]
