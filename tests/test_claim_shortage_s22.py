@@ -16,14 +16,13 @@ import json
 import logging
 import os
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 from conftest import Clock
 from test_start_shortage_s20 import _engine as shortage_engine
-from test_start_shortage_s20 import _submit
+from test_start_shortage_s20 import FailFirst, _submit
 
 from handoffd import Daemon
 from handoffd.backends.files import fsio, leases
@@ -39,25 +38,12 @@ ANSWER = "import json; print(json.dumps({'status': 'completed', 'output': {'ok':
 COMMAND = [sys.executable, "-S", "-c", ANSWER]
 
 
-class FailIn:
-    """Replaces a callable: its first ``times`` calls made from a function named ``caller``
-    raise ``error()``; every other call goes through."""
-
-    def __init__(self, real: Callable[..., Any], caller: str, times: int,
-                 error: Callable[[], BaseException]) -> None:
-        self.real, self.caller, self.times, self.error = real, caller, times, error
-        self.raised = 0
-        self.lock = threading.Lock()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mine = sys._getframe(1).f_code.co_name == self.caller
-        with self.lock:
-            fail = mine and self.raised < self.times
-            if fail:
-                self.raised += 1
-        if fail:
-            raise self.error()
-        return self.real(*args, **kwargs)
+def FailIn(real: Callable[..., Any], caller: str, times: int,  # noqa: N802 (a FailFirst)
+           error: Callable[[], BaseException]) -> FailFirst:
+    """:class:`FailFirst` for the first ``times`` calls made from a function named ``caller``
+    (frame 2: this ``when``'s caller is FailFirst.__call__, whose caller is the code tested)."""
+    return FailFirst(real, times, error,
+                     when=lambda *_a, **_k: sys._getframe(2).f_code.co_name == caller)
 
 
 @pytest.fixture

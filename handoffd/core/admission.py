@@ -11,12 +11,12 @@ Written against the engine's public members (:class:`Admitting`), as a feature w
 """
 from __future__ import annotations
 
-import errno
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .documents import BOOK, Envelope, Outcome, book, check_id, first_seen, record
 from .errors import (
+    SHORTAGE_ERRNOS,
     ClaimShortage,
     DuplicateHandoff,
     ErrorCode,
@@ -30,13 +30,12 @@ from .logs import log
 from .memorystrikes import memory_backoff, memory_strikes, out_of_memory
 from .settings import DaemonSettings
 from .specialists import HandlerContext, Specialist
+from .starts import claim_shortage
 from .states import State
 from .storage import Backend, Claim
 from .timeutil import Clock, iso
 from .workspace import Workspace
 
-# what says "not now" while admitting a claim (loading a schema file): a passing shortage
-SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 # History events after which a handoff that started waits on its own work (a delegating parent
 # for its children, a question for its answer) or was answered and has not run since: its next
@@ -130,7 +129,7 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     try:
         envelope = _envelope(engine, claim, dialect, now)
     except OSError as exc:  # (loading a schema file; a MemoryError has its strikes: _envelope)
-        if exc.errno not in SHORT_OF:
+        if exc.errno not in SHORTAGE_ERRNOS:
             raise
         raise _short_at_admission(engine, claim, dialect, exc) from None
     if envelope is None:
@@ -167,11 +166,9 @@ def _short_at_admission(engine: Admitting, claim: Claim, dialect: Dialect,
     uncounted at once, and the ClaimShortage saying so (the worker backs off). It once stayed
     leased in in-progress/ as an error: a batch left it there, and its recovery counted an
     attempt and took the specialist for a crasher."""
-    reason = errno.errorcode.get(exc.errno or 0, "OSError")
-    message = (f"handoff {claim.id}: cannot be admitted for now: {exc.strerror or exc} "
-               f"({reason}); it stays in pending/, uncounted")
-    engine.requeue(claim, dialect, "handed_back", reason=message, not_started=reason)
-    return ClaimShortage(message, handoff_id=claim.id, reason=reason)
+    short = claim_shortage(claim.id, exc, "admitted")
+    engine.requeue(claim, dialect, "handed_back", reason=str(short), not_started=short.reason)
+    return short
 
 
 def resumes(doc: dict[str, Any]) -> bool:

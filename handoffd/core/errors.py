@@ -6,6 +6,7 @@ Every error a user can meet derives from :class:`HandoffdError`. Messages name t
 from __future__ import annotations
 
 import enum
+import errno
 
 
 class ErrorCode(enum.StrEnum):
@@ -123,6 +124,11 @@ class UnreadableDocument(HandoffdError):
 
 class DocumentNotReady(HandoffdError):
     """A file in pending/ is still being written by a foreign producer; look again later."""
+
+
+# errnos of a passing shortage of descriptors or memory while claiming, admitting or importing
+# a handler (a spawn's list, with EAGAIN, is core.starts.SHORTAGES)
+SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 class ClaimShortage(DocumentNotReady):

@@ -6,7 +6,6 @@ entry-point group (name = agent id, value = ``module:function``), functions deco
 """
 from __future__ import annotations
 
-import errno
 import importlib
 import os
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from .config import Config, SpecialistConfig, specialist_from_table
-from .errors import ConfigError
+from .errors import SHORTAGE_ERRNOS, ConfigError
 
 Handler = Callable[[dict[str, Any], "HandlerContext"], dict[str, Any]]
 ENTRY_POINT_GROUP = "handoffd.core.specialists"
@@ -174,7 +173,7 @@ def import_handler(ref: str, agent: str) -> Handler:
         module = importlib.import_module(module_name)
         func = getattr(module, attr)
     except OSError as exc:
-        if exc.errno in _SHORT_ERRNOS:  # a passing shortage:
+        if exc.errno in SHORTAGE_ERRNOS:  # a passing shortage:
             raise  # the caller hands the attempt back (a ConfigError failed it for good)
         raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
     except MemoryError:
@@ -191,18 +190,15 @@ def import_handler(ref: str, agent: str) -> Handler:
     return func
 
 
-_SHORT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
-
-
 def _shortage_in(exc: ImportError) -> int | None:
     """The errno of a shortage of descriptors or memory behind ``exc``: an OSError it came from,
     or dlopen's message ("cannot open shared object file: Too many open files"), which is all an
     extension module's failed load says."""
     cause = exc.__cause__ or exc.__context__
-    if isinstance(cause, OSError) and cause.errno in _SHORT_ERRNOS:
+    if isinstance(cause, OSError) and cause.errno in SHORTAGE_ERRNOS:
         return cause.errno
     text = str(exc)
-    return next((code for code in _SHORT_ERRNOS if os.strerror(code) in text), None)
+    return next((code for code in SHORTAGE_ERRNOS if os.strerror(code) in text), None)
 
 
 def may_declare_entry_points(group: str) -> bool:

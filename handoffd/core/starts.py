@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from . import procrecords
-from .errors import HandlerError
+from .errors import ClaimShortage, HandlerError
 from .specialists import HandlerContext
 
 __all__ = ["NOT_STARTED", "SHORTAGES", "THREADS", "THREADS_LIMIT", "NotStarted",
@@ -46,6 +46,17 @@ class NotStarted:
 
     reason: str
     message: str
+
+
+def claim_shortage(handoff_id: str, exc: OSError, doing: str = "claimed") -> ClaimShortage:
+    """The claim of ``handoff_id`` given up for ``exc``, a passing shortage of descriptors or
+    memory (:data:`~.errors.SHORTAGE_ERRNOS`) met while it was being ``doing`` (claimed,
+    admitted); its caller has the document back in pending/."""
+    reason = errno.errorcode.get(exc.errno or 0, "OSError")
+    return ClaimShortage(f"handoff {handoff_id}: cannot be {doing} for now: "
+                         f"{exc.strerror or exc} ({reason}: {SHORTAGES.get(exc.errno or 0, '')})"
+                         "; it stays in pending/, uncounted", handoff_id=handoff_id,
+                         reason=reason)
 
 
 def started(ctx: HandlerContext) -> None:

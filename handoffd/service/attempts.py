@@ -86,8 +86,6 @@ class Attempts(HeldOutcomes):
                 if handoff_id in self.backed_off:  # handed back for a shortage, taken again
                     self.backed_off.discard(handoff_id)
                     self.report.handed_back -= 1
-                    if handoff_id in self.report.backed_off:
-                        self.report.backed_off.remove(handoff_id)
             log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
                      job.specialist.agent, extra={"event": "claimed", "handoff_id": handoff_id,
                                                   "attempt": job.claim.attempt,
@@ -265,8 +263,7 @@ class Attempts(HeldOutcomes):
         tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
         if len(counts) > MAX_TRACKED:
             counts.clear()
-        delay = exc.delay or min(handbacks.SHORTAGE_MAX_SECONDS,
-                                 handbacks.SHORTAGE_FIRST_SECONDS * 2.0 ** min(tries - 1, 16))
+        delay = exc.delay or handbacks.shortage_backoff(tries)
         log.warning("%s; claimed again in %.3gs", exc, delay,
                     extra={"event": "claim_shortage", "handoff_id": handoff_id,
                            "reason": exc.reason})
@@ -281,9 +278,7 @@ class Attempts(HeldOutcomes):
                 self.report.handed_back += 1
                 if len(self.backed_off) >= MAX_TRACKED:  # (a daemon that serves for long)
                     self.backed_off.clear()
-                    self.report.backed_off.clear()
                 self.backed_off.add(handoff_id)
-                self.report.backed_off.append(handoff_id)  # (for a batch of processes)
         self.scheduler.back_off(handoff_id, delay)
 
     def settle_handed_back(self) -> None:
@@ -307,8 +302,8 @@ class Attempts(HeldOutcomes):
                 if handoff_id in self.backed_off:
                     self.backed_off.discard(handoff_id)
                     self.report.handed_back = max(self.report.handed_back - 1, 0)
-                    if handoff_id in self.report.backed_off:
-                        self.report.backed_off.remove(handoff_id)
+        with self.cv:  # (what the report carries to a batch's other processes: service.spread)
+            self.report.backed_off = sorted(self.backed_off)
 
     def unexpected(self, handoff_id: str, what: str) -> None:
         """Log an unexpected error about ``handoff_id`` (its traceback the first time) and look

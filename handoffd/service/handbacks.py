@@ -144,11 +144,15 @@ def shortages_in_a_row(doc: dict[str, Any]) -> int:
 
 
 def shortage_delay(doc: dict[str, Any]) -> float:
-    """The back-off of the next start-shortage hand-back of the claimed document ``doc``:
-    doubling from SHORTAGE_FIRST_SECONDS with each such hand-back in a row, SHORTAGE_MAX_SECONDS
-    at most."""
-    streak = shortages_in_a_row(doc) + 1
-    return min(SHORTAGE_MAX_SECONDS, SHORTAGE_FIRST_SECONDS * 2.0 ** min(streak - 1, 16))
+    """The back-off of the next start-shortage hand-back of the claimed document ``doc``
+    (:func:`shortage_backoff` of its run of them)."""
+    return shortage_backoff(shortages_in_a_row(doc) + 1)
+
+
+def shortage_backoff(streak: int) -> float:
+    """The back-off after the ``streak``-th shortage in a row: doubling from
+    SHORTAGE_FIRST_SECONDS, SHORTAGE_MAX_SECONDS at most."""
+    return min(SHORTAGE_MAX_SECONDS, SHORTAGE_FIRST_SECONDS * 2.0 ** min(max(streak, 1) - 1, 16))
 
 
 def hand_back_unstarted(engine: Engine, job: Job, shortage: NotStarted,

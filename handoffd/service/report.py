@@ -28,9 +28,9 @@ class BatchReport:
     # unreadable leftovers the run's sweeps moved to the quarantine (files: junk, or a document
     # over the size bound, left in in-progress/), the first sweep's and every later one's
     set_aside: int = 0
-    # ids counted in handed_back for a start shortage, once each per hand-back (an id handed
-    # back by two processes of a batch is here twice): a batch's end counts again those that a
-    # process took again since (service.spread: a sibling may have run it)
+    # ids counted in handed_back for a shortage and still pending when the run ended (set by
+    # Attempts.settle_handed_back; merged, an id handed back by two processes of a batch is
+    # here twice): a batch's end counts again those a sibling took since (service.spread)
     backed_off: list[str] = field(default_factory=list)
 
     def needs_a_look(self) -> bool:

@@ -8,7 +8,6 @@ Part of the hot path: one rename, one read, one replacing write.
 """
 from __future__ import annotations
 
-import errno
 import os
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +20,7 @@ from ...core.errors import (
     DocumentNotReady,
     DuplicateHandoff,
     ErrorCode,
+    SHORTAGE_ERRNOS,
     InvalidDocument,
     UnreadableDocument,
 )
@@ -28,9 +28,9 @@ from ...core.memorystrikes import memory_strikes, out_of_memory
 from ...core.states import State
 from . import fsio, reading
 from .crashpoints import crash_point
-from .leases import SHORT_ERRNOS, Claim, NullLock, lease
+from .leases import Claim, NullLock, lease
 
-__all__ = ["SHORT_ERRNOS", "Claiming", "claim_held", "short_of"]
+__all__ = ["Claiming", "claim_held", "short_of"]
 
 
 class Claiming(reading.Reading, Protocol):
@@ -78,7 +78,7 @@ def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds
     except FileNotFoundError:  # moved on since our rename (by a writer taking no lock)
         return None, None
     except OSError as exc:
-        if exc.errno not in SHORT_ERRNOS:
+        if exc.errno not in SHORTAGE_ERRNOS:
             raise  # (a socket, EACCES: the caller says what the renamed file is)
         _put_back(dst, src)  # as it came, at once: nothing was written, nothing counted
         raise short_of(handoff_id, exc) from None
@@ -89,7 +89,7 @@ def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds
                                      expect=renamed)
     except OSError as exc:  # (a full disk): the request as it came, back in pending/ at once,
         _put_back(dst, src)  # not after a recovery's grace (it is still ours: held)
-        if exc.errno in SHORT_ERRNOS:  # (its temp file: no descriptor to spare)
+        if exc.errno in SHORTAGE_ERRNOS:  # (its temp file: no descriptor to spare)
             raise short_of(handoff_id, exc) from None
         raise
     except MemoryError:  # (writing its temp file): as one met reading it, before its lease
@@ -125,13 +125,9 @@ def _leased(store: Claiming, doc: dict[str, Any], handoff_id: str, lease_seconds
 
 def short_of(handoff_id: str, exc: OSError) -> ClaimShortage:
     """The claim of ``handoff_id`` given up for ``exc``, a passing shortage of descriptors or
-    memory (:data:`SHORT_ERRNOS`); the caller has left (or put) the document in pending/."""
-    from ...core.starts import SHORTAGES  # (its words for each limit; only on this rare path)
-    reason = errno.errorcode.get(exc.errno or 0, "OSError")
-    return ClaimShortage(f"handoff {handoff_id}: cannot be claimed for now: "
-                         f"{exc.strerror or exc} ({reason}: {SHORTAGES.get(exc.errno or 0, '')})"
-                         "; it stays in pending/, uncounted", handoff_id=handoff_id,
-                         reason=reason)
+    memory (SHORTAGE_ERRNOS); the caller has left (or put) the document in pending/."""
+    from ...core.starts import claim_shortage  # (only on this rare path)
+    return claim_shortage(handoff_id, exc)
 
 
 def _out_of_memory(handoff_id: str, src: Path, dst: Path) -> ClaimShortage | UnreadableDocument:

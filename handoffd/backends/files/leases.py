@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ...core.errors import SHORTAGE_ERRNOS
 from ...core.documents import actor
 from ...core.ownfiles import plain_folder
 from ...core.timeutil import iso
@@ -132,12 +133,6 @@ def try_lock(path: Path) -> FileLock | None:
     raise AssertionError("unreachable")
 
 
-# what says "not now" while claiming (opening the lock descriptor, the read, the lease write's
-# temp file): descriptors or memory running short. The claim goes back to pending/ at once,
-# uncounted (:func:`.claiming.short_of`); left in in-progress/ it waited for the sweep's grace
-SHORT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
-
-
 def lock_document(path: Path) -> int | None:
     """A descriptor of the document at ``path`` (pending/) holding an exclusive ``flock`` on
     it: a claim takes it before its rename into in-progress/ and holds it until its lease is
@@ -151,7 +146,7 @@ def lock_document(path: Path) -> int | None:
     for one still writing it, and the file is claimed once it lets go). None when it cannot be locked here (no regular
     file, not readable, a filesystem whose ``flock`` wants a descriptor open for writing, as
     NFS's emulation does): the claim goes on unlocked, guarded by the claim grace alone.
-    OSError (:data:`SHORT_ERRNOS`) when no descriptor (or memory) is to spare for now: the
+    OSError (SHORTAGE_ERRNOS) when no descriptor (or memory) is to spare for now: the
     claim is put off before its rename, nothing moved (unlocked, it failed one step later,
     in in-progress/)."""
     try:
@@ -159,7 +154,7 @@ def lock_document(path: Path) -> int | None:
     except FileNotFoundError:
         raise
     except OSError as exc:  # a symlink, a socket, EACCES: the claim's read says what it is
-        if exc.errno in SHORT_ERRNOS:
+        if exc.errno in SHORTAGE_ERRNOS:
             raise
         return None
     try:
