@@ -162,13 +162,24 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
 
 def _short_at_admission(engine: Admitting, claim: Claim, dialect: Dialect,
                         exc: OSError) -> ClaimShortage:
-    """A claim whose admission ran short of descriptors (loading a schema file): handed back
-    uncounted at once, and the ClaimShortage saying so (the worker backs off). It once stayed
-    leased in in-progress/ as an error: a batch left it there, and its recovery counted an
-    attempt and took the specialist for a crasher."""
+    """A claim whose admission ran short of descriptors (loading a schema file): the
+    ClaimShortage saying so (the worker backs off), carrying the claim, still held, for
+    whoever takes it to hand back uncounted (:func:`hand_back_short`; a daemon's worker keeps
+    it when that write runs short too). It once stayed leased in in-progress/ as an error: a
+    batch left it there, and its recovery counted an attempt and took the specialist for a
+    crasher."""
     short = claim_shortage(claim.id, exc, "admitted")
-    engine.requeue(claim, dialect, "handed_back", reason=str(short), not_started=short.reason)
+    short.claim, short.dialect = claim, dialect
     return short
+
+
+def hand_back_short(engine: Admitting, short: ClaimShortage) -> State:
+    """Hand the claim ``short`` carries back to pending/ uncounted (``handed_back``, with
+    ``not_started`` naming the shortage): PENDING, or IN_PROGRESS when the claim was lost.
+    A write that fails gives the claim up (the store's rule), unless the caller files under
+    :func:`handoffd.backends.base.refiling`."""
+    return engine.requeue(short.claim, short.dialect, "handed_back", reason=str(short),
+                          not_started=short.reason)
 
 
 def resumes(doc: dict[str, Any]) -> bool:

@@ -23,11 +23,12 @@ import threading
 from datetime import datetime, timedelta
 from typing import Any, Callable, ContextManager
 
-from .admission import admit, claim_pending, set_aside, set_aside_claim
+from .admission import admit, claim_pending, hand_back_short, set_aside, set_aside_claim
 from .bounds import MAX_RETRY_DELAY_SECONDS
 from .config import Config, RetryPolicy
 from .documents import Envelope, Outcome, check_id, next_attempt_at, record
 from .errors import (
+    ClaimShortage,
     ConfigError,
     ErrorCode,
     HandlerError,
@@ -198,17 +199,34 @@ class Engine:
         filed under its name when that is a safe id). Raises DocumentNotReady."""
         return claim_pending(self, handoff_id)
 
-    def take(self, handoff_id: str, *, arrived: datetime | None = None) -> Job | None:
+    def take(self, handoff_id: str, *, arrived: datetime | None = None,
+             keep_short: bool = False) -> Job | None:
         """Claim ``handoff_id`` and admit it. None when there is nothing to run (another process
         won, or the document was filed as failed / set aside). Raises DocumentNotReady.
         ``arrived``: when the caller first saw it pending, if earlier than its history says (a
-        foreign document's history starts at its claim); hard timeouts count from then."""
+        foreign document's history starts at its claim); hard timeouts count from then.
+        A ClaimShortage met admitting it is handed back here, uncounted, unless ``keep_short``:
+        then the claim it carries is still held, the caller's to hand back
+        (:func:`~.admission.hand_back_short`), as a daemon does to keep it when that write runs
+        short too."""
         claimed = self.claim(handoff_id)
         if claimed is None:
             return None
         claim, dialect = claimed
         try:
             return admit(self, claim, dialect, self.clock(), arrived)
+        except ClaimShortage as short:
+            if short.claim is None:  # (admission's carry their claim: none other comes here)
+                self.backend.abandon(claim)
+            elif not keep_short:
+                try:  # (a write that fails gives the claim up: the sweep hands it back)
+                    hand_back_short(self, short)
+                except BaseException:
+                    self.backend.abandon(claim)
+                    raise
+                finally:
+                    short.claim = short.dialect = None  # no longer held
+            raise
         except BaseException:
             self.backend.abandon(claim)
             raise

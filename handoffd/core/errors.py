@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import errno
+from typing import Any
 
 
 class ErrorCode(enum.StrEnum):
@@ -135,13 +136,19 @@ class ClaimShortage(DocumentNotReady):
     """A claim given up before its lease was written for a passing shortage (``reason``: an
     errno's name such as EMFILE, or ``MemoryError``): the document is back in pending/ as it
     came, no attempt counted. Look again after ``delay`` seconds (0: the caller's own back-off);
-    a caller that knows only DocumentNotReady looks again later, which is right too."""
+    a caller that knows only DocumentNotReady looks again later, which is right too.
+
+    One met admitting a claim whose caller hands it back itself (``Engine.take(keep_short=
+    True)``: a daemon, which can keep the claim when that write runs short too) carries the
+    claim still held and its format (``claim``, ``dialect``); else both are None."""
 
     def __init__(self, message: str, *, handoff_id: str, reason: str,
                  delay: float = 0.0) -> None:
         super().__init__(message, handoff_id=handoff_id)
         self.reason = reason
         self.delay = delay
+        self.claim: Any = None  # (a core.storage.Claim: not imported at this lowest layer)
+        self.dialect: Any = None
 
 
 class DuplicateHandoff(HandoffdError):

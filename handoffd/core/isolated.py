@@ -4,16 +4,19 @@ Started by the daemon with two pipe descriptors: it reads one request line from 
 (handler reference, document, context fields), calls the handler as a daemon's worker would,
 checks its result the same way (:func:`~handoffd.core.runner.validate_result`, a copy in plain
 JSON types, a HandlerError for anything else) and writes ``result`` or ``error`` as one JSON
-line on the second, then exits. Meanwhile ``ctx.report_partial`` sends ``partial`` lines, and
-``ctx.context`` is a proxy whose calls the daemon answers with its own context view (the same
-store, the same permissions). SIGTERM (a timeout or a cancellation: the daemon signals the
-process group, and SIGKILLs it after its grace) sets ``ctx.cancelled``, so
-``ctx.check_cancelled()`` raises as it would in the daemon.
+line on the second, then exits (``not_started`` instead when a passing shortage of descriptors
+or memory kept it from importing the handler: the daemon hands the attempt back uncounted).
+Meanwhile ``ctx.report_partial`` sends ``partial`` lines, and ``ctx.context`` is a proxy whose
+calls the daemon answers with its own context view (the same store, the same permissions).
+SIGTERM (a timeout or a cancellation: the daemon signals the process group, and SIGKILLs it
+after its grace) sets ``ctx.cancelled``, so ``ctx.check_cancelled()`` raises as it would in
+the daemon.
 
 Lives in the core because it needs nothing above it: the context is served by the daemon.
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -27,7 +30,7 @@ from typing import Any, BinaryIO, Callable
 from .config import SpecialistConfig
 from .errors import ConfigError, ErrorCode, HandlerError, InvalidDocument
 from .runner import call_handler, handler_result
-from .specialists import Handler, HandlerContext, Specialist
+from .specialists import Handler, HandlerContext, Specialist, import_failure
 
 CAS_TRIES = 64  # ctx.context.update: compare-and-set rounds before a conflict is given up
 
@@ -184,14 +187,17 @@ class ChildContext(HandlerContext):
 
 def load_handler(ref: str, agent: str) -> Handler:
     """``module:qualname`` imported (a dotted qualname walked); ConfigError as the registry
-    words it."""
+    words it, except for a passing shortage of descriptors or memory, raised as an OSError
+    (EMFILE, ENFILE, ENOMEM) or a MemoryError (:func:`~.specialists.import_failure`)."""
     module_name, _, qualname = ref.partition(":")
     try:
         found: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             found = getattr(found, part)
-    except Exception as exc:  # any import-time failure is a configuration problem
-        raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
+    except MemoryError:
+        raise  # a passing shortage, as an OSError EMFILE is: main tells the daemon
+    except Exception as exc:  # a shortage (an OSError) as such; else a configuration problem
+        raise import_failure(exc, agent, ref) from None
     if not callable(found):
         raise ConfigError(f"specialist {agent}: {ref!r} is not callable")
     handler: Handler = found
@@ -223,6 +229,22 @@ def _outcome(box: dict[str, Any], ctx: HandlerContext) -> dict[str, Any]:
                           "details": exc.details}}
 
 
+def _not_started(link: _Link, exc: OSError | MemoryError) -> None:
+    """Tell the daemon that the handler could not be imported for a passing shortage of
+    descriptors or memory (``not_started``: the attempt is handed back uncounted, as an
+    in-process handler's is; a ConfigError failed it for good), and exit."""
+    if isinstance(exc, OSError):
+        reason = errno.errorcode.get(exc.errno or 0, "EMFILE")
+        why = f"importing it: {exc.strerror or exc}"
+    else:
+        reason, why = "ENOMEM", "out of memory importing it"
+    try:
+        link.send({"not_started": {"reason": reason, "why": why[:200]}})
+    except (OSError, MemoryError):  # (no answer: the daemon sees a process that died)
+        pass
+    os._exit(0)
+
+
 def main(argv: list[str]) -> None:
     """Run one handler call: ``argv`` = [down pipe fd, up pipe fd] (see the module)."""
     try:
@@ -245,6 +267,8 @@ def main(argv: list[str]) -> None:
         func = load_handler(str(request["handler"]), str(request["agent"]))
     except ConfigError as exc:
         box["error"] = exc
+    except (OSError, MemoryError) as exc:  # a passing shortage: the handler never started
+        _not_started(link, exc)
     else:
         config = SpecialistConfig(agent=str(request["agent"]), handler=str(request["handler"]))
         call_handler(Specialist(config, func), request["doc"], ctx, box)

@@ -16,7 +16,9 @@ run token, parent-death signal, a process record; killed with its group at the t
 cancellation, SIGTERM then SIGKILL). Two dedicated pipes connect it to the parent: the request
 and answers go down one, and messages come up the other, one JSON object per line: ``partial``
 (``ctx.report_partial``), ``call`` (``ctx.context``, served here by the daemon's own context view,
-so the child sees the same store and permissions) and finally ``result`` or ``error``. The
+so the child sees the same store and permissions) and finally ``result`` or ``error``, or
+``not_started`` when the child could not import the handler for a passing shortage of
+descriptors or memory (handed back uncounted, as an in-process handler's import is). The
 child's stdout and stderr are one more pipe, kept as a tail for the error of an attempt that
 fails; nothing a handler prints can reach the message pipe.
 """
@@ -45,7 +47,7 @@ from .childproc import (
     write_record,
 )
 from .documents import PROCESS_DIED, book
-from .errors import HandlerError
+from .errors import SHORTAGE_ERRNOS, HandlerError
 from .runner import rebuild_error, validate_result
 from .specialists import HandlerContext, Specialist, handler_reference
 from .starts import SHORTAGES, forget_record, shortage, start_threads, started
@@ -173,12 +175,32 @@ def run_isolated(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, tim
         wait_attempt(done, ctx, timeout)
     finally:
         end_attempt(ctx, proc, token, exited, (channel, output), (waiter,))
+    if channel.final is not None and "not_started" in channel.final \
+            and not (channel.overflow or channel.problem):
+        raise _import_shortage(channel.final["not_started"], spec, ctx)
     try:
         return _answer(channel, proc.returncode, output.data(), ctx.handoff_id, max_output_bytes)
     except HandlerError as exc:
         if suspects is not None and isinstance(exc.details, dict) and exc.details.get(PROCESS_DIED):
             suspects.mark(spec)  # its new handoffs too: each would take the daemon down once
         raise
+
+
+def _import_shortage(given: Any, spec: Specialist, ctx: HandlerContext) -> HandlerError:
+    """The child could not import the handler for a passing shortage of descriptors or memory
+    (its ``not_started`` message: :func:`.isolated.main`): a start shortage, as an in-process
+    handler's import (:func:`~.starts.shortage`: handed back uncounted, after a back-off); it
+    once failed the handoff for good as a configuration error. A message that names no such
+    shortage breaks the protocol (a failure the retry policy counts)."""
+    info: dict[str, Any] = given if isinstance(given, dict) else {}
+    reason, why = info.get("reason"), info.get("why")
+    code = next((c for c in SHORTAGE_ERRNOS if errno.errorcode[c] == reason), None)
+    if code is None or not isinstance(why, str):
+        return HandlerError(f"handoff {ctx.handoff_id}: the handler's process broke the protocol "
+                            f"with its daemon (a not_started message naming no shortage: "
+                            f"{str(given)[:80]!r})", handoff_id=ctx.handoff_id)
+    return shortage(ctx, f"the handler of {spec.agent}", errno.errorcode[code], why[:200],
+                    SHORTAGES[code])
 
 
 def _spawn(spec: Specialist, ctx: HandlerContext, env: dict[str, str],
@@ -360,7 +382,7 @@ class _Channel:
                 self.ctx.report_partial(message["partial"])
         elif "call" in keys and keys <= {"call", "args", "kwargs"}:
             return self._send(self._call(message))
-        elif keys in ({"result"}, {"error"}):
+        elif keys in ({"result"}, {"error"}, {"not_started"}):
             if self.final is None:  # the first answer counts
                 self.final = message
         else:

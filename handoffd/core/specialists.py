@@ -172,22 +172,29 @@ def import_handler(ref: str, agent: str) -> Handler:
     try:
         module = importlib.import_module(module_name)
         func = getattr(module, attr)
-    except OSError as exc:
-        if exc.errno in SHORTAGE_ERRNOS:  # a passing shortage:
-            raise  # the caller hands the attempt back (a ConfigError failed it for good)
-        raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
     except MemoryError:
-        raise
-    except ImportError as exc:  # (an extension module dlopen could not open: its words only)
-        short = _shortage_in(exc)
-        if short is not None:
-            raise OSError(short, os.strerror(short), str(exc)) from None
-        raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
-    except Exception as exc:  # any other import-time failure is a configuration problem
-        raise ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}") from None
+        raise  # a passing shortage: the caller hands the attempt back
+    except Exception as exc:
+        raise import_failure(exc, agent, ref) from None
     if not callable(func):
         raise ConfigError(f"specialist {agent}: {ref!r} is not callable")
     return func
+
+
+def import_failure(exc: Exception, agent: str, ref: str) -> Exception:
+    """What ``exc``, met importing the handler ``ref`` of ``agent``, is to its caller: the
+    OSError of a passing shortage of descriptors or memory (EMFILE, ENFILE, ENOMEM; an extension
+    module dlopen could not open for want of them, told by its words alone), to be raised as
+    such (the attempt is handed back: a ConfigError failed it for good); else the ConfigError
+    saying what failed (any other import-time failure is a configuration problem). The
+    daemon's import (:func:`import_handler`) and an isolated handler's process
+    (:mod:`.isolated`) both judge by it."""
+    if isinstance(exc, OSError) and exc.errno in SHORTAGE_ERRNOS:
+        return exc
+    short = _shortage_in(exc) if isinstance(exc, ImportError) else None
+    if short is not None:
+        return OSError(short, os.strerror(short), str(exc))
+    return ConfigError(f"specialist {agent}: cannot import handler {ref!r}: {exc}")
 
 
 def _shortage_in(exc: ImportError) -> int | None:

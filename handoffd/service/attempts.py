@@ -28,6 +28,7 @@ from .held import HeldOutcomes
 from .leases import broken_reason
 from .report import BatchReport
 from .scheduler import RETRY_LOOK_SECONDS, Scheduler
+from .shortclaims import KeptClaims
 
 log = logging.getLogger("handoffd")
 LATE_LOOK_SECONDS = 1.0  # a handoff whose last Python handler still runs is looked at this late
@@ -64,6 +65,8 @@ class Attempts(HeldOutcomes):
         self.backed_off: set[str] = set()
         # handoff id -> claims given up in a row for a passing shortage (ClaimShortage)
         self.claim_shortages: dict[str, int] = {}
+        # claims whose admission and hand-back both ran short: handed back on a timer
+        self.kept_claims = KeptClaims(engine, self.cv, scheduler.release)
 
     def work(self, handoff_id: str) -> None:
         """Claim ``handoff_id``, run its specialist and file the outcome (a worker's task)."""
@@ -76,7 +79,8 @@ class Attempts(HeldOutcomes):
             self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
             return
         try:
-            job = self.engine.take(handoff_id, arrived=self.scheduler.first_seen.get(handoff_id))
+            job = self.engine.take(handoff_id, arrived=self.scheduler.first_seen.get(handoff_id),
+                                   keep_short=True)  # (_claim_short hands it back)
             if self.claim_shortages:  # (almost always empty) claimed, or not ours to claim
                 self.claim_shortages.pop(handoff_id, None)  # (taken, filed, gated): row ends
             if job is None:
@@ -258,15 +262,26 @@ class Attempts(HeldOutcomes):
         minute while the shortage lasts), no sooner whatever wakes the daemon meanwhile (its
         own put-back's folder event); a batch waits for it as for a start shortage, and counts
         it handed back if it ends first. It once stayed in in-progress/, an error, until the
-        sweep's grace."""
+        sweep's grace. One met admitting it carries its claim, handed back here; when that
+        write runs short too, the claim is kept and handed back after the back-off
+        (:mod:`.shortclaims`)."""
         counts = self.claim_shortages
         tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
         if len(counts) > MAX_TRACKED:
             counts.clear()
         delay = exc.delay or handbacks.shortage_backoff(tries)
-        log.warning("%s; claimed again in %.3gs", exc, delay,
-                    extra={"event": "claim_shortage", "handoff_id": handoff_id,
-                           "reason": exc.reason})
+        try:
+            kept = exc.claim is not None and not self.kept_claims.hand_back(exc, delay)
+        except Exception as again:  # (given up: the sweep hands it back)
+            self._work_failed(handoff_id, again)
+            return
+        extra = {"event": "claim_shortage", "handoff_id": handoff_id, "reason": exc.reason}
+        if kept:
+            log.warning("handoff %s: cannot be admitted for now (%s), nor handed back to "
+                        "pending/ for now: its claim is kept, uncounted, and handed back in "
+                        "%.3gs", handoff_id, exc.reason, delay, extra=extra)
+        else:
+            log.warning("%s; claimed again in %.3gs", exc, delay, extra=extra)
         self._backed_off(handoff_id, delay)
 
     def _backed_off(self, handoff_id: str, delay: float) -> None:

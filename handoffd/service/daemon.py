@@ -399,10 +399,12 @@ class Daemon(BatchEnd):
     def _late_wait(self, now: float) -> float:
         """A batch with nothing running or due: until when it waits for the Python handlers
         still running past attempts whose outcome is held (work under way: when one returns,
-        its retry runs in this batch). At most ``grace_seconds``, what a stop gives running
-        work: a handler that never returns must not hold a cron batch for ever; the batch's
-        stop then files what they kept. ``now`` or earlier: none is held, it may end."""
-        if not self.attempts.active:
+        its retry runs in this batch), and for claims kept for a hand-back that ran short
+        (:mod:`.shortclaims`: once back in pending/, run in this batch). At most
+        ``grace_seconds``, what a stop gives running work: a handler that never returns must
+        not hold a cron batch for ever; the batch's stop then files what they kept. ``now``
+        or earlier: none is held, it may end."""
+        if not self.attempts.active and not self.attempts.kept_claims:
             self._late_since = None
             return now
         if self._late_since is None:
@@ -465,7 +467,9 @@ class Daemon(BatchEnd):
         """The last of a stop, its claims still renewed until then: file what attempts whose
         Python handler still runs kept (their retry would start beside that handler: the
         nearer the process's end, the better), wait for those a handler that returned is
-        filing, then stop renewing leases."""
+        filing, then stop renewing leases. Claims kept for a hand-back that ran short are
+        handed back first (:meth:`.shortclaims.KeptClaims.release_all`)."""
+        self.report.errors += self.attempts.kept_claims.release_all()
         self.attempts.file_all_held()
         self.leases.stop()
         if self._count in self.engine.on_filed:
