@@ -14,6 +14,7 @@ from typing import Any, Callable, Collection, Iterator
 
 from ..core.documents import book, book_int
 from ..core.errors import DuplicateHandoff, InvalidTransition
+from ..core.memorystrikes import claim_out_of_memory
 from ..core.states import State
 from ..core.storage import HISTORY_LIMIT, LEASE_EXPIRED, ContextChange
 from ..core.timeutil import iso, utc_now
@@ -129,15 +130,23 @@ class MemoryBackend(FencedFiling, Backend):
 
     def _claim_locked(self, handoff_id: str, now: datetime, lease_seconds: float,
                       prepare: Callable[[Doc], None] | None) -> Claim | None:
+        """The claim of the pending ``handoff_id`` (called under the lock). A MemoryError
+        (copying or marking it) leaves it pending, untouched: a memory strike, the
+        ClaimShortage (or, at the strikes' bound, the UnreadableDocument) of
+        :func:`~handoffd.core.memorystrikes.claim_out_of_memory`, as on the file store."""
         entry = self._entries.get(handoff_id)
         if entry is None or entry.state is not State.PENDING:
             return None
-        doc = copy.deepcopy(entry.doc)
-        token = uuid.uuid4().hex
-        attempt = stamp_claimed(doc, token, now, lease_seconds)
-        if prepare is not None:
-            prepare(doc)  # raising leaves the handoff pending, untouched
-        entry.state, entry.doc, entry.token = State.IN_PROGRESS, copy.deepcopy(doc), token
+        try:
+            doc = copy.deepcopy(entry.doc)
+            token = uuid.uuid4().hex
+            attempt = stamp_claimed(doc, token, now, lease_seconds)
+            if prepare is not None:
+                prepare(doc)  # raising leaves the handoff pending, untouched
+            stored = copy.deepcopy(doc)
+        except MemoryError:
+            raise claim_out_of_memory(handoff_id, f"handoff {handoff_id} (pending)") from None
+        entry.state, entry.doc, entry.token = State.IN_PROGRESS, stored, token
         return Claim(handoff_id, doc, token, attempt)
 
     def _holds(self, claim: Claim) -> _Entry | None:

@@ -110,7 +110,10 @@ def claim_pending(engine: Admitting, handoff_id: str) -> tuple[Claim, Dialect] |
         if not set_aside(engine, handoff_id, State.IN_PROGRESS, exc.code, str(exc)):
             set_aside(engine, handoff_id, State.PENDING, exc.code, str(exc))
         return None
-    return None if claim is None else (claim, found[0])
+    if claim is None:
+        return None
+    memory_strikes.clear(handoff_id, "claim")  # (a MemoryError row ends: every store's claim)
+    return claim, found[0]
 
 
 def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,

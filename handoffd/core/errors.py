@@ -113,14 +113,18 @@ class UnreadableDocument(HandoffdError):
 
     ``code`` says why. ``claimable``: claiming it sets it aside with that code (an invalid
     document, which the claim re-reads with knowledge of half-written files); ``transient``: look
-    again later (an error that says "not now"). Neither: set it aside where it lies, unclaimed."""
+    again later (an error that says "not now"). Neither: set it aside where it lies, unclaimed.
+    ``shortage``: transient for want of descriptors (EMFILE, ENFILE, ENOMEM): looked at again
+    after the shortage back-off, not the store-outage one."""
 
     def __init__(self, message: str, *, handoff_id: str | None = None, code: str,
-                 claimable: bool = False, transient: bool = False) -> None:
+                 claimable: bool = False, transient: bool = False,
+                 shortage: bool = False) -> None:
         super().__init__(message, handoff_id=handoff_id)
         self.code = code
         self.claimable = claimable
-        self.transient = transient
+        self.transient = transient or shortage
+        self.shortage = shortage
 
 
 class DocumentNotReady(HandoffdError):
@@ -130,6 +134,33 @@ class DocumentNotReady(HandoffdError):
 # errnos of a passing shortage of descriptors or memory while claiming, admitting or importing
 # a handler (a spawn's list, with EAGAIN, is core.starts.SHORTAGES)
 SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+# the limit each passing shortage's errno runs into, in the words every line saying one uses
+# (core.starts.SHORTAGES is this table)
+SHORTAGE_LIMITS: dict[int, str] = {
+    errno.EMFILE: "the daemon's limit on open files, ulimit -n",
+    errno.ENFILE: "the system's limit on open files, fs.file-max",
+    errno.EAGAIN: "the limit on processes, ulimit -u (or a cgroup's pids.max)",
+    errno.ENOMEM: "the memory the daemon may use",
+}
+
+
+def is_shortage(exc: BaseException) -> bool:
+    """True for a passing shortage of descriptors or memory (an OSError of
+    :data:`SHORTAGE_ERRNOS`, a MemoryError): "not now", never "not this document"."""
+    return isinstance(exc, MemoryError) or (isinstance(exc, OSError)
+                                            and exc.errno in SHORTAGE_ERRNOS)
+
+
+def shortage_words(exc: BaseException) -> str:
+    """A passing shortage in the words every line saying one uses: "Too many open files
+    (EMFILE: the daemon's limit on open files, ulimit -n)", "out of memory (MemoryError)"."""
+    if not isinstance(exc, OSError):
+        return "out of memory (MemoryError)"
+    code = exc.errno or 0
+    reason = errno.errorcode.get(code, "OSError")
+    limit = SHORTAGE_LIMITS.get(code)
+    return f"{exc.strerror or exc} ({reason}: {limit})" if limit else \
+        f"{exc.strerror or exc} ({reason})"
 
 
 class ClaimShortage(DocumentNotReady):

@@ -12,9 +12,10 @@ import threading
 import time
 from collections import OrderedDict
 
-from .errors import ErrorCode, UnreadableDocument
+from .errors import ClaimShortage, ErrorCode, UnreadableDocument
 
-__all__ = ["MemoryStrikes", "memory_backoff", "memory_strikes", "out_of_memory"]
+__all__ = ["MemoryStrikes", "claim_out_of_memory", "memory_backoff", "memory_strikes",
+           "memory_wait", "out_of_memory"]
 
 # A MemoryError while reading (or admitting) a document within max_document_bytes says "not
 # now" (the daemon's memory is short, e.g. under a ulimit -v), not "never": the document stays
@@ -52,7 +53,7 @@ class MemoryStrikes:
             if now - until > MEMORY_FORGET_SECONDS:  # (until: the last strike's back-off end)
                 count, first = 0, now
             count += 1
-            wait = min(MEMORY_BACKOFF_SECONDS * 2 ** min(count - 1, 16), MEMORY_BACKOFF_MAX_SECONDS)
+            wait = memory_wait(count)
             self._rows[key] = (count, first, now + wait)
             while len(self._rows) > MEMORY_TRACKED:
                 self._rows.popitem(last=False)
@@ -80,6 +81,13 @@ class MemoryStrikes:
 memory_strikes = MemoryStrikes()
 
 
+def memory_wait(count: int) -> float:
+    """The memory back-off after ``count`` MemoryErrors in a row: MEMORY_BACKOFF_SECONDS,
+    doubling to MEMORY_BACKOFF_MAX_SECONDS."""
+    return min(MEMORY_BACKOFF_SECONDS * 2.0 ** min(max(count, 1) - 1, 16),
+               MEMORY_BACKOFF_MAX_SECONDS)
+
+
 def out_of_memory(handoff_id: str, where: str, stage: str = "read") -> UnreadableDocument:
     """The problem of a document (at ``where``) whose reading ran out of memory (a MemoryError
     at ``stage``): transient, read again after a back-off, until it has done so
@@ -94,6 +102,22 @@ def out_of_memory(handoff_id: str, where: str, stage: str = "read") -> Unreadabl
     return UnreadableDocument(f"{where} cannot be read now: out of memory (MemoryError, {times})",
                               handoff_id=handoff_id, code=ErrorCode.UNPROCESSABLE_DOCUMENT,
                               transient=True)
+
+
+def claim_out_of_memory(handoff_id: str, where: str | None = None
+                        ) -> ClaimShortage | UnreadableDocument:
+    """A MemoryError claiming ``handoff_id`` (reading, copying, marking or encoding it), counted
+    as a strike in the ``claim`` stage (:func:`out_of_memory`): the ClaimShortage to raise once
+    the store has undone the claim (the document in pending/ as it came, uncounted, claimed again
+    after the memory back-off); only at the strikes' bound the UnreadableDocument that sets it
+    aside. Every store's claim says it so (the file store's, the memory and PostgreSQL ones': a
+    MemoryError there once reached the worker's "unexpected error", with a traceback)."""
+    problem = out_of_memory(handoff_id, where or f"pending/{handoff_id}.json", "claim")
+    if not problem.transient:
+        return problem
+    return ClaimShortage(f"handoff {handoff_id}: cannot be claimed for now: {problem}; it "
+                         "stays in pending/, uncounted", handoff_id=handoff_id,
+                         reason="MemoryError", delay=memory_strikes.backoff(handoff_id))
 
 
 def memory_backoff(handoff_id: str) -> float:

@@ -14,6 +14,8 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from .errors import SHORTAGE_ERRNOS, shortage_words
+
 READ_STEP = 1 << 16
 
 
@@ -86,11 +88,30 @@ def open_folder(path: Path | str, *, make: bool = False) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
-def not_a_folder(path: Path | str, what: str) -> OSError:
+def not_a_folder(path: Path | str, what: str, exc: OSError | None = None) -> OSError:
     """The error for a records folder that is no plain folder of the workspace (a symlink planted
-    there would take reads, writes and removals outside it); ``what``: what is refused."""
+    there would take reads, writes and removals outside it); ``what``: what is refused. When
+    opening it failed for a passing shortage (``exc``: EMFILE, ENFILE, ENOMEM), that shortage,
+    with its errno, named as such: a folder is no symlink for want of a descriptor."""
+    if exc is not None and exc.errno in SHORTAGE_ERRNOS:
+        return OSError(exc.errno, f"cannot open it: {shortage_words(exc)}; {what} for now",
+                       os.fspath(path))
     return OSError(errno.ENOTDIR, f"not a folder of the workspace (a symlink?); {what}",
                    os.fspath(path))
+
+
+def folder_refusal(path: Path | str, exc: OSError | None, refused: str) -> str:
+    """The line for a folder of the workspace that cannot be used (``exc``: why opening it
+    failed), ``refused`` saying what is not done through it: "cannot open <path>: Too many open
+    files (EMFILE: the daemon's limit on open files, ulimit -n); <refused> for now" when it is
+    a passing shortage of descriptors or memory, else "<path> is not a folder of the workspace
+    (a symlink?): <refused> until it is one (<the error>)". The one wording for every such
+    line: a descriptor shortage was once called a symlink."""
+    if exc is not None and exc.errno in SHORTAGE_ERRNOS:
+        return f"cannot open {os.fspath(path)}: {shortage_words(exc)}; {refused} for now"
+    detail = f" ({exc.strerror or exc})" if exc is not None else ""
+    return (f"{os.fspath(path)} is not a folder of the workspace (a symlink?): {refused} until "
+            f"it is one{detail}")
 
 
 def _umask_now() -> int:

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from .documents import hostname
 from .hashing import hmac_sha256_hex, same_text
-from .ownfiles import open_folder, open_regular, read_regular
+from .ownfiles import folder_refusal, open_folder, open_regular, read_regular
 
 log = logging.getLogger("handoffd")
 
@@ -149,9 +149,8 @@ def records_folder(root: Path, *, create: bool = False) -> Iterator[int | None]:
     except OSError as exc:
         if str(folder) not in _refusals_said:
             _refusals_said.add(str(folder))
-            log.error("%s is not a folder of the workspace (a symlink?): no process record is "
-                      "read, written or removed there until it is one (%s)", folder,
-                      exc.strerror or exc)
+            log.error("%s", folder_refusal(folder, exc, "no process record is read, written "
+                                                       "or removed there"))
         fd = None
     else:
         _refusals_said.discard(str(folder))  # a folder again: a new refusal is said again

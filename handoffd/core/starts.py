@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from . import procrecords
-from .errors import ClaimShortage, HandlerError
+from .errors import SHORTAGE_LIMITS, ClaimShortage, HandlerError, shortage_words
 from .specialists import HandlerContext
 
 __all__ = ["NOT_STARTED", "SHORTAGES", "THREADS", "THREADS_LIMIT", "NotStarted",
@@ -28,12 +28,7 @@ log = logging.getLogger("handoffd")
 # so the claim is handed back uncounted and started again after a back-off
 # (:func:`handoffd.service.handbacks.hand_back_unstarted`); it once failed the handoff for good,
 # blamed on handoffd.toml (all 20 of a burst under `ulimit -n 16`)
-SHORTAGES: dict[int, str] = {
-    errno.EMFILE: "the daemon's limit on open files, ulimit -n",
-    errno.ENFILE: "the system's limit on open files, fs.file-max",
-    errno.EAGAIN: "the limit on processes, ulimit -u (or a cgroup's pids.max)",
-    errno.ENOMEM: "the memory the daemon may use",
-}
+SHORTAGES: dict[int, str] = SHORTAGE_LIMITS
 THREADS = "THREADS"  # the reason when a thread of the attempt could not be started
 THREADS_LIMIT = "the limit on processes and threads, ulimit -u, or memory"
 NOT_STARTED = "handoffd.not_started"  # the key of a :class:`NotStarted` in ctx.feature_state
@@ -54,9 +49,8 @@ def claim_shortage(handoff_id: str, exc: OSError, doing: str = "claimed") -> Cla
     admitted); its caller has the document back in pending/."""
     reason = errno.errorcode.get(exc.errno or 0, "OSError")
     return ClaimShortage(f"handoff {handoff_id}: cannot be {doing} for now: "
-                         f"{exc.strerror or exc} ({reason}: {SHORTAGES.get(exc.errno or 0, '')})"
-                         "; it stays in pending/, uncounted", handoff_id=handoff_id,
-                         reason=reason)
+                         f"{shortage_words(exc)}; it stays in pending/, uncounted",
+                         handoff_id=handoff_id, reason=reason)
 
 
 def started(ctx: HandlerContext) -> None:

@@ -33,7 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import ConfigError, ErrorCode, InvalidDocument
+from .errors import SHORTAGE_ERRNOS, ConfigError, ErrorCode, InvalidDocument
 from .hashing import sha256_hex
 from .ownfiles import open_folder, read_regular
 
@@ -173,7 +173,9 @@ class _Build:
             return None
         try:  # the folder itself not through a symlink either: nothing outside is read
             folder = open_folder(self.folder)
-        except OSError:
+        except OSError as exc:
+            if exc.errno in SHORTAGE_ERRNOS:  # no descriptor to spare: "not now", no config
+                raise  # error (the claim is handed back uncounted: admission's shortage)
             raise ConfigError(f"schemas/{name} is not read: schemas/ is not a plain folder of the "
                               "workspace (a symlink?)") from None
         try:
@@ -181,6 +183,8 @@ class _Build:
         except FileNotFoundError:
             return None  # gone since: its stamp changes, and the next use looks again
         except OSError as exc:
+            if exc.errno in SHORTAGE_ERRNOS:  # (as the folder's open: not the schema's fault)
+                raise
             raise ConfigError(_refusal(name, exc)) from None
         finally:
             os.close(folder)

@@ -344,18 +344,43 @@ class Attempts(HeldOutcomes):
 
     # ------------------------------------------------------------ tasks that run no specialist
     def reject(self, handoff_id: str, code: str, message: str) -> None:
-        """File ``handoff_id`` as failed with ``code`` unrun: a gate said so."""
+        """File ``handoff_id`` as failed with ``code`` unrun: a gate said so. A claim given up
+        for a passing shortage, or a document still being written, is met as :meth:`aside`
+        meets it (one warning line, looked at again after its back-off)."""
         try:
             self.engine.reject(handoff_id, code, message)  # counted by Daemon._count
+        except DocumentNotReady as exc:  # (ClaimShortage among them): still in pending/
+            self._work_failed(handoff_id, exc)
         except Exception:  # never lose the loop to one handoff; it stays pending
             log.exception("handoff %s: could not file gate failure", handoff_id)
+        else:
+            self._claimed_again(handoff_id)
 
     def aside(self, handoff_id: str, func: Callable[[Engine, str], State | None]) -> None:
-        """File ``handoff_id`` with ``func`` instead of a specialist (cancellation messages)."""
+        """File ``handoff_id`` with ``func`` instead of a specialist (cancellation messages).
+        A claim given up for a passing shortage (ClaimShortage), or a message still being
+        written, is what it is for :meth:`work`: one warning line, the message left in
+        pending/ and looked at again after its back-off (it once logged a traceback and waited
+        for the next rescan)."""
         try:
             func(self.engine, handoff_id)  # counted by Daemon._count
+        except DocumentNotReady as exc:  # (ClaimShortage among them): still in pending/
+            self._work_failed(handoff_id, exc)
         except Exception:  # never lose the loop to one handoff; it stays where it is
             log.exception("handoff %s: could not be handled", handoff_id)
+        else:
+            self._claimed_again(handoff_id)
+
+    def _claimed_again(self, handoff_id: str) -> None:
+        """``handoff_id``, given up for a shortage before, was handled since: its row of
+        shortages ends, and it is no hand-back of this run's any more."""
+        if self.claim_shortages:  # (almost always empty)
+            self.claim_shortages.pop(handoff_id, None)
+        if handoff_id in self.backed_off:
+            with self.cv:
+                if handoff_id in self.backed_off:
+                    self.backed_off.discard(handoff_id)
+                    self.report.handed_back -= 1
 
     def set_aside(self, handoff_id: str, code: str, message: str) -> None:
         """Set a pending document aside with ``code`` (the engine logs one line and files a

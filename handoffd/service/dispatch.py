@@ -12,15 +12,18 @@ import time
 from typing import Any, Callable
 
 from ..core.engine import Engine, Peek
-from ..core.memorystrikes import memory_backoff
+from ..core.errors import is_shortage, shortage_words
+from ..core.memorystrikes import memory_backoff, memory_wait
 from ..core.watchdog import TakenOver
 from .attempts import Attempts
+from .handbacks import shortage_backoff
 from .hooks import Hooks
 from .scheduler import RETRY_LOOK_SECONDS, Scheduler
 from .workers import WorkerPool
 
 log = logging.getLogger("handoffd")
 CHAIN_LOOKS = 4  # due handoffs a finishing worker looks at for its next task (chain)
+MAX_SHORTAGES = 10_000  # handoffs whose shortages in a row are counted (then the count starts over)
 # a task a worker runs: (pool token, function, handoff id, more arguments)
 Task = tuple[int, Callable[..., Any], str, tuple[Any, ...]]
 
@@ -42,6 +45,8 @@ class Dispatcher:
         self.batch = False  # a cron batch: no specialist for a handoff is not worth a warning
         self.transient_quiet_until = 0.0  # (say_transient: monotonic time of the next warning)
         self.transient_unsaid = 0
+        # handoff id -> passing shortages in a row reading or scheduling it (:meth:`short_of`)
+        self.shortages: dict[str, int] = {}
 
     # ------------------------------------------------------------ workers
     def submit(self, agent: str, func: Callable[..., Any], handoff_id: str, *args: Any) -> int:
@@ -113,13 +118,37 @@ class Dispatcher:
     # ------------------------------------------------------------ the rules
     def dispatch_safely(self, handoff_id: str, peek: Peek | None) -> None:
         """Per-item isolation: a handoff the scheduler chokes on is logged and looked at again
-        later; it never takes the loop down."""
+        later; it never takes the loop down. A passing shortage of descriptors or memory (a
+        gate reading a file, a worker's thread) is one warning line naming the limit, and the
+        shortage back-off; it once logged a traceback and "will look again in 5s"."""
         try:
             self.dispatch(handoff_id, peek)
-        except Exception:
+        except Exception as exc:
+            if is_shortage(exc):
+                self.short_of(handoff_id, f"cannot be scheduled for now: {shortage_words(exc)}",
+                              memory=isinstance(exc, MemoryError))
+                return
             log.exception("handoff %s: could not be scheduled; will look again in %ss",
                           handoff_id, RETRY_LOOK_SECONDS)
             self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
+            return
+        if self.shortages and peek is not None and peek.readable:  # (almost always empty)
+            self.shortages.pop(handoff_id, None)  # read and scheduled: the row ends
+
+    def short_of(self, handoff_id: str, problem: str, *, memory: bool) -> None:
+        """``handoff_id`` could not be read or scheduled for a passing shortage (``problem``
+        says so, in :func:`~handoffd.core.errors.shortage_words`' words): one warning line
+        (:meth:`say_transient`), and it is looked at again after the shortage back-off (1 s
+        doubling to a minute; the memory one for a MemoryError), no sooner whatever wakes the
+        daemon meanwhile; a batch waits it out as it does a claim shortage's. It stays in
+        pending/, nothing counted."""
+        tries = self.shortages[handoff_id] = self.shortages.get(handoff_id, 0) + 1
+        if len(self.shortages) > MAX_SHORTAGES:
+            self.shortages.clear()
+        delay = memory_wait(tries) if memory else shortage_backoff(tries)
+        delay = max(delay, memory_backoff(handoff_id))
+        self.say_transient(handoff_id, f"{problem}; it stays in pending/", delay)
+        self.scheduler.back_off(handoff_id, delay)
 
     def dispatch(self, handoff_id: str, peek: Peek | None) -> None:
         """Start, park or put off the due ``handoff_id`` (``peek``: what it was read as)."""
@@ -195,6 +224,9 @@ class Dispatcher:
                 self.scheduler.notify(handoff_id, self.settings.settle_seconds)
                 return
             problem = peek.problem
+        if problem.shortage:  # (no descriptor to spare reading it): the limit's back-off
+            self.short_of(handoff_id, str(problem), memory=False)
+            return
         if problem.transient:  # never set aside: a valid handoff must not fail for an outage
             # (out of memory: not before its back-off ends, which the scheduler would wait for)
             delay = max(RETRY_LOOK_SECONDS, memory_backoff(handoff_id))

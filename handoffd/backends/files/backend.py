@@ -27,7 +27,7 @@ from ...core import jsontext, ownfiles
 from ...core.documents import revision
 from ...core.errors import DuplicateHandoff, InvalidTransition, NotFound
 from ...core.logs import log
-from ...core.ownfiles import not_a_folder, open_folder
+from ...core.ownfiles import folder_refusal, not_a_folder, open_folder
 from ...core.states import State
 from ...core.storage import LOST, LiveStamp, Wakeup, trusted_doc
 from ...core.workspace import Workspace
@@ -324,9 +324,8 @@ class FilesBackend(FencedFiling, Backend):
         except OSError as exc:
             if not self._cancel_refusal_said:
                 self._cancel_refusal_said = True
-                log.error("%s is not a folder of the workspace (a symlink?): no cancel request "
-                          "is read, recorded or removed there until it is one (%s)",
-                          self._cancel_folder, exc.strerror or exc)
+                log.error("%s", folder_refusal(self._cancel_folder, exc, "no cancel request is "
+                                                                "read, recorded or removed there"))
             return None
         self._cancel_refusal_said = False  # a folder again: a new refusal is said again
         return fd
@@ -338,7 +337,7 @@ class FilesBackend(FencedFiling, Backend):
         except OSError as exc:
             if isinstance(exc, FileNotFoundError):
                 raise
-            raise not_a_folder(folder, "no cancel request can be recorded there") from None
+            raise not_a_folder(folder, "no cancel request can be recorded there", exc) from None
         try:
             tmp = fsio.write_temp(self.store.tmp, fsio.dump_json(request),
                                   durable=self.store.durable)

@@ -24,7 +24,7 @@ from ...core.errors import (
     InvalidDocument,
     UnreadableDocument,
 )
-from ...core.memorystrikes import memory_strikes, out_of_memory
+from ...core.memorystrikes import claim_out_of_memory, memory_strikes
 from ...core.states import State
 from . import fsio, reading
 from .crashpoints import crash_point
@@ -132,17 +132,14 @@ def short_of(handoff_id: str, exc: OSError) -> ClaimShortage:
 
 def _out_of_memory(handoff_id: str, src: Path, dst: Path) -> ClaimShortage | UnreadableDocument:
     """A MemoryError claiming ``handoff_id`` (reading, marking or encoding it), counted as a
-    strike as one reading it is (:func:`~handoffd.core.memorystrikes.out_of_memory`): put back
-    in pending/ with the memory back-off; only once the strikes' bound is reached is the
+    strike as one reading it is (:func:`~handoffd.core.memorystrikes.claim_out_of_memory`): put
+    back in pending/ with the memory back-off; only once the strikes' bound is reached is the
     UnreadableDocument returned, the document left in in-progress/ for the caller to set
     aside."""
-    problem = out_of_memory(handoff_id, f"pending/{handoff_id}.json", "claim")
-    if not problem.transient:
-        return problem
-    _put_back(dst, src)
-    return ClaimShortage(f"handoff {handoff_id}: cannot be claimed for now: {problem}; it "
-                         "stays in pending/, uncounted", handoff_id=handoff_id,
-                         reason="MemoryError", delay=memory_strikes.backoff(handoff_id))
+    problem = claim_out_of_memory(handoff_id)
+    if isinstance(problem, ClaimShortage):
+        _put_back(dst, src)
+    return problem
 
 
 def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: Path, dst: Path,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ...core.logs import log
+from ...core.ownfiles import folder_refusal
 from ...core.states import State
 from .leases import STAGED_OWNER_LOCK_NAME
 from .records import TEMP_NAME
@@ -115,10 +116,9 @@ def _opened(folder: Path, *, quiet: bool = False) -> Iterator[int | None]:
     except FileNotFoundError:
         yield None
         return
-    except OSError:  # ELOOP (a symlink), ENOTDIR (a file), EACCES
+    except OSError as exc:  # ELOOP (a symlink), ENOTDIR (a file), EACCES; EMFILE: no descriptor
         if not quiet:
-            log.error("sweep: %s is not a folder of the workspace (a symlink?); nothing in it is "
-                      "removed, and handoffd needs it to be one", folder)
+            log.error("sweep: %s", folder_refusal(folder, exc, "nothing in it is removed"))
         yield None
         return
     try:
@@ -136,9 +136,8 @@ def _plain_folder(folder: Path, *, quiet: bool = False) -> bool:
         return False
     if stat.S_ISDIR(mode):
         return True
-    if not quiet:
-        log.error("sweep: %s is not a folder of the workspace (a symlink?); nothing in it is "
-                  "removed, and handoffd needs it to be one", folder)
+    if not quiet:  # (an lstat: no descriptor to run short of)
+        log.error("sweep: %s", folder_refusal(folder, None, "nothing in it is removed"))
     return False
 
 

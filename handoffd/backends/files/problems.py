@@ -8,7 +8,13 @@ import os
 import stat
 from pathlib import Path
 
-from ...core.errors import ErrorCode, InvalidDocument, UnreadableDocument
+from ...core.errors import (
+    SHORTAGE_ERRNOS,
+    ErrorCode,
+    InvalidDocument,
+    UnreadableDocument,
+    shortage_words,
+)
 from ...core.memorystrikes import out_of_memory
 
 # errors that say "not now" rather than "never": a file hit by them is looked at again later,
@@ -33,6 +39,10 @@ def read_error(path: Path, exc: BaseException, handoff_id: str | None = None) ->
             kind = "socket" if stat.S_ISSOCK(mode) else "special file"
             return UnreadableDocument(f"{where} is a {kind}; documents must be regular files",
                                       handoff_id=handoff_id, code=ErrorCode.NOT_A_REGULAR_FILE)
+        if exc.errno in SHORTAGE_ERRNOS:  # no descriptor (or memory) to spare: the limit named
+            return UnreadableDocument(f"{where} cannot be read for now: {shortage_words(exc)}",
+                                      handoff_id=handoff_id, code=ErrorCode.UNREADABLE_FILE,
+                                      shortage=True)
         name = errno.errorcode.get(exc.errno or 0, "error")
         return UnreadableDocument(f"{where} cannot be read: {exc.strerror or exc} ({name})",
                                   handoff_id=handoff_id, code=ErrorCode.UNREADABLE_FILE,

@@ -22,11 +22,12 @@ import psycopg
 
 from ...core.documents import BOOK, book, book_int
 from ...core.errors import InvalidDocument
+from ...core.memorystrikes import claim_out_of_memory
 from ...core.states import State
 from ..base import Claim, Doc, lease_block, stamp_claimed
 from .connection import Conn, Presence
 from .records import StoreBase, T, encode
-from .values import document
+from .values import document, loaded
 from .values import unreadable as unreadable_doc
 
 MAX_GIVEN_UP = 10_000  # given-up tokens remembered (a full disk gives up many at once)
@@ -169,7 +170,7 @@ class Claiming(ClaimOwner):
                 return None
             handoff_id, raw, created_at, value, size = got
             try:
-                doc = document(value, handoff_id, State.PENDING.value, size)
+                doc = document(loaded(value), handoff_id, State.PENDING.value, size)
                 self._check_request(doc, size, handoff_id)
             except InvalidDocument as exc:  # rolled back: still pending, for the caller to set
                 raise unreadable_doc(exc, handoff_id) from None  # aside (as Engine.claim does)
@@ -187,7 +188,13 @@ class Claiming(ClaimOwner):
             self._event(conn, handoff_id, doc, State.IN_PROGRESS, "claimed")
             return Claim(handoff_id, doc, token, attempt, raw=bool(raw))
 
-        claim = self.db.run(op)
+        try:
+            claim = self.db.run(op)
+        except MemoryError:  # (loading, marking or encoding it): rolled back, still pending
+            where = params.get("id")
+            if not isinstance(where, str):  # (claim_next: which row is not known here)
+                raise
+            raise claim_out_of_memory(where, f"handoff {where} (pending)") from None
         if claim is not None:
             self._wrote(claim.id, token, expires)
         return claim

@@ -22,7 +22,7 @@ from ...core.states import State
 from ...core.storage import LiveStamp
 from ..base import Doc, Meta, Order, Row, Rows, Where
 from .records import StoreBase, T
-from .values import document
+from .values import document, loaded
 from .values import unreadable as unreadable_doc
 
 NAMES = ("id", "state", "doc", "target", "priority", "conversation", "parent", "due_at",
@@ -194,7 +194,7 @@ class Reading(StoreBase):
         if found is None:
             return None
         try:
-            doc = document(found[0], handoff_id, State.PENDING.value, found[1])
+            doc = document(loaded(found[0]), handoff_id, State.PENDING.value, found[1])
             self._check_request(doc, found[1], handoff_id)
             return doc
         except InvalidDocument as exc:  # the daemon sets it aside where it lies, once

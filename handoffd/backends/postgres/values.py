@@ -39,6 +39,7 @@ class Unloadable:
 
     code: str
     reason: str
+    memory: bool = False  # the loader ran out of memory: "not now" (see :func:`loaded`)
 
 
 class SafeJsonLoader(Loader):
@@ -58,7 +59,8 @@ class SafeJsonLoader(Loader):
             return Unloadable(exc.code, str(exc))
         except Exception as exc:  # a reader choking in a way load_json does not foresee
             return Unloadable(ErrorCode.UNPROCESSABLE_DOCUMENT,
-                              f"the stored JSON could not be loaded: {type(exc).__name__}")
+                              f"the stored JSON could not be loaded: {type(exc).__name__}",
+                              memory=isinstance(exc, MemoryError))
 
 
 UTC_MIN = datetime.min.replace(tzinfo=timezone.utc)
@@ -148,6 +150,15 @@ def document(value: Any, handoff_id: Any, state: str, size: int | None = None) -
     if state == "pending" and nesting_depth(value, MAX_DEPTH) > MAX_DEPTH:
         raise InvalidDocument(f"{where}: the stored document nests more than {MAX_DEPTH} levels "
                               "deep", handoff_id=handoff_id, code=ErrorCode.DOCUMENT_TOO_DEEP)
+    return value
+
+
+def loaded(value: Any) -> Any:
+    """``value`` as fetched, raising the MemoryError its loader met (an :class:`Unloadable`
+    saying so): a pending row read to claim or route it is then "not now", a memory strike
+    (:mod:`handoffd.core.memorystrikes`), never a document set aside as unprocessable."""
+    if isinstance(value, Unloadable) and value.memory:
+        raise MemoryError(value.reason)
     return value
 
 
