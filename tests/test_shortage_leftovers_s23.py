@@ -267,6 +267,37 @@ def test_a_shortage_scheduling_is_one_line_with_its_back_off(
     assert report.completed == 1 and report.errors == 0, report
 
 
+def test_no_worker_thread_to_start_is_one_line_and_the_handoff_runs_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Under a process or thread limit (ulimit -u, pids.max) a worker thread cannot start:
+    the pool's RuntimeError reached the dispatch's log.exception (a traceback, "will look
+    again in 5s"), and its task stayed queued to run, slotless, beside later ones."""
+    import threading
+
+    from handoffd.service import workers
+    engine, _backend = memory_engine(tmp_path, Clock(), {"@ok": ok})
+    engine.submit(_request("t1"))
+    real_start = threading.Thread.start
+    refused: list[str] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith("handoffd-worker") and not refused:
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(workers.threading.Thread, "start", start)
+    caplog.set_level(logging.INFO, "handoffd")
+    report = Daemon(engine, workers=2, watch=False).run_batch()
+    assert refused, "no worker thread was refused"
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    said = _look_again(caplog)
+    assert len(said) == 1 and "t1: cannot be scheduled for now" in said[0], said
+    assert "EAGAIN" in said[0] and "ulimit -u" in said[0], said
+    assert report.completed == 1 and report.errors == 0, report
+    assert engine.get("t1")[1]["handoffd"]["attempt"] == 1
+
+
 # ---------------------------------------------------------------- item 4: folders, descriptors
 
 

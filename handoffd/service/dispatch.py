@@ -7,6 +7,7 @@ when a finishing worker asks (:meth:`Dispatcher.chain`), straight to that worker
 """
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from typing import Any, Callable
@@ -124,7 +125,8 @@ class Dispatcher:
         try:
             self.dispatch(handoff_id, peek)
         except Exception as exc:
-            if is_shortage(exc):
+            if is_shortage(exc) or (isinstance(exc, OSError) and exc.errno == errno.EAGAIN):
+                # (EAGAIN: no worker thread could be started, the pool's word for it)
                 self.short_of(handoff_id, f"cannot be scheduled for now: {shortage_words(exc)}",
                               memory=isinstance(exc, MemoryError))
                 return

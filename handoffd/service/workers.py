@@ -10,6 +10,7 @@ returns does not keep the process from exiting, as its own thread did before.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -32,22 +33,29 @@ class WorkerPool:
         self._closed = False
 
     def submit(self, func: Callable[..., Any], *args: Any) -> None:
-        """Run ``func(*args)`` on an idle thread, or on a new one (RuntimeError once shut down)."""
+        """Run ``func(*args)`` on an idle thread, or on a new one (RuntimeError once shut down).
+        When no thread can be started (the process or thread limit: ``ulimit -u``, a cgroup's
+        ``pids.max``), OSError EAGAIN, and the task is not queued: the caller gives its slot
+        back and looks again later. (It once stayed queued for the next thread to fall idle,
+        to run beside tasks dispatched into the slot it gave back.)"""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the worker pool is shut down")
-            self._tasks.put((func, args))
             if self._idle:
                 self._idle -= 1  # one idle thread is taken by this task
+                self._tasks.put((func, args))
                 return
             self._started += 1
             number = self._started
         try:
             threading.Thread(target=self._serve, name=f"{self.name}_{number}", daemon=True).start()
-        except BaseException:
-            with self._lock:  # the task stays queued for the next thread that falls idle
+        except BaseException as exc:
+            with self._lock:
                 self._started -= 1
+            if isinstance(exc, RuntimeError):  # "can't start new thread"
+                raise OSError(errno.EAGAIN, f"cannot start a worker thread ({exc})") from None
             raise
+        self._tasks.put((func, args))  # (the new thread, or any that fell idle since, takes it)
 
     def shutdown(self) -> None:
         """Take no more tasks; idle threads end, busy ones when their task returns."""
