@@ -122,18 +122,17 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     filed as failed, or handed back (nobody here runs it). ``arrived``: see
     :meth:`Engine.take <handoffd.core.engine.Engine.take>`."""
     doc, handoff_id = claim.doc, claim.id  # (its name was checked before the claim)
-    if claim.raw:  # a document from a foreign producer
-        if engine.backend.seen_contains(handoff_id, now):
-            set_aside_claim(engine, claim, ErrorCode.DUPLICATE_HANDOFF_ID,
-                            f"handoff id {handoff_id} was already used recently; "
-                            "a second document never re-runs the first")
+    try:  # any passing shortage met admitting it (the seen-ids record, a schema file): "not
+        # now", the claim handed back uncounted. The seen-ids record's once escaped to the
+        # worker's error path: left claimed, recovered as a crash, an attempt charged
+        if claim.raw and not _first_use(engine, claim, now):
             return None
-        engine.backend.seen_add(handoff_id, now)
-    try:
         envelope = _envelope(engine, claim, dialect, now)
-    except OSError as exc:  # (loading a schema file; a MemoryError has its strikes: _envelope)
+    except OSError as exc:  # (a MemoryError reading the document has its strikes: _envelope)
         if exc.errno not in SHORTAGE_ERRNOS:
             raise
+        raise _short_at_admission(engine, claim, dialect, exc) from None
+    except MemoryError as exc:  # (the seen-ids record's: not the document's fault)
         raise _short_at_admission(engine, claim, dialect, exc) from None
     if envelope is None:
         return None
@@ -163,10 +162,22 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
 
 
+def _first_use(engine: Admitting, claim: Claim, now: datetime) -> bool:
+    """A foreign producer's document (no bookkeeping of ours): True when its id was not used
+    recently, and it is recorded as used now; else it is set aside (False)."""
+    if engine.backend.seen_contains(claim.id, now):
+        set_aside_claim(engine, claim, ErrorCode.DUPLICATE_HANDOFF_ID,
+                        f"handoff id {claim.id} was already used recently; "
+                        "a second document never re-runs the first")
+        return False
+    engine.backend.seen_add(claim.id, now)
+    return True
+
+
 def _short_at_admission(engine: Admitting, claim: Claim, dialect: Dialect,
-                        exc: OSError) -> ClaimShortage:
-    """A claim whose admission ran short of descriptors (loading a schema file): the
-    ClaimShortage saying so (the worker backs off), carrying the claim, still held, for
+                        exc: OSError | MemoryError) -> ClaimShortage:
+    """A claim whose admission ran short of descriptors or memory (the seen-ids record, a
+    schema file): the ClaimShortage saying so (the worker backs off), carrying the claim, still held, for
     whoever takes it to hand back uncounted (:func:`hand_back_short`; a daemon's worker keeps
     it when that write runs short too). It once stayed leased in in-progress/ as an error: a
     batch left it there, and its recovery counted an attempt and took the specialist for a

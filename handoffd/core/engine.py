@@ -35,6 +35,7 @@ from .errors import (
     InvalidDocument,
     NotFound,
     UnreadableDocument,
+    is_shortage,
 )
 from .filing import (
     MAX_THROTTLE_SECONDS,
@@ -50,6 +51,8 @@ from .jobs import Job, Peek, out_of_reach, unreadable
 from .logs import log
 from .results import ERROR_TYPES, JobChecks, conclude, failed, read_result
 from .specialists import Registry, Specialist
+from .starts import check_shortage
+from .starts import started as started_now
 from .states import State
 from .storage import Backend, Claim, Doc
 from .submission import (
@@ -314,7 +317,7 @@ class Engine:
                 resumed = resumer(job, started)
                 if resumed is not None:
                     return resumed  # as it stands: no after_run checks
-            self.checks.check_input(job)
+            self._check_before_start(job)
             for hook in self.hooks.before_run:
                 hook(job)
             # only once its handler starts is the claim a start (the event log's `claimed`, its
@@ -352,6 +355,21 @@ class Engine:
             self._started_unless_short(job)
         return conclude(job, outcome, started, self.hooks.after_run)
 
+    def _check_before_start(self, job: Job) -> None:
+        """The job's input checked, and the schemas its result will be checked against loaded,
+        before its handler starts. A passing shortage loading one (descriptors, memory) is a
+        start shortage: the attempt is handed back uncounted (an EMFILE reading the specialist's
+        input schema once left the claim in in-progress/, charged as a crash by the next
+        process; one loading its output schema failed the handler's result for good)."""
+        try:
+            self.checks.check_input(job)
+            self.checks.load_output_schemas(job)
+        except (OSError, MemoryError) as exc:
+            if not is_shortage(exc):
+                raise
+            raise check_shortage(job.context, f"{job.specialist.agent}'s handler",
+                                 "loading its schemas", exc) from None
+
     def _started_unless_short(self, job: Job) -> None:
         """The handler ran (or failed to as its own fault), though the runner did not say when
         it started (an isolated run, a command refused before its spawn): say so now, unless a
@@ -372,6 +390,14 @@ class Engine:
         except (HandlerError, InvalidDocument, ConfigError):
             raise
         except Exception as exc:
+            if isinstance(exc, (OSError, MemoryError)) and is_shortage(exc):
+                # not the result's fault: handed back uncounted, its handler run again (its
+                # schemas were loaded before the run: only one edited since, or a MemoryError
+                # checking a large output, comes here); its start was under way
+                started_now(job.context)  # (an isolated run's is told after: told here)
+                raise check_shortage(job.context, f"the check of {job.specialist.agent}'s "
+                                     "result (its handler runs again)", "checking it",
+                                     exc) from None
             log.debug("handoff %s: its result defeated the checks", job.handoff_id, exc_info=True)
             return self.failure(started, ErrorCode.PROCESSING_ERROR,
                                 f"handoff {job.handoff_id}: the handler's result cannot be used "

@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .documents import Envelope, Outcome
-from .errors import ErrorCode, InvalidDocument
+from .errors import ErrorCode, InvalidDocument, is_shortage
 from .hooks import Hooks
 from .jobs import Job
 from .logs import log
@@ -219,6 +219,23 @@ class JobChecks:
                     errors=[{"field": field_name, "error": f"no schema {named}"}]),
                     key=f"missing {field_name} {named}")
         return missing
+
+    def load_output_schemas(self, job: Job) -> None:
+        """Load (compile) the schemas :meth:`check_output` will check the job's result against,
+        before its handler runs: a passing shortage of descriptors or memory loading one
+        raises then, when the attempt can still be handed back without a run. Anything else
+        wrong with one is left for :meth:`check_output` to say, as it always did."""
+        named = {job.specialist.config.output_schema, job.envelope.output_schema}
+        inline = job.envelope.expected_output_schema
+        try:
+            for name in sorted(filter(None, named)):
+                if self.schemas.has(name):
+                    self.schemas.validator(name)
+            if inline:
+                self.schemas.for_schema("inline:" + job.handoff_id, inline)
+        except Exception as exc:
+            if is_shortage(exc):
+                raise
 
     def check_output(self, job: Job, result: dict[str, Any]) -> None:
         """A result's output against the specialist's output schema (always enforced) and those

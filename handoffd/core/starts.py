@@ -18,8 +18,8 @@ from .errors import SHORTAGE_LIMITS, ClaimShortage, HandlerError, shortage_words
 from .specialists import HandlerContext
 
 __all__ = ["NOT_STARTED", "SHORTAGES", "THREADS", "THREADS_LIMIT", "NotStarted",
-           "forget_record", "not_started", "shortage", "shown_error", "start_threads",
-           "started"]
+           "check_shortage", "forget_record", "not_started", "shortage", "shown_error",
+           "start_threads", "started"]
 
 log = logging.getLogger("handoffd")
 
@@ -43,11 +43,13 @@ class NotStarted:
     message: str
 
 
-def claim_shortage(handoff_id: str, exc: OSError, doing: str = "claimed") -> ClaimShortage:
+def claim_shortage(handoff_id: str, exc: OSError | MemoryError,
+                   doing: str = "claimed") -> ClaimShortage:
     """The claim of ``handoff_id`` given up for ``exc``, a passing shortage of descriptors or
-    memory (:data:`~.errors.SHORTAGE_ERRNOS`) met while it was being ``doing`` (claimed,
-    admitted); its caller has the document back in pending/."""
-    reason = errno.errorcode.get(exc.errno or 0, "OSError")
+    memory (:data:`~.errors.SHORTAGE_ERRNOS`, a MemoryError) met while it was being ``doing``
+    (claimed, admitted); its caller has the document back in pending/."""
+    reason = "MemoryError" if isinstance(exc, MemoryError) else \
+        errno.errorcode.get(exc.errno or 0, "OSError")
     return ClaimShortage(f"handoff {handoff_id}: cannot be {doing} for now: "
                          f"{shortage_words(exc)}; it stays in pending/, uncounted",
                          handoff_id=handoff_id, reason=reason)
@@ -78,6 +80,16 @@ def shortage(ctx: HandlerContext, what: str, reason: str, why: str, limit: str) 
     ctx.handback = True
     return HandlerError(message, handoff_id=ctx.handoff_id, retryable=True,
                         details={"cannot_start": reason})
+
+
+def check_shortage(ctx: HandlerContext, what: str, doing: str,
+                   exc: OSError | MemoryError) -> HandlerError:
+    """:func:`shortage` for ``exc``, a passing shortage of descriptors or memory met ``doing``
+    a check of the attempt (loading a schema): not the document's fault nor the result's."""
+    code = errno.ENOMEM if isinstance(exc, MemoryError) else (exc.errno or errno.ENOMEM)
+    words = "out of memory" if isinstance(exc, MemoryError) else (exc.strerror or str(exc))
+    return shortage(ctx, what, errno.errorcode.get(code, "OSError"), f"{words} {doing}",
+                    SHORTAGES.get(code, SHORTAGES[errno.ENOMEM]))
 
 
 def forget_record(ctx: HandlerContext, token: str) -> None:
