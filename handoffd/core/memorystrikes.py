@@ -30,12 +30,16 @@ MEMORY_BACKOFF_SECONDS = 5.0
 MEMORY_BACKOFF_MAX_SECONDS = 60.0
 MEMORY_FORGET_SECONDS = 900.0  # a strike this long after the last one starts a new row
 MEMORY_TRACKED = 10_000  # documents whose strikes are kept (the oldest forgotten first)
+# the stages of a pending document's reading, whose back-off the scheduler waits out (a store's
+# recovery, taking an abandoned claim over, has a stage of its own: "recover")
+PENDING_STAGES = ("read", "claim", "admit")
 
 
 class MemoryStrikes:
     """The MemoryErrors in a row met reading each document, by (handoff id, stage): ``read``
     (reading pending/ to route it), ``claim`` (reading it as it is claimed: the claim is put
-    back) or ``admit`` (validating a claimed one). One per process:
+    back), ``admit`` (validating a claimed one) or ``recover`` (a store's sweep taking an
+    abandoned claim over: left for a later sweep). One per process:
     the readers that meet them (a backend's, the engine's) share nothing else. Thread-safe."""
 
     def __init__(self) -> None:
@@ -65,15 +69,14 @@ class MemoryStrikes:
             with self._lock:
                 self._rows.pop((handoff_id, stage), None)
 
-    def backoff(self, handoff_id: str) -> float:
-        """Seconds until ``handoff_id``, which ran out of memory, is read again (0: now)."""
+    def backoff(self, handoff_id: str, stages: tuple[str, ...] = PENDING_STAGES) -> float:
+        """Seconds until ``handoff_id``, which ran out of memory (at one of ``stages``), is
+        read again (0: now)."""
         if not self._rows:
             return 0.0
         now = self.clock()
         with self._lock:
-            until = max((self._rows[key][2] for key in ((handoff_id, "read"),
-                                                        (handoff_id, "claim"),
-                                                        (handoff_id, "admit"))
+            until = max((self._rows[key][2] for key in ((handoff_id, stage) for stage in stages)
                          if key in self._rows), default=now)
         return max(until - now, 0.0)
 

@@ -13,6 +13,7 @@ renewal, and the fenced release through which ``finish`` and ``requeue`` end a c
 """
 from __future__ import annotations
 
+import errno
 import threading
 import uuid
 from datetime import datetime, timedelta
@@ -20,7 +21,7 @@ from typing import Any, Callable, Collection
 
 import psycopg
 
-from ...core.documents import BOOK, book, book_int
+from ...core.documents import BOOK, book
 from ...core.errors import InvalidDocument
 from ...core.memorystrikes import claim_out_of_memory
 from ...core.states import State
@@ -41,6 +42,16 @@ PRESENCE_LOST_REASON = (
 
 RENEW_WAIT_FRACTION = 0.1  # of a lease: how long a renewal waits for its row's lock
 RENEW_WAIT_MAX = 2.0  # seconds, at most
+
+
+class _ShortInClaim(Exception):
+    """A MemoryError inside a claim's transaction, before its commit (so rolled back: the row
+    still pending), carried out of :meth:`Database.run` apart from one after the commit;
+    ``handoff_id``: the row chosen (None: claim-next had chosen none yet)."""
+
+    def __init__(self, handoff_id: str | None) -> None:
+        super().__init__(handoff_id)
+        self.handoff_id = handoff_id
 
 
 class LeaseBusy(OSError):
@@ -141,63 +152,127 @@ class Claiming(ClaimOwner):
     def _claim(self, pick: str, params: dict[str, Any], now: datetime, lease_seconds: float,
                prepare: Callable[[Doc], None] | None) -> Claim | None:
         """The claim statement (``pick`` chooses and locks the row), then the claimed document,
-        written in the same transaction: ``prepare`` raising leaves the handoff pending."""
+        written in the same transaction: ``prepare`` raising leaves the handoff pending. A
+        MemoryError before the commit is a memory strike (the row rolled back, still pending:
+        :func:`~handoffd.core.memorystrikes.claim_out_of_memory`); one after it (committing,
+        returning the connection) never is: see :meth:`_after_commit`."""
         token = uuid.uuid4().hex
         expires = now + timedelta(seconds=lease_seconds)
         self._present()
         if not self.present_for_sure():  # it would be fenced at once (the presence logs why)
             return None
+        values = {**params, "token": token, "expires": expires, "now": now,
+                  "owner": self.owner_key}
+        built: list[Claim] = []  # the claim the last try that got to its commit built
+        chosen: list[str] = []  # the row each try chose (claim-next: known once it is locked)
 
         def op(conn: Conn, retried: bool) -> Claim | None:
-            if retried:  # did the try that lost its connection commit our claim?
-                mine = conn.execute(f"SELECT id, doc FROM {T} WHERE state = 'in-progress' AND "
-                                    "lease_token = %s", (token,)).fetchone()
-                if mine is not None:
-                    held = document(mine[1], mine[0], "in-progress")  # (we wrote it)
-                    return Claim(mine[0], held, token, book_int(held, "attempt", 1))
-            # the gate again at each try: one retried after the database came back would
-            # otherwise claim before this process's presence session is back (its handler
-            # started, to be stopped at once by the lease keeper: a wasted, counted attempt)
-            if not self.present_for_sure():
-                return None
-            got = conn.execute(
-                f"UPDATE {T} SET state = 'in-progress', lease_token = %(token)s, "
-                f"lease_expires_at = %(expires)s, lease_owner = %(owner)s WHERE id = ({pick}) "
-                f"RETURNING id, raw, created_at, {self._doc()}",
-                {**params, "token": token, "expires": expires, "now": now,
-                 "owner": self.owner_key}).fetchone()
-            if got is None:
-                return None
-            handoff_id, raw, created_at, value, size = got
+            if retried:  # did the try that lost its connection commit our claim? (a
+                # MemoryError asking is no "still pending": _after_commit asks again)
+                if conn.execute(f"SELECT 1 FROM {T} WHERE state = 'in-progress' AND "
+                                "lease_token = %s", (token,)).fetchone() is not None:
+                    return self._committed(token, built)  # (ours, as we wrote it: not re-read)
             try:
-                doc = document(loaded(value), handoff_id, State.PENDING.value, size)
-                self._check_request(doc, size, handoff_id)
-            except InvalidDocument as exc:  # rolled back: still pending, for the caller to set
-                raise unreadable_doc(exc, handoff_id) from None  # aside (as Engine.claim does)
-            if raw:  # a document from a file: whatever bookkeeping it carried is not ours
-                doc[BOOK] = {}
-            attempt = stamp_claimed(doc, token, now, lease_seconds)
-            if prepare is not None:
-                prepare(doc)  # raising rolls the transaction back: still pending, untouched
-            columns = self._columns(doc, created_at)
-            conn.execute(
-                f"UPDATE {T} SET doc = %(doc)s::json, raw = false, target = %(target)s, "
-                "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
-                "updated_at = %(updated_at)s WHERE id = %(id)s AND lease_token = %(token)s",
-                {**columns, "doc": encode(doc, strict=False), "id": handoff_id, "token": token})
-            self._event(conn, handoff_id, doc, State.IN_PROGRESS, "claimed")
-            return Claim(handoff_id, doc, token, attempt, raw=bool(raw))
+                return self._claim_row(conn, pick, values, lease_seconds, prepare, built,
+                                       chosen)
+            except MemoryError:  # before the commit: rolled back, the row still pending
+                raise _ShortInClaim(chosen[-1] if chosen else params.get("id")) from None
 
         try:
             claim = self.db.run(op)
-        except MemoryError:  # (loading, marking or encoding it): rolled back, still pending
-            where = params.get("id")
-            if not isinstance(where, str):  # (claim_next: which row is not known here)
-                raise
-            raise claim_out_of_memory(where, f"handoff {where} (pending)") from None
+        except _ShortInClaim as short:
+            raise self._out_of_memory(short.handoff_id) from None
+        except MemoryError:  # after a try got to its commit: did the commit hold?
+            claim = self._after_commit(token, built, params.get("id"))
         if claim is not None:
-            self._wrote(claim.id, token, expires)
+            try:
+                self._wrote(claim.id, token, expires)
+            except MemoryError:  # (only times our own sweep's watch; each renewal records it)
+                pass
         return claim
+
+    def _claim_row(self, conn: Conn, pick: str, values: dict[str, Any], lease_seconds: float,
+                   prepare: Callable[[Doc], None] | None, built: list[Claim],
+                   chosen: list[str]) -> Claim | None:
+        """One try of :meth:`_claim` in its transaction: the row ``pick`` chooses, claimed
+        (its id appended to ``chosen`` once known) and its claimed document written; the
+        Claim (appended to ``built``), or None when there is nothing to claim."""
+        now, token = values["now"], values["token"]
+        # the gate again at each try: one retried after the database came back would
+        # otherwise claim before this process's presence session is back (its handler
+        # started, to be stopped at once by the lease keeper: a wasted, counted attempt)
+        if not self.present_for_sure():
+            return None
+        got = conn.execute(
+            f"UPDATE {T} SET state = 'in-progress', lease_token = %(token)s, "
+            f"lease_expires_at = %(expires)s, lease_owner = %(owner)s WHERE id = ({pick}) "
+            f"RETURNING id, raw, created_at, {self._doc()}", values).fetchone()
+        if got is None:
+            return None
+        handoff_id, raw, created_at, value, size = got
+        chosen.append(handoff_id)
+        try:
+            doc = document(loaded(value), handoff_id, State.PENDING.value, size)
+            self._check_request(doc, size, handoff_id)
+        except InvalidDocument as exc:  # rolled back: still pending, for the caller to set
+            raise unreadable_doc(exc, handoff_id) from None  # aside (as Engine.claim does)
+        if raw:  # a document from a file: whatever bookkeeping it carried is not ours
+            doc[BOOK] = {}
+        attempt = stamp_claimed(doc, token, now, lease_seconds)
+        if prepare is not None:
+            prepare(doc)  # raising rolls the transaction back: still pending, untouched
+        columns = self._columns(doc, created_at)
+        conn.execute(
+            f"UPDATE {T} SET doc = %(doc)s::json, raw = false, target = %(target)s, "
+            "priority = %(priority)s, conversation = %(conversation)s, parent = %(parent)s, "
+            "updated_at = %(updated_at)s WHERE id = %(id)s AND lease_token = %(token)s",
+            {**columns, "doc": encode(doc, strict=False), "id": handoff_id, "token": token})
+        self._event(conn, handoff_id, doc, State.IN_PROGRESS, "claimed")
+        claim = Claim(handoff_id, doc, token, attempt, raw=bool(raw))
+        built.append(claim)
+        return claim
+
+    def _committed(self, token: str, built: list[Claim]) -> Claim | None:
+        """Our claim ``token``, found committed: the one the try that committed built (its
+        document is what it wrote). None, the token given up (our sweep hands the row back
+        uncounted once its lease ends), if no try got that far (which a commit needs)."""
+        if built and built[-1].token == token:
+            return built[-1]
+        self._give_up(token)
+        return None
+
+    def _after_commit(self, token: str, built: list[Claim],
+                      handoff_id: str | None) -> Claim | None:
+        """A MemoryError after a try of :meth:`_claim` left its transaction (committing,
+        returning the connection to the pool), or while asking whether a lost try committed:
+        the claim when the row says it committed (held, recorded and renewed as any other: it
+        once raised a ClaimShortage, "stays in pending/", with the row leased in-progress that
+        nobody renewed, and its recovery charged an attempt); else, rolled back, the memory
+        strike. When even asking fails, the token is given up (if it did commit, this
+        process's sweep hands it back uncounted once its lease ends) and the strike raised."""
+        if not built:  # no try got to its commit: nothing of ours was written
+            raise self._out_of_memory(handoff_id)
+        try:
+            mine = self.db.run(lambda conn, _: conn.execute(
+                f"SELECT 1 FROM {T} WHERE state = 'in-progress' AND lease_token = %s",
+                (token,)).fetchone())
+        except (MemoryError, OSError):
+            self._give_up(token)
+            raise self._out_of_memory(built[-1].id) from None
+        if mine is None:
+            raise self._out_of_memory(built[-1].id)
+        return self._committed(token, built)
+
+    @staticmethod
+    def _out_of_memory(handoff_id: str | None) -> Exception:
+        """What a claim whose transaction ran out of memory (rolled back) raises: the memory
+        strike of ``handoff_id`` (:func:`~handoffd.core.memorystrikes.claim_out_of_memory`);
+        when no row was chosen yet (claim-next), an OSError ENOMEM, a passing shortage of the
+        store's (no document's to strike, nothing claimed)."""
+        if handoff_id is None:
+            return OSError(errno.ENOMEM, "out of memory (MemoryError) claiming the next "
+                           "pending handoff; nothing was claimed")
+        return claim_out_of_memory(handoff_id, f"handoff {handoff_id} (pending)")
 
     def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
         """See :meth:`Backend.renew`. LeaseBusy (an OSError: not renewed this round, the lease
@@ -287,7 +362,11 @@ class Claiming(ClaimOwner):
         claim this process gave up (handed back, not charged as a crash: see
         :data:`~handoffd.core.storage.GIVEN_UP`) once this process's own sweep takes it."""
         if claim.token is not None:
-            with self._presence_lock:
-                if len(self._given_up) >= MAX_GIVEN_UP:  # (each is taken over within a lease)
-                    self._given_up.clear()
-                self._given_up.add(claim.token)
+            self._give_up(claim.token)
+
+    def _give_up(self, token: str) -> None:
+        """The claim ``token`` is given up by this process (see :meth:`abandon`)."""
+        with self._presence_lock:
+            if len(self._given_up) >= MAX_GIVEN_UP:  # (each is taken over within a lease)
+                self._given_up.clear()
+            self._given_up.add(token)

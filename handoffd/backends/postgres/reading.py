@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any, Collection
 
 from ...core.documents import is_safe_id
-from ...core.errors import InvalidDocument
+from ...core.errors import ErrorCode, InvalidDocument, UnreadableDocument
 from ...core.states import State
 from ...core.storage import LiveStamp
 from ..base import Doc, Meta, Order, Row, Rows, Where
@@ -68,14 +68,23 @@ class Reading(StoreBase):
     @staticmethod
     def _row(record: tuple[Any, ...], unreadable: bool) -> Row | None:
         """A listed row; one that holds no usable document (see :func:`values.document`) is a
-        row with its ``problem`` when ``unreadable``, else left out."""
+        row with its ``problem`` when ``unreadable``, else left out (one whose loading ran out
+        of memory too: its problem transient, "cannot be read now")."""
         handoff_id, state, value, target, priority, conversation, parent, due_at, updated, \
             size = record
         try:
-            doc = document(value, handoff_id, state, size)
+            doc = document(loaded(value), handoff_id, state, size)
         except InvalidDocument as exc:
             return Row(handoff_id, State(state), {}, Meta(None), due_at, updated,
                        problem=unreadable_doc(exc, handoff_id)) if unreadable else None
+        except MemoryError:  # "not now", never a problem of the document's (no strike: a
+            # listing decides nothing about it)
+            return Row(handoff_id, State(state), {}, Meta(None), due_at, updated,
+                       problem=UnreadableDocument(
+                           f"handoff {handoff_id} ({state}) cannot be read now: out of memory "
+                           "(MemoryError)", handoff_id=handoff_id,
+                           code=ErrorCode.UNPROCESSABLE_DOCUMENT, transient=True)) \
+                if unreadable else None
         return Row(handoff_id, State(state), doc, Meta(target, priority, conversation, parent),
                    due_at, updated)
 

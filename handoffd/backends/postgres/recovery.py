@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 
 from ...core.documents import book, book_int
 from ...core.errors import InvalidDocument
+from ...core.memorystrikes import memory_strikes, out_of_memory
 from ...core.states import State
 from ...core.storage import GIVEN_UP, LEASE_EXPIRED
 from ...core.timeutil import iso
@@ -27,9 +28,10 @@ from ..base import Claim, Claims, lease_block
 from .claims import ClaimOwner
 from .connection import Conn
 from .records import T, encode
-from .values import document, finite
+from .values import document, finite, loaded
 
 log = logging.getLogger("handoffd")
+RECOVER = "recover"  # the memory strikes' stage of taking an abandoned claim over
 # a claim of another process whose presence key no session of this database holds
 OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EXISTS ("
               "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
@@ -76,6 +78,8 @@ class Recovery(ClaimOwner):
             taken: Claims = []
             refused.clear()  # (a retried sweep starts again)
             for handoff_id in sorted(why):
+                if memory_strikes.backoff(handoff_id, (RECOVER,)) > 0:
+                    continue  # (it ran out of memory lately: after its memory back-off)
                 claim = self._take_over(conn, handoff_id, why[handoff_id], now, lease_seconds,
                                         refused)
                 if claim is not None:
@@ -146,20 +150,44 @@ class Recovery(ClaimOwner):
         if row is None:
             return None
         try:
-            doc = document(row[0], handoff_id, State.IN_PROGRESS.value, row[1])
+            doc = document(loaded(row[0]), handoff_id, State.IN_PROGRESS.value, row[1])
         except InvalidDocument as exc:  # nothing can run or file it: set it aside
             self._quarantine(conn, handoff_id, State.IN_PROGRESS.value, exc.code, str(exc))
             refused.append(f"{exc.code}: {exc}")
             return None
+        except MemoryError:  # "not now": left as it is for a later sweep (a memory strike)
+            self._short_of_memory(conn, handoff_id, refused)
+            return None
         token = uuid.uuid4().hex
-        book(doc)["lease"] = lease_block(token, now, lease_seconds)
-        conn.execute(
-            f"UPDATE {T} SET lease_token = %s, lease_expires_at = %s, lease_owner = %s, "
-            "doc = %s::json WHERE id = %s",
-            (token, now + timedelta(seconds=lease_seconds), self.owner_key,
-             encode(doc, strict=False), handoff_id))
+        try:
+            with conn.transaction():  # a savepoint: running out of memory undoes this row only
+                book(doc)["lease"] = lease_block(token, now, lease_seconds)
+                conn.execute(
+                    f"UPDATE {T} SET lease_token = %s, lease_expires_at = %s, lease_owner = %s, "
+                    "doc = %s::json WHERE id = %s",
+                    (token, now + timedelta(seconds=lease_seconds), self.owner_key,
+                     encode(doc, strict=False), handoff_id))
+        except MemoryError:
+            self._short_of_memory(conn, handoff_id, refused)
+            return None
+        memory_strikes.clear(handoff_id, RECOVER)  # (a MemoryError row ends)
         self._given_up.discard(str(seen_token))
         with self._presence_lock:
             self._written.pop((handoff_id, seen_token), None)
         self._wrote(handoff_id, token, now + timedelta(seconds=lease_seconds))
         return Claim(handoff_id, doc, token, book_int(doc, "attempt", 1), recovered=reason)
+
+    def _short_of_memory(self, conn: Conn, handoff_id: str,
+                         refused: builtins.list[str]) -> None:
+        """A MemoryError taking ``handoff_id``'s abandoned claim over (loading or rewriting its
+        document): a memory strike in the :data:`RECOVER` stage. The row is left as it is, for a
+        later sweep after the memory back-off (it was once set aside at once as unprocessable);
+        only at the strikes' bound is it set aside (``refused``)."""
+        where = f"handoff {handoff_id} (in-progress)"
+        problem = out_of_memory(handoff_id, where, RECOVER)
+        if problem.transient:
+            log.warning("cannot take over an abandoned claim for now: %s; left for a later "
+                        "sweep", problem)
+            return
+        self._quarantine(conn, handoff_id, State.IN_PROGRESS.value, problem.code, str(problem))
+        refused.append(f"{problem.code}: {problem}")
