@@ -9,8 +9,14 @@ again is held back and counted, and said at most every :data:`REPEAT_SECONDS` (b
 clock) with the count of what was held back. When that kind of step succeeds again in a sweep
 that no longer meets the problem (:func:`ok`), one WARNING line says it cleared.
 
-The lease keeper's rounds (renewals, owner-lock checks) keep books of their own the same way.
+The lease keeper's rounds (renewals, owner-lock checks) keep books of their own the same way,
+and so does the cancel requests' poll (:mod:`handoffd.features.cancellation`).
 Outside a sweep or round every problem is said as it comes, as before.
+
+A passing shortage of descriptors or memory (:func:`~.errors.is_shortage`: EMFILE, ENFILE,
+ENOMEM, a MemoryError) is no fault of the store: its line is a WARNING, and the exception is said
+in :func:`~.errors.shortage_words` (naming the limit), as every shortage line is; it was an
+ERROR with the bare ``[Errno 24] Too many open files``.
 """
 from __future__ import annotations
 
@@ -21,9 +27,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from .errors import is_shortage, shortage_words
 from .logs import log
 
 REPEAT_SECONDS = 60.0  # a problem that persists is said again at most this often
+ERROR, WARNING = 40, 30  # (logging's levels: logging itself is imported at the first line)
 # the kind of every per-claim recovery step (the repairs' and the take-overs'): one problem
 # however many claims meet it
 RECOVERY = "recovering a claim"
@@ -53,8 +61,10 @@ class Recurring:
         that outlasted its round (a lease renewal the round stopped waiting for) fails or
         works between rounds, and its failure must not read as a problem gone."""
 
-    def error(self, key: Key, now: float, msg: str, args: tuple[Any, ...]) -> None:
-        """Say ``msg % args`` (ERROR) unless ``key`` was said less than :attr:`every` ago."""
+    def error(self, key: Key, now: float, msg: str, args: tuple[Any, ...],
+              level: int = ERROR) -> None:
+        """Say ``msg % args`` (at ``level``) unless ``key`` was said less than :attr:`every`
+        ago."""
         with self._mutex:
             self._failed.add(key)
             problem = self.active.get(key)
@@ -69,9 +79,9 @@ class Recurring:
                 held, problem.held, problem.said_at = problem.held, 0, now
                 problem.total += 1
         if held is None:
-            log.error(msg + " (if it recurs, said again at most once a minute)", *args)
+            log.log(level, msg + " (if it recurs, said again at most once a minute)", *args)
         else:
-            log.error(msg + " (still; %d more like it held back)", *args, held)
+            log.log(level, msg + " (still; %d more like it held back)", *args, held)
 
     def ok(self, kind: str) -> None:
         """A step of ``kind`` worked in this sweep."""
@@ -116,13 +126,18 @@ def how(exc: BaseException) -> str:
 
 def error(kind: str, exc: BaseException, msg: str, *args: Any) -> None:
     """Log ``msg % args`` as an ERROR: within :func:`sweeping`, once per (``kind``, how
-    ``exc`` failed) and at most every :data:`REPEAT_SECONDS`."""
+    ``exc`` failed) and at most every :data:`REPEAT_SECONDS`. A passing shortage is a WARNING,
+    ``exc`` among ``args`` said in :func:`~.errors.shortage_words` (module doc)."""
+    level = ERROR
+    if is_shortage(exc):
+        level = WARNING
+        args = tuple(shortage_words(exc) if arg is exc else arg for arg in args)
     current = _CURRENT.get()
     if current is None:
-        log.error(msg, *args)
+        log.log(level, msg, *args)
         return
     book, clock = current
-    book.error((kind, how(exc)), clock(), msg, args)
+    book.error((kind, how(exc)), clock(), msg, args, level)
 
 
 def ok(kind: str) -> None:

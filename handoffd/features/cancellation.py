@@ -20,8 +20,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Collection, Protocol
 
+from ..core import recurring
 from ..core.documents import BOOK, Outcome, check_id
-from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound, UnreadableDocument
+from ..core.errors import (
+    ErrorCode,
+    HandoffdError,
+    InvalidDocument,
+    NotFound,
+    UnreadableDocument,
+    is_shortage,
+)
 from ..core.logs import log
 from ..core.states import State
 from ..core.storage import Wakeup
@@ -30,6 +38,8 @@ from .cancel_requests import _request_texts, cancel_gate, check_before_run, desc
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
+
+POLL = "reading the cancel requests"  # (the poll's kind of problem: core.recurring)
 
 
 class DaemonPlugins(Protocol):
@@ -62,7 +72,8 @@ def install(engine: "Engine") -> None:
 def attach(daemon: DaemonPlugins) -> None:
     """The daemon side: be woken by new cancel requests, act on requests at every scan, carry out
     cancellation messages, and settle the request of a handoff once it is filed for good."""
-    daemon.add_scan_hook(lambda: poll(daemon))
+    problems = recurring.Recurring()  # (the poll's shortages: one line while they last)
+    daemon.add_scan_hook(lambda: poll(daemon, problems))
     daemon.add_message_handler(is_cancel_message, handle_message)
     daemon.add_filed_hook(lambda handoff_id, where: settle(daemon.engine, handoff_id)
                           if where.terminal else None)
@@ -71,16 +82,26 @@ def attach(daemon: DaemonPlugins) -> None:
 
 
 # ---------------------------------------------------------------- daemon side
-def poll(daemon: DaemonPlugins) -> None:
+def poll(daemon: DaemonPlugins, problems: recurring.Recurring | None = None) -> None:
     """Act on cancel requests: stop our running handlers, queue pending ones for the cancel gate,
     and drop requests for handoffs that are finished or gone. Never raises (the daemon loop
-    calls it at every rescan)."""
-    try:
-        _poll(daemon)
-    except (HandoffdError, OSError) as exc:  # the store is unreachable, a folder unreadable:
-        log.error("cannot read the cancel requests: %s; will try again", exc)  # one line
-    except Exception:  # a bug: its traceback, and the daemon goes on
-        log.exception("cannot read the cancel requests")
+    calls it at every rescan). A passing shortage of descriptors or memory is one WARNING
+    naming the limit, said again at most once a minute while it lasts (``problems``: the
+    daemon's book of them, :mod:`handoffd.core.recurring`); it was an ERROR at every rescan."""
+    clock = daemon.engine.clock
+    with recurring.sweeping(problems or recurring.Recurring(), lambda: clock().timestamp()):
+        try:
+            _poll(daemon)
+        except (HandoffdError, OSError, MemoryError) as exc:
+            if not is_shortage(exc):  # the store is unreachable, a folder unreadable: one line
+                log.error("cannot read the cancel requests: %s; will try again", exc)
+                return
+            recurring.error(POLL, exc, "cannot read the cancel requests for now: %s; will try "
+                                       "again", exc)
+        except Exception:  # a bug: its traceback, and the daemon goes on
+            log.exception("cannot read the cancel requests")
+        else:
+            recurring.ok(POLL)  # (a shortage said before: one line says it cleared)
 
 
 def _poll(daemon: DaemonPlugins) -> None:

@@ -264,24 +264,32 @@ class Attempts(HeldOutcomes):
         it handed back if it ends first. It once stayed in in-progress/, an error, until the
         sweep's grace. One met admitting it carries its claim, handed back here; when that
         write runs short too, the claim is kept and handed back after the back-off
-        (:mod:`.shortclaims`)."""
+        (:mod:`.shortclaims`), no later than its lease allows (counted from the claim)."""
         counts = self.claim_shortages
         tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
         if len(counts) > MAX_TRACKED:
             counts.clear()
         delay = exc.delay or handbacks.shortage_backoff(tries)
         try:
-            kept = exc.claim is not None and not self.kept_claims.hand_back(exc, delay)
+            kept = None if exc.claim is None else self.kept_claims.hand_back(exc, delay)
         except Exception as again:  # (given up: the sweep hands it back)
             self._work_failed(handoff_id, again)
             return
         extra = {"event": "claim_shortage", "handoff_id": handoff_id, "reason": exc.reason}
-        if kept:
+        if kept is not None:  # (its lease may have capped the delay)
+            delay = kept
             log.warning("handoff %s: cannot be admitted for now (%s), nor handed back to "
                         "pending/ for now: its claim is kept, uncounted, and handed back in "
                         "%.3gs", handoff_id, exc.reason, delay, extra=extra)
         else:
             log.warning("%s; claimed again in %.3gs", exc, delay, extra=extra)
+        self._backed_off(handoff_id, delay)
+
+    def put_off(self, handoff_id: str, delay: float) -> None:
+        """``handoff_id`` could not be read or scheduled for a passing shortage and stays in
+        pending/, looked at again in ``delay`` s: a hand-back as a claim shortage's is, counted
+        handed back until it is claimed (a batch that ended with it there once said nothing,
+        exit 0), and waited for by a batch whose end is near (:meth:`_backed_off`)."""
         self._backed_off(handoff_id, delay)
 
     def _backed_off(self, handoff_id: str, delay: float) -> None:

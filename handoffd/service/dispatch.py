@@ -143,14 +143,15 @@ class Dispatcher:
         (:meth:`say_transient`), and it is looked at again after the shortage back-off (1 s
         doubling to a minute; the memory one for a MemoryError), no sooner whatever wakes the
         daemon meanwhile; a batch waits it out as it does a claim shortage's. It stays in
-        pending/, nothing counted."""
+        pending/, no attempt counted; a batch that ends first counts it handed back, as a
+        claim shortage's (:meth:`.attempts.Attempts.put_off`)."""
         tries = self.shortages[handoff_id] = self.shortages.get(handoff_id, 0) + 1
         if len(self.shortages) > MAX_SHORTAGES:
             self.shortages.clear()
         delay = memory_wait(tries) if memory else shortage_backoff(tries)
         delay = max(delay, memory_backoff(handoff_id))
         self.say_transient(handoff_id, f"{problem}; it stays in pending/", delay)
-        self.scheduler.back_off(handoff_id, delay)
+        self.attempts.put_off(handoff_id, delay)
 
     def dispatch(self, handoff_id: str, peek: Peek | None) -> None:
         """Start, park or put off the due ``handoff_id`` (``peek``: what it was read as)."""

@@ -1,0 +1,288 @@
+"""Shortage gaps found by review R32 (helper F2, session 23).
+
+2. A kept claim's first delay (a claim whose admission and hand-back both ran short,
+   service/shortclaims.py) was the back-off as is, not capped by its lease, and counted from
+   the keep rather than the claim: an 8 s back-off under a 2 s lease let the lease lapse, and
+   the sweep recovered the claim as a crash (an attempt charged).
+3. A stop that came while a kept claim's timer was writing its hand-back skipped it, and the
+   timer armed itself again after the stop: the batch exited 0 with the claim leased.
+7. A batch whose pending document could not be read for want of descriptors ended silently
+   (exit 0, no summary) with the work still pending: it is counted "handed back" now, as a
+   claim shortage's hand-back is.
+10. The sweep's steps and the cancel requests' poll said a descriptor shortage as an ERROR
+   with the bare ``[Errno 24]``, at every sweep or rescan: one WARNING naming the limit now,
+   said again at most once a minute, as the sweep's recurring problems are.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Clock, exe
+from test_claim_shortage_s22 import COMMAND, _engine, _submit
+from test_start_shortage_s20 import FailFirst
+
+from handoffd import Daemon
+from handoffd.backends.files import reading
+from handoffd.backends.files import repair as repair_module
+from handoffd.backends.files import store as store_module
+from handoffd.core import validation
+from handoffd.core.documents import book
+from handoffd.core.states import State
+from handoffd.features import cancellation
+from handoffd.service import dispatch, shortclaims
+from handoffd.service.sweeper import sweep
+
+LIMIT = "EMFILE: the daemon's limit on open files, ulimit -n"
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def _emfile() -> OSError:
+    return OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+
+def _names(engine: Any, hid: str) -> list[str]:
+    return [e["event"] for e in book(engine.get(hid)[1])["history"]]
+
+
+def _admission_short(monkeypatch: pytest.MonkeyPatch, clock: Clock, spent: float,
+                     hand_backs: int, write: Any = None) -> None:
+    """The first schema load fails with EMFILE, ``spent`` seconds (engine clock) after the
+    claim; the first ``hand_backs`` writes into pending/ (the hand-back's) fail too."""
+    def short() -> OSError:
+        clock.advance(spent)  # (the claim was made that long ago)
+        return _emfile()
+    monkeypatch.setattr(validation, "load_builtin", FailFirst(validation.load_builtin, 1, short))
+    write = write or FailFirst(store_module.fsio.create_exclusive, hand_backs, _emfile,
+                               when=lambda path, *a, **k: Path(path).parent.name == "pending")
+    monkeypatch.setattr(store_module.fsio, "create_exclusive", write)
+
+
+def _long_backoffs(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    monkeypatch.setattr(shortclaims, "shortage_backoff", lambda streak: seconds)
+    monkeypatch.setattr("handoffd.service.attempts.handbacks.shortage_backoff",
+                        lambda streak: seconds)
+
+
+# ---------------------------------------------------------------- 2. the first delay's cap
+
+def test_a_kept_claims_first_delay_ends_before_its_lease_counted_from_the_claim(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    engine.settings.lease_seconds = 2.0  # kept until 0.8 * 2 s after the claim
+    hid = _submit(engine)
+    _admission_short(monkeypatch, clock, spent=1.0, hand_backs=1)  # 0.6 s left of that
+    _long_backoffs(monkeypatch, 8.0)  # (as the 4th shortage in a row: 1, 2, 4, 8 s)
+    caplog.set_level(logging.INFO, "handoffd")
+    report = Daemon(engine, workers=1, watch=False).run_batch()
+    kept = [r.getMessage() for r in caplog.records if "its claim is kept" in r.getMessage()]
+    assert len(kept) == 1, kept
+    assert 0.4 < float(kept[0].rsplit(" in ", 1)[1].rstrip("s")) <= 0.6, kept  # (not 8 s)
+    assert report.completed == 1 and report.errors == 0, report
+    state, doc = engine.get(hid)
+    assert state is State.COMPLETED and book(doc)["attempt"] == 1
+    assert _names(engine, hid) == ["created", "claimed", "handed_back", "claimed", "completed"]
+
+
+def test_a_kept_claim_its_lease_leaves_no_time_for_is_given_up_at_once(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    engine.settings.lease_seconds = 2.0
+    hid = _submit(engine)
+    _admission_short(monkeypatch, clock, spent=1.7, hand_backs=1)  # past 0.8 * 2 s already
+    _long_backoffs(monkeypatch, 0.2)
+    report = Daemon(engine, workers=1, watch=False).run_batch()
+    assert report.errors == 1 and report.completed == 0, report  # given up, said
+    assert engine.get(hid)[0] is State.IN_PROGRESS
+    monkeypatch.undo()
+    report = Daemon(engine, workers=1, watch=False).run_batch()  # its sweep: back, uncounted
+    state, doc = engine.get(hid)
+    assert state is State.COMPLETED and book(doc)["attempt"] == 1, _names(engine, hid)
+    assert "retry_scheduled" not in _names(engine, hid)
+
+
+# ---------------------------------------------------------------- 3. a stop during a retry
+
+class BlockedShort:
+    """create_exclusive into pending/: the first call fails with EMFILE at once; the second
+    (the timer's hand-back) waits for the stop (``closing``) and then fails too."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.calls = real, 0
+        self.kept: shortclaims.KeptClaims | None = None
+        self.waiting = threading.Event()
+
+    def __call__(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(path).parent.name != "pending":
+            return self.real(path, *args, **kwargs)
+        self.calls += 1
+        if self.calls > 2:
+            return self.real(path, *args, **kwargs)
+        if self.calls == 2 and self.kept is not None:
+            self.waiting.set()
+            end = time.monotonic() + 5.0
+            while not self.kept.closing and time.monotonic() < end:
+                time.sleep(0.01)
+        raise _emfile()
+
+
+def test_a_stop_during_a_timers_hand_back_leaves_no_timer_and_counts_the_give_up(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    hid = _submit(engine)
+    write = BlockedShort(store_module.fsio.create_exclusive)
+    _admission_short(monkeypatch, clock, spent=0.0, hand_backs=0, write=write)
+    _long_backoffs(monkeypatch, 0.1)
+    daemon = Daemon(engine, workers=1, watch=False)
+    write.kept = daemon.attempts.kept_claims
+    report = daemon.run_batch(max_seconds=1.0)  # stops while the timer's write waits
+    assert write.waiting.is_set() and write.calls == 2
+    timers = [t for t in threading.enumerate() if t.name.startswith("hand-back-")]
+    for timer in timers:
+        timer.join(5.0)
+    assert write.calls == 2, "the timer was armed again after the stop"
+    assert report.errors == 1, report  # exit 1: the claim is left leased, given up
+    assert engine.get(hid)[0] is State.IN_PROGRESS
+    monkeypatch.undo()
+    Daemon(engine, workers=1, watch=False).run_batch()  # its sweep: back, uncounted
+    state, doc = engine.get(hid)
+    assert state is State.COMPLETED and book(doc)["attempt"] == 1, _names(engine, hid)
+
+
+# ---------------------------------------------------------------- 7. a batch's count
+
+def test_a_batch_ending_with_an_unreadable_pending_document_counts_it_handed_back(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    hid = _submit(engine)
+    read = FailFirst(reading.read_pending, 99, _emfile)
+    monkeypatch.setattr(reading, "read_pending", read)
+    monkeypatch.setattr(dispatch, "shortage_backoff", lambda streak: 30.0)  # (not waited)
+    report = Daemon(engine, workers=1, watch=False).run_batch()
+    assert read.raised >= 1 and engine.get(hid)[0] is State.PENDING
+    assert report.handed_back == 1 and report.errors == 0, report
+    assert report.needs_a_look() and "handed back 1" in report.line()
+
+
+def test_a_batch_waits_out_a_short_read_back_off_and_runs_it(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    hid = _submit(engine)
+    monkeypatch.setattr(reading, "read_pending", FailFirst(reading.read_pending, 1, _emfile))
+    monkeypatch.setattr(dispatch, "shortage_backoff", lambda streak: 0.2)
+    report = Daemon(engine, workers=1, watch=False).run_batch()
+    assert engine.get(hid)[0] is State.COMPLETED
+    assert report.completed == 1 and report.handed_back == 0 and report.errors == 0, report
+
+
+UNREADABLE = """
+import errno, os, sys
+from handoffd.backends.files import reading
+from handoffd.service import dispatch
+from handoffd.cli.handoffd_cmd import main
+
+def read_pending(*args, **kwargs):
+    raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+reading.read_pending = read_pending
+dispatch.shortage_backoff = lambda streak: 30.0
+sys.argv = ["handoffd", "run", "--root", sys.argv[1]]
+main()
+"""
+
+
+def test_a_real_batch_says_it_handed_back_what_it_could_not_read(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "handoffd.toml").write_text('[daemon]\ndurability = "fast"\n'
+                                      f'[specialists."@cmd"]\ncommand = {json.dumps(COMMAND)}\n')
+    hid = subprocess.run([exe("handoff"), "create", "--root", str(ws), "--to", "@cmd",
+                          "--data", "{}"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.strip()
+    done = subprocess.run([sys.executable, "-c", UNREADABLE, str(ws)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "batch done: completed 0, failed 0, retry scheduled 0, handed back 1" in done.stderr
+    assert (ws / "handoffs" / "pending" / f"{hid}.json").exists()
+
+
+# ---------------------------------------------------------------- 10. sweep and cancel poll
+
+def _said(caplog: Any, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if text in r.getMessage()]
+
+
+def test_a_sweep_step_running_short_is_one_warning_naming_the_limit(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    orphans = FailFirst(repair_module.remove_orphans, 3, _emfile)
+    monkeypatch.setattr(repair_module, "remove_orphans", orphans)
+    caplog.set_level(logging.INFO, "handoffd")
+    for _ in range(4):  # 3 short, then it works
+        sweep(engine)
+        clock.advance(1)
+    said = _said(caplog, "sweep: removing orphaned files failed")
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    assert LIMIT in said[0].getMessage() and "[Errno" not in said[0].getMessage()
+    cleared = _said(caplog, "works again (EMFILE cleared after 3 failure(s))")
+    assert len(cleared) == 1 and cleared[0].levelno == logging.WARNING
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class _Daemon:
+    """What cancellation uses of a daemon; its scan hook (the poll) is kept to be called."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.scan_hooks: list[Any] = []
+
+    def add_scan_hook(self, hook: Any) -> None:
+        self.scan_hooks.append(hook)
+
+    def __getattr__(self, name: str) -> Any:  # (the other hooks: not used here)
+        return lambda *args, **kwargs: None
+
+    def running_job(self, handoff_id: str) -> None:
+        return None
+
+    def queue(self, handoff_id: str) -> None:
+        pass
+
+
+def test_the_cancel_poll_running_short_is_one_warning_naming_the_limit(
+        tmp_path: Path, clock: Clock, caplog: Any) -> None:
+    engine = _engine(tmp_path / "ws", clock)
+    requests = FailFirst(engine.backend.cancel_requests, 3, _emfile)
+    engine.backend.cancel_requests = requests  # type: ignore[method-assign]  # (its own)
+    caplog.set_level(logging.INFO, "handoffd")
+    daemon = _Daemon(engine)
+    cancellation.attach(daemon)  # type: ignore[arg-type]
+    [poll] = daemon.scan_hooks  # (what the daemon calls at every rescan)
+    for _ in range(3):  # three rescans running short
+        poll()
+        clock.advance(1)
+    said = _said(caplog, "cannot read the cancel requests")
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    assert LIMIT in said[0].getMessage() and "for now" in said[0].getMessage()
+    clock.advance(60)
+    requests.times = 4  # once more, a minute on: said again, with what was held back
+    poll()
+    said = _said(caplog, "cannot read the cancel requests")
+    assert len(said) == 2 and "(still; 2 more like it held back)" in said[1].getMessage()
+    poll()  # it works again
+    assert len(_said(caplog, "reading the cancel requests works again")) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
