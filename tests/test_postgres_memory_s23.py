@@ -248,3 +248,63 @@ def test_a_listing_says_a_row_cannot_be_read_now(pg_url: str,
         assert memory_strikes._rows == {}  # a listing decides nothing: no strike
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------- review R33: get and export
+
+def test_retention_keeps_what_a_live_row_it_runs_out_of_memory_on_depends_on(
+        tmp_path: Any, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get`` turned a MemoryError loading a live row into an InvalidDocument ("damaged,
+    protects nothing"): retention purged the completed handoff it depends on. Now the
+    MemoryError is raised as such, as the file store's read raises it, and the pass ends
+    with nothing removed."""
+    from test_postgres_s22 import _dependent, _engine
+
+    from handoffd.core.timeutil import utc_now
+    from handoffd.features import retention
+    engine = _engine(tmp_path / "ws", pg_url)
+    try:
+        now = utc_now()
+        engine.backend.import_finished("dep-a", State.COMPLETED, {
+            **request("dep-a", "@flaky"), "status": "completed", "output": 1,
+            "handoffd": {"revision": 3, "history": [
+                {"at": "2026-01-01T00:00:00Z", "event": "completed"}]}},
+            now - timedelta(days=10))
+        engine.submit(_dependent("live-b", "dep-a", now))
+        failing_loads(monkeypatch, "live-b", {1, 2, 3, 4, 5})
+        with pytest.raises(MemoryError):
+            retention.expire(engine, older_than={State.COMPLETED: 3600.0},
+                             now=now + timedelta(days=1))
+        monkeypatch.undo()
+        assert state_of(pg_url, "dep-a") == "completed"
+        result = retention.expire(engine, older_than={State.COMPLETED: 3600.0},
+                                  now=now + timedelta(days=1))
+        assert result.removed == [] and "dep-a" in result.kept, result
+    finally:
+        engine.backend.close()
+
+
+def test_an_export_running_out_of_memory_on_a_row_leaves_it_for_the_next(
+        tmp_path: Any, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bridge's export set a finished row aside for good (UNPROCESSABLE_DOCUMENT, its
+    terminal file never written) when loading it ran out of memory once."""
+    from test_postgres_bridge_s18 import bridge, local_store
+
+    from handoffd.core.timeutil import utc_now
+    store_db = backend(pg_url)
+    root = tmp_path / "ws"
+    files = bridge(store_db, local_store(root))
+    try:
+        store_db.import_finished("x1", State.COMPLETED, {
+            **request("x1", "@a"), "status": "completed", "output": 1,
+            "handoffd": {"revision": 3, "history": [
+                {"at": "2026-01-01T00:00:00Z", "event": "completed"}]}},
+            utc_now(), origin="host:a")
+        failing_loads(monkeypatch, "x1", {1})
+        assert files.export() == 0
+        monkeypatch.undo()
+        assert store_db.quarantined() == []
+        assert files.export() == 1
+        assert (root / "handoffs" / "completed" / "x1.json").is_file()
+    finally:
+        store_db.close()

@@ -98,14 +98,20 @@ def test_a_kept_claims_first_delay_ends_before_its_lease_counted_from_the_claim(
 
 
 def test_a_kept_claim_its_lease_leaves_no_time_for_is_given_up_at_once(
-        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Given up, said once as such: not also "it stays in pending/ ... claimed again in 1s",
+    nor counted handed back (review R33)."""
     engine = _engine(tmp_path / "ws", clock)
     engine.settings.lease_seconds = 2.0
     hid = _submit(engine)
     _admission_short(monkeypatch, clock, spent=1.7, hand_backs=1)  # past 0.8 * 2 s already
     _long_backoffs(monkeypatch, 0.2)
+    caplog.set_level(logging.INFO, "handoffd")
     report = Daemon(engine, workers=1, watch=False).run_batch()
     assert report.errors == 1 and report.completed == 0, report  # given up, said
+    assert report.handed_back == 0, report
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "given up" in said[0], said
     assert engine.get(hid)[0] is State.IN_PROGRESS
     monkeypatch.undo()
     report = Daemon(engine, workers=1, watch=False).run_batch()  # its sweep: back, uncounted

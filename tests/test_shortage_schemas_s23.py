@@ -107,19 +107,27 @@ def test_a_shortage_loading_the_output_schema_costs_no_run(
     assert [e["event"] for e in _events(engine, hid)].count("claimed") == 2
 
 
-def test_a_shortage_checking_the_output_after_the_run_is_no_failure(
+def test_a_shortage_checking_the_output_after_the_run_is_a_retryable_failure(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Out of memory checking the result (its schema loaded already): the result is never
-    failed for good; the attempt is handed back uncounted and runs again."""
+    failed for good, nor is the handler run again uncounted (review R33: a result that
+    exhausts memory being checked re-ran a completed handler 33 times): the attempt fails
+    retryable, and its retry policy counts and bounds the runs."""
     engine = _engine(tmp_path / "ws", output_schema="out.json")
     hid = _submit(engine)
     check = FailFirst(engine.checks.schemas.errors_with, 1, MemoryError)
     monkeypatch.setattr(engine.checks.schemas, "errors_with", check)
     report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
     assert check.raised == 1
-    _handed_back_once_then_done(engine, hid, report, "ENOMEM")
-    said = [e["detail"]["reason"] for e in _events(engine, hid) if e["event"] == "handed_back"]
-    assert "the check of @cmd's result (its handler runs again)" in said[0]
+    state, stored = engine.get(hid)
+    events = _events(engine, hid)
+    names = [e["event"] for e in events]
+    assert state is State.PENDING and "handed_back" not in names, (state, names)
+    assert names.count("retry_scheduled") == 1 and book(stored)["attempt"] == 1, names
+    error = book(stored)["last_error"]
+    assert error["code"] == "PROCESSING_ERROR" and error["retryable"] is True, error
+    assert "could not be checked for now: out of memory (MemoryError)" in error["message"]
+    assert report.failed == 0, report
 
 
 @pytest.mark.parametrize("step, error, reason", [
@@ -191,3 +199,29 @@ input_schema = "in.json"
                                                       "completed"], said
     assert "ERROR" not in said and "Traceback" not in said, said
     assert "cannot start @cmd's handler for now" in said and "ulimit -n" in said, said
+
+
+def test_a_memory_error_admitting_is_counted_handed_back_and_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MemoryError validating the claimed document (a memory strike in the "admit" stage):
+    admission handed it back itself and the worker was told nothing, so a batch ended at
+    once, exit 0, no summary, the work still pending (review R33). Now the worker counts it
+    handed back and backs off, and a batch waits a short back-off out and runs it."""
+    from handoffd.core import memorystrikes
+    monkeypatch.setattr(memorystrikes, "MEMORY_BACKOFF_SECONDS", 1.5)  # (past a batch's
+    # look ahead for work due soon: what only the worker's count makes it wait for)
+    engine = _engine(tmp_path / "ws")
+    hid = _submit(engine)
+    validate = FailFirst(engine.validate, 1, MemoryError)
+    monkeypatch.setattr(engine, "validate", validate)
+    try:
+        report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
+    finally:
+        memorystrikes.memory_strikes._rows.clear()
+    assert validate.raised == 1
+    state, stored = engine.get(hid)
+    names = [e["event"] for e in _events(engine, hid)]
+    assert state is State.COMPLETED, (state, names)
+    assert names == ["created", "claimed", "handed_back", "claimed", "completed"], names
+    assert book(stored)["attempt"] == 1
+    assert report.completed == 1 and report.errors == 0 and report.handed_back == 0, report

@@ -252,9 +252,14 @@ def _envelope(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime) 
         # back-off; filed only when it runs out of memory again and again (core.jobs)
         problem = out_of_memory(handoff_id, f"handoff {handoff_id}", "admit")
         if problem.transient:  # (due after the back-off in every process: next_attempt_at)
-            log.warning("%s", problem)
-            engine.requeue(claim, dialect, "handed_back", reason=str(problem),
-                           due_at=now + timedelta(seconds=memory_backoff(handoff_id)))
+            delay = memory_backoff(handoff_id)
+            where = engine.requeue(claim, dialect, "handed_back", reason=str(problem),
+                                   due_at=now + timedelta(seconds=delay))
+            if where is State.PENDING:  # the worker says so, counts it handed back and backs
+                # off (a batch waits for it: it once ended at once, exit 0, the work pending)
+                raise ClaimShortage(f"{problem}; it stays in pending/, uncounted",
+                                    handoff_id=handoff_id, reason="MemoryError", delay=delay,
+                                    handed_back=True)
         else:
             engine.file(claim, dialect, None, engine.failure(
                 now, problem.code, str(problem), retryable=False))

@@ -36,6 +36,7 @@ from .errors import (
     NotFound,
     UnreadableDocument,
     is_shortage,
+    shortage_words,
 )
 from .filing import (
     MAX_THROTTLE_SECONDS,
@@ -52,7 +53,6 @@ from .logs import log
 from .results import ERROR_TYPES, JobChecks, conclude, failed, read_result
 from .specialists import Registry, Specialist
 from .starts import check_shortage
-from .starts import started as started_now
 from .states import State
 from .storage import Backend, Claim, Doc
 from .submission import (
@@ -219,8 +219,9 @@ class Engine:
         try:
             return admit(self, claim, dialect, self.clock(), arrived)
         except ClaimShortage as short:
-            if short.claim is None:  # (admission's carry their claim: none other comes here)
-                self.backend.abandon(claim)
+            if short.claim is None:  # (admission's carry their claim, or handed it back)
+                if not short.handed_back:
+                    self.backend.abandon(claim)
             elif not keep_short:
                 try:  # (a write that fails gives the claim up: the sweep hands it back)
                     hand_back_short(self, short)
@@ -391,13 +392,15 @@ class Engine:
             raise
         except Exception as exc:
             if isinstance(exc, (OSError, MemoryError)) and is_shortage(exc):
-                # not the result's fault: handed back uncounted, its handler run again (its
-                # schemas were loaded before the run: only one edited since, or a MemoryError
-                # checking a large output, comes here); its start was under way
-                started_now(job.context)  # (an isolated run's is told after: told here)
-                raise check_shortage(job.context, f"the check of {job.specialist.agent}'s "
-                                     "result (its handler runs again)", "checking it",
-                                     exc) from None
+                # not the result's fault, but its handler ran: a retryable failure, which the
+                # retry policy counts and bounds (handing it back uncounted re-ran a handler
+                # that completed up to 30 times, its side effects with it, when the result
+                # itself exhausts memory being checked; its schemas were loaded before the
+                # run, so only one edited since, or a large output, comes here)
+                return self.failure(started, ErrorCode.PROCESSING_ERROR,
+                                    f"handoff {job.handoff_id}: the handler's result could not "
+                                    f"be checked for now: {shortage_words(exc)}; retried as "
+                                    "its retry policy allows", retryable=True)
             log.debug("handoff %s: its result defeated the checks", job.handoff_id, exc_info=True)
             return self.failure(started, ErrorCode.PROCESSING_ERROR,
                                 f"handoff {job.handoff_id}: the handler's result cannot be used "

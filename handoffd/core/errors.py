@@ -171,13 +171,16 @@ class ClaimShortage(DocumentNotReady):
 
     One met admitting a claim whose caller hands it back itself (``Engine.take(keep_short=
     True)``: a daemon, which can keep the claim when that write runs short too) carries the
-    claim still held and its format (``claim``, ``dialect``); else both are None."""
+    claim still held and its format (``claim``, ``dialect``); else both are None.
+    ``handed_back``: the claim is back in pending/ already (admission's own hand-back of a
+    document that ran out of memory): nothing is left to give up."""
 
     def __init__(self, message: str, *, handoff_id: str, reason: str,
-                 delay: float = 0.0) -> None:
+                 delay: float = 0.0, handed_back: bool = False) -> None:
         super().__init__(message, handoff_id=handoff_id)
         self.reason = reason
         self.delay = delay
+        self.handed_back = handed_back
         self.claim: Any = None  # (a core.storage.Claim: not imported at this lowest layer)
         self.dialect: Any = None
 

@@ -28,7 +28,7 @@ from .held import HeldOutcomes
 from .leases import broken_reason
 from .report import BatchReport
 from .scheduler import RETRY_LOOK_SECONDS, Scheduler
-from .shortclaims import KeptClaims
+from .shortclaims import GAVE_UP, KeptClaims
 
 log = logging.getLogger("handoffd")
 LATE_LOOK_SECONDS = 1.0  # a handoff whose last Python handler still runs is looked at this late
@@ -274,6 +274,8 @@ class Attempts(HeldOutcomes):
             kept = None if exc.claim is None else self.kept_claims.hand_back(exc, delay)
         except Exception as again:  # (given up: the sweep hands it back)
             self._work_failed(handoff_id, again)
+            return
+        if kept == GAVE_UP:  # (said, and counted an error of the run: not back in pending/)
             return
         extra = {"event": "claim_shortage", "handoff_id": handoff_id, "reason": exc.reason}
         if kept is not None:  # (its lease may have capped the delay)

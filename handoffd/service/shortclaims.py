@@ -36,6 +36,7 @@ from .handbacks import shortage_backoff
 from .leases import FENCE_FRACTION
 
 log = logging.getLogger("handoffd")
+GAVE_UP = -1.0  # what KeptClaims.hand_back returns for a claim it gave up (said and counted)
 # a stop waits at most this long for the hand-backs its timers are writing (one write each)
 BUSY_WAIT_SECONDS = 2.0
 
@@ -72,18 +73,18 @@ class KeptClaims:
 
     def hand_back(self, short: ClaimShortage, delay: float) -> float | None:
         """Hand back the claim ``short`` carries, uncounted: None when that is done (or the
-        claim was lost meanwhile, or given up: see below); when that write ran short too, the
-        claim is kept and handed back again after ``delay`` seconds, capped by what its lease
-        leaves (:meth:`_left`): that delay is returned. A claim whose lease leaves no time, or
-        no thread to time it, is given up (an error of the run). Any other failure gives the
-        claim up (the sweep hands it back) and raises."""
+        claim was lost meanwhile); when that write ran short too, the claim is kept and handed
+        back again after ``delay`` seconds, capped by what its lease leaves (:meth:`_left`):
+        that delay is returned. A claim whose lease leaves no time, or no thread to time it,
+        is given up (an error of the run, said so): :data:`GAVE_UP`. Any other failure gives
+        the claim up (the sweep hands it back) and raises."""
         if self._write(short):
             return None
         entry = _Kept(short, since=self._claimed_since(short))
         delay = min(delay, self._left(entry))
         if delay <= 0:
             self._give_up(entry, f"{short.reason}, and its lease leaves no time to wait")
-            return None
+            return GAVE_UP
         with self.cv:
             self.closing = False  # (a run is under way: what a stop took is behind it)
             self.kept[short.claim.id] = entry
@@ -91,7 +92,7 @@ class KeptClaims:
                 return delay
             del self.kept[short.claim.id]
         self._give_up(entry, "no thread to spare for its hand-back")
-        return None
+        return GAVE_UP
 
     def _claimed_since(self, short: ClaimShortage) -> float:
         """When ``short``'s claim was made, on the monotonic clock: its lease (written then,
@@ -142,6 +143,10 @@ class KeptClaims:
         stop counted it already (:meth:`release_all`)."""
         self.engine.backend.abandon(entry.short.claim)
         self._count_given_up(entry)
+        if self.closing:  # (the process ends: the next one's recovery charges an attempt)
+            log.error("handoff %s: stopping: cannot hand it back to pending/ (%s); the sweep "
+                      "recovers it", entry.short.claim.id, why)
+            return
         log.error("handoff %s: cannot be handed back to pending/ (%s); given up: the sweep "
                   "hands it back, uncounted", entry.short.claim.id, why)
 

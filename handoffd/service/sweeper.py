@@ -154,7 +154,7 @@ def _step(what: str, func: Any, *args: Any, kind: str | None = None) -> None:
     An OSError is a recurring problem of ``kind`` (default: ``what``): said once while it lasts."""
     try:
         func(*args)
-    except OSError as exc:
+    except (OSError, MemoryError) as exc:  # (a MemoryError: a shortage, said as one)
         recurring.error(kind or what, exc, "sweep: %s failed: %s; the next sweep tries again",
                         what, exc)
     except DuplicateHandoff as exc:  # a copy appeared in the target folder meanwhile

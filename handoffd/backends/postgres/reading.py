@@ -93,8 +93,11 @@ class Reading(StoreBase):
             f"SELECT state, {self._doc()} FROM {T} WHERE id = %s", (handoff_id,)).fetchone())
         if found is None:
             return None
-        # InvalidDocument (one line, with its code) for a row that holds no usable document
-        return State(found[0]), document(found[1], handoff_id, found[0], found[2])
+        # InvalidDocument (one line, with its code) for a row that holds no usable document;
+        # a MemoryError loading it is raised as such, as the file store's read raises it: "not
+        # now", never "damaged" (retention took a live row that ran out of memory for one
+        # that protects nothing, and purged what it depended on)
+        return State(found[0]), document(loaded(found[1]), handoff_id, found[0], found[2])
 
     def list(self, *, state: State | None = None, target: str | None = None,
              conversation: str | None = None, parent: str | None = None,
