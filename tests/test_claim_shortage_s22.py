@@ -38,6 +38,21 @@ ANSWER = "import json; print(json.dumps({'status': 'completed', 'output': {'ok':
 COMMAND = [sys.executable, "-S", "-c", ANSWER]
 
 
+def command_workspace(root: Path) -> tuple[Path, str]:
+    """A workspace at ``root`` (durability fast) whose @cmd specialist runs COMMAND, with one
+    handoff for it made by a real ``handoff create``: (root, its id)."""
+    import subprocess
+
+    from conftest import exe
+    root.mkdir()
+    (root / "handoffd.toml").write_text('[daemon]\ndurability = "fast"\n'
+                                        f'[specialists."@cmd"]\ncommand = {json.dumps(COMMAND)}\n')
+    hid = subprocess.run([exe("handoff"), "create", "--root", str(root), "--to", "@cmd",
+                          "--data", "{}"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.strip()
+    return root, hid
+
+
 def FailIn(real: Callable[..., Any], caller: str, times: int,  # noqa: N802 (a FailFirst)
            error: Callable[[], BaseException]) -> FailFirst:
     """:class:`FailFirst` for the first ``times`` calls made from a function named ``caller``

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from conftest import Clock, exe
-from test_claim_shortage_s22 import COMMAND, _engine, _submit
+from test_claim_shortage_s22 import _engine, _submit, command_workspace
 from test_start_shortage_s20 import FailFirst
 
 from handoffd import Daemon
@@ -152,13 +152,7 @@ main()
 
 def test_a_real_batch_runs_a_claim_whose_admission_and_hand_back_ran_short(
         tmp_path: Path) -> None:
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "handoffd.toml").write_text('[daemon]\ndurability = "fast"\n'
-                                      f'[specialists."@cmd"]\ncommand = {json.dumps(COMMAND)}\n')
-    hid = subprocess.run([exe("handoff"), "create", "--root", str(ws), "--to", "@cmd",
-                          "--data", "{}"], capture_output=True, text=True, timeout=60,
-                         check=True).stdout.strip()
+    ws, hid = command_workspace(tmp_path / "ws")
     done = subprocess.run([sys.executable, "-c", DOUBLE_FAULT, str(ws)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import subprocess
@@ -27,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Clock, exe
-from test_claim_shortage_s22 import COMMAND, _engine, _submit
+from conftest import Clock
+from test_claim_shortage_s22 import _engine, _submit, command_workspace
 from test_start_shortage_s20 import FailFirst
 
 from handoffd import Daemon
@@ -211,13 +210,7 @@ main()
 
 
 def test_a_real_batch_says_it_handed_back_what_it_could_not_read(tmp_path: Path) -> None:
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "handoffd.toml").write_text('[daemon]\ndurability = "fast"\n'
-                                      f'[specialists."@cmd"]\ncommand = {json.dumps(COMMAND)}\n')
-    hid = subprocess.run([exe("handoff"), "create", "--root", str(ws), "--to", "@cmd",
-                          "--data", "{}"], capture_output=True, text=True, timeout=60,
-                         check=True).stdout.strip()
+    ws, hid = command_workspace(tmp_path / "ws")
     done = subprocess.run([sys.executable, "-c", UNREADABLE, str(ws)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -18,13 +18,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import Clock, memory_engine
+from test_claim_shortage_s22 import short_memory_backoff  # noqa: F401 (autouse)
 from test_start_shortage_s20 import FailFirst
 
 from handoffd import Daemon
@@ -36,13 +36,6 @@ from handoffd.core.memorystrikes import memory_strikes
 from handoffd.core.states import State
 
 
-@pytest.fixture(autouse=True)
-def short_memory_backoff(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A 0.2 s memory back-off (a batch waits it out); strikes forgotten after the test."""
-    monkeypatch.setattr(memorystrikes, "MEMORY_BACKOFF_SECONDS", 0.2)
-    yield
-    memory_strikes.clock = __import__("time").monotonic
-    memory_strikes._rows.clear()
 
 
 def ok(_doc: Any, _ctx: Any) -> dict[str, Any]:
