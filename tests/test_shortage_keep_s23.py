@@ -285,3 +285,20 @@ def test_the_cancel_poll_running_short_is_one_warning_naming_the_limit(
     poll()  # it works again
     assert len(_said(caplog, "reading the cancel requests works again")) == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_sweep_step_running_out_of_memory_is_one_warning_without_a_traceback(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """The files store's repair steps took a MemoryError for a bug: a traceback at every
+    sweep (review R34)."""
+    engine = _engine(tmp_path / "ws", clock)
+    orphans = FailFirst(repair_module.remove_orphans, 2, MemoryError)
+    monkeypatch.setattr(repair_module, "remove_orphans", orphans)
+    caplog.set_level(logging.INFO, "handoffd")
+    for _ in range(3):
+        sweep(engine)
+        clock.advance(1)
+    said = _said(caplog, "sweep: removing orphaned files failed")
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    assert "out of memory (MemoryError)" in said[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]

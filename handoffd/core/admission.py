@@ -257,9 +257,9 @@ def _envelope(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime) 
                                    due_at=now + timedelta(seconds=delay))
             if where is State.PENDING:  # the worker says so, counts it handed back and backs
                 # off (a batch waits for it: it once ended at once, exit 0, the work pending)
-                raise ClaimShortage(f"{problem}; it stays in pending/, uncounted",
-                                    handoff_id=handoff_id, reason="MemoryError", delay=delay,
-                                    handed_back=True)
+                short = claim_shortage(handoff_id, MemoryError(), "admitted")
+                short.delay, short.handed_back = delay, True
+                raise short
         else:
             engine.file(claim, dialect, None, engine.failure(
                 now, problem.code, str(problem), retryable=False))

@@ -399,8 +399,8 @@ class Engine:
                 # run, so only one edited since, or a large output, comes here)
                 return self.failure(started, ErrorCode.PROCESSING_ERROR,
                                     f"handoff {job.handoff_id}: the handler's result could not "
-                                    f"be checked for now: {shortage_words(exc)}; retried as "
-                                    "its retry policy allows", retryable=True)
+                                    f"be checked for now: {shortage_words(exc)}; a failed "
+                                    "attempt, retryable", retryable=True)
             log.debug("handoff %s: its result defeated the checks", job.handoff_id, exc_info=True)
             return self.failure(started, ErrorCode.PROCESSING_ERROR,
                                 f"handoff {job.handoff_id}: the handler's result cannot be used "

@@ -265,11 +265,17 @@ class Attempts(HeldOutcomes):
         sweep's grace. One met admitting it carries its claim, handed back here; when that
         write runs short too, the claim is kept and handed back after the back-off
         (:mod:`.shortclaims`), no later than its lease allows (counted from the claim)."""
-        counts = self.claim_shortages
-        tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
-        if len(counts) > MAX_TRACKED:
-            counts.clear()
-        delay = exc.delay or handbacks.shortage_backoff(tries)
+        if exc.reason == "MemoryError" and exc.delay:
+            # the memory back-off is a time to wait, not a resource a task's end frees: not
+            # released early with the descriptor ones (:meth:`_retry_short_claims`), which
+            # once let a batch with other work end before it, the handoff left pending
+            delay = exc.delay
+        else:
+            counts = self.claim_shortages
+            tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
+            if len(counts) > MAX_TRACKED:
+                counts.clear()
+            delay = exc.delay or handbacks.shortage_backoff(tries)
         try:
             kept = None if exc.claim is None else self.kept_claims.hand_back(exc, delay)
         except Exception as again:  # (given up: the sweep hands it back)

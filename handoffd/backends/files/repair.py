@@ -91,7 +91,7 @@ def _step(what: str, func: Any, *args: Any, kind: str | None = None) -> None:
     ``what``): said once, not at every sweep while it lasts."""
     try:
         func(*args)
-    except OSError as exc:
+    except (OSError, MemoryError) as exc:  # (a MemoryError: a shortage, said as one)
         recurring.error(kind or what, exc, "sweep: %s failed: %s; the next sweep tries again",
                         what, exc)
     except Exception:  # a repair bug must not stop the other repairs
