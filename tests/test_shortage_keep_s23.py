@@ -302,3 +302,21 @@ def test_a_sweep_step_running_out_of_memory_is_one_warning_without_a_traceback(
     assert len(said) == 1 and said[0].levelno == logging.WARNING, said
     assert "out of memory (MemoryError)" in said[0].getMessage()
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_listing_pending_running_short_is_said_once_then_cleared(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """`cannot list the pending handoffs` was an ERROR, the bare [Errno 24], at every rescan
+    (18 lines in 8 s under `ulimit -n 64`: review R34)."""
+    engine = _engine(tmp_path / "ws", clock)
+    daemon = Daemon(engine, workers=1, watch=False)
+    ids = FailFirst(engine.backend.ids, 3, _emfile)
+    monkeypatch.setattr(engine.backend.inner, "ids", ids)  # (the event log's wrapper forwards)
+    caplog.set_level(logging.INFO, "handoffd")
+    for _ in range(4):  # 3 short, then it works
+        daemon.scan()
+    said = _said(caplog, "cannot list the pending handoffs")
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    assert LIMIT in said[0].getMessage() and "[Errno" not in said[0].getMessage()
+    cleared = _said(caplog, "listing pending/ works again (EMFILE cleared after 3 failure(s))")
+    assert len(cleared) == 1

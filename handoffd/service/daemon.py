@@ -21,6 +21,7 @@ import signal
 import time
 from typing import Any, Callable, Collection
 
+from ..core import recurring
 from ..core.engine import Engine, Job
 from ..core.procs import STOP_SIGNALS
 from ..core.runner import cancel
@@ -46,6 +47,7 @@ __all__ = ["BatchReport", "Daemon", "SPIN_UP_SECONDS", "WARM_SCHEMAS", "build_sc
            "warm_up", "warm_up_to_fork"]
 
 log = logging.getLogger("handoffd")
+LISTING = "listing pending/"  # (the listing's kind of problem: core.recurring)
 IDLE_WAKE_SECONDS = 10.0  # the main loop looks around at least this often with nothing to do
 # a serving daemon that falls idle gives the heap pages its handoffs freed back to the system
 # (malloc_trim: a few ms), at most this often
@@ -68,6 +70,8 @@ class Daemon(BatchEnd):
         # (index, count) when this is one of ``count`` processes of one batch (service.spread):
         # each starts on its own stretch of the pending list instead of all racing for the head
         self.stripe = stripe
+        # the listing's failures (a shortage at every rescan was an ERROR each time)
+        self._listing = recurring.Recurring()
         self.settings = engine.settings
         self.workers = workers or self.settings.workers
         self.hard_stop = False
@@ -197,9 +201,16 @@ class Daemon(BatchEnd):
         self.hooks.scanning()  # e.g. cancel requests: stop our handlers, queue pending
         try:
             ids = self.engine.backend.ids(State.PENDING)
-        except OSError as exc:  # e.g. EIO, ENOMEM: the next rescan tries again
-            log.error("cannot list the pending handoffs: %s; will rescan", exc)
+        except OSError as exc:  # e.g. EIO, EMFILE: the next rescan tries again; said once,
+            # then at most once a minute while it lasts (a WARNING naming the limit for a
+            # shortage: core.recurring), not at every rescan
+            with recurring.sweeping(self._listing, time.monotonic):
+                recurring.error(LISTING, exc, "cannot list the pending handoffs: %s; will "
+                                "rescan", exc)
             return 0
+        if self._listing.active:  # (a failure said before: one line says it cleared)
+            with recurring.sweeping(self._listing, time.monotonic):
+                recurring.ok(LISTING)
         index, count = self.stripe
         if count > 1:  # queued in this order: start at this process's share of the list
             cut = index * len(ids) // count
