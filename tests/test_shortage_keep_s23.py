@@ -320,3 +320,23 @@ def test_listing_pending_running_short_is_said_once_then_cleared(
     assert LIMIT in said[0].getMessage() and "[Errno" not in said[0].getMessage()
     cleared = _said(caplog, "listing pending/ works again (EMFILE cleared after 3 failure(s))")
     assert len(cleared) == 1
+
+
+def test_a_folder_the_sweep_cannot_open_for_want_of_descriptors_is_said_once(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """`sweep: cannot open <folder>: ... (EMFILE ...)` was an ERROR at every sweep while the
+    shortage lasted (18 lines in 8 s under `ulimit -n 64`: review R34)."""
+    from test_claim_shortage_s22 import FailIn
+
+    from handoffd.backends.files import orphans
+    engine = _engine(tmp_path / "ws", clock)
+    monkeypatch.setattr(orphans.os, "open", FailIn(os.open, "_opened", 1000, _emfile))
+    caplog.set_level(logging.INFO, "handoffd")
+    for _ in range(4):
+        sweep(engine)
+        clock.advance(1)
+    said = [r.getMessage() for r in _said(caplog, "sweep: cannot open")]
+    folders = {message.split("cannot open ", 1)[1].split(":", 1)[0] for message in said}
+    assert said and len(said) == len(folders), said  # each folder once, not at every sweep
+    assert all(LIMIT in message for message in said), said
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

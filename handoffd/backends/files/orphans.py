@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from ...core import recurring
+from ...core.errors import SHORTAGE_ERRNOS
 from ...core.logs import log
 from ...core.ownfiles import folder_refusal
 from ...core.states import State
@@ -117,7 +119,12 @@ def _opened(folder: Path, *, quiet: bool = False) -> Iterator[int | None]:
         yield None
         return
     except OSError as exc:  # ELOOP (a symlink), ENOTDIR (a file), EACCES; EMFILE: no descriptor
-        if not quiet:
+        if quiet:
+            pass
+        elif exc.errno in SHORTAGE_ERRNOS:  # passing: a WARNING, said once while it lasts
+            recurring.error(f"opening {folder.name}/", exc, "sweep: %s",  # (not every sweep)
+                            folder_refusal(folder, exc, "nothing in it is removed"))
+        else:
             log.error("sweep: %s", folder_refusal(folder, exc, "nothing in it is removed"))
         yield None
         return
