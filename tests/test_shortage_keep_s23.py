@@ -340,3 +340,90 @@ def test_a_folder_the_sweep_cannot_open_for_want_of_descriptors_is_said_once(
     assert said and len(said) == len(folders), said  # each folder once, not at every sweep
     assert all(LIMIT in message for message in said), said
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+# ---------------------------------------------------------------- review R35
+
+def _memory_short(hid: str) -> Any:
+    from handoffd.core.errors import ClaimShortage
+    return ClaimShortage(f"handoff {hid}: cannot be claimed for now: out of memory; it stays in "
+                         "pending/, uncounted", handoff_id=hid, reason="MemoryError", delay=30.0)
+
+
+@pytest.mark.parametrize("descriptors_before", [False, True])
+def test_a_memory_back_off_is_not_cut_short_by_another_tasks_end(
+        tmp_path: Path, clock: Clock, descriptors_before: bool) -> None:
+    """Even when a descriptor shortage put the handoff in the rows released early before."""
+    from handoffd.core.errors import ClaimShortage
+    engine = _engine(tmp_path / "ws", clock)
+    daemon = Daemon(engine, workers=1, watch=False)
+    attempts, scheduler = daemon.attempts, daemon.scheduler
+    short, other = _submit(engine), _submit(engine)
+    if descriptors_before:
+        attempts._work_failed(short, ClaimShortage("short", handoff_id=short, reason="EMFILE"))
+    attempts._work_failed(short, _memory_short(short))
+    attempts.work(other)  # another task ends
+    assert scheduler.queued[short] - time.monotonic() > 25
+
+
+def test_a_memory_short_claims_end_releases_no_descriptor_short_claim(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim that ran short of memory freed nothing: the claims waiting out a descriptor
+    shortage wait on."""
+    engine = _engine(tmp_path / "ws", clock)
+    daemon = Daemon(engine, workers=1, watch=False)
+    attempts, scheduler = daemon.attempts, daemon.scheduler
+    waiting, short = _submit(engine), _submit(engine)
+    attempts.claim_shortages[waiting] = 6
+    scheduler.hold_off(waiting, 60.0)
+    real = engine.take
+
+    def take(hid: str, **kwargs: Any) -> Any:
+        if hid == short:
+            raise _memory_short(short)
+        return real(hid, **kwargs)
+
+    monkeypatch.setattr(engine, "take", take)
+    attempts.work(short)
+    assert scheduler.queued[waiting] - time.monotonic() > 50
+
+
+@pytest.mark.parametrize("error", [_emfile, MemoryError])
+def test_a_batch_end_that_cannot_list_pending_looks_again(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, error: Any) -> None:
+    """It took a failed listing for "nothing is pending" and ended, exit 0, with a handoff
+    that arrived meanwhile still pending; a MemoryError there ended the main loop."""
+    engine = _engine(tmp_path / "ws", clock)
+    _submit(engine)
+    real, calls, late = engine.backend.ids, [0], []
+
+    def ids(state: State) -> Any:
+        if state is State.PENDING:
+            calls[0] += 1
+            if calls[0] == 1:
+                listed = real(state)
+                late.append(_submit(engine))  # arrives while the batch works
+                return listed
+            if calls[0] == 2:
+                raise error()
+        return real(state)
+
+    monkeypatch.setattr(engine.backend.inner, "ids", ids)
+    report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
+    assert engine.get(late[0])[0] is State.COMPLETED
+    assert report.completed == 2 and report.errors == 0 and report.error is None, report
+
+
+def test_the_sweeps_folder_problem_clears_when_the_folder_opens_again(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    from test_claim_shortage_s22 import FailIn
+
+    from handoffd.backends.files import orphans
+    engine = _engine(tmp_path / "ws", clock)
+    monkeypatch.setattr(orphans.os, "open", FailIn(os.open, "_opened", 2, _emfile))
+    caplog.set_level(logging.INFO, "handoffd")
+    for _ in range(4):
+        sweep(engine)
+        clock.advance(1)
+    assert _said(caplog, "sweep: cannot open")
+    assert _said(caplog, "works again (EMFILE cleared after")

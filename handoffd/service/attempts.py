@@ -71,6 +71,7 @@ class Attempts(HeldOutcomes):
     def work(self, handoff_id: str) -> None:
         """Claim ``handoff_id``, run its specialist and file the outcome (a worker's task)."""
         job: Job | None = None
+        short = False  # it ended in a claim shortage
         if self.late:  # (almost always empty: no lock taken per claim then)
             with self.cv:
                 if self._held_by_late(handoff_id):
@@ -111,6 +112,7 @@ class Attempts(HeldOutcomes):
             job = None  # _taken_over ended the attempt: the job and the slot are its to give back
             raise
         except Exception as exc:
+            short = isinstance(exc, ClaimShortage)  # (it freed nothing others wait for)
             self._work_failed(handoff_id, exc)
         finally:
             # only our own entry: a second dispatch of the same id (a late hint read it before
@@ -118,7 +120,7 @@ class Attempts(HeldOutcomes):
             # job from lease renewal, the sweep's skip list and cancel requests
             if job is not None:
                 self._forget_job(job)
-            if self.claim_shortages and handoff_id not in self.claim_shortages:
+            if self.claim_shortages and not short and handoff_id not in self.claim_shortages:
                 self._retry_short_claims()
 
     def _retry_short_claims(self) -> None:
@@ -268,7 +270,9 @@ class Attempts(HeldOutcomes):
         if exc.reason == "MemoryError" and exc.delay:
             # the memory back-off is a time to wait, not a resource a task's end frees: not
             # released early with the descriptor ones (:meth:`_retry_short_claims`), which
-            # once let a batch with other work end before it, the handoff left pending
+            # once let a batch with other work end before it, the handoff left pending (nor
+            # under an earlier descriptor shortage's row)
+            self.claim_shortages.pop(handoff_id, None)
             delay = exc.delay
         else:
             counts = self.claim_shortages

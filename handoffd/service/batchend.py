@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from ..core.states import State
 
 if TYPE_CHECKING:
+    from .report import BatchReport
     from .scheduler import Scheduler
 
 __all__ = ["BATCH_POLL_SECONDS", "BatchEnd", "Siblings"]
@@ -22,6 +23,8 @@ log = logging.getLogger("handoffd")
 
 # a batch process waiting for the others of its batch looks at their board this often
 BATCH_POLL_SECONDS = 0.05
+# a batch's end that cannot list pending/ looks again every second for this long, then ends
+UNLISTED_PATIENCE_SECONDS = 5.0
 
 
 class Siblings(Protocol):
@@ -49,7 +52,9 @@ class BatchEnd:
 
     scheduler: "Scheduler"
     siblings: Siblings | None
+    report: "BatchReport"
     _idle: bool
+    _unlisted_since: float | None = None  # (monotonic) since when its end cannot list pending/
 
     def scan(self, *, recheck_waiting: bool = True) -> int:
         """The daemon's listing of pending/ (see :meth:`.daemon.Daemon.scan`)."""
@@ -68,7 +73,11 @@ class BatchEnd:
         its own work (and ``--max-seconds``)."""
         scheduler, seat = self.scheduler, self.siblings
         if not self._idle:
-            if self.scan(recheck_waiting=False) == 0:
+            found = self.scan(recheck_waiting=False)
+            if found < 0:  # pending/ could not be listed: not "nothing is pending"
+                return self._unlisted(now)
+            self._unlisted_since = None
+            if found == 0:
                 return None  # nothing is pending
             if scheduler.due_soon():
                 return now
@@ -80,6 +89,19 @@ class BatchEnd:
             return now + BATCH_POLL_SECONDS
         # what they filed before they fell idle: heard now, or not at all
         return now if self._hear_siblings() else None
+
+    def _unlisted(self, now: float) -> float | None:
+        """pending/ could not be listed at a batch's end: look again in a second, for at most
+        :data:`UNLISTED_PATIENCE_SECONDS`; then end, counted an error (exit 1: what may have
+        arrived is not known to be pending or not). It once ended at once, exit 0, as if
+        nothing were pending."""
+        if self._unlisted_since is None:
+            self._unlisted_since = now
+        if now - self._unlisted_since < UNLISTED_PATIENCE_SECONDS:
+            return now + 1.0
+        self._unlisted_since = None
+        self.report.errors += 1
+        return None
 
     def _hear_siblings(self) -> bool:
         """Wake the waiters here whose wait what the other processes of the batch filed may

@@ -194,20 +194,22 @@ class Daemon(BatchEnd):
 
     # ------------------------------------------------------------ looking at pending/
     def scan(self, *, recheck_waiting: bool = True) -> int:
-        """List pending/ once and queue everything not already known; returns the count found.
-        Waiting handoffs are re-checked too unless ``recheck_waiting`` is False (batch mode
-        re-checks them only when something is filed). Parked ids that are no longer pending
-        (filed or removed by someone else) are dropped from parking."""
+        """List pending/ once and queue everything not already known; returns the count found,
+        or -1 when pending/ could not be listed. Waiting handoffs are re-checked too unless
+        ``recheck_waiting`` is False (batch mode re-checks them only when something is filed).
+        Parked ids that are no longer pending (filed or removed by someone else) are dropped
+        from parking."""
         self.hooks.scanning()  # e.g. cancel requests: stop our handlers, queue pending
         try:
             ids = self.engine.backend.ids(State.PENDING)
-        except OSError as exc:  # e.g. EIO, EMFILE: the next rescan tries again; said once,
-            # then at most once a minute while it lasts (a WARNING naming the limit for a
-            # shortage: core.recurring), not at every rescan
+        except (OSError, MemoryError) as exc:  # e.g. EIO, EMFILE: the next rescan tries
+            # again; said once, then at most once a minute while it lasts (a WARNING naming
+            # the limit for a shortage: core.recurring), not at every rescan (a MemoryError
+            # once ended the main loop)
             with recurring.sweeping(self._listing, time.monotonic):
                 recurring.error(LISTING, exc, "cannot list the pending handoffs: %s; will "
                                 "rescan", exc)
-            return 0
+            return -1
         if self._listing.active:  # (a failure said before: one line says it cleared)
             with recurring.sweeping(self._listing, time.monotonic):
                 recurring.ok(LISTING)

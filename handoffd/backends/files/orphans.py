@@ -128,6 +128,7 @@ def _opened(folder: Path, *, quiet: bool = False) -> Iterator[int | None]:
             log.error("sweep: %s", folder_refusal(folder, exc, "nothing in it is removed"))
         yield None
         return
+    recurring.ok(f"opening {folder.name}/")  # (a shortage said before: its end is said)
     try:
         yield fd
     finally:
