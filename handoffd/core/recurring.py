@@ -31,7 +31,9 @@ from .errors import is_shortage, shortage_words
 from .logs import log
 
 REPEAT_SECONDS = 60.0  # a problem that persists is said again at most this often
-ERROR, WARNING = 40, 30  # (logging's levels: logging itself is imported at the first line)
+# logging's own level values: core.logs imports logging only when a first line is written,
+# which keeps a command's start light
+ERROR, WARNING = 40, 30
 # the kind of every per-claim recovery step (the repairs' and the take-overs'): one problem
 # however many claims meet it
 RECOVERY = "recovering a claim"
