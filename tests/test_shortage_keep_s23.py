@@ -427,3 +427,34 @@ def test_the_sweeps_folder_problem_clears_when_the_folder_opens_again(
         clock.advance(1)
     assert _said(caplog, "sweep: cannot open")
     assert _said(caplog, "works again (EMFILE cleared after")
+
+
+def test_work_between_two_failed_listings_gives_the_second_its_own_patience(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review R36: the patience counted from the first failure of the batch, not of the run of
+    failures: after work in between, one brief failure ended the batch at once (exit 1), with
+    a handoff that arrived meanwhile left pending."""
+    from test_start_shortage_s20 import _engine as shortage_engine
+
+    from handoffd.service import batchend
+    monkeypatch.setattr(batchend, "UNLISTED_PATIENCE_SECONDS", 0.3)
+    slow = [sys.executable, "-S", "-c", "import json, time; time.sleep(0.6); "
+            "print(json.dumps({'status': 'completed', 'output': {'ok': True}}))"]
+    engine = shortage_engine(tmp_path / "ws", slow, clock)
+    _submit(engine)
+    daemon = Daemon(engine, workers=1, watch=False)
+    real, calls, late = engine.backend.ids, [0], []
+
+    def ids(state: State) -> Any:
+        if state is State.PENDING:
+            calls[0] += 1
+            if calls[0] in (2, 4):  # each batch end that follows work: one failed listing,
+                late.append(_submit(engine))  # while another handoff arrives
+                daemon.scheduler.request_rescan()
+                raise _emfile()
+        return real(state)
+
+    monkeypatch.setattr(engine.backend.inner, "ids", ids)
+    report = daemon.run_batch(max_seconds=30)
+    assert [engine.get(hid)[0] for hid in late] == [State.COMPLETED] * 2, calls
+    assert report.completed == 3 and report.errors == 0 and report.error is None, report

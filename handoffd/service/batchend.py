@@ -92,7 +92,8 @@ class BatchEnd:
 
     def _unlisted(self, now: float) -> float | None:
         """pending/ could not be listed at a batch's end: look again in a second, for at most
-        :data:`UNLISTED_PATIENCE_SECONDS`; then end, counted an error (exit 1: what may have
+        :data:`UNLISTED_PATIENCE_SECONDS` in a row (work started meanwhile begins them afresh:
+        the main loop clears ``_unlisted_since`` as it dispatches); then end, counted an error (exit 1: what may have
         arrived is not known to be pending or not). It once ended at once, exit 0, as if
         nothing were pending."""
         if self._unlisted_since is None:

@@ -384,6 +384,7 @@ class Daemon(BatchEnd):
                 ready = scheduler.next_ready(now) if free and now >= spin_up_at else None
                 if ready is not None:
                     self._late_since = None  # (work goes on: a later wait counts afresh)
+                    self._unlisted_since = None  # (a later failure to list: its own 5 s)
                     self._idle = False
                     self.dispatcher.dispatch_safely(*ready)
                     continue
