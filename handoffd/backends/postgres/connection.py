@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ...core.errors import ConfigError, HandoffdError
+from ...core.errors import ConfigError, HandoffdError, shortage_words
 from ...core.timeutil import connect_timeout as bounded_connect
 from .values import configure
 
@@ -258,7 +258,7 @@ class Database:
                     with conn:  # commits when the operation returns, else rolls back
                         result = operation(conn, retried)
                 finally:
-                    self.pool.putconn(conn)  # (a broken connection is replaced by the pool)
+                    self._put_back(conn)  # (a broken connection is replaced by the pool)
                 self._back()
                 return result
             except Exception as exc:
@@ -272,6 +272,42 @@ class Database:
                 retried = True
                 self._pause(min(delay, left))
                 delay = min(delay * 2, BACKOFF_MAX)
+
+    def _put_back(self, conn: Conn) -> None:
+        """Return ``conn`` to the pool, whatever is raised meanwhile. A MemoryError returning it
+        once leaked it: the pool counted it checked out for ever, and after ``max_size`` such
+        leaks every operation waited for the pool's timeout. Tried once more; a connection
+        that cannot be returned even so is closed and handed back closed, which the pool
+        discards and replaces (one WARNING line). No MemoryError leaves it: what the operation
+        raised, or its result (it may have committed), is what its caller must get."""
+        try:
+            self.pool.putconn(conn)
+            return
+        except MemoryError as exc:
+            short = exc
+        try:  # once more
+            self.pool.putconn(conn)
+            return
+        except ValueError:  # it "comes from no pool": the first put took it back, then ran short
+            return
+        except MemoryError:
+            pass
+        try:
+            conn.close()  # (the pool's close_returns is off: this closes the connection)
+        except Exception:  # (a MemoryError too: handed back as it is, closed or not)
+            pass
+        try:
+            self.pool.putconn(conn)
+            fate = "closed, the pool replaces it"
+        except ValueError:
+            fate = "closed"
+        except MemoryError:  # (nothing more can be done, and nothing the caller can do)
+            fate = "the pool counts it in use, one fewer, until the store is closed"
+        try:
+            log.warning("a connection to the PostgreSQL store could not be returned to its "
+                        "pool: %s; %s", shortage_words(short), fate)
+        except MemoryError:
+            pass
 
     def interrupt(self, grace: float = 0.0) -> None:
         """From now on, an operation that lost its connection (or finds none) gives up within

@@ -14,6 +14,7 @@ period on its monotonic clock, as the files store does: clock skew never ends a 
 from __future__ import annotations
 
 import builtins
+import errno
 import logging
 import uuid
 from datetime import datetime, timedelta
@@ -40,6 +41,13 @@ OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EX
               "AND ((l.classid::bigint << 32) | l.objid::bigint) = h.lease_owner))")
 
 
+def looking_short() -> OSError:
+    """What the sweep's look for abandoned claims raises when it runs out of memory before
+    handling any row: a passing shortage of the store (an OSError ENOMEM, as claim-next's
+    before it chose a row), which the sweep says as one; nothing was taken over."""
+    return OSError(errno.ENOMEM, "out of memory (MemoryError) reading the in-progress rows")
+
+
 # a row of the first look: id, token, expiry, expired by our clock, its owner's key unheld (by
 # another process), no owner recorded, owned by this process, the expiry as the server writes it
 Seen = tuple[str, "str | None", "datetime | None", bool, bool, bool, bool, "str | None"]
@@ -57,24 +65,23 @@ class Recovery(ClaimOwner):
     _stale: dict[tuple[str, str | None, datetime | None], float]
 
     def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:
-        self._present()
-        tick = self.monotonic()
+        """See :meth:`Backend.expired_claims`. Running out of memory before any row is handled
+        (the first look, judging what it found) is a passing shortage of the store, an OSError
+        ENOMEM (:func:`looking_short`): the sweep says it as one, held back as its recurring
+        problems are, and looks again at its next pass; nothing is taken over, set aside or
+        charged. (A bare MemoryError once left the sweep's step with a traceback.)"""
+        try:
+            self._present()
+            tick = self.monotonic()
+        except MemoryError:
+            raise looking_short() from None
         refused: builtins.list[str] = []  # rows set aside: said once, after the commit
 
         def op(conn: Conn, _retried: bool) -> Claims:
-            # which claims look abandoned (no lock taken: most sweeps find nothing)
-            seen = conn.execute(
-                f"SELECT h.id, h.lease_token, h.lease_expires_at, "
-                f"coalesce(h.lease_expires_at <= %(now)s OR NOT isfinite(h.lease_expires_at), "
-                f"true), {OWNER_GONE}, "
-                f"h.lease_owner IS NULL, h.lease_owner IS NOT DISTINCT FROM %(me)s, "
-                f"h.lease_expires_at::text FROM {T} h "
-                "WHERE h.state = 'in-progress' AND (h.lease_expires_at IS NULL OR "
-                # (no lease handoffd writes is infinite: one written past it has expired)
-                f"h.lease_expires_at <= %(now)s OR NOT isfinite(h.lease_expires_at) OR "
-                f"{OWNER_GONE})",
-                {"now": now, "me": self.owner_key}).fetchall()
-            why = self._abandoned(seen, tick, lease_seconds)
+            try:
+                why = self._abandoned(self._look(conn, now), tick, lease_seconds)
+            except MemoryError:  # before any row is handled: rolled back, nothing taken
+                raise looking_short() from None
             taken: Claims = []
             refused.clear()  # (a retried sweep starts again)
             for handoff_id in sorted(why):
@@ -92,6 +99,21 @@ class Recovery(ClaimOwner):
         for reason in refused:  # said once: the rows are in the quarantine now
             log.warning("set aside an abandoned claim: %s", reason)
         return claims
+
+    def _look(self, conn: Conn, now: datetime) -> builtins.list[Seen]:
+        """The sweep's first look: which claims look abandoned (no lock taken: most sweeps find
+        nothing)."""
+        return conn.execute(
+            f"SELECT h.id, h.lease_token, h.lease_expires_at, "
+            f"coalesce(h.lease_expires_at <= %(now)s OR NOT isfinite(h.lease_expires_at), "
+            f"true), {OWNER_GONE}, "
+            f"h.lease_owner IS NULL, h.lease_owner IS NOT DISTINCT FROM %(me)s, "
+            f"h.lease_expires_at::text FROM {T} h "
+            "WHERE h.state = 'in-progress' AND (h.lease_expires_at IS NULL OR "
+            # (no lease handoffd writes is infinite: one written past it has expired)
+            f"h.lease_expires_at <= %(now)s OR NOT isfinite(h.lease_expires_at) OR "
+            f"{OWNER_GONE})",
+            {"now": now, "me": self.owner_key}).fetchall()
 
     def _abandoned(self, seen: builtins.list[Seen], tick: float,
                    lease_seconds: float) -> dict[str, Verdict]:
