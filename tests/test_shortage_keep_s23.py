@@ -458,3 +458,19 @@ def test_work_between_two_failed_listings_gives_the_second_its_own_patience(
     report = daemon.run_batch(max_seconds=30)
     assert [engine.get(hid)[0] for hid in late] == [State.COMPLETED] * 2, calls
     assert report.completed == 3 and report.errors == 0 and report.error is None, report
+
+
+def test_a_memory_error_looking_for_abandoned_claims_is_a_shortage_of_the_sweep(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Helper P (session 24): any store's look for abandoned claims running out of memory left
+    the sweep with a bare MemoryError (the daemon's "sweep failed" and a traceback)."""
+    engine = _engine(tmp_path / "ws", clock)
+    monkeypatch.setattr(engine.backend.inner, "expired_claims", FailFirst(
+        engine.backend.inner.expired_claims, 2, MemoryError))
+    caplog.set_level(logging.INFO, "handoffd")
+    for _ in range(3):
+        sweep(engine)
+        clock.advance(1)
+    looks = [r for r in caplog.records if "cannot look for abandoned claims" in r.getMessage()]
+    assert len(looks) == 1 and looks[0].levelname == "WARNING" and not looks[0].exc_info
+    assert _said(caplog, "looking for abandoned claims works again")

@@ -88,7 +88,8 @@ def _sweep(engine: Engine, skip: set[str]) -> SweepReport:
     _step("repairing the store", _maintain, engine, skip, report)
     try:
         taken = engine.backend.expired_claims(now, engine.settings.lease_seconds)
-    except OSError as exc:
+    except (OSError, MemoryError) as exc:  # (a MemoryError: a shortage, said as one, as a
+        # step's; it once left the sweep for the daemon's "sweep failed" with a traceback)
         recurring.error("looking for abandoned claims", exc,
                         "sweep: cannot look for abandoned claims: %s", exc)
         taken = []
