@@ -43,6 +43,14 @@ from .workspace import Workspace
 RESUMED_AFTER = frozenset({"delegated", "still_waiting", "needs_clarification", "blocked",
                            "answered"})
 STARTS_AFTER = frozenset({"created", "retried", "retry_scheduled"})
+# What a hand-back of a foreign document's claim says is left of its first use when its
+# admission ran short before the seen-ids record took its id (the detail of its ``handed_back``
+# event, so in our own bookkeeping: a block from outside is emptied at the claim): CHECK, the
+# search for the id (not done), or RECORD (searched and free, not yet recorded). The admission
+# right after that hand-back does what is left: the hand-back made the document ours, no longer
+# raw, and its id was once never recorded, so a later document reusing it ran again.
+UNRECORDED = "id_unrecorded"
+CHECK, RECORD = "check", "record"
 
 if TYPE_CHECKING:  # for the type checker only: no class to build at each import
     class Admitting(Protocol):
@@ -125,7 +133,8 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     try:  # any passing shortage met admitting it (the seen-ids record, a schema file): "not
         # now", the claim handed back uncounted. The seen-ids record's once escaped to the
         # worker's error path: left claimed, recovered as a crash, an attempt charged
-        if claim.raw and not _first_use(engine, claim, now):
+        left = _first_use_left(claim)
+        if left is not None and not _first_use(engine, claim, now, left):
             return None
         envelope = _envelope(engine, claim, dialect, now)
     except OSError as exc:  # (a MemoryError reading the document has its strikes: _envelope)
@@ -162,16 +171,52 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
 
 
-def _first_use(engine: Admitting, claim: Claim, now: datetime) -> bool:
-    """A foreign producer's document (no bookkeeping of ours): True when its id was not used
-    recently, and it is recorded as used now; else it is set aside (False)."""
-    if engine.backend.seen_contains(claim.id, now):
-        set_aside_claim(engine, claim, ErrorCode.DUPLICATE_HANDOFF_ID,
-                        f"handoff id {claim.id} was already used recently; "
-                        "a second document never re-runs the first")
-        return False
+def _first_use(engine: Admitting, claim: Claim, now: datetime, left: str) -> bool:
+    """A foreign producer's document (no bookkeeping of ours, or a hand-back's mark that its
+    first use is not done: ``left``, see :func:`_first_use_left`): True when its id was not used
+    recently, and it is recorded as used now; else it is set aside (False). While it runs, what
+    is left is noted in the claim's bookkeeping (never written: :func:`hand_back_short` takes
+    it into its event when a shortage cuts it short)."""
+    block = book(claim.doc)
+    if left == CHECK:
+        block[UNRECORDED] = CHECK
+        if engine.backend.seen_contains(claim.id, now):
+            block.pop(UNRECORDED, None)
+            set_aside_claim(engine, claim, ErrorCode.DUPLICATE_HANDOFF_ID,
+                            f"handoff id {claim.id} was already used recently; "
+                            "a second document never re-runs the first")
+            return False
+    # searched and free: from here a hand-back only records it (its own id, added before a
+    # shortage cut the add short, must never make it its own duplicate)
+    block[UNRECORDED] = RECORD
     engine.backend.seen_add(claim.id, now)
+    block.pop(UNRECORDED, None)
     return True
+
+
+def _first_use_left(claim: Claim) -> str | None:
+    """What is left of a claimed document's first use (its id searched in the seen-ids record,
+    then recorded): CHECK for a raw one (from outside), CHECK or RECORD as the hand-back just
+    before this claim says when a shortage cut its admission short (:data:`UNRECORDED`), else
+    None. The mark counts only in our own bookkeeping (a raw claim's block from outside was
+    emptied, and it is checked in full anyway) and only right before this claim: after anything
+    else (a recovery: whether the add was done is not known) the id is not searched again, as
+    such a search would find the document's own id once recorded, and set it aside unrun."""
+    if claim.raw:
+        return CHECK
+    block = claim.doc.get(BOOK)
+    history = block.get("history") if isinstance(block, dict) else None
+    if not isinstance(history, list) or len(history) < 2:
+        return None
+    last, before = history[-1], history[-2]
+    if not (isinstance(last, dict) and last.get("event") == "claimed"
+            and isinstance(before, dict) and before.get("event") == "handed_back"):
+        return None
+    detail = before.get("detail")
+    mark = detail.get(UNRECORDED) if isinstance(detail, dict) else None
+    if mark is None:
+        return None
+    return RECORD if mark == RECORD else CHECK  # (anything else: searched, as a raw one is)
 
 
 def _short_at_admission(engine: Admitting, claim: Claim, dialect: Dialect,
@@ -191,9 +236,14 @@ def hand_back_short(engine: Admitting, short: ClaimShortage) -> State:
     """Hand the claim ``short`` carries back to pending/ uncounted (``handed_back``, with
     ``not_started`` naming the shortage): PENDING, or IN_PROGRESS when the claim was lost.
     A write that fails gives the claim up (the store's rule), unless the caller files under
-    :func:`handoffd.backends.base.refiling`."""
+    :func:`handoffd.backends.base.refiling`. A foreign document's first use cut short says
+    what is left of it in that event (:data:`UNRECORDED`)."""
+    # a foreign document's first use cut short: the event says what is left, for the
+    # admission after it (_first_use_left)
+    left = book(short.claim.doc).pop(UNRECORDED, None)
+    mark = {UNRECORDED: left} if left in (CHECK, RECORD) else {}
     return engine.requeue(short.claim, short.dialect, "handed_back", reason=str(short),
-                          not_started=short.reason)
+                          not_started=short.reason, **mark)
 
 
 def resumes(doc: dict[str, Any]) -> bool:
