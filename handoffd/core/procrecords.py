@@ -26,9 +26,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from . import recurring
 from .documents import hostname
+from .errors import SHORTAGE_ERRNOS
 from .hashing import hmac_sha256_hex, same_text
 from .ownfiles import folder_refusal, open_folder, open_regular, read_regular
 
@@ -132,33 +134,51 @@ def record_path(root: Path, handoff_id: str) -> Path:
 # pointed
 _refusals_said: set[str] = set()  # folders refused already (one error line each)
 _TEMP_NAME = re.compile(r"\..+\.tmp")  # a record's temp file (see write_record)
+_REFUSED = "no process record is read, written or removed there"
+# a passing shortage opening the folder (EMFILE, ENFILE, ENOMEM) is one WARNING while it lasts,
+# said again at most once a minute, and one line when the folder opens again (core.recurring):
+# it was an ERROR, said again each time an open worked in between, and its end unsaid. The
+# workers (writing, removing), the runner and the sweep (pruning) share this book and clock
+shortages = recurring.Recurring()
+clock: Callable[[], float] = time.monotonic
 
 
 @contextmanager
 def records_folder(root: Path, *, create: bool = False) -> Iterator[int | None]:
     """A descriptor of ``handoffs/.meta/procs`` itself (made first when ``create``); None when it
     is missing or no plain folder (a symlink...): then nothing is read, written or removed
-    through it, and one error line says so (once, not at every attempt or sweep)."""
+    through it, and one error line says so (once, not at every attempt or sweep). None too
+    while it cannot be opened for a passing shortage: one WARNING naming the limit, held back
+    while it lasts (see :data:`shortages`)."""
     folder = record_dir(root)
-    try:
-        fd = open_folder(folder, make=create)
-    except FileNotFoundError:
-        if create:
-            raise
-        fd = None
-    except OSError as exc:
-        if str(folder) not in _refusals_said:
-            _refusals_said.add(str(folder))
-            log.error("%s", folder_refusal(folder, exc, "no process record is read, written "
-                                                       "or removed there"))
-        fd = None
-    else:
-        _refusals_said.discard(str(folder))  # a folder again: a new refusal is said again
+    with recurring.sweeping(shortages, lambda: clock()):
+        try:
+            fd: int | None = open_folder(folder, make=create)
+        except FileNotFoundError:
+            if create:
+                raise
+            fd = None
+        except OSError as exc:
+            _refused(folder, exc)
+            fd = None
+        else:
+            _refusals_said.discard(str(folder))  # a folder again: a new refusal is said again
+            recurring.ok(f"opening {folder}")  # (a shortage said before: its end is said)
     try:
         yield fd
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _refused(folder: Path, exc: OSError) -> None:
+    """Say why ``folder`` cannot be used: a shortage as the recurring problem it is, a real
+    refusal (a symlink, no folder, EACCES) as one error line until it is a folder again."""
+    if exc.errno in SHORTAGE_ERRNOS:
+        recurring.error(f"opening {folder}", exc, "%s", folder_refusal(folder, exc, _REFUSED))
+    elif str(folder) not in _refusals_said:
+        _refusals_said.add(str(folder))
+        log.error("%s", folder_refusal(folder, exc, _REFUSED))
 
 
 def write_record(root: Path, record: RunRecord) -> None:
@@ -234,13 +254,47 @@ def _problem(data: Any, handoff_id: str) -> str | None:
     return None
 
 
+_READING = "reading a process record"
+
+
 def read_in(folder: int, handoff_id: str) -> RunRecord | None:
+    """The record of ``handoff_id`` in ``folder`` (a descriptor of ``.meta/procs``); None when
+    there is none, it is no record handoffd wrote (one warning line), or a passing shortage
+    kept it from being read (said as one: :func:`_read_said`)."""
+    try:
+        return _read_said(folder, handoff_id)
+    except OSError:  # a shortage, said
+        return None
+
+
+def _read_said(folder: int, handoff_id: str) -> RunRecord | None:
+    """:func:`read_in`, but a passing shortage reading the record is raised (after one WARNING
+    held back while it lasts, see :data:`shortages`): it once read as a record "handoffd did
+    not write", and the removal of a newer attempt's record went ahead unchecked."""
+    with recurring.sweeping(shortages, lambda: clock()):
+        try:
+            record = _read(folder, handoff_id)
+        except OSError as exc:
+            recurring.error(_READING, exc, "cannot read handoffs/.meta/procs/%s.json for now: "
+                                           "%s; nothing is killed or removed by it for now",
+                            handoff_id[:200], exc)
+            raise
+        recurring.ok(_READING)  # (a shortage said before: its end is said)
+        return record
+
+
+def _read(folder: int, handoff_id: str) -> RunRecord | None:
+    """:func:`read_in`; OSError for a passing shortage."""
     try:
         data = json.loads(read_regular(f"{handoff_id}.json", 1 << 16, dir_fd=folder))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
-        problem: str | None = f"unreadable: {getattr(exc, 'strerror', None) or exc}"
+    except OSError as exc:
+        if exc.errno in SHORTAGE_ERRNOS:  # no descriptor, no memory: not the record's fault
+            raise
+        problem: str | None = f"unreadable: {exc.strerror or exc}"
+    except ValueError as exc:  # (UnicodeDecodeError is a ValueError)
+        problem = f"unreadable: {exc}"
     else:
         problem = _problem(data, handoff_id)
     if problem is not None:
@@ -274,8 +328,12 @@ def _same_token(current: RunRecord, token: str) -> bool:
 
 
 def remove_in(folder: int, handoff_id: str, token: str | None) -> None:
+    """Remove ``handoff_id``'s record from ``folder`` (:func:`remove_record`)."""
     if token is not None:
-        current = read_in(folder, handoff_id)
+        try:
+            current = _read_said(folder, handoff_id)
+        except OSError:  # a shortage (said): whose record it is cannot be told, so it stays
+            return
         if current is not None and not _same_token(current, token):
             return
     try:

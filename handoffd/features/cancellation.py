@@ -87,14 +87,18 @@ def poll(daemon: DaemonPlugins, problems: recurring.Recurring | None = None) -> 
     and drop requests for handoffs that are finished or gone. Never raises (the daemon loop
     calls it at every rescan). A passing shortage of descriptors or memory is one WARNING
     naming the limit, said again at most once a minute while it lasts (``problems``: the
-    daemon's book of them, :mod:`handoffd.core.recurring`); it was an ERROR at every rescan."""
+    daemon's book of them, :mod:`handoffd.core.recurring`); it was an ERROR at every rescan.
+    Another failure (the store unreachable, a folder unreadable) is one ERROR held back the
+    same way. A shortage opening ``.meta/cancel`` is said by the files store alone (it
+    finds no requests then), never by the store and the poll both."""
     clock = daemon.engine.clock
     with recurring.sweeping(problems or recurring.Recurring(), lambda: clock().timestamp()):
         try:
             _poll(daemon)
         except (HandoffdError, OSError, MemoryError) as exc:
             if not is_shortage(exc):  # the store is unreachable, a folder unreadable: one line
-                log.error("cannot read the cancel requests: %s; will try again", exc)
+                recurring.error(POLL, exc, "cannot read the cancel requests: %s; will try "
+                                           "again", exc)
                 return
             recurring.error(POLL, exc, "cannot read the cancel requests for now: %s; will try "
                                        "again", exc)

@@ -23,9 +23,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection
 
-from ...core import jsontext, ownfiles
+from ...core import jsontext, ownfiles, recurring
 from ...core.documents import revision
-from ...core.errors import DuplicateHandoff, InvalidTransition, NotFound
+from ...core.errors import SHORTAGE_ERRNOS, DuplicateHandoff, InvalidTransition, NotFound
 from ...core.logs import log
 from ...core.ownfiles import folder_refusal, not_a_folder, open_folder
 from ...core.states import State
@@ -305,6 +305,7 @@ class FilesBackend(FencedFiling, Backend):
     # every daemon delete the ``*.json`` files of the folder it pointed to (a project's
     # package.json) as requests for unknown handoffs
     _cancel_refusal_said = False  # the one error line for a .meta/cancel that is no folder
+    _CANCEL_REFUSED = "no cancel request is read, recorded or removed there"
 
     def _cancel_dir(self) -> Path:
         return self.ws.meta / "cancel"  # where handoffd.features.cancellation keeps them too
@@ -313,22 +314,38 @@ class FilesBackend(FencedFiling, Backend):
     def _cancel_folder(self) -> str:
         return str(self._cancel_dir())
 
+    @cached_property
+    def _cancel_shortages(self) -> recurring.Recurring:
+        """A passing shortage opening ``.meta/cancel`` (EMFILE, ENFILE, ENOMEM): one WARNING
+        while it lasts, said again at most once a minute (by :attr:`monotonic`), and one line
+        when the folder opens again (:mod:`handoffd.core.recurring`); it was an ERROR, said
+        again each time an open worked in between, and its end unsaid."""
+        return recurring.Recurring()
+
     def _open_cancel_folder(self) -> int | None:
         """A descriptor of ``.meta/cancel`` itself; None when it is missing, or when it is no
-        plain folder (a symlink...): then nothing is read or removed through it, said once."""
-        try:
-            self.store.folders.check()  # (.meta swapped for a link: put right first)
-            fd = open_folder(self._cancel_folder)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if not self._cancel_refusal_said:
-                self._cancel_refusal_said = True
-                log.error("%s", folder_refusal(self._cancel_folder, exc, "no cancel request is "
-                                                                "read, recorded or removed there"))
-            return None
-        self._cancel_refusal_said = False  # a folder again: a new refusal is said again
-        return fd
+        plain folder (a symlink...): then nothing is read or removed through it, said once.
+        None too while a passing shortage keeps it from being opened, said as one (see
+        :attr:`_cancel_shortages`) here only: the cancel requests' poll gets no requests, and
+        says nothing of it."""
+        kind = f"opening {self._cancel_folder}"
+        with recurring.sweeping(self._cancel_shortages, self.monotonic):
+            try:
+                self.store.folders.check()  # (.meta swapped for a link: put right first)
+                fd = open_folder(self._cancel_folder)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                refusal = folder_refusal(self._cancel_folder, exc, self._CANCEL_REFUSED)
+                if exc.errno in SHORTAGE_ERRNOS:  # passing: a WARNING, said once while it lasts
+                    recurring.error(kind, exc, "%s", refusal)
+                elif not self._cancel_refusal_said:
+                    self._cancel_refusal_said = True
+                    log.error("%s", refusal)
+                return None
+            self._cancel_refusal_said = False  # a folder again: a new refusal is said again
+            recurring.ok(kind)  # (a shortage said before: its end is said)
+            return fd
 
     def request_cancel(self, handoff_id: str, request: Doc) -> None:
         folder = self._cancel_dir()
