@@ -33,7 +33,7 @@ import hypothesis_jsonschema._canonicalise as _hjs_canon
 import hypothesis_jsonschema._from_schema as _hjs
 import pytest
 from conftest import FLAKY_TOML, Workspace
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
@@ -289,6 +289,22 @@ def where_is(root: Path, names: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def scheduled_retries(root: Path) -> set[str]:
+    """Ids in pending/ whose last event is a retry scheduled for later: an attempt that failed
+    retryably (a timeout of 5e-324 s, found by the long fuzz) waits out its retry delay, by
+    design, for a later run."""
+    out = set()
+    for path in (root / "handoffs" / "pending").glob("*.json"):
+        try:
+            history = json.loads(path.read_bytes())["handoffd"]["history"]
+        except (ValueError, KeyError, TypeError, OSError):
+            continue
+        if isinstance(history, list) and history and isinstance(history[-1], dict) \
+                and history[-1].get("event") == "retry_scheduled":
+            out.add(path.stem)
+    return out
+
+
 def check_places(places: dict[str, list[str]], unroutable: set[str], detail: str = "") -> None:
     for name, found in places.items():
         quarantined = [p for p in found if p.startswith("quarantine:")]
@@ -297,7 +313,8 @@ def check_places(places: dict[str, list[str]], unroutable: set[str], detail: str
             # set aside once; a failure stub may sit under its name (it is not the input)
             assert len(quarantined) == 1 and states in ([], ["failed"]), (name, found, detail)
         elif states == ["pending"]:
-            assert name[: -len(".json")] in unroutable, (name, found, detail)  # waits, by design
+            # waits, by design: no specialist, or a retry due later
+            assert name[: -len(".json")] in unroutable, (name, found, detail)
         else:
             assert states in (["completed"], ["failed"]), (name, found, detail)
 
@@ -327,7 +344,8 @@ def every_input_ends_in_one_place(batch: list[tuple[str, bytes]]) -> None:
             (pending / name).write_bytes(data)
         report = Daemon(engine, watch=False).run_batch()
         places = where_is(root, [name for name, _ in batch])
-        check_places(places, set(report.unroutable), repr(batch)[:2000])
+        check_places(places, set(report.unroutable) | scheduled_retries(root),
+                     repr(batch)[:2000])
         assert (root / "handoffs" / "completed" / "fuzz-control.json").exists()
         assert not list((root / "handoffs" / "in-progress").iterdir())
 
@@ -335,6 +353,10 @@ def every_input_ends_in_one_place(batch: list[tuple[str, bytes]]) -> None:
 @pytest.mark.heavy
 @IN_PROCESS
 @given(batch=batches(1, 3))
+# found by the long fuzz (session 24): a timeout of 5e-324 s times its attempt out, and the
+# retry then waits its 30 s in pending/ (by design; the check took it for a lost handoff)
+@example(batch=[("fz-1-a.json", b'{"handoff_id": "fz-1-a", "target": {"agent_id": "@t"}, '
+                                b'"timeout_seconds": 5e-324}')])
 def test_in_process_every_input_ends_in_one_place(batch: list[tuple[str, bytes]]) -> None:
     every_input_ends_in_one_place(batch)
 
@@ -380,6 +402,7 @@ def test_subprocess_batch_never_crashes() -> None:
         assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
         assert proc.returncode in (0, 1), (proc.returncode, proc.stderr[-2000:])
         unroutable = set(re.findall(r"handoff (\S+) waits in pending/: no specialist", proc.stderr))
-        check_places(where_is(root, [name for name, _ in batch]), unroutable, proc.stderr[-2000:])
+        check_places(where_is(root, [name for name, _ in batch]),
+                     unroutable | scheduled_retries(root), proc.stderr[-2000:])
         assert ws.state_of("fuzz-control") == ["completed"]
         assert not list((root / "handoffs" / "in-progress").iterdir())
