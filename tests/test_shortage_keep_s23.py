@@ -474,3 +474,31 @@ def test_a_memory_error_looking_for_abandoned_claims_is_a_shortage_of_the_sweep(
     looks = [r for r in caplog.records if "cannot look for abandoned claims" in r.getMessage()]
     assert len(looks) == 1 and looks[0].levelname == "WARNING" and not looks[0].exc_info
     assert _said(caplog, "looking for abandoned claims works again")
+
+
+def test_a_memory_error_recovering_one_claim_is_a_held_back_shortage(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Review R37: on the files store, a MemoryError recovering one abandoned claim was an
+    ERROR with a traceback at every sweep."""
+    engine = _engine(tmp_path / "ws", clock)
+    hid = _submit(engine)
+    claimed = engine.claim(hid)
+    assert claimed is not None
+    engine.backend.abandon(claimed[0])
+    clock.advance(engine.settings.lease_seconds * 3)
+    store = engine.backend.inner.store
+    real = store.read
+
+    def read(state: State, handoff_id: str, *args: Any, **kwargs: Any) -> Any:
+        if state is State.IN_PROGRESS:
+            raise MemoryError
+        return real(state, handoff_id, *args, **kwargs)
+
+    monkeypatch.setattr(store, "read", read)
+    caplog.set_level(logging.INFO, "handoffd")
+    for _ in range(3):
+        sweep(engine)
+        clock.advance(1)
+    said = _said(caplog, f"recovering {hid} failed")
+    assert said and not any(r.exc_info or r.levelno >= logging.ERROR for r in said), \
+        [(r.levelname, r.getMessage()) for r in said]

@@ -244,7 +244,8 @@ class Claimer:
             # others are recovered (an OSError here once dropped the whole list, every sweep)
             try:
                 claim = self._recover_one(handoff_id, now, lease_seconds)
-            except (OSError, HandoffdError) as exc:  # (said once while it lasts: recurring)
+            except (OSError, HandoffdError, MemoryError) as exc:  # (said once while it
+                # lasts: recurring; a MemoryError, a shortage, was a traceback at every sweep)
                 code = getattr(exc, "code", None)
                 recurring.error(recurring.RECOVERY, exc, "sweep: recovering %s failed: %s%s; "
                                 "the next sweep tries again", handoff_id, exc,
