@@ -66,7 +66,8 @@ def seconds(monkeypatch: pytest.MonkeyPatch) -> Seconds:
     """The process records' clock, and a fresh book of their shortages (module-wide)."""
     clock = Seconds()
     monkeypatch.setattr(procrecords, "clock", clock, raising=False)
-    monkeypatch.setattr(procrecords, "shortages", recurring.Recurring(), raising=False)
+    monkeypatch.setattr(procrecords, "shortages", recurring.Recurring(
+        quiet=recurring.QUIET_SECONDS), raising=False)
     return clock
 
 
@@ -158,7 +159,10 @@ def test_the_records_folder_short_is_one_warning_held_back_then_cleared(
     said = _said(caplog, "cannot open ")
     assert len(said) == 2 and "(still; 3 more like it held back)" in said[1].getMessage()
     assert not _said(caplog, "works again")
-    procrecords.remove_record(root, "h1")  # it opens again
+    procrecords.remove_record(root, "h1")  # it opens again: said once quiet that long
+    assert not _said(caplog, "works again")
+    seconds.now += recurring.QUIET_SECONDS
+    procrecords.remove_record(root, "h1")
     cleared = _said(caplog, f"opening {procrecords.record_dir(root)} works again")
     assert len(cleared) == 1 and "(EMFILE cleared after 6 failure(s))" in \
         cleared[0].getMessage(), [r.getMessage() for r in caplog.records]
@@ -204,6 +208,7 @@ def test_a_record_unread_for_want_of_descriptors_is_said_so_and_kept(
     assert len(said) == 1 and said[0].levelno == logging.WARNING and LIMIT in \
         said[0].getMessage()
     assert not _said(caplog, "not a process record handoffd wrote")
+    seconds.now += recurring.QUIET_SECONDS  # (cleared by a read that works after so long)
     record = procrecords.read_record(tmp_path, "h1")  # it works again
     assert record is not None and isinstance(record.token, procrecords.SealedToken)
     assert record.token.matches("newer-token")
@@ -252,7 +257,10 @@ def test_the_cancel_folder_short_is_one_warning_held_back_then_cleared(
     assert "(still; 2 more like it held back)" in _said(caplog, folder)[1].getMessage()
     backend.clear_cancel("h1")
     assert len(_said(caplog, folder)) == 2  # (held back)
-    assert backend.cancel_request("h1") == {"reason": "r"}  # it opens again
+    assert backend.cancel_request("h1") == {"reason": "r"}  # it opens again: not yet cleared
+    assert not _said(caplog, f"opening {backend._cancel_folder} works again")
+    monotonic.now += recurring.QUIET_SECONDS  # (as quiet as that, the next open clears it)
+    assert backend.cancel_request("h1") == {"reason": "r"}
     cleared = _said(caplog, f"opening {backend._cancel_folder} works again")
     assert len(cleared) == 1 and "(EMFILE cleared after 5 failure(s))" in cleared[0].getMessage()
     assert not _errors(caplog)
@@ -285,7 +293,9 @@ def test_a_short_cancel_folder_is_said_by_the_store_not_by_the_poll_too(
     daemon = _Daemon(engine)
     cancellation.attach(daemon)  # type: ignore[arg-type]
     [poll] = daemon.scan_hooks  # (what the daemon calls at every rescan)
-    for _ in range(4):  # three rescans short, then it works
+    for rescan in range(4):  # three rescans short, then it works (quiet long enough)
+        if rescan == 3:
+            monotonic.now += recurring.QUIET_SECONDS
         poll()
         clock.advance(1)
         monotonic.now += 1
@@ -320,3 +330,26 @@ def test_the_poll_failing_otherwise_is_one_error_held_back(
     assert len(said) == 1 and said[0].levelno == logging.ERROR
     assert "the store is unreachable" in said[0].getMessage()
     assert len(_said(caplog, "reading the cancel requests works again (ECONNREFUSED")) == 1
+
+
+def test_a_records_folder_short_every_other_open_is_said_once(
+        tmp_path: Path, seconds: Seconds, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Review R37: at the limit every other open fails; each success cleared the problem, so
+    each failure was two lines ("cannot open", then "works again")."""
+    root = tmp_path
+    procrecords.record_dir(root).mkdir(parents=True)
+    real, calls = procrecords.open_folder, [0]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] % 2:
+            raise _emfile()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(procrecords, "open_folder", flaky)
+    caplog.set_level(logging.INFO, "handoffd")
+    for turn in range(10):
+        procrecords.read_record(root, f"h-{turn}")
+        seconds.now += 1
+    assert len(_said(caplog, "cannot open ")) == 1
+    assert not _said(caplog, "works again")

@@ -34,7 +34,7 @@ from handoffd import Daemon
 from handoffd.backends.files import reading
 from handoffd.backends.files import repair as repair_module
 from handoffd.backends.files import store as store_module
-from handoffd.core import validation
+from handoffd.core import recurring, validation
 from handoffd.core.documents import book
 from handoffd.core.states import State
 from handoffd.features import cancellation
@@ -312,9 +312,13 @@ def test_listing_pending_running_short_is_said_once_then_cleared(
     daemon = Daemon(engine, workers=1, watch=False)
     ids = FailFirst(engine.backend.ids, 3, _emfile)
     monkeypatch.setattr(engine.backend.inner, "ids", ids)  # (the event log's wrapper forwards)
+    daemon._listing_clock = lambda: clock().timestamp()
     caplog.set_level(logging.INFO, "handoffd")
-    for _ in range(4):  # 3 short, then it works
+    for _ in range(4):  # 3 short, then it works: cleared once quiet for QUIET_SECONDS
         daemon.scan()
+        clock.advance(recurring.QUIET_SECONDS / 2)
+    assert not _said(caplog, "listing pending/ works again")  # (5 s after the last failure)
+    daemon.scan()
     said = _said(caplog, "cannot list the pending handoffs")
     assert len(said) == 1 and said[0].levelno == logging.WARNING, said
     assert LIMIT in said[0].getMessage() and "[Errno" not in said[0].getMessage()
@@ -502,3 +506,27 @@ def test_a_memory_error_recovering_one_claim_is_a_held_back_shortage(
     said = _said(caplog, f"recovering {hid} failed")
     assert said and not any(r.exc_info or r.levelno >= logging.ERROR for r in said), \
         [(r.levelname, r.getMessage()) for r in said]
+
+
+def test_a_listing_that_fails_every_other_time_is_said_once_not_cleared_each_time(
+        tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Review R37: at a descriptor limit, every other open fails; a book whose "sweep" is one
+    operation cleared the problem at each success: two lines per failure."""
+    engine = _engine(tmp_path / "ws", clock)
+    daemon = Daemon(engine, workers=1, watch=False)
+    daemon._listing_clock = lambda: clock().timestamp()
+    real, calls = engine.backend.ids, [0]
+
+    def ids(state: State) -> Any:
+        calls[0] += 1
+        if calls[0] % 2:
+            raise _emfile()
+        return real(state)
+
+    monkeypatch.setattr(engine.backend.inner, "ids", ids)
+    caplog.set_level(logging.INFO, "handoffd")
+    for _ in range(10):
+        daemon.scan()
+        clock.advance(1)
+    assert len(_said(caplog, "cannot list the pending handoffs")) == 1
+    assert not _said(caplog, "works again")

@@ -139,7 +139,7 @@ _REFUSED = "no process record is read, written or removed there"
 # said again at most once a minute, and one line when the folder opens again (core.recurring):
 # it was an ERROR, said again each time an open worked in between, and its end unsaid. The
 # workers (writing, removing), the runner and the sweep (pruning) share this book and clock
-shortages = recurring.Recurring()
+shortages = recurring.Recurring(quiet=recurring.QUIET_SECONDS)
 clock: Callable[[], float] = time.monotonic
 
 

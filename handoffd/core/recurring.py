@@ -10,7 +10,11 @@ clock) with the count of what was held back. When that kind of step succeeds aga
 that no longer meets the problem (:func:`ok`), one WARNING line says it cleared.
 
 The lease keeper's rounds (renewals, owner-lock checks) keep books of their own the same way,
-and so does the cancel requests' poll (:mod:`handoffd.features.cancellation`).
+and so does the cancel requests' poll (:mod:`handoffd.features.cancellation`). A book whose
+"sweep" is a single operation (the pending/ listing, an open of the process records' or the
+cancel requests' folder) clears a problem only once it has stayed away
+:data:`QUIET_SECONDS`: at a descriptor limit every other open fails, and each success said
+"works again" once more.
 Outside a sweep or round every problem is said as it comes, as before.
 
 A passing shortage of descriptors or memory (:func:`~.errors.is_shortage`: EMFILE, ENFILE,
@@ -31,6 +35,11 @@ from .errors import is_shortage, shortage_words
 from .logs import log
 
 REPEAT_SECONDS = 60.0  # a problem that persists is said again at most this often
+# a book whose "sweep" is one operation (one open of a folder, one listing) rather than a
+# round of many: a problem clears only after this long without it, as a passing shortage
+# comes and goes from one open to the next (at the limit, every other open fails) and was
+# said twice per occurrence ("cannot open", then "works again")
+QUIET_SECONDS = 10.0
 # logging's own level values: core.logs imports logging only when a first line is written,
 # which keeps a command's start light
 ERROR, WARNING = 40, 30
@@ -44,6 +53,7 @@ Key = tuple[str, str]
 @dataclass
 class _Problem:
     said_at: float  # when it was last said (the clock's seconds)
+    last_at: float  # when it was last met
     held: int = 0  # occurrences held back since
     total: int = 1  # occurrences since it began
 
@@ -51,8 +61,9 @@ class _Problem:
 class Recurring:
     """The problems of one daemon's sweeps (kept across them); thread-safe."""
 
-    def __init__(self, every: float = REPEAT_SECONDS) -> None:
+    def __init__(self, every: float = REPEAT_SECONDS, quiet: float = 0.0) -> None:
         self.every = every
+        self.quiet = quiet  # a problem clears only after this long without it (QUIET_SECONDS)
         self.active: dict[Key, _Problem] = {}
         self._failed: set[Key] = set()  # met since the last sweep ended
         self._succeeded: set[str] = set()  # kinds that worked at least once since
@@ -71,14 +82,16 @@ class Recurring:
             self._failed.add(key)
             problem = self.active.get(key)
             if problem is None:
-                self.active[key] = _Problem(said_at=now)
+                self.active[key] = _Problem(said_at=now, last_at=now)
                 held = None
             elif now - problem.said_at < self.every:
+                problem.last_at = now
                 problem.held += 1
                 problem.total += 1
                 return
             else:
                 held, problem.held, problem.said_at = problem.held, 0, now
+                problem.last_at = now
                 problem.total += 1
         if held is None:
             log.log(level, msg + " (if it recurs, said again at most once a minute)", *args)
@@ -90,11 +103,13 @@ class Recurring:
         with self._mutex:
             self._succeeded.add(kind)
 
-    def end(self) -> None:
-        """A sweep ended: a problem whose kind worked in it and that it did not meet cleared."""
+    def end(self, now: float | None = None) -> None:
+        """A sweep ended (at ``now``): a problem whose kind worked in it and that it did not
+        meet cleared, if :attr:`quiet` seconds have passed since it was last met."""
         with self._mutex:
             cleared = [(key, self.active.pop(key)) for key in list(self.active)
-                       if key[0] in self._succeeded and key not in self._failed]
+                       if key[0] in self._succeeded and key not in self._failed
+                       and (now is None or now - self.active[key].last_at >= self.quiet)]
             self._failed.clear()
             self._succeeded.clear()
         for (kind, why), problem in cleared:
@@ -115,7 +130,7 @@ def sweeping(book: Recurring, clock: Callable[[], float]) -> Iterator[None]:
         yield
     finally:
         _CURRENT.reset(token)
-        book.end()
+        book.end(clock() if book.quiet else None)
 
 
 def how(exc: BaseException) -> str:

@@ -71,7 +71,8 @@ class Daemon(BatchEnd):
         # each starts on its own stretch of the pending list instead of all racing for the head
         self.stripe = stripe
         # the listing's failures (a shortage at every rescan was an ERROR each time)
-        self._listing = recurring.Recurring()
+        self._listing = recurring.Recurring(quiet=recurring.QUIET_SECONDS)
+        self._listing_clock: Callable[[], float] = time.monotonic  # (tests move it)
         self.settings = engine.settings
         self.workers = workers or self.settings.workers
         self.hard_stop = False
@@ -206,12 +207,12 @@ class Daemon(BatchEnd):
             # again; said once, then at most once a minute while it lasts (a WARNING naming
             # the limit for a shortage: core.recurring), not at every rescan (a MemoryError
             # once ended the main loop)
-            with recurring.sweeping(self._listing, time.monotonic):
+            with recurring.sweeping(self._listing, self._listing_clock):
                 recurring.error(LISTING, exc, "cannot list the pending handoffs: %s; will "
                                 "rescan", exc)
             return -1
         if self._listing.active:  # (a failure said before: one line says it cleared)
-            with recurring.sweeping(self._listing, time.monotonic):
+            with recurring.sweeping(self._listing, self._listing_clock):
                 recurring.ok(LISTING)
         index, count = self.stripe
         if count > 1:  # queued in this order: start at this process's share of the list

@@ -320,7 +320,7 @@ class FilesBackend(FencedFiling, Backend):
         while it lasts, said again at most once a minute (by :attr:`monotonic`), and one line
         when the folder opens again (:mod:`handoffd.core.recurring`); it was an ERROR, said
         again each time an open worked in between, and its end unsaid."""
-        return recurring.Recurring()
+        return recurring.Recurring(quiet=recurring.QUIET_SECONDS)
 
     def _open_cancel_folder(self) -> int | None:
         """A descriptor of ``.meta/cancel`` itself; None when it is missing, or when it is no
