@@ -311,3 +311,44 @@ def test_a_hand_back_kept_for_a_shortage_too_keeps_its_mark(
     assert [e["event"] for e in events] == ["claimed", "handed_back", "claimed", "completed"]
     assert events[1]["detail"][UNRECORDED] == "record"
     assert engine.backend.seen_contains("k-1", engine.clock())
+
+
+def test_a_marked_hand_back_ingested_by_postgresql_is_not_its_own_duplicate(
+        tmp_path: Path, pg_url: str) -> None:
+    """Review R37: a files workspace's hand-back left `id_unrecorded: check`; the workspace
+    then served by PostgreSQL ingested the sealed pending/ copy as trusted, which records its
+    id, and the admission's search found it: set aside as its own duplicate, never run."""
+    from handoffd.cli.basics import engine as open_engine
+    runs = tmp_path / "runs.txt"
+    config = (f'[daemon]\nsettle_seconds = 0.1\n\n[specialists."@cmd"]\n'
+              f'command = {json.dumps(_runs_command(runs))}\n')
+    ws = new_workspace(tmp_path / "ws", config)
+    try:
+        ws.drop("f-1.json", foreign("f-1"))
+        engine = open_engine(ws.root, create=True)
+        seen = engine.backend.inner.store.seen
+        real, left = seen.contains, [1]
+
+        def short(*args: Any) -> Any:
+            if left:
+                left.pop()
+                raise emfile()
+            return real(*args)
+
+        seen.contains = short  # type: ignore[method-assign]
+        with pytest.raises(ClaimShortage):
+            engine.take("f-1")
+        engine.backend.close()
+        history = ws.doc("f-1")["handoffd"]["history"]
+        assert history[-1]["event"] == "handed_back" and \
+            history[-1]["detail"][UNRECORDED] == "check"
+        ws.write_config(config + f'\n[store]\nurl = "{pg_url}"\n')
+        first = _batch(ws.root)
+        assert first.returncode == 0 and runs.read_text() == "ran\n", first.stderr
+        assert "DUPLICATE_HANDOFF_ID" not in first.stderr
+        ws.drop("f-1.json", foreign("f-1", input={"data": {"second": True}}))  # id reused
+        second = _batch(ws.root)
+        assert runs.read_text() == "ran\n", second.stderr  # recorded at its admission
+        assert "DUPLICATE_HANDOFF_ID" in second.stderr, second.stderr
+    finally:
+        ws.cleanup()

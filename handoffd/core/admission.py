@@ -14,7 +14,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .documents import BOOK, Envelope, Outcome, book, check_id, first_seen, record
+from .documents import (BOOK, CHECK, RECORD, UNRECORDED, Envelope, Outcome, book, check_id,
+                        first_seen, record, unrecorded_mark)
 from .errors import (
     SHORTAGE_ERRNOS,
     ClaimShortage,
@@ -43,14 +44,6 @@ from .workspace import Workspace
 RESUMED_AFTER = frozenset({"delegated", "still_waiting", "needs_clarification", "blocked",
                            "answered"})
 STARTS_AFTER = frozenset({"created", "retried", "retry_scheduled"})
-# What a hand-back of a foreign document's claim says is left of its first use when its
-# admission ran short before the seen-ids record took its id (the detail of its ``handed_back``
-# event, so in our own bookkeeping: a block from outside is emptied at the claim): CHECK, the
-# search for the id (not done), or RECORD (searched and free, not yet recorded). The admission
-# right after that hand-back does what is left: the hand-back made the document ours, no longer
-# raw, and its id was once never recorded, so a later document reusing it ran again.
-UNRECORDED = "id_unrecorded"
-CHECK, RECORD = "check", "record"
 
 if TYPE_CHECKING:  # for the type checker only: no class to build at each import
     class Admitting(Protocol):
@@ -208,15 +201,10 @@ def _first_use_left(claim: Claim) -> str | None:
     history = block.get("history") if isinstance(block, dict) else None
     if not isinstance(history, list) or len(history) < 2:
         return None
-    last, before = history[-1], history[-2]
-    if not (isinstance(last, dict) and last.get("event") == "claimed"
-            and isinstance(before, dict) and before.get("event") == "handed_back"):
+    last = history[-1]
+    if not (isinstance(last, dict) and last.get("event") == "claimed"):
         return None
-    detail = before.get("detail")
-    mark = detail.get(UNRECORDED) if isinstance(detail, dict) else None
-    if mark is None:
-        return None
-    return RECORD if mark == RECORD else CHECK  # (anything else: searched, as a raw one is)
+    return unrecorded_mark(history[-2])
 
 
 def _short_at_admission(engine: Admitting, claim: Claim, dialect: Dialect,

@@ -137,6 +137,39 @@ def throttles_in_a_row(doc: dict[str, Any]) -> int:
     return count
 
 
+# What a hand-back of a foreign document's claim says is left of its first use when its
+# admission ran short before the seen-ids record took its id (the detail of its ``handed_back``
+# event, so in our own bookkeeping: a block from outside is emptied at the claim): CHECK, the
+# search for the id (not done), or RECORD (searched and free, not yet recorded). The admission
+# right after that hand-back does what is left (core.admission): the hand-back made the
+# document ours, no longer raw, and its id was once never recorded, so a later document reusing
+# it ran again.
+UNRECORDED = "id_unrecorded"
+CHECK, RECORD = "check", "record"
+
+
+def unrecorded_mark(event: Any) -> str | None:
+    """What a ``handed_back`` history ``event`` says is left of its document's first use
+    (:data:`UNRECORDED`): CHECK or RECORD (anything else: CHECK, never less than a raw document
+    gets), or None when it is no such event."""
+    if not (isinstance(event, dict) and event.get("event") == "handed_back"):
+        return None
+    detail = event.get("detail")
+    mark = detail.get(UNRECORDED) if isinstance(detail, dict) else None
+    if mark is None:
+        return None
+    return RECORD if mark == RECORD else CHECK
+
+
+def first_use_undone(doc: dict[str, Any]) -> bool:
+    """Whether ``doc`` (our bookkeeping, e.g. a pending copy ingested from a file) was last
+    handed back with its first use undone (:func:`unrecorded_mark`): its id is then not yet
+    recorded as seen, and whoever ingests it must leave that to its next admission, which would
+    otherwise find the id and set the document aside as its own duplicate."""
+    history = book(doc).get("history") if isinstance(doc.get(BOOK), dict) else None
+    return isinstance(history, list) and bool(history) and unrecorded_mark(history[-1]) is not None
+
+
 def first_seen(doc: dict[str, Any]) -> datetime | None:
     """When the handoff arrived, as far as a hard deadline counts: its last ``retried`` event
     (`handoff retry` sends it again, seed 000's deadline starts anew), else the first event of

@@ -16,7 +16,7 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any, Callable, NamedTuple
 
-from ...core.documents import check_request_depth, check_request_size
+from ...core.documents import check_request_depth, check_request_size, first_use_undone
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.events import last_entry
 from ...core.jsontext import load_json
@@ -289,7 +289,10 @@ class FileOrigins(StoreBase):
             ).fetchone()
             if inserted is None:
                 return False
-            if trusted:  # admitted in its workspace before: admission's seen check is skipped
+            # admitted in its workspace before: admission's seen check is skipped (unless a
+            # hand-back there left it undone: the admission here does it, and would find the id
+            # recorded now and set the document aside as its own duplicate)
+            if trusted and not first_use_undone(doc):
                 self._seen_upsert(conn, handoff_id, now)
             # (the receipt in the same statement as the event: no extra round trip)
             keep = ("WITH receipt AS (INSERT INTO handoffd.records (kind, key, value) VALUES "
