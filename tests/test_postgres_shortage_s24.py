@@ -215,3 +215,31 @@ def test_a_sweep_look_that_runs_out_of_memory_is_a_shortage_tried_again(
         assert lease_of(pg_url, "gone")[1] != before[1]
     finally:
         store.close()
+
+
+def test_a_connection_lost_after_the_pool_unlinked_it_is_replaced(
+        pg_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Review R37: psycopg_pool unlinks a returned connection before it stores it; a
+    MemoryError storing it made the retry's "comes from no pool" read as "taken back", and the
+    pool stayed one connection short for good (every later operation waited it out)."""
+    import collections
+
+    db = Database(pg_url, max_size=1, reconnect_seconds=1.0, connect_timeout=1.0)
+    try:
+        class ShortOnce(collections.deque):  # type: ignore[type-arg]
+            left = 1
+
+            def append(self, item: Any) -> None:
+                if ShortOnce.left:
+                    ShortOnce.left -= 1
+                    raise MemoryError()
+                super().append(item)
+
+        db.pool._pool = ShortOnce(db.pool._pool)  # type: ignore[attr-defined]
+        with caplog.at_level(logging.WARNING, logger="handoffd"):
+            assert db.run(select_one) == 1
+        assert leaked(db) == 0
+        assert db.run(select_one) == 1  # (it waited the pool out, then failed)
+        assert [r for r in caplog.records if "returned to its pool" in r.getMessage()]
+    finally:
+        db.close()

@@ -288,8 +288,14 @@ class Database:
         try:  # once more
             self.pool.putconn(conn)
             return
-        except ValueError:  # it "comes from no pool": the first put took it back, then ran short
-            return
+        except ValueError:  # it "comes from no pool": the first put unlinked it, then ran short
+            if self._idle_in_pool(conn):  # (after taking it back: nothing more to do)
+                return
+            # lost between the two (psycopg_pool unlinks a connection before it stores it):
+            # linked back, to be handed back closed below, which the pool counts and replaces.
+            # (Handed to a waiting client before running short, it is closed under that
+            # client: its operation fails as a lost connection, and is retried.)
+            conn._pool = self.pool  # type: ignore[attr-defined]
         except MemoryError:
             pass
         try:
@@ -308,6 +314,18 @@ class Database:
                         "pool: %s; %s", shortage_words(short), fate)
         except MemoryError:
             pass
+
+    def _idle_in_pool(self, conn: Conn) -> bool:
+        """Whether ``conn`` sits among the pool's idle connections (psycopg_pool's own deque,
+        read without its lock: a snapshot is enough to tell a connection taken back from one
+        lost; a pool without that attribute is taken at its word)."""
+        idle = getattr(self.pool, "_pool", None)
+        if idle is None:
+            return True
+        try:
+            return any(item is conn for item in list(idle))
+        except (RuntimeError, MemoryError):  # (changed under the copy, or no memory for it)
+            return True
 
     def interrupt(self, grace: float = 0.0) -> None:
         """From now on, an operation that lost its connection (or finds none) gives up within
