@@ -21,7 +21,7 @@ import time
 from typing import Any, Protocol
 
 from . import procrecords, procs
-from .errors import HandlerError
+from .errors import HandlerError, is_shortage, shortage_words
 from .specialists import HandlerContext
 from .watchdog import cancelled, timed_out
 
@@ -60,14 +60,23 @@ def clear_previous_attempt(ctx: HandlerContext) -> None:
             return
         alive = procs.scan(left.token, None)
     except Exception as exc:
-        log.warning("handoff %s: cannot check for leftover processes: %s: %s", ctx.handoff_id,
-                    type(exc).__name__, str(exc)[:200])
+        log.warning("handoff %s: cannot check for leftover processes%s", ctx.handoff_id,
+                    leftovers_unchecked(exc))
         return
     if alive:
         raise HandlerError(f"handoff {ctx.handoff_id}: {len(alive)} process(es) of attempt "
                            f"{left.attempt} survive SIGKILL (pids "
                            f"{', '.join(str(p.pid) for p in alive[:10])}); not starting another run "
                            "beside them", handoff_id=ctx.handoff_id, retryable=True)
+
+
+def leftovers_unchecked(exc: BaseException) -> str:
+    """What follows "cannot check for leftover processes" for ``exc``: a passing shortage in
+    the words naming its limit (it was a bare ``OSError: [Errno 24] ...``), else its type and
+    message, cut short."""
+    if is_shortage(exc):
+        return f" for now: {shortage_words(exc)}"
+    return f": {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def write_record(ctx: HandlerContext, record: procrecords.RunRecord) -> None:
@@ -213,10 +222,13 @@ class Collector:
                     if stopping:
                         break
                     continue
-                chunk = os.read(fd, 65536)
-                if not chunk:
+                chunk = self._read(fd)
+                if chunk is None:  # short of memory: nothing was read, read it again
+                    if stopping:
+                        break
+                    continue
+                if not chunk or not self._keep(chunk):
                     break
-                self.buffer += chunk
                 self.size = len(self.buffer)
                 if self.size > self.limit:
                     if self.keep_tail:
@@ -236,6 +248,27 @@ class Collector:
                 self.pipe.close()
             except OSError:
                 pass
+
+    def _read(self, fd: int) -> bytes | None:
+        """One read of the pipe, or None after a pause when memory ran short for it (its
+        buffer is made before the read: nothing was taken from the pipe). The drain once died
+        of it (a traceback) and the handler's answer was lost, its attempt counted failed."""
+        try:
+            return os.read(fd, 65536)
+        except MemoryError:
+            self.stop.wait(POLL_MS / 1000)
+            return None
+
+    def _keep(self, chunk: bytes) -> bool:
+        """Add ``chunk`` to what is kept; short of memory, again after a pause until it fits,
+        or False (the output cut there) once the drain is told to stop."""
+        while True:
+            try:
+                self.buffer += chunk
+                return True
+            except MemoryError:
+                if self.stop.wait(POLL_MS / 1000):
+                    return False
 
     def finish(self, wait: float) -> None:
         """Join the thread: up to ``wait`` seconds for EOF, then cut the pipe off (one that was

@@ -16,6 +16,7 @@ import threading
 from collections import Counter
 from typing import Callable
 
+from ..core import recurring
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
 from ..core.errors import ClaimShortage, DocumentNotReady, ErrorCode, HandoffdError
@@ -59,6 +60,8 @@ class Attempts(HeldOutcomes):
         self.slot = threading.local()  # a worker's current task token (``slot.token``)
         self.refiles: dict[str, threading.Timer] = {}  # kept outcomes' next refile (under cv)
         self.closing = False  # a stop files what is kept: a failure then gives the claim up
+        # failed filings for a passing shortage: one WARNING while they last (service.held)
+        self.filing_shortages = recurring.Recurring(quiet=recurring.QUIET_SECONDS)
         # handed back for a start shortage, counted in report.handed_back until claimed again
         # here (a batch that waits its back-off out does not end saying it handed it back);
         # report.backed_off lists them for a batch of several processes (service.spread)

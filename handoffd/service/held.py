@@ -31,9 +31,10 @@ import time
 from typing import TYPE_CHECKING
 
 from ..backends.base import SHRINKABLE_ERRNOS, NotFiled, refiling
+from ..core import recurring
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
-from ..core.errors import ErrorCode
+from ..core.errors import ErrorCode, is_shortage
 from ..core.filing import runs_again
 from ..core.results import conclude
 from ..core.states import State
@@ -51,6 +52,7 @@ log = logging.getLogger("handoffd")
 # just returned, a cancellation): a filing is one write, and a store that is away gives up
 HELD_FILING_SECONDS = 10.0
 REFILE_MAX_SECONDS = 60.0  # the longest wait between two tries to file a kept outcome
+FILING = "filing an answer"  # the kind of the filings' shortages (core.recurring)
 
 
 class HeldOutcomes:
@@ -65,6 +67,7 @@ class HeldOutcomes:
     active: dict[str, Job]
     refiles: dict[str, threading.Timer]  # kept outcomes' next refile (under cv)
     closing: bool  # a stop files what is kept: a failure then hands the claim back
+    filing_shortages: recurring.Recurring  # filings failed for a passing shortage
 
     def _end_attempt(self, job: Job, outcome: Outcome) -> bool:
         raise NotImplementedError  # (Attempts)
@@ -109,6 +112,9 @@ class HeldOutcomes:
         except OSError:
             self.engine.backend.abandon(job.claim)  # (given up already when finish failed)
             raise
+        if self.filing_shortages.active:  # (a shortage said before: one line says it cleared)
+            with recurring.sweeping(self.filing_shortages, self._seconds):
+                recurring.ok(FILING)
         if job.refile_after and where is not State.IN_PROGRESS:  # filed at last: no error
             self.report.errors -= 1  # left for a batch's exit code to report
             log.info("handoff %s: filed after its filing failed (its handler ran once)",
@@ -274,8 +280,7 @@ class HeldOutcomes:
         if closing:
             self._hand_back_unfiled(job, outcome, exc)
             return False
-        log.error("handoff %s: %s; its claim is kept and the filing tried again in %gs (the "
-                  "handler does not run again)", job.handoff_id, exc, job.refile_after)
+        self._say_kept(job, exc)
         if first:  # a cancellation files it cancelled at once (the handler is done anyway)
             job.context.wake_on_cancel(_Release(self, job))
         if job.context.stop_requested and not job.fenced and not job.context.handback \
@@ -284,6 +289,24 @@ class HeldOutcomes:
             # fires once): file the cancellation now, or the next try files the answer
             self.release(job)
         return True
+
+    def _say_kept(self, job: Job, exc: NotFiled) -> None:
+        """Say that ``job``'s filing failed and its answer is kept: an ERROR at each try (a full
+        disk). A passing shortage of descriptors or memory is one WARNING naming the limit, for
+        every kept answer, held back while filings run short, and a "filing an answer works
+        again" line once one is filed (it was an ERROR with a bare "[Errno 24]" at every try
+        of every kept answer)."""
+        msg = "handoff %s: %s; its claim is kept and the filing tried again in %gs (the " \
+              "handler does not run again)"
+        if not is_shortage(exc):
+            log.error(msg, job.handoff_id, exc, job.refile_after)
+            return
+        with recurring.sweeping(self.filing_shortages, self._seconds):
+            recurring.error(FILING, exc, msg, job.handoff_id, _not_filed(exc), job.refile_after)
+
+    def _seconds(self) -> float:
+        """The engine's clock, in seconds (what the filings' shortages are timed by)."""
+        return self.engine.clock().timestamp()
 
     def _hand_back_unfiled(self, job: Job, outcome: Outcome, exc: OSError) -> None:
         """As this daemon stops, ``job``'s kept ``outcome`` failed its last try: hand the claim
@@ -297,15 +320,16 @@ class HeldOutcomes:
         except Exception as again:  # (the requeue gave the claim up already on an OSError)
             self.engine.backend.abandon(job.claim)
             log.error("handoff %s: %s; stopping, and it cannot be handed back either (%s): "
-                      "the next sweep recovers it", job.handoff_id, exc, again)
+                      "the next sweep recovers it", job.handoff_id, _not_filed(exc), again)
             return
         if returned is State.IN_PROGRESS:
             log.error("handoff %s: %s; stopping: its claim was taken over meanwhile; nothing "
-                      "was handed back here", job.handoff_id, exc)
+                      "was handed back here", job.handoff_id, _not_filed(exc))
             return
         if returned is State.PENDING:
             self.report.handed_back += 1
-        log.error("handoff %s: %s; stopping: %s (its handler runs again)", job.handoff_id, exc,
+        log.error("handoff %s: %s; stopping: %s (its handler runs again)", job.handoff_id,
+                  _not_filed(exc),
                   "handed back to pending/" if returned is State.PENDING else "counted as an "
                   "attempt, as a stop in a run of them is")
 
@@ -357,6 +381,12 @@ class _Release:
     def set(self) -> None:
         """The attempt was stopped: a cancel request, a fence, or the daemon stopping."""
         self.attempts.release(self.job)
+
+
+def _not_filed(exc: OSError) -> str | OSError:
+    """A failed filing as its lines say it: a passing shortage by its message alone, which
+    names the limit (its "[Errno 24]" said nothing more); anything else as it was."""
+    return exc.strerror if is_shortage(exc) and exc.strerror else exc
 
 
 def _answer_bytes(outcome: Outcome) -> int:

@@ -7,7 +7,9 @@ import logging
 import time
 from collections import Counter
 
+from ..core import recurring
 from ..core.engine import Engine
+from ..core.errors import is_shortage
 from ..core.states import State
 from .attempts import Attempts
 from .hooks import Hooks
@@ -16,6 +18,7 @@ from .scheduler import Scheduler
 
 log = logging.getLogger("handoffd")
 STALL_SAMPLE = 64  # pending documents the watchdog reads to decide whether work is due
+CHECKING = "the progress check"  # the kind of its shortages (core.recurring)
 
 
 class ProgressWatch:
@@ -30,6 +33,8 @@ class ProgressWatch:
         self.report = report
         self.stall_seconds = stall_seconds
         self.next_progress_check = scheduler.last_dispatch + stall_seconds
+        # a shortage of descriptors or memory met by the check: one WARNING while it lasts
+        self.shortages = recurring.Recurring(quiet=recurring.QUIET_SECONDS)
 
     def wake_at(self) -> float:
         """When the loop, idle with a free slot, must wake for the next check."""
@@ -47,14 +52,29 @@ class ProgressWatch:
         self.next_progress_check = now + max(self.stall_seconds / 2, 0.05)
         try:
             stuck = self.due_with_free_slot()
-        except Exception:  # the watchdog itself must not take the loop down
-            log.exception("progress check failed; will check again")
+        except Exception as exc:  # the watchdog itself must not take the loop down
+            self._failed(exc, now)
             return
+        if self.shortages.active:  # (a shortage said before: one line says it cleared)
+            with recurring.sweeping(self.shortages, lambda: now):
+                recurring.ok(CHECKING)
         if stuck is None:
             self.next_progress_check = now + self.stall_seconds
             return
         self.reset(f"handoff {stuck} is due and a slot is free, but nothing was "
                    f"dispatched for {now - self.scheduler.last_dispatch:.1f}s")
+
+    def _failed(self, exc: Exception, now: float) -> None:
+        """The check failed: a bug keeps its traceback. A passing shortage (listing pending/
+        with no descriptor left: it was an ERROR with a traceback at every check) is one
+        WARNING naming the limit, held back while it recurs, and its end said (core.recurring);
+        ``now`` is the loop's monotonic clock."""
+        if not is_shortage(exc):
+            log.exception("progress check failed; will check again")
+            return
+        with recurring.sweeping(self.shortages, lambda: now):
+            recurring.error(CHECKING, exc, "progress check: cannot look for due work for now: "
+                            "%s; will check again", exc)
 
     def due_with_free_slot(self) -> str | None:
         """A pending id that could be dispatched right now, judged from the files and the tasks
@@ -64,9 +84,12 @@ class ProgressWatch:
             real = Counter(agent for agent, _ in scheduler.inflight.values())
             mine = set(self.attempts.active)
             doubtful = set(scheduler.waiting) | set(scheduler.unroutable)
-            now = time.monotonic()  # (held off for a passing reason: a claim short of
-            # descriptors is put back as it came, no due_at in its document; not a stall)
-            mine.update(hid for hid, floor in scheduler.not_before.items() if floor > now)
+            # held off for a passing reason (a claim or a start short of descriptors is put
+            # back as it came, no due_at in its document): not a stall, nor until it has been
+            # due for stall_seconds (the loop wakes for its floor and for this check at once,
+            # and checks first: a back-off as long as stall_seconds read as a stall)
+            since = time.monotonic() - self.stall_seconds
+            mine.update(hid for hid, floor in scheduler.not_before.items() if floor > since)
         if len(scheduler.inflight) >= scheduler.workers:
             return None
         ids = [hid for hid in engine.backend.ids(State.PENDING) if hid not in mine]

@@ -31,6 +31,7 @@ from ..core.errors import (
     InvalidDocument,
     InvalidTransition,
     NotFound,
+    is_shortage,
 )
 from ..core.events import SET_ASIDE, RecordingBackend
 from ..core.native_format import stub_code
@@ -44,6 +45,7 @@ log = logging.getLogger("handoffd")
 NOTES = "set_aside_notes"
 # each engine's recurring problems, across its sweeps (core/recurring.py)
 _PROBLEMS: weakref.WeakKeyDictionary[Engine, recurring.Recurring] = weakref.WeakKeyDictionary()
+LEFTOVERS = "checking for leftover processes"  # (a recovery's step: its shortages' kind)
 
 
 @dataclass
@@ -268,8 +270,14 @@ def _kill_leftovers(engine: Engine, handoff_id: str, attempt: int) -> None:
     try:
         procs.kill_leftovers(engine.ws, handoff_id, attempt=attempt)
     except Exception as exc:
+        if is_shortage(exc):  # one WARNING naming the limit, held back while it recurs
+            recurring.error(LEFTOVERS, exc, "recovering %s: cannot check for leftover "
+                            "processes for now: %s", handoff_id, exc)
+            return
         log.warning("recovering %s: cannot check for leftover processes: %s: %s", handoff_id,
                     type(exc).__name__, str(exc)[:200])
+        return
+    recurring.ok(LEFTOVERS)  # (a shortage said before: one line says it cleared)
 
 
 def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,

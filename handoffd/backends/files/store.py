@@ -30,6 +30,8 @@ from ...core.errors import (
     DuplicateHandoff,
     InvalidDocument,
     InvalidTransition,
+    is_shortage,
+    shortage_words,
 )
 from ...core.states import State, allowed
 from ...core.timeutil import utc_now
@@ -401,8 +403,9 @@ class Store:
                 if saved is not None:
                     restore(claim.doc, saved, lease_now)
                     kept = True
+                    why = shortage_words(exc) if is_shortage(exc) else exc.strerror or exc
                     raise NotFiled(exc.errno, f"{claim.handoff_id} could not be filed in "
-                                   f"{dst.value}/: {exc.strerror or exc}") from exc
+                                   f"{dst.value}/: {why}") from exc  # (a shortage: its limit)
 
             try:
                 self.folders.check()  # (a failure here gives the claim up, as any below)
