@@ -343,3 +343,26 @@ def test_serve_picks_up_at_once_after_handoffs_is_restored_from_a_copy(ws: Works
     assert len(said) == 1 and "WARNING" in said[0], err
     assert f"{handoffs} was moved away or removed" in said[0], err
     assert "Traceback" not in err and "died" not in err, err
+
+
+@linux_only
+def test_a_read_out_of_memory_does_not_end_the_watch(
+        tmp_path: Path, watching: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Helper S (session 24): under `prlimit --as`, the reader thread died of a MemoryError in
+    its read (a traceback; changes then seen only at rescans). Nothing was read: it reads
+    again after a short pause, and the event is heard."""
+    folder = tmp_path / "pending"
+    folder.mkdir()
+    real, short = os.read, [2]
+
+    def read(fd: int, size: int) -> bytes:
+        if short[0] and size == inotify._BUFFER:
+            short[0] -= 1
+            raise MemoryError()
+        return real(fd, size)
+
+    monkeypatch.setattr(inotify.os, "read", read)
+    watch, rec = watching({folder: "pending"})
+    (folder / "a.json").write_text("{}")
+    assert rec.heard("pending", "a.json"), rec.events
+    assert short[0] == 0 and watch._thread is not None and watch._thread.is_alive()

@@ -62,6 +62,7 @@ ANCESTOR_EVENTS = IN_MOVE_SELF | IN_DELETE_SELF
 FIRST_RETRY_SECONDS, LAST_RETRY_SECONDS = 1.0, 30.0
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len (struct inotify_event)
 _BUFFER = 64 * 1024
+_SHORT_PAUSE = 0.1  # seconds before a read that ran out of memory is tried again
 # (folder, errno) already said "cannot watch" in this process: once each, however many sweeps
 # retry it; forgotten when the folder is watched again (a new failure is said again)
 _said: set[tuple[str, int]] = set()
@@ -223,6 +224,11 @@ class FolderEvents:
                     continue
                 data = os.read(self._fd, _BUFFER)
             except InterruptedError:
+                continue
+            except MemoryError:  # (no memory for the read's buffer: nothing was read, the
+                # events wait in the kernel; the thread once died of it, with a traceback)
+                if select.select([kill_r], [], [], _SHORT_PAUSE)[0]:
+                    return
                 continue
             except OSError as exc:
                 if exc.errno == errno.EAGAIN:

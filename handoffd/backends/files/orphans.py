@@ -122,13 +122,13 @@ def _opened(folder: Path, *, quiet: bool = False) -> Iterator[int | None]:
         if quiet:
             pass
         elif exc.errno in SHORTAGE_ERRNOS:  # passing: a WARNING, said once while it lasts
-            recurring.error(f"opening {folder.name}/", exc, "sweep: %s",  # (not every sweep)
+            recurring.error(f"opening {folder}", exc, "sweep: %s",  # (not every sweep)
                             folder_refusal(folder, exc, "nothing in it is removed"))
         else:
             log.error("sweep: %s", folder_refusal(folder, exc, "nothing in it is removed"))
         yield None
         return
-    recurring.ok(f"opening {folder.name}/")  # (a shortage said before: its end is said)
+    recurring.ok(f"opening {folder}")  # (a shortage said before: its end is said)
     try:
         yield fd
     finally:
