@@ -530,3 +530,16 @@ def test_a_listing_that_fails_every_other_time_is_said_once_not_cleared_each_tim
         clock.advance(1)
     assert len(_said(caplog, "cannot list the pending handoffs")) == 1
     assert not _said(caplog, "works again")
+
+
+def test_a_shortage_met_elsewhere_in_a_worker_names_the_limit(
+        tmp_path: Path, clock: Clock, caplog: Any) -> None:
+    """Helper S (session 24): an OSError EMFILE reaching a worker's generic path was an ERROR
+    with the bare [Errno 24]; it is a WARNING naming the limit (still an error of the run)."""
+    engine = _engine(tmp_path / "ws", clock)
+    daemon = Daemon(engine, workers=1, watch=False)
+    caplog.set_level(logging.INFO, "handoffd")
+    daemon.attempts._work_failed("h1", _emfile())
+    [said] = _said(caplog, "handoff h1:")
+    assert said.levelno == logging.WARNING and LIMIT in said.getMessage()
+    assert "[Errno" not in said.getMessage() and daemon.report.errors == 1

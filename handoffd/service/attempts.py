@@ -19,7 +19,8 @@ from typing import Callable
 from ..core import recurring
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
-from ..core.errors import ClaimShortage, DocumentNotReady, ErrorCode, HandoffdError
+from ..core.errors import (ClaimShortage, DocumentNotReady, ErrorCode, HandoffdError, is_shortage,
+                           shortage_words)
 from ..core.runner import cancel
 from ..core.starts import not_started
 from ..core.states import State
@@ -252,7 +253,12 @@ class Attempts(HeldOutcomes):
             counts = self.unexpected_in_a_row
             tries = counts[handoff_id] = counts.get(handoff_id, 0) + 1
             delay = min(UNEXPECTED_MAX_SECONDS, RETRY_LOOK_SECONDS * 2.0 ** (tries - 1))
-            log.error("handoff %s: %s; will retry in %gs", handoff_id, exc, delay)
+            if is_shortage(exc):  # (a shortage met outside the paths that say it as one:
+                # a WARNING naming the limit, not an ERROR with a bare [Errno 24])
+                log.warning("handoff %s: %s; will retry in %gs", handoff_id,
+                            shortage_words(exc), delay)
+            else:
+                log.error("handoff %s: %s; will retry in %gs", handoff_id, exc, delay)
             self.report.errors += 1  # (a batch that ends meanwhile exits non-zero, and says so)
             if len(counts) > MAX_TRACKED:
                 counts.clear()
