@@ -88,6 +88,17 @@ def wait_until(predicate: Any, timeout: float = 15, what: str = "condition") -> 
     raise AssertionError(f"{what}: not met within {timeout}s")
 
 
+def wait_for_words(path: Path, words: list[str], timeout: float = 30) -> str:
+    """What a daemon said (its stderr, written to ``path``), once every one of ``words`` is in
+    it, or when ``timeout`` seconds have passed (the caller's assertions say what is missing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        said = path.read_text(errors="replace")
+        if all(w in said for w in words) or time.monotonic() > deadline:
+            return said
+        time.sleep(0.05)
+
+
 def whole_json_lines(path: Path) -> list[Any]:
     """The JSON values of the complete lines of ``path`` ([] when it is absent): a daemon may be
     appending a line as it is read, and a torn last line is not one yet (a JSONDecodeError

@@ -16,19 +16,16 @@ unchecked; another failure of the poll (an unreachable store) is one ERROR held 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import resource
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from conftest import Clock, exe, new_workspace
+from conftest import Clock, exe, new_workspace, wait_for_words as _wait_for
 from test_claim_shortage_s22 import _engine
 from test_start_shortage_s20 import FailFirst
 
@@ -80,16 +77,6 @@ sweep_seconds = 0.5
 rescan_seconds = 0.5
 stall_seconds = 600
 """
-
-
-def _wait_for(path: Path, words: list[str], timeout: float = 30) -> str:
-    """What the daemon said (its stderr, ``path``), once every one of ``words`` is in it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        said = path.read_text(errors="replace")
-        if all(w in said for w in words) or time.monotonic() > deadline:
-            return said
-        time.sleep(0.05)
 
 
 @pytest.mark.heavy

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import Clock, exe, new_workspace
+from conftest import Clock, exe, new_workspace, wait_for_words as _wait_for
 from test_claim_shortage_s22 import _engine, _submit
 from test_refile import Counting, FullDisk, Serving, engine_with, submit
 from test_start_shortage_s20 import FailFirst, _context
@@ -268,16 +268,6 @@ sweep_seconds = 0.5
 rescan_seconds = 0.5
 stall_seconds = 0.3
 """
-
-
-def _wait_for(path: Path, words: list[str], timeout: float = 30) -> str:
-    """What the daemon said (its stderr, ``path``), once every one of ``words`` is in it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        said = path.read_text(errors="replace")
-        if all(w in said for w in words) or time.monotonic() > deadline:
-            return said
-        time.sleep(0.05)
 
 
 @pytest.mark.heavy
