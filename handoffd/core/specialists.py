@@ -1,7 +1,8 @@
 """The specialist registry: who runs a handoff addressed to a given agent id.
 
-Specialists come from three places, later ones overriding earlier: the ``handoffd.core.specialists``
-entry-point group (name = agent id, value = ``module:function``), functions decorated with
+Specialists come from three places, later ones overriding earlier: the ``handoffd.specialists``
+entry-point group (name = agent id, value = ``module:function``; DESIGN.md's name, and
+``handoffd.core.specialists``, which the docs named for a while, before it), functions decorated with
 :func:`specialist`, and the ``[specialists]`` tables of ``handoffd.toml``.
 """
 from __future__ import annotations
@@ -18,7 +19,10 @@ from .config import Config, SpecialistConfig, specialist_from_table
 from .errors import SHORTAGE_ERRNOS, ConfigError
 
 Handler = Callable[[dict[str, Any], "HandlerContext"], dict[str, Any]]
-ENTRY_POINT_GROUP = "handoffd.core.specialists"
+ENTRY_POINT_GROUP = "handoffd.specialists"  # the interface contract's group
+# the group's name in the docs for a while (a rename made by mistake): still read, before the
+# contract's, so that an agent id in both is the contract group's
+LEGACY_ENTRY_POINT_GROUP = "handoffd.core.specialists"
 
 _DECORATED: dict[str, tuple[Handler, dict[str, Any]]] = {}
 
@@ -277,9 +281,11 @@ class Registry:
     def load(cls, config: Config, *, use_entry_points: bool = True) -> "Registry":
         """Entry points, then decorated functions, then handoffd.toml tables."""
         registry = cls()
-        if use_entry_points and may_declare_entry_points(ENTRY_POINT_GROUP):
+        for group in (LEGACY_ENTRY_POINT_GROUP, ENTRY_POINT_GROUP) if use_entry_points else ():
+            if not may_declare_entry_points(group):
+                continue
             from importlib.metadata import entry_points  # scanning them is for daemons
-            for ep in entry_points(group=ENTRY_POINT_GROUP):
+            for ep in entry_points(group=group):
                 table = {"handler": ep.value}
                 registry.add(Specialist(specialist_from_table(ep.name, table, config.retry,
                                                               "entry point")))

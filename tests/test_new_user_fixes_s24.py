@@ -1,0 +1,57 @@
+"""What a new user hit in their first hour (review R38, session 24), fixed in the lead's files.
+
+1. Specialists declared under DESIGN.md's entry-point group, ``handoffd.specialists``, were
+   silently ignored: a refactor had renamed the group the code reads to
+   ``handoffd.core.specialists`` (and the docs with it). Both are read now, the contract's last.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import exe, new_workspace
+from test_core import _fake_distribution
+
+from handoffd.core.config import Config
+from handoffd.core.specialists import Registry
+
+HANDLERS = '''
+def echo(handoff, ctx):
+    return {"status": "completed", "output": {"by": "contract"}}
+
+def legacy(handoff, ctx):
+    return {"status": "completed", "output": {"by": "legacy"}}
+'''
+
+
+@pytest.mark.parametrize("group,by", [("handoffd.specialists", "contract"),
+                                      ("handoffd.core.specialists", "legacy")])
+def test_a_specialist_declared_as_an_entry_point_runs(tmp_path: Path, group: str,
+                                                       by: str) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "epdemo.py").write_text(HANDLERS)
+    _fake_distribution(site, f"[{group}]\n@ep = epdemo:{'echo' if by == 'contract' else by}\n")
+    ws = new_workspace(tmp_path / "ws", "[daemon]\nsettle_seconds = 0.0\n")
+    try:
+        hid = ws.create("--to", "@ep", "--data", "{}")
+        env = {**os.environ, "PYTHONPATH": str(site)}
+        done = subprocess.run([exe("handoffd"), "run", "--root", str(ws.root)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert ws.state_of(hid) == ["completed"], done.stderr
+        assert ws.doc(hid)["output"] == {"by": by}
+    finally:
+        ws.cleanup()
+
+
+def test_the_contract_group_wins_over_the_old_name(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_distribution(tmp_path, "[handoffd.core.specialists]\n@ep = epdemo:legacy\n", "old")
+    _fake_distribution(tmp_path, "[handoffd.specialists]\n@ep = epdemo:echo\n", "new")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    registry = Registry.load(Config())
+    assert registry.specialists["@ep"].config.handler == "epdemo:echo"
