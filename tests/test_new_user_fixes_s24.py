@@ -55,3 +55,14 @@ def test_the_contract_group_wins_over_the_old_name(tmp_path: Path,
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
     registry = Registry.load(Config())
     assert registry.specialists["@ep"].config.handler == "epdemo:echo"
+
+
+@pytest.mark.parametrize("args", [["wait", "x", "--timeout", "1"], ["show", "x"], ["ls"]])
+def test_a_command_run_outside_a_workspace_is_not_found(tmp_path: Path, args: list[str]) -> None:
+    """Review R38: outside a workspace every command exited 1, which `wait` uses for "the
+    handoff failed": a script run from the wrong directory took the handoff for failed."""
+    done = subprocess.run([exe("handoff"), *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in os.environ.items()
+                                           if k != "HANDOFFD_ROOT"})
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert "is not a handoffd workspace" in done.stderr and "Traceback" not in done.stderr

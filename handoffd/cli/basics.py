@@ -78,9 +78,9 @@ def open_workspace(root: str | Path | None, *, create: bool = False) -> Workspac
     # a state folder that is a symlink, no folder, or another's: ConfigError, one line, exit 2
     # (results were filed through it; a dangling one would read as "not a workspace")
     ws.check_state_folders()
-    if not ws.exists():
-        raise HandoffdError(f"{ws.root} is not a handoffd workspace (no handoffs/ folders); pass "
-                            "--root, or run `handoffd serve` there once to create it")
+    if not ws.exists():  # (exit 3, not found: exit 1 says to `wait` that the handoff failed)
+        raise NotFound(f"{ws.root} is not a handoffd workspace (no handoffs/ folders); pass "
+                       "--root, or run `handoffd serve` there once to create it")
     return ws
 
 
