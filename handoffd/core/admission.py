@@ -141,17 +141,16 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     memory_strikes.clear(handoff_id, "admit")  # (a MemoryError row ends)
     spec = engine.specialist_for(envelope)
     if envelope.expires_at is not None and now >= envelope.expires_at and not resumes(doc):
-        _file_unrun(engine, claim, dialect, spec, ErrorCode.EXPIRED, f"handoff {handoff_id} "
-                    f"was not started before it expired at {iso(envelope.expires_at)}")
+        _file_unrun(engine, claim, dialect, spec, ErrorCode.EXPIRED,
+                    _unrun_message(handoff_id, doc, envelope.expires_at, expired=True))
         return None
     # a parent waiting for its children is past its hard deadline only as the aggregation
     # tells (features.aggregation: open children are cancelled and counted timeout)
     deadline = None if isinstance(book(doc).get("waiting_children"), dict) else engine.deadline(
         envelope, spec, min(filter(None, (first_seen(doc), arrived)), default=now))
     if deadline is not None and now >= deadline:
-        _file_unrun(engine, claim, dialect, spec, ErrorCode.TIMEOUT, f"handoff {handoff_id} was "
-                    f"not started before its deadline {iso(deadline)} (a hard timeout counts "
-                    "from its arrival)")
+        _file_unrun(engine, claim, dialect, spec, ErrorCode.TIMEOUT,
+                    _unrun_message(handoff_id, doc, deadline))
         return None
     if spec is None:
         engine.handback(claim, dialect, reason=f"no specialist registered for {envelope.target}")
@@ -256,13 +255,86 @@ def resumes(doc: dict[str, Any]) -> bool:
 
 def _file_unrun(engine: Admitting, claim: Claim, dialect: Dialect, spec: Specialist | None,
                 code: str, message: str) -> None:
-    """File a claimed handoff failed with ``code`` without running it. What it waited for goes
-    with it: a later `handoff retry --force` starts it afresh, never parked again."""
+    """File a claimed handoff failed with ``code`` without running it (again). What it waited
+    for goes with it: a later `handoff retry --force` starts it afresh, never parked again. The
+    questions or blockers it was parked with go into the error (its ``details``, and the
+    message :func:`_unrun_message` wrote): the report made when it was parked is gone with the
+    ``awaiting`` block, and a sender reading only completed/ and failed/ saw nothing else."""
     block = book(claim.doc)
     block.pop("waiting_children", None)
-    block.pop("awaiting", None)
+    awaiting = block.pop("awaiting", None)
+    asked = _asked(awaiting)
+    details = {"awaiting": {"kind": str(awaiting.get("kind"))[:40], "asked": asked}} \
+        if isinstance(awaiting, dict) and asked else None
     engine.file(claim, dialect, spec, engine.failure(engine.clock(), code, message,
-                                                     retryable=False))
+                                                     retryable=False, details=details))
+
+
+# history events after which the specialist had run (an attempt, counted or not, ended)
+RAN_EVENTS = frozenset({"retry_scheduled", "throttled", "needs_clarification", "blocked",
+                        "delegated", "recovered"})
+MAX_ASKED_CHARS = 2000  # of the questions / blockers a timeout answer repeats (each 500)
+
+
+def _unrun_message(handoff_id: str, doc: dict[str, Any], deadline: datetime, *,
+                   expired: bool = False) -> str:
+    """The message of a handoff claimed past its hard deadline (seed 000's TIMEOUT), or past
+    its ``expires_at`` (``expired``). "Not started" only when it never ran since it arrived (or
+    was sent again: ``retried``); else how many times it ran and what it waited for when the
+    time passed (a retry, an answer: the questions it asked, which the answer would otherwise
+    lose)."""
+    block = book(doc)
+    history = block.get("history")
+    since: list[Any] = []
+    for entry in reversed(history if isinstance(history, list) else []):
+        if isinstance(entry, dict) and entry.get("event") == "retried":
+            break
+        since.append(entry)
+    ran = sum(1 for entry in since if isinstance(entry, dict) and entry.get("event") in RAN_EVENTS)
+    at = iso(deadline)
+    awaiting = block.get("awaiting")
+    if not ran and not isinstance(awaiting, dict):
+        return (f"handoff {handoff_id} was not started before it expired at {at}" if expired
+                else f"handoff {handoff_id} was not started before its deadline {at} (a hard "
+                "timeout counts from its arrival)")
+    last = next((entry.get("event") for entry in since
+                 if isinstance(entry, dict) and entry.get("event") in RAN_EVENTS | {"answered"}),
+                None)
+    if isinstance(awaiting, dict):
+        kind = str(awaiting.get("kind") or "needs_clarification")[:40]
+        asked = "; ".join(_asked(awaiting))
+        what = f"an answer ({kind})" + (f" to: {asked}" if asked else "")
+    elif last == "answered":
+        what = "its next attempt after it was answered"
+    elif last == "throttled":
+        what = "a retry after it was throttled"
+    elif last == "delegated":
+        what = "its children"
+    else:
+        what = "a retry"
+    limit = f"it expired at {at}" if expired else \
+        f"its deadline {at} (a hard timeout counts from its arrival) passed"
+    return f"handoff {handoff_id} ran {max(ran, 1)} attempt(s); {limit} while it waited for {what}"
+
+
+def _asked(awaiting: Any) -> list[str]:
+    """The questions (or blockers' descriptions) a parked handoff's ``awaiting`` block holds,
+    as text, within MAX_ASKED_CHARS all told (bookkeeping is ours, but typed anyway)."""
+    if not isinstance(awaiting, dict):
+        return []
+    items = awaiting.get("questions") or awaiting.get("blockers") or []
+    texts: list[str] = []
+    left = MAX_ASKED_CHARS
+    for item in items if isinstance(items, list) else [items]:
+        if isinstance(item, dict):
+            item = item.get("description") or item.get("question") or item.get("text") or ""
+        text = str(item)[:min(500, left)] if isinstance(item, (str, int, float)) else ""
+        if text:
+            texts.append(text)
+            left -= len(text)
+        if left <= 0:
+            break
+    return texts
 
 
 def _envelope(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime) -> Envelope | None:

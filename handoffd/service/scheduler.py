@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 
 from ..core.admission import resumes
-from ..core.documents import BOOK
+from ..core.documents import BOOK, first_seen
 from ..core.engine import Engine, Peek
 from ..core.memorystrikes import memory_backoff, memory_strikes
 from ..core.specialists import Specialist
@@ -443,9 +443,8 @@ class Scheduler(Lines, QuietWaits):
     def deadline(self, handoff_id: str, peek: Peek) -> datetime | None:
         """When a pending handoff must be claimed whatever holds it back: to be answered unrun
         at its ``expires_at`` (unless it started already: parked, or answered, see
-        :func:`~handoffd.core.admission.resumes`), or its hard deadline counted from when this
-        daemon first saw it (a document's own history is trusted only once it is claimed:
-        admission uses that); a parent waiting for its children, to be aggregated once its
+        :func:`~handoffd.core.admission.resumes`), or its hard deadline counted from its
+        arrival (:meth:`arrival`); a parent waiting for its children, to be aggregated once its
         deadline has passed (its open children cancelled). None without any."""
         env = peek.envelope
         if env is None:
@@ -456,12 +455,24 @@ class Scheduler(Lines, QuietWaits):
             return aggregation.deadline_of(wait)
         hard = None
         if env.hard_timeout:
-            arrived = self.first_seen.setdefault(handoff_id, self.engine.clock())
-            hard = self.engine.deadline(env, self.engine.specialist_for(env), arrived)
+            hard = self.engine.deadline(env, self.engine.specialist_for(env),
+                                        self.arrival(handoff_id, peek))
         expires = env.expires_at
         if expires is not None and peek.doc is not None and resumes(peek.doc):
             expires = None  # it started in time: expiry bounds starts only
         return min(filter(None, (hard, expires)), default=None)
+
+    def arrival(self, handoff_id: str, peek: Peek) -> datetime:
+        """When a pending hard-timeout handoff arrived, as admission counts it: the earlier of
+        when this daemon first saw it pending and the first event (or last ``retried``) of its
+        own history (:func:`~handoffd.core.documents.first_seen`). A throttle, a retry, an
+        answer or a hand-back puts it back in pending/ after its claim made us forget when we
+        first saw it: counted from then, it was answered TIMEOUT that much past its deadline.
+        The peek's document is its trusted view (a block whose seal is not ours is left out of
+        it, as the claim empties it), so bookkeeping from outside never moves the deadline."""
+        seen = self.first_seen.setdefault(handoff_id, self.engine.clock())
+        own = first_seen(peek.doc) if peek.doc is not None else None
+        return seen if own is None else min(seen, own)
 
     def look_again_at(self, handoff_id: str, deadline: datetime | None) -> None:
         """A handoff that cannot start now but has a hard deadline is looked at again then: if
