@@ -66,3 +66,50 @@ def test_a_command_run_outside_a_workspace_is_not_found(tmp_path: Path, args: li
                                            if k != "HANDOFFD_ROOT"})
     assert done.returncode == 3, (done.returncode, done.stderr)
     assert "is not a handoffd workspace" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_workers_on_the_command_line_are_bounded_as_in_the_config(tmp_path: Path) -> None:
+    """Review R38: `--workers 99999999999999999999` started a daemon; the config caps 1024."""
+    ws = new_workspace(tmp_path / "ws", "")
+    for value in ("99999999999999999999", "1025"):
+        done = ws.handoffd("run", "--workers", value, timeout=60)
+        assert done.returncode == 2 and "1<=x<=1024" in done.stderr, done.stderr
+
+
+def test_retry_of_an_id_also_among_all_failed_retries_it_once(tmp_path: Path) -> None:
+    """Review R38: `handoff retry s1 --all-failed` retried s1 twice and exited 1."""
+    ws = new_workspace(tmp_path / "ws", f"""
+[daemon]
+settle_seconds = 0.0
+[retry]
+max_retries = 0
+[specialists."@no"]
+command = ["{sys.executable}", "-S", "-c", "import sys; sys.exit(3)"]
+""")
+    hid = ws.create("--to", "@no", "--data", "{}")
+    ws.handoffd("run", timeout=60)
+    assert ws.state_of(hid) == ["failed"]
+    done = ws.handoff("retry", hid, hid, "--all-failed")
+    assert done.returncode == 0, done.stderr
+    assert ws.state_of(hid) == ["pending"]
+
+
+def test_resuming_an_agent_that_is_not_paused_says_so(tmp_path: Path) -> None:
+    """Review R38: `handoff resume @codr` (misspelt) listed @coder's pause, exit 0, silent."""
+    ws = new_workspace(tmp_path / "ws", "")
+    ws.handoff("pause", "@coder", check=True)
+    done = ws.handoff("resume", "@codr", check=True)
+    assert "@codr was not paused" in done.stderr and "@coder" in done.stdout
+    done = ws.handoff("resume", "@coder", check=True)
+    assert "not paused" not in done.stderr and done.stdout.strip() == "nothing is paused"
+
+
+def test_validate_a_file_that_does_not_exist_is_not_found_not_invalid(tmp_path: Path) -> None:
+    """Review R38: a missing file was "invalid (unknown format)", exit 1, as if the document
+    were at fault; and every error line with no schema path ended in `  []`."""
+    ws = new_workspace(tmp_path / "ws", "")
+    done = ws.handoff("validate", str(tmp_path / "nope.json"))
+    assert done.returncode == 3 and "invalid" not in done.stdout, done.stdout
+    (tmp_path / "bad.json").write_text('{"x": 1}')
+    done = ws.handoff("validate", str(tmp_path / "bad.json"))
+    assert done.returncode == 1 and "[]" not in done.stdout, done.stdout

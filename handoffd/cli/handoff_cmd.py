@@ -233,6 +233,7 @@ def retry(
             return
     if not ids:
         raise UsageError("name handoff ids to retry, or pass --all-failed")
+    ids = list(dict.fromkeys(ids))  # (an id named twice, or named and failed: retried once)
     worst = gone = 0
     retried = []
     for handoff_id in ids:
@@ -281,7 +282,6 @@ def validate(
             dialects.by_name(dialect)
         except KeyError as exc:
             raise UsageError(str(exc.args[0])) from None
-    from ..core.errors import NotFound
     from ..service.queries import validate_files
     # inside a workspace, its schemas/ (e.g. edited copies from `schemas --copy`) take precedence
     where = resolve_root(root)
@@ -296,15 +296,30 @@ def validate(
                         if item.get("stub") else item["dialect"])
                 print(clean(f"{item['file']}: valid ({kind})"))
                 continue
+            if item.get("unreadable"):  # (no document: nothing to call invalid)
+                print(clean(f"{item['file']}: {item['headline']}"))
+                continue
             verdict = "not checked" if item.get("unchecked") else "invalid"
             # (the file may come from another agent: its text is shown, never sent to the terminal)
             print(clean(f"{item['file']}: {verdict} ({item.get('dialect') or 'unknown format'}): "
                         f"{item['headline']}"))
             for err in item["errors"]:
-                print(clean(f"  {err['field']}: {err['error']}  [{err['schema_path']}]"))
-    invalid = any(not i["valid"] and not i.get("unchecked") for i in results)
-    raise typer.Exit(1 if invalid else NotFound.exit_code if any(not i["valid"] for i in results)
-                     else 0)
+                where = f"  [{err['schema_path']}]" if err["schema_path"] else ""
+                print(clean(f"  {err['field']}: {err['error']}{where}"))
+    raise typer.Exit(_validate_code(results))
+
+
+def _validate_code(results: list[dict[str, Any]]) -> int:
+    """`validate`'s exit code: 1 when a document is invalid; else 3 for a schema it names that
+    cannot be looked for (no workspace) or a file that does not exist, 2 for a file that cannot
+    be read (it was "invalid", exit 1, as if the document were at fault); else 0."""
+    from ..core.errors import NotFound
+    if any(not i["valid"] and not i.get("unchecked") and not i.get("unreadable")
+           for i in results):
+        return 1
+    if any(i.get("unchecked") or i.get("unreadable") == "missing" for i in results):
+        return NotFound.exit_code
+    return UsageError.exit_code if any(i.get("unreadable") for i in results) else 0
 
 
 @app.command()

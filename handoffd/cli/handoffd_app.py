@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..core.bounds import MAX_WORKERS
 from .common import RootOption, StoreOption, engine, guarded, new_app, run_app, workspace
 from .daemon_commands import PROG, check_textfile, configure_logging, run_batch
 from .daemon_commands import serve as serve_workspace
@@ -18,7 +19,7 @@ from .db_cmd import db_app
 app = new_app("The handoffd daemon: claims handoffs and runs their specialists.")
 app.add_typer(db_app, name="db")  # handoffd db init / import: the PostgreSQL store
 
-Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Worker threads (default: \\[daemon] workers).")]
+Workers = Annotated[Optional[int], typer.Option("--workers", min=1, max=MAX_WORKERS, help="Worker threads, 1 to 1024 (default: \\[daemon] workers).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log every transition.")]
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..core.bounds import MAX_WORKERS
 from ..core.config import processes_value
 from .basics import failure_code, prepare_streams
 from .daemon_commands import PROG, hold_stop_signals, run_batch, serve
@@ -47,7 +48,7 @@ def plain_form(argv: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
     try:
         if "workers" in opts:
             opts["workers"] = int(opts["workers"])
-            if opts["workers"] < 1:
+            if not 1 <= opts["workers"] <= MAX_WORKERS:  # (the full parser says why)
                 return None
         if "processes" in opts:
             opts["processes"] = processes_value(opts["processes"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -67,7 +68,10 @@ def pause(
 def resume(agent: AgentArg = None, everything: AllOption = False, root: RootOption = None) -> None:
     """Lift a pause (--all: the workspace pause, or every pause when there is none)."""
     target = _target(agent, everything)
-    _show(_pauses(root).set(target, paused=False, by=""))
+    pauses = _pauses(root)
+    if target != "*" and target not in pauses.current():  # (a misspelt agent said nothing)
+        print(clean(f"{PROG}: {target} was not paused; the pauses in force:"), file=sys.stderr)
+    _show(pauses.set(target, paused=False, by=""))
 
 
 def paused(as_json: JsonOption = False, root: RootOption = None) -> None:

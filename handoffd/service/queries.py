@@ -215,9 +215,10 @@ def validate_files(files: list[Path], engine: Engine | None, *, forced: str | No
         except KeyError as exc:
             item["headline"] = str(exc.args[0]) if exc.args else str(exc)
             item["errors"] = [{"field": "$", "error": item["headline"], "schema_path": ""}]
-        except OSError as exc:
+        except OSError as exc:  # (no document to judge: the argument's fault, not the file's)
             item["headline"] = f"cannot read: {exc.strerror or exc}"
             item["errors"] = [{"field": "$", "error": item["headline"], "schema_path": ""}]
+            item["unreadable"] = "missing" if isinstance(exc, FileNotFoundError) else "unreadable"
         results.append(item)
     return results
 
