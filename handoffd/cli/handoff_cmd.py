@@ -304,8 +304,8 @@ def validate(
             print(clean(f"{item['file']}: {verdict} ({item.get('dialect') or 'unknown format'}): "
                         f"{item['headline']}"))
             for err in item["errors"]:
-                where = f"  [{err['schema_path']}]" if err["schema_path"] else ""
-                print(clean(f"  {err['field']}: {err['error']}{where}"))
+                at = f"  [{err['schema_path']}]" if err["schema_path"] else ""
+                print(clean(f"  {err['field']}: {err['error']}{at}"))
     raise typer.Exit(_validate_code(results))
 
 
