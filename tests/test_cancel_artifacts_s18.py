@@ -133,7 +133,10 @@ def cancel(ws: Workspace, parent: str) -> dict[str, Any]:
 
 
 def from_children(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [item for item in items if "child_id" in (item.get("metadata") or {})]
+    """The children's artifacts a cancelled parent kept (their outputs, ``child_output``
+    records since session 24, are tested in test_cancel_fidelity_s24.py)."""
+    return [item for item in items if "child_id" in (item.get("metadata") or {})
+            and item.get("artifact_type") != "child_output"]
 
 
 def test_native_and_hi_moe_parents_keep_their_completed_childrens_artifacts(

@@ -469,7 +469,9 @@ def test_a_cancelled_fan_out_keeps_what_its_children_produced(ows: Workspace) ->
     parent = ows.doc("pa")
     assert parent["status"] == "cancelled"
     kept = [a for a in parent["artifacts"] if a["metadata"].get("child_id") == "pa.c1"]
-    assert {a["name"] for a in kept} == {"small.txt", "big.tsx"}, parent["artifacts"]
+    # its output first (session 24), then its artifacts
+    assert kept[0]["artifact_type"] == "child_output", parent["artifacts"]
+    assert {a["name"] for a in kept[1:]} == {"small.txt", "big.tsx"}, parent["artifacts"]
 
 
 def test_cancel_cascade_stops_running_children_promptly(ows: Workspace) -> None:

@@ -53,7 +53,7 @@ def cancel(
     root: RootOption = None,
 ) -> None:
     """Cancel a pending or running handoff (pending: filed at once; running: its daemon stops it)."""
-    from ..features.cancel_family import cancel as do_cancel
+    from ..features.cancel_family import cancel as do_cancel, reported_status
     from ..service.waiting import wait_terminal
 
     if not 0 <= timeout <= MAX_CANCEL_WAIT_SECONDS:  # (NaN fails both comparisons)
@@ -70,7 +70,8 @@ def cancel(
         left = max(timeout - (time.monotonic() - started), 0.1)
         try:
             state, doc = wait_terminal(eng.backend, result.handoff_id, left)
-            finals[result.handoff_id] = (f"{state.value} (status {doc.get('status')}) after "
+            # (through its format: a hi_moe answer's status is its payload's)
+            finals[result.handoff_id] = (f"{state.value} (status {reported_status(doc)}) after "
                                          f"{time.monotonic() - started:.2f}s")
             result.state = state.value
         except WaitTimeout:

@@ -23,6 +23,7 @@ a cancel request (:mod:`.cancel_requests`) that its daemon carries out (:mod:`.c
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from ..core.documents import book, book_int, check_id, check_text, next_attempt_
 from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError, InvalidDocument, NotFound
 from ..core.logs import log
 from ..core.states import State
+from ..dialects import hi_moe
 from .cancel_requests import (
     MAX_REASON,
     _request_texts,
@@ -48,9 +50,11 @@ if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.formats import Dialect
     from ..core.storage import Claim
+    from .childfacts import ChildInfo, Holding
 
 
 CLAIM_TRIES = 5
+STATUS_TEXT = 200  # what a result quotes of a finished document's status
 
 
 # ---------------------------------------------------------------- cancelling
@@ -194,7 +198,7 @@ def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: 
                                 f"already {archived[0]} ({archived[1]}); nothing to cancel")
         kids = children_of(doc)  # (a trusted view: a block from outside names none)
         if state.terminal:
-            status = doc.get("status") if isinstance(doc.get("status"), str) else state.value
+            status = reported_status(doc) or state.value
             return CancelResult(handoff_id, "finished", state.value,
                                 f"already {state.value} (status {status}); nothing to cancel",
                                 children=kids)
@@ -213,6 +217,17 @@ def cancel_one(engine: "Engine", handoff_id: str, *, reason: str, by: str, via: 
     request(engine, handoff_id, reason=reason, cascade=cascade, by=by, via=via)
     return CancelResult(handoff_id, "requested", "in-progress", "cancel request left for its owner",
                         children=kids)
+
+
+def reported_status(doc: dict[str, Any]) -> str | None:
+    """The status a finished document reports, read through its format: a hi_moe answer's is
+    its ``payload.status`` (seed 000's OutcomeStatus: a Message has no top-level ``status``,
+    and a timed-out child was reported "failed", a cancelled one "None"), every other
+    format's its ``status``; None when it has none. At most STATUS_TEXT characters (it is
+    printed, and a document placed in the workspace may hold any string there)."""
+    reported = hi_moe.read_outcome(doc)
+    status = reported.get("status") if reported is not None else doc.get("status")
+    return status[:STATUS_TEXT] if isinstance(status, str) else None
 
 
 def _cancel_pending(engine: "Engine", handoff_id: str, *, reason: str, by: str,
@@ -315,44 +330,99 @@ def hand_back(engine: "Engine", claim: "Claim", dialect: "Dialect", saved: dict[
 
 def children_artifacts(engine: "Engine", doc: dict[str, Any]) -> list[Any]:
     """What the completed children of a cancelled fan-out parent produced (each marked with its
-    ``metadata.child_id``): cancelling the parent keeps the work that was done. Each child is
-    read through its format as aggregation reads it (:func:`.childfacts.read_child`): a hi_moe
-    child keeps its artifacts in ``payload.artifacts`` beside its ``output`` artifact, a native
-    one in ``artifacts`` (the other formats' parents make native children). At most
-    max_output_bytes of them (JSON) are kept, as an aggregated answer copies: a child's that
-    do not fit are named by an ``artifacts_omitted`` record (the filed parent stays readable)."""
+    ``metadata.child_id``): cancelling the parent keeps the work that was done (seed 000: a
+    cancelled receiver responds "including any partial results"). Each child is read through
+    its format as aggregation reads it (:func:`.childfacts.read_child`): a hi_moe child keeps
+    its artifacts in ``payload.artifacts`` beside its ``output`` artifact, a native one in
+    ``artifacts`` (the other formats' parents make native children). Each child's output is
+    kept as a ``child_output`` artifact (an aggregated answer's ``output.results`` holds it;
+    a cancelled parent's answer is a failure's, and its artifacts are what it files), before
+    its artifacts. At most max_output_bytes of them (JSON) are kept, the outputs first, as an
+    aggregated answer copies them (:mod:`.answer_copies`): an output that does not fit is
+    named by an ``output_omitted`` record, a child's artifacts by an ``artifacts_omitted`` one
+    (the filed parent stays readable)."""
     # loaded by the first cancelled handoff that has children (`handoff cancel` of one without
     # never loads them)
-    from . import artifacts
-    from .childfacts import SUCCESS_LIKE, Holding, from_child, json_size, read_child
+    from .childfacts import Holding, from_child
 
-    out: list[Any] = []
-    left = engine.settings.max_output_bytes
+    budget = Holding(engine.settings.max_output_bytes)
     children = book(doc).get("children")
     ids = [c for c in children if isinstance(c, str)] if isinstance(children, list) else []
+    out: list[Any] = []  # the outputs first, then the artifacts
+    done: list[str] = []
     for child in dict.fromkeys(ids):  # (a list written twice names a child twice)
-        try:
-            # one child's answer in hand at a time: the budget is applied here, to artifacts only
-            info = read_child(engine, child, Holding(sys.maxsize))
-        except (HandoffdError, OSError, TypeError, ValueError, RecursionError) as exc:
-            # a child's answer its format cannot read (a file placed in the workspace): the
-            # parent is cancelled all the same, without that child's artifacts
-            log.warning("cancel: the artifacts of child %s are not kept: its answer cannot be "
-                        "read: %s: %s", child, type(exc).__name__, str(exc)[:200])
+        info = _completed_child(engine, child)
+        if info is None:
             continue
-        if info.state != State.COMPLETED.value or info.status not in SUCCESS_LIKE:
-            continue
-        items = [from_child(item, child) for item in info.artifacts if isinstance(item, dict)]
-        size = json_size(items)
-        if size <= left:
-            out.extend(items)
-            left -= size
-            continue
-        shown = "too large to write" if size == sys.maxsize else f"{size} bytes"
-        out.append(artifacts._record(
-            "artifacts_omitted", name=None, ref=None, facts=None,
-            inline=f"its {len(items)} artifacts ({shown}) are not kept: a cancelled parent "
-                   f"keeps at most {engine.settings.max_output_bytes} bytes of its children's "
-                   f"artifacts; see `handoff show {child}`",
-            metadata={"child_id": child, "count": len(items), "size_bytes": size}))
+        done.append(child)
+        if info.output is not None:
+            record = _output_record(info)  # (None: it cannot be written as text)
+            out.extend(_within(engine, budget, child, "output", [record] if record else [],
+                                   size=None if record else sys.maxsize))
+    for child in done:
+        # read again: one child's answer in hand at a time (the outputs had the budget first)
+        info = _completed_child(engine, child)
+        if info is not None:
+            items = [from_child(item, child) for item in info.artifacts if isinstance(item, dict)]
+            out.extend(_within(engine, budget, child, "artifacts", items))
     return out
+
+
+def _completed_child(engine: "Engine", child: str) -> "ChildInfo | None":
+    """``child`` read through its format with its output and artifacts, when it completed
+    successfully (or partially); None otherwise, or when its answer cannot be read (a file
+    placed in the workspace: the parent is cancelled all the same, without that child's)."""
+    from .childfacts import SUCCESS_LIKE, Holding, read_child
+    try:
+        # one child's answer in hand at a time: the budget is applied by the caller
+        info = read_child(engine, child, Holding(sys.maxsize))
+    except (HandoffdError, OSError, TypeError, ValueError, RecursionError) as exc:
+        log.warning("cancel: the output and artifacts of child %s are not kept: its answer "
+                    "cannot be read: %s: %s", child, type(exc).__name__, str(exc)[:200])
+        return None
+    if info.state != State.COMPLETED.value or info.status not in SUCCESS_LIKE:
+        return None
+    return info
+
+
+def _output_record(info: "ChildInfo") -> dict[str, Any] | None:
+    """A child's output as an artifact of its cancelled parent: inline text (JSON unless it is
+    a string, as a hi_moe answer's own ``output`` artifact holds it), tagged with its id. Its
+    type is not ``output``: a hi_moe parent's ``output`` artifact is read as its own answer.
+    None when it cannot be written as JSON text."""
+    from . import artifacts
+    from .childfacts import from_child
+    output = info.output
+    try:
+        text = output if isinstance(output, str) else json.dumps(
+            output, ensure_ascii=False, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    media = "text/plain" if isinstance(output, str) else "application/json"
+    record = artifacts._record("child_output", name=None, ref=None, facts=None, inline=text,
+                               metadata={"media_type": media})
+    return dict(from_child(record, info.handoff_id))
+
+
+def _within(engine: "Engine", budget: "Holding", child: str, what: str, items: list[Any], *,
+            size: int | None = None) -> list[Any]:
+    """``items`` (``child``'s output record, or its artifacts) when they fit in what is left
+    of ``budget`` (JSON bytes, or ``size``; taken from it), else one ``output_omitted`` or
+    ``artifacts_omitted`` record naming the child and their size."""
+    from . import artifacts
+    from .childfacts import json_size
+    size = json_size(items) if size is None else size
+    if size <= budget.left:
+        budget.left -= size
+        return items
+    shown = "too large to write" if size == sys.maxsize else f"{size} bytes"
+    said = "its output is" if what == "output" else f"its {len(items)} artifacts are"
+    meta: dict[str, Any] = {"child_id": child, "size_bytes": size}
+    if what != "output":
+        meta["count"] = len(items)
+    return [artifacts._record(
+        f"{what}_omitted", name=None, ref=None, facts=None,
+        inline=f"{said} not kept ({shown}): a cancelled parent keeps at most "
+               f"{engine.settings.max_output_bytes} bytes of its children's outputs and "
+               f"artifacts; see `handoff show {child}`",
+        metadata=meta)]

@@ -139,7 +139,7 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
     path = store.path(State.IN_PROGRESS, handoff_id)
     try:
         doc = store.read(State.IN_PROGRESS, handoff_id)
-        ctime = path.stat().st_ctime
+        info = path.stat()
     except FileNotFoundError:
         return  # gone
     except (InvalidDocument, OSError) as exc:  # junk, once it stays unreadable past the grace
@@ -152,11 +152,13 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
     if store.trusted_revision(doc, State.IN_PROGRESS, handoff_id) > 0 \
             and isinstance(book(doc).get("lease"), dict):
         return  # a leased claim: expired_claims judges its owner
-    if time.time() - ctime < grace:
-        return  # the claimer may be recording its lease right now
-    mine = store.trusted_revision(doc, State.PENDING, handoff_id, State.IN_PROGRESS)
-    if time.time() < foreign_lease_end(doc, ctime):  # our claims write a lease with the mark
+    ctime = info.st_ctime
+    foreign_end = foreign_lease_end(doc, ctime)  # (our claims write a lease with the mark)
+    if time.time() < foreign_end:
         return  # a foreign consumer's claim, still within its time
+    if time.time() - ctime < grace and not (foreign_end and marked_here(info)):
+        return  # the claimer may be recording its lease (or its mark) right now
+    mine = store.trusted_revision(doc, State.PENDING, handoff_id, State.IN_PROGRESS)
     if is_leftover(store, handoff_id, mine):
         path.unlink(missing_ok=True)
         done["duplicates_resolved"].append(handoff_id)
@@ -226,6 +228,19 @@ def foreign_lease_end(doc: dict[str, Any], claimed_at: float) -> float:
     seconds = float(limit) if isinstance(limit, (int, float)) and not isinstance(limit, bool) \
         and 0 < limit <= MAX_FOREIGN_LEASE_SECONDS else FOREIGN_LEASE_SECONDS
     return started + seconds
+
+
+def marked_here(info: os.stat_result) -> bool:
+    """Was the in-progress file last changed by a write in place (its modification time is
+    its change time), not by its rename into in-progress/ (which changes only the latter)?
+
+    Then a foreign claim's mark in it is its claimer's own (seed 001's Example 2 renames, then
+    rewrites the file): the claim is judged by its ``started_at + timeout_seconds`` alone,
+    not held for the claim grace as well (a claim of ``timeout_seconds`` 3 was held 10 s).
+    A file renamed in with a mark it already had (one a foreign claim left in a request handed
+    back to pending/) may be ours, claimed unlocked on a filesystem without ``flock`` and
+    writing its lease: the grace still protects that window."""
+    return info.st_mtime_ns >= info.st_ctime_ns
 
 
 def is_leftover(store: Store, handoff_id: str, mine: int) -> bool:
