@@ -113,3 +113,12 @@ def test_validate_a_file_that_does_not_exist_is_not_found_not_invalid(tmp_path: 
     (tmp_path / "bad.json").write_text('{"x": 1}')
     done = ws.handoff("validate", str(tmp_path / "bad.json"))
     assert done.returncode == 1 and "[]" not in done.stdout, done.stdout
+
+
+def test_a_long_note_keeps_what_to_do_about_it() -> None:
+    """Review R38: `handoff ls` cut notes at 120 characters: "...; answer with `hando..."."""
+    from handoffd.cli.render import short_note
+    note = "waiting for an answer: " + "which store? " * 30 + "; `handoff answer h1 --input F`"
+    cut = short_note(note)
+    assert len(cut) <= 160 and cut.endswith("; `handoff answer h1 --input F`"), cut
+    assert short_note("x" * 300).endswith("...") and len(short_note("x" * 300)) == 160

@@ -227,7 +227,7 @@ def handoff_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Piece
     columns = ["ID", "PARENT", "STATE", "FROM", "TO", "ATTEMPT", "UPDATED", "NOTE"]
     return columns, [[row["id"], row.get("parent") or "-", state_cell(row["state"]),
                       row.get("from") or "-", row.get("to") or "-", str(row.get("attempt") or 0),
-                      row.get("updated") or "-", short(row.get("note") or "")]  # all in --json
+                      row.get("updated") or "-", short_note(row.get("note") or "")]  # all in --json
                      for row in rows]
 
 
@@ -249,3 +249,16 @@ def short(value: Any) -> str:
     """``value`` as text of at most 120 characters."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def short_note(value: Any, limit: int = 160) -> str:
+    """A note of ``handoff ls`` cut to about ``limit`` characters, keeping its last clause
+    whole (after its last "; ": what to do about it, such as "`handoff answer ID ...`
+    answers it"), which a plain cut lost."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if len(text) <= limit:
+        return text
+    head, sep, tail = text.rpartition("; ")
+    if not sep or len(tail) > limit // 2:
+        return text[:limit - 3] + "..."
+    return head[:limit - len(tail) - 5] + "...; " + tail
