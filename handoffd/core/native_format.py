@@ -28,9 +28,69 @@ from .errors import ErrorCode, InvalidDocument
 from .timeutil import OutsideCalendar, iso, parse_utc
 
 
+# Seed 001's answers, told from its request by their status and the fields only an answer has:
+# the Response (status completed, timestamp_completed; its Example 3 writes completed_at) and the
+# Failure (status failed, timestamp_failed and error; Example 4 writes failed_at). handoffd also
+# files partial and cancelled ones. A request that merely carries a status ("pending") has none.
+ANSWER_MARKS: dict[str, tuple[str, ...]] = {
+    "completed": ("timestamp_completed", "completed_at"),
+    "partial": ("timestamp_completed", "completed_at"),
+    "failed": ("timestamp_failed", "failed_at", "error"),
+    "cancelled": ("timestamp_failed", "failed_at", "error"),
+}
+# the events of handoffd's own history that file a handoff, and those that take it up again
+# (``rejected``: a failure stub's one event)
+_FILED = frozenset({"completed", "failed", "cancelled", "rejected"})
+_TAKEN_UP = frozenset({"created", "claimed", "retried", "handed_back", "recovered"})
+
+
+def native_answer(doc: dict[str, Any]) -> bool:
+    """True when ``doc`` is a seed-001 Response or Failure (:data:`ANSWER_MARKS`), whoever
+    wrote it: an answer, not a request."""
+    status = doc.get("status")
+    marks = ANSWER_MARKS.get(status) if isinstance(status, str) else None
+    return marks is not None and any(key in doc for key in marks)
+
+
+def taken_up(doc: dict[str, Any]) -> bool:
+    """True when handoffd's history says ``doc`` is being taken up as work: its latest filing or
+    taking-up event takes it up (a claim appends ``claimed``, so a foreign answer dropped into
+    pending/ always is once claimed, whatever history it brought). False for a document
+    handoffd filed, and for one without history: a document another consumer filed (readers
+    see its block emptied) keeps its target."""
+    block = doc.get(BOOK)
+    history = block.get("history") if isinstance(block, dict) else None
+    for entry in reversed(history if isinstance(history, list) else []):
+        event = entry.get("event") if isinstance(entry, dict) else None
+        if event in _FILED:
+            return False
+        if event in _TAKEN_UP:
+            return True
+    return False
+
+
+def refuse_answer(doc: dict[str, Any], handoff_id: str | None) -> None:
+    """Raise InvalidDocument (NOT_A_REQUEST) for a seed-001 Response or Failure offered as work:
+    run, it was filed with the answer's stale fields. Called as a claimed document is read
+    (:func:`native_envelope`, :func:`taken_up`) and as one is submitted; handoffd's own filed
+    documents, and those another consumer filed, stay readable as the request they were."""
+    if native_answer(doc):
+        status = str(doc.get("status"))
+        kind = "Response" if status in ("completed", "partial") else "Failure"
+        marks = ", ".join(key for key in ANSWER_MARKS[status] if key in doc)
+        raise InvalidDocument(
+            f"{handoff_id or 'the document'} is a seed-001 handoff {kind} (status {status!r} "
+            f"with {marks}), an answer, not a request: it is not run; submit the request instead "
+            "(status pending, without the answer's fields)", handoff_id=handoff_id,
+            code=ErrorCode.NOT_A_REQUEST)
+
+
 def native_envelope(doc: dict[str, Any]) -> Envelope:
-    """Read a seed-001 request into an Envelope; raise InvalidDocument if it cannot be routed."""
+    """Read a seed-001 request into an Envelope; raise InvalidDocument if it cannot be routed
+    (NOT_A_REQUEST for an answer being taken up: :func:`refuse_answer`)."""
     handoff_id = check_id(doc.get("handoff_id"))
+    if taken_up(doc):
+        refuse_answer(doc, handoff_id)
     target = doc.get("target")
     agent = target.get("agent_id") if isinstance(target, dict) else None
     if not isinstance(agent, str) or not agent:

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 from ..core.documents import BOOK, Outcome
-from ..core.errors import ErrorCode
+from ..core.errors import ErrorCode, InvalidDocument
 from ..core.states import REPORTED
 
 # Outcome.status (and error codes the engine turns into "failed") → a neutral status name.
@@ -14,6 +15,43 @@ CODE_STATUS: dict[str, str] = {ErrorCode.BLOCKED: "blocked",
                                ErrorCode.NEEDS_CLARIFICATION: "needs_clarification",
                                ErrorCode.TIMEOUT: "timeout", ErrorCode.CANCELLED: "cancelled"}
 INLINE_LIMIT = 1024  # seed 000: content under 1 KB (UTF-8 bytes) goes inline
+# the zone that ends an RFC 3339 time (Z or an offset); anchored at the end, no repetition: linear
+_ZONE = re.compile(r"(?:[Zz]|[+-][0-9]{2}:[0-9]{2})$")
+
+
+def naive_time_errors(doc: dict[str, Any], fields: tuple[str, ...],
+                      schema_path: str = "#/$defs/date_time") -> list[dict[str, str]]:
+    """An error entry for each top-level ``fields`` value of ``doc`` that is a string but no
+    date-time, where a time without a zone counts as UTC (seeds 000 and 003 fill these fields
+    with Python's naive ``datetime.utcnow()``, whose ``isoformat()`` has no ``Z``). The schemas
+    of those formats check the shape with a pattern whose zone is optional; this is the
+    calendar check (``2026-02-30``) their ``format: date-time`` made, asked of the same RFC 3339
+    check with a ``Z`` added to a naive time. Other values are the schema's to report."""
+    from ..core.schemachecks import is_datetime  # (loads its validators on first use only)
+    errors = []
+    for name in fields:
+        value = doc.get(name)
+        if not isinstance(value, str):
+            continue
+        zoned = value if _ZONE.search(value) else value + "Z"
+        if not is_datetime(zoned):
+            errors.append({"field": name, "schema_path": schema_path,
+                           "error": f"{value[:60]!r} is not a 'date-time' (such as "
+                                    "2026-01-15T10:30:00Z, or 2026-01-15T10:30:00 read as UTC)"})
+    return errors
+
+
+def check_times(doc: dict[str, Any], fields: tuple[str, ...], dialect: str, id_field: str) -> None:
+    """Raise InvalidDocument (SCHEMA_VALIDATION_FAILED, every error) when a ``fields`` value of
+    ``doc`` is no date-time (:func:`naive_time_errors`); called where the format names its
+    schemas, as the schema's own format check was."""
+    errors = naive_time_errors(doc, fields)
+    if errors:
+        given = doc.get(id_field)
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise InvalidDocument(f"not a valid {dialect} document: {errors[0]['field']}: "
+                              f"{errors[0]['error']}{more}", code=ErrorCode.SCHEMA_VALIDATION_FAILED,
+                              handoff_id=given if isinstance(given, str) else None, errors=errors)
 
 
 def schema_errors(name: str, doc: dict[str, Any]) -> list[dict[str, str]]:

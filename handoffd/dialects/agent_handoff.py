@@ -31,9 +31,17 @@ STATUS = {"completed": "success", "partial": "partial", "blocked": "blocked",
 BLOCKER_TYPES: dict[str, str] = {ErrorCode.DEPENDENCY_MISSING: "dependency_failed",
                                  ErrorCode.VALIDATION_FAILED: "validation_failed",
                                  ErrorCode.SCHEMA_VALIDATION_FAILED: "validation_failed",
+                                 ErrorCode.INVALID_DOCUMENT: "validation_failed",
+                                 ErrorCode.UNSAFE_ID: "validation_failed",
+                                 ErrorCode.NOT_A_REQUEST: "validation_failed",
                                  ErrorCode.CONTRACT_VIOLATION: "validation_failed",
                                  ErrorCode.NEEDS_CLARIFICATION: "missing_input",
                                  ErrorCode.BLOCKED: "unknown", ErrorCode.TIMEOUT: "resource_unavailable"}
+# codes that always say the incoming request itself is at fault (its sender must fix it); a
+# VALIDATION_FAILED is one too when it names a path of the request's results.artifacts (one
+# outside the workspace is refused before the specialist starts: request_fault)
+REQUEST_FAULTS = frozenset({ErrorCode.SCHEMA_VALIDATION_FAILED, ErrorCode.INVALID_DOCUMENT,
+                            ErrorCode.UNSAFE_ID, ErrorCode.NOT_A_REQUEST})
 RESOLUTIONS = {
     "validation_failed": ["Fix the specialist so its results pass validation", "Retry the handoff"],
     "dependency_failed": ["Complete the dependency first", "Retry the handoff"],
@@ -41,6 +49,10 @@ RESOLUTIONS = {
     "resource_unavailable": ["Retry when the resource is available", "Increase the time limit"],
     "unknown": ["Inspect the error and retry the handoff", "Escalate to the orchestrator"],
 }
+# a request at fault: retrying the same document fails the same way
+REQUEST_RESOLUTIONS = ["Send the corrected request as a new AgentHandoff (a new handoff_id): a "
+                       "retry of this one sends the same document again",
+                       "Ask the sending agent (from_agent) to correct the request"]
 
 
 def native_shape(doc: dict[str, Any]) -> bool:
@@ -175,7 +187,7 @@ class AgentHandoffDialect:
             answer["context"] = copy.deepcopy(request["context"])
         answer["results"] = self.results(outcome, me)
         if status != "success":
-            answer["blockers"] = self.blockers(outcome, status)
+            answer["blockers"] = self.blockers(outcome, status, request)
         answer["metadata"] = self.metadata(request, outcome, filed)
         answer["in_reply_to"] = request.get("handoff_id")
         if "context" in answer and sh.schema_errors(SCHEMA, answer):
@@ -218,8 +230,12 @@ class AgentHandoffDialect:
             results["output"] = outcome.output
         return results
 
-    def blockers(self, outcome: Outcome, status: str) -> list[dict[str, Any]]:
-        """Blockers the handler reported (normalised), else one built from the error."""
+    def blockers(self, outcome: Outcome, status: str,
+                 request: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Blockers the handler reported (normalised), else one built from the error: its
+        resolution options those of the blocker's type, or, when the incoming ``request`` was
+        at fault (:func:`request_fault`), how to fix and send it."""
+        request = request if request is not None else {}
         reported = reported_blockers(outcome)
         if reported:
             if status == "blocked" and not any(b.get("resolution_options") for b in reported):
@@ -231,7 +247,9 @@ class AgentHandoffDialect:
             "blocker_id": f"blk-{code.lower().replace('_', '-')}",
             "type": kind,
             "description": f"{code}: {sh.error_message(outcome) or 'the task ended ' + status}",
-            "resolution_options": list(RESOLUTIONS[kind]),
+            "resolution_options": (request_resolutions(outcome, request)
+                                   if request_fault(outcome, code, request)
+                                   else list(RESOLUTIONS[kind])),
         }
         missing = sh.error_list(outcome, "missing_artifacts")
         if missing:
@@ -251,6 +269,44 @@ class AgentHandoffDialect:
         if isinstance(position, dict) and isinstance(position.get("step"), int):
             meta["chain_position"] = {**position, "step": position["step"] + 1}
         return meta
+
+
+def refused_inputs(outcome: Outcome, request: dict[str, Any]) -> list[str]:
+    """The fields (``results.artifacts[i].path``) of the request's own artifact paths that a
+    VALIDATION_FAILED refuses by name (``artifact reference '/etc/passwd' ...``: one that could
+    reach outside the workspace, refused before the specialist starts). Empty for any other
+    failure, and for unverified result artifacts (their error lists ``missing_artifacts``)."""
+    message = sh.error_message(outcome)
+    if sh.error_code(outcome) != ErrorCode.VALIDATION_FAILED or not message \
+            or sh.error_list(outcome, "missing_artifacts"):
+        return []
+    return [f"results.artifacts[{index}].path"
+            for index, ref in enumerate(all_request_artifact_paths(request))
+            if ref is not None and f"artifact reference {ref!r}" in message]
+
+
+def request_fault(outcome: Outcome, code: str, request: dict[str, Any]) -> bool:
+    """True when ``outcome`` failed for a fault of the incoming request, not of a result: a code
+    of :data:`REQUEST_FAULTS`, or a VALIDATION_FAILED refusing the request's own artifact paths
+    (:func:`refused_inputs`). Its sender must act: a specialist's fix would not help."""
+    return code in REQUEST_FAULTS or bool(refused_inputs(outcome, request))
+
+
+def request_resolutions(outcome: Outcome, request: dict[str, Any]) -> list[str]:
+    """Seed 002's actionable resolution options for a request at fault: fix each field the
+    error names (the first three, once each, cut short), then send it again as a new handoff."""
+    fixes: dict[str, str] = {}
+    for entry in sh.error_list(outcome, "errors"):
+        if isinstance(entry, dict) and isinstance(entry.get("field"), str) and len(fixes) < 3:
+            given = entry.get("error")
+            problem = given if isinstance(given, str) and given else "not valid"
+            problem = problem if len(problem) <= 160 else problem[:155] + "..."
+            fixes.setdefault(entry["field"], f"Fix the request's {entry['field'][:80]}: {problem}")
+    for field in refused_inputs(outcome, request)[:3]:
+        fixes.setdefault(field, f"Fix the request's {field}: name a file inside the workspace "
+                                "(a relative path, no '..'), or an external URL")
+    return list(fixes.values() or ["Fix the request as the description says"]) \
+        + list(REQUEST_RESOLUTIONS)
 
 
 def reported_blockers(outcome: Outcome) -> list[dict[str, Any]]:
@@ -287,6 +343,15 @@ def normalised_blockers(raw: Any) -> list[dict[str, Any]]:
                 entry[key] = sh.strings(item[key])
         blockers.append(entry)
     return blockers
+
+
+def all_request_artifact_paths(request: dict[str, Any]) -> list[str | None]:
+    """Each ``results.artifacts[i].path`` of an incoming AgentHandoff by its index (None where
+    there is no usable path)."""
+    results = request.get("results")
+    items = results.get("artifacts") if isinstance(results, dict) else None
+    return [item["path"] if isinstance(item, dict) and isinstance(item.get("path"), str)
+            and item["path"] else None for item in (items if isinstance(items, list) else [])]
 
 
 def request_artifact_paths(request: dict[str, Any]) -> tuple[str, ...]:

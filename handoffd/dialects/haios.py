@@ -71,7 +71,12 @@ class HaiosDialect:
         return self._request(doc).get("handoff_id")
 
     def schema_names(self, doc: dict[str, Any]) -> list[str]:
-        return [RESULT_SCHEMA if self.is_answer(doc) else HANDOFF_SCHEMA]
+        answer = self.is_answer(doc)
+        # seed 003 fills these with datetime.utcnow(): naive, read as UTC (the schemas' pattern
+        # takes a time without a zone; the calendar check is made here)
+        sh.check_times(doc, ("executed_at",) if answer else ("created_at",), self.name,
+                       "handoff_id")
+        return [RESULT_SCHEMA if answer else HANDOFF_SCHEMA]
 
     # ------------------------------------------------------------ routing
     def envelope(self, doc: dict[str, Any]) -> Envelope:

@@ -177,6 +177,8 @@ class HiMoeDialect:
     def schema_names(self, doc: dict[str, Any]) -> list[str]:
         check_version(doc)
         check_inline_bytes(doc)
+        # seed 000's timestamp is a Python datetime: a naive one (no zone) is read as UTC
+        sh.check_times(doc, ("timestamp",), self.name, "id")
         return [SCHEMA]
 
     # ------------------------------------------------------------ routing

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..core.documents import Envelope, Outcome
 from ..core.formats import ArtifactSink
-from ..core.native_format import apply_native_outcome, native_envelope
+from ..core.native_format import apply_native_outcome, native_answer, native_envelope, refuse_answer
 from ..core.timeutil import iso
 from .base import FiledState
 
@@ -22,6 +22,13 @@ class NativeDialect:
     def id_of(self, doc: dict[str, Any]) -> Any:
         return doc.get("handoff_id")
 
+    def is_answer(self, doc: dict[str, Any]) -> bool:
+        """True for a seed-001 Response or Failure (its status with an answer's own fields,
+        :func:`handoffd.core.native_format.native_answer`): ``handoff validate`` checks it
+        against its answer schema without routing it; offered as work it is refused
+        ``NOT_A_REQUEST`` (:meth:`complete`, and native_envelope once claimed)."""
+        return native_answer(doc)
+
     def schema_names(self, doc: dict[str, Any]) -> list[str]:
         """Request, response or failure schema, by the document's ``status``."""
         status = doc.get("status")
@@ -35,7 +42,12 @@ class NativeDialect:
         return native_envelope(doc)
 
     def complete(self, doc: dict[str, Any], handoff_id: str | None, now: datetime) -> None:
-        """Nothing to default: the format names its id and times itself."""
+        """Nothing to default: the format names its id and times itself. A new submission
+        (``handoff_id`` None) that is a seed-001 answer is refused NOT_A_REQUEST here, as the
+        other formats refuse theirs (a dropped one is refused when claimed: native_envelope)."""
+        if handoff_id is None and native_answer(doc):
+            given = doc.get("handoff_id")
+            refuse_answer(doc, given if isinstance(given, str) and len(given) <= 128 else None)
 
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
         # a status the schema refuses is left as written: the check after the claim must see
@@ -53,4 +65,10 @@ class NativeDialect:
         answer = dict(doc)
         apply_native_outcome(answer, outcome, retry_count=filed.retry_count,
                              max_retries=filed.max_retries, retry_available=filed.retry_available)
+        error = answer.get("error") if answer.get("status") in ("failed", "cancelled") else None
+        if isinstance(error, dict) and "retryable" in error:
+            # what filing decided, not what the failure first said: a DEPENDENCY_MISSING raised
+            # as retryable is filed for good (a permanent code), and said retryable: true next
+            # to retry_available: false
+            error["retryable"] = filed.retry_available
         return answer
