@@ -21,6 +21,7 @@ from ..core.errors import (
     UsageError,
     WaitTimeout,
 )
+from ..core.settings import DaemonSettings
 from ..core.states import State
 from ..core.storage import (
     LOST,
@@ -78,8 +79,10 @@ class UnreadableCopy(InvalidDocument):
     """What a backend's ``get`` raises when every copy of a handoff it found is unreadable:
     the chosen copy's error, with the folder it lies in (``state``) and whether it may still be
     being written (``settling``: a half-written document, changed within the settle window).
-    A wait goes on only for a copy in pending/, or one still settling; any other unreadable
-    copy ends it with the read error (it waited for ever)."""
+    A wait goes on for a copy in pending/, or one still settling, and for a while for one in
+    in-progress/ (a daemon's claim of junk, set aside with a failure stub right after; see
+    :class:`_Looks`); any other unreadable copy ends it with the read error (it waited for
+    ever)."""
 
     def __init__(self, message: str, *, state: State, settling: bool = False,
                  handoff_id: str | None = None, code: str = ErrorCode.INVALID_DOCUMENT,
@@ -365,10 +368,12 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
     handoff can have is InvalidDocument (UNSAFE_ID) at once, and ``timeout`` must be None or a
     finite number of seconds, 0 or more (UsageError): ``nan`` never ran out, and an unsafe id
     read as "still being written", so both waited for ever. ``stop``: WaitTimeout as soon as
-    it is set (checked where the wait sleeps; setting it wakes the sleep)."""
+    it is set (checked where the wait sleeps; setting it wakes the sleep). A copy that cannot
+    be read is judged by :class:`_Looks`."""
     check_id(handoff_id)
     check_wait_timeout(timeout)
-    found = _look(backend, handoff_id)
+    look = _Looks(backend, handoff_id)
+    found = look()
     if found is not None and (found[0].terminal or (until and until(*found))):
         return found  # already there: no watch to set up (most waits of a finished handoff)
     wake = threading.Event()
@@ -382,7 +387,7 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
             if stop is not None and stop.is_set():
                 raise WaitTimeout(f"the wait for handoff {handoff_id} was stopped",
                                   handoff_id=handoff_id)
-            found = _look(backend, handoff_id)
+            found = look()
             if found is None and time.monotonic() - start >= grace_not_found:
                 raise NotFound(f"no handoff {handoff_id}; `handoff ls` lists them",
                                handoff_id=handoff_id)
@@ -400,21 +405,70 @@ def wait_via_feed(backend: Backend, handoff_id: str, timeout: float | None, *,
             unwatch()
 
 
-def _look(backend: Backend, handoff_id: str) -> tuple[State, Doc] | None:
-    """``backend.get``; a copy that cannot be read reads as pending (keep waiting) only where
-    it may still come right: in pending/ (a producer still writing it; the daemon sets it
-    aside and files its failure), or one still settling (half-written and changed within the
-    settle window). Any other unreadable entry (a FIFO, a folder, a dangling symlink, a
-    truncated document in completed/, failed/ or in-progress/, where nothing ever moves it) is
-    the wait's answer: its read error (InvalidDocument, one line, exit 1); it waited for ever."""
-    try:
-        return backend.get(handoff_id)
-    except UnreadableCopy as exc:
-        if exc.state is not State.PENDING and not exc.settling:
-            raise
-        return (State.PENDING, {})
-    except InvalidDocument:  # (a backend that does not say where): a producer still writing it
-        return (State.PENDING, {})
+# how long after a copy was last seen unreadable a wait takes "no such handoff" for the moment
+# between its set-aside and its failure stub: the daemon moves it to the quarantine, then
+# files the stub (a wait woken by that move found nothing, and ended "no handoff", exit 3)
+STUB_FOLLOWS_SECONDS = 5.0
+
+
+class _Looks:
+    """``backend.get`` as one wait looks, again and again, at one handoff. A copy that cannot
+    be read reads as pending (keep waiting) where it may still come right: in pending/ (a
+    producer still writing it; the daemon sets it aside and files its failure stub), or one
+    still settling (half-written and changed within the settle window). One in in-progress/
+    reads as in progress, with no document, while it may still be settled: a daemon renames a
+    pending document into in-progress/ to claim it, and only then finds it unreadable and sets
+    it aside with its stub; the sweep sets aside any other unreadable entry there once it has
+    been left alone for the claim grace. So the wait goes on for the claim grace plus a sweep
+    period from when it first saw it (:meth:`unsettled_seconds`; always within the wait's own
+    timeout), and only then ends with the read error: nobody settles it (no daemon runs).
+    Any other unreadable entry (a FIFO, a folder, a dangling symlink, a truncated document in
+    completed/ or failed/, where nothing ever moves it) is the wait's answer at once: its read
+    error (InvalidDocument, one line, exit 1); it waited for ever. An id found nowhere within
+    :data:`STUB_FOLLOWS_SECONDS` of an unreadable copy is one being set aside (its stub
+    follows): pending still."""
+
+    def __init__(self, backend: Backend, handoff_id: str, *,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self.handoff_id = handoff_id
+        self.monotonic = monotonic  # (tests move it)
+        self.unsettled_since: float | None = None  # first seen unreadable in in-progress/
+        self.unreadable_at: float | None = None  # last seen unreadable, anywhere
+
+    def __call__(self) -> tuple[State, Doc] | None:
+        """Where the handoff stands, as the wait reads it (None: found nowhere)."""
+        now = self.monotonic()
+        try:
+            found = self.backend.get(self.handoff_id)
+        except UnreadableCopy as exc:
+            self.unreadable_at = now
+            if exc.state is State.PENDING or exc.settling:
+                return (State.PENDING, {})
+            if exc.state is not State.IN_PROGRESS:
+                raise
+            if self.unsettled_since is None:
+                self.unsettled_since = now
+            if now - self.unsettled_since >= self.unsettled_seconds():
+                raise
+            return (State.IN_PROGRESS, {})
+        except InvalidDocument:  # (a backend that does not say where): a producer still writing it
+            self.unreadable_at = now
+            return (State.PENDING, {})
+        if found is None and self.unreadable_at is not None \
+                and now - self.unreadable_at < STUB_FOLLOWS_SECONDS:
+            return (State.PENDING, {})  # set aside this instant: its failure stub follows
+        return found
+
+    def unsettled_seconds(self) -> float:
+        """How long an unreadable copy in in-progress/ may still be settled: the store's claim
+        grace (after which a sweep sets it aside) plus a sweep period (the default
+        ``sweep_seconds``: the waiter does not know the daemon's own)."""
+        grace = getattr(self.backend, "claim_grace_seconds", None)
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) \
+                or not 0 <= grace < math.inf:
+            grace = DaemonSettings.claim_grace_seconds
+        return float(grace) + DaemonSettings.sweep_seconds
 
 
 class MemoryRecords:

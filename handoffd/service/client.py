@@ -139,11 +139,16 @@ class Handle:
         """Where it stands now, as its :meth:`wait` sees it: :meth:`result`, except that a
         handoff whose file is still being written into pending/ stands pending with no document
         yet (on a files store :meth:`result` raises its read error; on a shared store,
-        PostgreSQL, which does not hold it yet, NotFound). What a wait that timed out
+        PostgreSQL, which does not hold it yet, NotFound), and one whose copy in in-progress/
+        cannot be read stands in progress with no document (a daemon claimed it and is setting
+        it aside, or its sweep will: a wait goes on there for a while, see
+        :class:`~handoffd.backends.base.UnreadableCopy`). What a wait that timed out
         reports."""
         try:
             return self.result()
-        except UnreadableCopy as exc:  # a copy in pending/ still being written, as a wait reads it
+        except UnreadableCopy as exc:  # (as a wait reads it: still being written, or set aside)
+            if exc.state is State.IN_PROGRESS:
+                return Result(self.id, State.IN_PROGRESS, {})
             if exc.state is not State.PENDING and not exc.settling:
                 raise
             return Result(self.id, State.PENDING, {})

@@ -37,7 +37,7 @@ from .leases import LeaseKeeper
 from .progress import ProgressWatch
 from .report import BatchReport
 from .scheduler import SPIN_UP_SECONDS, Scheduler
-from .sweeper import SweepReport, sweep
+from .sweeper import ConfigWatch, SweepReport, sweep
 from .wakeups import WakeupFeed
 from .warmup import WARM_SCHEMAS, build_schemas, warm_up, warm_up_to_fork
 from .workers import WorkerPool
@@ -101,6 +101,9 @@ class Daemon(BatchEnd):
         self.leases = LeaseKeeper(engine, lambda: list(self.attempts.active.values()), self._fence)
         self.feed = WakeupFeed(engine, self.scheduler, self.hooks, watch=watch)
         self.on_filed: Callable[[str, State], None] | None = None
+        # serving reads handoffd.toml once: its sweeps say when it changed (the first process
+        # of a spread one alone: one line a change)
+        self.config_watch = ConfigWatch(engine.ws.config_path) if stripe[0] == 0 else None
         engine.on_filed.append(self._count)
         for plugin in engine.daemon_plugins:  # features register through the methods below
             plugin(self)
@@ -260,7 +263,10 @@ class Daemon(BatchEnd):
         cancel(job.context, reason)
 
     def sweep(self) -> SweepReport:
-        """Recover abandoned claims (skipping our own) and queue what came back."""
+        """Recover abandoned claims (skipping our own) and queue what came back; say when
+        handoffd.toml changed since the start (:class:`.sweeper.ConfigWatch`)."""
+        if self.config_watch is not None:
+            self.config_watch.check()
         try:
             report = sweep(self.engine, skip=set(self.attempts.active))
         except OSError as exc:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..core import procs, recurring
@@ -390,3 +392,44 @@ def restore_request(doc: dict[str, Any]) -> None:
             if key != "handoffd":
                 del doc[key]
         doc.update(snapshot)
+
+
+# ---------------------------------------------------------------- handoffd.toml changed
+CONFIG_CHANGED = ("handoffd.toml changed since this daemon started; restart it to apply the "
+                  "changes")
+Stamp = tuple[int, int, int, int] | None  # (device, inode, size, mtime in ns); None: no file
+
+
+class ConfigWatch:
+    """Notices, at a serving daemon's sweeps, that the workspace's handoffd.toml is no longer
+    the file it started with: ``serve`` reads it once, at its start, so a specialist added
+    while it serves is not served (its handoffs waited in pending/ for ever, "no specialist
+    registered" in the log alone). One warning a change (a new stamp), never one a sweep; the
+    file as it was at the start again (an edit undone by a copy) says nothing. ``path``:
+    the workspace's handoffd.toml."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.started = self._stamp()  # (the daemon loads the config just before: close enough)
+        self.said = self.started
+
+    def _stamp(self) -> Stamp:
+        """The file's identity and version, as one stat sees it (None: not there, or it
+        cannot be looked at)."""
+        try:
+            info = os.stat(self.path)  # (a symlink: its target, what the config is read from)
+        except OSError:
+            return None
+        return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+    def check(self) -> bool:
+        """Log :data:`CONFIG_CHANGED` once when the file changed since the last look; True
+        when it was said now."""
+        now = self._stamp()
+        if now == self.said:
+            return False
+        self.said = now
+        if now == self.started:
+            return False  # (back as it started: the daemon serves what the file says)
+        log.warning(CONFIG_CHANGED)
+        return True
