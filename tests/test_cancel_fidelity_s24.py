@@ -318,10 +318,17 @@ def test_a_dead_foreign_consumers_claim_ends_at_its_timeout_not_the_claim_grace(
         long_ago = datetime.now(timezone.utc).timestamp() - 3600
         os.utime(written, (long_ago, long_ago))  # (written then, not now)
         written.rename(ws.root / "handoffs" / "in-progress" / "hoff-fc4.json")
+        # the same written whole and renamed in at once (review R40): its modification and
+        # change times agree at the jiffy, but its mark is an hour older than its rename
+        request = seed_request("hoff-fc5", {"component_requirements": []})
+        request.update(timeout_seconds=3, status="in_progress", started_at=now_iso(-3600))
+        ws.drop("hoff-fc5.json", request).rename(
+            ws.root / "handoffs" / "in-progress" / "hoff-fc5.json")
         serve = ws.serve()
         assert ws.wait_state("hoff-fc3", ("completed",), timeout=20) == "completed"
         assert ws.doc("hoff-fc3")["status"] == "completed"
         assert ws.state_of("hoff-fc4") == ["in-progress"]
+        assert ws.state_of("hoff-fc5") == ["in-progress"]
         assert ws.stop(serve) == 0
     finally:
         ws.cleanup()

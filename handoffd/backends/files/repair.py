@@ -156,7 +156,7 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
     foreign_end = foreign_lease_end(doc, ctime)  # (our claims write a lease with the mark)
     if time.time() < foreign_end:
         return  # a foreign consumer's claim, still within its time
-    if time.time() - ctime < grace and not (foreign_end and marked_here(info)):
+    if time.time() - ctime < grace and not (foreign_end and marked_here(doc, info)):
         return  # the claimer may be recording its lease (or its mark) right now
     mine = store.trusted_revision(doc, State.PENDING, handoff_id, State.IN_PROGRESS)
     if is_leftover(store, handoff_id, mine):
@@ -212,6 +212,11 @@ def set_aside_junk(store: Store, handoff_id: str, problem: UnreadableDocument, g
     return True
 
 
+# how much earlier than the file's last change a mark written in place may say it started (the
+# consumer stamps started_at, then writes the file)
+MARK_SLACK_SECONDS = 2.0
+
+
 def foreign_lease_end(doc: dict[str, Any], claimed_at: float) -> float:
     """When a foreign consumer's claim of ``doc`` ends (Unix time), or 0 when ``doc`` is not one.
 
@@ -230,17 +235,27 @@ def foreign_lease_end(doc: dict[str, Any], claimed_at: float) -> float:
     return started + seconds
 
 
-def marked_here(info: os.stat_result) -> bool:
-    """Was the in-progress file last changed by a write in place (its modification time is
-    its change time), not by its rename into in-progress/ (which changes only the latter)?
+def marked_here(doc: dict[str, Any], info: os.stat_result) -> bool:
+    """Was the foreign claim's mark in the in-progress file ``doc`` written there, after its
+    rename into in-progress/ (seed 001's Example 2 renames, then rewrites the file)? Then the
+    claim is judged by its ``started_at + timeout_seconds`` alone, not held for the claim grace
+    as well (a claim of ``timeout_seconds`` 3 was held 10 s).
 
-    Then a foreign claim's mark in it is its claimer's own (seed 001's Example 2 renames, then
-    rewrites the file): the claim is judged by its ``started_at + timeout_seconds`` alone,
-    not held for the claim grace as well (a claim of ``timeout_seconds`` 3 was held 10 s).
-    A file renamed in with a mark it already had (one a foreign claim left in a request handed
-    back to pending/) may be ours, claimed unlocked on a filesystem without ``flock`` and
-    writing its lease: the grace still protects that window."""
-    return info.st_mtime_ns >= info.st_ctime_ns
+    Both must hold: the file was last changed by a write in place (its modification time is
+    its change time; a rename changes only the latter), and its ``started_at`` is no earlier
+    than that change, within :data:`MARK_SLACK_SECONDS`. The times alone do not tell: on a
+    file system whose timestamps tick by the jiffy, a file written whole and renamed in at once
+    has the two equal (review R40: 1,998 of 2,000 on ext4). A mark the file already carried
+    (a foreign claim's, left in a request handed back to pending/) is older than its rename:
+    such a file may be ours, claimed unlocked on a file system without ``flock`` and writing
+    its lease, and the grace still protects that window."""
+    if info.st_mtime_ns < info.st_ctime_ns:
+        return False
+    try:
+        started = parse_iso(doc["started_at"]).timestamp()
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return False
+    return started >= info.st_ctime - MARK_SLACK_SECONDS
 
 
 def is_leftover(store: Store, handoff_id: str, mine: int) -> bool:
