@@ -122,3 +122,15 @@ def test_a_long_note_keeps_what_to_do_about_it() -> None:
     cut = short_note(note)
     assert len(cut) <= 160 and cut.endswith("; `handoff answer h1 --input F`"), cut
     assert short_note("x" * 300).endswith("...") and len(short_note("x" * 300)) == 160
+
+
+def test_validate_a_folder_or_a_fifo_is_a_usage_error_not_an_invalid_document(
+        tmp_path: Path) -> None:
+    """Review R40: a folder, a FIFO or /dev/null was "invalid (unknown format)", exit 1."""
+    ws = new_workspace(tmp_path / "ws", "")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target in (str(fifo), "/dev/null", str(tmp_path)):
+        done = ws.handoff("validate", target, timeout=30)
+        assert done.returncode == 2 and "not a regular file" in done.stdout, done.stdout
+        assert "invalid" not in done.stdout

@@ -1,6 +1,9 @@
 """Read-only questions about a workspace (listing, validating) for the CLI and the library API."""
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -191,6 +194,9 @@ def validate_files(files: list[Path], engine: Engine | None, *, forced: str | No
         doc: dict[str, Any] | None = None
         stub: str | None = None
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # (a folder, a FIFO, /dev/null: no
+                # document to call invalid: the argument's fault, as an unreadable file's)
+                raise OSError(errno.EINVAL, "not a regular file (a folder, a FIFO, a device?)")
             raw, _ = read_bytes_safely(path, limit)
             doc = parse_document(raw, str(path))
             dialect = dialects.detect(doc, forced)
