@@ -26,8 +26,11 @@ class NativeDialect:
         """True for a seed-001 Response or Failure (its status with an answer's own fields,
         :func:`handoffd.core.native_format.native_answer`): ``handoff validate`` checks it
         against its answer schema without routing it; offered as work it is refused
-        ``NOT_A_REQUEST`` (:meth:`complete`, and native_envelope once claimed)."""
-        return native_answer(doc)
+        ``NOT_A_REQUEST`` (:meth:`complete`, and native_envelope once claimed). One without a
+        ``target`` is not taken for one: the seed's answers are its request with the answer's
+        fields added, and a failure-shaped document from outside lacking a target is checked
+        (and refused) as the request it would be (only handoffd's own sealed stubs have none)."""
+        return native_answer(doc) and isinstance(doc.get("target"), dict)
 
     def schema_names(self, doc: dict[str, Any]) -> list[str]:
         """Request, response or failure schema, by the document's ``status``."""
