@@ -332,3 +332,26 @@ def test_a_dead_foreign_consumers_claim_ends_at_its_timeout_not_the_claim_grace(
         assert ws.stop(serve) == 0
     finally:
         ws.cleanup()
+
+
+def test_a_large_hi_moe_child_output_is_kept_as_a_child_output_too(cws: Workspace) -> None:
+    """Review R40: a hi_moe child's output of 1 KB or more is stored by reference, read among
+    its artifacts, not as its output: it was kept as an ``output`` artifact, which in the
+    parent reads as the parent's own answer."""
+    serve = cws.serve()
+    cws.drop("msg-r40.json", architect_message("msg-r40", fan("python-lora", {"__big": 3000})))
+    parked(cws, "msg-r40", 2)
+    cancel = fresh(HI_MOE_CANCELLATION)
+    cancel["id"], cancel["timestamp"] = "msg-cancel-r40", now_iso()
+    cancel["payload"]["target_message_id"] = "msg-r40"
+    cws.drop("msg-cancel-r40.json", cancel)
+    assert cws.wait_state("msg-r40", ("failed",), timeout=30) == "failed"
+    items = cws.doc("msg-r40")["payload"]["artifacts"]
+    assert not any(i.get("artifact_type") == "output" for i in items), items
+    kept = from_children(items)
+    assert [(k["artifact_type"], k["metadata"]["child_id"]) for k in kept] == [
+        ("child_output", "msg-r40.c1")], items
+    assert kept[0].get("content_ref"), kept
+    validate(cws, "failed", "msg-r40")
+    (cws.root / "release").touch()
+    assert cws.stop(serve) == 0

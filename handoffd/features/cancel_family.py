@@ -363,9 +363,21 @@ def children_artifacts(engine: "Engine", doc: dict[str, Any]) -> list[Any]:
         # read again: one child's answer in hand at a time (the outputs had the budget first)
         info = _completed_child(engine, child)
         if info is not None:
-            items = [from_child(item, child) for item in info.artifacts if isinstance(item, dict)]
+            items = [from_child(_not_output(item), child) for item in info.artifacts
+                     if isinstance(item, dict)]
             out.extend(_within(engine, budget, child, "artifacts", items))
     return out
+
+
+def _not_output(item: dict[str, Any]) -> dict[str, Any]:
+    """A child's artifact as its cancelled parent keeps it: a hi_moe child's ``output``
+    artifact stored by reference (an output of 1 KB or more: only an inline one is read as its
+    output) becomes a ``child_output`` record keeping its reference, as an inline output does
+    (:func:`_output_record`); in the parent, an ``output`` artifact would read as the parent's
+    own answer (review R40)."""
+    if item.get("artifact_type") == "output":
+        return {**item, "artifact_type": "child_output"}
+    return item
 
 
 def _completed_child(engine: "Engine", child: str) -> "ChildInfo | None":
