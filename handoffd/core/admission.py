@@ -14,8 +14,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .documents import (BOOK, CHECK, RECORD, UNRECORDED, Envelope, Outcome, book, check_id,
-                        first_seen, record, unrecorded_mark)
+from .documents import (BOOK, CHECK, RECORD, UNRECORDED, Envelope, Outcome, arrival, book,
+                        check_id, record, unrecorded_mark)
 from .errors import (
     SHORTAGE_ERRNOS,
     ClaimShortage,
@@ -147,7 +147,7 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     # a parent waiting for its children is past its hard deadline only as the aggregation
     # tells (features.aggregation: open children are cancelled and counted timeout)
     deadline = None if isinstance(book(doc).get("waiting_children"), dict) else engine.deadline(
-        envelope, spec, min(filter(None, (first_seen(doc), arrived)), default=now))
+        envelope, spec, arrival(doc, arrived) or now)
     if deadline is not None and now >= deadline:
         _file_unrun(engine, claim, dialect, spec, ErrorCode.TIMEOUT,
                     _unrun_message(handoff_id, doc, deadline))

@@ -191,6 +191,28 @@ def first_seen(doc: dict[str, Any]) -> datetime | None:
         return None
 
 
+def arrival(doc: dict[str, Any] | None, seen: datetime | None) -> datetime | None:
+    """When a hard deadline counts from: the earlier of ``seen`` (when a daemon first saw the
+    handoff pending) and :func:`first_seen` of its trusted ``doc``; but after a `handoff retry`
+    (a ``retried`` event later than ``seen``), the retry: a stamp from before it is stale (the
+    daemon kept it from the handoff's earlier stay in pending/), and counted from it the
+    retried handoff was answered TIMEOUT early. None when neither is known."""
+    own = first_seen(doc) if doc is not None else None
+    if own is None or seen is None:
+        return own or seen
+    if seen < own and _retried(doc):
+        return own
+    return min(seen, own)
+
+
+def _retried(doc: dict[str, Any] | None) -> bool:
+    """True when ``doc``'s bookkeeping records a `handoff retry` (a ``retried`` event)."""
+    history = book(doc).get("history") if doc is not None and isinstance(doc.get(BOOK), dict) \
+        else None
+    return isinstance(history, list) and any(
+        isinstance(entry, dict) and entry.get("event") == "retried" for entry in history)
+
+
 def next_attempt_at(doc: dict[str, Any]) -> datetime | None:
     """When a scheduled retry becomes due, or None when the handoff is due now."""
     value = book(doc).get("next_attempt_at") if isinstance(doc.get(BOOK), dict) else None

@@ -389,6 +389,9 @@ class Daemon(BatchEnd):
                 saturated = self.attempts.saturated()
                 free = scheduler.running < self.workers and not saturated
                 ready = scheduler.next_ready(now) if free and now >= spin_up_at else None
+                if not free and not saturated:  # (seed 000: answered at a hard deadline)
+                    for handoff_id, deadline in scheduler.look_ahead(now):
+                        self.dispatcher.answer_overdue(handoff_id, deadline)
                 if ready is not None:
                     self._late_since = None  # (work goes on: a later wait counts afresh)
                     self._unlisted_since = None  # (a later failure to list: its own 5 s)
@@ -415,6 +418,8 @@ class Daemon(BatchEnd):
                         timers.append(self.progress.wake_at())
                 if (scheduler.heap or scheduler.ready or scheduler.rechecks) and free:
                     timers.append(max(scheduler.heap[0][0] if scheduler.heap else now, spin_up_at))
+                elif not free and not saturated and (ahead := scheduler.ahead_at(now)) is not None:
+                    timers.append(ahead)
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))
 
     def _late_wait(self, now: float) -> float:

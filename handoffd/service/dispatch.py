@@ -10,11 +10,13 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from datetime import datetime
 from typing import Any, Callable
 
 from ..core.engine import Engine, Peek
-from ..core.errors import is_shortage, shortage_words
+from ..core.errors import ErrorCode, is_shortage, shortage_words
 from ..core.memorystrikes import memory_backoff, memory_wait
+from ..core.timeutil import iso
 from ..core.watchdog import TakenOver
 from .attempts import Attempts
 from .handbacks import shortage_backoff
@@ -211,6 +213,23 @@ class Dispatcher:
         if scheduler.rate_limited(spec, handoff_id, deadline):
             return
         self.submit(spec.agent, self.attempts.work, handoff_id)
+
+    def answer_overdue(self, handoff_id: str, deadline: datetime) -> None:
+        """Answer ``handoff_id`` TIMEOUT unrun past its hard ``deadline`` while every worker is
+        busy (:meth:`.scheduler.Scheduler.look_ahead`; called under ``cv``): seed 000's
+        receiver must answer before it, not once a slot frees. The task takes a thread beyond
+        ``workers`` for a moment and never runs a handler: it is :meth:`.attempts.Attempts.
+        reject`'s, which claims, lets admission answer it (TIMEOUT, EXPIRED, or a hand-back
+        when nobody here serves it) and, only if admission would run it after all (its
+        document rewritten meanwhile), files this answer instead of running it."""
+        message = (f"handoff {handoff_id} was not started before its deadline {iso(deadline)} "
+                   "(a hard timeout counts from its arrival)")
+        try:
+            self.submit("", self.attempts.reject, handoff_id, ErrorCode.TIMEOUT, message)
+        except Exception as exc:  # (a thread that cannot start: looked at again, as dispatch's)
+            log.warning("handoff %s: past its deadline, cannot be answered for now: %s; will "
+                        "look again in %ss", handoff_id, exc, RETRY_LOOK_SECONDS)
+            self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
 
     def dispatch_unreadable(self, handoff_id: str, seen: Peek | None = None) -> None:
         """A pending document that cannot be read or routed: claim it when claiming sets it aside

@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 
 from ..core.admission import resumes
-from ..core.documents import BOOK, first_seen
+from ..core.documents import BOOK, arrival
 from ..core.engine import Engine, Peek
 from ..core.memorystrikes import memory_backoff, memory_strikes
 from ..core.specialists import Specialist
@@ -46,6 +46,10 @@ RETRY_LOOK_SECONDS = 5.0  # an item the scheduler could not handle is looked at 
 MAX_HELD_OFF = 10_000  # handoffs held off at once (hold_off: the oldest forgotten first)
 WAKE = ""  # a time-heap entry that only wakes the loop (no handoff id is empty)
 FIRST = -1.0  # the due time of a woken waiter (look_first): before any monotonic time
+# with every worker busy, the loop reads due handoffs into the ready window itself (to learn
+# their hard deadlines: :meth:`Scheduler.look_ahead`) once the youngest running task is this
+# old: a drain of short handoffs, whose finishing workers read the next ones, is left alone
+LOOK_AHEAD_AFTER_SECONDS = 0.25
 
 
 class Scheduler(Lines, QuietWaits):
@@ -101,6 +105,9 @@ class Scheduler(Lines, QuietWaits):
         self.backoffs: dict[str, float] = {}
         self.rescan_requested = True
         self.first_seen: dict[str, datetime] = {}  # hard-timeout handoffs seen pending, by id
+        # handoff id (in the ready window) -> its hard deadline (monotonic), found by
+        # look_ahead while every worker was busy: answered TIMEOUT then, without a free slot
+        self.ahead: dict[str, float] = {}
         self.unroutable = report.unroutable
         self.waiting = report.waiting  # handoff id -> why a gate holds it back
         # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
@@ -256,19 +263,7 @@ class Scheduler(Lines, QuietWaits):
         A waiter a rescan queued again (``rechecks``) is handed out when nothing else is, or
         every other time: a new handoff never waits behind a rescan's rechecks for more than
         one, and they are never starved by a stream of new work."""
-        while self.heap and self.heap[0][0] <= now and len(self.ready) < READY_WINDOW:
-            due, _, _, handoff_id = heapq.heappop(self.heap)
-            if self.queued.get(handoff_id) != due:
-                continue  # superseded by an earlier notification
-            del self.queued[handoff_id]
-            self.backoffs.pop(handoff_id, None)  # (a batch waited for it once)
-            looked = self.rescans
-            peek = self._read(handoff_id)
-            if peek is None:
-                continue
-            rank = peek.priority if peek.readable else -1  # set unreadable files aside first
-            heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek, looked))
-            self.readied.add(handoff_id)
+        self._fill(now)
         if self.rechecks and (not self.ready or not self.rechecked_last):
             recheck = self._next_recheck()
             if recheck is not None:
@@ -282,6 +277,72 @@ class Scheduler(Lines, QuietWaits):
         self.picked, self.turn = (handoff_id, (rank, due, seq)), None
         self.picked_look = (handoff_id, looked)
         return handoff_id, peek
+
+    def _fill(self, now: float, read: list[tuple[str, Peek]] | None = None) -> None:
+        """Move the due ids of the time heap into the ready window, each read once (into
+        ``read`` too, when given), while it has room."""
+        while self.heap and self.heap[0][0] <= now and len(self.ready) < READY_WINDOW:
+            due, _, _, handoff_id = heapq.heappop(self.heap)
+            if self.queued.get(handoff_id) != due:
+                continue  # superseded by an earlier notification
+            del self.queued[handoff_id]
+            self.backoffs.pop(handoff_id, None)  # (a batch waited for it once)
+            looked = self.rescans
+            peek = self._read(handoff_id)
+            if peek is None:
+                continue
+            rank = peek.priority if peek.readable else -1  # set unreadable files aside first
+            heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek, looked))
+            self.readied.add(handoff_id)
+            if read is not None:
+                read.append((handoff_id, peek))
+
+    def look_ahead(self, now: float) -> list[tuple[str, datetime]]:
+        """Every worker is busy (called by the loop under ``cv``): the handoffs to answer
+        TIMEOUT now, without a free slot, each with its hard deadline, taken out of the ready
+        window. Seed 000's hard timeout counts from its arrival, and the receiver must answer
+        before it; read only when a worker was free, a message that came while slow handlers
+        held them all was claimed when one finished, its deadline counted from then, and run.
+        So, once the youngest task is LOOK_AHEAD_AFTER_SECONDS old, the due ids are read into
+        the window (the read a worker would make: kept with them), which stamps when a
+        hard-timeout one was first seen (:meth:`arrival`); its deadline is kept in ``ahead``
+        (one per id in the window) and the loop wakes for it (:meth:`ahead_at`)."""
+        read: list[tuple[str, Peek]] = []
+        if self.spin_up_at() - self.spin_up + LOOK_AHEAD_AFTER_SECONDS <= now:
+            self._fill(now, read)
+        for handoff_id, peek in read:
+            deadline = self.hard_deadline(handoff_id, peek)
+            if deadline is not None:
+                self.ahead[handoff_id] = now + (deadline - self.engine.clock()).total_seconds()
+        overdue: list[tuple[str, datetime]] = []
+        for handoff_id, at in list(self.ahead.items()):
+            if handoff_id not in self.readied:
+                del self.ahead[handoff_id]  # handed out meanwhile (a worker took it)
+            elif at <= now:
+                del self.ahead[handoff_id]
+                entry = next((e for e in self.ready if e[3] == handoff_id), None)
+                deadline = None if entry is None else self.hard_deadline(handoff_id, entry[4])
+                if entry is None or deadline is None:
+                    continue
+                left = (deadline - self.engine.clock()).total_seconds()
+                if left > 0:  # (its stamp was forgotten and taken again meanwhile)
+                    self.ahead[handoff_id] = now + left
+                    continue
+                self.ready.remove(entry)
+                heapq.heapify(self.ready)
+                self.readied.discard(handoff_id)
+                overdue.append((handoff_id, deadline))
+        return overdue
+
+    def ahead_at(self, now: float) -> float | None:
+        """When the loop must wake, every worker busy: the first hard deadline ``ahead``, or
+        when :meth:`look_ahead` may read what is due (None: nothing to wait for)."""
+        due = min(self.ahead.values(), default=None)
+        if self.heap and len(self.ready) < READY_WINDOW:
+            look = max(self.heap[0][0], self.spin_up_at() - self.spin_up
+                       + LOOK_AHEAD_AFTER_SECONDS)
+            due = look if due is None else min(due, look)
+        return due
 
     def _next_recheck(self) -> tuple[str, Peek] | None:
         """The next waiter a rescan queued again, read (None when none is left to look at;
@@ -462,17 +523,29 @@ class Scheduler(Lines, QuietWaits):
             expires = None  # it started in time: expiry bounds starts only
         return min(filter(None, (hard, expires)), default=None)
 
+    def hard_deadline(self, handoff_id: str, peek: Peek) -> datetime | None:
+        """A pending handoff's seed 000 hard deadline (:meth:`arrival` + its time limit);
+        None without one, or for a parent waiting for its children (aggregated instead)."""
+        env = peek.envelope
+        if env is None or not env.hard_timeout:
+            return None
+        block = peek.doc.get(BOOK) if peek.doc is not None else None
+        if isinstance(block, dict) and isinstance(block.get("waiting_children"), dict):
+            return None
+        return self.engine.deadline(env, self.engine.specialist_for(env),
+                                    self.arrival(handoff_id, peek))
+
     def arrival(self, handoff_id: str, peek: Peek) -> datetime:
         """When a pending hard-timeout handoff arrived, as admission counts it: the earlier of
         when this daemon first saw it pending and the first event (or last ``retried``) of its
-        own history (:func:`~handoffd.core.documents.first_seen`). A throttle, a retry, an
+        own history, a `handoff retry` later than that sighting counting from the retry
+        (:func:`~handoffd.core.documents.arrival`). A throttle, a retry, an
         answer or a hand-back puts it back in pending/ after its claim made us forget when we
         first saw it: counted from then, it was answered TIMEOUT that much past its deadline.
         The peek's document is its trusted view (a block whose seal is not ours is left out of
         it, as the claim empties it), so bookkeeping from outside never moves the deadline."""
         seen = self.first_seen.setdefault(handoff_id, self.engine.clock())
-        own = first_seen(peek.doc) if peek.doc is not None else None
-        return seen if own is None else min(seen, own)
+        return arrival(peek.doc, seen) or seen  # (a stamp from before a `handoff retry`: stale)
 
     def look_again_at(self, handoff_id: str, deadline: datetime | None) -> None:
         """A handoff that cannot start now but has a hard deadline is looked at again then: if
@@ -494,6 +567,7 @@ class Scheduler(Lines, QuietWaits):
             self.busy = Counter(agent for agent, _ in self.inflight.values())
             self.running = len(self.inflight)
             self.rechecks.clear()
+            self.ahead.clear()
             self.waiting.clear()
             self.waits_on.clear()
             self.fails_on.clear()
