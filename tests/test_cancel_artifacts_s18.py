@@ -54,6 +54,9 @@ if made:
     result = {"status": "completed", "output": {"summary": "made"},
               "artifacts": [{"artifact_type": "code", "inline_content": str(i) * 900}
                             for i in range(made)]}
+big = find(doc, "__big")
+if big:
+    result = {"status": "completed", "output": "x" * big}
 print(json.dumps(result))
 '''
 

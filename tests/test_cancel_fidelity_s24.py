@@ -29,44 +29,12 @@ from typing import Any, Iterator
 import pytest
 from conftest import Workspace, new_workspace, wait_until
 from dialect_examples import HI_MOE_ARCHITECT_TO_DISPATCHER, HI_MOE_CANCELLATION, fresh
+from test_cancel_artifacts_s18 import SPEC  # (the test specialist: __respond, __big, __block)
 
 REPO = Path(__file__).resolve().parent.parent
 # seed 001's example request (its Example 1)
 SEED_001_REQUEST: dict[str, Any] = json.loads(
     (REPO / "benchmarks" / "seed001-request.json").read_text())
-
-# the test specialist: "__respond" anywhere in the request (outside a delegation) is printed as
-# the result; "__big": n answers an output of n bytes; "__block" waits (at most 60 s) for the
-# workspace's file "release", its start noted
-SPEC = '''
-import json, os, sys, time
-doc = json.load(sys.stdin)
-root = os.environ["HANDOFFD_ROOT"]
-def find(value, key):
-    if isinstance(value, dict):
-        if key in value:
-            return value[key]
-        for name, item in value.items():
-            found = None if name == "delegate" else find(item, key)
-            if found is not None:
-                return found
-    if isinstance(value, list):
-        for item in value:
-            found = find(item, key)
-            if found is not None:
-                return found
-    return None
-if find(doc, "__block"):
-    open(os.path.join(root, "started-" + os.environ["HANDOFF_ID"]), "w").close()
-    deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(root, "release")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-result = find(doc, "__respond") or {"status": "completed", "output": {"summary": "done"}}
-big = find(doc, "__big")
-if big:
-    result = {"status": "completed", "output": "x" * big}
-print(json.dumps(result))
-'''
 
 CONFIG = """
 [daemon]

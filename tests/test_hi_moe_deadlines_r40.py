@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Clock, Workspace, memory_engine
+from conftest import Clock, Workspace, handlers_workspace, memory_engine
 from dialect_examples import HI_MOE_ARCHITECT_TO_DISPATCHER, fresh
 
 from dialect_examples import HI_MOE_DISPATCHER_TO_FLEET
 
 from handoffd.core.states import State
 from handoffd.core.timeutil import iso, parse_iso
-from handoffd.core.workspace import Workspace as HandoffdWorkspace
 
 HANDLERS = '''
 def slow(doc, ctx):
@@ -64,13 +63,7 @@ handler = "moe_r40:slow"
 
 @pytest.fixture
 def mws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Workspace]:
-    (tmp_path / "moe_r40.py").write_text(HANDLERS)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    root = tmp_path / "ws"
-    root.mkdir()
-    ws = Workspace(root)
-    ws.write_config(CONFIG)
-    HandoffdWorkspace(root).ensure()
+    ws = handlers_workspace(tmp_path, monkeypatch, "moe_r40", HANDLERS, CONFIG)
     yield ws
     ws.cleanup()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Clock, Workspace, memory_engine
+from conftest import Clock, Workspace, handlers_workspace, memory_engine
 from dialect_examples import HI_MOE_ARCHITECT_TO_DISPATCHER, fresh
 
 from handoffd.core.states import State
@@ -62,13 +62,7 @@ handler = "moe_s24:flaky"
 
 @pytest.fixture
 def mws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Workspace]:
-    (tmp_path / "moe_s24.py").write_text(HANDLERS)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    root = tmp_path / "ws"
-    root.mkdir()
-    ws = Workspace(root)
-    ws.write_config(CONFIG)
-    HandoffdWorkspace(root).ensure()
+    ws = handlers_workspace(tmp_path, monkeypatch, "moe_s24", HANDLERS, CONFIG)
     yield ws
     ws.cleanup()
 
