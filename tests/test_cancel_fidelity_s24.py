@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import pytest
 from conftest import Workspace, new_workspace, wait_until
 from dialect_examples import HI_MOE_ARCHITECT_TO_DISPATCHER, HI_MOE_CANCELLATION, fresh
+from test_cancel_artifacts_s18 import CONFIG as S18_CONFIG
 from test_cancel_artifacts_s18 import SPEC  # (the test specialist: __respond, __big, __block)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,34 +37,14 @@ REPO = Path(__file__).resolve().parent.parent
 SEED_001_REQUEST: dict[str, Any] = json.loads(
     (REPO / "benchmarks" / "seed001-request.json").read_text())
 
-CONFIG = """
-[daemon]
-settle_seconds = 0.1
-rescan_seconds = 0.5
-sweep_seconds = 0.5
-claim_grace_seconds = {grace}
-max_output_bytes = 4096
-durability = "fast"
-
-[retry]
-max_retries = 0
-
-[specialists."@spec"]
-command = ["{python}", "-S", "{spec}"]
-timeout_seconds = 90
-
+# test_cancel_artifacts_s18's workspace, with a sweep every half second, the claim grace a
+# test asks for, and the seed 001 example's own agent
+CONFIG = (S18_CONFIG.replace("sweep_seconds = 1.0", "sweep_seconds = 0.5\nclaim_grace_seconds = {grace}")
+          + '''
 [specialists."@react-specialist"]
 command = ["{python}", "-S", "{spec}"]
 timeout_seconds = 90
-
-[specialists."ROUTING_DISPATCHER"]
-command = ["{python}", "-S", "{spec}"]
-timeout_seconds = 90
-
-[specialists."python-lora"]
-command = ["{python}", "-S", "{spec}"]
-timeout_seconds = 90
-"""
+''')
 
 CODE = {"artifact_type": "code", "inline_content": "def binary_search(nums, target): ..."}
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import resource
 import subprocess
 import time
@@ -25,27 +24,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from conftest import Clock, exe, new_workspace, wait_for_words as _wait_for
+from conftest import Clock, exe, new_workspace
+from conftest import wait_for_words as _wait_for
 from test_claim_shortage_s22 import _engine
+from test_shortage_keep_s23 import LIMIT, _emfile, _errors, _said
 from test_start_shortage_s20 import FailFirst
 
 from handoffd.backends.files import backend as backend_module
 from handoffd.core import procrecords, recurring
 from handoffd.features import cancellation
-
-LIMIT = "EMFILE: the daemon's limit on open files, ulimit -n"
-
-
-def _emfile() -> OSError:
-    return OSError(errno.EMFILE, os.strerror(errno.EMFILE))
-
-
-def _said(caplog: Any, words: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if words in r.getMessage()]
-
-
-def _errors(caplog: Any) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 class Seconds:

@@ -10,7 +10,6 @@ before its deadline", and its questions were lost with its ``awaiting`` block.
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,6 +17,7 @@ from typing import Any, Iterator
 import pytest
 from conftest import Clock, Workspace, handlers_workspace, memory_engine
 from dialect_examples import HI_MOE_ARCHITECT_TO_DISPATCHER, fresh
+from test_hi_moe_seed import wait_filed
 
 from handoffd.core.states import State
 from handoffd.core.timeutil import iso, parse_iso
@@ -77,22 +77,11 @@ def message(msg_id: str, timeout_ms: int, *, hint: str | None = None,
     return doc
 
 
-def wait_filed(ws: Workspace, hid: str, timeout: float = 30) -> str:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for state in ("completed", "failed"):
-            if (ws.root / "handoffs" / state / f"{hid}.json").exists() \
-                    and not (ws.root / "handoffs" / "in-progress" / f"{hid}.json").exists():
-                return state
-        time.sleep(0.05)
-    raise AssertionError(f"{hid} was not filed in {timeout}s: {ws.state_of(hid)}")
-
-
 def served(ws: Workspace, hid: str) -> dict[str, Any]:
     """Serve until ``hid`` is filed into failed/; its answer."""
     daemon = ws.serve()
     try:
-        assert wait_filed(ws, hid) == "failed"
+        assert wait_filed(ws, hid, timeout=30) == "failed"
     finally:
         assert ws.stop(daemon) == 0
     return ws.doc(hid)

@@ -225,6 +225,10 @@ def _said(caplog: Any, text: str) -> list[logging.LogRecord]:
     return [r for r in caplog.records if text in r.getMessage()]
 
 
+def _errors(caplog: Any) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 def test_a_sweep_step_running_short_is_one_warning_naming_the_limit(
         tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     engine = _engine(tmp_path / "ws", clock)

@@ -27,30 +27,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import Clock, exe, new_workspace, wait_for_words as _wait_for
+from conftest import Clock, exe, new_workspace
+from conftest import wait_for_words as _wait_for
 from test_claim_shortage_s22 import _engine, _submit
 from test_refile import Counting, FullDisk, Serving, engine_with, submit
+from test_shortage_keep_s23 import LIMIT, _emfile, _errors, _said
 from test_start_shortage_s20 import FailFirst, _context
 
 from handoffd import Daemon, State
 from handoffd.backends.base import NotFiled
 from handoffd.core import childproc, procs, recurring
 from handoffd.service import attempts, held, sweeper
-
-LIMIT = "EMFILE: the daemon's limit on open files, ulimit -n"
-
-
-def _emfile() -> OSError:
-    return OSError(errno.EMFILE, os.strerror(errno.EMFILE))
-
-
-def _said(caplog: Any, words: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if words in r.getMessage()]
-
-
-def _errors(caplog: Any) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-
 
 # ---------------------------------------------------------------- 1. the progress check
 

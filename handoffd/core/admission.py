@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .documents import (BOOK, CHECK, RECORD, UNRECORDED, Envelope, Outcome, arrival, book,
-                        check_id, record, unrecorded_mark)
+                        check_id, history_of, newest_among, record, unrecorded_mark)
 from .errors import (
     SHORTAGE_ERRNOS,
     ClaimShortage,
@@ -196,14 +196,13 @@ def _first_use_left(claim: Claim) -> str | None:
     such a search would find the document's own id once recorded, and set it aside unrun."""
     if claim.raw:
         return CHECK
-    block = claim.doc.get(BOOK)
-    history = block.get("history") if isinstance(block, dict) else None
-    if not isinstance(history, list) or len(history) < 2:
+    events = history_of(claim.doc)
+    if len(events) < 2:
         return None
-    last = history[-1]
+    last = events[-1]
     if not (isinstance(last, dict) and last.get("event") == "claimed"):
         return None
-    return unrecorded_mark(history[-2])
+    return unrecorded_mark(events[-2])
 
 
 def _short_at_admission(engine: Admitting, claim: Claim, dialect: Dialect,
@@ -243,14 +242,7 @@ def resumes(doc: dict[str, Any]) -> bool:
         return False
     if isinstance(block.get("waiting_children"), dict) or isinstance(block.get("awaiting"), dict):
         return True
-    history = block.get("history")
-    for entry in reversed(history if isinstance(history, list) else []):
-        event = entry.get("event") if isinstance(entry, dict) else None
-        if event in RESUMED_AFTER:
-            return True
-        if event in STARTS_AFTER:
-            return False
-    return False
+    return newest_among(doc, RESUMED_AFTER, STARTS_AFTER)
 
 
 def _file_unrun(engine: Admitting, claim: Claim, dialect: Dialect, spec: Specialist | None,
@@ -284,9 +276,8 @@ def _unrun_message(handoff_id: str, doc: dict[str, Any], deadline: datetime, *,
     time passed (a retry, an answer: the questions it asked, which the answer would otherwise
     lose)."""
     block = book(doc)
-    history = block.get("history")
     since: list[Any] = []
-    for entry in reversed(history if isinstance(history, list) else []):
+    for entry in reversed(history_of(doc)):
         if isinstance(entry, dict) and entry.get("event") == "retried":
             break
         since.append(entry)

@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Collection
 
 from .config import MAX_SECONDS, RetryPolicy
 from .errors import ConfigError, ErrorCode, InvalidDocument, UsageError
@@ -166,8 +166,28 @@ def first_use_undone(doc: dict[str, Any]) -> bool:
     handed back with its first use undone (:func:`unrecorded_mark`): its id is then not yet
     recorded as seen, and whoever ingests it must leave that to its next admission, which would
     otherwise find the id and set the document aside as its own duplicate."""
-    history = book(doc).get("history") if isinstance(doc.get(BOOK), dict) else None
-    return isinstance(history, list) and bool(history) and unrecorded_mark(history[-1]) is not None
+    events = history_of(doc)
+    return bool(events) and unrecorded_mark(events[-1]) is not None
+
+
+def history_of(doc: dict[str, Any]) -> list[Any]:
+    """``doc``'s bookkeeping history (entries untyped: bookkeeping may be damaged); [] when it
+    has none."""
+    block = doc.get(BOOK)
+    events = block.get("history") if isinstance(block, dict) else None
+    return events if isinstance(events, list) else []
+
+
+def newest_among(doc: dict[str, Any], yes: Collection[str], no: Collection[str]) -> bool:
+    """True when, walking ``doc``'s history back from its newest event, an event in ``yes``
+    comes before any in ``no`` (False when neither does)."""
+    for entry in reversed(history_of(doc)):
+        event = entry.get("event") if isinstance(entry, dict) else None
+        if event in yes:
+            return True
+        if event in no:
+            return False
+    return False
 
 
 def first_seen(doc: dict[str, Any]) -> datetime | None:
@@ -207,10 +227,8 @@ def arrival(doc: dict[str, Any] | None, seen: datetime | None) -> datetime | Non
 
 def _retried(doc: dict[str, Any] | None) -> bool:
     """True when ``doc``'s bookkeeping records a `handoff retry` (a ``retried`` event)."""
-    history = book(doc).get("history") if doc is not None and isinstance(doc.get(BOOK), dict) \
-        else None
-    return isinstance(history, list) and any(
-        isinstance(entry, dict) and entry.get("event") == "retried" for entry in history)
+    return doc is not None and any(isinstance(entry, dict) and entry.get("event") == "retried"
+                                   for entry in history_of(doc))
 
 
 def next_attempt_at(doc: dict[str, Any]) -> datetime | None:

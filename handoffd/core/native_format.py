@@ -22,6 +22,7 @@ from .documents import (
     check_id,
     document_seconds,
     new_id,
+    newest_among,
     priority_rank,
 )
 from .errors import ErrorCode, InvalidDocument
@@ -58,15 +59,7 @@ def taken_up(doc: dict[str, Any]) -> bool:
     pending/ always is once claimed, whatever history it brought). False for a document
     handoffd filed, and for one without history: a document another consumer filed (readers
     see its block emptied) keeps its target."""
-    block = doc.get(BOOK)
-    history = block.get("history") if isinstance(block, dict) else None
-    for entry in reversed(history if isinstance(history, list) else []):
-        event = entry.get("event") if isinstance(entry, dict) else None
-        if event in _FILED:
-            return False
-        if event in _TAKEN_UP:
-            return True
-    return False
+    return newest_among(doc, _TAKEN_UP, _FILED)
 
 
 def refuse_answer(doc: dict[str, Any], handoff_id: str | None) -> None:
