@@ -4,12 +4,14 @@ Every reader of outside text goes through here: a document (:func:`parse_documen
 UTF-8, finite numbers, nesting at most MAX_DEPTH), a command-line or stored value
 (:func:`load_json`), or one line of a log or record (:func:`parse_line`, which never raises).
 Nothing here touches a file; the stores read the bytes and hand them over.
+
+Documents are written by :func:`encode_document`, with orjson once a process has written a few.
 """
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 from .documents import MAX_DEPTH, nesting_depth
 from .errors import ErrorCode, InvalidDocument
@@ -122,3 +124,55 @@ def _has_lone_surrogate(value: Any) -> bool:
         elif isinstance(item, list):
             stack.extend(item)
     return False
+
+
+# A process that writes many documents (a daemon, a batch) encodes them with orjson: about 1.5 µs
+# for a handoff's 1.9 KB document against 26 µs in json's C encoder, which was the largest single
+# cost of a drain (a handoff is written two or three times). A one-shot command writes one or two
+# and never imports it (orjson with uuid: 3-5 ms of its start).
+FAST_AFTER = 16  # documents a process encodes with json before it loads orjson
+_stdlib_encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+_fast: Callable[..., bytes] | None = None
+_fast_option = 0
+_encoded = 0  # documents encoded before the switch (a race between threads only delays it)
+
+
+def encode_document(doc: Any) -> bytes:
+    """``doc`` as every handoffd file holds it: compact JSON on one line, UTF-8 (not ASCII
+    escapes), ending in a newline.
+
+    ValueError for a float that is not finite, TypeError for a value that is not JSON, and
+    UnicodeEncodeError for a lone surrogate, as ``json`` raises them: such values only come from
+    a bug (what a handler returns is checked first), and failing loudly beats filing a document
+    nobody can read. orjson differs from json in what it accepts (it writes NaN as ``null``; it
+    refuses integers past 64 bits and keys that are not strings; it writes UUIDs and enums,
+    which json refuses): whatever it refuses, and any output holding ``null``, is encoded by
+    json instead. On JSON data the two differ only in how some floats are spelt (``1e-7``
+    against ``1e-07``), never in a value."""
+    fast = _fast
+    if fast is not None:
+        try:
+            data = fast(doc, option=_fast_option)
+        except TypeError:  # (orjson.JSONEncodeError is one)
+            pass
+        else:
+            if b"null" not in data:
+                return data
+    elif _encoded < FAST_AFTER:
+        _count_encoded()
+    return (_stdlib_encode(doc) + "\n").encode("utf-8")
+
+
+def _count_encoded() -> None:
+    """Count one json-encoded document; past FAST_AFTER, load orjson (where it is installed)."""
+    global _encoded, _fast, _fast_option
+    _encoded += 1
+    if _encoded < FAST_AFTER:
+        return
+    try:
+        import orjson
+    except ImportError:  # (a dependency, but nothing breaks without it: json does it all)
+        return
+    _fast_option = (orjson.OPT_APPEND_NEWLINE | orjson.OPT_PASSTHROUGH_DATETIME
+                    | orjson.OPT_PASSTHROUGH_DATACLASS)
+    _fast = orjson.dumps

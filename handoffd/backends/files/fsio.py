@@ -10,7 +10,6 @@ append-only logs and their locks live in :mod:`.logfiles`.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument
+from ...core.jsontext import encode_document
 from ...core.ownfiles import START_UMASK
 from . import dirsync, spares
 
@@ -33,19 +33,11 @@ def fsync_dir(path: Path) -> None:
 # How long a lock of handoffd's own (the event log's rotation, the seen-ids record, a shared
 def dump_json(doc: dict[str, Any]) -> bytes:
     """Serialise a document the way every handoffd file is written: compact JSON on one line,
-    UTF-8, ending in a newline. Compact because the C encoder only serves compact output: an
-    indented dump runs the pure-Python encoder, about four times slower, and every handoff is
-    written two or three times (`handoff show` and `jq` indent for people).
-
-    ``allow_nan=False``: a float that is not finite raises ValueError rather than being written as
-    the bare ``Infinity``/``NaN`` tokens, which are not JSON (parse_document refuses them on input,
-    so they can only come from a bug; failing loudly beats filing a document nobody can read)."""
-    return (_encode_doc(doc) + "\n").encode("utf-8")
-
-
-# one encoder for them all: json.dumps given options builds a JSONEncoder at every call (its
-# encode keeps no state between calls: safe from any thread)
-_encode_doc = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+    UTF-8, ending in a newline (:func:`handoffd.core.jsontext.encode_document`). Compact because
+    the fast encoders only serve compact output, and every handoff is written two or three times
+    (`handoff show` and `jq` indent for people). A float that is not finite raises ValueError
+    rather than being written as the bare ``Infinity``/``NaN`` tokens, which are not JSON."""
+    return encode_document(doc)
 
 
 def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path:
