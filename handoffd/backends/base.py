@@ -462,13 +462,20 @@ class _Looks:
 
     def unsettled_seconds(self) -> float:
         """How long an unreadable copy in in-progress/ may still be settled: the store's claim
-        grace (after which a sweep sets it aside) plus a sweep period (the default
-        ``sweep_seconds``: the waiter does not know the daemon's own)."""
-        grace = getattr(self.backend, "claim_grace_seconds", None)
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) \
-                or not 0 <= grace < math.inf:
-            grace = DaemonSettings.claim_grace_seconds
-        return float(grace) + DaemonSettings.sweep_seconds
+        grace (after which a sweep sets it aside) plus its sweep period (both as the workspace's
+        handoffd.toml sets them; the defaults for a store that does not say)."""
+        return (_seconds(self.backend, "claim_grace_seconds", DaemonSettings.claim_grace_seconds)
+                + _seconds(self.backend, "sweep_seconds", DaemonSettings.sweep_seconds))
+
+
+def _seconds(backend: Backend, name: str, default: float) -> float:
+    """``backend``'s attribute ``name`` if it is a finite number of seconds, 0 or more, else
+    ``default`` (a store without it, a wrapper's stand-in)."""
+    value = getattr(backend, name, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value < math.inf:
+        return default
+    return float(value)
 
 
 class MemoryRecords:

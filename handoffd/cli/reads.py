@@ -57,8 +57,9 @@ def show(root: str | Path | None, handoff_id: str, *, as_json: bool) -> None:
 
 def show_note(eng: "Engine", state: State, handoff_id: str, doc: dict[str, Any]) -> str:
     """The NOTE ``handoff ls`` would give the handoff (why a pending one waits: its dependencies,
-    a pause, its specialist's rate, no specialist; a failure's code). The features' gates are
-    installed only for a pending handoff, as ``ls`` installs them only for a pending row."""
+    a pause, its specialist's rate or concurrency, no specialist; a failure's code). The
+    features' gates are installed only for a pending handoff, as ``ls`` installs them only for
+    a pending row."""
     from ..service.queries import note_of
     if state is State.PENDING:
         from ..features.build import GATE_FEATURES, install_features

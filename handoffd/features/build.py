@@ -204,6 +204,7 @@ def open_backend(workspace: Workspace, config: Config, *,
                                max_output_bytes=settings.max_output_bytes)
     return FilesBackend.open(workspace, describe=dialects.describe, monotonic=monotonic,
                              ensure=False, claim_grace_seconds=settings.claim_grace_seconds,
+                             sweep_seconds=settings.sweep_seconds,
                              durable=settings.durable,
                              max_document_bytes=settings.max_document_bytes,
                              max_output_bytes=settings.max_output_bytes,

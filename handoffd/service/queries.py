@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +15,7 @@ from ..backends.files.fsio import read_bytes_safely
 from ..core import ownfiles
 from ..core.documents import book, is_safe_id, next_attempt_at
 from ..core.engine import Engine
-from ..core.errors import ErrorCode, InvalidDocument, UsageError
+from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, UsageError
 from ..core.jsontext import parse_document
 from ..core.native_format import stub_code, stub_problems
 from ..core.states import State
@@ -27,25 +28,53 @@ from ..features.lineage import conversation_of, parent_of
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 
 
+class InProgress:
+    """How many handoffs each specialist has in progress, as one listing sees it: in-progress/
+    is read once, at the first question (a listing of many pending rows asks for each), and
+    only when a row asks (a listing with no pending row of a capped specialist reads nothing)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._counts: Counter[str] | None = None
+
+    def __call__(self, agent: str) -> int:
+        """How many handoffs ``agent`` runs (the specialist that runs each, as ``ls`` routes it)."""
+        if self._counts is None:
+            counts: Counter[str] = Counter()
+            try:
+                for row in self.engine.backend.list(state=State.IN_PROGRESS):
+                    doc = trusted_doc(self.engine.backend, row.state, row.id, row.doc)
+                    counts[_routing(self.engine, doc)[0] or ""] += 1
+            except (OSError, HandoffdError):  # a store away: no count, never a failed listing
+                counts.clear()
+            self._counts = counts
+        return self._counts[agent]
+
+
+def _routing(engine: Engine, doc: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(target, source) of ``doc`` as ``ls`` shows them: the target is the specialist that runs
+    it (a stand-in, seed 000's tier fleet, is who runs it); (None, None) for an answer, or a
+    document a reader chokes on (listed without routing)."""
+    try:
+        env = dialects.detect(doc).envelope(doc)
+        spec = engine.specialist_for(env)
+        return (spec.agent if spec else env.target), env.source
+    except Exception:  # an answer, or a document a reader chokes on: listed without routing
+        return None, None
+
+
 def _row(engine: Engine, state: State, handoff_id: str, stored: dict[str, Any],
-         updated: datetime) -> dict[str, Any]:
+         updated: datetime, in_progress: InProgress) -> dict[str, Any]:
     """One ``handoff ls`` row, read from the document's trusted view: a block the store does
     not vouch for gives no attempt, dialect or error, and a finished document another consumer
-    filed says so in its note."""
-    target: str | None
-    source: str | None
+    filed says so in its note. ``in_progress``: the listing's counts of running handoffs (a
+    pending row of a specialist at its concurrency limit says so)."""
     doc = trusted_doc(engine.backend, state, handoff_id, stored)
-    try:
-        dialect = dialects.detect(doc)
-        env = dialect.envelope(doc)
-        spec = engine.specialist_for(env)  # a stand-in (seed 000's tier fleet) is who runs it
-        target, source = spec.agent if spec else env.target, env.source
-    except Exception:  # an answer, or a document a reader chokes on: listed without routing
-        target = source = None
+    target, source = _routing(engine, doc)
     block = book(doc)
     note = ""
     if state is State.PENDING:
-        note = _pending_note(engine, handoff_id, doc, target)
+        note = _pending_note(engine, handoff_id, doc, target, in_progress)
     elif state is State.FAILED:
         error = block.get("final_error") or (given if isinstance(given := doc.get("error"), dict) else {})
         note = f"{error.get('code', '')}: {str(error.get('message', ''))}".strip(": ")
@@ -61,7 +90,8 @@ def _row(engine: Engine, state: State, handoff_id: str, stored: dict[str, Any],
             "parent": parent_of(doc), "conversation": conversation_of(doc)}
 
 
-def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: str | None) -> str:
+def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: str | None,
+                  in_progress: InProgress) -> str:
     """Why a pending handoff is not running yet (empty when it is simply due)."""
     due = next_attempt_at(doc)
     if due is not None and due > engine.clock():
@@ -77,8 +107,23 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
     except Exception as exc:  # a gate reading a broken dependency must not break the listing
         return f"cannot check its gates: {type(exc).__name__}: {str(exc)[:200]}"
     if verdict is None:
-        return ""
+        return _concurrency_note(engine, target, in_progress)
     return verdict.reason if verdict.action == "wait" else f"will fail: {verdict.reason}"
+
+
+def _concurrency_note(engine: Engine, target: str | None, in_progress: InProgress) -> str:
+    """Why a due handoff waits for a slot: every one its specialist's ``concurrency`` allows is
+    taken by a handoff in progress (empty otherwise). A daemon keeps the cap per process, so
+    with several daemons more may run than the cap: the note then says how many."""
+    spec = engine.registry.get(target) if target else None
+    if spec is None or not spec.config.concurrency:
+        return ""  # (no cap: as many as a daemon has workers, which ls cannot know)
+    limit, running = spec.config.concurrency, in_progress(spec.agent)
+    if running < limit:
+        return ""
+    held = f"{running} of {limit} in progress" if running == limit \
+        else f"{running} in progress, {limit} per daemon"
+    return f"waits: {spec.agent} runs its concurrency limit ({held})"
 
 
 def note_of(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any]) -> str:
@@ -86,7 +131,7 @@ def note_of(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any]) 
     (the engine's gates: install them first), a failure's code and message, an in-progress
     claim's owner, a foreign filing. ``handoff show`` prints it too."""
     try:
-        return str(_row(engine, state, handoff_id, doc, engine.clock())["note"])
+        return str(_row(engine, state, handoff_id, doc, engine.clock(), InProgress(engine))["note"])
     except Exception:  # one document a reader chokes on: no note, never a failed show
         return ""
 
@@ -104,12 +149,13 @@ def list_handoffs(engine: Engine, *, state: str | None = None, to: str | None = 
     row's note asks the features' gates: a caller may install them then, not before)."""
     described: dict[tuple[str, State], dict[str, Any]] = {}
     hooks = [before_pending] if before_pending else []
+    in_progress = InProgress(engine)  # (in-progress/ read once for every row, if asked)
 
     def wanted(row: Row) -> bool:
         if row.state is State.PENDING and hooks:
             hooks.pop()()
         try:
-            shown = _row(engine, row.state, row.id, row.doc, row.updated_at)
+            shown = _row(engine, row.state, row.id, row.doc, row.updated_at, in_progress)
         except Exception as exc:  # one document a reader chokes on is a row, never a failure
             shown = _unreadable_row(row.state, row.id, f"{ErrorCode.UNPROCESSABLE_DOCUMENT}: "
                                     f"{row.state.value}/{row.id}.json could not be processed: "

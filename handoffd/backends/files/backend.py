@@ -72,9 +72,12 @@ class FilesBackend(FencedFiling, Backend):
 
     def __init__(self, store: Store, *, describe: Describe = describe_native,
                  monotonic: Callable[[], float] = time.monotonic, watch: bool = True,
-                 claim_grace_seconds: float = 10.0) -> None:
+                 claim_grace_seconds: float = 10.0, sweep_seconds: float = 10.0) -> None:
         self.store = store
         self.claim_grace_seconds = claim_grace_seconds
+        # the workspace's sweep period (handoffd.toml's): a wait on junk in in-progress/ gives
+        # a daemon the claim grace plus one sweep to set it aside (see base._Looks)
+        self.sweep_seconds = sweep_seconds
         self.ws = store.ws
         self.describe = describe
         self.monotonic = monotonic
@@ -85,8 +88,8 @@ class FilesBackend(FencedFiling, Backend):
     @classmethod
     def open(cls, workspace: Workspace, *, describe: Describe = describe_native,
              monotonic: Callable[[], float] = time.monotonic, watch: bool = True,
-             claim_grace_seconds: float = 10.0, ensure: bool = True,
-             **store_options: Any) -> "FilesBackend":
+             claim_grace_seconds: float = 10.0, sweep_seconds: float = 10.0,
+             ensure: bool = True, **store_options: Any) -> "FilesBackend":
         """A backend on ``workspace`` (its folders are created unless ``ensure`` is False);
         ``store_options`` go to Store. ConfigError (one line, exit 2) when a state folder is
         a symlink, no folder, or another's (:meth:`Workspace.check_state_folders`): the daemon
@@ -96,7 +99,8 @@ class FilesBackend(FencedFiling, Backend):
         else:
             workspace.check_state_folders()
         return cls(Store(workspace, **store_options), describe=describe, monotonic=monotonic,
-                   watch=watch, claim_grace_seconds=claim_grace_seconds)
+                   watch=watch, claim_grace_seconds=claim_grace_seconds,
+                   sweep_seconds=sweep_seconds)
 
     @cached_property
     def _claimer(self) -> Claimer:
