@@ -453,6 +453,10 @@ class Engine:
         """Retry or file ``outcome`` for a claimed handoff; returns where it went (IN_PROGRESS:
         nothing was written because the claim was lost). Listeners in ``on_filed`` hear of it."""
         where = file_outcome(self, claim, dialect, spec, outcome)
+        if where is State.PENDING and self.hooks.just_filed(claim.id) is None:
+            # back in pending/ (a retry, a throttle, a parked handoff): the listeners get the
+            # document as requeued, the event that put it there last in its history, unread
+            self.hooks.filed(claim.id, where, claim.doc)
         if where is not State.IN_PROGRESS:
             self.hooks.announce(claim.id, where)
         return where

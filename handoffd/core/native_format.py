@@ -206,9 +206,32 @@ def new_native_request(
     return doc
 
 
+# The fields only a seed-001 Response or Failure has (its request has none of them): what a
+# refused answer brought (:func:`keep_refused_answer`)
+ANSWER_FIELDS = ("status", "timestamp_completed", "completed_at", "timestamp_failed", "failed_at",
+                 "execution_time_seconds", "output", "validation", "metadata", "artifacts",
+                 "next_steps", "warnings", "errors", "error", "retry_available", "retry_count",
+                 "max_retries", "recovery_actions")
+REFUSED_ANSWER = "refused_answer"
+
+
+def keep_refused_answer(doc: dict[str, Any]) -> None:
+    """Move the answer fields of a seed-001 Response or Failure refused ``NOT_A_REQUEST`` (the
+    sender's ``output``, ``validation``, ``error``...) under :data:`REFUSED_ANSWER`, kept for
+    reference: left where they were, the filed refusal showed an ``output`` handoffd never
+    produced (and a passed ``validation``) next to its own error, and lost the sender's error
+    and next steps under handoffd's. The refusal then has the Failure's shape alone."""
+    given = {key: doc.pop(key) for key in ANSWER_FIELDS if key in doc}
+    if given:
+        doc[REFUSED_ANSWER] = given
+
+
 def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: int,
                          max_retries: int, retry_available: bool) -> None:
-    """Turn an in-progress seed-001 document into its response (completed) or failure form."""
+    """Turn an in-progress seed-001 document into its response (completed) or failure form
+    (for a refused answer, with what it brought set aside: :func:`keep_refused_answer`)."""
+    if not outcome.succeeded and (outcome.error or {}).get("code") == ErrorCode.NOT_A_REQUEST:
+        keep_refused_answer(doc)
     doc["execution_time_seconds"] = outcome.seconds
     for key in ("validation", "metadata"):
         if getattr(outcome, key) is not None:

@@ -65,6 +65,20 @@ _SEMVER = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(-[0-9A-
                      r"(\+[0-9A-Za-z.-]+)?")
 
 
+def recoverable(status: str, outcome: Outcome, filed: FiledState) -> bool:
+    """Seed 000's ``recoverable`` of an error answer: whether the work can still come to
+    something. Blocked and needs_clarification flow up to be resolved: true (the sender
+    clarifies or unblocks and resends). Otherwise what filing decided (``retry_available``),
+    except for a final TIMEOUT: its hard deadline passed and the sender stopped waiting, so
+    handoffd never runs it again (its error says ``retryable: false``) — filing still leaves a
+    hand-made ``handoff retry`` open to it, which is no recovery the sender can count on."""
+    if status in ("blocked", "needs_clarification"):
+        return True
+    error = outcome.error if isinstance(outcome.error, dict) else {}
+    final_timeout = status == "timeout" and error.get("retryable") is False
+    return bool(filed.retry_available) and not final_timeout
+
+
 def _semver(version: Any) -> bool:
     """True for a version string the message schema accepts."""
     return isinstance(version, str) and len(version) <= 256 and bool(_SEMVER.fullmatch(version))
@@ -287,9 +301,7 @@ class HiMoeDialect:
             code = sh.error_code(outcome) or status.upper()
             payload["error_type"] = code.lower()
             payload["error_detail"] = sh.error_message(outcome) or payload["summary"]
-            # blocked / needs_clarification flow up to be resolved: recoverable by the sender
-            payload["recoverable"] = (True if status in ("blocked", "needs_clarification")
-                                      else bool(filed.retry_available))
+            payload["recoverable"] = recoverable(status, outcome, filed)
         return payload
 
     def artifacts(self, request_id: str, outcome: Outcome,

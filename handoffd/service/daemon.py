@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable, Collection
 
 from ..core import recurring
+from ..core.documents import throttles_in_a_row
 from ..core.engine import Engine, Job
 from ..core.procs import STOP_SIGNALS
 from ..core.runner import cancel
@@ -237,8 +238,11 @@ class Daemon(BatchEnd):
             elif where is State.FAILED:
                 report.failed += 1
             elif where is State.PENDING:
-                if not self.hooks.parked(handoff_id):  # a retry
-                    report.retrying += 1
+                if not self.hooks.parked(handoff_id):  # a retry, or a throttle
+                    if self._throttled(handoff_id):  # not attempted: no retry to count
+                        report.throttled += 1
+                    else:
+                        report.retrying += 1
                     self.scheduler.notify(handoff_id)  # dispatch reads its next_attempt_at
                 else:  # its gate holds it (e.g. for its children) before they run: their
                     self.scheduler.look_first(handoff_id)  # filings wake it then
@@ -248,6 +252,12 @@ class Daemon(BatchEnd):
                 self.scheduler.ended(handoff_id, failed=where is State.FAILED)
         if self.on_filed:
             self.on_filed(handoff_id, where)
+
+    def _throttled(self, handoff_id: str) -> bool:
+        """True when the requeue just announced for ``handoff_id`` is a throttle (seed 000's
+        THROTTLED: its specialist was too busy to start, no attempt was made), not a retry."""
+        just = self.engine.hooks.just_filed(handoff_id)
+        return just is not None and throttles_in_a_row(just[1]) > 0
 
     # ------------------------------------------------------------ housekeeping
     def renew_leases(self) -> None:

@@ -13,6 +13,9 @@ class BatchReport:
     completed: int = 0
     failed: int = 0
     retrying: int = 0
+    # requeued by seed 000's THROTTLED (the specialist too busy to start): no attempt, no
+    # retry; still pending, tried again later
+    throttled: int = 0
     handed_back: int = 0
     unroutable: set[str] = field(default_factory=set)
     waiting: dict[str, str] = field(default_factory=dict)
@@ -42,6 +45,8 @@ class BatchReport:
         """The one-line summary ``handoffd run`` and ``serve`` print."""
         text = (f"completed {self.completed}, failed {self.failed}, retry scheduled "
                 f"{self.retrying}")
+        if self.throttled:
+            text += f", throttled {self.throttled} (deferred, no attempt counted)"
         if self.handed_back:
             text += f", handed back {self.handed_back}"
         if self.unroutable:

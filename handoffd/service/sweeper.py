@@ -36,7 +36,7 @@ from ..core.errors import (
     is_shortage,
 )
 from ..core.events import SET_ASIDE, RecordingBackend
-from ..core.native_format import stub_code
+from ..core.native_format import REFUSED_ANSWER, stub_code
 from ..core.states import State
 from ..core.storage import GIVEN_UP, Claim, owner_died
 from .handbacks import FREE_HANDBACKS, STOPS, stops_in_a_row
@@ -378,7 +378,7 @@ def _check_parent_open(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> 
 ANSWER_KEYS = ("aggregated_outcome", "children", "error", "errors", "failed_at", "timestamp_failed",
                "retry_available",
                "recovery_actions", "execution_time_seconds", "completed_at", "timestamp_completed",
-               "started_at")
+               "started_at", REFUSED_ANSWER)
 
 
 def restore_request(doc: dict[str, Any]) -> None:
