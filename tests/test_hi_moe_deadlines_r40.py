@@ -119,13 +119,15 @@ def test_a_retried_message_counts_its_deadline_from_the_retry(tmp_path: Path) ->
 
 
 def test_a_retried_message_is_answered_at_its_deadline_from_the_retry(mws: Workspace) -> None:
-    """R40's repro with a real daemon, shortened: the specialist's one slot held by a 6 s
+    """R40's repro with a real daemon, shortened: the specialist's one slot held by a 20 s
     handler, msg-h (3 s) dropped and parked, cancelled, retried --force a second later: its
     TIMEOUT answer names the deadline 3 s after the retry (it was answered at once, its
     deadline counted from when the daemon first saw it, before the cancel)."""
     daemon = mws.serve()
     try:
-        mws.drop("msg-hold.json", message("msg-hold", 60000, sleep=6))
+        # (20 s: the slot must still be held 3 s after the retry, however slow the commands
+        # before it run on a loaded machine; the stop ends the handler early)
+        mws.drop("msg-hold.json", message("msg-hold", 60000, sleep=20))
         wait_for(lambda: mws.state_of("msg-hold") == ["in-progress"], "msg-hold started")
         mws.drop("msg-h.json", message("msg-h", 3000))
         time.sleep(0.5)  # (the daemon sees it, parks it and arms its deadline)
