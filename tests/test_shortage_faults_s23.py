@@ -228,7 +228,10 @@ def test_an_isolated_handler_whose_import_runs_short_is_handed_back_uncounted(
         reason = events[2]["detail"]["not_started"]
         assert reason == {"emfile": "EMFILE", "enfile": "ENFILE", "nomem": "ENOMEM",
                           "dlopen": "EMFILE"}[name]
-    assert done.stderr.count("handed back uncounted") == 4, done.stderr
+    # one line per shortage while it lasts (session 25): the two EMFILEs are one problem, the
+    # second held back; each is said cleared once handlers start again
+    assert done.stderr.count("handed back uncounted") == 3, done.stderr
+    assert done.stderr.count("starting a handler works again") == 3, done.stderr
 
 
 def test_a_not_started_message_must_name_a_shortage(tmp_path: Path) -> None:

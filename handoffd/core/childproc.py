@@ -167,13 +167,29 @@ def signal_all(pgid: int, token: str, sig: int) -> None:
             continue
 
 
-def feed(proc: subprocess.Popen[bytes], payload: bytes, stop: threading.Event) -> None:
+class Feed:
+    """What :func:`feed` met: ``short``, the MemoryError that stopped it (None: none did)."""
+
+    def __init__(self, done: threading.Event) -> None:
+        self.done = done  # set when the feed runs short: the attempt ends at once
+        self.short: MemoryError | None = None
+
+
+def feed(proc: subprocess.Popen[bytes], payload: bytes, stop: threading.Event,
+         fed: Feed | None = None) -> None:
     """Write the document to the child's stdin; give up when the child has exited (a background
-    child that inherited stdin and never reads it must not keep this thread forever)."""
+    child that inherited stdin and never reads it must not keep this thread forever).
+
+    Short of memory (a MemoryError: a poll, a slice, the write), the document is not all
+    written: ``fed.short`` says so and the attempt ends at once (``fed.done``), stdin left open
+    so that the child, killed then, never reads a cut document as if it were whole; its runner
+    hands the attempt back uncounted (:func:`~.starts.shortage`). The thread once died of it
+    with a traceback, and the child ran on half a document, its attempt counted."""
     assert proc.stdin is not None
-    fd = proc.stdin.fileno()
-    view = memoryview(payload)
+    close = True
     try:
+        fd = proc.stdin.fileno()
+        view = memoryview(payload)
         os.set_blocking(fd, False)
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
@@ -186,11 +202,14 @@ def feed(proc: subprocess.Popen[bytes], payload: bytes, stop: threading.Event) -
                 continue
     except OSError:
         pass  # the handler need not read its input (EPIPE)
+    except MemoryError as exc:
+        if fed is None:
+            raise
+        fed.short, close = exc, False  # (end_attempt closes stdin once the child is killed)
+        fed.done.set()
     finally:
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
+        if close:
+            _close(proc.stdin)
 
 
 class Collector:

@@ -17,6 +17,14 @@ cancel requests' folder) clears a problem only once it has stayed away
 "works again" once more.
 Outside a sweep or round every problem is said as it comes, as before.
 
+A ``handoffd run`` batch that ended while a book still held a problem back said nothing more
+of it: the operator's last word was its first WARNING. Every book is known here (weakly), and
+each problem met carries a number from one count of the process: at its end a batch asks
+(:func:`batch_end`, with the :func:`mark` it took as it began) every book for the problems it
+met since, and each book that still holds one says so in one line (``still short at the end of
+the batch: ...``); one that worked again since it was last met (a book waiting out its
+:attr:`~Recurring.quiet` period) says "works again" then.
+
 A passing shortage of descriptors or memory (:func:`~.errors.is_shortage`: EMFILE, ENFILE,
 ENOMEM, a MemoryError) is no fault of the store: its line is a WARNING, and the exception is said
 in :func:`~.errors.shortage_words` (naming the limit), as every shortage line is; it was an
@@ -25,7 +33,9 @@ ERROR with the bare ``[Errno 24] Too many open files``.
 from __future__ import annotations
 
 import errno
+import itertools
 import threading
+import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -48,6 +58,10 @@ ERROR, WARNING = 40, 30
 RECOVERY = "recovering a claim"
 
 Key = tuple[str, str]
+# every problem met is numbered from here (in this process): what a batch met since its start
+_MET = itertools.count(1)
+_BOOKS: weakref.WeakSet[Recurring] = weakref.WeakSet()  # every book of this process
+_BOOKS_MUTEX = threading.Lock()
 
 
 @dataclass
@@ -56,6 +70,10 @@ class _Problem:
     last_at: float  # when it was last met
     held: int = 0  # occurrences held back since
     total: int = 1  # occurrences since it began
+    met: int = 0  # its number when last met (_MET): whether a batch met it
+    level: int = ERROR
+    words: str = ""  # what failed, how: said by a batch's end (batch_end)
+    worked: bool = False  # its kind worked since it was last met (not yet quiet long enough)
 
 
 class Recurring:
@@ -68,6 +86,8 @@ class Recurring:
         self._failed: set[Key] = set()  # met since the last sweep ended
         self._succeeded: set[str] = set()  # kinds that worked at least once since
         self._mutex = threading.Lock()
+        with _BOOKS_MUTEX:
+            _BOOKS.add(self)
 
     def begin(self) -> None:
         """A sweep starts. What was met since the last one ended still counts in it: a step
@@ -75,24 +95,27 @@ class Recurring:
         works between rounds, and its failure must not read as a problem gone."""
 
     def error(self, key: Key, now: float, msg: str, args: tuple[Any, ...],
-              level: int = ERROR) -> None:
+              level: int = ERROR, words: str = "") -> None:
         """Say ``msg % args`` (at ``level``) unless ``key`` was said less than :attr:`every`
-        ago."""
+        ago; ``words``: what failed and how, as a batch's end says it (:func:`batch_end`;
+        the kind and how it failed when not given)."""
         with self._mutex:
             self._failed.add(key)
             problem = self.active.get(key)
             if problem is None:
-                self.active[key] = _Problem(said_at=now, last_at=now)
+                problem = self.active[key] = _Problem(said_at=now, last_at=now)
                 held = None
             elif now - problem.said_at < self.every:
-                problem.last_at = now
+                held = -1  # (held back)
                 problem.held += 1
                 problem.total += 1
-                return
             else:
                 held, problem.held, problem.said_at = problem.held, 0, now
-                problem.last_at = now
                 problem.total += 1
+            problem.last_at, problem.met, problem.worked = now, next(_MET), False
+            problem.level, problem.words = level, words or f"{key[0]}: {key[1]}"
+        if held == -1:
+            return
         if held is None:
             log.log(level, msg + " (if it recurs, said again at most once a minute)", *args)
         else:
@@ -102,6 +125,9 @@ class Recurring:
         """A step of ``kind`` worked in this sweep."""
         with self._mutex:
             self._succeeded.add(kind)
+            for (problem_kind, _), problem in self.active.items():
+                if problem_kind == kind:
+                    problem.worked = True
 
     def end(self, now: float | None = None) -> None:
         """A sweep ended (at ``now``): a problem whose kind worked in it and that it did not
@@ -112,9 +138,44 @@ class Recurring:
                        and (now is None or now - self.active[key].last_at >= self.quiet)]
             self._failed.clear()
             self._succeeded.clear()
-        for (kind, why), problem in cleared:
-            log.warning("%s works again (%s cleared after %d failure(s))", kind, why,
-                        problem.total)
+        _say_cleared(cleared)
+
+    def at_batch_end(self, since: int) -> None:
+        """A batch that began at :func:`mark` ``since`` ends: of the problems it met, those
+        whose kind worked since they were last met are said cleared ("works again"), and
+        those it still holds are said in one line (the line's level the highest of theirs)."""
+        with self._mutex:
+            met = [(key, problem) for key, problem in self.active.items() if problem.met > since]
+            cleared = [(key, self.active.pop(key)) for key, problem in met if problem.worked]
+            held = [problem for _, problem in met if not problem.worked]
+        _say_cleared(cleared)
+        if not held:
+            return
+        short = all(problem.level < ERROR for problem in held)  # (a shortage is a WARNING)
+        log.log(max(problem.level for problem in held),
+                "still %s at the end of the batch: %s", "short" if short else "failing",
+                "; ".join(f"{problem.words} ({problem.total} time(s) since it began)"
+                          for problem in held))
+
+
+def _say_cleared(cleared: list[tuple[Key, _Problem]]) -> None:
+    for (kind, why), problem in cleared:
+        log.warning("%s works again (%s cleared after %d failure(s))", kind, why,
+                    problem.total)
+
+
+def mark() -> int:
+    """Where a batch begins in the count of problems met (what :func:`batch_end` takes)."""
+    return next(_MET)
+
+
+def batch_end(since: int) -> None:
+    """A batch that began at :func:`mark` ``since`` ends: every book says what it met since
+    and still holds (one line a book), or that it works again (:meth:`Recurring.at_batch_end`)."""
+    with _BOOKS_MUTEX:
+        books = list(_BOOKS)
+    for book in books:
+        book.at_batch_end(since)
 
 
 _CURRENT: ContextVar[tuple[Recurring, Callable[[], float]] | None] = ContextVar(
@@ -146,15 +207,17 @@ def error(kind: str, exc: BaseException, msg: str, *args: Any) -> None:
     ``exc`` failed) and at most every :data:`REPEAT_SECONDS`. A passing shortage is a WARNING,
     ``exc`` among ``args`` said in :func:`~.errors.shortage_words` (module doc)."""
     level = ERROR
+    words = f"{type(exc).__name__}: {str(exc)[:200]}"
     if is_shortage(exc):
         level = WARNING
-        args = tuple(shortage_words(exc) if arg is exc else arg for arg in args)
+        words = shortage_words(exc)
+        args = tuple(words if arg is exc else arg for arg in args)
     current = _CURRENT.get()
     if current is None:
         log.log(level, msg, *args)
         return
     book, clock = current
-    book.error((kind, how(exc)), clock(), msg, args, level)
+    book.error((kind, how(exc)), clock(), msg, args, level, f"{kind}: {words}")
 
 
 def ok(kind: str) -> None:

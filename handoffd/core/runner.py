@@ -24,6 +24,7 @@ from . import procrecords, procs
 from .childproc import (
     STDERR_TAIL,
     Collector,
+    Feed,
     await_exit,
     clear_previous_attempt,
     end_attempt,
@@ -353,6 +354,11 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
                HANDOFF_ATTEMPT=str(ctx.attempt), HANDOFF_TARGET=spec.agent)
     env.update(ctx.env)  # set by engine hooks, e.g. HANDOFF_ARTIFACT_PATH
     env[procs.TOKEN_ENV] = token  # last: nothing may override it
+    try:  # before the spawn: short of memory for it, the handler is not started
+        payload = json.dumps(doc).encode()
+    except MemoryError:
+        raise shortage(ctx, f"{argv[0][:200]!r} for {spec.agent}", "ENOMEM",
+                       "out of memory writing its document", SHORTAGES[errno.ENOMEM]) from None
     clear_previous_attempt(ctx)
     record = procrecords.RunRecord.new(ctx.handoff_id, token, ctx.attempt)
     write_record(ctx, record)  # before the fork: a crash right after it still leaves the token
@@ -370,12 +376,12 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     record.pgid = proc.pid
     record.leader_start = procs.start_time(proc.pid)
     write_record(ctx, record)
-    payload = json.dumps(doc).encode()
     out = Collector(proc.stdout, max_output_bytes, keep_tail=False)
     err = Collector(proc.stderr, STDERR_TAIL, keep_tail=True)
     done = threading.Event()  # the child exited, its output overflowed, or the attempt was cancelled
     exited = threading.Event()  # the child exited (it is not reaped yet: its group stays ours)
-    feeder = threading.Thread(target=feed, args=(proc, payload, exited), daemon=True,
+    fed = Feed(done)  # (short of memory writing its stdin: handed back uncounted)
+    feeder = threading.Thread(target=feed, args=(proc, payload, exited, fed), daemon=True,
                               name=f"feed-{ctx.handoff_id}")
     waiter = threading.Thread(target=await_exit, args=(proc, exited, done), daemon=True,
                               name=f"wait-{ctx.handoff_id}")
@@ -393,6 +399,11 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
         error = exc
     finally:
         end_attempt(ctx, proc, token, exited, (out, err), (feeder, waiter))
+    if fed.short is not None and (error is None or error.code != ErrorCode.CANCELLED):
+        # it ran on a cut document, or none, and was killed: not the handler's fault
+        raise shortage(ctx, f"{argv[0][:200]!r} for {spec.agent}", "ENOMEM",
+                       "out of memory writing its document to its stdin",
+                       SHORTAGES[errno.ENOMEM]) from None
     if error is not None:
         if error.code in (ErrorCode.CANCELLED, ErrorCode.TIMEOUT):  # what it printed on SIGTERM
             error.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))

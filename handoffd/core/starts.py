@@ -37,10 +37,12 @@ NOT_STARTED = "handoffd.not_started"  # the key of a :class:`NotStarted` in ctx.
 @dataclass(frozen=True)
 class NotStarted:
     """An attempt whose handler could not be started for a passing shortage: ``reason`` (an
-    errno's name, or :data:`THREADS`) and the one line saying so, naming the resource limit."""
+    errno's name, or :data:`THREADS`), the one line saying so, naming the resource limit, and
+    ``words``, the shortage itself in that line (what a batch's end says of it)."""
 
     reason: str
     message: str
+    words: str = ""
 
 
 def claim_shortage(handoff_id: str, exc: OSError | MemoryError,
@@ -76,7 +78,7 @@ def shortage(ctx: HandlerContext, what: str, reason: str, why: str, limit: str) 
     its error: the after-run hooks see an attempt that does not count (``ctx.handback``: a
     contract's reservation is released, its scope not reviewed), the worker hands it back."""
     message = f"handoff {ctx.handoff_id}: cannot start {what} for now: {why} ({reason}: {limit})"
-    ctx.feature_state[NOT_STARTED] = NotStarted(reason, message)
+    ctx.feature_state[NOT_STARTED] = NotStarted(reason, message, f"{why} ({reason}: {limit})")
     ctx.handback = True
     return HandlerError(message, handoff_id=ctx.handoff_id, retryable=True,
                         details={"cannot_start": reason})

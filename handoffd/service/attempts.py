@@ -63,6 +63,8 @@ class Attempts(HeldOutcomes):
         self.closing = False  # a stop files what is kept: a failure then gives the claim up
         # failed filings for a passing shortage: one WARNING while they last (service.held)
         self.filing_shortages = recurring.Recurring(quiet=recurring.QUIET_SECONDS)
+        # handlers not started for a passing shortage: one WARNING while they last (handbacks)
+        self.start_shortages = recurring.Recurring(quiet=recurring.QUIET_SECONDS)
         # handed back for a start shortage, counted in report.handed_back until claimed again
         # here (a batch that waits its back-off out does not end saying it handed it back);
         # report.backed_off lists them for a batch of several processes (service.spread)
@@ -147,12 +149,14 @@ class Attempts(HeldOutcomes):
         shortage = not_started(job.context)
         if shortage is not None:  # its handler could not start for now (descriptors, processes)
             delay = handbacks.shortage_delay(job.claim.doc)
-            where = handbacks.hand_back_unstarted(self.engine, job, shortage, outcome)
+            where = handbacks.hand_back_unstarted(self.engine, job, shortage, outcome,
+                                                  self.start_shortages)
             if isinstance(where, Outcome):  # a shortage too long in a row: counted
                 return self._file(job, where)
             if where is State.PENDING:
                 self._backed_off(job.handoff_id, delay)  # a batch may wait for it
             return False
+        handbacks.started_again(self.start_shortages, self.engine)
         if job.context.handback:  # counted once a stop interrupted it too often in a row
             where = handbacks.hand_back(self.engine, job, outcome)
             if where is State.PENDING:

@@ -74,6 +74,9 @@ class Daemon(BatchEnd):
         # the listing's failures (a shortage at every rescan was an ERROR each time)
         self._listing = recurring.Recurring(quiet=recurring.QUIET_SECONDS)
         self._listing_clock: Callable[[], float] = time.monotonic  # (tests move it)
+        # where this run begins among the problems the books hold back (core.recurring): a
+        # batch's end says those it met and still holds (its last word was their first line)
+        self._problems_since = recurring.mark()
         self.settings = engine.settings
         self.workers = workers or self.settings.workers
         self.hard_stop = False
@@ -359,6 +362,8 @@ class Daemon(BatchEnd):
                 self.siblings.idle()
             self._shutdown()
             self.attempts.settle_handed_back()  # (what another took since is no hand-back)
+            if batch:
+                recurring.batch_end(self._problems_since)
 
     def _loop(self, *, batch: bool) -> None:
         scheduler = self.scheduler

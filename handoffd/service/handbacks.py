@@ -31,6 +31,7 @@ import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ..core import recurring
 from ..core.documents import Outcome, book
 from ..core.errors import ErrorCode
 from ..core.states import State
@@ -59,6 +60,10 @@ SHORTAGE_RUN = "shortages_in_a_row"
 FREE_SHORTAGES = 30
 SHORTAGE_FIRST_SECONDS = 1.0
 SHORTAGE_MAX_SECONDS = 60.0
+# the kind of a start shortage in a daemon's book of them (core.recurring): one WARNING while
+# handlers cannot be started, whichever handoff meets it (it was one line per hand-back of
+# each handoff: 16 in 10 s under `ulimit -n 12`), and "starting a handler works again"
+STARTING = "starting a handler"
 log = logging.getLogger("handoffd")
 
 
@@ -155,11 +160,12 @@ def shortage_backoff(streak: int) -> float:
     return min(SHORTAGE_MAX_SECONDS, SHORTAGE_FIRST_SECONDS * 2.0 ** min(max(streak, 1) - 1, 16))
 
 
-def hand_back_unstarted(engine: Engine, job: Job, shortage: NotStarted,
-                        outcome: Outcome) -> State | Outcome:
+def hand_back_unstarted(engine: Engine, job: Job, shortage: NotStarted, outcome: Outcome,
+                        shortages: recurring.Recurring | None = None) -> State | Outcome:
     """End ``job``'s attempt, whose handler could not be started for a passing ``shortage``:
-    handed back uncounted, due again after a back-off (one line naming the limit), and where it
-    went returned (IN_PROGRESS: the claim was lost meanwhile, nothing written); after
+    handed back uncounted, due again after a back-off (one line naming the limit, held back
+    in ``shortages``, the daemon's book of them, while it recurs), and where it went returned
+    (IN_PROGRESS: the claim was lost meanwhile, nothing written); after
     :data:`FREE_SHORTAGES` in a row, the failed attempt to file instead (counted)."""
     streak = shortages_in_a_row(job.claim.doc) + 1
     if streak > FREE_SHORTAGES:
@@ -173,5 +179,21 @@ def hand_back_unstarted(engine: Engine, job: Job, shortage: NotStarted,
                            due_at=engine.clock() + timedelta(seconds=delay),
                            reason=shortage.message, not_started=shortage.reason)
     if where is State.PENDING:
-        log.warning("%s; handed back uncounted, started again in %gs", shortage.message, delay)
+        msg = "%s; handed back uncounted, started again in %gs"
+        if shortages is None:
+            log.warning(msg, shortage.message, delay)
+        else:  # the first handoff named; the others are held back with it
+            with recurring.sweeping(shortages, lambda: engine.clock().timestamp()):
+                shortages.error((STARTING, shortage.reason), engine.clock().timestamp(),
+                                msg + "; others short the same way are handed back too",
+                                (shortage.message, delay), recurring.WARNING,
+                                f"{STARTING}: {shortage.words or shortage.reason}")
     return where
+
+
+def started_again(shortages: recurring.Recurring, engine: Engine) -> None:
+    """A handler started (or failed as its own fault, not for a shortage): the start shortages
+    ``shortages`` holds are said cleared once they have stayed away its quiet period."""
+    if shortages.active:  # (a shortage said before: one line says it cleared)
+        with recurring.sweeping(shortages, lambda: engine.clock().timestamp()):
+            recurring.ok(STARTING)

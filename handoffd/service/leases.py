@@ -75,11 +75,14 @@ class LeaseKeeper:
         self.pool: Any = None  # the renewals' threads, made when two jobs run at once
         self._flying: set[int] = set()  # id() of the jobs whose renewal is under way
         self._flying_lock = threading.Lock()
+        # each step's book of recurring problems, kept past its thread: a batch's end asks
+        # them what they still hold (core.recurring.batch_end)
+        self.problems: list[recurring.Recurring] = []
 
     def start(self) -> None:
         """Start the renewer and the guard (daemon threads: they end with the process)."""
         self.stopped.clear()  # (a daemon may run several batches)
-        self.threads = []
+        self.threads, self.problems = [], []
         renew_every = max(self.lease / 3, MIN_RENEW_SECONDS)
         guard_every = min(1.0, self.lease / 10)
         steps: list[tuple[str, Callable[[], None], float]] = [
@@ -112,6 +115,7 @@ class LeaseKeeper:
         # a fault that lasts (no inode to rewrite a claim with, no descriptor for a new owner
         # lock) is said once a minute, not per job each round (core/recurring.py)
         problems = recurring.Recurring()
+        self.problems.append(problems)
         while not self.stopped.wait(max(next_at - time.monotonic(), 0.0)):
             next_at = max(next_at + seconds, time.monotonic())
             try:
