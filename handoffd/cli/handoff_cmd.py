@@ -183,7 +183,7 @@ def list_command(
         return
     rows, note = reads.list_rows(eng, state=state, to=to, source=source, limit=limit,
                                  conversation=conversation)
-    reads.print_rows(rows, as_json=as_json, note=note)
+    reads.print_rows(rows, as_json=as_json, note=note, ws=eng.ws)
     if watch:
         observe_cmd.watch(eng, state=state, to=to, as_json=False)
 

@@ -215,7 +215,7 @@ def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
         from ..features.build import GATE_FEATURES, install_features
         rows, note = reads.list_rows(
             eng, before_pending=lambda: install_features(eng, GATE_FEATURES), **opts)
-        reads.print_rows(rows, as_json=as_json, note=note)
+        reads.print_rows(rows, as_json=as_json, note=note, ws=eng.ws)
     else:
         code = reads.wait(opts.get("root"), args[0], opts.get("timeout"), as_json=as_json)
         flush()

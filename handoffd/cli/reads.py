@@ -15,6 +15,7 @@ from .render import Out, clean, handoff_rows, print_json, state_cell, timeline_r
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.storage import Backend
+    from ..core.workspace import Workspace
 
 EXIT_AWAITING_ANSWER = 4  # `wait`: the handoff asks its requester (needs_clarification, blocked)
 DEFAULT_LIMIT = 50  # `handoff ls` without --limit lists the newest 50 rows
@@ -215,17 +216,24 @@ def count_rows(eng: "Engine", state: str | None) -> int:
     return sum(len(store.ids(one)) for one in State) + len(store.quarantined())
 
 
-def print_rows(rows: list[dict[str, Any]], *, as_json: bool, note: str | None = None) -> None:
-    """``handoff ls``'s output: the table, or the rows as JSON; then ``note`` (what the limit
-    left out) on stderr, so that stdout stays one row per line, or one JSON array."""
+def print_rows(rows: list[dict[str, Any]], *, as_json: bool, note: str | None = None,
+               ws: Workspace | None = None) -> None:
+    """``handoff ls``'s output: the table, or the rows as JSON; then on stderr, so that stdout
+    stays one row per line, or one JSON array: ``note`` (what the limit left out) and, given
+    the workspace ``ws``, a line when a daemon serving it started with an older handoffd.toml
+    (:func:`~handoffd.service.daemon_records.stale_line`: its log alone said so)."""
     if as_json:
         print_json(rows)
     else:
         Out().table(*handoff_rows(rows))
-    if note is not None:
-        if sys.stdout is not None:  # (None: started with it closed, as a library's caller may)
-            sys.stdout.flush()  # (the note comes after the table at a terminal)
-        print(note, file=sys.stderr)
+    from ..service.daemon_records import stale_line
+    lines = [note, stale_line(ws, PROG) if ws is not None else None]
+    if any(line is not None for line in lines) and sys.stdout is not None:
+        # (None: started with it closed, as a library's caller may)
+        sys.stdout.flush()  # (the notes come after the table at a terminal)
+    for line in lines:
+        if line is not None:
+            print(line, file=sys.stderr)
 
 
 # ---------------------------------------------------------------- wait

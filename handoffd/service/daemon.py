@@ -38,6 +38,7 @@ from .leases import LeaseKeeper
 from .progress import ProgressWatch
 from .report import BatchReport
 from .scheduler import SPIN_UP_SECONDS, Scheduler
+from .daemon_records import ServingRecord
 from .sweeper import ConfigWatch, SweepReport, sweep
 from .wakeups import WakeupFeed
 from .warmup import WARM_SCHEMAS, build_schemas, warm_up, warm_up_to_fork
@@ -311,15 +312,25 @@ class Daemon(BatchEnd):
         came before its handlers (:meth:`take_signals`)."""
         self.engine.ws.ensure()
         self.engine.backend.prepare()  # e.g. an unusable seal key: one line now, not per handoff
-        if install_signals:
-            self.take_signals(early)
-        self.report.sweep = self._start_sweep()
-        if not self.stopping:  # a stop during the start-up sweep: it ends as any stop, unannounced
-            warm_up(self.engine.schemas)
-        self.feed.subscribe()
-        if ready and not self.stopping:  # ("serving" after a stop was a claim it never kept)
-            ready()
-        self._guarded_loop(batch=False)
+        # who serves, with which handoffd.toml: `handoff ls` says when the file changed since
+        # (the first process of a spread one alone, as for the log's warning)
+        record = (ServingRecord(self.engine.ws, self.config_watch.started)
+                  if self.config_watch is not None else None)
+        if record is not None:
+            record.write()
+        try:
+            if install_signals:
+                self.take_signals(early)
+            self.report.sweep = self._start_sweep()
+            if not self.stopping:  # a stop during the start-up sweep: it ends as any stop
+                warm_up(self.engine.schemas)
+            self.feed.subscribe()
+            if ready and not self.stopping:  # ("serving" after a stop was a claim it never kept)
+                ready()
+            self._guarded_loop(batch=False)
+        finally:
+            if record is not None:
+                record.remove()
         return 1 if self.report.error else 0
 
     def run_batch(self, *, install_signals: bool = False, max_seconds: float | None = None,

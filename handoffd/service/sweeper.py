@@ -40,6 +40,7 @@ from ..core.native_format import REFUSED_ANSWER, stub_code
 from ..core.states import State
 from ..core.storage import GIVEN_UP, Claim, owner_died
 from .handbacks import FREE_HANDBACKS, STOPS, stops_in_a_row
+from .daemon_records import Stamp, config_stamp
 
 log = logging.getLogger("handoffd")
 # the key of Backend.maintain's report saying what its repairs set aside: JSON objects {"id",
@@ -397,7 +398,6 @@ def restore_request(doc: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- handoffd.toml changed
 CONFIG_CHANGED = ("handoffd.toml changed since this daemon started; restart it to apply the "
                   "changes")
-Stamp = tuple[int, int, int, int] | None  # (device, inode, size, mtime in ns); None: no file
 
 
 class ConfigWatch:
@@ -410,22 +410,15 @@ class ConfigWatch:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.started = self._stamp()  # (the daemon loads the config just before: close enough)
+        # (the daemon loads the config just before: close enough); its record says it to
+        # `handoff ls` (see daemon_records.py)
+        self.started: Stamp = config_stamp(path)
         self.said = self.started
-
-    def _stamp(self) -> Stamp:
-        """The file's identity and version, as one stat sees it (None: not there, or it
-        cannot be looked at)."""
-        try:
-            info = os.stat(self.path)  # (a symlink: its target, what the config is read from)
-        except OSError:
-            return None
-        return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
     def check(self) -> bool:
         """Log :data:`CONFIG_CHANGED` once when the file changed since the last look; True
         when it was said now."""
-        now = self._stamp()
+        now = config_stamp(self.path)
         if now == self.said:
             return False
         self.said = now
