@@ -32,13 +32,13 @@ from ..core.storage import Wakeup
 from . import allocator
 from .attempts import Attempts
 from .batchend import BatchEnd, Siblings
+from .daemon_records import ServingRecord
 from .dispatch import Dispatcher
 from .hooks import Hooks, MessageHandler
 from .leases import LeaseKeeper
 from .progress import ProgressWatch
 from .report import BatchReport
 from .scheduler import SPIN_UP_SECONDS, Scheduler
-from .daemon_records import ServingRecord
 from .sweeper import ConfigWatch, SweepReport, sweep
 from .wakeups import WakeupFeed
 from .warmup import WARM_SCHEMAS, build_schemas, warm_up, warm_up_to_fork

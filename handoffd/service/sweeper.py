@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +38,8 @@ from ..core.events import SET_ASIDE, RecordingBackend
 from ..core.native_format import REFUSED_ANSWER, stub_code
 from ..core.states import State
 from ..core.storage import GIVEN_UP, Claim, owner_died
-from .handbacks import FREE_HANDBACKS, STOPS, stops_in_a_row
 from .daemon_records import Stamp, config_stamp
+from .handbacks import FREE_HANDBACKS, STOPS, stops_in_a_row
 
 log = logging.getLogger("handoffd")
 # the key of Backend.maintain's report saying what its repairs set aside: JSON objects {"id",
