@@ -273,7 +273,8 @@ def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: 
     doc["max_retries"] = max_retries
     # a stub has no request to retry: its advice is about the file that was set aside
     doc["recovery_actions"] = list(STUB_RECOVERY) if stub_code(doc) == code \
-        else recovery_actions(code)
+        else recovery_actions(code, retry_available=retry_available,
+                              handoff_id=doc.get("handoff_id"))
     for key in ("completed_at", "timestamp_completed"):
         doc.pop(key, None)
 
@@ -288,12 +289,42 @@ RECOVERY: dict[str, list[str]] = {
     ErrorCode.VALIDATION_FAILED: ["Fix the specialist so its output passes validation"],
     ErrorCode.CANCELLED: ["Create a new handoff if the work is still wanted"],
     ErrorCode.CONTRACT_VIOLATION: ["Keep the worker inside files_owned", "Split the task differently"],
+    # handoffd's own refusals of a document, never run (always retry_available: false)
+    ErrorCode.NOT_A_REQUEST: [
+        "This document is a seed-001 Response or Failure: an answer goes back to its "
+        "orchestrator, not into handoffs/pending/",
+        "To have the work done, submit its request (status pending, without the answer's "
+        "fields) into handoffs/pending/; handoff retry --force runs this one as that request, "
+        "the answer's fields under refused_answer left out"],
+    ErrorCode.EXPIRED: ["Create a new handoff with a later expires_at if the work is still "
+                        "wanted: this one would expire again"],
+    ErrorCode.INVALID_DOCUMENT: ["Fix the document as error.message says and submit it again"],
 }
+# The step of a RECOVERY entry that retries the handoff (as the seed words it), and what replaces
+# it when filing says ``retry_available: false``: `handoff retry` refuses such a failure without
+# --force, and the daemon never retries it, so "Retry the handoff" next to it was no way out
+RETRY_STEPS = ("Retry the handoff", "Retry the handoff with corrected input")
+FINAL_RETRY_STEP = ("handoffd will not retry it: once the cause is fixed, run it again with "
+                    "handoff retry --force {handoff_id}")
+FINAL_CORRECTED_INPUT = ("Submit the corrected input as a new handoff: handoff retry would run "
+                         "this same input again")
 
 
-def recovery_actions(code: str) -> list[str]:
-    """Seed 001's ``recovery_actions`` for an error code."""
-    return list(RECOVERY.get(code, ["Inspect the error and retry the handoff"]))
+def recovery_actions(code: str, *, retry_available: bool = True,
+                     handoff_id: Any = None) -> list[str]:
+    """Seed 001's ``recovery_actions`` for an error code, agreeing with ``retry_available``:
+    for a failure handoffd filed for good (false), a retry step says how it can run again
+    (``handoff retry --force``, or a new handoff for corrected input) instead of "Retry the
+    handoff", which `handoff retry` refuses without --force."""
+    actions = RECOVERY.get(code, ["Inspect the error and retry the handoff"])
+    if retry_available:
+        return list(actions)
+    if code not in RECOVERY:
+        actions = ["Inspect the error", RETRY_STEPS[0]]
+    named = handoff_id if isinstance(handoff_id, str) and handoff_id else "<handoff_id>"
+    return [FINAL_CORRECTED_INPUT if step == RETRY_STEPS[1]
+            else FINAL_RETRY_STEP.format(handoff_id=named) if step in RETRY_STEPS else step
+            for step in actions]
 
 
 # ---------------------------------------------------------------- failure stubs

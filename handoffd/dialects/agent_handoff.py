@@ -49,6 +49,23 @@ RESOLUTIONS = {
     "resource_unavailable": ["Retry when the resource is available", "Increase the time limit"],
     "unknown": ["Inspect the error and retry the handoff", "Escalate to the orchestrator"],
 }
+# A failure filed for good (``retry_available: false``: the daemon never retries it, and `handoff
+# retry` refuses it without --force): the options of its built blocker say so instead of
+# "Retry the handoff" ({id}: the request's handoff_id)
+FINAL_RETRY = ("handoffd will not retry it: once the cause is fixed, run it again with "
+               "handoff retry --force {id}")
+FINAL_RESOLUTIONS = {
+    "validation_failed": ["Fix the specialist so its results pass validation", FINAL_RETRY],
+    "dependency_failed": ["Complete the dependency first", FINAL_RETRY],
+    "missing_input": ["Answer the open questions and send the handoff again"],
+    "resource_unavailable": ["Increase the time limit or free the resource", FINAL_RETRY],
+    "unknown": ["Inspect the error", "Escalate to the orchestrator", FINAL_RETRY],
+}
+# ... and by code, where the type's options do not fit
+FINAL_CODE_RESOLUTIONS: dict[str, list[str]] = {
+    ErrorCode.CANCELLED: ["Send a new AgentHandoff if the work is still wanted: a cancelled "
+                          "handoff is not run again"],
+}
 # a request at fault: retrying the same document fails the same way
 REQUEST_RESOLUTIONS = ["Send the corrected request as a new AgentHandoff (a new handoff_id): a "
                        "retry of this one sends the same document again",
@@ -187,7 +204,8 @@ class AgentHandoffDialect:
             answer["context"] = copy.deepcopy(request["context"])
         answer["results"] = self.results(outcome, me)
         if status != "success":
-            answer["blockers"] = self.blockers(outcome, status, request)
+            answer["blockers"] = self.blockers(outcome, status, request,
+                                               final=not filed.retry_available)
         answer["metadata"] = self.metadata(request, outcome, filed)
         answer["in_reply_to"] = request.get("handoff_id")
         if "context" in answer and sh.schema_errors(SCHEMA, answer):
@@ -230,11 +248,13 @@ class AgentHandoffDialect:
             results["output"] = outcome.output
         return results
 
-    def blockers(self, outcome: Outcome, status: str,
-                 request: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    def blockers(self, outcome: Outcome, status: str, request: dict[str, Any] | None = None, *,
+                 final: bool = False) -> list[dict[str, Any]]:
         """Blockers the handler reported (normalised), else one built from the error: its
-        resolution options those of the blocker's type, or, when the incoming ``request`` was
-        at fault (:func:`request_fault`), how to fix and send it."""
+        resolution options those of the blocker's type (for a ``final`` failure, one handoffd
+        filed with ``retry_available: false``, options that promise no plain retry:
+        :func:`resolutions`), or, when the incoming ``request`` was at fault
+        (:func:`request_fault`), how to fix and send it."""
         request = request if request is not None else {}
         reported = reported_blockers(outcome)
         if reported:
@@ -249,7 +269,7 @@ class AgentHandoffDialect:
             "description": f"{code}: {sh.error_message(outcome) or 'the task ended ' + status}",
             "resolution_options": (request_resolutions(outcome, request)
                                    if request_fault(outcome, code, request)
-                                   else list(RESOLUTIONS[kind])),
+                                   else resolutions(kind, code, request, final)),
         }
         missing = sh.error_list(outcome, "missing_artifacts")
         if missing:
@@ -269,6 +289,19 @@ class AgentHandoffDialect:
         if isinstance(position, dict) and isinstance(position.get("step"), int):
             meta["chain_position"] = {**position, "step": position["step"] + 1}
         return meta
+
+
+def resolutions(kind: str, code: str, request: dict[str, Any], final: bool) -> list[str]:
+    """The resolution options of a blocker of type ``kind`` built from an error ``code``. Those
+    of :data:`RESOLUTIONS` say "Retry the handoff": true of a failure `handoff retry` takes up
+    as it is; for a ``final`` one (filed with ``retry_available: false``) they name the forced
+    retry with the request's id instead, or a new handoff."""
+    if not final:
+        return list(RESOLUTIONS[kind])
+    given = request.get("handoff_id")
+    named = given if isinstance(given, str) and given else "<handoff_id>"
+    options = FINAL_CODE_RESOLUTIONS.get(code) or FINAL_RESOLUTIONS[kind]
+    return [option.format(id=named) if option is FINAL_RETRY else option for option in options]
 
 
 def refused_inputs(outcome: Outcome, request: dict[str, Any]) -> list[str]:

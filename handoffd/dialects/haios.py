@@ -6,10 +6,10 @@ validates the handler's output against it before the handoff may complete (``VAL
 otherwise). Claiming sets ``status`` to ``accepted``; going back to pending/ sets ``pending``.
 The answer is a CollaborationResult: ``executed_by``, ``executed_at``, status success / partial /
 error, ``result`` (the handler's output) and, on error, ``error.message`` with ``error_type``
-(permanent when it was not retried for its kind, unknown when the specialist said so, else
-retryable) and handoffd's error ``code``. A specialist's own ``error.error_type: "permanent"``
-fails the handoff at once (seed 003: "PERMANENT | Fail immediately").
-"""
+(permanent when it was not retried for its kind, a final TIMEOUT included, unknown when the
+specialist said so, else retryable) and handoffd's error ``code``. A specialist's own
+``error.error_type: "permanent"`` fails the handoff at once (seed 003: "PERMANENT | Fail
+immediately")."""
 from __future__ import annotations
 
 from datetime import datetime
@@ -165,10 +165,16 @@ class HaiosDialect:
 
 def error_type(outcome: Outcome, filed: FiledState, code: str) -> str:
     """Seed 003's ``error_type`` of a failed result, saying what happened: ``permanent`` when it
-    was not retried for its kind (a permanent code, or the specialist said so), ``unknown`` when
-    the specialist said it did not know (retried, as the seed's table has no row for it), else
-    ``retryable`` (retried up to the policy's limit, or a TIMEOUT)."""
-    if not (filed.retry_available or code == ErrorCode.TIMEOUT):
+    was not retried for its kind (a permanent code, ``retryable: false``, or the specialist said
+    so), ``unknown`` when the specialist said it did not know (retried, as the seed's table has
+    no row for it), else ``retryable`` (retried up to the policy's limit).
+
+    A TIMEOUT answered at the handoff's ``timeout_ms`` is final (its error says ``retryable:
+    false``: handoffd never runs it again, the sender stops waiting), so it is ``permanent``,
+    the seed's "fail immediately"; filing still leaves it ``retry_available`` for a hand-made
+    ``handoff retry``, which is no retry the sender can count on."""
+    error = outcome.error if isinstance(outcome.error, dict) else {}
+    never_again = error.get("retryable") is False or error.get("error_type") == "permanent"
+    if never_again or not (filed.retry_available or code == ErrorCode.TIMEOUT):
         return "permanent"
-    given = outcome.error.get("error_type") if isinstance(outcome.error, dict) else None
-    return "unknown" if given == "unknown" else "retryable"
+    return "unknown" if error.get("error_type") == "unknown" else "retryable"
