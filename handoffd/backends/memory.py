@@ -16,7 +16,7 @@ from ..core.documents import book, book_int
 from ..core.errors import DuplicateHandoff, InvalidTransition
 from ..core.memorystrikes import claim_out_of_memory
 from ..core.states import State
-from ..core.storage import HISTORY_LIMIT, LEASE_EXPIRED, ContextChange
+from ..core.storage import GIVEN_UP_UNRUN, HISTORY_LIMIT, LEASE_EXPIRED, ContextChange
 from ..core.timeutil import iso, utc_now
 from .base import (
     Backend,
@@ -54,6 +54,7 @@ class _Entry:
     doc: Doc
     created_at: datetime
     token: str | None = None
+    unrun: str | None = None  # the token of a claim given up before its handler ran
 
     def row(self, handoff_id: str, describe: Describe) -> Row:
         return Row(handoff_id, self.state, copy.deepcopy(self.doc),
@@ -183,10 +184,13 @@ class MemoryBackend(FencedFiling, Backend):
                 expiry = lease_expiry(entry.doc)
                 if entry.state is not State.IN_PROGRESS or (expiry is not None and expiry > now):
                     continue
+                reason = f"{LEASE_EXPIRED} at {expiry.isoformat() if expiry else 'unknown'}"
+                if entry.unrun is not None and entry.unrun == entry.token:
+                    reason = GIVEN_UP_UNRUN  # (abandon_unrun: its handler never ran)
+                entry.unrun = None
                 token = uuid.uuid4().hex
                 entry.token = token
                 book(entry.doc)["lease"] = lease_block(token, now, lease_seconds)
-                reason = f"{LEASE_EXPIRED} at {expiry.isoformat() if expiry else 'unknown'}"
                 attempt = book_int(entry.doc, "attempt", 1)
                 taken.append(Claim(handoff_id, copy.deepcopy(entry.doc), token, attempt,
                                    recovered=reason))
@@ -206,6 +210,13 @@ class MemoryBackend(FencedFiling, Backend):
 
     def abandon(self, claim: Claim) -> None:
         """Nothing is held beyond the lease, which recovery takes over when it expires."""
+
+    def abandon_unrun(self, claim: Claim) -> None:
+        """:meth:`abandon`, the claim marked for its recovery: ``GIVEN_UP_UNRUN``."""
+        with self._lock:
+            entry = self._entries.get(claim.id)
+            if entry is not None and entry.token == claim.token:
+                entry.unrun = claim.token
 
     def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
                   claim: Claim | None = None) -> bool:

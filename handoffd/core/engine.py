@@ -50,7 +50,14 @@ from .formats import ArtifactSink, Dialect, Formats
 from .hooks import Hook, Hooks, Verdict
 from .jobs import Job, Peek, out_of_reach, unreadable
 from .logs import log
-from .results import ERROR_TYPES, JobChecks, conclude, failed, read_result
+from .results import (
+    ERROR_TYPES,
+    JobChecks,
+    conclude,
+    failed,
+    read_result,
+    wait_to_check_again,
+)
 from .specialists import Registry, Specialist
 from .starts import check_shortage
 from .states import State
@@ -385,26 +392,40 @@ class Engine:
     def _usable_outcome(self, job: Job, result: dict[str, Any], started: datetime) -> Outcome:
         """:meth:`outcome_from_result`; a result that defeats it in a way no check foresaw fails
         the attempt (an uncaught error here once left the claim in in-progress/ for a lease,
-        re-ran the handler at every recovery and filed a misleading "interrupted")."""
-        try:
-            return self.outcome_from_result(job, result, started)
-        except (HandlerError, InvalidDocument, ConfigError):
-            raise
-        except Exception as exc:
-            if isinstance(exc, (OSError, MemoryError)) and is_shortage(exc):
-                # not the result's fault, but its handler ran: a retryable failure, which the
-                # retry policy counts and bounds (handing it back uncounted re-ran a handler
-                # that completed up to 30 times, its side effects with it, when the result
-                # itself exhausts memory being checked; its schemas were loaded before the
-                # run, so only one edited since, or a large output, comes here)
-                return self.failure(started, ErrorCode.PROCESSING_ERROR,
-                                    f"handoff {job.handoff_id}: the handler's result could not "
-                                    f"be checked for now: {shortage_words(exc)}; a failed "
-                                    "attempt, retryable", retryable=True)
-            log.debug("handoff %s: its result defeated the checks", job.handoff_id, exc_info=True)
+        re-ran the handler at every recovery and filed a misleading "interrupted"). A passing
+        shortage checking it is no fault of the result's: the same result is checked again
+        after a wait (:func:`~.results.wait_to_check_again`), the attempt not charged for it
+        (it once failed the attempt, counted: a completed handler's last allowed attempt was
+        filed in failed/), and the handler does not run again."""
+        rechecks = 0
+        while True:
+            try:
+                return self.outcome_from_result(job, result, started)
+            except (HandlerError, InvalidDocument, ConfigError):
+                raise
+            except Exception as exc:
+                if not (isinstance(exc, (OSError, MemoryError)) and is_shortage(exc)):
+                    log.debug("handoff %s: its result defeated the checks", job.handoff_id,
+                              exc_info=True)
+                    return self.failure(started, ErrorCode.PROCESSING_ERROR,
+                                        f"handoff {job.handoff_id}: the handler's result cannot "
+                                        f"be used ({type(exc).__name__}: {str(exc)[:200]})",
+                                        retryable=False)
+                words = shortage_words(exc)
+            # (waited for outside the except block: a MemoryError's traceback, dropped at its
+            # end, holds the frames that ran short)
+            if wait_to_check_again(job, "its handler's result could not be checked", words,
+                                   rechecks):
+                rechecks += 1
+                continue
+            # still short after every wait: a retryable failure, which the retry policy counts
+            # and bounds (handing it back uncounted re-ran a handler that completed up to 30
+            # times, its side effects with it, when the result itself exhausts memory being
+            # checked)
             return self.failure(started, ErrorCode.PROCESSING_ERROR,
-                                f"handoff {job.handoff_id}: the handler's result cannot be used "
-                                f"({type(exc).__name__}: {str(exc)[:200]})", retryable=False)
+                                f"handoff {job.handoff_id}: the handler's result could not be "
+                                f"checked for now: {words}; a failed attempt, retryable",
+                                retryable=True)
 
     def _failed(self, exc: HandlerError, started: datetime) -> Outcome:
         return self.failure(started, exc.code, str(exc), retryable=exc.retryable,

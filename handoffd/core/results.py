@@ -23,6 +23,34 @@ from .workspace import Workspace
 # seed 003's CollaborationResult error_type, which a specialist's error block may carry
 ERROR_TYPES = ("retryable", "permanent", "unknown")
 ERROR_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")  # (fullmatch: "$" would take a final newline)
+# a result whose check runs short (descriptors, memory: its output against its schema, its
+# artifacts read and stored) is checked again after RECHECK_SECONDS, doubling, up to RECHECKS
+# times (1 + 2 + 4 + 8 + 16 s), on its worker, its claim renewed (wait_to_check_again)
+RECHECK_SECONDS = 1.0
+RECHECKS = 5
+
+
+def wait_to_check_again(job: Job, what: str, words: str, rechecks: int) -> bool:
+    """Checking ``job``'s result ran short (descriptors or memory: ``words``), ``rechecks``
+    times before this one: wait (:data:`RECHECK_SECONDS`, doubling) to check the same result
+    again, its claim still held and renewed; True once waited. ``what`` says what failed, in
+    the one warning line of each wait. A passing shortage is no fault of the result's, nor the
+    handler's, which ran and does not run again: a failed attempt, counted, once filed a
+    completed handler's last allowed attempt in failed/. False after :data:`RECHECKS` waits
+    (the caller fails the attempt, retryable: its retry policy bounds the runs of a result that
+    exhausts memory at every check), or when the attempt is stopped meanwhile: a cancellation
+    is raised as one (CANCELLED), a stop's hand-back is left to its caller."""
+    ctx = job.context
+    if rechecks < RECHECKS and not ctx.cancelled.is_set():
+        delay = RECHECK_SECONDS * 2 ** rechecks
+        log.warning("handoff %s: %s for now: %s; checked again in %gs (the handler does not "
+                    "run again)", job.handoff_id, what, words, delay)
+        if not ctx.cancelled.wait(delay):  # (woken early by a stop: a cancel, or the daemon's)
+            return True
+    if ctx.stop_requested and not ctx.handback:
+        from .watchdog import cancelled  # (loaded by whoever runs handlers)
+        raise cancelled(ctx)
+    return False
 
 
 def failed(started: datetime, finished: datetime, code: str, message: str, *,

@@ -144,6 +144,10 @@ LOST = "lost"  # Wakeup.kind: some hints were lost; rescan
 # Claim.recovered of a claim this process itself ended without filing it (its filing failed:
 # a full disk): no crash, so the sweep hands it back rather than charge an attempt
 GIVEN_UP = "given up by this process"
+# Claim.recovered of a claim its process gave up before its handler ever ran (its admission and
+# its hand-back both ran short: :meth:`Backend.abandon_unrun`), whichever process recovers it:
+# handed back uncounted, as a claim that never started (it was once charged as a crash)
+GIVEN_UP_UNRUN = "given up unrun by its process"
 # how Claim.recovered of a claim whose lease ran out begins: its owner stalled (SIGSTOP, a hung
 # disk, a lost network) or is on another host; nothing says that its process died
 LEASE_EXPIRED = "lease expired"
@@ -152,8 +156,10 @@ LEASE_EXPIRED = "lease expired"
 def owner_died(recovered: str | None) -> bool:
     """True when a recovered claim's reason (``Claim.recovered``) says its owner's process died
     (a free claim lock, an ended database session, a claim never leased): not given up by this
-    process, nor a lease that ran out under a stalled or distant owner."""
-    return recovered != GIVEN_UP and not (recovered or "").startswith(LEASE_EXPIRED)
+    process, nor given up unrun by its own, nor a lease that ran out under a stalled or distant
+    owner."""
+    return recovered not in (GIVEN_UP, GIVEN_UP_UNRUN) \
+        and not (recovered or "").startswith(LEASE_EXPIRED)
 CONTEXT = "context"  # Wakeup.kind: a shared context key (the id) was written
 
 
@@ -332,6 +338,14 @@ class Backend(Protocol):
         """Give up a claim without filing it (the caller failed midway): its lease stays until
         recovery (:meth:`expired_claims`) takes it over."""
         ...
+
+    def abandon_unrun(self, claim: Claim) -> None:
+        """:meth:`abandon` a claim whose handler never ran, whose hand-back could not be
+        written (a passing shortage of descriptors or memory), marked so where the store can
+        without such a write, for whichever process recovers it: its ``Claim.recovered`` is
+        then :data:`GIVEN_UP_UNRUN` (handed back uncounted, not charged as a crash). Default:
+        :meth:`abandon`, unmarked."""
+        self.abandon(claim)
 
     def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
                   claim: Claim | None = None) -> bool:

@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..backends.files import fsio
 from ..core.documents import Outcome
-from ..core.errors import ErrorCode, InvalidDocument
+from ..core.errors import ErrorCode, HandlerError, InvalidDocument, is_shortage, shortage_words
 from ..core.formats import ArtifactSink, FiledState
 from ..core.hashing import sha256_hex
 from ..core.ownfiles import open_reading
+from ..core.results import failed, wait_to_check_again
 from ..core.states import PARKED, Status
 from ..core.workspace import Workspace, workspace_at
 from .artifact_paths import (
@@ -216,13 +217,16 @@ def _facts_at(target: Path | None, ref: str, handoff_id: str | None,
               stopped: Stopped | None = None) -> dict[str, Any] | None:
     """size/sha256 of the confined file ``target``; None when there is none, or no file.
     InvalidDocument (VALIDATION_FAILED) when it is larger than :data:`MAX_ARTIFACT_BYTES`;
-    OSError when the attempt is stopped while it is hashed."""
+    OSError when the attempt is stopped while it is hashed, or when no descriptor is left to
+    open it (a passing shortage, never "no file": :func:`collect` waits it out)."""
     import hashlib
     if target is None or not target.is_file():
         return None
     try:  # (resolved already) replaced by a FIFO since is_file(), it must not hang the worker
         fh = open_reading(target)
-    except OSError:
+    except OSError as exc:
+        if is_shortage(exc):  # no descriptor to open it with: not "no file" (collect waits)
+            raise
         return None
     with fh:
         size = os.fstat(fh.fileno()).st_size
@@ -275,20 +279,52 @@ def collect(job: "Job", outcome: Outcome, *, enforce: bool = True,
     (``[daemon] expectations = "advisory"``): then it is a warning of the result. ``host``
     (a store several hosts share): each artifact stored as a file here names this host beside
     its ``content_ref``, since the file is in this host's workspace. Any outcome to be filed
-    is then checked by :func:`_answerable`."""
+    is then checked by :func:`_answerable`. A passing shortage of descriptors or memory
+    reading or storing them is waited out (:func:`~handoffd.core.results.wait_to_check_again`)
+    and they are collected again, the attempt not charged; only one that outlasts every wait
+    fails it, retryable."""
     if not outcome.succeeded:
         parked = outcome.status in PARKED or outcome.status == Status.THROTTLED
         return outcome if parked else _answerable(job, outcome)
-    try:
-        collected = _collect(job, outcome, enforce)
-        if host:
-            name_host(collected.artifacts, host)
-        return _answerable(job, collected)
-    except InvalidDocument as exc:
-        code, message, retryable = exc.code, str(exc), False
-    except OSError as exc:  # a disk error may pass; a name the file system refuses will not
-        code, message, retryable = ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: cannot store " \
-            f"artifacts: {exc.strerror or exc}", exc.errno not in PERMANENT_ERRNOS
+    # what _collect replaces: put back before it starts again after a shortage cut it short
+    given = (outcome.output, outcome.artifacts, outcome.warnings)
+    rechecks = 0
+    while True:
+        try:
+            collected = _collect(job, outcome, enforce)
+            if host:
+                name_host(collected.artifacts, host)
+            return _answerable(job, collected)
+        except InvalidDocument as exc:
+            code, message, retryable = exc.code, str(exc), False
+            break
+        except MemoryError as exc:  # (a shortage: it escaped, and stranded the claim)
+            words = shortage_words(exc)
+        except OSError as exc:
+            if not is_shortage(exc):  # a disk error may pass; a name the system refuses won't
+                code, message, retryable = ErrorCode.PROCESSING_ERROR, f"handoff " \
+                    f"{job.handoff_id}: cannot store artifacts: {exc.strerror or exc}", \
+                    exc.errno not in PERMANENT_ERRNOS
+                break
+            words = shortage_words(exc)
+        # a passing shortage (descriptors, memory) reading or storing them: no fault of the
+        # result's, nor a reason to charge the attempt (a last one was filed in failed/): the
+        # same artifacts are collected again after a wait, the handler not run again
+        try:
+            again = wait_to_check_again(job, "its artifacts could not be read or stored",
+                                        words, rechecks)
+        except HandlerError as exc:  # cancelled meanwhile: filed cancelled
+            ended = failed(outcome.started_at or job.started_at,
+                           outcome.finished_at or job.started_at, exc.code, str(exc),
+                           retryable=False)
+            ended.executed_by = outcome.executed_by
+            return _answerable(job, ended)
+        if not again:  # still short after every wait: a failed attempt, retryable
+            code, message, retryable = ErrorCode.PROCESSING_ERROR, f"handoff " \
+                f"{job.handoff_id}: cannot store artifacts for now: {words}", True
+            break
+        rechecks += 1
+        outcome.output, outcome.artifacts, outcome.warnings = given
     return _answerable(job, Outcome(
         status="failed", started_at=outcome.started_at, finished_at=outcome.finished_at,
         output=outcome.output, metadata=outcome.metadata, warnings=outcome.warnings,

@@ -19,6 +19,12 @@ lapse and the sweep charge an attempt). A batch waits for what it keeps (as for 
 up to ``grace_seconds``), and a stop hands each back one last time
 (:meth:`KeptClaims.release_all`), waiting (a little) for a hand-back its timer is writing: that
 one once re-armed its timer after the stop, and the batch exited 0 with the claim leased.
+
+A claim given up here never ran its handler: it is given up marked so
+(:meth:`~handoffd.core.storage.Backend.abandon_unrun`; the files store's mark takes no
+descriptor), and whichever process recovers it, this one's sweep or the next process's after a
+stop, hands it back uncounted. Unmarked, the next process's recovery charged it an attempt as
+a crash (a handoff with no retries left failed without ever running).
 """
 from __future__ import annotations
 
@@ -120,7 +126,7 @@ class KeptClaims:
         except NotFiled:
             return False
         except BaseException:
-            self.engine.backend.abandon(claim)  # (given up already when the write failed)
+            self.engine.backend.abandon_unrun(claim)  # (given up already when the write failed)
             raise
         return True
 
@@ -141,9 +147,9 @@ class KeptClaims:
         """Give ``entry``'s claim up (this process's sweep hands it back, uncounted), counted
         as an error of this run (a batch that ends so exits non-zero, and says so) unless a
         stop counted it already (:meth:`release_all`)."""
-        self.engine.backend.abandon(entry.short.claim)
+        self.engine.backend.abandon_unrun(entry.short.claim)
         self._count_given_up(entry)
-        if self.closing:  # (the process ends: the next one's recovery charges an attempt)
+        if self.closing:  # (the process ends: the next one's recovery hands it back, marked)
             log.error("handoff %s: stopping: cannot hand it back to pending/ (%s); the sweep "
                       "recovers it", entry.short.claim.id, why)
             return
@@ -222,7 +228,7 @@ class KeptClaims:
                           "sweep recovers it", handoff_id, exc)
                 given_up += 1
                 continue
-            self.engine.backend.abandon(entry.short.claim)
+            self.engine.backend.abandon_unrun(entry.short.claim)
             given_up += 1
             log.error("handoff %s: stopping: cannot hand it back to pending/ for now (%s); "
                       "the sweep recovers it", handoff_id, entry.short.reason)

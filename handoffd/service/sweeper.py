@@ -37,7 +37,7 @@ from ..core.errors import (
 from ..core.events import SET_ASIDE, RecordingBackend
 from ..core.native_format import REFUSED_ANSWER, stub_code
 from ..core.states import State
-from ..core.storage import GIVEN_UP, Claim, owner_died
+from ..core.storage import GIVEN_UP, GIVEN_UP_UNRUN, Claim, owner_died
 from .daemon_records import Stamp, config_stamp
 from .handbacks import FREE_HANDBACKS, STOPS, stops_in_a_row
 
@@ -48,6 +48,12 @@ NOTES = "set_aside_notes"
 # each engine's recurring problems, across its sweeps (core/recurring.py)
 _PROBLEMS: weakref.WeakKeyDictionary[Engine, recurring.Recurring] = weakref.WeakKeyDictionary()
 LEFTOVERS = "checking for leftover processes"  # (a recovery's step: its shortages' kind)
+# the ``handed_back`` event of a claim recovered as given up unrun (GIVEN_UP_UNRUN): its
+# ``not_started`` (the shortage's own name is not known to the recovery) and its reason
+GIVEN_UP_NOT_STARTED = "GIVEN_UP"
+UNRUN_REASON = ("its claim was given up before its handler ran (its admission and its "
+                "hand-back to pending/ ran short of descriptors or memory); handed back "
+                "uncounted")
 
 
 @dataclass
@@ -197,6 +203,15 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
     # (recorded either way: a delegation's replay adopts the children an attempt ended by
     # recovery made, see features.children)
     record(doc, "recovered", now, reason=reason)
+    if reason == GIVEN_UP_UNRUN:
+        # its process gave it up before its handler ran (its admission and its hand-back ran
+        # short: service.shortclaims), and said so: a claim that never started, no stop and
+        # no crash, handed back as a start shortage's is (it was charged as a crash, and a
+        # handoff with no retries left failed unrun)
+        engine.requeue(claim, dialect, "handed_back", reason=UNRUN_REASON,
+                       not_started=GIVEN_UP_NOT_STARTED)
+        report.recovered.append(claim.id)
+        return
     if free is not None and streak <= FREE_HANDBACKS:
         # nothing to charge, and no suspect: no handler crashed (nor is its next attempt
         # isolated: core.isolation.crashed_last passes a hand-back). Counted after

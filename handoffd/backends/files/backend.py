@@ -46,7 +46,7 @@ from ..base import (
     describe_native,
     wait_via_feed,
 )
-from . import fsio, reading, seals
+from . import fsio, reading, seals, unrun
 from .leases import CLOCK_TOLERANCE_SECONDS, release_lock
 from .reading import in_order as _in_order
 from .records import FileRecords
@@ -212,6 +212,14 @@ class FilesBackend(FencedFiling, Backend):
     def abandon(self, claim: Claim) -> None:
         release_lock(claim.handle.lock)
         self.store.give_up(claim.token)  # its lease names our owner lock, which stays held
+
+    def abandon_unrun(self, claim: Claim) -> None:
+        """:meth:`abandon`, the claim marked given up unrun for every process's recovery
+        (:mod:`.unrun`: a mark made without a descriptor, as the shortage that refused its
+        hand-back lasts)."""
+        if claim.token is not None:
+            unrun.mark(self.ws, claim.id, claim.token)
+        self.abandon(claim)
 
     def set_aside(self, handoff_id: str, state: State, code: str, message: str, *,
                   claim: Claim | None = None) -> bool:

@@ -28,7 +28,7 @@ from ...core.errors import (
 )
 from ...core.liveness import owner_may_live
 from ...core.logs import log
-from ...core.storage import GIVEN_UP, LEASE_EXPIRED
+from ...core.storage import GIVEN_UP, GIVEN_UP_UNRUN, LEASE_EXPIRED
 from ...core.states import State
 from ...core.timeutil import parse_iso
 from ..base import (
@@ -41,7 +41,7 @@ from ..base import (
     due_of,
     safe_describe,
 )
-from . import fsio
+from . import fsio, unrun
 from .leases import (
     CLOCK_TOLERANCE_SECONDS,
     OWNER_LOCK_NAME,
@@ -298,6 +298,9 @@ class Claimer:
             if old_lock is not None:
                 release_lock(old_lock)
             return None
+        given_up_unrun = unrun.marked(self.store.ws, handoff_id, held["token"])
+        if given_up_unrun:  # its process gave it up before its handler ran: no crash
+            reason = GIVEN_UP_UNRUN
         token = os.urandom(16).hex()
         from filelock import FileLock
         lock = FileLock(str(self.store.ws.locks / f"{handoff_id}.{token}.lock"), timeout=0)
@@ -314,6 +317,8 @@ class Claimer:
             if old_lock is not None:
                 release_lock(old_lock)
         self._watched(handoff_id, doc)
+        if given_up_unrun:  # (its lease is no one's now: the mark has said what it had to)
+            unrun.clear(self.store.ws, handoff_id, held["token"])
         attempt = book_int(doc, "attempt", 1)
         handle = StoreClaim(handoff_id, doc, token, lock, attempt, inode,
                             self.store.trusted_revision(doc, State.IN_PROGRESS, handoff_id))

@@ -1,0 +1,219 @@
+"""A passing shortage (EMFILE, MemoryError) checking a handler's result costs no attempt.
+
+Session 25: a shortage checking the result after its handler ran (its output against its
+schema) failed the attempt retryable, counted: on the handoff's last allowed attempt
+(``max_retries = 0``) a handler that had completed was filed in failed/. Now the result is
+kept and checked again after a back-off (the handler does not run again); only a check that
+still runs short after every wait fails the attempt, retryable, as before.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Clock, memory_engine, new_workspace, wait_for_words
+from test_claim_shortage_s22 import COMMAND
+from test_shortage_schemas_s23 import _engine, _events, _submit, emfile
+from test_start_shortage_s20 import FailFirst
+
+from handoffd import Daemon
+from handoffd.core import results as results_module
+from handoffd.core.documents import book
+from handoffd.core.native_format import new_native_request
+from handoffd.core.states import State
+from handoffd.features import artifacts, cancel_family
+from handoffd.service.sweeper import sweep
+
+
+@pytest.fixture(autouse=True)
+def quick_rechecks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waits between two checks of a result, shortened (no test waits out a second)."""
+    monkeypatch.setattr(results_module, "RECHECK_SECONDS", 0.01, raising=False)
+
+
+@pytest.mark.parametrize("error", [emfile, MemoryError])
+def test_a_shortage_checking_the_result_of_a_last_attempt_does_not_fail_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Any) -> None:
+    engine = _engine(tmp_path / "ws", output_schema="out.json", retry={"max_retries": 0})
+    hid = _submit(engine)
+    check = FailFirst(engine.checks.schemas.errors_with, 1, error)
+    monkeypatch.setattr(engine.checks.schemas, "errors_with", check)
+    report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
+    assert check.raised == 1
+    state, stored = engine.get(hid)
+    names = [e["event"] for e in _events(engine, hid)]
+    assert state is State.COMPLETED, (state, names, book(stored).get("last_error"))
+    # the handler ran once, its attempt counted once: no retry, no hand-back, no failure
+    assert names == ["created", "claimed", "completed"], names
+    assert book(stored)["attempt"] == 1
+    assert report.completed == 1 and report.failed == 0 and report.errors == 0, report
+
+
+
+
+def test_a_stop_while_a_result_waits_to_be_checked_again_hands_it_back_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait ends with the batch (its --max-seconds): the attempt is handed back as a
+    stop's interrupted one, uncounted, never left waiting out its back-off."""
+    monkeypatch.setattr(results_module, "RECHECK_SECONDS", 600.0, raising=False)
+    engine = _engine(tmp_path / "ws", output_schema="out.json", retry={"max_retries": 0})
+    hid = _submit(engine)
+    check = FailFirst(engine.checks.schemas.errors_with, 1, emfile)
+    monkeypatch.setattr(engine.checks.schemas, "errors_with", check)
+    report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=1.0)
+    assert check.raised == 1
+    state, stored = engine.get(hid)
+    events = _events(engine, hid)
+    assert state is State.PENDING and book(stored)["attempt"] == 0, events
+    assert events[-1]["event"] == "handed_back" and events[-1]["detail"]["interrupted"], events
+    assert report.failed == 0 and report.handed_back == 1, report
+
+
+
+def test_a_cancel_while_a_result_waits_to_be_checked_again_files_it_cancelled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(results_module, "RECHECK_SECONDS", 600.0, raising=False)
+    engine = _engine(tmp_path / "ws", output_schema="out.json")
+    hid = _submit(engine)
+
+    def short_then_cancelled() -> OSError:
+        # (cancelled from another thread while the worker waits, as `handoff cancel` does)
+        threading.Thread(target=cancel_family.cancel, args=(engine, hid),
+                         kwargs={"reason": "not needed"}, daemon=True).start()
+        return emfile()
+    check = FailFirst(engine.checks.schemas.errors_with, 1, short_then_cancelled)
+    monkeypatch.setattr(engine.checks.schemas, "errors_with", check)
+    report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=60)
+    assert check.raised == 1
+    state, stored = engine.get(hid)
+    assert state is State.FAILED and stored["status"] == "cancelled", _events(engine, hid)
+    assert book(stored)["attempt"] == 1 and report.errors == 0, report
+
+
+# a command that completes naming artifacts/a.txt (the test writes it) as its artifact
+ARTIFACT = [sys.executable, "-S", "-c", "import json; print(json.dumps({'status': 'completed', "
+            "'output': {'ok': True}, 'artifacts': [{'path': 'artifacts/a.txt'}]}))"]
+
+
+@pytest.mark.parametrize("error", [emfile, MemoryError])
+def test_a_shortage_reading_the_artifacts_of_a_last_attempt_does_not_fail_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Any) -> None:
+    """Reading an artifact to record its size and sha256 ran short: an EMFILE failed the
+    attempt, counted (a last one filed in failed/), and a MemoryError left the claim for the
+    next process's recovery to charge; now the artifacts are read again after a wait."""
+    engine = _engine(tmp_path / "ws", command=ARTIFACT, retry={"max_retries": 0})
+    (engine.ws.root / "artifacts").mkdir(exist_ok=True)
+    (engine.ws.root / "artifacts" / "a.txt").write_text("made by the handler")
+    hid = _submit(engine)
+    read = FailFirst(artifacts.open_reading, 1, error)
+    monkeypatch.setattr(artifacts, "open_reading", read)
+    report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
+    assert read.raised == 1
+    state, stored = engine.get(hid)
+    names = [e["event"] for e in _events(engine, hid)]
+    assert state is State.COMPLETED, (state, names, book(stored).get("last_error"))
+    assert names == ["created", "claimed", "completed"], names
+    assert book(stored)["attempt"] == 1
+    [recorded] = stored["artifacts"]
+    assert recorded["path"] == "artifacts/a.txt" and recorded["size_bytes"] == 19, recorded
+    assert report.completed == 1 and report.failed == 0 and report.errors == 0, report
+
+
+# ---------------------------------------------------------------- a kept claim given up at a stop
+
+# run as `handoffd ARGS`: its first admission of a claim (reading the claimed document's
+# envelope) fails with EMFILE, and so does every write into pending/ (the claim's hand-back,
+# kept, and its last try at the stop): the claim is given up as the daemon stops
+KEPT_AT_STOP = """
+import errno, os, sys
+from pathlib import Path
+from handoffd.core import admission
+from handoffd.backends.files import store
+def emfile():
+    return OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+envelope, left = admission._envelope, [1]
+def short_envelope(*args, **kwargs):
+    if left:
+        left.pop()
+        raise emfile()
+    return envelope(*args, **kwargs)
+admission._envelope = short_envelope
+create = store.fsio.create_exclusive
+def create_exclusive(path, *args, **kwargs):
+    if Path(path).parent.name == "pending":
+        raise emfile()
+    return create(path, *args, **kwargs)
+store.fsio.create_exclusive = create_exclusive
+from handoffd.cli.handoffd_cmd import main
+sys.argv[0] = "handoffd"
+sys.exit(main())
+"""
+
+
+def test_a_claim_kept_unrun_and_given_up_at_a_stop_is_not_charged_by_the_next_process(
+        tmp_path: Path) -> None:
+    """Its handler never ran: the next process's recovery hands it back uncounted (it took
+    the given-up claim for a crash: an attempt charged, here the last allowed one)."""
+    ws = new_workspace(tmp_path / "ws", f"""
+[daemon]
+durability = "fast"
+
+[specialists."@cmd"]
+command = {json.dumps(COMMAND)}
+retry = {{ max_retries = 0 }}
+""")
+    said = tmp_path / "serve.err"
+    try:
+        hid = ws.create("--to", "@cmd", "--data", "{}")
+        with said.open("w") as err:
+            proc = subprocess.Popen([sys.executable, "-c", KEPT_AT_STOP, "serve", "--root",
+                                     str(ws.root)], stdout=subprocess.DEVNULL, stderr=err)
+        ws.daemons.append(proc)  # (cleanup kills it, by pid, should the test fail)
+        first = wait_for_words(said, ["its claim is kept"])
+        assert "its claim is kept" in first, first
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        stopped = said.read_text()
+        assert "the sweep recovers it" in stopped, stopped  # (given up: still leased)
+        assert ws.state_of(hid) == ["in-progress"], stopped
+        done = ws.handoffd("run")
+    finally:
+        ws.cleanup()
+    assert ws.state_of(hid) == ["completed"], (done.stderr, ws.doc(hid))
+    block = ws.doc(hid)["handoffd"]
+    assert block["attempt"] == 1, block["history"]
+    names = [e["event"] for e in block["history"]]
+    assert "retry_scheduled" not in names and "failed" not in names, names
+    assert names[-2:] == ["claimed", "completed"], names
+    back = block["history"][names.index("recovered") + 1]
+    assert back["event"] == "handed_back" and back["detail"]["not_started"] == "GIVEN_UP", back
+    assert done.returncode == 0, done.stderr
+    # the mark that said so went with the lease it named
+    assert not list((ws.root / "handoffs" / ".meta" / "unrun").iterdir())
+
+
+def test_a_claim_given_up_unrun_is_handed_back_uncounted_by_the_memory_stores_sweep(
+        tmp_path: Path) -> None:
+    """The memory store says so too: its recovery, once the lease ran out, hands the claim back
+    uncounted (it took it for an interrupted attempt and charged it)."""
+    clock = Clock()
+    engine, backend = memory_engine(tmp_path, clock, {"@py": lambda doc, ctx: {}})
+    doc = new_native_request(source="@test", target="@py", data={}, now=clock())
+    hid = engine.submit(doc)
+    job = engine.take(hid)
+    assert job is not None and job.claim.attempt == 1
+    backend.abandon_unrun(job.claim)  # (what KeptClaims does when its hand-back runs short)
+    clock.advance(engine.settings.lease_seconds + 1)
+    report = sweep(engine)
+    assert report.recovered == [hid], report
+    state, stored = engine.get(hid)
+    events = book(stored)["history"]
+    assert state is State.PENDING and book(stored)["attempt"] == 0, events
+    assert [e["event"] for e in events][-2:] == ["recovered", "handed_back"], events
+    assert events[-1]["detail"]["not_started"] == "GIVEN_UP", events[-1]
