@@ -442,8 +442,9 @@ class Daemon(BatchEnd):
                     timers.append(next_sweep)
                     if free:
                         timers.append(self.progress.wake_at())
-                if (scheduler.heap or scheduler.ready or scheduler.rechecks) and free:
-                    timers.append(max(scheduler.heap[0][0] if scheduler.heap else now, spin_up_at))
+                if (scheduler.heap or scheduler.behind or scheduler.ready or scheduler.rechecks) \
+                        and free:
+                    timers.append(max(scheduler.first_due(now), spin_up_at))
                 elif not free and not saturated and (ahead := scheduler.ahead_at(now)) is not None:
                     timers.append(ahead)
                 self.cv.wait(max(min(timers) - time.monotonic(), 0.0))

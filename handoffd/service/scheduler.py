@@ -50,6 +50,10 @@ FIRST = -1.0  # the due time of a woken waiter (look_first): before any monotoni
 # their hard deadlines: :meth:`Scheduler.look_ahead`) once the youngest running task is this
 # old: a drain of short handoffs, whose finishing workers read the next ones, is left alone
 LOOK_AHEAD_AFTER_SECONDS = 0.25
+# with every worker busy and the ready window full, the loop reads on past it (each due id once,
+# READY_WINDOW a turn: :meth:`Scheduler._look_behind`) and keeps the hard deadlines of at most
+# this many of them (a few hundred bytes each); past that, reading pauses until one leaves
+MAX_BEHIND_DEADLINES = 4096
 
 
 class Scheduler(Lines, QuietWaits):
@@ -59,7 +63,8 @@ class Scheduler(Lines, QuietWaits):
       :meth:`wake_at`); ``ready``/``readied``: ids read and waiting for a worker, most urgent
       first (each with the rescan count when its read began: :mod:`.quiet`); ``rechecks``:
       waiters a rescan queued to be gated again, looked at by turns with other due work
-      (:meth:`next_ready`).
+      (:meth:`next_ready`); ``behind``: due entries of ``heap`` read past a full window while
+      every worker was busy (:meth:`look_ahead`), still waiting their turn.
     * the lines (:class:`~.lines.Lines`): ``parked``, ``rate_held`` and what lets them out.
     * ``inflight``: one entry per task submitted to the pool (its agent, when it started: see
       :meth:`spin_up_at`); ``busy`` and ``running`` are counts of it, kept in step by
@@ -105,9 +110,16 @@ class Scheduler(Lines, QuietWaits):
         self.backoffs: dict[str, float] = {}
         self.rescan_requested = True
         self.first_seen: dict[str, datetime] = {}  # hard-timeout handoffs seen pending, by id
-        # handoff id (in the ready window) -> its hard deadline (monotonic), found by
-        # look_ahead while every worker was busy: answered TIMEOUT then, without a free slot
+        # handoff id (in the ready window) -> its hard deadline (monotonic), found when it was
+        # read: with every worker busy, look_ahead answers it TIMEOUT then, without a free slot
         self.ahead: dict[str, float] = {}
+        # due entries of ``heap`` (same shape) that look_ahead read past a full ready window:
+        # their turn is kept (taken into the window before later ones), their document is not
+        self.behind: list[tuple[float, int, int, str]] = []
+        # handoff id (behind) -> (its entry's due time, its hard deadline (monotonic)): at most
+        # MAX_BEHIND_DEADLINES; ``deadlines_behind`` orders them (an entry not matching: void)
+        self.behind_at: dict[str, tuple[float, float]] = {}
+        self.deadlines_behind: list[tuple[float, str]] = []
         self.unroutable = report.unroutable
         self.waiting = report.waiting  # handoff id -> why a gate holds it back
         # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
@@ -166,6 +178,7 @@ class Scheduler(Lines, QuietWaits):
                 self.ready = [entry for entry in self.ready if entry[3] != handoff_id]
                 heapq.heapify(self.ready)
                 self.readied.discard(handoff_id)
+                self.ahead.pop(handoff_id, None)
             self.cv.notify()
 
     def look_first(self, handoff_id: str) -> None:
@@ -274,19 +287,24 @@ class Scheduler(Lines, QuietWaits):
             return None
         rank, due, seq, handoff_id, peek, looked = heapq.heappop(self.ready)
         self.readied.discard(handoff_id)
+        if self.ahead:
+            self.ahead.pop(handoff_id, None)
         self.picked, self.turn = (handoff_id, (rank, due, seq)), None
         self.picked_look = (handoff_id, looked)
         return handoff_id, peek
 
-    def _fill(self, now: float, read: list[tuple[str, Peek]] | None = None) -> None:
-        """Move the due ids of the time heap into the ready window, each read once (into
-        ``read`` too, when given), while it has room."""
-        while self.heap and self.heap[0][0] <= now and len(self.ready) < READY_WINDOW:
-            due, _, _, handoff_id = heapq.heappop(self.heap)
+    def _fill(self, now: float) -> None:
+        """Move the due ids of the time heap (and of ``behind``, due before them) into the
+        ready window, each read once, while it has room; a hard deadline read with one is kept
+        in ``ahead`` (:meth:`look_ahead` answers it then, should every worker still be busy)."""
+        while len(self.ready) < READY_WINDOW and (entry := self._pop_due(now)) is not None:
+            due, _, _, handoff_id = entry
             if self.queued.get(handoff_id) != due:
                 continue  # superseded by an earlier notification
             del self.queued[handoff_id]
             self.backoffs.pop(handoff_id, None)  # (a batch waited for it once)
+            if self.behind_at:
+                self.behind_at.pop(handoff_id, None)  # (its deadline is kept with it here)
             looked = self.rescans
             peek = self._read(handoff_id)
             if peek is None:
@@ -294,26 +312,36 @@ class Scheduler(Lines, QuietWaits):
             rank = peek.priority if peek.readable else -1  # set unreadable files aside first
             heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek, looked))
             self.readied.add(handoff_id)
-            if read is not None:
-                read.append((handoff_id, peek))
+            deadline = self.hard_deadline(handoff_id, peek)  # (None at once but for hi_moe)
+            if deadline is not None:
+                self.ahead[handoff_id] = now + (deadline - self.engine.clock()).total_seconds()
+
+    def _pop_due(self, now: float) -> tuple[float, int, int, str] | None:
+        """The earliest due entry of the time heap and of ``behind`` (all due: read when they
+        were), taken out; None when neither has one due by ``now``."""
+        behind, heap = self.behind, self.heap
+        if behind and (not heap or behind[0] < heap[0]):
+            return heapq.heappop(behind)
+        if heap and heap[0][0] <= now:
+            return heapq.heappop(heap)
+        return None
 
     def look_ahead(self, now: float) -> list[tuple[str, datetime]]:
         """Every worker is busy (called by the loop under ``cv``): the handoffs to answer
-        TIMEOUT now, without a free slot, each with its hard deadline, taken out of the ready
-        window. Seed 000's hard timeout counts from its arrival, and the receiver must answer
-        before it; read only when a worker was free, a message that came while slow handlers
-        held them all was claimed when one finished, its deadline counted from then, and run.
-        So, once the youngest task is LOOK_AHEAD_AFTER_SECONDS old, the due ids are read into
-        the window (the read a worker would make: kept with them), which stamps when a
-        hard-timeout one was first seen (:meth:`arrival`); its deadline is kept in ``ahead``
-        (one per id in the window) and the loop wakes for it (:meth:`ahead_at`)."""
-        read: list[tuple[str, Peek]] = []
+        TIMEOUT now, without a free slot, each with its hard deadline, no longer queued. Seed
+        000's hard timeout counts from its arrival, and the receiver must answer before it;
+        read only when a worker was free, a message that came while slow handlers held them all
+        was claimed when one finished, its deadline counted from then, and run. So, once the
+        youngest task is LOOK_AHEAD_AFTER_SECONDS old, the due ids are read into the window
+        (the read a worker would make: kept with them), which stamps when a hard-timeout one
+        was first seen (:meth:`arrival`); its deadline is kept in ``ahead``. With the window
+        full, the due ids past it are read too (:meth:`_look_behind`): a message behind more
+        than READY_WINDOW due handoffs was answered only when its turn came. The loop wakes
+        for the first deadline (:meth:`ahead_at`)."""
         if self.spin_up_at() - self.spin_up + LOOK_AHEAD_AFTER_SECONDS <= now:
-            self._fill(now, read)
-        for handoff_id, peek in read:
-            deadline = self.hard_deadline(handoff_id, peek)
-            if deadline is not None:
-                self.ahead[handoff_id] = now + (deadline - self.engine.clock()).total_seconds()
+            self._fill(now)
+            if len(self.ready) >= READY_WINDOW:
+                self._look_behind(now)
         overdue: list[tuple[str, datetime]] = []
         for handoff_id, at in list(self.ahead.items()):
             if handoff_id not in self.readied:
@@ -332,17 +360,91 @@ class Scheduler(Lines, QuietWaits):
                 heapq.heapify(self.ready)
                 self.readied.discard(handoff_id)
                 overdue.append((handoff_id, deadline))
+        while self.deadlines_behind and self.deadlines_behind[0][0] <= now:
+            at, handoff_id = heapq.heappop(self.deadlines_behind)
+            kept = self.behind_at.get(handoff_id)
+            if kept is None or kept[1] != at:
+                continue  # taken into the window (or read again) since
+            del self.behind_at[handoff_id]
+            answer = self._overdue_behind(handoff_id, kept[0], now)
+            if answer is not None:
+                overdue.append((handoff_id, answer))
         return overdue
 
+    def _look_behind(self, now: float) -> None:
+        """The ready window is full and every worker busy: read the due ids past it, once
+        each and READY_WINDOW a turn (the loop comes back for more: :meth:`ahead_at`), and
+        keep the hard deadlines read (at most MAX_BEHIND_DEADLINES). Their entries go to
+        ``behind``, and keep their turn; nothing is read again until it is taken into the
+        window (a rescan leaves queued ids alone), so a backlog at rest costs nothing more."""
+        reads = 0
+        while reads < READY_WINDOW and len(self.behind_at) < MAX_BEHIND_DEADLINES \
+                and self.heap and self.heap[0][0] <= now:
+            entry = heapq.heappop(self.heap)
+            due, handoff_id = entry[0], entry[3]
+            if self.queued.get(handoff_id) != due:
+                continue  # superseded by an earlier notification (or a WAKE)
+            reads += 1
+            del self.queued[handoff_id]  # (as _fill: a memory back-off queues it afresh)
+            peek = self._read(handoff_id)
+            if peek is None:
+                continue
+            self.queued[handoff_id] = due
+            heapq.heappush(self.behind, entry)
+            deadline = self.hard_deadline(handoff_id, peek)  # (stamps its arrival: hi_moe)
+            if deadline is not None:
+                self._keep_behind(handoff_id, due,
+                                  now + (deadline - self.engine.clock()).total_seconds())
+
+    def _keep_behind(self, handoff_id: str, due: float, at: float) -> None:
+        """Keep the hard deadline ``at`` (monotonic) of ``handoff_id``, behind with ``due``."""
+        self.behind_at[handoff_id] = (due, at)
+        heapq.heappush(self.deadlines_behind, (at, handoff_id))
+        if len(self.deadlines_behind) > 2 * len(self.behind_at) + READY_WINDOW:
+            # (void ones, of ids taken into the window, are dropped: its size stays bounded)
+            self.deadlines_behind = [(kept, hid) for hid, (_, kept) in self.behind_at.items()]
+            heapq.heapify(self.deadlines_behind)
+
+    def _overdue_behind(self, handoff_id: str, due: float, now: float) -> datetime | None:
+        """``handoff_id``, behind the window with ``due``, reached the hard deadline read with
+        it: read again (it may have changed, or gone); its deadline, no longer queued, when it
+        has passed; else None, its place kept (and a later deadline with it)."""
+        if self.queued.get(handoff_id) != due:
+            return None  # queued again meanwhile (looked at first, held off): read then
+        del self.queued[handoff_id]  # (as _fill: a memory back-off queues it afresh)
+        peek = self._read(handoff_id)
+        if peek is None:
+            return None  # gone: claimed elsewhere, or filed
+        deadline = self.hard_deadline(handoff_id, peek)
+        left = None if deadline is None else (deadline - self.engine.clock()).total_seconds()
+        if left is None or left > 0:  # (no deadline now, or a later one: e.g. retried)
+            self.queued[handoff_id] = due  # its entry behind stands
+            if left is not None:
+                self._keep_behind(handoff_id, due, now + left)
+            return None
+        self.backoffs.pop(handoff_id, None)
+        return deadline
+
     def ahead_at(self, now: float) -> float | None:
-        """When the loop must wake, every worker busy: the first hard deadline ``ahead``, or
-        when :meth:`look_ahead` may read what is due (None: nothing to wait for)."""
-        due = min(self.ahead.values(), default=None)
-        if self.heap and len(self.ready) < READY_WINDOW:
-            look = max(self.heap[0][0], self.spin_up_at() - self.spin_up
-                       + LOOK_AHEAD_AFTER_SECONDS)
-            due = look if due is None else min(due, look)
-        return due
+        """When the loop must wake, every worker busy: the first hard deadline ``ahead`` or
+        behind the window, or when :meth:`look_ahead` may read what is due (None: nothing to
+        wait for)."""
+        times = list(self.ahead.values())
+        if self.deadlines_behind:
+            times.append(self.deadlines_behind[0][0])
+        first = None  # when the first due handoff look_ahead would read is
+        if len(self.ready) < READY_WINDOW:
+            first = self.first_due(now) if self.heap or self.behind else None
+        elif self.heap and len(self.behind_at) < MAX_BEHIND_DEADLINES:
+            first = self.heap[0][0]  # (read past the full window)
+        if first is not None:
+            times.append(max(first, self.spin_up_at() - self.spin_up + LOOK_AHEAD_AFTER_SECONDS))
+        return min(times, default=None)
+
+    def first_due(self, now: float) -> float:
+        """When the first queued handoff is due (``now`` for one behind the window, read past
+        it: due already); ``now`` when none is queued."""
+        return min(self.heap[0][0] if self.heap else now, now if self.behind else math.inf)
 
     def _next_recheck(self) -> tuple[str, Peek] | None:
         """The next waiter a rescan queued again, read (None when none is left to look at;
@@ -568,6 +670,9 @@ class Scheduler(Lines, QuietWaits):
             self.running = len(self.inflight)
             self.rechecks.clear()
             self.ahead.clear()
+            self.behind.clear()
+            self.behind_at.clear()
+            self.deadlines_behind.clear()
             self.waiting.clear()
             self.waits_on.clear()
             self.fails_on.clear()
