@@ -27,7 +27,7 @@ from handoffd.core import results as results_module
 from handoffd.core.documents import book
 from handoffd.core.native_format import new_native_request
 from handoffd.core.states import State
-from handoffd.features import artifacts, cancel_family
+from handoffd.features import artifacts, cancel_family, orchestration
 from handoffd.service.sweeper import sweep
 
 
@@ -217,3 +217,111 @@ def test_a_claim_given_up_unrun_is_handed_back_uncounted_by_the_memory_stores_sw
     assert state is State.PENDING and book(stored)["attempt"] == 0, events
     assert [e["event"] for e in events][-2:] == ["recovered", "handed_back"], events
     assert events[-1]["detail"]["not_started"] == "GIVEN_UP", events[-1]
+
+
+# ---------------------------------------------------------------- parked results, after_run hooks
+
+# a command that answers blocked, with a blocker seed 002 accepts
+BLOCKED = [sys.executable, "-S", "-c", "import json; print(json.dumps({'status': 'blocked', "
+           "'blockers': [{'description': 'no key', 'resolution_options': ['send one']}]}))"]
+
+
+def _no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    logged = [r for r in caplog.records if r.exc_info]
+    assert not logged, [r.getMessage() for r in logged]
+
+
+@pytest.mark.parametrize("error", [emfile, MemoryError])
+def test_a_shortage_reading_a_blocked_result_parks_it_all_the_same(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        error: Any) -> None:
+    """Reading a blocked (delegated, needs_clarification) result ran short: it was filed
+    VALIDATION_FAILED, for good, as though the result were malformed; now it is read again
+    after a wait and parked for its requester's answer."""
+    engine = _engine(tmp_path / "ws", command=BLOCKED, retry={"max_retries": 0})
+    hid = _submit(engine)
+    read = FailFirst(orchestration._blocked, 1, error)
+    monkeypatch.setattr(orchestration, "_blocked", read)
+    report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
+    assert read.raised == 1
+    state, stored = engine.get(hid)
+    names = [e["event"] for e in _events(engine, hid)]
+    assert state is State.PENDING, (state, names, book(stored).get("last_error"))
+    assert names == ["created", "claimed", "blocked"], names
+    assert book(stored)["awaiting"]["kind"] == "blocked"
+    assert report.failed == 0 and report.errors == 0, report
+    _no_traceback(caplog)
+
+
+@pytest.mark.parametrize("error", [emfile, MemoryError])
+def test_a_shortage_in_an_after_run_hook_does_not_strand_or_charge_a_last_attempt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        error: Any) -> None:
+    """A shortage in a hook run on the outcome (a dialect's review, first_success's) escaped
+    `conclude`: the claim was left in in-progress/, for the next process to charge as a crash.
+    Now the hook runs again on the same outcome after a wait."""
+    engine = _engine(tmp_path / "ws", retry={"max_retries": 0})
+    hid = _submit(engine)
+    hook = FailFirst(lambda job, outcome: outcome, 1, error)
+    engine.after_run.insert(0, hook)
+    report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=10)
+    assert hook.raised == 1
+    state, stored = engine.get(hid)
+    names = [e["event"] for e in _events(engine, hid)]
+    assert state is State.COMPLETED, (state, names, book(stored).get("last_error"))
+    assert names == ["created", "claimed", "completed"], names
+    assert book(stored)["attempt"] == 1
+    assert report.completed == 1 and report.failed == 0 and report.errors == 0, report
+    _no_traceback(caplog)
+
+
+@pytest.mark.parametrize("error", [emfile, MemoryError])
+def test_a_shortage_checking_a_contract_does_not_fail_a_last_attempt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        error: Any) -> None:
+    """The contract check (the tree against its snapshot, the criteria) ran short: the attempt
+    failed, counted, with a traceback; now the work is checked again after a wait."""
+    engine = _engine(tmp_path / "ws", retry={"max_retries": 0})
+    doc = new_native_request(source="@test", target="@cmd", data={}, now=engine.clock())
+    doc["contract"] = {"files_owned": ["src/**"]}
+    hid = engine.backend.store.create(doc, doc["handoff_id"], now=engine.clock())
+    [enforcer] = [getattr(h, "__self__") for h in engine.after_run
+                  if getattr(h, "__name__", "") == "after"]
+    review = FailFirst(enforcer.reviewer.review, 1, error)
+    monkeypatch.setattr(enforcer.reviewer, "review", review)
+    report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
+    assert review.raised == 1
+    state, stored = engine.get(hid)
+    names = [e["event"] for e in _events(engine, hid)]
+    assert state is State.COMPLETED, (state, names, book(stored).get("last_error"))
+    assert names == ["created", "claimed", "completed"], names
+    assert book(stored)["attempt"] == 1 and stored["validation"]["scope"]["checked"], stored
+    assert report.completed == 1 and report.failed == 0 and report.errors == 0, report
+    _no_traceback(caplog)
+
+
+def test_a_memory_shortage_planning_children_is_retried_not_filed_malformed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MemoryError planning a delegation's children (as it is filed, after the checks) filed
+    the parent VALIDATION_FAILED for good, "its delegation cannot be turned into child
+    handoffs", as though the delegation were malformed: now a failed attempt, retryable."""
+    clock = Clock()
+
+    def boss(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        return {"status": "delegated", "aggregation": "all_success",
+                "delegate": [{"to": "@echo", "data": {"n": 1}}]}
+    engine, _ = memory_engine(tmp_path, clock, {"@boss": boss,
+                                                "@echo": lambda doc, ctx: {"status": "completed"}})
+    hid = engine.submit(new_native_request(source="@test", target="@boss", data={}, now=clock()))
+    plan = FailFirst(orchestration._plan_children, 1, MemoryError)
+    monkeypatch.setattr(orchestration, "_plan_children", plan)
+    Daemon(engine, workers=1, watch=False).run_batch()
+    assert plan.raised == 1
+    state, stored = engine.get(hid)
+    error = book(stored).get("last_error") or {}
+    assert state is State.PENDING and book(stored)["retries"] == 1, (state, error)
+    assert error.get("code") == "PROCESSING_ERROR" and "MemoryError" in error["message"], error
+    clock.advance(3600)
+    for _ in range(3):  # delegate again, run the child, aggregate
+        Daemon(engine, workers=1, watch=False).run_batch()
+    assert engine.get(hid)[0] is State.COMPLETED, _events(engine, hid)

@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .documents import Envelope, Outcome
-from .errors import ErrorCode, InvalidDocument, is_shortage
+from .errors import ErrorCode, HandlerError, InvalidDocument, is_shortage, shortage_words
 from .hooks import Hooks
 from .jobs import Job
 from .logs import log
@@ -122,8 +122,40 @@ def conclude(job: Job, outcome: Outcome, started: datetime,
     if job.envelope.final_timeout and outcome.status == Status.TIMEOUT and outcome.error:
         outcome.error["retryable"] = False  # the answer the sender waits for (seeds 000, 003)
     for check in after_run:
-        outcome = check(job, outcome)
+        outcome = _checked(job, check, outcome, started)
     return outcome
+
+
+def _checked(job: Job, check: Callable[[Job, Outcome], Outcome], outcome: Outcome,
+             started: datetime) -> Outcome:
+    """``check(job, outcome)``, one ``after_run`` hook. A passing shortage there (descriptors,
+    memory) escaped :func:`conclude` and stranded the claim in in-progress/, charged as a crash
+    by the next process: the same outcome is checked again after a wait
+    (:func:`wait_to_check_again`), the attempt not charged; one that outlasts every wait fails
+    the attempt, retryable, as :meth:`~handoffd.core.engine.Engine._usable_outcome` does."""
+    rechecks = 0
+    while True:
+        try:
+            return check(job, outcome)
+        except (OSError, MemoryError) as exc:
+            if not is_shortage(exc):
+                raise
+            words = shortage_words(exc)
+        # (waited for outside the except block: a MemoryError's traceback holds what ran short)
+        try:
+            if wait_to_check_again(job, "its result could not be checked", words, rechecks):
+                rechecks += 1
+                continue
+        except HandlerError as exc:  # cancelled meanwhile: filed cancelled
+            ended = failed(started, outcome.finished_at or started, exc.code, str(exc),
+                           retryable=False)
+            ended.executed_by = outcome.executed_by
+            return ended
+        ended = failed(started, outcome.finished_at or started, ErrorCode.PROCESSING_ERROR,
+                       f"handoff {job.handoff_id}: its result could not be checked for now: "
+                       f"{words}; a failed attempt, retryable", retryable=True)
+        ended.executed_by = outcome.executed_by
+        return ended
 
 
 def reported_failure(result: dict[str, Any], started: datetime, finished: datetime) -> Outcome:

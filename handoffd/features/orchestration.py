@@ -58,7 +58,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import Outcome, book, book_int
-from ..core.errors import DuplicateHandoff, ErrorCode, HandoffdError, InvalidDocument
+from ..core.errors import (DuplicateHandoff, ErrorCode, HandoffdError, InvalidDocument,
+                           is_shortage, shortage_words)
 from ..core.formats import ArtifactSink, FiledState
 from ..core.logs import log
 from ..core.states import PARKED, State
@@ -167,6 +168,8 @@ def parked_outcome(engine: "Engine", job: "Job", result: dict[str, Any], started
         return engine.failure(started, ErrorCode.VALIDATION_FAILED, f"handoff {job.handoff_id}: specialist "
                               f"answered {status}, but {exc}", retryable=False, result=result)
     except Exception as exc:  # a shape no check foresaw: one line and a code, never a traceback
+        if is_shortage(exc):  # (no fault of the result's, which it filed VALIDATION_FAILED for
+            raise  # good: read again after a wait, its attempt not charged: _usable_outcome)
         log.debug("handoff %s: reading the %s result failed", job.handoff_id, status, exc_info=True)
         return engine.failure(started, ErrorCode.VALIDATION_FAILED, f"handoff {job.handoff_id}: "
                               f"specialist answered {status}, but it cannot be read: {_why(exc)}",
@@ -248,9 +251,10 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
     except (InvalidDocument, _Malformed) as exc:  # a child nobody could run: nothing made
         return _fail_delegation(engine, claim, dialect, spec, ErrorCode.VALIDATION_FAILED,
                                 f"its delegation is malformed: {exc}", retryable=False)
-    except (HandoffdError, OSError) as exc:  # e.g. a child id's holder unreadable right now
+    except (HandoffdError, OSError, MemoryError) as exc:  # e.g. a child id's holder unreadable
+        # right now, or a passing shortage (a MemoryError was filed VALIDATION_FAILED for good)
         return _fail_delegation(engine, claim, dialect, spec, ErrorCode.PROCESSING_ERROR,
-                                f"could not check its child ids: {exc}", retryable=True)
+                                f"could not check its child ids: {_said(exc)}", retryable=True)
     except Exception as exc:  # an entry no check foresaw (or a bug): filed, with one line
         log.debug("handoff %s: planning its children failed", claim.id, exc_info=True)
         return _fail_delegation(engine, claim, dialect, spec, ErrorCode.VALIDATION_FAILED,
@@ -290,10 +294,16 @@ def _creation_failure(parent: str, exc: Exception) -> tuple[str, str, bool]:
                 f"{exc.handoff_id!r} is taken by another handoff", False)
     if isinstance(exc, InvalidDocument):  # e.g. a child over max_document_bytes
         return ErrorCode.VALIDATION_FAILED, f"its delegation is malformed: {exc}", False
-    if isinstance(exc, (HandoffdError, OSError)):  # e.g. a full disk: worth another try
-        return ErrorCode.PROCESSING_ERROR, f"could not create its child handoffs: {exc}", True
+    if isinstance(exc, (HandoffdError, OSError, MemoryError)):  # a full disk, a passing
+        # shortage: worth another try
+        return ErrorCode.PROCESSING_ERROR, f"could not create its child handoffs: {_said(exc)}", True
     log.debug("handoff %s: creating its children failed", parent, exc_info=exc)
     return ErrorCode.PROCESSING_ERROR, f"could not create its child handoffs: {_why(exc)}", False
+
+
+def _said(exc: BaseException) -> str:
+    """``exc`` as a failure's message says it: a passing shortage in its usual words."""
+    return shortage_words(exc) if is_shortage(exc) else str(exc)
 
 
 def _wait_for_children(engine: "Engine", claim: "Claim", dialect: "Dialect",

@@ -45,8 +45,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ...core.documents import Envelope, Outcome, book
-from ...core.errors import ErrorCode, HandlerError, HandoffdError, InvalidDocument
+from ...core.errors import (ErrorCode, HandlerError, HandoffdError, InvalidDocument, is_shortage,
+                            shortage_words)
 from ...core.logs import deferred
+from ...core.results import failed, wait_to_check_again
 from ...dialects.swarm import dependency_violation
 from ..dependencies import Verdict
 from ..stores import violation_log
@@ -197,16 +199,32 @@ class Enforcer:
         from .findings import Run
         if not isinstance(run, Run):
             return outcome
+        rechecks = 0
         try:
-            if job.context.handback or outcome.status == "cancelled":
-                return outcome  # the attempt does not count / the coordinator stopped it
-            return self.reviewer.review(job, run, outcome)
-        except Exception as exc:  # a checking fault must not let unchecked work complete
-            log.exception("handoff %s: contract check failed", job.handoff_id)
-            return dataclasses.replace(outcome, status="failed", finished_at=self.engine.clock(),
-                                       error={"code": ErrorCode.PROCESSING_ERROR, "retryable": True,
-                                              "message": f"handoff {job.handoff_id}: the contract "
-                                                         f"check failed: {type(exc).__name__}: {exc}"})
+            while True:
+                if job.context.handback or outcome.status == "cancelled":
+                    return outcome  # the attempt does not count / the coordinator stopped it
+                try:
+                    return self.reviewer.review(job, run, outcome)
+                except Exception as exc:  # a checking fault must not let unchecked work complete
+                    if not is_shortage(exc):
+                        log.exception("handoff %s: contract check failed", job.handoff_id)
+                        return self._unchecked(job, outcome, f"the contract check failed: "
+                                                             f"{type(exc).__name__}: {exc}")
+                    words = shortage_words(exc)
+                # a passing shortage (descriptors, memory) is no fault of the work's: it failed
+                # the attempt, counted, with a traceback; the same work is checked again after
+                # a wait, the handler not run again
+                try:
+                    again = wait_to_check_again(job, "its contract could not be checked", words,
+                                                rechecks)
+                except HandlerError as exc:  # cancelled meanwhile: filed cancelled
+                    return failed(outcome.started_at or job.started_at, self.engine.clock(),
+                                  exc.code, str(exc), retryable=False)
+                if not again:
+                    return self._unchecked(job, outcome, f"its contract could not be checked "
+                                                         f"for now: {words}")
+                rechecks += 1
         finally:
             if run.reserved:
                 try:
@@ -218,6 +236,12 @@ class Enforcer:
                               _said(exc))
                 except Exception:  # a bug: its traceback
                     log.exception("handoff %s: cannot release its reservation", job.handoff_id)
+
+    def _unchecked(self, job: "Job", outcome: Outcome, why: str) -> Outcome:
+        """``outcome`` failed, retryable: its contract check did not pass for ``why``."""
+        return dataclasses.replace(outcome, status="failed", finished_at=self.engine.clock(),
+                                   error={"code": ErrorCode.PROCESSING_ERROR, "retryable": True,
+                                          "message": f"handoff {job.handoff_id}: {why}"})
 
 
 def install(engine: "Engine") -> Enforcer:
