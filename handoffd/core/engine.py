@@ -199,6 +199,16 @@ class Engine:
         except Exception as exc:  # e.g. InvalidDocument, or RecursionError on an absurd schema
             return Peek(handoff_id, readable=False, problem=unreadable(handoff_id, exc))
         spec = self.specialist_for(env)
+        if spec is None:
+            # nobody here claims it, so a refusal its claim would make never comes: an answer
+            # (NOT_A_REQUEST) would wait in pending/ for ever, listed as waiting for a
+            # specialist. Asked only here, off the path of every handoff that runs
+            refuse = getattr(dialect, "refuse_unclaimed", None)
+            try:
+                if refuse is not None:
+                    refuse(doc, handoff_id)
+            except InvalidDocument as exc:  # claimable: the claim files the refusal
+                return Peek(handoff_id, readable=False, problem=unreadable(handoff_id, exc))
         return Peek(handoff_id, spec.agent if spec else env.target, env.priority, due_at, True, env,
                     doc)
 

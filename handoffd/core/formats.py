@@ -65,9 +65,13 @@ class Dialect(Protocol):
         keeps large artifact contents out of the answer (seed 000's 1 KB rule); None: inline.
 
         Optional extras a dialect may define: ``is_answer(doc) -> bool`` (the document is an answer
-        this dialect renders, validated against its answer schema and not routable by itself) and
-        ``review(doc, outcome, root) -> Outcome`` (check a result before it may complete; called
-        by the engine's ``after_run`` hook :func:`handoffd.dialects.review_outcome`)."""
+        this dialect renders, validated against its answer schema and not routable by itself),
+        ``refuse_unclaimed(doc, handoff_id)`` (raise InvalidDocument when a pending document its
+        claim would refuse whatever its target, such as a seed-001 answer, has no specialist
+        here: asked by :meth:`Engine.peek <handoffd.core.engine.Engine.peek>` then, as nothing
+        would claim it) and ``review(doc, outcome, root) -> Outcome`` (check a result before it
+        may complete; called by the engine's ``after_run`` hook
+        :func:`handoffd.dialects.review_outcome`)."""
         ...
 
 

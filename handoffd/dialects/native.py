@@ -32,6 +32,14 @@ class NativeDialect:
         (and refused) as the request it would be (only handoffd's own sealed stubs have none)."""
         return native_answer(doc) and isinstance(doc.get("target"), dict)
 
+    def refuse_unclaimed(self, doc: dict[str, Any], handoff_id: str) -> None:
+        """Raise InvalidDocument (NOT_A_REQUEST) when ``doc``, pending as ``handoff_id``, is a
+        seed-001 answer (:meth:`is_answer`): its claim refuses it whatever its target
+        (native_envelope), so one whose target nobody here serves, never claimed, is refused
+        as well rather than left waiting for a specialist that could not run it."""
+        if self.is_answer(doc):
+            refuse_answer(doc, handoff_id)
+
     def schema_names(self, doc: dict[str, Any]) -> list[str]:
         """Request, response or failure schema, by the document's ``status``."""
         status = doc.get("status")

@@ -97,11 +97,11 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
     if due is not None and due > engine.clock():
         retries = book(doc).get("retries", 0)
         return f"retry {retries} at {iso(due)}" if retries else f"scheduled for {iso(due)}"
+    peek = engine.peek(handoff_id)
+    if peek is not None and not peek.readable:  # (an answer nobody here serves too: refused)
+        return f"{peek.problem.code}: {peek.problem}" if peek.problem else ""
     if target and engine.registry.get(target) is None:
         return f"waiting: no specialist registered for {target}"
-    peek = engine.peek(handoff_id)
-    if peek is not None and not peek.readable:
-        return f"{peek.problem.code}: {peek.problem}" if peek.problem else ""
     try:
         verdict = engine.gate(peek) if peek is not None else None
     except Exception as exc:  # a gate reading a broken dependency must not break the listing
