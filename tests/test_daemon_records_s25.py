@@ -164,3 +164,42 @@ def test_several_daemons_make_one_line(home: HandoffdWorkspace,
         raise RuntimeError("boom")
     monkeypatch.setattr(daemon_records, "stale_daemons", broken)
     assert stale_line(home) is None  # never ls's failure
+
+
+def test_a_record_nested_thousands_deep_is_junk_to_serve_and_ls(tmp_path: Path) -> None:
+    """R42: a planted file of 4 KB nested 2,048 deep made the json parser raise
+    RecursionError, which the start-up's record write let out: serve exited 1."""
+    ws = HandoffdWorkspace(tmp_path / "ws")
+    ws.ensure()
+    folder = ws.meta / daemon_records.FOLDER
+    folder.mkdir(parents=True)
+    (folder / "1.deep.json").write_text("[" * 2048 + "]" * 2048)
+    record = daemon_records.ServingRecord(ws, daemon_records.config_stamp(ws.config_path))
+    record.write()  # (removes the dead, reading every record: never raises)
+    assert record.name is not None and (folder / record.name).exists()
+    assert daemon_records.stale_daemons(ws) == []
+    record.remove()
+
+
+def test_junk_names_never_hide_the_records_behind_them(tmp_path: Path) -> None:
+    """R42: only the first 32 names were looked at, temp files and other names included, so
+    32 leftovers silenced ls; temp files a killed daemon left were never removed."""
+    ws = HandoffdWorkspace(tmp_path / "ws")
+    ws.ensure()
+    folder = ws.meta / daemon_records.FOLDER
+    folder.mkdir(parents=True)
+    old = time.time() - 2 * daemon_records.TMP_LEFT_SECONDS
+    for n in range(40):
+        left = folder / f".{n}.abc.json.tmp"
+        left.write_text("{")
+        os.utime(left, (old, old))
+        (folder / f"junk-{n}.txt").write_text("x")
+    (folder / ".fresh.json.tmp").write_text("{")  # (a live daemon's, being renamed)
+    record = daemon_records.ServingRecord(ws, (0, 0, 0, 0))  # (not the file there now)
+    record.write()
+    try:
+        assert daemon_records.stale_daemons(ws) == [os.getpid()]
+        assert not list(folder.glob(".*.abc.json.tmp"))
+        assert (folder / ".fresh.json.tmp").exists()
+    finally:
+        record.remove()

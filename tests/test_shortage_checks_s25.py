@@ -325,3 +325,27 @@ def test_a_memory_shortage_planning_children_is_retried_not_filed_malformed(
     for _ in range(3):  # delegate again, run the child, aggregate
         Daemon(engine, workers=1, watch=False).run_batch()
     assert engine.get(hid)[0] is State.COMPLETED, _events(engine, hid)
+
+
+def test_claims_given_up_unrun_are_handed_back_free_only_so_many_times_in_a_row(
+        tmp_path: Path) -> None:
+    """R42: a mark is an empty folder anyone who can read the lease token can make, and each
+    one made a recovery free: a handler ending its own daemon at every start, marked so, was
+    handed back for ever, uncharged. Bounded as start shortages are (FREE_SHORTAGES)."""
+    from handoffd.service.handbacks import FREE_SHORTAGES
+    clock = Clock()
+    engine, backend = memory_engine(tmp_path, clock, {"@py": lambda doc, ctx: {}})
+    hid = engine.submit(new_native_request(source="@test", target="@py", data={}, now=clock()))
+    for _ in range(FREE_SHORTAGES + 1):
+        job = engine.take(hid)
+        assert job is not None
+        backend.abandon_unrun(job.claim)
+        clock.advance(engine.settings.lease_seconds + 1)
+        assert sweep(engine).recovered == [hid]
+    state, stored = engine.get(hid)
+    events = book(stored)["history"]
+    freed = [e for e in events if e["event"] == "handed_back"
+             and (e.get("detail") or {}).get("not_started") == "GIVEN_UP"]
+    assert len(freed) == FREE_SHORTAGES, [e["event"] for e in events]
+    assert events[-1]["event"] != "handed_back" or \
+        events[-1].get("detail", {}).get("not_started") != "GIVEN_UP", events[-1]

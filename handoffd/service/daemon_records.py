@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from ..core.documents import hostname
+from ..core.jsontext import parse_line
 from ..core.ownfiles import open_folder, open_regular, read_regular
 from ..core.timeutil import iso, utc_now
 from ..core.workspace import Workspace
@@ -34,6 +36,12 @@ MAX_RECORD_BYTES = 4096
 # at most this many entries of the folder are looked at: a folder filled with junk (planted,
 # or left by daemons killed again and again) never makes ls slow
 MAX_RECORDS = 32
+# ... and at most this many names listed to find them (other names, a temp file a killed daemon
+# left, are passed over without a read: they never hide the records behind them)
+MAX_ENTRIES = 1024
+# a temp file of a daemon killed between writing its record and renaming it is removed by the
+# next serve once it is this old (a live one renames its own within microseconds)
+TMP_LEFT_SECONDS = 60.0
 Stamp = tuple[int, int, int, int] | None  # (device, inode, size, mtime in ns); None: no file
 
 
@@ -88,9 +96,10 @@ class ServingRecord:
                 _unlink(folder, tmp)
                 raise
             self.name = name
-        except OSError as exc:
+        except Exception as exc:  # (whatever the folder holds: the daemon serves all the same)
             log.warning("cannot record this daemon in %s (%s): handoff ls cannot say when "
-                        "handoffd.toml changed", _folder(self.ws), exc.strerror or exc)
+                        "handoffd.toml changed", _folder(self.ws),
+                        getattr(exc, "strerror", None) or exc)
         finally:
             os.close(folder)
 
@@ -118,28 +127,50 @@ def _unlink(folder: int, name: str) -> None:
 
 
 def _records(folder: int) -> list[tuple[str, dict[str, Any]]]:
-    """The records in ``folder`` (at most :data:`MAX_RECORDS` entries looked at), with their
-    names; what is not a readable JSON object is skipped."""
-    found = []
+    """The records in ``folder`` (at most :data:`MAX_RECORDS` read, among the first
+    :data:`MAX_ENTRIES` names), with their names; what is not a readable JSON object is
+    skipped, whatever it holds (a record nested thousands deep once stopped ``serve`` with
+    a RecursionError: :func:`~handoffd.core.jsontext.parse_line` never raises)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    read = 0
     with os.scandir(folder) as entries:
         for count, entry in enumerate(entries):
-            if count >= MAX_RECORDS:
+            if count >= MAX_ENTRIES or read >= MAX_RECORDS:
                 break
             if entry.name.startswith(".") or not entry.name.endswith(".json"):
                 continue
+            read += 1
             try:
-                data = json.loads(read_regular(entry.name, MAX_RECORD_BYTES, dir_fd=folder))
-            except (OSError, ValueError):
+                data = parse_line(read_regular(entry.name, MAX_RECORD_BYTES, dir_fd=folder))
+            except OSError:
                 continue
             if isinstance(data, dict):
                 found.append((entry.name, data))
     return found
 
 
+def _remove_left_temps(folder: int, now: float) -> None:
+    """Remove the temp files (``.<name>.tmp``) of daemons killed between writing a record and
+    renaming it, once :data:`TMP_LEFT_SECONDS` old (nothing else ever would)."""
+    with os.scandir(folder) as entries:
+        for count, entry in enumerate(entries):
+            if count >= MAX_ENTRIES:
+                break
+            if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                continue
+            try:
+                old = now - entry.stat(follow_symlinks=False).st_mtime > TMP_LEFT_SECONDS
+            except OSError:
+                continue
+            if old:
+                _unlink(folder, entry.name)
+
+
 def _remove_dead(folder: int, mark: tuple[str, str]) -> None:
     """Remove the records of daemons of this host (and of our namespaces, where we can look
     them up) that no live process bears: killed ones left them."""
     from ..core.liveness import bears_mark
+    _remove_left_temps(folder, time.time())
     for name, data in _records(folder):
         if data.get("host") == hostname() and data.get("ns") == mark[1] \
                 and not bears_mark(data.get("pid"), data.get("proc")):

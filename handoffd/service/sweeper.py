@@ -39,7 +39,7 @@ from ..core.native_format import REFUSED_ANSWER, stub_code
 from ..core.states import State
 from ..core.storage import GIVEN_UP, GIVEN_UP_UNRUN, Claim, owner_died
 from .daemon_records import Stamp, config_stamp
-from .handbacks import FREE_HANDBACKS, STOPS, stops_in_a_row
+from .handbacks import FREE_HANDBACKS, FREE_SHORTAGES, NOT_STARTED, STOPS, stops_in_a_row
 
 log = logging.getLogger("handoffd")
 # the key of Backend.maintain's report saying what its repairs set aside: JSON objects {"id",
@@ -203,11 +203,13 @@ def recover(engine: Engine, claim: Claim, report: SweepReport) -> None:
     # (recorded either way: a delegation's replay adopts the children an attempt ended by
     # recovery made, see features.children)
     record(doc, "recovered", now, reason=reason)
-    if reason == GIVEN_UP_UNRUN:
+    if reason == GIVEN_UP_UNRUN and unrun_in_a_row(doc) < FREE_SHORTAGES:
         # its process gave it up before its handler ran (its admission and its hand-back ran
         # short: service.shortclaims), and said so: a claim that never started, no stop and
         # no crash, handed back as a start shortage's is (it was charged as a crash, and a
-        # handoff with no retries left failed unrun)
+        # handoff with no retries left failed unrun). Bounded as start shortages are: a mark
+        # is an empty folder anyone who reads the lease token can make (a handler ending its
+        # own daemon at every start, marked so, was handed back for ever, uncharged)
         engine.requeue(claim, dialect, "handed_back", reason=UNRUN_REASON,
                        not_started=GIVEN_UP_NOT_STARTED)
         report.recovered.append(claim.id)
@@ -394,6 +396,25 @@ ANSWER_KEYS = ("aggregated_outcome", "children", "error", "errors", "failed_at",
                "retry_available",
                "recovery_actions", "execution_time_seconds", "completed_at", "timestamp_completed",
                "started_at", REFUSED_ANSWER)
+
+
+def unrun_in_a_row(doc: dict[str, Any]) -> int:
+    """How many claims in a row, at the end of the handoff's history, were recovered given up
+    unrun and handed back for it (claims, and the "recovered" record just made, skipped)."""
+    history = book(doc).get("history")
+    count = 0
+    for entry in reversed(history if isinstance(history, list) else []):
+        event = entry.get("event") if isinstance(entry, dict) else None
+        detail = entry.get("detail") if isinstance(entry, dict) else None
+        if event == "claimed" or (event == "recovered" and isinstance(detail, dict)
+                                  and detail.get("reason") == GIVEN_UP_UNRUN):
+            continue
+        if event == "handed_back" and isinstance(detail, dict) \
+                and detail.get(NOT_STARTED) == GIVEN_UP_NOT_STARTED:
+            count += 1
+            continue
+        break
+    return count
 
 
 def restore_request(doc: dict[str, Any]) -> None:
