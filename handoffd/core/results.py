@@ -141,6 +141,10 @@ def _checked(job: Job, check: Callable[[Job, Outcome], Outcome], outcome: Outcom
             if not is_shortage(exc):
                 raise
             words = shortage_words(exc)
+        if not outcome.succeeded and job.context.cancelled.is_set():
+            # the attempt ended failed already (its timeout, a cancel): that outcome stands, as
+            # it was (a PROCESSING_ERROR, retryable, in its place made a final TIMEOUT a retry)
+            return outcome
         # (waited for outside the except block: a MemoryError's traceback holds what ran short)
         try:
             if wait_to_check_again(job, "its result could not be checked", words, rechecks):
