@@ -11,7 +11,8 @@
 3. A MemoryError writing the document to a command's stdin (``childproc.feed``) killed the
    feeder thread with a traceback and the child ran on a cut document (or none), its attempt
    counted; a MemoryError encoding the document, after the spawn, escaped the runner and left
-   the child waiting for its stdin. Both are now start shortages: handed back uncounted.
+   the child waiting for its stdin. Both are now start shortages: handed back uncounted (the
+   feed's, the child started, said ``stdin_short``, not ``not_started``: review, session 25).
 """
 from __future__ import annotations
 
@@ -206,6 +207,7 @@ def test_a_feed_out_of_memory_is_a_start_shortage(
     assert raised.value.retryable is True
     shortage = starts.not_started(ctx)
     assert shortage is not None and shortage.reason == "ENOMEM" and ctx.handback
+    assert shortage.after_start  # (the child had started: stopped, not "not started")
     assert "out of memory writing its document to its stdin" in shortage.message
     assert "the memory the daemon may use" in shortage.message
     assert _children() == children  # the child was killed and reaped
@@ -246,7 +248,7 @@ def test_a_daemon_hands_a_feed_short_of_memory_back_uncounted(
     state, doc = engine.get(hid)
     assert state is State.PENDING and doc["handoffd"].get("attempt", 0) == 0
     last = _events(engine, hid)[-1]
-    assert last["event"] == "handed_back" and last["detail"]["not_started"] == "ENOMEM"
+    assert last["event"] == "handed_back" and last["detail"]["stdin_short"] == "ENOMEM"
     monkeypatch.undo()  # memory again: it runs, as its first attempt
     clock.advance(1.5)
     assert _batch(engine).completed == 1

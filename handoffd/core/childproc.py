@@ -183,8 +183,10 @@ def feed(proc: subprocess.Popen[bytes], payload: bytes, stop: threading.Event,
     Short of memory (a MemoryError: a poll, a slice, the write), the document is not all
     written: ``fed.short`` says so and the attempt ends at once (``fed.done``), stdin left open
     so that the child, killed then, never reads a cut document as if it were whole; its runner
-    hands the attempt back uncounted (:func:`~.starts.shortage`). The thread once died of it
-    with a traceback, and the child ran on half a document, its attempt counted."""
+    hands the attempt back uncounted, said stopped after its start (:func:`~.starts.shortage`,
+    ``after_start``), unless the child had already exited on its own with a whole
+    ``completed`` result, which is kept. The thread once died of it with a traceback, and the
+    child ran on half a document, its attempt counted."""
     assert proc.stdin is not None
     close = True
     try:

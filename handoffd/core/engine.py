@@ -406,9 +406,13 @@ class Engine:
         shortage checking it is no fault of the result's: the same result is checked again
         after a wait (:func:`~.results.wait_to_check_again`), the attempt not charged for it
         (it once failed the attempt, counted: a completed handler's last allowed attempt was
-        filed in failed/), and the handler does not run again."""
+        filed in failed/), and the handler does not run again. Each check starts from the
+        job's warnings as they were before the first (an advisory one the check notes was filed
+        once per check that ran short)."""
         rechecks = 0
+        given = list(job.warnings)
         while True:
+            job.warnings[:] = given  # (in place: whoever holds the list sees the same one)
             try:
                 return self.outcome_from_result(job, result, started)
             except (HandlerError, InvalidDocument, ConfigError):

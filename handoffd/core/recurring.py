@@ -22,8 +22,10 @@ of it: the operator's last word was its first WARNING. Every book is known here 
 each problem met carries a number from one count of the process: at its end a batch asks
 (:func:`batch_end`, with the :func:`mark` it took as it began) every book for the problems it
 met since, and each book that still holds one says so in one line (``still short at the end of
-the batch: ...``); one that worked again since it was last met (a book waiting out its
-:attr:`~Recurring.quiet` period) says "works again" then.
+the batch: ...``); one that a sweep found working since it was last met (its kind worked and
+it was not met, for any claim: the sweep's own rule, in a book waiting out its
+:attr:`~Recurring.quiet` period) says "works again" then. Each batch takes its mark as it
+begins (a second batch of one daemon said the first one's problems again).
 
 A passing shortage of descriptors or memory (:func:`~.errors.is_shortage`: EMFILE, ENFILE,
 ENOMEM, a MemoryError) is no fault of the store: its line is a WARNING, and the exception is said
@@ -73,7 +75,11 @@ class _Problem:
     met: int = 0  # its number when last met (_MET): whether a batch met it
     level: int = ERROR
     words: str = ""  # what failed, how: said by a batch's end (batch_end)
-    worked: bool = False  # its kind worked since it was last met (not yet quiet long enough)
+    # a sweep since it was last met had its kind work and did not meet it (the sweep's rule,
+    # :meth:`Recurring.end`), though not yet quiet long enough to clear: what a batch's end
+    # says "works again" (set as a step of its kind worked, a key still failing for another
+    # claim in the same sweep was said cleared)
+    worked: bool = False
 
 
 class Recurring:
@@ -125,24 +131,28 @@ class Recurring:
         """A step of ``kind`` worked in this sweep."""
         with self._mutex:
             self._succeeded.add(kind)
-            for (problem_kind, _), problem in self.active.items():
-                if problem_kind == kind:
-                    problem.worked = True
 
     def end(self, now: float | None = None) -> None:
         """A sweep ended (at ``now``): a problem whose kind worked in it and that it did not
-        meet cleared, if :attr:`quiet` seconds have passed since it was last met."""
+        meet cleared, if :attr:`quiet` seconds have passed since it was last met (else it
+        is marked as having worked: a batch that ends before then says it cleared)."""
         with self._mutex:
-            cleared = [(key, self.active.pop(key)) for key in list(self.active)
-                       if key[0] in self._succeeded and key not in self._failed
-                       and (now is None or now - self.active[key].last_at >= self.quiet)]
+            cleared = []
+            for key in list(self.active):
+                if key[0] not in self._succeeded or key in self._failed:
+                    continue  # (met again in this sweep, for one claim of many: still held)
+                if now is None or now - self.active[key].last_at >= self.quiet:
+                    cleared.append((key, self.active.pop(key)))
+                else:
+                    self.active[key].worked = True
             self._failed.clear()
             self._succeeded.clear()
         _say_cleared(cleared)
 
     def at_batch_end(self, since: int) -> None:
         """A batch that began at :func:`mark` ``since`` ends: of the problems it met, those
-        whose kind worked since they were last met are said cleared ("works again"), and
+        that a sweep since they were last met found working (its kind worked, and it was not
+        met: :meth:`end`'s rule, the quiet period aside) are said cleared ("works again"), and
         those it still holds are said in one line (the line's level the highest of theirs)."""
         with self._mutex:
             met = [(key, problem) for key, problem in self.active.items() if problem.met > since]

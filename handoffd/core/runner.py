@@ -387,10 +387,12 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
                               name=f"wait-{ctx.handoff_id}")
     out.on_overflow = done.set
     error: HandlerError | None = None
+    on_its_own = False  # the child had exited before end_attempt signalled it
     try:  # from the first thread on, however the attempt ends, end_attempt kills, reaps, closes
         start_threads(ctx, spec.agent, proc, exited, (out.thread, err.thread, waiter, feeder))
         started(ctx)
         wait_attempt(done, ctx, timeout)
+        on_its_own = exited.is_set()
         if out.overflow:
             raise HandlerError(f"handoff {ctx.handoff_id}: handler wrote more than "
                                f"{max_output_bytes} bytes to stdout; it was stopped",
@@ -400,15 +402,35 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     finally:
         end_attempt(ctx, proc, token, exited, (out, err), (feeder, waiter))
     if fed.short is not None and (error is None or error.code != ErrorCode.CANCELLED):
-        # it ran on a cut document, or none, and was killed: not the handler's fault
+        answer = _whole_answer(proc, out, err, ctx.handoff_id) \
+            if error is None and on_its_own else None
+        if answer is not None:  # it did its work before the feed ran short: not run again
+            return answer
+        # it had started, on a cut document (or none), and was stopped: not the handler's
+        # fault, handed back uncounted, its history saying it was stopped after its start
         raise shortage(ctx, f"{argv[0][:200]!r} for {spec.agent}", "ENOMEM",
                        "out of memory writing its document to its stdin",
-                       SHORTAGES[errno.ENOMEM]) from None
+                       SHORTAGES[errno.ENOMEM], after_start=True) from None
     if error is not None:
         if error.code in (ErrorCode.CANCELLED, ErrorCode.TIMEOUT):  # what it printed on SIGTERM
             error.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))
         raise error
     return _parse_output(proc.returncode, out.data(), err.data(), ctx.handoff_id)
+
+
+def _whole_answer(proc: subprocess.Popen[bytes], out: Collector, err: Collector,
+                  handoff_id: str) -> dict[str, Any] | None:
+    """The result of a child that exited on its own, status 0, with a valid ``completed``
+    result, although its document's feed ran short meanwhile (the same pass of the wait): it
+    did its work, which a hand-back would run again. None otherwise. Its stdin was never
+    closed, so it met no end of a cut document; whatever else it printed is not trusted."""
+    if proc.returncode != 0:
+        return None
+    try:
+        result = _parse_output(0, out.data(), err.data(), handoff_id)
+    except (HandlerError, MemoryError):
+        return None
+    return result if result.get("status") == "completed" else None
 
 
 def _start_failed(exc: OSError | ValueError, argv: list[str], env: dict[str, str], agent: str,

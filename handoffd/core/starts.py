@@ -38,11 +38,15 @@ NOT_STARTED = "handoffd.not_started"  # the key of a :class:`NotStarted` in ctx.
 class NotStarted:
     """An attempt whose handler could not be started for a passing shortage: ``reason`` (an
     errno's name, or :data:`THREADS`), the one line saying so, naming the resource limit, and
-    ``words``, the shortage itself in that line (what a batch's end says of it)."""
+    ``words``, the shortage itself in that line (what a batch's end says of it).
+    ``after_start``: the handler had started, and was stopped when what it needed from the
+    daemon ran short (its document's feed to its stdin): handed back uncounted all the same,
+    its history saying so (it said "not started" of a child that may have run a while)."""
 
     reason: str
     message: str
     words: str = ""
+    after_start: bool = False
 
 
 def claim_shortage(handoff_id: str, exc: OSError | MemoryError,
@@ -73,12 +77,21 @@ def not_started(ctx: HandlerContext) -> NotStarted | None:
     return found if isinstance(found, NotStarted) else None
 
 
-def shortage(ctx: HandlerContext, what: str, reason: str, why: str, limit: str) -> HandlerError:
+def shortage(ctx: HandlerContext, what: str, reason: str, why: str, limit: str, *,
+             after_start: bool = False) -> HandlerError:
     """Mark the attempt as not started for a passing shortage (:func:`not_started`) and return
     its error: the after-run hooks see an attempt that does not count (``ctx.handback``: a
-    contract's reservation is released, its scope not reviewed), the worker hands it back."""
-    message = f"handoff {ctx.handoff_id}: cannot start {what} for now: {why} ({reason}: {limit})"
-    ctx.feature_state[NOT_STARTED] = NotStarted(reason, message, f"{why} ({reason}: {limit})")
+    contract's reservation is released, its scope not reviewed), the worker hands it back.
+    ``after_start``: the handler had started, and was stopped for the shortage
+    (:attr:`NotStarted.after_start`)."""
+    if after_start:
+        message = (f"handoff {ctx.handoff_id}: {what} was stopped after it started: {why} "
+                   f"({reason}: {limit})")
+    else:
+        message = (f"handoff {ctx.handoff_id}: cannot start {what} for now: {why} "
+                   f"({reason}: {limit})")
+    ctx.feature_state[NOT_STARTED] = NotStarted(reason, message, f"{why} ({reason}: {limit})",
+                                                after_start)
     ctx.handback = True
     return HandlerError(message, handoff_id=ctx.handoff_id, retryable=True,
                         details={"cannot_start": reason})

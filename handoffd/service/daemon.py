@@ -351,6 +351,10 @@ class Daemon(BatchEnd):
         if max_seconds is not None:
             began = self.started if self.started is not None else time.monotonic()
             self.scheduler.batch_deadline = began + max_seconds
+        if self.first_sweep is None:  # (one made ahead, by spread, is this batch's: its
+            # mark, taken as this daemon was built, stands) a batch says only what it met: a
+            # second one of this daemon repeated the first one's problems at its end
+            self._problems_since = recurring.mark()
         self.report.sweep = self._start_sweep()
         self.feed.subscribe()
         self._guarded_loop(batch=True)

@@ -56,6 +56,10 @@ STOPS = "stops_in_a_row"  # detail of an error filed for a counted stop (or coun
 # hand-backs in a row (about half an hour) counts each further one as a failed attempt
 # (``PROCESSING_ERROR``, detail SHORTAGE_RUN) under the retry policy: the history stays bounded.
 NOT_STARTED = "not_started"
+# what a handed_back event says instead when the handler had started and was stopped for the
+# shortage (its document's feed to its stdin ran out of memory): uncounted, and counted in the
+# same run of shortages in a row, but not said "not started" of a child that may have run a while
+STDIN_SHORT = "stdin_short"
 SHORTAGE_RUN = "shortages_in_a_row"
 FREE_SHORTAGES = 30
 SHORTAGE_FIRST_SECONDS = 1.0
@@ -140,7 +144,8 @@ def shortages_in_a_row(doc: dict[str, Any]) -> int:
         error = detail.get("error")
         details = error.get("details") if isinstance(error, dict) else None
         counted = isinstance(details, dict) and SHORTAGE_RUN in details
-        if (event == "handed_back" and isinstance(detail.get(NOT_STARTED), str)) or (
+        short = detail.get(NOT_STARTED, detail.get(STDIN_SHORT))
+        if (event == "handed_back" and isinstance(short, str)) or (
                 event == "retry_scheduled" and counted):
             count += 1
             continue
@@ -175,9 +180,10 @@ def hand_back_unstarted(engine: Engine, job: Job, shortage: NotStarted, outcome:
             "hand-backs each counts as an attempt)", retryable=True,
             details={SHORTAGE_RUN: streak, "cannot_start": shortage.reason})
     delay = shortage_delay(job.claim.doc)
+    said: dict[str, Any] = {STDIN_SHORT if shortage.after_start else NOT_STARTED: shortage.reason}
     where = engine.requeue(job.claim, job.dialect, "handed_back",
                            due_at=engine.clock() + timedelta(seconds=delay),
-                           reason=shortage.message, not_started=shortage.reason)
+                           reason=shortage.message, **said)
     if where is State.PENDING:
         msg = "%s; handed back uncounted, started again in %gs"
         if shortages is None:
