@@ -37,6 +37,16 @@ def quick_rechecks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(results_module, "RECHECK_SECONDS", 0.01, raising=False)
 
 
+
+def _completed_once(engine: Any, hid: str, report: Any) -> None:
+    """The handler ran once, its attempt counted once: no retry, no hand-back, no failure."""
+    state, stored = engine.get(hid)
+    names = [e["event"] for e in _events(engine, hid)]
+    assert state is State.COMPLETED, (state, names, book(stored).get("last_error"))
+    assert names == ["created", "claimed", "completed"], names
+    assert book(stored)["attempt"] == 1
+    assert report.completed == 1 and report.failed == 0 and report.errors == 0, report
+
 @pytest.mark.parametrize("error", [emfile, MemoryError])
 def test_a_shortage_checking_the_result_of_a_last_attempt_does_not_fail_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Any) -> None:
@@ -46,13 +56,7 @@ def test_a_shortage_checking_the_result_of_a_last_attempt_does_not_fail_it(
     monkeypatch.setattr(engine.checks.schemas, "errors_with", check)
     report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
     assert check.raised == 1
-    state, stored = engine.get(hid)
-    names = [e["event"] for e in _events(engine, hid)]
-    assert state is State.COMPLETED, (state, names, book(stored).get("last_error"))
-    # the handler ran once, its attempt counted once: no retry, no hand-back, no failure
-    assert names == ["created", "claimed", "completed"], names
-    assert book(stored)["attempt"] == 1
-    assert report.completed == 1 and report.failed == 0 and report.errors == 0, report
+    _completed_once(engine, hid, report)
 
 
 
@@ -117,14 +121,9 @@ def test_a_shortage_reading_the_artifacts_of_a_last_attempt_does_not_fail_it(
     monkeypatch.setattr(artifacts, "open_reading", read)
     report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
     assert read.raised == 1
-    state, stored = engine.get(hid)
-    names = [e["event"] for e in _events(engine, hid)]
-    assert state is State.COMPLETED, (state, names, book(stored).get("last_error"))
-    assert names == ["created", "claimed", "completed"], names
-    assert book(stored)["attempt"] == 1
-    [recorded] = stored["artifacts"]
+    _completed_once(engine, hid, report)
+    [recorded] = engine.get(hid)[1]["artifacts"]
     assert recorded["path"] == "artifacts/a.txt" and recorded["size_bytes"] == 19, recorded
-    assert report.completed == 1 and report.failed == 0 and report.errors == 0, report
 
 
 # ---------------------------------------------------------------- a kept claim given up at a stop
@@ -268,12 +267,7 @@ def test_a_shortage_in_an_after_run_hook_does_not_strand_or_charge_a_last_attemp
     engine.after_run.insert(0, hook)
     report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=10)
     assert hook.raised == 1
-    state, stored = engine.get(hid)
-    names = [e["event"] for e in _events(engine, hid)]
-    assert state is State.COMPLETED, (state, names, book(stored).get("last_error"))
-    assert names == ["created", "claimed", "completed"], names
-    assert book(stored)["attempt"] == 1
-    assert report.completed == 1 and report.failed == 0 and report.errors == 0, report
+    _completed_once(engine, hid, report)
     _no_traceback(caplog)
 
 
