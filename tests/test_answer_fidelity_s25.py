@@ -40,7 +40,8 @@ def _command(code: str) -> str:
 
 
 QUICK = "print(json.dumps({'status': 'completed', 'output': {'ran': True}}))"
-CONFIG = f"""
+# the daemon and retry settings of this file's workspaces (test_final_answers_s25 too)
+HEADER = """
 [daemon]
 settle_seconds = 0.05
 durability = "fast"
@@ -48,7 +49,8 @@ durability = "fast"
 [retry]
 max_retries = 3
 retry_delay_seconds = 600
-
+"""
+CONFIG = HEADER + f"""
 [specialists."python-lora"]
 command = {_command("time.sleep(20); print(json.dumps({'status': 'completed'}))")}
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from conftest import Workspace, new_workspace
 from dialect_examples import AGENT_SUCCESS, HAIOS_HANDOFF, HAIOS_RESULT, fresh
-from test_answer_fidelity_s25 import _command, _native
+from test_answer_fidelity_s25 import HEADER, _command, _native
 from test_seed_fidelity_s24 import SEED_RESPONSE
 
 from handoffd.core.documents import Outcome
@@ -35,15 +35,7 @@ from handoffd.dialects.haios import HaiosDialect
 # false: `handoff retry` needs --force)
 REFUSING = ("print(json.dumps({'status': 'failed', 'error': {'code': 'PROCESSING_ERROR', "
             "'message': 'the ledger is closed', 'retryable': False}}))")
-CONFIG = f"""
-[daemon]
-settle_seconds = 0.05
-durability = "fast"
-
-[retry]
-max_retries = 3
-retry_delay_seconds = 600
-
+CONFIG = HEADER + f"""
 [specialists."slow-v1"]
 command = {_command("time.sleep(20); print(json.dumps({'status': 'completed'}))")}
 
