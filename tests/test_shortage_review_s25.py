@@ -15,7 +15,7 @@ import pytest
 from conftest import Clock
 from test_shortage_books_s25 import _NoMemory
 from test_shortage_keep_s23 import _emfile, _said
-from test_shortage_schemas_s23 import _engine, _events, _submit
+from test_shortage_schemas_s23 import _engine, _events
 from test_start_shortage_s20 import FailFirst, _context
 from test_start_shortage_s20 import _engine as start_engine
 from test_start_shortage_s20 import _submit as start_submit
