@@ -16,10 +16,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
+
+from ...core.errors import is_shortage
+from .shortages import wait_out
 
 if TYPE_CHECKING:
     import subprocess
+    import threading
 
 FORMS = (("tests", "tests pass:"), ("type_check", "type check passes:"),
          ("command", "command succeeds:"))
@@ -37,8 +41,10 @@ def parse(criterion: str) -> tuple[str, str] | None:
     return None
 
 
-def check(criterion: str, *, cwd: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
-    """Evaluate one criterion; the record filed under ``validation.criteria``."""
+def check(criterion: str, *, cwd: Path, timeout: float, env: dict[str, str],
+          cancelled: threading.Event | None = None) -> dict[str, Any]:
+    """Evaluate one criterion; the record filed under ``validation.criteria``. ``cancelled``:
+    the attempt's stop, which ends a wait for descriptors early (see :func:`run`)."""
     parsed = parse(criterion)
     if parsed is None:
         return {"criterion": criterion, "kind": "prose", "status": "unchecked",
@@ -55,21 +61,22 @@ def check(criterion: str, *, cwd: Path, timeout: float, env: dict[str, str]) -> 
         return dict(record, status="failed", exit_code=None, duration_seconds=0.0,
                     output_tail="no command after the prefix")
     record["argv"] = argv
-    return dict(record, **run(argv, cwd=cwd, timeout=timeout, env=env))
+    return dict(record, **run(argv, cwd=cwd, timeout=timeout, env=env, cancelled=cancelled))
 
 
-def run(argv: list[str], *, cwd: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
-    """Run ``argv`` (no shell) with a time limit; status, exit code, duration and output tail."""
+def run(argv: list[str], *, cwd: Path, timeout: float, env: dict[str, str],
+        cancelled: threading.Event | None = None) -> dict[str, Any]:
+    """Run ``argv`` (no shell) with a time limit; status, exit code, duration and output tail.
+    A command that cannot start for a passing shortage (EMFILE...) is started again after a
+    wait (see :func:`_start`); one that still cannot start has failed, as any other."""
     import subprocess
-    import tempfile
-    started = time.monotonic()
-    with tempfile.TemporaryFile() as sink:
-        try:
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=sink,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as exc:
-            return {"status": "failed", "exit_code": None, "duration_seconds": 0.0,
-                    "output_tail": f"cannot start {argv[0]!r}: {exc.strerror or exc}"}
+    started = _start(argv, cwd=cwd, env=env, cancelled=cancelled)
+    if isinstance(started, OSError):
+        return {"status": "failed", "exit_code": None, "duration_seconds": 0.0,
+                "output_tail": f"cannot start {argv[0]!r}: {started.strerror or started}"}
+    sink, proc = started
+    began = time.monotonic()
+    with sink:
         timed_out = False
         try:
             code: int | None = proc.wait(timeout=timeout)
@@ -81,7 +88,7 @@ def run(argv: list[str], *, cwd: Path, timeout: float, env: dict[str, str]) -> d
             except subprocess.TimeoutExpired:
                 pass
             code = proc.returncode
-        duration = round(time.monotonic() - started, 3)
+        duration = round(time.monotonic() - began, 3)
         sink.seek(0, os.SEEK_END)
         size = sink.tell()
         sink.seek(max(size - TAIL_CHARS * 4, 0))
@@ -93,6 +100,37 @@ def run(argv: list[str], *, cwd: Path, timeout: float, env: dict[str, str]) -> d
         result["timed_out"] = True
         result["output_tail"] = (tail + f"\n[killed after {timeout:g}s time limit]").lstrip("\n")
     return result
+
+
+def _start(argv: list[str], *, cwd: Path, env: dict[str, str],
+           cancelled: threading.Event | None) -> tuple[IO[bytes], subprocess.Popen[bytes]] | OSError:
+    """The command's output file and process, or the OSError that kept it from starting.
+    A passing shortage (descriptors, memory: the daemon's, not the command's fault) is waited out
+    (:func:`~handoffd.features.contracts.shortages.wait_out`) and only this command started
+    again: the criteria run before it keep their results (run again, their changes would be
+    judged as the handler's). A shortage creating the output file, past the waits, is raised."""
+    import subprocess
+    import tempfile
+    waits = 0
+    while True:
+        try:
+            sink = tempfile.TemporaryFile()
+        except OSError as exc:
+            if not is_shortage(exc) or not wait_out(exc, waits, f"criterion {argv[0]!r}: its "
+                                                    "output file could not be made", cancelled):
+                raise
+            waits += 1
+            continue
+        try:
+            return sink, subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                          stdout=sink, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        except OSError as exc:
+            sink.close()
+            if not is_shortage(exc) or not wait_out(exc, waits, f"criterion {argv[0]!r} could "
+                                                    "not start", cancelled):
+                return exc
+            waits += 1
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -30,6 +30,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ...core.errors import is_shortage
 from .walk import LIMIT_HINT, Incomplete, Walker
 
 if TYPE_CHECKING:
@@ -190,6 +191,8 @@ def _git(root: Path, *args: str, limit: int = MAX_ANSWER_BYTES,
     except FileNotFoundError:
         raise GitError("git is not installed") from None
     except OSError as exc:
+        if is_shortage(exc):  # the daemon's descriptors, not git's answer: the caller waits
+            raise
         raise GitError(f"git {args[0]} could not start: {exc.strerror or exc}") from None
     try:
         stdout, stderr = _read_capped(proc, args[0], limit, too_much or GitError(

@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ...core.documents import Envelope, Outcome
-from ...core.errors import ErrorCode
+from ...core.errors import ErrorCode, is_shortage
 from ...core.logs import deferred
 from . import criteria as criteria_mod
 from . import patterns, violations
@@ -52,7 +52,7 @@ class Review:
         if run.snapshotter is not None and run.before is not None:
             from .snapshots import ScopeUnverifiable  # loaded already: run.snapshotter is one
             try:
-                found.changes, after = run.snapshotter.changes(run.before)
+                found.changes, after = self._changes(job, run, run.before)
             except ScopeUnverifiable as exc:  # fail closed, with the one line git gave
                 log.error("handoff %s: %s", job.handoff_id, exc)
                 found.violations.append(_unverifiable(str(exc)))
@@ -86,7 +86,7 @@ class Review:
         assert run.snapshotter is not None
         first = len(found.violations)
         try:
-            changes, _ = run.snapshotter.changes(after)
+            changes, _ = self._changes(job, run, after)
         except ScopeUnverifiable as exc:
             found.violations.append(_unverifiable(str(exc)))
         else:
@@ -100,6 +100,30 @@ class Review:
                 violation["error"] = (f"{violation['change']} (read-only file)"
                                       if violation["kind"] == "readonly_modified"
                                       else f"{violation['change']} outside files_owned") + CRITERIA_SUFFIX
+
+    @staticmethod
+    def _changes(job: "Job", run: Run, before: "Snapshot") -> tuple[list["Change"], "Snapshot"]:
+        """``run.snapshotter.changes(before)``, made again after a wait while it runs short
+        (EMFILE opening a folder or starting git: the daemon's shortage, no fact of the tree's).
+        Only the comparison is made again, which only reads: never the criteria, nor the whole
+        review. Still short after every wait (or stopped meanwhile): ScopeUnverifiable, as an
+        unreadable tree is."""
+        from .shortages import wait_out
+        from .snapshots import ScopeUnverifiable
+        assert run.snapshotter is not None
+        waits = 0
+        while True:
+            try:
+                return run.snapshotter.changes(before)
+            except OSError as exc:
+                if not is_shortage(exc):
+                    raise
+                if not wait_out(exc, waits, f"handoff {job.handoff_id}: its scope could not be "
+                                "compared", job.context.cancelled):
+                    raise ScopeUnverifiable("the scope cannot be verified: after the handler "
+                                            f"ran, cannot read the contract directory: "
+                                            f"{exc.strerror or exc}") from None
+                waits += 1
 
     def _classify(self, job: "Job", run: Run, found: Findings, changes: list["Change"]) -> list["Change"]:
         """Judge ``changes`` (violations and excuses into ``found``); the changes counted as
@@ -175,7 +199,8 @@ class Review:
                                 "status": "unchecked", "note": note})
                 continue
             results.append(criteria_mod.check(criterion, cwd=run.directory,
-                                              timeout=run.contract.criteria_timeout, env=env))
+                                              timeout=run.contract.criteria_timeout, env=env,
+                                              cancelled=job.context.cancelled))
         return results
 
     # ------------------------------------------------------------ filing the findings

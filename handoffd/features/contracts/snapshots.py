@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...backends.files.fsio import replace
+from ...core.errors import is_shortage
 from ...core.ownfiles import plain_folder, read_regular
 from .gitlist import GitError, git_files, git_guarded
 from .patterns import SCOPE_MODES
@@ -135,7 +136,13 @@ class Snapshotter:
         try:
             mode, note, paths, guarded = self._listing(None)
             infos = self._stat_all(paths)
-        except Incomplete as exc:  # nothing hashed: comparing with it says "unverifiable"
+        except (Incomplete, OSError) as exc:  # nothing hashed: comparing with it says
+            # "unverifiable"; so does a passing shortage (the only OSError the listing lets
+            # out): before the handler it is not waited out here, as it never was
+            if not isinstance(exc, Incomplete) and not is_shortage(exc):
+                raise
+            if not isinstance(exc, Incomplete):
+                exc = Incomplete(f"cannot read the contract directory: {exc.strerror or exc}")
             return Snapshot(self.root, self._walker.tally.mode, taken, note=str(exc),
                             incomplete=str(exc))
         snap = Snapshot(self.root, mode, taken, note=note, guarded=guarded)
@@ -159,7 +166,9 @@ class Snapshotter:
     def changes(self, before: Snapshot) -> tuple[list[Change], Snapshot]:
         """What changed since ``before`` (sorted by path), and the snapshot taken now.
         Raises ScopeUnverifiable when git answered for ``before`` and no longer does, or when
-        either snapshot is incomplete (too big or too deep to see whole: never "unchanged")."""
+        either snapshot is incomplete (too big or too deep to see whole: never "unchanged").
+        A passing shortage (EMFILE opening a folder or starting git) raises its OSError: the
+        comparison only reads, and the caller makes it again after a wait."""
         if before.incomplete:
             raise ScopeUnverifiable(f"the scope cannot be verified: before the handler ran, "
                                     f"{before.incomplete}")
@@ -213,7 +222,9 @@ class Snapshotter:
             guarded = before.guarded if before is not None else git_guarded(self.root)
             tally.mode = "git"
             listed = git_files(self._walker)
-        except GitError as exc:
+        except (GitError, OSError) as exc:
+            if isinstance(exc, OSError) and (before is not None or not is_shortage(exc)):
+                raise  # a shortage after the handler: the caller waits and compares again
             if before is not None:
                 raise ScopeUnverifiable("the scope cannot be verified: after the handler ran, "
                                         f"{exc}") from None
@@ -240,6 +251,8 @@ class Snapshotter:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             except OSError as exc:
+                if is_shortage(exc):  # (ENOMEM) no fact of the path's: the caller waits
+                    raise
                 raise Incomplete(f"cannot look at {cut(rel)}: {exc.strerror or exc}") from None
             if stat.S_ISDIR(info.st_mode) and rel not in self._walker.tally.opaque:
                 continue  # a submodule's folder (its files are walked apart): not a file

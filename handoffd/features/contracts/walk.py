@@ -13,6 +13,8 @@ more than :data:`MAX_ENTRIES` files and folders and descends no more than :data:
 folders below the directory. Past either, or when a path cannot be looked at (a name too long for
 the system), it raises :class:`Incomplete` with one line saying why: a tree too big to see is
 never reported as unchanged, and no tree can make a listing take unbounded time or memory.
+A passing shortage of the daemon's own (EMFILE opening a folder: ``is_shortage``) is no fact of
+the tree's: the OSError itself is raised, for the caller to wait and list again.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from ...core.errors import is_shortage
 
 SKIP_DIR_NAMES = frozenset({".git", ".venv", "__pycache__"})
 MAX_ENTRIES = 200_000  # files and folders one snapshot looks at; more: it is incomplete
@@ -118,6 +122,8 @@ class Walker:
         except (FileNotFoundError, NotADirectoryError):
             return None  # the directory itself is gone: every file in it was deleted
         except OSError as exc:
+            if is_shortage(exc):  # the daemon's descriptors, not the tree: the caller waits
+                raise
             raise Incomplete("cannot read the contract directory: "
                              f"{exc.strerror or exc}") from None
         rel = ""
@@ -144,6 +150,8 @@ class Walker:
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if is_shortage(exc):  # the daemon's descriptors, not an unreadable folder
+                raise
             found.add(rel)  # a symlink or file swapped in: lstat says what it is
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 self.tally.opaque.add(rel)  # unreadable: the folder itself is watched
@@ -168,6 +176,8 @@ class Walker:
                     elif not self.skip(rel):
                         found.add(rel)
         except OSError as exc:  # a read error mid-folder: the folder itself is watched too
+            if is_shortage(exc):  # (but not a shortage of the daemon's: the caller waits)
+                raise
             if not rel_dir:
                 raise Incomplete("cannot read the contract directory: "
                                  f"{exc.strerror or exc}") from None
