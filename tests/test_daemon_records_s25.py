@@ -105,31 +105,33 @@ def test_a_killed_daemons_record_says_nothing_and_the_next_serve_removes_it(
     folder = home.meta / daemon_records.FOLDER
     left = json.loads((folder / record.name).read_text())
     dead = {**left, "proc": "0" * 16}  # a pid this mark does not fit: a dead (or reused) one
-    (folder / "1.dead.json").write_text(json.dumps(dead))
+    (folder / "1.000000000001.json").write_text(json.dumps(dead))
     elsewhere = {**left, "host": "another-host"}  # not ours to judge, nor to remove
-    (folder / "2.elsewhere.json").write_text(json.dumps(elsewhere))
+    (folder / "2.000000000002.json").write_text(json.dumps(elsewhere))
     record.remove()
     assert stale_daemons(home) == []
     ServingRecord(home, None).write()  # the next serve
     names = {path.name for path in folder.iterdir()}
-    assert "1.dead.json" not in names and "2.elsewhere.json" in names
+    assert "1.000000000001.json" not in names and "2.000000000002.json" in names
 
 
 def test_junk_in_the_records_folder_never_fails_ls(home: HandoffdWorkspace) -> None:
     folder = home.meta / daemon_records.FOLDER
     folder.mkdir()
-    (folder / "junk.json").write_text("{not json")
-    (folder / "list.json").write_text("[1, 2]")
-    (folder / "big.json").write_text(json.dumps({"pad": "x" * 10_000}))
-    (folder / "dir.json").mkdir()
-    os.mkfifo(folder / "fifo.json")  # (opened without blocking: no hang)
-    (folder / "zero.json").symlink_to("/dev/zero")
+    # (under the names a daemon gives its records: other names are never read)
+    (folder / "11.00000000000a.json").write_text("{not json")
+    (folder / "12.00000000000b.json").write_text("[1, 2]")
+    (folder / "13.00000000000c.json").write_text(json.dumps({"pad": "x" * 10_000}))
+    (folder / "14.00000000000d.json").mkdir()
+    os.mkfifo(folder / "15.00000000000e.json")  # (opened without blocking: no hang)
+    (folder / "16.00000000000f.json").symlink_to("/dev/zero")
     # a record this live process wrote, copied with each field wrong in turn
     ServingRecord(home, config_stamp(home.config_path)).write()
     good = json.loads(next(p for p in folder.glob(f"{os.getpid()}.*.json")).read_text())
-    for key, bad in (("pid", "1"), ("pid", True), ("pid", -5), ("config", "x"),
-                     ("config", [1, 2]), ("config", [1, 2, 3, "4"]), ("proc", None)):
-        (folder / f"bad-{key}-{bad!r}.json").write_text(json.dumps({**good, key: bad}))
+    for n, (key, bad) in enumerate((("pid", "1"), ("pid", True), ("pid", -5), ("config", "x"),
+                                    ("config", [1, 2]), ("config", [1, 2, 3, "4"]),
+                                    ("proc", None))):
+        (folder / f"{20 + n}.{n:012x}.json").write_text(json.dumps({**good, key: bad}))
     for path in folder.glob(f"{os.getpid()}.*.json"):
         path.unlink()
     edit_config(home.config_path)
@@ -173,7 +175,7 @@ def test_a_record_nested_thousands_deep_is_junk_to_serve_and_ls(tmp_path: Path) 
     ws.ensure()
     folder = ws.meta / daemon_records.FOLDER
     folder.mkdir(parents=True)
-    (folder / "1.deep.json").write_text("[" * 2048 + "]" * 2048)
+    (folder / "1.000000000abc.json").write_text("[" * 2048 + "]" * 2048)
     record = daemon_records.ServingRecord(ws, daemon_records.config_stamp(ws.config_path))
     record.write()  # (removes the dead, reading every record: never raises)
     assert record.name is not None and (folder / record.name).exists()
@@ -194,6 +196,8 @@ def test_junk_names_never_hide_the_records_behind_them(tmp_path: Path) -> None:
         left.write_text("{")
         os.utime(left, (old, old))
         (folder / f"junk-{n}.txt").write_text("x")
+    for n in range(600):  # (R43: 400 names ending .json hid the record 20 times in 20)
+        (folder / f"junk-{n}.json").write_text("[]")
     (folder / ".fresh.json.tmp").write_text("{")  # (a live daemon's, being renamed)
     record = daemon_records.ServingRecord(ws, (0, 0, 0, 0))  # (not the file there now)
     record.write()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ MAX_RECORD_BYTES = 4096
 # at most this many entries of the folder are looked at: a folder filled with junk (planted,
 # or left by daemons killed again and again) never makes ls slow
 MAX_RECORDS = 32
+# the name a daemon gives its record (ServingRecord.write): <pid>.<12 hex digits>.json
+_RECORD_NAME = re.compile(r"[1-9][0-9]{0,9}\.[0-9a-f]{12}\.json")
 # ... and at most this many names listed to find them (other names, a temp file a killed daemon
 # left, are passed over without a read: they never hide the records behind them)
 MAX_ENTRIES = 1024
@@ -128,7 +131,7 @@ def _unlink(folder: int, name: str) -> None:
 
 def _records(folder: int) -> list[tuple[str, dict[str, Any]]]:
     """The records in ``folder`` (at most :data:`MAX_RECORDS` read, among the first
-    :data:`MAX_ENTRIES` names), with their names; what is not a readable JSON object is
+    :data:`MAX_ENTRIES` names; only names a daemon gives its record count), with their names; what is not a readable JSON object is
     skipped, whatever it holds (a record nested thousands deep once stopped ``serve`` with
     a RecursionError: :func:`~handoffd.core.jsontext.parse_line` never raises)."""
     found: list[tuple[str, dict[str, Any]]] = []
@@ -137,8 +140,8 @@ def _records(folder: int) -> list[tuple[str, dict[str, Any]]]:
         for count, entry in enumerate(entries):
             if count >= MAX_ENTRIES or read >= MAX_RECORDS:
                 break
-            if entry.name.startswith(".") or not entry.name.endswith(".json"):
-                continue
+            if not _RECORD_NAME.fullmatch(entry.name):
+                continue  # (not a name a daemon gives its record: never read, never counted)
             read += 1
             try:
                 data = parse_line(read_regular(entry.name, MAX_RECORD_BYTES, dir_fd=folder))
