@@ -193,3 +193,28 @@ def test_the_comparison_short_past_every_wait_is_unverifiable(
     error = book(stored)["final_error"]
     assert error["code"] == "CONTRACT_VIOLATION" and "Too many open files" in error["message"], error
     assert hid in _learning_log(engine)  # (the log path is the one _learning_log reads)
+
+
+def test_a_folder_that_cannot_be_opened_before_the_handler_hands_it_back_uncounted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R44: EMFILE opening a subfolder while the snapshot is taken, before the handler, made
+    the snapshot incomplete: CONTRACT_VIOLATION, not retryable, the handler never run, even
+    with retries left. It is a start shortage: handed back uncounted, then run."""
+    engine = _engine(tmp_path / "ws", retry={"max_retries": 0})
+    (tmp_path / "ws" / "src").mkdir()
+    (tmp_path / "ws" / "lib" / "deep").mkdir(parents=True)
+    opener = FailFirst(os.open, 1, emfile, when=lambda path, *a, **k: path == "deep")
+    monkeypatch.setattr(walk.os, "open", opener)
+    doc = new_native_request(source="@test", target="@cmd", data={}, now=engine.clock())
+    doc["contract"] = {"files_owned": ["src/**"], "scope_check": "hash"}
+    hid = engine.backend.store.create(doc, doc["handoff_id"], now=engine.clock())
+    report = Daemon(engine, workers=1, watch=False).run_batch(max_seconds=30)
+    assert opener.raised == 1
+    state, stored = engine.get(hid)
+    events = _events(engine, hid)
+    assert state is State.COMPLETED, (state, [e["event"] for e in events], stored.get("error"))
+    assert [e["event"] for e in events] == ["created", "claimed", "handed_back", "claimed",
+                                            "completed"], events
+    assert events[2]["detail"]["not_started"] == "EMFILE", events[2]
+    assert book(stored)["attempt"] == 1 and report.failed == 0, report
+    assert hid not in _learning_log(engine)

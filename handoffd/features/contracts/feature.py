@@ -49,6 +49,7 @@ from ...core.errors import (ErrorCode, HandlerError, HandoffdError, InvalidDocum
                             shortage_words)
 from ...core.logs import deferred
 from ...core.results import failed, wait_to_check_again
+from ...core.starts import check_shortage
 from ...dialects.swarm import dependency_violation
 from ..dependencies import Verdict
 from ..stores import violation_log
@@ -139,7 +140,16 @@ class Enforcer:
                                           tmp_dir=self.engine.ws.tmp)
             try:
                 run.before = run.snapshotter.take()
-            except (OSError, ValueError) as exc:
+            except (OSError, MemoryError) as exc:
+                if not is_shortage(exc):
+                    raise HandlerError(f"handoff {job.handoff_id}: cannot snapshot the contract "
+                                       f"directory: {exc}", handoff_id=job.handoff_id,
+                                       retryable=True) from None
+                # the daemon's shortage, no fact of the tree's: handed back uncounted, as a
+                # start shortage (it made the snapshot incomplete, which refused it for good)
+                raise check_shortage(job.context, f"{job.specialist.agent}'s handler",
+                                     "taking its contract's snapshot", exc) from None
+            except ValueError as exc:
                 raise HandlerError(f"handoff {job.handoff_id}: cannot snapshot the contract "
                                    f"directory: {exc}", handoff_id=job.handoff_id,
                                    retryable=True) from None

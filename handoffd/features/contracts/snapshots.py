@@ -136,15 +136,12 @@ class Snapshotter:
         try:
             mode, note, paths, guarded = self._listing(None)
             infos = self._stat_all(paths)
-        except (Incomplete, OSError) as exc:  # nothing hashed: comparing with it says
-            # "unverifiable"; so does a passing shortage (the only OSError the listing lets
-            # out): before the handler it is not waited out here, as it never was
-            if not isinstance(exc, Incomplete) and not is_shortage(exc):
-                raise
-            if not isinstance(exc, Incomplete):
-                exc = Incomplete(f"cannot read the contract directory: {exc.strerror or exc}")
+        except Incomplete as exc:  # nothing hashed: comparing with it says "unverifiable"
             return Snapshot(self.root, self._walker.tally.mode, taken, note=str(exc),
                             incomplete=str(exc))
+        # (a passing shortage, the only OSError the listing lets out, is raised: before the
+        # handler, the contract's hook hands the attempt back uncounted; R44 saw it made the
+        # snapshot incomplete, which refused the handoff for good, unrun)
         snap = Snapshot(self.root, mode, taken, note=note, guarded=guarded)
         cache = self._load_cache()
         for rel, info in infos.items():
