@@ -30,6 +30,18 @@ RECHECK_SECONDS = 1.0
 RECHECKS = 5
 
 
+def wait_short(waits: int, stopped: threading.Event, line: Callable[[float], str]) -> bool:
+    """Wait out a passing shortage met ``waits`` times before this one (:data:`RECHECK_SECONDS`,
+    doubling), saying ``line(delay)`` in one warning; True once waited. False when
+    :data:`RECHECKS` waits are spent, or when ``stopped`` is set before or during the wait
+    (whoever calls it says what a stop means there)."""
+    if waits >= RECHECKS or stopped.is_set():
+        return False
+    delay = RECHECK_SECONDS * 2 ** waits
+    log.warning("%s", line(delay))
+    return not stopped.wait(delay)  # (woken early by a stop: a cancel, or the daemon's)
+
+
 def wait_to_check_again(job: Job, what: str, words: str, rechecks: int) -> bool:
     """Checking ``job``'s result ran short (descriptors or memory: ``words``), ``rechecks``
     times before this one: wait (:data:`RECHECK_SECONDS`, doubling) to check the same result
@@ -41,12 +53,10 @@ def wait_to_check_again(job: Job, what: str, words: str, rechecks: int) -> bool:
     exhausts memory at every check), or when the attempt is stopped meanwhile: a cancellation
     is raised as one (CANCELLED), a stop's hand-back is left to its caller."""
     ctx = job.context
-    if rechecks < RECHECKS and not ctx.cancelled.is_set():
-        delay = RECHECK_SECONDS * 2 ** rechecks
-        log.warning("handoff %s: %s for now: %s; checked again in %gs (the handler does not "
-                    "run again)", job.handoff_id, what, words, delay)
-        if not ctx.cancelled.wait(delay):  # (woken early by a stop: a cancel, or the daemon's)
-            return True
+    if wait_short(rechecks, ctx.cancelled, lambda delay: (
+            f"handoff {job.handoff_id}: {what} for now: {words}; checked again in {delay:g}s "
+            "(the handler does not run again)")):
+        return True
     if ctx.stop_requested and not ctx.handback:
         from .watchdog import cancelled  # (loaded by whoever runs handlers)
         raise cancelled(ctx)

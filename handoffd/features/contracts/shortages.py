@@ -11,24 +11,14 @@ import threading
 
 from ...core import results
 from ...core.errors import shortage_words
-from ...core.logs import deferred
-
-log = deferred("handoffd.contracts")
 
 
 def wait_out(exc: BaseException, waits: int, what: str,
              cancelled: threading.Event | None) -> bool:
-    """``what`` ran short (``exc``, a shortage), ``waits`` times before this one: wait
-    (``results.RECHECK_SECONDS``, doubling, at most ``results.RECHECKS`` waits, as a result's
-    checks do) and return True to try that step again. False once the waits are spent, or when
-    ``cancelled`` is set before or during the wait (the attempt was stopped): then the check
-    fails as it would without waiting."""
-    if waits >= results.RECHECKS or (cancelled is not None and cancelled.is_set()):
-        return False
-    delay = results.RECHECK_SECONDS * 2 ** waits
-    log.warning("%s for now: %s; tried again in %gs", what, shortage_words(exc),
-                delay)
-    if cancelled is None:
-        threading.Event().wait(delay)
-        return True
-    return not cancelled.wait(delay)
+    """``what`` ran short (``exc``, a shortage), ``waits`` times before this one: wait as a
+    result's checks do (:func:`~handoffd.core.results.wait_short`) and return True to try that
+    step again. False once the waits are spent, or when ``cancelled`` is set before or during
+    the wait (the attempt was stopped): then the check fails as it would without waiting."""
+    return results.wait_short(waits, cancelled if cancelled is not None else threading.Event(),
+                              lambda delay: f"{what} for now: {shortage_words(exc)}; tried "
+                              f"again in {delay:g}s")
