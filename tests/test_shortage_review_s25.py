@@ -133,7 +133,7 @@ def _feed_short_after_exit(monkeypatch: pytest.MonkeyPatch) -> None:
     real = runner.feed
 
     def feed(proc: Any, payload: bytes, stop: Any, fed: Any = None) -> None:
-        stop.wait(10)  # (the child's exit)
+        stop.wait(60)  # (the child's exit: generous, a loaded machine is slow to start one)
         with monkeypatch.context() as patch:
             patch.setattr(childproc, "memoryview", _NoMemory(), raising=False)
             real(proc, payload, stop, fed)
@@ -145,7 +145,7 @@ def test_a_whole_answer_given_as_the_feed_ran_short_is_kept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = _context(tmp_path)
     _feed_short_after_exit(monkeypatch)
-    result = runner.run_command(_spec(ANSWER_AT_ONCE), {"big": "x" * 100_000}, ctx, 10,
+    result = runner.run_command(_spec(ANSWER_AT_ONCE), {"big": "x" * 100_000}, ctx, 60,
                                 max_output_bytes=1 << 20)
     assert result["status"] == "completed" and result["output"] == {"ok": 1}
     assert starts.not_started(ctx) is None and not ctx.handback
@@ -156,7 +156,7 @@ def test_a_child_that_failed_as_the_feed_ran_short_is_handed_back_as_stopped(
     ctx = _context(tmp_path)
     _feed_short_after_exit(monkeypatch)
     with pytest.raises(HandlerError):
-        runner.run_command(_spec(FAIL_AT_ONCE), {"big": "x" * 100_000}, ctx, 10,
+        runner.run_command(_spec(FAIL_AT_ONCE), {"big": "x" * 100_000}, ctx, 60,
                            max_output_bytes=1 << 20)
     shortage = starts.not_started(ctx)
     assert shortage is not None and shortage.after_start and ctx.handback
