@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -163,6 +164,38 @@ def test_handoffd_run_under_a_descriptor_limit_says_one_line_and_ends_saying_it(
     assert "still short at the end of the batch: starting a handler: Too many open files " \
            f"({LIMIT})" in said, said
     assert "handed back 1" in said, said
+    doc = json.loads((root / "handoffs" / "pending" / f"{hid}.json").read_text())
+    assert doc["handoffd"].get("attempt", 0) == 0  # (uncounted)
+
+
+def test_handoffd_serve_under_a_descriptor_limit_says_it_still_runs_short_as_it_stops(
+        tmp_path: Path) -> None:
+    """``handoffd serve`` stopped (SIGTERM) while a start shortage is still held back says so
+    once, as a batch's end does (session 26: its operator's last lines before a restart said
+    nothing of it)."""
+    root, hid = command_workspace(tmp_path / "ws")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    proc = subprocess.Popen(
+        [exe("handoffd"), "serve", "--root", str(root), "--processes", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (SHORT_FILES, hard)))
+    try:
+        assert proc.stderr is not None
+        seen = [proc.stderr.readline() for _ in range(2)]  # "serving", then the first shortage
+        assert "cannot start" in seen[-1], seen
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    said = "".join(seen) + rest
+    assert proc.returncode == 0 and "Traceback" not in said, said
+    end = [line for line in said.splitlines() if "still short" in line]
+    assert len(end) == 1 and "WARNING" in end[0], said
+    assert end[0].startswith("handoffd: WARNING: still short at the daemon's stop: starting a "
+                             f"handler: Too many open files ({LIMIT})"), said
+    assert "at the end of the batch" not in said
     doc = json.loads((root / "handoffs" / "pending" / f"{hid}.json").read_text())
     assert doc["handoffd"].get("attempt", 0) == 0  # (uncounted)
 

@@ -25,7 +25,9 @@ met since, and each book that still holds one says so in one line (``still short
 the batch: ...``); one that a sweep found working since it was last met (its kind worked and
 it was not met, for any claim: the sweep's own rule, in a book waiting out its
 :attr:`~Recurring.quiet` period) says "works again" then. Each batch takes its mark as it
-begins (a second batch of one daemon said the first one's problems again).
+begins (a second batch of one daemon said the first one's problems again). A ``serve`` that
+stops says the same of its whole life (``still short at the daemon's stop: ...``): its
+operator's last lines before a restart said nothing of a shortage it still held back.
 
 A passing shortage of descriptors or memory (:func:`~.errors.is_shortage`: EMFILE, ENFILE,
 ENOMEM, a MemoryError) is no fault of the store: its line is a WARNING, and the exception is said
@@ -58,6 +60,9 @@ ERROR, WARNING = 40, 30
 # the kind of every per-claim recovery step (the repairs' and the take-overs'): one problem
 # however many claims meet it
 RECOVERY = "recovering a claim"
+# what the line of a problem still held names as the moment it is said (batch_end)
+BATCH_END = "the end of the batch"
+SERVE_END = "the daemon's stop"
 
 Key = tuple[str, str]
 # every problem met is numbered from here (in this process): what a batch met since its start
@@ -149,11 +154,12 @@ class Recurring:
             self._succeeded.clear()
         _say_cleared(cleared)
 
-    def at_batch_end(self, since: int) -> None:
+    def at_batch_end(self, since: int, end: str = BATCH_END) -> None:
         """A batch that began at :func:`mark` ``since`` ends: of the problems it met, those
         that a sweep since they were last met found working (its kind worked, and it was not
         met: :meth:`end`'s rule, the quiet period aside) are said cleared ("works again"), and
-        those it still holds are said in one line (the line's level the highest of theirs)."""
+        those it still holds are said in one line (the line's level the highest of theirs),
+        ``still short at <end>: ...``."""
         with self._mutex:
             met = [(key, problem) for key, problem in self.active.items() if problem.met > since]
             cleared = [(key, self.active.pop(key)) for key, problem in met if problem.worked]
@@ -163,7 +169,7 @@ class Recurring:
             return
         short = all(problem.level < ERROR for problem in held)  # (a shortage is a WARNING)
         log.log(max(problem.level for problem in held),
-                "still %s at the end of the batch: %s", "short" if short else "failing",
+                "still %s at %s: %s", "short" if short else "failing", end,
                 "; ".join(f"{problem.words} ({problem.total} time(s) since it began)"
                           for problem in held))
 
@@ -179,13 +185,15 @@ def mark() -> int:
     return next(_MET)
 
 
-def batch_end(since: int) -> None:
+def batch_end(since: int, end: str = BATCH_END) -> None:
     """A batch that began at :func:`mark` ``since`` ends: every book says what it met since
-    and still holds (one line a book), or that it works again (:meth:`Recurring.at_batch_end`)."""
+    and still holds (one line a book), or that it works again (:meth:`Recurring.at_batch_end`).
+    ``end`` names the moment in that line: :data:`BATCH_END`, or :data:`SERVE_END` for a
+    ``serve`` that stops (its whole life one batch)."""
     with _BOOKS_MUTEX:
         books = list(_BOOKS)
     for book in books:
-        book.at_batch_end(since)
+        book.at_batch_end(since, end)
 
 
 _CURRENT: ContextVar[tuple[Recurring, Callable[[], float]] | None] = ContextVar(

@@ -377,8 +377,9 @@ class Daemon(BatchEnd):
                 self.siblings.idle()
             self._shutdown()
             self.attempts.settle_handed_back()  # (what another took since is no hand-back)
-            if batch:
-                recurring.batch_end(self._problems_since)
+            # what it still holds back is said once as it ends: a batch's end, or a serve's stop
+            recurring.batch_end(self._problems_since,
+                                recurring.BATCH_END if batch else recurring.SERVE_END)
 
     def _loop(self, *, batch: bool) -> None:
         scheduler = self.scheduler
