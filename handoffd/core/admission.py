@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .documents import (BOOK, CHECK, RECORD, UNRECORDED, Envelope, Outcome, arrival, book,
-                        check_id, history_of, newest_among, record, unrecorded_mark)
+                        check_id, first_use_left, history_of, newest_among, record)
 from .errors import (
     SHORTAGE_ERRNOS,
     ClaimShortage,
@@ -188,21 +188,20 @@ def _first_use(engine: Admitting, claim: Claim, now: datetime, left: str) -> boo
 
 def _first_use_left(claim: Claim) -> str | None:
     """What is left of a claimed document's first use (its id searched in the seen-ids record,
-    then recorded): CHECK for a raw one (from outside), CHECK or RECORD as the hand-back just
-    before this claim says when a shortage cut its admission short (:data:`UNRECORDED`), else
-    None. The mark counts only in our own bookkeeping (a raw claim's block from outside was
-    emptied, and it is checked in full anyway) and only right before this claim: after anything
-    else (a recovery: whether the add was done is not known) the id is not searched again, as
-    such a search would find the document's own id once recorded, and set it aside unrun."""
+    then recorded): CHECK for a raw one (from outside), else what its history says is left
+    (:func:`~handoffd.core.documents.first_use_left`: after a hand-back that said so, CHECK or
+    RECORD, :data:`UNRECORDED`; after a recovery of a claim that had it to do, RECORD), else
+    None. The history counts only as our own bookkeeping: a raw claim's block from outside was
+    emptied, and it is checked in full anyway."""
     if claim.raw:
         return CHECK
     events = history_of(claim.doc)
-    if len(events) < 2:
+    if not events:
         return None
     last = events[-1]
     if not (isinstance(last, dict) and last.get("event") == "claimed"):
         return None
-    return unrecorded_mark(events[-2])
+    return first_use_left(events[:-1])
 
 
 def _short_at_admission(engine: Admitting, claim: Claim, dialect: Dialect,

@@ -161,13 +161,44 @@ def unrecorded_mark(event: Any) -> str | None:
     return RECORD if mark == RECORD else CHECK
 
 
+def first_use_left(events: list[Any]) -> str | None:
+    """What is left of the first use of a document (of our bookkeeping) whose ``history`` is
+    ``events``, for its next claim's admission: CHECK, RECORD, or None (nothing: its id was
+    recorded, or the document is our own, never recorded).
+
+    A document from outside starts its history with its first claim's ``claimed`` event (a
+    raw claim's block is emptied; every document of ours starts with ``created``, and the
+    history's bound keeps the first event): that claim's admission searches for its id, then
+    records it. A claim doing what is left ends it unless a ``handed_back`` event saying what
+    is left (:func:`unrecorded_mark`: a shortage at admission) or a ``recovered`` one ends the
+    claim first. After a recovery (its claimer died or gave it up, with or without admitting
+    it) the record is left (RECORD): whether the dead claimer made it is not known, and a
+    search would find the document's own id once recorded and set it aside unrun; recording
+    it again is harmless. Before session 26 nothing was left after a recovery, and the id of
+    a foreign document whose claimer died before admitting it was never recorded."""
+    left: str | None = None
+    running = False  # a claim whose admission does what is left is under way
+    for index, event in enumerate(events):
+        kind = event.get("event") if isinstance(event, dict) else None
+        if kind == "claimed":
+            if running:  # the claim before ended otherwise: its admission did it
+                left = None
+            if index == 0:  # a document from outside: its first claim
+                left = CHECK
+            running = left is not None
+        elif kind == "recovered" and running:
+            left, running = RECORD, False
+        elif kind == "handed_back" and (mark := unrecorded_mark(event)) is not None:
+            left, running = mark, False
+    return None if running else left
+
+
 def first_use_undone(doc: dict[str, Any]) -> bool:
-    """Whether ``doc`` (our bookkeeping, e.g. a pending copy ingested from a file) was last
-    handed back with its first use undone (:func:`unrecorded_mark`): its id is then not yet
-    recorded as seen, and whoever ingests it must leave that to its next admission, which would
+    """Whether ``doc`` (our bookkeeping, e.g. a pending copy ingested from a file) has its first
+    use left undone (:func:`first_use_left`: handed back so, or recovered before its admission
+    recorded its id): whoever ingests it must leave that to its next admission, which would
     otherwise find the id and set the document aside as its own duplicate."""
-    events = history_of(doc)
-    return bool(events) and unrecorded_mark(events[-1]) is not None
+    return first_use_left(history_of(doc)) is not None
 
 
 def history_of(doc: dict[str, Any]) -> list[Any]:

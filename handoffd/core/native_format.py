@@ -26,7 +26,7 @@ from .documents import (
     priority_rank,
 )
 from .errors import ErrorCode, InvalidDocument
-from .timeutil import OutsideCalendar, iso, parse_utc
+from .timeutil import MAX_FRACTION_DIGITS, OutsideCalendar, fraction_too_long, iso, parse_utc
 
 
 # Seed 001's answers, told from its request by their status and the fields only an answer has:
@@ -134,6 +134,8 @@ def _expires_at(doc: dict[str, Any], handoff_id: str) -> datetime | None:
                    "date-time such as 2026-11-25T12:00:00Z")
     except ValueError:
         problem = f"{str(value)[:60]!r} is not a date-time such as 2026-11-25T12:00:00Z"
+        if isinstance(value, str) and fraction_too_long(value):  # (parse_iso's bound)
+            problem += f" (at most {MAX_FRACTION_DIGITS} digits of fractional seconds)"
     raise InvalidDocument(f"handoff {handoff_id}: expires_at {problem}", handoff_id=handoff_id,
                           code=ErrorCode.SCHEMA_VALIDATION_FAILED,
                           errors=[{"field": "expires_at", "error": problem, "schema_path": ""}])

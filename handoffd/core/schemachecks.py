@@ -16,6 +16,8 @@ from uuid import UUID
 import re2
 from rfc3339_validator import validate_rfc3339  # type: ignore[import-untyped]
 
+from .timeutil import fraction_too_long
+
 PATTERN_CACHE_SIZE = 1024
 RE2_SYNTAX_HINT = "schemas use RE2 syntax: no lookaround, no backreferences"
 
@@ -71,8 +73,12 @@ def is_re2_regex(instance: Any) -> bool:
 
 def is_datetime(instance: Any) -> bool:
     """The ``date-time`` format: RFC 3339 (what jsonschema checks with rfc3339-validator, a
-    dependency of ours for that reason). A value that is not a string passes, as in JSON Schema."""
-    return not isinstance(instance, str) or bool(validate_rfc3339(instance.upper()))
+    dependency of ours for that reason), with at most :data:`~.timeutil.MAX_FRACTION_DIGITS`
+    digits of fractional seconds (its check takes any number). A value that is not a string
+    passes, as in JSON Schema."""
+    if not isinstance(instance, str):
+        return True
+    return not fraction_too_long(instance) and bool(validate_rfc3339(instance.upper()))
 
 
 def is_uuid(instance: Any) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import re
 import time
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -20,6 +21,16 @@ _CONNECT_BY: contextvars.ContextVar[float] = contextvars.ContextVar("handoffd_co
 # (year 1 with a positive offset, year 9999 with a negative one) makes astimezone() and iso()
 # raise OverflowError, and so does adding past this
 UTC_MAX = datetime.max.replace(tzinfo=timezone.utc)
+
+# The most digits of fractional seconds a time may carry: nanoseconds, as RFC 3339 readers
+# commonly take (the RFC sets no bound; a datetime keeps microseconds, the rest is cut). Every
+# check of a time says so the same way: the schemas' date_time pattern (``\.[0-9]{1,9}``), the
+# ``date-time`` format (core.schemachecks.is_datetime) and :func:`parse_iso`. A document's time
+# with a fraction of 100,000 digits once passed all three.
+MAX_FRACTION_DIGITS = 9
+# a longer fraction: a dot then one digit more (in an RFC 3339 time a dot is its fraction's);
+# no repetition beyond that: linear, and it stops at the first such run
+_LONG_FRACTION = re.compile(r"\.[0-9]{%d}" % (MAX_FRACTION_DIGITS + 1))
 
 
 class OutsideCalendar(ValueError):
@@ -71,11 +82,21 @@ def parse_iso(text: str) -> datetime:
     """Parse an ISO 8601 timestamp; a naive one is taken as UTC. Raises ValueError if malformed.
 
     The value keeps its own offset and may lie outside the UTC calendar: use :func:`parse_utc`
-    for a time read from a document that will be converted, formatted or added to."""
+    for a time read from a document that will be converted, formatted or added to. A fraction of
+    more than :data:`MAX_FRACTION_DIGITS` digits is malformed too (:func:`fraction_too_long`)."""
+    if fraction_too_long(text):
+        raise ValueError(f"{text[:40]!r}... has more than {MAX_FRACTION_DIGITS} digits of "
+                         "fractional seconds")
     value = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     if value.tzinfo is None:
         value = value.replace(tzinfo=timezone.utc)
     return value
+
+
+def fraction_too_long(text: str) -> bool:
+    """Whether the time ``text`` carries more than :data:`MAX_FRACTION_DIGITS` digits of
+    fractional seconds (a dot followed by more digits than that)."""
+    return _LONG_FRACTION.search(text) is not None
 
 
 def parse_utc(text: str, *, headroom_seconds: float = 0.0) -> datetime:
