@@ -80,12 +80,20 @@ def owner_may_live(owner: dict[str, object]) -> bool:
     return bears_mark(owner.get("pid"), mark)
 
 
+def live_mark(pid: int) -> str | None:
+    """The mark of the live process ``pid`` of this host, seen from this process's namespaces
+    (one read of its /proc stat); None when no live process has that pid (or it is out of
+    range)."""
+    if not 0 < pid <= MAX_PID:
+        return None
+    ticks = start_time(pid, live=True)
+    return None if ticks is None else _mark(pid, ticks)
+
+
 def bears_mark(pid: object, mark: object) -> bool:
     """True when ``pid`` is a live process of this host, seen from this process's namespaces,
     whose mark is ``mark``. Both come from a document: anything but a pid in range and a mark
     string is False."""
-    if type(pid) is not int or not 0 < pid <= MAX_PID or not isinstance(mark, str) \
-            or len(mark) != 16:
+    if type(pid) is not int or not isinstance(mark, str) or len(mark) != 16:
         return False
-    ticks = start_time(pid, live=True)
-    return ticks is not None and _mark(pid, ticks) == mark
+    return live_mark(pid) == mark

@@ -109,6 +109,8 @@ class Daemon(BatchEnd):
         # serving reads handoffd.toml once: its sweeps say when it changed (the first process
         # of a spread one alone: one line a change)
         self.config_watch = ConfigWatch(engine.ws.config_path) if stripe[0] == 0 else None
+        # its record for `handoff ls` while it serves, renewed by the main loop
+        self.serving_record: ServingRecord | None = None
         engine.on_filed.append(self._count)
         for plugin in engine.daemon_plugins:  # features register through the methods below
             plugin(self)
@@ -318,6 +320,7 @@ class Daemon(BatchEnd):
                   if self.config_watch is not None else None)
         if record is not None:
             record.write()
+            self.serving_record = record
         try:
             if install_signals:
                 self.take_signals(early)
@@ -329,6 +332,7 @@ class Daemon(BatchEnd):
                 ready()
             self._guarded_loop(batch=False)
         finally:
+            self.serving_record = None
             if record is not None:
                 record.remove()
         return 1 if self.report.error else 0
@@ -389,6 +393,8 @@ class Daemon(BatchEnd):
             now = time.monotonic()
             if self.siblings is not None and not self._idle:
                 self.siblings.busy()  # (its beat: the others of the batch wait for its filings)
+            if self.serving_record is not None:  # (every RENEW_SECONDS: other hosts see it live)
+                self.serving_record.renew()
             if not batch and now >= next_sweep and not scheduler.stopping:
                 self.sweep()
                 allocator.trim()  # what the handoffs since the last sweep freed goes back

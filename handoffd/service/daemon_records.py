@@ -1,4 +1,4 @@
-"""Who serves a workspace, for ``handoff ls``: ``handoffs/.meta/serving/<pid>.<random>.json``,
+"""Who serves a workspace, for ``handoff ls``: ``handoffs/.meta/serving/<pid>.<mark>.json``,
 one small record per ``handoffd serve`` (its first process) while it runs.
 
 ``serve`` reads handoffd.toml once, at its start, and its sweep logs one warning per change of
@@ -8,11 +8,24 @@ a process of another boot never bears it) and the stamp of handoffd.toml it star
 ``ls`` compares that stamp with the file's now (:func:`stale_line`): one short folder read and
 one stat, nothing when no daemon serves.
 
+A record's name carries its pid and the first 12 hex digits of its mark, so ``ls`` tells a
+live daemon's record from a dead one's by its name alone (one /proc read per pid named), before
+reading anything: records killed daemons left, and junk under record-like names, never take the
+place of the live ones among the few it reads (the newest first, by mtime).
+
 A record is a file of the workspace, and anyone who can write the workspace can plant one: it
 only ever leads to a line on stderr, and only for a live process of this host bearing the mark
 it names. Records of other hosts (a shared workspace, or daemons of a PostgreSQL store on other
-hosts, which read their own handoffd.toml) are not judged: ls says nothing of them. A record a
-killed daemon left is ignored by ls and removed by the next ``serve`` of this host.
+hosts, which read their own handoffd.toml) are not judged: ls says nothing of them.
+
+Removal, by every ``serve`` (at its start, then every :data:`RENEW_SECONDS`): a record of this
+host (in our namespaces) that no live process bears is removed at once. A record this process
+cannot look up in /proc (another host's, or another pid namespace's) is judged by its mtime: a
+serving daemon renews it every :data:`RENEW_SECONDS`, so one not renewed for
+:data:`LEFT_SECONDS` (a day, 288 renewals) names a daemon that died (or hung for a day) and is
+removed. Its age is measured on the filesystem's clock (against the mtime of the remover's own
+record, just renewed), not on the hosts' clocks, which may disagree. A live daemon whose record
+went missing all the same writes it again at its next renewal.
 """
 from __future__ import annotations
 
@@ -20,9 +33,10 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..core.documents import hostname
 from ..core.jsontext import parse_line
@@ -34,14 +48,22 @@ log = logging.getLogger("handoffd")
 
 FOLDER = "serving"  # in handoffs/.meta
 MAX_RECORD_BYTES = 4096
-# at most this many entries of the folder are looked at: a folder filled with junk (planted,
-# or left by daemons killed again and again) never makes ls slow
+# the name a daemon gives its record (ServingRecord.write): <pid>.<its mark's first 12 hex>.json
+_RECORD_NAME = re.compile(r"([1-9][0-9]{0,9})\.([0-9a-f]{12})\.json")
+MARK_DIGITS = 12
+# at most this many names of the folder are listed (names only, and a stat of those named as
+# records): a folder filled with junk never makes ls or serve slow. Other names, a temp file a
+# killed daemon left, are passed over without a read: they never hide the records behind them
+MAX_ENTRIES = 4096
+# at most this many records are read by ls (those whose name is a live process's, newest
+# first) ...
 MAX_RECORDS = 32
-# the name a daemon gives its record (ServingRecord.write): <pid>.<12 hex digits>.json
-_RECORD_NAME = re.compile(r"[1-9][0-9]{0,9}\.[0-9a-f]{12}\.json")
-# ... and at most this many names listed to find them (other names, a temp file a killed daemon
-# left, are passed over without a read: they never hide the records behind them)
-MAX_ENTRIES = 1024
+# ... and by a serve's removal of the dead (those whose name is not, oldest first)
+MAX_SWEPT = 256
+# a serving daemon renews its record's mtime this often (and removes the records of the dead)
+RENEW_SECONDS = 300.0
+# a record no process of ours can look up, not renewed for this long, is a dead daemon's
+LEFT_SECONDS = 24 * 3600.0
 # a temp file of a daemon killed between writing its record and renaming it is removed by the
 # next serve once it is this old (a live one renames its own within microseconds)
 TMP_LEFT_SECONDS = 60.0
@@ -63,24 +85,29 @@ def _folder(ws: Workspace) -> Path:
 
 
 class ServingRecord:
-    """This process's record (see the module docstring), written by :meth:`write` and removed by
-    :meth:`remove`; ``stamp``: handoffd.toml's as the daemon read it."""
+    """This process's record (see the module docstring), written by :meth:`write`, renewed by
+    :meth:`renew` and removed by :meth:`remove`; ``stamp``: handoffd.toml's as the daemon read
+    it; ``clock``: when :meth:`renew` renews (tests move it)."""
 
-    def __init__(self, ws: Workspace, stamp: Stamp) -> None:
-        self.ws, self.stamp = ws, stamp
+    def __init__(self, ws: Workspace, stamp: Stamp,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ws, self.stamp, self.clock = ws, stamp, clock
         self.name: str | None = None
+        self.renewed = clock()
 
     def write(self) -> None:
-        """Write the record (and remove those of dead daemons of this host); never raises: a
-        daemon that cannot record itself serves all the same (one warning), and ls then says
-        nothing of it."""
+        """Write the record (and remove those of dead daemons); never raises: a daemon that
+        cannot record itself serves all the same (one warning), and ls then says nothing of
+        it."""
         from ..core.liveness import own_mark
+        self.renewed = self.clock()
         mark = own_mark()
         if mark is None:  # no /proc of our own: nobody could tell whether we live
             return
         body = {"host": hostname(), "pid": os.getpid(), "proc": mark[0], "ns": mark[1],
                 "started": iso(utc_now()), "config": list(self.stamp) if self.stamp else None}
-        name = f"{os.getpid()}.{os.urandom(6).hex()}.json"
+        # (the mark in the name: ls tells a live record from a dead one without reading it)
+        name = f"{os.getpid()}.{mark[0][:MARK_DIGITS]}.json"
         try:
             folder = open_folder(_folder(self.ws), make=True)
         except OSError as exc:
@@ -88,8 +115,7 @@ class ServingRecord:
                         "handoffd.toml changed", _folder(self.ws), exc.strerror or exc)
             return
         try:
-            _remove_dead(folder, mark)
-            tmp = f".{name}.tmp"
+            tmp = f".{name}.{os.urandom(6).hex()}.tmp"
             fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=folder)
             try:
                 with os.fdopen(fd, "w") as handle:
@@ -103,8 +129,49 @@ class ServingRecord:
             log.warning("cannot record this daemon in %s (%s): handoff ls cannot say when "
                         "handoffd.toml changed", _folder(self.ws),
                         getattr(exc, "strerror", None) or exc)
+        else:
+            try:
+                _remove_dead(folder, mark, _own_mtime(folder, name))
+            except Exception as exc:  # (recorded all the same: the next renewal tries again)
+                log.debug("cannot remove the records of dead daemons: %s", exc)
         finally:
             os.close(folder)
+
+    def renew(self) -> None:
+        """Every :data:`RENEW_SECONDS` (else nothing, at once): touch the record (its mtime is
+        the liveness other hosts see) and remove the records of the dead; write it again if
+        it went missing. Never raises."""
+        if self.name is None or self.clock() - self.renewed < RENEW_SECONDS:
+            return
+        self.renewed = self.clock()
+        from ..core.liveness import own_mark
+        mark = own_mark()
+        if mark is None:
+            return
+        try:
+            folder = open_folder(_folder(self.ws))
+        except FileNotFoundError:  # (the folder went too: made again with the record)
+            self.write()
+            return
+        except OSError:
+            return
+        try:
+            try:
+                # (never through a symlink planted under its name: its own file, or nothing)
+                os.utime(self.name, dir_fd=folder, follow_symlinks=False)
+                missing = not stat.S_ISREG(os.stat(self.name, dir_fd=folder,
+                                                   follow_symlinks=False).st_mode)
+            except FileNotFoundError:
+                missing = True
+            if not missing:
+                _remove_dead(folder, mark, _own_mtime(folder, self.name))
+        except Exception as exc:  # (a renewal that failed: the next one tries again)
+            log.debug("cannot renew this daemon's record: %s", exc)
+            missing = False
+        finally:
+            os.close(folder)
+        if missing:  # (removed while we live: by hand, or by a host with a wild clock)
+            self.write()
 
     def remove(self) -> None:
         """Remove the record, if it was written; never raises (a record left behind names a
@@ -129,26 +196,71 @@ def _unlink(folder: int, name: str) -> None:
         pass
 
 
-def _records(folder: int) -> list[tuple[str, dict[str, Any]]]:
-    """The records in ``folder`` (at most :data:`MAX_RECORDS` read, among the first
-    :data:`MAX_ENTRIES` names; only names a daemon gives its record count), with their names; what is not a readable JSON object is
-    skipped, whatever it holds (a record nested thousands deep once stopped ``serve`` with
-    a RecursionError: :func:`~handoffd.core.jsontext.parse_line` never raises)."""
-    found: list[tuple[str, dict[str, Any]]] = []
-    read = 0
+def _own_mtime(folder: int, name: str) -> float:
+    """The mtime of our own record, just written or renewed: "now" on the filesystem's clock,
+    against which other hosts' records are aged (this host's clock if it cannot be read)."""
+    try:
+        return os.stat(name, dir_fd=folder, follow_symlinks=False).st_mtime
+    except OSError:
+        return time.time()
+
+
+def _listed(folder: int) -> list[tuple[str, int, str, os.stat_result]]:
+    """The entries of ``folder`` named as records, among its first :data:`MAX_ENTRIES` names,
+    that are regular files of at most :data:`MAX_RECORD_BYTES` (an lstat each: a symlink, a
+    FIFO, a folder or a huge file under such a name is passed over, never opened): (name,
+    pid, mark digits, stat)."""
+    found = []
     with os.scandir(folder) as entries:
         for count, entry in enumerate(entries):
-            if count >= MAX_ENTRIES or read >= MAX_RECORDS:
+            if count >= MAX_ENTRIES:
                 break
-            if not _RECORD_NAME.fullmatch(entry.name):
+            named = _RECORD_NAME.fullmatch(entry.name)
+            if named is None:
                 continue  # (not a name a daemon gives its record: never read, never counted)
-            read += 1
             try:
-                data = parse_line(read_regular(entry.name, MAX_RECORD_BYTES, dir_fd=folder))
+                info = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if isinstance(data, dict):
-                found.append((entry.name, data))
+            if stat.S_ISREG(info.st_mode) and info.st_size <= MAX_RECORD_BYTES:
+                found.append((entry.name, int(named.group(1)), named.group(2), info))
+    return found
+
+
+def _read(folder: int, name: str) -> dict[str, Any] | None:
+    """The record ``name`` as a JSON object, or None when it is none, whatever it holds (a
+    record nested thousands deep once stopped ``serve`` with a RecursionError:
+    :func:`~handoffd.core.jsontext.parse_line` never raises)."""
+    try:
+        data = parse_line(read_regular(name, MAX_RECORD_BYTES, dir_fd=folder))
+    except OSError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _named_live(pid: int, digits: str, marks: dict[int, str | None]) -> bool:
+    """True when the name's pid is a live process of this host whose mark begins with the
+    name's digits (``marks``: each pid's looked up once)."""
+    from ..core.liveness import live_mark
+    if pid not in marks:
+        marks[pid] = live_mark(pid)
+    mark = marks[pid]
+    return mark is not None and mark.startswith(digits)
+
+
+def _live_records(folder: int) -> list[tuple[int, dict[str, Any]]]:
+    """ls's records: those whose name is a live process's (:func:`_named_live`), at most
+    :data:`MAX_RECORDS` read, the newest first (a serving daemon renews its record's mtime),
+    with the pid their name gives."""
+    marks: dict[int, str | None] = {}
+    live = [(info.st_mtime_ns, name, pid) for name, pid, digits, info in _listed(folder)
+            if _named_live(pid, digits, marks)]
+    live.sort(reverse=True)
+    found = []
+    for _, name, pid in live[:MAX_RECORDS]:
+        data = _read(folder, name)
+        if data is not None:
+            found.append((pid, data))
     return found
 
 
@@ -169,14 +281,26 @@ def _remove_left_temps(folder: int, now: float) -> None:
                 _unlink(folder, entry.name)
 
 
-def _remove_dead(folder: int, mark: tuple[str, str]) -> None:
-    """Remove the records of daemons of this host (and of our namespaces, where we can look
-    them up) that no live process bears: killed ones left them."""
+def _remove_dead(folder: int, mark: tuple[str, str], now: float) -> None:
+    """Remove the records of dead daemons (the rule in the module docstring; ``mark``: ours,
+    ``now``: the filesystem's time). Those named as a live process's are kept unread; of the
+    others, at most :data:`MAX_SWEPT` are read, the oldest first."""
     from ..core.liveness import bears_mark
-    _remove_left_temps(folder, time.time())
-    for name, data in _records(folder):
-        if data.get("host") == hostname() and data.get("ns") == mark[1] \
-                and not bears_mark(data.get("pid"), data.get("proc")):
+    _remove_left_temps(folder, now)
+    marks: dict[int, str | None] = {}
+    others = [(info.st_mtime, name) for name, pid, digits, info in _listed(folder)
+              if not _named_live(pid, digits, marks)]
+    others.sort()
+    for mtime, name in others[:MAX_SWEPT]:
+        data = _read(folder, name)
+        if data is not None and data.get("host") == hostname() and data.get("ns") == mark[1]:
+            # ours to look up in /proc: removed once no live process bears it (a record of
+            # an older handoffd, named at random, is kept while its daemon lives)
+            if not bears_mark(data.get("pid"), data.get("proc")):
+                _unlink(folder, name)
+        elif now - mtime > LEFT_SECONDS:
+            # another host's, or no record at all under a record's name: nothing renewed it
+            # for a day (a live daemon renews its own every RENEW_SECONDS)
             _unlink(folder, name)
 
 
@@ -190,7 +314,7 @@ def stale_daemons(ws: Workspace) -> list[int]:
     except OSError:
         return []
     try:
-        records = _records(folder)
+        records = _live_records(folder)
     except OSError:
         return []
     finally:
@@ -204,10 +328,10 @@ def stale_daemons(ws: Workspace) -> list[int]:
         return []
     now = config_stamp(ws.config_path)
     stale = []
-    for _, data in records:
+    for named, data in records:
         pid, stamp = data.get("pid"), data.get("config")
-        if data.get("host") != hostname() or data.get("ns") != mine[1]:
-            continue  # another host's, or one we cannot look up: not ours to judge
+        if data.get("host") != hostname() or data.get("ns") != mine[1] or pid != named:
+            continue  # another host's, one we cannot look up, or not the one its name gives
         if not (stamp is None or isinstance(stamp, list) and len(stamp) == 4
                 and all(type(part) is int for part in stamp)):
             continue
