@@ -24,7 +24,7 @@ from .errors import (
     InvalidDocument,
     UnreadableDocument,
 )
-from .formats import Dialect, FiledState, Formats
+from .formats import Dialect, FiledState, Formats, answer_refusal
 from .hooks import Hooks
 from .jobs import Job
 from .logs import log
@@ -337,6 +337,9 @@ def _envelope(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime) 
             raise InvalidDocument(
                 f"file pending/{handoff_id}.json carries handoff id {str(doc_id)[:80]!r}; the "
                 "file name must be the id", handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
+        refusal = answer_refusal(dialect, doc)  # an answer is refused as one, as `ls` says,
+        if refusal is not None:                 # before its answer schema is checked
+            raise refusal
         engine.validate(doc, dialect, handoff_id=handoff_id, subject=f"handoff {handoff_id} is "
                         f"not a valid {dialect.name} document")
         return dialect.envelope(doc)

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any, Callable, Protocol
 
 from .documents import Envelope, Outcome
+from .errors import ErrorCode, InvalidDocument
 
 # Keeps the text of a large artifact (handoff id, index, text) where the workspace's agents can
 # read it; returns its reference (a workspace-relative path), or None: the content goes inline.
@@ -73,6 +74,27 @@ class Dialect(Protocol):
         may complete; called by the engine's ``after_run`` hook
         :func:`handoffd.dialects.review_outcome`)."""
         ...
+
+
+def answer_refusal(dialect: Dialect, doc: dict[str, Any]) -> InvalidDocument | None:
+    """The NOT_A_REQUEST refusal of ``doc`` when ``dialect`` calls it an answer (``is_answer``)
+    that its :meth:`~Dialect.envelope` refuses to read as work; None otherwise (a request, or
+    an answer that carries the request it answers, such as a filed one retried).
+
+    The envelope decides, as it does for :meth:`Engine.peek <handoffd.core.engine.Engine.peek>`
+    and so for `handoff ls`: admission asks here before the schema check, so that an answer
+    is refused as one whatever its answer schema says of it. Checked first, a swarm completion
+    report without ``status`` (seed 004's report has none) or a seed-001 Response that broke
+    its schema was filed SCHEMA_VALIDATION_FAILED while `ls` said NOT_A_REQUEST. Any other
+    refusal of the envelope is left to the schema check, which lists every error."""
+    is_answer = getattr(dialect, "is_answer", None)
+    if is_answer is None or not is_answer(doc):
+        return None
+    try:
+        dialect.envelope(doc)
+    except InvalidDocument as exc:
+        return exc if exc.code == ErrorCode.NOT_A_REQUEST else None
+    return None
 
 
 class Formats(Protocol):

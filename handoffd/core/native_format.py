@@ -218,7 +218,7 @@ REFUSED_ANSWER = "refused_answer"
 
 
 def keep_refused_answer(doc: dict[str, Any]) -> None:
-    """Move the answer fields of a seed-001 Response or Failure refused ``NOT_A_REQUEST`` (the
+    """Move the answer fields of a seed-001 Response or Failure filed as a failure (the
     sender's ``output``, ``validation``, ``error``...) under :data:`REFUSED_ANSWER`, kept for
     reference: left where they were, the filed refusal showed an ``output`` handoffd never
     produced (and a passed ``validation``) next to its own error, and lost the sender's error
@@ -232,7 +232,12 @@ def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: 
                          max_retries: int, retry_available: bool) -> None:
     """Turn an in-progress seed-001 document into its response (completed) or failure form
     (for a refused answer, with what it brought set aside: :func:`keep_refused_answer`)."""
-    if not outcome.succeeded and (outcome.error or {}).get("code") == ErrorCode.NOT_A_REQUEST:
+    if not outcome.succeeded and native_answer(doc):
+        # an answer filed as a failure, whatever the code (NOT_A_REQUEST, or CANCELLED by
+        # `handoff cancel` while it was pending): the document is still the sender's answer
+        # (a claim leaves its status as written, and handoffd's own are in_progress here), so
+        # its fields are the sender's, never a result. Keyed on the code alone, a refusal
+        # with another code showed the sender's output beside handoffd's error
         keep_refused_answer(doc)
     doc["execution_time_seconds"] = outcome.seconds
     for key in ("validation", "metadata"):

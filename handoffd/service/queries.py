@@ -92,14 +92,18 @@ def _row(engine: Engine, state: State, handoff_id: str, stored: dict[str, Any],
 
 def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: str | None,
                   in_progress: InProgress) -> str:
-    """Why a pending handoff is not running yet (empty when it is simply due)."""
+    """Why a pending handoff is not running yet (empty when it is simply due), asked in the
+    order the daemon's dispatch asks (:meth:`~handoffd.service.dispatch.Dispatcher.dispatch`):
+    what it cannot read or route (an answer nobody here serves too: refused) it settles at once,
+    before any due time. Asked the other way round, an answer carrying a future
+    ``next_attempt_at`` was listed "scheduled for" a time the daemon never waited for."""
+    peek = engine.peek(handoff_id)
+    if peek is not None and not peek.readable:
+        return f"{peek.problem.code}: {peek.problem}" if peek.problem else ""
     due = next_attempt_at(doc)
     if due is not None and due > engine.clock():
         retries = book(doc).get("retries", 0)
         return f"retry {retries} at {iso(due)}" if retries else f"scheduled for {iso(due)}"
-    peek = engine.peek(handoff_id)
-    if peek is not None and not peek.readable:  # (an answer nobody here serves too: refused)
-        return f"{peek.problem.code}: {peek.problem}" if peek.problem else ""
     if target and engine.registry.get(target) is None:
         return f"waiting: no specialist registered for {target}"
     try:
