@@ -54,6 +54,10 @@ LOOK_AHEAD_AFTER_SECONDS = 0.25
 # READY_WINDOW a turn: :meth:`Scheduler._look_behind`) and keeps the hard deadlines of at most
 # this many of them (a few hundred bytes each); past that, reading pauses until one leaves
 MAX_BEHIND_DEADLINES = 4096
+# what that read finds is kept with the first this many of them (a document each: as many
+# as the window keeps, so at most twice its memory; documents may be 4 MiB each): taken into
+# the window, they are not read again (the rest are, when their turn comes)
+MAX_BEHIND_PEEKS = READY_WINDOW
 
 
 class Scheduler(Lines, QuietWaits):
@@ -64,7 +68,8 @@ class Scheduler(Lines, QuietWaits):
       first (each with the rescan count when its read began: :mod:`.quiet`); ``rechecks``:
       waiters a rescan queued to be gated again, looked at by turns with other due work
       (:meth:`next_ready`); ``behind``: due entries of ``heap`` read past a full window while
-      every worker was busy (:meth:`look_ahead`), still waiting their turn.
+      every worker was busy (:meth:`look_ahead`), still waiting their turn (the window takes
+      the first MAX_BEHIND_PEEKS as read there: ``behind_peeks``).
     * the lines (:class:`~.lines.Lines`): ``parked``, ``rate_held`` and what lets them out.
     * ``inflight``: one entry per task submitted to the pool (its agent, when it started: see
       :meth:`spin_up_at`); ``busy`` and ``running`` are counts of it, kept in step by
@@ -120,6 +125,14 @@ class Scheduler(Lines, QuietWaits):
         # MAX_BEHIND_DEADLINES; ``deadlines_behind`` orders them (an entry not matching: void)
         self.behind_at: dict[str, tuple[float, float]] = {}
         self.deadlines_behind: list[tuple[float, str]] = []
+        # handoff id (behind) -> (its entry's due time, its peek, the rescan count when that read
+        # began): the read behind, used when its entry is taken into the window (an entry not
+        # matching: void); at most MAX_BEHIND_PEEKS
+        self.behind_peeks: dict[str, tuple[float, Peek, int]] = {}
+        # hard-timeout handoff id -> its hard deadline (monotonic) as last read, kept after it is
+        # handed out too: a hold-off never looks at it again later than that (:meth:`hold_off`);
+        # at most MAX_HELD_OFF (the oldest forgotten first), the gone forgotten at a rescan
+        self.deadline_at: dict[str, float] = {}
         self.unroutable = report.unroutable
         self.waiting = report.waiting  # handoff id -> why a gate holds it back
         # handoff id -> the ids whose filing may end its wait (absent: any filing may); a chain
@@ -163,17 +176,28 @@ class Scheduler(Lines, QuietWaits):
     def hold_off(self, handoff_id: str, delay: float) -> None:
         """Look at ``handoff_id`` again in ``delay`` seconds, and no sooner whatever hints come
         meanwhile (a folder event, a rescan): what failed about it for a passing reason would
-        fail again at once. Forgotten once it leaves pending/ or the time has passed."""
+        fail again at once. Forgotten once it leaves pending/ or the time has passed. A hard
+        deadline read with it (seed 000) that comes first is when it is looked at again, though:
+        still pending then, it is answered TIMEOUT at it, not at the end of the hold-off."""
         with self.cv:
-            floor = time.monotonic() + delay
+            now = time.monotonic()
+            floor = look = now + delay
+            at = self.deadline_at.get(handoff_id, math.inf) if self.deadline_at else math.inf
+            if now < at < floor:
+                look = at  # (not when it has passed: a failed answer is not tried again at once)
             self.not_before.pop(handoff_id, None)
-            self.not_before[handoff_id] = floor
+            self.not_before[handoff_id] = floor  # (hints wait for the floor all the same)
             if len(self.not_before) > MAX_HELD_OFF:  # (the oldest first: dicts keep order)
                 del self.not_before[next(iter(self.not_before))]
             # what a hint queued sooner meanwhile (the folder event of its own failed claim's
-            # put-back) is superseded, and taken out of the ready window if it got there
-            self.queued[handoff_id] = floor
-            heapq.heappush(self.heap, (floor, 2, next(self.seq), handoff_id))
+            # put-back) is superseded, and taken out of the ready window if it got there (or
+            # out of line behind it: its entry there is void, so are its peek and deadline)
+            self.queued[handoff_id] = look
+            heapq.heappush(self.heap, (look, 2, next(self.seq), handoff_id))
+            if self.behind_at:
+                self.behind_at.pop(handoff_id, None)
+            if self.behind_peeks:
+                self.behind_peeks.pop(handoff_id, None)
             if handoff_id in self.readied:
                 self.ready = [entry for entry in self.ready if entry[3] != handoff_id]
                 heapq.heapify(self.ready)
@@ -228,7 +252,8 @@ class Scheduler(Lines, QuietWaits):
         stamps = self._take_stamps() if recheck_waiting else None
         with self.cv:
             if self.parked_ids or self.rate_held_ids or self.first_seen or self.unroutable \
-                    or self.waiting or self.quiet_stamps or self.looked or self.full_due:
+                    or self.waiting or self.quiet_stamps or self.looked or self.full_due \
+                    or self.behind_peeks or self.deadline_at:
                 self._forget_gone(set(ids))
             if recheck_waiting:
                 self._count_rescan(stamps)
@@ -265,6 +290,10 @@ class Scheduler(Lines, QuietWaits):
             del self.first_seen[gone]  # claimed or filed elsewhere
         for gone in [hid for hid in self.not_before if hid not in present]:
             del self.not_before[gone]
+        for gone in [hid for hid in self.deadline_at if hid not in present]:
+            del self.deadline_at[gone]
+        for gone in [hid for hid in self.behind_peeks if hid not in present]:
+            del self.behind_peeks[gone]  # (read again in its turn: found gone then)
         # with a shared store, other hosts run what we have no specialist for: forget
         # those once they leave pending (the set would otherwise grow for ever)
         self.unroutable &= present
@@ -295,36 +324,54 @@ class Scheduler(Lines, QuietWaits):
 
     def _fill(self, now: float) -> None:
         """Move the due ids of the time heap (and of ``behind``, due before them) into the
-        ready window, each read once, while it has room; a hard deadline read with one is kept
-        in ``ahead`` (:meth:`look_ahead` answers it then, should every worker still be busy)."""
-        while len(self.ready) < READY_WINDOW and (entry := self._pop_due(now)) is not None:
-            due, _, _, handoff_id = entry
+        ready window, each read once, while it has room (one read past the window is not made
+        again: its peek was kept with it); a hard deadline read with one is kept in ``ahead``
+        (:meth:`look_ahead` answers it then, should every worker still be busy)."""
+        heap, behind = self.heap, self.behind
+        while len(self.ready) < READY_WINDOW:
+            kept = None
+            if behind and (not heap or behind[0] < heap[0]):  # (all due: read when they were)
+                due, _, _, handoff_id = heapq.heappop(behind)
+                if self.behind_peeks:
+                    kept = self.behind_peeks.get(handoff_id)
+                    if kept is not None and kept[0] == due:
+                        del self.behind_peeks[handoff_id]  # (void or used: it goes)
+                    else:
+                        kept = None
+            elif heap and heap[0][0] <= now:
+                due, _, _, handoff_id = heapq.heappop(heap)
+            else:
+                break
             if self.queued.get(handoff_id) != due:
                 continue  # superseded by an earlier notification
             del self.queued[handoff_id]
             self.backoffs.pop(handoff_id, None)  # (a batch waited for it once)
-            if self.behind_at:
-                self.behind_at.pop(handoff_id, None)  # (its deadline is kept with it here)
-            looked = self.rescans
-            peek = self._read(handoff_id)
-            if peek is None:
-                continue
+            if self.behind_at and (was := self.behind_at.pop(handoff_id, None)) is not None \
+                    and was[1] <= now:
+                kept = None  # (its deadline passed behind: read afresh, answered as it is now)
+            peek: Peek | None
+            if kept is not None:  # read past the window: taken as it was read there
+                _, peek, looked = kept
+            else:
+                looked = self.rescans
+                peek = self._read(handoff_id)
+                if peek is None:
+                    continue
             rank = peek.priority if peek.readable else -1  # set unreadable files aside first
             heapq.heappush(self.ready, (rank, due, next(self.seq), handoff_id, peek, looked))
             self.readied.add(handoff_id)
             deadline = self.hard_deadline(handoff_id, peek)  # (None at once but for hi_moe)
             if deadline is not None:
-                self.ahead[handoff_id] = now + (deadline - self.engine.clock()).total_seconds()
+                at = now + (deadline - self.engine.clock()).total_seconds()
+                self.ahead[handoff_id] = at
+                self._note_deadline(handoff_id, at)
 
-    def _pop_due(self, now: float) -> tuple[float, int, int, str] | None:
-        """The earliest due entry of the time heap and of ``behind`` (all due: read when they
-        were), taken out; None when neither has one due by ``now``."""
-        behind, heap = self.behind, self.heap
-        if behind and (not heap or behind[0] < heap[0]):
-            return heapq.heappop(behind)
-        if heap and heap[0][0] <= now:
-            return heapq.heappop(heap)
-        return None
+    def _note_deadline(self, handoff_id: str, at: float) -> None:
+        """Remember the hard deadline ``at`` (monotonic) just read with ``handoff_id``, for a
+        hold-off that may come after it is handed out (:meth:`hold_off`)."""
+        self.deadline_at[handoff_id] = at
+        if len(self.deadline_at) > MAX_HELD_OFF:  # (the oldest first: dicts keep order)
+            del self.deadline_at[next(iter(self.deadline_at))]
 
     def look_ahead(self, now: float) -> list[tuple[str, datetime]]:
         """Every worker is busy (called by the loop under ``cv``): the handoffs to answer
@@ -338,11 +385,11 @@ class Scheduler(Lines, QuietWaits):
         full, the due ids past it are read too (:meth:`_look_behind`): a message behind more
         than READY_WINDOW due handoffs was answered only when its turn came. The loop wakes
         for the first deadline (:meth:`ahead_at`)."""
+        overdue: list[tuple[str, datetime]] = []
         if self.spin_up_at() - self.spin_up + LOOK_AHEAD_AFTER_SECONDS <= now:
             self._fill(now)
             if len(self.ready) >= READY_WINDOW:
-                self._look_behind(now)
-        overdue: list[tuple[str, datetime]] = []
+                self._look_behind(now, overdue)
         for handoff_id, at in list(self.ahead.items()):
             if handoff_id not in self.readied:
                 del self.ahead[handoff_id]  # handed out meanwhile (a worker took it)
@@ -371,12 +418,15 @@ class Scheduler(Lines, QuietWaits):
                 overdue.append((handoff_id, answer))
         return overdue
 
-    def _look_behind(self, now: float) -> None:
+    def _look_behind(self, now: float, overdue: list[tuple[str, datetime]]) -> None:
         """The ready window is full and every worker busy: read the due ids past it, once
         each and READY_WINDOW a turn (the loop comes back for more: :meth:`ahead_at`), and
         keep the hard deadlines read (at most MAX_BEHIND_DEADLINES). Their entries go to
-        ``behind``, and keep their turn; nothing is read again until it is taken into the
-        window (a rescan leaves queued ids alone), so a backlog at rest costs nothing more."""
+        ``behind``, and keep their turn, with what was read (up to MAX_BEHIND_PEEKS: the window
+        takes it as read, not reading it again); nothing is read again before (a rescan leaves
+        queued ids alone), so a backlog at rest costs nothing more. One read past its hard
+        deadline already (held off till it: :meth:`hold_off`) is added to ``overdue`` as read,
+        no longer queued."""
         reads = 0
         while reads < READY_WINDOW and len(self.behind_at) < MAX_BEHIND_DEADLINES \
                 and self.heap and self.heap[0][0] <= now:
@@ -386,19 +436,29 @@ class Scheduler(Lines, QuietWaits):
                 continue  # superseded by an earlier notification (or a WAKE)
             reads += 1
             del self.queued[handoff_id]  # (as _fill: a memory back-off queues it afresh)
+            looked = self.rescans
             peek = self._read(handoff_id)
             if peek is None:
                 continue
+            deadline = self.hard_deadline(handoff_id, peek)  # (stamps its arrival: hi_moe)
+            left = None
+            if deadline is not None:
+                left = (deadline - self.engine.clock()).total_seconds()
+                if left <= 0:  # (just read: answered as read, not read again for it)
+                    self.backoffs.pop(handoff_id, None)
+                    overdue.append((handoff_id, deadline))
+                    continue
             self.queued[handoff_id] = due
             heapq.heappush(self.behind, entry)
-            deadline = self.hard_deadline(handoff_id, peek)  # (stamps its arrival: hi_moe)
-            if deadline is not None:
-                self._keep_behind(handoff_id, due,
-                                  now + (deadline - self.engine.clock()).total_seconds())
+            if len(self.behind_peeks) < MAX_BEHIND_PEEKS:
+                self.behind_peeks[handoff_id] = (due, peek, looked)
+            if left is not None:
+                self._keep_behind(handoff_id, due, now + left)
 
     def _keep_behind(self, handoff_id: str, due: float, at: float) -> None:
         """Keep the hard deadline ``at`` (monotonic) of ``handoff_id``, behind with ``due``."""
         self.behind_at[handoff_id] = (due, at)
+        self._note_deadline(handoff_id, at)
         heapq.heappush(self.deadlines_behind, (at, handoff_id))
         if len(self.deadlines_behind) > 2 * len(self.behind_at) + READY_WINDOW:
             # (void ones, of ids taken into the window, are dropped: its size stays bounded)
@@ -412,13 +472,17 @@ class Scheduler(Lines, QuietWaits):
         if self.queued.get(handoff_id) != due:
             return None  # queued again meanwhile (looked at first, held off): read then
         del self.queued[handoff_id]  # (as _fill: a memory back-off queues it afresh)
+        self.behind_peeks.pop(handoff_id, None)  # (read afresh here)
+        looked = self.rescans
         peek = self._read(handoff_id)
         if peek is None:
             return None  # gone: claimed elsewhere, or filed
         deadline = self.hard_deadline(handoff_id, peek)
         left = None if deadline is None else (deadline - self.engine.clock()).total_seconds()
         if left is None or left > 0:  # (no deadline now, or a later one: e.g. retried)
-            self.queued[handoff_id] = due  # its entry behind stands
+            self.queued[handoff_id] = due  # its entry behind stands, with this read
+            if len(self.behind_peeks) < MAX_BEHIND_PEEKS:
+                self.behind_peeks[handoff_id] = (due, peek, looked)
             if left is not None:
                 self._keep_behind(handoff_id, due, now + left)
             return None
@@ -673,6 +737,7 @@ class Scheduler(Lines, QuietWaits):
             self.behind.clear()
             self.behind_at.clear()
             self.deadlines_behind.clear()
+            self.behind_peeks.clear()
             self.waiting.clear()
             self.waits_on.clear()
             self.fails_on.clear()
