@@ -31,7 +31,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import refiling
-from ..core.documents import book, book_int, check_id, check_text, next_attempt_at
+from ..core.documents import (CHECK, UNRECORDED, book, book_int, check_id, check_text,
+                              next_attempt_at)
 from ..core.errors import DocumentNotReady, ErrorCode, HandoffdError, InvalidDocument, NotFound
 from ..core.logs import log
 from ..core.states import State
@@ -292,6 +293,12 @@ def _file_cancelled(engine: "Engine", claim: "Claim", dialect: "Dialect", now: d
                              f"handoff {handoff_id} cancelled by {by}: {reason}",
                              retryable=False)
     outcome.artifacts = children_artifacts(engine, claim.doc)
+    if claim.raw:
+        # a document from outside, never admitted: its id is taken now, as an admission takes
+        # it, so a later document reusing it is set aside as a duplicate (the claim's event,
+        # popped above, was all that said it came from outside; a retry of this one, by
+        # choice, runs). A failure here hands the claim back with the search still to do
+        engine.backend.seen_add(handoff_id, now)
     with refiling(claim):  # a filing that fails before writing keeps the claim ours
         return engine.file(claim, dialect, spec, outcome)
 
@@ -317,8 +324,12 @@ def hand_back(engine: "Engine", claim: "Claim", dialect: "Dialect", saved: dict[
         if (isinstance(history, list) and history and isinstance(history[-1], dict)
                 and history[-1].get("event") == "claimed"):
             history.pop()  # it never ran
+        # a document from outside, whose claimed event goes: its next admission must still
+        # search for its id and record it (the mark a shortage's hand-back leaves), else a
+        # duplicate dropped by a producer ran unchecked once the cancel failed
+        mark = {UNRECORDED: CHECK} if claim.raw else {}
         where = engine.requeue(claim, dialect, "handed_back", due_at=next_attempt_at(saved),
-                               reason=f"{doing} failed: {_why(exc)}")
+                               reason=f"{doing} failed: {_why(exc)}", **mark)
     except BaseException as again:  # (a second failure must not hide the first)
         log.error("handoff %s: cannot hand back its claim (%s); the sweep recovers it",
                   claim.id, _why(again))
