@@ -126,8 +126,7 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
     try:  # any passing shortage met admitting it (the seen-ids record, a schema file): "not
         # now", the claim handed back uncounted. The seen-ids record's once escaped to the
         # worker's error path: left claimed, recovered as a crash, an attempt charged
-        left = _first_use_left(claim)
-        if left is not None and not _first_use(engine, claim, now, left):
+        if not first_use(engine, claim, now):
             return None
         envelope = _envelope(engine, claim, dialect, now)
     except OSError as exc:  # (a MemoryError reading the document has its strikes: _envelope)
@@ -161,6 +160,17 @@ def admit(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime,
                          data=envelope.data, target=spec.agent,
                          max_output_bytes=engine.settings.max_output_bytes)
     return Job(claim, dialect, envelope, spec, ctx, started_at=now, deadline=deadline)
+
+
+def first_use(engine: Admitting, claim: Claim, now: datetime) -> bool:
+    """Do what is left of a claimed document's first use (:func:`_first_use_left`): True when
+    it may go on (nothing was left, or its id was free and is recorded now), False when it was
+    set aside as a reused id (DUPLICATE_HANDOFF_ID). Admission's rule, and that of whatever
+    else carries out a claimed document itself (a seed 000 cancellation message:
+    :func:`handoffd.features.cancellation.handle_message`), so that a document from outside
+    whose claim was recovered before its first use has its id recorded in either."""
+    left = _first_use_left(claim)
+    return left is None or _first_use(engine, claim, now, left)
 
 
 def _first_use(engine: Admitting, claim: Claim, now: datetime, left: str) -> bool:

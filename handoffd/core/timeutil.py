@@ -31,6 +31,8 @@ MAX_FRACTION_DIGITS = 9
 # a longer fraction: a dot then one digit more (in an RFC 3339 time a dot is its fraction's);
 # no repetition beyond that: linear, and it stops at the first such run
 _LONG_FRACTION = re.compile(r"\.[0-9]{%d}" % (MAX_FRACTION_DIGITS + 1))
+# such a fraction's first MAX_FRACTION_DIGITS digits, and the rest (greedy, one run: linear)
+_FRACTION_REST = re.compile(r"(\.[0-9]{%d})[0-9]+" % MAX_FRACTION_DIGITS)
 
 
 class OutsideCalendar(ValueError):
@@ -97,6 +99,17 @@ def fraction_too_long(text: str) -> bool:
     """Whether the time ``text`` carries more than :data:`MAX_FRACTION_DIGITS` digits of
     fractional seconds (a dot followed by more digits than that)."""
     return _LONG_FRACTION.search(text) is not None
+
+
+def parse_iso_truncated(text: str) -> datetime:
+    """Parse an ISO 8601 timestamp as :func:`parse_iso` does, its fractional seconds cut to
+    :data:`MAX_FRACTION_DIGITS` digits first (a datetime keeps microseconds anyway: the value
+    is the same). For a time another program wrote that handoffd only reads, never checks
+    as a document's field: a foreign consumer's ``started_at`` (picoseconds are RFC 3339),
+    whose claim was taken for none when its start was refused. Whatever it says is bounded by
+    its caller (a foreign claim's start: never after its rename). Raises ValueError if
+    malformed otherwise."""
+    return parse_iso(_FRACTION_REST.sub(r"\1", text, count=1))
 
 
 def parse_utc(text: str, *, headroom_seconds: float = 0.0) -> datetime:

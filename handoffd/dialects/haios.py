@@ -121,12 +121,18 @@ class HaiosDialect:
             doc["created_at"] = iso(now)
 
     def mark_claimed(self, doc: dict[str, Any], now: datetime) -> None:
-        # a status the schema refuses is left as written, for the check after the claim
-        if doc.get("status", "pending") in STATUSES:
+        # a status the schema refuses is left as written, for the check after the claim; a
+        # CollaborationResult's is the sender's answer, kept as written (it is refused)
+        if doc.get("status", "pending") in STATUSES and not self.is_answer(doc):
             doc["status"] = "accepted"
 
     def mark_pending(self, doc: dict[str, Any]) -> None:
-        doc["status"] = "pending"
+        """Back to pending/: ``status`` pending again, except a CollaborationResult's (an
+        answer, :meth:`is_answer`), which stays the sender's: set to pending by a hand-back or
+        a recovery before its admission, the result dropped into pending/ was no valid
+        CollaborationResult any more, and its refusal kept a ``status`` nobody wrote."""
+        if not self.is_answer(doc):
+            doc["status"] = "pending"
 
     # ------------------------------------------------------------ answering
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,

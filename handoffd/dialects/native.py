@@ -68,7 +68,14 @@ class NativeDialect:
         doc["started_at"] = iso(now)
 
     def mark_pending(self, doc: dict[str, Any]) -> None:
-        doc["status"] = "pending"
+        """Back to pending/ (a retry, a hand-back, a recovery): ``status`` pending again, unless
+        the document is a seed-001 answer (:func:`native_answer`: a claim left its status as
+        written). Set to pending, a Response handed back before its admission (a passing
+        shortage) or recovered after a crash read as a request at its next claim and ran,
+        carrying the sender's ``output``; kept, it is refused NOT_A_REQUEST then. (`handoff
+        retry` strips a filed failure's answer fields first, so that one reads pending.)"""
+        if not native_answer(doc):
+            doc["status"] = "pending"
         doc.pop("started_at", None)
 
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,

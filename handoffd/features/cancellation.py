@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Collection, Protocol
 
 from ..core import recurring
+from ..core.admission import first_use
 from ..core.documents import BOOK, Outcome, check_id
 from ..core.errors import (
     ErrorCode,
@@ -191,12 +192,11 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
         return None
     claim, dialect = claimed
     doc = claim.doc
-    if claim.raw:  # never handled by handoffd
-        if engine.backend.seen_contains(handoff_id, now):
-            engine.set_aside_claim(claim, ErrorCode.DUPLICATE_HANDOFF_ID,
-                                   f"message id {handoff_id} was already used recently")
-            return None
-        engine.backend.seen_add(handoff_id, now)
+    # its id searched and recorded as admission does: for a raw claim, and for one whose
+    # earlier claim was recovered before that was done (a crash after the claim; checking
+    # only raw claims left the id unrecorded, and a message reusing it was carried out again)
+    if not first_use(engine, claim, now):
+        return None  # a reused id: set aside DUPLICATE_HANDOFF_ID
     try:
         engine.validate(doc, dialect, handoff_id=handoff_id,
                         subject=f"cancellation message {handoff_id} is invalid")

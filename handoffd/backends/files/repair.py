@@ -33,7 +33,7 @@ from ...core.documents import book, is_safe_id, record
 from ...core.errors import DuplicateHandoff, ErrorCode, InvalidDocument, UnreadableDocument
 from ...core.logs import log
 from ...core.states import State, winner
-from ...core.timeutil import parse_iso
+from ...core.timeutil import parse_iso_truncated
 from . import aside, fsio
 from .leases import unclaimed
 from .orphans import Repairs, _plain_folder, remove_orphans
@@ -222,11 +222,14 @@ def foreign_lease_end(doc: dict[str, Any], claimed_at: float) -> float:
 
     Seed 001's consumer marks its claim ``status: in_progress`` with ``started_at``; it holds the
     handoff for the request's ``timeout_seconds``. The start is never later than the rename we
-    saw (``claimed_at``, our clock): a document cannot stretch its own lease."""
+    saw (``claimed_at``, our clock): a document cannot stretch its own lease. A ``started_at``
+    finer than nanoseconds is read to the microsecond (:func:`~handoffd.core.timeutil.
+    parse_iso_truncated`): refused, it made a consumer's claim none, held the claim grace
+    only, not its ``timeout_seconds``; its bound above holds for any value."""
     if doc.get("status") != "in_progress" or not isinstance(doc.get("started_at"), str):
         return 0.0
     try:
-        started = min(parse_iso(doc["started_at"]).timestamp(), claimed_at)
+        started = min(parse_iso_truncated(doc["started_at"]).timestamp(), claimed_at)
     except (ValueError, OverflowError):
         return 0.0
     limit = doc.get("timeout_seconds")
@@ -252,7 +255,7 @@ def marked_here(doc: dict[str, Any], info: os.stat_result) -> bool:
     if info.st_mtime_ns < info.st_ctime_ns:
         return False
     try:
-        started = parse_iso(doc["started_at"]).timestamp()
+        started = parse_iso_truncated(doc["started_at"]).timestamp()  # (as foreign_lease_end)
     except (KeyError, TypeError, ValueError, OverflowError):
         return False
     return started >= info.st_ctime - MARK_SLACK_SECONDS
