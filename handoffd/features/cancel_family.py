@@ -327,7 +327,7 @@ def hand_back(engine: "Engine", claim: "Claim", dialect: "Dialect", saved: dict[
         # a document from outside, whose claimed event goes: its next admission must still
         # search for its id and record it (the mark a shortage's hand-back leaves), else a
         # duplicate dropped by a producer ran unchecked once the cancel failed
-        mark = {UNRECORDED: CHECK} if claim.raw else {}
+        mark: dict[str, Any] = {UNRECORDED: CHECK} if claim.raw else {}
         where = engine.requeue(claim, dialect, "handed_back", due_at=next_attempt_at(saved),
                                reason=f"{doing} failed: {_why(exc)}", **mark)
     except BaseException as again:  # (a second failure must not hide the first)
