@@ -163,3 +163,19 @@ def test_validate_calls_a_status_less_report_valid_as_it_does_a_response(tmp_pat
         assert plain.returncode == 0 and plain.stdout.strip().endswith(": valid (swarm)"), plain
     finally:
         ws.cleanup()
+
+
+@pytest.mark.parametrize("status", ["garbage", 7, "", {"a": 1}, ["x"]])
+def test_a_request_status_the_schema_refuses_survives_a_hand_back(status: Any) -> None:
+    """A seed-001 request whose ``status`` no seed-001 document has is handed back (a passing
+    shortage before its admission) as written: ``mark_pending`` set it to pending, and its next
+    claim's schema check passed a request it would have refused (session 26)."""
+    native = dialects.by_name("native")
+    doc = {"handoff_id": "h-26", "status": status, "target": {"agent_id": "@a"}}
+    native.mark_claimed(doc, utc_now())
+    native.mark_pending(doc)
+    assert doc["status"] == status, doc
+    mine = {"handoff_id": "h-27", "target": {"agent_id": "@a"}}  # (no status: pending, as before)
+    native.mark_claimed(mine, utc_now())
+    native.mark_pending(mine)
+    assert mine["status"] == "pending", mine

@@ -11,6 +11,11 @@ from ..core.timeutil import iso
 from .base import FiledState
 
 
+# every status a seed-001 document has (request, Response, Failure); another is the schema's to
+# refuse, never overwritten by handoffd's marks
+SEED_STATUSES = frozenset({"pending", "in_progress", "completed", "partial", "failed", "cancelled"})
+
+
 class NativeDialect:
     """Request / response / failure documents exactly as seed 001 names their fields."""
 
@@ -74,7 +79,10 @@ class NativeDialect:
         shortage) or recovered after a crash read as a request at its next claim and ran,
         carrying the sender's ``output``; kept, it is refused NOT_A_REQUEST then. (`handoff
         retry` strips a filed failure's answer fields first, so that one reads pending.)"""
-        if not native_answer(doc):
+        status = doc.get("status", "pending")
+        # a status no seed-001 document has is left as written too, as mark_claimed leaves it:
+        # set to pending by a hand-back, a request the schema refuses ("garbage") ran
+        if isinstance(status, str) and status in SEED_STATUSES and not native_answer(doc):
             doc["status"] = "pending"
         doc.pop("started_at", None)
 
