@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the names below are loaded on first use (a CLI start must n
         HandoffdError,
         InvalidDocument,
         NotFound,
+        StoreUnavailable,
         UsageError,
         WaitTimeout,
     )
@@ -69,6 +70,7 @@ _HOME: dict[str, str] = {
     "Outcome": "core.documents", "new_native_request": "core.native_format", "ConfigError": "core.errors",
     "DuplicateHandoff": "core.errors", "HandlerError": "core.errors", "HandoffdError": "core.errors",
     "InvalidDocument": "core.errors", "NotFound": "core.errors", "UsageError": "core.errors",
+    "StoreUnavailable": "core.errors",
     "WaitTimeout": "core.errors", "ErrorCode": "core.errors", "Engine": "core.engine",
     "HandlerContext": "core.specialists",
     "Registry": "core.specialists", "specialist": "core.specialists", "State": "core.states", "Store": "backends.files.store",

@@ -239,6 +239,16 @@ class Workspace:
                 proc.wait(timeout=10)
 
 
+@pytest.fixture(autouse=True)
+def no_death_watch_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test process is no daemon: attempts run in it (in-process daemons, runner tests)
+    start no death watch (core/deathwatch.py), which would be one more child process, Popen call
+    and descriptor for the tests that count or stand in for those. The daemons a test starts as
+    processes have theirs; tests/test_deathwatch_s26.py tests it."""
+    from handoffd.core import deathwatch
+    monkeypatch.setattr(deathwatch, "_next_start", float("inf"))
+
+
 @pytest.fixture
 def ws(tmp_path: Path) -> Iterator[Workspace]:
     """A workspace whose handoffd.toml registers the flaky test specialist as @flaky."""

@@ -22,6 +22,7 @@ from conftest import Workspace, new_workspace
 
 from handoffd.core.documents import hostname
 from handoffd.core.liveness import live_mark, own_mark
+from handoffd.core.procrecords import boot_id
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
 from handoffd.service import daemon_records
 from handoffd.service.daemon_records import ServingRecord, stale_daemons
@@ -76,7 +77,7 @@ def record_body(pid: int, mark: str, **changed: Any) -> str:
     """A record as a daemon of this host writes it, stale against any handoffd.toml."""
     mine = own_mark()
     assert mine is not None
-    body = {"host": hostname(), "pid": pid, "proc": mark, "ns": mine[1],
+    body = {"host": hostname(), "boot": boot_id(), "pid": pid, "proc": mark, "ns": mine[1],
             "started": "2026-11-24T12:00:00Z", "config": [0, 0, 0, 0], **changed}
     return json.dumps(body)
 
@@ -197,16 +198,24 @@ def test_serve_removes_the_records_nobody_renewed_for_a_day_and_never_a_live_one
         plant("8.00000000000b.json", record_body(8, "b" * 16, ns="1/2"), 2 * DAY),  # other ns
         plant("9.00000000000c.json", "{junk", 2 * DAY),  # no record, under a record's name
         plant(f"{4_000_001}.00000000000d.json", record_body(4_000_001, "d" * 16), 60),  # dead
+        # (R47: dated more than a day ahead: no renewal ever sets that, it was kept for good)
+        plant(f"{os.getpid()}.00000000001c.json", "{junk", -2 * DAY),
     }
     kept = {
         plant("17.00000000001a.json", record_body(17, "a" * 16, **elsewhere), 3600),
         plant("18.00000000001b.json", "{junk", 3600),  # (young: maybe being looked at)
-        plant(f"{os.getpid()}.00000000001c.json", "{junk", -DAY),
+        plant(f"{os.getpid()}.00000000001d.json", "{junk", -3600),  # (a clock a little ahead)
     }
-    for n in range(3):  # live daemons of this host, unrenewed for days: /proc says they live
+    for n in range(2):  # live daemons of this host, unrenewed for days: /proc says they live
         pid, mark = sleeper(sleepers)
-        name = f"{pid}.{mark[:12]}.json" if n < 2 else f"{pid}.{n:012x}.json"  # (old naming)
-        kept.add(plant(name, record_body(pid, mark), 3 * DAY))
+        kept.add(plant(f"{pid}.{mark[:12]}.json", record_body(pid, mark), 3 * DAY))
+    # an older handoffd's record (named at random, no boot id) of a live daemon: the day rule
+    # (R47: no boot id, so not judged as this host's), never removed at once
+    pid, mark = sleeper(sleepers)
+    old = json.loads(record_body(pid, mark))
+    del old["boot"]
+    kept.add(plant(f"{pid}.{1:012x}.json", json.dumps(old), 3600))
+    gone.add(plant(f"{pid}.{2:012x}.json", json.dumps(old), 3 * DAY))
     record = ServingRecord(home, None)
     record.write()  # a serve's start
     try:

@@ -217,6 +217,16 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
     return 1 if report.error or report.lost else 0
 
 
+def store_named(eng: Engine) -> str:
+    """The store ``eng`` works on, for the "serving" line: its URL without the password
+    (PostgreSQL), or ``files`` (the workspace's own handoffs/ folders)."""
+    url = getattr(eng.backend, "url", None)
+    if not isinstance(url, str):
+        return "files"
+    from ..backends.postgres.connection import redact
+    return redact(url)
+
+
 def serve_as_parent(eng: Engine, daemon: Daemon, count: int, metrics: str | None,
                     metrics_textfile: Path | None, log_format: str = "text") -> None:
     """The serving daemon of this process, with what only one process of a ``serve`` runs:
@@ -233,10 +243,13 @@ def serve_as_parent(eng: Engine, daemon: Daemon, count: int, metrics: str | None
     def ready() -> None:
         spread_over = f"{count} processes of " if count > 1 else ""
         said = "".join(f"; {name.replace('_', ' ')} {value}" for name, value in exposed.items())
-        line = (f"serving {eng.ws.root} ({spread_over}{daemon.workers} workers; at once per "
-                f"specialist: {daemon.limits() or 'no specialists'}){said}")
+        # the store named: a host whose handoffd.toml lacks [store] serves its own files, quietly
+        store = store_named(eng)
+        line = (f"serving {eng.ws.root} (store: {store}; {spread_over}{daemon.workers} workers; "
+                f"at once per specialist: {daemon.limits() or 'no specialists'}){said}")
         limits = {spec.agent: daemon.limit(spec) for spec in eng.registry.specialists.values()}
-        announce(log_format, "serving", line, {"root": str(eng.ws.root), "processes": count,
+        announce(log_format, "serving", line, {"root": str(eng.ws.root), "store": store,
+                                               "processes": count,
                                                "workers": daemon.workers, "limits": limits,
                                                **exposed})
         if systemd is not None:

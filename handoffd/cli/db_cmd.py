@@ -45,7 +45,7 @@ def init(root: RootOption = None, store: StoreOption = None) -> None:
     """Create or upgrade handoffd's tables (idempotent); prints the schema version."""
     import psycopg
 
-    from ..backends.postgres.connection import StoreError, check_url, redact, refusal
+    from ..backends.postgres.connection import cannot_connect, check_url, refusal
     from ..backends.postgres.schema import check, migrate
     _, url = _url(root, store)
     check_url(url)  # a URL libpq cannot parse: one line (exit 2), never the parser's class name
@@ -53,9 +53,8 @@ def init(root: RootOption = None, store: StoreOption = None) -> None:
         with psycopg.connect(url, connect_timeout=10) as conn:
             version, applied = migrate(conn)
             check(conn, version)  # "up to date" only when every table and column is there
-    except psycopg.OperationalError as exc:
-        raise StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: "
-                         f"{' '.join(str(exc).split())}") from None
+    except psycopg.OperationalError as exc:  # (libpq refusing an option: exit 2, as check_url)
+        raise cannot_connect(url, " ".join(str(exc).split())) from None
     except psycopg.Error as exc:  # e.g. a role that may not create tables in the database
         raise refusal(exc, url, "create or upgrade handoffd's tables") from None
     print(f"schema version {version}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..core.logs import speak_as
 from .basics import PROG, failure_code, load_if_few_descriptors, prepare_streams
 from .quick import try_quick
 
@@ -16,6 +17,7 @@ def handoff() -> None:
     if code is not None:
         sys.exit(code)
     load_if_few_descriptors()
+    speak_as(PROG)  # a store's log lines (the database lost, waited for) read "handoff: ..."
     try:
         code = None if os.environ.get("HANDOFFD_FULL_CLI") else try_quick(sys.argv[1:])
         if code is None:

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from . import procrecords, procs
+from . import deathwatch, procrecords, procs
 from .errors import HandlerError, is_shortage, shortage_words
 from .specialists import HandlerContext
 from .watchdog import cancelled, timed_out
@@ -80,7 +80,10 @@ def leftovers_unchecked(exc: BaseException) -> str:
 
 
 def write_record(ctx: HandlerContext, record: procrecords.RunRecord) -> None:
-    """Write the attempt's process record (procrecords.py); a failure is logged, not raised."""
+    """Write the attempt's process record (procrecords.py) and tell the daemon's death watch
+    (deathwatch.py: kills the attempt at once if the daemon dies); a failure is logged, not
+    raised."""
+    deathwatch.guard(record.token, ctx.handoff_id, ctx.attempt, record.pgid)
     try:
         procrecords.write_record(ctx.root, record)
     except OSError as exc:  # the attempt still runs; only a later cleanup loses its handle
@@ -135,6 +138,7 @@ def end_attempt(ctx: HandlerContext, proc: subprocess.Popen[bytes], token: str,
     for thread in helpers:
         if thread.ident is not None:  # (one that could not be started: no thread to spare)
             thread.join(timeout=PIPE_DRAIN_SECONDS)
+    deathwatch.release(token)  # (killed and reaped: nothing left for the death watch)
     if proc.stdin is not None and not any(thread.is_alive() for thread in helpers):
         _close(proc.stdin)  # a feeder that never started never closed it
     if survivors == 0:

@@ -1,6 +1,7 @@
 """One exception hierarchy for handoffd.
 
-Every error a user can meet derives from :class:`HandoffdError`. Messages name the handoff
+Every error a user can meet derives from :class:`HandoffdError`, but for
+:class:`StoreUnavailable` (an OSError: the store away, try again later). Messages name the handoff
 (when there is one) and say what to do next, because they are printed as-is on one stderr line.
 """
 from __future__ import annotations
@@ -222,3 +223,11 @@ class WaitTimeout(HandoffdError):
     """``handoff wait`` gave up before the handoff reached a terminal state."""
 
     exit_code = 124
+
+
+class StoreUnavailable(OSError):
+    """The store could not be reached within its reconnect window (PostgreSQL: down or
+    restarting for longer than ``[store] reconnect_seconds``), whether the connection was lost
+    midway or never made: trying again later may work (exit 1). An OSError, not a
+    HandoffdError, on purpose: the daemon and the sweeper treat OSErrors as "try again later",
+    never as a fault of the document at hand."""

@@ -92,3 +92,39 @@ def deferred(name: str) -> Logger:
 
 
 log = deferred("handoffd")
+
+
+# the command whose own lines the handoffd logger's are to look like (speak_as): None in a
+# daemon, whose log is configured by its command line, and in a library user's program
+_PROGRAM: list[str] = []
+
+
+def speak_as(program: str) -> None:
+    """A one-shot command (``handoff``) says its name: the lines the ``handoffd`` logger writes
+    while it runs (a PostgreSQL store lost and regained) then read ``program: message``, as
+    the command's own lines do, once :func:`prefix_lines` installs that handler."""
+    _PROGRAM[:] = [program]
+
+
+def prefix_lines() -> None:
+    """After :func:`speak_as`: give the ``handoffd`` logger a stderr handler writing warnings
+    and worse as ``program: message`` on one line (without it, logging's last resort wrote the
+    bare message). Imports ``logging``: called where a store that logs is opened. Once only;
+    nothing without :func:`speak_as`."""
+    if not _PROGRAM:
+        return
+    import logging
+    logger = logging.getLogger("handoffd")
+    if any(getattr(handler, "handoffd_program", False) for handler in logger.handlers):
+        return
+    program = _PROGRAM[0]
+
+    class Prefixed(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"{program}: {clean(record.getMessage())}"
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.handoffd_program = True  # type: ignore[attr-defined]
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(Prefixed())
+    logger.addHandler(handler)

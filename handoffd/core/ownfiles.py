@@ -12,11 +12,12 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Sequence
 
 from .errors import SHORTAGE_ERRNOS, shortage_words
 
 READ_STEP = 1 << 16
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def open_regular(path: Path | str, flags: int, mode: int = 0o644, *,
@@ -86,6 +87,40 @@ def open_folder(path: Path | str, *, make: bool = False) -> int:
         except FileExistsError:
             pass  # a file or a dangling symlink: refused by the open
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def open_beneath(base: Path | str, parts: Sequence[str], *, make: bool = False) -> int:
+    """A descriptor of the folder ``base/<parts...>``, each of ``parts`` opened relative to the
+    one before with ``O_NOFOLLOW`` (made first, by ``mkdirat``, when missing and ``make``): a
+    symlink at any of them, even one swapped in a moment before, is an OSError (ENOTDIR or
+    ELOOP; FileNotFoundError for a missing one), never followed. :func:`open_folder`'s
+    ``mkdir(parents=True)`` followed a symlinked parent and made folders (and then records) outside
+    the workspace. ``base`` itself is opened as it is: a symlinked ``handoffs/`` is the user's
+    choice (:meth:`~handoffd.core.workspace.Workspace.check_state_folders`). The OSError names
+    the path of the part that failed."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for at, part in enumerate(parts):
+            try:
+                try:
+                    child = os.open(part, _FOLDER_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not make:
+                        raise
+                    try:  # (mkdirat: a symlink at that name is never followed, EEXIST)
+                        os.mkdir(part, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # made meanwhile, or a link or file: refused by the open
+                    child = os.open(part, _FOLDER_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                exc.filename = os.path.join(base, *parts[:at + 1])
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def not_a_folder(path: Path | str, what: str, exc: OSError | None = None) -> OSError:

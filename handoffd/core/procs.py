@@ -8,6 +8,10 @@ meanwhile been retried, so two runs of one handoff overlap. To prevent that, eve
 * runs in its own process group and carries a unique run token in its environment
   (``HANDOFFD_RUN_TOKEN=<token>``), which every descendant inherits, even one that calls setsid;
 * gets ``PR_SET_PDEATHSIG(SIGKILL)``, so the direct child dies with its daemon;
+* is told to the daemon's death watch (deathwatch.py), a process of its own session that kills
+  the attempts of its daemon the moment the daemon dies (``kill -9`` too), grandchildren of a
+  wrapper that forks included, with no other daemon needed (another host sharing a PostgreSQL
+  store would otherwise run attempt 2 beside them);
 * is recorded in ``handoffs/.meta/procs/<handoff_id>.json`` while it runs (procrecords.py: the
   record's format, and why a planted record leads to no process).
 
@@ -26,7 +30,12 @@ pid namespace, a container's, is found by token only: from the host, not from a 
 container); a descendant that
 clears its environment *and* leaves the process group cannot be recognised, nor can, after its
 daemon died, a group none of whose members still carries the token (the leader's pid and start
-time alone no longer vouch for it: anyone can read them).
+time alone no longer vouch for it: anyone can read them). When a daemon dies, its death watch
+kills its attempts at once; when the watch is gone too (it could not be started, which says so
+in one line; an OOM kill or ``kill -9`` of both), the attempts' grandchildren (the direct child
+has the parent-death signal) run on until a daemon on this host kills them through the records:
+the next attempt here, or a sweep that recovers the claim. Another host cannot: with a shared
+store it may run the next attempt meanwhile.
 """
 from __future__ import annotations
 

@@ -199,7 +199,7 @@ class StoreSettings:
 
     url: str | None = None
     pool_size: int = 8  # connections one process may open (daemons: at least workers + 2)
-    reconnect_seconds: float = 60.0  # how long an operation retries a lost connection
+    reconnect_seconds: float = 60.0  # how long an operation retries a lost (or first) connection
 
 
 @dataclass

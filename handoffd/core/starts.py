@@ -13,7 +13,7 @@ import subprocess
 import threading
 from dataclasses import dataclass
 
-from . import procrecords
+from . import deathwatch, procrecords
 from .errors import SHORTAGE_LIMITS, ClaimShortage, HandlerError, shortage_words
 from .specialists import HandlerContext
 
@@ -110,6 +110,7 @@ def check_shortage(ctx: HandlerContext, what: str, doing: str,
 def forget_record(ctx: HandlerContext, token: str) -> None:
     """Remove the record of an attempt whose child never started; a failure is one line (an
     escaping OSError stranded the claim until its lease ran out)."""
+    deathwatch.release(token)
     try:
         procrecords.remove_record(ctx.root, ctx.handoff_id, token)
     except OSError as exc:

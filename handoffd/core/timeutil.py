@@ -56,6 +56,12 @@ def connecting_within(seconds: float | None) -> Iterator[None]:
         _CONNECT_BY.reset(token)
 
 
+def connect_by() -> float:
+    """When opening a store must end, on time.monotonic()'s clock (the innermost
+    :func:`connecting_within` block's bound; inf outside any)."""
+    return _CONNECT_BY.get()
+
+
 def connect_timeout(seconds: float) -> float:
     """A connect timeout of at most ``seconds``, cut to the time left in a
     :func:`connecting_within` block, but never under 1 s (libpq counts whole seconds): such a

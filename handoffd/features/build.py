@@ -192,6 +192,8 @@ def open_backend(workspace: Workspace, config: Config, *,
     url = config.store_url(store)
     if url is not None:  # psycopg is imported only here: a files workspace never loads it
         from ..backends.postgres import PostgresBackend
+        from ..core.logs import prefix_lines
+        prefix_lines()  # (a command's: its store's lines as its own, "handoff: ...")
         return PostgresBackend(url, describe=dialects.describe,
                                seen_ttl_seconds=settings.seen_ttl_seconds,
                                pool_size=max(config.store.pool_size,

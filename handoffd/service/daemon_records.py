@@ -19,13 +19,25 @@ it names. Records of other hosts (a shared workspace, or daemons of a PostgreSQL
 hosts, which read their own handoffd.toml) are not judged: ls says nothing of them.
 
 Removal, by every ``serve`` (at its start, then every :data:`RENEW_SECONDS`): a record of this
-host (in our namespaces) that no live process bears is removed at once. A record this process
-cannot look up in /proc (another host's, or another pid namespace's) is judged by its mtime: a
-serving daemon renews it every :data:`RENEW_SECONDS`, so one not renewed for
+host that no live process bears is removed at once. "This host" is the record's host name, pid
+and time namespaces *and boot id* all ours: host names repeat (containers, cloned machines)
+and the init namespaces' ids are the same on every host, so without the boot id two hosts of
+one name removed each other's live records every five minutes (R47). Any other record (another
+host's, another pid namespace's, or an older handoffd's, which wrote no boot id) is judged by
+its mtime: a serving daemon renews it every :data:`RENEW_SECONDS`, so one not renewed for
 :data:`LEFT_SECONDS` (a day, 288 renewals) names a daemon that died (or hung for a day) and is
-removed. Its age is measured on the filesystem's clock (against the mtime of the remover's own
-record, just renewed), not on the hosts' clocks, which may disagree. A live daemon whose record
-went missing all the same writes it again at its next renewal.
+removed, and so is one whose mtime is more than :data:`LEFT_SECONDS` ahead (no renewal sets
+it there: planted, or touched by a wild clock). Ages are measured on the filesystem's clock
+(against the mtime of the remover's own record, just renewed), not on the hosts' clocks, which
+may disagree. That rule needs no read, so it removes all such files among the names listed,
+and lists again while it removes (:data:`MAX_PASSES`): thousands of them listed before the live
+record are gone once a serve starts or renews, and never hide it from ls. A live daemon whose
+record went missing all the same writes it again at its next renewal.
+
+Every folder is reached from ``handoffs/`` one at a time, never through a symlink
+(:func:`~handoffd.core.ownfiles.open_beneath`): a ``.meta`` swapped for a link to a folder
+outside once took a renewal's record (and the removal of record-named files) there. A renewal
+that finds ``.meta`` or ``serving`` no plain folder writes and removes nothing (one warning).
 """
 from __future__ import annotations
 
@@ -40,7 +52,8 @@ from typing import Any, Callable
 
 from ..core.documents import hostname
 from ..core.jsontext import parse_line
-from ..core.ownfiles import open_folder, open_regular, read_regular
+from ..core.ownfiles import folder_refusal, open_beneath, open_regular, read_regular
+from ..core.procrecords import boot_id
 from ..core.timeutil import iso, utc_now
 from ..core.workspace import Workspace
 
@@ -58,11 +71,15 @@ MAX_ENTRIES = 4096
 # at most this many records are read by ls (those whose name is a live process's, newest
 # first) ...
 MAX_RECORDS = 32
-# ... and by a serve's removal of the dead (those whose name is not, oldest first)
+# ... and by a serve's removal of the dead (those whose name is not, oldest first), per listing
 MAX_SWEPT = 256
+# a serve's removal lists the folder again while a listing of MAX_ENTRIES names removed some, at
+# most this many times: at most 65,536 names of removable junk gone per start or renewal
+MAX_PASSES = 16
 # a serving daemon renews its record's mtime this often (and removes the records of the dead)
 RENEW_SECONDS = 300.0
-# a record no process of ours can look up, not renewed for this long, is a dead daemon's
+# a record no process of ours can look up, not renewed for this long (or dated this far ahead),
+# is a dead daemon's
 LEFT_SECONDS = 24 * 3600.0
 # a temp file of a daemon killed between writing its record and renaming it is removed by the
 # next serve once it is this old (a live one renames its own within microseconds)
@@ -82,6 +99,18 @@ def config_stamp(path: Path) -> Stamp:
 
 def _folder(ws: Workspace) -> Path:
     return ws.meta / FOLDER
+
+
+def _open(ws: Workspace, make: bool = False) -> int:
+    """A descriptor of the records folder, ``.meta`` and ``serving`` each opened from the one
+    before without following a symlink (made when missing and ``make``, ``handoffs/`` too:
+    a symlink there is the user's choice)."""
+    if make:
+        try:
+            ws.handoffs.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # (a file or a dangling link: refused by the open)
+    return open_beneath(ws.handoffs, [ws.meta.name, FOLDER], make=make)
 
 
 class ServingRecord:
@@ -104,12 +133,14 @@ class ServingRecord:
         mark = own_mark()
         if mark is None:  # no /proc of our own: nobody could tell whether we live
             return
-        body = {"host": hostname(), "pid": os.getpid(), "proc": mark[0], "ns": mark[1],
-                "started": iso(utc_now()), "config": list(self.stamp) if self.stamp else None}
+        # (the boot id: a host of the same name and namespaces' ids never takes it for its own)
+        body = {"host": hostname(), "boot": boot_id(), "pid": os.getpid(), "proc": mark[0],
+                "ns": mark[1], "started": iso(utc_now()),
+                "config": list(self.stamp) if self.stamp else None}
         # (the mark in the name: ls tells a live record from a dead one without reading it)
         name = f"{os.getpid()}.{mark[0][:MARK_DIGITS]}.json"
         try:
-            folder = open_folder(_folder(self.ws), make=True)
+            folder = _open(self.ws, make=True)
         except OSError as exc:
             log.warning("cannot record this daemon in %s (%s): handoff ls cannot say when "
                         "handoffd.toml changed", _folder(self.ws), exc.strerror or exc)
@@ -149,11 +180,13 @@ class ServingRecord:
         if mark is None:
             return
         try:
-            folder = open_folder(_folder(self.ws))
+            folder = _open(self.ws)
         except FileNotFoundError:  # (the folder went too: made again with the record)
             self.write()
             return
-        except OSError:
+        except OSError as exc:  # a link (or file) at .meta or serving: nothing through it
+            log.warning("%s", folder_refusal(exc.filename or _folder(self.ws), exc,
+                                             "this daemon's record is not renewed"))
             return
         try:
             try:
@@ -179,7 +212,7 @@ class ServingRecord:
         if self.name is None:
             return
         try:
-            folder = open_folder(_folder(self.ws))
+            folder = _open(self.ws)
         except OSError:
             return
         try:
@@ -264,44 +297,89 @@ def _live_records(folder: int) -> list[tuple[int, dict[str, Any]]]:
     return found
 
 
-def _remove_left_temps(folder: int, now: float) -> None:
-    """Remove the temp files (``.<name>.tmp``) of daemons killed between writing a record and
-    renaming it, once :data:`TMP_LEFT_SECONDS` old (nothing else ever would)."""
+def _unrenewed(now: float, mtime: float) -> bool:
+    """True when ``mtime`` is more than :data:`LEFT_SECONDS` from the filesystem's ``now``,
+    either way: a serving daemon sets its record's to now every :data:`RENEW_SECONDS`, so one a
+    day old was not renewed for a day, and one a day ahead never was (``now - mtime`` alone
+    never grew past the day for it: such junk was kept for good)."""
+    return abs(now - mtime) > LEFT_SECONDS
+
+
+def _this_hosts(data: dict[str, Any], mark: tuple[str, str], boot: str) -> bool:
+    """True when the record ``data`` is of this host, in our namespaces (``mark``: ours), so
+    that /proc tells whether its daemon lives: its host name, namespaces and boot id all ours
+    (a record without a boot id, an older handoffd's, never is)."""
+    return (bool(boot) and data.get("boot") == boot and data.get("host") == hostname()
+            and data.get("ns") == mark[1])
+
+
+def _sweep_listing(folder: int, now: float, marks: dict[int, str | None]
+                   ) -> tuple[bool, list[str], list[tuple[float, str]]]:
+    """One listing of the folder's first :data:`MAX_ENTRIES` names, for :func:`_remove_dead`:
+    (whether it was full, the names to remove without a read, the records to read (mtime,
+    name)). To remove: the temp files (``.<name>.tmp``) of daemons killed between writing a
+    record and renaming it, :data:`TMP_LEFT_SECONDS` old or ahead (nothing else ever would),
+    and whatever is under a record's name, not named as a live process's, with an
+    :func:`_unrenewed` mtime (anything but a folder: an unlink never follows a link). To read:
+    the other regular files under a record's name but a live process's."""
+    gone: list[str] = []
+    unread: list[tuple[float, str]] = []
+    count = 0
     with os.scandir(folder) as entries:
-        for count, entry in enumerate(entries):
+        for entry in entries:
             if count >= MAX_ENTRIES:
                 break
-            if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
-                continue
+            count += 1
+            name = entry.name
+            named = _RECORD_NAME.fullmatch(name)
+            temp = name.startswith(".") and name.endswith(".tmp")
+            if named is None and not temp:
+                continue  # (not a name a daemon gives its files: never read, never removed)
             try:
-                old = now - entry.stat(follow_symlinks=False).st_mtime > TMP_LEFT_SECONDS
+                info = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if old:
-                _unlink(folder, entry.name)
+            if temp:
+                if abs(now - info.st_mtime) > TMP_LEFT_SECONDS:
+                    gone.append(name)
+            elif named is None or stat.S_ISDIR(info.st_mode) or \
+                    _named_live(int(named.group(1)), named.group(2), marks):
+                continue  # (a folder, or a live process's: kept unread)
+            elif _unrenewed(now, info.st_mtime):
+                gone.append(name)
+            elif stat.S_ISREG(info.st_mode) and info.st_size <= MAX_RECORD_BYTES:
+                unread.append((info.st_mtime, name))
+    return count >= MAX_ENTRIES, gone, unread
 
 
 def _remove_dead(folder: int, mark: tuple[str, str], now: float) -> None:
-    """Remove the records of dead daemons (the rule in the module docstring; ``mark``: ours,
+    """Remove the records of dead daemons (the rules in the module docstring; ``mark``: ours,
     ``now``: the filesystem's time). Those named as a live process's are kept unread; of the
-    others, at most :data:`MAX_SWEPT` are read, the oldest first."""
+    others, those unrenewed for a day (or dated a day ahead) are removed unread, and of the
+    rest at most :data:`MAX_SWEPT` are read per listing, the oldest first, to remove this
+    host's dead ones at once. A listing of :data:`MAX_ENTRIES` names that removed some is
+    followed by another (at most :data:`MAX_PASSES`): removable junk listed before the live
+    record is all gone, however many thousands, before ls looks."""
     from ..core.liveness import bears_mark
-    _remove_left_temps(folder, now)
+    boot = boot_id()
     marks: dict[int, str | None] = {}
-    others = [(info.st_mtime, name) for name, pid, digits, info in _listed(folder)
-              if not _named_live(pid, digits, marks)]
-    others.sort()
-    for mtime, name in others[:MAX_SWEPT]:
-        data = _read(folder, name)
-        if data is not None and data.get("host") == hostname() and data.get("ns") == mark[1]:
-            # ours to look up in /proc: removed once no live process bears it (a record of
-            # an older handoffd, named at random, is kept while its daemon lives)
-            if not bears_mark(data.get("pid"), data.get("proc")):
-                _unlink(folder, name)
-        elif now - mtime > LEFT_SECONDS:
-            # another host's, or no record at all under a record's name: nothing renewed it
-            # for a day (a live daemon renews its own every RENEW_SECONDS)
+    for _ in range(MAX_PASSES):
+        full, gone, unread = _sweep_listing(folder, now, marks)
+        # (unlinked once the listing is closed: entries removed under a listing may skip others)
+        for name in gone:
             _unlink(folder, name)
+        removed = len(gone)
+        unread.sort()
+        for _, name in unread[:MAX_SWEPT]:
+            data = _read(folder, name)
+            # ours to look up in /proc: removed once no live process bears it (one renamed
+            # while its daemon lives is kept: its name is not its mark's)
+            if data is not None and _this_hosts(data, mark, boot) \
+                    and not bears_mark(data.get("pid"), data.get("proc")):
+                _unlink(folder, name)
+                removed += 1
+        if not (full and removed):
+            return
 
 
 def stale_daemons(ws: Workspace) -> list[int]:
@@ -310,7 +388,7 @@ def stale_daemons(ws: Workspace) -> list[int]:
     anything cannot be read). One folder read when no daemon ever served here, a stat more
     when one serves."""
     try:
-        folder = open_folder(_folder(ws))
+        folder = _open(ws)
     except OSError:
         return []
     try:

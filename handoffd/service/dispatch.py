@@ -189,9 +189,12 @@ class Dispatcher:
             if handoff_id not in scheduler.unroutable:
                 # a warning for a daemon; for a cron batch it would be mail on every run (it
                 # stays in the summary line and in `handoff ls`)
-                # (with a store shared by several hosts it is usually another host's work)
-                log.log(logging.INFO if self.batch or getattr(self.engine.backend, "shared", False)
-                        else logging.WARNING,
+                # (with a store shared by several hosts it is usually another host's work, and
+                # it waits in the database, not in a pending/ folder)
+                shared = getattr(self.engine.backend, "shared", False)
+                log.log(logging.INFO if self.batch or shared else logging.WARNING,
+                        "handoff %s waits: no specialist registered for %s here (it may be "
+                        "another host's work)" if shared else
                         "handoff %s waits in pending/: no specialist registered for %s",
                         handoff_id, peek.target)
             scheduler.unroutable.add(handoff_id)

@@ -105,6 +105,9 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
         retries = book(doc).get("retries", 0)
         return f"retry {retries} at {iso(due)}" if retries else f"scheduled for {iso(due)}"
     if target and engine.registry.get(target) is None:
+        if getattr(engine.backend, "shared", False):  # (a store several hosts serve)
+            return (f"waiting: no specialist registered for {target} here (it may be another "
+                    "host's work)")
         return f"waiting: no specialist registered for {target}"
     try:
         verdict = engine.gate(peek) if peek is not None else None

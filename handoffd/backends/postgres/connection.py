@@ -3,7 +3,8 @@
 :class:`Database` runs each operation on a pooled connection in one transaction. A lost
 connection (a restarted server, ``pg_terminate_backend``, a network cut) is retried with backoff
 for up to ``reconnect_seconds``, with one log line when it is lost and one when it is back (one
-each for all of a process's connections to the store: :class:`Outages`); after
+each for all of a process's connections to the store: :class:`Outages`), and so is a first
+connection that meets an outage (:meth:`Database._first_connection`); after
 that the operation fails with :class:`StoreUnavailable` (an OSError: the daemon and the sweeper
 already treat those as "try again later"). An operation whose commit may have happened before
 the connection died is told so (``retried=True``) and checks its own fencing token first, so a
@@ -34,7 +35,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ...core.errors import ConfigError, HandoffdError, shortage_words
+from ...core.errors import ConfigError, HandoffdError, StoreUnavailable, shortage_words
+from ...core.timeutil import connect_by
 from ...core.timeutil import connect_timeout as bounded_connect
 from .values import configure
 
@@ -120,10 +122,6 @@ class Outages:
 OUTAGES = Outages()
 
 
-class StoreUnavailable(OSError):
-    """The database could not be reached within the reconnection window."""
-
-
 class StoreError(HandoffdError):
     """The store URL is unusable (bad URL, authentication, missing database), or the store
     cannot be opened now (``unreachable``)."""
@@ -133,9 +131,18 @@ class StoreError(HandoffdError):
     unreachable: str | None = None
 
 
-def cannot_connect(url: str, detail: str) -> StoreError:
-    """The StoreError of a store that could not be opened, for ``detail`` (libpq's words):
+# libpq's words for a connection option it cannot use (a port that is no number, an sslmode it
+# does not know), said when connecting (its URL parser takes any text): the URL is wrong
+UNUSABLE_OPTION = re.compile(r"^(connection is bad: )?invalid [\w ]+ (value|number)\b")
+
+
+def cannot_connect(url: str, detail: str) -> HandoffdError:
+    """The error of a store that could not be opened, for ``detail`` (libpq's words): a
+    ConfigError (exit 2) when libpq refused one of the URL's options, else a StoreError with
     ``unreachable`` set unless the server answered and refused (see :func:`reachable_later`)."""
+    if UNUSABLE_OPTION.match(detail):  # (an option's value is quoted, a password never is)
+        return ConfigError("the store URL is not a valid PostgreSQL URL: "
+                           + detail.removeprefix("connection is bad: "))
     error = StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: {detail}")
     if reachable_later(detail):
         error.unreachable = f"the PostgreSQL store {redact(url)} is unreachable: {detail}"
@@ -146,7 +153,10 @@ def reachable_later(detail: str) -> bool:
     """True when a failed connection's ``detail`` says the server was not reached (no server
     on the socket or port, a timeout, a name that does not resolve) or is busy
     (:data:`BUSY_SERVER`); False when it answered with a refusal (``FATAL:`` a wrong password,
-    role or database, no pg_hba.conf entry) that no retry cures."""
+    role or database, no pg_hba.conf entry), or libpq refused the URL's options
+    (:data:`UNUSABLE_OPTION`), that no retry cures."""
+    if UNUSABLE_OPTION.match(detail):
+        return False
     return "FATAL:" not in detail or any(words in detail for words in BUSY_SERVER)
 
 
@@ -226,12 +236,7 @@ class Database:
         self._give_up_at = math.inf  # set by interrupt(): retries end then, whatever the window
         self._wake = threading.Condition()  # interrupt() wakes retries sleeping their backoff
         self.report_level = logging.WARNING  # of the lost/back lines (see quiet_reconnects)
-        # one direct attempt first: a wrong URL, host or password fails at once with the
-        # server's own words (the pool would retry quietly until its timeout)
-        # (each step within what is left of a command's --timeout: connecting_within)
-        detail = _last_error(url, bounded_connect(connect_timeout))
-        if detail is not None:
-            raise cannot_connect(url, detail)
+        self._first_connection(url)
         self.pool: ConnectionPool[Conn] = ConnectionPool(
             url, min_size=1, max_size=max(max_size, 1), open=False, name="handoffd",
             timeout=connect_timeout, kwargs={"connect_timeout": max(int(connect_timeout), 1)},
@@ -244,6 +249,35 @@ class Database:
         except Exception as exc:
             self.pool.close(timeout=1.0)
             raise cannot_connect(url, _last_error(url) or str(exc)) from None
+
+    def _first_connection(self, url: str) -> None:
+        """One direct connection first: a wrong URL, password, role or database fails at once
+        with the server's own words (the pool would retry quietly until its timeout). A server
+        that is away (refused, starting up, shutting down: :func:`reachable_later`) is an
+        outage, waited out as a lost connection is: with backoff, for up to the reconnect
+        window (cut by :meth:`interrupt` or a :func:`deadline`), saying so in one line, then
+        StoreUnavailable (a command started during a restart once failed at once). Under a
+        command's ``--timeout`` (connecting_within) one attempt is made, bounded by it: the
+        command waits out the outage itself, with its own last line (reads.open_within)."""
+        delay = BACKOFF_FIRST
+        window = time.monotonic() + self.reconnect_seconds
+        said = False  # (the wait's line: once)
+        while True:
+            detail = _last_error(url, bounded_connect(self.connect_timeout))
+            if detail is None:
+                return
+            if not reachable_later(detail) or connect_by() < math.inf:
+                raise cannot_connect(url, detail)
+            left = self._limit(window) - time.monotonic()
+            if left <= 0:
+                raise StoreUnavailable(f"the PostgreSQL store {redact(url)} is unreachable: "
+                                       f"{detail}")
+            if not said:
+                said = True
+                log.log(self.report_level, "waiting for the database at %s (up to %gs): %s",
+                        redact(url), round(left, 1), detail)
+            self._pause(min(delay, left))
+            delay = min(delay * 2, BACKOFF_MAX)
 
     def run(self, operation: Callable[[Conn, bool], T]) -> T:
         """``operation(conn, retried)`` in one transaction (committed when it returns).
