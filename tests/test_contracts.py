@@ -398,8 +398,9 @@ def test_two_daemons_share_the_rule_and_ls_shows_the_wait(tmp_path: Path) -> Non
     ws = make_workspace(tmp_path, concurrency=2)
     log = tmp_path / "times.jsonl"
     try:
+        # (6 s: ls below must meet it running; on a loaded machine 2 s once ran out first)
         ws.drop("first.json", native("first", {"files_owned": ["shared/**"]},
-                                     {"sleep": 2.0, "log": str(log), "write": {"shared/a": "1"}}))
+                                     {"sleep": 6.0, "log": str(log), "write": {"shared/a": "1"}}))
         one = ws.serve()
         ws.wait_state("first", ("in-progress",), timeout=20)
         deadline = time.monotonic() + 10

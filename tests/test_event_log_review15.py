@@ -266,7 +266,7 @@ def test_a_log_truncated_in_place_is_followed_from_its_start(tmp_path: Path) -> 
     finally:
         watcher.send_signal(signal.SIGINT)
         try:
-            assert watcher.wait(timeout=10) == 0
+            assert watcher.wait(timeout=30) == 0
         finally:
             ews.cleanup()
     # and a follower never resumes in the middle of a line

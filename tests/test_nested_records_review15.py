@@ -290,10 +290,10 @@ def test_ls_watch_follows_past_a_nested_event_line(nws: Workspace) -> None:
         if watcher.poll() is None:
             watcher.send_signal(signal.SIGINT)
             try:
-                watcher.wait(timeout=10)
+                watcher.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 watcher.kill()
-                watcher.wait(timeout=10)
+                watcher.wait(timeout=30)
     err = watcher.stderr.read() if watcher.stderr else ""
     no_traceback(err)
 

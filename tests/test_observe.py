@@ -188,7 +188,7 @@ def test_ls_watch_prints_transitions_live(ws: Workspace) -> None:
         if daemon is not None:
             ws.stop(daemon)
         watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=10) == 0
+        assert watcher.wait(timeout=30) == 0
 
 
 def drain(fd: int) -> None:
