@@ -32,7 +32,7 @@ from . import recurring
 from .documents import hostname
 from .errors import SHORTAGE_ERRNOS
 from .hashing import hmac_sha256_hex, same_text
-from .ownfiles import folder_refusal, open_folder, open_regular, read_regular
+from .ownfiles import folder_refusal, open_beneath, open_regular, read_regular
 
 log = logging.getLogger("handoffd")
 
@@ -153,7 +153,12 @@ def records_folder(root: Path, *, create: bool = False) -> Iterator[int | None]:
     folder = record_dir(root)
     with recurring.sweeping(shortages, lambda: clock()):
         try:
-            fd: int | None = open_folder(folder, make=create)
+            # each part opened without following a link: a .meta swapped for one took the
+            # records (made with mkdir's parents) outside the workspace
+            handoffs = Path(root) / "handoffs"
+            if create:  # (the base as it is: a symlinked handoffs/ is the user's choice)
+                handoffs.mkdir(parents=True, exist_ok=True)
+            fd: int | None = open_beneath(handoffs, (".meta", "procs"), make=create)
         except FileNotFoundError:
             if create:
                 raise

@@ -27,7 +27,7 @@ from ...core import jsontext, ownfiles, recurring
 from ...core.documents import revision
 from ...core.errors import SHORTAGE_ERRNOS, DuplicateHandoff, InvalidTransition, NotFound
 from ...core.logs import log
-from ...core.ownfiles import folder_refusal, not_a_folder, open_folder
+from ...core.ownfiles import folder_refusal, not_a_folder, open_beneath
 from ...core.states import State
 from ...core.storage import LOST, LiveStamp, Wakeup, trusted_doc
 from ...core.workspace import Workspace
@@ -60,6 +60,9 @@ __all__ = ["FilesBackend", "CLOCK_TOLERANCE_SECONDS", "MAX_RECORD_BYTES", "_in_o
 
 MAX_RECORD_BYTES = 1 << 20  # a cancel marker or other small record of .meta/, read whole
 
+
+# handoffs/.meta/cancel: where cancel requests are kept (features.cancellation keeps them too)
+_CANCEL_PARTS = (".meta", "cancel")
 
 class FilesBackend(FencedFiling, Backend):
     """One workspace's handoffs/ folders. ``monotonic`` judges how long this process has watched
@@ -320,7 +323,7 @@ class FilesBackend(FencedFiling, Backend):
     _CANCEL_REFUSED = "no cancel request is read, recorded or removed there"
 
     def _cancel_dir(self) -> Path:
-        return self.ws.meta / "cancel"  # where handoffd.features.cancellation keeps them too
+        return self.ws.handoffs.joinpath(*_CANCEL_PARTS)  # (features.cancellation's too)
 
     @cached_property
     def _cancel_folder(self) -> str:
@@ -344,7 +347,7 @@ class FilesBackend(FencedFiling, Backend):
         with recurring.sweeping(self._cancel_shortages, self.monotonic):
             try:
                 self.store.folders.check()  # (.meta swapped for a link: put right first)
-                fd = open_folder(self._cancel_folder)
+                fd = open_beneath(self.ws.handoffs, _CANCEL_PARTS)  # (no link followed)
             except FileNotFoundError:
                 return None
             except OSError as exc:
@@ -362,7 +365,9 @@ class FilesBackend(FencedFiling, Backend):
     def request_cancel(self, handoff_id: str, request: Doc) -> None:
         folder = self._cancel_dir()
         try:
-            fd = open_folder(folder, make=True)
+            # each part made and opened without following a link: mkdir's parents followed a
+            # .meta swapped for one, and the request was written outside the workspace
+            fd = open_beneath(self.ws.handoffs, _CANCEL_PARTS, make=True)
         except OSError as exc:
             if isinstance(exc, FileNotFoundError):
                 raise
