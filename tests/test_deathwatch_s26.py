@@ -117,7 +117,7 @@ def _watches_of(daemon_pid: int) -> list[int]:
     for name in os.listdir("/proc"):
         if name.isdigit():
             argv = _cmdline(int(name)).split(b"\0")
-            if b"handoffd.core.deathwatch" in b" ".join(argv) and argv[-2:-1] == [
+            if b"handoffd.core.deathwatch" in b" ".join(argv) and argv[-4:-3] == [
                     str(daemon_pid).encode()] and alive(int(name)):
                 found.append(int(name))
     return found

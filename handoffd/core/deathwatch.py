@@ -46,8 +46,16 @@ log = logging.getLogger("handoffd")
 # would otherwise start one per attempt); one warning line each time
 RESTART_SECONDS = 60.0
 _LINE_LIMIT = 4096  # PIPE_BUF: a shorter write to a pipe is atomic, never torn by a kill
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from handoffd.core.deathwatch import main; main(int(sys.argv[2]), int(sys.argv[3]))")
+# (appended: first on the path, a site-packages folder's stdlib look-alikes, backports of
+# pathlib or typing, replaced the standard library in the watch alone, which died at import; a
+# failed import is one line, not a traceback)
+_BOOT = ("import sys\nsys.path.append(sys.argv[1])\ntry:\n"
+         " from handoffd.core.deathwatch import main\n"
+         "except BaseException as exc:\n"
+         " sys.stderr.write('handoffd: ERROR: the death watch cannot start: %s: %s\\n'"
+         " % (type(exc).__name__, str(exc)[:200]))\n"
+         " sys.exit(1)\n"
+         "main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))")
 
 
 class _Watch:
@@ -72,10 +80,20 @@ def guard(token: str, handoff_id: str, attempt: int, pgid: int | None = None) ->
     line = _message(["+", token, pgid, attempt, handoff_id[:200]])
     with _lock:
         _open[token] = line
-        if _watch is None:
-            _start()  # (it is told every open attempt, this one too)
-        else:
-            _send(line)
+        if _watch is not None and _send(line):
+            return
+        # none yet, or the one there was found gone just now: started (at most one a
+        # minute) and told every open attempt, this one too; it was left unwatched until the
+        # next attempt's start (R48)
+        _start()
+
+
+def _log_style() -> tuple[str, int]:
+    """How the daemon logs (its ``--log-format``, its level): the watch's lines match them
+    (plain text in a ``--log-format json`` stream broke its shipper; R48)."""
+    handlers = logging.getLogger().handlers
+    style = "json" if any(type(h.formatter).__name__ == "JsonLines" for h in handlers) else "text"
+    return style, log.getEffectiveLevel()
 
 
 def release(token: str) -> None:
@@ -101,9 +119,10 @@ def _start() -> None:
         read, write = os.pipe()  # both close-on-exec: no child of the daemon inherits them
         os.set_blocking(write, False)  # never block the daemon on a watch that does not read
         package_parent = str(Path(__file__).resolve().parent.parent.parent)
+        style, level = _log_style()
         proc = subprocess.Popen(
             [sys.executable or "python3", "-I", "-S", "-c", _BOOT, package_parent, str(read),
-             str(os.getpid())], pass_fds=(read,), stdin=subprocess.DEVNULL,
+             str(os.getpid()), style, str(level)], pass_fds=(read,), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, cwd="/", start_new_session=True)
     except Exception as exc:  # (no descriptor, no process, no memory, no interpreter: any)
         for fd in (read, write):
@@ -172,14 +191,18 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 # ---------------------------------------------------------------- the watch's process
 
-def main(read: int, daemon_pid: int) -> None:
+def main(read: int, daemon_pid: int, style: str = "text", level: int = logging.WARNING) -> None:
     """The death watch's process: note the attempts the daemon (``daemon_pid``) opens and ends
-    from pipe ``read``; at end of file kill every attempt left open, then return."""
+    from pipe ``read``; at end of file kill every attempt left open, then return. ``style`` and
+    ``level``: how the daemon logs (text or json lines; its level)."""
     # it ends with its daemon, and only then: a stop signal meant for the daemon (systemd's
     # SIGTERM to the whole service, a terminal's SIGHUP) would leave the daemon's drain unwatched
     for signum in procs.STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    logging.basicConfig(format="handoffd: %(levelname)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonLine() if style == "json"
+                         else logging.Formatter("handoffd: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     opened = _follow(read)
     if not opened:
         return  # the daemon exited cleanly (or ended each attempt before it died)
@@ -194,6 +217,16 @@ def main(read: int, daemon_pid: int) -> None:
             log.warning("handoff %s: daemon pid %d died; killed %d process(es) of attempt %s "
                         "still running%s", handoff_id, daemon_pid, killed, attempt,
                         f" ({survivors} survive SIGKILL)" if survivors else "")
+
+
+class _JsonLine(logging.Formatter):
+    """The watch's lines in the daemon's ``--log-format json``: time, level, message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from datetime import datetime, timezone
+        at = datetime.fromtimestamp(record.created, timezone.utc)
+        return json.dumps({"time": at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                           "level": record.levelname.lower(), "message": record.getMessage()})
 
 
 def _follow(read: int) -> dict[str, tuple[int | None, Any, str]]:

@@ -70,11 +70,28 @@ def run(argv: list[str], *, cwd: Path, timeout: float, env: dict[str, str],
     A command that cannot start for a passing shortage (EMFILE...) is started again after a
     wait (see :func:`_start`); one that still cannot start has failed, as any other."""
     import subprocess
+
+    from ...core import deathwatch, procs
+    # a run token of its own, as an attempt's handler has: a daemon killed meanwhile takes the
+    # criterion's whole tree with it (its death watch kills the token's carriers), or it ran on
+    # beside the attempt another host started after the lease (session 26, R48)
+    token = os.urandom(16).hex()
+    env = {**env, procs.TOKEN_ENV: token}
     started = _start(argv, cwd=cwd, env=env, cancelled=cancelled)
     if isinstance(started, OSError):
         return {"status": "failed", "exit_code": None, "duration_seconds": 0.0,
                 "output_tail": f"cannot start {argv[0]!r}: {started.strerror or started}"}
     sink, proc = started
+    deathwatch.guard(token, f"criterion {argv[0][:100]!r}", 0, proc.pid)
+    try:
+        return _wait(proc, sink, timeout)
+    finally:
+        deathwatch.release(token)
+
+
+def _wait(proc: subprocess.Popen[bytes], sink: IO[bytes], timeout: float) -> dict[str, Any]:
+    """Wait for the criterion's command (killing its group past ``timeout``): its result."""
+    import subprocess
     began = time.monotonic()
     with sink:
         timed_out = False
@@ -111,6 +128,8 @@ def _start(argv: list[str], *, cwd: Path, env: dict[str, str],
     judged as the handler's). A shortage creating the output file, past the waits, is raised."""
     import subprocess
     import tempfile
+
+    from ...core import procs
     waits = 0
     while True:
         try:
@@ -124,7 +143,8 @@ def _start(argv: list[str], *, cwd: Path, env: dict[str, str],
         try:
             return sink, subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                           stdout=sink, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+                                          start_new_session=True,
+                                          preexec_fn=procs.child_setup(os.getpid()))
         except OSError as exc:
             sink.close()
             if not is_shortage(exc) or not wait_out(exc, waits, f"criterion {argv[0]!r} could "
