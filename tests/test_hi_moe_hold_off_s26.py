@@ -27,10 +27,14 @@ from handoffd.core.timeutil import parse_iso
 from handoffd.service import scheduler as books
 
 # loaded by every Python process of the workspace's daemon (it is on $PYTHONPATH): the first
-# claim of msg-h fails with an OSError (as a full disk's would), and says so in a marker file
+# claim of msg-h fails with an OSError (as a full disk's would), and says so in a marker file;
+# msg-h is held off 20 s (not 5 s): its deadline (6 s) is far enough for a loaded machine to
+# make that claim and start the slow handler before it, and the hold-off far enough past it
+# to tell the two apart
 FAIL_FIRST_CLAIM = '''
 import errno, os
 from handoffd.core import engine as _engine
+from handoffd.service import scheduler as _books
 
 _MARK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "msg-h.failed")
 _real = _engine.Engine.take
@@ -42,6 +46,12 @@ def _take(self, handoff_id, *args, **kwargs):
     return _real(self, handoff_id, *args, **kwargs)
 
 _engine.Engine.take = _take
+_hold_off = _books.Scheduler.hold_off
+
+def _held(self, handoff_id, delay):
+    return _hold_off(self, handoff_id, 20.0 if handoff_id == "msg-h" else delay)
+
+_books.Scheduler.hold_off = _held
 '''
 
 
@@ -56,20 +66,20 @@ def hws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Workspace]:
 # ---------------------------------------------------------------- 1. end to end
 def test_a_held_off_message_is_answered_at_its_own_deadline(hws: Workspace,
                                                              tmp_path: Path) -> None:
-    """msg-h (2 s) is claimed by the free worker, its claim fails (injected OSError: held off
-    5 s), then a 10 s handler takes the one worker and 80 seed-001 requests queue behind it:
+    """msg-h (6 s) is claimed by the free worker, its claim fails (injected OSError: held off
+    20 s), then a 30 s handler takes the one worker and 80 seed-001 requests queue behind it:
     msg-h is answered TIMEOUT unrun near its own deadline, while the worker still runs, not
-    when its hold-off ends (about 3 s past it)."""
+    when its hold-off ends (about 14 s past it)."""
     daemon = hws.serve()
     try:
-        hws.drop("msg-h.json", fleet("msg-h", 2000))
+        hws.drop("msg-h.json", fleet("msg-h", 6000))
         wait_for(lambda: (tmp_path / "handlers" / "msg-h.failed").exists(),
                  "msg-h's claim failed", timeout=20)
-        hws.drop("hold.json", message("hold", 60000, sleep=10))
+        hws.drop("hold.json", message("hold", 60000, sleep=30))
         queued = [f"a{n:03d}" for n in range(AHEAD)]
         for hid in queued:
             hws.drop(f"{hid}.json", request(hid))
-        assert hws.wait_state("msg-h", ("completed", "failed"), timeout=20) == "failed"
+        assert hws.wait_state("msg-h", ("completed", "failed"), timeout=40) == "failed"
         still = hws.state_of("hold")
     finally:
         assert hws.stop(daemon) == 0
@@ -82,8 +92,8 @@ def test_a_held_off_message_is_answered_at_its_own_deadline(hws: Workspace,
     deadline = parse_iso(found.group(1))
     history = answer["handoffd"]["history"]
     answered = max(parse_iso(event["at"]) for event in history)
-    # its own deadline, within generous bounds (the hold-off alone would end ~3 s past it)
-    assert timedelta(0) <= answered - deadline < timedelta(seconds=2), (answered, deadline)
+    # its own deadline, within generous bounds (the hold-off alone would end ~14 s past it)
+    assert timedelta(0) <= answered - deadline < timedelta(seconds=8), (answered, deadline)
     events = [event["event"] for event in history]
     assert events.count("claimed") == 1 and "started" not in events, events
 

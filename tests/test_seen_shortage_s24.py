@@ -152,12 +152,13 @@ class ForeignMemory(MemoryBackend):
             self.foreign.add(handoff_id)
 
     def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
-              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+              prepare: Callable[[Doc], None] | None = None,
+              due_only: bool = False) -> Claim | None:
         with self._lock:
             raw = handoff_id in self.foreign
             if raw:  # whatever bookkeeping it carried is not ours
                 self._entries[handoff_id].doc.pop(BOOK, None)
-        got = super().claim(handoff_id, now, lease_seconds, prepare=prepare)
+        got = super().claim(handoff_id, now, lease_seconds, prepare=prepare, due_only=due_only)
         if got is not None and raw:
             self.foreign.discard(handoff_id)
             got.raw = True

@@ -17,6 +17,7 @@ from ..core.errors import (
     ErrorCode,
     InvalidDocument,
     InvalidTransition,
+    NotDue,
     NotFound,
     UsageError,
     WaitTimeout,
@@ -185,6 +186,17 @@ def stamp_created(doc: Doc, handoff_id: str, now: datetime,
     record(doc, "created", now, **({"due_at": iso(due_at)} if due_at else {}))
     if due_at is not None and due_at > now:
         doc[BOOK]["next_attempt_at"] = iso(due_at)
+
+
+def check_due(doc: Doc, handoff_id: str, now: datetime) -> None:
+    """A claim for a run (``due_only``) of ``doc``, its bookkeeping trusted (a raw document's
+    was emptied): NotDue when its ``next_attempt_at`` is still to come. What the caller read of
+    it before (a scheduler's peek) may be older than a back-off another process set since:
+    the claim's own read is the one that counts. Called before anything is stamped or written."""
+    due = next_attempt_at(doc)
+    if due is not None and due > now:
+        raise NotDue(f"handoff {handoff_id} is not due before {iso(due)} (its retry back-off); "
+                     "it stays in pending/", handoff_id=handoff_id, due_at=due)
 
 
 def stamp_claimed(doc: Doc, token: str, now: datetime, lease_seconds: float) -> int:

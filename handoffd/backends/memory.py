@@ -32,6 +32,7 @@ from .base import (
     Subscribers,
     WakeupCallback,
     Where,
+    check_due,
     describe_native,
     due_of,
     lease_block,
@@ -125,8 +126,12 @@ class MemoryBackend(FencedFiling, Backend):
             return self._claim_locked(min(due)[2], now, lease_seconds, prepare) if due else None
 
     def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
-              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+              prepare: Callable[[Doc], None] | None = None,
+              due_only: bool = False) -> Claim | None:
         with self._lock:
+            entry = self._entries.get(handoff_id)
+            if due_only and entry is not None and entry.state is State.PENDING:
+                check_due(entry.doc, handoff_id, now)  # (NotDue: left pending, untouched)
             return self._claim_locked(handoff_id, now, lease_seconds, prepare)
 
     def _claim_locked(self, handoff_id: str, now: datetime, lease_seconds: float,

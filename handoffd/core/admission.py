@@ -80,10 +80,12 @@ if TYPE_CHECKING:  # for the type checker only: no class to build at each import
                     **detail: Any) -> State: ...
 
 
-def claim_pending(engine: Admitting, handoff_id: str) -> tuple[Claim, Dialect] | None:
+def claim_pending(engine: Admitting, handoff_id: str, *,
+                  due_only: bool = False) -> tuple[Claim, Dialect] | None:
     """Claim a pending handoff and detect its format; None when there is nothing to claim
     (another process won, or the document was unusable and has been set aside). Raises
-    DocumentNotReady."""
+    DocumentNotReady; with ``due_only`` (a claim to run it), NotDue when the document claimed
+    has a retry time still to come (left in pending/ as it was, nothing counted)."""
     now = engine.clock()
     found: list[Dialect] = []
     try:  # a name that is no safe id (one not even UTF-8) is set aside before any claim
@@ -102,7 +104,7 @@ def claim_pending(engine: Admitting, handoff_id: str) -> tuple[Claim, Dialect] |
 
     try:
         claim = engine.backend.claim(handoff_id, now, engine.settings.lease_seconds,
-                                     prepare=on_claim)
+                                     prepare=on_claim, due_only=due_only)
     except DuplicateHandoff as exc:  # an in-progress copy exists: never run a second one
         set_aside(engine, handoff_id, State.PENDING, ErrorCode.DUPLICATE_HANDOFF_ID, str(exc),
                   stub=False)

@@ -213,14 +213,15 @@ class Engine:
                     doc)
 
     # ------------------------------------------------------------ admission
-    def claim(self, handoff_id: str) -> tuple[Claim, Dialect] | None:
+    def claim(self, handoff_id: str, *, due_only: bool = False) -> tuple[Claim, Dialect] | None:
         """Claim a pending handoff and detect its format. None when there is nothing to claim:
         another process won, or the document was unusable and has been set aside (with a failure
-        filed under its name when that is a safe id). Raises DocumentNotReady."""
-        return claim_pending(self, handoff_id)
+        filed under its name when that is a safe id). Raises DocumentNotReady (NotDue with
+        ``due_only``: see :func:`~.admission.claim_pending`)."""
+        return claim_pending(self, handoff_id, due_only=due_only)
 
     def take(self, handoff_id: str, *, arrived: datetime | None = None,
-             keep_short: bool = False) -> Job | None:
+             keep_short: bool = False, due_only: bool = False) -> Job | None:
         """Claim ``handoff_id`` and admit it. None when there is nothing to run (another process
         won, or the document was filed as failed / set aside). Raises DocumentNotReady.
         ``arrived``: when the caller first saw it pending, if earlier than its history says (a
@@ -228,8 +229,10 @@ class Engine:
         A ClaimShortage met admitting it is handed back here, uncounted, unless ``keep_short``:
         then the claim it carries is still held, the caller's to hand back
         (:func:`~.admission.hand_back_short`), as a daemon does to keep it when that write runs
-        short too."""
-        claimed = self.claim(handoff_id)
+        short too. ``due_only``: a claim to run it now, refused (NotDue, nothing counted nor
+        written) when the document's own retry time, as the claim reads it, is still to come:
+        what the caller read of it before may predate a back-off another process set since."""
+        claimed = self.claim(handoff_id, due_only=due_only)
         if claimed is None:
             return None
         claim, dialect = claimed

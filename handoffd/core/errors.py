@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import errno
+from datetime import datetime
 from typing import Any
 
 
@@ -184,6 +185,17 @@ class ClaimShortage(DocumentNotReady):
         self.handed_back = handed_back
         self.claim: Any = None  # (a core.storage.Claim: not imported at this lowest layer)
         self.dialect: Any = None
+
+
+class NotDue(DocumentNotReady):
+    """A claim for a run (``due_only``) given up before its lease was written: the document's
+    own (trusted) ``next_attempt_at``, ``due_at``, is still to come (a retry's back-off set by
+    another process after this one read it). The document is left in pending/ as it was, no
+    attempt counted, nothing recorded; look at it again (its due time, or its deadline first)."""
+
+    def __init__(self, message: str, *, handoff_id: str, due_at: datetime) -> None:
+        super().__init__(message, handoff_id=handoff_id)
+        self.due_at = due_at
 
 
 class DuplicateHandoff(HandoffdError):

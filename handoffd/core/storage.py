@@ -224,9 +224,13 @@ class Backend(Protocol):
         ...
 
     def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
-              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+              prepare: Callable[[Doc], None] | None = None,
+              due_only: bool = False) -> Claim | None:
         """Claim one pending handoff by id, due or not (to cancel or reject it). None when it is
-        not pending (unknown, elsewhere, or another claimer won)."""
+        not pending (unknown, elsewhere, or another claimer won). ``due_only`` (a claim to run
+        it): NotDue, the document left as it was (nothing counted nor written), when the
+        trusted ``next_attempt_at`` of the document claimed is after ``now``
+        (:func:`~handoffd.backends.base.check_due`)."""
         ...
 
     def handler_starts(self, claim: Claim, now: datetime) -> None:

@@ -19,8 +19,8 @@ from typing import Callable
 from ..core import recurring
 from ..core.documents import Outcome
 from ..core.engine import Engine, Job
-from ..core.errors import (ClaimShortage, DocumentNotReady, ErrorCode, HandoffdError, is_shortage,
-                           shortage_words)
+from ..core.errors import (ClaimShortage, DocumentNotReady, ErrorCode, HandoffdError, NotDue,
+                           is_shortage, shortage_words)
 from ..core.runner import cancel
 from ..core.starts import not_started
 from ..core.states import State
@@ -74,8 +74,12 @@ class Attempts(HeldOutcomes):
         # claims whose admission and hand-back both ran short: handed back on a timer
         self.kept_claims = KeptClaims(engine, self.cv, scheduler.release)
 
-    def work(self, handoff_id: str) -> None:
-        """Claim ``handoff_id``, run its specialist and file the outcome (a worker's task)."""
+    def work(self, handoff_id: str, due_only: bool = True) -> None:
+        """Claim ``handoff_id``, run its specialist and file the outcome (a worker's task).
+        ``due_only``: the claim is refused (NotDue: nothing run, counted nor written) when
+        the document claimed has a retry time still to come, whatever the scheduler's read of
+        it said (another process may have rewritten it since); False for a claim that lets
+        admission answer it unrun (past its deadline, or unreadable)."""
         job: Job | None = None
         short = False  # it ended in a claim shortage
         if self.late:  # (almost always empty: no lock taken per claim then)
@@ -87,7 +91,8 @@ class Attempts(HeldOutcomes):
             return
         try:
             job = self.engine.take(handoff_id, arrived=self.scheduler.first_seen.get(handoff_id),
-                                   keep_short=True)  # (_claim_short hands it back)
+                                   keep_short=True,  # (_claim_short hands it back)
+                                   due_only=due_only)
             if self.claim_shortages:  # (almost always empty) claimed, or not ours to claim
                 self.claim_shortages.pop(handoff_id, None)  # (taken, filed, gated): row ends
             if job is None:
@@ -245,6 +250,10 @@ class Attempts(HeldOutcomes):
             self.claim_shortages.pop(handoff_id, None)  # (another problem: its own back-off)
         if isinstance(exc, ClaimShortage):
             self._claim_short(handoff_id, exc)
+        elif isinstance(exc, NotDue):  # read afresh now: the dispatch rules queue it for its
+            # retry time (or its deadline, should that come first: answered TIMEOUT then)
+            log.info("%s", exc)
+            self.scheduler.notify(handoff_id)
         elif isinstance(exc, DocumentNotReady):
             self.scheduler.notify(handoff_id, self.settings.settle_seconds)
         elif isinstance(exc, HandoffdError):

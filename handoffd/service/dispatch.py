@@ -173,8 +173,8 @@ class Dispatcher:
         now = self.engine.clock()
         if deadline is not None and deadline <= now:
             # admission answers it TIMEOUT (or EXPIRED), unrun: also when a retry or a throttle
-            # put it off past its deadline (seed 000: answered before it)
-            self.submit("", self.attempts.work, handoff_id)
+            # put it off past its deadline (seed 000: answered before it), whatever its retry time
+            self.submit("", self.attempts.work, handoff_id, False)
             return
         if peek.due_at is not None:
             wait = (peek.due_at - now).total_seconds()
@@ -259,7 +259,8 @@ class Dispatcher:
             self.scheduler.notify(handoff_id, delay)
             return
         if problem.claimable:
-            self.submit("", self.attempts.work, handoff_id)  # take() sets it aside with its code
+            # take() sets it aside with its code (its retry time, if any, is no reason to wait)
+            self.submit("", self.attempts.work, handoff_id, False)
             return
         self.submit("", self.attempts.set_aside, handoff_id, problem.code, str(problem))
 

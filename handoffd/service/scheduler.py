@@ -148,7 +148,12 @@ class Scheduler(Lines, QuietWaits):
 
     # ------------------------------------------------------------ when to look
     def notify(self, handoff_id: str, delay: float = 0.0) -> None:
-        """Hint that ``handoff_id`` may be due in ``delay`` seconds (watchdog, scans, retries)."""
+        """Hint that ``handoff_id`` may be due in ``delay`` seconds (watchdog, scans, retries).
+        A hint about an id read already, in the ready window or past it (``behind_peeks``),
+        voids that read: the hint is that its document changed (a folder event of another
+        process's rewrite: a retry's back-off, an answer, a cancel), and what was read before
+        would be dispatched as it was (a back-off set since: run that much early). It is
+        read again in its turn (an id past the window keeps its place there)."""
         now = time.monotonic()
         due = now + delay
         with self.cv:
@@ -157,8 +162,10 @@ class Scheduler(Lines, QuietWaits):
                     del self.not_before[handoff_id]
                 elif due < floor:
                     due, delay = floor, floor - now
-            if handoff_id in self.readied and delay == 0:
-                return  # already read and waiting its turn in the ready window
+            if self.behind_peeks:  # (empty but while every worker is busy: a dict lookup)
+                self.behind_peeks.pop(handoff_id, None)
+            if handoff_id in self.readied:  # (a set lookup, as before: rare past it)
+                self._unready(handoff_id)
             current = self.queued.get(handoff_id)
             if current is not None and current <= due:
                 return
@@ -199,11 +206,15 @@ class Scheduler(Lines, QuietWaits):
             if self.behind_peeks:
                 self.behind_peeks.pop(handoff_id, None)
             if handoff_id in self.readied:
-                self.ready = [entry for entry in self.ready if entry[3] != handoff_id]
-                heapq.heapify(self.ready)
-                self.readied.discard(handoff_id)
-                self.ahead.pop(handoff_id, None)
+                self._unready(handoff_id)
             self.cv.notify()
+
+    def _unready(self, handoff_id: str) -> None:
+        """Take ``handoff_id`` out of the ready window, its read void (under ``cv``)."""
+        self.ready = [entry for entry in self.ready if entry[3] != handoff_id]
+        heapq.heapify(self.ready)
+        self.readied.discard(handoff_id)
+        self.ahead.pop(handoff_id, None)
 
     def look_first(self, handoff_id: str) -> None:
         """Look at ``handoff_id`` before anything else due in its priority (also when it is in
@@ -362,9 +373,17 @@ class Scheduler(Lines, QuietWaits):
             self.readied.add(handoff_id)
             deadline = self.hard_deadline(handoff_id, peek)  # (None at once but for hi_moe)
             if deadline is not None:
-                at = now + (deadline - self.engine.clock()).total_seconds()
+                at = self._after_read(now, (deadline - self.engine.clock()).total_seconds())
                 self.ahead[handoff_id] = at
                 self._note_deadline(handoff_id, at)
+
+    def _after_read(self, now: float, left: float) -> float:
+        """The monotonic time ``left`` seconds (by the wall clock, just read) after a read just
+        made in a turn that began at ``now``: reckoned from the clock at the read, not from
+        ``now``, which is early by the turn's reads (a message held off till a deadline early
+        by that much was started just before its deadline rather than answered TIMEOUT: review
+        R47); never from before ``now`` (a caller looking ahead of the clock)."""
+        return max(now, self.monotonic()) + left
 
     def _note_deadline(self, handoff_id: str, at: float) -> None:
         """Remember the hard deadline ``at`` (monotonic) just read with ``handoff_id``, for a
@@ -401,7 +420,7 @@ class Scheduler(Lines, QuietWaits):
                     continue
                 left = (deadline - self.engine.clock()).total_seconds()
                 if left > 0:  # (its stamp was forgotten and taken again meanwhile)
-                    self.ahead[handoff_id] = now + left
+                    self.ahead[handoff_id] = self._after_read(now, left)
                     continue
                 self.ready.remove(entry)
                 heapq.heapify(self.ready)
@@ -453,7 +472,7 @@ class Scheduler(Lines, QuietWaits):
             if len(self.behind_peeks) < MAX_BEHIND_PEEKS:
                 self.behind_peeks[handoff_id] = (due, peek, looked)
             if left is not None:
-                self._keep_behind(handoff_id, due, now + left)
+                self._keep_behind(handoff_id, due, self._after_read(now, left))
 
     def _keep_behind(self, handoff_id: str, due: float, at: float) -> None:
         """Keep the hard deadline ``at`` (monotonic) of ``handoff_id``, behind with ``due``."""
@@ -484,7 +503,7 @@ class Scheduler(Lines, QuietWaits):
             if len(self.behind_peeks) < MAX_BEHIND_PEEKS:
                 self.behind_peeks[handoff_id] = (due, peek, looked)
             if left is not None:
-                self._keep_behind(handoff_id, due, now + left)
+                self._keep_behind(handoff_id, due, self._after_read(now, left))
             return None
         self.backoffs.pop(handoff_id, None)
         return deadline

@@ -168,12 +168,14 @@ class FilesBackend(FencedFiling, Backend):
                                         prepare=prepare)
 
     def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
-              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+              prepare: Callable[[Doc], None] | None = None,
+              due_only: bool = False) -> Claim | None:
         """As :meth:`Backend.claim`. Files may also raise what :meth:`Store.claim` raises:
         DocumentNotReady (still being written; put back), DuplicateHandoff (an in-progress copy
         exists) and InvalidDocument (unreadable; left in in-progress/ for the caller to set
         aside)."""
-        return self._claimer.claim(handoff_id, now, lease_seconds, prepare=prepare)
+        return self._claimer.claim(handoff_id, now, lease_seconds, prepare=prepare,
+                                   due_only=due_only)
 
     def renew(self, claim: Claim, now: datetime, lease_seconds: float) -> bool:
         return self._claimer.renew(claim, now, lease_seconds)

@@ -22,10 +22,12 @@ from ...core.errors import (
     ErrorCode,
     SHORTAGE_ERRNOS,
     InvalidDocument,
+    NotDue,
     UnreadableDocument,
 )
 from ...core.memorystrikes import claim_out_of_memory, memory_strikes
 from ...core.states import State
+from ..base import check_due
 from . import fsio, reading
 from .crashpoints import crash_point
 from .leases import Claim, NullLock, lease
@@ -50,11 +52,12 @@ class Claiming(reading.Reading, Protocol):
 
 
 def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds: float,
-               now: datetime, on_claim: Callable[[dict[str, Any]], None] | None
-               ) -> tuple[Claim | None, Path | None]:
+               now: datetime, on_claim: Callable[[dict[str, Any]], None] | None,
+               due_only: bool = False) -> tuple[Claim | None, Path | None]:
     """:meth:`.store.Store.claim` once the pending document is locked (``held``: its
     descriptor, None where it cannot be locked): the claim and where the file it replaced now
-    is."""
+    is. ``due_only``: NotDue, the file put back as it came, when the trusted
+    ``next_attempt_at`` of what was renamed is still to come."""
     src, dst = store.path(State.PENDING, handoff_id), store.path(State.IN_PROGRESS, handoff_id)
     try:
         fsio.rename_noreplace(src, dst)
@@ -74,9 +77,12 @@ def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds
         doc, renamed = _read_claimed(store, handoff_id, held, src, dst, now)
         memory_strikes.clear(handoff_id, "claim")  # (a MemoryError row ends)
         prior, token, attempt, data = _leased(store, doc, handoff_id, lease_seconds, now,
-                                              on_claim)
+                                              on_claim, due_only)
     except FileNotFoundError:  # moved on since our rename (by a writer taking no lock)
         return None, None
+    except NotDue:  # its own back-off (set since the caller read it): as it came, at once
+        _put_back(dst, src)
+        raise
     except OSError as exc:
         if exc.errno not in SHORTAGE_ERRNOS:
             raise  # (a socket, EACCES: the caller says what the renamed file is)
@@ -101,15 +107,18 @@ def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds
 
 
 def _leased(store: Claiming, doc: dict[str, Any], handoff_id: str, lease_seconds: float,
-            now: datetime, on_claim: Callable[[dict[str, Any]], None] | None
-            ) -> tuple[int, str, int, bytes]:
+            now: datetime, on_claim: Callable[[dict[str, Any]], None] | None,
+            due_only: bool = False) -> tuple[int, str, int, bytes]:
     """Mark the claimed ``doc`` (its attempt, lease and ``claimed`` event, its format's marks)
     and encode it for in-progress/: (its trusted prior revision, the lease token, the attempt,
     the bytes the lease write puts in place). The claim rides on the store's owner lock, named
-    in its lease. Nothing is written here."""
+    in its lease. Nothing is written here. ``due_only``: NotDue when its (trusted) retry time
+    is still to come (:func:`~handoffd.backends.base.check_due`), before anything is marked."""
     prior = store.trusted_revision(doc, State.PENDING, handoff_id)
     if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
         doc[BOOK] = {}
+    if due_only:
+        check_due(doc, handoff_id, now)
     token = os.urandom(16).hex()
     block = book(doc)
     block["attempt"] = book_int(doc, "attempt", 0) + 1

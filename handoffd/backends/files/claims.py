@@ -142,7 +142,8 @@ class Claimer:
         return fresh
 
     def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
-              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+              prepare: Callable[[Doc], None] | None = None,
+              due_only: bool = False) -> Claim | None:
         """See :meth:`FilesBackend.claim <handoffd.backends.files.backend.FilesBackend.claim>`:
         as :meth:`Backend.claim`. Files may also raise what :meth:`Store.claim` raises:
         DocumentNotReady (still being written; put back), DuplicateHandoff (an in-progress copy
@@ -150,7 +151,7 @@ class Claimer:
         aside)."""
         try:
             handle = self.store.claim(handoff_id, lease_seconds=lease_seconds, now=now,
-                                      on_claim=prepare)
+                                      on_claim=prepare, due_only=due_only)
         except OSError as exc:  # renamed, then unreadable (a socket, EACCES): say why, once
             problem = self._in_progress_problem(handoff_id, exc)
             if problem is None:

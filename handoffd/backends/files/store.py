@@ -250,15 +250,18 @@ class Store:
 
     # ---------------------------------------------------------------- claims and moves
     def claim(self, handoff_id: str, *, lease_seconds: float, now: datetime | None = None,
-              on_claim: Callable[[dict[str, Any]], None] | None = None) -> Claim | None:
+              on_claim: Callable[[dict[str, Any]], None] | None = None,
+              due_only: bool = False) -> Claim | None:
         """Take ``handoff_id`` from pending/ into in-progress/ and lock it.
 
         Returns None when another process won the race. Raises DuplicateHandoff if an in-progress
         copy already exists (DocumentNotReady when the pending copy is a newer one being moved
         back), DocumentNotReady if the file is still being written (it is put back),
         ClaimShortage (a DocumentNotReady) if descriptors or memory ran short meanwhile (it is
-        put back, or never moved: :mod:`.claiming`), and InvalidDocument if it is unreadable
-        (it stays in in-progress/ for the caller to file).
+        put back, or never moved: :mod:`.claiming`), NotDue (a DocumentNotReady) with
+        ``due_only`` when its trusted ``next_attempt_at`` is still to come (put back as it
+        came), and InvalidDocument if it is unreadable (it stays in in-progress/ for the
+        caller to file).
 
         The document is locked (:func:`.leases.lock_document`) from before its rename until its
         lease is written, so that no sweep hands it back meanwhile however long this process
@@ -277,7 +280,7 @@ class Store:
         try:
             self.folders.check()  # never renamed into (or out of) a folder swapped for a link
             claim, displaced = claiming.claim_held(self, handoff_id, held, lease_seconds, now,
-                                                   on_claim)
+                                                   on_claim, due_only)
         finally:
             if held is not None:
                 os.close(held)  # (before the adoption: it wants nobody to have the file open)

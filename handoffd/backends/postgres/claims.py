@@ -25,7 +25,7 @@ from ...core.documents import BOOK, book
 from ...core.errors import InvalidDocument
 from ...core.memorystrikes import claim_out_of_memory
 from ...core.states import State
-from ..base import Claim, Doc, lease_block, stamp_claimed
+from ..base import Claim, Doc, check_due, lease_block, stamp_claimed
 from .connection import Conn, Presence
 from .records import StoreBase, T, encode
 from .values import document, loaded
@@ -145,12 +145,13 @@ class Claiming(ClaimOwner):
                            lease_seconds, prepare)
 
     def claim(self, handoff_id: str, now: datetime, lease_seconds: float, *,
-              prepare: Callable[[Doc], None] | None = None) -> Claim | None:
+              prepare: Callable[[Doc], None] | None = None,
+              due_only: bool = False) -> Claim | None:
         pick = f"SELECT id FROM {T} WHERE id = %(id)s AND state = 'pending' FOR UPDATE SKIP LOCKED"
-        return self._claim(pick, {"id": handoff_id}, now, lease_seconds, prepare)
+        return self._claim(pick, {"id": handoff_id}, now, lease_seconds, prepare, due_only)
 
     def _claim(self, pick: str, params: dict[str, Any], now: datetime, lease_seconds: float,
-               prepare: Callable[[Doc], None] | None) -> Claim | None:
+               prepare: Callable[[Doc], None] | None, due_only: bool = False) -> Claim | None:
         """The claim statement (``pick`` chooses and locks the row), then the claimed document,
         written in the same transaction: ``prepare`` raising leaves the handoff pending. A
         MemoryError before the commit is a memory strike (the row rolled back, still pending:
@@ -174,7 +175,7 @@ class Claiming(ClaimOwner):
                     return self._committed(token, built)  # (ours, as we wrote it: not re-read)
             try:
                 return self._claim_row(conn, pick, values, lease_seconds, prepare, built,
-                                       chosen)
+                                       chosen, due_only)
             except MemoryError:  # before the commit: rolled back, the row still pending
                 raise _ShortInClaim(chosen[-1] if chosen else params.get("id")) from None
 
@@ -193,10 +194,11 @@ class Claiming(ClaimOwner):
 
     def _claim_row(self, conn: Conn, pick: str, values: dict[str, Any], lease_seconds: float,
                    prepare: Callable[[Doc], None] | None, built: list[Claim],
-                   chosen: list[str]) -> Claim | None:
+                   chosen: list[str], due_only: bool = False) -> Claim | None:
         """One try of :meth:`_claim` in its transaction: the row ``pick`` chooses, claimed
         (its id appended to ``chosen`` once known) and its claimed document written; the
-        Claim (appended to ``built``), or None when there is nothing to claim."""
+        Claim (appended to ``built``), or None when there is nothing to claim. ``due_only``:
+        NotDue, rolled back, when the document's own retry time is still to come."""
         now, token = values["now"], values["token"]
         # the gate again at each try: one retried after the database came back would
         # otherwise claim before this process's presence session is back (its handler
@@ -218,6 +220,8 @@ class Claiming(ClaimOwner):
             raise unreadable_doc(exc, handoff_id) from None  # aside (as Engine.claim does)
         if raw:  # a document from a file: whatever bookkeeping it carried is not ours
             doc[BOOK] = {}
+        if due_only:  # (raising rolls the transaction back: still pending, untouched)
+            check_due(doc, handoff_id, now)
         attempt = stamp_claimed(doc, token, now, lease_seconds)
         if prepare is not None:
             prepare(doc)  # raising rolls the transaction back: still pending, untouched
