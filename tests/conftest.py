@@ -48,7 +48,8 @@ def exe(name: str) -> str:
     return str(candidate) if candidate.exists() else (shutil.which(name) or name)
 
 
-FLAKY_TOML = f"""
+# the quick timings of the tests' daemons (a settle, a sweep and a retry in fractions of a second)
+QUICK_TOML = """
 [daemon]
 settle_seconds = 0.2
 claim_grace_seconds = 1.0
@@ -61,7 +62,9 @@ grace_seconds = 5.0
 max_retries = 2
 retry_delay_seconds = 0.2
 backoff_multiplier = 1.0
+"""
 
+FLAKY_TOML = QUICK_TOML + f"""
 [specialists."@flaky"]
 command = ["{sys.executable}", "-S", "{SPECIALISTS / 'flaky.py'}"]
 timeout_seconds = 20

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pgserver
 import pytest
-from conftest import FLAKY_TOML, Workspace, alive, exe, new_workspace, wait_until
+from conftest import FLAKY_TOML, QUICK_TOML, Workspace, alive, exe, new_workspace, wait_until
 
 from handoffd.core import deathwatch, procrecords
 
@@ -60,20 +60,7 @@ look()
 print(json.dumps({"status": "completed", "output": {"attempt": attempt}}), flush=True)
 '''
 
-TOML = """
-[daemon]
-settle_seconds = 0.2
-claim_grace_seconds = 1.0
-sweep_seconds = 0.5
-rescan_seconds = 1.0
-lease_seconds = 30.0
-grace_seconds = 5.0
-
-[retry]
-max_retries = 2
-retry_delay_seconds = 0.2
-backoff_multiplier = 1.0
-
+TOML = QUICK_TOML.replace("{", "{{").replace("}", "}}") + """
 [specialists."@wrapped"]
 command = ["sh", "-c", {shell}]
 timeout_seconds = 90
