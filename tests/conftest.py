@@ -72,6 +72,35 @@ concurrency = 4
 """
 
 
+def interrupted(proc: subprocess.Popen[Any], timeout: float = 30) -> int:
+    """Send ``proc`` (a process the test started) SIGINT and return its exit status once it
+    exits; if it has not within ``timeout``, what /proc says of it (its signal masks, state and
+    each thread's kernel wait) in the AssertionError, after killing it: a watcher once stayed
+    deaf to SIGINT in the full suite alone."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        facts = []
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            facts += [line for line in status.splitlines()
+                      if line.split(":")[0] in ("State", "SigQ", "SigPnd", "ShdPnd", "SigBlk",
+                                                "SigIgn", "SigCgt", "Threads")]
+            for task in sorted(Path(f"/proc/{proc.pid}/task").iterdir()):
+                wchan = (task / "wchan").read_text()
+                try:
+                    stack = (task / "stack").read_text().replace("\n", " | ")[:600]
+                except OSError:
+                    stack = "?"
+                facts.append(f"task {task.name}: wchan {wchan} stack {stack}")
+        except OSError as exc:
+            facts.append(f"/proc unreadable: {exc}")
+        proc.kill()
+        proc.wait(timeout=10)
+        raise AssertionError(f"pid {proc.pid} ignored SIGINT for {timeout}s: " + "; ".join(facts))
+
+
 def alive(pid: int) -> bool:
     """True while ``pid`` is a live process (a zombie has finished)."""
     try:

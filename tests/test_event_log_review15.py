@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Workspace, exe, new_workspace, reason_codes, run_python, wait_until
+from conftest import (Workspace, exe, interrupted, new_workspace, reason_codes, run_python,
+                      wait_until)
 
 PRINT = [sys.executable, "-c", "import sys; sys.stdin.read(); print(sys.argv[1])"]
 
@@ -264,9 +265,8 @@ def test_a_log_truncated_in_place_is_followed_from_its_start(tmp_path: Path) -> 
         hid = ews.create("--to", "@nobody", "--id", "after-truncate")
         assert sees(hid, 10), "the event appended after the truncation was missed"
     finally:
-        watcher.send_signal(signal.SIGINT)
         try:
-            assert watcher.wait(timeout=30) == 0
+            assert interrupted(watcher) == 0
         finally:
             ews.cleanup()
     # and a follower never resumes in the middle of a line

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from conftest import Clock, Workspace, exe, new_workspace
+from conftest import Clock, Workspace, exe, interrupted, new_workspace
 
 from handoffd.backends.files.events import FileEventLog
 from handoffd.backends.files.seen import SeenIds
@@ -383,8 +383,7 @@ def test_ls_watch_prints_every_event_of_a_burst_that_rotated_the_log_many_times(
         got = [hid for hid in seen if hid.startswith("b")]
         assert got == burst, f"{len(got)} of {len(burst)} printed"
     finally:
-        watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=30) == 0
+        assert interrupted(watcher) == 0
 
 
 def test_metrics_count_every_event_across_rotations_and_the_gaps(tmp_path: Path) -> None:

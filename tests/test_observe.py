@@ -10,7 +10,6 @@ import pty
 import queue
 import re
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from conftest import Workspace, exe, wait_until
+from conftest import Workspace, exe, interrupted, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from handoffd.backends.files.events import FileEventLog
@@ -187,8 +186,7 @@ def test_ls_watch_prints_transitions_live(ws: Workspace) -> None:
     finally:
         if daemon is not None:
             ws.stop(daemon)
-        watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=30) == 0
+        assert interrupted(watcher) == 0
 
 
 def drain(fd: int) -> None:

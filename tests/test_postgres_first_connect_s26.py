@@ -10,12 +10,25 @@
 4. ``handoffd serve``'s first line never named the store.
 6. ``handoff ls --watch`` wrote "lost the database connection" without the ``handoff:`` prefix.
 
+Review R49 of it (the tests at the end):
+
+7. ``handoffd serve``/``run`` waiting for the database at start took a SIGTERM in and waited on
+   (exit 1 after reconnect_seconds): it now stops at once, exit 0, as a stop while it starts.
+8. ``handoffd run --max-seconds S`` waited past S for the database (cron runs overlapped).
+9. Settings no retry cures (no password to send, SSL required of a server without it, a named
+   host with a port that is no number) waited for the reconnect window: they fail at once.
+10. ``redact`` printed a password holding an unencoded "/" or "@" in full.
+11. A serving record's sweep counted names it could not remove as removed (16 passes a renewal).
+
 This module stops and starts a throw-away cluster of its own (tests/pgserver.py)."""
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -25,7 +38,9 @@ from conftest import Workspace, exe, wait_for_words
 from test_postgres import pg_workspace
 from test_postgres_outage_s20 import down, up
 
-from handoffd.backends.postgres.connection import redact
+from handoffd.backends.postgres.connection import cannot_connect, reachable_later, redact
+from handoffd.core.errors import ConfigError
+from handoffd.service import daemon_records
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +178,166 @@ def test_serve_names_a_files_store(ws: Workspace) -> None:
         assert f"serving {ws.root} (store: files; " in daemon.ready_line  # type: ignore[attr-defined]
     finally:
         assert ws.stop(daemon) == 0
+
+
+# ------------------------------------------- 7, 8. R49: a daemon waiting for the database
+@pytest.mark.heavy
+def test_a_daemon_waiting_for_the_database_stops_at_a_signal_and_by_its_batch_bound(
+        tmp_path: Path, own_server: pgserver.PgServer) -> None:
+    url = own_server.new_database()
+    space = pg_workspace(tmp_path / "ws", url)  # (reconnect_seconds: 60, the default)
+    space.handoff("ls", check=True)  # (the store is set up)
+    down(own_server)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        serve = started(space.root, tmp_path / "serve.err", "handoffd", "serve")
+        run = started(space.root, tmp_path / "run.err", "handoffd", "run", "-v")
+        bounded = started(space.root, tmp_path / "bounded.err", "handoffd", "run",
+                          "--max-seconds", "2")
+        procs += [serve, run, bounded]
+        for name, proc in (("serve", serve), ("run", run)):
+            said = wait_for_words(tmp_path / f"{name}.err", ["waiting for the database"])
+            assert "waiting for the database" in said, said
+            proc.send_signal(signal.SIGTERM)
+        # the first SIGTERM ends the wait: exit 0, long before the 60 s window would
+        assert ended(serve, 30) == 0
+        assert ended(run, 30) == 0
+        # the batch's 2 s bound ends its wait: exit 1, the store said unreachable
+        assert ended(bounded, 30) == 1
+    finally:
+        up(own_server)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    lines = (tmp_path / "serve.err").read_text().splitlines()
+    assert lines[-1] == ("handoffd: stopped: before serving, waiting for the database at "
+                         f"{redact(url)}"), lines
+    assert "before serving, waiting for the database" in (tmp_path / "run.err").read_text()
+    lines = (tmp_path / "bounded.err").read_text().splitlines()
+    waited = lines[0].partition(f"waiting for the database at {redact(url)} (up to ")[2]
+    assert 0 <= float(waited.partition("s)")[0]) <= 2, lines  # (the batch's, not the window's)
+    assert lines[-1].startswith(f"handoffd: error: the PostgreSQL store {redact(url)} is "
+                                "unreachable: "), lines
+
+
+# ---------------------------------------------------- 9. R49: settings no retry cures
+def fake_server(stop: threading.Event, listener: socket.socket) -> None:
+    """A server speaking just enough of PostgreSQL's protocol: no SSL (``N``), and a
+    cleartext password asked of every start-up."""
+    listener.settimeout(0.1)
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        with conn:
+            conn.settimeout(5)
+            try:
+                while True:
+                    head = conn.recv(8, socket.MSG_WAITALL)
+                    if len(head) < 8:
+                        break
+                    length, code = int.from_bytes(head[:4]), int.from_bytes(head[4:])
+                    if code in (80877103, 80877104):  # SSLRequest, GSSENCRequest
+                        conn.sendall(b"N")
+                        continue
+                    conn.recv(length - 8, socket.MSG_WAITALL)  # (the start-up message)
+                    conn.sendall(b"R" + (8).to_bytes(4) + (3).to_bytes(4))  # a password, please
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def no_ssl_asks_password() -> Iterator[int]:
+    """The port of a :func:`fake_server` on 127.0.0.1."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    stop = threading.Event()
+    thread = threading.Thread(target=fake_server, args=(stop, listener), daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join(timeout=5)
+    listener.close()
+
+
+@pytest.mark.parametrize("options, words", [
+    ("sslmode=require&gssencmode=disable", "server does not support SSL, but SSL was required"),
+    ("sslmode=disable&gssencmode=disable", "fe_sendauth: no password supplied")])
+def test_settings_no_retry_cures_fail_at_once(tmp_path: Path, no_ssl_asks_password: int,
+                                              options: str, words: str) -> None:
+    space = pg_workspace(tmp_path / "ws",
+                         f"postgresql://u@127.0.0.1:{no_ssl_asks_password}/db?{options}")
+    done = space.handoff("ls", timeout=30)  # (the 60 s window, waited, runs past this)
+    assert done.returncode == 1 and "waiting" not in done.stderr, done.stderr
+    assert words in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("command", [("handoffd", "db", "init"), ("handoff", "ls")])
+def test_a_named_host_with_a_port_that_is_no_number_is_a_usage_error(
+        tmp_path: Path, command: tuple[str, ...]) -> None:
+    space = pg_workspace(tmp_path / "ws", "postgresql://x@localhost:badport/db")
+    done = subprocess.run([exe(command[0]), *command[1:], "--root", str(space.root)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"{command[0]}: error: the store URL is not a valid PostgreSQL URL: invalid integer "
+        'value "badport" for connection option "port"']
+
+
+def test_what_no_retry_cures_is_told_from_an_outage() -> None:
+    for words in ("connection is bad: fe_sendauth: no password supplied",
+                  "server does not support SSL, but SSL was required",
+                  "failed to resolve host 'db': [Errno -8] Servname not supported for "
+                  "ai_socktype"):
+        assert not reachable_later(words), words
+    named = cannot_connect("postgresql://u@db:x/d", "failed to resolve host 'db': [Errno -8] "
+                           "Servname not supported for ai_socktype")
+    assert isinstance(named, ConfigError)
+    for words in ('connection to server on socket "/tmp/.s.PGSQL.5432" failed: No such file '
+                  "or directory", "connection to server at \"127.0.0.1\", port 5432 failed: "
+                  "Connection refused", "FATAL: the database system is starting up",
+                  "FATAL: the database system is shutting down"):
+        assert reachable_later(words), words
+
+
+# ------------------------------------------------------------ 10. R49: a password redacted
+@pytest.mark.parametrize("url, said", [
+    ("postgresql://u:s3cr/etPW@host/db", "postgresql://u:***@host/db"),
+    ("postgresql://u:p@ss@host:5432/db", "postgresql://u:***@host:5432/db"),
+    ("postgres://u:a:b?c#d@h/db?sslmode=require", "postgres://u:***@h/db?sslmode=require"),
+    ("postgresql://u:pw@h/db?password=x&sslmode=require",
+     "postgresql://u:***@h/db?password=***&sslmode=require"),
+    ("postgresql://u@h/db", "postgresql://u@h/db"),
+])
+def test_a_urls_password_is_masked_whatever_it_holds(url: str, said: str) -> None:
+    assert redact(url) == said
+    for secret in ("s3cr", "etPW", "p@ss", "a:b?c#d", "pw", "password=x"):
+        if secret in url:
+            assert secret not in redact(url)
+
+
+def test_a_password_with_a_slash_never_shows_in_the_outage_line(tmp_path: Path) -> None:
+    space = pg_workspace(tmp_path / "ws", "postgresql://u:s3cr/etPW@host/db")
+    done = space.handoff("ls", timeout=30)
+    assert "s3cr" not in done.stderr and "etPW" not in done.stderr, done.stderr
+
+
+# -------------------------------------------- 11. R49: an unremovable name is not removed
+def test_a_name_that_cannot_be_removed_is_not_counted_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    listings: list[int] = []
+
+    def listing(folder: int, now: float, marks: object) -> tuple[bool, list[str], list[object]]:
+        listings.append(1)  # a full listing with one removable name, which is never removed
+        return True, ["1.aaaaaaaaaaaa.json"], []
+
+    monkeypatch.setattr(daemon_records, "_sweep_listing", listing)
+    folder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # (no such file in it: the unlink fails, as it does of an unremovable one)
+        daemon_records._remove_dead(folder, ("0", "0"), 0.0)
+    finally:
+        os.close(folder)
+    assert len(listings) == 1  # (a listing that removed nothing is the last)

@@ -366,7 +366,7 @@ def test_serve_on_two_processes_runs_each_handoff_once_and_stops_whole(ws: Works
     setup(ws, 0)
     proc, ready = start_serving(ws, "--processes", "2")
     try:
-        assert "(2 processes of 4 workers;" in ready
+        assert "(store: files; 2 processes of 4 workers;" in ready
         drop_many(ws, 200, sleep=0.002)
         wait_until(lambda: len(folders(ws)["completed"]) == 200, timeout=60, what="all filed")
         pids = {int(e["pid"]) for e in runs(ws)}  # type: ignore[call-overload]

@@ -23,7 +23,6 @@ import logging
 import os
 import queue
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Workspace, exe, wait_until
+from conftest import Workspace, exe, interrupted, wait_until
 
 from handoffd.backends.base import WaitTimeout
 from handoffd.backends.files import inotify
@@ -145,8 +144,7 @@ def test_a_log_rewritten_in_place_is_followed_by_ls_watch(ws: Workspace) -> None
         assert sees("new0000", 10), f"the events before the cursor were missed: {sorted(seen)}"
         assert sees(f"new{count - 1:04d}", 10)
     finally:
-        watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=30) == 0
+        assert interrupted(watcher) == 0
 
 
 # ---------------------------------------------------------------- 2: no watch through a symlink

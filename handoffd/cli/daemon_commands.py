@@ -14,12 +14,14 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TextIO
 
-from ..core.errors import UsageError
+from ..core.errors import StartStopped, UsageError
 from ..core.logs import unlogged
 from ..core.shown import clean  # (at the start: imported at a first log line, EMFILE lost it)
+from ..core.starting import ask_stop, starting_within
 from ..core.workspace import network_filesystem
 from .basics import engine
 
@@ -41,7 +43,8 @@ def hold_stop_signals() -> None:
     stop that came while ``serve`` started (its imports, the workspace's checks) killed it with
     -15 instead of the promised exit 0 (7 of 113 restarts under load). A second one before the
     daemon took them ends the process at once, with 0 (nothing is claimed yet): a start that
-    waits (a store away) is not deaf to its supervisor."""
+    waits (a store away) is not deaf to its supervisor: the first one also ends its wait for the
+    store (:mod:`handoffd.core.starting`; exit 0, as a stop while it starts)."""
     import signal
     from ..core.procs import STOP_SIGNALS
     for signum in STOP_SIGNALS:
@@ -50,6 +53,8 @@ def hold_stop_signals() -> None:
 
 def _hold(signum: int, frame: object) -> None:
     HELD_SIGNALS.append(signum)
+    # (a wait for the store, in the engine's making, cannot be told otherwise: it looks)
+    ask_stop(signum)
     if len(HELD_SIGNALS) > 1:  # "at once", as a second signal is documented to act
         raise SystemExit(0)
 
@@ -179,7 +184,11 @@ def serve(root: Path | None = None, workers: int | None = None, verbose: bool = 
     allocator.limit_arenas()  # before any thread: a long-lived daemon's memory stays flat
     from ..service.daemon import Daemon
     from ..service.spread import serve_processes_for, spread
-    eng = engine(root, create=True, store=store, bridge=False)  # (its own bridge: counted)
+    try:
+        eng = engine(root, create=True, store=store, bridge=False)  # (its own bridge: counted)
+    except StartStopped as exc:  # (a stop while it waited for the store: nothing claimed)
+        announce(log_format, "stopped", f"stopped: {exc}")
+        return 0
     eng.backend.prepare()  # what every write needs (the seal key): refused once, before forking
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         warn_if_shared(eng.ws.root)
@@ -271,8 +280,16 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
         raise UsageError(f"--max-seconds must be 0 to {MAX_BATCH_SECONDS:.0f}, not {max_seconds:g}")
     from ..service.daemon import Daemon
     from ..service.spread import processes_for, spread
-    eng = engine(root, create=True, store=store, bridge=False)  # (its own bridge: counted)
-    eng.backend.prepare()  # what every write needs (the seal key): refused once, before forking
+    # the batch's bound counts from its start: waiting for a store that is away ends by it too
+    # (a cron batch waited reconnect_seconds past it, and the next one overlapped it)
+    ends = None if max_seconds is None else time.monotonic() + max_seconds
+    try:
+        with starting_within(max_seconds):
+            eng = engine(root, create=True, store=store, bridge=False)  # (its own bridge)
+            eng.backend.prepare()  # what every write needs (the seal key): refused once
+    except StartStopped as exc:  # (a stop while it waited for the store: nothing claimed)
+        logging.getLogger("handoffd").info("%s", exc)
+        return 0
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         warn_if_shared(eng.ws.root)
     log_filings(eng)
@@ -282,7 +299,8 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
         return Daemon(eng, workers=workers, watch=False, stripe=stripe)
 
     def run(daemon: Daemon) -> BatchReport:
-        return daemon.run_batch(install_signals=count == 1, max_seconds=max_seconds,
+        left = None if ends is None else max(ends - time.monotonic(), 0.0)
+        return daemon.run_batch(install_signals=count == 1, max_seconds=left,
                                 early=HELD_SIGNALS)
 
     if count > 1:

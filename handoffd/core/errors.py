@@ -237,6 +237,14 @@ class WaitTimeout(HandoffdError):
     exit_code = 124
 
 
+class StartStopped(HandoffdError):
+    """A stop (SIGTERM, SIGINT, SIGHUP) asked of a daemon while it waited, starting, for a store
+    that is away (:mod:`handoffd.core.starting`): it ends as a stop while it starts does, having
+    claimed nothing (exit 0)."""
+
+    exit_code = 0
+
+
 class StoreUnavailable(OSError):
     """The store could not be reached within its reconnect window (PostgreSQL: down or
     restarting for longer than ``[store] reconnect_seconds``), whether the connection was lost

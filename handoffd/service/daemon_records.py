@@ -222,11 +222,14 @@ class ServingRecord:
         self.name = None
 
 
-def _unlink(folder: int, name: str) -> None:
+def _unlink(folder: int, name: str) -> bool:
+    """Remove ``name`` from ``folder``; whether it was removed (an error is no one's to see:
+    the next renewal tries again)."""
     try:
         os.unlink(name, dir_fd=folder)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def _own_mtime(folder: int, name: str) -> float:
@@ -366,9 +369,8 @@ def _remove_dead(folder: int, mark: tuple[str, str], now: float) -> None:
     for _ in range(MAX_PASSES):
         full, gone, unread = _sweep_listing(folder, now, marks)
         # (unlinked once the listing is closed: entries removed under a listing may skip others)
-        for name in gone:
-            _unlink(folder, name)
-        removed = len(gone)
+        # (only what was removed counts: an unremovable name, counted, ran every pass)
+        removed = sum(_unlink(folder, name) for name in gone)
         unread.sort()
         for _, name in unread[:MAX_SWEPT]:
             data = _read(folder, name)
@@ -376,8 +378,7 @@ def _remove_dead(folder: int, mark: tuple[str, str], now: float) -> None:
             # while its daemon lives is kept: its name is not its mark's)
             if data is not None and _this_hosts(data, mark, boot) \
                     and not bears_mark(data.get("pid"), data.get("proc")):
-                _unlink(folder, name)
-                removed += 1
+                removed += _unlink(folder, name)
         if not (full and removed):
             return
 

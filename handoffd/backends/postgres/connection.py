@@ -35,7 +35,9 @@ from typing import Any, Callable, Iterator, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ...core.errors import ConfigError, HandoffdError, StoreUnavailable, shortage_words
+from ...core.errors import (ConfigError, HandoffdError, StartStopped, StoreUnavailable,
+                            shortage_words)
+from ...core.starting import start_by, stop_asked
 from ...core.timeutil import connect_by
 from ...core.timeutil import connect_timeout as bounded_connect
 from .values import configure
@@ -62,6 +64,14 @@ POOL_RETRY_SECONDS = BACKOFF_MAX
 # a server that answered but takes no connections now (starting up, shutting down, in recovery,
 # full): unlike a refused password, role or database, trying again later may work
 BUSY_SERVER = ("the database system is", "too many clients", "connection slots are reserved")
+# libpq's words for a failed connection no retry cures although the server was never told no:
+# no password to send, a server without SSL under sslmode=require, a port no service has
+SETTINGS_WRONG = ("fe_sendauth: no password supplied",
+                  "server does not support SSL, but SSL was required")
+# a named host with a port that is no number: getaddrinfo's EAI_SERVICE (psycopg resolves the
+# host itself, and says so before libpq could call the port no integer): the URL is wrong
+BAD_SERVICE = "Servname not supported"
+STOP_SLICE = 0.1  # a start waiting for the store looks at a stop asked this often
 MIN_CHECKOUT = 0.05  # a pooled connection that is free is taken even at a deadline
 CHECKOUT_SLICE = 0.5  # waiting for a pooled connection looks at interrupts this often
 # when the operations of this thread (context) give up retrying, on time.monotonic()'s clock
@@ -143,6 +153,9 @@ def cannot_connect(url: str, detail: str) -> HandoffdError:
     if UNUSABLE_OPTION.match(detail):  # (an option's value is quoted, a password never is)
         return ConfigError("the store URL is not a valid PostgreSQL URL: "
                            + detail.removeprefix("connection is bad: "))
+    if BAD_SERVICE in detail:  # (check_url says it first of a port it can read)
+        return ConfigError("the store URL is not a valid PostgreSQL URL: its port is no number "
+                           f"({detail})")
     error = StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: {detail}")
     if reachable_later(detail):
         error.unreachable = f"the PostgreSQL store {redact(url)} is unreachable: {detail}"
@@ -153,15 +166,30 @@ def reachable_later(detail: str) -> bool:
     """True when a failed connection's ``detail`` says the server was not reached (no server
     on the socket or port, a timeout, a name that does not resolve) or is busy
     (:data:`BUSY_SERVER`); False when it answered with a refusal (``FATAL:`` a wrong password,
-    role or database, no pg_hba.conf entry), or libpq refused the URL's options
-    (:data:`UNUSABLE_OPTION`), that no retry cures."""
-    if UNUSABLE_OPTION.match(detail):
+    role or database, no pg_hba.conf entry), libpq refused the URL's options
+    (:data:`UNUSABLE_OPTION`, :data:`BAD_SERVICE`), or settings the server cannot meet
+    (:data:`SETTINGS_WRONG`: no password given, SSL required of a server without it), that no
+    retry cures."""
+    if UNUSABLE_OPTION.match(detail) or BAD_SERVICE in detail \
+            or any(words in detail for words in SETTINGS_WRONG):
         return False
     return "FATAL:" not in detail or any(words in detail for words in BUSY_SERVER)
 
 
+# a URL's userinfo password: from the first ":" after the user to the LAST "@" (a password
+# may hold "/", "@", ":" unencoded, and libpq's parse then finds none, or another host)
+URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^:@/?#]*):.*@", re.IGNORECASE | re.DOTALL)
+URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
 def redact(url: str) -> str:
-    """``url`` without its password, for messages."""
+    """``url`` without its password, for messages. A URL's userinfo is masked by its text,
+    not by libpq's parse (which finds no password, or a wrong one, when it holds an unencoded
+    "/" or "@"): from the user's ":" to the last "@" (a "@" in the query too, so then the host
+    is masked with it: more, never less); a ``password=`` parameter too."""
+    if URL_SCHEME.match(url):
+        return QUERY_PASSWORD.sub(r"\1***", URL_PASSWORD.sub(r"\1:***@", url, count=1))
     try:
         from psycopg.conninfo import conninfo_to_dict, make_conninfo
         parts = conninfo_to_dict(url)
@@ -178,11 +206,20 @@ def check_url(url: str) -> None:
     parser's words quote the URL, or parts of it that may be the password: those are left out."""
     from psycopg.conninfo import conninfo_to_dict
     try:
-        conninfo_to_dict(url)
+        parts = conninfo_to_dict(url)
     except psycopg.Error as exc:
         detail = re.sub(r'"([^"]*)"', _masked, " ".join(
             str(exc).replace(f' in URI: "{url}"', "").replace(url, "").split()))
         raise ConfigError(f"the store URL is not a valid PostgreSQL URL: {detail}") from None
+    port = str(parts.get("port") or "")
+    if any(one and not one.strip().isdigit() for one in port.split(",")):
+        # libpq says so only of a host-less URL; a named host fails resolving it (EAI_SERVICE):
+        # said the same way for both. Its text is shown unless the userinfo holds it (a
+        # password with an unencoded "/" is parsed as host and port)
+        userinfo = url.partition("://")[2].rpartition("@")[0]
+        shown = '"..."' if port in userinfo else f'"{port}"'
+        raise ConfigError("the store URL is not a valid PostgreSQL URL: invalid integer value "
+                          f'{shown} for connection option "port"')
 
 
 def _masked(quoted: re.Match[str]) -> str:
@@ -255,7 +292,8 @@ class Database:
         with the server's own words (the pool would retry quietly until its timeout). A server
         that is away (refused, starting up, shutting down: :func:`reachable_later`) is an
         outage, waited out as a lost connection is: with backoff, for up to the reconnect
-        window (cut by :meth:`interrupt` or a :func:`deadline`), saying so in one line, then
+        window (cut by :meth:`interrupt`, a :func:`deadline` or a starting batch's bound,
+        :func:`~handoffd.core.starting.start_by`), saying so in one line, then
         StoreUnavailable (a command started during a restart once failed at once). Under a
         command's ``--timeout`` (connecting_within) one attempt is made, bounded by it: the
         command waits out the outage itself, with its own last line (reads.open_within)."""
@@ -268,7 +306,7 @@ class Database:
                 return
             if not reachable_later(detail) or connect_by() < math.inf:
                 raise cannot_connect(url, detail)
-            left = self._limit(window) - time.monotonic()
+            left = min(self._limit(window), start_by()) - time.monotonic()
             if left <= 0:
                 raise StoreUnavailable(f"the PostgreSQL store {redact(url)} is unreachable: "
                                        f"{detail}")
@@ -276,8 +314,20 @@ class Database:
                 said = True
                 log.log(self.report_level, "waiting for the database at %s (up to %gs): %s",
                         redact(url), round(left, 1), detail)
-            self._pause(min(delay, left))
+            self._pause_starting(min(delay, left), url)
             delay = min(delay * 2, BACKOFF_MAX)
+
+    def _pause_starting(self, seconds: float, url: str) -> None:
+        """One backoff step of the first connection's wait, in slices: a stop asked of a daemon
+        that is starting meanwhile (a signal its handler only records: it cannot wake this
+        wait) ends it with :class:`StartStopped` within a slice."""
+        ends = time.monotonic() + seconds
+        while not stop_asked():
+            left = ends - time.monotonic()
+            if left <= 0:
+                return
+            self._pause(min(left, STOP_SLICE))
+        raise StartStopped(f"before serving, waiting for the database at {redact(url)}")
 
     def run(self, operation: Callable[[Conn, bool], T]) -> T:
         """``operation(conn, retried)`` in one transaction (committed when it returns).
