@@ -72,6 +72,14 @@ concurrency = 4
 """
 
 
+# A suite started in the background of a shell without job control (`make test &` in a
+# script, cron) inherits SIGINT ignored, and so does every process it starts: the tests that
+# stop `ls --watch` or a daemon with SIGINT then waited for ever (both of session 26's first
+# fresh clones). The tests' processes get the default disposition again, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def interrupted(proc: subprocess.Popen[Any], timeout: float = 30) -> int:
     """Send ``proc`` (a process the test started) SIGINT and return its exit status once it
     exits; if it has not within ``timeout``, what /proc says of it (its signal masks, state and
