@@ -29,8 +29,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 import pgserver
 import pytest
@@ -211,9 +212,9 @@ def test_a_daemon_waiting_for_the_database_stops_at_a_signal_and_by_its_batch_bo
                 proc.kill()
                 proc.wait(timeout=10)
     lines = (tmp_path / "serve.err").read_text().splitlines()
-    assert lines[-1] == ("handoffd: stopped: before serving, waiting for the database at "
+    assert lines[-1] == ("handoffd: stopped: before it began, waiting for the database at "
                          f"{redact(url)}"), lines
-    assert "before serving, waiting for the database" in (tmp_path / "run.err").read_text()
+    assert "before it began, waiting for the database" in (tmp_path / "run.err").read_text()
     lines = (tmp_path / "bounded.err").read_text().splitlines()
     waited = lines[0].partition(f"waiting for the database at {redact(url)} (up to ")[2]
     assert 0 <= float(waited.partition("s)")[0]) <= 2, lines  # (the batch's, not the window's)
@@ -341,3 +342,42 @@ def test_a_name_that_cannot_be_removed_is_not_counted_removed(
     finally:
         os.close(folder)
     assert len(listings) == 1  # (a listing that removed nothing is the last)
+
+
+# ---------------------------------------------------- R50: masks, bounds, the batch's line
+@pytest.mark.parametrize("url", [
+    "postgresql://u@127.0.0.1:5432/db?%70assword=SECRET1",
+    "postgresql://u@127.0.0.1:5432/db?pass%77ord=SECRET1&sslmode=disable",
+    "postgresql://u@127.0.0.1:5432/db?sslpassword=SECRET1",
+    "host=127.0.0.1 user=u sslpassword=SECRET1 dbname=db"])
+def test_a_secret_in_the_query_is_masked_however_its_key_is_spelt(url: str) -> None:
+    assert "SECRET1" not in redact(url), redact(url)
+
+
+def test_a_spread_batch_keeps_its_whole_bound_past_a_slow_first_sweep(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run --max-seconds S`` over two processes: the bound is counted from where each daemon
+    counts it (the spread's start, before the parent's first sweep); counted from the call, a
+    slow sweep (1 s here) was taken off it twice (R50). The parent's daemon is looked at."""
+    from handoffd.cli import daemon_commands
+    from handoffd.core.workspace import Workspace as HandoffdWorkspace
+    from handoffd.service import daemon as daemon_mod
+    from handoffd.service.sweeper import SweepReport
+    HandoffdWorkspace(tmp_path / "ws").ensure()
+    parent, seen = os.getpid(), []
+
+    def fake_run_batch(self: Any, *, install_signals: bool = False,
+                       max_seconds: float | None = None, early: Any = None) -> Any:
+        if os.getpid() == parent:
+            seen.append(self.started + (max_seconds or 0.0))
+        return daemon_mod.BatchReport()
+
+    def slow_sweep(self: Any) -> SweepReport:
+        time.sleep(1.0)
+        return SweepReport()
+
+    monkeypatch.setattr(daemon_mod.Daemon, "run_batch", fake_run_batch)
+    monkeypatch.setattr(daemon_mod.Daemon, "sweep", slow_sweep)
+    start = time.monotonic()
+    daemon_commands.run_batch(root=tmp_path / "ws", max_seconds=10.0, processes=2, quiet=True)
+    assert len(seen) == 1 and abs(seen[0] - (start + 10.0)) < 0.5, (seen, start)

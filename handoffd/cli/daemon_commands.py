@@ -288,7 +288,8 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
             eng = engine(root, create=True, store=store, bridge=False)  # (its own bridge)
             eng.backend.prepare()  # what every write needs (the seal key): refused once
     except StartStopped as exc:  # (a stop while it waited for the store: nothing claimed)
-        logging.getLogger("handoffd").info("%s", exc)
+        if not quiet:  # said as serve says it (R50: a batch ended silently, exit 0)
+            announce(log_format, "stopped", f"stopped: {exc}")
         return 0
     if not getattr(eng.backend, "shared", False):  # a shared store does not rely on the files
         warn_if_shared(eng.ws.root)
@@ -299,7 +300,10 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
         return Daemon(eng, workers=workers, watch=False, stripe=stripe)
 
     def run(daemon: Daemon) -> BatchReport:
-        left = None if ends is None else max(ends - time.monotonic(), 0.0)
+        # what is left of the bound, from where the daemon counts it (a spread's start, before
+        # its first sweep: counted from now, a slow sweep was taken off twice; R50)
+        began = daemon.started if daemon.started is not None else time.monotonic()
+        left = None if ends is None else max(ends - began, 0.0)
         return daemon.run_batch(install_signals=count == 1, max_seconds=left,
                                 early=HELD_SIGNALS)
 

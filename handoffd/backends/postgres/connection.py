@@ -180,7 +180,24 @@ def reachable_later(detail: str) -> bool:
 # may hold "/", "@", ":" unencoded, and libpq's parse then finds none, or another host)
 URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^:@/?#]*):.*@", re.IGNORECASE | re.DOTALL)
 URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
-QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+# libpq's keywords that hold a secret (a query key may be percent-encoded: %70assword)
+SECRET_KEYS = ("password", "sslpassword")
+# the attempts made while waiting out an outage at start: libpq's least connect_timeout
+WAITING_ATTEMPT = 2.0
+
+
+def _mask_query(url: str) -> str:
+    """``url`` with the value of every query parameter whose (decoded) key is a secret masked."""
+    from urllib.parse import unquote
+    base, sep, rest = url.partition("?")
+    if not sep:
+        return url
+    query, hashsep, fragment = rest.partition("#")
+    items = []
+    for item in query.split("&"):
+        key, eq, _ = item.partition("=")
+        items.append(f"{key}=***" if eq and unquote(key).strip().lower() in SECRET_KEYS else item)
+    return base + "?" + "&".join(items) + hashsep + fragment
 
 
 def redact(url: str) -> str:
@@ -189,14 +206,16 @@ def redact(url: str) -> str:
     "/" or "@"): from the user's ":" to the last "@" (a "@" in the query too, so then the host
     is masked with it: more, never less); a ``password=`` parameter too."""
     if URL_SCHEME.match(url):
-        return QUERY_PASSWORD.sub(r"\1***", URL_PASSWORD.sub(r"\1:***@", url, count=1))
+        return _mask_query(URL_PASSWORD.sub(r"\1:***@", url, count=1))
     try:
         from psycopg.conninfo import conninfo_to_dict, make_conninfo
         parts = conninfo_to_dict(url)
     except Exception:  # not parseable: say nothing of it rather than leak a secret
         return "the store URL"
-    if "password" in parts:
-        parts["password"] = "***"
+    if any(key in parts for key in SECRET_KEYS):
+        for key in SECRET_KEYS:
+            if key in parts:
+                parts[key] = "***"
         return make_conninfo("", **parts)
     return url
 
@@ -300,8 +319,12 @@ class Database:
         delay = BACKOFF_FIRST
         window = time.monotonic() + self.reconnect_seconds
         said = False  # (the wait's line: once)
+        attempt = self.connect_timeout  # the first attempt's bound; then at most WAITING_ATTEMPT
         while True:
-            detail = _last_error(url, bounded_connect(self.connect_timeout))
+            # each attempt bounded by the start's bound too (a server that never answers held
+            # `run --max-seconds 3` for connect_timeout, 10 s; R50)
+            attempt = min(attempt, max(start_by() - time.monotonic(), 1.0))
+            detail = _last_error(url, bounded_connect(attempt))
             if detail is None:
                 return
             if not reachable_later(detail) or connect_by() < math.inf:
@@ -316,6 +339,9 @@ class Database:
                         redact(url), round(left, 1), detail)
             self._pause_starting(min(delay, left), url)
             delay = min(delay * 2, BACKOFF_MAX)
+            # while waiting, short attempts: a stop is seen between them (a server that never
+            # answers held each for connect_timeout, a SIGTERM unseen meanwhile; R50)
+            attempt = min(self.connect_timeout, WAITING_ATTEMPT)
 
     def _pause_starting(self, seconds: float, url: str) -> None:
         """One backoff step of the first connection's wait, in slices: a stop asked of a daemon
@@ -327,7 +353,7 @@ class Database:
             if left <= 0:
                 return
             self._pause(min(left, STOP_SLICE))
-        raise StartStopped(f"before serving, waiting for the database at {redact(url)}")
+        raise StartStopped(f"before it began, waiting for the database at {redact(url)}")
 
     def run(self, operation: Callable[[Conn, bool], T]) -> T:
         """``operation(conn, retried)`` in one transaction (committed when it returns).
