@@ -112,8 +112,8 @@ def test_the_records_folder_short_is_one_warning_held_back_then_cleared(
         tmp_path: Path, seconds: Seconds, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     root = tmp_path
     procrecords.record_dir(root).mkdir(parents=True)
-    opening = FailFirst(procrecords.open_folder, 4, _emfile)
-    monkeypatch.setattr(procrecords, "open_folder", opening)
+    opening = FailFirst(procrecords.open_beneath, 4, _emfile)
+    monkeypatch.setattr(procrecords, "open_beneath", opening)
     caplog.set_level(logging.INFO, "handoffd")
     for turn in range(4):  # attempts' ends, the next attempt's look for leftovers
         if turn % 2:
@@ -204,9 +204,9 @@ def _cancel_engine(tmp_path: Path, clock: Clock) -> tuple[Any, Seconds]:
 
 def _fail_opening(monkeypatch: pytest.MonkeyPatch, times: int) -> FailFirst:
     """The first ``times`` openings of ``.meta/cancel`` by the store fail with EMFILE."""
-    opening = FailFirst(backend_module.open_folder, times, _emfile,
-                        when=lambda path, *a, **k: Path(path).name == "cancel")
-    monkeypatch.setattr(backend_module, "open_folder", opening)
+    opening = FailFirst(backend_module.open_beneath, times, _emfile,
+                        when=lambda base, parts, *a, **k: tuple(parts)[-1:] == ("cancel",))
+    monkeypatch.setattr(backend_module, "open_beneath", opening)
     return opening
 
 
@@ -312,7 +312,7 @@ def test_a_records_folder_short_every_other_open_is_said_once(
     each failure was two lines ("cannot open", then "works again")."""
     root = tmp_path
     procrecords.record_dir(root).mkdir(parents=True)
-    real, calls = procrecords.open_folder, [0]
+    real, calls = procrecords.open_beneath, [0]
 
     def flaky(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
@@ -320,7 +320,7 @@ def test_a_records_folder_short_every_other_open_is_said_once(
             raise _emfile()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(procrecords, "open_folder", flaky)
+    monkeypatch.setattr(procrecords, "open_beneath", flaky)
     caplog.set_level(logging.INFO, "handoffd")
     for turn in range(10):
         procrecords.read_record(root, f"h-{turn}")

@@ -335,8 +335,8 @@ def test_process_records_name_a_descriptor_shortage_opening_their_folder(
     from handoffd.core import procrecords
     folder = procrecords.record_dir(tmp_path)
     folder.mkdir(parents=True)
-    monkeypatch.setattr(procrecords, "open_folder",
-                        FailIn(procrecords.open_folder, "records_folder", 1, _emfile))
+    monkeypatch.setattr(procrecords, "open_beneath",
+                        FailIn(procrecords.open_beneath, "records_folder", 1, _emfile))
     monkeypatch.setattr(procrecords, "_refusals_said", set())
     caplog.set_level(logging.INFO, "handoffd")
     with procrecords.records_folder(tmp_path) as fd:
@@ -354,14 +354,14 @@ def test_cancel_requests_name_a_descriptor_shortage_opening_their_folder(
     engine = files_engine(tmp_path / "ws", Clock())
     store = engine.backend.inner
     store.request_cancel("x1", {"reason": "r"})
-    monkeypatch.setattr(files_backend, "open_folder",
-                        FailIn(files_backend.open_folder, "_open_cancel_folder", 1, _emfile))
+    monkeypatch.setattr(files_backend, "open_beneath",
+                        FailIn(files_backend.open_beneath, "_open_cancel_folder", 1, _emfile))
     caplog.set_level(logging.INFO, "handoffd")
     assert store.cancel_requests() == {}
     _no_symlink_said(caplog, store._cancel_folder)
     assert list(store.cancel_requests()) == ["x1"]  # the shortage passed
-    monkeypatch.setattr(files_backend, "open_folder",
-                        FailIn(files_backend.open_folder, "request_cancel", 1, _emfile))
+    monkeypatch.setattr(files_backend, "open_beneath",
+                        FailIn(files_backend.open_beneath, "request_cancel", 1, _emfile))
     with pytest.raises(OSError) as caught:
         store.request_cancel("x2", {"reason": "r"})
     assert caught.value.errno == errno.EMFILE and "symlink" not in str(caught.value)
