@@ -13,13 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pgserver
 import pytest
-from conftest import FLAKY_TOML, QUICK_TOML, Workspace, alive, exe, new_workspace, wait_until
+from conftest import QUICK_TOML, Workspace, alive, exe, new_workspace, wait_until
+from test_processes import _cmdline
 
 from handoffd.core import deathwatch, procrecords
 
@@ -89,13 +89,6 @@ class Sleepers:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def _watches_of(daemon_pid: int) -> list[int]:

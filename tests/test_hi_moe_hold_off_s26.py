@@ -12,7 +12,6 @@ at it later than a hard deadline read with it. 2. Every worker busy, each id rea
 from __future__ import annotations
 
 import re
-import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
