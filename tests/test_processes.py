@@ -307,6 +307,20 @@ def test_the_allocator_is_asked_to_keep_memory_flat() -> None:
     assert allocator.trim() is glibc
 
 
+def _wait_for_token(pid: int, token: str) -> None:
+    """Wait (bounded) until ``pid``'s environment, as /proc shows it, carries ``token``."""
+    entry = f"{procs.TOKEN_ENV}={token}".encode()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return
+        except OSError:
+            pass
+        time.sleep(0.001)
+    raise AssertionError(f"pid {pid} never showed its token in /proc")
+
+
 @contextmanager
 def sleepers(*tokens: str | None) -> Iterator[list[subprocess.Popen[bytes]]]:
     """One sleeping process per entry, each in a session of its own and carrying that run token
@@ -316,6 +330,12 @@ def sleepers(*tokens: str | None) -> Iterator[list[subprocess.Popen[bytes]]]:
                                 env={**os.environ, **({procs.TOKEN_ENV: token} if token else {})})
                for token in tokens]
     try:
+        # Popen returns once the child's exec is past its point of no return, but the kernel
+        # sets the new environment up after that: /proc/<pid>/environ read at once may still
+        # be empty, and the token not found (the "0 killed" CI failure)
+        for proc, token in zip(started, tokens):
+            if token is not None:
+                _wait_for_token(proc.pid, token)
         yield started
     finally:
         for proc in started:
