@@ -1,0 +1,55 @@
+"""A seed 000 cancellation message whose seen-ids lookup runs short (session 27).
+
+The daemon carries a cancellation message out itself (``features.cancellation.handle_message``)
+and searches, then records, a foreign message's id in the seen-ids record as admission does.
+A descriptor or memory shortage there reached the worker's catch-all: a logged traceback, the
+claim left leased in in-progress/, and its recovery charged an attempt. It is now handed back
+uncounted with one warning line, and carried out at its next claim, as a request is.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import exe, new_workspace
+from test_cancel_message_recovery_s26 import _cancellation, _victim
+from test_seen_shortage_s24 import SITE
+
+# the seen-ids record's first search (or add) fails once: EMFILE as in SITE, or a MemoryError
+MEMORY_SITE = SITE.replace("raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))",
+                           "raise MemoryError()")
+
+
+@pytest.mark.parametrize("fault,site", [("contains:before", SITE), ("add:after", SITE),
+                                        ("contains:before", MEMORY_SITE)],
+                         ids=["emfile-search", "emfile-half-add", "memory-search"])
+def test_a_cancellation_message_short_at_its_id_lookup_is_handed_back_and_carried_out(
+        tmp_path: Path, fault: str, site: str) -> None:
+    ws = new_workspace(tmp_path / "ws", """
+[daemon]
+settle_seconds = 0.1
+sweep_seconds = 0.5
+rescan_seconds = 0.5
+""")
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(site)
+    try:
+        ws.drop("victim-1.json", _victim("victim-1"))
+        ws.drop("msg-s1.json", _cancellation("msg-s1", "victim-1"))
+        batch = subprocess.run([exe("handoffd"), "run", "--root", str(ws.root)],
+                               capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "PYTHONPATH": str(folder),
+                                    "SEEN_FAULT": fault})
+        said = batch.stderr
+        assert "Traceback" not in said, said
+        assert ws.state_of("msg-s1") == ["completed"], said
+        assert ws.state_of("victim-1") == ["failed"], said  # cancelled, once
+        events = [e["event"] for e in ws.doc("msg-s1")["handoffd"]["history"]]
+        assert events == ["claimed", "handed_back", "claimed", "completed"], said
+        assert ws.doc("msg-s1")["handoffd"]["attempt"] == 1, said  # the hand-back uncounted
+        assert "could not be handled" not in said, said
+    finally:
+        ws.cleanup()
