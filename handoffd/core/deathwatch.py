@@ -13,11 +13,12 @@ holding the read end of a pipe whose write end only the daemon holds (close-on-e
 handler inherits it; closed in any child forked without exec, see :func:`_forget_after_fork`).
 The daemon tells it each attempt it starts (run token, process group) and each it ends. When
 the pipe reaches end of file the daemon is gone: a clean exit has ended every attempt and the
-watch exits quietly; otherwise it kills each attempt still open with :func:`procs.kill_run`
+watch exits quietly; otherwise it kills every attempt still open with :func:`procs.kill_runs`
 (the token's carriers, and the group only when a member carries the token: the same proof as
-every other kill), then exits. It ignores stop signals (SIGTERM, SIGINT, SIGHUP): it ends with
-its daemon, never before. It only ever knows its own daemon's attempts, by their raw tokens
-(never read from the workspace), so it cannot touch another daemon's.
+every other kill; one pass over /proc per round for all of them), then exits. It ignores stop
+signals (SIGTERM, SIGINT, SIGHUP): it ends with its daemon, never before. It only ever knows its
+own daemon's attempts, by their raw tokens (never read from the workspace), so it cannot touch
+another daemon's.
 
 A daemon that runs only in-process Python handlers never starts it. Each process of a spread
 (``--processes N``) starts its own: any one of them can be killed alone. The daemon never waits
@@ -206,9 +207,18 @@ def main(read: int, daemon_pid: int, style: str = "text", level: int = logging.W
     opened = _follow(read)
     if not opened:
         return  # the daemon exited cleanly (or ended each attempt before it died)
-    for token, (pgid, attempt, handoff_id) in opened.items():
+    # all at once: one pass over /proc per round for every open attempt (one kill_run each,
+    # one scan or more each, took about a second for hundreds while the others ran on)
+    runs = [(token, pgid) for token, (pgid, _, _) in opened.items()]
+    try:
+        results: list[tuple[int, int] | None] = list(procs.kill_runs(runs))
+    except Exception as exc:  # one at a time then: a failure stops no other attempt's kill
+        log.error("killing the attempts of daemon pid %d at once failed: %s; one at a time",
+                  daemon_pid, exc)
+        results = [None] * len(runs)
+    for (token, (pgid, attempt, handoff_id)), result in zip(opened.items(), results):
         try:
-            killed, survivors = procs.kill_run(token, pgid)
+            killed, survivors = result if result is not None else procs.kill_run(token, pgid)
         except Exception as exc:  # never stop before the other attempts are killed
             log.error("handoff %s: killing attempt %s after its daemon (pid %d) died failed: %s",
                       handoff_id, attempt, daemon_pid, exc)

@@ -23,7 +23,10 @@ only when one of its members is (never the daemon's own group).
 ``/proc/<pid>/environ`` carries the token) and waits until they are gone. The runner calls it when
 each attempt ends and, through :func:`kill_leftovers`, before an attempt starts, so a retry never
 starts on a host where the previous attempt's processes still live. Whoever recovers an abandoned
-claim should call :func:`kill_leftovers` too, before handing the handoff back.
+claim should call :func:`kill_leftovers` too, before handing the handoff back. :func:`kill_runs`
+kills several attempts from one pass over /proc per round (the death watch's, its daemon dead).
+A process in the middle of exec (right after Popen returns, /proc shows its environment empty
+until the kernel has set it up) is looked at again, never passed over as carrying no token.
 
 Limits: only processes on this host that this process can see can be found (a record of another
 pid namespace, a container's, is found by token only: from the host, not from a sibling
@@ -46,7 +49,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from .documents import hostname
 from .procrecords import (MAX_PID, SealedToken, boot_id, read_in, read_record, records_folder,
@@ -120,15 +123,37 @@ def start_time(pid: int, *, live: bool = False) -> int | None:
     """The start time of ``pid`` (clock ticks after boot), or None if it is gone (with ``live``,
     also when it has finished and awaits its reaping: a zombie holds nothing)."""
     info = _stat(pid)
-    if info is None or live and info[0] in ("Z", "X"):
+    if info is None or live and info.state in ("Z", "X"):
         return None
-    return info[2]
+    return info.start
 
 
 # ---------------------------------------------------------------- finding and killing
 
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, pgid, start time) of ``pid`` from /proc/<pid>/stat; None if it is gone."""
+_PF_KTHREAD = 0x00200000  # the stat flag of a kernel thread: no environment, never an attempt's
+# How long one scan looks again at a process whose environment reads empty because it is in the
+# middle of exec: Popen returns once exec is past its point of no return, but the kernel sets
+# the new environment up after that (17 of 300 reads right after Popen came back empty; the
+# longest such window measured on a loaded machine, about 5 ms). A process still in that state
+# afterwards is reported, and kill_runs looks again in its next round.
+SETTLE_SECONDS = 0.02
+_SETTLE_STEP = 0.001
+
+
+class _Stat(NamedTuple):
+    """What /proc/<pid>/stat says about one process."""
+
+    state: str
+    pgid: int
+    start: int
+    kernel: bool  # a kernel thread
+    # where its environment lies in its memory (start, end): end 0 while exec has not set it up
+    # yet (or the process has let its memory go: it is exiting); None: not shown (Linux < 3.5)
+    env: tuple[int, int] | None
+
+
+def _stat(pid: int) -> _Stat | None:
+    """What /proc/<pid>/stat says about ``pid``; None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             raw = handle.read()
@@ -137,29 +162,53 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
     # the command name may hold spaces and parentheses: the fields start after the last ')'
     fields = raw[raw.rfind(b")") + 2:].split()
     try:
-        return fields[0].decode(), int(fields[2]), int(fields[19])
+        env = (int(fields[47]), int(fields[48])) if len(fields) > 48 else None
+        return _Stat(fields[0].decode(), int(fields[2]), int(fields[19]),
+                     bool(int(fields[6]) & _PF_KTHREAD), env)
     except (IndexError, ValueError):
+        return None
+
+
+def _environ(pid: int) -> bytes | None:
+    """``pid``'s environment as /proc shows it; None if it is gone, or another user's process
+    (never ours to kill)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return handle.read()
+    except OSError:
         return None
 
 
 _PREFIX = f"{TOKEN_ENV}=".encode()
 
 
-def _carries(pid: int, token: str) -> bool:
-    """True if ``pid``'s environment holds the run token ``token``: exactly that entry for a raw
-    token, an entry whose token has the digest for a record's :class:`SealedToken`."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            environ = handle.read()
-    except OSError:  # gone, or another user's process (never ours to kill)
-        return False
-    if not isinstance(token, SealedToken):
-        return _PREFIX + token.encode() in environ.split(b"\0")
-    if _PREFIX not in environ:
-        return False
-    return any(entry.startswith(_PREFIX)
-               and token.matches(entry[len(_PREFIX):].decode("utf-8", "surrogateescape"))
-               for entry in environ.split(b"\0"))
+class _Tokens:
+    """The run tokens one scan looks for, matched against each environment read once: exactly
+    the entry for a raw token, an entry whose token has the digest for a record's
+    :class:`SealedToken`."""
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        self.raw: dict[bytes, list[int]] = {}
+        self.sealed: list[tuple[int, SealedToken]] = []
+        for index, token in enumerate(tokens):
+            if isinstance(token, SealedToken):
+                self.sealed.append((index, token))
+            else:
+                self.raw.setdefault(_PREFIX + token.encode(), []).append(index)
+
+    def carried(self, environ: bytes) -> set[int]:
+        """The indices of the tokens ``environ`` carries."""
+        if _PREFIX not in environ:  # most processes: no attempt's
+            return set()
+        found: set[int] = set()
+        for entry in environ.split(b"\0"):
+            if not entry.startswith(_PREFIX):
+                continue
+            found.update(self.raw.get(entry, ()))
+            if self.sealed:
+                value = entry[len(_PREFIX):].decode("utf-8", "surrogateescape")
+                found.update(index for index, token in self.sealed if token.matches(value))
+        return found
 
 
 def _pids() -> Iterator[int]:
@@ -176,15 +225,61 @@ def _pids() -> Iterator[int]:
 def scan(token: str, pgid: int | None = None) -> list[ProcInfo]:
     """Live processes that carry ``token`` (raw, or a record's :class:`SealedToken`) or belong
     to process group ``pgid``."""
-    found = []
+    return _scan([(token, pgid)])[0][0]
+
+
+def _scan(runs: Sequence[tuple[str, int | None]]) -> tuple[list[list[ProcInfo]], list[int]]:
+    """One pass over /proc for several runs ``(token, pgid)``: for each, the live processes that
+    carry its token or belong to its group; and the pids still in the middle of exec after
+    :data:`SETTLE_SECONDS` (their environment not set up yet: they may carry any token)."""
+    tokens = _Tokens([token for token, _ in runs])
+    groups: dict[int, list[int]] = {}
+    for index, (_, pgid) in enumerate(runs):
+        if pgid is not None:
+            groups.setdefault(pgid, []).append(index)
+    found: list[list[ProcInfo]] = [[] for _ in runs]
+
+    def judge(pid: int, info: _Stat, environ: bytes) -> None:
+        marked = tokens.carried(environ)
+        for index in sorted(marked.union(groups.get(info.pgid, ()))):
+            found[index].append(ProcInfo(pid, info.pgid, info.start, index in marked))
+
+    pending: list[int] = []
     for pid in _pids():
         info = _stat(pid)
-        if info is None or info[0] in ("Z", "X"):  # a zombie has finished: nothing left to kill
-            continue
-        marked = _carries(pid, token)
-        if marked or (pgid is not None and info[1] == pgid):
-            found.append(ProcInfo(pid, info[1], info[2], marked))
-    return found
+        if info is None or info.state in ("Z", "X") or info.kernel:
+            continue  # a zombie has finished, a kernel thread is none of ours: nothing to kill
+        environ = _environ(pid)
+        if environ == b"":  # empty: an environment cleared, or one exec has not set up yet
+            pending.append(pid)
+        else:
+            judge(pid, info, environ or b"")
+    if not pending:
+        return found, []
+    # looked at again (the first time at once): the stat read after the environment tells
+    # whether it was empty for good (its bounds set and equal) or exec had not set it up yet
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        unsettled: list[tuple[int, _Stat]] = []
+        for pid in pending:
+            environ = _environ(pid)
+            info = _stat(pid)
+            if info is None or info.state in ("Z", "X"):
+                continue
+            if environ or environ is None or info.env is not None and (
+                    info.env[1] != 0 and info.env[0] == info.env[1]):
+                judge(pid, info, environ or b"")
+            else:
+                unsettled.append((pid, info))
+        if not unsettled or time.monotonic() >= deadline:
+            break
+        pending = [pid for pid, _ in unsettled]
+        time.sleep(_SETTLE_STEP)
+    for pid, info in unsettled:
+        judge(pid, info, b"")  # a member of a group still counts as one
+    # a kernel that shows no environment bounds cannot tell a cleared environment from one
+    # not set up yet: judged by what it reads after the wait
+    return found, [pid for pid, info in unsettled if info.env is not None]
 
 
 def _group_is_ours(procs: list[ProcInfo], pgid: int) -> bool:
@@ -208,37 +303,68 @@ def kill_run(token: str, pgid: int | None = None, *, group_known: bool = False,
     every member of process group ``pgid``; never the daemon's own group. Repeats until none is
     left, so children forked while it runs are caught too. Returns (processes killed, processes
     still alive at the deadline)."""
-    killed: set[int] = set()
-    if pgid is not None and not _group_allowed(pgid):
-        log.warning("run %s: process group %s is not an attempt's (the daemon's own, or no "
-                    "pid): only the token's carriers are killed", _label(token), pgid)
-        pgid = None
-    ours = group_known
+    return kill_runs([(token, pgid)], group_known=group_known, wait_seconds=wait_seconds)[0]
+
+
+def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = False,
+              wait_seconds: float = KILL_WAIT_SECONDS) -> list[tuple[int, int]]:
+    """:func:`kill_run` for several attempts ``(token, pgid)`` at once, each round one pass over
+    /proc for all of them (the death watch's, when its daemon died with hundreds open: one
+    scan each took about a second). Each attempt's targets are proven as in kill_run, its own
+    token or its own group. Returns (killed, survivors) for each attempt, in order."""
+    groups: list[int | None] = []
+    for token, pgid in runs:
+        if pgid is not None and not _group_allowed(pgid):
+            log.warning("run %s: process group %s is not an attempt's (the daemon's own, or no "
+                        "pid): only the token's carriers are killed", _label(token), pgid)
+            pgid = None
+        groups.append(pgid)
+    ours = [group_known] * len(runs)
+    killed: list[set[int]] = [set() for _ in runs]
+    survivors = [0] * len(runs)
+    left = list(range(len(runs)))  # the attempts that may still have processes
     deadline = time.monotonic() + wait_seconds
     rounds = 0
-    while True:
-        procs = scan(token, pgid)
-        if pgid is not None and not ours:
-            ours = _group_is_ours(procs, pgid)
-        targets = [p for p in procs if p.marked or (ours and p.pgid == pgid)]
-        if not targets:
-            return len(killed), 0
+    while left:
+        found, unsettled = _scan([(runs[i][0], groups[i]) for i in left])
+        targets: dict[int, list[ProcInfo]] = {}
+        for i, procs in zip(left, found):
+            pgid = groups[i]
+            if pgid is not None and not ours[i]:
+                ours[i] = _group_is_ours(procs, pgid)
+            targets[i] = [p for p in procs if p.marked or (ours[i] and p.pgid == pgid)]
+        # an attempt is done once a round finds none of its processes, and none in the middle
+        # of exec (its environment unread, it may carry this token: looked at next round)
+        left = [i for i in left if targets[i] or unsettled]
+        if not left:
+            break
         # at least one round of SIGKILL, whatever the clock says: on a loaded machine one scan
         # of /proc once outlasted the whole wait, and nothing was killed at all
         if rounds and time.monotonic() >= deadline:
-            log.warning("run %s: %d process(es) survived SIGKILL: %s", _label(token),
-                        len(targets), ", ".join(str(p.pid) for p in targets[:10]))
-            return len(killed), len(targets)
-        if ours and pgid is not None:
-            _signal_group(pgid)
-        for proc in targets:
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-                killed.add(proc.pid)
-            except (ProcessLookupError, PermissionError):
-                continue
+            for i in left:
+                if targets[i]:
+                    survivors[i] = len(targets[i])
+                    log.warning("run %s: %d process(es) survived SIGKILL: %s",
+                                _label(runs[i][0]), len(targets[i]),
+                                ", ".join(str(p.pid) for p in targets[i][:10]))
+            if unsettled:
+                log.warning("pid(s) %s stayed in the middle of exec (environment unreadable) "
+                            "for %.1f s: not known whether they belong to an attempt",
+                            ", ".join(str(pid) for pid in unsettled[:10]), wait_seconds)
+            break
+        for i in left:
+            group = groups[i]
+            if ours[i] and group is not None:
+                _signal_group(group)
+            for proc in targets[i]:
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed[i].add(proc.pid)
+                except (ProcessLookupError, PermissionError):
+                    continue
         rounds += 1
         time.sleep(0.01)  # let the kernel finish them before looking again
+    return [(len(pids), count) for pids, count in zip(killed, survivors)]
 
 
 def _label(token: str) -> str:
@@ -338,4 +464,4 @@ def _prune_in(folder: int) -> int:
 
 def _alive(pid: int) -> bool:
     info = _stat(pid)
-    return info is not None and info[0] not in ("Z", "X")
+    return info is not None and info.state not in ("Z", "X")
