@@ -15,7 +15,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .documents import (BOOK, CHECK, RECORD, UNRECORDED, Envelope, Outcome, arrival, book,
-                        check_id, first_use_left, history_of, newest_among, record)
+                        check_id, first_use_left, history_of, is_safe_id, newest_among,
+                        record)
 from .errors import (
     SHORTAGE_ERRNOS,
     ClaimShortage,
@@ -370,13 +371,21 @@ def _envelope(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime) 
     doc, handoff_id = claim.doc, claim.id
     try:
         doc_id = dialect.id_of(doc)
-        if doc_id != handoff_id:
-            raise InvalidDocument(
-                f"file pending/{handoff_id}.json carries handoff id {str(doc_id)[:80]!r}; the "
-                "file name must be the id", handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
-        refusal = answer_refusal(dialect, doc)  # an answer is refused as one, as `ls` says,
-        if refusal is not None:                 # before its answer schema is checked
+        mismatch = InvalidDocument(
+            f"file pending/{handoff_id}.json carries handoff id {str(doc_id)[:80]!r}; the "
+            "file name must be the id", handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
+        if doc_id != handoff_id and not is_safe_id(doc_id):
+            raise mismatch  # an id no file could bear is set aside before anything is read
+        # an answer is refused as one, as `ls` says (Engine.peek: the envelope's own refusal),
+        # before its file name is compared with its id and before its answer schema is checked:
+        # a filed answer copied from another workspace keeps its request's name but carries
+        # the answer's own id (its seal, and so the request it kept, do not travel); it was set
+        # aside ID_MISMATCH while `ls` said NOT_A_REQUEST. Now filed under its file name, unrun
+        refusal = answer_refusal(dialect, doc)
+        if refusal is not None:
             raise refusal
+        if doc_id != handoff_id:
+            raise mismatch
         engine.validate(doc, dialect, handoff_id=handoff_id, subject=f"handoff {handoff_id} is "
                         f"not a valid {dialect.name} document")
         return dialect.envelope(doc)

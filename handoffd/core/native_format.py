@@ -301,8 +301,8 @@ RECOVERY: dict[str, list[str]] = {
         "This document is a seed-001 Response or Failure: an answer goes back to its "
         "orchestrator, not into handoffs/pending/",
         "To have the work done, submit its request (status pending, without the answer's "
-        "fields) into handoffs/pending/; handoff retry --force runs this one as that request, "
-        "the answer's fields under refused_answer left out"],
+        "fields) into handoffs/pending/ under a new handoff_id: handoff retry refuses this one, "
+        "even forced, as it holds an answer (its fields under refused_answer), not a request"],
     ErrorCode.EXPIRED: ["Create a new handoff with a later expires_at if the work is still "
                         "wanted: this one would expire again"],
     ErrorCode.INVALID_DOCUMENT: ["Fix the document as error.message says and submit it again"],

@@ -14,6 +14,7 @@ Sweeping is idempotent and safe to run from several processes at once.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import weakref
@@ -35,6 +36,7 @@ from ..core.errors import (
     is_shortage,
 )
 from ..core.events import SET_ASIDE, RecordingBackend
+from ..core.formats import answer_refusal
 from ..core.native_format import REFUSED_ANSWER, stub_code
 from ..core.states import State
 from ..core.storage import GIVEN_UP, GIVEN_UP_UNRUN, Claim, owner_died
@@ -324,6 +326,7 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
             "so there is no request to retry, even with --force; fix that file and submit it "
             "under a new id", handoff_id=handoff_id)
     _check_parent_open(engine, handoff_id, doc)
+    _check_holds_request(engine, handoff_id, doc)
     block = book(doc)
     error = (block.get("final_error") or (given if isinstance(given := doc.get("error"), dict) else None)
              or block.get("last_error") or {})
@@ -358,6 +361,36 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
                                     "(retried meanwhile)", handoff_id=handoff_id)
         raise NotFound(f"handoff {handoff_id} moved while retrying; look again with `handoff show`",
                        handoff_id=handoff_id)
+
+
+def _check_holds_request(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> None:
+    """InvalidTransition, even forced, when the failed document holds an answer rather
+    than a request: a seed-001 Response or Failure dropped into pending/ and refused
+    NOT_A_REQUEST (or cancelled while pending) keeps the sender's fields under
+    ``refused_answer``; an answer of another format refused NOT_A_REQUEST kept that answer as
+    the request it would retry. Retried, the first ran its request part as work (a Response
+    often has no ``input``), the second went back to pending/ only to be refused again. A
+    document the user has turned into a request (``refused_answer`` taken out of it) is
+    retried as any other."""
+    kept = doc.get(REFUSED_ANSWER)
+    if isinstance(kept, dict) and "status" in kept:  # (keep_refused_answer always moves status)
+        status = str(kept["status"])[:40]
+        kind = "Response" if status in ("completed", "partial") else "Failure"
+        reason = (f"it is a seed-001 handoff {kind} (status {status!r}, its fields kept under "
+                  f"{REFUSED_ANSWER}), an answer, not a request; submit the request it answers "
+                  "(status pending, without the answer's fields) under a new id")
+    else:
+        restored = copy.deepcopy(doc)  # what the retry would put back into pending/
+        restore_request(restored)
+        try:
+            refusal = answer_refusal(engine.formats.detect(restored), restored)
+        except InvalidDocument:  # no format of ours: not an answer this check could name
+            return
+        if refusal is None:
+            return
+        reason = str(refusal)
+    raise InvalidTransition(f"handoff {handoff_id} cannot be retried, even forced: {reason}",
+                            handoff_id=handoff_id)
 
 
 def _check_parent_open(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> None:

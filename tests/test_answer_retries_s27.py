@@ -1,0 +1,153 @@
+"""Answers dropped into pending/, two consistency defects (session 27, review R46 #4):
+
+1. a hi_moe answer copied from another workspace (its file keeps the request's name, the
+   answer's own ``id`` differs; the seal, and with it the request the answer kept, does not
+   travel): `handoff ls` noted it NOT_A_REQUEST, but the daemon set it aside ID_MISMATCH (its
+   file-name check ran first). Both now say NOT_A_REQUEST with the same reason, and the daemon
+   files it in failed/ under its name; an id that is no safe file name is still set aside;
+2. `handoff retry --force` of a refused seed-001 answer (its fields kept under
+   ``refused_answer``) dropped them and ran the request part as work. A retry of a document
+   that holds an answer (any format) is refused, forced or not: one line, exit 1; one whose
+   answer the user took out (``refused_answer`` removed) is retried as any other.
+
+Workspace A files a real hi_moe answer; workspace B gets the copy and the seed-001 answers,
+one `handoff ls --json` before one real `handoffd run`, then real `handoff retry` commands.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from typing import Any
+
+import pytest
+from conftest import Workspace, new_workspace
+from dialect_examples import HI_MOE_DISPATCHER_TO_FLEET, fresh
+from test_seed_fidelity_s24 import SEED_RESPONSE
+
+from handoffd.core.errors import ErrorCode
+
+
+def _command(code: str) -> str:
+    """A specialist command line (TOML array) running ``code`` on the handoff from stdin."""
+    return json.dumps([sys.executable, "-c", "import json,sys; json.load(sys.stdin); " + code])
+
+
+QUICK = _command("print(json.dumps({'status': 'completed', 'output': {'ran': True}}))")
+CONFIG = f"""
+[daemon]
+settle_seconds = 0.05
+durability = "fast"
+
+[specialists."SPECIALIZED_FLEET"]
+command = {QUICK}
+
+[specialists."@react-specialist"]
+command = {QUICK}
+"""
+COPIED = "moe-copied-s27"  # the request's name; the copied answer inside has its own id
+UNSAFE = "moe-unsafe-s27"  # an answer whose id is no safe file name
+REFUSED = "hoff-refused-s27"  # a seed-001 Response, refused NOT_A_REQUEST
+CANCELLED = "hoff-cancelled-s27"  # a seed-001 Response cancelled while pending
+FIXED = "hoff-fixed-s27"  # refused, then its answer taken out by hand
+
+
+def _response(hid: str) -> dict[str, Any]:
+    doc = copy.deepcopy(SEED_RESPONSE)
+    doc["handoff_id"] = hid
+    return doc
+
+
+def _filed_answer(tmp: Any) -> dict[str, Any]:
+    """A hi_moe answer as another workspace files it (completed/COPIED.json), by a real run."""
+    ws = new_workspace(tmp / "a", CONFIG)
+    request = fresh(HI_MOE_DISPATCHER_TO_FLEET)
+    request["id"], request["target_tier"] = COPIED, "SPECIALIZED_FLEET"
+    request["payload"]["specialist_hint"] = None
+    ws.drop(f"{COPIED}.json", request)
+    proc = ws.handoffd("run", timeout=60)
+    assert ws.state_of(COPIED) == ["completed"], proc.stderr
+    return json.loads((ws.root / "handoffs" / "completed" / f"{COPIED}.json").read_text())
+
+
+def _rows(ws: Workspace) -> dict[str, dict[str, Any]]:
+    listed = ws.handoff("ls", "--json", check=True)
+    return {row["id"]: row for row in json.loads(listed.stdout)}
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    """Workspace B: the copied answer, one with an unsafe id and the seed-001 answers dropped
+    (one cancelled), listed (``ws.before``), one `handoffd run` (``ws.proc``), listed again
+    (``ws.after``)."""
+    tmp = tmp_path_factory.mktemp("retries27")
+    answer = _filed_answer(tmp)
+    ws = new_workspace(tmp / "b", CONFIG)
+    assert answer["id"] != COPIED and answer["correlation_id"] == COPIED, answer
+    ws.drop(f"{COPIED}.json", answer)  # as `cp a/handoffs/completed/X.json b/handoffs/pending/`
+    ws.drop(f"{UNSAFE}.json", {**answer, "id": "../escape"})
+    for hid in (REFUSED, CANCELLED, FIXED):
+        ws.drop(f"{hid}.json", _response(hid))
+    ws.handoff("cancel", CANCELLED, check=True)
+    ws.before = _rows(ws)  # type: ignore[attr-defined]
+    ws.proc = ws.handoffd("run", timeout=60)  # type: ignore[attr-defined]
+    assert "Traceback" not in ws.proc.stderr, ws.proc.stderr  # type: ignore[attr-defined]
+    ws.after = _rows(ws)  # type: ignore[attr-defined]
+    return ws
+
+
+# ---------------------------------------------------------------- 1: ls and the daemon agree
+def test_a_copied_hi_moe_answer_is_refused_as_ls_says(ran: Workspace) -> None:
+    before, after = ran.before[COPIED], ran.after[COPIED]  # type: ignore[attr-defined]
+    assert before["state"] == "pending" and after["state"] == "failed", (before, after)
+    assert before["note"].startswith(f"{ErrorCode.NOT_A_REQUEST}: "), before
+    assert after["note"] == before["note"], (before, after)  # the same code and reason
+    stderr: str = ran.proc.stderr  # type: ignore[attr-defined]
+    said = [line for line in stderr.splitlines() if COPIED in line]
+    assert not [line for line in said if ErrorCode.ID_MISMATCH in line], said
+    filed = ran.doc(COPIED)
+    assert filed["payload"]["error_type"] == "not_a_request", filed
+    assert not list((ran.root / "handoffs" / ".quarantine").glob(f"*{COPIED}*")), "set aside"
+
+
+def test_an_answer_whose_id_is_no_file_name_is_still_set_aside(ran: Workspace) -> None:
+    note = ran.after[UNSAFE]["note"]  # type: ignore[attr-defined]
+    assert note.startswith(f"{ErrorCode.ID_MISMATCH}: "), note
+    assert list((ran.root / "handoffs" / ".quarantine").glob(f"*{UNSAFE}*")), "not set aside"
+
+
+# ---------------------------------------------------------------- 2: no retry of an answer
+@pytest.mark.parametrize("args", [("retry",), ("retry", "--force")], ids=["plain", "forced"])
+@pytest.mark.parametrize("hid", [REFUSED, CANCELLED, COPIED])
+def test_a_retry_of_an_answer_is_refused(ran: Workspace, hid: str, args: tuple[str, ...]) -> None:
+    proc = ran.handoff(*args, hid)
+    assert proc.returncode == 1 and proc.stdout == "", proc
+    said = proc.stderr.strip()
+    assert "\n" not in said and "Traceback" not in said, said
+    assert f"handoff {hid} cannot be retried, even forced: " in said, said
+    assert ("refused_answer" in said) if hid != COPIED else ("is an Outcome" in said), said
+    assert ran.state_of(hid) == ["failed"]
+    if hid != COPIED:  # the answer it holds is kept as it was
+        assert ran.doc(hid)["refused_answer"]["output"] == SEED_RESPONSE["output"]
+
+
+def test_all_failed_skips_the_answers(ran: Workspace) -> None:
+    proc = ran.handoff("retry", "--all-failed", "--force")
+    assert proc.returncode == 0, proc
+    skipped = [line for line in proc.stderr.splitlines() if line.startswith("handoff: skipped: ")]
+    for hid in (REFUSED, CANCELLED, COPIED):
+        assert sum(f"handoff {hid} cannot be retried" in line for line in skipped) == 1, proc.stderr
+        assert ran.state_of(hid) == ["failed"]
+
+
+def test_an_answer_taken_out_by_hand_is_retried_as_a_request(ran: Workspace) -> None:
+    path = ran.root / "handoffs" / "failed" / f"{FIXED}.json"
+    doc = json.loads(path.read_text())
+    assert doc["error"]["code"] == ErrorCode.NOT_A_REQUEST, doc
+    del doc["refused_answer"]
+    doc["input"] = {"data": {"fixed": True}}
+    path.write_text(json.dumps(doc))
+    ran.handoff("retry", "--force", FIXED, check=True)
+    proc = ran.handoffd("run", timeout=60)
+    assert ran.state_of(FIXED) == ["completed"], proc.stderr
+    assert ran.doc(FIXED)["output"] == {"ran": True}
