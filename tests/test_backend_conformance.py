@@ -393,6 +393,17 @@ def test_seen_ids_expire_after_the_ttl(backend: Backend) -> None:
     assert backend.seen_contains("y", at(6))
 
 
+def test_seen_ids_keep_the_mark_of_the_claim_that_recorded_them(backend: Backend) -> None:
+    """A foreign document's admission records its id with its claim's mark; a recovered one
+    tells its own record from another's by it (core.admission). A create's has none."""
+    assert backend.seen_marks("m", T0) == frozenset()
+    backend.seen_add("m", T0, "c0ffee")
+    assert backend.seen_contains("m", at(1)) and backend.seen_marks("m", at(1)) == {"c0ffee"}
+    assert backend.seen_marks("m", at(2 * 3600)) == frozenset()  # past the TTL
+    add(backend, "y", 5)
+    assert backend.seen_marks("y", at(6)) == {None}
+
+
 # ---------------------------------------------------------------- waiting and wake-ups
 def test_wait_terminal(backend: Backend) -> None:
     with pytest.raises(NotFound):

@@ -372,11 +372,11 @@ def test_documents_keep_their_key_order(pg_url: str) -> None:
 # ---------------------------------------------------------------- handoffd db
 def test_db_init_is_idempotent_and_prints_the_version(ws: Workspace, pg_url: str) -> None:
     from handoffd.backends.postgres import SCHEMA_VERSION
-    assert SCHEMA_VERSION == 5
-    for applied in ("applied migration(s) 1, 2, 3, 4, 5", "already up to date"):
+    assert SCHEMA_VERSION == 6
+    for applied in ("applied migration(s) 1, 2, 3, 4, 5, 6", "already up to date"):
         done = ws.handoffd("db", "init", "--store", pg_url)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "schema version 5" and applied in done.stderr
+        assert done.stdout.strip() == "schema version 6" and applied in done.stderr
     no_store = ws.handoffd("db", "init")
     assert no_store.returncode == 2 and "no PostgreSQL store" in no_store.stderr
 
@@ -557,9 +557,9 @@ def test_concurrent_openers_migrate_once(pg_url: str) -> None:
         thread.join(timeout=60)
     try:
         assert errors == [] and len(opened) == 4
-        assert {b.schema_version for b in opened} == {5}
+        assert {b.schema_version for b in opened} == {6}
         assert sql(pg_url, "SELECT version FROM handoffd.schema_version ORDER BY version") \
-            == [(1,), (2,), (3,), (4,), (5,)]
+            == [(1,), (2,), (3,), (4,), (5,), (6,)]
     finally:
         for one in opened:
             one.close()

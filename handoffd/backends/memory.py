@@ -73,6 +73,7 @@ class MemoryBackend(FencedFiling, Backend):
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._seen: dict[str, datetime] = {}
+        self._seen_mark: dict[str, str] = {}  # the mark of an id's record, when it has one
         self._cancels: dict[str, Doc] = {}
         self._quarantine: builtins.list[Doc] = []
         self._subscribers = Subscribers()
@@ -95,6 +96,7 @@ class MemoryBackend(FencedFiling, Backend):
                                        handoff_id=handoff_id)
             self._entries[handoff_id] = _Entry(State.PENDING, stored, now)
             self._seen[handoff_id] = now
+            self._seen_mark.pop(handoff_id, None)
         self._subscribers.fire(handoff_id, State.PENDING.value)
 
     def get(self, handoff_id: str) -> tuple[State, Doc] | None:
@@ -270,6 +272,7 @@ class MemoryBackend(FencedFiling, Backend):
                 return False
             del self._entries[handoff_id]
             self._seen[handoff_id] = now
+            self._seen_mark.pop(handoff_id, None)
         return True
 
     def records(self) -> MemoryRecords:
@@ -280,6 +283,7 @@ class MemoryBackend(FencedFiling, Backend):
         with self._lock:  # the TTL is the only thing that needs tidying
             for handoff_id in [i for i, at in self._seen.items() if now - at >= self.seen_ttl]:
                 del self._seen[handoff_id]
+                self._seen_mark.pop(handoff_id, None)
         return {}
 
     # ------------------------------------------------------------ cancel requests
@@ -302,9 +306,19 @@ class MemoryBackend(FencedFiling, Backend):
             self._cancels.pop(handoff_id, None)
 
     # ------------------------------------------------------------ dedup, waiting, wake-ups
-    def seen_add(self, handoff_id: str, now: datetime) -> None:
+    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None) -> None:
         with self._lock:
             self._seen[handoff_id] = now
+            if mark is None:
+                self._seen_mark.pop(handoff_id, None)
+            else:
+                self._seen_mark[handoff_id] = mark
+
+    def seen_marks(self, handoff_id: str, now: datetime) -> frozenset[str | None]:
+        with self._lock:  # (one record an id: the last made, as the PostgreSQL store keeps)
+            if not self._seen_recently(handoff_id, now):
+                return frozenset()
+            return frozenset({self._seen_mark.get(handoff_id)})
 
     def seen_contains(self, handoff_id: str, now: datetime) -> bool:
         with self._lock:

@@ -15,8 +15,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .documents import (BOOK, CHECK, RECORD, UNRECORDED, Envelope, Outcome, arrival, book,
-                        check_id, first_use_left, history_of, is_safe_id, newest_among,
-                        record)
+                        check_id, claim_mark, claim_marks, first_use_left, history_of,
+                        is_safe_id, mark_first_use, newest_among, record)
 from .errors import (
     SHORTAGE_ERRNOS,
     ClaimShortage,
@@ -102,6 +102,7 @@ def claim_pending(engine: Admitting, handoff_id: str, *,
         book(doc)["dialect"] = dialect.name
         dialect.complete(doc, handoff_id, now)
         dialect.mark_claimed(doc, now)
+        mark_first_use(doc)  # (a foreign document's: the mark its id is recorded with)
 
     try:
         claim = engine.backend.claim(handoff_id, now, engine.settings.lease_seconds,
@@ -204,13 +205,22 @@ def first_use_or_hand_back(engine: Admitting, claim: Claim, dialect: Dialect,
 def _first_use(engine: Admitting, claim: Claim, now: datetime, left: str) -> bool:
     """A foreign producer's document (no bookkeeping of ours, or a hand-back's mark that its
     first use is not done: ``left``, see :func:`_first_use_left`): True when its id was not used
-    recently, and it is recorded as used now; else it is set aside (False). While it runs, what
-    is left is noted in the claim's bookkeeping (never written: :func:`hand_back_short` takes
-    it into its event when a shortage cuts it short)."""
+    recently, and it is recorded as used now (with its claim's mark,
+    :data:`~handoffd.core.documents.ID_MARK`), or when the id was recorded by one of its own
+    earlier claims (one cut by a crash after recording it); else it is set aside (False). While
+    it runs, what is left is noted in the claim's bookkeeping (never written:
+    :func:`hand_back_short` takes it into its event when a shortage cuts it short)."""
     block = book(claim.doc)
+    events = history_of(claim.doc)
     if left == CHECK:
         block[UNRECORDED] = CHECK
         if engine.backend.seen_contains(claim.id, now):
+            # a record made with the mark of one of its earlier claims is its own (the hot
+            # path, a raw document's first claim, has none: no second look at the record)
+            own = claim_marks(events[:-1])
+            if own and not own.isdisjoint(engine.backend.seen_marks(claim.id, now)):
+                block.pop(UNRECORDED, None)
+                return True  # recorded before the crash that cut that claim: go on
             block.pop(UNRECORDED, None)
             set_aside_claim(engine, claim, ErrorCode.DUPLICATE_HANDOFF_ID,
                             f"handoff id {claim.id} was already used recently; "
@@ -219,7 +229,7 @@ def _first_use(engine: Admitting, claim: Claim, now: datetime, left: str) -> boo
     # searched and free: from here a hand-back only records it (its own id, added before a
     # shortage cut the add short, must never make it its own duplicate)
     block[UNRECORDED] = RECORD
-    engine.backend.seen_add(claim.id, now)
+    engine.backend.seen_add(claim.id, now, claim_mark(events[-1]) if events else None)
     block.pop(UNRECORDED, None)
     return True
 
@@ -228,9 +238,9 @@ def _first_use_left(claim: Claim) -> str | None:
     """What is left of a claimed document's first use (its id searched in the seen-ids record,
     then recorded): CHECK for a raw one (from outside), else what its history says is left
     (:func:`~handoffd.core.documents.first_use_left`: after a hand-back that said so, CHECK or
-    RECORD, :data:`UNRECORDED`; after a recovery of a claim that had it to do, RECORD), else
-    None. The history counts only as our own bookkeeping: a raw claim's block from outside was
-    emptied, and it is checked in full anyway."""
+    RECORD, :data:`UNRECORDED`; after a recovery of a claim that had it to do, what that claim
+    had left), else None. The history counts only as our own bookkeeping: a raw claim's block
+    from outside was emptied, and it is checked in full anyway."""
     if claim.raw:
         return CHECK
     events = history_of(claim.doc)

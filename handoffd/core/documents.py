@@ -161,6 +161,49 @@ def unrecorded_mark(event: Any) -> str | None:
     return RECORD if mark == RECORD else CHECK
 
 
+# The detail of a ``claimed`` event whose claim has its document's first use to do (a foreign
+# document's: :func:`first_use_left`): a mark of that claim, random, which its admission
+# records with the id in the seen-ids record. After a recovery, a search for the id tells a
+# record made by one of this document's own claims (cut by a crash after recording it: its
+# mark is in the history) from one made for anything else (an earlier document reusing the id:
+# a duplicate). Before session 27 there was no mark, a search could not tell, and a recovered
+# document was recorded without one: a second document reusing an id, cut by a crash before
+# its admission, ran.
+ID_MARK = "id_mark"
+
+
+def claim_mark(event: Any) -> str | None:
+    """The mark (:data:`ID_MARK`) of a ``claimed`` history ``event``; None when it carries none
+    (a claim with no first use to do, or one made by a handoffd before session 27)."""
+    if not (isinstance(event, dict) and event.get("event") == "claimed"):
+        return None
+    detail = event.get("detail")
+    mark = detail.get(ID_MARK) if isinstance(detail, dict) else None
+    return mark if isinstance(mark, str) and mark else None
+
+
+def mark_first_use(doc: dict[str, Any]) -> None:
+    """Give the claim just stamped on ``doc`` (its last history event, ``claimed``) a fresh
+    :data:`ID_MARK` when it has the document's first use to do: a document from outside, at its
+    first claim or with that left (:func:`first_use_left`). Called while the claim is made, so
+    that the mark is in the document the store writes before its admission records the id."""
+    events = history_of(doc)
+    if not events or not (isinstance(events[-1], dict) and events[-1].get("event") == "claimed"):
+        return
+    if len(events) > 1 and first_use_left(events[:-1]) is None:
+        return  # nothing of its first use left: our own document, or one admitted already
+    detail = events[-1].get("detail")
+    if not isinstance(detail, dict):
+        detail = events[-1]["detail"] = {}
+    detail[ID_MARK] = os.urandom(8).hex()
+
+
+def claim_marks(events: list[Any]) -> frozenset[str]:
+    """The marks (:data:`ID_MARK`) of the claims in ``events``: a seen-ids record made with one
+    was made by this document's own first use."""
+    return frozenset(mark for event in events if (mark := claim_mark(event)) is not None)
+
+
 def first_use_left(events: list[Any]) -> str | None:
     """What is left of the first use of a document (of our bookkeeping) whose ``history`` is
     ``events``, for its next claim's admission: CHECK, RECORD, or None (nothing: its id was
@@ -172,12 +215,16 @@ def first_use_left(events: list[Any]) -> str | None:
     records it. A claim doing what is left ends it unless a ``handed_back`` event saying what
     is left (:func:`unrecorded_mark`: a shortage at admission) or a ``recovered`` one ends the
     claim first. After a recovery (its claimer died or gave it up, with or without admitting
-    it) the record is left (RECORD): whether the dead claimer made it is not known, and a
-    search would find the document's own id once recorded and set it aside unrun; recording
-    it again is harmless. Before session 26 nothing was left after a recovery, and the id of
-    a foreign document whose claimer died before admitting it was never recorded."""
+    it) what was left stays left: whether the dead claimer searched or recorded is not known.
+    CHECK then searches again, and a record bearing one of the document's own claim marks
+    (:data:`ID_MARK`) is its own, recorded before the crash: it goes on (a search that could
+    not tell, before session 27, set it aside as its own duplicate; so a recovery left RECORD,
+    and a second document reusing an id, recovered before its admission, ran unsearched). A
+    claim with no mark (made by an older handoffd, which recorded none) still leaves RECORD:
+    a search could not tell its record from another's."""
     left: str | None = None
     running = False  # a claim whose admission does what is left is under way
+    marked = False  # ... and it carries a mark (ID_MARK) its record is made with
     for index, event in enumerate(events):
         kind = event.get("event") if isinstance(event, dict) else None
         if kind == "claimed":
@@ -186,8 +233,10 @@ def first_use_left(events: list[Any]) -> str | None:
             if index == 0:  # a document from outside: its first claim
                 left = CHECK
             running = left is not None
+            marked = claim_mark(event) is not None
         elif kind == "recovered" and running:
-            left, running = RECORD, False
+            left = CHECK if left == CHECK and marked else RECORD
+            running = False
         elif kind == "handed_back" and (mark := unrecorded_mark(event)) is not None:
             left, running = mark, False
     return None if running else left

@@ -281,12 +281,22 @@ class Backend(Protocol):
         """Forget the cancel request of ``handoff_id`` (no error when there is none)."""
         ...
 
-    def seen_add(self, handoff_id: str, now: datetime) -> None:
-        """Record ``handoff_id`` as used at ``now`` (dedup of documents arriving from outside)."""
+    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None) -> None:
+        """Record ``handoff_id`` as used at ``now`` (dedup of documents arriving from outside),
+        with ``mark``, that of the claim whose admission records it
+        (:data:`~handoffd.core.documents.ID_MARK`; None: no claim's, e.g. a create's)."""
         ...
 
     def seen_contains(self, handoff_id: str, now: datetime) -> bool:
         """True when ``handoff_id`` was recorded within the dedup TTL before ``now``."""
+        ...
+
+    def seen_marks(self, handoff_id: str, now: datetime) -> frozenset[str | None]:
+        """The marks ``handoff_id`` was recorded with within the dedup TTL before ``now`` (None
+        for a record with none: no claim's, or one made before marks were recorded); empty
+        when it was not recorded. A store keeping one record an id (memory, PostgreSQL) gives
+        its last one's. Asked only after :meth:`seen_contains` said True, for a document
+        recovered from a crash: it may be slower (the file store searches its whole record)."""
         ...
 
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:

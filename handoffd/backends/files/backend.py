@@ -434,11 +434,14 @@ class FilesBackend(FencedFiling, Backend):
             os.close(fd)
 
     # ------------------------------------------------------------ dedup, waiting, wake-ups
-    def seen_add(self, handoff_id: str, now: datetime) -> None:
-        self.store.seen.add(handoff_id, now)
+    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None) -> None:
+        self.store.seen.add(handoff_id, now, mark)
 
     def seen_contains(self, handoff_id: str, now: datetime) -> bool:
         return self.store.seen.contains(handoff_id, now)
+
+    def seen_marks(self, handoff_id: str, now: datetime) -> frozenset[str | None]:
+        return self.store.seen.marks(handoff_id, now)
 
     def wait_terminal(self, handoff_id: str, timeout: float | None) -> tuple[State, Doc]:
         return wait_via_feed(self, handoff_id, timeout)

@@ -57,14 +57,15 @@ class SeenIds:
         self._put_off = False  # a compaction put off for the lock was said (once till one runs)
         self._out = logfiles.Appender(path)  # the record, kept open for appends
 
-    def add(self, handoff_id: str, now: datetime) -> None:
-        """Record ``handoff_id`` as seen at ``now`` (one small O_APPEND write).
+    def add(self, handoff_id: str, now: datetime, mark: str | None = None) -> None:
+        """Record ``handoff_id`` as seen at ``now`` (one small O_APPEND write), with ``mark``
+        (the claim's that records it, see :meth:`marks`) when given.
 
         The lock file and the record stay open between calls (a claim adds an id: opening and
         closing both was a dozen system calls per handoff). The lock keeps a compaction in
         another process from dropping the line; under it the record is stat'ed, and reopened
         when a compaction replaced it."""
-        line = _line(handoff_id, now).encode()
+        line = _line(handoff_id, now, mark).encode()
         with self._mutex:  # one descriptor for the threads of this process: flock alone
             lock_fd = self._lock_fd()  # would not keep them apart
             # bounded: a lock held for good (a stopped or foreign process) fails this one add
@@ -119,6 +120,24 @@ class SeenIds:
                 self._refresh()
                 seen = self._cache.get(handoff_id)
         return seen is not None and now.timestamp() - seen < self.ttl
+
+    def marks(self, handoff_id: str, now: datetime) -> frozenset[str | None]:
+        """The marks of the record's lines for ``handoff_id`` within the TTL (None for a line
+        with none: a create's, or one written before marks were); empty when there is none.
+        A search of the whole record, as :meth:`_search` does: asked only for a document
+        recovered from a crash, never on the hot path (the index keeps no marks: it stays
+        16 bytes an id)."""
+        needle = json.dumps(handoff_id).encode()
+        found: set[str | None] = set()
+        since = now.timestamp() - self.ttl
+        try:  # (no mutex: a compaction replaces the file, and this open reads one or the other)
+            with open_reading(self.path) as record:
+                for lines in _Lines(record):
+                    found.update(_mark_of(line) for at, line in _hits(lines, needle, handoff_id)
+                                 if at > since)
+        except FileNotFoundError:
+            pass
+        return frozenset(found)
 
     def _search(self, handoff_id: str) -> float | None:
         """When the record last saw ``handoff_id`` (None: never), found by a byte search for
@@ -278,16 +297,32 @@ def _last_seen(data: bytes, needle: bytes, handoff_id: str) -> float | None:
     """The latest time of the record lines in ``data`` (complete ones) whose id is
     ``handoff_id`` (``needle``: the id as JSON writes it, quotes included, so no longer id
     contains it)."""
-    latest: float | None = None
+    return max((at for at, _line in _hits(data, needle, handoff_id)), default=None)
+
+
+def _hits(data: bytes, needle: bytes, handoff_id: str) -> Iterator[tuple[float, bytes]]:
+    """(time, line) of each record line in ``data`` (complete ones) whose id is ``handoff_id``
+    (``needle``: see :func:`_last_seen`), the last first; a hit is checked by parsing its whole
+    line."""
     end = len(data)
     while (hit := data.rfind(needle, 0, end)) >= 0:
         start = data.rfind(b"\n", 0, hit) + 1
         stop = data.find(b"\n", hit)  # (there is one: data holds complete lines)
-        entry = _entry(data[start:stop]) if stop - start <= MAX_LINE else None
+        line = data[start:stop]
+        entry = _entry(line) if stop - start <= MAX_LINE else None
         if entry is not None and entry[0] == handoff_id:
-            latest = entry[1] if latest is None else max(latest, entry[1])
+            yield entry[1], line
         end = start
-    return latest
+
+
+def _mark_of(line: bytes) -> str | None:
+    """The mark of one record line (one :func:`_entry` read); None when it has none (a
+    create's line, or one written before session 27)."""
+    try:
+        mark = json.loads(line).get("mark")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return mark if isinstance(mark, str) else None
 
 
 def _time_of(line: bytes) -> float | None:
@@ -301,8 +336,12 @@ def _shown(path: Path) -> str:
     return f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
 
 
-def _line(handoff_id: str, at: datetime) -> str:
-    return json.dumps({"id": handoff_id, "at": iso(at)}) + "\n"
+def _line(handoff_id: str, at: datetime, mark: str | None = None) -> str:
+    """A record line: the id, when, and the mark of the claim that made it (when one did)."""
+    item = {"id": handoff_id, "at": iso(at)}
+    if mark is not None:
+        item["mark"] = mark
+    return json.dumps(item) + "\n"
 
 
 def _parse(data: bytes) -> Iterator[tuple[str, float]]:

@@ -177,10 +177,13 @@ class StoreBase:
                       json.dumps({"nonce": uuid.uuid4().hex})))
 
     @staticmethod
-    def _seen_upsert(conn: Conn, handoff_id: str, now: datetime) -> None:
-        """Record ``handoff_id`` as used at ``now`` (dedup keeps it for ``seen_ttl``)."""
-        conn.execute("INSERT INTO handoffd.seen (id, seen_at) VALUES (%s, %s) ON CONFLICT (id) "
-                     "DO UPDATE SET seen_at = excluded.seen_at", (handoff_id, now))
+    def _seen_upsert(conn: Conn, handoff_id: str, now: datetime,
+                     mark: str | None = None) -> None:
+        """Record ``handoff_id`` as used at ``now`` (dedup keeps it for ``seen_ttl``), with the
+        ``mark`` of the claim that records it (None: no claim's); one row an id, the last."""
+        conn.execute("INSERT INTO handoffd.seen (id, seen_at, mark) VALUES (%s, %s, %s) "
+                     "ON CONFLICT (id) DO UPDATE SET seen_at = excluded.seen_at, "
+                     "mark = excluded.mark", (handoff_id, now, mark))
 
     @staticmethod
     def _event(conn: Conn, handoff_id: str, doc: Doc, state: State, fallback: str) -> None:
@@ -224,8 +227,14 @@ class SideRecords(StoreBase):
                                                  (handoff_id,)))
 
     # ------------------------------------------------------------ dedup
-    def seen_add(self, handoff_id: str, now: datetime) -> None:
-        self.db.run(lambda conn, _: self._seen_upsert(conn, handoff_id, now))
+    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None) -> None:
+        self.db.run(lambda conn, _: self._seen_upsert(conn, handoff_id, now, mark))
+
+    def seen_marks(self, handoff_id: str, now: datetime) -> frozenset[str | None]:
+        row = self.db.run(lambda conn, _: conn.execute(
+            "SELECT mark FROM handoffd.seen WHERE id = %s AND seen_at > %s",
+            (handoff_id, now - self.seen_ttl)).fetchone())
+        return frozenset() if row is None else frozenset({row[0]})
 
     def seen_contains(self, handoff_id: str, now: datetime) -> bool:
         return self.db.run(lambda conn, _: self._seen_recently(conn, handoff_id, now))

@@ -141,6 +141,11 @@ ALTER TABLE handoffd.handoffs ALTER COLUMN doc TYPE json USING doc::json;
 ALTER TABLE handoffd.cancels ALTER COLUMN request TYPE json USING request::json;
 ALTER TABLE handoffd.quarantine ALTER COLUMN document TYPE json USING document::json;
 """),
+    (6, "the mark of the claim that recorded a seen id (its own record, after a crash)", """
+-- a recovered document's admission tells its own claim's record from another document's
+-- (NULL: no claim's, a create's or a purge's, or a row from before this version)
+ALTER TABLE handoffd.seen ADD COLUMN mark text;
+"""),
 ]
 LATEST = MIGRATIONS[-1][0]
 
@@ -152,7 +157,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
                  "updated_at", "created_at", "lease_token", "lease_expires_at", "last_token",
                  "write_id", "raw", "origin", "exported", "lease_owner"),
     "events": ("seq", "handoff_id", "at", "event", "state"),
-    "seen": ("id", "seen_at"),
+    "seen": ("id", "seen_at", "mark"),
     "cancels": ("id", "request", "created_at"),
     "quarantine": ("seq", "id", "from_state", "code", "message", "at", "document"),
     "event_log": ("seq", "at", "event"),
