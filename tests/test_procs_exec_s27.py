@@ -90,6 +90,9 @@ def test_a_cleared_environment_is_judged_at_once(monkeypatch: pytest.MonkeyPatch
             raise AssertionError("the scan waited for a cleared environment")
         monkeypatch.setattr(procs, "time", types.SimpleNamespace(
             monotonic=time.monotonic, sleep=no_sleep))
+        # this child alone: another process of the machine in the middle of exec just then
+        # would be waited for, rightly (R51: the test failed beside one)
+        monkeypatch.setattr(procs, "_pids", lambda: iter([child.pid]))
         found, unsettled = procs._scan([("tok-none", child.pid)])
         assert [(p.pid, p.marked) for p in found[0]] == [(child.pid, False)]
         assert unsettled == []
@@ -108,10 +111,16 @@ class FakeProc:
         self.table: dict[int, tuple[int, bytes, bool]] = {}
         self.scans = 0
         self.killed: set[int] = set()
+        self.hidden: set[int] = set()
 
-    def add(self, pid: int, pgid: int, token: str | None, *, in_exec: bool = False) -> None:
+    def add(self, pid: int, pgid: int, token: str | None, *, in_exec: bool = False,
+            hidden: bool = False) -> None:
+        """``in_exec``: its environment reads empty and its bounds are unset; ``hidden``: it
+        reads empty though its bounds are set (a process that made it unreadable itself)."""
         environ = b"PATH=/bin\0" + (f"{procs.TOKEN_ENV}={token}\0".encode() if token else b"")
         self.table[pid] = (pgid, environ, in_exec)
+        if hidden:
+            self.hidden.add(pid)
 
     def pids(self) -> Iterator[int]:
         self.scans += 1
@@ -126,7 +135,7 @@ class FakeProc:
             raise FileNotFoundError(file)
         pgid, environ, in_exec = self.table[pid]
         if parts[3] == "environ":
-            return io.BytesIO(b"" if in_exec else environ)
+            return io.BytesIO(b"" if in_exec or pid in self.hidden else environ)
         env = (0, 0) if in_exec else (1000, 1000 + len(environ))
         fields = ["S", "1", str(pgid), str(pgid), "0", "-1", "4194304"] + ["0"] * 12 + [
             "500"] + ["0"] * 27 + [str(env[0]), str(env[1]), "0"]
@@ -201,6 +210,26 @@ def test_a_process_that_stays_in_exec_is_never_skipped_silently(
     assert fake_proc.scans >= 2 and not fake_proc.killed
     lines = [r.getMessage() for r in caplog.records if "middle of exec" in r.getMessage()]
     assert len(lines) == 1 and "7000" in lines[0], lines
+
+
+def test_a_process_stuck_in_exec_holds_a_kill_only_briefly(
+        fake_proc: FakeProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R51: any process of the machine that stayed unsettled held every kill_run (every
+    attempt's end) for its whole wait, 5 s. It is looked at again for UNSETTLED_SECONDS at
+    most, whatever the wait (counted in scans, not in time: one round sleeps 10 ms)."""
+    monkeypatch.setattr(procs, "UNSETTLED_SECONDS", 0.05)
+    fake_proc.add(7000, 7000, "tok-unknown", in_exec=True)
+    assert procs.kill_run("tok-mine", None, wait_seconds=60) == (0, 0)
+    assert 2 <= fake_proc.scans < 20 and not fake_proc.killed
+
+
+def test_an_environment_made_unreadable_is_judged_at_once(fake_proc: FakeProc) -> None:
+    """R51: a process that made its own environment unreadable (mprotect) reads empty though
+    exec set it up long ago (its bounds set): it was taken for one in the middle of exec, and
+    held every kill for 5 s. It is judged on what it reads: one scan, nothing to kill."""
+    fake_proc.add(7000, 7000, "tok-mine", hidden=True)
+    assert procs.kill_run("tok-mine", None, wait_seconds=60) == (0, 0)
+    assert fake_proc.scans == 1 and not fake_proc.killed
 
 
 @pytest.mark.heavy

@@ -177,29 +177,23 @@ def first_use(engine: Admitting, claim: Claim, now: datetime) -> bool:
     return left is None or _first_use(engine, claim, now, left)
 
 
-def first_use_or_hand_back(engine: Admitting, claim: Claim, dialect: Dialect,
-                           now: datetime) -> bool:
+def first_use_or_short(engine: Admitting, claim: Claim, dialect: Dialect,
+                       now: datetime) -> bool:
     """:func:`first_use` for a caller that carries a claimed document out itself (a seed 000
     cancellation message): a passing shortage (descriptors, memory) met in the seen-ids record
-    hands the claim back uncounted, as admission's does (:meth:`Engine.take`), and raises the
-    ClaimShortage saying so, its claim no longer held. It once reached the worker's catch-all:
-    a traceback, the claim left leased, recovered as a crash and an attempt charged."""
+    raises the ClaimShortage saying so, carrying the claim, still held, as admission's does
+    (:func:`admit`): whoever takes it hands it back uncounted (a daemon's worker keeps it when
+    that write runs short too, :mod:`handoffd.service.shortclaims`). It once reached the
+    worker's catch-all: a traceback, the claim left leased, recovered as a crash and an attempt
+    charged."""
     try:
         return first_use(engine, claim, now)
     except OSError as exc:
         if exc.errno not in SHORTAGE_ERRNOS:
             raise
-        short = _short_at_admission(engine, claim, dialect, exc)
+        raise _short_at_admission(engine, claim, dialect, exc) from None
     except MemoryError as exc:
-        short = _short_at_admission(engine, claim, dialect, exc)
-    try:
-        hand_back_short(engine, short)
-    except BaseException:  # (a write that fails gives the claim up: the sweep hands it back)
-        engine.backend.abandon(claim)
-        raise
-    finally:
-        short.claim = short.dialect = None  # no longer held
-    raise short
+        raise _short_at_admission(engine, claim, dialect, exc) from None
 
 
 def _first_use(engine: Admitting, claim: Claim, now: datetime, left: str) -> bool:

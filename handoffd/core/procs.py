@@ -138,6 +138,7 @@ _PF_KTHREAD = 0x00200000  # the stat flag of a kernel thread: no environment, ne
 # afterwards is reported, and kill_runs looks again in its next round.
 SETTLE_SECONDS = 0.02
 _SETTLE_STEP = 0.001
+UNSETTLED_SECONDS = 0.25  # how long kill_runs looks again for processes still in exec
 
 
 class _Stat(NamedTuple):
@@ -266,8 +267,10 @@ def _scan(runs: Sequence[tuple[str, int | None]]) -> tuple[list[list[ProcInfo]],
             info = _stat(pid)
             if info is None or info.state in ("Z", "X"):
                 continue
-            if environ or environ is None or info.env is not None and (
-                    info.env[1] != 0 and info.env[0] == info.env[1]):
+            # in exec only while the kernel has not set the environment's bounds (end 0): once
+            # they are set, what it reads is what it carries (a process can make its own
+            # environment unreadable, mprotect: it once held every kill for its whole wait)
+            if environ or environ is None or info.env is not None and info.env[1] != 0:
                 judge(pid, info, environ or b"")
             else:
                 unsettled.append((pid, info))
@@ -323,7 +326,13 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
     killed: list[set[int]] = [set() for _ in runs]
     survivors = [0] * len(runs)
     left = list(range(len(runs)))  # the attempts that may still have processes
-    deadline = time.monotonic() + wait_seconds
+    started = time.monotonic()
+    deadline = started + wait_seconds
+    # a process found in the middle of exec keeps the attempts looking only this long: it is
+    # most likely none of theirs (any process on the machine), and one stuck there (an exit
+    # hung in the kernel, on older kernels) must not hold every attempt's end for the wait
+    settle_until = started + min(UNSETTLED_SECONDS, wait_seconds)
+    unsettled: list[int] = []
     rounds = 0
     while left:
         found, unsettled = _scan([(runs[i][0], groups[i]) for i in left])
@@ -335,7 +344,8 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
             targets[i] = [p for p in procs if p.marked or (ours[i] and p.pgid == pgid)]
         # an attempt is done once a round finds none of its processes, and none in the middle
         # of exec (its environment unread, it may carry this token: looked at next round)
-        left = [i for i in left if targets[i] or unsettled]
+        waiting = bool(unsettled) and time.monotonic() < settle_until
+        left = [i for i in left if targets[i] or waiting]
         if not left:
             break
         # at least one round of SIGKILL, whatever the clock says: on a loaded machine one scan
@@ -347,15 +357,11 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
                     log.warning("run %s: %d process(es) survived SIGKILL: %s",
                                 _label(runs[i][0]), len(targets[i]),
                                 ", ".join(str(p.pid) for p in targets[i][:10]))
-            if unsettled:
-                log.warning("pid(s) %s stayed in the middle of exec (environment unreadable) "
-                            "for %.1f s: not known whether they belong to an attempt",
-                            ", ".join(str(pid) for pid in unsettled[:10]), wait_seconds)
             break
         for i in left:
             group = groups[i]
-            if ours[i] and group is not None:
-                _signal_group(group)
+            if ours[i] and group is not None and targets[i]:  # (a group gone: its id may be
+                _signal_group(group)                            # another's soon)
             for proc in targets[i]:
                 try:
                     os.kill(proc.pid, signal.SIGKILL)
@@ -364,6 +370,10 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
                     continue
         rounds += 1
         time.sleep(0.01)  # let the kernel finish them before looking again
+    if unsettled:
+        log.warning("pid(s) %s stayed in the middle of exec (environment not set up) for "
+                    "%.2f s: not known whether they belong to the attempt(s) killed",
+                    ", ".join(str(pid) for pid in unsettled[:10]), time.monotonic() - started)
     return [(len(pids), count) for pids, count in zip(killed, survivors)]
 
 

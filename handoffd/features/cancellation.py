@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Collection, Protocol
 
 from ..core import recurring
-from ..core.admission import first_use_or_hand_back
+from ..core.admission import first_use_or_short
 from ..core.documents import BOOK, Outcome, check_id
 from ..core.errors import (
     ErrorCode,
@@ -195,7 +195,7 @@ def handle_message(engine: "Engine", handoff_id: str) -> State | None:
     # its id searched and recorded as admission does: for a raw claim, and for one whose
     # earlier claim was recovered before that was done (a crash after the claim; checking
     # only raw claims left the id unrecorded, and a message reusing it was carried out again)
-    if not first_use_or_hand_back(engine, claim, dialect, now):
+    if not first_use_or_short(engine, claim, dialect, now):
         return None  # a reused id: set aside DUPLICATE_HANDOFF_ID
     try:
         engine.validate(doc, dialect, handoff_id=handoff_id,
