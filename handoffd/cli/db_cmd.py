@@ -1,18 +1,25 @@
-"""``handoffd db``: set up the PostgreSQL store and move a files workspace into it."""
+"""``handoffd db``: set up the PostgreSQL store and move a files workspace into it.
+
+Both open the store as every other command does: a database that is away (down, restarting) is
+waited for up to ``[store] reconnect_seconds``, in one line, and a stop signal meanwhile ends
+the wait with exit 0, as it ends ``serve``'s and ``run``'s (:func:`stop_ends_the_wait`)."""
 from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import typer
 
-from ..core.errors import UsageError
+from ..core.errors import StartStopped, UsageError
+from ..core.starting import ask_stop, stop_asked
 from .basics import text_arg
 from .common import JsonOption, RootOption, StoreOption, guarded, workspace
 
 PROG = "handoffd"
+CONNECT_SECONDS = 10.0  # the first attempt to connect (libpq's connect_timeout), as a pool's
 db_app = typer.Typer(help="The PostgreSQL store: create or upgrade its schema, import a "
                           "workspace's files.", no_args_is_help=True)
 
@@ -25,6 +32,9 @@ def _url(root: Path | None, store: str | None) -> tuple[Any, str]:
 
     from ..core.bounds import check_store_url
     from ..core.config import STORE_ENV
+    from ..core.logs import prefix_lines, speak_as
+    speak_as(PROG)  # the store's lines (waiting for the database, lost it) read "handoffd: ..."
+    prefix_lines()
     given = [(store, "--store"), (os.environ.get(STORE_ENV), f"${STORE_ENV}")]
     for url, where in given:
         if url:  # (the first given is the one used, as in Config.store_url)
@@ -39,18 +49,57 @@ def _url(root: Path | None, store: str | None) -> tuple[Any, str]:
     return ws, url
 
 
+def _stop(signum: int, frame: object) -> None:
+    """A stop signal while the store is opened: recorded, which ends a wait for the database
+    (:func:`handoffd.core.starting.stop_asked`); a second one ends the command at once (exit 0:
+    nothing is done yet), as a second one ends a daemon's start."""
+    if stop_asked():
+        raise SystemExit(0)
+    ask_stop(signum)
+
+
+@contextmanager
+def stop_ends_the_wait(url: str) -> Iterator[None]:
+    """Within the block (opening the store at ``url``), SIGTERM, SIGINT and SIGHUP end a wait
+    for a database that is away: one line (``handoffd: stopped: before it began, waiting for
+    the database at ...``) and exit 0, as for ``serve`` and ``run``; a stop that came during
+    the attempt that connected ends the command so too, before it changes anything. After the
+    block the signals act as before (``db init``'s work is one transaction, rolled back when it
+    is killed; ``db import`` is made to be run again after an interruption)."""
+    import signal
+
+    from ..backends.postgres.connection import redact
+    from ..core.procs import STOP_SIGNALS
+    before = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS}
+    try:
+        try:
+            yield
+        finally:
+            for signum, handler in before.items():
+                signal.signal(signum, handler)
+        if stop_asked():
+            raise StartStopped(f"before it began, waiting for the database at {redact(url)}")
+    except StartStopped as exc:
+        print(f"{PROG}: stopped: {exc}", file=sys.stderr)
+        raise typer.Exit(0) from None
+
+
 @db_app.command("init")
 @guarded(PROG)
 def init(root: RootOption = None, store: StoreOption = None) -> None:
     """Create or upgrade handoffd's tables (idempotent); prints the schema version."""
     import psycopg
 
-    from ..backends.postgres.connection import cannot_connect, check_url, refusal
+    from ..backends.postgres.connection import (cannot_connect, check_url, first_connection,
+                                                refusal)
     from ..backends.postgres.schema import check, migrate
-    _, url = _url(root, store)
+    ws, url = _url(root, store)
     check_url(url)  # a URL libpq cannot parse: one line (exit 2), never the parser's class name
+    with stop_ends_the_wait(url):  # a database that is away: waited for, as by every command
+        first_connection(url, reconnect_seconds=ws.load_config().store.reconnect_seconds,
+                         connect_timeout=CONNECT_SECONDS)
     try:
-        with psycopg.connect(url, connect_timeout=10) as conn:
+        with psycopg.connect(url, connect_timeout=int(CONNECT_SECONDS)) as conn:
             version, applied = migrate(conn)
             check(conn, version)  # "up to date" only when every table and column is there
     except psycopg.OperationalError as exc:  # (libpq refusing an option: exit 2, as check_url)
@@ -79,10 +128,15 @@ def import_(root: RootOption = None, store: StoreOption = None, as_json: JsonOpt
     ws, url = _url(root, store)
     config = ws.load_config()
     settings = config.daemon
-    backend = PostgresBackend(url, describe=dialects.describe,
-                              seen_ttl_seconds=settings.seen_ttl_seconds, origin=origin_of(ws),
-                              max_document_bytes=settings.max_document_bytes,
-                              max_output_bytes=settings.max_output_bytes)
+    with stop_ends_the_wait(url):  # a database that is away: waited for, as by every command
+        backend = PostgresBackend(url, describe=dialects.describe,
+                                  seen_ttl_seconds=settings.seen_ttl_seconds,
+                                  origin=origin_of(ws),
+                                  reconnect_seconds=config.store.reconnect_seconds,
+                                  max_document_bytes=settings.max_document_bytes,
+                                  max_output_bytes=settings.max_output_bytes)
+        if stop_asked():  # (the block ends the command: its store is let go first)
+            backend.close()
     files = FilesBackend.open(ws, describe=dialects.describe, watch=False, ensure=False,
                               durable=settings.durable, max_document_bytes=settings.max_document_bytes,
                               settle_seconds=settings.settle_seconds)

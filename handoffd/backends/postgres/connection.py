@@ -4,7 +4,7 @@
 connection (a restarted server, ``pg_terminate_backend``, a network cut) is retried with backoff
 for up to ``reconnect_seconds``, with one log line when it is lost and one when it is back (one
 each for all of a process's connections to the store: :class:`Outages`), and so is a first
-connection that meets an outage (:meth:`Database._first_connection`); after
+connection that meets an outage (:func:`first_connection`); after
 that the operation fails with :class:`StoreUnavailable` (an OSError: the daemon and the sweeper
 already treat those as "try again later"). An operation whose commit may have happened before
 the connection died is told so (``retried=True``) and checks its own fencing token first, so a
@@ -22,6 +22,7 @@ hears is a hint only: when the connection drops it reconnects with backoff and t
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import math
 import os
@@ -176,9 +177,10 @@ def reachable_later(detail: str) -> bool:
     return "FATAL:" not in detail or any(words in detail for words in BUSY_SERVER)
 
 
-# a URL's userinfo password: from the first ":" after the user to the LAST "@" (a password
-# may hold "/", "@", ":" unencoded, and libpq's parse then finds none, or another host)
-URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^:@/?#]*):.*@", re.IGNORECASE | re.DOTALL)
+# a URL's user: what comes before a password's ":" (or the "@" of a URL without one)
+URL_USER = re.compile(r"[^:@/?#]*")
+# where a URL's query may begin: a "?" and a key (percent-encoded or not) with its "="
+QUERY_KEY = re.compile(r"\?([A-Za-z0-9_%]+)=")
 URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 # libpq's keywords that hold a secret (a query key may be percent-encoded: %70assword)
 SECRET_KEYS = ("password", "sslpassword")
@@ -200,13 +202,54 @@ def _mask_query(url: str) -> str:
     return base + "?" + "&".join(items) + hashsep + fragment
 
 
+@functools.lru_cache(maxsize=1)
+def connection_keywords() -> frozenset[str]:
+    """libpq's connection keywords: the only keys a URL's query may hold (libpq refuses
+    others), so a "?" followed by one of them and "=" starts a query."""
+    return frozenset(option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults())
+
+
+def _query_start(url: str, start: int) -> int:
+    """Where ``url``'s query begins, looking from ``start``: the first "?" followed by a
+    connection keyword and "=" (len(url) when there is none)."""
+    from urllib.parse import unquote
+    for found in QUERY_KEY.finditer(url, start):
+        if unquote(found.group(1)) in connection_keywords():
+            return found.start()
+    return len(url)
+
+
+def password_span(url: str) -> tuple[int, int] | None:
+    """Where the password of a URL's userinfo lies in its text (start, end), by the text, not
+    by libpq's parse (which finds none, or a wrong one, when it holds an unencoded "/" or
+    "@"): from the user's ":" to the last "@" before the query. libpq reads a userinfo when an
+    "@" comes before any "/", up to that first "@": the query is looked for after it (a
+    password holding "?sslmode=" is still masked whole). Otherwise the query is looked for from
+    the ":" on, and a URL whose every "@" is in its query has no password
+    (``postgresql://host:5432/db?application_name=a@b``). None: no password. A password that
+    holds an "@" followed by "?", a connection keyword and "=" cannot be told from a query:
+    percent-encode it."""
+    scheme = URL_SCHEME.match(url)
+    if scheme is None:
+        return None
+    colon = URL_USER.match(url, scheme.end()).end()  # type: ignore[union-attr]  # (matches "")
+    if not url.startswith(":", colon):
+        return None
+    first_at, slash = url.find("@", colon), url.find("/", colon)
+    if first_at < 0:
+        return None
+    floor = first_at if slash < 0 or first_at < slash else colon
+    end = url.rfind("@", colon, _query_start(url, floor))
+    return None if end < 0 else (colon + 1, end)
+
+
 def redact(url: str) -> str:
-    """``url`` without its password, for messages. A URL's userinfo is masked by its text,
-    not by libpq's parse (which finds no password, or a wrong one, when it holds an unencoded
-    "/" or "@"): from the user's ":" to the last "@" (a "@" in the query too, so then the host
-    is masked with it: more, never less); a ``password=`` parameter too."""
+    """``url`` without its password, for messages. A URL's userinfo is masked by its text
+    (:func:`password_span`: an unencoded "/", "@" or ":" in it is masked too, and the host is
+    kept, whatever "@" the query holds); a ``password=`` parameter too."""
     if URL_SCHEME.match(url):
-        return _mask_query(URL_PASSWORD.sub(r"\1:***@", url, count=1))
+        span = password_span(url)
+        return _mask_query(url if span is None else f"{url[:span[0]]}***{url[span[1]:]}")
     try:
         from psycopg.conninfo import conninfo_to_dict, make_conninfo
         parts = conninfo_to_dict(url)
@@ -227,24 +270,34 @@ def check_url(url: str) -> None:
     try:
         parts = conninfo_to_dict(url)
     except psycopg.Error as exc:
-        detail = re.sub(r'"([^"]*)"', _masked, " ".join(
-            str(exc).replace(f' in URI: "{url}"', "").replace(url, "").split()))
+        words = re.sub(r'(?: in URI)?:? ?"' + re.escape(url) + '"', "", str(exc))
+        # the character libpq did not expect may be the password's (its position says where)
+        words = re.sub(r'unexpected character "[^"]*"', "unexpected character",
+                       words.replace(url, ""))
+        detail = re.sub(r'"([^"]*)"', _masked, " ".join(words.split()))
         raise ConfigError(f"the store URL is not a valid PostgreSQL URL: {detail}") from None
     port = str(parts.get("port") or "")
     if any(one and not one.strip().isdigit() for one in port.split(",")):
         # libpq says so only of a host-less URL; a named host fails resolving it (EAI_SERVICE):
-        # said the same way for both. Its text is shown unless the userinfo holds it (a
-        # password with an unencoded "/" is parsed as host and port)
-        userinfo = url.partition("://")[2].rpartition("@")[0]
-        shown = '"..."' if port in userinfo else f'"{port}"'
-        raise ConfigError("the store URL is not a valid PostgreSQL URL: invalid integer value "
-                          f'{shown} for connection option "port"')
+        # said the same way for both. A password holding an unencoded ",", ":" or "/" is read
+        # as hosts and ports (libpq finds a userinfo only when an "@" comes before any "/"):
+        # the port is quoted only when each of its pieces stands as a port where redact()
+        # shows it, past the password (after a host's ":" or in the query's "port=")
+        span = password_span(url)
+        if span is None or all(re.search(r"(?<=[:=])" + re.escape(one) + r"(?=[,/?&#]|$)",
+                                         url[span[1]:]) for one in port.split(",") if one):
+            raise ConfigError("the store URL is not a valid PostgreSQL URL: invalid integer "
+                              f'value "{port}" for connection option "port"')
+        raise ConfigError("the store URL is not a valid PostgreSQL URL: it is malformed, its "
+                          "port is no number (a password holding an unencoded \",\", \":\" "
+                          "or \"/\" is read as host and port: percent-encode it)")
 
 
 def _masked(quoted: re.Match[str]) -> str:
-    """A quoted part of a URL parser's message, unless it may be a secret (one character such
-    as ``"]"`` says what is wrong and cannot be)."""
-    return quoted.group(0) if len(quoted.group(1)) <= 1 else '"..."'
+    """A quoted part of a URL parser's message, unless it may be a secret (one punctuation
+    character such as ``"]"`` or ``"="`` says what is wrong and cannot be; a letter can)."""
+    text = quoted.group(1)
+    return quoted.group(0) if len(text) <= 1 and not text.isalnum() else '"..."'
 
 
 def refusal(exc: BaseException, url: str, doing: str) -> StoreError:
@@ -278,6 +331,65 @@ def is_disconnect(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError)
 
 
+def first_connection(url: str, *, reconnect_seconds: float, connect_timeout: float = 10.0,
+                     report_level: int = logging.WARNING,
+                     limit: Callable[[float], float] | None = None,
+                     pause: Callable[[float], None] = time.sleep) -> None:
+    """Return once a direct connection to ``url`` works: a wrong URL, password, role or
+    database fails at once with the server's own words (a pool would retry quietly until its
+    timeout). A server that is away (refused, starting up, shutting down:
+    :func:`reachable_later`) is an outage, waited out as a lost connection is: with backoff,
+    for up to ``reconnect_seconds`` (cut by ``limit(window_end)``, by default a
+    :func:`deadline`, and by a starting batch's bound,
+    :func:`~handoffd.core.starting.start_by`), saying so in one line at ``report_level``, then
+    StoreUnavailable (a command started during a restart once failed at once). A stop asked
+    meanwhile (:func:`~handoffd.core.starting.stop_asked`) ends the wait with StartStopped.
+    Under a command's ``--timeout`` (connecting_within) one attempt is made, bounded by it: the
+    command waits out the outage itself, with its own last line (reads.open_within).
+    ``pause(seconds)`` sleeps a slice of a backoff step (a pool's wakes at its interrupt).
+    Every opening of the store comes here: a Database's, and ``handoffd db init``'s."""
+    bound = limit or (lambda window: min(window, _DEADLINE.get()))
+    delay = BACKOFF_FIRST
+    window = time.monotonic() + reconnect_seconds
+    said = False  # (the wait's line: once)
+    attempt = connect_timeout  # the first attempt's bound; then at most WAITING_ATTEMPT
+    while True:
+        # each attempt bounded by the start's bound too (a server that never answers held
+        # `run --max-seconds 3` for connect_timeout, 10 s; R50)
+        attempt = min(attempt, max(start_by() - time.monotonic(), 1.0))
+        detail = _last_error(url, bounded_connect(attempt))
+        if detail is None:
+            return
+        if not reachable_later(detail) or connect_by() < math.inf:
+            raise cannot_connect(url, detail)
+        left = min(bound(window), start_by()) - time.monotonic()
+        if left <= 0:
+            raise StoreUnavailable(f"the PostgreSQL store {redact(url)} is unreachable: "
+                                   f"{detail}")
+        if not said:
+            said = True
+            log.log(report_level, "waiting for the database at %s (up to %gs): %s",
+                    redact(url), round(left, 1), detail)
+        _pause_starting(min(delay, left), url, pause)
+        delay = min(delay * 2, BACKOFF_MAX)
+        # while waiting, short attempts: a stop is seen between them (a server that never
+        # answers held each for connect_timeout, a SIGTERM unseen meanwhile; R50)
+        attempt = min(connect_timeout, WAITING_ATTEMPT)
+
+
+def _pause_starting(seconds: float, url: str, pause: Callable[[float], None]) -> None:
+    """One backoff step of the first connection's wait, in slices: a stop asked of a process
+    that is starting meanwhile (a signal its handler only records: it cannot wake this wait)
+    ends it with :class:`StartStopped` within a slice."""
+    ends = time.monotonic() + seconds
+    while not stop_asked():
+        left = ends - time.monotonic()
+        if left <= 0:
+            return
+        pause(min(left, STOP_SLICE))
+    raise StartStopped(f"before it began, waiting for the database at {redact(url)}")
+
+
 class Database:
     """A connection pool on ``url`` whose :meth:`run` survives lost connections."""
 
@@ -307,53 +419,11 @@ class Database:
             raise cannot_connect(url, _last_error(url) or str(exc)) from None
 
     def _first_connection(self, url: str) -> None:
-        """One direct connection first: a wrong URL, password, role or database fails at once
-        with the server's own words (the pool would retry quietly until its timeout). A server
-        that is away (refused, starting up, shutting down: :func:`reachable_later`) is an
-        outage, waited out as a lost connection is: with backoff, for up to the reconnect
-        window (cut by :meth:`interrupt`, a :func:`deadline` or a starting batch's bound,
-        :func:`~handoffd.core.starting.start_by`), saying so in one line, then
-        StoreUnavailable (a command started during a restart once failed at once). Under a
-        command's ``--timeout`` (connecting_within) one attempt is made, bounded by it: the
-        command waits out the outage itself, with its own last line (reads.open_within)."""
-        delay = BACKOFF_FIRST
-        window = time.monotonic() + self.reconnect_seconds
-        said = False  # (the wait's line: once)
-        attempt = self.connect_timeout  # the first attempt's bound; then at most WAITING_ATTEMPT
-        while True:
-            # each attempt bounded by the start's bound too (a server that never answers held
-            # `run --max-seconds 3` for connect_timeout, 10 s; R50)
-            attempt = min(attempt, max(start_by() - time.monotonic(), 1.0))
-            detail = _last_error(url, bounded_connect(attempt))
-            if detail is None:
-                return
-            if not reachable_later(detail) or connect_by() < math.inf:
-                raise cannot_connect(url, detail)
-            left = min(self._limit(window), start_by()) - time.monotonic()
-            if left <= 0:
-                raise StoreUnavailable(f"the PostgreSQL store {redact(url)} is unreachable: "
-                                       f"{detail}")
-            if not said:
-                said = True
-                log.log(self.report_level, "waiting for the database at %s (up to %gs): %s",
-                        redact(url), round(left, 1), detail)
-            self._pause_starting(min(delay, left), url)
-            delay = min(delay * 2, BACKOFF_MAX)
-            # while waiting, short attempts: a stop is seen between them (a server that never
-            # answers held each for connect_timeout, a SIGTERM unseen meanwhile; R50)
-            attempt = min(self.connect_timeout, WAITING_ATTEMPT)
-
-    def _pause_starting(self, seconds: float, url: str) -> None:
-        """One backoff step of the first connection's wait, in slices: a stop asked of a daemon
-        that is starting meanwhile (a signal its handler only records: it cannot wake this
-        wait) ends it with :class:`StartStopped` within a slice."""
-        ends = time.monotonic() + seconds
-        while not stop_asked():
-            left = ends - time.monotonic()
-            if left <= 0:
-                return
-            self._pause(min(left, STOP_SLICE))
-        raise StartStopped(f"before it began, waiting for the database at {redact(url)}")
+        """One direct connection first (:func:`first_connection`), its wait cut by this
+        pool's :meth:`interrupt` as well as by a :func:`deadline`."""
+        first_connection(url, reconnect_seconds=self.reconnect_seconds,
+                         connect_timeout=self.connect_timeout, report_level=self.report_level,
+                         limit=self._limit, pause=self._pause)
 
     def run(self, operation: Callable[[Conn, bool], T]) -> T:
         """``operation(conn, retried)`` in one transaction (committed when it returns).
