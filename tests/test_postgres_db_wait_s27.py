@@ -203,3 +203,12 @@ def test_db_init_says_a_malformed_url_without_its_password(tmp_path: Path) -> No
     assert not set(PASSWORD_LETTERS) & set(done.stderr), done.stderr
     assert done.stderr.startswith("handoffd: error: the store URL is not a valid PostgreSQL "
                                   "URL: it is malformed"), done.stderr
+
+
+@pytest.mark.parametrize("key", ["oauth_client_secret", "scram_client_key", "scram_server_key",
+                                 "sslpassword", "password"])
+def test_every_secret_option_of_libpq_is_masked(key: str) -> None:
+    """Helper D's note: libpq's newer secret options were printed as given."""
+    from handoffd.backends.postgres.connection import redact
+    said = redact(f"postgresql://u@db1/h?{key}=s3cr3tvalue&application_name=x")
+    assert "s3cr3tvalue" not in said and "db1" in said and "application_name=x" in said

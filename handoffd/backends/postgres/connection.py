@@ -183,7 +183,9 @@ URL_USER = re.compile(r"[^:@/?#]*")
 QUERY_KEY = re.compile(r"\?([A-Za-z0-9_%]+)=")
 URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 # libpq's keywords that hold a secret (a query key may be percent-encoded: %70assword)
-SECRET_KEYS = ("password", "sslpassword")
+# libpq's options that hold a secret (its newer ones too: a URL may be written for a newer libpq)
+SECRET_KEYS = ("password", "sslpassword", "oauth_client_secret", "scram_client_key",
+               "scram_server_key")
 # the attempts made while waiting out an outage at start: libpq's least connect_timeout
 WAITING_ATTEMPT = 2.0
 
