@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .documents import (BOOK, CHECK, RECORD, UNRECORDED, Envelope, Outcome, arrival, book,
                         check_id, claim_mark, claim_marks, first_use_left, history_of,
-                        is_safe_id, mark_first_use, newest_among, record)
+                        mark_first_use, newest_among, record)
 from .errors import (
     SHORTAGE_ERRNOS,
     ClaimShortage,
@@ -25,7 +25,7 @@ from .errors import (
     InvalidDocument,
     UnreadableDocument,
 )
-from .formats import Dialect, FiledState, Formats, answer_refusal
+from .formats import Dialect, FiledState, Formats, answer_refusal, id_refusal
 from .hooks import Hooks
 from .jobs import Job
 from .logs import log
@@ -374,22 +374,14 @@ def _envelope(engine: Admitting, claim: Claim, dialect: Dialect, now: datetime) 
     is not (set aside, or filed as failed)."""
     doc, handoff_id = claim.doc, claim.id
     try:
-        doc_id = dialect.id_of(doc)
-        mismatch = InvalidDocument(
-            f"file pending/{handoff_id}.json carries handoff id {str(doc_id)[:80]!r}; the "
-            "file name must be the id", handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
-        if doc_id != handoff_id and not is_safe_id(doc_id):
-            raise mismatch  # an id no file could bear is set aside before anything is read
-        # an answer is refused as one, as `ls` says (Engine.peek: the envelope's own refusal),
-        # before its file name is compared with its id and before its answer schema is checked:
-        # a filed answer copied from another workspace keeps its request's name but carries
-        # the answer's own id (its seal, and so the request it kept, do not travel); it was set
-        # aside ID_MISMATCH while `ls` said NOT_A_REQUEST. Now filed under its file name, unrun
-        refusal = answer_refusal(dialect, doc)
+        # its id first, as `ls` asks it (Engine.peek): an unsafe id is set aside before
+        # anything is read; an answer is refused as one before its file name is compared with
+        # its id (a filed answer copied from another workspace carries the answer's own id;
+        # its seal, and so the request it kept, do not travel) and before its answer schema is
+        # checked; any other id than its file name is set aside
+        refusal = id_refusal(dialect, doc, handoff_id) or answer_refusal(dialect, doc)
         if refusal is not None:
             raise refusal
-        if doc_id != handoff_id:
-            raise mismatch
         engine.validate(doc, dialect, handoff_id=handoff_id, subject=f"handoff {handoff_id} is "
                         f"not a valid {dialect.name} document")
         return dialect.envelope(doc)

@@ -32,6 +32,8 @@ MAX_DEPENDENCIES = 1000
 # a configured one at most MAX_SECONDS): an arrival later than the calendar's end minus this is
 # not believed, so computing its deadline can never pass year 9999
 ARRIVAL_HEADROOM_SECONDS = max(MAX_SECONDS, MAX_TIMEOUT_SECONDS)
+# what check_id asks of an id, as its refusals (and an ID_MISMATCH of an unsafe id) say it
+SAFE_ID_RULE = "use 1-128 letters, digits and . _ - @ : +, starting with a letter or digit"
 
 
 def check_id(handoff_id: object) -> str:
@@ -40,8 +42,7 @@ def check_id(handoff_id: object) -> str:
             or handoff_id.endswith(".tmp"):
         shown = repr(handoff_id)[:80]
         raise InvalidDocument(
-            f"handoff id {shown} is not a safe file name: use 1-128 letters, digits and . _ - @ : +, "
-            "starting with a letter or digit", code=ErrorCode.UNSAFE_ID)
+            f"handoff id {shown} is not a safe file name: {SAFE_ID_RULE}", code=ErrorCode.UNSAFE_ID)
     return handoff_id
 
 

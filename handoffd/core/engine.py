@@ -46,7 +46,7 @@ from .filing import (
     retry_policy,
     retryable,
 )
-from .formats import ArtifactSink, Dialect, Formats
+from .formats import ArtifactSink, Dialect, Formats, id_refusal
 from .hooks import Hook, Hooks, Verdict
 from .jobs import Job, Peek, out_of_reach, unreadable
 from .logs import log
@@ -83,6 +83,24 @@ __all__ = [
 MIN_TIMEOUT_SECONDS = 0.01  # a job admitted just before its deadline still gets a last instant
 
 Gate = Callable[["Engine", Envelope, dict[str, Any]], "Verdict | None"]
+
+
+def _routable(dialect: Dialect, doc: dict[str, Any], handoff_id: str) -> Envelope:
+    """``doc``'s Envelope to route it, pending as ``handoff_id``; InvalidDocument as its claim
+    would refuse it. Admission asks about the id first (:func:`~.formats.id_refusal`), so a
+    refusal of the envelope is asked again that way (an unsafe id: ID_MISMATCH, where `ls` said
+    the envelope's UNSAFE_ID), and a readable envelope whose id is not its file name is refused
+    too (`ls` noted nothing, and with no specialist here it was never claimed, so never set
+    aside). The usual document, its id its file name, pays one string compare."""
+    try:
+        env = dialect.envelope(doc)
+    except InvalidDocument as exc:
+        raise (id_refusal(dialect, doc, handoff_id) or exc) from None
+    if env.handoff_id != handoff_id:
+        refusal = id_refusal(dialect, doc, handoff_id)
+        if refusal is not None:
+            raise refusal
+    return env
 
 
 class Engine:
@@ -194,7 +212,7 @@ class Engine:
         try:
             dialect = self.formats.detect(doc)
             dialect.complete(doc, handoff_id, self.clock())
-            env = dialect.envelope(doc)
+            env = _routable(dialect, doc, handoff_id)
             due_at = next_attempt_at(doc)
         except Exception as exc:  # e.g. InvalidDocument, or RecursionError on an absurd schema
             return Peek(handoff_id, readable=False, problem=unreadable(handoff_id, exc))

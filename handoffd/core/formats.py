@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable, Protocol
 
-from .documents import Envelope, Outcome
+from .documents import SAFE_ID_RULE, Envelope, Outcome, is_safe_id
 from .errors import ErrorCode, InvalidDocument
 
 # Keeps the text of a large artifact (handoff id, index, text) where the workspace's agents can
@@ -95,6 +95,40 @@ def answer_refusal(dialect: Dialect, doc: dict[str, Any]) -> InvalidDocument | N
     except InvalidDocument as exc:
         return exc if exc.code == ErrorCode.NOT_A_REQUEST else None
     return None
+
+
+def id_refusal(dialect: Dialect, doc: dict[str, Any], handoff_id: str) -> InvalidDocument | None:
+    """How ``doc``, pending as ``handoff_id``, is refused for the id it carries; None when that
+    id is its file name (one string compare: all the usual document pays).
+
+    Asked first, in this order, by admission (``_envelope``) and by :meth:`Engine.peek
+    <handoffd.core.engine.Engine.peek>`, so that `handoff ls` notes what the daemon files: an
+    id that is no safe file name is set aside ID_MISMATCH before anything else is read (its
+    message gives the rule UNSAFE_ID gives); an answer is refused NOT_A_REQUEST
+    (:func:`answer_refusal`: a filed answer copied from another workspace keeps its request's
+    file name but carries its own id); any other id is set aside ID_MISMATCH. `ls` once said
+    UNSAFE_ID (the envelope's check) where the daemon said ID_MISMATCH, and nothing at all for
+    a safe id other than the file name, which nobody claimed when no specialist here served its
+    target: it stayed in pending/ for ever, though no host could take it."""
+    doc_id = dialect.id_of(doc)
+    if doc_id == handoff_id:
+        return None
+    shown = f"file pending/{handoff_id}.json carries handoff id {str(doc_id)[:80]!r}"
+    if not is_safe_id(doc_id):  # the code the daemon has always filed, with what UNSAFE_ID said
+        return InvalidDocument(f"{shown}, which is not a safe file name ({SAFE_ID_RULE}); the "
+                               "file name must be the id", handoff_id=handoff_id,
+                               code=ErrorCode.ID_MISMATCH)
+    refusal = answer_refusal(dialect, doc)
+    refuse = getattr(dialect, "refuse_unclaimed", None)
+    if refusal is None and refuse is not None:
+        # a seed-001 answer is refused once claimed (its history then takes it up): unclaimed,
+        # as `ls` reads it, its dialect says what that claim will refuse, under the same id
+        try:
+            refuse(doc, doc_id)
+        except InvalidDocument as exc:
+            refusal = exc if exc.code == ErrorCode.NOT_A_REQUEST else None
+    return refusal or InvalidDocument(f"{shown}; the file name must be the id",
+                                      handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
 
 
 class Formats(Protocol):

@@ -1,0 +1,121 @@
+"""A document whose id is not its file name: `handoff ls` and the daemon say the same code
+(session 27, found by the helper of 21d6977; tests/test_answer_retries_s27.py is that fix's).
+
+1. a request whose safe id differs from its file name (``pending/a-1.json`` holding
+   ``b-2``): the daemon set it aside ID_MISMATCH when it claimed it, `ls` noted nothing (or
+   "waiting: no specialist registered"); with no specialist here for its target nobody
+   claimed it, so it stayed in pending/ unnoted for ever. Now `ls` notes ``ID_MISMATCH: ...``
+   and the daemon sets it aside whether or not it serves the target;
+2. an id that is no safe file name (a request's or an answer's): `ls` said UNSAFE_ID, the
+   daemon ID_MISMATCH. Both now say ID_MISMATCH (the code the poison corpus and
+   tests/test_bad_input.py expect), the message giving the rule UNSAFE_ID gave.
+
+Answers still come first (21d6977): one with a safe id other than its file name is refused
+NOT_A_REQUEST by both, a seed-001 Response too. Each case is listed by a real
+`handoff ls --json` before one real `handoffd run` and listed again after it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from conftest import Clock, Workspace, memory_engine, new_workspace
+from test_answer_retries_s27 import CONFIG, _filed_answer, _response, _rows
+
+from handoffd.core import engine as engine_module
+from handoffd.core.errors import ErrorCode
+
+SERVED, NOBODY = "@react-specialist", "@nobody-here"
+
+
+def _request(hid: Any, agent: str = SERVED) -> dict[str, Any]:
+    return {"handoff_id": hid, "target": {"agent_id": agent}, "input": {"data": {}}}
+
+
+def _cases(answer: dict[str, Any]) -> dict[str, tuple[dict[str, Any], str]]:
+    """file name -> (the document dropped as it, the code both must give)."""
+    served_answer = copy.deepcopy(answer)
+    served_answer["target_tier"] = "SPECIALIZED_FLEET"  # (as filed: ROUTING_DISPATCHER, unserved)
+    other_response = _response("resp-elsewhere")
+    unserved_response = _response("resp-elsewhere-2")
+    unserved_response["target"] = {"agent_id": NOBODY}
+    mismatch, not_a_request = ErrorCode.ID_MISMATCH, ErrorCode.NOT_A_REQUEST
+    return {
+        "req-other-served": (_request("b-2"), mismatch),
+        "req-other-nobody": (_request("b-3", NOBODY), mismatch),
+        "req-unsafe-served": (_request("../x"), mismatch),
+        "req-unsafe-nobody": (_request("../y", NOBODY), mismatch),
+        "req-number-nobody": (_request(5, NOBODY), mismatch),
+        "moe-unsafe-served": ({**served_answer, "id": "../escape"}, mismatch),
+        "moe-unsafe-nobody": ({**answer, "id": "../escape-2"}, mismatch),
+        "moe-other-served": (served_answer, not_a_request),  # answers first, as 21d6977
+        "resp-other-served": (other_response, not_a_request),
+        "resp-other-nobody": (unserved_response, not_a_request),
+    }
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    """Every case dropped, with one usual request, listed (``ws.before``), one `handoffd run`
+    (``ws.proc``), listed again (``ws.after``); ``ws.cases`` holds the cases."""
+    tmp = tmp_path_factory.mktemp("idmismatch27")
+    answer = _filed_answer(tmp)
+    ws = new_workspace(tmp / "b", CONFIG)
+    ws.cases = _cases(answer)  # type: ignore[attr-defined]
+    for name, (doc, _) in ws.cases.items():  # type: ignore[attr-defined]
+        ws.drop(f"{name}.json", doc)
+    ws.drop("req-usual.json", _request("req-usual"))
+    ws.before = _rows(ws)  # type: ignore[attr-defined]
+    ws.proc = ws.handoffd("run", timeout=60)  # type: ignore[attr-defined]
+    assert "Traceback" not in ws.proc.stderr, ws.proc.stderr  # type: ignore[attr-defined]
+    ws.after = _rows(ws)  # type: ignore[attr-defined]
+    return ws
+
+
+@pytest.mark.parametrize("name", list(_cases({})))  # (the names alone)
+def test_ls_notes_what_the_daemon_files(ran: Workspace, name: str) -> None:
+    code = ran.cases[name][1]  # type: ignore[attr-defined]
+    before, after = ran.before[name], ran.after[name]  # type: ignore[attr-defined]
+    assert before["state"] == "pending" and before["note"].startswith(f"{code}: "), before
+    assert after["state"] == "failed" and after["note"] == before["note"], (before, after)
+    assert ran.state_of(name) == ["failed"]  # nothing left in pending/, served or not
+    set_aside = list((ran.root / "handoffs" / ".quarantine").glob(f"*{name}.json"))
+    assert bool(set_aside) == (code == ErrorCode.ID_MISMATCH), set_aside
+    if code == ErrorCode.ID_MISMATCH:  # the daemon's own line says the same
+        stderr: str = ran.proc.stderr  # type: ignore[attr-defined]
+        said = [line for line in stderr.splitlines() if f"{name}.json" in line]
+        assert said and all(f"{code}: " in line for line in said), said
+
+
+def test_an_unsafe_id_is_told_as_one(ran: Workspace) -> None:
+    """ID_MISMATCH for an unsafe id keeps what UNSAFE_ID said: the id is no safe file name,
+    and what a safe one is."""
+    for name in ("req-unsafe-served", "moe-unsafe-nobody", "req-number-nobody"):
+        note = ran.before[name]["note"]  # type: ignore[attr-defined]
+        assert "which is not a safe file name (use 1-128 letters" in note, note
+        assert note.endswith("the file name must be the id"), note
+    safe = ran.before["req-other-served"]["note"]  # type: ignore[attr-defined]
+    assert "not a safe file name" not in safe, safe
+
+
+def test_the_usual_request_still_runs(ran: Workspace) -> None:
+    assert ran.before["req-usual"]["note"] == ""  # type: ignore[attr-defined]
+    assert ran.state_of("req-usual") == ["completed"]
+    summary = ran.proc.stderr.strip().splitlines()[-1]  # type: ignore[attr-defined]
+    assert "left pending" not in summary, summary  # the unserved ones were set aside too
+
+
+def test_peek_of_the_usual_document_asks_nothing_more(tmp_path: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hot path: a document carrying its file's id costs peek one string compare, never
+    the id refusal's questions (id_of, the answer checks)."""
+    engine, _ = memory_engine(tmp_path, Clock(),
+                              {SERVED: lambda handoff, ctx: {"status": "completed"}})
+    hid = engine.submit(_request("usual-1"))
+    asked: list[str] = []
+    monkeypatch.setattr(engine_module, "id_refusal", lambda *args: asked.append(args[2]))
+    peek = engine.peek(hid)
+    assert peek is not None and peek.readable and peek.target == SERVED, peek
+    assert asked == []
