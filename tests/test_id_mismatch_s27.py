@@ -17,7 +17,6 @@ NOT_A_REQUEST by both, a seed-001 Response too. Each case is listed by a real
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 import pytest
