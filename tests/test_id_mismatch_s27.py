@@ -52,6 +52,8 @@ def _cases(answer: dict[str, Any]) -> dict[str, tuple[dict[str, Any], str]]:
         "moe-other-served": (served_answer, not_a_request),  # answers first, as 21d6977
         "resp-other-served": (other_response, not_a_request),
         "resp-other-nobody": (unserved_response, not_a_request),
+        # its id its file name, its target served: its claim refuses it, and `ls` said nothing
+        "resp-own-served": (_response("resp-own-served"), not_a_request),
     }
 
 

@@ -100,6 +100,9 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
     peek = engine.peek(handoff_id)
     if peek is not None and not peek.readable:
         return f"{peek.problem.code}: {peek.problem}" if peek.problem else ""
+    refusal = _refused_at_claim(engine, handoff_id, doc)
+    if refusal is not None:
+        return f"{refusal.code}: {refusal}"
     due = next_attempt_at(doc)
     if due is not None and due > engine.clock():
         retries = book(doc).get("retries", 0)
@@ -116,6 +119,23 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
     if verdict is None:
         return _concurrency_note(engine, target, in_progress)
     return verdict.reason if verdict.action == "wait" else f"will fail: {verdict.reason}"
+
+
+def _refused_at_claim(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> \
+        InvalidDocument | None:
+    """What the claim of a readable pending document refuses it for: a seed-001 answer, which
+    the daemon's peek refuses only when nobody here serves its target (asked there off the
+    path of every handoff that runs), is refused by its claim whatever its target: `ls` said
+    nothing of one whose target a specialist here serves. Asked for `ls` only."""
+    try:
+        refuse = getattr(engine.formats.detect(doc), "refuse_unclaimed", None)
+        if refuse is not None:
+            refuse(doc, handoff_id)
+    except InvalidDocument as exc:
+        return exc if exc.code == ErrorCode.NOT_A_REQUEST else None
+    except Exception:  # (a reader choking on a hostile document: the peek said what it could)
+        return None
+    return None
 
 
 def _concurrency_note(engine: Engine, target: str | None, in_progress: InProgress) -> str:
