@@ -273,3 +273,68 @@ def test_a_database_from_before_marks_is_migrated_and_its_rows_read(
         assert store.seen_marks("new", later) == {"c0ffee"}
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------- R52's review
+
+def _take_short(store: Store, step: str) -> None:
+    """One claim of "t" whose admission runs short (EMFILE) at the store's ``step``, its claim
+    handed back uncounted (as a daemon's worker does)."""
+    import errno
+
+    from handoffd.core.admission import hand_back_short
+    from handoffd.core.errors import ClaimShortage
+    engine = store.engine
+
+    def short(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+    real = getattr(engine.backend, step)
+    setattr(engine.backend, step, short)
+    try:
+        with pytest.raises(ClaimShortage) as caught:
+            engine.take("t")
+        if caught.value.claim is not None:
+            hand_back_short(engine, caught.value)
+    finally:
+        setattr(engine.backend, step, real)
+
+
+@pytest.mark.parametrize("store", ["files", "memory"], indirect=True)
+def test_its_own_mark_outlives_a_history_trimmed_by_many_hand_backs(store: Store) -> None:
+    """R52: each claim had a mark of its own, and a history keeps its first event and its
+    last 200: after ~100 passing shortages the claim that recorded the id (not the first) was
+    trimmed away, its mark with it, and the document was set aside as its own duplicate. A
+    document keeps one mark, carried by each claim."""
+    engine = store.engine
+    store.drop(foreign("t"))
+    _take_short(store, "seen_contains")  # its first claim: short before the search
+    store.clock.advance(120)
+    job = engine.take("t")  # its second: searched, free, recorded with its mark
+    assert job is not None
+    engine.backend.abandon(job.claim)  # its claimer dies after recording it
+    store.clock.advance(engine.settings.lease_seconds * 2)
+    assert sweep(engine).recovered == ["t"]
+    store.clock.advance(600)
+    for _ in range(110):  # passing shortages at the search of its own marks
+        _take_short(store, "seen_marks")
+        store.clock.advance(5)
+    job = engine.take("t")
+    assert job is not None, "set aside as its own duplicate"
+
+
+@pytest.mark.parametrize("store", ["files", "memory"], indirect=True)
+def test_a_record_gone_between_the_search_and_its_marks_is_made_again(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R52: the search found the id, the look at its marks a moment later found none (the
+    record ran out meanwhile: a cleanup, a compaction): an empty answer read as another
+    document's record, and the document was set aside unrun. It is recorded again, and runs."""
+    engine = store.engine
+    store.drop(foreign("t"))
+    job = engine.take("t")
+    assert job is not None
+    engine.backend.abandon(job.claim)  # recorded, then its claimer died
+    store.clock.advance(engine.settings.lease_seconds * 2)
+    assert sweep(engine).recovered == ["t"]
+    monkeypatch.setattr(engine.backend.inner, "seen_marks", lambda *args: frozenset())
+    job = engine.take("t")
+    assert job is not None, "set aside though no record was found"

@@ -212,14 +212,16 @@ def _first_use(engine: Admitting, claim: Claim, now: datetime, left: str) -> boo
             # a record made with the mark of one of its earlier claims is its own (the hot
             # path, a raw document's first claim, has none: no second look at the record)
             own = claim_marks(events[:-1])
-            if own and not own.isdisjoint(engine.backend.seen_marks(claim.id, now)):
+            marks = engine.backend.seen_marks(claim.id, now) if own else frozenset({None})
+            if own and not own.isdisjoint(marks):
                 block.pop(UNRECORDED, None)
                 return True  # recorded before the crash that cut that claim: go on
-            block.pop(UNRECORDED, None)
-            set_aside_claim(engine, claim, ErrorCode.DUPLICATE_HANDOFF_ID,
-                            f"handoff id {claim.id} was already used recently; "
-                            "a second document never re-runs the first")
-            return False
+            if marks:  # (none: the record ran out between the two reads, R52: recorded below)
+                block.pop(UNRECORDED, None)
+                set_aside_claim(engine, claim, ErrorCode.DUPLICATE_HANDOFF_ID,
+                                f"handoff id {claim.id} was already used recently; "
+                                "a second document never re-runs the first")
+                return False
     # searched and free: from here a hand-back only records it (its own id, added before a
     # shortage cut the add short, must never make it its own duplicate)
     block[UNRECORDED] = RECORD

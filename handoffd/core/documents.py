@@ -196,7 +196,13 @@ def mark_first_use(doc: dict[str, Any]) -> None:
     detail = events[-1].get("detail")
     if not isinstance(detail, dict):
         detail = events[-1]["detail"] = {}
-    detail[ID_MARK] = os.urandom(8).hex()
+    # one mark a document: its earlier claims' if any, so the newest claim always carries the
+    # mark its record was made with (a history keeps its first event and its last 200: a mark
+    # of each claim once lost the recording one's after ~100 hand-backs, R52, and the document
+    # was set aside as its own duplicate). Our bookkeeping alone: a raw claim's was emptied
+    previous = next((mark for event in reversed(events[:-1])
+                     if (mark := claim_mark(event)) is not None), None)
+    detail[ID_MARK] = previous or os.urandom(8).hex()
 
 
 def claim_marks(events: list[Any]) -> frozenset[str]:
