@@ -10,6 +10,12 @@
    that holds an answer (any format) is refused, forced or not: one line, exit 1; one whose
    answer the user took out (``refused_answer`` removed) is retried as any other.
 
+Review R53 #1-2: the refusal of a retry is decided by handoffd's own sealed bookkeeping (the
+filing's ``final_error``: NOT_A_REQUEST, or an answer cancelled while pending), never by a
+``refused_answer`` the document merely carries (a request submitted with one, failed as any
+request may, could never be retried); a dependent of a refused answer is told to submit the
+request the answer answers and a new dependent, not to retry the answer first (a dead end).
+
 Workspace A files a real hi_moe answer; workspace B gets the copy and the seed-001 answers,
 one `handoff ls --json` before one real `handoffd run`, then real `handoff retry` commands.
 """
@@ -34,6 +40,8 @@ def _command(code: str) -> str:
 
 
 QUICK = _command("print(json.dumps({'status': 'completed', 'output': {'ran': True}}))")
+FAILS = _command("print(json.dumps({'status': 'failed', 'error': {'code': 'VALIDATION_FAILED', "
+                 "'message': 'nope', 'retryable': False}}))")
 CONFIG = f"""
 [daemon]
 settle_seconds = 0.05
@@ -151,3 +159,65 @@ def test_an_answer_taken_out_by_hand_is_retried_as_a_request(ran: Workspace) -> 
     proc = ran.handoffd("run", timeout=60)
     assert ran.state_of(FIXED) == ["completed"], proc.stderr
     assert ran.doc(FIXED)["output"] == {"ran": True}
+
+
+# ---------------------------------------------------------------- R53: our bookkeeping decides
+CARRIER = "hoff-carrier-s27"  # a request submitted with a refused_answer field, failed
+ANSWER_DEP = "hoff-answer-dep-s27"  # a seed-001 Response, refused NOT_A_REQUEST
+WAITER = "hoff-waiter-s27"  # a request depending on it
+FAILS_CONFIG = f"""
+[daemon]
+settle_seconds = 0.05
+durability = "fast"
+
+[specialists."@react-specialist"]
+command = {FAILS}
+"""
+
+
+@pytest.fixture(scope="module")
+def carried(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    """A workspace whose specialist fails every request: a request carrying the fields of a
+    refused answer under ``refused_answer`` (as a user rebuilds one from failed/), given to a
+    real `handoff create --file`; a refused answer and a dependent of it; one `handoffd run`."""
+    ws = new_workspace(tmp_path_factory.mktemp("carried27") / "ws", FAILS_CONFIG)
+    answer = _response(CARRIER)
+    request = {key: answer[key] for key in ("handoff_id", "source", "target")}
+    request.update(status="pending", input={"data": {}},
+                   refused_answer={key: answer[key] for key in ("status", "output")})
+    path = ws.root / "request.json"
+    path.write_text(json.dumps(request))
+    ws.handoff("create", "--file", str(path), check=True)
+    ws.drop(f"{ANSWER_DEP}.json", _response(ANSWER_DEP))
+    ws.drop(f"{WAITER}.json", {"handoff_id": WAITER, "status": "pending",
+                               "source": {"agent_id": "@cli"},
+                               "target": {"agent_id": "@react-specialist"},
+                               "input": {"data": {}}, "depends_on": [ANSWER_DEP]})
+    ws.proc = ws.handoffd("run", timeout=60)  # type: ignore[attr-defined]
+    assert "Traceback" not in ws.proc.stderr, ws.proc.stderr  # type: ignore[attr-defined]
+    return ws
+
+
+def test_a_request_carrying_refused_answer_is_retried(carried: Workspace) -> None:
+    """Its failure is the specialist's (VALIDATION_FAILED), as handoffd recorded it: the
+    ``refused_answer`` it carries is content, and no reason to refuse the retry."""
+    filed = carried.doc(CARRIER)
+    assert filed["error"]["code"] == "VALIDATION_FAILED" and "refused_answer" in filed, filed
+    proc = carried.handoff("retry", "--force", CARRIER)
+    assert proc.returncode == 0 and "cannot be retried" not in proc.stderr, proc
+    assert carried.state_of(CARRIER) == ["pending"]
+
+
+def test_a_dependent_of_an_answer_is_told_a_way_that_works(carried: Workspace) -> None:
+    """Not "retry the dependency first": `handoff retry` refuses it, even forced."""
+    assert carried.state_of(WAITER) == ["failed"], carried.proc.stderr  # type: ignore[attr-defined]
+    filed = carried.doc(WAITER)
+    message, steps = filed["error"]["message"], filed["recovery_actions"]
+    assert filed["error"]["code"] == ErrorCode.DEPENDENCY_MISSING, filed
+    assert f"retry {ANSWER_DEP} first" not in message, message
+    assert "cannot be retried" in message and "submit the request it answers" in message, message
+    assert not [step for step in steps if "handoff retry --force" in step], steps
+    assert any(f"The dependency {ANSWER_DEP} is an answer" in step for step in steps), steps
+    assert any("depends_on" in step for step in steps), steps
+    said = carried.handoff("retry", "--force", ANSWER_DEP)  # the advice it no longer gives
+    assert said.returncode == 1 and "cannot be retried, even forced" in said.stderr, said

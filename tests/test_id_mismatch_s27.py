@@ -10,8 +10,15 @@
    daemon ID_MISMATCH. Both now say ID_MISMATCH (the code the poison corpus and
    tests/test_bad_input.py expect), the message giving the rule UNSAFE_ID gave.
 
-Answers still come first (21d6977): one with a safe id other than its file name is refused
-NOT_A_REQUEST by both, a seed-001 Response too. Each case is listed by a real
+Answers come first (21d6977) only when they answer the request the file is named after (review
+R53 #3): a hi_moe Outcome whose ``correlation_id`` is its file name (a filed answer copied
+from another workspace) is refused NOT_A_REQUEST by both. A seed-001, HAIOS or swarm answer
+carries its request's id as its own, so one whose id is not its file name answers another
+request: it was filed as failed/X.json holding ``handoff_id: Y`` (seed 001 files
+failed/{request id}.json, so a reader keying on content blamed Y, perhaps a live handoff
+here); it is set aside ID_MISMATCH again, its stub named and holding X. So is an Outcome
+answering another request, and (R53 #4) one of an unknown major version or a swarm report
+whose task_id is no string, `ls` saying the same. Each case is listed by a real
 `handoff ls --json` before one real `handoffd run` and listed again after it.
 """
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 import pytest
 from conftest import Clock, Workspace, memory_engine, new_workspace
+from dialect_examples import HAIOS_RESULT, fresh
 from test_answer_retries_s27 import CONFIG, _filed_answer, _response, _rows
 
 from handoffd.core import engine as engine_module
@@ -37,9 +45,14 @@ def _cases(answer: dict[str, Any]) -> dict[str, tuple[dict[str, Any], str]]:
     """file name -> (the document dropped as it, the code both must give)."""
     served_answer = copy.deepcopy(answer)
     served_answer["target_tier"] = "SPECIALIZED_FLEET"  # (as filed: ROUTING_DISPATCHER, unserved)
+    served_answer["correlation_id"] = "moe-other-served"  # copied as the request it answers
     other_response = _response("resp-elsewhere")
     unserved_response = _response("resp-elsewhere-2")
     unserved_response["target"] = {"agent_id": NOBODY}
+    other_outcome = {**answer, "correlation_id": "req-elsewhere"}  # answers another request
+    unknown_major = {**answer, "correlation_id": "moe-v9-own", "version": "9.0.0"}
+    haios_result = {**fresh(HAIOS_RESULT), "handoff_id": "haios-elsewhere"}
+    report = {"task_id": "swarm-elsewhere", "files_touched": [], "status": "success"}
     mismatch, not_a_request = ErrorCode.ID_MISMATCH, ErrorCode.NOT_A_REQUEST
     return {
         "req-other-served": (_request("b-2"), mismatch),
@@ -49,9 +62,16 @@ def _cases(answer: dict[str, Any]) -> dict[str, tuple[dict[str, Any], str]]:
         "req-number-nobody": (_request(5, NOBODY), mismatch),
         "moe-unsafe-served": ({**served_answer, "id": "../escape"}, mismatch),
         "moe-unsafe-nobody": ({**answer, "id": "../escape-2"}, mismatch),
-        "moe-other-served": (served_answer, not_a_request),  # answers first, as 21d6977
-        "resp-other-served": (other_response, not_a_request),
-        "resp-other-nobody": (unserved_response, not_a_request),
+        # answers first, as 21d6977, for the answer to the file name's request alone
+        "moe-other-served": (served_answer, not_a_request),
+        "moe-answers-another": (other_outcome, mismatch),
+        "moe-other-v9": ({**answer, "id": "other-id", "version": "9.0.0"}, mismatch),  # R53 p05
+        "moe-v9-own": (unknown_major, mismatch),
+        "resp-other-served": (other_response, mismatch),
+        "resp-other-nobody": (unserved_response, mismatch),
+        "haios-other": (haios_result, mismatch),
+        "swarm-other": (report, mismatch),
+        "swarm-list-id": ({**report, "task_id": ["x"]}, mismatch),  # R53 p21
         # its id its file name, its target served: its claim refuses it, and `ls` said nothing
         "resp-own-served": (_response("resp-own-served"), not_a_request),
     }
@@ -88,6 +108,8 @@ def test_ls_notes_what_the_daemon_files(ran: Workspace, name: str) -> None:
         stderr: str = ran.proc.stderr  # type: ignore[attr-defined]
         said = [line for line in stderr.splitlines() if f"{name}.json" in line]
         assert said and all(f"{code}: " in line for line in said), said
+        # failed/NAME.json is its stub: it names the file, never the id the sender wrote
+        assert ran.doc(name)["handoff_id"] == name, ran.doc(name)
 
 
 def test_an_unsafe_id_is_told_as_one(ran: Workspace) -> None:

@@ -50,6 +50,7 @@ from .formats import ArtifactSink, Dialect, Formats, id_refusal
 from .hooks import Hook, Hooks, Verdict
 from .jobs import Job, Peek, out_of_reach, unreadable
 from .logs import log
+from .native_format import RECOVERY_DETAIL
 from .results import (
     ERROR_TYPES,
     JobChecks,
@@ -170,12 +171,16 @@ class Engine:
                 return verdict
         return None
 
-    def reject(self, handoff_id: str, code: str, message: str) -> State | None:
-        """Claim a pending handoff and file it as failed without running it (a gate said fail)."""
+    def reject(self, handoff_id: str, code: str, message: str,
+               recovery: tuple[str, ...] = ()) -> State | None:
+        """Claim a pending handoff and file it as failed without running it (a gate said fail).
+        ``recovery``: the gate's own advice, filed as the answer's ``recovery_actions`` in
+        formats that have them (:data:`~.native_format.RECOVERY_DETAIL`); (): the code's."""
         job = self.take(handoff_id)
         if job is None:
             return None
-        outcome = self.failure(self.clock(), code, message, retryable=False)
+        outcome = self.failure(self.clock(), code, message, retryable=False,
+                               details={RECOVERY_DETAIL: list(recovery)} if recovery else None)
         where = self.file(job.claim, job.dialect, job.specialist, outcome)
         if where is State.FAILED:
             for listener in self.hooks.on_rejected:

@@ -149,6 +149,10 @@ def throttle_delay(doc: dict[str, Any], outcome: Outcome,
     return min(max(delay, floor), MAX_THROTTLE_SECONDS)
 
 
+# a key of the ``final_error`` handoffd records: the failed document holds an answer
+HELD_ANSWER = "answer"
+
+
 def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy: RetryPolicy,
                  retries: int, now: datetime,
                  artifacts: ArtifactSink | None) -> tuple[State, dict[str, Any]]:
@@ -174,6 +178,12 @@ def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy
     if outcome.error:
         block["final_error"] = {"code": outcome.error.get("code"),
                                 "message": str(outcome.error.get("message"))[:500]}
+        is_answer = getattr(dialect, "is_answer", None)
+        if is_answer is not None and is_answer(doc):
+            # filed unrun holding an answer, not a request (refused NOT_A_REQUEST, or cancelled
+            # while pending): said in our sealed block, as `handoff retry` asks it (a field in
+            # the document itself is the sender's to write)
+            block["final_error"][HELD_ANSWER] = True
     else:
         block.pop("final_error", None)
     if dialect.name != "native":  # its answer replaces the request: keep it for retries

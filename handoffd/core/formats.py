@@ -70,8 +70,10 @@ class Dialect(Protocol):
         ``refuse_unclaimed(doc, handoff_id)`` (raise InvalidDocument when a pending document its
         claim would refuse whatever its target, such as a seed-001 answer, has no specialist
         here: asked by :meth:`Engine.peek <handoffd.core.engine.Engine.peek>` then, as nothing
-        would claim it) and ``review(doc, outcome, root) -> Outcome`` (check a result before it
-        may complete; called by the engine's ``after_run`` hook
+        would claim it), ``answered_id(doc)`` (the id of the request an answer answers, when
+        the answer carries one besides its own id, as a hi_moe Outcome's ``correlation_id``:
+        see :func:`id_refusal`) and ``review(doc, outcome, root) -> Outcome`` (check a result
+        before it may complete; called by the engine's ``after_run`` hook
         :func:`handoffd.dialects.review_outcome`)."""
         ...
 
@@ -104,12 +106,15 @@ def id_refusal(dialect: Dialect, doc: dict[str, Any], handoff_id: str) -> Invali
     Asked first, in this order, by admission (``_envelope``) and by :meth:`Engine.peek
     <handoffd.core.engine.Engine.peek>`, so that `handoff ls` notes what the daemon files: an
     id that is no safe file name is set aside ID_MISMATCH before anything else is read (its
-    message gives the rule UNSAFE_ID gives); an answer is refused NOT_A_REQUEST
-    (:func:`answer_refusal`: a filed answer copied from another workspace keeps its request's
-    file name but carries its own id); any other id is set aside ID_MISMATCH. `ls` once said
-    UNSAFE_ID (the envelope's check) where the daemon said ID_MISMATCH, and nothing at all for
-    a safe id other than the file name, which nobody claimed when no specialist here served its
-    target: it stayed in pending/ for ever, though no host could take it."""
+    message gives the rule UNSAFE_ID gives); an answer to the request the file is named after
+    (its dialect's ``answered_id``: a hi_moe Outcome's ``correlation_id``) is refused
+    NOT_A_REQUEST (:func:`answer_refusal`: a filed answer copied from another workspace keeps
+    its request's file name but carries its own id); any other id is set aside ID_MISMATCH.
+
+    Only such an answer is filed under its file name: seed 001 files ``failed/{request id}``,
+    and a seed-001, HAIOS or swarm answer carries its request's id as its own, so one whose id
+    is not its file name answers another request (the sender's, perhaps a live handoff here);
+    filed as failed/X.json holding ``Y``, a reader keying on content blamed Y."""
     doc_id = dialect.id_of(doc)
     if doc_id == handoff_id:
         return None
@@ -118,15 +123,9 @@ def id_refusal(dialect: Dialect, doc: dict[str, Any], handoff_id: str) -> Invali
         return InvalidDocument(f"{shown}, which is not a safe file name ({SAFE_ID_RULE}); the "
                                "file name must be the id", handoff_id=handoff_id,
                                code=ErrorCode.ID_MISMATCH)
-    refusal = answer_refusal(dialect, doc)
-    refuse = getattr(dialect, "refuse_unclaimed", None)
-    if refusal is None and refuse is not None:
-        # a seed-001 answer is refused once claimed (its history then takes it up): unclaimed,
-        # as `ls` reads it, its dialect says what that claim will refuse, under the same id
-        try:
-            refuse(doc, doc_id)
-        except InvalidDocument as exc:
-            refusal = exc if exc.code == ErrorCode.NOT_A_REQUEST else None
+    answered = getattr(dialect, "answered_id", None)
+    refusal = answer_refusal(dialect, doc) \
+        if answered is not None and answered(doc) == handoff_id else None
     return refusal or InvalidDocument(f"{shown}; the file name must be the id",
                                       handoff_id=handoff_id, code=ErrorCode.ID_MISMATCH)
 

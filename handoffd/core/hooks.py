@@ -43,6 +43,9 @@ class Verdict:
     # the waiter at once, where only its first unfinished one's filing re-checked it): a few,
     # in a tuple of interned ids (a scheduler keeps it per waiter for as long as it waits)
     fails_on: tuple[str, ...] = ()
+    # a failure's own advice (seed 001's ``recovery_actions``), when the code's usual steps
+    # would mislead (a dependency that holds an answer cannot be retried): () for the usual
+    recovery: tuple[str, ...] = ()
 
     @classmethod
     def wait(cls, reason: str, on: Iterable[str] | None = None,
@@ -53,9 +56,10 @@ class Verdict:
                    fails_on=tuple(dict.fromkeys(sys.intern(i) for i in fails_on)))
 
     @classmethod
-    def fail(cls, code: str, reason: str) -> "Verdict":
-        """Fail the handoff with ``code``, saying why."""
-        return cls("fail", reason, code)
+    def fail(cls, code: str, reason: str, recovery: Iterable[str] = ()) -> "Verdict":
+        """Fail the handoff with ``code``, saying why; ``recovery``: the steps to advise
+        instead of the code's usual ones (none: the usual)."""
+        return cls("fail", reason, code, recovery=tuple(recovery))
 
 
 class Hooks(Generic[E]):

@@ -278,13 +278,20 @@ def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: 
     doc["retry_available"] = retry_available
     doc["retry_count"] = retry_count
     doc["max_retries"] = max_retries
-    # a stub has no request to retry: its advice is about the file that was set aside
+    # a stub has no request to retry: its advice is about the file that was set aside; a gate
+    # may give its own (Engine.reject), where the code's usual steps would mislead
+    details = given if isinstance(given := error.get("details"), dict) else {}
+    advice = details.get(RECOVERY_DETAIL)
     doc["recovery_actions"] = list(STUB_RECOVERY) if stub_code(doc) == code \
+        else [str(step) for step in advice] if isinstance(advice, list) and advice \
         else recovery_actions(code, retry_available=retry_available,
                               handoff_id=doc.get("handoff_id"))
     for key in ("completed_at", "timestamp_completed"):
         doc.pop(key, None)
 
+
+# the key of a failure's ``error.details`` holding a gate's own recovery steps (Engine.reject)
+RECOVERY_DETAIL = "recovery_actions"
 
 RECOVERY: dict[str, list[str]] = {
     ErrorCode.SCHEMA_VALIDATION_FAILED: ["Fix the input so it matches the specialist's input schema",

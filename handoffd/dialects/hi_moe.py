@@ -181,6 +181,12 @@ class HiMoeDialect:
         payload = doc.get("payload")
         return isinstance(payload, dict) and "status" in payload
 
+    def answered_id(self, doc: dict[str, Any]) -> Any:
+        """The id of the request an answer answers (its ``correlation_id``): an Outcome has an
+        ``id`` of its own, so a filed one copied into pending/ under its request's name is
+        told by this (:func:`handoffd.core.formats.id_refusal`)."""
+        return doc.get("correlation_id")
+
     def _request(self, doc: dict[str, Any]) -> dict[str, Any]:
         request = sh.snapshot(doc) if self.is_answer(doc) else None
         return request if request is not None else doc

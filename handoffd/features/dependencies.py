@@ -38,6 +38,7 @@ from ..core.engine import (  # Gate and Verdict are the core's; re-exported
     Verdict,
 )
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
+from ..core.filing import HELD_ANSWER
 from ..core.jobs import Job
 from ..core.states import State
 from ..core.timeutil import parse_iso
@@ -425,6 +426,18 @@ def _failure(graph: Graph, waiter: str, dep: str, state: State | None) -> Verdic
     """The verdict on ``waiter`` whose dependency ``dep`` is missing (None) or failed."""
     if state is None:
         return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, _missing(graph, waiter, dep))
+    if _holds_answer(graph, dep):
+        # `handoff retry` refuses such a dependency, even forced: "retry it first" was a dead end
+        return Verdict.fail(
+            ErrorCode.DEPENDENCY_MISSING, f"handoff {waiter} depends on {dep}, which was filed "
+            "holding an answer, not a request (NOT_A_REQUEST): it cannot be retried; submit the "
+            "request it answers as a new handoff, then this one's request as a new handoff "
+            "whose depends_on names that one", recovery=(
+                f"The dependency {dep} is an answer and cannot be retried: submit the request "
+                "it answers as a new handoff",
+                f"Submit this handoff's request again as a new handoff whose depends_on names "
+                f"that new handoff instead of {dep}: handoff retry of this one would wait for "
+                f"{dep} again"))
     return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {waiter} depends on {dep}, "
                         f"which {_ended(graph, dep)}; retry {dep} first, then this "
                         f"one with `handoff retry --force {waiter}`")
@@ -493,6 +506,19 @@ def _missing(graph: Graph, handoff_id: str, dep: str) -> str:
         return (f"handoff {handoff_id} depends on {dep}, which existed but was removed by "
                 f"retention (archived or purged): `handoff show {dep}` finds an archived one")
     return f"handoff {handoff_id} depends on {dep}, which does not exist; create it first"
+
+
+def _holds_answer(graph: Graph, handoff_id: str) -> bool:
+    """True when the failed ``handoff_id`` holds an answer, not a request, by handoffd's own
+    bookkeeping (its trusted ``final_error``, as `handoff retry` reads it): refused
+    NOT_A_REQUEST, or filed holding an answer (cancelled while pending)."""
+    try:
+        block = graph.engine.get(handoff_id)[1].get(BOOK)
+    except (NotFound, InvalidDocument):
+        return False
+    final = block.get("final_error") if isinstance(block, dict) else None
+    return isinstance(final, dict) and (final.get("code") == ErrorCode.NOT_A_REQUEST
+                                        or final.get(HELD_ANSWER) is True)
 
 
 def _ended(graph: Graph, handoff_id: str) -> str:

@@ -385,12 +385,14 @@ class Attempts(HeldOutcomes):
         self.scheduler.hold_off(handoff_id, delay)
 
     # ------------------------------------------------------------ tasks that run no specialist
-    def reject(self, handoff_id: str, code: str, message: str) -> None:
-        """File ``handoff_id`` as failed with ``code`` unrun: a gate said so. A claim given up
+    def reject(self, handoff_id: str, code: str, message: str,
+               recovery: tuple[str, ...] = ()) -> None:
+        """File ``handoff_id`` as failed with ``code`` unrun: a gate said so (``recovery``: its
+        own advice, see :meth:`Engine.reject`). A claim given up
         for a passing shortage, or a document still being written, is met as :meth:`aside`
         meets it (one warning line, looked at again after its back-off)."""
         try:
-            self.engine.reject(handoff_id, code, message)  # counted by Daemon._count
+            self.engine.reject(handoff_id, code, message, recovery)  # counted by Daemon._count
         except DocumentNotReady as exc:  # (ClaimShortage among them): still in pending/
             self._work_failed(handoff_id, exc)
         except Exception:  # never lose the loop to one handoff; it stays pending

@@ -207,7 +207,8 @@ class Dispatcher:
             return
         scheduler.unhold(handoff_id)
         if verdict is not None:  # a gate said fail: file it without running the handler
-            self.submit(spec.agent, self.attempts.reject, handoff_id, verdict.code, verdict.reason)
+            self.submit(spec.agent, self.attempts.reject, handoff_id, verdict.code, verdict.reason,
+                        verdict.recovery)
             return
         if scheduler.busy.get(spec.agent, 0) >= scheduler.limit(spec):
             scheduler.park(spec.agent, handoff_id, front=was_released)

@@ -36,6 +36,7 @@ from ..core.errors import (
     is_shortage,
 )
 from ..core.events import SET_ASIDE, RecordingBackend
+from ..core.filing import HELD_ANSWER
 from ..core.formats import answer_refusal
 from ..core.native_format import REFUSED_ANSWER, stub_code
 from ..core.states import State
@@ -369,9 +370,18 @@ def _check_holds_request(engine: Engine, handoff_id: str, doc: dict[str, Any]) -
     NOT_A_REQUEST (or cancelled while pending) keeps the sender's fields under
     ``refused_answer``; an answer of another format refused NOT_A_REQUEST kept that answer as
     the request it would retry. Retried, the first ran its request part as work (a Response
-    often has no ``input``), the second went back to pending/ only to be refused again. A
-    document the user has turned into a request (``refused_answer`` taken out of it) is
-    retried as any other."""
+    often has no ``input``), the second went back to pending/ only to be refused again.
+
+    Decided by handoffd's own bookkeeping, ``doc`` being the store's trusted view: the last
+    filing's ``final_error`` says NOT_A_REQUEST, or that it held an answer
+    (:data:`~handoffd.core.filing.HELD_ANSWER`). A ``refused_answer`` in the document itself is
+    content anyone may write: trusted, a request submitted with one could never be retried
+    once it failed as any request may. A refused document whose answer the user took out
+    (``refused_answer`` removed, the rest a request) is retried as any other."""
+    final = book(doc).get("final_error")
+    if not isinstance(final, dict) or (final.get("code") != ErrorCode.NOT_A_REQUEST
+                                       and final.get(HELD_ANSWER) is not True):
+        return  # (every other failure: no document content is read)
     kept = doc.get(REFUSED_ANSWER)
     if isinstance(kept, dict) and "status" in kept:  # (keep_refused_answer always moves status)
         status = str(kept["status"])[:40]
