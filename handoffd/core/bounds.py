@@ -34,6 +34,10 @@ MAX_EVENTS_KEEP = 1000  # [daemon] events_keep (the rotation walks this many nam
 # must last at least a second, or a healthy daemon recovers its own live claims as stalled.
 MIN_INTERVAL_SECONDS = 0.01
 MIN_LEASE_SECONDS = 1.0
+# The least [daemon] claim_grace_seconds with a PostgreSQL store: its daemons claim only while
+# their presence session proved alive within half the grace, by a round trip every tenth of it
+# (at least every 0.05 s); at 0 none ever could (`handoffd run` waited for ever, silent).
+MIN_OWNER_GRACE_SECONDS = 1.0
 STORE_SCHEMES = ("postgresql://", "postgres://")
 UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 
@@ -185,6 +189,17 @@ def parse_duration(value: Any, what: str | None = None) -> float:
     if not math.isfinite(seconds) or not 0 <= seconds <= MAX_SECONDS:
         raise ConfigError(f"{name} must be between 0 and 10 years")
     return seconds
+
+
+def check_owner_grace(grace: float, where: str = "handoffd.toml: [daemon] claim_grace_seconds"
+                      ) -> None:
+    """ConfigError when ``grace`` (``claim_grace_seconds``) is below
+    :data:`MIN_OWNER_GRACE_SECONDS`, which a PostgreSQL store needs (the files store takes 0)."""
+    if grace < MIN_OWNER_GRACE_SECONDS:
+        raise ConfigError(
+            f"{where} = {brief(grace)} is below {_shown(MIN_OWNER_GRACE_SECONDS)}, the least a "
+            "PostgreSQL store allows (a daemon claims only while it proved its presence within "
+            "half of it: with less it could claim nothing)")
 
 
 def check_store_url(url: str, where: str = "store url") -> str:

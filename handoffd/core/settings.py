@@ -14,6 +14,7 @@ from .bounds import (
     MAX_RETRIES,
     MAX_RETRY_DELAY_SECONDS,
     brief,
+    check_owner_grace,
     check_store_url,
     parse_duration,
     retry_value,
@@ -241,11 +242,16 @@ class Config:
     def store_url(self, override: str | None = None) -> str | None:
         """The store to use: ``override`` (``--store``), else ``$HANDOFFD_STORE``, else
         ``[store] url``; None: the workspace's files. ConfigError for a URL that is not
-        PostgreSQL's."""
+        PostgreSQL's, and for a ``[daemon] claim_grace_seconds`` such a store cannot use
+        (:func:`~.bounds.check_owner_grace`)."""
         import os
-        if override:
-            return check_store_url(override, "--store")
         env = os.environ.get(STORE_ENV)
-        if env:
-            return check_store_url(env, f"${STORE_ENV}")
-        return self.store.url
+        if override:
+            url: str | None = check_store_url(override, "--store")
+        elif env:
+            url = check_store_url(env, f"${STORE_ENV}")
+        else:
+            url = self.store.url
+        if url is not None:
+            check_owner_grace(self.daemon.claim_grace_seconds)
+        return url

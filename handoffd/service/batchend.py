@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from ..core.states import State
 
 if TYPE_CHECKING:
+    from ..core.engine import Engine
     from .report import BatchReport
     from .scheduler import Scheduler
 
@@ -25,6 +26,10 @@ log = logging.getLogger("handoffd")
 BATCH_POLL_SECONDS = 0.05
 # a batch's end that cannot list pending/ looks again every second for this long, then ends
 UNLISTED_PATIENCE_SECONDS = 5.0
+# a batch that waits longer than this to take abandoned claims over says so in one line
+TAKEOVER_QUIET_SECONDS = 1.0
+# how much later than the grace (or the lease) it watches for still counts (its timers' slack)
+TAKEOVER_SLACK_SECONDS = 0.5
 
 
 class Siblings(Protocol):
@@ -50,11 +55,17 @@ class Siblings(Protocol):
 class BatchEnd:
     """The end of a batch process (mixed into the daemon, which sets what it uses)."""
 
+    engine: "Engine"
     scheduler: "Scheduler"
     siblings: Siblings | None
     report: "BatchReport"
     _idle: bool
     _unlisted_since: float | None = None  # (monotonic) since when its end cannot list pending/
+    # (monotonic) since when its end waits to take claims over (None: it does not), when it
+    # last swept for them, and whether the main loop is to sweep now (outside ``cv``)
+    _takeover_since: float | None = None
+    _takeover_swept: float = float("-inf")
+    takeover_sweep_due: bool = False
 
     def scan(self, *, recheck_waiting: bool = True) -> int:
         """The daemon's listing of pending/ (see :meth:`.daemon.Daemon.scan`)."""
@@ -89,6 +100,45 @@ class BatchEnd:
             return now + BATCH_POLL_SECONDS
         # what they filed before they fell idle: heard now, or not at all
         return now if self._hear_siblings() else None
+
+    def _takeover_wait(self, now: float) -> float | None:
+        """A batch process that may end otherwise (under ``cv``): until when it waits to take
+        over the claims its sweeps watch toward a takeover (a PostgreSQL store's: an owner gone,
+        or a live owner's lease stale); ``now`` when the main loop is to sweep now
+        (:attr:`takeover_sweep_due`); None when it may end. Only a process that watched a claim
+        for a whole ``claim_grace_seconds`` (or lease period) on its own clock may take it over,
+        which a batch that ended at once never did: every batch left a dead claimer's claim
+        for the next, which started watching anew. What it takes over is queued by the sweep
+        and run as any other. Bounded: from its first wait, the longer of the grace and the
+        lease (a lease renewed under a clock ahead of ours is watched afresh at each renewal),
+        and ``--max-seconds`` (the main loop's deadline)."""
+        watch = getattr(self.engine.backend, "takeover_watch", None)
+        settings = self.engine.settings
+        dues: list[float] = watch(settings.lease_seconds) if callable(watch) else []
+        if not dues:
+            self._takeover_since = None
+            return None
+        if self._takeover_since is None:
+            self._takeover_since = now
+        bound = self._takeover_since + max(settings.claim_grace_seconds,
+                                           settings.lease_seconds) + TAKEOVER_SLACK_SECONDS
+        due = min(dues)
+        # one already due was still there at the last sweep (its row locked by another
+        # claimer, a memory back-off): looked at again a sweep period later, no sooner
+        at = due if due > self._takeover_swept else self._takeover_swept + settings.sweep_seconds
+        at = min(at, bound)
+        if now >= bound and self._takeover_swept >= bound:  # (the last sweep was at the bound)
+            self._takeover_since = None
+            return None
+        if at <= now:
+            self.takeover_sweep_due = True
+            self._takeover_swept = now
+            return now
+        if at - now > TAKEOVER_QUIET_SECONDS and self._takeover_since == now:
+            log.warning("waiting up to %.0fs to take over %d claim(s) whose owner is gone or "
+                        "stalled (a claim is taken over only after this process watched it for "
+                        "claim_grace_seconds, or a lease)", at - now, len(dues))
+        return at
 
     def _unlisted(self, now: float) -> float | None:
         """pending/ could not be listed at a batch's end: look again in a second, for at most

@@ -403,6 +403,9 @@ class Daemon(BatchEnd):
             elif not batch and self._idle_after_work(trimmed, now):
                 allocator.trim()  # a burst is over: what it freed goes back, not at the sweep
                 trimmed = time.monotonic()
+            elif batch and self.takeover_sweep_due and not scheduler.stopping:
+                self.takeover_sweep_due = False  # (its end waited for claims to take over)
+                self.sweep()
             if now >= scheduler.batch_deadline and not scheduler.stopping:
                 log.warning("--max-seconds reached: handing back %d running handoff(s)",
                             scheduler.running)
@@ -440,6 +443,8 @@ class Daemon(BatchEnd):
                     late_until = self._late_wait(now)
                     if late_until <= now:  # (saturated: what is due waits for the next run)
                         ends = None if saturated else self._batch_end(now)
+                        if ends is None and not saturated:  # claims it watches to take over
+                            ends = self._takeover_wait(now)
                         if ends is None:
                             return
                         if ends <= now:

@@ -100,6 +100,16 @@ class Recovery(ClaimOwner):
             log.warning("set aside an abandoned claim: %s", reason)
         return claims
 
+    def takeover_watch(self, lease_seconds: float) -> builtins.list[float]:
+        """When (on this process's monotonic clock) each claim its sweeps are watching toward a
+        takeover may be taken over: one whose owner's key it saw unheld, a whole
+        ``owner_grace`` after it first did; one whose live owner's lease it saw stale, a whole
+        lease period after. Empty: it watches none. Only the process that watched may take
+        such a claim over, so a batch (``handoffd run``) waits for these before it ends: it
+        would end before any of them came due, and the next batch would start watching anew."""
+        return ([first + self.owner_grace for first in self._absent.values()]
+                + [first + lease_seconds for first in self._stale.values()])
+
     def _look(self, conn: Conn, now: datetime) -> builtins.list[Seen]:
         """The sweep's first look: which claims look abandoned (no lock taken: most sweeps find
         nothing)."""
