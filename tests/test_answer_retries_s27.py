@@ -217,7 +217,60 @@ def test_a_dependent_of_an_answer_is_told_a_way_that_works(carried: Workspace) -
     assert f"retry {ANSWER_DEP} first" not in message, message
     assert "cannot be retried" in message and "submit the request it answers" in message, message
     assert not [step for step in steps if "handoff retry --force" in step], steps
-    assert any(f"The dependency {ANSWER_DEP} is an answer" in step for step in steps), steps
+    assert any(f"The dependency {ANSWER_DEP} cannot be retried" in step for step in steps), steps
     assert any("depends_on" in step for step in steps), steps
     said = carried.handoff("retry", "--force", ANSWER_DEP)  # the advice it no longer gives
     assert said.returncode == 1 and "cannot be retried, even forced" in said.stderr, said
+
+
+# ---------------------------------------------------------------- R55
+OLD_CANCEL = "hoff-old-cancel-s27"  # a seed-001 answer cancelled by a handoffd before the flag
+STUB_DEP = "hoff-stub-dep-s27"  # set aside unread (its id no file name): a failure stub
+STUB_WAITER = "hoff-stub-waiter-s27"
+V9 = "moe-v9-s27"  # a hi_moe Outcome of an unknown major version, refused with the flag
+
+
+@pytest.fixture(scope="module")
+def older(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    tmp = tmp_path_factory.mktemp("older27")
+    answer = _filed_answer(tmp)
+    ws = new_workspace(tmp / "ws", CONFIG)
+    ws.drop(f"{OLD_CANCEL}.json", _response(OLD_CANCEL))
+    ws.handoff("cancel", OLD_CANCEL, check=True)
+    path = ws.root / "handoffs" / "failed" / f"{OLD_CANCEL}.json"
+    doc = json.loads(path.read_text())
+    assert doc["handoffd"]["final_error"].pop("answer") is True, doc  # as filed before the flag
+    path.write_text(json.dumps(doc))  # (its seal covers id, revision and folder: still ours)
+    ws.drop(f"{STUB_DEP}.json", _response("another-id-s27"))
+    ws.drop(f"{STUB_WAITER}.json", {"handoff_id": STUB_WAITER, "status": "pending",
+                                    "source": {"agent_id": "@cli"},
+                                    "target": {"agent_id": "@react-specialist"},
+                                    "input": {"data": {}}, "depends_on": [STUB_DEP]})
+    ws.drop(f"{V9}.json", {**answer, "id": V9, "version": "9.0.0"})
+    ws.proc = ws.handoffd("run", timeout=60)  # type: ignore[attr-defined]
+    assert "Traceback" not in ws.proc.stderr, ws.proc.stderr  # type: ignore[attr-defined]
+    return ws
+
+
+def test_an_answer_cancelled_before_the_flag_is_still_refused(older: Workspace) -> None:
+    """R55: its final_error says CANCELLED with no held-answer flag (a handoffd before it
+    filed none): retried, the seed-001 answer it kept ran as work."""
+    proc = older.handoff("retry", "--force", OLD_CANCEL)
+    assert proc.returncode == 1 and "cannot be retried, even forced" in proc.stderr, proc
+    assert older.state_of(OLD_CANCEL) == ["failed"]
+
+
+def test_a_flagged_answer_is_refused_whatever_its_format_says_now(older: Workspace) -> None:
+    """R55: an Outcome of an unknown major version, filed holding an answer, was put back by
+    `retry --force` only to be refused again."""
+    assert older.state_of(V9) == ["failed"], older.proc.stderr  # type: ignore[attr-defined]
+    proc = older.handoff("retry", "--force", V9)
+    assert proc.returncode == 1 and "cannot be retried, even forced" in proc.stderr, proc
+
+
+def test_a_dependent_of_a_stub_is_told_a_way_that_works(older: Workspace) -> None:
+    """R55: "retry the dependency first", though retry refuses a stub even forced."""
+    assert older.state_of(STUB_WAITER) == ["failed"], older.proc.stderr  # type: ignore[attr-defined]
+    message = older.doc(STUB_WAITER)["error"]["message"]
+    assert f"retry {STUB_DEP} first" not in message, message
+    assert "is a failure stub" in message and "cannot be retried" in message, message

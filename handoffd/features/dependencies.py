@@ -39,6 +39,7 @@ from ..core.engine import (  # Gate and Verdict are the core's; re-exported
 )
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
 from ..core.filing import HELD_ANSWER
+from ..core.native_format import REFUSED_ANSWER, stub_code
 from ..core.jobs import Job
 from ..core.states import State
 from ..core.timeutil import parse_iso
@@ -426,18 +427,21 @@ def _failure(graph: Graph, waiter: str, dep: str, state: State | None) -> Verdic
     """The verdict on ``waiter`` whose dependency ``dep`` is missing (None) or failed."""
     if state is None:
         return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, _missing(graph, waiter, dep))
-    if _holds_answer(graph, dep):
+    why = _unretriable(graph, dep)
+    if why is not None:
         # `handoff retry` refuses such a dependency, even forced: "retry it first" was a dead end
+        what = ("was filed holding an answer, not a request (NOT_A_REQUEST)" if why == "answer"
+                else "is a failure stub (its file was set aside unread: no request to retry)")
+        first = ("submit the request it answers as a new handoff" if why == "answer"
+                 else "fix its file and submit it as a new handoff")
         return Verdict.fail(
-            ErrorCode.DEPENDENCY_MISSING, f"handoff {waiter} depends on {dep}, which was filed "
-            "holding an answer, not a request (NOT_A_REQUEST): it cannot be retried; submit the "
-            "request it answers as a new handoff, then this one's request as a new handoff "
-            "whose depends_on names that one", recovery=(
-                f"The dependency {dep} is an answer and cannot be retried: submit the request "
-                "it answers as a new handoff",
+            ErrorCode.DEPENDENCY_MISSING, f"handoff {waiter} depends on {dep}, which {what}: it "
+            f"cannot be retried; {first}, then this one's request as a new handoff whose "
+            "depends_on names that one", recovery=(
+                f"The dependency {dep} cannot be retried: {first}",
                 f"Submit this handoff's request again as a new handoff whose depends_on names "
-                f"that new handoff instead of {dep}: handoff retry of this one would wait for "
-                f"{dep} again"))
+                f"that new handoff instead of {dep}: retried, this one would fail again at once, "
+                f"{dep} still failed"))
     return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, f"handoff {waiter} depends on {dep}, "
                         f"which {_ended(graph, dep)}; retry {dep} first, then this "
                         f"one with `handoff retry --force {waiter}`")
@@ -508,17 +512,27 @@ def _missing(graph: Graph, handoff_id: str, dep: str) -> str:
     return f"handoff {handoff_id} depends on {dep}, which does not exist; create it first"
 
 
-def _holds_answer(graph: Graph, handoff_id: str) -> bool:
-    """True when the failed ``handoff_id`` holds an answer, not a request, by handoffd's own
-    bookkeeping (its trusted ``final_error``, as `handoff retry` reads it): refused
-    NOT_A_REQUEST, or filed holding an answer (cancelled while pending)."""
+def _unretriable(graph: Graph, handoff_id: str) -> str | None:
+    """Why `handoff retry` refuses the failed ``handoff_id`` even forced, by handoffd's own
+    bookkeeping (the store's trusted view, as retry reads it): "answer" (refused
+    NOT_A_REQUEST, or filed holding an answer: cancelled while pending), "stub" (set aside
+    unread: a failure stub), None (it may be retried)."""
     try:
-        block = graph.engine.get(handoff_id)[1].get(BOOK)
+        doc = graph.engine.get(handoff_id)[1]
     except (NotFound, InvalidDocument):
-        return False
+        return None
+    if stub_code(doc) is not None:
+        return "stub"
+    block = doc.get(BOOK)
     final = block.get("final_error") if isinstance(block, dict) else None
-    return isinstance(final, dict) and (final.get("code") == ErrorCode.NOT_A_REQUEST
-                                        or final.get(HELD_ANSWER) is True)
+    if not isinstance(final, dict):
+        return None
+    if final.get("code") == ErrorCode.NOT_A_REQUEST or final.get(HELD_ANSWER) is True:
+        return "answer"
+    # a cancel filed before the flag (session 27): the answer it kept says so (R55)
+    kept = doc.get(REFUSED_ANSWER)
+    held = final.get("code") == ErrorCode.CANCELLED and isinstance(kept, dict) and "status" in kept
+    return "answer" if held else None
 
 
 def _ended(graph: Graph, handoff_id: str) -> str:

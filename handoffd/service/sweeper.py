@@ -379,8 +379,12 @@ def _check_holds_request(engine: Engine, handoff_id: str, doc: dict[str, Any]) -
     once it failed as any request may. A refused document whose answer the user took out
     (``refused_answer`` removed, the rest a request) is retried as any other."""
     final = book(doc).get("final_error")
-    if not isinstance(final, dict) or (final.get("code") != ErrorCode.NOT_A_REQUEST
-                                       and final.get(HELD_ANSWER) is not True):
+    if not isinstance(final, dict):
+        return
+    flagged = final.get(HELD_ANSWER) is True
+    # a cancel filed by a handoffd before the flag (session 27) carries none: its content is
+    # read then, and an answer it kept refused (R55: such a seed-001 answer, retried, ran)
+    if final.get("code") not in (ErrorCode.NOT_A_REQUEST, ErrorCode.CANCELLED) and not flagged:
         return  # (every other failure: no document content is read)
     kept = doc.get(REFUSED_ANSWER)
     if isinstance(kept, dict) and "status" in kept:  # (keep_refused_answer always moves status)
@@ -393,12 +397,20 @@ def _check_holds_request(engine: Engine, handoff_id: str, doc: dict[str, Any]) -
         restored = copy.deepcopy(doc)  # what the retry would put back into pending/
         restore_request(restored)
         try:
-            refusal = answer_refusal(engine.formats.detect(restored), restored)
+            dialect = engine.formats.detect(restored)
         except InvalidDocument:  # no format of ours: not an answer this check could name
             return
-        if refusal is None:
+        refusal = answer_refusal(dialect, restored)
+        is_answer = getattr(dialect, "is_answer", None)
+        if refusal is not None:
+            reason = str(refusal)
+        elif flagged and is_answer is not None and is_answer(restored):
+            # filed holding an answer, still one, whatever else its format says of it now (R55:
+            # an Outcome of an unknown major version was put back, only to be refused again)
+            reason = ("it was filed holding an answer, not a request; submit the request it "
+                      "answers under a new id")
+        else:
             return
-        reason = str(refusal)
     raise InvalidTransition(f"handoff {handoff_id} cannot be retried, even forced: {reason}",
                             handoff_id=handoff_id)
 
