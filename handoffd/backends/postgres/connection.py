@@ -66,9 +66,15 @@ POOL_RETRY_SECONDS = BACKOFF_MAX
 # full): unlike a refused password, role or database, trying again later may work
 BUSY_SERVER = ("the database system is", "too many clients", "connection slots are reserved")
 # libpq's words for a failed connection no retry cures although the server was never told no:
-# no password to send, a server without SSL under sslmode=require, a port no service has
+# no password to send, a server without SSL under sslmode=require, channel binding or an
+# authentication method the server does not use, a service no service file defines, GSSAPI
+# encryption this client or server cannot do, options that contradict each other
 SETTINGS_WRONG = ("fe_sendauth: no password supplied",
-                  "server does not support SSL, but SSL was required")
+                  "server does not support SSL, but SSL was required",
+                  "channel binding required", "channel binding is required",
+                  "authentication method requirement", "definition of service",
+                  "service file", "GSSAPI encryption required",
+                  "GSSAPI support is not compiled in", "may not be used with")
 # a named host with a port that is no number: getaddrinfo's EAI_SERVICE (psycopg resolves the
 # host itself, and says so before libpq could call the port no integer): the URL is wrong
 BAD_SERVICE = "Servname not supported"
@@ -143,17 +149,21 @@ class StoreError(HandoffdError):
 
 
 # libpq's words for a connection option it cannot use (a port that is no number, an sslmode it
-# does not know), said when connecting (its URL parser takes any text): the URL is wrong
-UNUSABLE_OPTION = re.compile(r"^(connection is bad: )?invalid [\w ]+ (value|number)\b")
+# does not know), said when connecting (its URL parser takes any text): the URL is wrong. They
+# may follow the server's address ("connection to server at ... failed: invalid integer value
+# ... for connection option "keepalives""): looked for after a ": " too
+UNUSABLE_OPTION = re.compile(r"(?:^|: )(invalid [\w ]+ (?:value|number)\b.*)")
 
 
 def cannot_connect(url: str, detail: str) -> HandoffdError:
     """The error of a store that could not be opened, for ``detail`` (libpq's words): a
     ConfigError (exit 2) when libpq refused one of the URL's options, else a StoreError with
-    ``unreachable`` set unless the server answered and refused (see :func:`reachable_later`)."""
-    if UNUSABLE_OPTION.match(detail):  # (an option's value is quoted, a password never is)
-        return ConfigError("the store URL is not a valid PostgreSQL URL: "
-                           + detail.removeprefix("connection is bad: "))
+    ``unreachable`` set unless the server answered and refused (see :func:`reachable_later`).
+    What libpq quotes is said only where it is no part of a password (:func:`scrubbed`)."""
+    detail = scrubbed(detail, url)
+    option = UNUSABLE_OPTION.search(detail)
+    if option:
+        return ConfigError(f"the store URL is not a valid PostgreSQL URL: {option.group(1)}")
     if BAD_SERVICE in detail:  # (check_url says it first of a port it can read)
         return ConfigError("the store URL is not a valid PostgreSQL URL: its port is no number "
                            f"({detail})")
@@ -169,16 +179,17 @@ def reachable_later(detail: str) -> bool:
     (:data:`BUSY_SERVER`); False when it answered with a refusal (``FATAL:`` a wrong password,
     role or database, no pg_hba.conf entry), libpq refused the URL's options
     (:data:`UNUSABLE_OPTION`, :data:`BAD_SERVICE`), or settings the server cannot meet
-    (:data:`SETTINGS_WRONG`: no password given, SSL required of a server without it), that no
-    retry cures."""
-    if UNUSABLE_OPTION.match(detail) or BAD_SERVICE in detail \
+    (:data:`SETTINGS_WRONG`: no password given, SSL, channel binding or an authentication
+    method required of a server that does not use it, an unknown service), that no retry cures."""
+    if UNUSABLE_OPTION.search(detail) or BAD_SERVICE in detail \
             or any(words in detail for words in SETTINGS_WRONG):
         return False
     return "FATAL:" not in detail or any(words in detail for words in BUSY_SERVER)
 
 
-# a URL's user: what comes before a password's ":" (or the "@" of a URL without one)
-URL_USER = re.compile(r"[^:@/?#]*")
+# a URL's user: what comes before a password's ":" (or the "@" of a URL without one). libpq's
+# own scan stops at these two only: "a?b:pw@host" is user "a?b", password "pw"
+URL_USER = re.compile(r"[^:@]*")
 # where a URL's query may begin: a "?" and a key (percent-encoded or not) with its "="
 QUERY_KEY = re.compile(r"\?([A-Za-z0-9_%]+)=")
 URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
@@ -224,25 +235,34 @@ def _query_start(url: str, start: int) -> int:
 def password_span(url: str) -> tuple[int, int] | None:
     """Where the password of a URL's userinfo lies in its text (start, end), by the text, not
     by libpq's parse (which finds none, or a wrong one, when it holds an unencoded "/" or
-    "@"): from the user's ":" to the last "@" before the query. libpq reads a userinfo when an
-    "@" comes before any "/", up to that first "@": the query is looked for after it (a
-    password holding "?sslmode=" is still masked whole). Otherwise the query is looked for from
-    the ":" on, and a URL whose every "@" is in its query has no password
-    (``postgresql://host:5432/db?application_name=a@b``). None: no password. A password that
-    holds an "@" followed by "?", a connection keyword and "=" cannot be told from a query:
-    percent-encode it."""
+    "@"): from the user's ":" (libpq's user ends at the first ":" or "@", whatever "?" or "#"
+    it holds) to the last "@" before the query. libpq reads a userinfo when an "@" comes before
+    any "/", up to that first "@": the query is looked for after it (a password holding
+    "?sslmode=" is still masked whole). Otherwise the query is looked for from the ":" on, and
+    when every "@" after the ":" is in that "query", the text cannot be told from a password
+    holding "/" and "?keyword=" (``postgresql://u:p/w?sslmode=x@host/db`` is host "u", port
+    "p"...): masked to the last "@" all the same, more rather than less
+    (``postgresql://db1:5432/h?application_name=a@b`` is said ``postgresql://db1:***@b``). A
+    user holding an unencoded "@" (``user@server:pw@host``) has its ":" after that "@": masked
+    from it to the last "@" before the query. None: no password. A password that holds an "@"
+    followed by "?", a connection keyword and "=", after an "@" before any "/" (libpq's
+    userinfo), cannot be told from a query: percent-encode it."""
     scheme = URL_SCHEME.match(url)
     if scheme is None:
         return None
     colon = URL_USER.match(url, scheme.end()).end()  # type: ignore[union-attr]  # (matches "")
-    if not url.startswith(":", colon):
-        return None
+    if not url.startswith(":", colon):  # (an "@" first: a user without a password, or one
+        colon = url.find(":", colon)  # holding an unencoded "@" with its password after)
+        end = -1 if colon < 0 else url.rfind("@", colon, _query_start(url, colon))
+        return None if end < 0 else (colon + 1, end)
     first_at, slash = url.find("@", colon), url.find("/", colon)
     if first_at < 0:
         return None
     floor = first_at if slash < 0 or first_at < slash else colon
     end = url.rfind("@", colon, _query_start(url, floor))
-    return None if end < 0 else (colon + 1, end)
+    if end < 0:  # (every "@" in what libpq reads as a query: it may be the password's)
+        end = url.rfind("@", colon)
+    return colon + 1, end
 
 
 def redact(url: str) -> str:
@@ -267,16 +287,20 @@ def redact(url: str) -> str:
 
 def check_url(url: str) -> None:
     """ConfigError (one line, exit 2) when ``url`` is no connection string libpq can parse. The
-    parser's words quote the URL, or parts of it that may be the password: those are left out."""
+    parser's words quote the URL, or parts of it that may be the password: those are left out
+    (:func:`_unquoted`)."""
     from psycopg.conninfo import conninfo_to_dict
     try:
         parts = conninfo_to_dict(url)
+    except UnicodeDecodeError:  # (psycopg decodes libpq's percent-decoded values as UTF-8)
+        raise ConfigError("the store URL is not a valid PostgreSQL URL: a percent-escape in it "
+                          "(%XX) is not UTF-8 text") from None
     except psycopg.Error as exc:
         words = re.sub(r'(?: in URI)?:? ?"' + re.escape(url) + '"', "", str(exc))
         # the character libpq did not expect may be the password's (its position says where)
         words = re.sub(r'unexpected character "[^"]*"', "unexpected character",
                        words.replace(url, ""))
-        detail = re.sub(r'"([^"]*)"', _masked, " ".join(words.split()))
+        detail = _unquoted(" ".join(words.split()))
         raise ConfigError(f"the store URL is not a valid PostgreSQL URL: {detail}") from None
     port = str(parts.get("port") or "")
     if any(one and not one.strip().isdigit() for one in port.split(",")):
@@ -285,9 +309,7 @@ def check_url(url: str) -> None:
         # as hosts and ports (libpq finds a userinfo only when an "@" comes before any "/"):
         # the port is quoted only when each of its pieces stands as a port where redact()
         # shows it, past the password (after a host's ":" or in the query's "port=")
-        span = password_span(url)
-        if span is None or all(re.search(r"(?<=[:=])" + re.escape(one) + r"(?=[,/?&#]|$)",
-                                         url[span[1]:]) for one in port.split(",") if one):
+        if all(_stands(one, url) for one in port.split(",") if one):
             raise ConfigError("the store URL is not a valid PostgreSQL URL: invalid integer "
                               f'value "{port}" for connection option "port"')
         raise ConfigError("the store URL is not a valid PostgreSQL URL: it is malformed, its "
@@ -295,18 +317,63 @@ def check_url(url: str) -> None:
                           "or \"/\" is read as host and port: percent-encode it)")
 
 
-def _masked(quoted: re.Match[str]) -> str:
-    """A quoted part of a URL parser's message, unless it may be a secret (one punctuation
-    character such as ``"]"`` or ``"="`` says what is wrong and cannot be; a letter can)."""
-    text = quoted.group(1)
-    return quoted.group(0) if len(text) <= 1 and not text.isalnum() else '"..."'
+def _unquoted(words: str) -> str:
+    """A URL parser's message without what it quotes, which may be a secret: one punctuation
+    character such as ``"]"`` or ``"="`` says what is wrong and is kept; the rest, from the
+    first other quote to the last (a password holding ``"`` ends a quote early), is
+    ``"..."``."""
+    kept: list[str] = []
+
+    def keep(quoted: re.Match[str]) -> str:
+        kept.append(quoted.group(0))
+        return f"\0{len(kept) - 1}\0"
+    words = re.sub(r'"[^\w\s"]"', keep, words.replace("\0", ""))
+    words = re.sub(r'".*"', '"..."', words)
+    return re.sub(r"\0(\d+)\0", lambda at: kept[int(at.group(1))], words)
+
+
+def _stands(text: str, url: str) -> bool:
+    """Whether ``text`` (a value libpq quotes, read from ``url``) is no part of its password:
+    ``url`` has none, or ``text`` stands whole, as a value, where :func:`redact` shows the URL
+    (e.g. a port after a host's ":", or an option's value after its "=")."""
+    if password_span(url) is None:
+        return True
+    from urllib.parse import unquote
+    shown = redact(url)
+    value = r"(?<=[/:=,@\[?&])" + re.escape(text) + r"(?=[\]/?&,:#@=]|$)"
+    return bool(text) and any(re.search(value, one) for one in (shown, unquote(shown)))
+
+
+def scrubbed(detail: str, url: str) -> str:
+    """libpq's ``detail`` of a failed connection to ``url`` without what may be its password's:
+    libpq reads a password holding an unencoded "/" or "@" as hosts, ports, a database and
+    options, and quotes them (``invalid integer value "..."``, ``at "...", port N``). Each
+    quoted value, and each port, is kept only where it stands whole in the URL as
+    :func:`redact` shows it (a socket's path by its folder); a password holding ``"`` masks
+    from the first quote to the last, and ``'`` every host psycopg quotes so."""
+    span = password_span(url)
+    if span is None:
+        return detail
+    secret = url[span[0]:span[1]]
+
+    def kept(masked: str) -> Callable[[re.Match[str]], str]:
+        def one(found: re.Match[str]) -> str:
+            text = found.group(1)
+            folder = re.sub(r"/\.s\.PGSQL\.\d+$", "", text)
+            return found.group(0) if _stands(text, url) or _stands(folder, url) else masked
+        return one
+    # (a password holding the quote ends a quote early: from the first to the last, masked)
+    double, single = (".*" if quote in secret else f"[^{quote}]*" for quote in "\"'")
+    detail = re.sub(f'"({double})"', kept('"..."'), detail)
+    detail = re.sub(rf"\bhost '({single})'", kept("host '...'"), detail)  # (psycopg's quotes)
+    return re.sub(r"\bport (\d+)", kept("port ..."), detail)
 
 
 def refusal(exc: BaseException, url: str, doing: str) -> StoreError:
     """An error of the server that no reconnection cures (a role without the right to create
     handoffd's tables, a missing table...) as one line: what handoffd was ``doing``, the
     server's words, and for a missing right who may do it."""
-    detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+    detail = scrubbed(" ".join(str(exc).split())[:300], url) or type(exc).__name__
     hint = ("; run it as a role that may (e.g. the database's owner, or after GRANT CREATE ON "
             "DATABASE ... TO this role)"
             if isinstance(exc, psycopg.errors.InsufficientPrivilege) else "")
@@ -450,7 +517,9 @@ class Database:
                 left = self._limit(window) - time.monotonic()
                 if left <= 0:
                     raise StoreUnavailable(f"the PostgreSQL store {redact(self.url)} is "
-                                           f"unreachable: {' '.join(str(exc).split())}") from None
+                                           "unreachable: "
+                                           + scrubbed(" ".join(str(exc).split()), self.url)
+                                           ) from None
                 retried = True
                 self._pause(min(delay, left))
                 delay = min(delay * 2, BACKOFF_MAX)
@@ -553,7 +622,8 @@ class Database:
             self._lost_since = time.monotonic()
         level = self.report_level if OUTAGES.lost(self.url, self) else logging.DEBUG
         log.log(level, "lost the database connection (%s); reconnecting with "
-                "backoff", " ".join(str(exc).split())[:200] or type(exc).__name__)
+                "backoff", scrubbed(" ".join(str(exc).split()), self.url)[:200]
+                or type(exc).__name__)
 
     def _back(self) -> None:
         if self._lost_since is None:
@@ -574,11 +644,11 @@ class Database:
 
 def _last_error(url: str, timeout: float = 5.0) -> str | None:
     """Why a direct connection to ``url`` fails now (the pool's own error says only 'timeout');
-    None when it connects."""
+    None when it connects. What may be the password's is left out (:func:`scrubbed`)."""
     try:
         psycopg.connect(url, connect_timeout=max(int(timeout), 1)).close()
     except Exception as exc:
-        return " ".join(str(exc).split())[:300]
+        return scrubbed(" ".join(str(exc).split())[:300], url)
     return None
 
 
@@ -664,7 +734,7 @@ class SessionThread:
                     level = self.report_level if OUTAGES.lost(self.url, self) else logging.DEBUG
                     log.log(level, "lost the database connection (its %s connection: %s); "
                             "reconnecting with backoff", self.what,
-                            " ".join(str(exc).split())[:200])
+                            scrubbed(" ".join(str(exc).split()), self.url)[:200])
                     self._lost()
                 self._ready.set()  # nobody waits on a server that is down
                 self._stop.wait(delay)

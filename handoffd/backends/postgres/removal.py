@@ -27,7 +27,8 @@ from typing import Iterator
 
 import psycopg
 
-from .connection import BACKOFF_FIRST, BACKOFF_MAX, KEEPALIVES, Conn, StoreUnavailable, redact
+from .connection import (BACKOFF_FIRST, BACKOFF_MAX, KEEPALIVES, Conn, StoreUnavailable, redact,
+                         scrubbed)
 
 # the lock's key, in the two-int4 key space of advisory locks ("hand", 1): the presence locks of
 # claim owners (connection.Presence) use the single-bigint space, which never overlaps it
@@ -170,7 +171,8 @@ class PostgresRemovalLock:
                 if left <= 0:
                     raise StoreUnavailable(
                         f"the PostgreSQL store {redact(self.url)} is unreachable (its removal "
-                        f"lock): {' '.join(str(exc).split())[:200]}") from None
+                        f"lock): {scrubbed(' '.join(str(exc).split()), self.url)[:200]}"
+                    ) from None
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, BACKOFF_MAX)
 
