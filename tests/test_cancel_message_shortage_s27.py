@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import exe, new_workspace
+from conftest import Workspace, exe, new_workspace
 from test_cancel_message_recovery_s26 import _cancellation, _victim
 from test_seen_shortage_s24 import SITE
 
@@ -22,11 +22,9 @@ MEMORY_SITE = SITE.replace("raise OSError(errno.EMFILE, os.strerror(errno.EMFILE
                            "raise MemoryError()")
 
 
-@pytest.mark.parametrize("fault,site", [("contains:before", SITE), ("add:after", SITE),
-                                        ("contains:before", MEMORY_SITE)],
-                         ids=["emfile-search", "emfile-half-add", "memory-search"])
-def test_a_cancellation_message_short_at_its_id_lookup_is_handed_back_and_carried_out(
-        tmp_path: Path, fault: str, site: str) -> None:
+def _batch_with(tmp_path: Path, site: str, **env: str) -> tuple[Workspace, str]:
+    """A victim and a cancellation message of it, one `handoffd run` with ``site`` as its
+    sitecustomize (the fault); (the workspace, what the batch said). No traceback, ever."""
     ws = new_workspace(tmp_path / "ws", """
 [daemon]
 settle_seconds = 0.1
@@ -36,15 +34,23 @@ rescan_seconds = 0.5
     folder = tmp_path / "site"
     folder.mkdir()
     (folder / "sitecustomize.py").write_text(site)
+    ws.drop("victim-1.json", _victim("victim-1"))
+    ws.drop("msg-s1.json", _cancellation("msg-s1", "victim-1"))
+    batch = subprocess.run([exe("handoffd"), "run", "--root", str(ws.root)],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(folder), **env})
+    assert "Traceback" not in batch.stderr, batch.stderr
+    return ws, batch.stderr
+
+
+
+@pytest.mark.parametrize("fault,site", [("contains:before", SITE), ("add:after", SITE),
+                                        ("contains:before", MEMORY_SITE)],
+                         ids=["emfile-search", "emfile-half-add", "memory-search"])
+def test_a_cancellation_message_short_at_its_id_lookup_is_handed_back_and_carried_out(
+        tmp_path: Path, fault: str, site: str) -> None:
+    ws, said = _batch_with(tmp_path, site, SEEN_FAULT=fault)
     try:
-        ws.drop("victim-1.json", _victim("victim-1"))
-        ws.drop("msg-s1.json", _cancellation("msg-s1", "victim-1"))
-        batch = subprocess.run([exe("handoffd"), "run", "--root", str(ws.root)],
-                               capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "PYTHONPATH": str(folder),
-                                    "SEEN_FAULT": fault})
-        said = batch.stderr
-        assert "Traceback" not in said, said
         assert ws.state_of("msg-s1") == ["completed"], said
         assert ws.state_of("victim-1") == ["failed"], said  # cancelled, once
         events = [e["event"] for e in ws.doc("msg-s1")["handoffd"]["history"]]
@@ -87,23 +93,8 @@ def test_a_cancellation_message_whose_hand_back_runs_short_too_is_kept_and_hande
     daemon's kept claims, a traceback, the message stranded in in-progress/ and charged an
     attempt at its recovery. The claim is now kept, uncounted, and handed back after the
     back-off, as a request's is."""
-    ws = new_workspace(tmp_path / "ws", """
-[daemon]
-settle_seconds = 0.1
-sweep_seconds = 0.5
-rescan_seconds = 0.5
-""")
-    folder = tmp_path / "site"
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text(DOUBLE_SITE)
+    ws, said = _batch_with(tmp_path, DOUBLE_SITE)
     try:
-        ws.drop("victim-1.json", _victim("victim-1"))
-        ws.drop("msg-s1.json", _cancellation("msg-s1", "victim-1"))
-        batch = subprocess.run([exe("handoffd"), "run", "--root", str(ws.root)],
-                               capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "PYTHONPATH": str(folder)})
-        said = batch.stderr
-        assert "Traceback" not in said, said
         assert "its claim is kept, uncounted" in said, said
         assert ws.state_of("msg-s1") == ["completed"], said
         assert ws.state_of("victim-1") == ["failed"], said
