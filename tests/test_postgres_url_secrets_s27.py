@@ -26,7 +26,8 @@ from conftest import Workspace
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from handoffd.backends.postgres.connection import (check_url, connection_keywords,
+from handoffd.backends.postgres.connection import (cannot_connect, check_url,
+                                                   connection_keywords,
                                                    reachable_later, redact, scrubbed)
 from handoffd.core.errors import ConfigError
 from handoffd.core.workspace import Workspace as HandoffdWorkspace
@@ -230,3 +231,42 @@ def test_an_unusable_option_after_the_servers_address_is_exit_2(tmp_path: Path) 
     assert done.returncode == 2 and "waiting" not in done.stderr, done.stderr
     assert done.stderr == ("handoffd: error: the store URL is not a valid PostgreSQL URL: "
                            'invalid integer value "x" for connection option "keepalives"\n')
+
+
+# ---------------------------------------------------------------- R57
+def test_a_wrong_password_holding_a_quote_fails_at_once(tmp_path: Path, pg_url: str) -> None:
+    """R57: the cleaning of libpq's words masked from the password's '"' to the last quote,
+    the server's FATAL with it, and a refusal was waited out as an outage (60 s by default)
+    and said "unreachable". It is judged by libpq's own words, said cleaned."""
+    url = pg_url.replace("postgresql://postgres@", 'postgresql://nobody:wr"ongpw@')
+    assert url != pg_url, pg_url
+    space = store_workspace(tmp_path / "ws", url)
+    done = space.handoffd("db", "init", timeout=40)
+    assert done.returncode == 1 and "waiting" not in done.stderr, done.stderr
+    assert "unreachable" not in done.stderr and "ongpw" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("url", ['postgresql://app:Secret%pw"!@127.0.0.1:1/db',
+                                 'postgresql://app:!"Secret%pw@127.0.0.1:1/db'])
+def test_a_quote_at_a_passwords_edge_is_no_mark_kept(url: str) -> None:
+    """R57: a one-character quote such as "!" was kept as libpq's mark, though it was the
+    password's edge: the rest of the password was then quoted unmasked."""
+    with pytest.raises(ConfigError) as refused:
+        check_url(url)
+    assert "Secret" not in str(refused.value), refused.value
+
+
+def test_an_ipv6_host_without_a_password_is_said_whole() -> None:
+    """R57: masked to the last "@" as if "[" were a user with a password."""
+    url = "postgresql://[::1]:5432/appdb?application_name=svc@ops"
+    assert redact(url) == url
+
+
+def test_a_long_secret_is_cleaned_before_it_is_cut() -> None:
+    """R57: libpq's words were cut to 300 characters first, and a quote left open masked
+    nothing."""
+    secret = "Q" * 400
+    url = f"postgresql://localhost:5/x?keepalives=1{secret}@127.0.0.1:1/db"
+    error = cannot_connect(url, f'invalid integer value "1{secret}" for connection option '
+                                '"keepalives"')
+    assert "QQQQ" not in str(error), error

@@ -160,15 +160,19 @@ def cannot_connect(url: str, detail: str) -> HandoffdError:
     ConfigError (exit 2) when libpq refused one of the URL's options, else a StoreError with
     ``unreachable`` set unless the server answered and refused (see :func:`reachable_later`).
     What libpq quotes is said only where it is no part of a password (:func:`scrubbed`)."""
-    detail = scrubbed(detail, url)
-    option = UNUSABLE_OPTION.search(detail)
-    if option:
-        return ConfigError(f"the store URL is not a valid PostgreSQL URL: {option.group(1)}")
-    if BAD_SERVICE in detail:  # (check_url says it first of a port it can read)
+    # judged by libpq's own words, said cleaned: a password holding '"' once masked the
+    # server's "FATAL: password authentication failed for user ..." along with it, and a wrong
+    # password was waited out as an outage (R57)
+    raw, detail = detail, shown(detail, url)
+    if UNUSABLE_OPTION.search(raw):
+        option = UNUSABLE_OPTION.search(detail)
+        return ConfigError("the store URL is not a valid PostgreSQL URL: "
+                           + (option.group(1) if option else detail))
+    if BAD_SERVICE in raw:  # (check_url says it first of a port it can read)
         return ConfigError("the store URL is not a valid PostgreSQL URL: its port is no number "
                            f"({detail})")
     error = StoreError(f"cannot connect to the PostgreSQL store {redact(url)}: {detail}")
-    if reachable_later(detail):
+    if reachable_later(raw):
         error.unreachable = f"the PostgreSQL store {redact(url)} is unreachable: {detail}"
     return error
 
@@ -250,6 +254,11 @@ def password_span(url: str) -> tuple[int, int] | None:
     scheme = URL_SCHEME.match(url)
     if scheme is None:
         return None
+    if url.startswith("[", scheme.end()):  # an IPv6 host, no userinfo before it (R57: the
+        bracket = url.find("]", scheme.end())  # fallback below masked "[::1]:5432/db?a=b@c")
+        at = url.find("@", scheme.end())
+        if bracket >= 0 and (at < 0 or bracket < at):
+            return None
     colon = URL_USER.match(url, scheme.end()).end()  # type: ignore[union-attr]  # (matches "")
     if not url.startswith(":", colon):  # (an "@" first: a user without a password, or one
         colon = url.find(":", colon)  # holding an unencoded "@" with its password after)
@@ -300,7 +309,7 @@ def check_url(url: str) -> None:
         # the character libpq did not expect may be the password's (its position says where)
         words = re.sub(r'unexpected character "[^"]*"', "unexpected character",
                        words.replace(url, ""))
-        detail = _unquoted(" ".join(words.split()))
+        detail = _unquoted(" ".join(words.split()), marks='"' not in url)
         raise ConfigError(f"the store URL is not a valid PostgreSQL URL: {detail}") from None
     port = str(parts.get("port") or "")
     if any(one and not one.strip().isdigit() for one in port.split(",")):
@@ -317,17 +326,19 @@ def check_url(url: str) -> None:
                           "or \"/\" is read as host and port: percent-encode it)")
 
 
-def _unquoted(words: str) -> str:
+def _unquoted(words: str, marks: bool = True) -> str:
     """A URL parser's message without what it quotes, which may be a secret: one punctuation
-    character such as ``"]"`` or ``"="`` says what is wrong and is kept; the rest, from the
-    first other quote to the last (a password holding ``"`` ends a quote early), is
-    ``"..."``."""
+    character such as ``"]"`` or ``"="`` says what is wrong and is kept (``marks``; not when
+    the URL holds a ``"``: it may be the password's edge, R57); the rest, from the first other
+    quote to the last (a password holding ``"`` ends a quote early), is ``"..."``."""
     kept: list[str] = []
 
     def keep(quoted: re.Match[str]) -> str:
         kept.append(quoted.group(0))
         return f"\0{len(kept) - 1}\0"
-    words = re.sub(r'"[^\w\s"]"', keep, words.replace("\0", ""))
+    words = words.replace("\0", "")
+    if marks:
+        words = re.sub(r'"[^\w\s"]"', keep, words)
     words = re.sub(r'".*"', '"..."', words)
     return re.sub(r"\0(\d+)\0", lambda at: kept[int(at.group(1))], words)
 
@@ -373,7 +384,7 @@ def refusal(exc: BaseException, url: str, doing: str) -> StoreError:
     """An error of the server that no reconnection cures (a role without the right to create
     handoffd's tables, a missing table...) as one line: what handoffd was ``doing``, the
     server's words, and for a missing right who may do it."""
-    detail = scrubbed(" ".join(str(exc).split())[:300], url) or type(exc).__name__
+    detail = shown(" ".join(str(exc).split()), url) or type(exc).__name__
     hint = ("; run it as a role that may (e.g. the database's owner, or after GRANT CREATE ON "
             "DATABASE ... TO this role)"
             if isinstance(exc, psycopg.errors.InsufficientPrivilege) else "")
@@ -434,11 +445,11 @@ def first_connection(url: str, *, reconnect_seconds: float, connect_timeout: flo
         left = min(bound(window), start_by()) - time.monotonic()
         if left <= 0:
             raise StoreUnavailable(f"the PostgreSQL store {redact(url)} is unreachable: "
-                                   f"{detail}")
+                                   f"{shown(detail, url)}")
         if not said:
             said = True
             log.log(report_level, "waiting for the database at %s (up to %gs): %s",
-                    redact(url), round(left, 1), detail)
+                    redact(url), round(left, 1), shown(detail, url))
         _pause_starting(min(delay, left), url, pause)
         delay = min(delay * 2, BACKOFF_MAX)
         # while waiting, short attempts: a stop is seen between them (a server that never
@@ -643,13 +654,20 @@ class Database:
 
 
 def _last_error(url: str, timeout: float = 5.0) -> str | None:
-    """Why a direct connection to ``url`` fails now (the pool's own error says only 'timeout');
-    None when it connects. What may be the password's is left out (:func:`scrubbed`)."""
+    """Why a direct connection to ``url`` fails now (the pool's own error says only 'timeout'),
+    in libpq's own words: judge by them, say them through :func:`shown`; None when it
+    connects."""
     try:
         psycopg.connect(url, connect_timeout=max(int(timeout), 1)).close()
     except Exception as exc:
-        return scrubbed(" ".join(str(exc).split())[:300], url)
+        return " ".join(str(exc).split())
     return None
+
+
+def shown(detail: str, url: str) -> str:
+    """libpq's ``detail`` of ``url`` as a message says it: cleaned of what may be the
+    password's (:func:`scrubbed`), then cut (cut first, a quote left open masked nothing)."""
+    return scrubbed(detail, url)[:300]
 
 
 class SessionThread:
