@@ -150,7 +150,8 @@ def test_libpqs_words_keep_what_the_url_shows() -> None:
     "connection is bad: GSSAPI encryption required but it is not supported over a local socket",
     "connection is bad: GSSAPI encryption required but no credential cache",
     'connection is bad: connection to server at "127.0.0.1", port 1 failed: invalid integer '
-    'value "x" for connection option "keepalives"'])
+    'value "x" for connection option "keepalives"',
+    'connection is bad: could not parse network address "x": Name or service not known'])
 def test_settings_no_wait_cures_are_not_waited_out(detail: str) -> None:
     assert not reachable_later(detail)
 

@@ -74,7 +74,8 @@ SETTINGS_WRONG = ("fe_sendauth: no password supplied",
                   "channel binding required", "channel binding is required",
                   "authentication method requirement", "definition of service",
                   "service file", "GSSAPI encryption required",
-                  "GSSAPI support is not compiled in", "may not be used with")
+                  "GSSAPI support is not compiled in", "may not be used with",
+                  "could not parse network address")  # (a hostaddr that is no address, R57)
 # a named host with a port that is no number: getaddrinfo's EAI_SERVICE (psycopg resolves the
 # host itself, and says so before libpq could call the port no integer): the URL is wrong
 BAD_SERVICE = "Servname not supported"
