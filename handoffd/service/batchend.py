@@ -65,6 +65,7 @@ class BatchEnd:
     # last swept for them, and whether the main loop is to sweep now (outside ``cv``)
     _takeover_since: float | None = None
     _takeover_swept: float = float("-inf")
+    _takeover_said: bool = False  # its wait's line said
     takeover_sweep_due: bool = False
 
     def scan(self, *, recheck_waiting: bool = True) -> int:
@@ -106,12 +107,11 @@ class BatchEnd:
         over the claims its sweeps watch toward a takeover (a PostgreSQL store's: an owner gone,
         or a live owner's lease stale); ``now`` when the main loop is to sweep now
         (:attr:`takeover_sweep_due`); None when it may end. Only a process that watched a claim
-        for a whole ``claim_grace_seconds`` (or lease period) on its own clock may take it over,
-        which a batch that ended at once never did: every batch left a dead claimer's claim
-        for the next, which started watching anew. What it takes over is queued by the sweep
-        and run as any other. Bounded: from its first wait, the longer of the grace and the
-        lease (a lease renewed under a clock ahead of ours is watched afresh at each renewal),
-        and ``--max-seconds`` (the main loop's deadline)."""
+        for a whole ``claim_grace_seconds`` on its own clock may take it over, which a batch
+        that ended at once never did: every batch left a dead claimer's claim for the next,
+        which started watching anew. What it takes over is queued by the sweep and run as any
+        other. Bounded: from its first wait, the grace, and ``--max-seconds`` (the main loop's
+        deadline)."""
         watch = getattr(self.engine.backend, "takeover_watch", None)
         settings = self.engine.settings
         dues: list[float] = watch(settings.lease_seconds) if callable(watch) else []
@@ -119,14 +119,15 @@ class BatchEnd:
             self._takeover_since = None
             return None
         if self._takeover_since is None:
-            self._takeover_since = now
-        bound = self._takeover_since + max(settings.claim_grace_seconds,
-                                           settings.lease_seconds) + TAKEOVER_SLACK_SECONDS
+            self._takeover_since, self._takeover_said = now, False
+        bound = self._takeover_since + settings.claim_grace_seconds + TAKEOVER_SLACK_SECONDS
         due = min(dues)
-        # one already due was still there at the last sweep (its row locked by another
-        # claimer, a memory back-off): looked at again a sweep period later, no sooner
-        at = due if due > self._takeover_swept else self._takeover_swept + settings.sweep_seconds
-        at = min(at, bound)
+        # swept every sweep period meanwhile, as a serve's sweeps look: an owner whose key is
+        # seen held at any of them is watched afresh (R56: a batch that looked only at the
+        # first sighting and at the due time took over a live serve whose presence session kept
+        # dropping, each look landing on a gap); one already due and still there (its row
+        # locked by another claimer, a memory back-off) is looked at a sweep period later
+        at = min(due, self._takeover_swept + settings.sweep_seconds, bound)
         if now >= bound and self._takeover_swept >= bound:  # (the last sweep was at the bound)
             self._takeover_since = None
             return None
@@ -134,10 +135,12 @@ class BatchEnd:
             self.takeover_sweep_due = True
             self._takeover_swept = now
             return now
-        if at - now > TAKEOVER_QUIET_SECONDS and self._takeover_since == now:
-            log.warning("waiting up to %.0fs to take over %d claim(s) whose owner is gone or "
-                        "stalled (a claim is taken over only after this process watched it for "
-                        "claim_grace_seconds, or a lease)", at - now, len(dues))
+        wait = min(due, bound, self.scheduler.batch_deadline) - now
+        if wait > TAKEOVER_QUIET_SECONDS and not self._takeover_said:
+            self._takeover_said = True  # (once a wait)
+            log.warning("waiting up to %.0fs to take over %d claim(s) whose owner is gone (a "
+                        "claim is taken over only after this process watched it for "
+                        "claim_grace_seconds)", wait, len(dues))
         return at
 
     def _unlisted(self, now: float) -> float | None:

@@ -101,14 +101,15 @@ class Recovery(ClaimOwner):
         return claims
 
     def takeover_watch(self, lease_seconds: float) -> builtins.list[float]:
-        """When (on this process's monotonic clock) each claim its sweeps are watching toward a
-        takeover may be taken over: one whose owner's key it saw unheld, a whole
-        ``owner_grace`` after it first did; one whose live owner's lease it saw stale, a whole
-        lease period after. Empty: it watches none. Only the process that watched may take
-        such a claim over, so a batch (``handoffd run``) waits for these before it ends: it
-        would end before any of them came due, and the next batch would start watching anew."""
-        return ([first + self.owner_grace for first in self._absent.values()]
-                + [first + lease_seconds for first in self._stale.values()])
+        """When (on this process's monotonic clock) each claim whose owner's key its sweeps saw
+        unheld may be taken over: a whole ``owner_grace`` after it first did. Empty: it watches
+        none. Only the process that watched may take such a claim over, so a batch (``handoffd
+        run``) waits for these before it ends: it would end before any of them came due, and
+        the next batch would start watching anew. A live owner's stale lease is not waited for
+        (R56: beside a live `serve` whose clock is behind, every batch waited a whole lease and
+        said so): a `serve` takes a stalled owner's claim over. ``lease_seconds``: unused (the
+        same signature as the stale watch's would need)."""
+        return [first + self.owner_grace for first in self._absent.values()]
 
     def _look(self, conn: Conn, now: datetime) -> builtins.list[Seen]:
         """The sweep's first look: which claims look abandoned (no lock taken: most sweeps find
