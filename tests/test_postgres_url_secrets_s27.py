@@ -125,7 +125,11 @@ def test_a_user_holding_a_question_mark_or_an_at_sign_keeps_the_password_masked(
     ('connection is bad: invalid sslmode value: "verysecret@h/db"',
      "postgresql://u:5/x?sslmode=verysecret@h/db"),
     ('invalid integer value "se"cret" for connection option "port"',
-     'postgresql://u:5/x?port=se"cret@h/db')])
+     'postgresql://u:5/x?port=se"cret@h/db'),
+    # psycopg's summary of several attempts (R57): the password read as hosts and ports
+    ("connection failed: Multiple connection attempts failed. All failures were: - host: '', "
+     "port: '1234', hostaddr: '': x - host: 'secr.example', port: '7777', hostaddr: '': y",
+     "postgresql://:1234,secr.example:7777/QWXZ@127.0.0.1:1/db")])
 def test_libpqs_words_quote_no_piece_of_a_password(detail: str, url: str) -> None:
     said = scrubbed(detail, url)
     assert not any(secret in said for secret in ("1234", "secr", "verysecret")), said

@@ -378,6 +378,10 @@ def scrubbed(detail: str, url: str) -> str:
     double, single = (".*" if quote in secret else f"[^{quote}]*" for quote in "\"'")
     detail = re.sub(f'"({double})"', kept('"..."'), detail)
     detail = re.sub(rf"\bhost '({single})'", kept("host '...'"), detail)  # (psycopg's quotes)
+    # psycopg's summary of several attempts: "- host: 'h', port: '5432', hostaddr: '1.2.3.4'"
+    # (R57: a password of digits, "," and a host read as two hosts showed there)
+    for key in ("host", "port", "hostaddr"):
+        detail = re.sub(rf"\b{key}: '({single})'", kept(f"{key}: '...'"), detail)
     return re.sub(r"\bport (\d+)", kept("port ..."), detail)
 
 
