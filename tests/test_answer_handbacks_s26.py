@@ -127,7 +127,7 @@ def test_a_claim_given_back_leaves_an_answer_as_it_was(kind: str) -> None:
 def test_a_retried_native_failure_reads_pending_again() -> None:
     """`handoff retry` strips a filed failure's answer fields before ``mark_pending``: it is
     a request again, ``status: pending`` (the answer's status is kept only while it is one)."""
-    from handoffd.service.sweeper import restore_request
+    from handoffd.core.filing import restore_request
     doc = {"handoff_id": "h-26", "status": "failed", "target": {"agent_id": "@a"},
            "timestamp_failed": "2026-11-27T00:00:00Z", "error": {"code": "TIMEOUT"},
            "started_at": "2026-11-27T00:00:00Z"}

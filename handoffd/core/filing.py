@@ -8,15 +8,17 @@ feature would. :meth:`Engine.file <handoffd.core.engine.Engine.file>` calls it, 
 """
 from __future__ import annotations
 
+import copy
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .bounds import MAX_RETRY_DELAY_SECONDS
 from .documents import PROCESS_DIED, Outcome, book, book_int, record, throttles_in_a_row
-from .errors import ConfigError, ErrorCode
-from .formats import ArtifactSink, Dialect, FiledState
+from .errors import ConfigError, ErrorCode, InvalidDocument
+from .formats import ArtifactSink, Dialect, FiledState, Formats, answer_refusal
 from .hooks import Hooks
 from .logs import log
+from .native_format import REFUSED_ANSWER
 from .settings import RetryPolicy
 from .specialists import Specialist
 from .states import State, Status
@@ -189,3 +191,66 @@ def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy
     if dialect.name != "native":  # its answer replaces the request: keep it for retries
         block.setdefault("request_snapshot", without_book(doc))
     return dst, dialect.render(doc, outcome, filed, artifacts=artifacts)
+
+
+# the fields a native answer adds to its request: taken out when it goes back to pending/
+ANSWER_KEYS = ("aggregated_outcome", "children", "error", "errors", "failed_at", "timestamp_failed",
+               "retry_available",
+               "recovery_actions", "execution_time_seconds", "completed_at", "timestamp_completed",
+               "started_at", REFUSED_ANSWER)
+
+
+def restore_request(doc: dict[str, Any]) -> None:
+    """Strip native answer fields so a requeued document reads as a request again."""
+    for key in ANSWER_KEYS:
+        doc.pop(key, None)
+    block = book(doc)
+    if isinstance(block.get("request_snapshot"), dict):
+        snapshot = block["request_snapshot"]
+        for key in list(doc):
+            if key != "handoffd":
+                del doc[key]
+        doc.update(snapshot)
+
+
+def held_answer(formats: Formats, doc: dict[str, Any]) -> str | None:
+    """Why the failed ``doc`` (the store's trusted view) holds an answer, not a request, so that
+    it may never be retried, even forced; None: it holds a request.
+
+    Decided by handoffd's own record of the filing: its ``final_error`` says NOT_A_REQUEST, or
+    that it held an answer (:data:`HELD_ANSWER`), or CANCELLED (a cancel filed before the flag,
+    session 27, carries none). Only then is content read: a seed-001 answer keeps the sender's
+    fields under ``refused_answer`` (retried, what was left of it ran as work); another
+    format's answer is what the retry would put back (only to be refused again). A
+    ``refused_answer`` a request merely carries is no reason (it could never be retried once it
+    failed, R53); a refused document whose answer the user took out is retried as any other.
+    `handoff retry` refuses on it; a dependent of such a document is told so."""
+    final = book(doc).get("final_error")
+    if not isinstance(final, dict):
+        return None
+    flagged = final.get(HELD_ANSWER) is True
+    if final.get("code") not in (ErrorCode.NOT_A_REQUEST, ErrorCode.CANCELLED) and not flagged:
+        return None  # (every other failure: no document content is read)
+    kept = doc.get(REFUSED_ANSWER)
+    if isinstance(kept, dict) and "status" in kept:  # (keep_refused_answer always moves status)
+        status = str(kept["status"])[:40]
+        kind = "Response" if status in ("completed", "partial") else "Failure"
+        return (f"it is a seed-001 handoff {kind} (status {status!r}, its fields kept under "
+                f"{REFUSED_ANSWER}), an answer, not a request; submit the request it answers "
+                "(status pending, without the answer's fields) under a new id")
+    restored = copy.deepcopy(doc)  # what the retry would put back into pending/
+    restore_request(restored)
+    try:
+        dialect = formats.detect(restored)
+    except InvalidDocument:  # no format of ours: not an answer this check could name
+        return None
+    refusal = answer_refusal(dialect, restored)
+    if refusal is not None:
+        return str(refusal)
+    is_answer = getattr(dialect, "is_answer", None)
+    if flagged and is_answer is not None and is_answer(restored):
+        # filed holding an answer, still one, whatever else its format says of it now (R55: an
+        # Outcome of an unknown major version was put back, only to be refused again)
+        return ("it was filed holding an answer, not a request; submit the request it answers "
+                "under a new id")
+    return None

@@ -38,8 +38,8 @@ from ..core.engine import (  # Gate and Verdict are the core's; re-exported
     Verdict,
 )
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, NotFound
-from ..core.filing import HELD_ANSWER
-from ..core.native_format import REFUSED_ANSWER, stub_code
+from ..core.filing import held_answer
+from ..core.native_format import stub_code
 from ..core.jobs import Job
 from ..core.states import State
 from ..core.timeutil import parse_iso
@@ -523,16 +523,7 @@ def _unretriable(graph: Graph, handoff_id: str) -> str | None:
         return None
     if stub_code(doc) is not None:
         return "stub"
-    block = doc.get(BOOK)
-    final = block.get("final_error") if isinstance(block, dict) else None
-    if not isinstance(final, dict):
-        return None
-    if final.get("code") == ErrorCode.NOT_A_REQUEST or final.get(HELD_ANSWER) is True:
-        return "answer"
-    # a cancel filed before the flag (session 27): the answer it kept says so (R55)
-    kept = doc.get(REFUSED_ANSWER)
-    held = final.get("code") == ErrorCode.CANCELLED and isinstance(kept, dict) and "status" in kept
-    return "answer" if held else None
+    return "answer" if held_answer(graph.engine.formats, doc) is not None else None
 
 
 def _ended(graph: Graph, handoff_id: str) -> str:

@@ -14,7 +14,6 @@ Sweeping is idempotent and safe to run from several processes at once.
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import weakref
@@ -36,9 +35,8 @@ from ..core.errors import (
     is_shortage,
 )
 from ..core.events import SET_ASIDE, RecordingBackend
-from ..core.filing import HELD_ANSWER
-from ..core.formats import answer_refusal
-from ..core.native_format import REFUSED_ANSWER, stub_code
+from ..core.filing import held_answer, restore_request
+from ..core.native_format import stub_code
 from ..core.states import State
 from ..core.storage import GIVEN_UP, GIVEN_UP_UNRUN, Claim, owner_died
 from .daemon_records import Stamp, config_stamp
@@ -365,54 +363,13 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
 
 
 def _check_holds_request(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> None:
-    """InvalidTransition, even forced, when the failed document holds an answer rather
-    than a request: a seed-001 Response or Failure dropped into pending/ and refused
-    NOT_A_REQUEST (or cancelled while pending) keeps the sender's fields under
-    ``refused_answer``; an answer of another format refused NOT_A_REQUEST kept that answer as
-    the request it would retry. Retried, the first ran its request part as work (a Response
-    often has no ``input``), the second went back to pending/ only to be refused again.
-
-    Decided by handoffd's own bookkeeping, ``doc`` being the store's trusted view: the last
-    filing's ``final_error`` says NOT_A_REQUEST, or that it held an answer
-    (:data:`~handoffd.core.filing.HELD_ANSWER`). A ``refused_answer`` in the document itself is
-    content anyone may write: trusted, a request submitted with one could never be retried
-    once it failed as any request may. A refused document whose answer the user took out
-    (``refused_answer`` removed, the rest a request) is retried as any other."""
-    final = book(doc).get("final_error")
-    if not isinstance(final, dict):
-        return
-    flagged = final.get(HELD_ANSWER) is True
-    # a cancel filed by a handoffd before the flag (session 27) carries none: its content is
-    # read then, and an answer it kept refused (R55: such a seed-001 answer, retried, ran)
-    if final.get("code") not in (ErrorCode.NOT_A_REQUEST, ErrorCode.CANCELLED) and not flagged:
-        return  # (every other failure: no document content is read)
-    kept = doc.get(REFUSED_ANSWER)
-    if isinstance(kept, dict) and "status" in kept:  # (keep_refused_answer always moves status)
-        status = str(kept["status"])[:40]
-        kind = "Response" if status in ("completed", "partial") else "Failure"
-        reason = (f"it is a seed-001 handoff {kind} (status {status!r}, its fields kept under "
-                  f"{REFUSED_ANSWER}), an answer, not a request; submit the request it answers "
-                  "(status pending, without the answer's fields) under a new id")
-    else:
-        restored = copy.deepcopy(doc)  # what the retry would put back into pending/
-        restore_request(restored)
-        try:
-            dialect = engine.formats.detect(restored)
-        except InvalidDocument:  # no format of ours: not an answer this check could name
-            return
-        refusal = answer_refusal(dialect, restored)
-        is_answer = getattr(dialect, "is_answer", None)
-        if refusal is not None:
-            reason = str(refusal)
-        elif flagged and is_answer is not None and is_answer(restored):
-            # filed holding an answer, still one, whatever else its format says of it now (R55:
-            # an Outcome of an unknown major version was put back, only to be refused again)
-            reason = ("it was filed holding an answer, not a request; submit the request it "
-                      "answers under a new id")
-        else:
-            return
-    raise InvalidTransition(f"handoff {handoff_id} cannot be retried, even forced: {reason}",
-                            handoff_id=handoff_id)
+    """InvalidTransition, even forced, when the failed document holds an answer rather than a
+    request (:func:`~handoffd.core.filing.held_answer`, ``doc`` being the store's trusted
+    view)."""
+    reason = held_answer(engine.formats, doc)
+    if reason is not None:
+        raise InvalidTransition(f"handoff {handoff_id} cannot be retried, even forced: {reason}",
+                                handoff_id=handoff_id)
 
 
 def _check_parent_open(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> None:
@@ -447,12 +404,6 @@ def _check_parent_open(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> 
             handoff_id=handoff_id)
 
 
-ANSWER_KEYS = ("aggregated_outcome", "children", "error", "errors", "failed_at", "timestamp_failed",
-               "retry_available",
-               "recovery_actions", "execution_time_seconds", "completed_at", "timestamp_completed",
-               "started_at", REFUSED_ANSWER)
-
-
 def unrun_in_a_row(doc: dict[str, Any]) -> int:
     """How many claims in a row, at the end of the handoff's history, were recovered given up
     unrun and handed back for it (claims, and the "recovered" record just made, skipped)."""
@@ -470,19 +421,6 @@ def unrun_in_a_row(doc: dict[str, Any]) -> int:
             continue
         break
     return count
-
-
-def restore_request(doc: dict[str, Any]) -> None:
-    """Strip native answer fields so a requeued document reads as a request again."""
-    for key in ANSWER_KEYS:
-        doc.pop(key, None)
-    block = book(doc)
-    if isinstance(block.get("request_snapshot"), dict):
-        snapshot = block["request_snapshot"]
-        for key in list(doc):
-            if key != "handoffd":
-                del doc[key]
-        doc.update(snapshot)
 
 
 # ---------------------------------------------------------------- handoffd.toml changed
