@@ -42,11 +42,12 @@ def _command(code: str) -> str:
 QUICK = _command("print(json.dumps({'status': 'completed', 'output': {'ran': True}}))")
 FAILS = _command("print(json.dumps({'status': 'failed', 'error': {'code': 'VALIDATION_FAILED', "
                  "'message': 'nope', 'retryable': False}}))")
-CONFIG = f"""
+DAEMON = """
 [daemon]
 settle_seconds = 0.05
 durability = "fast"
-
+"""
+CONFIG = f"""{DAEMON}
 [specialists."SPECIALIZED_FLEET"]
 command = {QUICK}
 
@@ -165,11 +166,7 @@ def test_an_answer_taken_out_by_hand_is_retried_as_a_request(ran: Workspace) -> 
 CARRIER = "hoff-carrier-s27"  # a request submitted with a refused_answer field, failed
 ANSWER_DEP = "hoff-answer-dep-s27"  # a seed-001 Response, refused NOT_A_REQUEST
 WAITER = "hoff-waiter-s27"  # a request depending on it
-FAILS_CONFIG = f"""
-[daemon]
-settle_seconds = 0.05
-durability = "fast"
-
+FAILS_CONFIG = f"""{DAEMON}
 [specialists."@react-specialist"]
 command = {FAILS}
 """

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import exe, new_workspace
-from test_seen_recovery_s26 import Store, _events, clock, store  # noqa: F401 (fixtures)
-from test_seen_shortage_s24 import _quarantined, _runs_command, foreign
+from conftest import exe
+from test_seen_recovery_s26 import (Store, _events, clock, crash_workspace,  # noqa: F401
+                                    store)
+from test_seen_shortage_s24 import _quarantined, foreign
 
 from handoffd.backends.files.seen import SeenIds
 from handoffd.core.documents import CHECK, RECORD, book, first_use_left
@@ -65,18 +66,7 @@ def test_two_documents_reusing_an_id_each_cut_by_a_crash(tmp_path: Path) -> None
     reusing the id has its batch die right after the claim, before admission: recovered, it
     is set aside DUPLICATE_HANDOFF_ID, never run. It once ran."""
     runs = tmp_path / "runs.txt"
-    ws = new_workspace(tmp_path / "ws", f"""
-[daemon]
-settle_seconds = 0.1
-claim_grace_seconds = 0.0
-
-[retry]
-max_retries = 2
-retry_delay_seconds = 0.0
-
-[specialists."@cmd"]
-command = {json.dumps(_runs_command(runs))}
-""")
+    ws = crash_workspace(tmp_path / "ws", runs)
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(DIE_AFTER_ADD)

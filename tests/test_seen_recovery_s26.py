@@ -41,13 +41,10 @@ def _batch(root: Path, **env: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120, env={**os.environ, **env})
 
 
-def test_a_reused_id_is_set_aside_after_a_crash_before_admission(tmp_path: Path) -> None:
-    """``handoffd run`` dies (as kill -9) right after its claim of a foreign document wrote
-    the lease, before admission: the next batch recovers the claim and runs it, and records its
-    id then, so a second foreign document with the same id (the first's result collected
-    meanwhile) is set aside DUPLICATE_HANDOFF_ID, never run. It once ran again."""
-    runs = tmp_path / "runs.txt"
-    ws = new_workspace(tmp_path / "ws", f"""
+def crash_workspace(root: Path, runs: Path) -> Any:
+    """A workspace for batches that crash on purpose: a claim recovered at once (no grace), its
+    retry due at once; its specialist @cmd appends a line to ``runs`` each time it runs."""
+    return new_workspace(root, f"""
 [daemon]
 settle_seconds = 0.1
 claim_grace_seconds = 0.0
@@ -59,6 +56,15 @@ retry_delay_seconds = 0.0
 [specialists."@cmd"]
 command = {json.dumps(_runs_command(runs))}
 """)
+
+
+def test_a_reused_id_is_set_aside_after_a_crash_before_admission(tmp_path: Path) -> None:
+    """``handoffd run`` dies (as kill -9) right after its claim of a foreign document wrote
+    the lease, before admission: the next batch recovers the claim and runs it, and records its
+    id then, so a second foreign document with the same id (the first's result collected
+    meanwhile) is set aside DUPLICATE_HANDOFF_ID, never run. It once ran again."""
+    runs = tmp_path / "runs.txt"
+    ws = crash_workspace(tmp_path / "ws", runs)
     try:
         ws.drop("dup-1.json", foreign("dup-1"))
         crashed = _batch(ws.root, HANDOFFD_CRASH_AT="after-claim-lease")
