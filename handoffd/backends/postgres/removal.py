@@ -20,6 +20,7 @@ another host may be in its turn.
 """
 from __future__ import annotations
 
+import select
 import threading
 import time
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from .connection import (BACKOFF_FIRST, BACKOFF_MAX, KEEPALIVES, Conn, StoreUnav
 # the lock's key, in the two-int4 key space of advisory locks ("hand", 1): the presence locks of
 # claim owners (connection.Presence) use the single-bigint space, which never overlaps it
 KEY = (0x68616E64, 1)
+RELEASE_WAIT = 1.0  # seconds the unlock's answer is waited for before the session is closed
 # pg_locks shows a two-key advisory lock as classid, objid and objsubid 2
 IN_PG_LOCKS = ("locktype = 'advisory' AND classid = %s AND objid = %s AND objsubid = 2 "
                "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())")
@@ -87,6 +89,7 @@ class PostgresRemovalLock:
                     yield True
                 finally:
                     self._mine.conn = None
+                    _release(conn)
             finally:
                 conn.close()  # (the session ends, and its lock with it: no unlock to forget)
 
@@ -175,6 +178,31 @@ class PostgresRemovalLock:
                     ) from None
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, BACKOFF_MAX)
+
+
+def _release(conn: Conn) -> None:
+    """Unlock before the session is closed: a closed session's lock goes only once the server's
+    backend has exited, and the next turn's new session, queued behind that, showed in
+    ``pg_locks`` as a waiter (a test's "1 sessions queued"). Its answer is waited for
+    :data:`RELEASE_WAIT` seconds at most (a cut network never holds a removal pass here: the
+    close that follows ends the session, and its lock, in any case). Best effort: a lost session
+    took its lock with it."""
+    pg = conn.pgconn
+    ends = time.monotonic() + RELEASE_WAIT
+    try:
+        pg.send_query(b"SELECT pg_advisory_unlock(%d, %d)" % KEY)
+        while True:
+            unsent = pg.flush()  # (0: all of it sent)
+            if not unsent:
+                pg.consume_input()
+                if not pg.is_busy():
+                    return  # answered: the lock is free
+            left = ends - time.monotonic()
+            if left <= 0:
+                return
+            select.select([pg.socket], [pg.socket] if unsent else [], [], left)
+    except (psycopg.Error, OSError):
+        pass
 
 
 def _acquire(conn: Conn, left: float, waits: bool) -> bool:
