@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -50,7 +51,11 @@ class SeenIds:
         self._cache = IdIndex()
         self._offset = 0
         self._inode = -1
-        self._mutex = threading.Lock()
+        self._mutex = threading.Lock()  # the index and the read offset
+        # the writers' turn (adds, compactions): taken before the record's flock is waited for,
+        # and the mutex only after it, so a look-up (contains, the claim path) never waits
+        # behind a lock held by another process (it did, for an add's whole wait)
+        self._turn = threading.Lock()
         self._searched = False  # the first contains() searched the record (see there)
         self._skipping = False  # _offset is inside a line over MAX_LINE: skipped to its end
         self._lock: int | None = None  # the lock file, kept open
@@ -66,22 +71,31 @@ class SeenIds:
         another process from dropping the line; under it the record is stat'ed, and reopened
         when a compaction replaced it."""
         line = _line(handoff_id, now, mark).encode()
-        with self._mutex:  # one descriptor for the threads of this process: flock alone
-            lock_fd = self._lock_fd()  # would not keep them apart
-            # bounded: a lock held for good (a stopped or foreign process) fails this one add
-            # (an OSError, one line) rather than freezing a create or the daemon's claim; an
-            # append without the lock could be dropped by that holder's compaction
-            if not logfiles.flock_within(lock_fd, logfiles.LOCK_WAIT_SECONDS):
-                raise logfiles.LockHeld(self.lock_path, logfiles.LOCK_WAIT_SECONDS)
+        wait = logfiles.LOCK_WAIT_SECONDS
+        ends = time.monotonic() + wait
+        # bounded: a lock held for good (a stopped or foreign process) fails this one add (an
+        # OSError, one line) rather than freezing a create or the daemon's claim; an append
+        # without the lock could be dropped by that holder's compaction. The whole wait, the
+        # turn's included: adds of several threads queued behind one held lock each fail
+        # within it, not one after another
+        if not self._turn.acquire(timeout=wait):
+            raise logfiles.LockHeld(self.lock_path, wait)
+        try:  # (one descriptor for the threads of this process: flock alone would not keep
+            lock_fd = self._lock_fd()  # them apart, the turn does)
+            if not logfiles.flock_within(lock_fd, max(ends - time.monotonic(), 0.0)):
+                raise logfiles.LockHeld(self.lock_path, wait)
             try:
-                info = self._out.ready()
-                written = self._out.write_line(line, info)
-                if (info.st_ino, info.st_size) == (self._inode, self._offset):
-                    self._offset += written  # nothing new to read back but our own line
-                    self._skipping = False  # (which ends any over-long line before it)
+                with self._mutex:
+                    info = self._out.ready()
+                    written = self._out.write_line(line, info)
+                    if (info.st_ino, info.st_size) == (self._inode, self._offset):
+                        self._offset += written  # nothing new to read back but our own line
+                        self._skipping = False  # (which ends any over-long line before it)
+                    self._cache.put(handoff_id, now.timestamp())
             finally:
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
-            self._cache.put(handoff_id, now.timestamp())
+        finally:
+            self._turn.release()
 
     def __del__(self) -> None:  # a store dropped in a long-lived process gives it back
         lock = getattr(self, "_lock", None)
@@ -184,8 +198,9 @@ class SeenIds:
         sweep calls this every few seconds: reading and rewriting the whole record each time
         made every sweep cost, in time and in a serving daemon's memory, one TTL's worth of
         ids. The record is rewritten line by line, never held whole."""
-        # the mutex before the flock, in the order add() takes them
-        with self._mutex:
+        # the turn, then the flock (then, for a moment, the mutex): the order add() takes them
+        # in. The rewrite itself runs outside the mutex: look-ups meanwhile read the old record
+        with self._turn:
             try:
                 # briefly: an add holds the lock for one write, another compaction for a
                 # moment; one held longer (a stopped or foreign process) puts the compaction
@@ -205,7 +220,7 @@ class SeenIds:
                 return None
 
     def _compact(self, now: datetime) -> int | None:
-        """:meth:`compact`, under the mutex and the lock."""
+        """:meth:`compact`, under the turn and the lock."""
         self._put_off = False
         try:
             with open_reading(self.path) as record:
@@ -216,8 +231,9 @@ class SeenIds:
                 kept = self._rewrite(record, now.timestamp())
         except FileNotFoundError:
             return 0
-        self._cache, self._offset, self._inode = IdIndex(), 0, -1
-        self._skipping = False
+        with self._mutex:  # (read afresh at the next look-up)
+            self._cache, self._offset, self._inode = IdIndex(), 0, -1
+            self._skipping = False
         return kept
 
     def _rewrite(self, record: BinaryIO, now: float) -> int:
