@@ -58,7 +58,7 @@ def clear_previous_attempt(ctx: HandlerContext) -> None:
         left = procrecords.read_record(ctx.root, ctx.handoff_id)
         if left is None or not left.local() or left.attempt > ctx.attempt:
             return
-        alive = procs.scan(left.token, None)
+        alive, unsettled = procs.find(left.token, None)
     except Exception as exc:
         log.warning("handoff %s: cannot check for leftover processes%s", ctx.handoff_id,
                     leftovers_unchecked(exc))
@@ -68,6 +68,13 @@ def clear_previous_attempt(ctx: HandlerContext) -> None:
                            f"{left.attempt} survive SIGKILL (pids "
                            f"{', '.join(str(p.pid) for p in alive[:10])}); not starting another run "
                            "beside them", handoff_id=ctx.handoff_id, retryable=True)
+    if unsettled:
+        # their environment unread, they may be that attempt's: started now, this run could
+        # overlap it, and its record (the only way to find it later) would be replaced
+        raise HandlerError(f"handoff {ctx.handoff_id}: {len(unsettled)} process(es) stay in the "
+                           f"middle of exec (pids {', '.join(str(pid) for pid in unsettled[:10])}) "
+                           f"and may be attempt {left.attempt}'s; not starting another run beside "
+                           "them", handoff_id=ctx.handoff_id, retryable=True)
 
 
 def leftovers_unchecked(exc: BaseException) -> str:
@@ -154,13 +161,16 @@ def signal_name(number: int) -> str:
 
 
 def signal_all(pgid: int, token: str, sig: int) -> None:
-    """Send ``sig`` to the attempt's process group and to every process carrying its token."""
+    """Send ``sig`` to the attempt's process group and to every process carrying its token
+    (found as a kill finds them: one in the middle of exec looked at again, see procs.find)."""
     try:
         os.killpg(pgid, sig)
         reached = pgid
     except (ProcessLookupError, PermissionError):
         reached = None
-    for info in procs.scan(token, None):
+    # (one still in the middle of exec after the rounds: the SIGKILL that follows counts it)
+    found, _ = procs.find(token, None)
+    for info in found:
         if info.pgid == reached:
             # signalled once already: a second SIGTERM a moment later re-enters a handler that
             # prints its partial result, and the answer becomes two JSON lines (seen in a run)

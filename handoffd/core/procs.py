@@ -26,7 +26,13 @@ starts on a host where the previous attempt's processes still live. Whoever reco
 claim should call :func:`kill_leftovers` too, before handing the handoff back. :func:`kill_runs`
 kills several attempts from one pass over /proc per round (the death watch's, its daemon dead).
 A process in the middle of exec (right after Popen returns, /proc shows its environment empty
-until the kernel has set it up) is looked at again, never passed over as carrying no token.
+until the kernel has set it up) is looked at again, never passed over as carrying no token:
+each scan re-reads it for :data:`SETTLE_SECONDS`, then further rounds look again for up to
+:data:`UNSETTLED_SECONDS` (a kill's rounds, :func:`find`'s for a stop signal or a retry's
+check). One still in exec after that may be any attempt's: it counts as a survivor of each
+attempt not yet proven gone, so the attempt's record is kept (a later pass looks again) and a
+retry does not start beside it; :func:`prune_records` keeps every record it could not prove
+over while one is seen (its one scan serves every record).
 
 Limits: only processes on this host that this process can see can be found (a record of another
 pid namespace, a container's, is found by token only: from the host, not from a sibling
@@ -52,8 +58,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from .documents import hostname
-from .procrecords import (MAX_PID, SealedToken, boot_id, read_in, read_record, records_folder,
-                          remove_in, remove_record, remove_stale_temp)
+from .procrecords import (MAX_PID, RunRecord, SealedToken, boot_id, read_in, read_record,
+                          records_folder, remove_in, remove_record, remove_stale_temp)
 
 log = logging.getLogger("handoffd")
 
@@ -135,10 +141,11 @@ _PF_KTHREAD = 0x00200000  # the stat flag of a kernel thread: no environment, ne
 # middle of exec: Popen returns once exec is past its point of no return, but the kernel sets
 # the new environment up after that (17 of 300 reads right after Popen came back empty; the
 # longest such window measured on a loaded machine, about 5 ms). A process still in that state
-# afterwards is reported, and kill_runs looks again in its next round.
+# afterwards is reported, and the caller looks again in its next round (see _Looking).
 SETTLE_SECONDS = 0.02
 _SETTLE_STEP = 0.001
-UNSETTLED_SECONDS = 0.25  # how long kill_runs looks again for processes still in exec
+UNSETTLED_SECONDS = 0.25  # how long further rounds look again for processes still in exec
+_ROUND_SECONDS = 0.01  # between two rounds: lets the kernel finish a kill, or an exec
 
 
 class _Stat(NamedTuple):
@@ -227,6 +234,52 @@ def scan(token: str, pgid: int | None = None) -> list[ProcInfo]:
     """Live processes that carry ``token`` (raw, or a record's :class:`SealedToken`) or belong
     to process group ``pgid``."""
     return _scan([(token, pgid)])[0][0]
+
+
+class _Looking:
+    """Rounds of scans, and how long a process found in the middle of exec keeps them going:
+    the rounds :func:`kill_runs` and :func:`find` share (a stop signal once got one scan's
+    20 ms, a kill its rounds' 0.25 s)."""
+
+    def __init__(self, wait_seconds: float) -> None:
+        self.started = time.monotonic()
+        # a process in the middle of exec keeps the rounds going only this long: it is most
+        # likely none of the runs' (any process on the machine), and one stuck there (an exit
+        # hung in the kernel, on older kernels) must not hold every attempt's end for the wait
+        self.until = self.started + min(UNSETTLED_SECONDS, wait_seconds)
+        self.unsettled: list[int] = []  # still in the middle of exec at the last scan
+
+    def scan(self, runs: Sequence[tuple[str, int | None]]) -> list[list[ProcInfo]]:
+        """One round: :func:`_scan`, its pids still in exec kept in :attr:`unsettled`."""
+        found, self.unsettled = _scan(runs)
+        return found
+
+    def again(self) -> bool:
+        """True while a process of the last round was in the middle of exec and the rounds
+        may still wait for it (its environment unread: it may carry any run's token)."""
+        return bool(self.unsettled) and time.monotonic() < self.until
+
+    def say_unsettled(self) -> None:
+        """One warning line naming the pids still in exec when the rounds ended."""
+        if self.unsettled:
+            log.warning("pid(s) %s stayed in the middle of exec (environment not set up) for "
+                        "%.2f s: not known whether they belong to the attempt(s) looked for; "
+                        "counted as their survivors", ", ".join(str(pid) for pid in
+                                                                self.unsettled[:10]),
+                        time.monotonic() - self.started)
+
+
+def find(token: str, pgid: int | None = None) -> tuple[list[ProcInfo], list[int]]:
+    """:func:`scan`, looking again in further rounds (up to :data:`UNSETTLED_SECONDS`) while a
+    process is in the middle of exec; returns what carries ``token`` (or is of group ``pgid``)
+    and the pids still in exec then, which may carry it too (the caller says what it makes of
+    them)."""
+    looking = _Looking(UNSETTLED_SECONDS)
+    while True:
+        found = looking.scan([(token, pgid)])[0]
+        if not looking.again():
+            return found, looking.unsettled
+        time.sleep(_ROUND_SECONDS)
 
 
 def _scan(runs: Sequence[tuple[str, int | None]]) -> tuple[list[list[ProcInfo]], list[int]]:
@@ -326,16 +379,11 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
     killed: list[set[int]] = [set() for _ in runs]
     survivors = [0] * len(runs)
     left = list(range(len(runs)))  # the attempts that may still have processes
-    started = time.monotonic()
-    deadline = started + wait_seconds
-    # a process found in the middle of exec keeps the attempts looking only this long: it is
-    # most likely none of theirs (any process on the machine), and one stuck there (an exit
-    # hung in the kernel, on older kernels) must not hold every attempt's end for the wait
-    settle_until = started + min(UNSETTLED_SECONDS, wait_seconds)
-    unsettled: list[int] = []
+    looking = _Looking(wait_seconds)
+    deadline = looking.started + wait_seconds
     rounds = 0
     while left:
-        found, unsettled = _scan([(runs[i][0], groups[i]) for i in left])
+        found = looking.scan([(runs[i][0], groups[i]) for i in left])
         targets: dict[int, list[ProcInfo]] = {}
         for i, procs in zip(left, found):
             pgid = groups[i]
@@ -344,7 +392,14 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
             targets[i] = [p for p in procs if p.marked or (ours[i] and p.pgid == pgid)]
         # an attempt is done once a round finds none of its processes, and none in the middle
         # of exec (its environment unread, it may carry this token: looked at next round)
-        waiting = bool(unsettled) and time.monotonic() < settle_until
+        waiting = looking.again()
+        if looking.unsettled and not waiting:
+            # still in exec when the rounds end: each may be any of these attempts', so each
+            # counts as a survivor of those not proven gone (their record kept, a retry not
+            # started beside them); counted as none, its record was removed (kill_leftovers)
+            for i in left:
+                if not targets[i]:
+                    survivors[i] = len(looking.unsettled)
         left = [i for i in left if targets[i] or waiting]
         if not left:
             break
@@ -352,7 +407,9 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
         # of /proc once outlasted the whole wait, and nothing was killed at all
         if rounds and time.monotonic() >= deadline:
             for i in left:
-                if targets[i]:
+                if not targets[i]:  # (held by a process in exec alone: the wait was shorter)
+                    survivors[i] = len(looking.unsettled)
+                else:
                     survivors[i] = len(targets[i])
                     log.warning("run %s: %d process(es) survived SIGKILL: %s",
                                 _label(runs[i][0]), len(targets[i]),
@@ -369,11 +426,8 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
                 except (ProcessLookupError, PermissionError):
                     continue
         rounds += 1
-        time.sleep(0.01)  # let the kernel finish them before looking again
-    if unsettled:
-        log.warning("pid(s) %s stayed in the middle of exec (environment not set up) for "
-                    "%.2f s: not known whether they belong to the attempt(s) killed",
-                    ", ".join(str(pid) for pid in unsettled[:10]), time.monotonic() - started)
+        time.sleep(_ROUND_SECONDS)  # let the kernel finish them before looking again
+    looking.say_unsettled()
     return [(len(pids), count) for pids, count in zip(killed, survivors)]
 
 
@@ -442,7 +496,10 @@ def prune_records(workspace: Any) -> int:
     """Remove records on this host whose attempt has no process left (a daemon died and the
     handoff was not retried here, e.g. it failed for good); returns how many were removed. Kills
     nothing: a record whose processes live belongs to a running attempt or to kill_leftovers.
-    Only a plain ``.meta/procs`` is pruned, through a descriptor (never through a symlink)."""
+    One pass over /proc serves every record; while it sees a process in the middle of exec
+    (which may carry any token), no record it could not prove over is removed: the next sweep
+    looks again. Only a plain ``.meta/procs`` is pruned, through a descriptor (never through a
+    symlink)."""
     with records_folder(workspace_root(workspace)) as folder:
         return 0 if folder is None else _prune_in(folder)
 
@@ -454,6 +511,8 @@ def _prune_in(folder: int) -> int:
             entries = list(listing)
     except FileNotFoundError:
         return 0
+    over: list[RunRecord] = []  # records of an earlier boot: nothing of theirs runs
+    unproven: list[RunRecord] = []  # local records whose daemon is gone: over unless found
     for entry in entries:
         if entry.name.startswith("."):
             remove_stale_temp(folder, entry)
@@ -463,10 +522,18 @@ def _prune_in(folder: int) -> int:
         record = read_in(folder, entry.name[:-5])
         if record is None or record.host != hostname():
             continue
-        if record.local() and (_alive(record.daemon_pid) or scan(record.token, None)):
-            continue
-        if not record.local() and record.boot_id == boot_id():
-            continue  # another pid namespace on this boot: its own daemons judge it
+        if record.local():
+            if not _alive(record.daemon_pid):
+                unproven.append(record)
+        elif record.boot_id != boot_id():
+            over.append(record)
+        # (another pid namespace on this boot: its own daemons judge it)
+    if unproven:
+        # one pass over /proc for every record (one each once cost records x processes)
+        found, unsettled = _scan([(record.token, None) for record in unproven])
+        if not unsettled:  # (one in exec may carry any of them: all stay till the next sweep)
+            over.extend(record for record, procs in zip(unproven, found) if not procs)
+    for record in over:
         remove_in(folder, record.handoff_id, record.token)
         removed += 1
     return removed

@@ -1,0 +1,174 @@
+"""Three leftovers of process handling (core/procs.py, core/childproc.py), against a fake /proc
+(test_procs_exec_s27.FakeProc: nothing real is read, signalled or killed).
+
+1. A process still in the middle of exec once the rounds end (its environment unread: it may
+   carry any token) counted as no survivor: kill_leftovers removed the record it could not
+   prove over, a retry started beside it, and prune_records dropped such records too.
+2. prune_records scanned /proc once per record (records x processes): now one scan for all.
+3. signal_all got one scan's re-look for a process in exec, not the rounds a kill has: a
+   carrier whose exec took longer got no SIGTERM (no chance to stop cleanly).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import types
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from test_procs_exec_s27 import FakeProc, fake_proc  # noqa: F401 (fake_proc: a fixture)
+
+from handoffd import Workspace as HandoffdWorkspace
+from handoffd.core import childproc, procrecords, procs
+from handoffd.core.errors import HandlerError
+from handoffd.core.specialists import HandlerContext
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+
+@pytest.fixture
+def short_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rounds' look-again window shortened: a fake process in exec stays there for good."""
+    monkeypatch.setattr(procs, "UNSETTLED_SECONDS", 0.05)
+
+
+def _record(root: Path, handoff_id: str, attempt: int = 1, pgid: int | None = None) -> str:
+    """Write a local record of ``handoff_id`` (this host, boot, namespace; its daemon, this
+    process, is not in the fake /proc: gone); returns its raw token."""
+    token = f"tok-{handoff_id}-{uuid.uuid4().hex}"
+    record = procrecords.RunRecord.new(handoff_id, token, attempt)
+    record.pgid = pgid
+    procrecords.write_record(root, record)
+    return token
+
+
+# ---------------------------------------------------------------- 1. a process still in exec
+
+def test_a_process_still_in_exec_keeps_the_leftovers_record(
+        fake_proc: FakeProc, short_rounds: None, tmp_path: Path) -> None:
+    """It may be the attempt's: counted as a survivor, the record stays for a later pass (it
+    was removed, and the process, if it was the attempt's, could no longer be found)."""
+    HandoffdWorkspace(tmp_path).ensure()
+    _record(tmp_path, "h1", pgid=5000)
+    fake_proc.add(7000, 7000, None, in_exec=True)
+    assert procs.kill_run("tok-mine", None, wait_seconds=60) == (0, 1)
+    assert procs.kill_leftovers(tmp_path, "h1", attempt=2) == 0
+    assert procrecords.read_record(tmp_path, "h1") is not None
+    assert not fake_proc.killed
+    # once it has settled (carrying no token of the record's), the next pass removes it
+    fake_proc.add(7000, 7000, None)
+    assert procs.kill_leftovers(tmp_path, "h1", attempt=2) == 0
+    assert procrecords.read_record(tmp_path, "h1") is None
+
+
+def test_a_retry_does_not_start_beside_a_process_that_may_be_its_predecessors(
+        fake_proc: FakeProc, short_rounds: None, tmp_path: Path) -> None:
+    """The record kept, the retry's check refuses (retryable) as it does for a survivor of
+    SIGKILL: started, it would have replaced the record, the only way to find that process."""
+    HandoffdWorkspace(tmp_path).ensure()
+    _record(tmp_path, "h1")
+    fake_proc.add(7000, 7000, None, in_exec=True)
+    ctx = HandlerContext(handoff_id="h1", attempt=2, root=tmp_path, data=None, target="@c")
+    with pytest.raises(HandlerError) as raised:
+        childproc.clear_previous_attempt(ctx)
+    assert raised.value.retryable and "7000" in str(raised.value)
+    assert "middle of exec" in str(raised.value)
+
+
+def test_prune_keeps_records_while_a_process_is_in_exec(
+        fake_proc: FakeProc, tmp_path: Path) -> None:
+    """A record whose daemon is gone and whose token no process shows is over, unless some
+    process's environment could not be read: then it stays until the next sweep."""
+    HandoffdWorkspace(tmp_path).ensure()
+    _record(tmp_path, "h1")
+    fake_proc.add(7000, 7000, None, in_exec=True)
+    assert procs.prune_records(tmp_path) == 0
+    assert procrecords.read_record(tmp_path, "h1") is not None
+    fake_proc.add(7000, 7000, None)  # settled: no token of the record's
+    assert procs.prune_records(tmp_path) == 1
+    assert procrecords.read_record(tmp_path, "h1") is None
+
+
+# ---------------------------------------------------------------- 2. one scan for every record
+
+def test_prune_scans_proc_once_for_all_records(fake_proc: FakeProc, tmp_path: Path) -> None:
+    """Six records whose daemon is gone: one scan of /proc (it was one per record); the one
+    whose attempt still has a process stays, the others go."""
+    HandoffdWorkspace(tmp_path).ensure()
+    tokens = {f"h{n}": _record(tmp_path, f"h{n}") for n in range(6)}
+    fake_proc.add(5000, 5000, tokens["h3"])  # h3's leftover, still running
+    fake_proc.add(6000, 6000, None)  # a bystander
+    assert procs.prune_records(tmp_path) == 5
+    assert fake_proc.scans == 1
+    assert [h for h in tokens if procrecords.read_record(tmp_path, h)] == ["h3"]
+    assert not fake_proc.killed  # pruning kills nothing
+
+
+# ---------------------------------------------------------------- 3. the stop signal's rounds
+
+class SlowExec(FakeProc):
+    """A fake /proc whose pids in ``slow`` stay in the middle of exec for their first
+    ``scans_in_exec`` scans (longer than one scan's re-look), then show their environment."""
+
+    def __init__(self, scans_in_exec: int) -> None:
+        super().__init__()
+        self.scans_in_exec = scans_in_exec
+        self.slow: set[int] = set()
+
+    def pids(self) -> Iterator[int]:
+        if self.scans == self.scans_in_exec:  # settled now: exec has set the environment up
+            for pid in self.slow:
+                pgid, environ, _ = self.table[pid]
+                self.table[pid] = (pgid, environ, False)
+        yield from super().pids()
+
+
+@pytest.fixture
+def slow_exec(fake_proc: FakeProc, monkeypatch: pytest.MonkeyPatch) -> SlowExec:
+    fake = SlowExec(scans_in_exec=2)
+    monkeypatch.setattr(procs, "_pids", fake.pids)
+    monkeypatch.setattr(procs, "open", fake.open, raising=False)
+    return fake
+
+
+def test_the_stop_signal_reaches_a_carrier_whose_exec_outlasts_one_scan(
+        slow_exec: SlowExec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """signal_all looks again in rounds as a kill does (procs.find): the carrier in exec for
+    two scans gets its SIGTERM (it got none: one scan, 20 ms of re-reads, then passed over)."""
+    slow_exec.add(7000, 7000, "tok-stop", in_exec=True)
+    slow_exec.slow.add(7000)
+    slow_exec.add(7100, 7100, "tok-another")
+    sent: list[tuple[str, int, int]] = []
+
+    def no_group(pgid: int, sig: int) -> None:
+        sent.append(("group", pgid, sig))
+        raise ProcessLookupError(pgid)
+    calls = {name: getattr(childproc.os, name) for name in dir(childproc.os)
+             if not name.startswith("__")}
+    monkeypatch.setattr(childproc, "os", types.SimpleNamespace(**{
+        **calls, "kill": lambda pid, sig: sent.append(("pid", pid, sig)), "killpg": no_group}))
+    childproc.signal_all(6000, "tok-stop", signal.SIGTERM)
+    assert sent == [("group", 6000, signal.SIGTERM), ("pid", 7000, signal.SIGTERM)]
+    assert slow_exec.scans >= 3
+
+
+def test_find_says_which_processes_stay_in_exec(fake_proc: FakeProc, short_rounds: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared rounds end after UNSETTLED_SECONDS (counted in scans: a round sleeps 10 ms),
+    naming what is still in exec; with nothing in exec, one scan and no sleep."""
+    fake_proc.add(7000, 7000, None, in_exec=True)
+    assert procs.find("tok-mine") == ([], [7000])
+    assert 2 <= fake_proc.scans < 20
+    del fake_proc.table[7000]
+    fake_proc.scans = 0
+    fake_proc.add(5000, 5000, "tok-mine")
+
+    def no_sleep(seconds: float) -> Any:
+        raise AssertionError("find waited with no process in exec")
+    monkeypatch.setattr(procs, "time", types.SimpleNamespace(
+        monotonic=time.monotonic, sleep=no_sleep))
+    assert procs.find("tok-mine") == ([procs.ProcInfo(5000, 5000, 500, True)], [])
+    assert fake_proc.scans == 1
