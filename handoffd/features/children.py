@@ -5,7 +5,8 @@ every child before any is stored (:func:`_plan_children`): its id (``<parent>.c1
 ``<parent>.r2.c1`` in a later round, or the entry's own), its document in the parent's format
 with ``parent_id``, conversation, chain position, dependencies and a timeout within the parent's
 deadline. An id another handoff holds, or held recently, refuses the whole delegation; one that a
-crashed attempt of this very delegation made is adopted instead of made again, as handoffd's own
+crashed attempt of this very delegation made (or one handed back for a passing shortage while
+storing them: :data:`CHILDREN_SHORT`) is adopted instead of made again, as handoffd's own
 bookkeeping of the child and of the parent's history tell (:func:`_made_by_interrupted_attempt`).
 """
 from __future__ import annotations
@@ -52,6 +53,11 @@ def child_id(parent: str, round_no: int, index: int) -> str:
     except InvalidDocument:
         short = hashlib.sha1(parent.encode()).hexdigest()[:10]
         return check_id(f"{parent[:96]}-{short}{suffix}")
+
+
+# the detail of the ``handed_back`` event of an attempt whose delegation's children could not be
+# planned or stored for a passing shortage (the shortage's errno name, or MemoryError)
+CHILDREN_SHORT = "children_short"
 
 
 @dataclasses.dataclass
@@ -196,9 +202,11 @@ def made_by_interrupted_attempts(engine: "Engine", doc: dict[str, Any], parent: 
 
 
 def _interrupted_attempts(doc: dict[str, Any]) -> list[tuple[Any, datetime]]:
-    """(actor, claimed at) of each attempt in ``doc``'s history that ended by recovery, since
-    its last delegation was parked (an earlier round's children are not this round's). Both
-    stamps of a pair come from the claiming process, so its clock alone decides."""
+    """(actor, claimed at) of each attempt in ``doc``'s history that ended by recovery, or was
+    handed back because its children could not all be stored for a passing shortage
+    (:func:`short_of_children`), since its last delegation was parked (an earlier round's
+    children are not this round's). Both stamps of a pair come from the claiming process, so
+    its clock alone decides."""
     history = book(doc).get("history")
     events = [e for e in (history if isinstance(history, list) else []) if isinstance(e, dict)]
     last = max((i for i, e in enumerate(events) if e.get("event") == "delegated"), default=-1)
@@ -206,12 +214,36 @@ def _interrupted_attempts(doc: dict[str, Any]) -> list[tuple[Any, datetime]]:
     for event in events[last + 1:]:
         if event.get("event") == "claimed":
             current = event
-        elif event.get("event") == "recovered" and current is not None:
+        elif (event.get("event") == "recovered" or short_of_children(event)) \
+                and current is not None:
             begun = _when(current)
             if begun is not None:
                 found.append((current.get("actor"), begun))
             current = None
     return found
+
+
+def short_of_children(event: dict[str, Any]) -> bool:
+    """Whether history ``event`` handed an attempt back, uncounted, because its delegation's
+    children could not be planned or stored for a passing shortage (its detail
+    :data:`CHILDREN_SHORT`): the children it made are the next attempt's to adopt."""
+    detail = event.get("detail")
+    return event.get("event") == "handed_back" and isinstance(detail, dict) \
+        and isinstance(detail.get(CHILDREN_SHORT), str)
+
+
+def children_shortages_in_a_row(doc: dict[str, Any]) -> int:
+    """How many such hand-backs (:func:`short_of_children`) end ``doc``'s history in a row
+    (claims skipped; any other event ends the run)."""
+    history = book(doc).get("history")
+    count = 0
+    for event in reversed(history if isinstance(history, list) else []):
+        if isinstance(event, dict) and event.get("event") == "claimed":
+            continue
+        if not (isinstance(event, dict) and short_of_children(event)):
+            break
+        count += 1
+    return count
 
 
 def _when(event: dict[str, Any]) -> datetime | None:

@@ -52,9 +52,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import functools
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import Outcome, book, book_int
@@ -65,7 +66,8 @@ from ..core.logs import log
 from ..core.states import PARKED, State
 from ..core.timeutil import iso
 from . import cancel_family, cancel_requests, clarification, first_success
-from .children import _plan_children, child_id, ensure_conversation
+from .children import (CHILDREN_SHORT, _plan_children, child_id, children_shortages_in_a_row,
+                       ensure_conversation)
 from .children_gate import FinishedChildren, children_gate
 from .clarification import (
     ANSWER_BOOKKEEPING_BYTES,
@@ -99,6 +101,12 @@ if TYPE_CHECKING:
 
 PARK_STATUSES = PARKED
 OUTCOME_INLINE_BYTES = 64 * 1024  # a parked handoff's report larger than this is abridged
+# a delegation whose children cannot be planned or stored for a passing shortage is handed back
+# uncounted, due again after a back-off doubling from the first to the max; after FREE of them in
+# a row (about half an hour) each further one fails the attempt, retryable (_short_of_children)
+CHILDREN_SHORT_FIRST_SECONDS = 1.0
+CHILDREN_SHORT_MAX_SECONDS = 60.0
+FREE_CHILDREN_SHORTAGES = 30
 
 
 # ---------------------------------------------------------------- installation
@@ -253,6 +261,9 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
                                 f"its delegation is malformed: {exc}", retryable=False)
     except (HandoffdError, OSError, MemoryError) as exc:  # e.g. a child id's holder unreadable
         # right now, or a passing shortage (a MemoryError was filed VALIDATION_FAILED for good)
+        if is_shortage(exc) and (where := _short_of_children(engine, claim, dialect, exc,
+                                                              "planned")) is not None:
+            return where
         return _fail_delegation(engine, claim, dialect, spec, ErrorCode.PROCESSING_ERROR,
                                 f"could not check its child ids: {_said(exc)}", retryable=True)
     except Exception as exc:  # an entry no check foresaw (or a bug): filed, with one line
@@ -273,6 +284,11 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
             made.append(cid)
             stop = cancel_requests.requested(engine, claim.id)
     except Exception as exc:  # whatever it was, no child may run beside a parent filed failed
+        # (but a passing shortage hands the parent back: the children made are kept, and its
+        # next attempt, whose delegation has the same ids, adopts them instead of making them)
+        if is_shortage(exc) and (where := _short_of_children(engine, claim, dialect, exc,
+                                                              "stored")) is not None:
+            return where
         code, message, retryable = _creation_failure(claim.id, exc)
     else:
         book(claim.doc)["delegation_round"] = plan.round
@@ -285,6 +301,36 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
     book(claim.doc)["delegation_round"] = plan.round  # (a retry's children get new ids)
     _cancel_orphans(engine, claim.id, plan.adopted + made, message)
     return _fail_delegation(engine, claim, dialect, spec, code, message, retryable=retryable)
+
+
+def _short_of_children(engine: "Engine", claim: "Claim", dialect: "Dialect",
+                       exc: BaseException, doing: str) -> State | None:
+    """The parent's children could not be ``doing`` (planned, stored) for a passing shortage
+    (descriptors, memory): there is no job to wait on, so the parent is handed back to
+    pending/ uncounted, due again after a back-off (:data:`CHILDREN_SHORT_FIRST_SECONDS`,
+    doubling), with one WARNING line; its handler runs again then. It once failed the
+    attempt, counted, and cancelled the children made. Its delegation round is not advanced
+    and the children made so far stay: the next attempt's children have the same ids and
+    adopts them (:func:`.children.short_of_children`), so none is made twice. None after
+    :data:`FREE_CHILDREN_SHORTAGES` such hand-backs in a row: the caller fails the attempt,
+    retryable, as before (its retry policy bounds a delegation that always runs short)."""
+    streak = children_shortages_in_a_row(claim.doc) + 1
+    if streak > FREE_CHILDREN_SHORTAGES:
+        return None
+    delay = min(CHILDREN_SHORT_MAX_SECONDS, CHILDREN_SHORT_FIRST_SECONDS * 2.0 ** (streak - 1))
+    words = shortage_words(exc)
+    reason = errno.errorcode.get(exc.errno or 0, "OSError") if isinstance(exc, OSError) \
+        else "MemoryError"
+    short: dict[str, Any] = {CHILDREN_SHORT: reason}
+    where = engine.requeue(claim, dialect, "handed_back",
+                           due_at=engine.clock() + timedelta(seconds=delay),
+                           reason=f"its delegation's children could not be {doing} for now: "
+                                  f"{words}", **short)
+    if where is State.PENDING:
+        log.warning("handoff %s: its delegation's children could not be %s for now: %s; handed "
+                    "back uncounted, its handler runs again in %gs (children made so far are "
+                    "kept, not made again)", claim.id, doing, words, delay)
+    return where
 
 
 def _creation_failure(parent: str, exc: Exception) -> tuple[str, str, bool]:

@@ -87,6 +87,26 @@ _DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("handoffd_stor
                                                                   default=math.inf)
 
 
+class _Pool(ConnectionPool[Conn]):
+    """A ConnectionPool that tells its caller which connection a failed checkout took: a
+    MemoryError (or any error) raised inside ``getconn`` after the connection left the pool
+    (its own logging, its statistics) once lost it, the pool counting it checked out for
+    ever (after ``max_size`` such leaks every operation waited out the pool's timeout). Each
+    connection taken is noted in the taking thread's slot (set by :meth:`Database._getconn`
+    before it asks: noting it allocates nothing) until ``getconn`` returns it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.taking = threading.local()  # .slot: [the connection the current checkout took]
+        super().__init__(*args, **kwargs)
+
+    def _getconn_unchecked(self, timeout: float) -> Conn:
+        conn = super()._getconn_unchecked(timeout)
+        slot = getattr(self.taking, "slot", None)
+        if slot is not None:
+            slot[0] = conn  # (an item replaced in place: no allocation, no MemoryError)
+        return conn
+
+
 # connections remembered as back from an outage (Outages), per store
 MAX_RETURNED = 1000
 
@@ -490,7 +510,7 @@ class Database:
         self._wake = threading.Condition()  # interrupt() wakes retries sleeping their backoff
         self.report_level = logging.WARNING  # of the lost/back lines (see quiet_reconnects)
         self._first_connection(url)
-        self.pool: ConnectionPool[Conn] = ConnectionPool(
+        self.pool: ConnectionPool[Conn] = _Pool(
             url, min_size=1, max_size=max(max_size, 1), open=False, name="handoffd",
             timeout=connect_timeout, kwargs={"connect_timeout": max(int(connect_timeout), 1)},
             reconnect_timeout=POOL_RETRY_SECONDS,  # (not its minutes of backoff: see there)
@@ -621,10 +641,30 @@ class Database:
         while True:
             left = min(ends, self._limit(window)) - time.monotonic()
             try:  # a connection already free is taken at once, even past a deadline
-                return self.pool.getconn(timeout=max(min(left, CHECKOUT_SLICE), MIN_CHECKOUT))
+                return self._checkout(max(min(left, CHECKOUT_SLICE), MIN_CHECKOUT))
             except PoolTimeout:
                 if left <= CHECKOUT_SLICE:
                     raise
+
+    def _checkout(self, timeout: float) -> Conn:
+        """``pool.getconn(timeout)``; a connection it took before it failed (a MemoryError in
+        its own logging or statistics) is given back (:meth:`_put_back`) before the error
+        goes on: a checkout never leaks one, whatever fails."""
+        taking = getattr(self.pool, "taking", None)
+        if taking is None:  # (a pool of another kind: taken at its word)
+            return self.pool.getconn(timeout=timeout)
+        slot: list[Conn | None] = [None]  # (allocated before any connection is taken)
+        taking.slot = slot
+        try:
+            return self.pool.getconn(timeout=timeout)
+        except BaseException:
+            taken, slot[0] = slot[0], None
+            if taken is not None and getattr(taken, "_pool", None) is self.pool \
+                    and not self._idle_in_pool(taken):  # (not given back by the pool itself)
+                self._put_back(taken)
+            raise
+        finally:
+            taking.slot = None
 
     def _pause(self, seconds: float) -> None:
         """Sleep one backoff step, or less when :meth:`interrupt` is called meanwhile."""
