@@ -153,7 +153,7 @@ def report_fields(report: BatchReport) -> dict[str, object]:
     """The counts of ``report`` as fields of the "stopped" / "batch_done" JSON record."""
     return {"completed": report.completed, "failed": report.failed,
             "retry_scheduled": report.retrying, "throttled": report.throttled,
-            "handed_back": report.handed_back,
+            "recovered": report.recovered, "handed_back": report.handed_back,
             "unroutable": len(report.unroutable), "waiting": len(report.waiting),
             "errors": report.errors, "stalls": report.stalls, "lost": len(report.lost),
             "set_aside": report.set_aside,

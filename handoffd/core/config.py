@@ -105,7 +105,7 @@ def load_config(path: Path) -> Config:
     if unknown:
         raise ConfigError(f"{path}: unknown section [{unknown[0]}]; known: "
                           f"{', '.join(sorted(SECTIONS))}")
-    config = Config()
+    config = Config(path=path)
     config.daemon = _daemon_settings(raw.get("daemon", {}), path)
     retry = raw.get("retry", {})
     check_retry_table(retry, f"{path}: [retry]")

@@ -93,6 +93,22 @@ def book(doc: dict[str, Any]) -> dict[str, Any]:
     return block
 
 
+def raw_book(handoff_id: str) -> dict[str, Any]:
+    """The bookkeeping block a claim gives a raw document (one from outside, whose block was
+    not ours): only the id it is kept under, its file name, as a created one's names it (its
+    answer names the handoff so: a hi_moe Outcome dropped as X is refused as X, whatever id or
+    ``correlation_id`` it carries)."""
+    return {"id": handoff_id}
+
+
+def booked_id(doc: dict[str, Any]) -> str | None:
+    """The id handoffd keeps ``doc`` under (its file name), as its bookkeeping block records
+    it; None when the block names none (a document claimed before the id was recorded)."""
+    block = doc.get(BOOK)
+    given = block.get("id") if isinstance(block, dict) else None
+    return given if isinstance(given, str) and given else None
+
+
 def revision(doc: dict[str, Any]) -> int:
     """The document's transition counter as written (0 for a document no handoffd process has
     written). Only a sealed document's revision is trusted: see ``Store.trusted_revision``."""
@@ -122,6 +138,13 @@ def record(doc: dict[str, Any], event: str, now: datetime, **detail: Any) -> Non
     history.append(entry)
     if len(history) > MAX_HISTORY:  # keep the first event and the most recent ones
         del history[1:len(history) - MAX_HISTORY + 1]
+
+
+def last_events(doc: dict[str, Any], count: int) -> list[Any]:
+    """The names of the last ``count`` (or fewer) events of ``doc``'s history, oldest first."""
+    history = book(doc).get("history")
+    entries = history[-count:] if isinstance(history, list) and count > 0 else []
+    return [entry.get("event") if isinstance(entry, dict) else None for entry in entries]
 
 
 def throttles_in_a_row(doc: dict[str, Any]) -> int:

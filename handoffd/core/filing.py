@@ -197,13 +197,18 @@ def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy
 ANSWER_KEYS = ("aggregated_outcome", "children", "error", "errors", "failed_at", "timestamp_failed",
                "retry_available",
                "recovery_actions", "execution_time_seconds", "completed_at", "timestamp_completed",
-               "started_at", REFUSED_ANSWER)
+               "started_at")
 
 
 def restore_request(doc: dict[str, Any]) -> None:
-    """Strip native answer fields so a requeued document reads as a request again."""
+    """Strip native answer fields so a requeued document reads as a request again; call it
+    while its ``final_error`` is still there. ``refused_answer`` is taken out only when
+    handoffd put it there (:func:`filed_answer`): a request's own field of that name is the
+    sender's, kept as any other (it once lost it on `handoff retry`)."""
     for key in ANSWER_KEYS:
         doc.pop(key, None)
+    if filed_answer(doc):
+        doc.pop(REFUSED_ANSWER, None)
     block = book(doc)
     if isinstance(block.get("request_snapshot"), dict):
         snapshot = block["request_snapshot"]
@@ -211,6 +216,17 @@ def restore_request(doc: dict[str, Any]) -> None:
             if key != "handoffd":
                 del doc[key]
         doc.update(snapshot)
+
+
+def filed_answer(doc: dict[str, Any]) -> bool:
+    """True when handoffd's own record of the filing (its ``final_error``) says the failed
+    ``doc`` was filed holding an answer: refused NOT_A_REQUEST, or flagged
+    :data:`HELD_ANSWER` (cancelled while pending). Only then did its filing move a seed-001
+    answer's fields under ``refused_answer`` (``keep_refused_answer``); a CANCELLED one
+    filed before the flag was never retried (:func:`held_answer` refuses it)."""
+    final = book(doc).get("final_error")
+    return isinstance(final, dict) and (final.get("code") == ErrorCode.NOT_A_REQUEST
+                                        or final.get(HELD_ANSWER) is True)
 
 
 def held_answer(formats: Formats, doc: dict[str, Any]) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from .bounds import (
@@ -238,6 +239,8 @@ class Config:
     retention: Retention = field(default_factory=Retention)
     #: ``[store]``: the files backend (no url) or a PostgreSQL database.
     store: StoreSettings = field(default_factory=StoreSettings)
+    #: the file it was read from (None: defaults, no file), named by the errors it gives later
+    path: Path | None = field(default=None, compare=False)
 
     def store_url(self, override: str | None = None) -> str | None:
         """The store to use: ``override`` (``--store``), else ``$HANDOFFD_STORE``, else
@@ -252,6 +255,7 @@ class Config:
             url = check_store_url(env, f"${STORE_ENV}")
         else:
             url = self.store.url
-        if url is not None:
-            check_owner_grace(self.daemon.claim_grace_seconds)
+        if url is not None:  # (named as every other setting's error: by the file's path)
+            where = f"{self.path or 'handoffd.toml'}: [daemon] claim_grace_seconds"
+            check_owner_grace(self.daemon.claim_grace_seconds, where)
         return url

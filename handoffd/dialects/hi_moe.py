@@ -14,8 +14,8 @@ import re
 from datetime import datetime
 from typing import Any
 
-from ..core.documents import (Envelope, Outcome, check_id, document_seconds, priority_rank,
-                              random_uuid)
+from ..core.documents import (Envelope, Outcome, booked_id, check_id, document_seconds,
+                              priority_rank, random_uuid)
 from ..core.errors import ErrorCode, InvalidDocument
 from ..core.formats import ArtifactSink
 from ..core.timeutil import iso
@@ -248,7 +248,11 @@ class HiMoeDialect:
     def render(self, doc: dict[str, Any], outcome: Outcome, filed: FiledState, *,
                artifacts: ArtifactSink | None = None) -> dict[str, Any]:
         request = sh.without_book(self._request(doc))
-        request_id = str(request.get("id"))
+        # the handoff's id is the file it was dropped as (its bookkeeping names it): the same
+        # as the request's id for any request admitted, but a refused Outcome carries its own
+        # id (one copied from another workspace answers the file name), and its refusal, filed
+        # as failed/{file name}, must answer that name, as handoffd knows it
+        request_id = booked_id(doc) or str(request.get("id"))
         version = request.get("version")
         if major_of(version) not in SUPPORTED_MAJORS or not _semver(version):
             version = CURRENT_VERSION  # (the request's, copied, must not make the answer invalid)

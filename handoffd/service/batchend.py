@@ -67,6 +67,9 @@ class BatchEnd:
     _takeover_swept: float = float("-inf")
     _takeover_said: bool = False  # its wait's line said
     takeover_sweep_due: bool = False
+    # its wait ended at its bound with claims due that its sweeps did not take over: the main
+    # loop says which as the batch ends (:meth:`say_takeovers_left`, outside ``cv``)
+    takeovers_left_due: bool = False
 
     def scan(self, *, recheck_waiting: bool = True) -> int:
         """The daemon's listing of pending/ (see :meth:`.daemon.Daemon.scan`)."""
@@ -130,6 +133,7 @@ class BatchEnd:
         at = min(due, self._takeover_swept + settings.sweep_seconds, bound)
         if now >= bound and self._takeover_swept >= bound:  # (the last sweep was at the bound)
             self._takeover_since = None
+            self.takeovers_left_due = due <= now  # (watched a whole grace, still not taken)
             return None
         if at <= now:
             self.takeover_sweep_due = True
@@ -142,6 +146,24 @@ class BatchEnd:
                         "claim is taken over only after this process watched it for "
                         "claim_grace_seconds)", wait, len(dues))
         return at
+
+    def say_takeovers_left(self) -> None:
+        """A batch that waited for claims to take over ends without some (outside ``cv``):
+        one line for each, naming it and why (a row locked by another database session is
+        skipped by the takeover), and who takes it over. It ended without a word of them."""
+        self.takeovers_left_due = False
+        left = getattr(self.engine.backend, "takeovers_left", None)
+        if not callable(left):
+            return
+        try:
+            claims: list[tuple[str, str]] = left()
+        except Exception as exc:  # (only a report: the store away meanwhile, a refusal)
+            log.warning("cannot tell which abandoned claims were left for a later batch: %s",
+                        exc)
+            return
+        for handoff_id, why in claims:
+            log.warning("handoff %s: its owner is gone but its claim could not be taken over: "
+                        "%s; a later batch or `handoffd serve` takes it over", handoff_id, why)
 
     def _unlisted(self, now: float) -> float | None:
         """pending/ could not be listed at a batch's end: look again in a second, for at most

@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Collection
 
 from ..core import recurring
-from ..core.documents import throttles_in_a_row
+from ..core.documents import last_events, throttles_in_a_row
 from ..core.engine import Engine, Job
 from ..core.procs import STOP_SIGNALS
 from ..core.runner import cancel
@@ -247,8 +247,8 @@ class Daemon(BatchEnd):
                 if not self.hooks.parked(handoff_id):  # a retry, or a throttle
                     if self._throttled(handoff_id):  # not attempted: no retry to count
                         report.throttled += 1
-                    else:
-                        report.retrying += 1
+                    elif not self._recovery(handoff_id):  # (a recovery's: counted as
+                        report.retrying += 1  # recovered, by the sweep that made it)
                     self.scheduler.notify(handoff_id)  # dispatch reads its next_attempt_at
                 else:  # its gate holds it (e.g. for its children) before they run: their
                     self.scheduler.look_first(handoff_id)  # filings wake it then
@@ -264,6 +264,14 @@ class Daemon(BatchEnd):
         THROTTLED: its specialist was too busy to start, no attempt was made), not a retry."""
         just = self.engine.hooks.just_filed(handoff_id)
         return just is not None and throttles_in_a_row(just[1]) > 0
+
+    def _recovery(self, handoff_id: str) -> bool:
+        """True when the retry just announced for ``handoff_id`` is a sweep's recovery of an
+        abandoned claim (its history ends ``recovered``, ``retry_scheduled``), counted in
+        ``report.recovered``. Counted as a retry, a batch that took a dead claimer's claim over
+        and completed it said ``completed 1, ... retry scheduled 1``: a retry still to come."""
+        just = self.engine.hooks.just_filed(handoff_id)
+        return just is not None and last_events(just[1], 2) == ["recovered", "retry_scheduled"]
 
     # ------------------------------------------------------------ housekeeping
     def renew_leases(self) -> None:
@@ -292,6 +300,7 @@ class Daemon(BatchEnd):
             log.exception("sweep failed; will try again")
             return SweepReport()
         self.report.set_aside += len(report.set_aside)
+        self.report.recovered += len(report.recovered)
         if report.recovered:
             log.warning("recovered %d abandoned handoff(s): %s", len(report.recovered),
                         ", ".join(report.recovered[:10]))
@@ -359,18 +368,35 @@ class Daemon(BatchEnd):
             # mark, taken as this daemon was built, stands) a batch says only what it met: a
             # second one of this daemon repeated the first one's problems at its end
             self._problems_since = recurring.mark()
+        self._bound_store()  # (its first sweep too)
         self.report.sweep = self._start_sweep()
         self.feed.subscribe()
         self._guarded_loop(batch=True)
         return self.report
 
+    def _bound_store(self) -> None:
+        """A batch with ``--max-seconds``: a store that is away (PostgreSQL down) makes none of
+        its operations retry past the batch's end (:meth:`stop`'s ``interrupt``, set ahead).
+        Each operation retried a lost connection for a whole ``reconnect_seconds`` window of its
+        own, one after the other, on every thread: the main loop, stuck in them, never reached
+        its deadline (483 s for a batch of ``--max-seconds 10``). What it holds claimed stays
+        in-progress, recovered as a dead claimer's: a hand-back that cannot reach the store
+        gives up as at any stop."""
+        deadline = self.scheduler.batch_deadline
+        interrupt = getattr(self.engine.backend, "interrupt", None)
+        if math.isfinite(deadline) and callable(interrupt):
+            interrupt(max(deadline - time.monotonic(), 0.0))
+
     def _guarded_loop(self, *, batch: bool) -> None:
         resume = getattr(self.engine.backend, "resume", None)
         if callable(resume) and not self.stopping:  # an earlier daemon's stop cut them short
             resume()  # (not this one's: a stop that came during its start keeps them short)
+            self._bound_store()  # (resume lifted the batch's bound too)
         self.leases.start()  # renewals and the fence run until the last job has ended
         try:
             self._loop(batch=batch)
+            if self.takeovers_left_due:  # (its end waited for claims it could not take)
+                self.say_takeovers_left()
         except Exception as exc:  # a scheduler bug: log it, hand work back, exit non-zero
             self.report.error = f"{type(exc).__name__}: {exc}"
             log.critical("main loop died: %s; handing back in-flight work and exiting",

@@ -16,6 +16,10 @@ class BatchReport:
     # requeued by seed 000's THROTTLED (the specialist too busy to start): no attempt, no
     # retry; still pending, tried again later
     throttled: int = 0
+    # claims this run's sweeps took over from a dead (or stalled) claimer: their retry is not
+    # counted in ``retrying`` (it is no failed attempt of this run's; what it ends as is counted
+    # where it is filed: completed, failed, or pending again for a retry still to come)
+    recovered: int = 0
     handed_back: int = 0
     unroutable: set[str] = field(default_factory=set)
     waiting: dict[str, str] = field(default_factory=dict)
@@ -47,6 +51,8 @@ class BatchReport:
                 f"{self.retrying}")
         if self.throttled:
             text += f", throttled {self.throttled} (deferred, no attempt counted)"
+        if self.recovered:
+            text += f", recovered {self.recovered} (taken over from a dead or stalled claimer)"
         if self.handed_back:
             text += f", handed back {self.handed_back}"
         if self.unroutable:

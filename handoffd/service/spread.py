@@ -375,15 +375,15 @@ def _parsed(pid: int, done: Collected) -> dict[str, Any]:
 def _as_json(report: BatchReport) -> dict[str, Any]:
     return {"completed": report.completed, "failed": report.failed,
             "retrying": report.retrying, "throttled": report.throttled,
-            "handed_back": report.handed_back,
+            "recovered": report.recovered, "handed_back": report.handed_back,
             "unroutable": sorted(report.unroutable), "waiting": report.waiting,
             "error": report.error, "stalls": report.stalls, "errors": report.errors,
             "set_aside": report.set_aside, "backed_off": report.backed_off}
 
 
 def _merge(report: BatchReport, other: dict[str, Any]) -> None:
-    for name in ("completed", "failed", "retrying", "throttled", "handed_back", "stalls",
-                 "errors", "set_aside"):
+    for name in ("completed", "failed", "retrying", "throttled", "recovered", "handed_back",
+                 "stalls", "errors", "set_aside"):
         value = other.get(name, 0)
         setattr(report, name, getattr(report, name) + (value if isinstance(value, int) else 0))
     report.unroutable.update(str(hid) for hid in other.get("unroutable", ()))

@@ -333,6 +333,8 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
         raise InvalidTransition(
             f"handoff {handoff_id} failed with a permanent error ({error.get('code', 'unknown')}); "
             "fix the cause, then retry with --force", handoff_id=handoff_id)
+    dialect = engine.formats.detect(doc)
+    restore_request(doc)  # (while its final_error says whose its refused_answer is)
     block["retries"] = book_int(doc, "retries", 0) + 1
     block["last_error"] = error or None
     block.pop("final_error", None)
@@ -342,8 +344,6 @@ def requeue_failed(engine: Engine, handoff_id: str, *, force: bool = False,
     if "retry_count" in doc:
         doc["retry_count"] = block["retries"]
     record(doc, "retried", engine.clock(), reason=reason, forced=force, previous_error=error or None)
-    dialect = engine.formats.detect(doc)
-    restore_request(doc)
     dialect.mark_pending(doc)
     try:
         reopened = engine.backend.reopen(handoff_id, doc)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from ...core import jsontext
-from ...core.documents import BOOK, book, book_int, record
+from ...core.documents import BOOK, book, book_int, raw_book, record
 from ...core.errors import (
     ClaimShortage,
     DocumentNotReady,
@@ -115,8 +115,8 @@ def _leased(store: Claiming, doc: dict[str, Any], handoff_id: str, lease_seconds
     in its lease. Nothing is written here. ``due_only``: NotDue when its (trusted) retry time
     is still to come (:func:`~handoffd.backends.base.check_due`), before anything is marked."""
     prior = store.trusted_revision(doc, State.PENDING, handoff_id)
-    if prior == 0:  # raw: whatever `handoffd` block it carries came from outside
-        doc[BOOK] = {}
+    if prior == 0:  # raw: whatever `handoffd` block it carries came from outside; ours names
+        doc[BOOK] = raw_book(handoff_id)  # the file it was dropped as (its answer names it)
     if due_only:
         check_due(doc, handoff_id, now)
     token = os.urandom(16).hex()

@@ -55,7 +55,7 @@ from .connection import Conn, Database, Listener, Presence, StoreUnavailable, de
 from .context import KIND as CONTEXT
 from .context import PostgresContext, PostgresViolations
 from .reading import Reading
-from .records import FileOrigins, SideRecords
+from .records import T, FileOrigins, SideRecords
 from .recovery import Recovery
 from .schema import LATEST, current_version, migrate
 from .schema import check as check_schema
@@ -127,6 +127,31 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
             self._listener.start()
             self._subscribers.fire("", LOST)
         return {}
+
+    def takeovers_left(self) -> builtins.list[tuple[str, str]]:
+        """The claims whose owner its sweeps watched gone for a whole ``owner_grace`` and did
+        not take over (:meth:`~.recovery.Recovery.takeover_watch`'s, come due), each with why,
+        for a batch that ends without them: a row another session holds locked (a ``SELECT
+        ... FOR UPDATE`` left open: the takeover skips a locked row), or not taken for another
+        reason (a memory back-off, a row changed meanwhile). Found with ``FOR UPDATE SKIP
+        LOCKED``, the takeover's own look, in a transaction that writes nothing (the locks
+        it takes on free rows end with it)."""
+        tick = self.monotonic()
+        due = sorted({hid for (hid, _), first in self._absent.items()
+                      if tick - first >= self.owner_grace})
+        if not due:
+            return []
+
+        def op(conn: Conn, _retried: bool) -> tuple[set[str], set[str]]:
+            where = f"SELECT id FROM {T} WHERE id = ANY(%s) AND state = 'in-progress'"
+            there = {row[0] for row in conn.execute(where, (due,)).fetchall()}
+            free = {row[0] for row in
+                    conn.execute(where + " FOR UPDATE SKIP LOCKED", (due,)).fetchall()}
+            return there, free
+
+        there, free = self.db.run(op)
+        return [(hid, "its row is locked by another database session" if hid not in free
+                 else "it was not taken over in time") for hid in due if hid in there]
 
     def records(self) -> PostgresRecords:
         """Pauses and rate buckets, shared by every host (``handoffd.records``)."""

@@ -21,7 +21,7 @@ from typing import Any, Callable, Collection
 
 import psycopg
 
-from ...core.documents import BOOK, book
+from ...core.documents import BOOK, book, raw_book
 from ...core.errors import InvalidDocument
 from ...core.memorystrikes import claim_out_of_memory
 from ...core.states import State
@@ -218,8 +218,8 @@ class Claiming(ClaimOwner):
             self._check_request(doc, size, handoff_id)
         except InvalidDocument as exc:  # rolled back: still pending, for the caller to set
             raise unreadable_doc(exc, handoff_id) from None  # aside (as Engine.claim does)
-        if raw:  # a document from a file: whatever bookkeeping it carried is not ours
-            doc[BOOK] = {}
+        if raw:  # a document from a file: whatever bookkeeping it carried is not ours; ours
+            doc[BOOK] = raw_book(handoff_id)  # names the file it was dropped as
         if due_only:  # (raising rolls the transaction back: still pending, untouched)
             check_due(doc, handoff_id, now)
         attempt = stamp_claimed(doc, token, now, lease_seconds)
