@@ -169,7 +169,9 @@ class Workspace:
         root = self._root_text
         try:
             joined = os.path.join(root, path)
-            candidate = unlinked(joined) or os.path.realpath(joined)
+            # the root was resolved when this Workspace was made: its own components (three
+            # to six lstat calls a handoff from `/`) are not looked up again
+            candidate = unlinked(joined, real=root) or os.path.realpath(joined)
         except (ValueError, TypeError):  # a NUL byte, or no path at all: nowhere inside
             return None
         if candidate == root or candidate.startswith(root.rstrip(os.sep) + os.sep):
@@ -181,16 +183,21 @@ class Workspace:
         return str(self.root)
 
 
-def unlinked(path: str) -> str | None:
+def unlinked(path: str, real: str = "") -> str | None:
     """``path`` (absolute) when it is its own real path: no component is a symlink, ``.``,
     ``..`` or empty, as one ``lstat`` of each prefix shows (from the first that does not exist
     on, the rest is kept as written, as :func:`os.path.realpath` keeps it). None: it needs
     :func:`os.path.realpath`. A loop of ``lstat`` calls takes about a quarter of realpath's
-    time, and the artifact checks resolve a destination for every handoff."""
+    time, and the artifact checks resolve a destination for every handoff. ``real``: a folder
+    known to be its own real path (a workspace's resolved root); when ``path`` lies under it,
+    only the components below it are looked up."""
     parts = path.split("/")
     if parts[0] or not all(part and part != "." and part != ".." for part in parts[1:]):
         return None
     prefix = ""
+    if real and real != "/" and path.startswith(real + "/"):
+        prefix = real
+        parts = ["", *path[len(real) + 1:].split("/")]
     for part in parts[1:]:
         prefix += "/" + part
         try:

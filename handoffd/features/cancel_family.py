@@ -148,9 +148,14 @@ def settle(engine: "Engine", handoff_id: str) -> None:
     """``handoff_id`` is filed for good: carry its cancel request's cascade to every descendant
     (children made or claimed after the canceller's walk included), then drop the request.
     Kept when the walk cannot be made, for the next poll. Never raises (a daemon's filed hook
-    and its poll call it)."""
+    and its poll call it). With no request read, nothing is dropped: the usual case, where a
+    second look (the drop's) cost every filing a system call. A request written after this
+    read is one the drop might have removed unwalked; it stays for the next poll, which finds
+    the handoff filed and settles it here again."""
     body = requested(engine, handoff_id)
-    if body is not None and cascading(body):
+    if body is None:
+        return
+    if cascading(body):
         reason, by = _request_texts(body)
         try:
             # the canceller's walk scanned for children other producers made; the ones made
