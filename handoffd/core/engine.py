@@ -54,7 +54,6 @@ from .native_format import RECOVERY_DETAIL
 from .results import (
     ERROR_TYPES,
     JobChecks,
-    RecheckLater,
     conclude,
     failed,
     read_result,
@@ -389,9 +388,6 @@ class Engine:
                     result = run_python(job.specialist, job.claim.doc, job.context,
                                         self.timeout_for(job), self._takeover(job, started))
             outcome = self._usable_outcome(job, result, started)
-        except RecheckLater:  # checked again later by its daemon: the handler did start
-            self._started_unless_short(job)
-            raise
         except HandlerError as exc:
             outcome = self._failed(exc, started)
         except InvalidDocument as exc:
@@ -429,8 +425,7 @@ class Engine:
         if not_started(job.context) is None:
             on_start()
 
-    def _usable_outcome(self, job: Job, result: dict[str, Any], started: datetime,
-                        rechecks: int = 0, given: list[str] | None = None) -> Outcome:
+    def _usable_outcome(self, job: Job, result: dict[str, Any], started: datetime) -> Outcome:
         """:meth:`outcome_from_result`; a result that defeats it in a way no check foresaw fails
         the attempt (an uncaught error here once left the claim in in-progress/ for a lease,
         re-ran the handler at every recovery and filed a misleading "interrupted"). A passing
@@ -439,9 +434,9 @@ class Engine:
         (it once failed the attempt, counted: a completed handler's last allowed attempt was
         filed in failed/), and the handler does not run again. Each check starts from the
         job's warnings as they were before the first (an advisory one the check notes was filed
-        once per check that ran short). In a daemon the wait frees the worker (RecheckLater:
-        ``rechecks`` and ``given`` carry on where it stopped)."""
-        given = list(job.warnings) if given is None else given
+        once per check that ran short)."""
+        rechecks = 0
+        given = list(job.warnings)
         while True:
             job.warnings[:] = given  # (in place: whoever holds the list sees the same one)
             try:
@@ -459,10 +454,8 @@ class Engine:
                 words = shortage_words(exc)
             # (waited for outside the except block: a MemoryError's traceback, dropped at its
             # end, holds the frames that ran short)
-            later = functools.partial(self._check_later, job, result, started, rechecks + 1,
-                                      given)
             if wait_to_check_again(job, "its handler's result could not be checked", words,
-                                   rechecks, later):
+                                   rechecks):
                 rechecks += 1
                 continue
             # still short after every wait: a retryable failure, which the retry policy counts
@@ -473,21 +466,6 @@ class Engine:
                                 f"handoff {job.handoff_id}: the handler's result could not be "
                                 f"checked for now: {words}; a failed attempt, retryable",
                                 retryable=True)
-
-    def _check_later(self, job: Job, result: dict[str, Any], started: datetime, rechecks: int,
-                     given: list[str]) -> Outcome:
-        """The rest of :meth:`run` for a result whose check was deferred (RecheckLater): the
-        same result checked again (its ``rechecks``-th time), then concluded."""
-        try:
-            outcome = self._usable_outcome(job, result, started, rechecks, given)
-        except HandlerError as exc:  # (cancelled meanwhile)
-            outcome = self._failed(exc, started)
-        except InvalidDocument as exc:
-            outcome = self.failure(started, exc.code, str(exc), errors=exc.errors)
-        except ConfigError as exc:
-            outcome = self.failure(started, ErrorCode.PROCESSING_ERROR,
-                                   f"handoff {job.handoff_id}: {exc}", retryable=False)
-        return conclude(job, outcome, started, self.hooks.after_run)
 
     def _failed(self, exc: HandlerError, started: datetime) -> Outcome:
         return self.failure(started, exc.code, str(exc), retryable=exc.retryable,

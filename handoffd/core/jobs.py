@@ -48,12 +48,6 @@ class Job:
     # seconds until the outcome in ``held`` is filed again, its filing having failed for a
     # passing reason (a full disk) with the claim kept; 0.0: never failed (service.attempts)
     refile_after: float = 0.0
-    # set by a daemon's worker: a result whose check runs short (descriptors, memory) is not
-    # waited for on the worker; the check raises RecheckLater (core.results) and the daemon
-    # keeps the claim and the result, and runs ``recheck`` (the rest of the attempt, checked
-    # again) on a timer, its worker free meanwhile (service.held). Unset, the check waits
-    defer_checks: bool = False
-    recheck: Callable[[], Outcome] | None = None
 
     @property
     def handoff_id(self) -> str:

@@ -4,7 +4,6 @@ and the specialist name (:class:`JobChecks`), a handler's result read as an :cla
 everything else builds (:func:`failed`)."""
 from __future__ import annotations
 
-import functools
 import re
 import threading
 from datetime import datetime
@@ -26,25 +25,9 @@ ERROR_TYPES = ("retryable", "permanent", "unknown")
 ERROR_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")  # (fullmatch: "$" would take a final newline)
 # a result whose check runs short (descriptors, memory: its output against its schema, its
 # artifacts read and stored) is checked again after RECHECK_SECONDS, doubling, up to RECHECKS
-# times (1 + 2 + 4 + 8 + 16 s), its claim renewed (wait_to_check_again): in a daemon, its
-# worker freed meanwhile (RecheckLater: it once held the worker for up to 31 s); else waited for
+# times (1 + 2 + 4 + 8 + 16 s), on its worker, its claim renewed (wait_to_check_again)
 RECHECK_SECONDS = 1.0
 RECHECKS = 5
-
-
-class RecheckLater(Exception):
-    """A result's check ran short and its job defers checks (``Job.defer_checks``: a daemon's
-    worker): keep the claim and the result, and call ``resume`` after ``delay`` seconds (the
-    attempt's rest, checked again: its Outcome, or RecheckLater once more) on any thread. The
-    handler does not run again. ``words``: the shortage, as a line says it."""
-
-    def __init__(self, handoff_id: str, delay: float, words: str,
-                 resume: Callable[[], Outcome]) -> None:
-        super().__init__(f"handoff {handoff_id}: its result could not be checked for now: "
-                         f"{words}; checked again in {delay:g}s")
-        self.delay = delay
-        self.words = words
-        self.resume = resume
 
 
 def wait_short(waits: int, stopped: threading.Event, line: Callable[[float], str]) -> bool:
@@ -59,8 +42,7 @@ def wait_short(waits: int, stopped: threading.Event, line: Callable[[float], str
     return not stopped.wait(delay)  # (woken early by a stop: a cancel, or the daemon's)
 
 
-def wait_to_check_again(job: Job, what: str, words: str, rechecks: int,
-                        later: Callable[[], Outcome] | None = None) -> bool:
+def wait_to_check_again(job: Job, what: str, words: str, rechecks: int) -> bool:
     """Checking ``job``'s result ran short (descriptors or memory: ``words``), ``rechecks``
     times before this one: wait (:data:`RECHECK_SECONDS`, doubling) to check the same result
     again, its claim still held and renewed; True once waited. ``what`` says what failed, in
@@ -69,19 +51,8 @@ def wait_to_check_again(job: Job, what: str, words: str, rechecks: int,
     completed handler's last allowed attempt in failed/. False after :data:`RECHECKS` waits
     (the caller fails the attempt, retryable: its retry policy bounds the runs of a result that
     exhausts memory at every check), or when the attempt is stopped meanwhile: a cancellation
-    is raised as one (CANCELLED), a stop's hand-back is left to its caller.
-
-    A job that defers its checks (a daemon's worker, ``Job.defer_checks``) does not wait here:
-    RecheckLater is raised with ``later`` (the same check, and what follows it, counted one
-    recheck more), and its daemon runs it after the wait, the worker free meanwhile."""
+    is raised as one (CANCELLED), a stop's hand-back is left to its caller."""
     ctx = job.context
-    if later is not None and job.defer_checks and rechecks < RECHECKS \
-            and not ctx.cancelled.is_set():
-        delay = RECHECK_SECONDS * 2 ** rechecks
-        log.warning("handoff %s: %s for now: %s; checked again in %gs (the handler does not "
-                    "run again; its worker is free meanwhile)", job.handoff_id, what, words,
-                    delay)
-        raise RecheckLater(job.handoff_id, delay, words, later)
     if wait_short(rechecks, ctx.cancelled, lambda delay: (
             f"handoff {job.handoff_id}: {what} for now: {words}; checked again in {delay:g}s "
             "(the handler does not run again)")):
@@ -160,28 +131,19 @@ def conclude(job: Job, outcome: Outcome, started: datetime,
         outcome = keep_partial(job.context, outcome)
     if job.envelope.final_timeout and outcome.status == Status.TIMEOUT and outcome.error:
         outcome.error["retryable"] = False  # the answer the sender waits for (seeds 000, 003)
-    return _after_run(job, outcome, started, list(after_run))
-
-
-def _after_run(job: Job, outcome: Outcome, started: datetime,
-               checks: list[Callable[[Job, Outcome], Outcome]], rechecks: int = 0) -> Outcome:
-    """``outcome`` through ``checks`` in turn, the first of them checked ``rechecks`` times
-    before (a deferred recheck resumes here: :class:`RecheckLater`)."""
-    for index, check in enumerate(checks):
-        outcome = _checked(job, check, outcome, started, rechecks if index == 0 else 0,
-                           checks[index + 1:])
+    for check in after_run:
+        outcome = _checked(job, check, outcome, started)
     return outcome
 
 
 def _checked(job: Job, check: Callable[[Job, Outcome], Outcome], outcome: Outcome,
-             started: datetime, rechecks: int = 0,
-             rest: list[Callable[[Job, Outcome], Outcome]] | None = None) -> Outcome:
+             started: datetime) -> Outcome:
     """``check(job, outcome)``, one ``after_run`` hook. A passing shortage there (descriptors,
     memory) escaped :func:`conclude` and stranded the claim in in-progress/, charged as a crash
     by the next process: the same outcome is checked again after a wait
     (:func:`wait_to_check_again`), the attempt not charged; one that outlasts every wait fails
-    the attempt, retryable, as :meth:`~handoffd.core.engine.Engine._usable_outcome` does.
-    ``rest``: the checks after this one (what a deferred recheck goes on with)."""
+    the attempt, retryable, as :meth:`~handoffd.core.engine.Engine._usable_outcome` does."""
+    rechecks = 0
     while True:
         try:
             return check(job, outcome)
@@ -195,10 +157,7 @@ def _checked(job: Job, check: Callable[[Job, Outcome], Outcome], outcome: Outcom
             return outcome
         # (waited for outside the except block: a MemoryError's traceback holds what ran short)
         try:
-            later = functools.partial(_after_run, job, outcome, started, [check, *(rest or [])],
-                                      rechecks + 1)
-            if wait_to_check_again(job, "its result could not be checked", words, rechecks,
-                                   later):
+            if wait_to_check_again(job, "its result could not be checked", words, rechecks):
                 rechecks += 1
                 continue
         except HandlerError as exc:  # cancelled meanwhile: filed cancelled

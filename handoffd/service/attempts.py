@@ -21,7 +21,6 @@ from ..core.documents import Outcome
 from ..core.engine import Engine, Job
 from ..core.errors import (ClaimShortage, DocumentNotReady, ErrorCode, HandoffdError, NotDue,
                            is_shortage, shortage_words)
-from ..core.results import RecheckLater
 from ..core.runner import cancel
 from ..core.starts import not_started
 from ..core.states import State
@@ -116,14 +115,7 @@ class Attempts(HeldOutcomes):
             if token is not None:  # its Python handler runs here, ended on time by the watchdog
                 taken = job
                 job.takeover = lambda rest: self._taken_over(token, taken, rest)
-            job.defer_checks = True  # a check that runs short frees this worker (RecheckLater)
-            try:
-                outcome = self.engine.run(job)
-            except RecheckLater as later:  # its result is kept, checked again on a timer
-                if self._keep_to_recheck(job, later):
-                    job = None  # the job stays active (its lease renewed) until checked
-                return
-            if self._end_attempt(job, outcome):
+            if self._end_attempt(job, self.engine.run(job)):
                 job = None  # its filing failed and is tried again: the job stays active
         except TakenOver:
             if job is not None:  # (always: only run() raises it) its handler returned at last
@@ -201,7 +193,6 @@ class Attempts(HeldOutcomes):
                 self._settle_late(job.handoff_id)
         kept = False
         try:
-            job.defer_checks = False  # (this thread holds the slot until the attempt is filed)
             outcome = rest()
             kept = self._hold(job, outcome) or self._end_attempt(job, outcome)
         except Exception as exc:

@@ -19,14 +19,6 @@ to :data:`REFILE_MAX_SECONDS` (:meth:`HeldOutcomes._refile`, on a timer), or can
 filed last at a stop, where a failure hands it back to pending/ as a stop's interrupted attempt.
 While as many answers wait as there are workers, nothing new starts (:meth:`saturated`).
 An answer too large to write (EFBIG) is not kept: a small failure is filed in its place.
-
-A result whose check ran short (descriptors, memory: :class:`~handoffd.core.results.RecheckLater`)
-is kept the same way, with what its filing would be should the checks be given up (a retryable
-failure, filed if its lease is fenced) and the check to run again (``Job.recheck``): the check
-runs again on a timer after its back-off (1, 2, 4, 8, 16 s), the worker free meanwhile (it once
-slept on the worker, holding it up to 31 s); the handler does not run again. A cancellation
-files it cancelled; a stop checks it once more and, still short, hands it back as a stop's
-interrupted attempt (:meth:`HeldOutcomes._keep_to_recheck`).
 """
 from __future__ import annotations
 
@@ -36,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from ..backends.base import SHRINKABLE_ERRNOS, NotFiled, refiling
 from ..core import recurring
@@ -44,7 +36,7 @@ from ..core.documents import Outcome
 from ..core.engine import Engine, Job
 from ..core.errors import ErrorCode, is_shortage
 from ..core.filing import runs_again
-from ..core.results import RecheckLater, conclude
+from ..core.results import conclude
 from ..core.states import State
 from ..core.watchdog import cancelled
 from . import handbacks
@@ -91,18 +83,11 @@ class HeldOutcomes:
 
     def saturated(self) -> bool:
         """True while as many answers as there are workers wait to be filed again (a disk that
-        refuses them; results waiting to be checked again count beyond as many as there are
-        workers): claiming on would run the whole backlog into kept claims, a timer and a
+        refuses them): claiming on would run the whole backlog into kept claims, a timer and a
         claim each, so nothing new starts until one is filed."""
         # counted by the jobs that keep an answer, not by the armed timers: a refile under way
         # has taken its timer down, and a claim slipped in meanwhile (one beyond the bound)
-        jobs = list(self.active.values())
-        kept = sum(1 for job in jobs if job.refile_after)
-        # results kept to be checked again count only beyond as many as there are workers:
-        # their workers are free to run others meanwhile (what keeping them is for), and yet a
-        # shortage that lasts does not run the whole backlog into kept claims
-        rechecks = sum(1 for job in jobs if job.recheck is not None)
-        kept += max(rechecks - self.scheduler.workers, 0)
+        kept = sum(1 for job in list(self.active.values()) if job.refile_after)
         return kept > 0 and kept >= self.scheduler.workers
 
     def _file(self, job: Job, outcome: Outcome) -> bool:
@@ -233,8 +218,6 @@ class HeldOutcomes:
         outcome, job.held = job.held, None
         if outcome is not None:
             job.ending = True  # being filed: no hand-back, no fence from here on
-            # a check kept to be run again is dropped (the caller that wants it read it before)
-            job.recheck, job.defer_checks = None, False
         return outcome
 
     def _file_held(self, job: Job, outcome: Outcome) -> None:
@@ -263,11 +246,9 @@ class HeldOutcomes:
             for timer in self.refiles.values():
                 timer.cancel()
             self.refiles.clear()
-            kept = [(job, job.recheck, self._take_held(job)) for job in list(self.active.values())]
-        for job, recheck, outcome in kept:
-            if outcome is not None and recheck is not None:  # checked once more, here
-                self._recheck(job, recheck)  # (still short: handed back, closing)
-            elif outcome is not None:
+            kept = [(job, self._take_held(job)) for job in list(self.active.values())]
+        for job, outcome in kept:
+            if outcome is not None:
                 self._file_held(job, outcome)
         deadline = time.monotonic() + wait
         with self.cv:
@@ -352,14 +333,12 @@ class HeldOutcomes:
                   "handed back to pending/" if returned is State.PENDING else "counted as an "
                   "attempt, as a stop in a run of them is")
 
-    def _start_refile(self, job: Job, delay: float | None = None) -> None:
-        """Arm ``job``'s next refile (or recheck) in ``delay`` seconds (None: its
-        ``refile_after``) (called under ``cv``)."""
+    def _start_refile(self, job: Job) -> None:
+        """Arm ``job``'s next refile (called under ``cv``)."""
         armed = self.refiles.get(job.handoff_id)
         if armed is not None:  # (a cancellation's filing failed too: one timer is enough)
             armed.cancel()
-        timer = threading.Timer(job.refile_after if delay is None else delay, self._refile,
-                                args=(job,))
+        timer = threading.Timer(job.refile_after, self._refile, args=(job,))
         timer.daemon = True
         timer.name = f"refile-{job.handoff_id}"
         self.refiles[job.handoff_id] = timer
@@ -373,7 +352,6 @@ class HeldOutcomes:
         with self.cv:
             if self.refiles.get(job.handoff_id) is threading.current_thread():
                 del self.refiles[job.handoff_id]
-            recheck = job.recheck
             outcome = self._take_held(job)
         if outcome is None:
             return
@@ -389,56 +367,7 @@ class HeldOutcomes:
                 with self.cv:
                     self.cv.notify_all()
             return
-        if recheck is not None:  # a result kept to be checked again: its check, not a filing
-            self._recheck(job, recheck)
-            return
         self._file_held(job, outcome)
-
-    # ------------------------------------------------------------ rechecks
-    def _keep_to_recheck(self, job: Job, later: RecheckLater) -> bool:
-        """``job``'s result could not be checked for a passing shortage (``later``): keep the
-        claim and the result (True: the job stays active, its lease renewed, its worker free)
-        and check it again on a timer after ``later.delay``; held meanwhile is the retryable
-        failure a fence files. When this daemon stops (False), hand the attempt back as a
-        stop's interrupted one (:func:`.handbacks.hand_back`)."""
-        fallback = self.engine.failure(
-            job.started_at, ErrorCode.PROCESSING_ERROR,
-            f"handoff {job.handoff_id}: the handler's result could not be checked for now: "
-            f"{later.words}; a failed attempt, retryable", retryable=True)
-        fallback.executed_by = job.specialist.agent
-        with self.cv:
-            closing = self.closing
-            if not closing:
-                job.held, job.recheck = fallback, later.resume
-                self._start_refile(job, later.delay)
-        if closing:
-            job.context.handback = True
-            self._end_attempt(job, fallback)
-            return False
-        job.context.wake_on_cancel(_Release(self, job))  # a cancellation files it at once
-        if job.context.stop_requested and not job.fenced and not job.context.handback:
-            self.release(job)  # (cancelled before the line above: nothing woke it)
-        return True
-
-    def _recheck(self, job: Job, recheck: Callable[[], Outcome]) -> None:
-        """Check ``job``'s kept result again (``recheck``: the rest of its attempt) and file
-        what it makes, or keep it once more when the check runs short again."""
-        kept = False
-        try:
-            job.defer_checks = True
-            try:
-                outcome = recheck()
-            except RecheckLater as later:
-                kept = self._keep_to_recheck(job, later)
-            else:
-                kept = self._end_attempt(job, outcome)
-        except Exception as exc:
-            self._work_failed(job.handoff_id, exc)
-        finally:
-            if not kept:
-                self._forget_job(job)
-            with self.cv:
-                self.cv.notify_all()
 
 
 class _Release:
