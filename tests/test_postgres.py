@@ -265,7 +265,7 @@ def test_a_sweeper_whose_clock_is_ahead_never_takes_a_live_renewing_claim(pg_url
             "SELECT lease_token, lease_expires_at FROM handoffd.handoffs WHERE id = 'h1'").fetchone())
         assert owner.renew(claim, at(100), LEASE)  # renewed after the look, before the lock
         assert sweeper.db.run(lambda conn, _: sweeper._take_over(
-            conn, "h1", ("stale", seen[0], seen[1]), at(200), LEASE, [])) is None
+            conn, "h1", ("stale", seen[0], seen[1], None), at(200), LEASE, [])) is None
         assert owner.renew(claim, at(101), LEASE)  # still its owner's
     finally:
         owner.close()

@@ -57,6 +57,7 @@ from .context import PostgresContext, PostgresViolations
 from .reading import Reading
 from .records import T, FileOrigins, SideRecords
 from .recovery import Recovery
+from .holds import KeyHolds
 from .schema import LATEST, current_version, migrate
 from .schema import check as check_schema
 from .shared import PostgresEventLog, PostgresRecords
@@ -98,7 +99,9 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         self.owner_key = secrets.randbits(62) + 1  # positive: it is split into two oids
         self._presence: Presence | None = None
         self._presence_lock = threading.Lock()
-        self._absent: dict[tuple[str, str | None], float] = {}  # (id, token) -> owner first seen gone
+        self._absent: dict[tuple[str, str | None], float] = {}  # (Recovery)
+        # (Recovery: dead-looking owners' keys; waiters let go of as often as an owner beats)
+        self._holds = KeyHolds(url, monotonic, beat=min(1.0, max(owner_grace_seconds / 10, 0.05)))
         self._stale: dict[tuple[str, str | None, datetime | None], float] = {}  # (Recovery)
         self._given_up: set[str] = set()  # (ClaimOwner.abandon)
         self._written: dict[tuple[str, str | None], tuple[datetime, float]] = {}  # (ClaimOwner)
@@ -242,6 +245,7 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
             self._listener.close()
         if self._presence is not None:
             self._presence.close()
+        self._holds.close()  # (the keys we watched: their owners may take them again)
         self.db.close()
 
 

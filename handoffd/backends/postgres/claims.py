@@ -70,8 +70,9 @@ class ClaimOwner(StoreBase):
     """This process as the owner of claims: the presence key (``owner_key``, recorded with each
     claim) that it holds on a connection of its own once it claims or recovers anything.
 
-    Another host takes our claims over once it has seen the key unheld for ``owner_grace``
-    seconds, however long their leases. So our claims are only as safe as our presence:
+    Another host takes our claims over once it has held our key itself (taken when it saw it
+    unheld, :mod:`~handoffd.backends.postgres.holds`) for ``owner_grace`` seconds, however
+    long their leases. So our claims are only as safe as our presence:
     :meth:`broken_claims` gives them all up to the lease keeper (which stops their handlers)
     once the presence session has not proved alive for half that grace, and no claim is made
     meanwhile. Half: the other half covers stopping a handler (SIGTERM, a 2 s grace, SIGKILL)

@@ -856,11 +856,12 @@ class Presence(SessionThread):
     the key, and a claim whose key no session holds belongs to a process that died (the server
     ends a dead client's session, and with it the lock).
 
-    Other hosts take such claims over once the key was unheld for their owner grace, lease or
-    no lease. So this process must know, on its own, when it can no longer be sure it holds the
-    key (a network cut: its session may have ended on the server): a round trip every ``beat``
-    seconds on the session proves it alive, and :meth:`age` says how long ago that last was
-    (the claims' owner stops their handlers before the grace can run out)."""
+    Other hosts take such claims over once they have held the key themselves (taken when they
+    saw it unheld) for their owner grace, lease or no lease. So this process must know, on its
+    own, when it can no longer be sure it holds the key (a network cut: its session may have
+    ended on the server): a round trip every ``beat`` seconds on the session proves it alive,
+    and :meth:`age` says how long ago that last was (the claims' owner stops their handlers
+    before the grace can run out)."""
 
     what = "presence"
     thread_name = "handoffd-presence"
@@ -879,9 +880,23 @@ class Presence(SessionThread):
         return math.inf if confirmed is None else max(self.monotonic() - confirmed, 0.0)
 
     def _setup(self, conn: Conn) -> None:
-        started = self.monotonic()
-        conn.execute("SELECT pg_advisory_lock(%s)", (self.key,))
-        self.confirmed_at = started
+        """Take the key, waiting for it while another host's sweep holds it (it saw our session
+        gone; it lets go once it sees us wait, and takes our claims over only if it held the
+        key for its whole grace: we prove nothing meanwhile, so our handlers are stopped at
+        half the grace, and nothing is claimed). The wait is made in rounds of ``beat``
+        seconds (``lock_timeout``): a :meth:`stop` meanwhile ends it within one."""
+        conn.execute(f"SET lock_timeout = '{max(int(self.beat * 1000), 1)}ms'")
+        while True:
+            started = self.monotonic()
+            try:
+                conn.execute("SELECT pg_advisory_lock(%s)", (self.key,))
+            except psycopg.errors.LockNotAvailable:
+                self._ready.set()  # (nobody waits for a key another host holds)
+                if self._stop.is_set():
+                    raise InterruptedError("stopped while waiting for the presence key") from None
+                continue
+            self.confirmed_at = started
+            return
 
     def _hold(self, conn: Conn) -> None:
         while not self._stop.is_set():

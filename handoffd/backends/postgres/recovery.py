@@ -3,10 +3,14 @@
 
 :meth:`Recovery.expired_claims` takes over claims whose lease expired, and also claims whose
 owner died: a claimer holds a session-level advisory lock (its presence key, recorded with each
-claim) on a connection of its own, which the server releases when the process dies. A key no
-session has held for ``owner_grace_seconds`` (watched on this process's monotonic clock, so a
-server restart or a terminated connection, after which live owners take their key again, never
-ends a live claim) means its claims are recovered without waiting for their lease. A lease that
+claim) on a connection of its own, which the server releases when the process dies. A sweep
+that sees a key unheld takes it itself, on a session of its own (:mod:`.holds`), and recovers
+that owner's claims without waiting for their lease once it has held the key for
+``owner_grace_seconds`` (on this process's monotonic clock): the owner, unable to take its key
+again, has stopped its handlers by then, however often its session was cut (R56: a sweep that
+only looked saw the key unheld in the gaps of a flapping session, and took the claims over
+from an owner that kept proving alive). A key some other session holds (its owner, back after
+a server restart or a terminated connection, or another sweep) is no sign of death. A lease that
 looks expired while its owner's session lives (a stalled owner, or this host's wall clock ahead
 of the owner's) is taken over only once this process has watched it unrenewed for a whole lease
 period on its monotonic clock, as the files store does: clock skew never ends a live claim.
@@ -28,17 +32,23 @@ from ...core.timeutil import iso
 from ..base import Claim, Claims, lease_block
 from .claims import ClaimOwner
 from .connection import Conn
+from .holds import KeyHolds
 from .records import T, encode
 from .values import document, finite, loaded
 
 log = logging.getLogger("handoffd")
 RECOVER = "recover"  # the memory strikes' stage of taking an abandoned claim over
-# a claim of another process whose presence key no session of this database holds
+# the presence key of row h held (l.granted) or waited for by a session of this database
+KEY_LOCK = ("SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' "
+            "AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database "
+            "WHERE datname = current_database()) "
+            "AND ((l.classid::bigint << 32) | l.objid::bigint) = h.lease_owner")
+# a claim of another process whose presence key no session of this database holds but ours
+# that holds the keys we watch (%(holder)s, its backend pid: 0 when none)
 OWNER_GONE = ("(h.lease_owner IS NOT NULL AND h.lease_owner <> %(me)s AND NOT EXISTS ("
-              "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
-              "AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database "
-              "WHERE datname = current_database()) "
-              "AND ((l.classid::bigint << 32) | l.objid::bigint) = h.lease_owner))")
+              f"{KEY_LOCK} AND l.granted AND l.pid <> %(holder)s))")
+# a session waits for the key of row h: its owner, back (only a presence waits for its key)
+OWNER_BACK = f"EXISTS ({KEY_LOCK} AND NOT l.granted AND l.pid <> %(holder)s)"
 
 
 def looking_short() -> OSError:
@@ -49,18 +59,23 @@ def looking_short() -> OSError:
 
 
 # a row of the first look: id, token, expiry, expired by our clock, its owner's key unheld (by
-# another process), no owner recorded, owned by this process, the expiry as the server writes it
-Seen = tuple[str, "str | None", "datetime | None", bool, bool, bool, bool, "str | None"]
+# another process), no owner recorded, owned by this process, the expiry as the server writes
+# it, its owner's presence key, a session (its owner's) waits for that key
+Seen = tuple[str, "str | None", "datetime | None", bool, bool, bool, bool, "str | None",
+             "int | None", bool]
 # why a row is taken over, with the token and expiry (as the server wrote it: an infinite one
 # is clamped when loaded, and the clamped value would fence it out) it was seen with (the lock
-# step's fence)
-Verdict = tuple[str, "str | None", "str | None"]
+# step's fence), and the backend pid of our session that must still hold its owner's key (an
+# owner gone; None: no key to hold)
+Verdict = tuple[str, "str | None", "str | None", "int | None"]
 
 
 class Recovery(ClaimOwner):
     """``expired_claims``: the sweep that takes over expired claims and dead owners' claims."""
 
-    _absent: dict[tuple[str, str | None], float]  # (id, token) -> owner first seen gone
+    # (id, token) -> since when (monotonic) we hold the key of its owner, seen gone
+    _absent: dict[tuple[str, str | None], float]
+    _holds: KeyHolds  # the keys of owners seen gone, held by our own session
     # (id, token, expiry) -> when a live owner's lease was first seen expired by our clock
     _stale: dict[tuple[str, str | None, datetime | None], float]
 
@@ -76,14 +91,21 @@ class Recovery(ClaimOwner):
         except MemoryError:
             raise looking_short() from None
         refused: builtins.list[str] = []  # rows set aside: said once, after the commit
+        watched: set[int] = set()  # owners' keys to go on holding: claims of theirs are left
 
         def op(conn: Conn, _retried: bool) -> Claims:
+            holder = self._holds.session()  # (before the look: its holds are no owner's)
             try:
-                why = self._abandoned(self._look(conn, now), tick, lease_seconds)
+                seen = self._look(conn, now, holder)
+                why = self._abandoned(seen, tick, lease_seconds)
             except MemoryError:  # before any row is handled: rolled back, nothing taken
                 raise looking_short() from None
             taken: Claims = []
             refused.clear()  # (a retried sweep starts again)
+            watched.clear()
+            # (an owner waiting for its key is alive: let go of it, it takes it at once)
+            watched.update(row[8] for row in seen if row[4] and not row[9]
+                           and row[8] is not None)
             for handoff_id in sorted(why):
                 if memory_strikes.backoff(handoff_id, (RECOVER,)) > 0:
                     continue  # (it ran out of memory lately: after its memory back-off)
@@ -91,45 +113,55 @@ class Recovery(ClaimOwner):
                                         refused)
                 if claim is not None:
                     taken.append(claim)
+            # an owner all of whose claims we took over needs its key no more
+            done = {claim.id for claim in taken}
+            left = {row[8] for row in seen if row[4] and row[0] not in done}
+            watched.intersection_update(left)
             return taken
 
         # a retry after a lost connection may miss claims the first try took over: their new
         # leases expire in turn and the next sweep takes them again (never two live holders)
         claims = self.db.run(op)
+        # (let go at once: a living owner takes its key again, and claims new work)
+        self._holds.keep_only(watched)
         for reason in refused:  # said once: the rows are in the quarantine now
             log.warning("set aside an abandoned claim: %s", reason)
         return claims
 
     def takeover_watch(self, lease_seconds: float) -> builtins.list[float]:
         """When (on this process's monotonic clock) each claim whose owner's key its sweeps saw
-        unheld may be taken over: a whole ``owner_grace`` after it first did. Empty: it watches
-        none. Only the process that watched may take such a claim over, so a batch (``handoffd
-        run``) waits for these before it ends: it would end before any of them came due, and
-        the next batch would start watching anew. A live owner's stale lease is not waited for
-        (R56: beside a live `serve` whose clock is behind, every batch waited a whole lease and
-        said so): a `serve` takes a stalled owner's claim over. ``lease_seconds``: unused (the
-        same signature as the stale watch's would need)."""
+        unheld may be taken over: a whole ``owner_grace`` after it took that key itself. Empty:
+        it watches none. Only the process that watched may take such a claim over, so a batch
+        (``handoffd run``) waits for these before it ends: it would end before any of them came
+        due, and the next batch would start watching anew. A live owner's stale lease is not
+        waited for (R56: beside a live `serve` whose clock is behind, every batch waited a whole
+        lease and said so): a `serve` takes a stalled owner's claim over. ``lease_seconds``:
+        unused (the same signature as the stale watch's would need)."""
         return [first + self.owner_grace for first in self._absent.values()]
 
-    def _look(self, conn: Conn, now: datetime) -> builtins.list[Seen]:
+    def _look(self, conn: Conn, now: datetime, holder: int) -> builtins.list[Seen]:
         """The sweep's first look: which claims look abandoned (no lock taken: most sweeps find
-        nothing)."""
+        nothing). ``holder``: the backend pid of our session holding watched owners' keys (0:
+        none), whose holds are no sign of their owners."""
         return conn.execute(
             f"SELECT h.id, h.lease_token, h.lease_expires_at, "
             f"coalesce(h.lease_expires_at <= %(now)s OR NOT isfinite(h.lease_expires_at), "
             f"true), {OWNER_GONE}, "
             f"h.lease_owner IS NULL, h.lease_owner IS NOT DISTINCT FROM %(me)s, "
-            f"h.lease_expires_at::text FROM {T} h "
+            f"h.lease_expires_at::text, h.lease_owner, {OWNER_BACK} FROM {T} h "
             "WHERE h.state = 'in-progress' AND (h.lease_expires_at IS NULL OR "
             # (no lease handoffd writes is infinite: one written past it has expired)
             f"h.lease_expires_at <= %(now)s OR NOT isfinite(h.lease_expires_at) OR "
             f"{OWNER_GONE})",
-            {"now": now, "me": self.owner_key}).fetchall()
+            {"now": now, "me": self.owner_key, "holder": holder}).fetchall()
 
     def _abandoned(self, seen: builtins.list[Seen], tick: float,
                    lease_seconds: float) -> dict[str, Verdict]:
-        """Which of the rows ``seen`` to take over, and why. A claim whose owner's key no session
-        holds: once this process has seen it so for the owner grace. One whose lease looks
+        """Which of the rows ``seen`` to take over, and why. A claim whose owner's key no other
+        session holds: this process takes the key itself (:class:`KeyHolds`) and takes the
+        claim over once it has held it for the owner grace (a key it cannot take, held again by
+        its owner or by another sweep, is watched afresh; one its owner waits for, back after a
+        cut, is let go at the end of the sweep: the owner lives). One whose lease looks
         expired while its owner's session lives (a stalled owner, or our wall clock ahead of
         its): once this process has watched that very lease (token and expiry) unrenewed for a
         whole lease period on its monotonic clock, so a clock ahead never ends a live claim.
@@ -139,18 +171,22 @@ class Recovery(ClaimOwner):
         why: dict[str, Verdict] = {}
         gone_now: set[tuple[str, str | None]] = set()
         stale_now: set[tuple[str, str | None, datetime | None]] = set()
-        for handoff_id, token, expiry, expired, gone, ownerless, mine, fence in seen:
+        for handoff_id, token, expiry, expired, gone, ownerless, mine, fence, owner, back in seen:
             # (an infinite or out-of-calendar expiry is no time to name)
             shown = finite(expiry)
             at = f"{LEASE_EXPIRED} at {iso(shown) if shown else 'unknown'}"
             if expired and mine and token in self._given_up:
-                why[handoff_id] = (GIVEN_UP, token, fence)
+                why[handoff_id] = (GIVEN_UP, token, fence, None)
             elif gone:
+                held = self._holds.take(owner) if owner is not None and not back else None
+                if held is None:  # (held by someone else now, or waited for: no death seen)
+                    continue
                 gone_now.add((handoff_id, token))
-                first = self._absent.setdefault((handoff_id, token), tick)
-                if tick - first >= self.owner_grace:
+                self._absent[(handoff_id, token)] = held
+                if tick - held >= self.owner_grace:
                     why[handoff_id] = ("owner process is gone (its database session ended "
-                                       f"{tick - first:.0f}s ago or more)", token, fence)
+                                       f"{tick - held:.0f}s ago or more)", token, fence,
+                                       self._holds.pid)
             elif expired and not ownerless:
                 mark = (handoff_id, token, expiry)
                 stale_now.add(mark)
@@ -159,9 +195,10 @@ class Recovery(ClaimOwner):
                 first = self._stale.setdefault(mark, tick if since is None else since)
                 if tick - first >= lease_seconds:
                     why[handoff_id] = (f"{at} (its owner's session is alive, but renewed "
-                                       f"nothing for {tick - first:.0f}s: stalled)", token, fence)
+                                       f"nothing for {tick - first:.0f}s: stalled)", token, fence,
+                                       None)
             elif expired:
-                why[handoff_id] = (at, token, fence)
+                why[handoff_id] = (at, token, fence, None)
         for key in set(self._absent) - gone_now:
             del self._absent[key]
         for mark in set(self._stale) - stale_now:
@@ -171,15 +208,19 @@ class Recovery(ClaimOwner):
     def _take_over(self, conn: Conn, handoff_id: str, verdict: Verdict, now: datetime,
                    lease_seconds: float, refused: builtins.list[str]) -> Claim | None:
         """A new claim on ``handoff_id``, fenced by the token and expiry it was judged with:
-        a row renewed, released or claimed again meanwhile is left alone. No token at all (a
+        a row renewed, released or claimed again meanwhile is left alone, and so is one of an
+        owner gone whose key our holding session no longer holds (lost with it: the watch
+        starts afresh, the owner may be back). No token at all (a
         row written past handoffd) is never a live claim (every claim sets one): taken over
         too, or it stays for ever. A row nothing can read is set aside (``refused``)."""
-        reason, seen_token, seen_expiry = verdict
+        reason, seen_token, seen_expiry, holder = verdict
         row = conn.execute(
-            f"SELECT {self._doc()} FROM {T} WHERE id = %s AND state = 'in-progress' "
+            f"SELECT {self._doc()} FROM {T} h WHERE id = %s AND state = 'in-progress' "
             "AND lease_token IS NOT DISTINCT FROM %s::text "
-            "AND lease_expires_at::text IS NOT DISTINCT FROM %s::text FOR UPDATE SKIP LOCKED",
-            (handoff_id, seen_token, seen_expiry)).fetchone()
+            "AND lease_expires_at::text IS NOT DISTINCT FROM %s::text "
+            f"AND (%s::int IS NULL OR EXISTS ({KEY_LOCK} AND l.pid = %s::int)) "
+            "FOR UPDATE SKIP LOCKED",
+            (handoff_id, seen_token, seen_expiry, holder, holder)).fetchone()
         if row is None:
             return None
         try:

@@ -1,0 +1,151 @@
+"""The presence keys a sweep holds while it watches their owners' claims (:class:`KeyHolds`).
+
+A sweep that sees an owner's presence key unheld takes that key itself, on a session of its
+own, and takes the owner's claims over only once it has held the key for the whole owner grace.
+Seeing the key unheld at every look was not enough (R56): an owner whose presence session was
+cut every few hundredths of a second took its key again each time, so it kept proving alive and
+kept its claims, while a sweep whose looks all landed in the gaps took them over beside it. With
+the key held by the sweep, the owner cannot take it again, cannot prove its presence, and stops
+its handlers at half the grace (:meth:`~handoffd.backends.postgres.claims.ClaimOwner.
+broken_claims`), however its session flaps. Another sweep sees the key held and waits; a sweep
+that dies lets go of it with its session, and the others start watching afresh.
+
+A live owner whose session was merely cut (a server restart, ``pg_terminate_backend``) waits
+for its key when it reconnects. A thread looks for such waiters every ``beat`` seconds while
+keys are held and lets go of their keys at once: the owner takes its key again and keeps its
+claims, as it did before sweeps held keys (a sweep lands in the gap of a restart often enough,
+and sweeps come every ten seconds by default: a hold kept until then outlasted half the grace,
+and the owner's running handlers were stopped).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import psycopg
+
+from .connection import KEEPALIVES, Conn
+
+log = logging.getLogger("handoffd")
+MAX_HELD = 1000  # keys one process holds at once (each a dead-looking owner; more wait a sweep)
+# of the keys given (%s), those a session waits for (not granted: only their owners wait)
+WAITED = ("SELECT DISTINCT (l.classid::bigint << 32) | l.objid::bigint FROM pg_locks l "
+          "WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND NOT l.granted "
+          "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+          "AND ((l.classid::bigint << 32) | l.objid::bigint) = ANY(%s::bigint[])")
+
+
+class KeyHolds:
+    """A dedicated session (opened at the first use, again after it is lost) holding presence
+    keys: ``key -> since`` (this process's monotonic clock: when it took the key). A lost
+    session lost its holds with it: they are forgotten, and each watch starts afresh."""
+
+    def __init__(self, url: str, monotonic: Callable[[], float], beat: float = 1.0) -> None:
+        self.url = url
+        self.monotonic = monotonic
+        self.beat = beat  # how often waiters for the keys held are looked for
+        self.since: dict[int, float] = {}
+        self.pid = 0  # the session's backend pid (0: none)
+        self._conn: Conn | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def session(self) -> int:
+        """The holding session's backend pid, proved alive by a round trip (so every key it
+        holds has been held without a break since taken), or a new session when it was lost;
+        0 when none can be had now (then no key is held and no owner is taken over for being
+        gone: its claims wait for a later sweep)."""
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._conn.execute("SELECT 1")
+                    return self.pid
+                except (psycopg.Error, OSError):
+                    self._drop()
+            try:
+                self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5,
+                                             **KEEPALIVES)
+                self.pid = self._conn.info.backend_pid
+            except (psycopg.Error, OSError) as exc:
+                log.debug("no session to hold dead-looking owners' keys: %s", type(exc).__name__)
+                self._drop()
+            return self.pid
+
+    def take(self, key: int) -> float | None:
+        """When this session took ``key`` (taking it now if it is free); None when another
+        session holds it (its owner, back, or another sweep), no session is had, or
+        :data:`MAX_HELD` keys are held already."""
+        with self._lock:
+            if key in self.since:
+                return self.since[key]
+            if self._conn is None or len(self.since) >= MAX_HELD:
+                return None
+            try:
+                row = self._conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+            except (psycopg.Error, OSError):
+                self._drop()
+                return None
+            if row is None or not row[0]:
+                return None
+            self.since[key] = self.monotonic()  # (after the lock: held at least since then)
+            if self._thread is None and not self._closed.is_set():
+                self._thread = threading.Thread(target=self._release_waited, daemon=True,
+                                                name="handoffd-holds")
+                self._thread.start()
+            return self.since[key]
+
+    def keep_only(self, keys: set[int]) -> None:
+        """Let go of every key held but ``keys`` (their owners' claims were taken over, or none
+        is left), so a living owner can take its key again and claim new work."""
+        with self._lock:
+            for key in [k for k in self.since if k not in keys]:
+                del self.since[key]
+                if self._conn is None:
+                    continue
+                try:
+                    self._conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+                except (psycopg.Error, OSError):
+                    self._drop()  # (the session, and every hold with it, is gone)
+
+    def release_waited(self) -> None:
+        """Let go of every key held that a session waits for: its owner, back, takes it."""
+        with self._lock:
+            if not self.since or self._conn is None:
+                return
+            try:
+                waited = self._conn.execute(WAITED, (list(self.since),)).fetchall()
+                for (key,) in waited:
+                    del self.since[int(key)]
+                    self._conn.execute("SELECT pg_advisory_unlock(%s)", (int(key),))
+            except (psycopg.Error, OSError):
+                self._drop()
+
+    def _release_waited(self) -> None:
+        """The thread: :meth:`release_waited` every ``beat`` until :meth:`close`."""
+        while not self._closed.wait(self.beat):
+            try:
+                self.release_waited()
+            except Exception:  # (a bug here must not end the thread: the sweep still lets go)
+                log.exception("looking for owners waiting for their keys failed")
+
+    def close(self) -> None:
+        """Let go of every key: the session ends (and the thread that looks for waiters)."""
+        self._closed.set()
+        with self._lock:
+            self._drop()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    def _drop(self) -> None:
+        """Forget the session and its holds (closed if it is still open)."""
+        conn, self._conn = self._conn, None
+        self.since.clear()
+        self.pid = 0
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # (closing a broken connection: nothing more to do)
+                pass
