@@ -1,5 +1,6 @@
 """A throw-away PostgreSQL cluster for the tests: initdb in a temp directory, listening only on a
 Unix socket there, fsync off; one per test session (per xdist worker), a fresh database per test.
+(``start(tcp_port=N)``: one that also listens on 127.0.0.1:N and asks passwords there.)
 
 ``initdb`` refuses to run as root, so as root the server runs as the ``postgres`` user (its temp
 directory is chowned to it); as any other user it runs directly. Where no server can be started
@@ -40,6 +41,7 @@ class PgServer:
     bin: Path
     user: str | None  # the OS user the server runs as (None: this process's)
     pid: int = 0
+    tcp_port: int | None = None  # also listening on 127.0.0.1 here, passwords asked there
     _counter: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     @property
@@ -48,7 +50,9 @@ class PgServer:
 
     def url(self, dbname: str = "postgres") -> str:
         """A libpq URL for ``dbname`` over the cluster's Unix socket."""
-        return f"postgresql://postgres@/{dbname}?host={quote(str(self.socket_dir), safe='')}"
+        port = "" if self.tcp_port is None else f"&port={self.tcp_port}"
+        return (f"postgresql://postgres@/{dbname}?host={quote(str(self.socket_dir), safe='')}"
+                + port)
 
     def admin(self, sql: str, dbname: str = "postgres") -> None:
         """Run one statement outside a transaction (CREATE DATABASE...)."""
@@ -89,7 +93,10 @@ class PgServer:
         self._start()
 
     def _start(self) -> None:
-        options = (f"-c listen_addresses='' -c unix_socket_directories='{self.socket_dir}' "
+        listen = "" if self.tcp_port is None else "127.0.0.1"
+        port = "" if self.tcp_port is None else f"-c port={self.tcp_port} "
+        options = (f"-c listen_addresses='{listen}' {port}"
+                   f"-c unix_socket_directories='{self.socket_dir}' "
                    "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
                    "-c max_connections=300 -c shared_buffers=32MB")
         done = self._run("pg_ctl", "start", "-D", str(self.base / "data"), "-w",
@@ -103,8 +110,10 @@ class PgServer:
         self.pid = int(pidfile.read_text().split()[0]) if pidfile.exists() else 0
 
 
-def start() -> PgServer | str:
-    """Start a cluster, or return why none can be started (a one-line skip reason)."""
+def start(tcp_port: int | None = None) -> PgServer | str:
+    """Start a cluster, or return why none can be started (a one-line skip reason). With
+    ``tcp_port`` it listens on 127.0.0.1 at that port too, where every role must give its
+    password (scram-sha-256; its Unix socket still trusts every role)."""
     try:
         import psycopg  # noqa: F401
     except ImportError:
@@ -127,12 +136,15 @@ def start() -> PgServer | str:
     if user is not None:
         entry = pwd.getpwnam(user)
         os.chown(base, entry.pw_uid, entry.pw_gid)
-    server = PgServer(base, folder, user)
+    server = PgServer(base, folder, user, tcp_port=tcp_port)
     try:
         done = server._run("initdb", "-D", str(base / "data"), "-A", "trust", "-U", "postgres",
                            "--no-sync", "-E", "UTF8", "--locale=C")
         if done.returncode != 0:
             raise RuntimeError(f"initdb failed: {done.stderr.strip()[-400:]}")
+        if tcp_port is not None:  # (written as the server's user: it reads it)
+            hba = base / "data" / "pg_hba.conf"
+            hba.write_text("local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n")
         server._start()
         deadline = time.monotonic() + START_TIMEOUT
         while True:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Callable, TextIO
 from ..core.errors import StartStopped, UsageError
 from ..core.logs import unlogged
 from ..core.shown import clean  # (at the start: imported at a first log line, EMFILE lost it)
-from ..core.starting import ask_stop, starting_within
+# (held from the console script's first instruction: core.starting, kept light for it)
+from ..core.starting import HELD_SIGNALS, hold_stop_signals, starting_within  # noqa: F401
 from ..core.workspace import network_filesystem
 from .basics import engine
 
@@ -32,31 +33,6 @@ if TYPE_CHECKING:
 
 PROG = "handoffd"
 MAX_BATCH_SECONDS = 7 * 24 * 3600.0  # `run --max-seconds`: a week, far past any cron period
-# the stop signals that came before the daemon took them (hold_stop_signals), oldest first
-HELD_SIGNALS: list[int] = []
-
-
-def hold_stop_signals() -> None:
-    """Hold SIGTERM, SIGINT and SIGHUP from now on: each is recorded in :data:`HELD_SIGNALS`,
-    and the daemon, once it takes them (:meth:`handoffd.service.daemon.Daemon.take_signals`, or
-    :func:`handoffd.service.spread.spread`'s), acts on them as if they came then. A supervisor's
-    stop that came while ``serve`` started (its imports, the workspace's checks) killed it with
-    -15 instead of the promised exit 0 (7 of 113 restarts under load). A second one before the
-    daemon took them ends the process at once, with 0 (nothing is claimed yet): a start that
-    waits (a store away) is not deaf to its supervisor: the first one also ends its wait for the
-    store (:mod:`handoffd.core.starting`; exit 0, as a stop while it starts)."""
-    import signal
-    from ..core.procs import STOP_SIGNALS
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, _hold)
-
-
-def _hold(signum: int, frame: object) -> None:
-    HELD_SIGNALS.append(signum)
-    # (a wait for the store, in the engine's making, cannot be told otherwise: it looks)
-    ask_stop(signum)
-    if len(HELD_SIGNALS) > 1:  # "at once", as a second signal is documented to act
-        raise SystemExit(0)
 
 
 class JsonLines(logging.Formatter):

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import typer
 
 from ..core.errors import StartStopped, UsageError
-from ..core.starting import ask_stop, stop_asked
+from ..core.starting import ask_stop, release_stop_signals, stop_asked
 from .basics import text_arg
 from .common import JsonOption, RootOption, StoreOption, guarded, workspace
 
@@ -63,8 +63,10 @@ def stop_ends_the_wait(url: str) -> Iterator[None]:
     """Within the block (opening the store at ``url``), SIGTERM, SIGINT and SIGHUP end a wait
     for a database that is away: one line (``handoffd: stopped: before it began, waiting for
     the database at ...``) and exit 0, as for ``serve`` and ``run``; a stop that came during
-    the attempt that connected ends the command so too, before it changes anything. After the
-    block the signals act as before (``db init``'s work is one transaction, rolled back when it
+    the attempt that connected ends the command so too, before it changes anything, and one
+    held since the command's start (:func:`~handoffd.core.starting.hold_stop_signals`: during
+    its imports) before the store is opened at all. After the block the signals act as they do
+    on any program (``db init``'s work is one transaction, rolled back when it
     is killed; ``db import`` is made to be run again after an interruption)."""
     import signal
 
@@ -73,10 +75,13 @@ def stop_ends_the_wait(url: str) -> Iterator[None]:
     before = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS}
     try:
         try:
+            if stop_asked():  # held since the command's start (its imports): the store unopened
+                raise StartStopped(f"before it began, before opening the store at {redact(url)}")
             yield
         finally:
             for signum, handler in before.items():
                 signal.signal(signum, handler)
+            release_stop_signals()  # (held by the console script: after the block, as before)
         if stop_asked():
             raise StartStopped(f"before it began, waiting for the database at {redact(url)}")
     except StartStopped as exc:

@@ -1,87 +1,40 @@
-"""The ``handoffd`` console script: the quick path when it serves the command line, else the
-full one (:mod:`handoffd.cli.handoffd_app`; typer is imported only then).
+"""The ``handoffd`` console script: the quick path when it serves the command line
+(:mod:`handoffd.cli.handoffd_quick`), else the full one (:mod:`handoffd.cli.handoffd_app`; typer
+is imported only then). ``$HANDOFFD_FULL_CLI`` (any value) always takes the full command line.
 
-cron starts ``handoffd run`` every minute and a supervisor restarts ``handoffd serve``; importing
-typer and click cost them more than an empty batch's own work. :func:`try_quick` parses the plain
-forms of both (:data:`FORMS`: only their known options, each once, values that convert) and runs
-the very functions the full commands run (:mod:`handoffd.cli.daemon_commands`); anything else
-(``--help``, ``--version``, another command, an unknown option, a value that does not convert)
-goes to the full command line, which words its own errors. ``$HANDOFFD_FULL_CLI`` (any value)
-always takes the full command line.
+This module imports next to nothing: ``serve``, ``run`` and ``db`` hold the stop signals first
+thing (:func:`~handoffd.core.starting.hold_stop_signals`), before the rest of the program is
+imported (a stop during those imports killed ``db init`` with -15). Only a signal that comes
+while Python itself starts, before :func:`main` runs, acts as it does on any program.
 """
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from ..core.bounds import MAX_WORKERS
-from ..core.config import processes_value
-from .basics import failure_code, prepare_streams
-from .daemon_commands import PROG, hold_stop_signals, run_batch, serve
-from .quick import Form, number, parse
+from ..core.starting import hold_stop_signals
 
-_COMMON = {"--root": "root", "--workers": "workers", "--log-format": "log_format",
-           "--store": "store"}
-_VERBOSE = {"--verbose": "verbose", "-v": "verbose"}
-
-FORMS = {
-    "run": Form({**_COMMON, "--max-seconds": "max_seconds", "--processes": "processes"},
-                {**_VERBOSE, "--quiet": "quiet", "-q": "quiet"}),
-    "serve": Form({**_COMMON, "--metrics": "metrics", "--metrics-textfile": "metrics_textfile",
-                   "--processes": "processes"},
-                  _VERBOSE),
-}
+# the commands whose stop signals are held from the start: the daemon's, and the store's set-up
+HOLDING = (["run"], ["serve"], ["db"])
 
 
-def plain_form(argv: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
-    """``(command, {parameter: value})`` with the values converted as the full command line
-    converts them, or None unless ``argv`` is the plain form of ``run`` or ``serve`` (see
-    :data:`FORMS`) with values that convert."""
-    parsed = parse(argv, FORMS)
-    if parsed is None:
-        return None
-    command, _, opts = parsed
-    if any(value == "" for value in opts.values()):
-        return None  # --root= and the like: the full parser's business
-    try:
-        if "workers" in opts:
-            opts["workers"] = int(opts["workers"])
-            if not 1 <= opts["workers"] <= MAX_WORKERS:  # (the full parser says why)
-                return None
-        if "processes" in opts:
-            opts["processes"] = processes_value(opts["processes"])
-        if "max_seconds" in opts:
-            opts["max_seconds"] = number(opts["max_seconds"], float)
-    except ValueError:
-        return None
-    for key in ("root", "metrics_textfile"):  # the full command line gives these as paths
-        if key in opts:
-            opts[key] = Path(opts[key])
-    return command, opts
-
-
-def try_quick(argv: Sequence[str]) -> int | None:
-    """Run ``argv`` when it is a plain form (:func:`plain_form`); its exit code, or None when
-    the full command line must handle it."""
-    form = plain_form(argv)
-    if form is None:
-        return None
-    command, opts = form
-    try:
-        code: int = run_batch(**opts) if command == "run" else serve(**opts)
-        return code
-    except (Exception, KeyboardInterrupt) as exc:  # one line, as in the full command line
-        return failure_code(PROG, exc)
+def __getattr__(name: str) -> Any:
+    """The quick path's names (FORMS, plain_form, try_quick), as this module once held them."""
+    if name in ("FORMS", "plain_form", "try_quick"):
+        from . import handoffd_quick
+        return getattr(handoffd_quick, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main() -> None:
     """Console-script entry point. ``$HANDOFFD_CRASH_AT`` (a step of claim or finish, for
     recovery tests) makes the daemon die there as if killed."""
-    daemon = sys.argv[1:2] in (["run"], ["serve"])
-    if daemon:  # a stop during the start is held for the daemon (it killed it: exit -15)
+    if sys.argv[1:2] in HOLDING:  # a stop during the start is held (it killed it: exit -15)
         hold_stop_signals()
+    from .basics import prepare_streams
+    from .daemon_commands import PROG
+    daemon = sys.argv[1:2] in (["run"], ["serve"])
     # serve and run log to stderr and never need stdout: they run with it closed (cron, a
     # supervisor); any other command's output would reach no one
     refused = prepare_streams(PROG, stdout_needed=not daemon)
@@ -92,6 +45,7 @@ def main() -> None:
         from ..backends.files.crashpoints import inject_crash_at
         inject_crash_at(point)
     if not os.environ.get("HANDOFFD_FULL_CLI") and not os.environ.get("_HANDOFFD_COMPLETE"):
+        from .handoffd_quick import try_quick
         code = try_quick(sys.argv[1:])
         if code is not None:
             sys.exit(code)

@@ -269,7 +269,10 @@ def password_span(url: str) -> tuple[int, int] | None:
     "p"...): masked to the last "@" all the same, more rather than less
     (``postgresql://db1:5432/h?application_name=a@b`` is said ``postgresql://db1:***@b``). A
     user holding an unencoded "@" (``user@server:pw@host``) has its ":" after that "@": masked
-    from it to the last "@" before the query. None: no password. A password that holds an "@"
+    from it to the last "@" before the query, and when every "@" after the ":" is in what
+    libpq reads as a query (a password holding "?keyword=": ``me@corp:pw?sslmode=x@host``),
+    to the last "@" before a query that follows the first of them (so
+    ``me@db1:5432/h?application_name=a@b`` is said ``me@db1:***@b``). None: no password. A password that holds an "@"
     followed by "?", a connection keyword and "=", after an "@" before any "/" (libpq's
     userinfo), cannot be told from a query: percent-encode it."""
     scheme = URL_SCHEME.match(url)
@@ -283,7 +286,14 @@ def password_span(url: str) -> tuple[int, int] | None:
     colon = URL_USER.match(url, scheme.end()).end()  # type: ignore[union-attr]  # (matches "")
     if not url.startswith(":", colon):  # (an "@" first: a user without a password, or one
         colon = url.find(":", colon)  # holding an unencoded "@" with its password after)
-        end = -1 if colon < 0 else url.rfind("@", colon, _query_start(url, colon))
+        if colon < 0:
+            return None
+        end = url.rfind("@", colon, _query_start(url, colon))
+        if end < 0:  # every "@" after the ":" is in what libpq reads as a query: it may be the
+            # password's ("me@corp:pw?sslmode=x@host" is host "corp", port "pw" to libpq):
+            # masked to the last "@" before a query after the first "@" (more rather than less)
+            first_at = url.find("@", colon)
+            end = -1 if first_at < 0 else url.rfind("@", colon, _query_start(url, first_at))
         return None if end < 0 else (colon + 1, end)
     first_at, slash = url.find("@", colon), url.find("/", colon)
     if first_at < 0:
