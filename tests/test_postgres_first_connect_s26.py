@@ -218,8 +218,11 @@ def test_a_daemon_waiting_for_the_database_stops_at_a_signal_and_by_its_batch_bo
                          f"{redact(url)}"), lines
     assert "before it began, waiting for the database" in (tmp_path / "run.err").read_text()
     lines = (tmp_path / "bounded.err").read_text().splitlines()
-    waited = lines[0].partition(f"waiting for the database at {redact(url)} (up to ")[2]
-    assert 0 <= float(waited.partition("s)")[0]) <= 2, lines  # (the batch's, not the window's)
+    # (a start slower than the 2 s bound on a loaded machine has no wait left to announce: it
+    # says the store unreachable at once; a wait it announces is the batch's, not the window's)
+    waits = [line.partition(f"waiting for the database at {redact(url)} (up to ")[2]
+             for line in lines if "waiting for the database" in line]
+    assert all(0 <= float(waited.partition("s)")[0]) <= 2 for waited in waits), lines
     assert lines[-1].startswith(f"handoffd: error: the PostgreSQL store {redact(url)} is "
                                 "unreachable: "), lines
 

@@ -15,7 +15,6 @@ import fcntl
 import json
 import os
 import threading
-import time
 from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -51,11 +50,7 @@ class SeenIds:
         self._cache = IdIndex()
         self._offset = 0
         self._inode = -1
-        self._mutex = threading.Lock()  # the index and the read offset
-        # the writers' turn (adds, compactions): taken before the record's flock is waited for,
-        # and the mutex only after it, so a look-up (contains, the claim path) never waits
-        # behind a lock held by another process (it did, for an add's whole wait)
-        self._turn = threading.Lock()
+        self._mutex = threading.Lock()
         self._searched = False  # the first contains() searched the record (see there)
         self._skipping = False  # _offset is inside a line over MAX_LINE: skipped to its end
         self._lock: int | None = None  # the lock file, kept open
@@ -71,31 +66,22 @@ class SeenIds:
         another process from dropping the line; under it the record is stat'ed, and reopened
         when a compaction replaced it."""
         line = _line(handoff_id, now, mark).encode()
-        wait = logfiles.LOCK_WAIT_SECONDS
-        ends = time.monotonic() + wait
-        # bounded: a lock held for good (a stopped or foreign process) fails this one add (an
-        # OSError, one line) rather than freezing a create or the daemon's claim; an append
-        # without the lock could be dropped by that holder's compaction. The whole wait, the
-        # turn's included: adds of several threads queued behind one held lock each fail
-        # within it, not one after another
-        if not self._turn.acquire(timeout=wait):
-            raise logfiles.LockHeld(self.lock_path, wait)
-        try:  # (one descriptor for the threads of this process: flock alone would not keep
-            lock_fd = self._lock_fd()  # them apart, the turn does)
-            if not logfiles.flock_within(lock_fd, max(ends - time.monotonic(), 0.0)):
-                raise logfiles.LockHeld(self.lock_path, wait)
+        with self._mutex:  # one descriptor for the threads of this process: flock alone
+            lock_fd = self._lock_fd()  # would not keep them apart
+            # bounded: a lock held for good (a stopped or foreign process) fails this one add
+            # (an OSError, one line) rather than freezing a create or the daemon's claim; an
+            # append without the lock could be dropped by that holder's compaction
+            if not logfiles.flock_within(lock_fd, logfiles.LOCK_WAIT_SECONDS):
+                raise logfiles.LockHeld(self.lock_path, logfiles.LOCK_WAIT_SECONDS)
             try:
-                with self._mutex:
-                    info = self._out.ready()
-                    written = self._out.write_line(line, info)
-                    if (info.st_ino, info.st_size) == (self._inode, self._offset):
-                        self._offset += written  # nothing new to read back but our own line
-                        self._skipping = False  # (which ends any over-long line before it)
-                    self._cache.put(handoff_id, now.timestamp())
+                info = self._out.ready()
+                written = self._out.write_line(line, info)
+                if (info.st_ino, info.st_size) == (self._inode, self._offset):
+                    self._offset += written  # nothing new to read back but our own line
+                    self._skipping = False  # (which ends any over-long line before it)
             finally:
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
-        finally:
-            self._turn.release()
+            self._cache.put(handoff_id, now.timestamp())
 
     def __del__(self) -> None:  # a store dropped in a long-lived process gives it back
         lock = getattr(self, "_lock", None)
@@ -179,10 +165,14 @@ class SeenIds:
             return
         if (info.st_ino, info.st_size) == (self._inode, self._offset):
             return
-        if info.st_ino != self._inode or info.st_size < self._offset:
-            self._cache, self._offset, self._inode = IdIndex(), 0, info.st_ino
-            self._skipping = False
         with open_reading(self.path) as fh:
+            # judged by the file opened: a compaction's rename between the stat and the open
+            # (another process's) had the new, shorter record read from the old one's offset,
+            # and the ids appended since the last look were missed (R60: a reused id could run)
+            info = os.fstat(fh.fileno())
+            if info.st_ino != self._inode or info.st_size < self._offset:
+                self._cache, self._offset, self._inode = IdIndex(), 0, info.st_ino
+                self._skipping = False
             fh.seek(self._offset)
             lines = _Lines(fh, skipping=self._skipping)
             for complete in lines:  # a line still being appended waits
@@ -198,9 +188,8 @@ class SeenIds:
         sweep calls this every few seconds: reading and rewriting the whole record each time
         made every sweep cost, in time and in a serving daemon's memory, one TTL's worth of
         ids. The record is rewritten line by line, never held whole."""
-        # the turn, then the flock (then, for a moment, the mutex): the order add() takes them
-        # in. The rewrite itself runs outside the mutex: look-ups meanwhile read the old record
-        with self._turn:
+        # the mutex before the flock, in the order add() takes them
+        with self._mutex:
             try:
                 # briefly: an add holds the lock for one write, another compaction for a
                 # moment; one held longer (a stopped or foreign process) puts the compaction
@@ -220,7 +209,7 @@ class SeenIds:
                 return None
 
     def _compact(self, now: datetime) -> int | None:
-        """:meth:`compact`, under the turn and the lock."""
+        """:meth:`compact`, under the mutex and the lock."""
         self._put_off = False
         try:
             with open_reading(self.path) as record:
@@ -231,9 +220,8 @@ class SeenIds:
                 kept = self._rewrite(record, now.timestamp())
         except FileNotFoundError:
             return 0
-        with self._mutex:  # (read afresh at the next look-up)
-            self._cache, self._offset, self._inode = IdIndex(), 0, -1
-            self._skipping = False
+        self._cache, self._offset, self._inode = IdIndex(), 0, -1
+        self._skipping = False
         return kept
 
     def _rewrite(self, record: BinaryIO, now: float) -> int:
