@@ -58,7 +58,7 @@ def clear_previous_attempt(ctx: HandlerContext) -> None:
         left = procrecords.read_record(ctx.root, ctx.handoff_id)
         if left is None or not left.local() or left.attempt > ctx.attempt:
             return
-        alive, unsettled = procs.find(left.token, None)
+        alive, _ = procs.find(left.token, None)  # (one still in exec: said, see procs)
     except Exception as exc:
         log.warning("handoff %s: cannot check for leftover processes%s", ctx.handoff_id,
                     leftovers_unchecked(exc))
@@ -68,13 +68,6 @@ def clear_previous_attempt(ctx: HandlerContext) -> None:
                            f"{left.attempt} survive SIGKILL (pids "
                            f"{', '.join(str(p.pid) for p in alive[:10])}); not starting another run "
                            "beside them", handoff_id=ctx.handoff_id, retryable=True)
-    if unsettled:
-        # their environment unread, they may be that attempt's: started now, this run could
-        # overlap it, and its record (the only way to find it later) would be replaced
-        raise HandlerError(f"handoff {ctx.handoff_id}: {len(unsettled)} process(es) stay in the "
-                           f"middle of exec (pids {', '.join(str(pid) for pid in unsettled[:10])}) "
-                           f"and may be attempt {left.attempt}'s; not starting another run beside "
-                           "them", handoff_id=ctx.handoff_id, retryable=True)
 
 
 def leftovers_unchecked(exc: BaseException) -> str:

@@ -226,9 +226,7 @@ def main(read: int, daemon_pid: int, style: str = "text", level: int = logging.W
         if killed or survivors:
             log.warning("handoff %s: daemon pid %d died; killed %d process(es) of attempt %s "
                         "still running%s", handoff_id, daemon_pid, killed, attempt,
-                        # (a survivor: one SIGKILL left, or one still in the middle of exec
-                        # that may be the attempt's, see procs.kill_runs)
-                        f" ({survivors} may live on)" if survivors else "")
+                        f" ({survivors} survive SIGKILL)" if survivors else "")
 
 
 class _JsonLine(logging.Formatter):

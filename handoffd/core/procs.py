@@ -29,10 +29,10 @@ A process in the middle of exec (right after Popen returns, /proc shows its envi
 until the kernel has set it up) is looked at again, never passed over as carrying no token:
 each scan re-reads it for :data:`SETTLE_SECONDS`, then further rounds look again for up to
 :data:`UNSETTLED_SECONDS` (a kill's rounds, :func:`find`'s for a stop signal or a retry's
-check). One still in exec after that may be any attempt's: it counts as a survivor of each
-attempt not yet proven gone, so the attempt's record is kept (a later pass looks again) and a
-retry does not start beside it; :func:`prune_records` keeps every record it could not prove
-over while one is seen (its one scan serves every record).
+check). One still in exec after that is said in one line, not counted: any process on the
+machine may be in that state (one hung in exec on a stalled mount; on older kernels every
+exiting process reads so), and counting it as every attempt's survivor kept their records and
+refused their retries for good (R60). :func:`prune_records` makes one scan for every record.
 
 Limits: only processes on this host that this process can see can be found (a record of another
 pid namespace, a container's, is found by token only: from the host, not from a sibling
@@ -264,7 +264,7 @@ class _Looking:
         if self.unsettled:
             log.warning("pid(s) %s stayed in the middle of exec (environment not set up) for "
                         "%.2f s: not known whether they belong to the attempt(s) looked for; "
-                        "counted as their survivors", ", ".join(str(pid) for pid in
+                        "not counted as theirs", ", ".join(str(pid) for pid in
                                                                 self.unsettled[:10]),
                         time.monotonic() - self.started)
 
@@ -392,14 +392,10 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
             targets[i] = [p for p in procs if p.marked or (ours[i] and p.pgid == pgid)]
         # an attempt is done once a round finds none of its processes, and none in the middle
         # of exec (its environment unread, it may carry this token: looked at next round)
+        # (one still in exec when the rounds end is said, not counted: any process on the
+        # machine may be, an exiting one on older kernels too; counted as a survivor of every
+        # attempt, it kept their records and refused their retries for good, R60)
         waiting = looking.again()
-        if looking.unsettled and not waiting:
-            # still in exec when the rounds end: each may be any of these attempts', so each
-            # counts as a survivor of those not proven gone (their record kept, a retry not
-            # started beside them); counted as none, its record was removed (kill_leftovers)
-            for i in left:
-                if not targets[i]:
-                    survivors[i] = len(looking.unsettled)
         left = [i for i in left if targets[i] or waiting]
         if not left:
             break
@@ -407,9 +403,7 @@ def kill_runs(runs: Sequence[tuple[str, int | None]], *, group_known: bool = Fal
         # of /proc once outlasted the whole wait, and nothing was killed at all
         if rounds and time.monotonic() >= deadline:
             for i in left:
-                if not targets[i]:  # (held by a process in exec alone: the wait was shorter)
-                    survivors[i] = len(looking.unsettled)
-                else:
+                if targets[i]:
                     survivors[i] = len(targets[i])
                     log.warning("run %s: %d process(es) survived SIGKILL: %s",
                                 _label(runs[i][0]), len(targets[i]),
@@ -496,9 +490,7 @@ def prune_records(workspace: Any) -> int:
     """Remove records on this host whose attempt has no process left (a daemon died and the
     handoff was not retried here, e.g. it failed for good); returns how many were removed. Kills
     nothing: a record whose processes live belongs to a running attempt or to kill_leftovers.
-    One pass over /proc serves every record; while it sees a process in the middle of exec
-    (which may carry any token), no record it could not prove over is removed: the next sweep
-    looks again. Only a plain ``.meta/procs`` is pruned, through a descriptor (never through a
+    One pass over /proc serves every record (one each once cost records x processes). Only a plain ``.meta/procs`` is pruned, through a descriptor (never through a
     symlink)."""
     with records_folder(workspace_root(workspace)) as folder:
         return 0 if folder is None else _prune_in(folder)
@@ -530,9 +522,8 @@ def _prune_in(folder: int) -> int:
         # (another pid namespace on this boot: its own daemons judge it)
     if unproven:
         # one pass over /proc for every record (one each once cost records x processes)
-        found, unsettled = _scan([(record.token, None) for record in unproven])
-        if not unsettled:  # (one in exec may carry any of them: all stay till the next sweep)
-            over.extend(record for record, procs in zip(unproven, found) if not procs)
+        found, _ = _scan([(record.token, None) for record in unproven])
+        over.extend(record for record, procs in zip(unproven, found) if not procs)
     for record in over:
         remove_in(folder, record.handoff_id, record.token)
         removed += 1
