@@ -158,3 +158,36 @@ def test_a_config_names_its_own_path_in_the_grace_refusal(tmp_path: Path) -> Non
     with pytest.raises(ConfigError) as refused:
         load_config(path).store_url("postgresql://x@/y")
     assert str(refused.value).startswith(f"{path}: [daemon] claim_grace_seconds = 0.0 is below 1")
+
+
+def test_a_graceful_stop_gives_running_work_its_grace_past_the_batchs_bound(
+        tmp_path: Path) -> None:
+    """R59: the store's retries bounded by the batch's deadline stayed bounded when a signal's
+    graceful stop came before it: a filing after the deadline, within the grace, that met a
+    dead pooled connection gave up at once (the result lost, the handler run again, an attempt
+    charged). The graceful stop bounds them by its grace; a hard stop still by nothing."""
+    import time as time_module
+
+    from test_daemon_inprocess import engine_with
+
+    from handoffd import Daemon
+
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"}, grace_seconds=20.0)
+    give_up = [float("inf")]
+
+    def interrupt(grace: float = 0.0) -> None:  # as the PostgreSQL store's: only ever lowers
+        give_up[0] = min(give_up[0], time_module.monotonic() + max(grace, 0.0))
+
+    def resume() -> None:
+        give_up[0] = float("inf")
+
+    engine.backend.interrupt = interrupt  # type: ignore[attr-defined]
+    engine.backend.resume = resume  # type: ignore[attr-defined]
+    daemon = Daemon(engine, workers=1, watch=False)
+    daemon.scheduler.batch_deadline = time_module.monotonic() + 5.0
+    daemon._bound_store()
+    assert give_up[0] <= time_module.monotonic() + 5.0
+    daemon.stop()  # a SIGTERM at 2.5 s of a --max-seconds 5 batch: its grace is 20 s
+    assert give_up[0] >= time_module.monotonic() + 15.0
+    daemon.stop(hard=True)  # a second signal: now
+    assert give_up[0] <= time_module.monotonic()

@@ -42,7 +42,7 @@ from ..core.filing import held_answer
 from ..core.native_format import stub_code
 from ..core.jobs import Job
 from ..core.states import State
-from ..core.timeutil import parse_iso, parse_utc, utc_now
+from ..core.timeutil import parse_iso
 from .archived_ids import ArchiveIndex
 from .removal import dependents_guard
 
@@ -57,10 +57,6 @@ ACYCLIC_SECONDS = 300.0  # how long "leads to no cycle" is trusted (ids can be p
 # rescans look at a waiter only when what it waits for changed, and drop its progress at its
 # full re-check (as often: service.quiet.FULL_RECHECK_SECONDS), so that check reads them all
 PROGRESS_SECONDS = 300.0
-# a dependency found nowhere whose file was set aside this recently is waited for: its failure
-# stub is being filed (by the process that set it aside, a moment later; one that died between
-# the two leaves none, and the waiter's re-checks fail it once this has passed)
-SET_ASIDE_SECONDS = 60.0
 UNFINISHED_SECONDS = 5.0  # a dependency read unfinished is not read again this soon by a first look
 # a waiter is re-checked when any of this many dependencies after its first unfinished one is
 # filed into failed/ by this daemon (beyond them, and for another process's filings, a failure is
@@ -428,18 +424,7 @@ def _first_look(graph: Graph, env: Envelope, progress: Progress) -> Verdict | No
 
 
 def _failure(graph: Graph, waiter: str, dep: str, state: State | None) -> Verdict:
-    """The verdict on ``waiter`` whose dependency ``dep`` is missing (None) or failed: a wait
-    while ``dep`` is being set aside (:func:`_set_aside_trace`: its failure stub is on its way,
-    and its filing wakes the waiter), else a failure."""
-    if state is None:
-        trace = _set_aside_trace(graph, dep)
-        if trace is not None and trace[1]:
-            # looked again: the stub may have been filed since the look that missed it (its
-            # filing then woke no one); still missing, it is waited for, not failed
-            state = graph.look(dep, graph.engine.clock())
-            if state is not State.FAILED:
-                return Verdict.wait(f"waiting for dependency {dep} (being set aside as "
-                                    f"{trace[0]}: its failure stub is being filed)", on=[dep])
+    """The verdict on ``waiter`` whose dependency ``dep`` is missing (None) or failed."""
     if state is None:
         return Verdict.fail(ErrorCode.DEPENDENCY_MISSING, _missing(graph, waiter, dep))
     why = _unretriable(graph, dep)
@@ -515,48 +500,20 @@ def check_new_dependencies(graph: Graph, handoff_id: str, deps: list[str]) -> No
 
 def _missing(graph: Graph, handoff_id: str, dep: str) -> str:
     """Why ``dep``, not found, cannot be depended on: never created, or (the seen-ids record
-    knows it) finished and removed by retention ("create it first" misled: it existed): purged,
-    or archived after it failed (an archived completed one is completed)."""
-    trace = _set_aside_trace(graph, dep)
-    if trace is not None:  # (not retention: it was set aside, its stub is not in failed/)
-        code, fresh = trace
-        return (f"handoff {handoff_id} depends on {dep}, whose file was set aside unread as "
-                f"{code} (`handoff ls --state quarantined` lists it) and "
-                + ("its failure stub is being filed" if fresh else
-                   "has no failure stub in failed/ (removed by retention, or never filed)")
-                + "; fix that file and submit it as a new handoff")
+    knows it) found in no state now ("create it first" misled: it existed): removed by
+    retention (purged, or archived after it failed: an archived completed one is completed), or
+    set aside unread, its failure stub not (yet) in failed/ (a dependant looked at in that
+    moment was told "removed by retention" alone; the stub would have failed it too). The
+    quarantine is not read here: this is the gate's path, and anyone can write there."""
     try:
         seen = graph.engine.backend.seen_contains(dep, graph.engine.clock())
     except (HandoffdError, OSError):  # (the record unreadable: say only what is sure)
         seen = False
     if seen:
         return (f"handoff {handoff_id} depends on {dep}, which existed but was removed by "
-                f"retention (archived or purged): `handoff show {dep}` finds an archived one")
+                f"retention (archived or purged): `handoff show {dep}` finds an archived one; "
+                "or it was set aside unread: `handoff ls --state quarantined` lists it")
     return f"handoff {handoff_id} depends on {dep}, which does not exist; create it first"
-
-
-def _set_aside_trace(graph: Graph, dep: str) -> tuple[str, bool] | None:
-    """The newest trace of ``dep``'s file set aside (the quarantine's record of it) that gets a
-    failure stub: (its code, True while it is recent: :data:`SET_ASIDE_SECONDS`); None when
-    there is none. Read only for a dependency found nowhere: set aside, it is out of pending/
-    and in-progress/ a moment before its stub is in failed/, and a dependant looking then was
-    failed as if retention had removed it."""
-    try:
-        entries = graph.engine.backend.quarantined()
-    except (HandoffdError, OSError):  # (unreadable: no trace to go by)
-        return None
-    names = (dep, f"{dep}.json")  # (a database records the id, the files store the file name)
-    for item in reversed(entries):  # newest first
-        code = item.get("code")
-        if item.get("file") not in names or not isinstance(code, str) \
-                or code == ErrorCode.DUPLICATE_HANDOFF_ID:  # (set aside with no stub)
-            continue
-        try:  # stamped by the wall clock of the process that set it aside, as compared here
-            age = abs((utc_now() - parse_utc(str(item.get("at")))).total_seconds())
-        except ValueError:
-            age = SET_ASIDE_SECONDS + 1
-        return code, age <= SET_ASIDE_SECONDS
-    return None
 
 
 def _unretriable(graph: Graph, handoff_id: str) -> str | None:

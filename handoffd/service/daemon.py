@@ -81,6 +81,7 @@ class Daemon(BatchEnd):
         self.settings = engine.settings
         self.workers = workers or self.settings.workers
         self.hard_stop = False
+        self._store_bounded = False  # the store's retries bounded by the batch's deadline
         # a sweep already made for this run (see _start_sweep), and when the run began if that
         # was before run_batch (spread: a batch's --max-seconds counts from the process's start)
         self.first_sweep: SweepReport | None = None
@@ -386,6 +387,7 @@ class Daemon(BatchEnd):
         interrupt = getattr(self.engine.backend, "interrupt", None)
         if math.isfinite(deadline) and callable(interrupt):
             interrupt(max(deadline - time.monotonic(), 0.0))
+            self._store_bounded = True
 
     def _guarded_loop(self, *, batch: bool) -> None:
         resume = getattr(self.engine.backend, "resume", None)
@@ -538,7 +540,14 @@ class Daemon(BatchEnd):
         # operations give up retrying then (the lock it takes is re-entrant: signal-safe)
         interrupt = getattr(self.engine.backend, "interrupt", None)
         if callable(interrupt):
-            interrupt(0.0 if hard else self.settings.grace_seconds)
+            resume = getattr(self.engine.backend, "resume", None)
+            if self._store_bounded and not self.hard_stop and callable(resume):
+                # a graceful stop gives running work its grace, past the batch's bound: bound
+                # to it, a filing after it that met a dead pooled connection gave up at once
+                # (R59: the result lost, the handler run again, an attempt charged)
+                self._store_bounded = False
+                resume()
+            interrupt(0.0 if self.hard_stop else self.settings.grace_seconds)
         if hard:
             self.attempts.hand_back_all()
 
