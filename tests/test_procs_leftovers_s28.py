@@ -27,10 +27,28 @@ from handoffd.core.specialists import HandlerContext
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
 
+class StepClock:
+    """procs' clock, moved only by its own sleeps: the rounds and re-reads are counted the same
+    however loaded the machine (a real clock let one slow scan outlast the whole window)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @pytest.fixture
 def short_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rounds' look-again window shortened: a fake process in exec stays there for good."""
+    """The rounds' look-again window shortened (a fake process in exec stays there for good),
+    on a clock that only procs' own sleeps move."""
     monkeypatch.setattr(procs, "UNSETTLED_SECONDS", 0.05)
+    clock = StepClock()
+    monkeypatch.setattr(procs, "time", types.SimpleNamespace(monotonic=clock.monotonic,
+                                                              sleep=clock.sleep))
 
 
 def _record(root: Path, handoff_id: str, attempt: int = 1, pgid: int | None = None) -> str:
@@ -101,6 +119,9 @@ class SlowExec(FakeProc):
 @pytest.fixture
 def slow_exec(fake_proc: FakeProc, monkeypatch: pytest.MonkeyPatch) -> SlowExec:
     fake = SlowExec(scans_in_exec=2)
+    clock = StepClock()  # (the window counted in procs' own sleeps, not in a loaded machine's)
+    monkeypatch.setattr(procs, "time", types.SimpleNamespace(monotonic=clock.monotonic,
+                                                              sleep=clock.sleep))
     monkeypatch.setattr(procs, "_pids", fake.pids)
     monkeypatch.setattr(procs, "open", fake.open, raising=False)
     return fake
