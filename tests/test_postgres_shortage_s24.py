@@ -151,7 +151,9 @@ class _ShortLook:
         self._conn, self._left = conn, left
 
     def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
-        if "lease_expires_at::text FROM" in str(query) and self._left[0] > 0:
+        text = str(query)  # (the look: it reads the rows' expiry as text, among its columns)
+        if text.startswith("SELECT h.id,") and "lease_expires_at::text" in text \
+                and self._left[0] > 0:
             self._left[0] -= 1
             raise MemoryError()
         return self._conn.execute(query, *args, **kwargs)
