@@ -3,10 +3,13 @@
 psycopg_pool takes a connection out of its idle deque, then logs and counts before it returns
 it: a MemoryError there lost the connection, the pool counting it checked out for ever (after
 ``max_size`` such leaks every operation waited out the pool's timeout). The checkout now gives
-back a connection taken by a ``getconn`` that failed, and the caller gets the MemoryError.
+back a connection taken by a ``getconn`` that failed, and the caller gets the MemoryError. So
+does a checkout that waited and was handed a connection, then ran short counting its wait
+(review R58: still leaked then).
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -42,3 +45,59 @@ def test_a_checkout_running_short_after_taking_a_connection_gives_it_back(
         assert leaked(db) == 0
     finally:
         db.close()
+
+
+class _ShortWaitStats(dict):  # type: ignore[type-arg]
+    """psycopg_pool's statistics, whose first update of the time a client waited runs out of
+    memory (as ``getconn``'s ``finally`` does it, after the waiting client was handed its
+    connection)."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__(real)
+        self.raised = 0
+
+    def __missing__(self, key: str) -> int:
+        return 0
+
+    def __setitem__(self, key: str, value: int) -> None:
+        if key == "requests_wait_ms" and not self.raised:
+            self.raised += 1
+            raise MemoryError()
+        super().__setitem__(key, value)
+
+
+def test_a_waiting_checkout_running_short_after_it_was_handed_a_connection_gives_it_back(
+        pg_url: str) -> None:
+    """Every connection is out; a third checkout waits, is handed one as it is returned, and
+    runs out of memory counting its wait: the connection it was handed is given back, never
+    leaked (R58: `leaked: 1` before; after ``max_size`` such leaks every operation waited out
+    the pool's timeout)."""
+    import threading
+    db = small_db(pg_url)
+    try:
+        held = [db.pool.getconn(timeout=5) for _ in range(db.pool.max_size)]
+        stats = db.pool._stats = _ShortWaitStats(db.pool._stats)
+        said: list[str] = []
+        waiter = threading.Thread(target=lambda: said.extend(outcomes_once(db)), daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while not db.pool._waiting and time.monotonic() < deadline:  # it waits for one
+            time.sleep(0.01)
+        assert db.pool._waiting, "the checkout never waited"
+        for conn in held:
+            db.pool.putconn(conn)
+        waiter.join(timeout=30)
+        assert not waiter.is_alive()
+        assert stats.raised == 1 and said == ["MemoryError: "], said
+        assert leaked(db) == 0
+        assert outcomes(db, select_one) == ["1"] * OPERATIONS
+    finally:
+        db.close()
+
+
+def outcomes_once(db: Any) -> list[str]:
+    """One run of ``select_one``: what it returned or raised."""
+    try:
+        return [repr(db.run(select_one))]
+    except Exception as exc:
+        return [f"{type(exc).__name__}: {exc}"]

@@ -21,6 +21,7 @@ hears is a hint only: when the connection drops it reconnects with backoff and t
 """
 from __future__ import annotations
 
+import collections
 import contextvars
 import functools
 import logging
@@ -92,12 +93,16 @@ class _Pool(ConnectionPool[Conn]):
     MemoryError (or any error) raised inside ``getconn`` after the connection left the pool
     (its own logging, its statistics) once lost it, the pool counting it checked out for
     ever (after ``max_size`` such leaks every operation waited out the pool's timeout). Each
-    connection taken is noted in the taking thread's slot (set by :meth:`Database._getconn`
-    before it asks: noting it allocates nothing) until ``getconn`` returns it."""
+    connection taken is noted in the taking thread's slot (set by :meth:`Database._checkout`
+    before it asks: noting it allocates nothing) until ``getconn`` returns it: one taken from
+    the idle ones as ``_getconn_unchecked`` returns it, and the place in the queue of a client
+    that waits (:class:`_NotedQueue`), which the connection handed to it is read from (a
+    MemoryError updating the pool's statistics after the wait once leaked that one)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.taking = threading.local()  # .slot: [the connection the current checkout took]
+        self.taking = threading.local()  # .slot: [the connection taken, the place waited in]
         super().__init__(*args, **kwargs)
+        self._waiting = _NotedQueue(self.taking)
 
     def _getconn_unchecked(self, timeout: float) -> Conn:
         conn = super()._getconn_unchecked(timeout)
@@ -105,6 +110,32 @@ class _Pool(ConnectionPool[Conn]):
         if slot is not None:
             slot[0] = conn  # (an item replaced in place: no allocation, no MemoryError)
         return conn
+
+
+class _NotedQueue(collections.deque):  # type: ignore[type-arg]
+    """psycopg_pool's queue of waiting clients: each place appended (by the waiting client's
+    own thread, under the pool's lock) is noted in that thread's slot, so a checkout that
+    fails after a connection was handed to it can find the connection and give it back."""
+
+    def __init__(self, taking: threading.local) -> None:
+        super().__init__()
+        self.taking = taking
+
+    def append(self, place: Any) -> None:
+        slot = getattr(self.taking, "slot", None)
+        if slot is not None:
+            slot[1] = place  # (no allocation)
+        super().append(place)
+
+
+def _handed(place: Any) -> Conn | None:
+    """The connection handed to a checkout that waited in ``place`` (psycopg_pool's waiting
+    client) and that the pool left with it: its wait ended with the connection, no error, so
+    only the failure after it (the pool's statistics) kept it from its caller. A wait that
+    failed (timed out, interrupted) gave back whatever it was handed itself (None here)."""
+    if place is None or getattr(place, "error", None) is not None:
+        return None
+    return getattr(place, "conn", None)  # type: ignore[no-any-return]
 
 
 # connections remembered as back from an outage (Outages), per store
@@ -658,20 +689,26 @@ class Database:
 
     def _checkout(self, timeout: float) -> Conn:
         """``pool.getconn(timeout)``; a connection it took before it failed (a MemoryError in
-        its own logging or statistics) is given back (:meth:`_put_back`) before the error
-        goes on: a checkout never leaks one, whatever fails."""
+        its own logging or statistics, after it took an idle one or was handed one while it
+        waited) is given back (:meth:`_put_back`) before the error goes on: a checkout never
+        leaks one, whatever fails."""
         taking = getattr(self.pool, "taking", None)
         if taking is None:  # (a pool of another kind: taken at its word)
             return self.pool.getconn(timeout=timeout)
-        slot: list[Conn | None] = [None]  # (allocated before any connection is taken)
+        slot: list[Any] = [None, None]  # (allocated before any connection is taken)
         taking.slot = slot
         try:
             return self.pool.getconn(timeout=timeout)
         except BaseException:
-            taken, slot[0] = slot[0], None
-            if taken is not None and getattr(taken, "_pool", None) is self.pool \
-                    and not self._idle_in_pool(taken):  # (not given back by the pool itself)
-                self._put_back(taken)
+            taken = slot[0] if slot[0] is not None else _handed(slot[1])
+            slot[0] = slot[1] = None
+            if taken is not None and not self._idle_in_pool(taken):  # (not given back by the
+                # pool itself)
+                if getattr(taken, "_pool", None) is None:  # (handed to a waiting client: the
+                    # pool links it as getconn returns, and takes back only what it linked)
+                    taken._pool = self.pool  # type: ignore[attr-defined]
+                if getattr(taken, "_pool", None) is self.pool:
+                    self._put_back(taken)
             raise
         finally:
             taking.slot = None
