@@ -91,8 +91,13 @@ def test_a_flapping_owner_is_fenced_before_a_watcher_takes_its_claim_over(pg_url
         cutting = threading.Thread(target=flap, daemon=True)
         cutting.start()
         taken: list[Any] = []
+        refused_while_fenced: list[bool] = []
         deadline = time.monotonic() + 30 * GRACE
         while not taken and time.monotonic() < deadline:
+            if not refused_while_fenced and any(kind == "end" for kind, _, _ in marks):
+                # fenced, the watcher holding its key: the owner claims nothing new (R61: asked
+                # after the flapping stopped, this raced the owner's reconnect back-off)
+                refused_while_fenced.append(owner.claim("h2", at(3), 600) is None)
             taken = watcher.expired_claims(at(2), 600)
             time.sleep(0.05)
         assert [c.id for c in taken] == ["h1"], "the watcher never took the claim over"
@@ -105,7 +110,7 @@ def test_a_flapping_owner_is_fenced_before_a_watcher_takes_its_claim_over(pg_url
         assert ends and ends[0] <= started, (
             "the owner's handler was still running when the watcher took its claim over "
             f"(it was {'never fenced' if not ends else 'fenced later'})")
-        assert owner.claim("h2", at(3), 600) is None  # fenced: no new claim meanwhile
+        assert all(refused_while_fenced), "the fenced owner claimed h2"
         record(taken[0].doc, "completed", at(4))
         assert watcher.finish(taken[0], State.COMPLETED, taken[0].doc)
         record(claim.doc, "completed", at(5))
@@ -304,3 +309,70 @@ def test_two_daemons_never_run_a_claim_at_once_while_its_owners_presence_flaps(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------- R61's mends
+def test_a_dead_owners_claim_is_taken_over_by_its_lease_when_no_key_can_be_held(
+        pg_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """R61 #1: with no session to hold keys on (a role at its connection limit, a server at
+    max_connections), a dead owner's claim was skipped at every sweep, even its lease long
+    expired, said at DEBUG only: stranded. It is judged by its lease now (a whole lease period
+    watched unrenewed), and the missing session is said once as a warning."""
+    import logging
+    clock = [0.0]
+    owner = backend(pg_url, owner_grace_seconds=GRACE)
+    watcher = backend(pg_url, owner_grace_seconds=GRACE, monotonic=lambda: clock[0])
+    try:
+        owner.create(request("h1"), "h1", T0)
+        assert owner.claim("h1", at(1), 5) is not None
+        owner.close()  # dead: its key goes with its session
+        watcher._holds.url = "postgresql://nobody@127.0.0.1:1/nowhere"  # no session to be had
+        with caplog.at_level(logging.WARNING, logger="handoffd"):
+            assert watcher.expired_claims(at(100), 5) == []  # the lease watched from now
+            clock[0] = 6.0
+            taken = watcher.expired_claims(at(106), 5)
+        assert [c.id for c in taken] == ["h1"], "a dead owner's expired claim stays stranded"
+        said = [r.getMessage() for r in caplog.records
+                if "no session to hold dead-looking owners' keys" in r.getMessage()]
+        assert len(said) == 1, said
+    finally:
+        watcher.close()
+
+
+def test_a_stalled_holders_keys_go_with_its_idle_session(pg_url: str) -> None:
+    """R61 #2: a holder that stalls (SIGSTOP, a paused VM) kept a live owner from its key, and
+    its claims, for the whole stall. The server ends the holding session once it is idle for
+    0.3 of the grace (its thread's look each beat keeps it busy while the holder runs)."""
+    watcher = backend(pg_url, owner_grace_seconds=GRACE)
+    try:
+        holds = watcher._holds
+        assert holds.session() and holds.take(424242) is not None
+        assert key_held(pg_url, 424242)
+        holds._closed.set()  # the thread stops looking: as a stalled process's would
+        wait_until(lambda: not key_held(pg_url, 424242), timeout=30,
+                   what="the stalled holder's key to go")
+    finally:
+        watcher.close()
+
+
+def test_closing_the_holds_is_bounded_while_a_round_trip_hangs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """R61 #3: a round trip under way on a cut network holds the holds' lock; close waited for
+    it for ever. It waits CLOSE_WAIT_SECONDS, then closes the connection from its own thread."""
+    from handoffd.backends.postgres import holds as holds_module
+    monkeypatch.setattr(holds_module, "CLOSE_WAIT_SECONDS", 0.2)
+    holds = holds_module.KeyHolds("postgresql://unused", time.monotonic)
+    closed: list[bool] = []
+
+    class Hung:
+        def close(self) -> None:
+            closed.append(True)
+
+    holds._conn = Hung()  # type: ignore[assignment]
+    holds._lock.acquire()  # (a round trip under way, never answered)
+    try:
+        holds.close()
+    finally:
+        holds._lock.release()
+    assert closed == [True]
+    assert holds.session() == 0  # closed: never a new session (R61: a racing sweep opened one)

@@ -101,7 +101,10 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         self._presence_lock = threading.Lock()
         self._absent: dict[tuple[str, str | None], float] = {}  # (Recovery)
         # (Recovery: dead-looking owners' keys; waiters let go of as often as an owner beats)
-        self._holds = KeyHolds(url, monotonic, beat=min(1.0, max(owner_grace_seconds / 10, 0.05)))
+        # (idle 0.3 of a grace at most: a stalled holder's keys go, and a waiting owner takes
+        # its key again, before its grace/2 fence stops its handlers)
+        self._holds = KeyHolds(url, monotonic, beat=min(1.0, max(owner_grace_seconds / 10, 0.05)),
+                               idle_seconds=0.3 * owner_grace_seconds)
         self._stale: dict[tuple[str, str | None, datetime | None], float] = {}  # (Recovery)
         self._given_up: set[str] = set()  # (ClaimOwner.abandon)
         self._written: dict[tuple[str, str | None], tuple[datetime, float]] = {}  # (ClaimOwner)

@@ -29,6 +29,7 @@ from .connection import KEEPALIVES, Conn
 
 log = logging.getLogger("handoffd")
 MAX_HELD = 1000  # keys one process holds at once (each a dead-looking owner; more wait a sweep)
+CLOSE_WAIT_SECONDS = 2.0  # a close waits this long for a round trip under way
 # of the keys given (%s), those a session waits for (not granted: only their owners wait)
 WAITED = ("SELECT DISTINCT (l.classid::bigint << 32) | l.objid::bigint FROM pg_locks l "
           "WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND NOT l.granted "
@@ -41,10 +42,17 @@ class KeyHolds:
     keys: ``key -> since`` (this process's monotonic clock: when it took the key). A lost
     session lost its holds with it: they are forgotten, and each watch starts afresh."""
 
-    def __init__(self, url: str, monotonic: Callable[[], float], beat: float = 1.0) -> None:
+    def __init__(self, url: str, monotonic: Callable[[], float], beat: float = 1.0,
+                 idle_seconds: float = 3.0) -> None:
         self.url = url
         self.monotonic = monotonic
         self.beat = beat  # how often waiters for the keys held are looked for
+        # the server ends the holding session once it has been idle this long (the thread's
+        # look each beat keeps it busy while keys are held): a holder that stalls (SIGSTOP, a
+        # paused VM) lets go of its keys within it, and their owners take them again (R61: a
+        # stopped holder kept a live owner from its key, and its claims, for the whole stall)
+        self.idle_seconds = idle_seconds
+        self._unheld_said = False  # "no session to hold keys" said (once till one is had)
         self.since: dict[int, float] = {}
         self.pid = 0  # the session's backend pid (0: none)
         self._conn: Conn | None = None
@@ -58,6 +66,8 @@ class KeyHolds:
         0 when none can be had now (then no key is held and no owner is taken over for being
         gone: its claims wait for a later sweep)."""
         with self._lock:
+            if self._closed.is_set():
+                return 0
             if self._conn is not None:
                 try:
                     self._conn.execute("SELECT 1")
@@ -68,10 +78,27 @@ class KeyHolds:
                 self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5,
                                              **KEEPALIVES)
                 self.pid = self._conn.info.backend_pid
+                self._idle_bound(self._conn)
+                if self._unheld_said:
+                    self._unheld_said = False
+                    log.warning("a session to hold dead-looking owners' keys is had again")
             except (psycopg.Error, OSError) as exc:
-                log.debug("no session to hold dead-looking owners' keys: %s", type(exc).__name__)
+                if not self._unheld_said:  # (their claims are judged by their leases meanwhile)
+                    self._unheld_said = True
+                    log.warning("no session to hold dead-looking owners' keys (%s): their "
+                                "claims are taken over once their leases have gone unrenewed "
+                                "for a lease period, not after claim_grace_seconds",
+                                " ".join(str(exc).split())[:200] or type(exc).__name__)
                 self._drop()
             return self.pid
+
+    def _idle_bound(self, conn: Conn) -> None:
+        """Have the server end ``conn``'s session once idle for :attr:`idle_seconds` (servers
+        before PostgreSQL 14 know no such bound: their holds last while the session does)."""
+        try:
+            conn.execute(f"SET idle_session_timeout = {max(int(self.idle_seconds * 1000), 100)}")
+        except psycopg.errors.UndefinedObject:
+            pass
 
     def take(self, key: int) -> float | None:
         """When this session took ``key`` (taking it now if it is free); None when another
@@ -131,10 +158,22 @@ class KeyHolds:
                 log.exception("looking for owners waiting for their keys failed")
 
     def close(self) -> None:
-        """Let go of every key: the session ends (and the thread that looks for waiters)."""
+        """Let go of every key: the session ends (and the thread that looks for waiters). Bounded:
+        a round trip under way on a cut network (holding the lock) is cut by closing its
+        connection from here (R61: a close waited for it for ever)."""
         self._closed.set()
-        with self._lock:
-            self._drop()
+        if self._lock.acquire(timeout=CLOSE_WAIT_SECONDS):
+            try:
+                self._drop()
+            finally:
+                self._lock.release()
+        else:
+            conn = self._conn
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:  # (whatever the connection's state: it is being left)
+                    pass
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)

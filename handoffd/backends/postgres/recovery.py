@@ -94,9 +94,12 @@ class Recovery(ClaimOwner):
         watched: set[int] = set()  # owners' keys to go on holding: claims of theirs are left
 
         def op(conn: Conn, _retried: bool) -> Claims:
-            holder = self._holds.session()  # (before the look: its holds are no owner's)
             try:
-                seen = self._look(conn, now, holder)
+                # (our holding session's holds are no owner's; it is opened, or proved alive by
+                # a round trip, only when a look finds an owner gone: most sweeps find none)
+                seen = self._look(conn, now, self._holds.pid)
+                if any(row[4] for row in seen):
+                    self._holds.session()
                 why = self._abandoned(seen, tick, lease_seconds)
             except MemoryError:  # before any row is handled: rolled back, nothing taken
                 raise looking_short() from None
@@ -177,10 +180,10 @@ class Recovery(ClaimOwner):
             at = f"{LEASE_EXPIRED} at {iso(shown) if shown else 'unknown'}"
             if expired and mine and token in self._given_up:
                 why[handoff_id] = (GIVEN_UP, token, fence, None)
-            elif gone:
-                held = self._holds.take(owner) if owner is not None and not back else None
-                if held is None:  # (held by someone else now, or waited for: no death seen)
-                    continue
+            elif gone and (held := self._holds.take(owner) if owner is not None and not back
+                           else None) is not None:
+                # (a key we cannot hold, held by someone else now, waited for by its owner, or
+                # no holding session to be had: judged by its lease below, never left for ever)
                 gone_now.add((handoff_id, token))
                 self._absent[(handoff_id, token)] = held
                 if tick - held >= self.owner_grace:
@@ -194,9 +197,10 @@ class Recovery(ClaimOwner):
                 since = self.written_at(handoff_id, token, expiry) if mine else None
                 first = self._stale.setdefault(mark, tick if since is None else since)
                 if tick - first >= lease_seconds:
-                    why[handoff_id] = (f"{at} (its owner's session is alive, but renewed "
-                                       f"nothing for {tick - first:.0f}s: stalled)", token, fence,
-                                       None)
+                    whose = ("its owner's key could not be held here" if gone
+                             else "its owner's session is alive")
+                    why[handoff_id] = (f"{at} ({whose}, but renewed nothing for "
+                                       f"{tick - first:.0f}s: stalled)", token, fence, None)
             elif expired:
                 why[handoff_id] = (at, token, fence, None)
         for key in set(self._absent) - gone_now:
