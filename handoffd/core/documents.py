@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 from .config import MAX_SECONDS, RetryPolicy
 from .errors import ConfigError, ErrorCode, InvalidDocument, UsageError
@@ -147,18 +147,25 @@ def last_events(doc: dict[str, Any], count: int) -> list[Any]:
     return [entry.get("event") if isinstance(entry, dict) else None for entry in entries]
 
 
-def throttles_in_a_row(doc: dict[str, Any]) -> int:
-    """How many ``throttled`` events the history ends with (claims between them not counted)."""
+def in_a_row(doc: dict[str, Any], counts: Callable[[dict[str, Any]], bool]) -> int:
+    """How many history entries the handoff's history ends with that ``counts`` (given each
+    entry, a dict) takes, ``claimed`` entries between them skipped, not counted."""
     history = book(doc).get("history")
     count = 0
     for entry in reversed(history if isinstance(history, list) else []):
-        event = entry.get("event") if isinstance(entry, dict) else None
-        if event == "claimed":
+        if not isinstance(entry, dict):
+            break
+        if entry.get("event") == "claimed":
             continue
-        if event != "throttled":
+        if not counts(entry):
             break
         count += 1
     return count
+
+
+def throttles_in_a_row(doc: dict[str, Any]) -> int:
+    """How many ``throttled`` events the history ends with (claims between them not counted)."""
+    return in_a_row(doc, lambda entry: entry.get("event") == "throttled")
 
 
 # What a hand-back of a foreign document's claim says is left of its first use when its

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .documents import book
+from .documents import in_a_row
 
 # the detail keys of a ``handed_back`` event for a shortage, each naming its errno (or THREADS,
 # MemoryError): the handler was not started; it was stopped as its stdin could not be fed; its
@@ -40,18 +40,15 @@ def shortages_in_a_row(doc: dict[str, Any]) -> int:
     ended: handed back uncounted (:func:`shortage_handback`, every kind) or counted past the
     free ones (a ``retry_scheduled`` whose error carries :data:`SHORTAGE_RUN`). Claims are
     skipped; any other event ends the run."""
-    history = book(doc).get("history")
-    count = 0
-    for entry in reversed(history if isinstance(history, list) else []):
-        event = entry.get("event") if isinstance(entry, dict) else None
-        if event == "claimed":
-            continue
-        detail = entry.get("detail") if isinstance(entry, dict) else None
-        error = detail.get("error") if isinstance(detail, dict) else None
-        details = error.get("details") if isinstance(error, dict) else None
-        counted = event == "retry_scheduled" and isinstance(details, dict) \
-            and SHORTAGE_RUN in details
-        if not (counted or shortage_handback(entry)):
-            break
-        count += 1
-    return count
+    return in_a_row(doc, _shortage_ended)
+
+
+def _shortage_ended(entry: dict[str, Any]) -> bool:
+    """Whether history ``entry`` ended an attempt for a passing shortage (see
+    :func:`shortages_in_a_row`)."""
+    detail = entry.get("detail")
+    error = detail.get("error") if isinstance(detail, dict) else None
+    details = error.get("details") if isinstance(error, dict) else None
+    counted = entry.get("event") == "retry_scheduled" and isinstance(details, dict) \
+        and SHORTAGE_RUN in details
+    return counted or shortage_handback(entry)
