@@ -101,3 +101,40 @@ def outcomes_once(db: Any) -> list[str]:
         return [repr(db.run(select_one))]
     except Exception as exc:
         return [f"{type(exc).__name__}: {exc}"]
+
+
+class _ShortQueuedStats(dict):  # type: ignore[type-arg]
+    """The pool's statistics, whose count of queued requests runs out of memory once: right
+    after the checkout took its place in the pool's queue, before it waited there."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__(real)
+        self.raised = 0
+
+    def __missing__(self, key: str) -> int:
+        return 0
+
+    def __setitem__(self, key: str, value: int) -> None:
+        if key == "requests_queued" and not self.raised:
+            self.raised += 1
+            raise MemoryError()
+        super().__setitem__(key, value)
+
+
+def test_a_checkout_running_short_as_it_queues_leaves_no_place_to_take_a_connection(
+        pg_url: str) -> None:
+    """R62 #6: a MemoryError counting a queued request left the checkout's place in the pool's
+    queue; the next connection given back was handed to that abandoned place and lost. The
+    place is failed now, and the pool hands the connection on."""
+    db = small_db(pg_url)
+    try:
+        held = [db.pool.getconn(timeout=5) for _ in range(db.pool.max_size)]
+        stats = db.pool._stats = _ShortQueuedStats(db.pool._stats)
+        said = outcomes_once(db)
+        assert stats.raised == 1 and said == ["MemoryError: "], said
+        for conn in held:
+            db.pool.putconn(conn)
+        assert leaked(db) == 0
+        assert outcomes(db, select_one) == ["1"] * OPERATIONS
+    finally:
+        db.close()

@@ -319,8 +319,7 @@ def test_a_memory_shortage_planning_children_is_retried_not_filed_malformed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A MemoryError planning a delegation's children (as it is filed, after the checks) filed
     the parent VALIDATION_FAILED for good, "its delegation cannot be turned into child
-    handoffs", as though the delegation were malformed: then a failed attempt, retryable; since
-    session 28 a hand-back, uncounted (tests/test_children_shortage_s28.py)."""
+    handoffs", as though the delegation were malformed: now a failed attempt, retryable."""
     clock = Clock()
 
     def boss(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -334,9 +333,9 @@ def test_a_memory_shortage_planning_children_is_retried_not_filed_malformed(
     Daemon(engine, workers=1, watch=False).run_batch()
     assert plan.raised == 1
     state, stored = engine.get(hid)
-    last = book(stored)["history"][-1]
-    assert state is State.PENDING and book(stored).get("retries", 0) == 0, (state, last)
-    assert last["event"] == "handed_back" and "MemoryError" in last["detail"]["reason"], last
+    error = book(stored).get("last_error") or {}
+    assert state is State.PENDING and book(stored)["retries"] == 1, (state, error)
+    assert error.get("code") == "PROCESSING_ERROR" and "MemoryError" in error["message"], error
     clock.advance(3600)
     for _ in range(3):  # delegate again, run the child, aggregate
         Daemon(engine, workers=1, watch=False).run_batch()

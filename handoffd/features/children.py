@@ -7,26 +7,16 @@ with ``parent_id``, conversation, chain position, dependencies and a timeout wit
 deadline. An id another handoff holds, or held recently, refuses the whole delegation; one that a
 crashed attempt of this very delegation made is adopted instead of made again, as handoffd's own
 bookkeeping of the child and of the parent's history tell (:func:`_made_by_interrupted_attempt`).
-
-So is one kept when an attempt was handed back because a passing shortage stopped it storing
-them (:data:`CHILDREN_SHORT`): its ``handed_back`` event lists each child it kept with a print of
-the entry it was made from (:func:`kept_children`), and the next attempt adopts a kept child only
-where its own entry at that id has the same print. One it does not adopt (its delegation
-changed) is cancelled, as a failed delegation's children are; when such a child holds an id the
-new delegation needs, the new one takes the next round's ids (:func:`_plan_children`).
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import book, book_int, check_id, priority_rank
 from ..core.errors import HandoffdError, InvalidDocument, NotFound, UnreadableDocument
 from ..core.native_format import new_native_request
-from ..core.shortruns import CHILDREN_SHORT
 from ..core.states import State
 from ..core.timeutil import parse_iso
 from ..dialects import hi_moe
@@ -64,14 +54,6 @@ def child_id(parent: str, round_no: int, index: int) -> str:
         return check_id(f"{parent[:96]}-{short}{suffix}")
 
 
-# (CHILDREN_SHORT: the detail of the ``handed_back`` event of an attempt whose delegation's
-# children could not be planned or stored for a passing shortage, the errno's name or MemoryError;
-# with it, KEPT: {child id: entry print} of the children that attempt kept, and ROUND: their round)
-KEPT, ROUND = "kept", "round"
-__all__ = ["CHILDREN_SHORT", "KEPT", "ROUND", "child_id", "ensure_conversation", "entry_print",
-           "kept_children", "made_by_interrupted_attempts", "short_of_children"]
-
-
 @dataclasses.dataclass
 class _Plan:
     """A delegation's children before any is stored."""
@@ -80,16 +62,6 @@ class _Plan:
     new: list[tuple[str, dict[str, Any]]]  # (id, document) to create, dependencies first
     adopted: list[str]  # made by an interrupted attempt of this delegation (a crash replay)
     round: int  # the delegation round these children are of
-    prints: dict[str, str]  # child id -> the print of its entry (entry_print)
-    # children kept by a short attempt that this delegation does not adopt: cancelled
-    stale: list[str] = dataclasses.field(default_factory=list)
-
-
-def entry_print(entry: dict[str, Any]) -> str:
-    """A short print of a delegation entry: an attempt's kept child is adopted only by an
-    entry with the same print (the same agent, data, options and id)."""
-    text = json.dumps(entry, sort_keys=True, default=str, ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _plan_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: "Dialect",
@@ -97,28 +69,22 @@ def _plan_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: 
     """Every child document of a delegation, in creation order, before any is stored: one that
     cannot be made (a bad priority, an id used twice or held by another handoff, or used
     recently) raises InvalidDocument or _Malformed, and then none is made (no orphan runs
-    beside a parent that fails). Children a short attempt kept (:func:`kept_children`) are
-    adopted where this delegation's entry at their id has the same print, else listed
-    ``stale``; a stale one holding an id this delegation needs moves it to the next round."""
-    # the round is written into the document only as the parent is parked or filed (or handed
-    # back short of children): the lease renewer writes claim.doc while the children are made,
-    # and a round it saved too early made a crash replay a new round, whose children ran beside
-    # the interrupted round's
+    beside a parent that fails)."""
+    # the round is written into the document only as the parent is parked or filed: the lease
+    # renewer writes claim.doc while the children are made, and a round it saved too early made a
+    # crash replay a new round, whose children ran beside the interrupted round's
     round_no = book_int(doc, "delegation_round", 0) + 1
-    entries = info["delegate"]
-    kept = kept_children(doc, round_no)
-    ids, prints, stale = _ids(parent, round_no, entries, kept)
-    if set(stale) & set(ids):  # a kept child's id, now another entry's: next round's ids
-        round_no += 1
-        ids, prints, stale = _ids(parent, round_no, entries, kept)
     conv = ensure_conversation(doc, dialect, parent)
     env = dialect.envelope(doc)
     step = chain_step(doc)
     deadline = parse_iso(info["deadline"])
     remaining = max((deadline - now).total_seconds(), 1.0)
     base_context = given if isinstance(given := doc.get("context"), dict) else {}
+    entries = info["delegate"]
+    ids = [e["id"] if isinstance(e.get("id"), str) else child_id(parent, round_no, i)
+           for i, e in enumerate(entries, start=1)]
     _check_distinct(entries, ids)
-    adopted = [cid for cid in ids if _free_for(engine, cid, doc, parent, now, kept, stale)]
+    adopted = [cid for cid in ids if _free_for(engine, cid, doc, parent, now)]
     planned: list[tuple[str, dict[str, Any]]] = []
     # dependencies first, so a daemon never sees a child whose sibling dependency is missing
     for position in creation_order(entries) or range(len(entries)):
@@ -156,16 +122,7 @@ def _plan_children(engine: "Engine", doc: dict[str, Any], parent: str, dialect: 
         child["conversation_id"] = conv
         child["chain_position"] = {"step": step + 1, "index": index, "of": len(entries)}
         planned.append((cid, child))
-    return _Plan(ids, planned, adopted, round_no, prints, stale)
-
-
-def _ids(parent: str, round_no: int, entries: list[dict[str, Any]],
-         kept: dict[str, str]) -> tuple[list[str], dict[str, str], list[str]]:
-    """(ids, their entries' prints, kept children not adopted) of a delegation in ``round_no``."""
-    ids = [e["id"] if isinstance(e.get("id"), str) else child_id(parent, round_no, i)
-           for i, e in enumerate(entries, start=1)]
-    prints = {cid: entry_print(entry) for cid, entry in zip(ids, entries)}
-    return ids, prints, [cid for cid, said in kept.items() if prints.get(cid) != said]
+    return _Plan(ids, planned, adopted, round_no)
 
 
 def _check_distinct(entries: list[dict[str, Any]], ids: list[str]) -> None:
@@ -180,14 +137,11 @@ def _check_distinct(entries: list[dict[str, Any]], ids: list[str]) -> None:
         first[cid] = index
 
 
-def _free_for(engine: "Engine", cid: str, doc: dict[str, Any], parent: str, now: datetime,
-              kept: dict[str, str], stale: list[str]) -> bool:
+def _free_for(engine: "Engine", cid: str, doc: dict[str, Any], parent: str, now: datetime) -> bool:
     """False when ``cid`` is free for a child of ``parent`` (whose claimed document is ``doc``);
     True when it holds a child this very delegation made in an attempt that was interrupted
-    before the parent was parked (a crash replay: adopted, not made again), or kept, with the
-    same entry, by an attempt handed back short of children (``kept``, less ``stale``).
-    _Malformed when any other handoff holds it, or held it recently (the store would refuse it
-    midway): a kept child whose entry changed (``stale``) among them."""
+    before the parent was parked (a crash replay: adopted, not made again). _Malformed when
+    any other handoff holds it, or held it recently (the store would refuse it midway)."""
     try:
         state, existing = engine.get(cid)
     except NotFound:
@@ -197,9 +151,7 @@ def _free_for(engine: "Engine", cid: str, doc: dict[str, Any], parent: str, now:
         return False
     except (InvalidDocument, UnreadableDocument):
         raise _Malformed(f"the child id {cid!r} is taken by another handoff") from None
-    if cid in kept and cid not in stale and parent_of(existing) == parent:
-        return True  # (the parent's own sealed history says this delegation made it)
-    if cid in stale or not _made_by_interrupted_attempt(engine, cid, state, existing, doc, parent):
+    if not _made_by_interrupted_attempt(engine, cid, state, existing, doc, parent):
         raise _Malformed(f"the child id {cid!r} is taken by another handoff")
     return True
 
@@ -235,22 +187,18 @@ def made_by_interrupted_attempts(engine: "Engine", doc: dict[str, Any], parent: 
     """The unfinished children of ``parent`` (its claimed document ``doc``) that an attempt of
     its delegation made before it was interrupted: the ones a replay would adopt. When the
     parent is filed for good instead, nobody waits for them. One scan of the unfinished
-    handoffs (as `cancel --cascade` makes): it runs when an interrupted parent fails for good.
-    Those kept by an attempt handed back short of children (:func:`kept_children`) are among
-    them."""
-    kept = kept_children(doc, book_int(doc, "delegation_round", 0) + 1)
-    if not _interrupted_attempts(doc) and not kept:
+    handoffs (as `cancel --cascade` makes): it runs when an interrupted parent fails for good."""
+    if not _interrupted_attempts(doc):
         return []
     return [entry.handoff_id for entry in documents(engine.backend, (State.PENDING, State.IN_PROGRESS))
-            if entry.parent == parent and (entry.handoff_id in kept or _made_by_interrupted_attempt(
-                engine, entry.handoff_id, entry.state, entry.doc, doc, parent))]
+            if entry.parent == parent and _made_by_interrupted_attempt(
+                engine, entry.handoff_id, entry.state, entry.doc, doc, parent)]
 
 
 def _interrupted_attempts(doc: dict[str, Any]) -> list[tuple[Any, datetime]]:
     """(actor, claimed at) of each attempt in ``doc``'s history that ended by recovery, since
     its last delegation was parked (an earlier round's children are not this round's). Both
-    stamps of a pair come from the claiming process, so its clock alone decides. (An attempt
-    handed back short of children names what it kept instead: :func:`kept_children`.)"""
+    stamps of a pair come from the claiming process, so its clock alone decides."""
     history = book(doc).get("history")
     events = [e for e in (history if isinstance(history, list) else []) if isinstance(e, dict)]
     last = max((i for i, e in enumerate(events) if e.get("event") == "delegated"), default=-1)
@@ -264,35 +212,6 @@ def _interrupted_attempts(doc: dict[str, Any]) -> list[tuple[Any, datetime]]:
                 found.append((current.get("actor"), begun))
             current = None
     return found
-
-
-def short_of_children(event: dict[str, Any]) -> bool:
-    """Whether history ``event`` handed an attempt back, uncounted, because its delegation's
-    children could not be planned or stored for a passing shortage (its detail
-    :data:`CHILDREN_SHORT`): the children it kept are the next attempt's to adopt."""
-    detail = event.get("detail")
-    return event.get("event") == "handed_back" and isinstance(detail, dict) \
-        and isinstance(detail.get(CHILDREN_SHORT), str)
-
-
-def kept_children(doc: dict[str, Any], round_no: int) -> dict[str, str]:
-    """{child id: entry print} of the children of delegation round ``round_no`` that the last
-    attempt handed back short of children (:func:`short_of_children`) since the parent last
-    delegated kept: its event lists every child kept then (a later one's list replaces an
-    earlier one's, whose children it adopted or cancelled). Empty when there is none, or it
-    was of another round (a failed delegation's children are cancelled and its round ends)."""
-    history = book(doc).get("history")
-    for event in reversed(history if isinstance(history, list) else []):
-        if not isinstance(event, dict) or event.get("event") == "delegated":
-            break
-        if short_of_children(event):
-            detail = event["detail"]
-            kept = detail.get(KEPT)
-            if detail.get(ROUND) != round_no or not isinstance(kept, dict):
-                return {}
-            return {cid: said for cid, said in kept.items()
-                    if isinstance(cid, str) and isinstance(said, str)}
-    return {}
 
 
 def _when(event: dict[str, Any]) -> datetime | None:

@@ -52,10 +52,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import errno
 import functools
 import json
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import Outcome, book, book_int
@@ -63,12 +62,10 @@ from ..core.errors import (DuplicateHandoff, ErrorCode, HandoffdError, InvalidDo
                            is_shortage, shortage_words)
 from ..core.formats import ArtifactSink, FiledState
 from ..core.logs import log
-from ..core.shortruns import SHORTAGE_RUN, shortages_in_a_row
 from ..core.states import PARKED, State
 from ..core.timeutil import iso
 from . import cancel_family, cancel_requests, clarification, first_success
-from .children import (CHILDREN_SHORT, KEPT, ROUND, _Plan, _plan_children, child_id,
-                       ensure_conversation, kept_children, short_of_children)
+from .children import _plan_children, child_id, ensure_conversation
 from .children_gate import FinishedChildren, children_gate
 from .clarification import (
     ANSWER_BOOKKEEPING_BYTES,
@@ -102,13 +99,6 @@ if TYPE_CHECKING:
 
 PARK_STATUSES = PARKED
 OUTCOME_INLINE_BYTES = 64 * 1024  # a parked handoff's report larger than this is abridged
-# a delegation whose children cannot be planned or stored for a passing shortage is handed back
-# uncounted, due again after a back-off doubling from the first to the max; after FREE shortage
-# hand-backs in a row, of any kind (core.shortruns: a start shortage's count in the same run),
-# each further one fails the attempt, retryable (_short_of_children)
-CHILDREN_SHORT_FIRST_SECONDS = 1.0
-CHILDREN_SHORT_MAX_SECONDS = 60.0
-FREE_CHILDREN_SHORTAGES = 30
 
 
 # ---------------------------------------------------------------- installation
@@ -130,7 +120,6 @@ def install(engine: "Engine") -> None:
         engine.filers[status] = functools.partial(park, engine)
     engine.before_run.append(_expose_clarifications)
     engine.on_filed.append(functools.partial(hand_on, engine))
-    engine.on_filed.append(functools.partial(_cancel_kept, engine))
     engine.daemon_plugins.append(
         lambda daemon: daemon.add_parked_check(functools.partial(is_parked, engine)))
     engine.daemon_plugins.append(lambda daemon: daemon.add_parked_check(winners.parked))
@@ -160,26 +149,6 @@ def hand_on(engine: "Engine", handoff_id: str, where: State) -> None:
         pass  # handed on already (a repeated notice)
     except (HandoffdError, OSError) as exc:
         log.warning("handoff %s: cannot hand it on to %s: %s", handoff_id, doc["to_agent"], exc)
-
-
-def _cancel_kept(engine: "Engine", handoff_id: str, where: State) -> None:
-    """A parent filed for good by an attempt that did not delegate (it completed, failed, was
-    cancelled) after one was handed back short of children: the children that one kept
-    (:func:`.children.kept_children`) have nobody to wait for them, so they are cancelled with
-    their descendants, as a failed delegation's are (they once ran on, orphans). Only the
-    answer this thread just filed is read (no store read per filing). Never raises (an
-    ``on_filed`` listener)."""
-    if where not in (State.COMPLETED, State.FAILED):
-        return
-    just = engine.hooks.just_filed(handoff_id)
-    if just is None:
-        return
-    doc = just[1]
-    kept = kept_children(doc, book_int(doc, "delegation_round", 0) + 1)
-    if kept:
-        _cancel_orphans(engine, handoff_id, list(kept),
-                        "its next attempt did not delegate them (it was filed "
-                        f"{where.value})")
 
 
 # ---------------------------------------------------------------- reading a park result
@@ -280,28 +249,17 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
     try:
         plan = _plan_children(engine, claim.doc, claim.id, dialect, info, now)
     except (InvalidDocument, _Malformed) as exc:  # a child nobody could run: nothing made
-        _drop_kept(engine, claim, f"its delegation is malformed: {exc}")
         return _fail_delegation(engine, claim, dialect, spec, ErrorCode.VALIDATION_FAILED,
                                 f"its delegation is malformed: {exc}", retryable=False)
     except (HandoffdError, OSError, MemoryError) as exc:  # e.g. a child id's holder unreadable
         # right now, or a passing shortage (a MemoryError was filed VALIDATION_FAILED for good)
-        if is_shortage(exc) and (where := _short_of_children(engine, claim, dialect, exc,
-                                                              "planned", None)) is not None:
-            return where
-        _drop_kept(engine, claim, f"could not check its child ids: {_said(exc)}")
         return _fail_delegation(engine, claim, dialect, spec, ErrorCode.PROCESSING_ERROR,
-                                f"could not check its child ids: {_said(exc)}",
-                                retryable=True, details=_shortage_run(claim.doc, exc))
+                                f"could not check its child ids: {_said(exc)}", retryable=True)
     except Exception as exc:  # an entry no check foresaw (or a bug): filed, with one line
         log.debug("handoff %s: planning its children failed", claim.id, exc_info=True)
-        _drop_kept(engine, claim, f"its delegation cannot be turned into child handoffs: "
-                                  f"{_why(exc)}")
         return _fail_delegation(engine, claim, dialect, spec, ErrorCode.VALIDATION_FAILED,
                                 "its delegation cannot be turned into child handoffs: "
                                 f"{_why(exc)}", retryable=False)
-    if plan.stale:  # kept by a short attempt, not this delegation's: none may run unwaited for
-        _cancel_orphans(engine, claim.id, plan.stale, "its delegation changed after a shortage "
-                        "stopped an earlier attempt storing its children")
     made: list[str] = []
     # a cancel of the parent may land while its children are made: a canceller's walk of the
     # family sees only those made so far, so its request is looked at before each child and
@@ -315,13 +273,7 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
             made.append(cid)
             stop = cancel_requests.requested(engine, claim.id)
     except Exception as exc:  # whatever it was, no child may run beside a parent filed failed
-        # (but a passing shortage hands the parent back: the children made are kept, and its
-        # next attempt, whose delegation has the same ids, adopts them instead of making them)
-        if is_shortage(exc) and (where := _short_of_children(
-                engine, claim, dialect, exc, "stored", (plan, plan.adopted + made))) is not None:
-            return where
         code, message, retryable = _creation_failure(claim.id, exc)
-        details = _shortage_run(claim.doc, exc)
     else:
         book(claim.doc)["delegation_round"] = plan.round
         if stop is not None:
@@ -332,87 +284,7 @@ def _park_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
         return _wait_for_children(engine, claim, dialect, info, plan.ids, now)
     book(claim.doc)["delegation_round"] = plan.round  # (a retry's children get new ids)
     _cancel_orphans(engine, claim.id, plan.adopted + made, message)
-    return _fail_delegation(engine, claim, dialect, spec, code, message, retryable=retryable,
-                            details=details)
-
-
-def _short_of_children(engine: "Engine", claim: "Claim", dialect: "Dialect",
-                       exc: BaseException, doing: str,
-                       storing: tuple[_Plan, list[str]] | None) -> State | None:
-    """The parent's children could not be ``doing`` (planned, stored) for a passing shortage
-    (descriptors, memory): there is no job to wait on, so the parent is handed back to
-    pending/ uncounted, due again after a back-off (:func:`children_short_delay`), with one
-    WARNING line; its handler runs again then. It once failed the attempt, counted, and
-    cancelled the children made. Its delegation round is not advanced and the children stored
-    so far stay (``storing``: the plan, and the children it adopted or made): the event lists
-    them with their entries' prints, and the next attempt adopts each whose entry is the same
-    and cancels the others (:func:`.children.kept_children`); a shortage planning them keeps
-    what the last such hand-back kept. None after :data:`FREE_CHILDREN_SHORTAGES` shortage
-    hand-backs in a row (of any kind: :func:`..core.shortruns.shortages_in_a_row`): the caller
-    fails the attempt, retryable, as before (its retry policy bounds a shortage that lasts)."""
-    streak = shortages_in_a_row(claim.doc) + 1
-    if streak > FREE_CHILDREN_SHORTAGES:
-        return None
-    delay = _children_short_backoff(streak)
-    words = shortage_words(exc)
-    reason = errno.errorcode.get(exc.errno or 0, "OSError") if isinstance(exc, OSError) \
-        else "MemoryError"
-    round_no = book_int(claim.doc, "delegation_round", 0) + 1
-    if storing is None:  # (nothing stored this time: what was kept stays kept)
-        kept = kept_children(claim.doc, round_no)
-    else:
-        plan, stored = storing
-        kept = {cid: plan.prints[cid] for cid in stored}
-        if plan.round != round_no:  # it took the next round's ids (kept ones were in the way):
-            # the round passed over is spent, so the next attempt plans this one's ids again
-            book(claim.doc)["delegation_round"] = plan.round - 1
-            round_no = plan.round
-    short: dict[str, Any] = {CHILDREN_SHORT: reason, KEPT: kept, ROUND: round_no}
-    where = engine.requeue(claim, dialect, "handed_back",
-                           due_at=engine.clock() + timedelta(seconds=delay),
-                           reason=f"its delegation's children could not be {doing} for now: "
-                                  f"{words}", **short)
-    if where is State.PENDING:
-        log.warning("handoff %s: its delegation's children could not be %s for now: %s; handed "
-                    "back uncounted, its handler runs again in %gs (children made so far are "
-                    "kept, not made again)", claim.id, doing, words, delay)
-    return where
-
-
-def _children_short_backoff(streak: int) -> float:
-    """The back-off of the ``streak``-th shortage hand-back in a row."""
-    return min(CHILDREN_SHORT_MAX_SECONDS,
-               CHILDREN_SHORT_FIRST_SECONDS * 2.0 ** min(max(streak, 1) - 1, 16))
-
-
-def children_short_delay(doc: dict[str, Any]) -> float | None:
-    """When the last event of the claimed document ``doc`` handed it back short of children
-    (:func:`_short_of_children`), the back-off it is due after; else None. A daemon's batch
-    waits such a back-off out, or counts the handoff handed back (it once ended at once, exit
-    0, saying nothing, the parent still pending)."""
-    history = book(doc).get("history")
-    last = history[-1] if isinstance(history, list) and history else None
-    if not isinstance(last, dict) or not short_of_children(last):
-        return None
-    return _children_short_backoff(shortages_in_a_row(doc))
-
-
-def _shortage_run(doc: dict[str, Any], exc: BaseException) -> dict[str, Any] | None:
-    """The details of a failed delegation's error that keep a shortage's run in a row going
-    (:data:`..core.shortruns.SHORTAGE_RUN`): a shortage past the free hand-backs counts each
-    further one, whichever kind, as start shortages do."""
-    return {SHORTAGE_RUN: shortages_in_a_row(doc) + 1} if is_shortage(exc) else None
-
-
-def _drop_kept(engine: "Engine", claim: "Claim", why: str) -> None:
-    """The delegation fails before any child is planned: the children a short attempt kept
-    (:func:`.children.kept_children`) have nobody to wait for them, so they are cancelled, as a
-    failed delegation's are, and their round ends (a retry's children get new ids)."""
-    round_no = book_int(claim.doc, "delegation_round", 0) + 1
-    kept = kept_children(claim.doc, round_no)
-    if kept:
-        book(claim.doc)["delegation_round"] = round_no
-        _cancel_orphans(engine, claim.id, list(kept), why)
+    return _fail_delegation(engine, claim, dialect, spec, code, message, retryable=retryable)
 
 
 def _creation_failure(parent: str, exc: Exception) -> tuple[str, str, bool]:
@@ -481,13 +353,13 @@ def _cancelled_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
 
 def _fail_delegation(engine: "Engine", claim: "Claim", dialect: "Dialect",
                      spec: "Specialist | None", code: str, message: str, *,
-                     retryable: bool, details: dict[str, Any] | None = None) -> State:
-    """File the parent failed (or retried, by its policy) with ``code`` (``details``: its
-    error's). Through the engine's own filing step, not ``Engine.file``: this runs as a filer
-    inside ``Engine.file``, which tells the ``on_filed`` listeners of the state returned here;
-    telling them here too ran an ``[[on_filed]]`` command twice and counted one failure twice."""
+                     retryable: bool) -> State:
+    """File the parent failed (or retried, by its policy) with ``code``. Through the engine's
+    own filing step, not ``Engine.file``: this runs as a filer inside ``Engine.file``, which
+    tells the ``on_filed`` listeners of the state returned here; telling them here too ran an
+    ``[[on_filed]]`` command twice and counted one failure twice."""
     failure = engine.failure(engine.clock(), code, f"handoff {claim.id}: {message}",
-                             retryable=retryable, details=details)
+                             retryable=retryable)
     return engine._file(claim, dialect, spec, failure)
 
 

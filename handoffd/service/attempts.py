@@ -25,7 +25,6 @@ from ..core.runner import cancel
 from ..core.starts import not_started
 from ..core.states import State
 from ..core.watchdog import TakenOver
-from ..features.orchestration import children_short_delay
 from . import handbacks
 from .held import HeldOutcomes
 from .leases import broken_reason
@@ -179,13 +178,7 @@ class Attempts(HeldOutcomes):
             outcome = self.engine.failure(
                 outcome.started_at or self.engine.clock(), ErrorCode.PROCESSING_ERROR,
                 f"handoff {job.handoff_id}: stopped: {reason}{advice}", retryable=True)
-        if self._file(job, outcome):
-            return True
-        short = children_short_delay(job.claim.doc)
-        if short is not None:  # its delegation was handed back short of children: a batch
-            # waits it out, or counts it handed back (it once ended at once, exit 0, silent)
-            self._backed_off(job.handoff_id, short)
-        return False
+        return self._file(job, outcome)
 
     def _taken_over(self, token: int, job: Job, rest: Callable[[], Outcome]) -> None:
         """On the watchdog's thread: end ``job``'s attempt, whose handler overran or was

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from ..core import recurring
 from ..core.documents import Outcome, book
 from ..core.errors import ErrorCode
-from ..core.shortruns import NOT_STARTED, SHORTAGE_RUN, STDIN_SHORT, shortages_in_a_row
 from ..core.states import State
 
 if TYPE_CHECKING:
@@ -56,10 +55,12 @@ STOPS = "stops_in_a_row"  # detail of an error filed for a counted stop (or coun
 # event says why (NOT_STARTED: the errno's name). A shortage that outlasts FREE_SHORTAGES such
 # hand-backs in a row (about half an hour) counts each further one as a failed attempt
 # (``PROCESSING_ERROR``, detail SHORTAGE_RUN) under the retry policy: the history stays bounded.
-# (NOT_STARTED; STDIN_SHORT, what a handed_back event says instead when the handler had started
-# and was stopped for the shortage: its document's feed to its stdin ran out of memory, not said
-# "not started" of a child that may have run a while.) One run of them in a row counts these and
-# a delegation's children shortages alike (core.shortruns: shortages_in_a_row)
+NOT_STARTED = "not_started"
+# what a handed_back event says instead when the handler had started and was stopped for the
+# shortage (its document's feed to its stdin ran out of memory): uncounted, and counted in the
+# same run of shortages in a row, but not said "not started" of a child that may have run a while
+STDIN_SHORT = "stdin_short"
+SHORTAGE_RUN = "shortages_in_a_row"
 FREE_SHORTAGES = 30
 SHORTAGE_FIRST_SECONDS = 1.0
 SHORTAGE_MAX_SECONDS = 60.0
@@ -125,6 +126,31 @@ def hand_back(engine: Engine, job: Job, outcome: Outcome) -> State:
         "--max-seconds, is failed this way",
         retryable=True, details={STOPS: streak})
     return engine.file(job.claim, job.dialect, job.specialist, failure)
+
+
+def shortages_in_a_row(doc: dict[str, Any]) -> int:
+    """How many attempts in a row, at the end of the handoff's history, could not start their
+    handler for a passing shortage (handed back, or counted: see :data:`SHORTAGE_RUN`); claims are
+    skipped, any other event ends the run."""
+    history = book(doc).get("history")
+    count = 0
+    for entry in reversed(history if isinstance(history, list) else []):
+        event = entry.get("event") if isinstance(entry, dict) else None
+        detail = entry.get("detail") if isinstance(entry, dict) else None
+        if event == "claimed":
+            continue
+        if not isinstance(detail, dict):
+            break
+        error = detail.get("error")
+        details = error.get("details") if isinstance(error, dict) else None
+        counted = isinstance(details, dict) and SHORTAGE_RUN in details
+        short = detail.get(NOT_STARTED, detail.get(STDIN_SHORT))
+        if (event == "handed_back" and isinstance(short, str)) or (
+                event == "retry_scheduled" and counted):
+            count += 1
+            continue
+        break
+    return count
 
 
 def shortage_delay(doc: dict[str, Any]) -> float:

@@ -138,6 +138,22 @@ def _handed(place: Any) -> Conn | None:
     return getattr(place, "conn", None)  # type: ignore[no-any-return]
 
 
+def _abandon_place(place: Any, exc: BaseException) -> Conn | None:
+    """A checkout failed while its place (psycopg_pool's waiting client) may still be in the
+    pool's queue with no connection yet (a MemoryError updating the pool's statistics right
+    after it queued, R62): the place is failed, so the pool skips it and hands the next
+    connection given back to a live client (one handed to the abandoned place was lost). The
+    connection handed to it meanwhile (its fail came too late), for the caller to give back."""
+    if getattr(place, "error", None) is not None:
+        return None  # (its wait failed on its own: the pool took back what it was handed)
+    try:
+        if place.fail(exc if isinstance(exc, Exception) else RuntimeError("checkout stopped")):
+            return None
+    except Exception:  # (a place of another psycopg_pool: left as it is)
+        return None
+    return _handed(place)
+
+
 # connections remembered as back from an outage (Outages), per store
 MAX_RETURNED = 1000
 
@@ -699,8 +715,10 @@ class Database:
         taking.slot = slot
         try:
             return self.pool.getconn(timeout=timeout)
-        except BaseException:
+        except BaseException as exc:
             taken = slot[0] if slot[0] is not None else _handed(slot[1])
+            if taken is None and slot[1] is not None:
+                taken = _abandon_place(slot[1], exc)
             slot[0] = slot[1] = None
             if taken is not None and not self._idle_in_pool(taken):  # (not given back by the
                 # pool itself)
