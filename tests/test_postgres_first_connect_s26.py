@@ -24,6 +24,7 @@ This module stops and starts a throw-away cluster of its own (tests/pgserver.py)
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -87,6 +88,11 @@ def test_commands_started_while_the_server_is_down_wait_for_it(
     procs: list[subprocess.Popen[str]] = [watch]
     try:
         space.handoff("ls", check=True)  # (the store is set up; the watch follows it meanwhile)
+        # the watch has listed (its header printed: it is connected) before the server goes
+        # down; started on a loaded machine, it once first connected after: "waiting for the
+        # database", not "lost the database connection"
+        assert watch.stdout is not None
+        assert select.select([watch.stdout], [], [], 60)[0], "the watch never listed"
         down(own_server)
         try:
             ls = started(space.root, tmp_path / "ls.err", "handoff", "ls")
