@@ -124,3 +124,33 @@ def test_a_stop_right_after_spawn_is_never_minus_15_once_held(tmp_path: Path) ->
             assert proc.returncode == 0 and "stopped: before it began" in err, outcomes[-1]
         else:
             assert proc.returncode in (0, -signal.SIGTERM), outcomes[-1]
+
+
+def test_a_sighup_ignored_by_whoever_started_it_stays_ignored(tmp_path: Path) -> None:
+    """R64: `nohup handoffd db import` ended "stopped" at a SIGHUP during its start, importing
+    nothing, and exited 0 (a script went on as if it had imported). A signal its starter
+    ignored stays ignored: the SIGHUP changes nothing; a SIGTERM still stops the wait."""
+    root = a_store_away(tmp_path / "ws")
+    proc = subprocess.Popen(
+        [exe("handoffd"), "db", "init", "--root", str(root)], stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    watchdog = threading.Timer(60.0, proc.kill)  # (never hangs: only the process it started)
+    watchdog.start()
+    try:
+        assert proc.stderr is not None
+        said = proc.stderr.readline()  # (the wait for the store, said once it waits)
+        assert "waiting for the database" in said, said
+        for _ in range(3):
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(0.05)
+        assert proc.poll() is None, "a SIGHUP its starter ignored ended it"
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(30) == 0, rest
+        assert "stopped: before it began" in rest, rest
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

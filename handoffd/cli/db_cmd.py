@@ -72,7 +72,9 @@ def stop_ends_the_wait(url: str) -> Iterator[None]:
 
     from ..backends.postgres.connection import redact
     from ..core.procs import STOP_SIGNALS
-    before = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS}
+    # (a signal ignored by whoever started it, nohup's SIGHUP, stays ignored: R64)
+    before = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS
+              if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         try:
             if stop_asked():  # held since the command's start (its imports): the store unopened

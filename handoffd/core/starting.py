@@ -45,6 +45,9 @@ def hold_stop_signals() -> None:
     import signal
     for name in ("SIGTERM", "SIGINT", "SIGHUP"):  # (core.procs.STOP_SIGNALS, not imported)
         signum = getattr(signal, name)
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            continue  # ignored by whoever started it (nohup, a script's background job): kept
+            # so (R64: `nohup handoffd db import` ended "stopped" at a SIGHUP, importing nothing)
         before = signal.signal(signum, _hold)
         _BEFORE_HOLD.setdefault(signum, before)
 

@@ -336,9 +336,12 @@ def password_span(url: str) -> tuple[int, int] | None:
         if colon < 0:
             return None
         end = url.rfind("@", colon, _query_start(url, colon))
-        if end < 0:  # every "@" after the ":" is in what libpq reads as a query: it may be the
-            # password's ("me@corp:pw?sslmode=x@host" is host "corp", port "pw" to libpq):
-            # masked to the last "@" before a query after the first "@" (more rather than less)
+        if end < 0 and _not_a_port(url, colon):  # every "@" after the ":" is in what libpq
+            # reads as a query, and what it reads as the port is no number: the password's
+            # ("me@corp:pw?sslmode=x@host" is host "corp", port "pw" to libpq): masked to the
+            # last "@" before a query after the first "@" (more rather than less). A port that
+            # is a number is one (R64: "app@db1:5432/h?application_name=me@box" was masked to
+            # "app@db1:***@box", the server that failed unreadable), an IPv6 host's ":" none
             first_at = url.find("@", colon)
             end = -1 if first_at < 0 else url.rfind("@", colon, _query_start(url, first_at))
         return None if end < 0 else (colon + 1, end)
@@ -350,6 +353,16 @@ def password_span(url: str) -> tuple[int, int] | None:
     if end < 0:  # (every "@" in what libpq reads as a query: it may be the password's)
         end = url.rfind("@", colon)
     return colon + 1, end
+
+
+def _not_a_port(url: str, colon: int) -> bool:
+    """Whether the ":" at ``colon`` (after a URL's userinfo "@") is followed by what libpq would
+    read as a port but is no number (so it is a password's): not inside an IPv6 host's
+    brackets, not digits up to the next "/", "?", "," or "#"."""
+    if "[" in url[:colon] and "]" not in url[url.rfind("[", 0, colon):colon]:
+        return False  # (inside "[...]": an IPv6 address's colons)
+    port = re.match(r"[^/?,#]*", url[colon + 1:])
+    return not (port is not None and port.group(0).isdigit())
 
 
 def redact(url: str) -> str:
