@@ -47,20 +47,22 @@ def test_a_checkout_running_short_after_taking_a_connection_gives_it_back(
         db.close()
 
 
-class _ShortWaitStats(dict):  # type: ignore[type-arg]
-    """psycopg_pool's statistics, whose first update of the time a client waited runs out of
-    memory (as ``getconn``'s ``finally`` does it, after the waiting client was handed its
-    connection)."""
+class _ShortStats(dict):  # type: ignore[type-arg]
+    """psycopg_pool's statistics, whose first update of ``key`` runs out of memory:
+    "requests_wait_ms" (as ``getconn``'s ``finally`` counts a wait, after the waiting client
+    was handed its connection) or "requests_queued" (right after the checkout took its place
+    in the pool's queue, before it waited there)."""
 
-    def __init__(self, real: Any) -> None:
+    def __init__(self, real: Any, key: str) -> None:
         super().__init__(real)
+        self.key = key
         self.raised = 0
 
     def __missing__(self, key: str) -> int:
         return 0
 
     def __setitem__(self, key: str, value: int) -> None:
-        if key == "requests_wait_ms" and not self.raised:
+        if key == self.key and not self.raised:
             self.raised += 1
             raise MemoryError()
         super().__setitem__(key, value)
@@ -76,7 +78,7 @@ def test_a_waiting_checkout_running_short_after_it_was_handed_a_connection_gives
     db = small_db(pg_url)
     try:
         held = [db.pool.getconn(timeout=5) for _ in range(db.pool.max_size)]
-        stats = db.pool._stats = _ShortWaitStats(db.pool._stats)
+        stats = db.pool._stats = _ShortStats(db.pool._stats, "requests_wait_ms")
         said: list[str] = []
         waiter = threading.Thread(target=lambda: said.extend(outcomes_once(db)), daemon=True)
         waiter.start()
@@ -103,24 +105,6 @@ def outcomes_once(db: Any) -> list[str]:
         return [f"{type(exc).__name__}: {exc}"]
 
 
-class _ShortQueuedStats(dict):  # type: ignore[type-arg]
-    """The pool's statistics, whose count of queued requests runs out of memory once: right
-    after the checkout took its place in the pool's queue, before it waited there."""
-
-    def __init__(self, real: Any) -> None:
-        super().__init__(real)
-        self.raised = 0
-
-    def __missing__(self, key: str) -> int:
-        return 0
-
-    def __setitem__(self, key: str, value: int) -> None:
-        if key == "requests_queued" and not self.raised:
-            self.raised += 1
-            raise MemoryError()
-        super().__setitem__(key, value)
-
-
 def test_a_checkout_running_short_as_it_queues_leaves_no_place_to_take_a_connection(
         pg_url: str) -> None:
     """R62 #6: a MemoryError counting a queued request left the checkout's place in the pool's
@@ -129,7 +113,7 @@ def test_a_checkout_running_short_as_it_queues_leaves_no_place_to_take_a_connect
     db = small_db(pg_url)
     try:
         held = [db.pool.getconn(timeout=5) for _ in range(db.pool.max_size)]
-        stats = db.pool._stats = _ShortQueuedStats(db.pool._stats)
+        stats = db.pool._stats = _ShortStats(db.pool._stats, "requests_queued")
         said = outcomes_once(db)
         assert stats.raised == 1 and said == ["MemoryError: "], said
         for conn in held:
