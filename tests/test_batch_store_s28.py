@@ -191,3 +191,42 @@ def test_a_graceful_stop_gives_running_work_its_grace_past_the_batchs_bound(
     assert give_up[0] >= time_module.monotonic() + 15.0
     daemon.stop(hard=True)  # a second signal: now
     assert give_up[0] <= time_module.monotonic()
+
+
+def test_a_stops_grace_counts_from_the_stop(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """R63: a stop's grace was counted from when the main loop got out (of a store operation
+    retried through an outage, itself bounded by the grace): a batch stopped during an outage
+    took two graces. A loop that gets out a whole grace after the stop hands running work back
+    at once, without waiting another grace."""
+    import time as time_module
+
+    from test_daemon_inprocess import engine_with
+
+    from handoffd import Daemon
+
+    engine = engine_with(tmp_path, lambda h, c: {"status": "completed"}, grace_seconds=30.0)
+    daemon = Daemon(engine, workers=1, watch=False)
+    daemon.stop()
+    assert daemon._stop_began is not None
+    daemon._stop_began -= 31.0  # (the loop got out a whole grace after the stop)
+    daemon.scheduler.running = 1  # a handler still running
+    handed: list[float] = []
+
+    def hand_back_all() -> None:
+        handed.append(time_module.monotonic())
+        daemon.scheduler.running = 0
+
+    monkeypatch.setattr(daemon.attempts, "hand_back_all", hand_back_all)
+    monkeypatch.setattr(daemon, "release_held", lambda: None)
+    waits: list[float] = []
+    real_wait = daemon.cv.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        waits.append(-1.0 if timeout is None else timeout)
+        return real_wait(0)
+
+    monkeypatch.setattr(daemon.cv, "wait", wait)
+    daemon._shutdown()
+    assert handed, "running work was not handed back"
+    assert all(timeout <= 1.0 for timeout in waits), waits  # (before: a fresh 30 s grace)

@@ -312,12 +312,14 @@ def test_two_daemons_never_run_a_claim_at_once_while_its_owners_presence_flaps(
 
 
 # ---------------------------------------------------------------- R61's mends
-def test_a_dead_owners_claim_is_taken_over_by_its_lease_when_no_key_can_be_held(
+def test_a_dead_owners_claim_is_taken_over_when_no_key_can_be_held(
         pg_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """R61 #1: with no session to hold keys on (a role at its connection limit, a server at
     max_connections), a dead owner's claim was skipped at every sweep, even its lease long
-    expired, said at DEBUG only: stranded. It is judged by its lease now (a whole lease period
-    watched unrenewed), and the missing session is said once as a warning."""
+    expired, said at DEBUG only: stranded. Its owner is watched as before keys were held (seen
+    unheld at every look for the grace), listed by takeover_watch so a batch waits for it (R63:
+    judged by its lease alone, cron batches never took it over), and the missing session is
+    said once as a warning."""
     import logging
     clock = [0.0]
     owner = backend(pg_url, owner_grace_seconds=GRACE)
@@ -328,7 +330,8 @@ def test_a_dead_owners_claim_is_taken_over_by_its_lease_when_no_key_can_be_held(
         owner.close()  # dead: its key goes with its session
         watcher._holds.url = "postgresql://nobody@127.0.0.1:1/nowhere"  # no session to be had
         with caplog.at_level(logging.WARNING, logger="handoffd"):
-            assert watcher.expired_claims(at(100), 5) == []  # the lease watched from now
+            assert watcher.expired_claims(at(100), 5) == []  # watched from now
+            assert watcher.takeover_watch(5) == [GRACE]  # (a batch waits for it)
             clock[0] = 6.0
             taken = watcher.expired_claims(at(106), 5)
         assert [c.id for c in taken] == ["h1"], "a dead owner's expired claim stays stranded"

@@ -82,6 +82,7 @@ class Daemon(BatchEnd):
         self.workers = workers or self.settings.workers
         self.hard_stop = False
         self._store_bounded = False  # the store's retries bounded by the batch's deadline
+        self._stop_began: float | None = None  # (monotonic) the first stop asked
         # a sweep already made for this run (see _start_sweep), and when the run began if that
         # was before run_batch (spread: a batch's --max-seconds counts from the process's start)
         self.first_sweep: SweepReport | None = None
@@ -535,6 +536,8 @@ class Daemon(BatchEnd):
         with self.cv:
             self.hard_stop = self.hard_stop or hard
             self.scheduler.stopping = True
+            if self._stop_began is None:
+                self._stop_began = time.monotonic()
             self.cv.notify_all()
         # a store that is away (PostgreSQL down) must not hold the stop past its grace: its
         # operations give up retrying then (the lock it takes is re-entrant: signal-safe)
@@ -554,7 +557,11 @@ class Daemon(BatchEnd):
     def _shutdown(self) -> None:
         self.feed.unsubscribe()
         scheduler = self.scheduler
-        deadline = time.monotonic() + self.settings.grace_seconds
+        # the grace counts from the stop, not from when the main loop got out (of a store
+        # operation retried through an outage, itself bounded by the grace: R63 measured a
+        # stop that took two graces)
+        began = self._stop_began if self._stop_began is not None else time.monotonic()
+        deadline = began + self.settings.grace_seconds
         with self.cv:
             while scheduler.running and time.monotonic() < deadline and not self.hard_stop:
                 self.cv.wait(max(deadline - time.monotonic(), 0.0))

@@ -86,8 +86,8 @@ class KeyHolds:
                 if not self._unheld_said:  # (their claims are judged by their leases meanwhile)
                     self._unheld_said = True
                     log.warning("no session to hold dead-looking owners' keys (%s): their "
-                                "claims are taken over once their leases have gone unrenewed "
-                                "for a lease period, not after claim_grace_seconds",
+                                "owners are watched as before keys were held (a takeover "
+                                "beside an owner whose session flaps is possible meanwhile)",
                                 " ".join(str(exc).split())[:200] or type(exc).__name__)
                 self._drop()
             return self.pid
@@ -99,6 +99,12 @@ class KeyHolds:
             conn.execute(f"SET idle_session_timeout = {max(int(self.idle_seconds * 1000), 100)}")
         except psycopg.errors.UndefinedObject:
             pass
+
+    def can_hold(self) -> bool:
+        """Whether a key found free would be taken now: a session is had, and fewer than
+        :data:`MAX_HELD` keys are held."""
+        with self._lock:
+            return self._conn is not None and len(self.since) < MAX_HELD
 
     def take(self, key: int) -> float | None:
         """When this session took ``key`` (taking it now if it is free); None when another

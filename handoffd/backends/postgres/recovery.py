@@ -180,16 +180,16 @@ class Recovery(ClaimOwner):
             at = f"{LEASE_EXPIRED} at {iso(shown) if shown else 'unknown'}"
             if expired and mine and token in self._given_up:
                 why[handoff_id] = (GIVEN_UP, token, fence, None)
-            elif gone and (held := self._holds.take(owner) if owner is not None and not back
-                           else None) is not None:
-                # (a key we cannot hold, held by someone else now, waited for by its owner, or
-                # no holding session to be had: judged by its lease below, never left for ever)
+            elif gone and not back and (watch := self._gone_since(
+                    owner, (handoff_id, token), tick)) is not None:
+                # (a key held by someone else now, or waited for by its owner: no death seen,
+                # judged by its lease below)
+                held, holder = watch
                 gone_now.add((handoff_id, token))
                 self._absent[(handoff_id, token)] = held
                 if tick - held >= self.owner_grace:
                     why[handoff_id] = ("owner process is gone (its database session ended "
-                                       f"{tick - held:.0f}s ago or more)", token, fence,
-                                       self._holds.pid)
+                                       f"{tick - held:.0f}s ago or more)", token, fence, holder)
             elif expired and not ownerless:
                 mark = (handoff_id, token, expiry)
                 stale_now.add(mark)
@@ -208,6 +208,23 @@ class Recovery(ClaimOwner):
         for mark in set(self._stale) - stale_now:
             del self._stale[mark]
         return why
+
+    def _gone_since(self, owner: int | None, mark: tuple[str, str | None],
+                    tick: float) -> tuple[float, int | None] | None:
+        """Since when this process watches the claim ``mark`` of an owner seen gone, and the
+        pid of our session whose hold of the owner's key the takeover must find (None: none);
+        None when another session holds the key (its owner, back, or another sweep). The key
+        is taken and held (:class:`KeyHolds`); with no holding session to be had (a role at its
+        connection limit) the owner is watched as it was before keys were held, seen unheld at
+        every look for the grace (R63: judged by its lease alone, a cron batch, which waits
+        only for what :meth:`takeover_watch` lists, never took such a claim over)."""
+        if owner is not None:
+            held = self._holds.take(owner)
+            if held is not None:
+                return held, self._holds.pid
+            if self._holds.can_hold():
+                return None
+        return self._absent.get(mark, tick), None
 
     def _take_over(self, conn: Conn, handoff_id: str, verdict: Verdict, now: datetime,
                    lease_seconds: float, refused: builtins.list[str]) -> Claim | None:
