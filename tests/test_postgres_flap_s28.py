@@ -379,3 +379,56 @@ def test_closing_the_holds_is_bounded_while_a_round_trip_hangs(
         holds._lock.release()
     assert closed == [True]
     assert holds.session() == 0  # closed: never a new session (R61: a racing sweep opened one)
+
+
+def test_at_its_key_bound_a_watcher_never_takes_an_unheld_owner_over(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R65 #1: a watcher holding MAX_HELD keys (its session had) fell back to the watch without
+    a key, and took a flapping owner's claim over beside it. At the bound such a claim is
+    judged by its lease (which a live owner renews)."""
+    import psycopg
+
+    from handoffd.backends.postgres import holds as holds_module
+    clock = [0.0]
+    owner = backend(pg_url, owner_grace_seconds=GRACE)
+    watcher = backend(pg_url, owner_grace_seconds=GRACE, monotonic=lambda: clock[0])
+    try:
+        owner.create(request("h1"), "h1", T0)
+        assert owner.claim("h1", at(1), 600) is not None
+        key = owner.owner_key
+        owner.close()
+        monkeypatch.setattr(holds_module, "MAX_HELD", 0)  # (as with 1,000 other keys held)
+        assert watcher.expired_claims(at(2), 600) == []
+        assert not watcher._holds.sessionless()  # (a session is had)
+        clock[0] = 1.5
+        with psycopg.connect(pg_url, autocommit=True) as flap:  # the owner, back a moment
+            flap.execute("SELECT pg_advisory_lock(%s)", (key,))
+        assert watcher.expired_claims(at(3), 600) == []
+    finally:
+        watcher.close()
+
+
+def test_a_watch_whose_hold_was_lost_starts_afresh(pg_url: str) -> None:
+    """R65 #2: a hold lost with its session (and no new one to be had) left its since for the
+    watch without a key: the claim was taken over at the first look after the loss."""
+    import psycopg
+    clock = [0.0]
+    owner = backend(pg_url, owner_grace_seconds=GRACE)
+    watcher = backend(pg_url, owner_grace_seconds=GRACE, monotonic=lambda: clock[0])
+    try:
+        owner.create(request("h1"), "h1", T0)
+        assert owner.claim("h1", at(1), 600) is not None
+        key = owner.owner_key
+        owner.close()
+        assert watcher.expired_claims(at(2), 600) == []  # the key taken at 0
+        pid = watcher._holds.pid
+        assert pid and key_held(pg_url, key)
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        watcher._holds.url = "postgresql://nobody@127.0.0.1:1/nowhere"  # no new session
+        clock[0] = 1.2  # the first look since the hold was lost
+        assert watcher.expired_claims(at(3), 600) == []
+        clock[0] = 1.2 + GRACE  # a whole grace of looks without the key: taken over
+        assert [c.id for c in watcher.expired_claims(at(4), 600)] == ["h1"]
+    finally:
+        watcher.close()

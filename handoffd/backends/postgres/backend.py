@@ -100,6 +100,7 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         self._presence: Presence | None = None
         self._presence_lock = threading.Lock()
         self._absent: dict[tuple[str, str | None], float] = {}  # (Recovery)
+        self._unheld: dict[tuple[str, str | None], float] = {}  # (Recovery, no key held)
         # (Recovery: dead-looking owners' keys; waiters let go of as often as an owner beats)
         # (idle 0.3 of a grace at most: a stalled holder's keys go, and a waiting owner takes
         # its key again, before its grace/2 fence stops its handlers)

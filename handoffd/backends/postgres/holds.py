@@ -100,11 +100,10 @@ class KeyHolds:
         except psycopg.errors.UndefinedObject:
             pass
 
-    def can_hold(self) -> bool:
-        """Whether a key found free would be taken now: a session is had, and fewer than
-        :data:`MAX_HELD` keys are held."""
+    def sessionless(self) -> bool:
+        """Whether no holding session is had now (none could be opened, or it was lost)."""
         with self._lock:
-            return self._conn is not None and len(self.since) < MAX_HELD
+            return self._conn is None
 
     def take(self, key: int) -> float | None:
         """When this session took ``key`` (taking it now if it is free); None when another

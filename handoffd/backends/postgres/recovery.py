@@ -75,6 +75,9 @@ class Recovery(ClaimOwner):
 
     # (id, token) -> since when (monotonic) we hold the key of its owner, seen gone
     _absent: dict[tuple[str, str | None], float]
+    # (id, token) -> since when an owner's key is seen unheld at every look, watched without
+    # holding it (no holding session to be had)
+    _unheld: dict[tuple[str, str | None], float]
     _holds: KeyHolds  # the keys of owners seen gone, held by our own session
     # (id, token, expiry) -> when a live owner's lease was first seen expired by our clock
     _stale: dict[tuple[str, str | None, datetime | None], float]
@@ -205,6 +208,8 @@ class Recovery(ClaimOwner):
                 why[handoff_id] = (at, token, fence, None)
         for key in set(self._absent) - gone_now:
             del self._absent[key]
+        for key in set(self._unheld) - gone_now:
+            del self._unheld[key]
         for mark in set(self._stale) - stale_now:
             del self._stale[mark]
         return why
@@ -216,15 +221,22 @@ class Recovery(ClaimOwner):
         None when another session holds the key (its owner, back, or another sweep). The key
         is taken and held (:class:`KeyHolds`); with no holding session to be had (a role at its
         connection limit) the owner is watched as it was before keys were held, seen unheld at
-        every look for the grace (R63: judged by its lease alone, a cron batch, which waits
-        only for what :meth:`takeover_watch` lists, never took such a claim over)."""
+        every look for the grace, from the first such look (R63: judged by its lease alone, a
+        cron batch, which waits only for what :meth:`takeover_watch` lists, never took such a
+        claim over). With a session had, a key not taken (another's, or this process at its
+        :data:`~.holds.MAX_HELD` keys) is never watched so: its claim is judged by its lease."""
         if owner is not None:
             held = self._holds.take(owner)
             if held is not None:
+                self._unheld.pop(mark, None)
                 return held, self._holds.pid
-            if self._holds.can_hold():
+            if not self._holds.sessionless():
+                # (held by someone else, or this process at its MAX_HELD keys: judged by its
+                # lease, never taken over unheld while a session is had, R65)
                 return None
-        return self._absent.get(mark, tick), None
+        # (a watch of its own, begun afresh: a since from a hold lost with its session is no
+        # look's, R65)
+        return self._unheld.setdefault(mark, tick), None
 
     def _take_over(self, conn: Conn, handoff_id: str, verdict: Verdict, now: datetime,
                    lease_seconds: float, refused: builtins.list[str]) -> Claim | None:
