@@ -43,6 +43,23 @@ def holder_pid(store: Any) -> int:
     return int(holds.pid) if holds is not None else 0
 
 
+def dead_owner(pg_url: str, lease: float = 600.0) -> int:
+    """An owner that claims h1 (a ``lease``-second lease) and dies, as kill -9 would: its
+    session, and its presence key, end; returns that key."""
+    owner = backend(pg_url, owner_grace_seconds=GRACE)
+    try:
+        owner.create(request("h1"), "h1", T0)
+        assert owner.claim("h1", at(1), lease) is not None
+        return int(owner.owner_key)
+    finally:
+        owner.close()
+
+
+def watching(pg_url: str, clock: list[float]) -> Any:
+    """A watcher whose monotonic clock is ``clock[0]``."""
+    return backend(pg_url, owner_grace_seconds=GRACE, monotonic=lambda: clock[0])
+
+
 def cut_owner(url: str, key: int, spare: int) -> None:
     """End every session holding or waiting for presence key ``key`` but ``spare`` (the
     watcher's), as R56's pg_terminate_backend loop did: each call waits (bounded) until its
@@ -137,14 +154,10 @@ def test_a_watched_key_is_held_by_one_watcher_let_go_on_its_death_and_after_take
     takes the key and starts afresh, and the first, back, sees it held. After the whole grace
     of holding, the claim is taken over and the key let go."""
     clock = [0.0]
-    owner = backend(pg_url, owner_grace_seconds=GRACE)
+    key = dead_owner(pg_url)
     first = backend(pg_url, owner_grace_seconds=GRACE)
-    second = backend(pg_url, owner_grace_seconds=GRACE, monotonic=lambda: clock[0])
+    second = watching(pg_url, clock)
     try:
-        owner.create(request("h1"), "h1", T0)
-        assert owner.claim("h1", at(1), 600) is not None
-        key = owner.owner_key
-        owner.close()  # as kill -9 would: its session, and its key, end
         wait_until(lambda: not key_held(pg_url, key))
         assert first.expired_claims(at(2), 600) == []
         assert key_held(pg_url, key) and key in first._holds.since  # the first's now
@@ -182,7 +195,7 @@ def test_a_live_owner_cut_once_gets_its_key_back_from_a_watcher(
     monkeypatch.setattr(connection, "BACKOFF_FIRST", 0.5)
     clock = [0.0]
     owner = backend(pg_url, owner_grace_seconds=GRACE)
-    watcher = backend(pg_url, owner_grace_seconds=GRACE, monotonic=lambda: clock[0])
+    watcher = watching(pg_url, clock)
     try:
         owner.create(request("h1"), "h1", T0)
         claim = owner.claim("h1", at(1), 600)
@@ -322,12 +335,9 @@ def test_a_dead_owners_claim_is_taken_over_when_no_key_can_be_held(
     said once as a warning."""
     import logging
     clock = [0.0]
-    owner = backend(pg_url, owner_grace_seconds=GRACE)
-    watcher = backend(pg_url, owner_grace_seconds=GRACE, monotonic=lambda: clock[0])
+    dead_owner(pg_url, lease=5)
+    watcher = watching(pg_url, clock)
     try:
-        owner.create(request("h1"), "h1", T0)
-        assert owner.claim("h1", at(1), 5) is not None
-        owner.close()  # dead: its key goes with its session
         watcher._holds.url = "postgresql://nobody@127.0.0.1:1/nowhere"  # no session to be had
         with caplog.at_level(logging.WARNING, logger="handoffd"):
             assert watcher.expired_claims(at(100), 5) == []  # watched from now
@@ -386,23 +396,16 @@ def test_at_its_key_bound_a_watcher_never_takes_an_unheld_owner_over(
     """R65 #1: a watcher holding MAX_HELD keys (its session had) fell back to the watch without
     a key, and took a flapping owner's claim over beside it. At the bound such a claim is
     judged by its lease (which a live owner renews)."""
-    import psycopg
-
     from handoffd.backends.postgres import holds as holds_module
     clock = [0.0]
-    owner = backend(pg_url, owner_grace_seconds=GRACE)
-    watcher = backend(pg_url, owner_grace_seconds=GRACE, monotonic=lambda: clock[0])
+    key = dead_owner(pg_url)
+    watcher = watching(pg_url, clock)
     try:
-        owner.create(request("h1"), "h1", T0)
-        assert owner.claim("h1", at(1), 600) is not None
-        key = owner.owner_key
-        owner.close()
         monkeypatch.setattr(holds_module, "MAX_HELD", 0)  # (as with 1,000 other keys held)
         assert watcher.expired_claims(at(2), 600) == []
         assert not watcher._holds.sessionless()  # (a session is had)
         clock[0] = 1.5
-        with psycopg.connect(pg_url, autocommit=True) as flap:  # the owner, back a moment
-            flap.execute("SELECT pg_advisory_lock(%s)", (key,))
+        sql(pg_url, "SELECT pg_advisory_lock(%s)", key)  # the owner, back a moment
         assert watcher.expired_claims(at(3), 600) == []
     finally:
         watcher.close()
@@ -411,20 +414,14 @@ def test_at_its_key_bound_a_watcher_never_takes_an_unheld_owner_over(
 def test_a_watch_whose_hold_was_lost_starts_afresh(pg_url: str) -> None:
     """R65 #2: a hold lost with its session (and no new one to be had) left its since for the
     watch without a key: the claim was taken over at the first look after the loss."""
-    import psycopg
     clock = [0.0]
-    owner = backend(pg_url, owner_grace_seconds=GRACE)
-    watcher = backend(pg_url, owner_grace_seconds=GRACE, monotonic=lambda: clock[0])
+    key = dead_owner(pg_url)
+    watcher = watching(pg_url, clock)
     try:
-        owner.create(request("h1"), "h1", T0)
-        assert owner.claim("h1", at(1), 600) is not None
-        key = owner.owner_key
-        owner.close()
         assert watcher.expired_claims(at(2), 600) == []  # the key taken at 0
         pid = watcher._holds.pid
         assert pid and key_held(pg_url, key)
-        with psycopg.connect(pg_url, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        sql(pg_url, "SELECT pg_terminate_backend(%s, 5000)", pid)
         watcher._holds.url = "postgresql://nobody@127.0.0.1:1/nowhere"  # no new session
         clock[0] = 1.2  # the first look since the hold was lost
         assert watcher.expired_claims(at(3), 600) == []
