@@ -383,7 +383,7 @@ def test_the_stop_signal_reaches_each_process_once(monkeypatch: pytest.MonkeyPat
     sent: list[tuple[str, int]] = []
     found = [procs.ProcInfo(100, 100, 1, True), procs.ProcInfo(101, 100, 1, True),
              procs.ProcInfo(200, 200, 1, True)]  # the leader, a child, a setsid grandchild
-    monkeypatch.setattr(childproc.procs, "find", lambda token, pgid: (found, []))
+    monkeypatch.setattr(childproc.procs, "find", lambda token, pgid: found)
     monkeypatch.setattr(childproc.os, "kill", lambda pid, sig: sent.append(("pid", pid)))
     monkeypatch.setattr(childproc.os, "killpg", lambda pgid, sig: sent.append(("group", pgid)))
     childproc.signal_all(100, "token", signal.SIGTERM)

@@ -149,11 +149,17 @@ def test_the_stop_signal_reaches_a_carrier_whose_exec_outlasts_one_scan(
 
 
 def test_find_says_which_processes_stay_in_exec(fake_proc: FakeProc, short_rounds: None,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
     """The shared rounds end after UNSETTLED_SECONDS (counted in scans: a round sleeps 10 ms),
-    naming what is still in exec; with nothing in exec, one scan and no sleep."""
+    saying what is still in exec in one line, not counting it; with nothing in exec, one scan
+    and no sleep."""
+    import logging
     fake_proc.add(7000, 7000, None, in_exec=True)
-    assert procs.find("tok-mine") == ([], [7000])
+    with caplog.at_level(logging.WARNING, logger="handoffd"):
+        assert procs.find("tok-mine") == []
+    said = [r.getMessage() for r in caplog.records if "middle of exec" in r.getMessage()]
+    assert len(said) == 1 and "7000" in said[0], said
     assert 2 <= fake_proc.scans < 20
     del fake_proc.table[7000]
     fake_proc.scans = 0
@@ -163,5 +169,5 @@ def test_find_says_which_processes_stay_in_exec(fake_proc: FakeProc, short_round
         raise AssertionError("find waited with no process in exec")
     monkeypatch.setattr(procs, "time", types.SimpleNamespace(
         monotonic=time.monotonic, sleep=no_sleep))
-    assert procs.find("tok-mine") == ([procs.ProcInfo(5000, 5000, 500, True)], [])
+    assert procs.find("tok-mine") == [procs.ProcInfo(5000, 5000, 500, True)]
     assert fake_proc.scans == 1

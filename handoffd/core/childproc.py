@@ -58,7 +58,7 @@ def clear_previous_attempt(ctx: HandlerContext) -> None:
         left = procrecords.read_record(ctx.root, ctx.handoff_id)
         if left is None or not left.local() or left.attempt > ctx.attempt:
             return
-        alive, _ = procs.find(left.token, None)  # (one still in exec: said, see procs)
+        alive = procs.find(left.token, None)  # (one still in exec: said, see procs)
     except Exception as exc:
         log.warning("handoff %s: cannot check for leftover processes%s", ctx.handoff_id,
                     leftovers_unchecked(exc))
@@ -161,9 +161,8 @@ def signal_all(pgid: int, token: str, sig: int) -> None:
         reached = pgid
     except (ProcessLookupError, PermissionError):
         reached = None
-    # (one still in the middle of exec after the rounds: the SIGKILL that follows counts it)
-    found, _ = procs.find(token, None)
-    for info in found:
+    # (one still in the middle of exec after the rounds is said, as a kill says it)
+    for info in procs.find(token, None):
         if info.pgid == reached:
             # signalled once already: a second SIGTERM a moment later re-enters a handler that
             # prints its partial result, and the answer becomes two JSON lines (seen in a run)

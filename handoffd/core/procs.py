@@ -269,16 +269,16 @@ class _Looking:
                         time.monotonic() - self.started)
 
 
-def find(token: str, pgid: int | None = None) -> tuple[list[ProcInfo], list[int]]:
+def find(token: str, pgid: int | None = None) -> list[ProcInfo]:
     """:func:`scan`, looking again in further rounds (up to :data:`UNSETTLED_SECONDS`) while a
-    process is in the middle of exec; returns what carries ``token`` (or is of group ``pgid``)
-    and the pids still in exec then, which may carry it too (the caller says what it makes of
-    them)."""
+    process is in the middle of exec: what carries ``token`` (or is of group ``pgid``). One
+    still in exec then is said in one warning line, not counted (see the module)."""
     looking = _Looking(UNSETTLED_SECONDS)
     while True:
         found = looking.scan([(token, pgid)])[0]
         if not looking.again():
-            return found, looking.unsettled
+            looking.say_unsettled()
+            return found
         time.sleep(_ROUND_SECONDS)
 
 
