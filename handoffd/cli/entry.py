@@ -1,18 +1,30 @@
 """The ``handoff`` console script: the quick path (:mod:`handoffd.cli.quick`) when it serves the
 command line, else the full one (typer is imported only then). ``$HANDOFFD_FULL_CLI`` (any
-value) always takes the full one, as for ``handoffd``."""
+value) always takes the full one, as for ``handoffd``.
+
+This module imports next to nothing: the collector is set for a short run
+(:mod:`handoffd.cli.collector`) before the rest of the program is imported."""
 from __future__ import annotations
 
 import os
 import sys
 
-from ..core.logs import speak_as
-from .basics import PROG, failure_code, load_if_few_descriptors, prepare_streams
-from .quick import try_quick
+from .collector import for_a_command, freeze_at_exit
 
 
 def handoff() -> None:
     """Entry point of ``handoff``."""
+    for_a_command()
+    try:
+        _handoff()
+    finally:  # (sys.exit's SystemExit too)
+        freeze_at_exit()
+
+
+def _handoff() -> None:
+    from ..core.logs import speak_as
+    from .basics import PROG, failure_code, load_if_few_descriptors, prepare_streams
+    from .quick import try_quick
     code = prepare_streams(PROG)  # (a closed stdout: refused before anything is done)
     if code is not None:
         sys.exit(code)

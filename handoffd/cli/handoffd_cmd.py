@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from ..core.starting import hold_stop_signals
+from .collector import for_a_command, freeze_at_exit
 
 # the commands whose stop signals are held from the start: the daemon's, and the store's set-up
 HOLDING = (["run"], ["serve"], ["db"])
@@ -32,6 +33,14 @@ def main() -> None:
     recovery tests) makes the daemon die there as if killed."""
     if sys.argv[1:2] in HOLDING:  # a stop during the start is held (it killed it: exit -15)
         hold_stop_signals()
+    for_a_command()
+    try:
+        _main()
+    finally:  # (sys.exit's SystemExit too)
+        freeze_at_exit()
+
+
+def _main() -> None:
     from .basics import prepare_streams
     from .daemon_commands import PROG
     daemon = sys.argv[1:2] in (["run"], ["serve"])
