@@ -360,6 +360,9 @@ def test_ls_loads_the_features_only_for_a_pending_row(tmp_path: Path) -> None:
     def features_loaded() -> tuple[set[str], str]:
         proc = run_python(code, str(root), env=QUICK)
         listing, _, modules = proc.stdout.partition("MODULES")
+        # a listing starts no handler and logs nothing: the machinery that starts handlers, and
+        # logging, stay unloaded (the engine's shortage words need neither)
+        assert not {"handoffd.core.childproc", "subprocess", "logging"} & set(modules.split())
         return {m for m in modules.split() if m.startswith("handoffd.features.")  # (lineage:
                 and m not in ("handoffd.features.build", "handoffd.features.lineage")}, listing
         # the PARENT and conversation columns' readers, not an installed feature)

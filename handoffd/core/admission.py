@@ -24,6 +24,7 @@ from .errors import (
     ErrorCode,
     InvalidDocument,
     UnreadableDocument,
+    claim_shortage,
 )
 from .formats import Dialect, FiledState, Formats, answer_refusal, id_refusal
 from .hooks import Hooks
@@ -32,7 +33,6 @@ from .logs import log
 from .memorystrikes import memory_backoff, memory_strikes, out_of_memory
 from .settings import DaemonSettings
 from .specialists import HandlerContext, Specialist
-from .starts import claim_shortage
 from .states import State
 from .storage import Backend, Claim
 from .timeutil import Clock, iso

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from . import deathwatch, procrecords, procs
 from .errors import HandlerError, is_shortage, shortage_words
 from .specialists import HandlerContext
+from .starts import THREADS, THREADS_LIMIT, shortage, shown_error
 from .watchdog import cancelled, timed_out
 
 KILL_GRACE_SECONDS = 2.0
@@ -318,3 +319,34 @@ def _close(pipe: Any) -> None:
         pipe.close()
     except OSError:
         pass
+
+
+def forget_record(ctx: HandlerContext, token: str) -> None:
+    """Remove the record of an attempt whose child never started; a failure is one line (an
+    escaping OSError stranded the claim until its lease ran out)."""
+    deathwatch.release(token)
+    try:
+        procrecords.remove_record(ctx.root, ctx.handoff_id, token)
+    except OSError as exc:
+        log.warning("handoff %s: cannot remove the record of its attempt's processes: %s",
+                    ctx.handoff_id, exc)
+
+
+def start_threads(ctx: HandlerContext, agent: str, proc: subprocess.Popen[bytes],
+                   exited: threading.Event, threads: tuple[threading.Thread, ...]) -> None:
+    """Start the attempt's I/O threads, its stdin's feeder last. When one cannot be started
+    (RuntimeError: no thread to spare, a passing shortage), the child, not given its document
+    yet, is killed at once and the shortage raised: :func:`~.childproc.end_attempt` then reaps it and closes
+    its pipes (it once raised past them: the child a zombie, its pipes leaked, the claim stalled
+    until its lease)."""
+    for thread in threads:
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            try:  # (unreaped, the child's pid and so its group are still its own)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            exited.set()  # nothing to wait for politely: end_attempt kills what is left
+            raise shortage(ctx, f"a thread for {agent}'s handler", THREADS, shown_error(exc),
+                            THREADS_LIMIT) from None

@@ -187,6 +187,20 @@ class ClaimShortage(DocumentNotReady):
         self.dialect: Any = None
 
 
+def claim_shortage(handoff_id: str, exc: OSError | MemoryError,
+                   doing: str = "claimed") -> ClaimShortage:
+    """The claim of ``handoff_id`` given up for ``exc``, a passing shortage of descriptors or
+    memory (:data:`SHORTAGE_ERRNOS`, a MemoryError) met while it was being ``doing`` (claimed,
+    admitted); its caller has the document back in pending/. (Here, not with the handler
+    starts: the engine needs it loaded before a shortage, and a command that only reads must
+    not load the process machinery with it.)"""
+    reason = "MemoryError" if isinstance(exc, MemoryError) else \
+        errno.errorcode.get(exc.errno or 0, "OSError")
+    return ClaimShortage(f"handoff {handoff_id}: cannot be {doing} for now: "
+                         f"{shortage_words(exc)}; it stays in pending/, uncounted",
+                         handoff_id=handoff_id, reason=reason)
+
+
 class NotDue(DocumentNotReady):
     """A claim for a run (``due_only``) given up before its lease was written: the document's
     own (trusted) ``next_attempt_at``, ``due_at``, is still to come (a retry's back-off set by

@@ -42,7 +42,9 @@ from .childproc import (
     await_exit,
     clear_previous_attempt,
     end_attempt,
+    forget_record,
     signal_name,
+    start_threads,
     wait_attempt,
     write_record,
 )
@@ -50,7 +52,7 @@ from .documents import PROCESS_DIED, book
 from .errors import SHORTAGE_ERRNOS, HandlerError
 from .runner import rebuild_error, validate_result
 from .specialists import HandlerContext, Specialist, handler_reference
-from .starts import SHORTAGES, forget_record, shortage, start_threads, started
+from .starts import SHORTAGES, shortage, started
 from .suspects import Suspects
 
 log = logging.getLogger("handoffd")

@@ -18,7 +18,6 @@ out of bounds, the id of another handoff) is ignored, with one warning line.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import stat
@@ -32,9 +31,9 @@ from . import recurring
 from .documents import hostname
 from .errors import SHORTAGE_ERRNOS
 from .hashing import hmac_sha256_hex, same_text
+from .logs import log  # (deferred: `handoff ls` reads boot_id, logging nothing)
 from .ownfiles import folder_refusal, open_beneath, open_regular, read_regular
 
-log = logging.getLogger("handoffd")
 
 _DIGEST_KEY = b"handoffd run token"  # not a secret: the token is (see _digest)
 MAX_PID = 1 << 22  # the kernel's largest pid_max (PID_MAX_LIMIT on 64-bit)

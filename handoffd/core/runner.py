@@ -29,7 +29,9 @@ from .childproc import (
     clear_previous_attempt,
     end_attempt,
     feed,
+    forget_record,
     signal_name,
+    start_threads,
     wait_attempt,
     write_record,
 )
@@ -41,9 +43,7 @@ from .starts import (
     SHORTAGES,
     THREADS,
     THREADS_LIMIT,
-    forget_record,
     shortage,
-    start_threads,
     started,
 )
 from .states import RESULT_STATUSES

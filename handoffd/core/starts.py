@@ -2,26 +2,21 @@
 tells when a passing shortage of descriptors, processes or memory kept it from starting (the
 claim is then handed back uncounted: :func:`handoffd.service.handbacks.hand_back_unstarted`),
 and when it did start (the event log's ``claimed``: :attr:`.specialists.HandlerContext.on_start`).
+
+The engine loads it before any shortage (a MemoryError must find it loaded), so it holds no
+process machinery: a command that only reads (``handoff ls``) builds an engine too. Starting a
+child's threads and forgetting its record are :mod:`.childproc`'s.
 """
 from __future__ import annotations
 
 import errno
-import logging
-import os
-import signal
-import subprocess
-import threading
 from dataclasses import dataclass
 
-from . import deathwatch, procrecords
-from .errors import SHORTAGE_LIMITS, ClaimShortage, HandlerError, shortage_words
+from .errors import SHORTAGE_LIMITS, HandlerError
 from .specialists import HandlerContext
 
 __all__ = ["NOT_STARTED", "SHORTAGES", "THREADS", "THREADS_LIMIT", "NotStarted",
-           "check_shortage", "forget_record", "not_started", "shortage", "shown_error",
-           "start_threads", "started"]
-
-log = logging.getLogger("handoffd")
+           "check_shortage", "not_started", "shortage", "shown_error", "started"]
 
 # what a child (or a thread of an attempt) cannot be started for now, not for good: a passing
 # shortage of descriptors, processes or memory, and the limit to name. Its handler never started,
@@ -47,18 +42,6 @@ class NotStarted:
     message: str
     words: str = ""
     after_start: bool = False
-
-
-def claim_shortage(handoff_id: str, exc: OSError | MemoryError,
-                   doing: str = "claimed") -> ClaimShortage:
-    """The claim of ``handoff_id`` given up for ``exc``, a passing shortage of descriptors or
-    memory (:data:`~.errors.SHORTAGE_ERRNOS`, a MemoryError) met while it was being ``doing``
-    (claimed, admitted); its caller has the document back in pending/."""
-    reason = "MemoryError" if isinstance(exc, MemoryError) else \
-        errno.errorcode.get(exc.errno or 0, "OSError")
-    return ClaimShortage(f"handoff {handoff_id}: cannot be {doing} for now: "
-                         f"{shortage_words(exc)}; it stays in pending/, uncounted",
-                         handoff_id=handoff_id, reason=reason)
 
 
 def started(ctx: HandlerContext) -> None:
@@ -105,37 +88,6 @@ def check_shortage(ctx: HandlerContext, what: str, doing: str,
     words = "out of memory" if isinstance(exc, MemoryError) else (exc.strerror or str(exc))
     return shortage(ctx, what, errno.errorcode.get(code, "OSError"), f"{words} {doing}",
                     SHORTAGES.get(code, SHORTAGES[errno.ENOMEM]))
-
-
-def forget_record(ctx: HandlerContext, token: str) -> None:
-    """Remove the record of an attempt whose child never started; a failure is one line (an
-    escaping OSError stranded the claim until its lease ran out)."""
-    deathwatch.release(token)
-    try:
-        procrecords.remove_record(ctx.root, ctx.handoff_id, token)
-    except OSError as exc:
-        log.warning("handoff %s: cannot remove the record of its attempt's processes: %s",
-                    ctx.handoff_id, exc)
-
-
-def start_threads(ctx: HandlerContext, agent: str, proc: subprocess.Popen[bytes],
-                   exited: threading.Event, threads: tuple[threading.Thread, ...]) -> None:
-    """Start the attempt's I/O threads, its stdin's feeder last. When one cannot be started
-    (RuntimeError: no thread to spare, a passing shortage), the child, not given its document
-    yet, is killed at once and the shortage raised: :func:`~.childproc.end_attempt` then reaps it and closes
-    its pipes (it once raised past them: the child a zombie, its pipes leaked, the claim stalled
-    until its lease)."""
-    for thread in threads:
-        try:
-            thread.start()
-        except RuntimeError as exc:
-            try:  # (unreaped, the child's pid and so its group are still its own)
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            exited.set()  # nothing to wait for politely: end_attempt kills what is left
-            raise shortage(ctx, f"a thread for {agent}'s handler", THREADS, shown_error(exc),
-                            THREADS_LIMIT) from None
 
 
 def shown_error(exc: BaseException) -> str:

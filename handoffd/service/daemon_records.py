@@ -42,7 +42,6 @@ that finds ``.meta`` or ``serving`` no plain folder writes and removes nothing (
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import stat
@@ -52,12 +51,12 @@ from typing import Any, Callable
 
 from ..core.documents import hostname
 from ..core.jsontext import parse_line
+from ..core.logs import log  # (deferred: `handoff ls` reads the records, logging nothing)
 from ..core.ownfiles import folder_refusal, open_beneath, open_regular, read_regular
 from ..core.procrecords import boot_id
 from ..core.timeutil import iso, utc_now
 from ..core.workspace import Workspace
 
-log = logging.getLogger("handoffd")
 
 FOLDER = "serving"  # in handoffs/.meta
 MAX_RECORD_BYTES = 4096

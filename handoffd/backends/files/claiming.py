@@ -24,6 +24,7 @@ from ...core.errors import (
     InvalidDocument,
     NotDue,
     UnreadableDocument,
+    claim_shortage,
 )
 from ...core.memorystrikes import claim_out_of_memory, memory_strikes
 from ...core.states import State
@@ -135,7 +136,6 @@ def _leased(store: Claiming, doc: dict[str, Any], handoff_id: str, lease_seconds
 def short_of(handoff_id: str, exc: OSError) -> ClaimShortage:
     """The claim of ``handoff_id`` given up for ``exc``, a passing shortage of descriptors or
     memory (SHORTAGE_ERRNOS); the caller has left (or put) the document in pending/."""
-    from ...core.starts import claim_shortage  # (only on this rare path)
     return claim_shortage(handoff_id, exc)
 
 
