@@ -129,8 +129,9 @@ def report_fields(report: BatchReport) -> dict[str, object]:
     """The counts of ``report`` as fields of the "stopped" / "batch_done" JSON record."""
     return {"completed": report.completed, "failed": report.failed,
             "retry_scheduled": report.retrying, "throttled": report.throttled,
-            "recovered": report.recovered, "handed_back": report.handed_back,
-            "unroutable": len(report.unroutable), "waiting": len(report.waiting),
+            "recovered": report.recovered, "recovered_pending": report.recovered_pending,
+            "handed_back": report.handed_back, "unroutable": len(report.unroutable),
+            "waiting": len(report.waiting),
             "errors": report.errors, "stalls": report.stalls, "lost": len(report.lost),
             "set_aside": report.set_aside,
             "main_loop_error": report.error}
@@ -288,6 +289,7 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
         report = spread(count, eng, make, run, early=HELD_SIGNALS)
     else:
         report = run(make())
+    report.settle_recovered(eng.backend)  # (a takeover whose retry is still to come: said so)
     for lost in report.lost:
         announce(log_format, "process_lost", f"{lost}; its claims are recovered by the next sweep",
                  level=logging.ERROR)

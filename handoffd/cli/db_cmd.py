@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import typer
 
 from ..core.errors import StartStopped, UsageError
-from ..core.starting import ask_stop, release_stop_signals, stop_asked
+from ..core.starting import ask_stop, release_stop_signals, say_at_once, stop_asked, stop_at_once
 from .basics import text_arg
 from .common import JsonOption, RootOption, StoreOption, guarded, workspace
 
@@ -52,9 +52,10 @@ def _url(root: Path | None, store: str | None) -> tuple[Any, str]:
 def _stop(signum: int, frame: object) -> None:
     """A stop signal while the store is opened: recorded, which ends a wait for the database
     (:func:`handoffd.core.starting.stop_asked`); a second one ends the command at once (exit 0:
-    nothing is done yet), as a second one ends a daemon's start."""
+    nothing is done yet), as a second one ends a daemon's start, in one line naming the store
+    (:func:`~handoffd.core.starting.stop_at_once`: it once ended with no word)."""
     if stop_asked():
-        raise SystemExit(0)
+        stop_at_once()  # (its line, naming the store: said by stop_ends_the_wait)
     ask_stop(signum)
 
 
@@ -73,6 +74,9 @@ def stop_ends_the_wait(url: str) -> Iterator[None]:
     from ..backends.postgres.connection import redact
     from ..core.procs import STOP_SIGNALS
     # (a signal ignored by whoever started it, nohup's SIGHUP, stays ignored: R64)
+    # (set before the handlers: a second signal during the wait says it, naming the store)
+    say_at_once(f"{PROG}: stopped: before it began, at a second stop signal, waiting for the "
+                f"database at {redact(url)}: nothing was done to the store")
     before = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS
               if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
@@ -84,6 +88,7 @@ def stop_ends_the_wait(url: str) -> Iterator[None]:
             for signum, handler in before.items():
                 signal.signal(signum, handler)
             release_stop_signals()  # (held by the console script: after the block, as before)
+            say_at_once("")  # (no start left to stop at once)
         if stop_asked():
             raise StartStopped(f"before it began, waiting for the database at {redact(url)}")
     except StartStopped as exc:

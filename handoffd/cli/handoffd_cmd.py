@@ -18,6 +18,9 @@ from .collector import for_a_command, freeze_at_exit
 
 # the commands whose stop signals are held from the start: the daemon's, and the store's set-up
 HOLDING = (["run"], ["serve"], ["db"])
+# what a second stop signal during `handoffd db`'s start says (the store is not opened yet)
+DB_AT_ONCE = ("handoffd: stopped: before it began, at a second stop signal, before opening the "
+              "store: nothing was done to it")
 
 
 def __getattr__(name: str) -> Any:
@@ -32,7 +35,9 @@ def main() -> None:
     """Console-script entry point. ``$HANDOFFD_CRASH_AT`` (a step of claim or finish, for
     recovery tests) makes the daemon die there as if killed."""
     if sys.argv[1:2] in HOLDING:  # a stop during the start is held (it killed it: exit -15)
-        hold_stop_signals()
+        # a second one ends it at once: `db` says so in a line (serve's and run's may be json
+        # lines, a format not read yet: they say "stopped" only once their daemon acts)
+        hold_stop_signals(DB_AT_ONCE if sys.argv[1:2] == ["db"] else "")
     for_a_command()
     try:
         _main()

@@ -14,7 +14,7 @@ import contextvars
 import math
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 # the stop signals asked while starting (a signal handler appends: no lock, since a handler
 # runs in the thread it interrupts and would deadlock on a lock that thread holds)
@@ -28,9 +28,12 @@ _START_BY: contextvars.ContextVar[float] = contextvars.ContextVar("handoffd_star
 HELD_SIGNALS: list[int] = []
 # what SIGTERM, SIGINT and SIGHUP did before hold_stop_signals (release_stop_signals puts it back)
 _BEFORE_HOLD: dict[int, Any] = {}
+# the line (bytes, ready to write) a second stop signal says as it ends the start at once
+# (empty: none); set by :func:`say_at_once`
+_AT_ONCE: list[bytes] = [b""]
 
 
-def hold_stop_signals() -> None:
+def hold_stop_signals(at_once: str = "") -> None:
     """Hold SIGTERM, SIGINT and SIGHUP from now on: each is recorded in :data:`HELD_SIGNALS`
     and asked (:func:`ask_stop`), and the daemon, once it takes them
     (:meth:`handoffd.service.daemon.Daemon.take_signals`, or
@@ -40,8 +43,10 @@ def hold_stop_signals() -> None:
     instead of the promised exit 0 (7 of 113 restarts under load). A second one before the
     daemon took them ends the process at once, with 0 (nothing is claimed yet): a start that
     waits (a store away) is not deaf to its supervisor: the first one also ends its wait for the
-    store (exit 0, as a stop while it starts). Called first thing by the console script
-    (:func:`handoffd.cli.handoffd_cmd.main`), so this module stays light."""
+    store (exit 0, as a stop while it starts). ``at_once``: the line that second one says on
+    stderr (:func:`say_at_once`; ``db``'s: it ended with no word). Called first thing by the
+    console script (:func:`handoffd.cli.handoffd_cmd.main`), so this module stays light."""
+    say_at_once(at_once)
     import signal
     for name in ("SIGTERM", "SIGINT", "SIGHUP"):  # (core.procs.STOP_SIGNALS, not imported)
         signum = getattr(signal, name)
@@ -67,7 +72,27 @@ def _hold(signum: int, frame: object) -> None:
     # (a wait for the store, in the engine's making, cannot be told otherwise: it looks)
     ask_stop(signum)
     if len(HELD_SIGNALS) > 1:  # "at once", as a second signal is documented to act
-        raise SystemExit(0)
+        stop_at_once()
+
+
+def say_at_once(line: str) -> None:
+    """From now on, a second stop signal during the start (:func:`stop_at_once`) says ``line``
+    on stderr as it ends the process ("": it says nothing)."""
+    _AT_ONCE[0] = f"{line}\n".encode("utf-8", "backslashreplace") if line else b""
+
+
+def stop_at_once() -> NoReturn:
+    """End the process now, with exit 0, saying the line of :func:`say_at_once` on stderr: a
+    second stop signal during the start, before anything was done. Safe in a signal handler:
+    one write(2) to file descriptor 2, no lock (``print`` to ``sys.stderr`` takes its buffer's
+    lock, and a handler that interrupts a write to it fails with "reentrant call")."""
+    import os
+    if _AT_ONCE[0]:
+        try:
+            os.write(2, _AT_ONCE[0])
+        except OSError:  # (stderr closed: the exit says the rest)
+            pass
+    raise SystemExit(0)
 
 
 def ask_stop(signum: int) -> None:

@@ -67,8 +67,9 @@ class BatchEnd:
     _takeover_swept: float = float("-inf")
     _takeover_said: bool = False  # its wait's line said
     takeover_sweep_due: bool = False
-    # its wait ended at its bound with claims due that its sweeps did not take over: the main
-    # loop says which as the batch ends (:meth:`say_takeovers_left`, outside ``cv``)
+    # its wait ended at its bound with claims due that its sweeps did not take over, or the
+    # batch ended at --max-seconds (whatever it was at): the main loop says which, if any, as
+    # the batch ends (:meth:`say_takeovers_left`, outside ``cv``)
     takeovers_left_due: bool = False
 
     def scan(self, *, recheck_waiting: bool = True) -> int:

@@ -49,6 +49,8 @@ __all__ = ["BatchReport", "Daemon", "SPIN_UP_SECONDS", "WARM_SCHEMAS", "build_sc
            "warm_up", "warm_up_to_fork"]
 
 log = logging.getLogger("handoffd")
+# the ids of taken-over claims a run's report keeps, to say which are still pending as it ends
+RECOVERED_IDS_KEPT = 10_000
 LISTING = "listing pending/"  # (the listing's kind of problem: core.recurring)
 IDLE_WAKE_SECONDS = 10.0  # the main loop looks around at least this often with nothing to do
 # a serving daemon that falls idle gives the heap pages its handoffs freed back to the system
@@ -303,6 +305,10 @@ class Daemon(BatchEnd):
             return SweepReport()
         self.report.set_aside += len(report.set_aside)
         self.report.recovered += len(report.recovered)
+        # (which of them are still pending at the end: report.settle_recovered; bounded, as a
+        # serve's life may see any number of takeovers)
+        room = RECOVERED_IDS_KEPT - len(self.report.recovered_ids)
+        self.report.recovered_ids.extend(report.recovered[:max(room, 0)])
         if report.recovered:
             log.warning("recovered %d abandoned handoff(s): %s", len(report.recovered),
                         ", ".join(report.recovered[:10]))
@@ -439,6 +445,10 @@ class Daemon(BatchEnd):
                 log.warning("--max-seconds reached: handing back %d running handoff(s)",
                             scheduler.running)
                 self.stop(hard=True)
+                # claims watched for a whole grace and still not taken over (a row another
+                # database session holds locked) are said as it ends, as at its takeover wait's
+                # own bound: ended by --max-seconds, the batch said nothing of them
+                self.takeovers_left_due = True
             if not scheduler.stopping:
                 self.progress.check(now)
             if (scheduler.rescan_requested or (not batch and now >= next_rescan)) \

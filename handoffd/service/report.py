@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from ..core.documents import book
+from ..core.states import State
 from .sweeper import SweepReport
+
+if TYPE_CHECKING:
+    from ..core.storage import Backend
 
 
 @dataclass
@@ -20,6 +26,13 @@ class BatchReport:
     # counted in ``retrying`` (it is no failed attempt of this run's; what it ends as is counted
     # where it is filed: completed, failed, or pending again for a retry still to come)
     recovered: int = 0
+    # the ids of those claims (merged from a spread batch's processes), and how many of them
+    # are still pending as the run ends with no attempt since their takeover: a retry still to
+    # come (its retry delay not over, or the batch's end came first), set by
+    # :meth:`settle_recovered`. Said in ``recovered N``'s parentheses: counted there alone, a
+    # takeover whose retry was still to come read as one that finished
+    recovered_ids: list[str] = field(default_factory=list)
+    recovered_pending: int = 0
     handed_back: int = 0
     unroutable: set[str] = field(default_factory=set)
     waiting: dict[str, str] = field(default_factory=dict)
@@ -52,7 +65,10 @@ class BatchReport:
         if self.throttled:
             text += f", throttled {self.throttled} (deferred, no attempt counted)"
         if self.recovered:
-            text += f", recovered {self.recovered} (taken over from a dead or stalled claimer)"
+            text += f", recovered {self.recovered} (taken over from a dead or stalled claimer"
+            if self.recovered_pending:
+                text += f"; {self.recovered_pending} retry scheduled, still to come"
+            text += ")"
         if self.handed_back:
             text += f", handed back {self.handed_back}"
         if self.unroutable:
@@ -71,3 +87,33 @@ class BatchReport:
         if self.error:
             text += f"; main loop died: {self.error}"
         return text
+
+    def settle_recovered(self, backend: "Backend") -> None:
+        """Count in :attr:`recovered_pending` the claims taken over (:attr:`recovered_ids`)
+        that are still pending with no attempt since their takeover, as read from ``backend``
+        now (once, as a batch ends: a sibling process of a spread batch may have run one). A
+        takeover run again in this run is counted where it was filed instead. A store that
+        cannot be read ends the count: each look would wait for it again (a batch without
+        ``--max-seconds``: ``reconnect_seconds`` apiece), for a count in a summary line."""
+        pending = 0
+        for handoff_id in dict.fromkeys(self.recovered_ids):
+            try:
+                found = backend.get(handoff_id)
+            except Exception:  # (only a count: what was read so far is said)
+                break
+            if found is not None and found[0] is State.PENDING and _untried_since_recovery(
+                    found[1]):
+                pending += 1
+        self.recovered_pending = pending
+
+
+def _untried_since_recovery(doc: dict[str, Any]) -> bool:
+    """True when ``doc``'s history has a ``recovered`` event with no ``claimed`` after it."""
+    history = book(doc).get("history")
+    for entry in reversed(history if isinstance(history, list) else []):
+        event = entry.get("event") if isinstance(entry, dict) else None
+        if event == "claimed":
+            return False
+        if event == "recovered":
+            return True
+    return False

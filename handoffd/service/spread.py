@@ -378,7 +378,8 @@ def _as_json(report: BatchReport) -> dict[str, Any]:
             "recovered": report.recovered, "handed_back": report.handed_back,
             "unroutable": sorted(report.unroutable), "waiting": report.waiting,
             "error": report.error, "stalls": report.stalls, "errors": report.errors,
-            "set_aside": report.set_aside, "backed_off": report.backed_off}
+            "set_aside": report.set_aside, "backed_off": report.backed_off,
+            "recovered_ids": report.recovered_ids}
 
 
 def _merge(report: BatchReport, other: dict[str, Any]) -> None:
@@ -388,6 +389,9 @@ def _merge(report: BatchReport, other: dict[str, Any]) -> None:
         setattr(report, name, getattr(report, name) + (value if isinstance(value, int) else 0))
     report.unroutable.update(str(hid) for hid in other.get("unroutable", ()))
     report.waiting.update({str(k): str(v) for k, v in dict(other.get("waiting", {})).items()})
+    recovered = other.get("recovered_ids")
+    if isinstance(recovered, list):
+        report.recovered_ids.extend(str(hid) for hid in recovered)
     backed = other.get("backed_off")
     if isinstance(backed, list):
         report.backed_off.extend(str(hid) for hid in backed)

@@ -1,0 +1,166 @@
+"""What `handoffd run` and `handoffd db` say (helper B, session 29).
+
+1. a claim a batch took over whose retry is still to come as it ends (a retry delay) is said so
+   in the summary (`recovered 1 (...; 1 retry scheduled, still to come)`, JSON
+   ``recovered_pending``), not as recovered alone (which read as finished);
+2. a dead owner's row another database session holds locked is named as the batch ends at
+   ``--max-seconds`` too, not only at its takeover wait's own bound;
+3. a second stop signal during `handoffd db init`'s start says one line (exit 0 still).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+from conftest import exe, new_workspace
+from test_batch_takeover_s27 import DIE_AFTER_ADMISSION, TOML, _create, _run, _where
+from test_db_stop_signals_s28 import ENTRY, a_store_away
+
+from handoffd.service.report import BatchReport
+
+
+def _crashed_claim(tmp_path: Path, url: str, handoff_id: str, toml: str = TOML) -> Path:
+    """A workspace on ``url`` (its handoffd.toml ``toml``) whose batch died right after it
+    claimed ``handoff_id`` (in-progress, attempt 1, its owner gone)."""
+    ws = new_workspace(tmp_path / "ws", toml.replace("{url}", url))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(DIE_AFTER_ADMISSION)
+    _create(url, handoff_id, {"mode": "ok"})
+    crashed = _run(ws.root, PYTHONPATH=str(site))
+    assert crashed.returncode == 99, crashed.stderr
+    assert _where(url, handoff_id) == ("in-progress", 1)
+    return ws.root
+
+
+def test_a_takeover_whose_retry_is_to_come_is_said_so(tmp_path: Path, pg_url: str) -> None:
+    """A retry delay of 10 minutes: the batch takes the dead claimer's claim over, its retry
+    is scheduled for later, and the batch ends. Its summary says the retry is still to come,
+    and so does its JSON record. Before: `recovered 1 (taken over ...)` alone, which read as a
+    handoff that finished."""
+    toml = TOML.replace("retry_delay_seconds = 0.0", "retry_delay_seconds = 600.0")
+    root = _crashed_claim(tmp_path, pg_url, "h1", toml)
+    later = _run(root, "--max-seconds", "60", "-v", "--log-format", "json")
+    assert later.returncode == 0, later.stderr
+    assert _where(pg_url, "h1") == ("pending", 1), later.stderr
+    records = [json.loads(line) for line in later.stderr.splitlines() if line.startswith("{")]
+    done = next(r for r in records if r.get("event") == "batch_done")
+    assert "completed 0, failed 0, retry scheduled 0" in done["message"], done
+    assert ("recovered 1 (taken over from a dead or stalled claimer; 1 retry scheduled, still "
+            "to come)") in done["message"], done
+    assert (done["recovered"], done["recovered_pending"], done["completed"]) == (1, 1, 0), done
+
+
+def test_a_takeover_run_again_is_not_said_pending() -> None:
+    """Fast, in process: a recovered id still pending with no claim since its recovery is
+    counted; one claimed since (run again, retried), finished, or unknown is not."""
+    def doc(*events: str) -> dict[str, object]:
+        return {"handoffd": {"history": [{"event": e} for e in events]}}
+
+    from handoffd.core.states import State
+    found = {"waits": (State.PENDING, doc("claimed", "recovered", "retry_scheduled")),
+             "ran": (State.PENDING, doc("recovered", "retry_scheduled", "claimed",
+                                        "retry_scheduled")),
+             "done": (State.COMPLETED, doc("recovered", "retry_scheduled", "claimed",
+                                           "completed"))}
+
+    class Store:
+        def get(self, hid: str) -> object:
+            return found.get(hid)
+
+    report = BatchReport(recovered=4, recovered_ids=["waits", "ran", "done", "gone", "waits"])
+    report.settle_recovered(Store())  # type: ignore[arg-type]
+    assert report.recovered_pending == 1
+    assert report.line().endswith("recovered 4 (taken over from a dead or stalled claimer; "
+                                  "1 retry scheduled, still to come)")
+    assert BatchReport(recovered=1).line().endswith("(taken over from a dead or stalled "
+                                                    "claimer)")
+    # a spread batch's processes send their ids to the parent, which settles them all at once
+    from handoffd.service.spread import _as_json, _merge
+    total = BatchReport(recovered_ids=["waits"])
+    _merge(total, _as_json(BatchReport(recovered=1, recovered_ids=["ran"])))
+    assert total.recovered_ids == ["waits", "ran"]
+
+
+def test_a_locked_dead_claim_is_said_when_max_seconds_ends_the_batch(
+        tmp_path: Path, pg_url: str) -> None:
+    """The batch runs a slow handoff past its --max-seconds while a dead owner's row is held
+    locked by another session (watched for its whole grace meanwhile): ended by its bound, it
+    names the claim it could not take over. Before, only an end at the takeover wait's own
+    bound did; an end at --max-seconds said nothing of it."""
+    import psycopg
+    root = _crashed_claim(tmp_path, pg_url, "h1")
+    _create(pg_url, "slow", {"mode": "sleep", "seconds": 15})
+    with psycopg.connect(pg_url, connect_timeout=10) as holder:
+        holder.execute("SELECT id FROM handoffd.handoffs WHERE id = 'h1' FOR UPDATE")
+        later = _run(root, "--max-seconds", "6")
+        holder.rollback()
+    assert "--max-seconds reached" in later.stderr, later.stderr
+    assert _where(pg_url, "h1") == ("in-progress", 1)
+    lines = [line for line in later.stderr.splitlines() if "h1" in line]
+    assert len(lines) == 1, later.stderr
+    assert ("handoff h1: its owner is gone but its claim could not be taken over: its row is "
+            "locked by another database session") in lines[0], lines
+    assert "Traceback" not in later.stderr
+
+
+def _two_stops(root: Path, after: str) -> tuple[int, str]:
+    """Start ``handoffd db init`` on ``root``; once ``after`` ("imports": it imports handoffd's
+    modules past its entry module, its stop signals held; "waiting": it waits for the
+    database) send SIGTERM and SIGINT back to back (two signals, never coalesced into one);
+    its exit code and its stderr lines past that point."""
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    proc = subprocess.Popen([exe("handoffd"), "db", "init", "--root", str(root)], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(60.0, proc.kill)  # (never hangs: only the process it started)
+    watchdog.start()
+    try:
+        assert proc.stderr is not None
+        entered = False
+        for line in proc.stderr:
+            if line.rstrip().endswith(ENTRY):
+                entered = True
+            elif after == "imports" and entered and "| handoffd." in line:
+                break
+            elif after == "waiting" and "waiting for the database" in line:
+                break
+        else:
+            raise AssertionError("it ended before the signals")
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        code = proc.wait()
+    finally:
+        watchdog.cancel()
+    return code, "\n".join(one for one in rest.splitlines() if not one.startswith("import time:"))
+
+
+def test_a_second_stop_during_db_inits_imports_says_so(tmp_path: Path) -> None:
+    """Two stops while `db init` imports: exit 0 at once, with one line saying it stopped
+    before it began, at a second signal, nothing done to the store. Before: no line."""
+    root = a_store_away(tmp_path / "ws")
+    code, said = _two_stops(root, "imports")
+    assert code == 0, said
+    lines = said.splitlines()
+    assert len(lines) == 1, said
+    assert lines[0].startswith("handoffd: stopped: before it began, at a second stop signal"), \
+        said
+    assert "nothing was done to" in lines[0], said
+
+
+def test_a_second_stop_while_db_init_waits_for_the_database_says_so(tmp_path: Path) -> None:
+    """Two stops while `db init` waits for a database nobody serves: exit 0 at once, one line
+    naming the store (its password hidden). Before: no line."""
+    root = a_store_away(tmp_path / "ws")
+    code, said = _two_stops(root, "waiting")
+    assert code == 0, said
+    lines = said.splitlines()
+    assert len(lines) == 1, said
+    assert lines[0].startswith("handoffd: stopped: before it began, at a second stop signal, "
+                               "waiting for the database at postgresql://u:"), said
+    assert "pw@" not in lines[0] and "nothing was done to the store" in lines[0], said
