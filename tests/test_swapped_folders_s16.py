@@ -368,6 +368,31 @@ def test_a_look_costs_one_stat_of_handoffs_while_nothing_changed(
     assert len([c for c in calls if c.startswith("lstat")]) == len(store.ws.own_folders)
 
 
+def test_a_look_while_the_stamp_is_unsettled_stats_handoffs_once(
+        store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within a second of a change to handoffs/ (a daemon's first second in a
+    workspace it completed) every check looks at every folder; the stat that found the stamp
+    unsettled is the look's own, not taken again. A swap then is still put right."""
+    monkeypatch.setattr(quarantine, "SETTLED_NS", 10**18)  # (no stamp is ever settled)
+    store.folders.check()
+    calls: list[str] = []
+    real_stat, real_lstat = os.stat, os.lstat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: calls.append(f"stat {p}")
+                        or real_stat(p, *a, **k))
+    monkeypatch.setattr(os, "lstat", lambda p, *a, **k: calls.append(f"lstat {p}")
+                        or real_lstat(p, *a, **k))
+    store.folders.check()
+    assert calls == [f"stat {store.ws.handoffs}",
+                     *(f"lstat {path}" for path in store.ws.own_folders)]
+    monkeypatch.setattr(os, "stat", real_stat)
+    monkeypatch.setattr(os, "lstat", real_lstat)
+    target = outside(tmp_path, {})
+    swap_for_link(store.ws.state_dir(State.FAILED), target)
+    store.folders.check()
+    assert store.ws.state_dir(State.FAILED).is_dir() and list(target.iterdir()) == []
+    set_aside_link(store.ws, "failed", target)
+
+
 # ------------------------------------------------------------------ B: refused at start
 @pytest.mark.parametrize("folder", [".meta", ".locks", ".quarantine", ".tmp"])
 def test_a_symlinked_bookkeeping_folder_is_refused_at_start(sws: Workspace, tmp_path: Path,

@@ -277,23 +277,40 @@ class FolderGuard:
         except OSError:  # handoffs/ gone or unreadable: what uses it says so
             return
         if _mark(info) != self._trusted:
-            self.check_all()
+            # this stat, taken before the look, is the look's own: while the stamp is unsettled
+            # (the first second after a change) every check looks, and a second stat of
+            # handoffs/ for it was one more call per claim and filing
+            self._look(info, make_missing=False)
 
     def check_all(self, *, make_missing: bool = False) -> None:
         """Look at every folder of ``handoffs/`` now and put right what is no plain folder
         (OSError as :meth:`check`); ``make_missing``: a missing one is made again too."""
-        for _ in range(SWAP_ROUNDS):
-            try:
-                info = os.stat(self._handoffs)
-            except OSError:
-                return
+        try:
+            info = os.stat(self._handoffs)
+        except OSError:
+            return
+        self._look(info, make_missing=make_missing)
+
+    def _look(self, info: os.stat_result, *, make_missing: bool) -> None:
+        """:meth:`check_all` from ``info``, the ``stat`` of ``handoffs/`` taken just before:
+        the stamp trusted afterwards is one taken before the look, so that a swap during it
+        changes the stamp and the next check looks again."""
+        for round_ in range(SWAP_ROUNDS):
+            if round_:  # a folder was put right (handoffs/ changed): a fresh stamp
+                try:
+                    info = os.stat(self._handoffs)
+                except OSError:
+                    return
+            # the clock is read before the look too: a swap during the look is stamped at
+            # least this late, so the stamp is settled only if it was a second old before it
+            before = time.time_ns()
             in_order = self._put_right(make_missing)
             if in_order is not None:
                 break
         else:  # swapped again and again meanwhile: no stamp is trusted, the next check looks
             return
         self._said = None
-        if in_order and time.time_ns() - max(info.st_mtime_ns, info.st_ctime_ns) > SETTLED_NS:
+        if in_order and before - max(info.st_mtime_ns, info.st_ctime_ns) > SETTLED_NS:
             self._trusted = _mark(info)  # (stat taken before the look: a later swap changes it)
 
     def _put_right(self, make_missing: bool) -> bool | None:
