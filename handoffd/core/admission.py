@@ -446,13 +446,27 @@ def set_aside(engine: Admitting, handoff_id: str, state: State, code: str, messa
     return True
 
 
+def used(backend: Backend, handoff_id: str, now: datetime) -> None:
+    """Record the id of a document set aside unread as used (the seen-ids record), before its
+    failure stub is filed: a file handoffd could not read (not JSON, too large...) never
+    reached admission's record, and a dependant looked at before its stub (or without one,
+    its filing cut short) was told it "does not exist; create it first". The gate reads this
+    record, never the quarantine. A failure to write it is one line: the stub still comes."""
+    try:
+        backend.seen_add(handoff_id, now)
+    except OSError as exc:
+        log.warning("handoff %s: cannot record its id as used: %s", handoff_id, exc)
+
+
 def file_stub(engine: Admitting, handoff_id: str, code: str, message: str) -> bool:
     """File a native failure stub (``rejected`` with ``code``) under the id of a document set
     aside, so `handoff wait` and `show` on it end, and announce it to the ``on_filed``
-    listeners (notifications, a waiting parent, dependants, the daemon's counts). False when a
-    document of that id exists (or appeared since); InvalidDocument when it is no safe id."""
+    listeners (notifications, a waiting parent, dependants, the daemon's counts), its id
+    recorded as used first (:func:`used`). False when a document of that id exists (or
+    appeared since); InvalidDocument when it is no safe id (then nothing is recorded)."""
     check_id(handoff_id)
     now = engine.clock()
+    used(engine.backend, handoff_id, now)
     doc: dict[str, Any] = {"handoff_id": handoff_id}
     record(doc, "rejected", now, code=code)
     book(doc)["dialect"] = "native"

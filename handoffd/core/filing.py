@@ -18,7 +18,7 @@ from .errors import ConfigError, ErrorCode, InvalidDocument
 from .formats import ArtifactSink, Dialect, FiledState, Formats, answer_refusal
 from .hooks import Hooks
 from .logs import log
-from .native_format import REFUSED_ANSWER
+from .native_format import ANSWER_FIELDS, REFUSED_ANSWER, native_answer
 from .settings import RetryPolicy
 from .specialists import Specialist
 from .states import State, Status
@@ -181,11 +181,12 @@ def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy
         block["final_error"] = {"code": outcome.error.get("code"),
                                 "message": str(outcome.error.get("message"))[:500]}
         is_answer = getattr(dialect, "is_answer", None)
-        if is_answer is not None and is_answer(doc):
-            # filed unrun holding an answer, not a request (refused NOT_A_REQUEST, or cancelled
-            # while pending): said in our sealed block, as `handoff retry` asks it (a field in
-            # the document itself is the sender's to write)
-            block["final_error"][HELD_ANSWER] = True
+        # whether it was filed unrun holding an answer, not a request (refused NOT_A_REQUEST, or
+        # cancelled while pending): said in our sealed block, True or False, as `handoff retry`
+        # asks it (a field in the document itself is the sender's to write). Once said only
+        # when True, a request cancelled while pending read as a cancel filed before the flag
+        # existed, and a `refused_answer` it carried made it an answer never to be retried
+        block["final_error"][HELD_ANSWER] = is_answer is not None and bool(is_answer(doc))
     else:
         block.pop("final_error", None)
     if dialect.name != "native":  # its answer replaces the request: keep it for retries
@@ -223,7 +224,7 @@ def filed_answer(doc: dict[str, Any]) -> bool:
     ``doc`` was filed holding an answer: refused NOT_A_REQUEST, or flagged
     :data:`HELD_ANSWER` (cancelled while pending). Only then did its filing move a seed-001
     answer's fields under ``refused_answer`` (``keep_refused_answer``); a CANCELLED one
-    filed before the flag was never retried (:func:`held_answer` refuses it)."""
+    filed before the flag holding what that moves is never retried (:func:`held_answer`)."""
     final = book(doc).get("final_error")
     return isinstance(final, dict) and (final.get("code") == ErrorCode.NOT_A_REQUEST
                                         or final.get(HELD_ANSWER) is True)
@@ -234,21 +235,27 @@ def held_answer(formats: Formats, doc: dict[str, Any]) -> str | None:
     it may never be retried, even forced; None: it holds a request.
 
     Decided by handoffd's own record of the filing: its ``final_error`` says NOT_A_REQUEST, or
-    that it held an answer (:data:`HELD_ANSWER`), or CANCELLED (a cancel filed before the flag,
-    session 27, carries none). Only then is content read: a seed-001 answer keeps the sender's
-    fields under ``refused_answer`` (retried, what was left of it ran as work); another
-    format's answer is what the retry would put back (only to be refused again). A
-    ``refused_answer`` a request merely carries is no reason (it could never be retried once it
-    failed, R53); a refused document whose answer the user took out is retried as any other.
+    that it held an answer (:data:`HELD_ANSWER` True); a filing says that flag True or False,
+    and False is a request whatever its content. Only a CANCELLED one without the key (a cancel
+    filed before the flag, session 27) falls back to content, and then to a ``refused_answer``
+    only where handoffd itself could have moved it there (:func:`_moved_by_filing`). Content
+    is read only for these: a seed-001 answer keeps the sender's fields under
+    ``refused_answer`` (retried, what was left of it ran as work); another format's answer is
+    what the retry would put back (only to be refused again). A ``refused_answer`` a request
+    merely carries is no reason (it could never be retried once it failed, R53, nor once
+    cancelled while pending, session 29); a refused document whose answer the user took out
+    is retried as any other.
     `handoff retry` refuses on it; a dependent of such a document is told so."""
     final = book(doc).get("final_error")
     if not isinstance(final, dict):
         return None
     flagged = final.get(HELD_ANSWER) is True
-    if final.get("code") not in (ErrorCode.NOT_A_REQUEST, ErrorCode.CANCELLED) and not flagged:
-        return None  # (every other failure: no document content is read)
+    before_flag = HELD_ANSWER not in final and final.get("code") == ErrorCode.CANCELLED
+    if final.get("code") != ErrorCode.NOT_A_REQUEST and not flagged and not before_flag:
+        return None  # (a request, as our record says: no document content is read)
     kept = doc.get(REFUSED_ANSWER)
-    if isinstance(kept, dict) and "status" in kept:  # (keep_refused_answer always moves status)
+    # (keep_refused_answer always moves status; before the flag, only what it could have moved)
+    if isinstance(kept, dict) and "status" in kept and (not before_flag or _moved_by_filing(kept)):
         status = str(kept["status"])[:40]
         kind = "Response" if status in ("completed", "partial") else "Failure"
         return (f"it is a seed-001 handoff {kind} (status {status!r}, its fields kept under "
@@ -270,3 +277,11 @@ def held_answer(formats: Formats, doc: dict[str, Any]) -> str | None:
         return ("it was filed holding an answer, not a request; submit the request it answers "
                 "under a new id")
     return None
+
+
+def _moved_by_filing(kept: dict[str, Any]) -> bool:
+    """True when ``kept`` (a failed document's ``refused_answer``) could be what
+    :func:`~handoffd.core.native_format.keep_refused_answer` moved there: it moves only a
+    seed-001 answer's fields, so they are a seed-001 answer (its status and a field only an
+    answer has) and nothing else. A request's own ``{"status": "completed"}`` is not."""
+    return native_answer(kept) and all(key in ANSWER_FIELDS for key in kept)

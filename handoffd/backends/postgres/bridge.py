@@ -48,6 +48,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
+from ...core.admission import used
 from ...core.documents import BOOK, check_id, is_safe_id, revision
 from ...core.errors import ErrorCode, InvalidDocument
 from ...core.events import last_entry
@@ -279,6 +280,10 @@ class FileBridge(ParkedCopies):
             log.warning("set aside pending/%s.json: %s: %s", handoff_id, code, message)
         if self.noted is not None:
             self.noted(handoff_id, code, message)
+        if stub:  # its own document under a safe id (never an unsafe name, nor another's id)
+            # recorded as used, as admission's stubs are (core.admission.used): a dependant
+            # looked at before its stub was told it "does not exist; create it first"
+            used(self.backend, handoff_id, self.clock())
         if stub and self.stub is not None and not self.store.locate(handoff_id):
             answer = self.stub(handoff_id, code, message)
             # `handoff wait` on it ends too; filed as admission files its stubs (the event log
