@@ -1,7 +1,7 @@
 """What `handoffd run` and `handoffd db` say (helper B, session 29).
 
 1. a claim a batch took over whose retry is still to come as it ends (a retry delay) is said so
-   in the summary (`recovered 1 (...; 1 retry scheduled, still to come)`, JSON
+   in the summary (`recovered 1 (...; 1 back in pending/, not run again yet)`, JSON
    ``recovered_pending``), not as recovered alone (which read as finished);
 2. a dead owner's row another database session holds locked is named as the batch ends at
    ``--max-seconds`` too, not only at its takeover wait's own bound;
@@ -23,14 +23,16 @@ from test_db_stop_signals_s28 import ENTRY, a_store_away
 from handoffd.service.report import BatchReport
 
 
-def _crashed_claim(tmp_path: Path, url: str, handoff_id: str, toml: str = TOML) -> Path:
+def _crashed_claim(tmp_path: Path, url: str, handoff_id: str, toml: str = TOML,
+                   data: dict[str, object] | None = None) -> Path:
     """A workspace on ``url`` (its handoffd.toml ``toml``) whose batch died right after it
-    claimed ``handoff_id`` (in-progress, attempt 1, its owner gone)."""
+    claimed ``handoff_id`` (in-progress, attempt 1, its owner gone; its data ``data``, by
+    default one that completes at once)."""
     ws = new_workspace(tmp_path / "ws", toml.replace("{url}", url))
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(DIE_AFTER_ADMISSION)
-    _create(url, handoff_id, {"mode": "ok"})
+    _create(url, handoff_id, data or {"mode": "ok"})
     crashed = _run(ws.root, PYTHONPATH=str(site))
     assert crashed.returncode == 99, crashed.stderr
     assert _where(url, handoff_id) == ("in-progress", 1)
@@ -50,8 +52,8 @@ def test_a_takeover_whose_retry_is_to_come_is_said_so(tmp_path: Path, pg_url: st
     records = [json.loads(line) for line in later.stderr.splitlines() if line.startswith("{")]
     done = next(r for r in records if r.get("event") == "batch_done")
     assert "completed 0, failed 0, retry scheduled 0" in done["message"], done
-    assert ("recovered 1 (taken over from a dead or stalled claimer; 1 retry scheduled, still "
-            "to come)") in done["message"], done
+    assert ("recovered 1 (taken over from a dead or stalled claimer; 1 back in pending/, not "
+            "run again yet)") in done["message"], done
     assert (done["recovered"], done["recovered_pending"], done["completed"]) == (1, 1, 0), done
 
 
@@ -76,7 +78,29 @@ def test_a_takeover_run_again_is_not_said_pending() -> None:
     report.settle_recovered(Store())  # type: ignore[arg-type]
     assert report.recovered_pending == 1
     assert report.line().endswith("recovered 4 (taken over from a dead or stalled claimer; "
-                                  "1 retry scheduled, still to come)")
+                                  "1 back in pending/, not run again yet)")
+    # more takeovers than ids kept (RECOVERED_IDS_KEPT): at least
+    report = BatchReport(recovered=5, recovered_ids=["waits"])
+    report.settle_recovered(Store())  # type: ignore[arg-type]
+    assert report.line().endswith("; at least 1 back in pending/, not run again yet)")
+
+    class Away:
+        interrupted: list[float] = []
+
+        def interrupt(self, grace: float) -> None:
+            self.interrupted.append(grace)
+
+        def get(self, hid: str) -> object:
+            raise OSError("the store is away")
+
+    # R-RB: a store that cannot be read is given a short grace, and the count is unknown
+    away = Away()
+    report = BatchReport(recovered=1, recovered_ids=["waits"])
+    report.settle_recovered(away)  # type: ignore[arg-type]
+    assert away.interrupted and away.interrupted[0] <= 2.0
+    assert report.recovered_pending is None
+    assert report.line().endswith("; whether it ran again is unknown: the store could not be "
+                                  "read)")
     assert BatchReport(recovered=1).line().endswith("(taken over from a dead or stalled "
                                                     "claimer)")
     # a spread batch's processes send their ids to the parent, which settles them all at once
@@ -105,6 +129,19 @@ def test_a_locked_dead_claim_is_said_when_max_seconds_ends_the_batch(
     assert len(lines) == 1, later.stderr
     assert ("handoff h1: its owner is gone but its claim could not be taken over: its row is "
             "locked by another database session") in lines[0], lines
+    assert "Traceback" not in later.stderr
+
+
+def test_a_takeover_still_running_at_max_seconds_is_not_said_left(
+        tmp_path: Path, pg_url: str) -> None:
+    """R-RB: the batch takes the dead owner's claim over and runs it (a long handler) until
+    --max-seconds hands it back: it was taken over, so no line says it "could not be taken
+    over" (the watch of the dead owner's claim outlived the takeover: it said so)."""
+    root = _crashed_claim(tmp_path, pg_url, "h1", data={"mode": "sleep", "seconds": 30})
+    later = _run(root, "--max-seconds", "8", "-v")
+    assert "--max-seconds reached" in later.stderr, later.stderr
+    assert "recovered 1 abandoned" in later.stderr, later.stderr
+    assert "could not be taken over" not in later.stderr, later.stderr
     assert "Traceback" not in later.stderr
 
 

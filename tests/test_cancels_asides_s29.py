@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import pytest
 from conftest import Workspace, new_workspace
+from test_seen_recovery_s26 import clock, store  # noqa: F401  (every store, a test clock)
 
 from handoffd.core.errors import ErrorCode
 from handoffd.core.states import State
@@ -218,3 +219,29 @@ def test_the_postgres_bridge_records_a_file_it_cannot_ingest(pg_url: str,
         assert not store_db.seen_contains(UNSAFE, utc_now())
     finally:
         store_db.close()
+
+
+def test_a_stub_refused_under_a_running_id_keeps_its_claims_mark(store: Any) -> None:
+    """R-RA: junk set aside under the id of a handoff that runs (its stub refused: the id
+    exists) recorded the id again with no mark; a store keeping one record an id (PostgreSQL,
+    memory) then forgot the running claim's mark, and once its claimer died the recovered
+    handoff was set aside as its own duplicate, in no state. The record is only added when the
+    id is not in it: the recovered handoff is taken again."""
+    from test_seen_shortage_s24 import foreign
+
+    from handoffd.core.admission import file_stub
+    from handoffd.service.sweeper import sweep
+
+    engine = store.engine
+    store.drop(foreign("live-1"))
+    job = engine.take("live-1")  # admitted: its id recorded with its claim's mark
+    assert job is not None
+    marks = engine.backend.seen_marks("live-1", store.clock())
+    assert file_stub(engine, "live-1", "MALFORMED_JSON", "junk under a live id") is False
+    assert engine.backend.seen_marks("live-1", store.clock()) == marks  # (no None added)
+    engine.backend.abandon(job.claim)  # its claimer dies
+    store.clock.advance(engine.settings.lease_seconds * 2)
+    assert sweep(engine).recovered == ["live-1"]
+    store.clock.advance(600)
+    again = engine.take("live-1")
+    assert again is not None, engine.backend.quarantined()

@@ -1,7 +1,8 @@
-"""The garbage collector of a command-line process (:mod:`handoffd.cli.collector`): both console
-scripts make its young passes rare from their first instruction and freeze what is alive as they
-end, whichever way they end; collection stays on for a long command. Checked in a fresh
-interpreter: what the collector was set to, and what it did, while each command ran."""
+"""The garbage collector of a command-line process (:mod:`handoffd.cli.collector`): ``handoff``
+makes its young passes rare from its first instruction, and both console scripts freeze what is
+alive as they end, whichever way they end; collection stays on for a long command, and the
+daemon's (``handoffd``) young passes keep CPython's threshold. Checked in a fresh interpreter:
+what the collector was set to, and what it did, while each command ran."""
 from __future__ import annotations
 
 import gc
@@ -63,11 +64,14 @@ def test_each_command_runs_with_rare_young_passes_and_freezes_as_it_ends(
     kind, *rest = argv
     report = probe(kind, *rest, *(["--root", str(root)] if rest[0] != "--version" else []))
     assert report["code"] == code, report
-    assert report["threshold"][0] == collector.YOUNG_THRESHOLD
     assert report["frozen"] > 1000  # (the modules' objects: thousands)
     assert report["enabled"] is True
-    # a start makes a handful of young passes, not the dozens of the default threshold
-    assert len(report["passes"]) < 15, report["passes"]
+    if kind == "handoff":
+        assert report["threshold"][0] == collector.YOUNG_THRESHOLD
+        # a start makes a handful of young passes, not the dozens of the default threshold
+        assert len(report["passes"]) < 15, report["passes"]
+    else:  # (a daemon's failed attempts leave cycles: collected at CPython's pace, R-RB)
+        assert report["threshold"][0] == 700  # (CPython's own)
     if argv[1] == "create":
         assert report["stdout"].strip().startswith("hoff-")
         assert len(list((root / "handoffs" / "pending").iterdir())) == 1

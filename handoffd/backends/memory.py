@@ -306,8 +306,11 @@ class MemoryBackend(FencedFiling, Backend):
             self._cancels.pop(handoff_id, None)
 
     # ------------------------------------------------------------ dedup, waiting, wake-ups
-    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None) -> None:
+    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None, *,
+                 if_absent: bool = False) -> None:
         with self._lock:
+            if if_absent and self._seen_recently(handoff_id, now):
+                return
             self._seen[handoff_id] = now
             if mark is None:
                 self._seen_mark.pop(handoff_id, None)

@@ -289,7 +289,7 @@ def run_batch(root: Path | None = None, workers: int | None = None, verbose: boo
         report = spread(count, eng, make, run, early=HELD_SIGNALS)
     else:
         report = run(make())
-    report.settle_recovered(eng.backend)  # (a takeover whose retry is still to come: said so)
+    report.settle_recovered(eng.backend)  # (a takeover not run again yet: said so)
     for lost in report.lost:
         announce(log_format, "process_lost", f"{lost}; its claims are recovered by the next sweep",
                  level=logging.ERROR)

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from ..core.starting import hold_stop_signals
-from .collector import for_a_command, freeze_at_exit
+from .collector import freeze_at_exit
 
 # the commands whose stop signals are held from the start: the daemon's, and the store's set-up
 HOLDING = (["run"], ["serve"], ["db"])
@@ -38,7 +38,9 @@ def main() -> None:
         # a second one ends it at once: `db` says so in a line (serve's and run's may be json
         # lines, a format not read yet: they say "stopped" only once their daemon acts)
         hold_stop_signals(DB_AT_ONCE if sys.argv[1:2] == ["db"] else "")
-    for_a_command()
+    # (the collector's young passes stay as they are: a daemon lives long, and fewer passes
+    # kept what failed attempts left in reference cycles, their documents with them, for
+    # hundreds of MB: R-RB)
     try:
         _main()
     finally:  # (sys.exit's SystemExit too)

@@ -281,10 +281,14 @@ class Backend(Protocol):
         """Forget the cancel request of ``handoff_id`` (no error when there is none)."""
         ...
 
-    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None) -> None:
+    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None, *,
+                 if_absent: bool = False) -> None:
         """Record ``handoff_id`` as used at ``now`` (dedup of documents arriving from outside),
         with ``mark``, that of the claim whose admission records it
-        (:data:`~handoffd.core.documents.ID_MARK`; None: no claim's, e.g. a create's)."""
+        (:data:`~handoffd.core.documents.ID_MARK`; None: no claim's, e.g. a create's).
+        ``if_absent``: only when it is not recorded within the TTL already, in one step: a
+        store keeping one record an id must never replace a running claim's mark with none
+        (its recovery would then take it for another document's duplicate)."""
         ...
 
     def seen_contains(self, handoff_id: str, now: datetime) -> bool:

@@ -50,7 +50,7 @@ __all__ = ["BatchReport", "Daemon", "SPIN_UP_SECONDS", "WARM_SCHEMAS", "build_sc
 
 log = logging.getLogger("handoffd")
 # the ids of taken-over claims a run's report keeps, to say which are still pending as it ends
-RECOVERED_IDS_KEPT = 10_000
+RECOVERED_IDS_KEPT = 1_000  # (one read each as a batch ends: report.settle_recovered)
 LISTING = "listing pending/"  # (the listing's kind of problem: core.recurring)
 IDLE_WAKE_SECONDS = 10.0  # the main loop looks around at least this often with nothing to do
 # a serving daemon that falls idle gives the heap pages its handoffs freed back to the system

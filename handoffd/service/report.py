@@ -11,6 +11,9 @@ from .sweeper import SweepReport
 if TYPE_CHECKING:
     from ..core.storage import Backend
 
+# how long the end-of-batch count of takeovers still pending may wait for a store that is away
+SETTLE_GRACE_SECONDS = 2.0
+
 
 @dataclass
 class BatchReport:
@@ -32,7 +35,7 @@ class BatchReport:
     # :meth:`settle_recovered`. Said in ``recovered N``'s parentheses: counted there alone, a
     # takeover whose retry was still to come read as one that finished
     recovered_ids: list[str] = field(default_factory=list)
-    recovered_pending: int = 0
+    recovered_pending: int | None = 0  # (None: the store could not be read to tell)
     handed_back: int = 0
     unroutable: set[str] = field(default_factory=set)
     waiting: dict[str, str] = field(default_factory=dict)
@@ -66,8 +69,12 @@ class BatchReport:
             text += f", throttled {self.throttled} (deferred, no attempt counted)"
         if self.recovered:
             text += f", recovered {self.recovered} (taken over from a dead or stalled claimer"
-            if self.recovered_pending:
-                text += f"; {self.recovered_pending} retry scheduled, still to come"
+            if self.recovered_pending is None:
+                text += "; whether it ran again is unknown: the store could not be read"
+            elif self.recovered_pending:
+                # (only the first RECOVERED_IDS_KEPT takeovers are looked at)
+                least = "at least " if len(set(self.recovered_ids)) < self.recovered else ""
+                text += f"; {least}{self.recovered_pending} back in pending/, not run again yet"
             text += ")"
         if self.handed_back:
             text += f", handed back {self.handed_back}"
@@ -90,17 +97,23 @@ class BatchReport:
 
     def settle_recovered(self, backend: "Backend") -> None:
         """Count in :attr:`recovered_pending` the claims taken over (:attr:`recovered_ids`)
-        that are still pending with no attempt since their takeover, as read from ``backend``
-        now (once, as a batch ends: a sibling process of a spread batch may have run one). A
-        takeover run again in this run is counted where it was filed instead. A store that
-        cannot be read ends the count: each look would wait for it again (a batch without
-        ``--max-seconds``: ``reconnect_seconds`` apiece), for a count in a summary line."""
+        that are still pending with no attempt since their takeover (a retry delay, a
+        hand-back), as read from ``backend`` now (once, as a batch ends: a sibling process of a
+        spread batch may have run one). A takeover run again in this run is counted where it
+        was filed instead. Bounded, for a count in a summary line: a store that must be waited
+        for (a PostgreSQL outage) is given :data:`SETTLE_GRACE_SECONDS` (``interrupt``: the
+        batch is over, and its store closes next), and one that cannot be read makes the count
+        unknown (None), said so."""
+        interrupt = getattr(backend, "interrupt", None)
+        if self.recovered_ids and callable(interrupt):
+            interrupt(SETTLE_GRACE_SECONDS)
         pending = 0
         for handoff_id in dict.fromkeys(self.recovered_ids):
             try:
                 found = backend.get(handoff_id)
-            except Exception:  # (only a count: what was read so far is said)
-                break
+            except Exception:  # (only a count: unknown, said so)
+                self.recovered_pending = None
+                return
             if found is not None and found[0] is State.PENDING and _untried_since_recovery(
                     found[1]):
                 pending += 1

@@ -434,7 +434,12 @@ class FilesBackend(FencedFiling, Backend):
             os.close(fd)
 
     # ------------------------------------------------------------ dedup, waiting, wake-ups
-    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None) -> None:
+    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None, *,
+                 if_absent: bool = False) -> None:
+        # (the record keeps every line an id has: an added one never hides a claim's mark, so
+        # the look and the add need not be one step)
+        if if_absent and self.store.seen.contains(handoff_id, now):
+            return
         self.store.seen.add(handoff_id, now, mark)
 
     def seen_contains(self, handoff_id: str, now: datetime) -> bool:

@@ -144,21 +144,27 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         LOCKED``, the takeover's own look, in a transaction that writes nothing (the locks
         it takes on free rows end with it)."""
         tick = self.monotonic()
-        due = sorted({hid for (hid, _), first in self._absent.items()
-                      if tick - first >= self.owner_grace})
-        if not due:
+        watched = sorted({(hid, token) for (hid, token), first in self._absent.items()
+                          if tick - first >= self.owner_grace and token is not None})
+        if not watched:
             return []
+        due = [hid for hid, _ in watched]
+        tokens = [token for _, token in watched]
 
         def op(conn: Conn, _retried: bool) -> tuple[set[str], set[str]]:
-            where = f"SELECT id FROM {T} WHERE id = ANY(%s) AND state = 'in-progress'"
-            there = {row[0] for row in conn.execute(where, (due,)).fetchall()}
+            # still held by the claim that was watched (a takeover since, whose own claim may
+            # still run, is no claim left: the watch is only pruned by the next sweep's look)
+            where = (f"SELECT t.id FROM {T} t JOIN unnest(%s::text[], %s::text[]) AS w(id, token)"
+                     " ON t.id = w.id AND t.lease_token = w.token WHERE t.state = 'in-progress'")
+            there = {row[0] for row in conn.execute(where, (due, tokens)).fetchall()}
             free = {row[0] for row in
-                    conn.execute(where + " FOR UPDATE SKIP LOCKED", (due,)).fetchall()}
+                    conn.execute(where + " FOR UPDATE OF t SKIP LOCKED", (due, tokens)).fetchall()}
             return there, free
 
         there, free = self.db.run(op)
         return [(hid, "its row is locked by another database session" if hid not in free
-                 else "it was not taken over in time") for hid in due if hid in there]
+                 else "it was not taken over in time") for hid in dict.fromkeys(due)
+                if hid in there]
 
     def records(self) -> PostgresRecords:
         """Pauses and rate buckets, shared by every host (``handoffd.records``)."""

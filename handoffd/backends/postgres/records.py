@@ -227,8 +227,17 @@ class SideRecords(StoreBase):
                                                  (handoff_id,)))
 
     # ------------------------------------------------------------ dedup
-    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None) -> None:
-        self.db.run(lambda conn, _: self._seen_upsert(conn, handoff_id, now, mark))
+    def seen_add(self, handoff_id: str, now: datetime, mark: str | None = None, *,
+                 if_absent: bool = False) -> None:
+        if not if_absent:
+            self.db.run(lambda conn, _: self._seen_upsert(conn, handoff_id, now, mark))
+            return
+        # one statement: a row within the TTL (a running claim's, with its mark) is kept as it is
+        self.db.run(lambda conn, _: conn.execute(
+            "INSERT INTO handoffd.seen (id, seen_at, mark) VALUES (%s, %s, %s) "
+            "ON CONFLICT (id) DO UPDATE SET seen_at = excluded.seen_at, mark = excluded.mark "
+            "WHERE handoffd.seen.seen_at <= %s",
+            (handoff_id, now, mark, now - self.seen_ttl)))
 
     def seen_marks(self, handoff_id: str, now: datetime) -> frozenset[str | None]:
         row = self.db.run(lambda conn, _: conn.execute(
