@@ -228,16 +228,27 @@ def keep_refused_answer(doc: dict[str, Any]) -> None:
         doc[REFUSED_ANSWER] = given
 
 
+def answer_status(doc: dict[str, Any]) -> bool:
+    """True when ``doc``'s ``status`` is one only a seed-001 answer has (completed, partial,
+    failed, cancelled: :data:`ANSWER_MARKS`), with or without the answer's own fields. Read
+    as a claimed document is filed: a claim leaves such a status as the sender wrote it
+    (handoffd's own documents are in_progress then), and the schema check reads the document
+    as the Response or Failure its status names (one without its marks fails it)."""
+    return isinstance(doc.get("status"), str) and doc["status"] in ANSWER_MARKS
+
+
 def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: int,
                          max_retries: int, retry_available: bool) -> None:
     """Turn an in-progress seed-001 document into its response (completed) or failure form
     (for a refused answer, with what it brought set aside: :func:`keep_refused_answer`)."""
-    if not outcome.succeeded and native_answer(doc):
+    if not outcome.succeeded and (native_answer(doc) or answer_status(doc)):
         # an answer filed as a failure, whatever the code (NOT_A_REQUEST, or CANCELLED by
         # `handoff cancel` while it was pending): the document is still the sender's answer
         # (a claim leaves its status as written, and handoffd's own are in_progress here), so
         # its fields are the sender's, never a result. Keyed on the code alone, a refusal
-        # with another code showed the sender's output beside handoffd's error
+        # with another code showed the sender's output beside handoffd's error. So is a
+        # Response or Failure that lacks its answer's marks: checked against its answer's
+        # schema, it is filed SCHEMA_VALIDATION_FAILED, and showed the sender's output too
         keep_refused_answer(doc)
     doc["execution_time_seconds"] = outcome.seconds
     for key in ("validation", "metadata"):

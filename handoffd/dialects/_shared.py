@@ -100,6 +100,19 @@ def error_message(outcome: Outcome) -> str | None:
     return str(message) if message else None
 
 
+def retry_promised(outcome: Outcome, retry_available: bool) -> bool:
+    """Whether a failure's answer may say its work can still be retried (seed 000's
+    ``recoverable``, seed 004's ``error.retryable``): what filing decided (``retry_available``),
+    unless the failure itself said it is not retryable (``retryable: false`` or ``error_type:
+    "permanent"``: a specialist's own word, or handoffd's final TIMEOUT past a hard deadline).
+    Filing leaves every TIMEOUT ``retry_available`` for a hand-made `handoff retry` (seed 001:
+    "Increase timeout, retry"), but handoffd never retries such a one, and the answer must
+    not turn the specialist's "not retryable" into "retryable"."""
+    error = outcome.error if isinstance(outcome.error, dict) else {}
+    said_final = error.get("retryable") is False or error.get("error_type") == "permanent"
+    return bool(retry_available) and not said_final
+
+
 def error_list(outcome: Outcome, key: str) -> list[Any]:
     """A list carried by the error (``violations``, ``errors``), also looked up under ``details``."""
     error = outcome.error if isinstance(outcome.error, dict) else {}

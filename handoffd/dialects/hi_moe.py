@@ -69,14 +69,14 @@ def recoverable(status: str, outcome: Outcome, filed: FiledState) -> bool:
     """Seed 000's ``recoverable`` of an error answer: whether the work can still come to
     something. Blocked and needs_clarification flow up to be resolved: true (the sender
     clarifies or unblocks and resends). Otherwise what filing decided (``retry_available``),
-    except for a final TIMEOUT: its hard deadline passed and the sender stopped waiting, so
-    handoffd never runs it again (its error says ``retryable: false``) — filing still leaves a
-    hand-made ``handoff retry`` open to it, which is no recovery the sender can count on."""
+    except for a failure that said itself it is not retryable (:func:`_shared.retry_promised`):
+    a final TIMEOUT (its hard deadline passed and the sender stopped waiting, so handoffd never
+    runs it again), or a specialist's own ``retryable: false``, a TIMEOUT it reported included
+    (also when it answered ``partial``) — filing still leaves a hand-made ``handoff retry``
+    open to a TIMEOUT, which is no recovery the sender can count on."""
     if status in ("blocked", "needs_clarification"):
         return True
-    error = outcome.error if isinstance(outcome.error, dict) else {}
-    final_timeout = status == "timeout" and error.get("retryable") is False
-    return bool(filed.retry_available) and not final_timeout
+    return sh.retry_promised(outcome, filed.retry_available)
 
 
 def _semver(version: Any) -> bool:

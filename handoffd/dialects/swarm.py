@@ -127,7 +127,9 @@ class SwarmDialect:
             code = sh.error_code(outcome) or status.upper()
             answer["error"] = {"code": code,
                                "message": sh.error_message(outcome) or answer["summary"],
-                               "retryable": bool(filed.retry_available)}
+                               # (a worker's own "not retryable" stays so: filing leaves
+                               # every TIMEOUT retry_available for a hand-made retry)
+                               "retryable": sh.retry_promised(outcome, filed.retry_available)}
         answer["handoffd"] = sh.copy_book(doc)
         return answer
 
