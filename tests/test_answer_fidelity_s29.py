@@ -152,3 +152,31 @@ def test_an_answer_failing_its_schema_keeps_what_it_brought_apart(ran: Workspace
     assert doc["recovery_actions"] != ["ask again"], doc
     # ...it is kept, apart, as it was sent
     assert doc["refused_answer"] == sent, doc["refused_answer"]
+
+
+def test_a_retried_native_handoff_that_succeeds_drops_the_failures_validation(
+        tmp_path: Any) -> None:
+    """RD: a native document filed SCHEMA_VALIDATION_FAILED with handoffd's validation
+    (`validation.status: failed`, the schema's errors), then forced through `handoff retry`,
+    completed carrying that old validation beside its `completed` status: its retry took the
+    answer's fields out, not that one. handoffd's record of the filing now says which fields
+    the outcome wrote over the request, and a retry takes those out; a request's own field the
+    outcome never wrote (its priority here) stays."""
+    ws = new_workspace(tmp_path / "ws", CONFIG)
+    ws.drop("hoff-val.json", {"handoff_id": "hoff-val", "source": {"agent_id": "@tests"},
+                              "target": {"agent_id": "@ok"}, "input": {"data": {}},
+                              "status": "completed", "output": {"artifact_id": "A1"},
+                              "priority": "high"})
+    assert ws.handoffd("run", timeout=60).returncode in (0, 1)
+    failed = ws.doc("hoff-val")
+    assert failed["error"]["code"] == "SCHEMA_VALIDATION_FAILED", failed
+    assert failed["validation"]["status"] == "failed", failed
+    assert failed["handoffd"]["final_error"].get("wrote") == ["validation"], failed["handoffd"]
+    retried = ws.handoff("retry", "hoff-val", "--force")
+    assert retried.returncode == 0, retried.stderr
+    assert ws.handoffd("run", timeout=60).returncode == 0
+    assert ws.state_of("hoff-val") == ["completed"]
+    done = ws.doc("hoff-val")
+    assert done["status"] == "completed" and done["output"] == {"ran": True}, done
+    assert "validation" not in done, done["validation"]
+    assert done["priority"] == "high", done  # (the request's own, never written)

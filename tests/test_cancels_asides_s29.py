@@ -245,3 +245,26 @@ def test_a_stub_refused_under_a_running_id_keeps_its_claims_mark(store: Any) -> 
     store.clock.advance(600)
     again = engine.take("live-1")
     assert again is not None, engine.backend.quarantined()
+
+
+def test_a_stub_refused_under_a_long_running_id_keeps_its_claim(store: Any) -> None:
+    """RD: the same, once the running claim's record is older than the seen-ids TTL (a handoff
+    running longer than an hour): the junk's id is not recorded while a document holds it, so
+    the recovered handoff is taken again, not set aside as its own duplicate."""
+    from test_seen_shortage_s24 import foreign
+
+    from handoffd.core.admission import file_stub
+    from handoffd.service.sweeper import sweep
+
+    engine = store.engine
+    store.drop(foreign("live-2"))
+    job = engine.take("live-2")
+    assert job is not None
+    store.clock.advance(engine.settings.seen_ttl_seconds + 1)  # (its record aged out)
+    assert file_stub(engine, "live-2", "MALFORMED_JSON", "junk under a live id") is False
+    assert not engine.backend.seen_contains("live-2", store.clock())  # (nothing recorded)
+    engine.backend.abandon(job.claim)
+    store.clock.advance(engine.settings.lease_seconds * 2)
+    assert sweep(engine).recovered == ["live-2"]
+    store.clock.advance(600)
+    assert engine.take("live-2") is not None, engine.backend.quarantined()

@@ -451,10 +451,14 @@ def used(backend: Backend, handoff_id: str, now: datetime) -> None:
     failure stub is filed: a file handoffd could not read (not JSON, too large...) never
     reached admission's record, and a dependant looked at before its stub (or without one,
     its filing cut short) was told it "does not exist; create it first". The gate reads this
-    record, never the quarantine. Only an id not recorded yet is (a running handoff's record,
-    with its claim's mark, is never replaced: junk dropped under its id made its recovery take
-    it for a duplicate, R-RA). A failure to write it is one line: the stub still comes."""
+    record, never the quarantine. Only an id no document holds and not recorded yet is: a
+    running handoff's record, with its claim's mark, is never replaced (junk dropped under its
+    id made its recovery take it for a duplicate, R-RA), also once that record is older than
+    the TTL (a handoff running longer, RD). A failure to write it is one line: the stub still
+    comes."""
     try:
+        if backend.get(handoff_id) is not None:
+            return  # (its id is the document's: the gate finds it, no record needed)
         backend.seen_add(handoff_id, now, if_absent=True)
     except Exception as exc:  # (a store away, a shortage, a refused statement: only a record)
         log.warning("handoff %s: cannot record its id as used: %s", handoff_id, exc)

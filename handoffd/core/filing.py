@@ -153,6 +153,11 @@ def throttle_delay(doc: dict[str, Any], outcome: Outcome,
 
 # a key of the ``final_error`` handoffd records: the failed document holds an answer
 HELD_ANSWER = "answer"
+# another: the fields of a native answer this filing wrote from the outcome over the request's
+# (its validation, its metadata), taken out again when it goes back to pending/
+WROTE = "wrote"
+# the fields of a native answer its outcome may write over a request's own (apply_native_outcome)
+OUTCOME_FIELDS = ("validation", "metadata")
 
 
 def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy: RetryPolicy,
@@ -187,6 +192,12 @@ def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy
         # when True, a request cancelled while pending read as a cancel filed before the flag
         # existed, and a `refused_answer` it carried made it an answer never to be retried
         block["final_error"][HELD_ANSWER] = is_answer is not None and bool(is_answer(doc))
+        wrote = [key for key in OUTCOME_FIELDS if getattr(outcome, key) is not None
+                 or (key == "validation" and outcome.error.get("errors"))]  # (the render's own)
+        if dialect.name == "native" and wrote:
+            # (a retried one that then succeeded showed this failure's validation, "failed",
+            # beside its completed status: the new outcome wrote none over it)
+            block["final_error"][WROTE] = wrote
     else:
         block.pop("final_error", None)
     if dialect.name != "native":  # its answer replaces the request: keep it for retries
@@ -211,6 +222,11 @@ def restore_request(doc: dict[str, Any]) -> None:
     if filed_answer(doc):
         doc.pop(REFUSED_ANSWER, None)
     block = book(doc)
+    final = block.get("final_error")
+    wrote = final.get(WROTE) if isinstance(final, dict) else None
+    for key in wrote if isinstance(wrote, list) else ():
+        if key in OUTCOME_FIELDS:  # (what our own record names, and only those)
+            doc.pop(key, None)
     if isinstance(block.get("request_snapshot"), dict):
         snapshot = block["request_snapshot"]
         for key in list(doc):

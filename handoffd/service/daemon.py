@@ -37,7 +37,7 @@ from .dispatch import Dispatcher
 from .hooks import Hooks, MessageHandler
 from .leases import LeaseKeeper
 from .progress import ProgressWatch
-from .report import BatchReport
+from .report import RECOVERED_IDS_KEPT, BatchReport
 from .scheduler import SPIN_UP_SECONDS, Scheduler
 from .sweeper import ConfigWatch, SweepReport, sweep
 from .wakeups import WakeupFeed
@@ -50,7 +50,6 @@ __all__ = ["BatchReport", "Daemon", "SPIN_UP_SECONDS", "WARM_SCHEMAS", "build_sc
 
 log = logging.getLogger("handoffd")
 # the ids of taken-over claims a run's report keeps, to say which are still pending as it ends
-RECOVERED_IDS_KEPT = 1_000  # (one read each as a batch ends: report.settle_recovered)
 LISTING = "listing pending/"  # (the listing's kind of problem: core.recurring)
 IDLE_WAKE_SECONDS = 10.0  # the main loop looks around at least this often with nothing to do
 # a serving daemon that falls idle gives the heap pages its handoffs freed back to the system

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 # how long the end-of-batch count of takeovers still pending may wait for a store that is away
 SETTLE_GRACE_SECONDS = 2.0
+# the ids of taken-over claims a run's report keeps, to say which are still pending as it ends
+# (one read each: a spread batch's processes' lists merged are cut to it too)
+RECOVERED_IDS_KEPT = 1_000
 
 
 @dataclass
@@ -73,7 +76,7 @@ class BatchReport:
                 text += "; whether it ran again is unknown: the store could not be read"
             elif self.recovered_pending:
                 # (only the first RECOVERED_IDS_KEPT takeovers are looked at)
-                least = "at least " if len(set(self.recovered_ids)) < self.recovered else ""
+                least = "at least " if len(self.recovered_ids) < self.recovered else ""
                 text += f"; {least}{self.recovered_pending} back in pending/, not run again yet"
             text += ")"
         if self.handed_back:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..core.procs import STOP_SIGNALS, parent_death_signal
 from ..core.states import State
 from .reaping import Clock, Collected, collect
+from .report import RECOVERED_IDS_KEPT
 from .sweeper import SweepReport
 
 if TYPE_CHECKING:
@@ -391,7 +392,8 @@ def _merge(report: BatchReport, other: dict[str, Any]) -> None:
     report.waiting.update({str(k): str(v) for k, v in dict(other.get("waiting", {})).items()})
     recovered = other.get("recovered_ids")
     if isinstance(recovered, list):
-        report.recovered_ids.extend(str(hid) for hid in recovered)
+        room = max(RECOVERED_IDS_KEPT - len(report.recovered_ids), 0)
+        report.recovered_ids.extend(str(hid) for hid in recovered[:room])
     backed = other.get("backed_off")
     if isinstance(backed, list):
         report.backed_off.extend(str(hid) for hid in backed)

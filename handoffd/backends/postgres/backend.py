@@ -145,7 +145,7 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         it takes on free rows end with it)."""
         tick = self.monotonic()
         watched = sorted({(hid, token) for (hid, token), first in self._absent.items()
-                          if tick - first >= self.owner_grace and token is not None})
+                          if tick - first >= self.owner_grace}, key=lambda w: (w[0], w[1] or ""))
         if not watched:
             return []
         due = [hid for hid, _ in watched]
@@ -155,7 +155,8 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
             # still held by the claim that was watched (a takeover since, whose own claim may
             # still run, is no claim left: the watch is only pruned by the next sweep's look)
             where = (f"SELECT t.id FROM {T} t JOIN unnest(%s::text[], %s::text[]) AS w(id, token)"
-                     " ON t.id = w.id AND t.lease_token = w.token WHERE t.state = 'in-progress'")
+                     " ON t.id = w.id AND t.lease_token IS NOT DISTINCT FROM w.token"
+                     " WHERE t.state = 'in-progress'")
             there = {row[0] for row in conn.execute(where, (due, tokens)).fetchall()}
             free = {row[0] for row in
                     conn.execute(where + " FOR UPDATE OF t SKIP LOCKED", (due, tokens)).fetchall()}
