@@ -2,13 +2,10 @@
 
 :class:`Database` runs each operation on a pooled connection in one transaction. A lost
 connection (a restarted server, ``pg_terminate_backend``, a network cut) is retried with backoff
-until ``reconnect_seconds`` after the outage was first seen: one window per outage, shared by
-the pool's operations (an operation that starts after it makes one real connection attempt,
-and fails at once if the store is still away), with one log line when it is lost and one when
-it is back (one each for all of a process's connections to the store: :class:`Outages`). A
-first connection that meets an outage (:func:`first_connection`) waits up to
-``reconnect_seconds`` the same way. After that the operation fails with
-:class:`StoreUnavailable` (an OSError: the daemon and the sweeper
+for up to ``reconnect_seconds``, with one log line when it is lost and one when it is back (one
+each for all of a process's connections to the store: :class:`Outages`), and so is a first
+connection that meets an outage (:func:`first_connection`); after
+that the operation fails with :class:`StoreUnavailable` (an OSError: the daemon and the sweeper
 already treat those as "try again later"). An operation whose commit may have happened before
 the connection died is told so (``retried=True``) and checks its own fencing token first, so a
 retry never applies a write twice.
@@ -605,16 +602,10 @@ class Database:
 
     def run(self, operation: Callable[[Conn, bool], T]) -> T:
         """``operation(conn, retried)`` in one transaction (committed when it returns).
-        ``retried`` is True when an earlier try lost its connection: it may have committed.
-
-        A lost connection is retried until the window of the outage it met ends,
-        ``reconnect_seconds`` after the outage was first seen (by any of this pool's
-        operations): one window per outage, not one per operation. An operation that starts
-        once that window is over makes one real attempt first (:meth:`_chance`)."""
+        ``retried`` is True when an earlier try lost its connection: it may have committed."""
         delay = BACKOFF_FIRST
         retried = False
-        chance = self._chance()  # (StoreUnavailable: an outage past its window, still on)
-        window = max(self._outage_end(time.monotonic() + self.reconnect_seconds), chance)
+        window = time.monotonic() + self.reconnect_seconds
         while True:
             try:
                 conn = self._getconn(window)
@@ -629,10 +620,6 @@ class Database:
                 if not is_disconnect(exc):
                     raise
                 self._lost(exc)
-                if not retried:  # its first loss: it retries until the end of that outage's
-                    # window, shared with the other operations (each waited a whole window of
-                    # its own, one after the other: N operations, N windows), and keeps that end
-                    window = max(self._outage_end(window), chance)
                 left = self._limit(window) - time.monotonic()
                 if left <= 0:
                     raise StoreUnavailable(f"the PostgreSQL store {redact(self.url)} is "
@@ -642,35 +629,6 @@ class Database:
                 retried = True
                 self._pause(min(delay, left))
                 delay = min(delay * 2, BACKOFF_MAX)
-
-    def _outage_end(self, otherwise: float) -> float:
-        """When the window of the outage this pool is in ends (``reconnect_seconds`` after
-        :meth:`_lost` first saw it; :meth:`_back` ends the outage), ``otherwise`` when it is in
-        none."""
-        since = self._lost_since
-        return otherwise if since is None else since + self.reconnect_seconds
-
-    def _chance(self) -> float:
-        """An operation's real chance to connect when it starts after its outage's window is
-        over: a store that came back must not fail every operation for ever (only a success
-        ends the outage, and the pool may need a moment to reconnect). One direct connection
-        attempt, with the connect timeout (cut by an :meth:`interrupt` or a :func:`deadline`,
-        never under libpq's second): when it fails the store is still away, StoreUnavailable
-        at once, without waiting the window again; when it works the operation has the connect
-        timeout from now to get a pooled connection (the returned end of its retries).
-        ``-inf`` (no chance of its own) outside an outage, within its window, or at a limit
-        already past (a free pooled connection is still taken, as at any limit)."""
-        started = time.monotonic()
-        if started < self._outage_end(math.inf):
-            return -math.inf
-        left = self._limit(math.inf) - started
-        if left <= 0:
-            return -math.inf
-        detail = _last_error(self.url, bounded_connect(min(self.connect_timeout, left)))
-        if detail is not None:
-            raise StoreUnavailable(f"the PostgreSQL store {redact(self.url)} is unreachable: "
-                                   + shown(detail, self.url))
-        return time.monotonic() + self.connect_timeout
 
     def _put_back(self, conn: Conn) -> None:
         """Return ``conn`` to the pool, whatever is raised meanwhile. A MemoryError returning it
