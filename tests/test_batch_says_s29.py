@@ -10,15 +10,13 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import threading
 from pathlib import Path
 
-from conftest import exe, new_workspace
+from conftest import new_workspace
 from test_batch_takeover_s27 import DIE_AFTER_ADMISSION, TOML, _create, _run, _where
-from test_db_stop_signals_s28 import ENTRY, a_store_away
+from test_db_stop_signals_s28 import a_store_away, stopped_once
 
 from handoffd.service.report import BatchReport
 
@@ -150,31 +148,11 @@ def _two_stops(root: Path, after: str) -> tuple[int, str]:
     modules past its entry module, its stop signals held; "waiting": it waits for the
     database) send SIGTERM and SIGINT back to back (two signals, never coalesced into one);
     its exit code and its stderr lines past that point."""
-    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
-    proc = subprocess.Popen([exe("handoffd"), "db", "init", "--root", str(root)], env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    watchdog = threading.Timer(60.0, proc.kill)  # (never hangs: only the process it started)
-    watchdog.start()
-    try:
-        assert proc.stderr is not None
-        entered = False
-        for line in proc.stderr:
-            if line.rstrip().endswith(ENTRY):
-                entered = True
-            elif after == "imports" and entered and "| handoffd." in line:
-                break
-            elif after == "waiting" and "waiting for the database" in line:
-                break
-        else:
-            raise AssertionError("it ended before the signals")
+    def send(proc: subprocess.Popen[str]) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGINT)
-        rest = proc.stderr.read()
-        code = proc.wait()
-    finally:
-        watchdog.cancel()
-    return code, "\n".join(one for one in rest.splitlines() if not one.startswith("import time:"))
+    code, lines = stopped_once(root, after, send)
+    return code, "\n".join(lines)
 
 
 def test_a_second_stop_during_db_inits_imports_says_so(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from conftest import exe
@@ -48,9 +49,12 @@ def a_store_away(root: Path) -> Path:
     return root
 
 
-def stopped_after_main_began(root: Path, signum: int, delay: float) -> tuple[int, list[str]]:
-    """Start ``handoffd db init``, send ``signum`` ``delay`` seconds after it imported its
-    first module of handoffd past the entry module; its exit code and its own stderr lines."""
+def stopped_once(root: Path, after: str, signals: Callable[[subprocess.Popen[str]], None]
+                 ) -> tuple[int, list[str]]:
+    """Start ``handoffd db init`` on ``root`` (its import times on stderr); once ``after``
+    ("imports": it imported its first module of handoffd past the entry module, its stop
+    signals held; "waiting": it waits for the database) call ``signals`` on it; its exit code
+    and its own stderr lines from then on. Bounded: killed after a minute."""
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
     proc = subprocess.Popen([exe("handoffd"), "db", "init", "--root", str(root)], env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -63,17 +67,28 @@ def stopped_after_main_began(root: Path, signum: int, delay: float) -> tuple[int
         for line in proc.stderr:
             if line.rstrip().endswith(ENTRY):
                 entered = True
-            elif entered and line.startswith("import time:") and "| handoffd." in line:
+            elif after == "imports" and entered and line.startswith("import time:") \
+                    and "| handoffd." in line:
+                break
+            elif after == "waiting" and "waiting for the database" in line:
                 break
         else:
-            raise AssertionError("it ended before main() imported anything")
-        time.sleep(delay)  # (the delay is the point: where in its start the signal lands)
-        proc.send_signal(signum)
+            raise AssertionError(f"it ended before the signals ({after})")
+        signals(proc)
         rest = proc.stderr.read()
         code = proc.wait()
     finally:
         watchdog.cancel()
     return code, [one for one in rest.splitlines() if not one.startswith("import time:")]
+
+
+def stopped_after_main_began(root: Path, signum: int, delay: float) -> tuple[int, list[str]]:
+    """Start ``handoffd db init``, send ``signum`` ``delay`` seconds after it imported its
+    first module of handoffd past the entry module; its exit code and its own stderr lines."""
+    def send(proc: subprocess.Popen[str]) -> None:
+        time.sleep(delay)  # (the delay is the point: where in its start the signal lands)
+        proc.send_signal(signum)
+    return stopped_once(root, "imports", send)
 
 
 def test_a_stop_during_db_inits_start_is_a_clean_exit(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -347,24 +348,32 @@ def test_two_processes_noticing_at_once_set_aside_only_the_link(store: Store,
         other.close()
 
 
+@contextmanager
+def counted_stats() -> Iterator[list[str]]:
+    """The ``stat`` and ``lstat`` calls made in the block, as "stat PATH" / "lstat PATH"."""
+    calls: list[str] = []
+    real_stat, real_lstat = os.stat, os.lstat
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "stat", lambda p, *a, **k: calls.append(f"stat {p}")
+                      or real_stat(p, *a, **k))
+        patch.setattr(os, "lstat", lambda p, *a, **k: calls.append(f"lstat {p}")
+                      or real_lstat(p, *a, **k))
+        yield calls
+
+
 def test_a_look_costs_one_stat_of_handoffs_while_nothing_changed(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-handoff cost: each claim and filing looks with one stat of handoffs/ (no
     lstat of each folder, no realpath) while nothing was renamed there."""
     monkeypatch.setattr(quarantine, "SETTLED_NS", 0)  # (the stamp just made is trusted)
     store.folders.check()
-    calls: list[str] = []
-    real_stat, real_lstat = os.stat, os.lstat
-    monkeypatch.setattr(os, "stat", lambda p, *a, **k: calls.append(f"stat {p}")
-                        or real_stat(p, *a, **k))
-    monkeypatch.setattr(os, "lstat", lambda p, *a, **k: calls.append(f"lstat {p}")
-                        or real_lstat(p, *a, **k))
-    store.folders.check()
+    with counted_stats() as calls:
+        store.folders.check()
     assert calls == [f"stat {store.ws.handoffs}"]
-    calls.clear()
     os.rename(store.ws.state_dir(State.FAILED), store.ws.handoffs / "failed.tmp")
     os.rename(store.ws.handoffs / "failed.tmp", store.ws.state_dir(State.FAILED))
-    store.folders.check()  # handoffs/ changed: every folder is looked at
+    with counted_stats() as calls:
+        store.folders.check()  # handoffs/ changed: every folder is looked at
     assert len([c for c in calls if c.startswith("lstat")]) == len(store.ws.own_folders)
 
 
@@ -375,17 +384,10 @@ def test_a_look_while_the_stamp_is_unsettled_stats_handoffs_once(
     unsettled is the look's own, not taken again. A swap then is still put right."""
     monkeypatch.setattr(quarantine, "SETTLED_NS", 10**18)  # (no stamp is ever settled)
     store.folders.check()
-    calls: list[str] = []
-    real_stat, real_lstat = os.stat, os.lstat
-    monkeypatch.setattr(os, "stat", lambda p, *a, **k: calls.append(f"stat {p}")
-                        or real_stat(p, *a, **k))
-    monkeypatch.setattr(os, "lstat", lambda p, *a, **k: calls.append(f"lstat {p}")
-                        or real_lstat(p, *a, **k))
-    store.folders.check()
+    with counted_stats() as calls:
+        store.folders.check()
     assert calls == [f"stat {store.ws.handoffs}",
                      *(f"lstat {path}" for path in store.ws.own_folders)]
-    monkeypatch.setattr(os, "stat", real_stat)
-    monkeypatch.setattr(os, "lstat", real_lstat)
     target = outside(tmp_path, {})
     swap_for_link(store.ws.state_dir(State.FAILED), target)
     store.folders.check()
