@@ -387,3 +387,37 @@ def test_a_descriptor_shortage_reading_a_schema_is_no_configuration_error(
         cache.validator("mine.schema.json")
     assert caught.value.errno == errno.EMFILE
     assert cache.validator("mine.schema.json") is not None  # the shortage passed
+
+
+def test_a_store_away_scheduling_or_checking_progress_is_one_line(tmp_path: Path,
+                                                                    caplog: Any) -> None:
+    """R-RC (session 29): a StoreUnavailable (an OSError: the PostgreSQL store away) met by a
+    gate while scheduling, or by the progress check looking for due work, was logged with a
+    full traceback, as a bug is. It is one ERROR line, the handoff looked at again later."""
+    from handoffd.core.errors import StoreUnavailable
+    from handoffd.service import progress
+
+    engine, backend = memory_engine(tmp_path, Clock(), {"@ok": ok})
+    engine.submit(_request("g2"))
+    raised: list[str] = []
+
+    def gate(_engine: Any, _env: Any, _doc: Any) -> None:
+        if not raised:
+            raised.append("away")
+            raise StoreUnavailable("the PostgreSQL store postgresql://db is unreachable: gone")
+        return None
+
+    engine.hooks.gates.append(gate)
+    caplog.set_level(logging.INFO, "handoffd")
+    daemon = Daemon(engine, workers=2, watch=False)
+    daemon.run_batch()
+    assert raised == ["away"]
+    said = [r for r in caplog.records if "could not be scheduled" in r.getMessage()]
+    assert len(said) == 1 and not said[0].exc_info, said
+    assert "is unreachable" in said[0].getMessage()
+    caplog.clear()
+    check = progress.ProgressWatch.__new__(progress.ProgressWatch)
+    check.shortages = progress.recurring.Recurring(quiet=progress.recurring.QUIET_SECONDS)
+    check._failed(StoreUnavailable("the PostgreSQL store is unreachable: gone"), 1.0)
+    lines = [r for r in caplog.records if "progress check" in r.getMessage()]
+    assert len(lines) == 1 and not lines[0].exc_info and lines[0].levelno == logging.ERROR, lines

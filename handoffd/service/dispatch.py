@@ -132,8 +132,12 @@ class Dispatcher:
                 self.short_of(handoff_id, f"cannot be scheduled for now: {shortage_words(exc)}",
                               memory=isinstance(exc, MemoryError))
                 return
-            log.exception("handoff %s: could not be scheduled; will look again in %ss",
-                          handoff_id, RETRY_LOOK_SECONDS)
+            if isinstance(exc, OSError):  # (the store away, an I/O error: no bug, no traceback)
+                log.error("handoff %s: could not be scheduled: %s; will look again in %ss",
+                          handoff_id, exc, RETRY_LOOK_SECONDS)
+            else:
+                log.exception("handoff %s: could not be scheduled; will look again in %ss",
+                              handoff_id, RETRY_LOOK_SECONDS)
             self.scheduler.notify(handoff_id, RETRY_LOOK_SECONDS)
             return
         if self.shortages and peek is not None and peek.readable:  # (almost always empty)

@@ -67,9 +67,10 @@ class ProgressWatch:
     def _failed(self, exc: Exception, now: float) -> None:
         """The check failed: a bug keeps its traceback. A passing shortage (listing pending/
         with no descriptor left: it was an ERROR with a traceback at every check) is one
-        WARNING naming the limit, held back while it recurs, and its end said (core.recurring);
-        ``now`` is the loop's monotonic clock."""
-        if not is_shortage(exc):
+        WARNING naming the limit, and another OSError (a PostgreSQL store away: it was a
+        traceback too) one ERROR line, each held back while it recurs, and its end said
+        (core.recurring); ``now`` is the loop's monotonic clock."""
+        if not is_shortage(exc) and not isinstance(exc, OSError):
             log.exception("progress check failed; will check again")
             return
         with recurring.sweeping(self.shortages, lambda: now):
