@@ -196,17 +196,26 @@ class Graph:
         """``on_filed`` listener: what this daemon filed completed is completed now (a waiter
         woken by it goes on without reading it); anything else is not; what it filed into
         failed/ is noted, for the waiters it wakes (:meth:`failed_among`); a filed waiter's
-        progress goes."""
+        progress goes. Noted only while a waiter is in the gate: a note is believed only by a
+        waiter first checked before it was made (:attr:`Progress.since`), and a later one reads
+        the dependency once instead. Noting every filing kept an id and two times for each
+        handoff a serving daemon ran (about 0.2 KB, up to :data:`MAX_REMEMBERED` of them)
+        where nothing depends on anything: its memory grew with every handoff."""
+        self.done_with(handoff_id)  # (first: a filed waiter is not one that could use the note)
+        waiters = bool(self.progress)
         if where is State.COMPLETED:
-            self.seen_completed(handoff_id, self.engine.clock())
+            if waiters:
+                self.seen_completed(handoff_id, self.engine.clock())
+            else:
+                self.unfinished.pop(handoff_id, None)
         else:
             self.forget(handoff_id)
         if where is State.FAILED:
             self.unfinished.pop(handoff_id, None)  # (a first look reads it again)
-            self._note(self.failed, handoff_id, self.engine.clock())
+            if waiters:
+                self._note(self.failed, handoff_id, self.engine.clock())
         else:
             self.failed.pop(handoff_id, None)  # e.g. retried: pending again
-        self.done_with(handoff_id)
 
     def _children_waited_for(self, handoff_id: str) -> list[str]:
         """The children a parked parent waits for, as handoffd's own (sealed) bookkeeping says:

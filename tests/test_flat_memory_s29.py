@@ -1,0 +1,59 @@
+"""A serving daemon's memory stays flat over many handoffs (session 29, helper G).
+
+`make bench`'s memory figure grew 35.8 -> 39.1 MB over 10,000 handoffs, still growing at the end.
+tracemalloc inside the daemon found, besides the seen-ids index (bounded by its TTL), the
+dependencies feature's ``Graph.completed`` and ``Graph.filed_at``: every handoff filed noted its id
+and two times there (and every failure in ``Graph.failed``), up to 100,000 ids, though nothing
+depended on anything and no waiter could ever use the notes."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from conftest import Clock, memory_engine
+
+from handoffd import Daemon, State
+from handoffd.features.dependencies import Graph
+
+
+def answer(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Completes, or fails for good when its data says so."""
+    if (ctx.data or {}).get("fail"):
+        return {"status": "failed", "error": {"code": "PROCESSING_ERROR", "message": "no",
+                                              "retryable": False}}
+    return {"status": "completed"}
+
+
+def graph_of(engine: Any) -> Graph:
+    """The dependencies feature's graph the engine files through (its on_filed listener)."""
+    return next(f.__self__ for f in engine.on_filed
+                if isinstance(getattr(f, "__self__", None), Graph))
+
+
+def test_filings_nothing_waits_for_leave_no_entry_per_handoff(tmp_path: Path) -> None:
+    engine, _ = memory_engine(tmp_path, Clock(), {"@a": answer})
+    for i in range(60):
+        engine.submit({"handoff_id": f"h-{i:03d}", "source": {"agent_id": "@t"},
+                       "target": {"agent_id": "@a"}, "input": {"data": {"fail": i % 2 == 1}}})
+    report = Daemon(engine, workers=2, watch=False).run_batch(max_seconds=60)
+    assert (report.completed, report.failed) == (30, 30), report
+    graph = graph_of(engine)
+    sizes = {name: len(getattr(graph, name)) for name in
+             ("completed", "filed_at", "failed", "unfinished", "progress")}
+    assert sizes == dict.fromkeys(sizes, 0), sizes  # before: 30, 30, 30 (one per filing)
+
+
+def test_a_filing_a_waiter_may_use_is_still_noted(tmp_path: Path) -> None:
+    """While a waiter is in the gate, what this daemon files is noted (the waiter woken by it
+    goes on without reading it); once none is, nothing is."""
+    engine, _ = memory_engine(tmp_path, Clock(), {"@a": answer})
+    graph = graph_of(engine)
+    graph.progress_of("waiter", ["dep", "bad"])
+    graph.filed("dep", State.COMPLETED)
+    graph.filed("bad", State.FAILED)
+    assert "dep" in graph.completed and "dep" in graph.filed_at and "bad" in graph.failed
+    graph.done_with("waiter")
+    graph.filed("other", State.COMPLETED)
+    graph.filed("worse", State.FAILED)
+    assert "other" not in graph.completed and "other" not in graph.filed_at
+    assert "worse" not in graph.failed
