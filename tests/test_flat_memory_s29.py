@@ -44,16 +44,48 @@ def test_filings_nothing_waits_for_leave_no_entry_per_handoff(tmp_path: Path) ->
 
 
 def test_a_filing_a_waiter_may_use_is_still_noted(tmp_path: Path) -> None:
-    """While a waiter is in the gate, what this daemon files is noted (the waiter woken by it
-    goes on without reading it); once none is, nothing is."""
+    """What a waiter's wait names (its target, the failures it watches) is noted as this daemon
+    files it (the waiter woken by it goes on without reading it); what no wait names is not,
+    also while waiters are in the gate (review RG: one waiter made every filing noted), and
+    nothing is once the waiter leaves."""
     engine, _ = memory_engine(tmp_path, Clock(), {"@a": answer})
     graph = graph_of(engine)
-    graph.progress_of("waiter", ["dep", "bad"])
+    progress = graph.progress_of("waiter", ["dep", "bad"])
+    graph.awaiting(progress, ("dep", "bad"))
     graph.filed("dep", State.COMPLETED)
     graph.filed("bad", State.FAILED)
+    graph.filed("unrelated", State.COMPLETED)
+    graph.filed("unrelated-failure", State.FAILED)
     assert "dep" in graph.completed and "dep" in graph.filed_at and "bad" in graph.failed
+    assert "unrelated" not in graph.completed and "unrelated" not in graph.filed_at
+    assert "unrelated-failure" not in graph.failed
     graph.done_with("waiter")
+    assert graph.awaited == {}
     graph.filed("other", State.COMPLETED)
     graph.filed("worse", State.FAILED)
-    assert "other" not in graph.completed and "other" not in graph.filed_at
-    assert "worse" not in graph.failed
+    assert "other" not in graph.completed and "worse" not in graph.failed
+
+
+def test_a_slow_dependency_leaves_no_note_of_the_filings_beside_it(tmp_path: Path) -> None:
+    """RG's case, end to end in one batch: a dependant waits for a slow handoff while 40
+    unrelated handoffs are filed; none of them is noted, and the dependant runs once its
+    dependency completed."""
+    import time as real_time
+
+    def slow(doc: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        real_time.sleep(1.0)
+        return {"status": "completed"}
+
+    engine, _ = memory_engine(tmp_path, Clock(), {"@a": answer, "@slow": slow})
+    engine.submit({"handoff_id": "s", "source": {"agent_id": "@t"},
+                   "target": {"agent_id": "@slow"}, "input": {"data": {}}})
+    engine.submit({"handoff_id": "w", "source": {"agent_id": "@t"}, "depends_on": ["s"],
+                   "target": {"agent_id": "@a"}, "input": {"data": {}}})
+    for i in range(40):
+        engine.submit({"handoff_id": f"u-{i:03d}", "source": {"agent_id": "@t"},
+                       "target": {"agent_id": "@a"}, "input": {"data": {}}})
+    report = Daemon(engine, workers=2, watch=False).run_batch(max_seconds=60)
+    assert report.completed == 42, report
+    graph = graph_of(engine)
+    assert not [hid for hid in graph.completed if hid.startswith("u-")], graph.completed
+    assert graph.awaited == {} and graph.progress == {}

@@ -71,12 +71,14 @@ class Progress:
     """How far a waiter's checks got: its first ``index`` dependencies were seen completed, each
     after ``since`` (when this waiter was first checked); ``looked``: its first check looked at
     every one; ``key`` tells its list of dependencies (a document with the same id and another
-    list starts again)."""
+    list starts again); ``awaits``: the dependencies its last wait named (whose filing wakes
+    it: :meth:`Graph.awaiting`)."""
 
-    __slots__ = ("key", "since", "index", "looked")
+    __slots__ = ("key", "since", "index", "looked", "awaits")
 
     def __init__(self, key: int, since: datetime) -> None:
         self.key, self.since, self.index, self.looked = key, since, 0, False
+        self.awaits: tuple[str, ...] = ()
 
 
 class Graph:
@@ -104,6 +106,9 @@ class Graph:
         # id -> when this daemon filed it into failed/: a hint, read again before it is believed
         self.failed: dict[str, datetime] = {}
         self.progress: dict[str, Progress] = {}  # waiter id -> how far its checks got
+        # dependency id -> how many waiters' waits name it (their Progress.awaits): only the
+        # filing of one of these is noted (Graph.filed)
+        self.awaited: dict[str, int] = {}
         self.acyclic: set[str] = set()
         self.acyclic_since: datetime | None = None
         self.archive = ArchiveIndex(engine.ws)
@@ -184,25 +189,51 @@ class Graph:
                     or not 0 <= (now - progress.since).total_seconds() <= trusted:
                 if len(self.progress) >= MAX_REMEMBERED:
                     self.progress.clear()
+                    self.awaited.clear()
+                elif progress is not None:
+                    self._set_awaits(progress, ())
                 progress = self.progress[waiter] = Progress(key, now)
             return progress
+
+    def awaiting(self, progress: Progress, deps: tuple[str, ...]) -> None:
+        """The waiter of ``progress`` now waits for ``deps`` (its wait's ``on`` and
+        ``fails_on``): their filings are noted for it (:meth:`filed`)."""
+        with self.lock:
+            self._set_awaits(progress, deps)
+
+    def _set_awaits(self, progress: Progress, deps: tuple[str, ...]) -> None:
+        """(With the lock held.)"""
+        awaited = self.awaited
+        for dep in progress.awaits:
+            left = awaited.get(dep, 0) - 1
+            if left > 0:
+                awaited[dep] = left
+            else:
+                awaited.pop(dep, None)
+        progress.awaits = deps
+        for dep in deps:
+            awaited[dep] = awaited.get(dep, 0) + 1
 
     def done_with(self, waiter: str) -> None:
         """``waiter`` leaves the gate (let go, failed, or filed), or is queued for a daemon's
         full re-check: its progress is dropped (its next check looks at every dependency)."""
-        self.progress.pop(waiter, None)
+        with self.lock:
+            progress = self.progress.pop(waiter, None)
+            if progress is not None and progress.awaits:
+                self._set_awaits(progress, ())
 
     def filed(self, handoff_id: str, where: State) -> None:
         """``on_filed`` listener: what this daemon filed completed is completed now (a waiter
         woken by it goes on without reading it); anything else is not; what it filed into
         failed/ is noted, for the waiters it wakes (:meth:`failed_among`); a filed waiter's
-        progress goes. Noted only while a waiter is in the gate: a note is believed only by a
-        waiter first checked before it was made (:attr:`Progress.since`), and a later one reads
-        the dependency once instead. Noting every filing kept an id and two times for each
-        handoff a serving daemon ran (about 0.2 KB, up to :data:`MAX_REMEMBERED` of them)
-        where nothing depends on anything: its memory grew with every handoff."""
+        progress goes. Noted only when a waiter's wait names it (:attr:`awaited`): a note is
+        believed only by a waiter first checked before it was made (:attr:`Progress.since`),
+        and one that does not wait for it reads it once instead when its walk comes to it.
+        Noting every filing kept an id and two times for each handoff a serving daemon ran
+        (about 0.2 KB, up to :data:`MAX_REMEMBERED` of them): its memory grew with every
+        handoff, also while dependants waited for something else (review RG)."""
         self.done_with(handoff_id)  # (first: a filed waiter is not one that could use the note)
-        waiters = bool(self.progress)
+        waiters = handoff_id in self.awaited
         if where is State.COMPLETED:
             if waiters:
                 self.seen_completed(handoff_id, self.engine.clock())
@@ -487,8 +518,10 @@ def _wait(graph: Graph, env: Envelope, first: tuple[str, State], after: int,
                             f"itself through {' -> '.join(cycle)}; break the cycle")
     more = f", then {after} more" if after else ""
     # re-checked at the filing of its target, or of one of the others into failed/
+    fails_on = [d for d in (dep, *watched) if d != target]
+    graph.awaiting(progress, (target, *fails_on))  # (their filings are noted for it)
     return Verdict.wait(f"waiting for dependency {dep} ({state.value}){more}", on=[target],
-                        fails_on=[d for d in (dep, *watched) if d != target])
+                        fails_on=fails_on)
 
 
 def check_new_dependencies(graph: Graph, handoff_id: str, deps: list[str]) -> None:
