@@ -89,3 +89,22 @@ def test_a_slow_dependency_leaves_no_note_of_the_filings_beside_it(tmp_path: Pat
     graph = graph_of(engine)
     assert not [hid for hid in graph.completed if hid.startswith("u-")], graph.completed
     assert graph.awaited == {} and graph.progress == {}
+
+
+def test_a_waiter_gone_elsewhere_is_dropped_at_the_next_rescan(tmp_path: Path) -> None:
+    """RH: a waiter that leaves pending/ without passing this daemon's gate (cancelled by
+    `handoff cancel`, run by another daemon or process) kept its progress and its awaited ids
+    in the graph for ever, and every later filing of what it waited for was noted. A rescan
+    that finds it gone drops them, as at its full re-check."""
+    engine, _ = memory_engine(tmp_path, Clock(), {"@a": answer})
+    daemon = Daemon(engine, workers=2, watch=False)
+    graph = graph_of(engine)
+    progress = graph.progress_of("w", ["s"])
+    graph.awaiting(progress, ("s",))
+    scheduler = daemon.scheduler
+    with scheduler.cv:
+        scheduler.waiting["w"] = "waiting for dependency s (pending)"
+        scheduler._forget_gone(set())  # (a rescan: w is in pending/ no more)
+    assert graph.progress == {} and graph.awaited == {}
+    graph.filed("s", State.COMPLETED)
+    assert "s" not in graph.completed

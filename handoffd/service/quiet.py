@@ -104,9 +104,10 @@ class QuietWaits:
 
     def add_full_recheck_hook(self, hook: Callable[[str], None]) -> None:
         """``hook(id)`` is called when a rescan queues the waiter ``id`` for its full re-check
-        (every :data:`FULL_RECHECK_SECONDS`): what the feature remembers of it to spare reads
-        is to be dropped, so that the check looks at everything (called under ``cv``; it must
-        be quick and not raise)."""
+        (every :data:`FULL_RECHECK_SECONDS`), or finds it gone from pending/ (cancelled, run by
+        another daemon or process): what the feature remembers of it to spare reads is to be
+        dropped, so that the check looks at everything (called under ``cv``; it must be quick
+        and not raise)."""
         with self.cv:
             self.full_recheck_hooks.append(hook)
 

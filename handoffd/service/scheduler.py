@@ -293,6 +293,10 @@ class Scheduler(Lines, QuietWaits):
             self.waiting.pop(gone, None)  # claimed or filed elsewhere
             self.waits_on.pop(gone, None)
             self.fails_on.pop(gone, None)
+            # the features drop what they remember of it too (the dependencies feature's
+            # progress and awaited ids stayed for ever: a waiter cancelled, or run by another
+            # daemon or process, leaves without passing this daemon's gate, review RH)
+            self._full_recheck(gone)
         self._forget_waiters(present, self.waiting)
         for gone in [hid for held in (self.parked_ids, self.rate_held_ids)
                      for hid in held if hid not in present]:
