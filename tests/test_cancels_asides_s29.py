@@ -21,25 +21,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 from conftest import Workspace, new_workspace
+from test_answers_ids_deps_s28 import QUICK  # (a command specialist that completes)
 from test_seen_recovery_s26 import clock, store  # noqa: F401  (every store, a test clock)
 
 from handoffd.core.errors import ErrorCode
 from handoffd.core.states import State
 
-
-def _command(code: str) -> str:
-    """A specialist command line (TOML array) running ``code`` on the handoff from stdin."""
-    return json.dumps([sys.executable, "-c", "import json,sys; json.load(sys.stdin); " + code])
-
-
-QUICK = _command("print(json.dumps({'status': 'completed', 'output': {'ran': True}}))")
 CONFIG = f"""
 [daemon]
 settle_seconds = 0.05
@@ -51,6 +44,17 @@ command = {QUICK}
 CARRIER = "hoff-carrier-s29"  # a request carrying refused_answer, cancelled while pending
 WAITER = "hoff-waiter-s29"  # a request depending on it
 CARRIED = {"status": "completed"}  # the producer's own field, not an answer of ours
+
+
+def _failed_dependant(ws: Workspace, waiter: str) -> dict[str, Any]:
+    """One `handoffd run`, after which ``waiter`` is failed DEPENDENCY_MISSING, with no
+    traceback said; its answer's error."""
+    proc = ws.handoffd("run", timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert ws.state_of(waiter) == ["failed"], proc.stderr
+    error: dict[str, Any] = ws.doc(waiter)["error"]
+    assert error["code"] == ErrorCode.DEPENDENCY_MISSING, error
+    return error
 
 
 @pytest.fixture
@@ -92,11 +96,7 @@ def test_a_dependant_of_a_cancelled_carrier_is_told_to_retry_it(ws: Workspace) -
     _create_carrier(ws)
     ws.handoff("create", "--to", "@quick", "--id", WAITER, "--depends-on", CARRIER, check=True)
     ws.handoff("cancel", CARRIER, check=True)
-    proc = ws.handoffd("run", timeout=60)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert ws.state_of(WAITER) == ["failed"], proc.stderr
-    error = ws.doc(WAITER)["error"]
-    assert error["code"] == ErrorCode.DEPENDENCY_MISSING, error
+    error = _failed_dependant(ws, WAITER)
     assert "cannot be retried" not in error["message"], error
     assert f"retry {CARRIER} first" in error["message"], error
 
@@ -186,11 +186,7 @@ def test_a_dependant_of_a_file_set_aside_unread_is_not_told_to_create_it(
                                     "source": {"agent_id": "@cli"},
                                     "target": {"agent_id": "@quick"},
                                     "input": {"data": {}}, "depends_on": [DEP]})
-    proc = ws.handoffd("run", timeout=60)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert ws.state_of(JUNK_WAITER) == ["failed"], proc.stderr
-    error = ws.doc(JUNK_WAITER)["error"]
-    assert error["code"] == ErrorCode.DEPENDENCY_MISSING, error
+    error = _failed_dependant(ws, JUNK_WAITER)
     assert "does not exist" not in error["message"], error
     assert "set aside unread" in error["message"], error
 
