@@ -19,7 +19,6 @@ from .basics import text_arg
 from .common import JsonOption, RootOption, StoreOption, guarded, workspace
 
 PROG = "handoffd"
-CONNECT_SECONDS = 10.0  # the first attempt to connect (libpq's connect_timeout), as a pool's
 db_app = typer.Typer(help="The PostgreSQL store: create or upgrade its schema, import a "
                           "workspace's files.", no_args_is_help=True)
 
@@ -107,11 +106,13 @@ def init(root: RootOption = None, store: StoreOption = None) -> None:
     from ..backends.postgres.schema import check, migrate
     ws, url = _url(root, store)
     check_url(url)  # a URL libpq cannot parse: one line (exit 2), never the parser's class name
+    settings = ws.load_config().store  # ([store] reconnect_seconds, connect_timeout_seconds)
     with stop_ends_the_wait(url):  # a database that is away: waited for, as by every command
-        first_connection(url, reconnect_seconds=ws.load_config().store.reconnect_seconds,
-                         connect_timeout=CONNECT_SECONDS)
+        first_connection(url, reconnect_seconds=settings.reconnect_seconds,
+                         connect_timeout=settings.connect_timeout_seconds)
     try:
-        with psycopg.connect(url, connect_timeout=int(CONNECT_SECONDS)) as conn:
+        with psycopg.connect(url, connect_timeout=max(int(settings.connect_timeout_seconds),
+                                                      1)) as conn:
             version, applied = migrate(conn)
             check(conn, version)  # "up to date" only when every table and column is there
     except psycopg.OperationalError as exc:  # (libpq refusing an option: exit 2, as check_url)
@@ -145,6 +146,7 @@ def import_(root: RootOption = None, store: StoreOption = None, as_json: JsonOpt
                                   seen_ttl_seconds=settings.seen_ttl_seconds,
                                   origin=origin_of(ws),
                                   reconnect_seconds=config.store.reconnect_seconds,
+                                  connect_timeout=config.store.connect_timeout_seconds,
                                   max_document_bytes=settings.max_document_bytes,
                                   max_output_bytes=settings.max_output_bytes)
         if stop_asked():  # (the block ends the command: its store is let go first)

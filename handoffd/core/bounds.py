@@ -26,6 +26,8 @@ MAX_BACKOFF_MULTIPLIER = 100.0
 MAX_RETRIES = 1000
 MAX_BYTES = 1024 ** 3  # max_document_bytes, max_output_bytes, events_max_bytes: 1 GiB
 MAX_POOL_SIZE = 1000  # [store] pool_size
+# [store] connect_timeout_seconds: libpq counts whole seconds, and reads 1 as 2
+MIN_CONNECT_SECONDS, MAX_CONNECT_SECONDS = 1, 3600
 MAX_NOTIFY_RETRIES = 20  # [[on_filed]] retries
 MAX_NOTIFY_SECONDS = 3600.0  # [[on_filed]] retry_delay_seconds and timeout_seconds
 MAX_EVENTS_KEEP = 1000  # [daemon] events_keep (the rotation walks this many names)

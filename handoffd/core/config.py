@@ -21,6 +21,7 @@ from .bounds import (
     DAEMON_RULES,
     MAX_BACKOFF_MULTIPLIER,
     MAX_BYTES,
+    MAX_CONNECT_SECONDS,
     MAX_EVENTS_KEEP,
     MAX_NOTIFY_RETRIES,
     MAX_NOTIFY_SECONDS,
@@ -30,6 +31,7 @@ from .bounds import (
     MAX_RETRY_DELAY_SECONDS,
     MAX_SECONDS,
     MAX_WORKERS,
+    MIN_CONNECT_SECONDS,
     MIN_INTERVAL_SECONDS,
     MIN_LEASE_SECONDS,
     STORE_SCHEMES,
@@ -67,7 +69,8 @@ __all__ = [
     "SpecialistConfig", "StoreSettings", "ISOLATE_MODES", "STORE_ENV",
     # core.bounds
     "AUTO_PROCESSES", "DAEMON_RULES", "MAX_BACKOFF_MULTIPLIER", "MAX_BYTES", "MAX_EVENTS_KEEP",
-    "MAX_NOTIFY_RETRIES", "MAX_NOTIFY_SECONDS", "MAX_POOL_SIZE", "MAX_PROCESSES", "MAX_RETRIES",
+    "MAX_CONNECT_SECONDS", "MIN_CONNECT_SECONDS", "MAX_NOTIFY_RETRIES", "MAX_NOTIFY_SECONDS",
+    "MAX_POOL_SIZE", "MAX_PROCESSES", "MAX_RETRIES",
     "MAX_RETRY_DELAY_SECONDS", "MAX_SECONDS", "MAX_WORKERS", "MIN_INTERVAL_SECONDS",
     "MIN_LEASE_SECONDS", "STORE_SCHEMES", "UNITS", "bounded", "check_store_url", "parse_duration",
     "processes_value",
@@ -76,7 +79,7 @@ __all__ = [
 
 SECTIONS = frozenset({"daemon", "retry", "specialists", "namespaces", "tiers", "on_filed",
                       "retention", "store"})
-STORE_KEYS = frozenset({"url", "pool_size", "reconnect_seconds"})
+STORE_KEYS = frozenset({"url", "pool_size", "reconnect_seconds", "connect_timeout_seconds"})
 SPECIALIST_KEYS = frozenset({"command", "handler", "input_schema", "output_schema", "timeout_seconds",
                              "concurrency", "retry", "env", "cwd", "rate", "isolate"})
 RETENTION_KEYS = frozenset({"completed", "failed", "mode", "every"})
@@ -437,4 +440,8 @@ def parse_store(table: Any, path: Path | str = "handoffd.toml") -> StoreSettings
         settings.reconnect_seconds = float(bounded(
             table["reconnect_seconds"], f"{path}: [store] reconnect_seconds", 0, MAX_SECONDS,
             unit=" seconds"))
+    if "connect_timeout_seconds" in table:
+        settings.connect_timeout_seconds = float(bounded(
+            table["connect_timeout_seconds"], f"{path}: [store] connect_timeout_seconds",
+            MIN_CONNECT_SECONDS, MAX_CONNECT_SECONDS, unit=" seconds"))
     return settings

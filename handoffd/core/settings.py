@@ -202,6 +202,10 @@ class StoreSettings:
     url: str | None = None
     pool_size: int = 8  # connections one process may open (daemons: at least workers + 2)
     reconnect_seconds: float = 60.0  # how long an operation retries a lost (or first) connection
+    # how long one attempt to connect may take (libpq's connect_timeout, whole seconds): every
+    # connection to the store (the pool's, the wake-up, presence and key-holding sessions,
+    # `handoffd db init`'s) is made within it
+    connect_timeout_seconds: float = 10.0
 
 
 @dataclass

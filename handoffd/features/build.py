@@ -199,6 +199,7 @@ def open_backend(workspace: Workspace, config: Config, *,
                                pool_size=max(config.store.pool_size,
                                              (workers or settings.workers) + 2),
                                reconnect_seconds=config.store.reconnect_seconds,
+                               connect_timeout=config.store.connect_timeout_seconds,
                                origin=origin_of(workspace), monotonic=monotonic,
                                # a dead claimer's session: recovered after this long
                                owner_grace_seconds=settings.claim_grace_seconds,

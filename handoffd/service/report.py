@@ -124,12 +124,19 @@ class BatchReport:
 
 
 def _untried_since_recovery(doc: dict[str, Any]) -> bool:
-    """True when ``doc``'s history has a ``recovered`` event with no ``claimed`` after it."""
+    """True when ``doc`` (a claim this batch recovered) has not begun an attempt since: its
+    history's last ``recovered`` or ``handed_back`` event (a takeover records both; the files
+    store's repair of a claimer that died before its lease, which began no attempt, records the
+    hand-back only; a hand-back is never of a claim that ran) has no ``claimed`` after it, or it
+    has no history at all: a document from outside whose claimer died before admitting it is
+    handed back untouched (its bookkeeping is not ours to write)."""
     history = book(doc).get("history")
-    for entry in reversed(history if isinstance(history, list) else []):
+    if not isinstance(history, list) or not history:
+        return True
+    for entry in reversed(history):
         event = entry.get("event") if isinstance(entry, dict) else None
         if event == "claimed":
             return False
-        if event == "recovered":
+        if event in ("recovered", "handed_back"):
             return True
     return False

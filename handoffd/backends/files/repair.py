@@ -167,8 +167,11 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
         undo_claim(store, handoff_id)  # raw: put it back exactly as it came
     else:  # ours: back to pending/ with the attempt it had (the lease write counts attempts)
         book(doc).pop("lease", None)
-        record(doc, "handed_back", now,
-               reason="claimer died before recording its lease")
+        # no "recovered" event: no attempt began (its claimed event comes with the lease), and
+        # one would pair with an earlier attempt's claimed event for the readers that look for
+        # interrupted attempts (features.children). The run's summary tells it back in pending/
+        # by this hand-back (service.report._untried_since_recovery)
+        record(doc, "handed_back", now, reason="claimer died before recording its lease")
         store.move(handoff_id, State.IN_PROGRESS, State.PENDING, doc)
     done["recovered"].append(handoff_id)
 

@@ -84,7 +84,8 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
                  owner_grace_seconds: float = 10.0,
                  monotonic: Callable[[], float] = time.monotonic,
                  max_document_bytes: int = 4 * 1024 * 1024,
-                 max_output_bytes: int = 16 * 1024 * 1024) -> None:
+                 max_output_bytes: int = 16 * 1024 * 1024,
+                 connect_timeout: float = 10.0) -> None:
         self.url = url
         # what a request may be, and what a row is read up to (as the files store reads a
         # file): a document over it is refused by create and set aside unread when pending
@@ -105,12 +106,14 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         # (idle 0.3 of a grace at most: a stalled holder's keys go, and a waiting owner takes
         # its key again, before its grace/2 fence stops its handlers)
         self._holds = KeyHolds(url, monotonic, beat=min(1.0, max(owner_grace_seconds / 10, 0.05)),
-                               idle_seconds=0.3 * owner_grace_seconds)
+                               idle_seconds=0.3 * owner_grace_seconds,
+                               connect_timeout=connect_timeout)
         self._stale: dict[tuple[str, str | None, datetime | None], float] = {}  # (Recovery)
         self._given_up: set[str] = set()  # (ClaimOwner.abandon)
         self._written: dict[tuple[str, str | None], tuple[datetime, float]] = {}  # (ClaimOwner)
         self._aside = threading.local()  # the last set_aside of each thread (Writes)
-        self.db = Database(url, max_size=pool_size, reconnect_seconds=reconnect_seconds)
+        self.db = Database(url, max_size=pool_size, reconnect_seconds=reconnect_seconds,
+                           connect_timeout=connect_timeout)
         self.nonce = uuid.uuid4().hex[:12]  # our own notifications, told apart from others'
         self._subscribers = Subscribers()
         self._listener: Listener | None = None
@@ -234,7 +237,8 @@ class PostgresBackend(Claiming, Recovery, Reading, Writes, FencedFiling, SideRec
         remove = self._subscribers.add(only_kinds(callback, kinds))
         if self._listener is None:
             self._listener = Listener(self.url, self._heard,
-                                      lambda: self._subscribers.fire("", LOST))
+                                      lambda: self._subscribers.fire("", LOST),
+                                      connect_timeout=self.db.connect_timeout)
             self._listener.report_level = self._report_level
         self._listener.start()
 

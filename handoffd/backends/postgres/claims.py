@@ -100,7 +100,8 @@ class ClaimOwner(StoreBase):
                 # a round trip ten times a grace (at most each second): a stall shows in time
                 beat = min(1.0, max(self.owner_grace / 10, 0.05))
                 # (its own clock, never a test's leaping one: it times real round trips)
-                presence = Presence(self.url, self.owner_key, beat=beat)
+                presence = Presence(self.url, self.owner_key, beat=beat,
+                                    connect_timeout=self.db.connect_timeout)
                 presence.start()
                 self._presence = presence
 

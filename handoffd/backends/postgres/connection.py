@@ -8,7 +8,10 @@ connection that meets an outage (:func:`first_connection`); after
 that the operation fails with :class:`StoreUnavailable` (an OSError: the daemon and the sweeper
 already treat those as "try again later"). An operation whose commit may have happened before
 the connection died is told so (``retried=True``) and checks its own fencing token first, so a
-retry never applies a write twice.
+retry never applies a write twice. A broken connection has the pool check its idle ones
+first (:meth:`Database._discard_dead`): they most likely died with it, and a retry must not
+take them one by one. Each attempt to connect is bounded by ``connect_timeout`` (``[store]
+connect_timeout_seconds``).
 
 The window can be cut short, so that a lost server never holds a caller longer than it may
 wait: :meth:`Database.interrupt` (a stopping daemon: retries give up within its grace) and
@@ -586,12 +589,14 @@ class Database:
             reconnect_timeout=POOL_RETRY_SECONDS,  # (not its minutes of backoff: see there)
             configure=configure)  # json a foreign writer left must never fail a whole fetch
         # no check on checkout (a round trip per operation): a connection that died while idle
-        # fails its first statement, is discarded by the pool, and run() retries on a new one
+        # fails its first statement, is discarded by the pool, and run() retries on a new one,
+        # after checking every idle one (_discard_dead: they most likely died with it)
         try:
             self.pool.open(wait=True, timeout=bounded_connect(connect_timeout))
         except Exception as exc:
             self.pool.close(timeout=1.0)
-            raise cannot_connect(url, _last_error(url) or str(exc)) from None
+            raise cannot_connect(url, _last_error(url, bounded_connect(connect_timeout))
+                                 or str(exc)) from None
 
     def _first_connection(self, url: str) -> None:
         """One direct connection first (:func:`first_connection`), its wait cut by this
@@ -607,6 +612,7 @@ class Database:
         retried = False
         window = time.monotonic() + self.reconnect_seconds
         while True:
+            conn: Conn | None = None
             try:
                 conn = self._getconn(window)
                 try:
@@ -620,6 +626,8 @@ class Database:
                 if not is_disconnect(exc):
                     raise
                 self._lost(exc)
+                if conn is not None and conn.broken:
+                    self._discard_dead()
                 left = self._limit(window) - time.monotonic()
                 if left <= 0:
                     raise StoreUnavailable(f"the PostgreSQL store {redact(self.url)} is "
@@ -629,6 +637,20 @@ class Database:
                 retried = True
                 self._pause(min(delay, left))
                 delay = min(delay * 2, BACKOFF_MAX)
+
+    def _discard_dead(self) -> None:
+        """An operation's connection broke (a restarted server, a cut network): the pool's idle
+        connections most likely died with it. Each retry took the next of them, died on it and
+        waited its backoff: a pool of ten or more stale connections outlasted a short window
+        (or a deadline), and the first operation after a restart failed with the server back.
+        Every idle connection is checked now (one round trip each, only after a breakage: the
+        hot path stays without a check) and the dead ones discarded, the pool opening new ones,
+        so the retry gets a live connection once the server answers. A check that fails itself
+        (the pool closing, a shortage) leaves the retries to find the dead ones as before."""
+        try:
+            self.pool.check()
+        except Exception:  # (a MemoryError too: the retry goes on as before)
+            log.debug("checking the pool's idle connections failed", exc_info=True)
 
     def _put_back(self, conn: Conn) -> None:
         """Return ``conn`` to the pool, whatever is raised meanwhile. A MemoryError returning it
@@ -800,8 +822,9 @@ class SessionThread:
     what = "session"  # for the log lines
     thread_name = "handoffd-session"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, connect_timeout: float = 5.0) -> None:
         self.url = url
+        self.connect_timeout = connect_timeout  # ([store] connect_timeout_seconds)
         self.report_level = logging.WARNING  # of the lost/back lines
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -855,7 +878,8 @@ class SessionThread:
         lost_at: float | None = None
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self.url, autocommit=True, connect_timeout=5,
+                with psycopg.connect(self.url, autocommit=True,
+                                     connect_timeout=max(int(self.connect_timeout), 1),
                                      **KEEPALIVES) as conn:
                     self._setup(conn)
                     self._ready.set()
@@ -910,8 +934,8 @@ class Listener(SessionThread):
     thread_name = "handoffd-listen"
 
     def __init__(self, url: str, on_payload: Callable[[str], None],
-                 on_lost: Callable[[], None]) -> None:
-        super().__init__(url)
+                 on_lost: Callable[[], None], *, connect_timeout: float = 5.0) -> None:
+        super().__init__(url, connect_timeout=connect_timeout)
         self.on_payload = on_payload
         self.on_lost = on_lost
 
@@ -945,8 +969,9 @@ class Presence(SessionThread):
     thread_name = "handoffd-presence"
 
     def __init__(self, url: str, key: int, *, beat: float = 1.0,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(url)
+                 monotonic: Callable[[], float] = time.monotonic,
+                 connect_timeout: float = 5.0) -> None:
+        super().__init__(url, connect_timeout=connect_timeout)
         self.key = key
         self.beat = beat
         self.monotonic = monotonic

@@ -43,8 +43,9 @@ class KeyHolds:
     session lost its holds with it: they are forgotten, and each watch starts afresh."""
 
     def __init__(self, url: str, monotonic: Callable[[], float], beat: float = 1.0,
-                 idle_seconds: float = 3.0) -> None:
+                 idle_seconds: float = 3.0, connect_timeout: float = 5.0) -> None:
         self.url = url
+        self.connect_timeout = connect_timeout  # ([store] connect_timeout_seconds)
         self.monotonic = monotonic
         self.beat = beat  # how often waiters for the keys held are looked for
         # the server ends the holding session once it has been idle this long (the thread's
@@ -75,8 +76,9 @@ class KeyHolds:
                 except (psycopg.Error, OSError):
                     self._drop()
             try:
-                self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5,
-                                             **KEEPALIVES)
+                self._conn = psycopg.connect(
+                    self.url, autocommit=True, connect_timeout=max(int(self.connect_timeout), 1),
+                    **KEEPALIVES)
                 self.pid = self._conn.info.backend_pid
                 self._idle_bound(self._conn)
                 if self._unheld_said:
