@@ -11,10 +11,13 @@ command's 105 ms of CPU, where ``python -c pass`` takes 29 ms.
 - :func:`for_a_command` raises the young generation's threshold, so a start makes a few passes
   instead of dozens: ``handoff``'s commands only, which handle little data. Collection stays
   on: a long one (``ls --watch``, ``wait``) still collects its cyclic garbage, in larger
-  rounds. Not the daemon's (``handoffd``): a serving daemon whose handlers fail keeps what each
-  failed attempt left in a reference cycle (a traceback holding the attempt's frames, its
+  rounds. Not the daemon's (``handoffd``): a serving daemon whose handlers failed kept what
+  each failed attempt left in a reference cycle (a traceback holding the attempt's frames, its
   document with them) until a young pass, and an idle one makes none: a review measured
-  165-520 MB held at a threshold of 20,000 against about 50 MB at CPython's 700.
+  165-520 MB held at a threshold of 20,000 against about 50 MB at CPython's 700. Since session
+  30 an attempt leaves no such cycle (its document is freed by reference counting as it ends:
+  ``core/runner.py``, :meth:`~handoffd.core.jobs.Job.let_go`); the daemon keeps CPython's
+  threshold all the same, for cycles a handler's own code makes.
 - :func:`freeze_at_exit` moves every object alive into the collector's permanent generation as
   the command ends, so the interpreter's final passes skip them. Objects freed by reference
   counting are still freed, their finalizers run, as the modules are torn down; what is left

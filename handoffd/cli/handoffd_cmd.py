@@ -40,7 +40,8 @@ def main() -> None:
         hold_stop_signals(DB_AT_ONCE if sys.argv[1:2] == ["db"] else "")
     # (the collector's young passes stay as they are: a daemon lives long, and fewer passes
     # kept what failed attempts left in reference cycles, their documents with them, for
-    # hundreds of MB: R-RB)
+    # hundreds of MB: R-RB; handoffd's own attempts leave none since session 30, a handler's
+    # own code still may)
     try:
         _main()
     finally:  # (sys.exit's SystemExit too)

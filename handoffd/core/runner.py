@@ -128,6 +128,7 @@ class HandlerThreads:
             if func is None:
                 return
             func()  # (the functions given catch everything themselves)
+            del func  # (kept while idle, it held the attempt it ran: its context, its document)
             with self._lock:
                 if len(self._idle) >= self.keep:
                     return
@@ -202,7 +203,7 @@ def call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
     try:
         box["result"] = _imported(spec, ctx)(doc, ctx)
     except BaseException as exc:  # handler bugs become recorded errors, never daemon crashes
-        box["error"] = exc
+        box["error"] = _without_frames(exc)
     finally:
         if os.getpid() != pid:
             os._exit(0)
@@ -211,6 +212,30 @@ def call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
             if not _HANDLERS.running and os.umask(_UMASK) != _UMASK:
                 log.warning("a Python handler changed the process umask; put back to %03o",
                             _UMASK)
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` (and the exceptions it was raised from or during) with no traceback: only its
+    type, text and attributes make the attempt's failure, and nothing shows the traceback.
+    Kept, it held the handler's frames and this call's (the document, the handler's locals,
+    and ``box``, which holds ``exc``: a reference cycle only CPython's cyclic collector freed,
+    at its next pass; a serving daemon whose handlers failed held 165-520 MB with a lazier
+    collector). Without it, reference counting frees them as the attempt's failure is made."""
+    todo, seen = [exc], set()
+    while todo:
+        one = todo.pop()
+        if id(one) in seen:  # (a chain can loop: `raise a from b` where b came from a)
+            continue
+        seen.add(id(one))
+        try:  # (a handler's exception class may make any of these raise: then it keeps them)
+            one.__traceback__ = None
+            todo.extend(e for e in (one.__cause__, one.__context__)
+                        if isinstance(e, BaseException))
+            if isinstance(one, BaseExceptionGroup):
+                todo.extend(e for e in one.exceptions if isinstance(e, BaseException))
+        except Exception:
+            continue
+    return exc
 
 
 # ctx.feature_state key: the failure importing the handler met before its start was told
@@ -414,7 +439,10 @@ def run_command(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext, time
     if error is not None:
         if error.code in (ErrorCode.CANCELLED, ErrorCode.TIMEOUT):  # what it printed on SIGTERM
             error.details.setdefault("partial_stdout", out.data()[-65536:].decode("utf-8", "replace"))
-        raise error
+        try:
+            raise error
+        finally:  # (kept in this frame, it and its traceback, which holds the frame, made a
+            del error  # reference cycle: the attempt's document freed only by the collector)
     return _parse_output(proc.returncode, out.data(), err.data(), ctx.handoff_id)
 
 

@@ -116,6 +116,10 @@ class HandlerContext:
         """Set ``event`` when the attempt is stopped (a waiting runner wakes without polling)."""
         self._wake.append(event)
 
+    def forget_wakers(self) -> None:
+        """The attempt is over: nothing waits on its stop any more (:meth:`wake_on_cancel`)."""
+        self._wake.clear()
+
     def stop(self, reason: str) -> None:
         """Ask the attempt to stop now: sets the flag and wakes whoever waits on it."""
         self.cancel_reason = reason

@@ -58,6 +58,10 @@ ACYCLIC_SECONDS = 300.0  # how long "leads to no cycle" is trusted (ids can be p
 # full re-check (as often: service.quiet.FULL_RECHECK_SECONDS), so that check reads them all
 PROGRESS_SECONDS = 300.0
 UNFINISHED_SECONDS = 5.0  # a dependency read unfinished is not read again this soon by a first look
+# how long a waiter the gate let go keeps when it became runnable (Graph.runnable) without
+# running here: another process claimed it. One let go here is dispatched at once, or gated
+# again when it is (parked behind a busy specialist, rate-limited)
+RUNNABLE_SECONDS = 300.0
 # a waiter is re-checked when any of this many dependencies after its first unfinished one is
 # filed into failed/ by this daemon (beyond them, and for another process's filings, a failure is
 # found when the check reaches it, or at the first look of the next PROGRESS_SECONDS). A few:
@@ -72,13 +76,20 @@ class Progress:
     after ``since`` (when this waiter was first checked); ``looked``: its first check looked at
     every one; ``key`` tells its list of dependencies (a document with the same id and another
     list starts again); ``awaits``: the dependencies its last wait named (whose filing wakes
-    it: :meth:`Graph.awaiting`)."""
+    it: :meth:`Graph.awaiting`); ``ready_at``: the latest filing into completed/ among those
+    seen completed (carried to :meth:`Graph.runnable_wait` when the waiter passes the gate)."""
 
-    __slots__ = ("key", "since", "index", "looked", "awaits")
+    __slots__ = ("key", "since", "index", "looked", "awaits", "ready_at")
 
     def __init__(self, key: int, since: datetime) -> None:
         self.key, self.since, self.index, self.looked = key, since, 0, False
         self.awaits: tuple[str, ...] = ()
+        self.ready_at: datetime | None = None
+
+    def saw_filed(self, filed: datetime | None) -> None:
+        """One of the waiter's dependencies was seen completed, filed at ``filed`` (if known)."""
+        if filed is not None and (self.ready_at is None or filed > self.ready_at):
+            self.ready_at = filed
 
 
 class Graph:
@@ -109,6 +120,10 @@ class Graph:
         # dependency id -> how many waiters' waits name it (their Progress.awaits): only the
         # filing of one of these is noted (Graph.filed)
         self.awaited: dict[str, int] = {}
+        # waiter id -> (when it became runnable: its last dependency's filing, when the gate let
+        # it go): read by runnable_wait as it runs, dropped then or when it is filed; for one
+        # that another process claimed instead, once RUNNABLE_SECONDS old
+        self.runnable: dict[str, tuple[datetime, datetime]] = {}
         self.acyclic: set[str] = set()
         self.acyclic_since: datetime | None = None
         self.archive = ArchiveIndex(engine.ws)
@@ -135,12 +150,14 @@ class Graph:
             deps = deps + [c for c in self._children_waited_for(handoff_id) if c not in deps]
         return state, deps
 
-    def look(self, dep: str, since: datetime) -> State | None:
-        """The state of the dependency ``dep`` for a waiter first checked at ``since``: completed
-        as remembered when seen so since then, else as read (a completed one that retention
-        archived is completed; None: missing or unreadable)."""
+    def look(self, dep: str, progress: Progress) -> State | None:
+        """The state of the dependency ``dep`` for the waiter of ``progress``: completed as
+        remembered when seen so since it was first checked, else as read (a completed one that
+        retention archived is completed; None: missing or unreadable). A completed one's filing
+        time goes into ``progress`` (:attr:`Progress.ready_at`)."""
         seen = self.completed.get(dep)
-        if seen is not None and since <= seen:
+        if seen is not None and progress.since <= seen:
+            progress.saw_filed(self.filed_at.get(dep))
             return State.COMPLETED
         doc: dict[str, Any] = {}
         try:
@@ -149,7 +166,9 @@ class Graph:
         except (NotFound, InvalidDocument):
             state = State.COMPLETED if self.archive.completed(dep) else None
         if state is State.COMPLETED:
-            self.seen_completed(dep, completed_at(doc))
+            filed = completed_at(doc)
+            progress.saw_filed(filed)
+            self.seen_completed(dep, filed)
         else:
             self.forget(dep)
             if state is not None and not state.terminal:
@@ -163,6 +182,8 @@ class Graph:
         self._note(self.completed, handoff_id, self.engine.clock())
         if filed is not None:
             self._note(self.filed_at, handoff_id, filed)
+        with self.lock:
+            self._prune()
 
     def forget(self, handoff_id: str) -> None:
         """``handoff_id`` is not completed (any more): pending again under a reused id, failed."""
@@ -190,8 +211,12 @@ class Graph:
                 if len(self.progress) >= MAX_REMEMBERED:
                     self.progress.clear()
                     self.awaited.clear()
+                    for notes in (self.completed, self.filed_at, self.failed):
+                        notes.clear()  # (no waiter is left to believe them)
                 elif progress is not None:
                     self._set_awaits(progress, ())
+                    del self.progress[waiter]  # (the newest last: the oldest is the first)
+                    self._prune()
                 progress = self.progress[waiter] = Progress(key, now)
             return progress
 
@@ -202,25 +227,50 @@ class Graph:
             self._set_awaits(progress, deps)
 
     def _set_awaits(self, progress: Progress, deps: tuple[str, ...]) -> None:
-        """(With the lock held.)"""
+        """(With the lock held.) A dependency no wait names any more loses its failure's note:
+        only a waiter whose wait names it asks for it (:meth:`failed_among`). Its completion's
+        note may serve other waiters that come to it (:meth:`_prune` drops it): dropped here,
+        100 handoffs each depending on all earlier ones read 2,000-2,500 documents, not 300."""
         awaited = self.awaited
-        for dep in progress.awaits:
+        before, progress.awaits = progress.awaits, deps
+        for dep in deps:  # (first: a dependency named again keeps its notes)
+            awaited[dep] = awaited.get(dep, 0) + 1
+        for dep in before:
             left = awaited.get(dep, 0) - 1
             if left > 0:
                 awaited[dep] = left
             else:
                 awaited.pop(dep, None)
-        progress.awaits = deps
-        for dep in deps:
-            awaited[dep] = awaited.get(dep, 0) + 1
+                self.failed.pop(dep, None)
 
     def done_with(self, waiter: str) -> None:
         """``waiter`` leaves the gate (let go, failed, or filed), or is queued for a daemon's
         full re-check: its progress is dropped (its next check looks at every dependency)."""
         with self.lock:
             progress = self.progress.pop(waiter, None)
-            if progress is not None and progress.awaits:
-                self._set_awaits(progress, ())
+            if progress is not None:
+                if progress.awaits:
+                    self._set_awaits(progress, ())
+                self._prune()
+
+    def _prune(self) -> None:
+        """(With the lock held.) The notes no waiter can believe go: a note is believed only
+        by a waiter first checked before it was made (:attr:`Progress.since`), the oldest in
+        the gate is the first in :attr:`progress` (none: one checked from now on), and the
+        notes are kept oldest first (:meth:`_note`). So a dependency's note (read, or its
+        filing that a wait named) goes once the last waiter there when it was made has left:
+        kept, each stayed after its dependants ran, about 0.2 KB up to
+        :data:`MAX_REMEMBERED` of them."""
+        progress = self.progress
+        oldest = next(iter(progress.values())).since if progress else self.engine.clock()
+        for notes, times in ((self.completed, self.filed_at), (self.failed, None)):
+            while notes:
+                dep, at = next(iter(notes.items()))
+                if oldest <= at:
+                    break
+                del notes[dep]
+                if times is not None:
+                    times.pop(dep, None)
 
     def filed(self, handoff_id: str, where: State) -> None:
         """``on_filed`` listener: what this daemon filed completed is completed now (a waiter
@@ -233,6 +283,9 @@ class Graph:
         (about 0.2 KB, up to :data:`MAX_REMEMBERED` of them): its memory grew with every
         handoff, also while dependants waited for something else (review RG)."""
         self.done_with(handoff_id)  # (first: a filed waiter is not one that could use the note)
+        if self.runnable:
+            with self.lock:
+                self.runnable.pop(handoff_id, None)  # (let go, then filed unrun: rejected...)
         waiters = handoff_id in self.awaited
         if where is State.COMPLETED:
             if waiters:
@@ -245,6 +298,8 @@ class Graph:
             self.unfinished.pop(handoff_id, None)  # (a first look reads it again)
             if waiters:
                 self._note(self.failed, handoff_id, self.engine.clock())
+                with self.lock:
+                    self._prune()
         else:
             self.failed.pop(handoff_id, None)  # e.g. retried: pending again
 
@@ -268,9 +323,9 @@ class Graph:
 
     def _note(self, where: dict[str, datetime], handoff_id: str, at: datetime) -> None:
         with self.lock:
-            if len(where) >= MAX_REMEMBERED and handoff_id not in where:
+            if where.pop(handoff_id, None) is None and len(where) >= MAX_REMEMBERED:
                 where.clear()
-            where[handoff_id] = at
+            where[handoff_id] = at  # (at the end: the notes are kept oldest first, see _prune)
 
     def _known_acyclic(self) -> set[str]:
         """The cycle-free ids, forgotten every :data:`ACYCLIC_SECONDS` (or when the clock jumps)."""
@@ -350,20 +405,41 @@ class Graph:
         """The engine's gate: :func:`dependencies_gate` on this graph."""
         return dependencies_gate(self, env)
 
+    def let_go(self, waiter: str, progress: Progress) -> None:
+        """``waiter`` passes the gate: it carries when it became runnable (its last
+        dependency's filing, :attr:`Progress.ready_at`) to :meth:`runnable_wait`, and its
+        progress goes. What another process claimed instead goes once
+        :data:`RUNNABLE_SECONDS` old (the gate runs again before each claim here)."""
+        ready, now = progress.ready_at, self.engine.clock()
+        with self.lock:
+            runnable = self.runnable
+            runnable.pop(waiter, None)  # (to the end of the line: the oldest come first)
+            while runnable:
+                first, (_, noted) = next(iter(runnable.items()))
+                if 0 <= (now - noted).total_seconds() <= RUNNABLE_SECONDS \
+                        and len(runnable) < MAX_REMEMBERED:
+                    break
+                del runnable[first]
+            if ready is not None:
+                runnable[waiter] = (ready, now)
+        self.done_with(waiter)
+
     def runnable_wait(self, job: Job) -> None:
         """Engine ``before_run`` hook: a dependant's queue wait (its ``claimed`` event's
         ``wait``) counts from when it became runnable, its last dependency's filing into
-        completed/ (as the gate found it: :attr:`filed_at`, no document read here), not from
-        the history entry before its claim (its creation: an hour waited on a dependency was an
-        hour of queue wait). Never more than that count: a retry due later counts from then."""
-        claim, deps = job.claim, job.envelope.depends_on
-        if not deps or claim.wait is None or claim.claimed_at is None:
+        completed/ (as the gate found it: carried from there, :meth:`let_go`, no document read
+        here), not from the history entry before its claim (its creation: an hour waited on a
+        dependency was an hour of queue wait). Never more than that count: a retry due later
+        counts from then."""
+        claim = job.claim
+        if not self.runnable or not job.envelope.depends_on:
             return
-        filed_at = self.filed_at
-        filed = [at for dep in deps if (at := filed_at.get(dep)) is not None]
-        if filed:
-            since = (claim.claimed_at - max(filed)).total_seconds()
-            claim.wait = round(min(claim.wait, max(since, 0.0)), 6)
+        with self.lock:
+            ready = self.runnable.pop(job.handoff_id, None)
+        if ready is None or claim.wait is None or claim.claimed_at is None:
+            return
+        since = (claim.claimed_at - ready[0]).total_seconds()
+        claim.wait = round(min(claim.wait, max(since, 0.0)), 6)
 
     def check_submitted(self, engine: "Engine", env: Envelope) -> None:
         """Engine.submit's check: what a new handoff depends on exists and leads nowhere back."""
@@ -433,7 +509,7 @@ def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:
     index = progress.index  # (two checks at once each go on from it: neither skips one)
     while failed is None and index < len(deps):
         dep = deps[index]
-        state = graph.look(dep, progress.since)
+        state = graph.look(dep, progress)
         if state is State.COMPLETED:
             index += 1
             progress.index = max(progress.index, index)
@@ -441,7 +517,10 @@ def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:
             failed = _failure(graph, waiter, dep, state)
         else:
             return _wait(graph, env, (dep, state), len(deps) - index - 1, progress)
-    graph.done_with(waiter)
+    if failed is None:
+        graph.let_go(waiter, progress)
+    else:
+        graph.done_with(waiter)
     return failed
 
 
@@ -457,7 +536,7 @@ def _first_look(graph: Graph, env: Envelope, progress: Progress) -> Verdict | No
         seen = graph.unfinished.get(dep)
         if seen is not None and 0 <= (now - seen).total_seconds() <= UNFINISHED_SECONDS:
             continue
-        state = graph.look(dep, progress.since)
+        state = graph.look(dep, progress)
         if state is None or state is State.FAILED:
             return _failure(graph, env.handoff_id, dep, state)
     return None
@@ -499,13 +578,13 @@ def _wait(graph: Graph, env: Envelope, first: tuple[str, State], after: int,
     later = env.depends_on[len(env.depends_on) - after:] if after else []
     watched = later[:WATCHED_FAILURES]
     for failed in graph.failed_among(watched, progress.since):
-        failed_state = graph.look(failed, progress.since)
+        failed_state = graph.look(failed, progress)
         if failed_state is None or failed_state is State.FAILED:
             graph.done_with(waiter)
             return _failure(graph, waiter, failed, failed_state)
         graph.failed.pop(failed, None)  # retried since: pending or running again
     if after:
-        last_state = graph.look(last, progress.since)
+        last_state = graph.look(last, progress)
         if last_state is None or last_state is State.FAILED:
             graph.done_with(waiter)
             return _failure(graph, waiter, last, last_state)

@@ -208,6 +208,7 @@ class Attempts(HeldOutcomes):
         with self.cv:
             if self.active.get(job.handoff_id) is job:
                 del self.active[job.handoff_id]
+        job.let_go()  # (its document freed now, not at the collector's next pass)
 
     def _late_returned(self, handoff_id: str) -> None:
         """A handler that ran on past its ended attempt returned (called under ``cv``; before
