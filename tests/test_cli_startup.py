@@ -425,3 +425,126 @@ def test_a_deferred_logger_is_the_logger_itself() -> None:
     finally:
         real.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["hello there"]
+
+
+# ---------------------------------------------------------------- session 30: show, wait, ls
+# runs `handoff ARGS --root ROOT` in this interpreter, then prints the modules it loaded
+LOADED = ("import sys\n"
+          "from handoffd.cli.entry import handoff\n"
+          "sys.argv = ['handoff', *sys.argv[2:], '--root', sys.argv[1]]\n"
+          "try:\n"
+          "    handoff()\n"
+          "finally:\n"
+          "    print('MODULES', ' '.join(sorted(sys.modules)))\n")
+
+
+def loaded_by(root: Path, *args: str) -> tuple[int, str, set[str]]:
+    """`handoff ARGS` (the quick path) on ``root``: its exit code, what it printed before the
+    module list, and the modules it loaded."""
+    proc = run_python(LOADED, str(root), *args, env=QUICK)
+    said, _, modules = proc.stdout.partition("MODULES")
+    return proc.returncode, said, set(modules.split())
+
+
+@pytest.fixture
+def finished(tmp_path: Path) -> Path:
+    """A workspace where s-ok completed and s-bad failed (one `handoffd run`)."""
+    root = workspace(tmp_path / "ws", pending=True)
+    assert subprocess.run([exe("handoffd"), "run", "-q", "--root", str(root)],
+                          capture_output=True, timeout=60).returncode == 1
+    return root
+
+
+# what a read of one document never needs: the engine's run-time and hooks, the process
+# machinery, logging (nothing is logged unless something goes wrong)
+ENGINE = {"handoffd.core.engine", "handoffd.core.hooks", "handoffd.core.jobs",
+          "handoffd.core.admission", "handoffd.core.starts", "handoffd.core.specialists"}
+
+
+def test_show_of_a_finished_handoff_builds_no_engine(finished: Path) -> None:
+    """`handoff show` reads the document from the store; an Engine (registry, hooks, the
+    run-time's modules) is built only for a pending handoff, whose note its gates give. The
+    note show prints is the one `ls` gives the row, either way."""
+    rows = json.loads(subprocess.run([exe("handoff"), "ls", "--json", "--root", str(finished)],
+                                     capture_output=True, text=True, timeout=60).stdout)
+    notes = {row["id"]: row["note"] for row in rows}
+    assert notes["s-bad"] and not notes["s-ok"]
+    for hid in ("s-ok", "s-bad"):
+        code, said, loaded = loaded_by(finished, "show", hid, "--json")
+        assert code == 0, said
+        shown = json.loads(said)
+        assert shown["state"] == ("completed" if hid == "s-ok" else "failed")
+        assert shown["note"] == notes[hid]
+        assert not loaded & (ENGINE | {"logging"}), loaded & (ENGINE | {"logging"})
+    for argv in (["--to", "@nobody", "--id", "first"],
+                 ["--to", "@flaky", "--id", "later", "--depends-on", "first"]):
+        assert subprocess.run([exe("handoff"), "create", "--root", str(finished), *argv],
+                              capture_output=True, timeout=60).returncode == 0
+    code, said, loaded = loaded_by(finished, "show", "later")
+    assert code == 0 and "note: waiting for dependency first" in said, said
+    assert "handoffd.core.engine" in loaded and "handoffd.features.dependencies" in loaded
+    code, said, loaded = loaded_by(finished, "show", "nowhere")
+    assert code == 3 and "handoffd.core.engine" not in loaded
+
+
+def test_wait_on_a_finished_handoff_loads_no_logging(finished: Path) -> None:
+    """`handoff wait` on a finished handoff logs nothing: the waiting module's logger is the
+    deferred one, so ``logging`` (with ``traceback`` and ``textwrap``) stays unloaded."""
+    code, said, loaded = loaded_by(finished, "wait", "s-ok")
+    assert code == 0 and said.split() == ["s-ok", "completed"]
+    assert "handoffd.service.waiting" in loaded
+    assert not loaded & ({"logging", "traceback", "textwrap"} | ENGINE)
+
+
+def test_ls_with_a_serving_daemon_and_a_claim_loads_no_process_machinery(finished: Path) -> None:
+    """`handoff ls` with a daemon's record in the workspace asks whether that daemon lives
+    (core.liveness), which reads /proc/<pid>/stat (core.procstat) without the machinery that
+    finds and kills an attempt's processes (core.procs) or logging; a pending row asks the
+    contracts gate, which loads a contract's code only for a handoff that carries one."""
+    from handoffd.features.build import build_engine
+    from handoffd.service.daemon_records import ServingRecord, config_stamp
+
+    ws = Workspace(finished)
+    for argv in (["--to", "@nobody", "--id", "first"],
+                 ["--to", "@flaky", "--id", "later", "--depends-on", "first"],
+                 ["--to", "@flaky", "--id", "held"]):
+        assert subprocess.run([exe("handoff"), "create", "--root", str(finished), *argv],
+                              capture_output=True, timeout=60).returncode == 0
+    eng = build_engine(ws, features=())
+    claimed = eng.claim("held")  # in progress, this process its owner
+    assert claimed is not None
+    record = ServingRecord(ws, config_stamp(ws.config_path))  # as `handoffd serve` writes it
+    record.write()
+    try:
+        code, said, loaded = loaded_by(finished, "ls")
+    finally:
+        record.remove()
+    assert code == 0, said
+    states = {line.split()[0]: line.split()[2] for line in said.splitlines()[1:]}
+    assert states == {"held": "in-progress", "later": "pending", "first": "pending",
+                      "s-ok": "completed", "s-bad": "failed"}, said
+    assert not loaded & {"logging", "handoffd.core.procs", "handoffd.features.contracts.contract",
+                         "handoffd.features.contracts.reservations"}
+    assert {"handoffd.core.liveness", "handoffd.core.procstat",
+            "handoffd.features.contracts.feature", "handoffd.features.dependencies"} <= loaded
+
+
+def test_the_contracts_gate_loads_a_contract_when_one_is_carried(tmp_path: Path) -> None:
+    """The contracts gate still reads a contract (here one that cannot be used) once a handoff
+    carries one: :mod:`.contract` is loaded then, and its verdict is the one it always was."""
+    from handoffd.core.documents import Envelope
+    from handoffd.features.build import build_engine
+    from handoffd.features.contracts.feature import Enforcer, parse
+
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    eng = build_engine(ws, features=())
+    enforcer = Enforcer(eng)
+    plain = Envelope(handoff_id="h1", dialect="native", target="@b")
+    assert parse(plain) is None and enforcer.gate(eng, plain, {}) is None
+    carrying = Envelope(handoff_id="h2", dialect="native", target="@b",
+                        contract="not an object")  # type: ignore[arg-type]
+    verdict = enforcer.gate(eng, carrying, {})
+    assert verdict is not None and "contract must be an object" in str(verdict)
+    assert "handoffd.features.contracts.contract" in sys.modules
+    assert enforcer.reservations is enforcer.reservations  # (made once, at its first use)

@@ -30,7 +30,7 @@ from conftest import alive, new_workspace, wait_until
 from test_deathwatch_s26 import Sleepers, _watches_of, wrapped_toml
 from test_processes import sleepers
 
-from handoffd.core import deathwatch, procs
+from handoffd.core import deathwatch, procs, procstat
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -160,6 +160,8 @@ def fake_proc(monkeypatch: pytest.MonkeyPatch) -> FakeProc:
     fake = FakeProc()
     monkeypatch.setattr(procs, "_pids", fake.pids)
     monkeypatch.setattr(procs, "open", fake.open, raising=False)
+    # (/proc/<pid>/stat is read by core.procstat, which liveness loads without procs)
+    monkeypatch.setattr(procstat, "open", fake.open, raising=False)
     # only procs' own os is faked: its kill and killpg reach the fake table, nothing real
     calls = {name: getattr(os, name) for name in dir(os) if not name.startswith("__")}
     monkeypatch.setattr(procs, "os", types.SimpleNamespace(

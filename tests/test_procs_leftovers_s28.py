@@ -21,7 +21,7 @@ import pytest
 from test_procs_exec_s27 import FakeProc, fake_proc  # noqa: F401 (fake_proc: a fixture)
 
 from handoffd import Workspace as HandoffdWorkspace
-from handoffd.core import childproc, procrecords, procs
+from handoffd.core import childproc, procrecords, procs, procstat
 from handoffd.core.specialists import HandlerContext
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
@@ -124,6 +124,7 @@ def slow_exec(fake_proc: FakeProc, monkeypatch: pytest.MonkeyPatch) -> SlowExec:
                                                               sleep=clock.sleep))
     monkeypatch.setattr(procs, "_pids", fake.pids)
     monkeypatch.setattr(procs, "open", fake.open, raising=False)
+    monkeypatch.setattr(procstat, "open", fake.open, raising=False)  # (/proc/<pid>/stat's reader)
     return fake
 
 

@@ -17,6 +17,7 @@ from ..core.shown import clean
 from ..core.workspace import Workspace, resolve_root
 
 if TYPE_CHECKING:
+    from ..core.config import Config
     from ..core.engine import Engine
     from ..core.storage import Backend
     from ..core.submission import Submitter
@@ -151,6 +152,12 @@ def backend(root: str | Path | None) -> Backend:
     """The store of the chosen workspace alone, without an Engine: for commands that only read
     documents (``handoff wait``). On a shared store, the files dropped into pending/ are
     ingested first, as :func:`engine` does (an Engine is built only then)."""
+    return opened_store(root)[2]
+
+
+def opened_store(root: str | Path | None) -> tuple[Workspace, Config, Backend]:
+    """:func:`backend`, with the workspace and the configuration it was opened with (``handoff
+    show`` builds an Engine on them only for a pending handoff's note)."""
     from ..features.build import open_backend
     ws = open_workspace(root)
     config = ws.load_config()
@@ -160,7 +167,7 @@ def backend(root: str | Path | None) -> Backend:
         if has_drops(ws):
             from ..features.build import build_engine
             bridged(build_engine(ws, config, backend=store, features=()))
-    return store
+    return ws, config, store
 
 
 def json_arg(text: str, what: str, *, depth_below: int | None = None) -> Any:

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ..core.errors import NotFound, UsageError
 from ..core.states import State
-from .basics import PROG, backend, engine, open_workspace
+from .basics import PROG, backend, open_workspace, opened_store
 from .render import Out, clean, handoff_rows, print_json, state_cell, timeline_rows
 
 if TYPE_CHECKING:
+    from ..core.config import Config
     from ..core.engine import Engine
     from ..core.storage import Backend
     from ..core.workspace import Workspace
@@ -31,53 +32,57 @@ def show(root: str | Path | None, handoff_id: str, *, as_json: bool) -> None:
     """``handoff show``: a handoff's document, its history and its family (or its archive
     entry once retention archived it). What it reads of the ``handoffd`` bookkeeping is what
     the store vouches for (see :func:`handoffd.core.storage.trusted_doc`): a block dropped in
-    by hand, or a finished document another consumer filed, shows no history as handoffd's."""
-    from ..core.storage import foreign_filing
-    eng = engine(root, features=())  # reading a document needs no feature
+    by hand, or a finished document another consumer filed, shows no history as handoffd's.
+    It reads the store without an Engine (its registry, hooks and run-time code are the bulk of
+    what building one loads): only a pending handoff's note asks one (see :func:`show_note`)."""
+    from ..core.storage import foreign_filing, get_handoff
+    ws, config, store = opened_store(root)
     try:
-        state, doc = eng.get(handoff_id)  # the trusted view
+        state, doc = get_handoff(store, handoff_id)  # the trusted view
     except NotFound:
-        if show_archived(eng, handoff_id, as_json=as_json):
+        if show_archived(ws, store, handoff_id, as_json=as_json):
             return
         raise
     foreign = foreign_filing(state, doc)
-    note = show_note(eng, state, handoff_id, doc)
+    note = show_note(ws, config, store, state, handoff_id, doc)
     if as_json:
         print_json({"id": handoff_id, "state": state.value, "note": note, "document": doc,
-                    "family": family(eng, handoff_id, doc), "foreign_filing": foreign})
+                    "family": family(store, handoff_id, doc), "foreign_filing": foreign})
         return
     out = Out()
-    path = document_path(eng, state, handoff_id)
+    path = document_path(store, state, handoff_id)
     out.line((handoff_id, "bold"), "  state: ", (state.value, "bold"),
              f"  file: {path}" if path else "  ")
     if note:
         out.line(f"note: {note}")
-    print_family(out, eng, handoff_id, doc)  # parent, children, waiting
+    print_family(out, store, handoff_id, doc)  # parent, children, waiting
     print_document(out, doc, foreign=foreign)
 
 
-def show_note(eng: "Engine", state: State, handoff_id: str, doc: dict[str, Any]) -> str:
+def show_note(ws: "Workspace", config: "Config", store: "Backend", state: State,
+              handoff_id: str, doc: dict[str, Any]) -> str:
     """The NOTE ``handoff ls`` would give the handoff (why a pending one waits: its dependencies,
-    a pause, its specialist's rate or concurrency, no specialist; a failure's code). The
-    features' gates are installed only for a pending handoff, as ``ls`` installs them only for
-    a pending row."""
-    from ..service.queries import note_of
-    if state is State.PENDING:
-        from ..features.build import GATE_FEATURES, install_features
-        install_features(eng, GATE_FEATURES)
+    a pause, its specialist's rate or concurrency, no specialist; a failure's code). An Engine
+    on ``store``, with the features' gates, is built only for a pending handoff, as ``ls``
+    installs the gates only for a pending row; any other note is read from the document."""
+    from ..service.queries import note_of, settled_note
+    if state is not State.PENDING:
+        return settled_note(store, state, handoff_id, doc)
+    from ..features.build import GATE_FEATURES, build_engine
+    eng = build_engine(ws, config, backend=store, features=GATE_FEATURES)
     return note_of(eng, state, handoff_id, doc)
 
 
-def show_archived(eng: "Engine", handoff_id: str, *, as_json: bool) -> bool:
+def show_archived(ws: "Workspace", store: "Backend", handoff_id: str, *, as_json: bool) -> bool:
     """``handoff show`` of a handoff retention archived; False when there is no such entry.
     The archived document is read by the rule the store reads its documents by."""
     from ..core.documents import BOOK
     from ..core.storage import foreign_filing
     from ..features.archive import entry_document, find_archived
-    entry = find_archived(eng.ws, handoff_id)
+    entry = find_archived(ws, handoff_id)
     if entry is None:
         return False
-    found = entry_document(eng.backend, handoff_id, entry)
+    found = entry_document(store, handoff_id, entry)
     kept = entry.get("document")
     # (an entry that is no finished document: shown, without any bookkeeping)
     doc = found[1] if found else {k: v for k, v in kept.items() if k != BOOK} \
@@ -121,20 +126,21 @@ def shown_history(history: Any) -> tuple[list[Any], int]:
     return history[:1] + history[len(history) - MAX_HISTORY + 1:], len(history) - MAX_HISTORY
 
 
-def document_path(eng: "Engine", state: State, handoff_id: str) -> Path | None:
+def document_path(store: "Backend", state: State, handoff_id: str) -> Path | None:
     """Where the file store keeps the document (None for another store)."""
     from ..backends.files import FilesBackend
-    store = getattr(eng.backend, "inner", eng.backend)  # under the event log's recorder
+    store = getattr(store, "inner", store)  # (under the event log's recorder, an engine's)
     return store.store.path(state, handoff_id) if isinstance(store, FilesBackend) else None
 
 
-def family(eng: "Engine", handoff_id: str, doc: dict[str, Any]) -> dict[str, Any]:
+def family(store: "Backend", handoff_id: str, doc: dict[str, Any]) -> dict[str, Any]:
     """Parent, conversation and children (with their states) of a handoff, for ``handoff show``."""
+    from ..core.storage import get_handoff
     from ..features.lineage import children_of, conversation_of, parent_of
     kids = []
     for kid in children_of(doc):
         try:
-            state, kid_doc = eng.get(kid)
+            state, kid_doc = get_handoff(store, kid)
             status = kid_doc.get("status")
             target = kid_doc["target"].get("agent_id") if isinstance(kid_doc.get("target"), dict) else None
         except NotFound:
@@ -147,9 +153,9 @@ def family(eng: "Engine", handoff_id: str, doc: dict[str, Any]) -> dict[str, Any
             "aggregated_outcome": block.get("aggregated_outcome")}
 
 
-def print_family(out: Out, eng: "Engine", handoff_id: str, doc: dict[str, Any]) -> None:
+def print_family(out: Out, store: "Backend", handoff_id: str, doc: dict[str, Any]) -> None:
     """The family lines of ``handoff show`` (nothing for a handoff with no relations)."""
-    fam = family(eng, handoff_id, doc)
+    fam = family(store, handoff_id, doc)
     if fam["parent_id"] or fam["conversation_id"]:
         out.line(f"parent: {fam['parent_id'] or '-'}  conversation: {fam['conversation_id'] or '-'}")
     aw = fam["awaiting"]

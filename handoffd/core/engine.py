@@ -26,14 +26,13 @@ from typing import Any, Callable, ContextManager
 from .admission import admit, claim_pending, hand_back_short, set_aside, set_aside_claim
 from .bounds import MAX_RETRY_DELAY_SECONDS
 from .config import Config, RetryPolicy
-from .documents import Envelope, Outcome, check_id, next_attempt_at, record
+from .documents import Envelope, Outcome, next_attempt_at, record
 from .errors import (
     ClaimShortage,
     ConfigError,
     ErrorCode,
     HandlerError,
     InvalidDocument,
-    NotFound,
     UnreadableDocument,
     is_shortage,
     shortage_words,
@@ -62,7 +61,7 @@ from .results import (
 from .specialists import Registry, Specialist
 from .starts import check_shortage
 from .states import State
-from .storage import Backend, Claim, Doc
+from .storage import Backend, Claim, Doc, get_handoff
 from .submission import (
     NATIVE_LIFECYCLE_KEYS,
     SENT_KEYS,
@@ -190,12 +189,7 @@ class Engine:
     # ------------------------------------------------------------ scheduling aids
     def get(self, handoff_id: str) -> tuple[State, Doc]:
         """The current state and a copy of the document of ``handoff_id``; NotFound if none."""
-        check_id(handoff_id)
-        found = self.backend.get(handoff_id)
-        if found is None:
-            raise NotFound(f"no handoff {handoff_id}; `handoff ls` lists them",
-                           handoff_id=handoff_id)
-        return found
+        return get_handoff(self.backend, handoff_id)
 
     def peek(self, handoff_id: str) -> Peek | None:
         """Read a pending document to route it; None if it is gone. Never raises: whatever stops

@@ -22,7 +22,7 @@ import os
 
 from .hashing import sha256_hex
 from .procrecords import MAX_PID, boot_id, pid_namespace
-from .procs import start_time
+from .procstat import start_time  # (not .procs: the machinery that kills processes)
 
 _MINE: dict[int, tuple[str, str]] = {}  # by pid: a forked child computes its own
 

@@ -49,19 +49,19 @@ store it may run the next attempt meanwhile.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .documents import hostname
+from .logs import log  # (deferred: `handoff ls` imports this module's callers, logging nothing)
 from .procrecords import (MAX_PID, RunRecord, SealedToken, boot_id, read_in, read_record,
                           records_folder, remove_in, remove_record, remove_stale_temp)
-
-log = logging.getLogger("handoffd")
+# what /proc/<pid>/stat says: a module of its own for liveness, named here too as it always was
+from .procstat import _Stat, _stat, start_time  # noqa: F401
 
 TOKEN_ENV = "HANDOFFD_RUN_TOKEN"
 KILL_WAIT_SECONDS = 5.0  # how long kill_run waits for the killed processes to be gone
@@ -125,18 +125,8 @@ def parent_death_signal(signum: int) -> None:
         prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
 
 
-def start_time(pid: int, *, live: bool = False) -> int | None:
-    """The start time of ``pid`` (clock ticks after boot), or None if it is gone (with ``live``,
-    also when it has finished and awaits its reaping: a zombie holds nothing)."""
-    info = _stat(pid)
-    if info is None or live and info.state in ("Z", "X"):
-        return None
-    return info.start
-
-
 # ---------------------------------------------------------------- finding and killing
 
-_PF_KTHREAD = 0x00200000  # the stat flag of a kernel thread: no environment, never an attempt's
 # How long one scan looks again at a process whose environment reads empty because it is in the
 # middle of exec: Popen returns once exec is past its point of no return, but the kernel sets
 # the new environment up after that (17 of 300 reads right after Popen came back empty; the
@@ -146,35 +136,6 @@ SETTLE_SECONDS = 0.02
 _SETTLE_STEP = 0.001
 UNSETTLED_SECONDS = 0.25  # how long further rounds look again for processes still in exec
 _ROUND_SECONDS = 0.01  # between two rounds: lets the kernel finish a kill, or an exec
-
-
-class _Stat(NamedTuple):
-    """What /proc/<pid>/stat says about one process."""
-
-    state: str
-    pgid: int
-    start: int
-    kernel: bool  # a kernel thread
-    # where its environment lies in its memory (start, end): end 0 while exec has not set it up
-    # yet (or the process has let its memory go: it is exiting); None: not shown (Linux < 3.5)
-    env: tuple[int, int] | None
-
-
-def _stat(pid: int) -> _Stat | None:
-    """What /proc/<pid>/stat says about ``pid``; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            raw = handle.read()
-    except OSError:
-        return None
-    # the command name may hold spaces and parentheses: the fields start after the last ')'
-    fields = raw[raw.rfind(b")") + 2:].split()
-    try:
-        env = (int(fields[47]), int(fields[48])) if len(fields) > 48 else None
-        return _Stat(fields[0].decode(), int(fields[2]), int(fields[19]),
-                     bool(int(fields[6]) & _PF_KTHREAD), env)
-    except (IndexError, ValueError):
-        return None
 
 
 def _environ(pid: int) -> bytes | None:

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Collection, Literal, Protocol, runtime_checkable
 
-from .documents import BOOK, book_int, priority_rank
+from .documents import BOOK, book_int, check_id, priority_rank
+from .errors import NotFound
 # (what a store keeps besides the handoffs: imported from here by the backends and features)
 from .sidestores import (  # noqa: F401
     HISTORY_LIMIT,
@@ -418,6 +419,19 @@ class Backend(Protocol):
 
 
 FOREIGN_FILING = "filed by another consumer (its bookkeeping is not handoffd's)"
+
+
+def get_handoff(backend: Backend, handoff_id: str) -> tuple[State, Doc]:
+    """The current state and a copy of the document of ``handoff_id`` (the store's trusted
+    view); NotFound if none, InvalidDocument for an unsafe id. :meth:`Engine.get
+    <handoffd.core.engine.Engine.get>` reads through it; ``handoff show`` of a handoff that is
+    not pending reads through it without an Engine."""
+    check_id(handoff_id)
+    found = backend.get(handoff_id)
+    if found is None:
+        raise NotFound(f"no handoff {handoff_id}; `handoff ls` lists them",
+                       handoff_id=handoff_id)
+    return found
 
 
 def trusted_doc(backend: Backend, state: State, handoff_id: str, doc: Doc) -> Doc:

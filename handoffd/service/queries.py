@@ -7,14 +7,13 @@ import stat
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import dialects
 from ..backends.files import seals
 from ..backends.files.fsio import read_bytes_safely
 from ..core import ownfiles
 from ..core.documents import book, is_safe_id, next_attempt_at
-from ..core.engine import Engine
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, UsageError
 from ..core.jsontext import parse_document
 from ..core.native_format import stub_code, stub_problems
@@ -24,6 +23,10 @@ from ..core.timeutil import iso
 from ..core.validation import builtin_schemas, check_document
 from ..dialects import Dialect
 from ..features.lineage import conversation_of, parent_of
+
+if TYPE_CHECKING:  # (`handoff show` of a handoff that is not pending builds no Engine)
+    from ..core.engine import Engine
+    from ..core.storage import Backend
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 
@@ -72,10 +75,21 @@ def _row(engine: Engine, state: State, handoff_id: str, stored: dict[str, Any],
     doc = trusted_doc(engine.backend, state, handoff_id, stored)
     target, source = _routing(engine, doc)
     block = book(doc)
+    note = (_pending_note(engine, handoff_id, doc, target, in_progress)
+            if state is State.PENDING else _settled_note(state, doc))
+    return {"id": handoff_id, "state": state.value, "from": source, "to": target,
+            "attempt": block.get("attempt", 0), "dialect": block.get("dialect"),
+            "updated": iso(updated), "note": note,
+            "parent": parent_of(doc), "conversation": conversation_of(doc)}
+
+
+def _settled_note(state: State, doc: dict[str, Any]) -> str:
+    """The NOTE of a handoff that is not pending (``doc``: its trusted view): a failure's code
+    and message, an in-progress claim's owner, a foreign filing. It asks no gate nor the
+    registry: :func:`settled_note` gives it without an Engine."""
+    block = book(doc)
     note = ""
-    if state is State.PENDING:
-        note = _pending_note(engine, handoff_id, doc, target, in_progress)
-    elif state is State.FAILED:
+    if state is State.FAILED:
         error = block.get("final_error") or (given if isinstance(given := doc.get("error"), dict) else {})
         note = f"{error.get('code', '')}: {str(error.get('message', ''))}".strip(": ")
     elif state is State.IN_PROGRESS:
@@ -84,10 +98,7 @@ def _row(engine: Engine, state: State, handoff_id: str, stored: dict[str, Any],
         note = f"owner {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
     if foreign_filing(state, doc):
         note = f"{note}; {FOREIGN_FILING}" if note else FOREIGN_FILING
-    return {"id": handoff_id, "state": state.value, "from": source, "to": target,
-            "attempt": block.get("attempt", 0), "dialect": block.get("dialect"),
-            "updated": iso(updated), "note": note,
-            "parent": parent_of(doc), "conversation": conversation_of(doc)}
+    return note
 
 
 def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: str | None,
@@ -159,6 +170,18 @@ def note_of(engine: Engine, state: State, handoff_id: str, doc: dict[str, Any]) 
     claim's owner, a foreign filing. ``handoff show`` prints it too."""
     try:
         return str(_row(engine, state, handoff_id, doc, engine.clock(), InProgress(engine))["note"])
+    except Exception:  # one document a reader chokes on: no note, never a failed show
+        return ""
+
+
+def settled_note(backend: Backend, state: State, handoff_id: str, doc: dict[str, Any]) -> str:
+    """:func:`note_of` for a handoff that is not pending, read from ``backend`` without an
+    Engine (``handoff show``: building one, its registry and its hooks, was most of a show's
+    own start-up). For a pending one, use :func:`note_of` (its gates say why it waits)."""
+    if state is State.PENDING:
+        raise ValueError("a pending handoff's note asks the engine's gates: use note_of")
+    try:
+        return _settled_note(state, trusted_doc(backend, state, handoff_id, doc))
     except Exception:  # one document a reader chokes on: no note, never a failed show
         return ""
 

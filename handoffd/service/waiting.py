@@ -11,19 +11,17 @@ pending/ is a handoff on its way, as the files store reads it, not one that does
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Collection, cast
 
 from ..backends.base import SAFETY_RECHECK_SECONDS, WaitStop, wait_via_feed
 from ..core.documents import is_safe_id
+from ..core.logs import log  # (deferred: `handoff wait` on a finished handoff logs nothing)
 from ..core.states import State
 from ..core.storage import Backend, Doc, WakeupCallback
 
 if TYPE_CHECKING:
     from ..core.workspace import Workspace
-
-log = logging.getLogger("handoffd")
 
 __all__ = ["DroppedHere", "WaitStop", "awaiting_answer", "dropped_here", "wait_terminal"]
 

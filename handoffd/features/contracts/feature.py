@@ -54,13 +54,14 @@ from ...dialects.swarm import dependency_violation
 from ..dependencies import Verdict
 from ..stores import violation_log
 from . import patterns
-from .contract import Contract, parse
-from .reservations import Reservations
 
-if TYPE_CHECKING:  # .findings and .review: loaded by the first contract run (a listing that
-    # asks the gates never loads them)
+if TYPE_CHECKING:  # .findings and .review: loaded by the first contract run, .contract and
+    # .reservations by the first envelope that carries a contract (a listing that asks the
+    # gates of plain handoffs never loads them)
     from ...core.engine import Engine, Job
+    from .contract import Contract
     from .findings import Run
+    from .reservations import Reservations
     from .review import Review
 
 log = deferred("handoffd.contracts")
@@ -68,14 +69,30 @@ log = deferred("handoffd.contracts")
 STATE_KEY = "handoffd.contract"
 
 
+def parse(env: Envelope) -> Contract | None:
+    """The envelope's contract, checked (:func:`.contract.parse`); None when it has none.
+    Raises InvalidDocument. :mod:`.contract` is imported at the first envelope that carries a
+    contract: `handoff ls` asks this gate about every pending row, most of them plain."""
+    if env.contract is None:
+        return None
+    from .contract import parse as parse_contract
+    return parse_contract(env)
+
+
 class Enforcer:
     """The gate and hooks one Engine uses to enforce contracts."""
 
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
-        self.reservations = Reservations(engine)
         # the store's log (one for every host of a PostgreSQL store), else .meta/violations.jsonl
         self.log = violation_log(engine.ws, engine.backend)
+
+    @cached_property
+    def reservations(self) -> Reservations:
+        """The files_owned reservations (:class:`.reservations.Reservations`), made at their
+        first use: a contract that owns files (a listing of plain handoffs never loads them)."""
+        from .reservations import Reservations
+        return Reservations(self.engine)
 
     @cached_property
     def reviewer(self) -> Review:
@@ -293,6 +310,7 @@ def worker_envelope(engine: "Engine", handoff_id: str) -> dict[str, Any]:
 
 def prune(engine: "Engine") -> int:
     """Sweeper hook: drop the reservations of handoffs that are no longer running."""
+    from .reservations import Reservations
     try:
         return Reservations(engine).prune()
     except (HandoffdError, OSError) as exc:  # the records refused or unusable now: one line
