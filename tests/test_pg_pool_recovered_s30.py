@@ -4,14 +4,15 @@ hand-backs counted.
 1. A pool holding many connections when the server restarted: each retry of the first
    operation after the restart took the next dead connection, waited its backoff and died on
    it; with ten or more the operation outlasted a short reconnect window and failed, the
-   server back. A broken connection now has the pool check its idle ones (the dead ones
-   discarded): the retry runs on a live connection. No check while the server is up.
+   server back. A connection the server ended while it sat idle is now passed over at its
+   checkout (one non-blocking poll, no round trip): the operation runs on a live one.
 2. ``[store] connect_timeout_seconds`` bounds libpq's connect_timeout (it was a fixed 10 s):
    a bad value is one line and exit 2; the value reaches every connection made.
 3. A claimer that died between its claim's rename and its lease write is handed back by the
    files store's repair, which records a hand-back and no ``recovered`` event (no attempt
    began): ``handoffd run``'s ``recovered_pending`` never counted such a hand-back still
-   pending. A recovered claim's last hand-back now tells it untried too.
+   pending. That hand-back (its reason) now tells it untried; a stop's hand-back of a takeover
+   that did run again does not.
 
 This module stops and starts a throw-away cluster of its own (tests/pgserver.py)."""
 from __future__ import annotations
@@ -43,12 +44,9 @@ def test_an_operation_after_a_restart_gets_a_live_connection_however_many_were_p
         for conn in held:
             db.pool.putconn(conn)
         assert db.pool.get_stats()["pool_available"] == POOLED
-        checks: list[int] = []
-        check = db.pool.check
-        db.pool.check = lambda: (checks.append(1), check())[1]  # type: ignore[method-assign]
-        for _ in range(3):  # the hot path: no check while the server is up
+        for _ in range(3):  # the hot path: no live connection passed over
             db.run(lambda conn, retried: conn.execute("SELECT 1"))
-        assert checks == []
+        assert db.pool.get_stats().get("returns_bad", 0) == 0
         down(own_server)
         up(own_server)
         calls: list[bool] = []
@@ -57,9 +55,10 @@ def test_an_operation_after_a_restart_gets_a_live_connection_however_many_were_p
             calls.append(retried)
             return int(conn.execute("SELECT 1").fetchone()[0])
         assert db.run(one) == 1  # (before: StoreUnavailable, the server back)
-        # the first try met a dead connection; its retry (told it may have committed) a live one
-        assert calls == [False, True], calls
-        assert checks == [1]
+        # every pooled connection the restart ended was passed over at its checkout (closed,
+        # given back, replaced): the operation ran once, on a live one
+        assert calls == [False], calls
+        assert db.pool.get_stats().get("returns_bad", 0) == POOLED
     finally:
         db.close()
 
@@ -151,3 +150,24 @@ def test_a_claim_handed_back_before_its_lease_is_counted_as_recovered(
     assert (again["completed"], again["recovered"], again["recovered_pending"]) == (1, 0, 0)
     assert space.state_of(hid) == ["completed"]
     assert [run["attempt"] for run in space.runs() if run["id"] == hid] == [1]
+
+
+def test_a_takeover_run_again_then_handed_back_at_the_batch_end_is_not_said_untried(
+        tmp_path: Path) -> None:
+    """A stop's hand-back (``--max-seconds``) ends an attempt that ran: the takeover it ended
+    was run again, and is not counted "back in pending/, not run again yet" (review RD)."""
+    config = FLAKY_TOML.replace("claim_grace_seconds = 1.0", "claim_grace_seconds = 0.0")
+    space = new_workspace(tmp_path / "ws", config)
+    hid = space.create("--to", "@flaky", "--data", json.dumps({"mode": "sleep", "seconds": 30}))
+    crashed = subprocess.run([exe("handoffd"), "run", "--root", str(space.root)],
+                             env={**os.environ, "HANDOFFD_CRASH_AT": "after-claim-lease"},
+                             capture_output=True, text=True, timeout=60)
+    assert crashed.returncode == 99, crashed.stderr  # died holding its lease
+    done = space.handoffd("run", "--max-seconds", "4", "--log-format", "json", "-v")
+    records = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    (found,) = [one for one in records if one.get("event") == "batch_done"]
+    events = [entry for entry in space.doc(hid)["handoffd"]["history"]]
+    assert [e["event"] for e in events][-2:] == ["claimed", "handed_back"], events
+    assert events[-1]["detail"].get("interrupted") is True, events[-1]
+    assert (found["recovered"], found["recovered_pending"]) == (1, 0), found
+    assert "not run again yet" not in found["message"], found["message"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..backends.files.repair import UNLEASED_REASON
 from ..core.documents import book
 from ..core.states import State
 from .sweeper import SweepReport
@@ -124,19 +125,26 @@ class BatchReport:
 
 
 def _untried_since_recovery(doc: dict[str, Any]) -> bool:
-    """True when ``doc`` (a claim this batch recovered) has not begun an attempt since: its
-    history's last ``recovered`` or ``handed_back`` event (a takeover records both; the files
-    store's repair of a claimer that died before its lease, which began no attempt, records the
-    hand-back only; a hand-back is never of a claim that ran) has no ``claimed`` after it, or it
-    has no history at all: a document from outside whose claimer died before admitting it is
-    handed back untouched (its bookkeeping is not ours to write)."""
+    """True when ``doc`` (a claim this batch recovered) began no attempt since: its history's
+    last ``recovered`` event, or the files store's hand-back of a claim whose claimer died
+    before its lease (:data:`~handoffd.backends.files.repair.UNLEASED_REASON`: no attempt
+    began, and no ``recovered`` is recorded), has no ``claimed`` after it; or it has no history
+    at all (a document from outside so handed back, untouched: its bookkeeping is not ours to
+    write). Any other hand-back may end an attempt that ran (a stop's, ``interrupted``): the
+    ``claimed`` before it decides."""
     history = book(doc).get("history")
     if not isinstance(history, list) or not history:
         return True
     for entry in reversed(history):
-        event = entry.get("event") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict):
+            continue
+        event = entry.get("event")
         if event == "claimed":
             return False
-        if event in ("recovered", "handed_back"):
+        if event == "recovered":
             return True
+        if event == "handed_back":
+            detail = entry.get("detail")
+            if isinstance(detail, dict) and detail.get("reason") == UNLEASED_REASON:
+                return True
     return False

@@ -54,6 +54,10 @@ LARGE_QUIET_SECONDS = 600.0
 # "message", "stub"} each; the sweep logs its event and, for "stub", files the failure stub as
 # admission does, so that the on_filed listeners, the event log and `handoff wait` hear of it
 NOTES = "set_aside_notes"
+# the reason of the hand-back of a claim whose claimer died before it wrote the lease: no
+# attempt began (a batch's summary counts it among the takeovers not run again yet:
+# service.report)
+UNLEASED_REASON = "claimer died before recording its lease"
 
 
 def repair(store: Store, now: datetime, *, claim_grace_seconds: float,
@@ -171,7 +175,7 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
         # one would pair with an earlier attempt's claimed event for the readers that look for
         # interrupted attempts (features.children). The run's summary tells it back in pending/
         # by this hand-back (service.report._untried_since_recovery)
-        record(doc, "handed_back", now, reason="claimer died before recording its lease")
+        record(doc, "handed_back", now, reason=UNLEASED_REASON)
         store.move(handoff_id, State.IN_PROGRESS, State.PENDING, doc)
     done["recovered"].append(handoff_id)
 

@@ -8,10 +8,10 @@ connection that meets an outage (:func:`first_connection`); after
 that the operation fails with :class:`StoreUnavailable` (an OSError: the daemon and the sweeper
 already treat those as "try again later"). An operation whose commit may have happened before
 the connection died is told so (``retried=True``) and checks its own fencing token first, so a
-retry never applies a write twice. A broken connection has the pool check its idle ones
-first (:meth:`Database._discard_dead`): they most likely died with it, and a retry must not
-take them one by one. Each attempt to connect is bounded by ``connect_timeout`` (``[store]
-connect_timeout_seconds``).
+retry never applies a write twice. A pooled connection the server ended while it sat idle
+(a restart) is passed over at checkout (:func:`_hung_up`: one ``poll``, no round trip), so
+a retry does not take the dead ones one by one. Each attempt to connect is bounded by
+``connect_timeout`` (``[store] connect_timeout_seconds``).
 
 The window can be cut short, so that a lost server never holds a caller longer than it may
 wait: :meth:`Database.interrupt` (a stopping daemon: retries give up within its grace) and
@@ -56,6 +56,19 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 CHANNEL = "handoffd"
 # a long-lived idle connection notices a server that vanished without closing it (a crashed host,
 # a cut network) within about 30 s instead of the kernel's two hours
+# what a session thread's stop waits for it (SessionThread.stop, the key-holding session's): its
+# connection attempts are bounded by as much, whatever [store] connect_timeout_seconds says, or
+# an attempt hung in connect outlived a stop and ran on beside the next start (two LISTEN
+# sessions, each notification heard twice: review RD, session 30)
+SESSION_STOP_SECONDS = 5.0
+
+
+def session_connect(configured: float) -> int:
+    """libpq's connect_timeout (whole seconds, at least 1) for a session thread's connection:
+    ``configured`` (``[store] connect_timeout_seconds``), at most :data:`SESSION_STOP_SECONDS`."""
+    return max(int(min(configured, SESSION_STOP_SECONDS)), 1)
+
+
 KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 15, "keepalives_interval": 5,
                               "keepalives_count": 3}
 BACKOFF_FIRST, BACKOFF_MAX = 0.1, 2.0
@@ -129,6 +142,20 @@ class _NotedQueue(collections.deque):  # type: ignore[type-arg]
         if slot is not None:
             slot[1] = place  # (no allocation)
         super().append(place)
+
+
+def _hung_up(conn: Conn) -> bool:
+    """True when the server already ended ``conn`` while it sat idle in the pool: its socket
+    is readable (the server's farewell, its end of the stream) or gone. One ``poll`` that never
+    waits, no round trip: a live idle connection has nothing to read. A network cut without a
+    word from the server is not seen here: the operation fails on it and is retried."""
+    try:
+        fd = conn.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    except (OSError, ValueError, psycopg.Error):  # (closed already: its fd is gone)
+        return True
 
 
 def _handed(place: Any) -> Conn | None:
@@ -588,9 +615,9 @@ class Database:
             timeout=connect_timeout, kwargs={"connect_timeout": max(int(connect_timeout), 1)},
             reconnect_timeout=POOL_RETRY_SECONDS,  # (not its minutes of backoff: see there)
             configure=configure)  # json a foreign writer left must never fail a whole fetch
-        # no check on checkout (a round trip per operation): a connection that died while idle
-        # fails its first statement, is discarded by the pool, and run() retries on a new one,
-        # after checking every idle one (_discard_dead: they most likely died with it)
+        # no check on checkout (a round trip per operation): a connection the server ended
+        # while idle is passed over by _getconn (a poll), one cut without a word fails its
+        # first statement, is discarded by the pool, and run() retries on a new one
         try:
             self.pool.open(wait=True, timeout=bounded_connect(connect_timeout))
         except Exception as exc:
@@ -612,7 +639,6 @@ class Database:
         retried = False
         window = time.monotonic() + self.reconnect_seconds
         while True:
-            conn: Conn | None = None
             try:
                 conn = self._getconn(window)
                 try:
@@ -626,8 +652,6 @@ class Database:
                 if not is_disconnect(exc):
                     raise
                 self._lost(exc)
-                if conn is not None and conn.broken:
-                    self._discard_dead()
                 left = self._limit(window) - time.monotonic()
                 if left <= 0:
                     raise StoreUnavailable(f"the PostgreSQL store {redact(self.url)} is "
@@ -637,20 +661,6 @@ class Database:
                 retried = True
                 self._pause(min(delay, left))
                 delay = min(delay * 2, BACKOFF_MAX)
-
-    def _discard_dead(self) -> None:
-        """An operation's connection broke (a restarted server, a cut network): the pool's idle
-        connections most likely died with it. Each retry took the next of them, died on it and
-        waited its backoff: a pool of ten or more stale connections outlasted a short window
-        (or a deadline), and the first operation after a restart failed with the server back.
-        Every idle connection is checked now (one round trip each, only after a breakage: the
-        hot path stays without a check) and the dead ones discarded, the pool opening new ones,
-        so the retry gets a live connection once the server answers. A check that fails itself
-        (the pool closing, a shortage) leaves the retries to find the dead ones as before."""
-        try:
-            self.pool.check()
-        except Exception:  # (a MemoryError too: the retry goes on as before)
-            log.debug("checking the pool's idle connections failed", exc_info=True)
 
     def _put_back(self, conn: Conn) -> None:
         """Return ``conn`` to the pool, whatever is raised meanwhile. A MemoryError returning it
@@ -733,10 +743,23 @@ class Database:
         while True:
             left = min(ends, self._limit(window)) - time.monotonic()
             try:  # a connection already free is taken at once, even past a deadline
-                return self._checkout(max(min(left, CHECKOUT_SLICE), MIN_CHECKOUT))
+                conn = self._checkout(max(min(left, CHECKOUT_SLICE), MIN_CHECKOUT))
             except PoolTimeout:
                 if left <= CHECKOUT_SLICE:
                     raise
+                continue
+            if not _hung_up(conn):
+                return conn
+            # the server ended it while it sat idle (a restart: every idle one at once): closed
+            # and given back, the pool replaces it, and the next is taken at once. Each retry
+            # took the next dead one and waited its backoff, and a pool of ten or more outlasted
+            # a short reconnect window with the server back (review RC, session 29). Said as a
+            # lost connection (once an outage), and its end as the operation succeeds (run)
+            self._lost(ConnectionError("the server ended an idle pooled connection"))
+            try:
+                conn.close()
+            finally:
+                self._put_back(conn)
 
     def _checkout(self, timeout: float) -> Conn:
         """``pool.getconn(timeout)``; a connection it took before it failed (a MemoryError in
@@ -847,7 +870,7 @@ class SessionThread:
         self._drain_wake()
         self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
         self._thread.start()
-        self._ready.wait(5.0)
+        self._ready.wait(SESSION_STOP_SECONDS)
 
     def alive(self) -> bool:
         """True while the thread runs."""
@@ -861,7 +884,7 @@ class SessionThread:
         except OSError:  # the pipe is full: the thread is being woken already
             pass
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=SESSION_STOP_SECONDS)
         self._thread = None
 
     def close(self) -> None:
@@ -879,7 +902,7 @@ class SessionThread:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self.url, autocommit=True,
-                                     connect_timeout=max(int(self.connect_timeout), 1),
+                                     connect_timeout=session_connect(self.connect_timeout),
                                      **KEEPALIVES) as conn:
                     self._setup(conn)
                     self._ready.set()

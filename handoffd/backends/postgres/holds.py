@@ -25,7 +25,7 @@ from typing import Callable
 
 import psycopg
 
-from .connection import KEEPALIVES, Conn
+from .connection import KEEPALIVES, SESSION_STOP_SECONDS, Conn, session_connect
 
 log = logging.getLogger("handoffd")
 MAX_HELD = 1000  # keys one process holds at once (each a dead-looking owner; more wait a sweep)
@@ -77,7 +77,7 @@ class KeyHolds:
                     self._drop()
             try:
                 self._conn = psycopg.connect(
-                    self.url, autocommit=True, connect_timeout=max(int(self.connect_timeout), 1),
+                    self.url, autocommit=True, connect_timeout=session_connect(self.connect_timeout),
                     **KEEPALIVES)
                 self.pid = self._conn.info.backend_pid
                 self._idle_bound(self._conn)
@@ -183,7 +183,7 @@ class KeyHolds:
                     pass
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)
+            thread.join(timeout=SESSION_STOP_SECONDS)
 
     def _drop(self) -> None:
         """Forget the session and its holds (closed if it is still open)."""
