@@ -124,7 +124,7 @@ class HandlerContext:
         """Ask the attempt to stop now: sets the flag and wakes whoever waits on it."""
         self.cancel_reason = reason
         self.cancelled.set()
-        for event in self._wake:
+        for event in tuple(self._wake):  # (forget_wakers may clear it meanwhile)
             event.set()
 
 
