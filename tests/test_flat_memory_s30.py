@@ -325,3 +325,47 @@ def test_a_serving_daemon_keeps_no_note_of_the_dependencies_it_ran(
         # (its filing is noted a moment after its `completed` event's time)
         assert claimed[waiter]["wait"] <= (at - last).total_seconds() + 0.002, claimed[waiter]
     assert left == dict.fromkeys(NOTES, 0), left
+
+
+def test_a_waiter_cancelled_while_a_daemon_serves_pins_no_note(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiter cancelled while `handoffd serve` holds it (its dependency has no specialist
+    here) leaves the daemon's books as it leaves pending/: the scheduler found it gone on the
+    read its cancel woke and forgot it without telling the features, so the dependencies
+    feature kept its progress, and its progress, the oldest, kept every later note (review RC:
+    200 pairs after one cancel left 200 notes in completed and in filed_at)."""
+    ws = handlers_workspace(tmp_path, monkeypatch, "fm30", SERVE_HANDLERS, SERVE_CONFIG)
+    from handoffd import build_engine
+    from handoffd.core.workspace import Workspace as HandoffdWorkspace
+    producer = build_engine(HandoffdWorkspace(ws.root))
+
+    def create(hid: str, deps: list[str], target: str = "@work") -> None:
+        producer.submit(new_native_request(source="@fm30", target=target, data={},
+                                           now=utc_now(), handoff_id=hid,
+                                           depends_on=deps or None))
+
+    def probe(hid: str) -> dict[str, int]:
+        ws.drop(f"{hid}.json", {"handoff_id": hid, "source": {"agent_id": "@fm30"},
+                                "target": {"agent_id": "@probe"}, "input": {"data": {}}})
+        assert ws.wait_state(hid, timeout=30) == "completed"
+        return ws.doc(hid)["output"]  # type: ignore[no-any-return]
+    try:
+        create("blocker", [], target="@nobody")  # (no specialist here: pending for good)
+        create("w", ["blocker"])
+        ws.serve()
+        # w waits, held by the gate (its first check may come after a first probe's)
+        assert any(probe(f"probe-0{n}")["progress"] == 1 for n in range(10))
+        cancelled = ws.handoff("cancel", "w")
+        assert cancelled.returncode == 0, cancelled.stderr
+        for i in range(20):
+            create(f"d-{i}", [])
+            create(f"w-{i}", [f"d-{i}"])
+        for i in range(20):
+            assert ws.wait_state(f"w-{i}", timeout=60) == "completed", i
+        left = probe("probe-1")
+    finally:
+        ws.cleanup()
+    # (the blocker's "read unfinished" note may stay: it goes at a later such note once older
+    # than UNFINISHED_SECONDS, whichever waiter reads one)
+    assert left["unfinished"] <= 1, left
+    assert {**left, "unfinished": 0} == dict.fromkeys(NOTES, 0), left

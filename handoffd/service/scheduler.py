@@ -572,6 +572,11 @@ class Scheduler(Lines, QuietWaits):
         if peek is None:
             self.unpark(handoff_id)
             self.unhold(handoff_id)
+            # gone without passing this daemon's gate (cancelled, run by another process): the
+            # features forget it too, as a scan's tidying does (_forget_gone), which no longer
+            # sees it once unhold took it from the waiters: the dependencies feature kept its
+            # progress for ever, and its oldest progress pins every later note (review RC)
+            self._full_recheck(handoff_id)
         elif peek.readable:
             memory_strikes.clear(handoff_id, "read")  # (a MemoryError row ends)
         return peek
