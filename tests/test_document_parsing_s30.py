@@ -93,6 +93,9 @@ def test_a_document_reads_as_json_reads_it(value: dict[str, Any], ascii_only: bo
     b'{"a": 1, "b": 2, "a": 3}', b'{"a": 01}', b'{"a": "\x01"}',
     b'{"a": ' + b'[' * (MAX_DEPTH + 1) + b']' * (MAX_DEPTH + 1) + b'}',
     b'{"a": ' + b'[' * 2000 + b']' * 2000 + b'}',
+    # json's recursion limit refuses these as MALFORMED_JSON, orjson reads up to 1,024 (RA)
+    b'{"a": ' + b'[' * 1000 + b']' * 1000 + b'}',
+    b'{"a": ' + b'[' * 1020 + b']' * 1020 + b'}',
     b'{"a": ' + b'[' * (MAX_DEPTH - 2) + b']' * (MAX_DEPTH - 2) + b'}',
 ])
 def test_what_orjson_could_read_otherwise_is_read_as_json_reads_it(fast: None,

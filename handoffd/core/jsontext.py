@@ -23,8 +23,11 @@ def parse_document(data: bytes, name: str) -> dict[str, Any]:
     if loads is not None and type(data) is bytes:
         doc = _read_fast(loads, data)
         if doc is not None:
-            check_depth(data, doc, name, MAX_DEPTH)
-            return doc
+            try:
+                check_depth(data, doc, name, MAX_DEPTH)
+                return doc
+            except InvalidDocument:  # json words it: from about 990 levels (its recursion
+                pass  # limit) as MALFORMED_JSON, which a store waits on as half-written (RA)
     if not data.strip():
         raise InvalidDocument(f"{name} is empty", code=ErrorCode.EMPTY_DOCUMENT)
     try:
