@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FLAKY_TOML, exe, run_python
+from conftest import FLAKY_TOML, QUICK_TOML, exe, run_python
 
 from handoffd.core.workspace import Workspace
 
@@ -388,8 +388,10 @@ def test_gate_features_are_exactly_the_features_with_gates(tmp_path: Path) -> No
     from handoffd.features.build import (
         FEATURES,
         GATE_FEATURES,
+        GATES,
         build_engine,
         install_features,
+        install_gates,
     )
     ws = Workspace(tmp_path / "ws")
     ws.ensure()
@@ -402,6 +404,11 @@ def test_gate_features_are_exactly_the_features_with_gates(tmp_path: Path) -> No
     assert tuple(with_gates) == GATE_FEATURES
     everything, gated = build_engine(ws), build_engine(ws, features=GATE_FEATURES)
     assert [g.__qualname__ for g in gated.gates] == [g.__qualname__ for g in everything.gates]
+    # ls installs each feature's gates alone (GATES): the same gates, in the same order
+    alone = build_engine(ws, features=())
+    install_gates(alone)
+    assert tuple(GATES) == GATE_FEATURES
+    assert [g.__qualname__ for g in alone.gates] == [g.__qualname__ for g in everything.gates]
 
 
 def test_a_deferred_logger_is_the_logger_itself() -> None:
@@ -559,3 +566,88 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- session 30 (E): ls's gates alone
+# what a pending row's note never needs unless a parked parent is listed: orchestration's making
+# of children and aggregation, cancellation's family walk, the contracts' violations log, the
+# process records (a serving daemon's)
+NOT_FOR_NOTES = {f"handoffd.features.{name}" for name in (
+    "orchestration", "aggregation", "answer_copies", "childfacts", "children", "delegation",
+    "clarification", "cancellation", "cancel_family", "artifacts", "artifact_paths", "stores")}
+NOT_FOR_NOTES |= {"handoffd.core.procrecords"}
+DELEGATING = '''
+def delegate(handoff, ctx):
+    return {"status": "delegated", "aggregation": "all_success",
+            "delegate": [{"to": "@held", "data": {"n": 1}}, {"to": "@held", "data": {"n": 2}}]}
+
+
+def ask(handoff, ctx):
+    return {"status": "needs_clarification", "questions": ["which one?"]}
+
+
+def done(handoff, ctx):
+    return {"status": "completed"}
+'''
+
+
+def notes_of(root: Path, env: dict[str, str]) -> dict[str, str]:
+    """Each row's note as `handoff ls --json` gives it (``env``: which command line)."""
+    proc = subprocess.run([exe("handoff"), "ls", "--json", "--root", str(root)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return {row["id"]: row["note"] for row in json.loads(proc.stdout)}
+
+
+def test_ls_with_pending_rows_installs_the_features_gates_alone(tmp_path: Path) -> None:
+    """`handoff ls` with pending rows installs the features' gates alone (build.GATES): the
+    same gates, in the same order, as an engine with every feature, without orchestration's
+    aggregation and making of children (about 15 modules), cancellation's family walk or the
+    process records. A parked parent's row loads what reads its children, and only then. The
+    notes are the full command line's (every feature installed) either way."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    (tmp_path / "handlers").mkdir()
+    (tmp_path / "handlers" / "e30.py").write_text(DELEGATING)
+    (root / "handoffd.toml").write_text(QUICK_TOML + "".join(
+        f'\n[specialists."{agent}"]\nhandler = "e30:{handler}"\n'
+        for agent, handler in (("@deleg", "delegate"), ("@ask", "ask"), ("@held", "done"),
+                               ("@plain", "done"))))
+    Workspace(root).ensure()
+    env = {**QUICK, "PYTHONPATH": str(tmp_path / "handlers")}
+
+    def handoff(*argv: str) -> None:
+        made = subprocess.run([exe("handoff"), *argv, "--root", str(root)], capture_output=True,
+                              text=True, timeout=60, env=env)
+        assert made.returncode == 0, made.stderr
+
+    handoff("pause", "@held", "--reason", "not yet")
+    for argv in (["--to", "@plain", "--id", "first"], ["--to", "@nobody", "--id", "none"],
+                 ["--to", "@plain", "--id", "later", "--depends-on", "first"],
+                 ["--to", "@held", "--id", "held"]):
+        handoff("create", *argv)
+    code, said, loaded = loaded_by(root, "ls")
+    assert code == 0 and "later" in said, said
+    assert not loaded & NOT_FOR_NOTES, loaded & NOT_FOR_NOTES
+    assert {"handoffd.features.dependencies", "handoffd.features.parked_gates",
+            "handoffd.features.cancel_requests"} <= loaded
+    notes = notes_of(root, env)
+    assert notes == notes_of(root, {**env, "HANDOFFD_FULL_CLI": "1"})
+    assert notes["later"] == "waiting for dependency first (pending)", notes
+    assert notes["held"].startswith("paused: @held") and "registered" in notes["none"], notes
+
+    # a parent parked for its children (which wait for @held's pause), a handoff parked for
+    # its requester's answer: their gates read what they wait for
+    handoff("create", "--to", "@deleg", "--id", "parent")
+    handoff("create", "--to", "@ask", "--id", "asking")
+    assert subprocess.run([exe("handoffd"), "run", "-q", "--max-seconds", "20", "--root",
+                           str(root)], capture_output=True, timeout=60, env=env).returncode == 0
+    code, said, loaded = loaded_by(root, "ls", "--json")
+    assert code == 0, said
+    notes = {row["id"]: row["note"] for row in json.loads(said)}
+    assert notes == notes_of(root, {**env, "HANDOFFD_FULL_CLI": "1"})
+    assert notes["parent"].startswith("waiting for 2 of 2 children (all_success)"), notes
+    assert notes["asking"].startswith("waiting on the requester"), notes
+    assert "handoffd.features.aggregation" in loaded  # (the children gate's ready)
+    assert not loaded & {"handoffd.features.orchestration", "handoffd.features.children",
+                         "handoffd.features.cancellation"}

@@ -210,11 +210,10 @@ def run(command: str, args: list[str], opts: dict[str, Any]) -> int:
         if opts.get("limit") is None:
             opts["limit"] = reads.DEFAULT_LIMIT
         # the features' gates say why a pending handoff waits: installed (and imported) only
-        # when a pending row is listed, and only the features that have gates
+        # when a pending row is listed, and only the gates (build.GATES)
         eng = engine(opts.pop("root", None), features=())
-        from ..features.build import GATE_FEATURES, install_features
-        rows, note = reads.list_rows(
-            eng, before_pending=lambda: install_features(eng, GATE_FEATURES), **opts)
+        from ..features.build import install_gates
+        rows, note = reads.list_rows(eng, before_pending=lambda: install_gates(eng), **opts)
         reads.print_rows(rows, as_json=as_json, note=note, ws=eng.ws)
     else:
         code = reads.wait(opts.get("root"), args[0], opts.get("timeout"), as_json=as_json)

@@ -68,8 +68,8 @@ def show_note(ws: "Workspace", config: "Config", store: "Backend", state: State,
     from ..service.queries import note_of, settled_note
     if state is not State.PENDING:
         return settled_note(store, state, handoff_id, doc)
-    from ..features.build import GATE_FEATURES, build_engine
-    eng = build_engine(ws, config, backend=store, features=GATE_FEATURES)
+    from ..features.build import GATES, build_engine
+    eng = build_engine(ws, config, backend=store, features=GATES.values())
     return note_of(eng, state, handoff_id, doc)
 
 

@@ -170,9 +170,21 @@ FEATURES: dict[str, Feature] = {
     "filebridge": _installer(".filebridge", needed=store_ingests),
 }
 DEFAULT_FEATURES: tuple[Feature, ...] = tuple(FEATURES.values())
-# the features with gates (Engine.gate): what `handoff ls` installs to say why a pending
-# handoff waits, in FEATURES' order, without loading the rest
-GATE_FEATURES = ("pause", "dependencies", "contracts", "orchestration", "cancellation", "rates")
+# the features with gates (Engine.gate), in FEATURES' order, each by what installs its gates:
+# what `handoff ls` and `show` install to say why a pending handoff waits, without loading the
+# rest. The gates are the very ones the whole feature installs, in the same order; where the
+# feature is much more than its gates, they are installed alone (orchestration's three gates,
+# without its aggregation and the making of children; cancellation's gate, without the family
+# walk). The others' install is small, or is mostly their gate.
+GATES: dict[str, Feature] = {
+    "pause": FEATURES["pause"],
+    "dependencies": FEATURES["dependencies"],
+    "contracts": FEATURES["contracts"],
+    "orchestration": _installer(".parked_gates"),
+    "cancellation": _installer(".cancel_requests", "install_gate"),
+    "rates": FEATURES["rates"],
+}
+GATE_FEATURES = tuple(GATES)
 
 
 def origin_of(workspace: Workspace) -> str:
@@ -319,6 +331,13 @@ def install_features(engine: Engine, features: Iterable[Feature | str] = DEFAULT
         install(engine)
 
 
+def install_gates(engine: Engine) -> None:
+    """Install the features' gates alone (:data:`GATES`) on ``engine`` (one built with
+    ``features=()``): enough for :meth:`~handoffd.core.engine.Engine.gate` to say why a pending
+    handoff waits, as an engine with every feature says it. Not for an engine that runs work."""
+    install_features(engine, GATES.values())
+
+
 def event_log_of(engine: Engine) -> EventLog:
     """The event log ``engine`` writes to (readers: stats, metrics, top, ls --watch)."""
     logged = getattr(engine.backend, "events", None)
@@ -326,8 +345,8 @@ def event_log_of(engine: Engine) -> EventLog:
         engine.ws, engine.config, engine.backend)
 
 
-__all__ = ["DEFAULT_FEATURES", "FEATURES", "GATE_FEATURES", "Feature", "build_engine",
-           "install_features",
+__all__ = ["DEFAULT_FEATURES", "FEATURES", "GATES", "GATE_FEATURES", "Feature", "build_engine",
+           "install_features", "install_gates",
            "install_artifacts",
            "install_context", "install_rates", "open_backend", "open_event_log", "event_log_of",
            "open_recorded", "open_submitter",

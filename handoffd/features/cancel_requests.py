@@ -85,6 +85,14 @@ def _request_texts(body: dict[str, Any]) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- engine hooks
+def install_gate(engine: "Engine") -> None:
+    """Put :func:`cancel_gate` first among ``engine``'s gates: what :mod:`.cancellation`'s
+    install does for the gate, and all ``handoff ls`` installs of the feature to give a pending
+    row its note (the rest of the feature, the family walk of :mod:`.cancel_family`, is not
+    loaded then)."""
+    engine.gates.insert(0, cancel_gate)
+
+
 def cancel_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
     """A pending handoff with a cancel request is filed cancelled instead of being run."""
     body = engine.backend.cancel_request(env.handoff_id)

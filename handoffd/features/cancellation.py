@@ -35,7 +35,7 @@ from ..core.logs import log
 from ..core.states import State
 from ..core.storage import Wakeup
 from .cancel_family import _cancel_pending, cancel, settle
-from .cancel_requests import _request_texts, cancel_gate, check_before_run, describe
+from .cancel_requests import _request_texts, check_before_run, describe, install_gate
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
@@ -62,7 +62,7 @@ class DaemonPlugins(Protocol):
 def install(engine: "Engine") -> None:
     """Add cancellation to an Engine (orchestration installs it): the cancel gate, a check just
     before the handler starts, partial results of a stopped handler, and the daemon side."""
-    engine.gates.insert(0, cancel_gate)
+    install_gate(engine)  # (cancel_gate, first)
     # first of the resumers, which run before anything else of an attempt: a parked parent
     # claimed at its aggregation deadline (the scheduler skips the gates then) was aggregated
     # rather than cancelled; a request that arrived while the handoff was claimed is met too

@@ -1,7 +1,9 @@
 """The children gate: a delegating parent parked in pending/ waits until its children are done
 (:func:`~.aggregation.ready`), and what the gate remembers of finished children so that it
 does not read every child's whole document again at every look (:class:`FinishedChildren`).
-Installed by :func:`handoffd.features.orchestration.install`."""
+Installed by :func:`handoffd.features.parked_gates.install`. The code that reads children
+(:mod:`.childfacts`, :mod:`.aggregation`) is imported when a parked parent is first looked at:
+a listing of pending handoffs none of which delegated never loads it."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,12 +16,19 @@ from ..core.documents import Envelope, book
 from ..core.errors import HandoffdError
 from ..core.states import State
 from ..core.storage import LiveStamp
-from .aggregation import ready
-from .childfacts import ChildInfo, child_info, json_size
 from .dependencies import Verdict
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
+    from .childfacts import ChildInfo
+
+
+def child_info(engine: "Engine", handoff_id: str) -> ChildInfo:
+    """:func:`.childfacts.child_info`: a child's facts, read from the store (its module loaded
+    at the first look at a parked parent). The gate calls it by this module's name: tests
+    count the reads by replacing it here."""
+    from .childfacts import child_info as read
+    return read(engine, handoff_id)
 
 
 def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any], *,
@@ -34,6 +43,7 @@ def children_gate(engine: "Engine", env: Envelope, doc: dict[str, Any], *,
     ids = [cid for cid in (children if isinstance(children, list) else []) if isinstance(cid, str)]
     infos = [known.info(engine, cid) if known is not None else child_info(engine, cid)
              for cid in ids]
+    from .aggregation import ready  # (a parked parent's: see the module's docstring)
     if ready(engine, wait, infos):
         return None
     open_ = [i for i in infos if i.status is None]
@@ -120,6 +130,7 @@ class FinishedChildren:
 
     def _remember(self, handoff_id: str, key: bytes | None, info: ChildInfo, now: float) -> None:
         """Keep ``info`` under ``key`` (None: forget what was kept), within the bounds."""
+        from .childfacts import json_size  # (loaded by child_info already)
         size = json_size([info.error, info.finished_at, info.specialist]) + FACTS_ENTRY_BYTES \
             if key is not None else 0
         with self._lock:

@@ -1,6 +1,7 @@
 """Clarification and blocking (seed 000 NEEDS_CLARIFICATION, seed 002 blocked), the requester's
 side of orchestration: reading such a result, the gate that holds the parked handoff "waiting on
-the requester", ``handoff answer``, and how the answers reach the specialist when it runs again
+the requester" (:func:`~.parked_gates.requester_gate`, with the other gates ``handoff ls``
+installs alone), ``handoff answer``, and how the answers reach the specialist when it runs again
 (what parking does: :mod:`handoffd.features.orchestration`).
 
 Only an answer ends such a wait, and an answer rewrites the handoff's document: a serving daemon
@@ -17,7 +18,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..backends.base import refiling
-from ..core.documents import Envelope, book, check_storable, check_text
+from ..core.documents import book, check_storable, check_text
 from ..core.errors import (
     DocumentNotReady,
     DuplicateHandoff,
@@ -30,7 +31,8 @@ from ..core.logs import log
 from ..core.states import State
 from ..core.timeutil import iso
 from .delegation import _Malformed
-from .dependencies import Verdict
+# the requester gate is installed alone by `handoff ls` (parked_gates): kept there, named here
+from .parked_gates import ASKING, requester_gate  # noqa: F401  (named here too)
 
 if TYPE_CHECKING:
     from ..core.engine import Engine, Job
@@ -44,8 +46,6 @@ ANSWER_BOOKKEEPING_BYTES = 2048  # what an answer adds besides itself: its entry
 # block), clarifications, the entry, its answer (4); in the request, which keeps 8 levels free
 # for the copies filed of it (core.documents.REQUEST_DEPTH_MARGIN)
 ANSWER_DEPTH = 4 + 8
-# how the requester gate's reason begins: what a daemon's quiet check knows its waits by (attach)
-ASKING = "waiting on the requester ("
 
 
 # ---------------------------------------------------------------- reading the result
@@ -85,25 +85,6 @@ def _blocked(job: "Job", result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the gate, and the answers
-def requester_gate(engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
-    """Hold a handoff parked by needs_clarification / blocked until it is answered."""
-    awaiting = book(doc).get("awaiting") if isinstance(doc.get("handoffd"), dict) else None
-    if not isinstance(awaiting, dict):
-        return None
-    kind = str(awaiting.get("kind", "needs_clarification")).replace("_", " ")
-    items = awaiting.get("questions") or awaiting.get("blockers") or []
-    items = items if isinstance(items, list) else [items]  # (bookkeeping is ours, but typed)
-    first = items[0] if items else ""
-    if isinstance(first, dict):
-        first = first.get("description") or first.get("question") or first.get("text") or ""
-    more = f" (+{len(items) - 1} more)" if len(items) > 1 else ""
-    who = awaiting.get("requester") or "the requester"
-    # no other handoff's filing ends it: the answer rewrites this document in pending/, which
-    # wakes the daemon for it (the file watch, its own filing, or the next rescan)
-    return Verdict.wait(f"{ASKING}{who}): {kind}: {str(first)[:100]}{more}; "
-                        f"answer with `handoff answer {env.handoff_id} --data JSON`", on=())
-
-
 class QuietWaits(Protocol):
     """What clarification uses of a daemon's scheduler (see handoffd.service.scheduler)."""
 

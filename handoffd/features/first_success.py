@@ -23,7 +23,6 @@ from ..core.hooks import Verdict
 from ..core.logs import log
 from ..core.states import State, Status
 from ..dialects import hi_moe
-from . import aggregation
 from .lineage import parent_of
 
 if TYPE_CHECKING:
@@ -183,6 +182,9 @@ class Winners:
     def resume(self, job: "Job", started: datetime) -> Outcome | None:
         """The aggregation's resumer (:func:`.aggregation.resume`), noting an aggregated success: the
         parent may itself be a first_success parent's child (no after_run hook sees it)."""
+        # imported here, not with the module: the gate is installed alone by `handoff ls`, which
+        # never aggregates (aggregation loads child facts, answer copies and artifacts)
+        from . import aggregation
         outcome = aggregation.resume(self.engine, job, started)  # (looked up: tests patch it)
         if outcome is not None and outcome.status == Status.COMPLETED:
             self.note(job.handoff_id, job.claim.doc)

@@ -64,7 +64,12 @@ from ..core.formats import ArtifactSink, FiledState
 from ..core.logs import log
 from ..core.states import PARKED, State
 from ..core.timeutil import iso
-from . import cancel_family, cancel_requests, clarification, first_success
+from . import cancel_family, cancel_requests, clarification, parked_gates
+# the aggregation (and the child facts it reads) is loaded with the feature, as a daemon starts:
+# its gates and resumer import it at their first parked parent, which would be on a worker's
+# thread then, where an import can meet a shortage of descriptors; `handoff ls`, which installs
+# the gates alone (parked_gates), loads it only for a parked parent's row
+from . import aggregation  # noqa: F401
 from .children import _plan_children, child_id, ensure_conversation
 from .children_gate import FinishedChildren, children_gate
 from .clarification import (
@@ -107,10 +112,10 @@ def install(engine: "Engine") -> None:
     the requester and children gates, aggregation of a parent whose children are done, and the
     park statuses (delegated, needs_clarification, blocked). Cancellation and artifacts are
     features of their own."""
-    # the children gate with its memory of finished children (one per engine); the
-    # first_success siblings of a winner held (the gate) and, claimed, given back unrun
-    winners = first_success.Winners(engine)
-    engine.gates[0:0] = [requester_gate, FinishedChildren().gate, winners.gate]
+    # the requester gate, the children gate with its memory of finished children (one per
+    # engine); the first_success siblings of a winner held (the gate) and, claimed, given back
+    # unrun (the resumer)
+    winners = parked_gates.install(engine)
     engine.resumers.append(winners.hold_back)
     engine.resumers.append(winners.resume)  # (aggregation.resume, noting a nested win)
     engine.after_run.append(winners.decided)

@@ -53,7 +53,6 @@ from ..core.documents import hostname
 from ..core.jsontext import parse_line
 from ..core.logs import log  # (deferred: `handoff ls` reads the records, logging nothing)
 from ..core.ownfiles import folder_refusal, open_beneath, open_regular, read_regular
-from ..core.procrecords import boot_id
 from ..core.timeutil import iso, utc_now
 from ..core.workspace import Workspace
 
@@ -127,7 +126,10 @@ class ServingRecord:
         """Write the record (and remove those of dead daemons); never raises: a daemon that
         cannot record itself serves all the same (one warning), and ls then says nothing of
         it."""
+        # (the process records' code, with the boot id, is a serving daemon's: `handoff ls`,
+        # which only reads the records, never loads it unless a record names a live process)
         from ..core.liveness import own_mark
+        from ..core.procrecords import boot_id
         self.renewed = self.clock()
         mark = own_mark()
         if mark is None:  # no /proc of our own: nobody could tell whether we live
@@ -363,6 +365,7 @@ def _remove_dead(folder: int, mark: tuple[str, str], now: float) -> None:
     followed by another (at most :data:`MAX_PASSES`): removable junk listed before the live
     record is all gone, however many thousands, before ls looks."""
     from ..core.liveness import bears_mark
+    from ..core.procrecords import boot_id
     boot = boot_id()
     marks: dict[int, str | None] = {}
     for _ in range(MAX_PASSES):

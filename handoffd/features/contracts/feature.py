@@ -52,13 +52,13 @@ from ...core.results import failed, wait_to_check_again
 from ...core.starts import check_shortage
 from ...dialects.swarm import dependency_violation
 from ..dependencies import Verdict
-from ..stores import violation_log
 from . import patterns
 
 if TYPE_CHECKING:  # .findings and .review: loaded by the first contract run, .contract and
     # .reservations by the first envelope that carries a contract (a listing that asks the
     # gates of plain handoffs never loads them)
     from ...core.engine import Engine, Job
+    from ...core.storage import ViolationLog
     from .contract import Contract
     from .findings import Run
     from .reservations import Reservations
@@ -84,8 +84,14 @@ class Enforcer:
 
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
-        # the store's log (one for every host of a PostgreSQL store), else .meta/violations.jsonl
-        self.log = violation_log(engine.ws, engine.backend)
+
+    @cached_property
+    def log(self) -> ViolationLog:
+        """The violations log: the store's (one for every host of a PostgreSQL store), else
+        .meta/violations.jsonl. Made with the reviewer, at the first contract run (a listing
+        that asks the gate never loads its code)."""
+        from ..stores import violation_log
+        return violation_log(self.engine.ws, self.engine.backend)
 
     @cached_property
     def reservations(self) -> Reservations:
