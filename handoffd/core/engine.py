@@ -400,8 +400,8 @@ class Engine:
         input schema once left the claim in in-progress/, charged as a crash by the next
         process; one loading its output schema failed the handler's result for good)."""
         try:
-            self.checks.check_input(job)
-            self.checks.load_output_schemas(job)
+            # the schemas check_input found missing are not looked up again a moment later
+            self.checks.load_output_schemas(job, self.checks.check_input(job))
         except (OSError, MemoryError) as exc:
             if not is_shortage(exc):
                 raise

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import threading
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Collection, Protocol
 
 from .documents import Envelope, Outcome
 from .errors import ErrorCode, HandlerError, InvalidDocument, is_shortage, shortage_words
@@ -256,36 +256,40 @@ class JobChecks:
         log.warning("%s (expectations are advisory: filed with a warning; further handoffs with "
                     "the same problem are warned in their results only)", problem)
 
-    def check_input(self, job: Job) -> None:
+    def check_input(self, job: Job) -> set[str]:
         """The job's input against its schema (the specialist's, else the one the request
-        names): InvalidDocument (SCHEMA_VALIDATION_FAILED) when it fails."""
-        self.check_request(job.handoff_id, job.envelope, job.specialist.config.input_schema,
-                           job.warnings)
+        names): InvalidDocument (SCHEMA_VALIDATION_FAILED) when it fails. Returns the schemas
+        the request names that do not exist (for :meth:`load_output_schemas`)."""
+        return self.check_request(job.handoff_id, job.envelope,
+                                  job.specialist.config.input_schema, job.warnings)
 
     def check_request(self, handoff_id: str, envelope: Envelope, input_schema: str | None,
-                      warnings: list[str]) -> None:
+                      warnings: list[str]) -> set[str]:
         """:meth:`check_input` of a request with no job yet (``handoff validate``): its input
         against ``input_schema`` (its specialist's), else the schema the request names; an
-        advisory unmet expectation is noted in ``warnings``."""
+        advisory unmet expectation is noted in ``warnings``. Returns the schemas the request
+        names that do not exist."""
         missing = self._missing_schemas(handoff_id, envelope, warnings)
         name = input_schema or envelope.input_schema
         if not name or name in missing:
-            return
+            return missing
         errors = self.schemas.errors(name, envelope.data)
         if errors:
             first = errors[0]
             raise InvalidDocument(
                 f"Input validation failed: {first['field']}: {first['error']}" + more_errors(errors),
                 handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
+        return missing
 
     def _missing_schemas(self, handoff_id: str, envelope: Envelope,
                          warnings: list[str]) -> set[str]:
         """The schemas the request names that do not exist (each an unmet expectation)."""
-        missing = set()
-        for field_name, named in (("input.schema", envelope.input_schema),
-                                  ("expected_output.schema", envelope.output_schema)):
-            if named and not self.schemas.has(named):  # found out before the handler runs
-                missing.add(named)
+        named_by = (("input.schema", envelope.input_schema),
+                    ("expected_output.schema", envelope.output_schema))
+        # both looked up at once (one stat of schemas/), found out before the handler runs
+        missing = self.schemas.absent(named for _, named in named_by if named)
+        for field_name, named in named_by:
+            if named and named in missing:
                 self._unmet(warnings, InvalidDocument(
                     f"handoff {handoff_id}: {field_name} names {named!r}, which is neither in "
                     "schemas/ nor built in (`handoff schemas` lists them)",
@@ -294,16 +298,19 @@ class JobChecks:
                     key=f"missing {field_name} {named}")
         return missing
 
-    def load_output_schemas(self, job: Job) -> None:
+    def load_output_schemas(self, job: Job, absent: Collection[str] = ()) -> None:
         """Load (compile) the schemas :meth:`check_output` will check the job's result against,
         before its handler runs: a passing shortage of descriptors or memory loading one
         raises then, when the attempt can still be handed back without a run. Anything else
-        wrong with one is left for :meth:`check_output` to say, as it always did."""
+        wrong with one is left for :meth:`check_output` to say, as it always did. ``absent``:
+        names :meth:`check_input` has just found missing, not looked up again (one that
+        appears before the handler ends is still loaded and checked by :meth:`check_output`,
+        which looks again)."""
         named = {job.specialist.config.output_schema, job.envelope.output_schema}
         inline = job.envelope.expected_output_schema
         try:
             for name in sorted(filter(None, named)):
-                if self.schemas.has(name):
+                if name not in absent and self.schemas.has(name):
                     self.schemas.validator(name)
             if inline:
                 self.schemas.for_schema("inline:" + job.handoff_id, inline)

@@ -38,6 +38,7 @@ from .hashing import sha256_hex
 from .ownfiles import open_folder, read_regular
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from importlib.resources.abc import Traversable
 
     from jsonschema.protocols import Validator
@@ -250,23 +251,42 @@ class SchemaCache:
     def has(self, name: str) -> bool:
         """True when schema ``name`` can be loaded (a plain name in schemas/ or built in). Any
         entry of schemas/ counts, a symlink too: using it says why it is refused."""
-        if name in self._validators:
-            return True
-        if not plain_name(name):
-            return False
-        if self.folder is not None and self._in_folder(name):
-            return True
-        return builtin_exists(name)
+        return not self.absent((name,))
 
-    def _in_folder(self, name: str) -> bool:
-        """``schemas/<name>`` is a file. A name found missing is remembered with the folder's
-        mtime, which any file added or renamed in changes: a request naming a schema nobody
-        wrote (a warning each time, in advisory mode) costs one stat, not one per name."""
+    def absent(self, names: Iterable[str]) -> set[str]:
+        """The ``names`` :meth:`has` says no to, schemas/ looked at once for all of them (one
+        ``stat`` of the folder: a request's input and expected output schemas are asked
+        together, and a request naming schemas nobody wrote costs one stat, not one a name)."""
+        missing: set[str] = set()
+        folder_mtime: int | None = None  # schemas/'s, taken at the first name that needs it
+        for name in names:
+            if name in self._validators:
+                continue
+            if not plain_name(name):
+                missing.add(name)
+                continue
+            if self.folder is not None:
+                if folder_mtime is None:
+                    folder_mtime = self._folder_mtime()
+                if self._in_folder(name, folder_mtime):
+                    continue
+            if not builtin_exists(name):
+                missing.add(name)
+        return missing
+
+    def _folder_mtime(self) -> int:
+        """schemas/'s mtime (ns), -1 when it cannot be read (absent)."""
         assert self.folder is not None
         try:
-            stamp = os.stat(self.folder).st_mtime_ns
+            return os.stat(self.folder).st_mtime_ns
         except OSError:
-            stamp = -1
+            return -1
+
+    def _in_folder(self, name: str, stamp: int) -> bool:
+        """``schemas/<name>`` is a file. A name found missing is remembered with the folder's
+        mtime ``stamp``, which any file added or renamed in changes: a request naming a schema
+        nobody wrote (a warning each time, in advisory mode) costs no stat of its own."""
+        assert self.folder is not None
         if self._missing.get(name) == stamp:
             return False
         if file_stamp(self.folder / name) is not None:
