@@ -353,7 +353,9 @@ def test_a_timeout_kills_the_child_and_is_filed_as_in_the_daemon(plug: Path, tmp
     monkeypatch.setenv("ISO_PIDS", str(pids))
     found = {}
     for mode in ("always", "never"):
-        engine = engine_for(tmp_path / mode, "isoplug:sleepy", isolate=mode, timeout=0.5)
+        # (2 s: under load, a child's start and its handler's first report took over 0.5 s,
+        # and it was stopped before it ran: no partial output to keep)
+        engine = engine_for(tmp_path / mode, "isoplug:sleepy", isolate=mode, timeout=2.0)
         began = time.monotonic()
         state, doc, outcome = attempt(engine)
         assert time.monotonic() - began < 20
