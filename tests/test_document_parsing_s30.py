@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_document_encoding import json_values, text
 
 from handoffd.core import jsontext
 from handoffd.core.documents import MAX_DEPTH
@@ -59,12 +60,6 @@ def typed(value: Any) -> Any:
     return (type(value).__name__, repr(value))
 
 
-text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | text,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
-    max_leaves=25)
 
 
 @settings(max_examples=300, deadline=None)

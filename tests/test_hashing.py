@@ -11,7 +11,7 @@ from pathlib import Path
 from conftest import run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cli_startup import QUICK, workspace
+from test_cli_startup import LOADED, QUICK, workspace
 
 from handoffd.backends.files import seals
 from handoffd.core import hashing
@@ -55,13 +55,7 @@ def test_create_and_show_do_not_load_openssl(tmp_path: Path) -> None:
     """The quick create seals the new document and show checks seals; neither loads OpenSSL's
     hashes (3 ms warm, ~20 ms cold), and the document is sealed as the daemon seals."""
     root = workspace(tmp_path / "ws")
-    code = ("import sys\n"
-            "from handoffd.cli.entry import handoff\n"
-            "sys.argv = ['handoff', *sys.argv[2:], '--root', sys.argv[1]]\n"
-            "try:\n"
-            "    handoff()\n"
-            "finally:\n"
-            "    print('MODULES', ' '.join(sorted(sys.modules)))\n")
+    code = LOADED  # (a command run in one interpreter, its modules printed)
     made = run_python(code, str(root), "create", "--to", "@x", "--id", "sealed-1", env=QUICK)
     assert made.stdout.startswith("sealed-1"), made.stderr
     shown = run_python(code, str(root), "show", "sealed-1", env=QUICK)
