@@ -125,3 +125,28 @@ def test_absent_looks_at_the_folder_once_and_sees_a_file_added_since(
     (folder / "b.json").write_text("{}")
     assert cache.absent(names) == {"a.json", "../x.json"}
     assert not cache.has("a.json") and cache.has("b.json") and cache.has("here.json")
+
+
+@pytest.mark.parametrize("hostile", ["o" * 300, "a\0b.json", "é" * 128])
+@pytest.mark.parametrize("expectations", ["enforce", "advisory"])
+def test_a_schema_name_no_file_can_have_is_a_missing_schema(
+        tmp_path: Path, hostile: str, expectations: str) -> None:
+    """A request's schema name is the sender's: one over NAME_MAX bytes, or with a NUL, made
+    the look-up raise (ENAMETOOLONG, "embedded null byte") out of admission, and the claim
+    stayed in in-progress/, charged as a crash at each recovery (review RF). It is a schema
+    that does not exist: refused (enforce) or warned of (advisory) as any other."""
+    clock = Clock()
+    engine = _advisory(tmp_path, clock, lambda doc, ctx: {"status": "completed"})
+    engine.settings = dataclasses.replace(engine.settings, expectations=expectations)
+    doc = _request("hostile-1")
+    doc["input"]["schema"] = "nope.json"
+    doc["expected_output"]["schema"] = hostile
+    engine.submit(doc)
+    job = engine.take("hostile-1")
+    assert job is not None
+    outcome = engine.run(job)
+    if expectations == "enforce":
+        assert outcome.status == "failed", outcome
+        assert outcome.error["code"] == "SCHEMA_VALIDATION_FAILED", outcome.error
+    else:
+        assert outcome.status == "completed", outcome
