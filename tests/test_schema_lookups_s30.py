@@ -150,3 +150,17 @@ def test_a_schema_name_no_file_can_have_is_a_missing_schema(
         assert outcome.error["code"] == "SCHEMA_VALIDATION_FAILED", outcome.error
     else:
         assert outcome.status == "completed", outcome
+
+
+def test_a_schema_removed_between_handoffs_is_a_missing_schema(tmp_path: Path) -> None:
+    """A schema used by one handoff (its validator cached) and removed before the next is a
+    missing schema for the next: warned of in advisory mode, the handoff run. Its rebuild's
+    "not found" failed that handoff for good (PROCESSING_ERROR, review RF)."""
+    engine = _advisory(tmp_path, Clock(), lambda doc, ctx: {"status": "completed", "output": {}})
+    (engine.ws.schemas / IN_NAME).write_text(json.dumps({"type": "object"}))
+    first = _run(engine, "gone-1")
+    assert first.status == "completed", first
+    (engine.ws.schemas / IN_NAME).unlink()
+    second = _run(engine, "gone-2")
+    assert second.status == "completed", second
+    assert f"input.schema names {IN_NAME!r}" in "\n".join(second.warnings)

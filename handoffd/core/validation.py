@@ -272,7 +272,11 @@ class SchemaCache:
         missing: set[str] = set()
         folder_mtime: int | None = None  # schemas/'s, taken at the first name that needs it
         for name in names:
-            if name in self._validators:
+            found = self._validators.get(name)
+            # (a cached one whose files changed is looked up afresh: one removed since is a
+            # missing schema, said as such, not a "not found" from its rebuild, which failed
+            # the handoff for good in advisory mode; review RF)
+            if found is not None and self._unchanged(found[1]):
                 continue
             if not plain_name(name):
                 missing.add(name)
