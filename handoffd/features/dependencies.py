@@ -207,7 +207,7 @@ class Graph:
         with self.lock:
             progress = self.progress.get(waiter)
             if progress is None or progress.key != key \
-                    or not 0 <= (now - progress.since).total_seconds() <= trusted:
+                    or not _within(now, progress.since, trusted):
                 if len(self.progress) >= MAX_REMEMBERED:
                     self.progress.clear()
                     self.awaited.clear()
@@ -263,17 +263,9 @@ class Graph:
         :data:`MAX_REMEMBERED` of them."""
         progress = self.progress
         oldest = next(iter(progress.values())).since if progress else self.engine.clock()
-        for notes, times in ((self.completed, self.filed_at), (self.failed, None)):
-            while notes:
-                try:
-                    dep, at = next(iter(notes.items()))
-                except RuntimeError:  # (changed meanwhile by a pop without the lock: later)
-                    break
-                if oldest <= at:
-                    break
-                notes.pop(dep, None)  # (forget() and filed() pop without the lock)
-                if times is not None:
-                    times.pop(dep, None)
+        for dep in _drop_oldest(self.completed, lambda at: at < oldest):
+            self.filed_at.pop(dep, None)
+        _drop_oldest(self.failed, lambda at: at < oldest)
 
     def filed(self, handoff_id: str, where: State) -> None:
         """``on_filed`` listener: what this daemon filed completed is completed now (a waiter
@@ -330,16 +322,8 @@ class Graph:
         filing this daemon never hears of, stayed until the 100,000-id bound (review RC)."""
         now = self.engine.clock()
         self._note(self.unfinished, dep, now)
-        unfinished = self.unfinished
         with self.lock:
-            while unfinished:
-                try:
-                    first, seen = next(iter(unfinished.items()))
-                except RuntimeError:  # (changed meanwhile: pops without the lock)
-                    break
-                if 0 <= (now - seen).total_seconds() <= UNFINISHED_SECONDS:
-                    break
-                unfinished.pop(first, None)
+            _drop_oldest(self.unfinished, lambda seen: not _within(now, seen, UNFINISHED_SECONDS))
 
     def _note(self, where: dict[str, datetime], handoff_id: str, at: datetime) -> None:
         with self.lock:
@@ -434,12 +418,8 @@ class Graph:
         with self.lock:
             runnable = self.runnable
             runnable.pop(waiter, None)  # (to the end of the line: the oldest come first)
-            while runnable:
-                first, (_, noted) = next(iter(runnable.items()))
-                if 0 <= (now - noted).total_seconds() <= RUNNABLE_SECONDS \
-                        and len(runnable) < MAX_REMEMBERED:
-                    break
-                del runnable[first]
+            _drop_oldest(runnable, lambda entry: not _within(now, entry[1], RUNNABLE_SECONDS)
+                         or len(runnable) >= MAX_REMEMBERED)
             if ready is not None:
                 runnable[waiter] = (ready, now)
         self.done_with(waiter)
@@ -513,6 +493,28 @@ def completed_at(doc: dict[str, Any]) -> datetime | None:
     return None
 
 
+def _drop_oldest(notes: dict[str, Any], stale: Callable[[Any], bool]) -> list[str]:
+    """(With the graph's lock held.) Take from the front of ``notes``, kept oldest first, each
+    entry whose value is ``stale``, up to the first that is not; the ids taken. A change
+    meanwhile by a pop without the lock (``forget``, ``filed``) ends it: the next call goes on."""
+    dropped: list[str] = []
+    while notes:
+        try:
+            key, value = next(iter(notes.items()))
+        except RuntimeError:
+            break
+        if not stale(value):
+            break
+        notes.pop(key, None)
+        dropped.append(key)
+    return dropped
+
+
+def _within(now: datetime, at: datetime, seconds: float) -> bool:
+    """``at`` is at most ``seconds`` before ``now`` (and not after it: a clock stepped back)."""
+    return 0 <= (now - at).total_seconds() <= seconds
+
+
 def dependencies_gate(graph: Graph, env: Envelope) -> Verdict | None:
     """Wait until every dependency completed; fail with DEPENDENCY_MISSING when one failed, was
     cancelled, does not exist, or the dependencies form a cycle. The dependencies are taken in
@@ -554,7 +556,7 @@ def _first_look(graph: Graph, env: Envelope, progress: Progress) -> Verdict | No
     now = graph.engine.clock()
     for dep in env.depends_on:
         seen = graph.unfinished.get(dep)
-        if seen is not None and 0 <= (now - seen).total_seconds() <= UNFINISHED_SECONDS:
+        if seen is not None and _within(now, seen, UNFINISHED_SECONDS):
             continue
         state = graph.look(dep, progress)
         if state is None or state is State.FAILED:
