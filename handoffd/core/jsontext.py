@@ -82,20 +82,24 @@ def parse_line(line: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
     if isinstance(value, (dict, list)):
         # no line of ours nests deep: what its readers do with it must not recurse past the
         # limit either (a value cannot nest deeper than it has brackets: most need no walk)
-        brackets = (line.count(b"[") + line.count(b"{") if isinstance(line, bytes)
-                    else line.count("[") + line.count("{"))
-        if brackets > max_depth and nesting_depth(value, max_depth) > max_depth:
+        if _brackets(line) > max_depth and nesting_depth(value, max_depth) > max_depth:
             return None
     return value
+
+
+def _brackets(text: str | bytes) -> int:
+    """How many ``{`` and ``[`` ``text`` holds (its UTF-8 bytes hold as many): no value parsed
+    from it can nest deeper, so most need no walk at all."""
+    if isinstance(text, bytes):
+        return text.count(b"{") + text.count(b"[")
+    return text.count("{") + text.count("[")
 
 
 def check_depth(text: str | bytes, value: Any, name: str, limit: int) -> None:
     """InvalidDocument (DOCUMENT_TOO_DEEP) when ``value``, parsed from ``text`` (or from its
     UTF-8 bytes: the same count of brackets), nests deeper than ``limit``."""
     # a value cannot nest deeper than it has brackets: most need no walk at all
-    brackets = (text.count(b"{") + text.count(b"[") if isinstance(text, bytes)
-                else text.count("{") + text.count("["))
-    if brackets > limit and nesting_depth(value, limit) > limit:
+    if _brackets(text) > limit and nesting_depth(value, limit) > limit:
         raise InvalidDocument(f"{name} nests more than {limit} levels deep; flatten it",
                               code=ErrorCode.DOCUMENT_TOO_DEEP)
 
