@@ -237,6 +237,20 @@ def answer_status(doc: dict[str, Any]) -> bool:
     return isinstance(doc.get("status"), str) and doc["status"] in ANSWER_MARKS
 
 
+def answer_fields_lacking(doc: dict[str, Any]) -> str:
+    """What a seed-001 document whose ``status`` only an answer has (:func:`answer_status`)
+    lacks of that answer's own fields (:data:`ANSWER_MARKS`), in words (``status 'completed',
+    a seed-001 Response's, without timestamp_completed or completed_at``); "" for any other
+    document (a request, a whole answer). A claim checks such a document against its answer's
+    schema and files it ``SCHEMA_VALIDATION_FAILED``; ``handoff ls`` notes it."""
+    if not answer_status(doc) or native_answer(doc):
+        return ""
+    status = str(doc["status"])
+    kind = "Response" if status in ("completed", "partial") else "Failure"
+    marks = ANSWER_MARKS[status]
+    return f"status {status!r}, a seed-001 {kind}'s, without {', '.join(marks[:-1])} or {marks[-1]}"
+
+
 def apply_native_outcome(doc: dict[str, Any], outcome: Outcome, *, retry_count: int,
                          max_retries: int, retry_available: bool) -> None:
     """Turn an in-progress seed-001 document into its response (completed) or failure form

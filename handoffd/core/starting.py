@@ -29,8 +29,10 @@ HELD_SIGNALS: list[int] = []
 # what SIGTERM, SIGINT and SIGHUP did before hold_stop_signals (release_stop_signals puts it back)
 _BEFORE_HOLD: dict[int, Any] = {}
 # the line (bytes, ready to write) a second stop signal says as it ends the start at once
-# (empty: none); set by :func:`say_at_once`
+# (empty: none), and the event that makes it a JSON log record instead (empty: plain text; its
+# time is known only then); set by :func:`say_at_once`
 _AT_ONCE: list[bytes] = [b""]
+_AT_ONCE_EVENT: list[bytes] = [b""]
 
 
 def hold_stop_signals(at_once: str = "") -> None:
@@ -75,10 +77,18 @@ def _hold(signum: int, frame: object) -> None:
         stop_at_once()
 
 
-def say_at_once(line: str) -> None:
+def say_at_once(line: str, *, event: str = "") -> None:
     """From now on, a second stop signal during the start (:func:`stop_at_once`) says ``line``
-    on stderr as it ends the process ("": it says nothing)."""
+    on stderr as it ends the process ("": it says nothing). With ``event`` (``--log-format
+    json``), ``line`` is the message of one JSON log record with that event, as the daemon's
+    own records read (time, level, message, event): plain text broke a log shipper's stream."""
     _AT_ONCE[0] = f"{line}\n".encode("utf-8", "backslashreplace") if line else b""
+    _AT_ONCE_EVENT[0] = b""
+    if line and event:  # (the record's message and event encoded now: a signal handler that
+        # imported json could find it half-imported, were the signal to land in its import)
+        import json
+        _AT_ONCE[0] = json.dumps(line).encode("ascii")
+        _AT_ONCE_EVENT[0] = json.dumps(event).encode("ascii")
 
 
 def stop_at_once() -> NoReturn:
@@ -87,12 +97,26 @@ def stop_at_once() -> NoReturn:
     one write(2) to file descriptor 2, no lock (``print`` to ``sys.stderr`` takes its buffer's
     lock, and a handler that interrupts a write to it fails with "reentrant call")."""
     import os
-    if _AT_ONCE[0]:
+    said = _AT_ONCE[0]
+    if said and _AT_ONCE_EVENT[0]:
+        said = _json_record(said, _AT_ONCE_EVENT[0])
+    if said:
         try:
-            os.write(2, _AT_ONCE[0])
+            os.write(2, said)
         except OSError:  # (stderr closed: the exit says the rest)
             pass
     raise SystemExit(0)
+
+
+def _json_record(message: bytes, event: bytes) -> bytes:
+    """``message`` and ``event`` (JSON strings, encoded) as one line of the daemon's JSON log
+    format (its time: now, in UTC to the millisecond, as
+    :class:`handoffd.cli.daemon_commands.JsonLines` writes it). Imports nothing: it runs in a
+    signal handler."""
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+    return (b'{"time": "' + stamp.encode("ascii") + b'", "level": "info", "message": ' + message
+            + b', "event": ' + event + b"}\n")
 
 
 def ask_stop(signum: int) -> None:

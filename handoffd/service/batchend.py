@@ -151,7 +151,10 @@ class BatchEnd:
     def say_takeovers_left(self) -> None:
         """A batch that waited for claims to take over ends without some (outside ``cv``):
         one line for each, naming it and why (a row locked by another database session is
-        skipped by the takeover), and who takes it over. It ended without a word of them."""
+        skipped by the takeover), and who takes it over. It ended without a word of them.
+        Said once a batch: only PostgreSQL's store has them, which forked processes cannot
+        share (no ``forkable``), so its batch runs on one process whatever ``--processes``
+        asks (:func:`.spread.processes_for`)."""
         self.takeovers_left_due = False
         left = getattr(self.engine.backend, "takeovers_left", None)
         if not callable(left):

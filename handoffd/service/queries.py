@@ -16,7 +16,7 @@ from ..core import ownfiles
 from ..core.documents import book, is_safe_id, next_attempt_at
 from ..core.errors import ErrorCode, HandoffdError, InvalidDocument, UsageError
 from ..core.jsontext import parse_document
-from ..core.native_format import stub_code, stub_problems
+from ..core.native_format import answer_fields_lacking, stub_code, stub_problems
 from ..core.states import State
 from ..core.storage import FOREIGN_FILING, Row, foreign_filing, trusted_doc
 from ..core.timeutil import iso
@@ -96,9 +96,23 @@ def _settled_note(state: State, doc: dict[str, Any]) -> str:
         lease = given if isinstance(given := block.get("lease"), dict) else {}
         owner = lease.get("owner") or {}
         note = f"owner {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
+    if state.terminal and (lacking := _answer_lacking(doc)):  # (an answer without its fields:
+        # filed so by another consumer; handoffd's own filings carry them)
+        unfit = f"{ErrorCode.SCHEMA_VALIDATION_FAILED}: {lacking}"
+        note = f"{note}; {unfit}" if note else unfit
     if foreign_filing(state, doc):
         note = f"{note}; {FOREIGN_FILING}" if note else FOREIGN_FILING
     return note
+
+
+def _answer_lacking(doc: dict[str, Any]) -> str:
+    """For a seed-001 document, what it lacks of the answer its status names
+    (:func:`~handoffd.core.native_format.answer_fields_lacking`); "" for any other."""
+    lacking = answer_fields_lacking(doc)
+    try:
+        return lacking if lacking and dialects.detect(doc).name == "native" else ""
+    except Exception:  # (no format it is in: not one)
+        return ""
 
 
 def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: str | None,
@@ -111,7 +125,7 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
     peek = engine.peek(handoff_id)
     if peek is not None and not peek.readable:
         return f"{peek.problem.code}: {peek.problem}" if peek.problem else ""
-    refusal = _refused_at_claim(engine, handoff_id, doc)
+    refusal = _refused_at_claim(engine, handoff_id, doc) or _answer_unfit(engine, handoff_id, doc)
     if refusal is not None:
         return f"{refusal.code}: {refusal}"
     due = next_attempt_at(doc)
@@ -147,6 +161,33 @@ def _refused_at_claim(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> \
     except Exception:  # (a reader choking on a hostile document: the peek said what it could)
         return None
     return None
+
+
+def _answer_unfit(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> InvalidDocument | None:
+    """What the claim of a pending seed-001 document whose status only an answer has, without
+    that answer's fields (:func:`~handoffd.core.native_format.answer_fields_lacking`), files it
+    for: its answer's schema check fails (SCHEMA_VALIDATION_FAILED), said as that check says it,
+    with why. A whole answer was noted NOT_A_REQUEST, this one nothing. Asked for `ls` only,
+    and the schema checked only for such a document (a request costs one dict look-up)."""
+    lacking = answer_fields_lacking(doc)
+    if not lacking:
+        return None
+    try:
+        dialect = engine.formats.detect(doc)
+        if dialect.name != "native":
+            return None
+        engine.validate(doc, dialect, handoff_id=handoff_id,
+                        subject=f"{handoff_id} has {lacking}: read as one when claimed, it is not "
+                                "a valid one")
+    except InvalidDocument as exc:
+        if exc.code != ErrorCode.SCHEMA_VALIDATION_FAILED:
+            return None
+        # (what to do at the end, kept by the table's cut as NOT_A_REQUEST's is)
+        return InvalidDocument(f"{exc}; submit the request instead (status pending)",
+                               handoff_id=handoff_id, code=exc.code)
+    except Exception:  # (a schema that cannot be used: the daemon says what it can)
+        return None
+    return None  # (a workspace schema that takes it: its claim runs it)
 
 
 def _concurrency_note(engine: Engine, target: str | None, in_progress: InProgress) -> str:
