@@ -4,9 +4,9 @@ that answer's fields (session 31, task F).
 A whole answer (status completed with ``completed_at``...) in pending/ is noted NOT_A_REQUEST;
 one with the status alone (``"status": "failed"``, no ``error`` nor ``failed_at``) had no note,
 though its claim checks it against the Failure's schema and files it SCHEMA_VALIDATION_FAILED
-(session 29). Filed so by another consumer into completed/ or failed/, it was noted only as a
-foreign filing. Each now gets a ``SCHEMA_VALIDATION_FAILED: ...`` note saying what it lacks, in
-``ls`` and ``show`` alike; a request and a whole answer keep theirs. Real ``handoff`` and
+(session 29). It now gets a ``SCHEMA_VALIDATION_FAILED: ...`` note saying what it lacks, in
+``ls`` and ``show`` alike, once nothing else keeps it waiting; a request and a whole answer keep
+theirs. Real ``handoff`` and
 ``handoffd run`` processes against a tmp workspace.
 """
 from __future__ import annotations
@@ -73,23 +73,18 @@ def test_a_pending_answer_status_without_its_fields_is_noted(tmp_path: Path) -> 
     assert ws.state_of(request) == ["completed"] and filed[request] == ""
 
 
-def test_a_filed_answer_status_without_its_fields_is_noted(tmp_path: Path) -> None:
-    """In completed/ or failed/ (filed by another consumer): the note says what it lacks,
-    before the foreign filing's; a whole answer there has no such note."""
+def test_a_wait_keeps_its_note_before_the_answer_check(tmp_path: Path) -> None:
+    """What holds a pending document is said first, as its claim comes only after it (RF): a
+    target nobody here serves, a dependency still pending. Filed so by another consumer into
+    completed/, such a document keeps its foreign filing's note alone (a workspace schema may
+    take it: ``handoff validate`` is what judges a filed document)."""
     ws = new_workspace(tmp_path / "ws", CONFIG)
+    ws.drop("nobody-bare.json", _native("nobody-bare", status="failed", target={"agent_id": "@nobody"}))
+    ws.drop("blocker.json", _native("blocker", target={"agent_id": "@nobody"}, status="pending"))
+    ws.drop("waits-bare.json", _native("waits-bare", status="completed", depends_on=["blocker"]))
     _filed(ws, "completed", _native("c-bare", status="completed"))
-    _filed(ws, "failed", _native("f-bare", status="cancelled"))
-    _filed(ws, "completed", _native("c-whole", status="completed",
-                                    timestamp_completed="2026-11-28T12:01:00Z"))
-    _filed(ws, "failed", _native("f-whole", status="failed", failed_at="2026-11-28T12:01:00Z",
-                                 error={"code": "PROCESSING_ERROR", "message": "x"}))
     notes = _notes(ws)
-    assert notes["c-bare"].startswith(
-        "SCHEMA_VALIDATION_FAILED: status 'completed', a seed-001 Response's, without "
-        "timestamp_completed or completed_at; filed by another consumer"), notes
-    assert notes["f-bare"].startswith(
-        "SCHEMA_VALIDATION_FAILED: status 'cancelled', a seed-001 Failure's, without "
-        "timestamp_failed, failed_at or error; filed by another consumer"), notes
-    assert _shown(ws, "c-bare") == notes["c-bare"] and _shown(ws, "f-bare") == notes["f-bare"]
-    for hid in ("c-whole", "f-whole"):
-        assert "SCHEMA_VALIDATION_FAILED" not in notes[hid], notes
+    assert notes["nobody-bare"] == "waiting: no specialist registered for @nobody", notes
+    assert "blocker" in notes["waits-bare"], notes
+    assert "SCHEMA_VALIDATION_FAILED" not in notes["waits-bare"], notes
+    assert "SCHEMA_VALIDATION_FAILED" not in notes["c-bare"], notes

@@ -97,6 +97,10 @@ def stop_at_once() -> NoReturn:
     one write(2) to file descriptor 2, no lock (``print`` to ``sys.stderr`` takes its buffer's
     lock, and a handler that interrupts a write to it fails with "reentrant call")."""
     import os
+    import signal  # (loaded already: hold_stop_signals imported it)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP"):  # a third signal while this exit unwinds said
+        signal.signal(getattr(signal, name), signal.SIG_IGN)  # the line again, and one after
+        # Python put the default handlers back on its way out killed it with -15 (RF)
     said = _AT_ONCE[0]
     if said and _AT_ONCE_EVENT[0]:
         said = _json_record(said, _AT_ONCE_EVENT[0])

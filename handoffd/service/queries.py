@@ -96,23 +96,9 @@ def _settled_note(state: State, doc: dict[str, Any]) -> str:
         lease = given if isinstance(given := block.get("lease"), dict) else {}
         owner = lease.get("owner") or {}
         note = f"owner {owner.get('host', '?')}:{owner.get('pid', '?')}" if owner else ""
-    if state.terminal and (lacking := _answer_lacking(doc)):  # (an answer without its fields:
-        # filed so by another consumer; handoffd's own filings carry them)
-        unfit = f"{ErrorCode.SCHEMA_VALIDATION_FAILED}: {lacking}"
-        note = f"{note}; {unfit}" if note else unfit
     if foreign_filing(state, doc):
         note = f"{note}; {FOREIGN_FILING}" if note else FOREIGN_FILING
     return note
-
-
-def _answer_lacking(doc: dict[str, Any]) -> str:
-    """For a seed-001 document, what it lacks of the answer its status names
-    (:func:`~handoffd.core.native_format.answer_fields_lacking`); "" for any other."""
-    lacking = answer_fields_lacking(doc)
-    try:
-        return lacking if lacking and dialects.detect(doc).name == "native" else ""
-    except Exception:  # (no format it is in: not one)
-        return ""
 
 
 def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: str | None,
@@ -125,7 +111,7 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
     peek = engine.peek(handoff_id)
     if peek is not None and not peek.readable:
         return f"{peek.problem.code}: {peek.problem}" if peek.problem else ""
-    refusal = _refused_at_claim(engine, handoff_id, doc) or _answer_unfit(engine, handoff_id, doc)
+    refusal = _refused_at_claim(engine, handoff_id, doc)
     if refusal is not None:
         return f"{refusal.code}: {refusal}"
     due = next_attempt_at(doc)
@@ -141,8 +127,9 @@ def _pending_note(engine: Engine, handoff_id: str, doc: dict[str, Any], target: 
         verdict = engine.gate(peek) if peek is not None else None
     except Exception as exc:  # a gate reading a broken dependency must not break the listing
         return f"cannot check its gates: {type(exc).__name__}: {str(exc)[:200]}"
-    if verdict is None:
-        return _concurrency_note(engine, target, in_progress)
+    if verdict is None:  # (due, served and through the gates: its claim would check it)
+        unfit = _answer_unfit(engine, handoff_id, doc)
+        return f"{unfit.code}: {unfit}" if unfit else _concurrency_note(engine, target, in_progress)
     return verdict.reason if verdict.action == "wait" else f"will fail: {verdict.reason}"
 
 
@@ -168,7 +155,9 @@ def _answer_unfit(engine: Engine, handoff_id: str, doc: dict[str, Any]) -> Inval
     that answer's fields (:func:`~handoffd.core.native_format.answer_fields_lacking`), files it
     for: its answer's schema check fails (SCHEMA_VALIDATION_FAILED), said as that check says it,
     with why. A whole answer was noted NOT_A_REQUEST, this one nothing. Asked for `ls` only,
-    and the schema checked only for such a document (a request costs one dict look-up)."""
+    and the schema checked only for such a document (a request costs one dict look-up), once
+    nothing keeps it waiting: it is checked when it is claimed, and a wait's note (a target
+    nobody here serves, a dependency) is what holds it till then (RF)."""
     lacking = answer_fields_lacking(doc)
     if not lacking:
         return None
