@@ -152,7 +152,13 @@ def reason_codes(root: Path) -> dict[str, str]:
     """Quarantined file name -> recorded code."""
     out = {}
     for path in (root / "handoffs" / ".quarantine").glob("*.reason.json"):
-        item = json.loads(path.read_text())
+        try:
+            text = path.read_text()
+        except FileNotFoundError:  # (an empty reason given up since)
+            continue
+        if not text:  # a set-aside's reason is created empty to hold its name, then replaced
+            continue  # by the written one (backends/files/quarantine.py `_reserve`): not yet
+        item = json.loads(text)
         out[item["file"]] = item["code"]
     return out
 

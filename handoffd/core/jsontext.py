@@ -5,48 +5,57 @@ UTF-8, finite numbers, nesting at most MAX_DEPTH), a command-line or stored valu
 (:func:`load_json`), or one line of a log or record (:func:`parse_line`, which never raises).
 Nothing here touches a file; the stores read the bytes and hand them over.
 
+Nesting is measured on the text, before any parser sees it (:func:`nests_deeper`): json's parser
+recurses, and refuses a value some 990 to 1,023 levels deep by its recursion limit, where that
+limit falls depending on the caller's stack (a worker thread's, the command line's).
+
 Documents are written by :func:`encode_document`, with orjson once a process has written a few.
 """
 from __future__ import annotations
 
 import json
 import re
+from itertools import accumulate
 from typing import Any, Callable
 
-from .documents import MAX_DEPTH, nesting_depth
+from .documents import MAX_DEPTH
 from .errors import ErrorCode, InvalidDocument
 
 
 def parse_document(data: bytes, name: str) -> dict[str, Any]:
-    """Decode UTF-8 JSON that must be an object; raise InvalidDocument saying what is wrong."""
+    """Decode UTF-8 JSON that must be an object nesting at most MAX_DEPTH levels; raise
+    InvalidDocument saying what is wrong."""
+    # the depth first, from the text: json's recursion limit refused a document some 990
+    # levels deep as MALFORMED_JSON, which a store waits on as possibly half-written; a
+    # document cut short nests no deeper than the whole one will, so one nested too deep is
+    # refused at once, with its own code, whether or not its writer is done
+    refuse_deep(data, name, MAX_DEPTH)
     loads = _fast_loads
     if loads is not None and type(data) is bytes and len(data) <= FAST_PARSE_BYTES:
         doc = _read_fast(loads, data)
         if doc is not None:
-            try:
-                check_depth(data, doc, name, MAX_DEPTH)
-                return doc
-            except InvalidDocument:  # json words it: from about 990 levels (its recursion
-                pass  # limit) as MALFORMED_JSON, which a store waits on as half-written (RA)
+            return doc
     if not data.strip():
         raise InvalidDocument(f"{name} is empty", code=ErrorCode.EMPTY_DOCUMENT)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidDocument(f"{name} is not UTF-8 (byte {exc.start})", code=ErrorCode.NOT_UTF8) from None
-    doc = load_json(text, name, max_depth=None)
+    doc = load_json(text, name, max_depth=None)  # (its depth is known to be within bounds)
     if not isinstance(doc, dict):
         raise InvalidDocument(f"{name} holds a JSON {type(doc).__name__}, not an object",
                               code=ErrorCode.NOT_AN_OBJECT)
-    check_depth(text, doc, name, MAX_DEPTH)
     return doc
 
 
 def load_json(text: str, name: str, *, max_depth: int | None = None) -> Any:
     """JSON ``text`` that a document can hold (what the daemon reads and what the command line
     takes as ``--data``): InvalidDocument, naming ``name``, for NaN, Infinity and numbers that
-    overflow a float, invalid JSON, an integer past Python's digit limit, nesting that exhausts
-    the recursion limit or passes ``max_depth``, and a ``\\u`` escape of a lone surrogate."""
+    overflow a float, invalid JSON, an integer past Python's digit limit, nesting past
+    ``max_depth`` (DOCUMENT_TOO_DEEP, found before parsing) or, without one, nesting that
+    exhausts the recursion limit, and a ``\\u`` escape of a lone surrogate."""
+    if max_depth is not None:
+        refuse_deep(text, name, max_depth)
     try:
         value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except _NotFinite as exc:
@@ -64,8 +73,6 @@ def load_json(text: str, name: str, *, max_depth: int | None = None) -> Any:
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
         raise InvalidDocument(f"{name} holds a \\u escape of a lone UTF-16 surrogate, which is not "
                               "Unicode and cannot be written back as UTF-8", code=ErrorCode.NOT_UTF8)
-    if max_depth is not None:
-        check_depth(text, value, name, max_depth)
     return value
 
 
@@ -73,35 +80,51 @@ def parse_line(line: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
     """The JSON value of one line of handoffd's own bookkeeping (a line of a ``.jsonl`` log, a
     small record file), or None when it cannot be one of ours: not UTF-8, not JSON (a torn
     line), an integer past Python's digit limit, or nesting deeper than ``max_depth``. Never
-    raises: a line of ``[`` thirty thousand deep, whose parse exhausts the recursion limit, is
-    one more line that is not ours, not a RecursionError out of a command or the daemon loop."""
-    try:
-        value = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
-    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError: ValueErrors)
+    raises: a line of ``[`` thirty thousand deep is one more line that is not ours, found so on
+    its text (no line of ours nests deep: what its readers do with it must not recurse past the
+    limit either), not a RecursionError out of a command or the daemon loop."""
+    if nests_deeper(line, max_depth):
         return None
-    if isinstance(value, (dict, list)):
-        # no line of ours nests deep: what its readers do with it must not recurse past the
-        # limit either (a value cannot nest deeper than it has brackets: most need no walk)
-        if _brackets(line) > max_depth and nesting_depth(value, max_depth) > max_depth:
-            return None
-    return value
+    try:
+        return json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError: ValueErrors;
+        return None  # RecursionError: a max_depth past what the stack holds)
 
 
-def _brackets(text: str | bytes) -> int:
-    """How many ``{`` and ``[`` ``text`` holds (its UTF-8 bytes hold as many): no value parsed
-    from it can nest deeper, so most need no walk at all."""
-    if isinstance(text, bytes):
-        return text.count(b"{") + text.count(b"[")
-    return text.count("{") + text.count("[")
-
-
-def check_depth(text: str | bytes, value: Any, name: str, limit: int) -> None:
-    """InvalidDocument (DOCUMENT_TOO_DEEP) when ``value``, parsed from ``text`` (or from its
-    UTF-8 bytes: the same count of brackets), nests deeper than ``limit``."""
-    # a value cannot nest deeper than it has brackets: most need no walk at all
-    if _brackets(text) > limit and nesting_depth(value, limit) > limit:
+def refuse_deep(text: str | bytes, name: str, limit: int) -> None:
+    """InvalidDocument (DOCUMENT_TOO_DEEP) naming ``name`` when JSON ``text`` (or its UTF-8
+    bytes) nests deeper than ``limit``, found on the text alone (:func:`nests_deeper`)."""
+    if nests_deeper(text, limit):
         raise InvalidDocument(f"{name} nests more than {limit} levels deep; flatten it",
                               code=ErrorCode.DOCUMENT_TOO_DEEP)
+
+
+# a JSON string, escapes and all, to its closing quote or to the end of a text cut short
+# within it ((?s): a backslash before a line break, no JSON, still does not end it)
+_STRING = re.compile(r'(?s)"[^"\\]*(?:\\.[^"\\]*)*"?')
+_STRING_BYTES = re.compile(_STRING.pattern.encode())
+_NOT_BRACKET = re.compile(r"[^][{}]+")
+_NOT_BRACKET_BYTES = re.compile(rb"[^][{}]+")
+# what each bracket does to the depth (bytes iterate as ints)
+_STEP = {"{": 1, "[": 1, "}": -1, "]": -1, ord("{"): 1, ord("["): 1, ord("}"): -1, ord("]"): -1}
+
+
+def nests_deeper(text: str | bytes, limit: int) -> bool:
+    """True when the objects and arrays of JSON ``text`` (or of its UTF-8 bytes: every
+    character looked at here is ASCII, and no byte of a multi-byte one is) nest more than
+    ``limit`` levels deep: for valid JSON, as its value does; for a text cut short (a
+    document still being written), as far as it goes, which the whole text goes too. Before
+    any parser recurses into it, the same whatever the caller's stack; strings are passed over
+    whole; linear time, each step a pass in C, stopping at the first level past ``limit``."""
+    if isinstance(text, str):
+        if text.count("{") + text.count("[") <= limit:  # (most texts: no closer look)
+            return False
+        bare: str | bytes = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    else:
+        if text.count(b"{") + text.count(b"[") <= limit:
+            return False
+        bare = _NOT_BRACKET_BYTES.sub(b"", _STRING_BYTES.sub(b"", text))
+    return any(map(limit.__lt__, accumulate(map(_STEP.__getitem__, bare))))
 
 
 class _NotFinite(ValueError):

@@ -17,7 +17,7 @@ from .logs import log
 from .settings import DaemonSettings
 from .states import Status
 from .timeutil import Clock
-from .validation import SchemaCache, more_errors
+from .validation import Look, SchemaCache, more_errors
 from .workspace import Workspace
 
 # seed 003's CollaborationResult error_type, which a specialist's error block may carry
@@ -268,12 +268,16 @@ class JobChecks:
         """:meth:`check_input` of a request with no job yet (``handoff validate``): its input
         against ``input_schema`` (its specialist's), else the schema the request names; an
         advisory unmet expectation is noted in ``warnings``. Returns the schemas the request
-        names that do not exist."""
-        missing = self._missing_schemas(handoff_id, envelope, warnings)
+        names that do not exist. The specialist's own schema is always used, also when it does
+        not exist and the request names it too: the request's expectation is warned of
+        (advisory) and the handoff fails as when the request names no schema (it once ran
+        unchecked)."""
+        look = Look()  # (each file of schemas/ looked at once for both checks)
+        missing = self._missing_schemas(handoff_id, envelope, warnings, look)
         name = input_schema or envelope.input_schema
-        if not name or name in missing:
+        if not name or (name in missing and not input_schema):
             return missing
-        errors = self.schemas.errors(name, envelope.data)
+        errors = self.schemas.errors(name, envelope.data, look)
         if errors:
             first = errors[0]
             raise InvalidDocument(
@@ -281,13 +285,14 @@ class JobChecks:
                 handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED, errors=errors)
         return missing
 
-    def _missing_schemas(self, handoff_id: str, envelope: Envelope,
-                         warnings: list[str]) -> set[str]:
-        """The schemas the request names that do not exist (each an unmet expectation)."""
+    def _missing_schemas(self, handoff_id: str, envelope: Envelope, warnings: list[str],
+                         look: Look) -> set[str]:
+        """The schemas the request names that do not exist (each an unmet expectation), as
+        ``look`` (the request's) finds schemas/."""
         named_by = (("input.schema", envelope.input_schema),
                     ("expected_output.schema", envelope.output_schema))
         # both looked up at once (one stat of schemas/), found out before the handler runs
-        missing = self.schemas.absent(named for _, named in named_by if named)
+        missing = self.schemas.absent((named for _, named in named_by if named), look)
         for field_name, named in named_by:
             if named and named in missing:
                 self._unmet(warnings, InvalidDocument(

@@ -17,7 +17,8 @@ the workspace, and inline ones (HAIOS's ``expected_output_schema``) come with do
 - a file of ``schemas/`` is read only when it is a regular file (never through a symlink, never
   a FIFO or a device) of at most :data:`MAX_SCHEMA_BYTES`, that bound holding for a schema and
   every file its ``$ref``s reach together; the files a ``$ref`` names are read once, when the
-  validator is built, and the validator is built again when one of them changes (its stat stamp).
+  validator is built, and the validator is built again when one of them changes (its stat stamp),
+  or when a file comes into schemas/ under a name that was a built-in's (schemas/'s mtime).
 
 An unusable named schema is a ConfigError naming the file: the handoffs that name it fail with
 one line, and the daemon goes on.
@@ -133,6 +134,61 @@ def file_stamp(path: Path) -> Stamp:
             info.st_mode)
 
 
+def folder_mtime(folder: Path) -> int:
+    """``folder``'s mtime (ns), which any file added, removed or renamed in it changes; -1 when
+    it cannot be read (absent)."""
+    try:
+        return os.stat(folder).st_mtime_ns
+    except OSError:
+        return -1
+
+
+# schemas/'s mtime kept for names looked up when it was too recent to be trusted: equal to no
+# mtime, so those names are looked up again until one is
+UNSETTLED = -2
+
+
+def _settled(mtime: int) -> int:
+    """schemas/'s ``mtime`` when it is old enough to be trusted, else UNSETTLED: the kernel may
+    stamp from a clock that ticks every few milliseconds, so a file added within the tick of
+    the change last seen could leave the mtime as it was (review RF)."""
+    return mtime if time.time_ns() - mtime > SETTLED_NS else UNSETTLED
+
+
+class _Basis:
+    """What a cached schema (a validator, a quick check, a refusal) was made from: ``stamps``,
+    the stamp of each name it looked for in schemas/ (None: nothing there, so a built-in was
+    used, or none was found), and ``folder``, schemas/'s mtime taken before those names were
+    looked for (None when every name was found there). A file added in schemas/ since moves
+    that mtime, and the names are looked up again: an edited copy of a built-in schema put there
+    while a daemon runs is used from the next handoff on (it was not until a restart)."""
+
+    __slots__ = ("stamps", "folder")
+
+    def __init__(self, stamps: dict[str, Stamp], folder: int | None) -> None:
+        self.stamps = stamps
+        self.folder = folder
+
+
+class Look:
+    """What the checks of one request have seen of schemas/: its mtime, stat'ed once, and the
+    cached schemas found as they were made, not looked at again (:meth:`SchemaCache.absent`
+    and then :meth:`SchemaCache.errors` each took the stamps of a request's schema). Made anew
+    for each request: a schema replaced between two requests is seen by the second."""
+
+    __slots__ = ("_mtime", "current")
+
+    def __init__(self) -> None:
+        self._mtime: int | None = None
+        self.current: set[_Basis] = set()
+
+    def folder_mtime(self, folder: Path) -> int:
+        """schemas/'s mtime (see :func:`folder_mtime`), taken at the first call."""
+        if self._mtime is None:
+            self._mtime = folder_mtime(folder)
+        return self._mtime
+
+
 def _refusal(name: str, exc: OSError) -> str:
     """The one line saying why ``schemas/<name>`` is not read."""
     if exc.errno == errno.ELOOP:
@@ -153,6 +209,11 @@ class _Build:
         self.folder = folder
         self.stamps: dict[str, Stamp] = {}
         self.total = 0
+        self.mtime: int | None = None  # schemas/'s, taken before the first name is looked for
+
+    def basis(self) -> _Basis:
+        """What the build read: the stamps, and schemas/'s mtime if a name was not there."""
+        return _Basis(self.stamps, self.mtime if None in self.stamps.values() else None)
 
     def load(self, name: str) -> Any:
         """Schema ``name``: ``schemas/<name>`` when anything has that name there (refused with a
@@ -181,6 +242,8 @@ class _Build:
         """The bytes of ``schemas/<name>``, None when nothing has that name there."""
         if self.folder is None:
             return None
+        if self.mtime is None:
+            self.mtime = _settled(folder_mtime(self.folder))
         stamp = self.stamps[name] = file_stamp(self.folder / name)
         if stamp is None:
             return None
@@ -210,34 +273,38 @@ class SchemaCache:
     def __init__(self, workspace_schemas: Path | None = None, *,
                  inline_size: int = INLINE_CACHE_SIZE) -> None:
         self.folder = workspace_schemas
-        # name -> its validator and the stamps of the files of schemas/ it was built from
-        self._validators: dict[str, tuple[Validator, dict[str, Stamp]]] = {}
-        # name -> the refusal of an unusable schema, and the stamps of the files it looked at:
-        # given again (nothing read) while they stay as they were
-        self._refused: dict[str, tuple[str, dict[str, Stamp]]] = {}
-        # name -> fastschema check, or None (jsonschema only), and the stamps it stands on
-        self._quick: dict[str, tuple[Any, dict[str, Stamp]]] = {}
+        # name -> its validator and what of schemas/ it was built from
+        self._validators: dict[str, tuple[Validator, _Basis]] = {}
+        # name -> the refusal of an unusable schema, and what of schemas/ it looked at: given
+        # again (nothing read) while that stays as it was
+        self._refused: dict[str, tuple[str, _Basis]] = {}
+        # name -> fastschema check, or None (jsonschema only), and what it stands on (for a
+        # schema of schemas/, its validator's own _Basis: a Look that found one current found
+        # both)
+        self._quick: dict[str, tuple[Any, _Basis]] = {}
         self._missing: dict[str, int] = {}  # name -> schemas/ mtime when it was not there
         self._inline: OrderedDict[str, Validator] = OrderedDict()
         self._inline_size = inline_size
         self._lock = threading.Lock()
 
-    def validator(self, name: str) -> Validator:
+    def validator(self, name: str, look: Look | None = None) -> Validator:
         """The validator for schema ``name`` (workspace schemas/ first, then built-ins), built
-        again when a file of schemas/ it was built from changes; ConfigError if unusable."""
-        return self._current(name)[0]
+        again when a file of schemas/ it was built from changes, or one comes in under a name
+        that was a built-in's; ConfigError if unusable. ``look``: the request's (see
+        :class:`Look`)."""
+        return self._current(name, look)[0]
 
-    def _current(self, name: str) -> tuple[Validator, dict[str, Stamp]]:
-        """:meth:`validator` with the stamps of the files it was built from."""
+    def _current(self, name: str, look: Look | None) -> tuple[Validator, _Basis]:
+        """:meth:`validator` with what of schemas/ it was built from."""
         found = self._validators.get(name)
-        if found is not None and self._unchanged(found[1]):
+        if found is not None and self._holds(found[1], look):
             return found
         with self._lock:
             found = self._validators.get(name)
-            if found is not None and self._unchanged(found[1]):
+            if found is not None and self._holds(found[1], look):
                 return found
             refused = self._refused.get(name)
-            if refused is not None and self._unchanged(refused[1]):
+            if refused is not None and self._holds(refused[1], look):
                 raise ConfigError(refused[0])
             build = _Build(self.folder)
             try:
@@ -246,57 +313,66 @@ class SchemaCache:
                 self._validators.pop(name, None)
                 if len(self._refused) >= INLINE_CACHE_SIZE:  # names come from requests
                     self._refused.clear()
-                self._refused[name] = (str(exc), build.stamps)
+                self._refused[name] = (str(exc), build.basis())
                 raise
             self._refused.pop(name, None)
-            # a built-in looked for in schemas/ and not found there is kept as today (the
-            # quick check of a shipped schema is not looked at again either)
-            found = self._validators[name] = (
-                built, {n: s for n, s in build.stamps.items() if s is not None})
+            found = self._validators[name] = (built, build.basis())
             return found
 
-    def _unchanged(self, stamps: dict[str, Stamp]) -> bool:
-        """True when each file of schemas/ in ``stamps`` still has its stamp (one lstat each)."""
-        return self.folder is None or all(file_stamp(self.folder / name) == stamp
-                                          for name, stamp in stamps.items())
+    def _holds(self, basis: _Basis, look: Look | None) -> bool:
+        """True when what ``basis`` was made from is as it was: each file of schemas/ it read
+        still has its stamp (one lstat each), and no file has come in under a name it found
+        absent (schemas/'s mtime as it was; moved, each such name is looked up again). With
+        ``look``, once a request: its later checks take the answer as given."""
+        if self.folder is None or (look is not None and basis in look.current):
+            return True
+        for name, stamp in basis.stamps.items():
+            if stamp is not None and file_stamp(self.folder / name) != stamp:
+                return False
+        if basis.folder is not None:
+            mtime = look.folder_mtime(self.folder) if look is not None \
+                else folder_mtime(self.folder)
+            if mtime != basis.folder:
+                if any(stamp is None and file_stamp(self.folder / name) is not None
+                       for name, stamp in basis.stamps.items()):
+                    return False
+                # (still absent, each: trusted from this mtime on, once it is settled)
+                basis.folder = _settled(mtime)
+        if look is not None:
+            look.current.add(basis)
+        return True
 
     def has(self, name: str) -> bool:
         """True when schema ``name`` can be loaded (a plain name in schemas/ or built in). Any
         entry of schemas/ counts, a symlink too: using it says why it is refused."""
         return not self.absent((name,))
 
-    def absent(self, names: Iterable[str]) -> set[str]:
+    def absent(self, names: Iterable[str], look: Look | None = None) -> set[str]:
         """The ``names`` :meth:`has` says no to, schemas/ looked at once for all of them (one
         ``stat`` of the folder: a request's input and expected output schemas are asked
-        together, and a request naming schemas nobody wrote costs one stat, not one a name)."""
+        together, and a request naming schemas nobody wrote costs one stat, not one a name).
+        ``look``: the request's, which its later checks share (see :class:`Look`)."""
         missing: set[str] = set()
-        folder_mtime: int | None = None  # schemas/'s, taken at the first name that needs it
+        mtime: int | None = None  # schemas/'s, taken at the first name that needs it
         for name in names:
             found = self._validators.get(name)
             # (a cached one whose files changed is looked up afresh: one removed since is a
             # missing schema, said as such, not a "not found" from its rebuild, which failed
             # the handoff for good in advisory mode; review RF)
-            if found is not None and self._unchanged(found[1]):
+            if found is not None and self._holds(found[1], look):
                 continue
             if not plain_name(name):
                 missing.add(name)
                 continue
             if self.folder is not None:
-                if folder_mtime is None:
-                    folder_mtime = self._folder_mtime()
-                if self._in_folder(name, folder_mtime):
+                if mtime is None:
+                    mtime = folder_mtime(self.folder) if look is None \
+                        else look.folder_mtime(self.folder)
+                if self._in_folder(name, mtime):
                     continue
             if not builtin_exists(name):
                 missing.add(name)
         return missing
-
-    def _folder_mtime(self) -> int:
-        """schemas/'s mtime (ns), -1 when it cannot be read (absent)."""
-        assert self.folder is not None
-        try:
-            return os.stat(self.folder).st_mtime_ns
-        except OSError:
-            return -1
 
     def _in_folder(self, name: str, stamp: int) -> bool:
         """``schemas/<name>`` is a file. A name found missing is remembered with the folder's
@@ -338,13 +414,17 @@ class SchemaCache:
                 self._inline.popitem(last=False)
         return found
 
-    def _shipped(self, name: str) -> dict[str, Any] | None:
-        """The built-in schema ``name`` when nothing in schemas/ overrides it, else None."""
+    def _shipped(self, name: str) -> tuple[dict[str, Any], _Basis] | None:
+        """The built-in schema ``name`` when nothing in schemas/ overrides it, and what of
+        schemas/ says so; else None."""
         if not plain_name(name) or not builtin_exists(name):
             return None
-        if self.folder is not None and file_stamp(self.folder / name) is not None:
+        if self.folder is None:
+            return load_builtin(name), _Basis({}, None)
+        mtime = _settled(folder_mtime(self.folder))  # (before the look-up: a file added after
+        if file_stamp(self.folder / name) is not None:  # it moves the mtime)
             return None
-        return load_builtin(name)
+        return load_builtin(name), _Basis({name: None}, mtime)
 
     def _build(self, name: str, build: _Build) -> Validator:
         """A checked validator for named schema ``name``, its files read through ``build``;
@@ -360,34 +440,35 @@ class SchemaCache:
         except ConfigError as exc:  # a schema it refers to
             raise ConfigError(f"{where} refers to a schema that cannot be used: {exc}") from None
 
-    def errors(self, name: str, instance: Any) -> list[dict[str, str]]:
+    def errors(self, name: str, instance: Any, look: Look | None = None) -> list[dict[str, str]]:
         """Every error of ``instance`` against schema ``name``, in document order. A compiled
         quick check answers for valid documents (:mod:`handoffd.core.fastschema`); jsonschema
-        judges the rest."""
+        judges the rest. ``look``: the request's (see :class:`Look`)."""
         from .fastschema import is_valid
-        quick = self.quick(name)
+        quick = self.quick(name, look)
         if quick is not None and is_valid(quick, instance):
             return []
-        return self.errors_with(self.validator(name), instance)
+        return self.errors_with(self.validator(name, look), instance)
 
-    def quick(self, name: str) -> Any:
+    def quick(self, name: str, look: Look | None = None) -> Any:
         """The compiled quick check of schema ``name``, or None when it has none. A built-in
         schema is compiled as it stands: it ships with the package and its tests check it
         against its metaschema, so the process does not load jsonschema to check it again (only
         a document that fails the quick check does, to say why)."""
         known = self._quick.get(name)
-        if known is not None and self._unchanged(known[1]):
+        if known is not None and self._holds(known[1], look):
             return known[0]
         from .fastschema import compile_schema
-        schema: Any = self._shipped(name)
-        stamps: dict[str, Stamp] = {}
-        if schema is None:  # loads and checks it (ConfigError if unusable)
-            validator, stamps = self._current(name)
-            schema = validator.schema
+        shipped = self._shipped(name)
+        if shipped is None:  # loads and checks it (ConfigError if unusable)
+            validator, basis = self._current(name, look)
+            schema: Any = validator.schema
+        else:
+            schema, basis = shipped
         draft7 = isinstance(schema, dict) and "draft-07" in str(schema.get("$schema", ""))
         found = compile_schema(schema, draft7=draft7) if isinstance(schema, (dict, bool)) else None
         with self._lock:
-            self._quick[name] = (found, stamps)
+            self._quick[name] = (found, basis)
         return found
 
     @staticmethod
