@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import threading
 from datetime import datetime, timedelta
+from types import ModuleType
 from typing import Any, Callable, ContextManager
 
 from .admission import admit, claim_pending, hand_back_short, set_aside, set_aside_claim
@@ -101,6 +102,15 @@ def _routable(dialect: Dialect, doc: dict[str, Any], handoff_id: str) -> Envelop
         if refusal is not None:
             raise refusal
     return env
+
+
+@functools.cache
+def _python_runners() -> tuple[ModuleType, ModuleType]:
+    """The modules that run a Python handler (:mod:`.isolation`, :mod:`.runner`), loaded by
+    whoever runs handlers (not by a command that only builds an engine), once: an import in
+    :meth:`Engine.run` itself was a Python call of the import system's at every handoff."""
+    from . import isolation, runner
+    return isolation, runner
 
 
 class Engine:
@@ -281,8 +291,10 @@ class Engine:
     def specialist_for(self, envelope: Envelope) -> Specialist | None:
         """The specialist that runs ``envelope``: its target's, else the first registered of its
         ``fallback_targets``; None when nobody here can."""
+        # (the registry once loaded: no property call, twice a handoff)
+        registry = self._registry if self._registry is not None else self.registry
         for agent in (envelope.target, *envelope.fallback_targets):
-            spec = self.registry.get(agent)
+            spec = registry.get(agent)
             if spec is not None:
                 return spec
         return None
@@ -371,16 +383,15 @@ class Engine:
                                      self.timeout_for(job),
                                      max_output_bytes=self.settings.max_output_bytes)
             else:
-                from .isolation import isolate, run_isolated
-                from .runner import run_python
-                if isolate(job.specialist, job.claim.doc, job.handoff_id, self.suspects):
-                    result = run_isolated(job.specialist, job.claim.doc, job.context,
-                                          self.timeout_for(job),
-                                          max_output_bytes=self.settings.max_output_bytes,
-                                          suspects=self.suspects)
+                isolation, runner = _python_runners()
+                if isolation.isolate(job.specialist, job.claim.doc, job.handoff_id,
+                                     self.suspects):
+                    result = isolation.run_isolated(
+                        job.specialist, job.claim.doc, job.context, self.timeout_for(job),
+                        max_output_bytes=self.settings.max_output_bytes, suspects=self.suspects)
                 else:
-                    result = run_python(job.specialist, job.claim.doc, job.context,
-                                        self.timeout_for(job), self._takeover(job, started))
+                    result = runner.run_python(job.specialist, job.claim.doc, job.context,
+                                               self.timeout_for(job), self._takeover(job, started))
             outcome = self._usable_outcome(job, result, started)
         except HandlerError as exc:
             outcome = self._failed(exc, started)
@@ -389,7 +400,7 @@ class Engine:
         except ConfigError as exc:
             outcome = self.failure(started, ErrorCode.PROCESSING_ERROR, f"handoff {job.handoff_id}: {exc}",
                                    retryable=False)
-        if reached:
+        if reached and job.context.on_start is not None:  # (None: said by the runner)
             self._started_unless_short(job)
         return conclude(job, outcome, started, self.hooks.after_run)
 
@@ -434,7 +445,7 @@ class Engine:
         while True:
             job.warnings[:] = given  # (in place: whoever holds the list sees the same one)
             try:
-                return self.outcome_from_result(job, result, started)
+                return read_result(self, job, result, started)  # (outcome_from_result's)
             except (HandlerError, InvalidDocument, ConfigError):
                 raise
             except Exception as exc:

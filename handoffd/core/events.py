@@ -27,6 +27,7 @@ DETAIL_KEYS = ("code", "seconds", "retry", "delay_seconds", "reason", "forced")
 MAX_TEXT = 200
 START = "start"  # EventLog.tail: from the oldest event kept
 SET_ASIDE = "set-aside"  # the "state" of an event for a document moved into quarantine
+RUNNING = State.IN_PROGRESS.value  # the "state" of a `claimed` event (an enum's value is a call)
 
 
 class EventLog(Protocol):
@@ -167,7 +168,7 @@ class RecordingBackend:
             return
         self.inner.handler_starts(claim, now)
         claim.handler_started = True
-        self.emit("claimed", claim.id, State.IN_PROGRESS, claim.doc, at=claim.claimed_at or now,
+        self.emit("claimed", claim.id, RUNNING, claim.doc, at=claim.claimed_at or now,
                   attempt=claim.attempt, wait=claim.wait, meta=claim.meta)
 
     def finish(self, claim: Claim, state: State, doc: Doc) -> bool:

@@ -110,8 +110,12 @@ def crashed_last(doc: dict[str, Any]) -> bool:
     ``doc`` is the claimed document: the store kept its ``handoffd`` block only if it is sealed
     for the folder it was claimed from, so a history written outside handoffd counts for nothing."""
     history = book(doc).get("history") if isinstance(doc.get("handoffd"), dict) else None
-    events = [e for e in (history if isinstance(history, list) else []) if isinstance(e, dict)]
-    names = [e.get("event") for e in events]
+    events: list[dict[str, Any]] = []
+    names: list[Any] = []
+    for event in history if isinstance(history, list) else ():  # (one pass: every attempt)
+        if isinstance(event, dict):
+            events.append(event)
+            names.append(event.get("event"))
     if "claimed" not in names:
         return False
     k = len(names) - 1 - names[::-1].index("claimed") - 1

@@ -48,10 +48,12 @@ class Job:
     # seconds until the outcome in ``held`` is filed again, its filing having failed for a
     # passing reason (a full disk) with the claim kept; 0.0: never failed (service.attempts)
     refile_after: float = 0.0
+    # its claim's id (a job keeps its claim): asked about ten times a handoff, a call each as a
+    # property
+    handoff_id: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def handoff_id(self) -> str:
-        return self.claim.id
+    def __post_init__(self) -> None:
+        self.handoff_id = self.claim.id
 
     def let_go(self) -> None:
         """This process is done with the attempt: drop what refers back to the job (its

@@ -123,6 +123,6 @@ def claim_out_of_memory(handoff_id: str, where: str | None = None
                          reason="MemoryError", delay=memory_strikes.backoff(handoff_id))
 
 
-def memory_backoff(handoff_id: str) -> float:
-    """Seconds until ``handoff_id``, whose reading ran out of memory, is read again (0: now)."""
-    return memory_strikes.backoff(handoff_id)
+# seconds until a handoff whose reading ran out of memory is read again (0: now): the strikes'
+# own method (asked for every pending id a scheduler reads, so no call of its own around it)
+memory_backoff = memory_strikes.backoff

@@ -132,44 +132,52 @@ def conclude(job: Job, outcome: Outcome, started: datetime,
     if job.envelope.final_timeout and outcome.status == Status.TIMEOUT and outcome.error:
         outcome.error["retryable"] = False  # the answer the sender waits for (seeds 000, 003)
     for check in after_run:
-        outcome = _checked(job, check, outcome, started)
+        try:
+            outcome = check(job, outcome)
+            continue
+        except (OSError, MemoryError) as exc:
+            if not is_shortage(exc):
+                raise
+            words = shortage_words(exc)
+        # (out of the except block: a MemoryError's traceback holds what ran short)
+        outcome = _checked_again(job, check, outcome, started, words)
     return outcome
 
 
-def _checked(job: Job, check: Callable[[Job, Outcome], Outcome], outcome: Outcome,
-             started: datetime) -> Outcome:
-    """``check(job, outcome)``, one ``after_run`` hook. A passing shortage there (descriptors,
-    memory) escaped :func:`conclude` and stranded the claim in in-progress/, charged as a crash
-    by the next process: the same outcome is checked again after a wait
-    (:func:`wait_to_check_again`), the attempt not charged; one that outlasts every wait fails
-    the attempt, retryable, as :meth:`~handoffd.core.engine.Engine._usable_outcome` does."""
+def _checked_again(job: Job, check: Callable[[Job, Outcome], Outcome], outcome: Outcome,
+                   started: datetime, words: str) -> Outcome:
+    """``check(job, outcome)``, one ``after_run`` hook, after it met a passing shortage
+    (descriptors, memory: ``words``). Raised, it escaped :func:`conclude` and stranded the
+    claim in in-progress/, charged as a crash by the next process: the same outcome is checked
+    again after a wait (:func:`wait_to_check_again`), the attempt not charged; one that
+    outlasts every wait fails the attempt, retryable, as
+    :meth:`~handoffd.core.engine.Engine._usable_outcome` does."""
     rechecks = 0
     while True:
+        if not outcome.succeeded and job.context.cancelled.is_set():
+            # the attempt ended failed already (its timeout, a cancel): that outcome stands, as
+            # it was (a PROCESSING_ERROR, retryable, in its place made a final TIMEOUT a retry)
+            return outcome
+        try:
+            again = wait_to_check_again(job, "its result could not be checked", words, rechecks)
+        except HandlerError as exc:  # cancelled meanwhile: filed cancelled
+            ended = failed(started, outcome.finished_at or started, exc.code, str(exc),
+                           retryable=False)
+            ended.executed_by = outcome.executed_by
+            return ended
+        if not again:
+            ended = failed(started, outcome.finished_at or started, ErrorCode.PROCESSING_ERROR,
+                           f"handoff {job.handoff_id}: its result could not be checked for now: "
+                           f"{words}; a failed attempt, retryable", retryable=True)
+            ended.executed_by = outcome.executed_by
+            return ended
+        rechecks += 1
         try:
             return check(job, outcome)
         except (OSError, MemoryError) as exc:
             if not is_shortage(exc):
                 raise
             words = shortage_words(exc)
-        if not outcome.succeeded and job.context.cancelled.is_set():
-            # the attempt ended failed already (its timeout, a cancel): that outcome stands, as
-            # it was (a PROCESSING_ERROR, retryable, in its place made a final TIMEOUT a retry)
-            return outcome
-        # (waited for outside the except block: a MemoryError's traceback holds what ran short)
-        try:
-            if wait_to_check_again(job, "its result could not be checked", words, rechecks):
-                rechecks += 1
-                continue
-        except HandlerError as exc:  # cancelled meanwhile: filed cancelled
-            ended = failed(started, outcome.finished_at or started, exc.code, str(exc),
-                           retryable=False)
-            ended.executed_by = outcome.executed_by
-            return ended
-        ended = failed(started, outcome.finished_at or started, ErrorCode.PROCESSING_ERROR,
-                       f"handoff {job.handoff_id}: its result could not be checked for now: "
-                       f"{words}; a failed attempt, retryable", retryable=True)
-        ended.executed_by = outcome.executed_by
-        return ended
 
 
 def reported_failure(result: dict[str, Any], started: datetime, finished: datetime) -> Outcome:
@@ -206,11 +214,17 @@ def _error_code(given: Any) -> tuple[str, dict[str, Any] | None]:
 def reported_outcome(status: str, result: dict[str, Any], started: datetime,
                      finished: datetime) -> Outcome:
     """Any other result (``completed``...) as its Outcome, once its output passed the checks."""
+    # (as _list and _dict read them, without their calls: every completed handoff comes here)
+    artifacts, validation = result.get("artifacts"), result.get("validation")
+    metadata, next_steps = result.get("metadata"), result.get("next_steps")
+    warnings = result.get("warnings")
     return Outcome(status=status, started_at=started, finished_at=finished,
-                   output=result.get("output"), artifacts=_list(result.get("artifacts")),
-                   validation=_dict(result.get("validation")),
-                   metadata=_dict(result.get("metadata")),
-                   next_steps=_list(result.get("next_steps")), warnings=_list(result.get("warnings")))
+                   output=result.get("output"),
+                   artifacts=list(artifacts) if isinstance(artifacts, list) else [],
+                   validation=validation if isinstance(validation, dict) else None,
+                   metadata=metadata if isinstance(metadata, dict) else None,
+                   next_steps=list(next_steps) if isinstance(next_steps, list) else [],
+                   warnings=list(warnings) if isinstance(warnings, list) else [])
 
 
 class JobChecks:
@@ -240,13 +254,13 @@ class JobChecks:
         """A request's expectation is not met: raise ``problem`` (``[daemon] expectations =
         "enforce"``, the default), or note it as a warning of the filed result ("advisory"), logged
         once per ``key`` (the kind of problem, without the handoff's id)."""
-        self._unmet(job.warnings, problem, key)
-
-    def _unmet(self, warnings: list[str], problem: InvalidDocument, key: str) -> None:
-        """:meth:`expectation_unmet`, the warning noted in ``warnings``."""
-        if self.settings.expectations == "enforce":
+        if self._owner.settings.expectations == "enforce":
             raise problem
-        warnings.append(f"{problem.code}: {problem}")
+        self._note_unmet(job.warnings, problem.code, str(problem), key)
+
+    def _note_unmet(self, warnings: list[str], code: str, message: str, key: str) -> None:
+        """An advisory unmet expectation (``code``: ``message``) noted in ``warnings``."""
+        warnings.append(f"{code}: {message}")
         # the same unmet expectation on every handoff of a batch would flood the log (cron mails
         # it): the log says it once per process and kind; each result keeps its own warning
         with self._lock:
@@ -254,7 +268,7 @@ class JobChecks:
                 return
             self._warned.add(key)
         log.warning("%s (expectations are advisory: filed with a warning; further handoffs with "
-                    "the same problem are warned in their results only)", problem)
+                    "the same problem are warned in their results only)", message)
 
     def check_input(self, job: Job) -> set[str]:
         """The job's input against its schema (the specialist's, else the one the request
@@ -289,18 +303,24 @@ class JobChecks:
                          look: Look) -> set[str]:
         """The schemas the request names that do not exist (each an unmet expectation), as
         ``look`` (the request's) finds schemas/."""
-        named_by = (("input.schema", envelope.input_schema),
-                    ("expected_output.schema", envelope.output_schema))
+        named = (envelope.input_schema, envelope.output_schema)
         # both looked up at once (one stat of schemas/), found out before the handler runs
-        missing = self.schemas.absent((named for _, named in named_by if named), look)
-        for field_name, named in named_by:
-            if named and named in missing:
-                self._unmet(warnings, InvalidDocument(
-                    f"handoff {handoff_id}: {field_name} names {named!r}, which is neither in "
-                    "schemas/ nor built in (`handoff schemas` lists them)",
-                    handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
-                    errors=[{"field": field_name, "error": f"no schema {named}"}]),
-                    key=f"missing {field_name} {named}")
+        missing = self._owner.schemas.absent(filter(None, named), look)
+        if not missing:
+            return missing
+        enforce = self._owner.settings.expectations == "enforce"
+        for field_name, name in zip(("input.schema", "expected_output.schema"), named):
+            if name and name in missing:
+                message = (f"handoff {handoff_id}: {field_name} names {name!r}, which is "
+                           "neither in schemas/ nor built in (`handoff schemas` lists them)")
+                if enforce:
+                    raise InvalidDocument(
+                        message, handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED,
+                        errors=[{"field": field_name, "error": f"no schema {name}"}])
+                # (advisory, on most handoffs of a workspace without those schemas: its
+                # warning alone, no exception made)
+                self._note_unmet(warnings, ErrorCode.SCHEMA_VALIDATION_FAILED, message,
+                                 key=f"missing {field_name} {name}")
         return missing
 
     def load_output_schemas(self, job: Job, absent: Collection[str] = ()) -> None:
@@ -327,19 +347,20 @@ class JobChecks:
         """A result's output against the specialist's output schema (always enforced) and those
         the request names (an expectation); its artifact paths must be inside the workspace."""
         output = result.get("output")
+        schemas = self._owner.schemas
         checks: list[tuple[str, Any, bool]] = []  # (label, validator, the request's own)
         if job.specialist.config.output_schema:
             checks.append(("output schema " + job.specialist.config.output_schema,
-                           self.schemas.validator(job.specialist.config.output_schema), False))
+                           schemas.validator(job.specialist.config.output_schema), False))
         named = job.envelope.output_schema
-        if named and named != job.specialist.config.output_schema and self.schemas.has(named):
-            checks.append(("expected_output.schema " + named, self.schemas.validator(named), True))
+        if named and named != job.specialist.config.output_schema and schemas.has(named):
+            checks.append(("expected_output.schema " + named, schemas.validator(named), True))
         if job.envelope.expected_output_schema:
             key = "inline:" + job.handoff_id
             checks.append(("expected_output_schema",
-                           self.schemas.for_schema(key, job.envelope.expected_output_schema), False))
+                           schemas.for_schema(key, job.envelope.expected_output_schema), False))
         for label, validator, requested in checks:
-            errors = self.schemas.errors_with(validator, output)
+            errors = schemas.errors_with(validator, output)
             if errors:
                 problem = InvalidDocument(f"handoff {job.handoff_id}: output fails {label}: "
                                           f"{errors[0]['field']}: {errors[0]['error']}",
@@ -377,7 +398,8 @@ def _artifact_paths(result: dict[str, Any]) -> list[str]:
     output = result.get("output")
     if isinstance(output, dict) and isinstance(output.get("artifact_path"), str):
         paths.append(output["artifact_path"])
-    for item in _list(result.get("artifacts")):
+    items = result.get("artifacts")
+    for item in items if isinstance(items, list) else ():
         if isinstance(item, dict):
             for key in ("path", "artifact_path"):
                 if isinstance(item.get(key), str):

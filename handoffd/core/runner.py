@@ -60,6 +60,10 @@ CONTEXT_CODES: dict[str, bool] = {ErrorCode.INVALID_CONTEXT_KEY: False,
                                   ErrorCode.CONTEXT_CONFLICT: True}
 
 log = logging.getLogger("handoffd")
+# a result's encoder and decoder, made once (json.dumps with options makes an encoder per call;
+# both keep no state between calls)
+_STRICT = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
+_DECODER = json.JSONDecoder()
 
 def validate_result(result: Any, handoff_id: str, max_bytes: int | None = None, *,
                     plain: bool = True) -> dict[str, Any]:
@@ -71,7 +75,7 @@ def validate_result(result: Any, handoff_id: str, max_bytes: int | None = None, 
         raise HandlerError(f"handoff {handoff_id}: handler returned {type(result).__name__}, "
                            "not a JSON object", handoff_id=handoff_id)
     try:  # what cannot be filed as strict UTF-8 JSON must fail the attempt, not the filing
-        text = json.dumps(result, allow_nan=False, ensure_ascii=False)
+        text = _STRICT.encode(result)  # (json.dumps(result, allow_nan=False, ensure_ascii=False))
         size = len(text.encode("utf-8"))
     except Exception as exc:  # (a handler's dict subclass may raise anything from items())
         raise HandlerError(f"handoff {handoff_id}: handler result cannot be filed as JSON "
@@ -85,8 +89,8 @@ def validate_result(result: Any, handoff_id: str, max_bytes: int | None = None, 
         raise HandlerError(f"handoff {handoff_id}: handler result nests more than {limit} levels "
                            "deep; flatten it", handoff_id=handoff_id, retryable=False,
                            code=ErrorCode.DOCUMENT_TOO_DEEP)
-    if not plain:
-        result = json.loads(text)
+    if not plain:  # (json.loads(text): the text is the encoder's, with nothing around it)
+        result = _DECODER.raw_decode(text)[0]
     if max_bytes is not None and size > max_bytes:
         raise HandlerError(f"handoff {handoff_id}: handler result is {size} bytes as JSON, over "
                            f"max_output_bytes ({max_bytes}); write large results to a file and "
@@ -150,7 +154,8 @@ def run_python(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
     the handoff ends TIMEOUT and the thread's eventual result is discarded. Either way a Python
     thread cannot be killed: the context's ``cancelled`` flag is set for the handler to see.
     """
-    _import_before_start(spec, ctx)  # (a shortage importing it: not started, no `claimed`)
+    if spec.func is None:  # (a shortage importing it: not started, no `claimed`)
+        _import_before_start(spec, ctx)
     if takeover is not None:
         return _run_inline(spec, doc, ctx, timeout, takeover)
     box: dict[str, Any] = {}
@@ -198,16 +203,19 @@ def call_handler(spec: Specialist, doc: dict[str, Any], ctx: HandlerContext,
     changed is put back once no Python handler runs (files filed after it were written mode
     000; putting it back while another handler ran undid that one's own, deliberate umask)."""
     pid = os.getpid()
-    with _HANDLERS:
+    with _HANDLERS.lock:
         _HANDLERS.running += 1
     try:
-        box["result"] = _imported(spec, ctx)(doc, ctx)
+        # (imported already, as before every start but a failed import's: no call to ask)
+        handler = spec.func if spec.func is not None and IMPORT_FAILED not in ctx.feature_state \
+            else _imported(spec, ctx)
+        box["result"] = handler(doc, ctx)
     except BaseException as exc:  # handler bugs become recorded errors, never daemon crashes
         box["error"] = _without_frames(exc)
     finally:
         if os.getpid() != pid:
             os._exit(0)
-        with _HANDLERS:
+        with _HANDLERS.lock:
             _HANDLERS.running -= 1
             if not _HANDLERS.running and os.umask(_UMASK) != _UMASK:
                 log.warning("a Python handler changed the process umask; put back to %03o",
@@ -277,17 +285,11 @@ def _imported(spec: Specialist, ctx: HandlerContext) -> Any:
 
 
 class _Running:
-    """How many Python handlers run in this process (under its own lock)."""
+    """How many Python handlers run in this process (under its own ``lock``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.running = 0
-
-    def __enter__(self) -> None:
-        self.lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.lock.release()
 
 
 _HANDLERS = _Running()

@@ -5,7 +5,6 @@ returns it (defaults when the file is absent). :class:`RetryPolicy` is also a do
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +59,16 @@ class RetryPolicy:
             base = _DEFAULT_POLICY if cls is RetryPolicy else cls()
         if not isinstance(data, dict):
             raise ConfigError(f"bad retry policy {brief(data)}: must be a table/object")
-        key = _policy_key(data)
-        if key is not None and cls is RetryPolicy:  # a document's is read 4 times a handoff
-            return _overlaid(key, base)
+        if cls is RetryPolicy and len(data) <= 8:  # a document's is read 4 times a handoff
+            # a small policy of plain values is remembered by its items and their values' types
+            # (True is not 1 to the checks); anything else is checked afresh each time
+            types = tuple(map(type, data.values()))
+            if _PLAIN.issuperset(types):
+                key = (tuple(data.items()), types)
+                found = _OVERLAID.get((key, id(base)))
+                if found is not None and found[0] is base:
+                    return found[1]
+                return _overlaid(key, base)
         return cls._overlay(data, base)
 
     @classmethod
@@ -76,26 +82,26 @@ class RetryPolicy:
                    backoff_multiplier=float(multiplier))
 
 
-def _policy_key(data: dict[str, Any]) -> tuple[tuple[str, type, Any], ...] | None:
-    """A hashable form of a small policy of plain values, types included (True is not 1 to
-    the checks); None for anything else, which is checked afresh each time."""
-    if len(data) > 8:
-        return None
-    items = []
-    for name, value in data.items():
-        if not isinstance(name, str) or type(value) not in (int, float, str, bool, type(None)):
-            return None
-        items.append((name, type(value), value))
-    return tuple(sorted(items))  # (by name: the names differ, so no type or value is compared)
-
-
+_PLAIN = frozenset({int, float, str, bool, type(None)})
 _DEFAULT_POLICY = RetryPolicy()
+# the policies made by overlaying a key (RetryPolicy.from_dict's) on a base, by the key and the
+# base's id:
+# a frozen dataclass hashes (and compares) in Python, a call each, and a document's policy is
+# read 4 times a handoff. Each entry keeps its base, so no other policy can take its id while
+# the entry is here (and a hit is checked to be that very base all the same)
+_OVERLAID: dict[tuple[Any, int], tuple[RetryPolicy, RetryPolicy]] = {}
+OVERLAID_KEPT = 64
 
 
-@lru_cache(maxsize=64)
-def _overlaid(key: tuple[tuple[str, type, Any], ...], base: RetryPolicy) -> RetryPolicy:
-    """RetryPolicy._overlay, remembered (a bad policy raises each time: errors are not kept)."""
-    return RetryPolicy._overlay({name: value for name, _, value in key}, base)
+def _overlaid(key: tuple[tuple[Any, ...], tuple[type, ...]], base: RetryPolicy) -> RetryPolicy:
+    """RetryPolicy._overlay, remembered in :data:`_OVERLAID` (where
+    :meth:`RetryPolicy.from_dict` looks first); a bad policy raises each time: errors are not
+    kept."""
+    policy = RetryPolicy._overlay(dict(key[0]), base)
+    if len(_OVERLAID) >= OVERLAID_KEPT:
+        _OVERLAID.clear()
+    _OVERLAID[key, id(base)] = (base, policy)
+    return policy
 
 
 @dataclass

@@ -110,7 +110,9 @@ class HandlerContext:
     def stop_requested(self) -> bool:
         """The attempt was stopped with a reason (:meth:`stop`: cancelled, or handed back), not
         merely flagged as past its time."""
-        return self.cancelled.is_set() and bool(self.cancel_reason)
+        # (the reason first: :meth:`stop` sets it before the flag, and it is a plain attribute,
+        # where the Event's is_set is a call, asked twice a handoff that no one stops)
+        return bool(self.cancel_reason) and self.cancelled.is_set()
 
     def wake_on_cancel(self, event: Wakeable) -> None:
         """Set ``event`` when the attempt is stopped (a waiting runner wakes without polling)."""
@@ -138,14 +140,16 @@ class Specialist:
 
     config: SpecialistConfig
     func: Handler | None = None
+    # its config's agent id, and whether it is a command, kept beside it: asked about ten times
+    # a handoff (as properties, a call each); set with every config (:meth:`__setattr__`)
+    agent: str = field(init=False, repr=False, compare=False)
+    is_command: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def agent(self) -> str:
-        return self.config.agent
-
-    @property
-    def is_command(self) -> bool:
-        return self.config.command is not None
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "config":  # (a new config, e.g. Registry.with_overrides: its facts too)
+            super().__setattr__("agent", value.agent)
+            super().__setattr__("is_command", value.command is not None)
 
     def callable(self) -> Handler:
         """The Python handler, importing ``module:function`` on first use."""

@@ -63,7 +63,10 @@ class Watchdog:
     on first use and again in a forked child)."""
 
     def __init__(self) -> None:
-        self._cv = threading.Condition(threading.Lock())
+        # (a worker takes the lock itself, twice a handoff: a Condition's own enter and exit
+        # are Python calls, the lock's are not; it is the lock the Condition waits with)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._open: dict[int, Watch] = {}
         self._wake_at = math.inf
         self._thread: threading.Thread | None = None
@@ -73,7 +76,7 @@ class Watchdog:
         """Start watching a call of ``ctx``'s handler that may run ``timeout`` seconds; past
         that, or once cancelled, ``takeover`` is called on a new thread with the error to file."""
         watch = Watch(self, ctx, timeout, takeover)
-        with self._cv:
+        with self._lock:
             self._open[id(watch)] = watch
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="handoffd-watchdog",
@@ -90,7 +93,7 @@ class Watchdog:
     def done(self, watch: Watch) -> bool:
         """The handler returned: True when the worker still owns the attempt, False when the
         watchdog took it over (the worker must then file nothing)."""
-        with self._cv:
+        with self._lock:
             if self._open.pop(id(watch), None) is not None:
                 return True
             self.running_late -= 1
@@ -134,7 +137,8 @@ class Watchdog:
 
     def forget(self) -> None:
         """In a forked child: the parent's watches and thread are not this process's."""
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._open = {}
         self._wake_at = math.inf
         self._thread = None

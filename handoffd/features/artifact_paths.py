@@ -224,11 +224,23 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
                         now_ms: int | None = None) -> tuple[str, Path]:
     """(relative path, absolute path) of a destination template; InvalidDocument when it uses an
     unknown placeholder or leaves ``artifacts/``."""
+    rel, where, _ = destination(ws, template, handoff_id=handoff_id, attempt=attempt,
+                                agent=agent, now_ms=now_ms)
+    return rel, Path(where)
+
+
+def destination(ws: Workspace, template: str, *, handoff_id: str, attempt: int, agent: str,
+                now_ms: int | None = None) -> tuple[str, str, bool]:
+    """:func:`resolve_destination` (the absolute path as text), and whether the destination is
+    ready as it stands: its folder there, a plain folder of the workspace, and nothing at the
+    path itself (what the lookups that resolved it saw: the caller needs no look of its own;
+    False: look)."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    # each value made when the template asks for it (every handoff of a drain resolves one)
+    # each value made when the template asks for it (every handoff of a drain resolves one; a
+    # partial of a builtin is no Python call)
     values: dict[str, Callable[[], str]] = {
-        "timestamp": lambda: str(now_ms), "handoff_id": lambda: _id_part(handoff_id),
-        "id": lambda: _id_part(handoff_id), "attempt": lambda: str(attempt),
+        "timestamp": functools.partial(str, now_ms), "handoff_id": lambda: _id_part(handoff_id),
+        "id": lambda: _id_part(handoff_id), "attempt": functools.partial(str, attempt),
         "agent": lambda: _safe(agent.lstrip("@")),
         "date": lambda: time.strftime("%Y%m%d", time.gmtime(now_ms / 1000))}
 
@@ -246,34 +258,72 @@ def resolve_destination(ws: Workspace, template: str, *, handoff_id: str, attemp
         text = text[2:]
     if not text.startswith("artifacts/"):
         text = "artifacts/" + text.lstrip("/")
-    target = ws.inside(text)
-    if target is None or not _under_artifacts(ws, str(target)):
-        raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
-                              "points outside artifacts/ of the workspace",
-                              handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
-    other = _other_handoffs_folder(ws, text, handoff_id)
+    root = str(ws.root)
+    where = _fresh_path(root, text)  # (the usual case: resolved and checked by its own lookups)
+    ready = where is not None
+    if where is None:
+        found = ws.inside(text)
+        where = None if found is None else str(found)
+        if where is None or not _under_artifacts(ws, where):
+            raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination "
+                                  f"{template!r} points outside artifacts/ of the workspace",
+                                  handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
+    other = _other_handoffs_folder(ws, text, handoff_id, root)
     if other is not None:
         raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
                               f"lies in artifacts/{other}/, the artifact folder of another "
                               "handoff; handoffd does not write there",
                               handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
-    return text, target
+    return text, where, ready
 
 
-def _other_handoffs_folder(ws: Workspace, rel: str, handoff_id: str) -> str | None:
+def _fresh_path(root: str, rel: str) -> str | None:
+    """The absolute path of ``rel`` (under ``artifacts/``) in the workspace whose resolved root
+    is ``root``, when it is the usual destination of a first attempt: every part but the last
+    a plain folder (no symlink: ``lstat``), the last missing, and no part empty, ``.`` or
+    ``..``. Such a path is its own real path inside the root and under its artifacts/ folder,
+    so it is what
+    :meth:`~handoffd.core.workspace.Workspace.inside` would resolve it to, and the same lookups
+    say that its folder is there and nothing is at the path. None for anything else (a
+    symlink, a file in the way, a destination already written): the caller resolves it the
+    full way (:meth:`Workspace.inside <handoffd.core.workspace.Workspace.inside>`) and looks."""
+    parts = rel.split("/")
+    if root == "/" or "" in parts or "." in parts or ".." in parts:
+        return None
+    path = root
+    for part in parts[:-1]:
+        path += "/" + part
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):  # (a symlink is no S_ISDIR of lstat)
+                return None
+        except (OSError, ValueError):  # missing, unreadable, a NUL byte: the full way says
+            return None
+    path += "/" + parts[-1]
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return path
+    except (OSError, ValueError):
+        return None
+    return None  # (something is there already: the full way looks at it)
+
+
+def _other_handoffs_folder(ws: Workspace, rel: str, handoff_id: str,
+                           root: str | None = None) -> str | None:
     """The folder ``artifacts/<part>/`` that ``rel`` lies in when it is another handoff's own
     (:func:`_id_part`): ``part`` is not this handoff's, and names a handoff of the workspace's
     store (a document ``handoffs/<state>/<part>.json``), or has the form of a non-plain id's part
     (``name-<10 hex digits>``) and exists. None otherwise: shared folders such as
-    ``artifacts/phase-13-react/`` stay usable."""
+    ``artifacts/phase-13-react/`` stay usable. ``root``: ``ws.root`` as text, when at hand."""
     parts = rel.split("/")
     if len(parts) < 3 or parts[0] != "artifacts":
         return None
     part = parts[1]
-    if part == _id_part(handoff_id) or part in ("", ".", ".."):
+    key = (root or str(ws.root), part)
+    # (every handoff of a drain names the same; asked first, as every answer here is None)
+    if _SHARED.get(key, 0.0) > time.monotonic():
         return None
-    key = (str(ws.root), part)
-    if _SHARED.get(key, 0.0) > time.monotonic():  # (every handoff of a drain names the same)
+    if part == _id_part(handoff_id) or part in ("", ".", ".."):
         return None
     if any(os.path.lexists(ws.doc_path(state, part)) for state in State):
         return part

@@ -48,9 +48,9 @@ from .artifact_paths import (
     _file_name,
     _id_part,
     confine_reference,
+    destination,
     destination_template,
     own_folder_problem,
-    resolve_destination,
 )
 
 if TYPE_CHECKING:
@@ -77,6 +77,8 @@ def check_inputs(job: "Job") -> None:
     """Engine ``before_run`` hook (seed 002: "review results - verify artifacts exist"): every
     file the request says an earlier agent produced must be in the workspace before the
     specialist starts, else DEPENDENCY_MISSING. An external URL is taken on trust (never read)."""
+    if not job.envelope.input_artifacts:  # (most requests: nothing to look at)
+        return
     ws = workspace_at(str(job.context.root))
     for index, ref in enumerate(job.envelope.input_artifacts):
         path = confine_reference(ws, ref, handoff_id=job.handoff_id)
@@ -94,9 +96,20 @@ def prepare(job: "Job") -> None:
     if not template:
         return
     ws = workspace_at(str(job.context.root))
-    rel, target = resolve_destination(ws, template, handoff_id=job.handoff_id,
-                                      attempt=job.context.attempt, agent=job.specialist.agent)
-    where = str(target)  # (os.path on the text: no pathlib parsing per handoff)
+    rel, where, ready = destination(ws, template, handoff_id=job.handoff_id,
+                                    attempt=job.context.attempt, agent=job.specialist.agent)
+    target = Path(where)
+    if not ready:  # (ready: its folder there, nothing at the path, as resolving it saw)
+        _check_destination(job, ws, rel, target, where)
+    job.context.artifact_path = target
+    job.context.artifact_rel = rel
+    job.context.env["HANDOFF_ARTIFACT_PATH"] = where
+
+
+def _check_destination(job: "Job", ws: Workspace, rel: str, target: Path, where: str) -> None:
+    """Make the destination's folder when it is missing; InvalidDocument (VALIDATION_FAILED,
+    the same at every attempt) when something that is no folder stands in its way, or when
+    the destination itself is a folder."""
     if not os.path.isdir(os.path.dirname(where)):  # (one stat when it exists, as after the first)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -112,9 +125,6 @@ def prepare(job: "Job") -> None:
             "where the output artifact would be a file: name a file in it (e.g. "
             f"{rel.rstrip('/')}/out.json), then `handoff retry --force {job.handoff_id}`",
             handoff_id=job.handoff_id, code=ErrorCode.VALIDATION_FAILED)
-    job.context.artifact_path = target
-    job.context.artifact_rel = rel
-    job.context.env["HANDOFF_ARTIFACT_PATH"] = where
 
 
 def _not_a_folder(ws: Workspace, folder: Path) -> str:
@@ -294,6 +304,8 @@ def collect(job: "Job", outcome: Outcome, *, enforce: bool = True,
             collected = _collect(job, outcome, enforce)
             if host:
                 name_host(collected.artifacts, host)
+            if collected.output is None and not collected.artifacts:
+                return collected  # (nothing to store: _answerable's own first answer)
             return _answerable(job, collected)
         except InvalidDocument as exc:
             code, message, retryable = exc.code, str(exc), False
@@ -405,7 +417,8 @@ def name_host(artifacts: list[Any], host: str) -> None:
 
 
 def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
-    ws = workspace_at(str(job.context.root))
+    root = str(job.context.root)  # (the engine's workspace root, resolved)
+    ws = workspace_at(root)
     handoff_id = job.handoff_id
     records: list[dict[str, Any]] = []
     used_names: set[str] = set()
@@ -432,7 +445,7 @@ def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
             outcome.output = moved
             records.append(_record(str(moved["artifact_type"]), name=Path(rel).name, ref=rel,
                                    inline=None, facts=digest(data), metadata=None))
-    elif isinstance(dest_rel, str) and os.path.isfile(os.path.join(ws.root, dest_rel)):
+    elif isinstance(dest_rel, str) and os.path.isfile(os.path.join(root, dest_rel)):
         # the handler wrote the destination itself: point the output at it
         facts = _file_facts(ws, dest_rel, handoff_id, _stopped(job))
         if isinstance(output, dict) or output is None:
@@ -459,14 +472,13 @@ def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
                                       name=Path(ref).name, ref=ref, inline=None, facts=facts,
                                       metadata=None))
     if isinstance(dest_rel, str) and dest_rel not in used_names and not reported:
-        problem = InvalidDocument(  # seed 001: the request asked for an output artifact
-            f"handoff {handoff_id}: expected_output.destination asks for {dest_rel}, but the "
-            "specialist neither wrote it, nor returned output.content to put there, nor named "
-            "an existing output.artifact_path", handoff_id=handoff_id,
-            code=ErrorCode.VALIDATION_FAILED)
+        # seed 001: the request asked for an output artifact
+        problem = (f"handoff {handoff_id}: expected_output.destination asks for {dest_rel}, but "
+                   "the specialist neither wrote it, nor returned output.content to put there, "
+                   "nor named an existing output.artifact_path")
         if enforce:
-            raise problem
-        outcome.warnings = [f"{problem.code}: {problem}", *outcome.warnings]
+            raise InvalidDocument(problem, handoff_id=handoff_id, code=ErrorCode.VALIDATION_FAILED)
+        outcome.warnings = [f"{ErrorCode.VALIDATION_FAILED}: {problem}", *outcome.warnings]
     outcome.artifacts = records
     return outcome
 

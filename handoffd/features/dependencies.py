@@ -277,7 +277,8 @@ class Graph:
         Noting every filing kept an id and two times for each handoff a serving daemon ran
         (about 0.2 KB, up to :data:`MAX_REMEMBERED` of them): its memory grew with every
         handoff, also while dependants waited for something else (review RG)."""
-        self.done_with(handoff_id)  # (first: a filed waiter is not one that could use the note)
+        if handoff_id in self.progress:  # (most filings are of no waiter: nothing to drop)
+            self.done_with(handoff_id)  # (first: a filed waiter is no one that could use a note)
         if self.runnable:
             with self.lock:
                 self.runnable.pop(handoff_id, None)  # (let go, then filed unrun: rejected...)
@@ -407,6 +408,10 @@ class Graph:
 
     def gate(self, engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
         """The engine's gate: :func:`dependencies_gate` on this graph."""
+        if not env.depends_on:  # (most handoffs: forgotten as completed, as the gate does)
+            self.completed.pop(env.handoff_id, None)  # (forget's, without a call of its own)
+            self.filed_at.pop(env.handoff_id, None)
+            return None
         return dependencies_gate(self, env)
 
     def let_go(self, waiter: str, progress: Progress) -> None:

@@ -11,10 +11,12 @@ resumer) until the parent's aggregation (:mod:`.aggregation`) cancels it. Instal
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..core.documents import BOOK, Envelope, Outcome, book
@@ -78,7 +80,8 @@ class Winners:
     def decided(self, job: "Job", outcome: Outcome) -> Outcome:
         """``after_run`` hook: a child's attempt ended in success; note its parent's win before
         it is filed (a sibling handed out later is held). ``outcome`` is returned as it is."""
-        if outcome.status == Status.COMPLETED:
+        # (a handoff without a parent, almost every one, is let go here: no call to note)
+        if outcome.status == Status.COMPLETED and parent_of(job.claim.doc) is not None:
             self.note(job.handoff_id, job.claim.doc)
         return outcome
 
@@ -160,6 +163,8 @@ class Winners:
     def gate(self, engine: "Engine", env: Envelope, doc: dict[str, Any]) -> Verdict | None:
         """The gate: a sibling of a winner waits for the parent's filing (its aggregation
         cancels it), or for the winner's, should that not be a success after all."""
+        if not self._wins:
+            return None  # (almost always: asked of every pending handoff, as held_back says)
         held = self.held_back(env.handoff_id, doc)
         if held is None:
             return None
@@ -170,6 +175,8 @@ class Winners:
     def hold_back(self, job: "Job", started: datetime) -> Outcome | None:
         """The resumer: a sibling claimed after the win (a worker was handed it just before) is
         given back to pending unrun, where the gate holds it. None: run it."""
+        if not self._wins:
+            return None  # (almost always: asked of every attempt, as held_back says)
         held = self.held_back(job.handoff_id, job.claim.doc)
         if held is None:
             return None
@@ -182,10 +189,7 @@ class Winners:
     def resume(self, job: "Job", started: datetime) -> Outcome | None:
         """The aggregation's resumer (:func:`.aggregation.resume`), noting an aggregated success: the
         parent may itself be a first_success parent's child (no after_run hook sees it)."""
-        # imported here, not with the module: the gate is installed alone by `handoff ls`, which
-        # never aggregates (aggregation loads child facts, answer copies and artifacts)
-        from . import aggregation
-        outcome = aggregation.resume(self.engine, job, started)  # (looked up: tests patch it)
+        outcome = _aggregation().resume(self.engine, job, started)  # (looked up: tests patch it)
         if outcome is not None and outcome.status == Status.COMPLETED:
             self.note(job.handoff_id, job.claim.doc)
         return outcome
@@ -206,6 +210,16 @@ class Winners:
         win = self._wins.pop(parent, None)
         if win is not None and self._parents.get(win.winner) == parent:
             del self._parents[win.winner]
+
+
+@functools.cache
+def _aggregation() -> ModuleType:
+    """:mod:`.aggregation`, imported at its first use, not with this module: the gate is
+    installed alone by `handoff ls`, which never aggregates (aggregation loads child facts,
+    answer copies and artifacts); once (an import in :meth:`Winners.resume`, asked at every
+    handoff, made two Python calls of the import system's each time)."""
+    from . import aggregation
+    return aggregation
 
 
 def _void(win: Win, now: datetime) -> bool:

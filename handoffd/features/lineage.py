@@ -11,6 +11,7 @@ for (``children`` in a forged block would make ``cancel --cascade`` cancel other
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
@@ -29,28 +30,26 @@ def _block(doc: dict[str, Any]) -> dict[str, Any]:
     return block if isinstance(block, dict) else {}
 
 
-def _sources(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Where relation fields may be found: the document, its request snapshot, the book."""
-    out = [doc]
-    block = _block(doc)
-    snap = block.get("request_snapshot")
-    if isinstance(snap, dict):
-        out.append(snap)
-    out.append(block)
-    return out
-
-
 def _first_str(doc: dict[str, Any], key: str) -> str | None:
-    for src in _sources(doc):
+    """``key``'s text (not empty) where relation fields may be found, the first that has one:
+    the document, its request snapshot, the book."""
+    value = doc.get(key)
+    if isinstance(value, str) and value:
+        return value
+    block = doc.get(BOOK)
+    if not isinstance(block, dict):
+        return None
+    snap = block.get("request_snapshot")
+    for src in (snap, block) if isinstance(snap, dict) else (block,):
         value = src.get(key)
         if isinstance(value, str) and value:
             return value
     return None
 
 
-def parent_of(doc: dict[str, Any]) -> str | None:
-    """The id of the handoff that delegated this one (``parent_id``), or None."""
-    return _first_str(doc, "parent_id")
+# parent_of(doc): the id of the handoff that delegated this one (``parent_id``), or None. A
+# partial: no call of its own (asked twice a handoff, of almost every one in vain)
+parent_of = functools.partial(_first_str, key="parent_id")
 
 
 def conversation_of(doc: dict[str, Any]) -> str | None:
@@ -60,11 +59,7 @@ def conversation_of(doc: dict[str, Any]) -> str | None:
 
 def correlation_of(doc: dict[str, Any]) -> str | None:
     """``correlation_id``: the request this document answers or descends from (seed 000)."""
-    for src in _sources(doc):
-        value = src.get("correlation_id")
-        if isinstance(value, str) and value:
-            return value
-    return None
+    return _first_str(doc, "correlation_id")
 
 
 def children_of(doc: dict[str, Any]) -> list[str]:
