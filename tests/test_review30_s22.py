@@ -106,7 +106,7 @@ def test_a_file_renamed_over_the_locked_one_is_judged_on_its_own_bytes(
 
     def lock_then_swap(path: Path) -> Any:
         held = real(path)
-        tmp = path.with_name(".b")
+        tmp = Path(path).with_name(".b")  # (the claim locks it by a str path)
         tmp.write_text(json.dumps(replacement))
         os.rename(tmp, path)  # a producer's rename over it, after our lock, before our rename
         return held

@@ -12,7 +12,8 @@ loses one line, never a handoff) and a failing write is logged once, never raise
 """
 from __future__ import annotations
 
-from datetime import datetime
+import re
+from datetime import datetime, timezone
 from typing import Any, Callable, Collection, Iterator, Protocol
 
 from .documents import BOOK, book_int
@@ -28,6 +29,9 @@ MAX_TEXT = 200
 START = "start"  # EventLog.tail: from the oldest event kept
 SET_ASIDE = "set-aside"  # the "state" of an event for a document moved into quarantine
 RUNNING = State.IN_PROGRESS.value  # the "state" of a `claimed` event (an enum's value is a call)
+# a time as :func:`~handoffd.core.timeutil.iso` writes it (UTC, milliseconds, "Z"): a history
+# entry's time in this form is the event's as it stands (parsed and formatted back, the same)
+_ISO_MS = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z")
 
 
 class EventLog(Protocol):
@@ -91,7 +95,7 @@ def queue_wait(doc: Doc, claimed_at: datetime) -> float | None:
         return None
     before = history[-2]
     try:
-        due = parse_iso(str(before.get("at"))).timestamp()
+        due = _parse_time(before.get("at")).timestamp()
     except ValueError:
         return None
     given = before.get("detail")
@@ -105,6 +109,14 @@ def queue_wait(doc: Doc, claimed_at: datetime) -> float | None:
     except ValueError:
         pass
     return round(max(claimed_at.timestamp() - due, 0.0), 6)
+
+
+def _parse_time(given: Any) -> datetime:
+    """``parse_iso(str(given))``; a time in the form :func:`iso` writes (our own history's) is
+    read by ``datetime.fromisoformat`` alone. ValueError when it is no time."""
+    if isinstance(given, str) and _ISO_MS.fullmatch(given):
+        return datetime.fromisoformat(given[:-1]).replace(tzinfo=timezone.utc)
+    return parse_iso(str(given))
 
 
 class RecordingBackend:
@@ -246,11 +258,16 @@ class RecordingBackend:
         detail = entry.get("detail")
         fields = {k: detail[k] for k in DETAIL_KEYS if isinstance(detail, dict) and k in detail
                   and (ran or k != "seconds")}
-        at = None
+        at: datetime | str | None = None
+        given = entry.get("at")
         try:
-            at = parse_iso(str(entry["at"])) if "at" in entry else None
-        except ValueError:
-            pass
+            if isinstance(given, str) and _ISO_MS.fullmatch(given):
+                datetime.fromisoformat(given[:-1])  # (a date that exists: ValueError if not)
+                at = given  # our own form: no parse and format back (the common case)
+            elif given is not None:
+                at = parse_iso(str(given))
+        except ValueError:  # (no time: the event's is now)
+            at = None
         self.emit(str(entry.get("event") or state.value), handoff_id, state, doc, at=at,
                   **extra, **fields)
 
@@ -262,11 +279,14 @@ class RecordingBackend:
             return None
 
     def emit(self, name: str, handoff_id: str, state: State | str, doc: Doc | None, *,
-             at: datetime | None = None, meta: Meta | None = None, **fields: Any) -> None:
+             at: datetime | str | None = None, meta: Meta | None = None, **fields: Any) -> None:
         """Append one event; a failing write is logged (once), never raised. ``meta``: the
-        document's routing facts when the caller has them (its claim's), else read from ``doc``."""
-        event: Event = {"at": iso(at or self.clock()), "event": name, "id": handoff_id,
-                        "state": state.value if isinstance(state, State) else state}
+        document's routing facts when the caller has them (its claim's), else read from ``doc``.
+        ``at``: when (now if None), or a time already as :func:`iso` writes it."""
+        when = at if isinstance(at, str) else iso(at or self.clock())
+        event: Event = {"at": when, "event": name, "id": handoff_id,
+                        # (_value_: the enum's ``value`` property costs two Python calls)
+                        "state": state._value_ if isinstance(state, State) else state}
         if meta is None and doc is not None:
             meta = self._meta(doc)
         if meta is not None:

@@ -77,6 +77,16 @@ class Workspace:
     def _doc_paths(self) -> dict[tuple[State, str], Path]:
         return {}
 
+    def doc_file(self, state: State, handoff_id: str) -> str:
+        """:meth:`doc_path` as a str, for a caller that only hands it to ``os`` (a claim, a
+        lookup for other copies): one string join, where a Path is a pathlib join to build
+        (about seven Python calls) and a conversion back at every system call that takes it."""
+        return f"{self._state_texts[state]}/{handoff_id}.json"
+
+    @cached_property
+    def _state_texts(self) -> dict[State, str]:
+        return {state: str(folder) for state, folder in self._state_dirs.items()}
+
     @cached_property
     def tmp(self) -> Path:
         return self.handoffs / ".tmp"
@@ -192,7 +202,8 @@ def unlinked(path: str, real: str = "") -> str | None:
     known to be its own real path (a workspace's resolved root); when ``path`` lies under it,
     only the components below it are looked up."""
     parts = path.split("/")
-    if parts[0] or not all(part and part != "." and part != ".." for part in parts[1:]):
+    rest = parts[1:]  # (list membership: no generator resumed per component)
+    if parts[0] or "" in rest or "." in rest or ".." in rest:
         return None
     prefix = ""
     if real and real != "/" and path.startswith(real + "/"):

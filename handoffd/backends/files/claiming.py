@@ -47,6 +47,8 @@ class Claiming(reading.Reading, Protocol):
 
     def owner_lock(self) -> str: ...
 
+    def file(self, state: State, handoff_id: str) -> str: ...
+
     def encode(self, doc: dict[str, Any], state: State, handoff_id: str) -> bytes: ...
 
     def check_request_size(self, doc: dict[str, Any], data: bytes, name: str) -> None: ...
@@ -54,12 +56,13 @@ class Claiming(reading.Reading, Protocol):
 
 def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds: float,
                now: datetime, on_claim: Callable[[dict[str, Any]], None] | None,
-               due_only: bool = False) -> tuple[Claim | None, Path | None]:
+               due_only: bool = False) -> tuple[Claim | None, Path | str | None]:
     """:meth:`.store.Store.claim` once the pending document is locked (``held``: its
     descriptor, None where it cannot be locked): the claim and where the file it replaced now
     is. ``due_only``: NotDue, the file put back as it came, when the trusted
     ``next_attempt_at`` of what was renamed is still to come."""
-    src, dst = store.path(State.PENDING, handoff_id), store.path(State.IN_PROGRESS, handoff_id)
+    # (str paths: each is only handed to os, so no Path is built for them)
+    src, dst = store.file(State.PENDING, handoff_id), store.file(State.IN_PROGRESS, handoff_id)
     try:
         fsio.rename_noreplace(src, dst)
     except FileNotFoundError:
@@ -139,7 +142,7 @@ def short_of(handoff_id: str, exc: OSError) -> ClaimShortage:
     return claim_shortage(handoff_id, exc)
 
 
-def _out_of_memory(handoff_id: str, src: Path, dst: Path) -> ClaimShortage | UnreadableDocument:
+def _out_of_memory(handoff_id: str, src: str, dst: str) -> ClaimShortage | UnreadableDocument:
     """A MemoryError claiming ``handoff_id`` (reading, marking or encoding it), counted as a
     strike as one reading it is (:func:`~handoffd.core.memorystrikes.claim_out_of_memory`): put
     back in pending/ with the memory back-off; only once the strikes' bound is reached is the
@@ -151,7 +154,7 @@ def _out_of_memory(handoff_id: str, src: Path, dst: Path) -> ClaimShortage | Unr
     return problem
 
 
-def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: Path, dst: Path,
+def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: str, dst: str,
                   now: datetime) -> tuple[dict[str, Any], int]:
     """The document just renamed to ``dst``, and the inode the lease write may replace:
     the locked one (``held``) when there is one, else the one read. (Were they different,
@@ -165,7 +168,7 @@ def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: Path,
         if held is not None:
             info = os.fstat(held)
             if os.lstat(dst).st_ino == info.st_ino:
-                data = fsio.read_open(held, info, store.max_open_bytes, dst.name)
+                data = fsio.read_open(held, info, store.max_open_bytes, f"{handoff_id}.json")
             else:  # a file renamed over the locked one before our rename: what we renamed is
                 # that one, judged on its own bytes (never on the locked file's), and the lease
                 # write then gives the claim up (it is not the locked inode)
@@ -184,16 +187,16 @@ def _read_claimed(store: Claiming, handoff_id: str, held: int | None, src: Path,
     return doc, info.st_ino
 
 
-def _young(store: Claiming, path: Path, now: datetime) -> bool:
+def _young(store: Claiming, path: str, now: datetime) -> bool:
     """True when ``path`` was written less than the store's settle time before ``now``."""
     try:
-        mtime = path.stat().st_mtime
+        mtime = os.stat(path).st_mtime
     except FileNotFoundError:
         return False
     return now.timestamp() - mtime < store.settle_seconds
 
 
-def _put_back(dst: Path, src: Path) -> None:
+def _put_back(dst: str, src: str) -> None:
     """Rename a claimed file back into pending/, unless a newer pending copy is there."""
     try:
         fsio.rename_noreplace(dst, src)

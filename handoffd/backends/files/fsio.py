@@ -40,16 +40,17 @@ def dump_json(doc: dict[str, Any]) -> bytes:
     return encode_document(doc)
 
 
-def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path:
+def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path | str:
     """Write ``data`` to a temp file under ``tmp_dir`` (a spare, or a fresh one) and return its path."""
     return _write_temp(tmp_dir, data, durable=durable)[0]
 
 
 def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
-                fresh: bool = False) -> tuple[Path, int]:
+                fresh: bool = False) -> tuple[Path | str, int]:
     """(path, inode) of a temp file holding ``data``: a spare this process kept (see
     :mod:`.spares`) unless ``fresh`` or there is none, else a new file."""
     taken = None if fresh else spares.take(tmp_dir)
+    path: Path | str
     if taken is not None:
         path, fd, old_size = taken
     else:
@@ -85,7 +86,8 @@ def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
     return path, inode
 
 
-def _publish(tmp_dir: Path, data: bytes, durable: bool, put: Callable[[Path], None]) -> int:
+def _publish(tmp_dir: Path, data: bytes, durable: bool,
+             put: Callable[[Path | str], None]) -> int:
     """Write ``data`` to a temp file and ``put`` it into place; the new inode number. A spare
     a sweeper removed between our write and the rename is written again as a fresh file."""
     for fresh in (False, True):
@@ -132,8 +134,8 @@ def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool, sync_dir
     return inode
 
 
-def replace_exact(target: Path, data: bytes, tmp_dir: Path, *, durable: bool,
-                  expect: int) -> tuple[int, Path | None] | None:
+def replace_exact(target: Path | str, data: bytes, tmp_dir: Path, *, durable: bool,
+                  expect: int) -> tuple[int, Path | str | None] | None:
     """Replace ``target`` with ``data`` only if it is still the file of inode ``expect``, never
     a file put there since: (the new inode, where the replaced file now is) or None when
     ``target`` is another file or gone (left as it is). No directory fsync (a claim's lease
@@ -159,7 +161,7 @@ def replace_exact(target: Path, data: bytes, tmp_dir: Path, *, durable: bool,
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(tmp))
             continue  # a spare a sweeper removed between our write and the exchange
         if err is not None:  # no exchange on this filesystem: compare, then replace
-            return _replace_compared(tmp, target, inode, expect)
+            return _replace_compared(tmp, target, tmp_dir, inode, expect)
         if _inode(tmp) == expect:
             return inode, tmp
         _exchange_back(tmp, target, inode)
@@ -167,8 +169,8 @@ def replace_exact(target: Path, data: bytes, tmp_dir: Path, *, durable: bool,
     raise AssertionError("unreachable")
 
 
-def _replace_compared(tmp: Path, target: Path, inode: int,
-                      expect: int) -> tuple[int, Path | None] | None:
+def _replace_compared(tmp: Path | str, target: Path | str, tmp_dir: Path, inode: int,
+                      expect: int) -> tuple[int, Path | str | None] | None:
     """:func:`replace_exact` without an exchange: ``target`` compared, then replaced, its inode
     kept under a second name in the temp folder where one can be made (:func:`spares.keep_link`)."""
     kept = None
@@ -176,7 +178,7 @@ def _replace_compared(tmp: Path, target: Path, inode: int,
         if _inode(target) != expect:
             _unlink_quietly(tmp)
             return None
-        kept = spares.keep_link(target, tmp.parent)
+        kept = spares.keep_link(target, tmp_dir)
         os.replace(tmp, target)
     except BaseException:
         _unlink_quietly(tmp)
@@ -186,7 +188,7 @@ def _replace_compared(tmp: Path, target: Path, inode: int,
     return inode, kept
 
 
-def _exchange_back(tmp: Path, target: Path, ours: int) -> None:
+def _exchange_back(tmp: Path | str, target: Path | str, ours: int) -> None:
     """Undo an exchange that displaced another file than the one expected: it goes back to
     ``target`` and our new file (inode ``ours``) is removed. Were ``target`` changed in the
     moment between the two exchanges (a writer that takes no claim lock), what is at the temp
@@ -211,7 +213,7 @@ def _exchange_back(tmp: Path, target: Path, ours: int) -> None:
                 target, tmp)
 
 
-def _inode(path: Path) -> int:
+def _inode(path: Path | str) -> int:
     """The inode number of ``path`` itself (-1 when it is gone)."""
     try:
         return os.lstat(path).st_ino
@@ -219,7 +221,7 @@ def _inode(path: Path) -> int:
         return -1
 
 
-def _exchange(a: Path, b: Path) -> int | None:
+def _exchange(a: Path | str, b: Path | str) -> int | None:
     """Swap ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``): None when done, ENOENT
     when either is missing, another errno (EINVAL...) when this filesystem or kernel cannot
     exchange; OSError for anything else."""
@@ -236,12 +238,12 @@ def _exchange(a: Path, b: Path) -> int | None:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def unlink(path: Path, *, durable: bool) -> bool:
+def unlink(path: Path | str, *, durable: bool) -> bool:
     """Remove ``path``; return False if it was already gone."""
     if not spares.remove(path):
         return False
     if durable:
-        fsync_dir(path.parent)
+        fsync_dir(Path(path).parent)
     return True
 
 
@@ -281,16 +283,17 @@ def open_unfollowed(path: Path | str, shown: str, rule: str, *, flags: int = 0,
 READ_STEP = 1 << 16  # how much more read_bytes_safely asks for at a time, past the fstat size
 
 
-def read_bytes_safely(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result]:
+def read_bytes_safely(path: Path | str, max_bytes: int) -> tuple[bytes, os.stat_result]:
     """Read a regular file without following symlinks, refusing anything over ``max_bytes``.
 
     Raises FileNotFoundError if it vanished (another process claimed it) and InvalidDocument for
     symlinks, non-regular files and oversized or empty files.
     """
-    fd = open_unfollowed(path, path.name, "documents must be regular files")
+    shown = path.rpartition("/")[2] if isinstance(path, str) else path.name  # (its file name)
+    fd = open_unfollowed(path, shown, "documents must be regular files")
     try:
         info = os.fstat(fd)
-        return read_open(fd, info, max_bytes, path.name), info
+        return read_open(fd, info, max_bytes, shown), info
     finally:
         os.close(fd)
 
@@ -352,7 +355,7 @@ def load_renameat2() -> Any:
     return _renameat2
 
 
-def rename_noreplace(src: Path, dst: Path) -> None:
+def rename_noreplace(src: Path | str, dst: Path | str) -> None:
     """Atomically move ``src`` to ``dst`` unless ``dst`` exists (FileExistsError) or ``src`` is gone
     (FileNotFoundError). Uses renameat2(RENAME_NOREPLACE); where the kernel or filesystem lacks it,
     falls back to link + unlink, whose crash window leaves two copies that recovery resolves."""
@@ -379,7 +382,7 @@ def rename_noreplace(src: Path, dst: Path) -> None:
         pass  # the winner of a concurrent fallback move already removed it
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def _same_file(a: Path | str, b: Path | str) -> bool:
     """True when ``a`` is gone or is the same file as ``b`` (both cases: ``a`` was moved)."""
     try:
         return os.path.samefile(a, b)

@@ -133,7 +133,7 @@ def try_lock(path: Path) -> FileLock | None:
     raise AssertionError("unreachable")
 
 
-def lock_document(path: Path) -> int | None:
+def lock_document(path: Path | str) -> int | None:
     """A descriptor of the document at ``path`` (pending/) holding an exclusive ``flock`` on
     it: a claim takes it before its rename into in-progress/ and holds it until its lease is
     written. The sweep hands back no unleased in-progress file whose lock is held

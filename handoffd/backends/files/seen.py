@@ -43,6 +43,7 @@ class SeenIds:
 
     def __init__(self, path: Path, ttl_seconds: float) -> None:
         self.path = path
+        self._path_text = str(path)  # (stat'ed at every look: a str needs no conversion)
         self.ttl = float(ttl_seconds)
         self.lock_path = Path(str(path) + ".lock")
         # id -> when seen (epoch seconds), for the whole TTL: a daemon holds one entry per
@@ -160,7 +161,7 @@ class SeenIds:
         under the mutex: the stat too, for an add() between a stat and the mutex would advance
         the offset past the size seen, and the whole file would be read again."""
         try:
-            info = os.stat(self.path)
+            info = os.stat(self._path_text)
         except FileNotFoundError:
             return
         if (info.st_ino, info.st_size) == (self._inode, self._offset):

@@ -46,11 +46,12 @@ LEASES = hasattr(fcntl, "F_SETLEASE") and hasattr(fcntl, "F_SETSIG")
 OWN_PREFIX = "p"  # a process's own temp folder: handoffs/.tmp/p<pid>-<random>/ (see own_folder)
 
 _lock = threading.Lock()
-_pools: dict[Path, list[Path]] = {}
+# a spare is named by a str where spares make the name (retire, keep_link: no Path to build)
+_pools: dict[Path, list[Path | str]] = {}
 _folders: list[Path] = []  # this process's own temp folders, removed (when empty) as it ends
 
 
-def take(tmp_dir: Path) -> tuple[Path, int, int] | None:
+def take(tmp_dir: Path) -> tuple[Path | str, int, int] | None:
     """A spare of ``tmp_dir`` opened for writing at offset 0, with its current size, or None
     when there is none. The caller writes over it and cuts what is left beyond its own data:
     emptying it first cost a truncate that freed every block only for the write
@@ -80,7 +81,7 @@ def take(tmp_dir: Path) -> tuple[Path, int, int] | None:
         remove_quietly(path)
 
 
-def keep_link(path: Path, tmp_dir: Path) -> Path | None:
+def keep_link(path: Path | str, tmp_dir: Path) -> str | None:
     """A second name for ``path`` in ``tmp_dir`` (a hard link), made before ``path`` is replaced
     so that its inode outlives the replace; None when the pool is full or no link can be made.
     Give it to :func:`adopt` once ``path`` is replaced (or :func:`remove_quietly` on failure)."""
@@ -89,7 +90,7 @@ def keep_link(path: Path, tmp_dir: Path) -> Path | None:
     with _lock:
         if len(_pools.get(tmp_dir, ())) >= KEPT:
             return None
-    spare = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
+    spare = f"{tmp_dir}/{os.urandom(16).hex()}{TMP_SUFFIX}"
     try:
         os.link(path, spare)
     except OSError:  # no hard links here (or protected_hardlinks refuses a file not ours)
@@ -97,11 +98,18 @@ def keep_link(path: Path, tmp_dir: Path) -> Path | None:
     return spare
 
 
-def adopt(spare: Path, tmp_dir: Path) -> bool:
+def adopt(spare: Path | str, tmp_dir: Path) -> bool:
     """Keep ``spare`` (from :func:`keep_link`, its old name since replaced) as a spare of
     ``tmp_dir`` when nobody else can ever write it: a regular file we own, with no other name,
     that no other open file description refers to (the kernel grants a write lease only then).
     Else unlink it. True when kept."""
+    with _lock:
+        pool = _pools.setdefault(tmp_dir, [])
+    return _adopt(spare, pool)
+
+
+def _adopt(spare: Path | str, pool: list[Path | str]) -> bool:
+    """:func:`adopt` into ``pool``, the spares of a temp folder."""
     try:
         fd = os.open(spare, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -130,29 +138,31 @@ def adopt(spare: Path, tmp_dir: Path) -> bool:
         return False
     os.close(fd)
     with _lock:
-        _pools.setdefault(tmp_dir, []).append(spare)
+        pool.append(spare)
     return True
 
 
-def keep_displaced(path: Path, tmp_dir: Path) -> bool:
+def keep_displaced(path: Path | str, tmp_dir: Path) -> bool:
     """Keep ``path``, a file a claim's lease write displaced to a temp name of ``tmp_dir`` (or
     kept there by :func:`keep_link`; see :func:`.fsio.replace_exact`), as a spare when :func:`adopt` allows it and the pool has room;
     else unlink it. True when kept."""
-    with _lock:
-        full = len(_pools.get(tmp_dir, ())) >= KEPT
+    with _lock:  # (the folder's pool looked up once: a Path's hash is a Python call)
+        pool = _pools.setdefault(tmp_dir, [])
+        full = len(pool) >= KEPT
     if full or not LEASES:
         remove_quietly(path)
         return False
-    return adopt(path, tmp_dir)
+    return _adopt(path, pool)
 
 
-def retire(path: Path, tmp_dir: Path) -> bool:
+def retire(path: Path | str, tmp_dir: Path) -> bool:
     """Remove ``path`` (a file this process wrote) from where it is, keeping its inode as a
     spare of ``tmp_dir``; False when it was already gone. Not durable, as an unlink is not."""
-    with _lock:
-        full = len(_pools.get(tmp_dir, ())) >= KEPT
+    with _lock:  # (the folder's pool looked up once: a Path's hash is a Python call)
+        pool = _pools.setdefault(tmp_dir, [])
+        full = len(pool) >= KEPT
     if not full:
-        spare = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
+        spare = f"{tmp_dir}/{os.urandom(16).hex()}{TMP_SUFFIX}"  # (a str: no pathlib join)
         try:
             os.rename(path, spare)
         except FileNotFoundError:
@@ -162,7 +172,7 @@ def retire(path: Path, tmp_dir: Path) -> bool:
         except OSError:  # e.g. EXDEV: a .tmp/ on another filesystem; unlink as before
             return remove(path)
         with _lock:
-            _pools.setdefault(tmp_dir, []).append(spare)
+            pool.append(spare)  # (forget() after a fork drops it with the old dict)
         return True
     return remove(path)
 
@@ -208,7 +218,7 @@ def release() -> None:
             pass
 
 
-def remove(path: Path) -> bool:
+def remove(path: Path | str) -> bool:
     """Unlink ``path``; False when it was already gone (not durable). :mod:`.fsio` uses it too."""
     try:
         os.unlink(path)
@@ -217,7 +227,7 @@ def remove(path: Path) -> bool:
     return True
 
 
-def remove_quietly(path: Path) -> None:
+def remove_quietly(path: Path | str) -> None:
     """Unlink ``path`` if it can be; a temp file left behind is the sweeper's."""
     try:
         os.unlink(path)

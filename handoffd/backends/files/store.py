@@ -71,6 +71,9 @@ class Store:
                  max_document_bytes: int = 4 * 1024 * 1024, settle_seconds: float = 0.5,
                  seen_ttl_seconds: float = 3600.0, max_output_bytes: int = 16 * 1024 * 1024) -> None:
         self.ws = workspace
+        # file(state, id): :meth:`path` as a str (Workspace.doc_file, bound here: one call),
+        # what the claim's path hands to ``os``, where a Path would be built for nothing
+        self.file: Callable[[State, str], str] = workspace.doc_file
         self.durable = durable
         self.max_bytes = max_document_bytes
         # a finished document holds the request and the specialist's answer (up to
@@ -166,7 +169,9 @@ class Store:
         if key is None:  # unsealed, every document written would be taken for a foreign one
             raise ConfigError(f"cannot write handoffs: the workspace's seal key "
                               f"{self.ws.meta / seals.KEY_NAME} does not exist and cannot be made")
-        block["seal"] = seals.seal_for(key, handoff_id, revision(doc), state.value)
+        # (the folder's name as the enum keeps it, _value_: ``value`` is a property, two
+        # Python calls, and every document written and read asks it)
+        block["seal"] = seals.seal_for(key, handoff_id, revision(doc), state._value_)
         return fsio.dump_json(doc)
 
     def trusted_revision(self, doc: dict[str, Any], state: State, handoff_id: str,
@@ -174,8 +179,10 @@ class Store:
         """The document's revision if handoffd wrote it (its seal matches ``state`` or one of
         ``also``), else 0: bookkeeping that arrived from outside never outranks ours."""
         rev = revision(doc)
-        folders = tuple(s.value for s in (state, *also))
-        return rev if rev and seals.sealed(self.key, doc, handoff_id, rev, folders) else 0
+        if not rev:  # never written by a handoffd (a raw document): no seal to check
+            return 0
+        folders = (state._value_,) if not also else tuple(s.value for s in (state, *also))
+        return rev if seals.sealed(self.key, doc, handoff_id, rev, folders) else 0
 
     # ---------------------------------------------------------------- reading
     def path(self, state: State, handoff_id: str) -> Path:
@@ -188,12 +195,14 @@ class Store:
 
     def read(self, state: State, handoff_id: str) -> dict[str, Any]:
         """Read and parse one document; FileNotFoundError if absent, InvalidDocument if bad."""
-        path = self.path(state, handoff_id)
-        data, _ = fsio.read_bytes_safely(path, self.max_filed_bytes if state.terminal
+        name = f"{handoff_id}.json"  # (a str path: no Path built for each read)
+        terminal = state.terminal
+        data, _ = fsio.read_bytes_safely(self.file(state, handoff_id),
+                                         self.max_filed_bytes if terminal
                                          else self.max_open_bytes)
-        doc = jsontext.parse_document(data, f"{state.value}/{path.name}")
-        if not state.terminal:
-            self.check_request_size(doc, data, path.name)
+        doc = jsontext.parse_document(data, f"{state._value_}/{name}")
+        if not terminal:
+            self.check_request_size(doc, data, name)
         return doc
 
     def check_request_size(self, doc: dict[str, Any], data: bytes, name: str) -> None:
@@ -269,14 +278,14 @@ class Store:
         in-progress/ (:func:`.fsio.replace_exact`), never one someone else put there since.
         """
         now = now or utc_now()
-        src = self.path(State.PENDING, handoff_id)
+        src = self.file(State.PENDING, handoff_id)
         try:
             held = lock_document(src)
         except (FileNotFoundError, BlockingIOError):
             return None  # claimed, or being claimed right now, by another process
         except OSError as exc:  # (SHORT_ERRNOS: no descriptor to spare) nothing moved yet
             raise claiming.short_of(handoff_id, exc) from None
-        displaced: Path | None = None
+        displaced: Path | str | None = None
         try:
             self.folders.check()  # never renamed into (or out of) a folder swapped for a link
             claim, displaced = claiming.claim_held(self, handoff_id, held, lease_seconds, now,
@@ -299,7 +308,7 @@ class Store:
         nobody (a sweeper) replaced or moved it since this claim wrote it; no read needed."""
         if claim.inode is not None:
             try:
-                return os.stat(self.path(State.IN_PROGRESS, claim.handoff_id)).st_ino == claim.inode
+                return os.stat(self.file(State.IN_PROGRESS, claim.handoff_id)).st_ino == claim.inode
             except FileNotFoundError:
                 return self._readopt(claim)
         try:
@@ -378,7 +387,8 @@ class Store:
         came before anything was written in ``dst`` (it may raise another instead)."""
         target = self.path(dst, handoff_id)
         try:
-            fsio.create_exclusive(target, data, self.tmp, durable=self.durable)
+            tmp = self.tmp  # (once for both: a property; a planted .tmp/ is "unwritten" too)
+            fsio.create_exclusive(target, data, tmp, durable=self.durable)
         except OSError as exc:
             if unwritten is not None and not _exists(target):  # (there: its dir fsync failed)
                 unwritten(exc)
@@ -386,7 +396,7 @@ class Store:
         crash_point("after-move-write")
         # no directory fsync: if a crash undoes this unlink, the two copies are told apart
         # by revision (states.winner) and recovery removes the older one
-        spares.retire(self.path(src, handoff_id), self.tmp)
+        spares.retire(self.file(src, handoff_id), tmp)
         crash_point("after-move-unlink")
 
     def finish(self, claim: Claim, dst: State, doc: dict[str, Any]) -> bool:
