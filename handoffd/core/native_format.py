@@ -98,19 +98,21 @@ def native_envelope(doc: dict[str, Any]) -> Envelope:
     out = given_output if isinstance(given_output := doc.get("expected_output"), dict) else {}
     timeout = doc.get("timeout_seconds")
     depends = doc.get("depends_on") or []
+    # (each field read once: the Envelope is built at the peek, the claim's event and admission)
+    contract = given if isinstance(given := doc.get("contract"), dict) else None
     return Envelope(
         handoff_id=handoff_id, dialect="native", target=agent,
         source=agent_from if isinstance(agent_from, str) else None,
         data=inp.get("data"),
         timeout_seconds=document_seconds(timeout),
         priority=priority_rank(doc.get("priority")),
-        retry_policy=doc.get("retry_policy") if isinstance(doc.get("retry_policy"), dict) else None,
-        input_schema=inp.get("schema") if isinstance(inp.get("schema"), str) else None,
-        output_schema=out.get("schema") if isinstance(out.get("schema"), str) else None,
-        correlation_id=doc.get("correlation_id") if isinstance(doc.get("correlation_id"), str) else None,
-        conversation_id=doc.get("conversation_id") if isinstance(doc.get("conversation_id"), str) else None,
-        depends_on=_with_contract_dependencies(doc, depends),
-        contract=doc.get("contract") if isinstance(doc.get("contract"), dict) else None,
+        retry_policy=given if isinstance(given := doc.get("retry_policy"), dict) else None,
+        input_schema=given if isinstance(given := inp.get("schema"), str) else None,
+        output_schema=given if isinstance(given := out.get("schema"), str) else None,
+        correlation_id=given if isinstance(given := doc.get("correlation_id"), str) else None,
+        conversation_id=given if isinstance(given := doc.get("conversation_id"), str) else None,
+        depends_on=_with_contract_dependencies(contract, depends),
+        contract=contract,
         expires_at=_expires_at(doc, handoff_id),
     )
 
@@ -141,11 +143,13 @@ def _expires_at(doc: dict[str, Any], handoff_id: str) -> datetime | None:
                           errors=[{"field": "expires_at", "error": problem, "schema_path": ""}])
 
 
-def _with_contract_dependencies(doc: dict[str, Any], depends: Any) -> list[str]:
-    """``depends_on`` plus a ``contract.dependencies_completed`` list (seed 004), deduplicated."""
-    out = [d for d in depends if isinstance(d, str)] if isinstance(depends, list) else []
-    contract = doc.get("contract")
-    extra = contract.get("dependencies_completed") if isinstance(contract, dict) else None
+def _with_contract_dependencies(contract: dict[str, Any] | None, depends: Any) -> list[str]:
+    """``depends_on`` plus the ``contract``'s ``dependencies_completed`` list (seed 004),
+    deduplicated."""
+    # (an empty depends_on, the usual one, is a new list without a comprehension's call)
+    out = [d for d in depends if isinstance(d, str)] if depends and isinstance(depends, list) \
+        else []
+    extra = contract.get("dependencies_completed") if contract is not None else None
     if isinstance(extra, list):
         out += [d for d in extra if isinstance(d, str) and d not in out]
     return out

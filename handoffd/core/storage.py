@@ -464,16 +464,30 @@ def foreign_filing(state: State, doc: Doc) -> bool:
 def describe_native(doc: Doc) -> Meta:
     """The default ``describe``: seed-001 fields (``target.agent_id``, ``priority``,
     ``conversation_id``, ``parent_id``, also read from ``handoffd.request_snapshot``)."""
+    sources = _native_sources(doc)
+    target = next((t["agent_id"] for s in sources if isinstance(t := s.get("target"), dict)
+                   and isinstance(t.get("agent_id"), str)), None)
+    return Meta(target, priority_rank(doc.get("priority")), _first_str(sources, "conversation_id"),
+                _first_str(sources, "parent_id"))
+
+
+def native_links(doc: Doc) -> tuple[str | None, str | None]:
+    """(conversation, parent) as :func:`describe_native` reads them: what a dialect's
+    describe takes from it once the document's envelope gave its target and priority."""
+    sources = _native_sources(doc)
+    return _first_str(sources, "conversation_id"), _first_str(sources, "parent_id")
+
+
+def _native_sources(doc: Doc) -> list[Doc]:
+    """Where :func:`describe_native` looks: the document, then its ``handoffd`` block's
+    ``request_snapshot`` and the block itself."""
     sources = [doc]
     block = doc.get(BOOK)
     if isinstance(block, dict):
         snap = block.get("request_snapshot")
         sources += [snap] if isinstance(snap, dict) else []
         sources.append(block)
-    target = next((t["agent_id"] for s in sources if isinstance(t := s.get("target"), dict)
-                   and isinstance(t.get("agent_id"), str)), None)
-    return Meta(target, priority_rank(doc.get("priority")), _first_str(sources, "conversation_id"),
-                _first_str(sources, "parent_id"))
+    return sources
 
 
 def _first_str(sources: list[Doc], key: str) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ErrorCode, InvalidDocument
-from ..core.storage import Meta, describe_native
+from ..core.storage import Meta, describe_native, native_links
 from .agent_handoff import AgentHandoffDialect
 from .base import Dialect, FiledState
 from .haios import HaiosDialect
@@ -66,6 +66,12 @@ def detect(doc: dict, forced: str | None = None) -> Dialect:
         except KeyError:
             pass
     for dialect in DIALECTS:
+        # (a dialect's ``match_keys``, when it says them: none in the document, no match; a
+        # document is detected at its peek and at its claim, and four of the five formats
+        # are passed over for the usual one)
+        keys = getattr(dialect, "match_keys", None)
+        if keys is not None and keys.isdisjoint(doc):
+            continue
         if dialect.matches(doc):
             return dialect
     tried = "; ".join(f"{d.name} ({SHAPES[d.name]})" if d.name in SHAPES else d.name
@@ -82,13 +88,14 @@ def describe(doc: dict[str, Any]) -> Meta:
     """Routing facts of a document in any format, for a backend's scheduling columns: target and
     priority from its envelope; conversation and parent as the native reader finds them. A
     document no dialect can route gets no target (it is never handed out by claim-next)."""
-    native = describe_native(doc)
     try:
         env = detect(doc).envelope(doc)
     except Exception:  # an answer, or a document a reader chokes on: not routable
+        native = describe_native(doc)
         return Meta(None, native.priority, native.conversation, native.parent)
-    return Meta(env.target, env.priority, env.conversation_id or native.conversation,
-                native.parent)
+    # (the envelope gave target and priority: the native reader's links alone are read)
+    conversation, parent = native_links(doc)
+    return Meta(env.target, env.priority, env.conversation_id or conversation, parent)
 
 
 def review_outcome(job: Any, outcome: "Outcome") -> "Outcome":

@@ -99,6 +99,9 @@ class AgentHandoffDialect:
     """Seed 002's AgentHandoff, validated with the seed's schema plus its status rules."""
 
     name = "agent_handoff"
+    # matches() is never true without one of these keys (a ``$schema`` naming it, or an agent
+    # field): detection passes over a document that has none without calling it
+    match_keys = frozenset({"$schema", "from_agent", "to_agent"})
 
     # ------------------------------------------------------------ recognising
     def matches(self, doc: dict[str, Any]) -> bool:

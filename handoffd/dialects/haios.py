@@ -46,6 +46,9 @@ class HaiosDialect:
     """HAIOS collaboration handoffs and their results."""
 
     name = "haios"
+    # matches() is never true without one of these keys (a ``$schema`` naming it, a payload, or a
+    # result's executed_by): detection passes over a document that has none without calling it
+    match_keys = frozenset({"$schema", "payload", "executed_by"})
 
     # ------------------------------------------------------------ recognising
     def matches(self, doc: dict[str, Any]) -> bool:

@@ -160,6 +160,9 @@ class HiMoeDialect:
     """The hi_moe Message envelope with Delegation / Outcome / Cancellation payloads."""
 
     name = "hi_moe"
+    # matches() is never true without one of these keys (a ``$schema`` naming it, or a payload):
+    # detection passes over a document that has none without calling it
+    match_keys = frozenset({"$schema", "payload"})
 
     # ------------------------------------------------------------ recognising
     def matches(self, doc: dict[str, Any]) -> bool:

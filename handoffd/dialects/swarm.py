@@ -29,6 +29,9 @@ class SwarmDialect:
     """Seed 004's WorkerHandoff envelope (contract / context / escalation)."""
 
     name = "swarm"
+    # matches() is never true without one of these keys (a ``$schema`` naming it, a contract, or a
+    # report's task_id): detection passes over a document that has none without calling it
+    match_keys = frozenset({"$schema", "contract", "task_id"})
 
     # ------------------------------------------------------------ recognising
     def matches(self, doc: dict[str, Any]) -> bool:

@@ -51,6 +51,7 @@ class Attempts(HeldOutcomes):
         self.settings = engine.settings
         self.scheduler = scheduler
         self.cv = scheduler.cv
+        self.lock = scheduler.lock  # (cv's lock: see Scheduler.lock)
         self.report = report
         self.active: dict[str, Job] = {}
         # handoff id -> Python handlers still running past their ended attempts (timed out,
@@ -97,15 +98,16 @@ class Attempts(HeldOutcomes):
                 self.claim_shortages.pop(handoff_id, None)  # (taken, filed, gated): row ends
             if job is None:
                 return
-            with self.cv:
+            with self.lock:
                 self.active[handoff_id] = job
                 if handoff_id in self.backed_off:  # handed back for a shortage, taken again
                     self.backed_off.discard(handoff_id)
                     self.report.handed_back -= 1
-            log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
-                     job.specialist.agent, extra={"event": "claimed", "handoff_id": handoff_id,
-                                                  "attempt": job.claim.attempt,
-                                                  "agent": job.specialist.agent})
+            if log.isEnabledFor(logging.INFO):  # (its arguments cost more than the check)
+                agent = job.specialist.agent
+                log.info("%s -> in-progress (attempt %d, %s)", handoff_id, job.claim.attempt,
+                         agent, extra={"event": "claimed", "handoff_id": handoff_id,
+                                       "attempt": job.claim.attempt, "agent": agent})
             if self.scheduler.stopping:
                 job.ending = True
                 self.engine.handback(job.claim, job.dialect, reason="daemon stopping")
@@ -205,7 +207,7 @@ class Attempts(HeldOutcomes):
                 self.cv.notify_all()
 
     def _forget_job(self, job: Job) -> None:
-        with self.cv:
+        with self.lock:
             if self.active.get(job.handoff_id) is job:
                 del self.active[job.handoff_id]
         job.let_go()  # (its document freed now, not at the collector's next pass)

@@ -40,6 +40,7 @@ class Dispatcher:
         self.settings = engine.settings
         self.scheduler = scheduler
         self.cv = scheduler.cv
+        self.lock = scheduler.lock  # (cv's lock: see Scheduler.lock)
         self.attempts = attempts
         self.hooks = hooks
         self.pool = pool
@@ -83,7 +84,7 @@ class Dispatcher:
                     self.scheduler.finished(token)
                     self.cv.notify_all()
                 raise
-            with self.cv:
+            with self.lock:
                 self.scheduler.finished(token)
                 task = self.chain()
                 if task is None:
@@ -105,7 +106,8 @@ class Dispatcher:
             for _ in range(CHAIN_LOOKS):
                 if taken or scheduler.running >= scheduler.workers:
                     break
-                scheduler.release_parked()
+                if scheduler.parked or scheduler.rate_held:  # (none in the usual drain)
+                    scheduler.release_parked()
                 ready = scheduler.next_ready(time.monotonic())
                 if ready is None:
                     break
@@ -174,13 +176,14 @@ class Dispatcher:
             self.submit("", self.attempts.aside, handoff_id, handler)
             return
         deadline = scheduler.deadline(handoff_id, peek)
-        now = self.engine.clock()
-        if deadline is not None and deadline <= now:
+        # (the clock is read only for a time to compare: the usual handoff has none)
+        now = self.engine.clock() if deadline is not None or peek.due_at is not None else None
+        if deadline is not None and now is not None and deadline <= now:
             # admission answers it TIMEOUT (or EXPIRED), unrun: also when a retry or a throttle
             # put it off past its deadline (seed 000: answered before it), whatever its retry time
             self.submit("", self.attempts.work, handoff_id, False)
             return
-        if peek.due_at is not None:
+        if peek.due_at is not None and now is not None:
             wait = (peek.due_at - now).total_seconds()
             if wait > 0:
                 if deadline is not None:
@@ -214,13 +217,14 @@ class Dispatcher:
             self.submit(spec.agent, self.attempts.reject, handoff_id, verdict.code, verdict.reason,
                         verdict.recovery)
             return
-        if scheduler.busy.get(spec.agent, 0) >= scheduler.limit(spec):
-            scheduler.park(spec.agent, handoff_id, front=was_released)
+        agent = spec.agent
+        if scheduler.busy.get(agent, 0) >= scheduler.limit(spec):
+            scheduler.park(agent, handoff_id, front=was_released)
             scheduler.look_again_at(handoff_id, deadline)
             return
         if scheduler.rate_limited(spec, handoff_id, deadline):
             return
-        self.submit(spec.agent, self.attempts.work, handoff_id)
+        self.submit(agent, self.attempts.work, handoff_id)
 
     def answer_overdue(self, handoff_id: str, deadline: datetime) -> None:
         """Answer ``handoff_id`` TIMEOUT unrun past its hard ``deadline`` while every worker is

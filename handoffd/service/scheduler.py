@@ -87,7 +87,11 @@ class Scheduler(Lines, QuietWaits):
         super().__init__()  # the lines' and the quiet waits' books
         self.engine = engine
         self.workers = workers
-        self.cv = threading.Condition()
+        # the cv's own lock, taken as ``lock`` where nothing is waited for: ``with cv`` is two
+        # Python calls (Condition's __enter__ and __exit__), ``with lock`` none, and a worker
+        # takes it three times a handoff (the same lock: notifying under it is allowed)
+        self.lock = threading.RLock()
+        self.cv = threading.Condition(self.lock)
         self.heap: list[tuple[float, int, int, str]] = []  # (due, _, seq, id): when to look
         # (priority, due, seq, id, peek, the rescan count when its read began)
         self.ready: list[tuple[int, float, int, str, Peek, int]] = []
@@ -643,8 +647,11 @@ class Scheduler(Lines, QuietWaits):
     def spin_up_at(self) -> float:
         """When the scheduler may start another worker: at once when none runs, else when the
         youngest running task is ``spin_up`` seconds old (called under ``cv``)."""
-        return max((started for _, started in self.inflight.values()), default=-math.inf) \
-            + self.spin_up
+        youngest = -math.inf  # (a loop: asked at every chain, a generator was three calls)
+        for _, started in self.inflight.values():
+            if started > youngest:
+                youngest = started
+        return youngest + self.spin_up
 
     # ------------------------------------------------------------ gates, rates, deadlines
     def hold(self, handoff_id: str, reason: str, on: frozenset[str] | None,
@@ -668,6 +675,11 @@ class Scheduler(Lines, QuietWaits):
 
     def unhold(self, handoff_id: str) -> None:
         """No gate holds ``handoff_id`` back (any more)."""
+        if handoff_id not in self.waiting and handoff_id not in self.looked:
+            # (the usual handoff, never held: a hold notes it in both, and its waits_on,
+            # fails_on and quiet stamps go when it leaves ``waiting``; ``looked`` and
+            # ``full_due`` are kept past a wake, until this or a rescan's tidying)
+            return
         self.waiting.pop(handoff_id, None)
         self.waits_on.pop(handoff_id, None)
         self.fails_on.pop(handoff_id, None)
