@@ -200,7 +200,7 @@ def test_a_claim_leases_the_file_it_renamed(store: Store, monkeypatch: pytest.Mo
     claim = store.claim("h5", lease_seconds=30, now=NOW)
     assert claim is not None and store.owns(claim)
     assert store.locate("h5") == [State.IN_PROGRESS]
-    kept = {os.stat(path).st_ino for path in spares._pools.get(store.tmp, [])}
+    kept = {os.stat(path).st_ino for path in spares._pools.get(os.fspath(store.tmp), [])}
     assert (producer in kept) is spares.LEASES
 
 

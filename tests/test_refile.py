@@ -83,7 +83,7 @@ class FullDisk:
         monkeypatch.setattr(fsio, "create_exclusive", self)
 
     def __call__(self, target: Path, *args: Any, **kwargs: Any) -> None:
-        if target.parent.name == self.folder:
+        if Path(target).parent.name == self.folder:  # (the filing passes text)
             if self.full and (self.times is None or self.failed < self.times):
                 self.failed += 1
                 raise OSError(errno.ENOSPC, "No space left on device", str(target))
@@ -260,7 +260,8 @@ def test_a_delegation_whose_park_fails_keeps_its_children_and_completes(
     failed: list[Path] = []
 
     def park_fails_once(target: Path, *args: Any, **kwargs: Any) -> None:
-        if target.parent.name == "pending" and target.name == f"{hid}.json" and not failed:
+        if Path(target).parent.name == "pending" and Path(target).name == f"{hid}.json" \
+                and not failed:  # (the filing gives its path as text)
             failed.append(target)  # the parent's park, once; its children are written
             raise OSError(errno.ENOSPC, "No space left on device", str(target))
         real(target, *args, **kwargs)
@@ -456,8 +457,8 @@ def test_a_cancel_during_a_refile_under_way_still_files_it_cancelled(
     under_way, cancelled_now = threading.Event(), threading.Event()
 
     def answers_refused_twice(target: Path, *args: Any, **kwargs: Any) -> None:
-        if target.parent.name == "completed" and len(tries) < 2:
-            tries.append(target.name)
+        if Path(target).parent.name == "completed" and len(tries) < 2:  # (given as text)
+            tries.append(Path(target).name)
             if len(tries) == 2:  # the first refile: cancelled while it runs, then it fails
                 under_way.set()
                 assert cancelled_now.wait(20)

@@ -280,7 +280,7 @@ def test_a_takeover_whose_filing_fails_still_gives_its_slot_back(
     real_create, failures = fsio.create_exclusive, []
 
     def full_disk(target: Path, *args: Any, **kwargs: Any) -> None:
-        if target.parent.name == "failed" and not failures:  # the TIMEOUT answer's write
+        if Path(target).parent.name == "failed" and not failures:  # the TIMEOUT answer's write
             failures.append(threading.current_thread().name)
             raise OSError(errno.ENOSPC, "No space left on device", str(target))
         return real_create(target, *args, **kwargs)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Iterator, Protocol
 
 from .documents import BOOK, book_int
 from .logs import log
-from .states import State
+from .states import FOLDER_NAMES, State
 from .storage import Backend, Claim, Claims, Describe, Doc, Meta
 from .timeutil import iso, parse_iso
 
@@ -31,7 +31,7 @@ SET_ASIDE = "set-aside"  # the "state" of an event for a document moved into qua
 RUNNING = State.IN_PROGRESS.value  # the "state" of a `claimed` event (an enum's value is a call)
 # a time as :func:`~handoffd.core.timeutil.iso` writes it (UTC, milliseconds, "Z"): a history
 # entry's time in this form is the event's as it stands (parsed and formatted back, the same)
-_ISO_MS = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z")
+ISO_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z")
 
 
 class EventLog(Protocol):
@@ -114,7 +114,7 @@ def queue_wait(doc: Doc, claimed_at: datetime) -> float | None:
 def _parse_time(given: Any) -> datetime:
     """``parse_iso(str(given))``; a time in the form :func:`iso` writes (our own history's) is
     read by ``datetime.fromisoformat`` alone. ValueError when it is no time."""
-    if isinstance(given, str) and _ISO_MS.fullmatch(given):
+    if isinstance(given, str) and ISO_TIME.fullmatch(given):
         return datetime.fromisoformat(given[:-1]).replace(tzinfo=timezone.utc)
     return parse_iso(str(given))
 
@@ -261,7 +261,7 @@ class RecordingBackend:
         at: datetime | str | None = None
         given = entry.get("at")
         try:
-            if isinstance(given, str) and _ISO_MS.fullmatch(given):
+            if isinstance(given, str) and ISO_TIME.fullmatch(given):
                 datetime.fromisoformat(given[:-1])  # (a date that exists: ValueError if not)
                 at = given  # our own form: no parse and format back (the common case)
             elif given is not None:

@@ -69,9 +69,10 @@ def file_outcome(engine: Filing, claim: Claim, dialect: Dialect, spec: Specialis
     doc = claim.doc
     block = book(doc)
     retries = book_int(doc, "retries", 0)
-    policy = engine.policy(doc, spec)
+    # a success is never retried, and its answer says nothing of retries: no policy to read
+    policy = None if outcome.succeeded else engine.policy(doc, spec)
     now = engine.clock()
-    delay = retry_delay(outcome, policy, retries)
+    delay = None if policy is None else retry_delay(outcome, policy, retries)
     if delay is not None:
         block["retries"] = retries + 1
         block["last_error"] = outcome.error
@@ -160,15 +161,17 @@ WROTE = "wrote"
 OUTCOME_FIELDS = ("validation", "metadata")
 
 
-def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy: RetryPolicy,
-                 retries: int, now: datetime,
+def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome,
+                 policy: RetryPolicy | None, retries: int, now: datetime,
                  artifacts: ArtifactSink | None) -> tuple[State, dict[str, Any]]:
     """Where ``outcome`` is filed for good (completed or failed) and the answer filed there:
     ``doc`` with the event recorded and the format-neutral facts `handoff retry` and `handoff
-    ls` read, rendered by its format (which may answer with a new document)."""
-    dst = State.COMPLETED if outcome.succeeded else State.FAILED
-    event = "completed" if outcome.succeeded else ("cancelled" if outcome.status == "cancelled"
-                                                   else "failed")
+    ls` read, rendered by its format (which may answer with a new document). ``policy`` may be
+    None for a success, whose answer no format gives retry facts (``max_retries`` 0 then)."""
+    succeeded = outcome.succeeded  # (a property: read once)
+    dst = State.COMPLETED if succeeded else State.FAILED
+    event = "completed" if succeeded else ("cancelled" if outcome.status == "cancelled"
+                                           else "failed")
     detail: dict[str, Any] = {"seconds": outcome.seconds}
     if outcome.error:
         detail["code"] = outcome.error.get("code")
@@ -179,7 +182,8 @@ def final_answer(doc: dict[str, Any], dialect: Dialect, outcome: Outcome, policy
     record(doc, event, now, **detail)
     block = book(doc)
     block.pop("next_attempt_at", None)
-    filed = FiledState(retries, policy.max_retries, retryable(outcome) or
+    filed = FiledState(retries, policy.max_retries if policy is not None else 0,
+                       retryable(outcome) or
                        (outcome.error or {}).get("code") == ErrorCode.TIMEOUT)
     block["retry_available"] = filed.retry_available
     if outcome.error:

@@ -32,7 +32,7 @@ from ..core.errors import (
     is_shortage,
 )
 from ..core.logs import log
-from ..core.states import State
+from ..core.states import TERMINAL, State
 from ..core.storage import Wakeup
 from .cancel_family import _cancel_pending, cancel, settle
 from .cancel_requests import _request_texts, check_before_run, describe, install_gate
@@ -77,7 +77,7 @@ def attach(daemon: DaemonPlugins) -> None:
     daemon.add_scan_hook(lambda: poll(daemon, problems))
     daemon.add_message_handler(is_cancel_message, handle_message)
     daemon.add_filed_hook(lambda handoff_id, where: settle(daemon.engine, handoff_id)
-                          if where.terminal else None)
+                          if where in TERMINAL else None)
     daemon.add_wakeup_hook(lambda wakeup: daemon.request_rescan()
                            if wakeup.kind == "cancel" else None, kinds={"cancel"})
 

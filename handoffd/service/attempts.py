@@ -163,7 +163,8 @@ class Attempts(HeldOutcomes):
             if where is State.PENDING:
                 self._backed_off(job.handoff_id, delay)  # a batch may wait for it
             return False
-        handbacks.started_again(self.start_shortages, self.engine)
+        if self.start_shortages.active:  # (a shortage said before: one line says it cleared)
+            handbacks.started_again(self.start_shortages, self.engine)
         if job.context.handback:  # counted once a stop interrupted it too often in a row
             where = handbacks.hand_back(self.engine, job, outcome)
             if where is State.PENDING:

@@ -27,7 +27,7 @@ from ..core.engine import Engine, Job
 from ..core.procs import STOP_SIGNALS
 from ..core.runner import cancel
 from ..core.specialists import Specialist
-from ..core.states import State
+from ..core.states import TERMINAL, State
 from ..core.storage import Wakeup
 from . import allocator
 from .attempts import Attempts
@@ -256,7 +256,7 @@ class Daemon(BatchEnd):
                 else:  # its gate holds it (e.g. for its children) before they run: their
                     self.scheduler.look_first(handoff_id)  # filings wake it then
                 self.scheduler.wake(handoff_id)  # its attempt ended: what it held is free
-            if where.terminal:
+            if where in TERMINAL:
                 self.attempts.unexpected_in_a_row.pop(handoff_id, None)
                 self.scheduler.ended(handoff_id, failed=where is State.FAILED)
         if self.on_filed:

@@ -87,7 +87,11 @@ class HeldOutcomes:
         claim each, so nothing new starts until one is filed."""
         # counted by the jobs that keep an answer, not by the armed timers: a refile under way
         # has taken its timer down, and a claim slipped in meanwhile (one beyond the bound)
-        kept = sum(1 for job in list(self.active.values()) if job.refile_after)
+        # (a loop, not sum() of a generator: asked before every claim, that was a call more)
+        kept = 0
+        for job in list(self.active.values()):
+            if job.refile_after:
+                kept += 1
         return kept > 0 and kept >= self.scheduler.workers
 
     def _file(self, job: Job, outcome: Outcome) -> bool:

@@ -28,7 +28,7 @@ from ...core.documents import revision
 from ...core.errors import SHORTAGE_ERRNOS, DuplicateHandoff, InvalidTransition, NotFound
 from ...core.logs import log
 from ...core.ownfiles import folder_refusal, not_a_folder, open_beneath
-from ...core.states import State
+from ...core.states import FOLDER_NAMES, State
 from ...core.storage import LOST, LiveStamp, Wakeup, trusted_doc
 from ...core.workspace import Workspace
 from ..base import (
@@ -189,7 +189,7 @@ class FilesBackend(FencedFiling, Backend):
         if not self.store.finish(claim.handle, state, doc):
             return False
         self._claimer.released(claim.id)
-        self._subscribers.fire(claim.id, state.value)
+        self._subscribers.fire(claim.id, FOLDER_NAMES[state])
         return True
 
     def expired_claims(self, now: datetime, lease_seconds: float) -> Claims:

@@ -56,7 +56,7 @@ class Claiming(reading.Reading, Protocol):
 
 def claim_held(store: Claiming, handoff_id: str, held: int | None, lease_seconds: float,
                now: datetime, on_claim: Callable[[dict[str, Any]], None] | None,
-               due_only: bool = False) -> tuple[Claim | None, Path | str | None]:
+               due_only: bool = False) -> tuple[Claim | None, str | None]:
     """:meth:`.store.Store.claim` once the pending document is locked (``held``: its
     descriptor, None where it cannot be locked): the claim and where the file it replaced now
     is. ``due_only``: NotDue, the file put back as it came, when the trusted

@@ -33,7 +33,7 @@ _cv = threading.Condition()
 _folders: dict[str, _Folder] = {}
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | Path) -> None:
     """Make every rename, link and unlink done in ``path`` before this call durable."""
     key = os.fspath(path)
     with _cv:

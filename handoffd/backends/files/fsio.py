@@ -22,44 +22,46 @@ from ...core.ownfiles import START_UMASK
 from . import dirsync, spares
 
 TMP_SUFFIX = spares.TMP_SUFFIX
+# A path as these functions take it: text, or a Path. The ones the filing of every handoff
+# passes are text (each system call given a Path asks it for its text: two Python calls).
+FilePath = str | Path
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: FilePath) -> None:
     """fsync a directory so a rename/link/unlink inside it is durable (one fsync covers the
     callers that arrive while another runs: :mod:`.dirsync`)."""
     dirsync.fsync_dir(path)
 
 
-# How long a lock of handoffd's own (the event log's rotation, the seen-ids record, a shared
-def dump_json(doc: dict[str, Any]) -> bytes:
-    """Serialise a document the way every handoffd file is written: compact JSON on one line,
-    UTF-8, ending in a newline (:func:`handoffd.core.jsontext.encode_document`). Compact because
-    the fast encoders only serve compact output, and every handoff is written two or three times
-    (`handoff show` and `jq` indent for people). A float that is not finite raises ValueError
-    rather than being written as the bare ``Infinity``/``NaN`` tokens, which are not JSON."""
-    return encode_document(doc)
+# Serialise a document the way every handoffd file is written: compact JSON on one line, UTF-8,
+# ending in a newline (:func:`handoffd.core.jsontext.encode_document`, itself: a wrapper was one
+# Python call more at each of a handoff's writes). Compact because the fast encoders only serve
+# compact output, and every handoff is written two or three times (`handoff show` and `jq`
+# indent for people). A float that is not finite raises ValueError rather than being written
+# as the bare ``Infinity``/``NaN`` tokens, which are not JSON.
+dump_json: Callable[[Any], bytes] = encode_document
 
 
-def write_temp(tmp_dir: Path, data: bytes, *, durable: bool) -> Path | str:
+def write_temp(tmp_dir: FilePath, data: bytes, *, durable: bool) -> str:
     """Write ``data`` to a temp file under ``tmp_dir`` (a spare, or a fresh one) and return its path."""
     return _write_temp(tmp_dir, data, durable=durable)[0]
 
 
-def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
-                fresh: bool = False) -> tuple[Path | str, int]:
+def _write_temp(tmp_dir: FilePath, data: bytes, *, durable: bool,
+                fresh: bool = False) -> tuple[str, int]:
     """(path, inode) of a temp file holding ``data``: a spare this process kept (see
     :mod:`.spares`) unless ``fresh`` or there is none, else a new file."""
     taken = None if fresh else spares.take(tmp_dir)
-    path: Path | str
     if taken is not None:
         path, fd, old_size = taken
     else:
-        path = tmp_dir / f"{os.urandom(16).hex()}{TMP_SUFFIX}"
+        folder = os.fspath(tmp_dir)
+        path = spares.temp_name(folder)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         try:
             fd = os.open(path, flags, 0o644)
         except FileNotFoundError:  # the folder is gone (a sweep removed an idle one): make it
-            tmp_dir.mkdir(parents=True, exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
             fd = os.open(path, flags, 0o644)
         # the mode the process's umask gave at its start: a Python handler may have changed
         # the umask meanwhile (077: documents nobody else could read; 777: mode 000)
@@ -86,8 +88,7 @@ def _write_temp(tmp_dir: Path, data: bytes, *, durable: bool,
     return path, inode
 
 
-def _publish(tmp_dir: Path, data: bytes, durable: bool,
-             put: Callable[[Path | str], None]) -> int:
+def _publish(tmp_dir: FilePath, data: bytes, durable: bool, put: Callable[[str], None]) -> int:
     """Write ``data`` to a temp file and ``put`` it into place; the new inode number. A spare
     a sweeper removed between our write and the rename is written again as a fresh file."""
     for fresh in (False, True):
@@ -113,17 +114,18 @@ def _publish(tmp_dir: Path, data: bytes, durable: bool,
     raise AssertionError("unreachable")
 
 
-def create_exclusive(target: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> None:
+def create_exclusive(target: FilePath, data: bytes, tmp_dir: FilePath, *, durable: bool) -> None:
     """Publish ``data`` at ``target`` atomically; raise DuplicateHandoff if the name is taken."""
     try:
         _publish(tmp_dir, data, durable, lambda tmp: rename_noreplace(tmp, target))
     except FileExistsError:  # one step where link + unlink took two
-        raise DuplicateHandoff(f"{target.name} already exists in {target.parent.name}/") from None
+        folder, name = os.path.split(target)
+        raise DuplicateHandoff(f"{name} already exists in {os.path.basename(folder)}/") from None
     if durable:
-        fsync_dir(target.parent)
+        fsync_dir(os.path.dirname(target))
 
 
-def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool, sync_dir: bool = True) -> int:
+def replace(target: Path, data: bytes, tmp_dir: FilePath, *, durable: bool, sync_dir: bool = True) -> int:
     """Atomically replace (or create) ``target`` with ``data``; returns the new inode number.
 
     ``sync_dir=False`` keeps the data fsync (a renamed-in file must never surface empty after a
@@ -134,8 +136,8 @@ def replace(target: Path, data: bytes, tmp_dir: Path, *, durable: bool, sync_dir
     return inode
 
 
-def replace_exact(target: Path | str, data: bytes, tmp_dir: Path, *, durable: bool,
-                  expect: int) -> tuple[int, Path | str | None] | None:
+def replace_exact(target: FilePath, data: bytes, tmp_dir: FilePath, *, durable: bool,
+                  expect: int) -> tuple[int, str | None] | None:
     """Replace ``target`` with ``data`` only if it is still the file of inode ``expect``, never
     a file put there since: (the new inode, where the replaced file now is) or None when
     ``target`` is another file or gone (left as it is). No directory fsync (a claim's lease
@@ -161,7 +163,7 @@ def replace_exact(target: Path | str, data: bytes, tmp_dir: Path, *, durable: bo
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(tmp))
             continue  # a spare a sweeper removed between our write and the exchange
         if err is not None:  # no exchange on this filesystem: compare, then replace
-            return _replace_compared(tmp, target, tmp_dir, inode, expect)
+            return _replace_compared(tmp, target, inode, expect)
         if _inode(tmp) == expect:
             return inode, tmp
         _exchange_back(tmp, target, inode)
@@ -169,8 +171,8 @@ def replace_exact(target: Path | str, data: bytes, tmp_dir: Path, *, durable: bo
     raise AssertionError("unreachable")
 
 
-def _replace_compared(tmp: Path | str, target: Path | str, tmp_dir: Path, inode: int,
-                      expect: int) -> tuple[int, Path | str | None] | None:
+def _replace_compared(tmp: str, target: FilePath, inode: int,
+                      expect: int) -> tuple[int, str | None] | None:
     """:func:`replace_exact` without an exchange: ``target`` compared, then replaced, its inode
     kept under a second name in the temp folder where one can be made (:func:`spares.keep_link`)."""
     kept = None
@@ -178,7 +180,7 @@ def _replace_compared(tmp: Path | str, target: Path | str, tmp_dir: Path, inode:
         if _inode(target) != expect:
             _unlink_quietly(tmp)
             return None
-        kept = spares.keep_link(target, tmp_dir)
+        kept = spares.keep_link(target, os.path.dirname(tmp))
         os.replace(tmp, target)
     except BaseException:
         _unlink_quietly(tmp)
@@ -188,7 +190,7 @@ def _replace_compared(tmp: Path | str, target: Path | str, tmp_dir: Path, inode:
     return inode, kept
 
 
-def _exchange_back(tmp: Path | str, target: Path | str, ours: int) -> None:
+def _exchange_back(tmp: str, target: FilePath, ours: int) -> None:
     """Undo an exchange that displaced another file than the one expected: it goes back to
     ``target`` and our new file (inode ``ours``) is removed. Were ``target`` changed in the
     moment between the two exchanges (a writer that takes no claim lock), what is at the temp
@@ -213,7 +215,7 @@ def _exchange_back(tmp: Path | str, target: Path | str, ours: int) -> None:
                 target, tmp)
 
 
-def _inode(path: Path | str) -> int:
+def _inode(path: FilePath) -> int:
     """The inode number of ``path`` itself (-1 when it is gone)."""
     try:
         return os.lstat(path).st_ino
@@ -221,13 +223,13 @@ def _inode(path: Path | str) -> int:
         return -1
 
 
-def _exchange(a: Path | str, b: Path | str) -> int | None:
+def _exchange(a: FilePath, b: FilePath) -> int | None:
     """Swap ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``): None when done, ENOENT
     when either is missing, another errno (EINVAL...) when this filesystem or kernel cannot
     exchange; OSError for anything else."""
     import ctypes
 
-    func = load_renameat2()
+    func = _renameat2 if _renameat2 is not None else load_renameat2()
     if not func:
         return errno.ENOSYS
     if func(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
@@ -238,12 +240,12 @@ def _exchange(a: Path | str, b: Path | str) -> int | None:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def unlink(path: Path | str, *, durable: bool) -> bool:
+def unlink(path: FilePath, *, durable: bool) -> bool:
     """Remove ``path``; return False if it was already gone."""
     if not spares.remove(path):
         return False
     if durable:
-        fsync_dir(Path(path).parent)
+        fsync_dir(os.path.dirname(path))
     return True
 
 
@@ -355,13 +357,13 @@ def load_renameat2() -> Any:
     return _renameat2
 
 
-def rename_noreplace(src: Path | str, dst: Path | str) -> None:
+def rename_noreplace(src: FilePath, dst: FilePath) -> None:
     """Atomically move ``src`` to ``dst`` unless ``dst`` exists (FileExistsError) or ``src`` is gone
     (FileNotFoundError). Uses renameat2(RENAME_NOREPLACE); where the kernel or filesystem lacks it,
     falls back to link + unlink, whose crash window leaves two copies that recovery resolves."""
     import ctypes
 
-    func = load_renameat2()
+    func = _renameat2 if _renameat2 is not None else load_renameat2()  # (bound at the first)
     if func:
         if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
             return
@@ -382,7 +384,7 @@ def rename_noreplace(src: Path | str, dst: Path | str) -> None:
         pass  # the winner of a concurrent fallback move already removed it
 
 
-def _same_file(a: Path | str, b: Path | str) -> bool:
+def _same_file(a: FilePath, b: FilePath) -> bool:
     """True when ``a`` is gone or is the same file as ``b`` (both cases: ``a`` was moved)."""
     try:
         return os.path.samefile(a, b)

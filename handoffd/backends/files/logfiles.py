@@ -181,6 +181,7 @@ class Appender:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._where = os.fspath(path)  # (stat'ed at each line: a Path costs two Python calls)
         self.fd = -1
         self._ino = -1
         self._end = -1  # the file's size after our last line (it ends with that newline)
@@ -189,7 +190,7 @@ class Appender:
     def ready(self) -> os.stat_result:
         """The stat of ``path`` (before the caller's write), with :attr:`fd` open on that file."""
         try:
-            info: os.stat_result | None = os.stat(self.path)
+            info: os.stat_result | None = os.stat(self._where)
         except FileNotFoundError:
             info = None
         if info is None or info.st_ino != self._ino or self.fd < 0:

@@ -46,12 +46,18 @@ LEASES = hasattr(fcntl, "F_SETLEASE") and hasattr(fcntl, "F_SETSIG")
 OWN_PREFIX = "p"  # a process's own temp folder: handoffs/.tmp/p<pid>-<random>/ (see own_folder)
 
 _lock = threading.Lock()
-# a spare is named by a str where spares make the name (retire, keep_link: no Path to build)
-_pools: dict[Path, list[Path | str]] = {}
+# temp folder -> its spares, both as text: a filing takes a spare and keeps another, and a
+# Path asks Python code for its hash and, at each system call, for its text
+_pools: dict[str, list[str]] = {}
 _folders: list[Path] = []  # this process's own temp folders, removed (when empty) as it ends
 
 
-def take(tmp_dir: Path) -> tuple[Path | str, int, int] | None:
+def temp_name(folder: str) -> str:
+    """A new temp file's path in ``folder``: a random name no other file has."""
+    return f"{folder}/{os.urandom(16).hex()}{TMP_SUFFIX}"
+
+
+def take(tmp_dir: str | Path) -> tuple[str, int, int] | None:
     """A spare of ``tmp_dir`` opened for writing at offset 0, with its current size, or None
     when there is none. The caller writes over it and cuts what is left beyond its own data:
     emptying it first cost a truncate that freed every block only for the write
@@ -61,7 +67,7 @@ def take(tmp_dir: Path) -> tuple[Path | str, int, int] | None:
     elsewhere meanwhile) is dropped, never written through."""
     while True:
         with _lock:
-            pool = _pools.get(tmp_dir)
+            pool = _pools.get(os.fspath(tmp_dir))
             if not pool:
                 return None
             path = pool.pop()
@@ -81,16 +87,17 @@ def take(tmp_dir: Path) -> tuple[Path | str, int, int] | None:
         remove_quietly(path)
 
 
-def keep_link(path: Path | str, tmp_dir: Path) -> str | None:
+def keep_link(path: str | Path, tmp_dir: str | Path) -> str | None:
     """A second name for ``path`` in ``tmp_dir`` (a hard link), made before ``path`` is replaced
     so that its inode outlives the replace; None when the pool is full or no link can be made.
     Give it to :func:`adopt` once ``path`` is replaced (or :func:`remove_quietly` on failure)."""
     if not LEASES:
         return None
+    folder = os.fspath(tmp_dir)
     with _lock:
-        if len(_pools.get(tmp_dir, ())) >= KEPT:
+        if len(_pools.get(folder, ())) >= KEPT:
             return None
-    spare = f"{tmp_dir}/{os.urandom(16).hex()}{TMP_SUFFIX}"
+    spare = temp_name(folder)
     try:
         os.link(path, spare)
     except OSError:  # no hard links here (or protected_hardlinks refuses a file not ours)
@@ -98,18 +105,11 @@ def keep_link(path: Path | str, tmp_dir: Path) -> str | None:
     return spare
 
 
-def adopt(spare: Path | str, tmp_dir: Path) -> bool:
+def adopt(spare: str | Path, tmp_dir: str | Path) -> bool:
     """Keep ``spare`` (from :func:`keep_link`, its old name since replaced) as a spare of
     ``tmp_dir`` when nobody else can ever write it: a regular file we own, with no other name,
     that no other open file description refers to (the kernel grants a write lease only then).
     Else unlink it. True when kept."""
-    with _lock:
-        pool = _pools.setdefault(tmp_dir, [])
-    return _adopt(spare, pool)
-
-
-def _adopt(spare: Path | str, pool: list[Path | str]) -> bool:
-    """:func:`adopt` into ``pool``, the spares of a temp folder."""
     try:
         fd = os.open(spare, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -138,31 +138,30 @@ def _adopt(spare: Path | str, pool: list[Path | str]) -> bool:
         return False
     os.close(fd)
     with _lock:
-        pool.append(spare)
+        _pools.setdefault(os.fspath(tmp_dir), []).append(os.fspath(spare))
     return True
 
 
-def keep_displaced(path: Path | str, tmp_dir: Path) -> bool:
+def keep_displaced(path: str | Path, tmp_dir: str | Path) -> bool:
     """Keep ``path``, a file a claim's lease write displaced to a temp name of ``tmp_dir`` (or
     kept there by :func:`keep_link`; see :func:`.fsio.replace_exact`), as a spare when :func:`adopt` allows it and the pool has room;
     else unlink it. True when kept."""
-    with _lock:  # (the folder's pool looked up once: a Path's hash is a Python call)
-        pool = _pools.setdefault(tmp_dir, [])
-        full = len(pool) >= KEPT
+    with _lock:
+        full = len(_pools.get(os.fspath(tmp_dir), ())) >= KEPT
     if full or not LEASES:
         remove_quietly(path)
         return False
-    return _adopt(path, pool)
+    return adopt(path, tmp_dir)
 
 
-def retire(path: Path | str, tmp_dir: Path) -> bool:
+def retire(path: str | Path, tmp_dir: str | Path) -> bool:
     """Remove ``path`` (a file this process wrote) from where it is, keeping its inode as a
     spare of ``tmp_dir``; False when it was already gone. Not durable, as an unlink is not."""
-    with _lock:  # (the folder's pool looked up once: a Path's hash is a Python call)
-        pool = _pools.setdefault(tmp_dir, [])
-        full = len(pool) >= KEPT
+    folder = os.fspath(tmp_dir)
+    with _lock:
+        full = len(_pools.get(folder, ())) >= KEPT
     if not full:
-        spare = f"{tmp_dir}/{os.urandom(16).hex()}{TMP_SUFFIX}"  # (a str: no pathlib join)
+        spare = temp_name(folder)
         try:
             os.rename(path, spare)
         except FileNotFoundError:
@@ -172,7 +171,7 @@ def retire(path: Path | str, tmp_dir: Path) -> bool:
         except OSError:  # e.g. EXDEV: a .tmp/ on another filesystem; unlink as before
             return remove(path)
         with _lock:
-            pool.append(spare)  # (forget() after a fork drops it with the old dict)
+            _pools.setdefault(folder, []).append(spare)
         return True
     return remove(path)
 
@@ -218,7 +217,7 @@ def release() -> None:
             pass
 
 
-def remove(path: Path | str) -> bool:
+def remove(path: str | Path) -> bool:
     """Unlink ``path``; False when it was already gone (not durable). :mod:`.fsio` uses it too."""
     try:
         os.unlink(path)
@@ -227,7 +226,7 @@ def remove(path: Path | str) -> bool:
     return True
 
 
-def remove_quietly(path: Path | str) -> None:
+def remove_quietly(path: str | Path) -> None:
     """Unlink ``path`` if it can be; a temp file left behind is the sweeper's."""
     try:
         os.unlink(path)

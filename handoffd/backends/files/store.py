@@ -33,7 +33,7 @@ from ...core.errors import (
     is_shortage,
     shortage_words,
 )
-from ...core.states import State, allowed
+from ...core.states import FOLDER_NAMES, State, allowed
 from ...core.timeutil import utc_now
 from ...core.workspace import Workspace
 from ..base import NotFiled, refiled_copy, restore
@@ -91,6 +91,7 @@ class Store:
         self.owners = OwnerLocks(workspace.locks)
         self._own_tmp: Path | None = None  # see use_own_tmp
         self._tmp_checked = False  # see _check_tmp
+        self._tmp_text: str | None = None  # see tmp_text
         # the folders of handoffs/ swapped for a link while this process runs: put right before
         # each claim, renewal, filing, move and removal (one stat of handoffs/ when unchanged)
         self.folders = FolderGuard(workspace)
@@ -131,6 +132,17 @@ class Store:
             self._check_tmp()
         return self.ws.tmp
 
+    @property
+    def tmp_text(self) -> str:
+        """:attr:`tmp` as text, for the filing's system calls (a Path given to one costs two
+        Python calls). Kept once the folder was checked (:meth:`_check_tmp`)."""
+        if self._tmp_text is not None:
+            return self._tmp_text
+        text = os.fspath(self.tmp)
+        if self._own_tmp is not None or self._tmp_checked:
+            self._tmp_text = text
+        return text
+
     def _check_tmp(self) -> None:
         """OSError (ENOTDIR) when ``handoffs/.tmp`` exists but is no plain folder of the
         workspace: a symlink planted there would have every temp file written outside it.
@@ -151,6 +163,7 @@ class Store:
         :func:`spares.own_folder`); a drain on two processes is about 10% faster without that."""
         self._check_tmp()
         self._own_tmp = spares.own_folder(self.ws.tmp)
+        self._tmp_text = None
 
     # ---------------------------------------------------------------- seals
     @property
@@ -285,7 +298,7 @@ class Store:
             return None  # claimed, or being claimed right now, by another process
         except OSError as exc:  # (SHORT_ERRNOS: no descriptor to spare) nothing moved yet
             raise claiming.short_of(handoff_id, exc) from None
-        displaced: Path | str | None = None
+        displaced: str | None = None
         try:
             self.folders.check()  # never renamed into (or out of) a folder swapped for a link
             claim, displaced = claiming.claim_held(self, handoff_id, held, lease_seconds, now,
@@ -385,9 +398,9 @@ class Store:
                    unwritten: Callable[[OSError], None] | None = None) -> None:
         """:meth:`move` of a file this process wrote. ``unwritten`` is told of an OSError that
         came before anything was written in ``dst`` (it may raise another instead)."""
-        target = self.path(dst, handoff_id)
+        target = self.file(dst, handoff_id)
         try:
-            tmp = self.tmp  # (once for both: a property; a planted .tmp/ is "unwritten" too)
+            tmp = self.tmp_text  # (once for both: a property; a planted .tmp/ is "unwritten" too)
             fsio.create_exclusive(target, data, tmp, durable=self.durable)
         except OSError as exc:
             if unwritten is not None and not _exists(target):  # (there: its dir fsync failed)
@@ -449,7 +462,7 @@ class Store:
         return self.encode(doc, dst, handoff_id)
 
 
-def _exists(path: Path) -> bool:
+def _exists(path: str | Path) -> bool:
     """True when ``path`` exists, or cannot be told (an I/O error: taken as written)."""
     try:
         os.lstat(path)
