@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Iterator, Protocol
 
 from .documents import BOOK, book_int
 from .logs import log
-from .states import FOLDER_NAMES, State
+from .states import State
 from .storage import Backend, Claim, Claims, Describe, Doc, Meta
 from .timeutil import iso, parse_iso
 

@@ -33,7 +33,7 @@ from ...core.errors import (
     is_shortage,
     shortage_words,
 )
-from ...core.states import FOLDER_NAMES, State, allowed
+from ...core.states import State, allowed
 from ...core.timeutil import utc_now
 from ...core.workspace import Workspace
 from ..base import NotFiled, refiled_copy, restore
