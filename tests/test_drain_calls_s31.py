@@ -298,3 +298,29 @@ def examples_of(group: dict[str, Any]) -> list[dict[str, Any]]:
 def test_a_native_request_is_detected_with_one_matches_call() -> None:
     calls = python_calls(lambda: detect(request()))
     assert [name for name in calls if name.endswith(":matches")] == ["native.py:matches"], calls
+
+
+def test_a_plugins_subclass_of_a_built_in_is_asked_whatever_its_parents_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin dialect that subclasses a built-in and matches on other keys is asked: only a
+    class's own ``match_keys`` pass a document over (a subclass inherited native's and its
+    documents were refused UNKNOWN_FORMAT: RD); keys that are no frozenset are not used (a
+    plugin's list made every detection raise)."""
+    from handoffd.dialects.native import NativeDialect
+
+    class JobDialect(NativeDialect):
+        name = "jobplug"
+
+        def matches(self, doc: dict[str, Any]) -> bool:
+            return "job_id" in doc and isinstance(doc.get("target"), dict)
+
+    class ListKeys(NativeDialect):
+        name = "listkeys"
+        match_keys = ["nothing-here"]  # type: ignore[assignment]
+
+        def matches(self, doc: dict[str, Any]) -> bool:
+            return False
+
+    monkeypatch.setattr(dialects, "DIALECTS", [ListKeys(), *dialects.DIALECTS, JobDialect()])
+    assert detect({"job_id": "a", "target": {"agent_id": "@x"}}).name == "jobplug"
+    assert detect({"handoff_id": "n", "target": {"agent_id": "@x"}}).name == "native"

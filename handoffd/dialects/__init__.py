@@ -68,9 +68,10 @@ def detect(doc: dict, forced: str | None = None) -> Dialect:
     for dialect in DIALECTS:
         # (a dialect's ``match_keys``, when it says them: none in the document, no match; a
         # document is detected at its peek and at its claim, and four of the five formats
-        # are passed over for the usual one)
-        keys = getattr(dialect, "match_keys", None)
-        if keys is not None and keys.isdisjoint(doc):
+        # are passed over for the usual one). Only the class's own: a plugin's subclass of a
+        # built-in that matches otherwise would inherit keys that are not its own (RD)
+        keys = type(dialect).__dict__.get("match_keys")
+        if isinstance(keys, frozenset) and keys.isdisjoint(doc):
             continue
         if dialect.matches(doc):
             return dialect
