@@ -316,6 +316,15 @@ class FilesBackend(FencedFiling, Backend):
         return repair(self.store, now, claim_grace_seconds=self.claim_grace_seconds,
                              skip=skip)
 
+    def takeover_watch(self, lease_seconds: float) -> builtins.list[float]:
+        """When (on this process's monotonic clock) each in-progress claim without a lease may
+        be handed back by a sweep's repair (:func:`.repair.unleased_dues`): a batch waits for
+        them before it ends, bounded by ``claim_grace_seconds``, as it waits for a PostgreSQL
+        store's watched claims. ``lease_seconds``: unused (the store's signature)."""
+        from .repair import unleased_dues  # (a one-shot command never loads the repairs)
+        tick = time.monotonic()
+        return [tick + left for left in unleased_dues(self.store, self.claim_grace_seconds)]
+
     # ------------------------------------------------------------ cancel requests
     # ``.meta/cancel`` is read, written and cleared only as a folder of the workspace itself,
     # through a descriptor opened without following a link: a symlink planted there once made

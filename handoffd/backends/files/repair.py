@@ -180,6 +180,36 @@ def _recover_unleased(store: Store, handoff_id: str, grace: float, now: datetime
     done["recovered"].append(handoff_id)
 
 
+def unleased_dues(store: Store, grace: float) -> list[float]:
+    """How long, in seconds from now, until each in-progress document without a lease of ours
+    may be handed back by :func:`recover_unleased` (its claimer died between the rename and the
+    lease write, or it came in raw): a whole ``grace`` after its last change. A batch waits for
+    these before it ends (:meth:`.backend.FilesBackend.takeover_watch`): it ended at once and
+    left such a claim for the next, saying nothing (review RA). One read of each in-progress
+    document, asked only when a batch would end; a foreign consumer's claim within its time and
+    an unreadable file (set aside by the same grace, not run) are not listed."""
+    dues: list[float] = []
+    try:
+        in_progress = store.ids(State.IN_PROGRESS)
+    except OSError:
+        return dues
+    now = time.time()
+    for handoff_id in in_progress:
+        try:
+            doc = store.read(State.IN_PROGRESS, handoff_id)
+            info = os.stat(store.file(State.IN_PROGRESS, handoff_id))
+        except (InvalidDocument, OSError):
+            continue
+        if store.trusted_revision(doc, State.IN_PROGRESS, handoff_id) > 0 \
+                and isinstance(book(doc).get("lease"), dict):
+            continue  # a leased claim: its lease says when (expired claims are judged apart)
+        if foreign_lease_end(doc, info.st_ctime) > now:
+            continue  # a foreign consumer's, within its time
+        # (one already due is listed as due now: the batch sweeps for it before it ends)
+        dues.append(max(info.st_ctime + grace - now, 0.0))
+    return dues
+
+
 def set_aside_junk(store: Store, handoff_id: str, problem: UnreadableDocument, grace: float,
                    done: Repairs) -> bool:
     """Quarantine the unreadable entry ``in-progress/<handoff_id>.json`` (junk, a folder, a
