@@ -162,3 +162,19 @@ def test_create_of_a_deep_document_says_one_line(ws: Workspace, tmp_path: Path) 
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert "nests more than 64 levels deep" in proc.stderr and "Traceback" not in proc.stderr
     assert not list((ws.root / "handoffs" / "pending").iterdir())
+
+
+def test_the_depth_look_at_hostile_bytes_takes_a_few_times_their_size() -> None:
+    """1 MiB of ``1]`` after 70 ``[``: the bytes path took about 85 times the document (a bytes
+    regex's pieces joined at about 80 bytes each: RE); read as Latin-1, a str's take 8 or so."""
+    import tracemalloc
+
+    from handoffd.core.jsontext import nests_deeper
+    data = b"[" * 70 + b"1]" * (512 * 1024)
+    tracemalloc.start()
+    try:
+        assert nests_deeper(data, 64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * len(data), peak
