@@ -77,8 +77,9 @@ add("bom", b'\xef\xbb\xbf' + json.dumps(native("bom")).encode(), "quarantine", "
 add("array", b"[1, 2, 3]", "quarantine", "NOT_AN_OBJECT", hid="array", stub=True, why="a JSON array, not an object")
 add("scalar-null", b"null", "quarantine", "NOT_AN_OBJECT", hid="scalar-null", stub=True, why="JSON null")
 add("deep-nesting-100k", b'{"handoff_id": "deep-nesting-100k", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",
-    "quarantine", "MALFORMED_JSON", hid="deep-nesting-100k", stub=True,
-    why="100000 nested arrays: RecursionError inside the JSON decoder")
+    "quarantine", "DOCUMENT_TOO_DEEP", hid="deep-nesting-100k", stub=True,
+    why="100000 nested arrays: refused on its text before any parser recurses (was a "
+        "RecursionError inside the JSON decoder, MALFORMED_JSON, until session 31)")
 deep = "[" * 70 + "]" * 70
 add("deep-nesting-70", '{"handoff_id": "deep-nesting-70", "target": {"agent_id": "@flaky"}, "input": {"data": %s}}' % deep,
     "quarantine", "DOCUMENT_TOO_DEEP", hid="deep-nesting-70", stub=True,
