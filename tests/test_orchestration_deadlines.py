@@ -185,13 +185,14 @@ def test_a_retried_hi_moe_message_runs_again_with_a_new_deadline(dws: Workspace)
     hand: its deadline counts from the retry (it was answered unrun, "not started before its
     deadline", counted from its creation)."""
     path = dws.root / "msg.json"
-    # 2.5 s: room for `handoffd run` to start and claim on a loaded machine (with 1 s, a slow
-    # start answered the first run "not started" and the retried one too)
-    path.write_text(json.dumps(hi_moe("hm-r", 2500, "@scorer", {"sleep": 8})))
+    # 5 s: room for `handoffd run` to start and claim on a loaded machine (with 1 s, a slow
+    # start answered the first run "not started" and the retried one too; with 2.5 s, a
+    # retried one under a load of 15: session 31's CI)
+    path.write_text(json.dumps(hi_moe("hm-r", 5000, "@scorer", {"sleep": 12})))
     assert dws.handoff("create", "--file", str(path)).returncode == 0
     dws.handoffd("run")
     assert dws.doc("hm-r")["payload"]["status"] == "timeout"  # run, or not started in time
-    time.sleep(2.6)  # its first deadline is well past when it is retried
+    time.sleep(5.1)  # its first deadline is well past when it is retried
     assert dws.handoff("retry", "hm-r").returncode == 0
     dws.handoffd("run")
     detail = dws.doc("hm-r")["payload"]["error_detail"]

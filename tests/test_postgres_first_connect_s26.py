@@ -174,7 +174,9 @@ def test_work_for_a_specialist_of_another_host_says_so(
     listed = space.handoff("ls", check=True).stdout
     assert ("waiting: no specialist registered for @onlyB here (it may be another host's "
             "work)") in listed, listed
-    ran = space.handoffd("run", "-v", "--max-seconds", "5")
+    # (30 s: a bound, not a wait; it ends at once when it has looked. With 5 s a load of 15
+    # ended it by --max-seconds before its look, which the waits line comes from: session 31)
+    ran = space.handoffd("run", "-v", "--max-seconds", "30")
     assert (f"handoff {made} waits: no specialist registered for @onlyB here (it may be "
             "another host's work)") in ran.stderr, ran.stderr
     assert "pending/" not in ran.stderr
