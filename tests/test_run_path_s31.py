@@ -31,6 +31,8 @@ def _full_way(ws: Workspace, template: str) -> tuple[str, str, bool] | str:
     text = template.replace("{timestamp}", "1700000000000")
     if not text.startswith("artifacts/"):
         text = "artifacts/" + text.lstrip("/")
+    if text.endswith("/"):  # a folder, no file: refused (tests/test_destinations_s31.py)
+        return "SCHEMA_VALIDATION_FAILED"
     found = ws.inside(text)
     real_artifacts = os.path.realpath(ws.artifacts)
     if found is None or not str(found).startswith(real_artifacts.rstrip("/") + "/"):

@@ -7,9 +7,10 @@ no artifact is written or hashed here (that is :mod:`.artifacts`).
   ``{handoff_id}`` / ``{id}``, ``{attempt}``, ``{agent}`` (the specialist, without ``@``),
   ``{date}`` (YYYYMMDD). The path must stay under ``artifacts/`` (a destination not starting with
   ``artifacts/`` is placed under it), and out of another handoff's own folder
-  ``artifacts/<its id>/`` (where handoffd keeps that handoff's large contents): such a destination
-  fails ``SCHEMA_VALIDATION_FAILED``, so no request can make handoffd overwrite an artifact
-  another handoff filed with its sha256.
+  ``artifacts/<its id>/`` (where handoffd keeps that handoff's large contents), nor that folder's
+  name itself: such a destination fails ``SCHEMA_VALIDATION_FAILED``, so no request can make
+  handoffd overwrite an artifact another handoff filed with its sha256. It names a file: one
+  ending in ``/`` (or ``/.``, ``/..``) or holding a NUL byte fails the same way.
 * **Names**: the folder part naming a handoff's artifacts (:func:`_id_part`) and the file name of
   an artifact the handler named (:func:`_file_name`), both safe on any file system. Whether that
   folder can hold the handoff's files (:func:`own_folder_problem`: a folder of the workspace, or
@@ -258,6 +259,17 @@ def destination(ws: Workspace, template: str, *, handoff_id: str, attempt: int, 
         text = text[2:]
     if not text.startswith("artifacts/"):
         text = "artifacts/" + text.lstrip("/")
+    if text.endswith(("/", "/.", "/..")):
+        # a folder, not a file: handoffd wrote a file `artifacts/p` for `artifacts/p/` and filed
+        # the path with its slash, and a handler that wrote $HANDOFF_ARTIFACT_PATH was failed
+        raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
+                              "ends in '/' (or '/.', '/..'): it names a folder, where the output "
+                              f"artifact is a file: name a file, e.g. {text.rstrip('/.')}/out.json",
+                              handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
+    if "\x00" in text:  # (no file name holds one: its first look would raise ValueError)
+        raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
+                              "holds a NUL byte, which no file name can",
+                              handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     root = str(ws.root)
     where = _fresh_path(root, text)  # (the usual case: resolved and checked by its own lookups)
     ready = where is not None
@@ -310,36 +322,50 @@ def _fresh_path(root: str, rel: str) -> str | None:
 
 def _other_handoffs_folder(ws: Workspace, rel: str, handoff_id: str,
                            root: str | None = None) -> str | None:
-    """The folder ``artifacts/<part>/`` that ``rel`` lies in when it is another handoff's own
-    (:func:`_id_part`): ``part`` is not this handoff's, and names a handoff of the workspace's
-    store (a document ``handoffs/<state>/<part>.json``), or has the form of a non-plain id's part
+    """The folder ``artifacts/<part>/`` that ``rel`` lies in, or the file ``artifacts/<part>``
+    that it is, when that is another handoff's own folder (:func:`_id_part`): ``part`` is not
+    this handoff's, and names a handoff of the workspace's store (a document
+    ``handoffs/<state>/<part>.json``), or has the form of a non-plain id's part
     (``name-<10 hex digits>``) and exists. None otherwise: shared folders such as
     ``artifacts/phase-13-react/`` stay usable. ``root``: ``ws.root`` as text, when at hand."""
     parts = rel.split("/")
-    if len(parts) < 3 or parts[0] != "artifacts":
+    if len(parts) < 2 or parts[0] != "artifacts":
         return None
     part = parts[1]
     key = (root or str(ws.root), part)
-    # (every handoff of a drain names the same; asked first, as every answer here is None)
-    if _SHARED.get(key, 0.0) > time.monotonic():
-        return None
+    # every handoff of a drain names the same shared folder: what its first look found is
+    # remembered (its documents' paths), and only what can turn that answer is looked at again,
+    # a document of that name in a state folder (a handoff created since: its folder at once)
+    documents = _SHARED.get(key)
+    if documents is not None:
+        for path in documents:
+            try:
+                os.lstat(path)
+                break  # (there now: the full look below says whose it is)
+            except (OSError, ValueError):
+                pass
+        else:
+            return None
     if part == _id_part(handoff_id) or part in ("", ".", ".."):
         return None
-    if any(os.path.lexists(ws.doc_path(state, part)) for state in State):
+    paths = tuple(str(ws.doc_path(state, part)) for state in State)
+    if any(os.path.lexists(path) for path in paths):
         return part
-    if patterns().hashed_part.fullmatch(part) and os.path.isdir(ws.artifacts / part):
-        return part
+    if patterns().hashed_part.fullmatch(part):
+        if os.path.isdir(ws.artifacts / part):
+            return part
+        return None  # (not remembered: a folder of this form made later is a handoff's)
     if len(_SHARED) >= SHARED_REMEMBERED:
         _SHARED.clear()
-    _SHARED[key] = time.monotonic() + SHARED_SECONDS
+    _SHARED[key] = paths
     return None
 
 
-# shared destination folders (no handoff's own) seen lately: a drain of handoffs that all write
-# to artifacts/phase-13-react/ looks four documents up once every few seconds, not per handoff
-SHARED_SECONDS = 5.0
+# shared destination folders (no handoff's own) seen lately, with the paths of the documents
+# that would make them a handoff's: a drain of handoffs that all write to
+# artifacts/phase-13-react/ makes one lstat a state per handoff, no path built and no regex
 SHARED_REMEMBERED = 256
-_SHARED: dict[tuple[str, str], float] = {}
+_SHARED: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
 def _under_artifacts(ws: Workspace, resolved: str) -> bool:

@@ -8,7 +8,9 @@ files) and what a reference may name (confined to the workspace) is :mod:`.artif
   ``$HANDOFF_ARTIFACT_PATH``, Python ones as ``ctx.artifact_path``. The handler either writes that
   file itself or returns ``output.content``, which the daemon writes there (then ``output``
   carries seed 001's ``artifact_id`` / ``artifact_path`` / ``artifact_type`` instead of the
-  content).
+  content). A destination the system refuses (a name too long, a permission) fails the attempt
+  once, ``VALIDATION_FAILED``; a passing shortage making its folder hands it back uncounted
+  (:func:`_refused`).
 * **1 KB rule** (seed 000): content under 1024 UTF-8 bytes is answered inline
   (``inline_content``, ``content_ref`` null); content of 1 KB or more is written to
   ``artifacts/<handoff_id>/<name>`` and answered by reference (``content_ref`` and ``path``,
@@ -32,6 +34,7 @@ import copy
 import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -42,11 +45,13 @@ from ..core.formats import ArtifactSink, FiledState
 from ..core.hashing import sha256_hex
 from ..core.ownfiles import open_reading
 from ..core.results import failed, wait_to_check_again
+from ..core.starts import check_shortage, shortage
 from ..core.states import PARKED, Status
 from ..core.workspace import Workspace, workspace_at
 from .artifact_paths import (
     _file_name,
     _id_part,
+    _under_artifacts,
     confine_reference,
     destination,
     destination_template,
@@ -108,8 +113,9 @@ def prepare(job: "Job") -> None:
 
 def _check_destination(job: "Job", ws: Workspace, rel: str, target: Path, where: str) -> None:
     """Make the destination's folder when it is missing; InvalidDocument (VALIDATION_FAILED,
-    the same at every attempt) when something that is no folder stands in its way, or when
-    the destination itself is a folder."""
+    the same at every attempt) when something that is no folder stands in its way, when the
+    destination itself is a folder, or when the system refuses its path (:func:`_refused`);
+    a passing shortage hands the attempt back uncounted."""
     if not os.path.isdir(os.path.dirname(where)):  # (one stat when it exists, as after the first)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -119,12 +125,70 @@ def _check_destination(job: "Job", ws: Workspace, rel: str, target: Path, where:
                 f"written: {_not_a_folder(ws, target.parent)} is not a folder: move it away, "
                 f"then `handoff retry --force {job.handoff_id}`", handoff_id=job.handoff_id,
                 code=ErrorCode.VALIDATION_FAILED) from None
-    if os.path.isdir(where):  # (no file can be written there, at any attempt)
+        except (OSError, MemoryError) as exc:  # (it escaped the engine: the claim stranded)
+            raise _refused(job, rel, exc, "making its folder") from None
+    try:
+        mode = os.stat(where).st_mode
+    except FileNotFoundError:  # (the usual: nothing there yet)
+        return
+    except (OSError, MemoryError) as exc:  # a file name too long, a folder not searchable
+        raise _refused(job, rel, exc, "looking at its path") from None
+    if stat.S_ISDIR(mode):  # (no file can be written there, at any attempt)
         raise InvalidDocument(
             f"handoff {job.handoff_id}: expected_output.destination {rel!r} is a folder, "
             "where the output artifact would be a file: name a file in it (e.g. "
             f"{rel.rstrip('/')}/out.json), then `handoff retry --force {job.handoff_id}`",
             handoff_id=job.handoff_id, code=ErrorCode.VALIDATION_FAILED)
+
+
+# what the system says of a destination's path that it will say again at every attempt (a name
+# too long, a permission, a read-only file system): the request is refused, not retried
+REFUSED_ERRNOS = PERMANENT_ERRNOS | {errno.EACCES, errno.EPERM, errno.EROFS}
+# the space a write needs, short for now: handed back uncounted as the shortages of descriptors
+# and memory (is_shortage) are, with the limit it runs into
+SPACE_LIMITS = {errno.ENOSPC: "the free space of the workspace's file system",
+                errno.EDQUOT: "the disk quota of the daemon's user"}
+
+
+def _refused(job: "Job", rel: str, exc: OSError | MemoryError,
+             doing: str) -> InvalidDocument | HandlerError:
+    """What an error the system gave ``doing`` something to the destination ``rel`` before the
+    handler starts makes of the attempt: a passing shortage (descriptors, memory, space), a
+    hand-back, uncounted (:func:`~handoffd.core.starts.shortage`); a refusal that every attempt
+    would meet (:data:`REFUSED_ERRNOS`), VALIDATION_FAILED, not retried; anything else (an I/O
+    error), a failure its retry policy retries. Each one line, naming the destination."""
+    what = f"{job.specialist.agent}'s handler"
+    if is_shortage(exc) or not isinstance(exc, OSError):  # (descriptors, memory)
+        return check_shortage(job.context, what, f"{doing} {_shown(rel)}", exc)
+    if exc.errno in SPACE_LIMITS:
+        return shortage(job.context, what, errno.errorcode[exc.errno],
+                        f"{exc.strerror} {doing} {_shown(rel)}", SPACE_LIMITS[exc.errno])
+    if exc.errno in REFUSED_ERRNOS:
+        return _unwritable(job.handoff_id, rel, doing, exc)
+    return HandlerError(f"handoff {job.handoff_id}: expected_output.destination {_shown(rel)}: "
+                        f"{doing} failed: {_words(exc)}", handoff_id=job.handoff_id,
+                        retryable=True)
+
+
+def _shown(rel: str) -> str:
+    """``rel`` quoted for a line of a message, its middle left out when it is long (a path
+    over PATH_MAX is kilobytes)."""
+    return repr(rel) if len(rel) <= 200 else repr(f"{rel[:120]}...{rel[-60:]}")
+
+
+def _words(exc: OSError) -> str:
+    """``exc`` in a few words with its errno's name: "File name too long (ENAMETOOLONG)"."""
+    return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, 'OSError')})"
+
+
+def _unwritable(handoff_id: str, rel: str, doing: str, exc: OSError) -> InvalidDocument:
+    """The refusal (VALIDATION_FAILED, one line) of a destination ``rel`` whose path the
+    system refused (:data:`REFUSED_ERRNOS`) when ``doing`` something to it."""
+    return InvalidDocument(
+        f"handoff {handoff_id}: expected_output.destination {_shown(rel)} cannot be written: "
+        f"the system refused {doing}: {_words(exc)}: name another destination, or fix its "
+        f"folder, then `handoff retry --force {handoff_id}`", handoff_id=handoff_id,
+        code=ErrorCode.VALIDATION_FAILED)
 
 
 def _not_a_folder(ws: Workspace, folder: Path) -> str:
@@ -147,9 +211,16 @@ def _text(value: Any) -> str:
 
 
 def _write(ws: Workspace, rel: str, data: bytes) -> None:
+    """Write ``data`` atomically at ``rel``, a path under ``artifacts/``; InvalidDocument
+    (VALIDATION_FAILED) when it resolves anywhere else now: a folder of it swapped for a
+    symlink since it was checked (one into handoffs/pending/ planted a document there)."""
     target = ws.inside(rel)
     if target is None:
         raise InvalidDocument(f"artifact path {rel!r} points outside the workspace",
+                              code=ErrorCode.VALIDATION_FAILED)
+    if not _under_artifacts(ws, str(target)):
+        raise InvalidDocument(f"artifact path {rel!r} resolves outside artifacts/ of the "
+                              f"workspace, to {target.relative_to(ws.root).as_posix()}",
                               code=ErrorCode.VALIDATION_FAILED)
     target.parent.mkdir(parents=True, exist_ok=True)
     ws.tmp.mkdir(parents=True, exist_ok=True)
@@ -436,7 +507,12 @@ def _collect(job: "Job", outcome: Outcome, enforce: bool) -> Outcome:
             _own_folder(ws, handoff_id)
             rel = f"artifacts/{_id_part(handoff_id)}/output{'.txt' if isinstance(output['content'], str) else '.json'}"
         if rel is not None:
-            _write(ws, rel, data)
+            try:
+                _write(ws, rel, data)
+            except OSError as exc:  # a name too long for the system: every attempt's
+                if rel != dest_rel or exc.errno not in REFUSED_ERRNOS:
+                    raise  # (a passing one: collect's to wait out or retry)
+                raise _unwritable(handoff_id, rel, "writing it", exc) from None
             used_names.add(rel)
             moved = {k: v for k, v in output.items() if k != "content"}
             moved.setdefault("artifact_id", Path(rel).stem)
