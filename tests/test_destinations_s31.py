@@ -256,7 +256,7 @@ def test_a_destination_named_as_another_handoffs_folder_is_refused(tmp_path: Pat
         assert ws.state_of("thief") == ["failed"], proc.stderr
         error = _error(ws, "thief")
         assert error["code"] == ErrorCode.SCHEMA_VALIDATION_FAILED, error
-        assert "the artifact folder of another handoff" in error["message"], error
+        assert "where the artifact folder of handoff victim-1" in error["message"], error
         assert ws.state_of("victim-1") == ["completed"], _error(ws, "victim-1")
         assert (ws.root / "artifacts" / "victim-1").is_dir()
     finally:
@@ -286,7 +286,11 @@ def test_a_remembered_shared_folder_that_becomes_a_handoffs_is_refused(tmp_path:
             assert "lies in artifacts/shared/" in str(caught.value)
         assert resolve("artifacts/shared/mine.json", "shared")  # its own folder: usable
         doc.unlink()
+    # a file named as a finished handoff is no one's way (it makes no folder any more: RG);
+    # as one not finished yet, it is refused
     (ws.handoffs / "failed" / "late.json").write_text("{}")
+    assert resolve("artifacts/late", "h9") == "artifacts/late"
+    (ws.handoffs / "pending" / "late.json").write_text("{}")
     with pytest.raises(InvalidDocument):
         resolve("artifacts/late", "h9")
     # a shared folder of a name no handoff bears stays usable, and remembered

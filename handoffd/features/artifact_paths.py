@@ -282,9 +282,11 @@ def destination(ws: Workspace, template: str, *, handoff_id: str, attempt: int, 
                                   handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     other = _other_handoffs_folder(ws, text, handoff_id, root)
     if other is not None:
+        where_it_is = (f"is artifacts/{other}, where the artifact folder of handoff {other} "
+                       "(not finished yet) goes" if text.count("/") == 1 else
+                       f"lies in artifacts/{other}/, the artifact folder of another handoff")
         raise InvalidDocument(f"handoff {handoff_id}: expected_output.destination {template!r} "
-                              f"lies in artifacts/{other}/, the artifact folder of another "
-                              "handoff; handoffd does not write there",
+                              f"{where_it_is}; handoffd does not write there",
                               handoff_id=handoff_id, code=ErrorCode.SCHEMA_VALIDATION_FAILED)
     return text, where, ready
 
@@ -332,6 +334,14 @@ def _other_handoffs_folder(ws: Workspace, rel: str, handoff_id: str,
     if len(parts) < 2 or parts[0] != "artifacts":
         return None
     part = parts[1]
+    if len(parts) == 2:  # the file artifacts/<part>: in the way of the folder of a handoff not
+        # finished yet only (a finished one makes none: a per-handoff name, as any template
+        # without a folder gives, looked up each time, cost a look in every state and filled
+        # the memory below; and a finished namesake refused it for good: RG)
+        if part == _id_part(handoff_id) or part in ("", ".", ".."):
+            return None
+        live = (ws.doc_file(State.PENDING, part), ws.doc_file(State.IN_PROGRESS, part))
+        return part if any(os.path.lexists(path) for path in live) else None
     key = (root or str(ws.root), part)
     # every handoff of a drain names the same shared folder: what its first look found is
     # remembered (its documents' paths), and only what can turn that answer is looked at again,
