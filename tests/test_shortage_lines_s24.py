@@ -131,7 +131,7 @@ class ShortFiling(FullDisk):
     """The answers' writes into completed/ failing with EMFILE (the first ``times``)."""
 
     def __call__(self, target: Path, *args: Any, **kwargs: Any) -> None:
-        if target.parent.name == self.folder and self.failed < (self.times or 0):
+        if Path(target).parent.name == self.folder and self.failed < (self.times or 0):
             self.failed += 1
             raise _emfile()
         self.real(target, *args, **kwargs)
