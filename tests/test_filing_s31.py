@@ -112,10 +112,8 @@ def test_a_failed_answer_still_reads_its_documents_retry_policy(engine: Engine,
     assert (filed["retry_count"], filed["max_retries"]) == (1, 1), filed
 
 
-def test_the_filing_event_takes_its_time_as_the_history_wrote_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: the entry's time was parsed, then formatted again (with a clock whose time is not
-    the entry's, the event below took the clock's once the parse is refused)."""
+def _recording() -> tuple[list[dict[str, Any]], RecordingBackend, Clock]:
+    """The events a RecordingBackend (over no store, on a test clock) logs, it, and its clock."""
     logged: list[dict[str, Any]] = []
 
     class Log:
@@ -124,6 +122,14 @@ def test_the_filing_event_takes_its_time_as_the_history_wrote_it(
 
     clock = Clock()
     backend = RecordingBackend(object(), Log(), lambda doc: None, clock)  # type: ignore[arg-type]
+    return logged, backend, clock
+
+
+def test_the_filing_event_takes_its_time_as_the_history_wrote_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the entry's time was parsed, then formatted again (with a clock whose time is not
+    the entry's, the event below took the clock's once the parse is refused)."""
+    logged, backend, _ = _recording()
     written = "2026-11-28T12:34:56.789Z"
     doc = {"handoffd": {"history": [{"at": written, "event": "completed",
                                      "detail": {"seconds": 0.5, "code": None}}]}}
@@ -143,14 +149,7 @@ def test_the_filing_event_takes_its_time_as_the_history_wrote_it(
 def test_an_entry_time_not_as_iso_writes_it_is_read_as_before(written: str,
                                                                shown: str | None) -> None:
     """Guard: only the exact form ``iso`` writes (a real date) is taken as it is."""
-    logged: list[dict[str, Any]] = []
-
-    class Log:
-        def append(self, event: dict[str, Any]) -> None:
-            logged.append(event)
-
-    clock = Clock()
-    backend = RecordingBackend(object(), Log(), lambda doc: None, clock)  # type: ignore[arg-type]
+    logged, backend, clock = _recording()
     backend.emit_entry("h1", State.FAILED, {"handoffd": {"history": [
         {"at": written, "event": "failed"}]}})
     assert logged[-1]["at"] == (shown or iso(clock()))
