@@ -384,13 +384,18 @@ def collect(job: "Job", outcome: Outcome, *, enforce: bool = True,
         except MemoryError as exc:  # (a shortage: it escaped, and stranded the claim)
             words = shortage_words(exc)
         except OSError as exc:
-            if not is_shortage(exc):  # a disk error may pass; a name the system refuses won't
+            space = SPACE_LIMITS.get(exc.errno or 0)
+            if not is_shortage(exc) and space is None:  # a disk error may pass; a name the
+                # system refuses won't
                 code, message, retryable = ErrorCode.PROCESSING_ERROR, f"handoff " \
                     f"{job.handoff_id}: cannot store artifacts: {exc.strerror or exc}", \
                     exc.errno not in PERMANENT_ERRNOS
                 break
-            words = shortage_words(exc)
-        # a passing shortage (descriptors, memory) reading or storing them: no fault of the
+            # (a full disk or quota is waited out as a shortage is: it was a counted failure,
+            # and the handler, which had done its work, ran again: review RG)
+            words = shortage_words(exc) if space is None else \
+                f"{exc.strerror or exc} ({errno.errorcode[exc.errno or 0]}: {space})"
+        # a passing shortage (descriptors, memory, space) reading or storing them: no fault of the
         # result's, nor a reason to charge the attempt (a last one was filed in failed/): the
         # same artifacts are collected again after a wait, the handler not run again
         try:
