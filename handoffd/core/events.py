@@ -114,9 +114,17 @@ def queue_wait(doc: Doc, claimed_at: datetime) -> float | None:
 def _parse_time(given: Any) -> datetime:
     """``parse_iso(str(given))``; a time in the form :func:`iso` writes (our own history's) is
     read by ``datetime.fromisoformat`` alone. ValueError when it is no time."""
+    own = _own_time(given)
+    return own.replace(tzinfo=timezone.utc) if own is not None else parse_iso(str(given))
+
+
+def _own_time(given: Any) -> datetime | None:
+    """``given`` read as the naive UTC time it says when it is in the form :func:`iso` writes
+    (C calls only); None for any other form; ValueError for that form naming no real time (a
+    13th month)."""
     if isinstance(given, str) and ISO_TIME.fullmatch(given):
-        return datetime.fromisoformat(given[:-1]).replace(tzinfo=timezone.utc)
-    return parse_iso(str(given))
+        return datetime.fromisoformat(given[:-1])
+    return None
 
 
 class RecordingBackend:
@@ -261,8 +269,7 @@ class RecordingBackend:
         at: datetime | str | None = None
         given = entry.get("at")
         try:
-            if isinstance(given, str) and ISO_TIME.fullmatch(given):
-                datetime.fromisoformat(given[:-1])  # (a date that exists: ValueError if not)
+            if _own_time(given) is not None:  # (a real time: ValueError if not)
                 at = given  # our own form: no parse and format back (the common case)
             elif given is not None:
                 at = parse_iso(str(given))
